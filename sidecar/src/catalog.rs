@@ -1,0 +1,108 @@
+//! What is in a target directory: committed steps, `latest`, and the small
+//! file-system helpers (directory sync, tree removal) every stage shares.
+//!
+//! A checkpoint is committed iff `step-<12 digits>/model.safetensors.index.json`
+//! exists in the primary directory. Nothing else makes a folder count.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use crate::format::{self, INDEX_FILE_NAME, LATEST_FILE_NAME, LATEST_TMP_PREFIX};
+
+pub fn step_path(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format::step_dir_name(step).expect("steps are validated before they reach the catalog"))
+}
+
+pub fn is_committed(primary: &Path, step: u64) -> bool {
+    step_path(primary, step).join(INDEX_FILE_NAME).is_file()
+}
+
+/// Step folders in `dir` (committed or not), ascending.
+pub fn step_dirs(dir: &Path) -> io::Result<Vec<u64>> {
+    let mut v = Vec::new();
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        if let Some(step) = e.file_name().to_str().and_then(format::parse_step_dir_name) {
+            if e.file_type()?.is_dir() {
+                v.push(step);
+            }
+        }
+    }
+    v.sort_unstable();
+    Ok(v)
+}
+
+/// Committed steps in the primary directory, ascending.
+pub fn committed_steps(primary: &Path) -> io::Result<Vec<u64>> {
+    Ok(step_dirs(primary)?.into_iter().filter(|&s| is_committed(primary, s)).collect())
+}
+
+/// What `latest` says, trimmed; None when there is no such file.
+pub fn read_latest(primary: &Path) -> io::Result<Option<String>> {
+    match fs::read_to_string(primary.join(LATEST_FILE_NAME)) {
+        Ok(s) => Ok(Some(s.trim().to_string())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The step `latest` names, if it names a committed checkpoint.
+pub fn latest_step(primary: &Path) -> io::Result<Option<u64>> {
+    Ok(read_latest(primary)?.and_then(|s| format::parse_step_dir_name(&s)).filter(|&s| is_committed(primary, s)))
+}
+
+/// Points `latest` at `step` atomically: write a temp file, sync it, rename
+/// it over `latest`, sync the directory.
+pub fn write_latest(primary: &Path, step: u64) -> io::Result<()> {
+    let tmp = primary.join(format!("{LATEST_TMP_PREFIX}{:016x}", crate::io::nonce()));
+    let r = (|| {
+        let mut f = File::options().write(true).create_new(true).open(&tmp)?;
+        writeln!(f, "{}", format::step_dir_name(step).expect("validated step"))?;
+        f.sync_data()?;
+        fs::rename(&tmp, primary.join(LATEST_FILE_NAME))?;
+        fsync_dir(primary)
+    })();
+    if r.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    r
+}
+
+/// Removes `latest` (no committed checkpoint is left) and syncs the directory.
+pub fn remove_latest(primary: &Path) -> io::Result<()> {
+    match fs::remove_file(primary.join(LATEST_FILE_NAME)) {
+        Ok(()) => fsync_dir(primary),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes the directory's entries (creations, renames, removals) durable.
+pub fn fsync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Removes a tree; a tree already gone is fine.
+pub fn remove_tree(path: &Path) -> io::Result<()> {
+    match fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Total size in bytes of the regular files in a folder and its subfolders.
+pub fn tree_bytes(path: &Path) -> io::Result<u64> {
+    let mut total = 0;
+    for e in fs::read_dir(path)? {
+        let e = e?;
+        let ft = e.file_type()?;
+        if ft.is_dir() {
+            total += tree_bytes(&e.path())?;
+        } else if ft.is_file() {
+            total += e.metadata()?.len();
+        }
+    }
+    Ok(total)
+}

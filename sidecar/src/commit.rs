@@ -1,0 +1,432 @@
+//! The store: target directories with their I/O engines, and the commit
+//! protocol that turns a staged image into a committed checkpoint.
+//!
+//! Commit protocol, per checkpoint:
+//! 1. `.tmp-step-…-<nonce>/` in every target directory;
+//! 2. every shard written from staging (one thread and one engine per
+//!    directory, in parallel), space reserved first, fdatasync'd;
+//! 3. blobs written and synced, the index written and synced last;
+//! 4. every temp folder synced, then renamed to `step-…` — secondaries first,
+//!    the primary (holding the index) last: **the primary's rename is the
+//!    commit point** — and each parent synced;
+//! 5. `latest` replaced atomically; retention applied.
+//!
+//! Invariants: only this module, recovery and retention rename or sync
+//! directories; a failed commit removes its temp folders (and any secondary
+//! already renamed) before it returns, so it leaves nothing behind but what
+//! was there before.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, info_span, warn};
+
+use crate::catalog;
+use crate::config;
+use crate::format::{self, FormatError, BLOBS_DIR_NAME, INDEX_FILE_NAME, TMP_PREFIX};
+use crate::image::{self, Blob, Layout};
+use crate::io::{self as eio, DriveError, EngineChoice, FaultPlan, FaultyEngine, FileIo, IoEngine, IoPolicy, OpKind};
+use crate::mem::AlignedBuf;
+use crate::recovery::{self, RecoveryReport};
+use crate::retention::{self, Retention};
+
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Target directories; the first is the primary (holds index and `latest`).
+    pub dirs: Vec<PathBuf>,
+    pub io: IoPolicy,
+    pub chunk_bytes: usize,
+    pub retention: Option<Retention>,
+    /// Test hook: faults injected into every directory's engine.
+    pub faults: Option<FaultPlan>,
+}
+
+impl StoreOptions {
+    pub fn new(dirs: Vec<PathBuf>) -> StoreOptions {
+        StoreOptions { dirs, io: IoPolicy::default(), chunk_bytes: config::CHUNK_BYTES_DEFAULT, retention: None, faults: None }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{path}: {what}: {source}")]
+    Io { path: PathBuf, what: &'static str, source: io::Error },
+    #[error("{0}")]
+    Probe(#[from] eio::ProbeError),
+    #[error("the same directory is given twice: {0}")]
+    DuplicateDir(PathBuf),
+    #[error("no target directory given")]
+    NoDirs,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error("disk full in {dir}: {what} needs {needed_bytes} bytes ({source})")]
+    DiskFull { dir: PathBuf, what: String, needed_bytes: u64, source: io::Error },
+    #[error("{path}: {what}: {source}")]
+    Io { path: PathBuf, what: String, source: io::Error },
+    #[error("step {step} is already committed in {dir}; delete it first (ckpt-sidecar gc) or save another step")]
+    AlreadyCommitted { step: u64, dir: PathBuf },
+    #[error("invalid checkpoint: {0}")]
+    Format(#[from] FormatError),
+}
+
+impl CommitError {
+    fn io(path: &Path, what: impl Into<String>, source: io::Error) -> CommitError {
+        if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT) {
+            return CommitError::DiskFull { dir: path.to_path_buf(), what: what.into(), needed_bytes: 0, source };
+        }
+        CommitError::Io { path: path.to_path_buf(), what: what.into(), source }
+    }
+}
+
+/// Figures of one commit.
+#[derive(Debug, Clone)]
+pub struct CommitReport {
+    pub step: u64,
+    pub path: PathBuf,
+    /// Shard, blob and index bytes written.
+    pub bytes: u64,
+    /// Creating files, reserving space and writing the shards.
+    pub write: Duration,
+    /// fdatasync of the shards.
+    pub sync: Duration,
+    /// Blobs, index, renames, directory syncs and `latest`.
+    pub commit: Duration,
+    pub total: Duration,
+    pub deleted_by_retention: Vec<u64>,
+}
+
+pub struct TargetDir {
+    pub path: PathBuf,
+    pub choice: EngineChoice,
+    engine: Box<dyn IoEngine>,
+}
+
+pub struct Store {
+    dirs: Vec<TargetDir>,
+    paths: Vec<PathBuf>,
+    opts: StoreOptions,
+    recovery: RecoveryReport,
+}
+
+impl Store {
+    /// Creates missing directories, chooses the engine per directory, and
+    /// runs recovery.
+    pub fn open(opts: StoreOptions) -> Result<Store, StoreError> {
+        if opts.dirs.is_empty() {
+            return Err(StoreError::NoDirs);
+        }
+        let mut paths: Vec<PathBuf> = Vec::new();
+        for d in &opts.dirs {
+            fs::create_dir_all(d).map_err(|e| StoreError::Io { path: d.clone(), what: "create directory", source: e })?;
+            let p = fs::canonicalize(d).map_err(|e| StoreError::Io { path: d.clone(), what: "resolve directory", source: e })?;
+            if paths.contains(&p) {
+                return Err(StoreError::DuplicateDir(p));
+            }
+            paths.push(p);
+        }
+        let mut dirs = Vec::new();
+        for p in &paths {
+            let choice = eio::probe(p, opts.io)?;
+            let mut engine = choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
+            if let Some(plan) = &opts.faults {
+                engine = Box::new(FaultyEngine::new(engine, plan.clone()));
+            }
+            info!(dir = %p.display(), engine = %choice.name(), why = %choice.why.join("; "), "target directory");
+            dirs.push(TargetDir { path: p.clone(), choice, engine });
+        }
+        let recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
+        for p in &recovery.removed {
+            info!(path = %p.display(), "recovery removed");
+        }
+        if let Some((before, after)) = &recovery.latest_repaired {
+            warn!(?before, ?after, "recovery repaired latest");
+        }
+        for w in &recovery.warnings {
+            warn!("{w}");
+        }
+        Ok(Store { dirs, paths, opts, recovery })
+    }
+
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    pub fn primary(&self) -> &Path {
+        &self.paths[0]
+    }
+
+    pub fn targets(&self) -> &[TargetDir] {
+        &self.dirs
+    }
+
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// `engine` of every directory, joined (the figure benches print).
+    pub fn engine_names(&self) -> String {
+        let mut names: Vec<String> = self.dirs.iter().map(|d| d.choice.name()).collect();
+        names.dedup();
+        names.join(",")
+    }
+
+    /// Registers staging memory with every engine so writes from it skip page
+    /// pinning. Refusal (e.g. RLIMIT_MEMLOCK) only costs speed and is logged.
+    pub fn register_staging(&mut self, buf: &Arc<AlignedBuf>) {
+        for d in &mut self.dirs {
+            if let Err(e) = d.engine.register(buf.clone()) {
+                warn!(dir = %d.path.display(), "staging memory not registered with io_uring ({e}); writes go unregistered");
+            }
+        }
+    }
+
+    /// Writes and commits a checkpoint whose image sits in `staging` as
+    /// `layout` describes, with the given tensor checksums.
+    pub fn commit(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &AlignedBuf,
+        tensor_crcs: &[u32],
+        blobs: &[Blob<'_>],
+    ) -> Result<CommitReport, CommitError> {
+        let t0 = Instant::now();
+        let step_name = format::step_dir_name(step)?;
+        image::validate_blobs(blobs)?;
+        assert_eq!(layout.opts.n_dirs, self.dirs.len(), "layout planned for another directory count");
+        assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
+        let span = info_span!("checkpoint", step, bytes = layout.file_bytes());
+        let _enter = span.enter();
+        let primary = self.paths[0].clone();
+        if catalog::is_committed(&primary, step) {
+            return Err(CommitError::AlreadyCommitted { step, dir: primary });
+        }
+        let tmp_name = format!("{TMP_PREFIX}{}-{:016x}", &step_name[format::STEP_PREFIX.len()..], eio::nonce());
+        let tmps: Vec<PathBuf> = self.paths.iter().map(|d| d.join(&tmp_name)).collect();
+        let mut renamed: Vec<PathBuf> = Vec::new();
+        let result = self.commit_inner(step, layout, staging, tensor_crcs, blobs, &tmps, &mut renamed, t0);
+        if result.is_err() {
+            for p in tmps.iter().chain(&renamed) {
+                if let Err(e) = catalog::remove_tree(p) {
+                    warn!(path = %p.display(), "could not remove after a failed commit ({e}); recovery will");
+                }
+            }
+            for d in &self.paths {
+                let _ = catalog::fsync_dir(d);
+            }
+        }
+        let mut report = result?;
+        if let Some(policy) = self.opts.retention {
+            match retention::apply(&self.paths, policy) {
+                Ok(deleted) => report.deleted_by_retention = deleted,
+                Err(e) => warn!("retention failed ({e}); the new checkpoint is committed"),
+            }
+        }
+        report.total = t0.elapsed();
+        info!(
+            write_s = report.write.as_secs_f64(),
+            sync_s = report.sync.as_secs_f64(),
+            commit_s = report.commit.as_secs_f64(),
+            total_s = report.total.as_secs_f64(),
+            "committed"
+        );
+        Ok(report)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn commit_inner(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &AlignedBuf,
+        tensor_crcs: &[u32],
+        blobs: &[Blob<'_>],
+        tmps: &[PathBuf],
+        renamed: &mut Vec<PathBuf>,
+        t0: Instant,
+    ) -> Result<CommitReport, CommitError> {
+        for t in tmps {
+            fs::create_dir(t).map_err(|e| CommitError::io(t, "create temp folder", e))?;
+        }
+        // Shards: one thread per directory, each with its own engine.
+        let chunk_bytes = self.opts.chunk_bytes;
+        let results: Vec<Result<(Duration, Duration), CommitError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .dirs
+                .iter_mut()
+                .enumerate()
+                .map(|(dir_idx, d)| {
+                    let tmp = &tmps[dir_idx];
+                    std::thread::Builder::new()
+                        .name(format!("ckpt-write-{dir_idx}"))
+                        .spawn_scoped(s, move || write_shards(d, dir_idx as u32, tmp, layout, staging, chunk_bytes))
+                        .expect("spawning a writer thread")
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect()
+        });
+        let (mut write, mut sync) = (Duration::ZERO, Duration::ZERO);
+        for r in results {
+            let (w, s) = r?;
+            write = write.max(w);
+            sync = sync.max(s);
+        }
+        let t_commit = Instant::now();
+        let primary_tmp = &tmps[0];
+        let mut bytes = layout.file_bytes();
+        if !blobs.is_empty() {
+            let bdir = primary_tmp.join(BLOBS_DIR_NAME);
+            fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
+            for b in blobs {
+                let p = bdir.join(b.name);
+                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e))?;
+                bytes += b.bytes.len() as u64;
+            }
+            catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
+        }
+        let secondary_dirs = self.paths[1..].iter().map(|p| p.display().to_string()).collect();
+        let index = layout.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes();
+        let ipath = primary_tmp.join(INDEX_FILE_NAME);
+        write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
+        bytes += index.len() as u64;
+        for t in tmps {
+            catalog::fsync_dir(t).map_err(|e| CommitError::io(t, "sync temp folder", e))?;
+        }
+        // Secondaries first; the primary's rename is the commit point.
+        for (i, t) in tmps.iter().enumerate().skip(1).chain(std::iter::once((0, &tmps[0]))) {
+            let dest = catalog::step_path(&self.paths[i], step);
+            fs::rename(t, &dest).map_err(|e| CommitError::io(&dest, "rename temp folder into place", e))?;
+            if i != 0 {
+                renamed.push(dest.clone());
+            }
+            catalog::fsync_dir(&self.paths[i]).map_err(|e| {
+                if i == 0 {
+                    // Renamed but the rename may not be durable: still not
+                    // reported as committed; recovery settles it either way.
+                    renamed.push(dest.clone());
+                }
+                CommitError::io(&self.paths[i], "sync directory after rename", e)
+            })?;
+        }
+        renamed.clear();
+        let primary = &self.paths[0];
+        let update_latest = match catalog::latest_step(primary) {
+            Ok(Some(l)) => l <= step,
+            _ => true,
+        };
+        if update_latest {
+            if let Err(e) = catalog::write_latest(primary, step) {
+                warn!("checkpoint committed but `latest` not updated ({e}); recovery repairs it at the next start");
+            }
+        }
+        Ok(CommitReport {
+            step,
+            path: catalog::step_path(primary, step),
+            bytes,
+            write,
+            sync,
+            commit: t_commit.elapsed(),
+            total: t0.elapsed(),
+            deleted_by_retention: Vec::new(),
+        })
+    }
+}
+
+/// Writes every shard of directory `dir_idx` into `tmp` and syncs them;
+/// returns (write time, sync time).
+fn write_shards(
+    d: &mut TargetDir,
+    dir_idx: u32,
+    tmp: &Path,
+    layout: &Layout,
+    staging: &AlignedBuf,
+    chunk_bytes: usize,
+) -> Result<(Duration, Duration), CommitError> {
+    let t0 = Instant::now();
+    let direct = d.choice.direct;
+    let shards: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx).collect();
+    let mut files: Vec<File> = Vec::with_capacity(shards.len());
+    let mut ios = Vec::with_capacity(shards.len());
+    for &s in &shards {
+        let sh = &layout.shards[s];
+        let path = tmp.join(&sh.file_name);
+        let f = eio::open_for_write(&path, direct).map_err(|e| CommitError::io(&path, "create shard", e))?;
+        let io_len = if direct { sh.io_len } else { sh.file_len };
+        reserve(&f, io_len).map_err(|e| match CommitError::io(tmp, format!("reserve space for {}", sh.file_name), e) {
+            CommitError::DiskFull { dir, what, source, .. } => CommitError::DiskFull { dir, what, needed_bytes: io_len, source },
+            other => other,
+        })?;
+        let range = layout.shard_range(s);
+        ios.push(FileIo {
+            fd: f.as_raw_fd(),
+            // Writes only read this memory; the engine API takes *mut for both directions.
+            ptr: staging.as_ptr().wrapping_add(range.start) as *mut u8,
+            io_len,
+            file_len: sh.file_len,
+        });
+        files.push(f);
+    }
+    // SAFETY: `staging` is borrowed for this whole function, so every range
+    // stays valid until drive() returns, which reaps every request first.
+    let r = unsafe { eio::drive(d.engine.as_mut(), OpKind::Write, &ios, chunk_bytes, |_, _| {}) };
+    r.map_err(|e| drive_error(tmp, layout, &shards, e))?;
+    for (f, &s) in files.iter().zip(&shards) {
+        let sh = &layout.shards[s];
+        if direct && sh.io_len != sh.file_len {
+            // The last block was written whole; cut the zero padding so the
+            // file ends at its last tensor byte (safetensors allows no holes).
+            f.set_len(sh.file_len).map_err(|e| CommitError::io(&tmp.join(&sh.file_name), "truncate padding", e))?;
+        }
+    }
+    let t_sync = Instant::now();
+    let fds: Vec<_> = files.iter().map(|f| f.as_raw_fd()).collect();
+    eio::sync_all(d.engine.as_mut(), &fds).map_err(|e| drive_error(tmp, layout, &shards, e))?;
+    Ok((t_sync - t0, t_sync.elapsed()))
+}
+
+fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> CommitError {
+    let file_idx = match &e {
+        DriveError::Io { file_idx, .. } | DriveError::ShortWrite { file_idx, .. } | DriveError::ShortRead { file_idx, .. } => Some(*file_idx),
+        DriveError::Engine(_) => None,
+    };
+    let path = file_idx.map_or_else(|| tmp.to_path_buf(), |i| tmp.join(&layout.shards[shards[i]].file_name));
+    let errno = e.errno();
+    let source = match errno {
+        Some(n) => io::Error::from_raw_os_error(n),
+        None => io::Error::other(e.to_string()),
+    };
+    CommitError::io(&path, e.to_string(), source)
+}
+
+/// Reserves `len` bytes so the writes are overwrites of allocated space, and
+/// a full disk is found before any data moves. File systems without
+/// fallocate just go on.
+fn reserve(f: &File, len: u64) -> io::Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: plain syscall on an fd we own.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Ok(()),
+        _ => Err(e),
+    }
+}
+
+/// Creates, writes and fdatasyncs a small file (blobs, the index).
+pub(crate) fn write_small_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    let mut f = File::options().write(true).create_new(true).open(path)?;
+    f.write_all(bytes)?;
+    f.sync_data()
+}

@@ -1,0 +1,534 @@
+//! The on-disk format (see `docs/format.md`): names of folders and files,
+//! the safetensors shard header, and the index that is the commit record.
+//!
+//! Invariants kept here:
+//! - every name that reaches the file system went through [`validate_blob_name`]
+//!   or is generated here (`step-…`, `rank-…`), so no path trick survives;
+//! - a parsed header or index is bounds-checked before anyone uses an offset
+//!   from it: data offsets are contiguous, inside the file, and match the dtype
+//!   and shape.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{self, DATA_ALIGN_BYTES, HEADER_BYTES_MAX};
+
+pub const INDEX_FILE_NAME: &str = "model.safetensors.index.json";
+pub const LATEST_FILE_NAME: &str = "latest";
+pub const BLOBS_DIR_NAME: &str = "blobs";
+pub const STEP_PREFIX: &str = "step-";
+pub const TMP_PREFIX: &str = ".tmp-step-";
+pub const DEL_PREFIX: &str = ".del-step-";
+pub const LATEST_TMP_PREFIX: &str = ".latest.tmp-";
+const STEP_DIGITS: usize = 12;
+/// Largest step that fits the 12-digit folder name.
+pub const STEP_MAX: u64 = 999_999_999_999;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FormatError {
+    #[error("invalid tensor name {name:?}: {why}")]
+    TensorName { name: String, why: &'static str },
+    #[error("invalid blob name {name:?}: {why}")]
+    BlobName { name: String, why: &'static str },
+    #[error("unknown dtype {0:?}")]
+    Dtype(String),
+    #[error("tensor {name:?}: shape {shape:?} of {dtype} overflows")]
+    ShapeOverflow { name: String, shape: Vec<u64>, dtype: Dtype },
+    #[error("duplicate tensor name {0:?}")]
+    DuplicateTensor(String),
+    #[error("duplicate blob name {0:?}")]
+    DuplicateBlob(String),
+    #[error("step {0} is above the largest step {STEP_MAX}")]
+    StepTooLarge(u64),
+    #[error("safetensors header: {0}")]
+    Header(String),
+    #[error("index: {0}")]
+    Index(String),
+}
+
+/// Element types, spelled as safetensors spells them.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+pub enum Dtype {
+    BOOL,
+    U8,
+    I8,
+    F8_E5M2,
+    F8_E4M3,
+    I16,
+    U16,
+    F16,
+    BF16,
+    I32,
+    U32,
+    F32,
+    F64,
+    I64,
+    U64,
+}
+
+impl Dtype {
+    pub const ALL: [Dtype; 15] = [
+        Dtype::BOOL,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::F8_E5M2,
+        Dtype::F8_E4M3,
+        Dtype::I16,
+        Dtype::U16,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::I32,
+        Dtype::U32,
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::I64,
+        Dtype::U64,
+    ];
+
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            Dtype::BOOL | Dtype::U8 | Dtype::I8 | Dtype::F8_E5M2 | Dtype::F8_E4M3 => 1,
+            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::I32 | Dtype::U32 | Dtype::F32 => 4,
+            Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::BOOL => "BOOL",
+            Dtype::U8 => "U8",
+            Dtype::I8 => "I8",
+            Dtype::F8_E5M2 => "F8_E5M2",
+            Dtype::F8_E4M3 => "F8_E4M3",
+            Dtype::I16 => "I16",
+            Dtype::U16 => "U16",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+            Dtype::I32 => "I32",
+            Dtype::U32 => "U32",
+            Dtype::F32 => "F32",
+            Dtype::F64 => "F64",
+            Dtype::I64 => "I64",
+            Dtype::U64 => "U64",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Dtype, FormatError> {
+        Dtype::ALL.into_iter().find(|d| d.as_str() == s).ok_or_else(|| FormatError::Dtype(s.to_string()))
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Bytes of a tensor of `dtype` and `shape`, or None on overflow.
+pub fn tensor_len_bytes(dtype: Dtype, shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+}
+
+/// Tensor names are free text for safetensors, but they end up as JSON keys
+/// and in error messages: no NUL or other control characters, not empty, not
+/// the reserved `__metadata__`, bounded length.
+pub fn validate_tensor_name(name: &str) -> Result<(), FormatError> {
+    let err = |why| Err(FormatError::TensorName { name: name.to_string(), why });
+    if name.is_empty() {
+        return err("empty");
+    }
+    if name.len() > config::TENSOR_NAME_BYTES_MAX {
+        return err("longer than 1024 bytes");
+    }
+    if name.chars().any(char::is_control) {
+        return err("contains a control character (NUL, newline, ...)");
+    }
+    if name == "__metadata__" {
+        return err("reserved by safetensors");
+    }
+    Ok(())
+}
+
+/// Blob names become file names under `blobs/`: a strict alphabet, so that
+/// `../`, absolute paths, NUL and hidden files are impossible.
+pub fn validate_blob_name(name: &str) -> Result<(), FormatError> {
+    let err = |why| Err(FormatError::BlobName { name: name.to_string(), why });
+    if name.is_empty() {
+        return err("empty");
+    }
+    if name.len() > config::BLOB_NAME_BYTES_MAX {
+        return err("longer than 200 bytes");
+    }
+    if name.starts_with('.') {
+        return err("starts with '.'");
+    }
+    if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-') {
+        return err("only ASCII letters, digits, '.', '_' and '-' are allowed");
+    }
+    Ok(())
+}
+
+pub fn step_dir_name(step: u64) -> Result<String, FormatError> {
+    if step > STEP_MAX {
+        return Err(FormatError::StepTooLarge(step));
+    }
+    Ok(format!("{STEP_PREFIX}{step:0w$}", w = STEP_DIGITS))
+}
+
+/// Parses `step-000000000100` into 100; anything else is None.
+pub fn parse_step_dir_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(STEP_PREFIX)?;
+    if digits.len() != STEP_DIGITS || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+pub fn shard_file_name(rank: u32, world_size: u32, shard_idx: usize) -> String {
+    format!("rank-{rank:05}-of-{world_size:05}-shard-{shard_idx:04}.safetensors")
+}
+
+/// Whether `name` could have been produced by [`shard_file_name`].
+pub fn is_shard_file_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("rank-").and_then(|r| r.strip_suffix(".safetensors")) else {
+        return false;
+    };
+    let b = rest.as_bytes();
+    // "00000-of-00001-shard-0000"
+    b.len() == 25
+        && b[..5].iter().all(u8::is_ascii_digit)
+        && &rest[5..9] == "-of-"
+        && b[9..14].iter().all(u8::is_ascii_digit)
+        && &rest[14..21] == "-shard-"
+        && b[21..].iter().all(u8::is_ascii_digit)
+}
+
+/// One tensor in a safetensors header. `data_offsets` are relative to the
+/// start of the data section, as the safetensors format defines them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub data_offsets: (u64, u64),
+}
+
+/// Builds the first bytes of a shard: the 8-byte little-endian header length,
+/// the JSON header, then spaces so that the data section starts at a multiple
+/// of [`DATA_ALIGN_BYTES`]. Tensors must be given in file order with
+/// contiguous offsets starting at 0.
+pub fn encode_header(tensors: &[HeaderTensor]) -> Result<Vec<u8>, FormatError> {
+    let mut json = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
+    let mut expected_begin = 0u64;
+    for t in tensors {
+        assert_eq!(t.data_offsets.0, expected_begin, "tensors must be contiguous and in file order");
+        expected_begin = t.data_offsets.1;
+        json.push(',');
+        json.push_str(&serde_json::to_string(&t.name).expect("a String always serialises"));
+        json.push_str(":{\"dtype\":\"");
+        json.push_str(t.dtype.as_str());
+        json.push_str("\",\"shape\":");
+        json.push_str(&serde_json::to_string(&t.shape).expect("a Vec<u64> always serialises"));
+        json.push_str(&format!(",\"data_offsets\":[{},{}]}}", t.data_offsets.0, t.data_offsets.1));
+    }
+    json.push('}');
+    let data_start = config::align_up(8 + json.len() as u64, DATA_ALIGN_BYTES) as usize;
+    let header_len = data_start - 8;
+    if header_len > HEADER_BYTES_MAX {
+        return Err(FormatError::Header(format!("header of {header_len} bytes is above the limit of {HEADER_BYTES_MAX}")));
+    }
+    let mut out = Vec::with_capacity(data_start);
+    out.extend_from_slice(&(header_len as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.resize(data_start, b' ');
+    Ok(out)
+}
+
+/// A parsed and validated safetensors header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedHeader {
+    /// Offset of the data section in the file (8 + header length).
+    pub data_start: u64,
+    /// Tensors in file order.
+    pub tensors: Vec<HeaderTensor>,
+}
+
+/// Parses a safetensors header from the first bytes of a file whose total
+/// length is `file_len_bytes`, with the checks the safetensors library makes:
+/// contiguous offsets from 0, lengths that match dtype and shape, and a data
+/// section that ends exactly at the end of the file.
+pub fn decode_header(prefix: &[u8], file_len_bytes: u64) -> Result<ParsedHeader, FormatError> {
+    let bad = |m: String| FormatError::Header(m);
+    if prefix.len() < 8 {
+        return Err(bad("shorter than 8 bytes".into()));
+    }
+    let header_len = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
+    if header_len > HEADER_BYTES_MAX as u64 {
+        return Err(bad(format!("header length {header_len} above the limit")));
+    }
+    let data_start = 8 + header_len;
+    if data_start > file_len_bytes {
+        return Err(bad(format!("header length {header_len} runs past the end of the file ({file_len_bytes} bytes)")));
+    }
+    let json = prefix.get(8..data_start as usize).ok_or_else(|| bad("header not fully read".into()))?;
+    let value: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let obj = value.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
+    let mut tensors = Vec::with_capacity(obj.len());
+    for (name, v) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        validate_tensor_name(name)?;
+        let t = v.as_object().ok_or_else(|| bad(format!("tensor {name:?} is not an object")))?;
+        let dtype = Dtype::parse(t.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("tensor {name:?}: no dtype")))?)?;
+        let shape = t
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .ok_or_else(|| bad(format!("tensor {name:?}: no shape")))?
+            .iter()
+            .map(|d| d.as_u64().ok_or_else(|| bad(format!("tensor {name:?}: bad dimension {d}"))))
+            .collect::<Result<Vec<u64>, _>>()?;
+        let offs = t
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .filter(|a| a.len() == 2)
+            .ok_or_else(|| bad(format!("tensor {name:?}: no data_offsets")))?;
+        let begin = offs[0].as_u64().ok_or_else(|| bad(format!("tensor {name:?}: bad offset")))?;
+        let end = offs[1].as_u64().ok_or_else(|| bad(format!("tensor {name:?}: bad offset")))?;
+        let len = tensor_len_bytes(dtype, &shape).ok_or_else(|| FormatError::ShapeOverflow { name: name.clone(), shape: shape.clone(), dtype })?;
+        if end < begin || end - begin != len {
+            return Err(bad(format!("tensor {name:?}: offsets [{begin},{end}] do not hold {len} bytes of {dtype} {shape:?}")));
+        }
+        tensors.push(HeaderTensor { name: name.clone(), dtype, shape, data_offsets: (begin, end) });
+    }
+    tensors.sort_by_key(|t| t.data_offsets);
+    let mut at = 0u64;
+    for t in &tensors {
+        if t.data_offsets.0 != at {
+            return Err(bad(format!("tensor {:?} starts at {} where {} was expected (holes or overlaps)", t.name, t.data_offsets.0, at)));
+        }
+        at = t.data_offsets.1;
+    }
+    if data_start + at != file_len_bytes {
+        return Err(bad(format!("data section ends at {} but the file has {} bytes", data_start + at, file_len_bytes)));
+    }
+    Ok(ParsedHeader { data_start, tensors })
+}
+
+// ---------------------------------------------------------------- the index
+
+/// `model.safetensors.index.json`: Hugging Face's shape (`metadata`,
+/// `weight_map`) plus our `ckpt` section. Maps are BTreeMaps so that the
+/// bytes are a pure function of the checkpoint (golden files).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Index {
+    pub metadata: IndexMetadata,
+    pub weight_map: BTreeMap<String, String>,
+    pub ckpt: CkptSection,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexMetadata {
+    /// Sum of tensor bytes, as Hugging Face writes it.
+    pub total_size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CkptSection {
+    pub format_version: u32,
+    pub step: u64,
+    pub world_size: u32,
+    /// Target directories beyond the primary (absolute paths at write time),
+    /// in the order `dir_idx` 1, 2, ... refers to them.
+    pub secondary_dirs: Vec<String>,
+    pub files: Vec<IndexFile>,
+    pub tensors: BTreeMap<String, IndexTensor>,
+    pub blobs: Vec<IndexBlob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexFile {
+    pub name: String,
+    /// 0 = the primary directory (the one holding the index).
+    pub dir_idx: u32,
+    pub len_bytes: u64,
+    /// crc32c of the whole file.
+    pub crc32c: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexTensor {
+    pub file: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    /// Relative to the shard's data section, as in the safetensors header.
+    pub data_offsets: [u64; 2],
+    pub crc32c: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexBlob {
+    pub name: String,
+    pub len_bytes: u64,
+    pub crc32c: u32,
+}
+
+impl Index {
+    pub fn to_json_bytes(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).expect("the index always serialises");
+        v.push(b'\n');
+        v
+    }
+
+    /// Parses and validates an index: every name is valid, every tensor points
+    /// at a listed file with consistent offsets, every file at a known directory.
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Index, FormatError> {
+        let index: Index = serde_json::from_slice(bytes).map_err(|e| FormatError::Index(e.to_string()))?;
+        index.validate()?;
+        Ok(index)
+    }
+
+    pub fn validate(&self) -> Result<(), FormatError> {
+        let bad = |m: String| Err(FormatError::Index(m));
+        let c = &self.ckpt;
+        if c.format_version != config::FORMAT_VERSION {
+            return bad(format!("format version {} is not supported (this build reads {})", c.format_version, config::FORMAT_VERSION));
+        }
+        if c.step > STEP_MAX {
+            return bad(format!("step {} too large", c.step));
+        }
+        let n_dirs = 1 + c.secondary_dirs.len() as u32;
+        let mut files = BTreeMap::new();
+        for f in &c.files {
+            if !is_shard_file_name(&f.name) {
+                return bad(format!("file name {:?} is not a shard name", f.name));
+            }
+            if f.dir_idx >= n_dirs {
+                return bad(format!("file {:?} names directory {} of {}", f.name, f.dir_idx, n_dirs));
+            }
+            if files.insert(f.name.as_str(), f).is_some() {
+                return bad(format!("file {:?} listed twice", f.name));
+            }
+        }
+        let mut total = 0u64;
+        for (name, t) in &c.tensors {
+            validate_tensor_name(name)?;
+            let Some(f) = files.get(t.file.as_str()) else {
+                return bad(format!("tensor {name:?} names unknown file {:?}", t.file));
+            };
+            let len = tensor_len_bytes(t.dtype, &t.shape)
+                .ok_or_else(|| FormatError::ShapeOverflow { name: name.clone(), shape: t.shape.clone(), dtype: t.dtype })?;
+            let [b, e] = t.data_offsets;
+            if e < b || e - b != len || e > f.len_bytes {
+                return bad(format!("tensor {name:?}: offsets [{b},{e}] do not fit {len} bytes in file {:?}", t.file));
+            }
+            if self.weight_map.get(name) != Some(&t.file) {
+                return bad(format!("tensor {name:?}: weight_map disagrees with the ckpt section"));
+            }
+            total += len;
+        }
+        if self.weight_map.len() != c.tensors.len() {
+            return bad("weight_map lists tensors the ckpt section does not".into());
+        }
+        if total != self.metadata.total_size {
+            return bad(format!("total_size {} but tensors hold {}", self.metadata.total_size, total));
+        }
+        let mut blob_names = std::collections::BTreeSet::new();
+        for b in &c.blobs {
+            validate_blob_name(&b.name)?;
+            if !blob_names.insert(&b.name) {
+                return bad(format!("blob {:?} listed twice", b.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// Tensors of one file, in file order.
+    pub fn tensors_of<'a>(&'a self, file: &'a str) -> impl Iterator<Item = (&'a String, &'a IndexTensor)> + 'a {
+        let mut v: Vec<_> = self.ckpt.tensors.iter().filter(|(_, t)| t.file == file).collect();
+        v.sort_by_key(|(_, t)| t.data_offsets[0]);
+        v.into_iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_names_round_trip_and_reject_others() {
+        assert_eq!(step_dir_name(100).unwrap(), "step-000000000100");
+        assert_eq!(parse_step_dir_name("step-000000000100"), Some(100));
+        assert_eq!(parse_step_dir_name("step-100"), None);
+        assert_eq!(parse_step_dir_name("step-00000000010a"), None);
+        assert_eq!(parse_step_dir_name(".tmp-step-000000000100-ab"), None);
+        assert!(step_dir_name(STEP_MAX + 1).is_err());
+    }
+
+    #[test]
+    fn blob_names_refuse_path_tricks() {
+        for bad in ["", "..", "../x", "/etc/passwd", "a/b", "a\0b", ".hidden", "a b"] {
+            assert!(validate_blob_name(bad).is_err(), "{bad:?} accepted");
+        }
+        for good in ["rng", "loader-state.pkl", "config_v2.json"] {
+            validate_blob_name(good).unwrap();
+        }
+    }
+
+    #[test]
+    fn tensor_names_refuse_control_characters() {
+        assert!(validate_tensor_name("a\0b").is_err());
+        assert!(validate_tensor_name("a\nb").is_err());
+        assert!(validate_tensor_name("").is_err());
+        assert!(validate_tensor_name("__metadata__").is_err());
+        validate_tensor_name("model.layers.0.weight").unwrap();
+    }
+
+    #[test]
+    fn header_round_trips_and_is_aligned() {
+        let tensors = vec![
+            HeaderTensor { name: "a".into(), dtype: Dtype::F32, shape: vec![2, 3], data_offsets: (0, 24) },
+            HeaderTensor { name: "b\"q".into(), dtype: Dtype::U8, shape: vec![5], data_offsets: (24, 29) },
+        ];
+        let h = encode_header(&tensors).unwrap();
+        assert_eq!(h.len() % DATA_ALIGN_BYTES, 0);
+        let parsed = decode_header(&h, h.len() as u64 + 29).unwrap();
+        assert_eq!(parsed.data_start, h.len() as u64);
+        assert_eq!(parsed.tensors, tensors);
+        // A file one byte too long has a hole at the end: refused.
+        assert!(decode_header(&h, h.len() as u64 + 30).is_err());
+    }
+
+    #[test]
+    fn header_refuses_overlaps_and_bad_lengths() {
+        let json = br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#;
+        let mut f = (json.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(json);
+        assert!(decode_header(&f, f.len() as u64 + 12).is_err());
+        let json = br#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
+        let mut f = (json.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(json);
+        assert!(decode_header(&f, f.len() as u64 + 8).is_err());
+        let mut f = (u64::MAX).to_le_bytes().to_vec();
+        f.extend_from_slice(b"{}");
+        assert!(decode_header(&f, 10).is_err());
+    }
+
+    #[test]
+    fn shard_names_are_recognised() {
+        let n = shard_file_name(3, 8, 12);
+        assert_eq!(n, "rank-00003-of-00008-shard-0012.safetensors");
+        assert!(is_shard_file_name(&n));
+        assert!(!is_shard_file_name("../rank-00003-of-00008-shard-0012.safetensors"));
+        assert!(!is_shard_file_name("rank-0003-of-00008-shard-0012.safetensors"));
+    }
+}

@@ -1,0 +1,351 @@
+//! The file image of a checkpoint in staging memory: which tensor goes to
+//! which shard and directory, where each shard's header and tensor bytes sit
+//! in the staging buffer, and their checksums.
+//!
+//! Invariants:
+//! - staging holds every shard exactly as its file will hold it (header, then
+//!   tensors in file order), each shard starting at an O_DIRECT-aligned
+//!   offset and zero-padded to an aligned length, so the writer never copies;
+//! - tensors are placed by decreasing element size, so with the data section
+//!   aligned every tensor is aligned to its element size;
+//! - shards are balanced in bytes and spread round-robin over directories.
+
+use std::collections::HashSet;
+use std::ops::Range;
+
+use crate::config::{self, DIRECT_ALIGN_BYTES};
+use crate::format::{
+    self, Dtype, FormatError, HeaderTensor, Index, IndexBlob, IndexFile, IndexMetadata, IndexTensor, CkptSection,
+};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+}
+
+impl TensorSpec {
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> TensorSpec {
+        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutOptions {
+    pub n_dirs: usize,
+    pub shard_bytes_max: u64,
+    pub rank: u32,
+    pub world_size: u32,
+}
+
+impl Default for LayoutOptions {
+    fn default() -> Self {
+        LayoutOptions { n_dirs: 1, shard_bytes_max: config::SHARD_BYTES_DEFAULT, rank: 0, world_size: 1 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ShardPlan {
+    pub file_name: String,
+    pub dir_idx: u32,
+    /// Length prefix + JSON header + padding; the data section starts after it.
+    pub header: Vec<u8>,
+    pub staging_offset: u64,
+    pub file_len: u64,
+    /// `file_len` rounded up to the O_DIRECT block.
+    pub io_len: u64,
+    /// Indexes into `Layout::specs`, in file order.
+    pub tensors: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct TensorPlace {
+    pub shard_idx: usize,
+    /// Relative to the shard's data section.
+    pub data_offsets: (u64, u64),
+    /// Absolute offset of the tensor's bytes in staging memory.
+    pub staging_offset: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub specs: Vec<TensorSpec>,
+    pub places: Vec<TensorPlace>,
+    pub shards: Vec<ShardPlan>,
+    pub opts: LayoutOptions,
+    /// Bytes of staging memory the image needs.
+    pub staging_len: u64,
+}
+
+impl Layout {
+    pub fn plan(specs: Vec<TensorSpec>, opts: LayoutOptions) -> Result<Layout, FormatError> {
+        assert!(opts.n_dirs >= 1 && opts.shard_bytes_max > 0 && opts.world_size >= 1 && opts.rank < opts.world_size);
+        let mut seen = HashSet::new();
+        let mut lens = Vec::with_capacity(specs.len());
+        for s in &specs {
+            format::validate_tensor_name(&s.name)?;
+            if !seen.insert(s.name.as_str()) {
+                return Err(FormatError::DuplicateTensor(s.name.clone()));
+            }
+            lens.push(format::tensor_len_bytes(s.dtype, &s.shape).ok_or_else(|| FormatError::ShapeOverflow {
+                name: s.name.clone(),
+                shape: s.shape.clone(),
+                dtype: s.dtype,
+            })?);
+        }
+        let total: u64 = lens.iter().sum();
+        // Stable: bigger elements first, then the caller's order.
+        let mut order: Vec<usize> = (0..specs.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(specs[i].dtype.size_bytes()));
+
+        // As many shards as the size cap needs, a multiple of the directory
+        // count so every disk gets the same share, and balanced in bytes.
+        let n_dirs = opts.n_dirs as u64;
+        let n_shards = if specs.is_empty() {
+            0
+        } else {
+            let by_size = total.div_ceil(opts.shard_bytes_max).max(1);
+            by_size.div_ceil(n_dirs) * n_dirs
+        };
+        let target = if n_shards == 0 { 0 } else { total.div_ceil(n_shards) };
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut cur: Vec<usize> = Vec::new();
+        let mut cur_bytes = 0u64;
+        for i in order {
+            if !cur.is_empty() && cur_bytes + lens[i] > target && (groups.len() as u64) + 1 < n_shards {
+                groups.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+            cur.push(i);
+            cur_bytes += lens[i];
+        }
+        if !cur.is_empty() {
+            groups.push(cur);
+        }
+
+        let mut places = vec![TensorPlace { shard_idx: 0, data_offsets: (0, 0), staging_offset: 0 }; specs.len()];
+        let mut shards = Vec::with_capacity(groups.len());
+        let mut staging = 0u64;
+        for (shard_idx, group) in groups.into_iter().enumerate() {
+            let mut at = 0u64;
+            let mut header_tensors = Vec::with_capacity(group.len());
+            for &i in &group {
+                let s = &specs[i];
+                header_tensors.push(HeaderTensor { name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), data_offsets: (at, at + lens[i]) });
+                at += lens[i];
+            }
+            let header = format::encode_header(&header_tensors)?;
+            let data_start = staging + header.len() as u64;
+            for (&i, h) in group.iter().zip(&header_tensors) {
+                places[i] = TensorPlace { shard_idx, data_offsets: h.data_offsets, staging_offset: data_start + h.data_offsets.0 };
+            }
+            let file_len = header.len() as u64 + at;
+            let io_len = config::align_up(file_len, DIRECT_ALIGN_BYTES);
+            shards.push(ShardPlan {
+                file_name: format::shard_file_name(opts.rank, opts.world_size, shard_idx),
+                dir_idx: (shard_idx as u64 % n_dirs) as u32,
+                header,
+                staging_offset: staging,
+                file_len,
+                io_len,
+                tensors: group,
+            });
+            staging += io_len;
+        }
+        Ok(Layout { specs, places, shards, opts, staging_len: staging })
+    }
+
+    /// Bytes of tensor data (what `total_size` says).
+    pub fn tensor_bytes(&self) -> u64 {
+        self.places.iter().map(|p| p.data_offsets.1 - p.data_offsets.0).sum()
+    }
+
+    /// Bytes of all shard files.
+    pub fn file_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.file_len).sum()
+    }
+
+    pub fn tensor_range(&self, i: usize) -> Range<usize> {
+        let p = &self.places[i];
+        let b = p.staging_offset as usize;
+        b..b + (p.data_offsets.1 - p.data_offsets.0) as usize
+    }
+
+    pub fn shard_range(&self, s: usize) -> Range<usize> {
+        let sh = &self.shards[s];
+        sh.staging_offset as usize..(sh.staging_offset + sh.io_len) as usize
+    }
+
+    /// Writes every header and zeroes every tail pad; tensor bytes are the
+    /// caller's to fill.
+    pub fn write_headers(&self, staging: &mut [u8]) {
+        assert!(staging.len() as u64 >= self.staging_len, "staging smaller than the layout");
+        for sh in &self.shards {
+            let b = sh.staging_offset as usize;
+            staging[b..b + sh.header.len()].copy_from_slice(&sh.header);
+            staging[(b + sh.file_len as usize)..(b + sh.io_len as usize)].fill(0);
+        }
+    }
+
+    /// Checksums of every tensor, computed over staging memory (both cores).
+    pub fn tensor_crcs(&self, staging: &[u8]) -> Vec<u32> {
+        (0..self.specs.len()).map(|i| crc32c_parallel(&staging[self.tensor_range(i)])).collect()
+    }
+
+    /// File checksums from the header bytes and the tensor checksums, without
+    /// reading tensor bytes again.
+    pub fn file_crcs(&self, tensor_crcs: &[u32]) -> Vec<u32> {
+        assert_eq!(tensor_crcs.len(), self.specs.len());
+        self.shards
+            .iter()
+            .map(|sh| {
+                sh.tensors.iter().fold(crc32c::crc32c(&sh.header), |acc, &i| {
+                    let p = &self.places[i];
+                    crc32c::crc32c_combine(acc, tensor_crcs[i], (p.data_offsets.1 - p.data_offsets.0) as usize)
+                })
+            })
+            .collect()
+    }
+
+    /// The commit record for this image.
+    pub fn index(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
+        let file_crcs = self.file_crcs(tensor_crcs);
+        let files = self
+            .shards
+            .iter()
+            .zip(&file_crcs)
+            .map(|(sh, &crc)| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: crc })
+            .collect();
+        let mut tensors = std::collections::BTreeMap::new();
+        let mut weight_map = std::collections::BTreeMap::new();
+        for (i, s) in self.specs.iter().enumerate() {
+            let p = &self.places[i];
+            let file = self.shards[p.shard_idx].file_name.clone();
+            weight_map.insert(s.name.clone(), file.clone());
+            tensors.insert(
+                s.name.clone(),
+                IndexTensor { file, dtype: s.dtype, shape: s.shape.clone(), data_offsets: [p.data_offsets.0, p.data_offsets.1], crc32c: tensor_crcs[i] },
+            );
+        }
+        let blobs = blobs.iter().map(|b| IndexBlob { name: b.name.to_string(), len_bytes: b.bytes.len() as u64, crc32c: crc32c::crc32c(b.bytes) }).collect();
+        Index {
+            metadata: IndexMetadata { total_size: self.tensor_bytes() },
+            weight_map,
+            ckpt: CkptSection {
+                format_version: config::FORMAT_VERSION,
+                step,
+                world_size: self.opts.world_size,
+                secondary_dirs,
+                files,
+                tensors,
+                blobs,
+            },
+        }
+    }
+}
+
+/// A small opaque byte blob saved beside the tensors (`blobs/<name>`).
+#[derive(Debug, Clone, Copy)]
+pub struct Blob<'a> {
+    pub name: &'a str,
+    pub bytes: &'a [u8],
+}
+
+pub fn validate_blobs(blobs: &[Blob<'_>]) -> Result<(), FormatError> {
+    let mut seen = HashSet::new();
+    for b in blobs {
+        format::validate_blob_name(b.name)?;
+        if b.bytes.len() > config::BLOB_BYTES_MAX {
+            return Err(FormatError::BlobName { name: b.name.to_string(), why: "blob larger than 256 MiB" });
+        }
+        if !seen.insert(b.name) {
+            return Err(FormatError::DuplicateBlob(b.name.to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// crc32c of `data`, split over two threads when it is large.
+pub fn crc32c_parallel(data: &[u8]) -> u32 {
+    const SPLIT_ABOVE_BYTES: usize = 8 << 20;
+    if data.len() < SPLIT_ABOVE_BYTES {
+        return crc32c::crc32c(data);
+    }
+    let (a, b) = data.split_at(data.len() / 2);
+    let (ca, cb) = std::thread::scope(|s| {
+        let h = s.spawn(|| crc32c::crc32c(b));
+        (crc32c::crc32c(a), h.join().expect("crc thread"))
+    });
+    crc32c::crc32c_combine(ca, cb, b.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn specs() -> Vec<TensorSpec> {
+        vec![
+            TensorSpec::new("a.u8", Dtype::U8, &[3]),
+            TensorSpec::new("b.f32", Dtype::F32, &[1000, 300]),
+            TensorSpec::new("c.f16", Dtype::F16, &[7]),
+            TensorSpec::new("d.i64", Dtype::I64, &[200_000]),
+            TensorSpec::new("e.empty", Dtype::F32, &[0, 4]),
+        ]
+    }
+
+    #[test]
+    fn tensors_are_aligned_to_their_element_size_and_contiguous() {
+        let l = Layout::plan(specs(), LayoutOptions::default()).unwrap();
+        assert_eq!(l.shards.len(), 1);
+        for (i, s) in l.specs.iter().enumerate() {
+            assert_eq!(l.places[i].staging_offset % s.dtype.size_bytes(), 0, "{}", s.name);
+        }
+        let sh = &l.shards[0];
+        assert_eq!(sh.staging_offset % DIRECT_ALIGN_BYTES as u64, 0);
+        assert_eq!(sh.file_len, sh.header.len() as u64 + l.tensor_bytes());
+    }
+
+    #[test]
+    fn shards_balance_over_directories() {
+        let specs: Vec<_> = (0..40).map(|i| TensorSpec::new(format!("t{i}"), Dtype::F32, &[1 << 16])).collect();
+        let l = Layout::plan(specs, LayoutOptions { n_dirs: 3, shard_bytes_max: 4 << 20, ..Default::default() }).unwrap();
+        // 10 MiB over shards of at most 4 MiB -> 3, a multiple of 3 dirs.
+        assert_eq!(l.shards.len(), 3);
+        let dirs: Vec<u32> = l.shards.iter().map(|s| s.dir_idx).collect();
+        assert_eq!(dirs, vec![0, 1, 2]);
+        for sh in &l.shards {
+            assert!(sh.file_len < (4 << 20) + 8192, "{}", sh.file_len);
+        }
+    }
+
+    #[test]
+    fn file_crc_from_tensor_crcs_matches_crc_of_the_bytes() {
+        let l = Layout::plan(specs(), LayoutOptions::default()).unwrap();
+        let mut buf = vec![0u8; l.staging_len as usize];
+        l.write_headers(&mut buf);
+        for i in 0..l.specs.len() {
+            for (j, b) in buf[l.tensor_range(i)].iter_mut().enumerate() {
+                *b = (i * 31 + j * 7) as u8;
+            }
+        }
+        let crcs = l.tensor_crcs(&buf);
+        let files = l.file_crcs(&crcs);
+        let sh = &l.shards[0];
+        let file = &buf[sh.staging_offset as usize..(sh.staging_offset + sh.file_len) as usize];
+        assert_eq!(files[0], crc32c::crc32c(file));
+        let big = vec![5u8; 20 << 20];
+        assert_eq!(crc32c_parallel(&big), crc32c::crc32c(&big));
+    }
+
+    #[test]
+    fn duplicate_and_bad_names_are_refused() {
+        let mut s = specs();
+        s.push(TensorSpec::new("a.u8", Dtype::U8, &[1]));
+        assert!(matches!(Layout::plan(s, LayoutOptions::default()), Err(FormatError::DuplicateTensor(_))));
+        let s = vec![TensorSpec::new("x\0", Dtype::U8, &[1])];
+        assert!(Layout::plan(s, LayoutOptions::default()).is_err());
+        let s = vec![TensorSpec::new("x", Dtype::U64, &[u64::MAX, 2])];
+        assert!(matches!(Layout::plan(s, LayoutOptions::default()), Err(FormatError::ShapeOverflow { .. })));
+    }
+}

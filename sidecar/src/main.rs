@@ -1,0 +1,518 @@
+//! The `ckpt-sidecar` binary: the command line over the library. Only this
+//! file uses `anyhow`; it maps outcomes to exit codes:
+//! 0 success, 1 error, 2 usage, 3 `verify` found damage.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+
+use ckpt_sidecar::bench;
+use ckpt_sidecar::catalog;
+use ckpt_sidecar::commit::{Store, StoreOptions};
+use ckpt_sidecar::config;
+use ckpt_sidecar::format::{self, Dtype};
+use ckpt_sidecar::image::{Blob, Layout, LayoutOptions, TensorSpec};
+use ckpt_sidecar::io::{self as eio, IoPolicy, Want};
+use ckpt_sidecar::mem::AlignedBuf;
+use ckpt_sidecar::restore::{self, ReadOptions};
+use ckpt_sidecar::retention::{self, Retention};
+use ckpt_sidecar::synthetic;
+
+const EXIT_DAMAGED: u8 = 3;
+
+#[derive(Parser)]
+#[command(name = "ckpt-sidecar", version, about = "Checkpoint sidecar for deep-learning training")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// I/O engine choices, also settable as CKPT_SIDECAR_URING / CKPT_SIDECAR_DIRECT.
+#[derive(Args, Clone, Copy)]
+struct IoArgs {
+    /// Use io_uring: auto (if the kernel allows), on (or fail), off (thread pool).
+    #[arg(long, default_value = "auto", value_parser = parse_want)]
+    uring: Want,
+    /// Use O_DIRECT: auto (if the file system allows), on (or fail), off (buffered + fdatasync).
+    #[arg(long, default_value = "auto", value_parser = parse_want)]
+    direct: Want,
+    /// Requests in flight per directory.
+    #[arg(long, default_value_t = config::QUEUE_DEPTH_DEFAULT,
+          value_parser = clap::value_parser!(u32).range(config::QUEUE_DEPTH_MIN as i64..=config::QUEUE_DEPTH_MAX as i64))]
+    queue_depth: u32,
+}
+
+impl IoArgs {
+    fn policy(self) -> IoPolicy {
+        IoPolicy { uring: self.uring, direct: self.direct, queue_depth: self.queue_depth }
+    }
+}
+
+fn parse_want(s: &str) -> Result<Want, String> {
+    s.parse()
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?}: expected a size like 2GiB, 512MiB or 1048576"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        "t" | "tib" | "tb" => 1 << 40,
+        u => return Err(format!("{s:?}: unknown unit {u:?} (use KiB, MiB, GiB)")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// List committed checkpoints.
+    Ls {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a checkpoint's tensors (dtype, shape, bytes) and blobs.
+    Inspect {
+        dir: PathBuf,
+        /// Step to show (default: latest).
+        step: Option<u64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every byte of checkpoints against their checksums.
+    Verify {
+        dir: PathBuf,
+        /// Only this step (default: every committed checkpoint).
+        #[arg(long)]
+        step: Option<u64>,
+        /// Secondary directories, when they moved since the write.
+        #[arg(long = "secondary")]
+        secondaries: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+    /// Delete old checkpoints, keeping the newest N (and every K-th step).
+    Gc {
+        /// Target directories, primary first.
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long)]
+        keep: usize,
+        #[arg(long)]
+        keep_every: Option<u64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Say which I/O engine each directory gets, and why.
+    Doctor {
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+    /// Benchmarks (figures, not tests).
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+    /// Internal commands used by the test suite.
+    #[command(hide = true)]
+    Debug {
+        #[command(subcommand)]
+        what: DebugCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Write a synthetic ~50-tensor state of SIZE through the engine to a committed checkpoint.
+    Write {
+        /// Target directory; repeat for several disks (the first is the primary).
+        #[arg(long = "dir", required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        /// Step to write (default: one past the newest).
+        #[arg(long)]
+        step: Option<u64>,
+        #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+        shard_size: u64,
+        /// Also run fio with the same size in the same directory, first, and print the ratio.
+        #[arg(long)]
+        compare_fio: bool,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+    /// Read `latest` back with verification.
+    Read {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        compare_fio: bool,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum DebugCmd {
+    /// Commit tensors given as raw files listed in a JSON manifest
+    /// ({"tensors":[{"name","dtype","shape","file"}],"blobs":[{"name","file"}]}).
+    WriteRaw {
+        manifest: PathBuf,
+        #[arg(long = "dir", required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long)]
+        step: u64,
+        #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+        shard_size: u64,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+    /// Commit synthetic checkpoints of SIZE forever (steps 1, 2, ...), with
+    /// retention; the crash tests kill it at random points.
+    Torture {
+        #[arg(long = "dir", required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        #[arg(long, default_value_t = 3)]
+        keep: usize,
+        #[arg(long)]
+        count: Option<u64>,
+        #[command(flatten)]
+        io: IoArgs,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CKPT_SIDECAR_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Ls { dir, json } => ls(&dir, json),
+        Cmd::Inspect { dir, step, json } => inspect(&dir, step, json),
+        Cmd::Verify { dir, step, secondaries, json, io } => verify(&dir, step, secondaries, json, io.policy()),
+        Cmd::Gc { dirs, keep, keep_every, json } => gc(&dirs, keep, keep_every, json),
+        Cmd::Doctor { dirs, json, io } => doctor(&dirs, json, io.policy()),
+        Cmd::Bench { what } => bench_cmd(what),
+        Cmd::Debug { what } => debug_cmd(what),
+    }
+}
+
+fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let steps = catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
+    let latest = catalog::latest_step(dir)?;
+    let mut rows = Vec::new();
+    for s in steps {
+        let (tensors, bytes) = match restore::read_index(dir, s) {
+            Ok(i) => (Some(i.ckpt.tensors.len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>())),
+            Err(_) => (None, None),
+        };
+        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes}));
+    }
+    if json {
+        println!("{}", json!({"dir": dir, "latest": latest, "checkpoints": rows}));
+    } else if rows.is_empty() {
+        println!("{}: no committed checkpoint", dir.display());
+    } else {
+        println!("{:>12}  {:>8}  {:>12}  LATEST", "STEP", "TENSORS", "BYTES");
+        for r in &rows {
+            println!(
+                "{:>12}  {:>8}  {:>12}  {}",
+                r["step"].as_u64().unwrap_or_default(),
+                r["tensors"].as_u64().map_or("?".into(), |t| t.to_string()),
+                r["bytes"].as_u64().map_or("unreadable index".into(), human_bytes),
+                if r["latest"].as_bool() == Some(true) { "*" } else { "" }
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
+    match step {
+        Some(s) => Ok(s),
+        None => catalog::latest_step(dir)?.with_context(|| format!("{}: no committed checkpoint", dir.display())),
+    }
+}
+
+fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
+    let step = resolve_step(dir, step)?;
+    let index = restore::read_index(dir, step)?;
+    if json {
+        println!("{}", serde_json::to_string(&index)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let c = &index.ckpt;
+    let bytes: u64 = c.files.iter().map(|f| f.len_bytes).sum();
+    println!("step {} in {}: {} tensors, {} files, {}", c.step, catalog::step_path(dir, step).display(), c.tensors.len(), c.files.len(), human_bytes(bytes));
+    println!("{:<48} {:<8} {:<20} {:>12}  FILE", "TENSOR", "DTYPE", "SHAPE", "BYTES");
+    for (name, t) in &c.tensors {
+        println!("{:<48} {:<8} {:<20} {:>12}  {}", name, t.dtype.as_str(), format!("{:?}", t.shape), t.data_offsets[1] - t.data_offsets[0], t.file);
+    }
+    for b in &c.blobs {
+        println!("blob {:<43} {:>42}", b.name, b.len_bytes);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, io: IoPolicy) -> anyhow::Result<ExitCode> {
+    let steps = match step {
+        Some(s) => vec![s],
+        None => catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?,
+    };
+    if steps.is_empty() {
+        bail!("{}: no committed checkpoint to verify", dir.display());
+    }
+    let opts = ReadOptions { io, secondary_dirs: if secondaries.is_empty() { None } else { Some(secondaries) } };
+    let bar = if std::io::stderr().is_terminal() && !json {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}").expect("valid template"));
+        Some(b)
+    } else {
+        None
+    };
+    let mut results = Vec::new();
+    let mut damaged = false;
+    for s in steps {
+        if let Some(b) = &bar {
+            b.set_message(format!("step {s}"));
+            b.set_position(0);
+        }
+        let r = restore::verify(dir, s, &opts, |done, total| {
+            if let Some(b) = &bar {
+                b.set_length(total);
+                b.set_position(done);
+            }
+        })?;
+        damaged |= !r.problems.is_empty();
+        if !json {
+            if let Some(b) = &bar {
+                b.suspend(|| print_verify(&r));
+            } else {
+                print_verify(&r);
+            }
+        }
+        results.push(json!({
+            "step": r.step, "ok": r.problems.is_empty(), "files": r.files, "tensors": r.tensors, "bytes": r.bytes,
+            "seconds": r.seconds, "problems": r.problems.iter().map(|p| json!({"file": p.file, "tensor": p.tensor, "what": p.what})).collect::<Vec<_>>(),
+        }));
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if json {
+        println!("{}", json!({"dir": dir, "ok": !damaged, "checkpoints": results}));
+    }
+    Ok(if damaged { ExitCode::from(EXIT_DAMAGED) } else { ExitCode::SUCCESS })
+}
+
+fn print_verify(r: &restore::VerifyReport) {
+    if r.problems.is_empty() {
+        println!("step {}: ok ({} files, {} tensors, {} in {:.2} s)", r.step, r.files, r.tensors, human_bytes(r.bytes), r.seconds);
+    } else {
+        println!("step {}: DAMAGED", r.step);
+        for p in &r.problems {
+            println!("  {p}");
+        }
+    }
+}
+
+fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
+    if keep == 0 {
+        bail!("--keep must be at least 1 (the newest checkpoint is never deleted)");
+    }
+    // Opening the store runs recovery first, so leftovers go too.
+    let store = Store::open(StoreOptions::new(dirs.to_vec()))?;
+    let deleted = retention::apply(store.dirs(), Retention { keep_last: keep, keep_every })?;
+    let kept = catalog::committed_steps(store.primary())?;
+    if json {
+        println!("{}", json!({"deleted": deleted, "kept": kept, "recovered": store.recovery().removed}));
+    } else {
+        for p in &store.recovery().removed {
+            println!("removed leftover {}", p.display());
+        }
+        println!("deleted {} checkpoint(s) {:?}; kept {:?}", deleted.len(), deleted, kept);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode> {
+    let mut rows = Vec::new();
+    let mut failed = false;
+    for d in dirs {
+        match eio::probe(d, io) {
+            Ok(c) => {
+                if !json {
+                    println!("{}: {} (queue depth {}): {}", d.display(), c.name(), c.queue_depth, c.why.join("; "));
+                }
+                rows.push(json!({"dir": d, "engine": c.name(), "uring": c.backend == eio::Backend::Uring, "direct": c.direct, "queue_depth": c.queue_depth, "why": c.why}));
+            }
+            Err(e) => {
+                failed = true;
+                if !json {
+                    println!("{}: unusable: {e}", d.display());
+                }
+                rows.push(json!({"dir": d, "engine": null, "error": e.to_string()}));
+            }
+        }
+    }
+    if json {
+        println!("{}", json!({"dirs": rows}));
+    }
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+fn print_figures(f: &bench::Figures, json: bool) -> anyhow::Result<()> {
+    println!("op:              {}", f.op);
+    println!("step:            {}", f.step);
+    println!("bytes:           {} ({})", f.bytes, human_bytes(f.bytes));
+    println!("files/tensors:   {}/{}", f.n_files, f.n_tensors);
+    println!("engine:          {}", f.engine);
+    println!("seconds:         {:.3}", f.seconds);
+    println!("gib_per_s:       {:.3}", f.gib_per_s);
+    println!("cpu user s/GiB:  {:.3}", f.cpu_user_s_per_gib);
+    println!("cpu sys s/GiB:   {:.3}", f.cpu_sys_s_per_gib);
+    println!("memory:          {} (prepared in {:.2} s, untimed)", f.memory, f.prepare_seconds);
+    if let (Some(fio), Some(r)) = (f.fio_gib_per_s, f.ratio_to_fio) {
+        println!("fio gib_per_s:   {fio:.3} (same size, same directory, just before)");
+        println!("ratio to fio:    {r:.3}");
+    }
+    if json {
+        println!("{}", serde_json::to_string(f)?);
+    }
+    Ok(())
+}
+
+fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
+    match what {
+        BenchCmd::Write { dirs, size, step, shard_size, compare_fio, json, io } => {
+            let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
+            print_figures(&f, json)?;
+        }
+        BenchCmd::Read { dir, compare_fio, json, io } => {
+            let f = bench::read(&bench::ReadArgs { dir, io: io.policy(), compare_fio })?;
+            print_figures(&f, json)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(serde::Deserialize)]
+struct Manifest {
+    tensors: Vec<ManifestTensor>,
+    #[serde(default)]
+    blobs: Vec<ManifestBlob>,
+}
+
+#[derive(serde::Deserialize)]
+struct ManifestTensor {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    file: PathBuf,
+}
+
+#[derive(serde::Deserialize)]
+struct ManifestBlob {
+    name: String,
+    file: PathBuf,
+}
+
+fn debug_cmd(what: DebugCmd) -> anyhow::Result<ExitCode> {
+    match what {
+        DebugCmd::WriteRaw { manifest, dirs, step, shard_size, io } => {
+            let base = manifest.parent().unwrap_or(Path::new(".")).to_path_buf();
+            let m: Manifest = serde_json::from_slice(&std::fs::read(&manifest)?).context("parsing the manifest")?;
+            let specs = m
+                .tensors
+                .iter()
+                .map(|t| Ok(TensorSpec { name: t.name.clone(), dtype: Dtype::parse(&t.dtype)?, shape: t.shape.clone() }))
+                .collect::<Result<Vec<_>, format::FormatError>>()?;
+            let mut store = Store::open(StoreOptions { io: io.policy(), ..StoreOptions::new(dirs.clone()) })?;
+            let layout = Layout::plan(specs, LayoutOptions { n_dirs: dirs.len(), shard_bytes_max: shard_size, ..Default::default() })?;
+            let mut staging = AlignedBuf::new(layout.staging_len as usize)?;
+            layout.write_headers(staging.as_mut_slice());
+            for (i, t) in m.tensors.iter().enumerate() {
+                let bytes = std::fs::read(base.join(&t.file)).with_context(|| format!("reading {}", t.file.display()))?;
+                let r = layout.tensor_range(i);
+                if bytes.len() != r.len() {
+                    bail!("{}: {} bytes, but {} {:?} needs {}", t.file.display(), bytes.len(), t.dtype, t.shape, r.len());
+                }
+                staging.as_mut_slice()[r].copy_from_slice(&bytes);
+            }
+            let blob_bytes = m.blobs.iter().map(|b| std::fs::read(base.join(&b.file))).collect::<Result<Vec<_>, _>>()?;
+            let blobs: Vec<Blob> = m.blobs.iter().zip(&blob_bytes).map(|(b, bytes)| Blob { name: &b.name, bytes }).collect();
+            let crcs = layout.tensor_crcs(staging.as_slice());
+            let r = store.commit(step, &layout, &staging, &crcs, &blobs)?;
+            println!("{}", json!({"step": r.step, "path": r.path, "bytes": r.bytes, "engine": store.engine_names()}));
+        }
+        DebugCmd::Torture { dirs, size, keep, count, io } => {
+            let mut store = Store::open(StoreOptions {
+                io: io.policy(),
+                retention: Some(Retention { keep_last: keep, keep_every: None }),
+                ..StoreOptions::new(dirs.clone())
+            })?;
+            let layout = Layout::plan(synthetic::transformer_specs(size), LayoutOptions { n_dirs: dirs.len(), shard_bytes_max: (size / 3).max(1 << 20), ..Default::default() })?;
+            let mut staging = AlignedBuf::new(layout.staging_len as usize)?;
+            let first = catalog::committed_steps(store.primary())?.last().map_or(1, |s| s + 1);
+            let blob = b"torture blob".to_vec();
+            let mut step = first;
+            loop {
+                if count.is_some_and(|c| step >= first + c) {
+                    break;
+                }
+                let crcs = synthetic::stage(&layout, staging.as_mut_slice(), step);
+                store.commit(step, &layout, &staging, &crcs, &[Blob { name: "meta", bytes: &blob }])?;
+                println!("committed {step}");
+                step += 1;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,110 @@
+//! Recovery at startup: put the target directories back into a state where
+//! every folder is either a committed checkpoint or gone.
+//!
+//! Invariants:
+//! - a committed checkpoint (a `step-…` folder holding an index in the
+//!   primary) is never touched;
+//! - a secondary `step-…` folder is removed only when the primary has no
+//!   committed checkpoint of that step *and* the folder holds no index itself
+//!   (so a directory list given in another order never destroys a primary);
+//! - afterwards `latest` names the newest committed checkpoint, or is absent
+//!   when there is none.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::catalog;
+use crate::format::{self, DEL_PREFIX, INDEX_FILE_NAME, LATEST_TMP_PREFIX, TMP_PREFIX};
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Temp, half-deleted and orphaned folders (and temp files) removed.
+    pub removed: Vec<PathBuf>,
+    /// `latest` before and after, when it had to change.
+    pub latest_repaired: Option<(Option<String>, Option<u64>)>,
+    /// Things found and left alone, worth a line in the log.
+    pub warnings: Vec<String>,
+}
+
+impl RecoveryReport {
+    pub fn is_clean(&self) -> bool {
+        self.removed.is_empty() && self.latest_repaired.is_none()
+    }
+}
+
+/// `dirs[0]` is the primary. Each directory must exist.
+pub fn recover(dirs: &[PathBuf]) -> io::Result<RecoveryReport> {
+    assert!(!dirs.is_empty());
+    let mut report = RecoveryReport::default();
+    let primary = &dirs[0];
+    for dir in dirs {
+        let mut removed_here = false;
+        for e in fs::read_dir(dir)? {
+            let e = e?;
+            let name = e.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if name.starts_with(TMP_PREFIX) || name.starts_with(DEL_PREFIX) || name.starts_with(LATEST_TMP_PREFIX) {
+                let p = e.path();
+                if e.file_type()?.is_dir() {
+                    catalog::remove_tree(&p)?;
+                } else {
+                    fs::remove_file(&p)?;
+                }
+                report.removed.push(p);
+                removed_here = true;
+            }
+        }
+        if dir != primary {
+            for step in catalog::step_dirs(dir)? {
+                let p = catalog::step_path(dir, step);
+                if catalog::is_committed(primary, step) {
+                    continue;
+                }
+                if p.join(INDEX_FILE_NAME).exists() {
+                    report.warnings.push(format!(
+                        "{} holds an index but is given as a secondary directory; left alone (is the directory order right?)",
+                        p.display()
+                    ));
+                    continue;
+                }
+                catalog::remove_tree(&p)?;
+                report.removed.push(p);
+                removed_here = true;
+            }
+        }
+        if removed_here {
+            catalog::fsync_dir(dir)?;
+        }
+    }
+    for step in catalog::step_dirs(primary)? {
+        if !catalog::is_committed(primary, step) {
+            report.warnings.push(format!(
+                "{} has no index, so it is not a committed checkpoint; left alone",
+                catalog::step_path(primary, step).display()
+            ));
+        }
+    }
+    repair_latest(primary, &mut report)?;
+    Ok(report)
+}
+
+fn repair_latest(primary: &Path, report: &mut RecoveryReport) -> io::Result<()> {
+    let raw = catalog::read_latest(primary)?;
+    let newest = catalog::committed_steps(primary)?.last().copied();
+    let named = raw.as_deref().and_then(format::parse_step_dir_name);
+    let named_ok = named.is_some_and(|s| catalog::is_committed(primary, s));
+    if named_ok && named == newest {
+        return Ok(());
+    }
+    // Here `latest` is missing, names something uncommitted, or names a
+    // committed checkpoint that is not the newest (a crash between a commit
+    // and its `latest` update): point it at the newest.
+    match newest {
+        Some(s) => catalog::write_latest(primary, s)?,
+        None if raw.is_some() => catalog::remove_latest(primary)?,
+        None => return Ok(()),
+    }
+    report.latest_repaired = Some((raw, newest));
+    Ok(())
+}

@@ -215,9 +215,10 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
                 let dir = &step_dirs[di];
                 s.spawn(move || {
                     let targets: Vec<(usize, *mut u8)> = p.iter().map(|&(fi, off)| (fi, (base + off) as *mut u8)).collect();
+                    let mut reader = DirReader::open(dir, opts.io)?;
                     // SAFETY: each target is a disjoint range of `buf`, which
                     // outlives this scope and is not touched until it ends.
-                    unsafe { read_and_check(dir, index, &targets, opts.io) }
+                    Ok(unsafe { read_and_check(dir, index, &targets, &mut reader) })
                 })
             })
             .collect();
@@ -281,10 +282,9 @@ unsafe fn read_and_check(
     step_dir: &Path,
     index: &Index,
     targets: &[(usize, *mut u8)],
-    policy: IoPolicy,
-) -> Result<(Vec<Problem>, Vec<(String, u64)>, String), LoadError> {
-    let choice = eio::probe(step_dir, policy)?;
-    let mut engine = choice.open_engine().map_err(|e| LoadError::Io { path: step_dir.to_path_buf(), what: "start I/O engine", source: e })?;
+    reader: &mut DirReader,
+) -> (Vec<Problem>, Vec<(String, u64)>, String) {
+    let mut any_direct = false;
     let mut problems = Vec::new();
     let mut opened = Vec::new();
     let mut ios = Vec::new();
@@ -292,8 +292,8 @@ unsafe fn read_and_check(
     for &(fi, dest) in targets {
         let f = &index.ckpt.files[fi];
         let path = step_dir.join(&f.name);
-        let file = match eio::open_for_read(&path, choice.direct) {
-            Ok(file) => file,
+        let (file, direct) = match eio::open_for_read_with(&path, reader.want_direct) {
+            Ok(f) => f,
             Err(e) => {
                 problems.push(problem(Some(&f.name), None, format!("cannot open: {e}")));
                 continue;
@@ -304,7 +304,8 @@ unsafe fn read_and_check(
             problems.push(problem(Some(&f.name), None, format!("{actual} bytes where the index says {}", f.len_bytes)));
             continue;
         }
-        let io_len = if choice.direct { config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES) } else { f.len_bytes };
+        any_direct |= direct;
+        let io_len = if direct { config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES) } else { f.len_bytes };
         ios.push(FileIo { fd: file.as_raw_fd(), ptr: dest, io_len, file_len: f.len_bytes });
         // Tensors of this file in file order, and the next one to check.
         let tensors: Vec<(&String, &format::IndexTensor)> = index.tensors_of(&f.name).collect();
@@ -312,7 +313,7 @@ unsafe fn read_and_check(
         opened.push(file);
     }
     let mut check_problems: Vec<Problem> = Vec::new();
-    let r = eio::drive(engine.as_mut(), OpKind::Read, &ios, config::CHUNK_BYTES_DEFAULT, |i, done| {
+    let r = eio::drive(reader.engine.as_mut(), OpKind::Read, &ios, config::CHUNK_BYTES_DEFAULT, |i, done| {
         let m = &mut metas[i];
         let f = &index.ckpt.files[m.fi];
         // SAFETY: bytes below `done` have been read and no request targets them any more.
@@ -340,7 +341,23 @@ unsafe fn read_and_check(
         }
         starts.push((f.name.clone(), m.data_start.unwrap_or(0)));
     }
-    Ok((problems, starts, choice.name()))
+    let engine = eio::EngineChoice { direct: any_direct, ..reader.choice.clone() }.name();
+    (problems, starts, engine)
+}
+
+/// An engine for reading one directory, opened once and reused for its files.
+struct DirReader {
+    choice: eio::EngineChoice,
+    want_direct: eio::Want,
+    engine: Box<dyn eio::IoEngine>,
+}
+
+impl DirReader {
+    fn open(dir: &Path, policy: IoPolicy) -> Result<DirReader, LoadError> {
+        let (choice, want_direct) = eio::probe_for_read(dir, policy)?;
+        let engine = choice.open_engine().map_err(|e| LoadError::Io { path: dir.to_path_buf(), what: "start I/O engine", source: e })?;
+        Ok(DirReader { choice, want_direct, engine })
+    }
 }
 
 /// Progress of checking one file as its bytes arrive in order.
@@ -439,10 +456,16 @@ pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl 
     let mut buf = AlignedBuf::new(biggest as usize).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify buffer", source: e })?;
     let mut problems = Vec::new();
     let mut done = 0;
+    let mut readers: Vec<Option<DirReader>> = dirs.iter().map(|_| None).collect();
     for (fi, f) in index.ckpt.files.iter().enumerate() {
-        let dir = catalog::step_path(&dirs[f.dir_idx as usize], step);
+        let di = f.dir_idx as usize;
+        let dir = catalog::step_path(&dirs[di], step);
+        let reader = match &mut readers[di] {
+            Some(r) => r,
+            slot => slot.insert(DirReader::open(&dir, opts.io)?),
+        };
         // SAFETY: buf is ours, large enough, and untouched during the call.
-        let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, buf.as_mut_ptr())], opts.io)? };
+        let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, buf.as_mut_ptr())], reader) };
         problems.extend(p);
         done += f.len_bytes;
         progress(done, total);

@@ -183,23 +183,7 @@ pub enum ProbeError {
 /// (EINVAL, e.g. on some network file systems, means buffered writes).
 pub fn probe(dir: &Path, policy: IoPolicy) -> Result<EngineChoice, ProbeError> {
     let policy = policy.or_env().map_err(ProbeError::Policy)?;
-    let mut why = Vec::new();
-    let backend = match policy.uring {
-        Want::Off => {
-            why.push("io_uring disabled by configuration".to_string());
-            Backend::Pool
-        }
-        w => match UringEngine::probe(policy.queue_depth) {
-            Ok(()) => Backend::Uring,
-            Err(e) if w == Want::On => {
-                return Err(ProbeError::Io { dir: dir.display().to_string(), what: "io_uring required but refused", source: e })
-            }
-            Err(e) => {
-                why.push(format!("io_uring refused ({e}); using a thread pool of pwrite/pread"));
-                Backend::Pool
-            }
-        },
-    };
+    let (backend, mut why) = probe_backend(dir, policy)?;
     let direct = match policy.direct {
         Want::Off => {
             why.push("O_DIRECT disabled by configuration".to_string());
@@ -221,6 +205,51 @@ pub fn probe(dir: &Path, policy: IoPolicy) -> Result<EngineChoice, ProbeError> {
         why.push("io_uring and O_DIRECT both work here".to_string());
     }
     Ok(EngineChoice { backend, direct, queue_depth: policy.queue_depth, why })
+}
+
+/// The engine for reading files in `dir`, which writes nothing there: the
+/// backend as [`probe`] chooses it; O_DIRECT unless disabled, to be confirmed
+/// per file by [`open_for_read_with`].
+pub fn probe_for_read(dir: &Path, policy: IoPolicy) -> Result<(EngineChoice, Want), ProbeError> {
+    let policy = policy.or_env().map_err(ProbeError::Policy)?;
+    let (backend, why) = probe_backend(dir, policy)?;
+    let choice = EngineChoice { backend, direct: policy.direct != Want::Off, queue_depth: policy.queue_depth, why };
+    Ok((choice, policy.direct))
+}
+
+/// Opens for reading with O_DIRECT as `want` says; with `Auto`, a file
+/// system that refuses O_DIRECT (EINVAL) gets a buffered open instead.
+/// Returns the file and whether it is direct.
+pub fn open_for_read_with(path: &Path, want: Want) -> io::Result<(File, bool)> {
+    if want == Want::Off {
+        return Ok((open_for_read(path, false)?, false));
+    }
+    match open_for_read(path, true) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && want == Want::Auto => Ok((open_for_read(path, false)?, false)),
+        Err(e) => Err(e),
+    }
+}
+
+fn probe_backend(dir: &Path, policy: IoPolicy) -> Result<(Backend, Vec<String>), ProbeError> {
+    let mut why = Vec::new();
+    let backend = match policy.uring {
+        Want::Off => {
+            why.push("io_uring disabled by configuration".to_string());
+            Backend::Pool
+        }
+        w => match UringEngine::probe(policy.queue_depth) {
+            Ok(()) => Backend::Uring,
+            Err(e) if w == Want::On => {
+                return Err(ProbeError::Io { dir: dir.display().to_string(), what: "io_uring required but refused", source: e })
+            }
+            Err(e) => {
+                why.push(format!("io_uring refused ({e}); using a thread pool of pwrite/pread"));
+                Backend::Pool
+            }
+        },
+    };
+    Ok((backend, why))
 }
 
 fn probe_direct(dir: &Path) -> io::Result<()> {

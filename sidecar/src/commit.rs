@@ -369,6 +369,7 @@ fn write_shards(
             ptr: staging.as_ptr().wrapping_add(range.start) as *mut u8,
             io_len,
             file_len: sh.file_len,
+            window_bytes: 0,
         });
         files.push(f);
     }

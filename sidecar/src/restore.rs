@@ -214,7 +214,7 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
                 let index = &index;
                 let dir = &step_dirs[di];
                 s.spawn(move || {
-                    let targets: Vec<(usize, *mut u8)> = p.iter().map(|&(fi, off)| (fi, (base + off) as *mut u8)).collect();
+                    let targets: Vec<(usize, Dest)> = p.iter().map(|&(fi, off)| (fi, Dest::Whole((base + off) as *mut u8))).collect();
                     let mut reader = DirReader::open(dir, opts.io)?;
                     // SAFETY: each target is a disjoint range of `buf`, which
                     // outlives this scope and is not touched until it ends.
@@ -269,26 +269,35 @@ fn read_blobs(step_dir: &Path, index: &Index, out: &mut BTreeMap<String, Vec<u8>
     problems
 }
 
+/// Where a file is read to: its own place in a buffer large enough for all
+/// of it (load), or a ring window it streams through (verify).
+#[derive(Clone, Copy)]
+enum Dest {
+    Whole(*mut u8),
+    Window(*mut u8, u64),
+}
+
 /// Reads the files `targets` (index into `index.ckpt.files`, destination) of
-/// one directory into memory and checks each: length, header against the
-/// index, every tensor's checksum (computed while later chunks are still in
-/// flight), the file checksum. Returns the problems, the data-section start
-/// of each file, and the engine name.
+/// one directory and checks each as its bytes arrive: length, header against
+/// the index, every tensor's checksum (computed while later chunks are still
+/// in flight), the file checksum. Returns the problems, the data-section
+/// start of each file, and the engine name.
 ///
 /// # Safety
 /// Each destination must be valid, writable and otherwise untouched for the
-/// file's length rounded up to the O_DIRECT block, for the whole call.
+/// whole call: for `Whole`, the file's length rounded up to the O_DIRECT
+/// block; for `Window`, the window.
 unsafe fn read_and_check(
     step_dir: &Path,
     index: &Index,
-    targets: &[(usize, *mut u8)],
+    targets: &[(usize, Dest)],
     reader: &mut DirReader,
 ) -> (Vec<Problem>, Vec<(String, u64)>, String) {
     let mut any_direct = false;
     let mut problems = Vec::new();
     let mut opened = Vec::new();
     let mut ios = Vec::new();
-    let mut metas = Vec::new();
+    let mut checks = Vec::new();
     for &(fi, dest) in targets {
         let f = &index.ckpt.files[fi];
         let path = step_dir.join(&f.name);
@@ -306,24 +315,22 @@ unsafe fn read_and_check(
         }
         any_direct |= direct;
         let io_len = if direct { config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES) } else { f.len_bytes };
-        ios.push(FileIo { fd: file.as_raw_fd(), ptr: dest, io_len, file_len: f.len_bytes });
-        // Tensors of this file in file order, and the next one to check.
-        let tensors: Vec<(&String, &format::IndexTensor)> = index.tensors_of(&f.name).collect();
-        metas.push(FileCheck { fi, dest, tensors, next: 0, data_start: None, crc: 0, crc_done_to: 0, failed: false });
+        let (ptr, window_bytes) = match dest {
+            Dest::Whole(p) => (p, 0),
+            Dest::Window(p, w) => (p, w),
+        };
+        ios.push(FileIo { fd: file.as_raw_fd(), ptr, io_len, file_len: f.len_bytes, window_bytes });
+        checks.push(FileCheck::new(f, index.tensors_of(&f.name).collect()));
         opened.push(file);
     }
     let mut check_problems: Vec<Problem> = Vec::new();
-    let r = eio::drive(reader.engine.as_mut(), OpKind::Read, &ios, config::CHUNK_BYTES_DEFAULT, |i, done| {
-        let m = &mut metas[i];
-        let f = &index.ckpt.files[m.fi];
-        // SAFETY: bytes below `done` have been read and no request targets them any more.
-        let bytes = std::slice::from_raw_parts(m.dest as *const u8, done as usize);
-        m.advance(f, bytes, &mut check_problems);
+    let r = eio::drive(reader.engine.as_mut(), OpKind::Read, &ios, config::CHUNK_BYTES_DEFAULT, |i, bytes| {
+        checks[i].feed(bytes, &mut check_problems);
     });
     if let Err(e) = r {
         let name = match &e {
             eio::DriveError::Io { file_idx, .. } | eio::DriveError::ShortRead { file_idx, .. } | eio::DriveError::ShortWrite { file_idx, .. } => {
-                Some(index.ckpt.files[metas[*file_idx].fi].name.as_str())
+                Some(checks[*file_idx].file.name.as_str())
             }
             eio::DriveError::Engine(_) => None,
         };
@@ -331,15 +338,9 @@ unsafe fn read_and_check(
     }
     problems.extend(check_problems);
     let mut starts = Vec::new();
-    for m in &metas {
-        let f = &index.ckpt.files[m.fi];
-        if !m.failed && m.next == m.tensors.len() && m.crc_done_to == f.len_bytes && m.crc != f.crc32c {
-            problems.push(problem(Some(&f.name), None, format!("file checksum mismatch (index {:#010x}, file {:#010x})", f.crc32c, m.crc)));
-        }
-        if !m.failed && m.next < m.tensors.len() && !problems.iter().any(|p| p.file.as_deref() == Some(&f.name)) {
-            problems.push(problem(Some(&f.name), None, "not fully checked".to_string()));
-        }
-        starts.push((f.name.clone(), m.data_start.unwrap_or(0)));
+    for c in &checks {
+        c.finish(&mut problems);
+        starts.push((c.file.name.clone(), c.data_start.unwrap_or(0)));
     }
     let engine = eio::EngineChoice { direct: any_direct, ..reader.choice.clone() }.name();
     (problems, starts, engine)
@@ -360,70 +361,113 @@ impl DirReader {
     }
 }
 
-/// Progress of checking one file as its bytes arrive in order.
+/// Checks one file from a stream of its bytes in order: the header (kept
+/// until whole), then each tensor's crc32c computed incrementally, and the
+/// file's crc32c combined from them.
 struct FileCheck<'a> {
-    fi: usize,
-    dest: *mut u8,
+    file: &'a format::IndexFile,
     tensors: Vec<(&'a String, &'a format::IndexTensor)>,
-    next: usize,
+    /// Bytes fed so far.
+    pos: u64,
+    header: Vec<u8>,
     data_start: Option<u64>,
-    /// crc32c of the file's first `crc_done_to` bytes.
-    crc: u32,
-    crc_done_to: u64,
+    next: usize,
+    tensor_crc: u32,
+    file_crc: u32,
     failed: bool,
 }
 
-impl FileCheck<'_> {
-    fn advance(&mut self, f: &format::IndexFile, bytes: &[u8], problems: &mut Vec<Problem>) {
-        if self.failed {
+impl<'a> FileCheck<'a> {
+    fn new(file: &'a format::IndexFile, tensors: Vec<(&'a String, &'a format::IndexTensor)>) -> FileCheck<'a> {
+        FileCheck { file, tensors, pos: 0, header: Vec::new(), data_start: None, next: 0, tensor_crc: 0, file_crc: 0, failed: false }
+    }
+
+    fn fail(&mut self, problems: &mut Vec<Problem>, what: String) {
+        problems.push(problem(Some(&self.file.name), None, what));
+        self.failed = true;
+    }
+
+    fn feed(&mut self, mut bytes: &[u8], problems: &mut Vec<Problem>) {
+        let f = self.file;
+        while !bytes.is_empty() && !self.failed {
+            let Some(ds) = self.data_start else {
+                // Header: 8 length bytes, then that many bytes of JSON.
+                let want = if self.header.len() < 8 {
+                    8
+                } else {
+                    let hlen = u64::from_le_bytes(self.header[..8].try_into().expect("8 bytes"));
+                    if hlen > config::HEADER_BYTES_MAX as u64 || 8 + hlen > f.len_bytes {
+                        let e = format::decode_header(&self.header, f.len_bytes).err().map_or_else(|| "bad header length".to_string(), |e| e.to_string());
+                        return self.fail(problems, e);
+                    }
+                    8 + hlen as usize
+                };
+                let take = (want - self.header.len()).min(bytes.len());
+                self.header.extend_from_slice(&bytes[..take]);
+                self.pos += take as u64;
+                bytes = &bytes[take..];
+                let whole = self.header.len() >= 8
+                    && self.header.len() as u64 == 8 + u64::from_le_bytes(self.header[..8].try_into().expect("8 bytes"));
+                if whole {
+                    self.parse_header(problems);
+                }
+                continue;
+            };
+            self.finish_tensors_ending_at_pos(problems);
+            let Some(&(_, t)) = self.tensors.get(self.next) else {
+                return self.fail(problems, "bytes after the last tensor".to_string());
+            };
+            let end = ds + t.data_offsets[1];
+            let take = ((end - self.pos) as usize).min(bytes.len());
+            self.tensor_crc = crc32c::crc32c_append(self.tensor_crc, &bytes[..take]);
+            self.pos += take as u64;
+            bytes = &bytes[take..];
+            self.finish_tensors_ending_at_pos(problems);
+        }
+    }
+
+    fn parse_header(&mut self, problems: &mut Vec<Problem>) {
+        match format::decode_header(&self.header, self.file.len_bytes) {
+            Err(e) => self.fail(problems, e.to_string()),
+            Ok(h) => {
+                let listed: Vec<_> = self.tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets)).collect();
+                let found: Vec<_> =
+                    h.tensors.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), [t.data_offsets.0, t.data_offsets.1])).collect();
+                if listed != found {
+                    return self.fail(problems, "safetensors header disagrees with the index".to_string());
+                }
+                self.data_start = Some(h.data_start);
+                self.file_crc = crc32c::crc32c(&self.header);
+                self.header = Vec::new();
+            }
+        }
+    }
+
+    /// Closes every tensor whose last byte has been fed (empty ones included).
+    fn finish_tensors_ending_at_pos(&mut self, problems: &mut Vec<Problem>) {
+        let ds = self.data_start.expect("header parsed");
+        while let Some(&(name, t)) = self.tensors.get(self.next) {
+            if ds + t.data_offsets[1] > self.pos {
+                return;
+            }
+            if self.tensor_crc != t.crc32c {
+                problems.push(problem(Some(&self.file.name), Some(name), format!("checksum mismatch (index {:#010x}, data {:#010x})", t.crc32c, self.tensor_crc)));
+            }
+            self.file_crc = crc32c::crc32c_combine(self.file_crc, self.tensor_crc, (t.data_offsets[1] - t.data_offsets[0]) as usize);
+            self.tensor_crc = 0;
+            self.next += 1;
+        }
+    }
+
+    fn finish(&self, problems: &mut Vec<Problem>) {
+        let f = self.file;
+        if self.failed || problems.iter().any(|p| p.file.as_deref() == Some(&f.name)) {
             return;
         }
-        let done = bytes.len() as u64;
-        if self.data_start.is_none() {
-            if done < 8 {
-                return;
-            }
-            let hlen = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-            let need = 8u64.saturating_add(hlen).min(f.len_bytes);
-            if done < need && done < f.len_bytes {
-                return;
-            }
-            match format::decode_header(bytes, f.len_bytes) {
-                Err(e) => {
-                    problems.push(problem(Some(&f.name), None, e.to_string()));
-                    self.failed = true;
-                    return;
-                }
-                Ok(h) => {
-                    let listed: Vec<(&str, format::Dtype, &[u64], [u64; 2])> =
-                        self.tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets)).collect();
-                    let found: Vec<(&str, format::Dtype, &[u64], [u64; 2])> =
-                        h.tensors.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), [t.data_offsets.0, t.data_offsets.1])).collect();
-                    if listed != found {
-                        problems.push(problem(Some(&f.name), None, "safetensors header disagrees with the index"));
-                        self.failed = true;
-                        return;
-                    }
-                    self.data_start = Some(h.data_start);
-                    self.crc = crc32c::crc32c(&bytes[..h.data_start as usize]);
-                    self.crc_done_to = h.data_start;
-                }
-            }
-        }
-        let ds = self.data_start.expect("set above");
-        while self.next < self.tensors.len() {
-            let (name, t) = self.tensors[self.next];
-            let (b, e) = (ds + t.data_offsets[0], ds + t.data_offsets[1]);
-            if e > done {
-                return;
-            }
-            let crc = crate::image::crc32c_parallel(&bytes[b as usize..e as usize]);
-            if crc != t.crc32c {
-                problems.push(problem(Some(&f.name), Some(name), format!("checksum mismatch (index {:#010x}, data {crc:#010x})", t.crc32c)));
-            }
-            self.crc = crc32c::crc32c_combine(self.crc, crc, (e - b) as usize);
-            self.crc_done_to = e;
-            self.next += 1;
+        if self.pos != f.len_bytes || self.next != self.tensors.len() {
+            problems.push(problem(Some(&f.name), None, format!("only {} of {} bytes checked", self.pos, f.len_bytes)));
+        } else if self.file_crc != f.crc32c {
+            problems.push(problem(Some(&f.name), None, format!("file checksum mismatch (index {:#010x}, file {:#010x})", f.crc32c, self.file_crc)));
         }
     }
 }
@@ -439,8 +483,11 @@ pub struct VerifyReport {
     pub seconds: f64,
 }
 
-/// Checks every byte of a committed checkpoint, holding one shard in memory
-/// at a time; `progress(bytes_done, bytes_total)` after each file.
+/// Memory `verify` streams every file through: queue depth x chunk, twice.
+const VERIFY_WINDOW_BYTES: usize = 2 * config::QUEUE_DEPTH_DEFAULT as usize * config::CHUNK_BYTES_DEFAULT;
+
+/// Checks every byte of a committed checkpoint, streaming each file through
+/// a fixed window of memory; `progress(bytes_done, bytes_total)` after each file.
 pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport, LoadError> {
     let t0 = Instant::now();
     let index = match read_index(primary, step) {
@@ -452,8 +499,7 @@ pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl 
     };
     let dirs = dir_paths(primary, &index, opts);
     let total: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
-    let biggest = index.ckpt.files.iter().map(|f| config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES)).max().unwrap_or(0);
-    let mut buf = AlignedBuf::new(biggest as usize).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify buffer", source: e })?;
+    let mut window = AlignedBuf::new(VERIFY_WINDOW_BYTES).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify window", source: e })?;
     let mut problems = Vec::new();
     let mut done = 0;
     let mut readers: Vec<Option<DirReader>> = dirs.iter().map(|_| None).collect();
@@ -464,8 +510,9 @@ pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl 
             Some(r) => r,
             slot => slot.insert(DirReader::open(&dir, opts.io)?),
         };
-        // SAFETY: buf is ours, large enough, and untouched during the call.
-        let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, buf.as_mut_ptr())], reader) };
+        let dest = Dest::Window(window.as_mut_ptr(), VERIFY_WINDOW_BYTES as u64);
+        // SAFETY: the window is ours and untouched during the call.
+        let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, dest)], reader) };
         problems.extend(p);
         done += f.len_bytes;
         progress(done, total);

@@ -399,12 +399,24 @@ impl DriveError {
 
 /// One file for a driver: its descriptor and the memory it is written from
 /// or read into. `io_len` is what is transferred (a multiple of the block size
-/// under O_DIRECT); reads accept EOF at `file_len` and no earlier.
+/// under O_DIRECT); reads accept EOF at `file_len` and no earlier. With
+/// `window_bytes > 0` (reads only) the memory is a ring of that many bytes:
+/// file offset `o` lands at `ptr + o % window_bytes`, and no request is
+/// issued into bytes not yet handed to `on_bytes`, so a file of any size
+/// streams through a small buffer.
 pub struct FileIo {
     pub fd: RawFd,
     pub ptr: *mut u8,
     pub io_len: u64,
     pub file_len: u64,
+    pub window_bytes: u64,
+}
+
+impl FileIo {
+    fn addr(&self, offset: u64) -> *mut u8 {
+        let at = if self.window_bytes > 0 { offset % self.window_bytes } else { offset };
+        self.ptr.wrapping_add(at as usize)
+    }
 }
 
 struct Pending {
@@ -416,22 +428,27 @@ struct Pending {
 /// Splits files into chunks and keeps up to the engine's queue depth of them
 /// in flight. Short transfers are resubmitted for the rest; the first error
 /// stops new submissions and is returned once everything in flight is back.
-/// `after_progress(file_idx, contiguous_bytes_done)` runs between waits,
-/// while requests are in flight, so the caller can overlap CPU work (checksums)
-/// with the I/O.
+/// `on_bytes(file_idx, bytes)` receives each file's bytes in file order, as
+/// soon as they are contiguous from the start (up to `file_len`), while later
+/// requests are in flight, so the caller overlaps CPU work (checksums) with
+/// the I/O. Writers pass a no-op.
 ///
 /// # Safety
-/// Every `FileIo` memory range must be valid for `io_len` bytes (for reads:
-/// writable and not accessed by anyone else) for the whole call.
+/// Every `FileIo` memory range (`io_len` bytes, or `window_bytes` with a
+/// window) must be valid for the whole call, and for reads writable and
+/// accessed by no one else.
 pub unsafe fn drive(
     engine: &mut dyn IoEngine,
     kind: OpKind,
     files: &[FileIo],
     chunk_bytes: usize,
-    mut after_progress: impl FnMut(usize, u64),
+    mut on_bytes: impl FnMut(usize, &[u8]),
 ) -> Result<(), DriveError> {
     assert!(kind != OpKind::Fdatasync);
     assert!(chunk_bytes > 0 && chunk_bytes <= u32::MAX as usize);
+    for f in files {
+        assert!(f.window_bytes == 0 || (kind == OpKind::Read && f.window_bytes % chunk_bytes as u64 == 0));
+    }
     let qd = engine.queue_depth().max(1);
     // The work list: (file, offset, len) still to issue, in file order.
     let mut todo: std::collections::VecDeque<Pending> = std::collections::VecDeque::new();
@@ -446,26 +463,32 @@ pub unsafe fn drive(
     // Slots: user_data indexes into it.
     let mut slots: Vec<Option<Pending>> = (0..qd).map(|_| None).collect();
     let mut free: Vec<usize> = (0..qd).rev().collect();
-    // Per file: completed ranges beyond the contiguous prefix, and the prefix.
+    // Per file: completed ranges beyond the contiguous prefix, the prefix,
+    // and how much of it has been handed to on_bytes.
     let mut prefix: Vec<u64> = vec![0; files.len()];
+    let mut delivered: Vec<u64> = vec![0; files.len()];
     let mut done_ranges: Vec<Vec<(u64, u64)>> = vec![Vec::new(); files.len()];
     // A read that stopped at EOF: the file's real end.
     let mut eof_at: Vec<Option<u64>> = vec![None; files.len()];
     let mut first_err: Option<DriveError> = None;
     let mut in_flight = 0usize;
     let mut comps = Vec::with_capacity(qd);
-    let mut touched: Vec<usize> = Vec::new();
     loop {
         while first_err.is_none() && !free.is_empty() {
-            let Some(p) = todo.pop_front() else { break };
+            let Some(p) = todo.front() else { break };
             let f = &files[p.file_idx];
+            if f.window_bytes > 0 && p.offset + p.len > delivered[p.file_idx] + f.window_bytes {
+                break; // its place in the window is not consumed yet
+            }
+            let p = todo.pop_front().expect("checked non-empty");
             if eof_at[p.file_idx].is_some_and(|e| p.offset >= e) {
                 // Past EOF: nothing to read, and it counts as done.
                 done_ranges[p.file_idx].push((p.offset, p.offset + p.len));
+                advance_prefix(&mut prefix[p.file_idx], &mut done_ranges[p.file_idx]);
                 continue;
             }
             let slot = free.pop().expect("checked non-empty");
-            let op = Op { kind, fd: f.fd, ptr: f.ptr.add(p.offset as usize), len: p.len as u32, offset: p.offset, user_data: slot as u64 };
+            let op = Op { kind, fd: f.fd, ptr: f.addr(p.offset), len: p.len as u32, offset: p.offset, user_data: slot as u64 };
             // SAFETY: the range lies inside the caller's FileIo memory, valid for
             // the whole call; we reap every completion before returning.
             match engine.push(op) {
@@ -475,28 +498,37 @@ pub unsafe fn drive(
                 }
                 Err(e) => {
                     free.push(slot);
+                    todo.push_front(p);
                     first_err = Some(DriveError::Engine(e));
                 }
             }
         }
+        if in_flight > 0 {
+            if let Err(e) = engine.submit() {
+                // Nothing new started; what was in flight must still be reaped.
+                first_err.get_or_insert(DriveError::Engine(e));
+            }
+        }
+        // Let the caller work on what has arrived while the disk works on.
+        if first_err.is_none() {
+            for (i, f) in files.iter().enumerate() {
+                let upto = prefix[i].min(f.file_len);
+                if upto > delivered[i] {
+                    deliver(f, delivered[i], upto, |b| on_bytes(i, b));
+                    delivered[i] = upto;
+                }
+            }
+        }
         if in_flight == 0 {
-            break;
-        }
-        if let Err(e) = engine.submit() {
-            // Nothing new started; what was in flight must still be reaped.
-            first_err.get_or_insert(DriveError::Engine(e));
-        }
-        // Let the caller work while the disk does.
-        touched.sort_unstable();
-        touched.dedup();
-        for i in touched.drain(..) {
-            advance_prefix(&mut prefix[i], &mut done_ranges[i]);
-            after_progress(i, prefix[i].min(files[i].file_len));
+            if todo.is_empty() || first_err.is_some() {
+                break;
+            }
+            continue; // delivery made room in a window
         }
         comps.clear();
         if let Err(e) = engine.wait(1, &mut comps) {
-            // The engine can no longer tell us about in-flight requests; this
-            // is unrecoverable for buffer ownership, so stop hard.
+            // The engine can no longer tell us about in-flight requests, so
+            // their buffers can never be handed back safely: stop hard.
             panic!("io engine failed while requests were in flight: {e}");
         }
         for c in comps.drain(..) {
@@ -504,7 +536,6 @@ pub unsafe fn drive(
             let p = slots[slot].take().expect("completion for an idle slot");
             free.push(slot);
             in_flight -= 1;
-            touched.push(p.file_idx);
             let f = &files[p.file_idx];
             if c.result < 0 {
                 let what = if kind == OpKind::Write { "write" } else { "read" };
@@ -517,41 +548,55 @@ pub unsafe fn drive(
                 continue;
             }
             let n = c.result as u64;
-            if n == p.len {
-                done_ranges[p.file_idx].push((p.offset, p.offset + n));
-                continue;
-            }
-            if kind == OpKind::Read && n < p.len && p.offset + n >= f.file_len {
+            let range = if n == p.len {
+                (p.offset, p.offset + n)
+            } else if kind == OpKind::Read && p.offset + n >= f.file_len {
                 // EOF inside this chunk: expected for the padded tail.
                 eof_at[p.file_idx] = Some(p.offset + n);
-                done_ranges[p.file_idx].push((p.offset, p.offset + p.len));
-                continue;
-            }
-            if n == 0 {
+                (p.offset, p.offset + p.len)
+            } else if n == 0 {
                 first_err.get_or_insert(if kind == OpKind::Write {
                     DriveError::ShortWrite { file_idx: p.file_idx, offset_bytes: p.offset, expected_bytes: p.len, written_bytes: 0 }
                 } else {
                     DriveError::ShortRead { file_idx: p.file_idx, offset_bytes: p.offset, expected_bytes: f.file_len }
                 });
                 continue;
-            }
-            // Short transfer: the done part counts, the rest goes first in line.
-            done_ranges[p.file_idx].push((p.offset, p.offset + n));
-            todo.push_front(Pending { file_idx: p.file_idx, offset: p.offset + n, len: p.len - n });
+            } else {
+                // Short transfer: the done part counts, the rest goes first in line.
+                todo.push_front(Pending { file_idx: p.file_idx, offset: p.offset + n, len: p.len - n });
+                (p.offset, p.offset + n)
+            };
+            done_ranges[p.file_idx].push(range);
+            advance_prefix(&mut prefix[p.file_idx], &mut done_ranges[p.file_idx]);
         }
     }
     if let Some(e) = first_err {
         return Err(e);
     }
     for (i, f) in files.iter().enumerate() {
-        advance_prefix(&mut prefix[i], &mut done_ranges[i]);
         let end = eof_at[i].unwrap_or(f.io_len);
         if kind == OpKind::Read && end < f.file_len {
             return Err(DriveError::ShortRead { file_idx: i, offset_bytes: end, expected_bytes: f.file_len });
         }
-        after_progress(i, f.file_len);
+        debug_assert_eq!(delivered[i], f.file_len.min(f.io_len));
     }
     Ok(())
+}
+
+/// Hands `[from, to)` of a file's bytes to `f`, in one or (across the end of
+/// a window) two slices.
+///
+/// # Safety
+/// The range must have been fully transferred and not yet reused.
+unsafe fn deliver(f: &FileIo, from: u64, to: u64, mut out: impl FnMut(&[u8])) {
+    let mut at = from;
+    while at < to {
+        let run = if f.window_bytes > 0 { (to - at).min(f.window_bytes - at % f.window_bytes) } else { to - at };
+        // SAFETY: the caller guarantees these bytes have arrived and are not
+        // the target of any request in flight.
+        out(std::slice::from_raw_parts(f.addr(at), run as usize));
+        at += run;
+    }
 }
 
 fn advance_prefix(prefix: &mut u64, ranges: &mut Vec<(u64, u64)>) {
@@ -609,7 +654,7 @@ mod tests {
             *b = (i * 7 % 251) as u8;
         }
         let f = open_for_write(&path, direct).unwrap();
-        let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64 }];
+        let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64, window_bytes: 0 }];
         // SAFETY: src outlives the call.
         unsafe { drive(engine, OpKind::Write, &files, 64 << 10, |_, _| {}) }.unwrap();
         f.set_len(file_len as u64).unwrap();
@@ -618,12 +663,19 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), &src.as_slice()[..file_len]);
         let mut dst = AlignedBuf::new(io_len).unwrap();
         let f = open_for_read(&path, direct).unwrap();
-        let files = [FileIo { fd: f.as_raw_fd(), ptr: dst.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64 }];
-        let mut last = 0;
+        let files = [FileIo { fd: f.as_raw_fd(), ptr: dst.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64, window_bytes: 0 }];
+        let mut streamed = Vec::new();
         // SAFETY: dst outlives the call and is not touched during it.
-        unsafe { drive(engine, OpKind::Read, &files, 64 << 10, |_, p| last = p) }.unwrap();
-        assert_eq!(last, file_len as u64);
+        unsafe { drive(engine, OpKind::Read, &files, 64 << 10, |_, b| streamed.extend_from_slice(b)) }.unwrap();
+        assert_eq!(streamed, &src.as_slice()[..file_len]);
         assert_eq!(&dst.as_slice()[..file_len], &src.as_slice()[..file_len]);
+        // Again through a window of four chunks: the bytes stream in order.
+        let mut window = AlignedBuf::new(4 * (64 << 10)).unwrap();
+        let files = [FileIo { fd: f.as_raw_fd(), ptr: window.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64, window_bytes: 4 * (64 << 10) }];
+        let mut streamed = Vec::new();
+        // SAFETY: window outlives the call and is not touched during it.
+        unsafe { drive(engine, OpKind::Read, &files, 64 << 10, |_, b| streamed.extend_from_slice(b)) }.unwrap();
+        assert_eq!(streamed, &src.as_slice()[..file_len]);
     }
 
     #[test]
@@ -653,7 +705,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let mut src = AlignedBuf::new(1 << 20).unwrap();
             let f = open_for_write(&dir.path().join("f"), true).unwrap();
-            let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: 1 << 20, file_len: 1 << 20 }];
+            let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: 1 << 20, file_len: 1 << 20, window_bytes: 0 }];
             // SAFETY: src outlives the call.
             let err = unsafe { drive(&mut eng, OpKind::Write, &files, 64 << 10, |_, _| {}) }.unwrap_err();
             assert_eq!(err.errno(), Some(libc::EIO), "{err}");

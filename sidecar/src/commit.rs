@@ -65,8 +65,8 @@ pub enum StoreError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommitError {
-    #[error("disk full in {dir}: {what} needs {needed_bytes} bytes ({source})")]
-    DiskFull { dir: PathBuf, what: String, needed_bytes: u64, source: io::Error },
+    #[error("disk full in {}: {what}{}: {source}", dir.display(), needed_bytes.map_or(String::new(), |n| format!(" needs {n} bytes")))]
+    DiskFull { dir: PathBuf, what: String, needed_bytes: Option<u64>, source: io::Error },
     #[error("{path}: {what}: {source}")]
     Io { path: PathBuf, what: String, source: io::Error },
     #[error("step {step} is already committed in {dir}; delete it first (ckpt-sidecar gc) or save another step")]
@@ -78,9 +78,24 @@ pub enum CommitError {
 impl CommitError {
     fn io(path: &Path, what: impl Into<String>, source: io::Error) -> CommitError {
         if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT) {
-            return CommitError::DiskFull { dir: path.to_path_buf(), what: what.into(), needed_bytes: 0, source };
+            // Name the target directory, not the temp folder already removed
+            // by the time anyone reads this.
+            let dir = path
+                .ancestors()
+                .find(|a| a.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(TMP_PREFIX)))
+                .and_then(Path::parent)
+                .unwrap_or(path);
+            return CommitError::DiskFull { dir: dir.to_path_buf(), what: what.into(), needed_bytes: None, source };
         }
         CommitError::Io { path: path.to_path_buf(), what: what.into(), source }
+    }
+
+    /// Says how many bytes the failed step needed, if the disk was full.
+    fn needing(self, n: u64) -> CommitError {
+        match self {
+            CommitError::DiskFull { dir, what, source, .. } => CommitError::DiskFull { dir, what, needed_bytes: Some(n), source },
+            other => other,
+        }
     }
 }
 
@@ -285,7 +300,7 @@ impl Store {
             fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
             for b in blobs {
                 let p = bdir.join(b.name);
-                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e))?;
+                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
                 bytes += b.bytes.len() as u64;
             }
             catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
@@ -358,10 +373,7 @@ fn write_shards(
         let path = tmp.join(&sh.file_name);
         let f = eio::open_for_write(&path, direct).map_err(|e| CommitError::io(&path, "create shard", e))?;
         let io_len = if direct { sh.io_len } else { sh.file_len };
-        reserve(&f, io_len).map_err(|e| match CommitError::io(tmp, format!("reserve space for {}", sh.file_name), e) {
-            CommitError::DiskFull { dir, what, source, .. } => CommitError::DiskFull { dir, what, needed_bytes: io_len, source },
-            other => other,
-        })?;
+        reserve(&f, io_len).map_err(|e| CommitError::io(tmp, format!("reserve space for {}", sh.file_name), e).needing(io_len))?;
         let range = layout.shard_range(s);
         ios.push(FileIo {
             fd: f.as_raw_fd(),
@@ -397,12 +409,13 @@ fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> 
         DriveError::Engine(_) => None,
     };
     let path = file_idx.map_or_else(|| tmp.to_path_buf(), |i| tmp.join(&layout.shards[shards[i]].file_name));
-    let errno = e.errno();
-    let source = match errno {
-        Some(n) => io::Error::from_raw_os_error(n),
-        None => io::Error::other(e.to_string()),
+    // The message says where; the source says what the kernel said.
+    let (what, source) = match e {
+        DriveError::Io { what, offset_bytes, source, .. } => (format!("{what} at offset {offset_bytes}"), source),
+        DriveError::Engine(source) => ("I/O engine".to_string(), source),
+        other => ("write".to_string(), io::Error::other(other.to_string())),
     };
-    CommitError::io(&path, e.to_string(), source)
+    CommitError::io(&path, what, source)
 }
 
 /// Reserves `len` bytes so the writes are overwrites of allocated space, and

@@ -215,7 +215,7 @@ fn disk_full_case(label: &str, io: IoPolicy) {
     println!("{ctx}: {text}");
     match &err {
         CommitError::DiskFull { needed_bytes, source, .. } => {
-            assert!(*needed_bytes > 0, "{ctx}: DiskFull at the reservation says what it needed: {text}");
+            assert!(needed_bytes.is_some_and(|n| n > 0), "{ctx}: DiskFull at the reservation says what it needed: {text}");
             assert!(matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)), "{ctx}: {source:?}");
         }
         other => panic!("{ctx}: expected DiskFull, got {other:?}"),
@@ -414,17 +414,10 @@ fn short_writes_are_completed_buffered_aligned_files() {
 }
 
 /// Short writes of buffered files of any length: the synthetic state's
-/// shards end in a partial block.
-///
-/// Exposes a bug in the test hook `io::FaultyEngine` (not in the driver): a
-/// write of 4097..=8191 bytes is cut to `(len / 2) & !4095 == 0` bytes, so
-/// the kernel writes nothing and the driver rightly reports "made no
-/// progress". Every buffered file whose tail is not a whole block ends with
-/// such a request after the halvings. Fix: cut to
-/// `((len / 2) & !(DIRECT_ALIGN_BYTES - 1)).max(DIRECT_ALIGN_BYTES)`, still
-/// shorter than `len` since only `len > DIRECT_ALIGN_BYTES` is cut.
+/// shards end in a partial block. Regression: the fault hook once cut
+/// 4097..=8191-byte writes to 0 bytes, so buffered commits failed with
+/// "made no progress".
 #[test]
-#[ignore = "FaultyEngine cuts 4097..8191-byte writes to 0 bytes (see the comment); run with --ignored once fixed"]
 fn short_writes_are_completed_buffered_any_length() {
     let s = stage(8 * MIB, 1, 3 * MIB, 13);
     assert!(s.layout.shards.iter().any(|sh| sh.file_len % 4096 != 0), "some shard ends in a partial block");

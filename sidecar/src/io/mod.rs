@@ -343,7 +343,7 @@ impl IoEngine for FaultyEngine {
             // Cut writes of more than one block to half (block-aligned), so the
             // kernel really writes less and the driver must resubmit the rest.
             if self.plan.short_writes && op.len as usize > DIRECT_ALIGN_BYTES {
-                op.len = ((op.len as usize / 2) & !(DIRECT_ALIGN_BYTES - 1)) as u32;
+                op.len = ((op.len as usize / 2) & !(DIRECT_ALIGN_BYTES - 1)).max(DIRECT_ALIGN_BYTES) as u32;
             }
         }
         // SAFETY: forwarded contract; a shortened request covers a sub-range.

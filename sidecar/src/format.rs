@@ -21,6 +21,8 @@ pub const STEP_PREFIX: &str = "step-";
 pub const TMP_PREFIX: &str = ".tmp-step-";
 pub const DEL_PREFIX: &str = ".del-step-";
 pub const LATEST_TMP_PREFIX: &str = ".latest.tmp-";
+/// Scratch files of the O_DIRECT probe, when the file system lacks O_TMPFILE.
+pub const PROBE_PREFIX: &str = ".ckpt-probe-";
 const STEP_DIGITS: usize = 12;
 /// Largest step that fits the 12-digit folder name.
 pub const STEP_MAX: u64 = 999_999_999_999;
@@ -350,6 +352,9 @@ pub struct CkptSection {
     pub files: Vec<IndexFile>,
     pub tensors: BTreeMap<String, IndexTensor>,
     pub blobs: Vec<IndexBlob>,
+    /// crc32c of this index's canonical JSON with this field set to 0, so a
+    /// flipped byte in the commit record itself is caught too.
+    pub index_crc32c: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -389,10 +394,27 @@ impl Index {
         v
     }
 
-    /// Parses and validates an index: every name is valid, every tensor points
-    /// at a listed file with consistent offsets, every file at a known directory.
+    /// crc32c of the canonical JSON with `index_crc32c` zeroed.
+    pub fn content_crc32c(&self) -> u32 {
+        let mut c = self.clone();
+        c.ckpt.index_crc32c = 0;
+        crc32c::crc32c(&c.to_json_bytes())
+    }
+
+    /// Sets `index_crc32c`; the writer calls it last.
+    pub fn seal(&mut self) {
+        self.ckpt.index_crc32c = self.content_crc32c();
+    }
+
+    /// Parses and validates an index: its own checksum matches, every name is
+    /// valid, every tensor points at a listed file with consistent offsets,
+    /// every file at a known directory.
     pub fn from_json_bytes(bytes: &[u8]) -> Result<Index, FormatError> {
         let index: Index = serde_json::from_slice(bytes).map_err(|e| FormatError::Index(e.to_string()))?;
+        let crc = index.content_crc32c();
+        if crc != index.ckpt.index_crc32c {
+            return Err(FormatError::Index(format!("index checksum mismatch (recorded {:#010x}, content {crc:#010x})", index.ckpt.index_crc32c)));
+        }
         index.validate()?;
         Ok(index)
     }
@@ -411,6 +433,10 @@ impl Index {
         for f in &c.files {
             if !is_shard_file_name(&f.name) {
                 return bad(format!("file name {:?} is not a shard name", f.name));
+            }
+            let of = &f.name["rank-00000-of-".len().."rank-00000-of-00000".len()];
+            if of.parse::<u32>().ok() != Some(c.world_size) {
+                return bad(format!("file {:?} was written by a world of {of}, the index says {}", f.name, c.world_size));
             }
             if f.dir_idx >= n_dirs {
                 return bad(format!("file {:?} names directory {} of {}", f.name, f.dir_idx, n_dirs));

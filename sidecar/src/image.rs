@@ -229,7 +229,7 @@ impl Layout {
             );
         }
         let blobs = blobs.iter().map(|b| IndexBlob { name: b.name.to_string(), len_bytes: b.bytes.len() as u64, crc32c: crc32c::crc32c(b.bytes) }).collect();
-        Index {
+        let mut index = Index {
             metadata: IndexMetadata { total_size: self.tensor_bytes() },
             weight_map,
             ckpt: CkptSection {
@@ -240,8 +240,11 @@ impl Layout {
                 files,
                 tensors,
                 blobs,
+                index_crc32c: 0,
             },
-        }
+        };
+        index.seal();
+        index
     }
 }
 

@@ -319,12 +319,13 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     };
     let mut results = Vec::new();
     let mut damaged = false;
+    let mut verifier = restore::Verifier::default();
     for s in steps {
         if let Some(b) = &bar {
             b.set_message(format!("step {s}"));
             b.set_position(0);
         }
-        let r = restore::verify(dir, s, &opts, |done, total| {
+        let r = verifier.verify(dir, s, &opts, |done, total| {
             if let Some(b) = &bar {
                 b.set_length(total);
                 b.set_position(done);

@@ -15,11 +15,11 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::catalog;
-use crate::format::{self, DEL_PREFIX, INDEX_FILE_NAME, LATEST_TMP_PREFIX, TMP_PREFIX};
+use crate::format::{self, DEL_PREFIX, INDEX_FILE_NAME, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RecoveryReport {
-    /// Temp, half-deleted and orphaned folders (and temp files) removed.
+    /// Temp, half-deleted and orphaned folders (and temp and probe files) removed.
     pub removed: Vec<PathBuf>,
     /// `latest` before and after, when it had to change.
     pub latest_repaired: Option<(Option<String>, Option<u64>)>,
@@ -44,7 +44,7 @@ pub fn recover(dirs: &[PathBuf]) -> io::Result<RecoveryReport> {
             let e = e?;
             let name = e.file_name();
             let Some(name) = name.to_str() else { continue };
-            if name.starts_with(TMP_PREFIX) || name.starts_with(DEL_PREFIX) || name.starts_with(LATEST_TMP_PREFIX) {
+            if [TMP_PREFIX, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX].iter().any(|p| name.starts_with(p)) {
                 let p = e.path();
                 if e.file_type()?.is_dir() {
                     catalog::remove_tree(&p)?;

@@ -483,41 +483,70 @@ pub struct VerifyReport {
     pub seconds: f64,
 }
 
-/// Memory `verify` streams every file through: queue depth x chunk, twice.
-const VERIFY_WINDOW_BYTES: usize = 2 * config::QUEUE_DEPTH_DEFAULT as usize * config::CHUNK_BYTES_DEFAULT;
+/// Most memory `verify` streams a file through: queue depth x chunk, twice.
+const VERIFY_WINDOW_BYTES_MAX: usize = 2 * config::QUEUE_DEPTH_DEFAULT as usize * config::CHUNK_BYTES_DEFAULT;
+const _: () = assert!(VERIFY_WINDOW_BYTES_MAX % config::CHUNK_BYTES_DEFAULT == 0);
 
 /// Checks every byte of a committed checkpoint, streaming each file through
-/// a fixed window of memory; `progress(bytes_done, bytes_total)` after each file.
-pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport, LoadError> {
-    let t0 = Instant::now();
-    let index = match read_index(primary, step) {
-        Ok(i) => i,
-        Err(LoadError::Damaged { problems, .. }) => {
-            return Ok(VerifyReport { step, files: 0, tensors: 0, bytes: 0, problems, seconds: t0.elapsed().as_secs_f64() })
+/// a window of memory; `progress(bytes_done, bytes_total)` after each file.
+/// To verify several checkpoints, keep one [`Verifier`] (it reuses its window).
+pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, progress: impl FnMut(u64, u64)) -> Result<VerifyReport, LoadError> {
+    Verifier::default().verify(primary, step, opts, progress)
+}
+
+/// Verifies checkpoints through one window of at most 128 MiB, allocated on
+/// first use no larger than the biggest file needs, and reused.
+#[derive(Default)]
+pub struct Verifier {
+    window: Option<AlignedBuf>,
+}
+
+impl Verifier {
+    fn window_for(&mut self, biggest_file_bytes: u64) -> std::io::Result<(*mut u8, u64)> {
+        let want = (config::align_up(biggest_file_bytes.max(1), config::CHUNK_BYTES_DEFAULT) as usize).min(VERIFY_WINDOW_BYTES_MAX);
+        if self.window.as_ref().is_none_or(|w| w.len() < want) {
+            self.window = None; // the old one goes before the new one comes
+            self.window = Some(AlignedBuf::new(want)?);
         }
-        Err(e) => return Err(e),
-    };
-    let dirs = dir_paths(primary, &index, opts);
-    let total: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
-    let mut window = AlignedBuf::new(VERIFY_WINDOW_BYTES).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify window", source: e })?;
-    let mut problems = Vec::new();
-    let mut done = 0;
-    let mut readers: Vec<Option<DirReader>> = dirs.iter().map(|_| None).collect();
-    for (fi, f) in index.ckpt.files.iter().enumerate() {
-        let di = f.dir_idx as usize;
-        let dir = catalog::step_path(&dirs[di], step);
-        let reader = match &mut readers[di] {
-            Some(r) => r,
-            slot => slot.insert(DirReader::open(&dir, opts.io)?),
-        };
-        let dest = Dest::Window(window.as_mut_ptr(), VERIFY_WINDOW_BYTES as u64);
-        // SAFETY: the window is ours and untouched during the call.
-        let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, dest)], reader) };
-        problems.extend(p);
-        done += f.len_bytes;
-        progress(done, total);
+        let w = self.window.as_mut().expect("set above");
+        // A multiple of the chunk size, as the driver requires of a window.
+        let len = (w.len() / config::CHUNK_BYTES_DEFAULT * config::CHUNK_BYTES_DEFAULT) as u64;
+        Ok((w.as_mut_ptr(), len))
     }
-    let mut blobs = BTreeMap::new();
-    problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
-    Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.ckpt.tensors.len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
+
+    pub fn verify(&mut self, primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport, LoadError> {
+        let t0 = Instant::now();
+        let index = match read_index(primary, step) {
+            Ok(i) => i,
+            Err(LoadError::Damaged { problems, .. }) => {
+                return Ok(VerifyReport { step, files: 0, tensors: 0, bytes: 0, problems, seconds: t0.elapsed().as_secs_f64() })
+            }
+            Err(e) => return Err(e),
+        };
+        let dirs = dir_paths(primary, &index, opts);
+        let total: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
+        let biggest = index.ckpt.files.iter().map(|f| f.len_bytes).max().unwrap_or(0);
+        let (window, window_bytes) =
+            self.window_for(biggest).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify window", source: e })?;
+        let mut problems = Vec::new();
+        let mut done = 0;
+        let mut readers: Vec<Option<DirReader>> = dirs.iter().map(|_| None).collect();
+        for (fi, f) in index.ckpt.files.iter().enumerate() {
+            let di = f.dir_idx as usize;
+            let dir = catalog::step_path(&dirs[di], step);
+            let reader = match &mut readers[di] {
+                Some(r) => r,
+                slot => slot.insert(DirReader::open(&dir, opts.io)?),
+            };
+            // SAFETY: the window belongs to self, borrowed mutably for this
+            // whole call, and nothing else touches it during read_and_check.
+            let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, Dest::Window(window, window_bytes))], reader) };
+            problems.extend(p);
+            done += f.len_bytes;
+            progress(done, total);
+        }
+        let mut blobs = BTreeMap::new();
+        problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
+        Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.ckpt.tensors.len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
+    }
 }

@@ -541,7 +541,6 @@ fn every_checkpoint_damaged_means_an_error_not_garbage() {
 /// `verify` says ok and `load` hands out an index that claims three ranks
 /// wrote the checkpoint, although the shard names say one.
 #[test]
-#[ignore = "library bug: a flipped byte in the index's world_size passes verify and load (the index has no checksum)"]
 fn flipped_byte_in_index_world_size_is_caught() {
     let f = Fixture::new(1);
     let p = catalog::step_path(f.primary(), NEW).join(INDEX_FILE_NAME);

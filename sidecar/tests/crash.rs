@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use ckpt_sidecar::catalog;
 use ckpt_sidecar::commit::{Store, StoreOptions};
-use ckpt_sidecar::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, TMP_PREFIX};
+use ckpt_sidecar::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
 use ckpt_sidecar::mem::AlignedBuf;
 use ckpt_sidecar::restore::{self, ReadOptions, Which};
 use ckpt_sidecar::synthetic;
@@ -149,19 +149,18 @@ fn leftovers(dir: &Path) -> Vec<String> {
     fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
         .map(|e| e.expect("dir entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(TMP_PREFIX) || n.starts_with(DEL_PREFIX) || n.starts_with(LATEST_TMP_PREFIX))
+        .filter(|n| [TMP_PREFIX, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX].iter().any(|p| n.starts_with(p)))
         .collect()
 }
 
-/// `.ckpt-probe-*` files (the O_DIRECT probe's scratch file) in `dir` and its
-/// step folders. Not something recovery promises to remove (see the report
-/// at the end of the tests), so only counted.
+/// `.ckpt-probe-*` files (the O_DIRECT probe's scratch file, when O_TMPFILE
+/// is missing) in `dir` and its step folders.
 fn probe_leftovers(dir: &Path) -> usize {
     let mut n = 0;
     for e in fs::read_dir(dir).expect("read dir") {
         let e = e.expect("dir entry");
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(".ckpt-probe-") {
+        if name.starts_with(PROBE_PREFIX) {
             n += 1;
         } else if e.file_type().expect("file type").is_dir() && format::parse_step_dir_name(&name).is_some() {
             n += probe_leftovers(&e.path());
@@ -172,32 +171,18 @@ fn probe_leftovers(dir: &Path) -> usize {
 
 /// How to check that the committed checkpoints are whole.
 ///
-/// `restore::load` of a step checks every checksum (tensors, files, headers
-/// against the index, blobs) with the same reader as `restore::verify`, and
-/// takes a reused buffer; `restore::verify` maps a fresh 128 MiB window per
-/// call whatever the checkpoint size, which costs ~0.3 s per call on VMs that
-/// hand unused pages back to the hypervisor. So `verify` runs on a share of
-/// the checks, `load` on all.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Whole {
-    /// `restore::load` of every committed step.
-    Load,
-    /// `restore::load` of every committed step, and `restore::verify` of the
-    /// newest (the one a crash in a commit or a retention touches last).
-    LoadAndVerifyNewest,
-}
-
-/// Checks directories, reusing one load buffer across checks.
+/// Checks directories, reusing one load buffer and one verify window.
 struct Checker {
     size_bytes: u64,
     buf: Option<AlignedBuf>,
+    verifier: restore::Verifier,
     /// `restore::verify` calls made.
     verified: usize,
 }
 
 impl Checker {
     fn new(size_bytes: u64) -> Checker {
-        Checker { size_bytes, buf: None, verified: 0 }
+        Checker { size_bytes, buf: None, verifier: restore::Verifier::default(), verified: 0 }
     }
 
     fn load(&mut self, primary: &Path, which: Which) -> Result<restore::Loaded, restore::LoadError> {
@@ -206,7 +191,7 @@ impl Checker {
 
     /// Every committed checkpoint in the primary is whole. Holds at every
     /// instant, recovery or not: that is what the commit point means.
-    fn assert_committed_whole(&mut self, dirs: &[PathBuf], how: Whole, ctx: &str) -> Vec<u64> {
+    fn assert_committed_whole(&mut self, dirs: &[PathBuf], ctx: &str) -> Vec<u64> {
         let primary = &dirs[0];
         let committed = catalog::committed_steps(primary).expect("list committed steps");
         for &s in &committed {
@@ -215,8 +200,10 @@ impl Checker {
             assert!(!l.index.ckpt.files.is_empty() && !l.index.ckpt.tensors.is_empty(), "{ctx}: step {s} is empty");
             self.buf = Some(l.into_buf());
         }
-        if let (Whole::LoadAndVerifyNewest, Some(&s)) = (how, committed.last()) {
-            let r = restore::verify(primary, s, &ReadOptions::default(), |_, _| {})
+        for &s in &committed {
+            let r = self
+                .verifier
+                .verify(primary, s, &ReadOptions::default(), |_, _| {})
                 .unwrap_or_else(|e| panic!("{ctx}: verify of committed step {s} failed: {e}"));
             assert!(r.problems.is_empty(), "{ctx}: verify finds committed step {s} damaged: {:?}", r.problems);
             assert!(r.files > 0 && r.tensors > 0, "{ctx}: committed step {s} has no content: {r:?}");
@@ -227,7 +214,7 @@ impl Checker {
 
     /// Opens the store (which runs recovery) and checks the invariants of a
     /// recovered set of directories; returns the committed steps.
-    fn recover_and_check(&mut self, dirs: &[PathBuf], how: Whole, ctx: &str) -> Vec<u64> {
+    fn recover_and_check(&mut self, dirs: &[PathBuf], ctx: &str) -> Vec<u64> {
         let store = Store::open(StoreOptions::new(dirs.to_vec())).unwrap_or_else(|e| panic!("{ctx}: Store::open (recovery) failed: {e}"));
         drop(store);
         let primary = &dirs[0];
@@ -237,7 +224,7 @@ impl Checker {
             assert!(left.is_empty(), "{ctx}: recovery left in-flight entries in {}: {left:?}", d.display());
         }
 
-        let committed = self.assert_committed_whole(dirs, how, ctx);
+        let committed = self.assert_committed_whole(dirs, ctx);
         // A primary step folder is committed or absent: commit renames a
         // folder that already holds its index, retention renames it away
         // first.
@@ -343,7 +330,7 @@ fn sigkill_during_commits_never_breaks_a_committed_checkpoint() {
         let mut last_proc_reported = !reported.is_empty();
 
         // Before any recovery: what is committed is whole.
-        check.assert_committed_whole(&t.dirs, Whole::Load, &format!("{ctx}, before recovery"));
+        check.assert_committed_whole(&t.dirs, &format!("{ctx}, before recovery"));
 
         // Now and then a second process, killed within its first 1.5 ms, so
         // that kills also land inside startup recovery with leftovers present.
@@ -355,11 +342,10 @@ fn sigkill_during_commits_never_breaks_a_committed_checkpoint() {
             let r2 = reported_commits(&out2);
             last_proc_reported = !r2.is_empty();
             reported.extend(r2);
-            check.assert_committed_whole(&t.dirs, Whole::Load, &format!("{ctx}, after a kill in startup"));
+            check.assert_committed_whole(&t.dirs, &format!("{ctx}, after a kill in startup"));
         }
 
-        let how = if (i / 2) % 2 == 0 { Whole::LoadAndVerifyNewest } else { Whole::Load };
-        let after = check.recover_and_check(&t.dirs, how, &ctx);
+        let after = check.recover_and_check(&t.dirs, &ctx);
 
         // Nothing committed goes away but by retention; the newest never does.
         let before_newest = t.committed.last().copied();
@@ -445,7 +431,7 @@ fn sigkill_during_gc_never_leaves_a_half_deleted_checkpoint_committed() {
         let child = spawn_torture(dirs, GC_SIZE, 1000, Some(GC_POPULATE));
         let out = child.wait_with_output().expect("wait for torture");
         assert!(out.status.success(), "{ctx}: populating failed: {}", String::from_utf8_lossy(&out.stderr));
-        let before = check.recover_and_check(dirs, Whole::Load, &format!("{ctx}, populated"));
+        let before = check.recover_and_check(dirs, &format!("{ctx}, populated"));
         assert!(before.len() as u64 >= GC_POPULATE, "{ctx}: {before:?}");
 
         let mut cmd = Command::new(BIN);
@@ -465,9 +451,8 @@ fn sigkill_during_gc_never_leaves_a_half_deleted_checkpoint_committed() {
         let was_killed = killed_by_sigkill(&status);
         assert!(was_killed || status.success(), "{ctx}: gc failed ({status}): {err}");
 
-        check.assert_committed_whole(dirs, Whole::Load, &format!("{ctx}, before recovery"));
-        let how = if i % 3 == 0 { Whole::LoadAndVerifyNewest } else { Whole::Load };
-        let after = check.recover_and_check(dirs, how, &ctx);
+        check.assert_committed_whole(dirs, &format!("{ctx}, before recovery"));
+        let after = check.recover_and_check(dirs, &ctx);
 
         // The newest is never deleted; deletions go oldest first, so what is
         // left is a tail of what was there; a finished gc keeps just one.
@@ -499,7 +484,6 @@ fn sigkill_during_gc_never_leaves_a_half_deleted_checkpoint_committed() {
 /// `.latest.tmp-*`. The crash test above counts them ("leftover
 /// .ckpt-probe-* files"); this reproduces it deterministically.
 #[test]
-#[ignore = "library bug: recovery does not remove .ckpt-probe-* files left by a kill during the O_DIRECT probe"]
 fn recovery_removes_o_direct_probe_leftovers() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let dirs = vec![tmp.path().join("p"), tmp.path().join("s")];

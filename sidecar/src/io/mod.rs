@@ -252,10 +252,11 @@ fn probe_backend(dir: &Path, policy: IoPolicy) -> Result<(Backend, Vec<String>),
     Ok((backend, why))
 }
 
+/// Writes one block with O_DIRECT into an unnamed file (O_TMPFILE), so a
+/// crash leaves nothing behind; file systems without O_TMPFILE get a named
+/// `.ckpt-probe-…` file, which recovery removes if a crash leaves it.
 fn probe_direct(dir: &Path) -> io::Result<()> {
-    let path = dir.join(format!(".ckpt-probe-{}", nonce()));
-    let result = (|| {
-        let f = open_for_write(&path, true)?;
+    let write_block = |f: &File| -> io::Result<()> {
         let mut block = AlignedBuf::new(DIRECT_ALIGN_BYTES)?;
         block.as_mut_slice()[0] = 1;
         // SAFETY: fd and the aligned block are valid for the call.
@@ -264,7 +265,16 @@ fn probe_direct(dir: &Path) -> io::Result<()> {
             return Err(io::Error::last_os_error());
         }
         Ok(())
-    })();
+    };
+    let mut o = OpenOptions::new();
+    o.write(true).mode(0o600).custom_flags(libc::O_TMPFILE | libc::O_DIRECT);
+    match o.open(dir) {
+        Ok(f) => return write_block(&f),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::ENOENT)) => {}
+        Err(e) => return Err(e),
+    }
+    let path = dir.join(format!("{}{:016x}", crate::format::PROBE_PREFIX, nonce()));
+    let result = open_for_write(&path, true).and_then(|f| write_block(&f));
     let _ = std::fs::remove_file(&path);
     result
 }

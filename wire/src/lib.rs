@@ -1,0 +1,256 @@
+//! The wire protocol between a trainer's shim and the sidecar.
+//!
+//! A connection is a Unix stream socket carrying frames: a 4-byte
+//! little-endian length, then that many bytes of one postcard-encoded
+//! message. The client speaks [`Request`]s, the sidecar [`Reply`]s. The first
+//! request is always [`Request::Hello`]; a version the sidecar does not speak
+//! gets [`Reply::Refused`] and the connection closes, and a client that gets a
+//! [`Reply::Welcome`] of another version refuses it on its side.
+//!
+//! Invariants:
+//! - this crate is the only place that derives Serialize/Deserialize for
+//!   messages, so both sides always agree (golden tests pin the bytes);
+//! - a frame's length is checked against [`FRAME_BYTES_MAX`] before any
+//!   allocation or read of its body;
+//! - decoding never panics on any input (fuzzed: `fuzz/fuzz_targets/wire_frame.rs`).
+
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped on any change of the messages below (the golden tests fail first).
+pub const PROTOCOL_VERSION: u32 = 1;
+/// First bytes of every Hello, so a stray client is told apart from an old one.
+pub const MAGIC: [u8; 4] = *b"CKPT";
+/// Largest frame either side accepts: tensor descriptors plus small blobs.
+pub const FRAME_BYTES_MAX: u32 = 64 << 20;
+/// Environment variable that names the sidecar's socket.
+pub const SOCKET_ENV: &str = "CKPT_SIDECAR_SOCKET";
+
+/// Where a tensor's bytes are: `len_bytes` at `offset_bytes` in the client's
+/// registered region `region_id`. For a save they are read from there; for a
+/// load they are written there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorDesc {
+    pub name: String,
+    /// safetensors spelling: F32, BF16, I64, ...
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub region_id: u32,
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+}
+
+/// A small opaque byte blob saved beside the tensors.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Blob {
+    pub name: String,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    Hello { magic: [u8; 4], version: u32, pid: u32, name: String },
+    /// A POSIX shared-memory segment (name as for shm_open, e.g. "/ckpt-1-0")
+    /// the sidecar maps read-only; `len_bytes` may not exceed its size.
+    RegisterRegion { id: u64, region_id: u32, shm_name: String, len_bytes: u64 },
+    UnregisterRegion { id: u64, region_id: u32 },
+    /// Snapshot these tensors and blobs as checkpoint `step`; replies:
+    /// Released, then Durable or Failed, all with `id`.
+    Save { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob> },
+    /// Write the named tensors of `step` (None: latest) into the regions the
+    /// descriptors name, verified; reply: Loaded or Error.
+    Load { id: u64, step: Option<u64>, tensors: Vec<TensorDesc> },
+    List { id: u64 },
+    Status { id: u64 },
+    Bye,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LoadSource {
+    /// The checkpoint was still resident in the sidecar's memory.
+    Ram,
+    Disk,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The request is malformed or breaks a rule (names, sizes, overlaps).
+    BadRequest,
+    /// A descriptor points outside its region, or at an unknown region.
+    BadRegion,
+    /// No such checkpoint or tensor.
+    NotFound,
+    /// The checkpoint on disk is damaged.
+    Damaged,
+    /// An I/O error in the sidecar (disk full, EIO, ...).
+    Io,
+    /// The sidecar is shutting down.
+    ShuttingDown,
+    /// The save can never fit the staging budget.
+    TooLarge,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    Welcome { version: u32, server_pid: u32, dirs: Vec<String>, staging_bytes: u64 },
+    /// The handshake failed (version, magic, uid); the connection closes.
+    Refused { reason: String },
+    RegionRegistered { id: u64, region_id: u32 },
+    RegionUnregistered { id: u64, region_id: u32 },
+    /// The snapshot is complete: the trainer may change the tensors again.
+    Released { id: u64, step: u64, copy_seconds: f64, waited_seconds: f64 },
+    /// The checkpoint is committed on disk.
+    Durable { id: u64, step: u64, path: String, persist_seconds: f64 },
+    /// The save did not commit (before or after Released), and why.
+    Failed { id: u64, step: u64, code: ErrorCode, reason: String },
+    Loaded { id: u64, step: u64, source: LoadSource, blobs: Vec<Blob>, fell_back: Vec<String> },
+    Listing { id: u64, steps: Vec<u64>, latest: Option<u64> },
+    Status { id: u64, report: StatusReport },
+    /// A request failed; the session goes on.
+    Error { id: u64, code: ErrorCode, message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct StatusReport {
+    pub server_pid: u32,
+    pub dirs: Vec<String>,
+    pub sessions: Vec<SessionInfo>,
+    pub in_flight: Vec<InFlight>,
+    pub staging_bytes: u64,
+    pub staging_used_bytes: u64,
+    pub resident_step: Option<u64>,
+    pub last: Option<LastFigures>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionInfo {
+    pub pid: u32,
+    pub name: String,
+    pub regions: u32,
+    pub region_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InFlight {
+    pub step: u64,
+    /// "waiting for staging", "copying", "writing", ...
+    pub phase: String,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LastFigures {
+    pub step: u64,
+    pub bytes: u64,
+    pub copy_seconds: f64,
+    pub persist_seconds: f64,
+    pub persist_gib_per_s: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection closed")]
+    Closed,
+    #[error("connection closed in the middle of a frame")]
+    Truncated,
+    #[error("frame of {len_bytes} bytes is above the limit of {max_bytes}")]
+    TooLarge { len_bytes: u64, max_bytes: u32 },
+    #[error("undecodable message: {0}")]
+    Decode(postcard::Error),
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+/// Encodes one message as a frame (length prefix included).
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut out = postcard::to_extend(msg, vec![0u8; 4]).expect("encoding into a Vec cannot fail");
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// Decodes a frame body (without its length prefix).
+pub fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, FrameError> {
+    postcard::from_bytes(body).map_err(FrameError::Decode)
+}
+
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), FrameError> {
+    let f = encode(msg);
+    if f.len() - 4 > FRAME_BYTES_MAX as usize {
+        return Err(FrameError::TooLarge { len_bytes: (f.len() - 4) as u64, max_bytes: FRAME_BYTES_MAX });
+    }
+    w.write_all(&f)?;
+    Ok(())
+}
+
+/// Reads one frame body, checking its length before reading it.
+pub fn read_frame_body(r: &mut impl Read, max_bytes: u32) -> Result<Vec<u8>, FrameError> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Err(FrameError::Closed),
+            Ok(0) => return Err(FrameError::Truncated),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let len = u32::from_le_bytes(len);
+    if len > max_bytes {
+        return Err(FrameError::TooLarge { len_bytes: len as u64, max_bytes });
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).map_err(|e| if e.kind() == io::ErrorKind::UnexpectedEof { FrameError::Truncated } else { e.into() })?;
+    Ok(body)
+}
+
+pub fn read_frame<T: for<'a> Deserialize<'a>>(r: &mut impl Read) -> Result<T, FrameError> {
+    let body = read_frame_body(r, FRAME_BYTES_MAX)?;
+    decode(&body)
+}
+
+/// The Hello a client sends first.
+pub fn hello(name: &str) -> Request {
+    Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: std::process::id(), name: name.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let m = Request::Save {
+            id: 7,
+            step: 100,
+            tensors: vec![TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![2, 3], region_id: 1, offset_bytes: 64, len_bytes: 24 }],
+            blobs: vec![Blob { name: "rng".into(), bytes: vec![1, 2, 3] }],
+        };
+        let f = encode(&m);
+        assert_eq!(u32::from_le_bytes(f[..4].try_into().unwrap()) as usize, f.len() - 4);
+        let back: Request = read_frame(&mut &f[..]).unwrap();
+        assert_eq!(back, m);
+    }
+
+    #[test]
+    fn oversized_lengths_are_refused_before_reading() {
+        let mut f = (FRAME_BYTES_MAX + 1).to_le_bytes().to_vec();
+        f.extend_from_slice(&[0; 16]);
+        assert!(matches!(read_frame::<Request>(&mut &f[..]), Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn truncated_and_garbage_frames_are_errors() {
+        let f = encode(&hello("t"));
+        assert!(matches!(read_frame::<Request>(&mut &f[..f.len() - 1]), Err(FrameError::Truncated)));
+        assert!(matches!(read_frame::<Request>(&mut &f[..2]), Err(FrameError::Truncated)));
+        assert!(matches!(read_frame::<Request>(&mut &[][..]), Err(FrameError::Closed)));
+        let garbage = [5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff];
+        assert!(matches!(read_frame::<Request>(&mut &garbage[..]), Err(FrameError::Decode(_))));
+        // An unknown message kind (variant index past the last).
+        let unknown = [1, 0, 0, 0, 99];
+        assert!(matches!(read_frame::<Request>(&mut &unknown[..]), Err(FrameError::Decode(_))));
+    }
+}

@@ -1,0 +1,72 @@
+//! Golden encodings pin the wire format: every message kind, encoded, must
+//! equal the hex checked in under `tests/golden/messages.txt`. A change here
+//! means old shims and new sidecars (or the reverse) no longer understand
+//! each other: bump PROTOCOL_VERSION and regenerate with
+//! `CKPT_UPDATE_GOLDEN=1 cargo test -p ckpt-wire --test golden`.
+
+use ckpt_wire::*;
+
+fn samples() -> Vec<(&'static str, Vec<u8>)> {
+    let t = TensorDesc { name: "model.w".into(), dtype: "BF16".into(), shape: vec![4, 3], region_id: 2, offset_bytes: 4096, len_bytes: 24 };
+    let b = Blob { name: "rng".into(), bytes: vec![9, 8, 7] };
+    let report = StatusReport {
+        server_pid: 42,
+        dirs: vec!["/ckpt".into()],
+        sessions: vec![SessionInfo { pid: 7, name: "trainer".into(), regions: 1, region_bytes: 1 << 20 }],
+        in_flight: vec![InFlight { step: 5, phase: "writing".into(), bytes: 1000 }],
+        staging_bytes: 1 << 30,
+        staging_used_bytes: 1000,
+        resident_step: Some(4),
+        last: Some(LastFigures { step: 4, bytes: 1000, copy_seconds: 0.5, persist_seconds: 1.5, persist_gib_per_s: 2.0 }),
+    };
+    vec![
+        ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
+        ("register", encode(&Request::RegisterRegion { id: 1, region_id: 2, shm_name: "/ckpt-7-2".into(), len_bytes: 1 << 20 })),
+        ("unregister", encode(&Request::UnregisterRegion { id: 2, region_id: 2 })),
+        ("save", encode(&Request::Save { id: 3, step: 100, tensors: vec![t.clone()], blobs: vec![b.clone()] })),
+        ("load", encode(&Request::Load { id: 4, step: None, tensors: vec![t] })),
+        ("list", encode(&Request::List { id: 5 })),
+        ("status", encode(&Request::Status { id: 6 })),
+        ("bye", encode(&Request::Bye)),
+        ("welcome", encode(&Reply::Welcome { version: PROTOCOL_VERSION, server_pid: 42, dirs: vec!["/ckpt".into()], staging_bytes: 1 << 30 })),
+        ("refused", encode(&Reply::Refused { reason: "version".into() })),
+        ("registered", encode(&Reply::RegionRegistered { id: 1, region_id: 2 })),
+        ("unregistered", encode(&Reply::RegionUnregistered { id: 2, region_id: 2 })),
+        ("released", encode(&Reply::Released { id: 3, step: 100, copy_seconds: 0.25, waited_seconds: 0.0 })),
+        ("durable", encode(&Reply::Durable { id: 3, step: 100, path: "/ckpt/step-000000000100".into(), persist_seconds: 1.0 })),
+        ("failed", encode(&Reply::Failed { id: 3, step: 100, code: ErrorCode::Io, reason: "disk full".into() })),
+        ("loaded", encode(&Reply::Loaded { id: 4, step: 100, source: LoadSource::Ram, blobs: vec![b], fell_back: vec![] })),
+        ("listing", encode(&Reply::Listing { id: 5, steps: vec![99, 100], latest: Some(100) })),
+        ("status_reply", encode(&Reply::Status { id: 6, report })),
+        ("error", encode(&Reply::Error { id: 4, code: ErrorCode::BadRegion, message: "outside".into() })),
+    ]
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[test]
+fn encodings_match_golden_file() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/messages.txt");
+    let actual: String = samples().iter().map(|(n, b)| format!("{n} {}\n", hex(b))).collect();
+    if std::env::var_os("CKPT_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, &actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).expect("golden file (regenerate with CKPT_UPDATE_GOLDEN=1)");
+    for (e, a) in expected.lines().zip(actual.lines()) {
+        assert_eq!(e, a, "wire encoding changed: bump PROTOCOL_VERSION and regenerate");
+    }
+    assert_eq!(expected.lines().count(), actual.lines().count(), "message kinds added or removed");
+}
+
+#[test]
+fn every_golden_frame_decodes_back() {
+    for (name, frame) in samples() {
+        let body = &frame[4..];
+        let ok = decode::<Request>(body).map(|r| encode(&r) == frame).unwrap_or(false)
+            || decode::<Reply>(body).map(|r| encode(&r) == frame).unwrap_or(false);
+        assert!(ok, "{name} does not round-trip");
+    }
+}

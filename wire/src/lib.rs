@@ -41,6 +41,15 @@ pub struct TensorDesc {
     pub len_bytes: u64,
 }
 
+/// What a checkpoint holds for one tensor (no bytes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub len_bytes: u64,
+}
+
 /// A small opaque byte blob saved beside the tensors.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Blob {
@@ -104,7 +113,11 @@ pub enum Reply {
     Durable { id: u64, step: u64, path: String, persist_seconds: f64 },
     /// The save did not commit (before or after Released), and why.
     Failed { id: u64, step: u64, code: ErrorCode, reason: String },
-    Loaded { id: u64, step: u64, source: LoadSource, blobs: Vec<Blob>, fell_back: Vec<String> },
+    /// The requested tensors are in place. `tensors` lists every tensor of
+    /// the checkpoint (so a client can size its regions with a first Load of
+    /// no tensors); `blobs` are all its blobs; `fell_back` says which newer
+    /// checkpoints were skipped as damaged, and why.
+    Loaded { id: u64, step: u64, source: LoadSource, tensors: Vec<TensorInfo>, blobs: Vec<Blob>, fell_back: Vec<String> },
     Listing { id: u64, steps: Vec<u64>, latest: Option<u64> },
     Status { id: u64, report: StatusReport },
     /// A request failed; the session goes on.

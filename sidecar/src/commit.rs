@@ -20,6 +20,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +74,8 @@ pub enum CommitError {
     AlreadyCommitted { step: u64, dir: PathBuf },
     #[error("invalid checkpoint: {0}")]
     Format(#[from] FormatError),
+    #[error("step {step}: aborted before the commit point (shutting down); nothing was committed")]
+    Aborted { step: u64 },
 }
 
 impl CommitError {
@@ -127,6 +130,9 @@ pub struct Store {
     paths: Vec<PathBuf>,
     opts: StoreOptions,
     recovery: RecoveryReport,
+    /// Set from outside (the daemon's second signal): a commit in progress
+    /// stops at its next check and removes its temp folders.
+    abort: Option<Arc<AtomicBool>>,
 }
 
 impl Store {
@@ -165,7 +171,7 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { dirs, paths, opts, recovery })
+        Ok(Store { dirs, paths, opts, recovery, abort: None })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
@@ -198,6 +204,20 @@ impl Store {
             if let Err(e) = d.engine.register(buf.clone()) {
                 warn!(dir = %d.path.display(), "staging memory not registered with io_uring ({e}); writes go unregistered");
             }
+        }
+    }
+
+    /// Makes every later commit check `flag` before it writes, after the
+    /// shards are synced, and just before the commit point; when set, the
+    /// commit fails with [`CommitError::Aborted`] and leaves nothing behind.
+    pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
+        self.abort = Some(flag);
+    }
+
+    fn check_abort(&self, step: u64) -> Result<(), CommitError> {
+        match &self.abort {
+            Some(f) if f.load(Ordering::SeqCst) => Err(CommitError::Aborted { step }),
+            _ => Ok(()),
         }
     }
 
@@ -266,6 +286,7 @@ impl Store {
         renamed: &mut Vec<PathBuf>,
         t0: Instant,
     ) -> Result<CommitReport, CommitError> {
+        self.check_abort(step)?;
         for t in tmps {
             fs::create_dir(t).map_err(|e| CommitError::io(t, "create temp folder", e))?;
         }
@@ -292,6 +313,7 @@ impl Store {
             write = write.max(w);
             sync = sync.max(s);
         }
+        self.check_abort(step)?;
         let t_commit = Instant::now();
         let primary_tmp = &tmps[0];
         let mut bytes = layout.file_bytes();
@@ -313,6 +335,7 @@ impl Store {
         for t in tmps {
             catalog::fsync_dir(t).map_err(|e| CommitError::io(t, "sync temp folder", e))?;
         }
+        self.check_abort(step)?;
         // Secondaries first; the primary's rename is the commit point.
         for (i, t) in tmps.iter().enumerate().skip(1).chain(std::iter::once((0, &tmps[0]))) {
             let dest = catalog::step_path(&self.paths[i], step);

@@ -156,6 +156,28 @@ impl Layout {
         Ok(Layout { specs, places, shards, opts, staging_len: staging })
     }
 
+    /// Moves the whole image to start at `base_bytes` in a larger staging
+    /// buffer (the daemon's staging holds several images at once).
+    /// `staging_len` becomes the end of the image. `base_bytes` must keep
+    /// O_DIRECT alignment.
+    pub fn rebase(&mut self, base_bytes: u64) {
+        assert_eq!(base_bytes % DIRECT_ALIGN_BYTES as u64, 0, "image base must be block-aligned");
+        let old = self.shards.first().map_or(0, |s| s.staging_offset);
+        let image_len = self.staging_len - old;
+        for sh in &mut self.shards {
+            sh.staging_offset = sh.staging_offset - old + base_bytes;
+        }
+        for p in &mut self.places {
+            p.staging_offset = p.staging_offset - old + base_bytes;
+        }
+        self.staging_len = base_bytes + image_len;
+    }
+
+    /// Bytes of staging the image itself covers (from its first shard on).
+    pub fn image_len(&self) -> u64 {
+        self.shards.iter().map(|s| s.io_len).sum()
+    }
+
     /// Bytes of tensor data (what `total_size` says).
     pub fn tensor_bytes(&self) -> u64 {
         self.places.iter().map(|p| p.data_offsets.1 - p.data_offsets.0).sum()

@@ -70,6 +70,8 @@ pub enum LoadError {
     Io { path: PathBuf, what: &'static str, source: io::Error },
     #[error("{0}")]
     Probe(#[from] eio::ProbeError),
+    #[error("step {step} needs {need_bytes} bytes of memory to load; {have_bytes} given")]
+    BufferTooSmall { step: u64, need_bytes: u64, have_bytes: u64 },
 }
 
 /// A checkpoint in memory, every checksum matched.
@@ -135,13 +137,10 @@ fn dir_paths(primary: &Path, index: &Index, opts: &ReadOptions) -> Vec<PathBuf> 
     v
 }
 
-/// Loads a checkpoint; with `Which::Latest` a damaged one falls back to the
-/// newest good one. `buf`, if given and large enough, is reused (no fresh
-/// pages on the data path).
-pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<AlignedBuf>) -> Result<Loaded, LoadError> {
-    let mut fell_back = Vec::new();
-    let candidates: Vec<u64> = match which {
-        Which::Step(s) => vec![s],
+/// Steps to try, in order, for `which`.
+fn candidates(primary: &Path, which: Which) -> Result<Vec<u64>, LoadError> {
+    match which {
+        Which::Step(s) => Ok(vec![s]),
         Which::Latest => {
             let mut c = catalog::committed_steps(primary).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "list", source: e })?;
             // `latest` first if it names a committed one, then newest down.
@@ -152,12 +151,24 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
             if c.is_empty() {
                 return Err(LoadError::NoCheckpoint { dir: primary.to_path_buf() });
             }
-            c
+            Ok(c)
         }
-    };
+    }
+}
+
+/// Whether a failed candidate lets `latest` fall back to an older one.
+fn falls_back(which: Which, e: &LoadError) -> bool {
+    which == Which::Latest && matches!(e, LoadError::Damaged { .. } | LoadError::Io { .. })
+}
+
+/// Loads a checkpoint; with `Which::Latest` a damaged one falls back to the
+/// newest good one. `buf`, if given and large enough, is reused (no fresh
+/// pages on the data path).
+pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<AlignedBuf>) -> Result<Loaded, LoadError> {
+    let mut fell_back = Vec::new();
     let mut buf = buf;
     let mut last_err = None;
-    for step in candidates {
+    for step in candidates(primary, which)? {
         match load_step(primary, step, opts, buf.take()) {
             Ok(mut l) => {
                 l.fell_back = fell_back;
@@ -165,7 +176,7 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
             }
             Err((e, b)) => {
                 buf = b;
-                if which == Which::Latest && matches!(e, LoadError::Damaged { .. } | LoadError::Io { .. }) {
+                if falls_back(which, &e) {
                     tracing::warn!(step, "checkpoint unusable, falling back: {e}");
                     fell_back.push((step, e.to_string()));
                     last_err = Some(e);
@@ -173,6 +184,63 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
                 }
                 return Err(e);
             }
+        }
+    }
+    Err(last_err.expect("at least one candidate"))
+}
+
+/// A checkpoint read into memory the caller owns (see [`load_into`]); every
+/// checksum matched.
+pub struct Placed {
+    pub step: u64,
+    pub index: Index,
+    pub blobs: BTreeMap<String, Vec<u8>>,
+    pub fell_back: Vec<(u64, String)>,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub engine: String,
+    files: BTreeMap<String, (usize, u64)>,
+}
+
+impl Placed {
+    /// Where tensor `name`'s bytes are in the destination given to `load_into`.
+    pub fn tensor_range(&self, name: &str) -> Option<std::ops::Range<usize>> {
+        let t = self.index.ckpt.tensors.get(name)?;
+        let &(base, data_start) = self.files.get(&t.file)?;
+        Some(base + (data_start + t.data_offsets[0]) as usize..base + (data_start + t.data_offsets[1]) as usize)
+    }
+}
+
+/// Like [`load`], but into `dest` (block-aligned, e.g. a part of the
+/// daemon's staging memory) instead of a buffer of its own. A checkpoint
+/// larger than `dest` is [`LoadError::BufferTooSmall`], which does not fall
+/// back: the caller retries with more memory.
+pub fn load_into(primary: &Path, which: Which, opts: &ReadOptions, dest: &mut [u8]) -> Result<Placed, LoadError> {
+    assert_eq!(dest.as_ptr() as usize % DIRECT_ALIGN_BYTES, 0, "load destination must be block-aligned");
+    let mut fell_back = Vec::new();
+    let mut last_err = None;
+    for step in candidates(primary, which)? {
+        let t0 = Instant::now();
+        let r = read_index(primary, step).and_then(|index| {
+            let need_bytes = load_len_bytes(&index);
+            if need_bytes > dest.len() as u64 {
+                return Err(LoadError::BufferTooSmall { step, need_bytes, have_bytes: dest.len() as u64 });
+            }
+            // SAFETY: dest is a live, exclusively borrowed, block-aligned
+            // slice of at least need_bytes, untouched until this returns.
+            unsafe { read_step_at(primary, step, index, opts, dest.as_mut_ptr(), t0) }
+        });
+        match r {
+            Ok(mut p) => {
+                p.fell_back = fell_back;
+                return Ok(p);
+            }
+            Err(e) if falls_back(which, &e) => {
+                tracing::warn!(step, "checkpoint unusable, falling back: {e}");
+                fell_back.push((step, e.to_string()));
+                last_err = Some(e);
+            }
+            Err(e) => return Err(e),
         }
     }
     Err(last_err.expect("at least one candidate"))
@@ -194,6 +262,31 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
             Err(e) => return Err((LoadError::Io { path: primary.to_path_buf(), what: "allocate load buffer", source: e }, None)),
         },
     };
+    // SAFETY: buf is owned here, page-aligned, at least `need` bytes, and
+    // not touched by anything else until read_step_at returns.
+    match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0) } {
+        Ok(p) => Ok(Loaded {
+            step: p.step,
+            index: p.index,
+            blobs: p.blobs,
+            fell_back: Vec::new(),
+            bytes: p.bytes,
+            seconds: p.seconds,
+            engine: p.engine,
+            buf,
+            files: p.files,
+        }),
+        Err(e) => Err((e, Some(buf))),
+    }
+}
+
+/// Reads and checks every shard and blob of `step` (whose index is `index`)
+/// into memory at `base`.
+///
+/// # Safety
+/// `base` must be block-aligned and valid for writes of
+/// `load_len_bytes(&index)` bytes that nothing else touches during the call.
+unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant) -> Result<Placed, LoadError> {
     let dirs = dir_paths(primary, &index, opts);
     let mut files = BTreeMap::new();
     let mut at = 0usize;
@@ -203,7 +296,7 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
         plan[f.dir_idx as usize].push((fi, at));
         at += config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES) as usize;
     }
-    let base = buf.as_mut_ptr() as usize;
+    let base = base as usize;
     let step_dirs: Vec<PathBuf> = dirs.iter().map(|d| catalog::step_path(d, step)).collect();
     let outcome: Result<Vec<(Vec<Problem>, Vec<(String, u64)>, String)>, LoadError> = std::thread::scope(|s| {
         let handles: Vec<_> = plan
@@ -216,21 +309,18 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
                 s.spawn(move || {
                     let targets: Vec<(usize, Dest)> = p.iter().map(|&(fi, off)| (fi, Dest::Whole((base + off) as *mut u8))).collect();
                     let mut reader = DirReader::open(dir, opts.io)?;
-                    // SAFETY: each target is a disjoint range of `buf`, which
-                    // outlives this scope and is not touched until it ends.
+                    // SAFETY: each target is a disjoint range of the caller's
+                    // memory, valid and untouched until this scope ends
+                    // (this function's contract).
                     Ok(unsafe { read_and_check(dir, index, &targets, &mut reader) })
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect()
     });
-    let outcome = match outcome {
-        Ok(o) => o,
-        Err(e) => return Err((e, Some(buf))),
-    };
     let mut problems = Vec::new();
     let mut engines = Vec::new();
-    for (p, starts, engine) in outcome {
+    for (p, starts, engine) in outcome? {
         problems.extend(p);
         for (name, ds) in starts {
             files.get_mut(&name).expect("file listed").1 = ds;
@@ -240,11 +330,11 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
     let mut blobs = BTreeMap::new();
     problems.extend(read_blobs(&step_dirs[0], &index, &mut blobs));
     if !problems.is_empty() {
-        return Err((LoadError::Damaged { dir: primary.to_path_buf(), step, problems }, Some(buf)));
+        return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems });
     }
     engines.dedup();
     let bytes = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
-    Ok(Loaded { step, index, blobs, fell_back: Vec::new(), bytes, seconds: t0.elapsed().as_secs_f64(), engine: engines.join(","), buf, files })
+    Ok(Placed { step, index, blobs, fell_back: Vec::new(), bytes, seconds: t0.elapsed().as_secs_f64(), engine: engines.join(","), files })
 }
 
 fn read_blobs(step_dir: &Path, index: &Index, out: &mut BTreeMap<String, Vec<u8>>) -> Vec<Problem> {

@@ -1,0 +1,800 @@
+//! The client side of docs/protocol.md: one connection to the sidecar, the
+//! regions registered on it, and the saves in flight.
+//!
+//! Threads: the caller's threads send requests (one at a time, under the
+//! `inner` lock); one reader thread per connection (`ckpt-shim-reader`)
+//! decodes every reply and files it in the shared [`State`]: replies to
+//! requests by id (only ids someone still waits for), and the asynchronous
+//! `Released` / `Durable` / `Failed` of saves into the save table, whatever
+//! order they arrive in. Callers block on a condition variable, never on the
+//! socket, so a `wait` on one thread and a `load` on another both work.
+//!
+//! Connection loss: when the reader sees EOF or an unreadable reply it marks
+//! the connection dead, fails every save not yet durable (saying whether it
+//! had been released), and wakes every waiter with "sidecar gone: …". The
+//! next call that needs the sidecar (or [`Client::reconnect`]) connects again
+//! and re-registers every region under its old id and name, so tensor
+//! addresses stay valid across sidecar restarts; if no sidecar is there that
+//! call fails with the reason and the trainer can go on training.
+//!
+//! Invariants:
+//! - request ids are unique and increasing for the client's whole life, so
+//!   they are unique per connection as the protocol asks, and a save id
+//!   names one save forever;
+//! - every table is bounded: replies are kept only for ids being waited for,
+//!   finished saves only for the newest [`SAVES_FINISHED_MAX`];
+//! - nothing is written to the socket with SIGPIPE possible (MSG_NOSIGNAL):
+//!   a dead sidecar must never kill the trainer.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ckpt_wire::{Blob, ErrorCode, FrameError, LoadSource, Reply, Request, StatusReport, TensorDesc, TensorInfo, FRAME_BYTES_MAX, PROTOCOL_VERSION, SOCKET_ENV};
+
+use crate::error::{Error, Result};
+use crate::region::ShmRegion;
+
+/// Finished (durable or failed) saves remembered for `poll`/`wait`.
+pub const SAVES_FINISHED_MAX: usize = 1024;
+/// How long the handshake may take before the sidecar counts as hung.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A region allocated by a client: shared memory the sidecar can read.
+/// The mapping lives while any clone of the `Arc` does.
+pub type Region = Arc<ShmRegion>;
+
+/// Where a tensor is, for save (its bytes) or load (where to put them).
+/// `ptr` must lie inside a region of this client; it is only compared with
+/// region addresses, never dereferenced by the client.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorRef<'a> {
+    pub name: &'a str,
+    /// safetensors spelling: F32, BF16, I64, ...
+    pub dtype: &'a str,
+    pub shape: &'a [u64],
+    pub ptr: *const u8,
+    pub len_bytes: u64,
+}
+
+impl<'a> TensorRef<'a> {
+    /// A tensor at `offset_bytes` in `region`.
+    pub fn in_region(name: &'a str, dtype: &'a str, shape: &'a [u64], region: &ShmRegion, offset_bytes: u64, len_bytes: u64) -> Self {
+        TensorRef { name, dtype, shape, ptr: region.as_ptr().wrapping_add(offset_bytes as usize), len_bytes }
+    }
+}
+
+/// A small named byte string saved beside the tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct BlobRef<'a> {
+    pub name: &'a str,
+    pub bytes: &'a [u8],
+}
+
+/// What to wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wanted {
+    /// The snapshot is copied: the tensors may change again.
+    Released,
+    /// The checkpoint is committed on disk.
+    Durable,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveState {
+    Pending,
+    Released,
+    Durable,
+    Failed,
+}
+
+/// A save issued by [`Client::save`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SaveHandle {
+    pub id: u64,
+    pub step: u64,
+}
+
+/// Everything known about one save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveStatus {
+    pub step: u64,
+    pub state: SaveState,
+    /// Whether the sidecar said Released (a failed save may have been).
+    pub released: bool,
+    pub copy_seconds: Option<f64>,
+    pub waited_seconds: Option<f64>,
+    pub path: Option<String>,
+    pub persist_seconds: Option<f64>,
+    /// Why it failed, when `state` is Failed.
+    pub error: Option<String>,
+}
+
+/// What a load returned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadInfo {
+    pub step: u64,
+    pub source: LoadSource,
+    /// Every tensor of the checkpoint (not just the ones loaded).
+    pub tensors: Vec<TensorInfo>,
+    pub blobs: Vec<Blob>,
+    /// Newer checkpoints skipped as damaged, and why.
+    pub fell_back: Vec<String>,
+}
+
+/// What the sidecar said in its Welcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerInfo {
+    pub server_pid: u32,
+    pub dirs: Vec<String>,
+    pub staging_bytes: u64,
+}
+
+/// The socket path from the environment, as docs/protocol.md says:
+/// `$CKPT_SIDECAR_SOCKET`, else `$XDG_RUNTIME_DIR/ckpt-sidecar/sidecar.sock`,
+/// else `/tmp/ckpt-sidecar-<uid>/sidecar.sock`. Empty variables count as unset.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os(SOCKET_ENV).filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return Path::new(&d).join("ckpt-sidecar").join("sidecar.sock");
+    }
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    PathBuf::from(format!("/tmp/ckpt-sidecar-{uid}/sidecar.sock"))
+}
+
+/// A connection to the sidecar (reconnecting on demand), its regions and saves.
+/// All methods take `&self`: a client may be shared between threads.
+pub struct Client {
+    socket_path: PathBuf,
+    name: String,
+    shared: Arc<Shared>,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    conn: Option<Conn>,
+    regions: BTreeMap<u32, Region>,
+    next_region_id: u32,
+    closed: bool,
+    request_timeout: Option<Duration>,
+}
+
+struct Conn {
+    stream: UnixStream,
+    gen: u64,
+    reader: Option<JoinHandle<()>>,
+    info: ServerInfo,
+}
+
+impl Conn {
+    /// Ends the connection and waits for its reader thread.
+    fn shut(mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(h) = self.reader.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    /// Generation of the current connection; replies of older ones are dropped.
+    gen: u64,
+    /// Why the current connection is dead, once it is.
+    dead: Option<String>,
+    next_id: u64,
+    /// Request ids someone is waiting for, and their replies once here.
+    waiting: HashSet<u64>,
+    replies: HashMap<u64, Reply>,
+    saves: HashMap<u64, SaveEntry>,
+    finished: VecDeque<u64>,
+}
+
+#[derive(Debug, Clone)]
+struct SaveEntry {
+    status: SaveStatus,
+    /// Set when failed: the code the sidecar gave, or None for a lost connection.
+    code: Option<ErrorCode>,
+}
+
+impl State {
+    fn file(&mut self, reply: Reply) {
+        match reply {
+            Reply::Released { id, copy_seconds, waited_seconds, .. } => {
+                if let Some(e) = self.saves.get_mut(&id) {
+                    if e.status.state == SaveState::Pending {
+                        e.status.state = SaveState::Released;
+                        e.status.released = true;
+                        e.status.copy_seconds = Some(copy_seconds);
+                        e.status.waited_seconds = Some(waited_seconds);
+                    }
+                }
+            }
+            Reply::Durable { id, path, persist_seconds, .. } => {
+                if let Some(e) = self.saves.get_mut(&id) {
+                    if matches!(e.status.state, SaveState::Pending | SaveState::Released) {
+                        // Durable implies released, even if Released was never seen.
+                        e.status.state = SaveState::Durable;
+                        e.status.released = true;
+                        e.status.path = Some(path);
+                        e.status.persist_seconds = Some(persist_seconds);
+                        self.finish(id);
+                    }
+                }
+            }
+            Reply::Failed { id, code, reason, .. } => self.fail_save(id, Some(code), reason),
+            Reply::Error { id, code, message } if self.saves.get(&id).is_some_and(|e| !is_final(e.status.state)) => {
+                self.fail_save(id, Some(code), message)
+            }
+            Reply::Refused { reason } => self.lose(format!("the sidecar ended the session: {reason}")),
+            Reply::Welcome { .. } => {}
+            other => {
+                if let Some(id) = reply_id(&other) {
+                    if self.waiting.contains(&id) {
+                        self.replies.insert(id, other);
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail_save(&mut self, id: u64, code: Option<ErrorCode>, reason: String) {
+        if let Some(e) = self.saves.get_mut(&id) {
+            if !is_final(e.status.state) {
+                e.status.state = SaveState::Failed;
+                e.status.error = Some(reason);
+                e.code = code;
+                self.finish(id);
+            }
+        }
+    }
+
+    fn finish(&mut self, id: u64) {
+        self.finished.push_back(id);
+        while self.finished.len() > SAVES_FINISHED_MAX {
+            let old = self.finished.pop_front().expect("non-empty");
+            self.saves.remove(&old);
+        }
+    }
+
+    /// The current connection is gone: every unfinished save fails.
+    fn lose(&mut self, reason: String) {
+        if self.dead.is_some() {
+            return;
+        }
+        let open: Vec<u64> = self.saves.iter().filter(|(_, e)| !is_final(e.status.state)).map(|(id, _)| *id).collect();
+        for id in open {
+            let released = self.saves[&id].status.released;
+            let why = if released {
+                format!("{reason}; the snapshot had been released, so the checkpoint may still commit (check the list)")
+            } else {
+                format!("{reason}; the snapshot was not released, so this checkpoint was not taken")
+            };
+            self.fail_save(id, None, why);
+        }
+        self.dead = Some(reason);
+    }
+}
+
+fn is_final(s: SaveState) -> bool {
+    matches!(s, SaveState::Durable | SaveState::Failed)
+}
+
+fn reply_id(r: &Reply) -> Option<u64> {
+    match r {
+        Reply::Welcome { .. } | Reply::Refused { .. } => None,
+        Reply::RegionRegistered { id, .. }
+        | Reply::RegionUnregistered { id, .. }
+        | Reply::Released { id, .. }
+        | Reply::Durable { id, .. }
+        | Reply::Failed { id, .. }
+        | Reply::Loaded { id, .. }
+        | Reply::Listing { id, .. }
+        | Reply::Status { id, .. }
+        | Reply::Error { id, .. } => Some(*id),
+    }
+}
+
+fn program_name() -> String {
+    std::fs::read_to_string("/proc/self/comm").map(|s| s.trim().to_string()).unwrap_or_else(|_| "ckpt-shim".to_string())
+}
+
+/// Writes one frame without ever raising SIGPIPE.
+fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
+    let frame = ckpt_wire::encode(msg);
+    let body_bytes = frame.len() - 4;
+    if body_bytes > FRAME_BYTES_MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "the request is {body_bytes} bytes encoded, above the protocol's frame limit of {FRAME_BYTES_MAX} bytes (fewer tensors or smaller blobs per save)"
+        )));
+    }
+    let fd = stream.as_raw_fd();
+    let mut off = 0;
+    while off < frame.len() {
+        // SAFETY: the pointer and length describe the live `frame[off..]`.
+        let n = unsafe { libc::send(fd, frame[off..].as_ptr().cast(), frame.len() - off, libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::Disconnected { reason: format!("sending to the sidecar failed: {e}") });
+        }
+        off += n as usize;
+    }
+    Ok(())
+}
+
+fn reader_loop(mut stream: UnixStream, gen: u64, shared: Arc<Shared>) {
+    loop {
+        let got = ckpt_wire::read_frame::<Reply>(&mut stream);
+        let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.gen != gen {
+            return;
+        }
+        match got {
+            Ok(reply) => st.file(reply),
+            Err(e) => {
+                let reason = match e {
+                    FrameError::Closed => "the sidecar closed the connection (it exited, was killed, or ended the session)".to_string(),
+                    FrameError::Truncated => "the sidecar closed the connection in the middle of a reply".to_string(),
+                    FrameError::Io(e) => format!("reading from the sidecar failed: {e}"),
+                    e @ (FrameError::TooLarge { .. } | FrameError::Decode(_)) => format!("unreadable reply from the sidecar ({e}); connection dropped"),
+                };
+                st.lose(reason);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                shared.changed.notify_all();
+                return;
+            }
+        }
+        shared.changed.notify_all();
+    }
+}
+
+impl Client {
+    /// Connects to the sidecar at `path`, or the path from the environment
+    /// ([`default_socket_path`]) when None, and does the handshake.
+    pub fn connect(path: Option<&Path>) -> Result<Client> {
+        let socket_path = path.map(Path::to_path_buf).unwrap_or_else(default_socket_path);
+        let client = Client {
+            socket_path,
+            name: program_name(),
+            shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), next_region_id: 1, closed: false, request_timeout: None }),
+        };
+        {
+            let mut inner = client.lock_inner();
+            client.open(&mut inner)?;
+        }
+        Ok(client)
+    }
+
+    pub fn socket_path(&self) -> &Path {
+        &self.socket_path
+    }
+
+    /// What the sidecar said at the last handshake, if connected.
+    pub fn server_info(&self) -> Option<ServerInfo> {
+        self.lock_inner().conn.as_ref().map(|c| c.info.clone())
+    }
+
+    /// Whether the connection is up (as far as the reader thread knows).
+    pub fn is_connected(&self) -> bool {
+        let inner = self.lock_inner();
+        let st = self.lock_state();
+        inner.conn.as_ref().is_some_and(|c| c.gen == st.gen && st.dead.is_none())
+    }
+
+    /// Limits how long load, list, status and region calls wait for their
+    /// reply (None: as long as the connection lives). Saves are not limited
+    /// here: [`Client::wait`] takes its own timeout.
+    pub fn set_request_timeout(&self, timeout: Option<Duration>) {
+        self.lock_inner().request_timeout = timeout;
+    }
+
+    /// Connects again if the connection is down (re-registering every region);
+    /// does nothing if it is up.
+    pub fn reconnect(&self) -> Result<()> {
+        let mut inner = self.lock_inner();
+        self.ensure_connected(&mut inner).map(|_| ())
+    }
+
+    /// Creates a shared-memory region of `len_bytes` and registers it.
+    pub fn alloc_region(&self, len_bytes: u64) -> Result<Region> {
+        let mut inner = self.lock_inner();
+        if inner.closed {
+            return Err(Error::Closed);
+        }
+        let region_id = inner.next_region_id;
+        inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
+        let region = Arc::new(ShmRegion::create(region_id, len_bytes)?);
+        let timeout = inner.request_timeout;
+        let conn = self.ensure_connected(&mut inner)?;
+        self.register(conn, &region, timeout)?;
+        inner.regions.insert(region_id, region.clone());
+        Ok(region)
+    }
+
+    /// Unregisters a region and forgets it; its memory is unmapped and its
+    /// name unlinked when the last `Region` clone is dropped. The sidecar
+    /// answers only once no copy reads the region any more.
+    pub fn free_region(&self, region: &Region) -> Result<()> {
+        self.free_region_id(region.region_id())
+    }
+
+    /// As [`Client::free_region`], by the region's base address (the C ABI's `ckpt_free`).
+    pub fn free_region_at(&self, ptr: *const u8) -> Result<()> {
+        let id = {
+            let inner = self.lock_inner();
+            inner.regions.values().find(|r| r.as_ptr() as usize == ptr as usize).map(|r| r.region_id())
+        };
+        match id {
+            Some(id) => self.free_region_id(id),
+            None => Err(Error::UnknownRegion { ptr: ptr as usize }),
+        }
+    }
+
+    fn free_region_id(&self, region_id: u32) -> Result<()> {
+        let mut inner = self.lock_inner();
+        let Some(region) = inner.regions.remove(&region_id) else {
+            return Err(Error::UnknownRegion { ptr: 0 });
+        };
+        // The region is forgotten either way; if the sidecar is gone it has
+        // nothing to unregister, and a later reconnect will not register it.
+        let timeout = inner.request_timeout;
+        let conn = match self.ensure_connected(&mut inner) {
+            Ok(c) => c,
+            Err(_) => return Ok(()),
+        };
+        let reply = self.call_on(conn, timeout, "UnregisterRegion", |id| Request::UnregisterRegion { id, region_id })?;
+        drop(region);
+        match reply {
+            Reply::RegionUnregistered { .. } => Ok(()),
+            other => Err(unexpected("UnregisterRegion", other)),
+        }
+    }
+
+    /// Regions currently allocated.
+    pub fn regions(&self) -> Vec<Region> {
+        self.lock_inner().regions.values().cloned().collect()
+    }
+
+    /// Asks for checkpoint `step` of these tensors and blobs. Returns at once;
+    /// [`Client::wait`] or [`Client::poll`] tell when it is released / durable.
+    /// The tensors must not change until it is released.
+    pub fn save(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef]) -> Result<SaveHandle> {
+        let mut inner = self.lock_inner();
+        let descs = describe(&inner.regions, tensors)?;
+        let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
+        let conn = self.ensure_connected(&mut inner)?;
+        let id = {
+            let mut st = self.lock_state();
+            let id = st.next_id;
+            st.next_id += 1;
+            let status = SaveStatus {
+                step,
+                state: SaveState::Pending,
+                released: false,
+                copy_seconds: None,
+                waited_seconds: None,
+                path: None,
+                persist_seconds: None,
+                error: None,
+            };
+            st.saves.insert(id, SaveEntry { status, code: None });
+            id
+        };
+        if let Err(e) = send_frame(&conn.stream, &Request::Save { id, step, tensors: descs, blobs }) {
+            let mut st = self.lock_state();
+            st.saves.remove(&id);
+            return Err(e);
+        }
+        Ok(SaveHandle { id, step })
+    }
+
+    /// The state of a save, without blocking.
+    pub fn poll(&self, save_id: u64) -> Result<SaveStatus> {
+        let st = self.lock_state();
+        st.saves.get(&save_id).map(|e| e.status.clone()).ok_or(Error::UnknownSave { save_id })
+    }
+
+    /// Blocks until the save is released or durable (as `wanted` says), it
+    /// fails, or `timeout` passes (None: no limit). A failed save is an error
+    /// naming why; waiting for Released on a save that was released and then
+    /// lost its connection succeeds (the tensors may change).
+    pub fn wait(&self, save_id: u64, wanted: Wanted, timeout: Option<Duration>) -> Result<SaveStatus> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.lock_state();
+        loop {
+            let e = st.saves.get(&save_id).ok_or(Error::UnknownSave { save_id })?;
+            let s = &e.status;
+            let done = match (wanted, s.state) {
+                (_, SaveState::Durable) => true,
+                (Wanted::Released, SaveState::Released) => true,
+                (Wanted::Released, SaveState::Failed) if s.released => true,
+                (_, SaveState::Failed) => {
+                    let reason = s.error.clone().unwrap_or_default();
+                    return Err(match e.code {
+                        Some(code) => Error::SaveFailed { step: s.step, code, reason },
+                        None => Error::Disconnected { reason },
+                    });
+                }
+                _ => false,
+            };
+            if done {
+                return Ok(s.clone());
+            }
+            let step = s.step;
+            st = self.wait_changed(st, deadline).map_err(|()| Error::Timeout {
+                what: format!("save of step {step} to be {}", if wanted == Wanted::Released { "released" } else { "durable" }),
+                timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
+            })?;
+        }
+    }
+
+    /// Loads the named tensors of `step` (None: latest) into the places the
+    /// refs point at (inside this client's regions). With no refs, only
+    /// tells what the checkpoint holds.
+    pub fn load(&self, step: Option<u64>, tensors: &[TensorRef]) -> Result<LoadInfo> {
+        let mut inner = self.lock_inner();
+        let descs = describe(&inner.regions, tensors)?;
+        let timeout = inner.request_timeout;
+        let conn = self.ensure_connected(&mut inner)?;
+        let gen = conn.gen;
+        let id = self.send_request(conn, |id| Request::Load { id, step, tensors: descs })?;
+        drop(inner);
+        match self.await_reply(id, gen, "the sidecar to load", timeout)? {
+            Reply::Loaded { step, source, tensors, blobs, fell_back, .. } => Ok(LoadInfo { step, source, tensors, blobs, fell_back }),
+            other => Err(unexpected("Load", other)),
+        }
+    }
+
+    /// Committed steps, oldest first, and the latest one.
+    pub fn list(&self) -> Result<(Vec<u64>, Option<u64>)> {
+        match self.call("List", |id| Request::List { id })? {
+            Reply::Listing { steps, latest, .. } => Ok((steps, latest)),
+            other => Err(unexpected("List", other)),
+        }
+    }
+
+    /// The sidecar's status report.
+    pub fn status(&self) -> Result<StatusReport> {
+        match self.call("Status", |id| Request::Status { id })? {
+            Reply::Status { report, .. } => Ok(report),
+            other => Err(unexpected("Status", other)),
+        }
+    }
+
+    /// Says Bye and closes. Saves already released still commit (this client
+    /// will not hear of it); saves not yet released are aborted by the
+    /// sidecar. Regions are unregistered by the session's end, then unmapped
+    /// and unlinked here. Later calls fail with [`Error::Closed`].
+    pub fn close(&self) {
+        let mut inner = self.lock_inner();
+        if inner.closed {
+            return;
+        }
+        inner.closed = true;
+        if let Some(conn) = inner.conn.take() {
+            let _ = send_frame(&conn.stream, &Request::Bye);
+            {
+                let mut st = self.lock_state();
+                st.lose("this client closed the connection".to_string());
+                st.gen += 1; // the reader's EOF belongs to the past now
+            }
+            self.shared.changed.notify_all();
+            conn.shut();
+        }
+        inner.regions.clear();
+    }
+
+    // ---- internals ----
+
+    fn lock_inner(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data behind; go on.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_state(&self) -> MutexGuard<'_, State> {
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait_changed<'a>(&self, st: MutexGuard<'a, State>, deadline: Option<Instant>) -> Result<MutexGuard<'a, State>, ()> {
+        match deadline {
+            None => Ok(self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner())),
+            Some(d) => {
+                let now = Instant::now();
+                if now >= d {
+                    return Err(());
+                }
+                let (st, _) = self.shared.changed.wait_timeout(st, d - now).unwrap_or_else(|p| p.into_inner());
+                Ok(st)
+            }
+        }
+    }
+
+    /// Connects and shakes hands; on success the new connection is current.
+    fn open(&self, inner: &mut Inner) -> Result<()> {
+        let path = &self.socket_path;
+        let mut stream = UnixStream::connect(path).map_err(|source| Error::Connect { path: path.clone(), source })?;
+        let hs = |detail: String| Error::Handshake { path: path.clone(), detail };
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| hs(e.to_string()))?;
+        send_frame(&stream, &ckpt_wire::hello(&self.name)).map_err(|e| hs(e.to_string()))?;
+        let info = match ckpt_wire::read_frame::<Reply>(&mut stream) {
+            Ok(Reply::Welcome { version, server_pid, dirs, staging_bytes }) => {
+                if version != PROTOCOL_VERSION {
+                    return Err(Error::Version { path: path.clone(), ours: PROTOCOL_VERSION, theirs: version });
+                }
+                ServerInfo { server_pid, dirs, staging_bytes }
+            }
+            Ok(Reply::Refused { reason }) => return Err(Error::Refused { path: path.clone(), reason }),
+            Ok(other) => return Err(hs(format!("expected Welcome, got {other:?}"))),
+            Err(FrameError::Io(e)) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                return Err(Error::Timeout { what: format!("the sidecar at {} to answer Hello", path.display()), timeout_ms: HANDSHAKE_TIMEOUT.as_millis() as u64 })
+            }
+            Err(FrameError::Closed) => return Err(hs("the sidecar closed the connection without answering Hello".into())),
+            Err(e) => return Err(hs(e.to_string())),
+        };
+        stream.set_read_timeout(None).map_err(|e| hs(e.to_string()))?;
+        let reader_stream = stream.try_clone().map_err(|e| hs(e.to_string()))?;
+        let gen = {
+            let mut st = self.lock_state();
+            st.gen += 1;
+            st.dead = None;
+            st.gen
+        };
+        let shared = self.shared.clone();
+        let reader = std::thread::Builder::new()
+            .name("ckpt-shim-reader".into())
+            .spawn(move || reader_loop(reader_stream, gen, shared))
+            .map_err(|e| hs(format!("cannot start the reader thread: {e}")))?;
+        inner.conn = Some(Conn { stream, gen, reader: Some(reader), info });
+        Ok(())
+    }
+
+    /// The live connection, reconnecting (and re-registering every region)
+    /// if the last one died.
+    fn ensure_connected<'a>(&self, inner: &'a mut Inner) -> Result<&'a Conn> {
+        if inner.closed {
+            return Err(Error::Closed);
+        }
+        let lost = {
+            let st = self.lock_state();
+            match &inner.conn {
+                Some(c) if c.gen == st.gen && st.dead.is_none() => None,
+                Some(_) => Some(st.dead.clone().unwrap_or_else(|| "the connection was replaced".into())),
+                None => Some("not connected".into()),
+            }
+        };
+        let Some(lost) = lost else {
+            return Ok(inner.conn.as_ref().expect("checked above"));
+        };
+        if let Some(old) = inner.conn.take() {
+            old.shut();
+        }
+        let fail = |e: Error| Error::Disconnected { reason: format!("{lost}; reconnecting to {} failed: {e}", self.socket_path.display()) };
+        self.open(inner).map_err(fail)?;
+        let timeout = inner.request_timeout;
+        let conn = inner.conn.as_ref().expect("open sets it");
+        for region in inner.regions.values() {
+            if let Err(e) = self.register(conn, region, timeout) {
+                let e = Error::Disconnected {
+                    reason: format!("reconnected to {}, but re-registering region {} ({}) failed: {e}", self.socket_path.display(), region.region_id(), region.shm_name()),
+                };
+                if let Some(c) = inner.conn.take() {
+                    self.lock_state().lose(e.to_string());
+                    c.shut();
+                }
+                return Err(e);
+            }
+        }
+        Ok(inner.conn.as_ref().expect("still there"))
+    }
+
+    fn register(&self, conn: &Conn, region: &ShmRegion, timeout: Option<Duration>) -> Result<()> {
+        let (region_id, shm_name, len_bytes) = (region.region_id(), region.shm_name().to_string(), region.len_bytes());
+        match self.call_on(conn, timeout, "RegisterRegion", |id| Request::RegisterRegion { id, region_id, shm_name, len_bytes })? {
+            Reply::RegionRegistered { region_id: got, .. } if got == region_id => Ok(()),
+            other => Err(unexpected("RegisterRegion", other)),
+        }
+    }
+
+    /// Sends a request built for a fresh id; the id is marked as waited for.
+    fn send_request(&self, conn: &Conn, make: impl FnOnce(u64) -> Request) -> Result<u64> {
+        let id = {
+            let mut st = self.lock_state();
+            let id = st.next_id;
+            st.next_id += 1;
+            st.waiting.insert(id);
+            id
+        };
+        if let Err(e) = send_frame(&conn.stream, &make(id)) {
+            self.lock_state().waiting.remove(&id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    fn call(&self, what: &str, make: impl FnOnce(u64) -> Request) -> Result<Reply> {
+        let mut inner = self.lock_inner();
+        let timeout = inner.request_timeout;
+        let conn = self.ensure_connected(&mut inner)?;
+        let gen = conn.gen;
+        let id = self.send_request(conn, make)?;
+        drop(inner);
+        self.await_reply(id, gen, &format!("the sidecar to answer {what}"), timeout)
+    }
+
+    fn call_on(&self, conn: &Conn, timeout: Option<Duration>, what: &str, make: impl FnOnce(u64) -> Request) -> Result<Reply> {
+        let id = self.send_request(conn, make)?;
+        self.await_reply(id, conn.gen, &format!("the sidecar to answer {what}"), timeout)
+    }
+
+    fn await_reply(&self, id: u64, gen: u64, what: &str, timeout: Option<Duration>) -> Result<Reply> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.lock_state();
+        loop {
+            if let Some(r) = st.replies.remove(&id) {
+                st.waiting.remove(&id);
+                return match r {
+                    Reply::Error { code, message, .. } => Err(Error::Remote { code, message }),
+                    r => Ok(r),
+                };
+            }
+            if st.gen != gen || st.dead.is_some() {
+                st.waiting.remove(&id);
+                return Err(Error::Disconnected { reason: st.dead.clone().unwrap_or_else(|| "the connection was replaced".into()) });
+            }
+            st = match self.wait_changed(st, deadline) {
+                Ok(st) => st,
+                Err(()) => {
+                    let mut st = self.lock_state();
+                    st.waiting.remove(&id);
+                    st.replies.remove(&id);
+                    return Err(Error::Timeout { what: what.to_string(), timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0) });
+                }
+            };
+        }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn unexpected(what: &str, reply: Reply) -> Error {
+    Error::Protocol(format!("unexpected reply to {what}: {reply:?}"))
+}
+
+/// Turns tensor refs into descriptors: the region each lies in and its offset.
+fn describe(regions: &BTreeMap<u32, Region>, tensors: &[TensorRef]) -> Result<Vec<TensorDesc>> {
+    tensors
+        .iter()
+        .map(|t| {
+            let ptr = t.ptr as usize;
+            let found = regions.values().find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off)));
+            let (region_id, offset_bytes) = match found {
+                Some(f) => f,
+                // A zero-byte tensor needs no region bytes: any region at offset 0.
+                None if t.len_bytes == 0 => (regions.keys().next().copied().unwrap_or(0), 0),
+                None => return Err(Error::OutsideRegion { name: t.name.to_string(), ptr, len_bytes: t.len_bytes }),
+            };
+            Ok(TensorDesc { name: t.name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.to_vec(), region_id, offset_bytes, len_bytes: t.len_bytes })
+        })
+        .collect()
+}

@@ -1,0 +1,265 @@
+//! The Rust client against the fake sidecar (tests/common): handshake,
+//! regions, asynchronous save acks, load, errors, sidecar death and
+//! reconnection.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use ckpt::{BlobRef, Client, Error, SaveState, TensorRef, Wanted};
+use ckpt_wire::{ErrorCode, LoadSource};
+use common::{temp_socket, Fake, Opts};
+
+const SEC: Option<Duration> = Some(Duration::from_secs(10));
+
+fn fill(region: &ckpt::ShmRegion, seed: u8, len: usize) {
+    let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    region.write_at(0, &bytes).unwrap();
+}
+
+#[test]
+fn save_released_durable_then_load_gives_the_same_bytes() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let c = Client::connect(Some(&sock)).unwrap();
+    assert_eq!(c.server_info().unwrap().server_pid, std::process::id());
+    let r = c.alloc_region(8192).unwrap();
+    fill(&r, 1, 8192);
+    let t = [
+        TensorRef::in_region("a", "F32", &[2, 4], &r, 0, 32),
+        TensorRef::in_region("b", "U8", &[100], &r, 4096, 100),
+    ];
+    let h = c.save(7, &t, &[BlobRef { name: "rng", bytes: b"state-7" }]).unwrap();
+    assert_eq!(h.step, 7);
+    let s = c.wait(h.id, Wanted::Released, SEC).unwrap();
+    assert!(s.released);
+    let s = c.wait(h.id, Wanted::Durable, SEC).unwrap();
+    assert_eq!(s.state, SaveState::Durable);
+    assert_eq!(s.path.as_deref(), Some("/fake/step-000000000007"));
+    assert_eq!(c.poll(h.id).unwrap().state, SaveState::Durable);
+
+    let mut before = vec![0u8; 8192];
+    r.read_at(0, &mut before).unwrap();
+    fill(&r, 99, 8192); // the trainer moves on
+    let info = c.load(None, &t).unwrap();
+    assert_eq!((info.step, info.source), (7, LoadSource::Ram));
+    assert_eq!(info.tensors.len(), 2);
+    assert_eq!(info.blobs[0].bytes, b"state-7");
+    let mut after = vec![0u8; 8192];
+    r.read_at(0, &mut after).unwrap();
+    assert_eq!(after[..32], before[..32]);
+    assert_eq!(after[4096..4196], before[4096..4196]);
+    assert_ne!(after[32..64], before[32..64], "bytes outside the tensors were not loaded");
+    assert_eq!(c.list().unwrap(), (vec![7], Some(7)));
+    assert_eq!(c.status().unwrap().server_pid, std::process::id());
+    let log = fake.log();
+    assert!(log[0].starts_with("Hello "), "{log:?}");
+    assert_eq!(log[1], "RegisterRegion 1");
+}
+
+#[test]
+fn durable_acks_interleave_with_other_replies() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts { durable_delay: Duration::from_millis(300), ..Opts::default() });
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    let t = [TensorRef::in_region("w", "U8", &[64], &r, 0, 64)];
+    let mut ids = Vec::new();
+    for step in 1..=5 {
+        let h = c.save(step, &t, &[]).unwrap();
+        c.wait(h.id, Wanted::Released, SEC).unwrap();
+        ids.push(h.id);
+    }
+    // None is durable yet; List's reply arrives before their Durable acks.
+    let (steps, _) = c.list().unwrap();
+    assert!(steps.len() < 5, "{steps:?}");
+    assert!(ids.iter().any(|id| c.poll(*id).unwrap().state == SaveState::Released));
+    for id in &ids {
+        c.wait(*id, Wanted::Durable, SEC).unwrap();
+    }
+    assert_eq!(c.list().unwrap(), (vec![1, 2, 3, 4, 5], Some(5)));
+}
+
+#[test]
+fn saves_from_several_threads_share_one_client() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts { durable_delay: Duration::from_millis(20), ..Opts::default() });
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    std::thread::scope(|s| {
+        for k in 0..4u64 {
+            let (c, r) = (&c, &r);
+            s.spawn(move || {
+                for i in 0..10u64 {
+                    let t = [TensorRef::in_region("w", "U8", &[8], r, 8 * k, 8)];
+                    let h = c.save(100 * k + i, &t, &[]).unwrap();
+                    c.wait(h.id, Wanted::Durable, SEC).unwrap();
+                    c.list().unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(c.list().unwrap().0.len(), 40);
+}
+
+#[test]
+fn a_welcome_of_another_version_is_refused_with_a_clear_error() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts { version: Some(99), ..Opts::default() });
+    let e = Client::connect(Some(&sock)).err().unwrap();
+    assert!(matches!(e, Error::Version { ours: 1, theirs: 99, .. }), "{e:?}");
+    assert!(e.to_string().contains("protocol version 99"), "{e}");
+}
+
+#[test]
+fn a_refusal_carries_the_sidecars_reason() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts { refuse: Some("uid 1234 is not allowed".into()), ..Opts::default() });
+    let e = Client::connect(Some(&sock)).err().unwrap();
+    assert!(matches!(e, Error::Refused { .. }), "{e:?}");
+    assert!(e.to_string().contains("uid 1234 is not allowed"), "{e}");
+}
+
+#[test]
+fn no_sidecar_is_a_connect_error_naming_the_path() {
+    let (_d, sock) = temp_socket();
+    let e = Client::connect(Some(&sock)).err().unwrap();
+    assert!(matches!(e, Error::Connect { .. }), "{e:?}");
+    assert!(e.to_string().contains(&sock.display().to_string()), "{e}");
+}
+
+#[test]
+fn tensors_outside_regions_are_caught_before_sending() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    let heap = vec![0u8; 64];
+    let bad = TensorRef { name: "heap", dtype: "U8", shape: &[64], ptr: heap.as_ptr(), len_bytes: 64 };
+    let e = c.save(1, &[bad], &[]).err().unwrap();
+    assert!(matches!(e, Error::OutsideRegion { .. }), "{e:?}");
+    // Straddling the region's end.
+    let straddle = TensorRef::in_region("s", "U8", &[64], &r, 4090, 64);
+    assert!(matches!(c.save(1, &[straddle], &[]), Err(Error::OutsideRegion { .. })));
+    assert!(!fake.log().iter().any(|l| l.starts_with("Save")));
+}
+
+#[test]
+fn failures_after_release_are_reported_by_wait() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts { fail_step: Some(3), ..Opts::default() });
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    let t = [TensorRef::in_region("w", "U8", &[8], &r, 0, 8)];
+    let h = c.save(3, &t, &[]).unwrap();
+    c.wait(h.id, Wanted::Released, SEC).unwrap();
+    let e = c.wait(h.id, Wanted::Durable, SEC).err().unwrap();
+    assert!(matches!(e, Error::SaveFailed { step: 3, code: ErrorCode::Io, .. }), "{e:?}");
+    assert!(e.to_string().contains("No space left"), "{e}");
+    let s = c.poll(h.id).unwrap();
+    assert_eq!(s.state, SaveState::Failed);
+    assert!(s.released);
+    // Waiting for release of a save that was released and then failed is fine.
+    c.wait(h.id, Wanted::Released, SEC).unwrap();
+}
+
+#[test]
+fn wait_times_out_and_the_save_goes_on() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts { release_delay: Duration::from_millis(500), ..Opts::default() });
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    let h = c.save(1, &[TensorRef::in_region("w", "U8", &[8], &r, 0, 8)], &[]).unwrap();
+    let t0 = Instant::now();
+    let e = c.wait(h.id, Wanted::Released, Some(Duration::from_millis(50))).err().unwrap();
+    assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_millis(400));
+    c.wait(h.id, Wanted::Durable, SEC).unwrap();
+}
+
+#[test]
+fn unknown_save_ids_and_loads_of_nothing_are_errors() {
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts::default());
+    let c = Client::connect(Some(&sock)).unwrap();
+    assert!(matches!(c.poll(12345), Err(Error::UnknownSave { save_id: 12345 })));
+    let e = c.load(None, &[]).err().unwrap();
+    assert!(matches!(e, Error::Remote { code: ErrorCode::NotFound, .. }), "{e:?}");
+    // The session goes on after an Error reply.
+    assert_eq!(c.list().unwrap(), (vec![], None));
+}
+
+#[test]
+fn sidecar_death_fails_pending_saves_and_a_later_call_reconnects() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts { durable_delay: Duration::from_secs(30), ..Opts::default() });
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    fill(&r, 5, 4096);
+    let t = [TensorRef::in_region("w", "U8", &[16], &r, 0, 16)];
+    let h = c.save(1, &t, &[]).unwrap();
+    c.wait(h.id, Wanted::Released, SEC).unwrap();
+
+    let store = fake.kill();
+    let e = c.wait(h.id, Wanted::Durable, SEC).err().unwrap();
+    assert!(matches!(e, Error::Disconnected { .. }), "{e:?}");
+    assert!(e.to_string().contains("may still commit"), "{e}");
+    assert!(!c.is_connected());
+
+    // No sidecar: the call fails with the reason, and the trainer goes on.
+    let e = c.list().err().unwrap();
+    assert!(matches!(e, Error::Disconnected { .. }), "{e:?}");
+    assert!(e.to_string().contains("reconnecting"), "{e}");
+
+    // A sidecar is back (same socket, same "disk"): the next call reconnects
+    // and the old region is registered again under its id.
+    let fake = Fake::start_with(&sock, Opts::default(), store);
+    assert_eq!(c.list().unwrap().0, Vec::<u64>::new());
+    assert!(c.is_connected());
+    let h = c.save(2, &t, &[]).unwrap();
+    c.wait(h.id, Wanted::Durable, SEC).unwrap();
+    fill(&r, 0, 4096);
+    c.load(Some(2), &t).unwrap();
+    let mut got = [0u8; 16];
+    r.read_at(0, &mut got).unwrap();
+    let want: Vec<u8> = (0..16).map(|i| (i as u8).wrapping_mul(31).wrapping_add(5)).collect();
+    assert_eq!(got[..], want[..]);
+    let log = fake.log();
+    assert!(log.iter().filter(|l| *l == "RegisterRegion 1").count() == 2, "{log:?}");
+}
+
+#[test]
+fn unreleased_saves_fail_as_not_taken_when_the_sidecar_dies() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts { release_delay: Duration::from_secs(2), ..Opts::default() });
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(4096).unwrap();
+    let h = c.save(1, &[TensorRef::in_region("w", "U8", &[16], &r, 0, 16)], &[]).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(fake);
+    let e = c.wait(h.id, Wanted::Released, SEC).err().unwrap();
+    assert!(e.to_string().contains("was not taken"), "{e}");
+    assert!(c.reconnect().is_err());
+}
+
+#[test]
+fn free_and_close_unregister_and_remove_the_shared_memory() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let c = Client::connect(Some(&sock)).unwrap();
+    let a = c.alloc_region(4096).unwrap();
+    let b = c.alloc_region(4096).unwrap();
+    let (na, nb) = (format!("/dev/shm{}", a.shm_name()), format!("/dev/shm{}", b.shm_name()));
+    assert!(std::path::Path::new(&na).exists() && std::path::Path::new(&nb).exists());
+    c.free_region(&a).unwrap();
+    drop(a);
+    assert!(!std::path::Path::new(&na).exists());
+    assert!(matches!(c.free_region_at(std::ptr::null()), Err(Error::UnknownRegion { .. })));
+    drop(b);
+    c.close();
+    assert!(!std::path::Path::new(&nb).exists());
+    assert!(matches!(c.list(), Err(Error::Closed)));
+    std::thread::sleep(Duration::from_millis(50));
+    let log = fake.log();
+    assert!(log.contains(&"UnregisterRegion 1".to_string()) && log.last().unwrap() == "Bye", "{log:?}");
+}

@@ -478,10 +478,12 @@ impl Index {
         Ok(())
     }
 
-    /// Tensors of one file, in file order.
+    /// Tensors of one file, in file order. Zero-byte tensors share their
+    /// offset with a neighbour, so ties sort by end, then name (the same
+    /// order the reader puts a parsed header in before comparing).
     pub fn tensors_of<'a>(&'a self, file: &'a str) -> impl Iterator<Item = (&'a String, &'a IndexTensor)> + 'a {
         let mut v: Vec<_> = self.ckpt.tensors.iter().filter(|(_, t)| t.file == file).collect();
-        v.sort_by_key(|(_, t)| t.data_offsets[0]);
+        v.sort_by(|a, b| (a.1.data_offsets, a.0).cmp(&(b.1.data_offsets, b.0)));
         v.into_iter()
     }
 }

@@ -364,6 +364,30 @@ mod tests {
     }
 
     #[test]
+    fn zero_byte_tensors_sharing_an_offset_keep_file_order() {
+        // Regression: tensors_of sorted by start offset only, so an empty
+        // tensor sharing its offset with the next one could come second and
+        // the reader called a good shard's header wrong.
+        let specs = vec![TensorSpec::new("b.empty", Dtype::F32, &[0]), TensorSpec::new("a", Dtype::F32, &[4])];
+        let l = Layout::plan(specs, LayoutOptions::default()).unwrap();
+        let idx = l.index(1, &[0, 0], &[], vec![]);
+        let names: Vec<&str> = idx.tensors_of(&l.shards[0].file_name).map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["b.empty", "a"]);
+    }
+
+    #[test]
+    fn rebase_moves_every_offset() {
+        let mut l = Layout::plan(specs(), LayoutOptions::default()).unwrap();
+        let before: Vec<_> = (0..l.specs.len()).map(|i| l.tensor_range(i)).collect();
+        let len = l.image_len();
+        l.rebase(8192);
+        assert_eq!(l.staging_len, 8192 + len);
+        for (i, r) in before.into_iter().enumerate() {
+            assert_eq!(l.tensor_range(i), r.start + 8192..r.end + 8192);
+        }
+    }
+
+    #[test]
     fn duplicate_and_bad_names_are_refused() {
         let mut s = specs();
         s.push(TensorSpec::new("a.u8", Dtype::U8, &[1]));

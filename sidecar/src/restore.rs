@@ -521,8 +521,10 @@ impl<'a> FileCheck<'a> {
             Err(e) => self.fail(problems, e.to_string()),
             Ok(h) => {
                 let listed: Vec<_> = self.tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets)).collect();
-                let found: Vec<_> =
+                let mut found: Vec<_> =
                     h.tensors.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), [t.data_offsets.0, t.data_offsets.1])).collect();
+                // File order, ties (zero-byte tensors) by name: as tensors_of.
+                found.sort_by(|a, b| (a.3, a.0).cmp(&(b.3, b.0)));
                 if listed != found {
                     return self.fail(problems, "safetensors header disagrees with the index".to_string());
                 }

@@ -56,3 +56,66 @@ pub const fn align_up(n: u64, align: usize) -> u64 {
     let a = align as u64;
     (n + a - 1) & !(a - 1)
 }
+
+// ---- The daemon (server, sessions, staging, committer) ----
+
+/// Default staging budget: a quarter of physical memory, at most this.
+/// Staging is allocated once at start and holds every checkpoint image in
+/// flight plus the newest durable one (for RAM restores).
+pub const STAGING_BYTES_DEFAULT_MAX: u64 = 8 << 30;
+/// The default budget is physical memory divided by this.
+pub const STAGING_RAM_DIVISOR: u64 = 4;
+/// Smallest staging budget accepted (one block more than a tiny checkpoint).
+pub const STAGING_BYTES_MIN: u64 = 1 << 20;
+/// Staging is handed out in multiples of this, at offsets that are multiples
+/// of it, so every image is an O_DIRECT-aligned buffer.
+pub const STAGING_ALIGN_BYTES: usize = DIRECT_ALIGN_BYTES;
+/// How often a save waiting for staging (or a session copying) checks that
+/// its client is still there and the daemon is not aborting.
+pub const STAGING_WAIT_POLL_MS: u64 = 50;
+
+/// Largest frame either side accepts (the wire crate's limit, repeated here
+/// so it is related to the others).
+pub const FRAME_BYTES_MAX: u32 = ckpt_wire::FRAME_BYTES_MAX;
+/// Largest first frame (Hello) read from a peer not yet checked.
+pub const HELLO_BYTES_MAX: u32 = 64 << 10;
+/// A peer that connects and says nothing for this long is dropped.
+pub const HELLO_TIMEOUT_MS: u64 = 5_000;
+/// A reply the client does not take within this long ends its session
+/// (a client that never reads cannot stall the committer).
+pub const SEND_TIMEOUT_MS: u64 = 10_000;
+/// Concurrent sessions (clients).
+pub const SESSIONS_MAX: usize = 256;
+/// Regions one session may register.
+pub const REGIONS_PER_SESSION_MAX: usize = 4096;
+/// Longest shm_open name, leading '/' included (NAME_MAX).
+pub const SHM_NAME_BYTES_MAX: usize = 255;
+/// Tensors in one save or load.
+pub const TENSORS_PER_REQUEST_MAX: usize = 1 << 20;
+/// Blobs in one save.
+pub const BLOBS_PER_SAVE_MAX: usize = 4096;
+/// Checkpoints copied and waiting for the committer; a full queue makes the
+/// next save wait (its staging is already held, so this bounds nothing
+/// else). Saves waiting for staging are bounded by the staging budget.
+pub const COMMIT_QUEUE_MAX: usize = 16;
+/// Threads that copy tensors into staging (the snapshot stage), the
+/// session's own thread included.
+pub const COPY_THREADS: usize = 2;
+/// A tensor is copied in pieces of at most this, so both copy threads share
+/// even a single large tensor.
+pub const COPY_PIECE_BYTES: usize = 64 << 20;
+/// Copy then checksum this much at a time, while it is still in cache.
+pub const COPY_BLOCK_BYTES: usize = 256 << 10;
+/// Writes into a client region on load go in requests of at most this.
+pub const LOAD_PWRITE_BYTES_MAX: usize = 64 << 20;
+
+const _: () = assert!(STAGING_BYTES_MIN <= STAGING_BYTES_DEFAULT_MAX);
+const _: () = assert!(STAGING_BYTES_MIN % STAGING_ALIGN_BYTES as u64 == 0);
+const _: () = assert!(STAGING_ALIGN_BYTES % DIRECT_ALIGN_BYTES == 0);
+const _: () = assert!(HELLO_BYTES_MAX < FRAME_BYTES_MAX);
+const _: () = assert!((BLOB_BYTES_MAX as u64) >= FRAME_BYTES_MAX as u64, "a blob that fits a frame fits the blob limit");
+const _: () = assert!(COPY_THREADS >= 1);
+const _: () = assert!(COPY_PIECE_BYTES % COPY_BLOCK_BYTES == 0);
+const _: () = assert!(LOAD_PWRITE_BYTES_MAX <= (isize::MAX as usize));
+const _: () = assert!(SHM_NAME_BYTES_MAX <= 255);
+const _: () = assert!(COMMIT_QUEUE_MAX >= 1);

@@ -7,16 +7,31 @@
 //! and commits atomically; [`restore`] reads and verifies them back;
 //! [`recovery`] and [`retention`] keep the directories clean. See
 //! ARCHITECTURE.md for the map and docs/format.md for the format.
+//!
+//! The daemon (docs/protocol.md, server side): [`server`] (socket,
+//! handshake), [`session`] (one thread per client), [`regions`] (client shm),
+//! [`snapshot`] (check and copy a save into [`staging`]), [`committer`]
+//! (writes and commits in order), [`load`] (restores into client memory),
+//! [`state`] (what they share) and [`daemon`] (serve, launch, signals).
 
 pub mod bench;
 pub mod catalog;
 pub mod commit;
+pub mod committer;
 pub mod config;
+pub mod daemon;
 pub mod format;
 pub mod image;
 pub mod io;
+pub mod load;
 pub mod mem;
 pub mod recovery;
+pub mod regions;
 pub mod restore;
 pub mod retention;
+pub mod server;
+pub mod session;
+pub mod snapshot;
+pub mod staging;
+pub mod state;
 pub mod synthetic;

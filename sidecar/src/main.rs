@@ -14,6 +14,7 @@ use ckpt_sidecar::bench;
 use ckpt_sidecar::catalog;
 use ckpt_sidecar::commit::{Store, StoreOptions};
 use ckpt_sidecar::config;
+use ckpt_sidecar::daemon::{self, DaemonOptions};
 use ckpt_sidecar::format::{self, Dtype};
 use ckpt_sidecar::image::{Blob, Layout, LayoutOptions, TensorSpec};
 use ckpt_sidecar::io::{self as eio, IoPolicy, Want};
@@ -72,8 +73,75 @@ fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
+/// Options of the daemon (serve and launch).
+#[derive(Args, Clone)]
+struct DaemonArgs {
+    /// Target directory; repeat for several disks (the first is the primary).
+    #[arg(long = "dir", required = true)]
+    dirs: Vec<PathBuf>,
+    /// Socket path (default: $CKPT_SIDECAR_SOCKET, else
+    /// $XDG_RUNTIME_DIR/ckpt-sidecar/sidecar.sock, else
+    /// /tmp/ckpt-sidecar-<uid>/sidecar.sock; launch: a private temp dir).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Staging memory budget, allocated at start (default: a quarter of RAM, at most 8 GiB).
+    #[arg(long, value_parser = parse_size)]
+    staging: Option<u64>,
+    /// Keep only the newest N committed checkpoints (default: keep all).
+    #[arg(long)]
+    keep: Option<usize>,
+    /// With --keep, also keep every step that is a multiple of K.
+    #[arg(long, requires = "keep")]
+    keep_every: Option<u64>,
+    /// Also accept clients of this uid (repeatable); default: only our own uid.
+    #[arg(long = "allow-uid")]
+    allow_uids: Vec<u32>,
+    #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+    shard_size: u64,
+    #[command(flatten)]
+    io: IoArgs,
+}
+
+impl DaemonArgs {
+    fn options(&self) -> anyhow::Result<DaemonOptions> {
+        if self.keep == Some(0) {
+            bail!("--keep must be at least 1 (the newest checkpoint is never deleted)");
+        }
+        Ok(DaemonOptions {
+            dirs: self.dirs.clone(),
+            socket: self.socket.clone(),
+            staging_bytes: self.staging,
+            retention: self.keep.map(|k| Retention { keep_last: k, keep_every: self.keep_every }),
+            allow_uids: self.allow_uids.clone(),
+            io: self.io.policy(),
+            shard_bytes_max: self.shard_size.max(1),
+        })
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// Run the sidecar daemon: trainers connect over the socket (docs/protocol.md).
+    Serve {
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
+    /// Run the sidecar with CMD as its child (socket in CKPT_SIDECAR_SOCKET);
+    /// exits with CMD's status once its checkpoints are durable.
+    Launch {
+        #[command(flatten)]
+        d: DaemonArgs,
+        /// The trainer command.
+        #[arg(last = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
+    /// Ask a running sidecar for its sessions, in-flight checkpoints, staging use and last figures.
+    Status {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// List committed checkpoints.
     Ls {
         dir: PathBuf,
@@ -204,8 +272,10 @@ enum DebugCmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The daemon says what it does (one line per checkpoint); tools stay quiet.
+    let default_level = if matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Launch { .. }) { "info" } else { "warn" };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CKPT_SIDECAR_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CKPT_SIDECAR_LOG").unwrap_or_else(|_| default_level.into()))
         .with_writer(std::io::stderr)
         .init();
     match run(cli) {
@@ -219,6 +289,9 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
+        Cmd::Serve { d } => Ok(ExitCode::from(daemon::serve(&d.options()?)?)),
+        Cmd::Launch { d, cmd } => Ok(ExitCode::from(daemon::launch(&d.options()?, &cmd)?)),
+        Cmd::Status { socket, json } => status(socket, json),
         Cmd::Ls { dir, json } => ls(&dir, json),
         Cmd::Inspect { dir, step, json } => inspect(&dir, step, json),
         Cmd::Verify { dir, step, secondaries, json, io } => verify(&dir, step, secondaries, json, io.policy()),
@@ -255,6 +328,45 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 if r["latest"].as_bool() == Some(true) { "*" } else { "" }
             );
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
+    let socket = socket.unwrap_or_else(ckpt_sidecar::server::default_socket_path);
+    let r = daemon::status(&socket)?;
+    if json {
+        let j = json!({
+            "socket": socket, "server_pid": r.server_pid, "dirs": r.dirs,
+            "sessions": r.sessions.iter().map(|s| json!({"pid": s.pid, "name": s.name, "regions": s.regions, "region_bytes": s.region_bytes})).collect::<Vec<_>>(),
+            "in_flight": r.in_flight.iter().map(|f| json!({"step": f.step, "phase": f.phase, "bytes": f.bytes})).collect::<Vec<_>>(),
+            "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
+            "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
+        });
+        println!("{j}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("sidecar pid {} at {}", r.server_pid, socket.display());
+    println!("dirs:     {}", r.dirs.join(", "));
+    println!("staging:  {} of {} in use; resident step: {}", human_bytes(r.staging_used_bytes), human_bytes(r.staging_bytes), r.resident_step.map_or("none".into(), |s| s.to_string()));
+    println!("sessions: {}", r.sessions.len());
+    for s in &r.sessions {
+        println!("  pid {:>8}  {:<24} {} region(s), {}", s.pid, s.name, s.regions, human_bytes(s.region_bytes));
+    }
+    println!("in flight: {}", r.in_flight.len());
+    for f in &r.in_flight {
+        println!("  step {:>12}  {:<22} {}", f.step, f.phase, human_bytes(f.bytes));
+    }
+    match &r.last {
+        Some(l) => println!(
+            "last:     step {} ({}): copy {:.3} s, persist {:.3} s, {:.2} GiB/s",
+            l.step,
+            human_bytes(l.bytes),
+            l.copy_seconds,
+            l.persist_seconds,
+            l.persist_gib_per_s
+        ),
+        None => println!("last:     none yet"),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,309 @@
+//! The daemon's life: `serve` (a long-lived sidecar), `launch` (the sidecar
+//! as the parent of a trainer command), and `status` (a small client).
+//!
+//! Start-up order: bind the socket (fails fast if another sidecar owns it),
+//! open the store (recovery), allocate and register staging, start the
+//! committer, then accept. Signals (signal-hook, thread `ckpt-signals`):
+//! - serve: the first SIGINT/SIGTERM stops new saves and waits for in-flight
+//!   ones, then exits 0; a second aborts in-flight ones (temp folders
+//!   removed; exit 1); a third exits at once (recovery cleans at next start).
+//!   SIGHUP is logged and ignored (logs go to stderr; nothing to reopen).
+//! - launch: SIGINT/SIGTERM/SIGHUP are forwarded to the child, which decides
+//!   (it may save a last checkpoint); when it exits, in-flight checkpoints
+//!   finish and the sidecar exits with the child's status (128 + signal if
+//!   it was killed). A signal after the child exited aborts in-flight work.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ckpt_wire::{FrameError, Reply, Request, StatusReport, PROTOCOL_VERSION};
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use tracing::{info, warn};
+
+use crate::commit::{Store, StoreError, StoreOptions};
+use crate::config;
+use crate::image::LayoutOptions;
+use crate::io::IoPolicy;
+use crate::restore::ReadOptions;
+use crate::retention::Retention;
+use crate::server::{self, Listener, ServerError};
+use crate::staging::{Staging, StagingError};
+use crate::state::Shared;
+
+#[derive(Debug, Clone)]
+pub struct DaemonOptions {
+    pub dirs: Vec<PathBuf>,
+    /// None: protocol.md's default path (serve) or a private temp dir (launch).
+    pub socket: Option<PathBuf>,
+    /// None: [`default_staging_bytes`].
+    pub staging_bytes: Option<u64>,
+    pub retention: Option<Retention>,
+    pub allow_uids: Vec<u32>,
+    pub io: IoPolicy,
+    pub shard_bytes_max: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Staging(#[from] StagingError),
+    #[error("{0}")]
+    Server(#[from] ServerError),
+    #[error("staging budget of {0} bytes is below the minimum of {min} bytes", min = config::STAGING_BYTES_MIN)]
+    StagingTooSmall(u64),
+    #[error("installing signal handlers: {0}")]
+    Signals(io::Error),
+    #[error("starting {cmd:?}: {source}")]
+    Spawn { cmd: OsString, source: io::Error },
+    #[error("creating a private socket directory: {0}")]
+    TempDir(io::Error),
+    #[error("starting a thread: {0}")]
+    Thread(io::Error),
+}
+
+/// The default staging budget: a quarter of physical memory, at most
+/// 8 GiB ([`config::STAGING_BYTES_DEFAULT_MAX`]), at least the minimum.
+pub fn default_staging_bytes() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let ram = if pages > 0 && page > 0 { pages as u64 * page as u64 } else { 4 << 30 };
+    (ram / config::STAGING_RAM_DIVISOR).min(config::STAGING_BYTES_DEFAULT_MAX).max(config::STAGING_BYTES_MIN)
+}
+
+enum Event {
+    Signal(i32),
+    ChildExited(i32),
+}
+
+struct Running {
+    shared: Arc<Shared>,
+    listener: Listener,
+}
+
+fn start(opts: &DaemonOptions, socket: &Path) -> Result<Running, DaemonError> {
+    let budget = opts.staging_bytes.unwrap_or_else(default_staging_bytes);
+    if budget < config::STAGING_BYTES_MIN {
+        return Err(DaemonError::StagingTooSmall(budget));
+    }
+    let listener = server::bind(socket, !opts.allow_uids.is_empty())?;
+    let mut store = Store::open(StoreOptions { io: opts.io, retention: opts.retention, ..StoreOptions::new(opts.dirs.clone()) })?;
+    let staging = Staging::new(budget)?;
+    store.register_staging(staging.buf());
+    let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
+    let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, ..Default::default() };
+    let shared = Arc::new(Shared::new(
+        store.dirs().to_vec(),
+        layout_opts,
+        ReadOptions { io: opts.io, ..Default::default() },
+        staging,
+        tx,
+        opts.allow_uids.clone(),
+        Arc::new(AtomicBool::new(false)),
+    ));
+    info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), "sidecar ready");
+    crate::committer::spawn(store, rx, shared.clone());
+    server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
+    Ok(Running { shared, listener })
+}
+
+fn signals(tx: crossbeam_channel::Sender<Event>) -> Result<(), DaemonError> {
+    let mut sigs = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(DaemonError::Signals)?;
+    std::thread::Builder::new()
+        .name("ckpt-signals".into())
+        .spawn(move || {
+            for s in sigs.forever() {
+                if tx.send(Event::Signal(s)).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(DaemonError::Thread)?;
+    Ok(())
+}
+
+fn stop(r: Running) {
+    r.shared.close_sessions();
+    drop(r.listener);
+}
+
+/// Runs the daemon until signalled; returns the exit code.
+pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
+    let socket = opts.socket.clone().unwrap_or_else(server::default_socket_path);
+    let (tx, rx) = bounded(16);
+    signals(tx)?;
+    let r = start(opts, &socket)?;
+    let mut n_signals = 0;
+    let aborted = loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(Event::Signal(SIGHUP)) => info!("SIGHUP: logs go to stderr, nothing to reopen"),
+            Ok(Event::Signal(s)) => {
+                n_signals += 1;
+                on_stop_signal(&r.shared, s, n_signals);
+            }
+            Ok(Event::ChildExited(_)) => unreachable!("serve has no child"),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
+        }
+        if r.shared.is_draining() && r.shared.wait_drained(Duration::ZERO) {
+            break r.shared.is_aborting();
+        }
+    };
+    info!(aborted, "sidecar exits");
+    stop(r);
+    Ok(if aborted { 1 } else { 0 })
+}
+
+fn on_stop_signal(shared: &Shared, sig: i32, n: u32) {
+    match n {
+        1 => {
+            shared.draining.store(true, Ordering::SeqCst);
+            info!(sig, in_flight = shared.n_in_flight(), "stopping: no new saves; finishing in-flight checkpoints (signal again to abort them)");
+        }
+        2 => {
+            shared.draining.store(true, Ordering::SeqCst);
+            shared.aborting.store(true, Ordering::SeqCst);
+            warn!(sig, in_flight = shared.n_in_flight(), "aborting in-flight checkpoints (signal again to exit at once)");
+        }
+        _ => {
+            warn!("exiting at once; the next start removes what was in flight");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// A private directory for launch's socket (0700, under XDG_RUNTIME_DIR
+/// or /tmp); removed at exit.
+fn private_dir() -> io::Result<PathBuf> {
+    let base = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty() && Path::new(p).is_dir()).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    let mut template = base.join("ckpt-sidecar-launch-XXXXXX").into_os_string().into_encoded_bytes();
+    template.push(0);
+    // SAFETY: template is a writable NUL-terminated buffer ending in XXXXXX,
+    // as mkdtemp requires; it creates the directory with mode 0700.
+    let p = unsafe { libc::mkdtemp(template.as_mut_ptr().cast()) };
+    if p.is_null() {
+        return Err(io::Error::last_os_error());
+    }
+    template.pop();
+    // SAFETY: the bytes came from an OsString plus mkdtemp's ASCII suffix.
+    Ok(PathBuf::from(unsafe { OsString::from_encoded_bytes_unchecked(template) }))
+}
+
+/// Runs the sidecar with `cmd` as its child; returns the child's status.
+pub fn launch(opts: &DaemonOptions, cmd: &[OsString]) -> Result<u8, DaemonError> {
+    assert!(!cmd.is_empty(), "clap requires a command");
+    let (tx, rx) = bounded(16);
+    signals(tx.clone())?;
+    let tmp = if opts.socket.is_none() { Some(private_dir().map_err(DaemonError::TempDir)?) } else { None };
+    let socket = opts.socket.clone().unwrap_or_else(|| tmp.as_ref().expect("made above").join("sidecar.sock"));
+    let r = match start(opts, &socket) {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(t) = &tmp {
+                let _ = std::fs::remove_dir(t);
+            }
+            return Err(e);
+        }
+    };
+    let result = run_child(&r, &socket, cmd, tx, &rx);
+    stop(r);
+    if let Some(t) = &tmp {
+        let _ = std::fs::remove_dir(t);
+    }
+    result
+}
+
+fn run_child(r: &Running, socket: &Path, cmd: &[OsString], tx: crossbeam_channel::Sender<Event>, rx: &Receiver<Event>) -> Result<u8, DaemonError> {
+    let mut child = std::process::Command::new(&cmd[0])
+        .args(&cmd[1..])
+        .env(ckpt_wire::SOCKET_ENV, socket)
+        .spawn()
+        .map_err(|source| DaemonError::Spawn { cmd: cmd[0].clone(), source })?;
+    let pid = child.id() as i32;
+    info!(pid, cmd = ?cmd, socket = %socket.display(), "trainer started");
+    std::thread::Builder::new()
+        .name("ckpt-child".into())
+        .spawn(move || {
+            let code = match child.wait() {
+                Ok(st) => st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)),
+                Err(e) => {
+                    warn!("waiting for the trainer: {e}");
+                    1
+                }
+            };
+            let _ = tx.send(Event::ChildExited(code));
+        })
+        .map_err(DaemonError::Thread)?;
+    let mut child_code: Option<i32> = None;
+    let mut n_after_exit = 0;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(Event::Signal(s)) if child_code.is_none() => {
+                info!(sig = s, pid, "forwarding signal to the trainer");
+                // SAFETY: kill has no memory preconditions; the child is not
+                // yet reaped (its exit event has not arrived), so pid is it.
+                unsafe { libc::kill(pid, s) };
+            }
+            Ok(Event::Signal(s)) => {
+                if s != SIGHUP {
+                    n_after_exit += 1;
+                    on_stop_signal(&r.shared, s, n_after_exit + 1);
+                }
+            }
+            Ok(Event::ChildExited(code)) => {
+                info!(code, in_flight = r.shared.n_in_flight(), "trainer exited; finishing in-flight checkpoints");
+                r.shared.draining.store(true, Ordering::SeqCst);
+                child_code = Some(code);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
+        }
+        if let Some(code) = child_code {
+            if r.shared.wait_drained(Duration::ZERO) {
+                return Ok(code.clamp(0, 255) as u8);
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to the sidecar at {path}: {source}")]
+    Connect { path: PathBuf, source: io::Error },
+    #[error("talking to the sidecar: {0}")]
+    Frame(#[from] FrameError),
+    #[error("the sidecar refused: {0}")]
+    Refused(String),
+    #[error("the sidecar speaks protocol version {0}, this binary {PROTOCOL_VERSION}")]
+    Version(u32),
+    #[error("unexpected reply: {0}")]
+    Unexpected(String),
+}
+
+/// Asks the sidecar at `socket` for its status (a client over the wire crate).
+pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
+    let mut s = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("ckpt-sidecar status"))?;
+    match ckpt_wire::read_frame::<Reply>(&mut s)? {
+        Reply::Welcome { version, .. } if version == PROTOCOL_VERSION => {}
+        Reply::Welcome { version, .. } => return Err(ClientError::Version(version)),
+        Reply::Refused { reason } => return Err(ClientError::Refused(reason)),
+        other => return Err(ClientError::Unexpected(format!("{other:?}"))),
+    }
+    ckpt_wire::write_frame(&mut s, &Request::Status { id: 1 })?;
+    let report = match ckpt_wire::read_frame::<Reply>(&mut s)? {
+        Reply::Status { id: 1, report } => report,
+        other => return Err(ClientError::Unexpected(format!("{other:?}"))),
+    };
+    let _ = ckpt_wire::write_frame(&mut s, &Request::Bye);
+    Ok(report)
+}

@@ -1,0 +1,199 @@
+//! Serving a Load: the requested checkpoint from the resident image in
+//! staging when it is the one asked for (source Ram), else read from disk
+//! with every checksum verified (source Disk) into a staging lease, then the
+//! requested tensors written into the client's regions with pwrite.
+//!
+//! Invariants: nothing unverified reaches a client (RAM bytes are checked
+//! against the tensor checksums as they are written out; disk reads go
+//! through `restore::load_into`); a descriptor is used only after its dtype,
+//! shape and length equal the checkpoint's and its bytes lie inside its
+//! region; the load borrows staging rather than allocating, unless the
+//! checkpoint is larger than the whole budget (then it allocates, and says so).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, TensorDesc, TensorInfo};
+use tracing::{info, warn};
+
+use crate::catalog;
+use crate::regions::Region;
+use crate::restore::{self, LoadError, Which};
+use crate::snapshot::{check_desc_shape, check_no_overlap};
+use crate::staging::StagingError;
+use crate::state::{Peer, Shared};
+
+struct Fail(ErrorCode, String);
+
+impl From<LoadError> for Fail {
+    fn from(e: LoadError) -> Fail {
+        let code = match &e {
+            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } => ErrorCode::NotFound,
+            LoadError::Damaged { .. } => ErrorCode::Damaged,
+            LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
+        };
+        Fail(code, e.to_string())
+    }
+}
+
+/// One tensor of the checkpoint being served: what it is and its bytes.
+struct Have<'a> {
+    dtype: &'a str,
+    shape: &'a [u64],
+    bytes: &'a [u8],
+    /// Checked against the bytes before they go out (RAM only; disk bytes
+    /// were checked as they were read).
+    crc32c: Option<u32>,
+}
+
+pub fn run_load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: Option<u64>, descs: Vec<TensorDesc>) {
+    let t0 = Instant::now();
+    let reply = match load(shared, peer, regions, step, &descs) {
+        Ok((step, source, tensors, blobs, fell_back)) => {
+            info!(step, ?source, n_tensors = descs.len(), seconds = t0.elapsed().as_secs_f64(), "loaded");
+            Reply::Loaded { id, step, source, tensors, blobs, fell_back }
+        }
+        Err(Fail(code, message)) => {
+            info!(?step, ?code, "load failed: {message}");
+            Reply::Error { id, code, message }
+        }
+    };
+    peer.send(&reply);
+}
+
+type Served = (u64, LoadSource, Vec<TensorInfo>, Vec<Blob>, Vec<String>);
+
+fn check_descs(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc]) -> Result<(), Fail> {
+    if descs.len() > crate::config::TENSORS_PER_REQUEST_MAX {
+        return Err(Fail(ErrorCode::BadRequest, format!("{} tensors; at most {} per load", descs.len(), crate::config::TENSORS_PER_REQUEST_MAX)));
+    }
+    let mut seen = HashSet::new();
+    for d in descs {
+        if !seen.insert(d.name.as_str()) {
+            return Err(Fail(ErrorCode::BadRequest, format!("tensor {:?} asked for twice", d.name)));
+        }
+        check_desc_shape(d).map_err(|e| Fail(ErrorCode::BadRequest, e))?;
+        if d.len_bytes > 0 {
+            let r = regions.get(&d.region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("tensor {:?}: region {} is not registered", d.name, d.region_id)))?;
+            r.contains(d.offset_bytes, d.len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+        }
+    }
+    check_no_overlap(descs).map_err(|e| Fail(ErrorCode::BadRequest, e))
+}
+
+/// Checks every descriptor against the checkpoint, then writes the bytes.
+fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup: impl Fn(&str) -> Option<Have<'a>>) -> Result<(), Fail> {
+    let mut haves = Vec::with_capacity(descs.len());
+    for d in descs {
+        let h = lookup(&d.name).ok_or_else(|| Fail(ErrorCode::NotFound, format!("tensor {:?} is not in the checkpoint", d.name)))?;
+        if h.dtype != d.dtype || h.shape != d.shape.as_slice() || h.bytes.len() as u64 != d.len_bytes {
+            return Err(Fail(
+                ErrorCode::BadRequest,
+                format!("tensor {:?}: the checkpoint has {} {:?} ({} bytes), the request says {} {:?} ({} bytes)", d.name, h.dtype, h.shape, h.bytes.len(), d.dtype, d.shape, d.len_bytes),
+            ));
+        }
+        haves.push(h);
+    }
+    for (d, h) in descs.iter().zip(haves) {
+        if let Some(want) = h.crc32c {
+            let got = crate::image::crc32c_parallel(h.bytes);
+            if got != want {
+                return Err(Fail(ErrorCode::Damaged, format!("tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)", d.name)));
+            }
+        }
+        if d.len_bytes == 0 {
+            continue;
+        }
+        let r = regions.get(&d.region_id).expect("checked in check_descs");
+        r.write_at(d.offset_bytes, h.bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+    }
+    Ok(())
+}
+
+fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
+    check_descs(regions, descs)?;
+    let primary = shared.primary();
+    // RAM: the resident image, if it is the checkpoint asked for.
+    if let Some(r) = shared.staging.resident() {
+        let wanted = match step {
+            Some(s) => Some(s),
+            None => catalog::latest_step(primary).ok().flatten(),
+        };
+        if wanted == Some(r.step) && catalog::is_committed(primary, r.step) {
+            let by_name: HashMap<&str, usize> = r.layout.specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+            let image = r.lease.as_slice();
+            deliver(regions, descs, |name| {
+                let &i = by_name.get(name)?;
+                let s = &r.layout.specs[i];
+                Some(Have { dtype: s.dtype.as_str(), shape: &s.shape, bytes: &image[r.layout.tensor_range(i)], crc32c: Some(r.crcs[i]) })
+            })?;
+            let mut tensors: Vec<TensorInfo> = r
+                .layout
+                .specs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| TensorInfo { name: s.name.clone(), dtype: s.dtype.as_str().into(), shape: s.shape.clone(), len_bytes: r.layout.tensor_range(i).len() as u64 })
+                .collect();
+            tensors.sort_by(|a, b| a.name.cmp(&b.name));
+            return Ok((r.step, LoadSource::Ram, tensors, r.blobs.clone(), Vec::new()));
+        }
+    }
+    // Disk, into a staging lease sized from the index (retried if `latest`
+    // fell back to a larger checkpoint).
+    let which = step.map_or(Which::Latest, Which::Step);
+    let first = match which {
+        Which::Step(s) => Some(s),
+        Which::Latest => catalog::latest_step(primary).ok().flatten(),
+    };
+    let mut need_bytes = first.and_then(|s| restore::read_index(primary, s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
+    for _ in 0..3 {
+        if need_bytes > shared.staging.budget_bytes() {
+            warn!(need_bytes, budget_bytes = shared.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
+            let l = restore::load(primary, which, &shared.read_opts, None)?;
+            deliver(regions, descs, |name| {
+                let t = l.index.ckpt.tensors.get(name)?;
+                Some(Have { dtype: t.dtype.as_str(), shape: &t.shape, bytes: l.tensor(name)?, crc32c: None })
+            })?;
+            return Ok(served_from_index(l.step, &l.index, &l.blobs, &l.fell_back));
+        }
+        let give_up = || {
+            if shared.is_aborting() {
+                Some("the sidecar is aborting")
+            } else if peer.is_gone() {
+                Some("the client disconnected")
+            } else {
+                None
+            }
+        };
+        let (mut lease, _) = shared.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
+            StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
+            e => Fail(ErrorCode::Io, e.to_string()),
+        })?;
+        match restore::load_into(primary, which, &shared.read_opts, lease.as_mut_slice()) {
+            Ok(p) => {
+                let image = lease.as_slice();
+                deliver(regions, descs, |name| {
+                    let t = p.index.ckpt.tensors.get(name)?;
+                    Some(Have { dtype: t.dtype.as_str(), shape: &t.shape, bytes: &image[p.tensor_range(name)?], crc32c: None })
+                })?;
+                return Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back));
+            }
+            Err(LoadError::BufferTooSmall { need_bytes: n, .. }) => need_bytes = n,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(Fail(ErrorCode::Io, "checkpoints changed size while loading; try again".into()))
+}
+
+fn served_from_index(step: u64, index: &crate::format::Index, blobs: &std::collections::BTreeMap<String, Vec<u8>>, fell_back: &[(u64, String)]) -> Served {
+    let tensors = index
+        .ckpt
+        .tensors
+        .iter()
+        .map(|(name, t)| TensorInfo { name: name.clone(), dtype: t.dtype.as_str().into(), shape: t.shape.clone(), len_bytes: t.data_offsets[1] - t.data_offsets[0] })
+        .collect();
+    let blobs = blobs.iter().map(|(n, b)| Blob { name: n.clone(), bytes: b.clone() }).collect();
+    let fell_back = fell_back.iter().map(|(s, why)| format!("step {s}: {why}")).collect();
+    (step, LoadSource::Disk, tensors, blobs, fell_back)
+}

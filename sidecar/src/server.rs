@@ -1,0 +1,212 @@
+//! The listening socket and the handshake: where the socket lives (0600, in
+//! a 0700 directory), who may connect (SO_PEERCRED: the sidecar's uid, or
+//! one allowed with `--allow-uid`), and one named thread per session.
+//!
+//! Trust boundary: until its Hello is accepted, a peer gets a small frame
+//! limit and a read timeout; a peer of another uid, a wrong magic or version,
+//! or a first frame that is not a Hello gets `Refused` and is closed.
+
+use std::fs;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ckpt_wire::{Reply, Request, MAGIC, PROTOCOL_VERSION};
+use tracing::{info, warn};
+
+use crate::config;
+use crate::session::{self, Session};
+use crate::state::{SessionEntry, Shared};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("{path}: {what}: {source}")]
+    Io { path: PathBuf, what: &'static str, source: io::Error },
+    #[error("{0}: another sidecar is already listening there")]
+    InUse(PathBuf),
+    #[error("{path}: {why}")]
+    Unsafe { path: PathBuf, why: String },
+}
+
+fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> ServerError + 'a {
+    move |source| ServerError::Io { path: path.to_path_buf(), what, source }
+}
+
+/// The socket path protocol.md prescribes: `$CKPT_SIDECAR_SOCKET`, else
+/// `$XDG_RUNTIME_DIR/ckpt-sidecar/sidecar.sock`, else
+/// `/tmp/ckpt-sidecar-<uid>/sidecar.sock`.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os(ckpt_wire::SOCKET_ENV).filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return PathBuf::from(d).join("ckpt-sidecar").join("sidecar.sock");
+    }
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    PathBuf::from(format!("/tmp/ckpt-sidecar-{uid}")).join("sidecar.sock")
+}
+
+/// A bound listening socket; removes its file (and the directory, if it
+/// made it) on drop.
+pub struct Listener {
+    pub path: PathBuf,
+    listener: UnixListener,
+    made_dir: Option<PathBuf>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+        if let Some(d) = &self.made_dir {
+            let _ = fs::remove_dir(d);
+        }
+    }
+}
+
+/// Creates the socket's directory (0700) if missing, checks an existing one
+/// is ours and private, clears a stale socket, binds with mode 0600.
+/// `open_to_other_uids` (serve --allow-uid) makes the socket 0666 and a
+/// directory it creates 0711, so the allowed uids can reach it at all; the
+/// SO_PEERCRED check then decides who is served.
+pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerError> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let made_dir = if dir.exists() {
+        None
+    } else {
+        let mode = if open_to_other_uids { 0o711 } else { 0o700 };
+        fs::DirBuilder::new().recursive(true).mode(mode).create(&dir).map_err(io_err(&dir, "create socket directory"))?;
+        Some(dir.clone())
+    };
+    let md = fs::metadata(&dir).map_err(io_err(&dir, "stat socket directory"))?;
+    if md.uid() != uid {
+        return Err(ServerError::Unsafe { path: dir, why: format!("belongs to uid {}, not to us ({uid})", md.uid()) });
+    }
+    if md.mode() & 0o077 != 0 && !open_to_other_uids {
+        if made_dir.is_some() || dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with("ckpt-sidecar")) {
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(io_err(&dir, "make socket directory private"))?;
+        } else {
+            warn!(dir = %dir.display(), "socket directory is accessible to others; the socket itself is 0600");
+        }
+    }
+    if let Ok(m) = fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            return Err(ServerError::Unsafe { path: path.to_path_buf(), why: "exists and is not a socket".into() });
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(ServerError::InUse(path.to_path_buf()));
+        }
+        info!(path = %path.display(), "removing a stale socket");
+        fs::remove_file(path).map_err(io_err(path, "remove stale socket"))?;
+    }
+    // The socket is created with the umask's mode; make it 0600 from the
+    // start (no window where others could connect), then restore.
+    // SAFETY: umask has no preconditions; called while binding only.
+    let old = unsafe { libc::umask(0o177) };
+    let r = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = r.map_err(io_err(path, "bind"))?;
+    let mode = if open_to_other_uids { 0o666 } else { 0o600 };
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(path, "chmod socket"))?;
+    if open_to_other_uids {
+        warn!(path = %path.display(), "socket is open to other users (--allow-uid); peers are checked by uid");
+    }
+    info!(path = %path.display(), "listening");
+    Ok(Listener { path: path.to_path_buf(), listener, made_dir })
+}
+
+/// The peer's uid and pid (SO_PEERCRED).
+pub fn peer_cred(s: &UnixStream) -> io::Result<(u32, u32)> {
+    let mut c = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: c and len are valid out-pointers of the right size for
+    // SO_PEERCRED; the fd is an open Unix socket.
+    let r = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut c as *mut libc::ucred).cast(), &mut len) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((c.uid, c.pid as u32))
+}
+
+/// Accepts connections forever on a thread of its own (`ckpt-accept`).
+pub fn spawn_accept(listener: &Listener, shared: Arc<Shared>) -> io::Result<std::thread::JoinHandle<()>> {
+    let l = listener.listener.try_clone()?;
+    Ok(std::thread::Builder::new().name("ckpt-accept".into()).spawn(move || {
+        for (conn_no, conn) in l.incoming().enumerate() {
+            match conn {
+                Ok(s) => {
+                    // The handshake runs on the session's own thread, so a
+                    // silent peer cannot hold up the next accept.
+                    let sh = shared.clone();
+                    if let Err(e) = std::thread::Builder::new().name(format!("ckpt-session-{conn_no}")).spawn(move || handshake(&sh, s)) {
+                        warn!("cannot start a session thread: {e}");
+                    }
+                }
+                Err(e) => {
+                    warn!("accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    })?)
+}
+
+fn refuse(mut s: UnixStream, reason: String) {
+    warn!("refused a client: {reason}");
+    let _ = ckpt_wire::write_frame(&mut s, &Reply::Refused { reason });
+    let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
+/// Checks the peer and its Hello, then serves the session on this thread.
+fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
+    let (uid, pid) = match peer_cred(&s) {
+        Ok(c) => c,
+        Err(e) => return refuse(s, format!("cannot read peer credentials: {e}")),
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
+    let _ = s.set_write_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
+    let hello = ckpt_wire::read_frame_body(&mut s, config::HELLO_BYTES_MAX).and_then(|b| ckpt_wire::decode::<Request>(&b));
+    if uid != shared.uid && !shared.allow_uids.contains(&uid) {
+        return refuse(s, format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", shared.uid));
+    }
+    let (client_pid, name) = match hello {
+        Ok(Request::Hello { magic, version, pid: client_pid, name }) => {
+            if magic != MAGIC {
+                return refuse(s, format!("bad magic {magic:?}; this is a ckpt-sidecar socket"));
+            }
+            if version != PROTOCOL_VERSION {
+                return refuse(s, format!("protocol version {version} is not supported; this sidecar speaks version {PROTOCOL_VERSION}"));
+            }
+            (client_pid, name)
+        }
+        Ok(_) => return refuse(s, "the first message must be a Hello".into()),
+        Err(e) => return refuse(s, format!("bad handshake: {e}")),
+    };
+    if shared.is_aborting() {
+        return refuse(s, "the sidecar is shutting down".into());
+    }
+    let _ = s.set_read_timeout(None);
+    let welcome = Reply::Welcome {
+        version: PROTOCOL_VERSION,
+        server_pid: shared.server_pid,
+        dirs: shared.dirs.iter().map(|d| d.display().to_string()).collect(),
+        staging_bytes: shared.staging.budget_bytes(),
+    };
+    let name: String = name.chars().take(256).collect();
+    let Some(session_id) = shared.add_session(SessionEntry { pid: client_pid, name: name.clone(), regions: 0, region_bytes: 0, stream: s.try_clone().ok() }) else {
+        return refuse(s, format!("too many sessions (at most {})", config::SESSIONS_MAX));
+    };
+    if ckpt_wire::write_frame(&mut s, &welcome).is_err() {
+        shared.remove_session(session_id);
+        return;
+    }
+    info!(session_id, uid, peer_pid = pid, client_pid, name = %name, "session started");
+    session::run(shared.clone(), Session { session_id, peer_uid: uid, client_pid, name }, s);
+}

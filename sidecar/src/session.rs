@@ -1,0 +1,139 @@
+//! One session: a client after its handshake, served by its own thread
+//! (`ckpt-session-<n>`) that reads request frames in order and answers them.
+//! Saves are checked and copied on this thread (so a session's saves keep
+//! their order); their Durable/Failed replies come later from the committer
+//! through the shared [`Peer`].
+//!
+//! Invariants: a frame is length-checked before its body is read and decoded
+//! without panicking; a malformed frame ends this session only (an `Error`
+//! with id `u64::MAX` says why, then the socket closes); the session's
+//! regions are unmapped when the last copy using them is done (Arc).
+
+use std::collections::HashMap;
+use std::io::BufReader;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use ckpt_wire::{ErrorCode, FrameError, Reply, Request};
+use tracing::{debug, info, warn};
+
+use crate::catalog;
+use crate::config;
+use crate::load;
+use crate::regions::Region;
+use crate::snapshot;
+use crate::state::{Peer, Shared};
+
+/// The id of an `Error` that answers no request (a malformed frame).
+pub const NO_REQUEST_ID: u64 = u64::MAX;
+
+pub struct Session {
+    pub session_id: u64,
+    pub peer_uid: u32,
+    pub client_pid: u32,
+    pub name: String,
+}
+
+pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
+    let peer = match stream.try_clone() {
+        Ok(w) => Arc::new(Peer::new(w)),
+        Err(e) => {
+            warn!("cannot clone the client socket: {e}");
+            shared.remove_session(s.session_id);
+            return;
+        }
+    };
+    let mut reader = BufReader::with_capacity(64 << 10, stream);
+    let mut regions: HashMap<u32, Arc<Region>> = HashMap::new();
+    loop {
+        let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
+            Ok(b) => b,
+            Err(FrameError::Closed) => {
+                debug!("client closed the connection");
+                break;
+            }
+            Err(e) => {
+                warn!(pid = s.client_pid, "bad frame, closing the session: {e}");
+                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("bad frame, closing: {e}") });
+                break;
+            }
+        };
+        let req: Request = match ckpt_wire::decode(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
+                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                break;
+            }
+        };
+        drop(body);
+        match req {
+            Request::Hello { .. } => {
+                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: "Hello after the handshake".into() });
+            }
+            Request::RegisterRegion { id, region_id, shm_name, len_bytes } => {
+                let reply = register(&s, &mut regions, id, region_id, &shm_name, len_bytes);
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
+            Request::UnregisterRegion { id, region_id } => {
+                // Copies run on this thread, so none uses the region now.
+                let reply = match regions.remove(&region_id) {
+                    Some(_) => Reply::RegionUnregistered { id, region_id },
+                    None => Reply::Error { id, code: ErrorCode::BadRegion, message: format!("region {region_id} is not registered") },
+                };
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
+            Request::Save { id, step, tensors, blobs } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs),
+            Request::Load { id, step, tensors } => load::run_load(&shared, &peer, &regions, id, step, tensors),
+            Request::List { id } => {
+                let primary = shared.primary();
+                let reply = match catalog::committed_steps(primary) {
+                    Ok(steps) => Reply::Listing { id, steps, latest: catalog::latest_step(primary).ok().flatten() },
+                    Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
+                };
+                peer.send(&reply);
+            }
+            Request::Status { id } => {
+                peer.send(&Reply::Status { id, report: shared.report() });
+            }
+            Request::Bye => {
+                debug!("client said bye");
+                break;
+            }
+        }
+    }
+    info!(pid = s.client_pid, name = %s.name, "session ended");
+    shared.remove_session(s.session_id);
+}
+
+fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, shm_name: &str, len_bytes: u64) -> Reply {
+    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+    if regions.contains_key(&region_id) {
+        return err(format!("region {region_id} is already registered"));
+    }
+    if regions.len() >= config::REGIONS_PER_SESSION_MAX {
+        return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
+    }
+    match Region::open(region_id, shm_name, len_bytes, s.peer_uid) {
+        Ok(r) => {
+            debug!(region_id, shm_name, len_bytes, "region registered");
+            regions.insert(region_id, Arc::new(r));
+            Reply::RegionRegistered { id, region_id }
+        }
+        Err(e) => {
+            info!(region_id, "region refused: {e}");
+            err(e.to_string())
+        }
+    }
+}
+
+fn update_counts(shared: &Shared, s: &Session, regions: &HashMap<u32, Arc<Region>>) {
+    let n = regions.len() as u32;
+    let bytes = regions.values().map(|r| r.len_bytes).sum();
+    shared.update_session(s.session_id, |e| {
+        e.regions = n;
+        e.region_bytes = bytes;
+    });
+}

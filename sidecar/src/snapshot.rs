@@ -1,0 +1,347 @@
+//! The snapshot stage: check a Save against protocol.md, plan its file
+//! image, lease staging for it, copy every tensor from the client's regions
+//! into the image (on [`config::COPY_THREADS`] threads, checksumming each
+//! block while it is still in cache), and hand it to the committer.
+//!
+//! Invariants:
+//! - nothing is copied before every check passed; no descriptor reaches a
+//!   copy unless its bytes lie inside a registered region (checked again,
+//!   with overflow checks, when the source pointer is formed);
+//! - a save is released only if its client is still connected when the
+//!   copy ends; otherwise it is aborted, its staging freed, nothing written;
+//! - per session, saves reach the committer in the order they were received.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc};
+use tracing::{info, info_span, warn};
+
+use crate::catalog;
+use crate::committer::Job;
+use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
+use crate::format::{self, Dtype};
+use crate::image::{self, Layout, LayoutOptions, TensorSpec};
+use crate::regions::Region;
+use crate::staging::{Lease, StagingError};
+use crate::state::{Peer, Phase, Shared};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    BadRegion(String),
+    #[error("{0}")]
+    TooLarge(String),
+    #[error("the sidecar is shutting down; no new saves")]
+    ShuttingDown,
+    #[error("aborted: {0}")]
+    Aborted(&'static str),
+}
+
+impl SaveError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            SaveError::BadRequest(_) => ErrorCode::BadRequest,
+            SaveError::BadRegion(_) => ErrorCode::BadRegion,
+            SaveError::TooLarge(_) => ErrorCode::TooLarge,
+            SaveError::ShuttingDown | SaveError::Aborted(_) => ErrorCode::ShuttingDown,
+        }
+    }
+}
+
+/// Where one tensor's bytes come from.
+#[derive(Clone)]
+pub struct Source {
+    pub region: Option<Arc<Region>>,
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+}
+
+/// Parses a wire dtype and checks `len_bytes == size(dtype) × Π shape`.
+pub fn check_desc_shape(d: &TensorDesc) -> Result<Dtype, String> {
+    let dtype = Dtype::parse(&d.dtype).map_err(|e| format!("tensor {:?}: {e}", d.name))?;
+    let want = format::tensor_len_bytes(dtype, &d.shape).ok_or_else(|| format!("tensor {:?}: shape {:?} of {} overflows", d.name, d.shape, d.dtype))?;
+    if want != d.len_bytes {
+        return Err(format!("tensor {:?}: len_bytes {} but {} {:?} is {} bytes", d.name, d.len_bytes, d.dtype, d.shape, want));
+    }
+    Ok(dtype)
+}
+
+/// Checks that no two non-empty descriptors overlap within one region.
+pub fn check_no_overlap(tensors: &[TensorDesc]) -> Result<(), String> {
+    let mut spans: Vec<(u32, u64, u64, usize)> =
+        tensors.iter().enumerate().filter(|(_, t)| t.len_bytes > 0).map(|(i, t)| (t.region_id, t.offset_bytes, t.offset_bytes.saturating_add(t.len_bytes), i)).collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        if a.0 == b.0 && b.1 < a.2 {
+            return Err(format!("tensors {:?} and {:?} overlap in region {}", tensors[a.3].name, tensors[b.3].name, a.0));
+        }
+    }
+    Ok(())
+}
+
+/// Every check of protocol.md's Save section that needs no shared state;
+/// returns the planned image (at base 0) and each spec's source.
+pub fn plan_save(tensors: &[TensorDesc], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+    if tensors.len() > config::TENSORS_PER_REQUEST_MAX {
+        return Err(SaveError::BadRequest(format!("{} tensors; at most {} per save", tensors.len(), config::TENSORS_PER_REQUEST_MAX)));
+    }
+    if blobs.len() > config::BLOBS_PER_SAVE_MAX {
+        return Err(SaveError::BadRequest(format!("{} blobs; at most {} per save", blobs.len(), config::BLOBS_PER_SAVE_MAX)));
+    }
+    let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
+    image::validate_blobs(&blob_refs).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+    let mut specs = Vec::with_capacity(tensors.len());
+    let mut sources = Vec::with_capacity(tensors.len());
+    for d in tensors {
+        format::validate_tensor_name(&d.name).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+        let dtype = check_desc_shape(d).map_err(SaveError::BadRequest)?;
+        let region = if d.len_bytes == 0 {
+            None
+        } else {
+            let r = regions
+                .get(&d.region_id)
+                .ok_or_else(|| SaveError::BadRegion(format!("tensor {:?}: region {} is not registered", d.name, d.region_id)))?;
+            r.contains(d.offset_bytes, d.len_bytes).map_err(|e| SaveError::BadRegion(format!("tensor {:?}: {e}", d.name)))?;
+            Some(r.clone())
+        };
+        specs.push(TensorSpec { name: d.name.clone(), dtype, shape: d.shape.clone() });
+        sources.push(Source { region, offset_bytes: d.offset_bytes, len_bytes: d.len_bytes });
+    }
+    check_no_overlap(tensors).map_err(SaveError::BadRequest)?;
+    let layout = Layout::plan(specs, opts).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+    Ok((layout, sources))
+}
+
+/// A piece of one tensor copied by one thread.
+struct Piece {
+    tensor_idx: usize,
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+}
+
+/// Raw pointers of the pieces, shared by the copy threads.
+struct Pieces(Vec<Piece>);
+// SAFETY: every piece's destination is a disjoint range of a lease the
+// copying session holds exclusively; sources are read-only mappings kept
+// alive by the Arc<Region>s in `sources` for the whole copy; each piece is
+// taken by exactly one thread (atomic counter).
+unsafe impl Sync for Pieces {}
+
+/// Copies every tensor into the lease (headers written first), returning
+/// the tensor checksums; stops early (None) when `stop` says so.
+pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Vec<u32>> {
+    assert!(lease.len_bytes() >= layout.staging_len, "lease smaller than the image");
+    layout.write_headers(lease.as_mut_slice());
+    let base = lease.as_mut_ptr();
+    let mut pieces = Vec::new();
+    for (i, s) in sources.iter().enumerate() {
+        let r = layout.tensor_range(i);
+        assert_eq!(r.len() as u64, s.len_bytes);
+        let Some(region) = &s.region else { continue };
+        let src = region.src_ptr(s.offset_bytes, s.len_bytes).expect("bounds checked in plan_save");
+        let mut at = 0usize;
+        while at < r.len() {
+            let len = (r.len() - at).min(COPY_PIECE_BYTES);
+            // Both pointers stay inside their ranges: at + len ≤ r.len().
+            pieces.push(Piece { tensor_idx: i, src: src.wrapping_add(at), dst: base.wrapping_add(r.start + at), len });
+            at += len;
+        }
+    }
+    let pieces = &Pieces(pieces);
+    let next = AtomicUsize::new(0);
+    let stopped = AtomicBool::new(false);
+    let work = |checker: bool| -> Vec<(usize, u32)> {
+        let mut out = Vec::new();
+        loop {
+            if stopped.load(Ordering::Relaxed) {
+                return out;
+            }
+            if checker && stop() {
+                stopped.store(true, Ordering::Relaxed);
+                return out;
+            }
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(p) = pieces.0.get(k) else { return out };
+            let mut crc = 0u32;
+            let mut at = 0;
+            while at < p.len {
+                let n = (p.len - at).min(COPY_BLOCK_BYTES);
+                // SAFETY: src..src+len lies inside a live read-only mapping
+                // (Region::src_ptr checked it; the Arc in `sources` keeps it
+                // mapped); dst..dst+len is this piece's own part of the
+                // lease (Pieces' invariant); they cannot overlap (staging is
+                // our private anonymous memory).
+                let block = unsafe {
+                    std::ptr::copy_nonoverlapping(p.src.add(at), p.dst.add(at), n);
+                    std::slice::from_raw_parts(p.dst.add(at), n)
+                };
+                crc = crc32c::crc32c_append(crc, block);
+                at += n;
+            }
+            out.push((k, crc));
+        }
+    };
+    let mut piece_crcs = vec![0u32; pieces.0.len()];
+    std::thread::scope(|s| {
+        let helpers: Vec<_> = (1..config::COPY_THREADS)
+            .map(|i| std::thread::Builder::new().name(format!("ckpt-copy-{i}")).spawn_scoped(s, || work(false)).expect("spawning a copy thread"))
+            .collect();
+        for (k, c) in work(true) {
+            piece_crcs[k] = c;
+        }
+        for h in helpers {
+            for (k, c) in h.join().expect("copy thread panicked") {
+                piece_crcs[k] = c;
+            }
+        }
+    });
+    if stopped.load(Ordering::Relaxed) {
+        return None;
+    }
+    // Pieces are in tensor order; fold each tensor's pieces into its crc.
+    let mut crcs = vec![0u32; sources.len()];
+    for (p, &c) in pieces.0.iter().zip(&piece_crcs) {
+        crcs[p.tensor_idx] = crc32c::crc32c_combine(crcs[p.tensor_idx], c, p.len);
+    }
+    Some(crcs)
+}
+
+/// Runs one Save for a session: checks, waits for staging, copies, replies
+/// Released (or Failed), and queues the image for the committer.
+#[allow(clippy::too_many_arguments)]
+pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
+    let t_received = Instant::now();
+    let fail = |e: SaveError| {
+        info!(step, code = ?e.code(), "save refused: {e}");
+        peer.send(&Reply::Failed { id, step, code: e.code(), reason: e.to_string() });
+    };
+    if shared.is_draining() || shared.is_aborting() {
+        return fail(SaveError::ShuttingDown);
+    }
+    if step > format::STEP_MAX {
+        return fail(SaveError::BadRequest(format!("step {step} is above the largest step {}", format::STEP_MAX)));
+    }
+    let (layout, sources) = match plan_save(&tensors, &blobs, regions, shared.layout_opts) {
+        Ok(x) => x,
+        Err(e) => return fail(e),
+    };
+    drop(tensors);
+    let image_bytes = layout.staging_len;
+    if image_bytes > shared.staging.budget_bytes() {
+        return fail(SaveError::TooLarge(format!(
+            "step {step}: the file image needs {image_bytes} bytes, more than the whole staging budget of {} bytes (raise --staging)",
+            shared.staging.budget_bytes()
+        )));
+    }
+    if catalog::is_committed(shared.primary(), step) {
+        return fail(SaveError::BadRequest(format!("step {step} is already committed")));
+    }
+    if !shared.begin_step(step, layout.file_bytes()) {
+        return fail(SaveError::BadRequest(format!("step {step} is already in flight")));
+    }
+    for r in sources.iter().filter_map(|s| s.region.as_ref()) {
+        if let Err(e) = r.check_size() {
+            shared.end_step(step);
+            return fail(SaveError::BadRegion(e.to_string()));
+        }
+    }
+    let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
+    let guard = span.enter();
+    let give_up = || {
+        if shared.is_aborting() {
+            Some("the sidecar is aborting")
+        } else if peer.is_gone() {
+            Some("the client disconnected before release")
+        } else {
+            None
+        }
+    };
+    let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
+        Ok(x) => x,
+        Err(StagingError::GaveUp { why }) => {
+            shared.end_step(step);
+            warn!("aborted while waiting for staging: {why}");
+            return fail(SaveError::Aborted(why));
+        }
+        Err(e) => {
+            shared.end_step(step);
+            return fail(SaveError::TooLarge(e.to_string()));
+        }
+    };
+    shared.set_phase(step, Phase::Copying);
+    let t_copy = Instant::now();
+    let crcs = copy_into(&layout, &sources, &mut lease, &|| give_up().is_some());
+    let copy_seconds = t_copy.elapsed().as_secs_f64();
+    drop(sources);
+    // Released only if the client is still there to be told.
+    let crcs = match (crcs, give_up()) {
+        (Some(c), None) => c,
+        (_, why) => {
+            let why = why.unwrap_or("stopped during the copy");
+            drop(lease);
+            shared.end_step(step);
+            warn!(copy_s = copy_seconds, "aborted before release: {why}; nothing written");
+            return fail(SaveError::Aborted(why));
+        }
+    };
+    let waited_seconds = waited.as_secs_f64();
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    shared.set_phase(step, Phase::Queued);
+    drop(guard);
+    let job = Job { id, step, layout, lease, crcs, blobs, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };
+    if let Err(e) = shared.commit_tx.send(job) {
+        // The committer is gone only if the daemon is tearing down.
+        let job = e.into_inner();
+        shared.end_step(step);
+        job.peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(name: &str, region_id: u32, off: u64, len: u64) -> TensorDesc {
+        TensorDesc { name: name.into(), dtype: "U8".into(), shape: vec![len], region_id, offset_bytes: off, len_bytes: len }
+    }
+
+    #[test]
+    fn overlaps_are_found_per_region() {
+        check_no_overlap(&[d("a", 1, 0, 10), d("b", 1, 10, 10), d("c", 2, 0, 10)]).unwrap();
+        assert!(check_no_overlap(&[d("a", 1, 0, 10), d("b", 1, 9, 10)]).is_err());
+        // Empty tensors overlap nothing.
+        check_no_overlap(&[d("a", 1, 0, 10), d("b", 1, 5, 0)]).unwrap();
+    }
+
+    #[test]
+    fn shape_and_length_must_agree() {
+        let mut t = d("a", 1, 0, 10);
+        check_desc_shape(&t).unwrap();
+        t.len_bytes = 11;
+        assert!(check_desc_shape(&t).is_err());
+        t.dtype = "F33".into();
+        assert!(check_desc_shape(&t).is_err());
+        let t = TensorDesc { name: "x".into(), dtype: "F64".into(), shape: vec![u64::MAX, 2], region_id: 1, offset_bytes: 0, len_bytes: 0 };
+        assert!(check_desc_shape(&t).is_err());
+    }
+
+    #[test]
+    fn unregistered_regions_and_bad_names_are_refused() {
+        let regions = HashMap::new();
+        assert!(matches!(plan_save(&[d("a", 7, 0, 4)], &[], &regions, Default::default()), Err(SaveError::BadRegion(_))));
+        assert!(matches!(plan_save(&[d("a\0", 7, 0, 0)], &[], &regions, Default::default()), Err(SaveError::BadRequest(_))));
+        let blob = Blob { name: "../x".into(), bytes: vec![1] };
+        assert!(matches!(plan_save(&[], &[blob], &regions, Default::default()), Err(SaveError::BadRequest(_))));
+        // Zero-element tensors need no region.
+        let (l, _) = plan_save(&[d("e", 9, 0, 0)], &[], &regions, Default::default()).unwrap();
+        assert_eq!(l.specs.len(), 1);
+    }
+}

@@ -1,0 +1,305 @@
+//! The daemon's staging memory: one pre-faulted, page-aligned buffer of the
+//! staging budget, allocated once at start and registered with every
+//! io_uring, carved into leases by a first-fit range allocator.
+//!
+//! A save leases the bytes of its file image, the snapshot copies into the
+//! lease, the committer writes from it, and a committed image stays resident
+//! (for RAM restores) until its space is needed. A save that fits the budget
+//! but not the free space waits (back-pressure, logged); one larger than the
+//! budget fails at once. A disk load borrows a lease the same way.
+//!
+//! Invariants:
+//! - leases are disjoint, block-aligned ranges of the buffer; only the
+//!   holder of a lease creates references into its range, and nothing ever
+//!   creates a reference to the whole buffer (the committer hands the buffer
+//!   to `Store::commit`, which only takes its address), so concurrent copies
+//!   into one lease and writes to disk from another are sound;
+//! - the resident image is given up before any save waits for space.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use crate::config::{self, STAGING_ALIGN_BYTES};
+use crate::image::Layout;
+use crate::mem::AlignedBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StagingError {
+    #[error("needs {need_bytes} bytes of staging, but the whole staging budget is {budget_bytes} bytes (raise --staging)")]
+    TooLarge { need_bytes: u64, budget_bytes: u64 },
+    #[error("gave up waiting for staging memory: {why}")]
+    GaveUp { why: &'static str },
+    #[error("cannot allocate {budget_bytes} bytes of staging memory: {source}")]
+    Alloc { budget_bytes: u64, source: std::io::Error },
+}
+
+/// A checkpoint committed from staging and still there, so a load of its
+/// step is served from memory.
+pub struct Resident {
+    pub step: u64,
+    /// Planned at base 0: offsets are relative to the lease.
+    pub layout: Layout,
+    pub crcs: Vec<u32>,
+    pub blobs: Vec<ckpt_wire::Blob>,
+    pub lease: Lease,
+}
+
+struct State {
+    /// Free extents: offset → length, coalesced, block-aligned.
+    free: BTreeMap<u64, u64>,
+    used_bytes: u64,
+    resident: Option<Arc<Resident>>,
+}
+
+pub struct Staging {
+    buf: Arc<AlignedBuf>,
+    budget_bytes: u64,
+    state: Mutex<State>,
+    freed: Condvar,
+}
+
+impl Staging {
+    /// Allocates and pre-faults the whole budget (rounded down to the
+    /// block), and tries to lock it in RAM.
+    pub fn new(budget_bytes: u64) -> Result<Arc<Staging>, StagingError> {
+        let budget_bytes = budget_bytes / STAGING_ALIGN_BYTES as u64 * STAGING_ALIGN_BYTES as u64;
+        assert!(budget_bytes >= config::STAGING_BYTES_MIN, "staging budget below the minimum (checked by the caller)");
+        let t0 = Instant::now();
+        let buf = AlignedBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
+        let locked = buf.try_lock();
+        info!(budget_bytes, locked, seconds = t0.elapsed().as_secs_f64(), "staging memory allocated and pre-faulted");
+        let mut free = BTreeMap::new();
+        free.insert(0, budget_bytes);
+        Ok(Arc::new(Staging {
+            buf: Arc::new(buf),
+            budget_bytes,
+            state: Mutex::new(State { free, used_bytes: 0, resident: None }),
+            freed: Condvar::new(),
+        }))
+    }
+
+    /// The buffer, for registration with the I/O engines.
+    pub fn buf(&self) -> &Arc<AlignedBuf> {
+        &self.buf
+    }
+
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget_bytes
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("staging lock poisoned")
+    }
+
+    /// Bytes leased now (the resident image included).
+    pub fn used_bytes(&self) -> u64 {
+        self.lock().used_bytes
+    }
+
+    pub fn resident(&self) -> Option<Arc<Resident>> {
+        self.lock().resident.clone()
+    }
+
+    pub fn resident_step(&self) -> Option<u64> {
+        self.lock().resident.as_ref().map(|r| r.step)
+    }
+
+    /// Makes `r` the resident image if it is newer than the one there;
+    /// whichever loses is dropped (its lease freed).
+    pub fn offer_resident(&self, r: Resident) {
+        let loser = {
+            let mut st = self.lock();
+            if st.resident.as_ref().is_none_or(|old| old.step <= r.step) {
+                st.resident.replace(Arc::new(r))
+            } else {
+                None
+            }
+        };
+        // Dropped outside the lock: freeing a lease takes it.
+        drop(loser);
+    }
+
+    /// Leases `len_bytes` (rounded up to the block). When it fits the budget
+    /// but not the free space, gives up the resident image, then waits for
+    /// space; `give_up` is asked every few milliseconds whether to stop
+    /// waiting (client gone, daemon aborting). Returns the lease and how
+    /// long it waited.
+    pub fn acquire(self: &Arc<Self>, len_bytes: u64, what: &str, mut give_up: impl FnMut() -> Option<&'static str>) -> Result<(Lease, Duration), StagingError> {
+        let len = config::align_up(len_bytes, STAGING_ALIGN_BYTES);
+        if len > self.budget_bytes {
+            return Err(StagingError::TooLarge { need_bytes: len, budget_bytes: self.budget_bytes });
+        }
+        if len == 0 {
+            return Ok((Lease { staging: self.clone(), offset_bytes: 0, len_bytes: 0 }, Duration::ZERO));
+        }
+        let t0 = Instant::now();
+        let mut logged = false;
+        let mut st = self.lock();
+        loop {
+            if let Some(off) = first_fit(&st.free, len) {
+                take(&mut st.free, off, len);
+                st.used_bytes += len;
+                drop(st);
+                let waited = t0.elapsed();
+                if logged {
+                    info!(what, len_bytes = len, waited_s = waited.as_secs_f64(), "staging space found after waiting");
+                }
+                return Ok((Lease { staging: self.clone(), offset_bytes: off, len_bytes: len }, waited));
+            }
+            if let Some(r) = st.resident.take() {
+                info!(step = r.step, "resident checkpoint evicted from staging to make room");
+                drop(st);
+                drop(r);
+                st = self.lock();
+                continue;
+            }
+            if !logged {
+                warn!(what, len_bytes = len, used_bytes = st.used_bytes, budget_bytes = self.budget_bytes, "staging full: waiting for earlier checkpoints to be written (back-pressure)");
+                logged = true;
+            }
+            if let Some(why) = give_up() {
+                return Err(StagingError::GaveUp { why });
+            }
+            st = self.freed.wait_timeout(st, Duration::from_millis(config::STAGING_WAIT_POLL_MS)).expect("staging lock poisoned").0;
+        }
+    }
+
+    fn release(&self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let mut st = self.lock();
+        give_back(&mut st.free, offset, len);
+        st.used_bytes -= len;
+        drop(st);
+        self.freed.notify_all();
+    }
+}
+
+fn first_fit(free: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
+    free.iter().find(|(_, &l)| l >= len).map(|(&o, _)| o)
+}
+
+fn take(free: &mut BTreeMap<u64, u64>, off: u64, len: u64) {
+    let l = free.remove(&off).expect("extent exists");
+    assert!(l >= len);
+    if l > len {
+        free.insert(off + len, l - len);
+    }
+}
+
+fn give_back(free: &mut BTreeMap<u64, u64>, off: u64, len: u64) {
+    let (mut start, mut end) = (off, off + len);
+    if let Some((&po, &pl)) = free.range(..off).next_back() {
+        assert!(po + pl <= off, "double free of staging range {off}+{len}");
+        if po + pl == off {
+            free.remove(&po);
+            start = po;
+        }
+    }
+    if let Some((&no, &nl)) = free.range(off..).next() {
+        assert!(no >= end, "double free of staging range {off}+{len}");
+        if no == end {
+            free.remove(&no);
+            end = no + nl;
+        }
+    }
+    free.insert(start, end - start);
+}
+
+/// An exclusive, block-aligned range of staging memory; freed on drop.
+pub struct Lease {
+    staging: Arc<Staging>,
+    offset_bytes: u64,
+    len_bytes: u64,
+}
+
+impl Lease {
+    pub fn offset_bytes(&self) -> u64 {
+        self.offset_bytes
+    }
+
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    /// The start of the range.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.staging.buf.as_ptr().wrapping_add(self.offset_bytes as usize) as *mut u8
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: offset..offset+len lies inside the live buffer (the
+        // allocator hands out only extents of it); the range is leased to
+        // this Lease alone (module invariant), and &mut self makes this
+        // borrow exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len_bytes as usize) }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        let p = self.staging.buf.as_ptr().wrapping_add(self.offset_bytes as usize);
+        // SAFETY: as in as_mut_slice; &self means no &mut into this range
+        // exists, and no one else writes to a leased range.
+        unsafe { std::slice::from_raw_parts(p, self.len_bytes as usize) }
+    }
+
+    /// The whole staging buffer, for `Store::commit` with a layout rebased
+    /// to this lease's offset. Store::commit only reads the buffer's
+    /// address, never forms a slice of it.
+    pub fn staging_buf(&self) -> &AlignedBuf {
+        &self.staging.buf
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.staging.release(self.offset_bytes, self.len_bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_disjoint_coalesce_and_wait() {
+        let s = Staging::new(4 << 20).unwrap();
+        let (a, _) = s.acquire(1 << 20, "a", || None).unwrap();
+        let (b, _) = s.acquire(2 << 20, "b", || None).unwrap();
+        assert_eq!(a.offset_bytes(), 0);
+        assert_eq!(b.offset_bytes(), 1 << 20);
+        assert_eq!(s.used_bytes(), 3 << 20);
+        // Does not fit the free 1 MiB: waits until given up.
+        let mut n = 0;
+        assert!(matches!(s.acquire(2 << 20, "c", || { n += 1; (n > 2).then_some("test") }), Err(StagingError::GaveUp { .. })));
+        assert!(matches!(s.acquire(5 << 20, "d", || None), Err(StagingError::TooLarge { .. })));
+        drop(a);
+        drop(b);
+        assert_eq!(s.used_bytes(), 0);
+        // Coalesced back into one extent: the whole budget fits.
+        let (c, _) = s.acquire(4 << 20, "e", || None).unwrap();
+        assert_eq!(c.len_bytes(), 4 << 20);
+    }
+
+    #[test]
+    fn a_waiting_save_gets_space_when_a_lease_drops_and_evicts_the_resident() {
+        let s = Staging::new(4 << 20).unwrap();
+        let (a, _) = s.acquire(3 << 20, "a", || None).unwrap();
+        let s2 = s.clone();
+        let h = std::thread::spawn(move || s2.acquire(2 << 20, "b", || None).map(|(l, w)| (l.offset_bytes(), w)));
+        std::thread::sleep(Duration::from_millis(120));
+        drop(a);
+        let (off, waited) = h.join().unwrap().unwrap();
+        assert_eq!(off, 0);
+        assert!(waited >= Duration::from_millis(100));
+        let (r, _) = s.acquire(3 << 20, "r", || None).unwrap();
+        let layout = Layout::plan(vec![], Default::default()).unwrap();
+        s.offer_resident(Resident { step: 1, layout, crcs: vec![], blobs: vec![], lease: r });
+        assert_eq!(s.resident_step(), Some(1));
+        let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
+        assert_eq!(s.resident_step(), None);
+    }
+}

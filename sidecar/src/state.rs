@@ -1,0 +1,263 @@
+//! What the daemon's threads share: configuration, staging, the committer's
+//! queue, the registry of sessions and in-flight checkpoints (for `status`,
+//! for the "not in flight" rule and for draining), the last figures, and
+//! each session's reply channel ([`Peer`]).
+//!
+//! Invariants: a step is in the in-flight registry from the moment its Save
+//! passed validation until it is durable, failed or aborted, and at most
+//! once; the daemon drains by waiting for the registry to be empty.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use ckpt_wire::{InFlight, LastFigures, Reply, SessionInfo, StatusReport};
+use crossbeam_channel::Sender;
+
+use crate::committer::Job;
+use crate::image::LayoutOptions;
+use crate::restore::ReadOptions;
+use crate::staging::Staging;
+
+/// Phases a checkpoint goes through in the daemon (shown by `status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    WaitingForStaging,
+    Copying,
+    Queued,
+    Writing,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::WaitingForStaging => "waiting for staging",
+            Phase::Copying => "copying",
+            Phase::Queued => "queued for writing",
+            Phase::Writing => "writing",
+        }
+    }
+}
+
+struct InFlightEntry {
+    phase: Phase,
+    bytes: u64,
+}
+
+pub struct SessionEntry {
+    pub pid: u32,
+    pub name: String,
+    pub regions: u32,
+    pub region_bytes: u64,
+    /// A handle on the socket, to shut it down when the daemon exits.
+    pub stream: Option<UnixStream>,
+}
+
+pub struct Shared {
+    pub dirs: Vec<PathBuf>,
+    pub layout_opts: LayoutOptions,
+    pub read_opts: ReadOptions,
+    pub staging: Arc<Staging>,
+    pub commit_tx: Sender<Job>,
+    pub server_pid: u32,
+    pub uid: u32,
+    pub allow_uids: Vec<u32>,
+    /// First signal: no new saves; in-flight ones finish.
+    pub draining: AtomicBool,
+    /// Second signal: in-flight saves stop (the Store sees this flag too).
+    pub aborting: Arc<AtomicBool>,
+    in_flight: Mutex<BTreeMap<u64, InFlightEntry>>,
+    in_flight_cv: Condvar,
+    sessions: Mutex<BTreeMap<u64, SessionEntry>>,
+    next_session_id: AtomicU64,
+    last: Mutex<Option<LastFigures>>,
+}
+
+impl Shared {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        dirs: Vec<PathBuf>,
+        layout_opts: LayoutOptions,
+        read_opts: ReadOptions,
+        staging: Arc<Staging>,
+        commit_tx: Sender<Job>,
+        allow_uids: Vec<u32>,
+        aborting: Arc<AtomicBool>,
+    ) -> Shared {
+        Shared {
+            dirs,
+            layout_opts,
+            read_opts,
+            staging,
+            commit_tx,
+            server_pid: std::process::id(),
+            // SAFETY: getuid has no preconditions and cannot fail.
+            uid: unsafe { libc::getuid() },
+            allow_uids,
+            draining: AtomicBool::new(false),
+            aborting,
+            in_flight: Mutex::new(BTreeMap::new()),
+            in_flight_cv: Condvar::new(),
+            sessions: Mutex::new(BTreeMap::new()),
+            next_session_id: AtomicU64::new(1),
+            last: Mutex::new(None),
+        }
+    }
+
+    pub fn primary(&self) -> &std::path::Path {
+        &self.dirs[0]
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    pub fn is_aborting(&self) -> bool {
+        self.aborting.load(Ordering::SeqCst)
+    }
+
+    /// Registers `step` as in flight; false if it already is.
+    pub fn begin_step(&self, step: u64, bytes: u64) -> bool {
+        let mut m = self.in_flight.lock().expect("in-flight lock");
+        if m.contains_key(&step) {
+            return false;
+        }
+        m.insert(step, InFlightEntry { phase: Phase::WaitingForStaging, bytes });
+        true
+    }
+
+    pub fn set_phase(&self, step: u64, phase: Phase) {
+        if let Some(e) = self.in_flight.lock().expect("in-flight lock").get_mut(&step) {
+            e.phase = phase;
+        }
+    }
+
+    pub fn end_step(&self, step: u64) {
+        let removed = self.in_flight.lock().expect("in-flight lock").remove(&step);
+        assert!(removed.is_some(), "step {step} ended but was not in flight");
+        self.in_flight_cv.notify_all();
+    }
+
+    pub fn n_in_flight(&self) -> usize {
+        self.in_flight.lock().expect("in-flight lock").len()
+    }
+
+    /// Waits until nothing is in flight, or `timeout` passes; returns
+    /// whether nothing is.
+    pub fn wait_drained(&self, timeout: Duration) -> bool {
+        let m = self.in_flight.lock().expect("in-flight lock");
+        let (m, _) = self.in_flight_cv.wait_timeout_while(m, timeout, |m| !m.is_empty()).expect("in-flight lock");
+        m.is_empty()
+    }
+
+    pub fn add_session(&self, e: SessionEntry) -> Option<u64> {
+        let mut m = self.sessions.lock().expect("sessions lock");
+        if m.len() >= crate::config::SESSIONS_MAX {
+            return None;
+        }
+        let id = self.next_session_id.fetch_add(1, Ordering::Relaxed);
+        m.insert(id, e);
+        Some(id)
+    }
+
+    pub fn update_session(&self, id: u64, f: impl FnOnce(&mut SessionEntry)) {
+        if let Some(e) = self.sessions.lock().expect("sessions lock").get_mut(&id) {
+            f(e);
+        }
+    }
+
+    pub fn remove_session(&self, id: u64) {
+        self.sessions.lock().expect("sessions lock").remove(&id);
+    }
+
+    /// Shuts every session's socket down (daemon exit): clients see EOF.
+    pub fn close_sessions(&self) {
+        for e in self.sessions.lock().expect("sessions lock").values() {
+            if let Some(s) = &e.stream {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
+    pub fn set_last(&self, f: LastFigures) {
+        *self.last.lock().expect("figures lock") = Some(f);
+    }
+
+    pub fn report(&self) -> StatusReport {
+        let sessions = self
+            .sessions
+            .lock()
+            .expect("sessions lock")
+            .values()
+            .map(|e| SessionInfo { pid: e.pid, name: e.name.clone(), regions: e.regions, region_bytes: e.region_bytes })
+            .collect();
+        let in_flight = self
+            .in_flight
+            .lock()
+            .expect("in-flight lock")
+            .iter()
+            .map(|(&step, e)| InFlight { step, phase: e.phase.as_str().to_string(), bytes: e.bytes })
+            .collect();
+        StatusReport {
+            server_pid: self.server_pid,
+            dirs: self.dirs.iter().map(|d| d.display().to_string()).collect(),
+            sessions,
+            in_flight,
+            staging_bytes: self.staging.budget_bytes(),
+            staging_used_bytes: self.staging.used_bytes(),
+            resident_step: self.staging.resident_step(),
+            last: self.last.lock().expect("figures lock").clone(),
+        }
+    }
+}
+
+/// The sending side of one session: replies from the session thread and the
+/// committer go through here, one whole frame at a time.
+pub struct Peer {
+    stream: Mutex<UnixStream>,
+    fd: i32,
+    broken: AtomicBool,
+}
+
+impl Peer {
+    pub fn new(stream: UnixStream) -> Peer {
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(crate::config::SEND_TIMEOUT_MS)));
+        let fd = stream.as_raw_fd();
+        Peer { stream: Mutex::new(stream), fd, broken: AtomicBool::new(false) }
+    }
+
+    /// Sends one reply; false (and the peer marked broken) if it could not.
+    pub fn send(&self, reply: &Reply) -> bool {
+        if self.broken.load(Ordering::SeqCst) {
+            return false;
+        }
+        let frame = ckpt_wire::encode(reply);
+        let mut s = self.stream.lock().expect("peer lock");
+        match s.write_all(&frame) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::info!("client no longer takes replies: {e}");
+                self.broken.store(true, Ordering::SeqCst);
+                false
+            }
+        }
+    }
+
+    /// Whether the client has closed its end (or the socket broke): checked
+    /// without reading, so frames it already sent stay queued.
+    pub fn is_gone(&self) -> bool {
+        if self.broken.load(Ordering::SeqCst) {
+            return true;
+        }
+        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd; fd stays open while self (which owns the
+        // stream) lives; timeout 0 never blocks.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r > 0 && (p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR)) != 0
+    }
+}

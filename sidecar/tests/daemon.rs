@@ -1,0 +1,707 @@
+//! The daemon through the real binary: `ckpt-sidecar serve` on a temporary
+//! socket, driven by a tiny raw client over the wire crate, with tensors in
+//! POSIX shared memory made here with shm_open/ftruncate/mmap.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use ckpt_sidecar::catalog;
+use ckpt_sidecar::restore::{self, ReadOptions, Which};
+use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, Request, TensorDesc, MAGIC, PROTOCOL_VERSION};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------- sidecar
+
+struct Sidecar {
+    child: Option<Child>,
+    socket: PathBuf,
+    dir: PathBuf,
+    log: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Sidecar {
+    fn start(extra: &[&str]) -> Sidecar {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        Self::start_in(tmp, dir, extra)
+    }
+
+    fn start_in(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str]) -> Sidecar {
+        let socket = tmp.path().join("run").join("sidecar.sock");
+        let log = tmp.path().join(format!("sidecar-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
+        let child = Command::new(BIN)
+            .arg("serve")
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--staging", "64MiB"])
+            .args(extra)
+            .env("CKPT_SIDECAR_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut s = Sidecar { child: Some(child), socket, dir, log, _tmp: tmp };
+        let t0 = Instant::now();
+        while UnixStream::connect(&s.socket).is_err() {
+            if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("sidecar exited at start ({st}):\n{}", s.log_text());
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "sidecar did not listen:\n{}", s.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&self.socket)
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// SIGTERM, then the exit code.
+    fn stop(&mut self) -> i32 {
+        let mut c = self.child.take().unwrap();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st.code().unwrap_or(-1);
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let _ = c.kill();
+                panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops this one and starts another on the same directory.
+    fn restart(mut self) -> Sidecar {
+        assert_eq!(self.stop(), 0, "{}", self.log_text());
+        let tmp = std::mem::replace(&mut self._tmp, tempfile::tempdir().unwrap());
+        Sidecar::start_in(tmp, self.dir.clone(), &[])
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------- client
+
+struct Client {
+    s: UnixStream,
+    next_id: u64,
+}
+
+impl Client {
+    fn raw(socket: &Path) -> UnixStream {
+        let s = UnixStream::connect(socket).unwrap();
+        s.set_read_timeout(Some(REPLY_TIMEOUT)).unwrap();
+        s
+    }
+
+    fn connect(socket: &Path) -> Client {
+        let mut s = Self::raw(socket);
+        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("daemon-test")).unwrap();
+        match ckpt_wire::read_frame::<Reply>(&mut s).unwrap() {
+            Reply::Welcome { version, staging_bytes, .. } => {
+                assert_eq!(version, PROTOCOL_VERSION);
+                assert_eq!(staging_bytes, 64 << 20);
+            }
+            other => panic!("expected Welcome, got {other:?}"),
+        }
+        Client { s, next_id: 1 }
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn send(&mut self, r: &Request) {
+        ckpt_wire::write_frame(&mut self.s, r).unwrap();
+    }
+
+    fn recv(&mut self) -> Reply {
+        ckpt_wire::read_frame::<Reply>(&mut self.s).unwrap()
+    }
+
+    fn register(&mut self, region_id: u32, shm: &Shm) -> Reply {
+        let id = self.id();
+        self.send(&Request::RegisterRegion { id, region_id, shm_name: shm.name.clone(), len_bytes: shm.len as u64 });
+        self.recv()
+    }
+
+    fn save(&mut self, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) -> u64 {
+        let id = self.id();
+        self.send(&Request::Save { id, step, tensors, blobs });
+        id
+    }
+
+    /// Save, then expect Released and Durable.
+    fn save_durable(&mut self, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) -> String {
+        let id = self.save(step, tensors, blobs);
+        match self.recv() {
+            Reply::Released { id: i, step: s, .. } => assert_eq!((i, s), (id, step)),
+            other => panic!("expected Released, got {other:?}"),
+        }
+        match self.recv() {
+            Reply::Durable { id: i, step: s, path, .. } => {
+                assert_eq!((i, s), (id, step));
+                path
+            }
+            other => panic!("expected Durable, got {other:?}"),
+        }
+    }
+
+    fn expect_failed(&mut self, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, code: ErrorCode) -> String {
+        let id = self.save(step, tensors, blobs);
+        match self.recv() {
+            Reply::Failed { id: i, code: c, reason, .. } if i == id && c == code => reason,
+            other => panic!("expected Failed {code:?}, got {other:?}"),
+        }
+    }
+
+    fn load(&mut self, step: Option<u64>, tensors: Vec<TensorDesc>) -> Reply {
+        let id = self.id();
+        self.send(&Request::Load { id, step, tensors });
+        self.recv()
+    }
+
+    fn status(&mut self) -> ckpt_wire::StatusReport {
+        let id = self.id();
+        self.send(&Request::Status { id });
+        match self.recv() {
+            Reply::Status { report, .. } => report,
+            other => panic!("expected Status, got {other:?}"),
+        }
+    }
+
+    /// The session was closed by the sidecar: EOF (after an optional Error).
+    fn expect_closed(mut s: UnixStream) {
+        loop {
+            match ckpt_wire::read_frame::<Reply>(&mut s) {
+                Ok(Reply::Error { code: ErrorCode::BadRequest, .. }) => {}
+                Ok(other) => panic!("expected the session to close, got {other:?}"),
+                Err(ckpt_wire::FrameError::Closed) => return,
+                Err(ckpt_wire::FrameError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+                Err(e) => panic!("expected EOF, got {e}"),
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- shm
+
+static SHM_N: AtomicU32 = AtomicU32::new(0);
+
+/// A POSIX shared-memory segment, mapped read-write here.
+struct Shm {
+    name: String,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Shm {
+    fn new(len: usize) -> Shm {
+        let name = format!("/ckpt-test-{}-{}-{:08x}", std::process::id(), SHM_N.fetch_add(1, Ordering::Relaxed), Instant::now().elapsed().subsec_nanos() ^ 0x5a5a);
+        let c = std::ffi::CString::new(name.clone()).unwrap();
+        // SAFETY: plain libc calls with checked results; the mapping is ours.
+        unsafe {
+            let fd = libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600);
+            assert!(fd >= 0, "shm_open: {}", std::io::Error::last_os_error());
+            assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+            let p = libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            assert_ne!(p, libc::MAP_FAILED);
+            libc::close(fd);
+            Shm { name, ptr: p.cast(), len }
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: our own live mapping of len bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusive through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    fn fill(&mut self, seed: u64) {
+        ckpt_sidecar::synthetic::fill(self.bytes_mut(), seed);
+    }
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let c = std::ffi::CString::new(self.name.clone()).unwrap();
+        // SAFETY: unmapping our mapping; unlinking our name.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len.max(1));
+            libc::shm_unlink(c.as_ptr());
+        }
+    }
+}
+
+fn desc(name: &str, dtype: &str, shape: &[u64], region_id: u32, offset_bytes: u64) -> TensorDesc {
+    let el = match dtype {
+        "U8" | "I8" | "BOOL" => 1,
+        "F16" | "BF16" | "I16" => 2,
+        "F32" | "I32" => 4,
+        _ => 8,
+    };
+    TensorDesc { name: name.into(), dtype: dtype.into(), shape: shape.to_vec(), region_id, offset_bytes, len_bytes: el * shape.iter().product::<u64>() }
+}
+
+/// A small model laid out in one region: (descriptors, bytes needed).
+fn model(region_id: u32) -> (Vec<TensorDesc>, usize) {
+    let v = vec![
+        desc("model.embed.weight", "BF16", &[512, 256], region_id, 0),
+        desc("model.layers.0.norm", "F32", &[256], region_id, 262_144),
+        desc("model.layers.0.attn.qkv", "F16", &[768, 256], region_id, 263_168),
+        desc("../looks/like/a/path but is a tensor name", "U8", &[1000], region_id, 656_384),
+        desc("optimizer.step", "I64", &[], region_id, 657_408),
+        desc("empty", "F32", &[0, 4], region_id, 0),
+        desc("big", "F32", &[3_000_000], region_id, 659_456),
+    ];
+    (v, 659_456 + 12_000_000)
+}
+
+fn blobs(step: u64) -> Vec<Blob> {
+    vec![Blob { name: "rng.state".into(), bytes: format!("rng at {step}").into_bytes() }, Blob { name: "loader.json".into(), bytes: b"{\"epoch\":1}".to_vec() }]
+}
+
+fn region_bytes<'a>(shm: &'a Shm, d: &TensorDesc) -> &'a [u8] {
+    &shm.bytes()[d.offset_bytes as usize..(d.offset_bytes + d.len_bytes) as usize]
+}
+
+fn assert_on_disk(dir: &Path, step: u64, shm: &Shm, descs: &[TensorDesc]) {
+    let r = restore::verify(dir, step, &ReadOptions::default(), |_, _| {}).unwrap();
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    let l = restore::load(dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
+    for d in descs {
+        assert_eq!(l.tensor(&d.name).unwrap(), region_bytes(shm, d), "tensor {}", d.name);
+    }
+    assert_eq!(l.blobs["rng.state"], format!("rng at {step}").into_bytes());
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect()
+}
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn handshake_refuses_other_versions_bad_magic_and_non_hello() {
+    let sc = Sidecar::start(&[]);
+    let refused = |req: &Request| {
+        let mut s = Client::raw(&sc.socket);
+        ckpt_wire::write_frame(&mut s, req).unwrap();
+        match ckpt_wire::read_frame::<Reply>(&mut s).unwrap() {
+            Reply::Refused { reason } => reason,
+            other => panic!("expected Refused, got {other:?}"),
+        }
+    };
+    let r = refused(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION + 1, pid: 1, name: "future".into() });
+    assert!(r.contains("version"), "{r}");
+    let r = refused(&Request::Hello { magic: *b"HTTP", version: PROTOCOL_VERSION, pid: 1, name: "x".into() });
+    assert!(r.contains("magic"), "{r}");
+    let r = refused(&Request::List { id: 1 });
+    assert!(r.contains("Hello"), "{r}");
+    // And a proper client is welcome.
+    let mut c = sc.client();
+    c.send(&Request::List { id: 5 });
+    assert!(matches!(c.recv(), Reply::Listing { id: 5, latest: None, .. }));
+    // The socket is 0600 in a private directory.
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&sc.socket).unwrap().permissions().mode() & 0o777, 0o600);
+}
+
+#[test]
+fn save_is_released_then_durable_and_verifies() {
+    let sc = Sidecar::start(&[]);
+    let (descs, len) = model(1);
+    let mut shm = Shm::new(len);
+    shm.fill(42);
+    let mut c = sc.client();
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { region_id: 1, .. }));
+    let path = c.save_durable(100, descs.clone(), blobs(100));
+    assert!(path.ends_with("step-000000000100"), "{path}");
+    assert_on_disk(&sc.dir, 100, &shm, &descs);
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), Some(100));
+    // The same step again is refused, nothing copied.
+    let r = c.expect_failed(100, descs.clone(), vec![], ErrorCode::BadRequest);
+    assert!(r.contains("already committed"), "{r}");
+    let st = c.status();
+    assert_eq!(st.resident_step, Some(100));
+    assert_eq!(st.last.as_ref().unwrap().step, 100);
+    assert!(st.in_flight.is_empty());
+    assert_eq!(st.sessions.len(), 1);
+    assert_eq!(st.sessions[0].regions, 1);
+    // `status` through the binary.
+    let out = Command::new(BIN).args(["status", "--json", "--socket"]).arg(&sc.socket).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["resident_step"], 100);
+    assert_eq!(j["staging_bytes"], 64u64 << 20);
+}
+
+#[test]
+fn several_saves_in_flight_commit_in_order() {
+    let sc = Sidecar::start(&[]);
+    let (descs, len) = model(1);
+    let mut c = sc.client();
+    let mut shms = Vec::new();
+    for i in 0..5u32 {
+        let mut shm = Shm::new(len);
+        shm.fill(i as u64);
+        assert!(matches!(c.register(10 + i, &shm), Reply::RegionRegistered { .. }));
+        shms.push(shm);
+    }
+    // Five saves sent back to back, without waiting (each image ~13 MiB, so
+    // the 64 MiB staging holds four: the fifth waits for space).
+    let ids: Vec<u64> = (0..5u64)
+        .map(|i| {
+            let d = descs.iter().map(|d| TensorDesc { region_id: 10 + i as u32, ..d.clone() }).collect();
+            c.save(i + 1, d, blobs(i + 1))
+        })
+        .collect();
+    let mut durable = Vec::new();
+    let mut released = Vec::new();
+    while durable.len() < 5 {
+        match c.recv() {
+            Reply::Released { id, step, .. } => released.push((id, step)),
+            Reply::Durable { id, step, .. } => {
+                assert!(released.contains(&(id, step)), "durable before released");
+                durable.push(step);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(released.iter().map(|r| r.0).collect::<Vec<_>>(), ids);
+    assert_eq!(durable, vec![1, 2, 3, 4, 5], "commits in the order received");
+    for (i, shm) in shms.iter().enumerate() {
+        let d: Vec<_> = descs.iter().map(|d| TensorDesc { region_id: 10 + i as u32, ..d.clone() }).collect();
+        assert_on_disk(&sc.dir, i as u64 + 1, shm, &d);
+    }
+}
+
+#[test]
+fn load_comes_from_ram_then_from_disk_after_a_restart() {
+    let sc = Sidecar::start(&[]);
+    let (descs, len) = model(1);
+    let mut shm = Shm::new(len);
+    shm.fill(7);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    c.save_durable(9, descs.clone(), blobs(9));
+    c.save_durable(10, descs.clone(), blobs(10));
+    // Into a second region of the same size, same offsets.
+    let target = Shm::new(len);
+    c.register(2, &target);
+    let into: Vec<_> = descs.iter().map(|d| TensorDesc { region_id: 2, ..d.clone() }).collect();
+    match c.load(None, into.clone()) {
+        Reply::Loaded { step: 10, source: LoadSource::Ram, tensors, blobs: b, fell_back, .. } => {
+            assert_eq!(tensors.len(), descs.len());
+            assert_eq!(b.len(), 2);
+            assert!(fell_back.is_empty());
+        }
+        other => panic!("expected Loaded from Ram, got {other:?}"),
+    }
+    for d in &descs {
+        assert_eq!(region_bytes(&target, &TensorDesc { region_id: 2, ..d.clone() }), region_bytes(&shm, d), "{}", d.name);
+    }
+    // An older step is not resident: from disk.
+    assert!(matches!(c.load(Some(9), vec![]), Reply::Loaded { step: 9, source: LoadSource::Disk, .. }));
+    // A load of no tensors says what the checkpoint holds.
+    match c.load(Some(10), vec![]) {
+        Reply::Loaded { tensors, .. } => {
+            let big = tensors.iter().find(|t| t.name == "big").unwrap();
+            assert_eq!((big.dtype.as_str(), big.shape.as_slice(), big.len_bytes), ("F32", &[3_000_000u64][..], 12_000_000));
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(c);
+    let sc = sc.restart();
+    let mut c = sc.client();
+    let target2 = Shm::new(len);
+    c.register(5, &target2);
+    let into: Vec<_> = descs.iter().map(|d| TensorDesc { region_id: 5, ..d.clone() }).collect();
+    match c.load(None, into) {
+        Reply::Loaded { step: 10, source: LoadSource::Disk, blobs: b, .. } => {
+            assert_eq!(b.iter().find(|b| b.name == "rng.state").unwrap().bytes, b"rng at 10");
+        }
+        other => panic!("expected Loaded from Disk, got {other:?}"),
+    }
+    for d in &descs {
+        assert_eq!(region_bytes(&target2, &TensorDesc { region_id: 5, ..d.clone() }), region_bytes(&shm, d), "{}", d.name);
+    }
+    // Wrong dtype, unknown name, no such step.
+    let wrong = vec![TensorDesc { dtype: "F16".into(), len_bytes: 6_000_000, region_id: 5, ..descs[6].clone() }];
+    assert!(matches!(c.load(None, wrong), Reply::Error { code: ErrorCode::BadRequest, .. }));
+    let unknown = vec![desc("nope", "U8", &[4], 5, 0)];
+    assert!(matches!(c.load(None, unknown), Reply::Error { code: ErrorCode::NotFound, .. }));
+    assert!(matches!(c.load(Some(77), vec![]), Reply::Error { code: ErrorCode::NotFound, .. }));
+}
+
+#[test]
+fn bad_requests_get_errors_and_the_session_goes_on() {
+    let sc = Sidecar::start(&[]);
+    let mut shm = Shm::new(1 << 20);
+    shm.fill(3);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    let f32s = |name: &str, n: u64, off: u64| desc(name, "F32", &[n], 1, off);
+    // Outside the region, and an offset that overflows.
+    let r = c.expect_failed(1, vec![f32s("a", 1000, (1 << 20) - 100)], vec![], ErrorCode::BadRegion);
+    assert!(r.contains("outside"), "{r}");
+    let mut t = f32s("a", 4, 0);
+    t.offset_bytes = u64::MAX - 2;
+    c.expect_failed(1, vec![t], vec![], ErrorCode::BadRegion);
+    // Unknown region.
+    c.expect_failed(1, vec![desc("a", "F32", &[4], 9, 0)], vec![], ErrorCode::BadRegion);
+    // Overlapping tensors.
+    let r = c.expect_failed(1, vec![f32s("a", 100, 0), f32s("b", 100, 396)], vec![], ErrorCode::BadRequest);
+    assert!(r.contains("overlap"), "{r}");
+    // Length that does not match dtype x shape; unknown dtype.
+    let mut t = f32s("a", 100, 0);
+    t.len_bytes = 399;
+    c.expect_failed(1, vec![t], vec![], ErrorCode::BadRequest);
+    c.expect_failed(1, vec![desc("a", "F31", &[4], 1, 0)], vec![], ErrorCode::BadRequest);
+    // Names: NUL and control characters in tensor names, duplicates; blob
+    // names with '/', '../', absolute, NUL.
+    c.expect_failed(1, vec![f32s("a\0b", 4, 0)], vec![], ErrorCode::BadRequest);
+    c.expect_failed(1, vec![f32s("a", 4, 0), f32s("a", 4, 64)], vec![], ErrorCode::BadRequest);
+    for bad in ["../etc", "a/b", "/abs", "x\0y", ".hidden", ""] {
+        let r = c.expect_failed(1, vec![], vec![Blob { name: bad.into(), bytes: vec![1] }], ErrorCode::BadRequest);
+        assert!(r.contains("blob name"), "{bad:?}: {r}");
+    }
+    // Too large for the whole staging budget.
+    let mut big = Shm::new(80 << 20);
+    big.fill(1);
+    c.register(2, &big);
+    c.expect_failed(1, vec![desc("huge", "U8", &[80 << 20], 2, 0)], vec![], ErrorCode::TooLarge);
+    // Regions: path tricks, missing segment, too short, duplicate id.
+    for (name, len) in [("/../etc/passwd", 4u64), ("/a/b", 4), ("noslash", 4), ("/ckpt-test-does-not-exist", 4), (shm.name.as_str(), 2 << 20)] {
+        let id = c.id();
+        c.send(&Request::RegisterRegion { id, region_id: 50, shm_name: name.into(), len_bytes: len });
+        assert!(matches!(c.recv(), Reply::Error { code: ErrorCode::BadRegion, .. }), "{name}");
+    }
+    assert!(matches!(c.register(1, &shm), Reply::Error { code: ErrorCode::BadRegion, .. }));
+    // Nothing of that reached the disk, and the session still works.
+    assert!(catalog::committed_steps(&sc.dir).unwrap().is_empty());
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
+    c.save_durable(1, vec![f32s("a", 4, 0)], blobs(1));
+}
+
+#[test]
+fn malformed_frames_close_only_that_session() {
+    let sc = Sidecar::start(&[]);
+    let open = || {
+        let mut s = Client::raw(&sc.socket);
+        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("bad")).unwrap();
+        assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::Welcome { .. }));
+        s
+    };
+    // Garbage body.
+    let mut s = open();
+    s.write_all(&[5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    Client::expect_closed(s);
+    // Unknown message kind.
+    let mut s = open();
+    s.write_all(&[1, 0, 0, 0, 99]).unwrap();
+    Client::expect_closed(s);
+    // Length above the limit: refused before reading the body.
+    let mut s = open();
+    s.write_all(&(ckpt_wire::FRAME_BYTES_MAX + 1).to_le_bytes()).unwrap();
+    Client::expect_closed(s);
+    // Truncated frame, then the client goes.
+    let mut s = open();
+    s.write_all(&[100, 0, 0, 0, 1, 2, 3]).unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    Client::expect_closed(s);
+    // Garbage before any Hello.
+    let mut s = Client::raw(&sc.socket);
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s), Ok(Reply::Refused { .. }) | Err(_)));
+    // The sidecar still serves others.
+    let mut shm = Shm::new(4096);
+    shm.fill(1);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    c.save_durable(3, vec![desc("w", "U8", &[4096], 1, 0)], vec![]);
+    assert_eq!(c.status().sessions.len(), 1, "closed sessions are gone");
+}
+
+#[test]
+fn a_client_gone_before_release_aborts_and_after_release_still_commits() {
+    let sc = Sidecar::start(&[]);
+    let len = 48 << 20;
+    let mut shm = Shm::new(len);
+    shm.fill(9);
+    let d = vec![desc("w", "U8", &[len as u64], 1, 0)];
+    // Gone before release: the save is sent and the socket closed at once.
+    for step in 1..=3 {
+        let mut c = sc.client();
+        c.register(1, &shm);
+        c.save(step, d.clone(), vec![]);
+        drop(c);
+    }
+    // Gone right after release: it commits anyway.
+    let mut c = sc.client();
+    c.register(1, &shm);
+    let id = c.save(10, d.clone(), blobs(10));
+    assert!(matches!(c.recv(), Reply::Released { id: i, .. } if i == id));
+    drop(c);
+    wait_for("step 10 to commit", || catalog::is_committed(&sc.dir, 10));
+    let mut c = sc.client();
+    wait_for("nothing in flight", || c.status().in_flight.is_empty());
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), vec![10], "{}", sc.log_text());
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), Some(10));
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
+    assert_on_disk(&sc.dir, 10, &shm, &d);
+    assert!(sc.log_text().contains("aborted before release"), "{}", sc.log_text());
+    let used = c.status().staging_used_bytes;
+    assert!(used > 48 << 20 && used < 49 << 20, "only the resident image holds staging: {used}");
+}
+
+#[test]
+fn sigterm_drains_in_flight_saves_and_exits_zero() {
+    let mut sc = Sidecar::start(&[]);
+    let len = 32 << 20;
+    let mut shm = Shm::new(len);
+    shm.fill(5);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    let id = c.save(1, vec![desc("w", "U8", &[len as u64], 1, 0)], vec![]);
+    assert!(matches!(c.recv(), Reply::Released { .. }));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(sc.pid(), libc::SIGTERM) };
+    // The released save still becomes durable; a new one is refused (or,
+    // if the signal lands after it was accepted, drained too).
+    std::thread::sleep(Duration::from_millis(50));
+    let id2 = c.save(2, vec![desc("w", "U8", &[16], 1, 0)], vec![]);
+    let (mut durable1, mut done2) = (false, false);
+    while !(durable1 && done2) {
+        match c.recv() {
+            Reply::Durable { id: i, .. } if i == id => durable1 = true,
+            Reply::Failed { id: i, code: ErrorCode::ShuttingDown, .. } if i == id2 => done2 = true,
+            Reply::Released { id: i, .. } if i == id2 => {}
+            Reply::Durable { id: i, .. } if i == id2 => done2 = true,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let code = sc.stop_after_signal();
+    assert_eq!(code, 0, "{}", sc.log_text());
+    assert!(catalog::is_committed(&sc.dir, 1));
+    assert!(!sc.socket.exists(), "socket removed at exit");
+}
+
+impl Sidecar {
+    fn stop_after_signal(&mut self) -> i32 {
+        let mut c = self.child.take().unwrap();
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st.code().unwrap_or(-1);
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "no exit:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn launch_runs_the_command_with_the_socket_and_exits_with_its_status() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .arg("launch")
+        .arg("--dir")
+        .arg(tmp.path().join("ckpt"))
+        .args(["--staging", "16MiB", "--"])
+        .args(["sh", "-c", "test -S \"$CKPT_SIDECAR_SOCKET\" && echo \"$CKPT_SIDECAR_SOCKET\" && exit 7"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(7), "{}", String::from_utf8_lossy(&out.stderr));
+    let sock = String::from_utf8(out.stdout).unwrap();
+    assert!(!Path::new(sock.trim()).exists(), "socket removed");
+}
+
+/// Runs as another uid when re-executed by the test below.
+#[test]
+fn other_uid_child() {
+    let Ok(sock) = std::env::var("CKPT_TEST_OTHER_UID_SOCKET") else { return };
+    let mut s = UnixStream::connect(&sock).expect("connect");
+    ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("intruder")).unwrap();
+    match ckpt_wire::read_frame::<Reply>(&mut s).unwrap() {
+        Reply::Refused { reason } => println!("REFUSED: {reason}"),
+        other => println!("ACCEPTED: {other:?}"),
+    }
+}
+
+#[test]
+fn another_uid_is_refused() {
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        println!("skipped: not root, cannot run a client as another uid");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = tmp.path().join("ckpt");
+    // --allow-uid opens the socket to other users; uid 65534 is not allowed.
+    let sc = Sidecar::start_in(tmp, dir, &["--allow-uid", "12345"]);
+    std::fs::set_permissions(sc.socket.parent().unwrap(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "other_uid_child", "--nocapture", "--test-threads=1"])
+        .env("CKPT_TEST_OTHER_UID_SOCKET", &sc.socket)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() && !text.contains("REFUSED") {
+        println!("skipped: the test binary does not run as uid 65534 here: {}", String::from_utf8_lossy(&out.stderr));
+        return;
+    }
+    assert!(text.contains("REFUSED: uid 65534"), "{text}");
+    // Our own uid is still served.
+    let mut shm = Shm::new(4096);
+    shm.fill(2);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    c.save_durable(1, vec![desc("w", "U8", &[4096], 1, 0)], vec![]);
+}

@@ -1,0 +1,104 @@
+/* Every C entry point against the fake sidecar (socket from the environment),
+ * including the error paths. Prints "ok" and exits 0 when all held; otherwise
+ * exits with the number of the failed check. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "ckpt.h"
+
+static int check_no = 0;
+#define CHECK(cond)                                                                         \
+    do {                                                                                    \
+        check_no++;                                                                         \
+        if (!(cond)) {                                                                      \
+            fprintf(stderr, "check %d failed: %s (last error: %s)\n", check_no, #cond, ckpt_last_error()); \
+            exit(check_no);                                                                 \
+        }                                                                                   \
+    } while (0)
+
+int main(void) {
+    ckpt_client *c = NULL;
+    CHECK(ckpt_connect(NULL, &c) == CKPT_OK && c != NULL);
+    CHECK(ckpt_connected(c) == 1);
+    CHECK(ckpt_protocol_version() == 1);
+    float *w = NULL;
+    CHECK(ckpt_alloc(c, 4096, (void **)&w) == CKPT_OK && w != NULL);
+    CHECK(ckpt_alloc(c, 0, (void **)&w) == CKPT_E_INVALID);
+    for (int i = 0; i < 16; i++) w[i] = (float)i;
+    uint64_t shape[1] = {16};
+    ckpt_tensor t = {"w", "F32", shape, 1, w, 64};
+    ckpt_blob b = {"meta", "hello", 5};
+    uint64_t id = 0;
+    CHECK(ckpt_save(c, 1, &t, 1, &b, 1, &id) == CKPT_OK);
+    CHECK(ckpt_wait(c, id, CKPT_RELEASED, 10000) == CKPT_OK);
+    CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_OK);
+    int state = -1;
+    CHECK(ckpt_poll(c, id, &state) == CKPT_OK && state == CKPT_DURABLE);
+    double copy = 0, waited = 0, persist = 0;
+    CHECK(ckpt_save_figures(c, id, &copy, &waited, &persist) == CKPT_OK && copy >= 0 && persist >= 0);
+    CHECK(ckpt_wait(c, id, 7, 0) == CKPT_E_INVALID);
+    CHECK(ckpt_poll(c, 999999, &state) == CKPT_E_NOT_FOUND);
+
+    /* Errors: memory not from ckpt_alloc, NULLs, the sidecar's refusal. */
+    float heap[16];
+    ckpt_tensor bad = {"h", "F32", shape, 1, heap, 64};
+    CHECK(ckpt_save(c, 2, &bad, 1, NULL, 0, &id) == CKPT_E_REGION);
+    CHECK(strstr(ckpt_last_error(), "not inside") != NULL);
+    ckpt_tensor noname = {NULL, "F32", shape, 1, w, 64};
+    CHECK(ckpt_save(c, 2, &noname, 1, NULL, 0, &id) == CKPT_E_INVALID);
+    CHECK(ckpt_save(c, 2, NULL, 3, NULL, 0, &id) == CKPT_E_INVALID);
+    CHECK(ckpt_save(NULL, 2, &t, 1, NULL, 0, &id) == CKPT_E_INVALID);
+    CHECK(ckpt_save(c, 1, &t, 1, NULL, 0, &id) == CKPT_OK); /* step 1 is taken */
+    CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_E_BAD_REQUEST);
+    CHECK(ckpt_poll(c, id, &state) == CKPT_OK && state == CKPT_FAILED && strstr(ckpt_last_error(), "already"));
+
+    /* List. */
+    size_t n = 0;
+    int64_t latest = -2;
+    CHECK(ckpt_list(c, NULL, 0, &n, &latest) == CKPT_OK && n == 1 && latest == 1);
+    uint64_t steps[4];
+    CHECK(ckpt_list(c, steps, 4, &n, NULL) == CKPT_OK && n == 1 && steps[0] == 1);
+
+    /* Load into the same place after the model moved on. */
+    for (int i = 0; i < 16; i++) w[i] = -1.0f;
+    uint64_t got = 0;
+    int source = 0;
+    CHECK(ckpt_load(c, -1, &t, 1, &got, &source) == CKPT_OK && got == 1 && source == CKPT_SOURCE_RAM);
+    for (int i = 0; i < 16; i++) CHECK(w[i] == (float)i);
+    CHECK(ckpt_load(c, 42, &t, 1, &got, &source) == CKPT_E_NOT_FOUND);
+    CHECK(ckpt_load(c, -5, &t, 1, &got, &source) == CKPT_E_INVALID);
+    CHECK(ckpt_load(c, 1, NULL, 0, NULL, NULL) == CKPT_OK);
+    uint64_t len = 0;
+    char buf[16] = {0};
+    CHECK(ckpt_loaded_blob(c, "meta", NULL, 0, &len) == CKPT_OK && len == 5);
+    CHECK(ckpt_loaded_blob(c, "meta", buf, 2, &len) == CKPT_E_TRUNCATED && len == 5);
+    CHECK(ckpt_loaded_blob(c, "meta", buf, sizeof buf, &len) == CKPT_OK && !memcmp(buf, "hello", 5));
+    CHECK(ckpt_loaded_blob(c, "nope", buf, sizeof buf, &len) == CKPT_E_NOT_FOUND);
+    size_t nt = 0;
+    CHECK(ckpt_loaded_tensor_count(c, &nt) == CKPT_OK && nt == 1);
+    const char *name = NULL, *dtype = NULL;
+    const uint64_t *sh = NULL;
+    uint32_t ndim = 0;
+    uint64_t tlen = 0;
+    CHECK(ckpt_loaded_tensor(c, 0, &name, &dtype, &sh, &ndim, &tlen) == CKPT_OK);
+    CHECK(!strcmp(name, "w") && !strcmp(dtype, "F32") && ndim == 1 && sh[0] == 16 && tlen == 64);
+    CHECK(ckpt_loaded_tensor(c, 1, &name, NULL, NULL, NULL, NULL) == CKPT_E_INVALID);
+
+    /* Status as JSON. */
+    size_t jlen = 0;
+    CHECK(ckpt_status_json(c, NULL, 0, &jlen) == CKPT_OK && jlen > 2);
+    char *json = malloc(jlen + 1);
+    CHECK(ckpt_status_json(c, json, jlen, &jlen) == CKPT_E_TRUNCATED);
+    CHECK(ckpt_status_json(c, json, jlen + 1, &jlen) == CKPT_OK && json[0] == '{' && strstr(json, "server_pid"));
+    free(json);
+
+    CHECK(ckpt_set_timeout(c, 5000) == CKPT_OK);
+    CHECK(ckpt_reconnect(c) == CKPT_OK);
+    CHECK(ckpt_free(c, heap) == CKPT_E_NOT_FOUND);
+    CHECK(ckpt_free(c, w) == CKPT_OK);
+    CHECK(ckpt_default_client() == NULL && strstr(ckpt_last_error(), "CKPT_SIDECAR_PRELOAD"));
+    CHECK(ckpt_close(c) == CKPT_OK);
+    CHECK(ckpt_close(NULL) == CKPT_OK);
+    printf("ok\n");
+    return 0;
+}

@@ -1,0 +1,221 @@
+//! The C face of libckpt, from C programs built here with the system C
+//! compiler: every entry point (tests/c/abi_smoke.c), dlopen (tests/c/dlopen.c),
+//! LD_PRELOAD into unmodified programs, preload mode's default client and
+//! SIGTERM flag (tests/c/preempt.c), and the example trainer with --resume,
+//! all against the fake sidecar of tests/common.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{temp_socket, Fake, Opts};
+
+fn crate_dir() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>/deps: where `cargo test` builds libckpt.so for this test
+/// binary (it is copied up to target/<profile> only by `cargo build`, so the
+/// one there may be stale).
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().to_path_buf()
+}
+
+fn so_path() -> PathBuf {
+    let p = lib_dir().join("libckpt.so");
+    assert!(p.exists(), "{} missing: cargo builds the cdylib with the tests; run `cargo build -p ckpt-shim`", p.display());
+    p
+}
+
+fn cc() -> Option<String> {
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    match Command::new(&cc).arg("--version").output() {
+        Ok(o) if o.status.success() => Some(cc),
+        _ => {
+            eprintln!("skipped: no C compiler ({cc})");
+            None
+        }
+    }
+}
+
+/// Compiles a C file; `link` links it with -lckpt (rpath to lib_dir).
+fn compile(cc: &str, src: &Path, out: &Path, link: bool, pedantic: bool) {
+    let mut cmd = Command::new(cc);
+    cmd.args(["-std=c99", "-O1", "-g", "-Wall", "-Wextra", "-Werror"]);
+    if pedantic {
+        cmd.arg("-pedantic");
+    }
+    cmd.arg(format!("-I{}", crate_dir().join("include").display())).arg(src).arg("-o").arg(out);
+    if link {
+        let d = lib_dir();
+        cmd.arg(format!("-L{}", d.display())).arg("-lckpt").arg(format!("-Wl,-rpath,{}", d.display()));
+    } else {
+        cmd.arg("-ldl");
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "compiling {} failed:\n{}", src.display(), String::from_utf8_lossy(&o.stderr));
+}
+
+fn text(o: &Output) -> String {
+    format!("status {:?}\nstdout:\n{}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn every_entry_point_from_c_against_the_fake() {
+    let Some(cc) = cc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("abi_smoke");
+    compile(&cc, &crate_dir().join("tests/c/abi_smoke.c"), &exe, true, true);
+    let (_d, sock) = temp_socket();
+    let _fake = Fake::start(&sock, Opts::default());
+    let o = Command::new(&exe).env("CKPT_SIDECAR_SOCKET", &sock).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}", text(&o));
+}
+
+#[test]
+fn dlopen_and_call_by_symbol() {
+    let Some(cc) = cc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("dlopen");
+    compile(&cc, &crate_dir().join("tests/c/dlopen.c"), &exe, false, false);
+    let o = Command::new(&exe).arg(so_path()).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("version: libckpt "), "{}", text(&o));
+}
+
+#[test]
+fn preloading_into_unmodified_programs_changes_nothing_without_preload_mode() {
+    let so = so_path();
+    let o = Command::new("true").env("LD_PRELOAD", &so).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    assert!(o.status.success() && o.stderr.is_empty(), "{}", text(&o));
+    let o = Command::new("sh").args(["-c", "echo hello; exit 7"]).env("LD_PRELOAD", &so).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    assert_eq!(o.status.code(), Some(7), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "hello\n");
+    assert!(o.stderr.is_empty(), "{}", text(&o));
+}
+
+#[test]
+fn preload_mode_connects_unmodified_programs_and_never_breaks_them() {
+    let so = so_path();
+    let (_d, sock) = temp_socket();
+    // No sidecar: one line on stderr, the program runs as usual.
+    let o = Command::new("true").env("LD_PRELOAD", &so).env("CKPT_SIDECAR_PRELOAD", "1").env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("libckpt: preload: not connected"), "{}", text(&o));
+    // With a sidecar: the process says Hello (name from /proc/self/comm) and exits normally.
+    let fake = Fake::start(&sock, Opts::default());
+    let o = Command::new("sh")
+        .args(["-c", "echo out; exit 3"])
+        .env("LD_PRELOAD", &so)
+        .env("CKPT_SIDECAR_PRELOAD", "1")
+        .env("CKPT_SIDECAR_SOCKET", &sock)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "out\n");
+    assert!(o.stderr.is_empty(), "{}", text(&o));
+    let t0 = Instant::now();
+    while !fake.log().iter().any(|l| l == "Hello sh") && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(fake.log().iter().any(|l| l == "Hello sh"), "{:?}", fake.log());
+}
+
+#[test]
+fn preload_mode_one_sigterm_sets_the_flag_a_second_terminates() {
+    let so = so_path();
+    let (_d, sock) = temp_socket();
+    let mut child = Command::new("sleep")
+        .arg("20")
+        .env("LD_PRELOAD", &so)
+        .env("CKPT_SIDECAR_PRELOAD", "1")
+        .env("CKPT_SIDECAR_SOCKET", &sock)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300)); // past the constructor
+    let pid = child.id() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(child.try_wait().unwrap().is_none(), "one SIGTERM must only set the preemption flag");
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "a second SIGTERM must terminate");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGTERM));
+}
+
+#[test]
+fn preload_mode_gives_a_default_client_and_the_preemption_flag() {
+    let Some(cc) = cc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("preempt");
+    compile(&cc, &crate_dir().join("tests/c/preempt.c"), &exe, true, true);
+    let (_d, sock) = temp_socket();
+    let o = Command::new(&exe).env("CKPT_SIDECAR_PRELOAD", "1").env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let _fake = Fake::start(&sock, Opts::default());
+    let o = Command::new(&exe).arg("connected").env("CKPT_SIDECAR_PRELOAD", "1").env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("preempted: 1"), "{}", text(&o));
+}
+
+#[test]
+fn example_trainer_checkpoints_every_step_and_resumes_verified() {
+    let Some(cc) = cc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("trainer");
+    let build = crate_dir().join("../examples/c/build.sh");
+    let o = Command::new("bash")
+        .arg(&build)
+        .arg(&exe)
+        .env("SKIP_CARGO", "1")
+        .env("CC", &cc)
+        .env("CKPT_LIBDIR", lib_dir())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "build.sh: {}", text(&o));
+
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let run = |args: &[&str]| Command::new(&exe).args(args).env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
+    let o = run(&["--steps", "8", "--width", "256"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("8 saves, 8 durable, 0 failed"), "{}", text(&o));
+
+    let o = run(&["--steps", "12", "--width", "256", "--resume"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("resumed from step 8 (source ram), state verified"), "{}", text(&o));
+    assert!(out.contains("4 saves, 4 durable"), "{}", text(&o));
+
+    // Crash right after step 15 was released: it still commits (the fake,
+    // like the sidecar, finishes released saves), and resume verifies it.
+    let o = run(&["--steps", "30", "--width", "256", "--resume", "--crash-at", "15"]);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(o.status.signal(), Some(libc::SIGKILL), "{}", text(&o));
+    std::thread::sleep(Duration::from_millis(100));
+    let o = run(&["--steps", "16", "--width", "256", "--resume"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("resumed from step 15"), "{}", text(&o));
+
+    // A model that is not what the step says is caught.
+    {
+        let mut s = fake.store.lock().unwrap();
+        let ck = s.steps.get_mut(&16).unwrap();
+        ck.tensors[1].1[7] ^= 1;
+    }
+    let o = run(&["--steps", "16", "--width", "256", "--resume"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("VERIFY FAILED: tensor layer.0.weight"), "{}", text(&o));
+}

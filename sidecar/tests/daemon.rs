@@ -807,3 +807,43 @@ impl Client {
         Client { s, next_id: 1 }
     }
 }
+
+#[test]
+fn a_second_signal_aborts_in_flight_saves_cleanly() {
+    let mut sc = Sidecar::start(&[]);
+    let len = 24 << 20;
+    let mut shm = Shm::new(2 * len);
+    shm.fill(6);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    let a = c.save(1, vec![desc("w", "U8", &[len as u64], 1, 0)], vec![]);
+    let b = c.save(2, vec![desc("w", "U8", &[len as u64], 1, len as u64)], vec![]);
+    let mut released = 0;
+    while released < 2 {
+        match c.recv() {
+            Reply::Released { .. } => released += 1,
+            Reply::Durable { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // SAFETY: signalling our own child, twice.
+    unsafe { libc::kill(sc.pid(), libc::SIGTERM) };
+    std::thread::sleep(Duration::from_millis(5));
+    // SAFETY: as above.
+    unsafe { libc::kill(sc.pid(), libc::SIGTERM) };
+    let code = sc.stop_after_signal();
+    // Each save either committed before the abort or not at all; nothing
+    // half-done is left, and `latest` names a committed one (or none).
+    for step in [1, 2] {
+        if catalog::is_committed(&sc.dir, step) {
+            let r = restore::verify(&sc.dir, step, &ReadOptions::default(), |_, _| {}).unwrap();
+            assert!(r.problems.is_empty(), "{:?}", r.problems);
+        }
+    }
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}\n{}", leftovers(&sc.dir), sc.log_text());
+    let committed = catalog::committed_steps(&sc.dir).unwrap();
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), committed.last().copied());
+    assert!(code == 1 || (code == 0 && committed == [1, 2]), "exit {code}, committed {committed:?}\n{}", sc.log_text());
+    println!("exit {code}, committed {committed:?}");
+    let _ = (a, b);
+}

@@ -78,7 +78,7 @@
 // A caller's buffer is too small; the needed length was stored.
 #define CKPT_E_TRUNCATED -15
 
-// The client was closed.
+// The client was closed, or belongs to the parent of this (forked) process.
 #define CKPT_E_CLOSED -16
 
 // A bug inside libckpt (a caught panic); the message says where.

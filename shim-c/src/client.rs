@@ -24,14 +24,21 @@
 //! - every table is bounded: replies are kept only for ids being waited for,
 //!   finished saves only for the newest [`SAVES_FINISHED_MAX`];
 //! - nothing is written to the socket with SIGPIPE possible (MSG_NOSIGNAL):
-//!   a dead sidecar must never kill the trainer.
+//!   a dead sidecar must never kill the trainer;
+//! - a forked child never speaks on, shuts down or closes its parent's
+//!   connection, nor unlinks its regions: a fork handler closes the child's
+//!   copies of every connection's descriptors (so the sidecar still sees
+//!   EOF when the parent dies, even while children such as data-loader
+//!   workers live on), and every call in the child fails with
+//!   [`Error::Forked`].
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -150,9 +157,49 @@ pub fn default_socket_path() -> PathBuf {
     PathBuf::from(format!("/tmp/ckpt-sidecar-{uid}/sidecar.sock"))
 }
 
+/// Descriptors of live connections, closed in a forked child (lock-free: the
+/// child of a multi-threaded process may only do async-signal-safe things).
+/// A connection that finds no free slot is simply not closed on fork.
+const FORK_FDS_MAX: usize = 128;
+static FORK_FDS: [AtomicI32; FORK_FDS_MAX] = [const { AtomicI32::new(-1) }; FORK_FDS_MAX];
+
+fn fork_fd_register(fd: i32) {
+    static ATFORK: Once = Once::new();
+    ATFORK.call_once(|| {
+        // SAFETY: registers a plain extern "C" fn that only calls close(2).
+        unsafe { libc::pthread_atfork(None, None, Some(close_fds_in_child)) };
+    });
+    for slot in &FORK_FDS {
+        if slot.compare_exchange(-1, fd, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            return;
+        }
+    }
+}
+
+fn fork_fd_unregister(fd: i32) {
+    for slot in &FORK_FDS {
+        if slot.compare_exchange(fd, -1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            return;
+        }
+    }
+}
+
+extern "C" fn close_fds_in_child() {
+    for slot in &FORK_FDS {
+        let fd = slot.swap(-1, Ordering::SeqCst);
+        if fd >= 0 {
+            // SAFETY: `fd` is this (child) process's copy of a connection
+            // descriptor; nothing in the child uses it (calls fail with Forked).
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
 /// A connection to the sidecar (reconnecting on demand), its regions and saves.
 /// All methods take `&self`: a client may be shared between threads.
 pub struct Client {
+    /// The process that connected; in a fork child every call fails.
+    owner_pid: u32,
     socket_path: PathBuf,
     name: String,
     shared: Arc<Shared>,
@@ -177,6 +224,7 @@ struct Conn {
 impl Conn {
     /// Ends the connection and waits for its reader thread.
     fn shut(mut self) {
+        fork_fd_unregister(self.stream.as_raw_fd());
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         if let Some(h) = self.reader.take() {
             let _ = h.join();
@@ -338,7 +386,13 @@ fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
     Ok(())
 }
 
-fn reader_loop(mut stream: UnixStream, gen: u64, shared: Arc<Shared>) {
+fn reader_loop(stream: UnixStream, gen: u64, shared: Arc<Shared>) {
+    let fd = stream.as_raw_fd();
+    read_replies(stream, gen, &shared);
+    fork_fd_unregister(fd); // `stream` is closed by now
+}
+
+fn read_replies(mut stream: UnixStream, gen: u64, shared: &Shared) {
     loop {
         let got = ckpt_wire::read_frame::<Reply>(&mut stream);
         let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -370,6 +424,7 @@ impl Client {
     pub fn connect(path: Option<&Path>) -> Result<Client> {
         let socket_path = path.map(Path::to_path_buf).unwrap_or_else(default_socket_path);
         let client = Client {
+            owner_pid: std::process::id(),
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
@@ -414,6 +469,7 @@ impl Client {
 
     /// Creates a shared-memory region of `len_bytes` and registers it.
     pub fn alloc_region(&self, len_bytes: u64) -> Result<Region> {
+        self.check_owner()?;
         let mut inner = self.lock_inner();
         if inner.closed {
             return Err(Error::Closed);
@@ -507,6 +563,7 @@ impl Client {
 
     /// The state of a save, without blocking.
     pub fn poll(&self, save_id: u64) -> Result<SaveStatus> {
+        self.check_owner()?;
         let st = self.lock_state();
         st.saves.get(&save_id).map(|e| e.status.clone()).ok_or(Error::UnknownSave { save_id })
     }
@@ -516,6 +573,7 @@ impl Client {
     /// naming why; waiting for Released on a save that was released and then
     /// lost its connection succeeds (the tensors may change).
     pub fn wait(&self, save_id: u64, wanted: Wanted, timeout: Option<Duration>) -> Result<SaveStatus> {
+        self.check_owner()?;
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = self.lock_state();
         loop {
@@ -588,6 +646,19 @@ impl Client {
             return;
         }
         inner.closed = true;
+        if self.check_owner().is_err() {
+            // A forked child: the connection and the names are the parent's.
+            // Its descriptors were closed by the fork handler (their numbers
+            // may be reused by now), and its reader thread does not exist here.
+            if let Some(conn) = inner.conn.take() {
+                std::mem::forget(conn);
+            }
+            for r in inner.regions.values() {
+                r.keep_name_on_drop();
+            }
+            inner.regions.clear();
+            return;
+        }
         if let Some(conn) = inner.conn.take() {
             let _ = send_frame(&conn.stream, &Request::Bye);
             {
@@ -602,6 +673,14 @@ impl Client {
     }
 
     // ---- internals ----
+
+    fn check_owner(&self) -> Result<()> {
+        if std::process::id() == self.owner_pid {
+            Ok(())
+        } else {
+            Err(Error::Forked { owner_pid: self.owner_pid })
+        }
+    }
 
     fn lock_inner(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock leaves plain data behind; go on.
@@ -650,6 +729,8 @@ impl Client {
         };
         stream.set_read_timeout(None).map_err(|e| hs(e.to_string()))?;
         let reader_stream = stream.try_clone().map_err(|e| hs(e.to_string()))?;
+        fork_fd_register(stream.as_raw_fd());
+        fork_fd_register(reader_stream.as_raw_fd());
         let gen = {
             let mut st = self.lock_state();
             st.gen += 1;
@@ -657,10 +738,12 @@ impl Client {
             st.gen
         };
         let shared = self.shared.clone();
-        let reader = std::thread::Builder::new()
-            .name("ckpt-shim-reader".into())
-            .spawn(move || reader_loop(reader_stream, gen, shared))
-            .map_err(|e| hs(format!("cannot start the reader thread: {e}")))?;
+        let fds = (stream.as_raw_fd(), reader_stream.as_raw_fd());
+        let reader = std::thread::Builder::new().name("ckpt-shim-reader".into()).spawn(move || reader_loop(reader_stream, gen, shared)).map_err(|e| {
+            fork_fd_unregister(fds.0);
+            fork_fd_unregister(fds.1);
+            hs(format!("cannot start the reader thread: {e}"))
+        })?;
         inner.conn = Some(Conn { stream, gen, reader: Some(reader), info });
         Ok(())
     }
@@ -668,6 +751,7 @@ impl Client {
     /// The live connection, reconnecting (and re-registering every region)
     /// if the last one died.
     fn ensure_connected<'a>(&self, inner: &'a mut Inner) -> Result<&'a Conn> {
+        self.check_owner()?;
         if inner.closed {
             return Err(Error::Closed);
         }

@@ -44,6 +44,8 @@ pub enum Error {
     Truncated { len_bytes: u64, cap_bytes: u64 },
     #[error("the client is closed")]
     Closed,
+    #[error("this client was connected by process {owner_pid}, not this one (a fork): connect a new client in the child")]
+    Forked { owner_pid: u32 },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

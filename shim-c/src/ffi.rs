@@ -56,7 +56,7 @@ pub const CKPT_E_SHUTTING_DOWN: c_int = -13;
 pub const CKPT_E_PROTOCOL: c_int = -14;
 /// A caller's buffer is too small; the needed length was stored.
 pub const CKPT_E_TRUNCATED: c_int = -15;
-/// The client was closed.
+/// The client was closed, or belongs to the parent of this (forked) process.
 pub const CKPT_E_CLOSED: c_int = -16;
 /// A bug inside libckpt (a caught panic); the message says where.
 pub const CKPT_E_PANIC: c_int = -99;
@@ -149,7 +149,7 @@ pub fn status_of(e: &Error) -> c_int {
         Error::SaveFailed { code, .. } | Error::Remote { code, .. } => code_status(*code),
         Error::Protocol(_) => CKPT_E_PROTOCOL,
         Error::Truncated { .. } => CKPT_E_TRUNCATED,
-        Error::Closed => CKPT_E_CLOSED,
+        Error::Closed | Error::Forked { .. } => CKPT_E_CLOSED,
     }
 }
 

@@ -38,6 +38,17 @@ pub struct ShmRegion {
     shmem: shared_memory::Shmem,
     region_id: u32,
     len_bytes: u64,
+    /// Cleared in a forked child: the name belongs to the parent.
+    unlink_on_drop: AtomicBool,
+}
+
+impl Drop for ShmRegion {
+    fn drop(&mut self) {
+        if !self.unlink_on_drop.load(Ordering::Relaxed) {
+            // Shmem unlinks in its own Drop (which runs after this) only if owner.
+            self.shmem.set_owner(false);
+        }
+    }
 }
 
 // SAFETY: `Shmem` is !Send only because it holds the mapping's raw pointer.
@@ -72,13 +83,19 @@ impl ShmRegion {
             match ShmemConf::new().os_id(&name).size(len_bytes as usize).create() {
                 Ok(shmem) => {
                     debug_assert!(shmem.is_owner());
-                    return Ok(ShmRegion { shmem, region_id, len_bytes });
+                    return Ok(ShmRegion { shmem, region_id, len_bytes, unlink_on_drop: AtomicBool::new(true) });
                 }
                 // A name left by an earlier process with our pid: pick another suffix.
                 Err(ShmemError::MappingIdExists) if tries < 8 => tries += 1,
                 Err(source) => return Err(RegionError::Create { name, len_bytes, source }),
             }
         }
+    }
+
+    /// Keeps the name when this region is dropped (a forked child must not
+    /// remove its parent's shared memory).
+    pub fn keep_name_on_drop(&self) {
+        self.unlink_on_drop.store(false, Ordering::Relaxed);
     }
 
     pub fn region_id(&self) -> u32 {

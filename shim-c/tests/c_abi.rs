@@ -219,3 +219,30 @@ fn example_trainer_checkpoints_every_step_and_resumes_verified() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("VERIFY FAILED: tensor layer.0.weight"), "{}", text(&o));
 }
+
+#[test]
+fn a_forked_child_never_touches_its_parents_connection() {
+    let Some(cc) = cc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("fork");
+    compile(&cc, &crate_dir().join("tests/c/fork.c"), &exe, true, true);
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let o = Command::new(&exe).arg("calls").env("CKPT_SIDECAR_SOCKET", &sock).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    // One session only (the child never spoke), and it ended with Bye from the parent.
+    let log = fake.log();
+    assert_eq!(log.iter().filter(|l| l.starts_with("Hello")).count(), 1, "{log:?}");
+    assert_eq!(log.iter().filter(|l| l.starts_with("Save")).count(), 2, "{log:?}");
+    assert_eq!(log.last().map(String::as_str), Some("Bye"), "{log:?}");
+
+    // The parent dies while its child lives on: the session must still end now.
+    let fake = Fake::start(&sock, Opts::default());
+    let st = Command::new(&exe).arg("orphan").env("CKPT_SIDECAR_SOCKET", &sock).stdout(Stdio::null()).status().unwrap();
+    assert!(st.success());
+    let t0 = Instant::now();
+    while !fake.log().iter().any(|l| l == "End") {
+        assert!(t0.elapsed() < Duration::from_secs(2), "the session outlived its process (the child kept the socket): {:?}", fake.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -172,7 +172,10 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
     loop {
         let req = match ckpt_wire::read_frame::<Request>(&mut rd) {
             Ok(r) => r,
-            Err(_) => return,
+            Err(_) => {
+                store.lock().unwrap().log.push("End".into());
+                return;
+            }
         };
         store.lock().unwrap().log.push(format!("{}", kind(&req)));
         match req {

@@ -495,7 +495,7 @@ impl Client {
     pub fn free_region_at(&self, ptr: *const u8) -> Result<()> {
         let id = {
             let inner = self.lock_inner();
-            inner.regions.values().find(|r| r.as_ptr() as usize == ptr as usize).map(|r| r.region_id())
+            inner.regions.values().find(|r| std::ptr::eq(r.as_ptr(), ptr)).map(|r| r.region_id())
         };
         match id {
             Some(id) => self.free_region_id(id),

@@ -134,7 +134,7 @@ fn tensors_outside_regions_are_caught_before_sending() {
     let fake = Fake::start(&sock, Opts::default());
     let c = Client::connect(Some(&sock)).unwrap();
     let r = c.alloc_region(4096).unwrap();
-    let heap = vec![0u8; 64];
+    let heap = [0u8; 64];
     let bad = TensorRef { name: "heap", dtype: "U8", shape: &[64], ptr: heap.as_ptr(), len_bytes: 64 };
     let e = c.save(1, &[bad], &[]).err().unwrap();
     assert!(matches!(e, Error::OutsideRegion { .. }), "{e:?}");

@@ -38,7 +38,7 @@ impl Serve {
             .arg(dir)
             .arg("--socket")
             .arg(sock)
-            .env("RUST_LOG", "warn")
+            .env("CKPT_SIDECAR_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -185,7 +185,7 @@ fn example_trainer_under_launch_crashes_and_resumes_verified() {
     }
     let dir = tmp.path().join("ck");
     let launch = |args: &[&str]| {
-        Command::new(&bin).args(["launch", "--staging", "64MiB", "--dir"]).arg(&dir).arg("--").arg(&exe).args(args).env("RUST_LOG", "warn").output().unwrap()
+        Command::new(&bin).args(["launch", "--staging", "64MiB", "--dir"]).arg(&dir).arg("--").arg(&exe).args(args).env("CKPT_SIDECAR_LOG", "warn").output().unwrap()
     };
     let o = launch(&["--steps", "12", "--quiet"]);
     assert!(o.status.success(), "{}", text(&o));

@@ -177,7 +177,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 return;
             }
         };
-        store.lock().unwrap().log.push(format!("{}", kind(&req)));
+        store.lock().unwrap().log.push(kind(&req));
         match req {
             Request::RegisterRegion { id, region_id, shm_name, len_bytes } => match open_region(&shm_name, len_bytes) {
                 Ok(m) => {

@@ -102,6 +102,13 @@ fn save_release_durable_and_load_from_ram_then_disk() {
     let report = c.status().unwrap();
     assert_eq!(report.sessions.len(), 1);
 
+    // The sidecar makes step 8 resident just after it sends Durable (a Load in
+    // between is served from disk), so wait until its status says so.
+    let t0 = Instant::now();
+    while c.status().unwrap().resident_step != Some(8) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "step 8 never became resident");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let want = pattern(8, 1 << 20);
     r.write_at(0, &vec![0u8; 1 << 20]).unwrap();
     let info = c.load(None, &t).unwrap();

@@ -91,8 +91,9 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
                 "durable"
             );
             shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
-            peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
+            // Resident first: a Load sent the moment Durable arrives is served from RAM.
             shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease });
+            peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "commit failed: {e}");

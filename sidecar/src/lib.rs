@@ -15,6 +15,7 @@
 //! [`state`] (what they share) and [`daemon`] (serve, launch, signals).
 
 pub mod bench;
+pub mod bench_stall;
 pub mod catalog;
 pub mod commit;
 pub mod committer;

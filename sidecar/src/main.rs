@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
 use ckpt_sidecar::bench;
+use ckpt_sidecar::bench_stall;
 use ckpt_sidecar::catalog;
 use ckpt_sidecar::commit::{Store, StoreOptions};
 use ckpt_sidecar::config;
@@ -226,6 +227,31 @@ enum BenchCmd {
         #[command(flatten)]
         io: IoArgs,
     },
+    /// The trainer's stall per save through a real client and a real sidecar
+    /// process, beside one memcpy of the same bytes; persist throughput,
+    /// sidecar memory, optionally fio and torch.save + fsync.
+    Stall {
+        /// Target directory (committed checkpoints stay there).
+        #[arg(long)]
+        dir: PathBuf,
+        /// Size of the synthetic ~50-tensor state.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        /// Also time torch.save + fsync of a state of the same size with this Python.
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Staging budget of the sidecar (default: room for two images of SIZE).
+        #[arg(long, value_parser = parse_size)]
+        staging: Option<u64>,
+        /// Saves to measure.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        repeats: u32,
+        /// Also run fio with the checkpoint's size in the same directory, first, and print the ratio.
+        #[arg(long)]
+        compare_fio: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Read `latest` back with verification.
     Read {
         #[arg(long)]
@@ -270,7 +296,24 @@ enum DebugCmd {
     },
 }
 
+/// libckpt (crate ckpt-shim, linked for `bench stall`) has a load-time
+/// constructor that, when CKPT_SIDECAR_PRELOAD=1 is in the environment,
+/// installs its SIGTERM handler (a second SIGTERM restores the default and
+/// re-raises) and connects as a client. The sidecar is never a preloaded
+/// trainer: put SIGTERM back to the default before anything installs its own
+/// handlers, so the daemon's drain/abort/exit sequence is its own (signal-hook
+/// chains to whatever handler was there before it). The constructor's idle
+/// connection, if it made one, is left alone (closed at exit).
+fn undo_libckpt_preload() {
+    if std::env::var_os(ckpt::preload::PRELOAD_ENV).is_some_and(|v| v == "1") {
+        // SAFETY: called first thing in main, before any other handler is
+        // installed or any thread relies on SIGTERM's disposition.
+        unsafe { libc::signal(libc::SIGTERM, libc::SIG_DFL) };
+    }
+}
+
 fn main() -> ExitCode {
+    undo_libckpt_preload();
     let cli = Cli::parse();
     // The daemon says what it does (one line per checkpoint); tools stay quiet.
     let default_level = if matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Launch { .. }) { "info" } else { "warn" };
@@ -543,11 +586,68 @@ fn print_figures(f: &bench::Figures, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn print_stall(f: &bench_stall::StallFigures, json: bool) -> anyhow::Result<()> {
+    let secs = |v: &[f64]| v.iter().map(|s| format!("{s:.4}")).collect::<Vec<_>>().join(" ");
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    println!("op:                 stall (real client -> real sidecar pid {}, host memory)", f.sidecar_pid);
+    println!("bytes:              {} ({}) in {} tensors; files {} ({})", f.bytes, human_bytes(f.bytes), f.n_tensors, f.file_bytes, human_bytes(f.file_bytes));
+    println!("steps:              {:?}", f.steps);
+    println!("stall s:            {} (save() until Released)", secs(&f.stall_seconds));
+    println!("stall median/max:   {:.4} / {:.4} s", f.stall_seconds_median, f.stall_seconds_max);
+    println!("sidecar copy s:     {} (median {:.4}; from Released)", secs(&f.copy_seconds), f.copy_seconds_median);
+    println!("memcpy s:           {} (one thread, same bytes, same run)", secs(&f.memcpy_seconds));
+    println!("memcpy median:      {:.4} s ({:.2} GiB/s)", f.memcpy_seconds_median, f.bytes as f64 / f.memcpy_seconds_median / (1u64 << 30) as f64);
+    println!(
+        "stall / memcpy:     {:.3} (bar <= {}: {})",
+        f.stall_over_memcpy,
+        bench_stall::BAR_STALL_OVER_MEMCPY,
+        verdict(f.stall_over_memcpy <= bench_stall::BAR_STALL_OVER_MEMCPY)
+    );
+    println!("persist s:          {}", secs(&f.persist_seconds));
+    println!("persist gib_per_s:  {:.3} (median)", f.persist_gib_per_s);
+    println!("released->durable:  {:.4} s (median, seen by the client)", f.release_to_durable_seconds_median);
+    if let (Some(fio), Some(r)) = (f.fio_gib_per_s, f.persist_over_fio) {
+        println!("fio gib_per_s:      {fio:.3} (same size, same directory, just before)");
+        println!("persist / fio:      {r:.3} (bar >= {}: {})", bench_stall::BAR_PERSIST_OVER_FIO, verdict(r >= bench_stall::BAR_PERSIST_OVER_FIO));
+    }
+    let limit = f.staging_bytes + bench_stall::BAR_RSS_OVER_STAGING_BYTES;
+    println!("staging:            {} ({})", f.staging_bytes, human_bytes(f.staging_bytes));
+    println!(
+        "sidecar RssAnon:    {} ({}; max during the saves; bar <= staging + 64 MiB: {})",
+        f.sidecar_rss_anon_bytes,
+        human_bytes(f.sidecar_rss_anon_bytes),
+        verdict(f.sidecar_rss_anon_bytes <= limit)
+    );
+    println!(
+        "sidecar VmRSS:      {} ({}; RssFile {}, RssShmem {} = the client's region mapped read-only; VmRSS - RssShmem {}: {})",
+        f.sidecar_rss_bytes,
+        human_bytes(f.sidecar_rss_bytes),
+        human_bytes(f.sidecar_rss_file_bytes),
+        human_bytes(f.sidecar_rss_shmem_bytes),
+        human_bytes(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes)),
+        verdict(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes) <= limit)
+    );
+    match (f.torch_save_seconds, &f.torch_note) {
+        (Some(s), note) => println!("torch.save+fsync:   {s:.3} s ({}); stall is {:.1}x below", note.as_deref().unwrap_or(""), s / f.stall_seconds_median),
+        (None, Some(why)) => println!("torch.save+fsync:   none: {why}"),
+        (None, None) => {}
+    }
+    println!("memory:             {} (prepared in {:.2} s, untimed)", f.memory, f.prepare_seconds);
+    if json {
+        println!("{}", serde_json::to_string(f)?);
+    }
+    Ok(())
+}
+
 fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
     match what {
         BenchCmd::Write { dirs, size, step, shard_size, compare_fio, json, io } => {
             let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
             print_figures(&f, json)?;
+        }
+        BenchCmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
+            let f = bench_stall::run(&bench_stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio })?;
+            print_stall(&f, json)?;
         }
         BenchCmd::Read { dir, compare_fio, json, io } => {
             let f = bench::read(&bench::ReadArgs { dir, io: io.policy(), compare_fio })?;

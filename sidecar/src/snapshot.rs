@@ -1,7 +1,8 @@
 //! The snapshot stage: check a Save against protocol.md, plan its file
 //! image, lease staging for it, copy every tensor from the client's regions
-//! into the image (on [`config::COPY_THREADS`] threads, checksumming each
-//! block while it is still in cache), and hand it to the committer.
+//! into the image (on [`config::COPY_THREADS`] threads), release the
+//! client, checksum the staged image (same threads; off the trainer's
+//! stall), and hand it to the committer.
 //!
 //! Invariants:
 //! - nothing is copied before every check passed; no descriptor reaches a
@@ -118,9 +119,10 @@ pub fn plan_save(tensors: &[TensorDesc], blobs: &[Blob], regions: &HashMap<u32, 
     Ok((layout, sources))
 }
 
-/// A piece of one tensor copied by one thread.
+/// A piece of one tensor, copied or checksummed by one thread.
 struct Piece {
     tensor_idx: usize,
+    /// Null in a checksum pass.
     src: *const u8,
     dst: *mut u8,
     len: usize,
@@ -134,18 +136,24 @@ struct Pieces(Vec<Piece>);
 // taken by exactly one thread (atomic counter).
 unsafe impl Sync for Pieces {}
 
-/// Copies every tensor into the lease (headers written first), returning
-/// the tensor checksums; stops early (None) when `stop` says so.
-pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Vec<u32>> {
+/// Splits every tensor's range of the lease into pieces of at most
+/// [`COPY_PIECE_BYTES`], so both threads share even one large tensor; with
+/// `sources`, each piece also gets its source address.
+fn pieces_of(layout: &Layout, sources: Option<&[Source]>, lease: &mut Lease) -> Pieces {
     assert!(lease.len_bytes() >= layout.staging_len, "lease smaller than the image");
-    layout.write_headers(lease.as_mut_slice());
     let base = lease.as_mut_ptr();
     let mut pieces = Vec::new();
-    for (i, s) in sources.iter().enumerate() {
+    for i in 0..layout.specs.len() {
         let r = layout.tensor_range(i);
-        assert_eq!(r.len() as u64, s.len_bytes);
-        let Some(region) = &s.region else { continue };
-        let src = region.src_ptr(s.offset_bytes, s.len_bytes).expect("bounds checked in plan_save");
+        let src = match sources {
+            Some(sources) => {
+                let s = &sources[i];
+                assert_eq!(r.len() as u64, s.len_bytes);
+                let Some(region) = &s.region else { continue };
+                region.src_ptr(s.offset_bytes, s.len_bytes).expect("bounds checked in plan_save")
+            }
+            None => std::ptr::null(),
+        };
         let mut at = 0usize;
         while at < r.len() {
             let len = (r.len() - at).min(COPY_PIECE_BYTES);
@@ -154,7 +162,13 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
             at += len;
         }
     }
-    let pieces = &Pieces(pieces);
+    Pieces(pieces)
+}
+
+/// Runs `f` on every piece on [`config::COPY_THREADS`] threads (the
+/// caller's included), returning its result per piece; stops early (None)
+/// when `stop`, asked by the caller's thread between pieces, says so.
+fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync)) -> Option<Vec<u32>> {
     let next = AtomicUsize::new(0);
     let stopped = AtomicBool::new(false);
     let work = |checker: bool| -> Vec<(usize, u32)> {
@@ -169,48 +183,70 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
             }
             let k = next.fetch_add(1, Ordering::Relaxed);
             let Some(p) = pieces.0.get(k) else { return out };
-            let mut crc = 0u32;
-            let mut at = 0;
-            while at < p.len {
-                let n = (p.len - at).min(COPY_BLOCK_BYTES);
-                // SAFETY: src..src+len lies inside a live read-only mapping
-                // (Region::src_ptr checked it; the Arc in `sources` keeps it
-                // mapped); dst..dst+len is this piece's own part of the
-                // lease (Pieces' invariant); they cannot overlap (staging is
-                // our private anonymous memory).
-                let block = unsafe {
-                    std::ptr::copy_nonoverlapping(p.src.add(at), p.dst.add(at), n);
-                    std::slice::from_raw_parts(p.dst.add(at), n)
-                };
-                crc = crc32c::crc32c_append(crc, block);
-                at += n;
-            }
-            out.push((k, crc));
+            out.push((k, f(p)));
         }
     };
-    let mut piece_crcs = vec![0u32; pieces.0.len()];
+    let mut results = vec![0u32; pieces.0.len()];
     std::thread::scope(|s| {
         let helpers: Vec<_> = (1..config::COPY_THREADS)
             .map(|i| std::thread::Builder::new().name(format!("ckpt-copy-{i}")).spawn_scoped(s, || work(false)).expect("spawning a copy thread"))
             .collect();
         for (k, c) in work(true) {
-            piece_crcs[k] = c;
+            results[k] = c;
         }
         for h in helpers {
             for (k, c) in h.join().expect("copy thread panicked") {
-                piece_crcs[k] = c;
+                results[k] = c;
             }
         }
     });
-    if stopped.load(Ordering::Relaxed) {
-        return None;
-    }
+    (!stopped.load(Ordering::Relaxed)).then_some(results)
+}
+
+/// Copies every tensor into the lease (headers written first); false when
+/// stopped early because `stop` said so. Only the copy: the trainer waits
+/// for it, so the checksums come after the release ([`checksum`]).
+pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
+    layout.write_headers(lease.as_mut_slice());
+    let pieces = pieces_of(layout, Some(sources), lease);
+    run_pieces(&pieces, stop, &|p| {
+        // SAFETY: src..src+len lies inside a live read-only mapping
+        // (Region::src_ptr checked it; the Arc in `sources` keeps it mapped
+        // until this function returns); dst..dst+len is this piece's own part
+        // of the lease (Pieces' invariant); they cannot overlap (staging is
+        // our private anonymous memory).
+        unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) };
+        0
+    })
+    .is_some()
+}
+
+/// The tensor checksums of the image copied into the lease, computed from
+/// the staged bytes themselves (no one writes them after the copy), on
+/// [`config::COPY_THREADS`] threads.
+pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
+    let pieces = pieces_of(layout, None, lease);
+    let piece_crcs = run_pieces(&pieces, &|| false, &|p| {
+        let mut crc = 0u32;
+        let mut at = 0;
+        while at < p.len {
+            let n = (p.len - at).min(COPY_BLOCK_BYTES);
+            // SAFETY: dst..dst+len is this piece's own part of the lease,
+            // copied before and not written while checksummed (Pieces'
+            // invariant; the lease is held by the caller).
+            let block = unsafe { std::slice::from_raw_parts(p.dst.add(at), n) };
+            crc = crc32c::crc32c_append(crc, block);
+            at += n;
+        }
+        crc
+    })
+    .expect("a checksum pass is never stopped");
     // Pieces are in tensor order; fold each tensor's pieces into its crc.
-    let mut crcs = vec![0u32; sources.len()];
+    let mut crcs = vec![0u32; layout.specs.len()];
     for (p, &c) in pieces.0.iter().zip(&piece_crcs) {
         crcs[p.tensor_idx] = crc32c::crc32c_combine(crcs[p.tensor_idx], c, p.len);
     }
-    Some(crcs)
+    crcs
 }
 
 /// Runs one Save for a session: checks, waits for staging, copies, replies
@@ -277,12 +313,12 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     };
     shared.set_phase(step, Phase::Copying);
     let t_copy = Instant::now();
-    let crcs = copy_into(&layout, &sources, &mut lease, &|| give_up().is_some());
+    let copied = copy_into(&layout, &sources, &mut lease, &|| give_up().is_some());
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     drop(sources);
     // Released only if the client is still there to be told.
-    let crcs = match (crcs, give_up()) {
-        (Some(c), None) => c,
+    match (copied, give_up()) {
+        (true, None) => {}
         (_, why) => {
             let why = why.unwrap_or("stopped during the copy");
             drop(lease);
@@ -294,6 +330,11 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     let waited_seconds = waited.as_secs_f64();
     info!(copy_s = copy_seconds, waited_s = waited_seconds, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    // Checksums after the release, off the trainer's stall: from the staged
+    // bytes, which only this lease's holder touches from here on.
+    let t_crc = Instant::now();
+    let crcs = checksum(&layout, &mut lease);
+    info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
     shared.set_phase(step, Phase::Queued);
     drop(guard);
     let job = Job { id, step, layout, lease, crcs, blobs, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };

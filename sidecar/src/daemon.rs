@@ -198,7 +198,10 @@ fn private_dir() -> io::Result<PathBuf> {
 }
 
 /// Runs the sidecar with `cmd` as its child; returns the child's status.
-pub fn launch(opts: &DaemonOptions, cmd: &[OsString]) -> Result<u8, DaemonError> {
+/// With `preload`, the child gets that library in LD_PRELOAD (before any it
+/// already had) and CKPT_SIDECAR_PRELOAD=1, which tells the shim to connect at
+/// load and take SIGTERM as the preemption flag.
+pub fn launch(opts: &DaemonOptions, cmd: &[OsString], preload: Option<&Path>) -> Result<u8, DaemonError> {
     assert!(!cmd.is_empty(), "clap requires a command");
     let (tx, rx) = bounded(16);
     signals(tx.clone())?;
@@ -213,7 +216,7 @@ pub fn launch(opts: &DaemonOptions, cmd: &[OsString]) -> Result<u8, DaemonError>
             return Err(e);
         }
     };
-    let result = run_child(&r, &socket, cmd, tx, &rx);
+    let result = run_child(&r, &socket, cmd, preload, tx, &rx);
     stop(r);
     if let Some(t) = &tmp {
         let _ = std::fs::remove_dir(t);
@@ -221,12 +224,25 @@ pub fn launch(opts: &DaemonOptions, cmd: &[OsString]) -> Result<u8, DaemonError>
     result
 }
 
-fn run_child(r: &Running, socket: &Path, cmd: &[OsString], tx: crossbeam_channel::Sender<Event>, rx: &Receiver<Event>) -> Result<u8, DaemonError> {
-    let mut child = std::process::Command::new(&cmd[0])
-        .args(&cmd[1..])
-        .env(ckpt_wire::SOCKET_ENV, socket)
-        .spawn()
-        .map_err(|source| DaemonError::Spawn { cmd: cmd[0].clone(), source })?;
+fn run_child(
+    r: &Running,
+    socket: &Path,
+    cmd: &[OsString],
+    preload: Option<&Path>,
+    tx: crossbeam_channel::Sender<Event>,
+    rx: &Receiver<Event>,
+) -> Result<u8, DaemonError> {
+    let mut command = std::process::Command::new(&cmd[0]);
+    command.args(&cmd[1..]).env(ckpt_wire::SOCKET_ENV, socket);
+    if let Some(lib) = preload {
+        let mut v = lib.as_os_str().to_os_string();
+        if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|o| !o.is_empty()) {
+            v.push(":");
+            v.push(old);
+        }
+        command.env("LD_PRELOAD", v).env("CKPT_SIDECAR_PRELOAD", "1");
+    }
+    let mut child = command.spawn().map_err(|source| DaemonError::Spawn { cmd: cmd[0].clone(), source })?;
     let pid = child.id() as i32;
     info!(pid, cmd = ?cmd, socket = %socket.display(), "trainer started");
     std::thread::Builder::new()

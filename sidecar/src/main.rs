@@ -132,6 +132,14 @@ enum Cmd {
     Launch {
         #[command(flatten)]
         d: DaemonArgs,
+        /// LD_PRELOAD the C shim into CMD, so an unmodified trainer connects
+        /// at start and gets SIGTERM as the preemption flag (sets
+        /// CKPT_SIDECAR_PRELOAD=1).
+        #[arg(long)]
+        preload: bool,
+        /// The library --preload uses (default: libckpt.so beside this binary).
+        #[arg(long, value_name = "PATH", requires = "preload")]
+        preload_lib: Option<PathBuf>,
         /// The trainer command.
         #[arg(last = true, required = true)]
         cmd: Vec<std::ffi::OsString>,
@@ -334,7 +342,10 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Serve { d } => Ok(ExitCode::from(daemon::serve(&d.options()?)?)),
-        Cmd::Launch { d, cmd } => Ok(ExitCode::from(daemon::launch(&d.options()?, &cmd)?)),
+        Cmd::Launch { d, preload, preload_lib, cmd } => {
+            let preload = if preload { Some(resolve_preload(preload_lib)?) } else { None };
+            Ok(ExitCode::from(daemon::launch(&d.options()?, &cmd, preload.as_deref())?))
+        }
         Cmd::Status { socket, json } => status(socket, json),
         Cmd::Ls { dir, json } => ls(&dir, json),
         Cmd::Inspect { dir, step, json } => inspect(&dir, step, json),
@@ -344,6 +355,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Bench { what } => bench_cmd(what),
         Cmd::Debug { what } => debug_cmd(what),
     }
+}
+
+/// The library `--preload` uses: the given one, else libckpt.so beside this binary.
+fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    let p = match p {
+        Some(p) => p,
+        None => std::env::current_exe().context("locating this binary")?.with_file_name("libckpt.so"),
+    };
+    let p = std::fs::canonicalize(&p).with_context(|| format!("--preload: {} (build it with cargo build --release, or pass its path)", p.display()))?;
+    Ok(p)
 }
 
 fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {

@@ -850,3 +850,32 @@ fn a_second_signal_aborts_in_flight_saves_cleanly() {
     println!("exit {code}, committed {committed:?}");
     let _ = (a, b);
 }
+
+/// `launch --preload` puts libckpt in the child's LD_PRELOAD with
+/// CKPT_SIDECAR_PRELOAD=1: an unmodified program connects at start and a
+/// SIGTERM becomes the preemption flag instead of killing it.
+#[test]
+fn launch_preload_turns_sigterm_into_the_preemption_flag() {
+    let lib = Path::new(BIN).with_file_name("libckpt.so");
+    if !lib.exists() {
+        println!("skipped: {} is not built (cargo build --release builds it)", lib.display());
+        return;
+    }
+    let script = "import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); \
+                  print('alive', os.environ['CKPT_SIDECAR_PRELOAD'], os.environ['LD_PRELOAD'])";
+    let run = |preload: bool| {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut c = Command::new(BIN);
+        c.arg("launch").arg("--dir").arg(tmp.path().join("ckpt")).args(["--staging", "16MiB"]);
+        if preload {
+            c.arg("--preload");
+        }
+        c.args(["--", "python3", "-c", script]).output().unwrap()
+    };
+    let with = run(true);
+    let stdout = String::from_utf8_lossy(&with.stdout);
+    assert_eq!(with.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&with.stderr));
+    assert!(stdout.starts_with("alive 1 ") && stdout.contains("libckpt.so"), "{stdout}");
+    let without = run(false);
+    assert_eq!(without.status.code(), Some(128 + libc::SIGTERM), "without --preload SIGTERM kills the child");
+}

@@ -74,29 +74,24 @@ pub enum LoadError {
     BufferTooSmall { step: u64, need_bytes: u64, have_bytes: u64 },
 }
 
-/// A checkpoint in memory, every checksum matched.
+/// A checkpoint in memory of its own, every checksum matched: a [`Placed`]
+/// (step, index, blobs, figures; reachable through `Deref`) and the buffer
+/// holding the shard images.
 pub struct Loaded {
-    pub step: u64,
-    pub index: Index,
-    pub blobs: BTreeMap<String, Vec<u8>>,
-    /// Newer checkpoints skipped on the way (step, why), newest first.
-    pub fell_back: Vec<(u64, String)>,
-    /// Bytes of shard files read.
-    pub bytes: u64,
-    pub seconds: f64,
-    pub engine: String,
+    placed: Placed,
     buf: AlignedBuf,
-    /// Per file: (offset of the file image in `buf`, data section start).
-    files: BTreeMap<String, (usize, u64)>,
+}
+
+impl std::ops::Deref for Loaded {
+    type Target = Placed;
+    fn deref(&self) -> &Placed {
+        &self.placed
+    }
 }
 
 impl Loaded {
     pub fn tensor(&self, name: &str) -> Option<&[u8]> {
-        let t = self.index.ckpt.tensors.get(name)?;
-        let &(base, data_start) = self.files.get(&t.file)?;
-        let b = base + (data_start + t.data_offsets[0]) as usize;
-        let e = base + (data_start + t.data_offsets[1]) as usize;
-        Some(&self.buf.as_slice()[b..e])
+        self.placed.tensor_range(name).map(|r| &self.buf.as_slice()[r])
     }
 
     /// Hands back the memory for reuse in the next load.
@@ -171,7 +166,7 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
     for step in candidates(primary, which)? {
         match load_step(primary, step, opts, buf.take()) {
             Ok(mut l) => {
-                l.fell_back = fell_back;
+                l.placed.fell_back = fell_back;
                 return Ok(l);
             }
             Err((e, b)) => {
@@ -189,16 +184,19 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
     Err(last_err.expect("at least one candidate"))
 }
 
-/// A checkpoint read into memory the caller owns (see [`load_into`]); every
-/// checksum matched.
+/// A checkpoint read into memory (the caller's with [`load_into`], its own
+/// in [`Loaded`]); every checksum matched.
 pub struct Placed {
     pub step: u64,
     pub index: Index,
     pub blobs: BTreeMap<String, Vec<u8>>,
+    /// Newer checkpoints skipped on the way (step, why), newest first.
     pub fell_back: Vec<(u64, String)>,
+    /// Bytes of shard files read.
     pub bytes: u64,
     pub seconds: f64,
     pub engine: String,
+    /// Per file: (offset of the file image in the memory, data section start).
     files: BTreeMap<String, (usize, u64)>,
 }
 
@@ -265,17 +263,7 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
     // SAFETY: buf is owned here, page-aligned, at least `need` bytes, and
     // not touched by anything else until read_step_at returns.
     match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0) } {
-        Ok(p) => Ok(Loaded {
-            step: p.step,
-            index: p.index,
-            blobs: p.blobs,
-            fell_back: Vec::new(),
-            bytes: p.bytes,
-            seconds: p.seconds,
-            engine: p.engine,
-            buf,
-            files: p.files,
-        }),
+        Ok(placed) => Ok(Loaded { placed, buf }),
         Err(e) => Err((e, Some(buf))),
     }
 }

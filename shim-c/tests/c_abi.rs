@@ -6,8 +6,11 @@
 
 mod common;
 
+mod support;
+
+use support::{cc, lib_dir, text};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{temp_socket, Fake, Opts};
@@ -16,29 +19,10 @@ fn crate_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// target/<profile>/deps: where `cargo test` builds libckpt.so for this test
-/// binary (it is copied up to target/<profile> only by `cargo build`, so the
-/// one there may be stale).
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().to_path_buf()
-}
-
 fn so_path() -> PathBuf {
     let p = lib_dir().join("libckpt.so");
     assert!(p.exists(), "{} missing: cargo builds the cdylib with the tests; run `cargo build -p ckpt-shim`", p.display());
     p
-}
-
-fn cc() -> Option<String> {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    match Command::new(&cc).arg("--version").output() {
-        Ok(o) if o.status.success() => Some(cc),
-        _ => {
-            eprintln!("skipped: no C compiler ({cc})");
-            None
-        }
-    }
 }
 
 /// Compiles a C file; `link` links it with -lckpt (rpath to lib_dir).
@@ -57,10 +41,6 @@ fn compile(cc: &str, src: &Path, out: &Path, link: bool, pedantic: bool) {
     }
     let o = cmd.output().unwrap();
     assert!(o.status.success(), "compiling {} failed:\n{}", src.display(), String::from_utf8_lossy(&o.stderr));
-}
-
-fn text(o: &Output) -> String {
-    format!("status {:?}\nstdout:\n{}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
 #[test]

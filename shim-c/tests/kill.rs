@@ -29,12 +29,15 @@
 //! (docs/format.md) here. Tests assert behaviour, never timing; the kill
 //! points each run hit are printed.
 
+mod support;
+
+use support::{cc, lib_dir, sidecar_bin, text};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt::{Client, TensorRef};
@@ -51,40 +54,6 @@ const PATIENCE: Duration = Duration::from_secs(60);
 const CKPT_E_DISCONNECTED: i32 = -4;
 
 // ------------------------------------------------------------ set-up
-
-fn profile_dir() -> PathBuf {
-    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-/// target/<profile>/deps: where `cargo test` builds libckpt.so for this binary.
-fn lib_dir() -> PathBuf {
-    std::env::current_exe().unwrap().parent().unwrap().to_path_buf()
-}
-
-fn sidecar_bin() -> Option<PathBuf> {
-    let p = profile_dir().join("ckpt-sidecar");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: {} not built (cargo build --release first)", p.display());
-        None
-    }
-}
-
-fn cc() -> Option<String> {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    match Command::new(&cc).arg("--version").output() {
-        Ok(o) if o.status.success() => Some(cc),
-        _ => {
-            eprintln!("skipped: no C compiler ({cc})");
-            None
-        }
-    }
-}
-
-fn text(o: &Output) -> String {
-    format!("status {:?}\nstdout:\n{}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 /// The sidecar binary and the trainer, or None (skipped) when either cannot be had.
 fn prerequisites(tmp: &Path) -> Option<(PathBuf, PathBuf)> {

@@ -4,28 +4,17 @@
 //! sidecar killed and restarted with reconnection), and the C example trainer
 //! under `launch` with a crash and a verified resume.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod support;
+
+use support::{sidecar_bin, text};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt::{BlobRef, Client, Error, TensorRef, Wanted};
 use ckpt_wire::LoadSource;
 
 const SEC: Option<Duration> = Some(Duration::from_secs(30));
-
-fn profile_dir() -> PathBuf {
-    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-fn sidecar_bin() -> Option<PathBuf> {
-    let p = profile_dir().join("ckpt-sidecar");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: {} not built (cargo build --release first)", p.display());
-        None
-    }
-}
 
 struct Serve {
     child: Child,
@@ -167,10 +156,6 @@ fn sidecar_killed_then_restarted_the_client_reconnects_and_keeps_its_regions() {
     let mut got = vec![0u8; 4096];
     r.read_at(0, &mut got).unwrap();
     assert_eq!(got, pattern(1, 4096));
-}
-
-fn text(o: &Output) -> String {
-    format!("status {:?}\nstdout:\n{}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
 #[test]

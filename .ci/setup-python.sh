@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or repairs) the Python virtual environment at .venv with what
-# tests/python needs: pytest, numpy, safetensors, crc32c.
+# tests/python needs: pytest, numpy, safetensors, crc32c, and torch (the
+# default Linux wheel from PyPI, about 5 GB with its CUDA libraries; it runs
+# on CPU too).
 # Fast when it is already there: nothing is installed if the imports work.
 #
 # Usage: bash .ci/setup-python.sh        (PYTHON=python3.12 to pick another interpreter)
@@ -11,7 +13,18 @@ PYTHON="${PYTHON:-python3}"
 VENV=.venv
 PACKAGES=(pytest numpy safetensors crc32c)
 
+# torch (tests/python/test_torch_*.py, examples/python): installed only when
+# `import torch` fails, so a warm run never touches pip for it.
+install_torch() {
+    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        echo "installing torch into $VENV"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch
+        "$VENV/bin/python" -c 'import torch'
+    fi
+}
+
 if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest' 2>/dev/null; then
+    install_torch
     exit 0
 fi
 
@@ -23,3 +36,4 @@ fi
 echo "installing ${PACKAGES[*]} into $VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
 "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest'
+install_torch

@@ -1,0 +1,37 @@
+"""ckpt_sidecar: checkpoints through the ckpt-sidecar daemon.
+
+    import ckpt_sidecar as cs
+    ck = cs.Checkpointer(dir="ckpt")          # connects, or spawns a private sidecar
+    h = ck.save(step, state)                  # returns once sent; tensors copied into shm
+    ck.guard(optimizer)                       # optimizer.step() waits for the release
+    state = ck.load("latest")
+
+See shim-py/README.md. The native client is libckpt (shim-c), bundled.
+Importing this package is cheap (numpy and the native library load on first use).
+"""
+from .errors import (BadRequest, Closed, ConnectFailed, Damaged, Disconnected, InvalidArgument, IOFailed,
+                     NotFound, Panic, ProtocolError, Refused, RegionError, ShmError, ShuttingDown, SidecarError,
+                     SidecarGone, Timeout, TooLarge, Truncated)
+
+__version__ = "0.1.0"
+
+_LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "capture_rng": "checkpointer",
+         "restore_rng_state": "checkpointer"}
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ckpt_sidecar' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def native_version():
+    """libckpt's version string."""
+    from . import _native
+
+    return _native.version()

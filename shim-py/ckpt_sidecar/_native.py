@@ -1,0 +1,127 @@
+"""ctypes over libckpt (shim-c, include/ckpt.h): the one native client.
+
+The library is the one bundled in ckpt_sidecar/_native/ by the build
+(setup.py); $CKPT_SIDECAR_LIB overrides it (tests of a fresh build). Every
+call goes through `check`, which turns a negative status into the matching
+SidecarError subclass carrying ckpt_last_error(). ctypes releases the GIL
+around each foreign call, so a wait does not block other Python threads.
+"""
+import ctypes
+import os
+from pathlib import Path
+
+from .errors import error_for
+
+NATIVE_DIR = Path(__file__).resolve().parent / "_native"
+
+OK = 0
+PENDING, RELEASED, DURABLE, FAILED = 0, 1, 2, 3
+SOURCE_RAM, SOURCE_DISK = 1, 2
+E_TRUNCATED = -15
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("dtype", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_uint64)),
+        ("ndim", ctypes.c_uint32),
+        ("data", ctypes.c_void_p),
+        ("len_bytes", ctypes.c_uint64),
+    ]
+
+
+class Blob(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("len_bytes", ctypes.c_uint64)]
+
+
+_lib = None
+
+
+def library_path():
+    env = os.environ.get("CKPT_SIDECAR_LIB")
+    if env:
+        return Path(env)
+    return NATIVE_DIR / "libckpt.so"
+
+
+def sidecar_binary():
+    """The ckpt-sidecar binary to spawn: bundled, else $CKPT_SIDECAR_BIN, else PATH."""
+    import shutil
+
+    bundled = NATIVE_DIR / "ckpt-sidecar"
+    if bundled.exists():
+        return str(bundled)
+    env = os.environ.get("CKPT_SIDECAR_BIN")
+    if env:
+        return env
+    found = shutil.which("ckpt-sidecar")
+    if found:
+        return found
+    raise FileNotFoundError("no ckpt-sidecar binary: not bundled (pip install ./shim-py), "
+                            "no $CKPT_SIDECAR_BIN, none on PATH")
+
+
+def lib():
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = library_path()
+    if not path.exists():
+        raise ImportError(f"{path} missing: install the package with `pip install ./shim-py` "
+                          "(it builds the native shim), or set CKPT_SIDECAR_LIB")
+    L = ctypes.CDLL(str(path))
+    c = ctypes
+    P = c.c_void_p
+    sigs = {
+        "ckpt_version": ([], c.c_char_p),
+        "ckpt_protocol_version": ([], c.c_uint32),
+        "ckpt_last_error": ([], c.c_char_p),
+        "ckpt_connect": ([c.c_char_p, c.POINTER(P)], c.c_int),
+        "ckpt_close": ([P], c.c_int),
+        "ckpt_reconnect": ([P], c.c_int),
+        "ckpt_connected": ([P], c.c_int),
+        "ckpt_set_timeout": ([P, c.c_int64], c.c_int),
+        "ckpt_alloc": ([P, c.c_uint64, c.POINTER(P)], c.c_int),
+        "ckpt_free": ([P, P], c.c_int),
+        "ckpt_save": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t,
+                       c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_wait": ([P, c.c_uint64, c.c_int, c.c_int64], c.c_int),
+        "ckpt_poll": ([P, c.c_uint64, c.POINTER(c.c_int)], c.c_int),
+        "ckpt_save_figures": ([P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double),
+                               c.POINTER(c.c_double)], c.c_int),
+        "ckpt_load": ([P, c.c_int64, c.POINTER(Tensor), c.c_size_t, c.POINTER(c.c_uint64),
+                       c.POINTER(c.c_int)], c.c_int),
+        "ckpt_loaded_blob": ([P, c.c_char_p, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_loaded_tensor_count": ([P, c.POINTER(c.c_size_t)], c.c_int),
+        "ckpt_loaded_tensor": ([P, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_char_p),
+                                c.POINTER(c.POINTER(c.c_uint64)), c.POINTER(c.c_uint32),
+                                c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_list": ([P, c.POINTER(c.c_uint64), c.c_size_t, c.POINTER(c.c_size_t),
+                       c.POINTER(c.c_int64)], c.c_int),
+        "ckpt_status_json": ([P, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)], c.c_int),
+        "ckpt_preempted": ([], c.c_int),
+        "ckpt_install_sigterm_handler": ([], c.c_int),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(L, name)
+        fn.argtypes = args
+        fn.restype = res
+    _lib = L
+    return L
+
+
+def last_error():
+    msg = lib().ckpt_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check(status):
+    """Raise the SidecarError subclass for a negative status; return it otherwise."""
+    if status < 0:
+        raise error_for(status, last_error())
+    return status
+
+
+def version():
+    return lib().ckpt_version().decode()

@@ -1,0 +1,120 @@
+"""Flattening a nested state into named arrays + a picklable skeleton, and back.
+
+A leaf that is a numpy array (not object dtype) or a strided torch tensor
+becomes a `TensorRef` in the skeleton and a named entry in the tensor list;
+dicts (and OrderedDict), lists, tuples and namedtuples are walked; anything
+else stays in the skeleton as is (pickled). Names are the path in the
+structure joined with ".", made valid and unique for docs/format.md.
+"""
+import sys
+from collections import OrderedDict
+
+import numpy as np
+
+SKELETON_VERSION = 1
+NAME_BYTES_MAX = 1024
+
+# safetensors dtypes the sidecar stores (docs/format.md).
+NP_TO_ST = {
+    ("b", 1): "BOOL",
+    ("i", 1): "I8", ("i", 2): "I16", ("i", 4): "I32", ("i", 8): "I64",
+    ("u", 1): "U8", ("u", 2): "U16", ("u", 4): "U32", ("u", 8): "U64",
+    ("f", 2): "F16", ("f", 4): "F32", ("f", 8): "F64",
+}
+TORCH_TO_ST = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+class TensorRef:
+    """Where a tensor was in the structure. `kind` is "np" or "torch"; `dtype`
+    is the numpy dtype or the torch dtype's name; `stored` the safetensors
+    dtype it was saved as ("U8" with shape [nbytes] for dtypes safetensors
+    lacks: complex, big-endian, datetime, ...)."""
+
+    __slots__ = ("name", "kind", "dtype", "shape", "stored", "extra")
+
+    def __init__(self, name, kind, dtype, shape, stored, extra=None):
+        self.name, self.kind, self.dtype, self.shape, self.stored, self.extra = \
+            name, kind, dtype, tuple(shape), stored, extra
+
+    def __getstate__(self):
+        return (self.name, self.kind, self.dtype, self.shape, self.stored, self.extra)
+
+    def __setstate__(self, s):
+        self.name, self.kind, self.dtype, self.shape, self.stored, self.extra = s
+
+
+def torch_module():
+    """torch if the process imported it (a torch tensor cannot exist otherwise)."""
+    return sys.modules.get("torch")
+
+
+def _is_namedtuple(x):
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+class Flattener:
+    def __init__(self):
+        self.leaves = []  # (TensorRef, array or tensor)
+        self.names = set()
+        self.torch = torch_module()
+
+    def _name(self, path):
+        name = ".".join(path) if path else "tensor"
+        name = "".join(ch if ch.isprintable() or ch == " " else "_" for ch in name)
+        if name == "__metadata__":
+            name = "_" + name
+        if len(name.encode()) > NAME_BYTES_MAX - 16:
+            name = name.encode()[: NAME_BYTES_MAX - 16].decode("utf-8", "ignore")
+        base, n = name, 1
+        while name in self.names:
+            n += 1
+            name = f"{base}#{n}"
+        self.names.add(name)
+        return name
+
+    def walk(self, obj, path=()):
+        if isinstance(obj, np.ndarray) and obj.dtype.kind != "O" and not obj.dtype.hasobject:
+            key = (obj.dtype.kind, obj.dtype.itemsize)
+            native = obj.dtype.byteorder in ("=", "|", "<") or obj.dtype.itemsize == 1
+            stored = NP_TO_ST.get(key) if native else None
+            ref = TensorRef(self._name(path), "np", obj.dtype, obj.shape, stored or "U8")
+            self.leaves.append((ref, obj))
+            return ref
+        t = self.torch
+        if t is not None and isinstance(obj, t.Tensor) and obj.layout == t.strided \
+                and not obj.is_quantized and obj.device.type != "meta":
+            dname = str(obj.dtype).replace("torch.", "")
+            extra = {"param": isinstance(obj, t.nn.Parameter), "requires_grad": obj.requires_grad,
+                     "device": str(obj.device)}
+            ref = TensorRef(self._name(path), "torch", dname, obj.shape, TORCH_TO_ST.get(dname, "U8"), extra)
+            self.leaves.append((ref, obj))
+            return ref
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((k, self.walk(v, path + (str(k),))) for k, v in obj.items())
+        if type(obj) is list:
+            return [self.walk(v, path + (str(i),)) for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return tuple(self.walk(v, path + (str(i),)) for i, v in enumerate(obj))
+        if _is_namedtuple(obj):
+            return type(obj)(*(self.walk(v, path + (f,)) for f, v in zip(obj._fields, obj)))
+        return obj
+
+
+def unflatten(skel, values):
+    """Replace every TensorRef in `skel` by values[ref.name]."""
+    if isinstance(skel, TensorRef):
+        return values[skel.name]
+    if type(skel) in (dict, OrderedDict):
+        return type(skel)((k, unflatten(v, values)) for k, v in skel.items())
+    if type(skel) is list:
+        return [unflatten(v, values) for v in skel]
+    if type(skel) is tuple:
+        return tuple(unflatten(v, values) for v in skel)
+    if _is_namedtuple(skel):
+        return type(skel)(*(unflatten(v, values) for v in skel))
+    return skel

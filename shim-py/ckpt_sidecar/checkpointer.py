@@ -1,0 +1,748 @@
+"""Checkpointer: saves and loads nested state through the sidecar (via libckpt).
+
+Save path: the state is flattened (_tree) into named tensors and a pickled
+skeleton (blob "structure.pkl"); tensors that already lie contiguously in one
+of this client's shared regions (see `share`) are described in place, all
+others are copied into a pooled staging region (one per save in flight,
+reused once that save is released, so its pages stay warm); then ckpt_save
+sends the request and `save` returns a SaveHandle at once.
+"""
+import atexit
+import bisect
+import ctypes
+import errno
+import fcntl
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+
+import numpy as np
+
+from . import _native as N
+from ._tree import SKELETON_VERSION, Flattener, TensorRef, torch_module, unflatten
+from .errors import Closed, ConnectFailed, Disconnected, NotFound, SidecarError, Timeout
+
+ALIGN_BYTES = 64
+STRUCTURE_BLOB = "structure.pkl"
+RNG_BLOB = "rng.pkl"
+LOCK_NAME = ".ckpt-sidecar-py.lock"
+SPAWN_TIMEOUT_S = 30.0
+POOL_FREE_MAX = 2  # free save regions kept warm for reuse
+
+_live = weakref.WeakSet()
+
+
+def _align(n):
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _ms(timeout):
+    return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+class _Region:
+    """Memory from ckpt_alloc: address, length, and a ctypes array over it (a
+    writable buffer numpy and torch can view)."""
+
+    __slots__ = ("ptr", "len_bytes", "buf", "busy", "__weakref__")
+
+    def __init__(self, ptr, len_bytes):
+        self.ptr, self.len_bytes = ptr, len_bytes
+        self.buf = (ctypes.c_ubyte * max(len_bytes, 1)).from_address(ptr)
+        self.busy = None  # the SaveHandle whose copy reads it
+
+
+class SaveHandle:
+    """One save in flight. `stall_seconds`: time the trainer was blocked by it
+    (inside save() plus inside wait_released())."""
+
+    def __init__(self, ck, step, save_id, region, stall_s):
+        self._ck, self.step, self.id, self._region = ck, step, save_id, region
+        self.stall_seconds = stall_s
+        self.copied_bytes = 0
+        self._released = False
+
+    def _finish_release(self):
+        self._released = True
+        if self._region is not None:
+            self._ck._give_back(self._region)
+            self._region = None
+
+    def state(self):
+        """"pending", "released", "durable" or "failed" (without blocking)."""
+        st = ctypes.c_int()
+        N.check(N.lib().ckpt_poll(self._ck._client, self.id, ctypes.byref(st)))
+        if st.value != N.PENDING:
+            self._finish_release()
+        return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed"}[st.value]
+
+    def wait_released(self, timeout=None):
+        """Block until the sidecar has copied the tensors (they may change again)."""
+        if self._released:
+            # Already released (or failed: then report it, as wait_durable would).
+            if self.state() == "failed":
+                self._wait(N.RELEASED, 0)
+            return self
+        t0 = time.perf_counter()
+        try:
+            self._wait(N.RELEASED, timeout)
+            self._finish_release()
+        except SidecarError as e:
+            if not isinstance(e, Timeout):
+                self._finish_release()
+            raise
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+        return self
+
+    def wait_durable(self, timeout=None):
+        """Block until the checkpoint is committed on disk; raises its failure."""
+        self._wait(N.DURABLE, timeout)
+        self._finish_release()
+        return self
+
+    def _wait(self, what, timeout):
+        N.check(N.lib().ckpt_wait(self._ck._client, self.id, what, _ms(timeout)))
+
+    def released(self):
+        return self.state() in ("released", "durable", "failed")
+
+    def done(self):
+        """True once the save is durable or failed (wait_durable returns or raises at once)."""
+        return self.state() in ("durable", "failed")
+
+    def figures(self):
+        """{"copy_s", "waited_s", "persist_s"} as the sidecar reported them (None: not yet known)."""
+        vals = [ctypes.c_double() for _ in range(3)]
+        N.check(N.lib().ckpt_save_figures(self._ck._client, self.id, *(ctypes.byref(v) for v in vals)))
+        return {k: (v.value if v.value >= 0 else None) for k, v in zip(("copy_s", "waited_s", "persist_s"), vals)}
+
+    def __repr__(self):
+        return f"<SaveHandle step={self.step} id={self.id}>"
+
+
+class Checkpointer:
+    """A connection to a sidecar (spawned for this process if none runs).
+
+    dir: checkpoint directory (used when spawning; a running sidecar keeps its own).
+    socket: socket path (default: $CKPT_SIDECAR_SOCKET, else the shim's default path).
+    spawn: start a private `ckpt-sidecar serve` when none is reachable.
+    keep, staging: passed to the spawned sidecar (--keep N, --staging SIZE; SIZE an
+        int of bytes or a string like "512MiB").
+    """
+
+    def __init__(self, dir="ckpt", socket=None, spawn=True, keep=None, staging=None, log=None):
+        self.dir = os.path.abspath(os.fspath(dir))
+        self._client = None
+        self._proc = None
+        self._tmpdir = None
+        self._lock_fd = None
+        self._keep, self._staging, self._log = keep, staging, log
+        self._regions = []       # every region of this client, sorted by ptr
+        self._region_ptrs = []
+        self._free = []          # save regions free for reuse
+        self._load_region = None
+        self._shared = []        # (restore callable) for share()'d tensors
+        self._pending = []       # weakrefs of handles not yet known released
+        self._last = None
+        self._mu = threading.RLock()
+        self.socket = os.fspath(socket) if socket is not None else None
+        try:
+            self._client = self._connect(self.socket)
+        except ConnectFailed:
+            if not spawn:
+                raise
+            self._spawn()
+        _live.add(self)
+
+    # ---- connection and the spawned sidecar ----
+
+    @staticmethod
+    def _connect(path):
+        out = ctypes.c_void_p()
+        N.check(N.lib().ckpt_connect(path.encode() if path else None, ctypes.byref(out)))
+        return out
+
+    def _spawn(self):
+        os.makedirs(self.dir, exist_ok=True)
+        # One sidecar per directory: the lock is inherited by the sidecar and held
+        # until it exits, so a restarted trainer waits for a draining one.
+        self._lock_fd = os.open(os.path.join(self.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                    raise SidecarError(f"{self.dir} is in use by another spawned sidecar ({e})") from e
+                time.sleep(0.05)
+        self._tmpdir = tempfile.mkdtemp(prefix="ckpt-sidecar-py-")
+        self.socket = os.path.join(self._tmpdir, "sidecar.sock")
+        self._start_proc()
+
+    def _start_proc(self):
+        cmd = [N.sidecar_binary(), "serve", "--dir", self.dir, "--socket", self.socket]
+        if self._keep is not None:
+            cmd += ["--keep", str(int(self._keep))]
+        if self._staging is not None:
+            cmd += ["--staging", str(self._staging)]
+        self.log_path = self._log or os.path.join(self._tmpdir, "sidecar.log")
+        logf = open(self.log_path, "ab")
+
+        def child_setup():
+            # The sidecar gets SIGTERM when this process dies (also on SIGKILL): it
+            # drains released saves, then exits and frees the directory lock.
+            try:
+                libc = ctypes.CDLL(None)
+                libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            except Exception:
+                pass
+            os.setpgid(0, 0)  # a Ctrl-C at the terminal reaches us; we stop it in order
+
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                      pass_fds=(self._lock_fd,), preexec_fn=child_setup)
+        logf.close()
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while True:
+            if self._proc.poll() is not None:
+                raise SidecarError(f"spawned sidecar exited with {self._proc.returncode}: {self._log_tail()}")
+            if os.path.exists(self.socket):
+                try:
+                    client = self._connect(self.socket)
+                    break
+                except (ConnectFailed, Disconnected):
+                    pass
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise SidecarError(f"spawned sidecar did not listen within {SPAWN_TIMEOUT_S} s: {self._log_tail()}")
+            time.sleep(0.02)
+        if self._client is None:
+            self._client = client
+        else:
+            # Respawned: the old client reconnects (regions keep their addresses).
+            N.lib().ckpt_close(client)
+            N.check(N.lib().ckpt_reconnect(self._client))
+
+    def _log_tail(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-2000:].decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def _ensure(self):
+        if self._client is None:
+            raise Closed("the Checkpointer is closed", -16)
+        if self._proc is not None and self._proc.poll() is not None:
+            warnings.warn(f"the spawned sidecar exited ({self._proc.returncode}); starting a new one")
+            self._start_proc()
+
+    @property
+    def spawned(self):
+        """True when this Checkpointer started its own sidecar."""
+        return self._proc is not None
+
+    # ---- regions ----
+
+    def _alloc(self, n):
+        ptr = ctypes.c_void_p()
+        N.check(N.lib().ckpt_alloc(self._client, max(n, 1), ctypes.byref(ptr)))
+        r = _Region(ptr.value, n)
+        i = bisect.bisect(self._region_ptrs, r.ptr)
+        self._region_ptrs.insert(i, r.ptr)
+        self._regions.insert(i, r)
+        return r
+
+    def _free_region(self, r):
+        i = self._regions.index(r)
+        del self._regions[i], self._region_ptrs[i]
+        N.check(N.lib().ckpt_free(self._client, ctypes.c_void_p(r.ptr)))
+
+    def _region_of(self, ptr, n):
+        i = bisect.bisect(self._region_ptrs, ptr) - 1
+        if i >= 0:
+            r = self._regions[i]
+            if r.ptr <= ptr and ptr + n <= r.ptr + r.len_bytes:
+                return r
+        return None
+
+    def _take(self, n):
+        """A free save region of at least n bytes (allocating if none fits)."""
+        with self._mu:
+            self._poll_pending()
+            fits = [r for r in self._free if r.len_bytes >= n]
+            if fits:
+                r = min(fits, key=lambda r: r.len_bytes)
+                self._free.remove(r)
+                return r
+            while len(self._free) >= POOL_FREE_MAX:
+                self._free_region(self._free.pop(0))
+            return self._alloc(max(_align(n + n // 8), 1 << 20))
+
+    def _give_back(self, r):
+        with self._mu:
+            r.busy = None
+            if r in self._regions and r not in self._free:
+                self._free.append(r)
+
+    def _poll_pending(self):
+        keep = []
+        for ref in self._pending:
+            h = ref()
+            if h is None or h._released:
+                continue
+            try:
+                h.state()
+            except SidecarError:
+                h._finish_release()
+            if not h._released:
+                keep.append(ref)
+        self._pending = keep
+
+    # ---- save ----
+
+    def save(self, step, state, rng=False):
+        """Checkpoint `state` as `step`; returns a SaveHandle once the request is sent."""
+        t0 = time.perf_counter()
+        with self._mu:
+            self._ensure()
+            fl = Flattener()
+            skeleton = fl.walk(state)
+            plan, direct, copy_bytes = self._plan(fl.leaves)
+            region = self._take(copy_bytes) if copy_bytes else None
+            descs = (N.Tensor * max(len(plan), 1))()
+            keep = []
+            try:
+                for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
+                    ptr = where if isinstance(where, int) else self._copy_in(ref, obj, nbytes, region, where[1])
+                    name, dt = ref.name.encode(), ref.stored.encode()
+                    shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+                    keep += [name, dt, shp]
+                    descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
+                blobs_py = [(STRUCTURE_BLOB, pickle.dumps((SKELETON_VERSION, skeleton), protocol=4))]
+                if rng:
+                    blobs_py.append((RNG_BLOB, pickle.dumps(capture_rng(), protocol=4)))
+                blobs = (N.Blob * len(blobs_py))()
+                for i, (bn, data) in enumerate(blobs_py):
+                    keep += [bn.encode(), data]
+                    blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
+                sid = ctypes.c_uint64()
+                N.check(N.lib().ckpt_save(self._client, int(step), descs, len(plan), blobs, len(blobs_py),
+                                          ctypes.byref(sid)))
+            except BaseException:
+                if region is not None:
+                    self._give_back(region)
+                raise
+            h = SaveHandle(self, int(step), sid.value, region, 0.0)
+            h.copied_bytes = copy_bytes
+            if region is not None:
+                region.busy = h
+            self._pending.append(weakref.ref(h))
+            self._last = h
+            h.stall_seconds = time.perf_counter() - t0
+            return h
+
+    def _plan(self, leaves):
+        """Per leaf: (ref, obj, nbytes, shape, where): where is an address (the
+        tensor already lies in a region: sent in place) or ("copy", offset)."""
+        torch = torch_module()
+        rows, direct = [], []
+        for ref, obj in leaves:
+            if ref.kind == "np":
+                nbytes = obj.nbytes
+                inplace = obj.flags.c_contiguous and ref.stored != "U8" or (ref.stored == "U8" and obj.dtype == np.uint8 and obj.flags.c_contiguous)
+                addr = obj.__array_interface__["data"][0] if nbytes else 0
+            else:
+                nbytes = obj.numel() * obj.element_size()
+                inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8)
+                addr = obj.data_ptr() if nbytes else 0
+            shape = list(ref.shape) if ref.stored != "U8" or ref.dtype in ("uint8", np.dtype(np.uint8)) else [nbytes]
+            if nbytes == 0:
+                rows.append([ref, obj, 0, shape, 0])
+                continue
+            if inplace and self._region_of(addr, nbytes) is not None:
+                direct.append((addr, addr + nbytes, len(rows)))
+            rows.append([ref, obj, nbytes, shape, None])
+        # Tensors sent in place must not overlap (views of one storage): the later ones are copied.
+        direct.sort()
+        end = 0
+        for a, b, i in direct:
+            if a >= end:
+                rows[i][4] = a
+                end = b
+        copy_bytes = 0
+        for row in rows:
+            if row[4] is None:
+                row[4] = ("copy", copy_bytes)
+                copy_bytes += _align(row[2])
+        return [tuple(r) for r in rows], direct, copy_bytes
+
+    def _copy_in(self, ref, obj, nbytes, region, off):
+        """Copy one tensor's bytes into `region` at `off`; returns the address."""
+        if ref.kind == "np":
+            if ref.stored != "U8" or obj.dtype == np.uint8:
+                dst = np.frombuffer(region.buf, dtype=obj.dtype, count=obj.size, offset=off).reshape(obj.shape)
+                np.copyto(dst, obj, casting="no")
+            else:
+                raw = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+                np.frombuffer(region.buf, dtype=np.uint8, count=nbytes, offset=off)[...] = raw
+        else:
+            torch = torch_module()
+            src = obj.detach()
+            dst = torch.frombuffer(region.buf, dtype=torch.uint8, count=nbytes, offset=off)
+            if ref.stored != "U8" or src.dtype == torch.uint8:
+                dst.view(src.dtype).view(src.shape).copy_(src)
+            else:
+                dst.copy_(src.reshape(-1).contiguous().view(torch.uint8))
+        return region.ptr + off
+
+    # ---- load ----
+
+    def load(self, step="latest", map_location="cpu", restore_rng=False):
+        """The state saved as `step` ("latest": the newest good one), verified by
+        the sidecar; torch tensors where torch tensors were saved, numpy arrays
+        where arrays were. map_location: a torch device for torch tensors (None:
+        the device they were saved from)."""
+        L = N.lib()
+        with self._mu:
+            self._ensure()
+            want = -1 if step in ("latest", None) else int(step)
+            got, src = ctypes.c_uint64(), ctypes.c_int()
+            N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
+            self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+            infos = self._loaded_tensors()
+            skel = self._loaded_blob(STRUCTURE_BLOB)
+            rng_blob = self._loaded_blob(RNG_BLOB) if restore_rng else None
+            total = sum(_align(i[3]) for i in infos)
+            if total and (self._load_region is None or self._load_region.len_bytes < total):
+                if self._load_region is not None:
+                    self._free_region(self._load_region)
+                self._load_region = self._alloc(_align(total))
+            region = self._load_region
+            descs = (N.Tensor * max(len(infos), 1))()
+            keep, offs, n, off = [], {}, 0, 0
+            for name, dt, shape, nbytes in infos:
+                offs[name] = off
+                if nbytes == 0:
+                    continue
+                bn, bd = name.encode(), dt.encode()
+                shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+                keep += [bn, bd, shp]
+                descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + off, nbytes)
+                n += 1
+                off += _align(nbytes)
+            if n:
+                N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
+            if skel is None:
+                values = {name: _plain_array(region, offs[name], dt, shape, nbytes) for name, dt, shape, nbytes in infos}
+                result = values
+            else:
+                version, skeleton = pickle.loads(skel)
+                if version != SKELETON_VERSION:
+                    raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
+                refs = {}
+                _collect_refs(skeleton, refs)
+                by_name = {i[0]: i for i in infos}
+                values = {}
+                for name, ref in refs.items():
+                    if name not in by_name:
+                        raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got.value}", -8)
+                    _, dt, shape, nbytes = by_name[name]
+                    values[name] = _restore(ref, region, offs[name], nbytes, map_location)
+                result = unflatten(skeleton, values)
+            if rng_blob is not None:
+                restore_rng_state(pickle.loads(rng_blob))
+            elif restore_rng:
+                warnings.warn(f"checkpoint {got.value} holds no RNG state (save it with rng=True)")
+            return result
+
+    def _loaded_tensors(self):
+        L = N.lib()
+        n = ctypes.c_size_t()
+        N.check(L.ckpt_loaded_tensor_count(self._client, ctypes.byref(n)))
+        out = []
+        for i in range(n.value):
+            name, dt, shp = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.POINTER(ctypes.c_uint64)()
+            nd, nb = ctypes.c_uint32(), ctypes.c_uint64()
+            N.check(L.ckpt_loaded_tensor(self._client, i, ctypes.byref(name), ctypes.byref(dt), ctypes.byref(shp),
+                                         ctypes.byref(nd), ctypes.byref(nb)))
+            out.append((name.value.decode(), dt.value.decode(), [shp[k] for k in range(nd.value)], nb.value))
+        return out
+
+    def _loaded_blob(self, name):
+        L = N.lib()
+        n = ctypes.c_uint64()
+        st = L.ckpt_loaded_blob(self._client, name.encode(), None, 0, ctypes.byref(n))
+        if st == NotFound.code:
+            return None
+        N.check(st)
+        buf = ctypes.create_string_buffer(max(n.value, 1))
+        N.check(L.ckpt_loaded_blob(self._client, name.encode(), buf, n.value, ctypes.byref(n)))
+        return buf.raw[: n.value]
+
+    # ---- share ----
+
+    def share(self, obj):
+        """Move the tensors of `obj` (a torch Module's parameters and buffers, or the
+        torch tensors / numpy arrays in a dict or list, recursively, replaced in place)
+        into shared memory for good: a later save sends them in place and copies
+        nothing in the trainer. Returns obj. close() moves them back to private memory."""
+        torch = torch_module()
+        slots = []  # (tensor or array, setter)
+        seen = set()
+        if torch is not None and isinstance(obj, torch.nn.Module):
+            for mod in obj.modules():
+                for k, p in mod._parameters.items():
+                    if p is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        slots.append((p.data, (lambda p: lambda t: setattr(p, "data", t))(p)))
+                for k, b in mod._buffers.items():
+                    if b is not None:
+                        slots.append((b, (lambda m, k: lambda t: m._buffers.__setitem__(k, t))(mod, k)))
+        else:
+            _collect_slots(obj, slots, torch)
+        rows, total = [], 0
+        for t, setter in slots:
+            if isinstance(t, np.ndarray):
+                nbytes, addr = t.nbytes, t.__array_interface__["data"][0]
+            elif t.device.type != "cpu" or t.layout != torch.strided:
+                continue
+            else:
+                nbytes, addr = t.numel() * t.element_size(), t.data_ptr()
+            if nbytes == 0 or self._region_of(addr, nbytes) is not None:
+                continue
+            rows.append((t, setter, nbytes, total))
+            total += _align(nbytes)
+        if not rows:
+            return obj
+        with self._mu:
+            self._ensure()
+            region = self._alloc(total)
+        for t, setter, nbytes, off in rows:
+            if isinstance(t, np.ndarray):
+                dst = np.frombuffer(region.buf, dtype=t.dtype, count=t.size, offset=off).reshape(t.shape)
+                np.copyto(dst, t)
+                restore = (lambda setter, dst: lambda: setter(dst.copy()))(setter, dst)
+            else:
+                dst = torch.frombuffer(region.buf, dtype=torch.uint8, count=nbytes, offset=off)
+                dst = dst.view(t.dtype).view(t.shape)
+                with torch.no_grad():
+                    dst.copy_(t)
+                restore = (lambda setter, dst: lambda: setter(dst.clone()))(setter, dst)
+            setter(dst)
+            self._shared.append(restore)
+        return obj
+
+    # ---- guard, list, status, close ----
+
+    def guard(self, optimizer):
+        """Before each optimizer.step(), wait until the last save is released.
+        A failed save only warns here (training goes on; wait_durable raises it).
+        Returns the hook's RemovableHandle."""
+
+        def hook(opt, args, kwargs):
+            h = self._last
+            if h is not None and not h._released:
+                try:
+                    h.wait_released()
+                except SidecarError as e:
+                    warnings.warn(f"checkpoint of step {h.step} failed: {e}")
+            return None
+
+        return optimizer.register_step_pre_hook(hook)
+
+    def wait_released(self, timeout=None):
+        """Wait until the last save is released (no-op without one)."""
+        if self._last is not None:
+            self._last.wait_released(timeout)
+
+    def list(self):
+        """Committed steps, oldest first."""
+        steps, _ = self._list()
+        return steps
+
+    def latest(self):
+        """The newest committed step, or None."""
+        return self._list()[1]
+
+    def _list(self):
+        L = N.lib()
+        with self._mu:
+            self._ensure()
+            n, latest = ctypes.c_size_t(), ctypes.c_int64()
+            N.check(L.ckpt_list(self._client, None, 0, ctypes.byref(n), ctypes.byref(latest)))
+            while True:
+                cap = n.value + 16
+                arr = (ctypes.c_uint64 * cap)()
+                st = L.ckpt_list(self._client, arr, cap, ctypes.byref(n), ctypes.byref(latest))
+                if st != N.E_TRUNCATED:
+                    N.check(st)
+                    break
+            return [arr[i] for i in range(n.value)], (None if latest.value < 0 else latest.value)
+
+    def status(self):
+        """The sidecar's status report (dict)."""
+        import json
+
+        L = N.lib()
+        with self._mu:
+            self._ensure()
+            n = ctypes.c_size_t()
+            N.check(L.ckpt_status_json(self._client, None, 0, ctypes.byref(n)))
+            buf = ctypes.create_string_buffer(n.value + 1)
+            N.check(L.ckpt_status_json(self._client, buf, n.value + 1, ctypes.byref(n)))
+            return json.loads(buf.value.decode())
+
+    def connected(self):
+        return self._client is not None and bool(N.lib().ckpt_connected(self._client))
+
+    def close(self):
+        """Wait until pending saves are released, move share()'d tensors back to
+        private memory, say goodbye, and stop a spawned sidecar (SIGTERM: it
+        commits what was released, then exits)."""
+        with self._mu:
+            if self._client is None:
+                return
+            for ref in self._pending:
+                h = ref()
+                if h is not None and not h._released:
+                    try:
+                        h.wait_released()
+                    except SidecarError:
+                        pass
+            for restore in self._shared:
+                restore()
+            self._shared.clear()
+            client, self._client = self._client, None
+            N.lib().ckpt_close(client)
+            self._regions, self._region_ptrs, self._free, self._load_region = [], [], [], None
+            if self._proc is not None:
+                if self._proc.poll() is None:
+                    self._proc.send_signal(signal.SIGTERM)
+                    try:
+                        self._proc.wait()
+                    except KeyboardInterrupt:
+                        self._proc.kill()
+                        raise
+                self._proc = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+            if self._tmpdir is not None:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                self._tmpdir = None
+        _live.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _collect_slots(obj, slots, torch):
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if isinstance(v, np.ndarray) and not v.dtype.hasobject:
+            slots.append((v, (lambda o, k: lambda t: o.__setitem__(k, t))(obj, k)))
+        elif torch is not None and isinstance(v, torch.Tensor):
+            slots.append((v.detach(), (lambda o, k: lambda t: o.__setitem__(k, t))(obj, k)))
+        elif isinstance(v, (dict, list)):
+            _collect_slots(v, slots, torch)
+
+
+def _collect_refs(skel, out):
+    if isinstance(skel, TensorRef):
+        out[skel.name] = skel
+    elif isinstance(skel, dict):
+        for v in skel.values():
+            _collect_refs(v, out)
+    elif isinstance(skel, (list, tuple)):
+        for v in skel:
+            _collect_refs(v, out)
+
+
+ST_TO_NP = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
+            "I32": np.int32, "U32": np.uint32, "F32": np.float32, "F64": np.float64, "I64": np.int64,
+            "U64": np.uint64, "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+
+
+def _plain_array(region, off, dt, shape, nbytes):
+    """A tensor of a checkpoint without our skeleton: a numpy array (BF16/F8 as raw uint16/uint8)."""
+    dtype = np.dtype(ST_TO_NP[dt])
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(region.buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape).copy()
+
+
+def _restore(ref, region, off, nbytes, map_location):
+    if ref.kind == "np":
+        dtype = ref.dtype
+        if nbytes == 0:
+            return np.zeros(ref.shape, dtype)
+        if ref.stored == "U8" and dtype != np.uint8:
+            raw = np.frombuffer(region.buf, dtype=np.uint8, count=nbytes, offset=off).copy()
+            return raw.view(dtype).reshape(ref.shape)
+        return np.frombuffer(region.buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(ref.shape).copy()
+    torch = torch_module()
+    if torch is None:
+        import torch  # noqa: F811  (the checkpoint holds torch tensors)
+    dtype = getattr(torch, ref.dtype)
+    if nbytes == 0:
+        t = torch.empty(ref.shape, dtype=dtype)
+    else:
+        raw = torch.frombuffer(region.buf, dtype=torch.uint8, count=nbytes, offset=off).clone()
+        t = raw.view(dtype).reshape(ref.shape)
+    extra = ref.extra or {}
+    dev = extra.get("device", "cpu") if map_location is None else map_location
+    if str(dev) != "cpu":
+        t = t.to(dev)
+    if extra.get("param"):
+        t = torch.nn.Parameter(t, requires_grad=extra.get("requires_grad", True))
+    elif extra.get("requires_grad"):
+        t.requires_grad_(True)
+    return t
+
+
+def capture_rng():
+    """RNG states: Python random, numpy's global RandomState, torch CPU and each CUDA device."""
+    st = {"python": random.getstate(), "numpy": np.random.get_state()}
+    torch = torch_module()
+    if torch is not None:
+        st["torch"] = torch.get_rng_state()
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                st["cuda"] = torch.cuda.get_rng_state_all()
+        except Exception:
+            pass
+    return st
+
+
+def restore_rng_state(st):
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if "torch" in st:
+        import torch
+
+        torch.set_rng_state(st["torch"])
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda"])
+
+
+@atexit.register
+def _close_all():
+    for ck in list(_live):
+        try:
+            ck.close()
+        except Exception as e:  # at exit: say it, never raise
+            print(f"ckpt_sidecar: close at exit: {e}", file=sys.stderr)

@@ -1,0 +1,84 @@
+"""Sidecar death and reconnection, spawn mode, connection errors."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import ckpt_sidecar as cs
+
+
+def test_sidecar_gone_mid_training_then_back(sidecar):
+    ck = cs.Checkpointer(socket=sidecar.socket, spawn=False)
+    w = np.arange(1000, dtype=np.float32)
+    ck.save(1, {"w": w}).wait_durable(30)
+    sidecar.kill()
+    # The trainer goes on; the next save says clearly what happened.
+    w += 1
+    with pytest.raises(cs.SidecarError) as e:
+        h = ck.save(2, {"w": w})
+        h.wait_released(30)
+    assert isinstance(e.value, (cs.Disconnected, cs.ConnectFailed)), type(e.value)
+    assert str(e.value)  # carries the shim's message
+    w += 1
+    with pytest.raises(cs.SidecarError):
+        ck.save(3, {"w": w})
+    # A sidecar is back on the same socket: the next save reconnects.
+    sidecar.start()
+    h = ck.save(4, {"w": w})
+    h.wait_durable(30)
+    assert ck.list() == [1, 4]
+    assert np.array_equal(ck.load()["w"], w)
+    ck.close()
+
+
+def test_pending_save_fails_when_sidecar_dies(sidecar):
+    ck = cs.Checkpointer(socket=sidecar.socket, spawn=False)
+    h = ck.save(1, {"w": np.zeros(1 << 20)})
+    h.wait_released(30)
+    sidecar.kill()
+    try:
+        h.wait_durable(30)  # it may have committed before the kill
+    except cs.SidecarError as e:
+        assert isinstance(e, cs.Disconnected), type(e)
+    ck.close()
+
+
+def test_no_sidecar_and_no_spawn_is_connect_failed(no_default_sidecar):
+    with pytest.raises(cs.ConnectFailed):
+        cs.Checkpointer(spawn=False)
+
+
+def test_spawn_mode(tmp_path, no_default_sidecar):
+    d = tmp_path / "ck"
+    ck = cs.Checkpointer(dir=d, staging="64MiB", keep=2)
+    assert ck.spawned and os.path.exists(ck.socket)
+    proc, tmpdir = ck._proc, os.path.dirname(ck.socket)
+    for s in range(1, 5):
+        ck.save(s, {"w": np.full(10, s), "s": s})
+    ck.close()  # waits for releases; SIGTERM drains the rest
+    assert proc.returncode == 0 and not os.path.exists(tmpdir)
+    assert (d / "latest").read_text().strip() == "step-000000000004"
+    # A new Checkpointer on the same directory spawns again and sees them (keep=2).
+    with cs.Checkpointer(dir=d, staging="64MiB") as ck2:
+        assert ck2.list() == [3, 4]
+        assert ck2.load()["s"] == 4
+
+
+def test_spawned_sidecar_restarts_after_death(tmp_path, no_default_sidecar):
+    with cs.Checkpointer(dir=tmp_path / "ck", staging="64MiB") as ck:
+        ck.save(1, {"w": np.ones(3)}).wait_durable(30)
+        ck._proc.send_signal(signal.SIGKILL)
+        ck._proc.wait()
+        with pytest.warns(UserWarning, match="spawned sidecar exited"):
+            h = ck.save(2, {"w": np.ones(3) * 2})
+        h.wait_durable(30)
+        assert ck.list() == [1, 2]
+
+
+def test_handle_timeout(ck):
+    h = ck.save(1, {"w": np.zeros(8)})
+    h.wait_durable(30)
+    assert h.done()
+    h.wait_released(0)  # long since released: returns at once

@@ -1,0 +1,160 @@
+"""numpy-only round trips through a real sidecar (no torch needed)."""
+import collections
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ckpt_sidecar as cs
+
+Point = collections.namedtuple("Point", "x y")
+
+DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+          np.float16, np.float32, np.float64, np.complex64, np.complex128, ">i4", ">f8", "<U3", "S4",
+          "datetime64[ns]", [("a", "<i4"), ("b", "<f2")]]
+
+
+def _rich_state():
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for i, dt in enumerate(DTYPES):
+        dt = np.dtype(dt)
+        raw = rng.integers(0, 256, size=(3, 5, dt.itemsize), dtype=np.uint8)
+        if dt.kind in "fc":
+            a = rng.standard_normal((3, 5)).astype(dt)
+        elif dt.kind == "b":
+            a = rng.integers(0, 2, (3, 5)).astype(bool)
+        else:
+            a = raw.view(dt).reshape(3, 5)
+        arrays[f"d{i}"] = a
+    base = np.arange(60, dtype=np.float32).reshape(6, 10)
+    return {
+        "arrays": arrays,
+        "noncontig": {"strided": base[::2, 1::3], "transposed": base.T, "fortran": np.asfortranarray(base),
+                      "neg": base[::-1], "view_a": base[1:3], "view_b": base[2:5]},
+        "base": base,
+        "zero": {"empty": np.zeros((0, 4), np.float32), "empty_c": np.zeros(0, np.complex64),
+                 "scalar0d": np.array(7, np.int64), "zero_strided": np.zeros((4, 0))[::2]},
+        "plain": {"step": 42, "lr": 3e-4, "name": "run-α", "none": None, "flags": {1, 2}, "bytes": b"\x00\xff",
+                  "np_scalar": np.float32(1.5)},
+        "seq": [np.ones(3, np.int8), (np.full(2, 9, np.uint16), "t"), Point(np.zeros(1), 2)],
+        "odict": collections.OrderedDict([("z", np.arange(2)), ("a", 1)]),
+        "obj_array": np.array([{"a": 1}, None], dtype=object),
+        3: np.arange(4, dtype=np.int32),            # non-string key
+        "a.b": np.arange(1), "a": {"b": np.arange(2)},  # the same dotted path twice
+    }
+
+
+def _assert_same(a, b, path="state"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        if a.dtype.hasobject:
+            assert a.tolist() == b.tolist(), path
+        else:
+            assert a.tobytes() == b.tobytes() or np.array_equal(a, b, equal_nan=False), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}.{i}")
+    else:
+        assert a == b, path
+
+
+def test_round_trip_nested_numpy_state(ck):
+    state = _rich_state()
+    h = ck.save(1, state)
+    assert h.step == 1
+    h.wait_released(timeout=30)
+    h.wait_durable(timeout=30)
+    assert h.done() and h.state() == "durable"
+    assert h.stall_seconds >= 0 and h.figures()["persist_s"] is not None
+    back = ck.load()
+    _assert_same(state, back)
+    assert ck.last_load_step == 1
+    assert ck.list() == [1] and ck.latest() == 1
+
+
+def test_arrays_are_named_by_their_path(ck, sidecar):
+    import json
+
+    ck.save(5, {"model": {"layers": [{"weight": np.ones((2, 2), np.float32)}]}, "optim": {3: np.zeros(1)}}).wait_durable(30)
+    index = json.loads((sidecar.dir / "step-000000000005" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"model.layers.0.weight", "optim.3"}
+
+
+def test_several_steps_and_load_by_step(ck):
+    handles = [ck.save(s, {"w": np.full(1000, s, np.float64), "step": s}) for s in (10, 20, 30)]
+    for h in handles:
+        h.wait_durable(30)
+    assert ck.list() == [10, 20, 30] and ck.latest() == 30
+    assert ck.load(20)["step"] == 20 and ck.load(step=20)["w"][0] == 20
+    assert ck.load("latest")["step"] == 30
+
+
+def test_state_may_change_after_release(ck):
+    w = np.arange(1000, dtype=np.float32)
+    h = ck.save(1, {"w": w})
+    h.wait_released(30)
+    w += 1  # the sidecar has its own copy now
+    h.wait_durable(30)
+    assert np.array_equal(ck.load(1)["w"], np.arange(1000, dtype=np.float32))
+
+
+def test_share_sends_arrays_in_place(ck):
+    state = {"model": {"w": np.arange(1 << 16, dtype=np.float32), "b": np.ones(7, np.int16)}, "other": [np.zeros(3)]}
+    w_before = state["model"]["w"]
+    ck.share(state)
+    assert state["model"]["w"] is not w_before and np.array_equal(state["model"]["w"], w_before)
+    h = ck.save(1, state)
+    assert h.copied_bytes == 0  # nothing copied by the trainer
+    h.wait_released(30)
+    state["model"]["w"][:] = -1
+    h.wait_durable(30)
+    assert np.array_equal(ck.load(1)["model"]["w"], w_before)
+    # Overlapping views of a shared array: the second is copied, both saved correctly.
+    s = state["model"]["w"]
+    h = ck.save(2, {"a": s[:100], "b": s[50:150], "nc": s[::2]})
+    assert h.copied_bytes > 0
+    h.wait_durable(30)
+    back = ck.load(2)
+    assert np.array_equal(back["b"], s[50:150]) and np.array_equal(back["nc"], s[::2])
+
+
+def test_errors_are_sidecar_errors(ck):
+    ck.save(1, {"w": np.zeros(4)}).wait_durable(30)
+    h = ck.save(1, {"w": np.zeros(4)})  # step already committed
+    with pytest.raises(cs.BadRequest) as e:
+        h.wait_durable(30)
+    assert isinstance(e.value, cs.SidecarError) and e.value.code == -9 and "1" in str(e.value)
+    with pytest.raises(cs.NotFound):
+        ck.load(12345)
+    ck.close()
+    with pytest.raises(cs.Closed):
+        ck.save(2, {})
+
+
+def test_rng_capture_and_restore(ck):
+    import random
+
+    random.seed(1)
+    np.random.seed(2)
+    ck.save(1, {"x": 1}, rng=True).wait_durable(30)
+    expected = (random.random(), np.random.rand())
+    random.seed(99)
+    np.random.seed(99)
+    assert ck.load(1, restore_rng=True) == {"x": 1}
+    assert (random.random(), np.random.rand()) == expected
+
+
+def test_torch_not_imported_by_numpy_use(ck):
+    ck.save(1, {"w": np.zeros(3)}).wait_durable(30)
+    ck.load(1)
+    code = "import ckpt_sidecar, numpy, sys; ckpt_sidecar.Checkpointer; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

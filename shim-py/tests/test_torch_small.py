@@ -1,0 +1,31 @@
+"""A small torch round trip (the full torch tests live beside the examples);
+skipped, saying why, without torch."""
+import pytest
+
+import ckpt_sidecar as cs
+
+
+def test_torch_module_and_optimizer_round_trip(ck):
+    torch = pytest.importorskip("torch", reason="torch not installed: torch round trip skipped")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"model": m.state_dict(), "optim": opt.state_dict(), "t": base.t(), "v": base[1:3],
+             "bf": torch.ones(3, dtype=torch.bfloat16), "e": torch.empty(0, 2), "b": torch.tensor([True, False])}
+    ck.guard(opt)
+    ck.save(1, state).wait_durable(30)
+    back = ck.load(1)
+    for k, v in m.state_dict().items():
+        assert torch.equal(back["model"][k], v)
+    assert torch.equal(back["optim"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(back["t"], base.t()) and torch.equal(back["v"], base[1:3])
+    assert back["bf"].dtype == torch.bfloat16 and back["e"].shape == (0, 2) and back["b"].tolist() == [True, False]
+    ck.share(m)
+    h = ck.save(2, {"model": m.state_dict()})
+    assert h.copied_bytes == 0
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()  # the guard waits for the release first
+    h.wait_durable(30)

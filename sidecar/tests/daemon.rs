@@ -764,53 +764,6 @@ fn disk_full_fails_that_save_keeps_earlier_ones_and_keeps_serving() {
     drop(sc);
 }
 
-/// Not a test: prints the sidecar's resident memory during and after a
-/// 256 MiB save with a 512 MiB staging budget (run with --ignored --nocapture).
-#[test]
-#[ignore]
-fn measure_rss_during_a_256mib_save() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ckpt");
-    let socket = tmp.path().join("s.sock");
-    let mut child = Command::new(BIN).arg("serve").arg("--dir").arg(&dir).arg("--socket").arg(&socket).args(["--staging", "512MiB"]).stderr(Stdio::null()).spawn().unwrap();
-    wait_for("socket", || UnixStream::connect(&socket).is_ok());
-    let pid = child.id();
-    let rss = || {
-        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        s.lines().filter(|l| l.starts_with("VmRSS") || l.starts_with("RssAnon") || l.starts_with("RssShmem") || l.starts_with("VmHWM")).map(|l| l.split_whitespace().take(2).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join(", ")
-    };
-    println!("idle:             {}", rss());
-    let len = 256 << 20;
-    let mut shm = Shm::new(len);
-    shm.fill(1);
-    let mut c = Client::connect_any(&socket);
-    c.register(1, &shm);
-    println!("region mapped:    {}", rss());
-    let id = c.save(1, vec![desc("w", "U8", &[len as u64], 1, 0)], vec![]);
-    match c.recv() {
-        Reply::Released { id: i, copy_seconds, .. } if i == id => println!("copy_seconds:     {copy_seconds:.4} ({:.2} GiB/s)", 0.25 / copy_seconds),
-        other => panic!("{other:?}"),
-    }
-    println!("after released:   {}", rss());
-    assert!(matches!(c.recv(), Reply::Durable { .. }));
-    println!("after durable:    {}", rss());
-    c.save_durable(2, vec![desc("w", "U8", &[len as u64], 1, 0)], vec![]);
-    c.save_durable(3, vec![desc("w", "U8", &[len as u64], 1, 0)], vec![]);
-    println!("after 3 saves:    {}", rss());
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-impl Client {
-    /// Connects without checking the staging size.
-    fn connect_any(socket: &Path) -> Client {
-        let mut s = Self::raw(socket);
-        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("daemon-test")).unwrap();
-        assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::Welcome { .. }));
-        Client { s, next_id: 1 }
-    }
-}
-
 #[test]
 fn a_second_signal_aborts_in_flight_saves_cleanly() {
     let mut sc = Sidecar::start(&[]);

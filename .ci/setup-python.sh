@@ -23,8 +23,18 @@ install_torch() {
     fi
 }
 
+# The package itself (shim-py/tests, examples/python): reinstalled on every run
+# so it always matches the tree; its build runs cargo (fast when warm) and
+# bundles libckpt.so and ckpt-sidecar. --no-deps: numpy is installed above.
+install_shim() {
+    echo "installing ./shim-py into $VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall ./shim-py
+    "$VENV/bin/python" -c 'import ckpt_sidecar; ckpt_sidecar.native_version()'
+}
+
 if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest' 2>/dev/null; then
     install_torch
+    install_shim
     exit 0
 fi
 
@@ -37,3 +47,4 @@ echo "installing ${PACKAGES[*]} into $VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
 "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest'
 install_torch
+install_shim

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""The Python shim's bars, measured in one run on one state dict of --size-mib
+MiB of float32 tensors (transformer-like: many 16 MiB matrices, some small
+vectors), against a `ckpt-sidecar serve` this script starts and stops.
+
+Figures (medians over --reps timed repetitions, after one untimed warm-up
+repetition each, so every buffer is warm; all samples are in the JSON):
+
+  memcpy_s                  one memcpy (ctypes.memmove, one thread) of the same bytes
+                            into a pre-faulted buffer
+  sidecar_stall_s           ck.save() until released, the tensors in private
+                            memory: the shim copies them into shared memory, the
+                            sidecar copies them into its staging
+  sidecar_resident_stall_s  the tensors live in shared memory (ck.share): time
+                            inside save() plus time blocked in the guarded
+                            optimizer step, with a simulated forward/backward
+                            (a sleep, as when a GPU computes: 1.5 x the sidecar's
+                            copy time) between the two
+  torch_save_s              torch.save of the same dict to a file in --dir
+  torch_save_fsync_s        the same plus flush + fsync
+  persist_s                 the sidecar's write + commit time (Durable's figure)
+
+Bars: sidecar_stall_s <= 1.25 x memcpy_s; sidecar_resident_stall_s <= 0.1 x
+memcpy_s and >= 50 x below torch_save_fsync_s.
+
+Second figure (--loop-steps, 0 skips it): a training loop whose step is real
+CPU work (single-threaded matmuls, a fixed amount calibrated to 1.25 x the
+persist time) run without checkpoints, then checkpointing every step (resident
+state, guarded optimizer step); the overhead in % (bar: <= 3 %).
+
+  python bench.py --size-mib 1024 --json [--dir DIR]
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import ckpt_sidecar as cs
+from ckpt_sidecar import _native
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    p.add_argument("--dir", default=None, help="checkpoint and torch.save directory (default: a temp dir in /tmp)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per figure")
+    p.add_argument("--loop-steps", type=int, default=8, help="steps per loop in the second figure (0: skip it)")
+    p.add_argument("--keep-dir", action="store_true", help="do not remove --dir's checkpoints at the end")
+    return p.parse_args()
+
+
+def make_state(size_mib):
+    """~size_mib MiB of float32: 16 MiB matrices plus 1% in small vectors."""
+    g = torch.Generator().manual_seed(0)
+    state, total, i = {}, size_mib << 20, 0
+    big = 16 << 20
+    while total >= big:
+        state[f"layers.{i}.weight"] = torch.rand(1024, 4096, generator=g)
+        total -= big
+        i += 1
+    if total >= 4:
+        state["tail.weight"] = torch.rand(total // 4, generator=g)
+    for j in range(32):
+        state[f"layers.{j}.norm.weight"] = torch.rand(1024, generator=g)
+    return state
+
+
+def nbytes_of(state):
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Sidecar:
+    """A `ckpt-sidecar serve` with enough staging for two images in flight."""
+
+    def __init__(self, ckdir, staging_bytes):
+        self.tmp = tempfile.mkdtemp(prefix="ckpt-bench-")
+        self.sock = os.path.join(self.tmp, "sidecar.sock")
+        self.log = os.path.join(self.tmp, "sidecar.log")
+        env = dict(os.environ, CKPT_SIDECAR_LOG=os.environ.get("CKPT_SIDECAR_LOG", "warn"))
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen([_native.sidecar_binary(), "serve", "--dir", ckdir, "--socket", self.sock,
+                                          "--staging", str(staging_bytes), "--keep", "2"],
+                                         stdout=f, stderr=f, env=env)
+
+    def connect(self, timeout=300):
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"sidecar exited {self.proc.returncode}: {open(self.log).read()[-2000:]}")
+            if os.path.exists(self.sock):
+                try:
+                    return cs.Checkpointer(socket=self.sock, spawn=False)
+                except cs.SidecarError:
+                    pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"sidecar not ready after {timeout} s")
+            time.sleep(0.1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def bench_memcpy(state, reps):
+    dst = {k: torch.empty_like(t) for k, t in state.items()}
+    out = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        for k, t in state.items():
+            ctypes.memmove(dst[k].data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        if r:
+            out.append(time.perf_counter() - t0)
+    del dst
+    return out
+
+
+def bench_torch_save(state, d, reps, sync):
+    out = []
+    for r in range(reps + 1):
+        path = os.path.join(d, f"torch-save-{r}.pt")
+        t0 = time.perf_counter()
+        if sync:
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            torch.save(state, path)
+        if r:
+            out.append(time.perf_counter() - t0)
+        os.unlink(path)
+    return out
+
+
+def main():
+    args = parse_args()
+    own_dir = args.dir is None
+    base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-dir-")
+    os.makedirs(base, exist_ok=True)
+    ckdir = os.path.join(base, "ckpt")
+    state = make_state(args.size_mib)
+    size = nbytes_of(state)
+    log(f"state: {len(state)} tensors, {size / 2**20:.0f} MiB; dir {base}; torch threads {torch.get_num_threads()}")
+
+    res = {"size_mib": args.size_mib, "bytes": size, "tensors": len(state), "reps": args.reps,
+           "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "dir": base}
+
+    samples = {}
+    samples["memcpy_s"] = bench_memcpy(state, args.reps)
+    log(f"memcpy: {samples['memcpy_s']}")
+    samples["torch_save_s"] = bench_torch_save(state, base, args.reps, sync=False)
+    log(f"torch.save: {samples['torch_save_s']}")
+    samples["torch_save_fsync_s"] = bench_torch_save(state, base, args.reps, sync=True)
+    log(f"torch.save + fsync: {samples['torch_save_fsync_s']}")
+
+    side = Sidecar(ckdir, 2 * size + (256 << 20))
+    try:
+        t0 = time.perf_counter()
+        ck = side.connect()
+        log(f"sidecar ready in {time.perf_counter() - t0:.1f} s (staging {2 * size + (256 << 20)} bytes, pre-faulted)")
+        step = 0
+
+        # 1. Tensors in private memory: copied into shared memory at save.
+        stall, copy_s, persist = [], [], []
+        for r in range(args.reps + 1):
+            step += 1
+            t0 = time.perf_counter()
+            h = ck.save(step, state)
+            h.wait_released()
+            dt = time.perf_counter() - t0
+            h.wait_durable()
+            f = h.figures()
+            if r:
+                stall.append(dt)
+                copy_s.append(f["copy_s"])
+                persist.append(f["persist_s"])
+        samples["sidecar_stall_s"], samples["sidecar_copy_s"], samples["persist_s"] = stall, copy_s, persist
+        log(f"sidecar stall (copied at save): {stall}; sidecar copy {copy_s}; persist {persist}")
+
+        # 2. Resident: the tensors live in shared memory for good.
+        ck.share(state)
+        params = [torch.nn.Parameter(t, requires_grad=False) for t in state.values()]
+        opt = torch.optim.SGD(params, lr=0.0)  # no grads: the step itself changes nothing
+        ck.guard(opt)
+        marks = {}
+        opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("hook", time.perf_counter()))
+        fwd_bwd = 1.5 * med(copy_s) + 0.01
+        resident, in_save, in_step, shim_stall, copied = [], [], [], [], []
+        for r in range(args.reps + 1):
+            step += 1
+            t0 = time.perf_counter()
+            h = ck.save(step, state)
+            t1 = time.perf_counter()
+            time.sleep(fwd_bwd)  # forward + backward on a GPU: the CPU is free for the sidecar
+            t2 = time.perf_counter()
+            opt.step()  # the guard waits here for the release
+            blocked = marks["hook"] - t2
+            h.wait_durable()
+            if r:
+                in_save.append(t1 - t0)
+                in_step.append(blocked)
+                resident.append(t1 - t0 + blocked)
+                shim_stall.append(h.stall_seconds)
+                copied.append(h.copied_bytes)
+        samples["sidecar_resident_stall_s"] = resident
+        res["resident_in_save_s"], res["resident_in_guarded_step_s"] = med(in_save), med(in_step)
+        res["resident_shim_stall_seconds"] = med(shim_stall)
+        res["resident_copied_bytes_in_trainer"] = max(copied) if copied else None
+        res["simulated_fwd_bwd_s"] = fwd_bwd
+        log(f"resident stall: {resident} (in save {in_save}, in guarded step {in_step}; trainer copied {copied} bytes)")
+
+        # 3. A training loop: checkpoint every step vs none, step time > persist time.
+        if args.loop_steps > 0:
+            torch.set_num_threads(1)
+            a = torch.rand(384, 384)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                a = torch.mm(a, a).clamp_(0, 1)
+            per_mm = (time.perf_counter() - t0) / 20
+            target = 1.25 * med(persist)
+            n_mm = max(1, int(target / per_mm))
+
+            def train_step():
+                x = a
+                for _ in range(n_mm):
+                    x = torch.mm(x, a).clamp_(0, 1)
+                return x
+
+            def run(ckpt):
+                nonlocal step
+                train_step()  # warm
+                t0 = time.perf_counter()
+                for _ in range(args.loop_steps):
+                    if ckpt:
+                        step += 1
+                        ck.save(step, state)
+                    train_step()
+                    opt.step()
+                total = time.perf_counter() - t0
+                if ckpt:
+                    ck._last.wait_durable()
+                return total / args.loop_steps
+
+            base_s = run(False)
+            ckpt_s = run(True)
+            base_s2 = run(False)  # again, to see the noise of the baseline
+            loop = {"steps": args.loop_steps, "persist_s": med(persist), "step_s_no_ckpt": min(base_s, base_s2),
+                    "step_s_no_ckpt_runs": [base_s, base_s2], "step_s_ckpt_every_step": ckpt_s,
+                    "work": f"{n_mm} single-thread 384x384 matmuls per step", "torch_threads": 1}
+            loop["overhead_pct"] = 100 * (ckpt_s / loop["step_s_no_ckpt"] - 1)
+            loop["bar_overhead_le_3pct"] = loop["overhead_pct"] <= 3
+            res["loop"] = loop
+            log(f"loop: {loop}")
+        ck.close()
+    finally:
+        side.stop()
+        if own_dir and not args.keep_dir:
+            shutil.rmtree(base, ignore_errors=True)
+        elif not args.keep_dir:
+            shutil.rmtree(ckdir, ignore_errors=True)
+
+    for k, v in samples.items():
+        res[k] = med(v)
+        res[k + "_samples"] = v
+    m = res["memcpy_s"]
+    res["stall_over_memcpy"] = res["sidecar_stall_s"] / m
+    res["resident_over_memcpy"] = res["sidecar_resident_stall_s"] / m
+    res["torch_save_fsync_over_resident"] = res["torch_save_fsync_s"] / res["sidecar_resident_stall_s"]
+    res["torch_save_fsync_over_stall"] = res["torch_save_fsync_s"] / res["sidecar_stall_s"]
+    res["bars"] = {
+        "stall_le_1.25x_memcpy": res["stall_over_memcpy"] <= 1.25,
+        "resident_le_0.1x_memcpy": res["resident_over_memcpy"] <= 0.1,
+        "resident_50x_below_torch_save_fsync": res["torch_save_fsync_over_resident"] >= 50,
+    }
+    if "loop" in res:
+        res["bars"]["loop_overhead_le_3pct"] = res["loop"]["bar_overhead_le_3pct"]
+    res["notes"] = ("medians after one untimed warm-up per figure (warm memory); memcpy is one thread; "
+                    "the resident figure's forward/backward is a sleep (CPU free, as with a GPU); "
+                    "the loop's step is single-thread CPU matmuls")
+    if not args.json:
+        for k in ("memcpy_s", "sidecar_stall_s", "sidecar_resident_stall_s", "torch_save_s", "torch_save_fsync_s",
+                  "persist_s", "stall_over_memcpy", "resident_over_memcpy", "torch_save_fsync_over_resident"):
+            print(f"{k:32s} {res[k]:.6f}")
+        print(json.dumps(res["bars"]))
+    else:
+        print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -36,7 +36,7 @@ STRUCTURE_BLOB = "structure.pkl"
 RNG_BLOB = "rng.pkl"
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 30.0
-POOL_FREE_MAX = 2  # free save regions kept warm for reuse
+POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
 
 _live = weakref.WeakSet()
 
@@ -62,59 +62,88 @@ class _Region:
 
 
 class SaveHandle:
-    """One save in flight. `stall_seconds`: time the trainer was blocked by it
-    (inside save() plus inside wait_released())."""
+    """One save in flight.
 
-    def __init__(self, ck, step, save_id, region, stall_s):
+    Two moments matter and can differ:
+    - *released* (wait_released, released): the trainer may change its tensors
+      again. For a save whose tensors were all copied into shared memory by
+      save() itself, that is at once (the copy is the snapshot); when some
+      tensors were sent in place (share()), it is when the sidecar has copied
+      them.
+    - *taken* (wait_taken, taken): the sidecar holds its own copy of every
+      tensor (its Released reply); from then on the checkpoint commits even if
+      this process dies. A save not yet taken is aborted when the process dies.
+    `stall_seconds`: time the trainer was blocked by this save (inside save()
+    plus inside wait_released())."""
+
+    def __init__(self, ck, step, save_id, region, stall_s, inplace):
         self._ck, self.step, self.id, self._region = ck, step, save_id, region
         self.stall_seconds = stall_s
         self.copied_bytes = 0
-        self._released = False
+        self.inplace = inplace
+        self._taken = False
 
-    def _finish_release(self):
-        self._released = True
+    def _mark_taken(self):
+        self._taken = True
         if self._region is not None:
             self._ck._give_back(self._region)
             self._region = None
 
     def state(self):
-        """"pending", "released", "durable" or "failed" (without blocking)."""
+        """"pending" (not taken), "released" (taken), "durable" or "failed", without blocking."""
         st = ctypes.c_int()
         N.check(N.lib().ckpt_poll(self._ck._client, self.id, ctypes.byref(st)))
         if st.value != N.PENDING:
-            self._finish_release()
+            self._mark_taken()
         return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed"}[st.value]
 
     def wait_released(self, timeout=None):
-        """Block until the sidecar has copied the tensors (they may change again)."""
-        if self._released:
-            # Already released (or failed: then report it, as wait_durable would).
+        """Block until the trainer may change the saved tensors again (see the
+        class doc); raises the save's failure if it is already known."""
+        if not self.inplace or self._taken:
             if self.state() == "failed":
                 self._wait(N.RELEASED, 0)
             return self
         t0 = time.perf_counter()
         try:
-            self._wait(N.RELEASED, timeout)
-            self._finish_release()
-        except SidecarError as e:
-            if not isinstance(e, Timeout):
-                self._finish_release()
-            raise
+            self.wait_taken(timeout)
         finally:
             self.stall_seconds += time.perf_counter() - t0
         return self
 
+    def wait_taken(self, timeout=None):
+        """Block until the sidecar holds its own copy (its Released reply)."""
+        try:
+            self._wait(N.RELEASED, timeout)
+        except Timeout:
+            raise
+        except SidecarError:
+            self._mark_taken()
+            raise
+        self._mark_taken()
+        return self
+
     def wait_durable(self, timeout=None):
         """Block until the checkpoint is committed on disk; raises its failure."""
-        self._wait(N.DURABLE, timeout)
-        self._finish_release()
+        try:
+            self._wait(N.DURABLE, timeout)
+        except Timeout:
+            raise
+        except SidecarError:
+            self._mark_taken()
+            raise
+        self._mark_taken()
         return self
 
     def _wait(self, what, timeout):
         N.check(N.lib().ckpt_wait(self._ck._client, self.id, what, _ms(timeout)))
 
     def released(self):
-        return self.state() in ("released", "durable", "failed")
+        """Whether the trainer may change the saved tensors (without blocking)."""
+        return not self.inplace or self.taken()
+
+    def taken(self):
+        return self._taken or self.state() != "pending"
 
     def done(self):
         """True once the save is durable or failed (wait_durable returns or raises at once)."""
@@ -149,7 +178,8 @@ class Checkpointer:
         self._keep, self._staging, self._log = keep, staging, log
         self._regions = []       # every region of this client, sorted by ptr
         self._region_ptrs = []
-        self._free = []          # save regions free for reuse
+        self._save_regions = []  # regions for copies at save (at most POOL_REGIONS_MAX)
+        self._free = []          # those of them no save in flight uses
         self._load_region = None
         self._shared = []        # (restore callable) for share()'d tensors
         self._pending = []       # weakrefs of handles not yet known released
@@ -277,35 +307,51 @@ class Checkpointer:
         return None
 
     def _take(self, n):
-        """A free save region of at least n bytes (allocating if none fits)."""
+        """A save region of at least n bytes that no save in flight uses. At most
+        POOL_REGIONS_MAX exist (busy or free; reused, so their pages stay warm);
+        when all are busy, wait until the sidecar has taken the oldest save."""
         with self._mu:
-            self._poll_pending()
-            fits = [r for r in self._free if r.len_bytes >= n]
-            if fits:
-                r = min(fits, key=lambda r: r.len_bytes)
-                self._free.remove(r)
-                return r
-            while len(self._free) >= POOL_FREE_MAX:
-                self._free_region(self._free.pop(0))
-            return self._alloc(max(_align(n + n // 8), 1 << 20))
+            while True:
+                self._poll_pending()
+                fits = [r for r in self._free if r.len_bytes >= n]
+                if fits:
+                    r = min(fits, key=lambda r: r.len_bytes)
+                    self._free.remove(r)
+                    return r
+                busy = [r for r in self._save_regions if r.busy is not None]
+                if len(busy) < POOL_REGIONS_MAX:
+                    while self._free and len(busy) + len(self._free) >= POOL_REGIONS_MAX:
+                        self._drop_save_region(self._free.pop(0))
+                    r = self._alloc(max(_align(n + n // 8), 1 << 20))
+                    self._save_regions.append(r)
+                    return r
+                oldest = min(busy, key=lambda r: r.busy.id).busy
+                try:
+                    oldest.wait_taken()
+                except SidecarError:
+                    pass
+
+    def _drop_save_region(self, r):
+        self._save_regions.remove(r)
+        self._free_region(r)
 
     def _give_back(self, r):
         with self._mu:
             r.busy = None
-            if r in self._regions and r not in self._free:
+            if r in self._save_regions and r not in self._free:
                 self._free.append(r)
 
     def _poll_pending(self):
         keep = []
         for ref in self._pending:
             h = ref()
-            if h is None or h._released:
+            if h is None or h._taken:
                 continue
             try:
                 h.state()
             except SidecarError:
-                h._finish_release()
-            if not h._released:
+                h._mark_taken()
+            if not h._taken:
                 keep.append(ref)
         self._pending = keep
 
@@ -343,7 +389,7 @@ class Checkpointer:
                 if region is not None:
                     self._give_back(region)
                 raise
-            h = SaveHandle(self, int(step), sid.value, region, 0.0)
+            h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=any(isinstance(r[4], int) and r[2] for r in plan))
             h.copied_bytes = copy_bytes
             if region is not None:
                 region.busy = h
@@ -550,9 +596,12 @@ class Checkpointer:
         A failed save only warns here (training goes on; wait_durable raises it).
         Returns the hook's RemovableHandle."""
 
+        done = [None]  # the last handle waited for: once per save
+
         def hook(opt, args, kwargs):
             h = self._last
-            if h is not None and not h._released:
+            if h is not None and h is not done[0]:
+                done[0] = h
                 try:
                     h.wait_released()
                 except SidecarError as e:
@@ -562,7 +611,7 @@ class Checkpointer:
         return optimizer.register_step_pre_hook(hook)
 
     def wait_released(self, timeout=None):
-        """Wait until the last save is released (no-op without one)."""
+        """Wait until the trainer may change the tensors of the last save (no-op without one)."""
         if self._last is not None:
             self._last.wait_released(timeout)
 
@@ -615,9 +664,9 @@ class Checkpointer:
                 return
             for ref in self._pending:
                 h = ref()
-                if h is not None and not h._released:
+                if h is not None and not h._taken:
                     try:
-                        h.wait_released()
+                        h.wait_taken()
                     except SidecarError:
                         pass
             for restore in self._shared:
@@ -625,7 +674,7 @@ class Checkpointer:
             self._shared.clear()
             client, self._client = self._client, None
             N.lib().ckpt_close(client)
-            self._regions, self._region_ptrs, self._free, self._load_region = [], [], [], None
+            self._regions, self._region_ptrs, self._free, self._save_regions, self._load_region = [], [], [], [], None
             if self._proc is not None:
                 if self._proc.poll() is None:
                     self._proc.send_signal(signal.SIGTERM)

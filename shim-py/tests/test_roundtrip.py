@@ -100,7 +100,12 @@ def test_several_steps_and_load_by_step(ck):
 def test_state_may_change_after_release(ck):
     w = np.arange(1000, dtype=np.float32)
     h = ck.save(1, {"w": w})
+    # Copied into shared memory by save(): the trainer's array is free at once;
+    # the sidecar takes its own copy a little later.
+    assert not h.inplace and h.released()
     h.wait_released(30)
+    h.wait_taken(30)
+    assert h.taken()
     w += 1  # the sidecar has its own copy now
     h.wait_durable(30)
     assert np.array_equal(ck.load(1)["w"], np.arange(1000, dtype=np.float32))
@@ -112,7 +117,7 @@ def test_share_sends_arrays_in_place(ck):
     ck.share(state)
     assert state["model"]["w"] is not w_before and np.array_equal(state["model"]["w"], w_before)
     h = ck.save(1, state)
-    assert h.copied_bytes == 0  # nothing copied by the trainer
+    assert h.copied_bytes == 0 and h.inplace  # nothing copied by the trainer
     h.wait_released(30)
     state["model"]["w"][:] = -1
     h.wait_durable(30)
@@ -158,3 +163,32 @@ def test_torch_not_imported_by_numpy_use(ck):
     code = "import ckpt_sidecar, numpy, sys; ckpt_sidecar.Checkpointer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_many_saves_in_flight_reuse_two_regions(ck):
+    w = np.zeros(1 << 18, np.float64)  # 2 MiB
+    handles = []
+    for s in range(1, 9):
+        w[:] = s
+        handles.append(ck.save(s, {"w": w}))
+    for h in handles:
+        h.wait_durable(60)
+    assert len(ck._save_regions) <= 2
+    assert [ck.load(s)["w"][0] for s in (1, 5, 8)] == [1, 5, 8]
+
+
+def test_numpy_only_without_torch(tmp_path):
+    """`import torch` fails in this interpreter: the package works all the same."""
+    code = f"""
+import sys
+sys.modules["torch"] = None          # import torch now raises ImportError
+import numpy as np, ckpt_sidecar as cs
+ck = cs.Checkpointer(dir={str(tmp_path / 'ck')!r}, socket={str(tmp_path / 'none.sock')!r}, staging="64MiB")
+ck.save(1, {{"w": np.arange(5), "cfg": {{"a": 1}}}}, rng=True).wait_durable(30)
+out = ck.load(1, restore_rng=True)
+assert out["w"].tolist() == [0, 1, 2, 3, 4] and out["cfg"] == {{"a": 1}}
+ck.close()
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

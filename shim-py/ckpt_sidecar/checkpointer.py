@@ -164,7 +164,8 @@ class Checkpointer:
 
     dir: checkpoint directory (used when spawning; a running sidecar keeps its own).
     socket: socket path (default: $CKPT_SIDECAR_SOCKET, else the shim's default path).
-    spawn: start a private `ckpt-sidecar serve` when none is reachable.
+    spawn: start `ckpt-sidecar serve` for this process when none is reachable: at
+        `socket` if given, else at a private path (ck.socket).
     keep, staging: passed to the spawned sidecar (--keep N, --staging SIZE; SIZE an
         int of bytes or a string like "512MiB").
     """
@@ -186,6 +187,8 @@ class Checkpointer:
         self._last = None
         self._mu = threading.RLock()
         self.socket = os.fspath(socket) if socket is not None else None
+        self._socket_arg = self.socket is not None  # spawn there, not at a private path
+        self._pid = os.getpid()
         try:
             self._client = self._connect(self.socket)
         except ConnectFailed:
@@ -217,7 +220,9 @@ class Checkpointer:
                     raise SidecarError(f"{self.dir} is in use by another spawned sidecar ({e})") from e
                 time.sleep(0.05)
         self._tmpdir = tempfile.mkdtemp(prefix="ckpt-sidecar-py-")
-        self.socket = os.path.join(self._tmpdir, "sidecar.sock")
+        if not self._socket_arg:
+            # Private: only this process (and its children, through ck.socket) use it.
+            self.socket = os.path.join(self._tmpdir, "sidecar.sock")
         self._start_proc()
 
     def _start_proc(self):
@@ -661,6 +666,11 @@ class Checkpointer:
         commits what was released, then exits)."""
         with self._mu:
             if self._client is None:
+                return
+            if os.getpid() != self._pid:
+                # A forked child: the client and the sidecar belong to the parent.
+                self._client = self._proc = self._tmpdir = None
+                _live.discard(self)
                 return
             for ref in self._pending:
                 h = ref()

@@ -82,3 +82,22 @@ def test_handle_timeout(ck):
     h.wait_durable(30)
     assert h.done()
     h.wait_released(0)  # long since released: returns at once
+
+
+def test_spawn_at_given_socket_and_fork_child_leaves_it(tmp_path, no_default_sidecar):
+    sock = str(tmp_path / "s" / "sidecar.sock")
+    ck = cs.Checkpointer(dir=tmp_path / "ck", socket=sock, staging="64MiB")
+    assert ck.spawned and ck.socket == sock
+    pid = os.fork()
+    if pid == 0:  # the child's exit runs the atexit close: it must not stop the parent's sidecar
+        try:
+            from ckpt_sidecar import checkpointer
+
+            checkpointer._close_all()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    with cs.Checkpointer(socket=sock, spawn=False) as other:  # a second client of the same sidecar
+        ck.save(1, {"w": np.ones(2)}).wait_durable(30)
+        assert other.list() == [1]
+    ck.close()

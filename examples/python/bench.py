@@ -23,10 +23,12 @@ repetition each, so every buffer is warm; all samples are in the JSON):
 Bars: sidecar_stall_s <= 1.25 x memcpy_s; sidecar_resident_stall_s <= 0.1 x
 memcpy_s and >= 50 x below torch_save_fsync_s.
 
-Second figure (--loop-steps, 0 skips it): a training loop whose step is real
-CPU work (single-threaded matmuls, a fixed amount calibrated to 1.25 x the
-persist time) run without checkpoints, then checkpointing every step (resident
-state, guarded optimizer step); the overhead in % (bar: <= 3 %).
+Second figure (--loop-steps, 0 skips it): a training loop whose step takes
+1.25 x the persist time, run without checkpoints, then checkpointing every
+step (resident state, guarded optimizer step), then without again; the
+overhead in % (bar: <= 3 %). Two kinds of step: "cpu" (single-threaded
+matmuls, a fixed amount: the trainer competes with the sidecar for the CPU)
+and "gpu_like" (a sleep: the CPU is free, as when an accelerator computes).
 
   python bench.py --size-mib 1024 --json [--dir DIR]
 """
@@ -245,13 +247,16 @@ def main():
             target = 1.25 * med(persist)
             n_mm = max(1, int(target / per_mm))
 
-            def train_step():
+            def cpu_step():
                 x = a
                 for _ in range(n_mm):
                     x = torch.mm(x, a).clamp_(0, 1)
                 return x
 
-            def run(ckpt):
+            def gpu_like_step():
+                time.sleep(target)  # the accelerator computes; the trainer's CPU waits
+
+            def run(train_step, ckpt):
                 nonlocal step
                 train_step()  # warm
                 t0 = time.perf_counter()
@@ -260,22 +265,26 @@ def main():
                         step += 1
                         ck.save(step, state)
                     train_step()
-                    opt.step()
+                    opt.step()  # guarded: waits for the release of this step's save
                 total = time.perf_counter() - t0
                 if ckpt:
                     ck._last.wait_durable()
                 return total / args.loop_steps
 
-            base_s = run(False)
-            ckpt_s = run(True)
-            base_s2 = run(False)  # again, to see the noise of the baseline
-            loop = {"steps": args.loop_steps, "persist_s": med(persist), "step_s_no_ckpt": min(base_s, base_s2),
-                    "step_s_no_ckpt_runs": [base_s, base_s2], "step_s_ckpt_every_step": ckpt_s,
-                    "work": f"{n_mm} single-thread 384x384 matmuls per step", "torch_threads": 1}
-            loop["overhead_pct"] = 100 * (ckpt_s / loop["step_s_no_ckpt"] - 1)
-            loop["bar_overhead_le_3pct"] = loop["overhead_pct"] <= 3
-            res["loop"] = loop
-            log(f"loop: {loop}")
+            loops = {}
+            for kind, fn, work in (("cpu", cpu_step, f"{n_mm} single-thread 384x384 matmuls per step"),
+                                   ("gpu_like", gpu_like_step, f"a {target:.3f} s sleep per step (CPU free)")):
+                base_s = run(fn, False)
+                ckpt_s = run(fn, True)
+                base_s2 = run(fn, False)  # again, to see the baseline's noise
+                loop = {"steps": args.loop_steps, "persist_s": med(persist), "work": work,
+                        "step_s_no_ckpt": min(base_s, base_s2), "step_s_no_ckpt_runs": [base_s, base_s2],
+                        "step_s_ckpt_every_step": ckpt_s}
+                loop["overhead_pct"] = 100 * (ckpt_s / loop["step_s_no_ckpt"] - 1)
+                loop["bar_overhead_le_3pct"] = loop["overhead_pct"] <= 3
+                loops[kind] = loop
+                log(f"loop ({kind}): {loop}")
+            res["loop"] = loops
         ck.close()
     finally:
         side.stop()
@@ -297,11 +306,12 @@ def main():
         "resident_le_0.1x_memcpy": res["resident_over_memcpy"] <= 0.1,
         "resident_50x_below_torch_save_fsync": res["torch_save_fsync_over_resident"] >= 50,
     }
-    if "loop" in res:
-        res["bars"]["loop_overhead_le_3pct"] = res["loop"]["bar_overhead_le_3pct"]
+    for kind, loop in res.get("loop", {}).items():
+        res["bars"][f"loop_{kind}_overhead_le_3pct"] = loop["bar_overhead_le_3pct"]
     res["notes"] = ("medians after one untimed warm-up per figure (warm memory); memcpy is one thread; "
                     "the resident figure's forward/backward is a sleep (CPU free, as with a GPU); "
-                    "the loop's step is single-thread CPU matmuls")
+                    "loop 'cpu': the step is single-thread CPU matmuls, competing with the sidecar for the "
+                    "machine's cores; loop 'gpu_like': the step is a sleep (the CPU is free, as when a GPU computes)")
     if not args.json:
         for k in ("memcpy_s", "sidecar_stall_s", "sidecar_resident_stall_s", "torch_save_s", "torch_save_fsync_s",
                   "persist_s", "stall_over_memcpy", "resident_over_memcpy", "torch_save_fsync_over_resident"):

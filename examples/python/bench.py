@@ -8,9 +8,12 @@ repetition each, so every buffer is warm; all samples are in the JSON):
 
   memcpy_s                  one memcpy (ctypes.memmove, one thread) of the same bytes
                             into a pre-faulted buffer
-  sidecar_stall_s           ck.save() until released, the tensors in private
-                            memory: the shim copies them into shared memory, the
-                            sidecar copies them into its staging
+  sidecar_stall_s           ck.save() until released (the trainer may change its
+                            tensors), the tensors in private memory: the shim copies
+                            them into shared memory, which is the snapshot
+  sidecar_taken_s           ck.save() until the sidecar's Released (it holds its
+                            own copy in staging; from then on the checkpoint
+                            commits even if the trainer dies)
   sidecar_resident_stall_s  the tensors live in shared memory (ck.share): time
                             inside save() plus time blocked in the guarded
                             optimizer step, with a simulated forward/backward
@@ -188,21 +191,28 @@ def main():
         step = 0
 
         # 1. Tensors in private memory: copied into shared memory at save.
-        stall, copy_s, persist = [], [], []
+        stall, taken, copy_s, persist = [], [], [], []
         for r in range(args.reps + 1):
             step += 1
             t0 = time.perf_counter()
             h = ck.save(step, state)
-            h.wait_released()
+            h.wait_released()  # the trainer may change its tensors again
             dt = time.perf_counter() - t0
+            wait_taken = getattr(h, "wait_taken", None)  # the sidecar holds its own copy
+            if wait_taken is not None:
+                wait_taken()
+            dt_taken = time.perf_counter() - t0
             h.wait_durable()
             f = h.figures()
             if r:
                 stall.append(dt)
+                taken.append(dt_taken)
                 copy_s.append(f["copy_s"])
                 persist.append(f["persist_s"])
-        samples["sidecar_stall_s"], samples["sidecar_copy_s"], samples["persist_s"] = stall, copy_s, persist
-        log(f"sidecar stall (copied at save): {stall}; sidecar copy {copy_s}; persist {persist}")
+        samples["sidecar_stall_s"], samples["sidecar_taken_s"] = stall, taken
+        samples["sidecar_copy_s"], samples["persist_s"] = copy_s, persist
+        log(f"sidecar stall (copied at save): {stall}; until the sidecar's Released {taken}; "
+            f"sidecar copy {copy_s}; persist {persist}")
 
         # 2. Resident: the tensors live in shared memory for good.
         ck.share(state)

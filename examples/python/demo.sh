@@ -29,7 +29,7 @@ echo "== 1. uninterrupted: steps 1..60, a checkpoint every 5 steps (tensors copi
 train --dir "$dir/uninterrupted" --out "$dir/uninterrupted.pt"
 echo
 echo "== 2. the same run, parameters and AdamW state in shared memory for good (ck.share);"
-echo "      SIGKILLed right after step 35's checkpoint is released"
+echo "      SIGKILLed right after the sidecar released step 35's checkpoint (it holds its own copy)"
 rc=0
 train --dir "$dir/crashed" --share --kill-at 35 --quiet || rc=$?
 if [ "$rc" -ne 137 ]; then

@@ -43,8 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--kill-at", type=int, default=None, metavar="STEP",
                    help="SIGKILL this process at STEP (a crash); see --kill-phase")
     p.add_argument("--kill-phase", default="released", choices=["released", "saved", "forward"],
-                   help="where at --kill-at: right after that step's save is released (default), "
-                        "right after save() returns (the copy may still run), or in that step's forward pass")
+                   help="where at --kill-at: right after the sidecar released that step's save (it holds "
+                        "its own copy: default), right after save() returns (the sidecar may not have it "
+                        "yet), or in that step's forward pass")
     p.add_argument("--out", default=None, help="torch.save the final model and optimizer state here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--vocab", type=int, default=96)
@@ -229,8 +230,12 @@ def main(argv=None):
                 print(f"killing at step {step}, right after save() returned (SIGKILL)")
                 die()
             if kill_here:
-                h.wait_released()
-                print(f"killing at step {step}, right after its checkpoint was released (SIGKILL)")
+                # The sidecar's Released: it holds its own copy, so this step
+                # commits although its trainer dies. (A save copied into shared
+                # memory is released to the trainer when save() returns; the
+                # sidecar takes it from there a moment later.)
+                h.wait_taken()
+                print(f"killing at step {step}, right after the sidecar released its checkpoint (SIGKILL)")
                 die()
         elif kill_here:
             print(f"killing at step {step} (no checkpoint at this step; SIGKILL)")

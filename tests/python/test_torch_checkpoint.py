@@ -4,8 +4,9 @@
   dtype torch has, non-contiguous, zero-size and storage-sharing tensors and
   numpy arrays survives save/load bit for bit;
 - examples/python/train.py killed with SIGKILL at 10 seeded random points
-  (after a release, right after save() returns, or mid forward pass) and
-  resumed each time ends bit-identical to a run that never stopped;
+  (right after the sidecar's Released, right after save() returns, or mid
+  forward pass) and resumed each time ends bit-identical to a run that never
+  stopped;
 - the import hook (CKPT_SIDECAR=1) on an unmodified torch.save/torch.load
   script, and its file read by plain torch.load in a fresh interpreter (the
   hook writes the file from the trainer's own thread today, see

@@ -167,6 +167,8 @@ def test_torch_not_imported_by_numpy_use(ck):
 
 def test_many_saves_in_flight_reuse_two_regions(ck):
     w = np.zeros(1 << 18, np.float64)  # 2 MiB
+    ck.reserve({"w": w})
+    assert len(ck._save_regions) == 2 and len(ck._free) == 2
     handles = []
     for s in range(1, 9):
         w[:] = s

@@ -67,10 +67,15 @@ def lib():
     if _lib is not None:
         return _lib
     path = library_path()
-    if not path.exists():
+    preloaded = None if os.environ.get("CKPT_SIDECAR_LIB") else _preloaded()
+    if preloaded is not None:
+        # `ckpt-sidecar launch --preload` put libckpt into this process already:
+        # use that copy rather than load a second one with its own state.
+        path = preloaded
+    elif not path.exists():
         raise ImportError(f"{path} missing: install the package with `pip install ./shim-py` "
                           "(it builds the native shim), or set CKPT_SIDECAR_LIB")
-    L = ctypes.CDLL(str(path))
+    L = path if isinstance(path, ctypes.CDLL) else ctypes.CDLL(str(path))
     c = ctypes
     P = c.c_void_p
     sigs = {
@@ -109,6 +114,18 @@ def lib():
         fn.restype = res
     _lib = L
     return L
+
+
+def _preloaded():
+    """The process's global symbols when they include libckpt (LD_PRELOAD), else None."""
+    if "libckpt" not in os.environ.get("LD_PRELOAD", ""):
+        return None
+    try:
+        g = ctypes.CDLL(None)
+        g.ckpt_protocol_version  # noqa: B018 (AttributeError when absent)
+        return g
+    except (AttributeError, OSError):
+        return None
 
 
 def last_error():

@@ -35,7 +35,7 @@ ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
 RNG_BLOB = "rng.pkl"
 LOCK_NAME = ".ckpt-sidecar-py.lock"
-SPAWN_TIMEOUT_S = 30.0
+SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
 
 _live = weakref.WeakSet()

@@ -101,3 +101,24 @@ def test_spawn_at_given_socket_and_fork_child_leaves_it(tmp_path, no_default_sid
         ck.save(1, {"w": np.ones(2)}).wait_durable(30)
         assert other.list() == [1]
     ck.close()
+
+
+def test_under_launch_preload_uses_the_preloaded_library(tmp_path):
+    """`ckpt-sidecar launch --preload -- python ...`: the package uses the libckpt
+    already in the process and reaches the launching sidecar by $CKPT_SIDECAR_SOCKET."""
+    import subprocess
+    import sys
+
+    from ckpt_sidecar import _native
+
+    code = ("import ckpt_sidecar as cs, numpy as np\n"
+            "from ckpt_sidecar import _native as N\n"
+            "import ctypes\n"
+            "assert not isinstance(N.lib(), type(None)) and N.lib()._name is None, N.lib()._name\n"
+            "ck = cs.Checkpointer(spawn=False)\n"
+            "ck.save(1, {'w': np.arange(3)}).wait_durable(30)\n"
+            "print(ck.load(1)['w'].tolist())\n")
+    r = subprocess.run([_native.sidecar_binary(), "launch", "--dir", str(tmp_path / "ck"), "--staging", "64MiB",
+                        "--preload", "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[0, 1, 2]"

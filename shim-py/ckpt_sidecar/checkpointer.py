@@ -439,7 +439,9 @@ class Checkpointer:
                 nbytes = obj.numel() * obj.element_size()
                 inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8)
                 addr = obj.data_ptr() if nbytes else 0
-            shape = list(ref.shape) if ref.stored != "U8" or ref.dtype in ("uint8", np.dtype(np.uint8)) else [nbytes]
+            is_u8 = obj.dtype == np.uint8 if ref.kind == "np" else ref.dtype == "uint8"
+            # A dtype safetensors lacks travels as its raw bytes (U8, [nbytes]).
+            shape = list(ref.shape) if ref.stored != "U8" or is_u8 else [nbytes]
             if nbytes == 0:
                 rows.append([ref, obj, 0, shape, 0])
                 continue

@@ -16,7 +16,6 @@ import os
 import pickle
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -226,26 +225,23 @@ class Checkpointer:
         self._start_proc()
 
     def _start_proc(self):
-        cmd = [N.sidecar_binary(), "serve", "--dir", self.dir, "--socket", self.socket]
+        # `launch` with a child that waits for EOF on a pipe this process holds:
+        # when this process ends, however it ends (SIGKILL too), the pipe closes,
+        # the child exits, and launch commits the saves it had taken, then exits
+        # (freeing the directory lock). close() closes the pipe the same way.
+        # (Not PR_SET_PDEATHSIG: with a multi-threaded parent it can fire once per
+        # exiting thread, and a second SIGTERM makes the sidecar abort.)
+        cmd = [N.sidecar_binary(), "launch", "--dir", self.dir, "--socket", self.socket]
         if self._keep is not None:
             cmd += ["--keep", str(int(self._keep))]
         if self._staging is not None:
             cmd += ["--staging", str(self._staging)]
+        cmd += ["--", "cat"]
         self.log_path = self._log or os.path.join(self._tmpdir, "sidecar.log")
         logf = open(self.log_path, "ab")
-
-        def child_setup():
-            # The sidecar gets SIGTERM when this process dies (also on SIGKILL): it
-            # drains released saves, then exits and frees the directory lock.
-            try:
-                libc = ctypes.CDLL(None)
-                libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-            except Exception:
-                pass
-            os.setpgid(0, 0)  # a Ctrl-C at the terminal reaches us; we stop it in order
-
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                      pass_fds=(self._lock_fd,), preexec_fn=child_setup)
+        # Own session: a Ctrl-C at the terminal reaches the trainer, which then stops it in order.
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
+                                      pass_fds=(self._lock_fd,), start_new_session=True)
         logf.close()
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while True:
@@ -280,6 +276,7 @@ class Checkpointer:
             raise Closed("the Checkpointer is closed", -16)
         if self._proc is not None and self._proc.poll() is not None:
             warnings.warn(f"the spawned sidecar exited ({self._proc.returncode}); starting a new one")
+            self._proc.stdin.close()  # ends the old launch's child, if it outlived launch
             self._start_proc()
 
     @property
@@ -685,14 +682,15 @@ class Checkpointer:
         return self._client is not None and bool(N.lib().ckpt_connected(self._client))
 
     def close(self):
-        """Wait until pending saves are released, move share()'d tensors back to
-        private memory, say goodbye, and stop a spawned sidecar (SIGTERM: it
-        commits what was released, then exits)."""
+        """Wait until pending saves are taken, move share()'d tensors back to
+        private memory, say goodbye, and stop a spawned sidecar (its pipe closed:
+        it commits what it took, then exits; close() waits for that)."""
         with self._mu:
             if self._client is None:
                 return
             if os.getpid() != self._pid:
-                # A forked child: the client and the sidecar belong to the parent.
+                # A forked child: the client and the sidecar belong to the parent
+                # (closing our copy of the pipe does not end the sidecar).
                 self._client = self._proc = self._tmpdir = None
                 _live.discard(self)
                 return
@@ -710,8 +708,8 @@ class Checkpointer:
             N.lib().ckpt_close(client)
             self._regions, self._region_ptrs, self._free, self._save_regions, self._load_region = [], [], [], [], None
             if self._proc is not None:
+                self._proc.stdin.close()  # EOF: launch's child exits, launch drains and exits
                 if self._proc.poll() is None:
-                    self._proc.send_signal(signal.SIGTERM)
                     try:
                         self._proc.wait()
                     except KeyboardInterrupt:

@@ -122,3 +122,36 @@ def test_under_launch_preload_uses_the_preloaded_library(tmp_path):
                         "--preload", "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[0, 1, 2]"
+
+
+def test_trainer_sigkilled_spawned_sidecar_commits_taken_save_and_exits(tmp_path, no_default_sidecar):
+    import subprocess
+    import sys
+
+    d = tmp_path / "ck"
+    code = f"""
+import os, sys, numpy as np, ckpt_sidecar as cs
+ck = cs.Checkpointer(dir={str(d)!r}, staging="64MiB", log={str(tmp_path / "first.log")!r})
+ck.save(1, {{"w": np.arange(1 << 20, dtype=np.float32)}}).wait_taken(30)
+print(ck._proc.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    sidecar_pid = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{sidecar_pid}") and "zombie" not in _proc_state(sidecar_pid):
+        assert time.monotonic() < deadline, "the orphaned sidecar did not exit"
+        time.sleep(0.05)
+    # The taken save committed; a new trainer spawns its own sidecar on the directory.
+    with cs.Checkpointer(dir=d, staging="64MiB") as ck:
+        assert ck.list() == [1], (tmp_path / "first.log").read_text()
+        assert ck.load(1)["w"][-1] == (1 << 20) - 1
+
+
+def _proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read()
+    except OSError:
+        return "zombie"

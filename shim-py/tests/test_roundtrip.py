@@ -194,3 +194,15 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_too_large_for_staging_fails_that_save_only(ck):
+    big = np.zeros(80 << 20, np.uint8)  # above the sidecar's 64 MiB staging
+    h = ck.save(1, {"w": big})
+    with pytest.raises(cs.TooLarge) as e:
+        h.wait_durable(30)
+    assert e.value.code == -12 and str(e.value)
+    with pytest.raises(cs.TooLarge):
+        h.wait_released(0)  # the failure is known: released-waits report it too
+    ck.save(2, {"w": np.ones(3)}).wait_durable(30)  # the next save is fine
+    assert ck.list() == [2]

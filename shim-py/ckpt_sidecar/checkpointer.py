@@ -161,7 +161,8 @@ class SaveHandle:
 class Checkpointer:
     """A connection to a sidecar (spawned for this process if none runs).
 
-    dir: checkpoint directory (used when spawning; a running sidecar keeps its own).
+    dir: checkpoint directory for a spawned sidecar (default "ckpt"). A running
+        sidecar keeps its own (ck.dir then names it; a warning when `dir` differs).
     socket: socket path (default: $CKPT_SIDECAR_SOCKET, else the shim's default path).
     spawn: start `ckpt-sidecar serve` for this process when none is reachable: at
         `socket` if given, else at a private path (ck.socket).
@@ -169,8 +170,8 @@ class Checkpointer:
         int of bytes or a string like "512MiB").
     """
 
-    def __init__(self, dir="ckpt", socket=None, spawn=True, keep=None, staging=None, log=None):
-        self.dir = os.path.abspath(os.fspath(dir))
+    def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None):
+        self.dir = os.path.abspath(os.fspath(dir if dir is not None else "ckpt"))
         self._client = None
         self._proc = None
         self._tmpdir = None
@@ -194,7 +195,21 @@ class Checkpointer:
             if not spawn:
                 raise
             self._spawn()
+        else:
+            self._check_dir(dir)
         _live.add(self)
+
+    def _check_dir(self, asked):
+        """A running sidecar writes where it was told: say so when that is not `dir`."""
+        try:
+            dirs = self.status().get("dirs") or []
+        except SidecarError:
+            return
+        if dirs:
+            if asked is not None and os.path.realpath(dirs[0]) != os.path.realpath(self.dir):
+                warnings.warn(f"the sidecar at {self.socket or '(default socket)'} writes to {dirs[0]}, "
+                              f"not {self.dir}: checkpoints go there")
+            self.dir = dirs[0]
 
     # ---- connection and the spawned sidecar ----
 

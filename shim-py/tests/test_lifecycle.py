@@ -155,3 +155,10 @@ def _proc_state(pid):
             return f.read()
     except OSError:
         return "zombie"
+
+
+def test_running_sidecar_with_another_dir_warns(sidecar, tmp_path):
+    with pytest.warns(UserWarning, match="checkpoints go there"):
+        ck = cs.Checkpointer(dir=tmp_path / "elsewhere", socket=sidecar.socket, spawn=False)
+    assert ck.dir == str(sidecar.dir)
+    ck.close()

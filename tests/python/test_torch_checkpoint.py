@@ -13,11 +13,13 @@
   shim-py/ckpt_sidecar/_hook.py; no sidecar is involved);
 - `.venv/bin/python -c "import ckpt_sidecar, torch"` from the repository root.
 
-Each sidecar here is a `ckpt-sidecar serve` the test starts on its own socket
-and stops, so nothing outlives the test.
+Sidecars here are `ckpt-sidecar serve` processes the test starts on sockets of
+its own and stops, or sidecars the trainer spawns (on a socket of the test's)
+that exit with it, so nothing outlives the test.
 """
 
 import contextlib
+import fcntl
 import os
 import random
 import signal
@@ -223,18 +225,32 @@ def test_kill_at_random_steps_then_resume_is_bit_identical(tmp_path, sidecar_bin
         run_train(["--dir", str(tmp_path / "ref"), "--socket", str(tmp_path / "ref.sock"),
                    "--out", str(tmp_path / "ref.pt")])
 
-    ck, sock = tmp_path / "ck", tmp_path / "ck.sock"
+    ck = tmp_path / "ck"
+    resumed_from = []
+
+    def crash(i, k, phase, sock):
+        p = run_train(["--dir", str(ck), "--socket", str(sock), "--kill-at", str(k), "--kill-phase", phase]
+                      + (["--resume"] if i else []), check=False)
+        assert p.returncode == -signal.SIGKILL, f"kill at {k} ({phase}): exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+        assert f"killing at step {k}" in p.stdout, p.stdout
+        if i:
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("resumed from step")]
+            resumed_from.append(int(line[0].split()[3]) if line else 0)
+
+    # The first half as a user runs it: each trainer spawns its own sidecar
+    # (on a socket of this test's), which drains and exits when its trainer
+    # is killed; the next trainer waits for it (the directory's lock).
+    for i in range(5):
+        crash(i, points[i], phases[i], tmp_path / "spawn.sock")
+    # Wait until the last spawned sidecar has drained and gone.
+    fd = os.open(ck / ".ckpt-sidecar-py.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.close(fd)
+    # The second half against one long-lived `serve` that outlives the trainers.
+    sock = tmp_path / "ck.sock"
     with serve(sidecar_bin, ck, sock):
-        resumed_from = []
-        for i, (k, phase) in enumerate(zip(points, phases)):
-            p = run_train(["--dir", str(ck), "--socket", str(sock), "--kill-at", str(k), "--kill-phase", phase]
-                          + (["--resume"] if i else []), check=False)
-            assert p.returncode == -signal.SIGKILL, \
-                f"kill at {k} ({phase}): exit {p.returncode}\n{p.stdout}\n{p.stderr}"
-            assert f"killing at step {k}" in p.stdout, p.stdout
-            if i:
-                line = [ln for ln in p.stdout.splitlines() if ln.startswith("resumed from step")]
-                resumed_from.append(int(line[0].split()[3]) if line else 0)
+        for i in range(5, len(points)):
+            crash(i, points[i], phases[i], sock)
         p = run_train(["--dir", str(ck), "--socket", str(sock), "--resume", "--out", str(tmp_path / "resumed.pt")])
         print(p.stdout)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("resumed from step")]

@@ -159,6 +159,12 @@ def main(argv=None):
 
     start = 1
     if args.resume:
+        # A trainer killed after the sidecar's Released still gets that
+        # checkpoint committed; with a long-lived sidecar it may be committing
+        # now, so wait for it before asking for latest.
+        deadline = time.monotonic() + 120
+        while ck.status().get("in_flight") and time.monotonic() < deadline:
+            time.sleep(0.02)
         try:
             state = ck.load(step="latest", map_location="cpu", restore_rng=True)
         except cs.SidecarError as e:

@@ -31,8 +31,10 @@ echo
 echo "== 2. the same run, parameters and AdamW state in shared memory for good (ck.share);"
 echo "      SIGKILLed right after the sidecar released step 35's checkpoint (it holds its own copy)"
 rc=0
-train --dir "$dir/crashed" --share --kill-at 35 --quiet || rc=$?
+# (stderr to a file: bash's own "Killed" notice would land in the output)
+{ train --dir "$dir/crashed" --share --kill-at 35 --quiet; } 2>"$dir/crashed.stderr" || rc=$?
 if [ "$rc" -ne 137 ]; then
+    cat "$dir/crashed.stderr" >&2
     echo "expected a SIGKILL (exit 137), got $rc" >&2
     exit 1
 fi

@@ -7,7 +7,7 @@
 # checkpoint beside torch.save's time (with and without fsync) for the same
 # state. Each run spawns its own sidecar (ckpt_sidecar.Checkpointer).
 #
-# Needs the repo venv with torch and shim-py: bash .ci/setup-python.sh
+# Uses the repo venv (.venv) with torch and shim-py, making it first if needed.
 # Usage: examples/python/demo.sh [DIR]   (default: a fresh temp dir, kept; its path is printed)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,8 +16,14 @@ py="${PYTHON:-$root/.venv/bin/python}"
 dir="${1:-$(mktemp -d /tmp/ckpt-py-demo-XXXXXX)}"
 mkdir -p "$dir"
 if ! "$py" -c 'import ckpt_sidecar, torch' 2>/dev/null; then
-    echo "error: $py cannot import ckpt_sidecar and torch; run: bash .ci/setup-python.sh" >&2
-    exit 1
+    if [ -n "${PYTHON:-}" ]; then
+        echo "error: $py cannot import ckpt_sidecar and torch" >&2
+        exit 1
+    fi
+    # A fresh machine: make the repo venv (numpy, torch, the package built
+    # from this tree) first.
+    echo "== setting up $root/.venv (first run only: builds the package, downloads torch)"
+    bash "$root/.ci/setup-python.sh"
 fi
 export CKPT_SIDECAR_LOG="${CKPT_SIDECAR_LOG:-warn}"
 # A socket of our own per run: never a sidecar someone else started.

@@ -112,20 +112,17 @@ class SaveHandle:
 
     def wait_taken(self, timeout=None):
         """Block until the sidecar holds its own copy (its Released reply)."""
-        try:
-            self._wait(N.RELEASED, timeout)
-        except Timeout:
-            raise
-        except SidecarError:
-            self._mark_taken()
-            raise
-        self._mark_taken()
-        return self
+        return self._wait(N.RELEASED, timeout)
 
     def wait_durable(self, timeout=None):
         """Block until the checkpoint is committed on disk; raises its failure."""
+        return self._wait(N.DURABLE, timeout)
+
+    def _wait(self, what, timeout):
+        # Any answer but a timeout (success or the save's failure) means the
+        # sidecar is done with our memory for this save.
         try:
-            self._wait(N.DURABLE, timeout)
+            N.check(N.lib().ckpt_wait(self._ck._client, self.id, what, _ms(timeout)))
         except Timeout:
             raise
         except SidecarError:
@@ -133,9 +130,6 @@ class SaveHandle:
             raise
         self._mark_taken()
         return self
-
-    def _wait(self, what, timeout):
-        N.check(N.lib().ckpt_wait(self._ck._client, self.id, what, _ms(timeout)))
 
     def released(self):
         """Whether the trainer may change the saved tensors (without blocking)."""

@@ -102,8 +102,10 @@ pub const COMMIT_QUEUE_MAX: usize = 16;
 /// session's own thread included.
 pub const COPY_THREADS: usize = 2;
 /// A tensor is copied in pieces of at most this, so both copy threads share
-/// even a single large tensor.
-pub const COPY_PIECE_BYTES: usize = 64 << 20;
+/// even a single large tensor. Small, because the helper thread runs in the
+/// SCHED_IDLE class: when every core is busy it may wait long for CPU, and
+/// the release waits for the piece it holds (~0.1 ms of work at 1 MiB).
+pub const COPY_PIECE_BYTES: usize = 1 << 20;
 /// Copy then checksum this much at a time, while it is still in cache.
 pub const COPY_BLOCK_BYTES: usize = 256 << 10;
 /// Writes into a client region on load go in requests of at most this.

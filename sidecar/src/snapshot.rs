@@ -189,7 +189,15 @@ fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Pi
     let mut results = vec![0u32; pieces.0.len()];
     std::thread::scope(|s| {
         let helpers: Vec<_> = (1..config::COPY_THREADS)
-            .map(|i| std::thread::Builder::new().name(format!("ckpt-copy-{i}")).spawn_scoped(s, || work(false)).expect("spawning a copy thread"))
+            .map(|i| {
+                std::thread::Builder::new()
+                    .name(format!("ckpt-copy-{i}"))
+                    .spawn_scoped(s, || {
+                        idle_priority();
+                        work(false)
+                    })
+                    .expect("spawning a copy thread")
+            })
             .collect();
         for (k, c) in work(true) {
             results[k] = c;
@@ -201,6 +209,18 @@ fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Pi
         }
     });
     (!stopped.load(Ordering::Relaxed)).then_some(results)
+}
+
+/// Puts the calling thread in the SCHED_IDLE class: it runs only on a core
+/// nothing else wants. The helper copy threads use it so that a trainer
+/// blocked waiting for Released lends them its core, while a trainer that
+/// computes (tensors resident in shared memory, or the checksum pass after
+/// the release) is never slowed by them. Refusal only costs that courtesy.
+fn idle_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: changes only the calling thread's scheduling policy (pid 0);
+    // `param` is a valid sched_param for SCHED_IDLE.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
 }
 
 /// Copies every tensor into the lease (headers written first); false when

@@ -193,8 +193,8 @@ fn check_round_trip(dir: &Path, m: &Mode) {
 
 // ------------------------------------------------------------------ forced modes
 
-#[test]
-fn doctor_reports_each_forced_engine_and_why() {
+/// Runs `check` in a fresh directory for every mode this machine allows.
+fn for_each_mode(check: impl Fn(&Path, &Mode)) {
     let uring = uring_available();
     for m in modes() {
         if m.needs_uring() && !uring {
@@ -202,21 +202,20 @@ fn doctor_reports_each_forced_engine_and_why() {
             continue;
         }
         let d = tempfile::tempdir().unwrap();
-        check_doctor(d.path(), &m);
+        check(d.path(), &m);
     }
 }
 
 #[test]
+fn doctor_reports_each_forced_engine_and_why() {
+    for_each_mode(|d, m| {
+        check_doctor(d, m);
+    });
+}
+
+#[test]
 fn every_forced_engine_writes_checkpoints_that_verify() {
-    let uring = uring_available();
-    for m in modes() {
-        if m.needs_uring() && !uring {
-            println!("skipped {}: io_uring refused on this machine", m.name);
-            continue;
-        }
-        let d = tempfile::tempdir().unwrap();
-        check_round_trip(d.path(), &m);
-    }
+    for_each_mode(check_round_trip);
 }
 
 /// Successive checkpoints in one directory with alternating engines: each

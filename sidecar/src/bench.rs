@@ -41,8 +41,9 @@ pub struct Figures {
     pub ratio_to_fio: Option<f64>,
 }
 
-fn gib_per_s(bytes: u64, seconds: f64) -> f64 {
-    bytes as f64 / seconds / (1u64 << 30) as f64
+/// GiB per second; a zero duration counts as a picosecond (never inf/NaN).
+pub(crate) fn gib_per_s(bytes: u64, seconds: f64) -> f64 {
+    bytes as f64 / seconds.max(1e-12) / (1u64 << 30) as f64
 }
 
 struct Cpu {

@@ -124,10 +124,6 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
-fn gib_per_s(bytes: u64, seconds: f64) -> f64 {
-    bytes as f64 / seconds.max(1e-12) / (1u64 << 30) as f64
-}
-
 /// The image the sidecar will plan for the synthetic state (serve's defaults:
 /// one directory, 1 GiB shards).
 fn plan(size_bytes: u64) -> anyhow::Result<Layout> {
@@ -433,7 +429,7 @@ pub fn run(args: &StallArgs) -> anyhow::Result<StallFigures> {
 
         let stall_median = median(&stall_seconds);
         let memcpy_median = median(&memcpy_seconds);
-        let persist_rates: Vec<f64> = persist_seconds.iter().map(|&s| gib_per_s(file_bytes, s)).collect();
+        let persist_rates: Vec<f64> = persist_seconds.iter().map(|&s| bench::gib_per_s(file_bytes, s)).collect();
         let persist = median(&persist_rates);
         Ok(StallFigures {
             op: "stall",

@@ -134,6 +134,22 @@ fn kill9(child: &mut Child) -> std::process::ExitStatus {
 /// trainer behind (a live one would keep trying to reconnect forever).
 struct Reaped(Child);
 
+/// Starts the test trainer on `sock` with `args`, its stdout in `out` and
+/// stderr beside it, never in preload mode.
+fn spawn_trainer(exe: &Path, args: &[&str], sock: &Path, out: &Path) -> Reaped {
+    Reaped(
+        Command::new(exe)
+            .args(args)
+            .arg("--socket")
+            .arg(sock)
+            .env_remove("CKPT_SIDECAR_PRELOAD")
+            .stdout(fs::File::create(out).unwrap())
+            .stderr(fs::File::create(out.with_extension("err")).unwrap())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 impl Drop for Reaped {
     fn drop(&mut self) {
         if let Ok(None) = self.0.try_wait() {
@@ -455,16 +471,7 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
     for run in 0..RUNS {
         let latest_before = known.last().copied();
         let out = tmp.path().join(format!("trainer-{run}.log"));
-        let mut child = Reaped(
-            Command::new(&exe)
-                .args(["--mib", &MIB.to_string(), "--resume", "--socket"])
-                .arg(&sock)
-                .env_remove("CKPT_SIDECAR_PRELOAD")
-                .stdout(fs::File::create(&out).unwrap())
-                .stderr(fs::File::create(out.with_extension("err")).unwrap())
-                .spawn()
-                .unwrap(),
-        );
+        let mut child = spawn_trainer(&exe, &["--mib", &MIB.to_string(), "--resume"], &sock, &out);
         let pid = child.0.id();
         pids.push(pid);
         let delay = Duration::from_micros(rng.below(KILL_DELAY_US_MAX));
@@ -606,16 +613,7 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
     let mut rng = Rng::new("sidecar kills", 0x0073_6964_6563_6172);
 
     let out = tmp.path().join("trainer.log");
-    let mut trainer = Reaped(
-        Command::new(&exe)
-            .args(["--mib", &MIB.to_string(), "--keep-going", "--step-ms", "50", "--socket"])
-            .arg(&sock)
-            .env_remove("CKPT_SIDECAR_PRELOAD")
-            .stdout(fs::File::create(&out).unwrap())
-            .stderr(fs::File::create(out.with_extension("err")).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let mut trainer = spawn_trainer(&exe, &["--mib", &MIB.to_string(), "--keep-going", "--step-ms", "50"], &sock, &out);
     let ctx = |round: usize, sidecar: &Sidecar| format!("round {round}; trainer log:\n{}\nsidecar log:\n{}", tail(&out, 25), sidecar.log_text());
 
     let mut known: BTreeSet<u64> = BTreeSet::new(); // committed and checked

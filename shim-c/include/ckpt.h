@@ -213,6 +213,23 @@ int ckpt_save(struct ckpt_client *client,
               size_t n_blobs,
               uint64_t *save_id);
 
+// Asks the sidecar to write `len_bytes` at `data` (inside memory from
+// ckpt_alloc) as the whole content of the file `path` (absolute, in an
+// existing directory), atomically: a temp file in that directory, synced,
+// renamed over `path`. Returns at once with the save's id in *save_id;
+// wait with ckpt_wait like a save: CKPT_RELEASED (the bytes may change),
+// CKPT_DURABLE (renamed and synced). The sidecar writes files only for
+// clients of its own uid.
+//
+// # Safety
+// `client` is a live client; `path` a NUL-terminated string; `save_id`
+// writable. `data` is only compared with region addresses.
+int ckpt_save_file(struct ckpt_client *client,
+                   const char *path,
+                   const void *data,
+                   uint64_t len_bytes,
+                   uint64_t *save_id);
+
 // Blocks until save `save_id` is CKPT_RELEASED or CKPT_DURABLE (as `what`
 // says), or `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the
 // save's error when it failed (e.g. CKPT_E_IO, CKPT_E_DISCONNECTED);

@@ -100,7 +100,7 @@ pub enum SaveState {
     Failed,
 }
 
-/// A save issued by [`Client::save`].
+/// A save issued by [`Client::save`] or [`Client::save_file`] (step 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SaveHandle {
     pub id: u64,
@@ -110,7 +110,10 @@ pub struct SaveHandle {
 /// Everything known about one save.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SaveStatus {
+    /// 0 for a save_file.
     pub step: u64,
+    /// The destination of a save_file; None for a checkpoint.
+    pub file: Option<String>,
     pub state: SaveState,
     /// Whether the sidecar said Released (a failed save may have been).
     pub released: bool,
@@ -120,6 +123,16 @@ pub struct SaveStatus {
     pub persist_seconds: Option<f64>,
     /// Why it failed, when `state` is Failed.
     pub error: Option<String>,
+}
+
+impl SaveStatus {
+    /// "step N" or "file PATH", for messages.
+    pub fn what(&self) -> String {
+        match &self.file {
+            Some(p) => format!("file {p}"),
+            None => format!("step {}", self.step),
+        }
+    }
 }
 
 /// What a load returned.
@@ -535,13 +548,38 @@ impl Client {
         let mut inner = self.lock_inner();
         let descs = describe(&inner.regions, tensors)?;
         let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
-        let conn = self.ensure_connected(&mut inner)?;
+        self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs })
+    }
+
+    /// Asks the sidecar to write `len_bytes` at `ptr` (inside one of this
+    /// client's regions) as the whole content of the file `path` (absolute,
+    /// in an existing directory), atomically: temp file, sync, rename. Like
+    /// a save: returns at once; the bytes must not change until released
+    /// (wait with [`Wanted::Released`]); durable once renamed and synced.
+    pub fn save_file(&self, path: &str, ptr: *const u8, len_bytes: u64) -> Result<SaveHandle> {
+        let mut inner = self.lock_inner();
+        let t = TensorRef { name: path, dtype: "U8", shape: &[], ptr, len_bytes };
+        let d = describe(&inner.regions, &[t])?.pop().expect("one descriptor for one ref");
+        let path = path.to_string();
+        self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFile {
+            id,
+            path,
+            region_id: d.region_id,
+            offset_bytes: d.offset_bytes,
+            len_bytes: d.len_bytes,
+        })
+    }
+
+    /// Files a save under a fresh id and sends the request `make` builds.
+    fn submit(&self, inner: &mut MutexGuard<'_, Inner>, step: u64, file: Option<String>, make: impl FnOnce(u64) -> Request) -> Result<SaveHandle> {
+        let conn = self.ensure_connected(inner)?;
         let id = {
             let mut st = self.lock_state();
             let id = st.next_id;
             st.next_id += 1;
             let status = SaveStatus {
                 step,
+                file,
                 state: SaveState::Pending,
                 released: false,
                 copy_seconds: None,
@@ -553,7 +591,7 @@ impl Client {
             st.saves.insert(id, SaveEntry { status, code: None });
             id
         };
-        if let Err(e) = send_frame(&conn.stream, &Request::Save { id, step, tensors: descs, blobs }) {
+        if let Err(e) = send_frame(&conn.stream, &make(id)) {
             let mut st = self.lock_state();
             st.saves.remove(&id);
             return Err(e);
@@ -586,7 +624,7 @@ impl Client {
                 (_, SaveState::Failed) => {
                     let reason = s.error.clone().unwrap_or_default();
                     return Err(match e.code {
-                        Some(code) => Error::SaveFailed { step: s.step, code, reason },
+                        Some(code) => Error::SaveFailed { what: s.what(), code, reason },
                         None => Error::Disconnected { reason },
                     });
                 }
@@ -595,9 +633,9 @@ impl Client {
             if done {
                 return Ok(s.clone());
             }
-            let step = s.step;
+            let what = s.what();
             st = self.wait_changed(st, deadline).map_err(|()| Error::Timeout {
-                what: format!("save of step {step} to be {}", if wanted == Wanted::Released { "released" } else { "durable" }),
+                what: format!("save of {what} to be {}", if wanted == Wanted::Released { "released" } else { "durable" }),
                 timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
             })?;
         }

@@ -32,8 +32,9 @@ pub enum Error {
     UnknownRegion { ptr: usize },
     #[error("save {save_id} is unknown to this client (never issued, or forgotten: only the newest finished saves are remembered)")]
     UnknownSave { save_id: u64 },
-    #[error("save of step {step} failed ({code:?}): {reason}")]
-    SaveFailed { step: u64, code: ErrorCode, reason: String },
+    /// `what`: "step N", or "file PATH" for a save_file.
+    #[error("save of {what} failed ({code:?}): {reason}")]
+    SaveFailed { what: String, code: ErrorCode, reason: String },
     #[error("the sidecar answered {code:?}: {message}")]
     Remote { code: ErrorCode, message: String },
     #[error("protocol error: {0}")]

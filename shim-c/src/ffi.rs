@@ -400,6 +400,30 @@ pub unsafe extern "C" fn ckpt_save(
     })
 }
 
+/// Asks the sidecar to write `len_bytes` at `data` (inside memory from
+/// ckpt_alloc) as the whole content of the file `path` (absolute, in an
+/// existing directory), atomically: a temp file in that directory, synced,
+/// renamed over `path`. Returns at once with the save's id in *save_id;
+/// wait with ckpt_wait like a save: CKPT_RELEASED (the bytes may change),
+/// CKPT_DURABLE (renamed and synced). The sidecar writes files only for
+/// clients of its own uid.
+///
+/// # Safety
+/// `client` is a live client; `path` a NUL-terminated string; `save_id`
+/// writable. `data` is only compared with region addresses.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_save_file(client: *mut ckpt_client, path: *const c_char, data: *const c_void, len_bytes: u64, save_id: *mut u64) -> c_int {
+    guard(|| {
+        let save_id = out(save_id, "save_id")?;
+        // SAFETY (this block): the caller's contract for every pointer.
+        let c = unsafe { self::client(client) }?;
+        let path = unsafe { c_str(path, "path") }?;
+        let h = c.client.save_file(path, data.cast(), len_bytes)?;
+        unsafe { *save_id = h.id };
+        Ok(())
+    })
+}
+
 /// Blocks until save `save_id` is CKPT_RELEASED or CKPT_DURABLE (as `what`
 /// says), or `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the
 /// save's error when it failed (e.g. CKPT_E_IO, CKPT_E_DISCONNECTED);

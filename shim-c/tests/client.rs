@@ -107,7 +107,7 @@ fn a_welcome_of_another_version_is_refused_with_a_clear_error() {
     let (_d, sock) = temp_socket();
     let _fake = Fake::start(&sock, Opts { version: Some(99), ..Opts::default() });
     let e = Client::connect(Some(&sock)).err().unwrap();
-    assert!(matches!(e, Error::Version { ours: 1, theirs: 99, .. }), "{e:?}");
+    assert!(matches!(e, Error::Version { ours: ckpt_wire::PROTOCOL_VERSION, theirs: 99, .. }), "{e:?}");
     assert!(e.to_string().contains("protocol version 99"), "{e}");
 }
 
@@ -154,7 +154,7 @@ fn failures_after_release_are_reported_by_wait() {
     let h = c.save(3, &t, &[]).unwrap();
     c.wait(h.id, Wanted::Released, SEC).unwrap();
     let e = c.wait(h.id, Wanted::Durable, SEC).err().unwrap();
-    assert!(matches!(e, Error::SaveFailed { step: 3, code: ErrorCode::Io, .. }), "{e:?}");
+    assert!(matches!(&e, Error::SaveFailed { what, code: ErrorCode::Io, .. } if what == "step 3"), "{e:?}");
     assert!(e.to_string().contains("No space left"), "{e}");
     let s = c.poll(h.id).unwrap();
     assert_eq!(s.state, SaveState::Failed);

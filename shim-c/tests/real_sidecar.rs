@@ -123,6 +123,103 @@ fn save_release_durable_and_load_from_ram_then_disk() {
 }
 
 #[test]
+fn save_file_writes_whole_files_atomically_and_refuses_bad_paths() {
+    let Some(bin) = sidecar_bin() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, sock) = (tmp.path().join("ck"), tmp.path().join("s.sock"));
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let serve = Serve::start(&bin, &dir, &sock);
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(8 << 20).unwrap();
+    let dest = out.join("model.pt");
+    let dest_s = dest.to_str().unwrap();
+    std::fs::write(&dest, b"the old file").unwrap();
+    // Sizes around the block size, at an unaligned offset; each replaces the last.
+    for (i, len) in [5000usize, 4096, 1, (3 << 20) + 17].into_iter().enumerate() {
+        let bytes = pattern(i as u64, len);
+        r.write_at(100, &bytes).unwrap();
+        let h = c.save_file(dest_s, r.as_ptr().wrapping_add(100), len as u64).unwrap();
+        c.wait(h.id, Wanted::Released, SEC).unwrap();
+        r.write_at(100, &vec![0xEE; len]).unwrap(); // released: the region may change
+        let s = c.wait(h.id, Wanted::Durable, SEC).unwrap();
+        assert_eq!(s.path.as_deref(), Some(dest_s));
+        assert_eq!(std::fs::read(&dest).unwrap(), bytes, "len {len}");
+    }
+    // Nothing but the file is left in its directory (no temp names).
+    let names: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("model.pt")]);
+    // An empty file.
+    let empty = out.join("empty.pt");
+    let h = c.save_file(empty.to_str().unwrap(), r.as_ptr(), 0).unwrap();
+    c.wait(h.id, Wanted::Durable, SEC).unwrap();
+    assert_eq!(std::fs::read(&empty).unwrap(), b"");
+    // Refusals name the problem, and the session goes on.
+    let missing = out.join("no/such/dir/x.pt");
+    for (path, needle) in [("relative.pt", "not absolute"), (missing.to_str().unwrap(), "No such file"), (out.to_str().unwrap(), "is a directory")] {
+        let h = c.save_file(path, r.as_ptr(), 10).unwrap();
+        let e = c.wait(h.id, Wanted::Durable, SEC).err().unwrap();
+        assert!(matches!(&e, Error::SaveFailed { what, .. } if what.contains(path)), "{e:?}");
+        assert!(e.to_string().contains(needle), "{path}: {e}");
+    }
+    let outside = [0u8; 16];
+    let e = c.save_file(dest_s, outside.as_ptr(), 16).err().unwrap();
+    assert!(matches!(e, Error::OutsideRegion { .. }), "{e:?}");
+    // Checkpoints and files share the session and the committer's order.
+    let t = [TensorRef::in_region("w", "U8", &[4096], &r, 0, 4096)];
+    let h1 = c.save(1, &t, &[]).unwrap();
+    let h2 = c.save_file(dest_s, r.as_ptr(), 4096).unwrap();
+    c.wait(h1.id, Wanted::Durable, SEC).unwrap();
+    c.wait(h2.id, Wanted::Durable, SEC).unwrap();
+    assert_eq!(c.list().unwrap(), (vec![1], Some(1)));
+    c.close();
+    drop(serve);
+}
+
+#[test]
+fn sidecar_killed_during_save_file_leaves_the_old_file_or_the_new_one() {
+    let Some(bin) = sidecar_bin() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, sock) = (tmp.path().join("ck"), tmp.path().join("s.sock"));
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let dest = out.join("model.pt");
+    let len = 48usize << 20;
+    let new = pattern(7, len);
+    let mut outcomes = (0, 0);
+    for kill_after_ms in [0u64, 2, 5, 10, 20, 40] {
+        std::fs::write(&dest, b"old").unwrap();
+        let serve = Serve::start(&bin, &dir, &sock);
+        let c = Client::connect(Some(&sock)).unwrap();
+        let r = c.alloc_region(len as u64).unwrap();
+        r.write_at(0, &new).unwrap();
+        let h = c.save_file(dest.to_str().unwrap(), r.as_ptr(), len as u64).unwrap();
+        c.wait(h.id, Wanted::Released, SEC).unwrap();
+        std::thread::sleep(Duration::from_millis(kill_after_ms));
+        serve.kill9();
+        let got = std::fs::read(&dest).unwrap();
+        if got == b"old" {
+            outcomes.0 += 1;
+        } else {
+            assert!(got == new, "after a kill at {kill_after_ms} ms the file is neither old nor new ({} bytes)", got.len());
+            outcomes.1 += 1;
+        }
+        // The temp file is unnamed until just before the rename; a kill in
+        // that instant leaves a complete copy under the temp name, no more.
+        for e in std::fs::read_dir(&out).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name != "model.pt" {
+                assert!(name.starts_with(".model.pt.ckpt-tmp-"), "unexpected {name}");
+                assert!(std::fs::read(out.join(&name)).unwrap() == new, "{name} is not a complete copy");
+                std::fs::remove_file(out.join(&name)).unwrap();
+            }
+        }
+        c.close();
+    }
+    eprintln!("kills: {} left the old file, {} the new one", outcomes.0, outcomes.1);
+}
+
+#[test]
 fn sidecar_killed_then_restarted_the_client_reconnects_and_keeps_its_regions() {
     let Some(bin) = sidecar_bin() else { return };
     let tmp = tempfile::tempdir().unwrap();

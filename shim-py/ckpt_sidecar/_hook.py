@@ -6,28 +6,40 @@ comparison and imports nothing. install() puts a finder first on
 sys.meta_path that waits for `import torch`, lets the real loader run, and
 then replaces torch.save and torch.load:
 
-- torch.save(obj, path) serialises with the original torch.save into memory
-  (that is the snapshot: the caller may change obj as soon as it returns),
-  then a background writer thread writes `path` atomically: a temp file in
-  the same directory, fsync, rename, fsync of the directory. The file is an
-  ordinary torch.save file. File objects (not paths) go to the original.
+- torch.save(obj, path) serialises with the original torch.save into memory,
+  hands the bytes to the sidecar (protocol SaveFile: copied into shared
+  memory, then into the sidecar's staging) and returns once the sidecar
+  holds them (Released): from then on the file is written even if this
+  process dies. The sidecar writes `path` atomically: an unnamed temp file
+  in the same directory, synced, renamed over `path`, the directory synced.
+  The file is an ordinary torch.save file. File objects (not paths) go to
+  the original torch.save.
+- The sidecar is the one at $CKPT_SIDECAR_SOCKET (or the default socket) if
+  one runs, else one spawned for this process at the first torch.save, with
+  staging $CKPT_SIDECAR_STAGING (default: twice the first file, at least
+  256 MiB) and its (unused) checkpoint folder in $CKPT_SIDECAR_DIR or a
+  private temp folder.
+- Nothing is lost when the sidecar cannot do it: if it cannot be started or
+  reached, refuses a file (e.g. larger than its staging), or dies before the
+  file is durable, a background thread of this process writes the file the
+  same way (temp, fsync, rename, fsync of the directory) from the bytes the
+  hook keeps until then, and says so on stderr once. A save superseded by a
+  newer torch.save of the same path is not rewritten.
 - torch.load(path) of a path whose write is still pending waits for it.
 - At exit, pending writes are finished before the interpreter goes.
-
-LIMITATION: the write is done by this process's thread, not by the sidecar:
-the wire protocol (docs/protocol.md) can only commit step checkpoints into
-the sidecar's directory, not write one file at a caller's path. A trainer
-killed before the write finishes leaves the previous file (or none), never a
-torn one. The protocol extension that would move it into the sidecar is
-described in shim-py/README.md.
 """
 import atexit
+import errno
 import importlib.abc
 import io
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import threading
+
+from .errors import SidecarError
 
 ENV = "CKPT_SIDECAR"
 _installed = False
@@ -78,30 +90,107 @@ def install():
         sys.meta_path.insert(0, _TorchFinder())
 
 
-class _Writer:
-    """One daemon thread writes queued files in order; pending paths are waitable."""
+class _Files:
+    """The files torch.save asked for: handed to the sidecar, or written here.
+
+    One daemon thread takes the files in the order they were saved: for one
+    the sidecar took, it waits until the sidecar reports it durable (or
+    failed: then it writes the file itself); for one the sidecar did not
+    take, it writes it. Pending paths are waitable."""
 
     def __init__(self):
         self._q = queue.Queue()
         self._mu = threading.Condition()
-        self._pending = {}  # path -> count of queued writes
+        self._pending = {}   # path -> count of writes not yet durable
+        self._latest = {}    # path -> sequence number of its newest save
+        self._seq = 0
         self.errors = {}     # path -> the last write's exception
         self._thread = None
+        self._ck = None
+        self._ck_dir = None
+        self._no_sidecar = None  # why the sidecar is not used, once it failed to start
+        self._said = set()
+        # Files written by the sidecar, by this process, and not rewritten (superseded).
+        self.counts = {"sidecar": 0, "in_process": 0, "superseded": 0}
+
+    def _say_once(self, key, msg):
+        if key not in self._said:
+            self._said.add(key)
+            print(f"ckpt_sidecar: {msg}", file=sys.stderr)
+
+    def _checkpointer(self, nbytes):
+        """The Checkpointer files go through (connected or spawned at first use), or None."""
+        if self._ck is not None or self._no_sidecar is not None:
+            return self._ck
+        try:
+            from .checkpointer import Checkpointer
+            from .errors import ConnectFailed
+
+            try:
+                self._ck = Checkpointer(spawn=False)
+            except ConnectFailed:
+                d = os.environ.get("CKPT_SIDECAR_DIR")
+                if not d:
+                    d = self._ck_dir = tempfile.mkdtemp(prefix="ckpt-sidecar-hook-")
+                staging = os.environ.get("CKPT_SIDECAR_STAGING") or str(max(256 << 20, 2 * nbytes))
+                self._ck = Checkpointer(dir=d, staging=staging)
+            # Registered after the Checkpointer module's own atexit (which
+            # closes it), so it runs first: files finish, then the sidecar stops.
+            atexit.register(self._close)
+        except Exception as e:  # noqa: BLE001 - any failure means: write here
+            self._no_sidecar = str(e)
+            self._say_once("spawn", f"no sidecar for torch.save ({e}); this process writes the files itself")
+        return self._ck
+
+    def _close(self):
+        self.wait(None)
+        if self._ck is not None:
+            self._ck.close()
+        if self._ck_dir is not None:
+            shutil.rmtree(self._ck_dir, ignore_errors=True)
 
     def submit(self, path, data):
+        """Hands `data` for `path` to the sidecar and returns once it holds it
+        (or at once, when this process is to write it)."""
+        handle = None
+        ck = self._checkpointer(len(data))
+        if ck is not None:
+            try:
+                handle = ck.save_file(path, data)
+                handle.wait_taken()
+            except SidecarError as e:
+                self._say_once(("refused", type(e)), f"the sidecar did not take torch.save to {path} ({e}); "
+                               "writing it in this process")
+                handle = None
         with self._mu:
+            self._seq += 1
+            self._latest[path] = self._seq
             self._pending[path] = self._pending.get(path, 0) + 1
             self.errors.pop(path, None)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckpt-sidecar-torch-save", daemon=True)
                 self._thread.start()
-        self._q.put((path, data))
+            self._q.put((path, self._seq, data, handle))
 
     def _run(self):
         while True:
-            path, data = self._q.get()
+            path, seq, data, handle = self._q.get()
             try:
-                write_atomic(path, data)
+                if handle is not None:
+                    try:
+                        handle.wait_durable()
+                        self._count("sidecar")
+                        continue
+                    except SidecarError as e:
+                        self._say_once(("lost", type(e)), f"the sidecar did not finish {path} ({e}); "
+                                       "writing it in this process")
+                with self._mu:
+                    superseded = self._latest[path] != seq
+                if superseded:
+                    self._count("superseded")
+                else:
+                    write_atomic(path, data)
+                    self._count("in_process")
             except BaseException as e:  # the caller learns it at torch.load / flush
                 print(f"ckpt_sidecar: torch.save to {path} failed: {e}", file=sys.stderr)
                 with self._mu:
@@ -113,6 +202,10 @@ class _Writer:
                         del self._pending[path]
                     self._mu.notify_all()
 
+    def _count(self, what):
+        with self._mu:
+            self.counts[what] += 1
+
     def wait(self, path=None, timeout=None):
         """Until `path`'s writes (all writes, with None) are on disk; True if so."""
         with self._mu:
@@ -123,7 +216,7 @@ class _Writer:
             return path in self._pending
 
 
-_writer = _Writer()
+_files = _Files()
 
 
 def write_atomic(path, data):
@@ -150,12 +243,19 @@ def write_atomic(path, data):
 
 def flush(timeout=None):
     """Wait until every torch.save through the hook is durable; True if so."""
-    return _writer.wait(None, timeout)
+    return _files.wait(None, timeout)
+
+
+def counts():
+    """How many hooked torch.save files the sidecar wrote, this process wrote
+    (the sidecar could not), and were superseded before either did."""
+    with _files._mu:
+        return dict(_files.counts)
 
 
 def durable(path):
     """Whether no write of `path` is pending."""
-    return not _writer.pending(os.path.abspath(os.fspath(path)))
+    return not _files.pending(os.path.abspath(os.fspath(path)))
 
 
 def _is_path(f):
@@ -172,16 +272,18 @@ def patch(torch):
         if not _is_path(f):
             return orig_save(obj, f, *args, **kwargs)
         path = os.path.abspath(os.fsdecode(os.fspath(f)))
+        if not os.path.isdir(os.path.dirname(path)):
+            # What the original's open() would raise, before any work.
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         buf = io.BytesIO()
         orig_save(obj, buf, *args, **kwargs)
-        _writer.submit(path, buf.getbuffer())
-        return None
+        _files.submit(path, buf.getbuffer())
 
     def load(f, *args, **kwargs):
         if _is_path(f):
             path = os.path.abspath(os.fsdecode(os.fspath(f)))
-            _writer.wait(path)
-            err = _writer.errors.get(path)
+            _files.wait(path)
+            err = _files.errors.get(path)
             if err is not None:
                 raise OSError(f"torch.save to {path} through ckpt_sidecar failed: {err}") from err
         return orig_load(f, *args, **kwargs)

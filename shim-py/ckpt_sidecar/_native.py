@@ -91,6 +91,7 @@ def lib():
         "ckpt_free": ([P, P], c.c_int),
         "ckpt_save": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t,
                        c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_save_file": ([P, c.c_char_p, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_wait": ([P, c.c_uint64, c.c_int, c.c_int64], c.c_int),
         "ckpt_poll": ([P, c.c_uint64, c.POINTER(c.c_int)], c.c_int),
         "ckpt_save_figures": ([P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double),

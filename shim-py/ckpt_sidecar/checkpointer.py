@@ -431,6 +431,38 @@ class Checkpointer:
             h.stall_seconds = time.perf_counter() - t0
             return h
 
+    def save_file(self, path, data):
+        """Have the sidecar write `data` (bytes-like) as the whole file `path`,
+        atomically: an unnamed temp file in its directory, synced, renamed over
+        `path`. The bytes are copied into shared memory here, so `data` may
+        change as soon as this returns; the SaveHandle (step None) is taken once
+        the sidecar holds its own copy and durable once the file is renamed and
+        synced. The sidecar writes files only for clients of its own uid."""
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.fsdecode(os.fspath(path)))
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        n = src.nbytes
+        with self._mu:
+            self._ensure()
+            region = self._take(n) if n else None
+            try:
+                ptr = region.ptr if region is not None else (self._regions[0].ptr if self._regions else None)
+                if n:
+                    ctypes.memmove(ptr, src.ctypes.data, n)
+                sid = ctypes.c_uint64()
+                N.check(N.lib().ckpt_save_file(self._client, path.encode(), ptr, n, ctypes.byref(sid)))
+            except BaseException:
+                if region is not None:
+                    self._give_back(region)
+                raise
+            h = SaveHandle(self, None, sid.value, region, 0.0, inplace=False)
+            h.copied_bytes = n
+            if region is not None:
+                region.busy = h
+            self._pending.append(weakref.ref(h))
+            h.stall_seconds = time.perf_counter() - t0
+            return h
+
     def _plan(self, leaves):
         """Per leaf: (ref, obj, nbytes, shape, where): where is an address (the
         tensor already lies in a region: sent in place) or ("copy", offset)."""

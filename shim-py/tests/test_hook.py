@@ -1,12 +1,17 @@
 """The .pth import hook: inert without CKPT_SIDECAR=1; with it, torch.save goes
-through the hook. A fake `torch` (pickle-based save/load) tests the mechanics
-without torch; a real-torch test runs when torch is installed."""
+through the sidecar (SaveFile), and through this process when the sidecar
+cannot take a file. A fake `torch` (pickle-based save/load) tests the
+mechanics without torch; a real-torch test runs when torch is installed."""
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 
 import pytest
+
+START = time.time() - 1
 
 FAKE_TORCH = '''
 import pickle
@@ -23,7 +28,9 @@ def load(f, *a, **k):
 
 
 def _run(code, env_extra, tmp_path, fake=True):
-    env = {k: v for k, v in os.environ.items() if k != "CKPT_SIDECAR"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+    # No sidecar at this socket unless a test starts one: the hook spawns its own.
+    env["CKPT_SIDECAR_SOCKET"] = str(tmp_path / "no-sidecar.sock")
     env.update(env_extra)
     if fake:
         (tmp_path / "fake" / "torch").mkdir(parents=True, exist_ok=True)
@@ -58,21 +65,101 @@ def test_hook_active_with_env(tmp_path):
     code = """
         import sys
         import torch
+        from ckpt_sidecar import _hook
         assert torch.save._ckpt_sidecar_hook and torch.load._ckpt_sidecar_hook
         obj = {"a": list(range(1000)), "b": "x"}
         torch.save(obj, "out.pt")
         obj["a"].append(1)          # the snapshot was taken inside torch.save
         assert torch.load("out.pt") == {"a": list(range(1000)), "b": "x"}
+        for i in range(5):          # the same path again and again: the last wins
+            torch.save({"i": i}, "again.pt")
+        assert torch.load("again.pt") == {"i": 4}
+        try:
+            torch.save(obj, "no/such/dir/x.pt")
+            raise SystemExit("no error for a missing directory")
+        except FileNotFoundError:
+            pass
         torch.save({"n": 2}, "late.pt")   # still pending at exit: finished before exit
-        print("ok")
+        print(_hook.counts())
     """
     r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    assert r.returncode == 0, r.stderr
+    import ast
     import pickle
 
+    counts = ast.literal_eval(r.stdout.strip())
+    # Every file but the last (pending at the print) was written by the spawned sidecar.
+    assert counts["in_process"] == 0 and counts["sidecar"] >= 6, (counts, r.stderr)
+    assert "this process" not in r.stderr, r.stderr
     assert pickle.loads((tmp_path / "out.pt").read_bytes())["b"] == "x"
+    assert pickle.loads((tmp_path / "again.pt").read_bytes()) == {"i": 4}
     assert pickle.loads((tmp_path / "late.pt").read_bytes()) == {"n": 2}
     assert not [p for p in os.listdir(tmp_path) if "ckpt-tmp" in p]
+    # The spawned sidecar is gone with the process, and so is its private folder.
+    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("ckpt-sidecar-hook-") and
+                os.stat(os.path.join(tempfile.gettempdir(), p)).st_mtime > START], "hook folder left behind"
+
+
+def test_hook_uses_a_running_sidecar(tmp_path, sidecar):
+    code = """
+        import torch
+        from ckpt_sidecar import _hook
+        torch.save({"k": "v" * 100000}, "f.pt")
+        assert torch.load("f.pt") == {"k": "v" * 100000}
+        print(_hook.counts())
+    """
+    r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_SOCKET": sidecar.socket}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "'sidecar': 1" in r.stdout and "'in_process': 0" in r.stdout, r.stdout + r.stderr
+    assert "file durable" in sidecar.log.read_text(), sidecar.log.read_text()
+
+
+def test_hook_writes_in_process_what_the_sidecar_cannot_take(tmp_path):
+    # The spawned sidecar's staging (8 MiB) cannot hold a 20 MB file: it is
+    # refused (TooLarge) and this process writes it; small files still go
+    # through the sidecar. Nothing is lost either way.
+    code = """
+        import torch
+        from ckpt_sidecar import _hook
+        torch.save({"small": 1}, "small.pt")
+        big = {"blob": bytes(range(256)) * 80000}
+        torch.save(big, "big.pt")
+        torch.save({"small": 2}, "small2.pt")
+        assert torch.load("big.pt") == big
+        _hook.flush()
+        print(_hook.counts())
+    """
+    r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_STAGING": "8MiB"}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "{'sidecar': 2, 'in_process': 1, 'superseded': 0}" in r.stdout, r.stdout + r.stderr
+    assert "writing it in this process" in r.stderr and "staging" in r.stderr, r.stderr
+    import pickle
+
+    assert pickle.loads((tmp_path / "big.pt").read_bytes())["blob"][:3] == bytes([0, 1, 2])
+
+
+def test_hook_sidecar_killed_after_taking_a_file_nothing_is_lost(tmp_path, sidecar):
+    # The sidecar dies right after it took the file (torch.save returned):
+    # the file is then on disk anyway, written by the sidecar if it got that
+    # far, else by this process from the bytes the hook kept.
+    code = f"""
+        import os, signal, torch
+        from ckpt_sidecar import _hook
+        big = {{"blob": os.urandom(40 << 20)}}
+        torch.save(big, "big.pt")
+        os.kill({sidecar.proc.pid}, signal.SIGKILL)
+        assert torch.load("big.pt") == big
+        torch.save({{"after": 1}}, "after.pt")    # no sidecar now: written here
+        assert torch.load("after.pt") == {{"after": 1}}
+        print(_hook.counts())
+    """
+    r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_SOCKET": sidecar.socket}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    import ast
+
+    counts = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+    assert counts["sidecar"] + counts["in_process"] == 2 and counts["in_process"] >= 1, (counts, r.stderr)
+    print("big.pt written by:", "sidecar" if counts["sidecar"] else "this process", counts)
 
 
 def test_hook_with_real_torch(tmp_path):

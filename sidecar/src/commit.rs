@@ -79,7 +79,7 @@ pub enum CommitError {
 }
 
 impl CommitError {
-    fn io(path: &Path, what: impl Into<String>, source: io::Error) -> CommitError {
+    pub(crate) fn io(path: &Path, what: impl Into<String>, source: io::Error) -> CommitError {
         if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT) {
             // Name the target directory, not the temp folder already removed
             // by the time anyone reads this.
@@ -94,7 +94,7 @@ impl CommitError {
     }
 
     /// Says how many bytes the failed step needed, if the disk was full.
-    fn needing(self, n: u64) -> CommitError {
+    pub(crate) fn needing(self, n: u64) -> CommitError {
         match self {
             CommitError::DiskFull { dir, what, source, .. } => CommitError::DiskFull { dir, what, needed_bytes: Some(n), source },
             other => other,
@@ -219,6 +219,16 @@ impl Store {
             Some(f) if f.load(Ordering::SeqCst) => Err(CommitError::Aborted { step }),
             _ => Ok(()),
         }
+    }
+
+    /// Writes one file at `dest` (outside the checkpoint directories)
+    /// atomically from `len_bytes` of `staging` at `offset_bytes`, with the
+    /// primary directory's engine; see [`crate::file_save::write_atomic`].
+    pub fn write_file(&mut self, dest: &Path, staging: &AlignedBuf, offset_bytes: u64, len_bytes: u64) -> Result<crate::file_save::FileReport, CommitError> {
+        if self.abort.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+            return Err(CommitError::Io { path: dest.to_path_buf(), what: "aborted before writing (shutting down)".into(), source: io::Error::from(io::ErrorKind::Interrupted) });
+        }
+        crate::file_save::write_atomic(self.dirs[0].engine.as_mut(), dest, staging, offset_bytes, len_bytes, self.opts.chunk_bytes)
     }
 
     /// Writes and commits a checkpoint whose image sits in `staging` as
@@ -444,7 +454,7 @@ fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> 
 /// Reserves `len` bytes so the writes are overwrites of allocated space, and
 /// a full disk is found before any data moves. File systems without
 /// fallocate just go on.
-fn reserve(f: &File, len: u64) -> io::Result<()> {
+pub(crate) fn reserve(f: &File, len: u64) -> io::Result<()> {
     if len == 0 {
         return Ok(());
     }

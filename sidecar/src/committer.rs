@@ -19,7 +19,28 @@ use tracing::{info, warn};
 use crate::commit::{CommitError, Store};
 use crate::image::{self, Layout};
 use crate::staging::{Lease, Resident};
-use crate::state::{Peer, Phase, Shared};
+use crate::state::{Flight, Peer, Phase, Shared};
+
+/// What the committer does next, in the order the sessions queued it.
+pub enum Work {
+    Checkpoint(Job),
+    File(FileJob),
+}
+
+/// A SaveFile's bytes, copied, waiting to be written to `path`.
+pub struct FileJob {
+    pub id: u64,
+    pub key: Flight,
+    pub path: std::path::PathBuf,
+    pub len_bytes: u64,
+    /// The bytes at its start, zeroes after them.
+    pub lease: Lease,
+    pub peer: Arc<Peer>,
+    pub span: tracing::Span,
+    pub copy_seconds: f64,
+    pub waited_seconds: f64,
+    pub t_received: Instant,
+}
 
 /// A copied checkpoint waiting to be written.
 pub struct Job {
@@ -46,13 +67,16 @@ fn error_code(e: &CommitError) -> ErrorCode {
     }
 }
 
-pub fn spawn(mut store: Store, rx: Receiver<Job>, shared: Arc<Shared>) -> JoinHandle<()> {
+pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinHandle<()> {
     store.set_abort_flag(shared.aborting.clone());
     std::thread::Builder::new()
         .name("ckpt-commit".into())
         .spawn(move || {
-            for job in rx {
-                commit_one(&mut store, &shared, job);
+            for work in rx {
+                match work {
+                    Work::Checkpoint(job) => commit_one(&mut store, &shared, job),
+                    Work::File(job) => write_one(&mut store, &shared, job),
+                }
             }
         })
         .expect("spawning the committer thread")
@@ -65,10 +89,10 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
         warn!("aborted before writing (the sidecar is aborting)");
         peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: format!("step {step}: aborted before writing; the sidecar is shutting down") });
         drop(lease);
-        shared.end_step(step);
+        shared.end(Flight::Step(step));
         return;
     }
-    shared.set_phase(step, Phase::Writing);
+    shared.set_phase(Flight::Step(step), Phase::Writing);
     let queued_s = t_received.elapsed().as_secs_f64() - copy_seconds - waited_seconds;
     let mut placed = layout.clone();
     placed.rebase(lease.offset_bytes());
@@ -101,5 +125,34 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             drop(lease);
         }
     }
-    shared.end_step(step);
+    shared.end(Flight::Step(step));
+}
+
+fn write_one(store: &mut Store, shared: &Shared, job: FileJob) {
+    let FileJob { id, key, path, len_bytes, lease, peer, span, copy_seconds, waited_seconds, t_received } = job;
+    let _enter = span.enter();
+    shared.set_phase(key, Phase::Writing);
+    let queued_s = t_received.elapsed().as_secs_f64() - copy_seconds - waited_seconds;
+    let t0 = Instant::now();
+    let r = store.write_file(&path, lease.staging_buf(), lease.offset_bytes(), len_bytes);
+    let persist_seconds = t0.elapsed().as_secs_f64();
+    drop(lease);
+    match r {
+        Ok(rep) => {
+            info!(
+                copy_s = copy_seconds,
+                queued_s = queued_s.max(0.0),
+                write_s = rep.write.as_secs_f64(),
+                sync_s = rep.sync.as_secs_f64(),
+                direct = rep.direct,
+                "file durable"
+            );
+            peer.send(&Reply::Durable { id, step: 0, path: path.display().to_string(), persist_seconds });
+        }
+        Err(e) => {
+            warn!(persist_s = persist_seconds, "file write failed: {e}");
+            peer.send(&Reply::Failed { id, step: 0, code: error_code(&e), reason: e.to_string() });
+        }
+    }
+    shared.end(key);
 }

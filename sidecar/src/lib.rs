@@ -12,7 +12,8 @@
 //! handshake), [`session`] (one thread per client), [`regions`] (client shm),
 //! [`snapshot`] (check and copy a save into [`staging`]), [`committer`]
 //! (writes and commits in order), [`load`] (restores into client memory),
-//! [`state`] (what they share) and [`daemon`] (serve, launch, signals).
+//! [`state`] (what they share), [`file_save`] (one file at a client's path,
+//! for the torch.save hook) and [`daemon`] (serve, launch, signals).
 
 pub mod bench;
 pub mod bench_stall;
@@ -21,6 +22,7 @@ pub mod commit;
 pub mod committer;
 pub mod config;
 pub mod daemon;
+pub mod file_save;
 pub mod format;
 pub mod image;
 pub mod io;

@@ -404,7 +404,7 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         let j = json!({
             "socket": socket, "server_pid": r.server_pid, "dirs": r.dirs,
             "sessions": r.sessions.iter().map(|s| json!({"pid": s.pid, "name": s.name, "regions": s.regions, "region_bytes": s.region_bytes})).collect::<Vec<_>>(),
-            "in_flight": r.in_flight.iter().map(|f| json!({"step": f.step, "phase": f.phase, "bytes": f.bytes})).collect::<Vec<_>>(),
+            "in_flight": r.in_flight.iter().map(|f| json!({"step": f.step, "file": f.file, "phase": f.phase, "bytes": f.bytes})).collect::<Vec<_>>(),
             "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
             "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
         });
@@ -420,7 +420,10 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
     }
     println!("in flight: {}", r.in_flight.len());
     for f in &r.in_flight {
-        println!("  step {:>12}  {:<22} {}", f.step, f.phase, human_bytes(f.bytes));
+        match &f.file {
+            Some(path) => println!("  file {path}  {:<22} {}", f.phase, human_bytes(f.bytes)),
+            None => println!("  step {:>12}  {:<22} {}", f.step, f.phase, human_bytes(f.bytes)),
+        }
     }
     match &r.last {
         Some(l) => println!(

@@ -1,7 +1,7 @@
 //! One session: a client after its handshake, served by its own thread
 //! (`ckpt-session-<n>`) that reads request frames in order and answers them.
-//! Saves are checked and copied on this thread (so a session's saves keep
-//! their order); their Durable/Failed replies come later from the committer
+//! Saves (and SaveFiles) are checked and copied on this thread (so a
+//! session's saves keep their order); their Durable/Failed replies come later from the committer
 //! through the shared [`Peer`].
 //!
 //! Invariants: a frame is length-checked before its body is read and decoded
@@ -19,6 +19,7 @@ use tracing::{debug, info, warn};
 
 use crate::catalog;
 use crate::config;
+use crate::file_save;
 use crate::load;
 use crate::regions::Region;
 use crate::snapshot;
@@ -86,6 +87,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 peer.send(&reply);
             }
             Request::Save { id, step, tensors, blobs } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs),
+            Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
+                file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, id, path, region_id, offset_bytes, len_bytes)
+            }
             Request::Load { id, step, tensors } => load::run_load(&shared, &peer, &regions, id, step, tensors),
             Request::List { id } => {
                 let primary = shared.primary();

@@ -21,13 +21,13 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc};
 use tracing::{info, info_span, warn};
 
 use crate::catalog;
-use crate::committer::Job;
+use crate::committer::{Job, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use crate::format::{self, Dtype};
 use crate::image::{self, Layout, LayoutOptions, TensorSpec};
 use crate::regions::Region;
 use crate::staging::{Lease, StagingError};
-use crate::state::{Peer, Phase, Shared};
+use crate::state::{Flight, Peer, Phase, Shared};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
@@ -154,15 +154,20 @@ fn pieces_of(layout: &Layout, sources: Option<&[Source]>, lease: &mut Lease) -> 
             }
             None => std::ptr::null(),
         };
-        let mut at = 0usize;
-        while at < r.len() {
-            let len = (r.len() - at).min(COPY_PIECE_BYTES);
-            // Both pointers stay inside their ranges: at + len ≤ r.len().
-            pieces.push(Piece { tensor_idx: i, src: src.wrapping_add(at), dst: base.wrapping_add(r.start + at), len });
-            at += len;
-        }
+        split_range(&mut pieces, i, src, base.wrapping_add(r.start), r.len());
     }
     Pieces(pieces)
+}
+
+/// Appends the pieces of one range of `len` bytes (`src` null: no source).
+fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, src: *const u8, dst: *mut u8, len: usize) {
+    let mut at = 0usize;
+    while at < len {
+        let n = (len - at).min(COPY_PIECE_BYTES);
+        // Both pointers stay inside their ranges: at + n ≤ len.
+        pieces.push(Piece { tensor_idx, src: src.wrapping_add(at), dst: dst.wrapping_add(at), len: n });
+        at += n;
+    }
 }
 
 /// Runs `f` on every piece on [`config::COPY_THREADS`] threads (the
@@ -228,13 +233,28 @@ fn idle_priority() {
 /// for it, so the checksums come after the release ([`checksum`]).
 pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
     layout.write_headers(lease.as_mut_slice());
-    let pieces = pieces_of(layout, Some(sources), lease);
-    run_pieces(&pieces, stop, &|p| {
+    copy_pieces(&pieces_of(layout, Some(sources), lease), stop)
+}
+
+/// Copies `len_bytes` at `offset_bytes` of `region` to the start of the
+/// lease (a SaveFile's bytes) and zeroes the rest of the lease, so a write
+/// of whole blocks carries no stale bytes; false when stopped early.
+pub fn copy_range_into(region: &Region, offset_bytes: u64, len_bytes: u64, lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
+    assert!(lease.len_bytes() >= len_bytes, "lease smaller than the range");
+    let src = region.src_ptr(offset_bytes, len_bytes).expect("bounds checked before the copy");
+    lease.as_mut_slice()[len_bytes as usize..].fill(0);
+    let mut pieces = Vec::new();
+    split_range(&mut pieces, 0, src, lease.as_mut_ptr(), len_bytes as usize);
+    copy_pieces(&Pieces(pieces), stop)
+}
+
+fn copy_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync)) -> bool {
+    run_pieces(pieces, stop, &|p| {
         // SAFETY: src..src+len lies inside a live read-only mapping
-        // (Region::src_ptr checked it; the Arc in `sources` keeps it mapped
-        // until this function returns); dst..dst+len is this piece's own part
-        // of the lease (Pieces' invariant); they cannot overlap (staging is
-        // our private anonymous memory).
+        // (Region::src_ptr checked it; the caller's Arc keeps it mapped until
+        // this function returns); dst..dst+len is this piece's own part of
+        // the lease (Pieces' invariant); they cannot overlap (staging is our
+        // private anonymous memory).
         unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) };
         0
     })
@@ -304,7 +324,7 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     }
     for r in sources.iter().filter_map(|s| s.region.as_ref()) {
         if let Err(e) = r.check_size() {
-            shared.end_step(step);
+            shared.end(Flight::Step(step));
             return fail(SaveError::BadRegion(e.to_string()));
         }
     }
@@ -322,16 +342,16 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
         Ok(x) => x,
         Err(StagingError::GaveUp { why }) => {
-            shared.end_step(step);
+            shared.end(Flight::Step(step));
             warn!("aborted while waiting for staging: {why}");
             return fail(SaveError::Aborted(why));
         }
         Err(e) => {
-            shared.end_step(step);
+            shared.end(Flight::Step(step));
             return fail(SaveError::TooLarge(e.to_string()));
         }
     };
-    shared.set_phase(step, Phase::Copying);
+    shared.set_phase(Flight::Step(step), Phase::Copying);
     let t_copy = Instant::now();
     let copied = copy_into(&layout, &sources, &mut lease, &|| give_up().is_some());
     let copy_seconds = t_copy.elapsed().as_secs_f64();
@@ -342,7 +362,7 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
         (_, why) => {
             let why = why.unwrap_or("stopped during the copy");
             drop(lease);
-            shared.end_step(step);
+            shared.end(Flight::Step(step));
             warn!(copy_s = copy_seconds, "aborted before release: {why}; nothing written");
             return fail(SaveError::Aborted(why));
         }
@@ -355,13 +375,13 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     let t_crc = Instant::now();
     let crcs = checksum(&layout, &mut lease);
     info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
-    shared.set_phase(step, Phase::Queued);
+    shared.set_phase(Flight::Step(step), Phase::Queued);
     drop(guard);
     let job = Job { id, step, layout, lease, crcs, blobs, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };
-    if let Err(e) = shared.commit_tx.send(job) {
+    if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
-        let job = e.into_inner();
-        shared.end_step(step);
+        let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
+        shared.end(Flight::Step(step));
         job.peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
     }
 }

@@ -19,7 +19,7 @@ use std::time::Duration;
 use ckpt_wire::{InFlight, LastFigures, Reply, SessionInfo, StatusReport};
 use crossbeam_channel::Sender;
 
-use crate::committer::Job;
+use crate::committer::Work;
 use crate::image::LayoutOptions;
 use crate::restore::ReadOptions;
 use crate::staging::Staging;
@@ -44,9 +44,18 @@ impl Phase {
     }
 }
 
+/// What is in flight: a step checkpoint (at most one per step), or one
+/// SaveFile (numbered; several may name the same path, the last wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Flight {
+    Step(u64),
+    File(u64),
+}
+
 struct InFlightEntry {
     phase: Phase,
     bytes: u64,
+    file: Option<String>,
 }
 
 pub struct SessionEntry {
@@ -63,7 +72,7 @@ pub struct Shared {
     pub layout_opts: LayoutOptions,
     pub read_opts: ReadOptions,
     pub staging: Arc<Staging>,
-    pub commit_tx: Sender<Job>,
+    pub commit_tx: Sender<Work>,
     pub server_pid: u32,
     pub uid: u32,
     pub allow_uids: Vec<u32>,
@@ -71,7 +80,8 @@ pub struct Shared {
     pub draining: AtomicBool,
     /// Second signal: in-flight saves stop (the Store sees this flag too).
     pub aborting: Arc<AtomicBool>,
-    in_flight: Mutex<BTreeMap<u64, InFlightEntry>>,
+    in_flight: Mutex<BTreeMap<Flight, InFlightEntry>>,
+    next_file_no: AtomicU64,
     in_flight_cv: Condvar,
     sessions: Mutex<BTreeMap<u64, SessionEntry>>,
     next_session_id: AtomicU64,
@@ -85,7 +95,7 @@ impl Shared {
         layout_opts: LayoutOptions,
         read_opts: ReadOptions,
         staging: Arc<Staging>,
-        commit_tx: Sender<Job>,
+        commit_tx: Sender<Work>,
         allow_uids: Vec<u32>,
         aborting: Arc<AtomicBool>,
     ) -> Shared {
@@ -102,6 +112,7 @@ impl Shared {
             draining: AtomicBool::new(false),
             aborting,
             in_flight: Mutex::new(BTreeMap::new()),
+            next_file_no: AtomicU64::new(1),
             in_flight_cv: Condvar::new(),
             sessions: Mutex::new(BTreeMap::new()),
             next_session_id: AtomicU64::new(1),
@@ -124,22 +135,30 @@ impl Shared {
     /// Registers `step` as in flight; false if it already is.
     pub fn begin_step(&self, step: u64, bytes: u64) -> bool {
         let mut m = self.in_flight.lock().expect("in-flight lock");
-        if m.contains_key(&step) {
+        if m.contains_key(&Flight::Step(step)) {
             return false;
         }
-        m.insert(step, InFlightEntry { phase: Phase::WaitingForStaging, bytes });
+        m.insert(Flight::Step(step), InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
         true
     }
 
-    pub fn set_phase(&self, step: u64, phase: Phase) {
-        if let Some(e) = self.in_flight.lock().expect("in-flight lock").get_mut(&step) {
+    /// Registers a SaveFile of `path` as in flight; returns its key.
+    pub fn begin_file(&self, path: &str, bytes: u64) -> Flight {
+        let key = Flight::File(self.next_file_no.fetch_add(1, Ordering::Relaxed));
+        let entry = InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: Some(path.to_string()) };
+        self.in_flight.lock().expect("in-flight lock").insert(key, entry);
+        key
+    }
+
+    pub fn set_phase(&self, key: Flight, phase: Phase) {
+        if let Some(e) = self.in_flight.lock().expect("in-flight lock").get_mut(&key) {
             e.phase = phase;
         }
     }
 
-    pub fn end_step(&self, step: u64) {
-        let removed = self.in_flight.lock().expect("in-flight lock").remove(&step);
-        assert!(removed.is_some(), "step {step} ended but was not in flight");
+    pub fn end(&self, key: Flight) {
+        let removed = self.in_flight.lock().expect("in-flight lock").remove(&key);
+        assert!(removed.is_some(), "{key:?} ended but was not in flight");
         self.in_flight_cv.notify_all();
     }
 
@@ -201,7 +220,15 @@ impl Shared {
             .lock()
             .expect("in-flight lock")
             .iter()
-            .map(|(&step, e)| InFlight { step, phase: e.phase.as_str().to_string(), bytes: e.bytes })
+            .map(|(key, e)| InFlight {
+                step: match key {
+                    Flight::Step(step) => *step,
+                    Flight::File(_) => 0,
+                },
+                file: e.file.clone(),
+                phase: e.phase.as_str().to_string(),
+                bytes: e.bytes,
+            })
             .collect();
         StatusReport {
             server_pid: self.server_pid,

@@ -669,6 +669,11 @@ fn other_uid_child() {
         Reply::Refused { reason } => println!("REFUSED: {reason}"),
         other => println!("ACCEPTED: {other:?}"),
     }
+    // An allowed uid may save checkpoints, but not have files written.
+    if let Ok(path) = std::env::var("CKPT_TEST_OTHER_UID_FILE") {
+        ckpt_wire::write_frame(&mut s, &Request::SaveFile { id: 1, path, region_id: 1, offset_bytes: 0, len_bytes: 0 }).unwrap();
+        println!("SAVEFILE: {:?}", ckpt_wire::read_frame::<Reply>(&mut s).unwrap());
+    }
 }
 
 #[test]
@@ -698,6 +703,25 @@ fn another_uid_is_refused() {
         return;
     }
     assert!(text.contains("REFUSED: uid 65534"), "{text}");
+    // Allowed, uid 65534 is served, but SaveFile is for the sidecar's own uid only.
+    let tmp2 = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp2.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let dir2 = tmp2.path().join("ckpt");
+    let sc2 = Sidecar::start_in(tmp2, dir2, &["--allow-uid", "65534"]);
+    std::fs::set_permissions(sc2.socket.parent().unwrap(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let target = sc2.socket.parent().unwrap().parent().unwrap().join("x.pt");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "other_uid_child", "--nocapture", "--test-threads=1"])
+        .env("CKPT_TEST_OTHER_UID_SOCKET", &sc2.socket)
+        .env("CKPT_TEST_OTHER_UID_FILE", &target)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ACCEPTED: Welcome"), "{text}");
+    assert!(text.contains("SAVEFILE: Failed") && text.contains("own uid"), "{text}");
+    assert!(!target.exists());
     // Our own uid is still served.
     let mut shm = Shm::new(4096);
     shm.fill(2);

@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -73,6 +73,14 @@ pub enum Request {
     List { id: u64 },
     Status { id: u64 },
     Bye,
+    /// Write the `len_bytes` at `offset_bytes` of region `region_id` as the
+    /// whole content of the file `path` (absolute; its directory must
+    /// exist), atomically: an unnamed temp file in that directory, synced,
+    /// then renamed over `path`. Replies as a Save does, with step 0:
+    /// Released (the bytes are in staging; the region may change), then
+    /// Durable (path renamed, directory synced) or Failed. Added in
+    /// version 2 (the torch.save hook).
+    SaveFile { id: u64, path: String, region_id: u32, offset_bytes: u64, len_bytes: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,7 +154,9 @@ pub struct SessionInfo {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InFlight {
+    /// 0 for a SaveFile, which names `file` instead.
     pub step: u64,
+    pub file: Option<String>,
     /// "waiting for staging", "copying", "writing", ...
     pub phase: String,
     pub bytes: u64,

@@ -20,7 +20,7 @@ int main(void) {
     ckpt_client *c = NULL;
     CHECK(ckpt_connect(NULL, &c) == CKPT_OK && c != NULL);
     CHECK(ckpt_connected(c) == 1);
-    CHECK(ckpt_protocol_version() == 1);
+    CHECK(ckpt_protocol_version() == 2);
     float *w = NULL;
     CHECK(ckpt_alloc(c, 4096, (void **)&w) == CKPT_OK && w != NULL);
     CHECK(ckpt_alloc(c, 0, (void **)&w) == CKPT_E_INVALID);
@@ -51,6 +51,15 @@ int main(void) {
     CHECK(ckpt_save(c, 1, &t, 1, NULL, 0, &id) == CKPT_OK); /* step 1 is taken */
     CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_E_BAD_REQUEST);
     CHECK(ckpt_poll(c, id, &state) == CKPT_OK && state == CKPT_FAILED && strstr(ckpt_last_error(), "already"));
+
+    /* save_file: sent (the fake writes no files and says so); memory and
+       arguments checked here. The real sidecar's writes: tests/real_sidecar.rs. */
+    CHECK(ckpt_save_file(c, "/tmp/x.pt", w, 64, &id) == CKPT_OK);
+    CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_E_BAD_REQUEST);
+    CHECK(strstr(ckpt_last_error(), "file /tmp/x.pt") != NULL);
+    CHECK(ckpt_save_file(c, "/tmp/x.pt", heap, 64, &id) == CKPT_E_REGION);
+    CHECK(ckpt_save_file(c, NULL, w, 64, &id) == CKPT_E_INVALID);
+    CHECK(ckpt_save_file(c, "/tmp/x.pt", w, 64, NULL) == CKPT_E_INVALID);
 
     /* List. */
     size_t n = 0;

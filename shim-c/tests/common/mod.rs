@@ -246,6 +246,9 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 send(&w, &Reply::Listing { id, steps, latest });
             }
             Request::Status { id } => send(&w, &Reply::Status { id, report: StatusReport { server_pid: std::process::id(), staging_bytes: 1 << 30, ..Default::default() } }),
+            Request::SaveFile { id, .. } => {
+                send(&w, &Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: "the fake sidecar writes no files".into() });
+            }
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -260,6 +263,7 @@ fn kind(r: &Request) -> String {
         Request::Load { .. } => "Load".into(),
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),
+        Request::SaveFile { path, .. } => format!("SaveFile {path}"),
         Request::Bye => "Bye".into(),
         Request::Hello { .. } => "Hello".into(),
     }

@@ -643,10 +643,10 @@ pub fn sync_all(engine: &mut dyn IoEngine, fds: &[RawFd]) -> Result<(), DriveErr
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn engines() -> Vec<(String, Box<dyn IoEngine>)> {
+    pub(crate) fn engines() -> Vec<(String, Box<dyn IoEngine>)> {
         let mut v: Vec<(String, Box<dyn IoEngine>)> = vec![("pool".into(), Box::new(PoolEngine::new(3, 8)))];
         match UringEngine::new(8) {
             Ok(u) => v.push(("uring".into(), Box::new(u))),

@@ -159,8 +159,9 @@ pub fn run_save_file(
     };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     drop(region);
-    if let (false, _) | (_, Some(_)) = (copied, give_up()) {
-        let why = give_up().unwrap_or("stopped during the copy");
+    // Released only if the client is still there to be told.
+    let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
+    if let Some(why) = stopped {
         drop(lease);
         shared.end(key);
         warn!(copy_s = copy_seconds, "aborted before release: {why}; nothing written");

@@ -68,6 +68,9 @@ def parse_args():
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per figure")
     p.add_argument("--loop-steps", type=int, default=8, help="steps per loop in the second figure (0: skip it)")
     p.add_argument("--keep-dir", action="store_true", help="do not remove --dir's checkpoints at the end")
+    p.add_argument("--only-loop", action="store_true",
+                   help="only the training-loop figure (and the saves it needs for the persist time): "
+                        "no memcpy, torch.save or resident-stall figures")
     return p.parse_args()
 
 
@@ -209,12 +212,13 @@ def main():
            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "dir": base}
 
     samples = {}
-    samples["memcpy_s"] = bench_memcpy(state, args.reps)
-    log(f"memcpy: {samples['memcpy_s']}")
-    samples["torch_save_s"] = bench_torch_save(state, base, args.reps, sync=False)
-    log(f"torch.save: {samples['torch_save_s']}")
-    samples["torch_save_fsync_s"] = bench_torch_save(state, base, args.reps, sync=True)
-    log(f"torch.save + fsync: {samples['torch_save_fsync_s']}")
+    if not args.only_loop:
+        samples["memcpy_s"] = bench_memcpy(state, args.reps)
+        log(f"memcpy: {samples['memcpy_s']}")
+        samples["torch_save_s"] = bench_torch_save(state, base, args.reps, sync=False)
+        log(f"torch.save: {samples['torch_save_s']}")
+        samples["torch_save_fsync_s"] = bench_torch_save(state, base, args.reps, sync=True)
+        log(f"torch.save + fsync: {samples['torch_save_fsync_s']}")
 
     side = Sidecar(ckdir, 2 * size + (256 << 20))
     try:
@@ -251,10 +255,11 @@ def main():
             f"sidecar copy {copy_s}; persist {persist}")
 
         # 1b. torch.save through the import hook (an unmodified script).
-        ret, durable, counts = bench_hook_torch_save(state, base, side.sock, args.reps)
-        samples["hook_torch_save_s"], samples["hook_torch_save_durable_s"] = ret, durable
-        res["hook_counts"] = counts
-        log(f"hooked torch.save: returned {ret}, durable {durable}; files {counts}")
+        if not args.only_loop:
+            ret, durable, counts = bench_hook_torch_save(state, base, side.sock, args.reps)
+            samples["hook_torch_save_s"], samples["hook_torch_save_durable_s"] = ret, durable
+            res["hook_counts"] = counts
+            log(f"hooked torch.save: returned {ret}, durable {durable}; files {counts}")
 
         # 2. Resident: the tensors live in shared memory for good.
         ck.share(state)
@@ -265,7 +270,7 @@ def main():
         opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("hook", time.perf_counter()))
         fwd_bwd = 1.5 * med(copy_s) + 0.01
         resident, in_save, in_step, shim_stall, copied = [], [], [], [], []
-        for r in range(args.reps + 1):
+        for r in range(0 if args.only_loop else args.reps + 1):
             step += 1
             t0 = time.perf_counter()
             h = ck.save(step, state)
@@ -281,7 +286,8 @@ def main():
                 resident.append(t1 - t0 + blocked)
                 shim_stall.append(h.stall_seconds)
                 copied.append(h.copied_bytes)
-        samples["sidecar_resident_stall_s"] = resident
+        if not args.only_loop:
+            samples["sidecar_resident_stall_s"] = resident
         res["resident_in_save_s"], res["resident_in_guarded_step_s"] = med(in_save), med(in_step)
         res["resident_shim_stall_seconds"] = med(shim_stall)
         res["resident_copied_bytes_in_trainer"] = max(copied) if copied else None
@@ -354,27 +360,31 @@ def main():
     for k, v in samples.items():
         res[k] = med(v)
         res[k + "_samples"] = v
-    m = res["memcpy_s"]
-    res["stall_over_memcpy"] = res["sidecar_stall_s"] / m
-    res["resident_over_memcpy"] = res["sidecar_resident_stall_s"] / m
-    res["torch_save_fsync_over_resident"] = res["torch_save_fsync_s"] / res["sidecar_resident_stall_s"]
-    res["torch_save_fsync_over_stall"] = res["torch_save_fsync_s"] / res["sidecar_stall_s"]
-    res["torch_save_fsync_over_hook"] = res["torch_save_fsync_s"] / res["hook_torch_save_s"]
-    res["bars"] = {
-        "stall_le_1.25x_memcpy": res["stall_over_memcpy"] <= 1.25,
-        "resident_le_0.1x_memcpy": res["resident_over_memcpy"] <= 0.1,
-        "resident_50x_below_torch_save_fsync": res["torch_save_fsync_over_resident"] >= 50,
-    }
+    res["bars"] = {}
+    if not args.only_loop:
+        m = res["memcpy_s"]
+        res["stall_over_memcpy"] = res["sidecar_stall_s"] / m
+        res["resident_over_memcpy"] = res["sidecar_resident_stall_s"] / m
+        res["torch_save_fsync_over_resident"] = res["torch_save_fsync_s"] / res["sidecar_resident_stall_s"]
+        res["torch_save_fsync_over_stall"] = res["torch_save_fsync_s"] / res["sidecar_stall_s"]
+        res["torch_save_fsync_over_hook"] = res["torch_save_fsync_s"] / res["hook_torch_save_s"]
+        res["bars"] = {
+            "stall_le_1.25x_memcpy": res["stall_over_memcpy"] <= 1.25,
+            "resident_le_0.1x_memcpy": res["resident_over_memcpy"] <= 0.1,
+            "resident_50x_below_torch_save_fsync": res["torch_save_fsync_over_resident"] >= 50,
+        }
     for kind, loop in res.get("loop", {}).items():
         res["bars"][f"loop_{kind}_overhead_le_3pct"] = loop["bar_overhead_le_3pct"]
     res["notes"] = ("medians after one untimed warm-up per figure (warm memory); memcpy is one thread; "
                     "the resident figure's forward/backward is a sleep (CPU free, as with a GPU); "
                     "loop 'cpu': the step is single-thread CPU matmuls, competing with the sidecar for the "
                     "machine's cores; loop 'gpu_like': the step is a sleep (the CPU is free, as when a GPU computes)")
-    if not args.json:
+    if not args.json and not args.only_loop:
         for k in ("memcpy_s", "sidecar_stall_s", "sidecar_resident_stall_s", "torch_save_s", "torch_save_fsync_s",
                   "persist_s", "stall_over_memcpy", "resident_over_memcpy", "torch_save_fsync_over_resident"):
             print(f"{k:32s} {res[k]:.6f}")
+        print(json.dumps(res["bars"]))
+    elif not args.json:
         print(json.dumps(res["bars"]))
     else:
         print(json.dumps(res))

@@ -8,7 +8,10 @@
 use std::io;
 use std::ptr::NonNull;
 
-use crate::config::DIRECT_ALIGN_BYTES;
+use crate::config::{DIRECT_ALIGN_BYTES, HUGE_PAGE_BYTES};
+
+/// madvise(2) advice (Linux 5.14); the libc crate does not name it everywhere.
+const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// An anonymous private mapping, populated at creation. Its address is
 /// page-aligned, so every offset that is a multiple of
@@ -25,28 +28,66 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Maps `len` bytes (rounded up to a whole page), pre-faulted with
-    /// MAP_POPULATE and zeroed. `len == 0` still maps one page so the pointer
-    /// is always valid.
+    /// Maps `len` bytes (rounded up to a whole page), pre-faulted and zeroed.
+    /// `len == 0` still maps one page so the pointer is always valid.
+    ///
+    /// A buffer of at least [`HUGE_PAGE_BYTES`] starts at a multiple of it
+    /// and is advised MADV_HUGEPAGE before it is populated, so it is backed
+    /// by transparent huge pages where the kernel has them (THP "always" or
+    /// "madvise"); otherwise it gets 4 KiB pages as before. Its resident size
+    /// is still `len` rounded up to 4 KiB.
     pub fn new(len: usize) -> io::Result<AlignedBuf> {
         let map_len = crate::config::align_up(len.max(1) as u64, DIRECT_ALIGN_BYTES) as usize;
+        if map_len < HUGE_PAGE_BYTES {
+            return Self::map(map_len, libc::MAP_POPULATE).map(|ptr| AlignedBuf { ptr, len: map_len });
+        }
+        // Over-map by one huge page, then unmap the slack on both sides so
+        // the buffer starts on a huge-page boundary.
+        let raw_len = map_len + HUGE_PAGE_BYTES;
+        let raw = Self::map(raw_len, 0)?.as_ptr();
+        let head = raw.align_offset(HUGE_PAGE_BYTES);
+        let tail = raw_len - head - map_len;
+        // SAFETY: raw..raw+raw_len is our own fresh mapping; the two ranges
+        // unmapped are page-aligned (head is a multiple of 4 KiB since raw
+        // is page-aligned and HUGE_PAGE_BYTES is) and lie inside it, and
+        // neither overlaps raw+head..raw+head+map_len, which we keep.
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw.cast(), head);
+            }
+            if tail > 0 {
+                libc::munmap(raw.add(head + map_len).cast(), tail);
+            }
+        }
+        let p = raw.wrapping_add(head);
+        // SAFETY: p..p+map_len is the part of our mapping we kept; advice
+        // and population change only its backing, never its contents (it is
+        // fresh, zero-filled memory either way).
+        unsafe {
+            // Refusal (no THP in this kernel, or THP "never") only costs the speed-up.
+            libc::madvise(p.cast(), map_len, libc::MADV_HUGEPAGE);
+            if libc::madvise(p.cast(), map_len, MADV_POPULATE_WRITE) != 0 {
+                // Kernels before 5.14: fault every page in by writing it.
+                let mut at = 0;
+                while at < map_len {
+                    std::ptr::write_volatile(p.add(at), 0);
+                    at += DIRECT_ALIGN_BYTES;
+                }
+            }
+        }
+        let ptr = NonNull::new(p).expect("inside a successful mapping");
+        Ok(AlignedBuf { ptr, len: map_len })
+    }
+
+    /// An anonymous private read-write mapping of `len` bytes.
+    fn map(len: usize, extra_flags: libc::c_int) -> io::Result<NonNull<u8>> {
         // SAFETY: an anonymous private mapping with no address hint touches no
         // existing memory; the result is checked against MAP_FAILED.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags, -1, 0) };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let ptr = NonNull::new(p.cast::<u8>()).expect("mmap never returns NULL on success");
-        Ok(AlignedBuf { ptr, len: map_len })
+        Ok(NonNull::new(p.cast::<u8>()).expect("mmap never returns NULL on success"))
     }
 
     /// Tries to lock the pages in RAM (no swap-out); returns whether it did.
@@ -112,5 +153,18 @@ mod tests {
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[9_999] = 7;
         assert_eq!(b.as_slice()[9_999], 7);
+    }
+
+    #[test]
+    fn large_buffers_start_on_a_huge_page_and_keep_their_length() {
+        let len = 2 * HUGE_PAGE_BYTES + 12_345;
+        let mut b = AlignedBuf::new(len).unwrap();
+        assert_eq!(b.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
+        assert_eq!(b.len(), crate::config::align_up(len as u64, DIRECT_ALIGN_BYTES) as usize);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        let n = b.len();
+        b.as_mut_slice()[0] = 1;
+        b.as_mut_slice()[n - 1] = 2;
+        assert_eq!((b.as_slice()[0], b.as_slice()[n - 1]), (1, 2));
     }
 }

@@ -6,11 +6,12 @@ comparison and imports nothing. install() puts a finder first on
 sys.meta_path that waits for `import torch`, lets the real loader run, and
 then replaces torch.save and torch.load:
 
-- torch.save(obj, path) serialises with the original torch.save into memory,
-  hands the bytes to the sidecar (protocol SaveFile: copied into shared
-  memory, then into the sidecar's staging) and returns once the sidecar
-  holds them (Released): from then on the file is written even if this
-  process dies. The sidecar writes `path` atomically: an unnamed temp file
+- torch.save(obj, path) serialises with the original torch.save straight
+  into shared memory (a pool of reused regions; the very first file, before
+  any sidecar is known, goes through private memory), hands the bytes to the
+  sidecar (protocol SaveFile: copied into its staging) and returns once the
+  sidecar holds them (Released): from then on the file is written even if
+  this process dies. The sidecar writes `path` atomically: an unnamed temp file
   in the same directory, synced, renamed over `path`, the directory synced.
   The file is an ordinary torch.save file. File objects (not paths) go to
   the original torch.save.
@@ -23,12 +24,14 @@ then replaces torch.save and torch.load:
   reached, refuses a file (e.g. larger than its staging), or dies before the
   file is durable, a background thread of this process writes the file the
   same way (temp, fsync, rename, fsync of the directory) from the bytes the
-  hook keeps until then, and says so on stderr once. A save superseded by a
+  hook keeps until then (its shared-memory region stays busy until the file
+  is durable), and says so on stderr once. A save superseded by a
   newer torch.save of the same path is not rewritten.
 - torch.load(path) of a path whose write is still pending waits for it.
 - At exit, pending writes are finished before the interpreter goes.
 """
 import atexit
+import ctypes
 import errno
 import importlib.abc
 import io
@@ -90,6 +93,93 @@ def install():
         sys.meta_path.insert(0, _TorchFinder())
 
 
+class _Pool:
+    """Shared-memory regions torch.save serialises into, so the bytes reach the
+    sidecar with no copy in between; reused (their pages stay warm). A region
+    is busy from its torch.save until its file is durable (the fallback write
+    reads it); with MAX busy, the next torch.save waits for the oldest."""
+
+    MAX = 2
+
+    def __init__(self, ck):
+        self._ck = ck
+        self._free = []
+        self._count = 0
+        self._cv = threading.Condition()
+
+    def _alloc(self, n):
+        with self._ck._mu:  # the Checkpointer's region table
+            return self._ck._alloc(max(n + n // 8, 1 << 20))
+
+    def _drop(self, r):
+        with self._ck._mu:
+            self._ck._free_region(r)
+
+    def take(self, n):
+        with self._cv:
+            while True:
+                fits = [r for r in self._free if r.len_bytes >= n]
+                if fits:
+                    r = min(fits, key=lambda r: r.len_bytes)
+                    self._free.remove(r)
+                    return r
+                if self._free:  # too small: replace the smallest by a larger one
+                    self._drop(self._free.pop(self._free.index(min(self._free, key=lambda r: r.len_bytes))))
+                    self._count -= 1
+                if self._count < self.MAX:
+                    r = self._alloc(n)
+                    self._count += 1
+                    return r
+                self._cv.wait()
+
+    def give(self, r):
+        with self._cv:
+            self._free.append(r)
+            self._cv.notify_all()
+
+    def grow(self, r, used, n):
+        """A region of at least n bytes holding the `used` first bytes of r (dropped)."""
+        new = self._alloc(max(n, 2 * r.len_bytes))
+        ctypes.memmove(new.ptr, r.ptr, used)
+        self._drop(r)
+        return new
+
+
+class _ShmFile:
+    """The file-like object torch.save writes into: a region of the pool,
+    grown (moved to a larger one) when the bytes outgrow it."""
+
+    def __init__(self, pool, size_hint):
+        import numpy  # loaded by the Checkpointer already; not at interpreter start
+
+        self._frombuffer, self._u8 = numpy.frombuffer, numpy.uint8
+        self._pool = pool
+        self.region = pool.take(size_hint)
+        self.len_bytes = 0
+
+    def write(self, b):
+        src = self._frombuffer(memoryview(b).cast("B"), dtype=self._u8)
+        n = src.nbytes
+        if self.len_bytes + n > self.region.len_bytes:
+            self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
+        if n:
+            ctypes.memmove(self.region.ptr + self.len_bytes, src.ctypes.data, n)
+        self.len_bytes += n
+        return n
+
+    def flush(self):
+        pass
+
+    def view(self):
+        """The bytes written (for this process's own write of the file)."""
+        return memoryview((ctypes.c_char * self.len_bytes).from_address(self.region.ptr)).cast("B")
+
+    def release(self):
+        if self.region is not None:
+            self._pool.give(self.region)
+            self.region = None
+
+
 class _Files:
     """The files torch.save asked for: handed to the sidecar, or written here.
 
@@ -107,6 +197,8 @@ class _Files:
         self.errors = {}     # path -> the last write's exception
         self._thread = None
         self._ck = None
+        self.pool = None
+        self._sizes = {}     # path -> size of its last file (the next one's size hint)
         self._ck_dir = None
         self._no_sidecar = None  # why the sidecar is not used, once it failed to start
         self._said = set()
@@ -134,6 +226,7 @@ class _Files:
                     d = self._ck_dir = tempfile.mkdtemp(prefix="ckpt-sidecar-hook-")
                 staging = os.environ.get("CKPT_SIDECAR_STAGING") or str(max(256 << 20, 2 * nbytes))
                 self._ck = Checkpointer(dir=d, staging=staging)
+            self.pool = _Pool(self._ck)
             # Registered after the Checkpointer module's own atexit (which
             # closes it), so it runs first: files finish, then the sidecar stops.
             atexit.register(self._close)
@@ -149,14 +242,31 @@ class _Files:
         if self._ck_dir is not None:
             shutil.rmtree(self._ck_dir, ignore_errors=True)
 
+    def open(self, path):
+        """A _ShmFile to serialise `path`'s next file into, once a sidecar is
+        in use (None before the first file, or without a sidecar: the caller
+        serialises into memory and submits the bytes)."""
+        if self.pool is None:
+            return None
+        hint = self._sizes.get(path) or max(self._sizes.values(), default=0)
+        try:
+            return _ShmFile(self.pool, hint)
+        except SidecarError as e:
+            self._say_once(("alloc", type(e)), f"no shared memory for torch.save ({e}); serialising in private memory")
+            return None
+
     def submit(self, path, data):
         """Hands `data` for `path` to the sidecar and returns once it holds it
-        (or at once, when this process is to write it)."""
+        (or at once, when this process is to write it). `data` is bytes-like,
+        or the _ShmFile it was serialised into (no copy then)."""
+        shm = isinstance(data, _ShmFile)
+        n = data.len_bytes if shm else len(data)
+        self._sizes[path] = n
         handle = None
-        ck = self._checkpointer(len(data))
+        ck = self._checkpointer(n)
         if ck is not None:
             try:
-                handle = ck.save_file(path, data)
+                handle = ck.save_file_at(path, data.region.ptr, n) if shm else ck.save_file(path, data)
                 handle.wait_taken()
             except SidecarError as e:
                 self._say_once(("refused", type(e)), f"the sidecar did not take torch.save to {path} ({e}); "
@@ -189,13 +299,15 @@ class _Files:
                 if superseded:
                     self._count("superseded")
                 else:
-                    write_atomic(path, data)
+                    write_atomic(path, data.view() if isinstance(data, _ShmFile) else data)
                     self._count("in_process")
             except BaseException as e:  # the caller learns it at torch.load / flush
                 print(f"ckpt_sidecar: torch.save to {path} failed: {e}", file=sys.stderr)
                 with self._mu:
                     self.errors[path] = e
             finally:
+                if isinstance(data, _ShmFile):
+                    data.release()
                 with self._mu:
                     self._pending[path] -= 1
                     if not self._pending[path]:
@@ -275,9 +387,18 @@ def patch(torch):
         if not os.path.isdir(os.path.dirname(path)):
             # What the original's open() would raise, before any work.
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-        buf = io.BytesIO()
-        orig_save(obj, buf, *args, **kwargs)
-        _files.submit(path, buf.getbuffer())
+        out = _files.open(path)
+        if out is None:
+            out = io.BytesIO()
+            orig_save(obj, out, *args, **kwargs)
+            _files.submit(path, out.getbuffer())
+            return
+        try:
+            orig_save(obj, out, *args, **kwargs)
+        except BaseException:
+            out.release()
+            raise
+        _files.submit(path, out)
 
     def load(f, *args, **kwargs):
         if _is_path(f):

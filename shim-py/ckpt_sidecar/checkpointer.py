@@ -439,28 +439,38 @@ class Checkpointer:
         the sidecar holds its own copy and durable once the file is renamed and
         synced. The sidecar writes files only for clients of its own uid."""
         t0 = time.perf_counter()
-        path = os.path.abspath(os.fsdecode(os.fspath(path)))
         src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         n = src.nbytes
         with self._mu:
             self._ensure()
             region = self._take(n) if n else None
             try:
-                ptr = region.ptr if region is not None else (self._regions[0].ptr if self._regions else None)
                 if n:
-                    ctypes.memmove(ptr, src.ctypes.data, n)
-                sid = ctypes.c_uint64()
-                N.check(N.lib().ckpt_save_file(self._client, path.encode(), ptr, n, ctypes.byref(sid)))
+                    ctypes.memmove(region.ptr, src.ctypes.data, n)
+                h = self.save_file_at(path, region.ptr if region is not None else None, n)
             except BaseException:
                 if region is not None:
                     self._give_back(region)
                 raise
-            h = SaveHandle(self, None, sid.value, region, 0.0, inplace=False)
+            h._region = region
             h.copied_bytes = n
             if region is not None:
                 region.busy = h
-            self._pending.append(weakref.ref(h))
             h.stall_seconds = time.perf_counter() - t0
+            return h
+
+    def save_file_at(self, path, ptr, n):
+        """save_file of `n` bytes already in this client's shared memory at
+        address `ptr` (a region from this Checkpointer); nothing is copied here,
+        and the bytes must not change until the handle is taken."""
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.fsdecode(os.fspath(path)))
+        with self._mu:
+            self._ensure()
+            sid = ctypes.c_uint64()
+            N.check(N.lib().ckpt_save_file(self._client, path.encode(), ptr, n, ctypes.byref(sid)))
+            h = SaveHandle(self, None, sid.value, None, time.perf_counter() - t0, inplace=False)
+            self._pending.append(weakref.ref(h))
             return h
 
     def _plan(self, leaves):

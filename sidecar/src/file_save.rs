@@ -134,15 +134,7 @@ pub fn run_save_file(
     let key = shared.begin_file(&path, len_bytes);
     let span = info_span!("save_file", path = %path, bytes = len_bytes);
     let guard = span.enter();
-    let give_up = || {
-        if shared.is_aborting() {
-            Some("the sidecar is aborting")
-        } else if peer.is_gone() {
-            Some("the client disconnected before release")
-        } else {
-            None
-        }
-    };
+    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
     let (mut lease, waited) = match shared.staging.acquire(lease_bytes, &path, give_up) {
         Ok(x) => x,
         Err(e) => {

@@ -376,15 +376,7 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     }
     let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
     let guard = span.enter();
-    let give_up = || {
-        if shared.is_aborting() {
-            Some("the sidecar is aborting")
-        } else if peer.is_gone() {
-            Some("the client disconnected before release")
-        } else {
-            None
-        }
-    };
+    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
     let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
         Ok(x) => x,
         Err(StagingError::GaveUp { why }) => {

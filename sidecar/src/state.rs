@@ -132,6 +132,18 @@ impl Shared {
         self.aborting.load(Ordering::SeqCst)
     }
 
+    /// Why work for `peer` must stop now, if it must: the daemon aborts, or
+    /// the client is gone (`gone` says so in the caller's terms).
+    pub fn stop_reason(&self, peer: &Peer, gone: &'static str) -> Option<&'static str> {
+        if self.is_aborting() {
+            Some("the sidecar is aborting")
+        } else if peer.is_gone() {
+            Some(gone)
+        } else {
+            None
+        }
+    }
+
     /// Registers `step` as in flight; false if it already is.
     pub fn begin_step(&self, step: u64, bytes: u64) -> bool {
         let mut m = self.in_flight.lock().expect("in-flight lock");

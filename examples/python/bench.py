@@ -36,9 +36,12 @@ Second figure (--loop-steps, 0 skips it): a training loop whose step takes
 1.25 x the persist time, run without checkpoints and checkpointing every step
 (resident state, guarded optimizer step), alternately: --loop-rounds
 checkpointing loops, each between two plain ones and compared with their
-mean; the overhead in % is the median over the rounds (bar: <= 3 %). Two kinds of step: "cpu" (single-threaded
-matmuls, a fixed amount: the trainer competes with the sidecar for the CPU)
-and "gpu_like" (a sleep: the CPU is free, as when an accelerator computes).
+mean; the overhead in % is the median over the rounds (bar: <= 3 %). Kinds
+of step: "cpu" (single-threaded matmuls, a fixed amount: the trainer competes
+with the sidecar for the CPU),
+"cpu_pinned" (the same with the trainer on one core and the sidecar on the
+others, as `--cpus` / Checkpointer(cpus=...) arrange; 2+ CPUs only) and
+"gpu_like" (a sleep: the CPU is free, as when an accelerator computes).
 
   python bench.py --size-mib 1024 --json [--dir DIR]
 """
@@ -131,6 +134,14 @@ class Sidecar:
             if time.monotonic() > deadline:
                 raise SystemExit(f"sidecar not ready after {timeout} s")
             time.sleep(0.1)
+
+    def pin(self, cpus):
+        """Runs every thread of the sidecar (and those they start) on `cpus`."""
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:
+                pass  # a thread that just ended
 
     def stop(self):
         if self.proc.poll() is None:
@@ -338,9 +349,18 @@ def main():
                 cpu_step()
                 n_mm = max(1, round(n_mm * target / (time.perf_counter() - t0)))
 
+            kinds = [("cpu", cpu_step, f"{n_mm} single-thread 384x384 matmuls per step", None),
+                     ("gpu_like", gpu_like_step, f"a {target:.3f} s sleep per step (CPU free)", None)]
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) >= 2:
+                # As `ckpt-sidecar serve --cpus` would: the trainer on one core, the sidecar on the others.
+                kinds.append(("cpu_pinned", cpu_step, f"{n_mm} single-thread 384x384 matmuls per step; trainer on "
+                              f"cpu {cpus[0]}, sidecar on cpus {cpus[1:]}", (cpus[0], cpus[1:])))
             loops = {}
-            for kind, fn, work in (("cpu", cpu_step, f"{n_mm} single-thread 384x384 matmuls per step"),
-                                   ("gpu_like", gpu_like_step, f"a {target:.3f} s sleep per step (CPU free)")):
+            for kind, fn, work, pinning in kinds:
+                trainer_cpus, sidecar_cpus = ({pinning[0]}, set(pinning[1])) if pinning else (set(cpus), set(cpus))
+                os.sched_setaffinity(0, trainer_cpus)  # this thread: torch runs the matmuls on it
+                side.pin(sidecar_cpus)
                 # Checkpointing loops alternate with plain ones; each is compared with
                 # the mean of its two neighbours (the machine's speed drifts), and the
                 # figure is the median over the rounds.
@@ -359,6 +379,8 @@ def main():
                 loop["bar_overhead_le_3pct"] = loop["overhead_pct"] <= 3 and loop["step_exceeds_persist"]
                 loops[kind] = loop
                 log(f"loop ({kind}): {loop}")
+            os.sched_setaffinity(0, set(cpus))
+            side.pin(set(cpus))
             res["loop"] = loops
         ck.close()
     finally:

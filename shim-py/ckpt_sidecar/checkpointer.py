@@ -162,15 +162,18 @@ class Checkpointer:
         `socket` if given, else at a private path (ck.socket).
     keep, staging: passed to the spawned sidecar (--keep N, --staging SIZE; SIZE an
         int of bytes or a string like "512MiB").
+    cpus: CPUs the spawned sidecar's threads run on (--cpus: "1", "2-7" or a list of
+        ints); keeps them off a single-threaded trainer's core on a small machine.
     """
 
-    def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None):
+    def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None, cpus=None):
         self.dir = os.path.abspath(os.fspath(dir if dir is not None else "ckpt"))
         self._client = None
         self._proc = None
         self._tmpdir = None
         self._lock_fd = None
         self._keep, self._staging, self._log = keep, staging, log
+        self._cpus = cpus if cpus is None or isinstance(cpus, str) else ",".join(str(int(c)) for c in cpus)
         self._regions = []       # every region of this client, sorted by ptr
         self._region_ptrs = []
         self._save_regions = []  # regions for copies at save (at most POOL_REGIONS_MAX)
@@ -245,6 +248,8 @@ class Checkpointer:
             cmd += ["--keep", str(int(self._keep))]
         if self._staging is not None:
             cmd += ["--staging", str(self._staging)]
+        if self._cpus is not None:
+            cmd += ["--cpus", self._cpus]
         cmd += ["--", "cat"]
         self.log_path = self._log or os.path.join(self._tmpdir, "sidecar.log")
         logf = open(self.log_path, "ab")

@@ -162,3 +162,20 @@ def test_running_sidecar_with_another_dir_warns(sidecar, tmp_path):
         ck = cs.Checkpointer(dir=tmp_path / "elsewhere", socket=sidecar.socket, spawn=False)
     assert ck.dir == str(sidecar.dir)
     ck.close()
+
+
+def test_spawn_with_cpus_pins_the_sidecar(tmp_path, no_default_sidecar):
+    last = max(os.sched_getaffinity(0))
+    ck = cs.Checkpointer(dir=tmp_path / "ck", staging="16MiB", cpus=[last])
+    try:
+        tids = os.listdir(f"/proc/{ck._proc.pid}/task")
+        assert len(tids) >= 3, tids
+        for tid in tids:
+            assert os.sched_getaffinity(int(tid)) == {last}, tid
+        # launch's command (the `cat` that ends with this process) keeps the CPUs it had.
+        pid = ck._proc.pid
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        assert [os.sched_getaffinity(int(c)) for c in children] == [os.sched_getaffinity(0)], children
+        ck.save(1, {"w": np.arange(10.0)}).wait_durable()
+    finally:
+        ck.close()

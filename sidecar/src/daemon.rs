@@ -48,6 +48,9 @@ pub struct DaemonOptions {
     pub allow_uids: Vec<u32>,
     pub io: IoPolicy,
     pub shard_bytes_max: u64,
+    /// Run the sidecar's threads on these CPUs only (None: wherever the
+    /// scheduler likes); launch's command keeps the CPUs it would have had.
+    pub cpus: Option<Vec<usize>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +71,34 @@ pub enum DaemonError {
     TempDir(io::Error),
     #[error("starting a thread: {0}")]
     Thread(io::Error),
+    #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
+    Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
+}
+
+/// Pins this thread, and so every thread it starts later, to `cpus`;
+/// returns the mask it had (for a child to get back).
+fn pin_cpus(cpus: &[usize]) -> Result<libc::cpu_set_t, DaemonError> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: cpu_set_t is plain data and all-zero is the empty set; the
+    // calls get valid pointers to sets of `size` bytes and pid 0 (this thread).
+    unsafe {
+        let mut old: libc::cpu_set_t = std::mem::zeroed();
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::sched_getaffinity(0, size, &mut old);
+        let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &old)).collect();
+        let fail = |err: io::Error| DaemonError::Cpus { cpus: cpus.to_vec(), allowed: allowed.clone(), err };
+        for &c in cpus {
+            if c >= libc::CPU_SETSIZE as usize {
+                return Err(fail(io::Error::from_raw_os_error(libc::EINVAL)));
+            }
+            libc::CPU_SET(c, &mut set);
+        }
+        if libc::sched_setaffinity(0, size, &set) != 0 {
+            return Err(fail(io::Error::last_os_error()));
+        }
+        info!(?cpus, "sidecar threads pinned");
+        Ok(old)
+    }
 }
 
 /// The default staging budget: a quarter of physical memory, at most
@@ -137,6 +168,9 @@ fn stop(r: Running) {
 
 /// Runs the daemon until signalled; returns the exit code.
 pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
+    if let Some(cpus) = &opts.cpus {
+        pin_cpus(cpus)?;
+    }
     let socket = opts.socket.clone().unwrap_or_else(server::default_socket_path);
     let (tx, rx) = bounded(16);
     signals(tx)?;
@@ -203,6 +237,7 @@ fn private_dir() -> io::Result<PathBuf> {
 /// load and take SIGTERM as the preemption flag.
 pub fn launch(opts: &DaemonOptions, cmd: &[OsString], preload: Option<&Path>) -> Result<u8, DaemonError> {
     assert!(!cmd.is_empty(), "clap requires a command");
+    let child_cpus = opts.cpus.as_deref().map(pin_cpus).transpose()?;
     let (tx, rx) = bounded(16);
     signals(tx.clone())?;
     let tmp = if opts.socket.is_none() { Some(private_dir().map_err(DaemonError::TempDir)?) } else { None };
@@ -216,7 +251,7 @@ pub fn launch(opts: &DaemonOptions, cmd: &[OsString], preload: Option<&Path>) ->
             return Err(e);
         }
     };
-    let result = run_child(&r, &socket, cmd, preload, tx, &rx);
+    let result = run_child(&r, &socket, cmd, preload, child_cpus, tx, &rx);
     stop(r);
     if let Some(t) = &tmp {
         let _ = std::fs::remove_dir(t);
@@ -229,11 +264,25 @@ fn run_child(
     socket: &Path,
     cmd: &[OsString],
     preload: Option<&Path>,
+    child_cpus: Option<libc::cpu_set_t>,
     tx: crossbeam_channel::Sender<Event>,
     rx: &Receiver<Event>,
 ) -> Result<u8, DaemonError> {
     let mut command = std::process::Command::new(&cmd[0]);
     command.args(&cmd[1..]).env(ckpt_wire::SOCKET_ENV, socket);
+    if let Some(set) = child_cpus {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: runs in the forked child before exec; sched_setaffinity is
+        // a plain syscall (async-signal-safe) on a set copied into the closure.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     if let Some(lib) = preload {
         let mut v = lib.as_os_str().to_os_string();
         if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|o| !o.is_empty()) {

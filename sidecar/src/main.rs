@@ -58,6 +58,27 @@ fn parse_want(s: &str) -> Result<Want, String> {
     s.parse()
 }
 
+/// CPU numbers, sorted, without repeats.
+#[derive(Debug, Clone)]
+struct CpuList(Vec<usize>);
+
+/// A CPU list as in /proc and taskset: `0`, `1,3`, `2-7,12`.
+fn parse_cpus(s: &str) -> Result<CpuList, String> {
+    let bad = || format!("{s:?} is not a CPU list like 1 or 2-7,12");
+    let mut out = Vec::new();
+    for part in s.split(',') {
+        let (a, b) = part.trim().split_once('-').unwrap_or((part.trim(), part.trim()));
+        let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+        if a > b || b >= 1 << 16 {
+            return Err(bad());
+        }
+        out.extend(a..=b);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(CpuList(out))
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
@@ -99,6 +120,11 @@ struct DaemonArgs {
     allow_uids: Vec<u32>,
     #[arg(long, value_parser = parse_size, default_value = "1GiB")]
     shard_size: u64,
+    /// Run the sidecar's threads on these CPUs only, e.g. `1` or `2-7,12`
+    /// (keeps them off a trainer's cores on a small machine); launch's
+    /// command keeps the CPUs it would have had.
+    #[arg(long, value_parser = parse_cpus)]
+    cpus: Option<CpuList>,
     #[command(flatten)]
     io: IoArgs,
 }
@@ -116,6 +142,7 @@ impl DaemonArgs {
             allow_uids: self.allow_uids.clone(),
             io: self.io.policy(),
             shard_bytes_max: self.shard_size.max(1),
+            cpus: self.cpus.as_ref().map(|c| c.0.clone()),
         })
     }
 }

@@ -659,6 +659,36 @@ fn launch_runs_the_command_with_the_socket_and_exits_with_its_status() {
     assert!(!Path::new(sock.trim()).exists(), "socket removed");
 }
 
+#[test]
+fn launch_cpus_pins_the_sidecar_but_not_its_command() {
+    let allowed = |status: &str| status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_string()).unwrap();
+    let ours = allowed(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let last: usize = ours.rsplit([',', '-']).next().unwrap().parse().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // The command prints its own CPUs, then those of every sidecar thread.
+    let script = "grep Cpus_allowed_list /proc/self/status; for t in /proc/$PPID/task/*; do grep Cpus_allowed_list $t/status; done";
+    let out = Command::new(BIN)
+        .args(["launch", "--staging", "16MiB", "--cpus", &last.to_string(), "--dir"])
+        .arg(tmp.path().join("ckpt"))
+        .args(["--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines().map(allowed);
+    assert_eq!(lines.next().unwrap(), ours, "the command keeps its CPUs");
+    let sidecar: Vec<String> = lines.collect();
+    assert!(sidecar.len() >= 3, "{text}");
+    assert!(sidecar.iter().all(|c| *c == last.to_string()), "{text}");
+    // CPUs this process may not use are refused, naming the ones it may.
+    let out = Command::new(BIN).args(["launch", "--staging", "16MiB", "--cpus", "4000", "--dir"]).arg(tmp.path().join("ckpt")).args(["--", "true"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot run on CPUs [4000]") && err.contains("may use CPUs"), "{err}");
+    let out = Command::new(BIN).args(["serve", "--cpus", "1-x", "--dir"]).arg(tmp.path().join("ckpt")).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a CPU list"));
+}
+
 /// Runs as another uid when re-executed by the test below.
 #[test]
 fn other_uid_child() {

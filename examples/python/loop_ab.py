@@ -10,7 +10,8 @@ run-queue wait (schedstat: a core shared with the sidecar or kernel threads), ti
 guarded optimizer step and in save(). Env keys PIN_T / PIN_S pin the trainer / sidecar (taskset
 lists); AB_CPUS=1 prints per-CPU /proc/stat, virtio-blk IRQ and kernel-thread deltas.
 
---variant NAME=K1=V1,K2=V2 (env for the sidecar; BIN=path picks the binary). Each segment:
+--variant NAME=K1=V1,K2=V2 (env for the sidecar; BIN=path picks the binary; LAZY=0|1 sets the
+client's lazy-release request). Each segment:
 start the variant's sidecar, share, guard; `rounds` x (no-ckpt loop, ckpt loop), one more no-ckpt loop;
 overhead of each ckpt loop against the mean of its neighbouring no-ckpt loops."""
 import argparse, json, os, sys, time, threading, statistics, shutil
@@ -99,7 +100,7 @@ def segment(name, env):
     global n_mm, step
     shutil.rmtree(ckdir, ignore_errors=True)
     old = dict(os.environ)
-    os.environ.update({k: v for k, v in env.items() if k != "BIN"})
+    os.environ.update({k: v for k, v in env.items() if k not in ("BIN", "LAZY")})
     if "BIN" in env:
         os.environ["CKPT_SIDECAR_BIN"] = env["BIN"]
     side = B.Sidecar(ckdir, 2 * size + (256 << 20))
@@ -109,6 +110,9 @@ def segment(name, env):
     os.system(f"taskset -a -p -c {env.get('PIN_T', '0,1')} {os.getpid()} >/dev/null")
     try:
         ck = side.connect()
+        if "LAZY" in env:  # the client's lazy-release request (default on in the Python shim)
+            from ckpt_sidecar import _native
+            _native.check(_native.lib().ckpt_set_lazy_release(ck._client, int(env["LAZY"])))
         ck.share(state)
         params = [torch.nn.Parameter(t, requires_grad=False) for t in state.values()]
         opt = torch.optim.SGD(params, lr=0.0)

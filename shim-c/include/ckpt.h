@@ -180,6 +180,16 @@ int ckpt_connected(const struct ckpt_client *client);
 // `client` is a live client.
 int ckpt_set_timeout(struct ckpt_client *client, int64_t timeout_ms);
 
+// on != 0: later saves ask for a lazy release. For a trainer that does not
+// block on CKPT_RELEASED right after ckpt_save (it computes meanwhile): the
+// sidecar then checksums each block while copying it, one pass over memory
+// fewer, so it disturbs the computation less, but Released comes later.
+// on == 0 (the default): Released as early as possible.
+//
+// # Safety
+// `client` is a live client.
+int ckpt_set_lazy_release(struct ckpt_client *client, int on);
+
 // Allocates `len_bytes` of shared memory the sidecar can read (a region),
 // page-aligned and zeroed, and stores its address in *ptr. Tensors given to
 // ckpt_save and ckpt_load must live in such memory.

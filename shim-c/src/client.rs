@@ -225,6 +225,8 @@ struct Inner {
     next_region_id: u32,
     closed: bool,
     request_timeout: Option<Duration>,
+    /// Saves ask for a lazy release (see [`Client::set_lazy_release`]).
+    lazy_release: bool,
 }
 
 struct Conn {
@@ -441,7 +443,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), next_region_id: 1, closed: false, request_timeout: None }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false }),
         };
         {
             let mut inner = client.lock_inner();
@@ -471,6 +473,15 @@ impl Client {
     /// here: [`Client::wait`] takes its own timeout.
     pub fn set_request_timeout(&self, timeout: Option<Duration>) {
         self.lock_inner().request_timeout = timeout;
+    }
+
+    /// Whether later saves ask for a lazy release: for a trainer that does
+    /// not block on Released right after saving (it computes meanwhile), the
+    /// sidecar then checksums during the copy, one pass over memory fewer,
+    /// at the price of a later Released. Default false: Released as early as
+    /// possible (the checksums follow it).
+    pub fn set_lazy_release(&self, on: bool) {
+        self.lock_inner().lazy_release = on;
     }
 
     /// Connects again if the connection is down (re-registering every region);
@@ -548,7 +559,8 @@ impl Client {
         let mut inner = self.lock_inner();
         let descs = describe(&inner.regions, tensors)?;
         let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
-        self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs })
+        let lazy_release = inner.lazy_release;
+        self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release })
     }
 
     /// Asks the sidecar to write `len_bytes` at `ptr` (inside one of this

@@ -330,6 +330,23 @@ pub unsafe extern "C" fn ckpt_set_timeout(client: *mut ckpt_client, timeout_ms: 
     })
 }
 
+/// on != 0: later saves ask for a lazy release. For a trainer that does not
+/// block on CKPT_RELEASED right after ckpt_save (it computes meanwhile): the
+/// sidecar then checksums each block while copying it, one pass over memory
+/// fewer, so it disturbs the computation less, but Released comes later.
+/// on == 0 (the default): Released as early as possible.
+///
+/// # Safety
+/// `client` is a live client.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_set_lazy_release(client: *mut ckpt_client, on: c_int) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        unsafe { self::client(client) }?.client.set_lazy_release(on != 0);
+        Ok(())
+    })
+}
+
 /// Allocates `len_bytes` of shared memory the sidecar can read (a region),
 /// page-aligned and zeroed, and stores its address in *ptr. Tensors given to
 /// ckpt_save and ckpt_load must live in such memory.

@@ -55,6 +55,12 @@ fn save_released_durable_then_load_gives_the_same_bytes() {
     let log = fake.log();
     assert!(log[0].starts_with("Hello "), "{log:?}");
     assert_eq!(log[1], "RegisterRegion 1");
+    // A lazy release is asked for from the next save on.
+    c.set_lazy_release(true);
+    let h = c.save(8, &t, &[]).unwrap();
+    c.wait(h.id, Wanted::Durable, SEC).unwrap();
+    let log = fake.log();
+    assert!(log.contains(&"Save 7".to_string()) && log.contains(&"Save 8 lazy".to_string()), "{log:?}");
 }
 
 #[test]

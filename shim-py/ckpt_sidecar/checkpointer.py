@@ -214,6 +214,11 @@ class Checkpointer:
     def _connect(path):
         out = ctypes.c_void_p()
         N.check(N.lib().ckpt_connect(path.encode() if path else None, ctypes.byref(out)))
+        # A Python trainer never blocks on the sidecar's Released right after
+        # save(): copied tensors are released at once, shared ones only at the
+        # guarded optimizer step, after forward and backward. So the sidecar
+        # may checksum while it copies (one pass over memory fewer).
+        N.check(N.lib().ckpt_set_lazy_release(out, 1))
         return out
 
     def _spawn(self):

@@ -86,7 +86,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::Save { id, step, tensors, blobs } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs),
+            Request::Save { id, step, tensors, blobs, lazy_release } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release),
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, id, path, region_id, offset_bytes, len_bytes)
             }

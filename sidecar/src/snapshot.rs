@@ -236,6 +236,30 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
     copy_pieces(&pieces_of(layout, Some(sources), lease), stop)
 }
 
+/// Copies as [`copy_into`] and returns each tensor's crc32c, computed from
+/// each source block right after it is copied, while it is still in this
+/// core's cache: one pass over memory instead of a copy pass and a checksum
+/// pass, for a save whose trainer does not wait for Released (lazy
+/// release); the copy takes longer. None when stopped early.
+pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Vec<u32>> {
+    layout.write_headers(lease.as_mut_slice());
+    let pieces = pieces_of(layout, Some(sources), lease);
+    let piece_crcs = run_pieces(&pieces, stop, &|p| {
+        let mut crc = 0u32;
+        let mut at = 0;
+        while at < p.len {
+            let n = (p.len - at).min(COPY_BLOCK_BYTES);
+            // SAFETY: as in copy_pieces, for this block of the piece.
+            unsafe { copy_streaming(p.dst.add(at), p.src.add(at), n) };
+            // SAFETY: the same source block, in the live read-only mapping.
+            crc = crc32c::crc32c_append(crc, unsafe { std::slice::from_raw_parts(p.src.add(at), n) });
+            at += n;
+        }
+        crc
+    })?;
+    Some(fold_crcs(layout, &pieces, &piece_crcs))
+}
+
 /// Copies `len_bytes` at `offset_bytes` of `region` to the start of the
 /// lease (a SaveFile's bytes) and zeroes the rest of the lease, so a write
 /// of whole blocks carries no stale bytes; false when stopped early.
@@ -327,9 +351,13 @@ pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
         crc
     })
     .expect("a checksum pass is never stopped");
-    // Pieces are in tensor order; fold each tensor's pieces into its crc.
+    fold_crcs(layout, &pieces, &piece_crcs)
+}
+
+/// Folds the pieces' crcs (in tensor order) into each tensor's crc.
+fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
     let mut crcs = vec![0u32; layout.specs.len()];
-    for (p, &c) in pieces.0.iter().zip(&piece_crcs) {
+    for (p, &c) in pieces.0.iter().zip(piece_crcs) {
         crcs[p.tensor_idx] = crc32c::crc32c_combine(crcs[p.tensor_idx], c, p.len);
     }
     crcs
@@ -338,7 +366,16 @@ pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
 /// Runs one Save for a session: checks, waits for staging, copies, replies
 /// Released (or Failed), and queues the image for the committer.
 #[allow(clippy::too_many_arguments)]
-pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
+pub fn run_save(
+    shared: &Shared,
+    peer: &Arc<Peer>,
+    regions: &HashMap<u32, Arc<Region>>,
+    id: u64,
+    step: u64,
+    tensors: Vec<TensorDesc>,
+    blobs: Vec<Blob>,
+    lazy_release: bool,
+) {
     let t_received = Instant::now();
     let fail = |e: SaveError| {
         info!(step, code = ?e.code(), "save refused: {e}");
@@ -391,12 +428,15 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
     };
     shared.set_phase(Flight::Step(step), Phase::Copying);
     let t_copy = Instant::now();
-    let copied = copy_into(&layout, &sources, &mut lease, &|| give_up().is_some());
+    let stop = || give_up().is_some();
+    // Lazy release: checksums during the copy. Else: the copy alone, and the
+    // checksums after the release, off the trainer's stall.
+    let copied = if lazy_release { copy_and_checksum_into(&layout, &sources, &mut lease, &stop).map(Some) } else { copy_into(&layout, &sources, &mut lease, &stop).then_some(None) };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     drop(sources);
     // Released only if the client is still there to be told.
-    match (copied, give_up()) {
-        (true, None) => {}
+    let crcs = match (copied, give_up()) {
+        (Some(crcs), None) => crcs,
         (_, why) => {
             let why = why.unwrap_or("stopped during the copy");
             drop(lease);
@@ -406,13 +446,15 @@ pub fn run_save(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
         }
     };
     let waited_seconds = waited.as_secs_f64();
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
-    // Checksums after the release, off the trainer's stall: from the staged
-    // bytes, which only this lease's holder touches from here on.
-    let t_crc = Instant::now();
-    let crcs = checksum(&layout, &mut lease);
-    info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
+    let crcs = crcs.unwrap_or_else(|| {
+        // From the staged bytes, which only this lease's holder touches now.
+        let t_crc = Instant::now();
+        let crcs = checksum(&layout, &mut lease);
+        info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
+        crcs
+    });
     shared.set_phase(Flight::Step(step), Phase::Queued);
     drop(guard);
     let job = Job { id, step, layout, lease, crcs, blobs, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };

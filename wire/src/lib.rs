@@ -65,8 +65,12 @@ pub enum Request {
     RegisterRegion { id: u64, region_id: u32, shm_name: String, len_bytes: u64 },
     UnregisterRegion { id: u64, region_id: u32 },
     /// Snapshot these tensors and blobs as checkpoint `step`; replies:
-    /// Released, then Durable or Failed, all with `id`.
-    Save { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob> },
+    /// Released, then Durable or Failed, all with `id`. `lazy_release`: the
+    /// trainer does not block on Released (it computes meanwhile), so the
+    /// sidecar checksums each block during the copy, while it is in cache
+    /// (one memory pass fewer, a later Released); false: Released as early
+    /// as possible, checksums after it. (Version 2.)
+    Save { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
     /// Write the named tensors of `step` (None: latest) into the regions the
     /// descriptors name, verified; reply: Loaded or Error.
     Load { id: u64, step: Option<u64>, tensors: Vec<TensorDesc> },
@@ -250,6 +254,7 @@ mod tests {
             step: 100,
             tensors: vec![TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![2, 3], region_id: 1, offset_bytes: 64, len_bytes: 24 }],
             blobs: vec![Blob { name: "rng".into(), bytes: vec![1, 2, 3] }],
+            lazy_release: true,
         };
         let f = encode(&m);
         assert_eq!(u32::from_le_bytes(f[..4].try_into().unwrap()) as usize, f.len() - 4);

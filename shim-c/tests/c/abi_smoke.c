@@ -29,6 +29,8 @@ int main(void) {
     ckpt_tensor t = {"w", "F32", shape, 1, w, 64};
     ckpt_blob b = {"meta", "hello", 5};
     uint64_t id = 0;
+    CHECK(ckpt_set_lazy_release(c, 1) == CKPT_OK);
+    CHECK(ckpt_set_lazy_release(NULL, 1) == CKPT_E_INVALID);
     CHECK(ckpt_save(c, 1, &t, 1, &b, 1, &id) == CKPT_OK);
     CHECK(ckpt_wait(c, id, CKPT_RELEASED, 10000) == CKPT_OK);
     CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_OK);

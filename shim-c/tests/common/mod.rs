@@ -190,7 +190,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 regions.remove(&region_id);
                 send(&w, &Reply::RegionUnregistered { id, region_id });
             }
-            Request::Save { id, step, tensors, blobs } => {
+            Request::Save { id, step, tensors, blobs, .. } => {
                 let mut copied = Vec::new();
                 let mut bad = None;
                 for t in &tensors {
@@ -259,7 +259,7 @@ fn kind(r: &Request) -> String {
     match r {
         Request::RegisterRegion { region_id, .. } => format!("RegisterRegion {region_id}"),
         Request::UnregisterRegion { region_id, .. } => format!("UnregisterRegion {region_id}"),
-        Request::Save { step, .. } => format!("Save {step}"),
+        Request::Save { step, lazy_release, .. } => format!("Save {step}{}", if *lazy_release { " lazy" } else { "" }),
         Request::Load { .. } => "Load".into(),
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),

@@ -41,6 +41,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt::{Client, TensorRef};
+use ckpt_test_support::{kill9, seed_from_env, terminate, Rng};
 
 /// Trainer runs killed in test 1 (issue 3 asks for at least 50).
 const RUNS: usize = 60;
@@ -78,38 +79,9 @@ fn prerequisites(tmp: &Path) -> Option<(PathBuf, PathBuf)> {
     Some((bin, exe))
 }
 
-/// xorshift64*: the kill points, reproducible from the printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(test: &str, salt: u64) -> Rng {
-        let seed = match std::env::var("CKPT_KILL_SEED") {
-            Ok(s) => {
-                let s = s.trim();
-                let v = match s.strip_prefix("0x") {
-                    Some(h) => u64::from_str_radix(h, 16),
-                    None => s.parse(),
-                };
-                v.unwrap_or_else(|_| panic!("CKPT_KILL_SEED={s:?}: expected a decimal or 0x-hex u64"))
-            }
-            Err(_) => 0x2545_F491_4F6C_DD1D,
-        };
-        eprintln!("{test}: kill seed {seed:#x} (CKPT_KILL_SEED={seed:#x} replays these kill delays)");
-        Rng((seed ^ salt) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
+/// The kill points' PRNG, reproducible from the printed seed.
+fn rng(test: &str, salt: u64) -> Rng {
+    Rng::new((seed_from_env("CKPT_KILL_SEED", 0x2545_F491_4F6C_DD1D, test) ^ salt) | 1)
 }
 
 /// Polls `f` every 2 ms until it gives a value; panics with `what()` after PATIENCE.
@@ -122,12 +94,6 @@ fn wait_for<T>(what: impl Fn() -> String, mut f: impl FnMut() -> Option<T>) -> T
         assert!(t0.elapsed() < PATIENCE, "gave up after {PATIENCE:?} waiting for {}", what());
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-fn kill9(child: &mut Child) -> std::process::ExitStatus {
-    // SAFETY: signalling our own child, not yet reaped.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    child.wait().unwrap()
 }
 
 /// A child killed and reaped when dropped, so a failing test leaves no
@@ -241,19 +207,7 @@ impl Sidecar {
     /// SIGTERM (drain), then its exit code.
     fn stop(&mut self) -> i32 {
         let mut c = self.child.take().unwrap();
-        // SAFETY: signalling our own child, not yet reaped.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = c.try_wait().unwrap() {
-                return st.code().unwrap_or(-1);
-            }
-            if t0.elapsed() > PATIENCE {
-                let _ = kill9(&mut c);
-                panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        terminate(&mut c, PATIENCE).unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
     }
 }
 
@@ -444,7 +398,7 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
     let (dir, sock, log) = (tmp.path().join("ck"), tmp.path().join("s.sock"), tmp.path().join("sidecar.log"));
     const MIB: u64 = 4;
     let mut sidecar = Sidecar::start(&bin, &dir, &sock, "64MiB", &log);
-    let mut rng = Rng::new("trainer kills", 0x0074_7261_696e_6572);
+    let mut rng = rng("trainer kills", 0x0074_7261_696e_6572);
 
     // The harness's own session: status (drain) and a load of latest per run.
     let me = Client::connect(Some(&sock)).unwrap();
@@ -610,7 +564,7 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
     const MIB: u64 = 64;
     let slog = |i: usize| tmp.path().join(format!("sidecar-{i}.log"));
     let mut sidecar = Sidecar::start(&bin, &dir, &sock, "256MiB", &slog(0));
-    let mut rng = Rng::new("sidecar kills", 0x0073_6964_6563_6172);
+    let mut rng = rng("sidecar kills", 0x0073_6964_6563_6172);
 
     let out = tmp.path().join("trainer.log");
     let mut trainer = spawn_trainer(&exe, &["--mib", &MIB.to_string(), "--keep-going", "--step-ms", "50"], &sock, &out);

@@ -12,12 +12,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt::{BlobRef, Client, Error, TensorRef, Wanted};
+use ckpt_test_support::{kill9, terminate};
 use ckpt_wire::LoadSource;
 
 const SEC: Option<Duration> = Some(Duration::from_secs(30));
 
 struct Serve {
-    child: Child,
+    /// None once killed and reaped (its pid must not be signalled again).
+    child: Option<Child>,
 }
 
 impl Serve {
@@ -37,25 +39,19 @@ impl Serve {
             assert!(t0.elapsed() < Duration::from_secs(20), "serve did not come up at {}", sock.display());
             std::thread::sleep(Duration::from_millis(20));
         }
-        Serve { child }
+        Serve { child: Some(child) }
     }
 
     fn kill9(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kill9(&mut self.child.take().expect("running"));
     }
 }
 
 impl Drop for Serve {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while self.child.try_wait().unwrap().is_none() {
-            if t0.elapsed() > Duration::from_secs(20) {
-                let _ = self.child.kill();
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        if let Some(mut c) = self.child.take() {
+            // SIGKILLed and reaped by terminate when it does not drain in time.
+            let _ = terminate(&mut c, Duration::from_secs(20));
         }
     }
 }

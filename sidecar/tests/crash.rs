@@ -23,6 +23,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt_sidecar::catalog;
+use ckpt_test_support::{seed_from_env, Rng};
 use ckpt_sidecar::commit::{Store, StoreOptions};
 use ckpt_sidecar::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
 use ckpt_sidecar::mem::AlignedBuf;
@@ -50,43 +51,8 @@ const GC_POPULATE: u64 = 6;
 
 // ------------------------------------------------------------------ helpers
 
-/// xorshift64*: deterministic, no dependencies.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.max(1))
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform-ish in `0..n` (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn seed(test: &str) -> u64 {
-    let s = match std::env::var("CKPT_CRASH_SEED") {
-        Ok(v) => {
-            let v = v.trim();
-            let parsed = match v.strip_prefix("0x") {
-                Some(hex) => u64::from_str_radix(hex, 16),
-                None => v.parse(),
-            };
-            parsed.unwrap_or_else(|_| panic!("CKPT_CRASH_SEED={v:?} is not a number"))
-        }
-        Err(_) => DEFAULT_SEED,
-    };
-    eprintln!("{test}: seed {s:#x} (replay with CKPT_CRASH_SEED={s:#x})");
-    s
+    seed_from_env("CKPT_CRASH_SEED", DEFAULT_SEED, test)
 }
 
 fn dir_args(cmd: &mut Command, dirs: &[PathBuf]) {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use ckpt_sidecar::catalog;
 use ckpt_sidecar::restore::{self, ReadOptions, Which};
+use ckpt_test_support::terminate;
 use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, Request, TensorDesc, MAGIC, PROTOCOL_VERSION};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
@@ -77,19 +78,7 @@ impl Sidecar {
     /// SIGTERM, then the exit code.
     fn stop(&mut self) -> i32 {
         let mut c = self.child.take().unwrap();
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = c.try_wait().unwrap() {
-                return st.code().unwrap_or(-1);
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                let _ = c.kill();
-                panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        terminate(&mut c, Duration::from_secs(30)).unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
     }
 
     /// Stops this one and starts another on the same directory.

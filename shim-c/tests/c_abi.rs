@@ -97,11 +97,7 @@ fn preload_mode_connects_unmodified_programs_and_never_breaks_them() {
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout), "out\n");
     assert!(o.stderr.is_empty(), "{}", text(&o));
-    let t0 = Instant::now();
-    while !fake.log().iter().any(|l| l == "Hello sh") && t0.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert!(fake.log().iter().any(|l| l == "Hello sh"), "{:?}", fake.log());
+    fake.log_when(|l| l.iter().any(|l| l == "Hello sh"));
 }
 
 #[test]
@@ -211,7 +207,7 @@ fn a_forked_child_never_touches_its_parents_connection() {
     let o = Command::new(&exe).arg("calls").env("CKPT_SIDECAR_SOCKET", &sock).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     // One session only (the child never spoke), and it ended with Bye from the parent.
-    let log = fake.log();
+    let log = fake.log_when_ended();
     assert_eq!(log.iter().filter(|l| l.starts_with("Hello")).count(), 1, "{log:?}");
     assert_eq!(log.iter().filter(|l| l.starts_with("Save")).count(), 2, "{log:?}");
     assert_eq!(log.last().map(String::as_str), Some("Bye"), "{log:?}");
@@ -220,9 +216,7 @@ fn a_forked_child_never_touches_its_parents_connection() {
     let fake = Fake::start(&sock, Opts::default());
     let st = Command::new(&exe).arg("orphan").env("CKPT_SIDECAR_SOCKET", &sock).stdout(Stdio::null()).status().unwrap();
     assert!(st.success());
-    let t0 = Instant::now();
-    while !fake.log().iter().any(|l| l == "End") {
-        assert!(t0.elapsed() < Duration::from_secs(2), "the session outlived its process (the child kept the socket): {:?}", fake.log());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // The orphaned child lives 3 s more: an End within 2 s means it did not
+    // keep the session's socket open.
+    fake.log_within(Duration::from_secs(2), |l| l.iter().any(|l| l == "End"));
 }

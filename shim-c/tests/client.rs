@@ -265,7 +265,6 @@ fn free_and_close_unregister_and_remove_the_shared_memory() {
     c.close();
     assert!(!std::path::Path::new(&nb).exists());
     assert!(matches!(c.list(), Err(Error::Closed)));
-    std::thread::sleep(Duration::from_millis(50));
-    let log = fake.log();
+    let log = fake.log_when_ended();
     assert!(log.contains(&"UnregisterRegion 1".to_string()) && log.last().unwrap() == "Bye", "{log:?}");
 }

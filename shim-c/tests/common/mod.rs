@@ -100,6 +100,31 @@ impl Fake {
     pub fn log(&self) -> Vec<String> {
         self.store.lock().unwrap().log.clone()
     }
+
+    /// The log once `done` holds for it. The fake handles each connection on
+    /// its own thread, so what a client sent just before it exited or closed
+    /// may not be logged yet when the test looks; panics after 5 s.
+    pub fn log_when(&self, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+        self.log_within(Duration::from_secs(5), done)
+    }
+
+    /// [`Fake::log_when`] with a deadline of the test's choosing.
+    pub fn log_within(&self, limit: Duration, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let log = self.log();
+            if done(&log) {
+                return log;
+            }
+            assert!(t0.elapsed() < limit, "the fake's log never got there within {limit:?}: {log:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The log once the last session has ended, by Bye or by a closed socket.
+    pub fn log_when_ended(&self) -> Vec<String> {
+        self.log_when(|l| matches!(l.last().map(String::as_str), Some("Bye" | "End")))
+    }
 }
 
 impl Drop for Fake {

@@ -100,6 +100,13 @@ fn preload_mode_connects_unmodified_programs_and_never_breaks_them() {
     fake.log_when(|l| l.iter().any(|l| l == "Hello sh"));
 }
 
+/// Whether `pid` has a handler for `sig` (its SigCgt mask in /proc).
+fn catches(pid: i32, sig: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).and_then(|m| u64::from_str_radix(m.trim(), 16).ok());
+    mask.is_some_and(|m| m & (1 << (sig - 1)) != 0)
+}
+
 #[test]
 fn preload_mode_one_sigterm_sets_the_flag_a_second_terminates() {
     let so = so_path();
@@ -112,8 +119,13 @@ fn preload_mode_one_sigterm_sets_the_flag_a_second_terminates() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300)); // past the constructor
     let pid = child.id() as i32;
+    // Past the constructor: wait until the process catches SIGTERM.
+    let t0 = Instant::now();
+    while !catches(pid, libc::SIGTERM) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the preloaded constructor never installed its SIGTERM handler");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     std::thread::sleep(Duration::from_millis(300));
@@ -180,7 +192,11 @@ fn example_trainer_checkpoints_every_step_and_resumes_verified() {
     let o = run(&["--steps", "30", "--width", "256", "--resume", "--crash-at", "15"]);
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(o.status.signal(), Some(libc::SIGKILL), "{}", text(&o));
-    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    while !fake.store.lock().unwrap().steps.contains_key(&15) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "released step 15 never committed after the crash");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let o = run(&["--steps", "16", "--width", "256", "--resume"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("resumed from step 15"), "{}", text(&o));

@@ -289,7 +289,16 @@ mod tests {
         let s = Staging::new(4 << 20).unwrap();
         let (a, _) = s.acquire(3 << 20, "a", || None).unwrap();
         let s2 = s.clone();
-        let h = std::thread::spawn(move || s2.acquire(2 << 20, "b", || None).map(|(l, w)| (l.offset_bytes(), w)));
+        // `give_up` is first asked once the acquire is waiting for space.
+        let (waiting_tx, waiting_rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            s2.acquire(2 << 20, "b", || {
+                let _ = waiting_tx.send(());
+                None
+            })
+            .map(|(l, w)| (l.offset_bytes(), w))
+        });
+        waiting_rx.recv().unwrap();
         std::thread::sleep(Duration::from_millis(120));
         drop(a);
         let (off, waited) = h.join().unwrap().unwrap();

@@ -150,7 +150,15 @@ pub fn run_save_file(
         None => true,
     };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
+    // A region its client truncated during the copy was read as zeros.
+    let intact = region.as_ref().map_or(Ok(()), |r| r.check_size());
     drop(region);
+    if let Err(e) = intact {
+        drop(lease);
+        shared.end(key);
+        warn!(copy_s = copy_seconds, "aborted before release: {e}; nothing written");
+        return fail(ErrorCode::BadRegion, format!("{path}: {e}"));
+    }
     // Released only if the client is still there to be told.
     let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
     if let Some(why) = stopped {

@@ -9,13 +9,26 @@
 //! [`Region::src_ptr`] or [`Region::write_at`], which check bounds with
 //! overflow-checked arithmetic, so no read or write leaves the region.
 //!
-//! Known limit: a client that shrinks its own segment (ftruncate) while a
-//! copy reads it makes the sidecar fault (SIGBUS). The size is re-checked
-//! before each save; a peer of the same uid could kill the sidecar anyway.
+//! A client that shrinks its own segment (ftruncate) under a copy must not
+//! kill the sidecar: reading a mapped page past the end of a shm object
+//! raises SIGBUS. Every read of a region goes through [`Region::read`], which
+//! names the region to this thread's fault handler for the duration; a fault
+//! inside it maps zero pages over the rest of the region, marks the region
+//! truncated and lets the copy run on (it reads zeros). The save then fails
+//! with an error naming the segment ([`Region::check_size`] after the copy),
+//! and the region stays refused until it is registered again. A SIGBUS
+//! anywhere else goes to the handler that was there before (Rust's stack
+//! overflow check, or the default: the process dies). This is how Wayland
+//! compositors survive clients that shrink their shm pools.
 
+use std::cell::Cell;
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+#[cfg(test)]
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Once;
 
 use crate::config;
 
@@ -31,6 +44,8 @@ pub enum RegionError {
     NotRegular { name: String },
     #[error("shm segment {name:?} has {size_bytes} bytes, fewer than the {len_bytes} registered")]
     TooSmall { name: String, size_bytes: u64, len_bytes: u64 },
+    #[error("shm segment {name:?} was truncated by its owner while the sidecar read it; register it again")]
+    Truncated { name: String },
     #[error("bytes {offset_bytes}..{offset_bytes}+{len_bytes} lie outside region {region_id} of {region_bytes} bytes")]
     OutOfBounds { region_id: u32, offset_bytes: u64, len_bytes: u64, region_bytes: u64 },
 }
@@ -69,6 +84,9 @@ pub struct Region {
     fd: OwnedFd,
     /// Start of the read-only mapping of `len_bytes`; null when empty.
     ptr: *const u8,
+    /// Set by the fault handler when a read found the segment shrunk; the
+    /// mapping's tail is zero pages from then on.
+    truncated: AtomicBool,
 }
 
 // SAFETY: the mapping is read-only and owned by this Region until Drop;
@@ -124,7 +142,25 @@ impl Region {
             }
             p as *const u8
         };
-        Ok(Region { region_id, shm_name: shm_name.to_string(), len_bytes, fd, ptr })
+        install_fault_handler();
+        Ok(Region { region_id, shm_name: shm_name.to_string(), len_bytes, fd, ptr, truncated: AtomicBool::new(false) })
+    }
+
+    /// Runs `f`, which reads this region's mapping (through pointers from
+    /// [`Region::src_ptr`]), with this thread's SIGBUS handler armed for the
+    /// region: if the client truncated the segment, the read sees zeros
+    /// instead of killing the sidecar, and [`Region::check_size`] fails.
+    pub fn read<R>(&self, f: impl FnOnce() -> R) -> R {
+        let armed = Armed { start: self.ptr as usize, len: self.len_bytes as usize, truncated: &self.truncated };
+        let outer = ARMED.with(|a| a.replace(Some(armed)));
+        let out = f();
+        ARMED.with(|a| a.set(outer));
+        out
+    }
+
+    /// Whether a read found the segment shrunk under it.
+    pub fn was_truncated(&self) -> bool {
+        self.truncated.load(Ordering::Acquire)
     }
 
     fn check_bounds(&self, offset_bytes: u64, len_bytes: u64) -> Result<(), RegionError> {
@@ -151,8 +187,12 @@ impl Region {
     }
 
     /// Re-checks that the segment still holds every registered byte (a
-    /// shrunk segment would fault the copy).
+    /// shrunk segment would fault the copy) and that no read found it
+    /// shrunk: before a copy, and after it (the client may truncate during).
     pub fn check_size(&self) -> Result<(), RegionError> {
+        if self.was_truncated() {
+            return Err(RegionError::Truncated { name: self.shm_name.clone() });
+        }
         let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os { name: self.shm_name.clone(), what: "fstat", source })?;
         if (st.st_size as u64) < self.len_bytes {
             return Err(RegionError::TooSmall { name: self.shm_name.clone(), size_bytes: st.st_size as u64, len_bytes: self.len_bytes });
@@ -199,6 +239,83 @@ impl Drop for Region {
     }
 }
 
+/// The region a thread is reading, as its SIGBUS handler needs it.
+#[derive(Clone, Copy)]
+struct Armed {
+    start: usize,
+    len: usize,
+    truncated: *const AtomicBool,
+}
+
+thread_local! {
+    /// Const-initialised and without a destructor, so reading it is a plain
+    /// TLS load: safe inside a signal handler.
+    static ARMED: Cell<Option<Armed>> = const { Cell::new(None) };
+}
+
+/// The SIGBUS action found at install time, run for faults not ours.
+static mut PREVIOUS: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
+static PAGE_BYTES: AtomicUsize = AtomicUsize::new(4096);
+
+fn install_fault_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if page > 0 {
+            PAGE_BYTES.store(page as usize, Ordering::Relaxed);
+        }
+        // SAFETY: a zeroed sigaction is valid; the handler has the
+        // SA_SIGINFO signature; PREVIOUS is written here only, once, before
+        // the handler that reads it is installed (same sigaction call fills
+        // it first).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_sigbus as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut sa.sa_mask);
+            let previous = std::ptr::addr_of_mut!(PREVIOUS).cast::<libc::sigaction>();
+            libc::sigaction(libc::SIGBUS, std::ptr::null(), previous);
+            if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) != 0 {
+                tracing::warn!("cannot install the SIGBUS handler: {}; a client that truncates its shm during a copy will kill the sidecar", io::Error::last_os_error());
+            }
+        }
+    });
+}
+
+/// SIGBUS: if this thread is reading a region and the fault lies in it, map
+/// zero pages from the faulting page to the region's end (the faulting load
+/// then re-runs and reads zeros) and mark the region truncated. Otherwise
+/// put the previous action back and return: the fault repeats and is that
+/// action's (Rust's guard-page check, or death by SIGBUS).
+/// Only async-signal-safe calls: a TLS load, mmap, sigaction, an atomic store.
+extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    if let Some(a) = ARMED.with(|a| a.get()) {
+        if addr >= a.start && addr - a.start < a.len {
+            let page = PAGE_BYTES.load(Ordering::Relaxed);
+            let from = addr & !(page - 1);
+            let end = (a.start + a.len).div_ceil(page) * page;
+            // SAFETY: [from, end) lies inside the region's own read-only
+            // mapping (mmap rounds it up to whole pages), which the reader
+            // holds alive; replacing it with private zero pages changes only
+            // what our reads of it see. Checked against MAP_FAILED.
+            let p = unsafe {
+                libc::mmap(from as *mut libc::c_void, end - from, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0)
+            };
+            if p != libc::MAP_FAILED {
+                // SAFETY: `truncated` points into the Region that `read`
+                // borrows for as long as ARMED names it.
+                unsafe { (*a.truncated).store(true, Ordering::Release) };
+                return;
+            }
+        }
+    }
+    // SAFETY: PREVIOUS was filled before this handler was installed.
+    unsafe { libc::sigaction(libc::SIGBUS, std::ptr::addr_of!(PREVIOUS).cast::<libc::sigaction>(), std::ptr::null_mut()) };
+}
+
 fn fstat(fd: i32) -> io::Result<libc::stat> {
     let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
     // SAFETY: st is a valid out-pointer for one struct stat; fd is open.
@@ -209,9 +326,110 @@ fn fstat(fd: i32) -> io::Result<libc::stat> {
     Ok(unsafe { st.assume_init() })
 }
 
+/// A shm segment of `len` bytes filled with `fill(i)` at byte i, for
+/// tests: its name (unlinked when the returned descriptor's test is done
+/// with it through [`unlink_segment`]) and a read-write descriptor.
+#[cfg(test)]
+pub(crate) fn test_segment(len: usize, fill: impl Fn(usize) -> u8) -> (String, OwnedFd) {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("/ckpt-unit-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    let c = CString::new(name.clone()).unwrap();
+    // SAFETY: plain libc calls with checked results.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+    assert!(fd >= 0, "shm_open: {}", io::Error::last_os_error());
+    // SAFETY: fd was just opened and is owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let bytes: Vec<u8> = (0..len).map(fill).collect();
+    std::fs::File::from(fd.try_clone().unwrap()).write_all_at(&bytes, 0).unwrap();
+    (name, fd)
+}
+
+#[cfg(test)]
+pub(crate) fn unlink_segment(name: &str) {
+    let c = CString::new(name).unwrap();
+    // SAFETY: a NUL-terminated name; failure only leaves a segment behind.
+    unsafe { libc::shm_unlink(c.as_ptr()) };
+}
+
+#[cfg(test)]
+pub(crate) fn truncate_segment(fd: &OwnedFd, len: u64) {
+    // SAFETY: our own descriptor.
+    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) }, 0);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pattern(i: usize) -> u8 {
+        (i % 251) as u8 + 1
+    }
+
+    /// Reads `len` bytes of the region's mapping at `offset` (armed).
+    fn read_all(r: &Region, offset: u64, len: u64) -> Vec<u8> {
+        let src = r.src_ptr(offset, len).unwrap();
+        let mut out = vec![0xAAu8; len as usize];
+        // SAFETY: src..src+len is inside the live mapping (src_ptr checked).
+        r.read(|| unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len as usize) });
+        out
+    }
+
+    #[test]
+    fn a_segment_truncated_under_a_read_reads_as_zeros_and_is_refused_from_then_on() {
+        let len = 1 << 20;
+        let (name, fd) = test_segment(len, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = Region::open(1, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        assert_eq!(read_all(&r, 0, len as u64), (0..len).map(pattern).collect::<Vec<_>>());
+        r.check_size().unwrap();
+        // The owner shrinks it to 3 pages and a bit; the mapping still spans 1 MiB.
+        let kept = 3 * 4096 + 100;
+        truncate_segment(&fd, kept as u64);
+        let got = read_all(&r, 0, len as u64);
+        // What lies in the pages still backed is read as it is (the partial
+        // last page reads zeros past the new end, as the kernel gives them).
+        assert_eq!(&got[..kept], &(0..kept).map(pattern).collect::<Vec<_>>()[..]);
+        assert!(got[4 * 4096..].iter().all(|&b| b == 0));
+        assert!(r.was_truncated());
+        let e = r.check_size().unwrap_err();
+        assert!(matches!(e, RegionError::Truncated { .. }) && e.to_string().contains(&name), "{e}");
+        // Growing it back does not make the region usable again: the
+        // mapping's tail is no longer the segment.
+        truncate_segment(&fd, len as u64);
+        assert!(r.check_size().is_err());
+    }
+
+    #[test]
+    fn a_fault_outside_an_armed_read_still_kills_the_process() {
+        let len = 64 << 10;
+        let (name, fd) = test_segment(len, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = Region::open(1, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        let (other_name, _other_fd) = test_segment(4096, pattern);
+        let other = Region::open(2, &other_name, 4096, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        unlink_segment(&other_name);
+        truncate_segment(&fd, 0);
+        let src = r.src_ptr(0, len as u64).unwrap();
+        for armed_for_other in [false, true] {
+            // SAFETY: the child only reads memory and exits; fork in a
+            // threaded test process is fine for that.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: a read of the (truncated) mapping: it faults.
+                let read = || unsafe { std::ptr::read_volatile(src.add(8192)) };
+                let _ = if armed_for_other { other.read(read) } else { read() };
+                // SAFETY: leaving the child without running the test harness.
+                unsafe { libc::_exit(0) };
+            }
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS, "armed for another region: {armed_for_other}, status {status:#x}");
+        }
+        assert!(!r.was_truncated() && !other.was_truncated());
+    }
 
     #[test]
     fn shm_names_with_path_tricks_are_refused() {

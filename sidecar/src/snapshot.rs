@@ -122,10 +122,25 @@ pub fn plan_save(tensors: &[TensorDesc], blobs: &[Blob], regions: &HashMap<u32, 
 /// A piece of one tensor, copied or checksummed by one thread.
 struct Piece {
     tensor_idx: usize,
+    /// The region `src` lies in; null in a checksum pass.
+    region: *const Region,
     /// Null in a checksum pass.
     src: *const u8,
     dst: *mut u8,
     len: usize,
+}
+
+impl Piece {
+    /// Runs `f`, which reads this piece's source, armed against the client
+    /// truncating the region under it ([`Region::read`]).
+    fn read_source<R>(&self, f: impl FnOnce() -> R) -> R {
+        // SAFETY: a non-null `region` is kept alive by the caller's Arc for
+        // the whole copy (Pieces' invariant).
+        match unsafe { self.region.as_ref() } {
+            Some(r) => r.read(f),
+            None => f(),
+        }
+    }
 }
 
 /// Raw pointers of the pieces, shared by the copy threads.
@@ -145,27 +160,27 @@ fn pieces_of(layout: &Layout, sources: Option<&[Source]>, lease: &mut Lease) -> 
     let mut pieces = Vec::new();
     for i in 0..layout.specs.len() {
         let r = layout.tensor_range(i);
-        let src = match sources {
+        let (region, src) = match sources {
             Some(sources) => {
                 let s = &sources[i];
                 assert_eq!(r.len() as u64, s.len_bytes);
                 let Some(region) = &s.region else { continue };
-                region.src_ptr(s.offset_bytes, s.len_bytes).expect("bounds checked in plan_save")
+                (Arc::as_ptr(region), region.src_ptr(s.offset_bytes, s.len_bytes).expect("bounds checked in plan_save"))
             }
-            None => std::ptr::null(),
+            None => (std::ptr::null(), std::ptr::null()),
         };
-        split_range(&mut pieces, i, src, base.wrapping_add(r.start), r.len());
+        split_range(&mut pieces, i, region, src, base.wrapping_add(r.start), r.len());
     }
     Pieces(pieces)
 }
 
 /// Appends the pieces of one range of `len` bytes (`src` null: no source).
-fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, src: *const u8, dst: *mut u8, len: usize) {
+fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region, src: *const u8, dst: *mut u8, len: usize) {
     let mut at = 0usize;
     while at < len {
         let n = (len - at).min(COPY_PIECE_BYTES);
         // Both pointers stay inside their ranges: at + n ≤ len.
-        pieces.push(Piece { tensor_idx, src: src.wrapping_add(at), dst: dst.wrapping_add(at), len: n });
+        pieces.push(Piece { tensor_idx, region, src: src.wrapping_add(at), dst: dst.wrapping_add(at), len: n });
         at += n;
     }
 }
@@ -245,17 +260,19 @@ pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut L
     layout.write_headers(lease.as_mut_slice());
     let pieces = pieces_of(layout, Some(sources), lease);
     let piece_crcs = run_pieces(&pieces, stop, &|p| {
-        let mut crc = 0u32;
-        let mut at = 0;
-        while at < p.len {
-            let n = (p.len - at).min(COPY_BLOCK_BYTES);
-            // SAFETY: as in copy_pieces, for this block of the piece.
-            unsafe { copy_streaming(p.dst.add(at), p.src.add(at), n) };
-            // SAFETY: the same source block, in the live read-only mapping.
-            crc = crc32c::crc32c_append(crc, unsafe { std::slice::from_raw_parts(p.src.add(at), n) });
-            at += n;
-        }
-        crc
+        p.read_source(|| {
+            let mut crc = 0u32;
+            let mut at = 0;
+            while at < p.len {
+                let n = (p.len - at).min(COPY_BLOCK_BYTES);
+                // SAFETY: as in copy_pieces, for this block of the piece.
+                unsafe { copy_streaming(p.dst.add(at), p.src.add(at), n) };
+                // SAFETY: the same source block, in the live read-only mapping.
+                crc = crc32c::crc32c_append(crc, unsafe { std::slice::from_raw_parts(p.src.add(at), n) });
+                at += n;
+            }
+            crc
+        })
     })?;
     Some(fold_crcs(layout, &pieces, &piece_crcs))
 }
@@ -268,7 +285,7 @@ pub fn copy_range_into(region: &Region, offset_bytes: u64, len_bytes: u64, lease
     let src = region.src_ptr(offset_bytes, len_bytes).expect("bounds checked before the copy");
     lease.as_mut_slice()[len_bytes as usize..].fill(0);
     let mut pieces = Vec::new();
-    split_range(&mut pieces, 0, src, lease.as_mut_ptr(), len_bytes as usize);
+    split_range(&mut pieces, 0, region as *const Region, src, lease.as_mut_ptr(), len_bytes as usize);
     copy_pieces(&Pieces(pieces), stop)
 }
 
@@ -279,7 +296,7 @@ fn copy_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync)) -> bool {
         // this function returns); dst..dst+len is this piece's own part of
         // the lease (Pieces' invariant); they cannot overlap (staging is our
         // private anonymous memory).
-        unsafe { copy_streaming(p.dst, p.src, p.len) };
+        p.read_source(|| unsafe { copy_streaming(p.dst, p.src, p.len) });
         0
     })
     .is_some()
@@ -363,6 +380,12 @@ fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
     crcs
 }
 
+/// Checks that every source region still holds its registered bytes and
+/// was not found truncated by a read ([`Region::check_size`]).
+fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
+    sources.iter().filter_map(|s| s.region.as_ref()).try_for_each(|r| r.check_size()).map_err(|e| SaveError::BadRegion(e.to_string()))
+}
+
 /// Runs one Save for a session: checks, waits for staging, copies, replies
 /// Released (or Failed), and queues the image for the committer.
 #[allow(clippy::too_many_arguments)]
@@ -405,11 +428,9 @@ pub fn run_save(
     if !shared.begin_step(step, layout.file_bytes()) {
         return fail(SaveError::BadRequest(format!("step {step} is already in flight")));
     }
-    for r in sources.iter().filter_map(|s| s.region.as_ref()) {
-        if let Err(e) = r.check_size() {
-            shared.end(Flight::Step(step));
-            return fail(SaveError::BadRegion(e.to_string()));
-        }
+    if let Err(e) = check_sizes(&sources) {
+        shared.end(Flight::Step(step));
+        return fail(e);
     }
     let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
     let guard = span.enter();
@@ -433,7 +454,15 @@ pub fn run_save(
     // checksums after the release, off the trainer's stall.
     let copied = if lazy_release { copy_and_checksum_into(&layout, &sources, &mut lease, &stop).map(Some) } else { copy_into(&layout, &sources, &mut lease, &stop).then_some(None) };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
+    // A region its client truncated during the copy was read as zeros.
+    let intact = check_sizes(&sources);
     drop(sources);
+    if let Err(e) = intact {
+        drop(lease);
+        shared.end(Flight::Step(step));
+        warn!(copy_s = copy_seconds, "aborted before release: {e}; nothing written");
+        return fail(e);
+    }
     // Released only if the client is still there to be told.
     let crcs = match (copied, give_up()) {
         (Some(crcs), None) => crcs,
@@ -488,6 +517,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_region_truncated_before_or_during_a_copy_fails_the_save_instead_of_the_sidecar() {
+        use crate::regions::{test_segment, truncate_segment, unlink_segment};
+        // Two tensors of 4 MiB, so both copy threads read the segment.
+        let len = 8usize << 20;
+        let (name, fd) = test_segment(len, |i| (i % 13) as u8 + 1);
+        // SAFETY: getuid has no preconditions.
+        let region = Arc::new(Region::open(1, &name, len as u64, unsafe { libc::getuid() }).unwrap());
+        unlink_segment(&name);
+        let regions = HashMap::from([(1, region.clone())]);
+        let tensors = [d("a", 1, 0, 4 << 20), d("b", 1, 4 << 20, 4 << 20)];
+        let (layout, sources) = plan_save(&tensors, &[], &regions, Default::default()).unwrap();
+        let staging = crate::staging::Staging::new(layout.staging_len).unwrap();
+        check_sizes(&sources).unwrap();
+        // Truncated after the checks (as a client may, during the copy): the
+        // copy runs to its end on zero pages and the save is refused.
+        truncate_segment(&fd, 1 << 20);
+        for lazy in [false, true] {
+            let (mut lease, _) = staging.acquire(layout.staging_len, "t", || None).unwrap();
+            let copied = if lazy { copy_and_checksum_into(&layout, &sources, &mut lease, &|| false).is_some() } else { copy_into(&layout, &sources, &mut lease, &|| false) };
+            assert!(copied);
+            let e = check_sizes(&sources).unwrap_err();
+            assert!(matches!(e, SaveError::BadRegion(_)) && e.to_string().contains("truncated"), "{e}");
+            let r = layout.tensor_range(0);
+            assert!(lease.as_slice()[r.start + (1 << 20)..r.end].iter().all(|&b| b == 0));
+        }
+        // A SaveFile's copy of one range is armed too (a fresh segment: the
+        // first one's tail is zero pages by now).
+        let (name, fd) = test_segment(len, |_| 9);
+        // SAFETY: as above.
+        let region = Region::open(2, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        truncate_segment(&fd, 1 << 20);
+        let (mut lease, _) = staging.acquire(len as u64, "f", || None).unwrap();
+        assert!(copy_range_into(&region, 0, len as u64, &mut lease, &|| false));
+        assert!(lease.as_slice()[..1 << 20].iter().all(|&b| b == 9) && lease.as_slice()[1 << 20..len].iter().all(|&b| b == 0));
+        assert!(region.was_truncated() && region.check_size().is_err());
     }
 
     #[test]

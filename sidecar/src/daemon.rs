@@ -107,7 +107,7 @@ pub fn default_staging_bytes() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
     let ram = if pages > 0 && page > 0 { pages as u64 * page as u64 } else { 4 << 30 };
-    (ram / config::STAGING_RAM_DIVISOR).min(config::STAGING_BYTES_DEFAULT_MAX).max(config::STAGING_BYTES_MIN)
+    (ram / config::STAGING_RAM_DIVISOR).clamp(config::STAGING_BYTES_MIN, config::STAGING_BYTES_DEFAULT_MAX)
 }
 
 enum Event {

@@ -268,6 +268,10 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
     }
 }
 
+/// What one directory's reader thread found ([`read_and_check`]): the
+/// problems, each file's data-section start, and the engine name.
+type DirRead = (Vec<Problem>, Vec<(String, u64)>, String);
+
 /// Reads and checks every shard and blob of `step` (whose index is `index`)
 /// into memory at `base`.
 ///
@@ -286,7 +290,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     }
     let base = base as usize;
     let step_dirs: Vec<PathBuf> = dirs.iter().map(|d| catalog::step_path(d, step)).collect();
-    let outcome: Result<Vec<(Vec<Problem>, Vec<(String, u64)>, String)>, LoadError> = std::thread::scope(|s| {
+    let outcome: Result<Vec<DirRead>, LoadError> = std::thread::scope(|s| {
         let handles: Vec<_> = plan
             .iter()
             .enumerate()

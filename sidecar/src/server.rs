@@ -138,7 +138,7 @@ pub fn peer_cred(s: &UnixStream) -> io::Result<(u32, u32)> {
 /// Accepts connections forever on a thread of its own (`ckpt-accept`).
 pub fn spawn_accept(listener: &Listener, shared: Arc<Shared>) -> io::Result<std::thread::JoinHandle<()>> {
     let l = listener.listener.try_clone()?;
-    Ok(std::thread::Builder::new().name("ckpt-accept".into()).spawn(move || {
+    std::thread::Builder::new().name("ckpt-accept".into()).spawn(move || {
         for (conn_no, conn) in l.incoming().enumerate() {
             match conn {
                 Ok(s) => {
@@ -155,7 +155,7 @@ pub fn spawn_accept(listener: &Listener, shared: Arc<Shared>) -> io::Result<std:
                 }
             }
         }
-    })?)
+    })
 }
 
 fn refuse(mut s: UnixStream, reason: String) {

@@ -125,7 +125,7 @@ fn start(opts: &DaemonOptions, socket: &Path) -> Result<Running, DaemonError> {
     if budget < config::STAGING_BYTES_MIN {
         return Err(DaemonError::StagingTooSmall(budget));
     }
-    let listener = server::bind(socket, !opts.allow_uids.is_empty())?;
+    let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
     let mut store = Store::open(StoreOptions { io: opts.io, retention: opts.retention, ..StoreOptions::new(opts.dirs.clone()) })?;
     let staging = Staging::new(budget)?;
     store.register_staging(staging.buf());
@@ -143,6 +143,8 @@ fn start(opts: &DaemonOptions, socket: &Path) -> Result<Running, DaemonError> {
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
+    // Only now may clients find the socket: they get answers at once.
+    listener.publish()?;
     Ok(Running { shared, listener })
 }
 

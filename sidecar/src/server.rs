@@ -53,23 +53,68 @@ pub fn default_socket_path() -> PathBuf {
 
 /// A bound listening socket; removes its file (and the directory, if it
 /// made it) on drop.
+///
+/// It is bound under a starting name in the socket's directory and reaches
+/// `path` only through [`Listener::publish`], once the daemon serves: the
+/// staging pre-fault before that can take many seconds (about 2 s per GiB
+/// on VMs whose free memory went back to the hypervisor), and a client that
+/// connected meanwhile would wait for its Hello's answer until it timed out.
+/// A client that finds the socket finds a sidecar that answers.
 pub struct Listener {
     pub path: PathBuf,
+    /// Where the socket is bound until published (`path` itself when the
+    /// starting name would not fit a socket address).
+    bound_at: PathBuf,
+    published: bool,
     listener: UnixListener,
     made_dir: Option<PathBuf>,
 }
 
+impl Listener {
+    /// Makes the socket reachable at `path` (a hard link: it fails if
+    /// another sidecar published there since [`bind`] checked).
+    pub fn publish(&mut self) -> Result<(), ServerError> {
+        if self.bound_at != self.path {
+            fs::hard_link(&self.bound_at, &self.path).map_err(|e| match e.kind() {
+                io::ErrorKind::AlreadyExists => ServerError::InUse(self.path.clone()),
+                _ => ServerError::Io { path: self.path.clone(), what: "link the socket into place", source: e },
+            })?;
+            let _ = fs::remove_file(&self.bound_at);
+        }
+        self.published = true;
+        info!(path = %self.path.display(), "listening");
+        Ok(())
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.path);
+        let _ = fs::remove_file(if self.published { &self.path } else { &self.bound_at });
         if let Some(d) = &self.made_dir {
             let _ = fs::remove_dir(d);
         }
     }
 }
 
+/// Prefix of the name a socket is bound under while its daemon starts.
+const STARTING_PREFIX: &str = ".ckpt-starting-";
+
+/// Removes sockets left under a starting name by daemons that died while
+/// starting (their pid is gone).
+fn sweep_starting(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(STARTING_PREFIX)).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() && e.file_type().is_ok_and(|t| t.is_socket()) {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Creates the socket's directory (0700) if missing, checks an existing one
-/// is ours and private, clears a stale socket, binds with mode 0600.
+/// is ours and private, clears a stale socket, binds with mode 0600 under a
+/// starting name: nothing connects before [`Listener::publish`].
 /// `open_to_other_uids` (serve --allow-uid) makes the socket 0666 and a
 /// directory it creates 0711, so the allowed uids can reach it at all; the
 /// SO_PEERCRED check then decides who is served.
@@ -105,21 +150,28 @@ pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerErr
         info!(path = %path.display(), "removing a stale socket");
         fs::remove_file(path).map_err(io_err(path, "remove stale socket"))?;
     }
+    sweep_starting(&dir);
+    let starting = dir.join(format!("{STARTING_PREFIX}{}", std::process::id()));
+    // A socket address holds at most 107 bytes of path.
+    let bound_at = if starting.as_os_str().len() < 108 { starting } else { path.to_path_buf() };
+    if bound_at != path {
+        let _ = fs::remove_file(&bound_at); // ours by its pid: left by a dead namesake
+    }
     // The socket is created with the umask's mode; make it 0600 from the
     // start (no window where others could connect), then restore.
     // SAFETY: umask has no preconditions; called while binding only.
     let old = unsafe { libc::umask(0o177) };
-    let r = UnixListener::bind(path);
+    let r = UnixListener::bind(&bound_at);
     // SAFETY: as above.
     unsafe { libc::umask(old) };
     let listener = r.map_err(io_err(path, "bind"))?;
+    let l = Listener { path: path.to_path_buf(), published: bound_at == path, bound_at, listener, made_dir };
     let mode = if open_to_other_uids { 0o666 } else { 0o600 };
-    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(path, "chmod socket"))?;
+    fs::set_permissions(&l.bound_at, fs::Permissions::from_mode(mode)).map_err(io_err(path, "chmod socket"))?;
     if open_to_other_uids {
         warn!(path = %path.display(), "socket is open to other users (--allow-uid); peers are checked by uid");
     }
-    info!(path = %path.display(), "listening");
-    Ok(Listener { path: path.to_path_buf(), listener, made_dir })
+    Ok(l)
 }
 
 /// The peer's uid and pid (SO_PEERCRED).

@@ -721,6 +721,50 @@ impl Sidecar {
 }
 
 #[test]
+fn the_socket_appears_only_once_the_sidecar_answers_and_a_second_one_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    // A socket left under a starting name by a daemon that died starting
+    // (a pid no process has: above the kernel's pid_max).
+    let dead = run.join(".ckpt-starting-999999999");
+    drop(std::os::unix::net::UnixListener::bind(&dead).unwrap());
+    let socket = run.join("sidecar.sock");
+    let log = tmp.path().join("sidecar.log");
+    // 512 MiB of staging to pre-fault: the start takes a while.
+    let child = Command::new(BIN)
+        .args(["serve", "--staging", "512MiB", "--dir"])
+        .arg(tmp.path().join("ckpt"))
+        .arg("--socket")
+        .arg(&socket)
+        .env("CKPT_SIDECAR_LOG", "info")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut sc = Sidecar { child: Some(child), socket: socket.clone(), dir: tmp.path().join("ckpt"), log: log.clone(), _tmp: tempfile::tempdir().unwrap() };
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no socket:\n{}", sc.log_text());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The moment the path exists, the daemon is past its staging pre-fault.
+    assert!(sc.log_text().contains("sidecar ready"), "socket visible before the sidecar was ready:\n{}", sc.log_text());
+    assert!(!dead.exists(), "a dead daemon's starting socket was left");
+    let names: Vec<_> = std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(names, ["sidecar.sock"]);
+    let answers = || Command::new(BIN).args(["status", "--json", "--socket"]).arg(&socket).output().unwrap().status.success();
+    assert!(answers());
+    // A second sidecar on the same socket is refused, and leaves the first's alone.
+    let out = Command::new(BIN).args(["serve", "--staging", "16MiB", "--dir"]).arg(tmp.path().join("ckpt2")).arg("--socket").arg(&socket).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another sidecar is already listening there"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(answers());
+    assert_eq!(sc.stop(), 0);
+    assert!(!socket.exists());
+}
+
+#[test]
 fn launch_runs_the_command_with_the_socket_and_exits_with_its_status() {
     let tmp = tempfile::tempdir().unwrap();
     let out = Command::new(BIN)

@@ -27,7 +27,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 #[cfg(test)]
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::Once;
 
 use crate::config;
@@ -153,7 +153,11 @@ impl Region {
     pub fn read<R>(&self, f: impl FnOnce() -> R) -> R {
         let armed = Armed { start: self.ptr as usize, len: self.len_bytes as usize, truncated: &self.truncated };
         let outer = ARMED.with(|a| a.replace(Some(armed)));
+        // The handler runs on this thread, between any two instructions:
+        // keep the compiler from moving the reads out of the armed span.
+        compiler_fence(Ordering::SeqCst);
         let out = f();
+        compiler_fence(Ordering::SeqCst);
         ARMED.with(|a| a.set(outer));
         out
     }
@@ -326,9 +330,9 @@ fn fstat(fd: i32) -> io::Result<libc::stat> {
     Ok(unsafe { st.assume_init() })
 }
 
-/// A shm segment of `len` bytes filled with `fill(i)` at byte i, for
-/// tests: its name (unlinked when the returned descriptor's test is done
-/// with it through [`unlink_segment`]) and a read-write descriptor.
+/// For tests: a new shm segment of `len` bytes, byte i being `fill(i)`; its
+/// name (for [`Region::open`], then [`unlink_segment`]) and a read-write
+/// descriptor (for [`truncate_segment`]).
 #[cfg(test)]
 pub(crate) fn test_segment(len: usize, fill: impl Fn(usize) -> u8) -> (String, OwnedFd) {
     static N: AtomicUsize = AtomicUsize::new(0);

@@ -19,14 +19,19 @@ then replaces torch.save and torch.load:
   one runs, else one spawned for this process at the first torch.save, with
   staging $CKPT_SIDECAR_STAGING (default: twice the first file, at least
   256 MiB) and its (unused) checkpoint folder in $CKPT_SIDECAR_DIR or a
-  private temp folder.
+  private temp folder. It is spawned in the background: its staging is
+  pre-faulted before it answers (seconds per GiB on a VM), which the first
+  torch.save does not wait for; files saved until it answers are written
+  by this process, as below.
 - Nothing is lost when the sidecar cannot do it: if it cannot be started or
   reached, refuses a file (e.g. larger than its staging), or dies before the
   file is durable, a background thread of this process writes the file the
   same way (temp, fsync, rename, fsync of the directory) from the bytes the
   hook keeps until then (its shared-memory region stays busy until the file
   is durable), and says so on stderr once. A save superseded by a
-  newer torch.save of the same path is not rewritten.
+  newer torch.save of the same path is not rewritten. Files of one path land
+  in the order they were saved: a file whose path still has a write pending
+  here is written here too, after it.
 - torch.load(path) of a path whose write is still pending waits for it.
 - At exit, pending writes are finished before the interpreter goes.
 """
@@ -201,6 +206,9 @@ class _Files:
         self._sizes = {}     # path -> size of its last file (the next one's size hint)
         self._ck_dir = None
         self._no_sidecar = None  # why the sidecar is not used, once it failed to start
+        self._spawner = None     # the thread starting a sidecar, while and after it does
+        self._closing = False
+        self._here = {}          # path -> writes of it this process has to do (queued or running)
         self._said = set()
         # Files written by the sidecar, by this process, and not rewritten (superseded).
         self.counts = {"sidecar": 0, "in_process": 0, "superseded": 0}
@@ -211,31 +219,59 @@ class _Files:
             print(f"ckpt_sidecar: {msg}", file=sys.stderr)
 
     def _checkpointer(self, nbytes):
-        """The Checkpointer files go through (connected or spawned at first use), or None."""
-        if self._ck is not None or self._no_sidecar is not None:
+        """The Checkpointer files go through now, or None (this file is then
+        written here). At the first file: a running sidecar is connected, or
+        one is spawned on a thread of its own (see the module's doc)."""
+        if self._ck is not None or self._no_sidecar is not None or self._spawner is not None:
             return self._ck
         try:
             from .checkpointer import Checkpointer
             from .errors import ConnectFailed
 
+            # Registered after the Checkpointer module's own atexit (which
+            # closes it), so it runs first: files finish, then the sidecar stops.
+            atexit.register(self._close)
             try:
-                self._ck = Checkpointer(spawn=False)
+                self._use(Checkpointer(spawn=False))
             except ConnectFailed:
                 d = os.environ.get("CKPT_SIDECAR_DIR")
                 if not d:
                     d = self._ck_dir = tempfile.mkdtemp(prefix="ckpt-sidecar-hook-")
                 staging = os.environ.get("CKPT_SIDECAR_STAGING") or str(max(256 << 20, 2 * nbytes))
-                self._ck = Checkpointer(dir=d, staging=staging)
-            self.pool = _Pool(self._ck)
-            # Registered after the Checkpointer module's own atexit (which
-            # closes it), so it runs first: files finish, then the sidecar stops.
-            atexit.register(self._close)
+                self._spawner = threading.Thread(target=self._spawn, args=(Checkpointer, d, staging),
+                                                 name="ckpt-sidecar-spawn", daemon=True)
+                self._spawner.start()
         except Exception as e:  # noqa: BLE001 - any failure means: write here
-            self._no_sidecar = str(e)
-            self._say_once("spawn", f"no sidecar for torch.save ({e}); this process writes the files itself")
+            self._give_up(e)
         return self._ck
 
+    def _spawn(self, Checkpointer, d, staging):
+        try:
+            self._use(Checkpointer(dir=d, staging=staging))
+        except Exception as e:  # noqa: BLE001 - as above
+            self._give_up(e)
+
+    def _use(self, ck):
+        self.pool = _Pool(ck)
+        self._ck = ck
+
+    def _give_up(self, e):
+        self._no_sidecar = str(e)
+        if not self._closing:  # a spawn cut short by the exit is no news
+            self._say_once("spawn", f"no sidecar for torch.save ({e}); this process writes the files itself")
+
+    def wait_sidecar(self, timeout=None):
+        """Until a sidecar being spawned answers (or failed to start); whether
+        files now go to a sidecar."""
+        if self._spawner is not None:
+            self._spawner.join(timeout)
+        return self._ck is not None
+
     def _close(self):
+        # Not waiting for a sidecar still starting: every file it has not
+        # taken is written here, and it stops by itself once this process is
+        # gone (its launch's child reads a pipe this process holds).
+        self._closing = True
         self.wait(None)
         if self._ck is not None:
             self._ck.close()
@@ -262,9 +298,27 @@ class _Files:
         shm = isinstance(data, _ShmFile)
         n = data.len_bytes if shm else len(data)
         self._sizes[path] = n
-        handle = None
         ck = self._checkpointer(n)
-        if ck is not None:
+        with self._mu:
+            # Newest first: an older file of this path that the sidecar gives
+            # back from now on is superseded, never written over this one.
+            self._seq += 1
+            seq = self._latest[path] = self._seq
+            self._pending[path] = self._pending.get(path, 0) + 1
+            self.errors.pop(path, None)
+            # Behind a write of this path here: here too, after it.
+            here = ck is None or self._here.get(path, 0) > 0
+        handle = None
+        if not here and not shm and self.pool is not None:
+            # Serialised in private memory (no sidecar yet when it began):
+            # into a region of the pool, which the next files reuse.
+            try:
+                f = _ShmFile(self.pool, n)
+                f.write(data)
+                data, shm = f, True
+            except SidecarError:
+                pass
+        if not here:
             try:
                 handle = ck.save_file_at(path, data.region.ptr, n) if shm else ck.save_file(path, data)
                 handle.wait_taken()
@@ -273,18 +327,17 @@ class _Files:
                                "writing it in this process")
                 handle = None
         with self._mu:
-            self._seq += 1
-            self._latest[path] = self._seq
-            self._pending[path] = self._pending.get(path, 0) + 1
-            self.errors.pop(path, None)
+            if handle is None:
+                self._here[path] = self._here.get(path, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckpt-sidecar-torch-save", daemon=True)
                 self._thread.start()
-            self._q.put((path, self._seq, data, handle))
+            self._q.put((path, seq, data, handle))
 
     def _run(self):
         while True:
             path, seq, data, handle = self._q.get()
+            here = handle is None  # counted in self._here by submit
             try:
                 if handle is not None:
                     try:
@@ -296,6 +349,9 @@ class _Files:
                                        "writing it in this process")
                 with self._mu:
                     superseded = self._latest[path] != seq
+                    if not superseded and not here:  # a newer file of the path now waits for this write
+                        self._here[path] = self._here.get(path, 0) + 1
+                        here = True
                 if superseded:
                     self._count("superseded")
                 else:
@@ -309,6 +365,10 @@ class _Files:
                 if isinstance(data, _ShmFile):
                     data.release()
                 with self._mu:
+                    if here:
+                        self._here[path] -= 1
+                        if not self._here[path]:
+                            del self._here[path]
                     self._pending[path] -= 1
                     if not self._pending[path]:
                         del self._pending[path]
@@ -363,6 +423,12 @@ def counts():
     (the sidecar could not), and were superseded before either did."""
     with _files._mu:
         return dict(_files.counts)
+
+
+def wait_sidecar(timeout=None):
+    """Until the sidecar spawned at the first torch.save answers (or failed to
+    start); whether files now go through a sidecar."""
+    return _files.wait_sidecar(timeout)
 
 
 def durable(path):

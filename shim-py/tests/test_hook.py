@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -68,8 +69,9 @@ def test_hook_active_with_env(tmp_path):
         from ckpt_sidecar import _hook
         assert torch.save._ckpt_sidecar_hook and torch.load._ckpt_sidecar_hook
         obj = {"a": list(range(1000)), "b": "x"}
-        torch.save(obj, "out.pt")
+        torch.save(obj, "out.pt")   # written here: the sidecar is being spawned
         obj["a"].append(1)          # the snapshot was taken inside torch.save
+        assert _hook.wait_sidecar(60)
         assert torch.load("out.pt") == {"a": list(range(1000)), "b": "x"}
         for i in range(5):          # the same path again and again: the last wins
             torch.save({"i": i}, "again.pt")
@@ -103,8 +105,10 @@ def test_hook_active_with_env(tmp_path):
     import pickle
 
     counts = ast.literal_eval(r.stdout.strip())
-    # Every file but the last (pending at the print) was written by the spawned sidecar.
-    assert counts["in_process"] == 0 and counts["sidecar"] >= 8, (counts, r.stderr)
+    # The first file was written here, while the sidecar started (torch.save
+    # did not wait for it); every later one but the last (pending at the
+    # print) by the sidecar.
+    assert counts["in_process"] == 1 and counts["sidecar"] >= 7, (counts, r.stderr)
     assert "this process" not in r.stderr, r.stderr
     assert pickle.loads((tmp_path / "out.pt").read_bytes())["b"] == "x"
     assert pickle.loads((tmp_path / "again.pt").read_bytes()) == {"i": 4}
@@ -134,11 +138,13 @@ def test_hook_uses_a_running_sidecar(tmp_path, sidecar):
 def test_hook_writes_in_process_what_the_sidecar_cannot_take(tmp_path):
     # The spawned sidecar's staging (8 MiB) cannot hold a 20 MB file: it is
     # refused (TooLarge) and this process writes it; small files still go
-    # through the sidecar. Nothing is lost either way.
+    # through the sidecar. Nothing is lost either way. (The first file is
+    # written here while the sidecar starts.)
     code = """
         import torch
         from ckpt_sidecar import _hook
         torch.save({"small": 1}, "small.pt")
+        assert _hook.wait_sidecar(60)
         big = {"blob": bytes(range(256)) * 80000}
         torch.save(big, "big.pt")
         torch.save({"small": 2}, "small2.pt")
@@ -148,7 +154,7 @@ def test_hook_writes_in_process_what_the_sidecar_cannot_take(tmp_path):
     """
     r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_STAGING": "8MiB"}, tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "{'sidecar': 2, 'in_process': 1, 'superseded': 0}" in r.stdout, r.stdout + r.stderr
+    assert "{'sidecar': 1, 'in_process': 2, 'superseded': 0}" in r.stdout, r.stdout + r.stderr
     assert "writing it in this process" in r.stderr and "staging" in r.stderr, r.stderr
     import pickle
 
@@ -194,3 +200,49 @@ def test_hook_with_real_torch(tmp_path):
     back = torch.load(tmp_path / "model.pt")  # this process: no hook
     assert torch.equal(back["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert back["h"].dtype == torch.bfloat16
+
+
+def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, monkeypatch):
+    # The first file of a path is being written here (no sidecar yet); the
+    # sidecar then answers and the path is saved again. The new file must
+    # not go to the sidecar, which could rename it into place before the old
+    # write's rename, leaving the old bytes: it is written here, after.
+    from ckpt_sidecar import _hook
+
+    files = _hook._Files()
+    files._spawner = threading.Thread(target=lambda: None)  # "a sidecar is starting"
+    started, go = threading.Event(), threading.Event()
+    real_write = _hook.write_atomic
+
+    def slow_write(path, data):
+        started.set()
+        go.wait(30)
+        real_write(path, data)
+
+    monkeypatch.setattr(_hook, "write_atomic", slow_write)
+    taken = []
+
+    class Handle:
+        def wait_taken(self, timeout=None):
+            pass
+
+        def wait_durable(self, timeout=None):
+            pass
+
+    class SidecarWritingAtOnce:
+        def save_file(self, path, data):
+            taken.append(path)
+            real_write(path, bytes(data))
+            return Handle()
+
+    path = str(tmp_path / "model.pt")
+    files.submit(path, b"old")
+    assert started.wait(30)
+    files._ck = SidecarWritingAtOnce()
+    files.submit(path, b"new")
+    files.submit(str(tmp_path / "other.pt"), b"other")   # another path: to the sidecar
+    go.set()
+    assert files.wait(None, 30)
+    assert open(path, "rb").read() == b"new"
+    assert taken == [str(tmp_path / "other.pt")]
+    assert files.counts == {"sidecar": 1, "in_process": 2, "superseded": 0}

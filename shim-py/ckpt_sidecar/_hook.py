@@ -33,7 +33,8 @@ then replaces torch.save and torch.load:
   in the order they were saved: a file whose path still has a write pending
   here is written here too, after it.
 - torch.load(path) of a path whose write is still pending waits for it.
-- At exit, pending writes are finished before the interpreter goes.
+- At exit, pending writes are finished before the interpreter goes (and a
+  sidecar still being spawned is waited for, then stopped).
 """
 import atexit
 import ctypes
@@ -207,7 +208,6 @@ class _Files:
         self._ck_dir = None
         self._no_sidecar = None  # why the sidecar is not used, once it failed to start
         self._spawner = None     # the thread starting a sidecar, while and after it does
-        self._closing = False
         self._here = {}          # path -> writes of it this process has to do (queued or running)
         self._said = set()
         # Files written by the sidecar, by this process, and not rewritten (superseded).
@@ -257,8 +257,7 @@ class _Files:
 
     def _give_up(self, e):
         self._no_sidecar = str(e)
-        if not self._closing:  # a spawn cut short by the exit is no news
-            self._say_once("spawn", f"no sidecar for torch.save ({e}); this process writes the files itself")
+        self._say_once("spawn", f"no sidecar for torch.save ({e}); this process writes the files itself")
 
     def wait_sidecar(self, timeout=None):
         """Until a sidecar being spawned answers (or failed to start); whether
@@ -268,10 +267,9 @@ class _Files:
         return self._ck is not None
 
     def _close(self):
-        # Not waiting for a sidecar still starting: every file it has not
-        # taken is written here, and it stops by itself once this process is
-        # gone (its launch's child reads a pipe this process holds).
-        self._closing = True
+        # A sidecar still starting is waited for, so that it is stopped and
+        # its folder removed here (it would create the folder again after).
+        self.wait_sidecar()
         self.wait(None)
         if self._ck is not None:
             self._ck.close()

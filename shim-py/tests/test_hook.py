@@ -121,6 +121,27 @@ def test_hook_active_with_env(tmp_path):
                 os.stat(os.path.join(tempfile.gettempdir(), p)).st_mtime > START], "hook folder left behind"
 
 
+def test_a_script_that_exits_right_after_its_only_save_leaves_the_file_and_nothing_else(tmp_path):
+    # The sidecar is still being spawned when the script ends: the file is
+    # written here, the sidecar is stopped, and its private folder removed.
+    private_tmp = tempfile.mkdtemp(prefix="hk")  # short: socket paths live here
+    try:
+        code = """
+            import torch
+            torch.save({"only": list(range(100))}, "only.pt")
+        """
+        r = _run(code, {"CKPT_SIDECAR": "1", "TMPDIR": private_tmp}, tmp_path)
+        assert r.returncode == 0, r.stderr
+        import pickle
+
+        assert pickle.loads((tmp_path / "only.pt").read_bytes()) == {"only": list(range(100))}
+        assert os.listdir(private_tmp) == [], os.listdir(private_tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(private_tmp, ignore_errors=True)
+
+
 def test_hook_uses_a_running_sidecar(tmp_path, sidecar):
     code = """
         import torch

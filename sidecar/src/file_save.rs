@@ -150,22 +150,23 @@ pub fn run_save_file(
         None => true,
     };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
-    // A region its client truncated during the copy was read as zeros.
+    // Released only if the region still held its bytes (one its client
+    // truncated during the copy was read as zeros) and the client is still
+    // there to be told.
     let intact = region.as_ref().map_or(Ok(()), |r| r.check_size());
     drop(region);
-    if let Err(e) = intact {
+    let refused = match intact {
+        Err(e) => Some((ErrorCode::BadRegion, format!("{path}: {e}"))),
+        Ok(()) => {
+            let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
+            stopped.map(|why| (ErrorCode::ShuttingDown, format!("{path}: aborted: {why}")))
+        }
+    };
+    if let Some((code, reason)) = refused {
         drop(lease);
         shared.end(key);
-        warn!(copy_s = copy_seconds, "aborted before release: {e}; nothing written");
-        return fail(ErrorCode::BadRegion, format!("{path}: {e}"));
-    }
-    // Released only if the client is still there to be told.
-    let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
-    if let Some(why) = stopped {
-        drop(lease);
-        shared.end(key);
-        warn!(copy_s = copy_seconds, "aborted before release: {why}; nothing written");
-        return fail(ErrorCode::ShuttingDown, format!("{path}: aborted: {why}"));
+        warn!(copy_s = copy_seconds, "aborted before release, nothing written: {reason}");
+        return fail(code, reason);
     }
     let waited_seconds = waited.as_secs_f64();
     info!(copy_s = copy_seconds, waited_s = waited_seconds, "released");

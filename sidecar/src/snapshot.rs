@@ -454,24 +454,19 @@ pub fn run_save(
     // checksums after the release, off the trainer's stall.
     let copied = if lazy_release { copy_and_checksum_into(&layout, &sources, &mut lease, &stop).map(Some) } else { copy_into(&layout, &sources, &mut lease, &stop).then_some(None) };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
-    // A region its client truncated during the copy was read as zeros.
+    // Released only if every region still held its bytes (one its client
+    // truncated during the copy was read as zeros) and the client is still
+    // there to be told.
     let intact = check_sizes(&sources);
     drop(sources);
-    if let Err(e) = intact {
-        drop(lease);
-        shared.end(Flight::Step(step));
-        warn!(copy_s = copy_seconds, "aborted before release: {e}; nothing written");
-        return fail(e);
-    }
-    // Released only if the client is still there to be told.
-    let crcs = match (copied, give_up()) {
-        (Some(crcs), None) => crcs,
-        (_, why) => {
-            let why = why.unwrap_or("stopped during the copy");
+    let crcs = match (intact, copied, give_up()) {
+        (Ok(()), Some(crcs), None) => crcs,
+        (intact, _, why) => {
+            let e = intact.err().unwrap_or(SaveError::Aborted(why.unwrap_or("stopped during the copy")));
             drop(lease);
             shared.end(Flight::Step(step));
-            warn!(copy_s = copy_seconds, "aborted before release: {why}; nothing written");
-            return fail(SaveError::Aborted(why));
+            warn!(copy_s = copy_seconds, "aborted before release, nothing written: {e}");
+            return fail(e);
         }
     };
     let waited_seconds = waited.as_secs_f64();

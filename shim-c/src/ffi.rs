@@ -16,6 +16,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -283,7 +284,7 @@ pub unsafe extern "C" fn ckpt_close(client: *mut ckpt_client) -> c_int {
         if client.is_null() {
             return Ok(());
         }
-        if std::ptr::eq(client, crate::preload::default_client_ptr()) {
+        if std::ptr::eq(client, default_client_ptr()) {
             return Err(invalid("the default client lives as long as the process; it cannot be closed"));
         }
         // SAFETY: from Box::into_raw in ckpt_connect, and the caller gives up its use.
@@ -713,7 +714,7 @@ pub unsafe extern "C" fn ckpt_status_json(client: *mut ckpt_client, buf: *mut c_
 /// sets it.
 #[no_mangle]
 pub extern "C" fn ckpt_preempted() -> c_int {
-    crate::preload::preempted() as c_int
+    crate::sigterm::preempted() as c_int
 }
 
 /// Installs the SIGTERM handler that sets the preemption flag (preload mode
@@ -722,7 +723,7 @@ pub extern "C" fn ckpt_preempted() -> c_int {
 /// previous disposition (by default: the process terminates). Idempotent.
 #[no_mangle]
 pub extern "C" fn ckpt_install_sigterm_handler() -> c_int {
-    guard(|| crate::preload::install_sigterm_handler().map_err(|e| Error::InvalidArgument(format!("sigaction(SIGTERM) failed: {e}"))))
+    guard(|| crate::sigterm::install_sigterm_handler().map_err(|e| Error::InvalidArgument(format!("sigaction(SIGTERM) failed: {e}"))))
 }
 
 /// The client connected at load time in preload mode (CKPT_SIDECAR_PRELOAD=1),
@@ -731,9 +732,9 @@ pub extern "C" fn ckpt_install_sigterm_handler() -> c_int {
 #[no_mangle]
 pub extern "C" fn ckpt_default_client() -> *mut ckpt_client {
     catch_unwind(|| {
-        let p = crate::preload::default_client_ptr();
+        let p = default_client_ptr();
         if p.is_null() {
-            set_last_error(&crate::preload::default_client_error());
+            set_last_error(&default_client_error());
         }
         p
     })
@@ -741,6 +742,30 @@ pub extern "C" fn ckpt_default_client() -> *mut ckpt_client {
 }
 
 /// Makes the default client (preload mode). Not part of the C ABI.
+/// The default client (preload mode's connection), set once at load.
+static DEFAULT_CLIENT: AtomicPtr<ckpt_client> = AtomicPtr::new(std::ptr::null_mut());
+static DEFAULT_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+pub(crate) fn default_client_ptr() -> *mut ckpt_client {
+    DEFAULT_CLIENT.load(Ordering::Acquire)
+}
+
+pub(crate) fn set_default_client(p: *mut ckpt_client) {
+    DEFAULT_CLIENT.store(p, Ordering::Release);
+}
+
+pub(crate) fn set_default_client_error(msg: String) {
+    *DEFAULT_ERROR.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
+}
+
+fn default_client_error() -> String {
+    DEFAULT_ERROR
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .unwrap_or_else(|| "no default client: preload mode did not run".to_string())
+}
+
 pub(crate) fn new_boxed_client(client: Client) -> *mut ckpt_client {
     Box::into_raw(Box::new(ckpt_client { client, last_load: Mutex::new(None) }))
 }

@@ -15,112 +15,20 @@
 //! that reason. Every process that inherits `CKPT_SIDECAR_PRELOAD=1` (e.g.
 //! torchrun's workers, a shell's children) connects: one idle session each.
 //!
-//! SIGTERM: the handler is async-signal-safe (atomics, `sigaction`, `raise`,
-//! and the previous handler). The first SIGTERM sets the preemption flag that
-//! `ckpt_preempted()` reports, then calls the previously installed handler
-//! function, if there was one. A second SIGTERM restores the previous
-//! disposition and re-raises it, so with the default disposition the process
-//! terminates: an unmodified program that never polls the flag can still be
-//! stopped with two SIGTERMs (no SIGKILL needed). A program that installs its
-//! own SIGTERM handler later replaces ours (the flag then stays 0).
-
-use std::io;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering};
-use std::sync::Mutex;
+//!
+//! The SIGTERM handler itself is `sigterm.rs`'s; the default client's pointer
+//! is kept by `ffi.rs` (`ckpt_default_client`).
 
 use crate::client::Client;
-use crate::ffi::{ckpt_client, close_client_in_place, new_boxed_client};
+use crate::ffi::{close_client_in_place, default_client_ptr, new_boxed_client, set_default_client, set_default_client_error};
+use crate::sigterm::install_sigterm_handler;
 
 /// The environment variable that turns preload mode on ("1").
 pub const PRELOAD_ENV: &str = "CKPT_SIDECAR_PRELOAD";
 
-static DEFAULT_CLIENT: AtomicPtr<ckpt_client> = AtomicPtr::new(std::ptr::null_mut());
-static DEFAULT_ERROR: Mutex<Option<String>> = Mutex::new(None);
-
-static PREEMPTED: AtomicBool = AtomicBool::new(false);
-/// 0: not installed, 1: being installed, 2: installed.
-static HANDLER_STATE: AtomicU8 = AtomicU8::new(0);
-/// SIGTERM count seen by our handler.
-static TERM_SEEN: AtomicBool = AtomicBool::new(false);
-/// The disposition before ours; written once, before our handler is installed.
-static mut PREVIOUS: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
-
-pub fn preempted() -> bool {
-    PREEMPTED.load(Ordering::SeqCst)
-}
-
-pub fn default_client_ptr() -> *mut ckpt_client {
-    DEFAULT_CLIENT.load(Ordering::Acquire)
-}
-
-pub fn default_client_error() -> String {
-    DEFAULT_ERROR
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone()
-        .unwrap_or_else(|| format!("no default client: {PRELOAD_ENV}=1 was not set when libckpt was loaded"))
-}
-
-extern "C" fn on_sigterm(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    PREEMPTED.store(true, Ordering::SeqCst);
-    // SAFETY: PREVIOUS was fully written before this handler was installed
-    // (HANDLER_STATE orders it) and is never written again.
-    let prev = unsafe { (*std::ptr::addr_of!(PREVIOUS)).assume_init_ref() };
-    let second = TERM_SEEN.swap(true, Ordering::SeqCst);
-    let h = prev.sa_sigaction;
-    if h == libc::SIG_DFL || h == libc::SIG_IGN {
-        if second && h == libc::SIG_DFL {
-            // SAFETY: sigaction and raise are async-signal-safe; `prev` is valid.
-            unsafe {
-                libc::sigaction(sig, prev, std::ptr::null_mut());
-                libc::raise(sig);
-            }
-        }
-        return;
-    }
-    // SAFETY: `h` is the handler function the program installed before us,
-    // called with the signature its flags declare.
-    unsafe {
-        if prev.sa_flags & libc::SA_SIGINFO != 0 {
-            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(h);
-            f(sig, info, ctx);
-        } else {
-            let f: extern "C" fn(libc::c_int) = std::mem::transmute(h);
-            f(sig);
-        }
-    }
-}
-
-/// Installs the SIGTERM handler (see the module doc). Idempotent.
-pub fn install_sigterm_handler() -> io::Result<()> {
-    if HANDLER_STATE.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
-        return Ok(());
-    }
-    // SAFETY: we are the only writer of PREVIOUS (HANDLER_STATE 0 → 1 above),
-    // and the handler that reads it is installed only after it is written.
-    unsafe {
-        let mut prev: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut prev) != 0 {
-            HANDLER_STATE.store(0, Ordering::SeqCst);
-            return Err(io::Error::last_os_error());
-        }
-        (*std::ptr::addr_of_mut!(PREVIOUS)).write(prev);
-        let mut act: libc::sigaction = std::mem::zeroed();
-        act.sa_sigaction = on_sigterm as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
-        act.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
-        libc::sigemptyset(&mut act.sa_mask);
-        if libc::sigaction(libc::SIGTERM, &act, std::ptr::null_mut()) != 0 {
-            HANDLER_STATE.store(0, Ordering::SeqCst);
-            return Err(io::Error::last_os_error());
-        }
-    }
-    HANDLER_STATE.store(2, Ordering::SeqCst);
-    Ok(())
-}
-
 extern "C" fn close_default_at_exit() {
     let _ = std::panic::catch_unwind(|| {
-        let p = DEFAULT_CLIENT.load(Ordering::Acquire);
+        let p = default_client_ptr();
         if !p.is_null() {
             // SAFETY: `p` came from new_boxed_client and is never freed.
             unsafe { close_client_in_place(p) };
@@ -130,12 +38,13 @@ extern "C" fn close_default_at_exit() {
 
 fn record_error(msg: String) {
     eprintln!("libckpt: preload: {msg}");
-    *DEFAULT_ERROR.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
+    set_default_client_error(msg);
 }
 
 extern "C" fn on_load() {
     let _ = std::panic::catch_unwind(|| {
         if std::env::var_os(PRELOAD_ENV).is_none_or(|v| v != "1") {
+            set_default_client_error(format!("no default client: {PRELOAD_ENV}=1 was not set when libckpt was loaded"));
             return;
         }
         if let Err(e) = install_sigterm_handler() {
@@ -143,7 +52,7 @@ extern "C" fn on_load() {
         }
         match Client::connect(None) {
             Ok(client) => {
-                DEFAULT_CLIENT.store(new_boxed_client(client), Ordering::Release);
+                set_default_client(new_boxed_client(client));
                 // SAFETY: registering a plain extern "C" fn with atexit.
                 unsafe { libc::atexit(close_default_at_exit) };
             }

@@ -16,48 +16,11 @@ use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use crossbeam_channel::Receiver;
 use tracing::{info, warn};
 
-use crate::commit::{CommitError, Store};
-use crate::image::{self, Layout};
-use crate::staging::{Lease, Resident};
-use crate::state::{Flight, Peer, Phase, Shared};
-
-/// What the committer does next, in the order the sessions queued it.
-pub enum Work {
-    Checkpoint(Job),
-    File(FileJob),
-}
-
-/// A SaveFile's bytes, copied, waiting to be written to `path`.
-pub struct FileJob {
-    pub id: u64,
-    pub key: Flight,
-    pub path: std::path::PathBuf,
-    pub len_bytes: u64,
-    /// The bytes at its start, zeroes after them.
-    pub lease: Lease,
-    pub peer: Arc<Peer>,
-    pub span: tracing::Span,
-    pub copy_seconds: f64,
-    pub waited_seconds: f64,
-    pub t_received: Instant,
-}
-
-/// A copied checkpoint waiting to be written.
-pub struct Job {
-    pub id: u64,
-    pub step: u64,
-    /// Planned at base 0 (offsets relative to the lease).
-    pub layout: Layout,
-    pub lease: Lease,
-    pub crcs: Vec<u32>,
-    pub blobs: Vec<ckpt_wire::Blob>,
-    pub peer: Arc<Peer>,
-    /// The checkpoint's span (step, bytes), entered around its phases.
-    pub span: tracing::Span,
-    pub copy_seconds: f64,
-    pub waited_seconds: f64,
-    pub t_received: Instant,
-}
+use ckpt_store::commit::{CommitError, Store};
+use ckpt_store::image::{self};
+use crate::staging::Resident;
+use crate::jobs::{FileJob, Flight, Job, Work};
+use crate::state::{Phase, Shared};
 
 fn error_code(e: &CommitError) -> ErrorCode {
     match e {

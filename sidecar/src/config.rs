@@ -1,72 +1,9 @@
-//! Every limit of the storage engine, named once and related to the others at
-//! compile time. Other modules take their numbers from here; a limit that is
-//! written as a literal anywhere else is a bug.
+//! The daemon's limits (server, sessions, staging, committer), named once
+//! and related to each other and to the storage engine's at compile time.
+//! The engine's own limits are `ckpt_store::config`'s, re-exported here so
+//! that one `config::` names every limit the daemon uses.
 
-/// Alignment of O_DIRECT offsets, lengths and buffer addresses. 4 KiB covers
-/// every logical block size we meet (512 B and 4 KiB devices).
-pub const DIRECT_ALIGN_BYTES: usize = 4096;
-
-/// Tensor data in every shard starts at a multiple of this (the safetensors
-/// header is padded with spaces up to it), so tensor bytes sit at aligned
-/// file offsets and aligned staging addresses.
-pub const DATA_ALIGN_BYTES: usize = 4096;
-
-/// Size of a transparent huge page (x86-64 and aarch64 with 4 KiB pages).
-/// Buffers of at least this size are aligned to it and asked for huge
-/// pages: the copy and checksum passes then take ~500x fewer TLB misses, and
-/// a write request spans a few physically contiguous segments instead of one
-/// per 4 KiB page (so the block layer does not split it), which together cut
-/// the sidecar's CPU time per checkpoint by about a quarter on our VMs.
-pub const HUGE_PAGE_BYTES: usize = 2 << 20;
-
-/// Size of one write or read request handed to the kernel.
-pub const CHUNK_BYTES_DEFAULT: usize = 4 << 20;
-/// Requests in flight per target directory.
-pub const QUEUE_DEPTH_DEFAULT: u32 = 16;
-pub const QUEUE_DEPTH_MIN: u32 = 8;
-pub const QUEUE_DEPTH_MAX: u32 = 256;
-
-/// io_uring refuses a registered buffer larger than 1 GiB, so staging memory
-/// is registered as slabs of at most this size; no request crosses a slab.
-pub const SLAB_BYTES_MAX: usize = 1 << 30;
-pub const SLAB_BYTES: usize = 256 << 20;
-
-/// Largest shard file the planner makes unless a single tensor is larger.
-pub const SHARD_BYTES_DEFAULT: u64 = 1 << 30;
-
-/// The safetensors library refuses headers above 100 MB; stay well below.
-pub const HEADER_BYTES_MAX: usize = 64 << 20;
-/// Longest tensor name accepted.
-pub const TENSOR_NAME_BYTES_MAX: usize = 1024;
-/// Longest blob name accepted (it becomes a file name).
-pub const BLOB_NAME_BYTES_MAX: usize = 200;
-/// Largest blob accepted; blobs are small opaque metadata, not tensors.
-pub const BLOB_BYTES_MAX: usize = 256 << 20;
-/// Largest index file the reader parses.
-pub const INDEX_BYTES_MAX: u64 = 256 << 20;
-/// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.
-pub const POOL_THREADS_DEFAULT: usize = 4;
-
-/// Version written into every index; readers refuse a newer major format.
-pub const FORMAT_VERSION: u32 = 1;
-
-const _: () = assert!(DIRECT_ALIGN_BYTES.is_power_of_two());
-const _: () = assert!(HUGE_PAGE_BYTES.is_power_of_two() && HUGE_PAGE_BYTES % DIRECT_ALIGN_BYTES == 0);
-const _: () = assert!(DATA_ALIGN_BYTES % DIRECT_ALIGN_BYTES == 0);
-const _: () = assert!(CHUNK_BYTES_DEFAULT % DIRECT_ALIGN_BYTES == 0);
-const _: () = assert!(SLAB_BYTES % CHUNK_BYTES_DEFAULT == 0);
-const _: () = assert!(SLAB_BYTES <= SLAB_BYTES_MAX);
-const _: () = assert!(QUEUE_DEPTH_MIN <= QUEUE_DEPTH_DEFAULT && QUEUE_DEPTH_DEFAULT <= QUEUE_DEPTH_MAX);
-const _: () = assert!(CHUNK_BYTES_DEFAULT <= u32::MAX as usize);
-const _: () = assert!(HEADER_BYTES_MAX < 100_000_000);
-
-/// Rounds `n` up to a multiple of `align` (a power of two).
-pub const fn align_up(n: u64, align: usize) -> u64 {
-    let a = align as u64;
-    (n + a - 1) & !(a - 1)
-}
-
-// ---- The daemon (server, sessions, staging, committer) ----
+pub use ckpt_store::config::*;
 
 /// Default staging budget: a quarter of physical memory, at most this.
 /// Staging is allocated once at start and holds every checkpoint image in

@@ -27,12 +27,12 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{info, warn};
 
-use crate::commit::{Store, StoreError, StoreOptions};
+use ckpt_store::commit::{Store, StoreError, StoreOptions};
 use crate::config;
-use crate::image::LayoutOptions;
-use crate::io::IoPolicy;
-use crate::restore::ReadOptions;
-use crate::retention::Retention;
+use ckpt_store::image::LayoutOptions;
+use ckpt_store::io::IoPolicy;
+use ckpt_store::restore::ReadOptions;
+use ckpt_store::retention::Retention;
 use crate::server::{self, Listener, ServerError};
 use crate::staging::{Staging, StagingError};
 use crate::state::Shared;

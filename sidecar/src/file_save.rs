@@ -20,33 +20,26 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ckpt_wire::{ErrorCode, Reply};
 use tracing::{info, info_span, warn};
 
-use crate::catalog;
-use crate::commit::CommitError;
-use crate::committer::{FileJob, Work};
-use crate::config::{self, DIRECT_ALIGN_BYTES, STAGING_ALIGN_BYTES};
-use crate::io::{self as eio, DriveError, FileIo, IoEngine, OpKind};
-use crate::mem::AlignedBuf;
+use crate::jobs::{FileJob, Work};
+use crate::config::{self, STAGING_ALIGN_BYTES};
 use crate::regions::Region;
 use crate::snapshot;
 use crate::staging::StagingError;
-use crate::state::{Peer, Phase, Shared};
+use crate::peer::Peer;
+use crate::state::{Phase, Shared};
 
 /// Longest path accepted (Linux PATH_MAX, terminating NUL included).
 const PATH_BYTES_MAX: usize = 4095;
-/// The temp name's marker, between the destination's name and a nonce.
-pub const FILE_TMP_MARKER: &str = ".ckpt-tmp-";
 
 /// Checks a SaveFile's path; returns it as a PathBuf, or the code and the
 /// reason to refuse it.
@@ -122,7 +115,7 @@ pub fn run_save_file(
         None => return fail(ErrorCode::BadRegion, format!("{path}: region {region_id} is not registered")),
     };
     if let Some(r) = &region {
-        if let Err(e) = r.contains(offset_bytes, len_bytes).and_then(|()| r.check_size()) {
+        if let Err(e) = r.contains(offset_bytes, len_bytes).and_then(|()| r.check_intact()) {
             return fail(ErrorCode::BadRegion, format!("{path}: {e}"));
         }
     }
@@ -153,7 +146,7 @@ pub fn run_save_file(
     // Released only if the region still held its bytes (one its client
     // truncated during the copy was read as zeros) and the client is still
     // there to be told.
-    let intact = region.as_ref().map_or(Ok(()), |r| r.check_size());
+    let intact = region.as_ref().map_or(Ok(()), |r| r.check_intact());
     drop(region);
     let refused = match intact {
         Err(e) => Some((ErrorCode::BadRegion, format!("{path}: {e}"))),
@@ -181,152 +174,6 @@ pub fn run_save_file(
     }
 }
 
-/// Figures of one file write.
-#[derive(Debug, Clone)]
-pub struct FileReport {
-    pub direct: bool,
-    /// Creating the file, reserving space and writing.
-    pub write: Duration,
-    /// fdatasync, link, rename and the directory's fsync.
-    pub sync: Duration,
-}
-
-/// The file being written: unnamed (`O_TMPFILE`), or named where the file
-/// system has no O_TMPFILE.
-struct TempFile {
-    file: File,
-    direct: bool,
-    named: Option<PathBuf>,
-}
-
-fn temp_name(dest: &Path) -> PathBuf {
-    let name = dest.file_name().expect("checked: ends in a file name");
-    let mut t = std::ffi::OsString::from(".");
-    t.push(name);
-    t.push(format!("{FILE_TMP_MARKER}{:016x}", eio::nonce()));
-    dest.with_file_name(t)
-}
-
-/// Opens the temp file in `dir`: O_TMPFILE where supported, O_DIRECT where
-/// accepted (EINVAL means refused), falling back one step at a time.
-fn open_temp(dest: &Path, dir: &Path) -> io::Result<TempFile> {
-    for tmpfile in [true, false] {
-        for direct in [true, false] {
-            let mut o = OpenOptions::new();
-            o.write(true).mode(0o644);
-            let mut flags = if direct { libc::O_DIRECT } else { 0 };
-            let named = if tmpfile {
-                flags |= libc::O_TMPFILE;
-                None
-            } else {
-                o.create_new(true);
-                Some(temp_name(dest))
-            };
-            o.custom_flags(flags);
-            match o.open(named.as_deref().unwrap_or(dir)) {
-                Ok(file) => return Ok(TempFile { file, direct, named }),
-                Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => continue,
-                Err(e) if tmpfile && matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::ENOENT)) => break,
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    Err(io::Error::other("no way to create a temp file"))
-}
-
-/// Gives an unnamed file the name `to` (via /proc/self/fd, which needs no
-/// privilege; AT_EMPTY_PATH as a fallback where /proc is missing).
-fn link_unnamed(f: &File, to: &Path) -> io::Result<()> {
-    let to_c = CString::new(to.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    let proc = CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL");
-    // SAFETY: valid NUL-terminated paths; AT_FDCWD as the directories.
-    let r = unsafe { libc::linkat(libc::AT_FDCWD, proc.as_ptr(), libc::AT_FDCWD, to_c.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
-    if r == 0 {
-        return Ok(());
-    }
-    let first = io::Error::last_os_error();
-    // SAFETY: an open fd and an empty path with AT_EMPTY_PATH.
-    let r = unsafe { libc::linkat(f.as_raw_fd(), c"".as_ptr(), libc::AT_FDCWD, to_c.as_ptr(), libc::AT_EMPTY_PATH) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(first)
-    }
-}
-
-/// Writes `len_bytes` of `staging` at `offset_bytes` as the whole content of
-/// `dest`, atomically (module comment). The range must be followed by zeroed
-/// bytes up to the next block (the lease guarantees it) for O_DIRECT.
-pub fn write_atomic(
-    engine: &mut dyn IoEngine,
-    dest: &Path,
-    staging: &AlignedBuf,
-    offset_bytes: u64,
-    len_bytes: u64,
-    chunk_bytes: usize,
-) -> Result<FileReport, CommitError> {
-    let t0 = Instant::now();
-    let dir = dest.parent().expect("checked: absolute with a file name");
-    let tmp = open_temp(dest, dir).map_err(|e| CommitError::io(dir, "create temp file", e))?;
-    let mut linked: Option<PathBuf> = tmp.named.clone();
-    let r = write_temp(engine, dest, dir, &tmp, staging, offset_bytes, len_bytes, chunk_bytes, &mut linked, t0);
-    if r.is_err() {
-        if let Some(p) = &linked {
-            if let Err(e) = fs::remove_file(p) {
-                warn!(path = %p.display(), "could not remove a temp file after a failed write: {e}");
-            }
-        }
-    }
-    r
-}
-
-#[allow(clippy::too_many_arguments)]
-fn write_temp(
-    engine: &mut dyn IoEngine,
-    dest: &Path,
-    dir: &Path,
-    tmp: &TempFile,
-    staging: &AlignedBuf,
-    offset_bytes: u64,
-    len_bytes: u64,
-    chunk_bytes: usize,
-    linked: &mut Option<PathBuf>,
-    t0: Instant,
-) -> Result<FileReport, CommitError> {
-    let io_len = if tmp.direct { config::align_up(len_bytes, DIRECT_ALIGN_BYTES) } else { len_bytes };
-    assert!(offset_bytes + io_len <= staging.len() as u64, "range outside staging");
-    let f = &tmp.file;
-    crate::commit::reserve(f, io_len).map_err(|e| CommitError::io(dir, format!("reserve {io_len} bytes for {}", dest.display()), e).needing(io_len))?;
-    let fio = FileIo { fd: f.as_raw_fd(), ptr: staging.as_ptr().wrapping_add(offset_bytes as usize) as *mut u8, io_len, file_len: len_bytes, window_bytes: 0 };
-    // SAFETY: `staging` is borrowed for the whole call and the range was
-    // checked above; drive() reaps every request before it returns.
-    unsafe { eio::drive(engine, OpKind::Write, std::slice::from_ref(&fio), chunk_bytes, |_, _| {}) }.map_err(|e| drive_error(dest, e))?;
-    if io_len != len_bytes {
-        f.set_len(len_bytes).map_err(|e| CommitError::io(dir, format!("truncate padding of {}", dest.display()), e))?;
-    }
-    let t_sync = Instant::now();
-    eio::sync_all(engine, &[f.as_raw_fd()]).map_err(|e| drive_error(dest, e))?;
-    if tmp.named.is_none() {
-        let name = temp_name(dest);
-        link_unnamed(f, &name).map_err(|e| CommitError::io(dir, format!("link temp file as {}", name.display()), e))?;
-        *linked = Some(name);
-    }
-    let from = linked.as_ref().expect("named or linked by now");
-    fs::rename(from, dest).map_err(|e| CommitError::io(dir, format!("rename temp file over {}", dest.display()), e))?;
-    *linked = None;
-    catalog::fsync_dir(dir).map_err(|e| CommitError::io(dir, "sync directory after rename", e))?;
-    Ok(FileReport { direct: tmp.direct, write: t_sync - t0, sync: t_sync.elapsed() })
-}
-
-fn drive_error(dest: &Path, e: DriveError) -> CommitError {
-    let (what, source) = match e {
-        DriveError::Io { what, offset_bytes, source, .. } => (format!("{what} at offset {offset_bytes}"), source),
-        DriveError::Engine(source) => ("I/O engine".to_string(), source),
-        other => ("write".to_string(), io::Error::other(other.to_string())),
-    };
-    CommitError::io(dest.parent().unwrap_or(dest), format!("{} (temp file of {})", what, dest.display()), source)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,40 +198,5 @@ mod tests {
         assert_eq!(check_path(d.path().to_str().unwrap(), uid(), uid()).unwrap_err().0, ErrorCode::BadRequest);
         let (_, msg) = check_path(ok.to_str().unwrap(), uid() + 1, uid()).unwrap_err();
         assert!(msg.contains("own uid"), "{msg}");
-    }
-
-    fn write_with(engine: &mut dyn IoEngine, dest: &Path, bytes: &[u8]) -> FileReport {
-        let mut buf = AlignedBuf::new(config::align_up(bytes.len() as u64, 4096).max(4096) as usize).unwrap();
-        buf.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
-        write_atomic(engine, dest, &buf, 0, bytes.len() as u64, 1 << 20).unwrap()
-    }
-
-    #[test]
-    fn files_replace_atomically_and_leave_no_temp() {
-        let d = tempfile::tempdir().unwrap();
-        let dest = d.path().join("model.pt");
-        for (name, mut engine) in crate::io::tests::engines() {
-            for len in [0usize, 1, 4095, 4096, 4097, 3 << 20] {
-                let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
-                write_with(engine.as_mut(), &dest, &bytes);
-                assert_eq!(fs::read(&dest).unwrap(), bytes, "{name}, len {len}");
-                let names: Vec<_> = fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
-                assert_eq!(names, vec![std::ffi::OsString::from("model.pt")], "{name}, len {len}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_failed_write_keeps_the_old_file() {
-        let d = tempfile::tempdir().unwrap();
-        let dest = d.path().join("model.pt");
-        fs::write(&dest, b"old").unwrap();
-        let plan = crate::io::FaultPlan { fail_write_n: Some((2, libc::EIO)), short_writes: false };
-        let mut engine = crate::io::FaultyEngine::new(Box::new(crate::io::PoolEngine::new(2, 4)), plan);
-        let buf = AlignedBuf::new(1 << 20).unwrap();
-        let e = write_atomic(&mut engine, &dest, &buf, 0, 1 << 20, 64 << 10).unwrap_err();
-        assert!(e.to_string().contains("model.pt"), "{e}");
-        assert_eq!(fs::read(&dest).unwrap(), b"old");
-        assert_eq!(fs::read_dir(d.path()).unwrap().count(), 1);
     }
 }

@@ -17,12 +17,13 @@ use std::time::Instant;
 use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, TensorDesc, TensorInfo};
 use tracing::{info, warn};
 
-use crate::catalog;
+use ckpt_store::catalog;
 use crate::regions::Region;
-use crate::restore::{self, LoadError, Which};
+use ckpt_store::restore::{self, LoadError, Which};
 use crate::snapshot::{check_desc_shape, check_no_overlap};
 use crate::staging::StagingError;
-use crate::state::{Peer, Shared};
+use crate::peer::Peer;
+use crate::state::Shared;
 
 struct Fail(ErrorCode, String);
 
@@ -97,7 +98,7 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
     }
     for (d, h) in descs.iter().zip(haves) {
         if let Some(want) = h.crc32c {
-            let got = crate::image::crc32c_parallel(h.bytes);
+            let got = ckpt_store::image::crc32c_parallel(h.bytes);
             if got != want {
                 return Err(Fail(ErrorCode::Damaged, format!("tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)", d.name)));
             }
@@ -178,7 +179,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
     Err(Fail(ErrorCode::Io, "checkpoints changed size while loading; try again".into()))
 }
 
-fn served_from_index(step: u64, index: &crate::format::Index, blobs: &std::collections::BTreeMap<String, Vec<u8>>, fell_back: &[(u64, String)]) -> Served {
+fn served_from_index(step: u64, index: &ckpt_store::format::Index, blobs: &std::collections::BTreeMap<String, Vec<u8>>, fell_back: &[(u64, String)]) -> Served {
     let tensors = index
         .ckpt
         .tensors

@@ -10,19 +10,19 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
-use ckpt_sidecar::bench;
-use ckpt_sidecar::bench_stall;
-use ckpt_sidecar::catalog;
-use ckpt_sidecar::commit::{Store, StoreOptions};
+use ckpt_store::bench;
+use ckpt_store::catalog;
+use ckpt_store::commit::{Store, StoreOptions};
 use ckpt_sidecar::config;
 use ckpt_sidecar::daemon::{self, DaemonOptions};
-use ckpt_sidecar::format::{self, Dtype};
-use ckpt_sidecar::image::{Blob, Layout, LayoutOptions, TensorSpec};
-use ckpt_sidecar::io::{self as eio, IoPolicy, Want};
-use ckpt_sidecar::mem::AlignedBuf;
-use ckpt_sidecar::restore::{self, ReadOptions};
-use ckpt_sidecar::retention::{self, Retention};
-use ckpt_sidecar::synthetic;
+use ckpt_store::format::{self, Dtype};
+use ckpt_store::image::{Blob, Layout, LayoutOptions, TensorSpec};
+use ckpt_store::io::{self as eio, IoPolicy, Want};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::restore::{self, ReadOptions};
+use ckpt_store::retention::{self, Retention};
+use ckpt_store::synthetic;
+use ckpt_store::units::{human_bytes, parse_size};
 
 const EXIT_DAMAGED: u8 = 3;
 
@@ -77,22 +77,6 @@ fn parse_cpus(s: &str) -> Result<CpuList, String> {
     out.sort_unstable();
     out.dedup();
     Ok(CpuList(out))
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?}: expected a size like 2GiB, 512MiB or 1048576"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        "t" | "tib" | "tb" => 1 << 40,
-        u => return Err(format!("{s:?}: unknown unit {u:?} (use KiB, MiB, GiB)")),
-    };
-    Ok((n * mult as f64) as u64)
 }
 
 /// Options of the daemon (serve and launch).
@@ -331,24 +315,7 @@ enum DebugCmd {
     },
 }
 
-/// libckpt (crate ckpt-shim, linked for `bench stall`) has a load-time
-/// constructor that, when CKPT_SIDECAR_PRELOAD=1 is in the environment,
-/// installs its SIGTERM handler (a second SIGTERM restores the default and
-/// re-raises) and connects as a client. The sidecar is never a preloaded
-/// trainer: put SIGTERM back to the default before anything installs its own
-/// handlers, so the daemon's drain/abort/exit sequence is its own (signal-hook
-/// chains to whatever handler was there before it). The constructor's idle
-/// connection, if it made one, is left alone (closed at exit).
-fn undo_libckpt_preload() {
-    if std::env::var_os(ckpt::preload::PRELOAD_ENV).is_some_and(|v| v == "1") {
-        // SAFETY: called first thing in main, before any other handler is
-        // installed or any thread relies on SIGTERM's disposition.
-        unsafe { libc::signal(libc::SIGTERM, libc::SIG_DFL) };
-    }
-}
-
 fn main() -> ExitCode {
-    undo_libckpt_preload();
     let cli = Cli::parse();
     // The daemon says what it does (one line per checkpoint); tools stay quiet.
     let default_level = if matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Launch { .. }) { "info" } else { "warn" };
@@ -464,21 +431,6 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         None => println!("last:     none yet"),
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn human_bytes(b: u64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < U.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", U[i])
-    }
 }
 
 fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
@@ -637,59 +589,6 @@ fn print_figures(f: &bench::Figures, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_stall(f: &bench_stall::StallFigures, json: bool) -> anyhow::Result<()> {
-    let secs = |v: &[f64]| v.iter().map(|s| format!("{s:.4}")).collect::<Vec<_>>().join(" ");
-    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
-    println!("op:                 stall (real client -> real sidecar pid {}, host memory)", f.sidecar_pid);
-    println!("bytes:              {} ({}) in {} tensors; files {} ({})", f.bytes, human_bytes(f.bytes), f.n_tensors, f.file_bytes, human_bytes(f.file_bytes));
-    println!("steps:              {:?}", f.steps);
-    println!("stall s:            {} (save() until Released)", secs(&f.stall_seconds));
-    println!("stall median/max:   {:.4} / {:.4} s", f.stall_seconds_median, f.stall_seconds_max);
-    println!("sidecar copy s:     {} (median {:.4}; from Released)", secs(&f.copy_seconds), f.copy_seconds_median);
-    println!("memcpy s:           {} (one thread, same bytes, same run)", secs(&f.memcpy_seconds));
-    println!("memcpy median:      {:.4} s ({:.2} GiB/s)", f.memcpy_seconds_median, f.bytes as f64 / f.memcpy_seconds_median / (1u64 << 30) as f64);
-    println!(
-        "stall / memcpy:     {:.3} (bar <= {}: {})",
-        f.stall_over_memcpy,
-        bench_stall::BAR_STALL_OVER_MEMCPY,
-        verdict(f.stall_over_memcpy <= bench_stall::BAR_STALL_OVER_MEMCPY)
-    );
-    println!("persist s:          {}", secs(&f.persist_seconds));
-    println!("persist gib_per_s:  {:.3} (median)", f.persist_gib_per_s);
-    println!("released->durable:  {:.4} s (median, seen by the client)", f.release_to_durable_seconds_median);
-    if let (Some(fio), Some(r)) = (f.fio_gib_per_s, f.persist_over_fio) {
-        println!("fio gib_per_s:      {fio:.3} (same size, same directory, just before)");
-        println!("persist / fio:      {r:.3} (bar >= {}: {})", bench_stall::BAR_PERSIST_OVER_FIO, verdict(r >= bench_stall::BAR_PERSIST_OVER_FIO));
-    }
-    let limit = f.staging_bytes + bench_stall::BAR_RSS_OVER_STAGING_BYTES;
-    println!("staging:            {} ({})", f.staging_bytes, human_bytes(f.staging_bytes));
-    println!(
-        "sidecar RssAnon:    {} ({}; max during the saves; bar <= staging + 64 MiB: {})",
-        f.sidecar_rss_anon_bytes,
-        human_bytes(f.sidecar_rss_anon_bytes),
-        verdict(f.sidecar_rss_anon_bytes <= limit)
-    );
-    println!(
-        "sidecar VmRSS:      {} ({}; RssFile {}, RssShmem {} = the client's region mapped read-only; VmRSS - RssShmem {}: {})",
-        f.sidecar_rss_bytes,
-        human_bytes(f.sidecar_rss_bytes),
-        human_bytes(f.sidecar_rss_file_bytes),
-        human_bytes(f.sidecar_rss_shmem_bytes),
-        human_bytes(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes)),
-        verdict(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes) <= limit)
-    );
-    match (f.torch_save_seconds, &f.torch_note) {
-        (Some(s), note) => println!("torch.save+fsync:   {s:.3} s ({}); stall is {:.1}x below", note.as_deref().unwrap_or(""), s / f.stall_seconds_median),
-        (None, Some(why)) => println!("torch.save+fsync:   none: {why}"),
-        (None, None) => {}
-    }
-    println!("memory:             {} (prepared in {:.2} s, untimed)", f.memory, f.prepare_seconds);
-    if json {
-        println!("{}", serde_json::to_string(f)?);
-    }
-    Ok(())
-}
-
 fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
     match what {
         BenchCmd::Write { dirs, size, step, shard_size, compare_fio, json, io } => {
@@ -697,8 +596,34 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             print_figures(&f, json)?;
         }
         BenchCmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
-            let f = bench_stall::run(&bench_stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio })?;
-            print_stall(&f, json)?;
+            // The trainer's side lives in ckpt-bench, so that this binary links
+            // no client code; it measures this very binary as the sidecar.
+            let me = std::env::current_exe().context("finding this executable")?;
+            let bench = me.with_file_name("ckpt-bench");
+            if !bench.is_file() {
+                bail!("bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
+            }
+            let mut cmd = std::process::Command::new(&bench);
+            cmd.arg("stall").arg("--dir").arg(&dir).arg("--size").arg(size.to_string()).arg("--repeats").arg(repeats.to_string());
+            cmd.env("CKPT_SIDECAR_BIN", &me);
+            if let Some(py) = python {
+                cmd.arg("--python").arg(py);
+            }
+            if let Some(st) = staging {
+                cmd.arg("--staging").arg(st.to_string());
+            }
+            if compare_fio {
+                cmd.arg("--compare-fio");
+            }
+            if json {
+                cmd.arg("--json");
+            }
+            let status = cmd.status().with_context(|| format!("running {}", bench.display()))?;
+            return Ok(match status.code() {
+                Some(0) => ExitCode::SUCCESS,
+                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+                None => ExitCode::FAILURE,
+            });
         }
         BenchCmd::Read { dir, compare_fio, json, io } => {
             let f = bench::read(&bench::ReadArgs { dir, io: io.policy(), compare_fio })?;

@@ -17,13 +17,14 @@ use std::sync::Arc;
 use ckpt_wire::{ErrorCode, FrameError, Reply, Request};
 use tracing::{debug, info, warn};
 
-use crate::catalog;
+use ckpt_store::catalog;
 use crate::config;
 use crate::file_save;
 use crate::load;
 use crate::regions::Region;
 use crate::snapshot;
-use crate::state::{Peer, Shared};
+use crate::peer::Peer;
+use crate::state::Shared;
 
 /// The id of an `Error` that answers no request (a malformed frame).
 pub const NO_REQUEST_ID: u64 = u64::MAX;
@@ -120,7 +121,7 @@ fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, regio
     if regions.len() >= config::REGIONS_PER_SESSION_MAX {
         return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
     }
-    match Region::open(region_id, shm_name, len_bytes, s.peer_uid) {
+    match Region::open_shm(region_id, shm_name, len_bytes, s.peer_uid) {
         Ok(r) => {
             debug!(region_id, shm_name, len_bytes, "region registered");
             regions.insert(region_id, Arc::new(r));

@@ -20,14 +20,16 @@ use std::time::Instant;
 use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc};
 use tracing::{info, info_span, warn};
 
-use crate::catalog;
-use crate::committer::{Job, Work};
+use ckpt_store::catalog;
+use crate::jobs::{Job, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
-use crate::format::{self, Dtype};
-use crate::image::{self, Layout, LayoutOptions, TensorSpec};
+use ckpt_store::format::{self, Dtype};
+use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
 use crate::regions::Region;
 use crate::staging::{Lease, StagingError};
-use crate::state::{Flight, Peer, Phase, Shared};
+use crate::jobs::Flight;
+use crate::peer::Peer;
+use crate::state::{Phase, Shared};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
@@ -122,23 +124,25 @@ pub fn plan_save(tensors: &[TensorDesc], blobs: &[Blob], regions: &HashMap<u32, 
 /// A piece of one tensor, copied or checksummed by one thread.
 struct Piece {
     tensor_idx: usize,
-    /// The region `src` lies in; null in a checksum pass.
+    /// The region the piece is copied from; null in a checksum pass.
     region: *const Region,
-    /// Null in a checksum pass.
-    src: *const u8,
+    /// Where in the region (bounds checked in plan_save).
+    src_offset_bytes: u64,
     dst: *mut u8,
     len: usize,
 }
 
 impl Piece {
-    /// Runs `f`, which reads this piece's source, armed against the client
-    /// truncating the region under it ([`Region::read`]).
-    fn read_source<R>(&self, f: impl FnOnce() -> R) -> R {
+    /// Copies this piece out of its region into its part of the lease;
+    /// with `crc`, returns the crc32c of the bytes.
+    fn copy(&self, crc: bool) -> u32 {
         // SAFETY: a non-null `region` is kept alive by the caller's Arc for
-        // the whole copy (Pieces' invariant).
+        // the whole copy; dst..dst+len is this piece's own part of the lease
+        // (Pieces' invariant); the source range was bounds-checked when the
+        // save was planned.
         match unsafe { self.region.as_ref() } {
-            Some(r) => r.read(f),
-            None => f(),
+            Some(r) => unsafe { r.copy_out(self.src_offset_bytes, self.dst, self.len, crc) },
+            None => unreachable!("a checksum piece is never copied"),
         }
     }
 }
@@ -146,41 +150,41 @@ impl Piece {
 /// Raw pointers of the pieces, shared by the copy threads.
 struct Pieces(Vec<Piece>);
 // SAFETY: every piece's destination is a disjoint range of a lease the
-// copying session holds exclusively; sources are read-only mappings kept
-// alive by the Arc<Region>s in `sources` for the whole copy; each piece is
-// taken by exactly one thread (atomic counter).
+// copying session holds exclusively; sources are regions kept alive by the
+// Arc<Region>s in `sources` for the whole copy; each piece is taken by
+// exactly one thread (atomic counter).
 unsafe impl Sync for Pieces {}
 
 /// Splits every tensor's range of the lease into pieces of at most
 /// [`COPY_PIECE_BYTES`], so both threads share even one large tensor; with
-/// `sources`, each piece also gets its source address.
+/// `sources`, each piece also gets its region and offset there.
 fn pieces_of(layout: &Layout, sources: Option<&[Source]>, lease: &mut Lease) -> Pieces {
     assert!(lease.len_bytes() >= layout.staging_len, "lease smaller than the image");
     let base = lease.as_mut_ptr();
     let mut pieces = Vec::new();
     for i in 0..layout.specs.len() {
         let r = layout.tensor_range(i);
-        let (region, src) = match sources {
+        let (region, src_offset_bytes) = match sources {
             Some(sources) => {
                 let s = &sources[i];
                 assert_eq!(r.len() as u64, s.len_bytes);
                 let Some(region) = &s.region else { continue };
-                (Arc::as_ptr(region), region.src_ptr(s.offset_bytes, s.len_bytes).expect("bounds checked in plan_save"))
+                (Arc::as_ptr(region), s.offset_bytes)
             }
-            None => (std::ptr::null(), std::ptr::null()),
+            None => (std::ptr::null(), 0),
         };
-        split_range(&mut pieces, i, region, src, base.wrapping_add(r.start), r.len());
+        split_range(&mut pieces, i, region, src_offset_bytes, base.wrapping_add(r.start), r.len());
     }
     Pieces(pieces)
 }
 
-/// Appends the pieces of one range of `len` bytes (`src` null: no source).
-fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region, src: *const u8, dst: *mut u8, len: usize) {
+/// Appends the pieces of one range of `len` bytes (`region` null: no source).
+fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region, src_offset_bytes: u64, dst: *mut u8, len: usize) {
     let mut at = 0usize;
     while at < len {
         let n = (len - at).min(COPY_PIECE_BYTES);
-        // Both pointers stay inside their ranges: at + n ≤ len.
-        pieces.push(Piece { tensor_idx, region, src: src.wrapping_add(at), dst: dst.wrapping_add(at), len: n });
+        // The pointer stays inside its range: at + n ≤ len.
+        pieces.push(Piece { tensor_idx, region, src_offset_bytes: src_offset_bytes + at as u64, dst: dst.wrapping_add(at), len: n });
         at += n;
     }
 }
@@ -259,21 +263,7 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
 pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Vec<u32>> {
     layout.write_headers(lease.as_mut_slice());
     let pieces = pieces_of(layout, Some(sources), lease);
-    let piece_crcs = run_pieces(&pieces, stop, &|p| {
-        p.read_source(|| {
-            let mut crc = 0u32;
-            let mut at = 0;
-            while at < p.len {
-                let n = (p.len - at).min(COPY_BLOCK_BYTES);
-                // SAFETY: as in copy_pieces, for this block of the piece.
-                unsafe { copy_streaming(p.dst.add(at), p.src.add(at), n) };
-                // SAFETY: the same source block, in the live read-only mapping.
-                crc = crc32c::crc32c_append(crc, unsafe { std::slice::from_raw_parts(p.src.add(at), n) });
-                at += n;
-            }
-            crc
-        })
-    })?;
+    let piece_crcs = run_pieces(&pieces, stop, &|p| p.copy(true))?;
     Some(fold_crcs(layout, &pieces, &piece_crcs))
 }
 
@@ -282,70 +272,15 @@ pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut L
 /// of whole blocks carries no stale bytes; false when stopped early.
 pub fn copy_range_into(region: &Region, offset_bytes: u64, len_bytes: u64, lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
     assert!(lease.len_bytes() >= len_bytes, "lease smaller than the range");
-    let src = region.src_ptr(offset_bytes, len_bytes).expect("bounds checked before the copy");
+    region.contains(offset_bytes, len_bytes).expect("bounds checked before the copy");
     lease.as_mut_slice()[len_bytes as usize..].fill(0);
     let mut pieces = Vec::new();
-    split_range(&mut pieces, 0, region as *const Region, src, lease.as_mut_ptr(), len_bytes as usize);
+    split_range(&mut pieces, 0, region as *const Region, offset_bytes, lease.as_mut_ptr(), len_bytes as usize);
     copy_pieces(&Pieces(pieces), stop)
 }
 
 fn copy_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync)) -> bool {
-    run_pieces(pieces, stop, &|p| {
-        // SAFETY: src..src+len lies inside a live read-only mapping
-        // (Region::src_ptr checked it; the caller's Arc keeps it mapped until
-        // this function returns); dst..dst+len is this piece's own part of
-        // the lease (Pieces' invariant); they cannot overlap (staging is our
-        // private anonymous memory).
-        p.read_source(|| unsafe { copy_streaming(p.dst, p.src, p.len) });
-        0
-    })
-    .is_some()
-}
-
-/// Copies `len` bytes with non-temporal (streaming) stores: the staged
-/// image bypasses the caches instead of evicting, line by line, what the
-/// trainer computes with from the L3 both cores share, and its lines need
-/// no read-for-ownership (a third less memory traffic than a plain copy,
-/// which also reads every destination line before writing it). Nobody reads
-/// the image soon enough for caching it to pay: the checksum pass starts
-/// after the whole copy, and images are far larger than the L3. Ends with a
-/// store fence, so the bytes are visible to other threads once this returns.
-///
-/// SAFETY: as [`std::ptr::copy_nonoverlapping`]: `src..src+len` readable,
-/// `dst..dst+len` writable, the two disjoint.
-#[cfg(target_arch = "x86_64")]
-unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    // Plain copy up to the first 16-byte aligned destination address.
-    let head = dst.align_offset(16).min(len);
-    std::ptr::copy_nonoverlapping(src, dst, head);
-    let (mut d, mut s, mut n) = (dst.add(head), src.add(head), len - head);
-    // SSE2 is part of x86-64: always there. 64 bytes (one line) per round.
-    while n >= 64 {
-        let a = _mm_loadu_si128(s.cast::<__m128i>());
-        let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
-        let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
-        let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
-        _mm_stream_si128(d.cast::<__m128i>(), a);
-        _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
-        _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
-        _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
-        d = d.add(64);
-        s = s.add(64);
-        n -= 64;
-    }
-    std::ptr::copy_nonoverlapping(s, d, n);
-    // Streaming stores are weakly ordered: make them globally visible before
-    // this thread reports the piece done (thread join, then Released).
-    _mm_sfence();
-}
-
-/// Elsewhere: a plain copy.
-///
-/// SAFETY: as [`std::ptr::copy_nonoverlapping`].
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
-    std::ptr::copy_nonoverlapping(src, dst, len)
+    run_pieces(pieces, stop, &|p| p.copy(false)).is_some()
 }
 
 /// The tensor checksums of the image copied into the lease, computed from
@@ -381,9 +316,9 @@ fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
 }
 
 /// Checks that every source region still holds its registered bytes and
-/// was not found truncated by a read ([`Region::check_size`]).
+/// was not found changed under the copy ([`Region::check_intact`]).
 fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
-    sources.iter().filter_map(|s| s.region.as_ref()).try_for_each(|r| r.check_size()).map_err(|e| SaveError::BadRegion(e.to_string()))
+    sources.iter().filter_map(|s| s.region.as_ref()).try_for_each(|r| r.check_intact()).map_err(|e| SaveError::BadRegion(e.to_string()))
 }
 
 /// Runs one Save for a session: checks, waits for staging, copies, replies
@@ -499,29 +434,13 @@ mod tests {
     }
 
     #[test]
-    fn streaming_copy_matches_a_plain_copy_at_any_alignment_and_length() {
-        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
-        for src_off in [0usize, 1, 15, 16, 33] {
-            for dst_off in [0usize, 1, 8, 17, 64] {
-                for len in [0usize, 1, 15, 16, 63, 64, 65, 127, 1000, 4096 + 7] {
-                    let mut dst = vec![0xAAu8; 4096 + 200];
-                    // SAFETY: both ranges lie inside their vectors, which are distinct.
-                    unsafe { copy_streaming(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
-                    assert_eq!(&dst[dst_off..dst_off + len], &src[src_off..src_off + len], "src+{src_off} dst+{dst_off} len {len}");
-                    assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA), "wrote outside: src+{src_off} dst+{dst_off} len {len}");
-                }
-            }
-        }
-    }
-
-    #[test]
     fn a_region_truncated_before_or_during_a_copy_fails_the_save_instead_of_the_sidecar() {
         use crate::regions::{test_segment, truncate_segment, unlink_segment};
         // Two tensors of 4 MiB, so both copy threads read the segment.
         let len = 8usize << 20;
         let (name, fd) = test_segment(len, |i| (i % 13) as u8 + 1);
         // SAFETY: getuid has no preconditions.
-        let region = Arc::new(Region::open(1, &name, len as u64, unsafe { libc::getuid() }).unwrap());
+        let region = Arc::new(Region::open_shm(1, &name, len as u64, unsafe { libc::getuid() }).unwrap());
         unlink_segment(&name);
         let regions = HashMap::from([(1, region.clone())]);
         let tensors = [d("a", 1, 0, 4 << 20), d("b", 1, 4 << 20, 4 << 20)];
@@ -544,13 +463,13 @@ mod tests {
         // first one's tail is zero pages by now).
         let (name, fd) = test_segment(len, |_| 9);
         // SAFETY: as above.
-        let region = Region::open(2, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        let region = Region::open_shm(2, &name, len as u64, unsafe { libc::getuid() }).unwrap();
         unlink_segment(&name);
         truncate_segment(&fd, 1 << 20);
         let (mut lease, _) = staging.acquire(len as u64, "f", || None).unwrap();
         assert!(copy_range_into(&region, 0, len as u64, &mut lease, &|| false));
         assert!(lease.as_slice()[..1 << 20].iter().all(|&b| b == 9) && lease.as_slice()[1 << 20..len].iter().all(|&b| b == 0));
-        assert!(region.was_truncated() && region.check_size().is_err());
+        assert!(region.as_shm().unwrap().was_truncated() && region.check_intact().is_err());
     }
 
     #[test]

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::config::{self, STAGING_ALIGN_BYTES};
-use crate::image::Layout;
-use crate::mem::AlignedBuf;
+use ckpt_store::image::Layout;
+use ckpt_store::mem::AlignedBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StagingError {

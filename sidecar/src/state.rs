@@ -1,27 +1,26 @@
 //! What the daemon's threads share: configuration, staging, the committer's
 //! queue, the registry of sessions and in-flight checkpoints (for `status`,
 //! for the "not in flight" rule and for draining), the last figures, and
-//! each session's reply channel ([`Peer`]).
+//! each session's reply channel ([`Peer`], in `peer.rs`).
 //!
 //! Invariants: a step is in the in-flight registry from the moment its Save
 //! passed validation until it is durable, failed or aborted, and at most
 //! once; the daemon drains by waiting for the registry to be empty.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use ckpt_wire::{InFlight, LastFigures, Reply, SessionInfo, StatusReport};
+use ckpt_wire::{InFlight, LastFigures, SessionInfo, StatusReport};
 use crossbeam_channel::Sender;
 
-use crate::committer::Work;
-use crate::image::LayoutOptions;
-use crate::restore::ReadOptions;
+use crate::jobs::{Flight, Work};
+use crate::peer::Peer;
+use ckpt_store::image::LayoutOptions;
+use ckpt_store::restore::ReadOptions;
 use crate::staging::Staging;
 
 /// Phases a checkpoint goes through in the daemon (shown by `status`).
@@ -42,14 +41,6 @@ impl Phase {
             Phase::Writing => "writing",
         }
     }
-}
-
-/// What is in flight: a step checkpoint (at most one per step), or one
-/// SaveFile (numbered; several may name the same path, the last wins).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Flight {
-    Step(u64),
-    File(u64),
 }
 
 struct InFlightEntry {
@@ -252,51 +243,5 @@ impl Shared {
             resident_step: self.staging.resident_step(),
             last: self.last.lock().expect("figures lock").clone(),
         }
-    }
-}
-
-/// The sending side of one session: replies from the session thread and the
-/// committer go through here, one whole frame at a time.
-pub struct Peer {
-    stream: Mutex<UnixStream>,
-    fd: i32,
-    broken: AtomicBool,
-}
-
-impl Peer {
-    pub fn new(stream: UnixStream) -> Peer {
-        let _ = stream.set_write_timeout(Some(Duration::from_millis(crate::config::SEND_TIMEOUT_MS)));
-        let fd = stream.as_raw_fd();
-        Peer { stream: Mutex::new(stream), fd, broken: AtomicBool::new(false) }
-    }
-
-    /// Sends one reply; false (and the peer marked broken) if it could not.
-    pub fn send(&self, reply: &Reply) -> bool {
-        if self.broken.load(Ordering::SeqCst) {
-            return false;
-        }
-        let frame = ckpt_wire::encode(reply);
-        let mut s = self.stream.lock().expect("peer lock");
-        match s.write_all(&frame) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::info!("client no longer takes replies: {e}");
-                self.broken.store(true, Ordering::SeqCst);
-                false
-            }
-        }
-    }
-
-    /// Whether the client has closed its end (or the socket broke): checked
-    /// without reading, so frames it already sent stay queued.
-    pub fn is_gone(&self) -> bool {
-        if self.broken.load(Ordering::SeqCst) {
-            return true;
-        }
-        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLRDHUP, revents: 0 };
-        // SAFETY: one valid pollfd; fd stays open while self (which owns the
-        // stream) lives; timeout 0 never blocks.
-        let r = unsafe { libc::poll(&mut p, 1, 0) };
-        r > 0 && (p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR)) != 0
     }
 }

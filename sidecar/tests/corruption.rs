@@ -14,13 +14,13 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ckpt_sidecar::catalog;
-use ckpt_sidecar::commit::{Store, StoreOptions};
-use ckpt_sidecar::format::{Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
-use ckpt_sidecar::image::{Blob, Layout, LayoutOptions};
-use ckpt_sidecar::mem::AlignedBuf;
-use ckpt_sidecar::restore::{self, LoadError, Problem, ReadOptions, Which};
-use ckpt_sidecar::synthetic;
+use ckpt_store::catalog;
+use ckpt_store::commit::{Store, StoreOptions};
+use ckpt_store::format::{Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
+use ckpt_store::image::{Blob, Layout, LayoutOptions};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::restore::{self, LoadError, Problem, ReadOptions, Which};
+use ckpt_store::synthetic;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
 const EXIT_DAMAGED: i32 = 3;

@@ -22,13 +22,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use ckpt_sidecar::catalog;
+use ckpt_store::catalog;
 use ckpt_test_support::{seed_from_env, Rng};
-use ckpt_sidecar::commit::{Store, StoreOptions};
-use ckpt_sidecar::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
-use ckpt_sidecar::mem::AlignedBuf;
-use ckpt_sidecar::restore::{self, ReadOptions, Which};
-use ckpt_sidecar::synthetic;
+use ckpt_store::commit::{Store, StoreOptions};
+use ckpt_store::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::restore::{self, ReadOptions, Which};
+use ckpt_store::synthetic;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
 const DEFAULT_SEED: u64 = 0x5EED_C0DE_2024_0001;

@@ -10,8 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use ckpt_sidecar::catalog;
-use ckpt_sidecar::restore::{self, ReadOptions, Which};
+use ckpt_store::catalog;
+use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_test_support::terminate;
 use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, Request, TensorDesc, MAGIC, PROTOCOL_VERSION};
 
@@ -243,7 +243,7 @@ impl Shm {
     }
 
     fn fill(&mut self, seed: u64) {
-        ckpt_sidecar::synthetic::fill(self.bytes_mut(), seed);
+        ckpt_store::synthetic::fill(self.bytes_mut(), seed);
     }
 }
 

@@ -42,7 +42,7 @@ pub struct Figures {
 }
 
 /// GiB per second; a zero duration counts as a picosecond (never inf/NaN).
-pub(crate) fn gib_per_s(bytes: u64, seconds: f64) -> f64 {
+pub fn gib_per_s(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds.max(1e-12) / (1u64 << 30) as f64
 }
 

@@ -5,13 +5,19 @@
 use std::path::Path;
 use std::process::Command;
 
-use ckpt_sidecar::catalog;
-use ckpt_sidecar::restore::{self, ReadOptions};
+use ckpt_store::catalog;
+use ckpt_store::restore::{self, ReadOptions};
 
-const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
+/// `ckpt-sidecar bench stall` runs ckpt-bench beside it; both are built into
+/// the same folder as this package's binary.
+fn sidecar_bin() -> std::path::PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_ckpt-bench")).with_file_name("ckpt-sidecar");
+    assert!(p.is_file(), "{} is missing: build the workspace first (cargo build --release --workspace)", p.display());
+    p
+}
 
 fn bench_stall(dir: &Path, extra: &[&str]) -> serde_json::Value {
-    let out = Command::new(BIN)
+    let out = Command::new(sidecar_bin())
         .args(["bench", "stall", "--dir"])
         .arg(dir)
         .args(["--size", "16MiB", "--json"])

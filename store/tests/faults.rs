@@ -13,14 +13,14 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ckpt_sidecar::catalog;
-use ckpt_sidecar::commit::{CommitError, Store, StoreOptions};
-use ckpt_sidecar::format::{self, TMP_PREFIX};
-use ckpt_sidecar::image::{Blob, Layout, LayoutOptions};
-use ckpt_sidecar::io::{FaultPlan, IoPolicy, ProbeError, Want};
-use ckpt_sidecar::mem::AlignedBuf;
-use ckpt_sidecar::restore::{self, ReadOptions, Which};
-use ckpt_sidecar::synthetic;
+use ckpt_store::catalog;
+use ckpt_store::commit::{CommitError, Store, StoreOptions};
+use ckpt_store::format::{self, TMP_PREFIX};
+use ckpt_store::image::{Blob, Layout, LayoutOptions};
+use ckpt_store::io::{FaultPlan, IoPolicy, ProbeError, Want};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::restore::{self, ReadOptions, Which};
+use ckpt_store::synthetic;
 
 const MIB: u64 = 1 << 20;
 
@@ -64,7 +64,7 @@ fn open_store(opts: StoreOptions, label: &str) -> Option<Store> {
             assert_eq!(s.engine_names(), label, "the forced engine is the one in use");
             Some(s)
         }
-        Err(ckpt_sidecar::commit::StoreError::Probe(e @ ProbeError::Io { .. })) if e.to_string().contains("required but refused") => {
+        Err(ckpt_store::commit::StoreError::Probe(e @ ProbeError::Io { .. })) if e.to_string().contains("required but refused") => {
             println!("skipped {label}: {e}");
             None
         }
@@ -400,8 +400,8 @@ fn short_writes_are_completed_with_direct() {
 fn short_writes_are_completed_buffered_aligned_files() {
     // Tensor bytes in whole blocks and the header padded to a block, so every
     // shard file is a whole number of blocks long.
-    use ckpt_sidecar::format::Dtype;
-    use ckpt_sidecar::image::TensorSpec;
+    use ckpt_store::format::Dtype;
+    use ckpt_store::image::TensorSpec;
     let specs: Vec<TensorSpec> = (0..12).map(|i| TensorSpec::new(format!("w.{i}"), Dtype::BF16, &[256 + 64 * i, 1024])).collect();
     let layout = Layout::plan(specs, LayoutOptions { shard_bytes_max: 3 * MIB, ..Default::default() }).unwrap();
     assert!(layout.shards.iter().all(|sh| sh.file_len == sh.io_len), "whole-block files");

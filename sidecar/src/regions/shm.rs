@@ -1,21 +1,22 @@
-//! Client memory the sidecar reads tensors from (saves) and writes them to
-//! (loads): POSIX shared-memory segments the shim created and registered.
+//! Host memory regions: POSIX shared-memory segments the shim created and
+//! registered, which the sidecar reads tensors from (saves) and writes
+//! them to (loads).
 //!
 //! Trust boundary: the name, length and every descriptor come from the
 //! client. A segment is opened only under a plain `/name` (no path), must be
 //! a regular object owned by the peer's uid and at least as large as claimed;
 //! it is mapped **read-only**, and loads write with `pwrite` on the
 //! descriptor, never through a mapping. Every access goes through
-//! [`Region::src_ptr`] or [`Region::write_at`], which check bounds with
+//! [`ShmMemory::copy_out`] or [`ShmMemory::write_at`], which check bounds with
 //! overflow-checked arithmetic, so no read or write leaves the region.
 //!
 //! A client that shrinks its own segment (ftruncate) under a copy must not
 //! kill the sidecar: reading a mapped page past the end of a shm object
-//! raises SIGBUS. Every read of a region goes through [`Region::read`], which
+//! raises SIGBUS. Every read of a region goes through [`ShmMemory::read`], which
 //! names the region to this thread's fault handler for the duration; a fault
 //! inside it maps zero pages over the rest of the region, marks the region
 //! truncated and lets the copy run on (it reads zeros). The save then fails
-//! with an error naming the segment ([`Region::check_size`] after the copy),
+//! with an error naming the segment ([`ShmMemory::check_intact`] after the copy),
 //! and the region stays refused until it is registered again. A SIGBUS
 //! anywhere else goes to the handler that was there before (Rust's stack
 //! overflow check, or the default: the process dies). This is how Wayland
@@ -32,23 +33,7 @@ use std::sync::Once;
 
 use crate::config;
 
-#[derive(Debug, thiserror::Error)]
-pub enum RegionError {
-    #[error("shm name {name:?}: {why}")]
-    BadName { name: String, why: &'static str },
-    #[error("shm segment {name:?}: {what}: {source}")]
-    Os { name: String, what: &'static str, source: io::Error },
-    #[error("shm segment {name:?} belongs to uid {owner_uid}, not to the client's uid {peer_uid}")]
-    NotOwner { name: String, owner_uid: u32, peer_uid: u32 },
-    #[error("shm segment {name:?} is not a regular shared-memory object")]
-    NotRegular { name: String },
-    #[error("shm segment {name:?} has {size_bytes} bytes, fewer than the {len_bytes} registered")]
-    TooSmall { name: String, size_bytes: u64, len_bytes: u64 },
-    #[error("shm segment {name:?} was truncated by its owner while the sidecar read it; register it again")]
-    Truncated { name: String },
-    #[error("bytes {offset_bytes}..{offset_bytes}+{len_bytes} lie outside region {region_id} of {region_bytes} bytes")]
-    OutOfBounds { region_id: u32, offset_bytes: u64, len_bytes: u64, region_bytes: u64 },
-}
+use super::RegionError;
 
 /// Checks a shm_open name: one leading '/', no other '/', no NUL, not
 /// "." or "..", at most NAME_MAX bytes.
@@ -76,8 +61,7 @@ pub fn validate_shm_name(name: &str) -> Result<(), RegionError> {
 }
 
 /// A registered shared-memory segment, mapped read-only.
-pub struct Region {
-    pub region_id: u32,
+pub struct ShmMemory {
     pub shm_name: String,
     /// What the client registered (≤ the segment's size at registration).
     pub len_bytes: u64,
@@ -89,21 +73,21 @@ pub struct Region {
     truncated: AtomicBool,
 }
 
-// SAFETY: the mapping is read-only and owned by this Region until Drop;
+// SAFETY: the mapping is read-only and owned by this ShmMemory until Drop;
 // sharing `*const u8` to it across threads is like sharing a `&[u8]`. The
 // client may change the bytes concurrently, which only changes what a copy
 // sees (u8 has no invalid values); reads go through raw-pointer copies.
-unsafe impl Send for Region {}
+unsafe impl Send for ShmMemory {}
 // SAFETY: as above; no interior mutability on our side.
-unsafe impl Sync for Region {}
+unsafe impl Sync for ShmMemory {}
 
 fn os(name: &str, what: &'static str) -> RegionError {
     RegionError::Os { name: name.to_string(), what, source: io::Error::last_os_error() }
 }
 
-impl Region {
+impl ShmMemory {
     /// Opens, checks and maps the segment `shm_name` for a peer of `peer_uid`.
-    pub fn open(region_id: u32, shm_name: &str, len_bytes: u64, peer_uid: u32) -> Result<Region, RegionError> {
+    pub fn open(shm_name: &str, len_bytes: u64, peer_uid: u32) -> Result<ShmMemory, RegionError> {
         validate_shm_name(shm_name)?;
         let c = CString::new(shm_name).expect("validated: no NUL");
         // O_RDWR: loads pwrite into the segment; the mapping stays PROT_READ.
@@ -143,13 +127,13 @@ impl Region {
             p as *const u8
         };
         install_fault_handler();
-        Ok(Region { region_id, shm_name: shm_name.to_string(), len_bytes, fd, ptr, truncated: AtomicBool::new(false) })
+        Ok(ShmMemory { shm_name: shm_name.to_string(), len_bytes, fd, ptr, truncated: AtomicBool::new(false) })
     }
 
     /// Runs `f`, which reads this region's mapping (through pointers from
-    /// [`Region::src_ptr`]), with this thread's SIGBUS handler armed for the
+    /// [`ShmMemory::src_ptr`]), with this thread's SIGBUS handler armed for the
     /// region: if the client truncated the segment, the read sees zeros
-    /// instead of killing the sidecar, and [`Region::check_size`] fails.
+    /// instead of killing the sidecar, and [`ShmMemory::check_intact`] fails.
     pub fn read<R>(&self, f: impl FnOnce() -> R) -> R {
         let armed = Armed { start: self.ptr as usize, len: self.len_bytes as usize, truncated: &self.truncated };
         let outer = ARMED.with(|a| a.replace(Some(armed)));
@@ -167,33 +151,51 @@ impl Region {
         self.truncated.load(Ordering::Acquire)
     }
 
-    fn check_bounds(&self, offset_bytes: u64, len_bytes: u64) -> Result<(), RegionError> {
-        match offset_bytes.checked_add(len_bytes) {
-            Some(end) if end <= self.len_bytes => Ok(()),
-            _ => Err(RegionError::OutOfBounds { region_id: self.region_id, offset_bytes, len_bytes, region_bytes: self.len_bytes }),
-        }
-    }
-
-    /// Checks that `len_bytes` at `offset_bytes` lie inside the region.
-    pub fn contains(&self, offset_bytes: u64, len_bytes: u64) -> Result<(), RegionError> {
-        self.check_bounds(offset_bytes, len_bytes)
-    }
-
-    /// The address of `offset_bytes`, after checking that `len_bytes` from
-    /// there lie inside the mapping. The caller reads at most `len_bytes`
-    /// from it, while it holds the Region.
-    pub fn src_ptr(&self, offset_bytes: u64, len_bytes: u64) -> Result<*const u8, RegionError> {
-        self.check_bounds(offset_bytes, len_bytes)?;
+    /// The address of `offset_bytes`; `Region` checked that `len_bytes`
+    /// from there lie inside the mapping. The caller reads at most
+    /// `len_bytes` from it, while it holds the memory.
+    fn src_ptr(&self, offset_bytes: u64, len_bytes: u64) -> *const u8 {
+        debug_assert!(offset_bytes.checked_add(len_bytes).is_some_and(|e| e <= self.len_bytes));
         if len_bytes == 0 {
-            return Ok(std::ptr::NonNull::dangling().as_ptr());
+            return std::ptr::NonNull::dangling().as_ptr();
         }
-        Ok(self.ptr.wrapping_add(offset_bytes as usize))
+        self.ptr.wrapping_add(offset_bytes as usize)
+    }
+
+    /// Copies `len` bytes at `offset_bytes` to `dst` with streaming stores,
+    /// armed against a truncation ([`ShmMemory::read`]); with `crc`, returns
+    /// the crc32c of the bytes, computed from each source block right after
+    /// it is copied, while it is in cache (else 0).
+    ///
+    /// # Safety
+    /// `offset_bytes..+len` lies inside the region (`Region` checked it);
+    /// `dst..dst+len` is writable and nobody else's for the call.
+    pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
+        let src = self.src_ptr(offset_bytes, len as u64);
+        self.read(|| {
+            if !crc {
+                // SAFETY: the caller's contract; the mapping lives as long as self.
+                unsafe { copy_streaming(dst, src, len) };
+                return 0;
+            }
+            let mut c = 0u32;
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(config::COPY_BLOCK_BYTES);
+                // SAFETY: as above, for this block.
+                unsafe { copy_streaming(dst.add(at), src.add(at), n) };
+                // SAFETY: the same source block, in the live read-only mapping.
+                c = crc32c::crc32c_append(c, unsafe { std::slice::from_raw_parts(src.add(at), n) });
+                at += n;
+            }
+            c
+        })
     }
 
     /// Re-checks that the segment still holds every registered byte (a
     /// shrunk segment would fault the copy) and that no read found it
     /// shrunk: before a copy, and after it (the client may truncate during).
-    pub fn check_size(&self) -> Result<(), RegionError> {
+    pub fn check_intact(&self) -> Result<(), RegionError> {
         if self.was_truncated() {
             return Err(RegionError::Truncated { name: self.shm_name.clone() });
         }
@@ -204,9 +206,9 @@ impl Region {
         Ok(())
     }
 
-    /// Writes `bytes` at `offset_bytes` with pwrite (loads), bounds-checked.
+    /// Writes `bytes` at `offset_bytes` with pwrite (loads); `Region`
+    /// checked the bounds.
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
-        self.check_bounds(offset_bytes, bytes.len() as u64)?;
         let mut done = 0usize;
         while done < bytes.len() {
             let n = (bytes.len() - done).min(config::LOAD_PWRITE_BYTES_MAX);
@@ -230,17 +232,63 @@ impl Region {
     }
 }
 
-impl Drop for Region {
+impl Drop for ShmMemory {
     fn drop(&mut self) {
         if !self.ptr.is_null() {
             // SAFETY: unmapping exactly the mapping made in open(); every
-            // pointer handed out by src_ptr is used only while the Region
+            // pointer handed out by src_ptr is used only while the memory
             // is held (callers keep an Arc<Region> across a copy).
             unsafe {
                 libc::munmap(self.ptr as *mut libc::c_void, self.len_bytes as usize);
             }
         }
     }
+}
+
+/// Copies `len` bytes with non-temporal (streaming) stores: the staged
+/// image bypasses the caches instead of evicting, line by line, what the
+/// trainer computes with from the L3 both cores share, and its lines need
+/// no read-for-ownership (a third less memory traffic than a plain copy,
+/// which also reads every destination line before writing it). Nobody reads
+/// the image soon enough for caching it to pay: the checksum pass starts
+/// after the whole copy, and images are far larger than the L3. Ends with a
+/// store fence, so the bytes are visible to other threads once this returns.
+///
+/// SAFETY: as [`std::ptr::copy_nonoverlapping`]: `src..src+len` readable,
+/// `dst..dst+len` writable, the two disjoint.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    // Plain copy up to the first 16-byte aligned destination address.
+    let head = dst.align_offset(16).min(len);
+    std::ptr::copy_nonoverlapping(src, dst, head);
+    let (mut d, mut s, mut n) = (dst.add(head), src.add(head), len - head);
+    // SSE2 is part of x86-64: always there. 64 bytes (one line) per round.
+    while n >= 64 {
+        let a = _mm_loadu_si128(s.cast::<__m128i>());
+        let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
+        let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
+        let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
+        _mm_stream_si128(d.cast::<__m128i>(), a);
+        _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
+        _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
+        _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
+        d = d.add(64);
+        s = s.add(64);
+        n -= 64;
+    }
+    std::ptr::copy_nonoverlapping(s, d, n);
+    // Streaming stores are weakly ordered: make them globally visible before
+    // this thread reports the piece done (thread join, then Released).
+    _mm_sfence();
+}
+
+/// Elsewhere: a plain copy.
+///
+/// SAFETY: as [`std::ptr::copy_nonoverlapping`].
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    std::ptr::copy_nonoverlapping(src, dst, len)
 }
 
 /// The region a thread is reading, as its SIGBUS handler needs it.
@@ -309,7 +357,7 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
                 libc::mmap(from as *mut libc::c_void, end - from, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0)
             };
             if p != libc::MAP_FAILED {
-                // SAFETY: `truncated` points into the Region that `read`
+                // SAFETY: `truncated` points into the ShmMemory that `read`
                 // borrows for as long as ARMED names it.
                 unsafe { (*a.truncated).store(true, Ordering::Release) };
                 return;
@@ -331,7 +379,7 @@ fn fstat(fd: i32) -> io::Result<libc::stat> {
 }
 
 /// For tests: a new shm segment of `len` bytes, byte i being `fill(i)`; its
-/// name (for [`Region::open`], then [`unlink_segment`]) and a read-write
+/// name (for [`ShmMemory::open`], then [`unlink_segment`]) and a read-write
 /// descriptor (for [`truncate_segment`]).
 #[cfg(test)]
 pub(crate) fn test_segment(len: usize, fill: impl Fn(usize) -> u8) -> (String, OwnedFd) {
@@ -370,8 +418,8 @@ mod tests {
     }
 
     /// Reads `len` bytes of the region's mapping at `offset` (armed).
-    fn read_all(r: &Region, offset: u64, len: u64) -> Vec<u8> {
-        let src = r.src_ptr(offset, len).unwrap();
+    fn read_all(r: &ShmMemory, offset: u64, len: u64) -> Vec<u8> {
+        let src = r.src_ptr(offset, len);
         let mut out = vec![0xAAu8; len as usize];
         // SAFETY: src..src+len is inside the live mapping (src_ptr checked).
         r.read(|| unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len as usize) });
@@ -379,14 +427,30 @@ mod tests {
     }
 
     #[test]
+    fn streaming_copy_matches_a_plain_copy_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for src_off in [0usize, 1, 15, 16, 33] {
+            for dst_off in [0usize, 1, 8, 17, 64] {
+                for len in [0usize, 1, 15, 16, 63, 64, 65, 127, 1000, 4096 + 7] {
+                    let mut dst = vec![0xAAu8; 4096 + 200];
+                    // SAFETY: both ranges lie inside their vectors, which are distinct.
+                    unsafe { copy_streaming(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    assert_eq!(&dst[dst_off..dst_off + len], &src[src_off..src_off + len], "src+{src_off} dst+{dst_off} len {len}");
+                    assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA), "wrote outside: src+{src_off} dst+{dst_off} len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_segment_truncated_under_a_read_reads_as_zeros_and_is_refused_from_then_on() {
         let len = 1 << 20;
         let (name, fd) = test_segment(len, pattern);
         // SAFETY: getuid has no preconditions.
-        let r = Region::open(1, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
         unlink_segment(&name);
         assert_eq!(read_all(&r, 0, len as u64), (0..len).map(pattern).collect::<Vec<_>>());
-        r.check_size().unwrap();
+        r.check_intact().unwrap();
         // The owner shrinks it to 3 pages and a bit; the mapping still spans 1 MiB.
         let kept = 3 * 4096 + 100;
         truncate_segment(&fd, kept as u64);
@@ -396,12 +460,12 @@ mod tests {
         assert_eq!(&got[..kept], &(0..kept).map(pattern).collect::<Vec<_>>()[..]);
         assert!(got[4 * 4096..].iter().all(|&b| b == 0));
         assert!(r.was_truncated());
-        let e = r.check_size().unwrap_err();
+        let e = r.check_intact().unwrap_err();
         assert!(matches!(e, RegionError::Truncated { .. }) && e.to_string().contains(&name), "{e}");
         // Growing it back does not make the region usable again: the
         // mapping's tail is no longer the segment.
         truncate_segment(&fd, len as u64);
-        assert!(r.check_size().is_err());
+        assert!(r.check_intact().is_err());
     }
 
     #[test]
@@ -409,13 +473,13 @@ mod tests {
         let len = 64 << 10;
         let (name, fd) = test_segment(len, pattern);
         // SAFETY: getuid has no preconditions.
-        let r = Region::open(1, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
         let (other_name, _other_fd) = test_segment(4096, pattern);
-        let other = Region::open(2, &other_name, 4096, unsafe { libc::getuid() }).unwrap();
+        let other = ShmMemory::open(&other_name, 4096, unsafe { libc::getuid() }).unwrap();
         unlink_segment(&name);
         unlink_segment(&other_name);
         truncate_segment(&fd, 0);
-        let src = r.src_ptr(0, len as u64).unwrap();
+        let src = r.src_ptr(0, len as u64);
         for armed_for_other in [false, true] {
             // SAFETY: the child only reads memory and exits; fork in a
             // threaded test process is fine for that.

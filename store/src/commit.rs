@@ -221,14 +221,14 @@ impl Store {
         }
     }
 
-    /// Writes one file at `dest` (outside the checkpoint directories)
-    /// atomically from `len_bytes` of `staging` at `offset_bytes`, with the
-    /// primary directory's engine; see [`crate::file_save::write_atomic`].
-    pub fn write_file(&mut self, dest: &Path, staging: &AlignedBuf, offset_bytes: u64, len_bytes: u64) -> Result<crate::file_save::FileReport, CommitError> {
+    /// The primary directory's engine and the request size, for
+    /// [`crate::atomic`]'s `Store::write_file`; an error if the store is
+    /// aborting.
+    pub(crate) fn primary_engine(&mut self, dest: &Path) -> Result<(&mut dyn IoEngine, usize), CommitError> {
         if self.abort.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
             return Err(CommitError::Io { path: dest.to_path_buf(), what: "aborted before writing (shutting down)".into(), source: io::Error::from(io::ErrorKind::Interrupted) });
         }
-        crate::file_save::write_atomic(self.dirs[0].engine.as_mut(), dest, staging, offset_bytes, len_bytes, self.opts.chunk_bytes)
+        Ok((self.dirs[0].engine.as_mut(), self.opts.chunk_bytes))
     }
 
     /// Writes and commits a checkpoint whose image sits in `staging` as

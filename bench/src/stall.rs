@@ -22,16 +22,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context};
-use ckpt::{Client, TensorRef, Wanted};
+use ckpt_client::{Client, TensorRef, Wanted};
 use serde::Serialize;
 
-use crate::bench;
-use crate::catalog;
-use crate::config;
-use crate::image::{Layout, LayoutOptions, TensorSpec};
-use crate::mem::AlignedBuf;
-use crate::restore;
-use crate::synthetic;
+use ckpt_store::bench;
+use ckpt_store::catalog;
+use ckpt_store::config;
+use ckpt_store::image::{Layout, LayoutOptions, TensorSpec};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::restore;
+use ckpt_store::synthetic;
 
 /// How long the sidecar may take to start (it pre-faults its staging, about
 /// 2.2 s per GiB of fresh memory on our VMs).
@@ -167,7 +167,7 @@ impl Sidecar {
             let p = sock_dir.join("sidecar.log");
             (Stdio::from(File::create(&p).with_context(|| format!("creating {}", p.display()))?), Some(p))
         };
-        let exe = std::env::current_exe().context("finding this executable")?;
+        let exe = sidecar_exe()?;
         let mut sc = Sidecar { child: None, sock_dir, socket, log };
         let child = Command::new(exe)
             .arg("serve")
@@ -177,8 +177,7 @@ impl Sidecar {
             .arg(&sc.socket)
             .arg("--staging")
             .arg(staging_bytes.to_string())
-            // libckpt's preload constructor is linked into this binary too; the
-            // sidecar must never act as a client of another sidecar.
+            // The sidecar must never act as a client of another sidecar.
             .env_remove("CKPT_SIDECAR_PRELOAD")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -333,14 +332,26 @@ fn time_memcpy(src: &AlignedBuf, dst: &mut AlignedBuf, n: usize) -> f64 {
     s
 }
 
+/// The sidecar binary to measure: `$CKPT_SIDECAR_BIN`, else the
+/// `ckpt-sidecar` beside this executable (both are built into one folder).
+pub fn sidecar_exe() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("CKPT_SIDECAR_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let me = std::env::current_exe().context("finding this executable")?;
+    let exe = me.with_file_name("ckpt-sidecar");
+    ensure!(exe.is_file(), "no ckpt-sidecar beside {} (build the workspace, or set CKPT_SIDECAR_BIN)", me.display());
+    Ok(exe)
+}
+
 pub fn run(args: &StallArgs) -> anyhow::Result<StallFigures> {
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
     ensure!(args.size_bytes > 0, "--size must be positive");
     std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
     let layout = plan(args.size_bytes)?;
     let tensor_bytes = layout.tensor_bytes();
-    let image_bytes = config::align_up(layout.staging_len, config::STAGING_ALIGN_BYTES);
-    let staging_bytes = args.staging_bytes.unwrap_or_else(|| config::align_up(2 * image_bytes, 1 << 20).max(config::STAGING_BYTES_MIN));
+    let image_bytes = config::align_up(layout.staging_len, config::DIRECT_ALIGN_BYTES);
+    let staging_bytes = args.staging_bytes.unwrap_or_else(|| config::align_up(2 * image_bytes, 1 << 20));
     ensure!(
         staging_bytes >= image_bytes,
         "--staging {staging_bytes} is smaller than one image of this state ({image_bytes} bytes); saves would be refused"

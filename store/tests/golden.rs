@@ -6,10 +6,10 @@
 
 use std::path::PathBuf;
 
-use ckpt_sidecar::commit::{Store, StoreOptions};
-use ckpt_sidecar::format::{Dtype, Index, INDEX_FILE_NAME};
-use ckpt_sidecar::image::{Blob, Layout, LayoutOptions, TensorSpec};
-use ckpt_sidecar::mem::AlignedBuf;
+use ckpt_store::commit::{Store, StoreOptions};
+use ckpt_store::format::{Dtype, Index, INDEX_FILE_NAME};
+use ckpt_store::image::{Blob, Layout, LayoutOptions, TensorSpec};
+use ckpt_store::mem::AlignedBuf;
 
 fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/golden")
@@ -78,7 +78,7 @@ fn golden_index_parses_and_describes_the_golden_shard() {
     let f = &index.ckpt.files[0];
     assert_eq!(f.len_bytes, shard.len() as u64);
     assert_eq!(f.crc32c, crc32c::crc32c(&shard));
-    let header = ckpt_sidecar::format::decode_header(&shard, shard.len() as u64).unwrap();
+    let header = ckpt_store::format::decode_header(&shard, shard.len() as u64).unwrap();
     assert_eq!(header.data_start % 4096, 0, "data section is aligned");
     for t in &header.tensors {
         let it = &index.ckpt.tensors[&t.name];

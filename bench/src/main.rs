@@ -1,0 +1,118 @@
+//! The `ckpt-bench` binary: benchmarks that play the trainer (the real
+//! client) against a real sidecar process. `ckpt-sidecar bench stall` runs
+//! it; it can be run by itself too. Exit codes: 0 success, 1 error, 2 usage.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use ckpt_bench::stall;
+use ckpt_store::units::{human_bytes, parse_size};
+
+#[derive(Parser)]
+#[command(name = "ckpt-bench", version, about = "Benchmarks of ckpt-sidecar through the real client")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The trainer's stall per save through a real client and a real sidecar
+    /// process (`$CKPT_SIDECAR_BIN`, else the `ckpt-sidecar` beside this
+    /// binary), beside one memcpy of the same bytes; persist throughput,
+    /// sidecar memory, optionally fio and torch.save + fsync.
+    Stall {
+        /// Target directory (committed checkpoints stay there).
+        #[arg(long)]
+        dir: PathBuf,
+        /// Size of the synthetic ~50-tensor state.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        /// Also time torch.save + fsync of a state of the same size with this Python.
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Staging budget of the sidecar (default: room for two images of SIZE).
+        #[arg(long, value_parser = parse_size)]
+        staging: Option<u64>,
+        /// Saves to measure.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        repeats: u32,
+        /// Also run fio with the checkpoint's size in the same directory, first, and print the ratio.
+        #[arg(long)]
+        compare_fio: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
+            stall::run(&stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio }).and_then(|f| print_stall(&f, json))
+        }
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {
+    let secs = |v: &[f64]| v.iter().map(|s| format!("{s:.4}")).collect::<Vec<_>>().join(" ");
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    println!("op:                 stall (real client -> real sidecar pid {}, host memory)", f.sidecar_pid);
+    println!("bytes:              {} ({}) in {} tensors; files {} ({})", f.bytes, human_bytes(f.bytes), f.n_tensors, f.file_bytes, human_bytes(f.file_bytes));
+    println!("steps:              {:?}", f.steps);
+    println!("stall s:            {} (save() until Released)", secs(&f.stall_seconds));
+    println!("stall median/max:   {:.4} / {:.4} s", f.stall_seconds_median, f.stall_seconds_max);
+    println!("sidecar copy s:     {} (median {:.4}; from Released)", secs(&f.copy_seconds), f.copy_seconds_median);
+    println!("memcpy s:           {} (one thread, same bytes, same run)", secs(&f.memcpy_seconds));
+    println!("memcpy median:      {:.4} s ({:.2} GiB/s)", f.memcpy_seconds_median, f.bytes as f64 / f.memcpy_seconds_median / (1u64 << 30) as f64);
+    println!(
+        "stall / memcpy:     {:.3} (bar <= {}: {})",
+        f.stall_over_memcpy,
+        stall::BAR_STALL_OVER_MEMCPY,
+        verdict(f.stall_over_memcpy <= stall::BAR_STALL_OVER_MEMCPY)
+    );
+    println!("persist s:          {}", secs(&f.persist_seconds));
+    println!("persist gib_per_s:  {:.3} (median)", f.persist_gib_per_s);
+    println!("released->durable:  {:.4} s (median, seen by the client)", f.release_to_durable_seconds_median);
+    if let (Some(fio), Some(r)) = (f.fio_gib_per_s, f.persist_over_fio) {
+        println!("fio gib_per_s:      {fio:.3} (same size, same directory, just before)");
+        println!("persist / fio:      {r:.3} (bar >= {}: {})", stall::BAR_PERSIST_OVER_FIO, verdict(r >= stall::BAR_PERSIST_OVER_FIO));
+    }
+    let limit = f.staging_bytes + stall::BAR_RSS_OVER_STAGING_BYTES;
+    println!("staging:            {} ({})", f.staging_bytes, human_bytes(f.staging_bytes));
+    println!(
+        "sidecar RssAnon:    {} ({}; max during the saves; bar <= staging + 64 MiB: {})",
+        f.sidecar_rss_anon_bytes,
+        human_bytes(f.sidecar_rss_anon_bytes),
+        verdict(f.sidecar_rss_anon_bytes <= limit)
+    );
+    println!(
+        "sidecar VmRSS:      {} ({}; RssFile {}, RssShmem {} = the client's region mapped read-only; VmRSS - RssShmem {}: {})",
+        f.sidecar_rss_bytes,
+        human_bytes(f.sidecar_rss_bytes),
+        human_bytes(f.sidecar_rss_file_bytes),
+        human_bytes(f.sidecar_rss_shmem_bytes),
+        human_bytes(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes)),
+        verdict(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes) <= limit)
+    );
+    match (f.torch_save_seconds, &f.torch_note) {
+        (Some(s), note) => println!("torch.save+fsync:   {s:.3} s ({}); stall is {:.1}x below", note.as_deref().unwrap_or(""), s / f.stall_seconds_median),
+        (None, Some(why)) => println!("torch.save+fsync:   none: {why}"),
+        (None, None) => {}
+    }
+    println!("memory:             {} (prepared in {:.2} s, untimed)", f.memory, f.prepare_seconds);
+    if json {
+        println!("{}", serde_json::to_string(f)?);
+    }
+    Ok(())
+}
+

@@ -1,0 +1,57 @@
+//! The sending side of one session ([`Peer`]): replies from the session
+//! thread and the committer go through it, one whole frame at a time.
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use ckpt_wire::Reply;
+
+/// The sending side of one session: replies from the session thread and the
+/// committer go through here, one whole frame at a time.
+pub struct Peer {
+    stream: Mutex<UnixStream>,
+    fd: i32,
+    broken: AtomicBool,
+}
+
+impl Peer {
+    pub fn new(stream: UnixStream) -> Peer {
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(crate::config::SEND_TIMEOUT_MS)));
+        let fd = stream.as_raw_fd();
+        Peer { stream: Mutex::new(stream), fd, broken: AtomicBool::new(false) }
+    }
+
+    /// Sends one reply; false (and the peer marked broken) if it could not.
+    pub fn send(&self, reply: &Reply) -> bool {
+        if self.broken.load(Ordering::SeqCst) {
+            return false;
+        }
+        let frame = ckpt_wire::encode(reply);
+        let mut s = self.stream.lock().expect("peer lock");
+        match s.write_all(&frame) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::info!("client no longer takes replies: {e}");
+                self.broken.store(true, Ordering::SeqCst);
+                false
+            }
+        }
+    }
+
+    /// Whether the client has closed its end (or the socket broke): checked
+    /// without reading, so frames it already sent stay queued.
+    pub fn is_gone(&self) -> bool {
+        if self.broken.load(Ordering::SeqCst) {
+            return true;
+        }
+        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd; fd stays open while self (which owns the
+        // stream) lives; timeout 0 never blocks.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r > 0 && (p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR)) != 0
+    }
+}

@@ -1,0 +1,122 @@
+//! Client memory the sidecar reads tensors from (saves) and writes them to
+//! (loads): one abstraction, [`Region`], whatever kind of memory is behind
+//! it. Snapshot, load and SaveFile see only `Region`: its bounds check, a
+//! copy out of it into staging ([`Region::copy_out`]), a check that it was
+//! intact for the whole copy ([`Region::check_intact`]) and a write into it
+//! ([`Region::write_at`]). A kind of memory is a variant of [`Memory`] and a
+//! module of its own:
+//! - [`shm`]: host POSIX shared-memory segments, mapped read-only, with the
+//!   SIGBUS guard for segments truncated under a copy.
+//!
+//! A new kind (CUDA device memory) joins as a variant and a module, with its
+//! own registration in the session; snapshot, committer and load stay as
+//! they are.
+//!
+//! Trust boundary: the name, length and every descriptor come from the
+//! client. Every access goes through `Region`, which checks bounds with
+//! overflow-checked arithmetic before the kind sees an offset, so no read or
+//! write leaves the region.
+
+use std::io;
+
+pub mod shm;
+
+pub use shm::{validate_shm_name, ShmMemory};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    #[error("shm name {name:?}: {why}")]
+    BadName { name: String, why: &'static str },
+    #[error("shm segment {name:?}: {what}: {source}")]
+    Os { name: String, what: &'static str, source: io::Error },
+    #[error("shm segment {name:?} belongs to uid {owner_uid}, not to the client's uid {peer_uid}")]
+    NotOwner { name: String, owner_uid: u32, peer_uid: u32 },
+    #[error("shm segment {name:?} is not a regular shared-memory object")]
+    NotRegular { name: String },
+    #[error("shm segment {name:?} has {size_bytes} bytes, fewer than the {len_bytes} registered")]
+    TooSmall { name: String, size_bytes: u64, len_bytes: u64 },
+    #[error("shm segment {name:?} was truncated by its owner while the sidecar read it; register it again")]
+    Truncated { name: String },
+    #[error("bytes {offset_bytes}..{offset_bytes}+{len_bytes} lie outside region {region_id} of {region_bytes} bytes")]
+    OutOfBounds { region_id: u32, offset_bytes: u64, len_bytes: u64, region_bytes: u64 },
+}
+
+/// Where a region's bytes live.
+pub enum Memory {
+    /// A host shared-memory segment.
+    HostShm(ShmMemory),
+}
+
+/// A region a client registered: its id, its length, and its memory.
+pub struct Region {
+    pub region_id: u32,
+    /// What the client registered (≤ the memory's size at registration).
+    pub len_bytes: u64,
+    memory: Memory,
+}
+
+impl Region {
+    /// Opens, checks and maps the host shm segment `shm_name` for a peer of
+    /// `peer_uid`.
+    pub fn open_shm(region_id: u32, shm_name: &str, len_bytes: u64, peer_uid: u32) -> Result<Region, RegionError> {
+        Ok(Region { region_id, len_bytes, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
+    }
+
+    /// What kind of memory this is, for logs and status.
+    pub fn kind(&self) -> &'static str {
+        match &self.memory {
+            Memory::HostShm(_) => "host-shm",
+        }
+    }
+
+    /// Checks that `len_bytes` at `offset_bytes` lie inside the region.
+    pub fn contains(&self, offset_bytes: u64, len_bytes: u64) -> Result<(), RegionError> {
+        match offset_bytes.checked_add(len_bytes) {
+            Some(end) if end <= self.len_bytes => Ok(()),
+            _ => Err(RegionError::OutOfBounds { region_id: self.region_id, offset_bytes, len_bytes, region_bytes: self.len_bytes }),
+        }
+    }
+
+    /// Copies `len` bytes at `offset_bytes` into `dst` (staging); with
+    /// `crc`, returns their crc32c, computed during the copy (else 0). A
+    /// fault of the memory under the copy does not stop it: the bytes read
+    /// are then wrong, and [`Region::check_intact`] says so afterwards.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is writable and no one else's for the call, and the
+    /// range was checked with [`Region::contains`].
+    pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
+        assert!(self.contains(offset_bytes, len as u64).is_ok(), "copy_out outside the region (callers check bounds first)");
+        match &self.memory {
+            // SAFETY: the caller's contract; bounds asserted above.
+            Memory::HostShm(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
+        }
+    }
+
+    /// Checks that the memory still holds every registered byte and that no
+    /// copy found it changed under it: before a copy, and after it (the
+    /// client may truncate during).
+    pub fn check_intact(&self) -> Result<(), RegionError> {
+        match &self.memory {
+            Memory::HostShm(m) => m.check_intact(),
+        }
+    }
+
+    /// Writes `bytes` at `offset_bytes` (loads), bounds-checked.
+    pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
+        self.contains(offset_bytes, bytes.len() as u64)?;
+        match &self.memory {
+            Memory::HostShm(m) => m.write_at(offset_bytes, bytes),
+        }
+    }
+
+    /// The host shm segment behind the region, if it is one (tests).
+    pub fn as_shm(&self) -> Option<&ShmMemory> {
+        match &self.memory {
+            Memory::HostShm(m) => Some(m),
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) use shm::{test_segment, truncate_segment, unlink_segment};

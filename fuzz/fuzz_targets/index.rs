@@ -3,7 +3,7 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
-use ckpt_sidecar::format::Index;
+use ckpt_store::format::Index;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(index) = Index::from_json_bytes(data) {

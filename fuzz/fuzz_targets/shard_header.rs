@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let file_len = u64::from_le_bytes(data[..8].try_into().unwrap()) % (1 << 40);
     let file = &data[8..];
-    if let Ok(h) = ckpt_sidecar::format::decode_header(file, file_len) {
+    if let Ok(h) = ckpt_store::format::decode_header(file, file_len) {
         let mut at = 0;
         for t in &h.tensors {
             assert_eq!(t.data_offsets.0, at);

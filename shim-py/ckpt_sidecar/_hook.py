@@ -18,8 +18,8 @@ then replaces torch.save and torch.load:
 - The sidecar is the one at $CKPT_SIDECAR_SOCKET (or the default socket) if
   one runs, else one spawned for this process at the first torch.save, with
   staging $CKPT_SIDECAR_STAGING (default: twice the first file, at least
-  256 MiB) and its (unused) checkpoint folder in $CKPT_SIDECAR_DIR or a
-  private temp folder. It is spawned in the background: its staging is
+  256 MiB) and its (unused) checkpoint folder in $CKPT_SIDECAR_DIR or inside
+  the Checkpointer's private temp folder. It is spawned in the background: its staging is
   pre-faulted before it answers (seconds per GiB on a VM), which the first
   torch.save does not wait for; files saved until it answers are written
   by this process, as below.
@@ -43,9 +43,7 @@ import importlib.abc
 import io
 import os
 import queue
-import shutil
 import sys
-import tempfile
 import threading
 
 from .errors import SidecarError
@@ -205,7 +203,6 @@ class _Files:
         self._ck = None
         self.pool = None
         self._sizes = {}     # path -> size of its last file (the next one's size hint)
-        self._ck_dir = None
         self._no_sidecar = None  # why the sidecar is not used, once it failed to start
         self._spawner = None     # the thread starting a sidecar, while and after it does
         self._here = {}          # path -> writes of it this process has to do (queued or running)
@@ -234,9 +231,10 @@ class _Files:
             try:
                 self._use(Checkpointer(spawn=False))
             except ConnectFailed:
-                d = os.environ.get("CKPT_SIDECAR_DIR")
-                if not d:
-                    d = self._ck_dir = tempfile.mkdtemp(prefix="ckpt-sidecar-hook-")
+                # Its unused checkpoint folder: $CKPT_SIDECAR_DIR, else one inside
+                # the Checkpointer's private temp folder (removed with it, by its
+                # janitor too when this process is killed).
+                d = os.environ.get("CKPT_SIDECAR_DIR") or None
                 staging = os.environ.get("CKPT_SIDECAR_STAGING") or str(max(256 << 20, 2 * nbytes))
                 self._spawner = threading.Thread(target=self._spawn, args=(Checkpointer, d, staging),
                                                  name="ckpt-sidecar-spawn", daemon=True)
@@ -247,7 +245,7 @@ class _Files:
 
     def _spawn(self, Checkpointer, d, staging):
         try:
-            self._use(Checkpointer(dir=d, staging=staging))
+            self._use(Checkpointer(dir=d, staging=staging, _private_dir=d is None))
         except Exception as e:  # noqa: BLE001 - as above
             self._give_up(e)
 
@@ -273,8 +271,6 @@ class _Files:
         self.wait(None)
         if self._ck is not None:
             self._ck.close()
-        if self._ck_dir is not None:
-            shutil.rmtree(self._ck_dir, ignore_errors=True)
 
     def open(self, path):
         """A _ShmFile to serialise `path`'s next file into, once a sidecar is

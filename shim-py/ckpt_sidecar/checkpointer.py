@@ -39,6 +39,125 @@ POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay 
 
 _live = weakref.WeakSet()
 
+# The janitor: a shell (a few hundred KiB, nothing else) spawned beside a
+# spawned sidecar. Its stdin is a pipe whose write end only this process and
+# the sidecar hold; EOF comes when both have let go of it, however they ended
+# (close(), SIGKILL, a crash). It then removes the private folders (socket,
+# log, the hook's checkpoint folder) and, if this process is gone, the
+# shared-memory segments the C shim names after its pid (a process killed
+# with SIGKILL cannot unlink them; the C shim only sweeps them at the next
+# process's first allocation). A zombie counts as gone; a live process
+# (close() was called) keeps its segments.
+JANITOR_SH = r"""
+while read -r _; do :; done
+p=$1; shift
+rm -rf -- "$@"
+s=
+if [ -r "/proc/$p/stat" ]; then read -r s < "/proc/$p/stat" || s=; s=${s##*") "}; s=${s%% *}; fi
+case "$s" in ""|Z|X) rm -f /dev/shm/ckpt-"$p"-* ;; esac
+"""
+JANITOR_WAIT_S = 5.0  # close() waits this long for it (forked children may still hold the pipe)
+
+
+class _Owned:
+    """What a Checkpointer holds outside Python's heap: the native client, a
+    spawned sidecar and its janitor, the directory lock, the private folder,
+    the saves the sidecar has not taken yet, and the share()'d tensors.
+
+    It holds no reference to its Checkpointer, so that one can be collected:
+    `_release` runs exactly once, from close(), from a constructor that
+    failed, or from the garbage collector (weakref.finalize) when the
+    Checkpointer is gone without close()."""
+
+    __slots__ = ("pid", "released", "client", "proc", "lock_fd", "tmpdir", "janitor", "life_w", "untaken", "shared")
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.released = False
+        self.client = self.proc = self.lock_fd = self.tmpdir = self.janitor = self.life_w = None
+        self.untaken = set()  # ids of saves not yet taken by the sidecar (a close waits for them)
+        self.shared = []      # restore callables of share()'d tensors
+
+
+def _release(own):
+    """close() of everything in `own` (see _Owned): pending saves taken,
+    shared tensors back in private memory, the client closed, a spawned
+    sidecar stopped (it commits what it took), the lock, the folder and the
+    janitor released. Every step runs even if an earlier one raised; the
+    first error is raised at the end. Once only: later calls do nothing.
+
+    (Not weakref.finalize's __call__ for close(): once finalize's own exit
+    handler has run, which can be before ours, it no longer calls anything.)"""
+    if own.released:
+        return
+    own.released = True
+    if os.getpid() != own.pid:
+        # A forked child: the client, the sidecar and the lock are the parent's
+        # (closing our copies of the pipes would not end the sidecar anyway).
+        own.client = own.proc = own.janitor = own.tmpdir = own.lock_fd = own.life_w = None
+        own.shared = []
+        return
+    errors = []
+
+    def step(fn, *args):
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - finish releasing first
+            errors.append(e)
+
+    client, own.client = own.client, None
+    if client is not None:
+        for sid in sorted(own.untaken):
+            # Taken (or failed): the sidecar then commits it even without us.
+            N.lib().ckpt_wait(client, sid, N.RELEASED, -1)
+        own.untaken.clear()
+    shared, own.shared = own.shared, []
+    for restore in shared:  # while the regions are still mapped
+        step(restore)
+    if client is not None:
+        step(N.lib().ckpt_close, client)
+    proc, own.proc = own.proc, None
+    if proc is not None:
+        step(_stop_sidecar, proc)
+    if own.lock_fd is not None:
+        step(os.close, own.lock_fd)
+        own.lock_fd = None
+    if own.life_w is not None:
+        step(os.close, own.life_w)  # the janitor's EOF once the sidecar is gone too
+        own.life_w = None
+    janitor, own.janitor = own.janitor, None
+    if janitor is not None:
+        try:
+            janitor.wait(JANITOR_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass  # a forked child still holds the pipe: the janitor finishes after it
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    if own.tmpdir is not None:
+        shutil.rmtree(own.tmpdir, ignore_errors=True)
+        own.tmpdir = None
+    if errors:
+        raise errors[0]
+
+
+def _stop_sidecar(proc):
+    # EOF on its child's stdin: launch's child exits, launch commits what it
+    # took and exits; wait for that.
+    try:
+        proc.stdin.close()
+    finally:
+        if proc.poll() is None:
+            try:
+                proc.wait()
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+
+
+def _owned(name):
+    return property(lambda self: getattr(self._own, name), lambda self, v: setattr(self._own, name, v))
+
 
 def _align(n):
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
@@ -84,6 +203,7 @@ class SaveHandle:
 
     def _mark_taken(self):
         self._taken = True
+        self._ck._own.untaken.discard(self.id)
         if self._region is not None:
             self._ck._give_back(self._region)
             self._region = None
@@ -164,14 +284,29 @@ class Checkpointer:
         int of bytes or a string like "512MiB").
     cpus: CPUs the spawned sidecar's threads run on (--cpus: "1", "2-7" or a list of
         ints); keeps them off a single-threaded trainer's core on a small machine.
+
+    A constructor that raises has released everything it took (lock, folder,
+    sidecar); a Checkpointer collected without close() is closed by the
+    garbage collector.
     """
 
-    def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None, cpus=None):
+    _client = _owned("client")
+    _proc = _owned("proc")
+    _tmpdir = _owned("tmpdir")
+    _lock_fd = _owned("lock_fd")
+
+    def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None, cpus=None,
+                 _private_dir=False):
+        self._own = _Owned()
+        # close() and collection both end in _release(own) (once); at exit,
+        # _close_all closes what is still open (in atexit order: after the
+        # hook's files).
+        self._finalizer = weakref.finalize(self, _release, self._own)
+        self._finalizer.atexit = False
+        # _private_dir (the torch.save hook's): the checkpoint folder goes inside
+        # the private temp folder, removed with it.
+        self._private_dir = _private_dir
         self.dir = os.path.abspath(os.fspath(dir if dir is not None else "ckpt"))
-        self._client = None
-        self._proc = None
-        self._tmpdir = None
-        self._lock_fd = None
         self._keep, self._staging, self._log = keep, staging, log
         self._cpus = cpus if cpus is None or isinstance(cpus, str) else ",".join(str(int(c)) for c in cpus)
         self._regions = []       # every region of this client, sorted by ptr
@@ -179,21 +314,28 @@ class Checkpointer:
         self._save_regions = []  # regions for copies at save (at most POOL_REGIONS_MAX)
         self._free = []          # those of them no save in flight uses
         self._load_region = None
-        self._shared = []        # (restore callable) for share()'d tensors
         self._pending = []       # weakrefs of handles not yet known released
         self._last = None
         self._mu = threading.RLock()
         self.socket = os.fspath(socket) if socket is not None else None
         self._socket_arg = self.socket is not None  # spawn there, not at a private path
-        self._pid = os.getpid()
         try:
-            self._client = self._connect(self.socket)
-        except ConnectFailed:
-            if not spawn:
-                raise
-            self._spawn()
-        else:
-            self._check_dir(dir)
+            try:
+                self._client = self._connect(self.socket)
+            except ConnectFailed:
+                if not spawn:
+                    raise
+                self._spawn()
+            else:
+                self._check_dir(dir)
+        except BaseException as e:
+            # Nothing stays taken: no lock, no folder, no sidecar, no client.
+            self._finalizer.detach()
+            try:
+                _release(self._own)
+            except BaseException as e2:  # noqa: BLE001 - the constructor's error is the one to raise
+                warnings.warn(f"releasing a Checkpointer whose constructor failed ({e}): {e2}")
+            raise
         _live.add(self)
 
     def _check_dir(self, asked):
@@ -218,10 +360,17 @@ class Checkpointer:
         # save(): copied tensors are released at once, shared ones only at the
         # guarded optimizer step, after forward and backward. So the sidecar
         # may checksum while it copies (one pass over memory fewer).
-        N.check(N.lib().ckpt_set_lazy_release(out, 1))
+        try:
+            N.check(N.lib().ckpt_set_lazy_release(out, 1))
+        except BaseException:
+            N.lib().ckpt_close(out)
+            raise
         return out
 
     def _spawn(self):
+        if self._private_dir:
+            self._make_tmpdir()
+            self.dir = os.path.join(self._tmpdir, "ckpt")
         os.makedirs(self.dir, exist_ok=True)
         # One sidecar per directory: the lock is inherited by the sidecar and held
         # until it exits, so a restarted trainer waits for a draining one.
@@ -235,11 +384,31 @@ class Checkpointer:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
                     raise SidecarError(f"{self.dir} is in use by another spawned sidecar ({e})") from e
                 time.sleep(0.05)
-        self._tmpdir = tempfile.mkdtemp(prefix="ckpt-sidecar-py-")
+        if self._tmpdir is None:
+            self._make_tmpdir()
         if not self._socket_arg:
             # Private: only this process (and its children, through ck.socket) use it.
             self.socket = os.path.join(self._tmpdir, "sidecar.sock")
         self._start_proc()
+
+    def _make_tmpdir(self):
+        """The private folder (socket, log), and the janitor that removes it
+        once this process and the sidecar are both gone (see JANITOR_SH)."""
+        own = self._own
+        own.tmpdir = tempfile.mkdtemp(prefix="ckpt-sidecar-py-")
+        r, w = os.pipe()  # both close-on-exec: only the janitor and the sidecar get an end
+        try:
+            own.janitor = subprocess.Popen(["/bin/sh", "-c", JANITOR_SH, "ckpt-sidecar-janitor", str(os.getpid()),
+                                            own.tmpdir], stdin=r, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            os.close(w)
+            warnings.warn(f"no janitor for {own.tmpdir} ({e}): if this process is killed, "
+                          "the folder stays behind")
+        else:
+            own.life_w = w
+        finally:
+            os.close(r)
 
     def _start_proc(self):
         # `launch` with a child that waits for EOF on a pipe this process holds:
@@ -257,11 +426,12 @@ class Checkpointer:
             cmd += ["--cpus", self._cpus]
         cmd += ["--", "cat"]
         self.log_path = self._log or os.path.join(self._tmpdir, "sidecar.log")
-        logf = open(self.log_path, "ab")
-        # Own session: a Ctrl-C at the terminal reaches the trainer, which then stops it in order.
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
-                                      pass_fds=(self._lock_fd,), start_new_session=True)
-        logf.close()
+        # The sidecar holds the lock and the janitor's pipe until it exits.
+        keep = (self._lock_fd,) + ((self._own.life_w,) if self._own.life_w is not None else ())
+        with open(self.log_path, "ab") as logf:
+            # Own session: a Ctrl-C at the terminal reaches the trainer, which then stops it in order.
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
+                                          pass_fds=keep, start_new_session=True)
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while True:
             if self._proc.poll() is not None:
@@ -274,6 +444,7 @@ class Checkpointer:
                     pass
             if time.monotonic() > deadline:
                 self._proc.kill()
+                self._proc.wait()
                 raise SidecarError(f"spawned sidecar did not listen within {SPAWN_TIMEOUT_S} s: {self._log_tail()}")
             time.sleep(0.02)
         if self._client is None:
@@ -428,6 +599,7 @@ class Checkpointer:
                 sid = ctypes.c_uint64()
                 N.check(N.lib().ckpt_save(self._client, int(step), descs, len(plan), blobs, len(blobs_py),
                                           ctypes.byref(sid)))
+                self._own.untaken.add(sid.value)
             except BaseException:
                 if region is not None:
                     self._give_back(region)
@@ -479,6 +651,7 @@ class Checkpointer:
             self._ensure()
             sid = ctypes.c_uint64()
             N.check(N.lib().ckpt_save_file(self._client, path.encode(), ptr, n, ctypes.byref(sid)))
+            self._own.untaken.add(sid.value)
             h = SaveHandle(self, None, sid.value, None, time.perf_counter() - t0, inplace=False)
             self._pending.append(weakref.ref(h))
             return h
@@ -673,7 +846,7 @@ class Checkpointer:
                     dst.copy_(t)
                 restore = (lambda setter, dst: lambda: setter(dst.clone()))(setter, dst)
             setter(dst)
-            self._shared.append(restore)
+            self._own.shared.append(restore)
         return obj
 
     # ---- guard, list, status, close ----
@@ -683,12 +856,16 @@ class Checkpointer:
         A failed save only warns here (training goes on; wait_durable raises it).
         Returns the hook's RemovableHandle."""
 
-        done = [None]  # the last handle waited for: once per save
+        done = [None]  # the id of the last save waited for: once per save
+        # A weak reference: the optimizer's hook must not keep the Checkpointer
+        # alive (a collected one is closed; the hook then does nothing).
+        ref = weakref.ref(self)
 
         def hook(opt, args, kwargs):
-            h = self._last
-            if h is not None and h is not done[0]:
-                done[0] = h
+            ck = ref()
+            h = ck._last if ck is not None else None
+            if h is not None and h.id != done[0]:
+                done[0] = h.id
                 try:
                     h.wait_released()
                 except SidecarError as e:
@@ -745,44 +922,15 @@ class Checkpointer:
     def close(self):
         """Wait until pending saves are taken, move share()'d tensors back to
         private memory, say goodbye, and stop a spawned sidecar (its pipe closed:
-        it commits what it took, then exits; close() waits for that)."""
+        it commits what it took, then exits; close() waits for that). Idempotent.
+        (In a forked child it only forgets: all of it is the parent's.)"""
         with self._mu:
-            if self._client is None:
-                return
-            if os.getpid() != self._pid:
-                # A forked child: the client and the sidecar belong to the parent
-                # (closing our copy of the pipe does not end the sidecar).
-                self._client = self._proc = self._tmpdir = None
-                _live.discard(self)
-                return
-            for ref in self._pending:
-                h = ref()
-                if h is not None and not h._taken:
-                    try:
-                        h.wait_taken()
-                    except SidecarError:
-                        pass
-            for restore in self._shared:
-                restore()
-            self._shared.clear()
-            client, self._client = self._client, None
-            N.lib().ckpt_close(client)
-            self._regions, self._region_ptrs, self._free, self._save_regions, self._load_region = [], [], [], [], None
-            if self._proc is not None:
-                self._proc.stdin.close()  # EOF: launch's child exits, launch drains and exits
-                if self._proc.poll() is None:
-                    try:
-                        self._proc.wait()
-                    except KeyboardInterrupt:
-                        self._proc.kill()
-                        raise
-                self._proc = None
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-            if self._tmpdir is not None:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-                self._tmpdir = None
+            self._finalizer.detach()
+            try:
+                _release(self._own)
+            finally:
+                self._regions, self._region_ptrs, self._free, self._save_regions = [], [], [], []
+                self._load_region = None
         _live.discard(self)
 
     def __enter__(self):

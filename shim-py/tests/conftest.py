@@ -77,3 +77,18 @@ def ck(sidecar):
 def no_default_sidecar(tmp_path, monkeypatch):
     """$CKPT_SIDECAR_SOCKET names a path where nothing listens."""
     monkeypatch.setenv("CKPT_SIDECAR_SOCKET", str(tmp_path / "nobody" / "sidecar.sock"))
+
+
+@pytest.fixture
+def private_tmp(monkeypatch):
+    """A private, short (socket paths live there) $TMPDIR for this process and
+    its children; removed afterwards."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="ck")
+    monkeypatch.setenv("TMPDIR", d)
+    monkeypatch.setattr(tempfile, "tempdir", d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+

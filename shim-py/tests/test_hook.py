@@ -267,3 +267,31 @@ def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, mo
     assert open(path, "rb").read() == b"new"
     assert taken == [str(tmp_path / "other.pt")]
     assert files.counts == {"sidecar": 1, "in_process": 2, "superseded": 0}
+
+
+def test_sigkilled_trainer_with_hook_leaves_nothing_behind(tmp_path):
+    # The hook's spawned sidecar took a file (torch.save returned), then the
+    # trainer is SIGKILLed: the file is written, and within 10 s the sidecar
+    # has exited, the private $TMPDIR is empty (socket, log and the hook's
+    # checkpoint folder) and no shm segment of the trainer is left.
+    from ckpt_test_util import assert_nothing_left, run_sigkilled_trainer
+
+    (tmp_path / "fake" / "torch").mkdir(parents=True)
+    (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    code = """
+import os, torch
+from ckpt_sidecar import _hook
+torch.save({"first": 1}, "first.pt")      # written here while the sidecar starts
+assert _hook.wait_sidecar(60)
+torch.save({"big": bytes(range(256)) * 4096}, "big.pt")   # the sidecar took it
+assert [n for n in os.listdir("/dev/shm") if n.startswith(f"ckpt-{os.getpid()}-")]
+ck = _hook._files._ck
+print(os.getpid(), ck._proc.pid, ck._own.janitor.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+    tmpdir, pids, dead = run_sigkilled_trainer(code, tmp_path, {"CKPT_SIDECAR": "1",
+                                                                "PYTHONPATH": str(tmp_path / "fake")})
+    assert_nothing_left(tmpdir, pids, dead)
+    import pickle
+
+    assert pickle.loads((tmp_path / "big.pt").read_bytes()) == {"big": bytes(range(256)) * 4096}

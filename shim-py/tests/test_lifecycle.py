@@ -179,3 +179,85 @@ def test_spawn_with_cpus_pins_the_sidecar(tmp_path, no_default_sidecar):
         ck.save(1, {"w": np.arange(10.0)}).wait_durable()
     finally:
         ck.close()
+
+
+# ---- nothing leaks: a failed constructor, a collected Checkpointer, a killed trainer ----
+
+from ckpt_test_util import assert_nothing_left, lock_is_free, open_fds_to, run_sigkilled_trainer  # noqa: E402
+
+
+def _our_segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"ckpt-{os.getpid()}-")}
+
+
+def test_failed_spawn_releases_everything(tmp_path, no_default_sidecar, private_tmp):
+    d = tmp_path / "ck"
+    with pytest.raises(cs.SidecarError, match="exited"):
+        cs.Checkpointer(dir=d, staging="lots")  # the sidecar refuses the size and exits
+    # No lock held, no descriptor on it, no private folder left.
+    assert lock_is_free(d)
+    assert open_fds_to(d / ".ckpt-sidecar-py.lock") == []
+    assert os.listdir(private_tmp) == []
+    # The next Checkpointer on the directory spawns at once (it used to wait 120 s).
+    with cs.Checkpointer(dir=d, staging="16MiB") as ck:
+        ck.save(1, {"w": np.arange(4)}).wait_durable(60)
+        assert ck.list() == [1]
+
+
+def test_collected_checkpointer_is_closed(tmp_path, no_default_sidecar, private_tmp):
+    import gc
+
+    class Optimizer:  # what guard() needs of a torch optimizer
+        def register_step_pre_hook(self, hook):
+            self.hook = hook
+
+    d = tmp_path / "ck"
+    before = _our_segments()
+    opt = Optimizer()
+    shared = {"w": np.arange(1 << 16, dtype=np.float32)}
+    ck = cs.Checkpointer(dir=d, staging="16MiB")
+    proc = ck._proc
+    ck.guard(opt)                # the optimizer's hook must not keep it alive
+    ck.share(shared)             # shared["w"] now lives in the client's shared memory
+    ck.save(1, {"shared": shared, "copied": np.ones(1000)})  # not waited for
+    assert _our_segments() - before
+    del ck
+    gc.collect()
+    # Closed as close() would: the save taken and committed, the sidecar
+    # stopped, the shared array back in private memory, nothing left.
+    assert proc.poll() == 0
+    assert shared["w"].flags.owndata and shared["w"][-1] == (1 << 16) - 1
+    assert _our_segments() == before
+    assert lock_is_free(d)
+    assert open_fds_to(d / ".ckpt-sidecar-py.lock") == []
+    assert os.listdir(private_tmp) == []
+    opt.hook(opt, (), {})        # a hook whose Checkpointer is gone does nothing
+    with cs.Checkpointer(dir=d, staging="16MiB") as ck2:
+        assert ck2.list() == [1]
+        assert ck2.load(1)["shared"]["w"][-1] == (1 << 16) - 1
+
+
+def test_collected_checkpointer_without_cycles_is_closed_at_once(tmp_path, no_default_sidecar, private_tmp):
+    d = tmp_path / "ck"
+    ck = cs.Checkpointer(dir=d, staging="16MiB")
+    proc = ck._proc
+    del ck                       # no save, no cycle: reference counting alone
+    assert proc.poll() == 0 and lock_is_free(d) and os.listdir(private_tmp) == []
+
+
+def test_sigkilled_trainer_leaves_nothing_behind(tmp_path, no_default_sidecar):
+    code = f"""
+import os, numpy as np, ckpt_sidecar as cs
+ck = cs.Checkpointer(dir={str(tmp_path / "ck")!r}, staging="16MiB")
+w = {{"w": np.arange(1 << 16, dtype=np.float32)}}
+ck.share(w)
+ck.save(1, w).wait_taken(60)
+ck.save(2, {{"copied": np.ones(1 << 16)}}).wait_taken(60)
+assert [n for n in os.listdir("/dev/shm") if n.startswith(f"ckpt-{{os.getpid()}}-")]
+print(os.getpid(), ck._proc.pid, ck._own.janitor.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+    tmpdir, pids, dead = run_sigkilled_trainer(code, tmp_path, {})
+    assert_nothing_left(tmpdir, pids, dead)
+    with cs.Checkpointer(dir=tmp_path / "ck", staging="16MiB") as ck:  # and the taken saves committed
+        assert ck.list() == [1, 2]

@@ -15,6 +15,18 @@ then replaces torch.save and torch.load:
   in the same directory, synced, renamed over `path`, the directory synced.
   The file is an ordinary torch.save file. File objects (not paths) go to
   the original torch.save.
+- Errors: torch.save first checks that the file can be written: path
+  resolved (symbolic links followed, as the original does), a regular file
+  or nothing there, writable if it exists, and a file can be created in its
+  directory (an O_TMPFILE probe). Where not (missing or non-directory
+  parent, a directory at the path, no permission, read-only file system,
+  /proc, /sys, a device or FIFO at the path), the original torch.save runs
+  instead and raises its own exception (or, for a device or a file in a
+  directory it cannot create files in, writes it as it always does). A
+  write that fails after torch.save returned (disk full) is said on stderr
+  at once; the next torch.save or torch.load of that path raises it (an
+  OSError with its errno, told once); a process that never asked exits
+  with status 1 after saying it (see _at_exit).
 - The sidecar is the one at $CKPT_SIDECAR_SOCKET (or the default socket) if
   one runs, else one spawned for this process at the first torch.save, with
   staging $CKPT_SIDECAR_STAGING (default: twice the first file, at least
@@ -34,7 +46,8 @@ then replaces torch.save and torch.load:
   here is written here too, after it.
 - torch.load(path) of a path whose write is still pending waits for it.
 - At exit, pending writes are finished before the interpreter goes (and a
-  sidecar still being spawned is waited for, then stopped).
+  sidecar still being spawned is waited for, then stopped); then the exit
+  status check above.
 """
 import atexit
 import ctypes
@@ -43,6 +56,7 @@ import importlib.abc
 import io
 import os
 import queue
+import stat
 import sys
 import threading
 
@@ -299,7 +313,6 @@ class _Files:
             self._seq += 1
             seq = self._latest[path] = self._seq
             self._pending[path] = self._pending.get(path, 0) + 1
-            self.errors.pop(path, None)
             # Behind a write of this path here: here too, after it.
             here = ck is None or self._here.get(path, 0) > 0
         handle = None
@@ -351,8 +364,8 @@ class _Files:
                 else:
                     write_atomic(path, data.view() if isinstance(data, _ShmFile) else data)
                     self._count("in_process")
-            except BaseException as e:  # the caller learns it at torch.load / flush
-                print(f"ckpt_sidecar: torch.save to {path} failed: {e}", file=sys.stderr)
+            except BaseException as e:  # the caller learns it at its next torch.save / torch.load of path, or at exit
+                print(f"ckpt_sidecar: torch.save to {path} failed after it returned: {e}", file=sys.stderr)
                 with self._mu:
                     self.errors[path] = e
             finally:
@@ -380,6 +393,31 @@ class _Files:
     def pending(self, path):
         with self._mu:
             return path in self._pending
+
+    def take_error(self, path):
+        """The failure of an earlier write of `path` that nobody was told of
+        yet, as the OSError to raise (and forgotten: told once), or None."""
+        with self._mu:
+            err = self.errors.pop(path, None)
+        return None if err is None else _later_error(path, err)
+
+    def untold(self):
+        """{path: exception} of failed writes nobody was told of."""
+        with self._mu:
+            return dict(self.errors)
+
+
+def _later_error(path, err):
+    """The OSError a torch.save or torch.load of `path` raises for an earlier
+    torch.save of it that failed after it returned (e.g. disk full): the
+    errno of the failure (so the OSError subclass it maps to), `path`, and
+    the failure as __cause__."""
+    code = getattr(err, "errno", None) or errno.EIO
+    why = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    e = OSError(code, f"an earlier torch.save to this path failed after it returned, the file was not written: {why}",
+                path)
+    e.__cause__ = err
+    return e
 
 
 _files = _Files()
@@ -427,11 +465,66 @@ def wait_sidecar(timeout=None):
 
 def durable(path):
     """Whether no write of `path` is pending."""
-    return not _files.pending(os.path.abspath(os.fspath(path)))
+    return not _files.pending(_target(path))
 
 
 def _is_path(f):
     return isinstance(f, (str, bytes, os.PathLike))
+
+
+def _target(f):
+    """The file a path names: absolute, symbolic links resolved (the original
+    torch.save writes through a link; an atomic rename over the link itself
+    would replace it)."""
+    return os.path.realpath(os.path.abspath(os.fsdecode(os.fspath(f))))
+
+
+def _tmpfile_probe(d):
+    """Whether a file can be created in directory `d` (an unnamed O_TMPFILE
+    one, gone at close; a named one, removed at once, where the file system
+    lacks O_TMPFILE)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            os.close(os.open(d, flag | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                return False
+    probe = os.path.join(d, f".ckpt-probe-{os.getpid()}-{os.urandom(6).hex()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except OSError:
+        return False
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+    return True
+
+
+def _atomic_write_possible(path):
+    """Whether the hook's write of `path` (a new file in its directory, renamed
+    over it) can work and matches what the original torch.save would do. Not
+    so (the original then runs, and raises what it raises, or writes where an
+    atomic write cannot): a directory or a missing parent, a directory or
+    file system where no file can be created (permission, read-only, /proc,
+    /sys), an existing file the original could not open for writing, and
+    anything but a regular file at `path` (a device, a FIFO: the original
+    writes into it)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError:  # ENOTDIR, EACCES, ELOOP, ...
+        return False
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        eff = os.access in os.supports_effective_ids
+        if not os.access(path, os.W_OK, effective_ids=eff):  # permission, read-only, ETXTBSY
+            return False
+    return _tmpfile_probe(os.path.dirname(path))
 
 
 def patch(torch):
@@ -443,10 +536,16 @@ def patch(torch):
     def save(obj, f, *args, **kwargs):
         if not _is_path(f):
             return orig_save(obj, f, *args, **kwargs)
-        path = os.path.abspath(os.fsdecode(os.fspath(f)))
-        if not os.path.isdir(os.path.dirname(path)):
-            # What the original's open() would raise, before any work.
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        path = _target(f)
+        err = _files.take_error(path)
+        if err is not None:
+            raise err
+        if not _atomic_write_possible(path):
+            # What cannot be written now fails now, as the original's own
+            # error: the original does it (after this path's pending writes,
+            # so that files still land in save order).
+            _files.wait(path)
+            return orig_save(obj, f, *args, **kwargs)
         out = _files.open(path)
         if out is None:
             out = io.BytesIO()
@@ -462,11 +561,11 @@ def patch(torch):
 
     def load(f, *args, **kwargs):
         if _is_path(f):
-            path = os.path.abspath(os.fsdecode(os.fspath(f)))
+            path = _target(f)
             _files.wait(path)
-            err = _files.errors.get(path)
+            err = _files.take_error(path)
             if err is not None:
-                raise OSError(f"torch.save to {path} through ckpt_sidecar failed: {err}") from err
+                raise err
         return orig_load(f, *args, **kwargs)
 
     for fn, orig in ((save, orig_save), (load, orig_load)):
@@ -478,4 +577,33 @@ def patch(torch):
     torch._ckpt_sidecar_flush = flush
 
 
-atexit.register(flush)
+EXIT_STATUS = 1  # of a process that ends with a failed torch.save nobody was told of
+
+
+def _at_exit():
+    """Pending files finish; then a failed write that no torch.save or
+    torch.load of its path reported is said on stderr, and the process exits
+    with EXIT_STATUS (os._exit, after flushing stdout and stderr: exit
+    handlers registered before this one, i.e. before the hook was installed
+    at interpreter start, do not run then)."""
+    flush()
+    untold = _files.untold()
+    if not untold:
+        return
+    for path, err in untold.items():
+        print(f"ckpt_sidecar: torch.save to {path} failed after it returned, and no later torch.save or "
+              f"torch.load of it reported it: {err}; the file was not written", file=sys.stderr)
+    print(f"ckpt_sidecar: exiting with status {EXIT_STATUS} ({len(untold)} torch.save file(s) lost)", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing more to say
+            pass
+    os._exit(EXIT_STATUS)
+
+
+# Registered when the module is imported, at interpreter start through the
+# .pth (install()), so it runs late at exit: after the handlers of what the
+# program imported later (LIFO), among them the hook's own _Files._close and
+# the Checkpointer's close.
+atexit.register(_at_exit)

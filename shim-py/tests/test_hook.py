@@ -295,3 +295,180 @@ os.kill(os.getpid(), 9)
     import pickle
 
     assert pickle.loads((tmp_path / "big.pt").read_bytes()) == {"big": bytes(range(256)) * 4096}
+
+
+# ---- errors: raised at call time as the original's, or later, or at exit ----
+
+def test_hook_raises_at_call_time_what_plain_torch_save_raises(tmp_path):
+    pytest.importorskip("torch", reason="torch not installed: comparing with plain torch.save needs it")
+    (tmp_path / "a_dir.pt").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    code = """
+        import os, torch
+        from ckpt_sidecar import _hook
+        plain = torch.save.__wrapped__
+        x = {"w": torch.arange(10.0)}
+        cases = [("/proc/sys/x.pt", {}),                  # no file can be created there
+                 ("/sys/x.pt", {}),                       # permission denied (root too)
+                 ("a_dir.pt", {}),                        # a directory at the path
+                 ("no/such/dir/x.pt", {}),                # missing parent
+                 ("a_file/x.pt", {}),                     # parent is a file
+                 ("a_dir.pt", {"_use_new_zipfile_serialization": False})]  # the legacy writer's OSError
+        for path, kw in cases:
+            got = want = None
+            try:
+                torch.save(x, path, **kw)
+            except Exception as e:
+                got = (type(e), str(e))
+            try:
+                plain(x, path, **kw)
+            except Exception as e:
+                want = (type(e), str(e))
+            assert want is not None, f"plain torch.save to {path} did not fail"
+            assert got == want, (path, kw, got, want)
+            print("ok", path, want[0].__name__)
+        assert _hook.counts() == {"sidecar": 0, "in_process": 0, "superseded": 0}, _hook.counts()
+        assert sorted(os.listdir(".")) == ["a_dir.pt", "a_file"], os.listdir(".")   # no file, no temp
+        assert os.listdir("a_dir.pt") == []
+    """
+    r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path, fake=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok ") == 6, r.stdout
+    assert "ckpt_sidecar:" not in r.stderr, r.stderr   # nothing deferred, nothing said
+
+
+def test_hook_a_script_whose_only_save_fails_exits_non_zero(tmp_path):
+    # The bar of issue 12: the error is raised from torch.save itself.
+    pytest.importorskip("torch", reason="torch not installed: the real-torch hook test needs it")
+    (tmp_path / "only.py").write_text('import torch\ntorch.save(torch.ones(3), "/proc/sys/x.pt")\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+    env.update(CKPT_SIDECAR="1", CKPT_SIDECAR_SOCKET=str(tmp_path / "no-sidecar.sock"))
+    r = subprocess.run([sys.executable, "only.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert 'line 2, in <module>\n    torch.save(torch.ones(3), "/proc/sys/x.pt")' in r.stderr, r.stderr
+    assert r.stderr.rstrip().splitlines()[-1].startswith("RuntimeError: "), r.stderr
+    plain = subprocess.run([sys.executable, "only.py"], env={k: v for k, v in env.items() if k != "CKPT_SIDECAR"},
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 1
+    assert plain.stderr.rstrip().splitlines()[-1] == r.stderr.rstrip().splitlines()[-1]
+
+
+def test_hook_non_regular_paths_and_symlinks_are_written_as_the_original_does(tmp_path):
+    # A FIFO at the path: the original writes into it (an atomic rename would
+    # replace it by a file). A symbolic link: its target is written, the link stays.
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "target.pt").write_bytes(b"old")
+    os.symlink("target.pt", tmp_path / "link.pt")
+    code = """
+        import os, pickle, stat, threading, torch
+        from ckpt_sidecar import _hook
+        got = []
+        reader = threading.Thread(target=lambda: got.append(open("fifo", "rb").read()))
+        reader.start()
+        torch.save({"through": "fifo"}, "fifo")
+        reader.join(60)
+        assert pickle.loads(got[0]) == {"through": "fifo"}
+        assert stat.S_ISFIFO(os.lstat("fifo").st_mode)
+        torch.save({"through": "link"}, "link.pt")
+        assert torch.load("link.pt") == {"through": "link"}
+        _hook.flush()
+        print(_hook.counts())
+    """
+    r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert os.path.islink(tmp_path / "link.pt") and os.readlink(tmp_path / "link.pt") == "target.pt"
+    import pickle
+
+    assert pickle.loads((tmp_path / "target.pt").read_bytes()) == {"through": "link"}
+    assert "'in_process': 1" in r.stdout, r.stdout   # the link's file, by the hook (the fifo by the original)
+
+
+def _in_mount_ns(tmp_path, mount_opts, code, fake=True, extra_env=None):
+    """Runs `code` in a user + mount namespace where `tmp_path/mnt` is a fresh
+    tmpfs mounted with `mount_opts` (a read-only file system, a full one)."""
+    import shutil
+
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare(1): cannot mount a file system for this test")
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o {mount_opts} tmpfs {tmp_path}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
+    (tmp_path / "mnt").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+    env.update(CKPT_SIDECAR="1", CKPT_SIDECAR_SOCKET=str(tmp_path / "no-sidecar.sock"), **(extra_env or {}))
+    if fake:
+        (tmp_path / "fake" / "torch").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+        env["PYTHONPATH"] = str(tmp_path / "fake")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o "$1" tmpfs "$2" && shift 2 && exec "$@"',
+                           "sh", mount_opts, str(tmp_path / "mnt"), sys.executable, "-c", textwrap.dedent(code)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_hook_read_only_file_system_raises_at_call_time_as_the_original(tmp_path):
+    pytest.importorskip("torch", reason="torch not installed: comparing with plain torch.save needs it")
+    code = """
+        import torch
+        errs = []
+        for save in (torch.save, torch.save.__wrapped__):
+            try:
+                save({"w": torch.ones(4)}, "mnt/x.pt")
+                errs.append(None)
+            except Exception as e:
+                errs.append((type(e), str(e)))
+        assert errs[0] == errs[1] and errs[0] is not None, errs
+        assert "Read-only file system" in errs[0][1], errs
+        print("same:", errs[0][0].__name__)
+    """
+    r = _in_mount_ns(tmp_path, "ro,size=1m", code, fake=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "same: RuntimeError" in r.stdout, r.stdout
+
+
+def test_hook_disk_full_raises_at_next_save_or_load_of_the_path(tmp_path):
+    # 4 MiB into a 1 MiB file system: torch.save returns (the write fails
+    # later, in the sidecar or this process's thread); the next torch.load
+    # and the next torch.save of the path raise it, once each failure.
+    code = """
+        import errno, torch
+        from ckpt_sidecar import _hook
+        big = {"blob": bytes(4 << 20)}
+        torch.save(big, "mnt/a.pt")            # returns: the disk fills later
+        try:
+            torch.load("mnt/a.pt")
+            raise SystemExit("load of a lost file did not raise")
+        except OSError as e:
+            assert e.errno == errno.ENOSPC and e.filename.endswith("mnt/a.pt"), e
+            print("load raised:", e)
+        torch.save(big, "mnt/b.pt")
+        _hook.flush()
+        try:
+            torch.save({"small": 1}, "mnt/b.pt")
+            raise SystemExit("save after a lost file did not raise")
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+            print("save raised:", e)
+        torch.save({"small": 2}, "mnt/b.pt")   # told once: this one is written
+        assert torch.load("mnt/b.pt") == {"small": 2}
+        print("ok")
+    """
+    r = _in_mount_ns(tmp_path, "size=1m", code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "load raised: [Errno 28]" in r.stdout and "save raised: [Errno 28]" in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith("ok"), r.stdout
+
+
+def test_hook_disk_full_never_asked_about_exits_non_zero(tmp_path):
+    code = """
+        import torch
+        torch.save({"blob": bytes(4 << 20)}, "mnt/a.pt")
+        torch.save({"small": 1}, "mnt/ok.pt")
+        print("returned", flush=True)
+    """
+    r = _in_mount_ns(tmp_path, "size=1m", code)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "returned" in r.stdout
+    assert "no later torch.save or torch.load of it reported it" in r.stderr and "mnt/a.pt" in r.stderr, r.stderr
+    assert "No space left on device" in r.stderr and "exiting with status 1" in r.stderr, r.stderr

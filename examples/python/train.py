@@ -15,7 +15,14 @@ Per checkpoint it prints the trainer's stall (inside save() plus the wait in
 the guarded optimizer step) beside torch.save's time, with and without fsync,
 for the same state.
 
+Preemption: the Checkpointer is made with preemption=True, so SIGTERM (what a
+cluster scheduler sends some seconds before it kills the job) does not end
+the process; at the end of the step it reached, the trainer checkpoints that
+step (unless it just did), waits until it is durable, and exits 0. A second
+SIGTERM ends the process as usual.
+
   python train.py --dir ckpt --steps 60 --every 5 --kill-at 23   # dies after step 23 is released
+  python train.py --dir ckpt --steps 60 --every 5 --term-at 37   # preempted at step 37: saves it, exits 0
   python train.py --dir ckpt --steps 60 --every 5 --resume --out resumed.pt
 """
 
@@ -46,6 +53,9 @@ def parse_args(argv=None):
                    help="where at --kill-at: right after the sidecar released that step's save (it holds "
                         "its own copy: default), right after save() returns (the sidecar may not have it "
                         "yet), or in that step's forward pass")
+    p.add_argument("--term-at", type=int, default=None, metavar="STEP",
+                   help="send SIGTERM to this process in STEP's forward pass (a scheduler's preemption notice, "
+                        "at a step of your choosing): it checkpoints STEP and exits 0")
     p.add_argument("--out", default=None, help="torch.save the final model and optimizer state here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--vocab", type=int, default=96)
@@ -151,8 +161,9 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(args.steps))
     nparams = sum(p.numel() for p in model.parameters())
 
+    # preemption=True: SIGTERM sets ck.preempted() instead of ending the process.
     ck = cs.Checkpointer(dir=args.dir, socket=args.socket, spawn=True, keep=args.keep,
-                           staging=args.staging)
+                         staging=args.staging, preemption=True)
     if args.share:
         ck.share(model)
     ck.guard(opt)
@@ -181,6 +192,10 @@ def main(argv=None):
     print(f"model: {nparams} parameters, {args.layers} layers, d_model {args.d_model}; "
           f"steps {start}..{args.steps}, checkpoint every {args.every}", flush=True)
 
+    def checkpoint_state(step):
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+                "step": step, "config": cfg}
+
     stalls, saves_plain, saves_sync = [], [], []
     last = None  # (handle, step, loss, torch.save seconds or None)
     loss = None
@@ -206,6 +221,9 @@ def main(argv=None):
             model(x)
             print(f"killing at step {step}, in the forward pass (SIGKILL)")
             die()
+        if args.term_at == step:
+            print(f"SIGTERM to this process at step {step}, in the forward pass (a preemption notice)", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -217,12 +235,12 @@ def main(argv=None):
             report(last)
             last = None
 
+        saved = None  # this step's save, if it has one
         if step % args.every == 0 or step == args.steps:
             if args.share and not opt_shared:
                 ck.share(opt.state)  # AdamW's moments too: the save then copies nothing here
                 opt_shared = True
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-                     "step": step, "config": cfg}
+            state = checkpoint_state(step)
             cmp = None
             if not args.no_compare and not kill_here:
                 # torch.save of the very same state, timed before the sidecar's
@@ -230,7 +248,7 @@ def main(argv=None):
                 cmp = torch_save_times(state, args.dir)
                 saves_plain.append(cmp[0])
                 saves_sync.append(cmp[1])
-            h = ck.save(step, state, rng=True)
+            h = saved = ck.save(step, state, rng=True)
             last = (h, step, loss.item(), cmp)
             if kill_here and args.kill_phase == "saved":
                 print(f"killing at step {step}, right after save() returned (SIGKILL)")
@@ -246,6 +264,20 @@ def main(argv=None):
         elif kill_here:
             print(f"killing at step {step} (no checkpoint at this step; SIGKILL)")
             die()
+
+        if ck.preempted():
+            # SIGTERM: the job is killed soon. Checkpoint the step reached (the
+            # same state and RNG a scheduled checkpoint of it would hold), wait
+            # until it is durable, and stop cleanly; --resume goes on from it.
+            if saved is None:
+                if args.share and not opt_shared:
+                    ck.share(opt.state)
+                    opt_shared = True
+                saved = ck.save(step, checkpoint_state(step), rng=True)
+            saved.wait_durable()
+            print(f"preempted (SIGTERM) at step {step}: checkpoint of step {step} committed, exiting 0", flush=True)
+            ck.close()
+            return
 
     if last is not None:
         last[0].wait_released()

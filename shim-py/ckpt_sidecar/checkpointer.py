@@ -284,6 +284,8 @@ class Checkpointer:
         int of bytes or a string like "512MiB").
     cpus: CPUs the spawned sidecar's threads run on (--cpus: "1", "2-7" or a list of
         ints); keeps them off a single-threaded trainer's core on a small machine.
+    preemption: turn SIGTERM (a scheduler's notice before it kills the job) into
+        `preempted()` returning True, instead of ending the process; see preempted().
 
     A constructor that raises has released everything it took (lock, folder,
     sidecar); a Checkpointer collected without close() is closed by the
@@ -296,7 +298,7 @@ class Checkpointer:
     _lock_fd = _owned("lock_fd")
 
     def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None, cpus=None,
-                 _private_dir=False):
+                 preemption=False, _private_dir=False):
         self._own = _Owned()
         # close() and collection both end in _release(own) (once); at exit,
         # _close_all closes what is still open (in atexit order: after the
@@ -328,6 +330,11 @@ class Checkpointer:
                 self._spawn()
             else:
                 self._check_dir(dir)
+            if preemption:
+                # The C shim's handler (the one preload mode installs): the first
+                # SIGTERM only sets the flag ckpt_preempted() reads; a second one
+                # gets the previous disposition (by default: the process ends).
+                N.check(N.lib().ckpt_install_sigterm_handler())
         except BaseException as e:
             # Nothing stays taken: no lock, no folder, no sidecar, no client.
             self._finalizer.detach()
@@ -424,7 +431,11 @@ class Checkpointer:
             cmd += ["--staging", str(self._staging)]
         if self._cpus is not None:
             cmd += ["--cpus", self._cpus]
-        cmd += ["--", "cat"]
+        # The child ignores SIGTERM/SIGINT/SIGHUP (ignored dispositions survive
+        # exec): launch forwards those to it, so a signal sent to every process
+        # of the job (a scheduler's preemption notice) leaves the sidecar
+        # serving the trainer's last save; only the pipe's end stops it.
+        cmd += ["--", "/bin/sh", "-c", 'trap "" TERM INT HUP; exec cat']
         self.log_path = self._log or os.path.join(self._tmpdir, "sidecar.log")
         # The sidecar holds the lock and the janitor's pipe until it exits.
         keep = (self._lock_fd,) + ((self._own.life_w,) if self._own.life_w is not None else ())
@@ -932,6 +943,12 @@ class Checkpointer:
                 self._regions, self._region_ptrs, self._free, self._save_regions = [], [], [], []
                 self._load_region = None
         _live.discard(self)
+
+    def preempted(self):
+        """True once SIGTERM arrived, for a Checkpointer made with
+        preemption=True (the C shim's flag, ckpt_preempted(): one per process):
+        save a last checkpoint and exit."""
+        return bool(N.lib().ckpt_preempted())
 
     def __enter__(self):
         return self

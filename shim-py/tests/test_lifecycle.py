@@ -261,3 +261,67 @@ os.kill(os.getpid(), 9)
     assert_nothing_left(tmpdir, pids, dead)
     with cs.Checkpointer(dir=tmp_path / "ck", staging="16MiB") as ck:  # and the taken saves committed
         assert ck.list() == [1, 2]
+
+
+# ---- preemption: SIGTERM becomes ck.preempted() ----
+
+def _trainer_waiting_for_sigterm(make, preemption, also_sidecar=False):
+    """A trainer (Checkpointer `make`) waits for SIGTERM, then saves step 7
+    and exits 0; the test sends it SIGTERM (and its spawned sidecar too,
+    with also_sidecar, as a scheduler that signals every process of a job)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, time, numpy as np, ckpt_sidecar as cs
+ck = cs.Checkpointer({make}, preemption={preemption})
+assert not ck.preempted()
+print("ready", ck._proc.pid if ck._proc else 0, flush=True)
+deadline = time.monotonic() + 60
+while not ck.preempted():
+    if time.monotonic() > deadline:
+        sys.exit("no SIGTERM seen within 60 s")
+    time.sleep(0.01)
+ck.save(7, {{"w": np.arange(10)}}).wait_durable(60)   # the last checkpoint, after the notice
+ck.close()
+print("saved after SIGTERM", flush=True)
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().split()
+        assert line and line[0] == "ready", p.communicate(timeout=60)
+        if also_sidecar:
+            os.kill(int(line[1]), signal.SIGTERM)
+        p.send_signal(signal.SIGTERM)   # from outside, as a scheduler does
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, out, err
+
+
+def test_preemption_sigterm_sets_preempted_and_the_trainer_saves_then_exits_0(sidecar):
+    rc, out, err = _trainer_waiting_for_sigterm(f"socket={sidecar.socket!r}, spawn=False", True)
+    assert rc == 0, out + err
+    assert "saved after SIGTERM" in out
+    with cs.Checkpointer(socket=sidecar.socket, spawn=False) as ck:
+        assert ck.latest() == 7
+
+
+def test_without_preemption_sigterm_ends_the_process(sidecar):
+    rc, out, err = _trainer_waiting_for_sigterm(f"socket={sidecar.socket!r}, spawn=False", False)
+    assert rc == -signal.SIGTERM, (rc, out, err)
+    with cs.Checkpointer(socket=sidecar.socket, spawn=False) as ck:
+        assert ck.latest() is None
+
+
+def test_preemption_sigterm_to_the_whole_job_spawned_sidecar_serves_the_last_save(tmp_path, no_default_sidecar):
+    # SIGTERM to the trainer and to its spawned sidecar: the sidecar stays
+    # (no restart), takes the last save, and exits once the trainer is done.
+    d = tmp_path / "ck"
+    rc, out, err = _trainer_waiting_for_sigterm(f"dir={str(d)!r}, staging='16MiB'", True, also_sidecar=True)
+    assert rc == 0, out + err
+    assert "saved after SIGTERM" in out and "starting a new one" not in err, out + err
+    with cs.Checkpointer(dir=d, staging="16MiB") as ck:
+        assert ck.list() == [7]

@@ -323,6 +323,36 @@ def test_kill_at_random_steps_then_resume_is_bit_identical(tmp_path, sidecar_bin
     assert c.returncode == 0 and "IDENTICAL" in c.stdout, c.stdout + c.stderr
 
 
+def test_sigterm_mid_run_checkpoints_the_step_reached_and_resume_is_bit_identical(tmp_path):
+    """Preemption: SIGTERM in the middle of a step (train.py --term-at sends it
+    to itself in that step's forward pass, so the step is known; the signal
+    takes the kernel's path as a scheduler's would). The trainer checkpoints
+    the step it reached, exits 0, and a resume from there ends bit-identical
+    to a run that never stopped: at a step with no scheduled checkpoint (7,
+    with --every 2) and at one with (8)."""
+    sock = str(tmp_path / "spawn.sock")  # each run spawns its sidecar here; it exits with the run
+    small = ["--staging", "64MiB"]
+    run_train(["--dir", str(tmp_path / "ref"), "--socket", sock, "--out", str(tmp_path / "ref.pt")] + small)
+    ref = torch.load(tmp_path / "ref.pt", weights_only=False)
+    for k in (7, 8):
+        ck = tmp_path / f"ck{k}"
+        p = run_train(["--dir", str(ck), "--socket", sock, "--term-at", str(k)] + small, check=False)
+        assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+        assert f"preempted (SIGTERM) at step {k}: checkpoint of step {k} committed" in p.stdout, p.stdout
+        assert "done:" not in p.stdout, p.stdout
+        assert (ck / "latest").read_text().strip() == f"step-{k:012d}"
+        out = tmp_path / f"resumed{k}.pt"
+        p = run_train(["--dir", str(ck), "--socket", sock, "--resume", "--out", str(out)] + small)
+        assert f"resumed from step {k} " in p.stdout, p.stdout
+        got = torch.load(out, weights_only=False)
+        assert got["step"] == ref["step"]
+        for part in ("model", "optim", "sched"):
+            assert_same(ref[part], got[part], part)
+        c = subprocess.run([sys.executable, str(COMPARE), str(tmp_path / "ref.pt"), str(out)],
+                           capture_output=True, text=True, timeout=60)
+        assert c.returncode == 0 and "IDENTICAL" in c.stdout, c.stdout + c.stderr
+
+
 HOOK_SCRIPT = r"""
 import sys, torch
 torch.manual_seed(3)

@@ -8,11 +8,8 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 
 import pytest
-
-START = time.time() - 1
 
 FAKE_TORCH = '''
 import pickle
@@ -62,7 +59,7 @@ def test_hook_inert_without_env(tmp_path):
         assert r.returncode == 0 and r.stdout.strip() == "inert", (env, r.stderr)
 
 
-def test_hook_active_with_env(tmp_path):
+def test_hook_active_with_env(tmp_path, private_tmp):
     code = """
         import sys
         import torch
@@ -99,7 +96,7 @@ def test_hook_active_with_env(tmp_path):
         torch.save({"n": 2}, "late.pt")   # still pending at exit: finished before exit
         print(_hook.counts())
     """
-    r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path)
+    r = _run(code, {"CKPT_SIDECAR": "1", "TMPDIR": private_tmp}, tmp_path)
     assert r.returncode == 0, r.stderr
     import ast
     import pickle
@@ -116,9 +113,9 @@ def test_hook_active_with_env(tmp_path):
     assert pickle.loads((tmp_path / "big.pt").read_bytes())["n"][-1] == 99999
     assert not (tmp_path / "bad.pt").exists()
     assert not [p for p in os.listdir(tmp_path) if "ckpt-tmp" in p]
-    # The spawned sidecar is gone with the process, and so is its private folder.
-    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("ckpt-sidecar-hook-") and
-                os.stat(os.path.join(tempfile.gettempdir(), p)).st_mtime > START], "hook folder left behind"
+    # The spawned sidecar is gone with the process, and so is its private
+    # folder (socket, log, the hook's checkpoint folder).
+    assert os.listdir(private_tmp) == [], os.listdir(private_tmp)
 
 
 def test_a_script_that_exits_right_after_its_only_save_leaves_the_file_and_nothing_else(tmp_path):

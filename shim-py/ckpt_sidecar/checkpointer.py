@@ -53,7 +53,7 @@ while read -r _; do :; done
 p=$1; shift
 rm -rf -- "$@"
 s=
-if [ -r "/proc/$p/stat" ]; then read -r s < "/proc/$p/stat" || s=; s=${s##*") "}; s=${s%% *}; fi
+if [ -r "/proc/$p/stat" ]; then read -r s < "/proc/$p/stat"; s=${s##*") "}; s=${s%% *}; fi
 case "$s" in ""|Z|X) rm -f /dev/shm/ckpt-"$p"-* ;; esac
 """
 JANITOR_WAIT_S = 5.0  # close() waits this long for it (forked children may still hold the pipe)
@@ -109,7 +109,7 @@ def _release(own):
     if client is not None:
         for sid in sorted(own.untaken):
             # Taken (or failed): the sidecar then commits it even without us.
-            N.lib().ckpt_wait(client, sid, N.RELEASED, -1)
+            step(N.lib().ckpt_wait, client, sid, N.RELEASED, -1)
         own.untaken.clear()
     shared, own.shared = own.shared, []
     for restore in shared:  # while the regions are still mapped

@@ -245,6 +245,27 @@ def test_collected_checkpointer_without_cycles_is_closed_at_once(tmp_path, no_de
     assert proc.poll() == 0 and lock_is_free(d) and os.listdir(private_tmp) == []
 
 
+def test_closing_one_checkpointer_keeps_the_live_process_segments_of_another(tmp_path, sidecar, private_tmp):
+    # The janitor of a closed spawned sidecar removes shm segments of its
+    # trainer's pid only if that process is gone: here it lives on, with a
+    # second Checkpointer's regions.
+    other = cs.Checkpointer(socket=sidecar.socket, spawn=False)
+    w = {"w": np.arange(1 << 16, dtype=np.float32)}
+    other.share(w)
+    other.save(1, w).wait_durable(60)
+    mine = _our_segments()
+    spawned = cs.Checkpointer(dir=tmp_path / "ck", staging="16MiB")
+    spawned.save(1, {"x": np.ones(10)}).wait_durable(60)
+    janitor = spawned._own.janitor
+    spawned.close()
+    assert janitor.poll() is not None and os.listdir(private_tmp) == []
+    assert mine <= _our_segments()
+    w["w"] += 1   # still mapped, still shared
+    other.save(2, w).wait_durable(60)
+    assert other.load(2)["w"][0] == 1
+    other.close()
+
+
 def test_sigkilled_trainer_leaves_nothing_behind(tmp_path, no_default_sidecar):
     code = f"""
 import os, numpy as np, ckpt_sidecar as cs

@@ -367,6 +367,7 @@ fn reply_id(r: &Reply) -> Option<u64> {
         | Reply::Loaded { id, .. }
         | Reply::Listing { id, .. }
         | Reply::Status { id, .. }
+        | Reply::RolledBack { id, .. }
         | Reply::Error { id, .. } => Some(*id),
     }
 }
@@ -675,6 +676,17 @@ impl Client {
         match self.call("List", |id| Request::List { id })? {
             Reply::Listing { steps, latest, .. } => Ok((steps, latest)),
             other => Err(unexpected("List", other)),
+        }
+    }
+
+    /// Makes the committed checkpoint `step` the newest again: the sidecar
+    /// moves `latest` to it, then un-commits every later step (crash-safe),
+    /// after the saves sent before this call. Returns the steps removed,
+    /// newest first. Later steps can then be saved again.
+    pub fn rollback(&self, step: u64) -> Result<Vec<u64>> {
+        match self.call("Rollback", |id| Request::Rollback { id, step })? {
+            Reply::RolledBack { removed, .. } => Ok(removed),
+            other => Err(unexpected("Rollback", other)),
         }
     }
 

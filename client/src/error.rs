@@ -24,7 +24,7 @@ pub enum Error {
     Disconnected { reason: String },
     #[error("timed out after {timeout_ms} ms waiting for {what}")]
     Timeout { what: String, timeout_ms: u64 },
-    #[error("{0}")]
+    #[error(transparent)]
     Region(#[from] RegionError),
     #[error("tensor {name:?}: {len_bytes} bytes at address {ptr:#x} are not inside one region allocated by this client (use ckpt_alloc / alloc_region memory)")]
     OutsideRegion { name: String, ptr: usize, len_bytes: u64 },

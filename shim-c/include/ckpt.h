@@ -341,6 +341,18 @@ int ckpt_list(struct ckpt_client *client, uint64_t *steps, size_t cap, size_t *n
 // `client` is a live client; `buf` writable for `cap` bytes; `len` writable.
 int ckpt_status_json(struct ckpt_client *client, char *buf, size_t cap, size_t *len);
 
+// Makes the committed checkpoint `step` the newest again (after a loss
+// spike, or a resume from an older step): the sidecar moves `latest` to it
+// first, then un-commits every later step in every target directory,
+// crash-safely, after the saves this client sent before. Later steps can
+// then be saved anew; without a rollback, saving a committed step is
+// refused. `n_removed` (may be NULL) receives how many steps were
+// un-committed. CKPT_E_NOT_FOUND when `step` is not committed.
+//
+// # Safety
+// `client` is a live client; `n_removed` is NULL or writable.
+int ckpt_rollback(struct ckpt_client *client, uint64_t step, size_t *n_removed);
+
 // 1 once SIGTERM arrived (the trainer should checkpoint and exit), else 0.
 // Only a handler installed by preload mode or ckpt_install_sigterm_handler
 // sets it.

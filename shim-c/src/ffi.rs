@@ -709,6 +709,30 @@ pub unsafe extern "C" fn ckpt_status_json(client: *mut ckpt_client, buf: *mut c_
     })
 }
 
+/// Makes the committed checkpoint `step` the newest again (after a loss
+/// spike, or a resume from an older step): the sidecar moves `latest` to it
+/// first, then un-commits every later step in every target directory,
+/// crash-safely, after the saves this client sent before. Later steps can
+/// then be saved anew; without a rollback, saving a committed step is
+/// refused. `n_removed` (may be NULL) receives how many steps were
+/// un-committed. CKPT_E_NOT_FOUND when `step` is not committed.
+///
+/// # Safety
+/// `client` is a live client; `n_removed` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_rollback(client: *mut ckpt_client, step: u64, n_removed: *mut usize) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let removed = c.client.rollback(step)?;
+        if !n_removed.is_null() {
+            // SAFETY: the caller's contract.
+            unsafe { *n_removed = removed.len() };
+        }
+        Ok(())
+    })
+}
+
 /// 1 once SIGTERM arrived (the trainer should checkpoint and exit), else 0.
 /// Only a handler installed by preload mode or ckpt_install_sigterm_handler
 /// sets it.

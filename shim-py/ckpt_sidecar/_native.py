@@ -107,6 +107,7 @@ def lib():
         "ckpt_list": ([P, c.POINTER(c.c_uint64), c.c_size_t, c.POINTER(c.c_size_t),
                        c.POINTER(c.c_int64)], c.c_int),
         "ckpt_status_json": ([P, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)], c.c_int),
+        "ckpt_rollback": ([P, c.c_uint64, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_preempted": ([], c.c_int),
         "ckpt_install_sigterm_handler": ([], c.c_int),
     }

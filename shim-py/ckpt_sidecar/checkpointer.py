@@ -914,6 +914,21 @@ class Checkpointer:
                     break
             return [arr[i] for i in range(n.value)], (None if latest.value < 0 else latest.value)
 
+    def rollback(self, step):
+        """Make the committed checkpoint `step` the newest again, for a run
+        that resumed from it (after a loss spike, or when `latest` fell back
+        past a damaged checkpoint): the sidecar moves `latest` to `step`,
+        then un-commits every later step, crash-safely, after the saves this
+        Checkpointer sent before. Later steps can then be saved anew (without
+        a rollback, saving a committed step raises). Returns how many steps
+        were un-committed; raises NotFound when `step` is not committed."""
+        L = N.lib()
+        with self._mu:
+            self._ensure()
+            n = ctypes.c_size_t()
+            N.check(L.ckpt_rollback(self._client, int(step), ctypes.byref(n)))
+            return n.value
+
     def status(self):
         """The sidecar's status report (dict)."""
         import json

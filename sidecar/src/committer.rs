@@ -17,9 +17,10 @@ use crossbeam_channel::Receiver;
 use tracing::{info, warn};
 
 use ckpt_store::commit::{CommitError, Store};
+use ckpt_store::rollback::RollbackError;
 use ckpt_store::image::{self};
 use crate::staging::Resident;
-use crate::jobs::{FileJob, Flight, Job, Work};
+use crate::jobs::{FileJob, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
 
 fn error_code(e: &CommitError) -> ErrorCode {
@@ -39,6 +40,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                 match work {
                     Work::Checkpoint(job) => commit_one(&mut store, &shared, job),
                     Work::File(job) => write_one(&mut store, &shared, job),
+                    Work::Rollback(job) => rollback_one(&mut store, &shared, job),
                 }
             }
         })
@@ -89,6 +91,31 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
         }
     }
     shared.end(Flight::Step(step));
+}
+
+/// Rolls the store back; a resident image of a rolled-back step is dropped
+/// first, so no Load serves it from RAM afterwards.
+fn rollback_one(store: &mut Store, shared: &Shared, job: RollbackJob) {
+    let RollbackJob { id, step, peer } = job;
+    if shared.is_aborting() {
+        peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: not done, the sidecar is shutting down") });
+        return;
+    }
+    shared.staging.drop_resident_after(step);
+    match store.rollback(step) {
+        Ok(removed) => {
+            info!(step, ?removed, "rolled back");
+            peer.send(&Reply::RolledBack { id, step, removed });
+        }
+        Err(e) => {
+            warn!(step, "rollback failed: {e}");
+            let code = match e {
+                RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
+                RollbackError::Io { .. } => ErrorCode::Io,
+            };
+            peer.send(&Reply::Error { id, code, message: e.to_string() });
+        }
+    }
 }
 
 fn write_one(store: &mut Store, shared: &Shared, job: FileJob) {

@@ -28,6 +28,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{info, warn};
 
 use ckpt_store::commit::{Store, StoreError, StoreOptions};
+use ckpt_store::lock::DirLock;
 use crate::config;
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::io::IoPolicy;
@@ -55,11 +56,11 @@ pub struct DaemonOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("{0}")]
+    #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("{0}")]
+    #[error(transparent)]
     Staging(#[from] StagingError),
-    #[error("{0}")]
+    #[error(transparent)]
     Server(#[from] ServerError),
     #[error("staging budget of {0} bytes is below the minimum of {min} bytes", min = config::STAGING_BYTES_MIN)]
     StagingTooSmall(u64),
@@ -118,15 +119,30 @@ enum Event {
 struct Running {
     shared: Arc<Shared>,
     listener: Listener,
+    /// The target directories' locks: released (their files removed) when
+    /// the daemon stops, after draining; the committer's Store does not
+    /// hold them because its thread is never joined.
+    _locks: Vec<DirLock>,
 }
 
-fn start(opts: &DaemonOptions, socket: &Path) -> Result<Running, DaemonError> {
+/// Starts the daemon; `role` (`serve` or `launch`) goes into the directory
+/// locks with the socket, so a second process on a directory names us.
+fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, DaemonError> {
     let budget = opts.staging_bytes.unwrap_or_else(default_staging_bytes);
     if budget < config::STAGING_BYTES_MIN {
         return Err(DaemonError::StagingTooSmall(budget));
     }
     let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
-    let mut store = Store::open(StoreOptions { io: opts.io, retention: opts.retention, ..StoreOptions::new(opts.dirs.clone()) })?;
+    // The directories are locked (a second sidecar on one fails here, naming
+    // the holder) and recovered before the staging budget is allocated.
+    let mut store = Store::open(StoreOptions {
+        io: opts.io,
+        retention: opts.retention,
+        lock_role: role.into(),
+        lock_socket: Some(std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf())),
+        ..StoreOptions::new(opts.dirs.clone())
+    })?;
+    let locks = store.take_locks();
     let staging = Staging::new(budget)?;
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
@@ -145,7 +161,7 @@ fn start(opts: &DaemonOptions, socket: &Path) -> Result<Running, DaemonError> {
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.
     listener.publish()?;
-    Ok(Running { shared, listener })
+    Ok(Running { shared, listener, _locks: locks })
 }
 
 fn signals(tx: crossbeam_channel::Sender<Event>) -> Result<(), DaemonError> {
@@ -176,7 +192,7 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
     let socket = opts.socket.clone().unwrap_or_else(server::default_socket_path);
     let (tx, rx) = bounded(16);
     signals(tx)?;
-    let r = start(opts, &socket)?;
+    let r = start(opts, &socket, "serve")?;
     let mut n_signals = 0;
     let aborted = loop {
         match rx.recv_timeout(Duration::from_millis(100)) {
@@ -244,7 +260,7 @@ pub fn launch(opts: &DaemonOptions, cmd: &[OsString], preload: Option<&Path>) ->
     signals(tx.clone())?;
     let tmp = if opts.socket.is_none() { Some(private_dir().map_err(DaemonError::TempDir)?) } else { None };
     let socket = opts.socket.clone().unwrap_or_else(|| tmp.as_ref().expect("made above").join("sidecar.sock"));
-    let r = match start(opts, &socket) {
+    let r = match start(opts, &socket, "launch") {
         Ok(r) => r,
         Err(e) => {
             if let Some(t) = &tmp {
@@ -353,24 +369,46 @@ pub enum ClientError {
     Version(u32),
     #[error("unexpected reply: {0}")]
     Unexpected(String),
+    #[error("{message}")]
+    Remote { code: ckpt_wire::ErrorCode, message: String },
 }
 
-/// Asks the sidecar at `socket` for its status (a client over the wire crate).
-pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
+/// Sends one request (id 1) to the sidecar at `socket` as a client over the
+/// wire crate, and returns its reply (an `Error` reply as `ClientError::Remote`).
+/// `timeout`: how long to wait for the answer (None: no limit).
+fn request(socket: &Path, name: &str, req: &Request, timeout: Option<Duration>) -> Result<Reply, ClientError> {
     let mut s = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("ckpt-sidecar status"))?;
+    ckpt_wire::write_frame(&mut s, &ckpt_wire::hello(name))?;
     match ckpt_wire::read_frame::<Reply>(&mut s)? {
         Reply::Welcome { version, .. } if version == PROTOCOL_VERSION => {}
         Reply::Welcome { version, .. } => return Err(ClientError::Version(version)),
         Reply::Refused { reason } => return Err(ClientError::Refused(reason)),
         other => return Err(ClientError::Unexpected(format!("{other:?}"))),
     }
-    ckpt_wire::write_frame(&mut s, &Request::Status { id: 1 })?;
-    let report = match ckpt_wire::read_frame::<Reply>(&mut s)? {
-        Reply::Status { id: 1, report } => report,
-        other => return Err(ClientError::Unexpected(format!("{other:?}"))),
-    };
+    let _ = s.set_read_timeout(timeout);
+    ckpt_wire::write_frame(&mut s, req)?;
+    let reply = ckpt_wire::read_frame::<Reply>(&mut s)?;
     let _ = ckpt_wire::write_frame(&mut s, &Request::Bye);
-    Ok(report)
+    match reply {
+        Reply::Error { code, message, .. } => Err(ClientError::Remote { code, message }),
+        r => Ok(r),
+    }
+}
+
+/// Asks the sidecar at `socket` for its status.
+pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
+    match request(socket, "ckpt-sidecar status", &Request::Status { id: 1 }, Some(Duration::from_secs(10)))? {
+        Reply::Status { id: 1, report } => Ok(report),
+        other => Err(ClientError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Asks the sidecar at `socket` to roll its directories back to `step`
+/// (after the saves queued before); returns the steps un-committed.
+pub fn rollback(socket: &Path, step: u64) -> Result<Vec<u64>, ClientError> {
+    match request(socket, "ckpt-sidecar rollback", &Request::Rollback { id: 1, step }, None)? {
+        Reply::RolledBack { id: 1, removed, .. } => Ok(removed),
+        other => Err(ClientError::Unexpected(format!("{other:?}"))),
+    }
 }

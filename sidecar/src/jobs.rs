@@ -1,6 +1,6 @@
 //! What the sessions hand to the committer ([`Work`]): a copied checkpoint
-//! ([`Job`]) or a SaveFile's bytes ([`FileJob`]), each holding its staging
-//! lease and the peer to answer; and the key of the in-flight registry
+//! ([`Job`]), a SaveFile's bytes ([`FileJob`]), each holding its staging
+//! lease and the peer to answer, or a rollback ([`RollbackJob`]); and the key of the in-flight registry
 //! ([`Flight`]).
 
 use std::sync::Arc;
@@ -23,6 +23,15 @@ pub enum Flight {
 pub enum Work {
     Checkpoint(Job),
     File(FileJob),
+    Rollback(RollbackJob),
+}
+
+/// A client's Rollback: run by the committer after the work queued before
+/// it, so saves sent earlier commit first and are then rolled back too.
+pub struct RollbackJob {
+    pub id: u64,
+    pub step: u64,
+    pub peer: Arc<Peer>,
 }
 
 /// A SaveFile's bytes, copied, waiting to be written to `path`.

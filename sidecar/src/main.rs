@@ -12,7 +12,8 @@ use serde_json::json;
 
 use ckpt_store::bench;
 use ckpt_store::catalog;
-use ckpt_store::commit::{Store, StoreOptions};
+use ckpt_store::commit::{Store, StoreError, StoreOptions};
+use ckpt_store::lock::LockError;
 use ckpt_sidecar::config;
 use ckpt_sidecar::daemon::{self, DaemonOptions};
 use ckpt_store::format::{self, Dtype};
@@ -190,7 +191,21 @@ enum Cmd {
         #[command(flatten)]
         io: IoArgs,
     },
+    /// Make the committed checkpoint STEP the newest again: `latest` moves
+    /// to it, then every later step is un-committed, crash-safely, in every
+    /// directory. Through the sidecar when one serves the directory.
+    Rollback {
+        /// Target directories, primary first.
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// The step to go back to (a committed checkpoint).
+        #[arg(long)]
+        to: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete old checkpoints, keeping the newest N (and every K-th step).
+    /// Refused while a sidecar serves the directory (its --keep does this).
     Gc {
         /// Target directories, primary first.
         #[arg(required = true)]
@@ -345,6 +360,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Inspect { dir, step, json } => inspect(&dir, step, json),
         Cmd::Verify { dir, step, secondaries, json, io } => verify(&dir, step, secondaries, json, io.policy()),
         Cmd::Gc { dirs, keep, keep_every, json } => gc(&dirs, keep, keep_every, json),
+        Cmd::Rollback { dirs, to, json } => rollback(&dirs, to, json),
         Cmd::Doctor { dirs, json, io } => doctor(&dirs, json, io.policy()),
         Cmd::Bench { what } => bench_cmd(what),
         Cmd::Debug { what } => debug_cmd(what),
@@ -527,8 +543,14 @@ fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> any
     if keep == 0 {
         bail!("--keep must be at least 1 (the newest checkpoint is never deleted)");
     }
-    // Opening the store runs recovery first, so leftovers go too.
-    let store = Store::open(StoreOptions::new(dirs.to_vec()))?;
+    // Opening the store locks the directories (a serving sidecar's are
+    // refused, naming it) and runs recovery first, so leftovers go too.
+    let store = match Store::open(StoreOptions { create: false, lock_role: "gc".into(), ..StoreOptions::new(dirs.to_vec()) }) {
+        Err(StoreError::Locked(e @ LockError::Held { .. })) => {
+            bail!("{e}; gc does not run beside a live sidecar: its --keep N deletes old checkpoints as it commits (or stop it, then gc)")
+        }
+        r => r?,
+    };
     let deleted = retention::apply(store.dirs(), Retention { keep_last: keep, keep_every })?;
     let kept = catalog::committed_steps(store.primary())?;
     if json {
@@ -538,6 +560,28 @@ fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> any
             println!("removed leftover {}", p.display());
         }
         println!("deleted {} checkpoint(s) {:?}; kept {:?}", deleted.len(), deleted, kept);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn rollback(dirs: &[PathBuf], to: u64, json: bool) -> anyhow::Result<ExitCode> {
+    // A sidecar serving the directory does it itself, in order with its
+    // saves; otherwise this process takes the locks and does it.
+    let served = dirs.iter().find_map(|d| ckpt_store::lock::holder(d).and_then(|h| h.socket.clone().map(|s| (h, s))));
+    let (removed, via) = match served {
+        Some((holder, socket)) => {
+            let removed = daemon::rollback(&socket, to).with_context(|| format!("rolling back through the sidecar that holds the directory ({})", holder.describe()))?;
+            (removed, Some(socket))
+        }
+        None => {
+            let mut store = Store::open(StoreOptions { create: false, lock_role: "rollback".into(), ..StoreOptions::new(dirs.to_vec()) })?;
+            (store.rollback(to)?, None)
+        }
+    };
+    if json {
+        println!("{}", json!({"step": to, "removed": removed, "via_socket": via}));
+    } else {
+        println!("rolled back to step {to}; un-committed {} later step(s) {:?}", removed.len(), removed);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use ckpt_store::catalog;
 use crate::config;
 use crate::file_save;
+use crate::jobs::{RollbackJob, Work};
 use crate::load;
 use crate::regions::Region;
 use crate::snapshot;
@@ -102,6 +103,13 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
             Request::Status { id } => {
                 peer.send(&Reply::Status { id, report: shared.report() });
+            }
+            Request::Rollback { id, step } => {
+                if shared.is_draining() || shared.is_aborting() {
+                    peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: the sidecar is shutting down") });
+                } else if shared.commit_tx.send(Work::Rollback(RollbackJob { id, step, peer: peer.clone() })).is_err() {
+                    peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });
+                }
             }
             Request::Bye => {
                 debug!("client said bye");

@@ -358,7 +358,10 @@ pub fn run_save(
         )));
     }
     if catalog::is_committed(shared.primary(), step) {
-        return fail(SaveError::BadRequest(format!("step {step} is already committed")));
+        return fail(SaveError::BadRequest(format!(
+            "step {step} is already committed in {}; to save it again, roll back to an earlier step first (rollback in the shim, or ckpt-sidecar rollback DIR --to STEP)",
+            shared.primary().display()
+        )));
     }
     if !shared.begin_step(step, layout.file_bytes()) {
         return fail(SaveError::BadRequest(format!("step {step} is already in flight")));

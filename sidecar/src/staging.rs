@@ -107,6 +107,22 @@ impl Staging {
         self.lock().resident.as_ref().map(|r| r.step)
     }
 
+    /// Gives up the resident image if its step is later than `step` (a
+    /// rollback un-commits it).
+    pub fn drop_resident_after(&self, step: u64) {
+        let dropped = {
+            let mut st = self.lock();
+            if st.resident.as_ref().is_some_and(|r| r.step > step) {
+                st.resident.take()
+            } else {
+                None
+            }
+        };
+        if let Some(r) = dropped {
+            info!(step = r.step, "resident checkpoint dropped: rolled back");
+        }
+    }
+
     /// Makes `r` the resident image if it is newer than the one there;
     /// whichever loses is dropped (its lease freed).
     pub fn offer_resident(&self, r: Resident) {

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use ckpt_store::catalog;
 use ckpt_test_support::{seed_from_env, Rng};
 use ckpt_store::commit::{Store, StoreOptions};
-use ckpt_store::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
+use ckpt_store::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, ROLLBACK_FILE_NAME, TMP_PREFIX};
 use ckpt_store::mem::AlignedBuf;
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::synthetic;
@@ -48,6 +48,11 @@ const N_GC_KILLS: usize = 24;
 const GC_SIZE: &str = "2MiB";
 const GC_SIZE_BYTES: u64 = 2 << 20;
 const GC_POPULATE: u64 = 6;
+
+/// Kills of `rollback` (half with one directory, half with two).
+const N_ROLLBACK_KILLS: usize = 24;
+/// Checkpoints added before each rollback (retention off).
+const ROLLBACK_POPULATE: u64 = 5;
 
 // ------------------------------------------------------------------ helpers
 
@@ -115,7 +120,7 @@ fn leftovers(dir: &Path) -> Vec<String> {
     fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
         .map(|e| e.expect("dir entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| [TMP_PREFIX, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX].iter().any(|p| n.starts_with(p)))
+        .filter(|n| [TMP_PREFIX, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, ROLLBACK_FILE_NAME].iter().any(|p| n.starts_with(p)))
         .collect()
 }
 
@@ -439,6 +444,72 @@ fn sigkill_during_gc_never_leaves_a_half_deleted_checkpoint_committed() {
     eprintln!(
         "gc crash: {N_GC_KILLS} kills after a measured gc of {:?} us: {untouched} before any deletion, {interrupted} mid-way, {finished} after all deletions, {:.1} s",
         gc_us,
+        t_start.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn sigkill_during_rollback_leaves_the_old_or_the_new_timeline() {
+    let t_start = Instant::now();
+    let mut rng = Rng::new(seed("rollback crash") ^ 0x7B);
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let sets: [(&str, Vec<PathBuf>); 2] = [
+        ("one dir", vec![tmp.path().join("rb-single")]),
+        ("two dirs", vec![tmp.path().join("rb-primary"), tmp.path().join("rb-secondary")]),
+    ];
+    let mut rollback_us: [Option<u64>; 2] = [None, None];
+    let (mut old_timeline, mut new_timeline) = (0usize, 0usize);
+    let mut check = Checker::new(GC_SIZE_BYTES);
+
+    for i in 0..N_ROLLBACK_KILLS + 2 {
+        let k = i % 2;
+        let (name, dirs) = &sets[k];
+        let ctx = format!("rollback kill {i} ({name})");
+        let child = spawn_torture(dirs, GC_SIZE, 1000, Some(ROLLBACK_POPULATE));
+        let out = child.wait_with_output().expect("wait for torture");
+        assert!(out.status.success(), "{ctx}: populating failed: {}", String::from_utf8_lossy(&out.stderr));
+        let before = check.recover_and_check(dirs, &format!("{ctx}, populated"));
+        // Back to a step that leaves at least two later ones to un-commit.
+        let to = before[before.len() - 3 - rng.below(before.len() as u64 - 2) as usize];
+
+        let mut cmd = Command::new(BIN);
+        cmd.arg("rollback").args(dirs).args(["--to", &to.to_string()]);
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let t0 = Instant::now();
+        let child = cmd.spawn().expect("spawn rollback");
+        let (status, _out, err) = match rollback_us[k] {
+            None => {
+                let o = child.wait_with_output().expect("wait for rollback");
+                rollback_us[k] = Some((t0.elapsed().as_micros() as u64).max(1_000));
+                (o.status, String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+            }
+            Some(us) => kill_after(child, Duration::from_micros(rng.below(us + us / 5))),
+        };
+        let was_killed = killed_by_sigkill(&status);
+        assert!(was_killed || status.success(), "{ctx}: rollback failed ({status}): {err}");
+
+        // Before recovery: whatever is listed is whole, and `latest` names a
+        // committed step (the target is never touched, later steps go away
+        // by one rename each).
+        let listed = check.assert_committed_whole(dirs, &format!("{ctx}, before recovery"));
+        let raw = catalog::read_latest(&dirs[0]).unwrap().unwrap_or_else(|| panic!("{ctx}: no latest"));
+        let named = format::parse_step_dir_name(&raw).unwrap_or_else(|| panic!("{ctx}: latest is {raw:?}"));
+        assert!(listed.contains(&named), "{ctx}: latest names step {named}, which is not committed (listed {listed:?})");
+
+        let after = check.recover_and_check(dirs, &ctx);
+        let new: Vec<u64> = before.iter().copied().filter(|&s| s <= to).collect();
+        if after == before {
+            assert!(was_killed, "{ctx}: a finished rollback left the old timeline");
+            old_timeline += 1;
+        } else {
+            assert_eq!(after, new, "{ctx}: neither the old timeline {before:?} nor the new one (to {to})");
+            new_timeline += 1;
+        }
+    }
+    assert!(new_timeline > 0, "no rollback ever took effect");
+    eprintln!(
+        "rollback crash: {N_ROLLBACK_KILLS} kills after a measured rollback of {:?} us: {old_timeline} old timeline, {new_timeline} new, {:.1} s",
+        rollback_us,
         t_start.elapsed().as_secs_f64()
     );
 }

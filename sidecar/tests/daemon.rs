@@ -308,8 +308,14 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Hidden entries of `dir` other than the directory lock (which stays, by
+/// design: a flock goes with its holder, the file is reused).
 fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect()
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.') && n != ckpt_store::lock::LOCK_FILE_NAME)
+        .collect()
 }
 
 // ---------------------------------------------------------------- tests
@@ -1006,4 +1012,104 @@ fn launch_preload_turns_sigterm_into_the_preemption_flag() {
     assert!(stdout.starts_with("alive 1 ") && stdout.contains("libckpt.so"), "{stdout}");
     let without = run(false);
     assert_eq!(without.status.code(), Some(128 + libc::SIGTERM), "without --preload SIGTERM kills the child");
+}
+
+/// One small tensor per step, so a timeline of many steps stays quick.
+fn tiny(region_id: u32) -> Vec<TensorDesc> {
+    vec![desc("w", "F32", &[1024], region_id, 0), desc("b", "U8", &[100], region_id, 4096)]
+}
+
+#[test]
+fn rollback_moves_latest_uncommits_later_steps_and_lets_them_be_saved_again() {
+    let sc = Sidecar::start(&[]);
+    let mut c = sc.client();
+    let mut shm = Shm::new(8192);
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    for step in 1..=10 {
+        shm.fill(step);
+        c.save_durable(step, tiny(1), blobs(step));
+    }
+    assert_eq!(c.status().resident_step, Some(10));
+    // Without a rollback, a committed step is refused, naming the way out.
+    let r = c.expect_failed(5, tiny(1), blobs(5), ErrorCode::BadRequest);
+    assert!(r.contains("already committed") && r.contains("rollback"), "{r}");
+    // A step that is not committed cannot be the target.
+    let id = c.id();
+    c.send(&Request::Rollback { id, step: 11 });
+    match c.recv() {
+        Reply::Error { id: i, code: ErrorCode::NotFound, message } => assert!(i == id && message.contains("11"), "{message}"),
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+    let id = c.id();
+    c.send(&Request::Rollback { id, step: 4 });
+    match c.recv() {
+        Reply::RolledBack { id: i, step: 4, removed } => {
+            assert_eq!(i, id);
+            assert_eq!(removed, vec![10, 9, 8, 7, 6, 5]);
+        }
+        other => panic!("expected RolledBack, got {other:?}"),
+    }
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), Some(4));
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), vec![1, 2, 3, 4]);
+    // The resident image was of a rolled-back step: gone from RAM.
+    assert_eq!(c.status().resident_step, None);
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
+    // The new timeline: 5..8 saved again, with other bytes.
+    for step in 5..=8 {
+        shm.fill(1000 + step);
+        c.save_durable(step, tiny(1), blobs(step));
+        assert_on_disk(&sc.dir, step, &shm, &tiny(1));
+    }
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), Some(8));
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), (1..=8).collect::<Vec<_>>());
+    match c.load(None, vec![]) {
+        Reply::Loaded { step: 8, .. } => {}
+        other => panic!("expected step 8 loaded, got {other:?}"),
+    }
+    // The command line goes through the sidecar that holds the directory.
+    let out = Command::new(BIN).arg("rollback").arg(&sc.dir).args(["--to", "6", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["removed"], serde_json::json!([8, 7]));
+    assert_eq!(j["via_socket"], serde_json::json!(sc.socket));
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), (1..=6).collect::<Vec<_>>());
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), Some(6));
+}
+
+#[test]
+fn a_second_serve_or_a_gc_on_a_served_directory_is_refused_naming_the_holder() {
+    let sc = Sidecar::start(&[]);
+    let mut c = sc.client();
+    let mut shm = Shm::new(8192);
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    for step in 1..=3 {
+        shm.fill(step);
+        c.save_durable(step, tiny(1), blobs(step));
+    }
+    let pid = sc.pid();
+    let other = sc.dir.parent().unwrap().join("other-run");
+    let t0 = Instant::now();
+    let out = Command::new(BIN)
+        .args(["serve", "--staging", "64MiB", "--dir"])
+        .arg(&sc.dir)
+        .arg("--socket")
+        .arg(other.join("sidecar.sock"))
+        .env_remove("CKPT_SIDECAR_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second serve on a locked directory started");
+    assert!(t0.elapsed() < Duration::from_secs(5), "the second serve took {:?} to fail", t0.elapsed());
+    assert!(err.contains(&format!("pid {pid}")) && err.contains("in use"), "{err}");
+    assert!(!other.join("sidecar.sock").exists(), "the refused sidecar left its socket");
+    // gc refuses too (the serving sidecar's --keep is the way), and the
+    // sidecar goes on saving as if nothing happened.
+    let out = Command::new(BIN).arg("gc").arg(&sc.dir).args(["--keep", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("pid {pid}")) && err.contains("serve"), "{err}");
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), vec![1, 2, 3]);
+    shm.fill(4);
+    c.save_durable(4, tiny(1), blobs(4));
+    assert_on_disk(&sc.dir, 4, &shm, &tiny(1));
 }

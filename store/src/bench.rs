@@ -71,7 +71,7 @@ pub struct WriteArgs {
 pub fn write(args: &WriteArgs) -> anyhow::Result<Figures> {
     let fio = if args.compare_fio { Some(fio_gib_per_s(&args.dirs[0], args.size_bytes, "write")?) } else { None };
     let t_prep = Instant::now();
-    let mut store = Store::open(StoreOptions { io: args.io, ..StoreOptions::new(args.dirs.clone()) })?;
+    let mut store = Store::open(StoreOptions { io: args.io, lock_role: "bench write".into(), ..StoreOptions::new(args.dirs.clone()) })?;
     let specs = synthetic::transformer_specs(args.size_bytes);
     let layout = Layout::plan(specs, LayoutOptions { n_dirs: args.dirs.len(), shard_bytes_max: args.shard_bytes_max, ..Default::default() })?;
     let mut staging = AlignedBuf::new(layout.staging_len as usize)?;

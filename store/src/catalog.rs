@@ -55,12 +55,19 @@ pub fn latest_step(primary: &Path) -> io::Result<Option<u64>> {
 /// Points `latest` at `step` atomically: write a temp file, sync it, rename
 /// it over `latest`, sync the directory.
 pub fn write_latest(primary: &Path, step: u64) -> io::Result<()> {
+    write_step_file(primary, LATEST_FILE_NAME, step)
+}
+
+/// Writes `<step dir name>\n` as the file `name` in `primary` atomically
+/// (temp file named with [`LATEST_TMP_PREFIX`], which recovery removes;
+/// synced; renamed over `name`; directory synced).
+pub fn write_step_file(primary: &Path, name: &str, step: u64) -> io::Result<()> {
     let tmp = primary.join(format!("{LATEST_TMP_PREFIX}{:016x}", crate::io::nonce()));
     let r = (|| {
         let mut f = File::options().write(true).create_new(true).open(&tmp)?;
         writeln!(f, "{}", format::step_dir_name(step).expect("validated step"))?;
         f.sync_data()?;
-        fs::rename(&tmp, primary.join(LATEST_FILE_NAME))?;
+        fs::rename(&tmp, primary.join(name))?;
         fsync_dir(primary)
     })();
     if r.is_err() {

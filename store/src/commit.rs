@@ -33,7 +33,9 @@ use crate::image::{self, Blob, Layout};
 use crate::io::{self as eio, DriveError, EngineChoice, FaultPlan, FaultyEngine, FileIo, IoEngine, IoPolicy, OpKind};
 use crate::mem::AlignedBuf;
 use crate::recovery::{self, RecoveryReport};
+use crate::lock::{DirLock, LockError};
 use crate::retention::{self, Retention};
+use crate::rollback::{self, RollbackError};
 
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
@@ -44,11 +46,28 @@ pub struct StoreOptions {
     pub retention: Option<Retention>,
     /// Test hook: faults injected into every directory's engine.
     pub faults: Option<FaultPlan>,
+    /// Create missing directories (`serve`, `launch`, `bench write`); else a
+    /// missing one is an error naming it (`gc`, `rollback`).
+    pub create: bool,
+    /// What the process holding the directory locks does (`serve`, `gc`,
+    /// ...) and where a daemon serves, written into each lock file so a
+    /// second process can name the holder ([`crate::lock`]).
+    pub lock_role: String,
+    pub lock_socket: Option<PathBuf>,
 }
 
 impl StoreOptions {
     pub fn new(dirs: Vec<PathBuf>) -> StoreOptions {
-        StoreOptions { dirs, io: IoPolicy::default(), chunk_bytes: config::CHUNK_BYTES_DEFAULT, retention: None, faults: None }
+        StoreOptions {
+            dirs,
+            io: IoPolicy::default(),
+            chunk_bytes: config::CHUNK_BYTES_DEFAULT,
+            retention: None,
+            faults: None,
+            create: true,
+            lock_role: "store".into(),
+            lock_socket: None,
+        }
     }
 }
 
@@ -56,12 +75,33 @@ impl StoreOptions {
 pub enum StoreError {
     #[error("{path}: {what}: {source}")]
     Io { path: PathBuf, what: &'static str, source: io::Error },
-    #[error("{0}")]
+    #[error(transparent)]
     Probe(#[from] eio::ProbeError),
     #[error("the same directory is given twice: {0}")]
     DuplicateDir(PathBuf),
     #[error("no target directory given")]
     NoDirs,
+    #[error("no such directory: {}", .0.display())]
+    NoSuchDir(PathBuf),
+    #[error("{} is not a directory", .0.display())]
+    NotADir(PathBuf),
+    #[error(transparent)]
+    Locked(#[from] LockError),
+}
+
+/// A target directory exists and is a directory; with `create`, a missing
+/// one is made (parents too).
+fn check_dir(d: &Path, create: bool) -> Result<(), StoreError> {
+    match fs::metadata(d) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(StoreError::NotADir(d.to_path_buf())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound && create => {
+            fs::create_dir_all(d).map_err(|e| StoreError::Io { path: d.to_path_buf(), what: "create directory", source: e })
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(StoreError::NoSuchDir(d.to_path_buf())),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Err(StoreError::NotADir(d.to_path_buf())),
+        Err(e) => Err(StoreError::Io { path: d.to_path_buf(), what: "look up directory", source: e }),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +110,7 @@ pub enum CommitError {
     DiskFull { dir: PathBuf, what: String, needed_bytes: Option<u64>, source: io::Error },
     #[error("{path}: {what}: {source}")]
     Io { path: PathBuf, what: String, source: io::Error },
-    #[error("step {step} is already committed in {dir}; delete it first (ckpt-sidecar gc) or save another step")]
+    #[error("step {step} is already committed in {dir}; to save it again, roll back first (ckpt-sidecar rollback {dir} --to STEP, or rollback(STEP) in the shim), or save another step")]
     AlreadyCommitted { step: u64, dir: PathBuf },
     #[error("invalid checkpoint: {0}")]
     Format(#[from] FormatError),
@@ -126,6 +166,9 @@ pub struct TargetDir {
 }
 
 pub struct Store {
+    /// One exclusive lock per directory, held as long as the Store (or by
+    /// whoever took them with [`Store::take_locks`]).
+    locks: Vec<DirLock>,
     dirs: Vec<TargetDir>,
     paths: Vec<PathBuf>,
     opts: StoreOptions,
@@ -136,20 +179,25 @@ pub struct Store {
 }
 
 impl Store {
-    /// Creates missing directories, chooses the engine per directory, and
-    /// runs recovery.
+    /// Creates missing directories (with `opts.create`), locks every one
+    /// (a directory held by another process is refused, naming it), chooses
+    /// the engine per directory, and runs recovery.
     pub fn open(opts: StoreOptions) -> Result<Store, StoreError> {
         if opts.dirs.is_empty() {
             return Err(StoreError::NoDirs);
         }
         let mut paths: Vec<PathBuf> = Vec::new();
         for d in &opts.dirs {
-            fs::create_dir_all(d).map_err(|e| StoreError::Io { path: d.clone(), what: "create directory", source: e })?;
+            check_dir(d, opts.create)?;
             let p = fs::canonicalize(d).map_err(|e| StoreError::Io { path: d.clone(), what: "resolve directory", source: e })?;
             if paths.contains(&p) {
                 return Err(StoreError::DuplicateDir(p));
             }
             paths.push(p);
+        }
+        let mut locks = Vec::new();
+        for p in &paths {
+            locks.push(DirLock::acquire(p, &opts.lock_role, opts.lock_socket.as_deref())?);
         }
         let mut dirs = Vec::new();
         for p in &paths {
@@ -171,11 +219,26 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { dirs, paths, opts, recovery, abort: None })
+        Ok(Store { locks, dirs, paths, opts, recovery, abort: None })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
         &self.paths
+    }
+
+    /// Hands the directory locks to the caller, who must outlive every use
+    /// of this Store (a daemon whose committer thread owns the Store, but
+    /// whose main thread decides when the process ends, releases them last).
+    pub fn take_locks(&mut self) -> Vec<DirLock> {
+        std::mem::take(&mut self.locks)
+    }
+
+    /// Rolls the timeline back to the committed checkpoint `step`
+    /// ([`crate::rollback`]); returns the later steps un-committed. The
+    /// resident image of a caller that keeps one must be dropped if it is
+    /// one of them.
+    pub fn rollback(&mut self, step: u64) -> Result<Vec<u64>, RollbackError> {
+        rollback::rollback(&self.paths, step)
     }
 
     pub fn primary(&self) -> &Path {

@@ -23,6 +23,9 @@ pub const DEL_PREFIX: &str = ".del-step-";
 pub const LATEST_TMP_PREFIX: &str = ".latest.tmp-";
 /// Scratch files of the O_DIRECT probe, when the file system lacks O_TMPFILE.
 pub const PROBE_PREFIX: &str = ".ckpt-probe-";
+/// A rollback in progress (the step it goes back to), in the primary;
+/// recovery finishes what it names.
+pub const ROLLBACK_FILE_NAME: &str = ".ckpt-rollback";
 const STEP_DIGITS: usize = 12;
 /// Largest step that fits the 12-digit folder name.
 pub const STEP_MAX: u64 = 999_999_999_999;

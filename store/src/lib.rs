@@ -7,7 +7,8 @@
 //! safetensors shards laid out in staging memory ([`mem::AlignedBuf`]); the
 //! [`commit::Store`] writes them with an [`io`] engine per target directory
 //! and commits atomically; [`restore`] reads and verifies them back;
-//! [`recovery`] and [`retention`] keep the directories clean; [`atomic`]
+//! [`recovery`] and [`retention`] keep the directories clean; [`rollback`]
+//! makes an older checkpoint the head of the timeline again; [`atomic`]
 //! writes one file at a path atomically (the torch.save hook's files);
 //! [`lock`] makes one process the owner of a directory. See ARCHITECTURE.md
 //! for the map and docs/format.md for the format.
@@ -25,5 +26,6 @@ pub mod mem;
 pub mod recovery;
 pub mod restore;
 pub mod retention;
+pub mod rollback;
 pub mod synthetic;
 pub mod units;

@@ -6,7 +6,11 @@
 //! tool can reach a serving sidecar instead of working under it.
 //!
 //! The lock is the kernel's: it goes with the holder's last file descriptor,
-//! so a killed holder never leaves a stale lock (the file stays, unlocked).
+//! so a killed holder never leaves a stale lock (the file stays, unlocked,
+//! and the next holder reuses it). A holder that ends normally removes the
+//! file while it still holds the lock; a process that locked a file that
+//! was removed meanwhile sees that its inode is no longer the path's and
+//! tries again, so two processes never both hold "the" lock.
 //! Read-only commands (`ls`, `inspect`, `verify`) take no lock.
 
 use std::fs::{File, OpenOptions};
@@ -77,24 +81,54 @@ pub struct DirLock {
     dir: PathBuf,
 }
 
+/// Tries to lock a lock file that another holder removes at the same time.
+const LOCK_ATTEMPTS_MAX: usize = 16;
+
+/// Whether `file` is still what `path` names (a holder that ended may have
+/// removed it between our open and our flock).
+fn is_current(file: &File, path: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let a = file.metadata()?;
+    match std::fs::metadata(path) {
+        Ok(b) => Ok(a.dev() == b.dev() && a.ino() == b.ino()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // Removed while still held: whoever opens it now either finds no file
+        // (and makes a new one) or finds, after its flock, that its inode is
+        // gone from the path, and tries again.
+        let _ = std::fs::remove_file(self.dir.join(LOCK_FILE_NAME));
+    }
+}
+
 impl DirLock {
     /// Takes the lock on `dir` (which must exist) without waiting, writing
     /// `holder` (our pid is filled in) into the lock file.
     pub fn acquire(dir: &Path, role: &str, socket: Option<&Path>) -> Result<DirLock, LockError> {
         let path = dir.join(LOCK_FILE_NAME);
         let io_err = |source| LockError::Io { path: path.clone(), source };
-        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o644).custom_flags(libc::O_CLOEXEC).open(&path).map_err(io_err)?;
-        // SAFETY: flock on a descriptor we own; no memory is involved.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                return Err(LockError::Held { dir: dir.to_path_buf(), holder: read_holder(&mut file) });
+        for _ in 0..LOCK_ATTEMPTS_MAX {
+            let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o644).custom_flags(libc::O_CLOEXEC).open(&path).map_err(io_err)?;
+            // SAFETY: flock on a descriptor we own; no memory is involved.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                    return Err(LockError::Held { dir: dir.to_path_buf(), holder: read_holder(&mut file) });
+                }
+                return Err(io_err(e));
             }
-            return Err(io_err(e));
+            if !is_current(&file, &path).map_err(io_err)? {
+                continue;
+            }
+            let me = Holder { pid: Some(std::process::id()), role: role.to_string(), socket: socket.map(Path::to_path_buf) };
+            file.set_len(0).and_then(|()| file.rewind()).and_then(|()| file.write_all(me.render().as_bytes())).map_err(io_err)?;
+            return Ok(DirLock { file, dir: dir.to_path_buf() });
         }
-        let me = Holder { pid: Some(std::process::id()), role: role.to_string(), socket: socket.map(Path::to_path_buf) };
-        file.set_len(0).and_then(|()| file.rewind()).and_then(|()| file.write_all(me.render().as_bytes())).map_err(io_err)?;
-        Ok(DirLock { file, dir: dir.to_path_buf() })
+        Err(io_err(io::Error::other("the lock file kept being replaced while locking it")))
     }
 
     pub fn dir(&self) -> &Path {
@@ -144,6 +178,14 @@ mod tests {
         assert_eq!(h.socket.as_deref(), Some(sock));
         drop(first);
         assert_eq!(holder(d.path()), None);
-        let _again = DirLock::acquire(d.path(), "gc", None).unwrap();
+        assert!(!d.path().join(LOCK_FILE_NAME).exists(), "a released lock leaves its file");
+        let again = DirLock::acquire(d.path(), "gc", None).unwrap();
+        // A killed holder's file stays, its lock does not: the file is reused.
+        let killed = std::mem::ManuallyDrop::new(again);
+        // SAFETY: `killed` is never used or dropped again; this takes its
+        // File out to close the descriptor without running DirLock's Drop.
+        drop(unsafe { std::ptr::read(&killed.file) });
+        assert!(d.path().join(LOCK_FILE_NAME).exists());
+        let _third = DirLock::acquire(d.path(), "serve", None).unwrap();
     }
 }

@@ -85,6 +85,11 @@ pub fn recover(dirs: &[PathBuf]) -> io::Result<RecoveryReport> {
             ));
         }
     }
+    match crate::rollback::finish_interrupted(dirs)? {
+        Some(Ok((step, removed))) => report.warnings.push(format!("finished an interrupted rollback to step {step}: un-committed {removed:?}")),
+        Some(Err(w)) => report.warnings.push(w),
+        None => {}
+    }
     repair_latest(primary, &mut report)?;
     Ok(report)
 }

@@ -68,7 +68,7 @@ pub enum LoadError {
     Damaged { dir: PathBuf, step: u64, problems: Vec<Problem> },
     #[error("{path}: {what}: {source}")]
     Io { path: PathBuf, what: &'static str, source: io::Error },
-    #[error("{0}")]
+    #[error(transparent)]
     Probe(#[from] eio::ProbeError),
     #[error("step {step} needs {need_bytes} bytes of memory to load; {have_bytes} given")]
     BufferTooSmall { step: u64, need_bytes: u64, have_bytes: u64 },

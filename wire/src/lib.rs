@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -85,6 +85,12 @@ pub enum Request {
     /// Durable (path renamed, directory synced) or Failed. Added in
     /// version 2 (the torch.save hook).
     SaveFile { id: u64, path: String, region_id: u32, offset_bytes: u64, len_bytes: u64 },
+    /// Make the committed checkpoint `step` the newest again: `latest`
+    /// moves to it first, then every later step is un-committed (crash-safe,
+    /// across all target directories), so later steps can be saved anew.
+    /// Queued behind the saves sent before it. Reply: RolledBack or Error.
+    /// Added in version 3.
+    Rollback { id: u64, step: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,6 +140,9 @@ pub enum Reply {
     Status { id: u64, report: StatusReport },
     /// A request failed; the session goes on.
     Error { id: u64, code: ErrorCode, message: String },
+    /// The rollback to `step` is done; `removed` lists the steps that were
+    /// un-committed, newest first. (Version 3.)
+    RolledBack { id: u64, step: u64, removed: Vec<u64> },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]

@@ -29,6 +29,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("status", encode(&Request::Status { id: 6 })),
         ("bye", encode(&Request::Bye)),
         ("save_file", encode(&Request::SaveFile { id: 7, path: "/runs/model.pt".into(), region_id: 2, offset_bytes: 0, len_bytes: 1234 })),
+        ("rollback", encode(&Request::Rollback { id: 8, step: 4 })),
         ("welcome", encode(&Reply::Welcome { version: PROTOCOL_VERSION, server_pid: 42, dirs: vec!["/ckpt".into()], staging_bytes: 1 << 30 })),
         ("refused", encode(&Reply::Refused { reason: "version".into() })),
         ("registered", encode(&Reply::RegionRegistered { id: 1, region_id: 2 })),
@@ -47,6 +48,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("listing", encode(&Reply::Listing { id: 5, steps: vec![99, 100], latest: Some(100) })),
         ("status_reply", encode(&Reply::Status { id: 6, report })),
         ("error", encode(&Reply::Error { id: 4, code: ErrorCode::BadRegion, message: "outside".into() })),
+        ("rolled_back", encode(&Reply::RolledBack { id: 8, step: 4, removed: vec![10, 9] })),
     ]
 }
 

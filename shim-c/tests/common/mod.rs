@@ -274,6 +274,16 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
             Request::SaveFile { id, .. } => {
                 send(&w, &Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: "the fake sidecar writes no files".into() });
             }
+            Request::Rollback { id, step } => {
+                let mut s = store.lock().unwrap();
+                if !s.steps.contains_key(&step) {
+                    send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step} is not committed") });
+                    continue;
+                }
+                let removed: Vec<u64> = s.steps.keys().copied().filter(|&k| k > step).rev().collect();
+                s.steps.retain(|&k, _| k <= step);
+                send(&w, &Reply::RolledBack { id, step, removed });
+            }
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -289,6 +299,7 @@ fn kind(r: &Request) -> String {
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),
+        Request::Rollback { step, .. } => format!("Rollback {step}"),
         Request::Bye => "Bye".into(),
         Request::Hello { .. } => "Hello".into(),
     }

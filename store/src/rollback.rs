@@ -1,0 +1,98 @@
+//! Rollback: make an older committed checkpoint the head of the timeline
+//! again, so a trainer that resumed from it (after a loss spike, or after
+//! `latest` fell back past a damaged checkpoint) can save the later steps
+//! anew, and a crash cannot resume from the abandoned branch.
+//!
+//! The protocol, in the primary directory, under the directory lock:
+//! 1. the intent: `.ckpt-rollback` naming the target step, written
+//!    atomically (temp, sync, rename, directory sync);
+//! 2. `latest` moved to the target (atomically, as always);
+//! 3. every later committed step un-committed as retention deletes: the
+//!    primary's folder renamed to `.del-step-…` and the parent synced (from
+//!    that instant the step is not committed), secondaries and the renamed
+//!    folder then removed; newest first;
+//! 4. the intent removed and the directory synced.
+//!
+//! A crash before the intent is durable leaves the old timeline untouched;
+//! from then on, recovery ([`finish_interrupted`], run by every
+//! `Store::open`) completes the rollback, so the next owner of the directory
+//! sees the new timeline. At no point does `latest` name a step that is not
+//! committed (the target is never touched), and no half-deleted step is
+//! listed (un-committing is one rename).
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::catalog;
+use crate::format::{self, ROLLBACK_FILE_NAME};
+use crate::retention;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RollbackError {
+    #[error("cannot roll back to step {step}: it is not a committed checkpoint in {} (committed: {})", dir.display(), list(committed))]
+    NotCommitted { step: u64, dir: PathBuf, committed: Vec<u64> },
+    #[error("rollback to step {step} in {}: {what}: {source}", dir.display())]
+    Io { step: u64, dir: PathBuf, what: &'static str, source: io::Error },
+}
+
+fn list(steps: &[u64]) -> String {
+    if steps.is_empty() {
+        "none".into()
+    } else {
+        steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// Rolls `dirs` (`dirs[0]` the primary) back to the committed `step`;
+/// returns the later steps un-committed, newest first. The caller holds the
+/// directory locks.
+pub fn rollback(dirs: &[PathBuf], step: u64) -> Result<Vec<u64>, RollbackError> {
+    let primary = &dirs[0];
+    let io = |what: &'static str| move |source| RollbackError::Io { step, dir: primary.clone(), what, source };
+    let committed = catalog::committed_steps(primary).map_err(io("list checkpoints"))?;
+    if !committed.contains(&step) {
+        return Err(RollbackError::NotCommitted { step, dir: primary.clone(), committed });
+    }
+    catalog::write_step_file(primary, ROLLBACK_FILE_NAME, step).map_err(io("write the rollback intent"))?;
+    complete(dirs, step).map_err(io("un-commit later steps"))
+}
+
+/// Steps 2–4 of the protocol, for `rollback` and for recovery.
+fn complete(dirs: &[PathBuf], step: u64) -> io::Result<Vec<u64>> {
+    let primary = &dirs[0];
+    catalog::write_latest(primary, step)?;
+    let mut later: Vec<u64> = catalog::committed_steps(primary)?.into_iter().filter(|&s| s > step).collect();
+    later.reverse();
+    for &s in &later {
+        retention::delete(dirs, s)?;
+    }
+    fs::remove_file(primary.join(ROLLBACK_FILE_NAME))?;
+    catalog::fsync_dir(primary)?;
+    Ok(later)
+}
+
+/// The step an interrupted rollback was going to, if the intent is there.
+pub fn pending(primary: &Path) -> io::Result<Option<String>> {
+    match fs::read_to_string(primary.join(ROLLBACK_FILE_NAME)) {
+        Ok(s) => Ok(Some(s.trim().to_string())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Recovery's part: finishes a rollback a crash interrupted. Returns what it
+/// did, for the recovery report: `Ok(Some((step, un-committed)))`, or a
+/// warning when the intent names no committed step (it is then removed).
+pub fn finish_interrupted(dirs: &[PathBuf]) -> io::Result<Option<Result<(u64, Vec<u64>), String>>> {
+    let primary = &dirs[0];
+    let Some(raw) = pending(primary)? else { return Ok(None) };
+    match format::parse_step_dir_name(&raw).filter(|&s| catalog::is_committed(primary, s)) {
+        Some(step) => Ok(Some(Ok((step, complete(dirs, step)?)))),
+        None => {
+            fs::remove_file(primary.join(ROLLBACK_FILE_NAME))?;
+            catalog::fsync_dir(primary)?;
+            Ok(Some(Err(format!("{} named {raw:?}, not a committed checkpoint; removed", primary.join(ROLLBACK_FILE_NAME).display()))))
+        }
+    }
+}

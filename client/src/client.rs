@@ -227,6 +227,8 @@ struct Inner {
     request_timeout: Option<Duration>,
     /// Saves ask for a lazy release (see [`Client::set_lazy_release`]).
     lazy_release: bool,
+    /// (rank, world size) of this trainer; saves are parts when world > 1.
+    rank: (u32, u32),
 }
 
 struct Conn {
@@ -444,7 +446,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
         };
         {
             let mut inner = client.lock_inner();
@@ -483,6 +485,17 @@ impl Client {
     /// possible (the checksums follow it).
     pub fn set_lazy_release(&self, on: bool) {
         self.lock_inner().lazy_release = on;
+    }
+
+    /// This trainer is rank `rank` of `world_size`: with world_size > 1,
+    /// later saves are that rank's part of a checkpoint all ranks write
+    /// (SavePart); the sidecar commits a step once every part is there.
+    pub fn set_rank(&self, rank: u32, world_size: u32) -> Result<()> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::InvalidArgument(format!("rank {rank} of world size {world_size}: need 0 <= rank < world_size")));
+        }
+        self.lock_inner().rank = (rank, world_size);
+        Ok(())
     }
 
     /// Connects again if the connection is down (re-registering every region);
@@ -561,7 +574,10 @@ impl Client {
         let descs = describe(&inner.regions, tensors)?;
         let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
         let lazy_release = inner.lazy_release;
-        self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release })
+        match inner.rank {
+            (_, 1) => self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
+            (rank, world_size) => self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release }),
+        }
     }
 
     /// Asks the sidecar to write `len_bytes` at `ptr` (inside one of this

@@ -190,6 +190,16 @@ int ckpt_set_timeout(struct ckpt_client *client, int64_t timeout_ms);
 // `client` is a live client.
 int ckpt_set_lazy_release(struct ckpt_client *client, int on);
 
+// This trainer is rank `rank` of `world_size` ranks (torch.distributed's
+// numbering). With world_size > 1, later ckpt_save calls send this rank's
+// part of a checkpoint every rank saves under the same step; the sidecar
+// commits it once every rank's part is there, and only then is any rank's
+// save durable. Files are named `rank-RRRRR-of-WWWWW-...`.
+//
+// # Safety
+// `client` is a live client.
+int ckpt_set_rank(struct ckpt_client *client, uint32_t rank, uint32_t world_size);
+
 // Allocates `len_bytes` of shared memory the sidecar can read (a region),
 // page-aligned and zeroed, and stores its address in *ptr. Tensors given to
 // ckpt_save and ckpt_load must live in such memory.

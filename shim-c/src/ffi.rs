@@ -348,6 +348,23 @@ pub unsafe extern "C" fn ckpt_set_lazy_release(client: *mut ckpt_client, on: c_i
     })
 }
 
+/// This trainer is rank `rank` of `world_size` ranks (torch.distributed's
+/// numbering). With world_size > 1, later ckpt_save calls send this rank's
+/// part of a checkpoint every rank saves under the same step; the sidecar
+/// commits it once every rank's part is there, and only then is any rank's
+/// save durable. Files are named `rank-RRRRR-of-WWWWW-...`.
+///
+/// # Safety
+/// `client` is a live client.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_set_rank(client: *mut ckpt_client, rank: u32, world_size: u32) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        unsafe { self::client(client) }?.client.set_rank(rank, world_size)?;
+        Ok(())
+    })
+}
+
 /// Allocates `len_bytes` of shared memory the sidecar can read (a region),
 /// page-aligned and zeroed, and stores its address in *ptr. Tensors given to
 /// ckpt_save and ckpt_load must live in such memory.

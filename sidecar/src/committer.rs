@@ -13,13 +13,15 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ckpt_wire::{ErrorCode, LastFigures, Reply};
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 use tracing::{info, warn};
 
 use ckpt_store::commit::{CommitError, Store};
 use ckpt_store::rollback::RollbackError;
 use ckpt_store::image::{self};
 use crate::staging::Resident;
+use crate::config;
+use crate::coordinator::{Groups, Offer};
 use crate::jobs::{FileJob, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
 
@@ -36,19 +38,126 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
     std::thread::Builder::new()
         .name("ckpt-commit".into())
         .spawn(move || {
-            for work in rx {
-                match work {
-                    Work::Checkpoint(job) => commit_one(&mut store, &shared, job),
-                    Work::File(job) => write_one(&mut store, &shared, job),
-                    Work::Rollback(job) => rollback_one(&mut store, &shared, job),
+            let mut groups = Groups::new(part_timeout());
+            loop {
+                let tick = Instant::now() + std::time::Duration::from_millis(config::PART_TICK_MS);
+                let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
+                match rx.recv_deadline(deadline) {
+                    Ok(Work::Checkpoint(job)) if job.part.is_some() => gather(&mut store, &shared, &mut groups, job),
+                    Ok(Work::Checkpoint(job)) => commit_one(&mut store, &shared, job),
+                    Ok(Work::File(job)) => write_one(&mut store, &shared, job),
+                    Ok(Work::Rollback(job)) => rollback_one(&mut store, &shared, job),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => {
+                        for job in groups.take_all() {
+                            fail_part(&shared, job, ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived".into());
+                        }
+                        break;
+                    }
+                }
+                if shared.is_aborting() {
+                    for job in groups.take_all() {
+                        fail_part(&shared, job, ErrorCode::ShuttingDown, "the sidecar is aborting".into());
+                    }
+                }
+                for (step, world_size, missing, parts) in groups.expire(Instant::now()) {
+                    let why = format!(
+                        "step {step}: rank(s) {missing:?} of {world_size} sent no released part within {} s; the step is not committed",
+                        groups.timeout().as_secs_f64()
+                    );
+                    warn!("{why}");
+                    for job in parts {
+                        fail_part(&shared, job, ErrorCode::Io, why.clone());
+                    }
                 }
             }
         })
         .expect("spawning the committer thread")
 }
 
+fn part_timeout() -> std::time::Duration {
+    let s = std::env::var(config::PART_TIMEOUT_ENV).ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| s.is_finite() && *s > 0.0);
+    std::time::Duration::from_secs_f64(s.unwrap_or(config::PART_TIMEOUT_DEFAULT_S as f64))
+}
+
+/// Answers one part Failed, frees its lease, ends its flight.
+fn fail_part(shared: &Shared, job: Job, code: ErrorCode, reason: String) {
+    let key = job.key();
+    job.peer.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
+    drop(job.lease);
+    shared.end(key);
+}
+
+/// One rank's part: kept until its step's group is complete, then the
+/// whole group is committed as one checkpoint.
+fn gather(store: &mut Store, shared: &Shared, groups: &mut Groups, job: Job) {
+    shared.set_phase(job.key(), Phase::Queued);
+    match groups.offer(job) {
+        Offer::Pending => {}
+        Offer::Refused(job, why) => {
+            warn!("{why}");
+            fail_part(shared, *job, ErrorCode::BadRequest, why);
+        }
+        Offer::Complete(parts) => commit_group(store, shared, parts),
+    }
+}
+
+/// Commits every rank's part of one step as one checkpoint; Durable (or
+/// Failed) goes to every rank's session.
+fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
+    let step = parts[0].step;
+    if shared.is_aborting() {
+        for job in parts {
+            fail_part(shared, job, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
+        }
+        return;
+    }
+    for j in &parts {
+        shared.set_phase(j.key(), Phase::Writing);
+    }
+    let world_size = parts.len();
+    let mut layouts = Vec::with_capacity(parts.len());
+    let mut crcs = Vec::new();
+    let mut blobs = Vec::new();
+    for j in &parts {
+        let mut placed = j.layout.clone();
+        placed.rebase(j.lease.offset_bytes());
+        layouts.push(placed);
+        crcs.extend_from_slice(&j.crcs);
+        blobs.extend(j.blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }));
+    }
+    let t0 = Instant::now();
+    let r = ckpt_store::ranks::merge(layouts)
+        .map_err(CommitError::from)
+        .and_then(|merged| store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs));
+    drop(blobs);
+    let persist_seconds = t0.elapsed().as_secs_f64();
+    match r {
+        Ok(rep) => {
+            let gib_per_s = rep.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
+            info!(step, world_size, persist_s = persist_seconds, gib_per_s, "durable (every rank's part)");
+            let copy_seconds = parts.iter().map(|j| j.copy_seconds).fold(0.0, f64::max);
+            shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+            let path = rep.path.display().to_string();
+            for job in parts {
+                let key = job.key();
+                job.peer.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
+                drop(job.lease);
+                shared.end(key);
+            }
+        }
+        Err(e) => {
+            warn!(step, world_size, "commit of every rank's part failed: {e}");
+            let code = error_code(&e);
+            for job in parts {
+                fail_part(shared, job, code, e.to_string());
+            }
+        }
+    }
+}
+
 fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
-    let Job { id, step, layout, lease, crcs, blobs, peer, span, copy_seconds, waited_seconds, t_received } = job;
+    let Job { id, step, layout, lease, crcs, blobs, part: _, peer, span, copy_seconds, waited_seconds, t_received } = job;
     let _enter = span.enter();
     if shared.is_aborting() {
         warn!("aborted before writing (the sidecar is aborting)");

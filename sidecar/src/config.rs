@@ -67,3 +67,12 @@ const _: () = assert!(COPY_PIECE_BYTES % COPY_BLOCK_BYTES == 0);
 const _: () = assert!(LOAD_PWRITE_BYTES_MAX <= (isize::MAX as usize));
 const _: () = assert!(SHM_NAME_BYTES_MAX <= 255);
 const _: () = assert!(COMMIT_QUEUE_MAX >= 1);
+
+/// A multi-rank checkpoint whose every rank's part has not reached the
+/// coordinator this long after its first part is given up (never
+/// committed); `CKPT_SIDECAR_PART_TIMEOUT_S` (seconds) overrides it.
+pub const PART_TIMEOUT_DEFAULT_S: u64 = 300;
+pub const PART_TIMEOUT_ENV: &str = "CKPT_SIDECAR_PART_TIMEOUT_S";
+/// The committer looks at incomplete groups at least this often.
+pub const PART_TICK_MS: u64 = 200;
+const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);

@@ -17,6 +17,25 @@ use crate::staging::Lease;
 pub enum Flight {
     Step(u64),
     File(u64),
+    /// One rank's part of a step several ranks save (step, rank).
+    Part(u64, u32),
+}
+
+impl Flight {
+    /// The step of a checkpoint or part; None for a SaveFile.
+    pub fn step(self) -> Option<u64> {
+        match self {
+            Flight::Step(s) | Flight::Part(s, _) => Some(s),
+            Flight::File(_) => None,
+        }
+    }
+}
+
+/// Which part of a multi-rank checkpoint a Job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub rank: u32,
+    pub world_size: u32,
 }
 
 /// What the committer does next, in the order the sessions queued it.
@@ -58,11 +77,23 @@ pub struct Job {
     pub lease: Lease,
     pub crcs: Vec<u32>,
     pub blobs: Vec<ckpt_wire::Blob>,
+    /// Some: one rank's part; the committer waits for the others (coordinator).
+    pub part: Option<Part>,
     pub peer: Arc<Peer>,
     /// The checkpoint's span (step, bytes), entered around its phases.
     pub span: tracing::Span,
     pub copy_seconds: f64,
     pub waited_seconds: f64,
     pub t_received: Instant,
+}
+
+impl Job {
+    /// Its key in the in-flight registry.
+    pub fn key(&self) -> Flight {
+        match self.part {
+            Some(p) => Flight::Part(self.step, p.rank),
+            None => Flight::Step(self.step),
+        }
+    }
 }
 

@@ -12,6 +12,7 @@
 
 pub mod committer;
 pub mod config;
+pub mod coordinator;
 pub mod daemon;
 pub mod file_save;
 pub mod jobs;

@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 use ckpt_store::catalog;
 use crate::config;
 use crate::file_save;
-use crate::jobs::{RollbackJob, Work};
+use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::regions::Region;
 use crate::snapshot;
@@ -88,7 +88,10 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::Save { id, step, tensors, blobs, lazy_release } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release),
+            Request::Save { id, step, tensors, blobs, lazy_release } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
+            Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release } => {
+                snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, Some(Part { rank, world_size }))
+            }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, id, path, region_id, offset_bytes, len_bytes)
             }

@@ -21,7 +21,7 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
-use crate::jobs::{Job, Work};
+use crate::jobs::{Job, Part, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
@@ -333,8 +333,13 @@ pub fn run_save(
     tensors: Vec<TensorDesc>,
     blobs: Vec<Blob>,
     lazy_release: bool,
+    part: Option<Part>,
 ) {
     let t_received = Instant::now();
+    let key = match part {
+        Some(p) => Flight::Part(step, p.rank),
+        None => Flight::Step(step),
+    };
     let fail = |e: SaveError| {
         info!(step, code = ?e.code(), "save refused: {e}");
         peer.send(&Reply::Failed { id, step, code: e.code(), reason: e.to_string() });
@@ -345,7 +350,14 @@ pub fn run_save(
     if step > format::STEP_MAX {
         return fail(SaveError::BadRequest(format!("step {step} is above the largest step {}", format::STEP_MAX)));
     }
-    let (layout, sources) = match plan_save(&tensors, &blobs, regions, shared.layout_opts) {
+    let mut opts = shared.layout_opts;
+    if let Some(p) = part {
+        if p.world_size == 0 || p.rank >= p.world_size {
+            return fail(SaveError::BadRequest(format!("rank {} of world size {}: need 0 <= rank < world_size", p.rank, p.world_size)));
+        }
+        (opts.rank, opts.world_size) = (p.rank, p.world_size);
+    }
+    let (layout, sources) = match plan_save(&tensors, &blobs, regions, opts) {
         Ok(x) => x,
         Err(e) => return fail(e),
     };
@@ -363,11 +375,12 @@ pub fn run_save(
             shared.primary().display()
         )));
     }
-    if !shared.begin_step(step, layout.file_bytes()) {
-        return fail(SaveError::BadRequest(format!("step {step} is already in flight")));
+    if !shared.begin_step(key, layout.file_bytes()) {
+        let what = part.map_or(String::new(), |p| format!(" (rank {} of {})", p.rank, p.world_size));
+        return fail(SaveError::BadRequest(format!("step {step}{what} is already in flight")));
     }
     if let Err(e) = check_sizes(&sources) {
-        shared.end(Flight::Step(step));
+        shared.end(key);
         return fail(e);
     }
     let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
@@ -376,16 +389,16 @@ pub fn run_save(
     let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
         Ok(x) => x,
         Err(StagingError::GaveUp { why }) => {
-            shared.end(Flight::Step(step));
+            shared.end(key);
             warn!("aborted while waiting for staging: {why}");
             return fail(SaveError::Aborted(why));
         }
         Err(e) => {
-            shared.end(Flight::Step(step));
+            shared.end(key);
             return fail(SaveError::TooLarge(e.to_string()));
         }
     };
-    shared.set_phase(Flight::Step(step), Phase::Copying);
+    shared.set_phase(key, Phase::Copying);
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
     // Lazy release: checksums during the copy. Else: the copy alone, and the
@@ -402,7 +415,7 @@ pub fn run_save(
         (intact, _, why) => {
             let e = intact.err().unwrap_or(SaveError::Aborted(why.unwrap_or("stopped during the copy")));
             drop(lease);
-            shared.end(Flight::Step(step));
+            shared.end(key);
             warn!(copy_s = copy_seconds, "aborted before release, nothing written: {e}");
             return fail(e);
         }
@@ -417,13 +430,13 @@ pub fn run_save(
         info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
         crcs
     });
-    shared.set_phase(Flight::Step(step), Phase::Queued);
+    shared.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = Job { id, step, layout, lease, crcs, blobs, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };
+    let job = Job { id, step, layout, lease, crcs, blobs, part, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };
     if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
         let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
-        shared.end(Flight::Step(step));
+        shared.end(key);
         job.peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
     }
 }

@@ -135,13 +135,21 @@ impl Shared {
         }
     }
 
-    /// Registers `step` as in flight; false if it already is.
-    pub fn begin_step(&self, step: u64, bytes: u64) -> bool {
+    /// Registers `key` (a step, or one rank's part of a step) as in flight;
+    /// false if it already is, or if a whole save and a part of one step
+    /// would both be.
+    pub fn begin_step(&self, key: Flight, bytes: u64) -> bool {
         let mut m = self.in_flight.lock().expect("in-flight lock");
-        if m.contains_key(&Flight::Step(step)) {
+        let step = key.step().expect("a step key");
+        let clash = m.contains_key(&key)
+            || match key {
+                Flight::Step(_) => m.range(Flight::Part(step, 0)..=Flight::Part(step, u32::MAX)).next().is_some(),
+                _ => m.contains_key(&Flight::Step(step)),
+            };
+        if clash {
             return false;
         }
-        m.insert(Flight::Step(step), InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
+        m.insert(key, InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
         true
     }
 
@@ -224,10 +232,7 @@ impl Shared {
             .expect("in-flight lock")
             .iter()
             .map(|(key, e)| InFlight {
-                step: match key {
-                    Flight::Step(step) => *step,
-                    Flight::File(_) => 0,
-                },
+                step: key.step().unwrap_or(0),
                 file: e.file.clone(),
                 phase: e.phase.as_str().to_string(),
                 bytes: e.bytes,

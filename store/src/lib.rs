@@ -23,6 +23,7 @@ pub mod image;
 pub mod io;
 pub mod lock;
 pub mod mem;
+pub mod ranks;
 pub mod recovery;
 pub mod restore;
 pub mod retention;

@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -91,6 +91,14 @@ pub enum Request {
     /// Queued behind the saves sent before it. Reply: RolledBack or Error.
     /// Added in version 3.
     Rollback { id: u64, step: u64 },
+    /// A Save of rank `rank`'s part of a checkpoint written by `world_size`
+    /// ranks (1 ≤ world_size, rank < world_size). Replies as a Save does;
+    /// Durable comes only once every rank's part of `step` reached this
+    /// sidecar and the whole checkpoint is committed; a part whose group is
+    /// not complete within the sidecar's part timeout gets Failed, and so
+    /// do the others. Blob names must differ between the ranks' parts.
+    /// Added in version 4.
+    SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,132 @@
+//! Checkpoints written by several ranks (docs/format.md, "Ranks").
+//!
+//! Each rank's part of a step is a [`Layout`] planned with its rank and the
+//! world size, so its shards are `rank-RRRRR-of-WWWWW-shard-SSSS`; [`merge`]
+//! joins the parts of one step, every one already placed in the same staging
+//! buffer, into the one image [`crate::commit::Store::commit`] writes and
+//! commits as one checkpoint (one index, one commit point).
+//!
+//! Invariants: a merged layout holds exactly ranks `0..world_size`, each
+//! once, all planned for the same directory count; tensor names are unique
+//! across ranks (a replicated state's partition names every tensor or range
+//! once); shard staging ranges of different parts never overlap (the caller
+//! places each part in its own lease).
+
+use std::collections::{BTreeMap, HashSet};
+
+use crate::format::{self, FormatError, Index};
+use crate::image::Layout;
+
+/// Joins the parts (one per rank, in any order) of one checkpoint into one
+/// layout whose shards keep their rank's file names and staging offsets.
+pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
+    let bad = |m: String| Err(FormatError::Index(m));
+    if parts.is_empty() {
+        return bad("no parts to merge".into());
+    }
+    parts.sort_by_key(|p| p.opts.rank);
+    let world_size = parts[0].opts.world_size;
+    let n_dirs = parts[0].opts.n_dirs;
+    if parts.len() != world_size as usize {
+        return bad(format!("{} parts for a world size of {world_size}", parts.len()));
+    }
+    for (r, p) in parts.iter().enumerate() {
+        if p.opts.world_size != world_size || p.opts.n_dirs != n_dirs {
+            return bad(format!("rank {} was planned for world size {} and {} directories, rank 0 for {world_size} and {n_dirs}", p.opts.rank, p.opts.world_size, p.opts.n_dirs));
+        }
+        if p.opts.rank != r as u32 {
+            return bad(format!("rank {r} is missing (or sent twice)"));
+        }
+    }
+    let mut names = HashSet::new();
+    let mut out = Layout { specs: Vec::new(), places: Vec::new(), shards: Vec::new(), opts: parts[0].opts, staging_len: 0 };
+    out.opts.rank = 0;
+    for p in parts {
+        for s in &p.specs {
+            if !names.insert(s.name.clone()) {
+                return Err(FormatError::DuplicateTensor(s.name.clone()));
+            }
+        }
+        let (n_specs, n_shards) = (out.specs.len(), out.shards.len());
+        out.staging_len = out.staging_len.max(p.staging_len);
+        out.specs.extend(p.specs);
+        out.places.extend(p.places.into_iter().map(|mut pl| {
+            pl.shard_idx += n_shards;
+            pl
+        }));
+        out.shards.extend(p.shards.into_iter().map(|mut sh| {
+            sh.tensors.iter_mut().for_each(|t| *t += n_specs);
+            sh
+        }));
+    }
+    Ok(out)
+}
+
+/// The rank that wrote a shard, from its name (`rank-RRRRR-of-...`).
+pub fn rank_of_file(name: &str) -> Option<u32> {
+    if !format::is_shard_file_name(name) {
+        return None;
+    }
+    name["rank-".len().."rank-".len() + 5].parse().ok()
+}
+
+/// Bytes of shard files per rank (every rank of the world size listed,
+/// those with no file at 0).
+pub fn bytes_per_rank(index: &Index) -> BTreeMap<u32, u64> {
+    let mut out: BTreeMap<u32, u64> = (0..index.ckpt.world_size).map(|r| (r, 0)).collect();
+    for f in &index.ckpt.files {
+        if let Some(r) = rank_of_file(&f.name) {
+            *out.entry(r).or_default() += f.len_bytes;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Dtype;
+    use crate::image::{LayoutOptions, TensorSpec};
+
+    fn part(rank: u32, world_size: u32, names: &[&str]) -> Layout {
+        let specs = names.iter().map(|n| TensorSpec::new(*n, Dtype::F32, &[1000])).collect();
+        Layout::plan(specs, LayoutOptions { rank, world_size, ..Default::default() }).unwrap()
+    }
+
+    #[test]
+    fn parts_merge_into_one_image_with_every_rank_named() {
+        let mut a = part(0, 2, &["a", "b"]);
+        let mut b = part(1, 2, &["c"]);
+        a.rebase(0);
+        b.rebase(a.staging_len);
+        let m = merge(vec![b.clone(), a.clone()]).unwrap();
+        assert_eq!(m.specs.len(), 3);
+        assert_eq!(m.shards.len(), a.shards.len() + b.shards.len());
+        assert!(m.shards[0].file_name.starts_with("rank-00000-of-00002"));
+        assert!(m.shards.last().unwrap().file_name.starts_with("rank-00001-of-00002"));
+        assert_eq!(m.staging_len, b.staging_len);
+        // Every tensor keeps its staging place and finds its shard.
+        let c = m.specs.iter().position(|s| s.name == "c").unwrap();
+        assert_eq!(m.places[c].staging_offset, b.places[0].staging_offset);
+        assert!(m.shards[m.places[c].shard_idx].tensors.contains(&c));
+        let idx = m.index(1, &[1, 2, 3], &[], vec![]);
+        assert_eq!(idx.ckpt.world_size, 2);
+        let per = bytes_per_rank(&idx);
+        assert_eq!(per.len(), 2);
+        assert!(per[&0] > per[&1] && per[&1] > 0);
+    }
+
+    #[test]
+    fn missing_duplicate_and_mismatched_parts_are_refused() {
+        assert!(merge(vec![part(0, 2, &["a"])]).is_err());
+        assert!(merge(vec![part(0, 2, &["a"]), part(0, 2, &["b"])]).is_err());
+        assert!(merge(vec![part(0, 2, &["a"]), part(1, 3, &["b"])]).is_err());
+        assert!(matches!(merge(vec![part(0, 2, &["a"]), part(1, 2, &["a"])]), Err(FormatError::DuplicateTensor(_))));
+    }
+
+    #[test]
+    fn ranks_are_read_from_shard_names() {
+        assert_eq!(rank_of_file(&format::shard_file_name(3, 4, 1)), Some(3));
+        assert_eq!(rank_of_file("x.safetensors"), None);
+    }
+}

@@ -27,12 +27,14 @@ import weakref
 import numpy as np
 
 from . import _native as N
+from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, torch_module, unflatten
 from .errors import Closed, ConnectFailed, Disconnected, NotFound, SidecarError, Timeout
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
 RNG_BLOB = "rng.pkl"
+PARTS_BLOB = "parts.pkl"  # a multi-rank save: world size and the tensors saved in pieces (rank 0's)
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
@@ -287,6 +289,16 @@ class Checkpointer:
     preemption: turn SIGTERM (a scheduler's notice before it kills the job) into
         `preempted()` returning True, instead of ending the process; see preempted().
 
+    Ranks: the rank and world size come from torch.distributed when it is
+    initialised, else from RANK / WORLD_SIZE (ck.rank, ck.world_size). With a
+    world size above 1, save() takes the state as replicated (every rank holds
+    it alike, as under DDP) and each rank sends only its part (dist.partition:
+    balanced in bytes); every rank must save the same step, and the sidecar
+    commits it once every rank's part is there (then each handle is durable).
+    load() gives every rank the whole state, whatever world size wrote it.
+    Every rank of a node must reach the same sidecar (`ckpt-sidecar launch --
+    torchrun ...`, or CKPT_SIDECAR_SOCKET naming one per node).
+
     A constructor that raises has released everything it took (lock, folder,
     sidecar); a Checkpointer collected without close() is closed by the
     garbage collector.
@@ -330,6 +342,9 @@ class Checkpointer:
                 self._spawn()
             else:
                 self._check_dir(dir)
+            self.rank, self.world_size, self.local_rank = dist.rank_info()
+            if self.world_size > 1:
+                N.check(N.lib().ckpt_set_rank(self._client, self.rank, self.world_size))
             if preemption:
                 # The C shim's handler (the one preload mode installs): the first
                 # SIGTERM only sets the flag ckpt_preempted() reads; a second one
@@ -589,7 +604,18 @@ class Checkpointer:
             self._ensure()
             fl = Flattener()
             skeleton = fl.walk(state)
-            plan, direct, copy_bytes = self._plan(fl.leaves)
+            leaves, blobs_py = fl.leaves, [(STRUCTURE_BLOB, pickle.dumps((SKELETON_VERSION, skeleton), protocol=4))]
+            if rng:
+                blobs_py.append((RNG_BLOB, pickle.dumps(capture_rng(), protocol=4)))
+            if self.world_size > 1:
+                # This rank's part of the replicated state; the structure and
+                # the split map once (rank 0), the RNG state per rank.
+                leaves, split = dist.rank_leaves(leaves, self.rank, self.world_size)
+                parts = pickle.dumps({"world_size": self.world_size, "split": split}, protocol=4)
+                blobs_py = blobs_py[:1] + [(PARTS_BLOB, parts)] if self.rank == 0 else []
+                if rng:
+                    blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
+            plan, direct, copy_bytes = self._plan(leaves)
             region = self._take(copy_bytes) if copy_bytes else None
             descs = (N.Tensor * max(len(plan), 1))()
             keep = []
@@ -600,10 +626,7 @@ class Checkpointer:
                     shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
                     keep += [name, dt, shp]
                     descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
-                blobs_py = [(STRUCTURE_BLOB, pickle.dumps((SKELETON_VERSION, skeleton), protocol=4))]
-                if rng:
-                    blobs_py.append((RNG_BLOB, pickle.dumps(capture_rng(), protocol=4)))
-                blobs = (N.Blob * len(blobs_py))()
+                blobs = (N.Blob * max(len(blobs_py), 1))()
                 for i, (bn, data) in enumerate(blobs_py):
                     keep += [bn.encode(), data]
                     blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
@@ -739,8 +762,21 @@ class Checkpointer:
             self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
             infos = self._loaded_tensors()
             skel = self._loaded_blob(STRUCTURE_BLOB)
-            rng_blob = self._loaded_blob(RNG_BLOB) if restore_rng else None
-            total = sum(_align(i[3]) for i in infos)
+            parts = self._loaded_blob(PARTS_BLOB)
+            parts = pickle.loads(parts) if parts is not None else {"world_size": 1, "split": {}}
+            rng_blob = self._loaded_rng(parts["world_size"]) if restore_rng else None
+            # Tensors saved in pieces (several ranks' parts) are put back
+            # together in place: each piece is loaded at its offset in one slot.
+            piece_at = {pn: (g, a) for g, sp in parts["split"].items() for pn, a, b in sp["pieces"]}
+            slots = [i for i in infos if i[0] not in piece_at]
+            piece_isz = {}
+            for name, dt, shape, nbytes in infos:
+                if name in piece_at and nbytes:
+                    piece_isz[piece_at[name][0]] = nbytes // shape[0]
+            for g, sp in parts["split"].items():
+                n_elems = max((b for _, _, b in sp["pieces"]), default=0)
+                slots.append((g, sp["dtype"], sp["shape"], n_elems * piece_isz.get(g, 0)))
+            total = sum(_align(i[3]) for i in slots)
             if total and (self._load_region is None or self._load_region.len_bytes < total):
                 if self._load_region is not None:
                     self._free_region(self._load_region)
@@ -748,20 +784,22 @@ class Checkpointer:
             region = self._load_region
             descs = (N.Tensor * max(len(infos), 1))()
             keep, offs, n, off = [], {}, 0, 0
-            for name, dt, shape, nbytes in infos:
+            for name, dt, shape, nbytes in slots:
                 offs[name] = off
+                off += _align(nbytes)
+            for name, dt, shape, nbytes in infos:
                 if nbytes == 0:
                     continue
+                at = offs[name] if name not in piece_at else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
                 bn, bd = name.encode(), dt.encode()
                 shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
                 keep += [bn, bd, shp]
-                descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + off, nbytes)
+                descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + at, nbytes)
                 n += 1
-                off += _align(nbytes)
             if n:
                 N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
             if skel is None:
-                values = {name: _plain_array(region, offs[name], dt, shape, nbytes) for name, dt, shape, nbytes in infos}
+                values = {name: _plain_array(region, offs[name], dt, shape, nbytes) for name, dt, shape, nbytes in slots}
                 result = values
             else:
                 version, skeleton = pickle.loads(skel)
@@ -769,7 +807,7 @@ class Checkpointer:
                     raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
                 refs = {}
                 _collect_refs(skeleton, refs)
-                by_name = {i[0]: i for i in infos}
+                by_name = {i[0]: i for i in slots}
                 values = {}
                 for name, ref in refs.items():
                     if name not in by_name:
@@ -782,6 +820,16 @@ class Checkpointer:
             elif restore_rng:
                 warnings.warn(f"checkpoint {got.value} holds no RNG state (save it with rng=True)")
             return result
+
+    def _loaded_rng(self, saved_world_size):
+        """The RNG blob for this rank: its own when the world size is the one
+        that saved; a single-rank checkpoint's otherwise."""
+        if saved_world_size > 1:
+            if saved_world_size != self.world_size:
+                warnings.warn(f"checkpoint written by {saved_world_size} ranks, loaded by {self.world_size}: "
+                              f"rank {self.rank} gets rank {self.rank % saved_world_size}'s RNG state")
+            return self._loaded_blob(dist.rng_blob_name(self.rank % saved_world_size))
+        return self._loaded_blob(RNG_BLOB)
 
     def _loaded_tensors(self):
         L = N.lib()

@@ -1,0 +1,118 @@
+"""Several ranks on one node: `ckpt-sidecar launch -- torchrun
+--nproc-per-node 2` (gloo, CPU) saves a replicated state as two balanced
+parts committed as one checkpoint, which loads whole in a single process
+and per rank (RNG back) under torchrun again; a rank that dies before its
+part means the step never commits; trainers killed after every part was
+released still get their step committed."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = pathlib.Path(__file__).parent
+WORKER = HERE / "dist" / "replicated_train.py"
+sys.path.insert(0, str(HERE / "dist"))
+
+
+def torchrun():
+    p = pathlib.Path(sys.executable).with_name("torchrun")
+    if not p.exists():
+        pytest.skip(f"skipped: no torchrun beside {sys.executable}")
+    return str(p)
+
+
+def launch(tmp_path, ckdir, step, mode, vocab=5000, nproc=2, env_extra=None, check=True):
+    from conftest import sidecar_bin
+
+    env = dict(os.environ)
+    env.pop("CKPT_SIDECAR_SOCKET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE / "dist"), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    cmd = [sidecar_bin(), "launch", "--dir", str(ckdir), "--staging", "256MiB", "--",
+           torchrun(), "--standalone", "--nproc-per-node", str(nproc), str(WORKER), str(ckdir), str(step), mode, str(vocab)]
+    for f in tmp_path.glob("result-*.json"):
+        f.unlink()
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result-*.json"))]
+    return r, results
+
+
+def load_single(ckdir, step="latest"):
+    """The whole state, in this process (world size 1, its own sidecar)."""
+    from ckpt_sidecar import Checkpointer
+
+    with Checkpointer(dir=str(ckdir)) as ck:
+        assert ck.world_size == 1
+        return ck.load(step)
+
+
+def shard_bytes(stepdir):
+    per = {}
+    for f in stepdir.iterdir():
+        if f.name.endswith(".safetensors"):
+            per.setdefault(f.name[: len("rank-00000-of-00002")], 0)
+            per[f.name[: len("rank-00000-of-00002")]] += f.stat().st_size
+    return per
+
+
+@pytest.mark.parametrize("vocab", [5000, 60000])
+def test_two_ranks_save_balanced_parts_that_load_whole_and_per_rank(tmp_path, vocab):
+    # vocab 60000: the embedding alone is more than half the state, so it is
+    # saved in ranges by both ranks and put back together on load.
+    from replicated_train import state
+
+    ckdir = tmp_path / "ckpt"
+    _, saved = launch(tmp_path, ckdir, 1, "save", vocab)
+    assert [s["rank"] for s in saved] == [0, 1] and all(s["world_size"] == 2 for s in saved)
+    per = shard_bytes(ckdir / "step-000000000001")
+    assert set(per) == {"rank-00000-of-00002", "rank-00001-of-00002"}, per
+    a, b = per.values()
+    assert abs(a - b) <= 0.1 * max(a, b), per
+    index = json.loads((ckdir / "step-000000000001" / "model.safetensors.index.json").read_text())
+    assert index["ckpt"]["world_size"] == 2
+    split = any("#elems[" in name for name in index["ckpt"]["tensors"])
+    assert split == (vocab == 60000)
+
+    got = load_single(ckdir)
+    want = state(vocab=vocab)
+    assert got["note"] == "replicated" and set(got["model"]) == set(want)
+    for k, v in want.items():
+        assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k
+
+    # Same world size: every rank gets the whole state and its own RNG back.
+    _, loaded = launch(tmp_path, ckdir, 1, "load", vocab)
+    assert [x["equal"] for x in loaded] == [True, True]
+    assert [x["rng_next"] for x in loaded] == [x["rng_next"] for x in saved]
+    assert loaded[0]["rng_next"] != loaded[1]["rng_next"]
+
+
+def test_a_rank_that_dies_before_its_part_means_the_step_never_commits(tmp_path):
+    ckdir = tmp_path / "ckpt"
+    launch(tmp_path, ckdir, 1, "save")
+    r, _ = launch(tmp_path, ckdir, 2, "die", env_extra={"CKPT_SIDECAR_PART_TIMEOUT_S": "3"}, check=False)
+    assert r.returncode != 0  # torchrun reports the killed rank
+    assert "sent no released part" in r.stderr or "sent no released part" in r.stdout, r.stderr[-3000:]
+    names = sorted(p.name for p in ckdir.iterdir() if p.name.startswith((".tmp-", "step-")))
+    assert names == ["step-000000000001"], names
+    assert (ckdir / "latest").read_text().strip() == "step-000000000001"
+    assert set(load_single(ckdir)["model"]) == set(load_single(ckdir, 1)["model"])
+
+
+def test_trainers_killed_after_every_part_was_released_still_commit(tmp_path):
+    ckdir = tmp_path / "ckpt"
+    r, _ = launch(tmp_path, ckdir, 5, "killall", check=False)
+    assert r.returncode != 0
+    assert (ckdir / "step-000000000005" / "model.safetensors.index.json").exists(), r.stderr[-3000:]
+    per = shard_bytes(ckdir / "step-000000000005")
+    assert set(per) == {"rank-00000-of-00002", "rank-00001-of-00002"}
+    from replicated_train import state
+
+    got = load_single(ckdir)
+    assert all(torch.equal(got["model"][k], v) for k, v in state().items())

@@ -615,6 +615,13 @@ class Checkpointer:
                 blobs_py = blobs_py[:1] + [(PARTS_BLOB, parts)] if self.rank == 0 else []
                 if rng:
                     blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
+            return self._save_leaves(step, leaves, blobs_py, t0)
+
+    def _save_leaves(self, step, leaves, blobs_py, t0):
+        """Sends [(TensorRef, tensor)] and [(blob name, bytes)] as `step` (this
+        rank's part when the world size is above 1); returns the SaveHandle."""
+        with self._mu:
+            self._ensure()
             plan, direct, copy_bytes = self._plan(leaves)
             region = self._take(copy_bytes) if copy_bytes else None
             descs = (N.Tensor * max(len(plan), 1))()

@@ -55,9 +55,11 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                         break;
                     }
                 }
-                if shared.is_aborting() {
+                // Draining, no new part is accepted: an incomplete group never completes.
+                if shared.is_aborting() || shared.is_draining() {
                     for job in groups.take_all() {
-                        fail_part(&shared, job, ErrorCode::ShuttingDown, "the sidecar is aborting".into());
+                        let why = format!("step {}: the sidecar is shutting down before every rank's part arrived; the step is not committed", job.step);
+                        fail_part(&shared, job, ErrorCode::ShuttingDown, why);
                     }
                 }
                 for (step, world_size, missing, parts) in groups.expire(Instant::now()) {

@@ -1,0 +1,232 @@
+"""torch.distributed.checkpoint through the sidecar: `SidecarWriter` and
+`SidecarReader`, a StorageWriter / StorageReader pair, so that `dcp.save`,
+`dcp.async_save` and `dcp.load` keep DCP's planning and resharding
+(FSDP, DTensor, replicated state deduplicated across ranks) while the
+sidecar does the snapshot, the write and the one commit across ranks.
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt_sidecar.dcp import SidecarWriter, SidecarReader
+    dcp.save(state, storage_writer=SidecarWriter("ckpt"))          # every rank
+    dcp.load(state, storage_reader=SidecarReader("ckpt"))          # any world size
+
+How a save maps onto the sidecar: each rank's write items (tensors, or
+chunks of sharded tensors, and pickled objects as U8 tensors) are that
+rank's part of the step (SavePart, files rank-RRRRR-of-WWWWW-...); the
+coordinator sends its own part last, from `finish`, with DCP's Metadata
+(storage_data: item → tensor name) as the blob `dcp.metadata.pkl`, and
+waits until the sidecar has committed every rank's part as one checkpoint.
+Other ranks wait in `write_data` only until their part is copied
+(released); DCP's closing collective makes `dcp.save` return on every rank
+after the coordinator's `finish`, so after the commit.
+
+`dcp.async_save` works as with any StorageWriter (DCP stages to CPU first).
+The writer is also an AsyncStager whose `stage` returns the state as is:
+the sidecar's copy into its staging memory is the snapshot.
+
+Shards are our safetensors shards; torch's HuggingFaceStorageReader cannot
+read such a checkpoint (it expects its own per-shard metadata in the
+safetensors header and fqn-named whole tensors); the safetensors library can
+read every shard, and `ckpt_sidecar.Checkpointer.load` the whole checkpoint.
+"""
+import dataclasses
+import io
+import pickle
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from ._tree import Flattener
+from .checkpointer import Checkpointer
+
+METADATA_BLOB = "dcp.metadata.pkl"
+
+
+def _item_name(index: MetadataIndex):
+    """The stored tensor name of one write item: its fully qualified name, and
+    for a chunk not at the origin, the chunk's offsets."""
+    off = tuple(index.offset) if index.offset is not None else ()
+    if any(off):
+        return f"{index.fqn}@[{','.join(str(o) for o in off)}]"
+    return index.fqn
+
+
+def _done(value):
+    f = torch.futures.Future()
+    f.set_result(value)
+    return f
+
+
+class SidecarWriter(StorageWriter):
+    """A StorageWriter that saves through the sidecar into `dir` as `step`
+    (None: the step after the newest committed one). Extra keyword
+    arguments go to the Checkpointer (socket, staging, ...)."""
+
+    # AsyncStager: the sidecar's copy is the snapshot; nothing to stage here.
+    _synchronize_after_execute = False
+
+    def __init__(self, dir, step=None, **checkpointer_kwargs):
+        super().__init__()
+        self.dir = str(dir)
+        self.step = step
+        self._kw = checkpointer_kwargs
+        self._ck = None
+        self._own_part = None
+        self.is_coordinator = False
+
+    def _checkpointer(self):
+        if self._ck is None:
+            self._ck = Checkpointer(dir=self.dir, **self._kw)
+        return self._ck
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        if self._ck is not None:
+            self._ck.close()
+            self._ck = None
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.dir = str(checkpoint_id)
+        self._own_part = None
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        # The coordinator picks the step once; every rank reads it from its plan.
+        step = self.step
+        if step is None:
+            latest = self._checkpointer().latest()
+            step = 0 if latest is None else latest + 1
+        return [dataclasses.replace(p, storage_data=int(step)) for p in plans]
+
+    def write_data(self, plan, planner):
+        step = plan.storage_data if plan.storage_data is not None else self.step
+        named, results = {}, []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            name = _item_name(item.index)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                t = np.frombuffer(raw, dtype=np.uint8).copy()
+                n = t.nbytes
+            else:
+                t = data.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                n = t.numel() * t.element_size()
+            named[name] = t
+            results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=name))
+        if self.is_coordinator:
+            # Sent from finish(), with the metadata: the part that completes the step.
+            self._own_part = (step, named)
+        else:
+            h = self._send(step, named, [])
+            h.wait_released()
+        return _done(results)
+
+    def _send(self, step, named, blobs):
+        ck = self._checkpointer()
+        fl = Flattener()
+        fl.walk(named)
+        for ref, _ in fl.leaves:
+            assert ref.name in named, f"tensor name {ref.name!r} does not survive as a stored name"
+        return ck._save_leaves(step, fl.leaves, blobs, 0.0)
+
+    def finish(self, metadata: Metadata, results):
+        storage_md = {}
+        for rank_results in results:
+            for r in rank_results:
+                storage_md[r.index] = r.storage_data
+        metadata.storage_data = storage_md
+        step, named = self._own_part
+        self._own_part = None
+        h = self._send(step, named, [(METADATA_BLOB, pickle.dumps(metadata, protocol=4))])
+        h.wait_durable()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return True
+
+    def storage_meta(self):
+        return None
+
+
+class SidecarReader(StorageReader):
+    """A StorageReader of checkpoint `step` ("latest": the newest good one)
+    of `dir`, loaded and verified by the sidecar (every byte checked against
+    the index's checksums), whatever world size wrote it."""
+
+    def __init__(self, dir, step="latest", **checkpointer_kwargs):
+        super().__init__()
+        self.dir = str(dir)
+        self.step = step
+        self._kw = checkpointer_kwargs
+        self._values = None
+        self._metadata = None
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.dir = str(checkpoint_id)
+        self._values = None
+
+    def _load(self):
+        if self._values is None:
+            with Checkpointer(dir=self.dir, **self._kw) as ck:
+                values = ck.load(self.step)
+                blob = ck._loaded_blob(METADATA_BLOB)
+                self.loaded_step = ck.last_load_step
+            if blob is None:
+                raise ValueError(f"checkpoint {self.loaded_step} in {self.dir} was not written by SidecarWriter "
+                                 f"(no {METADATA_BLOB}); load it with Checkpointer.load")
+            self._values, self._metadata = values, pickle.loads(blob)
+        return self._values
+
+    def read_metadata(self, *args, **kwargs):
+        self._load()
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        self._metadata = self._metadata or metadata
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner):
+        values = self._load()
+        names = self._metadata.storage_data
+        for req in plan.items:
+            arr = values[names[req.storage_index]]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(np.ascontiguousarray(arr).tobytes()))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            src = torch.from_numpy(arr if arr.flags.c_contiguous else arr.copy())  # (ascontiguousarray makes 0-d 1-d)
+            if src.dtype != target.dtype:
+                # BF16 and F8 come back as raw uint16 / uint8: same bytes, other view.
+                src = src.view(target.dtype)
+            for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, o, n)
+            if target.size() != src.size():
+                raise AssertionError(f"{req.storage_index}: stored chunk {tuple(src.size())} vs target {tuple(target.size())}")
+            target.copy_(src)
+            planner.commit_tensor(req, target)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return True

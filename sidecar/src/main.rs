@@ -382,22 +382,26 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let latest = catalog::latest_step(dir)?;
     let mut rows = Vec::new();
     for s in steps {
-        let (tensors, bytes) = match restore::read_index(dir, s) {
-            Ok(i) => (Some(i.ckpt.tensors.len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>())),
-            Err(_) => (None, None),
+        let (tensors, bytes, world_size, per_rank) = match restore::read_index(dir, s) {
+            Ok(i) => {
+                let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
+                (Some(i.ckpt.tensors.len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
+            }
+            Err(_) => (None, None, None, None),
         };
-        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes}));
+        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
     }
     if json {
         println!("{}", json!({"dir": dir, "latest": latest, "checkpoints": rows}));
     } else if rows.is_empty() {
         println!("{}: no committed checkpoint", dir.display());
     } else {
-        println!("{:>12}  {:>8}  {:>12}  LATEST", "STEP", "TENSORS", "BYTES");
+        println!("{:>12}  {:>5}  {:>8}  {:>12}  LATEST", "STEP", "RANKS", "TENSORS", "BYTES");
         for r in &rows {
             println!(
-                "{:>12}  {:>8}  {:>12}  {}",
+                "{:>12}  {:>5}  {:>8}  {:>12}  {}",
                 r["step"].as_u64().unwrap_or_default(),
+                r["world_size"].as_u64().map_or("?".into(), |t| t.to_string()),
                 r["tensors"].as_u64().map_or("?".into(), |t| t.to_string()),
                 r["bytes"].as_u64().map_or("unreadable index".into(), human_bytes),
                 if r["latest"].as_bool() == Some(true) { "*" } else { "" }
@@ -466,6 +470,7 @@ fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode
     let c = &index.ckpt;
     let bytes: u64 = c.files.iter().map(|f| f.len_bytes).sum();
     println!("step {} in {}: {} tensors, {} files, {}", c.step, catalog::step_path(dir, step).display(), c.tensors.len(), c.files.len(), human_bytes(bytes));
+    println!("{}", ckpt_store::ranks::describe(&index));
     println!("{:<48} {:<8} {:<20} {:>12}  FILE", "TENSOR", "DTYPE", "SHAPE", "BYTES");
     for (name, t) in &c.tensors {
         println!("{:<48} {:<8} {:<20} {:>12}  {}", name, t.dtype.as_str(), format!("{:?}", t.shape), t.data_offsets[1] - t.data_offsets[0], t.file);
@@ -507,15 +512,26 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
             }
         })?;
         damaged |= !r.problems.is_empty();
+        // Ranks as the index says (verify just checked it, or said why not).
+        let index = restore::read_index(dir, s).ok();
+        let ranks_line = index.as_ref().map(ckpt_store::ranks::describe);
         if !json {
-            if let Some(b) = &bar {
-                b.suspend(|| print_verify(&r));
-            } else {
+            let print = || {
                 print_verify(&r);
+                if let Some(l) = &ranks_line {
+                    println!("  {l}");
+                }
+            };
+            if let Some(b) = &bar {
+                b.suspend(print);
+            } else {
+                print();
             }
         }
         results.push(json!({
             "step": r.step, "ok": r.problems.is_empty(), "files": r.files, "tensors": r.tensors, "bytes": r.bytes,
+            "world_size": index.as_ref().map(|i| i.ckpt.world_size),
+            "bytes_per_rank": index.as_ref().map(|i| ckpt_store::ranks::bytes_per_rank(i).into_values().collect::<Vec<u64>>()),
             "seconds": r.seconds, "problems": r.problems.iter().map(|p| json!({"file": p.file, "tensor": p.tensor, "what": p.what})).collect::<Vec<_>>(),
         }));
     }

@@ -82,6 +82,16 @@ pub fn bytes_per_rank(index: &Index) -> BTreeMap<u32, u64> {
     out
 }
 
+/// One line for people: "world size 2; rank 0: 6.4 MiB, rank 1: 6.5 MiB
+/// (spread 2.0 %)", the spread being max/min − 1 of the ranks' bytes.
+pub fn describe(index: &Index) -> String {
+    let per = bytes_per_rank(index);
+    let list: Vec<String> = per.iter().map(|(r, b)| format!("rank {r}: {}", crate::units::human_bytes(*b))).collect();
+    let (lo, hi) = (per.values().copied().min().unwrap_or(0), per.values().copied().max().unwrap_or(0));
+    let spread = if lo == 0 { "-".to_string() } else { format!("{:.1} %", (hi as f64 / lo as f64 - 1.0) * 100.0) };
+    format!("world size {}; {} (spread {spread})", index.ckpt.world_size, list.join(", "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +124,8 @@ mod tests {
         let per = bytes_per_rank(&idx);
         assert_eq!(per.len(), 2);
         assert!(per[&0] > per[&1] && per[&1] > 0);
+        let line = describe(&idx);
+        assert!(line.starts_with("world size 2; rank 0: ") && line.contains("rank 1: ") && line.contains("spread"), "{line}");
     }
 
     #[test]

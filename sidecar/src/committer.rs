@@ -82,12 +82,13 @@ fn part_timeout() -> std::time::Duration {
     std::time::Duration::from_secs_f64(s.unwrap_or(config::PART_TIMEOUT_DEFAULT_S as f64))
 }
 
-/// Answers one part Failed, frees its lease, ends its flight.
+/// Frees one part's lease, ends its flight, then answers it Failed (so a
+/// client that saves the step again at once does not find it in flight).
 fn fail_part(shared: &Shared, job: Job, code: ErrorCode, reason: String) {
     let key = job.key();
-    job.peer.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
     drop(job.lease);
     shared.end(key);
+    job.peer.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
 }
 
 /// One rank's part: kept until its step's group is complete, then the
@@ -143,9 +144,9 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             let path = rep.path.display().to_string();
             for job in parts {
                 let key = job.key();
-                job.peer.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
                 drop(job.lease);
                 shared.end(key);
+                job.peer.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
             }
         }
         Err(e) => {

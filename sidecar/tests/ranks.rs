@@ -1,0 +1,172 @@
+//! Saves of several ranks through the real binary: every rank's SavePart of
+//! a step is committed as one checkpoint (files per rank, world size in the
+//! index), Durable reaching each rank only then; a step some rank never
+//! sends is given up after the part timeout with nothing left on disk; a
+//! part of another world size is refused alone.
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ckpt_store::restore::{self, ReadOptions, Which};
+use ckpt_store::{catalog, ranks};
+use ckpt_wire::{Blob, ErrorCode, Reply, Request, TensorDesc};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
+
+struct Sidecar {
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+    log: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Sidecar {
+    fn start(part_timeout_s: &str) -> Sidecar {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, socket, log) = (tmp.path().join("ckpt"), tmp.path().join("run").join("s.sock"), tmp.path().join("sidecar.log"));
+        let child = Command::new(BIN)
+            .args(["serve", "--staging", "64MiB", "--dir"])
+            .arg(&dir)
+            .arg("--socket")
+            .arg(&socket)
+            .env("CKPT_SIDECAR_PART_TIMEOUT_S", part_timeout_s)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while UnixStream::connect(&socket).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "sidecar did not listen: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Sidecar { child, socket, dir, log, _tmp: tmp }
+    }
+
+    fn client(&self) -> UnixStream {
+        let mut s = UnixStream::connect(&self.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("ranks-test")).unwrap();
+        assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::Welcome { .. }));
+        s
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A shared-memory segment filled with `seed`-dependent bytes, registered as region 1.
+struct Shm {
+    name: String,
+    bytes: Vec<u8>,
+}
+
+fn register(s: &mut UnixStream, rank: u32, len: usize) -> Shm {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let name = format!("/ckpt-ranks-test-{}-{rank}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let mut bytes = vec![0u8; len];
+    ckpt_store::synthetic::fill(&mut bytes, 7 + rank as u64);
+    let c = std::ffi::CString::new(name.clone()).unwrap();
+    // SAFETY: plain libc calls with checked results on a segment of our own name.
+    unsafe {
+        libc::shm_unlink(c.as_ptr());
+        let fd = libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600);
+        assert!(fd >= 0);
+        assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), len, 0), len as isize);
+        libc::close(fd);
+    }
+    ckpt_wire::write_frame(s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: name.clone(), len_bytes: len as u64 }).unwrap();
+    assert!(matches!(ckpt_wire::read_frame::<Reply>(s).unwrap(), Reply::RegionRegistered { .. }));
+    Shm { name, bytes }
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let c = std::ffi::CString::new(self.name.clone()).unwrap();
+        // SAFETY: unlinking our own name.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+fn part(s: &mut UnixStream, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
+    let req = Request::SavePart { id: 10 + rank as u64, step, rank, world_size, tensors, blobs, lazy_release: rank % 2 == 0 };
+    ckpt_wire::write_frame(s, &req).unwrap();
+}
+
+fn reply(s: &mut UnixStream) -> Reply {
+    ckpt_wire::read_frame::<Reply>(s).unwrap()
+}
+
+fn f32s(name: &str, n: u64, offset_bytes: u64) -> TensorDesc {
+    TensorDesc { name: name.into(), dtype: "F32".into(), shape: vec![n], region_id: 1, offset_bytes, len_bytes: 4 * n }
+}
+
+fn hidden(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp")).collect()
+}
+
+#[test]
+fn every_ranks_part_commits_as_one_checkpoint_and_only_then_is_durable() {
+    let sc = Sidecar::start("300");
+    let (mut a, mut b) = (sc.client(), sc.client());
+    let (sa, sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    part(&mut a, 3, 0, 2, vec![f32s("w.0", 100_000, 0)], vec![Blob { name: "structure.pkl".into(), bytes: b"s".to_vec() }]);
+    assert!(matches!(reply(&mut a), Reply::Released { step: 3, .. }));
+    // Rank 0 alone: released, but not committed until rank 1's part is here.
+    assert!(!catalog::is_committed(&sc.dir, 3));
+    part(&mut b, 3, 1, 2, vec![f32s("w.1", 90_000, 4096), f32s("b.1", 10_000, 400_000)], vec![Blob { name: "rng.rank-00001.pkl".into(), bytes: b"r1".to_vec() }]);
+    assert!(matches!(reply(&mut b), Reply::Released { step: 3, .. }));
+    for s in [&mut a, &mut b] {
+        match reply(s) {
+            Reply::Durable { step: 3, path, .. } => assert!(path.ends_with("step-000000000003")),
+            other => panic!("expected Durable, got {other:?}"),
+        }
+    }
+    let index = restore::read_index(&sc.dir, 3).unwrap();
+    assert_eq!(index.ckpt.world_size, 2);
+    let per = ranks::bytes_per_rank(&index);
+    assert_eq!(per.len(), 2);
+    assert!(index.ckpt.files.iter().any(|f| f.name.starts_with("rank-00000-of-00002")));
+    assert!(index.ckpt.files.iter().any(|f| f.name.starts_with("rank-00001-of-00002")));
+    let l = restore::load(&sc.dir, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.tensor("w.0").unwrap(), &sa.bytes[..400_000]);
+    assert_eq!(l.tensor("w.1").unwrap(), &sb.bytes[4096..4096 + 360_000]);
+    assert_eq!(l.tensor("b.1").unwrap(), &sb.bytes[400_000..440_000]);
+    assert_eq!(l.blobs["rng.rank-00001.pkl"], b"r1");
+    assert!(hidden(&sc.dir).is_empty());
+}
+
+#[test]
+fn a_step_some_rank_never_sends_is_given_up_and_a_stray_world_size_refused() {
+    let sc = Sidecar::start("1.5");
+    let (mut a, mut b) = (sc.client(), sc.client());
+    let (_sa, _sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    part(&mut a, 4, 0, 2, vec![f32s("w.0", 1000, 0)], vec![]);
+    assert!(matches!(reply(&mut a), Reply::Released { step: 4, .. }));
+    // Rank 1 thinks the world has 3 ranks: whichever part reaches the
+    // coordinator second is refused alone; the first waits and times out.
+    part(&mut b, 4, 1, 3, vec![f32s("w.1", 1000, 0)], vec![]);
+    assert!(matches!(reply(&mut b), Reply::Released { .. }));
+    let reasons = [&mut a, &mut b].map(|s| match reply(s) {
+        Reply::Failed { step: 4, code, reason, .. } => (code, reason),
+        other => panic!("expected Failed, got {other:?}"),
+    });
+    let refused = reasons.iter().filter(|(c, r)| *c == ErrorCode::BadRequest && r.contains("world size")).count();
+    let timed_out = reasons.iter().filter(|(_, r)| r.contains("sent no released part within 1.5 s")).count();
+    assert_eq!((refused, timed_out), (1, 1), "{reasons:?}");
+    assert!(!catalog::is_committed(&sc.dir, 4));
+    assert!(hidden(&sc.dir).is_empty());
+    // The step can be saved afterwards by both.
+    part(&mut a, 4, 0, 2, vec![f32s("w.0", 1000, 0)], vec![]);
+    part(&mut b, 4, 1, 2, vec![f32s("w.1", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 4, .. }));
+        assert!(matches!(reply(s), Reply::Durable { step: 4, .. }), "{}", std::fs::read_to_string(&sc.log).unwrap_or_default());
+    }
+}

@@ -116,3 +116,32 @@ def test_trainers_killed_after_every_part_was_released_still_commit(tmp_path):
 
     got = load_single(ckdir)
     assert all(torch.equal(got["model"][k], v) for k, v in state().items())
+
+
+def test_ddp_example_killed_after_a_release_resumes_bit_identical(tmp_path):
+    from conftest import sidecar_bin
+
+    example = HERE.parent.parent / "examples" / "python" / "ddp_train.py"
+    env = dict(os.environ)
+    env.pop("CKPT_SIDECAR_SOCKET", None)
+
+    def run(ckdir, *args):
+        cmd = [sidecar_bin(), "launch", "--dir", str(ckdir), "--staging", "64MiB", "--", torchrun(), "--standalone",
+               "--nproc-per-node", "2", str(example), "--dir", str(ckdir), "--steps", "12", "--every", "3", *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    r = run(tmp_path / "a", "--out", str(tmp_path / "a.pt"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run(tmp_path / "b", "--kill-at", "6")
+    assert r.returncode != 0
+    # Every part of step 6 was released before the kill: it committed.
+    assert (tmp_path / "b" / "latest").read_text().strip() == "step-000000000006", r.stderr[-3000:]
+    r = run(tmp_path / "b", "--resume", "--out", str(tmp_path / "b.pt"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step 6 (world size 2)" in r.stdout + r.stderr
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for i, s in a["optim"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, b["optim"]["state"][i][k]), (i, k)

@@ -264,27 +264,13 @@ enum BenchCmd {
     /// The trainer's stall per save through a real client and a real sidecar
     /// process, beside one memcpy of the same bytes; persist throughput,
     /// sidecar memory, optionally fio and torch.save + fsync.
+    #[command(disable_help_flag = true)]
     Stall {
-        /// Target directory (committed checkpoints stay there).
-        #[arg(long)]
-        dir: PathBuf,
-        /// Size of the synthetic ~50-tensor state.
-        #[arg(long, value_parser = parse_size)]
-        size: u64,
-        /// Also time torch.save + fsync of a state of the same size with this Python.
-        #[arg(long)]
-        python: Option<PathBuf>,
-        /// Staging budget of the sidecar (default: room for two images of SIZE).
-        #[arg(long, value_parser = parse_size)]
-        staging: Option<u64>,
-        /// Saves to measure.
-        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-        repeats: u32,
-        /// Also run fio with the checkpoint's size in the same directory, first, and print the ratio.
-        #[arg(long)]
-        compare_fio: bool,
-        #[arg(long)]
-        json: bool,
+        /// `ckpt-bench stall`'s options (--dir DIR --size SIZE [--python PY]
+        /// [--staging SIZE] [--repeats N] [--compare-fio] [--json]; --help
+        /// lists them), passed on as they are.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
     /// Read `latest` back with verification.
     Read {
@@ -655,7 +641,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
             print_figures(&f, json)?;
         }
-        BenchCmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
+        BenchCmd::Stall { args } => {
             // The trainer's side lives in ckpt-bench, so that this binary links
             // no client code; it measures this very binary as the sidecar.
             let me = std::env::current_exe().context("finding this executable")?;
@@ -663,22 +649,12 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             if !bench.is_file() {
                 bail!("bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
             }
-            let mut cmd = std::process::Command::new(&bench);
-            cmd.arg("stall").arg("--dir").arg(&dir).arg("--size").arg(size.to_string()).arg("--repeats").arg(repeats.to_string());
-            cmd.env("CKPT_SIDECAR_BIN", &me);
-            if let Some(py) = python {
-                cmd.arg("--python").arg(py);
-            }
-            if let Some(st) = staging {
-                cmd.arg("--staging").arg(st.to_string());
-            }
-            if compare_fio {
-                cmd.arg("--compare-fio");
-            }
-            if json {
-                cmd.arg("--json");
-            }
-            let status = cmd.status().with_context(|| format!("running {}", bench.display()))?;
+            let status = std::process::Command::new(&bench)
+                .arg("stall")
+                .args(args)
+                .env("CKPT_SIDECAR_BIN", &me)
+                .status()
+                .with_context(|| format!("running {}", bench.display()))?;
             return Ok(match status.code() {
                 Some(0) => ExitCode::SUCCESS,
                 Some(c) => ExitCode::from(c.clamp(1, 255) as u8),

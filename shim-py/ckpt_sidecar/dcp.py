@@ -19,15 +19,17 @@ Other ranks wait in `write_data` only until their part is copied
 (released); DCP's closing collective makes `dcp.save` return on every rank
 after the coordinator's `finish`, so after the commit.
 
-`dcp.async_save` works as with any StorageWriter (DCP stages to CPU first).
-The writer is also an AsyncStager whose `stage` returns the state as is:
-the sidecar's copy into its staging memory is the snapshot.
+`dcp.async_save` uses the writer as its AsyncStager: `stage` copies every
+tensor once (detached, on the CPU; other values deep-copied), which is all
+the trainer waits for; DCP's background thread then runs the save above
+(the sidecar's own copy, write and commit) from that copy.
 
-Shards are our safetensors shards; torch's HuggingFaceStorageReader cannot
-read such a checkpoint (it expects its own per-shard metadata in the
-safetensors header and fqn-named whole tensors); the safetensors library can
-read every shard, and `ckpt_sidecar.Checkpointer.load` the whole checkpoint.
+Shards are our safetensors shards. torch's HuggingFaceStorageReader reads
+a step folder as plain safetensors: tensors whose one chunk is at the origin
+come back under their fqn, but chunks elsewhere (`fqn@[...]`) and objects
+(U8 tensors) come back as stored; SidecarReader puts everything back.
 """
+import copy
 import dataclasses
 import io
 import pickle
@@ -53,6 +55,17 @@ def _item_name(index: MetadataIndex):
     return index.fqn
 
 
+def _copy(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if t.device.type == "cpu" else t.cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _copy(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def _done(value):
     f = torch.futures.Future()
     f.set_result(value)
@@ -64,7 +77,7 @@ class SidecarWriter(StorageWriter):
     (None: the step after the newest committed one). Extra keyword
     arguments go to the Checkpointer (socket, staging, ...)."""
 
-    # AsyncStager: the sidecar's copy is the snapshot; nothing to stage here.
+    # AsyncStager: stage() returns when its copy is done.
     _synchronize_after_execute = False
 
     def __init__(self, dir, step=None, **checkpointer_kwargs):
@@ -82,7 +95,8 @@ class SidecarWriter(StorageWriter):
         return self._ck
 
     def stage(self, state_dict):
-        return state_dict
+        """One copy of the state the trainer may then change (AsyncStager)."""
+        return _copy(state_dict)
 
     def synchronize_staging(self):
         pass

@@ -86,6 +86,20 @@ def test_two_ranks_save_balanced_parts_that_load_whole_and_per_rank(tmp_path, vo
     for k, v in want.items():
         assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k
 
+    # torch's HuggingFaceStorageReader reads the shards as plain safetensors:
+    # whole tensors under their names (ranges stay apart, under theirs).
+    hf = getattr(pytest.importorskip("torch.distributed.checkpoint"), "HuggingFaceStorageReader", None)
+    if hf is not None and not split:
+        import warnings
+
+        step_dir = str(ckdir / "step-000000000001")
+        md = hf(step_dir).read_metadata()
+        sd = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group: a single process"
+            torch.distributed.checkpoint.load(sd, storage_reader=hf(step_dir))
+        assert all(torch.equal(sd["model." + k], v) for k, v in want.items())
+
     # Same world size: every rank gets the whole state and its own RNG back.
     _, loaded = launch(tmp_path, ckdir, 1, "load", vocab)
     assert [x["equal"] for x in loaded] == [True, True]

@@ -29,7 +29,12 @@ def main():
     r, w = dist.get_rank(), dist.get_world_size()
     dcp.save(state(r, w), storage_writer=SidecarWriter(d))
     dcp.save(state(r, w), storage_writer=dcp.FileSystemWriter(fsd))
-    fut = dcp.async_save(state(r, w, scale=2.0), storage_writer=SidecarWriter(d, step=7))
+    live = state(r, w, scale=2.0)
+    fut = dcp.async_save(live, storage_writer=SidecarWriter(d, step=7))
+    # Once async_save returned, the trainer may change its tensors: the
+    # checkpoint holds them as they were.
+    for t in [live["rep"]["w"], live[f"own{r}"]]:
+        t.add_(1000.0)
     fut.result()
     dist.barrier()
     dist.destroy_process_group()

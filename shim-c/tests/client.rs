@@ -64,6 +64,24 @@ fn save_released_durable_then_load_gives_the_same_bytes() {
 }
 
 #[test]
+fn a_rank_of_several_sends_save_parts() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let c = Client::connect(Some(&sock)).unwrap();
+    assert!(matches!(c.set_rank(2, 2), Err(Error::InvalidArgument(_))));
+    assert!(matches!(c.set_rank(0, 0), Err(Error::InvalidArgument(_))));
+    c.set_rank(1, 2).unwrap();
+    let h = c.save(5, &[], &[]).unwrap();
+    assert!(matches!(c.wait(h.id, Wanted::Durable, SEC), Err(Error::SaveFailed { .. })));
+    // World size 1 again: plain saves.
+    c.set_rank(0, 1).unwrap();
+    let h = c.save(6, &[], &[]).unwrap();
+    c.wait(h.id, Wanted::Durable, SEC).unwrap();
+    let log = fake.log();
+    assert!(log.contains(&"SavePart 5 rank 1 of 2".to_string()) && log.contains(&"Save 6".to_string()), "{log:?}");
+}
+
+#[test]
 fn durable_acks_interleave_with_other_replies() {
     let (_d, sock) = temp_socket();
     let _fake = Fake::start(&sock, Opts { durable_delay: Duration::from_millis(300), ..Opts::default() });

@@ -245,6 +245,10 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                     send(&w2, &Reply::Durable { id, step, path: format!("/fake/step-{step:012}"), persist_seconds: 0.002 });
                 });
             }
+            Request::SavePart { id, step, .. } => {
+                // The fake gathers no parts: the kind in the log is what tests look at.
+                send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar does not gather parts".into() });
+            }
             Request::Load { id, step, tensors } => {
                 let s = store.lock().unwrap();
                 let found = match step {
@@ -300,6 +304,7 @@ fn kind(r: &Request) -> String {
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),
         Request::Rollback { step, .. } => format!("Rollback {step}"),
+        Request::SavePart { step, rank, world_size, .. } => format!("SavePart {step} rank {rank} of {world_size}"),
         Request::Bye => "Bye".into(),
         Request::Hello { .. } => "Hello".into(),
     }

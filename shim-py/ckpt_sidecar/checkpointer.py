@@ -336,9 +336,16 @@ class Checkpointer:
         try:
             try:
                 self._client = self._connect(self.socket)
-            except ConnectFailed:
+            except ConnectFailed as e:
                 if not spawn:
                     raise
+                ranks = dist.rank_info()
+                if ranks.world_size > 1 and not _private_dir:
+                    # A sidecar per rank cannot commit one checkpoint of all ranks.
+                    raise ConnectFailed(
+                        f"rank {ranks.rank} of {ranks.world_size}: no sidecar reachable ({e}); run the job as "
+                        f"`ckpt-sidecar launch --dir DIR -- torchrun ...` (one sidecar per node), or start "
+                        f"`ckpt-sidecar serve` per node and set CKPT_SIDECAR_SOCKET", ConnectFailed.code) from e
                 self._spawn()
             else:
                 self._check_dir(dir)

@@ -159,3 +159,39 @@ def test_ddp_example_killed_after_a_release_resumes_bit_identical(tmp_path):
     for i, s in a["optim"]["state"].items():
         for k, v in s.items():
             assert torch.equal(v, b["optim"]["state"][i][k]), (i, k)
+
+
+def test_partition_is_balanced_covers_every_byte_once_and_splits_few_tensors():
+    from ckpt_sidecar.dist import bytes_per_rank, partition
+
+    # GPT-2 small's shapes (F32), and a state whose embedding is most of it.
+    gpt2 = [("wte", 50257 * 768 * 4, 4, True), ("wpe", 1024 * 768 * 4, 4, True)]
+    for i in range(12):
+        gpt2 += [(f"h.{i}.ln_1", 768 * 4, 4, True), (f"h.{i}.attn.c_attn.w", 768 * 2304 * 4, 4, True),
+                 (f"h.{i}.attn.c_attn.b", 2304 * 4, 4, True), (f"h.{i}.attn.c_proj.w", 768 * 768 * 4, 4, True),
+                 (f"h.{i}.mlp.c_fc.w", 768 * 3072 * 4, 4, True), (f"h.{i}.mlp.c_proj.w", 3072 * 768 * 4, 4, True),
+                 (f"h.{i}.empty", 0, 4, True)]
+    lopsided = [("embed", 10_000_000 * 2, 2, True), ("norm", 4096, 4, True), ("raw", 1000, 1, False)]
+    for items in (gpt2, lopsided):
+        sizes = {n: isz for n, _, isz, _ in items}
+        total = sum(n for _, n, _, _ in items)
+        for w in (1, 2, 3, 4, 8):
+            parts = partition(items, w)
+            per = bytes_per_rank(parts, sizes, w)
+            assert sum(per) == total
+            assert max(per) <= 1.1 * min(per), (w, per)
+            assert sum(len(p) > 1 for p in parts.values()) <= w - 1
+            for (name, n, isz, _), pieces in zip(items, (parts[i[0]] for i in items)):
+                # Contiguous element ranges covering the tensor once, in rank order.
+                assert pieces[0].start == 0 and pieces[-1].stop == n // isz, name
+                assert all(a.stop == b.start and a.rank < b.rank for a, b in zip(pieces, pieces[1:])), name
+
+
+def test_a_rank_without_a_node_sidecar_is_told_how_to_launch(tmp_path, monkeypatch):
+    from ckpt_sidecar import Checkpointer
+    from ckpt_sidecar.errors import ConnectFailed
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConnectFailed, match="ckpt-sidecar launch"):
+        Checkpointer(dir=str(tmp_path / "ckpt"), socket=str(tmp_path / "none.sock"))

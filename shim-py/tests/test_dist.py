@@ -107,6 +107,21 @@ def test_two_ranks_save_balanced_parts_that_load_whole_and_per_rank(tmp_path, vo
     assert loaded[0]["rng_next"] != loaded[1]["rng_next"]
 
 
+def test_four_ranks_write_what_two_ranks_and_one_process_load_whole(tmp_path):
+    from replicated_train import state
+
+    ckdir = tmp_path / "ckpt"
+    _, saved = launch(tmp_path, ckdir, 2, "save", 60000, nproc=4)
+    assert [s["world_size"] for s in saved] == [4] * 4
+    per = shard_bytes(ckdir / "step-000000000002")
+    assert sorted(per) == [f"rank-{r:05d}-of-00004" for r in range(4)], per
+    assert max(per.values()) <= 1.1 * min(per.values()), per
+    _, loaded = launch(tmp_path, ckdir, 2, "load", 60000, nproc=2)
+    assert [x["equal"] for x in loaded] == [True, True]
+    got, want = load_single(ckdir), state(vocab=60000)
+    assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+
+
 def test_a_rank_that_dies_before_its_part_means_the_step_never_commits(tmp_path):
     ckdir = tmp_path / "ckpt"
     launch(tmp_path, ckdir, 1, "save")

@@ -49,6 +49,11 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A closed stdout (`| head`) ends this tool quietly, as other Unix tools;
+    // the figures are printed after the sidecar it ran has stopped. Its
+    // socket writes go through the client, which never raises SIGPIPE.
+    // SAFETY: setting a signal's disposition before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let r = match cli.cmd {
         Cmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
             stall::run(&stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio }).and_then(|f| print_stall(&f, json))

@@ -513,11 +513,11 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     } else if rows.is_empty() {
         println!("{}: no committed checkpoint", dir.display());
     } else {
-        println!("{:>12}  {:>8}  {:>12}  {:<6}", "STEP", "TENSORS", "BYTES", "LATEST");
+        println!("{:>12}  {:>8}  {:>12}  LATEST", "STEP", "TENSORS", "BYTES");
         for r in &rows {
             let latest = if r["latest"].as_bool() == Some(true) { "*" } else { "" };
             let readable = r["bytes"].as_u64().is_some();
-            println!(
+            let line = format!(
                 "{:>12}  {:>8}  {:>12}  {:<6}{}",
                 r["step"].as_u64().unwrap_or_default(),
                 r["tensors"].as_u64().map_or("?".into(), |t| t.to_string()),
@@ -525,6 +525,7 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 latest,
                 if readable { "" } else { "  index unreadable (damaged: see inspect, verify)" }
             );
+            println!("{}", line.trim_end());
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -805,6 +806,10 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             let bench = me.with_file_name("ckpt-bench");
             if !bench.is_file() {
                 bail!("bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
+            }
+            match catalog::check_dir(&dir) {
+                Err(catalog::DirError::NoSuchDir(_)) => {} // the sidecar it starts creates it
+                r => r?,
             }
             if let Some(py) = &python {
                 check_program(py, "--python")?;

@@ -332,3 +332,30 @@ fn serve_on_a_file_says_once_that_it_is_not_a_directory() {
     assert_eq!(err.trim(), format!("error: {} is not a directory", f.display()));
     assert!(!tmp.path().join("run").exists(), "the socket's folder was left");
 }
+
+#[test]
+fn recovery_points_latest_only_at_a_checkpoint_whose_index_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    // Step 2's index unreadable, `latest` lost (as after a crash).
+    std::fs::write(d.join("step-000000000002/model.safetensors.index.json"), b"{\"metadata\":").unwrap();
+    std::fs::remove_file(d.join("latest")).unwrap();
+    let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "5"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_to_string(d.join("latest")).unwrap().trim(), "step-000000000001");
+    // ls shows both, the damaged one marked, columns kept; inspect of the
+    // damaged step says it is damaged.
+    let out = Command::new(BIN).arg("ls").arg(&d).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[2].contains("index unreadable") && lines[1].trim_end().ends_with('*'), "{text}");
+    assert_eq!(lines[1].find("KiB"), lines[0].find("BYTES").map(|b| b + 2), "{text}");
+    let out = Command::new(BIN).arg("inspect").arg(&d).arg("2").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("damaged"));
+}

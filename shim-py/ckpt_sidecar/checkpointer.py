@@ -29,7 +29,7 @@ import numpy as np
 from . import _native as N
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, torch_module, unflatten
 from ._units import count_arg, size_arg, step_arg
-from .errors import Closed, ConnectFailed, Disconnected, NotFound, SidecarError, Timeout
+from .errors import Closed, ConnectFailed, Disconnected, NotFound, SidecarError, Timeout, TooLarge
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
@@ -325,6 +325,7 @@ class Checkpointer:
         self._load_region = None
         self._pending = []       # weakrefs of handles not yet known released
         self._last = None
+        self._budget = None      # the sidecar's staging budget, once asked (see _check_fits)
         self._mu = threading.RLock()
         self.socket = os.fspath(socket) if socket is not None else None
         self._socket_arg = self.socket is not None  # spawn there, not at a private path
@@ -605,6 +606,7 @@ class Checkpointer:
             skeleton = fl.walk(state)
             structure = pickle_skeleton(SKELETON_VERSION, skeleton)
             plan, direct, copy_bytes = self._plan(fl.leaves)
+            self._check_fits(step, sum(r[2] for r in plan))
             region = self._take(copy_bytes) if copy_bytes else None
             descs = (N.Tensor * max(len(plan), 1))()
             keep = []
@@ -638,6 +640,21 @@ class Checkpointer:
             self._last = h
             h.stall_seconds = time.perf_counter() - t0
             return h
+
+    def _check_fits(self, step, tensor_bytes):
+        """A save whose tensors alone exceed the sidecar's whole staging budget
+        is refused here, before anything is copied (the sidecar would refuse it
+        after the copy). The budget is asked once, and again before a refusal
+        (a restarted sidecar may have another)."""
+        if self._budget is None or tensor_bytes > self._budget:
+            try:
+                self._budget = int(self.status()["staging_bytes"])
+            except (SidecarError, KeyError, TypeError, ValueError):
+                return  # the sidecar decides
+        if tensor_bytes > self._budget:
+            raise TooLarge(f"save of step {step}: its tensors need {tensor_bytes} bytes, more than the sidecar's "
+                           f"whole staging budget of {self._budget} bytes (raise staging=, or the sidecar's "
+                           "--staging); nothing was copied", TooLarge.code)
 
     def save_file(self, path, data):
         """Have the sidecar write `data` (bytes-like) as the whole file `path`,

@@ -221,3 +221,20 @@ def test_a_forked_child_gets_closed_at_once_and_spawns_nothing(tmp_path, private
         assert ck.list() == [1, 3]
     finally:
         ck.close()
+
+
+def test_a_save_larger_than_the_whole_staging_budget_is_refused_before_any_copy(ck):
+    import glob
+
+    def segments():
+        return sorted(glob.glob(f"/dev/shm/ckpt-{os.getpid()}-*"))
+
+    before = segments()
+    big = {"x": np.zeros(80 << 20, dtype=np.uint8), "y": np.ones(3)}  # the sidecar's budget is 64 MiB
+    with pytest.raises(cs.TooLarge) as e:
+        ck.save(1, big)
+    assert "nothing was copied" in str(e.value) and str((80 << 20) + 24) in str(e.value) and "67108864" in str(e.value)
+    assert segments() == before, "a region was made for a save that cannot fit"
+    assert ck.list() == []
+    ck.save(2, {"y": np.ones(3)}).wait_durable()
+    assert ck.list() == [2]

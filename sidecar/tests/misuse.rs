@@ -359,3 +359,40 @@ fn recovery_points_latest_only_at_a_checkpoint_whose_index_reads() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("damaged"));
 }
+
+#[test]
+fn status_lists_no_session_of_its_own_and_a_closed_stdout_leaves_the_sidecar_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let socket = tmp.path().join("run/s.sock");
+    let mut serve = Command::new(BIN)
+        .args(["serve", "--staging", "2MiB", "--dir"])
+        .arg(tmp.path().join("ckpt"))
+        .arg("--socket")
+        .arg(&socket)
+        .env("CKPT_SIDECAR_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(serve.try_wait().unwrap().is_none(), "serve exited");
+        assert!(t0.elapsed() < Duration::from_secs(30), "serve did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = Command::new(BIN).arg("status").arg("--socket").arg(&socket).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.lines().any(|l| l == "sessions: 0"), "{text}");
+    let out = Command::new(BIN).arg("status").arg("--socket").arg(&socket).arg("--json").output().unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["sessions"].as_array().map(Vec::len), Some(0), "{j}");
+    for _ in 0..3 {
+        let mut c = Command::new(BIN).arg("status").arg("--socket").arg(&socket).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        drop(c.stdout.take());
+        let out = c.wait_with_output().unwrap();
+        assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(serve.try_wait().unwrap().is_none(), "the sidecar died of its clients' closed pipes");
+    ckpt_test_support::terminate(&mut serve, Duration::from_secs(30)).expect("serve stops on SIGTERM");
+}

@@ -298,27 +298,13 @@ enum BenchCmd {
     /// The trainer's stall per save through a real client and a real sidecar
     /// process, beside one memcpy of the same bytes; persist throughput,
     /// sidecar memory, optionally fio and torch.save + fsync.
+    #[command(disable_help_flag = true)]
     Stall {
-        /// Target directory (committed checkpoints stay there).
-        #[arg(long)]
-        dir: PathBuf,
-        /// Size of the synthetic ~50-tensor state.
-        #[arg(long, value_parser = parse_nonzero_size)]
-        size: u64,
-        /// Also time torch.save + fsync of a state of the same size with this Python.
-        #[arg(long)]
-        python: Option<PathBuf>,
-        /// Staging budget of the sidecar (default: room for two images of SIZE).
-        #[arg(long, value_parser = parse_nonzero_size)]
-        staging: Option<u64>,
-        /// Saves to measure.
-        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-        repeats: u32,
-        /// Also run fio with the checkpoint's size in the same directory, first, and print the ratio.
-        #[arg(long)]
-        compare_fio: bool,
-        #[arg(long)]
-        json: bool,
+        /// `ckpt-bench stall`'s options (--dir DIR --size SIZE [--python PY]
+        /// [--staging SIZE] [--repeats N] [--compare-fio] [--json]; --help
+        /// lists them), passed on as they are.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
     /// Read `latest` back with verification.
     Read {
@@ -425,7 +411,8 @@ fn one_line(e: &anyhow::Error) -> String {
 }
 
 /// Directories that did not exist before a command that creates its own
-/// (`serve`, `launch`, `bench write`, `bench stall`): a failed start removes
+/// (`serve`, `launch`, `bench write`; ckpt-bench does the same for `bench
+/// stall`): a failed start removes
 /// those it left empty, so a refused command leaves nothing behind.
 struct Made(Vec<PathBuf>);
 
@@ -441,7 +428,6 @@ impl Made {
                 }
             }
             Cmd::Bench { what: BenchCmd::Write { dirs, .. } } => paths.extend(dirs.iter().cloned()),
-            Cmd::Bench { what: BenchCmd::Stall { dir, .. } } => paths.push(dir.clone()),
             _ => {}
         }
         let mut missing = Vec::new();
@@ -799,7 +785,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
             print_figures(&f, json)?;
         }
-        BenchCmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
+        BenchCmd::Stall { args } => {
             // The trainer's side lives in ckpt-bench, so that this binary links
             // no client code; it measures this very binary as the sidecar.
             let me = std::env::current_exe().context("finding this executable")?;
@@ -807,33 +793,19 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             if !bench.is_file() {
                 bail!("bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
             }
-            match catalog::check_dir(&dir) {
-                Err(catalog::DirError::NoSuchDir(_)) => {} // the sidecar it starts creates it
-                r => r?,
-            }
-            if let Some(py) = &python {
-                check_program(py, "--python")?;
-            }
-            let mut cmd = std::process::Command::new(&bench);
-            cmd.arg("stall").arg("--dir").arg(&dir).arg("--size").arg(size.to_string()).arg("--repeats").arg(repeats.to_string());
-            cmd.env("CKPT_SIDECAR_BIN", &me);
-            if let Some(py) = python {
-                cmd.arg("--python").arg(py);
-            }
-            if let Some(st) = staging {
-                cmd.arg("--staging").arg(st.to_string());
-            }
-            if compare_fio {
-                cmd.arg("--compare-fio");
-            }
-            if json {
-                cmd.arg("--json");
-            }
-            let status = cmd.status().with_context(|| format!("running {}", bench.display()))?;
-            return Ok(match status.code() {
-                Some(0) => ExitCode::SUCCESS,
-                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
-                None => ExitCode::FAILURE,
+            let status = std::process::Command::new(&bench)
+                .arg("stall")
+                .args(args)
+                .env("CKPT_SIDECAR_BIN", &me)
+                .status()
+                .with_context(|| format!("running {}", bench.display()))?;
+            use std::os::unix::process::ExitStatusExt;
+            return Ok(match (status.code(), status.signal()) {
+                (Some(0), _) => ExitCode::SUCCESS,
+                (Some(c), _) => ExitCode::from(c.clamp(1, 255) as u8),
+                // Ended by a signal (SIGPIPE: its stdout closed): as a shell says it.
+                (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
+                (None, None) => ExitCode::FAILURE,
             });
         }
         BenchCmd::Read { dir, compare_fio, json, io } => {
@@ -843,21 +815,6 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// `prog` can be run: a path to an executable file, or a name found on PATH.
-fn check_program(prog: &Path, option: &str) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let runnable = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
-    let found = if prog.components().count() > 1 {
-        runnable(prog)
-    } else {
-        std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| runnable(&d.join(prog))))
-    };
-    if !found {
-        bail!("{option} {}: no such program (give the path of an executable)", prog.display());
-    }
-    Ok(())
 }
 
 #[derive(serde::Deserialize)]

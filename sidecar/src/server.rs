@@ -265,5 +265,5 @@ fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
         return;
     }
     info!(session_id, uid, peer_pid = pid, client_pid, name = %name, "session started");
-    session::run(shared.clone(), Session { session_id, peer_uid: uid, client_pid, name }, s);
+    session::run(shared.clone(), Session { session_id, peer_uid: uid, peer_pid: pid, client_pid, name }, s);
 }

@@ -193,7 +193,9 @@ def _our_segments():
 def test_failed_spawn_releases_everything(tmp_path, no_default_sidecar, private_tmp):
     d = tmp_path / "ck"
     with pytest.raises(cs.SidecarError, match="exited"):
-        cs.Checkpointer(dir=d, staging="lots")  # the sidecar refuses the size and exits
+        # A size Python takes (a bad one, "lots", is refused before any
+        # spawn now: test_misuse.py) but the sidecar cannot allocate: it exits.
+        cs.Checkpointer(dir=d, staging="64PiB")
     # No lock held, no descriptor on it, no private folder left.
     assert lock_is_free(d)
     assert open_fds_to(d / ".ckpt-sidecar-py.lock") == []

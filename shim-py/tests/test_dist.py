@@ -127,7 +127,9 @@ def test_a_rank_that_dies_before_its_part_means_the_step_never_commits(tmp_path)
     launch(tmp_path, ckdir, 1, "save")
     r, _ = launch(tmp_path, ckdir, 2, "die", env_extra={"CKPT_SIDECAR_PART_TIMEOUT_S": "3"}, check=False)
     assert r.returncode != 0  # torchrun reports the killed rank
-    assert "sent no released part" in r.stderr or "sent no released part" in r.stdout, r.stderr[-3000:]
+    # Given up by the coordinator: after the part timeout, or at once when
+    # launch drains after torchrun ended (no part can come any more).
+    assert "the step is not committed" in r.stderr + r.stdout, r.stderr[-3000:]
     names = sorted(p.name for p in ckdir.iterdir() if p.name.startswith((".tmp-", "step-")))
     assert names == ["step-000000000001"], names
     assert (ckdir / "latest").read_text().strip() == "step-000000000001"

@@ -59,6 +59,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                 if shared.is_aborting() || shared.is_draining() {
                     for job in groups.take_all() {
                         let why = format!("step {}: the sidecar is shutting down before every rank's part arrived; the step is not committed", job.step);
+                        warn!("rank {:?}: {why}", job.part.map(|p| p.rank));
                         fail_part(&shared, job, ErrorCode::ShuttingDown, why);
                     }
                 }

@@ -309,8 +309,11 @@ pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
 /// Folds the pieces' crcs (in tensor order) into each tensor's crc.
 fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
     let mut crcs = vec![0u32; layout.specs.len()];
+    let mut prev = usize::MAX;
     for (p, &c) in pieces.0.iter().zip(piece_crcs) {
-        crcs[p.tensor_idx] = crc32c::crc32c_combine(crcs[p.tensor_idx], c, p.len);
+        // Pieces come in tensor order: a tensor's first piece is its crc so far.
+        crcs[p.tensor_idx] = if p.tensor_idx == prev { ckpt_store::crc::combine(crcs[p.tensor_idx], c, p.len as u64) } else { c };
+        prev = p.tensor_idx;
     }
     crcs
 }

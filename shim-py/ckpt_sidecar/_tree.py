@@ -123,9 +123,13 @@ def quick_key(state):
     have the same containers with the same keys, the same plain values
     (int, float, str, bytes, bool, None, by type and value), and tensors
     with the same address, shape, strides, dtype, device and kind at each
-    place. With the same `leaves` (by identity), the Flattener would produce
-    the same names, skeleton and plan. One pass, no per-tensor objects but
-    a small tuple: the cost of a cached save."""
+    place: then the Flattener would produce the same names, skeleton and
+    plan. A torch tensor is described by its address (`data_ptr`, cheap), so
+    a fresh view of the same memory (model.state_dict() makes new ones at
+    each call) matches; a numpy array by its id (its address costs µs to
+    ask), which names the same array only while it lives: the caller keeps
+    weak references to `leaves` that are arrays and checks them. One pass,
+    no per-tensor objects but a small tuple: the cost of a cached save."""
     sig, leaves = [], []
     torch = torch_module()
     tensor = torch.Tensor if torch is not None else None
@@ -145,15 +149,15 @@ def quick_key(state):
                 # The common leaf inline (a call per tensor is most of the cost).
                 if type(v) is ndarray and not v.dtype.hasobject and _NP_FIXED_BUFFER:
                     leaf(v)
-                    add((v.shape, v.strides, v.dtype))
+                    add((id(v), v.shape, v.strides, v.dtype))
                 else:
                     walk(v)
         elif tp is ndarray:
             if o.dtype.hasobject:
                 raise _NoKey
             leaf(o)
-            add((o.shape, o.strides, o.dtype) if _NP_FIXED_BUFFER else
-                (o.shape, o.strides, o.dtype, o.__array_interface__["data"][0]))
+            add((id(o), o.shape, o.strides, o.dtype) if _NP_FIXED_BUFFER else
+                (id(o), o.shape, o.strides, o.dtype, o.__array_interface__["data"][0]))
         elif tensor is not None and isinstance(o, tensor):
             if o.layout is not strided or o.is_quantized or o.device.type == "meta":
                 raise _NoKey

@@ -308,16 +308,18 @@ class _SavePlan:
 
     def remember(self, key, gen):
         self.sig, self.gen = key[0], gen
-        self.refs = [weakref.ref(o) for o in key[1]]
+        # The numpy arrays' ids are in sig: they name the same arrays while these live.
+        self.refs = [weakref.ref(o) for o in key[1] if type(o) is np.ndarray]
+
+    def alive(self):
+        return all(r() is not None for r in self.refs)
 
     def matches(self, key, gen):
         """Whether `key` (quick_key of the state now) is the state this plan was
-        made for: same region set, same structure and plain values, and the
-        very same tensor objects (alive: their ids are then theirs)."""
-        sig, leaves = key
-        refs = self.refs
-        return (gen == self.gen and len(leaves) == len(refs) and sig == self.sig
-                and all(map(operator.is_, leaves, [r() for r in refs])))
+        made for: same region set, same structure and plain values, tensors at
+        the same addresses with the same shapes, and the same numpy arrays
+        (alive: their ids are then theirs)."""
+        return gen == self.gen and key[0] == self.sig and self.alive()
 
     def copy_in(self, ck, objs, region):
         """Copies the tensors not sent in place (objs: the state's leaves, in
@@ -666,9 +668,10 @@ class Checkpointer:
 
         The request prepared for a state (descriptors, the pickled skeleton,
         which tensors go in place and where the others are copied) is kept and
-        reused while the next state is the same: the same tensor objects at the
-        same addresses with the same shapes, strides and dtypes, the same
-        containers and keys, and equal plain values (see `_tree.quick_key`).
+        reused while the next state is the same: tensors at the same addresses
+        with the same shapes, strides and dtypes (torch; a fresh state_dict()
+        matches), the same numpy arrays, the same containers and keys, and
+        equal plain values (see `_tree.quick_key`).
         Then a save costs a walk of the state, the copies, and one native call."""
         t0 = time.perf_counter()
         with self._mu:
@@ -721,7 +724,7 @@ class Checkpointer:
         objs = [o for _, o in fl.leaves]
         if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
             c.remember(key, self._regions_gen)
-            plans = [p for p in self._save_plans if p.gen == self._regions_gen and any(r() is not None for r in p.refs)]
+            plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
             self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]
         return c, objs
 

@@ -336,6 +336,172 @@ def deepspeed_method(step, state, workdir):
     return out
 
 
+
+# ---- the training loop: checkpoint every step, every 10 steps, never ----
+
+# The sidecar runs as a training loop would use it: parameters and moments in
+# shared memory (share), the optimizer step guarded.
+LOOP_METHODS = ["sidecar_shared", "torch_save", "torch_save_fsync", "safetensors_fsync",
+                "dcp_save", "dcp_async_save"]
+
+
+def run_loop(args, base):
+    """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
+    three times that in state) trained --loop-steps steps, checkpointing every
+    step, every 10 steps, and never, through each method. The step: a
+    forward/backward of --loop-kind "gpu_like" (a sleep: an accelerator
+    computes, the CPU is free) or "cpu" (single-thread matmuls), then the
+    real optimizer step on the CPU. The step time is 1.25 x the sidecar's
+    persist time (measured first), so a step is longer than a persist.
+    Checkpointing loops alternate with plain ones; each is compared with the
+    mean of its two neighbours; slowdown in %."""
+    import torch.nn as nn
+
+    torch.set_num_threads(1)
+    width = 1024
+    layers = max(1, args.loop_size // (width * width * 4))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, width)
+
+    def fwd_bwd():
+        model(x).sum().backward()
+
+    fwd_bwd()
+    opt.step()  # AdamW's moments exist from here on
+    side = Sidecar(os.path.join(base, "loop-ckpt"), 6 * args.loop_size + (256 << 20))
+    ck = side.connect()
+    try:
+        ck.share(model)
+        ck.share(opt.state)
+        ck.guard(opt)
+
+        def state(step):
+            return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+        size_b = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+        steps = iter(range(1, 10**9))
+        persist = []
+        for _ in range(3):
+            h = ck.save(next(steps), state(0))
+            h.wait_durable()
+            persist.append(h.figures()["persist_s"] + (h.figures()["copy_s"] or 0))
+        step_s = max(0.02, 1.25 * med(persist))
+        if args.loop_kind == "cpu":
+            a = torch.rand(384, 384)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                a = torch.mm(a, a).clamp_(0, 1)
+            n_mm = max(1, int(step_s / ((time.perf_counter() - t0) / 20)))
+
+            def compute():
+                y = a
+                for _ in range(n_mm):
+                    y = torch.mm(y, a).clamp_(0, 1)
+                fwd_bwd()
+        else:
+            def compute():
+                time.sleep(step_s)  # the accelerator computes
+                fwd_bwd()
+        dcp_async = {"fut": None}
+
+        def saver(m):
+            wd = os.path.join(base, f"loop-{m}")
+            os.makedirs(wd, exist_ok=True)
+            if m == "sidecar_shared":
+                return lambda st: ck.save(next(steps), st)
+            if m in ("torch_save", "torch_save_fsync"):
+                def f(st):
+                    path = os.path.join(wd, "state.pt")
+                    if m == "torch_save":
+                        torch.save(st, path)
+                        return
+                    with open(path, "wb") as fh:
+                        torch.save(st, fh)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    fsync_path(wd, True)
+                return f
+            if m == "safetensors_fsync":
+                from safetensors.torch import save_file
+
+                def f(st):
+                    path = os.path.join(wd, "state.safetensors")
+                    flat = {f"model.{k}": v for k, v in st["model"].items()}
+                    flat.update({f"optim.{i}.{k}": v for i, s in st["optim"]["state"].items() for k, v in s.items()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0})
+                    save_file(flat, path)
+                    fsync_path(path)
+                    fsync_path(wd, True)
+                return f
+            if m in ("dcp_save", "dcp_async_save"):
+                import torch.distributed as dist
+                import torch.distributed.checkpoint as dcp
+
+                if not dist.is_initialized():
+                    store = tempfile.mkdtemp(prefix="bench-compare-pg-")
+                    dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+                n = iter(range(10**9))
+
+                def f(st):
+                    path = os.path.join(wd, f"dcp-{next(n) % 2}")
+                    if m == "dcp_save":
+                        dcp.save(st, checkpoint_id=path)
+                    else:
+                        if dcp_async["fut"] is not None:
+                            dcp_async["fut"].result()  # one in flight at a time
+                        dcp_async["fut"] = dcp.async_save(st, checkpoint_id=path)
+                return f
+            raise AssertionError(m)
+
+        def loop(save, every):
+            compute()  # warm
+            t0 = time.perf_counter()
+            for i in range(1, args.loop_steps + 1):
+                compute()
+                opt.step()  # guarded: waits for the release of the last sidecar save
+                opt.zero_grad(set_to_none=False)
+                if save is not None and i % every == 0:
+                    save(state(i))
+            total = time.perf_counter() - t0
+            if ck._last is not None:
+                ck._last.wait_durable()
+            if dcp_async["fut"] is not None:
+                dcp_async["fut"].result()
+                dcp_async["fut"] = None
+            return total / args.loop_steps
+
+        want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(",")) if m in LOOP_METHODS]
+        rows = []
+        plain = [loop(None, 1)]
+        for m in want:
+            save = saver(m)
+            for every in (1, 10):
+                log(f"training loop: {m}, checkpoint every {every} step(s) ({args.loop_steps} steps of "
+                    f"{step_s * 1e3:.0f} ms {args.loop_kind} compute)")
+                t = loop(save, every)
+                plain.append(loop(None, 1))
+                never = (plain[-2] + plain[-1]) / 2
+                rows.append({"method": m, "every": every, "step_s": t, "never_step_s": never,
+                             "slowdown_pct": 100 * (t / never - 1)})
+                log(f"  {m} every {every}: {t * 1e3:.1f} ms/step vs {never * 1e3:.1f} never: "
+                    f"{rows[-1]['slowdown_pct']:+.1f} %")
+        return {"state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
+                "sidecar_persist_s": med(persist), "never_step_s": med(plain), "never_runs": plain, "rows": rows}
+    finally:
+        ck.close()
+        side.stop()
+
+
+def print_loop(loop):
+    print(f"training loop: {loop['steps']} steps, {loop['kind']} compute {loop['step_compute_s'] * 1e3:.0f} ms + "
+          f"optimizer step; state {loop['state_bytes'] / 2**20:.0f} MiB; sidecar persist "
+          f"{loop['sidecar_persist_s'] * 1e3:.0f} ms; never: {loop['never_step_s'] * 1e3:.1f} ms/step")
+    print(f"{'method':24s} {'every':>5s} {'ms/step':>9s} {'slowdown':>9s}")
+    for r in loop["rows"]:
+        print(f"{r['method']:24s} {r['every']:5d} {r['step_s'] * 1e3:9.1f} {r['slowdown_pct']:+8.1f}%")
+
+
 # ---- the run ----
 
 def parse_args(argv=None):
@@ -347,6 +513,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (memory warm for every method)")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods (default: all)")
     p.add_argument("--json", action="store_true", help="the JSON document as the last line of stdout")
+    p.add_argument("--loop", action="store_true", help="also the training-loop benchmark (checkpoint every step, "
+                                                        "every 10, never; each method)")
+    p.add_argument("--loop-only", action="store_true", help="only the training-loop benchmark")
+    p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
+    p.add_argument("--loop-steps", type=int, default=20)
+    p.add_argument("--loop-kind", choices=["gpu_like", "cpu"], default="gpu_like")
     p.add_argument("--plot", default=None, help="write a PNG: stall and throughput per method and size (log scales)")
     a = p.parse_args(argv)
     try:
@@ -381,8 +553,10 @@ def main(argv=None):
             want = [m for m in want if m != "deepspeed_fastpersist"]
     results, limits = [], []
     side = None
+    if args.loop_only:
+        args.sizes = []
     try:
-        if any(m.startswith("sidecar") for m in want):
+        if args.sizes and any(m.startswith("sidecar") for m in want):
             staging = 2 * max(args.sizes) + (256 << 20)
             log(f"starting the sidecar (staging {staging >> 20} MiB, pre-faulted)")
             side = Sidecar(os.path.join(base, "sidecar-ckpt"), staging)
@@ -454,6 +628,11 @@ def main(argv=None):
                 results.append(row)
             del state, shared_state, dst, methods
             gc.collect()
+        if side is not None:
+            ck.close()
+            side.stop()
+            side = None
+        loop = run_loop(args, base) if args.loop or args.loop_only else None
     finally:
         if side is not None:
             try:
@@ -470,8 +649,13 @@ def main(argv=None):
                     "trainer may change its tensors (sidecar_shared: save() + wait_released, without overlapping "
                     "the wait with compute); durable: synced to disk (torch_save: never, null); restore: from disk "
                     "(page cache dropped; the sidecar loads the checkpoint before its resident newest one)"}
-    print_table(doc)
-    if args.plot:
+    if loop is not None:
+        doc["loop"] = loop
+    if results:
+        print_table(doc)
+    if loop is not None:
+        print_loop(loop)
+    if args.plot and results:
         plot(doc, args.plot)
         log(f"wrote {args.plot}")
     if args.json:

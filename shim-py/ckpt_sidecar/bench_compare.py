@@ -274,9 +274,14 @@ class DcpMethod:
             store = tempfile.mkdtemp(prefix="bench-compare-pg-")
             dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
         self.asynchronous = asynchronous
-        self.target = {k: torch.empty_like(t) for k, t in state.items()}  # warm restore target
-        for t in self.target.values():
-            t.zero_()
+        # One warm restore target per state, shared by save and async_save.
+        cache = DcpMethod.__dict__.get("_targets")
+        if cache is None or cache[0] is not state:
+            target = {k: torch.empty_like(t) for k, t in state.items()}
+            for t in target.values():
+                t.zero_()
+            DcpMethod._targets = cache = (state, target)
+        self.target = cache[1]
 
     def __call__(self, step, state, workdir):
         import torch.distributed.checkpoint as dcp
@@ -627,6 +632,7 @@ def main(argv=None):
                 row["gb_per_s"] = size_b / row["durable_s"] / 1e9 if row["durable_s"] else None
                 results.append(row)
             del state, shared_state, dst, methods
+            DcpMethod._targets = None
             gc.collect()
         if side is not None:
             ck.close()
@@ -694,13 +700,15 @@ def plot(doc, path):
     methods = list(dict.fromkeys(r["method"] for r in doc["results"]))
     sizes = [e["size_bytes"] for e in doc["limits"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
-    for m in methods:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, m in enumerate(methods):
+        c = colors[i % len(colors)]  # one colour per method in both panels
         rows = sorted((r for r in doc["results"] if r["method"] == m), key=lambda r: r["size_bytes"])
         xs = [r["size_bytes"] / 2**20 for r in rows]
-        a1.plot(xs, [r["stall_s"] for r in rows], marker="o", label=m)
+        a1.plot(xs, [r["stall_s"] for r in rows], marker="o", color=c, label=m)
         tp = [(x, r["size_bytes"] / r["durable_s"] / 2**30) for x, r in zip(xs, rows) if r["durable_s"]]
         if tp:
-            a2.plot([t[0] for t in tp], [t[1] for t in tp], marker="o", label=m)
+            a2.plot([t[0] for t in tp], [t[1] for t in tp], marker="o", color=c, label=m)
     xs = [s / 2**20 for s in sizes]
     a1.plot(xs, [e["memcpy_s"] for e in doc["limits"]], "k--", label="memcpy (limit)")
     fio_tp = [(x, e["size_bytes"] / e["fio_write_s"] / 2**30) for x, e in zip(xs, doc["limits"]) if e["fio_write_s"]]
@@ -709,6 +717,8 @@ def plot(doc, path):
     for a in (a1, a2):
         a.set_xscale("log")
         a.set_yscale("log")
+        a.set_xticks(xs, [f"{x:.0f}" for x in xs])
+        a.minorticks_off()
         a.set_xlabel("state size (MiB)")
         a.grid(True, which="both", alpha=0.3)
     a1.set_ylabel("trainer stall per save (s)")

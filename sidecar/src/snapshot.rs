@@ -431,7 +431,7 @@ pub fn run_save(
         }
     };
     let waited_seconds = waited.as_secs_f64();
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     let crcs = crcs.unwrap_or_else(|| {
         // From the staged bytes, which only this lease's holder touches now.

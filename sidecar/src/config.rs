@@ -34,6 +34,9 @@ pub const SEND_TIMEOUT_MS: u64 = 10_000;
 pub const SESSIONS_MAX: usize = 256;
 /// Regions one session may register.
 pub const REGIONS_PER_SESSION_MAX: usize = 4096;
+/// Interprocess CUDA events a session keeps open (a trainer records one
+/// event per save again and again; more distinct ones clear the cache).
+pub const CUDA_EVENTS_PER_SESSION_MAX: usize = 64;
 /// Longest shm_open name, leading '/' included (NAME_MAX).
 pub const SHM_NAME_BYTES_MAX: usize = 255;
 /// Tensors in one save or load.

@@ -14,6 +14,8 @@
  *   them: cuEventRecord numbers the record and queues "completed = n" on the
  *   stream; cuStreamWaitEvent queues a wait for the number recorded when it
  *   is called. An event completes only when the work queued before it has.
+ *   A wait on an event whose creating process is gone ends (the real driver
+ *   tears a dead process's context down).
  * - Counters: with FAKE_CUDA_STATS_DIR set, the file <dir>/<pid> says how many
  *   imported allocations are open ("imports_open N"), how many were ever
  *   opened, and how many host ranges are registered.
@@ -25,6 +27,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -103,7 +106,22 @@ static struct alloc *free_slot_locked(void) {
 
 /* ---- streams: one worker thread each ---- */
 
-struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; };
+struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; int owner_pid; };
+
+/* Whether the process that created an event is gone (dead or a zombie): the
+ * driver tears its context down, so waits on its events end. */
+static int owner_gone(int pid) {
+    if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && p[2] == 'Z';
+}
 struct fevent { struct evshared *sh; char name[NAME_MAX_BYTES]; int owner; };
 
 enum { OP_COPY, OP_SIGNAL, OP_WAIT };
@@ -139,7 +157,7 @@ static void *worker(void *arg) {
             uint64_t c = atomic_load(&o->ev->completed);
             while (c < o->seq && !atomic_compare_exchange_weak(&o->ev->completed, &c, o->seq)) {}
         } else {
-            while (atomic_load(&o->ev->completed) < o->seq) sleep_us(200);
+            while (atomic_load(&o->ev->completed) < o->seq && !owner_gone(o->ev->owner_pid)) sleep_us(200);
         }
         free(o);
         pthread_mutex_lock(&s->mu);
@@ -444,6 +462,7 @@ CUresult cuEventCreate(CUevent *ph, unsigned flags) {
     e->sh = map_object(e->name, 1, &size);
     if (!e->sh) { free(e); return E_OUT_OF_MEMORY; }
     e->owner = 1;
+    e->sh->owner_pid = (int)getpid();
     *ph = e;
     return OK;
 }

@@ -180,8 +180,9 @@ static struct fstream *stream_new(void) {
 static pthread_once_t g_default_once = PTHREAD_ONCE_INIT;
 static struct fstream *g_default;
 static void default_init(void) { g_default = stream_new(); }
+/* NULL, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2): the default stream. */
 static struct fstream *resolve(CUstream s) {
-    if (s) return s;
+    if ((uintptr_t)s > 2) return s;
     pthread_once(&g_default_once, default_init);
     return g_default;
 }
@@ -436,7 +437,7 @@ CUresult cuStreamQuery(CUstream hs) {
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
     NEED_INIT();
-    if (!s) return E_INVALID_HANDLE;
+    if ((uintptr_t)s <= 2) return E_INVALID_HANDLE;
     drain(s);
     pthread_mutex_lock(&s->mu);
     s->stop = 1;

@@ -26,9 +26,10 @@ import weakref
 
 import numpy as np
 
+from . import _cuda
 from . import _native as N
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, torch_module, unflatten
-from .errors import Closed, ConnectFailed, Disconnected, NotFound, SidecarError, Timeout
+from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
@@ -589,7 +590,7 @@ class Checkpointer:
             self._ensure()
             fl = Flattener()
             skeleton = fl.walk(state)
-            plan, direct, copy_bytes = self._plan(fl.leaves)
+            plan, direct, copy_bytes, streams = self._plan(fl.leaves)
             region = self._take(copy_bytes) if copy_bytes else None
             descs = (N.Tensor * max(len(plan), 1))()
             keep = []
@@ -608,8 +609,13 @@ class Checkpointer:
                     keep += [bn.encode(), data]
                     blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
                 sid = ctypes.c_uint64()
-                N.check(N.lib().ckpt_save(self._client, int(step), descs, len(plan), blobs, len(blobs_py),
-                                          ctypes.byref(sid)))
+                if streams:
+                    # Device tensors in place: fenced by an event on their stream.
+                    N.check(N.lib().ckpt_save_on_stream(self._client, int(step), descs, len(plan), blobs,
+                                                        len(blobs_py), streams[0], ctypes.byref(sid)))
+                else:
+                    N.check(N.lib().ckpt_save(self._client, int(step), descs, len(plan), blobs, len(blobs_py),
+                                              ctypes.byref(sid)))
                 self._own.untaken.add(sid.value)
             except BaseException:
                 if region is not None:
@@ -671,9 +677,17 @@ class Checkpointer:
         """Per leaf: (ref, obj, nbytes, shape, where): where is an address (the
         tensor already lies in a region: sent in place) or ("copy", offset)."""
         torch = torch_module()
-        rows, direct = [], []
+        rows, direct, streams = [], [], []
         for ref, obj in leaves:
-            if ref.kind == "np":
+            dev = _cuda.device_leaf(ref, obj, torch)
+            if dev is not None:
+                # Device memory: described in place in its registered
+                # allocation (no copy by the trainer), else copied to the host.
+                addr, nbytes, contiguous, stream = dev
+                inplace = contiguous and nbytes > 0 and self._register_cuda(ref, addr)
+                if inplace and stream not in streams:
+                    streams.append(stream)
+            elif ref.kind == "np":
                 nbytes = obj.nbytes
                 inplace = obj.flags.c_contiguous and ref.stored != "U8" or (ref.stored == "U8" and obj.dtype == np.uint8 and obj.flags.c_contiguous)
                 addr = obj.__array_interface__["data"][0] if nbytes else 0
@@ -687,7 +701,7 @@ class Checkpointer:
             if nbytes == 0:
                 rows.append([ref, obj, 0, shape, 0])
                 continue
-            if inplace and self._region_of(addr, nbytes) is not None:
+            if inplace and (dev is not None or self._region_of(addr, nbytes) is not None):
                 direct.append((addr, addr + nbytes, len(rows)))
             rows.append([ref, obj, nbytes, shape, None])
         # Tensors sent in place must not overlap (views of one storage): the later ones are copied.
@@ -702,11 +716,36 @@ class Checkpointer:
             if row[4] is None:
                 row[4] = ("copy", copy_bytes)
                 copy_bytes += _align(row[2])
-        return [tuple(r) for r in rows], direct, copy_bytes
+        if len(streams) > 1:
+            raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                                  f"({streams}); synchronize them onto one stream first")
+        return [tuple(r) for r in rows], direct, copy_bytes, streams
+
+    def _register_cuda(self, ref, addr):
+        """Registers the CUDA allocation holding `addr` with the sidecar (once per
+        allocation: libckpt keeps them); False when a torch tensor must take the
+        host path instead (a warning says why, once)."""
+        rid = ctypes.c_uint32()
+        st = N.lib().ckpt_register_cuda(self._client, addr, ctypes.byref(rid))
+        if st == 0:
+            return True
+        err = N.error_for(st, N.last_error())
+        if ref.kind == "cuda":
+            raise err
+        if not getattr(self, "_cuda_warned", False):
+            self._cuda_warned = True
+            warnings.warn(f"CUDA tensors are copied to the host by the trainer: {err}")
+        return False
 
     def _copy_in(self, ref, obj, nbytes, region, off):
         """Copy one tensor's bytes into `region` at `off`; returns the address."""
-        if ref.kind == "np":
+        if ref.kind == "cuda":
+            addr, nbytes, contiguous, stream = _cuda.device_leaf(ref, obj, None)
+            if not contiguous:
+                raise InvalidArgument(f"tensor {ref.name!r}: a strided __cuda_array_interface__ object "
+                                      "(make it contiguous first)")
+            _cuda.copy_to_host(obj, region.ptr + off, nbytes, stream)
+        elif ref.kind == "np":
             if ref.stored != "U8" or obj.dtype == np.uint8:
                 dst = np.frombuffer(region.buf, dtype=obj.dtype, count=obj.size, offset=off).reshape(obj.shape)
                 np.copyto(dst, obj, casting="no")
@@ -1008,7 +1047,8 @@ def _plain_array(region, off, dt, shape, nbytes):
 
 
 def _restore(ref, region, off, nbytes, map_location):
-    if ref.kind == "np":
+    # A "cuda" leaf (a __cuda_array_interface__ object) comes back as a numpy array.
+    if ref.kind in ("np", "cuda"):
         dtype = ref.dtype
         if nbytes == 0:
             return np.zeros(ref.shape, dtype)

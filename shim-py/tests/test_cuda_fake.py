@@ -99,7 +99,10 @@ def run_trainer(tmp_path, delay_us):
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(fake_dir())
     env["FAKE_CUDA_COPY_DELAY_US"] = str(delay_us)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "shim-py")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # The child imports the very package this test imported.
+    import ckpt_sidecar
+    pkg_parent = str(pathlib.Path(ckpt_sidecar.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True,
                           text=True, timeout=300)
 

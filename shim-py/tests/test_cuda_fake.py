@@ -49,7 +49,8 @@ TRAINER = textwrap.dedent(r"""
     def ok(r, what):
         if r != 0:
             raise SystemExit(f"{what}: CUDA error {r}")
-    ok(cu.cuInit(0), "cuInit")
+    ok(cu.cuInit(0), "cuInit")  # reads this process's copy delay (late on purpose)
+    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"  # the spawned sidecar's copies: prompt
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
     ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
     ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
@@ -73,13 +74,14 @@ TRAINER = textwrap.dedent(r"""
     # only the sidecar's wait on the event recorded on `stream` makes the
     # checkpoint hold them.
     OFF = 8192
+    ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
+    assert ck.list() == []  # the spawned sidecar answers before the late writes are queued
     ok(cu.cuMemcpyHtoDAsync_v2(base, w.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(w.nbytes), stream), "w")
     ok(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(base.value + OFF), b.ctypes.data_as(ctypes.c_void_p),
                                ctypes.c_size_t(b.nbytes), stream), "b")
     state = {"model": {"w": DeviceArray(base.value, (1000,), "<f4", stream.value),
                        "b": DeviceArray(base.value + OFF, (64, 64), "<i8", stream.value)},
              "step": 7}
-    ck = cs.Checkpointer(dir=sys.argv[1])
     h = ck.save(7, state)
     h.wait_durable(timeout=120)
     back = ck.load(7, map_location="cpu")
@@ -111,7 +113,7 @@ def test_cuda_array_interface_objects_are_saved_from_the_device_and_load_back_eq
     import numpy as np
     from safetensors.numpy import load_file
 
-    r = run_trainer(tmp_path, 300_000)
+    r = run_trainer(tmp_path, 1_000_000)
     assert r.returncode == 0 and '"ok": true' in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     # The bytes are in the committed shard, read by the official library.
     steps = sorted((tmp_path / "ck").glob("step-*7"))

@@ -57,6 +57,9 @@ pub const COPY_THREADS: usize = 2;
 pub const COPY_PIECE_BYTES: usize = 1 << 20;
 /// Copy then checksum this much at a time, while it is still in cache.
 pub const COPY_BLOCK_BYTES: usize = 256 << 10;
+/// Largest single device-to-host copy a CUDA region's batch queues
+/// (adjacent pieces merged up to this).
+pub const DEVICE_COPY_BYTES_MAX: usize = 64 << 20;
 /// Writes into a client region on load go in requests of at most this.
 pub const LOAD_PWRITE_BYTES_MAX: usize = 64 << 20;
 

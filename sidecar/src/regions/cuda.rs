@@ -72,6 +72,27 @@ impl CudaMemory {
         crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, len) })
     }
 
+    /// Queues a copy of every range on the session's stream (after any
+    /// event it waits on), then waits once for all of them.
+    ///
+    /// # Safety
+    /// As [`CudaMemory::copy_out`], for every range.
+    pub unsafe fn copy_batch(&self, ranges: &[(u64, *mut u8, usize)]) {
+        let mut queued = Ok(());
+        for &(offset_bytes, dst, len) in ranges {
+            // SAFETY: the caller's contract; the synchronize below returns
+            // only once every queued copy is done (also after an error).
+            queued = unsafe { self.stream.copy_dtoh_async(dst, self.imported.ptr() + offset_bytes, len) };
+            if queued.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = queued.and(self.stream.synchronize()) {
+            let _ = self.stream.synchronize();
+            self.fail(format!("device-to-host copy failed: {e}"));
+        }
+    }
+
     pub fn check_intact(&self) -> Result<(), RegionError> {
         match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
             Some(why) => Err(RegionError::CudaCopy { why: why.clone() }),

@@ -112,6 +112,29 @@ impl Region {
         }
     }
 
+    /// Copies many ranges `(offset_bytes, dst, len)` in one batch where the
+    /// kind gains from it (CUDA: every copy queued on the session's stream,
+    /// one wait at the end); returns false, copying nothing, for a kind that
+    /// copies piece by piece (host shm: [`Region::copy_out`]). Failures show
+    /// in [`Region::check_intact`], as for `copy_out`.
+    ///
+    /// # Safety
+    /// Each `dst..dst+len` is writable and no one else's for the call, and
+    /// each range was checked with [`Region::contains`].
+    pub unsafe fn copy_batch(&self, ranges: &[(u64, *mut u8, usize)]) -> bool {
+        match &self.memory {
+            Memory::HostShm(_) => false,
+            Memory::Cuda(m) => {
+                for &(off, _, len) in ranges {
+                    assert!(self.contains(off, len as u64).is_ok(), "copy_batch outside the region (callers check bounds first)");
+                }
+                // SAFETY: the caller's contract; bounds asserted above.
+                unsafe { m.copy_batch(ranges) };
+                true
+            }
+        }
+    }
+
     /// Checks that the memory still holds every registered byte and that no
     /// copy found it changed under it: before a copy, and after it (the
     /// client may truncate during).

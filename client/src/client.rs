@@ -654,11 +654,10 @@ impl Client {
             [d] => d,
             _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
         };
-        if !inner.cuda_events.contains_key(&device) {
-            let e = ckpt_cuda::IpcEvent::new(device)?;
-            inner.cuda_events.insert(device, e);
-        }
-        let event = &inner.cuda_events[&device];
+        let event = match inner.cuda_events.entry(device) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(device)?),
+        };
         event.record(stream)?;
         let event = event.handle().to_vec();
         self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent { id, step, tensors: descs, blobs, lazy_release, device, event })

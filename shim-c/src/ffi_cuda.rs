@@ -52,7 +52,7 @@ pub unsafe extern "C" fn ckpt_unregister_cuda(client: *mut ckpt_client, ptr: *co
     guard(|| {
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
-        Ok(c.client.unregister_cuda(ptr as u64)?)
+        c.client.unregister_cuda(ptr as u64)
     })
 }
 

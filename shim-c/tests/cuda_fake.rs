@@ -187,7 +187,7 @@ fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
     // The trainer's writes finish 5 s late; it dies right after sending the save.
-    let mut child = trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000).stdout(Stdio::piped()).spawn().unwrap();
+    let child = trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000).stdout(Stdio::piped()).spawn().unwrap();
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));

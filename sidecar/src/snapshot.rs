@@ -201,7 +201,9 @@ fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region
 /// [`config::DEVICE_COPY_BYTES_MAX`], and marks them staged; the rest are
 /// left to the piece-by-piece copy.
 fn copy_batches(pieces: &mut Pieces) {
-    let mut by_region: Vec<(*const Region, Vec<(u64, *mut u8, usize)>, Vec<usize>)> = Vec::new();
+    /// A region, its merged ranges (source offset, destination, length), and its pieces' indices.
+    type Batch = (*const Region, Vec<(u64, *mut u8, usize)>, Vec<usize>);
+    let mut by_region: Vec<Batch> = Vec::new();
     for (k, p) in pieces.0.iter().enumerate() {
         if p.region.is_null() {
             continue;

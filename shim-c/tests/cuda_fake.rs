@@ -168,6 +168,27 @@ fn device_memory_round_trips_bit_exact_behind_the_trainers_event() {
 }
 
 #[test]
+fn many_allocations_with_tensors_at_offsets_round_trip_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = trainer_cmd(&exe, tmp.path(), "many", 2_000).output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(64));
+}
+
+#[test]
+fn a_sidecar_without_a_driver_refuses_device_memory_saying_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), false);
+    let o = trainer_cmd(&exe, tmp.path(), "refused", 2_000).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("refused:") && out.contains("no CUDA driver"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+}
+
+#[test]
 fn a_trainer_killed_right_after_released_still_commits() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());

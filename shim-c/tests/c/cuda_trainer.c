@@ -12,6 +12,9 @@
  *                        a load into a third allocation, compared bit-exact.
  *   die-after-release    saves, waits for Released, prints "released", SIGKILLs itself.
  *   die-before-release   queues a very late write, saves, SIGKILLs itself at once.
+ *   many                 64 allocations, two tensors in each (one at an offset),
+ *                        saved behind the event, loaded back in place, bit-exact.
+ *   refused              the sidecar has no driver: registration fails, saying so.
  *   sidecar-dies         saves behind a very late write, prints "saved", expects
  *                        the save to fail when the test kills the sidecar, then
  *                        trains on (device work) and prints "trained on".
@@ -59,6 +62,55 @@ static CUdeviceptr dev_alloc(size_t n, unsigned seed) {
     return d;
 }
 
+static int refused(ckpt_client *c) {
+    CUdeviceptr d = dev_alloc(4096, 1);
+    uint32_t rid;
+    int r = ckpt_register_cuda(c, (void *)(uintptr_t)d, &rid);
+    if (r == CKPT_OK) { fprintf(stderr, "a sidecar without CUDA registered device memory\n"); return 4; }
+    printf("refused: %s\n", ckpt_last_error());
+    return 0;
+}
+
+#define MANY 64
+#define MANY_BYTES (64u << 10)
+
+static int many(ckpt_client *c, CUstream stream) {
+    static CUdeviceptr d[MANY];
+    static char names[2 * MANY][32];
+    static unsigned char want[MANY][MANY_BYTES], got[MANY_BYTES];
+    static uint64_t shape[1] = {MANY_BYTES / 2};
+    static unsigned char zero[MANY_BYTES + 8192];
+    ckpt_tensor t[2 * MANY];
+    for (int i = 0; i < MANY; i++) {
+        d[i] = dev_alloc(MANY_BYTES + 8192, 100 + i);
+        uint32_t rid;
+        CK(ckpt_register_cuda(c, (void *)(uintptr_t)(d[i] + 100), &rid));
+        fill(want[i], MANY_BYTES, 200 + i);
+        CU(cuMemcpyHtoDAsync_v2(d[i], want[i], MANY_BYTES / 2, stream));
+        CU(cuMemcpyHtoDAsync_v2(d[i] + MANY_BYTES / 2 + 8192, want[i] + MANY_BYTES / 2, MANY_BYTES / 2, stream));
+        snprintf(names[2 * i], 32, "t%d.lo", i);
+        snprintf(names[2 * i + 1], 32, "t%d.hi", i);
+        t[2 * i] = (ckpt_tensor){names[2 * i], "U8", shape, 1, (void *)(uintptr_t)d[i], MANY_BYTES / 2};
+        t[2 * i + 1] = (ckpt_tensor){names[2 * i + 1], "U8", shape, 1, (void *)(uintptr_t)(d[i] + MANY_BYTES / 2 + 8192), MANY_BYTES / 2};
+    }
+    uint64_t id, got_step;
+    int source;
+    CK(ckpt_save_on_stream(c, 9, t, 2 * MANY, NULL, 0, stream, &id));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    for (int i = 0; i < MANY; i++) CU(cuMemcpyHtoD_v2(d[i], zero, sizeof zero));
+    CK(ckpt_load(c, 9, t, 2 * MANY, &got_step, &source));
+    for (int i = 0; i < MANY; i++) {
+        CU(cuMemcpyDtoH_v2(got, d[i], MANY_BYTES / 2));
+        CU(cuMemcpyDtoH_v2(got + MANY_BYTES / 2, d[i] + MANY_BYTES / 2 + 8192, MANY_BYTES / 2));
+        if (memcmp(got, want[i], MANY_BYTES)) { fprintf(stderr, "allocation %d differs after the round trip\n", i); return 11; }
+        CU(cuMemFree_v2(d[i]));
+    }
+    CK(ckpt_close(c));
+    printf("ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: cuda_trainer MODE\n"); return 2; }
     const char *mode = argv[1];
@@ -74,6 +126,8 @@ int main(int argc, char **argv) {
     ckpt_client *c;
     CK(ckpt_connect(NULL, &c));
     CK(ckpt_cuda_probe());
+    if (!strcmp(mode, "refused")) return refused(c);
+    if (!strcmp(mode, "many")) return many(c, stream);
     CUdeviceptr a = dev_alloc(A_BYTES, 1), b = dev_alloc(B_BYTES, 2);
     uint32_t ra, ra2, rb;
     CK(ckpt_register_cuda(c, (void *)(uintptr_t)(a + 4096), &ra));

@@ -1,14 +1,24 @@
 //! The `ckpt-bench` binary: benchmarks that play the trainer (the real
 //! client) against a real sidecar process. `ckpt-sidecar bench stall` runs
-//! it; it can be run by itself too. Exit codes: 0 success, 1 error, 2 usage.
+//! it; it can be run by itself too. Exit codes: 0 success, 1 error, 2 usage;
+//! every error is one line on stderr, each cause said once (as ckpt-sidecar).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 use ckpt_bench::stall;
+use ckpt_store::catalog;
 use ckpt_store::units::{human_bytes, parse_size};
+
+/// A size that must be at least one byte (`--size`, `--staging`).
+fn parse_nonzero_size(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err(format!("size {s:?} must be at least 1 byte")),
+        n => Ok(n),
+    }
+}
 
 #[derive(Parser)]
 #[command(name = "ckpt-bench", version, about = "Benchmarks of ckpt-sidecar through the real client")]
@@ -28,13 +38,13 @@ enum Cmd {
         #[arg(long)]
         dir: PathBuf,
         /// Size of the synthetic ~50-tensor state.
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
         /// Also time torch.save + fsync of a state of the same size with this Python.
         #[arg(long)]
         python: Option<PathBuf>,
         /// Staging budget of the sidecar (default: room for two images of SIZE).
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = parse_nonzero_size)]
         staging: Option<u64>,
         /// Saves to measure.
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
@@ -48,19 +58,80 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // clap's text up to its first blank line, as one line.
+            let text = e.render().to_string();
+            let msg: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+            eprintln!("{} (see --help)", msg.join(" "));
+            return ExitCode::from(2);
+        }
+    };
+    // A closed stdout (`| head`) ends this tool quietly, as other Unix tools;
+    // the figures are printed after the sidecar it ran has stopped. Its
+    // socket writes go through the client, which never raises SIGPIPE.
+    // SAFETY: setting a signal's disposition before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let r = match cli.cmd {
         Cmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
-            stall::run(&stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio }).and_then(|f| print_stall(&f, json))
+            // The sidecar it starts creates the directory; a failed run
+            // removes what it made (only folders left empty).
+            let made: Vec<PathBuf> = dir.ancestors().filter(|a| !a.as_os_str().is_empty()).take_while(|a| std::fs::symlink_metadata(a).is_err()).map(Path::to_path_buf).collect();
+            let r = check_stall_args(&dir, python.as_deref()).and_then(|()| {
+                stall::run(&stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio })
+            });
+            if r.is_err() {
+                for p in &made {
+                    let _ = std::fs::remove_dir(p);
+                }
+            }
+            r.and_then(|f| print_stall(&f, json))
         }
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The directory is one (or does not exist yet), and `--python` can be run.
+fn check_stall_args(dir: &Path, python: Option<&Path>) -> anyhow::Result<()> {
+    match catalog::check_dir(dir) {
+        Err(catalog::DirError::NoSuchDir(_)) | Ok(()) => {}
+        Err(e) => return Err(e.into()),
+    }
+    if let Some(py) = python {
+        use std::os::unix::fs::PermissionsExt;
+        let runnable = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+        let found = if py.components().count() > 1 {
+            runnable(py)
+        } else {
+            std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| runnable(&d.join(py))))
+        };
+        anyhow::ensure!(found, "--python {}: no such program (give the path of an executable)", py.display());
+    }
+    Ok(())
+}
+
+/// An error and its causes, each said once, on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line.replace('\n', " ")
 }
 
 fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {

@@ -42,7 +42,8 @@ fn positive(j: &serde_json::Value, key: &str) -> f64 {
 fn bench_stall_prints_sane_figures_and_leaves_committed_checkpoints() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
-    let j = bench_stall(&dir, &["--repeats", "2", "--python", "/nonexistent/python3"]);
+    // A Python that runs but cannot time torch.save (here: one that fails).
+    let j = bench_stall(&dir, &["--repeats", "2", "--python", "/bin/false"]);
     assert_eq!(j["op"], "stall");
     assert_eq!(j["memory"], "pre-faulted");
     let bytes = positive(&j, "bytes");
@@ -70,10 +71,10 @@ fn bench_stall_prints_sane_figures_and_leaves_committed_checkpoints() {
     let rss = positive(&j, "sidecar_rss_bytes");
     assert!(rss >= anon);
     assert!(positive(&j, "sidecar_rss_shmem_bytes") >= bytes * 0.9, "the region is mapped and populated");
-    // No fio asked for; a Python that is not there gives null and says why.
+    // No fio asked for; a Python that fails gives null and says why.
     assert!(j["fio_gib_per_s"].is_null() && j["persist_over_fio"].is_null());
     assert!(j["torch_save_seconds"].is_null());
-    assert!(j["torch_note"].as_str().is_some_and(|s| s.contains("/nonexistent/python3")), "{}", j["torch_note"]);
+    assert!(j["torch_note"].as_str().is_some_and(|s| s.contains("/bin/false")), "{}", j["torch_note"]);
 
     assert_eq!(j["steps"], serde_json::json!([1, 2]));
     assert_eq!(catalog::committed_steps(&dir).unwrap(), vec![1, 2]);
@@ -95,4 +96,21 @@ fn bench_stall_prints_sane_figures_and_leaves_committed_checkpoints() {
         .filter(|n| !n.starts_with("step-") && n != "latest")
         .collect();
     assert!(stray.is_empty(), "{stray:?}");
+}
+
+#[test]
+fn bench_stall_with_a_python_that_is_not_there_fails_at_once_and_creates_nothing() {
+    // It used to run the whole bench and exit 0 with a note.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let out = Command::new(sidecar_bin())
+        .args(["bench", "stall", "--dir"])
+        .arg(&dir)
+        .args(["--size", "1MiB", "--python", "/nonexistent/python3"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim(), "error: --python /nonexistent/python3: no such program (give the path of an executable)");
+    assert!(!dir.exists());
 }

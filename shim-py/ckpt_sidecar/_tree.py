@@ -9,6 +9,8 @@ structure joined with ".", made valid and unique for docs/format.md.
 import sys
 from collections import OrderedDict
 
+import pickle
+
 import numpy as np
 
 from ._cuda import interface as cuda_interface
@@ -66,7 +68,9 @@ class Flattener:
         self.torch = torch_module()
 
     def _name(self, path):
-        name = ".".join(path) if path else "tensor"
+        # An empty key (or a path of empty keys) is named like the root; a
+        # collision then gets a suffix as any other.
+        name = ".".join(path) or "tensor"
         name = "".join(ch if ch.isprintable() or ch == " " else "_" for ch in name)
         if name == "__metadata__":
             name = "_" + name
@@ -79,7 +83,16 @@ class Flattener:
         self.names.add(name)
         return name
 
-    def walk(self, obj, path=()):
+    def walk(self, obj, path=(), inside=None):
+        """The skeleton of `obj`; `inside`: ids of the containers on the way
+        here (a container met again inside itself cannot be saved)."""
+        if inside is None:
+            inside = set()
+        if type(obj) in (dict, OrderedDict, list, tuple) or _is_namedtuple(obj):
+            if id(obj) in inside:
+                raise ValueError(f"state{_where(path)} is a container it is itself inside of: "
+                                 "a self-referencing state cannot be saved")
+            inside = inside | {id(obj)}
         if isinstance(obj, np.ndarray) and obj.dtype.kind != "O" and not obj.dtype.hasobject:
             key = (obj.dtype.kind, obj.dtype.itemsize)
             native = obj.dtype.byteorder in ("=", "|", "<") or obj.dtype.itemsize == 1
@@ -107,14 +120,58 @@ class Flattener:
             self.leaves.append((ref, obj))
             return ref
         if type(obj) in (dict, OrderedDict):
-            return type(obj)((k, self.walk(v, path + (str(k),))) for k, v in obj.items())
+            return type(obj)((k, self.walk(v, path + (str(k),), inside)) for k, v in obj.items())
         if type(obj) is list:
-            return [self.walk(v, path + (str(i),)) for i, v in enumerate(obj)]
+            return [self.walk(v, path + (str(i),), inside) for i, v in enumerate(obj)]
         if type(obj) is tuple:
-            return tuple(self.walk(v, path + (str(i),)) for i, v in enumerate(obj))
+            return tuple(self.walk(v, path + (str(i),), inside) for i, v in enumerate(obj))
         if _is_namedtuple(obj):
-            return type(obj)(*(self.walk(v, path + (f,)) for f, v in zip(obj._fields, obj)))
+            return type(obj)(*(self.walk(v, path + (f,), inside) for f, v in zip(obj._fields, obj)))
         return obj
+
+
+def _where(path):
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def _unpicklable(skel, path=()):
+    """The path of the first value in `skel` that pickle refuses, and its error."""
+    if isinstance(skel, TensorRef):
+        return None
+    if type(skel) in (dict, OrderedDict):
+        items = [(str(k), v) for k, v in skel.items()]
+    elif type(skel) in (list, tuple):
+        items = [(str(i), v) for i, v in enumerate(skel)]
+    elif _is_namedtuple(skel):
+        items = list(zip(skel._fields, skel))
+    else:
+        try:
+            pickle.dumps(skel, protocol=4)
+        except Exception as e:  # noqa: BLE001 - whatever pickle raises is the answer
+            return path, e
+        return None
+    for k, v in items:
+        found = _unpicklable(v, path + (k,))
+        if found is not None:
+            return found
+    return None
+
+
+def pickle_skeleton(version, skel):
+    """The pickled (version, skeleton); an error names where in the state the
+    value pickle refuses lies."""
+    try:
+        return pickle.dumps((version, skel), protocol=4)
+    except RecursionError:
+        raise ValueError("the state is nested too deeply (or refers to itself through an object) "
+                         "to be pickled") from None
+    except Exception as e:  # noqa: BLE001
+        found = _unpicklable(skel)
+        if found is None:
+            raise
+        path, err = found
+        raise TypeError(f"state{_where(path)}: {type(err).__name__}: {err} "
+                        "(only tensors, arrays and picklable values can be saved)") from e
 
 
 def unflatten(skel, values):

@@ -28,8 +28,9 @@ import numpy as np
 
 from . import _cuda
 from . import _native as N
-from ._tree import SKELETON_VERSION, Flattener, TensorRef, torch_module, unflatten
-from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout
+from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, torch_module, unflatten
+from ._units import count_arg, size_arg, step_arg
+from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
@@ -309,7 +310,13 @@ class Checkpointer:
         # _private_dir (the torch.save hook's): the checkpoint folder goes inside
         # the private temp folder, removed with it.
         self._private_dir = _private_dir
+        # Every argument is checked before anything is taken or created, with
+        # the command line's meaning (sizes: ckpt_sidecar._units).
         self.dir = os.path.abspath(os.fspath(dir if dir is not None else "ckpt"))
+        if os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            raise NotADirectoryError(errno.ENOTDIR, "Checkpointer(dir=...) is not a directory", self.dir)
+        keep = None if keep is None else count_arg("keep", keep)
+        staging = None if staging is None else size_arg("staging", staging)
         self._keep, self._staging, self._log = keep, staging, log
         self._cpus = cpus if cpus is None or isinstance(cpus, str) else ",".join(str(int(c)) for c in cpus)
         self._regions = []       # every region of this client, sorted by ptr
@@ -319,6 +326,7 @@ class Checkpointer:
         self._load_region = None
         self._pending = []       # weakrefs of handles not yet known released
         self._last = None
+        self._budget = None      # the sidecar's staging budget, once asked (see _check_fits)
         self._mu = threading.RLock()
         self.socket = os.fspath(socket) if socket is not None else None
         self._socket_arg = self.socket is not None  # spawn there, not at a private path
@@ -476,6 +484,11 @@ class Checkpointer:
     def _ensure(self):
         if self._client is None:
             raise Closed("the Checkpointer is closed", -16)
+        if os.getpid() != self._own.pid:
+            # A forked child shares the parent's connection and regions: it
+            # must not speak on them, nor start a sidecar of its own.
+            raise Closed(f"this Checkpointer belongs to process {self._own.pid}; a forked child "
+                         "cannot use it (make a new Checkpointer in the child)", -16)
         if self._proc is not None and self._proc.poll() is not None:
             warnings.warn(f"the spawned sidecar exited ({self._proc.returncode}); starting a new one")
             self._proc.stdin.close()  # ends the old launch's child, if it outlived launch
@@ -584,13 +597,17 @@ class Checkpointer:
     # ---- save ----
 
     def save(self, step, state, rng=False):
-        """Checkpoint `state` as `step`; returns a SaveHandle once the request is sent."""
+        """Checkpoint `state` as `step` (an int from 0 to 999999999999); returns a
+        SaveHandle once the request is sent."""
         t0 = time.perf_counter()
+        step = step_arg(step)
         with self._mu:
             self._ensure()
             fl = Flattener()
             skeleton = fl.walk(state)
+            structure = pickle_skeleton(SKELETON_VERSION, skeleton)
             plan, direct, copy_bytes, streams = self._plan(fl.leaves)
+            self._check_fits(step, sum(r[2] for r in plan))
             region = self._take(copy_bytes) if copy_bytes else None
             descs = (N.Tensor * max(len(plan), 1))()
             keep = []
@@ -601,7 +618,7 @@ class Checkpointer:
                     shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
                     keep += [name, dt, shp]
                     descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
-                blobs_py = [(STRUCTURE_BLOB, pickle.dumps((SKELETON_VERSION, skeleton), protocol=4))]
+                blobs_py = [(STRUCTURE_BLOB, structure)]
                 if rng:
                     blobs_py.append((RNG_BLOB, pickle.dumps(capture_rng(), protocol=4)))
                 blobs = (N.Blob * len(blobs_py))()
@@ -629,6 +646,21 @@ class Checkpointer:
             self._last = h
             h.stall_seconds = time.perf_counter() - t0
             return h
+
+    def _check_fits(self, step, tensor_bytes):
+        """A save whose tensors alone exceed the sidecar's whole staging budget
+        is refused here, before anything is copied (the sidecar would refuse it
+        after the copy). The budget is asked once, and again before a refusal
+        (a restarted sidecar may have another)."""
+        if self._budget is None or tensor_bytes > self._budget:
+            try:
+                self._budget = int(self.status()["staging_bytes"])
+            except (SidecarError, KeyError, TypeError, ValueError):
+                return  # the sidecar decides
+        if tensor_bytes > self._budget:
+            raise TooLarge(f"save of step {step}: its tensors need {tensor_bytes} bytes, more than the sidecar's "
+                           f"whole staging budget of {self._budget} bytes (raise staging=, or the sidecar's "
+                           "--staging); nothing was copied", TooLarge.code)
 
     def save_file(self, path, data):
         """Have the sidecar write `data` (bytes-like) as the whole file `path`,
@@ -767,12 +799,13 @@ class Checkpointer:
     def load(self, step="latest", map_location="cpu", restore_rng=False):
         """The state saved as `step` ("latest": the newest good one), verified by
         the sidecar; torch tensors where torch tensors were saved, numpy arrays
-        where arrays were. map_location: a torch device for torch tensors (None:
+        where arrays were. A step is an int from 0 to 999999999999. map_location: a torch device for torch tensors (None:
         the device they were saved from)."""
         L = N.lib()
         with self._mu:
             self._ensure()
-            want = -1 if step in ("latest", None) else int(step)
+            want = step_arg(step, latest_ok=True)
+            want = -1 if want is None else want
             got, src = ctypes.c_uint64(), ctypes.c_int()
             N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
             self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
@@ -965,7 +998,7 @@ class Checkpointer:
         with self._mu:
             self._ensure()
             n = ctypes.c_size_t()
-            N.check(L.ckpt_rollback(self._client, int(step), ctypes.byref(n)))
+            N.check(L.ckpt_rollback(self._client, step_arg(step), ctypes.byref(n)))
             return n.value
 
     def status(self):

@@ -183,7 +183,7 @@ def test_spawn_with_cpus_pins_the_sidecar(tmp_path, no_default_sidecar):
 
 # ---- nothing leaks: a failed constructor, a collected Checkpointer, a killed trainer ----
 
-from ckpt_test_util import assert_nothing_left, lock_is_free, open_fds_to, run_sigkilled_trainer  # noqa: E402
+from ckpt_test_util import assert_nothing_left, lock_is_free, open_fds_to, run_sigkilled_trainer, wait_until  # noqa: E402
 
 
 def _our_segments():
@@ -193,7 +193,9 @@ def _our_segments():
 def test_failed_spawn_releases_everything(tmp_path, no_default_sidecar, private_tmp):
     d = tmp_path / "ck"
     with pytest.raises(cs.SidecarError, match="exited"):
-        cs.Checkpointer(dir=d, staging="lots")  # the sidecar refuses the size and exits
+        # A size Python takes (a bad one, "lots", is refused before any
+        # spawn now: test_misuse.py) but the sidecar cannot allocate: it exits.
+        cs.Checkpointer(dir=d, staging="64PiB")
     # No lock held, no descriptor on it, no private folder left.
     assert lock_is_free(d)
     assert open_fds_to(d / ".ckpt-sidecar-py.lock") == []
@@ -346,3 +348,36 @@ def test_preemption_sigterm_to_the_whole_job_spawned_sidecar_serves_the_last_sav
     assert "saved after SIGTERM" in out and "starting a new one" not in err, out + err
     with cs.Checkpointer(dir=d, staging="16MiB") as ck:
         assert ck.list() == [7]
+
+
+def test_a_served_sidecar_removes_the_segments_of_a_client_killed_with_sigkill(sidecar, tmp_path):
+    """No spawn, no janitor: a long-lived `serve` outlives many trainers, and
+    each one SIGKILLed would otherwise leave its regions in /dev/shm."""
+    import signal
+    import subprocess
+    import sys
+
+    code = f"""
+import os, numpy as np, ckpt_sidecar as cs
+ck = cs.Checkpointer(socket={sidecar.socket!r}, spawn=False)
+w = ck.share(np.arange(1 << 16, dtype=np.float32))
+ck.save(1, {{"w": w, "b": np.ones(100)}}).wait_durable(60)
+print(os.getpid(), flush=True)
+import time; time.sleep(600)
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+
+        def segs():
+            return [n for n in os.listdir("/dev/shm") if n.startswith(f"ckpt-{pid}-")]
+
+        assert segs(), "the client made no shm segments"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    wait_until(lambda: segs() == [], 10, lambda: f"the dead client's segments are removed: {segs()}")
+    # The sidecar serves on, and what was saved is there.
+    with cs.Checkpointer(socket=sidecar.socket, spawn=False) as ck:
+        assert ck.list() == [1]
+

@@ -197,7 +197,13 @@ print("ok")
 
 
 def test_too_large_for_staging_fails_that_save_only(ck):
-    big = np.zeros(80 << 20, np.uint8)  # above the sidecar's 64 MiB staging
+    # Tensors above the sidecar's whole 64 MiB staging are refused by save()
+    # itself, before any copy (test_misuse.py); tensors just below it whose
+    # file image (headers, alignment) is above it are refused by the sidecar.
+    with pytest.raises(cs.TooLarge) as e:
+        ck.save(1, {"w": np.zeros(80 << 20, np.uint8)})
+    assert e.value.code == -12
+    big = np.zeros((64 << 20) - 100, np.uint8)
     h = ck.save(1, {"w": big})
     with pytest.raises(cs.TooLarge) as e:
         h.wait_durable(30)

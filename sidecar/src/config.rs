@@ -23,6 +23,9 @@ pub const STAGING_WAIT_POLL_MS: u64 = 50;
 /// Largest frame either side accepts (the wire crate's limit, repeated here
 /// so it is related to the others).
 pub const FRAME_BYTES_MAX: u32 = ckpt_wire::FRAME_BYTES_MAX;
+/// Longest socket path: a Unix socket address holds 108 bytes of path,
+/// the terminating NUL included.
+pub const SOCKET_PATH_BYTES_MAX: usize = 107;
 /// Largest first frame (Hello) read from a peer not yet checked.
 pub const HELLO_BYTES_MAX: u32 = 64 << 10;
 /// A peer that connects and says nothing for this long is dropped.

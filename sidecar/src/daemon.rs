@@ -377,8 +377,9 @@ pub enum ClientError {
 /// wire crate, and returns its reply (an `Error` reply as `ClientError::Remote`).
 /// `timeout`: how long to wait for the answer (None: no limit).
 fn request(socket: &Path, name: &str, req: &Request, timeout: Option<Duration>) -> Result<Reply, ClientError> {
-    let mut s = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut s = NoSigPipe(stream);
     ckpt_wire::write_frame(&mut s, &ckpt_wire::hello(name))?;
     match ckpt_wire::read_frame::<Reply>(&mut s)? {
         Reply::Welcome { version, .. } if version == PROTOCOL_VERSION => {}
@@ -386,13 +387,41 @@ fn request(socket: &Path, name: &str, req: &Request, timeout: Option<Duration>) 
         Reply::Refused { reason } => return Err(ClientError::Refused(reason)),
         other => return Err(ClientError::Unexpected(format!("{other:?}"))),
     }
-    let _ = s.set_read_timeout(timeout);
+    let _ = s.0.set_read_timeout(timeout);
     ckpt_wire::write_frame(&mut s, req)?;
     let reply = ckpt_wire::read_frame::<Reply>(&mut s)?;
     let _ = ckpt_wire::write_frame(&mut s, &Request::Bye);
     match reply {
         Reply::Error { code, message, .. } => Err(ClientError::Remote { code, message }),
         r => Ok(r),
+    }
+}
+
+/// A client socket whose writes never raise SIGPIPE: the command line
+/// tools let a closed stdout end them by SIGPIPE, but a sidecar that closes
+/// the connection is an error to report, not a reason to die silently.
+struct NoSigPipe(UnixStream);
+
+impl io::Write for NoSigPipe {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: send reads at most buf.len() bytes from buf, a live slice;
+        // the descriptor is the stream we own.
+        let n = unsafe { libc::send(self.0.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl io::Read for NoSigPipe {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        io::Read::read(&mut self.0, buf)
     }
 }
 

@@ -70,8 +70,20 @@ pub fn check_path(path: &str, peer_uid: u32, our_uid: u32) -> Result<PathBuf, (E
         Ok(_) => return bad(&format!("{} is not a directory", dir.display())),
         Err(e) => return Err((ErrorCode::Io, format!("SaveFile path {path:?}: directory {}: {e}", dir.display()))),
     }
-    if fs::metadata(p).is_ok_and(|m| m.is_dir()) {
-        return bad("is a directory");
+    // Only a regular file (or nothing) is replaced: a rename over a symbolic
+    // link, a FIFO or a device (say /dev/null, for a sidecar run as root)
+    // would replace the special file itself, not write where it leads.
+    if let Ok(m) = fs::symlink_metadata(p) {
+        let t = m.file_type();
+        if t.is_dir() {
+            return bad("is a directory");
+        }
+        if t.is_symlink() {
+            return bad("is a symbolic link; give the path it points to (only a regular file is replaced)");
+        }
+        if !t.is_file() {
+            return bad(&format!("is a {}, not a regular file (only a regular file is replaced)", special_kind(&t)));
+        }
     }
     let cdir = CString::new(dir.as_os_str().as_bytes()).expect("no NUL (checked)");
     // SAFETY: a valid NUL-terminated path; access only reads it.
@@ -80,6 +92,21 @@ pub fn check_path(path: &str, peer_uid: u32, our_uid: u32) -> Result<PathBuf, (E
         return Err((ErrorCode::Io, format!("SaveFile path {path:?}: cannot write in {}: {e}", dir.display())));
     }
     Ok(p.to_path_buf())
+}
+
+fn special_kind(t: &fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_char_device() {
+        "character device"
+    } else {
+        "special file"
+    }
 }
 
 /// Runs one SaveFile for a session: checks, waits for staging, copies,
@@ -198,5 +225,29 @@ mod tests {
         assert_eq!(check_path(d.path().to_str().unwrap(), uid(), uid()).unwrap_err().0, ErrorCode::BadRequest);
         let (_, msg) = check_path(ok.to_str().unwrap(), uid() + 1, uid()).unwrap_err();
         assert!(msg.contains("own uid"), "{msg}");
+    }
+
+    #[test]
+    fn only_a_regular_file_is_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("a.pt");
+        fs::write(&file, b"old").unwrap();
+        assert_eq!(check_path(file.to_str().unwrap(), uid(), uid()).unwrap(), file);
+        let link = d.path().join("link.pt");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let dangling = d.path().join("dangling.pt");
+        std::os::unix::fs::symlink(d.path().join("nowhere"), &dangling).unwrap();
+        let fifo = d.path().join("fifo.pt");
+        let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for (p, what) in [(&link, "symbolic link"), (&dangling, "symbolic link"), (&fifo, "FIFO"), (&PathBuf::from("/dev/null"), "character device")] {
+            let (code, msg) = check_path(p.to_str().unwrap(), uid(), uid()).unwrap_err();
+            assert_eq!(code, ErrorCode::BadRequest, "{msg}");
+            assert!(msg.contains(what) && msg.contains(p.to_str().unwrap()), "{msg}");
+        }
+        // Nothing was touched.
+        assert_eq!(fs::read(&file).unwrap(), b"old");
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
     }
 }

@@ -1,6 +1,8 @@
 //! The `ckpt-sidecar` binary: the command line over the library. Only this
 //! file uses `anyhow`; it maps outcomes to exit codes:
-//! 0 success, 1 error, 2 usage, 3 `verify` found damage.
+//! 0 success, 1 error, 2 usage, 3 `verify` found damage; a tool whose
+//! stdout is closed (`| head`) ends quietly by SIGPIPE (141 in a shell).
+//! Every error is one line on stderr, each cause said once.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -24,8 +26,40 @@ use ckpt_store::restore::{self, ReadOptions};
 use ckpt_store::retention::{self, Retention};
 use ckpt_store::synthetic;
 use ckpt_store::units::{human_bytes, parse_size};
+use ckpt_store::format::STEP_MAX;
 
 const EXIT_DAMAGED: u8 = 3;
+const EXIT_USAGE: u8 = 2;
+
+/// A size that must be at least one byte (`--size`, `--shard-size`, `--staging`).
+fn parse_nonzero_size(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err(format!("size {s:?} must be at least 1 byte")),
+        n => Ok(n),
+    }
+}
+
+/// A checkpoint step: 0 to the largest step a folder name holds.
+fn parse_step(s: &str) -> Result<u64, String> {
+    let n: u64 = s.trim().parse().map_err(|_| format!("step {s:?} is not a whole number from 0 to {STEP_MAX}"))?;
+    if n > STEP_MAX {
+        return Err(format!("step {n} is above the largest step {STEP_MAX}"));
+    }
+    Ok(n)
+}
+
+/// A count that must be at least 1 (`--keep`, `--keep-every`).
+fn parse_positive(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(0) => Err(format!("{s:?} must be at least 1")),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
+}
+
+fn parse_keep(s: &str) -> Result<usize, String> {
+    parse_positive(s).map(|n| n.min(usize::MAX as u64) as usize).map_err(|e| format!("{e} (the newest checkpoint is never deleted)"))
+}
 
 #[derive(Parser)]
 #[command(name = "ckpt-sidecar", version, about = "Checkpoint sidecar for deep-learning training")]
@@ -92,18 +126,19 @@ struct DaemonArgs {
     #[arg(long)]
     socket: Option<PathBuf>,
     /// Staging memory budget, allocated at start (default: a quarter of RAM, at most 8 GiB).
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse_nonzero_size)]
     staging: Option<u64>,
     /// Keep only the newest N committed checkpoints (default: keep all).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_keep)]
     keep: Option<usize>,
     /// With --keep, also keep every step that is a multiple of K.
-    #[arg(long, requires = "keep")]
+    #[arg(long, requires = "keep", value_parser = parse_positive)]
     keep_every: Option<u64>,
     /// Also accept clients of this uid (repeatable); default: only our own uid.
     #[arg(long = "allow-uid")]
     allow_uids: Vec<u32>,
-    #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+    /// Largest shard file (a larger tensor gets a shard of its own).
+    #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
     shard_size: u64,
     /// Run the sidecar's threads on these CPUs only, e.g. `1` or `2-7,12`
     /// (keeps them off a trainer's cores on a small machine); launch's
@@ -116,9 +151,6 @@ struct DaemonArgs {
 
 impl DaemonArgs {
     fn options(&self) -> anyhow::Result<DaemonOptions> {
-        if self.keep == Some(0) {
-            bail!("--keep must be at least 1 (the newest checkpoint is never deleted)");
-        }
         Ok(DaemonOptions {
             dirs: self.dirs.clone(),
             socket: self.socket.clone(),
@@ -126,7 +158,7 @@ impl DaemonArgs {
             retention: self.keep.map(|k| Retention { keep_last: k, keep_every: self.keep_every }),
             allow_uids: self.allow_uids.clone(),
             io: self.io.policy(),
-            shard_bytes_max: self.shard_size.max(1),
+            shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
         })
     }
@@ -173,6 +205,7 @@ enum Cmd {
     Inspect {
         dir: PathBuf,
         /// Step to show (default: latest).
+        #[arg(value_parser = parse_step)]
         step: Option<u64>,
         #[arg(long)]
         json: bool,
@@ -181,7 +214,7 @@ enum Cmd {
     Verify {
         dir: PathBuf,
         /// Only this step (default: every committed checkpoint).
-        #[arg(long)]
+        #[arg(long, value_parser = parse_step)]
         step: Option<u64>,
         /// Secondary directories, when they moved since the write.
         #[arg(long = "secondary")]
@@ -199,7 +232,7 @@ enum Cmd {
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
         /// The step to go back to (a committed checkpoint).
-        #[arg(long)]
+        #[arg(long, value_parser = parse_step)]
         to: u64,
         #[arg(long)]
         json: bool,
@@ -210,9 +243,9 @@ enum Cmd {
         /// Target directories, primary first.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long)]
+        #[arg(long, value_parser = parse_keep)]
         keep: usize,
-        #[arg(long)]
+        #[arg(long, value_parser = parse_positive)]
         keep_every: Option<u64>,
         #[arg(long)]
         json: bool,
@@ -246,12 +279,13 @@ enum BenchCmd {
         /// Target directory; repeat for several disks (the first is the primary).
         #[arg(long = "dir", required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
         /// Step to write (default: one past the newest).
-        #[arg(long)]
+        #[arg(long, value_parser = parse_step)]
         step: Option<u64>,
-        #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+        /// Largest shard file.
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
         shard_size: u64,
         /// Also run fio with the same size in the same directory, first, and print the ratio.
         #[arg(long)]
@@ -264,27 +298,13 @@ enum BenchCmd {
     /// The trainer's stall per save through a real client and a real sidecar
     /// process, beside one memcpy of the same bytes; persist throughput,
     /// sidecar memory, optionally fio and torch.save + fsync.
+    #[command(disable_help_flag = true)]
     Stall {
-        /// Target directory (committed checkpoints stay there).
-        #[arg(long)]
-        dir: PathBuf,
-        /// Size of the synthetic ~50-tensor state.
-        #[arg(long, value_parser = parse_size)]
-        size: u64,
-        /// Also time torch.save + fsync of a state of the same size with this Python.
-        #[arg(long)]
-        python: Option<PathBuf>,
-        /// Staging budget of the sidecar (default: room for two images of SIZE).
-        #[arg(long, value_parser = parse_size)]
-        staging: Option<u64>,
-        /// Saves to measure.
-        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-        repeats: u32,
-        /// Also run fio with the checkpoint's size in the same directory, first, and print the ratio.
-        #[arg(long)]
-        compare_fio: bool,
-        #[arg(long)]
-        json: bool,
+        /// `ckpt-bench stall`'s options (--dir DIR --size SIZE [--python PY]
+        /// [--staging SIZE] [--repeats N] [--compare-fio] [--json]; --help
+        /// lists them), passed on as they are.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
     /// Read `latest` back with verification.
     Read {
@@ -307,9 +327,9 @@ enum DebugCmd {
         manifest: PathBuf,
         #[arg(long = "dir", required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long)]
+        #[arg(long, value_parser = parse_step)]
         step: u64,
-        #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
         shard_size: u64,
         #[command(flatten)]
         io: IoArgs,
@@ -319,9 +339,9 @@ enum DebugCmd {
     Torture {
         #[arg(long = "dir", required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = parse_keep)]
         keep: usize,
         #[arg(long)]
         count: Option<u64>,
@@ -331,19 +351,104 @@ enum DebugCmd {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            eprintln!("{}", usage_line(&e));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let daemon = matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Launch { .. });
+    if !daemon {
+        // A tool whose reader went away (`inspect D | head -1`) ends quietly,
+        // as other Unix tools do. The daemon keeps ignoring SIGPIPE: it
+        // writes to client sockets, and a client gone is not its end.
+        // SAFETY: setting a signal's disposition before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     // The daemon says what it does (one line per checkpoint); tools stay quiet.
-    let default_level = if matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Launch { .. }) { "info" } else { "warn" };
+    let default_level = if daemon { "info" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CKPT_SIDECAR_LOG").unwrap_or_else(|_| default_level.into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    let made = Made::before(&cli.cmd);
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            made.undo();
+            eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// clap's error as one line: its text up to the first blank line (the
+/// message and any argument it lists), then where help is.
+fn usage_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let msg: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+    format!("{} (see --help)", msg.join(" "))
+}
+
+/// An error and its causes, each said once: a cause whose text the line
+/// already holds (a wrapper that printed its source) is not repeated.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line.replace('\n', " ")
+}
+
+/// Directories that did not exist before a command that creates its own
+/// (`serve`, `launch`, `bench write`; ckpt-bench does the same for `bench
+/// stall`): a failed start removes
+/// those it left empty, so a refused command leaves nothing behind.
+struct Made(Vec<PathBuf>);
+
+impl Made {
+    fn before(cmd: &Cmd) -> Made {
+        let mut paths: Vec<PathBuf> = Vec::new();
+        match cmd {
+            Cmd::Serve { d } | Cmd::Launch { d, .. } => {
+                paths.extend(d.dirs.iter().cloned());
+                if matches!(cmd, Cmd::Serve { .. }) || d.socket.is_some() {
+                    let sock = d.socket.clone().unwrap_or_else(ckpt_sidecar::server::default_socket_path);
+                    paths.extend(sock.parent().map(Path::to_path_buf));
+                }
+            }
+            Cmd::Bench { what: BenchCmd::Write { dirs, .. } } => paths.extend(dirs.iter().cloned()),
+            _ => {}
+        }
+        let mut missing = Vec::new();
+        for p in paths {
+            // Every missing ancestor, deepest first.
+            for a in p.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+                if std::fs::symlink_metadata(a).is_ok() {
+                    break;
+                }
+                if !missing.contains(&a.to_path_buf()) {
+                    missing.push(a.to_path_buf());
+                }
+            }
+        }
+        Made(missing)
+    }
+
+    fn undo(mut self) {
+        self.0.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for p in &self.0 {
+            let _ = std::fs::remove_dir(p); // only if empty
         }
     }
 }
@@ -378,6 +483,7 @@ fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 }
 
 fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    catalog::check_dir(dir)?;
     let steps = catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
     let latest = catalog::latest_step(dir)?;
     let mut rows = Vec::new();
@@ -395,13 +501,17 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     } else {
         println!("{:>12}  {:>8}  {:>12}  LATEST", "STEP", "TENSORS", "BYTES");
         for r in &rows {
-            println!(
-                "{:>12}  {:>8}  {:>12}  {}",
+            let latest = if r["latest"].as_bool() == Some(true) { "*" } else { "" };
+            let readable = r["bytes"].as_u64().is_some();
+            let line = format!(
+                "{:>12}  {:>8}  {:>12}  {:<6}{}",
                 r["step"].as_u64().unwrap_or_default(),
                 r["tensors"].as_u64().map_or("?".into(), |t| t.to_string()),
-                r["bytes"].as_u64().map_or("unreadable index".into(), human_bytes),
-                if r["latest"].as_bool() == Some(true) { "*" } else { "" }
+                r["bytes"].as_u64().map_or("?".into(), human_bytes),
+                latest,
+                if readable { "" } else { "  index unreadable (damaged: see inspect, verify)" }
             );
+            println!("{}", line.trim_end());
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -409,7 +519,17 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
 
 fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
     let socket = socket.unwrap_or_else(ckpt_sidecar::server::default_socket_path);
-    let r = daemon::status(&socket)?;
+    let mut r = match daemon::status(&socket) {
+        Err(daemon::ClientError::Connect { source, .. })
+            if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+        {
+            bail!("no sidecar is listening at {} (start one: ckpt-sidecar serve --dir DIR, or give its --socket)", socket.display())
+        }
+        r => r?,
+    };
+    // Our own connection is not one of the sidecar's sessions worth listing.
+    let me = std::process::id();
+    r.sessions.retain(|s| s.pid != me);
     if json {
         let j = json!({
             "socket": socket, "server_pid": r.server_pid, "dirs": r.dirs,
@@ -451,11 +571,22 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The step asked for, else `latest`, else the newest committed one (so a
+/// damaged newest checkpoint is shown as damaged, not as missing).
 fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
-    match step {
-        Some(s) => Ok(s),
-        None => catalog::latest_step(dir)?.with_context(|| format!("{}: no committed checkpoint", dir.display())),
+    catalog::check_dir(dir)?;
+    if let Some(s) = step {
+        return Ok(s);
     }
+    if let Some(s) = catalog::latest_step(dir)? {
+        return Ok(s);
+    }
+    catalog::committed_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
+}
+
+/// `1 file`, `2 files`.
+fn plural(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
@@ -467,18 +598,29 @@ fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode
     }
     let c = &index.ckpt;
     let bytes: u64 = c.files.iter().map(|f| f.len_bytes).sum();
-    println!("step {} in {}: {} tensors, {} files, {}", c.step, catalog::step_path(dir, step).display(), c.tensors.len(), c.files.len(), human_bytes(bytes));
-    println!("{:<48} {:<8} {:<20} {:>12}  FILE", "TENSOR", "DTYPE", "SHAPE", "BYTES");
+    println!(
+        "step {} in {}: {}, {}, {}",
+        c.step,
+        catalog::step_path(dir, step).display(),
+        plural(c.tensors.len(), "tensor"),
+        plural(c.files.len(), "file"),
+        human_bytes(bytes)
+    );
+    println!("{:<48} {:<8} {:<20} {:>12}  FILE", "TENSOR", "DTYPE", "SHAPE", "SIZE");
     for (name, t) in &c.tensors {
-        println!("{:<48} {:<8} {:<20} {:>12}  {}", name, t.dtype.as_str(), format!("{:?}", t.shape), t.data_offsets[1] - t.data_offsets[0], t.file);
+        println!("{:<48} {:<8} {:<20} {:>12}  {}", name, t.dtype.as_str(), format!("{:?}", t.shape), human_bytes(t.data_offsets[1] - t.data_offsets[0]), t.file);
     }
     for b in &c.blobs {
-        println!("blob {:<43} {:>42}", b.name, b.len_bytes);
+        println!("blob {:<43} {:>42}", b.name, human_bytes(b.len_bytes));
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, io: IoPolicy) -> anyhow::Result<ExitCode> {
+    catalog::check_dir(dir)?;
+    for d in &secondaries {
+        catalog::check_dir(d)?;
+    }
     let steps = match step {
         Some(s) => vec![s],
         None => catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?,
@@ -542,9 +684,6 @@ fn print_verify(r: &restore::VerifyReport) {
 }
 
 fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
-    if keep == 0 {
-        bail!("--keep must be at least 1 (the newest checkpoint is never deleted)");
-    }
     // Opening the store locks the directories (a serving sidecar's are
     // refused, naming it) and runs recovery first, so leftovers go too.
     let store = match Store::open(StoreOptions { create: false, lock_role: "gc".into(), ..StoreOptions::new(dirs.to_vec()) }) {
@@ -555,10 +694,14 @@ fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> any
     };
     let deleted = retention::apply(store.dirs(), Retention { keep_last: keep, keep_every })?;
     let kept = catalog::committed_steps(store.primary())?;
+    let recovered = store.recovery().removed.clone();
+    // The locks go (and their files with them) before any output: a closed
+    // stdout ends this process by SIGPIPE.
+    drop(store);
     if json {
-        println!("{}", json!({"deleted": deleted, "kept": kept, "recovered": store.recovery().removed}));
+        println!("{}", json!({"deleted": deleted, "kept": kept, "recovered": recovered}));
     } else {
-        for p in &store.recovery().removed {
+        for p in &recovered {
             println!("removed leftover {}", p.display());
         }
         println!("deleted {} checkpoint(s) {:?}; kept {:?}", deleted.len(), deleted, kept);
@@ -591,6 +734,9 @@ fn rollback(dirs: &[PathBuf], to: u64, json: bool) -> anyhow::Result<ExitCode> {
 fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     let mut failed = false;
+    for d in dirs {
+        catalog::check_dir(d)?;
+    }
     for d in dirs {
         match eio::probe(d, io) {
             Ok(c) => {
@@ -644,7 +790,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
             print_figures(&f, json)?;
         }
-        BenchCmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
+        BenchCmd::Stall { args } => {
             // The trainer's side lives in ckpt-bench, so that this binary links
             // no client code; it measures this very binary as the sidecar.
             let me = std::env::current_exe().context("finding this executable")?;
@@ -652,29 +798,23 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             if !bench.is_file() {
                 bail!("bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
             }
-            let mut cmd = std::process::Command::new(&bench);
-            cmd.arg("stall").arg("--dir").arg(&dir).arg("--size").arg(size.to_string()).arg("--repeats").arg(repeats.to_string());
-            cmd.env("CKPT_SIDECAR_BIN", &me);
-            if let Some(py) = python {
-                cmd.arg("--python").arg(py);
-            }
-            if let Some(st) = staging {
-                cmd.arg("--staging").arg(st.to_string());
-            }
-            if compare_fio {
-                cmd.arg("--compare-fio");
-            }
-            if json {
-                cmd.arg("--json");
-            }
-            let status = cmd.status().with_context(|| format!("running {}", bench.display()))?;
-            return Ok(match status.code() {
-                Some(0) => ExitCode::SUCCESS,
-                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
-                None => ExitCode::FAILURE,
+            let status = std::process::Command::new(&bench)
+                .arg("stall")
+                .args(args)
+                .env("CKPT_SIDECAR_BIN", &me)
+                .status()
+                .with_context(|| format!("running {}", bench.display()))?;
+            use std::os::unix::process::ExitStatusExt;
+            return Ok(match (status.code(), status.signal()) {
+                (Some(0), _) => ExitCode::SUCCESS,
+                (Some(c), _) => ExitCode::from(c.clamp(1, 255) as u8),
+                // Ended by a signal (SIGPIPE: its stdout closed): as a shell says it.
+                (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
+                (None, None) => ExitCode::FAILURE,
             });
         }
         BenchCmd::Read { dir, compare_fio, json, io } => {
+            catalog::check_dir(&dir)?;
             let f = bench::read(&bench::ReadArgs { dir, io: io.policy(), compare_fio })?;
             print_figures(&f, json)?;
         }

@@ -30,6 +30,8 @@ pub enum ServerError {
     InUse(PathBuf),
     #[error("{path}: {why}")]
     Unsafe { path: PathBuf, why: String },
+    #[error("socket path {} is {len} bytes, longer than a Unix socket address holds ({max}); pass a shorter --socket", .path.display(), max = config::SOCKET_PATH_BYTES_MAX)]
+    PathTooLong { path: PathBuf, len: usize },
 }
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> ServerError + 'a {
@@ -119,6 +121,10 @@ fn sweep_starting(dir: &Path) {
 /// directory it creates 0711, so the allowed uids can reach it at all; the
 /// SO_PEERCRED check then decides who is served.
 pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerError> {
+    // Refused before anything is created, so a failed start leaves no folder.
+    if path.as_os_str().len() > config::SOCKET_PATH_BYTES_MAX {
+        return Err(ServerError::PathTooLong { path: path.to_path_buf(), len: path.as_os_str().len() });
+    }
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     // SAFETY: getuid has no preconditions.
     let uid = unsafe { libc::getuid() };
@@ -152,8 +158,7 @@ pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerErr
     }
     sweep_starting(&dir);
     let starting = dir.join(format!("{STARTING_PREFIX}{}", std::process::id()));
-    // A socket address holds at most 107 bytes of path.
-    let bound_at = if starting.as_os_str().len() < 108 { starting } else { path.to_path_buf() };
+    let bound_at = if starting.as_os_str().len() <= config::SOCKET_PATH_BYTES_MAX { starting } else { path.to_path_buf() };
     if bound_at != path {
         let _ = fs::remove_file(&bound_at); // ours by its pid: left by a dead namesake
     }
@@ -260,5 +265,5 @@ fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
         return;
     }
     info!(session_id, uid, peer_pid = pid, client_pid, name = %name, "session started");
-    session::run(shared.clone(), Session { session_id, peer_uid: uid, client_pid, name }, s);
+    session::run(shared.clone(), Session { session_id, peer_uid: uid, peer_pid: pid, client_pid, name }, s);
 }

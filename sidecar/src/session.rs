@@ -33,6 +33,8 @@ pub const NO_REQUEST_ID: u64 = u64::MAX;
 pub struct Session {
     pub session_id: u64,
     pub peer_uid: u32,
+    /// The connecting process (SO_PEERCRED), which owns the regions.
+    pub peer_pid: u32,
     pub client_pid: u32,
     pub name: String,
 }
@@ -130,12 +132,36 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
         }
     }
+    // A client that died (SIGKILL, a crash) could not remove its memory: the
+    // regions it registered are the sidecar's to remove, so a daemon that
+    // outlives many trainers does not fill /dev/shm. A live client (it said
+    // Bye, or only closed this connection) keeps them.
+    if !regions.is_empty() && process_is_gone(s.peer_pid) {
+        for r in regions.values() {
+            r.remove_dead_owners_memory();
+        }
+        info!(pid = s.peer_pid, n_regions = regions.len(), "client died: its regions removed");
+    }
     // Closes every imported CUDA allocation (the last Arc of each region)
     // before the session's streams and events go.
     drop(regions);
     drop(cuda);
     info!(pid = s.client_pid, name = %s.name, "session ended");
     shared.remove_session(s.session_id);
+}
+
+/// Whether `pid` no longer runs: no such process, or a zombie. (A pid that
+/// was reused meanwhile counts as alive: its regions are then left to the
+/// shim's own sweep.)
+fn process_is_gone(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name's closing parenthesis.
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, shm_name: &str, len_bytes: u64) -> Reply {

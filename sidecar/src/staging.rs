@@ -32,7 +32,7 @@ pub enum StagingError {
     TooLarge { need_bytes: u64, budget_bytes: u64 },
     #[error("gave up waiting for staging memory: {why}")]
     GaveUp { why: &'static str },
-    #[error("cannot allocate {budget_bytes} bytes of staging memory: {source}")]
+    #[error("cannot allocate {} of staging memory (--staging {budget_bytes}): {source}; pass a smaller --staging", ckpt_store::units::human_bytes(*.budget_bytes))]
     Alloc { budget_bytes: u64, source: std::io::Error },
 }
 

@@ -1113,3 +1113,47 @@ fn a_second_serve_or_a_gc_on_a_served_directory_is_refused_naming_the_holder() {
     c.save_durable(4, tiny(1), blobs(4));
     assert_on_disk(&sc.dir, 4, &shm, &tiny(1));
 }
+
+#[test]
+fn gc_in_a_loop_beside_a_serving_sidecar_fails_no_save() {
+    // The reported defect: gc's recovery took the live `.tmp-step-…` folder
+    // and 8 of 8 saves failed. Now gc refuses (the directory is locked), each
+    // time, and every save commits.
+    let sc = Sidecar::start(&[]);
+    let pid = sc.pid();
+    let mut c = sc.client();
+    let (descs, len) = model(1);
+    let mut shm = Shm::new(len);
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let refused = std::sync::Arc::new(AtomicU32::new(0));
+    let gc = {
+        let (stop, refused, dir) = (stop.clone(), refused.clone(), sc.dir.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let out = Command::new(BIN).arg("gc").arg(&dir).args(["--keep", "1"]).output().unwrap();
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert_eq!(out.status.code(), Some(1), "gc beside a live sidecar: {err}");
+                assert!(err.contains(&format!("pid {pid}")) && err.lines().count() == 1, "{err}");
+                refused.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    // The first gc is refused before the saves start, so they overlap the loop.
+    wait_for("gc to be refused once", || refused.load(Ordering::SeqCst) >= 1);
+    for step in 1..=8 {
+        shm.fill(step);
+        c.save_durable(step, descs.clone(), blobs(step));
+    }
+    stop.store(true, Ordering::SeqCst);
+    gc.join().expect("a gc run was not refused as it should be");
+    // bench write, which also recovers and commits, refuses the same way.
+    let out = Command::new(BIN).args(["bench", "write", "--size", "1MiB", "--dir"]).arg(&sc.dir).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("pid {pid}")) && err.lines().count() == 1, "{err}");
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), (1..=8).collect::<Vec<_>>());
+    assert_eq!(catalog::latest_step(&sc.dir).unwrap(), Some(8));
+    assert_on_disk(&sc.dir, 8, &shm, &descs);
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
+}

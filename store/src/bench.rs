@@ -71,11 +71,14 @@ pub struct WriteArgs {
 pub fn write(args: &WriteArgs) -> anyhow::Result<Figures> {
     let fio = if args.compare_fio { Some(fio_gib_per_s(&args.dirs[0], args.size_bytes, "write")?) } else { None };
     let t_prep = Instant::now();
-    let mut store = Store::open(StoreOptions { io: args.io, lock_role: "bench write".into(), ..StoreOptions::new(args.dirs.clone()) })?;
+    anyhow::ensure!(args.size_bytes > 0 && args.shard_bytes_max > 0, "bench write needs a size and a shard size of at least 1 byte");
+    // Memory first: a size this machine cannot hold fails before any
+    // directory is created or locked.
     let specs = synthetic::transformer_specs(args.size_bytes);
     let layout = Layout::plan(specs, LayoutOptions { n_dirs: args.dirs.len(), shard_bytes_max: args.shard_bytes_max, ..Default::default() })?;
-    let mut staging = AlignedBuf::new(layout.staging_len as usize)?;
+    let mut staging = alloc(layout.staging_len, &format!("the state of --size {} bytes", args.size_bytes))?;
     staging.try_lock();
+    let mut store = Store::open(StoreOptions { io: args.io, lock_role: "bench write".into(), ..StoreOptions::new(args.dirs.clone()) })?;
     let step = match args.step {
         Some(s) => s,
         None => catalog::committed_steps(store.primary())?.last().map_or(1, |s| s + 1),
@@ -122,7 +125,7 @@ pub fn read(args: &ReadArgs) -> anyhow::Result<Figures> {
     let file_bytes: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
     let fio = if args.compare_fio { Some(fio_gib_per_s(&args.dir, file_bytes, "read")?) } else { None };
     let t_prep = Instant::now();
-    let buf = AlignedBuf::new(restore::load_len_bytes(&index) as usize)?;
+    let buf = alloc(restore::load_len_bytes(&index), &format!("the read buffer of step {step}"))?;
     buf.try_lock();
     let prepare_seconds = t_prep.elapsed().as_secs_f64();
     let cpu0 = cpu_now();
@@ -148,6 +151,13 @@ pub fn read(args: &ReadArgs) -> anyhow::Result<Figures> {
         fio_gib_per_s: fio,
         ratio_to_fio: fio.map(|f| ours / f),
     })
+}
+
+/// Pre-faulted memory of `len` bytes for a benchmark; the error names the
+/// size and what it was for.
+fn alloc(len: u64, what: &str) -> anyhow::Result<AlignedBuf> {
+    let n = usize::try_from(len).map_err(|_| anyhow::anyhow!("cannot allocate {} for {what}: too large for this machine", crate::units::human_bytes(len)))?;
+    AlignedBuf::new(n).map_err(|e| anyhow::anyhow!("cannot allocate {} for {what}: {e}", crate::units::human_bytes(len)))
 }
 
 /// fio's sequential O_DIRECT throughput for `size_bytes` in `dir`, with the

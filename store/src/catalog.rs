@@ -10,6 +10,29 @@ use std::path::{Path, PathBuf};
 
 use crate::format::{self, INDEX_FILE_NAME, LATEST_FILE_NAME, LATEST_TMP_PREFIX};
 
+/// Why a path given as a target directory cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum DirError {
+    #[error("no such directory: {}", .0.display())]
+    NoSuchDir(PathBuf),
+    #[error("{} is not a directory", .0.display())]
+    NotADir(PathBuf),
+    #[error("{}: {source}", .path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// `dir` exists and is a directory (the first check of every command that
+/// reads or cleans one; nothing is created).
+pub fn check_dir(dir: &Path) -> Result<(), DirError> {
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(DirError::NotADir(dir.to_path_buf())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(DirError::NoSuchDir(dir.to_path_buf())),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Err(DirError::NotADir(dir.to_path_buf())),
+        Err(source) => Err(DirError::Io { path: dir.to_path_buf(), source }),
+    }
+}
+
 pub fn step_path(dir: &Path, step: u64) -> PathBuf {
     dir.join(format::step_dir_name(step).expect("steps are validated before they reach the catalog"))
 }

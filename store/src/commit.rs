@@ -92,15 +92,14 @@ pub enum StoreError {
 /// A target directory exists and is a directory; with `create`, a missing
 /// one is made (parents too).
 fn check_dir(d: &Path, create: bool) -> Result<(), StoreError> {
-    match fs::metadata(d) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(StoreError::NotADir(d.to_path_buf())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound && create => {
+    match catalog::check_dir(d) {
+        Ok(()) => Ok(()),
+        Err(catalog::DirError::NoSuchDir(_)) if create => {
             fs::create_dir_all(d).map_err(|e| StoreError::Io { path: d.to_path_buf(), what: "create directory", source: e })
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(StoreError::NoSuchDir(d.to_path_buf())),
-        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Err(StoreError::NotADir(d.to_path_buf())),
-        Err(e) => Err(StoreError::Io { path: d.to_path_buf(), what: "look up directory", source: e }),
+        Err(catalog::DirError::NoSuchDir(p)) => Err(StoreError::NoSuchDir(p)),
+        Err(catalog::DirError::NotADir(p)) => Err(StoreError::NotADir(p)),
+        Err(catalog::DirError::Io { path, source }) => Err(StoreError::Io { path, what: "look up directory", source }),
     }
 }
 

@@ -7,8 +7,8 @@
 //! - a secondary `step-…` folder is removed only when the primary has no
 //!   committed checkpoint of that step *and* the folder holds no index itself
 //!   (so a directory list given in another order never destroys a primary);
-//! - afterwards `latest` names the newest committed checkpoint, or is absent
-//!   when there is none.
+//! - afterwards `latest` names the newest committed checkpoint whose index
+//!   reads back whole, or is absent when there is none.
 
 use std::fs;
 use std::io;
@@ -96,15 +96,27 @@ pub fn recover(dirs: &[PathBuf]) -> io::Result<RecoveryReport> {
 
 fn repair_latest(primary: &Path, report: &mut RecoveryReport) -> io::Result<()> {
     let raw = catalog::read_latest(primary)?;
-    let newest = catalog::committed_steps(primary)?.last().copied();
+    let committed = catalog::committed_steps(primary)?;
+    // `latest` only ever names a checkpoint whose index reads back whole (its
+    // own CRC matches): a damaged newest one is passed over, with a warning.
+    let mut newest = None;
+    for &s in committed.iter().rev() {
+        match crate::restore::read_index(primary, s) {
+            Ok(_) => {
+                newest = Some(s);
+                break;
+            }
+            Err(e) => report.warnings.push(format!("{e}; `latest` does not point at it")),
+        }
+    }
     let named = raw.as_deref().and_then(format::parse_step_dir_name);
     let named_ok = named.is_some_and(|s| catalog::is_committed(primary, s));
     if named_ok && named == newest {
         return Ok(());
     }
-    // Here `latest` is missing, names something uncommitted, or names a
-    // committed checkpoint that is not the newest (a crash between a commit
-    // and its `latest` update): point it at the newest.
+    // Here `latest` is missing, names something uncommitted or damaged, or
+    // names a committed checkpoint that is not the newest (a crash between a
+    // commit and its `latest` update): point it at the newest readable one.
     match newest {
         Some(s) => catalog::write_latest(primary, s)?,
         None if raw.is_some() => catalog::remove_latest(primary)?,

@@ -154,6 +154,17 @@ impl Region {
         }
     }
 
+    /// Removes what a client that died left behind of this region (a host
+    /// segment's name; its bytes go once the last mapping does).
+    pub fn remove_dead_owners_memory(&self) {
+        match &self.memory {
+            Memory::HostShm(m) => m.unlink(),
+            // Device memory belongs to the driver: it is freed with its
+            // owner's context; the import closes with the region.
+            Memory::Cuda(_) => {}
+        }
+    }
+
     /// The host shm segment behind the region, if it is one (tests).
     pub fn as_shm(&self) -> Option<&ShmMemory> {
         match &self.memory {

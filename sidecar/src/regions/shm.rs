@@ -206,6 +206,19 @@ impl ShmMemory {
         Ok(())
     }
 
+    /// Removes the segment's name (its owner died and cannot); a segment
+    /// already gone is fine.
+    pub fn unlink(&self) {
+        let c = CString::new(self.shm_name.as_str()).expect("validated: no NUL");
+        // SAFETY: a valid NUL-terminated name; failure leaves the name.
+        if unsafe { libc::shm_unlink(c.as_ptr()) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                tracing::warn!(shm = %self.shm_name, "cannot remove a dead client's segment: {e}");
+            }
+        }
+    }
+
     /// Writes `bytes` at `offset_bytes` with pwrite (loads); `Region`
     /// checked the bounds.
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {

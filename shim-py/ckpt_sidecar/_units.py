@@ -1,0 +1,80 @@
+"""Sizes and steps as the command line takes them, checked in Python before
+anything is spawned or sent, with the same meaning and the same words as the
+Rust parser (store/src/units.rs): decimal units are powers of 1000 (KB, MB,
+GB, TB, PB), binary ones powers of 1024 (KiB ... PiB), a bare K/M/G/T/P is
+binary, no unit or B is bytes, case is ignored, fractions are exact."""
+import json
+import numbers
+
+STEP_MAX = 999_999_999_999  # the largest step a folder name holds (docs/format.md)
+U64_MAX = (1 << 64) - 1
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50,
+}
+
+
+def _q(text):
+    """Quoted as the Rust parser quotes (its Debug format)."""
+    return json.dumps(text)
+
+
+def parse_size(text):
+    """Bytes in `text` ("512MiB", "1.5GB", "1048576"); ValueError naming it,
+    in the words of the command line's parser."""
+    s = text.strip()
+    split = next((i for i, c in enumerate(s) if not (c.isascii() and c.isdigit()) and c != "."), len(s))
+    num, unit = s[:split], s[split:]
+    expected = f"size {_q(text)}: expected a number and an optional unit, like 512MiB, 1.5GB or 1048576"
+    intp, _, frac = num.partition(".")
+    if not intp and not frac or "." in frac or len(intp) > 20 or len(frac) > 18:
+        raise ValueError(expected)
+    u = unit.strip().lower()
+    mult = _UNITS.get(u)
+    if mult is None:
+        raise ValueError(f"size {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
+                         "KiB MiB GiB TiB PiB = powers of 1024)")
+    scale = 10 ** len(frac)
+    frac_bytes = (int(frac) if frac else 0) * mult
+    if frac_bytes % scale:
+        raise ValueError(f"size {_q(text)} is not a whole number of bytes")
+    total = (int(intp) if intp else 0) * mult + frac_bytes // scale
+    if total > U64_MAX:
+        raise ValueError(f"size {_q(text)} is too large (at most 16 EiB)")
+    return total
+
+
+def size_arg(name, value):
+    """A size option (int bytes or a string with a unit), at least 1 byte."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise TypeError(f"{name}={value!r}: give a size as an int of bytes or a string like '512MiB'")
+    n = parse_size(value) if isinstance(value, str) else int(value)
+    if n < 1 or n > U64_MAX:
+        raise ValueError(f"{name}={value!r}: a size must be from 1 byte to 16 EiB")
+    return n
+
+
+def count_arg(name, value):
+    """A count option (keep=N): an int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an int of at least 1")
+    return int(value)
+
+
+def step_arg(step, latest_ok=False):
+    """A step: an int from 0 to STEP_MAX (bool refused); with latest_ok,
+    also "latest" (or None), returned as None."""
+    if latest_ok and (step is None or step == "latest"):
+        return None
+    if isinstance(step, str):
+        raise ValueError(f'step {step!r}: a step is a non-negative int' + (' or "latest"' if latest_ok else ""))
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        also = ' or "latest"' if latest_ok else ""
+        raise TypeError(f"step {step!r}: a step is a non-negative int{also}")
+    if not 0 <= step <= STEP_MAX:
+        also = ' (or "latest")' if latest_ok else ""
+        raise ValueError(f"step {step!r}: a step is an int from 0 to {STEP_MAX}{also}")
+    return int(step)

@@ -1,0 +1,240 @@
+"""The Python API misused on purpose, table-driven: bad directories, sizes,
+counts and steps, states that cannot be saved, a closed or inherited
+Checkpointer. Each case raises one clear exception naming the value, before
+anything is created, spawned, copied or sent."""
+import gc
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import ckpt_sidecar as cs
+from ckpt_sidecar import _units
+from ckpt_test_util import lock_is_free
+
+
+def tree(root):
+    out = set()
+    for d, dirs, files in os.walk(root):
+        out.update(os.path.join(d, n) for n in dirs + files)
+    return out
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text,want", [
+    ("0", 0), ("4096", 4096), ("1B", 1), ("1KB", 1000), ("1000KB", 1_000_000), ("1.5GB", 1_500_000_000),
+    ("1.5GiB", 3 << 29), ("2gib", 2 << 30), ("1K", 1024), ("1PiB", 1 << 50), ("1PB", 10**15),
+    (" 512MiB ", 512 << 20), ("0.5KiB", 512), (".5KiB", 512),
+])
+def test_sizes_mean_what_the_command_line_means(text, want):
+    # The same table as store/src/units.rs.
+    assert _units.parse_size(text) == want
+
+
+BAD_SIZES = ["", "lots", "1.2.3GiB", "1XB", "-1", "0.3B", "1.0000001KiB", "99999999PiB", "18446744073709551616"]
+
+
+@pytest.mark.parametrize("text", BAD_SIZES)
+def test_bad_sizes_are_refused_in_the_command_lines_words(text, tmp_path):
+    with pytest.raises(ValueError) as e:
+        _units.parse_size(text)
+    msg = str(e.value)
+    assert f'"{text}"' in msg
+    # The Rust parser (through the binary) says the very same.
+    if text.strip() and not text.startswith("-"):
+        from ckpt_sidecar import _native
+
+        r = subprocess.run([_native.sidecar_binary(), "bench", "write", "--dir", str(tmp_path / "nx"), "--size", text],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert msg in r.stderr, (msg, r.stderr)
+        assert not (tmp_path / "nx").exists()
+
+
+# ---------------------------------------------------------------- constructor
+
+
+CONSTRUCTOR_CASES = [
+    # (kwargs, exception, text the message holds)
+    (dict(staging="lots"), ValueError, '"lots"'),
+    (dict(staging="1.5XB"), ValueError, '"1.5XB"'),
+    (dict(staging=0), ValueError, "staging=0"),
+    (dict(staging=-5), ValueError, "staging=-5"),
+    (dict(staging=True), TypeError, "staging=True"),
+    (dict(staging=1.5), TypeError, "staging=1.5"),
+    (dict(staging="99999999PiB"), ValueError, '"99999999PiB"'),
+    (dict(keep=0), ValueError, "keep=0"),
+    (dict(keep=-1), ValueError, "keep=-1"),
+    (dict(keep=True), ValueError, "keep=True"),
+    (dict(keep="3"), ValueError, "keep='3'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,text", CONSTRUCTOR_CASES, ids=[repr(c[0]) for c in CONSTRUCTOR_CASES])
+def test_bad_constructor_arguments_raise_before_anything_is_made(kwargs, exc, text, tmp_path, private_tmp,
+                                                                 no_default_sidecar):
+    before, tmp_before = tree(tmp_path), tree(private_tmp)
+    with pytest.raises(exc) as e:
+        cs.Checkpointer(dir=str(tmp_path / "ck"), **kwargs)
+    assert text in str(e.value), str(e.value)
+    assert tree(tmp_path) == before, "the constructor created something"
+    assert tree(private_tmp) == tmp_before, "the constructor left a temp folder"
+    # Nothing holds the directory: a good Checkpointer starts at once.
+    gc.collect()
+    ok = cs.Checkpointer(dir=str(tmp_path / "ck"), staging="16MiB")
+    try:
+        ok.save(1, {"w": np.arange(4)}).wait_durable()
+    finally:
+        ok.close()
+    assert lock_is_free(str(tmp_path / "ck"))
+
+
+def test_a_file_as_the_directory_is_refused_naming_it(tmp_path, private_tmp, no_default_sidecar):
+    f = tmp_path / "afile"
+    f.write_bytes(b"x")
+    before = tree(tmp_path)
+    with pytest.raises(NotADirectoryError) as e:
+        cs.Checkpointer(dir=str(f))
+    assert str(f) in str(e.value) and "not a directory" in str(e.value)
+    assert tree(tmp_path) == before
+    with pytest.raises(NotADirectoryError):
+        cs.Checkpointer(dir=str(f / "sub"))
+
+
+# ---------------------------------------------------------------- steps and states
+
+
+STATE = {"w": np.arange(10, dtype=np.float32)}
+
+SAVE_STEP_CASES = [
+    (3.5, TypeError), (-1, ValueError), (True, TypeError), (False, TypeError), ("5", ValueError), (None, TypeError),
+    (10**12, ValueError), (2**64 - 1, ValueError), (np.float64(2.0), TypeError),
+]
+
+
+@pytest.mark.parametrize("step,exc", SAVE_STEP_CASES, ids=[repr(c[0]) for c in SAVE_STEP_CASES])
+def test_save_takes_only_a_step_that_is_a_non_negative_int(ck, step, exc):
+    with pytest.raises(exc) as e:
+        ck.save(step, STATE)
+    assert repr(step) in str(e.value) and "step" in str(e.value)
+    assert ck.list() == [], "a refused step reached the sidecar"
+
+
+LOAD_STEP_CASES = [(-1, ValueError), (True, TypeError), ("bogus", ValueError), (2.5, TypeError), ("", ValueError)]
+
+
+@pytest.mark.parametrize("step,exc", LOAD_STEP_CASES, ids=[repr(c[0]) for c in LOAD_STEP_CASES])
+def test_load_and_rollback_take_an_int_step_or_latest(ck, step, exc):
+    ck.save(1, STATE).wait_durable()
+    with pytest.raises(exc) as e:
+        ck.load(step)
+    assert repr(step) in str(e.value) and '"latest"' in str(e.value)
+    with pytest.raises(exc) as e:
+        ck.rollback(step)
+    assert repr(step) in str(e.value)
+    np.testing.assert_array_equal(ck.load("latest")["w"], STATE["w"])
+    np.testing.assert_array_equal(ck.load(np.int64(1))["w"], STATE["w"])
+    assert ck.list() == [1]
+
+
+def test_numpy_int_steps_are_steps(ck):
+    ck.save(np.uint32(7), STATE).wait_durable()
+    assert ck.list() == [7]
+
+
+def test_states_that_cannot_be_saved_name_where_the_trouble_is(ck):
+    with open(os.devnull) as f:
+        with pytest.raises(TypeError) as e:
+            ck.save(1, {"model": {"w": np.ones(3)}, "extra": [1, {"log": f}]})
+    assert "['extra']['1']['log']" in str(e.value) and "pickle" in str(e.value)
+    d = {"w": np.ones(2)}
+    d["again"] = d
+    with pytest.raises(ValueError) as e:
+        ck.save(2, d)
+    assert "['again']" in str(e.value) and "self-referencing" in str(e.value)
+    lst = [np.ones(2)]
+    lst.append(lst)
+    with pytest.raises(ValueError, match="self-referencing"):
+        ck.save(3, {"l": lst})
+    assert ck.list() == []
+    # A value seen twice (not inside itself) is fine.
+    shared = {"a": 1}
+    ck.save(4, {"x": shared, "y": shared, "w": np.ones(2)}).wait_durable()
+    assert ck.load(4)["y"] == {"a": 1}
+
+
+def test_an_empty_key_round_trips(ck):
+    state = {"": np.zeros(3), "tensor": np.ones(2), "n": {"": np.full(2, 7)}}
+    ck.save(1, state).wait_durable()
+    back = ck.load(1)
+    for k in ("", "tensor"):
+        np.testing.assert_array_equal(back[k], state[k])
+    np.testing.assert_array_equal(back["n"][""], state["n"][""])
+
+
+# ---------------------------------------------------------------- closed, forked
+
+
+def test_a_closed_checkpointer_refuses_everything(ck):
+    ck.save(1, STATE).wait_durable()
+    ck.close()
+    for call in (lambda: ck.save(2, STATE), lambda: ck.load(), lambda: ck.list(), lambda: ck.rollback(1),
+                 lambda: ck.latest()):
+        with pytest.raises(cs.Closed):
+            call()
+    ck.close()  # twice is fine
+
+
+def test_a_forked_child_gets_closed_at_once_and_spawns_nothing(tmp_path, private_tmp, no_default_sidecar):
+    ck = cs.Checkpointer(dir=str(tmp_path / "ck"), staging="16MiB")
+    try:
+        ck.save(1, STATE).wait_durable()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest machinery, one byte of verdict
+            code = b"?"
+            try:
+                os.close(r)
+                spawned = []
+                subprocess.Popen.__init__ = lambda *a, **k: spawned.append(a) or (_ for _ in ()).throw(
+                    AssertionError("spawned"))
+                try:
+                    ck.save(2, STATE)
+                    code = b"s"  # saved: wrong
+                except cs.Closed as e:
+                    code = b"c" if "forked child" in str(e) and not spawned else b"x"
+                except BaseException:  # noqa: BLE001
+                    code = b"e"
+            finally:
+                os.write(w, code)
+                os._exit(0)
+        os.close(w)
+        verdict = os.read(r, 1)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert verdict == b"c", verdict
+        # The parent's Checkpointer is untouched.
+        ck.save(3, STATE).wait_durable()
+        assert ck.list() == [1, 3]
+    finally:
+        ck.close()
+
+
+def test_a_save_larger_than_the_whole_staging_budget_is_refused_before_any_copy(ck):
+    import glob
+
+    def segments():
+        return sorted(glob.glob(f"/dev/shm/ckpt-{os.getpid()}-*"))
+
+    before = segments()
+    big = {"x": np.zeros(80 << 20, dtype=np.uint8), "y": np.ones(3)}  # the sidecar's budget is 64 MiB
+    with pytest.raises(cs.TooLarge) as e:
+        ck.save(1, big)
+    assert "nothing was copied" in str(e.value) and str((80 << 20) + 24) in str(e.value) and "67108864" in str(e.value)
+    assert segments() == before, "a region was made for a save that cannot fit"
+    assert ck.list() == []
+    ck.save(2, {"y": np.ones(3)}).wait_durable()
+    assert ck.list() == [2]

@@ -128,6 +128,16 @@ fn trainer_cmd(exe: &Path, tmp: &Path, mode: &str, delay_us: u64) -> Command {
     cmd
 }
 
+/// Runs a trainer to its end (or death), then removes the fake device
+/// memory it left in /dev/shm.
+fn run(mut cmd: Command) -> Output {
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    sweep_fake_memory(pid);
+    out
+}
+
 /// Removes the fake device memory a killed trainer left in /dev/shm.
 fn sweep_fake_memory(pid: u32) {
     for e in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
@@ -157,7 +167,7 @@ fn device_memory_round_trips_bit_exact_behind_the_trainers_event() {
     // The trainer's own copies finish 300 ms late: without the sidecar's
     // stream wait on the trainer's event, the snapshot would hold the
     // bytes from before them (the C trainer checks what it loads back).
-    let o = trainer_cmd(&exe, tmp.path(), "roundtrip", 300_000).output().unwrap();
+    let o = run(trainer_cmd(&exe, tmp.path(), "roundtrip", 300_000));
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     let v = verify(&tmp.path().join("ck"));
     assert!(v.status.success(), "{}", text(&v));
@@ -172,7 +182,7 @@ fn many_allocations_with_tensors_at_offsets_round_trip_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
-    let o = trainer_cmd(&exe, tmp.path(), "many", 2_000).output().unwrap();
+    let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
     assert_eq!(serve.stat("imports_total"), Some(64));
@@ -183,7 +193,7 @@ fn a_sidecar_without_a_driver_refuses_device_memory_saying_why() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), false);
-    let o = trainer_cmd(&exe, tmp.path(), "refused", 2_000).output().unwrap();
+    let o = run(trainer_cmd(&exe, tmp.path(), "refused", 2_000));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && out.contains("refused:") && out.contains("no CUDA driver"), "{}\nsidecar log:\n{}", text(&o), serve.log());
 }
@@ -193,7 +203,7 @@ fn a_trainer_killed_right_after_released_still_commits() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
-    let o = trainer_cmd(&exe, tmp.path(), "die-after-release", 2_000).output().unwrap();
+    let o = run(trainer_cmd(&exe, tmp.path(), "die-after-release", 2_000));
     assert!(String::from_utf8_lossy(&o.stdout).contains("released"), "{}", text(&o));
     let dir = tmp.path().join("ck");
     serve.wait_for("step 5 committed", |_| committed(&dir) == [5]);
@@ -208,15 +218,12 @@ fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
     // The trainer's writes finish 5 s late; it dies right after sending the save.
-    let child = trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000).stdout(Stdio::piped()).spawn().unwrap();
-    let pid = child.id();
-    let out = child.wait_with_output().unwrap();
+    let out = run(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000));
     assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
     serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
     assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
     assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
-    sweep_fake_memory(pid);
 }
 
 #[test]
@@ -230,7 +237,9 @@ fn the_sidecar_killed_mid_copy_leaves_the_trainer_training() {
     assert_eq!(line.trim(), "saved");
     let mut serve = serve;
     kill9(&mut serve.child.take().unwrap());
+    let pid = child.id();
     let out = child.wait_with_output().unwrap();
+    sweep_fake_memory(pid);
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("trained on"), "{}", text(&out));
 }
 

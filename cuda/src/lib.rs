@@ -16,7 +16,8 @@
 //!
 //! Every handle is a plain driver handle; the driver API is thread-safe, and
 //! each call first makes the device's primary context current on the calling
-//! thread ([`bind`]), so any thread may use any handle.
+//! thread ([`bind`]), so any thread may use any handle. Trainer-side calls
+//! put back the thread's own current context afterwards.
 
 use std::ffi::CStr;
 use std::sync::OnceLock;
@@ -138,6 +139,21 @@ pub fn bind(ordinal: i32) -> Result<()> {
     }
 }
 
+/// Runs `f` with device `ordinal`'s primary context current, then puts back
+/// whatever context the calling thread had: the trainer-side calls run on
+/// the trainer's threads, whose current context is theirs, not ours.
+fn in_primary<T>(ordinal: i32, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    probe()?;
+    let mut before: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the driver is loaded (probe).
+    unsafe { check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut before))? };
+    bind(ordinal)?;
+    let out = f();
+    // SAFETY: `before` is the context this thread had (or null: none).
+    unsafe { sys::cuCtxSetCurrent(before) };
+    out
+}
+
 /// One device allocation: where it starts, how long it is, which device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocation {
@@ -159,20 +175,22 @@ pub fn allocation_of(ptr: u64) -> Result<Allocation> {
         )
         .map_err(|e| CudaError::Invalid(format!("pointer {ptr:#x} is not CUDA device memory: {e}")))?;
     }
-    bind(device)?;
-    let (mut base, mut len) = (0u64, 0usize);
-    // SAFETY: valid out-pointers; the context is current (bind).
-    unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut len, ptr))? };
-    Ok(Allocation { base, len_bytes: len as u64, device })
+    in_primary(device, || {
+        let (mut base, mut len) = (0u64, 0usize);
+        // SAFETY: valid out-pointers; the context is current (in_primary).
+        unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut len, ptr))? };
+        Ok(Allocation { base, len_bytes: len as u64, device })
+    })
 }
 
 /// The legacy IPC handle of the allocation starting at `base` (trainer side).
 pub fn ipc_mem_handle(a: &Allocation) -> Result<[u8; IPC_HANDLE_BYTES]> {
-    bind(a.device)?;
-    let mut h = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
-    // SAFETY: valid out-pointer; `base` is an allocation's start (allocation_of).
-    unsafe { check("cuIpcGetMemHandle", sys::cuIpcGetMemHandle(&mut h, a.base))? };
-    Ok(h.reserved.map(|c| c as u8))
+    in_primary(a.device, || {
+        let mut h = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: valid out-pointer; `base` is an allocation's start (allocation_of).
+        unsafe { check("cuIpcGetMemHandle", sys::cuIpcGetMemHandle(&mut h, a.base))? };
+        Ok(h.reserved.map(|c| c as u8))
+    })
 }
 
 /// An interprocess event of the trainer, recorded on its stream at each
@@ -190,19 +208,20 @@ unsafe impl Sync for IpcEvent {}
 
 impl IpcEvent {
     pub fn new(device: i32) -> Result<IpcEvent> {
-        bind(device)?;
         let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: valid out-pointers; context current.
-        unsafe {
-            check("cuEventCreate", sys::cuEventCreate(&mut event, flags))?;
-            let mut h = sys::CUipcEventHandle { reserved: [0; IPC_HANDLE_BYTES] };
-            if let Err(e) = check("cuIpcGetEventHandle", sys::cuIpcGetEventHandle(&mut h, event)) {
-                sys::cuEventDestroy_v2(event);
-                return Err(e);
+        in_primary(device, || {
+            let mut event: sys::CUevent = std::ptr::null_mut();
+            // SAFETY: valid out-pointers; context current (in_primary).
+            unsafe {
+                check("cuEventCreate", sys::cuEventCreate(&mut event, flags))?;
+                let mut h = sys::CUipcEventHandle { reserved: [0; IPC_HANDLE_BYTES] };
+                if let Err(e) = check("cuIpcGetEventHandle", sys::cuIpcGetEventHandle(&mut h, event)) {
+                    sys::cuEventDestroy_v2(event);
+                    return Err(e);
+                }
+                Ok(IpcEvent { event, device, handle: h.reserved.map(|c| c as u8) })
             }
-            Ok(IpcEvent { event, device, handle: h.reserved.map(|c| c as u8) })
-        }
+        })
     }
 
     pub fn handle(&self) -> [u8; IPC_HANDLE_BYTES] {
@@ -216,19 +235,16 @@ impl IpcEvent {
     /// Records the event on `stream` (a CUstream / cudaStream_t; 0: the
     /// legacy default stream). The CPU does not wait.
     pub fn record(&self, stream: u64) -> Result<()> {
-        bind(self.device)?;
         // SAFETY: the event is ours and alive; the stream is the caller's
         // (an invalid one is an error code).
-        unsafe { check("cuEventRecord", sys::cuEventRecord(self.event, stream as sys::CUstream)) }
+        in_primary(self.device, || unsafe { check("cuEventRecord", sys::cuEventRecord(self.event, stream as sys::CUstream)) })
     }
 }
 
 impl Drop for IpcEvent {
     fn drop(&mut self) {
-        if bind(self.device).is_ok() {
-            // SAFETY: the event is ours and destroyed once.
-            unsafe { sys::cuEventDestroy_v2(self.event) };
-        }
+        // SAFETY: the event is ours and destroyed once.
+        let _ = in_primary(self.device, || unsafe { check("cuEventDestroy", sys::cuEventDestroy_v2(self.event)) });
     }
 }
 

@@ -855,6 +855,41 @@ class Checkpointer:
                 warnings.warn(f"checkpoint {got.value} holds no RNG state (save it with rng=True)")
             return result
 
+    def load_into(self, state, step="latest"):
+        """Restore the device tensors of `state` in place, from the sidecar
+        straight into their GPU memory: every contiguous torch CUDA tensor and
+        `__cuda_array_interface__` object of `state`, named by its path as
+        `save` names it, is written by the sidecar (host-to-device on its own
+        stream, finished before this returns); other leaves are left alone.
+        Nothing may write those tensors meanwhile. Returns the step loaded."""
+        L = N.lib()
+        with self._mu:
+            self._ensure()
+            want = -1 if step in ("latest", None) else step_arg(step)
+            torch = torch_module()
+            fl = Flattener()
+            fl.walk(state)
+            descs, keep = (N.Tensor * max(len(fl.leaves), 1))(), []
+            n = 0
+            for ref, obj in fl.leaves:
+                dev = _cuda.device_leaf(ref, obj, torch)
+                if dev is None or not dev[2] or dev[1] == 0:
+                    continue
+                addr, nbytes = dev[0], dev[1]
+                rid = ctypes.c_uint32()
+                N.check(L.ckpt_register_cuda(self._client, addr, ctypes.byref(rid)))
+                is_u8 = ref.dtype == "uint8" if ref.kind == "torch" else ref.dtype == np.uint8
+                shape = list(ref.shape) if ref.stored != "U8" or is_u8 else [nbytes]
+                bn, bd = ref.name.encode(), ref.stored.encode()
+                shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+                keep += [bn, bd, shp]
+                descs[n] = N.Tensor(bn, bd, shp, len(shape), addr, nbytes)
+                n += 1
+            got, src = ctypes.c_uint64(), ctypes.c_int()
+            N.check(L.ckpt_load(self._client, want, descs, n, ctypes.byref(got), ctypes.byref(src)))
+            self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+            return got.value
+
     def _loaded_tensors(self):
         L = N.lib()
         n = ctypes.c_size_t()

@@ -3,8 +3,8 @@ on host memory, built by `cargo build` into target/<profile>/fake-cuda/):
 an object exposing `__cuda_array_interface__` (memory from cuMemAlloc_v2, two
 views into one allocation, one at an offset, written by a late async copy
 on the stream its interface names) is saved by Checkpointer with a spawned
-sidecar, loaded back equal with map_location="cpu", and its bytes are in
-the committed shard.
+sidecar, loaded back equal with map_location="cpu", its bytes are in the
+committed shard, and `load_into` restores it into fresh device memory.
 
 The trainer runs in a child process: the fake is found through
 LD_LIBRARY_PATH like a real driver, and the dynamic loader reads that
@@ -88,7 +88,19 @@ TRAINER = textwrap.dedent(r"""
     assert isinstance(back["model"]["w"], np.ndarray) and back["step"] == 7, back
     assert back["model"]["w"].dtype == np.float32 and np.array_equal(back["model"]["w"], w), back["model"]["w"][:8]
     assert back["model"]["b"].shape == (64, 64) and np.array_equal(back["model"]["b"], b)
+    # Restore to device memory: the sidecar writes straight into a fresh
+    # allocation (other offsets), checked by reading the device back.
+    fresh = ctypes.c_uint64()
+    ok(cu.cuMemAlloc_v2(ctypes.byref(fresh), ctypes.c_size_t(1 << 20)), "cuMemAlloc_v2")
+    target = {"model": {"w": DeviceArray(fresh.value + 4096, (1000,), "<f4", None),
+                        "b": DeviceArray(fresh.value + 65536, (64, 64), "<i8", None)}, "step": 0}
+    assert ck.load_into(target, 7) == 7
+    got_w, got_b = np.empty_like(w), np.empty_like(b)
+    ok(cu.cuMemcpyDtoH_v2(got_w.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(fresh.value + 4096), ctypes.c_size_t(w.nbytes)), "w back")
+    ok(cu.cuMemcpyDtoH_v2(got_b.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(fresh.value + 65536), ctypes.c_size_t(b.nbytes)), "b back")
+    assert np.array_equal(got_w, w) and np.array_equal(got_b, b), "restore to device memory differs"
     ck.close()
+    ok(cu.cuMemFree_v2(fresh), "cuMemFree")
     ok(cu.cuStreamSynchronize(stream), "sync")
     ok(cu.cuMemFree_v2(base), "cuMemFree")
     print(json.dumps({"ok": True, "w": w.tobytes().hex()[:64]}))

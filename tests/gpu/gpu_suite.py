@@ -5,7 +5,8 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
 - checkpointer_roundtrip: torch CUDA tensors (two views into one storage, one
   at an offset; bf16; a Parameter) saved from the device by Checkpointer (no
   host copy in the trainer), changed on the GPU right after Released, loaded
-  back bit-exact to the CPU and to the GPU;
+  back bit-exact to the CPU and to the GPU, and restored in place into device
+  memory by the sidecar (load_into);
 - hook_roundtrip: torch.save / torch.load of CUDA tensors through the hook;
 - sigkill_after_released_commits: a trainer SIGKILLed right after Released;
   the sidecar still commits and the checkpoint verifies;
@@ -109,6 +110,16 @@ def checkpointer_roundtrip():
                     assert got[k].device.type == ("cpu" if loc else "cuda"), (k, got[k].device)
                     assert torch.equal(got[k].cpu(), v), f"{k} differs (map_location={loc})"
                 assert isinstance(m["p"], torch.nn.Parameter) and back["step"] == 3
+            # Restore straight into device memory (the sidecar's host-to-device copy).
+            target = {"model": {"w": torch.zeros(2048, 2048, device="cuda"),
+                                "h": torch.zeros(3, 1000, device="cuda", dtype=torch.bfloat16),
+                                "p": torch.zeros(4096, device="cuda")},
+                      "views": [torch.zeros(1000, device="cuda"), torch.zeros(40, 50, device="cuda")], "step": 0}
+            assert ck.load_into(target, 1) == 1
+            got = {"w": target["model"]["w"], "h": target["model"]["h"], "p": target["model"]["p"],
+                   "v0": target["views"][0], "v1": target["views"][1]}
+            for k, v in want.items():
+                assert torch.equal(got[k].cpu(), v), f"{k} differs after load_into"
 
 
 def hook_roundtrip():

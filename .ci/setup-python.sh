@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or repairs) the Python virtual environment at .venv with what
-# tests/python needs: pytest, numpy, safetensors, crc32c, and torch (the
+# tests/python needs: pytest, numpy, safetensors, crc32c, matplotlib (bench
+# compare's --plot, smoke-tested), and torch (the
 # default Linux wheel from PyPI, about 5 GB with its CUDA libraries; it runs
 # on CPU too).
 # Fast when it is already there: nothing is installed if the imports work.
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 VENV=.venv
-PACKAGES=(pytest numpy safetensors crc32c)
+PACKAGES=(pytest numpy safetensors crc32c matplotlib)
 
 # torch (tests/python/test_torch_*.py, examples/python): installed only when
 # `import torch` fails, so a warm run never touches pip for it.
@@ -32,7 +33,7 @@ install_shim() {
     "$VENV/bin/python" -c 'import ckpt_sidecar; ckpt_sidecar.native_version()'
 }
 
-if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest' 2>/dev/null; then
+if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib' 2>/dev/null; then
     install_torch
     install_shim
     exit 0
@@ -45,6 +46,6 @@ if ! "$VENV/bin/python" -c 'import sys' 2>/dev/null; then
 fi
 echo "installing ${PACKAGES[*]} into $VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
-"$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest'
+"$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib'
 install_torch
 install_shim

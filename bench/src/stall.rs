@@ -532,20 +532,25 @@ print(json.dumps({"seconds": times, "torch": torch.__version__, "bytes": nbytes}
 "#;
 
 fn torch_save_seconds(py: &Path, dir: &Path, specs: &[TensorSpec], runs: usize) -> anyhow::Result<(f64, String)> {
-    use std::io::Write;
     let spec_json: Vec<serde_json::Value> = specs.iter().map(|s| serde_json::json!([s.name, s.dtype.as_str(), s.shape])).collect();
     let path = dir.join(format!(".torch-save-bench-{}.pt", std::process::id()));
-    let mut child = Command::new(py)
+    // The specs go in through a file, not a pipe: this process dies of
+    // SIGPIPE on a closed pipe (its stdout's rule), and a Python that exits
+    // at once (not there, no torch) closes its stdin unread.
+    let specs_path = dir.join(format!(".torch-save-bench-{}.json", std::process::id()));
+    std::fs::write(&specs_path, serde_json::to_string(&spec_json)?).with_context(|| format!("writing {}", specs_path.display()))?;
+    let specs_file = std::fs::File::open(&specs_path).with_context(|| format!("opening {}", specs_path.display()));
+    let _ = std::fs::remove_file(&specs_path);
+    let child = Command::new(py)
         .arg("-c")
         .arg(TORCH_SCRIPT)
         .arg(&path)
         .arg(runs.max(1).to_string())
-        .stdin(Stdio::piped())
+        .stdin(Stdio::from(specs_file?))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting {}", py.display()))?;
-    child.stdin.take().expect("piped").write_all(serde_json::to_string(&spec_json)?.as_bytes())?;
     let out = child.wait_with_output()?;
     let _ = std::fs::remove_file(&path);
     let stdout = String::from_utf8_lossy(&out.stdout);

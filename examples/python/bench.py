@@ -74,6 +74,9 @@ def parse_args():
     p.add_argument("--loop-rounds", type=int, default=3,
                    help="checkpointing loops per kind, each between two plain loops; the figure is their median")
     p.add_argument("--keep-dir", action="store_true", help="do not remove --dir's checkpoints at the end")
+    p.add_argument("--many-tensors", action="store_true",
+                   help="only the per-tensor figures: 1000 and 4000 tensors x 4 KiB (shared, and copied at save) "
+                        "against one 4 MiB tensor, alternately in one run, beside a memcpy of the same bytes")
     p.add_argument("--only-loop", action="store_true",
                    help="only the training-loop figure (and the saves it needs for the persist time): "
                         "no memcpy, torch.save or resident-stall figures")
@@ -212,8 +215,105 @@ def bench_hook_torch_save(state, d, sock, reps):
     return ret, durable, counts
 
 
+def bench_many_tensors(args):
+    """Per-tensor cost: states of many 4 KiB float32 tensors against one tensor
+    of the same bytes, saved alternately (one round = every state once, in a
+    rotated order), medians of --reps rounds after one warm-up round. All
+    memory is warm: the states, the shared regions, the save regions and the
+    sidecar's staging are allocated and touched before the first timed round.
+
+    Per state: save_s (inside save()), released_s (save() + wait_released:
+    the trainer's stall), durable_after_released_s (wait_released's return to
+    Durable), sidecar_copy_s (the sidecar's copy, as it reports), and
+    memcpy_s (one ctypes.memmove per tensor of the same bytes, warm)."""
+    import numpy as np
+
+    base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-many-")
+    os.makedirs(base, exist_ok=True)
+    ckdir = os.path.join(base, "ckpt")
+    side = Sidecar(ckdir, 256 << 20)
+    res = {"mode": "many_tensors", "reps": args.reps, "cpus": os.cpu_count(), "dir": base, "memory": "warm"}
+    try:
+        ck = side.connect()
+
+        def many(n, kb=4):
+            return {f"layers.{i}.w": np.random.default_rng(i).random(kb * 256, dtype=np.float32) for i in range(n)}
+
+        states = {
+            "shared_1x4MiB": ck.share({"w": np.random.default_rng(0).random(1 << 20, dtype=np.float32)}),
+            "shared_1000x4KiB": ck.share(many(1000)),
+            "shared_4000x4KiB": ck.share(many(4000)),
+            "copied_1x4MiB": {"w": np.random.default_rng(0).random(1 << 20, dtype=np.float32)},
+            "copied_1000x4KiB": many(1000),
+            "copied_4000x4KiB": many(4000),
+        }
+        ck.reserve(max(sum(a.nbytes + 64 for a in s.values()) for s in states.values()))
+        names = list(states)
+        samples = {k: {"save_s": [], "released_s": [], "durable_after_released_s": [], "sidecar_copy_s": [],
+                       "memcpy_s": []} for k in names}
+        dst = np.empty(4 << 20, dtype=np.float32)  # memcpy target (16 MiB, the largest state), warm
+        dst[:] = 0
+        step = 0
+        for r in range(args.reps + 1):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for k in order:
+                st = samples[k]
+                step += 1
+                t0 = time.perf_counter()
+                h = ck.save(step, states[k])
+                t1 = time.perf_counter()
+                h.wait_released()
+                t2 = time.perf_counter()
+                h.wait_durable()
+                t3 = time.perf_counter()
+                t4 = time.perf_counter()
+                off = 0
+                for a in states[k].values():
+                    ctypes.memmove(dst.ctypes.data + off, a.ctypes.data, a.nbytes)
+                    off += a.nbytes
+                t5 = time.perf_counter()
+                if r:
+                    st["save_s"].append(t1 - t0)
+                    st["released_s"].append(t2 - t0)
+                    st["durable_after_released_s"].append(t3 - t2)
+                    st["sidecar_copy_s"].append(h.figures()["copy_s"])
+                    st["memcpy_s"].append(t5 - t4)
+            log(f"round {r}/{args.reps} done")
+        ck.close()
+    finally:
+        side.stop()
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            shutil.rmtree(ckdir, ignore_errors=True)
+    out = {}
+    for k, st in samples.items():
+        out[k] = {f: med(v) for f, v in st.items()}
+        out[k]["samples"] = st
+    res["states"] = out
+    s1, s1k, s4k = out["shared_1x4MiB"], out["shared_1000x4KiB"], out["shared_4000x4KiB"]
+    res["shared_1000_released_over_1x4MiB_durable"] = s1k["durable_after_released_s"] / s1["durable_after_released_s"]
+    res["shared_4000_over_1000_released"] = s4k["released_s"] / s1k["released_s"]
+    res["bars"] = {
+        "shared_1000x4KiB_released_le_3ms": s1k["released_s"] <= 0.003,
+        "shared_1000x4KiB_durable_le_1.5x_1x4MiB": res["shared_1000_released_over_1x4MiB_durable"] <= 1.5,
+        "shared_4000_scales_linearly": res["shared_4000_over_1000_released"] <= 4.0,
+    }
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"{'state':20s} {'save()':>10s} {'+released':>10s} {'->durable':>10s} {'sc copy':>10s} {'memcpy':>10s}  (ms, medians of {args.reps}, warm)")
+    for k in names:
+        o = out[k]
+        print(f"{k:20s} " + " ".join(f"{1e3 * o[f]:10.3f}" for f in
+                                     ("save_s", "released_s", "durable_after_released_s", "sidecar_copy_s", "memcpy_s")))
+    print(json.dumps(res["bars"]))
+
+
 def main():
     args = parse_args()
+    if args.many_tensors:
+        return bench_many_tensors(args)
     own_dir = args.dir is None
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-dir-")
     os.makedirs(base, exist_ok=True)

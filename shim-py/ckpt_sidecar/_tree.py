@@ -71,7 +71,8 @@ class Flattener:
         # An empty key (or a path of empty keys) is named like the root; a
         # collision then gets a suffix as any other.
         name = ".".join(path) or "tensor"
-        name = "".join(ch if ch.isprintable() or ch == " " else "_" for ch in name)
+        if not name.isprintable():
+            name = "".join(ch if ch.isprintable() or ch == " " else "_" for ch in name)
         if name == "__metadata__":
             name = "_" + name
         if len(name.encode()) > NAME_BYTES_MAX - 16:
@@ -172,6 +173,75 @@ def pickle_skeleton(version, skel):
         path, err = found
         raise TypeError(f"state{_where(path)}: {type(err).__name__}: {err} "
                         "(only tensors, arrays and picklable values can be saved)") from e
+
+
+class _NoKey(Exception):
+    pass
+
+
+# A NumPy 2 array's buffer cannot be rebound (`.data` is read-only), so the
+# array object names its address; before 2 the address goes into the key.
+_NP_FIXED_BUFFER = int(np.__version__.split(".")[0]) >= 2
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+def quick_key(state):
+    """(sig, leaves) for `state`, or None when it holds something only the
+    full walk (Flattener) handles. `leaves` are the tensor objects in the
+    Flattener's order; `sig` a list equal to another state's sig iff both
+    have the same containers with the same keys, the same plain values
+    (int, float, str, bytes, bool, None, by type and value), and tensors
+    with the same address, shape, strides, dtype, device and kind at each
+    place: then the Flattener would produce the same names, skeleton and
+    plan. A torch tensor is described by its address (`data_ptr`, cheap), so
+    a fresh view of the same memory (model.state_dict() makes new ones at
+    each call) matches; a numpy array by its id (its address costs µs to
+    ask), which names the same array only while it lives: the caller keeps
+    weak references to `leaves` that are arrays and checks them. One pass,
+    no per-tensor objects but a small tuple: the cost of a cached save."""
+    sig, leaves = [], []
+    torch = torch_module()
+    tensor = torch.Tensor if torch is not None else None
+    strided = torch.strided if torch is not None else None
+    ndarray, plain = np.ndarray, _PLAIN
+    add, leaf = sig.append, leaves.append
+
+    def walk(o):
+        tp = type(o)
+        if tp is dict or tp is OrderedDict or tp is list or tp is tuple:
+            if tp is dict or tp is OrderedDict:
+                add((tp, tuple(o)))
+                o = o.values()
+            else:
+                add((tp, len(o)))
+            for v in o:
+                # The common leaf inline (a call per tensor is most of the cost).
+                if type(v) is ndarray and not v.dtype.hasobject and _NP_FIXED_BUFFER:
+                    leaf(v)
+                    add((id(v), v.shape, v.strides, v.dtype))
+                else:
+                    walk(v)
+        elif tp is ndarray:
+            if o.dtype.hasobject:
+                raise _NoKey
+            leaf(o)
+            add((id(o), o.shape, o.strides, o.dtype) if _NP_FIXED_BUFFER else
+                (id(o), o.shape, o.strides, o.dtype, o.__array_interface__["data"][0]))
+        elif tensor is not None and isinstance(o, tensor):
+            if o.layout is not strided or o.is_quantized or o.device.type == "meta":
+                raise _NoKey
+            leaf(o)
+            add((tp, o.data_ptr(), o.shape, o.stride(), o.dtype, o.device, o.requires_grad))
+        elif tp in plain:
+            add((tp, o))
+        else:
+            raise _NoKey  # namedtuples, subclasses, other objects: the full walk
+
+    try:
+        walk(state)
+    except (_NoKey, RecursionError):
+        return None
+    return sig, leaves
 
 
 def unflatten(skel, values):

@@ -11,6 +11,7 @@ import atexit
 import bisect
 import ctypes
 import errno
+import operator
 import fcntl
 import os
 import pickle
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import _cuda
 from . import _native as N
-from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, torch_module, unflatten
+from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
 from ._units import count_arg, size_arg, step_arg
 from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
 
@@ -38,6 +39,7 @@ RNG_BLOB = "rng.pkl"
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
+SAVE_PLANS_MAX = 8  # prepared save requests kept for states saved again (a trainer alternating a few states)
 
 _live = weakref.WeakSet()
 
@@ -274,6 +276,85 @@ class SaveHandle:
         return f"<SaveHandle step={self.step} id={self.id}>"
 
 
+class _SavePlan:
+    """A save's prepared request: the descriptor array (ckpt_tensor_t[n], with
+    the strings and shape arrays it points to), the pickled skeleton, and the
+    tensors copied into a save region at each save (their offsets there).
+    Kept by the Checkpointer for the next save of the same state."""
+
+    __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
+                 "sig", "refs", "gen", "streams", "__weakref__")
+
+    def __init__(self, plan, copy_bytes, skeleton, streams=()):
+        self.n = len(plan)
+        self.descs = (N.Tensor * max(self.n, 1))()
+        self.keep = []
+        self.copies = []  # (descriptor = leaf index, nbytes, offset in the save region, ref, src address or None)
+        self.copy_bytes, self.skeleton = copy_bytes, skeleton
+        self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
+        self.tensor_bytes = sum(r[2] for r in plan)
+        self.inplace = False
+        for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
+            name, dt = ref.name.encode(), ref.stored.encode()
+            shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            self.keep += [name, dt, shp]
+            if isinstance(where, int):
+                ptr = where
+                self.inplace = self.inplace or bool(nbytes)
+            else:
+                ptr = 0  # set at each save: the save region may differ
+                self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
+            self.descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
+        # The descriptors' data fields, as one uint64 array (updated in bulk).
+        self.data_view = np.ndarray((self.n,), dtype=np.uint64, buffer=self.descs, offset=N.Tensor.data.offset,
+                                    strides=(ctypes.sizeof(N.Tensor),)) if self.n else None
+        self.sig = self.refs = self.gen = None
+
+    def remember(self, key, gen):
+        self.sig, self.gen = key[0], gen
+        # The numpy arrays' ids are in sig: they name the same arrays while these live.
+        self.refs = [weakref.ref(o) for o in key[1] if type(o) is np.ndarray]
+
+    def alive(self):
+        return all(r() is not None for r in self.refs)
+
+    def matches(self, key, gen):
+        """Whether `key` (quick_key of the state now) is the state this plan was
+        made for: same region set, same structure and plain values, tensors at
+        the same addresses with the same shapes, and the same numpy arrays
+        (alive: their ids are then theirs)."""
+        return gen == self.gen and key[0] == self.sig and self.alive()
+
+    def copy_in(self, ck, objs, region):
+        """Copies the tensors not sent in place (objs: the state's leaves, in
+        plan order) into `region` and points their descriptors there."""
+        memmove, base = ctypes.memmove, region.ptr
+        view = self.data_view
+        for i, nbytes, off, ref, src in self.copies:
+            dst = base + off
+            view[i] = dst
+            if not nbytes:
+                continue
+            if src is not None:
+                memmove(dst, src, nbytes)
+            else:
+                ck._copy_in(ref, objs[i], nbytes, region, off)
+
+
+def _flat_address(ref, obj, nbytes):
+    """The address of `obj`'s bytes when they are exactly what is stored (C
+    contiguous, on the CPU, saved as their own dtype or as raw bytes): a
+    memmove copies them. None otherwise (a strided copy through numpy/torch)."""
+    if not nbytes:
+        return 0
+    if ref.kind == "np":
+        return obj.__array_interface__["data"][0] if obj.flags.c_contiguous else None
+    if ref.kind == "cuda":
+        return None  # device memory: copied by _copy_in through the driver
+    return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() else None
+
+
+
 class Checkpointer:
     """A connection to a sidecar (spawned for this process if none runs).
 
@@ -320,6 +401,8 @@ class Checkpointer:
         self._keep, self._staging, self._log = keep, staging, log
         self._cpus = cpus if cpus is None or isinstance(cpus, str) else ",".join(str(int(c)) for c in cpus)
         self._regions = []       # every region of this client, sorted by ptr
+        self._regions_gen = 0    # bumped when a region comes or goes (a cached save plan is then stale)
+        self._save_plans = []    # the last saves' prepared requests, newest last (see _SavePlan)
         self._region_ptrs = []
         self._save_regions = []  # regions for copies at save (at most POOL_REGIONS_MAX)
         self._free = []          # those of them no save in flight uses
@@ -505,6 +588,7 @@ class Checkpointer:
         ptr = ctypes.c_void_p()
         N.check(N.lib().ckpt_alloc(self._client, max(n, 1), ctypes.byref(ptr)))
         r = _Region(ptr.value, n)
+        self._regions_gen += 1
         i = bisect.bisect(self._region_ptrs, r.ptr)
         self._region_ptrs.insert(i, r.ptr)
         self._regions.insert(i, r)
@@ -512,6 +596,7 @@ class Checkpointer:
 
     def _free_region(self, r):
         i = self._regions.index(r)
+        self._regions_gen += 1
         del self._regions[i], self._region_ptrs[i]
         N.check(N.lib().ckpt_free(self._client, ctypes.c_void_p(r.ptr)))
 
@@ -598,54 +683,78 @@ class Checkpointer:
 
     def save(self, step, state, rng=False):
         """Checkpoint `state` as `step` (an int from 0 to 999999999999); returns a
-        SaveHandle once the request is sent."""
+        SaveHandle once the request is sent.
+
+        The request prepared for a state (descriptors, the pickled skeleton,
+        which tensors go in place and where the others are copied) is kept and
+        reused while the next state is the same: tensors at the same addresses
+        with the same shapes, strides and dtypes (torch; a fresh state_dict()
+        matches), the same numpy arrays, the same containers and keys, and
+        equal plain values (see `_tree.quick_key`).
+        Then a save costs a walk of the state, the copies, and one native call."""
         t0 = time.perf_counter()
         step = step_arg(step)
         with self._mu:
             self._ensure()
-            fl = Flattener()
-            skeleton = fl.walk(state)
-            structure = pickle_skeleton(SKELETON_VERSION, skeleton)
-            plan, direct, copy_bytes, streams = self._plan(fl.leaves)
-            self._check_fits(step, sum(r[2] for r in plan))
-            region = self._take(copy_bytes) if copy_bytes else None
-            descs = (N.Tensor * max(len(plan), 1))()
-            keep = []
+            key = quick_key(state)
+            c = None
+            if key is not None:
+                for p in reversed(self._save_plans):
+                    if p.matches(key, self._regions_gen):
+                        c, objs = p, key[1]
+                        break
+            if c is None:
+                c, objs = self._prepare(state, key)
+            self._check_fits(step, c.tensor_bytes)
+            region = self._take(c.copy_bytes) if c.copy_bytes else None
             try:
-                for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
-                    ptr = where if isinstance(where, int) else self._copy_in(ref, obj, nbytes, region, where[1])
-                    name, dt = ref.name.encode(), ref.stored.encode()
-                    shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-                    keep += [name, dt, shp]
-                    descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
-                blobs_py = [(STRUCTURE_BLOB, structure)]
+                if region is not None:
+                    c.copy_in(self, objs, region)
+                blobs_py = [(STRUCTURE_BLOB, c.skeleton)]
                 if rng:
                     blobs_py.append((RNG_BLOB, pickle.dumps(capture_rng(), protocol=4)))
+                keep = []
                 blobs = (N.Blob * len(blobs_py))()
                 for i, (bn, data) in enumerate(blobs_py):
                     keep += [bn.encode(), data]
                     blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
                 sid = ctypes.c_uint64()
-                if streams:
+                if c.streams:
                     # Device tensors in place: fenced by an event on their stream.
-                    N.check(N.lib().ckpt_save_on_stream(self._client, int(step), descs, len(plan), blobs,
-                                                        len(blobs_py), streams[0], ctypes.byref(sid)))
+                    N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
+                                                        c.streams[0], ctypes.byref(sid)))
                 else:
-                    N.check(N.lib().ckpt_save(self._client, int(step), descs, len(plan), blobs, len(blobs_py),
+                    N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
                                               ctypes.byref(sid)))
                 self._own.untaken.add(sid.value)
             except BaseException:
                 if region is not None:
                     self._give_back(region)
                 raise
-            h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=any(isinstance(r[4], int) and r[2] for r in plan))
-            h.copied_bytes = copy_bytes
+            h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=c.inplace)
+            h.copied_bytes = c.copy_bytes
             if region is not None:
                 region.busy = h
             self._pending.append(weakref.ref(h))
             self._last = h
             h.stall_seconds = time.perf_counter() - t0
             return h
+
+    def _prepare(self, state, key):
+        """The request for `state`, built from scratch (kept for the next save
+        when `key`, its quick_key, is not None)."""
+        fl = Flattener()
+        skeleton = fl.walk(state)
+        plan, _direct, copy_bytes, streams = self._plan(fl.leaves)
+        c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton), streams)
+        objs = [o for _, o in fl.leaves]
+        # A plan with device tensors in place is not kept: their stream (the
+        # current one) and their allocation are asked again at each save.
+        if not streams and key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
+            c.remember(key, self._regions_gen)
+            plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
+            self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]
+        return c, objs
 
     def _check_fits(self, step, tensor_bytes):
         """A save whose tensors alone exceed the sidecar's whole staging budget

@@ -212,3 +212,45 @@ def test_too_large_for_staging_fails_that_save_only(ck):
         h.wait_released(0)  # the failure is known: released-waits report it too
     ck.save(2, {"w": np.ones(3)}).wait_durable(30)  # the next save is fine
     assert ck.list() == [2]
+
+
+def test_a_state_saved_again_is_saved_as_it_is_now(ck):
+    """save() reuses the request it prepared for the same state (same arrays,
+    containers, plain values); every change in between still reaches the
+    checkpoint: values written in place, a plain value, an array replaced,
+    a key added, an array reshaped, a region freed and shared anew."""
+    state = {"a": np.arange(1000, dtype=np.float32), "b": np.ones((4, 8), dtype=np.int64), "n": 1, "s": "x"}
+    shared = ck.share({"c": np.zeros(256, dtype=np.float64)})
+    state["c"] = shared["c"]
+    steps = iter(range(1, 100))
+
+    def roundtrip():
+        step = next(steps)
+        ck.save(step, state).wait_durable(30)
+        got = ck.load(step)
+        assert set(got) == set(state)
+        for k, v in state.items():
+            if isinstance(v, np.ndarray):
+                assert got[k].dtype == v.dtype and got[k].shape == v.shape and np.array_equal(got[k], v), k
+            else:
+                assert got[k] == v and type(got[k]) is type(v), k
+
+    roundtrip()
+    roundtrip()  # unchanged: the prepared request as is
+    state["a"][:] = 7  # copied at save: new bytes
+    state["c"][:] = 3  # in place: new bytes
+    roundtrip()
+    state["n"] = 2
+    roundtrip()
+    state["n"] = True  # equal to 1 as a value, not as a type
+    roundtrip()
+    state["b"] = np.full((4, 8), 5, dtype=np.int64)
+    roundtrip()
+    state["b"].shape = (8, 4)
+    roundtrip()
+    state["d"] = np.arange(3, dtype=np.uint8)
+    roundtrip()
+    state["a"] = state["a"][::2]  # a strided view: copied through numpy
+    roundtrip()
+    state["a"] = state["a"].copy()
+    roundtrip()

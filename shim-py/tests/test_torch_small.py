@@ -29,3 +29,27 @@ def test_torch_module_and_optimizer_round_trip(ck):
     m(torch.randn(2, 4)).sum().backward()
     opt.step()  # the guard waits for the release first
     h.wait_durable(30)
+
+
+def test_state_dicts_saved_again_carry_their_new_values(ck):
+    """A fresh state_dict() holds new tensor objects over the same memory: the
+    save reuses its prepared request, and still sends what the memory holds
+    now, in place (shared) or copied; a parameter moved elsewhere is found."""
+    torch = pytest.importorskip("torch", reason="torch not installed: torch round trip skipped")
+    m = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    kept = torch.zeros(8)
+    for step, shared in ((1, False), (2, False), (3, True), (4, True), (5, True)):
+        if shared and step == 3:
+            ck.share(m)
+        m(torch.randn(3, 16)).sum().backward()
+        opt.step()  # new values in the same memory
+        if step == 5:
+            m.bias.data = torch.full((4,), 9.0)  # a new tensor elsewhere (private memory): copied at save
+        kept += step
+        h = ck.save(step, {"model": m.state_dict(), "kept": kept, "step": step})
+        h.wait_durable(30)
+        back = ck.load(step)
+        assert back["step"] == step and torch.equal(back["kept"], kept)
+        for k, v in m.state_dict().items():
+            assert torch.equal(back["model"][k], v), (step, k)

@@ -306,6 +306,37 @@ enum BenchCmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// This sidecar against torch.save, safetensors, torch.distributed.checkpoint
+    /// (save, async_save) and DeepSpeed FastPersist (when it can run) on the same
+    /// state, in one run: stall, time to durable, restore, beside fio and memcpy.
+    /// Runs the Python module ckpt_sidecar.bench_compare (needs torch; safetensors
+    /// for its method, matplotlib for --plot).
+    Compare {
+        /// Directory on the disk to measure (a temp folder inside, removed at the end).
+        #[arg(long)]
+        dir: PathBuf,
+        /// State sizes, comma-separated (e.g. 256MiB,1GiB,4GiB).
+        #[arg(long, value_parser = parse_size, value_delimiter = ',', default_value = "256MiB")]
+        sizes: Vec<u64>,
+        /// Timed rounds per size (the figures are medians); methods rotate between rounds.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        rounds: u32,
+        /// Untimed rounds first, so every method's memory is warm.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=1000))]
+        warmup: u32,
+        /// Only these methods (comma-separated; default: all).
+        #[arg(long)]
+        methods: Option<String>,
+        /// Print the figures as one JSON document on the last line of standard output.
+        #[arg(long)]
+        json: bool,
+        /// Also draw stall and throughput per method and size into this PNG.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// The Python to run it with (default: $CKPT_SIDECAR_PYTHON, else python3).
+        #[arg(long)]
+        python: Option<PathBuf>,
+    },
     /// Read `latest` back with verification.
     Read {
         #[arg(long)]
@@ -811,6 +842,32 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 // Ended by a signal (SIGPIPE: its stdout closed): as a shell says it.
                 (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
                 (None, None) => ExitCode::FAILURE,
+            });
+        }
+        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python } => {
+            // The comparison drives Python libraries (torch, safetensors, DCP):
+            // it lives in the Python package, measuring this very binary.
+            let python = python.or_else(|| std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from("python3"));
+            let me = std::env::current_exe().context("finding this executable")?;
+            let sizes: Vec<String> = sizes.iter().map(u64::to_string).collect();
+            let mut cmd = std::process::Command::new(&python);
+            cmd.args(["-m", "ckpt_sidecar.bench_compare", "--dir"]).arg(&dir);
+            cmd.arg("--sizes").arg(sizes.join(",")).arg("--rounds").arg(rounds.to_string()).arg("--warmup").arg(warmup.to_string());
+            if let Some(m) = methods {
+                cmd.arg("--methods").arg(m);
+            }
+            if json {
+                cmd.arg("--json");
+            }
+            if let Some(p) = plot {
+                cmd.arg("--plot").arg(p);
+            }
+            cmd.env("CKPT_SIDECAR_BIN", &me);
+            let status = cmd.status().with_context(|| format!("running {} -m ckpt_sidecar.bench_compare (set --python or $CKPT_SIDECAR_PYTHON to a Python with ckpt_sidecar and torch)", python.display()))?;
+            return Ok(match status.code() {
+                Some(0) => ExitCode::SUCCESS,
+                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+                None => ExitCode::FAILURE,
             });
         }
         BenchCmd::Read { dir, compare_fio, json, io } => {

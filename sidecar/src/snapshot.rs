@@ -238,6 +238,20 @@ fn copy_batches(pieces: &mut Pieces) {
 /// caller's included), returning its result per piece; stops early (None)
 /// when `stop`, asked by the caller's thread between pieces, says so.
 fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync)) -> Option<Vec<u32>> {
+    // Threads claim runs of consecutive pieces of about COPY_PIECE_BYTES
+    // together, so a thousand small tensors cost a few claims (and stop
+    // checks), not one each.
+    let mut runs = Vec::with_capacity(pieces.0.len().min(1024) + 1);
+    let mut acc = 0usize;
+    runs.push(0usize);
+    for (k, p) in pieces.0.iter().enumerate() {
+        if acc > 0 && acc + p.len > COPY_PIECE_BYTES {
+            runs.push(k);
+            acc = 0;
+        }
+        acc += p.len.max(1);
+    }
+    runs.push(pieces.0.len());
     let next = AtomicUsize::new(0);
     let stopped = AtomicBool::new(false);
     let work = |checker: bool| -> Vec<(usize, u32)> {
@@ -250,14 +264,15 @@ fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Pi
                 stopped.store(true, Ordering::Relaxed);
                 return out;
             }
-            let k = next.fetch_add(1, Ordering::Relaxed);
-            let Some(p) = pieces.0.get(k) else { return out };
-            out.push((k, f(p)));
+            let r = next.fetch_add(1, Ordering::Relaxed);
+            let (Some(&a), Some(&b)) = (runs.get(r), runs.get(r + 1)) else { return out };
+            out.extend((a..b).map(|k| (k, f(&pieces.0[k]))));
         }
     };
     let mut results = vec![0u32; pieces.0.len()];
     std::thread::scope(|s| {
-        let helpers: Vec<_> = (1..config::COPY_THREADS)
+        // No helper for a single run: spawning one costs more than it copies.
+        let helpers: Vec<_> = (1..config::COPY_THREADS.min(runs.len() - 1))
             .map(|i| {
                 std::thread::Builder::new()
                     .name(format!("ckpt-copy-{i}"))
@@ -359,8 +374,11 @@ pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
 /// Folds the pieces' crcs (in tensor order) into each tensor's crc.
 fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
     let mut crcs = vec![0u32; layout.specs.len()];
+    let mut prev = usize::MAX;
     for (p, &c) in pieces.0.iter().zip(piece_crcs) {
-        crcs[p.tensor_idx] = crc32c::crc32c_combine(crcs[p.tensor_idx], c, p.len);
+        // Pieces come in tensor order: a tensor's first piece is its crc so far.
+        crcs[p.tensor_idx] = if p.tensor_idx == prev { ckpt_store::crc::combine(crcs[p.tensor_idx], c, p.len as u64) } else { c };
+        prev = p.tensor_idx;
     }
     crcs
 }
@@ -368,7 +386,12 @@ fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
 /// Checks that every source region still holds its registered bytes and
 /// was not found changed under the copy ([`Region::check_intact`]).
 fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
-    sources.iter().filter_map(|s| s.region.as_ref()).try_for_each(|r| r.check_intact()).map_err(|e| SaveError::BadRegion(e.to_string()))
+    // Once per region (one fstat each), not once per tensor: a thousand
+    // tensors usually lie in one or two regions.
+    let mut regions: Vec<&Arc<Region>> = sources.iter().filter_map(|s| s.region.as_ref()).collect();
+    regions.sort_unstable_by_key(|r| Arc::as_ptr(r));
+    regions.dedup_by(|a, b| Arc::ptr_eq(a, b));
+    regions.into_iter().try_for_each(|r| r.check_intact()).map_err(|e| SaveError::BadRegion(e.to_string()))
 }
 
 /// Runs one Save for a session: checks, waits for staging, copies, replies
@@ -458,7 +481,7 @@ pub fn run_save(
         }
     };
     let waited_seconds = waited.as_secs_f64();
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     let crcs = crcs.unwrap_or_else(|| {
         // From the staged bytes, which only this lease's holder touches now.

@@ -224,7 +224,7 @@ impl Layout {
             .map(|sh| {
                 sh.tensors.iter().fold(crc32c::crc32c(&sh.header), |acc, &i| {
                     let p = &self.places[i];
-                    crc32c::crc32c_combine(acc, tensor_crcs[i], (p.data_offsets.1 - p.data_offsets.0) as usize)
+                    crate::crc::combine(acc, tensor_crcs[i], p.data_offsets.1 - p.data_offsets.0)
                 })
             })
             .collect()
@@ -302,7 +302,7 @@ pub fn crc32c_parallel(data: &[u8]) -> u32 {
         let h = s.spawn(|| crc32c::crc32c(b));
         (crc32c::crc32c(a), h.join().expect("crc thread"))
     });
-    crc32c::crc32c_combine(ca, cb, b.len())
+    crate::crc::combine(ca, cb, b.len() as u64)
 }
 
 #[cfg(test)]

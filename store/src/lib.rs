@@ -18,6 +18,7 @@ pub mod bench;
 pub mod catalog;
 pub mod commit;
 pub mod config;
+pub mod crc;
 pub mod format;
 pub mod image;
 pub mod io;

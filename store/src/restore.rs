@@ -537,7 +537,7 @@ impl<'a> FileCheck<'a> {
             if self.tensor_crc != t.crc32c {
                 problems.push(problem(Some(&self.file.name), Some(name), format!("checksum mismatch (index {:#010x}, data {:#010x})", t.crc32c, self.tensor_crc)));
             }
-            self.file_crc = crc32c::crc32c_combine(self.file_crc, self.tensor_crc, (t.data_offsets[1] - t.data_offsets[0]) as usize);
+            self.file_crc = crate::crc::combine(self.file_crc, self.tensor_crc, t.data_offsets[1] - t.data_offsets[0]);
             self.tensor_crc = 0;
             self.next += 1;
         }

@@ -117,8 +117,17 @@ def run_trainer(tmp_path, delay_us):
     import ckpt_sidecar
     pkg_parent = str(pathlib.Path(ckpt_sidecar.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+        # Fake device memory a failed trainer did not free.
+        for f in pathlib.Path("/dev/shm").glob(f"fakecuda-*{proc.pid}-*"):
+            f.unlink(missing_ok=True)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_cuda_array_interface_objects_are_saved_from_the_device_and_load_back_equal(tmp_path):

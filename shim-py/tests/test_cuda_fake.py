@@ -125,8 +125,9 @@ def run_trainer(tmp_path, delay_us):
         proc.kill()
         proc.wait()
         # Fake device memory a failed trainer did not free.
-        for f in pathlib.Path("/dev/shm").glob(f"fakecuda-*{proc.pid}-*"):
-            f.unlink(missing_ok=True)
+        for pattern in (f"fakecuda-{proc.pid}-*", f"fakecuda-ev-{proc.pid}-*"):
+            for f in pathlib.Path("/dev/shm").glob(pattern):
+                f.unlink(missing_ok=True)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -76,6 +76,25 @@ impl<'a> TensorRef<'a> {
     }
 }
 
+/// A CUDA device allocation registered as a region (legacy IPC): tensors
+/// inside `base..base+len_bytes` are described as (region, offset, length).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaRegion {
+    pub region_id: u32,
+    pub base: u64,
+    pub len_bytes: u64,
+    pub device: i32,
+    ipc_handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES],
+}
+
+impl CudaRegion {
+    /// The offset of `len_bytes` at device address `ptr` in this allocation.
+    fn offset_of(&self, ptr: u64, len_bytes: u64) -> Option<u64> {
+        let off = ptr.checked_sub(self.base)?;
+        (off.checked_add(len_bytes)? <= self.len_bytes).then_some(off)
+    }
+}
+
 /// A small named byte string saved beside the tensors.
 #[derive(Debug, Clone, Copy)]
 pub struct BlobRef<'a> {
@@ -222,6 +241,9 @@ pub struct Client {
 struct Inner {
     conn: Option<Conn>,
     regions: BTreeMap<u32, Region>,
+    cuda_regions: BTreeMap<u32, CudaRegion>,
+    /// One interprocess event per CUDA device, recorded at each save.
+    cuda_events: HashMap<i32, ckpt_cuda::IpcEvent>,
     next_region_id: u32,
     closed: bool,
     request_timeout: Option<Duration>,
@@ -446,7 +468,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
         };
         {
             let mut inner = client.lock_inner();
@@ -571,13 +593,90 @@ impl Client {
     /// The tensors must not change until it is released.
     pub fn save(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef]) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
-        let descs = describe(&inner.regions, tensors)?;
+        let descs = describe(&inner, tensors)?;
         let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
         let lazy_release = inner.lazy_release;
         match inner.rank {
             (_, 1) => self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
             (rank, world_size) => self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release }),
         }
+    }
+
+    /// Registers the CUDA allocation holding device address `ptr` (found
+    /// with cuMemGetAddressRange) as a region, exported once by its legacy
+    /// IPC handle; an allocation already registered returns its region.
+    /// Fails with [`Error::Cuda`] when there is no CUDA driver or `ptr` is
+    /// not device memory.
+    pub fn register_cuda(&self, ptr: u64) -> Result<CudaRegion> {
+        self.check_owner()?;
+        let mut inner = self.lock_inner();
+        if inner.closed {
+            return Err(Error::Closed);
+        }
+        let a = ckpt_cuda::allocation_of(ptr)?;
+        if let Some(r) = inner.cuda_regions.values().find(|r| r.base == a.base && r.len_bytes == a.len_bytes) {
+            return Ok(r.clone());
+        }
+        let ipc_handle = ckpt_cuda::ipc_mem_handle(&a)?;
+        let region_id = inner.next_region_id;
+        inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
+        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, ipc_handle };
+        let timeout = inner.request_timeout;
+        let conn = self.ensure_connected(&mut inner)?;
+        self.register_cuda_on(conn, &r, timeout)?;
+        inner.cuda_regions.insert(region_id, r.clone());
+        Ok(r)
+    }
+
+    /// Unregisters the CUDA region holding device address `ptr` (the
+    /// sidecar closes its import); the memory itself stays the trainer's.
+    pub fn unregister_cuda(&self, ptr: u64) -> Result<()> {
+        let id = {
+            let inner = self.lock_inner();
+            inner.cuda_regions.values().find(|r| r.offset_of(ptr, 0).is_some()).map(|r| r.region_id)
+        };
+        let Some(region_id) = id else { return Err(Error::UnknownRegion { ptr: ptr as usize }) };
+        let mut inner = self.lock_inner();
+        inner.cuda_regions.remove(&region_id);
+        let timeout = inner.request_timeout;
+        let Ok(conn) = self.ensure_connected(&mut inner) else { return Ok(()) };
+        match self.call_on(conn, timeout, "UnregisterRegion", |id| Request::UnregisterRegion { id, region_id })? {
+            Reply::RegionUnregistered { .. } => Ok(()),
+            other => Err(unexpected("UnregisterRegion", other)),
+        }
+    }
+
+    /// CUDA regions currently registered.
+    pub fn cuda_regions(&self) -> Vec<CudaRegion> {
+        self.lock_inner().cuda_regions.values().cloned().collect()
+    }
+
+    /// As [`Client::save`], for tensors some of which are CUDA device memory
+    /// written by work queued on `stream` (a CUstream / cudaStream_t; 0: the
+    /// legacy default stream): an interprocess event is recorded on
+    /// `stream` and sent with the save, and the sidecar's own stream waits
+    /// on it before copying. The CPU never waits. With no CUDA tensor this is
+    /// a plain save.
+    pub fn save_on_stream(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], stream: u64) -> Result<SaveHandle> {
+        let mut inner = self.lock_inner();
+        let descs = describe(&inner, tensors)?;
+        let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
+        let lazy_release = inner.lazy_release;
+        let mut devices: Vec<i32> = descs.iter().filter_map(|d| inner.cuda_regions.get(&d.region_id)).map(|r| r.device).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        let device = match devices[..] {
+            [] => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
+            [d] => d,
+            _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
+        };
+        let event = match inner.cuda_events.entry(device) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(device)?),
+        };
+        event.record(stream)?;
+        let event = event.handle().to_vec();
+        self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent { id, step, tensors: descs, blobs, lazy_release, device, event })
     }
 
     /// Asks the sidecar to write `len_bytes` at `ptr` (inside one of this
@@ -588,7 +687,7 @@ impl Client {
     pub fn save_file(&self, path: &str, ptr: *const u8, len_bytes: u64) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
         let t = TensorRef { name: path, dtype: "U8", shape: &[], ptr, len_bytes };
-        let d = describe(&inner.regions, &[t])?.pop().expect("one descriptor for one ref");
+        let d = describe(&inner, &[t])?.pop().expect("one descriptor for one ref");
         let path = path.to_string();
         self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFile {
             id,
@@ -675,7 +774,7 @@ impl Client {
     /// tells what the checkpoint holds.
     pub fn load(&self, step: Option<u64>, tensors: &[TensorRef]) -> Result<LoadInfo> {
         let mut inner = self.lock_inner();
-        let descs = describe(&inner.regions, tensors)?;
+        let descs = describe(&inner, tensors)?;
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;
         let gen = conn.gen;
@@ -735,6 +834,9 @@ impl Client {
                 r.keep_name_on_drop();
             }
             inner.regions.clear();
+            inner.cuda_regions.clear();
+            // The parent's events: CUDA is unusable in a forked child.
+            std::mem::forget(std::mem::take(&mut inner.cuda_events));
             return;
         }
         if let Some(conn) = inner.conn.take() {
@@ -748,6 +850,8 @@ impl Client {
             conn.shut();
         }
         inner.regions.clear();
+        inner.cuda_regions.clear();
+        inner.cuda_events.clear();
     }
 
     // ---- internals ----
@@ -863,7 +967,25 @@ impl Client {
                 return Err(e);
             }
         }
+        for r in inner.cuda_regions.values() {
+            if let Err(e) = self.register_cuda_on(conn, r, timeout) {
+                let e = Error::Disconnected { reason: format!("reconnected to {}, but re-registering CUDA region {} failed: {e}", self.socket_path.display(), r.region_id) };
+                if let Some(c) = inner.conn.take() {
+                    self.lock_state().lose(e.to_string());
+                    c.shut();
+                }
+                return Err(e);
+            }
+        }
         Ok(inner.conn.as_ref().expect("still there"))
+    }
+
+    fn register_cuda_on(&self, conn: &Conn, r: &CudaRegion, timeout: Option<Duration>) -> Result<()> {
+        let (region_id, device, ipc_handle, len_bytes) = (r.region_id, r.device, r.ipc_handle.to_vec(), r.len_bytes);
+        match self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes })? {
+            Reply::RegionRegistered { region_id: got, .. } if got == region_id => Ok(()),
+            other => Err(unexpected("RegisterCudaRegion", other)),
+        }
     }
 
     fn register(&self, conn: &Conn, region: &ShmRegion, timeout: Option<Duration>) -> Result<()> {
@@ -943,13 +1065,18 @@ fn unexpected(what: &str, reply: Reply) -> Error {
     Error::Protocol(format!("unexpected reply to {what}: {reply:?}"))
 }
 
-/// Turns tensor refs into descriptors: the region each lies in and its offset.
-fn describe(regions: &BTreeMap<u32, Region>, tensors: &[TensorRef]) -> Result<Vec<TensorDesc>> {
+/// Turns tensor refs into descriptors: the region each lies in (host shm or
+/// a CUDA allocation) and its offset.
+fn describe(inner: &Inner, tensors: &[TensorRef]) -> Result<Vec<TensorDesc>> {
+    let regions = &inner.regions;
     tensors
         .iter()
         .map(|t| {
             let ptr = t.ptr as usize;
-            let found = regions.values().find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off)));
+            let found = regions
+                .values()
+                .find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off)))
+                .or_else(|| inner.cuda_regions.values().find_map(|r| r.offset_of(ptr as u64, t.len_bytes).map(|off| (r.region_id, off))));
             let (region_id, offset_bytes) = match found {
                 Some(f) => f,
                 // A zero-byte tensor needs no region bytes: any region at offset 0.

@@ -43,6 +43,9 @@ pub enum Error {
     NoSuchBlob { name: String },
     #[error("buffer of {cap_bytes} bytes is too small for {len_bytes} bytes")]
     Truncated { len_bytes: u64, cap_bytes: u64 },
+    /// A CUDA driver call of the trainer's side failed, or there is no driver.
+    #[error("CUDA: {0}")]
+    Cuda(#[from] ckpt_cuda::CudaError),
     #[error("the client is closed")]
     Closed,
     #[error("this client was connected by process {owner_pid}, not this one (a fork): connect a new client in the child")]

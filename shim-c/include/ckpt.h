@@ -81,6 +81,9 @@
 // The client was closed, or belongs to the parent of this (forked) process.
 #define CKPT_E_CLOSED -16
 
+// A CUDA driver call failed, or there is no CUDA driver (ckpt_register_cuda, ckpt_save_on_stream).
+#define CKPT_E_CUDA -17
+
 // A bug inside libckpt (a caught panic); the message says where.
 #define CKPT_E_PANIC -99
 
@@ -378,6 +381,52 @@ int ckpt_install_sigterm_handler(void);
 // or NULL, with the reason in ckpt_last_error() (not in preload mode, or the
 // connection failed). It lives as long as the process.
 struct ckpt_client *ckpt_default_client(void);
+
+// CKPT_OK if a CUDA driver with at least one device is there, else
+// CKPT_E_CUDA with the reason in ckpt_last_error() ("no CUDA driver ...").
+// The driver is probed once per process.
+int ckpt_cuda_probe(void);
+
+// Registers the CUDA allocation holding device address `ptr` (any address
+// inside a cudaMalloc / cuMemAlloc block, or a PyTorch caching-allocator
+// block) as a region of this client, exported once by its legacy IPC
+// handle; its region id goes to *region_id. Registering an address of an
+// allocation already registered returns the same region. Tensors inside
+// the allocation are then passed to ckpt_save_on_stream / ckpt_load by
+// their device address. Fails with CKPT_E_CUDA when there is no driver or
+// `ptr` is not device memory.
+//
+// # Safety
+// `client` is a live client; `region_id` is writable. `ptr` is only
+// passed to the driver, never dereferenced.
+int ckpt_register_cuda(struct ckpt_client *client, const void *ptr, uint32_t *region_id);
+
+// Unregisters the CUDA region holding device address `ptr`: the sidecar
+// closes its handle on the allocation (the memory stays the trainer's).
+//
+// # Safety
+// `client` is a live client.
+int ckpt_unregister_cuda(struct ckpt_client *client, const void *ptr);
+
+// As ckpt_save, for tensors some of which are CUDA device memory
+// (registered with ckpt_register_cuda) written by work queued on `stream`
+// (a CUstream / cudaStream_t; NULL: the legacy default stream). An
+// interprocess event is recorded on `stream` and sent with the save; the
+// sidecar's own stream waits on it, then copies device to host. The CPU
+// never waits: the tensors may change once the save is released
+// (ckpt_wait with CKPT_RELEASED), or, on the GPU, by work queued after the
+// release is known. With no CUDA tensor this is ckpt_save.
+//
+// # Safety
+// As ckpt_save; `stream` is NULL or a live stream of this process.
+int ckpt_save_on_stream(struct ckpt_client *client,
+                        uint64_t step,
+                        const struct ckpt_tensor *tensors,
+                        size_t n_tensors,
+                        const struct ckpt_blob *blobs,
+                        size_t n_blobs,
+                        void *stream,
+                        uint64_t *save_id);
 
 #ifdef __cplusplus
 }  // extern "C"

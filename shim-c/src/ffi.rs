@@ -59,6 +59,8 @@ pub const CKPT_E_PROTOCOL: c_int = -14;
 pub const CKPT_E_TRUNCATED: c_int = -15;
 /// The client was closed, or belongs to the parent of this (forked) process.
 pub const CKPT_E_CLOSED: c_int = -16;
+/// A CUDA driver call failed, or there is no CUDA driver (ckpt_register_cuda, ckpt_save_on_stream).
+pub const CKPT_E_CUDA: c_int = -17;
 /// A bug inside libckpt (a caught panic); the message says where.
 pub const CKPT_E_PANIC: c_int = -99;
 
@@ -78,7 +80,7 @@ pub const CKPT_SOURCE_DISK: c_int = 2;
 
 /// A connection to the sidecar, its shared-memory regions and saves (opaque).
 pub struct ckpt_client {
-    client: Client,
+    pub(crate) client: Client,
     /// What the last successful ckpt_load returned, with C strings for it.
     last_load: Mutex<Option<LoadedC>>,
 }
@@ -151,12 +153,13 @@ pub fn status_of(e: &Error) -> c_int {
         Error::Protocol(_) => CKPT_E_PROTOCOL,
         Error::Truncated { .. } => CKPT_E_TRUNCATED,
         Error::Closed | Error::Forked { .. } => CKPT_E_CLOSED,
+        Error::Cuda(_) => CKPT_E_CUDA,
     }
 }
 
 /// Runs an ABI body: errors become status codes plus the thread's last
 /// error, panics become CKPT_E_PANIC.
-fn guard(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+pub(crate) fn guard(f: impl FnOnce() -> Result<(), Error>) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => CKPT_OK,
         Ok(Err(e)) => {
@@ -181,7 +184,7 @@ fn invalid(msg: impl Into<String>) -> Error {
 
 /// # Safety
 /// `p` is NULL or a NUL-terminated string valid for `'a`.
-unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
+pub(crate) unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
     if p.is_null() {
         return Err(invalid(format!("{what} is NULL")));
     }
@@ -191,12 +194,12 @@ unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
 
 /// # Safety
 /// `p` is NULL or points to a live `ckpt_client` (from ckpt_connect or ckpt_default_client).
-unsafe fn client<'a>(p: *const ckpt_client) -> Result<&'a ckpt_client, Error> {
+pub(crate) unsafe fn client<'a>(p: *const ckpt_client) -> Result<&'a ckpt_client, Error> {
     // SAFETY: the caller's contract.
     unsafe { p.as_ref() }.ok_or_else(|| invalid("client is NULL"))
 }
 
-fn out<T>(p: *mut T, what: &str) -> Result<*mut T, Error> {
+pub(crate) fn out<T>(p: *mut T, what: &str) -> Result<*mut T, Error> {
     if p.is_null() {
         Err(invalid(format!("{what} is NULL")))
     } else {
@@ -206,7 +209,7 @@ fn out<T>(p: *mut T, what: &str) -> Result<*mut T, Error> {
 
 /// # Safety
 /// `p` is NULL (with n == 0) or points to `n` live values.
-unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Error> {
+pub(crate) unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Error> {
     if n == 0 {
         return Ok(&[]);
     }
@@ -219,7 +222,7 @@ unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Err
 
 /// # Safety
 /// Each descriptor's pointers are valid as ckpt_tensor documents.
-unsafe fn tensor_refs<'a>(ts: &'a [ckpt_tensor]) -> Result<Vec<TensorRef<'a>>, Error> {
+pub(crate) unsafe fn tensor_refs<'a>(ts: &'a [ckpt_tensor]) -> Result<Vec<TensorRef<'a>>, Error> {
     ts.iter()
         .enumerate()
         .map(|(i, t)| {

@@ -20,6 +20,7 @@
 pub use ckpt_client::{client, error, region};
 
 pub mod ffi;
+pub mod ffi_cuda;
 pub mod preload;
 pub mod sigterm;
 

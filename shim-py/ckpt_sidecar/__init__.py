@@ -9,7 +9,7 @@
 See shim-py/README.md. The native client is libckpt (shim-c), bundled.
 Importing this package is cheap (numpy and the native library load on first use).
 """
-from .errors import (BadRequest, Closed, ConnectFailed, Damaged, Disconnected, InvalidArgument, IOFailed,
+from .errors import (BadRequest, Closed, ConnectFailed, CudaError, Damaged, Disconnected, InvalidArgument, IOFailed,
                      NotFound, Panic, ProtocolError, Refused, RegionError, ShmError, ShuttingDown, SidecarError,
                      SidecarGone, Timeout, TooLarge, Truncated)
 

@@ -1,7 +1,7 @@
 """Flattening a nested state into named arrays + a picklable skeleton, and back.
 
-A leaf that is a numpy array (not object dtype) or a strided torch tensor
-becomes a `TensorRef` in the skeleton and a named entry in the tensor list;
+A leaf that is a numpy array (not object dtype), a strided torch tensor or
+an object exposing `__cuda_array_interface__` (kind "cuda") becomes a `TensorRef` in the skeleton and a named entry in the tensor list;
 dicts (and OrderedDict), lists, tuples and namedtuples are walked; anything
 else stays in the skeleton as is (pickled). Names are the path in the
 structure joined with ".", made valid and unique for docs/format.md.
@@ -12,6 +12,8 @@ from collections import OrderedDict
 import pickle
 
 import numpy as np
+
+from ._cuda import interface as cuda_interface
 
 SKELETON_VERSION = 1
 NAME_BYTES_MAX = 1024
@@ -106,6 +108,16 @@ class Flattener:
             extra = {"param": isinstance(obj, t.nn.Parameter), "requires_grad": obj.requires_grad,
                      "device": str(obj.device)}
             ref = TensorRef(self._name(path), "torch", dname, obj.shape, TORCH_TO_ST.get(dname, "U8"), extra)
+            self.leaves.append((ref, obj))
+            return ref
+        cai = cuda_interface(obj)
+        if cai is not None:
+            # Device memory of another library (CuPy, Numba, ...): saved from
+            # the device (_cuda.py), loaded back as a numpy array.
+            dt = np.dtype(cai["typestr"])
+            native = dt.byteorder in ("=", "|", "<") or dt.itemsize == 1
+            stored = NP_TO_ST.get((dt.kind, dt.itemsize)) if native else None
+            ref = TensorRef(self._name(path), "cuda", dt, cai["shape"], stored or "U8")
             self.leaves.append((ref, obj))
             return ref
         if type(obj) in (dict, OrderedDict):

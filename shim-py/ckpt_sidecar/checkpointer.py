@@ -27,11 +27,12 @@ import weakref
 
 import numpy as np
 
+from . import _cuda
 from . import _native as N
 from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
 from ._units import count_arg, size_arg, step_arg
-from .errors import Closed, ConnectFailed, Disconnected, NotFound, SidecarError, Timeout, TooLarge
+from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
@@ -284,14 +285,15 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "__weakref__")
+                 "sig", "refs", "gen", "streams", "__weakref__")
 
-    def __init__(self, plan, copy_bytes, skeleton):
+    def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
         self.descs = (N.Tensor * max(self.n, 1))()
         self.keep = []
         self.copies = []  # (descriptor = leaf index, nbytes, offset in the save region, ref, src address or None)
         self.copy_bytes, self.skeleton = copy_bytes, skeleton
+        self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
         self.tensor_bytes = sum(r[2] for r in plan)
         self.inplace = False
         for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
@@ -349,6 +351,8 @@ def _flat_address(ref, obj, nbytes):
         return 0
     if ref.kind == "np":
         return obj.__array_interface__["data"][0] if obj.flags.c_contiguous else None
+    if ref.kind == "cuda":
+        return None  # device memory: copied by _copy_in through the driver
     return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() else None
 
 
@@ -768,8 +772,13 @@ class Checkpointer:
                     keep += [bn.encode(), data]
                     blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
                 sid = ctypes.c_uint64()
-                N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
-                                          ctypes.byref(sid)))
+                if c.streams:
+                    # Device tensors in place: fenced by an event on their stream.
+                    N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
+                                                        c.streams[0], ctypes.byref(sid)))
+                else:
+                    N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
+                                              ctypes.byref(sid)))
                 self._own.untaken.add(sid.value)
             except BaseException:
                 if region is not None:
@@ -789,10 +798,12 @@ class Checkpointer:
         when `key`, its quick_key, is not None)."""
         fl = Flattener()
         skeleton = fl.walk(state)
-        plan, _direct, copy_bytes = self._plan(fl.leaves)
-        c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton))
+        plan, _direct, copy_bytes, streams = self._plan(fl.leaves)
+        c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton), streams)
         objs = [o for _, o in fl.leaves]
-        if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
+        # A plan with device tensors in place is not kept: their stream (the
+        # current one) and their allocation are asked again at each save.
+        if not streams and key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
             c.remember(key, self._regions_gen)
             plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
             self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]
@@ -860,9 +871,17 @@ class Checkpointer:
         """Per leaf: (ref, obj, nbytes, shape, where): where is an address (the
         tensor already lies in a region: sent in place) or ("copy", offset)."""
         torch = torch_module()
-        rows, direct = [], []
+        rows, direct, streams = [], [], []
         for ref, obj in leaves:
-            if ref.kind == "np":
+            dev = _cuda.device_leaf(ref, obj, torch)
+            if dev is not None:
+                # Device memory: described in place in its registered
+                # allocation (no copy by the trainer), else copied to the host.
+                addr, nbytes, contiguous, stream = dev
+                inplace = contiguous and nbytes > 0 and self._register_cuda(ref, addr)
+                if inplace and stream not in streams:
+                    streams.append(stream)
+            elif ref.kind == "np":
                 nbytes = obj.nbytes
                 inplace = obj.flags.c_contiguous and ref.stored != "U8" or (ref.stored == "U8" and obj.dtype == np.uint8 and obj.flags.c_contiguous)
                 addr = obj.__array_interface__["data"][0] if nbytes else 0
@@ -876,7 +895,7 @@ class Checkpointer:
             if nbytes == 0:
                 rows.append([ref, obj, 0, shape, 0])
                 continue
-            if inplace and self._region_of(addr, nbytes) is not None:
+            if inplace and (dev is not None or self._region_of(addr, nbytes) is not None):
                 direct.append((addr, addr + nbytes, len(rows)))
             rows.append([ref, obj, nbytes, shape, None])
         # Tensors sent in place must not overlap (views of one storage): the later ones are copied.
@@ -891,11 +910,36 @@ class Checkpointer:
             if row[4] is None:
                 row[4] = ("copy", copy_bytes)
                 copy_bytes += _align(row[2])
-        return [tuple(r) for r in rows], direct, copy_bytes
+        if len(streams) > 1:
+            raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                                  f"({streams}); synchronize them onto one stream first")
+        return [tuple(r) for r in rows], direct, copy_bytes, streams
+
+    def _register_cuda(self, ref, addr):
+        """Registers the CUDA allocation holding `addr` with the sidecar (once per
+        allocation: libckpt keeps them); False when a torch tensor must take the
+        host path instead (a warning says why, once)."""
+        rid = ctypes.c_uint32()
+        st = N.lib().ckpt_register_cuda(self._client, addr, ctypes.byref(rid))
+        if st == 0:
+            return True
+        err = N.error_for(st, N.last_error())
+        if ref.kind == "cuda":
+            raise err
+        if not getattr(self, "_cuda_warned", False):
+            self._cuda_warned = True
+            warnings.warn(f"CUDA tensors are copied to the host by the trainer: {err}")
+        return False
 
     def _copy_in(self, ref, obj, nbytes, region, off):
         """Copy one tensor's bytes into `region` at `off`; returns the address."""
-        if ref.kind == "np":
+        if ref.kind == "cuda":
+            addr, nbytes, contiguous, stream = _cuda.device_leaf(ref, obj, None)
+            if not contiguous:
+                raise InvalidArgument(f"tensor {ref.name!r}: a strided __cuda_array_interface__ object "
+                                      "(make it contiguous first)")
+            _cuda.copy_to_host(obj, region.ptr + off, nbytes, stream)
+        elif ref.kind == "np":
             if ref.stored != "U8" or obj.dtype == np.uint8:
                 dst = np.frombuffer(region.buf, dtype=obj.dtype, count=obj.size, offset=off).reshape(obj.shape)
                 np.copyto(dst, obj, casting="no")
@@ -988,6 +1032,40 @@ class Checkpointer:
                 warnings.warn(f"checkpoint {got.value} holds no RNG state (save it with rng=True)")
             return result
 
+    def load_into(self, state, step="latest"):
+        """Restore the device tensors of `state` in place, from the sidecar
+        straight into their GPU memory: every contiguous torch CUDA tensor and
+        `__cuda_array_interface__` object of `state`, named by its path as
+        `save` names it, is written by the sidecar (host-to-device on its own
+        stream, finished before this returns); other leaves are left alone.
+        Nothing may write those tensors meanwhile. Returns the step loaded."""
+        L = N.lib()
+        with self._mu:
+            self._ensure()
+            want = -1 if step in ("latest", None) else step_arg(step)
+            torch = torch_module()
+            fl = Flattener()
+            fl.walk(state)
+            descs, keep = (N.Tensor * max(len(fl.leaves), 1))(), []
+            n = 0
+            for ref, obj in fl.leaves:
+                dev = _cuda.device_leaf(ref, obj, torch)
+                if dev is None or not dev[2] or dev[1] == 0:
+                    continue
+                addr, nbytes = dev[0], dev[1]
+                rid = ctypes.c_uint32()
+                N.check(L.ckpt_register_cuda(self._client, addr, ctypes.byref(rid)))
+                is_u8 = ref.dtype == "uint8" if ref.kind == "torch" else ref.dtype == np.uint8
+                shape = list(ref.shape) if ref.stored != "U8" or is_u8 else [nbytes]
+                bn, bd = ref.name.encode(), ref.stored.encode()
+                shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+                keep += [bn, bd, shp]
+                descs[n] = N.Tensor(bn, bd, shp, len(shape), addr, nbytes)
+                n += 1
+            got, src = ctypes.c_uint64(), ctypes.c_int()
+            N.check(L.ckpt_load(self._client, want, descs, n, ctypes.byref(got), ctypes.byref(src)))
+            self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+            return got.value
     def _loaded_rng(self, saved_world_size):
         """The RNG blob for this rank: its own when the world size is the one
         that saved; a single-rank checkpoint's otherwise."""
@@ -1223,7 +1301,8 @@ def _plain_array(region, off, dt, shape, nbytes):
 
 
 def _restore(ref, region, off, nbytes, map_location):
-    if ref.kind == "np":
+    # A "cuda" leaf (a __cuda_array_interface__ object) comes back as a numpy array.
+    if ref.kind in ("np", "cuda"):
         dtype = ref.dtype
         if nbytes == 0:
             return np.zeros(ref.shape, dtype)

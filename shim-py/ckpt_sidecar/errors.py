@@ -93,6 +93,11 @@ class Closed(SidecarError):
     code = -16
 
 
+class CudaError(SidecarError):
+    """A CUDA driver call of the trainer's side failed, or there is no CUDA driver."""
+    code = -17
+
+
 class Panic(SidecarError):
     code = -99
 
@@ -100,7 +105,7 @@ class Panic(SidecarError):
 BY_CODE = {
     cls.code: cls
     for cls in (InvalidArgument, ConnectFailed, Refused, Disconnected, Timeout, ShmError, RegionError,
-                NotFound, BadRequest, Damaged, IOFailed, TooLarge, ShuttingDown, ProtocolError,
+                NotFound, BadRequest, Damaged, IOFailed, TooLarge, ShuttingDown, ProtocolError, CudaError,
                 Truncated, Closed, Panic)
 }
 

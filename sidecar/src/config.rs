@@ -37,6 +37,9 @@ pub const SEND_TIMEOUT_MS: u64 = 10_000;
 pub const SESSIONS_MAX: usize = 256;
 /// Regions one session may register.
 pub const REGIONS_PER_SESSION_MAX: usize = 4096;
+/// Interprocess CUDA events a session keeps open (a trainer records one
+/// event per save again and again; more distinct ones clear the cache).
+pub const CUDA_EVENTS_PER_SESSION_MAX: usize = 64;
 /// Longest shm_open name, leading '/' included (NAME_MAX).
 pub const SHM_NAME_BYTES_MAX: usize = 255;
 /// Tensors in one save or load.
@@ -57,6 +60,9 @@ pub const COPY_THREADS: usize = 2;
 pub const COPY_PIECE_BYTES: usize = 1 << 20;
 /// Copy then checksum this much at a time, while it is still in cache.
 pub const COPY_BLOCK_BYTES: usize = 256 << 10;
+/// Largest single device-to-host copy a CUDA region's batch queues
+/// (adjacent pieces merged up to this).
+pub const DEVICE_COPY_BYTES_MAX: usize = 64 << 20;
 /// Writes into a client region on load go in requests of at most this.
 pub const LOAD_PWRITE_BYTES_MAX: usize = 64 << 20;
 

@@ -156,7 +156,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         opts.allow_uids.clone(),
         Arc::new(AtomicBool::new(false)),
     ));
-    info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), "sidecar ready");
+    info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.

@@ -2,7 +2,8 @@
 //! side), over the storage engine `ckpt-store`.
 //!
 //! [`server`] (socket, handshake), [`session`] (one thread per client),
-//! [`regions`] (client memory the sidecar maps: host shm today),
+//! [`regions`] (client memory the sidecar maps: host shm and CUDA device
+//! allocations), [`cuda_probe`] (what the CUDA driver probe found),
 //! [`snapshot`] (check and copy a save into [`staging`]), [`committer`]
 //! (writes and commits in order), [`load`] (restores into client memory),
 //! [`state`] (what the threads share), [`jobs`] (what goes to the
@@ -12,6 +13,7 @@
 
 pub mod committer;
 pub mod config;
+pub mod cuda_probe;
 pub mod coordinator;
 pub mod daemon;
 pub mod file_save;

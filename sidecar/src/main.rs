@@ -572,6 +572,7 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
             "in_flight": r.in_flight.iter().map(|f| json!({"step": f.step, "file": f.file, "phase": f.phase, "bytes": f.bytes})).collect::<Vec<_>>(),
             "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
             "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
+            "cuda": r.cuda,
         });
         println!("{j}");
         return Ok(ExitCode::SUCCESS);
@@ -601,6 +602,7 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         ),
         None => println!("last:     none yet"),
     }
+    println!("cuda:     {}", r.cuda);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -799,8 +801,11 @@ fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode
             }
         }
     }
+    // CUDA is optional: its absence is reported, never a failure.
     if json {
-        println!("{}", json!({"dirs": rows}));
+        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::cuda_probe::json()}));
+    } else {
+        println!("cuda: {}", ckpt_sidecar::cuda_probe::summary());
     }
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }

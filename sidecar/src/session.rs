@@ -22,7 +22,7 @@ use crate::config;
 use crate::file_save;
 use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
-use crate::regions::Region;
+use crate::regions::{CudaSession, Region};
 use crate::snapshot;
 use crate::peer::Peer;
 use crate::state::Shared;
@@ -50,6 +50,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     };
     let mut reader = BufReader::with_capacity(64 << 10, stream);
     let mut regions: HashMap<u32, Arc<Region>> = HashMap::new();
+    let mut cuda = CudaSession::default();
     loop {
         let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
             Ok(b) => b,
@@ -116,6 +117,18 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                     peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });
                 }
             }
+            Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes } => {
+                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, device, &ipc_handle, len_bytes);
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
+            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event } => match cuda.fence(device, &event) {
+                Ok(()) => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
+                Err(e) => {
+                    info!(step, "save refused: the trainer's CUDA event: {e}");
+                    peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA event: {e}") });
+                }
+            },
             Request::Bye => {
                 debug!("client said bye");
                 break;
@@ -132,6 +145,10 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
         }
         info!(pid = s.peer_pid, n_regions = regions.len(), "client died: its regions removed");
     }
+    // Closes every imported CUDA allocation (the last Arc of each region)
+    // before the session's streams and events go.
+    drop(regions);
+    drop(cuda);
     info!(pid = s.client_pid, name = %s.name, "session ended");
     shared.remove_session(s.session_id);
 }
@@ -167,6 +184,38 @@ fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, regio
         Err(e) => {
             info!(region_id, "region refused: {e}");
             err(e.to_string())
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn register_cuda(
+    shared: &Shared,
+    regions: &mut HashMap<u32, Arc<Region>>,
+    cuda: &mut CudaSession,
+    id: u64,
+    region_id: u32,
+    device: i32,
+    ipc_handle: &[u8],
+    len_bytes: u64,
+) -> Reply {
+    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+    if regions.contains_key(&region_id) {
+        return err(format!("region {region_id} is already registered"));
+    }
+    if regions.len() >= config::REGIONS_PER_SESSION_MAX {
+        return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
+    }
+    let opened = cuda.stream(device, &shared.staging).and_then(|stream| Region::open_cuda(region_id, ipc_handle, device, len_bytes, stream));
+    match opened {
+        Ok(r) => {
+            debug!(region_id, device, len_bytes, "CUDA region registered");
+            regions.insert(region_id, Arc::new(r));
+            Reply::RegionRegistered { id, region_id }
+        }
+        Err(e) => {
+            info!(region_id, "CUDA region refused: {e}");
+            err(format!("CUDA region {region_id}: {e}"))
         }
     }
 }

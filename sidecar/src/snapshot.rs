@@ -130,12 +130,19 @@ struct Piece {
     src_offset_bytes: u64,
     dst: *mut u8,
     len: usize,
+    /// Already copied by its region's batch ([`copy_batches`]).
+    staged: bool,
 }
 
 impl Piece {
     /// Copies this piece out of its region into its part of the lease;
     /// with `crc`, returns the crc32c of the bytes.
     fn copy(&self, crc: bool) -> u32 {
+        if self.staged {
+            // SAFETY: dst..dst+len is this piece's own part of the lease,
+            // written by the completed batch copy.
+            return if crc { crc32c::crc32c(unsafe { std::slice::from_raw_parts(self.dst, self.len) }) } else { 0 };
+        }
         // SAFETY: a non-null `region` is kept alive by the caller's Arc for
         // the whole copy; dst..dst+len is this piece's own part of the lease
         // (Pieces' invariant); the source range was bounds-checked when the
@@ -184,8 +191,46 @@ fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region
     while at < len {
         let n = (len - at).min(COPY_PIECE_BYTES);
         // The pointer stays inside its range: at + n ≤ len.
-        pieces.push(Piece { tensor_idx, region, src_offset_bytes: src_offset_bytes + at as u64, dst: dst.wrapping_add(at), len: n });
+        pieces.push(Piece { tensor_idx, region, src_offset_bytes: src_offset_bytes + at as u64, dst: dst.wrapping_add(at), len: n, staged: false });
         at += n;
+    }
+}
+
+/// Copies the pieces of regions that copy in batches (device memory) one
+/// batch per region, adjacent pieces merged into one copy of at most
+/// [`config::DEVICE_COPY_BYTES_MAX`], and marks them staged; the rest are
+/// left to the piece-by-piece copy.
+fn copy_batches(pieces: &mut Pieces) {
+    /// A region, its merged ranges (source offset, destination, length), and its pieces' indices.
+    type Batch = (*const Region, Vec<(u64, *mut u8, usize)>, Vec<usize>);
+    let mut by_region: Vec<Batch> = Vec::new();
+    for (k, p) in pieces.0.iter().enumerate() {
+        if p.region.is_null() {
+            continue;
+        }
+        let at = match by_region.iter().position(|(r, _, _)| *r == p.region) {
+            Some(i) => i,
+            None => {
+                by_region.push((p.region, Vec::new(), Vec::new()));
+                by_region.len() - 1
+            }
+        };
+        let (_, ranges, ks) = &mut by_region[at];
+        match ranges.last_mut() {
+            Some((off, dst, len)) if *off + *len as u64 == p.src_offset_bytes && dst.wrapping_add(*len) == p.dst && *len + p.len <= config::DEVICE_COPY_BYTES_MAX => *len += p.len,
+            _ => ranges.push((p.src_offset_bytes, p.dst, p.len)),
+        }
+        ks.push(k);
+    }
+    for (region, ranges, ks) in by_region {
+        // SAFETY: the region is kept alive by the caller's Arc for the whole
+        // copy; every range is made of pieces' own disjoint parts of the
+        // lease and their bounds-checked sources (Pieces' invariant).
+        if unsafe { (*region).copy_batch(&ranges) } {
+            for k in ks {
+                pieces.0[k].staged = true;
+            }
+        }
     }
 }
 
@@ -267,7 +312,9 @@ fn idle_priority() {
 /// for it, so the checksums come after the release ([`checksum`]).
 pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
     layout.write_headers(lease.as_mut_slice());
-    copy_pieces(&pieces_of(layout, Some(sources), lease), stop)
+    let mut pieces = pieces_of(layout, Some(sources), lease);
+    copy_batches(&mut pieces);
+    copy_pieces(&pieces, stop)
 }
 
 /// Copies as [`copy_into`] and returns each tensor's crc32c, computed from
@@ -277,7 +324,8 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
 /// release); the copy takes longer. None when stopped early.
 pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Vec<u32>> {
     layout.write_headers(lease.as_mut_slice());
-    let pieces = pieces_of(layout, Some(sources), lease);
+    let mut pieces = pieces_of(layout, Some(sources), lease);
+    copy_batches(&mut pieces);
     let piece_crcs = run_pieces(&pieces, stop, &|p| p.copy(true))?;
     Some(fold_crcs(layout, &pieces, &piece_crcs))
 }
@@ -291,7 +339,9 @@ pub fn copy_range_into(region: &Region, offset_bytes: u64, len_bytes: u64, lease
     lease.as_mut_slice()[len_bytes as usize..].fill(0);
     let mut pieces = Vec::new();
     split_range(&mut pieces, 0, region as *const Region, offset_bytes, lease.as_mut_ptr(), len_bytes as usize);
-    copy_pieces(&Pieces(pieces), stop)
+    let mut pieces = Pieces(pieces);
+    copy_batches(&mut pieces);
+    copy_pieces(&pieces, stop)
 }
 
 fn copy_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync)) -> bool {

@@ -247,6 +247,7 @@ impl Shared {
             staging_used_bytes: self.staging.used_bytes(),
             resident_step: self.staging.resident_step(),
             last: self.last.lock().expect("figures lock").clone(),
+            cuda: crate::cuda_probe::summary(),
         }
     }
 }

@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -91,13 +91,29 @@ pub enum Request {
     /// Queued behind the saves sent before it. Reply: RolledBack or Error.
     /// Added in version 3.
     Rollback { id: u64, step: u64 },
+    /// CUDA device memory of the client as region `region_id`: one whole
+    /// allocation (`cudaMalloc`, PyTorch's caching allocator) on CUDA device
+    /// `device`, named by its legacy IPC handle (`cuIpcGetMemHandle`, 64
+    /// bytes). The sidecar opens it once (cuIpcOpenMemHandle) and closes it
+    /// when the region is unregistered or the session ends; `len_bytes` may
+    /// not exceed the allocation. Descriptors then name (region, offset,
+    /// length) inside the allocation, as for shm. Reply: RegionRegistered or
+    /// Error. Added in version 4.
+    RegisterCudaRegion { id: u64, region_id: u32, device: i32, ipc_handle: Vec<u8>, len_bytes: u64 },
+    /// A Save whose CUDA tensors are ready once `event` completes: the IPC
+    /// handle (64 bytes) of an event created with CU_EVENT_INTERPROCESS |
+    /// CU_EVENT_DISABLE_TIMING, recorded on the trainer's stream just before
+    /// this message was sent. The sidecar's own stream waits on it (after the
+    /// message arrived) before copying; the trainer's CPU never waits.
+    /// Replies as a Save does. Added in version 4.
+    SaveAfterEvent { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, device: i32, event: Vec<u8> },
     /// A Save of rank `rank`'s part of a checkpoint written by `world_size`
     /// ranks (1 ≤ world_size, rank < world_size). Replies as a Save does;
     /// Durable comes only once every rank's part of `step` reached this
     /// sidecar and the whole checkpoint is committed; a part whose group is
     /// not complete within the sidecar's part timeout gets Failed, and so
     /// do the others. Blob names must differ between the ranks' parts.
-    /// Added in version 4.
+    /// Added in version 5.
     SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
 }
 
@@ -163,6 +179,9 @@ pub struct StatusReport {
     pub staging_used_bytes: u64,
     pub resident_step: Option<u64>,
     pub last: Option<LastFigures>,
+    /// What the sidecar's CUDA probe found: "driver 12.8, 1 device(s): …",
+    /// or why there is none ("no CUDA driver …"). (Version 4.)
+    pub cuda: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -18,6 +18,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         staging_used_bytes: 1000,
         resident_step: Some(4),
         last: Some(LastFigures { step: 4, bytes: 1000, copy_seconds: 0.5, persist_seconds: 1.5, persist_gib_per_s: 2.0 }),
+        cuda: "no CUDA driver".into(),
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
@@ -30,7 +31,9 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("bye", encode(&Request::Bye)),
         ("save_file", encode(&Request::SaveFile { id: 7, path: "/runs/model.pt".into(), region_id: 2, offset_bytes: 0, len_bytes: 1234 })),
         ("rollback", encode(&Request::Rollback { id: 8, step: 4 })),
-        ("save_part", encode(&Request::SavePart { id: 9, step: 100, rank: 1, world_size: 2, tensors: vec![t], blobs: vec![b.clone()], lazy_release: true })),
+        ("register_cuda", encode(&Request::RegisterCudaRegion { id: 9, region_id: 3, device: 0, ipc_handle: vec![0xab; 64], len_bytes: 1 << 21 })),
+        ("save_after_event", encode(&Request::SaveAfterEvent { id: 10, step: 101, tensors: vec![t.clone()], blobs: vec![], lazy_release: true, device: 0, event: vec![0xcd; 64] })),
+        ("save_part", encode(&Request::SavePart { id: 11, step: 100, rank: 1, world_size: 2, tensors: vec![t], blobs: vec![b.clone()], lazy_release: true })),
         ("welcome", encode(&Reply::Welcome { version: PROTOCOL_VERSION, server_pid: 42, dirs: vec!["/ckpt".into()], staging_bytes: 1 << 30 })),
         ("refused", encode(&Reply::Refused { reason: "version".into() })),
         ("registered", encode(&Reply::RegionRegistered { id: 1, region_id: 2 })),

@@ -288,6 +288,12 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 s.steps.retain(|&k, _| k <= step);
                 send(&w, &Reply::RolledBack { id, step, removed });
             }
+            Request::RegisterCudaRegion { id, region_id, .. } => {
+                send(&w, &Reply::Error { id, code: ErrorCode::BadRegion, message: format!("CUDA region {region_id}: the fake sidecar has no CUDA") })
+            }
+            Request::SaveAfterEvent { id, step, .. } => {
+                send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar has no CUDA".into() })
+            }
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -304,6 +310,8 @@ fn kind(r: &Request) -> String {
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),
         Request::Rollback { step, .. } => format!("Rollback {step}"),
+        Request::RegisterCudaRegion { region_id, .. } => format!("RegisterCudaRegion {region_id}"),
+        Request::SaveAfterEvent { step, .. } => format!("SaveAfterEvent {step}"),
         Request::SavePart { step, rank, world_size, .. } => format!("SavePart {step} rank {rank} of {world_size}"),
         Request::Bye => "Bye".into(),
         Request::Hello { .. } => "Hello".into(),

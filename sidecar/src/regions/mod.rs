@@ -7,10 +7,12 @@
 //! module of its own:
 //! - [`shm`]: host POSIX shared-memory segments, mapped read-only, with the
 //!   SIGBUS guard for segments truncated under a copy.
+//! - [`cuda`]: a CUDA device allocation of the client opened from its legacy
+//!   IPC handle, copied on the session's own stream after the trainer's
+//!   event (see `docs/protocol.md`, CUDA).
 //!
-//! A new kind (CUDA device memory) joins as a variant and a module, with its
-//! own registration in the session; snapshot, committer and load stay as
-//! they are.
+//! Each kind has its own registration in the session; snapshot, committer
+//! and load see only `Region`.
 //!
 //! Trust boundary: the name, length and every descriptor come from the
 //! client. Every access goes through `Region`, which checks bounds with
@@ -19,8 +21,10 @@
 
 use std::io;
 
+pub mod cuda;
 pub mod shm;
 
+pub use cuda::{CudaMemory, CudaSession};
 pub use shm::{validate_shm_name, ShmMemory};
 
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +41,10 @@ pub enum RegionError {
     TooSmall { name: String, size_bytes: u64, len_bytes: u64 },
     #[error("shm segment {name:?} was truncated by its owner while the sidecar read it; register it again")]
     Truncated { name: String },
+    #[error(transparent)]
+    Cuda(#[from] ckpt_cuda::CudaError),
+    #[error("CUDA region: {why}; register it again")]
+    CudaCopy { why: String },
     #[error("bytes {offset_bytes}..{offset_bytes}+{len_bytes} lie outside region {region_id} of {region_bytes} bytes")]
     OutOfBounds { region_id: u32, offset_bytes: u64, len_bytes: u64, region_bytes: u64 },
 }
@@ -45,6 +53,8 @@ pub enum RegionError {
 pub enum Memory {
     /// A host shared-memory segment.
     HostShm(ShmMemory),
+    /// A CUDA device allocation of the client (legacy IPC).
+    Cuda(CudaMemory),
 }
 
 /// A region a client registered: its id, its length, and its memory.
@@ -62,10 +72,17 @@ impl Region {
         Ok(Region { region_id, len_bytes, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
     }
 
+    /// Opens the CUDA allocation named by `ipc_handle` on `device`; its
+    /// copies run on `stream` (the session's).
+    pub fn open_cuda(region_id: u32, ipc_handle: &[u8], device: i32, len_bytes: u64, stream: std::sync::Arc<ckpt_cuda::Stream>) -> Result<Region, RegionError> {
+        Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(ipc_handle, device, len_bytes, stream)?) })
+    }
+
     /// What kind of memory this is, for logs and status.
     pub fn kind(&self) -> &'static str {
         match &self.memory {
             Memory::HostShm(_) => "host-shm",
+            Memory::Cuda(_) => "cuda",
         }
     }
 
@@ -90,6 +107,31 @@ impl Region {
         match &self.memory {
             // SAFETY: the caller's contract; bounds asserted above.
             Memory::HostShm(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
+            // SAFETY: as above.
+            Memory::Cuda(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
+        }
+    }
+
+    /// Copies many ranges `(offset_bytes, dst, len)` in one batch where the
+    /// kind gains from it (CUDA: every copy queued on the session's stream,
+    /// one wait at the end); returns false, copying nothing, for a kind that
+    /// copies piece by piece (host shm: [`Region::copy_out`]). Failures show
+    /// in [`Region::check_intact`], as for `copy_out`.
+    ///
+    /// # Safety
+    /// Each `dst..dst+len` is writable and no one else's for the call, and
+    /// each range was checked with [`Region::contains`].
+    pub unsafe fn copy_batch(&self, ranges: &[(u64, *mut u8, usize)]) -> bool {
+        match &self.memory {
+            Memory::HostShm(_) => false,
+            Memory::Cuda(m) => {
+                for &(off, _, len) in ranges {
+                    assert!(self.contains(off, len as u64).is_ok(), "copy_batch outside the region (callers check bounds first)");
+                }
+                // SAFETY: the caller's contract; bounds asserted above.
+                unsafe { m.copy_batch(ranges) };
+                true
+            }
         }
     }
 
@@ -99,6 +141,7 @@ impl Region {
     pub fn check_intact(&self) -> Result<(), RegionError> {
         match &self.memory {
             Memory::HostShm(m) => m.check_intact(),
+            Memory::Cuda(m) => m.check_intact(),
         }
     }
 
@@ -107,6 +150,7 @@ impl Region {
         self.contains(offset_bytes, bytes.len() as u64)?;
         match &self.memory {
             Memory::HostShm(m) => m.write_at(offset_bytes, bytes),
+            Memory::Cuda(m) => m.write_at(offset_bytes, bytes),
         }
     }
 
@@ -115,6 +159,9 @@ impl Region {
     pub fn remove_dead_owners_memory(&self) {
         match &self.memory {
             Memory::HostShm(m) => m.unlink(),
+            // Device memory belongs to the driver: it is freed with its
+            // owner's context; the import closes with the region.
+            Memory::Cuda(_) => {}
         }
     }
 
@@ -122,6 +169,7 @@ impl Region {
     pub fn as_shm(&self) -> Option<&ShmMemory> {
         match &self.memory {
             Memory::HostShm(m) => Some(m),
+            Memory::Cuda(_) => None,
         }
     }
 }

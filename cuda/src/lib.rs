@@ -1,0 +1,451 @@
+//! The one place for CUDA, used by both sides (the trainer's client and the
+//! sidecar): the driver API through cudarc's dynamic loading, so every build
+//! runs where there is no CUDA at all.
+//!
+//! - [`probe`]: the driver, looked for once per process (cudarc's
+//!   `is_culib_present`, then `cuInit`); every other call here goes through
+//!   it, so a missing driver is an [`CudaError::NoDriver`] refusal, never a
+//!   panic (cudarc panics when a call finds no library) and never a hang.
+//! - trainer side: [`allocation_of`] (the allocation that holds a device
+//!   pointer), [`ipc_mem_handle`] (its legacy IPC handle), [`IpcEvent`] (an
+//!   interprocess event recorded on the trainer's stream at each save);
+//! - sidecar side: [`Imported`] (an allocation opened from its handle, closed
+//!   on drop), [`OpenedEvent`], [`Stream`] (the sidecar's own stream: waits
+//!   on events, copies device⇄host), [`HostRegistration`] (page-locks host
+//!   memory the copies use).
+//!
+//! Every handle is a plain driver handle; the driver API is thread-safe, and
+//! each call first makes the device's primary context current on the calling
+//! thread ([`bind`]), so any thread may use any handle. Trainer-side calls
+//! put back the thread's own current context afterwards.
+
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{self, CUresult};
+
+/// Bytes of a legacy IPC memory or event handle.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CudaError {
+    /// No libcuda on the library search path.
+    #[error("no CUDA driver (libcuda.so.1 is not on the library search path)")]
+    NoDriver,
+    /// The library is there but unusable (cuInit failed, no device).
+    #[error("CUDA driver unusable: {0}")]
+    Unusable(String),
+    /// A driver call failed.
+    #[error("{call}: {text} ({code})")]
+    Call { call: &'static str, code: i32, text: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+/// What the probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverInfo {
+    /// As cuDriverGetVersion says: 1000 × major + 10 × minor.
+    pub driver_version: i32,
+    pub devices: Vec<DeviceInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: i32,
+    pub name: String,
+    pub total_bytes: u64,
+}
+
+fn check(call: &'static str, r: CUresult) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string (or
+    // leaves it null); the library is loaded (we only get here after a call).
+    let text = unsafe {
+        if sys::cuGetErrorString(r, &mut p) == CUresult::CUDA_SUCCESS && !p.is_null() {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        } else {
+            format!("{r:?}")
+        }
+    };
+    Err(CudaError::Call { call, code: r as i32, text })
+}
+
+/// Finds the driver and its devices, once per process; later calls return
+/// the same answer.
+pub fn probe() -> Result<&'static DriverInfo> {
+    static PROBE: OnceLock<Result<DriverInfo>> = OnceLock::new();
+    PROBE.get_or_init(probe_once).as_ref().map_err(Clone::clone)
+}
+
+fn probe_once() -> Result<DriverInfo> {
+    // SAFETY: only tries to dlopen the library names cudarc knows.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    // SAFETY: plain driver calls with valid out-pointers; the library is
+    // present (checked above), so cudarc's loader does not panic.
+    unsafe {
+        check("cuInit", sys::cuInit(0)).map_err(|e| CudaError::Unusable(e.to_string()))?;
+        let mut driver_version = 0;
+        check("cuDriverGetVersion", sys::cuDriverGetVersion(&mut driver_version))?;
+        let mut n = 0;
+        check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n))?;
+        if n == 0 {
+            return Err(CudaError::Unusable("the driver sees no CUDA device".into()));
+        }
+        let mut devices = Vec::new();
+        for ordinal in 0..n {
+            let mut dev = 0;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal))?;
+            let mut buf = [0 as std::ffi::c_char; 256];
+            check("cuDeviceGetName", sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev))?;
+            let name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+            let mut total = 0usize;
+            check("cuDeviceTotalMem", sys::cuDeviceTotalMem_v2(&mut total, dev))?;
+            devices.push(DeviceInfo { ordinal, name, total_bytes: total as u64 });
+        }
+        Ok(DriverInfo { driver_version, devices })
+    }
+}
+
+/// Makes the primary context of device `ordinal` current on this thread
+/// (retained once per device for the process's life).
+pub fn bind(ordinal: i32) -> Result<()> {
+    let info = probe()?;
+    if ordinal < 0 || ordinal as usize >= info.devices.len() {
+        return Err(CudaError::Invalid(format!("CUDA device {ordinal} does not exist ({} devices)", info.devices.len())));
+    }
+    static CTX: OnceLock<Vec<std::sync::Mutex<usize>>> = OnceLock::new();
+    let slots = CTX.get_or_init(|| (0..info.devices.len()).map(|_| std::sync::Mutex::new(0)).collect());
+    let mut slot = slots[ordinal as usize].lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY: driver calls with valid out-pointers after a successful probe;
+    // the context is retained for the process's life (never released), so
+    // the stored handle stays valid.
+    unsafe {
+        if *slot == 0 {
+            let mut dev = 0;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal))?;
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            *slot = ctx as usize;
+        }
+        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(*slot as sys::CUcontext))
+    }
+}
+
+/// Runs `f` with device `ordinal`'s primary context current, then puts back
+/// whatever context the calling thread had: the trainer-side calls run on
+/// the trainer's threads, whose current context is theirs, not ours.
+fn in_primary<T>(ordinal: i32, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    probe()?;
+    let mut before: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the driver is loaded (probe).
+    unsafe { check("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut before))? };
+    bind(ordinal)?;
+    let out = f();
+    // SAFETY: `before` is the context this thread had (or null: none).
+    unsafe { sys::cuCtxSetCurrent(before) };
+    out
+}
+
+/// One device allocation: where it starts, how long it is, which device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    pub base: u64,
+    pub len_bytes: u64,
+    pub device: i32,
+}
+
+/// The allocation that holds device pointer `ptr` (trainer side).
+pub fn allocation_of(ptr: u64) -> Result<Allocation> {
+    probe()?;
+    let mut device: i32 = 0;
+    // SAFETY: cuPointerGetAttribute writes one int for DEVICE_ORDINAL into
+    // `device`; an unknown pointer is an error code, not a fault.
+    unsafe {
+        check(
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+            sys::cuPointerGetAttribute((&mut device as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+        )
+        .map_err(|e| CudaError::Invalid(format!("pointer {ptr:#x} is not CUDA device memory: {e}")))?;
+    }
+    in_primary(device, || {
+        let (mut base, mut len) = (0u64, 0usize);
+        // SAFETY: valid out-pointers; the context is current (in_primary).
+        unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut len, ptr))? };
+        Ok(Allocation { base, len_bytes: len as u64, device })
+    })
+}
+
+/// The legacy IPC handle of the allocation starting at `base` (trainer side).
+pub fn ipc_mem_handle(a: &Allocation) -> Result<[u8; IPC_HANDLE_BYTES]> {
+    in_primary(a.device, || {
+        let mut h = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: valid out-pointer; `base` is an allocation's start (allocation_of).
+        unsafe { check("cuIpcGetMemHandle", sys::cuIpcGetMemHandle(&mut h, a.base))? };
+        Ok(h.reserved.map(|c| c as u8))
+    })
+}
+
+/// An interprocess event of the trainer, recorded on its stream at each
+/// save; the sidecar's stream waits on it (trainer side).
+pub struct IpcEvent {
+    event: sys::CUevent,
+    device: i32,
+    handle: [u8; IPC_HANDLE_BYTES],
+}
+
+// SAFETY: a CUevent is a driver handle, usable from any thread once the
+// context is current (every method binds it).
+unsafe impl Send for IpcEvent {}
+unsafe impl Sync for IpcEvent {}
+
+impl IpcEvent {
+    pub fn new(device: i32) -> Result<IpcEvent> {
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        in_primary(device, || {
+            let mut event: sys::CUevent = std::ptr::null_mut();
+            // SAFETY: valid out-pointers; context current (in_primary).
+            unsafe {
+                check("cuEventCreate", sys::cuEventCreate(&mut event, flags))?;
+                let mut h = sys::CUipcEventHandle { reserved: [0; IPC_HANDLE_BYTES] };
+                if let Err(e) = check("cuIpcGetEventHandle", sys::cuIpcGetEventHandle(&mut h, event)) {
+                    sys::cuEventDestroy_v2(event);
+                    return Err(e);
+                }
+                Ok(IpcEvent { event, device, handle: h.reserved.map(|c| c as u8) })
+            }
+        })
+    }
+
+    pub fn handle(&self) -> [u8; IPC_HANDLE_BYTES] {
+        self.handle
+    }
+
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    /// Records the event on `stream` (a CUstream / cudaStream_t; 0: the
+    /// legacy default stream). The CPU does not wait.
+    pub fn record(&self, stream: u64) -> Result<()> {
+        // SAFETY: the event is ours and alive; the stream is the caller's
+        // (an invalid one is an error code).
+        in_primary(self.device, || unsafe { check("cuEventRecord", sys::cuEventRecord(self.event, stream as sys::CUstream)) })
+    }
+}
+
+impl Drop for IpcEvent {
+    fn drop(&mut self) {
+        // SAFETY: the event is ours and destroyed once.
+        let _ = in_primary(self.device, || unsafe { check("cuEventDestroy", sys::cuEventDestroy_v2(self.event)) });
+    }
+}
+
+/// An allocation of another process opened from its legacy IPC handle
+/// (sidecar side); closed when dropped.
+pub struct Imported {
+    ptr: u64,
+    len_bytes: u64,
+    device: i32,
+}
+
+impl Imported {
+    /// Opens `handle` on `device` and checks the allocation holds `len_bytes`.
+    pub fn open(handle: &[u8], device: i32, len_bytes: u64) -> Result<Imported> {
+        let reserved: [u8; IPC_HANDLE_BYTES] =
+            handle.try_into().map_err(|_| CudaError::Invalid(format!("an IPC memory handle has {IPC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        bind(device)?;
+        let h = sys::CUipcMemHandle { reserved: reserved.map(|b| b as std::ffi::c_char) };
+        let mut ptr = 0u64;
+        // SAFETY: valid out-pointer; the handle is plain bytes (a bad one is
+        // an error code).
+        unsafe { check("cuIpcOpenMemHandle", sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32))? };
+        let imported = Imported { ptr, len_bytes, device };
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: valid out-pointers; `ptr` was just mapped.
+        unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr))? };
+        if (size as u64) < len_bytes {
+            return Err(CudaError::Invalid(format!("the CUDA allocation has {size} bytes, fewer than the {len_bytes} registered")));
+        }
+        Ok(imported)
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+}
+
+impl Drop for Imported {
+    fn drop(&mut self) {
+        if bind(self.device).is_ok() {
+            // SAFETY: `ptr` was opened by cuIpcOpenMemHandle and is closed once.
+            unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Another process's interprocess event, opened from its handle.
+pub struct OpenedEvent {
+    event: sys::CUevent,
+    device: i32,
+}
+
+// SAFETY: a driver handle; every use binds the context first.
+unsafe impl Send for OpenedEvent {}
+unsafe impl Sync for OpenedEvent {}
+
+impl OpenedEvent {
+    pub fn open(handle: &[u8], device: i32) -> Result<OpenedEvent> {
+        let reserved: [u8; IPC_HANDLE_BYTES] =
+            handle.try_into().map_err(|_| CudaError::Invalid(format!("an IPC event handle has {IPC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        bind(device)?;
+        let h = sys::CUipcEventHandle { reserved: reserved.map(|b| b as std::ffi::c_char) };
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a bad handle is an error code.
+        unsafe { check("cuIpcOpenEventHandle", sys::cuIpcOpenEventHandle(&mut event, h))? };
+        Ok(OpenedEvent { event, device })
+    }
+}
+
+impl Drop for OpenedEvent {
+    fn drop(&mut self) {
+        if bind(self.device).is_ok() {
+            // SAFETY: opened by cuIpcOpenEventHandle, destroyed once.
+            unsafe { sys::cuEventDestroy_v2(self.event) };
+        }
+    }
+}
+
+/// A stream of the sidecar's own (non-blocking: it never waits for the
+/// legacy default stream).
+pub struct Stream {
+    stream: sys::CUstream,
+    device: i32,
+}
+
+// SAFETY: a driver handle; the driver serialises work on a stream, and every
+// use binds the context first.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new(device: i32) -> Result<Stream> {
+        bind(device)?;
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context current.
+        unsafe { check("cuStreamCreate", sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))? };
+        Ok(Stream { stream, device })
+    }
+
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    /// Later work on this stream waits until `event` completes (as recorded
+    /// when this is called: call it after the message naming it arrived).
+    pub fn wait_event(&self, event: &OpenedEvent) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: both handles are alive (borrowed).
+        unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(self.stream, event.event, 0)) }
+    }
+
+    /// Queues a copy of `len` bytes at device address `src` to `dst`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is writable host memory that stays valid and untouched
+    /// until [`Stream::synchronize`] returns; `src..src+len` lies in device
+    /// memory open in this process.
+    pub unsafe fn copy_dtoh_async(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: the caller's contract.
+        unsafe { check("cuMemcpyDtoHAsync", sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream)) }
+    }
+
+    /// Queues a copy of `len` bytes at `src` to device address `dst`.
+    ///
+    /// # Safety
+    /// `src..src+len` stays valid and unchanged until [`Stream::synchronize`]
+    /// returns; `dst..dst+len` lies in device memory open in this process.
+    pub unsafe fn copy_htod_async(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: the caller's contract.
+        unsafe { check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.stream)) }
+    }
+
+    /// Blocks until everything queued on this stream has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: the stream is alive.
+        unsafe { check("cuStreamSynchronize", sys::cuStreamSynchronize(self.stream)) }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if bind(self.device).is_ok() {
+            // SAFETY: ours, destroyed once; the driver finishes queued work first.
+            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+/// Host memory page-locked for the device's copies (cuMemHostRegister:
+/// ordinary cached memory, never write-combined); unregistered on drop.
+pub struct HostRegistration {
+    ptr: usize,
+    device: i32,
+}
+
+impl HostRegistration {
+    /// # Safety
+    /// `ptr..ptr+len` is mapped host memory that outlives the registration.
+    pub unsafe fn new(ptr: *mut u8, len: usize, device: i32) -> Result<HostRegistration> {
+        bind(device)?;
+        // SAFETY: the caller's contract.
+        unsafe { check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE))? };
+        Ok(HostRegistration { ptr: ptr as usize, device })
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if bind(self.device).is_ok() {
+            // SAFETY: registered by `new`, unregistered once.
+            unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver every call is a clear refusal; with one (a GPU
+    /// machine, or the fake on the search path) the probe lists a device.
+    #[test]
+    fn the_probe_either_refuses_clearly_or_lists_devices() {
+        let Err(e) = probe() else {
+            assert!(!probe().unwrap().devices.is_empty());
+            return;
+        };
+        assert!(e.to_string().contains("no CUDA driver"), "{e}");
+        assert!(allocation_of(0x1000).unwrap_err().to_string().contains("no CUDA driver"));
+        assert!(Stream::new(0).is_err());
+        assert!(Imported::open(&[0; 64], 0, 8).is_err());
+    }
+}

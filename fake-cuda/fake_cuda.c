@@ -1,0 +1,524 @@
+/*
+ * A fake CUDA driver (libcuda.so.1) for tests: the subset of the driver API
+ * the product uses, on host memory, with the cross-process semantics that
+ * matter. TEST-ONLY: never installed, bundled or shipped.
+ *
+ * - "Device memory" (cuMemAlloc_v2) is a POSIX shm object mapped read-write;
+ *   the device pointer is its address in the process. Its legacy IPC handle
+ *   names the object, so cuIpcOpenMemHandle_v2 in another process maps the
+ *   same bytes.
+ * - Streams are worker threads. Asynchronous copies sleep
+ *   FAKE_CUDA_COPY_DELAY_US (default 2000) before copying: late on purpose,
+ *   so a missing stream wait or event shows up as wrong bytes.
+ * - Events live in a small shm object shared by every process that opens
+ *   them: cuEventRecord numbers the record and queues "completed = n" on the
+ *   stream; cuStreamWaitEvent queues a wait for the number recorded when it
+ *   is called. An event completes only when the work queued before it has.
+ *   A wait on an event whose creating process is gone ends (the real driver
+ *   tears a dead process's context down).
+ * - Counters: with FAKE_CUDA_STATS_DIR set, the file <dir>/<pid> says how many
+ *   imported allocations are open ("imports_open N"), how many were ever
+ *   opened, and how many host ranges are registered.
+ *
+ * What it does not prove: real DMA bandwidth, pinned-memory behaviour, VMM,
+ * multi-GPU, peer access, or the real driver's error cases.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct fctx *CUcontext;
+typedef struct fstream *CUstream;
+typedef struct fevent *CUevent;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char reserved[64]; } CUipcEventHandle;
+
+enum {
+    OK = 0,
+    E_INVALID_VALUE = 1,
+    E_OUT_OF_MEMORY = 2,
+    E_NOT_INITIALIZED = 3,
+    E_INVALID_DEVICE = 101,
+    E_INVALID_CONTEXT = 201,
+    E_INVALID_HANDLE = 400,
+    E_NOT_FOUND = 500,
+    E_NOT_READY = 600,
+    E_UNKNOWN = 999,
+};
+
+#define MEM_MAGIC "FKCUMEM"
+#define EVT_MAGIC "FKCUEVT"
+#define NAME_MAX_BYTES 48
+#define ALLOCS_MAX 4096
+
+struct fctx { int device; };
+static struct fctx g_ctx = { 0 };
+static __thread CUcontext t_current;
+static atomic_int g_init;
+static long g_delay_us = 2000;
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+struct alloc { uintptr_t base; size_t size; int imported; char name[NAME_MAX_BYTES]; };
+static struct alloc g_allocs[ALLOCS_MAX];
+static unsigned long g_seq;
+static long g_imports_open, g_imports_total, g_host_registered;
+
+static void write_stats_locked(void) {
+    const char *dir = getenv("FAKE_CUDA_STATS_DIR");
+    if (!dir || !*dir) return;
+    char path[512], tmp[520], buf[256];
+    snprintf(path, sizeof path, "%s/%d", dir, (int)getpid());
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int n = snprintf(buf, sizeof buf, "imports_open %ld\nimports_total %ld\nhost_registered %ld\n", g_imports_open, g_imports_total, g_host_registered);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0) return;
+    if (write(fd, buf, n) == n) rename(tmp, path);
+    close(fd);
+}
+
+static struct alloc *find_alloc_locked(uintptr_t p) {
+    for (int i = 0; i < ALLOCS_MAX; i++)
+        if (g_allocs[i].base && p >= g_allocs[i].base && p < g_allocs[i].base + g_allocs[i].size) return &g_allocs[i];
+    return NULL;
+}
+
+static struct alloc *free_slot_locked(void) {
+    for (int i = 0; i < ALLOCS_MAX; i++)
+        if (!g_allocs[i].base) return &g_allocs[i];
+    return NULL;
+}
+
+#define NEED_INIT() do { if (!atomic_load(&g_init)) return E_NOT_INITIALIZED; } while (0)
+
+/* ---- streams: one worker thread each ---- */
+
+struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; int owner_pid; };
+
+/* Whether the process that created an event is gone (dead or a zombie): the
+ * driver tears its context down, so waits on its events end. */
+static int owner_gone(int pid) {
+    if (kill(pid, 0) == -1 && errno == ESRCH) return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && p[2] == 'Z';
+}
+struct fevent { struct evshared *sh; char name[NAME_MAX_BYTES]; int owner; };
+
+enum { OP_COPY, OP_SIGNAL, OP_WAIT };
+struct op { int kind; void *dst; const void *src; size_t len; struct evshared *ev; uint64_t seq; struct op *next; };
+struct fstream {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct op *head, *tail;
+    int busy, stop;
+    pthread_t th;
+};
+
+static void sleep_us(long us) {
+    struct timespec ts = { us / 1000000, (us % 1000000) * 1000 };
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
+}
+
+static void *worker(void *arg) {
+    struct fstream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &s->mu);
+        if (!s->head) break;
+        struct op *o = s->head;
+        s->head = o->next;
+        if (!s->head) s->tail = NULL;
+        s->busy = 1;
+        pthread_mutex_unlock(&s->mu);
+        if (o->kind == OP_COPY) {
+            sleep_us(g_delay_us);
+            memcpy(o->dst, o->src, o->len);
+        } else if (o->kind == OP_SIGNAL) {
+            uint64_t c = atomic_load(&o->ev->completed);
+            while (c < o->seq && !atomic_compare_exchange_weak(&o->ev->completed, &c, o->seq)) {}
+        } else {
+            while (atomic_load(&o->ev->completed) < o->seq && !owner_gone(o->ev->owner_pid)) sleep_us(200);
+        }
+        free(o);
+        pthread_mutex_lock(&s->mu);
+        s->busy = 0;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static struct fstream *stream_new(void) {
+    struct fstream *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if (pthread_create(&s->th, NULL, worker, s) != 0) { free(s); return NULL; }
+    return s;
+}
+
+static pthread_once_t g_default_once = PTHREAD_ONCE_INIT;
+static struct fstream *g_default;
+static void default_init(void) { g_default = stream_new(); }
+/* NULL, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2): the default stream. */
+static struct fstream *resolve(CUstream s) {
+    if ((uintptr_t)s > 2) return s;
+    pthread_once(&g_default_once, default_init);
+    return g_default;
+}
+
+static CUresult enqueue(CUstream hs, struct op o) {
+    struct fstream *s = resolve(hs);
+    struct op *p = malloc(sizeof *p);
+    if (!s || !p) { free(p); return E_OUT_OF_MEMORY; }
+    *p = o;
+    p->next = NULL;
+    pthread_mutex_lock(&s->mu);
+    if (s->tail) s->tail->next = p; else s->head = p;
+    s->tail = p;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return OK;
+}
+
+static void drain(struct fstream *s) {
+    pthread_mutex_lock(&s->mu);
+    while (s->head || s->busy) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- init, devices, contexts ---- */
+
+CUresult cuInit(unsigned flags) {
+    (void)flags;
+    const char *d = getenv("FAKE_CUDA_COPY_DELAY_US");
+    if (d && *d) g_delay_us = atol(d);
+    atomic_store(&g_init, 1);
+    return OK;
+}
+CUresult cuDriverGetVersion(int *v) { if (!v) return E_INVALID_VALUE; *v = 12080; return OK; }
+CUresult cuDeviceGetCount(int *n) { NEED_INIT(); if (!n) return E_INVALID_VALUE; *n = 1; return OK; }
+CUresult cuDeviceGet(CUdevice *d, int ordinal) { NEED_INIT(); if (!d) return E_INVALID_VALUE; if (ordinal != 0) return E_INVALID_DEVICE; *d = 0; return OK; }
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    NEED_INIT();
+    if (!name || len <= 0) return E_INVALID_VALUE;
+    if (d != 0) return E_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "ckpt-sidecar fake CUDA device (host memory, tests only)");
+    return OK;
+}
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { NEED_INIT(); if (!bytes) return E_INVALID_VALUE; if (d != 0) return E_INVALID_DEVICE; *bytes = (size_t)16 << 30; return OK; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { NEED_INIT(); if (!c) return E_INVALID_VALUE; if (d != 0) return E_INVALID_DEVICE; *c = &g_ctx; return OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { NEED_INIT(); return d == 0 ? OK : E_INVALID_DEVICE; }
+CUresult cuCtxSetCurrent(CUcontext c) { NEED_INIT(); if (c && c != &g_ctx) return E_INVALID_CONTEXT; t_current = c; return OK; }
+CUresult cuCtxGetCurrent(CUcontext *c) { NEED_INIT(); if (!c) return E_INVALID_VALUE; *c = t_current; return OK; }
+CUresult cuCtxSynchronize(void) { NEED_INIT(); drain(resolve(NULL)); return OK; }
+
+CUresult cuGetErrorString(CUresult e, const char **s) {
+    if (!s) return E_INVALID_VALUE;
+    switch (e) {
+    case OK: *s = "no error"; break;
+    case E_INVALID_VALUE: *s = "invalid argument"; break;
+    case E_OUT_OF_MEMORY: *s = "out of memory"; break;
+    case E_NOT_INITIALIZED: *s = "initialization error"; break;
+    case E_INVALID_DEVICE: *s = "invalid device ordinal"; break;
+    case E_INVALID_CONTEXT: *s = "invalid device context"; break;
+    case E_INVALID_HANDLE: *s = "invalid resource handle"; break;
+    case E_NOT_FOUND: *s = "named symbol not found"; break;
+    case E_NOT_READY: *s = "device not ready"; break;
+    default: *s = "unknown error"; break;
+    }
+    return OK;
+}
+CUresult cuGetErrorName(CUresult e, const char **s) { return cuGetErrorString(e, s); }
+
+/* ---- memory ---- */
+
+static void *map_object(const char *name, int create, size_t *size) {
+    int fd = shm_open(name, create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+    if (fd < 0) return NULL;
+    if (create && ftruncate(fd, (off_t)*size) != 0) { close(fd); shm_unlink(name); return NULL; }
+    if (!create) {
+        struct stat st;
+        if (fstat(fd, &st) != 0) { close(fd); return NULL; }
+        *size = (size_t)st.st_size;
+    }
+    void *p = mmap(NULL, *size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) { if (create) shm_unlink(name); return NULL; }
+    return p;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+    NEED_INIT();
+    if (!dptr || size == 0) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = free_slot_locked();
+    if (!a) { pthread_mutex_unlock(&g_mu); return E_OUT_OF_MEMORY; }
+    char name[NAME_MAX_BYTES];
+    snprintf(name, sizeof name, "/fakecuda-%d-%lu", (int)getpid(), ++g_seq);
+    void *p = map_object(name, 1, &size);
+    if (!p) { pthread_mutex_unlock(&g_mu); return E_OUT_OF_MEMORY; }
+    a->base = (uintptr_t)p;
+    a->size = size;
+    a->imported = 0;
+    memcpy(a->name, name, sizeof name);
+    pthread_mutex_unlock(&g_mu);
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return OK;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)dptr);
+    if (!a || a->imported || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    munmap((void *)a->base, a->size);
+    shm_unlink(a->name);
+    memset(a, 0, sizeof *a);
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)p);
+    if (a) {
+        if (base) *base = a->base;
+        if (size) *size = a->size;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return a ? OK : E_NOT_FOUND;
+}
+
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr p) {
+    NEED_INIT();
+    if (!data) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)p);
+    struct alloc copy = a ? *a : (struct alloc){ 0 };
+    pthread_mutex_unlock(&g_mu);
+    if (!a) return E_INVALID_VALUE;
+    switch (attribute) {
+    case 1: *(CUcontext *)data = &g_ctx; return OK;           /* CONTEXT */
+    case 2: *(unsigned *)data = 2; return OK;                 /* MEMORY_TYPE: DEVICE */
+    case 3: *(CUdeviceptr *)data = p; return OK;              /* DEVICE_POINTER */
+    case 9: *(int *)data = 0; return OK;                      /* DEVICE_ORDINAL */
+    case 10: *(int *)data = 1; return OK;                     /* IS_LEGACY_CUDA_IPC_CAPABLE */
+    case 11: *(CUdeviceptr *)data = copy.base; return OK;     /* RANGE_START_ADDR */
+    case 12: *(size_t *)data = copy.size; return OK;          /* RANGE_SIZE */
+    default: return E_INVALID_VALUE;
+    }
+}
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dptr) {
+    NEED_INIT();
+    if (!h) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)dptr);
+    int ok = a && !a->imported && a->base == (uintptr_t)dptr;
+    if (ok) {
+        memset(h, 0, sizeof *h);
+        memcpy(h->reserved, MEM_MAGIC, 8);
+        memcpy(h->reserved + 8, a->name, NAME_MAX_BYTES);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return ok ? OK : E_INVALID_VALUE;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle h, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!dptr || memcmp(h.reserved, MEM_MAGIC, 8) != 0) return E_INVALID_VALUE;
+    char name[NAME_MAX_BYTES];
+    memcpy(name, h.reserved + 8, NAME_MAX_BYTES);
+    name[NAME_MAX_BYTES - 1] = 0;
+    size_t size = 0;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = free_slot_locked();
+    void *p = a ? map_object(name, 0, &size) : NULL;
+    if (!p) { pthread_mutex_unlock(&g_mu); return a ? E_INVALID_HANDLE : E_OUT_OF_MEMORY; }
+    a->base = (uintptr_t)p;
+    a->size = size;
+    a->imported = 1;
+    memcpy(a->name, name, NAME_MAX_BYTES);
+    g_imports_open++;
+    g_imports_total++;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return OK;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)dptr);
+    if (!a || !a->imported || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    munmap((void *)a->base, a->size);
+    memset(a, 0, sizeof *a);
+    g_imports_open--;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!p || !len) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    g_host_registered++;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    NEED_INIT();
+    if (!p) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    g_host_registered--;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+/* Synchronous copies: after everything queued on the default stream. */
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) { NEED_INIT(); drain(resolve(NULL)); memcpy((void *)(uintptr_t)dst, src, n); return OK; }
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) { NEED_INIT(); drain(resolve(NULL)); memcpy(dst, (const void *)(uintptr_t)src, n); return OK; }
+
+static CUresult copy_async(void *dst, const void *src, size_t n, CUstream s) {
+    NEED_INIT();
+    struct op o = { .kind = OP_COPY, .dst = dst, .src = src, .len = n };
+    return enqueue(s, o);
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) { return copy_async((void *)(uintptr_t)dst, src, n, s); }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) { return copy_async(dst, (const void *)(uintptr_t)src, n, s); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { return copy_async((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, s); }
+
+/* ---- streams ---- */
+
+CUresult cuStreamCreate(CUstream *ph, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!ph) return E_INVALID_VALUE;
+    *ph = stream_new();
+    return *ph ? OK : E_OUT_OF_MEMORY;
+}
+CUresult cuStreamSynchronize(CUstream s) { NEED_INIT(); drain(resolve(s)); return OK; }
+CUresult cuStreamQuery(CUstream hs) {
+    NEED_INIT();
+    struct fstream *s = resolve(hs);
+    pthread_mutex_lock(&s->mu);
+    int idle = !s->head && !s->busy;
+    pthread_mutex_unlock(&s->mu);
+    return idle ? OK : E_NOT_READY;
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+    NEED_INIT();
+    if ((uintptr_t)s <= 2) return E_INVALID_HANDLE;
+    drain(s);
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->th, NULL);
+    free(s);
+    return OK;
+}
+
+/* ---- events ---- */
+
+CUresult cuEventCreate(CUevent *ph, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!ph) return E_INVALID_VALUE;
+    struct fevent *e = calloc(1, sizeof *e);
+    if (!e) return E_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_mu);
+    snprintf(e->name, sizeof e->name, "/fakecuda-ev-%d-%lu", (int)getpid(), ++g_seq);
+    pthread_mutex_unlock(&g_mu);
+    size_t size = sizeof(struct evshared);
+    e->sh = map_object(e->name, 1, &size);
+    if (!e->sh) { free(e); return E_OUT_OF_MEMORY; }
+    e->owner = 1;
+    e->sh->owner_pid = (int)getpid();
+    *ph = e;
+    return OK;
+}
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    NEED_INIT();
+    if (!e) return E_INVALID_HANDLE;
+    uint64_t seq = atomic_fetch_add(&e->sh->recorded, 1) + 1;
+    struct op o = { .kind = OP_SIGNAL, .ev = e->sh, .seq = seq };
+    return enqueue(s, o);
+}
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!e) return E_INVALID_HANDLE;
+    struct op o = { .kind = OP_WAIT, .ev = e->sh, .seq = atomic_load(&e->sh->recorded) };
+    return enqueue(s, o);
+}
+CUresult cuEventQuery(CUevent e) {
+    NEED_INIT();
+    if (!e) return E_INVALID_HANDLE;
+    return atomic_load(&e->sh->completed) >= atomic_load(&e->sh->recorded) ? OK : E_NOT_READY;
+}
+CUresult cuEventSynchronize(CUevent e) {
+    NEED_INIT();
+    if (!e) return E_INVALID_HANDLE;
+    uint64_t want = atomic_load(&e->sh->recorded);
+    while (atomic_load(&e->sh->completed) < want) sleep_us(200);
+    return OK;
+}
+CUresult cuEventDestroy_v2(CUevent e) {
+    NEED_INIT();
+    if (!e) return E_INVALID_HANDLE;
+    munmap(e->sh, sizeof(struct evshared));
+    if (e->owner) shm_unlink(e->name);
+    free(e);
+    return OK;
+}
+CUresult cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e) {
+    NEED_INIT();
+    if (!h || !e) return E_INVALID_VALUE;
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, EVT_MAGIC, 8);
+    memcpy(h->reserved + 8, e->name, NAME_MAX_BYTES);
+    return OK;
+}
+CUresult cuIpcOpenEventHandle(CUevent *ph, CUipcEventHandle h) {
+    NEED_INIT();
+    if (!ph || memcmp(h.reserved, EVT_MAGIC, 8) != 0) return E_INVALID_VALUE;
+    struct fevent *e = calloc(1, sizeof *e);
+    if (!e) return E_OUT_OF_MEMORY;
+    memcpy(e->name, h.reserved + 8, NAME_MAX_BYTES);
+    e->name[NAME_MAX_BYTES - 1] = 0;
+    size_t size = 0;
+    e->sh = map_object(e->name, 0, &size);
+    if (!e->sh || size < sizeof(struct evshared)) { if (e->sh) munmap(e->sh, size); free(e); return E_INVALID_HANDLE; }
+    *ph = e;
+    return OK;
+}

@@ -1,0 +1,101 @@
+//! The C ABI's CUDA functions (protocol 4): device memory registered by
+//! pointer, saves fenced by an interprocess event recorded on the trainer's
+//! stream. Same conventions as [`crate::ffi`] (status codes, last error,
+//! catch_unwind); `include/ckpt.h` is generated from both files.
+
+use std::ffi::{c_int, c_void};
+
+use crate::client::BlobRef;
+use crate::error::Error;
+use crate::ffi::{c_str, ckpt_blob, ckpt_client, ckpt_tensor, client, guard, out, slice, tensor_refs};
+
+/// CKPT_OK if a CUDA driver with at least one device is there, else
+/// CKPT_E_CUDA with the reason in ckpt_last_error() ("no CUDA driver ...").
+/// The driver is probed once per process.
+#[no_mangle]
+pub extern "C" fn ckpt_cuda_probe() -> c_int {
+    guard(|| ckpt_cuda::probe().map(|_| ()).map_err(Error::Cuda))
+}
+
+/// Registers the CUDA allocation holding device address `ptr` (any address
+/// inside a cudaMalloc / cuMemAlloc block, or a PyTorch caching-allocator
+/// block) as a region of this client, exported once by its legacy IPC
+/// handle; its region id goes to *region_id. Registering an address of an
+/// allocation already registered returns the same region. Tensors inside
+/// the allocation are then passed to ckpt_save_on_stream / ckpt_load by
+/// their device address. Fails with CKPT_E_CUDA when there is no driver or
+/// `ptr` is not device memory.
+///
+/// # Safety
+/// `client` is a live client; `region_id` is writable. `ptr` is only
+/// passed to the driver, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_register_cuda(client: *mut ckpt_client, ptr: *const c_void, region_id: *mut u32) -> c_int {
+    guard(|| {
+        let region_id = out(region_id, "region_id")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let r = c.client.register_cuda(ptr as u64)?;
+        // SAFETY: checked non-NULL; writable by the caller's contract.
+        unsafe { *region_id = r.region_id };
+        Ok(())
+    })
+}
+
+/// Unregisters the CUDA region holding device address `ptr`: the sidecar
+/// closes its handle on the allocation (the memory stays the trainer's).
+///
+/// # Safety
+/// `client` is a live client.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_unregister_cuda(client: *mut ckpt_client, ptr: *const c_void) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        c.client.unregister_cuda(ptr as u64)
+    })
+}
+
+/// As ckpt_save, for tensors some of which are CUDA device memory
+/// (registered with ckpt_register_cuda) written by work queued on `stream`
+/// (a CUstream / cudaStream_t; NULL: the legacy default stream). An
+/// interprocess event is recorded on `stream` and sent with the save; the
+/// sidecar's own stream waits on it, then copies device to host. The CPU
+/// never waits: the tensors may change once the save is released
+/// (ckpt_wait with CKPT_RELEASED), or, on the GPU, by work queued after the
+/// release is known. With no CUDA tensor this is ckpt_save.
+///
+/// # Safety
+/// As ckpt_save; `stream` is NULL or a live stream of this process.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ckpt_save_on_stream(
+    client: *mut ckpt_client,
+    step: u64,
+    tensors: *const ckpt_tensor,
+    n_tensors: usize,
+    blobs: *const ckpt_blob,
+    n_blobs: usize,
+    stream: *mut c_void,
+    save_id: *mut u64,
+) -> c_int {
+    guard(|| {
+        let save_id = out(save_id, "save_id")?;
+        // SAFETY (this block): the caller's contract for every pointer.
+        let c = unsafe { self::client(client) }?;
+        let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
+        let bs = unsafe { slice(blobs, n_blobs, "blobs") }?;
+        let bs: Vec<BlobRef> = bs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let name = unsafe { c_str(b.name, &format!("blobs[{i}].name")) }?;
+                let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, &format!("blobs[{i}].data ({name})")) }?;
+                Ok(BlobRef { name, bytes })
+            })
+            .collect::<Result<_, Error>>()?;
+        let h = c.client.save_on_stream(step, &ts, &bs, stream as u64)?;
+        unsafe { *save_id = h.id };
+        Ok(())
+    })
+}

@@ -1,0 +1,215 @@
+/*
+ * A trainer whose tensors live in CUDA device memory, for the CUDA path's
+ * tests (tests/cuda_fake.rs): built against libckpt and linked with
+ * libcuda.so.1 like any CUDA program; the tests put the fake driver's folder
+ * on LD_LIBRARY_PATH. Usage: cuda_trainer MODE DIR_UNUSED
+ *
+ *   roundtrip            two allocations, three tensors (two at offsets in
+ *                        one allocation); the last write before the save is
+ *                        an async copy the driver finishes late, so only the
+ *                        sidecar's stream wait makes the saved bytes right;
+ *                        the trainer writes again right after Released; then
+ *                        a load into a third allocation, compared bit-exact.
+ *   die-after-release    saves, waits for Released, prints "released", SIGKILLs itself.
+ *   die-before-release   queues a very late write, saves, SIGKILLs itself at once.
+ *   many                 64 allocations, two tensors in each (one at an offset),
+ *                        saved behind the event, loaded back in place, bit-exact.
+ *   refused              the sidecar has no driver: registration fails, saying so.
+ *   sidecar-dies         saves behind a very late write, prints "saved", expects
+ *                        the save to fail when the test kills the sidecar, then
+ *                        trains on (device work) and prints "trained on".
+ */
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt.h"
+
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+typedef void *CUstream;
+int cuInit(unsigned);
+int cuDeviceGet(int *, int);
+int cuDevicePrimaryCtxRetain(CUcontext *, int);
+int cuCtxSetCurrent(CUcontext);
+int cuMemAlloc_v2(CUdeviceptr *, size_t);
+int cuMemFree_v2(CUdeviceptr);
+int cuMemcpyHtoD_v2(CUdeviceptr, const void *, size_t);
+int cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
+int cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
+int cuStreamCreate(CUstream *, unsigned);
+int cuStreamSynchronize(CUstream);
+
+#define CU(x) do { int r_ = (x); if (r_ != 0) { fprintf(stderr, "%s:%d: %s = %d\n", __FILE__, __LINE__, #x, r_); exit(2); } } while (0)
+#define CK(x) do { int r_ = (x); if (r_ != 0) { fprintf(stderr, "%s:%d: %s = %d: %s\n", __FILE__, __LINE__, #x, r_, ckpt_last_error()); exit(3); } } while (0)
+
+#define A_BYTES (3u << 20)
+#define B_BYTES ((1u << 20) + 4096)
+
+static void fill(unsigned char *p, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 2654435761u + seed * 97u) >> 5);
+}
+
+static CUdeviceptr dev_alloc(size_t n, unsigned seed) {
+    CUdeviceptr d;
+    CU(cuMemAlloc_v2(&d, n));
+    unsigned char *h = malloc(n);
+    fill(h, n, seed);
+    CU(cuMemcpyHtoD_v2(d, h, n));
+    free(h);
+    return d;
+}
+
+static int refused(ckpt_client *c) {
+    CUdeviceptr d = dev_alloc(4096, 1);
+    uint32_t rid;
+    int r = ckpt_register_cuda(c, (void *)(uintptr_t)d, &rid);
+    if (r == CKPT_OK) { fprintf(stderr, "a sidecar without CUDA registered device memory\n"); return 4; }
+    printf("refused: %s\n", ckpt_last_error());
+    return 0;
+}
+
+#define MANY 64
+#define MANY_BYTES (64u << 10)
+
+static int many(ckpt_client *c, CUstream stream) {
+    static CUdeviceptr d[MANY];
+    static char names[2 * MANY][32];
+    static unsigned char want[MANY][MANY_BYTES], got[MANY_BYTES];
+    static uint64_t shape[1] = {MANY_BYTES / 2};
+    static unsigned char zero[MANY_BYTES + 8192];
+    ckpt_tensor t[2 * MANY];
+    for (int i = 0; i < MANY; i++) {
+        d[i] = dev_alloc(MANY_BYTES + 8192, 100 + i);
+        uint32_t rid;
+        CK(ckpt_register_cuda(c, (void *)(uintptr_t)(d[i] + 100), &rid));
+        fill(want[i], MANY_BYTES, 200 + i);
+        CU(cuMemcpyHtoDAsync_v2(d[i], want[i], MANY_BYTES / 2, stream));
+        CU(cuMemcpyHtoDAsync_v2(d[i] + MANY_BYTES / 2 + 8192, want[i] + MANY_BYTES / 2, MANY_BYTES / 2, stream));
+        snprintf(names[2 * i], 32, "t%d.lo", i);
+        snprintf(names[2 * i + 1], 32, "t%d.hi", i);
+        t[2 * i] = (ckpt_tensor){names[2 * i], "U8", shape, 1, (void *)(uintptr_t)d[i], MANY_BYTES / 2};
+        t[2 * i + 1] = (ckpt_tensor){names[2 * i + 1], "U8", shape, 1, (void *)(uintptr_t)(d[i] + MANY_BYTES / 2 + 8192), MANY_BYTES / 2};
+    }
+    uint64_t id, got_step;
+    int source;
+    CK(ckpt_save_on_stream(c, 9, t, 2 * MANY, NULL, 0, stream, &id));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    for (int i = 0; i < MANY; i++) CU(cuMemcpyHtoD_v2(d[i], zero, sizeof zero));
+    CK(ckpt_load(c, 9, t, 2 * MANY, &got_step, &source));
+    for (int i = 0; i < MANY; i++) {
+        CU(cuMemcpyDtoH_v2(got, d[i], MANY_BYTES / 2));
+        CU(cuMemcpyDtoH_v2(got + MANY_BYTES / 2, d[i] + MANY_BYTES / 2 + 8192, MANY_BYTES / 2));
+        if (memcmp(got, want[i], MANY_BYTES)) { fprintf(stderr, "allocation %d differs after the round trip\n", i); return 11; }
+        CU(cuMemFree_v2(d[i]));
+    }
+    CK(ckpt_close(c));
+    printf("ok\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) { fprintf(stderr, "usage: cuda_trainer MODE\n"); return 2; }
+    const char *mode = argv[1];
+    CUcontext ctx;
+    int dev;
+    CU(cuInit(0));
+    CU(cuDeviceGet(&dev, 0));
+    CU(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CU(cuCtxSetCurrent(ctx));
+    CUstream stream;
+    CU(cuStreamCreate(&stream, 1));
+
+    ckpt_client *c;
+    CK(ckpt_connect(NULL, &c));
+    CK(ckpt_cuda_probe());
+    if (!strcmp(mode, "refused")) return refused(c);
+    if (!strcmp(mode, "many")) return many(c, stream);
+    CUdeviceptr a = dev_alloc(A_BYTES, 1), b = dev_alloc(B_BYTES, 2);
+    uint32_t ra, ra2, rb;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)(a + 4096), &ra));
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &ra2));
+    if (ra != ra2) { fprintf(stderr, "one allocation, two regions: %u %u\n", ra, ra2); return 4; }
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)b, &rb));
+
+    /* Tensors: a[0..1 MiB), a[1 MiB + 8192 .. +1 MiB), all of b. */
+    uint64_t s1[1] = {1u << 20}, s2[1] = {1u << 18}, s3[1] = {B_BYTES};
+    ckpt_tensor t[3] = {
+        {"a.first", "U8", s1, 1, (void *)(uintptr_t)a, 1u << 20},
+        {"a.second", "F32", s2, 1, (void *)(uintptr_t)(a + (1u << 20) + 8192), 1u << 20},
+        {"b", "U8", s3, 1, (void *)(uintptr_t)b, B_BYTES},
+    };
+
+    /* The state to save: written by a late async copy on the trainer's stream. */
+    unsigned char *want_a = malloc(A_BYTES), *want_b = malloc(B_BYTES);
+    fill(want_a, A_BYTES, 11);
+    fill(want_b, B_BYTES, 12);
+    CU(cuMemcpyHtoDAsync_v2(a, want_a, A_BYTES, stream));
+    CU(cuMemcpyHtoDAsync_v2(b, want_b, B_BYTES, stream));
+    uint64_t id;
+    CK(ckpt_save_on_stream(c, 5, t, 3, NULL, 0, stream, &id));
+
+    if (!strcmp(mode, "die-before-release")) {
+        printf("saved\n");
+        fflush(stdout);
+        raise(SIGKILL);
+    }
+    if (!strcmp(mode, "sidecar-dies")) {
+        printf("saved\n");
+        fflush(stdout);
+        int r = ckpt_wait(c, id, CKPT_RELEASED, 120000);
+        if (r == CKPT_OK) { fprintf(stderr, "the save was released although the sidecar was killed\n"); return 5; }
+        fprintf(stderr, "save failed as expected: %s\n", ckpt_last_error());
+        /* Training goes on: more device work, no checkpoint needed. */
+        unsigned char *h = malloc(B_BYTES);
+        fill(h, B_BYTES, 99);
+        CU(cuMemcpyHtoDAsync_v2(b, h, B_BYTES, stream));
+        CU(cuStreamSynchronize(stream));
+        CU(cuMemcpyDtoH_v2(want_b, b, B_BYTES));
+        if (memcmp(h, want_b, B_BYTES)) { fprintf(stderr, "device memory wrong after the sidecar died\n"); return 6; }
+        printf("trained on\n");
+        return 0;
+    }
+
+    CK(ckpt_wait(c, id, CKPT_RELEASED, 120000));
+    if (!strcmp(mode, "die-after-release")) {
+        printf("released\n");
+        fflush(stdout);
+        raise(SIGKILL);
+    }
+    /* Released: the next step may overwrite the tensors at once. */
+    unsigned char *next = malloc(A_BYTES);
+    fill(next, A_BYTES, 21);
+    CU(cuMemcpyHtoDAsync_v2(a, next, A_BYTES, stream));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+
+    /* Restore into a third allocation, at other offsets. */
+    CUdeviceptr r = dev_alloc(5u << 20, 3);
+    uint32_t rr;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)r, &rr));
+    ckpt_tensor l[3] = {
+        {"a.first", "U8", s1, 1, (void *)(uintptr_t)(r + 4096), 1u << 20},
+        {"a.second", "F32", s2, 1, (void *)(uintptr_t)(r + (2u << 20)), 1u << 20},
+        {"b", "U8", s3, 1, (void *)(uintptr_t)(r + (3u << 20) + 4096), B_BYTES},
+    };
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 5, l, 3, &got_step, &source));
+    unsigned char *got = malloc(5u << 20);
+    CU(cuMemcpyDtoH_v2(got, r, 5u << 20));
+    if (got_step != 5) { fprintf(stderr, "loaded step %llu\n", (unsigned long long)got_step); return 7; }
+    if (memcmp(got + 4096, want_a, 1u << 20)) { fprintf(stderr, "a.first differs after the round trip\n"); return 8; }
+    if (memcmp(got + (2u << 20), want_a + (1u << 20) + 8192, 1u << 20)) { fprintf(stderr, "a.second differs after the round trip\n"); return 9; }
+    if (memcmp(got + (3u << 20) + 4096, want_b, B_BYTES)) { fprintf(stderr, "b differs after the round trip\n"); return 10; }
+    CK(ckpt_unregister_cuda(c, (void *)(uintptr_t)r));
+    CK(ckpt_close(c));
+    CU(cuMemFree_v2(a));
+    CU(cuMemFree_v2(b));
+    CU(cuMemFree_v2(r));
+    printf("ok\n");
+    return 0;
+}

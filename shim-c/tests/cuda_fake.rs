@@ -1,0 +1,286 @@
+//! The CUDA path through the real sidecar and the real C shim, with the
+//! test-only fake driver (`ckpt-fake-cuda`: libcuda.so.1 on host memory,
+//! cross-process IPC handles and events, async copies that finish late on
+//! purpose). The sidecar and the C trainer (tests/c/cuda_trainer.c) find
+//! it through LD_LIBRARY_PATH set here for the processes started, exactly
+//! as they would find a real driver.
+//!
+//! These tests need `target/<profile>/ckpt-sidecar` (cargo build --release);
+//! they fail, never skip, without it.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ckpt::{BlobRef, Client, TensorRef, Wanted};
+use ckpt_test_support::{kill9, terminate};
+use support::{lib_dir, profile_dir, text};
+
+fn crate_dir() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn sidecar() -> PathBuf {
+    let p = profile_dir().join("ckpt-sidecar");
+    assert!(p.exists(), "{} missing: run `cargo build --release --workspace` first", p.display());
+    p
+}
+
+fn fake_dir() -> PathBuf {
+    let d = ckpt_fake_cuda::dir();
+    assert!(d.join("libcuda.so.1").exists(), "the fake driver is missing from {}", d.display());
+    d
+}
+
+/// Builds tests/c/cuda_trainer.c against libckpt and the fake libcuda.so.1.
+fn trainer(tmp: &Path) -> PathBuf {
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let exe = tmp.join("cuda_trainer");
+    let (lib, fake) = (lib_dir(), fake_dir());
+    let o = Command::new(&cc)
+        .args(["-std=c99", "-O1", "-g", "-Wall", "-Wextra", "-Werror"])
+        .arg(format!("-I{}", crate_dir().join("include").display()))
+        .arg(crate_dir().join("tests/c/cuda_trainer.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lckpt")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg(format!("-L{}", fake.display()))
+        .arg("-l:libcuda.so.1")
+        .output()
+        .expect("running the C compiler");
+    assert!(o.status.success(), "compiling cuda_trainer.c failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    exe
+}
+
+struct Serve {
+    child: Option<Child>,
+    log: PathBuf,
+    stats: PathBuf,
+}
+
+impl Serve {
+    /// The real sidecar; with `fake`, the fake driver's folder on its
+    /// LD_LIBRARY_PATH and its counters in `stats`.
+    fn start(tmp: &Path, fake: bool) -> Serve {
+        let (dir, sock, log, stats) = (tmp.join("ck"), tmp.join("s.sock"), tmp.join("sidecar.log"), tmp.join("stats"));
+        std::fs::create_dir_all(&stats).unwrap();
+        let mut cmd = Command::new(sidecar());
+        cmd.args(["serve", "--staging", "64MiB", "--dir"]).arg(&dir).arg("--socket").arg(&sock);
+        cmd.env("CKPT_SIDECAR_LOG", "info").env("FAKE_CUDA_STATS_DIR", &stats).env_remove("LD_LIBRARY_PATH");
+        if fake {
+            cmd.env("LD_LIBRARY_PATH", fake_dir());
+        }
+        let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "serve did not come up:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Serve { child: Some(child), log, stats }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The fake driver's counter `key` in the sidecar's process.
+    fn stat(&self, key: &str) -> Option<i64> {
+        let s = std::fs::read_to_string(self.stats.join(self.pid().to_string())).ok()?;
+        s.lines().find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+    }
+
+    /// Waits until `cond` holds (generous: CI is loaded).
+    fn wait_for(&self, what: &str, cond: impl Fn(&Serve) -> bool) {
+        let t0 = Instant::now();
+        while !cond(self) {
+            assert!(t0.elapsed() < Duration::from_secs(60), "timed out waiting for {what}; sidecar log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = terminate(&mut c, Duration::from_secs(20));
+        }
+    }
+}
+
+/// The trainer's command: the fake driver on its search path, its own
+/// device copies late by `delay_us`.
+fn trainer_cmd(exe: &Path, tmp: &Path, mode: &str, delay_us: u64) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.arg(mode)
+        .env("LD_LIBRARY_PATH", fake_dir())
+        .env("FAKE_CUDA_COPY_DELAY_US", delay_us.to_string())
+        .env("CKPT_SIDECAR_SOCKET", tmp.join("s.sock"))
+        .env_remove("CKPT_SIDECAR_PRELOAD");
+    cmd
+}
+
+/// Runs a trainer to its end (or death), then removes the fake device
+/// memory it left in /dev/shm.
+fn run(mut cmd: Command) -> Output {
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    sweep_fake_memory(pid);
+    out
+}
+
+/// Removes the fake device memory a killed trainer left in /dev/shm.
+fn sweep_fake_memory(pid: u32) {
+    for e in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("fakecuda-{pid}-")) || name.starts_with(&format!("fakecuda-ev-{pid}-")) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// The committed steps in `dir` (`ckpt-sidecar ls --json`).
+fn committed(dir: &Path) -> Vec<u64> {
+    let o = Command::new(sidecar()).arg("ls").arg(dir).arg("--json").output().unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    j["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect()
+}
+
+fn verify(dir: &Path) -> Output {
+    Command::new(sidecar()).arg("verify").arg(dir).output().unwrap()
+}
+
+#[test]
+fn device_memory_round_trips_bit_exact_behind_the_trainers_event() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // The trainer's own copies finish 300 ms late: without the sidecar's
+    // stream wait on the trainer's event, the snapshot would hold the
+    // bytes from before them (the C trainer checks what it loads back).
+    let o = run(trainer_cmd(&exe, tmp.path(), "roundtrip", 300_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let v = verify(&tmp.path().join("ck"));
+    assert!(v.status.success(), "{}", text(&v));
+    // Every import was closed when the client left; staging was page-locked once.
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert!(serve.stat("imports_total").unwrap() >= 3, "three allocations were imported");
+    assert_eq!(serve.stat("host_registered"), Some(1));
+}
+
+#[test]
+fn many_allocations_with_tensors_at_offsets_round_trip_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(64));
+}
+
+#[test]
+fn a_sidecar_without_a_driver_refuses_device_memory_saying_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), false);
+    let o = run(trainer_cmd(&exe, tmp.path(), "refused", 2_000));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("refused:") && out.contains("no CUDA driver"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+}
+
+#[test]
+fn a_trainer_killed_right_after_released_still_commits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = run(trainer_cmd(&exe, tmp.path(), "die-after-release", 2_000));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("released"), "{}", text(&o));
+    let dir = tmp.path().join("ck");
+    serve.wait_for("step 5 committed", |_| committed(&dir) == [5]);
+    let v = verify(&dir);
+    assert!(v.status.success(), "{}", text(&v));
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+}
+
+#[test]
+fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // The trainer's writes finish 5 s late; it dies right after sending the save.
+    let out = run(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
+    serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
+    assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
+    assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+}
+
+#[test]
+fn the_sidecar_killed_mid_copy_leaves_the_trainer_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies", 3_000_000).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "saved");
+    let mut serve = serve;
+    kill9(&mut serve.child.take().unwrap());
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    sweep_fake_memory(pid);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("trained on"), "{}", text(&out));
+}
+
+#[test]
+fn without_a_driver_cuda_registration_fails_clearly_and_host_checkpoints_still_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let serve = Serve::start(tmp.path(), false);
+    let c = Client::connect(Some(&tmp.path().join("s.sock"))).unwrap();
+    let e = c.register_cuda(0x7000_0000).unwrap_err().to_string();
+    match ckpt_cuda_probe_in_this_process() {
+        // This test process has no driver (CI): a clear refusal.
+        None => assert!(e.contains("no CUDA driver"), "{e}"),
+        // A GPU machine: the address is no device memory.
+        Some(_) => assert!(e.contains("not CUDA device memory"), "{e}"),
+    }
+    let r = c.alloc_region(4096).unwrap();
+    r.write_at(0, &[7u8; 4096]).unwrap();
+    let h = c.save(1, &[TensorRef::in_region("w", "U8", &[4096], &r, 0, 4096)], &[BlobRef { name: "m", bytes: b"x" }]).unwrap();
+    c.wait(h.id, Wanted::Durable, Some(Duration::from_secs(60))).unwrap();
+    let status = c.status().unwrap();
+    c.close();
+    // The sidecar without a driver says so (status, doctor), and serves on.
+    assert!(status.cuda.contains("no CUDA driver"), "{}", status.cuda);
+    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path().join("ck")).arg("--json").env_remove("LD_LIBRARY_PATH").output().unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert_eq!(j["cuda"]["available"], false, "{j}");
+    assert!(j["cuda"]["error"].as_str().unwrap().contains("no CUDA driver"), "{j}");
+    drop(serve);
+}
+
+#[test]
+fn doctor_reports_the_fake_device_when_its_folder_is_on_the_search_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path()).arg("--json").env("LD_LIBRARY_PATH", fake_dir()).output().unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert_eq!(j["cuda"]["available"], true, "{j}");
+    assert_eq!(j["cuda"]["driver_version"], "12.8", "{j}");
+    assert!(j["cuda"]["devices"][0]["name"].as_str().unwrap().contains("fake CUDA device"), "{j}");
+}
+
+/// Whether this test process itself finds a CUDA driver.
+fn ckpt_cuda_probe_in_this_process() -> Option<()> {
+    ckpt_cuda::probe().ok().map(|_| ())
+}

@@ -1,0 +1,81 @@
+"""Device memory in Checkpointer.save: tensors in CUDA device memory are not
+copied to the host by the trainer. Each one's allocation is registered with
+the sidecar once (libckpt: cuMemGetAddressRange, legacy IPC handle), the
+tensor is described in place as (allocation, offset, length), and the save
+records an interprocess event on the stream the tensors were written on
+(ckpt_save_on_stream); the sidecar's own stream waits on it and copies.
+
+A leaf is device memory when it is a torch CUDA tensor (its stream: the
+device's current stream) or any object exposing `__cuda_array_interface__`
+(CuPy, Numba, ...; its `stream` field says which stream to fence on: None
+for none, 1 the legacy default stream, 2 the per-thread default stream,
+else a stream handle).
+"""
+import ctypes
+
+import numpy as np
+
+
+_PLAIN = (dict, list, tuple, str, bytes, int, float, bool, type(None))
+
+
+def interface(obj):
+    """The `__cuda_array_interface__` of an object (a property, as CuPy and
+    Numba have, or an attribute), or None."""
+    if type(obj) in _PLAIN:
+        return None
+    try:
+        cai = getattr(obj, "__cuda_array_interface__", None)
+    except Exception:  # a property refusing (e.g. a host-side object): not device memory
+        return None
+    return cai if isinstance(cai, dict) and "data" in cai and "shape" in cai and "typestr" in cai else None
+
+
+def _c_strides(shape, itemsize):
+    out, acc = [], itemsize
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def device_leaf(ref, obj, torch):
+    """(address, nbytes, contiguous, stream) of a leaf in device memory, else None."""
+    if ref.kind == "cuda":
+        cai = obj.__cuda_array_interface__
+        dt = np.dtype(cai["typestr"])
+        shape = tuple(cai["shape"])
+        strides = cai.get("strides")
+        contiguous = strides is None or tuple(strides) == _c_strides(shape, dt.itemsize)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        stream = cai.get("stream")
+        return int(cai["data"][0]), nbytes, contiguous, 0 if stream is None else int(stream)
+    if ref.kind == "torch" and torch is not None and obj.is_cuda:
+        return (obj.data_ptr(), obj.numel() * obj.element_size(), obj.is_contiguous(),
+                torch.cuda.current_stream(obj.device).cuda_stream)
+    return None
+
+
+_driver = None
+
+
+def _cu():
+    """The process's CUDA driver (the same libcuda.so.1 libckpt loads)."""
+    global _driver
+    if _driver is None:
+        _driver = ctypes.CDLL("libcuda.so.1")
+    return _driver
+
+
+def copy_to_host(obj, dst_ptr, nbytes, stream):
+    """Copy a contiguous `__cuda_array_interface__` object's bytes to host
+    memory at `dst_ptr`, after the work queued on its stream (the fallback for
+    a device leaf that cannot be described in place: one overlapping another)."""
+    cu = _cu()
+    src = obj.__cuda_array_interface__["data"][0]
+    r = cu.cuStreamSynchronize(ctypes.c_void_p(stream if stream > 2 else 0))
+    if r == 0:
+        r = cu.cuMemcpyDtoH_v2(ctypes.c_void_p(dst_ptr), ctypes.c_uint64(src), ctypes.c_size_t(nbytes))
+    if r != 0:
+        from .errors import CudaError
+        raise CudaError(f"copying a device tensor to the host failed: CUDA error {r}")

@@ -1,0 +1,185 @@
+"""The CUDA path from Python, through the test-only fake driver (libcuda.so.1
+on host memory, built by `cargo build` into target/<profile>/fake-cuda/):
+an object exposing `__cuda_array_interface__` (memory from cuMemAlloc_v2, two
+views into one allocation, one at an offset, written by a late async copy
+on the stream its interface names) is saved by Checkpointer with a spawned
+sidecar, loaded back equal with map_location="cpu", its bytes are in the
+committed shard, and `load_into` restores it into fresh device memory.
+
+The trainer runs in a child process: the fake is found through
+LD_LIBRARY_PATH like a real driver, and the dynamic loader reads that
+variable only when a process starts. These tests fail, never skip, when the
+fake is not built.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ckpt_sidecar import _native
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def fake_dir():
+    """The folder of the fake libcuda.so.1: beside the sidecar binary the
+    tests use ($CKPT_SIDECAR_BIN), else in this checkout's target/release."""
+    cands = []
+    if os.environ.get("CKPT_SIDECAR_BIN"):
+        cands.append(pathlib.Path(os.environ["CKPT_SIDECAR_BIN"]).parent / "fake-cuda")
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    cands.append(target / "release" / "fake-cuda")
+    for c in cands:
+        if (c / "libcuda.so.1").exists():
+            return c
+    pytest.fail(f"the fake CUDA driver is not built (looked in {[str(c) for c in cands]}): "
+                "cargo build --release --workspace")
+
+
+TRAINER = textwrap.dedent(r"""
+    import ctypes, json, os, sys
+    import numpy as np
+    import ckpt_sidecar as cs
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    def ok(r, what):
+        if r != 0:
+            raise SystemExit(f"{what}: CUDA error {r}")
+    ok(cu.cuInit(0), "cuInit")  # reads this process's copy delay (late on purpose)
+    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"  # the spawned sidecar's copies: prompt
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    stream = ctypes.c_void_p()
+    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    base = ctypes.c_uint64()
+    ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(1 << 20)), "cuMemAlloc_v2")
+
+    class DeviceArray:
+        # What CuPy or Numba would hand over: device memory by address.
+        def __init__(self, ptr, shape, typestr, stream):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                             "strides": None, "version": 3, "stream": stream}
+
+    w = (np.arange(1000, dtype=np.float32) * 0.5 - 7).astype("<f4")
+    b = np.arange(64 * 64, dtype="<i8").reshape(64, 64) * 3 - 5
+    old = np.zeros(1 << 20, np.uint8)
+    ok(cu.cuMemcpyHtoD_v2(base, old.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(old.nbytes)), "cuMemcpyHtoD")
+    # The values to save arrive by async copies the fake driver finishes late:
+    # only the sidecar's wait on the event recorded on `stream` makes the
+    # checkpoint hold them.
+    OFF = 8192
+    ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
+    assert ck.list() == []  # the spawned sidecar answers before the late writes are queued
+    ok(cu.cuMemcpyHtoDAsync_v2(base, w.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(w.nbytes), stream), "w")
+    ok(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(base.value + OFF), b.ctypes.data_as(ctypes.c_void_p),
+                               ctypes.c_size_t(b.nbytes), stream), "b")
+    state = {"model": {"w": DeviceArray(base.value, (1000,), "<f4", stream.value),
+                       "b": DeviceArray(base.value + OFF, (64, 64), "<i8", stream.value)},
+             "step": 7}
+    h = ck.save(7, state)
+    h.wait_durable(timeout=120)
+    back = ck.load(7, map_location="cpu")
+    assert isinstance(back["model"]["w"], np.ndarray) and back["step"] == 7, back
+    assert back["model"]["w"].dtype == np.float32 and np.array_equal(back["model"]["w"], w), back["model"]["w"][:8]
+    assert back["model"]["b"].shape == (64, 64) and np.array_equal(back["model"]["b"], b)
+    # Restore to device memory: the sidecar writes straight into a fresh
+    # allocation (other offsets), checked by reading the device back.
+    fresh = ctypes.c_uint64()
+    ok(cu.cuMemAlloc_v2(ctypes.byref(fresh), ctypes.c_size_t(1 << 20)), "cuMemAlloc_v2")
+    target = {"model": {"w": DeviceArray(fresh.value + 4096, (1000,), "<f4", None),
+                        "b": DeviceArray(fresh.value + 65536, (64, 64), "<i8", None)}, "step": 0}
+    assert ck.load_into(target, 7) == 7
+    got_w, got_b = np.empty_like(w), np.empty_like(b)
+    ok(cu.cuMemcpyDtoH_v2(got_w.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(fresh.value + 4096), ctypes.c_size_t(w.nbytes)), "w back")
+    ok(cu.cuMemcpyDtoH_v2(got_b.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(fresh.value + 65536), ctypes.c_size_t(b.nbytes)), "b back")
+    assert np.array_equal(got_w, w) and np.array_equal(got_b, b), "restore to device memory differs"
+    ck.close()
+    ok(cu.cuMemFree_v2(fresh), "cuMemFree")
+    ok(cu.cuStreamSynchronize(stream), "sync")
+    ok(cu.cuMemFree_v2(base), "cuMemFree")
+    print(json.dumps({"ok": True, "w": w.tobytes().hex()[:64]}))
+""")
+
+
+def run_trainer(tmp_path, delay_us):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(fake_dir())
+    env["FAKE_CUDA_COPY_DELAY_US"] = str(delay_us)
+    # The child imports the very package this test imported.
+    import ckpt_sidecar
+    pkg_parent = str(pathlib.Path(ckpt_sidecar.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+        # Fake device memory a failed trainer did not free.
+        for pattern in (f"fakecuda-{proc.pid}-*", f"fakecuda-ev-{proc.pid}-*"):
+            for f in pathlib.Path("/dev/shm").glob(pattern):
+                f.unlink(missing_ok=True)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_cuda_array_interface_objects_are_saved_from_the_device_and_load_back_equal(tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    r = run_trainer(tmp_path, 1_000_000)
+    assert r.returncode == 0 and '"ok": true' in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    # The bytes are in the committed shard, read by the official library.
+    steps = sorted((tmp_path / "ck").glob("step-*7"))
+    assert steps, list((tmp_path / "ck").iterdir())
+    tensors = {}
+    for shard in steps[-1].rglob("*.safetensors"):
+        tensors.update(load_file(str(shard)))
+    w = (np.arange(1000, dtype=np.float32) * 0.5 - 7)
+    b = np.arange(64 * 64, dtype=np.int64).reshape(64, 64) * 3 - 5
+    assert np.array_equal(tensors["model.w"], w)
+    assert np.array_equal(tensors["model.b"], b)
+    verify = subprocess.run([_native.sidecar_binary(), "verify", str(tmp_path / "ck")], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_doctor_reports_the_fake_device_and_no_driver_without_it(tmp_path):
+    env = dict(os.environ)
+    env.pop("LD_LIBRARY_PATH", None)
+    plain = subprocess.run([_native.sidecar_binary(), "doctor", str(tmp_path), "--json"], env=env,
+                           capture_output=True, text=True)
+    assert json.loads(plain.stdout)["cuda"] == {"available": False,
+                                                "error": "no CUDA driver (libcuda.so.1 is not on the library search path)"}
+    env["LD_LIBRARY_PATH"] = str(fake_dir())
+    fake = subprocess.run([_native.sidecar_binary(), "doctor", str(tmp_path), "--json"], env=env,
+                          capture_output=True, text=True)
+    cuda = json.loads(fake.stdout)["cuda"]
+    assert cuda["available"] is True and "fake CUDA device" in cuda["devices"][0]["name"], cuda
+
+
+def test_without_a_driver_a_device_object_is_refused_clearly(sidecar):
+    """This test process has no driver (CI): a __cuda_array_interface__ object
+    is refused with the reason, and host state still saves. (With a real
+    driver, the bogus address is refused as no device memory.)"""
+    import numpy as np
+    import ckpt_sidecar as cs
+
+    driver = _native.lib().ckpt_cuda_probe() == 0
+
+    class DeviceArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x7000_0000, False), "version": 3,
+                                    "strides": None, "stream": None}
+
+    with cs.Checkpointer(dir=str(sidecar.dir), socket=sidecar.socket, spawn=False) as ck:
+        with pytest.raises(cs.CudaError, match="not CUDA device memory" if driver else "no CUDA driver"):
+            ck.save(1, {"d": DeviceArray()})
+        ck.save(2, {"h": np.ones(4, np.float32)}).wait_durable(timeout=60)
+        assert np.array_equal(ck.load(2)["h"], np.ones(4, np.float32))

@@ -1,0 +1,179 @@
+//! The CUDA kind of region: one device allocation of the client, opened from
+//! its legacy IPC handle ([`ckpt_cuda::Imported`]) and closed when the region
+//! is dropped (unregistered, or its session ended: the client left or died).
+//!
+//! Copies run on the session's own stream ([`CudaSession`]): a
+//! `SaveAfterEvent` makes that stream wait on the trainer's event first
+//! ([`CudaSession::fence`], called after the message arrived), so every
+//! device-to-host copy queued after it sees the bytes as of the trainer's
+//! record; the trainer's CPU never waits. Staging is page-locked once with
+//! `cuMemHostRegister` (ordinary cached memory, never write-combined).
+//!
+//! A failed driver call during a copy cannot stop it (copy_out returns no
+//! error); it is remembered, and [`CudaMemory::check_intact`] refuses the
+//! save afterwards, as a truncated shm segment is refused.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ckpt_cuda::{HostRegistration, Imported, OpenedEvent, Stream};
+use tracing::{info, warn};
+
+use super::RegionError;
+use crate::config;
+use crate::staging::Staging;
+
+/// One imported device allocation and the stream its copies run on.
+pub struct CudaMemory {
+    imported: Imported,
+    stream: Arc<Stream>,
+    /// The first driver error of a copy, if any (sticky: register again).
+    failed: Mutex<Option<String>>,
+}
+
+impl CudaMemory {
+    /// Opens the allocation named by `ipc_handle` on `device`; it must hold
+    /// `len_bytes`.
+    pub fn open(ipc_handle: &[u8], device: i32, len_bytes: u64, stream: Arc<Stream>) -> Result<CudaMemory, RegionError> {
+        let imported = Imported::open(ipc_handle, device, len_bytes)?;
+        Ok(CudaMemory { imported, stream, failed: Mutex::new(None) })
+    }
+
+    fn fail(&self, what: String) {
+        let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            warn!("CUDA region: {what}");
+            *f = Some(what);
+        }
+    }
+
+    /// Copies device bytes at `offset_bytes` into `dst` on the session's
+    /// stream (after any event it waits on) and waits for that copy.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is writable and no one else's for the call; the range
+    /// lies inside the region (checked by [`super::Region::copy_out`]).
+    pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
+        let src = self.imported.ptr() + offset_bytes;
+        // SAFETY: dst is the caller's for the call, and the synchronize below
+        // returns only once the copy into it is done; src..src+len lies in
+        // the imported allocation (bounds checked by Region, the allocation
+        // holds len_bytes: checked at open).
+        let done = unsafe { self.stream.copy_dtoh_async(dst, src, len) }.and_then(|()| self.stream.synchronize());
+        if let Err(e) = done {
+            self.fail(format!("device-to-host copy failed: {e}"));
+            return 0;
+        }
+        if !crc {
+            return 0;
+        }
+        // SAFETY: dst..dst+len was just written by the completed copy and is
+        // the caller's for the call.
+        crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, len) })
+    }
+
+    /// Queues a copy of every range on the session's stream (after any
+    /// event it waits on), then waits once for all of them.
+    ///
+    /// # Safety
+    /// As [`CudaMemory::copy_out`], for every range.
+    pub unsafe fn copy_batch(&self, ranges: &[(u64, *mut u8, usize)]) {
+        let mut queued = Ok(());
+        for &(offset_bytes, dst, len) in ranges {
+            // SAFETY: the caller's contract; the synchronize below returns
+            // only once every queued copy is done (also after an error).
+            queued = unsafe { self.stream.copy_dtoh_async(dst, self.imported.ptr() + offset_bytes, len) };
+            if queued.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = queued.and(self.stream.synchronize()) {
+            let _ = self.stream.synchronize();
+            self.fail(format!("device-to-host copy failed: {e}"));
+        }
+    }
+
+    pub fn check_intact(&self) -> Result<(), RegionError> {
+        match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(RegionError::CudaCopy { why: why.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes `bytes` at `offset_bytes` (a load): host-to-device on the
+    /// session's stream, synchronized before returning (the Loaded reply
+    /// follows, so the trainer's later work sees the bytes).
+    pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
+        let dst = self.imported.ptr() + offset_bytes;
+        // SAFETY: `bytes` is borrowed until after the synchronize; the range
+        // lies in the allocation (bounds checked by Region::write_at).
+        unsafe { self.stream.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) }.and_then(|()| self.stream.synchronize()).map_err(RegionError::from)
+    }
+
+    pub fn device(&self) -> i32 {
+        self.imported.device()
+    }
+}
+
+/// A session's CUDA state: its own stream per device, and the trainer's
+/// interprocess events it opened (kept while the session lives).
+#[derive(Default)]
+pub struct CudaSession {
+    streams: HashMap<i32, Arc<Stream>>,
+    events: HashMap<(i32, Vec<u8>), OpenedEvent>,
+}
+
+impl CudaSession {
+    /// The session's stream on `device`, created at first use; the first
+    /// one in the daemon also page-locks staging.
+    pub fn stream(&mut self, device: i32, staging: &Staging) -> Result<Arc<Stream>, RegionError> {
+        if let Some(s) = self.streams.get(&device) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(Stream::new(device)?);
+        pin_staging(staging, device);
+        self.streams.insert(device, s.clone());
+        Ok(s)
+    }
+
+    /// Makes the session's stream on `device` wait on the trainer's event
+    /// (its IPC handle), as recorded now: call after the Save arrived.
+    pub fn fence(&mut self, device: i32, event: &[u8]) -> Result<(), RegionError> {
+        let stream = self
+            .streams
+            .get(&device)
+            .cloned()
+            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on device {device}"))))?;
+        let key = (device, event.to_vec());
+        if !self.events.contains_key(&key) {
+            if self.events.len() >= config::CUDA_EVENTS_PER_SESSION_MAX {
+                self.events.clear();
+            }
+            self.events.insert(key.clone(), OpenedEvent::open(event, device)?);
+        }
+        stream.wait_event(&self.events[&key])?;
+        Ok(())
+    }
+}
+
+/// Page-locks the whole staging buffer once for the daemon's life (the
+/// device's copies then run at full DMA speed). A refusal only costs speed.
+fn pin_staging(staging: &Staging, device: i32) {
+    static PINNED: OnceLock<Option<HostRegistration>> = OnceLock::new();
+    PINNED.get_or_init(|| {
+        let buf = staging.buf();
+        // SAFETY: the staging buffer is allocated once and lives as long as
+        // the daemon (Shared holds it), so longer than this registration,
+        // which is never dropped.
+        match unsafe { HostRegistration::new(buf.as_ptr().cast_mut(), buf.len(), device) } {
+            Ok(r) => {
+                info!(bytes = buf.len(), "staging page-locked for CUDA copies");
+                Some(r)
+            }
+            Err(e) => {
+                warn!("staging could not be page-locked for CUDA copies (they run slower): {e}");
+                None
+            }
+        }
+    });
+}

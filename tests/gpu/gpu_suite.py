@@ -1,0 +1,269 @@
+"""The CUDA path on a real GPU: checks and benchmark (run by tests/gpu/run.sh,
+which builds first and sets CKPT_SIDECAR_BIN / CKPT_SIDECAR_LIB / PYTHONPATH).
+
+Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
+- checkpointer_roundtrip: torch CUDA tensors (two views into one storage, one
+  at an offset; bf16; a Parameter) saved from the device by Checkpointer (no
+  host copy in the trainer), changed on the GPU right after Released, loaded
+  back bit-exact to the CPU and to the GPU, and restored in place into device
+  memory by the sidecar (load_into);
+- hook_roundtrip: torch.save / torch.load of CUDA tensors through the hook;
+- sigkill_after_released_commits: a trainer SIGKILLed right after Released;
+  the sidecar still commits and the checkpoint verifies;
+- restore_to_gpu_c: the C trainer (tests/c/cuda_trainer.c, linked with the
+  real libcuda.so.1) saves device memory behind its stream's event and
+  restores into device memory, bit-exact.
+
+Benchmark (figures, compared in the same run, no timed assertions): a 4 GiB
+state of CUDA tensors; device-to-host snapshot bandwidth (bytes / the
+sidecar's copy seconds) beside a plain pinned cudaMemcpy of the same size;
+the trainer's CPU time inside save(); a training step's time while the
+sidecar copies, against the same step alone.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+
+import torch
+
+import ckpt_sidecar as cs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ["CKPT_SIDECAR_BIN"]
+LIB = os.environ["CKPT_SIDECAR_LIB"]
+GIB = 1 << 30
+results = {"device": torch.cuda.get_device_name(0), "checks": {}, "bench": {}}
+
+
+class Serve:
+    """A `ckpt-sidecar serve` on a private socket."""
+
+    def __init__(self, tmp, staging="1GiB"):
+        self.dir, self.socket, self.log = os.path.join(tmp, "ck"), os.path.join(tmp, "s.sock"), os.path.join(tmp, "serve.log")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([BIN, "serve", "--dir", self.dir, "--socket", self.socket, "--staging", staging],
+                                         stdout=log, stderr=log)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.socket):
+            assert self.proc.poll() is None, open(self.log).read()
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.05)
+
+    def steps(self):
+        o = subprocess.run([BIN, "ls", self.dir, "--json"], capture_output=True, text=True)
+        return [c["step"] for c in json.loads(o.stdout)["checkpoints"]] if o.returncode == 0 else []
+
+    def verify(self):
+        o = subprocess.run([BIN, "verify", self.dir], capture_output=True, text=True)
+        assert o.returncode == 0, o.stdout + o.stderr
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def check(name, fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        results["checks"][name] = "passed"
+    except Exception as e:  # every check reports; the exit status says if any failed
+        traceback.print_exc()
+        results["checks"][name] = f"FAILED: {e!r}"
+    print(f"{name}: {results['checks'][name]} ({time.monotonic() - t0:.1f} s)", flush=True)
+
+
+def checkpointer_roundtrip():
+    with tempfile.TemporaryDirectory() as tmp:
+        big = torch.randn(1 << 22, device="cuda")
+        state = {"model": {"w": torch.randn(2048, 2048, device="cuda"),
+                           "h": torch.randn(3, 1000, device="cuda", dtype=torch.bfloat16),
+                           "p": torch.nn.Parameter(torch.randn(4096, device="cuda"))},
+                 "views": [big[:1000], big[4096:4096 + 2000].view(40, 50)], "step": 3}
+        want = {"w": state["model"]["w"].cpu(), "h": state["model"]["h"].cpu(), "p": state["model"]["p"].detach().cpu(),
+                "v0": big[:1000].cpu(), "v1": big[4096:6096].view(40, 50).cpu()}
+        torch.cuda.synchronize()
+        with cs.Checkpointer(dir=os.path.join(tmp, "ck")) as ck:
+            h = ck.save(1, state)
+            assert h.copied_bytes == 0, f"the trainer copied {h.copied_bytes} bytes to the host"
+            h.wait_released(timeout=120)
+            # Released: the next step may change the tensors on the GPU at once.
+            state["model"]["w"].add_(1.0)
+            big.mul_(2.0)
+            h.wait_durable(timeout=300)
+            for loc in ("cpu", None):
+                back = ck.load(1, map_location=loc)
+                m = back["model"]
+                got = {"w": m["w"], "h": m["h"], "p": m["p"].detach(), "v0": back["views"][0], "v1": back["views"][1]}
+                for k, v in want.items():
+                    assert got[k].device.type == ("cpu" if loc else "cuda"), (k, got[k].device)
+                    assert torch.equal(got[k].cpu(), v), f"{k} differs (map_location={loc})"
+                assert isinstance(m["p"], torch.nn.Parameter) and back["step"] == 3
+            # Restore straight into device memory (the sidecar's host-to-device copy).
+            target = {"model": {"w": torch.zeros(2048, 2048, device="cuda"),
+                                "h": torch.zeros(3, 1000, device="cuda", dtype=torch.bfloat16),
+                                "p": torch.zeros(4096, device="cuda")},
+                      "views": [torch.zeros(1000, device="cuda"), torch.zeros(40, 50, device="cuda")], "step": 0}
+            assert ck.load_into(target, 1) == 1
+            got = {"w": target["model"]["w"], "h": target["model"]["h"], "p": target["model"]["p"],
+                   "v0": target["views"][0], "v1": target["views"][1]}
+            for k, v in want.items():
+                assert torch.equal(got[k].cpu(), v), f"{k} differs after load_into"
+
+
+def hook_roundtrip():
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp)
+        try:
+            code = textwrap.dedent("""
+                import sys, torch
+                import ckpt_sidecar._hook as hook
+                hook.install()
+                sd = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(10, device="cuda")}
+                torch.save(sd, sys.argv[1])
+                back = torch.load(sys.argv[1], map_location="cpu")
+                assert torch.equal(back["w"], sd["w"].cpu()) and torch.equal(back["b"], sd["b"].cpu())
+                print("ok")
+            """)
+            env = dict(os.environ, CKPT_SIDECAR="1", CKPT_SIDECAR_SOCKET=serve.socket)
+            r = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "m.pt")], env=env, capture_output=True,
+                               text=True, timeout=300)
+            assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+        finally:
+            serve.stop()
+
+
+def sigkill_after_released_commits():
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp)
+        try:
+            code = textwrap.dedent("""
+                import os, signal, sys, torch
+                import ckpt_sidecar as cs
+                ck = cs.Checkpointer(socket=sys.argv[1], spawn=False)
+                state = {"w": torch.randn(8192, 8192, device="cuda")}
+                h = ck.save(5, state)
+                assert h.copied_bytes == 0
+                h.wait_released(timeout=120)
+                print("released", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            """)
+            r = subprocess.run([sys.executable, "-c", code, serve.socket], capture_output=True, text=True, timeout=300)
+            assert "released" in r.stdout and r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+            deadline = time.monotonic() + 120
+            while 5 not in serve.steps():
+                assert time.monotonic() < deadline, "step 5 never committed: " + open(serve.log).read()[-4000:]
+                time.sleep(0.1)
+            serve.verify()
+        finally:
+            serve.stop()
+
+
+def restore_to_gpu_c():
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "cuda_trainer")
+        libdir = os.path.dirname(LIB)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-std=c99", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO}/shim-c/include",
+                        f"{REPO}/shim-c/tests/c/cuda_trainer.c", "-o", exe, f"-L{libdir}", "-lckpt",
+                        f"-Wl,-rpath,{libdir}", "-l:libcuda.so.1"], check=True)
+        serve = Serve(tmp)
+        try:
+            r = subprocess.run([exe, "roundtrip"], env=dict(os.environ, CKPT_SIDECAR_SOCKET=serve.socket),
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+            serve.verify()
+        finally:
+            serve.stop()
+
+
+def bench():
+    b = results["bench"]
+    n_tensors, total = 32, 4 * GIB
+    per = total // n_tensors
+    state = {f"layer{i}": torch.randn(per // 2, device="cuda", dtype=torch.bfloat16) for i in range(n_tensors)}
+    flat = torch.empty(total, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    # Baseline: a plain pinned cudaMemcpy of the same size, best of 3.
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        host.copy_(flat, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, total / (time.perf_counter() - t0) / GIB)
+    b["pinned_memcpy_gib_per_s"] = best
+    del host, flat
+    # A training step: bf16 matmuls, timed alone.
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        t0 = time.perf_counter()
+        for _ in range(4):
+            x.copy_(torch.tanh(x @ x) * 0.01)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    step()
+    alone = sorted(step() for _ in range(10))[5]
+    b["step_alone_ms"] = alone * 1e3
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp, staging="9GiB")
+        try:
+            with cs.Checkpointer(socket=serve.socket, spawn=False) as ck:
+                ck.save(1, state).wait_durable(timeout=300)  # registers, page-locks staging
+                rows = []
+                for s in (2, 3):
+                    torch.cuda.synchronize()
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    h = ck.save(s, state)
+                    cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+                    steps = []
+                    while not h.released():
+                        steps.append(step())
+                    h.wait_released(timeout=300)
+                    f = h.figures()
+                    rows.append({"save_cpu_ms": cpu * 1e3, "save_wall_ms": wall * 1e3, "copy_s": f["copy_s"],
+                                 "d2h_gib_per_s": total / f["copy_s"] / GIB,
+                                 "step_during_copy_ms": (sorted(steps)[len(steps) // 2] * 1e3) if steps else None})
+                    h.wait_durable(timeout=600)
+                b["saves"] = rows
+                best_row = max(rows, key=lambda r: r["d2h_gib_per_s"])
+                b["d2h_gib_per_s"] = best_row["d2h_gib_per_s"]
+                b["ratio_to_pinned_memcpy"] = best_row["d2h_gib_per_s"] / best
+                b["save_cpu_ms"] = min(r["save_cpu_ms"] for r in rows)
+                during = [r["step_during_copy_ms"] for r in rows if r["step_during_copy_ms"]]
+                if during:
+                    b["step_slowdown"] = min(during) / (alone * 1e3) - 1
+        finally:
+            serve.stop()
+    print(json.dumps(b, indent=1), flush=True)
+
+
+def main():
+    check("checkpointer_roundtrip", checkpointer_roundtrip)
+    check("hook_roundtrip", hook_roundtrip)
+    check("sigkill_after_released_commits", sigkill_after_released_commits)
+    check("restore_to_gpu_c", restore_to_gpu_c)
+    check("bench", bench)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu-results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results["checks"], indent=1))
+    return 0 if all(v == "passed" for v in results["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

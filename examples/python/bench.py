@@ -52,7 +52,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ import torch
 
 import ckpt_sidecar as cs
 from ckpt_sidecar import _native
+from ckpt_sidecar import bench_compare as _bc
 
 
 def parse_args():
@@ -84,27 +84,12 @@ def parse_args():
 
 
 def make_state(size_mib):
-    """~size_mib MiB of float32: 16 MiB matrices plus 1% in small vectors."""
-    g = torch.Generator().manual_seed(0)
-    state, total, i = {}, size_mib << 20, 0
-    big = 16 << 20
-    while total >= big:
-        state[f"layers.{i}.weight"] = torch.rand(1024, 4096, generator=g)
-        total -= big
-        i += 1
-    if total >= 4:
-        state["tail.weight"] = torch.rand(total // 4, generator=g)
-    for j in range(32):
-        state[f"layers.{j}.norm.weight"] = torch.rand(1024, generator=g)
-    return state
+    """size_mib MiB of float32 (bench compare's state: 16 MiB matrices, a tail, 32 small norms)."""
+    return _bc.make_state(size_mib << 20)
 
 
-def nbytes_of(state):
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def med(xs):
-    return statistics.median(xs) if xs else None
+nbytes_of = _bc.nbytes
+med = _bc.med
 
 
 def log(msg):

@@ -422,16 +422,7 @@ pub unsafe extern "C" fn ckpt_save(
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
         let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
-        let bs = unsafe { slice(blobs, n_blobs, "blobs") }?;
-        let bs: Vec<BlobRef> = bs
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let name = unsafe { c_str(b.name, &format!("blobs[{i}].name")) }?;
-                let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, &format!("blobs[{i}].data ({name})")) }?;
-                Ok(BlobRef { name, bytes })
-            })
-            .collect::<Result<_, Error>>()?;
+        let bs = unsafe { blob_refs(blobs, n_blobs) }?;
         let h = c.client.save(step, &ts, &bs)?;
         unsafe { *save_id = h.id };
         Ok(())
@@ -786,6 +777,24 @@ pub extern "C" fn ckpt_default_client() -> *mut ckpt_client {
 }
 
 /// Makes the default client (preload mode). Not part of the C ABI.
+/// The blobs of a save, borrowed from the caller's array.
+///
+/// # Safety
+/// `blobs` is NULL with `n_blobs` 0, or points to `n_blobs` valid entries
+/// whose names and data outlive the returned references.
+pub(crate) unsafe fn blob_refs<'a>(blobs: *const ckpt_blob, n_blobs: usize) -> Result<Vec<BlobRef<'a>>, Error> {
+    // SAFETY (this block): the caller's contract.
+    let bs = unsafe { slice(blobs, n_blobs, "blobs") }?;
+    bs.iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let name = unsafe { c_str(b.name, &format!("blobs[{i}].name")) }?;
+            let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, &format!("blobs[{i}].data ({name})")) }?;
+            Ok(BlobRef { name, bytes })
+        })
+        .collect()
+}
+
 /// The default client (preload mode's connection), set once at load.
 static DEFAULT_CLIENT: AtomicPtr<ckpt_client> = AtomicPtr::new(std::ptr::null_mut());
 static DEFAULT_ERROR: Mutex<Option<String>> = Mutex::new(None);

@@ -5,9 +5,8 @@
 
 use std::ffi::{c_int, c_void};
 
-use crate::client::BlobRef;
 use crate::error::Error;
-use crate::ffi::{c_str, ckpt_blob, ckpt_client, ckpt_tensor, client, guard, out, slice, tensor_refs};
+use crate::ffi::{blob_refs, ckpt_blob, ckpt_client, ckpt_tensor, client, guard, out, slice, tensor_refs};
 
 /// CKPT_OK if a CUDA driver with at least one device is there, else
 /// CKPT_E_CUDA with the reason in ckpt_last_error() ("no CUDA driver ...").
@@ -84,16 +83,7 @@ pub unsafe extern "C" fn ckpt_save_on_stream(
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
         let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
-        let bs = unsafe { slice(blobs, n_blobs, "blobs") }?;
-        let bs: Vec<BlobRef> = bs
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let name = unsafe { c_str(b.name, &format!("blobs[{i}].name")) }?;
-                let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, &format!("blobs[{i}].data ({name})")) }?;
-                Ok(BlobRef { name, bytes })
-            })
-            .collect::<Result<_, Error>>()?;
+        let bs = unsafe { blob_refs(blobs, n_blobs) }?;
         let h = c.client.save_on_stream(step, &ts, &bs, stream as u64)?;
         unsafe { *save_id = h.id };
         Ok(())

@@ -15,6 +15,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::catalog;
+use crate::rollback::Interrupted;
 use crate::format::{self, DEL_PREFIX, INDEX_FILE_NAME, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -86,8 +87,8 @@ pub fn recover(dirs: &[PathBuf]) -> io::Result<RecoveryReport> {
         }
     }
     match crate::rollback::finish_interrupted(dirs)? {
-        Some(Ok((step, removed))) => report.warnings.push(format!("finished an interrupted rollback to step {step}: un-committed {removed:?}")),
-        Some(Err(w)) => report.warnings.push(w),
+        Some(Interrupted::Finished { step, removed }) => report.warnings.push(format!("finished an interrupted rollback to step {step}: un-committed {removed:?}")),
+        Some(Interrupted::Dropped(w)) => report.warnings.push(w),
         None => {}
     }
     repair_latest(primary, &mut report)?;

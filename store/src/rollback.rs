@@ -81,18 +81,26 @@ pub fn pending(primary: &Path) -> io::Result<Option<String>> {
     }
 }
 
-/// Recovery's part: finishes a rollback a crash interrupted. Returns what it
-/// did, for the recovery report: `Ok(Some((step, un-committed)))`, or a
-/// warning when the intent names no committed step (it is then removed).
-pub fn finish_interrupted(dirs: &[PathBuf]) -> io::Result<Option<Result<(u64, Vec<u64>), String>>> {
+/// What recovery found of an interrupted rollback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Interrupted {
+    /// Finished: `latest` is `step`, `removed` were un-committed now.
+    Finished { step: u64, removed: Vec<u64> },
+    /// The intent named no committed step; it was removed (the warning).
+    Dropped(String),
+}
+
+/// Recovery's part: finishes a rollback a crash interrupted (None when there
+/// was none).
+pub fn finish_interrupted(dirs: &[PathBuf]) -> io::Result<Option<Interrupted>> {
     let primary = &dirs[0];
     let Some(raw) = pending(primary)? else { return Ok(None) };
     match format::parse_step_dir_name(&raw).filter(|&s| catalog::is_committed(primary, s)) {
-        Some(step) => Ok(Some(Ok((step, complete(dirs, step)?)))),
+        Some(step) => Ok(Some(Interrupted::Finished { step, removed: complete(dirs, step)? })),
         None => {
             fs::remove_file(primary.join(ROLLBACK_FILE_NAME))?;
             catalog::fsync_dir(primary)?;
-            Ok(Some(Err(format!("{} named {raw:?}, not a committed checkpoint; removed", primary.join(ROLLBACK_FILE_NAME).display()))))
+            Ok(Some(Interrupted::Dropped(format!("{} named {raw:?}, not a committed checkpoint; removed", primary.join(ROLLBACK_FILE_NAME).display()))))
         }
     }
 }

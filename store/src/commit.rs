@@ -394,9 +394,13 @@ impl Store {
         for t in tmps {
             fs::create_dir(t).map_err(|e| CommitError::io(t, "create temp folder", e))?;
         }
-        // Shards: one thread per directory, each with its own engine.
+        // Shards: one thread per directory, each with its own engine. Meanwhile
+        // this thread writes and syncs the blobs and the index (once a fed
+        // image's checksums are in), so their syncs share the shards'
+        // journal commits instead of following them one by one.
         let chunk_bytes = self.opts.chunk_bytes;
-        let results: Vec<Result<(Duration, Duration), CommitError>> = std::thread::scope(|s| {
+        let paths = &self.paths;
+        let (results, small) = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .dirs
                 .iter_mut()
@@ -409,7 +413,9 @@ impl Store {
                         .expect("spawning a writer thread")
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect()
+            let small = write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths);
+            let results: Vec<Result<(Duration, Duration), CommitError>> = handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
+            (results, small)
         });
         let (mut write, mut sync) = (Duration::ZERO, Duration::ZERO);
         for r in results {
@@ -417,34 +423,10 @@ impl Store {
             write = write.max(w);
             sync = sync.max(s);
         }
-        // The index needs every tensor's checksum: a fed image's come when its filler ends.
-        let fed_crcs;
-        let tensor_crcs = match fill {
-            Fill::Done(c) => c,
-            Fill::Fed(p) => {
-                fed_crcs = p.outcome().map_err(|why| CommitError::Unfilled { step, why })?;
-                &fed_crcs[..]
-            }
-        };
-        self.check_abort(step)?;
         let t_commit = Instant::now();
-        let primary_tmp = &tmps[0];
-        let mut bytes = layout.file_bytes();
-        if !blobs.is_empty() {
-            let bdir = primary_tmp.join(BLOBS_DIR_NAME);
-            fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
-            for b in blobs {
-                let p = bdir.join(b.name);
-                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
-                bytes += b.bytes.len() as u64;
-            }
-            catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
-        }
-        let secondary_dirs = self.paths[1..].iter().map(|p| p.display().to_string()).collect();
-        let index = layout.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes();
-        let ipath = primary_tmp.join(INDEX_FILE_NAME);
-        write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
-        bytes += index.len() as u64;
+        let small_bytes = small?;
+        let bytes = layout.file_bytes() + small_bytes;
+        self.check_abort(step)?;
         for t in tmps {
             catalog::fsync_dir(t).map_err(|e| CommitError::io(t, "sync temp folder", e))?;
         }
@@ -567,6 +549,36 @@ fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> 
         other => ("write".to_string(), io::Error::other(other.to_string())),
     };
     CommitError::io(&path, what, source)
+}
+
+/// Writes the blobs and then the index into the primary's temp folder and
+/// syncs them (files and the blobs folder); a fed image's checksums are
+/// waited for first. Returns the bytes written.
+fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Blob<'_>], primary_tmp: &Path, paths: &[PathBuf]) -> Result<u64, CommitError> {
+    let fed_crcs;
+    let tensor_crcs = match fill {
+        Fill::Done(c) => c,
+        Fill::Fed(p) => {
+            fed_crcs = p.outcome().map_err(|why| CommitError::Unfilled { step, why })?;
+            &fed_crcs[..]
+        }
+    };
+    let mut bytes = 0;
+    if !blobs.is_empty() {
+        let bdir = primary_tmp.join(BLOBS_DIR_NAME);
+        fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
+        for b in blobs {
+            let p = bdir.join(b.name);
+            write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
+            bytes += b.bytes.len() as u64;
+        }
+        catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
+    }
+    let secondary_dirs = paths[1..].iter().map(|p| p.display().to_string()).collect();
+    let index = layout.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes();
+    let ipath = primary_tmp.join(INDEX_FILE_NAME);
+    write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
+    Ok(bytes + index.len() as u64)
 }
 
 /// Where a commit's image comes from: already in staging with its

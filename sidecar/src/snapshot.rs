@@ -202,10 +202,16 @@ fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region
 /// [`config::DEVICE_COPY_BYTES_MAX`], and marks them staged; the rest are
 /// left to the piece-by-piece copy.
 fn copy_batches(pieces: &mut Pieces) {
+    let n = pieces.0.len();
+    copy_batches_in(pieces, 0..n)
+}
+
+/// [`copy_batches`] for the pieces `within` only.
+fn copy_batches_in(pieces: &mut Pieces, within: std::ops::Range<usize>) {
     /// A region, its merged ranges (source offset, destination, length), and its pieces' indices.
     type Batch = (*const Region, Vec<(u64, *mut u8, usize)>, Vec<usize>);
     let mut by_region: Vec<Batch> = Vec::new();
-    for (k, p) in pieces.0.iter().enumerate() {
+    for (k, p) in pieces.0.iter().enumerate().skip(within.start).take(within.len()) {
         if p.region.is_null() {
             continue;
         }
@@ -424,9 +430,41 @@ impl FedCopy {
     /// when stopped early. Does not end the progress: the caller does,
     /// after its checks ([`FedCopy::checksum`], `Fill`).
     pub fn copy(&mut self, layout: &Layout, crc: bool, stop: &(dyn Fn() -> bool + Sync)) -> Option<Option<Vec<u32>>> {
-        copy_batches(&mut self.pieces);
         let progress = &self.progress;
-        let piece_crcs = run_runs(&self.pieces, &self.runs, stop, &|p| p.copy(crc), &|r| progress.done(r))?;
+        let batched = self.pieces.0.iter().any(|p| {
+            // SAFETY: a non-null region is kept alive by the caller's Arcs (Pieces' invariant).
+            unsafe { p.region.as_ref() }.is_some_and(Region::copies_in_batches)
+        });
+        if !batched {
+            let piece_crcs = run_runs(&self.pieces, &self.runs, stop, &|p| p.copy(crc), &|r| progress.done(r))?;
+            return Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)));
+        }
+        // Device regions: one batch per window of runs (one wait each), its
+        // runs then checksummed and marked done, so the disk writes window
+        // k while window k + 1 is copied from the device.
+        let mut piece_crcs = vec![0u32; self.pieces.0.len()];
+        let mut r0 = 0;
+        while r0 + 1 < self.runs.len() {
+            let mut r1 = r0 + 1;
+            let mut bytes = 0usize;
+            while r1 < self.runs.len() {
+                bytes += self.pieces.0[self.runs[r1 - 1]..self.runs[r1]].iter().map(|p| p.len).sum::<usize>();
+                if bytes >= config::DEVICE_WINDOW_BYTES {
+                    break;
+                }
+                r1 += 1;
+            }
+            let r1 = r1.min(self.runs.len() - 1);
+            let (k0, k1) = (self.runs[r0], self.runs[r1]);
+            copy_batches_in(&mut self.pieces, k0..k1);
+            // The window's runs, renumbered from 0 for run_runs.
+            let runs: Vec<usize> = self.runs[r0..=r1].to_vec();
+            let got = run_runs(&self.pieces, &runs, stop, &|p| p.copy(crc), &|r| progress.done(r0 + r))?;
+            for k in k0..k1 {
+                piece_crcs[k] = got[k];
+            }
+            r0 = r1;
+        }
         Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)))
     }
 

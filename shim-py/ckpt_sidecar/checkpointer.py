@@ -37,7 +37,7 @@ from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFou
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
 RNG_BLOB = "rng.pkl"
-PARTS_BLOB = "parts.pkl"  # a multi-rank save: world size and the tensors saved in pieces (rank 0's)
+PARTS_BLOB = "parts.pkl"  # read only: older multi-rank checkpoints' map of tensors saved in pieces
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
@@ -735,15 +735,18 @@ class Checkpointer:
             return self._send(step, c, objs, blobs_py, t0)
 
     def _save_part(self, step, state, rng, t0):
-        """This rank's part of a replicated state (dist.rank_leaves); the
-        structure and the split map once (rank 0), the RNG state per rank."""
+        """This rank's part of a replicated state (dist.rank_leaves): the
+        structure once (rank 0), the RNG state per rank, and the slices of
+        tensors split between ranks declared by the rank holding each (the
+        sidecar writes them into the index)."""
         fl = Flattener()
         skeleton = fl.walk(state)
-        leaves, split = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
+        leaves, slices = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
         blobs_py = []
         if self.rank == 0:
-            parts = pickle.dumps({"world_size": self.world_size, "split": split}, protocol=4)
-            blobs_py += [(STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)), (PARTS_BLOB, parts)]
+            blobs_py.append((STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)))
+        if slices:
+            blobs_py.append((dist.SLICES_BLOB, dist.slices_blob(slices)))
         if rng:
             blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
         return self._save_leaves(step, leaves, blobs_py, t0)
@@ -976,11 +979,14 @@ class Checkpointer:
             self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
             infos = self._loaded_tensors()
             skel = self._loaded_blob(STRUCTURE_BLOB)
+            # The sidecar lists and loads tensors stored in slices whole. Only
+            # checkpoints written before the index described slices list the
+            # pieces, with the map in the blob parts.pkl.
             parts = self._loaded_blob(PARTS_BLOB)
-            parts = pickle.loads(parts) if parts is not None else {"world_size": 1, "split": {}}
-            rng_blob = self._loaded_rng(parts["world_size"]) if restore_rng else None
-            # Tensors saved in pieces (several ranks' parts) are put back
-            # together in place: each piece is loaded at its offset in one slot.
+            parts = pickle.loads(parts) if parts is not None else {"world_size": None, "split": {}}
+            rng_blob = self._loaded_rng(parts["world_size"] or self._saved_world_size()) if restore_rng else None
+            # Old checkpoints' pieces are put back together in place: each
+            # piece is loaded at its offset in one slot.
             piece_at = {pn: (g, a) for g, sp in parts["split"].items() for pn, a, b in sp["pieces"]}
             slots = [i for i in infos if i[0] not in piece_at]
             piece_isz = {}
@@ -1069,6 +1075,14 @@ class Checkpointer:
             N.check(L.ckpt_load(self._client, want, descs, n, ctypes.byref(got), ctypes.byref(src)))
             self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
             return got.value
+    def _saved_world_size(self):
+        """The world size that saved the loaded checkpoint, as its per-rank
+        RNG blobs tell (1 when there are none)."""
+        n = 0
+        while self._loaded_blob(dist.rng_blob_name(n)) is not None:
+            n += 1
+        return max(n, 1)
+
     def _loaded_rng(self, saved_world_size):
         """The RNG blob for this rank: its own when the world size is the one
         that saved; a single-rank checkpoint's otherwise."""

@@ -77,8 +77,9 @@ pub struct Layout {
     /// Bytes of staging memory the image needs.
     pub staging_len: u64,
     /// Tensors of this image that are pieces of logical tensors (several
-    /// ranks' parts); empty for most images. Set by [`Layout::set_slices`].
-    pub slices: Vec<SliceDecl>,
+    /// ranks' parts); empty for most images. Only [`Layout::set_slices`]
+    /// sets it, after checking, so [`Layout::index`] cannot fail on it.
+    slices: Vec<SliceDecl>,
 }
 
 /// A stored tensor of a layout that is elements `elems` (row-major) of the
@@ -255,6 +256,16 @@ impl Layout {
             self.slices.clear();
         }
         checked
+    }
+
+    /// The declarations [`Layout::set_slices`] accepted.
+    pub fn slices(&self) -> &[SliceDecl] {
+        &self.slices
+    }
+
+    /// A layout of no tensors (what [`crate::ranks::merge`] fills).
+    pub(crate) fn empty(opts: LayoutOptions) -> Layout {
+        Layout { specs: Vec::new(), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new() }
     }
 
     fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {

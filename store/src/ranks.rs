@@ -39,7 +39,7 @@ pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
         }
     }
     let mut names = HashSet::new();
-    let mut out = Layout { specs: Vec::new(), places: Vec::new(), shards: Vec::new(), opts: parts[0].opts, staging_len: 0, slices: Vec::new() };
+    let mut out = Layout::empty(parts[0].opts);
     out.opts.rank = 0;
     for p in parts {
         for s in &p.specs {

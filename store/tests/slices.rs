@@ -122,7 +122,7 @@ fn slices_that_leave_a_gap_overlap_or_mismatch_are_refused() {
         let mut l = parts();
         let e = l.set_slices(decls.clone()).expect_err(&format!("{decls:?} accepted"));
         assert!(e.to_string().starts_with("index: "), "{e}");
-        assert!(l.slices.is_empty());
+        assert!(l.slices().is_empty());
     }
 }
 

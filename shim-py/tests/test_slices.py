@@ -73,6 +73,17 @@ def test_four_ranks_split_a_tensor_that_loads_whole_on_two_and_on_one(tmp_path, 
     assert [x.get("equal") for x in loaded] == [True, True], loaded
     loaded = run_ranks(tmp_path, sidecar, 1, "load", 4)
     assert loaded == [{"rank": 0, "equal": True}]
+    # Any tensor by name, whole.
+    from ckpt_sidecar import Checkpointer
+    from ckpt_sidecar.errors import NotFound
+
+    with Checkpointer(socket=sidecar.socket, spawn=False) as ck:
+        got = ck.load_tensors(["model.embed.weight", "model.bias"], step=4)
+        with pytest.raises(NotFound, match="model.nope"):
+            ck.load_tensors(["model.nope"], step=4)
+    want = small_state()["model"]
+    assert set(got) == {"model.embed.weight", "model.bias"}
+    assert torch.equal(got["model.embed.weight"], want["embed.weight"]) and torch.equal(got["model.bias"], want["bias"])
 
     # The CLI sees the logical tensor with its slices, world size and ranks.
     r = cli("inspect", str(sidecar.dir), "4")
@@ -131,4 +142,7 @@ def test_a_checkpoint_with_parts_pkl_written_before_slices_still_loads(tmp_path,
     want = small_state()
     assert got["note"] == want["note"]
     assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    with Checkpointer(dir=str(old)) as ck:
+        one = ck.load_tensors(["model.embed.weight"])
+    assert torch.equal(one["model.embed.weight"], want["model"]["embed.weight"])
     assert cli("verify", str(old)).returncode == 0

@@ -76,18 +76,34 @@ impl<'a> TensorRef<'a> {
     }
 }
 
-/// A CUDA device allocation registered as a region (legacy IPC): tensors
-/// inside `base..base+len_bytes` are described as (region, offset, length).
+/// A CUDA device allocation registered as a region (legacy IPC, or a VMM
+/// allocation passed as a file descriptor): tensors inside
+/// `base..base+len_bytes` are described as (region, offset, length).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaRegion {
     pub region_id: u32,
     pub base: u64,
     pub len_bytes: u64,
     pub device: i32,
-    ipc_handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES],
+    kind: CudaKind,
+}
+
+/// How a CUDA region is shared with the sidecar.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum CudaKind {
+    Legacy([u8; ckpt_cuda::IPC_HANDLE_BYTES]),
+    /// Exported as a POSIX fd (SCM_RIGHTS) at each registration, closed here
+    /// once sent: the trainer keeps no descriptor of its own.
+    Vmm,
 }
 
 impl CudaRegion {
+    /// Whether the allocation is a VMM one (valid in the sidecar after this
+    /// process dies), not legacy IPC.
+    pub fn is_vmm(&self) -> bool {
+        self.kind == CudaKind::Vmm
+    }
+
     /// The offset of `len_bytes` at device address `ptr` in this allocation.
     fn offset_of(&self, ptr: u64, len_bytes: u64) -> Option<u64> {
         let off = ptr.checked_sub(self.base)?;
@@ -402,6 +418,12 @@ fn program_name() -> String {
 
 /// Writes one frame without ever raising SIGPIPE.
 fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
+    send_frame_with(stream, msg, None)
+}
+
+/// Writes one frame without ever raising SIGPIPE; with `fd`, its first
+/// bytes carry that descriptor (SCM_RIGHTS: the sidecar gets its own).
+fn send_frame_with(stream: &UnixStream, msg: &Request, mut pass_fd: Option<i32>) -> Result<()> {
     let frame = ckpt_wire::encode(msg);
     let body_bytes = frame.len() - 4;
     if body_bytes > FRAME_BYTES_MAX as usize {
@@ -412,8 +434,11 @@ fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
     let fd = stream.as_raw_fd();
     let mut off = 0;
     while off < frame.len() {
-        // SAFETY: the pointer and length describe the live `frame[off..]`.
-        let n = unsafe { libc::send(fd, frame[off..].as_ptr().cast(), frame.len() - off, libc::MSG_NOSIGNAL) };
+        let n = match pass_fd {
+            Some(passed) => send_with_fd(fd, &frame[off..], passed),
+            // SAFETY: the pointer and length describe the live `frame[off..]`.
+            None => unsafe { libc::send(fd, frame[off..].as_ptr().cast(), frame.len() - off, libc::MSG_NOSIGNAL) },
+        };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -422,8 +447,37 @@ fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
             return Err(Error::Disconnected { reason: format!("sending to the sidecar failed: {e}") });
         }
         off += n as usize;
+        // Sent with the first bytes that went: never twice.
+        pass_fd = None;
     }
     Ok(())
+}
+
+/// One sendmsg of `bytes` on socket `sock` with descriptor `passed` in an
+/// SCM_RIGHTS control message; returns what sendmsg returns.
+fn send_with_fd(sock: i32, bytes: &[u8], passed: i32) -> isize {
+    // Room for one int, aligned as the kernel wants (u64 words).
+    let mut control = [0u64; 4];
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr().cast_mut().cast(), iov_len: bytes.len() };
+    // SAFETY: msghdr is plain data; all-zero is valid before the fields are set.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is arithmetic.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
+    assert!(msg.msg_controllen <= std::mem::size_of_val(&control));
+    // SAFETY: msg_control points at `control`, large enough for one
+    // header and one int (asserted); CMSG_FIRSTHDR is then non-null, and the
+    // data pointer lies inside `control`. iov describes the live `bytes`.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), passed);
+        libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL)
+    }
 }
 
 fn reader_loop(stream: UnixStream, gen: u64, shared: Arc<Shared>) {
@@ -603,8 +657,10 @@ impl Client {
     }
 
     /// Registers the CUDA allocation holding device address `ptr` (found
-    /// with cuMemGetAddressRange) as a region, exported once by its legacy
-    /// IPC handle; an allocation already registered returns its region.
+    /// with cuMemGetAddressRange) as a region, exported once: by its legacy
+    /// IPC handle, or, for a VMM allocation, as a file descriptor passed over
+    /// the socket (SCM_RIGHTS); an allocation already registered returns its
+    /// region.
     /// Fails with [`Error::Cuda`] when there is no CUDA driver or `ptr` is
     /// not device memory.
     pub fn register_cuda(&self, ptr: u64) -> Result<CudaRegion> {
@@ -617,13 +673,16 @@ impl Client {
         if let Some(r) = inner.cuda_regions.values().find(|r| r.base == a.base && r.len_bytes == a.len_bytes) {
             return Ok(r.clone());
         }
-        let ipc_handle = ckpt_cuda::ipc_mem_handle(&a)?;
+        let (kind, fd) = match ckpt_cuda::export(&a)? {
+            ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
+            ckpt_cuda::Export::Vmm(fd) => (CudaKind::Vmm, Some(fd)),
+        };
         let region_id = inner.next_region_id;
         inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
-        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, ipc_handle };
+        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, kind };
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;
-        self.register_cuda_on(conn, &r, timeout)?;
+        self.register_cuda_on(conn, &r, timeout, fd)?;
         inner.cuda_regions.insert(region_id, r.clone());
         Ok(r)
     }
@@ -968,7 +1027,7 @@ impl Client {
             }
         }
         for r in inner.cuda_regions.values() {
-            if let Err(e) = self.register_cuda_on(conn, r, timeout) {
+            if let Err(e) = self.register_cuda_on(conn, r, timeout, None) {
                 let e = Error::Disconnected { reason: format!("reconnected to {}, but re-registering CUDA region {} failed: {e}", self.socket_path.display(), r.region_id) };
                 if let Some(c) = inner.conn.take() {
                     self.lock_state().lose(e.to_string());
@@ -980,9 +1039,29 @@ impl Client {
         Ok(inner.conn.as_ref().expect("still there"))
     }
 
-    fn register_cuda_on(&self, conn: &Conn, r: &CudaRegion, timeout: Option<Duration>) -> Result<()> {
-        let (region_id, device, ipc_handle, len_bytes) = (r.region_id, r.device, r.ipc_handle.to_vec(), r.len_bytes);
-        match self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes })? {
+    /// Registers `r` on `conn`; a VMM region's fd is `fd` (exported by
+    /// the caller) or exported again now (a reconnect), and closed once sent.
+    fn register_cuda_on(&self, conn: &Conn, r: &CudaRegion, timeout: Option<Duration>, fd: Option<std::os::fd::OwnedFd>) -> Result<()> {
+        let (region_id, device, len_bytes) = (r.region_id, r.device, r.len_bytes);
+        let reply = match &r.kind {
+            CudaKind::Legacy(h) => {
+                let ipc_handle = h.to_vec();
+                self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes })?
+            }
+            CudaKind::Vmm => {
+                let fd = match fd {
+                    Some(fd) => fd,
+                    None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device })? {
+                        ckpt_cuda::Export::Vmm(fd) => fd,
+                        ckpt_cuda::Export::Legacy(_) => return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation", r.base))),
+                    },
+                };
+                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, len_bytes })?;
+                drop(fd);
+                self.await_reply(id, conn.gen, "the sidecar to answer RegisterCudaVmmRegion", timeout)?
+            }
+        };
+        match reply {
             Reply::RegionRegistered { region_id: got, .. } if got == region_id => Ok(()),
             other => Err(unexpected("RegisterCudaRegion", other)),
         }
@@ -1006,6 +1085,23 @@ impl Client {
             id
         };
         if let Err(e) = send_frame(&conn.stream, &make(id)) {
+            self.lock_state().waiting.remove(&id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    /// As [`Client::send_request`], the frame carrying descriptor `fd`
+    /// (SCM_RIGHTS on its first bytes).
+    fn send_request_with_fd(&self, conn: &Conn, fd: i32, make: impl FnOnce(u64) -> Request) -> Result<u64> {
+        let id = {
+            let mut st = self.lock_state();
+            let id = st.next_id;
+            st.next_id += 1;
+            st.waiting.insert(id);
+            id
+        };
+        if let Err(e) = send_frame_with(&conn.stream, &make(id), Some(fd)) {
             self.lock_state().waiting.remove(&id);
             return Err(e);
         }

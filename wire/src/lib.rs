@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -115,6 +115,15 @@ pub enum Request {
     /// do the others. Blob names must differ between the ranks' parts.
     /// Added in version 5.
     SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
+    /// Registers a CUDA VMM allocation (cuMemCreate, mapped with cuMemMap)
+    /// of `device` as region `region_id`: its first byte of this frame
+    /// carries exactly one file descriptor (SCM_RIGHTS), the allocation
+    /// exported with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. The sidecar
+    /// imports and maps it (reference-counted by the driver: it stays valid
+    /// after the trainer dies) and closes the descriptor. Descriptors are
+    /// matched to these requests in the order they arrive. Reply:
+    /// RegionRegistered or Error. Added in version 6.
+    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, len_bytes: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,6 +1,9 @@
 //! The CUDA kind of region: one device allocation of the client, opened from
-//! its legacy IPC handle ([`ckpt_cuda::Imported`]) and closed when the region
-//! is dropped (unregistered, or its session ended: the client left or died).
+//! its legacy IPC handle or imported from a VMM allocation's file descriptor
+//! (passed with SCM_RIGHTS) and mapped ([`ckpt_cuda::Imported`]); closed
+//! (unmapped, released) when the region is dropped (unregistered, or its
+//! session ended: the client left or died). A VMM import stays valid after
+//! the client died (the driver counts references); a legacy one does not.
 //!
 //! Copies run on the session's own stream ([`CudaSession`]): a
 //! `SaveAfterEvent` makes that stream wait on the trainer's event first
@@ -14,6 +17,7 @@
 //! save afterwards, as a truncated shm segment is refused.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use ckpt_cuda::{HostRegistration, Imported, OpenedEvent, Stream};
@@ -22,6 +26,14 @@ use tracing::{info, warn};
 use super::RegionError;
 use crate::config;
 use crate::staging::Staging;
+
+/// What names a client's device allocation.
+pub enum CudaSource<'a> {
+    /// A legacy IPC handle (64 bytes).
+    Ipc(&'a [u8]),
+    /// A VMM allocation exported as a POSIX fd (closed once imported).
+    Fd(OwnedFd),
+}
 
 /// One imported device allocation and the stream its copies run on.
 pub struct CudaMemory {
@@ -32,11 +44,19 @@ pub struct CudaMemory {
 }
 
 impl CudaMemory {
-    /// Opens the allocation named by `ipc_handle` on `device`; it must hold
-    /// `len_bytes`.
-    pub fn open(ipc_handle: &[u8], device: i32, len_bytes: u64, stream: Arc<Stream>) -> Result<CudaMemory, RegionError> {
-        let imported = Imported::open(ipc_handle, device, len_bytes)?;
+    /// Opens the allocation `source` names on `device`; it must hold
+    /// `len_bytes`. A passed fd is closed once imported (the import holds
+    /// the allocation).
+    pub fn open(source: CudaSource, device: i32, len_bytes: u64, stream: Arc<Stream>) -> Result<CudaMemory, RegionError> {
+        let imported = match source {
+            CudaSource::Ipc(handle) => Imported::open(handle, device, len_bytes)?,
+            CudaSource::Fd(fd) => Imported::import_fd(&fd, device, len_bytes)?,
+        };
         Ok(CudaMemory { imported, stream, failed: Mutex::new(None) })
+    }
+
+    pub fn is_vmm(&self) -> bool {
+        self.imported.is_vmm()
     }
 
     fn fail(&self, what: String) {

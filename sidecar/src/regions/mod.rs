@@ -24,7 +24,7 @@ use std::io;
 pub mod cuda;
 pub mod shm;
 
-pub use cuda::{CudaMemory, CudaSession};
+pub use cuda::{CudaMemory, CudaSession, CudaSource};
 pub use shm::{validate_shm_name, ShmMemory};
 
 #[derive(Debug, thiserror::Error)]
@@ -72,10 +72,22 @@ impl Region {
         Ok(Region { region_id, len_bytes, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
     }
 
-    /// Opens the CUDA allocation named by `ipc_handle` on `device`; its
-    /// copies run on `stream` (the session's).
-    pub fn open_cuda(region_id: u32, ipc_handle: &[u8], device: i32, len_bytes: u64, stream: std::sync::Arc<ckpt_cuda::Stream>) -> Result<Region, RegionError> {
-        Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(ipc_handle, device, len_bytes, stream)?) })
+    /// Opens the CUDA allocation `source` names on `device` (a legacy IPC
+    /// handle, or a VMM allocation's fd); its copies run on `stream` (the
+    /// session's).
+    pub fn open_cuda(region_id: u32, source: CudaSource, device: i32, len_bytes: u64, stream: std::sync::Arc<ckpt_cuda::Stream>) -> Result<Region, RegionError> {
+        Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
+    }
+
+    /// Whether this is CUDA memory shared by legacy IPC, whose bytes are
+    /// undefined once the client that exported it died.
+    pub fn is_legacy_cuda(&self) -> bool {
+        matches!(&self.memory, Memory::Cuda(m) if !m.is_vmm())
+    }
+
+    /// Whether this is a CUDA VMM allocation (valid after its client died).
+    pub fn is_vmm_cuda(&self) -> bool {
+        matches!(&self.memory, Memory::Cuda(m) if m.is_vmm())
     }
 
     /// What kind of memory this is, for logs and status.

@@ -14,8 +14,9 @@
  *   them: cuEventRecord numbers the record and queues "completed = n" on the
  *   stream; cuStreamWaitEvent queues a wait for the number recorded when it
  *   is called. An event completes only when the work queued before it has.
- *   A wait on an event whose creating process is gone ends (the real driver
- *   tears a dead process's context down).
+ *   A wait on an event whose creating process, or the process that last
+ *   recorded it, is gone ends (assumed: the real driver tears a dead
+ *   process's context and its queued work down; unverified).
  * - VMM (cuMemCreate & co.): a physical allocation is a memfd, reference
  *   counted by its handles and mappings; cuMemExportToShareableHandle with
  *   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR gives a dup of it, so the bytes
@@ -119,7 +120,9 @@ static struct alloc *free_slot_locked(void) {
 
 /* ---- streams: one worker thread each ---- */
 
-struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; int owner_pid; };
+/* recorder_pid: the last process that recorded the event (an importer may
+ * record it too: the sidecar's done event). */
+struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; int owner_pid; _Atomic int recorder_pid; };
 
 /* Whether the process that created an event is gone (dead or a zombie): the
  * driver tears its context down, so waits on its events end. */
@@ -170,7 +173,10 @@ static void *worker(void *arg) {
             uint64_t c = atomic_load(&o->ev->completed);
             while (c < o->seq && !atomic_compare_exchange_weak(&o->ev->completed, &c, o->seq)) {}
         } else {
-            while (atomic_load(&o->ev->completed) < o->seq && !owner_gone(o->ev->owner_pid)) sleep_us(200);
+            /* ASSUMPTION (unverified on a real driver): a wait ends when the
+             * event's creator or its last recorder is gone, as their
+             * context's queued work is torn down with them. */
+            while (atomic_load(&o->ev->completed) < o->seq && !owner_gone(o->ev->owner_pid) && !owner_gone(atomic_load(&o->ev->recorder_pid))) sleep_us(200);
         }
         free(o);
         pthread_mutex_lock(&s->mu);
@@ -663,12 +669,14 @@ CUresult cuEventCreate(CUevent *ph, unsigned flags) {
     if (!e->sh) { free(e); return E_OUT_OF_MEMORY; }
     e->owner = 1;
     e->sh->owner_pid = (int)getpid();
+    atomic_store(&e->sh->recorder_pid, (int)getpid());
     *ph = e;
     return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
     NEED_INIT();
     if (!e) return E_INVALID_HANDLE;
+    atomic_store(&e->sh->recorder_pid, (int)getpid());
     uint64_t seq = atomic_fetch_add(&e->sh->recorded, 1) + 1;
     struct op o = { .kind = OP_SIGNAL, .ev = e->sh, .seq = seq };
     return enqueue(s, o);

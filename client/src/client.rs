@@ -260,6 +260,9 @@ struct Inner {
     cuda_regions: BTreeMap<u32, CudaRegion>,
     /// One interprocess event per CUDA device, recorded at each save.
     cuda_events: HashMap<i32, ckpt_cuda::IpcEvent>,
+    /// One interprocess event per CUDA device that the sidecar records after
+    /// queuing a save's device copies ([`Client::stream_wait_copy`]).
+    cuda_done_events: HashMap<i32, ckpt_cuda::IpcEvent>,
     next_region_id: u32,
     closed: bool,
     request_timeout: Option<Duration>,
@@ -311,6 +314,10 @@ struct SaveEntry {
     status: SaveStatus,
     /// Set when failed: the code the sidecar gave, or None for a lost connection.
     code: Option<ErrorCode>,
+    /// A CUDA save sent with a done event: its device.
+    cuda_device: Option<i32>,
+    /// The sidecar queued its device copies and recorded the done event after them.
+    copy_queued: bool,
 }
 
 impl State {
@@ -336,6 +343,11 @@ impl State {
                         e.status.persist_seconds = Some(persist_seconds);
                         self.finish(id);
                     }
+                }
+            }
+            Reply::CopyQueued { id, .. } => {
+                if let Some(e) = self.saves.get_mut(&id) {
+                    e.copy_queued = true;
                 }
             }
             Reply::Failed { id, code, reason, .. } => self.fail_save(id, Some(code), reason),
@@ -408,6 +420,7 @@ fn reply_id(r: &Reply) -> Option<u64> {
         | Reply::Listing { id, .. }
         | Reply::Status { id, .. }
         | Reply::RolledBack { id, .. }
+        | Reply::CopyQueued { id, .. }
         | Reply::Error { id, .. } => Some(*id),
     }
 }
@@ -522,7 +535,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), cuda_done_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
         };
         {
             let mut inner = client.lock_inner();
@@ -729,13 +742,61 @@ impl Client {
             [d] => d,
             _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
         };
+        if let std::collections::hash_map::Entry::Vacant(e) = inner.cuda_done_events.entry(device) {
+            e.insert(ckpt_cuda::IpcEvent::new(device)?);
+        }
+        let done_event = inner.cuda_done_events[&device].handle().to_vec();
         let event = match inner.cuda_events.entry(device) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(device)?),
         };
         event.record(stream)?;
         let event = event.handle().to_vec();
-        self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent { id, step, tensors: descs, blobs, lazy_release, device, event })
+        let h = self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent { id, step, tensors: descs, blobs, lazy_release, device, event, done_event })?;
+        if let Some(e) = self.lock_state().saves.get_mut(&h.id) {
+            e.cuda_device = Some(device);
+        }
+        Ok(h)
+    }
+
+    /// Makes the trainer's `stream` (a CUstream; 0: the legacy default
+    /// stream) wait until the sidecar's device-to-host copy of save
+    /// `save_id` is done, without the CPU waiting for the copy: the lazy
+    /// wait before an optimizer step. The CPU waits only until the sidecar
+    /// has queued the copy (`CopyQueued`: a message away) or the save is
+    /// released or over; then, if the copy may still run, the stream waits
+    /// on the event the sidecar recorded behind it. Returns true when such a
+    /// stream wait was queued, false when none was needed (the save is
+    /// released, failed, or has no device tensors: a host save's release is
+    /// waited for on the CPU, as [`Client::wait`] does).
+    pub fn stream_wait_copy(&self, save_id: u64, stream: u64, timeout: Option<Duration>) -> Result<bool> {
+        self.check_owner()?;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.lock_state();
+        let device = loop {
+            let e = st.saves.get(&save_id).ok_or(Error::UnknownSave { save_id })?;
+            let Some(device) = e.cuda_device else {
+                drop(st);
+                self.wait(save_id, Wanted::Released, timeout)?;
+                return Ok(false);
+            };
+            if e.status.released || is_final(e.status.state) {
+                return Ok(false);
+            }
+            if e.copy_queued {
+                break device;
+            }
+            let what = e.status.what();
+            st = self.wait_changed(st, deadline).map_err(|()| Error::Timeout {
+                what: format!("the sidecar to queue the device copy of {what}"),
+                timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
+            })?;
+        };
+        drop(st);
+        let inner = self.lock_inner();
+        let event = inner.cuda_done_events.get(&device).ok_or_else(|| Error::InvalidArgument(format!("no CUDA done event on device {device}")))?;
+        event.wait_on(stream)?;
+        Ok(true)
     }
 
     /// Asks the sidecar to write `len_bytes` at `ptr` (inside one of this
@@ -775,7 +836,7 @@ impl Client {
                 persist_seconds: None,
                 error: None,
             };
-            st.saves.insert(id, SaveEntry { status, code: None });
+            st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, copy_queued: false });
             id
         };
         if let Err(e) = send_frame(&conn.stream, &make(id)) {
@@ -896,6 +957,7 @@ impl Client {
             inner.cuda_regions.clear();
             // The parent's events: CUDA is unusable in a forked child.
             std::mem::forget(std::mem::take(&mut inner.cuda_events));
+            std::mem::forget(std::mem::take(&mut inner.cuda_done_events));
             return;
         }
         if let Some(conn) = inner.conn.take() {
@@ -911,6 +973,7 @@ impl Client {
         inner.regions.clear();
         inner.cuda_regions.clear();
         inner.cuda_events.clear();
+        inner.cuda_done_events.clear();
     }
 
     // ---- internals ----

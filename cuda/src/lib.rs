@@ -301,6 +301,15 @@ impl IpcEvent {
         self.device
     }
 
+    /// Makes later work on the trainer's `stream` wait until this event's
+    /// latest record (as of now: possibly another process's, through its
+    /// IPC handle) has completed. The CPU does not wait.
+    pub fn wait_on(&self, stream: u64) -> Result<()> {
+        // SAFETY: the event is ours and alive; the stream is the caller's
+        // (an invalid one is an error code).
+        in_primary(self.device, || unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream as sys::CUstream, self.event, 0)) })
+    }
+
     /// Records the event on `stream` (a CUstream / cudaStream_t; 0: the
     /// legacy default stream). The CPU does not wait.
     pub fn record(&self, stream: u64) -> Result<()> {
@@ -509,6 +518,14 @@ impl Stream {
         bind(self.device)?;
         // SAFETY: both handles are alive (borrowed).
         unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(self.stream, event.event, 0)) }
+    }
+
+    /// Records `event` (another process's, opened from its handle) on this
+    /// stream: it completes once the work queued here before has.
+    pub fn record(&self, event: &OpenedEvent) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: both handles are alive (borrowed).
+        unsafe { check("cuEventRecord", sys::cuEventRecord(event.event, self.stream)) }
     }
 
     /// Queues a copy of `len` bytes at device address `src` to `dst`.

@@ -67,6 +67,11 @@ impl Serve {
     /// The real sidecar; with `fake`, the fake driver's folder on its
     /// LD_LIBRARY_PATH and its counters in `stats`.
     fn start(tmp: &Path, fake: bool) -> Serve {
+        Serve::start_with_delay(tmp, fake, None)
+    }
+
+    /// As [`Serve::start`]; the sidecar's own device copies late by `delay_us`.
+    fn start_with_delay(tmp: &Path, fake: bool, delay_us: Option<u64>) -> Serve {
         let (dir, sock, log, stats) = (tmp.join("ck"), tmp.join("s.sock"), tmp.join("sidecar.log"), tmp.join("stats"));
         std::fs::create_dir_all(&stats).unwrap();
         let mut cmd = Command::new(sidecar());
@@ -74,6 +79,9 @@ impl Serve {
         cmd.env("CKPT_SIDECAR_LOG", "info").env("FAKE_CUDA_STATS_DIR", &stats).env_remove("LD_LIBRARY_PATH");
         if fake {
             cmd.env("LD_LIBRARY_PATH", fake_dir());
+        }
+        if let Some(d) = delay_us {
+            cmd.env("FAKE_CUDA_COPY_DELAY_US", d.to_string());
         }
         let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
         let t0 = Instant::now();
@@ -326,6 +334,23 @@ fn a_vmm_allocation_not_exportable_as_an_fd_is_refused_saying_why() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && out.contains("refused:") && out.contains("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     assert_eq!(serve.stat("imports_total").unwrap_or(0), 0, "nothing was sent to import");
+}
+
+#[test]
+fn a_stream_wait_on_the_sidecars_copy_keeps_the_next_step_out_of_the_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    // The sidecar's device copies are 1.5 s late, the trainer's prompt: a
+    // write queued right after the save lands long before the copy runs
+    // unless the trainer's stream waits on the sidecar's done event.
+    let serve = Serve::start_with_delay(tmp.path(), true, Some(1_500_000));
+    let o = run(trainer_cmd(&exe, tmp.path(), "guard", 2_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // The control: the same write without the stream wait leaks into the snapshot.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let serve2 = Serve::start_with_delay(tmp2.path(), true, Some(1_500_000));
+    let o = run(trainer_cmd(&exe, tmp2.path(), "no-guard", 2_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=overwritten"), "{}\nsidecar log:\n{}", text(&o), serve2.log());
 }
 
 /// Whether this test process itself finds a CUDA driver.

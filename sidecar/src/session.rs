@@ -135,13 +135,25 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event } => match cuda.fence(device, &event) {
-                Ok(()) => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
-                Err(e) => {
-                    info!(step, "save refused: the trainer's CUDA event: {e}");
-                    peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA event: {e}") });
+            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, done_event } => {
+                let fenced = cuda.fence(device, &event).and_then(|()| {
+                    if done_event.is_empty() {
+                        return Ok(());
+                    }
+                    let p = peer.clone();
+                    cuda.after_queued(device, &done_event, Box::new(move || { p.send(&Reply::CopyQueued { id, step }); }))
+                });
+                match fenced {
+                    Ok(()) => {
+                        snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None);
+                        cuda.end_save(device);
+                    }
+                    Err(e) => {
+                        info!(step, "save refused: the trainer's CUDA event: {e}");
+                        peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}") });
+                    }
                 }
-            },
+            }
             Request::Bye => {
                 debug!("client said bye");
                 break;

@@ -222,15 +222,24 @@ fn copy_batches(pieces: &mut Pieces) {
         }
         ks.push(k);
     }
+    // Every batch is queued before any is waited for: a CUDA save's copies
+    // all sit on the stream when its done event is recorded (regions/cuda.rs).
+    let mut queued = Vec::new();
     for (region, ranges, ks) in by_region {
         // SAFETY: the region is kept alive by the caller's Arc for the whole
         // copy; every range is made of pieces' own disjoint parts of the
-        // lease and their bounds-checked sources (Pieces' invariant).
-        if unsafe { (*region).copy_batch(&ranges) } {
+        // lease and their bounds-checked sources (Pieces' invariant), and
+        // none is touched before finish_batch below returned.
+        if unsafe { (*region).queue_batch(&ranges) } {
+            queued.push(region);
             for k in ks {
                 pieces.0[k].staged = true;
             }
         }
+    }
+    for region in queued {
+        // SAFETY: as above: alive for the whole copy.
+        unsafe { (*region).finish_batch() };
     }
 }
 

@@ -106,7 +106,14 @@ pub enum Request {
     /// this message was sent. The sidecar's own stream waits on it (after the
     /// message arrived) before copying; the trainer's CPU never waits.
     /// Replies as a Save does. Added in version 4.
-    SaveAfterEvent { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, device: i32, event: Vec<u8> },
+    ///
+    /// `done_event` (version 6; empty: none) is the IPC handle of another
+    /// interprocess event of the client: the sidecar records it on its
+    /// stream right after queuing the save's device-to-host copies, then
+    /// sends [`Reply::CopyQueued`]; a client stream that waits on it then
+    /// (cuStreamWaitEvent) runs its later work only after the copy, with no
+    /// CPU wait for the copy itself.
+    SaveAfterEvent { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, device: i32, event: Vec<u8>, done_event: Vec<u8> },
     /// A Save of rank `rank`'s part of a checkpoint written by `world_size`
     /// ranks (1 ≤ world_size, rank < world_size). Replies as a Save does;
     /// Durable comes only once every rank's part of `step` reached this
@@ -176,6 +183,11 @@ pub enum Reply {
     /// The rollback to `step` is done; `removed` lists the steps that were
     /// un-committed, newest first. (Version 3.)
     RolledBack { id: u64, step: u64, removed: Vec<u64> },
+    /// The device-to-host copies of save `id` (a SaveAfterEvent with a
+    /// `done_event`) are queued on the sidecar's stream and the done event is
+    /// recorded after them; Released still follows once they completed.
+    /// (Version 6.)
+    CopyQueued { id: u64, step: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]

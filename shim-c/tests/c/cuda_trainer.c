@@ -28,6 +28,12 @@
  *                        holds exactly what the VMM trainers saved.
  *   vmm-unexportable     a VMM allocation created without the POSIX fd handle
  *                        type: registration fails, saying why.
+ *   guard / no-guard     saves, then (guard) makes its stream wait on the
+ *                        sidecar's copy with ckpt_stream_wait_copy, checks the
+ *                        save is not released yet (the CPU did not wait), and
+ *                        overwrites the tensor on that stream at once; prints
+ *                        "snapshot=saved" or "snapshot=overwritten" after
+ *                        loading the step back (no-guard: the control).
  */
 #include <signal.h>
 #include <stdint.h>
@@ -266,6 +272,39 @@ static int vmm(ckpt_client *c, CUstream stream, const char *mode) {
     return 0;
 }
 
+static int guarded(ckpt_client *c, CUstream stream, int guard) {
+    CUdeviceptr a = dev_alloc(A_BYTES, 1);
+    unsigned char *want = malloc(A_BYTES), *next = malloc(A_BYTES), *got = malloc(A_BYTES);
+    fill(want, A_BYTES, 51);
+    fill(next, A_BYTES, 52);
+    CU(cuMemcpyHtoD_v2(a, want, A_BYTES));
+    uint32_t ra;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &ra));
+    uint64_t s1[1] = {A_BYTES};
+    ckpt_tensor t[1] = {{"a", "U8", s1, 1, (void *)(uintptr_t)a, A_BYTES}};
+    uint64_t id;
+    CK(ckpt_save_on_stream(c, 6, t, 1, NULL, 0, stream, &id));
+    if (guard) {
+        int on_stream = -1, state = -1;
+        CK(ckpt_stream_wait_copy(c, id, stream, 120000, &on_stream));
+        CK(ckpt_poll(c, id, &state));
+        /* The sidecar's copies are seconds late: still copying, so the CPU did not wait for the copy. */
+        if (on_stream != 1 || state != CKPT_PENDING) { fprintf(stderr, "on_stream %d, state %d: expected a stream wait while pending\n", on_stream, state); return 12; }
+    }
+    /* The next step overwrites the tensor on the same stream, at once. */
+    CU(cuMemcpyHtoDAsync_v2(a, next, A_BYTES, stream));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    CU(cuMemcpyHtoD_v2(a, want + 1, A_BYTES - 1)); /* neither: the load must bring the snapshot back */
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 6, t, 1, &got_step, &source));
+    CU(cuMemcpyDtoH_v2(got, a, A_BYTES));
+    printf("snapshot=%s\n", !memcmp(got, want, A_BYTES) ? "saved" : !memcmp(got, next, A_BYTES) ? "overwritten" : "garbled");
+    CK(ckpt_close(c));
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: cuda_trainer MODE\n"); return 2; }
     const char *mode = argv[1];
@@ -284,6 +323,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "refused")) return refused(c);
     if (!strcmp(mode, "many")) return many(c, stream);
     if (!strcmp(mode, "vmm-unexportable")) return vmm_unexportable(c);
+    if (!strcmp(mode, "guard") || !strcmp(mode, "no-guard")) return guarded(c, stream, !strcmp(mode, "guard"));
     if (!strcmp(mode, "vmm-check")) return vmm_check(c);
     if (!strncmp(mode, "vmm-", 4)) return vmm(c, stream, mode);
     CUdeviceptr a = dev_alloc(A_BYTES, 1), b = dev_alloc(B_BYTES, 2);

@@ -8,7 +8,8 @@
  *   names the object, so cuIpcOpenMemHandle_v2 in another process maps the
  *   same bytes.
  * - Streams are worker threads. Asynchronous copies sleep
- *   FAKE_CUDA_COPY_DELAY_US (default 2000) before copying: late on purpose,
+ *   FAKE_CUDA_COPY_DELAY_US (default 2000; read at the process's first
+ *   cuInit) before copying: late on purpose,
  *   so a missing stream wait or event shows up as wrong bytes.
  * - Events live in a small shm object shared by every process that opens
  *   them: cuEventRecord numbers the record and queues "completed = n" on the
@@ -230,8 +231,12 @@ static void drain(struct fstream *s) {
 
 CUresult cuInit(unsigned flags) {
     (void)flags;
-    const char *d = getenv("FAKE_CUDA_COPY_DELAY_US");
-    if (d && *d) g_delay_us = atol(d);
+    /* The delay is the process's from its first cuInit on: a process may
+     * change the variable afterwards for the children it starts. */
+    if (!atomic_load(&g_init)) {
+        const char *d = getenv("FAKE_CUDA_COPY_DELAY_US");
+        if (d && *d) g_delay_us = atol(d);
+    }
     atomic_store(&g_init, 1);
     return OK;
 }

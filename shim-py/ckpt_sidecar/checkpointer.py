@@ -185,6 +185,14 @@ class _Region:
         self.busy = None  # the SaveHandle whose copy reads it
 
 
+def _current_stream():
+    """torch's current CUDA stream handle when torch has CUDA initialized, else None."""
+    torch = torch_module()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream().cuda_stream
+    return None
+
+
 class SaveHandle:
     """One save in flight.
 
@@ -206,6 +214,7 @@ class SaveHandle:
         self.copied_bytes = 0
         self.inplace = inplace
         self._taken = False
+        self.cuda_stream = None  # the stream a device-only save was fenced on (wait_copy_on_stream)
 
     def _mark_taken(self):
         self._taken = True
@@ -235,6 +244,31 @@ class SaveHandle:
         finally:
             self.stall_seconds += time.perf_counter() - t0
         return self
+
+    def wait_copy_on_stream(self, stream=None, timeout=None):
+        """Make CUDA `stream` (a handle; None: the stream this save was fenced
+        on) wait until the sidecar has copied this save's device tensors,
+        without the CPU waiting for the copy: work queued on it afterwards
+        (the optimizer step) runs after the copy. The CPU waits only until
+        the sidecar has queued the copy (a message away). A save with host
+        tensors in place, or none on a device, is waited for on the CPU
+        (wait_released). Returns True when a stream wait was queued."""
+        if self.cuda_stream is None or self._taken:
+            self.wait_released(timeout)
+            return False
+        on = ctypes.c_int()
+        stream = self.cuda_stream if stream is None else int(stream)
+        t0 = time.perf_counter()
+        try:
+            N.check(N.lib().ckpt_stream_wait_copy(self._ck._client, self.id, stream, _ms(timeout), ctypes.byref(on)))
+        except Timeout:
+            raise
+        except SidecarError:
+            self._mark_taken()
+            raise
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+        return bool(on.value)
 
     def wait_taken(self, timeout=None):
         """Block until the sidecar holds its own copy (its Released reply)."""
@@ -285,7 +319,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "__weakref__")
+                 "sig", "refs", "gen", "streams", "host_inplace", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -296,6 +330,7 @@ class _SavePlan:
         self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
         self.tensor_bytes = sum(r[2] for r in plan)
         self.inplace = False
+        self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
         for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
             name, dt = ref.name.encode(), ref.stored.encode()
             shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
@@ -303,6 +338,8 @@ class _SavePlan:
             if isinstance(where, int):
                 ptr = where
                 self.inplace = self.inplace or bool(nbytes)
+                if nbytes and not (ref.kind == "cuda" or (ref.kind == "torch" and obj.is_cuda)):
+                    self.host_inplace = True
             else:
                 ptr = 0  # set at each save: the save region may differ
                 self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
@@ -788,6 +825,8 @@ class Checkpointer:
                     self._give_back(region)
                 raise
             h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=c.inplace)
+            # Only device tensors in place: the next step can wait on the copy on its stream.
+            h.cuda_stream = c.streams[0] if c.streams and not c.host_inplace else None
             h.copied_bytes = c.copy_bytes
             if region is not None:
                 region.busy = h
@@ -1159,7 +1198,11 @@ class Checkpointer:
     # ---- guard, list, status, close ----
 
     def guard(self, optimizer):
-        """Before each optimizer.step(), wait until the last save is released.
+        """Before each optimizer.step(), make it wait until the last save is
+        released. For a save of device tensors only, that is a wait on the GPU:
+        the current CUDA stream (torch's, else the stream the save was fenced
+        on) waits on an event the sidecar records after its copy, and the CPU
+        goes on (the lazy wait); a save with host tensors waits on the CPU.
         A failed save only warns here (training goes on; wait_durable raises it).
         Returns the hook's RemovableHandle."""
 
@@ -1174,7 +1217,10 @@ class Checkpointer:
             if h is not None and h.id != done[0]:
                 done[0] = h.id
                 try:
-                    h.wait_released()
+                    if h.cuda_stream is not None:
+                        h.wait_copy_on_stream(_current_stream())
+                    else:
+                        h.wait_released()
                 except SidecarError as e:
                     warnings.warn(f"checkpoint of step {h.step} failed: {e}")
             return None

@@ -345,7 +345,9 @@ fn a_stream_wait_on_the_sidecars_copy_keeps_the_next_step_out_of_the_snapshot() 
     // unless the trainer's stream waits on the sidecar's done event.
     let serve = Serve::start_with_delay(tmp.path(), true, Some(1_500_000));
     let o = run(trainer_cmd(&exe, tmp.path(), "guard", 2_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let out = String::from_utf8_lossy(&o.stdout);
+    // The stream wait was queued while the sidecar still copied: the CPU did not wait for the copy.
+    assert!(o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     // The control: the same write without the stream wait leaks into the snapshot.
     let tmp2 = tempfile::tempdir().unwrap();
     let serve2 = Serve::start_with_delay(tmp2.path(), true, Some(1_500_000));

@@ -319,7 +319,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "host_inplace", "__weakref__")
+                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -331,6 +331,7 @@ class _SavePlan:
         self.tensor_bytes = sum(r[2] for r in plan)
         self.inplace = False
         self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
+        self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save
         for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
             name, dt = ref.name.encode(), ref.stored.encode()
             shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
@@ -338,7 +339,11 @@ class _SavePlan:
             if isinstance(where, int):
                 ptr = where
                 self.inplace = self.inplace or bool(nbytes)
-                if nbytes and not (ref.kind == "cuda" or (ref.kind == "torch" and obj.is_cuda)):
+                if not nbytes:
+                    pass
+                elif ref.kind == "cuda" or (ref.kind == "torch" and obj.is_cuda):
+                    self.dev.append((i, ref))
+                else:
                     self.host_inplace = True
             else:
                 ptr = 0  # set at each save: the save region may differ
@@ -812,10 +817,14 @@ class Checkpointer:
                     keep += [bn.encode(), data]
                     blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
                 sid = ctypes.c_uint64()
-                if c.streams:
-                    # Device tensors in place: fenced by an event on their stream.
+                # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
+                streams = _cuda.streams_now(c.dev, objs, torch_module()) if c.dev else []
+                if len(streams) > 1:
+                    raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                                          f"({streams}); synchronize them onto one stream first")
+                if streams:
                     N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
-                                                        c.streams[0], ctypes.byref(sid)))
+                                                        streams[0], ctypes.byref(sid)))
                 else:
                     N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
                                               ctypes.byref(sid)))
@@ -826,7 +835,7 @@ class Checkpointer:
                 raise
             h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=c.inplace)
             # Only device tensors in place: the next step can wait on the copy on its stream.
-            h.cuda_stream = c.streams[0] if c.streams and not c.host_inplace else None
+            h.cuda_stream = streams[0] if streams and not c.host_inplace else None
             h.copied_bytes = c.copy_bytes
             if region is not None:
                 region.busy = h
@@ -843,9 +852,11 @@ class Checkpointer:
         plan, _direct, copy_bytes, streams = self._plan(fl.leaves)
         c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton), streams)
         objs = [o for _, o in fl.leaves]
-        # A plan with device tensors in place is not kept: their stream (the
-        # current one) and their allocation are asked again at each save.
-        if not streams and key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
+        # A plan with device tensors in place is kept too (torch CUDA tensors:
+        # the same addresses are the same registered allocations, which
+        # libckpt keeps for the client's life); their streams are asked again
+        # at each save (_send). Interface objects have no quick key.
+        if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
             c.remember(key, self._regions_gen)
             plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
             self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]

@@ -6,7 +6,8 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
   at an offset; bf16; a Parameter) saved from the device by Checkpointer (no
   host copy in the trainer), changed on the GPU right after Released, loaded
   back bit-exact to the CPU and to the GPU, and restored in place into device
-  memory by the sidecar (load_into);
+  memory by the sidecar (load_into); a second save of the state reuses the
+  kept save plan;
 - hook_roundtrip: torch.save / torch.load of CUDA tensors through the hook;
 - sigkill_after_released_commits: a trainer SIGKILLed right after Released;
   the sidecar still commits and the checkpoint verifies;
@@ -132,6 +133,11 @@ def checkpointer_roundtrip():
                    "v0": target["views"][0], "v1": target["views"][1]}
             for k, v in want.items():
                 assert torch.equal(got[k].cpu(), v), f"{k} differs after load_into"
+            # A second save of the same state reuses the kept plan (no registration again).
+            n_plans = len(ck._save_plans)
+            h2 = ck.save(2, state)
+            assert h2.copied_bytes == 0 and len(ck._save_plans) == n_plans >= 1, (h2.copied_bytes, n_plans, len(ck._save_plans))
+            h2.wait_durable(timeout=300)
 
 
 def hook_roundtrip():

@@ -737,8 +737,10 @@ impl Client {
         let mut devices: Vec<i32> = descs.iter().filter_map(|d| inner.cuda_regions.get(&d.region_id)).map(|r| r.device).collect();
         devices.sort_unstable();
         devices.dedup();
+        let (rank, world_size) = inner.rank;
         let device = match devices[..] {
-            [] => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
+            [] if world_size == 1 => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
+            [] => return self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release }),
             [d] => d,
             _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
         };
@@ -752,7 +754,18 @@ impl Client {
         };
         event.record(stream)?;
         let event = event.handle().to_vec();
-        let h = self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent { id, step, tensors: descs, blobs, lazy_release, device, event, done_event })?;
+        let h = self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent {
+            id,
+            step,
+            tensors: descs,
+            blobs,
+            lazy_release,
+            device,
+            event,
+            done_event,
+            rank,
+            world_size,
+        })?;
         if let Some(e) = self.lock_state().saves.get_mut(&h.id) {
             e.cuda_device = Some(device);
         }

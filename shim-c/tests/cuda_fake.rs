@@ -355,6 +355,20 @@ fn a_stream_wait_on_the_sidecars_copy_keeps_the_next_step_out_of_the_snapshot() 
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=overwritten"), "{}\nsidecar log:\n{}", text(&o), serve2.log());
 }
 
+#[test]
+fn device_tensors_saved_as_ranks_parts_commit_as_one_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // Each rank's write is 300 ms late: each part waits on its own client's event.
+    let o = run(trainer_cmd(&exe, tmp.path(), "parts", 300_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let dir = tmp.path().join("ck");
+    assert_eq!(committed(&dir), [8]);
+    let v = verify(&dir);
+    assert!(v.status.success(), "{}", text(&v));
+}
+
 /// Whether this test process itself finds a CUDA driver.
 fn ckpt_cuda_probe_in_this_process() -> Option<()> {
     ckpt_cuda::probe().ok().map(|_| ())

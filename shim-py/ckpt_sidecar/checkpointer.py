@@ -797,9 +797,6 @@ class Checkpointer:
         with self._mu:
             self._ensure()
             plan, _direct, copy_bytes, streams = self._plan(leaves)
-            if streams and self.world_size > 1:
-                raise InvalidArgument("a rank's part cannot send CUDA tensors in place yet (SaveAfterEvent has no rank): "
-                                      "save host copies, or use one rank")
             c = _SavePlan(plan, copy_bytes, None, streams)
             return self._send(step, c, [o for _, o in leaves], blobs_py, t0)
 

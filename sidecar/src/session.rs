@@ -135,7 +135,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, done_event } => {
+            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, done_event, rank, world_size } => {
+                // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
+                let part = (rank, world_size) != (0, 1);
                 let fenced = cuda.fence(device, &event).and_then(|()| {
                     if done_event.is_empty() {
                         return Ok(());
@@ -145,7 +147,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 });
                 match fenced {
                     Ok(()) => {
-                        snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None);
+                        snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, part.then_some(Part { rank, world_size }));
                         cuda.end_save(device);
                     }
                     Err(e) => {

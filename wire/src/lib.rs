@@ -113,7 +113,21 @@ pub enum Request {
     /// sends [`Reply::CopyQueued`]; a client stream that waits on it then
     /// (cuStreamWaitEvent) runs its later work only after the copy, with no
     /// CPU wait for the copy itself.
-    SaveAfterEvent { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, device: i32, event: Vec<u8>, done_event: Vec<u8> },
+    ///
+    /// `rank`, `world_size` (version 6): with world_size > 1 this is rank
+    /// `rank`'s part of the checkpoint, as a SavePart; 0 of 1 is a whole save.
+    SaveAfterEvent {
+        id: u64,
+        step: u64,
+        tensors: Vec<TensorDesc>,
+        blobs: Vec<Blob>,
+        lazy_release: bool,
+        device: i32,
+        event: Vec<u8>,
+        done_event: Vec<u8>,
+        rank: u32,
+        world_size: u32,
+    },
     /// A Save of rank `rank`'s part of a checkpoint written by `world_size`
     /// ranks (1 ≤ world_size, rank < world_size). Replies as a Save does;
     /// Durable comes only once every rank's part of `step` reached this

@@ -35,6 +35,9 @@
  *                        overwrites the tensor on that stream at once; prints
  *                        "snapshot=saved" or "snapshot=overwritten" after
  *                        loading the step back (no-guard: the control).
+ *   parts                two clients, ranks 0 and 1 of 2, each save its own device
+ *                        tensor (behind a late write) as its part of step 8; a third
+ *                        client loads both back into fresh memory, bit-exact.
  */
 #include <signal.h>
 #include <stdint.h>
@@ -306,6 +309,49 @@ static int guarded(ckpt_client *c, CUstream stream, int guard) {
     return 0;
 }
 
+static int parts(ckpt_client *c, CUstream stream) {
+    ckpt_client *r[2];
+    CUdeviceptr d[2];
+    unsigned char *want[2];
+    uint64_t id[2], s1[1] = {B_BYTES};
+    char names[2][16];
+    ckpt_tensor t[2];
+    for (int k = 0; k < 2; k++) {
+        CK(ckpt_connect(NULL, &r[k]));
+        CK(ckpt_set_rank(r[k], (uint32_t)k, 2));
+        d[k] = dev_alloc(B_BYTES, 60 + k);
+        want[k] = malloc(B_BYTES);
+        fill(want[k], B_BYTES, 70 + k);
+        uint32_t rid;
+        CK(ckpt_register_cuda(r[k], (void *)(uintptr_t)d[k], &rid));
+        CU(cuMemcpyHtoDAsync_v2(d[k], want[k], B_BYTES, stream));
+        snprintf(names[k], sizeof names[k], "part%d.w", k);
+        t[k] = (ckpt_tensor){names[k], "U8", s1, 1, (void *)(uintptr_t)d[k], B_BYTES};
+        CK(ckpt_save_on_stream(r[k], 8, &t[k], 1, NULL, 0, stream, &id[k]));
+    }
+    for (int k = 0; k < 2; k++) CK(ckpt_wait(r[k], id[k], CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    CUdeviceptr back = dev_alloc(2 * B_BYTES + 4096, 9);
+    uint32_t rb;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)back, &rb));
+    ckpt_tensor l[2] = {
+        {"part0.w", "U8", s1, 1, (void *)(uintptr_t)back, B_BYTES},
+        {"part1.w", "U8", s1, 1, (void *)(uintptr_t)(back + B_BYTES + 4096), B_BYTES},
+    };
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 8, l, 2, &got_step, &source));
+    unsigned char *got = malloc(B_BYTES);
+    for (int k = 0; k < 2; k++) {
+        CU(cuMemcpyDtoH_v2(got, back + (CUdeviceptr)k * (B_BYTES + 4096), B_BYTES));
+        if (memcmp(got, want[k], B_BYTES)) { fprintf(stderr, "rank %d's part differs after the round trip\n", k); return 13; }
+        CK(ckpt_close(r[k]));
+    }
+    CK(ckpt_close(c));
+    printf("ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: cuda_trainer MODE\n"); return 2; }
     const char *mode = argv[1];
@@ -324,6 +370,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "refused")) return refused(c);
     if (!strcmp(mode, "many")) return many(c, stream);
     if (!strcmp(mode, "vmm-unexportable")) return vmm_unexportable(c);
+    if (!strcmp(mode, "parts")) return parts(c, stream);
     if (!strcmp(mode, "guard") || !strcmp(mode, "no-guard")) return guarded(c, stream, !strcmp(mode, "guard"));
     if (!strcmp(mode, "vmm-check")) return vmm_check(c);
     if (!strncmp(mode, "vmm-", 4)) return vmm(c, stream, mode);

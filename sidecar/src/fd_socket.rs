@@ -32,10 +32,18 @@ impl FdSocket {
     }
 }
 
-/// Room for the control data of one recvmsg: [`config::FDS_PER_READ_MAX`]
-/// ints behind one header, in u64 words (the alignment cmsg wants).
+/// Room for the control data of one recvmsg, in u64 words (the alignment
+/// cmsg wants): at least CMSG_SPACE of [`config::FDS_PER_READ_MAX`] ints;
+/// recvmsg is told exactly that much, so more is MSG_CTRUNC.
 const CONTROL_WORDS: usize = 8;
 const _: () = assert!(CONTROL_WORDS * 8 >= 16 + 4 * config::FDS_PER_READ_MAX);
+
+fn control_bytes() -> usize {
+    // SAFETY: CMSG_SPACE is arithmetic.
+    let n = unsafe { libc::CMSG_SPACE((std::mem::size_of::<i32>() * config::FDS_PER_READ_MAX) as u32) } as usize;
+    assert!(n <= CONTROL_WORDS * 8, "the control buffer holds FDS_PER_READ_MAX descriptors");
+    n
+}
 
 impl Read for FdSocket {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -46,7 +54,7 @@ impl Read for FdSocket {
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
         msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&control);
+        msg.msg_controllen = control_bytes();
         let n = loop {
             // SAFETY: iov describes `buf`, msg_control `control`, both live
             // and writable for the call.

@@ -393,14 +393,16 @@ impl Imported {
             )?
         };
         let mut ptr = 0u64;
-        // SAFETY: valid out-pointer; on failure the handle is released once.
+        // SAFETY: valid out-pointer.
         if let Err(e) = unsafe { check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)) } {
+            // SAFETY: `h` was imported above and is released once, here.
             unsafe { sys::cuMemRelease(h) };
             return Err(e);
         }
-        // SAFETY: `ptr..ptr+size` was just reserved for us, `h` imported;
-        // on failure both are given back once.
+        // SAFETY: `ptr..ptr+size` was just reserved for us, `h` imported.
         if let Err(e) = unsafe { check("cuMemMap", sys::cuMemMap(ptr, size, 0, h, 0)) } {
+            // SAFETY: nothing is mapped in the range; the range and the
+            // handle are ours and given back once, here.
             unsafe {
                 sys::cuMemAddressFree(ptr, size);
                 sys::cuMemRelease(h);

@@ -108,11 +108,11 @@ impl CudaMemory {
     /// lies inside the region (checked by [`super::Region::copy_out`]).
     pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
         let src = self.imported.ptr() + offset_bytes;
+        let s = &self.stream.stream;
         // SAFETY: dst is the caller's for the call, and the synchronize below
         // returns only once the copy into it is done; src..src+len lies in
         // the imported allocation (bounds checked by Region, the allocation
         // holds len_bytes: checked at open).
-        let s = &self.stream.stream;
         let done = unsafe { s.copy_dtoh_async(dst, src, len) }.and_then(|()| s.synchronize());
         if let Err(e) = done {
             self.fail(format!("device-to-host copy failed: {e}"));
@@ -166,9 +166,9 @@ impl CudaMemory {
     /// follows, so the trainer's later work sees the bytes).
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
         let dst = self.imported.ptr() + offset_bytes;
+        let s = &self.stream.stream;
         // SAFETY: `bytes` is borrowed until after the synchronize; the range
         // lies in the allocation (bounds checked by Region::write_at).
-        let s = &self.stream.stream;
         unsafe { s.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) }.and_then(|()| s.synchronize()).map_err(RegionError::from)
     }
 

@@ -285,7 +285,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "__weakref__")
+                 "sig", "refs", "gen", "streams", "dead", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -311,14 +311,24 @@ class _SavePlan:
         self.data_view = np.ndarray((self.n,), dtype=np.uint64, buffer=self.descs, offset=N.Tensor.data.offset,
                                     strides=(ctypes.sizeof(N.Tensor),)) if self.n else None
         self.sig = self.refs = self.gen = None
+        self.dead = False
 
     def remember(self, key, gen):
         self.sig, self.gen = key[0], gen
-        # The numpy arrays' ids are in sig: they name the same arrays while these live.
-        self.refs = [weakref.ref(o) for o in key[1] if type(o) is np.ndarray]
+        # The numpy arrays' ids are in sig: they name the same arrays while
+        # these live. The first to die marks the plan dead (its callback), so
+        # a save checks one flag, not a reference per array.
+        me = weakref.ref(self)
+
+        def died(_ref):
+            p = me()
+            if p is not None:
+                p.dead = True
+
+        self.refs = [weakref.ref(o, died) for o in key[1] if type(o) is np.ndarray]
 
     def alive(self):
-        return all(r() is not None for r in self.refs)
+        return not self.dead
 
     def matches(self, key, gen):
         """Whether `key` (quick_key of the state now) is the state this plan was

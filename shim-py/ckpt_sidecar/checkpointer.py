@@ -13,6 +13,7 @@ import ctypes
 import errno
 import operator
 import fcntl
+import gc
 import os
 import pickle
 import random
@@ -730,13 +731,24 @@ class Checkpointer:
             self._ensure()
             if self.world_size > 1:
                 return self._save_part(step, state, rng, t0)
-            key = quick_key(state)
-            c = None
-            if key is not None:
-                for p in reversed(self._save_plans):
-                    if p.matches(key, self._regions_gen):
-                        c, objs = p, key[1]
-                        break
+            # The key's thousands of small tuples are garbage right after the
+            # match: with the collector paused they come and go without
+            # counting towards a collection (one, with torch's objects
+            # around, costs more than the whole save).
+            paused = gc.isenabled()
+            gc.disable()
+            try:
+                key = quick_key(state)
+                c = None
+                if key is not None:
+                    for p in reversed(self._save_plans):
+                        if p.matches(key, self._regions_gen):
+                            c, objs = p, key[1]
+                            key = None  # freed here, while the collector is paused
+                            break
+            finally:
+                if paused:
+                    gc.enable()
             if c is None:
                 c, objs = self._prepare(state, key)
             blobs_py = [(STRUCTURE_BLOB, c.skeleton)]

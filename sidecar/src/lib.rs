@@ -21,6 +21,7 @@ pub mod jobs;
 pub mod load;
 pub mod peer;
 pub mod regions;
+pub mod save_plan;
 pub mod server;
 pub mod session;
 pub mod snapshot;

@@ -14,7 +14,7 @@ use std::io::BufReader;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use ckpt_wire::{ErrorCode, FrameError, Reply, Request};
+use ckpt_wire::{ErrorCode, FrameError, Reply, Request, TensorDescIn};
 use tracing::{debug, info, warn};
 
 use ckpt_store::catalog;
@@ -23,6 +23,7 @@ use crate::file_save;
 use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::regions::{CudaSession, Region};
+use crate::save_plan::SavePlans;
 use crate::snapshot;
 use crate::peer::Peer;
 use crate::state::Shared;
@@ -51,6 +52,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     let mut reader = BufReader::with_capacity(64 << 10, stream);
     let mut regions: HashMap<u32, Arc<Region>> = HashMap::new();
     let mut cuda = CudaSession::default();
+    let mut plans = SavePlans::default();
     loop {
         let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
             Ok(b) => b,
@@ -64,6 +66,21 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 break;
             }
         };
+        // A Save (or SavePart), the hot message, is read into descriptors
+        // that borrow the frame: no allocation per tensor.
+        match ckpt_wire::decode_save(&body) {
+            Some(Ok(sv)) => {
+                let part = sv.part.map(|p| Part { rank: p.rank, world_size: p.world_size });
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, sv.id, sv.step, &sv.tensors, sv.blobs, sv.lazy_release, part);
+                continue;
+            }
+            Some(Err(e)) => {
+                warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
+                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                break;
+            }
+            None => {}
+        }
         let req: Request = match ckpt_wire::decode(&body) {
             Ok(r) => r,
             Err(e) => {
@@ -83,7 +100,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 peer.send(&reply);
             }
             Request::UnregisterRegion { id, region_id } => {
-                // Copies run on this thread, so none uses the region now.
+                // Copies run on this thread, so none uses the region now;
+                // no kept plan may hold its mapping either.
+                plans.clear();
                 let reply = match regions.remove(&region_id) {
                     Some(_) => Reply::RegionUnregistered { id, region_id },
                     None => Reply::Error { id, code: ErrorCode::BadRegion, message: format!("region {region_id} is not registered") },
@@ -91,9 +110,14 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::Save { id, step, tensors, blobs, lazy_release } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
+            // Read by decode_save above; kept whole for any other path here.
+            Request::Save { id, step, tensors, blobs, lazy_release } => {
+                let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, None)
+            }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release } => {
-                snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, Some(Part { rank, world_size }))
+                let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, Some(Part { rank, world_size }))
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, id, path, region_id, offset_bytes, len_bytes)
@@ -123,7 +147,10 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 peer.send(&reply);
             }
             Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event } => match cuda.fence(device, &event) {
-                Ok(()) => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
+                Ok(()) => {
+                    let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                    snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, None)
+                }
                 Err(e) => {
                     info!(step, "save refused: the trainer's CUDA event: {e}");
                     peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA event: {e}") });
@@ -145,8 +172,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
         }
         info!(pid = s.peer_pid, n_regions = regions.len(), "client died: its regions removed");
     }
-    // Closes every imported CUDA allocation (the last Arc of each region)
-    // before the session's streams and events go.
+    // Closes every imported CUDA allocation (the last Arc of each region,
+    // the kept plans' included) before the session's streams and events go.
+    drop(plans);
     drop(regions);
     drop(cuda);
     info!(pid = s.client_pid, name = %s.name, "session ended");

@@ -56,7 +56,7 @@ struct Plan {
     /// The distinct regions the sources read, as registered when planned.
     regions: Vec<(u32, Arc<Region>)>,
     layout: Layout,
-    sources: Arc<[Source]>,
+    sources: Vec<Source>,
 }
 
 impl Plan {
@@ -72,13 +72,15 @@ impl Plan {
 #[derive(Default)]
 pub struct SavePlans {
     plans: Vec<Plan>,
+    /// Saves planned from scratch (not reused), for the tests.
+    fresh: u64,
 }
 
 impl SavePlans {
     /// The image and sources of a Save of `tensors`: a kept plan when one
     /// was made from the same descriptors, else [`plan_save`]'s (kept for
     /// the next save).
-    pub fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Arc<[Source]>), SaveError> {
+    pub fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
         if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
             check_blobs(blobs)?;
             let p = self.plans.remove(i);
@@ -87,7 +89,7 @@ impl SavePlans {
             return Ok(out);
         }
         let (layout, sources) = plan_save(tensors, blobs, regions, opts)?;
-        let sources: Arc<[Source]> = sources.into();
+        self.fresh += 1;
         if tensors.len() <= config::SAVE_PLAN_TENSORS_MAX {
             let mut used: Vec<(u32, Arc<Region>)> = Vec::new();
             for (d, s) in tensors.iter().zip(sources.iter()) {
@@ -135,27 +137,31 @@ mod tests {
         let mut plans = SavePlans::default();
         let ts = [d("a", 1, 0, 64), d("b", 2, 64, 8)];
         let opts = LayoutOptions::default();
-        let (l1, s1) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        let (l1, _) = plans.plan(&ts, &[], &regions, opts).unwrap();
         let (l2, s2) = plans.plan(&ts, &[], &regions, opts).unwrap();
-        assert!(Arc::ptr_eq(&s1, &s2), "the same descriptors reuse the plan");
+        assert_eq!(plans.fresh, 1, "the same descriptors reuse the plan");
         assert_eq!(l1.shards[0].header, l2.shards[0].header);
+        assert!(Arc::ptr_eq(s2[0].region.as_ref().unwrap(), &regions[&1]) && s2[1].offset_bytes == 64);
         // Any field changed: planned anew (and checked anew).
         for other in [[d("a", 1, 0, 64), d("c", 2, 64, 8)], [d("a", 1, 8, 64), d("b", 2, 64, 8)], [d("a", 1, 0, 64), d("b", 1, 64, 8)]] {
-            let (_, s) = plans.plan(&other, &[], &regions, opts).unwrap();
-            assert!(!Arc::ptr_eq(&s, &s1));
+            let fresh = plans.fresh;
+            plans.plan(&other, &[], &regions, opts).unwrap();
+            assert_eq!(plans.fresh, fresh + 1);
         }
         assert!(matches!(plans.plan(&[d("a", 1, 0, 64), d("b", 1, 32, 8)], &[], &regions, opts), Err(SaveError::BadRequest(_))));
         // Other layout options: planned anew.
-        let (_, s) = plans.plan(&ts, &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }).unwrap();
-        assert!(!Arc::ptr_eq(&s, &s1));
+        let fresh = plans.fresh;
+        plans.plan(&ts, &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }).unwrap();
+        assert_eq!(plans.fresh, fresh + 1);
         // Bad blobs are refused even when the plan is reused.
         let bad = Blob { name: "../x".into(), bytes: vec![1] };
         assert!(matches!(plans.plan(&ts, &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
         // A region registered anew under the same id: planned anew, reading the new one.
-        let (_, before) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        plans.plan(&ts, &[], &regions, opts).unwrap();
+        let fresh = plans.fresh;
         regions.insert(2, region(2));
         let (_, after) = plans.plan(&ts, &[], &regions, opts).unwrap();
-        assert!(!Arc::ptr_eq(&before, &after));
+        assert_eq!(plans.fresh, fresh + 1);
         assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
         // A region gone: refused as before.
         regions.remove(&2);

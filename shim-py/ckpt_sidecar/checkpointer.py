@@ -42,6 +42,7 @@ PARTS_BLOB = "parts.pkl"  # a multi-rank save: world size and the tensors saved 
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
+PENDING_PRUNE_AT = 64  # handles remembered before the released or dropped ones are pruned
 SAVE_PLANS_MAX = 8  # prepared save requests kept for states saved again (a trainer alternating a few states)
 
 _live = weakref.WeakSet()
@@ -431,6 +432,7 @@ class Checkpointer:
         self._free = []          # those of them no save in flight uses
         self._load_region = None
         self._pending = []       # weakrefs of handles not yet known released
+        self._pending_prune_at = PENDING_PRUNE_AT  # dead ones are dropped when it grows past this
         self._last = None
         self._budget = None      # the sidecar's staging budget, once asked (see _check_fits)
         self._mu = threading.RLock()
@@ -814,6 +816,11 @@ class Checkpointer:
             if region is not None:
                 region.busy = h
             self._pending.append(weakref.ref(h))
+            if len(self._pending) > self._pending_prune_at:
+                # Only saves that copy poll these; a trainer whose tensors are
+                # all shared would otherwise keep one per save, for good.
+                self._pending = [r for r in self._pending if (live := r()) is not None and not live._taken]
+                self._pending_prune_at = max(PENDING_PRUNE_AT, 2 * len(self._pending))
             self._last = h
             h.stall_seconds = time.perf_counter() - t0
             return h

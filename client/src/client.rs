@@ -599,15 +599,11 @@ impl Client {
         let mut inner = self.lock_inner();
         // Encoded from the caller's borrowed names and shapes: no copy of
         // them (a save of thousands of tensors costs a pass, not allocations).
-        let descs = tensors.iter().map(|t| locate(&inner, t).map(|(region_id, offset_bytes)| ckpt_wire::TensorDescRef {
-            name: t.name,
-            dtype: t.dtype,
-            shape: t.shape,
-            region_id,
-            offset_bytes,
-            len_bytes: t.len_bytes,
-        }));
-        let descs = descs.collect::<Result<Vec<_>>>()?;
+        let mut descs = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let (region_id, offset_bytes) = locate(&inner, t)?;
+            descs.push(ckpt_wire::TensorDescRef { name: t.name, dtype: t.dtype, shape: t.shape, region_id, offset_bytes, len_bytes: t.len_bytes });
+        }
         let blobs: Vec<ckpt_wire::BlobRef> = blobs.iter().map(|b| ckpt_wire::BlobRef { name: b.name, bytes: b.bytes }).collect();
         let lazy_release = inner.lazy_release;
         let part = match inner.rank {

@@ -226,16 +226,17 @@ pub(crate) unsafe fn slice<'a, T>(p: *const T, n: usize, what: impl std::fmt::Di
 /// # Safety
 /// Each descriptor's pointers are valid as ckpt_tensor documents.
 pub(crate) unsafe fn tensor_refs<'a>(ts: &'a [ckpt_tensor]) -> Result<Vec<TensorRef<'a>>, Error> {
-    ts.iter()
-        .enumerate()
-        .map(|(i, t)| {
-            // SAFETY: the caller's contract for each field.
-            let name = unsafe { c_str(t.name, format_args!("tensors[{i}].name")) }?;
-            let dtype = unsafe { c_str(t.dtype, format_args!("tensors[{i}].dtype ({name})")) }?;
-            let shape = unsafe { slice(t.shape, t.ndim as usize, format_args!("tensors[{i}].shape ({name})")) }?;
-            Ok(TensorRef { name, dtype, shape, ptr: t.data.cast(), len_bytes: t.len_bytes })
-        })
-        .collect()
+    // Sized once (a collect into Result grows it step by step: thousands of
+    // tensors meant a dozen reallocations and copies per save).
+    let mut out = Vec::with_capacity(ts.len());
+    for (i, t) in ts.iter().enumerate() {
+        // SAFETY: the caller's contract for each field.
+        let name = unsafe { c_str(t.name, format_args!("tensors[{i}].name")) }?;
+        let dtype = unsafe { c_str(t.dtype, format_args!("tensors[{i}].dtype ({name})")) }?;
+        let shape = unsafe { slice(t.shape, t.ndim as usize, format_args!("tensors[{i}].shape ({name})")) }?;
+        out.push(TensorRef { name, dtype, shape, ptr: t.data.cast(), len_bytes: t.len_bytes });
+    }
+    Ok(out)
 }
 
 /// The library's version, e.g. "libckpt 0.1.0 (protocol 1)". Never NULL; static.

@@ -287,7 +287,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "dead", "__weakref__")
+                 "sig", "refs", "gen", "streams", "dead", "blobs", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -314,6 +314,24 @@ class _SavePlan:
                                     strides=(ctypes.sizeof(N.Tensor),)) if self.n else None
         self.sig = self.refs = self.gen = None
         self.dead = False
+        self.blobs = None  # (the blobs' names and data, their ckpt_blob_t array) of the last save
+
+    def blob_array(self, blobs_py):
+        """The ckpt_blob_t array of [(name, bytes)]: the last one again when
+        the same names and byte objects come (the structure blob alone, at
+        every save of an unchanged state), which the array keeps alive."""
+        last = self.blobs
+        if last is not None and len(last[0]) == len(blobs_py) and \
+                all(a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], blobs_py)):
+            return last[1]
+        keep = []
+        arr = (N.Blob * max(len(blobs_py), 1))()
+        for i, (bn, data) in enumerate(blobs_py):
+            keep += [bn.encode(), data]
+            arr[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
+        arr._keep = keep
+        self.blobs = (list(blobs_py), arr)
+        return arr
 
     def remember(self, key, gen):
         self.sig, self.gen = key[0], gen
@@ -793,11 +811,7 @@ class Checkpointer:
             try:
                 if region is not None:
                     c.copy_in(self, objs, region)
-                keep = []
-                blobs = (N.Blob * max(len(blobs_py), 1))()
-                for i, (bn, data) in enumerate(blobs_py):
-                    keep += [bn.encode(), data]
-                    blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
+                blobs = c.blob_array(blobs_py)
                 sid = ctypes.c_uint64()
                 if c.streams:
                     # Device tensors in place: fenced by an event on their stream.

@@ -38,7 +38,7 @@ from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFou
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
 RNG_BLOB = "rng.pkl"
-PARTS_BLOB = "parts.pkl"  # a multi-rank save: world size and the tensors saved in pieces (rank 0's)
+PARTS_BLOB = "parts.pkl"  # read only: older multi-rank checkpoints' map of tensors saved in pieces
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
@@ -187,6 +187,14 @@ class _Region:
         self.busy = None  # the SaveHandle whose copy reads it
 
 
+def _current_stream():
+    """torch's current CUDA stream handle when torch has CUDA initialized, else None."""
+    torch = torch_module()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream().cuda_stream
+    return None
+
+
 class SaveHandle:
     """One save in flight.
 
@@ -208,6 +216,7 @@ class SaveHandle:
         self.copied_bytes = 0
         self.inplace = inplace
         self._taken = False
+        self.cuda_stream = None  # the stream a device-only save was fenced on (wait_copy_on_stream)
 
     def _mark_taken(self):
         self._taken = True
@@ -237,6 +246,31 @@ class SaveHandle:
         finally:
             self.stall_seconds += time.perf_counter() - t0
         return self
+
+    def wait_copy_on_stream(self, stream=None, timeout=None):
+        """Make CUDA `stream` (a handle; None: the stream this save was fenced
+        on) wait until the sidecar has copied this save's device tensors,
+        without the CPU waiting for the copy: work queued on it afterwards
+        (the optimizer step) runs after the copy. The CPU waits only until
+        the sidecar has queued the copy (a message away). A save with host
+        tensors in place, or none on a device, is waited for on the CPU
+        (wait_released). Returns True when a stream wait was queued."""
+        if self.cuda_stream is None or self._taken:
+            self.wait_released(timeout)
+            return False
+        on = ctypes.c_int()
+        stream = self.cuda_stream if stream is None else int(stream)
+        t0 = time.perf_counter()
+        try:
+            N.check(N.lib().ckpt_stream_wait_copy(self._ck._client, self.id, stream, _ms(timeout), ctypes.byref(on)))
+        except Timeout:
+            raise
+        except SidecarError:
+            self._mark_taken()
+            raise
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+        return bool(on.value)
 
     def wait_taken(self, timeout=None):
         """Block until the sidecar holds its own copy (its Released reply)."""
@@ -287,7 +321,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "dead", "blobs", "__weakref__")
+                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "dead", "blobs", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -298,6 +332,8 @@ class _SavePlan:
         self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
         self.tensor_bytes = sum(r[2] for r in plan)
         self.inplace = False
+        self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
+        self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save
         for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
             name, dt = ref.name.encode(), ref.stored.encode()
             shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
@@ -305,6 +341,12 @@ class _SavePlan:
             if isinstance(where, int):
                 ptr = where
                 self.inplace = self.inplace or bool(nbytes)
+                if not nbytes:
+                    pass
+                elif ref.kind == "cuda" or (ref.kind == "torch" and obj.is_cuda):
+                    self.dev.append((i, ref))
+                else:
+                    self.host_inplace = True
             else:
                 ptr = 0  # set at each save: the save region may differ
                 self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
@@ -777,15 +819,18 @@ class Checkpointer:
             return self._send(step, c, objs, blobs_py, t0)
 
     def _save_part(self, step, state, rng, t0):
-        """This rank's part of a replicated state (dist.rank_leaves); the
-        structure and the split map once (rank 0), the RNG state per rank."""
+        """This rank's part of a replicated state (dist.rank_leaves): the
+        structure once (rank 0), the RNG state per rank, and the slices of
+        tensors split between ranks declared by the rank holding each (the
+        sidecar writes them into the index)."""
         fl = Flattener()
         skeleton = fl.walk(state)
-        leaves, split = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
+        leaves, slices = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
         blobs_py = []
         if self.rank == 0:
-            parts = pickle.dumps({"world_size": self.world_size, "split": split}, protocol=4)
-            blobs_py += [(STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)), (PARTS_BLOB, parts)]
+            blobs_py.append((STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)))
+        if slices:
+            blobs_py.append((dist.SLICES_BLOB, dist.slices_blob(slices)))
         if rng:
             blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
         return self._save_leaves(step, leaves, blobs_py, t0)
@@ -797,9 +842,6 @@ class Checkpointer:
         with self._mu:
             self._ensure()
             plan, _direct, copy_bytes, streams = self._plan(leaves)
-            if streams and self.world_size > 1:
-                raise InvalidArgument("a rank's part cannot send CUDA tensors in place yet (SaveAfterEvent has no rank): "
-                                      "save host copies, or use one rank")
             c = _SavePlan(plan, copy_bytes, None, streams)
             return self._send(step, c, [o for _, o in leaves], blobs_py, t0)
 
@@ -813,10 +855,14 @@ class Checkpointer:
                     c.copy_in(self, objs, region)
                 blobs = c.blob_array(blobs_py)
                 sid = ctypes.c_uint64()
-                if c.streams:
-                    # Device tensors in place: fenced by an event on their stream.
+                # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
+                streams = _cuda.streams_now(c.dev, objs, torch_module()) if c.dev else []
+                if len(streams) > 1:
+                    raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                                          f"({streams}); synchronize them onto one stream first")
+                if streams:
                     N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
-                                                        c.streams[0], ctypes.byref(sid)))
+                                                        streams[0], ctypes.byref(sid)))
                 else:
                     N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
                                               ctypes.byref(sid)))
@@ -826,6 +872,8 @@ class Checkpointer:
                     self._give_back(region)
                 raise
             h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=c.inplace)
+            # Only device tensors in place: the next step can wait on the copy on its stream.
+            h.cuda_stream = streams[0] if streams and not c.host_inplace else None
             h.copied_bytes = c.copy_bytes
             if region is not None:
                 region.busy = h
@@ -847,9 +895,11 @@ class Checkpointer:
         plan, _direct, copy_bytes, streams = self._plan(fl.leaves)
         c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton), streams)
         objs = [o for _, o in fl.leaves]
-        # A plan with device tensors in place is not kept: their stream (the
-        # current one) and their allocation are asked again at each save.
-        if not streams and key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
+        # A plan with device tensors in place is kept too (torch CUDA tensors:
+        # the same addresses are the same registered allocations, which
+        # libckpt keeps for the client's life); their streams are asked again
+        # at each save (_send). Interface objects have no quick key.
+        if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
             c.remember(key, self._regions_gen)
             plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
             self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]
@@ -1008,55 +1058,12 @@ class Checkpointer:
         """The state saved as `step` ("latest": the newest good one), verified by
         the sidecar; torch tensors where torch tensors were saved, numpy arrays
         where arrays were. A step is an int from 0 to 999999999999. map_location: a torch device for torch tensors (None:
-        the device they were saved from)."""
-        L = N.lib()
+        the device they were saved from). Whatever world size saved it, every
+        rank gets the whole state (tensors split between ranks come back whole)."""
         with self._mu:
-            self._ensure()
-            want = step_arg(step, latest_ok=True)
-            want = -1 if want is None else want
-            got, src = ctypes.c_uint64(), ctypes.c_int()
-            N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
-            self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
-            infos = self._loaded_tensors()
-            skel = self._loaded_blob(STRUCTURE_BLOB)
-            parts = self._loaded_blob(PARTS_BLOB)
-            parts = pickle.loads(parts) if parts is not None else {"world_size": 1, "split": {}}
-            rng_blob = self._loaded_rng(parts["world_size"]) if restore_rng else None
-            # Tensors saved in pieces (several ranks' parts) are put back
-            # together in place: each piece is loaded at its offset in one slot.
-            piece_at = {pn: (g, a) for g, sp in parts["split"].items() for pn, a, b in sp["pieces"]}
-            slots = [i for i in infos if i[0] not in piece_at]
-            piece_isz = {}
-            for name, dt, shape, nbytes in infos:
-                if name in piece_at and nbytes:
-                    piece_isz[piece_at[name][0]] = nbytes // shape[0]
-            for g, sp in parts["split"].items():
-                n_elems = max((b for _, _, b in sp["pieces"]), default=0)
-                slots.append((g, sp["dtype"], sp["shape"], n_elems * piece_isz.get(g, 0)))
-            total = sum(_align(i[3]) for i in slots)
-            if total and (self._load_region is None or self._load_region.len_bytes < total):
-                if self._load_region is not None:
-                    self._free_region(self._load_region)
-                self._load_region = self._alloc(_align(total))
-            region = self._load_region
-            descs = (N.Tensor * max(len(infos), 1))()
-            keep, offs, n, off = [], {}, 0, 0
-            for name, dt, shape, nbytes in slots:
-                offs[name] = off
-                off += _align(nbytes)
-            for name, dt, shape, nbytes in infos:
-                if nbytes == 0:
-                    continue
-                at = offs[name] if name not in piece_at else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
-                bn, bd = name.encode(), dt.encode()
-                shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-                keep += [bn, bd, shp]
-                descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + at, nbytes)
-                n += 1
-            if n:
-                N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
+            got, values, skel, saved_world = self._load_tensors(step, None, map_location)
+            rng_blob = self._loaded_rng(saved_world) if restore_rng else None
             if skel is None:
-                values = {name: _plain_array(region, offs[name], dt, shape, nbytes) for name, dt, shape, nbytes in slots}
                 result = values
             else:
                 version, skeleton = pickle.loads(skel)
@@ -1064,19 +1071,96 @@ class Checkpointer:
                     raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
                 refs = {}
                 _collect_refs(skeleton, refs)
-                by_name = {i[0]: i for i in slots}
-                values = {}
-                for name, ref in refs.items():
-                    if name not in by_name:
-                        raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got.value}", -8)
-                    _, dt, shape, nbytes = by_name[name]
-                    values[name] = _restore(ref, region, offs[name], nbytes, map_location)
+                for name in refs:
+                    if name not in values:
+                        raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got}", -8)
                 result = unflatten(skeleton, values)
             if rng_blob is not None:
                 restore_rng_state(pickle.loads(rng_blob))
             elif restore_rng:
-                warnings.warn(f"checkpoint {got.value} holds no RNG state (save it with rng=True)")
+                warnings.warn(f"checkpoint {got} holds no RNG state (save it with rng=True)")
             return result
+
+    def load_tensors(self, names, step="latest", map_location="cpu"):
+        """Only the named tensors of `step` (their paths, as `save` names
+        them: "model.embed.weight"), verified by the sidecar: {name: tensor},
+        each whole whatever world size saved it. An unknown name raises
+        NotFound naming it."""
+        names = list(names)
+        with self._mu:
+            return self._load_tensors(step, names, map_location)[1]
+
+    def _load_tensors(self, step, names, map_location):
+        """(step loaded, {name: value}, the structure blob or None, the world
+        size that saved it); names None: every tensor."""
+        L = N.lib()
+        self._ensure()
+        want = step_arg(step, latest_ok=True)
+        want = -1 if want is None else want
+        got, src = ctypes.c_uint64(), ctypes.c_int()
+        N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
+        self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+        infos = self._loaded_tensors()
+        skel = self._loaded_blob(STRUCTURE_BLOB)
+        # The sidecar lists and loads tensors stored in slices whole. Only
+        # checkpoints written before the index described slices list the
+        # pieces, with the map in the blob parts.pkl.
+        parts = self._loaded_blob(PARTS_BLOB)
+        parts = pickle.loads(parts) if parts is not None else {"world_size": None, "split": {}}
+        saved_world = parts["world_size"] or self._saved_world_size()
+        # Old checkpoints' pieces are put back together in place: each piece
+        # is loaded at its offset in one slot.
+        piece_at = {pn: (g, a) for g, sp in parts["split"].items() for pn, a, b in sp["pieces"]}
+        slots = [i for i in infos if i[0] not in piece_at]
+        piece_isz = {}
+        for name, dt, shape, nbytes in infos:
+            if name in piece_at and nbytes:
+                piece_isz[piece_at[name][0]] = nbytes // shape[0]
+        for g, sp in parts["split"].items():
+            n_elems = max((b for _, _, b in sp["pieces"]), default=0)
+            slots.append((g, sp["dtype"], sp["shape"], n_elems * piece_isz.get(g, 0)))
+        if names is not None:
+            have = {i[0] for i in slots}
+            missing = [n for n in names if n not in have]
+            if missing:
+                raise NotFound(f"tensor(s) {missing} not in checkpoint {got.value}", -8)
+            keep_names = set(names)
+            slots = [i for i in slots if i[0] in keep_names]
+            infos = [i for i in infos if (piece_at[i[0]][0] if i[0] in piece_at else i[0]) in keep_names]
+        total = sum(_align(i[3]) for i in slots)
+        if total and (self._load_region is None or self._load_region.len_bytes < total):
+            if self._load_region is not None:
+                self._free_region(self._load_region)
+            self._load_region = self._alloc(_align(total))
+        region = self._load_region
+        descs = (N.Tensor * max(len(infos), 1))()
+        keep, offs, n, off = [], {}, 0, 0
+        for name, dt, shape, nbytes in slots:
+            offs[name] = off
+            off += _align(nbytes)
+        for name, dt, shape, nbytes in infos:
+            if nbytes == 0:
+                continue
+            at = offs[name] if name not in piece_at else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
+            bn, bd = name.encode(), dt.encode()
+            shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            keep += [bn, bd, shp]
+            descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + at, nbytes)
+            n += 1
+        if n:
+            N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
+        refs = {}
+        if skel is not None:
+            version, skeleton = pickle.loads(skel)
+            if version == SKELETON_VERSION:
+                _collect_refs(skeleton, refs)
+        values = {}
+        for name, dt, shape, nbytes in slots:
+            if name in refs:
+                values[name] = _restore(refs[name], region, offs[name], nbytes, map_location)
+            else:
+                values[name] = _plain_array(region, offs[name], dt, shape, nbytes)
+        return got.value, values, skel, saved_world
 
     def load_into(self, state, step="latest"):
         """Restore the device tensors of `state` in place, from the sidecar
@@ -1112,6 +1196,14 @@ class Checkpointer:
             N.check(L.ckpt_load(self._client, want, descs, n, ctypes.byref(got), ctypes.byref(src)))
             self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
             return got.value
+    def _saved_world_size(self):
+        """The world size that saved the loaded checkpoint, as its per-rank
+        RNG blobs tell (1 when there are none)."""
+        n = 0
+        while self._loaded_blob(dist.rng_blob_name(n)) is not None:
+            n += 1
+        return max(n, 1)
+
     def _loaded_rng(self, saved_world_size):
         """The RNG blob for this rank: its own when the world size is the one
         that saved; a single-rank checkpoint's otherwise."""
@@ -1202,7 +1294,11 @@ class Checkpointer:
     # ---- guard, list, status, close ----
 
     def guard(self, optimizer):
-        """Before each optimizer.step(), wait until the last save is released.
+        """Before each optimizer.step(), make it wait until the last save is
+        released. For a save of device tensors only, that is a wait on the GPU:
+        the current CUDA stream (torch's, else the stream the save was fenced
+        on) waits on an event the sidecar records after its copy, and the CPU
+        goes on (the lazy wait); a save with host tensors waits on the CPU.
         A failed save only warns here (training goes on; wait_durable raises it).
         Returns the hook's RemovableHandle."""
 
@@ -1217,7 +1313,10 @@ class Checkpointer:
             if h is not None and h.id != done[0]:
                 done[0] = h.id
                 try:
-                    h.wait_released()
+                    if h.cuda_stream is not None:
+                        h.wait_copy_on_stream(_current_stream())
+                    else:
+                        h.wait_released()
                 except SidecarError as e:
                     warnings.warn(f"checkpoint of step {h.step} failed: {e}")
             return None

@@ -436,8 +436,17 @@ fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
 
 /// Writes one frame without ever raising SIGPIPE; with `fd`, its first
 /// bytes carry that descriptor (SCM_RIGHTS: the sidecar gets its own).
-fn send_frame_with(stream: &UnixStream, msg: &Request, mut pass_fd: Option<i32>) -> Result<()> {
-    let frame = ckpt_wire::encode(msg);
+fn send_frame_with(stream: &UnixStream, msg: &Request, pass_fd: Option<i32>) -> Result<()> {
+    send_encoded_with(stream, &ckpt_wire::encode(msg), pass_fd)
+}
+
+/// Writes one encoded frame (length prefix included) without ever raising SIGPIPE.
+fn send_encoded(stream: &UnixStream, frame: &[u8]) -> Result<()> {
+    send_encoded_with(stream, frame, None)
+}
+
+/// [`send_encoded`], with `fd` passed as [`send_frame_with`] does.
+fn send_encoded_with(stream: &UnixStream, frame: &[u8], mut pass_fd: Option<i32>) -> Result<()> {
     let body_bytes = frame.len() - 4;
     if body_bytes > FRAME_BYTES_MAX as usize {
         return Err(Error::InvalidArgument(format!(
@@ -660,13 +669,20 @@ impl Client {
     /// The tensors must not change until it is released.
     pub fn save(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef]) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
-        let descs = describe(&inner, tensors)?;
-        let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
-        let lazy_release = inner.lazy_release;
-        match inner.rank {
-            (_, 1) => self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
-            (rank, world_size) => self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release }),
+        // Encoded from the caller's borrowed names and shapes: no copy of
+        // them (a save of thousands of tensors costs a pass, not allocations).
+        let mut descs = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let (region_id, offset_bytes) = locate(&inner, t)?;
+            descs.push(ckpt_wire::TensorDescRef { name: t.name, dtype: t.dtype, shape: t.shape, region_id, offset_bytes, len_bytes: t.len_bytes });
         }
+        let blobs: Vec<ckpt_wire::BlobRef> = blobs.iter().map(|b| ckpt_wire::BlobRef { name: b.name, bytes: b.bytes }).collect();
+        let lazy_release = inner.lazy_release;
+        let part = match inner.rank {
+            (_, 1) => None,
+            (rank, world_size) => Some(ckpt_wire::RankOf { rank, world_size }),
+        };
+        self.submit_encoded(&mut inner, step, None, |id| ckpt_wire::encode_save(id, step, part, &descs, &blobs, lazy_release))
     }
 
     /// Registers the CUDA allocation holding device address `ptr` (found
@@ -833,6 +849,11 @@ impl Client {
 
     /// Files a save under a fresh id and sends the request `make` builds.
     fn submit(&self, inner: &mut MutexGuard<'_, Inner>, step: u64, file: Option<String>, make: impl FnOnce(u64) -> Request) -> Result<SaveHandle> {
+        self.submit_encoded(inner, step, file, |id| ckpt_wire::encode(&make(id)))
+    }
+
+    /// [`Client::submit`] of a request already encoded as a frame by `make`.
+    fn submit_encoded(&self, inner: &mut MutexGuard<'_, Inner>, step: u64, file: Option<String>, make: impl FnOnce(u64) -> Vec<u8>) -> Result<SaveHandle> {
         let conn = self.ensure_connected(inner)?;
         let id = {
             let mut st = self.lock_state();
@@ -852,7 +873,7 @@ impl Client {
             st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, copy_queued: false });
             id
         };
-        if let Err(e) = send_frame(&conn.stream, &make(id)) {
+        if let Err(e) = send_encoded(&conn.stream, &make(id)) {
             let mut st = self.lock_state();
             st.saves.remove(&id);
             return Err(e);
@@ -1240,22 +1261,27 @@ fn unexpected(what: &str, reply: Reply) -> Error {
 /// Turns tensor refs into descriptors: the region each lies in (host shm or
 /// a CUDA allocation) and its offset.
 fn describe(inner: &Inner, tensors: &[TensorRef]) -> Result<Vec<TensorDesc>> {
-    let regions = &inner.regions;
     tensors
         .iter()
         .map(|t| {
-            let ptr = t.ptr as usize;
-            let found = regions
-                .values()
-                .find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off)))
-                .or_else(|| inner.cuda_regions.values().find_map(|r| r.offset_of(ptr as u64, t.len_bytes).map(|off| (r.region_id, off))));
-            let (region_id, offset_bytes) = match found {
-                Some(f) => f,
-                // A zero-byte tensor needs no region bytes: any region at offset 0.
-                None if t.len_bytes == 0 => (regions.keys().next().copied().unwrap_or(0), 0),
-                None => return Err(Error::OutsideRegion { name: t.name.to_string(), ptr, len_bytes: t.len_bytes }),
-            };
+            let (region_id, offset_bytes) = locate(inner, t)?;
             Ok(TensorDesc { name: t.name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.to_vec(), region_id, offset_bytes, len_bytes: t.len_bytes })
         })
         .collect()
+}
+
+/// The region a tensor ref lies in (host shm or a CUDA allocation) and its offset there.
+fn locate(inner: &Inner, t: &TensorRef) -> Result<(u32, u64)> {
+    let regions = &inner.regions;
+    let ptr = t.ptr as usize;
+    let found = regions
+        .values()
+        .find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off)))
+        .or_else(|| inner.cuda_regions.values().find_map(|r| r.offset_of(ptr as u64, t.len_bytes).map(|off| (r.region_id, off))));
+    match found {
+        Some(f) => Ok(f),
+        // A zero-byte tensor needs no region bytes: any region at offset 0.
+        None if t.len_bytes == 0 => Ok((regions.keys().next().copied().unwrap_or(0), 0)),
+        None => Err(Error::OutsideRegion { name: t.name.to_string(), ptr, len_bytes: t.len_bytes }),
+    }
 }

@@ -182,9 +182,12 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())
 }
 
+/// `what` names the argument in an error (formatted only then: a save
+/// checks thousands of names).
+///
 /// # Safety
 /// `p` is NULL or a NUL-terminated string valid for `'a`.
-pub(crate) unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
+pub(crate) unsafe fn c_str<'a>(p: *const c_char, what: impl std::fmt::Display) -> Result<&'a str, Error> {
     if p.is_null() {
         return Err(invalid(format!("{what} is NULL")));
     }
@@ -209,7 +212,7 @@ pub(crate) fn out<T>(p: *mut T, what: &str) -> Result<*mut T, Error> {
 
 /// # Safety
 /// `p` is NULL (with n == 0) or points to `n` live values.
-pub(crate) unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Error> {
+pub(crate) unsafe fn slice<'a, T>(p: *const T, n: usize, what: impl std::fmt::Display) -> Result<&'a [T], Error> {
     if n == 0 {
         return Ok(&[]);
     }
@@ -223,16 +226,17 @@ pub(crate) unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> Result<&
 /// # Safety
 /// Each descriptor's pointers are valid as ckpt_tensor documents.
 pub(crate) unsafe fn tensor_refs<'a>(ts: &'a [ckpt_tensor]) -> Result<Vec<TensorRef<'a>>, Error> {
-    ts.iter()
-        .enumerate()
-        .map(|(i, t)| {
-            // SAFETY: the caller's contract for each field.
-            let name = unsafe { c_str(t.name, &format!("tensors[{i}].name")) }?;
-            let dtype = unsafe { c_str(t.dtype, &format!("tensors[{i}].dtype ({name})")) }?;
-            let shape = unsafe { slice(t.shape, t.ndim as usize, &format!("tensors[{i}].shape ({name})")) }?;
-            Ok(TensorRef { name, dtype, shape, ptr: t.data.cast(), len_bytes: t.len_bytes })
-        })
-        .collect()
+    // Sized once (a collect into Result grows it step by step: thousands of
+    // tensors meant a dozen reallocations and copies per save).
+    let mut out = Vec::with_capacity(ts.len());
+    for (i, t) in ts.iter().enumerate() {
+        // SAFETY: the caller's contract for each field.
+        let name = unsafe { c_str(t.name, format_args!("tensors[{i}].name")) }?;
+        let dtype = unsafe { c_str(t.dtype, format_args!("tensors[{i}].dtype ({name})")) }?;
+        let shape = unsafe { slice(t.shape, t.ndim as usize, format_args!("tensors[{i}].shape ({name})")) }?;
+        out.push(TensorRef { name, dtype, shape, ptr: t.data.cast(), len_bytes: t.len_bytes });
+    }
+    Ok(out)
 }
 
 /// The library's version, e.g. "libckpt 0.1.0 (protocol 1)". Never NULL; static.
@@ -788,7 +792,7 @@ pub(crate) unsafe fn blob_refs<'a>(blobs: *const ckpt_blob, n_blobs: usize) -> R
     bs.iter()
         .enumerate()
         .map(|(i, b)| {
-            let name = unsafe { c_str(b.name, &format!("blobs[{i}].name")) }?;
+            let name = unsafe { c_str(b.name, format_args!("blobs[{i}].name")) }?;
             let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, &format!("blobs[{i}].data ({name})")) }?;
             Ok(BlobRef { name, bytes })
         })

@@ -6,6 +6,7 @@ dicts (and OrderedDict), lists, tuples and namedtuples are walked; anything
 else stays in the skeleton as is (pickled). Names are the path in the
 structure joined with ".", made valid and unique for docs/format.md.
 """
+import operator
 import sys
 from collections import OrderedDict
 
@@ -185,6 +186,16 @@ _NP_FIXED_BUFFER = int(np.__version__.split(".")[0]) >= 2
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
 
 
+# A container whose values are all arrays (or all plain torch tensors) is
+# described in bulk: a few C-level passes (map) over its values instead of a
+# Python step per value. Tagged, so a bulk entry never equals per-value ones.
+_BULK_NP, _BULK_TORCH = object(), object()
+# One attribute per pass: a getter of several builds a tuple per value, slower.
+_SHAPE, _STRIDES, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("strides"), operator.attrgetter("dtype")
+_DEVICE, _GRAD = operator.attrgetter("device"), operator.attrgetter("requires_grad")
+_LAYOUT, _QUANTIZED = operator.attrgetter("layout"), operator.attrgetter("is_quantized")
+
+
 def quick_key(state):
     """(sig, leaves) for `state`, or None when it holds something only the
     full walk (Flattener) handles. `leaves` are the tensor objects in the
@@ -198,7 +209,9 @@ def quick_key(state):
     each call) matches; a numpy array by its id (its address costs µs to
     ask), which names the same array only while it lives: the caller keeps
     weak references to `leaves` that are arrays and checks them. One pass,
-    no per-tensor objects but a small tuple: the cost of a cached save."""
+    no per-tensor objects but a small tuple: the cost of a cached save. A
+    container whose values are all arrays (or all torch tensors) costs a few
+    C-level passes over them (`_bulk`), not a Python step per value."""
     sig, leaves = [], []
     torch = torch_module()
     tensor = torch.Tensor if torch is not None else None
@@ -211,9 +224,11 @@ def quick_key(state):
         if tp is dict or tp is OrderedDict or tp is list or tp is tuple:
             if tp is dict or tp is OrderedDict:
                 add((tp, tuple(o)))
-                o = o.values()
+                o = list(o.values())
             else:
                 add((tp, len(o)))
+            if len(o) > 1 and _bulk(o, sig, leaves, torch):
+                return
             for v in o:
                 # The common leaf inline (a call per tensor is most of the cost).
                 if type(v) is ndarray and not v.dtype.hasobject and _NP_FIXED_BUFFER:
@@ -242,6 +257,34 @@ def quick_key(state):
     except (_NoKey, RecursionError):
         return None
     return sig, leaves
+
+
+def _bulk(vals, sig, leaves, torch):
+    """Describes `vals` (a container's values) in bulk when all are numpy
+    arrays (NumPy 2: the id names the buffer) or all plain torch tensors;
+    False (nothing added) otherwise. Raises _NoKey for what the per-value
+    walk would refuse too."""
+    types = set(map(type, vals))
+    if len(types) != 1:
+        return False
+    tp = types.pop()
+    if tp is np.ndarray and _NP_FIXED_BUFFER:
+        dtypes = tuple(map(_DTYPE, vals))
+        if any(d.hasobject for d in set(dtypes)):
+            raise _NoKey
+        sig.append((_BULK_NP, tuple(map(id, vals)), tuple(map(_SHAPE, vals)), tuple(map(_STRIDES, vals)), dtypes))
+    elif torch is not None and tp is torch.Tensor:
+        devices = tuple(map(_DEVICE, vals))
+        if set(map(_LAYOUT, vals)) != {torch.strided} or any(map(_QUANTIZED, vals)) \
+                or any(d.type == "meta" for d in set(devices)):
+            raise _NoKey
+        t = torch.Tensor
+        sig.append((_BULK_TORCH, tuple(map(t.data_ptr, vals)), tuple(map(_SHAPE, vals)), tuple(map(t.stride, vals)),
+                    tuple(map(_DTYPE, vals)), devices, tuple(map(_GRAD, vals))))
+    else:
+        return False
+    leaves.extend(vals)
+    return True
 
 
 def unflatten(skel, values):

@@ -13,6 +13,7 @@ import ctypes
 import errno
 import operator
 import fcntl
+import gc
 import os
 import pickle
 import random
@@ -41,6 +42,7 @@ PARTS_BLOB = "parts.pkl"  # read only: older multi-rank checkpoints' map of tens
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
+PENDING_PRUNE_AT = 64  # handles remembered before the released or dropped ones are pruned
 SAVE_PLANS_MAX = 8  # prepared save requests kept for states saved again (a trainer alternating a few states)
 
 _live = weakref.WeakSet()
@@ -319,7 +321,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "__weakref__")
+                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "dead", "blobs", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -353,14 +355,42 @@ class _SavePlan:
         self.data_view = np.ndarray((self.n,), dtype=np.uint64, buffer=self.descs, offset=N.Tensor.data.offset,
                                     strides=(ctypes.sizeof(N.Tensor),)) if self.n else None
         self.sig = self.refs = self.gen = None
+        self.dead = False
+        self.blobs = None  # (the blobs' names and data, their ckpt_blob_t array) of the last save
+
+    def blob_array(self, blobs_py):
+        """The ckpt_blob_t array of [(name, bytes)]: the last one again when
+        the same names and byte objects come (the structure blob alone, at
+        every save of an unchanged state), which the array keeps alive."""
+        last = self.blobs
+        if last is not None and len(last[0]) == len(blobs_py) and \
+                all(a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], blobs_py)):
+            return last[1]
+        keep = []
+        arr = (N.Blob * max(len(blobs_py), 1))()
+        for i, (bn, data) in enumerate(blobs_py):
+            keep += [bn.encode(), data]
+            arr[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
+        arr._keep = keep
+        self.blobs = (list(blobs_py), arr)
+        return arr
 
     def remember(self, key, gen):
         self.sig, self.gen = key[0], gen
-        # The numpy arrays' ids are in sig: they name the same arrays while these live.
-        self.refs = [weakref.ref(o) for o in key[1] if type(o) is np.ndarray]
+        # The numpy arrays' ids are in sig: they name the same arrays while
+        # these live. The first to die marks the plan dead (its callback), so
+        # a save checks one flag, not a reference per array.
+        me = weakref.ref(self)
+
+        def died(_ref):
+            p = me()
+            if p is not None:
+                p.dead = True
+
+        self.refs = [weakref.ref(o, died) for o in key[1] if type(o) is np.ndarray]
 
     def alive(self):
-        return all(r() is not None for r in self.refs)
+        return not self.dead
 
     def matches(self, key, gen):
         """Whether `key` (quick_key of the state now) is the state this plan was
@@ -462,6 +492,7 @@ class Checkpointer:
         self._free = []          # those of them no save in flight uses
         self._load_region = None
         self._pending = []       # weakrefs of handles not yet known released
+        self._pending_prune_at = PENDING_PRUNE_AT  # dead ones are dropped when it grows past this
         self._last = None
         self._budget = None      # the sidecar's staging budget, once asked (see _check_fits)
         self._mu = threading.RLock()
@@ -762,13 +793,24 @@ class Checkpointer:
             self._ensure()
             if self.world_size > 1:
                 return self._save_part(step, state, rng, t0)
-            key = quick_key(state)
-            c = None
-            if key is not None:
-                for p in reversed(self._save_plans):
-                    if p.matches(key, self._regions_gen):
-                        c, objs = p, key[1]
-                        break
+            # The key's thousands of small tuples are garbage right after the
+            # match: with the collector paused they come and go without
+            # counting towards a collection (one, with torch's objects
+            # around, costs more than the whole save).
+            paused = gc.isenabled()
+            gc.disable()
+            try:
+                key = quick_key(state)
+                c = None
+                if key is not None:
+                    for p in reversed(self._save_plans):
+                        if p.matches(key, self._regions_gen):
+                            c, objs = p, key[1]
+                            key = None  # freed here, while the collector is paused
+                            break
+            finally:
+                if paused:
+                    gc.enable()
             if c is None:
                 c, objs = self._prepare(state, key)
             blobs_py = [(STRUCTURE_BLOB, c.skeleton)]
@@ -811,11 +853,7 @@ class Checkpointer:
             try:
                 if region is not None:
                     c.copy_in(self, objs, region)
-                keep = []
-                blobs = (N.Blob * max(len(blobs_py), 1))()
-                for i, (bn, data) in enumerate(blobs_py):
-                    keep += [bn.encode(), data]
-                    blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
+                blobs = c.blob_array(blobs_py)
                 sid = ctypes.c_uint64()
                 # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
                 streams = _cuda.streams_now(c.dev, objs, torch_module()) if c.dev else []
@@ -840,6 +878,11 @@ class Checkpointer:
             if region is not None:
                 region.busy = h
             self._pending.append(weakref.ref(h))
+            if len(self._pending) > self._pending_prune_at:
+                # Only saves that copy poll these; a trainer whose tensors are
+                # all shared would otherwise keep one per save, for good.
+                self._pending = [r for r in self._pending if (live := r()) is not None and not live._taken]
+                self._pending_prune_at = max(PENDING_PRUNE_AT, 2 * len(self._pending))
             self._last = h
             h.stall_seconds = time.perf_counter() - t0
             return h

@@ -53,6 +53,13 @@ pub const SHM_NAME_BYTES_MAX: usize = 255;
 pub const TENSORS_PER_REQUEST_MAX: usize = 1 << 20;
 /// Blobs in one save.
 pub const BLOBS_PER_SAVE_MAX: usize = 4096;
+/// Save plans a session keeps for saves of the same tensors again
+/// (`save_plan`): a trainer alternating a few states (the Python shim keeps
+/// eight prepared requests, two save regions) finds its plan.
+pub const SAVE_PLANS_KEPT: usize = 8;
+/// Descriptors in all the plans one session keeps (about 300 bytes each
+/// with their layout); a save of more tensors is planned every time.
+pub const SAVE_PLAN_TENSORS_MAX: usize = 1 << 16;
 /// Checkpoints copied and waiting for the committer; a full queue makes the
 /// next save wait (its staging is already held, so this bounds nothing
 /// else). Saves waiting for staging are bounded by the staging budget.

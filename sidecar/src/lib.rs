@@ -23,6 +23,7 @@ pub mod jobs;
 pub mod load;
 pub mod peer;
 pub mod regions;
+pub mod save_plan;
 pub mod server;
 pub mod session;
 pub mod slices;

@@ -14,7 +14,7 @@ use std::io::BufReader;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use ckpt_wire::{ErrorCode, FrameError, Reply, Request};
+use ckpt_wire::{ErrorCode, FrameError, Reply, Request, TensorDescIn};
 use tracing::{debug, info, warn};
 
 use ckpt_store::catalog;
@@ -24,6 +24,7 @@ use crate::file_save;
 use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::regions::{CudaSession, CudaSource, Region};
+use crate::save_plan::SavePlans;
 use crate::snapshot;
 use crate::peer::Peer;
 use crate::state::Shared;
@@ -52,6 +53,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     let mut reader = BufReader::with_capacity(64 << 10, FdSocket::new(stream));
     let mut regions: HashMap<u32, Arc<Region>> = HashMap::new();
     let mut cuda = CudaSession::default();
+    let mut plans = SavePlans::default();
     loop {
         let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
             Ok(b) => b,
@@ -65,6 +67,21 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 break;
             }
         };
+        // A Save (or SavePart), the hot message, is read into descriptors
+        // that borrow the frame: no allocation per tensor.
+        match ckpt_wire::decode_save(&body) {
+            Some(Ok(sv)) => {
+                let part = sv.part.map(|p| Part { rank: p.rank, world_size: p.world_size });
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, sv.id, sv.step, &sv.tensors, sv.blobs, sv.lazy_release, part);
+                continue;
+            }
+            Some(Err(e)) => {
+                warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
+                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                break;
+            }
+            None => {}
+        }
         let req: Request = match ckpt_wire::decode(&body) {
             Ok(r) => r,
             Err(e) => {
@@ -84,7 +101,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 peer.send(&reply);
             }
             Request::UnregisterRegion { id, region_id } => {
-                // Copies run on this thread, so none uses the region now.
+                // Copies run on this thread, so none uses the region now;
+                // no kept plan may hold its mapping either.
+                plans.clear();
                 let reply = match regions.remove(&region_id) {
                     Some(_) => Reply::RegionUnregistered { id, region_id },
                     None => Reply::Error { id, code: ErrorCode::BadRegion, message: format!("region {region_id} is not registered") },
@@ -92,9 +111,14 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::Save { id, step, tensors, blobs, lazy_release } => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
+            // Read by decode_save above; kept whole for any other path here.
+            Request::Save { id, step, tensors, blobs, lazy_release } => {
+                let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, None)
+            }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release } => {
-                snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, Some(Part { rank, world_size }))
+                let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, Some(Part { rank, world_size }))
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, id, path, region_id, offset_bytes, len_bytes)
@@ -147,7 +171,8 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 });
                 match fenced {
                     Ok(()) => {
-                        snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, part.then_some(Part { rank, world_size }));
+                        let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                        snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, part.then_some(Part { rank, world_size }));
                         cuda.end_save(device);
                     }
                     Err(e) => {
@@ -172,8 +197,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
         }
         info!(pid = s.peer_pid, n_regions = regions.len(), "client died: its regions removed");
     }
-    // Closes every imported CUDA allocation (the last Arc of each region)
-    // before the session's streams and events go.
+    // Closes every imported CUDA allocation (the last Arc of each region,
+    // the kept plans' included) before the session's streams and events go.
+    drop(plans);
     drop(regions);
     drop(cuda);
     info!(pid = s.client_pid, name = %s.name, "session ended");

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc};
+use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
@@ -30,6 +30,7 @@ use crate::regions::Region;
 use crate::staging::{Lease, StagingError};
 use crate::jobs::Flight;
 use crate::peer::Peer;
+use crate::save_plan::SavePlans;
 use crate::state::{Phase, Shared};
 
 #[derive(Debug, thiserror::Error)]
@@ -65,57 +66,119 @@ pub struct Source {
     pub len_bytes: u64,
 }
 
+/// A tensor descriptor as the checks read it: owned (a Load) or borrowing
+/// its frame (a Save, [`ckpt_wire::decode_save`]).
+pub trait Desc {
+    fn name(&self) -> &str;
+    fn dtype(&self) -> &str;
+    fn shape(&self) -> &[u64];
+    fn region_id(&self) -> u32;
+    fn offset_bytes(&self) -> u64;
+    fn len_bytes(&self) -> u64;
+}
+
+impl Desc for TensorDesc {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn dtype(&self) -> &str {
+        &self.dtype
+    }
+    fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+    fn region_id(&self) -> u32 {
+        self.region_id
+    }
+    fn offset_bytes(&self) -> u64 {
+        self.offset_bytes
+    }
+    fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+}
+
+impl Desc for TensorDescIn<'_> {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn dtype(&self) -> &str {
+        self.dtype
+    }
+    fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+    fn region_id(&self) -> u32 {
+        self.region_id
+    }
+    fn offset_bytes(&self) -> u64 {
+        self.offset_bytes
+    }
+    fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+}
+
 /// Parses a wire dtype and checks `len_bytes == size(dtype) × Π shape`.
-pub fn check_desc_shape(d: &TensorDesc) -> Result<Dtype, String> {
-    let dtype = Dtype::parse(&d.dtype).map_err(|e| format!("tensor {:?}: {e}", d.name))?;
-    let want = format::tensor_len_bytes(dtype, &d.shape).ok_or_else(|| format!("tensor {:?}: shape {:?} of {} overflows", d.name, d.shape, d.dtype))?;
-    if want != d.len_bytes {
-        return Err(format!("tensor {:?}: len_bytes {} but {} {:?} is {} bytes", d.name, d.len_bytes, d.dtype, d.shape, want));
+pub fn check_desc_shape(d: &impl Desc) -> Result<Dtype, String> {
+    let dtype = Dtype::parse(d.dtype()).map_err(|e| format!("tensor {:?}: {e}", d.name()))?;
+    let want = format::tensor_len_bytes(dtype, d.shape()).ok_or_else(|| format!("tensor {:?}: shape {:?} of {} overflows", d.name(), d.shape(), d.dtype()))?;
+    if want != d.len_bytes() {
+        return Err(format!("tensor {:?}: len_bytes {} but {} {:?} is {} bytes", d.name(), d.len_bytes(), d.dtype(), d.shape(), want));
     }
     Ok(dtype)
 }
 
 /// Checks that no two non-empty descriptors overlap within one region.
-pub fn check_no_overlap(tensors: &[TensorDesc]) -> Result<(), String> {
-    let mut spans: Vec<(u32, u64, u64, usize)> =
-        tensors.iter().enumerate().filter(|(_, t)| t.len_bytes > 0).map(|(i, t)| (t.region_id, t.offset_bytes, t.offset_bytes.saturating_add(t.len_bytes), i)).collect();
+pub fn check_no_overlap(tensors: &[impl Desc]) -> Result<(), String> {
+    let mut spans: Vec<(u32, u64, u64, usize)> = tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.len_bytes() > 0)
+        .map(|(i, t)| (t.region_id(), t.offset_bytes(), t.offset_bytes().saturating_add(t.len_bytes()), i))
+        .collect();
     spans.sort_unstable();
     for w in spans.windows(2) {
         let (a, b) = (&w[0], &w[1]);
         if a.0 == b.0 && b.1 < a.2 {
-            return Err(format!("tensors {:?} and {:?} overlap in region {}", tensors[a.3].name, tensors[b.3].name, a.0));
+            return Err(format!("tensors {:?} and {:?} overlap in region {}", tensors[a.3].name(), tensors[b.3].name(), a.0));
         }
     }
     Ok(())
 }
 
-/// Every check of protocol.md's Save section that needs no shared state;
-/// returns the planned image (at base 0) and each spec's source.
-pub fn plan_save(tensors: &[TensorDesc], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
-    if tensors.len() > config::TENSORS_PER_REQUEST_MAX {
-        return Err(SaveError::BadRequest(format!("{} tensors; at most {} per save", tensors.len(), config::TENSORS_PER_REQUEST_MAX)));
-    }
+/// The checks of a Save's blobs (count, names, sizes).
+pub fn check_blobs(blobs: &[Blob]) -> Result<(), SaveError> {
     if blobs.len() > config::BLOBS_PER_SAVE_MAX {
         return Err(SaveError::BadRequest(format!("{} blobs; at most {} per save", blobs.len(), config::BLOBS_PER_SAVE_MAX)));
     }
     let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
-    image::validate_blobs(&blob_refs).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+    image::validate_blobs(&blob_refs).map_err(|e| SaveError::BadRequest(e.to_string()))
+}
+
+/// Every check of protocol.md's Save section that needs no shared state;
+/// returns the planned image (at base 0) and each spec's source.
+pub fn plan_save(tensors: &[impl Desc], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+    if tensors.len() > config::TENSORS_PER_REQUEST_MAX {
+        return Err(SaveError::BadRequest(format!("{} tensors; at most {} per save", tensors.len(), config::TENSORS_PER_REQUEST_MAX)));
+    }
+    check_blobs(blobs)?;
     let mut specs = Vec::with_capacity(tensors.len());
     let mut sources = Vec::with_capacity(tensors.len());
     for d in tensors {
-        format::validate_tensor_name(&d.name).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+        format::validate_tensor_name(d.name()).map_err(|e| SaveError::BadRequest(e.to_string()))?;
         let dtype = check_desc_shape(d).map_err(SaveError::BadRequest)?;
-        let region = if d.len_bytes == 0 {
+        let region = if d.len_bytes() == 0 {
             None
         } else {
             let r = regions
-                .get(&d.region_id)
-                .ok_or_else(|| SaveError::BadRegion(format!("tensor {:?}: region {} is not registered", d.name, d.region_id)))?;
-            r.contains(d.offset_bytes, d.len_bytes).map_err(|e| SaveError::BadRegion(format!("tensor {:?}: {e}", d.name)))?;
+                .get(&d.region_id())
+                .ok_or_else(|| SaveError::BadRegion(format!("tensor {:?}: region {} is not registered", d.name(), d.region_id())))?;
+            r.contains(d.offset_bytes(), d.len_bytes()).map_err(|e| SaveError::BadRegion(format!("tensor {:?}: {e}", d.name())))?;
             Some(r.clone())
         };
-        specs.push(TensorSpec { name: d.name.clone(), dtype, shape: d.shape.clone() });
-        sources.push(Source { region, offset_bytes: d.offset_bytes, len_bytes: d.len_bytes });
+        specs.push(TensorSpec { name: d.name().to_string(), dtype, shape: d.shape().to_vec() });
+        sources.push(Source { region, offset_bytes: d.offset_bytes(), len_bytes: d.len_bytes() });
     }
     check_no_overlap(tensors).map_err(SaveError::BadRequest)?;
     let layout = Layout::plan(specs, opts).map_err(|e| SaveError::BadRequest(e.to_string()))?;
@@ -521,9 +584,10 @@ pub fn run_save(
     shared: &Shared,
     peer: &Arc<Peer>,
     regions: &HashMap<u32, Arc<Region>>,
+    plans: &mut SavePlans,
     id: u64,
     step: u64,
-    tensors: Vec<TensorDesc>,
+    tensors: &[TensorDescIn<'_>],
     blobs: Vec<Blob>,
     lazy_release: bool,
     part: Option<Part>,
@@ -550,11 +614,11 @@ pub fn run_save(
         }
         (opts.rank, opts.world_size) = (p.rank, p.world_size);
     }
-    let (layout, sources) = match plan_save(&tensors, &blobs, regions, opts) {
+    let (layout, sources) = match plans.plan(tensors, &blobs, regions, opts) {
         Ok(x) => x,
         Err(e) => return fail(e),
     };
-    drop(tensors);
+    let plan_seconds = t_received.elapsed().as_secs_f64();
     let image_bytes = layout.staging_len;
     if image_bytes > shared.staging.budget_bytes() {
         return fail(SaveError::TooLarge(format!(
@@ -619,7 +683,7 @@ pub fn run_save(
         }
     };
     let waited_seconds = waited.as_secs_f64();
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    info!(plan_s = plan_seconds, copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     let crcs = crcs.unwrap_or_else(|| {
         // From the staged bytes, which only this lease's holder touches now.
@@ -786,7 +850,7 @@ mod tests {
         assert!(matches!(plan_save(&[d("a", 7, 0, 4)], &[], &regions, Default::default()), Err(SaveError::BadRegion(_))));
         assert!(matches!(plan_save(&[d("a\0", 7, 0, 0)], &[], &regions, Default::default()), Err(SaveError::BadRequest(_))));
         let blob = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plan_save(&[], &[blob], &regions, Default::default()), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plan_save(&[] as &[TensorDesc], &[blob], &regions, Default::default()), Err(SaveError::BadRequest(_))));
         // Zero-element tensors need no region.
         let (l, _) = plan_save(&[d("e", 9, 0, 0)], &[], &regions, Default::default()).unwrap();
         assert_eq!(l.specs.len(), 1);

@@ -18,6 +18,9 @@ use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
+mod save;
+pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
+
 /// Bumped on any change of the messages below (the golden tests fail first).
 pub const PROTOCOL_VERSION: u32 = 6;
 /// First bytes of every Hello, so a stray client is told apart from an old one.

@@ -1,0 +1,184 @@
+//! A session's recently planned saves, reused when a Save describes the
+//! same tensors again: a trainer saves the same state (same names, dtypes,
+//! shapes, regions and offsets) again and again, and planning it (checks,
+//! layout, headers) costs about as much per tensor as copying a small one.
+//!
+//! Invariants:
+//! - a plan is reused only for descriptors equal to those it was made from,
+//!   field for field, with the same layout options, while every region its
+//!   sources read is still the session's registered region of that id (the
+//!   same mapping); every check of [`plan_save`] depends only on these, so
+//!   a reused plan is one that would pass them again; blobs, which the plan
+//!   does not cover, are checked at every save;
+//! - the session drops its plans when it unregisters a region, so a plan
+//!   never keeps a mapping alive after that ([`SavePlans::clear`]);
+//! - at most [`config::SAVE_PLANS_KEPT`] plans and
+//!   [`config::SAVE_PLAN_TENSORS_MAX`] descriptors are kept per session.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ckpt_store::image::{Layout, LayoutOptions};
+use ckpt_wire::{Blob, TensorDescIn};
+
+use crate::config;
+use crate::regions::Region;
+use crate::snapshot::{check_blobs, plan_save, SaveError, Source};
+
+/// One descriptor as a plan remembers it.
+struct Kept {
+    name: Box<str>,
+    dtype: Box<str>,
+    shape: Box<[u64]>,
+    region_id: u32,
+    offset_bytes: u64,
+    len_bytes: u64,
+}
+
+impl Kept {
+    fn of(d: &TensorDescIn<'_>) -> Kept {
+        Kept { name: d.name.into(), dtype: d.dtype.into(), shape: d.shape.to_vec().into(), region_id: d.region_id, offset_bytes: d.offset_bytes, len_bytes: d.len_bytes }
+    }
+
+    fn is(&self, d: &TensorDescIn<'_>) -> bool {
+        self.offset_bytes == d.offset_bytes
+            && self.len_bytes == d.len_bytes
+            && self.region_id == d.region_id
+            && *self.name == *d.name
+            && *self.dtype == *d.dtype
+            && *self.shape == *d.shape
+    }
+}
+
+struct Plan {
+    opts: LayoutOptions,
+    descs: Vec<Kept>,
+    /// The distinct regions the sources read, as registered when planned.
+    regions: Vec<(u32, Arc<Region>)>,
+    layout: Layout,
+    sources: Vec<Source>,
+}
+
+impl Plan {
+    fn fits(&self, tensors: &[TensorDescIn<'_>], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
+        self.opts == opts
+            && self.descs.len() == tensors.len()
+            && self.regions.iter().all(|(id, r)| regions.get(id).is_some_and(|now| Arc::ptr_eq(now, r)))
+            && self.descs.iter().zip(tensors).all(|(k, d)| k.is(d))
+    }
+}
+
+/// The plans of one session, most recently used last.
+#[derive(Default)]
+pub struct SavePlans {
+    plans: Vec<Plan>,
+    /// Saves planned from scratch (not reused), for the tests.
+    fresh: u64,
+}
+
+impl SavePlans {
+    /// The image and sources of a Save of `tensors`: a kept plan when one
+    /// was made from the same descriptors, else [`plan_save`]'s (kept for
+    /// the next save).
+    pub fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+        if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
+            check_blobs(blobs)?;
+            let p = self.plans.remove(i);
+            let out = (p.layout.clone(), p.sources.clone());
+            self.plans.push(p);
+            return Ok(out);
+        }
+        let (layout, sources) = plan_save(tensors, blobs, regions, opts)?;
+        self.fresh += 1;
+        if tensors.len() <= config::SAVE_PLAN_TENSORS_MAX {
+            let mut used: Vec<(u32, Arc<Region>)> = Vec::new();
+            for (d, s) in tensors.iter().zip(sources.iter()) {
+                if let Some(r) = &s.region {
+                    if !used.iter().any(|(id, _)| *id == d.region_id) {
+                        used.push((d.region_id, r.clone()));
+                    }
+                }
+            }
+            self.plans.push(Plan { opts, descs: tensors.iter().map(Kept::of).collect(), regions: used, layout: layout.clone(), sources: sources.clone() });
+            let mut kept: usize = self.plans.iter().map(|p| p.descs.len()).sum();
+            while self.plans.len() > config::SAVE_PLANS_KEPT || kept > config::SAVE_PLAN_TENSORS_MAX {
+                kept -= self.plans.remove(0).descs.len();
+            }
+        }
+        Ok((layout, sources))
+    }
+
+    /// Forgets every plan (a region was unregistered: no plan may keep its mapping).
+    pub fn clear(&mut self) {
+        self.plans.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::regions::{test_segment, unlink_segment};
+
+    fn d(name: &str, region_id: u32, off: u64, len: u64) -> TensorDescIn<'_> {
+        TensorDescIn { name, dtype: "U8", shape: ckpt_wire::Dims::from_slice(&[len]), region_id, offset_bytes: off, len_bytes: len }
+    }
+
+    fn region(id: u32) -> Arc<Region> {
+        let (name, _fd) = test_segment(1 << 16, |i| i as u8);
+        // SAFETY: getuid has no preconditions.
+        let r = Region::open_shm(id, &name, 1 << 16, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        Arc::new(r)
+    }
+
+    #[test]
+    fn a_plan_is_reused_only_for_the_same_descriptors_and_regions() {
+        let mut regions = HashMap::from([(1, region(1)), (2, region(2))]);
+        let mut plans = SavePlans::default();
+        let ts = [d("a", 1, 0, 64), d("b", 2, 64, 8)];
+        let opts = LayoutOptions::default();
+        let (l1, _) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        let (l2, s2) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        assert_eq!(plans.fresh, 1, "the same descriptors reuse the plan");
+        assert_eq!(l1.shards[0].header, l2.shards[0].header);
+        assert!(Arc::ptr_eq(s2[0].region.as_ref().unwrap(), &regions[&1]) && s2[1].offset_bytes == 64);
+        // Any field changed: planned anew (and checked anew).
+        for other in [[d("a", 1, 0, 64), d("c", 2, 64, 8)], [d("a", 1, 8, 64), d("b", 2, 64, 8)], [d("a", 1, 0, 64), d("b", 1, 64, 8)]] {
+            let fresh = plans.fresh;
+            plans.plan(&other, &[], &regions, opts).unwrap();
+            assert_eq!(plans.fresh, fresh + 1);
+        }
+        assert!(matches!(plans.plan(&[d("a", 1, 0, 64), d("b", 1, 32, 8)], &[], &regions, opts), Err(SaveError::BadRequest(_))));
+        // Other layout options: planned anew.
+        let fresh = plans.fresh;
+        plans.plan(&ts, &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }).unwrap();
+        assert_eq!(plans.fresh, fresh + 1);
+        // Bad blobs are refused even when the plan is reused.
+        let bad = Blob { name: "../x".into(), bytes: vec![1] };
+        assert!(matches!(plans.plan(&ts, &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
+        // A region registered anew under the same id: planned anew, reading the new one.
+        plans.plan(&ts, &[], &regions, opts).unwrap();
+        let fresh = plans.fresh;
+        regions.insert(2, region(2));
+        let (_, after) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        assert_eq!(plans.fresh, fresh + 1);
+        assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
+        // A region gone: refused as before.
+        regions.remove(&2);
+        assert!(matches!(plans.plan(&ts, &[], &regions, opts), Err(SaveError::BadRegion(_))));
+        plans.clear();
+        assert!(plans.plans.is_empty());
+    }
+
+    #[test]
+    fn kept_plans_are_bounded() {
+        let regions = HashMap::from([(1, region(1))]);
+        let mut plans = SavePlans::default();
+        let names: Vec<String> = (0..config::SAVE_PLANS_KEPT + 3).map(|i| format!("t{i}")).collect();
+        for n in &names {
+            plans.plan(&[d(n, 1, 0, 8)], &[], &regions, LayoutOptions::default()).unwrap();
+        }
+        assert_eq!(plans.plans.len(), config::SAVE_PLANS_KEPT);
+        assert_eq!(&*plans.plans.last().unwrap().descs[0].name, names.last().unwrap().as_str());
+    }
+}

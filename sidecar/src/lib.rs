@@ -19,6 +19,7 @@ pub mod daemon;
 pub mod file_save;
 pub mod jobs;
 pub mod load;
+pub mod nodes;
 pub mod peer;
 pub mod regions;
 pub mod server;

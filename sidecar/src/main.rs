@@ -145,6 +145,12 @@ struct DaemonArgs {
     /// command keeps the CPUs it would have had.
     #[arg(long, value_parser = parse_cpus)]
     cpus: Option<CpuList>,
+    /// Several nodes: the directory every node's sidecar sees (a shared file
+    /// system), where the ranks' parts of a step (SavePart) are written and
+    /// committed together; --dir stays this node's own. The sidecar serving
+    /// rank 0 coordinates each step's commit.
+    #[arg(long)]
+    shared: Option<PathBuf>,
     #[command(flatten)]
     io: IoArgs,
 }
@@ -160,6 +166,7 @@ impl DaemonArgs {
             io: self.io.policy(),
             shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
+            shared: self.shared.clone(),
         })
     }
 }

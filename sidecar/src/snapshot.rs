@@ -429,6 +429,10 @@ pub fn run_save(
             return fail(SaveError::BadRequest(format!("rank {} of world size {}: need 0 <= rank < world_size", p.rank, p.world_size)));
         }
         (opts.rank, opts.world_size) = (p.rank, p.world_size);
+        if shared.shared_dir.is_some() {
+            // Several nodes: every part goes into the one shared directory.
+            opts.n_dirs = 1;
+        }
     }
     let (layout, sources) = match plan_save(&tensors, &blobs, regions, opts) {
         Ok(x) => x,

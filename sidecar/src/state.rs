@@ -77,6 +77,9 @@ pub struct Shared {
     sessions: Mutex<BTreeMap<u64, SessionEntry>>,
     next_session_id: AtomicU64,
     last: Mutex<Option<LastFigures>>,
+    /// Several nodes: the directory every node's sidecar shares (set once at
+    /// start); parts are planned for it and committed there (`nodes`).
+    pub shared_dir: Option<std::path::PathBuf>,
 }
 
 impl Shared {
@@ -108,6 +111,7 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             next_session_id: AtomicU64::new(1),
             last: Mutex::new(None),
+            shared_dir: None,
         }
     }
 

@@ -47,6 +47,13 @@ pub const INDEX_BYTES_MAX: u64 = 256 << 20;
 /// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.
 pub const POOL_THREADS_DEFAULT: usize = 4;
 
+/// Several nodes: a multi-rank temp folder in the shared directory that
+/// nothing touched for this long is abandoned (its coordinator died, or
+/// aborted it before a late node wrote into it) and removed when any
+/// node's sidecar starts. Above the daemon's part timeout (300 s), so a
+/// live coordinator always aborts first.
+pub const SHARED_STALE_AFTER_DEFAULT_S: u64 = 900;
+
 /// Version written into every index; readers refuse a newer major format.
 pub const FORMAT_VERSION: u32 = 1;
 

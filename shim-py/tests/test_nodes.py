@@ -48,7 +48,7 @@ def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None):
         cmd = [sidecar_bin(), "launch", "--dir", str(tmp_path / f"node{node}"), "--shared", str(shared),
                "--staging", "128MiB", "--", torchrun(), "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               str(WORKER), "-", str(step), mode, str(vocab)]
+               str(WORKER), str(shared), str(step), mode, str(vocab)]
         log = open(tmp_path / f"node{node}-{mode}-{step}.log", "w+")
         procs.append((subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     out = []

@@ -75,6 +75,13 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                 if let Some(n) = nodes.as_mut().filter(|n| n.has_waiting()) {
                     n.tick(&mut store, &shared);
                 }
+                if let Some(n) = &nodes {
+                    let now = n.coordinating();
+                    let mut c = shared.coordinating.lock().expect("coordinating lock");
+                    if *c != now {
+                        *c = now;
+                    }
+                }
                 for (step, world_size, missing, parts) in groups.expire(Instant::now()) {
                     let why = format!(
                         "step {step}: rank(s) {missing:?} of {world_size} sent no released part within {} s; the step is not committed",

@@ -580,6 +580,8 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
             "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
             "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
             "cuda": r.cuda,
+            "shared_dir": (!r.shared_dir.is_empty()).then_some(&r.shared_dir),
+            "coordinating": r.coordinating,
         });
         println!("{j}");
         return Ok(ExitCode::SUCCESS);
@@ -610,6 +612,14 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         None => println!("last:     none yet"),
     }
     println!("cuda:     {}", r.cuda);
+    if !r.shared_dir.is_empty() {
+        let role = if r.coordinating.is_empty() {
+            "coordinator of no step now (a step's coordinator is the sidecar serving its rank 0)".to_string()
+        } else {
+            format!("coordinator of step(s) {:?} (serves their rank 0)", r.coordinating)
+        };
+        println!("shared:   {} (several nodes); {role}", r.shared_dir);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

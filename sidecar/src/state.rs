@@ -80,6 +80,9 @@ pub struct Shared {
     /// Several nodes: the directory every node's sidecar shares (set once at
     /// start); parts are planned for it and committed there (`nodes`).
     pub shared_dir: Option<std::path::PathBuf>,
+    /// Several nodes: the steps this sidecar coordinates now (the committer's
+    /// `nodes` keeps it current), for status.
+    pub coordinating: Mutex<Vec<u64>>,
 }
 
 impl Shared {
@@ -112,6 +115,7 @@ impl Shared {
             next_session_id: AtomicU64::new(1),
             last: Mutex::new(None),
             shared_dir: None,
+            coordinating: Mutex::new(Vec::new()),
         }
     }
 
@@ -252,6 +256,8 @@ impl Shared {
             resident_step: self.staging.resident_step(),
             last: self.last.lock().expect("figures lock").clone(),
             cuda: crate::cuda_probe::summary(),
+            shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
+            coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
         }
     }
 }

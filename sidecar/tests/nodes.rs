@@ -298,3 +298,27 @@ fn ranks_gone_after_release_still_commit_on_every_node() {
     assert_eq!(l.index.ckpt.tensors.len(), 8);
     assert_eq!(l.index.ckpt.world_size, 4);
 }
+
+#[test]
+fn status_names_the_shared_directory_and_the_steps_a_sidecar_coordinates() {
+    let c = Cluster::new();
+    let a = c.node(0, "300");
+    let mut r0 = Rank::connect(&a, 0, 1 << 20);
+    r0.save(8, 2);
+    r0.released(8);
+    // Rank 1 never comes: node a coordinates step 8 until the test ends.
+    let out = Command::new(BIN).args(["status", "--json", "--socket"]).arg(&a.socket).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["shared_dir"].as_str().map(PathBuf::from), Some(std::fs::canonicalize(c.shared()).unwrap()));
+    let t0 = Instant::now();
+    loop {
+        let out = Command::new(BIN).args(["status", "--socket"]).arg(&a.socket).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if text.contains("coordinator of step(s) [8]") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -171,3 +171,28 @@ fn newest_mtime(dir: &Path) -> io::Result<std::time::SystemTime> {
     }
     Ok(newest)
 }
+
+#[cfg(test)]
+mod shared_tests {
+    use super::*;
+
+    #[test]
+    fn stale_multi_rank_temp_folders_go_and_everything_else_stays() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        let ranks_tmp = d.join(format::ranks_tmp_name(4).unwrap());
+        fs::create_dir_all(ranks_tmp.join("blobs")).unwrap();
+        fs::write(ranks_tmp.join(format::rank_marker_name(1)), b"{}").unwrap();
+        fs::create_dir_all(catalog::step_path(d, 3)).unwrap();
+        fs::write(catalog::step_path(d, 3).join(INDEX_FILE_NAME), b"{}").unwrap();
+        let other_tmp = d.join(".tmp-step-000000000005-00000000deadbeef");
+        fs::create_dir(&other_tmp).unwrap();
+        // Fresh: a live coordinator may still commit it.
+        assert!(recover_shared(d, std::time::Duration::from_secs(3600)).unwrap().is_empty());
+        assert!(ranks_tmp.exists());
+        // Stale: removed; a committed step and a one-node temp folder (not
+        // this recovery's) are left alone.
+        assert_eq!(recover_shared(d, std::time::Duration::ZERO).unwrap(), vec![ranks_tmp.clone()]);
+        assert!(!ranks_tmp.exists() && other_tmp.exists() && catalog::is_committed(d, 3));
+    }
+}

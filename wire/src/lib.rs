@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -182,6 +182,13 @@ pub struct StatusReport {
     /// What the sidecar's CUDA probe found: "driver 12.8, 1 device(s): …",
     /// or why there is none ("no CUDA driver …"). (Version 4.)
     pub cuda: String,
+    /// Several nodes: the directory every node's sidecar shares (`--shared`),
+    /// where multi-rank steps are committed and loads read; empty when this
+    /// sidecar serves one node alone. (Version 6.)
+    pub shared_dir: String,
+    /// Several nodes: the steps this sidecar coordinates now (it serves
+    /// their rank 0, and commits or aborts them). (Version 6.)
+    pub coordinating: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -27,16 +27,14 @@ def state(seed=0, d=256, layers=4, vocab=5000):
 
 
 def main():
-    """argv: DIR (or -) STEP MODE [VOCAB]. MODE: save (rng=True), load (restore_rng=True,
+    """argv: DIR STEP MODE [VOCAB]. MODE: save (rng=True), load (restore_rng=True,
     checks the state), die (rank 1 is SIGKILLed before it saves), killall
     (every rank SIGKILLed once every part is released)."""
     d, step, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     vocab = int(sys.argv[4]) if len(sys.argv) > 4 else 5000
     dist.init_process_group("gloo")
     torch.manual_seed(1000 + dist.get_rank())
-    # "-": no directory of our own; the sidecar in the environment decides
-    # (several nodes: each node's sidecar with its --shared directory).
-    ck = Checkpointer(dir=None if d == "-" else d)
+    ck = Checkpointer(dir=d)
     want = {"model": state(vocab=vocab), "note": "replicated"}
     out = {"rank": ck.rank, "world_size": ck.world_size, "step": step, "mode": mode}
     if mode == "save":

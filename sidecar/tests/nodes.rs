@@ -322,3 +322,43 @@ fn status_names_the_shared_directory_and_the_steps_a_sidecar_coordinates() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn a_dead_coordinator_fails_the_other_nodes_ranks_and_its_folder_goes_at_a_later_start() {
+    let c = Cluster::new();
+    let (mut a, b) = (c.node(0, "1"), c.node(1, "1"));
+    let shared = c.shared();
+    let mut r0 = Rank::connect(&a, 0, 1 << 20);
+    let mut r1 = Rank::connect(&b, 1, 1 << 20);
+    r0.save(3, 2);
+    r0.released(3);
+    // Rank 0's marker is in: then its sidecar (the coordinator) dies.
+    let marker = shared.join(".tmp-step-000000000003-ranks").join("rank-00000.done");
+    let t0 = Instant::now();
+    while !marker.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ckpt_test_support::kill9(&mut a.child);
+    r1.save(3, 2);
+    r1.released(3);
+    match r1.reply() {
+        Reply::Failed { step: 3, reason, .. } => assert!(reason.contains("no commit nor abort by the coordinator"), "{reason}"),
+        other => panic!("expected Failed, got {other:?}\n{}", b.log()),
+    }
+    // Node b withdrew its own rank's files; rank 0's are left to recovery.
+    let tmp = shared.join(".tmp-step-000000000003-ranks");
+    assert!(tmp.join("rank-00000.done").exists() && !tmp.join("rank-00001.done").exists());
+    assert!(!catalog::is_committed(&shared, 3));
+    // Once nothing touched it for twice the part timeout, a sidecar that
+    // starts removes it.
+    let newest = || std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().metadata().unwrap().modified().unwrap()).chain([std::fs::metadata(&tmp).unwrap().modified().unwrap()]).max().unwrap();
+    let t0 = Instant::now();
+    while newest().elapsed().unwrap_or_default() < Duration::from_millis(2500) {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let a2 = c.node(2, "1");
+    assert!(!tmp.exists(), "{}", a2.log());
+    assert!(a2.log().contains("ranks"), "{}", a2.log());
+}

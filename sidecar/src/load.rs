@@ -117,7 +117,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
     // Several nodes: checkpoints are read from the shared directory, where
     // the multi-rank steps are committed; the resident image (a step of
     // this node's own directory) is never theirs.
-    let primary = shared.shared_dir.as_deref().unwrap_or(shared.primary());
+    let primary = shared.read_dir();
     let resident = if shared.shared_dir.is_some() { None } else { shared.staging.resident() };
     // RAM: the resident image, if it is the checkpoint asked for.
     if let Some(r) = resident {

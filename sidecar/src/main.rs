@@ -344,6 +344,17 @@ enum BenchCmd {
         #[arg(long)]
         python: Option<PathBuf>,
     },
+    /// The same state written by 1, 2 and 4 ranks, each rank's share into
+    /// its own directory, beside fio over the same directories in parallel:
+    /// aggregate throughput and bytes per rank. Runs the Python module
+    /// ckpt_sidecar.bench_ranks with the Python of $CKPT_SIDECAR_PYTHON (else
+    /// python3); its options (--dir DIR [--size SIZE] [--ranks 1,2,4] ...;
+    /// --help lists them) are passed on as they are.
+    #[command(disable_help_flag = true)]
+    Ranks {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Read `latest` back with verification.
     Read {
         #[arg(long)]
@@ -875,6 +886,21 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 // Ended by a signal (SIGPIPE: its stdout closed): as a shell says it.
                 (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
                 (None, None) => ExitCode::FAILURE,
+            });
+        }
+        BenchCmd::Ranks { args } => {
+            let python = std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("python3"));
+            let me = std::env::current_exe().context("finding this executable")?;
+            let status = std::process::Command::new(&python)
+                .args(["-m", "ckpt_sidecar.bench_ranks"])
+                .args(&args)
+                .env("CKPT_SIDECAR_BIN", &me)
+                .status()
+                .with_context(|| format!("running {} -m ckpt_sidecar.bench_ranks (set $CKPT_SIDECAR_PYTHON to a Python with ckpt_sidecar)", python.display()))?;
+            return Ok(match status.code() {
+                Some(0) => ExitCode::SUCCESS,
+                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+                None => ExitCode::FAILURE,
             });
         }
         BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python } => {

@@ -123,6 +123,12 @@ impl Shared {
         &self.dirs[0]
     }
 
+    /// Where Load and List read checkpoints, and multi-rank steps are
+    /// committed: the shared directory of several nodes, else the primary.
+    pub fn read_dir(&self) -> &std::path::Path {
+        self.shared_dir.as_deref().unwrap_or(self.primary())
+    }
+
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }

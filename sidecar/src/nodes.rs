@@ -84,7 +84,8 @@ impl Nodes {
         Nodes { steps: BTreeMap::new(), timeout }
     }
 
-    /// When the committer should look at the shared directory again.
+    /// Whether some rank waits for a step's outcome (the committer then
+    /// looks at the shared directory every tick).
     pub fn has_waiting(&self) -> bool {
         !self.steps.is_empty()
     }
@@ -269,7 +270,11 @@ impl Nodes {
             RanksState::Gone => {
                 let w = self.steps.remove(&step).expect("polled");
                 let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
-                let why = format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size);
+                let why = if missing.is_empty() {
+                    format!("step {step}: the coordinator (rank 0's sidecar) aborted the step after every marker was in (its commit failed; its log says why); the step is not committed")
+                } else {
+                    format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size)
+                };
                 warn!("{why}");
                 for x in w.waiters {
                     answer_failed(shared, x, step, ErrorCode::Io, why.clone());

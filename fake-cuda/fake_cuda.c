@@ -8,19 +8,31 @@
  *   names the object, so cuIpcOpenMemHandle_v2 in another process maps the
  *   same bytes.
  * - Streams are worker threads. Asynchronous copies sleep
- *   FAKE_CUDA_COPY_DELAY_US (default 2000) before copying: late on purpose,
+ *   FAKE_CUDA_COPY_DELAY_US (default 2000; read at the process's first
+ *   cuInit) before copying: late on purpose,
  *   so a missing stream wait or event shows up as wrong bytes.
  * - Events live in a small shm object shared by every process that opens
  *   them: cuEventRecord numbers the record and queues "completed = n" on the
  *   stream; cuStreamWaitEvent queues a wait for the number recorded when it
  *   is called. An event completes only when the work queued before it has.
- *   A wait on an event whose creating process is gone ends (the real driver
- *   tears a dead process's context down).
+ *   A wait on an event whose creating process, or the process that last
+ *   recorded it, is gone ends (assumed: the real driver tears a dead
+ *   process's context and its queued work down; unverified).
+ * - VMM (cuMemCreate & co.): a physical allocation is a memfd, reference
+ *   counted by its handles and mappings; cuMemExportToShareableHandle with
+ *   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR gives a dup of it, so the bytes
+ *   outlive the exporter as long as an importer holds them (as the real
+ *   driver's do). cuMemAddressReserve reserves PROT_NONE address space,
+ *   cuMemMap maps the memfd there still inaccessible, and only cuMemSetAccess
+ *   makes it readable and writable: an importer that forgets it faults.
+ *   Mapped VMM memory is not legacy-IPC capable (cuIpcGetMemHandle refuses).
  * - Counters: with FAKE_CUDA_STATS_DIR set, the file <dir>/<pid> says how many
- *   imported allocations are open ("imports_open N"), how many were ever
- *   opened, and how many host ranges are registered.
+ *   imported allocations are open ("imports_open N": legacy IPC opens and
+ *   imported VMM handles not yet released), how many were ever opened, how
+ *   many host ranges are registered and how many VMM mappings exist
+ *   ("vmm_maps N").
  *
- * What it does not prove: real DMA bandwidth, pinned-memory behaviour, VMM,
+ * What it does not prove: real DMA bandwidth, pinned-memory behaviour,
  * multi-GPU, peer access, or the real driver's error cases.
  */
 #define _GNU_SOURCE
@@ -72,10 +84,13 @@ static atomic_int g_init;
 static long g_delay_us = 2000;
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-struct alloc { uintptr_t base; size_t size; int imported; char name[NAME_MAX_BYTES]; };
+/* A VMM physical allocation: a memfd, alive while handles or mappings hold it. */
+struct vmm { int fd; size_t size; int refs; int imported; int handle_types; };
+/* A mapping of device memory: cuMemAlloc, a legacy IPC import, or a VMM mapping (vmm set). */
+struct alloc { uintptr_t base; size_t size; int imported; char name[NAME_MAX_BYTES]; struct vmm *vmm; };
 static struct alloc g_allocs[ALLOCS_MAX];
 static unsigned long g_seq;
-static long g_imports_open, g_imports_total, g_host_registered;
+static long g_imports_open, g_imports_total, g_host_registered, g_vmm_maps;
 
 static void write_stats_locked(void) {
     const char *dir = getenv("FAKE_CUDA_STATS_DIR");
@@ -83,7 +98,7 @@ static void write_stats_locked(void) {
     char path[512], tmp[520], buf[256];
     snprintf(path, sizeof path, "%s/%d", dir, (int)getpid());
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    int n = snprintf(buf, sizeof buf, "imports_open %ld\nimports_total %ld\nhost_registered %ld\n", g_imports_open, g_imports_total, g_host_registered);
+    int n = snprintf(buf, sizeof buf, "imports_open %ld\nimports_total %ld\nhost_registered %ld\nvmm_maps %ld\n", g_imports_open, g_imports_total, g_host_registered, g_vmm_maps);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (fd < 0) return;
     if (write(fd, buf, n) == n) rename(tmp, path);
@@ -106,7 +121,9 @@ static struct alloc *free_slot_locked(void) {
 
 /* ---- streams: one worker thread each ---- */
 
-struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; int owner_pid; };
+/* recorder_pid: the last process that recorded the event (an importer may
+ * record it too: the sidecar's done event). */
+struct evshared { _Atomic uint64_t recorded; _Atomic uint64_t completed; int owner_pid; _Atomic int recorder_pid; };
 
 /* Whether the process that created an event is gone (dead or a zombie): the
  * driver tears its context down, so waits on its events end. */
@@ -157,7 +174,10 @@ static void *worker(void *arg) {
             uint64_t c = atomic_load(&o->ev->completed);
             while (c < o->seq && !atomic_compare_exchange_weak(&o->ev->completed, &c, o->seq)) {}
         } else {
-            while (atomic_load(&o->ev->completed) < o->seq && !owner_gone(o->ev->owner_pid)) sleep_us(200);
+            /* ASSUMPTION (unverified on a real driver): a wait ends when the
+             * event's creator or its last recorder is gone, as their
+             * context's queued work is torn down with them. */
+            while (atomic_load(&o->ev->completed) < o->seq && !owner_gone(o->ev->owner_pid) && !owner_gone(atomic_load(&o->ev->recorder_pid))) sleep_us(200);
         }
         free(o);
         pthread_mutex_lock(&s->mu);
@@ -211,8 +231,12 @@ static void drain(struct fstream *s) {
 
 CUresult cuInit(unsigned flags) {
     (void)flags;
-    const char *d = getenv("FAKE_CUDA_COPY_DELAY_US");
-    if (d && *d) g_delay_us = atol(d);
+    /* The delay is the process's from its first cuInit on: a process may
+     * change the variable afterwards for the children it starts. */
+    if (!atomic_load(&g_init)) {
+        const char *d = getenv("FAKE_CUDA_COPY_DELAY_US");
+        if (d && *d) g_delay_us = atol(d);
+    }
     atomic_store(&g_init, 1);
     return OK;
 }
@@ -291,7 +315,7 @@ CUresult cuMemFree_v2(CUdeviceptr dptr) {
     NEED_INIT();
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_alloc_locked((uintptr_t)dptr);
-    if (!a || a->imported || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    if (!a || a->imported || a->vmm || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
     munmap((void *)a->base, a->size);
     shm_unlink(a->name);
     memset(a, 0, sizeof *a);
@@ -324,7 +348,7 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr p) {
     case 2: *(unsigned *)data = 2; return OK;                 /* MEMORY_TYPE: DEVICE */
     case 3: *(CUdeviceptr *)data = p; return OK;              /* DEVICE_POINTER */
     case 9: *(int *)data = 0; return OK;                      /* DEVICE_ORDINAL */
-    case 10: *(int *)data = 1; return OK;                     /* IS_LEGACY_CUDA_IPC_CAPABLE */
+    case 10: *(int *)data = copy.vmm ? 0 : 1; return OK;      /* IS_LEGACY_CUDA_IPC_CAPABLE */
     case 11: *(CUdeviceptr *)data = copy.base; return OK;     /* RANGE_START_ADDR */
     case 12: *(size_t *)data = copy.size; return OK;          /* RANGE_SIZE */
     default: return E_INVALID_VALUE;
@@ -336,7 +360,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dptr) {
     if (!h) return E_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_alloc_locked((uintptr_t)dptr);
-    int ok = a && !a->imported && a->base == (uintptr_t)dptr;
+    int ok = a && !a->imported && !a->vmm && a->base == (uintptr_t)dptr;
     if (ok) {
         memset(h, 0, sizeof *h);
         memcpy(h->reserved, MEM_MAGIC, 8);
@@ -374,7 +398,7 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
     NEED_INIT();
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_alloc_locked((uintptr_t)dptr);
-    if (!a || !a->imported || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    if (!a || !a->imported || a->vmm || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
     munmap((void *)a->base, a->size);
     memset(a, 0, sizeof *a);
     g_imports_open--;
@@ -401,6 +425,192 @@ CUresult cuMemHostUnregister(void *p) {
     g_host_registered--;
     write_stats_locked();
     pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+/* ---- VMM: physical allocations (memfd), reserved ranges, mappings ---- */
+
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+    int type;
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+#define HANDLE_TYPE_POSIX_FD 1
+#define VMM_GRANULARITY ((size_t)2 << 20)
+
+static void vmm_unref_locked(struct vmm *v) {
+    if (--v->refs == 0) {
+        close(v->fd);
+        free(v);
+    }
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option) {
+    (void)option;
+    NEED_INIT();
+    if (!g || !prop) return E_INVALID_VALUE;
+    *g = VMM_GRANULARITY;
+    return OK;
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop, unsigned long long flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!h || !prop || size == 0 || size % VMM_GRANULARITY) return E_INVALID_VALUE;
+    if (prop->location.type != 1 || prop->location.id != 0) return E_INVALID_DEVICE;
+    struct vmm *v = calloc(1, sizeof *v);
+    if (!v) return E_OUT_OF_MEMORY;
+    v->fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    if (v->fd < 0 || ftruncate(v->fd, (off_t)size) != 0) { if (v->fd >= 0) close(v->fd); free(v); return E_OUT_OF_MEMORY; }
+    v->size = size;
+    v->refs = 1;
+    v->handle_types = prop->requestedHandleTypes;
+    *h = (CUmemGenericAllocationHandle)(uintptr_t)v;
+    return OK;
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    NEED_INIT();
+    struct vmm *v = (struct vmm *)(uintptr_t)h;
+    if (!v) return E_INVALID_HANDLE;
+    pthread_mutex_lock(&g_mu);
+    if (v->imported && v->imported++ == 1) {
+        /* The import's own handle goes (retained handles count apart). */
+        g_imports_open--;
+        write_stats_locked();
+    }
+    vmm_unref_locked(v);
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
+    (void)flags;
+    NEED_INIT();
+    struct vmm *v = (struct vmm *)(uintptr_t)h;
+    if (!out || !v || type != HANDLE_TYPE_POSIX_FD) return E_INVALID_VALUE;
+    if (!(v->handle_types & HANDLE_TYPE_POSIX_FD)) return E_INVALID_VALUE;
+    int fd = fcntl(v->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return E_OUT_OF_MEMORY;
+    *(int *)out = fd;
+    return OK;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os_handle, int type) {
+    NEED_INIT();
+    if (!h || type != HANDLE_TYPE_POSIX_FD) return E_INVALID_VALUE;
+    int fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return E_INVALID_HANDLE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || st.st_size % VMM_GRANULARITY) { close(fd); return E_INVALID_HANDLE; }
+    struct vmm *v = calloc(1, sizeof *v);
+    if (!v) { close(fd); return E_OUT_OF_MEMORY; }
+    v->fd = fd;
+    v->size = (size_t)st.st_size;
+    v->refs = 1;
+    v->imported = 1; /* 1: the import's handle is held; 2: released */
+    v->handle_types = HANDLE_TYPE_POSIX_FD;
+    pthread_mutex_lock(&g_mu);
+    g_imports_open++;
+    g_imports_total++;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    *h = (CUmemGenericAllocationHandle)(uintptr_t)v;
+    return OK;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags) {
+    (void)alignment; (void)addr; (void)flags;
+    NEED_INIT();
+    if (!ptr || size == 0 || size % VMM_GRANULARITY) return E_INVALID_VALUE;
+    void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return E_OUT_OF_MEMORY;
+    *ptr = (CUdeviceptr)(uintptr_t)p;
+    return OK;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    if (!ptr || size == 0) return E_INVALID_VALUE;
+    return munmap((void *)(uintptr_t)ptr, size) == 0 ? OK : E_INVALID_VALUE;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags) {
+    (void)flags;
+    NEED_INIT();
+    struct vmm *v = (struct vmm *)(uintptr_t)h;
+    if (!ptr || !v || offset != 0 || size == 0 || size % VMM_GRANULARITY || size > v->size) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = free_slot_locked();
+    if (!a || find_alloc_locked((uintptr_t)ptr)) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    /* Mapped, but inaccessible until cuMemSetAccess. */
+    void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, v->fd, 0);
+    if (p == MAP_FAILED) { pthread_mutex_unlock(&g_mu); return E_OUT_OF_MEMORY; }
+    a->base = (uintptr_t)ptr;
+    a->size = size;
+    a->imported = 0;
+    a->vmm = v;
+    v->refs++;
+    g_vmm_maps++;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    NEED_INIT();
+    if (!ptr || !desc || count == 0) return E_INVALID_VALUE;
+    if (desc[0].location.type != 1 || desc[0].location.id != 0) return E_INVALID_DEVICE;
+    int prot = desc[0].flags == 3 ? PROT_READ | PROT_WRITE : desc[0].flags == 1 ? PROT_READ : PROT_NONE;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)ptr);
+    int ok = a && a->vmm && (uintptr_t)ptr + size <= a->base + a->size && mprotect((void *)(uintptr_t)ptr, size, prot) == 0;
+    pthread_mutex_unlock(&g_mu);
+    return ok ? OK : E_INVALID_VALUE;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)ptr);
+    if (!a || !a->vmm || a->base != (uintptr_t)ptr || a->size != size) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    /* The range stays reserved (PROT_NONE) until cuMemAddressFree. */
+    mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    vmm_unref_locked(a->vmm);
+    memset(a, 0, sizeof *a);
+    g_vmm_maps--;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr) {
+    NEED_INIT();
+    if (!h) return E_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)addr);
+    struct vmm *v = a ? a->vmm : NULL;
+    if (v) v->refs++;
+    pthread_mutex_unlock(&g_mu);
+    if (!v) return E_INVALID_VALUE;
+    *h = (CUmemGenericAllocationHandle)(uintptr_t)v;
+    return OK;
+}
+
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h) {
+    NEED_INIT();
+    struct vmm *v = (struct vmm *)(uintptr_t)h;
+    if (!prop || !v) return E_INVALID_VALUE;
+    memset(prop, 0, sizeof *prop);
+    prop->type = 1; /* PINNED */
+    prop->requestedHandleTypes = v->handle_types;
+    prop->location.type = 1; /* DEVICE */
+    prop->location.id = 0;
     return OK;
 }
 
@@ -464,12 +674,14 @@ CUresult cuEventCreate(CUevent *ph, unsigned flags) {
     if (!e->sh) { free(e); return E_OUT_OF_MEMORY; }
     e->owner = 1;
     e->sh->owner_pid = (int)getpid();
+    atomic_store(&e->sh->recorder_pid, (int)getpid());
     *ph = e;
     return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
     NEED_INIT();
     if (!e) return E_INVALID_HANDLE;
+    atomic_store(&e->sh->recorder_pid, (int)getpid());
     uint64_t seq = atomic_fetch_add(&e->sh->recorded, 1) + 1;
     struct op o = { .kind = OP_SIGNAL, .ev = e->sh, .seq = seq };
     return enqueue(s, o);

@@ -76,18 +76,34 @@ impl<'a> TensorRef<'a> {
     }
 }
 
-/// A CUDA device allocation registered as a region (legacy IPC): tensors
-/// inside `base..base+len_bytes` are described as (region, offset, length).
+/// A CUDA device allocation registered as a region (legacy IPC, or a VMM
+/// allocation passed as a file descriptor): tensors inside
+/// `base..base+len_bytes` are described as (region, offset, length).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaRegion {
     pub region_id: u32,
     pub base: u64,
     pub len_bytes: u64,
     pub device: i32,
-    ipc_handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES],
+    kind: CudaKind,
+}
+
+/// How a CUDA region is shared with the sidecar.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum CudaKind {
+    Legacy([u8; ckpt_cuda::IPC_HANDLE_BYTES]),
+    /// Exported as a POSIX fd (SCM_RIGHTS) at each registration, closed here
+    /// once sent: the trainer keeps no descriptor of its own.
+    Vmm,
 }
 
 impl CudaRegion {
+    /// Whether the allocation is a VMM one (valid in the sidecar after this
+    /// process dies), not legacy IPC.
+    pub fn is_vmm(&self) -> bool {
+        self.kind == CudaKind::Vmm
+    }
+
     /// The offset of `len_bytes` at device address `ptr` in this allocation.
     fn offset_of(&self, ptr: u64, len_bytes: u64) -> Option<u64> {
         let off = ptr.checked_sub(self.base)?;
@@ -244,6 +260,9 @@ struct Inner {
     cuda_regions: BTreeMap<u32, CudaRegion>,
     /// One interprocess event per CUDA device, recorded at each save.
     cuda_events: HashMap<i32, ckpt_cuda::IpcEvent>,
+    /// One interprocess event per CUDA device that the sidecar records after
+    /// queuing a save's device copies ([`Client::stream_wait_copy`]).
+    cuda_done_events: HashMap<i32, ckpt_cuda::IpcEvent>,
     next_region_id: u32,
     closed: bool,
     request_timeout: Option<Duration>,
@@ -295,6 +314,10 @@ struct SaveEntry {
     status: SaveStatus,
     /// Set when failed: the code the sidecar gave, or None for a lost connection.
     code: Option<ErrorCode>,
+    /// A CUDA save sent with a done event: its device.
+    cuda_device: Option<i32>,
+    /// The sidecar queued its device copies and recorded the done event after them.
+    copy_queued: bool,
 }
 
 impl State {
@@ -320,6 +343,11 @@ impl State {
                         e.status.persist_seconds = Some(persist_seconds);
                         self.finish(id);
                     }
+                }
+            }
+            Reply::CopyQueued { id, .. } => {
+                if let Some(e) = self.saves.get_mut(&id) {
+                    e.copy_queued = true;
                 }
             }
             Reply::Failed { id, code, reason, .. } => self.fail_save(id, Some(code), reason),
@@ -392,6 +420,7 @@ fn reply_id(r: &Reply) -> Option<u64> {
         | Reply::Listing { id, .. }
         | Reply::Status { id, .. }
         | Reply::RolledBack { id, .. }
+        | Reply::CopyQueued { id, .. }
         | Reply::Error { id, .. } => Some(*id),
     }
 }
@@ -402,6 +431,12 @@ fn program_name() -> String {
 
 /// Writes one frame without ever raising SIGPIPE.
 fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
+    send_frame_with(stream, msg, None)
+}
+
+/// Writes one frame without ever raising SIGPIPE; with `fd`, its first
+/// bytes carry that descriptor (SCM_RIGHTS: the sidecar gets its own).
+fn send_frame_with(stream: &UnixStream, msg: &Request, mut pass_fd: Option<i32>) -> Result<()> {
     let frame = ckpt_wire::encode(msg);
     let body_bytes = frame.len() - 4;
     if body_bytes > FRAME_BYTES_MAX as usize {
@@ -412,8 +447,11 @@ fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
     let fd = stream.as_raw_fd();
     let mut off = 0;
     while off < frame.len() {
-        // SAFETY: the pointer and length describe the live `frame[off..]`.
-        let n = unsafe { libc::send(fd, frame[off..].as_ptr().cast(), frame.len() - off, libc::MSG_NOSIGNAL) };
+        let n = match pass_fd {
+            Some(passed) => send_with_fd(fd, &frame[off..], passed),
+            // SAFETY: the pointer and length describe the live `frame[off..]`.
+            None => unsafe { libc::send(fd, frame[off..].as_ptr().cast(), frame.len() - off, libc::MSG_NOSIGNAL) },
+        };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -422,8 +460,37 @@ fn send_frame(stream: &UnixStream, msg: &Request) -> Result<()> {
             return Err(Error::Disconnected { reason: format!("sending to the sidecar failed: {e}") });
         }
         off += n as usize;
+        // Sent with the first bytes that went: never twice.
+        pass_fd = None;
     }
     Ok(())
+}
+
+/// One sendmsg of `bytes` on socket `sock` with descriptor `passed` in an
+/// SCM_RIGHTS control message; returns what sendmsg returns.
+fn send_with_fd(sock: i32, bytes: &[u8], passed: i32) -> isize {
+    // Room for one int, aligned as the kernel wants (u64 words).
+    let mut control = [0u64; 4];
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr().cast_mut().cast(), iov_len: bytes.len() };
+    // SAFETY: msghdr is plain data; all-zero is valid before the fields are set.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is arithmetic.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
+    assert!(msg.msg_controllen <= std::mem::size_of_val(&control));
+    // SAFETY: msg_control points at `control`, large enough for one
+    // header and one int (asserted); CMSG_FIRSTHDR is then non-null, and the
+    // data pointer lies inside `control`. iov describes the live `bytes`.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), passed);
+        libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL)
+    }
 }
 
 fn reader_loop(stream: UnixStream, gen: u64, shared: Arc<Shared>) {
@@ -468,7 +535,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), cuda_done_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
         };
         {
             let mut inner = client.lock_inner();
@@ -603,8 +670,10 @@ impl Client {
     }
 
     /// Registers the CUDA allocation holding device address `ptr` (found
-    /// with cuMemGetAddressRange) as a region, exported once by its legacy
-    /// IPC handle; an allocation already registered returns its region.
+    /// with cuMemGetAddressRange) as a region, exported once: by its legacy
+    /// IPC handle, or, for a VMM allocation, as a file descriptor passed over
+    /// the socket (SCM_RIGHTS); an allocation already registered returns its
+    /// region.
     /// Fails with [`Error::Cuda`] when there is no CUDA driver or `ptr` is
     /// not device memory.
     pub fn register_cuda(&self, ptr: u64) -> Result<CudaRegion> {
@@ -617,13 +686,16 @@ impl Client {
         if let Some(r) = inner.cuda_regions.values().find(|r| r.base == a.base && r.len_bytes == a.len_bytes) {
             return Ok(r.clone());
         }
-        let ipc_handle = ckpt_cuda::ipc_mem_handle(&a)?;
+        let (kind, fd) = match ckpt_cuda::export(&a)? {
+            ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
+            ckpt_cuda::Export::Vmm(fd) => (CudaKind::Vmm, Some(fd)),
+        };
         let region_id = inner.next_region_id;
         inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
-        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, ipc_handle };
+        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, kind };
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;
-        self.register_cuda_on(conn, &r, timeout)?;
+        self.register_cuda_on(conn, &r, timeout, fd)?;
         inner.cuda_regions.insert(region_id, r.clone());
         Ok(r)
     }
@@ -665,18 +737,79 @@ impl Client {
         let mut devices: Vec<i32> = descs.iter().filter_map(|d| inner.cuda_regions.get(&d.region_id)).map(|r| r.device).collect();
         devices.sort_unstable();
         devices.dedup();
+        let (rank, world_size) = inner.rank;
         let device = match devices[..] {
-            [] => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
+            [] if world_size == 1 => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
+            [] => return self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release }),
             [d] => d,
             _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
         };
+        if let std::collections::hash_map::Entry::Vacant(e) = inner.cuda_done_events.entry(device) {
+            e.insert(ckpt_cuda::IpcEvent::new(device)?);
+        }
+        let done_event = inner.cuda_done_events[&device].handle().to_vec();
         let event = match inner.cuda_events.entry(device) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(device)?),
         };
         event.record(stream)?;
         let event = event.handle().to_vec();
-        self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent { id, step, tensors: descs, blobs, lazy_release, device, event })
+        let h = self.submit(&mut inner, step, None, |id| Request::SaveAfterEvent {
+            id,
+            step,
+            tensors: descs,
+            blobs,
+            lazy_release,
+            device,
+            event,
+            done_event,
+            rank,
+            world_size,
+        })?;
+        if let Some(e) = self.lock_state().saves.get_mut(&h.id) {
+            e.cuda_device = Some(device);
+        }
+        Ok(h)
+    }
+
+    /// Makes the trainer's `stream` (a CUstream; 0: the legacy default
+    /// stream) wait until the sidecar's device-to-host copy of save
+    /// `save_id` is done, without the CPU waiting for the copy: the lazy
+    /// wait before an optimizer step. The CPU waits only until the sidecar
+    /// has queued the copy (`CopyQueued`: a message away) or the save is
+    /// released or over; then, if the copy may still run, the stream waits
+    /// on the event the sidecar recorded behind it. Returns true when such a
+    /// stream wait was queued, false when none was needed (the save is
+    /// released, failed, or has no device tensors: a host save's release is
+    /// waited for on the CPU, as [`Client::wait`] does).
+    pub fn stream_wait_copy(&self, save_id: u64, stream: u64, timeout: Option<Duration>) -> Result<bool> {
+        self.check_owner()?;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.lock_state();
+        let device = loop {
+            let e = st.saves.get(&save_id).ok_or(Error::UnknownSave { save_id })?;
+            let Some(device) = e.cuda_device else {
+                drop(st);
+                self.wait(save_id, Wanted::Released, timeout)?;
+                return Ok(false);
+            };
+            if e.status.released || is_final(e.status.state) {
+                return Ok(false);
+            }
+            if e.copy_queued {
+                break device;
+            }
+            let what = e.status.what();
+            st = self.wait_changed(st, deadline).map_err(|()| Error::Timeout {
+                what: format!("the sidecar to queue the device copy of {what}"),
+                timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
+            })?;
+        };
+        drop(st);
+        let inner = self.lock_inner();
+        let event = inner.cuda_done_events.get(&device).ok_or_else(|| Error::InvalidArgument(format!("no CUDA done event on device {device}")))?;
+        event.wait_on(stream)?;
+        Ok(true)
     }
 
     /// Asks the sidecar to write `len_bytes` at `ptr` (inside one of this
@@ -716,7 +849,7 @@ impl Client {
                 persist_seconds: None,
                 error: None,
             };
-            st.saves.insert(id, SaveEntry { status, code: None });
+            st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, copy_queued: false });
             id
         };
         if let Err(e) = send_frame(&conn.stream, &make(id)) {
@@ -837,6 +970,7 @@ impl Client {
             inner.cuda_regions.clear();
             // The parent's events: CUDA is unusable in a forked child.
             std::mem::forget(std::mem::take(&mut inner.cuda_events));
+            std::mem::forget(std::mem::take(&mut inner.cuda_done_events));
             return;
         }
         if let Some(conn) = inner.conn.take() {
@@ -852,6 +986,7 @@ impl Client {
         inner.regions.clear();
         inner.cuda_regions.clear();
         inner.cuda_events.clear();
+        inner.cuda_done_events.clear();
     }
 
     // ---- internals ----
@@ -968,7 +1103,7 @@ impl Client {
             }
         }
         for r in inner.cuda_regions.values() {
-            if let Err(e) = self.register_cuda_on(conn, r, timeout) {
+            if let Err(e) = self.register_cuda_on(conn, r, timeout, None) {
                 let e = Error::Disconnected { reason: format!("reconnected to {}, but re-registering CUDA region {} failed: {e}", self.socket_path.display(), r.region_id) };
                 if let Some(c) = inner.conn.take() {
                     self.lock_state().lose(e.to_string());
@@ -980,9 +1115,29 @@ impl Client {
         Ok(inner.conn.as_ref().expect("still there"))
     }
 
-    fn register_cuda_on(&self, conn: &Conn, r: &CudaRegion, timeout: Option<Duration>) -> Result<()> {
-        let (region_id, device, ipc_handle, len_bytes) = (r.region_id, r.device, r.ipc_handle.to_vec(), r.len_bytes);
-        match self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes })? {
+    /// Registers `r` on `conn`; a VMM region's fd is `fd` (exported by
+    /// the caller) or exported again now (a reconnect), and closed once sent.
+    fn register_cuda_on(&self, conn: &Conn, r: &CudaRegion, timeout: Option<Duration>, fd: Option<std::os::fd::OwnedFd>) -> Result<()> {
+        let (region_id, device, len_bytes) = (r.region_id, r.device, r.len_bytes);
+        let reply = match &r.kind {
+            CudaKind::Legacy(h) => {
+                let ipc_handle = h.to_vec();
+                self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes })?
+            }
+            CudaKind::Vmm => {
+                let fd = match fd {
+                    Some(fd) => fd,
+                    None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device })? {
+                        ckpt_cuda::Export::Vmm(fd) => fd,
+                        ckpt_cuda::Export::Legacy(_) => return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation", r.base))),
+                    },
+                };
+                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, len_bytes })?;
+                drop(fd);
+                self.await_reply(id, conn.gen, "the sidecar to answer RegisterCudaVmmRegion", timeout)?
+            }
+        };
+        match reply {
             Reply::RegionRegistered { region_id: got, .. } if got == region_id => Ok(()),
             other => Err(unexpected("RegisterCudaRegion", other)),
         }
@@ -1006,6 +1161,23 @@ impl Client {
             id
         };
         if let Err(e) = send_frame(&conn.stream, &make(id)) {
+            self.lock_state().waiting.remove(&id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    /// As [`Client::send_request`], the frame carrying descriptor `fd`
+    /// (SCM_RIGHTS on its first bytes).
+    fn send_request_with_fd(&self, conn: &Conn, fd: i32, make: impl FnOnce(u64) -> Request) -> Result<u64> {
+        let id = {
+            let mut st = self.lock_state();
+            let id = st.next_id;
+            st.next_id += 1;
+            st.waiting.insert(id);
+            id
+        };
+        if let Err(e) = send_frame_with(&conn.stream, &make(id), Some(fd)) {
             self.lock_state().waiting.remove(&id);
             return Err(e);
         }

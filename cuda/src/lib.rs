@@ -7,10 +7,12 @@
 //!   it, so a missing driver is an [`CudaError::NoDriver`] refusal, never a
 //!   panic (cudarc panics when a call finds no library) and never a hang.
 //! - trainer side: [`allocation_of`] (the allocation that holds a device
-//!   pointer), [`ipc_mem_handle`] (its legacy IPC handle), [`IpcEvent`] (an
-//!   interprocess event recorded on the trainer's stream at each save);
-//! - sidecar side: [`Imported`] (an allocation opened from its handle, closed
-//!   on drop), [`OpenedEvent`], [`Stream`] (the sidecar's own stream: waits
+//!   pointer), [`export`] (how it is shared: its legacy IPC handle, or for a
+//!   VMM allocation a POSIX file descriptor), [`IpcEvent`] (an interprocess
+//!   event recorded on the trainer's stream at each save);
+//! - sidecar side: [`Imported`] (an allocation opened from its IPC handle or
+//!   imported from its fd and mapped, closed on drop), [`OpenedEvent`],
+//!   [`Stream`] (the sidecar's own stream: waits
 //!   on events, copies device⇄host), [`HostRegistration`] (page-locks host
 //!   memory the copies use).
 //!
@@ -20,6 +22,7 @@
 //! put back the thread's own current context afterwards.
 
 use std::ffi::CStr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
@@ -193,6 +196,72 @@ pub fn ipc_mem_handle(a: &Allocation) -> Result<[u8; IPC_HANDLE_BYTES]> {
     })
 }
 
+/// How an allocation is shared with the sidecar (trainer side, [`export`]).
+#[derive(Debug)]
+pub enum Export {
+    /// cudaMalloc / cuMemAlloc memory (PyTorch's caching allocator too): a
+    /// legacy IPC handle. Undefined once the exporting process is gone.
+    Legacy([u8; IPC_HANDLE_BYTES]),
+    /// A VMM allocation (cuMemCreate + cuMemMap) created exportable as a
+    /// POSIX file descriptor: a fresh fd naming it, for SCM_RIGHTS. The
+    /// driver reference-counts it, so an importer keeps the bytes after the
+    /// exporter died.
+    Vmm(OwnedFd),
+}
+
+/// How the allocation `a` is shared: legacy IPC when the driver says it is
+/// capable of it, else (a VMM mapping) its physical allocation exported as a
+/// POSIX fd. Fails saying why for a VMM allocation created without
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` in its requested handle types.
+pub fn export(a: &Allocation) -> Result<Export> {
+    let mut legacy: i32 = 1;
+    // SAFETY: IS_LEGACY_CUDA_IPC_CAPABLE writes one int into `legacy`; an
+    // unknown pointer is an error code.
+    let asked = unsafe {
+        check(
+            "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+            sys::cuPointerGetAttribute((&mut legacy as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, a.base),
+        )
+    };
+    if asked.is_err() || legacy != 0 {
+        return ipc_mem_handle(a).map(Export::Legacy);
+    }
+    in_primary(a.device, || {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer; `base` is only looked up by the driver.
+        unsafe { check("cuMemRetainAllocationHandle", sys::cuMemRetainAllocationHandle(&mut h, a.base as *mut std::ffi::c_void)) }
+            .map_err(|e| CudaError::Invalid(format!("the CUDA allocation at {:#x} is neither legacy-IPC capable nor a VMM allocation: {e}", a.base)))?;
+        let out = export_retained(a, h);
+        // SAFETY: `h` was retained above and is released once; the mapping
+        // keeps the allocation alive for the trainer.
+        unsafe { sys::cuMemRelease(h) };
+        out
+    })
+}
+
+fn export_retained(a: &Allocation, h: sys::CUmemGenericAllocationHandle) -> Result<Export> {
+    const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: an all-zero CUmemAllocationProp is a valid value of the C
+    // struct (enums at 0, null pointer); the driver overwrites it.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer, a retained handle.
+    unsafe { check("cuMemGetAllocationPropertiesFromHandle", sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h))? };
+    if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 {
+        return Err(CudaError::Invalid(format!(
+            "the VMM allocation at {:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in its requestedHandleTypes, so it cannot be shared with the sidecar",
+            a.base
+        )));
+    }
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: for POSIX_FD the driver writes one int (a new descriptor).
+    unsafe { check("cuMemExportToShareableHandle", sys::cuMemExportToShareableHandle((&mut fd as *mut std::ffi::c_int).cast(), h, POSIX_FD, 0))? };
+    if fd < 0 {
+        return Err(CudaError::Invalid("cuMemExportToShareableHandle gave no file descriptor".into()));
+    }
+    // SAFETY: the driver just made `fd` for us; nothing else owns it.
+    Ok(Export::Vmm(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
 /// An interprocess event of the trainer, recorded on its stream at each
 /// save; the sidecar's stream waits on it (trainer side).
 pub struct IpcEvent {
@@ -232,6 +301,15 @@ impl IpcEvent {
         self.device
     }
 
+    /// Makes later work on the trainer's `stream` wait until this event's
+    /// latest record (as of now: possibly another process's, through its
+    /// IPC handle) has completed. The CPU does not wait.
+    pub fn wait_on(&self, stream: u64) -> Result<()> {
+        // SAFETY: the event is ours and alive; the stream is the caller's
+        // (an invalid one is an error code).
+        in_primary(self.device, || unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream as sys::CUstream, self.event, 0)) })
+    }
+
     /// Records the event on `stream` (a CUstream / cudaStream_t; 0: the
     /// legacy default stream). The CPU does not wait.
     pub fn record(&self, stream: u64) -> Result<()> {
@@ -248,12 +326,15 @@ impl Drop for IpcEvent {
     }
 }
 
-/// An allocation of another process opened from its legacy IPC handle
-/// (sidecar side); closed when dropped.
+/// An allocation of another process (sidecar side): opened from its legacy
+/// IPC handle, or imported from its VMM fd and mapped into an address range
+/// of our own; closed (unmapped, released) when dropped.
 pub struct Imported {
     ptr: u64,
     len_bytes: u64,
     device: i32,
+    /// For a VMM import: the handle and the mapped (reserved) length.
+    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 impl Imported {
@@ -267,13 +348,72 @@ impl Imported {
         // SAFETY: valid out-pointer; the handle is plain bytes (a bad one is
         // an error code).
         unsafe { check("cuIpcOpenMemHandle", sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32))? };
-        let imported = Imported { ptr, len_bytes, device };
+        let imported = Imported { ptr, len_bytes, device, vmm: None };
         let (mut base, mut size) = (0u64, 0usize);
         // SAFETY: valid out-pointers; `ptr` was just mapped.
         unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr))? };
         if (size as u64) < len_bytes {
             return Err(CudaError::Invalid(format!("the CUDA allocation has {size} bytes, fewer than the {len_bytes} registered")));
         }
+        Ok(imported)
+    }
+
+    /// Imports the VMM allocation `fd` names (exported by [`export`]) on
+    /// `device`, maps its first `len_bytes` (rounded up to the device's
+    /// granularity) into a fresh address range and makes it readable and
+    /// writable here. The fd may be closed afterwards: the import holds the
+    /// allocation, which then outlives its exporter.
+    pub fn import_fd(fd: &OwnedFd, device: i32, len_bytes: u64) -> Result<Imported> {
+        bind(device)?;
+        let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
+        // SAFETY: all-zero is a valid CUmemAllocationProp (see export_retained).
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = location;
+        let mut granularity = 0usize;
+        // SAFETY: valid pointers for the call.
+        unsafe {
+            check(
+                "cuMemGetAllocationGranularity",
+                sys::cuMemGetAllocationGranularity(&mut granularity, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            )?
+        };
+        let size = usize::try_from(len_bytes)
+            .ok()
+            .and_then(|l| l.checked_next_multiple_of(granularity.max(1)))
+            .filter(|&s| s > 0)
+            .ok_or_else(|| CudaError::Invalid(format!("a VMM region of {len_bytes} bytes cannot be mapped")))?;
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for POSIX_FD the os handle is the descriptor's value; the
+        // driver takes its own reference (we keep ours until the caller drops it).
+        unsafe {
+            check(
+                "cuMemImportFromShareableHandle",
+                sys::cuMemImportFromShareableHandle(&mut h, fd.as_raw_fd() as isize as *mut std::ffi::c_void, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            )?
+        };
+        let mut ptr = 0u64;
+        // SAFETY: valid out-pointer.
+        if let Err(e) = unsafe { check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)) } {
+            // SAFETY: `h` was imported above and is released once, here.
+            unsafe { sys::cuMemRelease(h) };
+            return Err(e);
+        }
+        // SAFETY: `ptr..ptr+size` was just reserved for us, `h` imported.
+        if let Err(e) = unsafe { check("cuMemMap", sys::cuMemMap(ptr, size, 0, h, 0)) } {
+            // SAFETY: nothing is mapped in the range; the range and the
+            // handle are ours and given back once, here.
+            unsafe {
+                sys::cuMemAddressFree(ptr, size);
+                sys::cuMemRelease(h);
+            }
+            return Err(CudaError::Invalid(format!("the VMM allocation does not hold the {len_bytes} bytes registered: {e}")));
+        }
+        // From here Drop unmaps, frees the range and releases the handle.
+        let imported = Imported { ptr, len_bytes, device, vmm: Some((h, size)) };
+        let access = sys::CUmemAccessDesc { location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+        // SAFETY: the range is mapped (above); one descriptor.
+        unsafe { check("cuMemSetAccess", sys::cuMemSetAccess(ptr, size, &access, 1))? };
         Ok(imported)
     }
 
@@ -288,13 +428,31 @@ impl Imported {
     pub fn device(&self) -> i32 {
         self.device
     }
+
+    /// Whether this is a VMM import (valid after its exporter died), not a
+    /// legacy IPC one (undefined then).
+    pub fn is_vmm(&self) -> bool {
+        self.vmm.is_some()
+    }
 }
 
 impl Drop for Imported {
     fn drop(&mut self) {
-        if bind(self.device).is_ok() {
+        if bind(self.device).is_err() {
+            return;
+        }
+        match self.vmm {
+            // SAFETY: mapped and reserved by import_fd, given back once; the
+            // session's copies on it are synchronized before regions drop.
+            Some((h, size)) => unsafe {
+                sys::cuMemUnmap(self.ptr, size);
+                sys::cuMemAddressFree(self.ptr, size);
+                sys::cuMemRelease(h);
+            },
             // SAFETY: `ptr` was opened by cuIpcOpenMemHandle and is closed once.
-            unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            None => unsafe {
+                sys::cuIpcCloseMemHandle(self.ptr);
+            },
         }
     }
 }
@@ -362,6 +520,14 @@ impl Stream {
         bind(self.device)?;
         // SAFETY: both handles are alive (borrowed).
         unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(self.stream, event.event, 0)) }
+    }
+
+    /// Records `event` (another process's, opened from its handle) on this
+    /// stream: it completes once the work queued here before has.
+    pub fn record(&self, event: &OpenedEvent) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: both handles are alive (borrowed).
+        unsafe { check("cuEventRecord", sys::cuEventRecord(event.event, self.stream)) }
     }
 
     /// Queues a copy of `len` bytes at device address `src` to `dst`.

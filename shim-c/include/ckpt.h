@@ -428,6 +428,27 @@ int ckpt_save_on_stream(struct ckpt_client *client,
                         void *stream,
                         uint64_t *save_id);
 
+// Makes `stream` (a CUstream / cudaStream_t of this process; NULL: the
+// legacy default stream) wait until the sidecar's device-to-host copy of
+// save `save_id` (from ckpt_save_on_stream) is done, without the CPU
+// waiting for the copy: call it before the work that overwrites the saved
+// tensors (the optimizer step). The CPU waits only until the sidecar has
+// queued the copy (a message away) or the save is released or over, at
+// most `timeout_ms` (< 0: no limit); then, if the copy may still run, the
+// stream waits on an event the sidecar recorded behind it. For a save with
+// no CUDA tensor this waits for CKPT_RELEASED on the CPU, as ckpt_wait.
+// *on_stream (may be NULL) is set to 1 when a stream wait was queued, 0
+// when none was needed. Errors as ckpt_wait's.
+//
+// # Safety
+// `client` is a live client; `stream` is NULL or a live stream of this
+// process; `on_stream` is NULL or writable.
+int ckpt_stream_wait_copy(struct ckpt_client *client,
+                          uint64_t save_id,
+                          void *stream,
+                          int64_t timeout_ms,
+                          int *on_stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -89,3 +89,32 @@ pub unsafe extern "C" fn ckpt_save_on_stream(
         Ok(())
     })
 }
+
+/// Makes `stream` (a CUstream / cudaStream_t of this process; NULL: the
+/// legacy default stream) wait until the sidecar's device-to-host copy of
+/// save `save_id` (from ckpt_save_on_stream) is done, without the CPU
+/// waiting for the copy: call it before the work that overwrites the saved
+/// tensors (the optimizer step). The CPU waits only until the sidecar has
+/// queued the copy (a message away) or the save is released or over, at
+/// most `timeout_ms` (< 0: no limit); then, if the copy may still run, the
+/// stream waits on an event the sidecar recorded behind it. For a save with
+/// no CUDA tensor this waits for CKPT_RELEASED on the CPU, as ckpt_wait.
+/// *on_stream (may be NULL) is set to 1 when a stream wait was queued, 0
+/// when none was needed. Errors as ckpt_wait's.
+///
+/// # Safety
+/// `client` is a live client; `stream` is NULL or a live stream of this
+/// process; `on_stream` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_stream_wait_copy(client: *mut ckpt_client, save_id: u64, stream: *mut c_void, timeout_ms: i64, on_stream: *mut c_int) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let queued = c.client.stream_wait_copy(save_id, stream as u64, u64::try_from(timeout_ms).ok().map(std::time::Duration::from_millis))?;
+        if !on_stream.is_null() {
+            // SAFETY: non-NULL, writable by the caller's contract.
+            unsafe { *on_stream = c_int::from(queued) };
+        }
+        Ok(())
+    })
+}

@@ -67,6 +67,11 @@ impl Serve {
     /// The real sidecar; with `fake`, the fake driver's folder on its
     /// LD_LIBRARY_PATH and its counters in `stats`.
     fn start(tmp: &Path, fake: bool) -> Serve {
+        Serve::start_with_delay(tmp, fake, None)
+    }
+
+    /// As [`Serve::start`]; the sidecar's own device copies late by `delay_us`.
+    fn start_with_delay(tmp: &Path, fake: bool, delay_us: Option<u64>) -> Serve {
         let (dir, sock, log, stats) = (tmp.join("ck"), tmp.join("s.sock"), tmp.join("sidecar.log"), tmp.join("stats"));
         std::fs::create_dir_all(&stats).unwrap();
         let mut cmd = Command::new(sidecar());
@@ -74,6 +79,9 @@ impl Serve {
         cmd.env("CKPT_SIDECAR_LOG", "info").env("FAKE_CUDA_STATS_DIR", &stats).env_remove("LD_LIBRARY_PATH");
         if fake {
             cmd.env("LD_LIBRARY_PATH", fake_dir());
+        }
+        if let Some(d) = delay_us {
+            cmd.env("FAKE_CUDA_COPY_DELAY_US", d.to_string());
         }
         let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
         let t0 = Instant::now();
@@ -222,6 +230,8 @@ fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
     serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
     assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
+    // The reason names the CUDA cause: legacy IPC memory is undefined once its exporter died.
+    assert!(serve.log().contains("shared by legacy IPC, undefined once the exporting process is gone"), "{}", serve.log());
     assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
 }
@@ -278,6 +288,85 @@ fn doctor_reports_the_fake_device_when_its_folder_is_on_the_search_path() {
     assert_eq!(j["cuda"]["available"], true, "{j}");
     assert_eq!(j["cuda"]["driver_version"], "12.8", "{j}");
     assert!(j["cuda"]["devices"][0]["name"].as_str().unwrap().contains("fake CUDA device"), "{j}");
+}
+
+#[test]
+fn vmm_allocations_round_trip_bit_exact_behind_the_trainers_event() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // Late writes (300 ms): only the sidecar's wait on the event makes the
+    // snapshot right; the trainer checks what it loads back in place.
+    let o = run(trainer_cmd(&exe, tmp.path(), "vmm-roundtrip", 300_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let v = verify(&tmp.path().join("ck"));
+    assert!(v.status.success(), "{}", text(&v));
+    // Both allocations came as fds and were imported once each; every import
+    // was released and unmapped when the client left.
+    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(2));
+}
+
+#[test]
+fn a_vmm_trainer_killed_right_after_released_still_commits_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = run(trainer_cmd(&exe, tmp.path(), "vmm-die-after-release", 300_000));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("released"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(o.status.code().is_none(), "the trainer was to die by SIGKILL: {}", text(&o));
+    let dir = tmp.path().join("ck");
+    serve.wait_for("step 5 committed", |_| committed(&dir) == [5]);
+    let v = verify(&dir);
+    assert!(v.status.success(), "{}", text(&v));
+    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    // Another process loads the committed step: exactly the bytes saved.
+    let o = run(trainer_cmd(&exe, tmp.path(), "vmm-check", 2_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+}
+
+#[test]
+fn a_vmm_allocation_not_exportable_as_an_fd_is_refused_saying_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = run(trainer_cmd(&exe, tmp.path(), "vmm-unexportable", 2_000));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("refused:") && out.contains("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert_eq!(serve.stat("imports_total").unwrap_or(0), 0, "nothing was sent to import");
+}
+
+#[test]
+fn a_stream_wait_on_the_sidecars_copy_keeps_the_next_step_out_of_the_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    // The sidecar's device copies are 1.5 s late, the trainer's prompt: a
+    // write queued right after the save lands long before the copy runs
+    // unless the trainer's stream waits on the sidecar's done event.
+    let serve = Serve::start_with_delay(tmp.path(), true, Some(1_500_000));
+    let o = run(trainer_cmd(&exe, tmp.path(), "guard", 2_000));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // The stream wait was queued while the sidecar still copied: the CPU did not wait for the copy.
+    assert!(o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // The control: the same write without the stream wait leaks into the snapshot.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let serve2 = Serve::start_with_delay(tmp2.path(), true, Some(1_500_000));
+    let o = run(trainer_cmd(&exe, tmp2.path(), "no-guard", 2_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=overwritten"), "{}\nsidecar log:\n{}", text(&o), serve2.log());
+}
+
+#[test]
+fn device_tensors_saved_as_ranks_parts_commit_as_one_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // Each rank's write is 300 ms late: each part waits on its own client's event.
+    let o = run(trainer_cmd(&exe, tmp.path(), "parts", 300_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let dir = tmp.path().join("ck");
+    assert_eq!(committed(&dir), [8]);
+    let v = verify(&dir);
+    assert!(v.status.success(), "{}", text(&v));
 }
 
 /// Whether this test process itself finds a CUDA driver.

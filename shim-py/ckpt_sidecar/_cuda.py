@@ -56,6 +56,25 @@ def device_leaf(ref, obj, torch):
     return None
 
 
+def streams_now(dev, objs, torch):
+    """The streams the device leaves `dev` ([(index, ref)] into `objs`) are
+    fenced on now: a kept save plan asks again at each save (torch's current
+    stream may have changed; one query per device)."""
+    out, per_device = [], {}
+    for i, ref in dev:
+        o = objs[i]
+        if ref.kind == "cuda":
+            s = o.__cuda_array_interface__.get("stream")
+            s = 0 if s is None else int(s)
+        else:
+            s = per_device.get(o.device)
+            if s is None:
+                s = per_device[o.device] = torch.cuda.current_stream(o.device).cuda_stream
+        if s not in out:
+            out.append(s)
+    return out
+
+
 _driver = None
 
 

@@ -116,6 +116,7 @@ def lib():
         "ckpt_unregister_cuda": ([P, P], c.c_int),
         "ckpt_save_on_stream": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t, P,
                                  c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_stream_wait_copy": ([P, c.c_uint64, P, c.c_int64, c.POINTER(c.c_int)], c.c_int),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(L, name)

@@ -185,6 +185,14 @@ class _Region:
         self.busy = None  # the SaveHandle whose copy reads it
 
 
+def _current_stream():
+    """torch's current CUDA stream handle when torch has CUDA initialized, else None."""
+    torch = torch_module()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream().cuda_stream
+    return None
+
+
 class SaveHandle:
     """One save in flight.
 
@@ -206,6 +214,7 @@ class SaveHandle:
         self.copied_bytes = 0
         self.inplace = inplace
         self._taken = False
+        self.cuda_stream = None  # the stream a device-only save was fenced on (wait_copy_on_stream)
 
     def _mark_taken(self):
         self._taken = True
@@ -235,6 +244,31 @@ class SaveHandle:
         finally:
             self.stall_seconds += time.perf_counter() - t0
         return self
+
+    def wait_copy_on_stream(self, stream=None, timeout=None):
+        """Make CUDA `stream` (a handle; None: the stream this save was fenced
+        on) wait until the sidecar has copied this save's device tensors,
+        without the CPU waiting for the copy: work queued on it afterwards
+        (the optimizer step) runs after the copy. The CPU waits only until
+        the sidecar has queued the copy (a message away). A save with host
+        tensors in place, or none on a device, is waited for on the CPU
+        (wait_released). Returns True when a stream wait was queued."""
+        if self.cuda_stream is None or self._taken:
+            self.wait_released(timeout)
+            return False
+        on = ctypes.c_int()
+        stream = self.cuda_stream if stream is None else int(stream)
+        t0 = time.perf_counter()
+        try:
+            N.check(N.lib().ckpt_stream_wait_copy(self._ck._client, self.id, stream, _ms(timeout), ctypes.byref(on)))
+        except Timeout:
+            raise
+        except SidecarError:
+            self._mark_taken()
+            raise
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+        return bool(on.value)
 
     def wait_taken(self, timeout=None):
         """Block until the sidecar holds its own copy (its Released reply)."""
@@ -285,7 +319,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "__weakref__")
+                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -296,6 +330,8 @@ class _SavePlan:
         self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
         self.tensor_bytes = sum(r[2] for r in plan)
         self.inplace = False
+        self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
+        self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save
         for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
             name, dt = ref.name.encode(), ref.stored.encode()
             shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
@@ -303,6 +339,12 @@ class _SavePlan:
             if isinstance(where, int):
                 ptr = where
                 self.inplace = self.inplace or bool(nbytes)
+                if not nbytes:
+                    pass
+                elif ref.kind == "cuda" or (ref.kind == "torch" and obj.is_cuda):
+                    self.dev.append((i, ref))
+                else:
+                    self.host_inplace = True
             else:
                 ptr = 0  # set at each save: the save region may differ
                 self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
@@ -757,9 +799,6 @@ class Checkpointer:
         with self._mu:
             self._ensure()
             plan, _direct, copy_bytes, streams = self._plan(leaves)
-            if streams and self.world_size > 1:
-                raise InvalidArgument("a rank's part cannot send CUDA tensors in place yet (SaveAfterEvent has no rank): "
-                                      "save host copies, or use one rank")
             c = _SavePlan(plan, copy_bytes, None, streams)
             return self._send(step, c, [o for _, o in leaves], blobs_py, t0)
 
@@ -777,10 +816,14 @@ class Checkpointer:
                     keep += [bn.encode(), data]
                     blobs[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
                 sid = ctypes.c_uint64()
-                if c.streams:
-                    # Device tensors in place: fenced by an event on their stream.
+                # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
+                streams = _cuda.streams_now(c.dev, objs, torch_module()) if c.dev else []
+                if len(streams) > 1:
+                    raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                                          f"({streams}); synchronize them onto one stream first")
+                if streams:
                     N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
-                                                        c.streams[0], ctypes.byref(sid)))
+                                                        streams[0], ctypes.byref(sid)))
                 else:
                     N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
                                               ctypes.byref(sid)))
@@ -790,6 +833,8 @@ class Checkpointer:
                     self._give_back(region)
                 raise
             h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=c.inplace)
+            # Only device tensors in place: the next step can wait on the copy on its stream.
+            h.cuda_stream = streams[0] if streams and not c.host_inplace else None
             h.copied_bytes = c.copy_bytes
             if region is not None:
                 region.busy = h
@@ -806,9 +851,11 @@ class Checkpointer:
         plan, _direct, copy_bytes, streams = self._plan(fl.leaves)
         c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton), streams)
         objs = [o for _, o in fl.leaves]
-        # A plan with device tensors in place is not kept: their stream (the
-        # current one) and their allocation are asked again at each save.
-        if not streams and key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
+        # A plan with device tensors in place is kept too (torch CUDA tensors:
+        # the same addresses are the same registered allocations, which
+        # libckpt keeps for the client's life); their streams are asked again
+        # at each save (_send). Interface objects have no quick key.
+        if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
             c.remember(key, self._regions_gen)
             plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
             self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]
@@ -1161,7 +1208,11 @@ class Checkpointer:
     # ---- guard, list, status, close ----
 
     def guard(self, optimizer):
-        """Before each optimizer.step(), wait until the last save is released.
+        """Before each optimizer.step(), make it wait until the last save is
+        released. For a save of device tensors only, that is a wait on the GPU:
+        the current CUDA stream (torch's, else the stream the save was fenced
+        on) waits on an event the sidecar records after its copy, and the CPU
+        goes on (the lazy wait); a save with host tensors waits on the CPU.
         A failed save only warns here (training goes on; wait_durable raises it).
         Returns the hook's RemovableHandle."""
 
@@ -1176,7 +1227,10 @@ class Checkpointer:
             if h is not None and h.id != done[0]:
                 done[0] = h.id
                 try:
-                    h.wait_released()
+                    if h.cuda_stream is not None:
+                        h.wait_copy_on_stream(_current_stream())
+                    else:
+                        h.wait_released()
                 except SidecarError as e:
                     warnings.warn(f"checkpoint of step {h.step} failed: {e}")
             return None

@@ -110,6 +110,12 @@ TRAINER = textwrap.dedent(r"""
 def run_trainer(tmp_path, delay_us):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
+    return run_script(tmp_path, script, delay_us)
+
+
+def run_script(tmp_path, script, delay_us):
+    """Runs a trainer script with the fake driver on its search path, its own
+    device copies late by `delay_us`, and checkpoints in tmp_path/ck."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(fake_dir())
     env["FAKE_CUDA_COPY_DELAY_US"] = str(delay_us)
@@ -183,3 +189,71 @@ def test_without_a_driver_a_device_object_is_refused_clearly(sidecar):
             ck.save(1, {"d": DeviceArray()})
         ck.save(2, {"h": np.ones(4, np.float32)}).wait_durable(timeout=60)
         assert np.array_equal(ck.load(2)["h"], np.ones(4, np.float32))
+
+
+GUARD_TRAINER = textwrap.dedent(r"""
+    import ctypes, json, os, sys, time
+    import numpy as np
+    import torch
+    import ckpt_sidecar as cs
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    def ok(r, what):
+        if r != 0:
+            raise SystemExit(f"{what}: CUDA error {r}")
+    ok(cu.cuInit(0), "cuInit")  # this process's copies: prompt
+    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "1500000"  # the spawned sidecar's: 1.5 s late
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    stream = ctypes.c_void_p()
+    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    N = 1 << 18
+    base = ctypes.c_uint64()
+    ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(4 * N)), "cuMemAlloc_v2")
+    saved = np.arange(N, dtype="<f4") * 0.25
+    step_writes = -saved
+    ok(cu.cuMemcpyHtoD_v2(base, saved.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(saved.nbytes)), "fill")
+
+    class DeviceArray:
+        def __init__(self, ptr, shape, typestr, stream):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                             "strides": None, "version": 3, "stream": stream}
+
+    ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
+    assert ck.list() == []
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones(4)
+    ck.guard(opt)
+    h = ck.save(3, {"w": DeviceArray(base.value, (N,), "<f4", stream.value)})
+    assert h.cuda_stream == stream.value
+    opt.step()  # the guard: the save's stream waits on the sidecar's copy, the CPU does not
+    state_after_hook = h.state()
+    # The optimizer step's write to the saved tensor, queued at once on that stream.
+    ok(cu.cuMemcpyHtoDAsync_v2(base, step_writes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(step_writes.nbytes),
+                               stream), "step write")
+    h.wait_durable(timeout=120)
+    back = ck.load(3, map_location="cpu")["w"]
+    ok(cu.cuStreamSynchronize(stream), "sync")
+    now = np.empty_like(saved)
+    ok(cu.cuMemcpyDtoH_v2(now.ctypes.data_as(ctypes.c_void_p), base, ctypes.c_size_t(now.nbytes)), "read back")
+    ck.close()
+    ok(cu.cuMemFree_v2(base), "cuMemFree")
+    print(json.dumps({"state_after_hook": state_after_hook, "snapshot_is_saved": bool(np.array_equal(back, saved)),
+                      "device_has_step": bool(np.array_equal(now, step_writes))}))
+""")
+
+
+def test_guard_makes_the_next_step_wait_on_the_copy_on_its_stream_not_the_cpu(tmp_path):
+    """guard(optimizer) for a save of device tensors: the step's write, queued
+    right after optimizer.step() on the save's stream, stays out of the
+    snapshot, though the hook returned while the sidecar was still copying
+    (its copies are 1.5 s late): the wait was the stream's, not the CPU's."""
+    script = tmp_path / "guard.py"
+    script.write_text(GUARD_TRAINER)
+    r = run_script(tmp_path, script, 2_000)
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"state_after_hook": "pending", "snapshot_is_saved": True, "device_has_step": True}, got

@@ -40,6 +40,13 @@ pub const REGIONS_PER_SESSION_MAX: usize = 4096;
 /// Interprocess CUDA events a session keeps open (a trainer records one
 /// event per save again and again; more distinct ones clear the cache).
 pub const CUDA_EVENTS_PER_SESSION_MAX: usize = 64;
+/// File descriptors one read of a session's socket may carry (SCM_RIGHTS:
+/// one per RegisterCudaVmmRegion; a read may span a few such frames).
+pub const FDS_PER_READ_MAX: usize = 8;
+/// Descriptors a session may have received and not yet matched to a
+/// RegisterCudaVmmRegion (more closes the session).
+pub const PASSED_FDS_MAX: usize = 64;
+const _: () = assert!(FDS_PER_READ_MAX <= PASSED_FDS_MAX);
 /// Longest shm_open name, leading '/' included (NAME_MAX).
 pub const SHM_NAME_BYTES_MAX: usize = 255;
 /// Tensors in one save or load.

@@ -6,7 +6,8 @@
 //! allocations), [`cuda_probe`] (what the CUDA driver probe found),
 //! [`snapshot`] (check and copy a save into [`staging`]), [`committer`]
 //! (writes and commits in order), [`load`] (restores into client memory),
-//! [`state`] (what the threads share), [`jobs`] (what goes to the
+//! [`state`] (what the threads share), [`fd_socket`] (the session's socket
+//! keeping descriptors passed with SCM_RIGHTS), [`jobs`] (what goes to the
 //! committer), [`peer`] (replies to one client), [`file_save`] (one file at
 //! a client's path, for the torch.save hook) and [`daemon`] (serve, launch,
 //! signals). See ARCHITECTURE.md for the map.
@@ -16,6 +17,7 @@ pub mod config;
 pub mod cuda_probe;
 pub mod coordinator;
 pub mod daemon;
+pub mod fd_socket;
 pub mod file_save;
 pub mod jobs;
 pub mod load;

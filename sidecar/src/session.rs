@@ -19,10 +19,11 @@ use tracing::{debug, info, warn};
 
 use ckpt_store::catalog;
 use crate::config;
+use crate::fd_socket::FdSocket;
 use crate::file_save;
 use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
-use crate::regions::{CudaSession, Region};
+use crate::regions::{CudaSession, CudaSource, Region};
 use crate::snapshot;
 use crate::peer::Peer;
 use crate::state::Shared;
@@ -48,7 +49,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             return;
         }
     };
-    let mut reader = BufReader::with_capacity(64 << 10, stream);
+    let mut reader = BufReader::with_capacity(64 << 10, FdSocket::new(stream));
     let mut regions: HashMap<u32, Arc<Region>> = HashMap::new();
     let mut cuda = CudaSession::default();
     loop {
@@ -118,17 +119,43 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 }
             }
             Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes } => {
-                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, device, &ipc_handle, len_bytes);
+                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, device, CudaSource::Ipc(&ipc_handle), len_bytes);
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event } => match cuda.fence(device, &event) {
-                Ok(()) => snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, None),
-                Err(e) => {
-                    info!(step, "save refused: the trainer's CUDA event: {e}");
-                    peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA event: {e}") });
+            Request::RegisterCudaVmmRegion { id, region_id, device, len_bytes } => {
+                let reply = match reader.get_mut().take_fd() {
+                    Some(fd) => register_cuda(&shared, &mut regions, &mut cuda, id, region_id, device, CudaSource::Fd(fd), len_bytes),
+                    None => Reply::Error {
+                        id,
+                        code: ErrorCode::BadRegion,
+                        message: format!("CUDA VMM region {region_id}: the request carried no file descriptor (send it with SCM_RIGHTS on the frame)"),
+                    },
+                };
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
+            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, done_event, rank, world_size } => {
+                // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
+                let part = (rank, world_size) != (0, 1);
+                let fenced = cuda.fence(device, &event).and_then(|()| {
+                    if done_event.is_empty() {
+                        return Ok(());
+                    }
+                    let p = peer.clone();
+                    cuda.after_queued(device, &done_event, Box::new(move || { p.send(&Reply::CopyQueued { id, step }); }))
+                });
+                match fenced {
+                    Ok(()) => {
+                        snapshot::run_save(&shared, &peer, &regions, id, step, tensors, blobs, lazy_release, part.then_some(Part { rank, world_size }));
+                        cuda.end_save(device);
+                    }
+                    Err(e) => {
+                        info!(step, "save refused: the trainer's CUDA event: {e}");
+                        peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}") });
+                    }
                 }
-            },
+            }
             Request::Bye => {
                 debug!("client said bye");
                 break;
@@ -196,7 +223,7 @@ fn register_cuda(
     id: u64,
     region_id: u32,
     device: i32,
-    ipc_handle: &[u8],
+    source: CudaSource,
     len_bytes: u64,
 ) -> Reply {
     let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
@@ -206,10 +233,10 @@ fn register_cuda(
     if regions.len() >= config::REGIONS_PER_SESSION_MAX {
         return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
     }
-    let opened = cuda.stream(device, &shared.staging).and_then(|stream| Region::open_cuda(region_id, ipc_handle, device, len_bytes, stream));
+    let opened = cuda.stream(device, &shared.staging).and_then(|stream| Region::open_cuda(region_id, source, device, len_bytes, stream));
     match opened {
         Ok(r) => {
-            debug!(region_id, device, len_bytes, "CUDA region registered");
+            debug!(region_id, device, len_bytes, vmm = r.is_vmm_cuda(), "CUDA region registered");
             regions.insert(region_id, Arc::new(r));
             Reply::RegionRegistered { id, region_id }
         }

@@ -222,15 +222,24 @@ fn copy_batches(pieces: &mut Pieces) {
         }
         ks.push(k);
     }
+    // Every batch is queued before any is waited for: a CUDA save's copies
+    // all sit on the stream when its done event is recorded (regions/cuda.rs).
+    let mut queued = Vec::new();
     for (region, ranges, ks) in by_region {
         // SAFETY: the region is kept alive by the caller's Arc for the whole
         // copy; every range is made of pieces' own disjoint parts of the
-        // lease and their bounds-checked sources (Pieces' invariant).
-        if unsafe { (*region).copy_batch(&ranges) } {
+        // lease and their bounds-checked sources (Pieces' invariant), and
+        // none is touched before finish_batch below returned.
+        if unsafe { (*region).queue_batch(&ranges) } {
+            queued.push(region);
             for k in ks {
                 pieces.0[k].staged = true;
             }
         }
+    }
+    for region in queued {
+        // SAFETY: as above: alive for the whole copy.
+        unsafe { (*region).finish_batch() };
     }
 }
 
@@ -394,6 +403,12 @@ fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
     regions.into_iter().try_for_each(|r| r.check_intact()).map_err(|e| SaveError::BadRegion(e.to_string()))
 }
 
+/// Why a save of legacy-IPC CUDA memory is aborted when its client goes
+/// before release: the bytes are undefined once the exporter died (a VMM
+/// allocation's are not), so a partial copy is never committed.
+pub const CLIENT_GONE_LEGACY_CUDA: &str =
+    "the client disconnected before release, and its CUDA memory is shared by legacy IPC, undefined once the exporting process is gone (VMM allocations are not): the partial snapshot is not committed";
+
 /// Runs one Save for a session: checks, waits for staging, copies, replies
 /// Released (or Failed), and queues the image for the committer.
 #[allow(clippy::too_many_arguments)]
@@ -464,7 +479,8 @@ pub fn run_save(
     }
     let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
     let guard = span.enter();
-    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
+    let gone = if sources.iter().any(|s| s.region.as_ref().is_some_and(|r| r.is_legacy_cuda())) { CLIENT_GONE_LEGACY_CUDA } else { "the client disconnected before release" };
+    let give_up = || shared.stop_reason(peer, gone);
     let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
         Ok(x) => x,
         Err(StagingError::GaveUp { why }) => {

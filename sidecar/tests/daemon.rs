@@ -1157,3 +1157,88 @@ fn gc_in_a_loop_beside_a_serving_sidecar_fails_no_save() {
     assert_on_disk(&sc.dir, 8, &shm, &descs);
     assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
 }
+
+/// Writes `bytes` on `s` in one sendmsg carrying `fds` (SCM_RIGHTS).
+fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[i32]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut control = [0u64; 16];
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr().cast_mut().cast(), iov_len: bytes.len() };
+    // SAFETY: plain data, then every pointer set to live buffers of the right size.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE((4 * fds.len()) as u32) as usize;
+        assert!(msg.msg_controllen <= std::mem::size_of_val(&control));
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN((4 * fds.len()) as u32) as usize;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), fds.len());
+        let n = libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL);
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        assert_eq!(n as usize, bytes.len(), "a small frame goes in one sendmsg");
+    }
+    Ok(())
+}
+
+#[test]
+fn passed_descriptors_are_matched_to_vmm_registrations_and_bounded() {
+    use std::os::fd::AsRawFd;
+    let sc = Sidecar::start(&[]);
+    // A VMM registration without its descriptor: refused, the session goes on.
+    let mut c = sc.client();
+    let id = c.id();
+    c.send(&Request::RegisterCudaVmmRegion { id, region_id: 1, device: 0, len_bytes: 2 << 20 });
+    match c.recv() {
+        Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {
+            assert_eq!(i, id);
+            assert!(message.contains("carried no file descriptor"), "{message}");
+        }
+        other => panic!("expected an Error, got {other:?}"),
+    }
+    assert!(c.status().sessions.len() == 1);
+    // With a descriptor that is no CUDA allocation (this sidecar has no driver
+    // anyway): refused with the reason, and the descriptor was taken.
+    let devnull = std::fs::File::open("/dev/null").unwrap();
+    let id = c.id();
+    let frame = ckpt_wire::encode(&Request::RegisterCudaVmmRegion { id, region_id: 2, device: 0, len_bytes: 2 << 20 });
+    send_with_fds(&c.s, &frame, &[devnull.as_raw_fd()]).unwrap();
+    match c.recv() {
+        Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {
+            assert_eq!(i, id);
+            assert!(message.starts_with("CUDA region 2: ") && !message.contains("carried no file descriptor"), "{message}");
+        }
+        other => panic!("expected an Error, got {other:?}"),
+    }
+    // More descriptors in one message than a read takes: that session closes.
+    let fds: Vec<i32> = (0..9).map(|_| devnull.as_raw_fd()).collect();
+    let mut s = sc.client();
+    let id = s.id();
+    send_with_fds(&s.s, &ckpt_wire::encode(&Request::List { id }), &fds).unwrap();
+    Client::expect_closed(s.s);
+    // Descriptors never used by a request pile up to the bound: that session closes.
+    let mut s = sc.client();
+    let mut closed = false;
+    for _ in 0..200 {
+        let id = s.id();
+        if send_with_fds(&s.s, &ckpt_wire::encode(&Request::List { id }), &[devnull.as_raw_fd()]).is_err() {
+            closed = true;
+            break;
+        }
+        match ckpt_wire::read_frame::<Reply>(&mut s.s) {
+            Ok(Reply::Listing { .. }) => {}
+            _ => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    assert!(closed, "200 unused descriptors were accepted");
+    Client::expect_closed(s.s);
+    // The first session and the sidecar serve on.
+    assert_eq!(c.status().sessions.len(), 1, "the closed sessions are gone");
+}

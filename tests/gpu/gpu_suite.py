@@ -6,13 +6,26 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
   at an offset; bf16; a Parameter) saved from the device by Checkpointer (no
   host copy in the trainer), changed on the GPU right after Released, loaded
   back bit-exact to the CPU and to the GPU, and restored in place into device
-  memory by the sidecar (load_into);
+  memory by the sidecar (load_into); a second save of the state reuses the
+  kept save plan;
 - hook_roundtrip: torch.save / torch.load of CUDA tensors through the hook;
 - sigkill_after_released_commits: a trainer SIGKILLed right after Released;
   the sidecar still commits and the checkpoint verifies;
 - restore_to_gpu_c: the C trainer (tests/c/cuda_trainer.c, linked with the
   real libcuda.so.1) saves device memory behind its stream's event and
-  restores into device memory, bit-exact.
+  restores into device memory, bit-exact;
+- vmm_c: the same C trainer with VMM allocations (cuMemCreate exportable as
+  a POSIX fd, passed over the socket): round trip in place, and a trainer
+  SIGKILLed right after Released whose step commits and is loaded back
+  bit-exact by another process; an allocation without the fd handle type is
+  refused naming it;
+- guard_stream_wait_c / guard_stream_wait_torch: the next step's write,
+  queued right after ckpt_stream_wait_copy (C) or optimizer.step() under
+  guard(optimizer) (torch), stays out of the snapshot;
+- stream_wait_survives_sidecar_death: the trainer's stream waits on the
+  sidecar's done event, the sidecar is SIGKILLed at once: does the driver
+  release the wait (the fake driver assumes so; docs/protocol.md)? A hang
+  past 60 s is reported as FAILED.
 
 Benchmark (figures, compared in the same run, no timed assertions): a 4 GiB
 state of CUDA tensors; device-to-host snapshot bandwidth (bytes / the
@@ -120,6 +133,11 @@ def checkpointer_roundtrip():
                    "v0": target["views"][0], "v1": target["views"][1]}
             for k, v in want.items():
                 assert torch.equal(got[k].cpu(), v), f"{k} differs after load_into"
+            # A second save of the same state reuses the kept plan (no registration again).
+            n_plans = len(ck._save_plans)
+            h2 = ck.save(2, state)
+            assert h2.copied_bytes == 0 and len(ck._save_plans) == n_plans >= 1, (h2.copied_bytes, n_plans, len(ck._save_plans))
+            h2.wait_durable(timeout=300)
 
 
 def hook_roundtrip():
@@ -184,6 +202,113 @@ def restore_to_gpu_c():
                                capture_output=True, text=True, timeout=300)
             assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
             serve.verify()
+        finally:
+            serve.stop()
+
+
+def c_trainer(tmp):
+    exe = os.path.join(tmp, "cuda_trainer")
+    if not os.path.exists(exe):
+        libdir = os.path.dirname(LIB)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-std=c99", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO}/shim-c/include",
+                        f"{REPO}/shim-c/tests/c/cuda_trainer.c", "-o", exe, f"-L{libdir}", "-lckpt",
+                        f"-Wl,-rpath,{libdir}", "-l:libcuda.so.1"], check=True)
+    return exe
+
+
+def vmm_c():
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = c_trainer(tmp)
+        serve = Serve(tmp)
+        env = dict(os.environ, CKPT_SIDECAR_SOCKET=serve.socket)
+        try:
+            r = subprocess.run([exe, "vmm-unexportable"], env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0 and "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR" in r.stdout, r.stdout + r.stderr
+            r = subprocess.run([exe, "vmm-roundtrip"], env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+        finally:
+            serve.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = c_trainer(tmp)
+        serve = Serve(tmp)
+        env = dict(os.environ, CKPT_SIDECAR_SOCKET=serve.socket)
+        try:
+            r = subprocess.run([exe, "vmm-die-after-release"], env=env, capture_output=True, text=True, timeout=300)
+            assert "released" in r.stdout and r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+            deadline = time.monotonic() + 120
+            while 5 not in serve.steps():
+                assert time.monotonic() < deadline, "step 5 never committed: " + open(serve.log).read()[-4000:]
+                time.sleep(0.1)
+            serve.verify()
+            r = subprocess.run([exe, "vmm-check"], env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+        finally:
+            serve.stop()
+
+
+def guard_stream_wait_c():
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = c_trainer(tmp)
+        serve = Serve(tmp)
+        try:
+            r = subprocess.run([exe, "guard"], env=dict(os.environ, CKPT_SIDECAR_SOCKET=serve.socket),
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "snapshot=saved" in r.stdout, r.stdout + r.stderr
+        finally:
+            serve.stop()
+
+
+def guard_stream_wait_torch():
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp, staging="4GiB")
+        try:
+            with cs.Checkpointer(socket=serve.socket, spawn=False) as ck:
+                w = torch.randn(1 << 28, device="cuda")  # 1 GiB: the copy takes a while
+                saved = w.cpu()
+                p = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+                opt = torch.optim.SGD([p], lr=0.1)
+                p.grad = torch.ones(4, device="cuda")
+                ck.guard(opt)
+                torch.cuda.synchronize()
+                h = ck.save(1, {"w": w})
+                assert h.cuda_stream is not None, "a device-only save waits on its stream"
+                opt.step()
+                w.fill_(7.0)  # the step's write, on the current stream, right after the hook
+                h.wait_durable(timeout=300)
+                assert torch.equal(ck.load(1, map_location="cpu")["w"], saved), "the step's write leaked into the snapshot"
+        finally:
+            serve.stop()
+
+
+def stream_wait_survives_sidecar_death():
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp, staging="5GiB")
+        code = textwrap.dedent("""
+            import os, signal, sys, threading, torch
+            import ckpt_sidecar as cs
+            ck = cs.Checkpointer(socket=sys.argv[1], spawn=False)
+            state = {f"t{i}": torch.randn(1 << 28, device="cuda") for i in range(4)}  # 4 GiB
+            torch.cuda.synchronize()
+            h = ck.save(1, state)
+            queued = h.wait_copy_on_stream(torch.cuda.current_stream().cuda_stream)
+            os.kill(int(sys.argv[2]), signal.SIGKILL)
+            done = threading.Event()
+            def watchdog():
+                if not done.wait(60):
+                    print("hung: the stream wait never ended after the sidecar died", flush=True)
+                    os._exit(3)
+            threading.Thread(target=watchdog, daemon=True).start()
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+            done.set()
+            print(f"released: stream wait queued={queued}", flush=True)
+        """)
+        try:
+            r = subprocess.run([sys.executable, "-c", code, serve.socket, str(serve.proc.pid)], capture_output=True,
+                               text=True, timeout=300)
+            assert r.returncode == 0 and "released" in r.stdout, r.stdout + r.stderr
+            print(r.stdout.strip(), flush=True)
         finally:
             serve.stop()
 
@@ -256,6 +381,10 @@ def main():
     check("hook_roundtrip", hook_roundtrip)
     check("sigkill_after_released_commits", sigkill_after_released_commits)
     check("restore_to_gpu_c", restore_to_gpu_c)
+    check("vmm_c", vmm_c)
+    check("guard_stream_wait_c", guard_stream_wait_c)
+    check("guard_stream_wait_torch", guard_stream_wait_torch)
+    check("stream_wait_survives_sidecar_death", stream_wait_survives_sidecar_death)
     check("bench", bench)
     out = os.environ.get("OUT")
     if out:

@@ -2,7 +2,9 @@
 # The CUDA path on a real GPU, in one call: builds the workspace, runs the GPU
 # suite (torch CUDA tensors through Checkpointer and the torch.save hook,
 # SIGKILL after Released still commits, restore to device memory bit-exact
-# through the C shim) and the GPU benchmark (device-to-host snapshot
+# through the C shim, VMM allocations passed as file descriptors, the next
+# step's write kept out of the snapshot by a stream wait, whether a stream
+# wait ends when the sidecar dies) and the GPU benchmark (device-to-host snapshot
 # bandwidth beside a plain pinned cudaMemcpy of the same size in the same
 # run, the trainer's CPU time inside save for a 4 GiB state, a training
 # step's slowdown while the sidecar copies). Results: stdout, and

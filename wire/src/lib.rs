@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -106,7 +106,28 @@ pub enum Request {
     /// this message was sent. The sidecar's own stream waits on it (after the
     /// message arrived) before copying; the trainer's CPU never waits.
     /// Replies as a Save does. Added in version 4.
-    SaveAfterEvent { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, device: i32, event: Vec<u8> },
+    ///
+    /// `done_event` (version 6; empty: none) is the IPC handle of another
+    /// interprocess event of the client: the sidecar records it on its
+    /// stream right after queuing the save's device-to-host copies, then
+    /// sends [`Reply::CopyQueued`]; a client stream that waits on it then
+    /// (cuStreamWaitEvent) runs its later work only after the copy, with no
+    /// CPU wait for the copy itself.
+    ///
+    /// `rank`, `world_size` (version 6): with world_size > 1 this is rank
+    /// `rank`'s part of the checkpoint, as a SavePart; 0 of 1 is a whole save.
+    SaveAfterEvent {
+        id: u64,
+        step: u64,
+        tensors: Vec<TensorDesc>,
+        blobs: Vec<Blob>,
+        lazy_release: bool,
+        device: i32,
+        event: Vec<u8>,
+        done_event: Vec<u8>,
+        rank: u32,
+        world_size: u32,
+    },
     /// A Save of rank `rank`'s part of a checkpoint written by `world_size`
     /// ranks (1 ≤ world_size, rank < world_size). Replies as a Save does;
     /// Durable comes only once every rank's part of `step` reached this
@@ -115,6 +136,15 @@ pub enum Request {
     /// do the others. Blob names must differ between the ranks' parts.
     /// Added in version 5.
     SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
+    /// Registers a CUDA VMM allocation (cuMemCreate, mapped with cuMemMap)
+    /// of `device` as region `region_id`: its first byte of this frame
+    /// carries exactly one file descriptor (SCM_RIGHTS), the allocation
+    /// exported with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. The sidecar
+    /// imports and maps it (reference-counted by the driver: it stays valid
+    /// after the trainer dies) and closes the descriptor. Descriptors are
+    /// matched to these requests in the order they arrive. Reply:
+    /// RegionRegistered or Error. Added in version 6.
+    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, len_bytes: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,6 +197,11 @@ pub enum Reply {
     /// The rollback to `step` is done; `removed` lists the steps that were
     /// un-committed, newest first. (Version 3.)
     RolledBack { id: u64, step: u64, removed: Vec<u64> },
+    /// The device-to-host copies of save `id` (a SaveAfterEvent with a
+    /// `done_event`) are queued on the sidecar's stream and the done event is
+    /// recorded after them; Released still follows once they completed.
+    /// (Version 6.)
+    CopyQueued { id: u64, step: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -184,10 +219,10 @@ pub struct StatusReport {
     pub cuda: String,
     /// Several nodes: the directory every node's sidecar shares (`--shared`),
     /// where multi-rank steps are committed and loads read; empty when this
-    /// sidecar serves one node alone. (Version 6.)
+    /// sidecar serves one node alone. (Version 7.)
     pub shared_dir: String,
     /// Several nodes: the steps this sidecar coordinates now (it serves
-    /// their rank 0, and commits or aborts them). (Version 6.)
+    /// their rank 0, and commits or aborts them). (Version 7.)
     pub coordinating: Vec<u64>,
 }
 

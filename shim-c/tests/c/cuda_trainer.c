@@ -18,6 +18,26 @@
  *   sidecar-dies         saves behind a very late write, prints "saved", expects
  *                        the save to fail when the test kills the sidecar, then
  *                        trains on (device work) and prints "trained on".
+ *   vmm-roundtrip        two VMM allocations (cuMemCreate, exportable as a POSIX
+ *                        fd, mapped with cuMemMap) hold three tensors (two at
+ *                        offsets in one); saved behind a late write, overwritten
+ *                        after Released, loaded back in place, bit-exact.
+ *   vmm-die-after-release  the same save; waits for Released, prints "released",
+ *                        SIGKILLs itself.
+ *   vmm-check            loads step 5 into fresh (cuMemAlloc) memory and checks it
+ *                        holds exactly what the VMM trainers saved.
+ *   vmm-unexportable     a VMM allocation created without the POSIX fd handle
+ *                        type: registration fails, saying why.
+ *   guard / no-guard     saves, then (guard) makes its stream wait on the
+ *                        sidecar's copy with ckpt_stream_wait_copy, prints
+ *                        "on_stream=1 state=pending" when it was queued while
+ *                        the sidecar still copied, and
+ *                        overwrites the tensor on that stream at once; prints
+ *                        "snapshot=saved" or "snapshot=overwritten" after
+ *                        loading the step back (no-guard: the control).
+ *   parts                two clients, ranks 0 and 1 of 2, each save its own device
+ *                        tensor (behind a late write) as its part of step 8; a third
+ *                        client loads both back into fresh memory, bit-exact.
  */
 #include <signal.h>
 #include <stdint.h>
@@ -41,6 +61,24 @@ int cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
 int cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
 int cuStreamCreate(CUstream *, unsigned);
 int cuStreamSynchronize(CUstream);
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+    int type;
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+int cuMemGetAllocationGranularity(size_t *, const CUmemAllocationProp *, int);
+int cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+int cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+int cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+int cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+int cuMemRelease(CUmemGenericAllocationHandle);
+int cuMemUnmap(CUdeviceptr, size_t);
+int cuMemAddressFree(CUdeviceptr, size_t);
 
 #define CU(x) do { int r_ = (x); if (r_ != 0) { fprintf(stderr, "%s:%d: %s = %d\n", __FILE__, __LINE__, #x, r_); exit(2); } } while (0)
 #define CK(x) do { int r_ = (x); if (r_ != 0) { fprintf(stderr, "%s:%d: %s = %d: %s\n", __FILE__, __LINE__, #x, r_, ckpt_last_error()); exit(3); } } while (0)
@@ -111,6 +149,209 @@ static int many(ckpt_client *c, CUstream stream) {
     return 0;
 }
 
+/* A VMM allocation of `n` bytes (a multiple of the granularity), mapped
+ * read-write; exportable as a POSIX fd when `exportable`. The handle is
+ * released at once: the mapping keeps the memory, as PyTorch's expandable
+ * segments do. */
+static CUdeviceptr vmm_alloc(size_t n, int exportable) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1;                                 /* PINNED */
+    prop.requestedHandleTypes = exportable ? 1 : 0; /* POSIX_FILE_DESCRIPTOR */
+    prop.location.type = 1;                        /* DEVICE */
+    prop.location.id = 0;
+    size_t g;
+    CU(cuMemGetAllocationGranularity(&g, &prop, 0));
+    if (n % g) { fprintf(stderr, "%zu is not a multiple of the granularity %zu\n", n, g); exit(2); }
+    CUmemGenericAllocationHandle h;
+    CU(cuMemCreate(&h, n, &prop, 0));
+    CUdeviceptr d;
+    CU(cuMemAddressReserve(&d, n, 0, 0, 0));
+    CU(cuMemMap(d, n, 0, h, 0));
+    CUmemAccessDesc access = {{1, 0}, 3};          /* device 0, READWRITE */
+    CU(cuMemSetAccess(d, n, &access, 1));
+    CU(cuMemRelease(h));
+    return d;
+}
+
+static void vmm_free(CUdeviceptr d, size_t n) {
+    CU(cuMemUnmap(d, n));
+    CU(cuMemAddressFree(d, n));
+}
+
+#define VA_BYTES ((size_t)4 << 20)
+#define VB_BYTES ((size_t)2 << 20)
+#define VT1_BYTES ((size_t)1 << 20)
+#define VT2_OFF (((size_t)1 << 20) + 8192)
+#define VT2_BYTES (((size_t)2 << 20) + 4096)
+#define VT3_BYTES (((size_t)2 << 20) - 4096)
+
+static uint64_t vs1[1] = {VT1_BYTES}, vs2[1] = {VT2_BYTES / 4}, vs3[1] = {VT3_BYTES};
+
+/* The saved state of the VMM modes: what each tensor must hold. */
+static void vmm_want(unsigned char *a, unsigned char *b) {
+    fill(a, VA_BYTES, 31);
+    fill(b, VB_BYTES, 32);
+}
+
+static int vmm_unexportable(ckpt_client *c) {
+    CUdeviceptr d = vmm_alloc(VB_BYTES, 0);
+    uint32_t rid;
+    if (ckpt_register_cuda(c, (void *)(uintptr_t)d, &rid) == CKPT_OK) { fprintf(stderr, "an unexportable VMM allocation was registered\n"); return 4; }
+    printf("refused: %s\n", ckpt_last_error());
+    vmm_free(d, VB_BYTES);
+    return 0;
+}
+
+static int vmm_check(ckpt_client *c) {
+    unsigned char *wa = malloc(VA_BYTES), *wb = malloc(VB_BYTES), *got = malloc(8u << 20);
+    vmm_want(wa, wb);
+    CUdeviceptr r = dev_alloc(8u << 20, 7);
+    uint32_t rr;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)r, &rr));
+    ckpt_tensor l[3] = {
+        {"v.first", "U8", vs1, 1, (void *)(uintptr_t)r, VT1_BYTES},
+        {"v.second", "F32", vs2, 1, (void *)(uintptr_t)(r + (2u << 20)), VT2_BYTES},
+        {"w", "U8", vs3, 1, (void *)(uintptr_t)(r + (5u << 20)), VT3_BYTES},
+    };
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 5, l, 3, &got_step, &source));
+    CU(cuMemcpyDtoH_v2(got, r, 8u << 20));
+    if (got_step != 5) { fprintf(stderr, "loaded step %llu\n", (unsigned long long)got_step); return 7; }
+    if (memcmp(got, wa, VT1_BYTES) || memcmp(got + (2u << 20), wa + VT2_OFF, VT2_BYTES) || memcmp(got + (5u << 20), wb + 4096, VT3_BYTES)) {
+        fprintf(stderr, "the committed VMM snapshot differs from what was saved\n");
+        return 8;
+    }
+    CK(ckpt_close(c));
+    printf("ok\n");
+    return 0;
+}
+
+static int vmm(ckpt_client *c, CUstream stream, const char *mode) {
+    CUdeviceptr a = vmm_alloc(VA_BYTES, 1), b = vmm_alloc(VB_BYTES, 1);
+    uint32_t ra, ra2, rb;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)(a + VT2_OFF), &ra));
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &ra2));
+    if (ra != ra2) { fprintf(stderr, "one VMM allocation, two regions: %u %u\n", ra, ra2); return 4; }
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)b, &rb));
+    ckpt_tensor t[3] = {
+        {"v.first", "U8", vs1, 1, (void *)(uintptr_t)a, VT1_BYTES},
+        {"v.second", "F32", vs2, 1, (void *)(uintptr_t)(a + VT2_OFF), VT2_BYTES},
+        {"w", "U8", vs3, 1, (void *)(uintptr_t)(b + 4096), VT3_BYTES},
+    };
+    unsigned char *wa = malloc(VA_BYTES), *wb = malloc(VB_BYTES);
+    vmm_want(wa, wb);
+    /* The state to save: written by late async copies on the trainer's stream. */
+    CU(cuMemcpyHtoDAsync_v2(a, wa, VA_BYTES, stream));
+    CU(cuMemcpyHtoDAsync_v2(b, wb, VB_BYTES, stream));
+    uint64_t id;
+    CK(ckpt_save_on_stream(c, 5, t, 3, NULL, 0, stream, &id));
+    CK(ckpt_wait(c, id, CKPT_RELEASED, 120000));
+    if (!strcmp(mode, "vmm-die-after-release")) {
+        printf("released\n");
+        fflush(stdout);
+        raise(SIGKILL);
+    }
+    /* Released: the next step overwrites the tensors at once. */
+    unsigned char *next = malloc(VA_BYTES), *got = malloc(VA_BYTES);
+    fill(next, VA_BYTES, 41);
+    CU(cuMemcpyHtoDAsync_v2(a, next, VA_BYTES, stream));
+    CU(cuMemcpyHtoDAsync_v2(b, next, VB_BYTES, stream));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 5, t, 3, &got_step, &source));
+    CU(cuMemcpyDtoH_v2(got, a, VA_BYTES));
+    if (memcmp(got, wa, VT1_BYTES) || memcmp(got + VT2_OFF, wa + VT2_OFF, VT2_BYTES)) { fprintf(stderr, "allocation a differs after the VMM round trip\n"); return 8; }
+    if (memcmp(got + VT1_BYTES, next + VT1_BYTES, VT2_OFF - VT1_BYTES)) { fprintf(stderr, "the load wrote outside its tensors\n"); return 9; }
+    CU(cuMemcpyDtoH_v2(got, b, VB_BYTES));
+    if (memcmp(got + 4096, wb + 4096, VT3_BYTES)) { fprintf(stderr, "allocation b differs after the VMM round trip\n"); return 10; }
+    CK(ckpt_unregister_cuda(c, (void *)(uintptr_t)b));
+    CK(ckpt_close(c));
+    vmm_free(a, VA_BYTES);
+    vmm_free(b, VB_BYTES);
+    printf("ok\n");
+    return 0;
+}
+
+static int guarded(ckpt_client *c, CUstream stream, int guard) {
+    CUdeviceptr a = dev_alloc(A_BYTES, 1);
+    unsigned char *want = malloc(A_BYTES), *next = malloc(A_BYTES), *got = malloc(A_BYTES);
+    fill(want, A_BYTES, 51);
+    fill(next, A_BYTES, 52);
+    CU(cuMemcpyHtoD_v2(a, want, A_BYTES));
+    uint32_t ra;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &ra));
+    uint64_t s1[1] = {A_BYTES};
+    ckpt_tensor t[1] = {{"a", "U8", s1, 1, (void *)(uintptr_t)a, A_BYTES}};
+    uint64_t id;
+    CK(ckpt_save_on_stream(c, 6, t, 1, NULL, 0, stream, &id));
+    if (guard) {
+        int on_stream = -1, state = -1;
+        CK(ckpt_stream_wait_copy(c, id, stream, 120000, &on_stream));
+        CK(ckpt_poll(c, id, &state));
+        /* With the fake's late copies the save is still pending here: the CPU did not wait for the copy. */
+        printf("on_stream=%d state=%s\n", on_stream, state == CKPT_PENDING ? "pending" : "not-pending");
+    }
+    /* The next step overwrites the tensor on the same stream, at once. */
+    CU(cuMemcpyHtoDAsync_v2(a, next, A_BYTES, stream));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    CU(cuMemcpyHtoD_v2(a, want + 1, A_BYTES - 1)); /* neither: the load must bring the snapshot back */
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 6, t, 1, &got_step, &source));
+    CU(cuMemcpyDtoH_v2(got, a, A_BYTES));
+    printf("snapshot=%s\n", !memcmp(got, want, A_BYTES) ? "saved" : !memcmp(got, next, A_BYTES) ? "overwritten" : "garbled");
+    CK(ckpt_close(c));
+    return 0;
+}
+
+static int parts(ckpt_client *c, CUstream stream) {
+    ckpt_client *r[2];
+    CUdeviceptr d[2];
+    unsigned char *want[2];
+    uint64_t id[2], s1[1] = {B_BYTES};
+    char names[2][16];
+    ckpt_tensor t[2];
+    for (int k = 0; k < 2; k++) {
+        CK(ckpt_connect(NULL, &r[k]));
+        CK(ckpt_set_rank(r[k], (uint32_t)k, 2));
+        d[k] = dev_alloc(B_BYTES, 60 + k);
+        want[k] = malloc(B_BYTES);
+        fill(want[k], B_BYTES, 70 + k);
+        uint32_t rid;
+        CK(ckpt_register_cuda(r[k], (void *)(uintptr_t)d[k], &rid));
+        CU(cuMemcpyHtoDAsync_v2(d[k], want[k], B_BYTES, stream));
+        snprintf(names[k], sizeof names[k], "part%d.w", k);
+        t[k] = (ckpt_tensor){names[k], "U8", s1, 1, (void *)(uintptr_t)d[k], B_BYTES};
+        CK(ckpt_save_on_stream(r[k], 8, &t[k], 1, NULL, 0, stream, &id[k]));
+    }
+    for (int k = 0; k < 2; k++) CK(ckpt_wait(r[k], id[k], CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    CUdeviceptr back = dev_alloc(2 * B_BYTES + 4096, 9);
+    uint32_t rb;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)back, &rb));
+    ckpt_tensor l[2] = {
+        {"part0.w", "U8", s1, 1, (void *)(uintptr_t)back, B_BYTES},
+        {"part1.w", "U8", s1, 1, (void *)(uintptr_t)(back + B_BYTES + 4096), B_BYTES},
+    };
+    uint64_t got_step;
+    int source;
+    CK(ckpt_load(c, 8, l, 2, &got_step, &source));
+    unsigned char *got = malloc(B_BYTES);
+    for (int k = 0; k < 2; k++) {
+        CU(cuMemcpyDtoH_v2(got, back + (CUdeviceptr)k * (B_BYTES + 4096), B_BYTES));
+        if (memcmp(got, want[k], B_BYTES)) { fprintf(stderr, "rank %d's part differs after the round trip\n", k); return 13; }
+        CK(ckpt_close(r[k]));
+    }
+    CK(ckpt_close(c));
+    printf("ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: cuda_trainer MODE\n"); return 2; }
     const char *mode = argv[1];
@@ -128,6 +369,11 @@ int main(int argc, char **argv) {
     CK(ckpt_cuda_probe());
     if (!strcmp(mode, "refused")) return refused(c);
     if (!strcmp(mode, "many")) return many(c, stream);
+    if (!strcmp(mode, "vmm-unexportable")) return vmm_unexportable(c);
+    if (!strcmp(mode, "parts")) return parts(c, stream);
+    if (!strcmp(mode, "guard") || !strcmp(mode, "no-guard")) return guarded(c, stream, !strcmp(mode, "guard"));
+    if (!strcmp(mode, "vmm-check")) return vmm_check(c);
+    if (!strncmp(mode, "vmm-", 4)) return vmm(c, stream, mode);
     CUdeviceptr a = dev_alloc(A_BYTES, 1), b = dev_alloc(B_BYTES, 2);
     uint32_t ra, ra2, rb;
     CK(ckpt_register_cuda(c, (void *)(uintptr_t)(a + 4096), &ra));

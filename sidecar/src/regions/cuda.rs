@@ -1,19 +1,28 @@
 //! The CUDA kind of region: one device allocation of the client, opened from
-//! its legacy IPC handle ([`ckpt_cuda::Imported`]) and closed when the region
-//! is dropped (unregistered, or its session ended: the client left or died).
+//! its legacy IPC handle or imported from a VMM allocation's file descriptor
+//! (passed with SCM_RIGHTS) and mapped ([`ckpt_cuda::Imported`]); closed
+//! (unmapped, released) when the region is dropped (unregistered, or its
+//! session ended: the client left or died). A VMM import stays valid after
+//! the client died (the driver counts references); a legacy one does not.
 //!
 //! Copies run on the session's own stream ([`CudaSession`]): a
 //! `SaveAfterEvent` makes that stream wait on the trainer's event first
 //! ([`CudaSession::fence`], called after the message arrived), so every
 //! device-to-host copy queued after it sees the bytes as of the trainer's
-//! record; the trainer's CPU never waits. Staging is page-locked once with
-//! `cuMemHostRegister` (ordinary cached memory, never write-combined).
+//! record; the trainer's CPU never waits. With a done event, the save's
+//! copies are all queued first ([`CudaMemory::queue_batch`]), then the first
+//! [`CudaMemory::finish_batch`] records the trainer's done event behind them
+//! and says so (`CopyQueued`) before waiting for them: a trainer stream that
+//! waits on that event runs its next step after the copy, with no CPU wait.
+//! Staging is page-locked once with `cuMemHostRegister` (ordinary cached
+//! memory, never write-combined).
 //!
 //! A failed driver call during a copy cannot stop it (copy_out returns no
 //! error); it is remembered, and [`CudaMemory::check_intact`] refuses the
 //! save afterwards, as a truncated shm segment is refused.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use ckpt_cuda::{HostRegistration, Imported, OpenedEvent, Stream};
@@ -23,20 +32,64 @@ use super::RegionError;
 use crate::config;
 use crate::staging::Staging;
 
+/// What names a client's device allocation.
+pub enum CudaSource<'a> {
+    /// A legacy IPC handle (64 bytes).
+    Ipc(&'a [u8]),
+    /// A VMM allocation exported as a POSIX fd (closed once imported).
+    Fd(OwnedFd),
+}
+
+/// The session's stream on one device, and what to do once the current
+/// save's copies are all queued on it (record the trainer's done event, tell
+/// the trainer).
+pub struct SessionStream {
+    stream: Stream,
+    after_queued: Mutex<Option<AfterQueued>>,
+}
+
+struct AfterQueued {
+    event: Arc<OpenedEvent>,
+    notify: Box<dyn FnOnce() + Send>,
+}
+
+impl SessionStream {
+    /// Records the pending done event (if any) behind everything queued so
+    /// far and runs its notification; a failed record is only logged (the
+    /// trainer then learns of the copy by Released).
+    fn fire_after_queued(&self) {
+        let pending = self.after_queued.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(AfterQueued { event, notify }) = pending {
+            match self.stream.record(&event) {
+                Ok(()) => notify(),
+                Err(e) => warn!("cannot record the trainer's done event after the copy: {e}"),
+            }
+        }
+    }
+}
+
 /// One imported device allocation and the stream its copies run on.
 pub struct CudaMemory {
     imported: Imported,
-    stream: Arc<Stream>,
+    stream: Arc<SessionStream>,
     /// The first driver error of a copy, if any (sticky: register again).
     failed: Mutex<Option<String>>,
 }
 
 impl CudaMemory {
-    /// Opens the allocation named by `ipc_handle` on `device`; it must hold
-    /// `len_bytes`.
-    pub fn open(ipc_handle: &[u8], device: i32, len_bytes: u64, stream: Arc<Stream>) -> Result<CudaMemory, RegionError> {
-        let imported = Imported::open(ipc_handle, device, len_bytes)?;
+    /// Opens the allocation `source` names on `device`; it must hold
+    /// `len_bytes`. A passed fd is closed once imported (the import holds
+    /// the allocation).
+    pub fn open(source: CudaSource, device: i32, len_bytes: u64, stream: Arc<SessionStream>) -> Result<CudaMemory, RegionError> {
+        let imported = match source {
+            CudaSource::Ipc(handle) => Imported::open(handle, device, len_bytes)?,
+            CudaSource::Fd(fd) => Imported::import_fd(&fd, device, len_bytes)?,
+        };
         Ok(CudaMemory { imported, stream, failed: Mutex::new(None) })
+    }
+
+    pub fn is_vmm(&self) -> bool {
+        self.imported.is_vmm()
     }
 
     fn fail(&self, what: String) {
@@ -55,11 +108,12 @@ impl CudaMemory {
     /// lies inside the region (checked by [`super::Region::copy_out`]).
     pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
         let src = self.imported.ptr() + offset_bytes;
+        let s = &self.stream.stream;
         // SAFETY: dst is the caller's for the call, and the synchronize below
         // returns only once the copy into it is done; src..src+len lies in
         // the imported allocation (bounds checked by Region, the allocation
         // holds len_bytes: checked at open).
-        let done = unsafe { self.stream.copy_dtoh_async(dst, src, len) }.and_then(|()| self.stream.synchronize());
+        let done = unsafe { s.copy_dtoh_async(dst, src, len) }.and_then(|()| s.synchronize());
         if let Err(e) = done {
             self.fail(format!("device-to-host copy failed: {e}"));
             return 0;
@@ -73,22 +127,29 @@ impl CudaMemory {
     }
 
     /// Queues a copy of every range on the session's stream (after any
-    /// event it waits on), then waits once for all of them.
+    /// event it waits on); [`CudaMemory::finish_batch`] waits for them.
     ///
     /// # Safety
-    /// As [`CudaMemory::copy_out`], for every range.
-    pub unsafe fn copy_batch(&self, ranges: &[(u64, *mut u8, usize)]) {
-        let mut queued = Ok(());
+    /// As [`CudaMemory::copy_out`], for every range, until `finish_batch`
+    /// has returned.
+    pub unsafe fn queue_batch(&self, ranges: &[(u64, *mut u8, usize)]) {
         for &(offset_bytes, dst, len) in ranges {
-            // SAFETY: the caller's contract; the synchronize below returns
-            // only once every queued copy is done (also after an error).
-            queued = unsafe { self.stream.copy_dtoh_async(dst, self.imported.ptr() + offset_bytes, len) };
-            if queued.is_err() {
-                break;
+            // SAFETY: the caller's contract; finish_batch returns only once
+            // every queued copy is done (also after an error).
+            if let Err(e) = unsafe { self.stream.stream.copy_dtoh_async(dst, self.imported.ptr() + offset_bytes, len) } {
+                self.fail(format!("device-to-host copy failed: {e}"));
+                return;
             }
         }
-        if let Err(e) = queued.and(self.stream.synchronize()) {
-            let _ = self.stream.synchronize();
+    }
+
+    /// Once every batch of the save is queued: records the trainer's done
+    /// event behind them (the first call of a save; see the module), then
+    /// waits until the stream's copies have completed.
+    pub fn finish_batch(&self) {
+        self.stream.fire_after_queued();
+        if let Err(e) = self.stream.stream.synchronize() {
+            let _ = self.stream.stream.synchronize();
             self.fail(format!("device-to-host copy failed: {e}"));
         }
     }
@@ -105,9 +166,10 @@ impl CudaMemory {
     /// follows, so the trainer's later work sees the bytes).
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
         let dst = self.imported.ptr() + offset_bytes;
+        let s = &self.stream.stream;
         // SAFETY: `bytes` is borrowed until after the synchronize; the range
         // lies in the allocation (bounds checked by Region::write_at).
-        unsafe { self.stream.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) }.and_then(|()| self.stream.synchronize()).map_err(RegionError::from)
+        unsafe { s.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) }.and_then(|()| s.synchronize()).map_err(RegionError::from)
     }
 
     pub fn device(&self) -> i32 {
@@ -119,18 +181,18 @@ impl CudaMemory {
 /// interprocess events it opened (kept while the session lives).
 #[derive(Default)]
 pub struct CudaSession {
-    streams: HashMap<i32, Arc<Stream>>,
-    events: HashMap<(i32, Vec<u8>), OpenedEvent>,
+    streams: HashMap<i32, Arc<SessionStream>>,
+    events: HashMap<(i32, Vec<u8>), Arc<OpenedEvent>>,
 }
 
 impl CudaSession {
     /// The session's stream on `device`, created at first use; the first
     /// one in the daemon also page-locks staging.
-    pub fn stream(&mut self, device: i32, staging: &Staging) -> Result<Arc<Stream>, RegionError> {
+    pub fn stream(&mut self, device: i32, staging: &Staging) -> Result<Arc<SessionStream>, RegionError> {
         if let Some(s) = self.streams.get(&device) {
             return Ok(s.clone());
         }
-        let s = Arc::new(Stream::new(device)?);
+        let s = Arc::new(SessionStream { stream: Stream::new(device)?, after_queued: Mutex::new(None) });
         pin_staging(staging, device);
         self.streams.insert(device, s.clone());
         Ok(s)
@@ -139,20 +201,50 @@ impl CudaSession {
     /// Makes the session's stream on `device` wait on the trainer's event
     /// (its IPC handle), as recorded now: call after the Save arrived.
     pub fn fence(&mut self, device: i32, event: &[u8]) -> Result<(), RegionError> {
-        let stream = self
-            .streams
+        let stream = self.stream_of(device)?;
+        let event = self.event(device, event)?;
+        stream.stream.wait_event(&event)?;
+        Ok(())
+    }
+
+    /// For the save about to run: once its copies are queued on `device`'s
+    /// stream, record the trainer's `done_event` behind them and call
+    /// `notify`. Cleared by [`CudaSession::end_save`] if the save never got
+    /// that far.
+    pub fn after_queued(&mut self, device: i32, done_event: &[u8], notify: Box<dyn FnOnce() + Send>) -> Result<(), RegionError> {
+        let stream = self.stream_of(device)?;
+        let event = self.event(device, done_event)?;
+        *stream.after_queued.lock().unwrap_or_else(|p| p.into_inner()) = Some(AfterQueued { event, notify });
+        Ok(())
+    }
+
+    /// The save is over: drops a done event it did not record (refused
+    /// before its copy).
+    pub fn end_save(&mut self, device: i32) {
+        if let Some(s) = self.streams.get(&device) {
+            s.after_queued.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+    }
+
+    fn stream_of(&self, device: i32) -> Result<Arc<SessionStream>, RegionError> {
+        self.streams
             .get(&device)
             .cloned()
-            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on device {device}"))))?;
-        let key = (device, event.to_vec());
-        if !self.events.contains_key(&key) {
-            if self.events.len() >= config::CUDA_EVENTS_PER_SESSION_MAX {
-                self.events.clear();
-            }
-            self.events.insert(key.clone(), OpenedEvent::open(event, device)?);
+            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on device {device}"))))
+    }
+
+    /// The trainer's event `handle`, opened once per session.
+    fn event(&mut self, device: i32, handle: &[u8]) -> Result<Arc<OpenedEvent>, RegionError> {
+        let key = (device, handle.to_vec());
+        if let Some(e) = self.events.get(&key) {
+            return Ok(e.clone());
         }
-        stream.wait_event(&self.events[&key])?;
-        Ok(())
+        if self.events.len() >= config::CUDA_EVENTS_PER_SESSION_MAX {
+            self.events.clear();
+        }
+        let e = Arc::new(OpenedEvent::open(handle, device)?);
+        self.events.insert(key, e.clone());
+        Ok(e)
     }
 }
 

@@ -24,7 +24,7 @@ use std::io;
 pub mod cuda;
 pub mod shm;
 
-pub use cuda::{CudaMemory, CudaSession};
+pub use cuda::{CudaMemory, CudaSession, CudaSource, SessionStream};
 pub use shm::{validate_shm_name, ShmMemory};
 
 #[derive(Debug, thiserror::Error)]
@@ -72,10 +72,22 @@ impl Region {
         Ok(Region { region_id, len_bytes, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
     }
 
-    /// Opens the CUDA allocation named by `ipc_handle` on `device`; its
-    /// copies run on `stream` (the session's).
-    pub fn open_cuda(region_id: u32, ipc_handle: &[u8], device: i32, len_bytes: u64, stream: std::sync::Arc<ckpt_cuda::Stream>) -> Result<Region, RegionError> {
-        Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(ipc_handle, device, len_bytes, stream)?) })
+    /// Opens the CUDA allocation `source` names on `device` (a legacy IPC
+    /// handle, or a VMM allocation's fd); its copies run on `stream` (the
+    /// session's).
+    pub fn open_cuda(region_id: u32, source: CudaSource, device: i32, len_bytes: u64, stream: std::sync::Arc<SessionStream>) -> Result<Region, RegionError> {
+        Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
+    }
+
+    /// Whether this is CUDA memory shared by legacy IPC, whose bytes are
+    /// undefined once the client that exported it died.
+    pub fn is_legacy_cuda(&self) -> bool {
+        matches!(&self.memory, Memory::Cuda(m) if !m.is_vmm())
+    }
+
+    /// Whether this is a CUDA VMM allocation (valid after its client died).
+    pub fn is_vmm_cuda(&self) -> bool {
+        matches!(&self.memory, Memory::Cuda(m) if m.is_vmm())
     }
 
     /// What kind of memory this is, for logs and status.
@@ -112,26 +124,36 @@ impl Region {
         }
     }
 
-    /// Copies many ranges `(offset_bytes, dst, len)` in one batch where the
-    /// kind gains from it (CUDA: every copy queued on the session's stream,
-    /// one wait at the end); returns false, copying nothing, for a kind that
-    /// copies piece by piece (host shm: [`Region::copy_out`]). Failures show
-    /// in [`Region::check_intact`], as for `copy_out`.
+    /// Queues copies of many ranges `(offset_bytes, dst, len)` in one batch
+    /// where the kind gains from it (CUDA: on the session's stream); returns
+    /// false, copying nothing, for a kind that copies piece by piece (host
+    /// shm: [`Region::copy_out`]). Once every region's batch of a save is
+    /// queued, [`Region::finish_batch`] on each waits for them. Failures
+    /// show in [`Region::check_intact`], as for `copy_out`.
     ///
     /// # Safety
-    /// Each `dst..dst+len` is writable and no one else's for the call, and
-    /// each range was checked with [`Region::contains`].
-    pub unsafe fn copy_batch(&self, ranges: &[(u64, *mut u8, usize)]) -> bool {
+    /// Each `dst..dst+len` is writable and no one else's until
+    /// `finish_batch` returned, and each range was checked with
+    /// [`Region::contains`].
+    pub unsafe fn queue_batch(&self, ranges: &[(u64, *mut u8, usize)]) -> bool {
         match &self.memory {
             Memory::HostShm(_) => false,
             Memory::Cuda(m) => {
                 for &(off, _, len) in ranges {
-                    assert!(self.contains(off, len as u64).is_ok(), "copy_batch outside the region (callers check bounds first)");
+                    assert!(self.contains(off, len as u64).is_ok(), "queue_batch outside the region (callers check bounds first)");
                 }
                 // SAFETY: the caller's contract; bounds asserted above.
-                unsafe { m.copy_batch(ranges) };
+                unsafe { m.queue_batch(ranges) };
                 true
             }
+        }
+    }
+
+    /// Waits until the batch [`Region::queue_batch`] queued has completed
+    /// (a no-op for kinds that do not batch).
+    pub fn finish_batch(&self) {
+        if let Memory::Cuda(m) = &self.memory {
+            m.finish_batch();
         }
     }
 

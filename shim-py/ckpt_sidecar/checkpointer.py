@@ -37,7 +37,7 @@ from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFou
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
 RNG_BLOB = "rng.pkl"
-PARTS_BLOB = "parts.pkl"  # a multi-rank save: world size and the tensors saved in pieces (rank 0's)
+PARTS_BLOB = "parts.pkl"  # read only: older multi-rank checkpoints' map of tensors saved in pieces
 LOCK_NAME = ".ckpt-sidecar-py.lock"
 SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s per GiB)
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
@@ -779,15 +779,18 @@ class Checkpointer:
             return self._send(step, c, objs, blobs_py, t0)
 
     def _save_part(self, step, state, rng, t0):
-        """This rank's part of a replicated state (dist.rank_leaves); the
-        structure and the split map once (rank 0), the RNG state per rank."""
+        """This rank's part of a replicated state (dist.rank_leaves): the
+        structure once (rank 0), the RNG state per rank, and the slices of
+        tensors split between ranks declared by the rank holding each (the
+        sidecar writes them into the index)."""
         fl = Flattener()
         skeleton = fl.walk(state)
-        leaves, split = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
+        leaves, slices = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
         blobs_py = []
         if self.rank == 0:
-            parts = pickle.dumps({"world_size": self.world_size, "split": split}, protocol=4)
-            blobs_py += [(STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)), (PARTS_BLOB, parts)]
+            blobs_py.append((STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)))
+        if slices:
+            blobs_py.append((dist.SLICES_BLOB, dist.slices_blob(slices)))
         if rng:
             blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
         return self._save_leaves(step, leaves, blobs_py, t0)
@@ -1014,55 +1017,12 @@ class Checkpointer:
         """The state saved as `step` ("latest": the newest good one), verified by
         the sidecar; torch tensors where torch tensors were saved, numpy arrays
         where arrays were. A step is an int from 0 to 999999999999. map_location: a torch device for torch tensors (None:
-        the device they were saved from)."""
-        L = N.lib()
+        the device they were saved from). Whatever world size saved it, every
+        rank gets the whole state (tensors split between ranks come back whole)."""
         with self._mu:
-            self._ensure()
-            want = step_arg(step, latest_ok=True)
-            want = -1 if want is None else want
-            got, src = ctypes.c_uint64(), ctypes.c_int()
-            N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
-            self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
-            infos = self._loaded_tensors()
-            skel = self._loaded_blob(STRUCTURE_BLOB)
-            parts = self._loaded_blob(PARTS_BLOB)
-            parts = pickle.loads(parts) if parts is not None else {"world_size": 1, "split": {}}
-            rng_blob = self._loaded_rng(parts["world_size"]) if restore_rng else None
-            # Tensors saved in pieces (several ranks' parts) are put back
-            # together in place: each piece is loaded at its offset in one slot.
-            piece_at = {pn: (g, a) for g, sp in parts["split"].items() for pn, a, b in sp["pieces"]}
-            slots = [i for i in infos if i[0] not in piece_at]
-            piece_isz = {}
-            for name, dt, shape, nbytes in infos:
-                if name in piece_at and nbytes:
-                    piece_isz[piece_at[name][0]] = nbytes // shape[0]
-            for g, sp in parts["split"].items():
-                n_elems = max((b for _, _, b in sp["pieces"]), default=0)
-                slots.append((g, sp["dtype"], sp["shape"], n_elems * piece_isz.get(g, 0)))
-            total = sum(_align(i[3]) for i in slots)
-            if total and (self._load_region is None or self._load_region.len_bytes < total):
-                if self._load_region is not None:
-                    self._free_region(self._load_region)
-                self._load_region = self._alloc(_align(total))
-            region = self._load_region
-            descs = (N.Tensor * max(len(infos), 1))()
-            keep, offs, n, off = [], {}, 0, 0
-            for name, dt, shape, nbytes in slots:
-                offs[name] = off
-                off += _align(nbytes)
-            for name, dt, shape, nbytes in infos:
-                if nbytes == 0:
-                    continue
-                at = offs[name] if name not in piece_at else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
-                bn, bd = name.encode(), dt.encode()
-                shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-                keep += [bn, bd, shp]
-                descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + at, nbytes)
-                n += 1
-            if n:
-                N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
+            got, values, skel, saved_world = self._load_tensors(step, None, map_location)
+            rng_blob = self._loaded_rng(saved_world) if restore_rng else None
             if skel is None:
-                values = {name: _plain_array(region, offs[name], dt, shape, nbytes) for name, dt, shape, nbytes in slots}
                 result = values
             else:
                 version, skeleton = pickle.loads(skel)
@@ -1070,19 +1030,96 @@ class Checkpointer:
                     raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
                 refs = {}
                 _collect_refs(skeleton, refs)
-                by_name = {i[0]: i for i in slots}
-                values = {}
-                for name, ref in refs.items():
-                    if name not in by_name:
-                        raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got.value}", -8)
-                    _, dt, shape, nbytes = by_name[name]
-                    values[name] = _restore(ref, region, offs[name], nbytes, map_location)
+                for name in refs:
+                    if name not in values:
+                        raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got}", -8)
                 result = unflatten(skeleton, values)
             if rng_blob is not None:
                 restore_rng_state(pickle.loads(rng_blob))
             elif restore_rng:
-                warnings.warn(f"checkpoint {got.value} holds no RNG state (save it with rng=True)")
+                warnings.warn(f"checkpoint {got} holds no RNG state (save it with rng=True)")
             return result
+
+    def load_tensors(self, names, step="latest", map_location="cpu"):
+        """Only the named tensors of `step` (their paths, as `save` names
+        them: "model.embed.weight"), verified by the sidecar: {name: tensor},
+        each whole whatever world size saved it. An unknown name raises
+        NotFound naming it."""
+        names = list(names)
+        with self._mu:
+            return self._load_tensors(step, names, map_location)[1]
+
+    def _load_tensors(self, step, names, map_location):
+        """(step loaded, {name: value}, the structure blob or None, the world
+        size that saved it); names None: every tensor."""
+        L = N.lib()
+        self._ensure()
+        want = step_arg(step, latest_ok=True)
+        want = -1 if want is None else want
+        got, src = ctypes.c_uint64(), ctypes.c_int()
+        N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
+        self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+        infos = self._loaded_tensors()
+        skel = self._loaded_blob(STRUCTURE_BLOB)
+        # The sidecar lists and loads tensors stored in slices whole. Only
+        # checkpoints written before the index described slices list the
+        # pieces, with the map in the blob parts.pkl.
+        parts = self._loaded_blob(PARTS_BLOB)
+        parts = pickle.loads(parts) if parts is not None else {"world_size": None, "split": {}}
+        saved_world = parts["world_size"] or self._saved_world_size()
+        # Old checkpoints' pieces are put back together in place: each piece
+        # is loaded at its offset in one slot.
+        piece_at = {pn: (g, a) for g, sp in parts["split"].items() for pn, a, b in sp["pieces"]}
+        slots = [i for i in infos if i[0] not in piece_at]
+        piece_isz = {}
+        for name, dt, shape, nbytes in infos:
+            if name in piece_at and nbytes:
+                piece_isz[piece_at[name][0]] = nbytes // shape[0]
+        for g, sp in parts["split"].items():
+            n_elems = max((b for _, _, b in sp["pieces"]), default=0)
+            slots.append((g, sp["dtype"], sp["shape"], n_elems * piece_isz.get(g, 0)))
+        if names is not None:
+            have = {i[0] for i in slots}
+            missing = [n for n in names if n not in have]
+            if missing:
+                raise NotFound(f"tensor(s) {missing} not in checkpoint {got.value}", -8)
+            keep_names = set(names)
+            slots = [i for i in slots if i[0] in keep_names]
+            infos = [i for i in infos if (piece_at[i[0]][0] if i[0] in piece_at else i[0]) in keep_names]
+        total = sum(_align(i[3]) for i in slots)
+        if total and (self._load_region is None or self._load_region.len_bytes < total):
+            if self._load_region is not None:
+                self._free_region(self._load_region)
+            self._load_region = self._alloc(_align(total))
+        region = self._load_region
+        descs = (N.Tensor * max(len(infos), 1))()
+        keep, offs, n, off = [], {}, 0, 0
+        for name, dt, shape, nbytes in slots:
+            offs[name] = off
+            off += _align(nbytes)
+        for name, dt, shape, nbytes in infos:
+            if nbytes == 0:
+                continue
+            at = offs[name] if name not in piece_at else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
+            bn, bd = name.encode(), dt.encode()
+            shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            keep += [bn, bd, shp]
+            descs[n] = N.Tensor(bn, bd, shp, len(shape), region.ptr + at, nbytes)
+            n += 1
+        if n:
+            N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
+        refs = {}
+        if skel is not None:
+            version, skeleton = pickle.loads(skel)
+            if version == SKELETON_VERSION:
+                _collect_refs(skeleton, refs)
+        values = {}
+        for name, dt, shape, nbytes in slots:
+            if name in refs:
+                values[name] = _restore(refs[name], region, offs[name], nbytes, map_location)
+            else:
+                values[name] = _plain_array(region, offs[name], dt, shape, nbytes)
+        return got.value, values, skel, saved_world
 
     def load_into(self, state, step="latest"):
         """Restore the device tensors of `state` in place, from the sidecar
@@ -1118,6 +1155,14 @@ class Checkpointer:
             N.check(L.ckpt_load(self._client, want, descs, n, ctypes.byref(got), ctypes.byref(src)))
             self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
             return got.value
+    def _saved_world_size(self):
+        """The world size that saved the loaded checkpoint, as its per-rank
+        RNG blobs tell (1 when there are none)."""
+        n = 0
+        while self._loaded_blob(dist.rng_blob_name(n)) is not None:
+            n += 1
+        return max(n, 1)
+
     def _loaded_rng(self, saved_world_size):
         """The RNG blob for this rank: its own when the world size is the one
         that saved; a single-rank checkpoint's otherwise."""

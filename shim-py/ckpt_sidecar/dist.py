@@ -16,12 +16,16 @@ world_size - 1 tensors are split. Every rank computes the same partition
 from the same (name, bytes) list, with no communication.
 """
 import bisect
+import json
 import os
 from collections import namedtuple
 
 from ._tree import torch_module
 
 SNAP_FRACTION = 0.02
+# A part's slice declarations: read by the sidecar into the index's
+# `slices` (docs/format.md), never stored as a blob.
+SLICES_BLOB = "ckpt.slices.json"
 
 RankInfo = namedtuple("RankInfo", "rank world_size local_rank")
 
@@ -115,8 +119,9 @@ def _flat(obj, start, stop):
 def rank_leaves(leaves, rank, world_size):
     """This rank's part of a replicated state's leaves [(TensorRef, obj)]:
     the leaves it saves (whole, or an element range under a piece name), and
-    the split map of every tensor saved in several pieces:
-    {name: {"dtype", "shape", "pieces": [(piece name, start, stop)]}}."""
+    the slice declarations of its pieces, as the sidecar reads them from the
+    blob SLICES_BLOB (docs/protocol.md, SavePart): [{"tensor": piece name,
+    "of": the tensor's name, "shape": its whole shape, "elems": [start, stop]}]."""
     from ._tree import TensorRef
 
     items = []
@@ -129,21 +134,25 @@ def rank_leaves(leaves, rank, world_size):
         splittable = ref.stored != "U8" or u8
         items.append((ref.name, n, isz, splittable))
     parts = partition(items, world_size)
-    mine, split = [], {}
+    mine, slices = [], []
     for ref, obj in leaves:
         pieces = parts[ref.name]
         if len(pieces) == 1:
             if pieces[0].rank == rank:
                 mine.append((ref, obj))
             continue
-        split[ref.name] = {"dtype": ref.stored, "shape": list(ref.shape),
-                           "pieces": [(piece_name(ref.name, p.start, p.stop), p.start, p.stop) for p in pieces]}
         for p in pieces:
             if p.rank == rank:
-                pref = TensorRef(piece_name(ref.name, p.start, p.stop), ref.kind, ref.dtype, (p.stop - p.start,),
-                                 ref.stored, ref.extra)
+                pn = piece_name(ref.name, p.start, p.stop)
+                pref = TensorRef(pn, ref.kind, ref.dtype, (p.stop - p.start,), ref.stored, ref.extra)
                 mine.append((pref, _flat(obj, p.start, p.stop)))
-    return mine, split
+                slices.append({"tensor": pn, "of": ref.name, "shape": list(ref.shape), "elems": [p.start, p.stop]})
+    return mine, slices
+
+
+def slices_blob(slices):
+    """The blob of a part's slice declarations (the sidecar's SLICES_BLOB)."""
+    return json.dumps({"slices": slices}, separators=(",", ":")).encode()
 
 
 def rng_blob_name(rank):

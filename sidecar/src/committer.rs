@@ -23,6 +23,7 @@ use crate::staging::Resident;
 use crate::config;
 use crate::coordinator::{Groups, Offer};
 use crate::nodes::Nodes;
+use crate::slices;
 use crate::jobs::{FileJob, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
 
@@ -139,6 +140,16 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
         shared.set_phase(j.key(), Phase::Writing);
     }
     let world_size = parts.len();
+    let decls = match declared_slices(&parts) {
+        Ok(d) => d,
+        Err(why) => {
+            warn!(step, "{why}");
+            for job in parts {
+                fail_part(shared, job, ErrorCode::BadRequest, format!("step {step}: {why}"));
+            }
+            return;
+        }
+    };
     let mut layouts = Vec::with_capacity(parts.len());
     let mut crcs = Vec::new();
     let mut blobs = Vec::new();
@@ -147,10 +158,11 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
         placed.rebase(j.lease.offset_bytes());
         layouts.push(placed);
         crcs.extend_from_slice(&j.crcs);
-        blobs.extend(j.blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }));
+        blobs.extend(j.blobs.iter().filter(|b| !slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }));
     }
     let t0 = Instant::now();
     let r = ckpt_store::ranks::merge(layouts)
+        .and_then(|mut merged| merged.set_slices(decls).map(|()| merged))
         .map_err(CommitError::from)
         .and_then(|merged| store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs));
     drop(blobs);
@@ -177,6 +189,15 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             }
         }
     }
+}
+
+/// Every rank's slice declarations (the parts' `ckpt.slices.json` blobs).
+fn declared_slices(parts: &[Job]) -> Result<Vec<image::SliceDecl>, String> {
+    let mut out = Vec::new();
+    for j in parts {
+        out.extend(slices::declared(j.part.map_or(0, |p| p.rank), &j.layout, &j.blobs)?);
+    }
+    Ok(out)
 }
 
 fn commit_one(store: &mut Store, shared: &Shared, job: Job) {

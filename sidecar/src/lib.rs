@@ -26,6 +26,7 @@ pub mod peer;
 pub mod regions;
 pub mod server;
 pub mod session;
+pub mod slices;
 pub mod snapshot;
 pub mod staging;
 pub mod state;

@@ -9,6 +9,9 @@
 //! shape and length equal the checkpoint's and its bytes lie inside its
 //! region; the load borrows staging rather than allocating, unless the
 //! checkpoint is larger than the whole budget (then it allocates, and says so).
+//! Tensors are named as readers see them (`Index::logical`): a tensor that
+//! several ranks stored in slices is listed and loaded whole, each slice
+//! written at its offset in the descriptor's range.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, TensorDesc, TensorInfo};
 use tracing::{info, warn};
 
 use ckpt_store::catalog;
+use ckpt_store::format::Index;
 use crate::regions::Region;
 use ckpt_store::restore::{self, LoadError, Which};
 use crate::snapshot::{check_desc_shape, check_no_overlap};
@@ -38,14 +42,32 @@ impl From<LoadError> for Fail {
     }
 }
 
-/// One tensor of the checkpoint being served: what it is and its bytes.
+/// One tensor of the checkpoint being served: what it is and its bytes,
+/// in one piece or, for a tensor stored in slices, several (each at its
+/// byte offset in the whole tensor).
 struct Have<'a> {
     dtype: &'a str,
     shape: &'a [u64],
-    bytes: &'a [u8],
-    /// Checked against the bytes before they go out (RAM only; disk bytes
-    /// were checked as they were read).
+    pieces: Vec<(u64, &'a [u8])>,
+    /// Checked against the bytes before they go out (RAM only, whole
+    /// tensors; disk bytes were checked as they were read).
     crc32c: Option<u32>,
+}
+
+impl Have<'_> {
+    fn len_bytes(&self) -> u64 {
+        self.pieces.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+}
+
+/// A tensor by name from a verified index: a stored tensor, or a logical
+/// one put together from its slices; `bytes(stored name)` finds a stored
+/// tensor's bytes in memory.
+fn from_index<'a>(index: &'a Index, name: &str, bytes: impl Fn(&str) -> Option<&'a [u8]>) -> Option<Have<'a>> {
+    let t = index.logical_tensor(name)?;
+    let size = t.dtype.size_bytes();
+    let pieces = t.slices.iter().map(|s| Some((s.elems[0] * size, bytes(s.tensor)?))).collect::<Option<Vec<_>>>()?;
+    Some(Have { dtype: t.dtype.as_str(), shape: t.shape, pieces, crc32c: None })
 }
 
 pub fn run_load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: Option<u64>, descs: Vec<TensorDesc>) {
@@ -88,17 +110,17 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
     let mut haves = Vec::with_capacity(descs.len());
     for d in descs {
         let h = lookup(&d.name).ok_or_else(|| Fail(ErrorCode::NotFound, format!("tensor {:?} is not in the checkpoint", d.name)))?;
-        if h.dtype != d.dtype || h.shape != d.shape.as_slice() || h.bytes.len() as u64 != d.len_bytes {
+        if h.dtype != d.dtype || h.shape != d.shape.as_slice() || h.len_bytes() != d.len_bytes {
             return Err(Fail(
                 ErrorCode::BadRequest,
-                format!("tensor {:?}: the checkpoint has {} {:?} ({} bytes), the request says {} {:?} ({} bytes)", d.name, h.dtype, h.shape, h.bytes.len(), d.dtype, d.shape, d.len_bytes),
+                format!("tensor {:?}: the checkpoint has {} {:?} ({} bytes), the request says {} {:?} ({} bytes)", d.name, h.dtype, h.shape, h.len_bytes(), d.dtype, d.shape, d.len_bytes),
             ));
         }
         haves.push(h);
     }
     for (d, h) in descs.iter().zip(haves) {
-        if let Some(want) = h.crc32c {
-            let got = ckpt_store::image::crc32c_parallel(h.bytes);
+        if let (Some(want), [(_, bytes)]) = (h.crc32c, h.pieces.as_slice()) {
+            let got = ckpt_store::image::crc32c_parallel(bytes);
             if got != want {
                 return Err(Fail(ErrorCode::Damaged, format!("tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)", d.name)));
             }
@@ -107,7 +129,10 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
             continue;
         }
         let r = regions.get(&d.region_id).expect("checked in check_descs");
-        r.write_at(d.offset_bytes, h.bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+        for (at, bytes) in &h.pieces {
+            // Inside the descriptor's range: the pieces' lengths sum to len_bytes (checked above).
+            r.write_at(d.offset_bytes + at, bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+        }
     }
     Ok(())
 }
@@ -131,7 +156,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
             deliver(regions, descs, |name| {
                 let &i = by_name.get(name)?;
                 let s = &r.layout.specs[i];
-                Some(Have { dtype: s.dtype.as_str(), shape: &s.shape, bytes: &image[r.layout.tensor_range(i)], crc32c: Some(r.crcs[i]) })
+                Some(Have { dtype: s.dtype.as_str(), shape: &s.shape, pieces: vec![(0, &image[r.layout.tensor_range(i)])], crc32c: Some(r.crcs[i]) })
             })?;
             let mut tensors: Vec<TensorInfo> = r
                 .layout
@@ -156,10 +181,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
         if need_bytes > shared.staging.budget_bytes() {
             warn!(need_bytes, budget_bytes = shared.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
             let l = restore::load(primary, which, &shared.read_opts, None)?;
-            deliver(regions, descs, |name| {
-                let t = l.index.ckpt.tensors.get(name)?;
-                Some(Have { dtype: t.dtype.as_str(), shape: &t.shape, bytes: l.tensor(name)?, crc32c: None })
-            })?;
+            deliver(regions, descs, |name| from_index(&l.index, name, |t| l.tensor(t)))?;
             return Ok(served_from_index(l.step, &l.index, &l.blobs, &l.fell_back));
         }
         let give_up = || shared.stop_reason(peer, "the client disconnected");
@@ -170,10 +192,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
         match restore::load_into(primary, which, &shared.read_opts, lease.as_mut_slice()) {
             Ok(p) => {
                 let image = lease.as_slice();
-                deliver(regions, descs, |name| {
-                    let t = p.index.ckpt.tensors.get(name)?;
-                    Some(Have { dtype: t.dtype.as_str(), shape: &t.shape, bytes: &image[p.tensor_range(name)?], crc32c: None })
-                })?;
+                deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
                 return Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back));
             }
             Err(LoadError::BufferTooSmall { need_bytes: n, .. }) => need_bytes = n,
@@ -184,11 +203,11 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
 }
 
 fn served_from_index(step: u64, index: &ckpt_store::format::Index, blobs: &std::collections::BTreeMap<String, Vec<u8>>, fell_back: &[(u64, String)]) -> Served {
+    // Tensors as readers see them: a tensor stored in slices once, whole.
     let tensors = index
-        .ckpt
-        .tensors
+        .logical()
         .iter()
-        .map(|(name, t)| TensorInfo { name: name.clone(), dtype: t.dtype.as_str().into(), shape: t.shape.clone(), len_bytes: t.data_offsets[1] - t.data_offsets[0] })
+        .map(|t| TensorInfo { name: t.name.to_string(), dtype: t.dtype.as_str().into(), shape: t.shape.to_vec(), len_bytes: t.len_bytes() })
         .collect();
     let blobs = blobs.iter().map(|(n, b)| Blob { name: n.clone(), bytes: b.clone() }).collect();
     let fell_back = fell_back.iter().map(|(s, why)| format!("step {s}: {why}")).collect();

@@ -540,7 +540,7 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         let (tensors, bytes, world_size, per_rank) = match restore::read_index(dir, s) {
             Ok(i) => {
                 let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
-                (Some(i.ckpt.tensors.len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
+                (Some(i.logical().len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
             }
             Err(_) => (None, None, None, None),
         };
@@ -655,24 +655,51 @@ fn plural(n: usize, what: &str) -> String {
 fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
     let step = resolve_step(dir, step)?;
     let index = restore::read_index(dir, step)?;
+    let logical = index.logical();
     if json {
-        println!("{}", serde_json::to_string(&index)?);
+        // The index as stored, plus `logical`: every tensor as readers see
+        // it (a tensor stored in slices once, with its slices).
+        let mut v = serde_json::to_value(&index)?;
+        let l: serde_json::Map<String, serde_json::Value> = logical
+            .iter()
+            .map(|t| {
+                let slices: Vec<_> = t
+                    .slices
+                    .iter()
+                    .map(|s| json!({"tensor": s.tensor, "rank": ckpt_store::ranks::rank_of_file(s.file), "file": s.file, "elems": s.elems, "data_offsets": s.data_offsets, "crc32c": s.crc32c}))
+                    .collect();
+                (t.name.to_string(), json!({"dtype": t.dtype.as_str(), "shape": t.shape, "len_bytes": t.len_bytes(), "slices": slices}))
+            })
+            .collect();
+        v["logical"] = serde_json::Value::Object(l);
+        println!("{v}");
         return Ok(ExitCode::SUCCESS);
     }
     let c = &index.ckpt;
     let bytes: u64 = c.files.iter().map(|f| f.len_bytes).sum();
+    let stored = if logical.len() == c.tensors.len() { String::new() } else { format!(" ({} stored)", c.tensors.len()) };
     println!(
-        "step {} in {}: {}, {}, {}",
+        "step {} in {}: {}{stored}, {}, {}",
         c.step,
         catalog::step_path(dir, step).display(),
-        plural(c.tensors.len(), "tensor"),
+        plural(logical.len(), "tensor"),
         plural(c.files.len(), "file"),
         human_bytes(bytes)
     );
     println!("{}", ckpt_store::ranks::describe(&index));
     println!("{:<48} {:<8} {:<20} {:>12}  FILE", "TENSOR", "DTYPE", "SHAPE", "SIZE");
-    for (name, t) in &c.tensors {
-        println!("{:<48} {:<8} {:<20} {:>12}  {}", name, t.dtype.as_str(), format!("{:?}", t.shape), human_bytes(t.data_offsets[1] - t.data_offsets[0]), t.file);
+    for t in &logical {
+        let (size, shape) = (human_bytes(t.len_bytes()), format!("{:?}", t.shape));
+        if !t.is_sliced() {
+            println!("{:<48} {:<8} {:<20} {:>12}  {}", t.name, t.dtype.as_str(), shape, size, t.slices[0].file);
+            continue;
+        }
+        println!("{:<48} {:<8} {:<20} {:>12}  {}", t.name, t.dtype.as_str(), shape, size, plural(t.slices.len(), "slice"));
+        for s in &t.slices {
+            let rank = ckpt_store::ranks::rank_of_file(s.file).map_or("?".into(), |r| r.to_string());
+            let what = format!("slice elems [{}, {}) rank {rank}", s.elems[0], s.elems[1]);
+            println!("  {:<75} {:>12}  {}", what, human_bytes(s.data_offsets[1] - s.data_offsets[0]), s.file);
+        }
     }
     for b in &c.blobs {
         println!("blob {:<43} {:>42}", b.name, human_bytes(b.len_bytes));

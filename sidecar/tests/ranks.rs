@@ -170,3 +170,68 @@ fn a_step_some_rank_never_sends_is_given_up_and_a_stray_world_size_refused() {
         assert!(matches!(reply(s), Reply::Durable { step: 4, .. }), "{}", std::fs::read_to_string(&sc.log).unwrap_or_default());
     }
 }
+
+fn slices_blob(json: &str) -> Blob {
+    Blob { name: ckpt_sidecar::slices::SLICES_BLOB.into(), bytes: json.as_bytes().to_vec() }
+}
+
+fn read_shm(name: &str, len: usize) -> Vec<u8> {
+    let c = std::ffi::CString::new(name).unwrap();
+    let mut out = vec![0u8; len];
+    // SAFETY: plain libc calls with checked results on a segment of our own name.
+    unsafe {
+        let fd = libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0);
+        assert!(fd >= 0);
+        assert_eq!(libc::pread(fd, out.as_mut_ptr().cast(), len, 0), len as isize);
+        libc::close(fd);
+    }
+    out
+}
+
+#[test]
+fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
+    let sc = Sidecar::start("300");
+    let (mut a, mut b) = (sc.client(), sc.client());
+    let (sa, sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    // w is F32 [3, 100]: elements [0, 100) on rank 0, [100, 300) on rank 1.
+    let decl = |t: &str, a: u64, b: u64| format!(r#"{{"slices":[{{"tensor":"{t}","of":"w","shape":[3,100],"elems":[{a},{b}]}}]}}"#);
+    part(&mut a, 6, 0, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![slices_blob(&decl("w#elems[0:100]", 0, 100))]);
+    part(&mut b, 6, 1, 2, vec![f32s("w#elems[100:300]", 200, 4096), f32s("b", 10, 8192)], vec![slices_blob(&decl("w#elems[100:300]", 100, 300))]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 6, .. }));
+        assert!(matches!(reply(s), Reply::Durable { step: 6, .. }), "{}", std::fs::read_to_string(&sc.log).unwrap_or_default());
+    }
+    let index = restore::read_index(&sc.dir, 6).unwrap();
+    assert_eq!(index.ckpt.format_version, 2);
+    assert!(index.ckpt.blobs.is_empty(), "declarations are not stored as blobs");
+    let w = index.logical_tensor("w").unwrap();
+    assert_eq!((w.shape, w.slices.len()), (&[3u64, 100][..], 2));
+    let whole: Vec<u8> = [&sa.bytes[..400], &sb.bytes[4096..4096 + 800]].concat();
+
+    // The listing names the logical tensor, not its pieces; a Load by that
+    // name gets the whole tensor.
+    ckpt_wire::write_frame(&mut a, &Request::Load { id: 20, step: Some(6), tensors: vec![] }).unwrap();
+    match reply(&mut a) {
+        Reply::Loaded { tensors, .. } => {
+            let names: Vec<(&str, &[u64], u64)> = tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice(), t.len_bytes)).collect();
+            assert_eq!(names, [("b", &[10u64][..], 40), ("w", &[3, 100][..], 1200)]);
+        }
+        other => panic!("expected Loaded, got {other:?}"),
+    }
+    let desc = TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![3, 100], region_id: 1, offset_bytes: 65536, len_bytes: 1200 };
+    ckpt_wire::write_frame(&mut a, &Request::Load { id: 21, step: Some(6), tensors: vec![desc] }).unwrap();
+    assert!(matches!(reply(&mut a), Reply::Loaded { step: 6, .. }));
+    assert_eq!(&read_shm(&sa.name, 65536 + 1200)[65536..], &whole[..]);
+
+    // Declarations that leave a gap fail every rank's part with one line.
+    part(&mut a, 7, 0, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![slices_blob(&decl("w#elems[0:100]", 0, 100))]);
+    part(&mut b, 7, 1, 2, vec![f32s("w#elems[100:300]", 200, 4096)], vec![slices_blob(&decl("w#elems[100:300]", 120, 300))]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 7, .. }));
+        match reply(s) {
+            Reply::Failed { step: 7, reason, .. } => assert!(reason.contains("sliced tensor \"w\"") && !reason.contains('\n'), "{reason}"),
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+    assert!(!catalog::is_committed(&sc.dir, 7));
+}

@@ -54,9 +54,15 @@ pub const POOL_THREADS_DEFAULT: usize = 4;
 /// live coordinator always aborts first.
 pub const SHARED_STALE_AFTER_DEFAULT_S: u64 = 900;
 
-/// Version written into every index; readers refuse a newer major format.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest index format this build writes and reads. Version 2 added
+/// `ckpt.slices` (tensors stored in pieces); an index that uses nothing
+/// newer is written as [`FORMAT_VERSION_OLDEST`], so older readers still
+/// read it. Readers refuse versions outside the two.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest index format this build reads (and writes, when it suffices).
+pub const FORMAT_VERSION_OLDEST: u32 = 1;
 
+const _: () = assert!(FORMAT_VERSION_OLDEST >= 1 && FORMAT_VERSION_OLDEST <= FORMAT_VERSION);
 const _: () = assert!(DIRECT_ALIGN_BYTES.is_power_of_two());
 const _: () = assert!(HUGE_PAGE_BYTES.is_power_of_two() && HUGE_PAGE_BYTES % DIRECT_ALIGN_BYTES == 0);
 const _: () = assert!(DATA_ALIGN_BYTES % DIRECT_ALIGN_BYTES == 0);

@@ -243,6 +243,14 @@ pub fn is_shard_file_name(name: &str) -> bool {
         && b[21..].iter().all(u8::is_ascii_digit)
 }
 
+/// The rank that wrote a shard, from its name (`rank-RRRRR-of-...`).
+pub fn rank_of_shard_file(name: &str) -> Option<u32> {
+    if !is_shard_file_name(name) {
+        return None;
+    }
+    name["rank-".len().."rank-".len() + 5].parse().ok()
+}
+
 /// One tensor in a safetensors header. `data_offsets` are relative to the
 /// start of the data section, as the safetensors format defines them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -387,6 +395,11 @@ pub struct CkptSection {
     pub files: Vec<IndexFile>,
     pub tensors: BTreeMap<String, IndexTensor>,
     pub blobs: Vec<IndexBlob>,
+    /// Logical tensors stored in pieces (several ranks' parts of one
+    /// tensor), by logical name; absent when there are none (format
+    /// version 1). Each piece is also an ordinary tensor of `tensors`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub slices: BTreeMap<String, IndexSliced>,
     /// crc32c of this index's canonical JSON with this field set to 0, so a
     /// flipped byte in the commit record itself is caught too.
     pub index_crc32c: u32,
@@ -412,6 +425,67 @@ pub struct IndexTensor {
     /// Relative to the shard's data section, as in the safetensors header.
     pub data_offsets: [u64; 2],
     pub crc32c: u32,
+}
+
+/// A logical tensor stored as element ranges of its row-major flattening,
+/// each range a 1-D tensor of `tensors` (format version 2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexSliced {
+    pub dtype: Dtype,
+    /// The whole tensor's shape.
+    pub shape: Vec<u64>,
+    /// In element order, covering `[0, elements)` exactly once.
+    pub slices: Vec<IndexSlice>,
+}
+
+/// One piece of a logical tensor. `file`, `data_offsets` and `crc32c`
+/// repeat the stored tensor's entry, so a reader of this section alone
+/// finds every byte; the reader checks that they agree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexSlice {
+    /// The stored tensor (a key of `tensors`) holding these elements.
+    pub tensor: String,
+    /// The rank that wrote it (the `RRRRR` of its file's name).
+    pub rank: u32,
+    pub file: String,
+    /// Elements `[start, stop)` of the logical tensor, row-major.
+    pub elems: [u64; 2],
+    /// Relative to the file's data section, as in the safetensors header.
+    pub data_offsets: [u64; 2],
+    pub crc32c: u32,
+}
+
+/// One tensor as a reader sees it: a whole stored tensor (one slice) or a
+/// logical tensor put together from its slices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogicalTensor<'a> {
+    pub name: &'a str,
+    pub dtype: Dtype,
+    pub shape: &'a [u64],
+    pub slices: Vec<SliceView<'a>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceView<'a> {
+    /// The stored tensor's name (the logical name for a whole tensor).
+    pub tensor: &'a str,
+    pub file: &'a str,
+    pub elems: [u64; 2],
+    pub data_offsets: [u64; 2],
+    pub crc32c: u32,
+}
+
+impl LogicalTensor<'_> {
+    pub fn len_bytes(&self) -> u64 {
+        self.slices.iter().map(|s| s.data_offsets[1] - s.data_offsets[0]).sum()
+    }
+
+    /// Stored in more than one piece.
+    pub fn is_sliced(&self) -> bool {
+        self.slices.len() != 1 || self.slices[0].tensor != self.name
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -457,8 +531,16 @@ impl Index {
     pub fn validate(&self) -> Result<(), FormatError> {
         let bad = |m: String| Err(FormatError::Index(m));
         let c = &self.ckpt;
-        if c.format_version != config::FORMAT_VERSION {
-            return bad(format!("format version {} is not supported (this build reads {})", c.format_version, config::FORMAT_VERSION));
+        if !(config::FORMAT_VERSION_OLDEST..=config::FORMAT_VERSION).contains(&c.format_version) {
+            return bad(format!(
+                "format version {} is not supported (this build reads {} to {})",
+                c.format_version,
+                config::FORMAT_VERSION_OLDEST,
+                config::FORMAT_VERSION
+            ));
+        }
+        if !c.slices.is_empty() && c.format_version < 2 {
+            return bad(format!("format version {} has no slices, but the index lists some", c.format_version));
         }
         if c.step > STEP_MAX {
             return bad(format!("step {} too large", c.step));
@@ -503,6 +585,7 @@ impl Index {
         if total != self.metadata.total_size {
             return bad(format!("total_size {} but tensors hold {}", self.metadata.total_size, total));
         }
+        validate_slices(&c.tensors, &c.slices)?;
         let mut blob_names = std::collections::BTreeSet::new();
         for b in &c.blobs {
             validate_blob_name(&b.name)?;
@@ -513,6 +596,40 @@ impl Index {
         Ok(())
     }
 
+    /// Every tensor as a reader sees it, by name: each logical tensor with
+    /// its slices, and each stored tensor that is no slice as one whole
+    /// slice.
+    pub fn logical(&self) -> Vec<LogicalTensor<'_>> {
+        let c = &self.ckpt;
+        let pieces: std::collections::HashSet<&str> = c.slices.values().flat_map(|s| s.slices.iter().map(|p| p.tensor.as_str())).collect();
+        let mut out: Vec<LogicalTensor<'_>> = c.tensors.keys().filter(|n| !pieces.contains(n.as_str())).filter_map(|n| self.logical_tensor(n)).collect();
+        out.extend(c.slices.keys().filter_map(|n| self.logical_tensor(n)));
+        out.sort_by(|a, b| a.name.cmp(b.name));
+        out
+    }
+
+    /// One tensor by name: a logical tensor (its slices) or a stored one.
+    pub fn logical_tensor<'a>(&'a self, name: &str) -> Option<LogicalTensor<'a>> {
+        let c = &self.ckpt;
+        if let Some((name, s)) = c.slices.get_key_value(name) {
+            let slices = s
+                .slices
+                .iter()
+                .map(|p| SliceView { tensor: &p.tensor, file: &p.file, elems: p.elems, data_offsets: p.data_offsets, crc32c: p.crc32c })
+                .collect();
+            return Some(LogicalTensor { name, dtype: s.dtype, shape: &s.shape, slices });
+        }
+        let (name, t) = c.tensors.get_key_value(name)?;
+        let n_elems = t.shape.iter().product();
+        let whole = SliceView { tensor: name, file: &t.file, elems: [0, n_elems], data_offsets: t.data_offsets, crc32c: t.crc32c };
+        Some(LogicalTensor { name, dtype: t.dtype, shape: &t.shape, slices: vec![whole] })
+    }
+
+    /// The logical tensor a stored tensor is a slice of, and its elements.
+    pub fn slice_of(&self, stored: &str) -> Option<(&str, &IndexSlice)> {
+        self.ckpt.slices.iter().find_map(|(n, s)| s.slices.iter().find(|p| p.tensor == stored).map(|p| (n.as_str(), p)))
+    }
+
     /// Tensors of one file, in file order. Zero-byte tensors share their
     /// offset with a neighbour, so ties sort by end, then name (the same
     /// order the reader puts a parsed header in before comparing).
@@ -521,6 +638,55 @@ impl Index {
         v.sort_by(|a, b| (a.1.data_offsets, a.0).cmp(&(b.1.data_offsets, b.0)));
         v.into_iter()
     }
+}
+
+/// Checks the slices against the stored tensors: every logical name valid
+/// and no stored tensor's; every slice a distinct 1-D stored tensor of the
+/// logical dtype whose length, file, offsets and checksum the slice repeats
+/// exactly; slices in order, covering the logical tensor's elements once.
+pub fn validate_slices(tensors: &BTreeMap<String, IndexTensor>, slices: &BTreeMap<String, IndexSliced>) -> Result<(), FormatError> {
+    let bad = |m: String| Err(FormatError::Index(m));
+    let mut used = std::collections::HashSet::new();
+    for (name, s) in slices {
+        validate_tensor_name(name)?;
+        if tensors.contains_key(name) {
+            return bad(format!("sliced tensor {name:?} is also a stored tensor"));
+        }
+        let n_elems = tensor_len_bytes(s.dtype, &s.shape)
+            .ok_or_else(|| FormatError::ShapeOverflow { name: name.clone(), shape: s.shape.clone(), dtype: s.dtype })?
+            / s.dtype.size_bytes();
+        if s.slices.is_empty() {
+            return bad(format!("sliced tensor {name:?} has no slices"));
+        }
+        let mut at = 0u64;
+        for p in &s.slices {
+            let what = format!("sliced tensor {name:?}, slice {:?}", p.tensor);
+            let Some(t) = tensors.get(&p.tensor) else {
+                return bad(format!("{what}: no such stored tensor"));
+            };
+            if !used.insert(p.tensor.as_str()) {
+                return bad(format!("{what}: the stored tensor is a slice twice"));
+            }
+            let [a, b] = p.elems;
+            if a != at || b < a || b > n_elems {
+                return bad(format!("{what}: elements [{a},{b}) where [{at},…) of {n_elems} was expected (gap, overlap or past the end)"));
+            }
+            at = b;
+            if t.dtype != s.dtype || t.shape != [b - a] {
+                return bad(format!("{what}: stored as {} {:?}, expected {} [{}]", t.dtype, t.shape, s.dtype, b - a));
+            }
+            if t.file != p.file || t.data_offsets != p.data_offsets || t.crc32c != p.crc32c {
+                return bad(format!("{what}: file, offsets or checksum differ from the stored tensor's"));
+            }
+            if rank_of_shard_file(&p.file) != Some(p.rank) {
+                return bad(format!("{what}: rank {} but file {:?}", p.rank, p.file));
+            }
+        }
+        if at != n_elems {
+            return bad(format!("sliced tensor {name:?}: slices cover {at} of {n_elems} elements"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -10,12 +10,12 @@
 //!   aligned every tensor is aligned to its element size;
 //! - shards are balanced in bytes and spread round-robin over directories.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
 use crate::format::{
-    self, Dtype, FormatError, HeaderTensor, Index, IndexBlob, IndexFile, IndexMetadata, IndexTensor, CkptSection,
+    self, Dtype, FormatError, HeaderTensor, Index, IndexBlob, IndexFile, IndexMetadata, IndexSlice, IndexSliced, IndexTensor, CkptSection,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +76,20 @@ pub struct Layout {
     pub opts: LayoutOptions,
     /// Bytes of staging memory the image needs.
     pub staging_len: u64,
+    /// Tensors of this image that are pieces of logical tensors (several
+    /// ranks' parts); empty for most images. Only [`Layout::set_slices`]
+    /// sets it, after checking, so [`Layout::index`] cannot fail on it.
+    slices: Vec<SliceDecl>,
+}
+
+/// A stored tensor of a layout that is elements `elems` (row-major) of the
+/// logical tensor `of`, whose whole shape is `shape`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceDecl {
+    pub piece: String,
+    pub of: String,
+    pub shape: Vec<u64>,
+    pub elems: [u64; 2],
 }
 
 impl Layout {
@@ -153,7 +167,7 @@ impl Layout {
             });
             staging += io_len;
         }
-        Ok(Layout { specs, places, shards, opts, staging_len: staging })
+        Ok(Layout { specs, places, shards, opts, staging_len: staging, slices: Vec::new() })
     }
 
     /// Moves the whole image to start at `base_bytes` in a larger staging
@@ -230,6 +244,70 @@ impl Layout {
             .collect()
     }
 
+    /// Declares which tensors are pieces of which logical tensors, checked
+    /// as a reader will check the index: every piece a 1-D tensor of this
+    /// layout of the logical dtype, the pieces of each logical tensor
+    /// covering it exactly once, no logical name a stored one.
+    pub fn set_slices(&mut self, decls: Vec<SliceDecl>) -> Result<(), FormatError> {
+        self.slices = decls;
+        let zeros = vec![0; self.specs.len()];
+        let checked = self.index_slices(&zeros).and_then(|slices| format::validate_slices(&self.index_tensors(&zeros), &slices));
+        if checked.is_err() {
+            self.slices.clear();
+        }
+        checked
+    }
+
+    /// The declarations [`Layout::set_slices`] accepted.
+    pub fn slices(&self) -> &[SliceDecl] {
+        &self.slices
+    }
+
+    /// A layout of no tensors (what [`crate::ranks::merge`] fills).
+    pub(crate) fn empty(opts: LayoutOptions) -> Layout {
+        Layout { specs: Vec::new(), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new() }
+    }
+
+    fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {
+        let mut tensors = BTreeMap::new();
+        for (i, s) in self.specs.iter().enumerate() {
+            let p = &self.places[i];
+            let file = self.shards[p.shard_idx].file_name.clone();
+            tensors.insert(
+                s.name.clone(),
+                IndexTensor { file, dtype: s.dtype, shape: s.shape.clone(), data_offsets: [p.data_offsets.0, p.data_offsets.1], crc32c: tensor_crcs[i] },
+            );
+        }
+        tensors
+    }
+
+    /// The `slices` section from the declarations (pieces in element order).
+    fn index_slices(&self, tensor_crcs: &[u32]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
+        let by_name: HashMap<&str, usize> = self.specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let mut out: BTreeMap<String, IndexSliced> = BTreeMap::new();
+        for d in &self.slices {
+            let &i = by_name.get(d.piece.as_str()).ok_or_else(|| FormatError::Index(format!("slice {:?} of {:?}: no such tensor in the checkpoint", d.piece, d.of)))?;
+            let (s, p) = (&self.specs[i], &self.places[i]);
+            let sh = &self.shards[p.shard_idx];
+            let e = out.entry(d.of.clone()).or_insert_with(|| IndexSliced { dtype: s.dtype, shape: d.shape.clone(), slices: Vec::new() });
+            if e.shape != d.shape {
+                return Err(FormatError::Index(format!("sliced tensor {:?}: slices give shapes {:?} and {:?}", d.of, e.shape, d.shape)));
+            }
+            e.slices.push(IndexSlice {
+                tensor: d.piece.clone(),
+                rank: format::rank_of_shard_file(&sh.file_name).unwrap_or(self.opts.rank),
+                file: sh.file_name.clone(),
+                elems: d.elems,
+                data_offsets: [p.data_offsets.0, p.data_offsets.1],
+                crc32c: tensor_crcs[i],
+            });
+        }
+        for e in out.values_mut() {
+            e.slices.sort_by_key(|p| p.elems);
+        }
+        Ok(out)
+    }
+
     /// The commit record for this image.
     pub fn index(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
         let file_crcs = self.file_crcs(tensor_crcs);
@@ -239,29 +317,24 @@ impl Layout {
             .zip(&file_crcs)
             .map(|(sh, &crc)| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: crc })
             .collect();
-        let mut tensors = std::collections::BTreeMap::new();
-        let mut weight_map = std::collections::BTreeMap::new();
-        for (i, s) in self.specs.iter().enumerate() {
-            let p = &self.places[i];
-            let file = self.shards[p.shard_idx].file_name.clone();
-            weight_map.insert(s.name.clone(), file.clone());
-            tensors.insert(
-                s.name.clone(),
-                IndexTensor { file, dtype: s.dtype, shape: s.shape.clone(), data_offsets: [p.data_offsets.0, p.data_offsets.1], crc32c: tensor_crcs[i] },
-            );
-        }
+        let tensors = self.index_tensors(tensor_crcs);
+        let weight_map = tensors.iter().map(|(n, t)| (n.clone(), t.file.clone())).collect();
+        // Checked by set_slices: building them again cannot fail.
+        let slices = self.index_slices(tensor_crcs).expect("slices were checked when set");
+        let format_version = if slices.is_empty() { config::FORMAT_VERSION_OLDEST } else { config::FORMAT_VERSION };
         let blobs = blobs.iter().map(|b| IndexBlob { name: b.name.to_string(), len_bytes: b.bytes.len() as u64, crc32c: crc32c::crc32c(b.bytes) }).collect();
         let mut index = Index {
             metadata: IndexMetadata { total_size: self.tensor_bytes() },
             weight_map,
             ckpt: CkptSection {
-                format_version: config::FORMAT_VERSION,
+                format_version,
                 step,
                 world_size: self.opts.world_size,
                 secondary_dirs,
                 files,
                 tensors,
                 blobs,
+                slices,
                 index_crc32c: 0,
             },
         };

@@ -39,7 +39,7 @@ pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
         }
     }
     let mut names = HashSet::new();
-    let mut out = Layout { specs: Vec::new(), places: Vec::new(), shards: Vec::new(), opts: parts[0].opts, staging_len: 0 };
+    let mut out = Layout::empty(parts[0].opts);
     out.opts.rank = 0;
     for p in parts {
         for s in &p.specs {
@@ -123,10 +123,7 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>) -> Result<Index, FormatError>
 
 /// The rank that wrote a shard, from its name (`rank-RRRRR-of-...`).
 pub fn rank_of_file(name: &str) -> Option<u32> {
-    if !format::is_shard_file_name(name) {
-        return None;
-    }
-    name["rank-".len().."rank-".len() + 5].parse().ok()
+    format::rank_of_shard_file(name)
 }
 
 /// Bytes of shard files per rank (every rank of the world size listed,

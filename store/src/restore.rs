@@ -58,6 +58,20 @@ fn problem(file: Option<&str>, tensor: Option<&str>, what: impl Into<String>) ->
     Problem { file: file.map(str::to_string), tensor: tensor.map(str::to_string), what: what.into() }
 }
 
+/// A problem found in a stored tensor that is a slice names the logical
+/// tensor and says which slice: `FILE: tensor "w": slice elems [a, b) of
+/// rank R (stored as "w#…"): checksum mismatch …`.
+fn name_slices(index: &Index, problems: &mut [Problem]) {
+    if index.ckpt.slices.is_empty() {
+        return;
+    }
+    for p in problems {
+        let Some((logical, s)) = p.tensor.as_deref().and_then(|t| index.slice_of(t)) else { continue };
+        p.what = format!("slice elems [{}, {}) of rank {} (stored as {:?}): {}", s.elems[0], s.elems[1], s.rank, s.tensor, p.what);
+        p.tensor = Some(logical.to_string());
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("{dir}: no committed checkpoint")]
@@ -92,6 +106,18 @@ impl std::ops::Deref for Loaded {
 impl Loaded {
     pub fn tensor(&self, name: &str) -> Option<&[u8]> {
         self.placed.tensor_range(name).map(|r| &self.buf.as_slice()[r])
+    }
+
+    /// A tensor by name as a reader sees it (`Index::logical`): a stored
+    /// tensor's bytes, or a sliced tensor's slices put together in order.
+    /// Every byte was verified when the checkpoint was loaded.
+    pub fn logical_bytes(&self, name: &str) -> Option<Vec<u8>> {
+        let t = self.placed.index.logical_tensor(name)?;
+        let mut out = Vec::with_capacity(t.len_bytes() as usize);
+        for s in &t.slices {
+            out.extend_from_slice(self.tensor(s.tensor)?);
+        }
+        Some(out)
     }
 
     /// Hands back the memory for reuse in the next load.
@@ -321,6 +347,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     }
     let mut blobs = BTreeMap::new();
     problems.extend(read_blobs(&step_dirs[0], &index, &mut blobs));
+    name_slices(&index, &mut problems);
     if !problems.is_empty() {
         return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems });
     }
@@ -631,6 +658,7 @@ impl Verifier {
         }
         let mut blobs = BTreeMap::new();
         problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
-        Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.ckpt.tensors.len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
+        name_slices(&index, &mut problems);
+        Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.logical().len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
     }
 }

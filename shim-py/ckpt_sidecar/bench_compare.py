@@ -477,20 +477,25 @@ def run_loop(args, base):
             return total / args.loop_steps
 
         want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(",")) if m in LOOP_METHODS]
-        rows = []
         plain = [loop(None, 1)]
-        for m in want:
-            save = saver(m)
-            for every in (1, 10):
-                log(f"training loop: {m}, checkpoint every {every} step(s) ({args.loop_steps} steps of "
-                    f"{step_s * 1e3:.0f} ms {args.loop_kind} compute)")
-                t = loop(save, every)
-                plain.append(loop(None, 1))
-                never = (plain[-2] + plain[-1]) / 2
-                rows.append({"method": m, "every": every, "step_s": t, "never_step_s": never,
-                             "slowdown_pct": 100 * (t / never - 1)})
-                log(f"  {m} every {every}: {t * 1e3:.1f} ms/step vs {never * 1e3:.1f} never: "
-                    f"{rows[-1]['slowdown_pct']:+.1f} %")
+        samples = {(m, every): [] for m in want for every in (1, 10)}
+        savers = {m: saver(m) for m in want}
+        for r in range(args.loop_rounds):
+            order = want[r % len(want):] + want[:r % len(want)]  # rotated between rounds
+            for m in order:
+                for every in (1, 10):
+                    log(f"training loop, round {r + 1}/{args.loop_rounds}: {m}, checkpoint every {every} step(s) "
+                        f"({args.loop_steps} steps of {step_s * 1e3:.0f} ms {args.loop_kind} compute)")
+                    t = loop(savers[m], every)
+                    plain.append(loop(None, 1))
+                    never = (plain[-2] + plain[-1]) / 2
+                    samples[(m, every)].append({"step_s": t, "never_step_s": never, "slowdown_pct": 100 * (t / never - 1)})
+                    log(f"  {m} every {every}: {t * 1e3:.1f} ms/step vs {never * 1e3:.1f} never: "
+                        f"{samples[(m, every)][-1]['slowdown_pct']:+.1f} %")
+        rows = [{"method": m, "every": every, "rounds": len(v),
+                 "step_s": med([x["step_s"] for x in v]), "never_step_s": med([x["never_step_s"] for x in v]),
+                 "slowdown_pct": med([x["slowdown_pct"] for x in v]), "samples": v}
+                for (m, every), v in samples.items()]
         return {"state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
                 "sidecar_persist_s": med(persist), "never_step_s": med(plain), "never_runs": plain, "rows": rows}
     finally:
@@ -502,9 +507,10 @@ def print_loop(loop):
     print(f"training loop: {loop['steps']} steps, {loop['kind']} compute {loop['step_compute_s'] * 1e3:.0f} ms + "
           f"optimizer step; state {loop['state_bytes'] / 2**20:.0f} MiB; sidecar persist "
           f"{loop['sidecar_persist_s'] * 1e3:.0f} ms; never: {loop['never_step_s'] * 1e3:.1f} ms/step")
-    print(f"{'method':24s} {'every':>5s} {'ms/step':>9s} {'slowdown':>9s}")
+    print(f"{'method':24s} {'every':>5s} {'ms/step':>9s} {'slowdown':>9s}  (median of {loop['rows'][0]['rounds'] if loop['rows'] else 0} rounds; each round's)")
     for r in loop["rows"]:
-        print(f"{r['method']:24s} {r['every']:5d} {r['step_s'] * 1e3:9.1f} {r['slowdown_pct']:+8.1f}%")
+        each = " ".join(f"{x['slowdown_pct']:+.1f}" for x in r["samples"])
+        print(f"{r['method']:24s} {r['every']:5d} {r['step_s'] * 1e3:9.1f} {r['slowdown_pct']:+8.1f}%  ({each})")
 
 
 # ---- the run ----
@@ -523,6 +529,8 @@ def parse_args(argv=None):
     p.add_argument("--loop-only", action="store_true", help="only the training-loop benchmark")
     p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
     p.add_argument("--loop-steps", type=int, default=20)
+    p.add_argument("--loop-rounds", type=int, default=3,
+                   help="rounds of the training loop, methods rotated between rounds; medians (default 3)")
     p.add_argument("--loop-kind", choices=["gpu_like", "cpu"], default="gpu_like")
     p.add_argument("--plot", default=None, help="write a PNG: stall and throughput per method and size (log scales)")
     a = p.parse_args(argv)
@@ -534,6 +542,8 @@ def parse_args(argv=None):
         p.error("--sizes: no size given")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    if a.loop_rounds < 1:
+        p.error("--loop-rounds must be at least 1")
     return a
 
 

@@ -24,7 +24,7 @@ use crate::config;
 use crate::coordinator::{Groups, Offer};
 use crate::nodes::Nodes;
 use crate::slices;
-use crate::jobs::{FileJob, Flight, Job, RollbackJob, Work};
+use crate::jobs::{FileJob, FillEnd, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
 
 fn error_code(e: &CommitError) -> ErrorCode {
@@ -32,6 +32,7 @@ fn error_code(e: &CommitError) -> ErrorCode {
         CommitError::DiskFull { .. } | CommitError::Io { .. } => ErrorCode::Io,
         CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
         CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
+        CommitError::Unfilled { .. } => ErrorCode::Io,
     }
 }
 
@@ -201,23 +202,42 @@ fn declared_slices(parts: &[Job]) -> Result<Vec<image::SliceDecl>, String> {
 }
 
 fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
-    let Job { id, step, layout, lease, crcs, blobs, part: _, peer, span, copy_seconds, waited_seconds, t_received } = job;
+    let Job { id, step, layout, lease, crcs, blobs, part: _, peer, span, copy_seconds, waited_seconds, t_received, fill } = job;
     let _enter = span.enter();
+    // A fed job whose copy failed is answered with the copy's reason, once
+    // its lease is back (the lease's drop waits for the copy's end).
+    let failed = |lease, code, reason: String| {
+        drop(lease);
+        let (code, reason) = match fill.as_ref().map(|f| f.end()) {
+            Some(FillEnd::Failed { code, reason }) => (code, reason),
+            _ => (code, reason),
+        };
+        peer.send(&Reply::Failed { id, step, code, reason });
+        shared.end(Flight::Step(step));
+    };
     if shared.is_aborting() {
         warn!("aborted before writing (the sidecar is aborting)");
-        peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: format!("step {step}: aborted before writing; the sidecar is shutting down") });
-        drop(lease);
-        shared.end(Flight::Step(step));
-        return;
+        return failed(lease, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
     }
     shared.set_phase(Flight::Step(step), Phase::Writing);
-    let queued_s = t_received.elapsed().as_secs_f64() - copy_seconds - waited_seconds;
     let mut placed = layout.clone();
     placed.rebase(lease.offset_bytes());
     let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
     let t0 = Instant::now();
-    let r = store.commit(step, &placed, lease.staging_buf(), &crcs, &blob_refs);
+    let queued_s = (t0 - t_received).as_secs_f64() - waited_seconds - if fill.is_some() { 0.0 } else { copy_seconds };
+    let r = match &fill {
+        None => store.commit(step, &placed, lease.staging_buf(), &crcs, &blob_refs),
+        Some(f) => store.commit_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs),
+    };
     let persist_seconds = t0.elapsed().as_secs_f64();
+    // A fed job's copy figures and checksums: its copy ended before the commit point.
+    let (copy_seconds, crcs) = match (&fill, &r) {
+        (Some(f), Ok(_)) => match (f.end(), f.progress.outcome()) {
+            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs),
+            _ => unreachable!("a fed commit succeeds only after its copy finished"),
+        },
+        _ => (copy_seconds, crcs),
+    };
     match r {
         Ok(rep) => {
             let gib_per_s = rep.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
@@ -236,14 +256,20 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
             shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease });
             peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
+            // Deletions after Durable: nobody waits for them, but the flight
+            // ends after them (a draining daemon exits once they are done).
+            let t_retain = Instant::now();
+            let deleted = store.retain();
+            if !deleted.is_empty() {
+                info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
+            }
+            shared.end(Flight::Step(step));
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "commit failed: {e}");
-            peer.send(&Reply::Failed { id, step, code: error_code(&e), reason: e.to_string() });
-            drop(lease);
+            failed(lease, error_code(&e), e.to_string());
         }
     }
-    shared.end(Flight::Step(step));
 }
 
 /// Rolls the store back; a resident image of a rolled-back step is dropped

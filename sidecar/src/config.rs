@@ -70,6 +70,10 @@ pub const COPY_BLOCK_BYTES: usize = 256 << 10;
 /// Largest single device-to-host copy a CUDA region's batch queues
 /// (adjacent pieces merged up to this).
 pub const DEVICE_COPY_BYTES_MAX: usize = 64 << 20;
+/// A pipelined save with device regions copies them in windows of about
+/// this many bytes (one batch, one wait each), so the disk writes the
+/// early windows while later ones are still copied from the device.
+pub const DEVICE_WINDOW_BYTES: usize = 256 << 20;
 /// Writes into a client region on load go in requests of at most this.
 pub const LOAD_PWRITE_BYTES_MAX: usize = 64 << 20;
 
@@ -80,6 +84,7 @@ const _: () = assert!(HELLO_BYTES_MAX < FRAME_BYTES_MAX);
 const _: () = assert!((BLOB_BYTES_MAX as u64) >= FRAME_BYTES_MAX as u64, "a blob that fits a frame fits the blob limit");
 const _: () = assert!(COPY_THREADS >= 1);
 const _: () = assert!(COPY_PIECE_BYTES % COPY_BLOCK_BYTES == 0);
+const _: () = assert!(DEVICE_WINDOW_BYTES >= DEVICE_COPY_BYTES_MAX);
 const _: () = assert!(LOAD_PWRITE_BYTES_MAX <= (isize::MAX as usize));
 const _: () = assert!(SHM_NAME_BYTES_MAX <= 255);
 const _: () = assert!(COMMIT_QUEUE_MAX >= 1);

@@ -3,10 +3,12 @@
 //! lease and the peer to answer, or a rollback ([`RollbackJob`]); and the key of the in-flight registry
 //! ([`Flight`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ckpt_store::image::Layout;
+use ckpt_store::progress::Progress;
+use ckpt_wire::ErrorCode;
 
 use crate::peer::Peer;
 use crate::staging::Lease;
@@ -68,7 +70,50 @@ pub struct FileJob {
     pub t_received: Instant,
 }
 
-/// A copied checkpoint waiting to be written.
+/// A save whose image the session is still copying while the committer
+/// writes it: the copy's [`Progress`], and how it ended (set before the
+/// progress ends, so the committer reads it once `progress.outcome()` returned).
+pub struct Fill {
+    pub progress: Arc<Progress>,
+    end: Mutex<Option<FillEnd>>,
+}
+
+/// How a fed copy ended.
+#[derive(Clone)]
+pub enum FillEnd {
+    /// Released; the copy took this long.
+    Copied { copy_seconds: f64 },
+    /// Not released: the committer answers Failed with this (the session
+    /// does not), once it removed what it wrote and ended the flight.
+    Failed { code: ErrorCode, reason: String },
+}
+
+impl Fill {
+    pub fn new(progress: Arc<Progress>) -> Fill {
+        Fill { progress, end: Mutex::new(None) }
+    }
+
+    /// The copy and its checksums are done (after Released was sent).
+    pub fn finish(&self, copy_seconds: f64, crcs: Vec<u32>) {
+        *self.end.lock().expect("fill lock") = Some(FillEnd::Copied { copy_seconds });
+        self.progress.finish(crcs);
+    }
+
+    /// The copy failed; nothing was released.
+    pub fn fail(&self, code: ErrorCode, reason: String) {
+        *self.end.lock().expect("fill lock") = Some(FillEnd::Failed { code, reason: reason.clone() });
+        self.progress.fail(reason);
+    }
+
+    /// Waits for the copy's end and says how it ended.
+    pub fn end(&self) -> FillEnd {
+        let _ = self.progress.outcome();
+        self.end.lock().expect("fill lock").clone().unwrap_or(FillEnd::Failed { code: ErrorCode::Io, reason: "the copy ended without finishing".into() })
+    }
+}
+
+/// A checkpoint waiting to be written: copied, or (with `fill`) still
+/// being copied.
 pub struct Job {
     pub id: u64,
     pub step: u64,
@@ -85,6 +130,9 @@ pub struct Job {
     pub copy_seconds: f64,
     pub waited_seconds: f64,
     pub t_received: Instant,
+    /// Some: the session is still copying into `lease` (`crcs` and
+    /// `copy_seconds` come from it); the lease's drop waits for the copy.
+    pub fill: Option<Arc<Fill>>,
 }
 
 impl Job {

@@ -76,6 +76,7 @@ fn error_code(e: &CommitError) -> ErrorCode {
         CommitError::DiskFull { .. } | CommitError::Io { .. } => ErrorCode::Io,
         CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
         CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
+        CommitError::Unfilled { .. } => ErrorCode::Io,
     }
 }
 

@@ -21,10 +21,11 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
-use crate::jobs::{Job, Part, Work};
+use crate::jobs::{Fill, Job, Part, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
+use ckpt_store::progress::{Filler, Progress};
 use crate::regions::Region;
 use crate::staging::{Lease, StagingError};
 use crate::jobs::Flight;
@@ -201,10 +202,16 @@ fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region
 /// [`config::DEVICE_COPY_BYTES_MAX`], and marks them staged; the rest are
 /// left to the piece-by-piece copy.
 fn copy_batches(pieces: &mut Pieces) {
+    let n = pieces.0.len();
+    copy_batches_in(pieces, 0..n)
+}
+
+/// [`copy_batches`] for the pieces `within` only.
+fn copy_batches_in(pieces: &mut Pieces, within: std::ops::Range<usize>) {
     /// A region, its merged ranges (source offset, destination, length), and its pieces' indices.
     type Batch = (*const Region, Vec<(u64, *mut u8, usize)>, Vec<usize>);
     let mut by_region: Vec<Batch> = Vec::new();
-    for (k, p) in pieces.0.iter().enumerate() {
+    for (k, p) in pieces.0.iter().enumerate().skip(within.start).take(within.len()) {
         if p.region.is_null() {
             continue;
         }
@@ -243,16 +250,17 @@ fn copy_batches(pieces: &mut Pieces) {
     }
 }
 
-/// Runs `f` on every piece on [`config::COPY_THREADS`] threads (the
-/// caller's included), returning its result per piece; stops early (None)
-/// when `stop`, asked by the caller's thread between pieces, says so.
-fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync)) -> Option<Vec<u32>> {
-    // Threads claim runs of consecutive pieces of about COPY_PIECE_BYTES
-    // together, so a thousand small tensors cost a few claims (and stop
-    // checks), not one each.
+/// Runs of consecutive pieces of about [`COPY_PIECE_BYTES`], claimed by
+/// the copy threads one at a time, so a thousand small tensors cost a few
+/// claims (and stop checks), not one each: run `r` is pieces
+/// `runs[r]..runs[r + 1]`.
+fn runs_of(pieces: &Pieces) -> Vec<usize> {
     let mut runs = Vec::with_capacity(pieces.0.len().min(1024) + 1);
     let mut acc = 0usize;
     runs.push(0usize);
+    if pieces.0.is_empty() {
+        return runs;
+    }
     for (k, p) in pieces.0.iter().enumerate() {
         if acc > 0 && acc + p.len > COPY_PIECE_BYTES {
             runs.push(k);
@@ -261,6 +269,19 @@ fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Pi
         acc += p.len.max(1);
     }
     runs.push(pieces.0.len());
+    runs
+}
+
+/// Runs `f` on every piece on [`config::COPY_THREADS`] threads (the
+/// caller's included), returning its result per piece; stops early (None)
+/// when `stop`, asked by the caller's thread between pieces, says so.
+fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync)) -> Option<Vec<u32>> {
+    run_runs(pieces, &runs_of(pieces), stop, f, &|_| {})
+}
+
+/// [`run_pieces`] over the given runs, calling `run_done(r)` as each run
+/// ends (in whatever order the threads end them).
+fn run_runs(pieces: &Pieces, runs: &[usize], stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync), run_done: &(dyn Fn(usize) + Sync)) -> Option<Vec<u32>> {
     let next = AtomicUsize::new(0);
     let stopped = AtomicBool::new(false);
     let work = |checker: bool| -> Vec<(usize, u32)> {
@@ -276,12 +297,13 @@ fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Pi
             let r = next.fetch_add(1, Ordering::Relaxed);
             let (Some(&a), Some(&b)) = (runs.get(r), runs.get(r + 1)) else { return out };
             out.extend((a..b).map(|k| (k, f(&pieces.0[k]))));
+            run_done(r);
         }
     };
     let mut results = vec![0u32; pieces.0.len()];
     std::thread::scope(|s| {
         // No helper for a single run: spawning one costs more than it copies.
-        let helpers: Vec<_> = (1..config::COPY_THREADS.min(runs.len() - 1))
+        let helpers: Vec<_> = (1..config::COPY_THREADS.min(runs.len().saturating_sub(1)))
             .map(|i| {
                 std::thread::Builder::new()
                     .name(format!("ckpt-copy-{i}"))
@@ -362,25 +384,108 @@ fn copy_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync)) -> bool {
 /// [`config::COPY_THREADS`] threads.
 pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
     let pieces = pieces_of(layout, None, lease);
-    let piece_crcs = run_pieces(&pieces, &|| false, &|p| {
-        let mut crc = 0u32;
-        let mut at = 0;
-        while at < p.len {
-            let n = (p.len - at).min(COPY_BLOCK_BYTES);
-            // SAFETY: dst..dst+len is this piece's own part of the lease,
-            // copied before and not written while checksummed (Pieces'
-            // invariant; the lease is held by the caller).
-            let block = unsafe { std::slice::from_raw_parts(p.dst.add(at), n) };
-            crc = crc32c::crc32c_append(crc, block);
-            at += n;
-        }
-        crc
-    })
-    .expect("a checksum pass is never stopped");
+    let piece_crcs = run_pieces(&pieces, &|| false, &crc_of_staged).expect("a checksum pass is never stopped");
     fold_crcs(layout, &pieces, &piece_crcs)
 }
 
-/// Folds the pieces' crcs (in tensor order) into each tensor's crc.
+/// The crc32c of a piece's staged bytes, block by block.
+fn crc_of_staged(p: &Piece) -> u32 {
+    let mut crc = 0u32;
+    let mut at = 0;
+    while at < p.len {
+        let n = (p.len - at).min(COPY_BLOCK_BYTES);
+        // SAFETY: dst..dst+len is this piece's own part of the lease,
+        // copied before and not written while checksummed (Pieces'
+        // invariant; the lease is held by the caller, or by the committer
+        // with the copy's filler still running: FedCopy).
+        let block = unsafe { std::slice::from_raw_parts(p.dst.add(at), n) };
+        crc = crc32c::crc32c_append(crc, block);
+        at += n;
+    }
+    crc
+}
+
+/// A copy that feeds a writer while it runs (the large-copy pipeline): the
+/// pieces in staging order, grouped in runs, and the [`Progress`] the
+/// writer follows (run `r` done: the image is final up to run `r + 1`'s
+/// start). Host regions copy run by run; a region that copies in batches
+/// (CUDA) copies first and its runs then only checksum, so any region kind
+/// feeds the same pipeline.
+pub struct FedCopy {
+    pieces: Pieces,
+    runs: Vec<usize>,
+    pub progress: Arc<Progress>,
+}
+
+impl FedCopy {
+    /// Writes the headers and plans the copy of every tensor into the lease
+    /// (nothing copied yet). The pieces point into the lease's range, which
+    /// stays allocated until the progress ends ([`Lease::filled_by`]).
+    pub fn plan(layout: &Layout, sources: &[Source], lease: &mut Lease) -> FedCopy {
+        layout.write_headers(lease.as_mut_slice());
+        let mut pieces = pieces_of(layout, Some(sources), lease);
+        // Staging order = file order: the writer's prefix grows from the start.
+        pieces.0.sort_by_key(|p| p.dst as usize);
+        let runs = runs_of(&pieces);
+        let (base_ptr, base_off) = (lease.as_mut_ptr() as usize, lease.offset_bytes());
+        let starts = runs[..runs.len() - 1].iter().map(|&k| base_off + (pieces.0[k].dst as usize - base_ptr) as u64).collect();
+        let progress = Arc::new(Progress::new(starts, base_off + layout.staging_len));
+        lease.filled_by(progress.clone());
+        FedCopy { pieces, runs, progress }
+    }
+
+    /// Copies every piece, marking each run done as it ends; with `crc`,
+    /// also returns each tensor's crc32c (computed during the copy). None
+    /// when stopped early. Does not end the progress: the caller does,
+    /// after its checks ([`FedCopy::checksum`], `Fill`).
+    pub fn copy(&mut self, layout: &Layout, crc: bool, stop: &(dyn Fn() -> bool + Sync)) -> Option<Option<Vec<u32>>> {
+        let progress = &self.progress;
+        let batched = self.pieces.0.iter().any(|p| {
+            // SAFETY: a non-null region is kept alive by the caller's Arcs (Pieces' invariant).
+            unsafe { p.region.as_ref() }.is_some_and(Region::copies_in_batches)
+        });
+        if !batched {
+            let piece_crcs = run_runs(&self.pieces, &self.runs, stop, &|p| p.copy(crc), &|r| progress.done(r))?;
+            return Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)));
+        }
+        // Device regions: one batch per window of runs (one wait each), its
+        // runs then checksummed and marked done, so the disk writes window
+        // k while window k + 1 is copied from the device.
+        let mut piece_crcs = vec![0u32; self.pieces.0.len()];
+        let mut r0 = 0;
+        while r0 + 1 < self.runs.len() {
+            let mut r1 = r0 + 1;
+            let mut bytes = 0usize;
+            while r1 < self.runs.len() {
+                bytes += self.pieces.0[self.runs[r1 - 1]..self.runs[r1]].iter().map(|p| p.len).sum::<usize>();
+                if bytes >= config::DEVICE_WINDOW_BYTES {
+                    break;
+                }
+                r1 += 1;
+            }
+            let r1 = r1.min(self.runs.len() - 1);
+            let (k0, k1) = (self.runs[r0], self.runs[r1]);
+            copy_batches_in(&mut self.pieces, k0..k1);
+            // The window's runs, renumbered from 0 for run_runs.
+            let runs: Vec<usize> = self.runs[r0..=r1].to_vec();
+            let got = run_runs(&self.pieces, &runs, stop, &|p| p.copy(crc), &|r| progress.done(r0 + r))?;
+            for k in k0..k1 {
+                piece_crcs[k] = got[k];
+            }
+            r0 = r1;
+        }
+        Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)))
+    }
+
+    /// The tensor checksums from the staged bytes (after a copy without them).
+    pub fn checksum(&self, layout: &Layout) -> Vec<u32> {
+        let piece_crcs = run_runs(&self.pieces, &self.runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
+        fold_crcs(layout, &self.pieces, &piece_crcs)
+    }
+}
+
+/// Folds the pieces' crcs into each tensor's crc (a tensor's pieces are
+/// consecutive and in order: tensor order, or staging order).
 fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
     let mut crcs = vec![0u32; layout.specs.len()];
     let mut prev = usize::MAX;
@@ -494,6 +599,10 @@ pub fn run_save(
         }
     };
     shared.set_phase(key, Phase::Copying);
+    if part.is_none() {
+        drop(guard);
+        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received);
+    }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
     // Lazy release: checksums during the copy. Else: the copy alone, and the
@@ -527,13 +636,87 @@ pub fn run_save(
     });
     shared.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = Job { id, step, layout, lease, crcs, blobs, part, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };
+    let job = Job { id, step, layout, lease, crcs, blobs, part, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received, fill: None };
     if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
         let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
         shared.end(key);
         job.peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
     }
+}
+
+/// The rest of a whole (not per-rank) save, pipelined: the job goes to the
+/// committer before the copy, which then writes each chunk of the image as
+/// soon as it is copied ([`FedCopy`], `Store::commit_fed`), so the time to
+/// durable is about the disk's alone, not the copy's plus the disk's.
+/// Released and Durable mean what they always did: Released once every
+/// byte is copied and checked intact (the committer waits for the copy's
+/// checksums before its index, and its commit point comes after them);
+/// a failed copy makes the committer remove what it wrote and answer
+/// Failed (the session does not), so exactly one of Released/Failed comes
+/// first and nothing of a failed save is committed.
+#[allow(clippy::too_many_arguments)]
+fn run_fed_save(
+    shared: &Shared,
+    peer: &Arc<Peer>,
+    id: u64,
+    step: u64,
+    layout: Layout,
+    sources: Vec<Source>,
+    mut lease: Lease,
+    waited: std::time::Duration,
+    blobs: Vec<Blob>,
+    lazy_release: bool,
+    span: tracing::Span,
+    t_received: Instant,
+) {
+    let key = Flight::Step(step);
+    let guard = span.enter();
+    let mut fed = FedCopy::plan(&layout, &sources, &mut lease);
+    let fill = Arc::new(Fill::new(fed.progress.clone()));
+    // A panic before the copy's end fails it: the committer never waits forever.
+    let progress = fed.progress.clone();
+    let _filler = Filler(&progress);
+    let waited_seconds = waited.as_secs_f64();
+    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part: None, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
+    if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
+        // The committer is gone only if the daemon is tearing down.
+        fed.progress.fail("the committer has stopped".into());
+        drop(e);
+        shared.end(key);
+        peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        return;
+    }
+    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
+    let t_copy = Instant::now();
+    let stop = || give_up().is_some();
+    let copied = fed.copy(&layout, lazy_release, &stop);
+    let copy_seconds = t_copy.elapsed().as_secs_f64();
+    let intact = check_sizes(&sources);
+    drop(sources);
+    let crcs = match (intact, copied, give_up()) {
+        (Ok(()), Some(crcs), None) => crcs,
+        (intact, _, why) => {
+            let e = intact.err().unwrap_or(SaveError::Aborted(why.unwrap_or("stopped during the copy")));
+            warn!(copy_s = copy_seconds, "aborted before release, nothing committed: {e}");
+            info!(step, code = ?e.code(), "save refused: {e}");
+            // The committer removes what it wrote, ends the flight, answers Failed.
+            fill.fail(e.code(), e.to_string());
+            return;
+        }
+    };
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    // Released before the copy's end is told to the committer: Durable
+    // (which waits for it) always comes after.
+    peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    let crcs = crcs.unwrap_or_else(|| {
+        let t_crc = Instant::now();
+        let crcs = fed.checksum(&layout);
+        info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
+        crcs
+    });
+    drop(guard);
+    fill.finish(copy_seconds, crcs);
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use tracing::{info, warn};
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use ckpt_store::image::Layout;
 use ckpt_store::mem::AlignedBuf;
+use ckpt_store::progress::Progress;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StagingError {
@@ -149,7 +150,7 @@ impl Staging {
             return Err(StagingError::TooLarge { need_bytes: len, budget_bytes: self.budget_bytes });
         }
         if len == 0 {
-            return Ok((Lease { staging: self.clone(), offset_bytes: 0, len_bytes: 0 }, Duration::ZERO));
+            return Ok((Lease { staging: self.clone(), offset_bytes: 0, len_bytes: 0, filler: None }, Duration::ZERO));
         }
         let t0 = Instant::now();
         let mut logged = false;
@@ -163,7 +164,7 @@ impl Staging {
                 if logged {
                     info!(what, len_bytes = len, waited_s = waited.as_secs_f64(), "staging space found after waiting");
                 }
-                return Ok((Lease { staging: self.clone(), offset_bytes: off, len_bytes: len }, waited));
+                return Ok((Lease { staging: self.clone(), offset_bytes: off, len_bytes: len, filler: None }, waited));
             }
             if let Some(r) = st.resident.take() {
                 info!(step = r.step, "resident checkpoint evicted from staging to make room");
@@ -231,6 +232,9 @@ pub struct Lease {
     staging: Arc<Staging>,
     offset_bytes: u64,
     len_bytes: u64,
+    /// A copy still filling the range through raw pointers (a save written
+    /// while copied): the range is not freed before it ended.
+    filler: Option<Arc<Progress>>,
 }
 
 impl Lease {
@@ -268,10 +272,22 @@ impl Lease {
     pub fn staging_buf(&self) -> &AlignedBuf {
         &self.staging.buf
     }
+
+    /// Marks the range as being filled by whoever drives `progress`: the
+    /// holder may then move the lease on (to the committer) while the copy
+    /// goes on, and dropping it waits until the copy ended.
+    pub fn filled_by(&mut self, progress: Arc<Progress>) {
+        self.filler = Some(progress);
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if let Some(p) = self.filler.take() {
+            // The copy writes into this range until it ends (it always does:
+            // a dropped filler fails it).
+            let _ = p.outcome();
+        }
         self.staging.release(self.offset_bytes, self.len_bytes);
     }
 }

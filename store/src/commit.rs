@@ -32,6 +32,7 @@ use crate::format::{self, FormatError, BLOBS_DIR_NAME, INDEX_FILE_NAME, TMP_PREF
 use crate::image::{self, Blob, Layout};
 use crate::io::{self as eio, DriveError, EngineChoice, FaultPlan, FaultyEngine, FileIo, IoEngine, IoPolicy, OpKind};
 use crate::mem::AlignedBuf;
+use crate::progress::Progress;
 use crate::recovery::{self, RecoveryReport};
 use crate::lock::{DirLock, LockError};
 use crate::retention::{self, Retention};
@@ -123,6 +124,8 @@ pub enum CommitError {
     Format(#[from] FormatError),
     #[error("step {step}: aborted before the commit point (shutting down); nothing was committed")]
     Aborted { step: u64 },
+    #[error("step {step}: its image was never complete ({why}); nothing was committed")]
+    Unfilled { step: u64, why: String },
 }
 
 impl CommitError {
@@ -312,7 +315,8 @@ impl Store {
     }
 
     /// Writes and commits a checkpoint whose image sits in `staging` as
-    /// `layout` describes, with the given tensor checksums.
+    /// `layout` describes, with the given tensor checksums, then applies
+    /// retention.
     pub fn commit(
         &mut self,
         step: u64,
@@ -321,6 +325,40 @@ impl Store {
         tensor_crcs: &[u32],
         blobs: &[Blob<'_>],
     ) -> Result<CommitReport, CommitError> {
+        let t0 = Instant::now();
+        let mut report = self.commit_filled(step, layout, staging, Fill::Done(tensor_crcs), blobs)?;
+        report.deleted_by_retention = self.retain();
+        report.total = t0.elapsed();
+        Ok(report)
+    }
+
+    /// Writes and commits a checkpoint whose image is still being filled
+    /// into `staging` ([`Progress`]): each chunk is written as soon as it is
+    /// filled, and the index (with the filler's checksums) once it ended. A
+    /// filler that fails stops the commit before its commit point
+    /// ([`CommitError::Unfilled`]). Retention is left to the caller
+    /// ([`Store::retain`]), so whoever waits for the commit need not wait
+    /// for deletions too. The caller keeps `staging` untouched below the
+    /// ready prefix, and must not free the image before the filler ended
+    /// (even when this returns an error first).
+    pub fn commit_fed(&mut self, step: u64, layout: &Layout, staging: &AlignedBuf, progress: &Progress, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
+        self.commit_filled(step, layout, staging, Fill::Fed(progress), blobs)
+    }
+
+    /// Applies the retention policy, if any; returns the steps deleted. A
+    /// failure is logged: the newest checkpoint is committed either way.
+    pub fn retain(&mut self) -> Vec<u64> {
+        let Some(policy) = self.opts.retention else { return Vec::new() };
+        match retention::apply(&self.paths, policy) {
+            Ok(deleted) => deleted,
+            Err(e) => {
+                warn!("retention failed ({e}); the new checkpoint is committed");
+                Vec::new()
+            }
+        }
+    }
+
+    fn commit_filled(&mut self, step: u64, layout: &Layout, staging: &AlignedBuf, fill: Fill<'_>, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
         let t0 = Instant::now();
         let step_name = format::step_dir_name(step)?;
         image::validate_blobs(blobs)?;
@@ -335,7 +373,7 @@ impl Store {
         let tmp_name = format!("{TMP_PREFIX}{}-{:016x}", &step_name[format::STEP_PREFIX.len()..], eio::nonce());
         let tmps: Vec<PathBuf> = self.paths.iter().map(|d| d.join(&tmp_name)).collect();
         let mut renamed: Vec<PathBuf> = Vec::new();
-        let result = self.commit_inner(step, layout, staging, tensor_crcs, blobs, &tmps, &mut renamed, t0);
+        let result = self.commit_inner(step, layout, staging, fill, blobs, &tmps, &mut renamed, t0);
         if result.is_err() {
             for p in tmps.iter().chain(&renamed) {
                 if let Err(e) = catalog::remove_tree(p) {
@@ -347,12 +385,6 @@ impl Store {
             }
         }
         let mut report = result?;
-        if let Some(policy) = self.opts.retention {
-            match retention::apply(&self.paths, policy) {
-                Ok(deleted) => report.deleted_by_retention = deleted,
-                Err(e) => warn!("retention failed ({e}); the new checkpoint is committed"),
-            }
-        }
         report.total = t0.elapsed();
         info!(
             write_s = report.write.as_secs_f64(),
@@ -370,7 +402,7 @@ impl Store {
         step: u64,
         layout: &Layout,
         staging: &AlignedBuf,
-        tensor_crcs: &[u32],
+        fill: Fill<'_>,
         blobs: &[Blob<'_>],
         tmps: &[PathBuf],
         renamed: &mut Vec<PathBuf>,
@@ -380,9 +412,13 @@ impl Store {
         for t in tmps {
             fs::create_dir(t).map_err(|e| CommitError::io(t, "create temp folder", e))?;
         }
-        // Shards: one thread per directory, each with its own engine.
+        // Shards: one thread per directory, each with its own engine. Meanwhile
+        // this thread writes and syncs the blobs and the index (once a fed
+        // image's checksums are in), so their syncs share the shards'
+        // journal commits instead of following them one by one.
         let chunk_bytes = self.opts.chunk_bytes;
-        let results: Vec<Result<(Duration, Duration), CommitError>> = std::thread::scope(|s| {
+        let paths = &self.paths;
+        let (results, small) = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .dirs
                 .iter_mut()
@@ -391,11 +427,13 @@ impl Store {
                     let tmp = &tmps[dir_idx];
                     std::thread::Builder::new()
                         .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || write_shards(d, dir_idx as u32, tmp, layout, staging, chunk_bytes))
+                        .spawn_scoped(s, move || write_shards(d, step, dir_idx as u32, tmp, layout, staging, fill.progress(), chunk_bytes))
                         .expect("spawning a writer thread")
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect()
+            let small = write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths);
+            let results: Vec<Result<(Duration, Duration), CommitError>> = handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
+            (results, small)
         });
         let (mut write, mut sync) = (Duration::ZERO, Duration::ZERO);
         for r in results {
@@ -403,25 +441,10 @@ impl Store {
             write = write.max(w);
             sync = sync.max(s);
         }
-        self.check_abort(step)?;
         let t_commit = Instant::now();
-        let primary_tmp = &tmps[0];
-        let mut bytes = layout.file_bytes();
-        if !blobs.is_empty() {
-            let bdir = primary_tmp.join(BLOBS_DIR_NAME);
-            fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
-            for b in blobs {
-                let p = bdir.join(b.name);
-                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
-                bytes += b.bytes.len() as u64;
-            }
-            catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
-        }
-        let secondary_dirs = self.paths[1..].iter().map(|p| p.display().to_string()).collect();
-        let index = layout.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes();
-        let ipath = primary_tmp.join(INDEX_FILE_NAME);
-        write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
-        bytes += index.len() as u64;
+        let small_bytes = small?;
+        let bytes = layout.file_bytes() + small_bytes;
+        self.check_abort(step)?;
         for t in tmps {
             catalog::fsync_dir(t).map_err(|e| CommitError::io(t, "sync temp folder", e))?;
         }
@@ -486,12 +509,15 @@ fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions) -> Result<Targe
 
 /// Writes every shard of directory `dir_idx` into `tmp` and syncs them;
 /// returns (write time, sync time).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn write_shards(
     d: &mut TargetDir,
+    step: u64,
     dir_idx: u32,
     tmp: &Path,
     layout: &Layout,
     staging: &AlignedBuf,
+    progress: Option<&Progress>,
     chunk_bytes: usize,
 ) -> Result<(Duration, Duration), CommitError> {
     let t0 = Instant::now();
@@ -499,6 +525,7 @@ pub(crate) fn write_shards(
     let shards: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx).collect();
     let mut files: Vec<File> = Vec::with_capacity(shards.len());
     let mut ios = Vec::with_capacity(shards.len());
+    let mut starts = Vec::with_capacity(shards.len());
     for &s in &shards {
         let sh = &layout.shards[s];
         let path = tmp.join(&sh.file_name);
@@ -506,6 +533,7 @@ pub(crate) fn write_shards(
         let io_len = if direct { sh.io_len } else { sh.file_len };
         reserve(&f, io_len).map_err(|e| CommitError::io(tmp, format!("reserve space for {}", sh.file_name), e).needing(io_len))?;
         let range = layout.shard_range(s);
+        starts.push(range.start as u64);
         ios.push(FileIo {
             fd: f.as_raw_fd(),
             // Writes only read this memory; the engine API takes *mut for both directions.
@@ -517,9 +545,19 @@ pub(crate) fn write_shards(
         files.push(f);
     }
     // SAFETY: `staging` is borrowed for this whole function, so every range
-    // stays valid until drive() returns, which reaps every request first.
-    let r = unsafe { eio::drive(d.engine.as_mut(), OpKind::Write, &ios, chunk_bytes, |_, _| {}) };
-    r.map_err(|e| drive_error(tmp, layout, &shards, e))?;
+    // stays valid until the driver returns, which reaps every request first;
+    // a fed image's filler writes nothing below its ready prefix (the
+    // caller's contract, commit_fed).
+    let r = unsafe {
+        match progress {
+            None => eio::drive(d.engine.as_mut(), OpKind::Write, &ios, chunk_bytes, |_, _| {}),
+            Some(p) => eio::drive_fed(d.engine.as_mut(), &ios, chunk_bytes, &starts, p),
+        }
+    };
+    r.map_err(|e| match e {
+        DriveError::Source(why) => CommitError::Unfilled { step, why },
+        e => drive_error(tmp, layout, &shards, e),
+    })?;
     for (f, &s) in files.iter().zip(&shards) {
         let sh = &layout.shards[s];
         if direct && sh.io_len != sh.file_len {
@@ -537,7 +575,7 @@ pub(crate) fn write_shards(
 fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> CommitError {
     let file_idx = match &e {
         DriveError::Io { file_idx, .. } | DriveError::ShortWrite { file_idx, .. } | DriveError::ShortRead { file_idx, .. } => Some(*file_idx),
-        DriveError::Engine(_) => None,
+        DriveError::Engine(_) | DriveError::Source(_) => None,
     };
     let path = file_idx.map_or_else(|| tmp.to_path_buf(), |i| tmp.join(&layout.shards[shards[i]].file_name));
     // The message says where; the source says what the kernel said.
@@ -547,6 +585,53 @@ fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> 
         other => ("write".to_string(), io::Error::other(other.to_string())),
     };
     CommitError::io(&path, what, source)
+}
+
+/// Writes the blobs and then the index into the primary's temp folder and
+/// syncs them (files and the blobs folder); a fed image's checksums are
+/// waited for first. Returns the bytes written.
+fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Blob<'_>], primary_tmp: &Path, paths: &[PathBuf]) -> Result<u64, CommitError> {
+    let fed_crcs;
+    let tensor_crcs = match fill {
+        Fill::Done(c) => c,
+        Fill::Fed(p) => {
+            fed_crcs = p.outcome().map_err(|why| CommitError::Unfilled { step, why })?;
+            &fed_crcs[..]
+        }
+    };
+    let mut bytes = 0;
+    if !blobs.is_empty() {
+        let bdir = primary_tmp.join(BLOBS_DIR_NAME);
+        fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
+        for b in blobs {
+            let p = bdir.join(b.name);
+            write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
+            bytes += b.bytes.len() as u64;
+        }
+        catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
+    }
+    let secondary_dirs = paths[1..].iter().map(|p| p.display().to_string()).collect();
+    let index = layout.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes();
+    let ipath = primary_tmp.join(INDEX_FILE_NAME);
+    write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
+    Ok(bytes + index.len() as u64)
+}
+
+/// Where a commit's image comes from: already in staging with its
+/// checksums, or still being filled.
+#[derive(Clone, Copy)]
+enum Fill<'a> {
+    Done(&'a [u32]),
+    Fed(&'a Progress),
+}
+
+impl<'a> Fill<'a> {
+    fn progress(self) -> Option<&'a Progress> {
+        match self {
+            Fill::Done(_) => None,
+            Fill::Fed(p) => Some(p),
+        }
+    }
 }
 
 /// Reserves `len` bytes so the writes are overwrites of allocated space, and

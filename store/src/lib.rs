@@ -25,6 +25,7 @@ pub mod io;
 pub mod lock;
 pub mod mem;
 pub mod nodes;
+pub mod progress;
 pub mod ranks;
 pub mod recovery;
 pub mod restore;

@@ -134,7 +134,7 @@ impl Store {
         remove_rank_files(tmp, rank, blobs).map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
         let chunk_bytes = self.opts.chunk_bytes;
         let d = self.shared.as_mut().expect("checked by the caller");
-        write_shards(d, 0, tmp, layout, staging, chunk_bytes)?;
+        write_shards(d, step, 0, tmp, layout, staging, None, chunk_bytes)?;
         let mut bytes = layout.file_bytes();
         if !blobs.is_empty() {
             let bdir = tmp.join(BLOBS_DIR_NAME);

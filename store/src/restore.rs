@@ -441,7 +441,7 @@ unsafe fn read_and_check(
             eio::DriveError::Io { file_idx, .. } | eio::DriveError::ShortRead { file_idx, .. } | eio::DriveError::ShortWrite { file_idx, .. } => {
                 Some(checks[*file_idx].file.name.as_str())
             }
-            eio::DriveError::Engine(_) => None,
+            eio::DriveError::Engine(_) | eio::DriveError::Source(_) => None,
         };
         problems.push(problem(name, None, format!("read failed: {e}")));
     }

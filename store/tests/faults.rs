@@ -19,6 +19,7 @@ use ckpt_store::format::{self, TMP_PREFIX};
 use ckpt_store::image::{Blob, Layout, LayoutOptions};
 use ckpt_store::io::{FaultPlan, IoPolicy, ProbeError, Want};
 use ckpt_store::mem::AlignedBuf;
+use ckpt_store::progress::Progress;
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::synthetic;
 
@@ -423,5 +424,72 @@ fn short_writes_are_completed_buffered_any_length() {
     assert!(s.layout.shards.iter().any(|sh| sh.file_len % 4096 != 0), "some shard ends in a partial block");
     for (label, io) in combos().into_iter().filter(|(_, p)| p.direct == Want::Off) {
         short_writes_case(label, io, &s, 1 << 20);
+    }
+}
+
+// ------------------------------------------------------------ fed commits
+
+/// A filler copies `src`'s image into `dst` run by run, in the order given,
+/// marking each run done; then finishes with the checksums, or after
+/// `fail_after` runs fails instead.
+fn fill(progress: &Progress, src: &Staged, dst: usize, runs: &[(usize, usize)], order: &[usize], fail_after: Option<usize>) {
+    for (n, &r) in order.iter().enumerate() {
+        if fail_after == Some(n) {
+            progress.fail("the test's filler gave up".into());
+            return;
+        }
+        // Paced like a real copy, so the writer is already waiting on the
+        // prefix (a gate that let it run ahead would be caught); correctness
+        // never depends on it.
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        let (a, b) = runs[r];
+        // SAFETY: dst is the address of a live buffer of at least staging_len
+        // bytes, this run's range is written by this thread only, and the
+        // writer reads it only after done(r).
+        unsafe { std::ptr::copy_nonoverlapping(src.staging.as_ptr().add(a), (dst as *mut u8).add(a), b - a) };
+        progress.done(r);
+    }
+    progress.finish(src.crcs.clone());
+}
+
+#[test]
+fn a_fed_commit_writes_only_filled_bytes_and_a_failed_filler_leaves_nothing() {
+    for (label, io) in combos() {
+        let dir = tempfile::tempdir().unwrap();
+        let dirs = vec![dir.path().join("a"), dir.path().join("b")];
+        let Some(mut store) = open_store(StoreOptions { io, chunk_bytes: 256 << 10, ..StoreOptions::new(dirs.clone()) }, label) else { continue };
+        let src = stage(24 * MIB, 2, 8 * MIB, 5);
+        // The image's bytes in runs of 1 MiB after the first shard's header
+        // (headers come with the image: copied first, ready at once).
+        let first = src.layout.shard_range(0).start + 4096;
+        let end = src.layout.staging_len as usize;
+        let runs: Vec<(usize, usize)> = (first..end).step_by(MIB as usize).map(|a| (a, (a + MIB as usize).min(end))).collect();
+        // Filled out of order (1, 0, 3, 2, ...): a chunk written before its
+        // bytes were copied would carry 0xAA and fail the verification.
+        let n = runs.len();
+        let order: Vec<usize> = (0..n).map(|i| if i % 2 == 1 { i - 1 } else if i + 1 < n { i + 1 } else { i }).collect();
+        let ctx = format!("{label}, fed");
+        for (step, fail_after) in [(1u64, None), (2, Some(runs.len() / 2))] {
+            let mut dst = AlignedBuf::new(end).unwrap();
+            dst.as_mut_slice().fill(0xAA);
+            dst.as_mut_slice()[..first].copy_from_slice(&src.staging.as_slice()[..first]);
+            let progress = Progress::new(runs.iter().map(|r| r.0 as u64).collect(), end as u64);
+            let dst_addr = dst.as_ptr() as usize;
+            let r = std::thread::scope(|s| {
+                s.spawn(|| fill(&progress, &src, dst_addr, &runs, &order, fail_after));
+                store.commit_fed(step, &src.layout, &dst, &progress, &[Blob { name: "b", bytes: b"blob" }])
+            });
+            match fail_after {
+                None => {
+                    r.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    assert_intact(&dirs[0], 1, &src, io, &ctx);
+                }
+                Some(_) => {
+                    let e = r.unwrap_err();
+                    assert!(matches!(e, CommitError::Unfilled { step: 2, .. }) && e.to_string().contains("gave up"), "{ctx}: {e}");
+                    assert_nothing_left(&dirs, 2, 1, &src, io, &ctx);
+                }
+            }
+        }
     }
 }

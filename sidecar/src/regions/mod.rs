@@ -98,6 +98,12 @@ impl Region {
         }
     }
 
+    /// Whether [`Region::copy_batch`] copies for this kind (device memory),
+    /// rather than leaving it to [`Region::copy_out`] piece by piece.
+    pub fn copies_in_batches(&self) -> bool {
+        matches!(self.memory, Memory::Cuda(_))
+    }
+
     /// Checks that `len_bytes` at `offset_bytes` lie inside the region.
     pub fn contains(&self, offset_bytes: u64, len_bytes: u64) -> Result<(), RegionError> {
         match offset_bytes.checked_add(len_bytes) {

@@ -29,6 +29,7 @@ pub use uring::UringEngine;
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
 use crate::mem::AlignedBuf;
+use crate::progress::Progress;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
@@ -396,6 +397,8 @@ pub enum DriveError {
     ShortRead { file_idx: usize, offset_bytes: u64, expected_bytes: u64 },
     #[error("engine: {0}")]
     Engine(io::Error),
+    #[error("the image was not filled: {0}")]
+    Source(String),
 }
 
 impl DriveError {
@@ -452,7 +455,36 @@ pub unsafe fn drive(
     kind: OpKind,
     files: &[FileIo],
     chunk_bytes: usize,
+    on_bytes: impl FnMut(usize, &[u8]),
+) -> Result<(), DriveError> {
+    // SAFETY: the caller's contract.
+    unsafe { drive_gated(engine, kind, files, chunk_bytes, on_bytes, None) }
+}
+
+/// Writes files whose memory is still being filled ([`Progress`]): file `i`
+/// starts at staging offset `starts[i]`, and a chunk is issued only once the
+/// ready prefix covers it; while it does not, the driver reaps completions,
+/// or, with nothing in flight, waits for the filler. A failed filler stops
+/// new writes like an I/O error ([`DriveError::Source`]); what is in flight
+/// is reaped first.
+///
+/// # Safety
+/// As [`drive`], and bytes below the ready prefix are not written by anyone
+/// until this returns.
+pub unsafe fn drive_fed(engine: &mut dyn IoEngine, files: &[FileIo], chunk_bytes: usize, starts: &[u64], progress: &Progress) -> Result<(), DriveError> {
+    assert_eq!(files.len(), starts.len());
+    // SAFETY: the caller's contract.
+    unsafe { drive_gated(engine, OpKind::Write, files, chunk_bytes, |_, _| {}, Some((starts, progress))) }
+}
+
+/// [`drive`], with writes gated by a filler's progress when `gate` is given.
+unsafe fn drive_gated(
+    engine: &mut dyn IoEngine,
+    kind: OpKind,
+    files: &[FileIo],
+    chunk_bytes: usize,
     mut on_bytes: impl FnMut(usize, &[u8]),
+    gate: Option<(&[u64], &Progress)>,
 ) -> Result<(), DriveError> {
     assert!(kind != OpKind::Fdatasync);
     assert!(chunk_bytes > 0 && chunk_bytes <= u32::MAX as usize);
@@ -483,12 +515,30 @@ pub unsafe fn drive(
     let mut first_err: Option<DriveError> = None;
     let mut in_flight = 0usize;
     let mut comps = Vec::with_capacity(qd);
+    // The filler's ready prefix as last asked (gated writes only).
+    let mut ready = 0u64;
     loop {
         while first_err.is_none() && !free.is_empty() {
             let Some(p) = todo.front() else { break };
             let f = &files[p.file_idx];
             if f.window_bytes > 0 && p.offset + p.len > delivered[p.file_idx] + f.window_bytes {
                 break; // its place in the window is not consumed yet
+            }
+            if let Some((starts, progress)) = gate {
+                let need = starts[p.file_idx] + p.offset + p.len;
+                if need > ready {
+                    // Wait for the filler only when the disk has nothing to do.
+                    match progress.ready(need, in_flight == 0) {
+                        Ok(r) => ready = r,
+                        Err(why) => {
+                            first_err = Some(DriveError::Source(why));
+                            break;
+                        }
+                    }
+                    if need > ready {
+                        break; // not copied yet: reap a completion meanwhile
+                    }
+                }
             }
             let p = todo.pop_front().expect("checked non-empty");
             if eof_at[p.file_idx].is_some_and(|e| p.offset >= e) {

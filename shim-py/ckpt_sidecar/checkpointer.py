@@ -535,9 +535,11 @@ class Checkpointer:
     def _check_dir(self, asked):
         """A running sidecar writes where it was told: say so when that is not `dir`."""
         try:
-            dirs = self.status().get("dirs") or []
+            st = self.status()
         except SidecarError:
             return
+        # Several nodes: the ranks' checkpoints are in the shared directory.
+        dirs = [st["shared_dir"]] if st.get("shared_dir") else (st.get("dirs") or [])
         if dirs:
             if asked is not None and os.path.realpath(dirs[0]) != os.path.realpath(self.dir):
                 warnings.warn(f"the sidecar at {self.socket or '(default socket)'} writes to {dirs[0]}, "

@@ -22,6 +22,7 @@ use ckpt_store::image::{self};
 use crate::staging::Resident;
 use crate::config;
 use crate::coordinator::{Groups, Offer};
+use crate::nodes::Nodes;
 use crate::slices;
 use crate::jobs::{FileJob, FillEnd, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
@@ -41,16 +42,24 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
         .name("ckpt-commit".into())
         .spawn(move || {
             let mut groups = Groups::new(part_timeout());
+            // Several nodes: parts go to the shared directory, not to `groups`.
+            let mut nodes = store.shared_dir().is_some().then(|| Nodes::new(part_timeout()));
             loop {
                 let tick = Instant::now() + std::time::Duration::from_millis(config::PART_TICK_MS);
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
                 match rx.recv_deadline(deadline) {
-                    Ok(Work::Checkpoint(job)) if job.part.is_some() => gather(&mut store, &shared, &mut groups, job),
+                    Ok(Work::Checkpoint(job)) if job.part.is_some() => match nodes.as_mut() {
+                        Some(n) => n.offer(&mut store, &shared, job),
+                        None => gather(&mut store, &shared, &mut groups, job),
+                    },
                     Ok(Work::Checkpoint(job)) => commit_one(&mut store, &shared, job),
                     Ok(Work::File(job)) => write_one(&mut store, &shared, job),
                     Ok(Work::Rollback(job)) => rollback_one(&mut store, &shared, job),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
+                        if let Some(n) = nodes.as_mut() {
+                            n.fail_all(&store, &shared, "the sidecar stopped before the step was committed");
+                        }
                         for job in groups.take_all() {
                             fail_part(&shared, job, ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived".into());
                         }
@@ -63,6 +72,16 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                         let why = format!("step {}: the sidecar is shutting down before every rank's part arrived; the step is not committed", job.step);
                         warn!("rank {:?}: {why}", job.part.map(|p| p.rank));
                         fail_part(&shared, job, ErrorCode::ShuttingDown, why);
+                    }
+                }
+                if let Some(n) = nodes.as_mut().filter(|n| n.has_waiting()) {
+                    n.tick(&mut store, &shared);
+                }
+                if let Some(n) = &nodes {
+                    let now = n.coordinating();
+                    let mut c = shared.coordinating.lock().expect("coordinating lock");
+                    if *c != now {
+                        *c = now;
                     }
                 }
                 for (step, world_size, missing, parts) in groups.expire(Instant::now()) {
@@ -80,7 +99,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
         .expect("spawning the committer thread")
 }
 
-fn part_timeout() -> std::time::Duration {
+pub fn part_timeout() -> std::time::Duration {
     let s = std::env::var(config::PART_TIMEOUT_ENV).ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| s.is_finite() && *s > 0.0);
     std::time::Duration::from_secs_f64(s.unwrap_or(config::PART_TIMEOUT_DEFAULT_S as f64))
 }

@@ -52,6 +52,9 @@ pub struct DaemonOptions {
     /// Run the sidecar's threads on these CPUs only (None: wherever the
     /// scheduler likes); launch's command keeps the CPUs it would have had.
     pub cpus: Option<Vec<usize>>,
+    /// Several nodes: the directory all nodes' sidecars share (multi-rank
+    /// steps are written and committed there, `crate::nodes`).
+    pub shared: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +143,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         retention: opts.retention,
         lock_role: role.into(),
         lock_socket: Some(std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf())),
+        shared: opts.shared.clone(),
+        // Twice the part timeout: a live coordinator aborts long before.
+        shared_stale_after: crate::committer::part_timeout() * 2,
         ..StoreOptions::new(opts.dirs.clone())
     })?;
     let locks = store.take_locks();
@@ -147,7 +153,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
     let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, ..Default::default() };
-    let shared = Arc::new(Shared::new(
+    let mut shared = Shared::new(
         store.dirs().to_vec(),
         layout_opts,
         ReadOptions { io: opts.io, ..Default::default() },
@@ -155,7 +161,12 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         tx,
         opts.allow_uids.clone(),
         Arc::new(AtomicBool::new(false)),
-    ));
+    );
+    shared.shared_dir = store.shared_dir().map(Path::to_path_buf);
+    let shared = Arc::new(shared);
+    if let Some(d) = &shared.shared_dir {
+        info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves");
+    }
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;

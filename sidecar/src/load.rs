@@ -139,9 +139,13 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
 
 fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
-    let primary = shared.primary();
+    // Several nodes: checkpoints are read from the shared directory, where
+    // the multi-rank steps are committed; the resident image (a step of
+    // this node's own directory) is never theirs.
+    let primary = shared.read_dir();
+    let resident = if shared.shared_dir.is_some() { None } else { shared.staging.resident() };
     // RAM: the resident image, if it is the checkpoint asked for.
-    if let Some(r) = shared.staging.resident() {
+    if let Some(r) = resident {
         let wanted = match step {
             Some(s) => Some(s),
             None => catalog::latest_step(primary).ok().flatten(),

@@ -145,6 +145,12 @@ struct DaemonArgs {
     /// command keeps the CPUs it would have had.
     #[arg(long, value_parser = parse_cpus)]
     cpus: Option<CpuList>,
+    /// Several nodes: the directory every node's sidecar sees (a shared file
+    /// system), where the ranks' parts of a step (SavePart) are written and
+    /// committed together; --dir stays this node's own. The sidecar serving
+    /// rank 0 coordinates each step's commit.
+    #[arg(long)]
+    shared: Option<PathBuf>,
     #[command(flatten)]
     io: IoArgs,
 }
@@ -160,6 +166,7 @@ impl DaemonArgs {
             io: self.io.policy(),
             shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
+            shared: self.shared.clone(),
         })
     }
 }
@@ -336,6 +343,17 @@ enum BenchCmd {
         /// The Python to run it with (default: $CKPT_SIDECAR_PYTHON, else python3).
         #[arg(long)]
         python: Option<PathBuf>,
+    },
+    /// The same state written by 1, 2 and 4 ranks, each rank's share into
+    /// its own directory, beside fio over the same directories in parallel:
+    /// aggregate throughput and bytes per rank. Runs the Python module
+    /// ckpt_sidecar.bench_ranks with the Python of $CKPT_SIDECAR_PYTHON (else
+    /// python3); its options (--dir DIR [--size SIZE] [--ranks 1,2,4] ...;
+    /// --help lists them) are passed on as they are.
+    #[command(disable_help_flag = true)]
+    Ranks {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
     /// Read `latest` back with verification.
     Read {
@@ -573,6 +591,8 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
             "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
             "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
             "cuda": r.cuda,
+            "shared_dir": (!r.shared_dir.is_empty()).then_some(&r.shared_dir),
+            "coordinating": r.coordinating,
         });
         println!("{j}");
         return Ok(ExitCode::SUCCESS);
@@ -603,6 +623,14 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         None => println!("last:     none yet"),
     }
     println!("cuda:     {}", r.cuda);
+    if !r.shared_dir.is_empty() {
+        let role = if r.coordinating.is_empty() {
+            "coordinator of no step now (a step's coordinator is the sidecar serving its rank 0)".to_string()
+        } else {
+            format!("coordinator of step(s) {:?} (serves their rank 0)", r.coordinating)
+        };
+        println!("shared:   {} (several nodes); {role}", r.shared_dir);
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -885,6 +913,21 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 // Ended by a signal (SIGPIPE: its stdout closed): as a shell says it.
                 (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
                 (None, None) => ExitCode::FAILURE,
+            });
+        }
+        BenchCmd::Ranks { args } => {
+            let python = std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("python3"));
+            let me = std::env::current_exe().context("finding this executable")?;
+            let status = std::process::Command::new(&python)
+                .args(["-m", "ckpt_sidecar.bench_ranks"])
+                .args(&args)
+                .env("CKPT_SIDECAR_BIN", &me)
+                .status()
+                .with_context(|| format!("running {} -m ckpt_sidecar.bench_ranks (set $CKPT_SIDECAR_PYTHON to a Python with ckpt_sidecar)", python.display()))?;
+            return Ok(match status.code() {
+                Some(0) => ExitCode::SUCCESS,
+                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+                None => ExitCode::FAILURE,
             });
         }
         BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python } => {

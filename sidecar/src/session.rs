@@ -125,7 +125,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
             Request::Load { id, step, tensors } => load::run_load(&shared, &peer, &regions, id, step, tensors),
             Request::List { id } => {
-                let primary = shared.primary();
+                let primary = shared.read_dir();
                 let reply = match catalog::committed_steps(primary) {
                     Ok(steps) => Reply::Listing { id, steps, latest: catalog::latest_step(primary).ok().flatten() },
                     Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },

@@ -613,6 +613,10 @@ pub fn run_save(
             return fail(SaveError::BadRequest(format!("rank {} of world size {}: need 0 <= rank < world_size", p.rank, p.world_size)));
         }
         (opts.rank, opts.world_size) = (p.rank, p.world_size);
+        if shared.shared_dir.is_some() {
+            // Several nodes: every part goes into the one shared directory.
+            opts.n_dirs = 1;
+        }
     }
     let (layout, sources) = match plans.plan(tensors, &blobs, regions, opts) {
         Ok(x) => x,
@@ -626,10 +630,12 @@ pub fn run_save(
             shared.staging.budget_bytes()
         )));
     }
-    if catalog::is_committed(shared.primary(), step) {
+    // A part of several nodes is committed in the shared directory.
+    let commit_dir = if part.is_some() { shared.read_dir() } else { shared.primary() };
+    if catalog::is_committed(commit_dir, step) {
         return fail(SaveError::BadRequest(format!(
             "step {step} is already committed in {}; to save it again, roll back to an earlier step first (rollback in the shim, or ckpt-sidecar rollback DIR --to STEP)",
-            shared.primary().display()
+            commit_dir.display()
         )));
     }
     if !shared.begin_step(key, layout.file_bytes()) {

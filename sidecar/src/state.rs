@@ -77,6 +77,12 @@ pub struct Shared {
     sessions: Mutex<BTreeMap<u64, SessionEntry>>,
     next_session_id: AtomicU64,
     last: Mutex<Option<LastFigures>>,
+    /// Several nodes: the directory every node's sidecar shares (set once at
+    /// start); parts are planned for it and committed there (`nodes`).
+    pub shared_dir: Option<std::path::PathBuf>,
+    /// Several nodes: the steps this sidecar coordinates now (the committer's
+    /// `nodes` keeps it current), for status.
+    pub coordinating: Mutex<Vec<u64>>,
 }
 
 impl Shared {
@@ -108,11 +114,19 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             next_session_id: AtomicU64::new(1),
             last: Mutex::new(None),
+            shared_dir: None,
+            coordinating: Mutex::new(Vec::new()),
         }
     }
 
     pub fn primary(&self) -> &std::path::Path {
         &self.dirs[0]
+    }
+
+    /// Where Load and List read checkpoints, and multi-rank steps are
+    /// committed: the shared directory of several nodes, else the primary.
+    pub fn read_dir(&self) -> &std::path::Path {
+        self.shared_dir.as_deref().unwrap_or(self.primary())
     }
 
     pub fn is_draining(&self) -> bool {
@@ -248,6 +262,8 @@ impl Shared {
             resident_step: self.staging.resident_step(),
             last: self.last.lock().expect("figures lock").clone(),
             cuda: crate::cuda_probe::summary(),
+            shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
+            coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
         }
     }
 }

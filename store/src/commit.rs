@@ -55,6 +55,12 @@ pub struct StoreOptions {
     /// second process can name the holder ([`crate::lock`]).
     pub lock_role: String,
     pub lock_socket: Option<PathBuf>,
+    /// The directory the sidecars of several nodes share (the checkpoint
+    /// root of their multi-rank steps, [`crate::nodes`]): not locked (every
+    /// node's sidecar opens it), probed for its own engine; at open, its
+    /// multi-rank temp folders untouched for `shared_stale_after` are removed.
+    pub shared: Option<PathBuf>,
+    pub shared_stale_after: Duration,
 }
 
 impl StoreOptions {
@@ -68,6 +74,8 @@ impl StoreOptions {
             create: true,
             lock_role: "store".into(),
             lock_socket: None,
+            shared: None,
+            shared_stale_after: Duration::from_secs(config::SHARED_STALE_AFTER_DEFAULT_S),
         }
     }
 }
@@ -164,7 +172,7 @@ pub struct CommitReport {
 pub struct TargetDir {
     pub path: PathBuf,
     pub choice: EngineChoice,
-    engine: Box<dyn IoEngine>,
+    pub(crate) engine: Box<dyn IoEngine>,
 }
 
 pub struct Store {
@@ -173,11 +181,13 @@ pub struct Store {
     locks: Vec<DirLock>,
     dirs: Vec<TargetDir>,
     paths: Vec<PathBuf>,
-    opts: StoreOptions,
+    pub(crate) opts: StoreOptions,
     recovery: RecoveryReport,
     /// Set from outside (the daemon's second signal): a commit in progress
     /// stops at its next check and removes its temp folders.
     abort: Option<Arc<AtomicBool>>,
+    /// The directory shared with other nodes' sidecars, if any ([`crate::nodes`]).
+    pub(crate) shared: Option<TargetDir>,
 }
 
 impl Store {
@@ -211,7 +221,15 @@ impl Store {
             info!(dir = %p.display(), engine = %choice.name(), why = %choice.why.join("; "), "target directory");
             dirs.push(TargetDir { path: p.clone(), choice, engine });
         }
-        let recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
+        let shared = match &opts.shared {
+            Some(d) => Some(open_shared(d, &paths, &opts)?),
+            None => None,
+        };
+        let mut recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
+        if let Some(sh) = &shared {
+            let removed = recovery::recover_shared(&sh.path, opts.shared_stale_after).map_err(|e| StoreError::Io { path: sh.path.clone(), what: "recovery of the shared directory", source: e })?;
+            recovery.removed.extend(removed);
+        }
         for p in &recovery.removed {
             info!(path = %p.display(), "recovery removed");
         }
@@ -221,7 +239,7 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { locks, dirs, paths, opts, recovery, abort: None })
+        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
@@ -265,7 +283,7 @@ impl Store {
     /// Registers staging memory with every engine so writes from it skip page
     /// pinning. Refusal (e.g. RLIMIT_MEMLOCK) only costs speed and is logged.
     pub fn register_staging(&mut self, buf: &Arc<AlignedBuf>) {
-        for d in &mut self.dirs {
+        for d in self.dirs.iter_mut().chain(self.shared.as_mut()) {
             if let Err(e) = d.engine.register(buf.clone()) {
                 warn!(dir = %d.path.display(), "staging memory not registered with io_uring ({e}); writes go unregistered");
             }
@@ -279,7 +297,7 @@ impl Store {
         self.abort = Some(flag);
     }
 
-    fn check_abort(&self, step: u64) -> Result<(), CommitError> {
+    pub(crate) fn check_abort(&self, step: u64) -> Result<(), CommitError> {
         match &self.abort {
             Some(f) if f.load(Ordering::SeqCst) => Err(CommitError::Aborted { step }),
             _ => Ok(()),
@@ -471,10 +489,28 @@ impl Store {
     }
 }
 
+/// The shared directory of several nodes: created if missing, never one of
+/// the node's own directories, probed for its engine (no lock: every node's
+/// sidecar opens it).
+fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions) -> Result<TargetDir, StoreError> {
+    check_dir(d, true)?;
+    let p = fs::canonicalize(d).map_err(|e| StoreError::Io { path: d.to_path_buf(), what: "resolve directory", source: e })?;
+    if paths.contains(&p) {
+        return Err(StoreError::DuplicateDir(p));
+    }
+    let choice = eio::probe(&p, opts.io)?;
+    let mut engine = choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
+    if let Some(plan) = &opts.faults {
+        engine = Box::new(FaultyEngine::new(engine, plan.clone()));
+    }
+    info!(dir = %p.display(), engine = %choice.name(), why = %choice.why.join("; "), "shared directory (several nodes)");
+    Ok(TargetDir { path: p, choice, engine })
+}
+
 /// Writes every shard of directory `dir_idx` into `tmp` and syncs them;
 /// returns (write time, sync time).
 #[allow(clippy::too_many_arguments)]
-fn write_shards(
+pub(crate) fn write_shards(
     d: &mut TargetDir,
     step: u64,
     dir_idx: u32,

@@ -47,6 +47,13 @@ pub const INDEX_BYTES_MAX: u64 = 256 << 20;
 /// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.
 pub const POOL_THREADS_DEFAULT: usize = 4;
 
+/// Several nodes: a multi-rank temp folder in the shared directory that
+/// nothing touched for this long is abandoned (its coordinator died, or
+/// aborted it before a late node wrote into it) and removed when any
+/// node's sidecar starts. Above the daemon's part timeout (300 s), so a
+/// live coordinator always aborts first.
+pub const SHARED_STALE_AFTER_DEFAULT_S: u64 = 900;
+
 /// The newest index format this build writes and reads. Version 2 added
 /// `ckpt.slices` (tensors stored in pieces); an index that uses nothing
 /// newer is written as [`FORMAT_VERSION_OLDEST`], so older readers still

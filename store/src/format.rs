@@ -196,6 +196,38 @@ pub fn shard_file_name(rank: u32, world_size: u32, shard_idx: usize) -> String {
     format!("rank-{rank:05}-of-{world_size:05}-shard-{shard_idx:04}.safetensors")
 }
 
+/// The temp folder of a step that the sidecars of several nodes write
+/// together into the shared directory (docs/format.md, "Several nodes"):
+/// `.tmp-step-<12 digits>-ranks`. Its name is a function of the step alone,
+/// so every node finds the same folder without speaking to the others.
+pub fn ranks_tmp_name(step: u64) -> Result<String, FormatError> {
+    let step_name = step_dir_name(step)?;
+    Ok(format!("{TMP_PREFIX}{}{RANKS_TMP_SUFFIX}", &step_name[STEP_PREFIX.len()..]))
+}
+
+/// The step of a [`ranks_tmp_name`] folder.
+pub fn parse_ranks_tmp_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(TMP_PREFIX)?.strip_suffix(RANKS_TMP_SUFFIX)?;
+    parse_step_dir_name(&format!("{STEP_PREFIX}{digits}"))
+}
+
+pub const RANKS_TMP_SUFFIX: &str = "-ranks";
+
+/// One rank's marker in a [`ranks_tmp_name`] folder: `rank-RRRRR.done`, an
+/// index of that rank's files, tensors and blobs, written and synced after
+/// them.
+pub fn rank_marker_name(rank: u32) -> String {
+    format!("rank-{rank:05}{RANK_MARKER_SUFFIX}")
+}
+
+/// The rank of a [`rank_marker_name`].
+pub fn parse_rank_marker_name(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("rank-")?.strip_suffix(RANK_MARKER_SUFFIX)?;
+    (digits.len() == 5 && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok()).flatten()
+}
+
+pub const RANK_MARKER_SUFFIX: &str = ".done";
+
 /// Whether `name` could have been produced by [`shard_file_name`].
 pub fn is_shard_file_name(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("rank-").and_then(|r| r.strip_suffix(".safetensors")) else {

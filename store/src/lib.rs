@@ -24,6 +24,7 @@ pub mod image;
 pub mod io;
 pub mod lock;
 pub mod mem;
+pub mod nodes;
 pub mod progress;
 pub mod ranks;
 pub mod recovery;

@@ -62,6 +62,65 @@ pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
     Ok(out)
 }
 
+/// Joins the markers of every rank of one step, each an index of that
+/// rank's files, tensors and blobs written by its own node's sidecar, into
+/// the step's index (several nodes: the coordinator's commit). Every marker
+/// must name the same step and world size and only files of its own rank;
+/// ranks `0..world_size` each exactly once; names unique across ranks.
+pub fn merge_indexes(mut parts: Vec<(u32, Index)>) -> Result<Index, FormatError> {
+    let bad = |m: String| Err(FormatError::Index(m));
+    if parts.is_empty() {
+        return bad("no rank markers to merge".into());
+    }
+    parts.sort_by_key(|(r, _)| *r);
+    let (step, world_size) = (parts[0].1.ckpt.step, parts[0].1.ckpt.world_size);
+    if parts.len() != world_size as usize {
+        return bad(format!("{} rank markers for a world size of {world_size}", parts.len()));
+    }
+    let mut out = parts[0].1.clone();
+    out.weight_map.clear();
+    out.metadata.total_size = 0;
+    out.ckpt.secondary_dirs.clear();
+    out.ckpt.files.clear();
+    out.ckpt.tensors.clear();
+    out.ckpt.blobs.clear();
+    for (r, (rank, ix)) in parts.into_iter().enumerate() {
+        if rank != r as u32 {
+            return bad(format!("rank {r}'s marker is missing (or sent twice)"));
+        }
+        if ix.ckpt.step != step || ix.ckpt.world_size != world_size {
+            return bad(format!("rank {rank}'s marker is of step {} and world size {}, rank 0's of step {step} and {world_size}", ix.ckpt.step, ix.ckpt.world_size));
+        }
+        if !ix.ckpt.secondary_dirs.is_empty() {
+            return bad(format!("rank {rank}'s marker names other directories"));
+        }
+        for f in ix.ckpt.files {
+            if rank_of_file(&f.name) != Some(rank) {
+                return bad(format!("rank {rank}'s marker lists file {:?} of another rank", f.name));
+            }
+            out.ckpt.files.push(f);
+        }
+        for (name, t) in ix.ckpt.tensors {
+            if out.ckpt.tensors.contains_key(&name) {
+                return Err(FormatError::DuplicateTensor(name));
+            }
+            out.weight_map.insert(name.clone(), t.file.clone());
+            out.ckpt.tensors.insert(name, t);
+        }
+        out.metadata.total_size += ix.metadata.total_size;
+        for b in ix.ckpt.blobs {
+            if out.ckpt.blobs.iter().any(|o| o.name == b.name) {
+                return Err(FormatError::DuplicateBlob(b.name));
+            }
+            out.ckpt.blobs.push(b);
+        }
+    }
+    out.ckpt.blobs.sort_by(|a, b| a.name.cmp(&b.name));
+    out.validate()?;
+    out.seal();
+    Ok(out)
+}
+
 /// The rank that wrote a shard, from its name (`rank-RRRRR-of-...`).
 pub fn rank_of_file(name: &str) -> Option<u32> {
     format::rank_of_shard_file(name)
@@ -131,6 +190,34 @@ mod tests {
         assert!(merge(vec![part(0, 2, &["a"]), part(0, 2, &["b"])]).is_err());
         assert!(merge(vec![part(0, 2, &["a"]), part(1, 3, &["b"])]).is_err());
         assert!(matches!(merge(vec![part(0, 2, &["a"]), part(1, 2, &["a"])]), Err(FormatError::DuplicateTensor(_))));
+    }
+
+    #[test]
+    fn rank_markers_merge_into_the_index_of_one_commit() {
+        let (a, b) = (part(0, 2, &["a", "b"]), part(1, 2, &["c"]));
+        let blob = [crate::image::Blob { name: "rng.1", bytes: b"r" }];
+        let ia = a.index(7, &[1, 2], &[], vec![]);
+        let ib = b.index(7, &[3], &blob, vec![]);
+        let m = merge_indexes(vec![(1, ib.clone()), (0, ia.clone())]).unwrap();
+        assert_eq!(m.ckpt.world_size, 2);
+        assert_eq!(m.ckpt.tensors.len(), 3);
+        assert_eq!(m.ckpt.files.len(), ia.ckpt.files.len() + ib.ckpt.files.len());
+        assert_eq!(m.metadata.total_size, 12_000);
+        assert_eq!(m.ckpt.blobs.len(), 1);
+        // What the coordinator writes reads back as any index does.
+        assert_eq!(Index::from_json_bytes(&m.to_json_bytes()).unwrap(), m);
+        // The same whole as one sidecar's merge of the layouts.
+        let (mut la, mut lb) = (a.clone(), b.clone());
+        la.rebase(0);
+        lb.rebase(la.staging_len);
+        let whole = merge(vec![la, lb]).unwrap().index(7, &[1, 2, 3], &blob, vec![]);
+        assert_eq!(m, whole);
+        // A missing rank, a rank twice, another step, a duplicate tensor.
+        assert!(merge_indexes(vec![(0, ia.clone())]).is_err());
+        assert!(merge_indexes(vec![(0, ia.clone()), (0, ia.clone())]).is_err());
+        assert!(merge_indexes(vec![(0, ia.clone()), (1, b.index(8, &[3], &[], vec![]))]).is_err());
+        assert!(merge_indexes(vec![(0, ia.clone()), (1, ia.clone())]).is_err());
+        assert!(matches!(merge_indexes(vec![(0, ia), (1, part(1, 2, &["a"]).index(7, &[3], &[], vec![]))]), Err(FormatError::DuplicateTensor(_))));
     }
 
     #[test]

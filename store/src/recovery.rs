@@ -126,3 +126,73 @@ fn repair_latest(primary: &Path, report: &mut RecoveryReport) -> io::Result<()> 
     report.latest_repaired = Some((raw, newest));
     Ok(())
 }
+
+/// Recovery of the directory several nodes' sidecars share (at any node's
+/// start): a multi-rank temp folder (`.tmp-step-…-ranks`) is removed when
+/// nothing in it changed for `stale_after` (its coordinator died, or a late
+/// node wrote into it after the abort); younger ones may still be filled
+/// and committed by live sidecars, so they are left alone, as is every
+/// other entry (committed steps, `latest`: the coordinator's).
+pub fn recover_shared(dir: &Path, stale_after: std::time::Duration) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let now = std::time::SystemTime::now();
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        if name.to_str().and_then(format::parse_ranks_tmp_name).is_none() || !e.file_type()?.is_dir() {
+            continue;
+        }
+        let p = e.path();
+        let newest = newest_mtime(&p)?;
+        if now.duration_since(newest).unwrap_or_default() >= stale_after {
+            catalog::remove_tree(&p)?;
+            removed.push(p);
+        }
+    }
+    if !removed.is_empty() {
+        catalog::fsync_dir(dir)?;
+    }
+    Ok(removed)
+}
+
+/// The newest modification time of a folder, its entries and its
+/// subfolders' entries (a multi-rank temp folder is two levels deep).
+fn newest_mtime(dir: &Path) -> io::Result<std::time::SystemTime> {
+    let mut newest = fs::metadata(dir)?.modified()?;
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        let m = e.metadata()?;
+        newest = newest.max(m.modified()?);
+        if m.is_dir() {
+            for e2 in fs::read_dir(e.path())? {
+                newest = newest.max(e2?.metadata()?.modified()?);
+            }
+        }
+    }
+    Ok(newest)
+}
+
+#[cfg(test)]
+mod shared_tests {
+    use super::*;
+
+    #[test]
+    fn stale_multi_rank_temp_folders_go_and_everything_else_stays() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        let ranks_tmp = d.join(format::ranks_tmp_name(4).unwrap());
+        fs::create_dir_all(ranks_tmp.join("blobs")).unwrap();
+        fs::write(ranks_tmp.join(format::rank_marker_name(1)), b"{}").unwrap();
+        fs::create_dir_all(catalog::step_path(d, 3)).unwrap();
+        fs::write(catalog::step_path(d, 3).join(INDEX_FILE_NAME), b"{}").unwrap();
+        let other_tmp = d.join(".tmp-step-000000000005-00000000deadbeef");
+        fs::create_dir(&other_tmp).unwrap();
+        // Fresh: a live coordinator may still commit it.
+        assert!(recover_shared(d, std::time::Duration::from_secs(3600)).unwrap().is_empty());
+        assert!(ranks_tmp.exists());
+        // Stale: removed; a committed step and a one-node temp folder (not
+        // this recovery's) are left alone.
+        assert_eq!(recover_shared(d, std::time::Duration::ZERO).unwrap(), vec![ranks_tmp.clone()]);
+        assert!(!ranks_tmp.exists() && other_tmp.exists() && catalog::is_committed(d, 3));
+    }
+}

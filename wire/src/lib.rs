@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -220,6 +220,13 @@ pub struct StatusReport {
     /// What the sidecar's CUDA probe found: "driver 12.8, 1 device(s): …",
     /// or why there is none ("no CUDA driver …"). (Version 4.)
     pub cuda: String,
+    /// Several nodes: the directory every node's sidecar shares (`--shared`),
+    /// where multi-rank steps are committed and loads read; empty when this
+    /// sidecar serves one node alone. (Version 7.)
+    pub shared_dir: String,
+    /// Several nodes: the steps this sidecar coordinates now (it serves
+    /// their rank 0, and commits or aborts them). (Version 7.)
+    pub coordinating: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,6 +19,8 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         resident_step: Some(4),
         last: Some(LastFigures { step: 4, bytes: 1000, copy_seconds: 0.5, persist_seconds: 1.5, persist_gib_per_s: 2.0 }),
         cuda: "no CUDA driver".into(),
+        shared_dir: "/shared/ckpt".into(),
+        coordinating: vec![100],
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),

@@ -1,0 +1,105 @@
+"""Several nodes on one machine: two `ckpt-sidecar launch --dir NODE_LOCAL
+--shared SHARED -- torchrun --nnodes 2 --node-rank N --nproc-per-node 2`
+(gloo, CPU), one per simulated node, each with its own socket and
+node-local directory. The 4 ranks save a replicated state as balanced
+parts; each node's sidecar writes its ranks' parts and markers into the
+shared directory, and the sidecar of rank 0 commits. A single process
+then loads the whole state from the shared directory. Trainers SIGKILLed
+once every part was released still get their step committed."""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = pathlib.Path(__file__).parent
+WORKER = HERE / "dist" / "replicated_train.py"
+sys.path.insert(0, str(HERE / "dist"))
+
+from test_dist import load_single, shard_bytes, torchrun  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None):
+    """Runs both simulated nodes at once; returns (their CompletedProcess-like
+    (returncode, output) pairs, the ranks' results)."""
+    from conftest import sidecar_bin
+
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("CKPT_SIDECAR_SOCKET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE / "dist"), env.get("PYTHONPATH", "")])
+    if timeout_s is not None:
+        env["CKPT_SIDECAR_PART_TIMEOUT_S"] = str(timeout_s)
+    for f in tmp_path.glob("result-*.json"):
+        f.unlink()
+    procs = []
+    for node in (0, 1):
+        cmd = [sidecar_bin(), "launch", "--dir", str(tmp_path / f"node{node}"), "--shared", str(shared),
+               "--staging", "128MiB", "--", torchrun(), "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               str(WORKER), str(shared), str(step), mode, str(vocab)]
+        log = open(tmp_path / f"node{node}-{mode}-{step}.log", "w+")
+        procs.append((subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    out = []
+    for p, log in procs:
+        rc = p.wait(timeout=600)
+        log.seek(0)
+        out.append((rc, log.read()))
+        log.close()
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result-*.json"))]
+    return out, results
+
+
+# Since the merge of slices (split tensors described in the index), a
+# Python save on 4 ranks splits tensors, and several nodes do not yet carry
+# the parts' slice declarations through the markers into the index: the
+# whole tensor is not found on load. A known gap, strict so it shows when fixed.
+SLICES_GAP = pytest.mark.xfail(strict=True, reason="several nodes: slice declarations not yet carried into the index")
+
+
+@SLICES_GAP
+def test_four_ranks_on_two_nodes_commit_one_balanced_checkpoint_that_loads_whole(tmp_path):
+    from replicated_train import state
+
+    shared = tmp_path / "shared"
+    out, saved = two_nodes(tmp_path, shared, 3, "save", vocab=60000)
+    assert [rc for rc, _ in out] == [0, 0], out[0][1][-3000:] + out[1][1][-3000:]
+    assert [(s["rank"], s["world_size"]) for s in saved] == [(r, 4) for r in range(4)]
+    step_dir = shared / "step-000000000003"
+    per = shard_bytes(step_dir)
+    assert sorted(per) == [f"rank-{r:05d}-of-00004" for r in range(4)], per
+    assert max(per.values()) <= 1.1 * min(per.values()), per
+    assert sorted(p.name for p in step_dir.glob("rank-*.done")) == [f"rank-{r:05d}.done" for r in range(4)]
+    # The coordinator is node 0's sidecar (it serves rank 0), and says so.
+    assert "coordinator of this step" in out[0][1] and "coordinator of this step" not in out[1][1]
+    # Nothing of the step is left in flight, and no node kept it for itself.
+    assert not [p for p in shared.iterdir() if p.name.startswith(".tmp-")]
+    assert not list((tmp_path / "node1").glob("step-*"))
+    got, want = load_single(shared), state(vocab=60000)
+    assert got["note"] == "replicated" and set(got["model"]) == set(want)
+    for k, v in want.items():
+        assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k
+
+
+@SLICES_GAP
+def test_trainers_of_both_nodes_killed_after_every_part_was_released_still_commit(tmp_path):
+    from replicated_train import state
+
+    shared = tmp_path / "shared"
+    out, _ = two_nodes(tmp_path, shared, 4, "killall")
+    assert all(rc != 0 for rc, _ in out)  # torchrun reports its killed ranks
+    assert (shared / "step-000000000004" / "model.safetensors.index.json").exists(), out[0][1][-3000:] + out[1][1][-3000:]
+    assert (shared / "latest").read_text().strip() == "step-000000000004"
+    got = load_single(shared)
+    assert all(torch.equal(got["model"][k], v) for k, v in state().items())

@@ -1,0 +1,333 @@
+//! Several nodes (`--shared DIR`): this node's side of a commit that spans
+//! the sidecars of every node, on the committer thread.
+//!
+//! Each rank's released part is written into the step's temp folder in the
+//! shared directory at once: shards, blobs, then the marker
+//! (`Store::write_rank_part`). Its staging lease is then freed. The rank
+//! waits here for the global commit. The sidecar serving rank 0 of a step
+//! is that step's **coordinator**. Each tick it looks for every marker;
+//! when all are in, it commits (`Store::commit_ranks`). When the part
+//! timeout passes first, it aborts the step and removes the temp folder.
+//! Every other sidecar only watches the shared directory
+//! (`nodes::ranks_state`): committed means Durable, and a folder gone
+//! uncommitted means Failed, naming the ranks whose markers it never saw.
+//! The sidecars never speak to each other; ranks tell theirs the rank and
+//! world size in SavePart.
+//!
+//! Invariants:
+//! - Durable reaches a rank only once the step's index is under its final
+//!   name in the shared directory.
+//! - A waiting rank is answered exactly once, and its flight ends with
+//!   the answer.
+//! - Draining waits for the waiting ranks (no trainer has to be alive for
+//!   the commit); aborting fails them, and a coordinator removes its steps'
+//!   temp folders.
+//! - A sidecar that is not the coordinator gives up after twice the part
+//!   timeout, when no coordinator committed or aborted by then (it died).
+//!   It removes only its own ranks' files.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ckpt_store::commit::{CommitError, Store};
+use ckpt_store::image;
+use ckpt_store::nodes::{self, RanksState};
+use ckpt_wire::{ErrorCode, LastFigures, Reply};
+use tracing::{info, warn};
+
+use crate::jobs::{Flight, Job};
+use crate::peer::Peer;
+use crate::state::{Phase, Shared};
+
+/// A rank whose part is on disk, waiting for the global commit.
+struct Waiter {
+    id: u64,
+    rank: u32,
+    peer: Arc<Peer>,
+    copy_seconds: f64,
+}
+
+struct StepWait {
+    world_size: u32,
+    waiters: Vec<Waiter>,
+    /// This sidecar serves rank 0 of the step.
+    coordinator: bool,
+    /// When this sidecar's first part of the step (the coordinator: rank 0's)
+    /// was written.
+    since: Instant,
+    /// The ranks whose markers were last seen in the temp folder.
+    seen: BTreeSet<u32>,
+    bytes: u64,
+}
+
+pub struct Nodes {
+    steps: BTreeMap<u64, StepWait>,
+    timeout: Duration,
+}
+
+fn answer_failed(shared: &Shared, w: Waiter, step: u64, code: ErrorCode, reason: String) {
+    shared.end(Flight::Part(step, w.rank));
+    w.peer.send(&Reply::Failed { id: w.id, step, code, reason });
+}
+
+fn error_code(e: &CommitError) -> ErrorCode {
+    match e {
+        CommitError::DiskFull { .. } | CommitError::Io { .. } => ErrorCode::Io,
+        CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
+        CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
+        CommitError::Unfilled { .. } => ErrorCode::Io,
+    }
+}
+
+impl Nodes {
+    pub fn new(timeout: Duration) -> Nodes {
+        Nodes { steps: BTreeMap::new(), timeout }
+    }
+
+    /// Whether some rank waits for a step's outcome (the committer then
+    /// looks at the shared directory every tick).
+    pub fn has_waiting(&self) -> bool {
+        !self.steps.is_empty()
+    }
+
+    /// The steps this sidecar coordinates now (for logs).
+    pub fn coordinating(&self) -> Vec<u64> {
+        self.steps.iter().filter(|(_, w)| w.coordinator).map(|(s, _)| *s).collect()
+    }
+
+    /// One rank's released part: written into the shared directory with
+    /// its marker, its lease freed; the rank then waits for the commit.
+    pub fn offer(&mut self, store: &mut Store, shared: &Shared, job: Job) {
+        let Job { id, step, layout, lease, crcs, blobs, part, peer, span, copy_seconds, .. } = job;
+        let _enter = span.enter();
+        let part = part.expect("only parts go to the nodes");
+        let key = Flight::Part(step, part.rank);
+        let fail = |code, reason: String| {
+            shared.end(key);
+            peer.send(&Reply::Failed { id, step, code, reason });
+        };
+        if let Some(w) = self.steps.get(&step) {
+            if w.world_size != part.world_size {
+                let why = format!("step {step}: rank {} says world size {}, but this node's earlier ranks said {}", part.rank, part.world_size, w.world_size);
+                warn!("{why}");
+                drop(lease);
+                return fail(ErrorCode::BadRequest, why);
+            }
+            if w.waiters.iter().any(|x| x.rank == part.rank) {
+                let why = format!("step {step}: rank {} sent its part twice", part.rank);
+                warn!("{why}");
+                drop(lease);
+                return fail(ErrorCode::BadRequest, why);
+            }
+        }
+        if shared.is_aborting() {
+            drop(lease);
+            return fail(ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
+        }
+        shared.set_phase(key, Phase::Writing);
+        let mut placed = layout.clone();
+        placed.rebase(lease.offset_bytes());
+        // Slice declarations are not stored as blobs (protocol.md, "Slices");
+        // several nodes do not yet carry them into the index (see the note).
+        let blob_refs: Vec<image::Blob> = blobs.iter().filter(|b| !crate::slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
+        let t0 = Instant::now();
+        let r = store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs);
+        drop(blob_refs);
+        drop(lease);
+        let rep = match r {
+            Ok(rep) => rep,
+            Err(e) => {
+                warn!(rank = part.rank, "writing this rank's part into the shared directory failed: {e}");
+                return fail(error_code(&e), e.to_string());
+            }
+        };
+        info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
+        shared.set_phase(key, Phase::Queued);
+        let timeout = self.timeout;
+        let w = self.steps.entry(step).or_insert_with(|| StepWait {
+            world_size: part.world_size,
+            waiters: Vec::new(),
+            coordinator: false,
+            since: Instant::now(),
+            seen: BTreeSet::new(),
+            bytes: 0,
+        });
+        w.bytes += rep.bytes;
+        w.seen.insert(part.rank);
+        if part.rank == 0 {
+            w.coordinator = true;
+            w.since = Instant::now();
+            info!(
+                step,
+                world_size = part.world_size,
+                timeout_s = timeout.as_secs_f64(),
+                "coordinator of this step (this sidecar serves rank 0): commits when every rank's marker is in the shared directory"
+            );
+        }
+        w.waiters.push(Waiter { id, rank: part.rank, peer, copy_seconds });
+        self.poll_step(store, shared, step);
+    }
+
+    /// Looks at every waiting step in the shared directory.
+    pub fn tick(&mut self, store: &mut Store, shared: &Shared) {
+        let steps: Vec<u64> = self.steps.keys().copied().collect();
+        for step in steps {
+            self.poll_step(store, shared, step);
+        }
+    }
+
+    fn poll_step(&mut self, store: &mut Store, shared: &Shared, step: u64) {
+        let Some(w) = self.steps.get(&step) else { return };
+        if w.coordinator {
+            self.coordinate(store, shared, step);
+        } else {
+            self.watch(store, shared, step);
+        }
+    }
+
+    /// The coordinator: commit when every marker is in, abort when the
+    /// timeout passed first.
+    fn coordinate(&mut self, store: &mut Store, shared: &Shared, step: u64) {
+        let w = self.steps.get(&step).expect("polled");
+        let world_size = w.world_size;
+        let missing = match store.ranks_missing(step, world_size) {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(step, "cannot read the shared directory ({e}); trying again");
+                return;
+            }
+        };
+        if missing.is_empty() {
+            let w = self.steps.remove(&step).expect("polled");
+            let t0 = Instant::now();
+            match store.commit_ranks(step, world_size) {
+                Ok(rep) => {
+                    let persist_seconds = w.since.elapsed().as_secs_f64();
+                    info!(step, world_size, commit_s = t0.elapsed().as_secs_f64(), "durable (every node's ranks; this sidecar coordinated)");
+                    let copy_seconds = w.waiters.iter().map(|x| x.copy_seconds).fold(0.0, f64::max);
+                    let gib_per_s = w.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
+                    shared.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+                    durable(shared, w, step, &rep.path.display().to_string(), persist_seconds);
+                }
+                Err(e) => {
+                    let why = format!("step {step}: the coordinator's commit failed: {e}; the step is not committed");
+                    warn!("{why}");
+                    if !matches!(e, CommitError::AlreadyCommitted { .. }) {
+                        self.abort_folder(store, step);
+                    }
+                    for x in w.waiters {
+                        answer_failed(shared, x, step, error_code(&e), why.clone());
+                    }
+                }
+            }
+            return;
+        }
+        if shared.is_aborting() || w.since.elapsed() >= self.timeout {
+            let w = self.steps.remove(&step).expect("polled");
+            let why = if shared.is_aborting() {
+                format!("step {step}: the coordinator (rank 0's sidecar) is shutting down before rank(s) {missing:?} of {world_size} wrote their markers; the step is not committed")
+            } else {
+                format!(
+                    "step {step}: rank(s) {missing:?} of {world_size} wrote no marker in the shared directory within {} s; the coordinator (rank 0's sidecar) aborted the step",
+                    self.timeout.as_secs_f64()
+                )
+            };
+            warn!("{why}");
+            self.abort_folder(store, step);
+            let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
+            for x in w.waiters {
+                answer_failed(shared, x, step, code, why.clone());
+            }
+        }
+    }
+
+    fn abort_folder(&self, store: &Store, step: u64) {
+        match store.abort_ranks(step) {
+            Ok(true) => info!(step, "removed the step's multi-rank temp folder"),
+            Ok(false) => {}
+            Err(e) => warn!(step, "could not remove the step's multi-rank temp folder ({e}); a sidecar's start removes it once stale"),
+        }
+    }
+
+    /// Not the coordinator: Durable once the step is committed; Failed when
+    /// its folder is gone uncommitted, or when nobody decided in time.
+    fn watch(&mut self, store: &mut Store, shared: &Shared, step: u64) {
+        let dir = store.shared_dir().expect("nodes run with a shared directory").to_path_buf();
+        let state = match nodes::ranks_state(&dir, step) {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(step, "cannot read the shared directory ({e}); trying again");
+                return;
+            }
+        };
+        let w = self.steps.get_mut(&step).expect("polled");
+        match state {
+            RanksState::Committed => {
+                let w = self.steps.remove(&step).expect("polled");
+                let path = ckpt_store::catalog::step_path(&dir, step).display().to_string();
+                let persist_seconds = w.since.elapsed().as_secs_f64();
+                info!(step, "durable (committed by the coordinator, rank 0's sidecar)");
+                durable(shared, w, step, &path, persist_seconds);
+            }
+            RanksState::Gone => {
+                let w = self.steps.remove(&step).expect("polled");
+                let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
+                let why = if missing.is_empty() {
+                    format!("step {step}: the coordinator (rank 0's sidecar) aborted the step after every marker was in (its commit failed; its log says why); the step is not committed")
+                } else {
+                    format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size)
+                };
+                warn!("{why}");
+                for x in w.waiters {
+                    answer_failed(shared, x, step, ErrorCode::Io, why.clone());
+                }
+            }
+            RanksState::InFlight(seen) => {
+                w.seen = seen;
+                let limit = self.timeout * 2;
+                if shared.is_aborting() || w.since.elapsed() >= limit {
+                    let w = self.steps.remove(&step).expect("polled");
+                    let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
+                    let why = if shared.is_aborting() {
+                        format!("step {step}: this sidecar is shutting down before the coordinator committed; rank(s) {missing:?} of {} had written no marker", w.world_size)
+                    } else {
+                        format!(
+                            "step {step}: no commit nor abort by the coordinator (rank 0's sidecar) within {} s; rank(s) {missing:?} of {} wrote no marker; the step is not committed",
+                            limit.as_secs_f64(),
+                            w.world_size
+                        )
+                    };
+                    warn!("{why}");
+                    let ranks: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
+                    if let Err(e) = store.withdraw_ranks(step, &ranks) {
+                        warn!(step, "could not remove this node's ranks' files ({e})");
+                    }
+                    let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
+                    for x in w.waiters {
+                        answer_failed(shared, x, step, code, why.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The committer's queue closed: every waiting rank is failed.
+    pub fn fail_all(&mut self, store: &Store, shared: &Shared, why: &str) {
+        for (step, w) in std::mem::take(&mut self.steps) {
+            if w.coordinator {
+                self.abort_folder(store, step);
+            }
+            for x in w.waiters {
+                answer_failed(shared, x, step, ErrorCode::ShuttingDown, format!("step {step}: {why}"));
+            }
+        }
+    }
+}
+
+fn durable(shared: &Shared, w: StepWait, step: u64, path: &str, persist_seconds: f64) {
+    for x in w.waiters {
+        shared.end(Flight::Part(step, x.rank));
+        x.peer.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });
+    }
+}

@@ -1,0 +1,364 @@
+//! Several nodes through the real binary: 4 ranks on 2 simulated nodes, one
+//! sidecar per node (each with its own socket and node-local directory),
+//! one shared directory (`--shared`). Each node's sidecar writes its ranks'
+//! parts and markers into the step's temp folder there; the sidecar serving
+//! rank 0 commits. Durable reaches every rank only after that commit. A
+//! node whose sidecar is SIGKILLed before its markers means the step never
+//! commits, and its temp folder is gone after the part timeout. A rank that
+//! never sends its part fails the step on every node, naming the rank.
+//! Ranks whose sessions are gone after Released still commit.
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ckpt_store::restore::{self, ReadOptions, Which};
+use ckpt_store::{catalog, ranks};
+use ckpt_wire::{Blob, Reply, Request, TensorDesc};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
+
+/// One shared directory and the node-local directories beside it.
+struct Cluster {
+    tmp: tempfile::TempDir,
+}
+
+impl Cluster {
+    fn new() -> Cluster {
+        Cluster { tmp: tempfile::tempdir().unwrap() }
+    }
+
+    fn shared(&self) -> PathBuf {
+        self.tmp.path().join("shared")
+    }
+
+    /// Node `node`'s sidecar: socket and directory of its own, the shared one.
+    fn node(&self, node: u32, part_timeout_s: &str) -> Node {
+        let base = self.tmp.path().join(format!("node{node}"));
+        let (dir, socket, log) = (base.join("local"), base.join("run").join("s.sock"), self.tmp.path().join(format!("node{node}.log")));
+        std::fs::create_dir_all(&base).unwrap();
+        let child = Command::new(BIN)
+            .args(["serve", "--staging", "64MiB", "--dir"])
+            .arg(&dir)
+            .arg("--shared")
+            .arg(self.shared())
+            .arg("--socket")
+            .arg(&socket)
+            .env("CKPT_SIDECAR_PART_TIMEOUT_S", part_timeout_s)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while UnixStream::connect(&socket).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(60), "node {node}'s sidecar did not listen: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Node { child, socket, log }
+    }
+}
+
+struct Node {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Node {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One rank: its connection to its node's sidecar and its shm segment.
+struct Rank {
+    rank: u32,
+    s: UnixStream,
+    shm_name: String,
+    bytes: Vec<u8>,
+}
+
+impl Rank {
+    fn connect(node: &Node, rank: u32, len: usize) -> Rank {
+        let mut s = UnixStream::connect(&node.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("nodes-test")).unwrap();
+        assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::Welcome { .. }));
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let shm_name = format!("/ckpt-nodes-test-{}-{rank}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let mut bytes = vec![0u8; len];
+        ckpt_store::synthetic::fill(&mut bytes, 11 + rank as u64);
+        let c = std::ffi::CString::new(shm_name.clone()).unwrap();
+        // SAFETY: plain libc calls with checked results on a segment of our own name.
+        unsafe {
+            libc::shm_unlink(c.as_ptr());
+            let fd = libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600);
+            assert!(fd >= 0);
+            assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), len, 0), len as isize);
+            libc::close(fd);
+        }
+        ckpt_wire::write_frame(&mut s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: shm_name.clone(), len_bytes: len as u64 }).unwrap();
+        assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::RegionRegistered { .. }));
+        Rank { rank, s, shm_name, bytes }
+    }
+
+    /// Sends this rank's part of `step`: its whole segment as two tensors
+    /// named after the rank, and an RNG-like blob of its own.
+    fn save(&mut self, step: u64, world_size: u32) {
+        let n = self.bytes.len() as u64 / 4;
+        let half = n / 2;
+        let tensors = vec![
+            TensorDesc { name: format!("w.{}", self.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: 0, len_bytes: 4 * half },
+            TensorDesc { name: format!("b.{}", self.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: 4 * half, len_bytes: 4 * (n - half) },
+        ];
+        let blobs = vec![Blob { name: format!("rng.rank-{:05}.pkl", self.rank), bytes: vec![self.rank as u8; 16] }];
+        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: self.rank % 2 == 0 };
+        ckpt_wire::write_frame(&mut self.s, &req).unwrap();
+    }
+
+    fn reply(&mut self) -> Reply {
+        ckpt_wire::read_frame::<Reply>(&mut self.s).unwrap()
+    }
+
+    fn released(&mut self, step: u64) {
+        match self.reply() {
+            Reply::Released { step: s, .. } if s == step => {}
+            other => panic!("rank {}: expected Released of step {step}, got {other:?}", self.rank),
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        let c = std::ffi::CString::new(self.shm_name.clone()).unwrap();
+        // SAFETY: unlinking our own name.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+fn temp_folders(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp")).collect()
+}
+
+/// Saves `step` on ranks 0..4 (0, 1 on node a; 2, 3 on node b), node b's
+/// ranks first, and checks every rank gets Durable only once the step is
+/// committed in the shared directory.
+fn save_all(ranks: &mut [Rank], step: u64, shared: &Path) {
+    for i in [2, 3, 0, 1] {
+        ranks[i].save(step, 4);
+        ranks[i].released(step);
+    }
+    for r in ranks.iter_mut() {
+        match r.reply() {
+            Reply::Durable { step: s, path, .. } => {
+                assert_eq!(s, step);
+                assert_eq!(Path::new(&path), catalog::step_path(&std::fs::canonicalize(shared).unwrap(), step));
+                assert!(catalog::is_committed(shared, step), "rank {} got Durable before the commit", r.rank);
+            }
+            other => panic!("rank {}: expected Durable, got {other:?}", r.rank),
+        }
+    }
+}
+
+#[test]
+fn four_ranks_on_two_nodes_commit_one_checkpoint_with_every_tensor() {
+    let c = Cluster::new();
+    let (a, b) = (c.node(0, "300"), c.node(1, "300"));
+    let len = 3 << 20;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    save_all(&mut ranks, 5, &c.shared());
+    let shared = c.shared();
+    let index = restore::read_index(&shared, 5).unwrap();
+    assert_eq!(index.ckpt.world_size, 4);
+    assert_eq!(catalog::latest_step(&shared).unwrap(), Some(5));
+    let per = ranks::bytes_per_rank(&index);
+    let (lo, hi) = (*per.values().min().unwrap(), *per.values().max().unwrap());
+    assert!(lo > 0 && (hi as f64) < lo as f64 * 1.10, "bytes per rank {per:?}");
+    let l = restore::load(&shared, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 5);
+    for r in &ranks {
+        let half = r.bytes.len() / 8 * 4;
+        assert_eq!(l.tensor(&format!("w.{}", r.rank)).unwrap(), &r.bytes[..half], "rank {}", r.rank);
+        assert_eq!(l.tensor(&format!("b.{}", r.rank)).unwrap(), &r.bytes[half..], "rank {}", r.rank);
+        assert_eq!(l.blobs[&format!("rng.rank-{:05}.pkl", r.rank)], vec![r.rank as u8; 16]);
+    }
+    // Every marker stays in the committed folder; nothing in flight is left;
+    // the nodes' own directories hold no checkpoint.
+    for r in 0..4 {
+        assert!(catalog::step_path(&shared, 5).join(format!("rank-{r:05}.done")).is_file());
+    }
+    assert!(temp_folders(&shared).is_empty());
+    assert!(a.log().contains("coordinator of this step"), "{}", a.log());
+    assert!(!b.log().contains("coordinator of this step"), "{}", b.log());
+    // A rank loads the whole checkpoint through its own node's sidecar
+    // (a Load with no descriptors lists every tensor and blob).
+    let mut r3 = Rank::connect(&b, 3, 4096);
+    ckpt_wire::write_frame(&mut r3.s, &Request::Load { id: 9, step: None, tensors: vec![] }).unwrap();
+    match r3.reply() {
+        Reply::Loaded { step: 5, tensors, blobs, .. } => {
+            assert_eq!(tensors.len(), 8);
+            assert_eq!(blobs.len(), 4);
+        }
+        other => panic!("expected Loaded, got {other:?}"),
+    }
+    // A second step commits the same way, and `latest` moves.
+    save_all(&mut ranks, 6, &c.shared());
+    assert_eq!(catalog::latest_step(&shared).unwrap(), Some(6));
+}
+
+#[test]
+fn a_node_whose_sidecar_is_killed_mid_write_never_commits_and_its_folder_is_removed() {
+    let c = Cluster::new();
+    let (a, mut b) = (c.node(0, "2"), c.node(1, "2"));
+    let shared = c.shared();
+    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 48 << 20), Rank::connect(&b, 3, 1 << 20)];
+    save_all(&mut ranks, 1, &shared);
+    // Step 2: rank 2's large part is released, then node b's sidecar is
+    // SIGKILLed (mid-write or just after; rank 3's part never goes out).
+    ranks[2].save(2, 4);
+    ranks[2].released(2);
+    ckpt_test_support::kill9(&mut b.child);
+    for i in [0, 1] {
+        ranks[i].save(2, 4);
+        ranks[i].released(2);
+    }
+    for i in [0, 1] {
+        match ranks[i].reply() {
+            Reply::Failed { step: 2, reason, .. } => {
+                assert!(reason.contains("wrote no marker") && reason.contains('3') && reason.contains("of 4"), "{reason}");
+                assert!(reason.contains("aborted"), "{reason}");
+            }
+            other => panic!("rank {i}: expected Failed, got {other:?}\n{}", a.log()),
+        }
+    }
+    // The coordinator removed the step's temp folder (node b's half-written
+    // files with it) before answering; step 1 is still the newest and loads.
+    assert!(!catalog::is_committed(&shared, 2));
+    assert!(temp_folders(&shared).is_empty(), "{:?}", temp_folders(&shared));
+    assert_eq!(catalog::latest_step(&shared).unwrap(), Some(1));
+    let l = restore::load(&shared, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 1);
+    assert_eq!(l.tensor("b.3").unwrap(), &ranks[3].bytes[ranks[3].bytes.len() / 8 * 4..]);
+}
+
+#[test]
+fn a_rank_that_never_sends_fails_the_step_on_every_node_naming_it() {
+    let c = Cluster::new();
+    let (a, b) = (c.node(0, "1.5"), c.node(1, "1.5"));
+    let shared = c.shared();
+    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 1 << 20)];
+    // Rank 3 (node b) died before its part: ranks 0, 1, 2 wait, then fail.
+    for r in ranks.iter_mut() {
+        r.save(7, 4);
+        r.released(7);
+    }
+    for r in ranks.iter_mut() {
+        match r.reply() {
+            Reply::Failed { step: 7, reason, .. } => assert!(reason.contains("[3] of 4"), "rank {}: {reason}", r.rank),
+            other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
+        }
+    }
+    assert!(!catalog::is_committed(&shared, 7));
+    assert!(temp_folders(&shared).is_empty());
+    // Node b learned it from the shared directory (its own rank 2's answer).
+    assert!(b.log().contains("the coordinator (rank 0's sidecar) aborted the step"), "{}", b.log());
+    // The step can be saved again, by all four ranks.
+    ranks.push(Rank::connect(&b, 3, 1 << 20));
+    save_all(&mut ranks, 7, &shared);
+}
+
+#[test]
+fn ranks_gone_after_release_still_commit_on_every_node() {
+    let c = Cluster::new();
+    let (a, b) = (c.node(0, "300"), c.node(1, "300"));
+    let shared = c.shared();
+    {
+        let mut ranks = vec![Rank::connect(&a, 0, 2 << 20), Rank::connect(&a, 1, 2 << 20), Rank::connect(&b, 2, 2 << 20), Rank::connect(&b, 3, 2 << 20)];
+        for i in [3, 2, 1, 0] {
+            ranks[i].save(9, 4);
+            ranks[i].released(9);
+        }
+        // Every trainer is gone (its connection closed, its segment unlinked).
+    }
+    let t0 = Instant::now();
+    while !catalog::is_committed(&shared, 9) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "step 9 not committed:\n{}\n{}", a.log(), b.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let l = restore::load(&shared, Which::Step(9), &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.index.ckpt.tensors.len(), 8);
+    assert_eq!(l.index.ckpt.world_size, 4);
+}
+
+#[test]
+fn status_names_the_shared_directory_and_the_steps_a_sidecar_coordinates() {
+    let c = Cluster::new();
+    let a = c.node(0, "300");
+    let mut r0 = Rank::connect(&a, 0, 1 << 20);
+    r0.save(8, 2);
+    r0.released(8);
+    // Rank 1 never comes: node a coordinates step 8 until the test ends.
+    let out = Command::new(BIN).args(["status", "--json", "--socket"]).arg(&a.socket).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["shared_dir"].as_str().map(PathBuf::from), Some(std::fs::canonicalize(c.shared()).unwrap()));
+    let t0 = Instant::now();
+    loop {
+        let out = Command::new(BIN).args(["status", "--socket"]).arg(&a.socket).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if text.contains("coordinator of step(s) [8]") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_dead_coordinator_fails_the_other_nodes_ranks_and_its_folder_goes_at_a_later_start() {
+    let c = Cluster::new();
+    let (mut a, b) = (c.node(0, "1"), c.node(1, "1"));
+    let shared = c.shared();
+    let mut r0 = Rank::connect(&a, 0, 1 << 20);
+    let mut r1 = Rank::connect(&b, 1, 1 << 20);
+    r0.save(3, 2);
+    r0.released(3);
+    // Rank 0's marker is in: then its sidecar (the coordinator) dies.
+    let marker = shared.join(".tmp-step-000000000003-ranks").join("rank-00000.done");
+    let t0 = Instant::now();
+    while !marker.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ckpt_test_support::kill9(&mut a.child);
+    r1.save(3, 2);
+    r1.released(3);
+    match r1.reply() {
+        Reply::Failed { step: 3, reason, .. } => assert!(reason.contains("no commit nor abort by the coordinator"), "{reason}"),
+        other => panic!("expected Failed, got {other:?}\n{}", b.log()),
+    }
+    // Node b withdrew its own rank's files; rank 0's are left to recovery.
+    let tmp = shared.join(".tmp-step-000000000003-ranks");
+    assert!(tmp.join("rank-00000.done").exists() && !tmp.join("rank-00001.done").exists());
+    assert!(!catalog::is_committed(&shared, 3));
+    // Once nothing touched it for twice the part timeout, a sidecar that
+    // starts removes it.
+    let newest = || std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().metadata().unwrap().modified().unwrap()).chain([std::fs::metadata(&tmp).unwrap().modified().unwrap()]).max().unwrap();
+    let t0 = Instant::now();
+    while newest().elapsed().unwrap_or_default() < Duration::from_millis(2500) {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let a2 = c.node(2, "1");
+    assert!(!tmp.exists(), "{}", a2.log());
+    assert!(a2.log().contains("ranks"), "{}", a2.log());
+}

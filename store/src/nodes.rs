@@ -1,0 +1,301 @@
+//! Several nodes, one checkpoint (docs/format.md, "Several nodes").
+//!
+//! Every node's sidecar sees one shared directory. The ranks of a step
+//! write into one temp folder there, `.tmp-step-…-ranks`, whose name is a
+//! function of the step alone. Each node's sidecar writes its ranks'
+//! shards and blobs into it and syncs them ([`Store::write_rank_part`]).
+//! Then it writes and syncs a marker `rank-RRRRR.done` per rank: an index
+//! of that rank's files, tensors and blobs.
+//!
+//! The coordinator is the sidecar serving rank 0. When every marker is
+//! there, it merges them into the step's index ([`Store::commit_ranks`]).
+//! Then it renames the folder to `step-…`, the commit point, and moves
+//! `latest`. When the timeout passes first, it removes the folder
+//! ([`Store::abort_ranks`]). The other sidecars learn the outcome only
+//! from the directory ([`ranks_state`]).
+//!
+//! Invariants:
+//! - Only the coordinator writes an index into, or renames or removes, a
+//!   step's multi-rank temp folder.
+//! - A marker is written only after its rank's files and blobs are synced,
+//!   and under a temp name renamed into place, so a marker present means
+//!   that rank's part is durable.
+//! - A step is committed iff its index exists under its final name, as for
+//!   one node.
+//! - No sidecar speaks to another: the shared directory is the only channel.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use tracing::info;
+
+use crate::catalog;
+use crate::commit::{write_shards, write_small_file, CommitError, CommitReport, Store};
+use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
+use crate::image::{Blob, Layout};
+use crate::mem::AlignedBuf;
+use crate::ranks;
+
+/// Where a multi-rank step stands in the shared directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RanksState {
+    /// Its index is under its final name.
+    Committed,
+    /// Its temp folder exists; these ranks' markers are in it.
+    InFlight(BTreeSet<u32>),
+    /// Neither: aborted by its coordinator (or never begun).
+    Gone,
+}
+
+/// The multi-rank temp folder of `step` in the shared directory.
+pub fn ranks_tmp_path(shared: &Path, step: u64) -> Result<PathBuf, format::FormatError> {
+    Ok(shared.join(format::ranks_tmp_name(step)?))
+}
+
+/// Reads where `step` stands; committed is checked last, so a rename
+/// between the two looks is seen as committed, never as gone.
+pub fn ranks_state(shared: &Path, step: u64) -> io::Result<RanksState> {
+    let tmp = ranks_tmp_path(shared, step).map_err(io::Error::other)?;
+    let markers = match markers_in(&tmp) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e),
+    };
+    if catalog::is_committed(shared, step) {
+        return Ok(RanksState::Committed);
+    }
+    Ok(markers.map_or(RanksState::Gone, RanksState::InFlight))
+}
+
+/// The ranks whose markers are in a multi-rank temp folder.
+fn markers_in(tmp: &Path) -> io::Result<BTreeSet<u32>> {
+    let mut out = BTreeSet::new();
+    for e in fs::read_dir(tmp)? {
+        if let Some(r) = e?.file_name().to_str().and_then(format::parse_rank_marker_name) {
+            out.insert(r);
+        }
+    }
+    Ok(out)
+}
+
+/// Figures of one rank's part written into the shared directory.
+#[derive(Debug, Clone)]
+pub struct PartReport {
+    /// Shard and blob bytes written.
+    pub bytes: u64,
+    pub marker: PathBuf,
+}
+
+impl Store {
+    /// The directory shared with other nodes' sidecars, if this store has one.
+    pub fn shared_dir(&self) -> Option<&Path> {
+        self.shared.as_ref().map(|d| d.path.as_path())
+    }
+
+    fn shared_or_panic(&self) -> &Path {
+        self.shared_dir().expect("multi-node calls need a store opened with a shared directory")
+    }
+
+    /// Writes one rank's part of `step` (its layout planned for that rank,
+    /// the world size and one directory) into the step's multi-rank temp
+    /// folder in the shared directory: shards and blobs, synced, then its
+    /// marker, synced. Files a failed earlier attempt of the same rank left
+    /// are replaced. On failure this rank's files are removed again; the
+    /// folder stays (other ranks may be in it).
+    pub fn write_rank_part(&mut self, step: u64, layout: &Layout, staging: &AlignedBuf, tensor_crcs: &[u32], blobs: &[Blob<'_>]) -> Result<PartReport, CommitError> {
+        crate::image::validate_blobs(blobs)?;
+        assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory");
+        assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
+        let shared = self.shared_or_panic().to_path_buf();
+        if catalog::is_committed(&shared, step) {
+            return Err(CommitError::AlreadyCommitted { step, dir: shared });
+        }
+        self.check_abort(step)?;
+        let rank = layout.opts.rank;
+        let tmp = ranks_tmp_path(&shared, step)?;
+        let r = self.write_rank_part_inner(step, &tmp, layout, staging, tensor_crcs, blobs);
+        if r.is_err() {
+            let _ = remove_rank_files(&tmp, rank, blobs);
+        }
+        r
+    }
+
+    fn write_rank_part_inner(&mut self, step: u64, tmp: &Path, layout: &Layout, staging: &AlignedBuf, tensor_crcs: &[u32], blobs: &[Blob<'_>]) -> Result<PartReport, CommitError> {
+        let shared = tmp.parent().expect("the temp folder is in the shared directory").to_path_buf();
+        let rank = layout.opts.rank;
+        match fs::create_dir(tmp) {
+            Ok(()) => catalog::fsync_dir(&shared).map_err(|e| CommitError::io(&shared, "sync shared directory", e))?,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(CommitError::io(tmp, "create the multi-rank temp folder", e)),
+        }
+        remove_rank_files(tmp, rank, blobs).map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
+        let chunk_bytes = self.opts.chunk_bytes;
+        let d = self.shared.as_mut().expect("checked by the caller");
+        write_shards(d, step, 0, tmp, layout, staging, None, chunk_bytes)?;
+        let mut bytes = layout.file_bytes();
+        if !blobs.is_empty() {
+            let bdir = tmp.join(BLOBS_DIR_NAME);
+            match fs::create_dir(&bdir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(CommitError::io(&bdir, "create blobs folder", e)),
+            }
+            for b in blobs {
+                let p = bdir.join(b.name);
+                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
+                bytes += b.bytes.len() as u64;
+            }
+            catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
+        }
+        self.check_abort(step)?;
+        // The marker: this rank's index, under a temp name, synced, renamed.
+        let marker = tmp.join(format::rank_marker_name(rank));
+        let scratch = tmp.join(format!(".{}.tmp", format::rank_marker_name(rank)));
+        let _ = fs::remove_file(&scratch);
+        let index = layout.index(step, tensor_crcs, blobs, Vec::new()).to_json_bytes();
+        write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
+        fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
+        catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
+        Ok(PartReport { bytes, marker })
+    }
+
+    /// The ranks of `0..world_size` whose markers of `step` are not yet in
+    /// the shared directory (all of them if its temp folder is gone).
+    pub fn ranks_missing(&self, step: u64, world_size: u32) -> io::Result<Vec<u32>> {
+        let tmp = ranks_tmp_path(self.shared_or_panic(), step).map_err(io::Error::other)?;
+        let have = match markers_in(&tmp) {
+            Ok(h) => h,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeSet::new(),
+            Err(e) => return Err(e),
+        };
+        Ok((0..world_size).filter(|r| !have.contains(r)).collect())
+    }
+
+    /// The coordinator's commit of a step whose every marker is there:
+    /// markers read and merged into the index, each listed file checked for
+    /// its size, the index written and synced, the folder renamed to
+    /// `step-…` (the commit point), the shared directory synced, `latest`
+    /// moved, retention applied there. On failure the caller aborts.
+    pub fn commit_ranks(&mut self, step: u64, world_size: u32) -> Result<CommitReport, CommitError> {
+        let t0 = Instant::now();
+        let shared = self.shared_or_panic().to_path_buf();
+        if catalog::is_committed(&shared, step) {
+            return Err(CommitError::AlreadyCommitted { step, dir: shared });
+        }
+        let tmp = ranks_tmp_path(&shared, step)?;
+        let mut parts = Vec::with_capacity(world_size as usize);
+        let mut bytes = 0u64;
+        for rank in 0..world_size {
+            let p = tmp.join(format::rank_marker_name(rank));
+            let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
+            let ix = Index::from_json_bytes(&raw).map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
+            for f in &ix.ckpt.files {
+                let fp = tmp.join(&f.name);
+                let len = fs::metadata(&fp).map_err(|e| CommitError::io(&fp, format!("rank {rank}'s marker lists it"), e))?.len();
+                if len != f.len_bytes {
+                    return Err(CommitError::Format(format::FormatError::Index(format!("{}: {len} bytes, rank {rank}'s marker says {}", fp.display(), f.len_bytes))));
+                }
+                bytes += len;
+            }
+            bytes += ix.ckpt.blobs.iter().map(|b| b.len_bytes).sum::<u64>();
+            parts.push((rank, ix));
+        }
+        let index = ranks::merge_indexes(parts)?;
+        if index.ckpt.world_size != world_size {
+            return Err(CommitError::Format(format::FormatError::Index(format!("the markers say world size {}, the ranks {world_size}", index.ckpt.world_size))));
+        }
+        let t_commit = Instant::now();
+        let ipath = tmp.join(INDEX_FILE_NAME);
+        // An index a coordinator that died before renaming left behind.
+        let _ = fs::remove_file(&ipath);
+        let json = index.to_json_bytes();
+        write_small_file(&ipath, &json).map_err(|e| CommitError::io(&ipath, "write index", e))?;
+        bytes += json.len() as u64;
+        catalog::fsync_dir(&tmp).map_err(|e| CommitError::io(&tmp, "sync temp folder", e))?;
+        self.check_abort(step)?;
+        let dest = catalog::step_path(&shared, step);
+        fs::rename(&tmp, &dest).map_err(|e| CommitError::io(&dest, "rename temp folder into place", e))?;
+        catalog::fsync_dir(&shared).map_err(|e| CommitError::io(&shared, "sync directory after rename", e))?;
+        if catalog::latest_step(&shared).ok().flatten().is_none_or(|l| l <= step) {
+            if let Err(e) = catalog::write_latest(&shared, step) {
+                tracing::warn!("step {step} committed but `latest` not updated ({e}); the next commit moves it");
+            }
+        }
+        let mut deleted_by_retention = Vec::new();
+        if let Some(policy) = self.opts.retention {
+            match crate::retention::apply(std::slice::from_ref(&shared), policy) {
+                Ok(d) => deleted_by_retention = d,
+                Err(e) => tracing::warn!("retention in the shared directory failed ({e}); step {step} is committed"),
+            }
+        }
+        info!(step, world_size, bytes, "committed (every node's ranks)");
+        Ok(CommitReport {
+            step,
+            path: dest,
+            bytes,
+            write: std::time::Duration::ZERO,
+            sync: std::time::Duration::ZERO,
+            commit: t_commit.elapsed(),
+            total: t0.elapsed(),
+            deleted_by_retention,
+        })
+    }
+
+    /// The coordinator gives a step up: its multi-rank temp folder is
+    /// removed (a committed step is never touched). Returns whether there
+    /// was one.
+    pub fn abort_ranks(&self, step: u64) -> io::Result<bool> {
+        let shared = self.shared_or_panic();
+        let tmp = ranks_tmp_path(shared, step).map_err(io::Error::other)?;
+        if !tmp.exists() {
+            return Ok(false);
+        }
+        catalog::remove_tree(&tmp)?;
+        catalog::fsync_dir(shared)?;
+        Ok(true)
+    }
+
+    /// A sidecar that is not the coordinator gives its ranks of a step up:
+    /// their files and markers are removed from the temp folder, which
+    /// stays (the coordinator's, or recovery's once stale).
+    pub fn withdraw_ranks(&self, step: u64, ranks: &[u32]) -> io::Result<()> {
+        let tmp = ranks_tmp_path(self.shared_or_panic(), step).map_err(io::Error::other)?;
+        for &r in ranks {
+            match remove_rank_files(&tmp, r, &[]) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Removes rank `rank`'s shards, marker and the named blobs from a
+/// multi-rank temp folder (what an earlier attempt of that rank left).
+fn remove_rank_files(tmp: &Path, rank: u32, blobs: &[Blob<'_>]) -> io::Result<()> {
+    let marker = format::rank_marker_name(rank);
+    let mut gone = false;
+    for e in fs::read_dir(tmp)? {
+        let e = e?;
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name == marker || (ranks::rank_of_file(name) == Some(rank)) {
+            fs::remove_file(e.path())?;
+            gone = true;
+        }
+    }
+    for b in blobs {
+        match fs::remove_file(tmp.join(BLOBS_DIR_NAME).join(b.name)) {
+            Ok(()) => gone = true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if gone {
+        catalog::fsync_dir(tmp)?;
+    }
+    Ok(())
+}

@@ -61,14 +61,6 @@ def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None):
     return out, results
 
 
-# Since the merge of slices (split tensors described in the index), a
-# Python save on 4 ranks splits tensors, and several nodes do not yet carry
-# the parts' slice declarations through the markers into the index: the
-# whole tensor is not found on load. A known gap, strict so it shows when fixed.
-SLICES_GAP = pytest.mark.xfail(strict=True, reason="several nodes: slice declarations not yet carried into the index")
-
-
-@SLICES_GAP
 def test_four_ranks_on_two_nodes_commit_one_balanced_checkpoint_that_loads_whole(tmp_path):
     from replicated_train import state
 
@@ -92,7 +84,6 @@ def test_four_ranks_on_two_nodes_commit_one_balanced_checkpoint_that_loads_whole
         assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k
 
 
-@SLICES_GAP
 def test_trainers_of_both_nodes_killed_after_every_part_was_released_still_commit(tmp_path):
     from replicated_train import state
 

@@ -2,9 +2,9 @@
 //! the sidecars of every node, on the committer thread.
 //!
 //! Each rank's released part is written into the step's temp folder in the
-//! shared directory at once: shards, blobs, then the marker
-//! (`Store::write_rank_part`). Its staging lease is then freed. The rank
-//! waits here for the global commit. The sidecar serving rank 0 of a step
+//! shared directory at once: shards, blobs, its slice declarations, then
+//! the marker (`Store::write_rank_part`). Its staging lease is then freed.
+//! The rank waits here for the global commit. The sidecar serving rank 0 of a step
 //! is that step's **coordinator**. Each tick it looks for every marker;
 //! when all are in, it commits (`Store::commit_ranks`). When the part
 //! timeout passes first, it aborts the step and removes the temp folder.
@@ -38,6 +38,7 @@ use tracing::{info, warn};
 
 use crate::jobs::{Flight, Job};
 use crate::peer::Peer;
+use crate::slices;
 use crate::state::{Phase, Shared};
 
 /// A rank whose part is on disk, waiting for the global commit.
@@ -125,14 +126,26 @@ impl Nodes {
             drop(lease);
             return fail(ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
         }
+        // This rank's slice declarations, checked here as one sidecar checks
+        // each part's (they name its own tensors); the coordinator checks
+        // them across ranks when it merges the markers.
+        let decls = match slices::declared(part.rank, &layout, &blobs) {
+            Ok(d) => d,
+            Err(why) => {
+                let why = format!("step {step}: {why}");
+                warn!("{why}");
+                drop(lease);
+                return fail(ErrorCode::BadRequest, why);
+            }
+        };
         shared.set_phase(key, Phase::Writing);
         let mut placed = layout.clone();
         placed.rebase(lease.offset_bytes());
-        // Slice declarations are not stored as blobs (protocol.md, "Slices");
-        // several nodes do not yet carry them into the index (see the note).
-        let blob_refs: Vec<image::Blob> = blobs.iter().filter(|b| !crate::slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
+        // Slice declarations are not stored as blobs (protocol.md, "Slices"):
+        // they travel beside the rank's marker into the step's index.
+        let blob_refs: Vec<image::Blob> = blobs.iter().filter(|b| !slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
         let t0 = Instant::now();
-        let r = store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs);
+        let r = store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls);
         drop(blob_refs);
         drop(lease);
         let rep = match r {

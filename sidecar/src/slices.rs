@@ -4,6 +4,9 @@
 //! of a step, never writes it as a blob, and the merged layout turns the
 //! declarations into the index's `slices` (checked there as a reader
 //! checks them: the ranks' slices cover each logical tensor exactly once).
+//! Several nodes: each node's sidecar reads its ranks' declarations and
+//! writes them beside their markers; the coordinator's merge of the
+//! markers checks them the same way (`ckpt_store::image::checked_slices`).
 //!
 //! Invariant: a rank declares only tensors of its own part.
 

@@ -125,6 +125,26 @@ impl Rank {
         ckpt_wire::write_frame(&mut self.s, &req).unwrap();
     }
 
+    /// Sends this rank's part of `step` as the given tensors and blobs.
+    fn save_part(&mut self, step: u64, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
+        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: false };
+        ckpt_wire::write_frame(&mut self.s, &req).unwrap();
+    }
+
+    /// The first `len` bytes of this rank's segment as they are now.
+    fn read_shm(&self, len: usize) -> Vec<u8> {
+        let c = std::ffi::CString::new(self.shm_name.clone()).unwrap();
+        let mut out = vec![0u8; len];
+        // SAFETY: plain libc calls with checked results on a segment of our own name.
+        unsafe {
+            let fd = libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0);
+            assert!(fd >= 0);
+            assert_eq!(libc::pread(fd, out.as_mut_ptr().cast(), len, 0), len as isize);
+            libc::close(fd);
+        }
+        out
+    }
+
     fn reply(&mut self) -> Reply {
         ckpt_wire::read_frame::<Reply>(&mut self.s).unwrap()
     }
@@ -361,4 +381,89 @@ fn a_dead_coordinator_fails_the_other_nodes_ranks_and_its_folder_goes_at_a_later
     let a2 = c.node(2, "1");
     assert!(!tmp.exists(), "{}", a2.log());
     assert!(a2.log().contains("ranks"), "{}", a2.log());
+}
+
+fn f32s(name: &str, n: u64, offset_bytes: u64) -> TensorDesc {
+    TensorDesc { name: name.into(), dtype: "F32".into(), shape: vec![n], region_id: 1, offset_bytes, len_bytes: 4 * n }
+}
+
+/// Rank `rank`'s declaration that its tensor `piece` is elements `[a, b)` of
+/// `w`, F32 [3, 100] (the blob ckpt.slices.json).
+fn declares(piece: &str, a: u64, b: u64) -> Blob {
+    let json = format!(r#"{{"slices":[{{"tensor":"{piece}","of":"w","shape":[3,100],"elems":[{a},{b}]}}]}}"#);
+    Blob { name: ckpt_sidecar::slices::SLICES_BLOB.into(), bytes: json.into_bytes() }
+}
+
+#[test]
+fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_name() {
+    let c = Cluster::new();
+    let (a, b) = (c.node(0, "300"), c.node(1, "300"));
+    let shared = c.shared();
+    let (mut r0, mut r1) = (Rank::connect(&a, 0, 1 << 20), Rank::connect(&b, 1, 1 << 20));
+    // w is F32 [3, 100]: elements [0, 100) on rank 0 (node a), [100, 300) on rank 1 (node b).
+    r1.save_part(4, 2, vec![f32s("w#elems[100:300]", 200, 4096), f32s("b", 10, 8192)], vec![declares("w#elems[100:300]", 100, 300)]);
+    r1.released(4);
+    r0.save_part(4, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![declares("w#elems[0:100]", 0, 100)]);
+    r0.released(4);
+    for r in [&mut r0, &mut r1] {
+        match r.reply() {
+            Reply::Durable { step: 4, .. } => {}
+            other => panic!("rank {}: expected Durable, got {other:?}\n{}\n{}", r.rank, a.log(), b.log()),
+        }
+    }
+    // Each rank's declarations travelled beside its marker into the index.
+    let dir = catalog::step_path(&shared, 4);
+    assert!(dir.join("rank-00000.slices.json").is_file() && dir.join("rank-00001.slices.json").is_file());
+    let index = restore::read_index(&shared, 4).unwrap();
+    assert_eq!(index.ckpt.format_version, 2);
+    assert!(index.ckpt.blobs.is_empty(), "declarations are not stored as blobs");
+    let w = index.logical_tensor("w").unwrap();
+    assert_eq!((w.shape, w.slices.len()), (&[3u64, 100][..], 2));
+    assert_eq!(w.slices.iter().map(|s| s.elems).collect::<Vec<_>>(), [[0, 100], [100, 300]]);
+    let whole: Vec<u8> = [&r0.bytes[..400], &r1.bytes[4096..4096 + 800]].concat();
+    let l = restore::load(&shared, Which::Step(4), &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.logical_bytes("w").unwrap(), whole);
+
+    // Through node b's sidecar: the listing names the logical tensor, and a
+    // Load by that name gets it whole.
+    let mut r = Rank::connect(&b, 1, 1 << 20);
+    ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 20, step: Some(4), tensors: vec![] }).unwrap();
+    match r.reply() {
+        Reply::Loaded { tensors, .. } => {
+            let names: Vec<(&str, &[u64], u64)> = tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice(), t.len_bytes)).collect();
+            assert_eq!(names, [("b", &[10u64][..], 40), ("w", &[3, 100][..], 1200)]);
+        }
+        other => panic!("expected Loaded, got {other:?}"),
+    }
+    let desc = TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![3, 100], region_id: 1, offset_bytes: 65536, len_bytes: 1200 };
+    ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 21, step: Some(4), tensors: vec![desc] }).unwrap();
+    assert!(matches!(r.reply(), Reply::Loaded { step: 4, .. }));
+    assert_eq!(&r.read_shm(65536 + 1200)[65536..], &whole[..]);
+
+    // Declarations that leave a gap across the nodes: the coordinator's
+    // commit fails, every rank is told so in one line, nothing is committed.
+    r0.save_part(5, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![declares("w#elems[0:100]", 0, 100)]);
+    r0.released(5);
+    r1.save_part(5, 2, vec![f32s("w#elems[100:300]", 200, 4096)], vec![declares("w#elems[100:300]", 120, 300)]);
+    r1.released(5);
+    for r in [&mut r0, &mut r1] {
+        match r.reply() {
+            Reply::Failed { step: 5, reason, .. } => {
+                assert!(!reason.contains('\n'), "rank {}: {reason}", r.rank);
+                // Rank 0's sidecar (the coordinator) names the cause; node b learns only the abort.
+                assert!(if r.rank == 0 { reason.contains("sliced tensor \"w\"") } else { reason.contains("its commit failed") }, "rank {}: {reason}", r.rank);
+            }
+            other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
+        }
+    }
+    assert!(a.log().contains("sliced tensor \"w\""), "{}", a.log());
+    assert!(!catalog::is_committed(&shared, 5));
+    assert!(temp_folders(&shared).is_empty(), "{:?}", temp_folders(&shared));
+    // A rank that declares a tensor not in its part is refused by its own node at once.
+    r1.save_part(6, 2, vec![f32s("v", 10, 0)], vec![declares("w#elems[100:300]", 100, 300)]);
+    r1.released(6);
+    match r1.reply() {
+        Reply::Failed { step: 6, reason, .. } => assert!(reason.contains("which is not in its part"), "{reason}"),
+        other => panic!("expected Failed, got {other:?}"),
+    }
 }

@@ -228,6 +228,13 @@ pub fn parse_rank_marker_name(name: &str) -> Option<u32> {
 
 pub const RANK_MARKER_SUFFIX: &str = ".done";
 
+/// Rank `rank`'s slice declarations beside its marker, `rank-RRRRR.slices.json`
+/// (only when it declares some): JSON `{"slices": [{"piece", "of", "shape",
+/// "elems"}]}`, written and synced before the marker.
+pub fn rank_slices_name(rank: u32) -> String {
+    format!("rank-{rank:05}.slices.json")
+}
+
 /// Whether `name` could have been produced by [`shard_file_name`].
 pub fn is_shard_file_name(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("rank-").and_then(|r| r.strip_suffix(".safetensors")) else {

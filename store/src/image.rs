@@ -10,7 +10,7 @@
 //!   aligned every tensor is aligned to its element size;
 //! - shards are balanced in bytes and spread round-robin over directories.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
@@ -83,8 +83,10 @@ pub struct Layout {
 }
 
 /// A stored tensor of a layout that is elements `elems` (row-major) of the
-/// logical tensor `of`, whose whole shape is `shape`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// logical tensor `of`, whose whole shape is `shape`. (Serialized as a
+/// rank's declarations beside its marker, docs/format.md "Several nodes".)
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SliceDecl {
     pub piece: String,
     pub of: String,
@@ -249,13 +251,10 @@ impl Layout {
     /// layout of the logical dtype, the pieces of each logical tensor
     /// covering it exactly once, no logical name a stored one.
     pub fn set_slices(&mut self, decls: Vec<SliceDecl>) -> Result<(), FormatError> {
-        self.slices = decls;
         let zeros = vec![0; self.specs.len()];
-        let checked = self.index_slices(&zeros).and_then(|slices| format::validate_slices(&self.index_tensors(&zeros), &slices));
-        if checked.is_err() {
-            self.slices.clear();
-        }
-        checked
+        checked_slices(&self.index_tensors(&zeros), &decls)?;
+        self.slices = decls;
+        Ok(())
     }
 
     /// The declarations [`Layout::set_slices`] accepted.
@@ -283,29 +282,7 @@ impl Layout {
 
     /// The `slices` section from the declarations (pieces in element order).
     fn index_slices(&self, tensor_crcs: &[u32]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
-        let by_name: HashMap<&str, usize> = self.specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
-        let mut out: BTreeMap<String, IndexSliced> = BTreeMap::new();
-        for d in &self.slices {
-            let &i = by_name.get(d.piece.as_str()).ok_or_else(|| FormatError::Index(format!("slice {:?} of {:?}: no such tensor in the checkpoint", d.piece, d.of)))?;
-            let (s, p) = (&self.specs[i], &self.places[i]);
-            let sh = &self.shards[p.shard_idx];
-            let e = out.entry(d.of.clone()).or_insert_with(|| IndexSliced { dtype: s.dtype, shape: d.shape.clone(), slices: Vec::new() });
-            if e.shape != d.shape {
-                return Err(FormatError::Index(format!("sliced tensor {:?}: slices give shapes {:?} and {:?}", d.of, e.shape, d.shape)));
-            }
-            e.slices.push(IndexSlice {
-                tensor: d.piece.clone(),
-                rank: format::rank_of_shard_file(&sh.file_name).unwrap_or(self.opts.rank),
-                file: sh.file_name.clone(),
-                elems: d.elems,
-                data_offsets: [p.data_offsets.0, p.data_offsets.1],
-                crc32c: tensor_crcs[i],
-            });
-        }
-        for e in out.values_mut() {
-            e.slices.sort_by_key(|p| p.elems);
-        }
-        Ok(out)
+        slices_section(&self.index_tensors(tensor_crcs), &self.slices)
     }
 
     /// The commit record for this image.
@@ -376,6 +353,37 @@ pub fn crc32c_parallel(data: &[u8]) -> u32 {
         (crc32c::crc32c(a), h.join().expect("crc thread"))
     });
     crate::crc::combine(ca, cb, b.len() as u64)
+}
+
+/// The `slices` section of an index whose stored tensors are `tensors`,
+/// from declarations of any ranks (pieces in element order), checked as a
+/// reader checks it ([`format::validate_slices`]). One sidecar's commit of
+/// every rank's part ([`Layout::set_slices`]) and the coordinator's commit
+/// of several nodes' markers ([`crate::ranks::merge_indexes`]) both check
+/// declarations here.
+pub fn checked_slices(tensors: &BTreeMap<String, IndexTensor>, decls: &[SliceDecl]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
+    let slices = slices_section(tensors, decls)?;
+    format::validate_slices(tensors, &slices)?;
+    Ok(slices)
+}
+
+/// The `slices` section from the declarations, unchecked beyond what
+/// building it needs (every piece a stored tensor, one shape per name).
+fn slices_section(tensors: &BTreeMap<String, IndexTensor>, decls: &[SliceDecl]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
+    let mut out: BTreeMap<String, IndexSliced> = BTreeMap::new();
+    for d in decls {
+        let t = tensors.get(&d.piece).ok_or_else(|| FormatError::Index(format!("slice {:?} of {:?}: no such tensor in the checkpoint", d.piece, d.of)))?;
+        let rank = format::rank_of_shard_file(&t.file).ok_or_else(|| FormatError::Index(format!("slice {:?} of {:?}: file {:?} names no rank", d.piece, d.of, t.file)))?;
+        let e = out.entry(d.of.clone()).or_insert_with(|| IndexSliced { dtype: t.dtype, shape: d.shape.clone(), slices: Vec::new() });
+        if e.shape != d.shape {
+            return Err(FormatError::Index(format!("sliced tensor {:?}: slices give shapes {:?} and {:?}", d.of, e.shape, d.shape)));
+        }
+        e.slices.push(IndexSlice { tensor: d.piece.clone(), rank, file: t.file.clone(), elems: d.elems, data_offsets: t.data_offsets, crc32c: t.crc32c });
+    }
+    for e in out.values_mut() {
+        e.slices.sort_by_key(|p| p.elems);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -471,3 +479,4 @@ mod tests {
         assert!(matches!(Layout::plan(s, LayoutOptions::default()), Err(FormatError::ShapeOverflow { .. })));
     }
 }
+

@@ -5,10 +5,13 @@
 //! function of the step alone. Each node's sidecar writes its ranks'
 //! shards and blobs into it and syncs them ([`Store::write_rank_part`]).
 //! Then it writes and syncs a marker `rank-RRRRR.done` per rank: an index
-//! of that rank's files, tensors and blobs.
+//! of that rank's files, tensors and blobs. A rank that declares slices of
+//! split tensors has them written and synced before its marker, beside it
+//! (`rank-RRRRR.slices.json`).
 //!
 //! The coordinator is the sidecar serving rank 0. When every marker is
-//! there, it merges them into the step's index ([`Store::commit_ranks`]).
+//! there, it merges them, with every rank's slice declarations, into the
+//! step's index ([`Store::commit_ranks`]).
 //! Then it renames the folder to `step-…`, the commit point, and moves
 //! `latest`. When the timeout passes first, it removes the folder
 //! ([`Store::abort_ranks`]). The other sidecars learn the outcome only
@@ -35,7 +38,7 @@ use tracing::info;
 use crate::catalog;
 use crate::commit::{write_shards, write_small_file, CommitError, CommitReport, Store};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
-use crate::image::{Blob, Layout};
+use crate::image::{Blob, Layout, SliceDecl};
 use crate::mem::AlignedBuf;
 use crate::ranks;
 
@@ -81,6 +84,13 @@ fn markers_in(tmp: &Path) -> io::Result<BTreeSet<u32>> {
     Ok(out)
 }
 
+/// A rank's slice declarations as written beside its marker.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RankSlices {
+    slices: Vec<SliceDecl>,
+}
+
 /// Figures of one rank's part written into the shared directory.
 #[derive(Debug, Clone)]
 pub struct PartReport {
@@ -101,11 +111,20 @@ impl Store {
 
     /// Writes one rank's part of `step` (its layout planned for that rank,
     /// the world size and one directory) into the step's multi-rank temp
-    /// folder in the shared directory: shards and blobs, synced, then its
-    /// marker, synced. Files a failed earlier attempt of the same rank left
+    /// folder in the shared directory: shards and blobs, synced, its slice
+    /// declarations `slices` (if any; checked by the caller to name this
+    /// part's tensors), synced, then its marker, synced. Files a failed earlier attempt of the same rank left
     /// are replaced. On failure this rank's files are removed again; the
     /// folder stays (other ranks may be in it).
-    pub fn write_rank_part(&mut self, step: u64, layout: &Layout, staging: &AlignedBuf, tensor_crcs: &[u32], blobs: &[Blob<'_>]) -> Result<PartReport, CommitError> {
+    pub fn write_rank_part(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &AlignedBuf,
+        tensor_crcs: &[u32],
+        blobs: &[Blob<'_>],
+        slices: &[SliceDecl],
+    ) -> Result<PartReport, CommitError> {
         crate::image::validate_blobs(blobs)?;
         assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory");
         assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
@@ -116,14 +135,24 @@ impl Store {
         self.check_abort(step)?;
         let rank = layout.opts.rank;
         let tmp = ranks_tmp_path(&shared, step)?;
-        let r = self.write_rank_part_inner(step, &tmp, layout, staging, tensor_crcs, blobs);
+        let r = self.write_rank_part_inner(step, &tmp, layout, staging, tensor_crcs, blobs, slices);
         if r.is_err() {
             let _ = remove_rank_files(&tmp, rank, blobs);
         }
         r
     }
 
-    fn write_rank_part_inner(&mut self, step: u64, tmp: &Path, layout: &Layout, staging: &AlignedBuf, tensor_crcs: &[u32], blobs: &[Blob<'_>]) -> Result<PartReport, CommitError> {
+    #[allow(clippy::too_many_arguments)]
+    fn write_rank_part_inner(
+        &mut self,
+        step: u64,
+        tmp: &Path,
+        layout: &Layout,
+        staging: &AlignedBuf,
+        tensor_crcs: &[u32],
+        blobs: &[Blob<'_>],
+        slices: &[SliceDecl],
+    ) -> Result<PartReport, CommitError> {
         let shared = tmp.parent().expect("the temp folder is in the shared directory").to_path_buf();
         let rank = layout.opts.rank;
         match fs::create_dir(tmp) {
@@ -150,6 +179,13 @@ impl Store {
             }
             catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
         }
+        if !slices.is_empty() {
+            // Synced, its entry too, before the marker: a marker present means they are in.
+            let p = tmp.join(format::rank_slices_name(rank));
+            let json = serde_json::to_vec(&RankSlices { slices: slices.to_vec() }).expect("slice declarations serialize");
+            write_small_file(&p, &json).map_err(|e| CommitError::io(&p, "write rank slice declarations", e))?;
+            catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
+        }
         self.check_abort(step)?;
         // The marker: this rank's index, under a temp name, synced, renamed.
         let marker = tmp.join(format::rank_marker_name(rank));
@@ -175,7 +211,8 @@ impl Store {
     }
 
     /// The coordinator's commit of a step whose every marker is there:
-    /// markers read and merged into the index, each listed file checked for
+    /// markers read and merged into the index with every rank's slice
+    /// declarations (checked across ranks), each listed file checked for
     /// its size, the index written and synced, the folder renamed to
     /// `step-…` (the commit point), the shared directory synced, `latest`
     /// moved, retention applied there. On failure the caller aborts.
@@ -187,6 +224,7 @@ impl Store {
         }
         let tmp = ranks_tmp_path(&shared, step)?;
         let mut parts = Vec::with_capacity(world_size as usize);
+        let mut decls = Vec::new();
         let mut bytes = 0u64;
         for rank in 0..world_size {
             let p = tmp.join(format::rank_marker_name(rank));
@@ -202,8 +240,17 @@ impl Store {
             }
             bytes += ix.ckpt.blobs.iter().map(|b| b.len_bytes).sum::<u64>();
             parts.push((rank, ix));
+            let sp = tmp.join(format::rank_slices_name(rank));
+            match fs::read(&sp) {
+                Ok(raw) => {
+                    let d: RankSlices = serde_json::from_slice(&raw).map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display()))))?;
+                    decls.extend(d.slices);
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
+            }
         }
-        let index = ranks::merge_indexes(parts)?;
+        let index = ranks::merge_indexes(parts, &decls)?;
         if index.ckpt.world_size != world_size {
             return Err(CommitError::Format(format::FormatError::Index(format!("the markers say world size {}, the ranks {world_size}", index.ckpt.world_size))));
         }
@@ -273,16 +320,17 @@ impl Store {
     }
 }
 
-/// Removes rank `rank`'s shards, marker and the named blobs from a
-/// multi-rank temp folder (what an earlier attempt of that rank left).
+/// Removes rank `rank`'s shards, marker, slice declarations and the named
+/// blobs from a multi-rank temp folder (what an earlier attempt of that
+/// rank left).
 fn remove_rank_files(tmp: &Path, rank: u32, blobs: &[Blob<'_>]) -> io::Result<()> {
-    let marker = format::rank_marker_name(rank);
+    let (marker, declared) = (format::rank_marker_name(rank), format::rank_slices_name(rank));
     let mut gone = false;
     for e in fs::read_dir(tmp)? {
         let e = e?;
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if name == marker || (ranks::rank_of_file(name) == Some(rank)) {
+        if name == marker || name == declared || ranks::rank_of_file(name) == Some(rank) {
             fs::remove_file(e.path())?;
             gone = true;
         }

@@ -15,7 +15,8 @@
 use std::collections::{BTreeMap, HashSet};
 
 use crate::format::{self, FormatError, Index};
-use crate::image::Layout;
+use crate::config;
+use crate::image::{self, Layout, SliceDecl};
 
 /// Joins the parts (one per rank, in any order) of one checkpoint into one
 /// layout whose shards keep their rank's file names and staging offsets.
@@ -67,7 +68,11 @@ pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
 /// the step's index (several nodes: the coordinator's commit). Every marker
 /// must name the same step and world size and only files of its own rank;
 /// ranks `0..world_size` each exactly once; names unique across ranks.
-pub fn merge_indexes(mut parts: Vec<(u32, Index)>) -> Result<Index, FormatError> {
+/// `decls` are every rank's slice declarations (each rank's checked by its
+/// own node's sidecar to name its own tensors); checked across ranks here
+/// as one sidecar checks them ([`image::checked_slices`]), they become the
+/// index's `slices`.
+pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Result<Index, FormatError> {
     let bad = |m: String| Err(FormatError::Index(m));
     if parts.is_empty() {
         return bad("no rank markers to merge".into());
@@ -116,6 +121,8 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>) -> Result<Index, FormatError>
         }
     }
     out.ckpt.blobs.sort_by(|a, b| a.name.cmp(&b.name));
+    out.ckpt.slices = image::checked_slices(&out.ckpt.tensors, decls)?;
+    out.ckpt.format_version = if out.ckpt.slices.is_empty() { config::FORMAT_VERSION_OLDEST } else { config::FORMAT_VERSION };
     out.validate()?;
     out.seal();
     Ok(out)
@@ -198,7 +205,7 @@ mod tests {
         let blob = [crate::image::Blob { name: "rng.1", bytes: b"r" }];
         let ia = a.index(7, &[1, 2], &[], vec![]);
         let ib = b.index(7, &[3], &blob, vec![]);
-        let m = merge_indexes(vec![(1, ib.clone()), (0, ia.clone())]).unwrap();
+        let m = merge_indexes(vec![(1, ib.clone()), (0, ia.clone())], &[]).unwrap();
         assert_eq!(m.ckpt.world_size, 2);
         assert_eq!(m.ckpt.tensors.len(), 3);
         assert_eq!(m.ckpt.files.len(), ia.ckpt.files.len() + ib.ckpt.files.len());
@@ -213,11 +220,36 @@ mod tests {
         let whole = merge(vec![la, lb]).unwrap().index(7, &[1, 2, 3], &blob, vec![]);
         assert_eq!(m, whole);
         // A missing rank, a rank twice, another step, a duplicate tensor.
-        assert!(merge_indexes(vec![(0, ia.clone())]).is_err());
-        assert!(merge_indexes(vec![(0, ia.clone()), (0, ia.clone())]).is_err());
-        assert!(merge_indexes(vec![(0, ia.clone()), (1, b.index(8, &[3], &[], vec![]))]).is_err());
-        assert!(merge_indexes(vec![(0, ia.clone()), (1, ia.clone())]).is_err());
-        assert!(matches!(merge_indexes(vec![(0, ia), (1, part(1, 2, &["a"]).index(7, &[3], &[], vec![]))]), Err(FormatError::DuplicateTensor(_))));
+        assert!(merge_indexes(vec![(0, ia.clone())], &[]).is_err());
+        assert!(merge_indexes(vec![(0, ia.clone()), (0, ia.clone())], &[]).is_err());
+        assert!(merge_indexes(vec![(0, ia.clone()), (1, b.index(8, &[3], &[], vec![]))], &[]).is_err());
+        assert!(merge_indexes(vec![(0, ia.clone()), (1, ia.clone())], &[]).is_err());
+        assert!(matches!(merge_indexes(vec![(0, ia), (1, part(1, 2, &["a"]).index(7, &[3], &[], vec![]))], &[]), Err(FormatError::DuplicateTensor(_))));
+    }
+
+    #[test]
+    fn markers_with_slice_declarations_merge_into_the_same_slices_as_one_sidecars() {
+        // w is F32 [4, 500]: elements [0, 1000) on rank 0, [1000, 2000) on rank 1.
+        let (a, b) = (part(0, 2, &["w#elems[0:1000]"]), part(1, 2, &["w#elems[1000:2000]", "c"]));
+        let decl = |piece: &str, e: [u64; 2]| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![4, 500], elems: e };
+        let decls = [decl("w#elems[1000:2000]", [1000, 2000]), decl("w#elems[0:1000]", [0, 1000])];
+        let (ia, ib) = (a.index(7, &[1], &[], vec![]), b.index(7, &[2, 3], &[], vec![]));
+        let m = merge_indexes(vec![(0, ia.clone()), (1, ib.clone())], &decls).unwrap();
+        assert_eq!(m.ckpt.format_version, config::FORMAT_VERSION);
+        let w = m.logical_tensor("w").unwrap();
+        assert_eq!((w.shape, w.slices.len()), (&[4u64, 500][..], 2));
+        assert_eq!(Index::from_json_bytes(&m.to_json_bytes()).unwrap(), m);
+        // The same index as one sidecar's merge of the layouts with the same declarations.
+        let (mut la, mut lb) = (a, b);
+        la.rebase(0);
+        lb.rebase(la.staging_len);
+        let mut whole = merge(vec![la, lb]).unwrap();
+        whole.set_slices(decls.to_vec()).unwrap();
+        assert_eq!(m, whole.index(7, &[1, 2, 3], &[], vec![]));
+        // A gap between the ranks' slices is refused as one sidecar refuses it.
+        let gap = [decl("w#elems[0:1000]", [0, 1000]), decl("w#elems[1000:2000]", [1200, 2000])];
+        let e = merge_indexes(vec![(0, ia), (1, ib)], &gap).unwrap_err().to_string();
+        assert!(e.contains("sliced tensor \"w\""), "{e}");
     }
 
     #[test]

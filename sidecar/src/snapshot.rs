@@ -671,7 +671,7 @@ pub fn run_save(
     shared.set_phase(key, Phase::Copying);
     if part.is_none() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received);
+        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -739,6 +739,7 @@ fn run_fed_save(
     lazy_release: bool,
     span: tracing::Span,
     t_received: Instant,
+    gone: &'static str,
 ) {
     let key = Flight::Step(step);
     let guard = span.enter();
@@ -757,7 +758,7 @@ fn run_fed_save(
         peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
         return;
     }
-    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
+    let give_up = || shared.stop_reason(peer, gone);
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
     let copied = fed.copy(&layout, lazy_release, &stop);

@@ -23,7 +23,7 @@ use ckpt_wire::{Blob, TensorDescIn};
 
 use crate::config;
 use crate::regions::Region;
-use crate::snapshot::{check_blobs, plan_save, SaveError, Source};
+use crate::snapshot::{check_blobs, plan_save, Planner, SaveError, Source};
 
 /// One descriptor as a plan remembers it.
 struct Kept {
@@ -76,11 +76,11 @@ pub struct SavePlans {
     fresh: u64,
 }
 
-impl SavePlans {
+impl Planner for SavePlans {
     /// The image and sources of a Save of `tensors`: a kept plan when one
     /// was made from the same descriptors, else [`plan_save`]'s (kept for
     /// the next save).
-    pub fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+    fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
         if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
             check_blobs(blobs)?;
             let p = self.plans.remove(i);
@@ -107,7 +107,9 @@ impl SavePlans {
         }
         Ok((layout, sources))
     }
+}
 
+impl SavePlans {
     /// Forgets every plan (a region was unregistered: no plan may keep its mapping).
     pub fn clear(&mut self) {
         self.plans.clear();

@@ -30,7 +30,6 @@ use crate::regions::Region;
 use crate::staging::{Lease, StagingError};
 use crate::jobs::Flight;
 use crate::peer::Peer;
-use crate::save_plan::SavePlans;
 use crate::state::{Phase, Shared};
 
 #[derive(Debug, thiserror::Error)]
@@ -577,6 +576,13 @@ fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
 pub const CLIENT_GONE_LEGACY_CUDA: &str =
     "the client disconnected before release, and its CUDA memory is shared by legacy IPC, undefined once the exporting process is gone (VMM allocations are not): the partial snapshot is not committed";
 
+/// What plans a save's image and sources: [`plan_save`] itself, or a
+/// session's cache of earlier plans (`save_plan::SavePlans`, which uses
+/// this module, hence the trait rather than the type here).
+pub trait Planner {
+    fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError>;
+}
+
 /// Runs one Save for a session: checks, waits for staging, copies, replies
 /// Released (or Failed), and queues the image for the committer.
 #[allow(clippy::too_many_arguments)]
@@ -584,7 +590,7 @@ pub fn run_save(
     shared: &Shared,
     peer: &Arc<Peer>,
     regions: &HashMap<u32, Arc<Region>>,
-    plans: &mut SavePlans,
+    plans: &mut dyn Planner,
     id: u64,
     step: u64,
     tensors: &[TensorDescIn<'_>],
@@ -665,7 +671,7 @@ pub fn run_save(
     shared.set_phase(key, Phase::Copying);
     if part.is_none() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received);
+        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -733,6 +739,7 @@ fn run_fed_save(
     lazy_release: bool,
     span: tracing::Span,
     t_received: Instant,
+    gone: &'static str,
 ) {
     let key = Flight::Step(step);
     let guard = span.enter();
@@ -751,7 +758,7 @@ fn run_fed_save(
         peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
         return;
     }
-    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
+    let give_up = || shared.stop_reason(peer, gone);
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
     let copied = fed.copy(&layout, lazy_release, &stop);

@@ -793,7 +793,7 @@ pub(crate) unsafe fn blob_refs<'a>(blobs: *const ckpt_blob, n_blobs: usize) -> R
         .enumerate()
         .map(|(i, b)| {
             let name = unsafe { c_str(b.name, format_args!("blobs[{i}].name")) }?;
-            let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, &format!("blobs[{i}].data ({name})")) }?;
+            let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, format!("blobs[{i}].data ({name})")) }?;
             Ok(BlobRef { name, bytes })
         })
         .collect()

@@ -531,9 +531,7 @@ impl FedCopy {
             // The window's runs, renumbered from 0 for run_runs.
             let runs: Vec<usize> = self.runs[r0..=r1].to_vec();
             let got = run_runs(&self.pieces, &runs, stop, &|p| p.copy(crc), &|r| progress.done(r0 + r))?;
-            for k in k0..k1 {
-                piece_crcs[k] = got[k];
-            }
+            piece_crcs[k0..k1].copy_from_slice(&got[k0..k1]);
             r0 = r1;
         }
         Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)))

@@ -302,7 +302,7 @@ fn ranks_gone_after_release_still_commit_on_every_node() {
     let (a, b) = (c.node(0, "300"), c.node(1, "300"));
     let shared = c.shared();
     {
-        let mut ranks = vec![Rank::connect(&a, 0, 2 << 20), Rank::connect(&a, 1, 2 << 20), Rank::connect(&b, 2, 2 << 20), Rank::connect(&b, 3, 2 << 20)];
+        let mut ranks = [Rank::connect(&a, 0, 2 << 20), Rank::connect(&a, 1, 2 << 20), Rank::connect(&b, 2, 2 << 20), Rank::connect(&b, 3, 2 << 20)];
         for i in [3, 2, 1, 0] {
             ranks[i].save(9, 4);
             ranks[i].released(9);

@@ -343,6 +343,25 @@ enum BenchCmd {
         /// The Python to run it with (default: $CKPT_SIDECAR_PYTHON, else python3).
         #[arg(long)]
         python: Option<PathBuf>,
+        /// Also the training-loop benchmark: a small model trained with a
+        /// checkpoint every step, every 10 steps and never, through each method.
+        #[arg(long = "loop")]
+        with_loop: bool,
+        /// Only the training-loop benchmark.
+        #[arg(long, conflicts_with = "with_loop")]
+        loop_only: bool,
+        /// Parameter bytes of the loop's model (e.g. 32MiB).
+        #[arg(long, value_parser = parse_size)]
+        loop_size: Option<u64>,
+        /// Training steps per loop.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        loop_steps: Option<u32>,
+        /// Rounds of the training loop, methods rotated between rounds (medians).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        loop_rounds: Option<u32>,
+        /// What a step's compute is: gpu_like (a sleep, the CPU free) or cpu.
+        #[arg(long, value_parser = ["gpu_like", "cpu"])]
+        loop_kind: Option<String>,
     },
     /// The same state written by 1, 2 and 4 ranks, each rank's share into
     /// its own directory, beside fio over the same directories in parallel:
@@ -930,7 +949,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 None => ExitCode::FAILURE,
             });
         }
-        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python } => {
+        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind } => {
             // The comparison drives Python libraries (torch, safetensors, DCP):
             // it lives in the Python package, measuring this very binary.
             let python = python.or_else(|| std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from("python3"));
@@ -947,6 +966,18 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             }
             if let Some(p) = plot {
                 cmd.arg("--plot").arg(p);
+            }
+            if with_loop {
+                cmd.arg("--loop");
+            }
+            if loop_only {
+                cmd.arg("--loop-only");
+            }
+            let loop_values = [("--loop-size", loop_size.map(|v| v.to_string())), ("--loop-steps", loop_steps.map(|v| v.to_string())), ("--loop-rounds", loop_rounds.map(|v| v.to_string())), ("--loop-kind", loop_kind)];
+            for (flag, value) in loop_values {
+                if let Some(v) = value {
+                    cmd.arg(flag).arg(v);
+                }
             }
             cmd.env("CKPT_SIDECAR_BIN", &me);
             let status = cmd.status().with_context(|| format!("running {} -m ckpt_sidecar.bench_compare (set --python or $CKPT_SIDECAR_PYTHON to a Python with ckpt_sidecar and torch)", python.display()))?;

@@ -59,7 +59,10 @@ def main():
             out["failed"] = str(e)
     elif mode == "killall":
         h = ck.save(step, want)
-        h.wait_released(timeout=120)
+        # The sidecar's Released: a save copied at save() frees the trainer's
+        # tensors at once (wait_released returns), but its part is the
+        # sidecar's only once the sidecar has copied it.
+        h.wait_taken(timeout=120)
         dist.barrier()
         os.kill(os.getpid(), 9)
     with open(f"result-{ck.rank}.json", "w") as f:  # in the launch's working directory

@@ -24,17 +24,8 @@ use crate::config;
 use crate::coordinator::{Groups, Offer};
 use crate::nodes::Nodes;
 use crate::slices;
-use crate::jobs::{FileJob, FillEnd, Flight, Job, RollbackJob, Work};
+use crate::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
-
-fn error_code(e: &CommitError) -> ErrorCode {
-    match e {
-        CommitError::DiskFull { .. } | CommitError::Io { .. } => ErrorCode::Io,
-        CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
-        CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
-        CommitError::Unfilled { .. } => ErrorCode::Io,
-    }
-}
 
 pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinHandle<()> {
     store.set_abort_flag(shared.aborting.clone());

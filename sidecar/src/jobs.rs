@@ -6,6 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use ckpt_store::commit::CommitError;
 use ckpt_store::image::Layout;
 use ckpt_store::progress::Progress;
 use ckpt_wire::ErrorCode;
@@ -145,3 +146,13 @@ impl Job {
     }
 }
 
+/// The wire's code for a commit that failed (the committer's and the
+/// several-node path's replies).
+pub fn error_code(e: &CommitError) -> ErrorCode {
+    match e {
+        CommitError::DiskFull { .. } | CommitError::Io { .. } => ErrorCode::Io,
+        CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
+        CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
+        CommitError::Unfilled { .. } => ErrorCode::Io,
+    }
+}

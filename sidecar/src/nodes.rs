@@ -36,7 +36,7 @@ use ckpt_store::nodes::{self, RanksState};
 use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
-use crate::jobs::{Flight, Job};
+use crate::jobs::{error_code, Flight, Job};
 use crate::peer::Peer;
 use crate::slices;
 use crate::state::{Phase, Shared};
@@ -70,15 +70,6 @@ pub struct Nodes {
 fn answer_failed(shared: &Shared, w: Waiter, step: u64, code: ErrorCode, reason: String) {
     shared.end(Flight::Part(step, w.rank));
     w.peer.send(&Reply::Failed { id: w.id, step, code, reason });
-}
-
-fn error_code(e: &CommitError) -> ErrorCode {
-    match e {
-        CommitError::DiskFull { .. } | CommitError::Io { .. } => ErrorCode::Io,
-        CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
-        CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
-        CommitError::Unfilled { .. } => ErrorCode::Io,
-    }
 }
 
 impl Nodes {

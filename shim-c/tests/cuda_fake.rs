@@ -369,6 +369,50 @@ fn device_tensors_saved_as_ranks_parts_commit_as_one_checkpoint() {
     assert!(v.status.success(), "{}", text(&v));
 }
 
+#[test]
+fn a_freed_allocation_replaced_at_the_same_address_is_saved_with_its_new_bytes_and_the_old_import_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // Late writes (300 ms): each save must also wait on the trainer's event.
+    let mut cmd = trainer_cmd(&exe, tmp.path(), "realloc", 300_000);
+    cmd.env("CKPT_TEST_SIDECAR_STATS", serve.stats.join(serve.pid().to_string()));
+    let o = run(cmd);
+    let out = String::from_utf8_lossy(&o.stdout);
+    // Each step loads back with the bytes of the allocation it was saved
+    // from; after each re-save the sidecar held one import: the stale one
+    // was closed, not kept beside the new.
+    assert!(o.status.success() && out.contains("ok") && out.contains("open=1,1"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let dir = tmp.path().join("ck");
+    assert_eq!(committed(&dir), [20, 21, 22]);
+    let v = verify(&dir);
+    assert!(v.status.success(), "{}", text(&v));
+    // Three allocations at one address, then the load target: four imports, all closed at the end.
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(4));
+}
+
+#[test]
+fn tensors_crossing_vmm_chunks_of_one_reserved_range_round_trip_and_a_range_into_unmapped_memory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = run(trainer_cmd(&exe, tmp.path(), "span", 300_000));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // One clear line, naming where the mapping stops, at registration and at save.
+    let refusals: Vec<&str> = out.lines().filter(|l| l.contains("refused: ")).collect();
+    assert_eq!(refusals.len(), 2, "{out}");
+    for l in refusals {
+        assert!(l.contains("is not all mapped memory") && l.contains("ends at"), "{l}");
+    }
+    let v = verify(&tmp.path().join("ck"));
+    assert!(v.status.success(), "{}", text(&v));
+    // Four chunks of the range, one of the half-mapped one: each imported once, all closed at the end.
+    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(5));
+}
+
 /// Whether this test process itself finds a CUDA driver.
 fn ckpt_cuda_probe_in_this_process() -> Option<()> {
     ckpt_cuda::probe().ok().map(|_| ())

@@ -10,6 +10,9 @@
 //! - [`cuda`]: a CUDA device allocation of the client opened from its legacy
 //!   IPC handle, copied on the session's own stream after the trainer's
 //!   event (see `docs/protocol.md`, CUDA).
+//! - a CUDA span: CUDA regions of the session that the client mapped back
+//!   to back (PyTorch's expandable segments), seen as one: every access is
+//!   split at the pieces' boundaries and goes to the piece's own region.
 //!
 //! Each kind has its own registration in the session; snapshot, committer
 //! and load see only `Region`.
@@ -45,6 +48,8 @@ pub enum RegionError {
     Cuda(#[from] ckpt_cuda::CudaError),
     #[error("CUDA region: {why}; register it again")]
     CudaCopy { why: String },
+    #[error("CUDA span: {0}")]
+    Span(String),
     #[error("bytes {offset_bytes}..{offset_bytes}+{len_bytes} lie outside region {region_id} of {region_bytes} bytes")]
     OutOfBounds { region_id: u32, offset_bytes: u64, len_bytes: u64, region_bytes: u64 },
 }
@@ -53,8 +58,11 @@ pub enum RegionError {
 pub enum Memory {
     /// A host shared-memory segment.
     HostShm(ShmMemory),
-    /// A CUDA device allocation of the client (legacy IPC).
+    /// A CUDA device allocation of the client (legacy IPC or VMM).
     Cuda(CudaMemory),
+    /// CUDA regions mapped back to back by the client: (offset of each in
+    /// this region, the piece). Holds the pieces' imports open.
+    CudaSpan(Vec<(u64, std::sync::Arc<Region>)>),
 }
 
 /// A region a client registered: its id, its length, and its memory.
@@ -79,15 +87,47 @@ impl Region {
         Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
     }
 
+    /// Region `region_id` made of the CUDA regions `pieces`, which the
+    /// client mapped back to back in this order (it alone can see that);
+    /// each must be a single CUDA allocation, all on one device.
+    pub fn open_cuda_span(region_id: u32, pieces: Vec<std::sync::Arc<Region>>) -> Result<Region, RegionError> {
+        let mut device = None;
+        let mut at = 0u64;
+        let mut parts = Vec::with_capacity(pieces.len());
+        if pieces.len() < 2 {
+            return Err(RegionError::Span(format!("a span needs at least two pieces, not {}", pieces.len())));
+        }
+        for p in pieces {
+            let Memory::Cuda(m) = &p.memory else {
+                return Err(RegionError::Span(format!("piece region {} is {} memory, not one CUDA allocation", p.region_id, p.kind())));
+            };
+            if *device.get_or_insert(m.device()) != m.device() {
+                return Err(RegionError::Span(format!("piece region {} lies on CUDA device {}, the span's first piece on {}", p.region_id, m.device(), device.unwrap_or(0))));
+            }
+            let next = at.checked_add(p.len_bytes).ok_or_else(|| RegionError::Span("the pieces' lengths overflow".into()))?;
+            parts.push((at, p));
+            at = next;
+        }
+        Ok(Region { region_id, len_bytes: at, memory: Memory::CudaSpan(parts) })
+    }
+
     /// Whether this is CUDA memory shared by legacy IPC, whose bytes are
     /// undefined once the client that exported it died.
     pub fn is_legacy_cuda(&self) -> bool {
-        matches!(&self.memory, Memory::Cuda(m) if !m.is_vmm())
+        match &self.memory {
+            Memory::Cuda(m) => !m.is_vmm(),
+            Memory::CudaSpan(ps) => ps.iter().any(|(_, p)| p.is_legacy_cuda()),
+            Memory::HostShm(_) => false,
+        }
     }
 
     /// Whether this is a CUDA VMM allocation (valid after its client died).
     pub fn is_vmm_cuda(&self) -> bool {
-        matches!(&self.memory, Memory::Cuda(m) if m.is_vmm())
+        match &self.memory {
+            Memory::Cuda(m) => m.is_vmm(),
+            Memory::CudaSpan(ps) => ps.iter().all(|(_, p)| p.is_vmm_cuda()),
+            Memory::HostShm(_) => false,
+        }
     }
 
     /// What kind of memory this is, for logs and status.
@@ -95,13 +135,25 @@ impl Region {
         match &self.memory {
             Memory::HostShm(_) => "host-shm",
             Memory::Cuda(_) => "cuda",
+            Memory::CudaSpan(_) => "cuda-span",
         }
     }
 
     /// Whether [`Region::copy_batch`] copies for this kind (device memory),
     /// rather than leaving it to [`Region::copy_out`] piece by piece.
     pub fn copies_in_batches(&self) -> bool {
-        matches!(self.memory, Memory::Cuda(_))
+        matches!(self.memory, Memory::Cuda(_) | Memory::CudaSpan(_))
+    }
+
+    /// A span's pieces that `len` bytes at `offset_bytes` touch, in order:
+    /// (piece, offset in the piece, offset in the range, length). The range
+    /// lies in the span (callers check), so the parts cover it exactly.
+    fn span_parts(pieces: &[(u64, std::sync::Arc<Region>)], offset_bytes: u64, len: u64) -> impl Iterator<Item = (&Region, u64, u64, u64)> {
+        let end = offset_bytes + len;
+        pieces.iter().filter_map(move |(at, p)| {
+            let (lo, hi) = (offset_bytes.max(*at), end.min(at + p.len_bytes));
+            (lo < hi).then(|| (&**p, lo - at, lo - offset_bytes, hi - lo))
+        })
     }
 
     /// Checks that `len_bytes` at `offset_bytes` lie inside the region.
@@ -127,6 +179,20 @@ impl Region {
             Memory::HostShm(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
             // SAFETY: as above.
             Memory::Cuda(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
+            Memory::CudaSpan(ps) => {
+                for (p, at, d, n) in Self::span_parts(ps, offset_bytes, len as u64) {
+                    // SAFETY: dst..dst+len is the caller's; each part is a
+                    // disjoint sub-range of it and lies in its piece
+                    // (span_parts clips to the piece's bounds).
+                    unsafe { p.copy_out(at, dst.add(d as usize), n as usize, false) };
+                }
+                if !crc {
+                    return 0;
+                }
+                // SAFETY: dst..dst+len was just written (the pieces' copies
+                // are synchronous) and is the caller's for the call.
+                crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, len) })
+            }
         }
     }
 
@@ -152,14 +218,35 @@ impl Region {
                 unsafe { m.queue_batch(ranges) };
                 true
             }
+            Memory::CudaSpan(ps) => {
+                let mut per_piece: Vec<Vec<(u64, *mut u8, usize)>> = vec![Vec::new(); ps.len()];
+                for &(off, dst, len) in ranges {
+                    assert!(self.contains(off, len as u64).is_ok(), "queue_batch outside the region (callers check bounds first)");
+                    for (p, at, d, n) in Self::span_parts(ps, off, len as u64) {
+                        let k = ps.iter().position(|(_, q)| std::ptr::eq(&**q, p)).expect("a part of one of the pieces");
+                        per_piece[k].push((at, dst.wrapping_add(d as usize), n as usize));
+                    }
+                }
+                for ((_, p), rs) in ps.iter().zip(&per_piece) {
+                    // SAFETY: the caller's contract: each part is a disjoint
+                    // sub-range of a caller's range, inside its piece.
+                    if !rs.is_empty() && !unsafe { p.queue_batch(rs) } {
+                        unreachable!("a span's pieces are CUDA allocations, which copy in batches");
+                    }
+                }
+                true
+            }
         }
     }
 
     /// Waits until the batch [`Region::queue_batch`] queued has completed
     /// (a no-op for kinds that do not batch).
     pub fn finish_batch(&self) {
-        if let Memory::Cuda(m) = &self.memory {
-            m.finish_batch();
+        match &self.memory {
+            Memory::Cuda(m) => m.finish_batch(),
+            // The pieces share the session's stream: the first waits for all.
+            Memory::CudaSpan(ps) => ps.iter().for_each(|(_, p)| p.finish_batch()),
+            Memory::HostShm(_) => {}
         }
     }
 
@@ -170,6 +257,7 @@ impl Region {
         match &self.memory {
             Memory::HostShm(m) => m.check_intact(),
             Memory::Cuda(m) => m.check_intact(),
+            Memory::CudaSpan(ps) => ps.iter().try_for_each(|(_, p)| p.check_intact()),
         }
     }
 
@@ -179,6 +267,8 @@ impl Region {
         match &self.memory {
             Memory::HostShm(m) => m.write_at(offset_bytes, bytes),
             Memory::Cuda(m) => m.write_at(offset_bytes, bytes),
+            Memory::CudaSpan(ps) => Self::span_parts(ps, offset_bytes, bytes.len() as u64)
+                .try_for_each(|(p, at, d, n)| p.write_at(at, &bytes[d as usize..(d + n) as usize])),
         }
     }
 
@@ -189,7 +279,7 @@ impl Region {
             Memory::HostShm(m) => m.unlink(),
             // Device memory belongs to the driver: it is freed with its
             // owner's context; the import closes with the region.
-            Memory::Cuda(_) => {}
+            Memory::Cuda(_) | Memory::CudaSpan(_) => {}
         }
     }
 
@@ -197,7 +287,7 @@ impl Region {
     pub fn as_shm(&self) -> Option<&ShmMemory> {
         match &self.memory {
             Memory::HostShm(m) => Some(m),
-            Memory::Cuda(_) => None,
+            Memory::Cuda(_) | Memory::CudaSpan(_) => None,
         }
     }
 }

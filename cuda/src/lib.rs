@@ -601,6 +601,20 @@ impl Stream {
         unsafe { check("cuEventRecord", sys::cuEventRecord(event.event, self.stream)) }
     }
 
+    /// Records a fresh event of this process on the stream: it completes
+    /// once the work queued here before has ([`LocalEvent::synchronize`]
+    /// waits for that part of the stream's work only).
+    pub fn mark(&self) -> Result<LocalEvent> {
+        bind(self.device)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context current (bind).
+        unsafe { check("cuEventCreate", sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32))? };
+        let e = LocalEvent { event, device: self.device };
+        // SAFETY: both handles are alive.
+        unsafe { check("cuEventRecord", sys::cuEventRecord(e.event, self.stream))? };
+        Ok(e)
+    }
+
     /// Queues a copy of `len` bytes at device address `src` to `dst`.
     ///
     /// # Safety
@@ -637,6 +651,34 @@ impl Drop for Stream {
         if bind(self.device).is_ok() {
             // SAFETY: ours, destroyed once; the driver finishes queued work first.
             unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+/// An event of this process recorded on one of its streams ([`Stream::mark`]).
+pub struct LocalEvent {
+    event: sys::CUevent,
+    device: i32,
+}
+
+// SAFETY: a driver handle; every use binds the context first.
+unsafe impl Send for LocalEvent {}
+unsafe impl Sync for LocalEvent {}
+
+impl LocalEvent {
+    /// Blocks until the work queued before the record has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: the event is ours and alive.
+        unsafe { check("cuEventSynchronize", sys::cuEventSynchronize(self.event)) }
+    }
+}
+
+impl Drop for LocalEvent {
+    fn drop(&mut self) {
+        if bind(self.device).is_ok() {
+            // SAFETY: created by Stream::mark, destroyed once.
+            unsafe { sys::cuEventDestroy_v2(self.event) };
         }
     }
 }

@@ -65,6 +65,9 @@ pub enum Memory {
     CudaSpan(Vec<(u64, std::sync::Arc<Region>)>),
 }
 
+/// A point in a region's queued copies ([`Region::mark_batch`]).
+pub struct BatchMark(Option<ckpt_cuda::LocalEvent>);
+
 /// A region a client registered: its id, its length, and its memory.
 pub struct Region {
     pub region_id: u32,
@@ -246,6 +249,39 @@ impl Region {
             Memory::Cuda(m) => m.finish_batch(),
             // The pieces share the session's stream: the first waits for all.
             Memory::CudaSpan(ps) => ps.iter().for_each(|(_, p)| p.finish_batch()),
+            Memory::HostShm(_) => {}
+        }
+    }
+
+    /// A point in the copies this region queued so far ([`Region::queue_batch`]):
+    /// [`Region::wait_mark`] waits for those only. A kind that does not
+    /// batch has nothing to mark.
+    pub fn mark_batch(&self) -> BatchMark {
+        match &self.memory {
+            Memory::Cuda(m) => BatchMark(m.mark()),
+            // The pieces share the session's stream: a mark on one marks all.
+            Memory::CudaSpan(ps) => ps[0].1.mark_batch(),
+            Memory::HostShm(_) => BatchMark(None),
+        }
+    }
+
+    /// Every batch of the save is queued (on every region): the first call
+    /// records the trainer's done event behind them (regions/cuda.rs).
+    pub fn all_queued(&self) {
+        match &self.memory {
+            Memory::Cuda(m) => m.all_queued(),
+            Memory::CudaSpan(ps) => ps[0].1.all_queued(),
+            Memory::HostShm(_) => {}
+        }
+    }
+
+    /// Waits until the copies queued before `mark` have completed (all the
+    /// stream's, when the mark could not be taken); a failure shows in
+    /// [`Region::check_intact`], as for the copies.
+    pub fn wait_mark(&self, mark: &BatchMark) {
+        match &self.memory {
+            Memory::Cuda(m) => m.wait_mark(mark.0.as_ref()),
+            Memory::CudaSpan(ps) => ps[0].1.wait_mark(mark),
             Memory::HostShm(_) => {}
         }
     }

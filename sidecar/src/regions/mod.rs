@@ -330,3 +330,45 @@ impl Region {
 
 #[cfg(test)]
 pub(crate) use shm::{test_segment, truncate_segment, unlink_segment};
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A span's accesses are split at its pieces' bounds, exactly covering
+    /// the range, each part inside its piece; a span of host memory is
+    /// refused (only CUDA allocations can be pieces).
+    #[test]
+    fn a_span_splits_every_range_at_its_pieces_bounds() {
+        // SAFETY: getuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let lens = [4096usize, 8192, 4096];
+        let mut names = Vec::new();
+        let pieces: Vec<Arc<Region>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let (name, _fd) = test_segment(n, |_| 0);
+                let r = Region::open_shm(i as u32 + 1, &name, n as u64, uid).unwrap();
+                names.push(name);
+                Arc::new(r)
+            })
+            .collect();
+        let at = [0u64, 4096, 12288];
+        let ps: Vec<(u64, Arc<Region>)> = at.iter().copied().zip(pieces.iter().cloned()).collect();
+        let parts: Vec<(u32, u64, u64, u64)> = Region::span_parts(&ps, 2048, 12288).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect();
+        assert_eq!(parts, [(1, 2048, 0, 2048), (2, 0, 2048, 8192), (3, 0, 10240, 2048)]);
+        // Inside one piece: one part; at a bound: the next piece only.
+        assert_eq!(Region::span_parts(&ps, 5000, 100).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(), [(2, 904, 0, 100)]);
+        assert_eq!(Region::span_parts(&ps, 12288, 4096).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(), [(3, 0, 0, 4096)]);
+        let e = Region::open_cuda_span(9, pieces.clone()).err().expect("host pieces refused").to_string();
+        assert!(e.contains("piece region 1 is host-shm memory, not one CUDA allocation"), "{e}");
+        let e = Region::open_cuda_span(9, pieces[..1].to_vec()).err().expect("one piece refused").to_string();
+        assert!(e.contains("at least two pieces"), "{e}");
+        for n in names {
+            unlink_segment(&n);
+        }
+    }
+}

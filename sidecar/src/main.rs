@@ -238,7 +238,7 @@ enum Cmd {
         /// Target directories, primary first.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
-        /// The step to go back to (a committed checkpoint).
+        /// The step to go back to (a committed checkpoint whose index reads).
         #[arg(long, value_parser = parse_step)]
         to: u64,
         #[arg(long)]
@@ -475,7 +475,9 @@ fn one_line(e: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    line.replace('\n', " ")
+    // A multi-line message (a list of problems, each indented) reads as one
+    // line: each break and the indent after it become one space.
+    line.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
 }
 
 /// Directories that did not exist before a command that creates its own

@@ -244,6 +244,8 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     cases.push(case(&["verify", &junk, "--json"], &[3], None));
     cases.push(case(&["bench", "read", "--dir", &junk], &[1], Some(junk.as_str())));
     cases.push(cleaning(&["gc", &junk, "--keep", "1"], &[0], None));
+    // Step 1's index does not read: a trainer sent back to it could not load.
+    cases.push(cleaning(&["rollback", &junk, "--to", "1"], &[1], Some("cannot roll back to it: ")));
     cases.push(cleaning(&["rollback", &junk, "--to", "2"], &[1], Some("step 2")));
     // Zero and absurd sizes, counts and steps: usage errors naming the
     // value, or (memory) an error naming the size; nothing created.

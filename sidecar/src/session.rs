@@ -286,6 +286,13 @@ fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_i
     if regions.len() >= config::REGIONS_PER_SESSION_MAX {
         return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
     }
+    if pieces.len() > config::REGIONS_PER_SESSION_MAX {
+        return err(format!("CUDA span {region_id}: {} pieces, more than the {} regions a session may have", pieces.len(), config::REGIONS_PER_SESSION_MAX));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(pieces.len());
+    if let Some(p) = pieces.iter().find(|&&p| !seen.insert(p)) {
+        return err(format!("CUDA span {region_id}: piece region {p} appears twice (pieces are mapped back to back, never twice)"));
+    }
     let found: Result<Vec<Arc<Region>>, u32> = pieces.iter().map(|p| regions.get(p).cloned().ok_or(*p)).collect();
     let opened = match found {
         Ok(ps) => Region::open_cuda_span(region_id, ps),

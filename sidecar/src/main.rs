@@ -148,7 +148,8 @@ struct DaemonArgs {
     /// Several nodes: the directory every node's sidecar sees (a shared file
     /// system), where the ranks' parts of a step (SavePart) are written and
     /// committed together; --dir stays this node's own. The sidecar serving
-    /// rank 0 coordinates each step's commit.
+    /// rank 0 coordinates each step's commit. It must exist (never made: a
+    /// missing one is likely a shared file system not mounted here).
     #[arg(long)]
     shared: Option<PathBuf>,
     #[command(flatten)]

@@ -280,6 +280,10 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     }
     cases.push(case(&["bench", "write", "--dir", &nx, "--size", "15PiB"], &[1], Some("cannot allocate")));
     cases.push(case(&["serve", "--dir", &nx, "--socket", &sock, "--staging", "15PiB"], &[1], Some("--staging")));
+    // A shared directory is never made: a missing one is likely an unmounted
+    // shared file system, and each node would commit into its own.
+    let no_shared = format!("{nx}-shared");
+    cases.push(case(&["serve", "--dir", &nx, "--socket", &sock, "--staging", "64MiB", "--shared", &no_shared], &[1], Some(&format!("shared directory {no_shared} does not exist"))));
     cases.push(case(&["bench", "stall", "--dir", &nx, "--size", "1MiB", "--python", &format!("{nx}/python")], &[1], Some(&format!("{nx}/python"))));
     // A Python that is missing, or cannot import the package the bench
     // modules live in, is named in one line (not Python's module lookup).

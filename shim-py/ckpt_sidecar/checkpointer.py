@@ -241,8 +241,10 @@ class SaveHandle:
         return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed"}[st.value]
 
     def wait_released(self, timeout=None):
-        """Block until the trainer may change the saved tensors again (see the
-        class doc); raises the save's failure if it is already known."""
+        """Block until the trainer may change the saved tensors again, and the
+        checkpoint commits even if this process dies (see the class doc: at
+        once for a save copied at save()); raises the save's failure if it
+        is already known."""
         if not self.inplace or self._taken:
             if self.state() == "failed":
                 self._wait(N.RELEASED, 0)

@@ -746,6 +746,25 @@ fn a_handed_over_save_commits_though_its_client_went_before_release() {
     let d9 = vec![desc("w", "U8", &[len as u64], 9, 0)];
     assert!(matches!(c.load(Some(2), d9), Reply::Loaded { step: 2, .. }));
     assert!(back.bytes() == copies.bytes(), "loaded bytes differ");
+    // SaveFile: the same rule for its one range.
+    let files = tempfile::tempdir().unwrap();
+    for (region_id, name) in [(1, "kept.bin"), (2, "copies.bin")] {
+        let mut gone = sc.client();
+        gone.register_as(1, &kept, false);
+        gone.register_as(2, &copies, true);
+        let path = files.path().join(name).to_str().unwrap().to_string();
+        while_stopped(sc.pid(), || {
+            let id = gone.id();
+            gone.send(&Request::SaveFile { id, path, region_id, offset_bytes: 0, len_bytes: len as u64 });
+            drop(gone);
+        });
+        wait_for("nothing in flight and no other session", || {
+            let st = c.status();
+            st.in_flight.is_empty() && st.sessions.len() == 1
+        });
+    }
+    assert!(!files.path().join("kept.bin").exists(), "{}", sc.log_text());
+    assert!(std::fs::read(files.path().join("copies.bin")).unwrap() == copies.bytes(), "{}", sc.log_text());
 }
 
 #[test]

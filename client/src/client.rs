@@ -625,6 +625,20 @@ impl Client {
 
     /// Creates a shared-memory region of `len_bytes` and registers it.
     pub fn alloc_region(&self, len_bytes: u64) -> Result<Region> {
+        self.alloc_region_as(len_bytes, false)
+    }
+
+    /// As [`Client::alloc_region`], for memory the caller fills with copies
+    /// made at save: it writes the region only to fill a save before
+    /// sending it, and not again until that save is released. A save whose
+    /// every tensor lies in such regions is then the sidecar's once
+    /// [`Client::save`] returned: it commits even if this process dies
+    /// before Released (docs/protocol.md, RegisterRegion).
+    pub fn alloc_hand_over_region(&self, len_bytes: u64) -> Result<Region> {
+        self.alloc_region_as(len_bytes, true)
+    }
+
+    fn alloc_region_as(&self, len_bytes: u64, hand_over: bool) -> Result<Region> {
         self.check_owner()?;
         let mut inner = self.lock_inner();
         if inner.closed {
@@ -632,7 +646,7 @@ impl Client {
         }
         let region_id = inner.next_region_id;
         inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
-        let region = Arc::new(ShmRegion::create(region_id, len_bytes)?);
+        let region = Arc::new(ShmRegion::create(region_id, len_bytes)?.handing_over(hand_over));
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;
         self.register(conn, &region, timeout)?;
@@ -1303,8 +1317,8 @@ impl Client {
     }
 
     fn register(&self, conn: &Conn, region: &ShmRegion, timeout: Option<Duration>) -> Result<()> {
-        let (region_id, shm_name, len_bytes) = (region.region_id(), region.shm_name().to_string(), region.len_bytes());
-        match self.call_on(conn, timeout, "RegisterRegion", |id| Request::RegisterRegion { id, region_id, shm_name, len_bytes })? {
+        let (region_id, shm_name, len_bytes, hand_over) = (region.region_id(), region.shm_name().to_string(), region.len_bytes(), region.hands_over());
+        match self.call_on(conn, timeout, "RegisterRegion", |id| Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over })? {
             Reply::RegionRegistered { region_id: got, .. } if got == region_id => Ok(()),
             other => Err(unexpected("RegisterRegion", other)),
         }

@@ -38,6 +38,9 @@ pub struct ShmRegion {
     shmem: shared_memory::Shmem,
     region_id: u32,
     len_bytes: u64,
+    /// A hand-over region (protocol.md, RegisterRegion): written only to
+    /// fill a save before it is sent, never while one of it is unreleased.
+    hand_over: bool,
     /// Cleared in a forked child: the name belongs to the parent.
     unlink_on_drop: AtomicBool,
 }
@@ -83,13 +86,26 @@ impl ShmRegion {
             match ShmemConf::new().os_id(&name).size(len_bytes as usize).create() {
                 Ok(shmem) => {
                     debug_assert!(shmem.is_owner());
-                    return Ok(ShmRegion { shmem, region_id, len_bytes, unlink_on_drop: AtomicBool::new(true) });
+                    return Ok(ShmRegion { shmem, region_id, len_bytes, hand_over: false, unlink_on_drop: AtomicBool::new(true) });
                 }
                 // A name left by an earlier process with our pid: pick another suffix.
                 Err(ShmemError::MappingIdExists) if tries < 8 => tries += 1,
                 Err(source) => return Err(RegionError::Create { name, len_bytes, source }),
             }
         }
+    }
+
+    /// This region as a hand-over region (or not): see [`ShmRegion::hands_over`].
+    pub fn handing_over(mut self, hand_over: bool) -> ShmRegion {
+        self.hand_over = hand_over;
+        self
+    }
+
+    /// Whether the client hands this region's bytes over at each save
+    /// (registered so: a save of it commits even if the client dies before
+    /// Released).
+    pub fn hands_over(&self) -> bool {
+        self.hand_over
     }
 
     /// Keeps the name when this region is dropped (a forked child must not

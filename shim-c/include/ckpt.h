@@ -211,7 +211,19 @@ int ckpt_set_rank(struct ckpt_client *client, uint32_t rank, uint32_t world_size
 // `client` is a live client; `ptr` points to writable storage.
 int ckpt_alloc(struct ckpt_client *client, uint64_t len_bytes, void **ptr);
 
-// Frees memory from ckpt_alloc (`ptr` is the address it returned): the
+// As ckpt_alloc, for memory that holds copies made at save (a hand-over
+// region): the caller writes it only to fill a save before ckpt_save, and
+// not again until that save is released (ckpt_wait with CKPT_RELEASED).
+// A save whose every tensor lies in such memory is the sidecar's once
+// ckpt_save returned: it commits even if this process dies before its
+// release. Saves that read ckpt_alloc memory (tensors the trainer keeps
+// using) are aborted when the process dies before their release.
+//
+// # Safety
+// `client` is a live client; `ptr` points to writable storage.
+int ckpt_alloc_hand_over(struct ckpt_client *client, uint64_t len_bytes, void **ptr);
+
+// Frees memory from ckpt_alloc or ckpt_alloc_hand_over (`ptr` is the address it returned): the
 // sidecar stops using it (after any copy from it ends), it is unmapped and
 // its shared memory removed.
 //

@@ -390,7 +390,29 @@ pub unsafe extern "C" fn ckpt_alloc(client: *mut ckpt_client, len_bytes: u64, pt
     })
 }
 
-/// Frees memory from ckpt_alloc (`ptr` is the address it returned): the
+/// As ckpt_alloc, for memory that holds copies made at save (a hand-over
+/// region): the caller writes it only to fill a save before ckpt_save, and
+/// not again until that save is released (ckpt_wait with CKPT_RELEASED).
+/// A save whose every tensor lies in such memory is the sidecar's once
+/// ckpt_save returned: it commits even if this process dies before its
+/// release. Saves that read ckpt_alloc memory (tensors the trainer keeps
+/// using) are aborted when the process dies before their release.
+///
+/// # Safety
+/// `client` is a live client; `ptr` points to writable storage.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_alloc_hand_over(client: *mut ckpt_client, len_bytes: u64, ptr: *mut *mut c_void) -> c_int {
+    guard(|| {
+        let ptr = out(ptr, "ptr")?;
+        // SAFETY: the caller's contract.
+        let region = unsafe { self::client(client) }?.client.alloc_hand_over_region(len_bytes)?;
+        // SAFETY: `ptr` is non-NULL and writable by the caller's contract.
+        unsafe { *ptr = region.as_ptr().cast() };
+        Ok(())
+    })
+}
+
+/// Frees memory from ckpt_alloc or ckpt_alloc_hand_over (`ptr` is the address it returned): the
 /// sidecar stops using it (after any copy from it ends), it is unmapped and
 /// its shared memory removed.
 ///

@@ -94,6 +94,7 @@ def lib():
         "ckpt_set_lazy_release": ([P, c.c_int], c.c_int),
         "ckpt_set_rank": ([P, c.c_uint32, c.c_uint32], c.c_int),
         "ckpt_alloc": ([P, c.c_uint64, c.POINTER(P)], c.c_int),
+        "ckpt_alloc_hand_over": ([P, c.c_uint64, c.POINTER(P)], c.c_int),
         "ckpt_free": ([P, P], c.c_int),
         "ckpt_save": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t,
                        c.POINTER(c.c_uint64)], c.c_int),

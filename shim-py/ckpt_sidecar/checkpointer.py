@@ -3,9 +3,12 @@
 Save path: the state is flattened (_tree) into named tensors and a pickled
 skeleton (blob "structure.pkl"); tensors that already lie contiguously in one
 of this client's shared regions (see `share`) are described in place, all
-others are copied into a pooled staging region (one per save in flight,
-reused once that save is released, so its pages stay warm); then ckpt_save
-sends the request and `save` returns a SaveHandle at once.
+others are copied into a pooled save region (one per save in flight,
+reused once the sidecar has taken that save, so its pages stay warm); then
+ckpt_save sends the request and `save` returns a SaveHandle at once. Save
+regions are hand-over regions (ckpt_alloc_hand_over): a save that reads only
+them (no share()'d tensor) is the sidecar's once sent, and commits even if
+this process dies before the sidecar has copied it.
 """
 import atexit
 import bisect
@@ -200,13 +203,17 @@ class SaveHandle:
 
     Two moments matter and can differ:
     - *released* (wait_released, released): the trainer may change its tensors
-      again. For a save whose tensors were all copied into shared memory by
-      save() itself, that is at once (the copy is the snapshot); when some
-      tensors were sent in place (share()), it is when the sidecar has copied
-      them.
+      again, and the checkpoint commits even if this process dies from then
+      on. For a save whose tensors were all copied into shared memory by
+      save() itself (no share()'d tensor), that is when save() returns: the
+      copy is the snapshot, and its save region is handed over to the sidecar
+      (docs/protocol.md, RegisterRegion `hand_over`), which finishes its own
+      copy and commits even if this process is killed right after save().
+      When some tensors were sent in place (share()), it is when the sidecar
+      has copied them; such a save not yet taken is aborted when the process
+      dies (those tensors may be changing).
     - *taken* (wait_taken, taken): the sidecar holds its own copy of every
-      tensor (its Released reply); from then on the checkpoint commits even if
-      this process dies. A save not yet taken is aborted when the process dies.
+      tensor (its Released reply); the save's region may then be reused.
     `stall_seconds`: time the trainer was blocked by this save (inside save()
     plus inside wait_released())."""
 
@@ -234,8 +241,10 @@ class SaveHandle:
         return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed"}[st.value]
 
     def wait_released(self, timeout=None):
-        """Block until the trainer may change the saved tensors again (see the
-        class doc); raises the save's failure if it is already known."""
+        """Block until the trainer may change the saved tensors again, and the
+        checkpoint commits even if this process dies (see the class doc: at
+        once for a save copied at save()); raises the save's failure if it
+        is already known."""
         if not self.inplace or self._taken:
             if self.state() == "failed":
                 self._wait(N.RELEASED, 0)
@@ -609,7 +618,8 @@ class Checkpointer:
     def _start_proc(self):
         # `launch` with a child that waits for EOF on a pipe this process holds:
         # when this process ends, however it ends (SIGKILL too), the pipe closes,
-        # the child exits, and launch commits the saves it had taken, then exits
+        # the child exits, and launch commits the saves it had taken (and those
+        # handed over: copied at save() and sent), then exits
         # (freeing the directory lock). close() closes the pipe the same way.
         # (Not PR_SET_PDEATHSIG: with a multi-threaded parent it can fire once per
         # exiting thread, and a second SIGTERM makes the sidecar abort.)
@@ -681,9 +691,15 @@ class Checkpointer:
 
     # ---- regions ----
 
-    def _alloc(self, n):
+    def _alloc(self, n, hand_over=False):
+        """A new region of n bytes. hand_over: a save region (copies made at
+        save, written only before its save is sent and not again until the
+        sidecar took it), registered so (ckpt_alloc_hand_over): a save whose
+        every tensor lies in such regions commits even if this process dies
+        before the sidecar's Released."""
         ptr = ctypes.c_void_p()
-        N.check(N.lib().ckpt_alloc(self._client, max(n, 1), ctypes.byref(ptr)))
+        alloc = N.lib().ckpt_alloc_hand_over if hand_over else N.lib().ckpt_alloc
+        N.check(alloc(self._client, max(n, 1), ctypes.byref(ptr)))
         r = _Region(ptr.value, n)
         self._regions_gen += 1
         i = bisect.bisect(self._region_ptrs, r.ptr)
@@ -721,7 +737,7 @@ class Checkpointer:
                 if len(busy) < POOL_REGIONS_MAX:
                     while self._free and len(busy) + len(self._free) >= POOL_REGIONS_MAX:
                         self._drop_save_region(self._free.pop(0))
-                    r = self._alloc(max(_align(n + n // 8), 1 << 20))
+                    r = self._alloc(max(_align(n + n // 8), 1 << 20), hand_over=True)
                     self._save_regions.append(r)
                     return r
                 oldest = min(busy, key=lambda r: r.busy.id).busy
@@ -780,7 +796,10 @@ class Checkpointer:
 
     def save(self, step, state, rng=False):
         """Checkpoint `state` as `step` (an int from 0 to 999999999999); returns a
-        SaveHandle once the request is sent.
+        SaveHandle once the request is sent. When no tensor of `state` was
+        share()'d, every tensor is copied here, and the save is released (and
+        handed over) when this returns: it commits even if the process is
+        killed right after (see SaveHandle).
 
         The request prepared for a state (descriptors, the pickled skeleton,
         which tensors go in place and where the others are copied) is kept and

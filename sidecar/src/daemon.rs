@@ -216,7 +216,7 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
-        if r.shared.is_draining() && r.shared.wait_drained(Duration::ZERO) {
+        if r.shared.is_draining() && r.shared.drained() {
             break r.shared.is_aborting();
         }
     };
@@ -361,7 +361,7 @@ fn run_child(
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
         if let Some(code) = child_code {
-            if r.shared.wait_drained(Duration::ZERO) {
+            if r.shared.drained() {
                 return Ok(code.clamp(0, 255) as u8);
             }
         }

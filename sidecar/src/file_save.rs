@@ -128,7 +128,9 @@ pub fn run_save_file(
         info!(path = %path, ?code, "save of a file refused: {reason}");
         peer.send(&Reply::Failed { id, step: 0, code, reason });
     };
-    if shared.is_draining() || shared.is_aborting() {
+    // Draining: no new saves, but one a client sent before it went is
+    // served when its region was handed over (checked below).
+    if shared.is_aborting() || (shared.is_draining() && !peer.is_gone()) {
         return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
     }
     let dest = match check_path(&path, peer_uid, shared.uid) {
@@ -151,10 +153,16 @@ pub fn run_save_file(
         let budget = shared.staging.budget_bytes();
         return fail(ErrorCode::TooLarge, format!("{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"));
     }
+    // Bytes in a hand-over region (or none) are the sidecar's once sent:
+    // the client's departure does not stop their copy (protocol.md).
+    let handed_over = region.as_ref().is_none_or(|r| r.hands_over());
+    if shared.is_draining() && !handed_over {
+        return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
+    }
     let key = shared.begin_file(&path, len_bytes);
     let span = info_span!("save_file", path = %path, bytes = len_bytes);
     let guard = span.enter();
-    let give_up = || shared.stop_reason(peer, "the client disconnected before release");
+    let give_up = || shared.stop_reason(peer, (!handed_over).then_some("the client disconnected before release"));
     let (mut lease, waited) = match shared.staging.acquire(lease_bytes, &path, give_up) {
         Ok(x) => x,
         Err(e) => {
@@ -189,6 +197,9 @@ pub fn run_save_file(
         return fail(code, reason);
     }
     let waited_seconds = waited.as_secs_f64();
+    if handed_over && peer.is_gone() {
+        info!("the client is gone, but it handed these bytes over at save: committing them");
+    }
     info!(copy_s = copy_seconds, waited_s = waited_seconds, "released");
     peer.send(&Reply::Released { id, step: 0, copy_seconds, waited_seconds });
     shared.set_phase(key, Phase::Queued);

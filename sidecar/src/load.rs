@@ -184,7 +184,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
             deliver(regions, descs, |name| from_index(&l.index, name, |t| l.tensor(t)))?;
             return Ok(served_from_index(l.step, &l.index, &l.blobs, &l.fell_back));
         }
-        let give_up = || shared.stop_reason(peer, "the client disconnected");
+        let give_up = || shared.stop_reason(peer, Some("the client disconnected"));
         let (mut lease, _) = shared.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
             StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
             e => Fail(ErrorCode::Io, e.to_string()),

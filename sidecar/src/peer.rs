@@ -2,7 +2,7 @@
 //! thread and the committer go through it, one whole frame at a time.
 
 use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -45,13 +45,18 @@ impl Peer {
     /// Whether the client has closed its end (or the socket broke): checked
     /// without reading, so frames it already sent stay queued.
     pub fn is_gone(&self) -> bool {
-        if self.broken.load(Ordering::SeqCst) {
-            return true;
-        }
-        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLRDHUP, revents: 0 };
-        // SAFETY: one valid pollfd; fd stays open while self (which owns the
-        // stream) lives; timeout 0 never blocks.
-        let r = unsafe { libc::poll(&mut p, 1, 0) };
-        r > 0 && (p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR)) != 0
+        // The fd stays open while self (which owns the stream) lives.
+        self.broken.load(Ordering::SeqCst) || closed(self.fd)
     }
+}
+
+/// Whether the client at the other end of the socket `fd` has closed its
+/// end (or the socket broke), without reading: frames it sent stay queued.
+/// `fd` must be open for the call.
+pub fn closed(fd: RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd (its fd open: the caller's contract; a
+    // closed one would only be reported as POLLNVAL); timeout 0 never blocks.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && (p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR)) != 0
 }

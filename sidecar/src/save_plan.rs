@@ -128,7 +128,7 @@ mod tests {
     fn region(id: u32) -> Arc<Region> {
         let (name, _fd) = test_segment(1 << 16, |i| i as u8);
         // SAFETY: getuid has no preconditions.
-        let r = Region::open_shm(id, &name, 1 << 16, unsafe { libc::getuid() }).unwrap();
+        let r = Region::open_shm(id, &name, 1 << 16, unsafe { libc::getuid() }, false).unwrap();
         unlink_segment(&name);
         Arc::new(r)
     }

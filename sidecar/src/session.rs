@@ -95,8 +95,8 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             Request::Hello { .. } => {
                 peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: "Hello after the handshake".into() });
             }
-            Request::RegisterRegion { id, region_id, shm_name, len_bytes } => {
-                let reply = register(&s, &mut regions, id, region_id, &shm_name, len_bytes);
+            Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over } => {
+                let reply = register(&s, &mut regions, id, region_id, &shm_name, len_bytes, hand_over);
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
@@ -225,7 +225,8 @@ fn process_is_gone(pid: u32) -> bool {
     }
 }
 
-fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, shm_name: &str, len_bytes: u64) -> Reply {
+#[allow(clippy::too_many_arguments)]
+fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, shm_name: &str, len_bytes: u64, hand_over: bool) -> Reply {
     let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
@@ -233,9 +234,9 @@ fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, regio
     if regions.len() >= config::REGIONS_PER_SESSION_MAX {
         return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
     }
-    match Region::open_shm(region_id, shm_name, len_bytes, s.peer_uid) {
+    match Region::open_shm(region_id, shm_name, len_bytes, s.peer_uid, hand_over) {
         Ok(r) => {
-            debug!(region_id, shm_name, len_bytes, "region registered");
+            debug!(region_id, shm_name, len_bytes, hand_over, "region registered");
             regions.insert(region_id, Arc::new(r));
             Reply::RegionRegistered { id, region_id }
         }

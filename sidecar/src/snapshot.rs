@@ -9,7 +9,10 @@
 //!   copy unless its bytes lie inside a registered region (checked again,
 //!   with overflow checks, when the source pointer is formed);
 //! - a save is released only if its client is still connected when the
-//!   copy ends; otherwise it is aborted, its staging freed, nothing written;
+//!   copy ends; otherwise it is aborted, its staging freed, nothing written
+//!   — unless the save was handed over (every tensor in a hand-over region,
+//!   [`Region::hands_over`]): its bytes are final once sent, so it is
+//!   copied and committed whether or not its client is still there;
 //! - per session, saves reach the committer in the order they were received.
 
 use std::collections::HashMap;
@@ -651,7 +654,9 @@ pub fn run_save(
         info!(step, code = ?e.code(), "save refused: {e}");
         peer.send(&Reply::Failed { id, step, code: e.code(), reason: e.to_string() });
     };
-    if shared.is_draining() || shared.is_aborting() {
+    // Draining: no new saves; but a handed-over save that a client sent
+    // before it went is served (checked once planned, below).
+    if shared.is_aborting() || (shared.is_draining() && !peer.is_gone()) {
         return fail(SaveError::ShuttingDown);
     }
     if step > format::STEP_MAX {
@@ -673,6 +678,13 @@ pub fn run_save(
         Err(e) => return fail(e),
     };
     let plan_seconds = t_received.elapsed().as_secs_f64();
+    // Handed over: every byte it reads lies in a hand-over region (or it
+    // reads none), so what it copies is final once sent, and the save is
+    // the sidecar's even if its client goes before Released.
+    let handed_over = sources.iter().all(|s| s.region.as_ref().is_none_or(|r| r.hands_over()));
+    if shared.is_draining() && !handed_over {
+        return fail(SaveError::ShuttingDown);
+    }
     let image_bytes = layout.staging_len;
     if image_bytes > shared.staging.budget_bytes() {
         return fail(SaveError::TooLarge(format!(
@@ -698,7 +710,13 @@ pub fn run_save(
     }
     let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
     let guard = span.enter();
-    let gone = if sources.iter().any(|s| s.region.as_ref().is_some_and(|r| r.is_legacy_cuda())) { CLIENT_GONE_LEGACY_CUDA } else { "the client disconnected before release" };
+    let gone = if handed_over {
+        None
+    } else if sources.iter().any(|s| s.region.as_ref().is_some_and(|r| r.is_legacy_cuda())) {
+        Some(CLIENT_GONE_LEGACY_CUDA)
+    } else {
+        Some("the client disconnected before release")
+    };
     let give_up = || shared.stop_reason(peer, gone);
     let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
         Ok(x) => x,
@@ -739,6 +757,7 @@ pub fn run_save(
         }
     };
     let waited_seconds = waited.as_secs_f64();
+    log_if_handed_over_by_gone(peer, gone);
     info!(plan_s = plan_seconds, copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     let crcs = crcs.unwrap_or_else(|| {
@@ -756,6 +775,15 @@ pub fn run_save(
         let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
         shared.end(key);
         job.peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+    }
+}
+
+/// Says so when a handed-over save (`gone` None: its client's departure
+/// does not stop it) is released to a client already gone: it commits all
+/// the same (protocol.md, "Release of handed-over saves").
+fn log_if_handed_over_by_gone(peer: &Peer, gone: Option<&'static str>) {
+    if gone.is_none() && peer.is_gone() {
+        info!("the client is gone, but it handed this save over (every tensor copied at save into a hand-over region): committing it");
     }
 }
 
@@ -783,7 +811,7 @@ fn run_fed_save(
     lazy_release: bool,
     span: tracing::Span,
     t_received: Instant,
-    gone: &'static str,
+    gone: Option<&'static str>,
 ) {
     let key = Flight::Step(step);
     let guard = span.enter();
@@ -820,6 +848,7 @@ fn run_fed_save(
             return;
         }
     };
+    log_if_handed_over_by_gone(peer, gone);
     info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, device_windows = fed.device_windows, "released");
     // Released before the copy's end is told to the committer: Durable
     // (which waits for it) always comes after.
@@ -849,7 +878,7 @@ mod tests {
         let len = 8usize << 20;
         let (name, fd) = test_segment(len, |i| (i % 13) as u8 + 1);
         // SAFETY: getuid has no preconditions.
-        let region = Arc::new(Region::open_shm(1, &name, len as u64, unsafe { libc::getuid() }).unwrap());
+        let region = Arc::new(Region::open_shm(1, &name, len as u64, unsafe { libc::getuid() }, false).unwrap());
         unlink_segment(&name);
         let regions = HashMap::from([(1, region.clone())]);
         let tensors = [d("a", 1, 0, 4 << 20), d("b", 1, 4 << 20, 4 << 20)];
@@ -872,7 +901,7 @@ mod tests {
         // first one's tail is zero pages by now).
         let (name, fd) = test_segment(len, |_| 9);
         // SAFETY: as above.
-        let region = Region::open_shm(2, &name, len as u64, unsafe { libc::getuid() }).unwrap();
+        let region = Region::open_shm(2, &name, len as u64, unsafe { libc::getuid() }, false).unwrap();
         unlink_segment(&name);
         truncate_segment(&fd, 1 << 20);
         let (mut lease, _) = staging.acquire(len as u64, "f", || None).unwrap();

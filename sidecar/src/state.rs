@@ -8,6 +8,7 @@
 //! once; the daemon drains by waiting for the registry to be empty.
 
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -138,14 +139,13 @@ impl Shared {
     }
 
     /// Why work for `peer` must stop now, if it must: the daemon aborts, or
-    /// the client is gone (`gone` says so in the caller's terms).
-    pub fn stop_reason(&self, peer: &Peer, gone: &'static str) -> Option<&'static str> {
+    /// the client is gone (`gone` says so in the caller's terms; None: work
+    /// whose client's departure does not stop it, a handed-over save).
+    pub fn stop_reason(&self, peer: &Peer, gone: Option<&'static str>) -> Option<&'static str> {
         if self.is_aborting() {
             Some("the sidecar is aborting")
-        } else if peer.is_gone() {
-            Some(gone)
         } else {
-            None
+            gone.filter(|_| peer.is_gone())
         }
     }
 
@@ -197,6 +197,14 @@ impl Shared {
         let m = self.in_flight.lock().expect("in-flight lock");
         let (m, _) = self.in_flight_cv.wait_timeout_while(m, timeout, |m| !m.is_empty()).expect("in-flight lock");
         m.is_empty()
+    }
+
+    /// Whether a draining daemon may exit: nothing in flight, and no
+    /// session of a client that is gone still reading what it sent before
+    /// it went (a handed-over save among it still commits: protocol.md).
+    /// Sessions of live clients do not hold the exit.
+    pub fn drained(&self) -> bool {
+        self.wait_drained(Duration::ZERO) && !self.sessions.lock().expect("sessions lock").values().any(|e| e.stream.as_ref().is_some_and(|s| crate::peer::closed(s.as_raw_fd())))
     }
 
     pub fn add_session(&self, e: SessionEntry) -> Option<u64> {

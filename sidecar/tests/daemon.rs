@@ -139,8 +139,13 @@ impl Client {
     }
 
     fn register(&mut self, region_id: u32, shm: &Shm) -> Reply {
+        self.register_as(region_id, shm, false)
+    }
+
+    /// Registers `shm`, as a hand-over region (protocol.md) or not.
+    fn register_as(&mut self, region_id: u32, shm: &Shm, hand_over: bool) -> Reply {
         let id = self.id();
-        self.send(&Request::RegisterRegion { id, region_id, shm_name: shm.name.clone(), len_bytes: shm.len as u64 });
+        self.send(&Request::RegisterRegion { id, region_id, shm_name: shm.name.clone(), len_bytes: shm.len as u64, hand_over });
         self.recv()
     }
 
@@ -513,7 +518,7 @@ fn bad_requests_get_errors_and_the_session_goes_on() {
     // Regions: path tricks, missing segment, too short, duplicate id.
     for (name, len) in [("/../etc/passwd", 4u64), ("/a/b", 4), ("noslash", 4), ("/ckpt-test-does-not-exist", 4), (shm.name.as_str(), 2 << 20)] {
         let id = c.id();
-        c.send(&Request::RegisterRegion { id, region_id: 50, shm_name: name.into(), len_bytes: len });
+        c.send(&Request::RegisterRegion { id, region_id: 50, shm_name: name.into(), len_bytes: len, hand_over: false });
         assert!(matches!(c.recv(), Reply::Error { code: ErrorCode::BadRegion, .. }), "{name}");
     }
     assert!(matches!(c.register(1, &shm), Reply::Error { code: ErrorCode::BadRegion, .. }));
@@ -678,6 +683,112 @@ fn a_client_gone_before_release_aborts_and_after_release_still_commits() {
     assert!(sc.log_text().contains("aborted before release"), "{}", sc.log_text());
     let used = c.status().staging_used_bytes;
     assert!(used > 48 << 20 && used < 49 << 20, "only the resident image holds staging: {used}");
+}
+
+/// Runs `f` with every thread of process `pid` stopped (SIGSTOP, waited
+/// for in /proc), then lets it go on (SIGCONT): what `f` sends the sidecar
+/// is all queued on its socket before it reads any of it.
+fn while_stopped<T>(pid: i32, f: impl FnOnce() -> T) -> T {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let all_stopped = || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
+            let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    };
+    wait_for("the sidecar to stop", all_stopped);
+    let out = f();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    out
+}
+
+#[test]
+fn a_handed_over_save_commits_though_its_client_went_before_release() {
+    let sc = Sidecar::start(&[]);
+    let len = 24 << 20;
+    let (mut kept, mut copies) = (Shm::new(len), Shm::new(len));
+    kept.fill(3);
+    copies.fill(4);
+    let in_kept = vec![desc("w", "U8", &[len as u64], 1, 0)];
+    let in_copies = vec![desc("w", "U8", &[len as u64], 2, 0)];
+    let mixed = vec![desc("a", "U8", &[len as u64 / 2], 1, 0), desc("b", "U8", &[len as u64 / 2], 2, 0)];
+    // Each save is sent and its client gone while the sidecar is stopped,
+    // so the client is gone before the sidecar reads the save, let alone
+    // copies it: Released can only come after. One at a time.
+    let mut c = sc.client();
+    for (step, d) in [(1, &in_kept), (2, &in_copies), (3, &mixed), (4, &vec![])] {
+        let mut gone = sc.client();
+        gone.register_as(1, &kept, false);
+        gone.register_as(2, &copies, true);
+        while_stopped(sc.pid(), || {
+            gone.save(step, d.clone(), blobs(step));
+            drop(gone);
+        });
+        wait_for("nothing in flight and no other session", || {
+            let st = c.status();
+            st.in_flight.is_empty() && st.sessions.len() == 1
+        });
+    }
+    // Only the saves whose every byte was handed over (region 2, or none:
+    // blobs alone) committed; one reading memory the trainer keeps using
+    // (region 1), even in part, was aborted as before.
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), vec![2, 4], "{}", sc.log_text());
+    assert_on_disk(&sc.dir, 2, &copies, &in_copies);
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
+    let log = sc.log_text();
+    assert_eq!(log.matches("aborted before release").count(), 2, "{log}");
+    assert_eq!(log.matches("it handed this save over").count(), 2, "{log}");
+    // It loads equal through the sidecar too.
+    let back = Shm::new(len);
+    c.register(9, &back);
+    let d9 = vec![desc("w", "U8", &[len as u64], 9, 0)];
+    assert!(matches!(c.load(Some(2), d9), Reply::Loaded { step: 2, .. }));
+    assert!(back.bytes() == copies.bytes(), "loaded bytes differ");
+    // SaveFile: the same rule for its one range.
+    let files = tempfile::tempdir().unwrap();
+    for (region_id, name) in [(1, "kept.bin"), (2, "copies.bin")] {
+        let mut gone = sc.client();
+        gone.register_as(1, &kept, false);
+        gone.register_as(2, &copies, true);
+        let path = files.path().join(name).to_str().unwrap().to_string();
+        while_stopped(sc.pid(), || {
+            let id = gone.id();
+            gone.send(&Request::SaveFile { id, path, region_id, offset_bytes: 0, len_bytes: len as u64 });
+            drop(gone);
+        });
+        wait_for("nothing in flight and no other session", || {
+            let st = c.status();
+            st.in_flight.is_empty() && st.sessions.len() == 1
+        });
+    }
+    assert!(!files.path().join("kept.bin").exists(), "{}", sc.log_text());
+    assert!(std::fs::read(files.path().join("copies.bin")).unwrap() == copies.bytes(), "{}", sc.log_text());
+}
+
+#[test]
+fn a_handed_over_save_sent_just_before_a_drain_still_commits_before_the_exit() {
+    let mut sc = Sidecar::start(&[]);
+    let len = 24 << 20;
+    let mut copies = Shm::new(len);
+    copies.fill(6);
+    let d = vec![desc("w", "U8", &[len as u64], 2, 0)];
+    let mut c = sc.client();
+    c.register_as(2, &copies, true);
+    // The save, the client's end and SIGTERM all reach the stopped sidecar:
+    // the drain must neither refuse the save nor exit before it committed.
+    while_stopped(sc.pid(), || {
+        c.save(5, d.clone(), blobs(5));
+        drop(c);
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(sc.pid(), libc::SIGTERM) };
+    });
+    let code = sc.stop_after_signal();
+    assert_eq!(code, 0, "{}", sc.log_text());
+    assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), vec![5], "{}", sc.log_text());
+    assert_on_disk(&sc.dir, 5, &copies, &d);
+    assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
 }
 
 #[test]

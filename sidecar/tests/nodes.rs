@@ -108,7 +108,7 @@ impl Rank {
             assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), len, 0), len as isize);
             libc::close(fd);
         }
-        ckpt_wire::write_frame(&mut s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: shm_name.clone(), len_bytes: len as u64 }).unwrap();
+        ckpt_wire::write_frame(&mut s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: shm_name.clone(), len_bytes: len as u64, hand_over: false }).unwrap();
         assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::RegionRegistered { .. }));
         Rank { rank, s, shm_name, bytes }
     }

@@ -81,7 +81,7 @@ fn register(s: &mut UnixStream, rank: u32, len: usize) -> Shm {
         assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), len, 0), len as isize);
         libc::close(fd);
     }
-    ckpt_wire::write_frame(s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: name.clone(), len_bytes: len as u64 }).unwrap();
+    ckpt_wire::write_frame(s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: name.clone(), len_bytes: len as u64, hand_over: false }).unwrap();
     assert!(matches!(ckpt_wire::read_frame::<Reply>(s).unwrap(), Reply::RegionRegistered { .. }));
     Shm { name, bytes }
 }

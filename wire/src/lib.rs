@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -65,7 +65,11 @@ pub enum Request {
     Hello { magic: [u8; 4], version: u32, pid: u32, name: String },
     /// A POSIX shared-memory segment (name as for shm_open, e.g. "/ckpt-1-0")
     /// the sidecar maps read-only; `len_bytes` may not exceed its size.
-    RegisterRegion { id: u64, region_id: u32, shm_name: String, len_bytes: u64 },
+    /// `hand_over` (version 8): the client writes this region only to fill
+    /// a save before sending it, and not again until that save is released,
+    /// so a save whose every tensor lies in such regions is the sidecar's
+    /// once sent: it commits even if the client goes before Released.
+    RegisterRegion { id: u64, region_id: u32, shm_name: String, len_bytes: u64, hand_over: bool },
     UnregisterRegion { id: u64, region_id: u32 },
     /// Snapshot these tensors and blobs as checkpoint `step`; replies:
     /// Released, then Durable or Failed, all with `id`. `lazy_release`: the

@@ -24,7 +24,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
-        ("register", encode(&Request::RegisterRegion { id: 1, region_id: 2, shm_name: "/ckpt-7-2".into(), len_bytes: 1 << 20 })),
+        ("register", encode(&Request::RegisterRegion { id: 1, region_id: 2, shm_name: "/ckpt-7-2".into(), len_bytes: 1 << 20, hand_over: true })),
         ("unregister", encode(&Request::UnregisterRegion { id: 2, region_id: 2 })),
         ("save", encode(&Request::Save { id: 3, step: 100, tensors: vec![t.clone()], blobs: vec![b.clone()], lazy_release: false })),
         ("load", encode(&Request::Load { id: 4, step: None, tensors: vec![t.clone()] })),

@@ -20,10 +20,14 @@ int main(void) {
     ckpt_client *c = NULL;
     CHECK(ckpt_connect(NULL, &c) == CKPT_OK && c != NULL);
     CHECK(ckpt_connected(c) == 1);
-    CHECK(ckpt_protocol_version() == 8);
+    CHECK(ckpt_protocol_version() == 9);
     float *w = NULL;
     CHECK(ckpt_alloc(c, 4096, (void **)&w) == CKPT_OK && w != NULL);
     CHECK(ckpt_alloc(c, 0, (void **)&w) == CKPT_E_INVALID);
+    void *h = NULL; /* a hand-over region: for copies made at save */
+    CHECK(ckpt_alloc_hand_over(c, 4096, &h) == CKPT_OK && h != NULL && h != (void *)w);
+    CHECK(ckpt_alloc_hand_over(NULL, 4096, &h) == CKPT_E_INVALID);
+    CHECK(ckpt_free(c, h) == CKPT_OK);
     for (int i = 0; i < 16; i++) w[i] = (float)i;
     uint64_t shape[1] = {16};
     ckpt_tensor t = {"w", "F32", shape, 1, w, 64};

@@ -204,7 +204,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
         };
         store.lock().unwrap().log.push(kind(&req));
         match req {
-            Request::RegisterRegion { id, region_id, shm_name, len_bytes } => match open_region(&shm_name, len_bytes) {
+            Request::RegisterRegion { id, region_id, shm_name, len_bytes, .. } => match open_region(&shm_name, len_bytes) {
                 Ok(m) => {
                     regions.insert(region_id, m);
                     send(&w, &Reply::RegionRegistered { id, region_id });

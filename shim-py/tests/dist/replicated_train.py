@@ -59,10 +59,11 @@ def main():
             out["failed"] = str(e)
     elif mode == "killall":
         h = ck.save(step, want)
-        # The sidecar's Released: a save copied at save() frees the trainer's
-        # tensors at once (wait_released returns), but its part is the
-        # sidecar's only once the sidecar has copied it.
-        h.wait_taken(timeout=120)
+        # Copied at save(): released (and handed over to the sidecar) when
+        # save() returns, so the part commits even though every rank is
+        # killed before the sidecar may have copied it.
+        h.wait_released(timeout=120)
+        assert h.released()
         dist.barrier()
         os.kill(os.getpid(), 9)
     with open(f"result-{ck.rank}.json", "w") as f:  # in the launch's working directory

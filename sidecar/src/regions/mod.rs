@@ -73,21 +73,33 @@ pub struct Region {
     pub region_id: u32,
     /// What the client registered (≤ the memory's size at registration).
     pub len_bytes: u64,
+    /// Registered as a hand-over region (host shm only; protocol.md).
+    hand_over: bool,
     memory: Memory,
 }
 
 impl Region {
     /// Opens, checks and maps the host shm segment `shm_name` for a peer of
-    /// `peer_uid`.
-    pub fn open_shm(region_id: u32, shm_name: &str, len_bytes: u64, peer_uid: u32) -> Result<Region, RegionError> {
-        Ok(Region { region_id, len_bytes, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
+    /// `peer_uid`; `hand_over`: the client registered it as a hand-over
+    /// region ([`Region::hands_over`]).
+    pub fn open_shm(region_id: u32, shm_name: &str, len_bytes: u64, peer_uid: u32, hand_over: bool) -> Result<Region, RegionError> {
+        Ok(Region { region_id, len_bytes, hand_over, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
     }
 
     /// Opens the CUDA allocation `source` names on `device` (a legacy IPC
     /// handle, or a VMM allocation's fd); its copies run on `stream` (the
     /// session's).
     pub fn open_cuda(region_id: u32, source: CudaSource, device: i32, len_bytes: u64, stream: std::sync::Arc<SessionStream>) -> Result<Region, RegionError> {
-        Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
+        Ok(Region { region_id, len_bytes, hand_over: false, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
+    }
+
+    /// Whether the client hands this region's bytes over at each save: it
+    /// writes it only to fill a save before sending it, never while a save
+    /// of it is unreleased, so what a received save reads from it is final
+    /// even if the client dies before Released. Only host shm: the mapping
+    /// keeps its memory alive after the client died.
+    pub fn hands_over(&self) -> bool {
+        self.hand_over && matches!(self.memory, Memory::HostShm(_))
     }
 
     /// Region `region_id` made of the CUDA regions `pieces`, which the
@@ -111,7 +123,7 @@ impl Region {
             parts.push((at, p));
             at = next;
         }
-        Ok(Region { region_id, len_bytes: at, memory: Memory::CudaSpan(parts) })
+        Ok(Region { region_id, len_bytes: at, hand_over: false, memory: Memory::CudaSpan(parts) })
     }
 
     /// Whether this is CUDA memory shared by legacy IPC, whose bytes are
@@ -351,7 +363,7 @@ mod tests {
             .enumerate()
             .map(|(i, &n)| {
                 let (name, _fd) = test_segment(n, |_| 0);
-                let r = Region::open_shm(i as u32 + 1, &name, n as u64, uid).unwrap();
+                let r = Region::open_shm(i as u32 + 1, &name, n as u64, uid, false).unwrap();
                 names.push(name);
                 Arc::new(r)
             })

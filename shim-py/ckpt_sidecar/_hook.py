@@ -55,11 +55,13 @@ import errno
 import importlib.abc
 import io
 import os
+import pickle
 import queue
 import stat
 import sys
 import threading
 
+from . import _units
 from .errors import SidecarError
 
 ENV = "CKPT_SIDECAR"
@@ -198,6 +200,137 @@ class _ShmFile:
             self.region = None
 
 
+class _PiecedFile(_ShmFile):
+    """What torch.save writes under skip_data, in a region of the pool: the
+    bytes it writes (the archive's skeleton), packed, and the holes it seeks
+    over (one per storage with bytes, in storage-key order), so each file
+    byte is either here or in a storage."""
+
+    def __init__(self, pool, size_hint):
+        super().__init__(pool, size_hint)
+        self.pos = 0      # the file's length so far
+        self.runs = []    # (file offset, region offset, length) of bytes held here
+        self.holes = []   # (file offset, length) left for a storage's bytes
+
+    def write(self, b):
+        at = self.len_bytes
+        n = super().write(b)
+        if n:
+            if self.runs and self.runs[-1][0] + self.runs[-1][2] == self.pos and self.runs[-1][1] + self.runs[-1][2] == at:
+                f, r, m = self.runs[-1]
+                self.runs[-1] = (f, r, m + n)
+            else:
+                self.runs.append((self.pos, at, n))
+            self.pos += n
+        return n
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        # skip_data's only seek: past a storage's bytes (see torch's
+        # write_record_metadata); anything else is not this layout.
+        if whence != io.SEEK_CUR or offset < 0:
+            raise io.UnsupportedOperation(f"seek({offset}, {whence}) while torch.save wrote under skip_data")
+        if offset:
+            self.holes.append((self.pos, offset))
+            self.pos += offset
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def fill(self, file_offset, ptr, n):
+        """Host bytes for the hole at `file_offset` (a CPU storage's)."""
+        at = self.len_bytes
+        _ShmFile.write(self, (ctypes.c_ubyte * n).from_address(ptr))
+        self.runs.append((file_offset, at, n))
+
+
+def _device_storage(storage, torch):
+    """(device address, nbytes, device index, stream handle) of an untyped
+    storage in CUDA memory, else None: the one place the hook asks where a
+    storage's bytes are (tests substitute it). The stream is the device's
+    current stream, the one the original torch.save copies on."""
+    dev = storage.device
+    if dev.type != "cuda":
+        return None
+    return storage.data_ptr(), storage.nbytes(), dev.index, torch.cuda.current_stream(dev).cuda_stream
+
+
+def _cuda_possible(torch):
+    """Whether this process may hold CUDA storages at all: none before CUDA
+    is initialised (a cheap check; tests substitute it)."""
+    cuda = getattr(torch, "cuda", None)
+    return cuda is not None and cuda.is_initialized()
+
+
+class _KeyedPickle:
+    """A pickle module for torch.save that records which storage torch gave
+    which key (torch's own persistent_id, wrapped: same Pickler, same bytes),
+    so each hole of a skip_data archive is matched with its storage."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.storages = {}  # key -> the storage object torch pickled (untyped or typed)
+        seen = self.storages
+
+        class Pickler(inner.Pickler):
+            def __init__(self, *args, **kwargs):
+                theirs = getattr(self, "persistent_id", None)  # torch's, from its subclass
+                if theirs is not None:
+                    def persistent_id(obj):
+                        pid = theirs(obj)
+                        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
+                            seen.setdefault(pid[2], obj)
+                        return pid
+                    self.persistent_id = persistent_id
+                super().__init__(*args, **kwargs)
+
+        self.Pickler = Pickler
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _NotDevice(Exception):
+    """This object does not go the CUDA way (a reason for stderr, or none)."""
+
+
+def _pieces(f, storages, torch):
+    """[(address, nbytes, on_device)] covering the skip_data file `f` from its
+    first byte to its last, device index and stream; CPU storages' bytes are
+    copied into `f`'s region. _NotDevice when no storage is in CUDA memory,
+    or the layout is not the one expected."""
+    untyped = [getattr(s, "_untyped_storage", s) for s in storages.values()]
+    with_bytes = [u for u in untyped if u.nbytes()]
+    if len(with_bytes) != len(f.holes) or any(u.nbytes() != n for u, (_, n) in zip(with_bytes, f.holes)):
+        raise _NotDevice(f"torch.save left {len(f.holes)} holes for {len(with_bytes)} storages")
+    device, found = [], set()
+    for u, (at, n) in zip(with_bytes, f.holes):
+        d = _device_storage(u, torch)
+        if d is None:
+            f.fill(at, u.data_ptr(), n)
+        else:
+            device.append((at, d[0], n))
+            found.add((d[2], d[3]))
+    if not device:
+        raise _NotDevice(None)
+    if len(found) > 1:
+        raise _NotDevice(f"its CUDA storages are on {len(found)} devices or streams")
+    base = f.region.ptr
+    out = sorted([(at, base + r, n, False) for at, r, n in f.runs] + [(at, p, n, True) for at, p, n in device])
+    end = 0
+    for at, _, n, _ in out:
+        if at != end:
+            raise _NotDevice(f"the pieces do not tile the file (a gap or overlap at byte {at})")
+        end += n
+    if end != f.pos:
+        raise _NotDevice(f"the pieces end at byte {end}, the file at {f.pos}")
+    dev, stream = found.pop()
+    return [(p, n, on_dev) for _, p, n, on_dev in out], dev, stream
+
+
+_DEVICE = object()  # a file sent the CUDA way: this process holds no bytes of it
+
+
 class _Files:
     """The files torch.save asked for: handed to the sidecar, or written here.
 
@@ -223,6 +356,10 @@ class _Files:
         self._said = set()
         # Files written by the sidecar, by this process, and not rewritten (superseded).
         self.counts = {"sidecar": 0, "in_process": 0, "superseded": 0}
+        # Files that went the CUDA way (taken: the sidecar copied their CUDA
+        # storages), fell back before Released, were lost after it.
+        self.cuda = {"device": 0, "fell_back": 0, "lost": 0}
+        self._cuda_mode = None
 
     def _say_once(self, key, msg):
         if key not in self._said:
@@ -341,6 +478,90 @@ class _Files:
                 self._thread.start()
             self._q.put((path, seq, data, handle))
 
+    def cuda_mode(self):
+        """"device" or "host" ($CKPT_SIDECAR_HOOK_CUDA, read once)."""
+        if self._cuda_mode is None:
+            self._cuda_mode, complaint = _units.hook_cuda_mode(os.environ)
+            if complaint:
+                self._say_once("cuda-env", complaint)
+        return self._cuda_mode
+
+    def submit_cuda(self, torch, path, obj, orig_save, kwargs):
+        """The CUDA way (see the module's doc): True once the sidecar holds
+        the file (Released: it copied the CUDA storages from the device);
+        False when the caller is to take the host way (nothing sent, or the
+        sidecar refused before Released: nothing lost)."""
+        if self.cuda_mode() != "device" or not _cuda_possible(torch):
+            return False
+        if getattr(getattr(torch, "serialization", None), "skip_data", None) is None \
+                or not kwargs.get("_use_new_zipfile_serialization", True):
+            return False
+        ck = self._ck
+        if ck is None or self.pool is None:
+            return False  # no sidecar yet: the host way starts one and writes this file here
+        with self._mu:
+            if self._here.get(path):
+                return False  # files of a path land in order: behind a write here, here too
+        try:
+            f = _PiecedFile(self.pool, 1 << 20)
+        except SidecarError:
+            return False
+        try:
+            keyed = _KeyedPickle(kwargs.get("pickle_module") or pickle)
+            try:
+                with torch.serialization.skip_data():
+                    orig_save(obj, f, **dict(kwargs, pickle_module=keyed))
+                pieces, _device, stream = _pieces(f, keyed.storages, torch)
+            except _NotDevice as e:
+                if e.args[0]:
+                    self._say_once(("cuda-layout", e.args[0]), f"torch.save to {path} takes the host way: {e}")
+                return False
+            except Exception as e:  # noqa: BLE001 - skip_data refuses some objects: the original then runs
+                self._say_once(("cuda-skip", type(e)), f"torch.save to {path} takes the host way: "
+                               f"torch.serialization.skip_data() refused it ({e})")
+                return False
+            config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+            torch_zip = bool(getattr(getattr(config, "save", None), "compute_crc32", True))
+            seq = self._begin(path)
+            try:
+                handle = ck.save_file_pieces(path, pieces, stream, torch_zip)
+                handle.wait_taken()
+            except SidecarError as e:
+                self._say_once(("cuda-refused", type(e)), f"the sidecar did not take torch.save to {path} from the "
+                               f"device ({e}); the original torch.save copies it to the host")
+                with self._mu:
+                    self.cuda["fell_back"] += 1
+                    self._pending[path] -= 1
+                    if not self._pending[path]:
+                        del self._pending[path]
+                    self._mu.notify_all()
+                return False
+        finally:
+            f.release()  # the sidecar holds its copy (or the host way runs)
+        self._sizes[path] = f.pos
+        with self._mu:
+            self.cuda["device"] += 1
+        self._enqueue(path, seq, _DEVICE, handle)
+        return True
+
+    def _begin(self, path):
+        """A new file of `path` is pending; its sequence number (the newest:
+        an older file of the path the sidecar gives back from now on is
+        superseded, never written over this one)."""
+        with self._mu:
+            self._seq += 1
+            seq = self._latest[path] = self._seq
+            self._pending[path] = self._pending.get(path, 0) + 1
+            return seq
+
+    def _enqueue(self, path, seq, data, handle):
+        """To the writer thread: wait for `handle` (None: write `data` here)."""
+        with self._mu:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckpt-sidecar-torch-save", daemon=True)
+                self._thread.start()
+            self._q.put((path, seq, data, handle))
+
     def _run(self):
         while True:
             path, seq, data, handle = self._q.get()
@@ -352,6 +573,17 @@ class _Files:
                         self._count("sidecar")
                         continue
                     except SidecarError as e:
+                        if data is _DEVICE:
+                            with self._mu:
+                                superseded = self._latest[path] != seq
+                            if superseded:
+                                self._count("superseded")
+                                continue
+                            with self._mu:
+                                self.cuda["lost"] += 1
+                            raise OSError(getattr(e, "errno", None) or errno.EIO,
+                                          f"the sidecar did not finish it after it held its CUDA tensors ({e}); "
+                                          "this process kept no host copy (CKPT_SIDECAR_HOOK_CUDA=host keeps one)") from e
                         self._say_once(("lost", type(e)), f"the sidecar did not finish {path} ({e}); "
                                        "writing it in this process")
                 with self._mu:
@@ -457,6 +689,14 @@ def counts():
         return dict(_files.counts)
 
 
+def cuda_counts():
+    """How many hooked torch.save files went the CUDA way (the sidecar copied
+    their CUDA storages from the device), fell back to the host way because
+    the sidecar refused before Released, and were lost after Released."""
+    with _files._mu:
+        return dict(_files.cuda)
+
+
 def wait_sidecar(timeout=None):
     """Until the sidecar spawned at the first torch.save answers (or failed to
     start); whether files now go through a sidecar."""
@@ -546,6 +786,8 @@ def patch(torch):
             # so that files still land in save order).
             _files.wait(path)
             return orig_save(obj, f, *args, **kwargs)
+        if not args and _files.submit_cuda(torch, path, obj, orig_save, kwargs):
+            return
         out = _files.open(path)
         if out is None:
             out = io.BytesIO()

@@ -206,3 +206,77 @@ def test_the_host_opt_out_keeps_the_host_way(tmp_path, private_tmp):
     r, err = run(tmp_path, "host", private_tmp, CKPT_SIDECAR_HOOK_CUDA="gpu")
     assert r["cuda"]["device"] == 0 and r["identical"], r
     assert 'CKPT_SIDECAR_HOOK_CUDA="gpu": expected one of device, host' in err, err
+
+
+def test_a_file_of_host_pieces_and_a_refused_archive(ck, tmp_path):
+    """SaveFilePieces with host pieces only (no event): laid end to end; a
+    torch.save archive is finished into itself; pieces that are no torch.save
+    archive are refused before Released, and no file appears."""
+    import ctypes
+    import io
+
+    from ckpt_sidecar.errors import BadRequest
+
+    with ck._mu:
+        r = ck._alloc(1 << 20)
+    ctypes.memmove(r.ptr, b"hello ", 6)
+    ctypes.memmove(r.ptr + 4096, b"world", 5)
+    path = tmp_path / "plain.txt"
+    h = ck.save_file_pieces(path, [(r.ptr, 6, False), (r.ptr + 4096, 5, False), (r.ptr, 0, False)], None, False)
+    h.wait_durable(timeout=60)
+    assert path.read_bytes() == b"hello world"
+
+    b = io.BytesIO()
+    torch.save({"x": torch.arange(10.0)}, b)
+    data = b.getvalue()
+    ctypes.memmove(r.ptr, data, len(data))
+    path = tmp_path / "whole.pt"
+    ck.save_file_pieces(path, [(r.ptr, 100, False), (r.ptr + 100, len(data) - 100, False)], None, True).wait_durable(timeout=60)
+    assert path.read_bytes() == data
+
+    path = tmp_path / "not-an-archive.pt"
+    h = ck.save_file_pieces(path, [(r.ptr + 4096, 5, False)], None, True)
+    with pytest.raises(BadRequest, match="not a torch.save zip archive"):
+        h.wait_taken(timeout=60)
+    assert not path.exists()
+
+
+def test_a_device_file_lost_after_released_is_said_at_once_and_raised_later(tmp_path):
+    """After Released the hook holds no bytes of a CUDA-way file: when the
+    sidecar then fails it (here a handle that reports the sidecar gone), the
+    loss is said on stderr at once, the next torch.load of the path raises
+    it, and a process that never asked about another lost file exits 1."""
+    code = textwrap.dedent('''
+        import os
+        import torch
+        from ckpt_sidecar import _hook
+        from ckpt_sidecar.errors import Disconnected
+
+        class Gone:
+            def wait_durable(self):
+                raise Disconnected("the sidecar closed the connection", Disconnected.code)
+
+        _hook.install()
+        f = _hook._files
+        p = os.path.abspath("lost.pt")
+        f._enqueue(p, f._begin(p), _hook._DEVICE, Gone())
+        assert f.wait(p, 60)
+        try:
+            torch.load(p)
+            raise SystemExit("the lost file was not raised")
+        except OSError as e:
+            assert "kept no host copy" in str(e) and "CKPT_SIDECAR_HOOK_CUDA=host" in str(e), e
+            print("raised", flush=True)
+        assert _hook.cuda_counts()["lost"] == 1
+        q = os.path.abspath("lost2.pt")
+        f._enqueue(q, f._begin(q), _hook._DEVICE, Gone())
+        assert f.wait(q, 60)
+    ''')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR") or k in ("CKPT_SIDECAR_LIB", "CKPT_SIDECAR_BIN")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stdout.strip() == "raised", r.stderr
+    lost = str(tmp_path / "lost.pt")
+    assert f"torch.save to {lost} failed after it returned" in r.stderr, r.stderr
+    assert "lost2.pt failed after it returned, and no later torch.save or torch.load of it reported it" in r.stderr, r.stderr
+    assert not (tmp_path / "lost.pt").exists()

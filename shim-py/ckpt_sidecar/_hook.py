@@ -6,8 +6,8 @@ comparison and imports nothing. install() puts a finder first on
 sys.meta_path that waits for `import torch`, lets the real loader run, and
 then replaces torch.save and torch.load:
 
-- torch.save(obj, path) serialises with the original torch.save straight
-  into shared memory (a pool of reused regions; the very first file, before
+- torch.save(obj, path) (the host way) serialises with the original
+  torch.save straight into shared memory (a pool of reused regions; the very first file, before
   any sidecar is known, goes through private memory), hands the bytes to the
   sidecar (protocol SaveFile: copied into its staging) and returns once the
   sidecar holds them (Released): from then on the file is written even if
@@ -44,6 +44,37 @@ then replaces torch.save and torch.load:
   newer torch.save of the same path is not rewritten. Files of one path land
   in the order they were saved: a file whose path still has a write pending
   here is written here too, after it.
+- CUDA tensors (the CUDA way; $CKPT_SIDECAR_HOOK_CUDA, default "device"):
+  when the object holds CUDA storages (only looked for once CUDA is
+  initialised in this process), torch.save runs under
+  torch.serialization.skip_data() into shared memory: the file's skeleton,
+  with a hole where each storage's bytes go (torch's own persistent_id,
+  wrapped through pickle_module, says which storage fills which hole; the
+  pickle bytes are the same). CPU storages are copied into their holes; each
+  CUDA storage is sent in place, its allocation registered once (libckpt),
+  behind an interprocess event recorded on the device's current stream (the
+  one the original torch.save copies on): protocol SaveFilePieces. The
+  sidecar's own stream waits on the event, copies the storages into its
+  page-locked staging, computes the CRC-32s skip_data left out, and writes
+  the very bytes the original torch.save writes into a file object. The
+  trainer makes no host copy: torch.save returns at Released, once the
+  sidecar's device copy is done (the caller may then change the tensors).
+  Durability: before Released, a refusal (e.g. larger than the sidecar's
+  staging) or a lost sidecar makes the original torch.save run as above
+  (host copy, nothing lost). After Released this process holds no copy of
+  the CUDA storages, so a sidecar that dies before the file is durable loses
+  it: said on stderr at once, raised by the next torch.save or torch.load of
+  the path, and a process that never asked exits with status 1 (as a failed
+  write, above). CKPT_SIDECAR_HOOK_CUDA=host keeps the host way for every
+  object (the original torch.save copies CUDA tensors to the host in the
+  trainer; the file is written here if the sidecar dies). The host way is
+  also taken when torch lacks skip_data or refuses it for the object, with
+  _use_new_zipfile_serialization=False or positional extra arguments, when
+  the CUDA storages lie on several devices or streams, before any sidecar
+  answers (the first file of a spawned one), or while a write of the same
+  path is pending here. Files of a path whose CRC-32s torch is told not to
+  compute (torch.utils.serialization.config.save.compute_crc32) are left
+  without them, as torch leaves them.
 - torch.load(path) of a path whose write is still pending waits for it.
 - At exit, pending writes are finished before the interpreter goes (and a
   sidecar still being spawned is waited for, then stopped); then the exit
@@ -360,6 +391,7 @@ class _Files:
         # storages), fell back before Released, were lost after it.
         self.cuda = {"device": 0, "fell_back": 0, "lost": 0}
         self._cuda_mode = None
+        self._connect_tried = False
 
     def _say_once(self, key, msg):
         if key not in self._said:
@@ -393,6 +425,23 @@ class _Files:
         except Exception as e:  # noqa: BLE001 - any failure means: write here
             self._give_up(e)
         return self._ck
+
+    def _connect_running(self):
+        """The Checkpointer of a sidecar already running, connected at the
+        first file that goes the CUDA way (tried once); None otherwise:
+        spawning one is left to the host way, which knows the file's size."""
+        if self._ck is not None or self._no_sidecar is not None or self._spawner is not None or self._connect_tried:
+            return self._ck
+        self._connect_tried = True
+        try:
+            from .checkpointer import Checkpointer
+
+            ck = Checkpointer(spawn=False)
+        except Exception:  # noqa: BLE001 - none running (or unusable): the host way decides
+            return None
+        atexit.register(self._close)  # as _checkpointer does
+        self._use(ck)
+        return ck
 
     def _spawn(self, Checkpointer, d, staging):
         try:
@@ -496,7 +545,7 @@ class _Files:
         if getattr(getattr(torch, "serialization", None), "skip_data", None) is None \
                 or not kwargs.get("_use_new_zipfile_serialization", True):
             return False
-        ck = self._ck
+        ck = self._connect_running()
         if ck is None or self.pool is None:
             return False  # no sidecar yet: the host way starts one and writes this file here
         with self._mu:

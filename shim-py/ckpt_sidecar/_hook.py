@@ -334,18 +334,18 @@ def _pieces(f, storages, torch):
     with_bytes = [u for u in untyped if u.nbytes()]
     if len(with_bytes) != len(f.holes) or any(u.nbytes() != n for u, (_, n) in zip(with_bytes, f.holes)):
         raise _NotDevice(f"torch.save left {len(f.holes)} holes for {len(with_bytes)} storages")
-    device, found = [], set()
-    for u, (at, n) in zip(with_bytes, f.holes):
-        d = _device_storage(u, torch)
+    where = [_device_storage(u, torch) for u in with_bytes]
+    found = {(d[2], d[3]) for d in where if d is not None}
+    if not found:
+        raise _NotDevice(None)  # before copying any CPU storage: the host way copies them anyway
+    if len(found) > 1:
+        raise _NotDevice(f"its CUDA storages are on {len(found)} devices or streams")
+    device = []
+    for u, d, (at, n) in zip(with_bytes, where, f.holes):
         if d is None:
             f.fill(at, u.data_ptr(), n)
         else:
             device.append((at, d[0], n))
-            found.add((d[2], d[3]))
-    if not device:
-        raise _NotDevice(None)
-    if len(found) > 1:
-        raise _NotDevice(f"its CUDA storages are on {len(found)} devices or streams")
     base = f.region.ptr
     out = sorted([(at, base + r, n, False) for at, r, n in f.runs] + [(at, p, n, True) for at, p, n in device])
     end = 0
@@ -560,7 +560,7 @@ class _Files:
             try:
                 with torch.serialization.skip_data():
                     orig_save(obj, f, **dict(kwargs, pickle_module=keyed))
-                pieces, _device, stream = _pieces(f, keyed.storages, torch)
+                pieces, _, stream = _pieces(f, keyed.storages, torch)
             except _NotDevice as e:
                 if e.args[0]:
                     self._say_once(("cuda-layout", e.args[0]), f"torch.save to {path} takes the host way: {e}")

@@ -2,7 +2,7 @@
 //! written atomically from staging. This is what the Python shim's
 //! torch.save hook uses: the trainer's `torch.save(obj, path)` returns once
 //! the bytes are in staging (Released), and the sidecar writes `path`.
-//! SaveFilePieces (version 8) is the same for a file made of several pieces,
+//! SaveFilePieces (version 9) is the same for a file made of several pieces,
 //! host or device memory (the hook's CUDA way: a skip_data skeleton in shm,
 //! the storages copied from the device after the trainer's event), whose
 //! torch.save CRC-32s the sidecar computes ([`crate::torch_zip`]).

@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -148,6 +148,16 @@ pub enum Request {
     /// matched to these requests in the order they arrive. Reply:
     /// RegionRegistered or Error. Added in version 6.
     RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, len_bytes: u64 },
+    /// Registers region `region_id` as the concatenation of CUDA regions
+    /// this client registered before (`pieces`, in address order): device
+    /// allocations mapped back to back in the client's address space, as
+    /// PyTorch's expandable segments map cuMemCreate chunks into one
+    /// reserved range, so a tensor crossing a chunk boundary is one
+    /// (region, offset, length). Its length is the pieces' sum; the sidecar
+    /// opens nothing new (the pieces' imports stay open while the span
+    /// lives, even after a piece is unregistered). All pieces lie on one
+    /// device. Reply: RegionRegistered or Error. Added in version 8.
+    RegisterCudaSpan { id: u64, region_id: u32, pieces: Vec<u32> },
     /// A SaveFile whose content is `pieces` laid end to end: each names
     /// bytes of a registered region, host shm or CUDA device memory (the
     /// torch.save hook's CUDA way: the file's skeleton in shm, each CUDA
@@ -159,12 +169,13 @@ pub enum Request {
     /// the sidecar completes in its copy before writing it ([`FileFinish`]).
     /// Replies as SaveFile does: Released once every piece is in staging
     /// (the device copy done: the trainer may change the tensors), then
-    /// Durable or Failed. Added in version 8.
+    /// Durable or Failed. Added in version 9.
     SaveFilePieces { id: u64, path: String, pieces: Vec<FilePiece>, device: i32, event: Vec<u8>, finish: FileFinish },
 }
 
+
 /// One piece of a [`Request::SaveFilePieces`]: `len_bytes` at `offset_bytes`
-/// of region `region_id`. (Version 8.)
+/// of region `region_id`. (Version 9.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FilePiece {
     pub region_id: u32,
@@ -173,7 +184,7 @@ pub struct FilePiece {
 }
 
 /// What the sidecar completes in a [`Request::SaveFilePieces`] file once
-/// every piece is in staging. (Version 8.)
+/// every piece is in staging. (Version 9.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FileFinish {
     /// Written as the pieces are.

@@ -42,7 +42,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ckpt_wire::{Blob, ErrorCode, FrameError, LoadSource, Reply, Request, StatusReport, TensorDesc, TensorInfo, FRAME_BYTES_MAX, PROTOCOL_VERSION, SOCKET_ENV};
+use ckpt_wire::{Blob, ErrorCode, FileFinish, FilePiece, FrameError, LoadSource, Reply, Request, StatusReport, TensorDesc, TensorInfo, FRAME_BYTES_MAX, PROTOCOL_VERSION, SOCKET_ENV};
 
 use crate::error::{Error, Result};
 use crate::region::ShmRegion;
@@ -992,6 +992,47 @@ impl Client {
             offset_bytes: d.offset_bytes,
             len_bytes: d.len_bytes,
         })
+    }
+
+    /// Has the sidecar write `pieces` (address, length), laid end to end, as
+    /// the whole file `path`: each lies in one of this client's shm regions
+    /// or registered CUDA allocations ([`Client::register_cuda`]). With CUDA
+    /// pieces, an interprocess event is recorded on `stream` (a CUstream of
+    /// this process; 0: the legacy default stream) and sent with the request:
+    /// the sidecar's stream waits on it before copying, the CPU never waits.
+    /// `finish` says what the sidecar completes before writing
+    /// ([`FileFinish::TorchZip`]: a torch.save skip_data archive's CRC-32s).
+    /// Replies as [`Client::save_file`]. (Protocol 9.)
+    pub fn save_file_pieces(&self, path: &str, pieces: &[(*const u8, u64)], stream: u64, finish: FileFinish) -> Result<SaveHandle> {
+        let mut inner = self.lock_inner();
+        let mut out = Vec::with_capacity(pieces.len());
+        let mut devices: Vec<i32> = Vec::new();
+        for (i, &(ptr, len_bytes)) in pieces.iter().enumerate() {
+            let name = format!("{path} piece {i}");
+            let (region_id, offset_bytes) = locate(&inner, &TensorRef { name: &name, dtype: "U8", shape: &[], ptr, len_bytes })?;
+            if len_bytes > 0 {
+                if let Some(r) = inner.cuda_regions.get(&region_id) {
+                    if !devices.contains(&r.device) {
+                        devices.push(r.device);
+                    }
+                }
+            }
+            out.push(FilePiece { region_id, offset_bytes, len_bytes });
+        }
+        let (device, event) = match devices[..] {
+            [] => (0, Vec::new()),
+            [d] => {
+                let event = match inner.cuda_events.entry(d) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(d)?),
+                };
+                event.record(stream)?;
+                (d, event.handle().to_vec())
+            }
+            _ => return Err(Error::InvalidArgument(format!("the CUDA pieces of file {path} lie on {} devices ({devices:?}); one file's device pieces must share one device", devices.len()))),
+        };
+        let path = path.to_string();
+        self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces { id, path, pieces: out, device, event, finish })
     }
 
     /// Files a save under a fresh id and sends the request `make` builds.

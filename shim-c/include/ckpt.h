@@ -105,6 +105,14 @@
 // Load source (ckpt_load): the checkpoint was read (and verified) from disk.
 #define CKPT_SOURCE_DISK 2
 
+// ckpt_save_file_pieces: write the pieces as they are.
+#define CKPT_FILE_AS_IS 0
+
+// ckpt_save_file_pieces: the pieces make a torch.save zip archive written
+// under torch.serialization.skip_data() with its storages' bytes placed by
+// pieces; the sidecar computes the CRC-32s torch.save would have written.
+#define CKPT_FILE_TORCH_ZIP 1
+
 // A connection to the sidecar, its shared-memory regions and saves (opaque).
 typedef struct ckpt_client ckpt_client;
 
@@ -130,6 +138,14 @@ typedef struct ckpt_blob {
   const void *data;
   uint64_t len_bytes;
 } ckpt_blob;
+
+// One piece of a file for ckpt_save_file_pieces: `len_bytes` at `data`,
+// inside memory from ckpt_alloc or a CUDA allocation registered with
+// ckpt_register_cuda.
+typedef struct ckpt_file_piece {
+  const void *data;
+  uint64_t len_bytes;
+} ckpt_file_piece;
 
 #ifdef __cplusplus
 extern "C" {
@@ -264,6 +280,29 @@ int ckpt_save_file(struct ckpt_client *client,
                    const void *data,
                    uint64_t len_bytes,
                    uint64_t *save_id);
+
+// As ckpt_save_file, for a file made of `n_pieces` pieces laid end to end
+// (protocol 9): each in memory from ckpt_alloc or in a CUDA allocation
+// registered with ckpt_register_cuda. With CUDA pieces an interprocess
+// event is recorded on `stream` (a CUstream / cudaStream_t; NULL: the
+// legacy default stream) and sent along: the sidecar's own stream waits on
+// it, then copies the device pieces; the CPU never waits. The pieces may
+// change once the save is CKPT_RELEASED. `finish`: CKPT_FILE_AS_IS or
+// CKPT_FILE_TORCH_ZIP (the sidecar computes a torch.save archive's
+// CRC-32s; one that is not such an archive fails before release).
+//
+// # Safety
+// `client` is a live client; `path` a NUL-terminated string; `pieces`
+// holds `n_pieces` entries (may be NULL when 0); `save_id` writable;
+// `stream` is NULL or a live stream of this process. Piece addresses are
+// only compared with region addresses.
+int ckpt_save_file_pieces(struct ckpt_client *client,
+                          const char *path,
+                          const struct ckpt_file_piece *pieces,
+                          size_t n_pieces,
+                          void *stream,
+                          int finish,
+                          uint64_t *save_id);
 
 // Blocks until save `save_id` is CKPT_RELEASED or CKPT_DURABLE (as `what`
 // says), or `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the

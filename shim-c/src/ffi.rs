@@ -107,6 +107,22 @@ pub struct ckpt_tensor {
     pub len_bytes: u64,
 }
 
+/// One piece of a file for ckpt_save_file_pieces: `len_bytes` at `data`,
+/// inside memory from ckpt_alloc or a CUDA allocation registered with
+/// ckpt_register_cuda.
+#[repr(C)]
+pub struct ckpt_file_piece {
+    pub data: *const c_void,
+    pub len_bytes: u64,
+}
+
+/// ckpt_save_file_pieces: write the pieces as they are.
+pub const CKPT_FILE_AS_IS: c_int = 0;
+/// ckpt_save_file_pieces: the pieces make a torch.save zip archive written
+/// under torch.serialization.skip_data() with its storages' bytes placed by
+/// pieces; the sidecar computes the CRC-32s torch.save would have written.
+pub const CKPT_FILE_TORCH_ZIP: c_int = 1;
+
 /// A small named byte string saved beside the tensors (RNG state, data position, ...).
 #[repr(C)]
 pub struct ckpt_blob {
@@ -474,6 +490,49 @@ pub unsafe extern "C" fn ckpt_save_file(client: *mut ckpt_client, path: *const c
         let c = unsafe { self::client(client) }?;
         let path = unsafe { c_str(path, "path") }?;
         let h = c.client.save_file(path, data.cast(), len_bytes)?;
+        unsafe { *save_id = h.id };
+        Ok(())
+    })
+}
+
+/// As ckpt_save_file, for a file made of `n_pieces` pieces laid end to end
+/// (protocol 9): each in memory from ckpt_alloc or in a CUDA allocation
+/// registered with ckpt_register_cuda. With CUDA pieces an interprocess
+/// event is recorded on `stream` (a CUstream / cudaStream_t; NULL: the
+/// legacy default stream) and sent along: the sidecar's own stream waits on
+/// it, then copies the device pieces; the CPU never waits. The pieces may
+/// change once the save is CKPT_RELEASED. `finish`: CKPT_FILE_AS_IS or
+/// CKPT_FILE_TORCH_ZIP (the sidecar computes a torch.save archive's
+/// CRC-32s; one that is not such an archive fails before release).
+///
+/// # Safety
+/// `client` is a live client; `path` a NUL-terminated string; `pieces`
+/// holds `n_pieces` entries (may be NULL when 0); `save_id` writable;
+/// `stream` is NULL or a live stream of this process. Piece addresses are
+/// only compared with region addresses.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_save_file_pieces(
+    client: *mut ckpt_client,
+    path: *const c_char,
+    pieces: *const ckpt_file_piece,
+    n_pieces: usize,
+    stream: *mut c_void,
+    finish: c_int,
+    save_id: *mut u64,
+) -> c_int {
+    guard(|| {
+        let save_id = out(save_id, "save_id")?;
+        let finish = match finish {
+            CKPT_FILE_AS_IS => ckpt_wire::FileFinish::AsIs,
+            CKPT_FILE_TORCH_ZIP => ckpt_wire::FileFinish::TorchZip,
+            other => return Err(invalid(format!("finish {other} is neither CKPT_FILE_AS_IS (0) nor CKPT_FILE_TORCH_ZIP (1)"))),
+        };
+        // SAFETY (this block): the caller's contract for every pointer.
+        let c = unsafe { self::client(client) }?;
+        let path = unsafe { c_str(path, "path") }?;
+        let ps = unsafe { slice(pieces, n_pieces, "pieces") }?;
+        let ps: Vec<(*const u8, u64)> = ps.iter().map(|p| (p.data.cast(), p.len_bytes)).collect();
+        let h = c.client.save_file_pieces(path, &ps, stream as u64, finish)?;
         unsafe { *save_id = h.id };
         Ok(())
     })

@@ -6,15 +6,19 @@ comparison and imports nothing. install() puts a finder first on
 sys.meta_path that waits for `import torch`, lets the real loader run, and
 then replaces torch.save and torch.load:
 
-- torch.save(obj, path) serialises with the original torch.save straight
-  into shared memory (a pool of reused regions; the very first file, before
+- torch.save(obj, path) (the host way) serialises with the original
+  torch.save straight into shared memory (a pool of reused regions; the very first file, before
   any sidecar is known, goes through private memory), hands the bytes to the
   sidecar (protocol SaveFile: copied into its staging) and returns once the
-  sidecar holds them (Released): from then on the file is written even if
-  this process dies. The sidecar writes `path` atomically: an unnamed temp file
-  in the same directory, synced, renamed over `path`, the directory synced.
-  The file is an ordinary torch.save file. File objects (not paths) go to
-  the original torch.save.
+  sidecar holds them (Released). The pool's regions are hand-over regions
+  (protocol.md), so once sent the file is written even if this process
+  dies, before Released too. The sidecar writes `path` atomically: an
+  unnamed temp file in the same directory, synced, renamed over `path`, the
+  directory synced. The file is an ordinary torch.save file; its records are
+  named `archive/...`, as torch.save names them for a file object (given a
+  path, torch names them after the file; torch.load reads both). File
+  objects (not paths: a str or an os.PathLike) go to the original
+  torch.save, as do paths that name no file ("dir/").
 - Errors: torch.save first checks that the file can be written: path
   resolved (symbolic links followed, as the original does), a regular file
   or nothing there, writable if it exists, and a file can be created in its
@@ -44,6 +48,37 @@ then replaces torch.save and torch.load:
   newer torch.save of the same path is not rewritten. Files of one path land
   in the order they were saved: a file whose path still has a write pending
   here is written here too, after it.
+- CUDA tensors (the CUDA way; $CKPT_SIDECAR_HOOK_CUDA, default "device"):
+  when the object holds CUDA storages (only looked for once CUDA is
+  initialised in this process), torch.save runs under
+  torch.serialization.skip_data() into shared memory: the file's skeleton,
+  with a hole where each storage's bytes go (torch's own persistent_id,
+  wrapped through pickle_module, says which storage fills which hole; the
+  pickle bytes are the same). CPU storages are copied into their holes; each
+  CUDA storage is sent in place, its allocation registered once (libckpt),
+  behind an interprocess event recorded on the device's current stream (the
+  one the original torch.save copies on): protocol SaveFilePieces. The
+  sidecar's own stream waits on the event, copies the storages into its
+  page-locked staging, computes the CRC-32s skip_data left out, and writes
+  the very bytes the original torch.save writes into a file object. The
+  trainer makes no host copy: torch.save returns at Released, once the
+  sidecar's device copy is done (the caller may then change the tensors).
+  Durability: before Released, a refusal (e.g. larger than the sidecar's
+  staging) or a lost sidecar makes the original torch.save run as above
+  (host copy, nothing lost). After Released this process holds no copy of
+  the CUDA storages, so a sidecar that dies before the file is durable loses
+  it: said on stderr at once, raised by the next torch.save or torch.load of
+  the path, and a process that never asked exits with status 1 (as a failed
+  write, above). CKPT_SIDECAR_HOOK_CUDA=host keeps the host way for every
+  object (the original torch.save copies CUDA tensors to the host in the
+  trainer; the file is written here if the sidecar dies). The host way is
+  also taken when torch lacks skip_data or refuses it for the object, with
+  _use_new_zipfile_serialization=False or positional extra arguments, when
+  the CUDA storages lie on several devices or streams, before any sidecar
+  answers (the first file of a spawned one), or while a write of the same
+  path is pending here. Files of a path whose CRC-32s torch is told not to
+  compute (torch.utils.serialization.config.save.compute_crc32) are left
+  without them, as torch leaves them.
 - torch.load(path) of a path whose write is still pending waits for it.
 - At exit, pending writes are finished before the interpreter goes (and a
   sidecar still being spawned is waited for, then stopped); then the exit
@@ -55,11 +90,13 @@ import errno
 import importlib.abc
 import io
 import os
+import pickle
 import queue
 import stat
 import sys
 import threading
 
+from . import _units
 from .errors import SidecarError
 
 ENV = "CKPT_SIDECAR"
@@ -126,8 +163,11 @@ class _Pool:
         self._cv = threading.Condition()
 
     def _alloc(self, n):
+        # A hand-over region: written only to fill a file before it is sent,
+        # never again until that file is durable, so the sidecar writes the
+        # file even if this process dies before Released (protocol.md).
         with self._ck._mu:  # the Checkpointer's region table
-            return self._ck._alloc(max(n + n // 8, 1 << 20))
+            return self._ck._alloc(max(n + n // 8, 1 << 20), hand_over=True)
 
     def _drop(self, r):
         with self._ck._mu:
@@ -198,6 +238,137 @@ class _ShmFile:
             self.region = None
 
 
+class _PiecedFile(_ShmFile):
+    """What torch.save writes under skip_data, in a region of the pool: the
+    bytes it writes (the archive's skeleton), packed, and the holes it seeks
+    over (one per storage with bytes, in storage-key order), so each file
+    byte is either here or in a storage."""
+
+    def __init__(self, pool, size_hint):
+        super().__init__(pool, size_hint)
+        self.pos = 0      # the file's length so far
+        self.runs = []    # (file offset, region offset, length) of bytes held here
+        self.holes = []   # (file offset, length) left for a storage's bytes
+
+    def write(self, b):
+        at = self.len_bytes
+        n = super().write(b)
+        if n:
+            if self.runs and self.runs[-1][0] + self.runs[-1][2] == self.pos and self.runs[-1][1] + self.runs[-1][2] == at:
+                f, r, m = self.runs[-1]
+                self.runs[-1] = (f, r, m + n)
+            else:
+                self.runs.append((self.pos, at, n))
+            self.pos += n
+        return n
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        # skip_data's only seek: past a storage's bytes (see torch's
+        # write_record_metadata); anything else is not this layout.
+        if whence != io.SEEK_CUR or offset < 0:
+            raise io.UnsupportedOperation(f"seek({offset}, {whence}) while torch.save wrote under skip_data")
+        if offset:
+            self.holes.append((self.pos, offset))
+            self.pos += offset
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def fill(self, file_offset, ptr, n):
+        """Host bytes for the hole at `file_offset` (a CPU storage's)."""
+        at = self.len_bytes
+        _ShmFile.write(self, (ctypes.c_ubyte * n).from_address(ptr))
+        self.runs.append((file_offset, at, n))
+
+
+def _device_storage(storage, torch):
+    """(device address, nbytes, device index, stream handle) of an untyped
+    storage in CUDA memory, else None: the one place the hook asks where a
+    storage's bytes are (tests substitute it). The stream is the device's
+    current stream, the one the original torch.save copies on."""
+    dev = storage.device
+    if dev.type != "cuda":
+        return None
+    return storage.data_ptr(), storage.nbytes(), dev.index, torch.cuda.current_stream(dev).cuda_stream
+
+
+def _cuda_possible(torch):
+    """Whether this process may hold CUDA storages at all: none before CUDA
+    is initialised (a cheap check; tests substitute it)."""
+    cuda = getattr(torch, "cuda", None)
+    return cuda is not None and cuda.is_initialized()
+
+
+class _KeyedPickle:
+    """A pickle module for torch.save that records which storage torch gave
+    which key (torch's own persistent_id, wrapped: same Pickler, same bytes),
+    so each hole of a skip_data archive is matched with its storage."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.storages = {}  # key -> the storage object torch pickled (untyped or typed)
+        seen = self.storages
+
+        class Pickler(inner.Pickler):
+            def __init__(self, *args, **kwargs):
+                theirs = getattr(self, "persistent_id", None)  # torch's, from its subclass
+                if theirs is not None:
+                    def persistent_id(obj):
+                        pid = theirs(obj)
+                        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
+                            seen.setdefault(pid[2], obj)
+                        return pid
+                    self.persistent_id = persistent_id
+                super().__init__(*args, **kwargs)
+
+        self.Pickler = Pickler
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _NotDevice(Exception):
+    """This object does not go the CUDA way (a reason for stderr, or none)."""
+
+
+def _pieces(f, storages, torch):
+    """[(address, nbytes, on_device)] covering the skip_data file `f` from its
+    first byte to its last, device index and stream; CPU storages' bytes are
+    copied into `f`'s region. _NotDevice when no storage is in CUDA memory,
+    or the layout is not the one expected."""
+    untyped = [getattr(s, "_untyped_storage", s) for s in storages.values()]
+    with_bytes = [u for u in untyped if u.nbytes()]
+    if len(with_bytes) != len(f.holes) or any(u.nbytes() != n for u, (_, n) in zip(with_bytes, f.holes)):
+        raise _NotDevice(f"torch.save left {len(f.holes)} holes for {len(with_bytes)} storages")
+    where = [_device_storage(u, torch) for u in with_bytes]
+    found = {(d[2], d[3]) for d in where if d is not None}
+    if not found:
+        raise _NotDevice(None)  # before copying any CPU storage: the host way copies them anyway
+    if len(found) > 1:
+        raise _NotDevice(f"its CUDA storages are on {len(found)} devices or streams")
+    device = []
+    for u, d, (at, n) in zip(with_bytes, where, f.holes):
+        if d is None:
+            f.fill(at, u.data_ptr(), n)
+        else:
+            device.append((at, d[0], n))
+    base = f.region.ptr
+    out = sorted([(at, base + r, n, False) for at, r, n in f.runs] + [(at, p, n, True) for at, p, n in device])
+    end = 0
+    for at, _, n, _ in out:
+        if at != end:
+            raise _NotDevice(f"the pieces do not tile the file (a gap or overlap at byte {at})")
+        end += n
+    if end != f.pos:
+        raise _NotDevice(f"the pieces end at byte {end}, the file at {f.pos}")
+    dev, stream = found.pop()
+    return [(p, n, on_dev) for _, p, n, on_dev in out], dev, stream
+
+
+_DEVICE = object()  # a file sent the CUDA way: this process holds no bytes of it
+
+
 class _Files:
     """The files torch.save asked for: handed to the sidecar, or written here.
 
@@ -223,6 +394,11 @@ class _Files:
         self._said = set()
         # Files written by the sidecar, by this process, and not rewritten (superseded).
         self.counts = {"sidecar": 0, "in_process": 0, "superseded": 0}
+        # Files that went the CUDA way (taken: the sidecar copied their CUDA
+        # storages), fell back before Released, were lost after it.
+        self.cuda = {"device": 0, "fell_back": 0, "lost": 0}
+        self._cuda_mode = None
+        self._connect_tried = False
 
     def _say_once(self, key, msg):
         if key not in self._said:
@@ -256,6 +432,23 @@ class _Files:
         except Exception as e:  # noqa: BLE001 - any failure means: write here
             self._give_up(e)
         return self._ck
+
+    def _connect_running(self):
+        """The Checkpointer of a sidecar already running, connected at the
+        first file that goes the CUDA way (tried once); None otherwise:
+        spawning one is left to the host way, which knows the file's size."""
+        if self._ck is not None or self._no_sidecar is not None or self._spawner is not None or self._connect_tried:
+            return self._ck
+        self._connect_tried = True
+        try:
+            from .checkpointer import Checkpointer
+
+            ck = Checkpointer(spawn=False)
+        except Exception:  # noqa: BLE001 - none running (or unusable): the host way decides
+            return None
+        atexit.register(self._close)  # as _checkpointer does
+        self._use(ck)
+        return ck
 
     def _spawn(self, Checkpointer, d, staging):
         try:
@@ -341,6 +534,90 @@ class _Files:
                 self._thread.start()
             self._q.put((path, seq, data, handle))
 
+    def cuda_mode(self):
+        """"device" or "host" ($CKPT_SIDECAR_HOOK_CUDA, read once)."""
+        if self._cuda_mode is None:
+            self._cuda_mode, complaint = _units.hook_cuda_mode(os.environ)
+            if complaint:
+                self._say_once("cuda-env", complaint)
+        return self._cuda_mode
+
+    def submit_cuda(self, torch, path, obj, orig_save, kwargs):
+        """The CUDA way (see the module's doc): True once the sidecar holds
+        the file (Released: it copied the CUDA storages from the device);
+        False when the caller is to take the host way (nothing sent, or the
+        sidecar refused before Released: nothing lost)."""
+        if self.cuda_mode() != "device" or not _cuda_possible(torch):
+            return False
+        if getattr(getattr(torch, "serialization", None), "skip_data", None) is None \
+                or not kwargs.get("_use_new_zipfile_serialization", True):
+            return False
+        ck = self._connect_running()
+        if ck is None or self.pool is None:
+            return False  # no sidecar yet: the host way starts one and writes this file here
+        with self._mu:
+            if self._here.get(path):
+                return False  # files of a path land in order: behind a write here, here too
+        try:
+            f = _PiecedFile(self.pool, 1 << 20)
+        except SidecarError:
+            return False
+        try:
+            keyed = _KeyedPickle(kwargs.get("pickle_module") or pickle)
+            try:
+                with torch.serialization.skip_data():
+                    orig_save(obj, f, **dict(kwargs, pickle_module=keyed))
+                pieces, _, stream = _pieces(f, keyed.storages, torch)
+            except _NotDevice as e:
+                if e.args[0]:
+                    self._say_once(("cuda-layout", e.args[0]), f"torch.save to {path} takes the host way: {e}")
+                return False
+            except Exception as e:  # noqa: BLE001 - skip_data refuses some objects: the original then runs
+                self._say_once(("cuda-skip", type(e)), f"torch.save to {path} takes the host way: "
+                               f"torch.serialization.skip_data() refused it ({e})")
+                return False
+            config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+            torch_zip = bool(getattr(getattr(config, "save", None), "compute_crc32", True))
+            seq = self._begin(path)
+            try:
+                handle = ck.save_file_pieces(path, pieces, stream, torch_zip)
+                handle.wait_taken()
+            except SidecarError as e:
+                self._say_once(("cuda-refused", type(e)), f"the sidecar did not take torch.save to {path} from the "
+                               f"device ({e}); the original torch.save copies it to the host")
+                with self._mu:
+                    self.cuda["fell_back"] += 1
+                    self._pending[path] -= 1
+                    if not self._pending[path]:
+                        del self._pending[path]
+                    self._mu.notify_all()
+                return False
+        finally:
+            f.release()  # the sidecar holds its copy (or the host way runs)
+        self._sizes[path] = f.pos
+        with self._mu:
+            self.cuda["device"] += 1
+        self._enqueue(path, seq, _DEVICE, handle)
+        return True
+
+    def _begin(self, path):
+        """A new file of `path` is pending; its sequence number (the newest:
+        an older file of the path the sidecar gives back from now on is
+        superseded, never written over this one)."""
+        with self._mu:
+            self._seq += 1
+            seq = self._latest[path] = self._seq
+            self._pending[path] = self._pending.get(path, 0) + 1
+            return seq
+
+    def _enqueue(self, path, seq, data, handle):
+        """To the writer thread: wait for `handle` (None: write `data` here)."""
+        with self._mu:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckpt-sidecar-torch-save", daemon=True)
+                self._thread.start()
+            self._q.put((path, seq, data, handle))
+
     def _run(self):
         while True:
             path, seq, data, handle = self._q.get()
@@ -352,6 +629,17 @@ class _Files:
                         self._count("sidecar")
                         continue
                     except SidecarError as e:
+                        if data is _DEVICE:
+                            with self._mu:
+                                superseded = self._latest[path] != seq
+                            if superseded:
+                                self._count("superseded")
+                                continue
+                            with self._mu:
+                                self.cuda["lost"] += 1
+                            raise OSError(getattr(e, "errno", None) or errno.EIO,
+                                          f"the sidecar did not finish it after it held its CUDA tensors ({e}); "
+                                          "this process kept no host copy (CKPT_SIDECAR_HOOK_CUDA=host keeps one)") from e
                         self._say_once(("lost", type(e)), f"the sidecar did not finish {path} ({e}); "
                                        "writing it in this process")
                 with self._mu:
@@ -457,6 +745,14 @@ def counts():
         return dict(_files.counts)
 
 
+def cuda_counts():
+    """How many hooked torch.save files went the CUDA way (the sidecar copied
+    their CUDA storages from the device), fell back to the host way because
+    the sidecar refused before Released, and were lost after Released."""
+    with _files._mu:
+        return dict(_files.cuda)
+
+
 def wait_sidecar(timeout=None):
     """Until the sidecar spawned at the first torch.save answers (or failed to
     start); whether files now go through a sidecar."""
@@ -469,7 +765,9 @@ def durable(path):
 
 
 def _is_path(f):
-    return isinstance(f, (str, bytes, os.PathLike))
+    """What torch.save and torch.load take as a path (a str or an
+    os.PathLike; bytes they refuse, and so does the original here)."""
+    return isinstance(f, (str, os.PathLike))
 
 
 def _target(f):
@@ -536,6 +834,9 @@ def patch(torch):
     def save(obj, f, *args, **kwargs):
         if not _is_path(f):
             return orig_save(obj, f, *args, **kwargs)
+        if os.fsdecode(os.fspath(f)).endswith(os.sep):
+            # Not a file name ("d.pt/"): the original refuses it, in its words.
+            return orig_save(obj, f, *args, **kwargs)
         path = _target(f)
         err = _files.take_error(path)
         if err is not None:
@@ -546,6 +847,8 @@ def patch(torch):
             # so that files still land in save order).
             _files.wait(path)
             return orig_save(obj, f, *args, **kwargs)
+        if not args and _files.submit_cuda(torch, path, obj, orig_save, kwargs):
+            return
         out = _files.open(path)
         if out is None:
             out = io.BytesIO()

@@ -31,6 +31,13 @@ class Tensor(ctypes.Structure):
     ]
 
 
+class FilePiece(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("len_bytes", ctypes.c_uint64)]
+
+
+FILE_AS_IS, FILE_TORCH_ZIP = 0, 1  # ckpt_save_file_pieces' finish
+
+
 class Blob(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("len_bytes", ctypes.c_uint64)]
 
@@ -99,6 +106,8 @@ def lib():
         "ckpt_save": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t,
                        c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_save_file": ([P, c.c_char_p, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_save_file_pieces": ([P, c.c_char_p, c.POINTER(FilePiece), c.c_size_t, P, c.c_int,
+                                   c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_wait": ([P, c.c_uint64, c.c_int, c.c_int64], c.c_int),
         "ckpt_poll": ([P, c.c_uint64, c.POINTER(c.c_int)], c.c_int),
         "ckpt_save_figures": ([P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double),

@@ -78,3 +78,24 @@ def step_arg(step, latest_ok=False):
         also = ' (or "latest")' if latest_ok else ""
         raise ValueError(f"step {step!r}: a step is an int from 0 to {STEP_MAX}{also}")
     return int(step)
+
+
+# How the torch.save hook treats CUDA storages (its docstring says more):
+# "device" (the default): the sidecar copies them from the device, and the
+# hook holds no host copy; "host": the trainer copies them to the host as the
+# original torch.save does, and the hook can write the file itself if the
+# sidecar dies before it is durable.
+HOOK_CUDA_ENV = "CKPT_SIDECAR_HOOK_CUDA"
+HOOK_CUDA_MODES = ("device", "host")
+
+
+def hook_cuda_mode(environ):
+    """(mode, complaint): the mode $CKPT_SIDECAR_HOOK_CUDA names in `environ`
+    ("device" when unset or empty); an unknown value gives "host", the mode
+    that loses nothing, and one line saying what is wrong."""
+    raw = environ.get(HOOK_CUDA_ENV, "")
+    value = raw.strip().lower() or HOOK_CUDA_MODES[0]
+    if value in HOOK_CUDA_MODES:
+        return value, None
+    return "host", (f"{HOOK_CUDA_ENV}={_q(raw)}: expected one of {', '.join(HOOK_CUDA_MODES)}; "
+                    "CUDA tensors are copied to the host by the trainer")

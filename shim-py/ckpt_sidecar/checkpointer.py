@@ -986,6 +986,34 @@ class Checkpointer:
             self._pending.append(weakref.ref(h))
             return h
 
+    def save_file_pieces(self, path, pieces, stream, torch_zip):
+        """save_file of a file made of `pieces` [(address, nbytes)] laid end to
+        end, each in this client's shared memory or in CUDA device memory (its
+        allocation registered here, once); device pieces are fenced by an
+        event recorded now on CUDA `stream` (a handle), the sidecar copying
+        them on its own stream. With `torch_zip` the pieces are a torch.save
+        archive written under skip_data, whose CRC-32s the sidecar computes.
+        Nothing is copied here; the pieces must not change until the handle
+        is taken. CudaError when a device piece's allocation cannot be
+        registered (no driver, not device memory)."""
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.fsdecode(os.fspath(path)))
+        with self._mu:
+            self._ensure()
+            for addr, n, device in pieces:
+                if device and n:
+                    rid = ctypes.c_uint32()
+                    N.check(N.lib().ckpt_register_cuda(self._client, addr, ctypes.byref(rid)))
+            arr = (N.FilePiece * len(pieces))(*[N.FilePiece(addr, n) for addr, n, _ in pieces])
+            finish = N.FILE_TORCH_ZIP if torch_zip else N.FILE_AS_IS
+            sid = ctypes.c_uint64()
+            N.check(N.lib().ckpt_save_file_pieces(self._client, path.encode(), arr, len(pieces), stream or None, finish,
+                                                  ctypes.byref(sid)))
+            self._own.untaken.add(sid.value)
+            h = SaveHandle(self, None, sid.value, None, time.perf_counter() - t0, inplace=False)
+            self._pending.append(weakref.ref(h))
+            return h
+
     def _plan(self, leaves):
         """Per leaf: (ref, obj, nbytes, shape, where): where is an address (the
         tensor already lies in a region: sent in place) or ("copy", offset)."""

@@ -310,6 +310,8 @@ def test_hook_raises_at_call_time_what_plain_torch_save_raises(tmp_path):
                  ("a_dir.pt", {}),                        # a directory at the path
                  ("no/such/dir/x.pt", {}),                # missing parent
                  ("a_file/x.pt", {}),                     # parent is a file
+                 ("x.pt/", {}),                           # no file name (the hook wrote x.pt)
+                 (b"x.pt", {}),                           # bytes are no path to torch (the hook wrote it)
                  ("a_dir.pt", {"_use_new_zipfile_serialization": False})]  # the legacy writer's OSError
         for path, kw in cases:
             got = want = None
@@ -330,7 +332,7 @@ def test_hook_raises_at_call_time_what_plain_torch_save_raises(tmp_path):
     """
     r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path, fake=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 6, r.stdout
+    assert r.stdout.count("ok ") == 8, r.stdout
     assert "ckpt_sidecar:" not in r.stderr, r.stderr   # nothing deferred, nothing said
 
 

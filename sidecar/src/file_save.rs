@@ -2,6 +2,10 @@
 //! written atomically from staging. This is what the Python shim's
 //! torch.save hook uses: the trainer's `torch.save(obj, path)` returns once
 //! the bytes are in staging (Released), and the sidecar writes `path`.
+//! SaveFilePieces (version 9) is the same for a file made of several pieces,
+//! host or device memory (the hook's CUDA way: a skip_data skeleton in shm,
+//! the storages copied from the device after the trainer's event), whose
+//! torch.save CRC-32s the sidecar computes ([`crate::torch_zip`]).
 //!
 //! The session thread checks the request and copies the bytes into a
 //! staging lease ([`run_save_file`]); the committer writes them
@@ -27,7 +31,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ckpt_wire::{ErrorCode, Reply};
+use ckpt_wire::{ErrorCode, FileFinish, FilePiece, Reply};
 use tracing::{info, info_span, warn};
 
 use crate::jobs::{FileJob, Work};
@@ -37,6 +41,7 @@ use crate::snapshot;
 use crate::staging::StagingError;
 use crate::peer::Peer;
 use crate::state::{Phase, Shared};
+use crate::torch_zip;
 
 /// Longest path accepted (Linux PATH_MAX, terminating NUL included).
 const PATH_BYTES_MAX: usize = 4095;
@@ -109,20 +114,22 @@ fn special_kind(t: &fs::FileType) -> &'static str {
     }
 }
 
-/// Runs one SaveFile for a session: checks, waits for staging, copies,
-/// replies Released (or Failed), and queues the bytes for the committer.
-#[allow(clippy::too_many_arguments)]
-pub fn run_save_file(
-    shared: &Shared,
-    peer: &Arc<Peer>,
-    regions: &HashMap<u32, Arc<Region>>,
-    peer_uid: u32,
-    id: u64,
-    path: String,
-    region_id: u32,
-    offset_bytes: u64,
-    len_bytes: u64,
-) {
+/// A SaveFile (one piece) or SaveFilePieces, as the session hands it over.
+pub struct FileRequest {
+    pub id: u64,
+    pub path: String,
+    /// The file's content, laid end to end.
+    pub pieces: Vec<FilePiece>,
+    pub finish: FileFinish,
+}
+
+/// Runs one SaveFile for a session: checks, waits for staging, copies
+/// every piece (a CUDA region's on the session's stream, after the fence the
+/// session made it wait on), completes a torch.save archive's CRC-32 fields
+/// ([`torch_zip`], after Released), replies Released (or Failed), and queues
+/// the bytes for the committer.
+pub fn run_save_file(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, peer_uid: u32, req: FileRequest) {
+    let FileRequest { id, path, pieces, finish } = req;
     let t_received = Instant::now();
     let fail = |code: ErrorCode, reason: String| {
         info!(path = %path, ?code, "save of a file refused: {reason}");
@@ -137,30 +144,39 @@ pub fn run_save_file(
         Ok(p) => p,
         Err((code, reason)) => return fail(code, reason),
     };
-    // An empty file needs no region bytes (as an empty tensor needs none).
-    let region = match regions.get(&region_id) {
-        _ if len_bytes == 0 => None,
-        Some(r) => Some(r.clone()),
-        None => return fail(ErrorCode::BadRegion, format!("{path}: region {region_id} is not registered")),
-    };
-    if let Some(r) = &region {
-        if let Err(e) = r.contains(offset_bytes, len_bytes).and_then(|()| r.check_intact()) {
-            return fail(ErrorCode::BadRegion, format!("{path}: {e}"));
+    // (region, offset, length) in file order; an empty piece needs no
+    // region (as an empty tensor needs none).
+    let mut sources: Vec<(Arc<Region>, u64, u64)> = Vec::with_capacity(pieces.len());
+    let mut len_bytes = 0u64;
+    for (i, p) in pieces.iter().enumerate() {
+        if p.len_bytes == 0 {
+            continue;
         }
+        let Some(r) = regions.get(&p.region_id) else {
+            return fail(ErrorCode::BadRegion, format!("{path}: piece {i}: region {} is not registered", p.region_id));
+        };
+        if let Err(e) = r.contains(p.offset_bytes, p.len_bytes).and_then(|()| r.check_intact()) {
+            return fail(ErrorCode::BadRegion, format!("{path}: piece {i}: {e}"));
+        }
+        len_bytes = match len_bytes.checked_add(p.len_bytes) {
+            Some(n) => n,
+            None => return fail(ErrorCode::BadRequest, format!("{path}: its pieces add up to more than 2^64 bytes")),
+        };
+        sources.push((r.clone(), p.offset_bytes, p.len_bytes));
     }
     let lease_bytes = config::align_up(len_bytes, STAGING_ALIGN_BYTES).max(STAGING_ALIGN_BYTES as u64);
     if lease_bytes > shared.staging.budget_bytes() {
         let budget = shared.staging.budget_bytes();
         return fail(ErrorCode::TooLarge, format!("{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"));
     }
-    // Bytes in a hand-over region (or none) are the sidecar's once sent:
+    // Bytes all in hand-over regions (or none) are the sidecar's once sent:
     // the client's departure does not stop their copy (protocol.md).
-    let handed_over = region.as_ref().is_none_or(|r| r.hands_over());
+    let handed_over = sources.iter().all(|(r, _, _)| r.hands_over());
     if shared.is_draining() && !handed_over {
         return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
     }
     let key = shared.begin_file(&path, len_bytes);
-    let span = info_span!("save_file", path = %path, bytes = len_bytes);
+    let span = info_span!("save_file", path = %path, bytes = len_bytes, pieces = sources.len());
     let guard = span.enter();
     let give_up = || shared.stop_reason(peer, (!handed_over).then_some("the client disconnected before release"));
     let (mut lease, waited) = match shared.staging.acquire(lease_bytes, &path, give_up) {
@@ -173,22 +189,31 @@ pub fn run_save_file(
     };
     shared.set_phase(key, Phase::Copying);
     let t_copy = Instant::now();
-    let copied = match &region {
-        Some(r) => snapshot::copy_range_into(r, offset_bytes, len_bytes, &mut lease, &|| give_up().is_some()),
-        None => true,
-    };
+    let ranges: Vec<(&Region, u64, u64)> = sources.iter().map(|(r, off, len)| (&**r, *off, *len)).collect();
+    let copied = snapshot::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
     let copy_seconds = t_copy.elapsed().as_secs_f64();
-    // Released only if the region still held its bytes (one its client
-    // truncated during the copy was read as zeros) and the client is still
-    // there to be told.
-    let intact = region.as_ref().map_or(Ok(()), |r| r.check_intact());
-    drop(region);
-    let refused = match intact {
+    // Released only if every region still held its bytes (one its client
+    // truncated during the copy was read as zeros; a failed device copy),
+    // the client is still there to be told, and a torch.save archive is one.
+    let intact = sources.iter().try_for_each(|(r, _, _)| r.check_intact());
+    drop(ranges);
+    drop(sources);
+    let mut refused = match intact {
         Err(e) => Some((ErrorCode::BadRegion, format!("{path}: {e}"))),
         Ok(()) => {
             let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
             stopped.map(|why| (ErrorCode::ShuttingDown, format!("{path}: aborted: {why}")))
         }
+    };
+    let zip = match finish {
+        FileFinish::TorchZip if refused.is_none() => match torch_zip::parse(&lease.as_mut_slice()[..len_bytes as usize]) {
+            Ok(z) => Some(z),
+            Err(e) => {
+                refused = Some((ErrorCode::BadRequest, format!("{path}: {e}")));
+                None
+            }
+        },
+        _ => None,
     };
     if let Some((code, reason)) = refused {
         drop(lease);
@@ -202,6 +227,12 @@ pub fn run_save_file(
     }
     info!(copy_s = copy_seconds, waited_s = waited_seconds, "released");
     peer.send(&Reply::Released { id, step: 0, copy_seconds, waited_seconds });
+    if let Some(z) = zip {
+        // Off the trainer's stall: it only waited for Released.
+        let t_crc = Instant::now();
+        torch_zip::fill(&mut lease.as_mut_slice()[..len_bytes as usize], &z);
+        info!(crc_s = t_crc.elapsed().as_secs_f64(), "torch.save archive CRC-32s computed");
+    }
     shared.set_phase(key, Phase::Queued);
     drop(guard);
     let job = FileJob { id, key, path: dest, len_bytes, lease, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };

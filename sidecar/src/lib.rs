@@ -31,3 +31,4 @@ pub mod slices;
 pub mod snapshot;
 pub mod staging;
 pub mod state;
+pub mod torch_zip;

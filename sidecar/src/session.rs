@@ -14,13 +14,13 @@ use std::io::BufReader;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use ckpt_wire::{ErrorCode, FrameError, Reply, Request, TensorDescIn};
+use ckpt_wire::{ErrorCode, FileFinish, FilePiece, FrameError, Reply, Request, TensorDescIn};
 use tracing::{debug, info, warn};
 
 use ckpt_store::catalog;
 use crate::config;
 use crate::fd_socket::FdSocket;
-use crate::file_save;
+use crate::file_save::{self, FileRequest};
 use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::regions::{CudaSession, CudaSource, Region};
@@ -121,7 +121,21 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, Some(Part { rank, world_size }))
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
-                file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, id, path, region_id, offset_bytes, len_bytes)
+                let pieces = vec![FilePiece { region_id, offset_bytes, len_bytes }];
+                file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, FileRequest { id, path, pieces, finish: FileFinish::AsIs })
+            }
+            Request::SaveFilePieces { id, path, pieces, device, event, finish } => {
+                // Device pieces: the session's stream waits on the trainer's
+                // event (as recorded now, after the message arrived) before
+                // any copy is queued on it.
+                let fenced = if event.is_empty() { Ok(()) } else { cuda.fence(device, &event) };
+                match fenced {
+                    Ok(()) => file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, FileRequest { id, path, pieces, finish }),
+                    Err(e) => {
+                        info!(path = %path, "save of a file refused: the trainer's CUDA event: {e}");
+                        peer.send(&Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}") });
+                    }
+                }
             }
             Request::Load { id, step, tensors } => load::run_load(&shared, &peer, &regions, id, step, tensors),
             Request::List { id } => {

@@ -437,15 +437,24 @@ pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut L
     Some(fold_crcs(layout, &pieces, &piece_crcs))
 }
 
-/// Copies `len_bytes` at `offset_bytes` of `region` to the start of the
-/// lease (a SaveFile's bytes) and zeroes the rest of the lease, so a write
-/// of whole blocks carries no stale bytes; false when stopped early.
-pub fn copy_range_into(region: &Region, offset_bytes: u64, len_bytes: u64, lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
-    assert!(lease.len_bytes() >= len_bytes, "lease smaller than the range");
-    region.contains(offset_bytes, len_bytes).expect("bounds checked before the copy");
-    lease.as_mut_slice()[len_bytes as usize..].fill(0);
+/// Copies `ranges` (region, offset, length) end to end to the start of the
+/// lease (a SaveFile's bytes: one range, or a SaveFilePieces' pieces) and
+/// zeroes the rest of the lease, so a write of whole blocks carries no stale
+/// bytes; device regions' ranges go in one batch per region (after the
+/// fence the session set); false when stopped early.
+pub fn copy_ranges_into(ranges: &[(&Region, u64, u64)], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> bool {
+    let total: u64 = ranges.iter().map(|&(_, _, len)| len).sum();
+    assert!(lease.len_bytes() >= total, "lease smaller than the ranges");
+    lease.as_mut_slice()[total as usize..].fill(0);
+    let base = lease.as_mut_ptr();
     let mut pieces = Vec::new();
-    split_range(&mut pieces, 0, region as *const Region, offset_bytes, lease.as_mut_ptr(), len_bytes as usize);
+    let mut at = 0usize;
+    for &(region, offset_bytes, len_bytes) in ranges {
+        region.contains(offset_bytes, len_bytes).expect("bounds checked before the copy");
+        // The pointer stays inside the lease: at + len ≤ total ≤ its length.
+        split_range(&mut pieces, 0, region as *const Region, offset_bytes, base.wrapping_add(at), len_bytes as usize);
+        at += len_bytes as usize;
+    }
     let mut pieces = Pieces(pieces);
     copy_batches(&mut pieces);
     copy_pieces(&pieces, stop)
@@ -905,7 +914,7 @@ mod tests {
         unlink_segment(&name);
         truncate_segment(&fd, 1 << 20);
         let (mut lease, _) = staging.acquire(len as u64, "f", || None).unwrap();
-        assert!(copy_range_into(&region, 0, len as u64, &mut lease, &|| false));
+        assert!(copy_ranges_into(&[(&region, 0, len as u64)], &mut lease, &|| false));
         assert!(lease.as_slice()[..1 << 20].iter().all(|&b| b == 9) && lease.as_slice()[1 << 20..len].iter().all(|&b| b == 0));
         assert!(region.as_shm().unwrap().was_truncated() && region.check_intact().is_err());
     }

@@ -8,7 +8,10 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
   back bit-exact to the CPU and to the GPU, and restored in place into device
   memory by the sidecar (load_into); a second save of the state reuses the
   kept save plan;
-- hook_roundtrip: torch.save / torch.load of CUDA tensors through the hook;
+- hook_roundtrip: torch.save / torch.load of CUDA tensors through the hook,
+  the CUDA way (the sidecar copies the storages from the device; changed on
+  the GPU right after torch.save returned): the file is byte-identical to the
+  original torch.save's and loads back equal, to the CPU and to the GPU;
 - sigkill_after_released_commits: a trainer SIGKILLed right after Released;
   the sidecar still commits and the checkpoint verifies;
 - restore_to_gpu_c: the C trainer (tests/c/cuda_trainer.c, linked with the
@@ -156,13 +159,29 @@ def hook_roundtrip():
         serve = Serve(tmp)
         try:
             code = textwrap.dedent("""
-                import sys, torch
+                import io, sys, torch
                 import ckpt_sidecar._hook as hook
                 hook.install()
-                sd = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(10, device="cuda")}
-                torch.save(sd, sys.argv[1])
+                big = torch.randn(1 << 20, device="cuda")
+                sd = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(10, device="cuda"),
+                      "h": torch.randn(3, 1000, device="cuda", dtype=torch.bfloat16),
+                      "views": [big[:1000], big[4096:6096].view(40, 50)], "cpu": torch.arange(7.0), "step": 3}
+                want = io.BytesIO()
+                torch.save.__wrapped__(sd, want)  # the original torch.save (archive named "archive", as the hook's)
+                want = want.getvalue()
+                cpu = {"w": sd["w"].cpu(), "b": sd["b"].cpu(), "h": sd["h"].cpu(), "v0": big[:1000].cpu()}
+                torch.save(sd, sys.argv[1])  # the CUDA way: returns once the sidecar copied from the device
+                sd["w"].add_(1.0)            # the next step's write, at once
+                big.mul_(2.0)
+                assert hook.flush(300)
+                assert hook.cuda_counts() == {"device": 1, "fell_back": 0, "lost": 0}, hook.cuda_counts()
+                got = open(sys.argv[1], "rb").read()
+                assert got == want, f"the hook's file differs from torch.save's ({len(got)} vs {len(want)} bytes)"
                 back = torch.load(sys.argv[1], map_location="cpu")
-                assert torch.equal(back["w"], sd["w"].cpu()) and torch.equal(back["b"], sd["b"].cpu())
+                assert torch.equal(back["w"], cpu["w"]) and torch.equal(back["b"], cpu["b"])
+                assert torch.equal(back["h"], cpu["h"]) and torch.equal(back["views"][0], cpu["v0"])
+                back = torch.load(sys.argv[1])  # onto the GPU
+                assert back["w"].is_cuda and torch.equal(back["w"].cpu(), cpu["w"])
                 print("ok")
             """)
             env = dict(os.environ, CKPT_SIDECAR="1", CKPT_SIDECAR_SOCKET=serve.socket)

@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -162,6 +162,44 @@ pub enum Request {
     /// lives, even after a piece is unregistered). All pieces lie on one
     /// device. Reply: RegionRegistered or Error. Added in version 8.
     RegisterCudaSpan { id: u64, region_id: u32, pieces: Vec<u32> },
+    /// A SaveFile whose content is `pieces` laid end to end: each names
+    /// bytes of a registered region, host shm or CUDA device memory (the
+    /// torch.save hook's CUDA way: the file's skeleton in shm, each CUDA
+    /// storage's bytes in place on the device). With device pieces, `event`
+    /// is the IPC handle (64 bytes) of an interprocess event recorded on the
+    /// trainer's stream on `device` just before this message was sent: the
+    /// sidecar's stream waits on it (after the message arrived), then copies
+    /// (empty `event`: no device piece, `device` unused). `finish` says what
+    /// the sidecar completes in its copy before writing it ([`FileFinish`]).
+    /// Replies as SaveFile does: Released once every piece is in staging
+    /// (the device copy done: the trainer may change the tensors), then
+    /// Durable or Failed. Added in version 9.
+    SaveFilePieces { id: u64, path: String, pieces: Vec<FilePiece>, device: i32, event: Vec<u8>, finish: FileFinish },
+}
+
+
+/// One piece of a [`Request::SaveFilePieces`]: `len_bytes` at `offset_bytes`
+/// of region `region_id`. (Version 9.)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FilePiece {
+    pub region_id: u32,
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+}
+
+/// What the sidecar completes in a [`Request::SaveFilePieces`] file once
+/// every piece is in staging. (Version 9.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileFinish {
+    /// Written as the pieces are.
+    AsIs,
+    /// A torch.save zip archive (stored records, data descriptors) written
+    /// with `torch.serialization.skip_data()`, its storage bytes then placed
+    /// by device pieces: the sidecar computes each record's CRC-32 into its
+    /// data descriptor and central-directory entry, and the crc half of
+    /// `.data/serialization_id`, as torch.save computes them. A piece list
+    /// that is not such an archive is refused before Released.
+    TorchZip,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

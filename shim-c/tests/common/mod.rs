@@ -275,7 +275,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 send(&w, &Reply::Listing { id, steps, latest });
             }
             Request::Status { id } => send(&w, &Reply::Status { id, report: StatusReport { server_pid: std::process::id(), staging_bytes: 1 << 30, ..Default::default() } }),
-            Request::SaveFile { id, .. } => {
+            Request::SaveFile { id, .. } | Request::SaveFilePieces { id, .. } => {
                 send(&w, &Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: "the fake sidecar writes no files".into() });
             }
             Request::Rollback { id, step } => {
@@ -309,6 +309,7 @@ fn kind(r: &Request) -> String {
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),
+        Request::SaveFilePieces { path, pieces, .. } => format!("SaveFilePieces {path} ({} pieces)", pieces.len()),
         Request::Rollback { step, .. } => format!("Rollback {step}"),
         Request::RegisterCudaRegion { region_id, .. } => format!("RegisterCudaRegion {region_id}"),
         Request::RegisterCudaVmmRegion { region_id, .. } => format!("RegisterCudaVmmRegion {region_id}"),

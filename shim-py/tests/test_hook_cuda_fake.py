@@ -1,0 +1,282 @@
+"""The torch.save hook's CUDA way, through the test-only fake driver and a
+spawned sidecar: torch here makes no CUDA tensors, so the one function that
+says where a storage's bytes are (_hook._device_storage) is substituted:
+each chosen CPU storage's bytes are mirrored in fake device memory (written
+by late async copies on a stream: only the sidecar's wait on the event the
+hook records there makes the file hold them), and everything else runs as on
+a GPU: skip_data skeleton, device pieces in registered allocations, the
+sidecar's copy on its own stream, its CRC-32s.
+
+The file must be byte-identical to the original torch.save of the same
+object (into a file object: the hook's archive is named "archive", as
+torch.save names it for a file object), and load equal. Also: a refusal
+before Released falls back to the host way and writes the file;
+CKPT_SIDECAR_HOOK_CUDA=host keeps the host way; a file lost after Released
+is said at once and raised by the next torch.save/torch.load of its path.
+Trainers run in child processes (the fake is found through LD_LIBRARY_PATH,
+read when a process starts); these tests fail, never skip, without the fake
+or torch's skip_data.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_cuda_fake import fake_dir
+
+torch = pytest.importorskip("torch")
+
+TRAINER = textwrap.dedent(r"""
+    import ctypes, io, json, os, sys
+    import torch
+    from ckpt_sidecar import _hook
+
+    mode, out = sys.argv[1], sys.argv[2]
+    assert hasattr(torch.serialization, "skip_data"), "this torch has no skip_data"
+    cu = ctypes.CDLL("libcuda.so.1")
+    def ok(r, what):
+        if r != 0:
+            raise SystemExit(f"{what}: CUDA error {r}")
+    ok(cu.cuInit(0), "cuInit")  # reads this process's copy delay (late on purpose)
+    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"  # the spawned sidecar's copies: prompt
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    stream = ctypes.c_void_p()
+    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+
+    mirror = {}  # CPU storage address -> its device copy's address
+    allocs = []
+    def on_device(t, late=True):
+        # t's storage, in fake device memory: zeros first, then its bytes by
+        # an async copy the fake finishes late (only the event orders it).
+        s = t.untyped_storage()
+        n = s.nbytes()
+        base = ctypes.c_uint64()
+        ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(n + 4096)), "cuMemAlloc_v2")
+        allocs.append(base)
+        p = base.value + 4096  # not at the allocation's start
+        zeros = (ctypes.c_ubyte * n)()
+        ok(cu.cuMemcpyHtoD_v2(ctypes.c_uint64(p), zeros, ctypes.c_size_t(n)), "zeros")
+        ok(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(p), ctypes.c_void_p(s.data_ptr()), ctypes.c_size_t(n), stream), "late")
+        mirror[s.data_ptr()] = p
+        return p
+
+    def device_storage(storage, torch):
+        p = mirror.get(storage.data_ptr())
+        return None if p is None else (p, storage.nbytes(), 0, stream.value)
+    _hook._device_storage = device_storage
+    _hook._cuda_possible = lambda torch: True
+    _hook.install()
+
+    def original(obj):
+        b = io.BytesIO()
+        torch.save.__wrapped__(obj, b)
+        return b.getvalue()
+
+    def equal(a, b):
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return a == b
+
+    torch.save({"warm": 1}, os.path.join(out, "warm.pt"))  # starts the sidecar (written here)
+    assert _hook.wait_sidecar(120), "no sidecar"
+    report = {}
+
+    a = torch.arange(100000, dtype=torch.float32) * 0.25 - 3
+    state = {
+        "model": {"a": a, "a_view": a[10:20], "b": torch.ones(3, 5, dtype=torch.bfloat16) * 7,
+                  "i": torch.arange(64 * 64, dtype=torch.int64).reshape(64, 64) * 3 - 5,
+                  "empty": torch.zeros(0)},
+        "host": torch.linspace(0, 1, 333, dtype=torch.float64),  # a CPU storage among device ones
+        "step": 7, "name": "run",
+    }
+    expected = original(state)
+    for t in (state["model"]["a"], state["model"]["b"], state["model"]["i"]):
+        on_device(t)
+
+    if mode == "device":
+        path = os.path.join(out, "model.pt")
+        torch.save(state, path)  # returns at Released: the device copy is done
+        # Device bytes changed after torch.save returned never reach the file.
+        junk = (ctypes.c_ubyte * 4096)(*([0xee] * 4096))
+        for p in mirror.values():
+            ok(cu.cuMemcpyHtoD_v2(ctypes.c_uint64(p), junk, ctypes.c_size_t(512)), "junk")
+        assert _hook.flush(120)
+        got = open(path, "rb").read()
+        report["identical"] = got == expected
+        report["sizes"] = [len(got), len(expected)]
+        if got != expected:
+            diff = [i for i in range(min(len(got), len(expected))) if got[i] != expected[i]]
+            report["first_diffs"] = diff[:8]
+        report["loads_equal"] = equal(torch.load(path, weights_only=True), state)
+        # Many files in a row, the same path each time: the last one wins.
+        for t in (state["model"]["a"], state["model"]["b"], state["model"]["i"]):
+            on_device(t)  # afresh: the junk above is in the old copies
+        for k in range(3):
+            state["step"] = k
+            torch.save(state, os.path.join(out, "again.pt"))
+        report["again_equal"] = equal(torch.load(os.path.join(out, "again.pt"), weights_only=True), state)
+    elif mode == "refused":
+        # Larger than the sidecar's whole staging: refused before Released,
+        # so the original torch.save runs (host way) and the file is written.
+        big = torch.arange(24 << 20, dtype=torch.int32)
+        state["big"] = big
+        expected = original(state)
+        on_device(big)
+        path = os.path.join(out, "big.pt")
+        torch.save(state, path)
+        assert _hook.flush(120)
+        report["identical"] = open(path, "rb").read() == expected
+        report["loads_equal"] = equal(torch.load(path, weights_only=True), state)
+    elif mode == "host":
+        path = os.path.join(out, "model.pt")
+        torch.save(state, path)
+        assert _hook.flush(120)
+        report["identical"] = open(path, "rb").read() == expected
+        report["loads_equal"] = equal(torch.load(path, weights_only=True), state)
+    report["cuda"] = _hook.cuda_counts()
+    report["counts"] = _hook.counts()
+    ok(cu.cuStreamSynchronize(stream), "sync")
+    for b in allocs:
+        ok(cu.cuMemFree_v2(b), "cuMemFree")
+    print(json.dumps(report))
+""")
+
+
+def run(tmp_path, mode, private_tmp, **env_extra):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR") or k in ("CKPT_SIDECAR_LIB", "CKPT_SIDECAR_BIN")}
+    env["CKPT_SIDECAR_SOCKET"] = str(tmp_path / "no-sidecar.sock")  # the hook spawns its own
+    env["CKPT_SIDECAR_STAGING"] = "64MiB"
+    env["TMPDIR"] = private_tmp
+    env["LD_LIBRARY_PATH"] = str(fake_dir())
+    env["FAKE_CUDA_COPY_DELAY_US"] = "200000"  # this trainer's copies finish late
+    import ckpt_sidecar
+    pkg_parent = str(pathlib.Path(ckpt_sidecar.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(env_extra)
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+        for pattern in (f"fakecuda-{proc.pid}-*", f"fakecuda-ev-{proc.pid}-*"):
+            for f in pathlib.Path("/dev/shm").glob(pattern):
+                f.unlink(missing_ok=True)
+    assert proc.returncode == 0, stderr
+    import json
+    return json.loads(stdout.strip().splitlines()[-1]), stderr
+
+
+def test_cuda_storages_go_from_the_device_and_the_file_is_torch_saves_own(tmp_path, private_tmp):
+    r, err = run(tmp_path, "device", private_tmp)
+    assert r["cuda"] == {"device": 4, "fell_back": 0, "lost": 0}, (r, err)
+    assert r["identical"], (r, err)
+    assert r["loads_equal"] and r["again_equal"], r
+    assert r["counts"]["in_process"] == 1, r  # only the first file, before the sidecar answered
+
+
+def test_a_refusal_before_released_falls_back_to_the_original_torch_save(tmp_path, private_tmp):
+    r, err = run(tmp_path, "refused", private_tmp)
+    assert r["cuda"] == {"device": 0, "fell_back": 1, "lost": 0}, (r, err)
+    assert "did not take torch.save" in err and "from the device" in err, err
+    assert r["identical"] and r["loads_equal"], r
+
+
+def test_the_host_opt_out_keeps_the_host_way(tmp_path, private_tmp):
+    r, err = run(tmp_path, "host", private_tmp, CKPT_SIDECAR_HOOK_CUDA="host")
+    assert r["cuda"] == {"device": 0, "fell_back": 0, "lost": 0}, (r, err)
+    assert r["identical"] and r["loads_equal"], r
+    assert r["counts"]["sidecar"] == 1, r
+    # An unknown value: one line, and the way that loses nothing.
+    r, err = run(tmp_path, "host", private_tmp, CKPT_SIDECAR_HOOK_CUDA="gpu")
+    assert r["cuda"]["device"] == 0 and r["identical"], r
+    assert 'CKPT_SIDECAR_HOOK_CUDA="gpu": expected one of device, host' in err, err
+
+
+def test_a_file_of_host_pieces_and_a_refused_archive(ck, tmp_path):
+    """SaveFilePieces with host pieces only (no event): laid end to end; a
+    torch.save archive is finished into itself; pieces that are no torch.save
+    archive are refused before Released, and no file appears."""
+    import ctypes
+    import io
+
+    from ckpt_sidecar.errors import BadRequest
+
+    with ck._mu:
+        r = ck._alloc(1 << 20)
+    ctypes.memmove(r.ptr, b"hello ", 6)
+    ctypes.memmove(r.ptr + 4096, b"world", 5)
+    path = tmp_path / "plain.txt"
+    h = ck.save_file_pieces(path, [(r.ptr, 6, False), (r.ptr + 4096, 5, False), (r.ptr, 0, False)], None, False)
+    h.wait_durable(timeout=60)
+    assert path.read_bytes() == b"hello world"
+
+    b = io.BytesIO()
+    torch.save({"x": torch.arange(10.0)}, b)
+    data = b.getvalue()
+    ctypes.memmove(r.ptr, data, len(data))
+    path = tmp_path / "whole.pt"
+    ck.save_file_pieces(path, [(r.ptr, 100, False), (r.ptr + 100, len(data) - 100, False)], None, True).wait_durable(timeout=60)
+    assert path.read_bytes() == data
+
+    path = tmp_path / "not-an-archive.pt"
+    h = ck.save_file_pieces(path, [(r.ptr + 4096, 5, False)], None, True)
+    with pytest.raises(BadRequest, match="not a torch.save zip archive"):
+        h.wait_taken(timeout=60)
+    assert not path.exists()
+
+
+def test_a_device_file_lost_after_released_is_said_at_once_and_raised_later(tmp_path):
+    """After Released the hook holds no bytes of a CUDA-way file: when the
+    sidecar then fails it (here a handle that reports the sidecar gone), the
+    loss is said on stderr at once, the next torch.load of the path raises
+    it, and a process that never asked about another lost file exits 1."""
+    code = textwrap.dedent('''
+        import os
+        import torch
+        from ckpt_sidecar import _hook
+        from ckpt_sidecar.errors import Disconnected
+
+        class Gone:
+            def wait_durable(self):
+                raise Disconnected("the sidecar closed the connection", Disconnected.code)
+
+        _hook.install()
+        f = _hook._files
+        p = os.path.abspath("lost.pt")
+        f._enqueue(p, f._begin(p), _hook._DEVICE, Gone())
+        assert f.wait(p, 60)
+        try:
+            torch.load(p)
+            raise SystemExit("the lost file was not raised")
+        except OSError as e:
+            assert "kept no host copy" in str(e) and "CKPT_SIDECAR_HOOK_CUDA=host" in str(e), e
+            print("raised", flush=True)
+        assert _hook.cuda_counts()["lost"] == 1
+        q = os.path.abspath("lost2.pt")
+        f._enqueue(q, f._begin(q), _hook._DEVICE, Gone())
+        assert f.wait(q, 60)
+    ''')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR") or k in ("CKPT_SIDECAR_LIB", "CKPT_SIDECAR_BIN")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stdout.strip() == "raised", r.stderr
+    lost = str(tmp_path / "lost.pt")
+    assert f"torch.save to {lost} failed after it returned" in r.stderr, r.stderr
+    assert "lost2.pt failed after it returned, and no later torch.save or torch.load of it reported it" in r.stderr, r.stderr
+    assert not (tmp_path / "lost.pt").exists()

@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -148,6 +148,15 @@ pub enum Request {
     /// matched to these requests in the order they arrive. Reply:
     /// RegionRegistered or Error. Added in version 6.
     RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, len_bytes: u64 },
+    /// Load every tensor of `step` (None: latest, falling back past damaged
+    /// ones) into `len_bytes` at `offset_bytes` of host region `region_id`,
+    /// laid out as the sidecar chooses: the checkpoint's shard images back to
+    /// back, read from disk straight into the region (O_DIRECT) and verified
+    /// there, or copied from the resident image. Reply: [`Reply::Placed`]
+    /// (nothing written when the checkpoint needs more than `len_bytes`) or
+    /// Error. The bytes are the client's from then on: the sidecar writes the
+    /// region again only when asked to. Added in version 8.
+    LoadPacked { id: u64, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -205,7 +214,28 @@ pub enum Reply {
     /// recorded after them; Released still follows once they completed.
     /// (Version 6.)
     CopyQueued { id: u64, step: u64 },
+    /// The answer to a LoadPacked: as [`Reply::Loaded`], plus where each
+    /// tensor of `tensors` now starts (`offsets[i]`, from the request's
+    /// `offset_bytes`; [`NOT_PLACED`] for a tensor stored in slices, which
+    /// is not contiguous there: load it with a Load) and the bytes the
+    /// checkpoint needs. `need_bytes` above the request's `len_bytes`:
+    /// nothing was written and `offsets` and `blobs` are empty (`tensors`
+    /// then come from the index, to size a region; ask again with one large
+    /// enough). (Version 8.)
+    Placed {
+        id: u64,
+        step: u64,
+        source: LoadSource,
+        tensors: Vec<TensorInfo>,
+        offsets: Vec<u64>,
+        need_bytes: u64,
+        blobs: Vec<Blob>,
+        fell_back: Vec<String>,
+    },
 }
+
+/// [`Reply::Placed`]'s offset of a tensor that is not contiguous in the region.
+pub const NOT_PLACED: u64 = u64::MAX;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct StatusReport {

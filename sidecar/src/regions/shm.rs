@@ -146,6 +146,24 @@ impl ShmMemory {
         out
     }
 
+    /// A second mapping of the segment, writable, for a load that reads
+    /// from disk straight into it (O_DIRECT); unmapped when dropped. Every
+    /// access through it runs inside [`Writable::run`].
+    pub fn map_writable(&self) -> Result<Writable<'_>, RegionError> {
+        if self.ptr.is_null() {
+            return Ok(Writable { mem: self, ptr: std::ptr::null_mut(), len: 0 });
+        }
+        // SAFETY: a new shared mapping of an fd we own (opened O_RDWR), no
+        // address hint, len_bytes checked at open; checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), self.len_bytes as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, self.fd.as_raw_fd(), 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os(&self.shm_name, "mmap (writable)"));
+        }
+        Ok(Writable { mem: self, ptr: p.cast(), len: self.len_bytes as usize })
+    }
+
     /// Whether a read found the segment shrunk under it.
     pub fn was_truncated(&self) -> bool {
         self.truncated.load(Ordering::Acquire)
@@ -242,6 +260,55 @@ impl ShmMemory {
             done += r as usize;
         }
         Ok(())
+    }
+}
+
+/// A writable mapping of a region ([`ShmMemory::map_writable`]): a load's
+/// destination. The region is the client's memory, which it may change or
+/// shrink meanwhile: nothing forms a Rust reference to it outside
+/// [`Writable::run`], whose fault handling is [`ShmMemory::read`]'s.
+pub struct Writable<'a> {
+    mem: &'a ShmMemory,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: only the address is shared; the memory behind it is reached
+// through raw pointers (the kernel's O_DIRECT reads, the checks' copies) in
+// `run`, armed per thread, as for the read-only mapping.
+unsafe impl Sync for Writable<'_> {}
+
+impl Writable<'_> {
+    /// The address of the region's first byte in this mapping (null when empty).
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Runs `f`, which reads and writes this mapping, with this thread's
+    /// SIGBUS handler armed for it: a segment shrunk meanwhile reads as
+    /// zeros (writes there then fail) and the region is marked truncated
+    /// ([`ShmMemory::check_intact`] fails).
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        let armed = Armed { start: self.ptr as usize, len: self.len, truncated: &self.mem.truncated };
+        let outer = ARMED.with(|a| a.replace(Some(armed)));
+        compiler_fence(Ordering::SeqCst);
+        let out = f();
+        compiler_fence(Ordering::SeqCst);
+        ARMED.with(|a| a.set(outer));
+        out
+    }
+}
+
+impl Drop for Writable<'_> {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: our own mapping of len bytes, unused from here on.
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        }
     }
 }
 

@@ -211,6 +211,19 @@ int ckpt_set_rank(struct ckpt_client *client, uint32_t rank, uint32_t world_size
 // `client` is a live client; `ptr` points to writable storage.
 int ckpt_alloc(struct ckpt_client *client, uint64_t len_bytes, void **ptr);
 
+// Copies the name of the shared-memory segment behind memory from
+// ckpt_alloc (`ptr` is the address it returned; e.g. "/ckpt-123-4-…", for
+// shm_open) into `buf` with its NUL, and its length (without the NUL) into
+// *len. A second mapping of that segment (shm_open + mmap MAP_SHARED) sees
+// the same bytes and outlives ckpt_free/ckpt_close, which unlink the name:
+// how the Python package keeps loaded tensors valid after its client is
+// closed. CKPT_E_TRUNCATED (length stored) when `cap` is too small.
+//
+// # Safety
+// `client` is a live client; `buf` writable for `cap` bytes (or NULL with
+// cap 0); `len` writable.
+int ckpt_region_name(struct ckpt_client *client, void *ptr, char *buf, size_t cap, size_t *len);
+
 // Frees memory from ckpt_alloc (`ptr` is the address it returned): the
 // sidecar stops using it (after any copy from it ends), it is unmapped and
 // its shared memory removed.

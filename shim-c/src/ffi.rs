@@ -390,6 +390,42 @@ pub unsafe extern "C" fn ckpt_alloc(client: *mut ckpt_client, len_bytes: u64, pt
     })
 }
 
+/// Copies the name of the shared-memory segment behind memory from
+/// ckpt_alloc (`ptr` is the address it returned; e.g. "/ckpt-123-4-…", for
+/// shm_open) into `buf` with its NUL, and its length (without the NUL) into
+/// *len. A second mapping of that segment (shm_open + mmap MAP_SHARED) sees
+/// the same bytes and outlives ckpt_free/ckpt_close, which unlink the name:
+/// how the Python package keeps loaded tensors valid after its client is
+/// closed. CKPT_E_TRUNCATED (length stored) when `cap` is too small.
+///
+/// # Safety
+/// `client` is a live client; `buf` writable for `cap` bytes (or NULL with
+/// cap 0); `len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_region_name(client: *mut ckpt_client, ptr: *mut c_void, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int {
+    guard(|| {
+        let len = out(len, "len")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let region = c.client.regions().into_iter().find(|r| std::ptr::eq(r.as_ptr(), ptr.cast::<u8>())).ok_or(Error::UnknownRegion { ptr: ptr as usize })?;
+        let name = region.shm_name().as_bytes();
+        // SAFETY: writable by the contract.
+        unsafe { *len = name.len() };
+        if buf.is_null() && cap == 0 {
+            return Ok(());
+        }
+        if buf.is_null() || cap < name.len() + 1 {
+            return Err(Error::Truncated { len_bytes: name.len() as u64 + 1, cap_bytes: cap as u64 });
+        }
+        // SAFETY: buf is writable for cap ≥ len + 1 bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(name.as_ptr(), buf.cast::<u8>(), name.len());
+            *buf.add(name.len()) = 0;
+        }
+        Ok(())
+    })
+}
+
 /// Frees memory from ckpt_alloc (`ptr` is the address it returned): the
 /// sidecar stops using it (after any copy from it ends), it is unmapped and
 /// its shared memory removed.

@@ -1087,7 +1087,12 @@ class Checkpointer:
         the sidecar; torch tensors where torch tensors were saved, numpy arrays
         where arrays were. A step is an int from 0 to 999999999999. map_location: a torch device for torch tensors (None:
         the device they were saved from). Whatever world size saved it, every
-        rank gets the whole state (tensors split between ranks come back whole)."""
+        rank gets the whole state (tensors split between ranks come back whole).
+
+        CPU tensors and arrays are views of a shared-memory load region the
+        sidecar read the checkpoint into (no copy): the region is reused by a
+        later load only once every tensor of this load is gone, so they are
+        never overwritten, and they stay valid after close() (_LoadRegion)."""
         with self._mu:
             packed = self._load_packed(step, map_location)
             if packed is None:

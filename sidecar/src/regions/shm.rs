@@ -301,10 +301,6 @@ impl Writable<'_> {
         self.ptr
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
     /// Runs `f`, which reads and writes this mapping, with this thread's
     /// SIGBUS handler armed for it: a segment shrunk meanwhile reads as
     /// zeros (writes there then fail) and the region is marked truncated

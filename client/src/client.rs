@@ -200,6 +200,13 @@ pub struct LoadInfo {
     pub blobs: Vec<Blob>,
     /// Newer checkpoints skipped as damaged, and why.
     pub fell_back: Vec<String>,
+    /// [`Client::load_packed`] only (else empty): where `tensors[i]` starts,
+    /// from the start of the memory given ([`ckpt_wire::NOT_PLACED`] for a
+    /// tensor stored in slices, not contiguous there).
+    pub offsets: Vec<u64>,
+    /// [`Client::load_packed`] only (else 0): the bytes the checkpoint needs;
+    /// above the length given, nothing was written.
+    pub need_bytes: u64,
 }
 
 /// What the sidecar said in its Welcome.
@@ -441,6 +448,7 @@ fn reply_id(r: &Reply) -> Option<u64> {
         | Reply::Status { id, .. }
         | Reply::RolledBack { id, .. }
         | Reply::CopyQueued { id, .. }
+        | Reply::Placed { id, .. }
         | Reply::Error { id, .. } => Some(*id),
     }
 }
@@ -1124,8 +1132,32 @@ impl Client {
         let id = self.send_request(conn, |id| Request::Load { id, step, tensors: descs })?;
         drop(inner);
         match self.await_reply(id, gen, "the sidecar to load", timeout)? {
-            Reply::Loaded { step, source, tensors, blobs, fell_back, .. } => Ok(LoadInfo { step, source, tensors, blobs, fell_back }),
+            Reply::Loaded { step, source, tensors, blobs, fell_back, .. } => Ok(LoadInfo { step, source, tensors, blobs, fell_back, offsets: Vec::new(), need_bytes: 0 }),
             other => Err(unexpected("Load", other)),
+        }
+    }
+
+    /// Loads every tensor of `step` (None: latest) into the `len_bytes` at
+    /// `ptr` (inside one of this client's host regions, block-aligned), laid
+    /// out as the sidecar chooses (`LoadInfo::offsets`): from disk it reads
+    /// straight into that memory, verified. When the checkpoint needs more
+    /// than `len_bytes` (`LoadInfo::need_bytes`) nothing is written and
+    /// `tensors` only says what it holds: call again with more.
+    pub fn load_packed(&self, step: Option<u64>, ptr: *const u8, len_bytes: u64) -> Result<LoadInfo> {
+        let mut inner = self.lock_inner();
+        let (region_id, offset_bytes) = inner
+            .regions
+            .values()
+            .find_map(|r| r.offset_of(ptr as usize, len_bytes).map(|off| (r.region_id(), off)))
+            .ok_or_else(|| Error::OutsideRegion { name: "(load range)".into(), ptr: ptr as usize, len_bytes })?;
+        let timeout = inner.request_timeout;
+        let conn = self.ensure_connected(&mut inner)?;
+        let gen = conn.gen;
+        let id = self.send_request(conn, |id| Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes })?;
+        drop(inner);
+        match self.await_reply(id, gen, "the sidecar to load", timeout)? {
+            Reply::Placed { step, source, tensors, offsets, need_bytes, blobs, fell_back, .. } => Ok(LoadInfo { step, source, tensors, blobs, fell_back, offsets, need_bytes }),
+            other => Err(unexpected("LoadPacked", other)),
         }
     }
 

@@ -239,6 +239,19 @@ int ckpt_alloc(struct ckpt_client *client, uint64_t len_bytes, void **ptr);
 // `client` is a live client; `ptr` points to writable storage.
 int ckpt_alloc_hand_over(struct ckpt_client *client, uint64_t len_bytes, void **ptr);
 
+// Copies the name of the shared-memory segment behind memory from
+// ckpt_alloc (`ptr` is the address it returned; e.g. "/ckpt-123-4-…", for
+// shm_open) into `buf` with its NUL, and its length (without the NUL) into
+// *len. A second mapping of that segment (shm_open + mmap MAP_SHARED) sees
+// the same bytes and outlives ckpt_free/ckpt_close, which unlink the name:
+// how the Python package keeps loaded tensors valid after its client is
+// closed. CKPT_E_TRUNCATED (length stored) when `cap` is too small.
+//
+// # Safety
+// `client` is a live client; `buf` writable for `cap` bytes (or NULL with
+// cap 0); `len` writable.
+int ckpt_region_name(struct ckpt_client *client, void *ptr, char *buf, size_t cap, size_t *len);
+
 // Frees memory from ckpt_alloc or ckpt_alloc_hand_over (`ptr` is the address it returned): the
 // sidecar stops using it (after any copy from it ends), it is unmapped and
 // its shared memory removed.
@@ -350,6 +363,36 @@ int ckpt_load(struct ckpt_client *client,
               size_t n_tensors,
               uint64_t *out_step,
               int *out_source);
+
+// Loads every tensor of checkpoint `step` (-1: the latest good one) into the
+// `len_bytes` at `data` (inside memory from ckpt_alloc, 4096-byte aligned),
+// verified, laid out as the sidecar chooses: ckpt_loaded_tensor_offset says
+// where each tensor starts. From disk the sidecar reads straight into that
+// memory (no copy). Stores the bytes the checkpoint needs in
+// *out_need_bytes; when that is above `len_bytes` nothing was written and
+// the tensor list only says what the checkpoint holds (call again with
+// more). *out_step and *out_source as for ckpt_load; any out-pointer may be
+// NULL. The memory is the caller's again when this returns.
+//
+// # Safety
+// `client` is a live client; `data` is memory from ckpt_alloc valid for
+// `len_bytes`; non-NULL out-pointers are writable.
+int ckpt_load_packed(struct ckpt_client *client,
+                     int64_t step,
+                     void *data,
+                     uint64_t len_bytes,
+                     uint64_t *out_step,
+                     int *out_source,
+                     uint64_t *out_need_bytes);
+
+// Where tensor `idx` of the last successful ckpt_load_packed starts, in
+// bytes from its `data`; UINT64_MAX for a tensor stored in slices by
+// several ranks (not contiguous there: load it with ckpt_load) and after a
+// ckpt_load_packed that wrote nothing or a plain ckpt_load.
+//
+// # Safety
+// `client` is a live client; `offset` writable.
+int ckpt_loaded_tensor_offset(struct ckpt_client *client, size_t idx, uint64_t *offset);
 
 // Copies blob `name` of the last successful ckpt_load into `buf` (capacity
 // `cap_bytes`) and stores its length in *len_bytes. With buf NULL and

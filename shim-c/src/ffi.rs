@@ -428,6 +428,42 @@ pub unsafe extern "C" fn ckpt_alloc_hand_over(client: *mut ckpt_client, len_byte
     })
 }
 
+/// Copies the name of the shared-memory segment behind memory from
+/// ckpt_alloc (`ptr` is the address it returned; e.g. "/ckpt-123-4-…", for
+/// shm_open) into `buf` with its NUL, and its length (without the NUL) into
+/// *len. A second mapping of that segment (shm_open + mmap MAP_SHARED) sees
+/// the same bytes and outlives ckpt_free/ckpt_close, which unlink the name:
+/// how the Python package keeps loaded tensors valid after its client is
+/// closed. CKPT_E_TRUNCATED (length stored) when `cap` is too small.
+///
+/// # Safety
+/// `client` is a live client; `buf` writable for `cap` bytes (or NULL with
+/// cap 0); `len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_region_name(client: *mut ckpt_client, ptr: *mut c_void, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int {
+    guard(|| {
+        let len = out(len, "len")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let region = c.client.regions().into_iter().find(|r| std::ptr::eq(r.as_ptr(), ptr.cast::<u8>())).ok_or(Error::UnknownRegion { ptr: ptr as usize })?;
+        let name = region.shm_name().as_bytes();
+        // SAFETY: writable by the contract.
+        unsafe { *len = name.len() };
+        if buf.is_null() && cap == 0 {
+            return Ok(());
+        }
+        if buf.is_null() || cap < name.len() + 1 {
+            return Err(Error::Truncated { len_bytes: name.len() as u64 + 1, cap_bytes: cap as u64 });
+        }
+        // SAFETY: buf is writable for cap ≥ len + 1 bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(name.as_ptr(), buf.cast::<u8>(), name.len());
+            *buf.add(name.len()) = 0;
+        }
+        Ok(())
+    })
+}
+
 /// Frees memory from ckpt_alloc or ckpt_alloc_hand_over (`ptr` is the address it returned): the
 /// sidecar stops using it (after any copy from it ends), it is unmapped and
 /// its shared memory removed.
@@ -645,6 +681,84 @@ pub unsafe extern "C" fn ckpt_load(client: *mut ckpt_client, step: i64, tensors:
         let names = info.tensors.iter().map(|t| cstring(&t.name)).collect();
         let dtypes = info.tensors.iter().map(|t| cstring(&t.dtype)).collect();
         *c.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
+        Ok(())
+    })
+}
+
+/// Loads every tensor of checkpoint `step` (-1: the latest good one) into the
+/// `len_bytes` at `data` (inside memory from ckpt_alloc, 4096-byte aligned),
+/// verified, laid out as the sidecar chooses: ckpt_loaded_tensor_offset says
+/// where each tensor starts. From disk the sidecar reads straight into that
+/// memory (no copy). Stores the bytes the checkpoint needs in
+/// *out_need_bytes; when that is above `len_bytes` nothing was written and
+/// the tensor list only says what the checkpoint holds (call again with
+/// more). *out_step and *out_source as for ckpt_load; any out-pointer may be
+/// NULL. The memory is the caller's again when this returns.
+///
+/// # Safety
+/// `client` is a live client; `data` is memory from ckpt_alloc valid for
+/// `len_bytes`; non-NULL out-pointers are writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_load_packed(
+    client: *mut ckpt_client,
+    step: i64,
+    data: *mut c_void,
+    len_bytes: u64,
+    out_step: *mut u64,
+    out_source: *mut c_int,
+    out_need_bytes: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY (this block): the caller's contract for every pointer.
+        let c = unsafe { self::client(client) }?;
+        let step = match step {
+            -1 => None,
+            s if s >= 0 => Some(s as u64),
+            s => return Err(invalid(format!("step {s}: expected a step >= 0 or -1 for the latest"))),
+        };
+        let info = c.client.load_packed(step, data.cast::<u8>(), len_bytes)?;
+        if !out_step.is_null() {
+            unsafe { *out_step = info.step };
+        }
+        if !out_source.is_null() {
+            unsafe {
+                *out_source = match info.source {
+                    LoadSource::Ram => CKPT_SOURCE_RAM,
+                    LoadSource::Disk => CKPT_SOURCE_DISK,
+                }
+            };
+        }
+        if !out_need_bytes.is_null() {
+            unsafe { *out_need_bytes = info.need_bytes };
+        }
+        let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("NULs removed");
+        let names = info.tensors.iter().map(|t| cstring(&t.name)).collect();
+        let dtypes = info.tensors.iter().map(|t| cstring(&t.dtype)).collect();
+        *c.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
+        Ok(())
+    })
+}
+
+/// Where tensor `idx` of the last successful ckpt_load_packed starts, in
+/// bytes from its `data`; UINT64_MAX for a tensor stored in slices by
+/// several ranks (not contiguous there: load it with ckpt_load) and after a
+/// ckpt_load_packed that wrote nothing or a plain ckpt_load.
+///
+/// # Safety
+/// `client` is a live client; `offset` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_tensor_offset(client: *mut ckpt_client, idx: usize, offset: *mut u64) -> c_int {
+    guard(|| {
+        let offset = out(offset, "offset")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        if idx >= l.info.tensors.len() {
+            return Err(invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())));
+        }
+        // SAFETY: writable by the contract.
+        unsafe { *offset = l.info.offsets.get(idx).copied().unwrap_or(ckpt_wire::NOT_PLACED) };
         Ok(())
     })
 }

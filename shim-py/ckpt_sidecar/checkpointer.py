@@ -17,6 +17,7 @@ import errno
 import operator
 import fcntl
 import gc
+import mmap
 import os
 import pickle
 import random
@@ -47,6 +48,9 @@ SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s 
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
 PENDING_PRUNE_AT = 64  # handles remembered before the released or dropped ones are pruned
 SAVE_PLANS_MAX = 8  # prepared save requests kept for states saved again (a trainer alternating a few states)
+LOAD_REGION_MIN_BYTES = 1 << 20  # the first load region's size before the sidecar says what a checkpoint needs
+LOAD_TRIES_MAX = 4  # packed loads asked again because the checkpoint needed a larger region
+NOT_PLACED = (1 << 64) - 1  # ckpt_loaded_tensor_offset of a tensor not contiguous in the region
 
 _live = weakref.WeakSet()
 
@@ -176,6 +180,27 @@ def _align(n):
 
 def _ms(timeout):
     return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+class _LoadRegion:
+    """A region that load() reads checkpoints into, and this process's own
+    mapping of it (shm_open + mmap): loaded tensors are views of that
+    mapping, which stays valid as long as any of them lives, even after
+    close() unmapped the client's mapping and removed the name.
+
+    Lifetime: each load takes a lease (a ctypes array over the mapping that
+    every view of that load keeps alive); the region is reused by a later
+    load only once the lease is gone, i.e. no tensor of that load is alive.
+    Until then later loads go to other regions: a loaded tensor is never
+    overwritten by the sidecar."""
+
+    __slots__ = ("region", "mm", "lease")
+
+    def __init__(self, region, mm):
+        self.region, self.mm, self.lease = region, mm, None
+
+    def free(self):
+        return self.lease is None or self.lease() is None
 
 
 class _Region:
@@ -499,7 +524,8 @@ class Checkpointer:
         self._region_ptrs = []
         self._save_regions = []  # regions for copies at save (at most POOL_REGIONS_MAX)
         self._free = []          # those of them no save in flight uses
-        self._load_region = None
+        self._load_region = None  # load_tensors' region (copies out of it)
+        self._load_pool = []      # load()'s regions (_LoadRegion), reused once their tensors are gone
         self._pending = []       # weakrefs of handles not yet known released
         self._pending_prune_at = PENDING_PRUNE_AT  # dead ones are dropped when it grows past this
         self._last = None
@@ -1113,9 +1139,18 @@ class Checkpointer:
         the sidecar; torch tensors where torch tensors were saved, numpy arrays
         where arrays were. A step is an int from 0 to 999999999999. map_location: a torch device for torch tensors (None:
         the device they were saved from). Whatever world size saved it, every
-        rank gets the whole state (tensors split between ranks come back whole)."""
+        rank gets the whole state (tensors split between ranks come back whole).
+
+        CPU tensors and arrays are views of a shared-memory load region the
+        sidecar read the checkpoint into (no copy): the region is reused by a
+        later load only once every tensor of this load is gone, so they are
+        never overwritten, and they stay valid after close() (_LoadRegion)."""
         with self._mu:
-            got, values, skel, saved_world = self._load_tensors(step, None, map_location)
+            packed = self._load_packed(step, map_location)
+            if packed is None:
+                got, values, skel, saved_world = self._load_tensors(step, None, map_location)
+            else:
+                got, values, skel, saved_world = packed
             rng_blob = self._loaded_rng(saved_world) if restore_rng else None
             if skel is None:
                 result = values
@@ -1134,6 +1169,86 @@ class Checkpointer:
             elif restore_rng:
                 warnings.warn(f"checkpoint {got} holds no RNG state (save it with rng=True)")
             return result
+
+    def _load_target(self, need):
+        """A load region of at least `need` bytes whose last load's tensors are
+        all gone: the smallest such, else a new one (free ones too small are
+        dropped first)."""
+        free = [r for r in self._load_pool if r.free()]
+        fits = [r for r in free if r.region.len_bytes >= need]
+        if fits:
+            return min(fits, key=lambda r: r.region.len_bytes)
+        for r in free:
+            self._load_pool.remove(r)
+            r.mm = None  # unmapped once nothing else holds it
+            self._free_region(r.region)
+        region = self._alloc(max(_align(need), LOAD_REGION_MIN_BYTES))
+        try:
+            L = N.lib()
+            n = ctypes.c_size_t()
+            N.check(L.ckpt_region_name(self._client, ctypes.c_void_p(region.ptr), None, 0, ctypes.byref(n)))
+            name = ctypes.create_string_buffer(n.value + 1)
+            N.check(L.ckpt_region_name(self._client, ctypes.c_void_p(region.ptr), name, n.value + 1, ctypes.byref(n)))
+            fd = os.open("/dev/shm/" + name.value.decode().lstrip("/"), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                # MAP_POPULATE: the pages are faulted in here, once per region,
+                # not by every load (a reused region's pages stay mapped).
+                mm = mmap.mmap(fd, region.len_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self._free_region(region)
+            raise
+        r = _LoadRegion(region, mm)
+        self._load_pool.append(r)
+        return r
+
+    def _load_packed(self, step, map_location):
+        """load() through ckpt_load_packed: the sidecar reads the checkpoint
+        straight into a free load region (no copy on either side) and the
+        tensors come back as views of it (see _LoadRegion for their lifetime).
+        None when the checkpoint needs the per-tensor path (tensors stored in
+        slices or in pieces by several ranks); (step, values, structure blob,
+        saved world size) otherwise."""
+        L = N.lib()
+        self._ensure()
+        want = step_arg(step, latest_ok=True)
+        want = -1 if want is None else want
+        got, src, need = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_uint64()
+        need.value = max((r.region.len_bytes for r in self._load_pool if r.free()), default=1)
+        for _ in range(LOAD_TRIES_MAX):
+            target = self._load_target(need.value)
+            N.check(L.ckpt_load_packed(self._client, want, ctypes.c_void_p(target.region.ptr), target.region.len_bytes,
+                                       ctypes.byref(got), ctypes.byref(src), ctypes.byref(need)))
+            if need.value <= target.region.len_bytes:
+                break
+        else:
+            raise SidecarError(f"checkpoint {got.value} kept needing a larger region ({need.value} bytes); try again")
+        self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+        infos = self._loaded_tensors()
+        offs, off = [], ctypes.c_uint64()
+        for i in range(len(infos)):
+            N.check(L.ckpt_loaded_tensor_offset(self._client, i, ctypes.byref(off)))
+            offs.append(off.value)
+        if NOT_PLACED in offs or self._loaded_blob(PARTS_BLOB) is not None:
+            return None
+        skel = self._loaded_blob(STRUCTURE_BLOB)
+        saved_world = self._saved_world_size()
+        refs = {}
+        if skel is not None:
+            version, skeleton = pickle.loads(skel)
+            if version == SKELETON_VERSION:
+                _collect_refs(skeleton, refs)
+        lease = (ctypes.c_ubyte * max(need.value, 1)).from_buffer(target.mm)
+        target.lease = weakref.ref(lease)
+        values = {}
+        for (name, dt, shape, nbytes), at in zip(infos, offs):
+            if name in refs:
+                values[name] = _restore(refs[name], lease, at, nbytes, map_location, view=True)
+            else:
+                values[name] = _plain_array(lease, at, dt, shape, nbytes, view=True)
+        return got.value, values, skel, saved_world
 
     def load_tensors(self, names, step="latest", map_location="cpu"):
         """Only the named tensors of `step` (their paths, as `save` names
@@ -1211,9 +1326,9 @@ class Checkpointer:
         values = {}
         for name, dt, shape, nbytes in slots:
             if name in refs:
-                values[name] = _restore(refs[name], region, offs[name], nbytes, map_location)
+                values[name] = _restore(refs[name], region.buf, offs[name], nbytes, map_location)
             else:
-                values[name] = _plain_array(region, offs[name], dt, shape, nbytes)
+                values[name] = _plain_array(region.buf, offs[name], dt, shape, nbytes)
         return got.value, values, skel, saved_world
 
     def load_into(self, state, step="latest"):
@@ -1449,6 +1564,7 @@ class Checkpointer:
             finally:
                 self._regions, self._region_ptrs, self._free, self._save_regions = [], [], [], []
                 self._load_region = None
+                self._load_pool = []  # the mappings live on in the tensors that use them
         _live.discard(self)
 
     def preempted(self):
@@ -1491,24 +1607,30 @@ ST_TO_NP = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U
             "U64": np.uint64, "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
 
 
-def _plain_array(region, off, dt, shape, nbytes):
-    """A tensor of a checkpoint without our skeleton: a numpy array (BF16/F8 as raw uint16/uint8)."""
+def _plain_array(buf, off, dt, shape, nbytes, view=False):
+    """A tensor of a checkpoint without our skeleton: a numpy array (BF16/F8 as
+    raw uint16/uint8) over `buf` (a region's ctypes array, or a load's lease)
+    at `off`; a copy unless `view`."""
     dtype = np.dtype(ST_TO_NP[dt])
     if nbytes == 0:
         return np.zeros(shape, dtype)
-    return np.frombuffer(region.buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape).copy()
+    a = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape)
+    return a if view else a.copy()
 
 
-def _restore(ref, region, off, nbytes, map_location):
+def _restore(ref, buf, off, nbytes, map_location, view=False):
+    """Leaf `ref` of the skeleton from the `nbytes` at `off` of `buf`: a copy,
+    or with `view` an array/tensor over `buf` itself (it keeps `buf` alive)."""
     # A "cuda" leaf (a __cuda_array_interface__ object) comes back as a numpy array.
     if ref.kind in ("np", "cuda"):
         dtype = ref.dtype
         if nbytes == 0:
             return np.zeros(ref.shape, dtype)
         if ref.stored == "U8" and dtype != np.uint8:
-            raw = np.frombuffer(region.buf, dtype=np.uint8, count=nbytes, offset=off).copy()
-            return raw.view(dtype).reshape(ref.shape)
-        return np.frombuffer(region.buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(ref.shape).copy()
+            raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=off)
+            return (raw if view else raw.copy()).view(dtype).reshape(ref.shape)
+        a = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(ref.shape)
+        return a if view else a.copy()
     torch = torch_module()
     if torch is None:
         import torch  # noqa: F811  (the checkpoint holds torch tensors)
@@ -1516,7 +1638,9 @@ def _restore(ref, region, off, nbytes, map_location):
     if nbytes == 0:
         t = torch.empty(ref.shape, dtype=dtype)
     else:
-        raw = torch.frombuffer(region.buf, dtype=torch.uint8, count=nbytes, offset=off).clone()
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)
+        if not view or off % max(dtype.itemsize, 1):
+            raw = raw.clone()  # a copy asked for, or bytes not aligned to the element size
         t = raw.view(dtype).reshape(ref.shape)
     extra = ref.extra or {}
     dev = extra.get("device", "cpu") if map_location is None else map_location

@@ -213,3 +213,130 @@ fn served_from_index(step: u64, index: &ckpt_store::format::Index, blobs: &std::
     let fell_back = fell_back.iter().map(|(s, why)| format!("step {s}: {why}")).collect();
     (step, LoadSource::Disk, tensors, blobs, fell_back)
 }
+
+/// What a LoadPacked serves: step, source, tensors, their offsets, the
+/// bytes needed, blobs, fell_back.
+struct PlacedReply {
+    step: u64,
+    source: LoadSource,
+    tensors: Vec<TensorInfo>,
+    offsets: Vec<u64>,
+    need_bytes: u64,
+    blobs: Vec<Blob>,
+    fell_back: Vec<String>,
+}
+
+/// LoadPacked: every tensor of the checkpoint into one range of a host
+/// region, at offsets the sidecar chooses. From disk the shard images are
+/// read straight into the region (O_DIRECT into a writable mapping of it,
+/// no staging, no copy) and verified there; from the resident image each
+/// tensor is checked, then copied to its offset in the file image. Nothing
+/// is written when the range is too small: the reply says how much is needed.
+pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, peer: &Arc<Peer>, id: u64, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64) {
+    let t0 = Instant::now();
+    let reply = match load_packed(shared, regions, step, region_id, offset_bytes, len_bytes) {
+        Ok(p) => {
+            let placed = p.need_bytes <= len_bytes;
+            info!(step = p.step, source = ?p.source, n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
+            Reply::Placed { id, step: p.step, source: p.source, tensors: p.tensors, offsets: p.offsets, need_bytes: p.need_bytes, blobs: p.blobs, fell_back: p.fell_back }
+        }
+        Err(Fail(code, message)) => {
+            info!(?step, ?code, "load (packed) failed: {message}");
+            Reply::Error { id, code, message }
+        }
+    };
+    peer.send(&reply);
+}
+
+fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64) -> Result<PlacedReply, Fail> {
+    let region = regions.get(&region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
+    region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
+    let shm = region.as_shm().ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is device memory; a packed load needs a host region")))?;
+    if offset_bytes % ckpt_store::config::DIRECT_ALIGN_BYTES as u64 != 0 {
+        return Err(Fail(ErrorCode::BadRequest, format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES)));
+    }
+    shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
+    let primary = shared.read_dir();
+    let resident = if shared.shared_dir.is_some() { None } else { shared.staging.resident() };
+    let wanted = match step {
+        Some(s) => Some(s),
+        None => catalog::latest_step(primary).ok().flatten(),
+    };
+    let map = shm.map_writable().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
+    // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
+    // inside the region (checked above), and the mapping covers the region.
+    let dest = map.ptr().wrapping_add(offset_bytes as usize);
+    if let Some(r) = resident.filter(|r| wanted == Some(r.step) && catalog::is_committed(primary, r.step)) {
+        let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
+        order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
+        let need_bytes = r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
+        let tensors = order
+            .iter()
+            .map(|&i| {
+                let s = &r.layout.specs[i];
+                TensorInfo { name: s.name.clone(), dtype: s.dtype.as_str().into(), shape: s.shape.clone(), len_bytes: r.layout.tensor_range(i).len() as u64 }
+            })
+            .collect();
+        if need_bytes > len_bytes {
+            return Ok(PlacedReply { step: r.step, source: LoadSource::Ram, tensors, offsets: Vec::new(), need_bytes, blobs: Vec::new(), fell_back: Vec::new() });
+        }
+        let image = r.lease.as_slice();
+        for &i in &order {
+            let range = r.layout.tensor_range(i);
+            let bytes = &image[range.clone()];
+            let got = ckpt_store::image::crc32c_parallel(bytes);
+            if got != r.crcs[i] {
+                let name = &r.layout.specs[i].name;
+                return Err(Fail(ErrorCode::Damaged, format!("tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)", r.crcs[i])));
+            }
+            // SAFETY: range.end ≤ need_bytes ≤ len_bytes, so the copy stays in
+            // the load range of the mapping; the source is our own lease.
+            map.run(|| unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dest.add(range.start), bytes.len()) });
+        }
+        shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
+        let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
+        return Ok(PlacedReply { step: r.step, source: LoadSource::Ram, tensors, offsets, need_bytes, blobs: r.blobs.clone(), fell_back: Vec::new() });
+    }
+    // Disk: straight into the region. Too small for the first candidate:
+    // say what it needs, from its index, before reading anything.
+    let which = step.map_or(Which::Latest, Which::Step);
+    let first = match which {
+        Which::Step(s) => Some(s),
+        Which::Latest => catalog::latest_step(primary).ok().flatten(),
+    };
+    let too_small = |step: u64, index: &Index, need_bytes: u64| PlacedReply {
+        step,
+        source: LoadSource::Disk,
+        tensors: index.logical().iter().map(|t| TensorInfo { name: t.name.to_string(), dtype: t.dtype.as_str().into(), shape: t.shape.to_vec(), len_bytes: t.len_bytes() }).collect(),
+        offsets: Vec::new(),
+        need_bytes,
+        blobs: Vec::new(),
+        fell_back: Vec::new(),
+    };
+    if let Some(s) = first {
+        if let Ok(index) = restore::read_index(primary, s) {
+            let need_bytes = restore::load_len_bytes(&index);
+            if need_bytes > len_bytes {
+                return Ok(too_small(s, &index, need_bytes));
+            }
+        }
+    }
+    // SAFETY: dest is page-aligned (the mapping is, and offset_bytes is a
+    // multiple of the O_DIRECT block) and valid for len_bytes for as long as
+    // `map` lives; every reader thread touches it only inside `map.run`.
+    let r = unsafe { restore::load_into_raw(primary, which, &shared.read_opts, dest, len_bytes as usize, &|work| map.run(work)) };
+    let p = match r {
+        Ok(p) => p,
+        Err(LoadError::BufferTooSmall { step, need_bytes, .. }) => {
+            // A fallback to an older, larger checkpoint.
+            let index = restore::read_index(primary, step)?;
+            return Ok(too_small(step, &index, need_bytes));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
+    let (_, _, tensors, blobs, fell_back) = served_from_index(p.step, &p.index, &p.blobs, &p.fell_back);
+    let offsets = tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();
+    info!(step = p.step, bytes = p.bytes, read_seconds = p.seconds, engine = %p.engine, "read into the client's region");
+    Ok(PlacedReply { step: p.step, source: LoadSource::Disk, tensors, offsets, need_bytes: restore::load_len_bytes(&p.index), blobs, fell_back })
+}

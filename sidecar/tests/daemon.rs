@@ -478,6 +478,89 @@ fn load_comes_from_ram_then_from_disk_after_a_restart() {
     assert!(matches!(c.load(Some(77), vec![]), Reply::Error { code: ErrorCode::NotFound, .. }));
 }
 
+fn load_packed(c: &mut Client, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64) -> Reply {
+    let id = c.id();
+    c.send(&Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes });
+    c.recv()
+}
+
+/// Each tensor of a Placed reply holds, at its offset in `target`, the bytes
+/// `descs` gave it in `shm` (bit for bit); returns the reply's step and source.
+fn assert_placed(reply: Reply, target: &Shm, at: u64, shm: &Shm, descs: &[TensorDesc]) -> (u64, LoadSource, Vec<String>) {
+    let Reply::Placed { step, source, tensors, offsets, need_bytes, blobs: b, fell_back, .. } = reply else { panic!("expected Placed, got {reply:?}") };
+    assert_eq!((tensors.len(), offsets.len()), (descs.len(), descs.len()));
+    assert!(need_bytes <= target.len as u64 - at);
+    assert_eq!(b.iter().find(|b| b.name == "rng.state").unwrap().bytes, format!("rng at {step}").into_bytes());
+    for (t, off) in tensors.iter().zip(&offsets) {
+        let d = descs.iter().find(|d| d.name == t.name).unwrap();
+        assert_eq!((t.dtype.as_str(), t.shape.as_slice(), t.len_bytes), (d.dtype.as_str(), d.shape.as_slice(), d.len_bytes), "{}", t.name);
+        let from = (at + off) as usize;
+        assert!(&target.bytes()[from..from + t.len_bytes as usize] == region_bytes(shm, d), "tensor {} differs", t.name);
+    }
+    (step, source, fell_back)
+}
+
+fn largest_shard(dir: &Path, step: u64) -> PathBuf {
+    let mut files: Vec<_> = std::fs::read_dir(catalog::step_path(dir, step)).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
+    files.sort_by_key(|p| std::fs::metadata(p).unwrap().len());
+    files.pop().unwrap()
+}
+
+#[test]
+fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_when_too_small() {
+    let sc = Sidecar::start(&[]);
+    let (descs, len) = model(1);
+    let mut shm = Shm::new(len);
+    shm.fill(7);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    c.save_durable(9, descs.clone(), blobs(9));
+    c.save_durable(10, descs.clone(), blobs(10));
+    let mut target = Shm::new(len + (8 << 20));
+    target.bytes_mut().fill(0xee);
+    c.register(2, &target);
+    // Too small: nothing written, and what it needs.
+    match load_packed(&mut c, Some(9), 2, 0, 1 << 20) {
+        Reply::Placed { step: 9, need_bytes, offsets, blobs: b, tensors, .. } => {
+            assert!(need_bytes > 1 << 20 && need_bytes <= target.len as u64, "{need_bytes}");
+            assert!(offsets.is_empty() && b.is_empty());
+            assert_eq!(tensors.len(), descs.len());
+        }
+        other => panic!("expected Placed with nothing written, got {other:?}"),
+    }
+    assert!(target.bytes().iter().all(|&b| b == 0xee), "a load that did not fit wrote into the region");
+    // From disk (9 is not resident), at an aligned offset; then from RAM.
+    assert_eq!(assert_placed(load_packed(&mut c, Some(9), 2, 4096, target.len as u64 - 4096), &target, 4096, &shm, &descs).0, 9);
+    assert!(target.bytes()[..4096].iter().all(|&b| b == 0xee), "written before the range");
+    let (step, source, _) = assert_placed(load_packed(&mut c, None, 2, 0, target.len as u64), &target, 0, &shm, &descs);
+    assert_eq!((step, source), (10, LoadSource::Ram));
+    // Unaligned, out of range, unknown region.
+    assert!(matches!(load_packed(&mut c, Some(9), 2, 100, 1 << 20), Reply::Error { code: ErrorCode::BadRequest, .. }));
+    assert!(matches!(load_packed(&mut c, Some(9), 2, 0, target.len as u64 + 1), Reply::Error { code: ErrorCode::BadRegion, .. }));
+    assert!(matches!(load_packed(&mut c, Some(9), 7, 0, 4096), Reply::Error { code: ErrorCode::BadRegion, .. }));
+    // A flipped byte on disk is caught; `latest` falls back past it.
+    drop(c);
+    let dir = sc.dir.clone();
+    let sc = sc.restart();
+    let shard = largest_shard(&dir, 10);
+    let at = std::fs::metadata(&shard).unwrap().len() / 2;
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&shard).unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, at).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[b[0] ^ 1], at).unwrap();
+    f.flush().unwrap();
+    let mut c = sc.client();
+    c.register(2, &target);
+    match load_packed(&mut c, Some(10), 2, 0, target.len as u64) {
+        Reply::Error { code: ErrorCode::Damaged, message, .. } => assert!(message.contains("checksum mismatch"), "{message}"),
+        other => panic!("expected Damaged, got {other:?}"),
+    }
+    target.bytes_mut().fill(0xee);
+    let (step, source, fell_back) = assert_placed(load_packed(&mut c, None, 2, 0, target.len as u64), &target, 0, &shm, &descs);
+    assert_eq!((step, source), (9, LoadSource::Disk));
+    assert!(fell_back.len() == 1 && fell_back[0].starts_with("step 10:"), "{fell_back:?}");
+}
+
 #[test]
 fn bad_requests_get_errors_and_the_session_goes_on() {
     let sc = Sidecar::start(&[]);

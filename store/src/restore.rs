@@ -233,6 +233,16 @@ impl Placed {
         let &(base, data_start) = self.files.get(&t.file)?;
         Some(base + (data_start + t.data_offsets[0]) as usize..base + (data_start + t.data_offsets[1]) as usize)
     }
+
+    /// Where a tensor as readers see it (`Index::logical`) lies whole in the
+    /// destination: a stored tensor's range; None for one stored in several
+    /// slices (not contiguous there) or not in the checkpoint.
+    pub fn logical_range(&self, name: &str) -> Option<std::ops::Range<usize>> {
+        match self.index.logical_tensor(name)?.slices.as_slice() {
+            [s] => self.tensor_range(s.tensor),
+            _ => None,
+        }
+    }
 }
 
 /// Like [`load`], but into `dest` (block-aligned, e.g. a part of the
@@ -240,19 +250,39 @@ impl Placed {
 /// larger than `dest` is [`LoadError::BufferTooSmall`], which does not fall
 /// back: the caller retries with more memory.
 pub fn load_into(primary: &Path, which: Which, opts: &ReadOptions, dest: &mut [u8]) -> Result<Placed, LoadError> {
-    assert_eq!(dest.as_ptr() as usize % DIRECT_ALIGN_BYTES, 0, "load destination must be block-aligned");
+    // SAFETY: dest is a live, exclusively borrowed slice of dest.len() bytes,
+    // untouched by anything else until this returns.
+    unsafe { load_into_raw(primary, which, opts, dest.as_mut_ptr(), dest.len(), &|work| work()) }
+}
+
+/// Runs a reader thread's work (reading into the destination and checking
+/// it) inside whatever the caller needs around every access to that memory,
+/// on that thread: the daemon arms its fault handler for a client's
+/// segment there. `|work| work()` when nothing is needed.
+pub type ReadGuard<'a> = &'a (dyn Fn(&mut dyn FnMut()) + Sync);
+
+/// [`load_into`] into memory given by address: `dest_len` bytes at `dest`,
+/// read by every reader thread inside `guard`.
+///
+/// # Safety
+/// `dest` must be block-aligned and valid for reads and writes of
+/// `dest_len` bytes for the whole call. Another process may change those
+/// bytes meanwhile (a client's shared memory): then what it wrote may fail
+/// a checksum, never pass one it did not.
+pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, dest: *mut u8, dest_len: usize, guard: ReadGuard<'_>) -> Result<Placed, LoadError> {
+    assert_eq!(dest as usize % DIRECT_ALIGN_BYTES, 0, "load destination must be block-aligned");
     let mut fell_back = Vec::new();
     let mut last_err = None;
     for step in candidates(primary, which)? {
         let t0 = Instant::now();
         let r = read_index(primary, step).and_then(|index| {
             let need_bytes = load_len_bytes(&index);
-            if need_bytes > dest.len() as u64 {
-                return Err(LoadError::BufferTooSmall { step, need_bytes, have_bytes: dest.len() as u64 });
+            if need_bytes > dest_len as u64 {
+                return Err(LoadError::BufferTooSmall { step, need_bytes, have_bytes: dest_len as u64 });
             }
-            // SAFETY: dest is a live, exclusively borrowed, block-aligned
-            // slice of at least need_bytes, untouched until this returns.
-            unsafe { read_step_at(primary, step, index, opts, dest.as_mut_ptr(), t0) }
+            // SAFETY: dest is block-aligned and valid for need_bytes (this
+            // function's contract, checked against need_bytes above).
+            unsafe { read_step_at(primary, step, index, opts, dest, t0, guard) }
         });
         match r {
             Ok(mut p) => {
@@ -288,7 +318,7 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
     };
     // SAFETY: buf is owned here, page-aligned, at least `need` bytes, and
     // not touched by anything else until read_step_at returns.
-    match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0) } {
+    match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0, &|work| work()) } {
         Ok(placed) => Ok(Loaded { placed, buf }),
         Err(e) => Err((e, Some(buf))),
     }
@@ -304,7 +334,7 @@ type DirRead = (Vec<Problem>, Vec<(String, u64)>, String);
 /// # Safety
 /// `base` must be block-aligned and valid for writes of
 /// `load_len_bytes(&index)` bytes that nothing else touches during the call.
-unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant) -> Result<Placed, LoadError> {
+unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant, guard: ReadGuard<'_>) -> Result<Placed, LoadError> {
     let dirs = dir_paths(primary, &index, opts);
     let mut files = BTreeMap::new();
     let mut at = 0usize;
@@ -327,10 +357,14 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
                 s.spawn(move || {
                     let targets: Vec<(usize, Dest)> = p.iter().map(|&(fi, off)| (fi, Dest::Whole((base + off) as *mut u8))).collect();
                     let mut reader = DirReader::open(dir, opts.io)?;
-                    // SAFETY: each target is a disjoint range of the caller's
-                    // memory, valid and untouched until this scope ends
-                    // (this function's contract).
-                    Ok(unsafe { read_and_check(dir, index, &targets, &mut reader) })
+                    let mut out = None;
+                    guard(&mut || {
+                        // SAFETY: each target is a disjoint range of the
+                        // caller's memory, valid until this scope ends (this
+                        // function's contract).
+                        out = Some(unsafe { read_and_check(dir, index, &targets, &mut reader) });
+                    });
+                    Ok(out.expect("the guard runs the work"))
                 })
             })
             .collect();

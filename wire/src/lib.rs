@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -65,7 +65,7 @@ pub enum Request {
     Hello { magic: [u8; 4], version: u32, pid: u32, name: String },
     /// A POSIX shared-memory segment (name as for shm_open, e.g. "/ckpt-1-0")
     /// the sidecar maps read-only; `len_bytes` may not exceed its size.
-    /// `hand_over` (version 8): the client writes this region only to fill
+    /// `hand_over` (version 9): the client writes this region only to fill
     /// a save before sending it, and not again until that save is released,
     /// so a save whose every tensor lies in such regions is the sidecar's
     /// once sent: it commits even if the client goes before Released.
@@ -173,13 +173,22 @@ pub enum Request {
     /// the sidecar completes in its copy before writing it ([`FileFinish`]).
     /// Replies as SaveFile does: Released once every piece is in staging
     /// (the device copy done: the trainer may change the tensors), then
-    /// Durable or Failed. Added in version 9.
+    /// Durable or Failed. Added in version 10.
     SaveFilePieces { id: u64, path: String, pieces: Vec<FilePiece>, device: i32, event: Vec<u8>, finish: FileFinish },
+    /// Load every tensor of `step` (None: latest, falling back past damaged
+    /// ones) into `len_bytes` at `offset_bytes` of host region `region_id`,
+    /// laid out as the sidecar chooses: the checkpoint's shard images back to
+    /// back, read from disk straight into the region (O_DIRECT) and verified
+    /// there, or copied from the resident image. Reply: [`Reply::Placed`]
+    /// (nothing written when the checkpoint needs more than `len_bytes`) or
+    /// Error. The bytes are the client's from then on: the sidecar writes the
+    /// region again only when asked to. Added in version 11.
+    LoadPacked { id: u64, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64 },
 }
 
 
 /// One piece of a [`Request::SaveFilePieces`]: `len_bytes` at `offset_bytes`
-/// of region `region_id`. (Version 9.)
+/// of region `region_id`. (Version 10.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FilePiece {
     pub region_id: u32,
@@ -188,7 +197,7 @@ pub struct FilePiece {
 }
 
 /// What the sidecar completes in a [`Request::SaveFilePieces`] file once
-/// every piece is in staging. (Version 9.)
+/// every piece is in staging. (Version 10.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FileFinish {
     /// Written as the pieces are.
@@ -257,7 +266,28 @@ pub enum Reply {
     /// recorded after them; Released still follows once they completed.
     /// (Version 6.)
     CopyQueued { id: u64, step: u64 },
+    /// The answer to a LoadPacked: as [`Reply::Loaded`], plus where each
+    /// tensor of `tensors` now starts (`offsets[i]`, from the request's
+    /// `offset_bytes`; [`NOT_PLACED`] for a tensor stored in slices, which
+    /// is not contiguous there: load it with a Load) and the bytes the
+    /// checkpoint needs. `need_bytes` above the request's `len_bytes`:
+    /// nothing was written and `offsets` and `blobs` are empty (`tensors`
+    /// then come from the index, to size a region; ask again with one large
+    /// enough). (Version 11.)
+    Placed {
+        id: u64,
+        step: u64,
+        source: LoadSource,
+        tensors: Vec<TensorInfo>,
+        offsets: Vec<u64>,
+        need_bytes: u64,
+        blobs: Vec<Blob>,
+        fell_back: Vec<String>,
+    },
 }
+
+/// [`Reply::Placed`]'s offset of a tensor that is not contiguous in the region.
+pub const NOT_PLACED: u64 = u64::MAX;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct StatusReport {

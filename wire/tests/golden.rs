@@ -46,6 +46,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             event: vec![0xcd; 64],
             finish: FileFinish::TorchZip,
         })),
+        ("load_packed", encode(&Request::LoadPacked { id: 15, step: Some(100), region_id: 2, offset_bytes: 4096, len_bytes: 1 << 20 })),
         ("copy_queued", encode(&Reply::CopyQueued { id: 10, step: 101 })),
         ("welcome", encode(&Reply::Welcome { version: PROTOCOL_VERSION, server_pid: 42, dirs: vec!["/ckpt".into()], staging_bytes: 1 << 30 })),
         ("refused", encode(&Reply::Refused { reason: "version".into() })),
@@ -65,6 +66,16 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("listing", encode(&Reply::Listing { id: 5, steps: vec![99, 100], latest: Some(100) })),
         ("status_reply", encode(&Reply::Status { id: 6, report })),
         ("error", encode(&Reply::Error { id: 4, code: ErrorCode::BadRegion, message: "outside".into() })),
+        ("placed", encode(&Reply::Placed {
+            id: 13,
+            step: 100,
+            source: LoadSource::Disk,
+            tensors: vec![TensorInfo { name: "model.w".into(), dtype: "BF16".into(), shape: vec![4, 3], len_bytes: 24 }],
+            offsets: vec![4096 + 88],
+            need_bytes: 8192,
+            blobs: vec![],
+            fell_back: vec!["step 101: damaged".into()],
+        })),
         ("rolled_back", encode(&Reply::RolledBack { id: 8, step: 4, removed: vec![10, 9] })),
     ]
 }

@@ -294,6 +294,9 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
             Request::SaveAfterEvent { id, step, .. } => {
                 send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar has no CUDA".into() })
             }
+            Request::LoadPacked { id, .. } => {
+                send(&w, &Reply::Error { id, code: ErrorCode::BadRequest, message: "the fake sidecar does not place loads".into() })
+            }
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -306,6 +309,7 @@ fn kind(r: &Request) -> String {
         Request::UnregisterRegion { region_id, .. } => format!("UnregisterRegion {region_id}"),
         Request::Save { step, lazy_release, .. } => format!("Save {step}{}", if *lazy_release { " lazy" } else { "" }),
         Request::Load { .. } => "Load".into(),
+        Request::LoadPacked { .. } => "LoadPacked".into(),
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),

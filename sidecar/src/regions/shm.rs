@@ -71,6 +71,10 @@ pub struct ShmMemory {
     /// Set by the fault handler when a read found the segment shrunk; the
     /// mapping's tail is zero pages from then on.
     truncated: AtomicBool,
+    /// The writable mapping of [`ShmMemory::map_writable`] (its address; 0:
+    /// none yet), made by the first LoadPacked into this region and kept,
+    /// its page tables filled, until the region goes.
+    rw: std::sync::Mutex<usize>,
 }
 
 // SAFETY: the mapping is read-only and owned by this ShmMemory until Drop;
@@ -127,7 +131,7 @@ impl ShmMemory {
             p as *const u8
         };
         install_fault_handler();
-        Ok(ShmMemory { shm_name: shm_name.to_string(), len_bytes, fd, ptr, truncated: AtomicBool::new(false) })
+        Ok(ShmMemory { shm_name: shm_name.to_string(), len_bytes, fd, ptr, truncated: AtomicBool::new(false), rw: std::sync::Mutex::new(0) })
     }
 
     /// Runs `f`, which reads this region's mapping (through pointers from
@@ -144,6 +148,37 @@ impl ShmMemory {
         compiler_fence(Ordering::SeqCst);
         ARMED.with(|a| a.set(outer));
         out
+    }
+
+    /// A second mapping of the segment, writable, for a load that reads
+    /// from disk straight into it (O_DIRECT). Made (MAP_POPULATE) by the
+    /// first load into this region and kept for later ones, so a reused
+    /// region costs no page faults and no unmapping per load; unmapped with
+    /// the region. Every access through it runs inside [`Writable::run`].
+    pub fn map_writable(&self) -> Result<Writable<'_>, RegionError> {
+        if self.ptr.is_null() {
+            return Ok(Writable { mem: self, ptr: std::ptr::null_mut(), len: 0 });
+        }
+        let mut rw = self.rw.lock().unwrap_or_else(|p| p.into_inner());
+        if *rw == 0 {
+            // SAFETY: a new shared mapping of an fd we own (opened O_RDWR), no
+            // address hint, len_bytes checked at open; checked against MAP_FAILED.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    self.len_bytes as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_POPULATE,
+                    self.fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(os(&self.shm_name, "mmap (writable)"));
+            }
+            *rw = p as usize;
+        }
+        Ok(Writable { mem: self, ptr: *rw as *mut u8, len: self.len_bytes as usize })
     }
 
     /// Whether a read found the segment shrunk under it.
@@ -245,6 +280,42 @@ impl ShmMemory {
     }
 }
 
+/// The writable mapping of a region ([`ShmMemory::map_writable`], owned by
+/// the region): a load's destination. The region is the client's memory, which it may change or
+/// shrink meanwhile: nothing forms a Rust reference to it outside
+/// [`Writable::run`], whose fault handling is [`ShmMemory::read`]'s.
+pub struct Writable<'a> {
+    mem: &'a ShmMemory,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: only the address is shared; the memory behind it is reached
+// through raw pointers (the kernel's O_DIRECT reads, the checks' copies) in
+// `run`, armed per thread, as for the read-only mapping.
+unsafe impl Sync for Writable<'_> {}
+
+impl Writable<'_> {
+    /// The address of the region's first byte in this mapping (null when empty).
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Runs `f`, which reads and writes this mapping, with this thread's
+    /// SIGBUS handler armed for it: a segment shrunk meanwhile reads as
+    /// zeros (writes there then fail) and the region is marked truncated
+    /// ([`ShmMemory::check_intact`] fails).
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        let armed = Armed { start: self.ptr as usize, len: self.len, truncated: &self.mem.truncated };
+        let outer = ARMED.with(|a| a.replace(Some(armed)));
+        compiler_fence(Ordering::SeqCst);
+        let out = f();
+        compiler_fence(Ordering::SeqCst);
+        ARMED.with(|a| a.set(outer));
+        out
+    }
+}
+
 impl Drop for ShmMemory {
     fn drop(&mut self) {
         if !self.ptr.is_null() {
@@ -254,6 +325,12 @@ impl Drop for ShmMemory {
             unsafe {
                 libc::munmap(self.ptr as *mut libc::c_void, self.len_bytes as usize);
             }
+        }
+        let rw = *self.rw.get_mut().unwrap_or_else(|p| p.into_inner());
+        if rw != 0 {
+            // SAFETY: the writable mapping made by map_writable, of len_bytes;
+            // every Writable borrows self, so none is alive here.
+            unsafe { libc::munmap(rw as *mut libc::c_void, self.len_bytes as usize) };
         }
     }
 }

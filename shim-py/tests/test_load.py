@@ -1,0 +1,128 @@
+"""load(): the sidecar reads the checkpoint straight into a load region and
+the tensors come back as views of it. Bit-exact from disk and from RAM, a
+flipped byte still caught, and the lifetime rule: a loaded tensor is never
+overwritten by a later load or save, and stays valid after close()."""
+import numpy as np
+import pytest
+
+import ckpt_sidecar as cs
+from ckpt_sidecar.errors import Damaged
+
+
+def _state(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "f32": rng.standard_normal((257, 129)).astype(np.float32),
+        "f16": rng.standard_normal(1000).astype(np.float16),
+        "i64": rng.integers(-(1 << 60), 1 << 60, 333, dtype=np.int64),
+        "u8": rng.integers(0, 256, 4097, dtype=np.uint8),
+        "bool": rng.integers(0, 2, 77).astype(np.bool_),
+        "empty": np.zeros((0, 3), np.float64),
+        "nested": {"big": rng.standard_normal(1 << 20).astype(np.float32)},
+        "step": seed,
+    }
+
+
+def _same_bytes(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], dict):
+            _same_bytes(a[k], b[k])
+        elif isinstance(a[k], np.ndarray):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
+        else:
+            assert a[k] == b[k], k
+
+
+def _largest_shard(step_dir):
+    return max(step_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+
+
+def test_load_is_bit_exact_from_disk_and_from_ram(ck):
+    s1, s2 = _state(1), _state(2)
+    ck.save(1, s1).wait_durable(30)
+    ck.save(2, s2).wait_durable(30)
+    back = ck.load(1)  # not resident: from disk
+    assert ck.last_load_source == "disk" and ck.last_load_step == 1
+    _same_bytes(s1, back)
+    latest = ck.load()  # resident: from RAM
+    assert ck.last_load_source == "ram" and ck.last_load_step == 2
+    _same_bytes(s2, latest)
+    _same_bytes(s1, back)  # the first load's arrays were not touched by the second
+
+
+def test_a_flipped_byte_is_caught_and_latest_falls_back(tmp_path, sidecar):
+    ck = cs.Checkpointer(socket=sidecar.socket, spawn=False)
+    s1, s2 = _state(1), _state(2)
+    ck.save(1, s1).wait_durable(30)
+    ck.save(2, s2).wait_durable(30)
+    ck.close()
+    sidecar.stop()  # step 2 is no longer resident: loads read the disk
+    shard = _largest_shard(sidecar.dir / "step-000000000002")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    sidecar.start()
+    ck = cs.Checkpointer(socket=sidecar.socket, spawn=False)
+    try:
+        with pytest.raises(Damaged, match="checksum mismatch"):
+            ck.load(2)
+        back = ck.load()
+        assert ck.last_load_step == 1 and ck.last_load_source == "disk"
+        _same_bytes(s1, back)
+    finally:
+        ck.close()
+
+
+def test_a_loaded_array_stays_intact_after_later_loads_and_saves(ck):
+    s1, s2 = _state(1), _state(2)
+    ck.save(1, s1).wait_durable(30)
+    ck.save(2, s2).wait_durable(30)
+    ck.save(3, {"tiny": np.zeros(4)}).wait_durable(30)  # neither 1 nor 2 resident
+    a = ck.load(1)
+    keep = a["nested"]["big"].copy()
+    a["nested"]["big"][:10] = 7.0  # the trainer's own memory now: writable
+    keep[:10] = 7.0
+    b = ck.load(2)  # must not land in a's region
+    assert not np.shares_memory(a["nested"]["big"], b["nested"]["big"])
+    ck.save(4, b).wait_durable(30)
+    c = ck.load(1)
+    assert a["nested"]["big"].tobytes() == keep.tobytes()
+    _same_bytes(s2, b)
+    _same_bytes(s1, c)
+    regions = len(ck._load_pool)
+    assert regions == 3  # a, b and c each hold their own
+    # Once a load's arrays are all gone its region is reused, not a new one.
+    del a, c
+    d = ck.load(2)
+    _same_bytes(s2, d)
+    assert len(ck._load_pool) <= regions
+    assert not np.shares_memory(b["nested"]["big"], d["nested"]["big"])
+
+
+def test_loaded_arrays_stay_valid_after_close(sidecar):
+    ck = cs.Checkpointer(socket=sidecar.socket, spawn=False)
+    s1 = _state(1)
+    ck.save(1, s1).wait_durable(30)
+    ck.save(2, {"tiny": np.zeros(4)}).wait_durable(30)
+    back = ck.load(1)
+    ck.close()
+    _same_bytes(s1, back)
+    back["f32"][:] = 1.0  # still mapped, still writable
+    assert float(back["f32"].sum()) == back["f32"].size
+
+
+def test_loaded_torch_tensors_stay_intact_after_later_loads(ck):
+    torch = pytest.importorskip("torch")
+    w1 = torch.randn(1 << 18)
+    w2 = torch.randn(1 << 18).to(torch.bfloat16)
+    ck.save(1, {"w": w1, "p": torch.nn.Parameter(torch.ones(5))}).wait_durable(30)
+    ck.save(2, {"w": w2}).wait_durable(30)
+    ck.save(3, {"tiny": torch.zeros(1)}).wait_durable(30)
+    a = ck.load(1)
+    assert torch.equal(a["w"], w1) and isinstance(a["p"], torch.nn.Parameter)
+    b = ck.load(2)
+    assert b["w"].dtype == torch.bfloat16 and torch.equal(b["w"], w2)
+    assert torch.equal(a["w"], w1)  # a's region was not reused while a lives
+    assert a["w"].data_ptr() != b["w"].data_ptr()

@@ -21,7 +21,10 @@ Methods: sidecar_copied (tensors in private memory, copied at save),
 sidecar_shared (tensors already in shared memory, ck.share), torch_save,
 torch_save_fsync, safetensors_fsync, dcp_save, dcp_async_save (its blocking
 part is the stall, its future's completion durable), deepspeed_fastpersist
-(only when deepspeed with its async_io op imports; else skipped, the reason
+(DeepSpeed's FastPersist writer, deepspeed.io.FastFileWriter: torch.save into
+an O_DIRECT file through libaio and a page-locked double buffer, synchronous;
+only where deepspeed imports and its async_io op builds (libaio-dev, ninja; a
+JIT build of minutes the first time), else skipped with exactly what failed
 printed).
 
   ckpt-sidecar bench compare --dir DIR --sizes 256MiB,1GiB [--rounds 3] [--json] [--plot out.png]
@@ -369,6 +372,18 @@ def deepspeed_unavailable():
     from torch.utils.cpp_extension import is_ninja_available
 
     if not is_ninja_available():
+        # pip's ninja (a DeepSpeed dependency) lies beside the interpreter (a
+        # venv not activated) or, after pip install --target DIR, in DIR/bin:
+        # neither need be on PATH.
+        extra = [os.path.dirname(sys.executable)]
+        try:
+            import ninja
+
+            extra += [ninja.BIN_DIR, os.path.join(os.path.dirname(os.path.dirname(ninja.__file__)), "bin")]
+        except Exception:  # noqa: BLE001 - then only the interpreter's folder
+            pass
+        os.environ["PATH"] = os.pathsep.join([d for d in extra if d] + [os.environ.get("PATH", "")])
+    if not is_ninja_available():
         return "ninja is not on PATH: DeepSpeed JIT-builds its async_io op with it (pip install ninja)"
     if not AsyncIOBuilder().is_compatible(verbose=False):
         return (f"DeepSpeed's async_io op cannot be built here ({accel} accelerator): libaio's io_submit did "
@@ -447,16 +462,20 @@ class DeepSpeedMethod:
         buf.zero_()
         self.buffer = buf
 
-    def __call__(self, step, state, workdir):
+    def save(self, path, state):
+        """One FastPersist save of `state` into the new file `path`, durable on return."""
         from deepspeed.io import FastFileWriter, FastFileWriterConfig
 
-        path = os.path.join(workdir, "state.pt")
-        t0 = time.perf_counter()
         writer = FastFileWriter(file_path=path, config=FastFileWriterConfig(
             dnvme_handle=self.handle, pinned_tensor=self.buffer, double_buffer=True))
         torch.save(state, writer)
         writer.close()  # drains, fsyncs and closes the file: the durable point
-        fsync_path(workdir, True)
+        fsync_path(os.path.dirname(path), True)
+
+    def __call__(self, step, state, workdir):
+        path = os.path.join(workdir, "state.pt")
+        t0 = time.perf_counter()
+        self.save(path, state)
         t1 = time.perf_counter()
         out = {"stall_s": t1 - t0, "durable_s": t1 - t0}
         drop_cache(path)
@@ -478,10 +497,10 @@ class DeepSpeedMethod:
 # The sidecar runs as a training loop would use it: parameters and moments in
 # shared memory (share), the optimizer step guarded.
 LOOP_METHODS = ["sidecar_shared", "torch_save", "torch_save_fsync", "safetensors_fsync",
-                "dcp_save", "dcp_async_save"]
+                "dcp_save", "dcp_async_save", "deepspeed_fastpersist"]
 
 
-def run_loop(args, base):
+def run_loop(args, base, skipped):
     """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
     three times that in state) trained --loop-steps steps, checkpointing every
     step, every 10 steps, and never, through each method. The step: a
@@ -588,6 +607,17 @@ def run_loop(args, base):
                             dcp_async["fut"].result()  # one in flight at a time
                         dcp_async["fut"] = dcp.async_save(st, checkpoint_id=path)
                 return f
+            if m == "deepspeed_fastpersist":
+                ds = DeepSpeedMethod()
+                n = iter(range(10**9))
+
+                def f(st):
+                    # A new file per save, as DeepSpeed's engine writes one per tag.
+                    path = os.path.join(wd, f"state-{next(n) % 2}.pt")
+                    if os.path.exists(path):
+                        os.unlink(path)
+                    ds.save(path, st)
+                return f
             raise AssertionError(m)
 
         def loop(save, every):
@@ -607,7 +637,8 @@ def run_loop(args, base):
                 dcp_async["fut"] = None
             return total / args.loop_steps
 
-        want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(",")) if m in LOOP_METHODS]
+        want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(","))
+                if m in LOOP_METHODS and m not in skipped]
         plain = [loop(None, 1)]
         samples = {(m, every): [] for m in want for every in (1, 10)}
         savers = {m: saver(m) for m in want}
@@ -782,7 +813,7 @@ def main(argv=None):
             ck.close()
             side.stop()
             side = None
-        loop = run_loop(args, base) if args.loop or args.loop_only else None
+        loop = run_loop(args, base, skipped) if args.loop or args.loop_only else None
     finally:
         if side is not None:
             try:

@@ -33,9 +33,41 @@ install_shim() {
     "$VENV/bin/python" -c 'import ckpt_sidecar; ckpt_sidecar.native_version()'
 }
 
+# DeepSpeed (bench compare's deepspeed_fastpersist, its FastPersist writer over
+# a JIT-built async_io op and libaio): optional, left out with
+# CKPT_CI_DEEPSPEED=0. Its PyPI release is a source distribution, built against
+# the venv's torch (no build isolation: that would fetch another torch); a
+# pinned version, so a new release cannot change CI. Then its ops are built
+# once (JIT, cached in ~/.cache/torch_extensions: about 15 CPU-minutes the
+# first time, seconds after) so the tests only load them. Nothing here fails
+# the setup: what failed is printed, and bench compare and its test skip
+# DeepSpeed saying why.
+DEEPSPEED_VERSION=0.19.8
+install_deepspeed() {
+    if [ "${CKPT_CI_DEEPSPEED:-1}" = 0 ]; then
+        echo "deepspeed: left out (CKPT_CI_DEEPSPEED=0)"
+        return 0
+    fi
+    if ! "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null; then
+        echo "installing deepspeed $DEEPSPEED_VERSION into $VENV (optional)"
+        if ! { "$VENV/bin/python" -m pip install -q --disable-pip-version-check setuptools wheel ninja &&
+               "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \
+                   "deepspeed==$DEEPSPEED_VERSION"; }; then
+            echo "deepspeed: not installed (pip failed above); bench compare will skip it"
+            return 0
+        fi
+    fi
+    echo "deepspeed: building or loading its ops (minutes the first time)"
+    "$VENV/bin/python" -c 'from ckpt_sidecar.bench_compare import deepspeed_unavailable as u
+why = u()
+print("deepspeed: " + ("skipped by bench compare: " + why if why else "FastPersist writer ready"))' ||
+        echo "deepspeed: the op check failed (above); bench compare will skip it"
+}
+
 if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib' 2>/dev/null; then
     install_torch
     install_shim
+    install_deepspeed
     exit 0
 fi
 
@@ -49,3 +81,4 @@ echo "installing ${PACKAGES[*]} into $VENV"
 "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib'
 install_torch
 install_shim
+install_deepspeed

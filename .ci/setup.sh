@@ -3,7 +3,9 @@
 # developer's one; fast and silent when everything is already there.
 #   - apt: fio (benchmark baseline), e2fsprogs (mkfs.ext4 for file-system
 #     tests), and python3 + python3-venv if missing; skipped when present.
-#   - a Python venv at .venv with pytest, numpy, safetensors, crc32c.
+#   - optional: libaio-dev (DeepSpeed's async_io op, for bench compare).
+#   - a Python venv at .venv with pytest, numpy, safetensors, crc32c, torch,
+#     and, optionally, DeepSpeed.
 # Rust (cargo, rust-version in Cargo.toml or newer) must already be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,21 @@ if [ ${#need[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
     apt-get install -y -q --no-install-recommends "${need[@]}"
+fi
+
+# ---- optional: libaio-dev, for DeepSpeed's async_io op (bench compare's
+# deepspeed_fastpersist; CKPT_CI_DEEPSPEED=0 leaves DeepSpeed out). Never fails
+# the setup: without it bench compare skips DeepSpeed saying why.
+if [ "${CKPT_CI_DEEPSPEED:-1}" != 0 ] && ! dpkg -s libaio-dev >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        echo "== apt-get install libaio-dev (optional)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends libaio-dev ||
+            { apt-get update -q && apt-get install -y -q --no-install-recommends libaio-dev; } ||
+            echo "libaio-dev: not installed; bench compare will skip DeepSpeed"
+    else
+        echo "libaio-dev: missing and not root; bench compare will skip DeepSpeed"
+    fi
 fi
 
 # ---- Python environment for tests/python.

@@ -21,7 +21,10 @@ Methods: sidecar_copied (tensors in private memory, copied at save),
 sidecar_shared (tensors already in shared memory, ck.share), torch_save,
 torch_save_fsync, safetensors_fsync, dcp_save, dcp_async_save (its blocking
 part is the stall, its future's completion durable), deepspeed_fastpersist
-(only when deepspeed with its async_io op imports; else skipped, the reason
+(DeepSpeed's FastPersist writer, deepspeed.io.FastFileWriter: torch.save into
+an O_DIRECT file through libaio and a page-locked double buffer, synchronous;
+only where deepspeed imports and its async_io op builds (libaio-dev, ninja; a
+JIT build of minutes the first time), else skipped with exactly what failed
 printed).
 
   ckpt-sidecar bench compare --dir DIR --sizes 256MiB,1GiB [--rounds 3] [--json] [--plot out.png]
@@ -306,40 +309,187 @@ class DcpMethod:
         return out
 
 
+# DeepSpeed's FastPersist as its FastCheckpointEngine configures it by
+# default: a 64 MiB I/O buffer, double-buffered (checkpoint "writer"
+# io_buffer_size / io_buffer_double), and the aio defaults of its "aio"
+# config section (deepspeed/runtime/swap_tensor/constants.py).
+DS_IO_BUFFER_BYTES = 64 << 20
+DS_AIO = {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True,
+          "intra_op_parallelism": 1}
+
+
+def _one_line(text, limit=400):
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _mlock_unavailable(nbytes):
+    """None when this process may page-lock nbytes (mlock), else why not.
+    DeepSpeed's aio op page-locks its CPU I/O buffers (and its bounce buffers)
+    and aborts the process when mlock fails, so this is asked first. The soft
+    RLIMIT_MEMLOCK is raised to the hard one when that is below nbytes."""
+    import mmap
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY and soft < nbytes and (hard == resource.RLIM_INFINITY or hard > soft):
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mlock.argtypes = libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    buf = mmap.mmap(-1, nbytes)
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        addr = ctypes.addressof(anchor)
+        if libc.mlock(addr, nbytes) != 0:
+            err = ctypes.get_errno()
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+            return (f"mlock of DeepSpeed's {nbytes >> 20} MiB I/O buffer failed ({os.strerror(err)}; "
+                    f"RLIMIT_MEMLOCK {limit}): its aio op page-locks its CPU buffers and aborts when it "
+                    f"cannot (ulimit -l unlimited, or CAP_IPC_LOCK)")
+        libc.munlock(addr, nbytes)
+        return None
+    finally:
+        del anchor
+        buf.close()
+
+
 def deepspeed_unavailable():
-    """None when DeepSpeed's FastPersist writer can run here, else why not."""
+    """None when DeepSpeed's FastPersist writer can run here (its async_io and
+    utils ops built, JIT the first time, and loaded into this process), else
+    exactly what failed: the import, ninja, libaio, page-locking, or the build."""
     try:
         import deepspeed  # noqa: F401
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig  # noqa: F401
         from deepspeed.ops.op_builder import AsyncIOBuilder
-    except Exception as e:  # noqa: BLE001 - any import failure is a reason
-        return f"deepspeed is not installed here ({type(e).__name__}: {e}); its async_io op needs libaio-dev and a build"
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason
+        return f"import deepspeed failed ({type(e).__name__}: {_one_line(e)}); pip install deepspeed"
+    accel = get_accelerator()._name
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        # pip's ninja (a DeepSpeed dependency) lies beside the interpreter (a
+        # venv not activated) or, after pip install --target DIR, in DIR/bin:
+        # neither need be on PATH.
+        extra = [os.path.dirname(sys.executable)]
+        try:
+            import ninja
+
+            extra += [ninja.BIN_DIR, os.path.join(os.path.dirname(os.path.dirname(ninja.__file__)), "bin")]
+        except Exception:  # noqa: BLE001 - then only the interpreter's folder
+            pass
+        os.environ["PATH"] = os.pathsep.join([d for d in extra if d] + [os.environ.get("PATH", "")])
+    if not is_ninja_available():
+        return "ninja is not on PATH: DeepSpeed JIT-builds its async_io op with it (pip install ninja)"
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        return "deepspeed's async_io op is not compatible here (libaio-dev missing?)"
+        return (f"DeepSpeed's async_io op cannot be built here ({accel} accelerator): libaio's io_submit did "
+                f"not compile and link (apt-get install libaio-dev)")
+    why = _mlock_unavailable(DS_IO_BUFFER_BYTES)
+    if why:
+        return why
+    why = _load_op("async_io", AsyncIOBuilder, accel)
+    if why:
+        return why
+    # FastFileWriter's constructor loads DeepSpeed's utils op (for its
+    # storage-list path, which a patched torch.save calls; the stock
+    # torch.save only calls write()). The CPU accelerator has no utils op
+    # ("not implemented on CPU backend"): the generic C++ one is built in its
+    # place, the op the CUDA accelerator uses; said in the results.
+    import deepspeed.io.fast_file_writer as ffw
+
+    try:
+        ffw.UtilsBuilder().load(verbose=False)
+    except ValueError as e:
+        from deepspeed.ops.op_builder.utils import UtilsBuilder as GenericUtilsBuilder
+
+        why = _load_op("utils (generic C++)", GenericUtilsBuilder, accel)
+        if why:
+            return f"FastFileWriter needs DeepSpeed's utils op: the {accel} accelerator has none ({e}); {why}"
+        ffw.UtilsBuilder = GenericUtilsBuilder
+        global DEEPSPEED_NOTE
+        DEEPSPEED_NOTE = (f"the {accel} accelerator has no utils op, which FastFileWriter's constructor loads "
+                          f"(for a path the stock torch.save never calls): DeepSpeed's generic C++ utils op is "
+                          f"built and used in its place")
+        log(f"deepspeed: {DEEPSPEED_NOTE}")
+    except Exception as e:  # noqa: BLE001 - a failed build is the reason
+        return f"building DeepSpeed's utils op failed ({accel} accelerator): {type(e).__name__}: {_one_line(e)}"
     return None
 
 
-def deepspeed_method(step, state, workdir):
-    from deepspeed.io import FastFileWriter, FastFileWriterConfig
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+# Set by deepspeed_unavailable when the writer runs with something substituted.
+DEEPSPEED_NOTE = None
 
-    aio = AsyncIOBuilder().load().aio_handle(1 << 20, 8, False, True, 1)
-    pinned = torch.empty(64 << 20, dtype=torch.uint8)
-    path = os.path.join(workdir, "state.pt")
+
+def _load_op(name, builder, accel):
+    """Builds (JIT, the first time) and loads one DeepSpeed op; None, or why it failed."""
     t0 = time.perf_counter()
-    cfg = FastFileWriterConfig(dnvme_handle=aio, pinned_tensor=pinned)
-    w = FastFileWriter(file_path=path, config=cfg)
-    torch.save(state, w)
-    w.close()
-    fsync_path(path)
-    t1 = time.perf_counter()
-    out = {"stall_s": t1 - t0, "durable_s": t1 - t0}
-    drop_cache(path)
-    t2 = time.perf_counter()
-    got = torch.load(path, weights_only=True)
-    out["restore_s"] = time.perf_counter() - t2
-    del got
-    return out
+    log(f"deepspeed: loading its {name} op ({accel} accelerator; a JIT build takes minutes the first time, "
+        f"cached in ~/.cache/torch_extensions after)")
+    try:
+        builder().load(verbose=False)
+    except Exception as e:  # noqa: BLE001 - a failed build is the reason
+        return f"building DeepSpeed's {name} op failed ({accel} accelerator): {type(e).__name__}: {_one_line(e)}"
+    log(f"deepspeed: {name} op loaded in {time.perf_counter() - t0:.1f} s")
+    return None
 
+
+class DeepSpeedMethod:
+    """DeepSpeed's FastPersist writer, as its FastCheckpointEngine saves a
+    state: torch.save into a deepspeed.io.FastFileWriter, which opens the file
+    O_DIRECT, stages the serialized bytes in a page-locked double buffer and
+    writes it with libaio; close() drains the buffers, writes the unaligned
+    tail, and fsyncs the file. It is synchronous: the stall is the time to
+    durable (plus the folder's fsync, as for every method). One aio handle and
+    one I/O buffer for the whole run, as the engine keeps them. Restore:
+    torch.load, verified equal to the saved state (the check untimed)."""
+
+    def __init__(self):
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        self.handle = AsyncIOBuilder().load().aio_handle(**DS_AIO)
+        # As DeepSpeed's checkpoint writer factory: the accelerator's pinned
+        # memory where it has one; on a CPU accelerator (pin_memory is a no-op
+        # there) the aio op's own page-locked allocation, else every write
+        # would go through a bounce buffer allocated per request.
+        buf = get_accelerator().pin_memory(torch.empty(DS_IO_BUFFER_BYTES, dtype=torch.uint8), make_copy=False)
+        if not self.handle.is_pinned(buf):
+            buf = self.handle.new_cpu_locked_tensor(DS_IO_BUFFER_BYTES, torch.empty(0, dtype=torch.uint8))
+        buf.zero_()
+        self.buffer = buf
+
+    def save(self, path, state):
+        """One FastPersist save of `state` into the new file `path`, durable on return."""
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig
+
+        writer = FastFileWriter(file_path=path, config=FastFileWriterConfig(
+            dnvme_handle=self.handle, pinned_tensor=self.buffer, double_buffer=True))
+        torch.save(state, writer)
+        writer.close()  # drains, fsyncs and closes the file: the durable point
+        fsync_path(os.path.dirname(path), True)
+
+    def __call__(self, step, state, workdir):
+        path = os.path.join(workdir, "state.pt")
+        t0 = time.perf_counter()
+        self.save(path, state)
+        t1 = time.perf_counter()
+        out = {"stall_s": t1 - t0, "durable_s": t1 - t0}
+        drop_cache(path)
+        t2 = time.perf_counter()
+        got = torch.load(path, weights_only=True)
+        out["restore_s"] = time.perf_counter() - t2
+        if got.keys() != state.keys():
+            raise RuntimeError(f"deepspeed_fastpersist: restored keys differ: {sorted(got.keys() ^ state.keys())[:5]}")
+        for k, t in state.items():
+            if not torch.equal(got[k], t):
+                raise RuntimeError(f"deepspeed_fastpersist: restored tensor {k!r} differs from the saved one")
+        out["restore_verified"] = True
+        del got
+        return out
 
 
 # ---- the training loop: checkpoint every step, every 10 steps, never ----
@@ -347,10 +497,10 @@ def deepspeed_method(step, state, workdir):
 # The sidecar runs as a training loop would use it: parameters and moments in
 # shared memory (share), the optimizer step guarded.
 LOOP_METHODS = ["sidecar_shared", "torch_save", "torch_save_fsync", "safetensors_fsync",
-                "dcp_save", "dcp_async_save"]
+                "dcp_save", "dcp_async_save", "deepspeed_fastpersist"]
 
 
-def run_loop(args, base):
+def run_loop(args, base, skipped):
     """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
     three times that in state) trained --loop-steps steps, checkpointing every
     step, every 10 steps, and never, through each method. The step: a
@@ -457,6 +607,17 @@ def run_loop(args, base):
                             dcp_async["fut"].result()  # one in flight at a time
                         dcp_async["fut"] = dcp.async_save(st, checkpoint_id=path)
                 return f
+            if m == "deepspeed_fastpersist":
+                ds = DeepSpeedMethod()
+                n = iter(range(10**9))
+
+                def f(st):
+                    # A new file per save, as DeepSpeed's engine writes one per tag.
+                    path = os.path.join(wd, f"state-{next(n) % 2}.pt")
+                    if os.path.exists(path):
+                        os.unlink(path)
+                    ds.save(path, st)
+                return f
             raise AssertionError(m)
 
         def loop(save, every):
@@ -476,7 +637,8 @@ def run_loop(args, base):
                 dcp_async["fut"] = None
             return total / args.loop_steps
 
-        want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(",")) if m in LOOP_METHODS]
+        want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(","))
+                if m in LOOP_METHODS and m not in skipped]
         plain = [loop(None, 1)]
         samples = {(m, every): [] for m in want for every in (1, 10)}
         savers = {m: saver(m) for m in want}
@@ -567,7 +729,7 @@ def main(argv=None):
             log(f"skipping deepspeed_fastpersist: {why}")
             want = [m for m in want if m != "deepspeed_fastpersist"]
     results, limits = [], []
-    side = None
+    side = ds = None
     if args.loop_only:
         args.sizes = []
     try:
@@ -599,7 +761,8 @@ def main(argv=None):
                     d = DcpMethod(m == "dcp_async_save", state)
                     methods[m] = (lambda d: lambda s, w: d(s, state, w))(d)
                 elif m == "deepspeed_fastpersist":
-                    methods[m] = lambda s, w: deepspeed_method(s, state, w)
+                    ds = ds or DeepSpeedMethod()
+                    methods[m] = (lambda ds: lambda s, w: ds(s, state, w))(ds)
             dst = {k: torch.empty_like(t) for k, t in state.items()}
             for t in dst.values():
                 t.zero_()
@@ -640,6 +803,8 @@ def main(argv=None):
                 if row["restore_s"] and entry["fio_read_s"]:
                     row["restore_over_fio_read"] = row["restore_s"] / entry["fio_read_s"]
                 row["gb_per_s"] = size_b / row["durable_s"] / 1e9 if row["durable_s"] else None
+                if m == "deepspeed_fastpersist" and DEEPSPEED_NOTE:
+                    row["note"] = DEEPSPEED_NOTE
                 results.append(row)
             del state, shared_state, dst, methods
             DcpMethod._targets = None
@@ -648,7 +813,7 @@ def main(argv=None):
             ck.close()
             side.stop()
             side = None
-        loop = run_loop(args, base) if args.loop or args.loop_only else None
+        loop = run_loop(args, base, skipped) if args.loop or args.loop_only else None
     finally:
         if side is not None:
             try:
@@ -697,6 +862,8 @@ def print_table(doc):
         print(f"{'limit: fio read':24s} {e['size_bytes'] / 2**20:7.0f}Mi {'':>9s} {'':>10s} {'':>7s} {'':>6s} "
               f"{fmt(e['fio_read_s']):>10s}")
         print(f"{'limit: memcpy':24s} {e['size_bytes'] / 2**20:7.0f}Mi {fmt(e['memcpy_s']):>9s}")
+    for m, note in {r["method"]: r["note"] for r in doc["results"] if r.get("note")}.items():
+        print(f"{m}: note: {note}")
     for m, why in doc.get("skipped", {}).items():
         print(f"{m}: skipped ({why})")
 

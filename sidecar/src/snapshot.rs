@@ -667,9 +667,12 @@ pub fn run_save(
         }
     };
     shared.set_phase(key, Phase::Copying);
-    if part.is_none() {
+    // Pipelined: whole saves, and a rank's part of several nodes (written
+    // on its own into the shared directory). A part of one node's group
+    // waits for the other ranks' parts first, so it copies, then queues.
+    if part.is_none() || shared.shared_dir.is_some() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
+        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -713,7 +716,8 @@ pub fn run_save(
     }
 }
 
-/// The rest of a whole (not per-rank) save, pipelined: the job goes to the
+/// The rest of a whole save, or of a rank's part of several nodes,
+/// pipelined: the job goes to the
 /// committer before the copy, which then writes each chunk of the image as
 /// soon as it is copied ([`FedCopy`], `Store::commit_fed`), so the time to
 /// durable is about the disk's alone, not the copy's plus the disk's.
@@ -729,6 +733,7 @@ fn run_fed_save(
     peer: &Arc<Peer>,
     id: u64,
     step: u64,
+    part: Option<Part>,
     layout: Layout,
     sources: Vec<Source>,
     mut lease: Lease,
@@ -739,7 +744,10 @@ fn run_fed_save(
     t_received: Instant,
     gone: &'static str,
 ) {
-    let key = Flight::Step(step);
+    let key = match part {
+        Some(p) => Flight::Part(step, p.rank),
+        None => Flight::Step(step),
+    };
     let guard = span.enter();
     let mut fed = FedCopy::plan(&layout, &sources, &mut lease);
     let fill = Arc::new(Fill::new(fed.progress.clone()));
@@ -747,7 +755,7 @@ fn run_fed_save(
     let progress = fed.progress.clone();
     let _filler = Filler(&progress);
     let waited_seconds = waited.as_secs_f64();
-    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part: None, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
+    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
     if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
         fed.progress.fail("the committer has stopped".into());

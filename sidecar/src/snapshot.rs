@@ -756,12 +756,20 @@ fn run_fed_save(
     let _filler = Filler(&progress);
     let waited_seconds = waited.as_secs_f64();
     let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
-    if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
+    // To the committer: false (the save answered Failed here) when it is gone.
+    let hand_over = |job: Job| -> bool {
+        let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) else { return true };
         // The committer is gone only if the daemon is tearing down.
-        fed.progress.fail("the committer has stopped".into());
+        progress.fail("the committer has stopped".into());
+        // The lease's drop waits for the copy: none is running now.
         drop(e);
         shared.end(key);
         peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        false
+    };
+    // Small images are handed over after the copy (config::FED_EARLY_BYTES_MIN).
+    let mut unsent = Some(job);
+    if layout.staging_len >= config::FED_EARLY_BYTES_MIN && !hand_over(unsent.take().expect("not sent yet")) {
         return;
     }
     let give_up = || shared.stop_reason(peer, gone);
@@ -779,6 +787,9 @@ fn run_fed_save(
             info!(step, code = ?e.code(), "save refused: {e}");
             // The committer removes what it wrote, ends the flight, answers Failed.
             fill.fail(e.code(), e.to_string());
+            if let Some(job) = unsent {
+                hand_over(job);
+            }
             return;
         }
     };
@@ -786,6 +797,11 @@ fn run_fed_save(
     // Released before the copy's end is told to the committer: Durable
     // (which waits for it) always comes after.
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    if let Some(job) = unsent {
+        if !hand_over(job) {
+            return;
+        }
+    }
     let crcs = crcs.unwrap_or_else(|| {
         let t_crc = Instant::now();
         let crcs = fed.checksum(&layout);

@@ -46,20 +46,24 @@ def library_path():
 
 
 def sidecar_binary():
-    """The ckpt-sidecar binary to spawn: bundled, else $CKPT_SIDECAR_BIN, else PATH."""
+    """The ckpt-sidecar binary to spawn: $CKPT_SIDECAR_BIN (a fresh build; it
+    overrides, as $CKPT_SIDECAR_LIB does for the library), else the bundled
+    one, else PATH."""
     import shutil
 
+    env = os.environ.get("CKPT_SIDECAR_BIN")
+    if env:
+        if not os.path.isfile(env):
+            raise FileNotFoundError(f"$CKPT_SIDECAR_BIN is {env!r}, which is not a file")
+        return env
     bundled = NATIVE_DIR / "ckpt-sidecar"
     if bundled.exists():
         return str(bundled)
-    env = os.environ.get("CKPT_SIDECAR_BIN")
-    if env:
-        return env
     found = shutil.which("ckpt-sidecar")
     if found:
         return found
-    raise FileNotFoundError("no ckpt-sidecar binary: not bundled (pip install ./shim-py), "
-                            "no $CKPT_SIDECAR_BIN, none on PATH")
+    raise FileNotFoundError("no ckpt-sidecar binary: no $CKPT_SIDECAR_BIN, not bundled "
+                            "(pip install ./shim-py), none on PATH")
 
 
 def lib():

@@ -238,3 +238,15 @@ def test_a_save_larger_than_the_whole_staging_budget_is_refused_before_any_copy(
     assert ck.list() == []
     ck.save(2, {"y": np.ones(3)}).wait_durable()
     assert ck.list() == [2]
+
+
+def test_ckpt_sidecar_bin_overrides_the_bundled_binary_and_a_wrong_one_is_named(monkeypatch, tmp_path):
+    from ckpt_sidecar import _native
+
+    fake = tmp_path / "my-sidecar"
+    fake.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("CKPT_SIDECAR_BIN", str(fake))
+    assert _native.sidecar_binary() == str(fake)
+    monkeypatch.setenv("CKPT_SIDECAR_BIN", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="CKPT_SIDECAR_BIN.*missing.*not a file"):
+        _native.sidecar_binary()

@@ -43,6 +43,7 @@ def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None):
         env["CKPT_SIDECAR_PART_TIMEOUT_S"] = str(timeout_s)
     for f in tmp_path.glob("result-*.json"):
         f.unlink()
+    shared.mkdir(exist_ok=True)
     procs = []
     for node in (0, 1):
         cmd = [sidecar_bin(), "launch", "--dir", str(tmp_path / f"node{node}"), "--shared", str(shared),

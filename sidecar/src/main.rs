@@ -148,7 +148,8 @@ struct DaemonArgs {
     /// Several nodes: the directory every node's sidecar sees (a shared file
     /// system), where the ranks' parts of a step (SavePart) are written and
     /// committed together; --dir stays this node's own. The sidecar serving
-    /// rank 0 coordinates each step's commit.
+    /// rank 0 coordinates each step's commit. It must exist (never made: a
+    /// missing one is likely a shared file system not mounted here).
     #[arg(long)]
     shared: Option<PathBuf>,
     #[command(flatten)]
@@ -238,7 +239,7 @@ enum Cmd {
         /// Target directories, primary first.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
-        /// The step to go back to (a committed checkpoint).
+        /// The step to go back to (a committed checkpoint whose index reads).
         #[arg(long, value_parser = parse_step)]
         to: u64,
         #[arg(long)]
@@ -323,7 +324,7 @@ enum BenchCmd {
         #[arg(long)]
         dir: PathBuf,
         /// State sizes, comma-separated (e.g. 256MiB,1GiB,4GiB).
-        #[arg(long, value_parser = parse_size, value_delimiter = ',', default_value = "256MiB")]
+        #[arg(long, value_parser = parse_nonzero_size, value_delimiter = ',', default_value = "256MiB")]
         sizes: Vec<u64>,
         /// Timed rounds per size (the figures are medians); methods rotate between rounds.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -351,7 +352,7 @@ enum BenchCmd {
         #[arg(long, conflicts_with = "with_loop")]
         loop_only: bool,
         /// Parameter bytes of the loop's model (e.g. 32MiB).
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = parse_nonzero_size)]
         loop_size: Option<u64>,
         /// Training steps per loop.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -475,7 +476,9 @@ fn one_line(e: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    line.replace('\n', " ")
+    // A multi-line message (a list of problems, each indented) reads as one
+    // line: each break and the indent after it become one space.
+    line.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
 }
 
 /// Directories that did not exist before a command that creates its own
@@ -905,6 +908,52 @@ fn print_figures(f: &bench::Figures, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The Python a bench module runs with: --python, else $CKPT_SIDECAR_PYTHON,
+/// else `python3`.
+fn bench_python(given: Option<PathBuf>) -> PathBuf {
+    given.or_else(|| std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from("python3"))
+}
+
+const PYTHON_HINT: &str = "point $CKPT_SIDECAR_PYTHON (or bench compare's --python) at a Python where it is installed (pip install ./shim-py; the README's .venv has it)";
+
+/// `PYTHON -m MODULE`, measuring this very binary, once PYTHON has been seen
+/// to import the package: a Python without it is named in one line, with
+/// what to do, rather than in Python's own module-lookup error.
+fn python_module(python: &Path, module: &str) -> anyhow::Result<std::process::Command> {
+    let probe = std::process::Command::new(python)
+        .args(["-c", "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('ckpt_sidecar') else 3)"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    match probe {
+        Err(e) => bail!("cannot run {} for {module}: {e}; {PYTHON_HINT}", python.display()),
+        Ok(s) if !s.success() => bail!("{} cannot import ckpt_sidecar, which {module} needs; {PYTHON_HINT}", python.display()),
+        Ok(_) => {}
+    }
+    let me = std::env::current_exe().context("finding this executable")?;
+    let mut cmd = std::process::Command::new(python);
+    cmd.args(["-m", module]).env("CKPT_SIDECAR_BIN", me);
+    Ok(cmd)
+}
+
+fn run_bench_child(mut cmd: std::process::Command, python: &Path, module: &str) -> anyhow::Result<ExitCode> {
+    let status = cmd.status().with_context(|| format!("running {} -m {module}", python.display()))?;
+    Ok(child_exit(status))
+}
+
+/// A child's exit status as ours: its code, or 128 + the signal that ended
+/// it (SIGPIPE: its stdout closed), as a shell says it.
+fn child_exit(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(0), _) => ExitCode::SUCCESS,
+        (Some(c), _) => ExitCode::from(c.clamp(1, 255) as u8),
+        (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
+        (None, None) => ExitCode::FAILURE,
+    }
+}
+
 fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
     match what {
         BenchCmd::Write { dirs, size, step, shard_size, compare_fio, json, io } => {
@@ -925,38 +974,21 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 .env("CKPT_SIDECAR_BIN", &me)
                 .status()
                 .with_context(|| format!("running {}", bench.display()))?;
-            use std::os::unix::process::ExitStatusExt;
-            return Ok(match (status.code(), status.signal()) {
-                (Some(0), _) => ExitCode::SUCCESS,
-                (Some(c), _) => ExitCode::from(c.clamp(1, 255) as u8),
-                // Ended by a signal (SIGPIPE: its stdout closed): as a shell says it.
-                (None, Some(sig)) => ExitCode::from((128 + sig).clamp(1, 255) as u8),
-                (None, None) => ExitCode::FAILURE,
-            });
+            return Ok(child_exit(status));
         }
         BenchCmd::Ranks { args } => {
-            let python = std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("python3"));
-            let me = std::env::current_exe().context("finding this executable")?;
-            let status = std::process::Command::new(&python)
-                .args(["-m", "ckpt_sidecar.bench_ranks"])
-                .args(&args)
-                .env("CKPT_SIDECAR_BIN", &me)
-                .status()
-                .with_context(|| format!("running {} -m ckpt_sidecar.bench_ranks (set $CKPT_SIDECAR_PYTHON to a Python with ckpt_sidecar)", python.display()))?;
-            return Ok(match status.code() {
-                Some(0) => ExitCode::SUCCESS,
-                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
-                None => ExitCode::FAILURE,
-            });
+            let python = bench_python(None);
+            let mut cmd = python_module(&python, "ckpt_sidecar.bench_ranks")?;
+            cmd.args(&args);
+            return run_bench_child(cmd, &python, "ckpt_sidecar.bench_ranks");
         }
         BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind } => {
             // The comparison drives Python libraries (torch, safetensors, DCP):
             // it lives in the Python package, measuring this very binary.
-            let python = python.or_else(|| std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from("python3"));
-            let me = std::env::current_exe().context("finding this executable")?;
+            let python = bench_python(python);
             let sizes: Vec<String> = sizes.iter().map(u64::to_string).collect();
-            let mut cmd = std::process::Command::new(&python);
-            cmd.args(["-m", "ckpt_sidecar.bench_compare", "--dir"]).arg(&dir);
+            let mut cmd = python_module(&python, "ckpt_sidecar.bench_compare")?;
+            cmd.arg("--dir").arg(&dir);
             cmd.arg("--sizes").arg(sizes.join(",")).arg("--rounds").arg(rounds.to_string()).arg("--warmup").arg(warmup.to_string());
             if let Some(m) = methods {
                 cmd.arg("--methods").arg(m);
@@ -979,13 +1011,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                     cmd.arg(flag).arg(v);
                 }
             }
-            cmd.env("CKPT_SIDECAR_BIN", &me);
-            let status = cmd.status().with_context(|| format!("running {} -m ckpt_sidecar.bench_compare (set --python or $CKPT_SIDECAR_PYTHON to a Python with ckpt_sidecar and torch)", python.display()))?;
-            return Ok(match status.code() {
-                Some(0) => ExitCode::SUCCESS,
-                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
-                None => ExitCode::FAILURE,
-            });
+            return run_bench_child(cmd, &python, "ckpt_sidecar.bench_compare");
         }
         BenchCmd::Read { dir, compare_fio, json, io } => {
             catalog::check_dir(&dir)?;

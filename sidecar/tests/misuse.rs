@@ -244,6 +244,8 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     cases.push(case(&["verify", &junk, "--json"], &[3], None));
     cases.push(case(&["bench", "read", "--dir", &junk], &[1], Some(junk.as_str())));
     cases.push(cleaning(&["gc", &junk, "--keep", "1"], &[0], None));
+    // Step 1's index does not read: a trainer sent back to it could not load.
+    cases.push(cleaning(&["rollback", &junk, "--to", "1"], &[1], Some("cannot roll back to it: ")));
     cases.push(cleaning(&["rollback", &junk, "--to", "2"], &[1], Some("step 2")));
     // Zero and absurd sizes, counts and steps: usage errors naming the
     // value, or (memory) an error naming the size; nothing created.
@@ -257,6 +259,8 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
         (vec!["bench", "stall", "--dir", &nx, "--size", "0"], "\"0\""),
         (vec!["bench", "stall", "--dir", &nx, "--size", "1MiB", "--staging", "0"], "\"0\""),
         (vec!["bench", "stall", "--dir", &nx, "--size", "1MiB", "--repeats", "0"], "0"),
+        (vec!["bench", "compare", "--dir", &nx, "--sizes", "256MiB,0"], "\"0\""),
+        (vec!["bench", "compare", "--dir", &nx, "--loop-only", "--loop-size", "0"], "\"0\""),
         (vec!["serve", "--dir", &nx, "--socket", &sock, "--staging", "0"], "\"0\""),
         (vec!["serve", "--dir", &nx, "--socket", &sock, "--shard-size", "0"], "\"0\""),
         (vec!["serve", "--dir", &nx, "--socket", &sock, "--keep", "0"], "\"0\""),
@@ -276,7 +280,15 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     }
     cases.push(case(&["bench", "write", "--dir", &nx, "--size", "15PiB"], &[1], Some("cannot allocate")));
     cases.push(case(&["serve", "--dir", &nx, "--socket", &sock, "--staging", "15PiB"], &[1], Some("--staging")));
+    // A shared directory is never made: a missing one is likely an unmounted
+    // shared file system, and each node would commit into its own.
+    let no_shared = format!("{nx}-shared");
+    cases.push(case(&["serve", "--dir", &nx, "--socket", &sock, "--staging", "64MiB", "--shared", &no_shared], &[1], Some(&format!("shared directory {no_shared} does not exist"))));
     cases.push(case(&["bench", "stall", "--dir", &nx, "--size", "1MiB", "--python", &format!("{nx}/python")], &[1], Some(&format!("{nx}/python"))));
+    // A Python that is missing, or cannot import the package the bench
+    // modules live in, is named in one line (not Python's module lookup).
+    cases.push(case(&["bench", "compare", "--dir", &nx, "--python", &format!("{nx}/python")], &[1], Some(&format!("{nx}/python"))));
+    cases.push(case(&["bench", "compare", "--dir", &nx, "--python", "/bin/false"], &[1], Some("/bin/false cannot import ckpt_sidecar")));
     let mut failures = Vec::new();
     for c in &cases {
         if let Err(e) = run_case(&fx, c) {

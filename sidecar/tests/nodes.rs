@@ -26,7 +26,9 @@ struct Cluster {
 
 impl Cluster {
     fn new() -> Cluster {
-        Cluster { tmp: tempfile::tempdir().unwrap() }
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir(tmp.path().join("shared")).unwrap();
+        Cluster { tmp }
     }
 
     fn shared(&self) -> PathBuf {

@@ -96,6 +96,8 @@ pub enum StoreError {
     NotADir(PathBuf),
     #[error(transparent)]
     Locked(#[from] LockError),
+    #[error("shared directory {} does not exist: it must be the one directory every node sees (create it there; a missing one is often a shared file system not mounted on this node)", .0.display())]
+    NoSharedDir(PathBuf),
 }
 
 /// A target directory exists and is a directory; with `create`, a missing
@@ -489,11 +491,15 @@ impl Store {
     }
 }
 
-/// The shared directory of several nodes: created if missing, never one of
-/// the node's own directories, probed for its engine (no lock: every node's
-/// sidecar opens it).
+/// The shared directory of several nodes: it must exist (made here, a
+/// missing mount would have each node commit into a local folder of its own
+/// and wait for the others' parts forever), never one of the node's own
+/// directories, probed for its engine (no lock: every node's sidecar opens it).
 fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions) -> Result<TargetDir, StoreError> {
-    check_dir(d, true)?;
+    check_dir(d, false).map_err(|e| match e {
+        StoreError::NoSuchDir(p) => StoreError::NoSharedDir(p),
+        e => e,
+    })?;
     let p = fs::canonicalize(d).map_err(|e| StoreError::Io { path: d.to_path_buf(), what: "resolve directory", source: e })?;
     if paths.contains(&p) {
         return Err(StoreError::DuplicateDir(p));

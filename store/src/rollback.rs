@@ -26,12 +26,17 @@ use std::path::{Path, PathBuf};
 
 use crate::catalog;
 use crate::format::{self, ROLLBACK_FILE_NAME};
+use crate::restore;
 use crate::retention;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RollbackError {
     #[error("cannot roll back to step {step}: it is not a committed checkpoint in {} (committed: {})", dir.display(), list(committed))]
     NotCommitted { step: u64, dir: PathBuf, committed: Vec<u64> },
+    /// The target's index does not read: a trainer resumed from it could not
+    /// load it. Its text says the cause once (no `source`: it is the message).
+    #[error("cannot roll back to it: {0}; roll back to a step whose index reads (ckpt-sidecar verify DIR)")]
+    Unreadable(String),
     #[error("rollback to step {step} in {}: {what}: {source}", dir.display())]
     Io { step: u64, dir: PathBuf, what: &'static str, source: io::Error },
 }
@@ -54,6 +59,7 @@ pub fn rollback(dirs: &[PathBuf], step: u64) -> Result<Vec<u64>, RollbackError> 
     if !committed.contains(&step) {
         return Err(RollbackError::NotCommitted { step, dir: primary.clone(), committed });
     }
+    restore::read_index(primary, step).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
     catalog::write_step_file(primary, ROLLBACK_FILE_NAME, step).map_err(io("write the rollback intent"))?;
     complete(dirs, step).map_err(io("un-commit later steps"))
 }

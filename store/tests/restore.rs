@@ -1,0 +1,51 @@
+//! Reading back checkpoints whose shapes are at the edges of the format.
+
+use ckpt_store::commit::{Store, StoreOptions};
+use ckpt_store::format::Dtype;
+use ckpt_store::image::{Layout, LayoutOptions, TensorSpec};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::restore::{self, ReadOptions, Which};
+
+/// Commits `specs` (bytes filled with a pattern) as `step`.
+fn commit(dir: &std::path::Path, step: u64, specs: Vec<TensorSpec>) {
+    let layout = Layout::plan(specs, LayoutOptions::default()).unwrap();
+    let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+    layout.write_headers(staging.as_mut_slice());
+    for i in 0..layout.specs.len() {
+        for (j, b) in staging.as_mut_slice()[layout.tensor_range(i)].iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(31).wrapping_add(j as u8);
+        }
+    }
+    let crcs = layout.tensor_crcs(staging.as_slice());
+    let mut store = Store::open(StoreOptions::new(vec![dir.to_path_buf()])).unwrap();
+    store.commit(step, &layout, &staging, &crcs, &[]).unwrap();
+}
+
+/// A shard holding only zero-byte tensors ends with its header: verify and
+/// load must still close every tensor (they called it "only N of N bytes
+/// checked" and refused a checkpoint they had committed).
+#[test]
+fn a_checkpoint_of_only_empty_tensors_verifies_and_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    commit(tmp.path(), 1, vec![TensorSpec::new("e", Dtype::F32, &[0]), TensorSpec::new("f", Dtype::BF16, &[0, 5])]);
+    let opts = ReadOptions::default();
+    let report = restore::verify(tmp.path(), 1, &opts, |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.tensors, 2);
+    let loaded = restore::load(tmp.path(), Which::Step(1), &opts, None).unwrap();
+    assert_eq!(loaded.tensor("e"), Some(&[][..]));
+    assert_eq!(loaded.tensor("f"), Some(&[][..]));
+}
+
+/// Empty tensors beside one with bytes, first and last in file order.
+#[test]
+fn empty_tensors_around_a_full_one_verify_and_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    commit(tmp.path(), 2, vec![TensorSpec::new("a", Dtype::F32, &[0]), TensorSpec::new("b", Dtype::U8, &[3]), TensorSpec::new("c", Dtype::I64, &[2, 0])]);
+    let opts = ReadOptions::default();
+    let report = restore::verify(tmp.path(), 2, &opts, |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    let loaded = restore::load(tmp.path(), Which::Step(2), &opts, None).unwrap();
+    assert_eq!(loaded.tensor("b"), Some(&[31u8, 32, 33][..]));
+    assert_eq!(loaded.tensor("c"), Some(&[][..]));
+}

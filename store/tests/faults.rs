@@ -524,6 +524,7 @@ fn a_fed_rank_part_writes_only_filled_bytes_and_a_failed_filler_leaves_no_marker
     for (label, io) in combos() {
         let dir = tempfile::tempdir().unwrap();
         let shared = dir.path().join("shared");
+        fs::create_dir(&shared).unwrap();
         let opts = StoreOptions { io, chunk_bytes: 256 << 10, shared: Some(shared.clone()), ..StoreOptions::new(vec![dir.path().join("own")]) };
         let Some(mut store) = open_store(opts, label) else { continue };
         let ctx = format!("{label}, fed rank part");

@@ -26,6 +26,15 @@
  *   cuMemMap maps the memfd there still inaccessible, and only cuMemSetAccess
  *   makes it readable and writable: an importer that forgets it faults.
  *   Mapped VMM memory is not legacy-IPC capable (cuIpcGetMemHandle refuses).
+ *   Several cuMemMap at consecutive offsets of one reserved range (PyTorch's
+ *   expandable segments) are separate mappings: cuMemGetAddressRange and
+ *   cuMemRetainAllocationHandle on a pointer answer for the mapping holding
+ *   it (as the real driver does: the chunk, not the reservation); a reserved
+ *   address with nothing mapped is unknown memory.
+ * - Allocation identity: every mapping gets a CU_POINTER_ATTRIBUTE_BUFFER_ID
+ *   never given before; cuMemFree_v2 keeps the freed address range reserved
+ *   and the next cuMemAlloc_v2 that fits lands there, as real drivers often
+ *   do, so a stale cache keyed by address shows up as wrong bytes.
  * - Counters: with FAKE_CUDA_STATS_DIR set, the file <dir>/<pid> says how many
  *   imported allocations are open ("imports_open N": legacy IPC opens and
  *   imported VMM handles not yet released), how many were ever opened, how
@@ -86,10 +95,17 @@ static long g_delay_us = 2000;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 /* A VMM physical allocation: a memfd, alive while handles or mappings hold it. */
 struct vmm { int fd; size_t size; int refs; int imported; int handle_types; };
-/* A mapping of device memory: cuMemAlloc, a legacy IPC import, or a VMM mapping (vmm set). */
-struct alloc { uintptr_t base; size_t size; int imported; char name[NAME_MAX_BYTES]; struct vmm *vmm; };
+/* A mapping of device memory: cuMemAlloc, a legacy IPC import, or a VMM
+ * mapping (vmm set); id: its CU_POINTER_ATTRIBUTE_BUFFER_ID (never reused). */
+struct alloc { uintptr_t base; size_t size; int imported; char name[NAME_MAX_BYTES]; struct vmm *vmm; unsigned long long id; };
 static struct alloc g_allocs[ALLOCS_MAX];
 static unsigned long g_seq;
+static unsigned long long g_buffer_ids;
+/* Address ranges cuMemFree_v2 gave back, kept reserved (PROT_NONE) so the
+ * next cuMemAlloc_v2 that fits reuses the address, as real drivers do. */
+#define HOLES_MAX 256
+struct hole { uintptr_t base; size_t size; };
+static struct hole g_holes[HOLES_MAX];
 static long g_imports_open, g_imports_total, g_host_registered, g_vmm_maps;
 
 static void write_stats_locked(void) {
@@ -292,6 +308,11 @@ static void *map_object(const char *name, int create, size_t *size) {
     return p;
 }
 
+static size_t page_round(size_t n) {
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + pg - 1) / pg * pg;
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     NEED_INIT();
     if (!dptr || size == 0) return E_INVALID_VALUE;
@@ -302,9 +323,23 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     snprintf(name, sizeof name, "/fakecuda-%d-%lu", (int)getpid(), ++g_seq);
     void *p = map_object(name, 1, &size);
     if (!p) { pthread_mutex_unlock(&g_mu); return E_OUT_OF_MEMORY; }
+    /* The first freed range it fits takes it: the new memory lands at the old address. */
+    size_t span = page_round(size);
+    for (int i = 0; i < HOLES_MAX; i++) {
+        struct hole *h = &g_holes[i];
+        if (!h->base || h->size < span) continue;
+        void *q = mremap(p, span, span, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)h->base);
+        if (q == MAP_FAILED) break;
+        p = q;
+        h->base += span;
+        h->size -= span;
+        if (!h->size) h->base = 0;
+        break;
+    }
     a->base = (uintptr_t)p;
     a->size = size;
     a->imported = 0;
+    a->id = ++g_buffer_ids;
     memcpy(a->name, name, sizeof name);
     pthread_mutex_unlock(&g_mu);
     *dptr = (CUdeviceptr)(uintptr_t)p;
@@ -316,7 +351,15 @@ CUresult cuMemFree_v2(CUdeviceptr dptr) {
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_alloc_locked((uintptr_t)dptr);
     if (!a || a->imported || a->vmm || a->base != (uintptr_t)dptr) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
-    munmap((void *)a->base, a->size);
+    /* The range stays reserved (inaccessible) for a later cuMemAlloc_v2. */
+    size_t span = page_round(a->size);
+    int kept = 0;
+    for (int i = 0; i < HOLES_MAX && !kept; i++) {
+        if (g_holes[i].base) continue;
+        kept = mmap((void *)a->base, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != MAP_FAILED;
+        if (kept) g_holes[i] = (struct hole){ a->base, span };
+    }
+    if (!kept) munmap((void *)a->base, span);
     shm_unlink(a->name);
     memset(a, 0, sizeof *a);
     pthread_mutex_unlock(&g_mu);
@@ -347,10 +390,12 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr p) {
     case 1: *(CUcontext *)data = &g_ctx; return OK;           /* CONTEXT */
     case 2: *(unsigned *)data = 2; return OK;                 /* MEMORY_TYPE: DEVICE */
     case 3: *(CUdeviceptr *)data = p; return OK;              /* DEVICE_POINTER */
+    case 7: *(unsigned long long *)data = copy.id; return OK; /* BUFFER_ID */
     case 9: *(int *)data = 0; return OK;                      /* DEVICE_ORDINAL */
     case 10: *(int *)data = copy.vmm ? 0 : 1; return OK;      /* IS_LEGACY_CUDA_IPC_CAPABLE */
     case 11: *(CUdeviceptr *)data = copy.base; return OK;     /* RANGE_START_ADDR */
     case 12: *(size_t *)data = copy.size; return OK;          /* RANGE_SIZE */
+    case 13: *(int *)data = 1; return OK;                     /* MAPPED (unmapped: not found above) */
     default: return E_INVALID_VALUE;
     }
 }
@@ -385,6 +430,7 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle h, unsigned fla
     a->base = (uintptr_t)p;
     a->size = size;
     a->imported = 1;
+    a->id = ++g_buffer_ids;
     memcpy(a->name, name, NAME_MAX_BYTES);
     g_imports_open++;
     g_imports_total++;
@@ -547,7 +593,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     if (!ptr || !v || offset != 0 || size == 0 || size % VMM_GRANULARITY || size > v->size) return E_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     struct alloc *a = free_slot_locked();
-    if (!a || find_alloc_locked((uintptr_t)ptr)) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
+    if (!a || find_alloc_locked((uintptr_t)ptr) || find_alloc_locked((uintptr_t)ptr + size - 1)) { pthread_mutex_unlock(&g_mu); return E_INVALID_VALUE; }
     /* Mapped, but inaccessible until cuMemSetAccess. */
     void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, v->fd, 0);
     if (p == MAP_FAILED) { pthread_mutex_unlock(&g_mu); return E_OUT_OF_MEMORY; }
@@ -555,6 +601,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     a->size = size;
     a->imported = 0;
     a->vmm = v;
+    a->id = ++g_buffer_ids;
     v->refs++;
     g_vmm_maps++;
     write_stats_locked();

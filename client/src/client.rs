@@ -77,7 +77,8 @@ impl<'a> TensorRef<'a> {
 }
 
 /// A CUDA device allocation registered as a region (legacy IPC, or a VMM
-/// allocation passed as a file descriptor): tensors inside
+/// allocation passed as a file descriptor), or a span of such allocations
+/// mapped back to back (PyTorch's expandable segments): tensors inside
 /// `base..base+len_bytes` are described as (region, offset, length).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaRegion {
@@ -85,6 +86,10 @@ pub struct CudaRegion {
     pub base: u64,
     pub len_bytes: u64,
     pub device: i32,
+    /// The allocation's identity (`ckpt_cuda::Allocation::buffer_id`; 0 for
+    /// a span, or a driver that does not say): checked at each save, so a
+    /// registration never outlives the memory it was made for.
+    pub buffer_id: u64,
     kind: CudaKind,
 }
 
@@ -95,13 +100,28 @@ enum CudaKind {
     /// Exported as a POSIX fd (SCM_RIGHTS) at each registration, closed here
     /// once sent: the trainer keeps no descriptor of its own.
     Vmm,
+    /// Allocations registered as regions `pieces`, mapped back to back in
+    /// this order (RegisterCudaSpan); `vmm`: all of them are VMM ones.
+    Span { pieces: Vec<u32>, vmm: bool },
 }
 
 impl CudaRegion {
-    /// Whether the allocation is a VMM one (valid in the sidecar after this
-    /// process dies), not legacy IPC.
+    /// Whether the memory is VMM (valid in the sidecar after this process
+    /// dies), not legacy IPC.
     pub fn is_vmm(&self) -> bool {
-        self.kind == CudaKind::Vmm
+        matches!(self.kind, CudaKind::Vmm | CudaKind::Span { vmm: true, .. })
+    }
+
+    /// The regions a span is made of (empty for a single allocation).
+    pub fn pieces(&self) -> &[u32] {
+        match &self.kind {
+            CudaKind::Span { pieces, .. } => pieces,
+            _ => &[],
+        }
+    }
+
+    fn overlaps(&self, a: &ckpt_cuda::Allocation) -> bool {
+        self.base < a.base.saturating_add(a.len_bytes) && a.base < self.base.saturating_add(self.len_bytes)
     }
 
     /// The offset of `len_bytes` at device address `ptr` in this allocation.
@@ -669,6 +689,7 @@ impl Client {
     /// The tensors must not change until it is released.
     pub fn save(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef]) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
+        self.refresh_cuda_locked(&mut inner, tensors)?;
         // Encoded from the caller's borrowed names and shapes: no copy of
         // them (a save of thousands of tensors costs a pass, not allocations).
         let mut descs = Vec::with_capacity(tensors.len());
@@ -689,31 +710,145 @@ impl Client {
     /// with cuMemGetAddressRange) as a region, exported once: by its legacy
     /// IPC handle, or, for a VMM allocation, as a file descriptor passed over
     /// the socket (SCM_RIGHTS); an allocation already registered returns its
-    /// region.
+    /// region. A registration made for memory since freed (another
+    /// allocation now at the address: its buffer id differs) is
+    /// unregistered first, so the sidecar closes its import.
     /// Fails with [`Error::Cuda`] when there is no CUDA driver or `ptr` is
     /// not device memory.
     pub fn register_cuda(&self, ptr: u64) -> Result<CudaRegion> {
+        self.register_cuda_range(ptr, 1)
+    }
+
+    /// As [`Client::register_cuda`] for the `len_bytes` at `ptr`, which may
+    /// cross from one allocation into the next ones mapped right after it
+    /// (VMM chunks in one reserved range: PyTorch's expandable segments):
+    /// each allocation is registered once, and the run of them as one span
+    /// region holding the whole range. A range that runs into unmapped
+    /// memory is refused, saying where.
+    pub fn register_cuda_range(&self, ptr: u64, len_bytes: u64) -> Result<CudaRegion> {
         self.check_owner()?;
         let mut inner = self.lock_inner();
         if inner.closed {
             return Err(Error::Closed);
         }
-        let a = ckpt_cuda::allocation_of(ptr)?;
-        if let Some(r) = inner.cuda_regions.values().find(|r| r.base == a.base && r.len_bytes == a.len_bytes) {
+        self.register_range_locked(&mut inner, ptr, len_bytes.max(1))
+    }
+
+    fn register_range_locked(&self, inner: &mut MutexGuard<'_, Inner>, ptr: u64, len_bytes: u64) -> Result<CudaRegion> {
+        let allocs = ckpt_cuda::allocations_covering(ptr, len_bytes)?;
+        let mut pieces = Vec::with_capacity(allocs.len());
+        let mut vmm = true;
+        for a in &allocs {
+            let r = self.register_allocation_locked(inner, a)?;
+            vmm &= r.is_vmm();
+            pieces.push(r.region_id);
+        }
+        if let [one] = pieces[..] {
+            return Ok(inner.cuda_regions[&one].clone());
+        }
+        if let Some(r) = inner.cuda_regions.values().find(|r| r.pieces() == pieces) {
             return Ok(r.clone());
         }
-        let (kind, fd) = match ckpt_cuda::export(&a)? {
+        let region_id = self.next_region_id(inner)?;
+        let len_bytes = allocs.iter().map(|a| a.len_bytes).sum();
+        let r = CudaRegion { region_id, base: allocs[0].base, len_bytes, device: allocs[0].device, buffer_id: 0, kind: CudaKind::Span { pieces, vmm } };
+        let timeout = inner.request_timeout;
+        let conn = self.ensure_connected(inner)?;
+        self.register_cuda_on(conn, &r, timeout, None)?;
+        inner.cuda_regions.insert(region_id, r.clone());
+        Ok(r)
+    }
+
+    /// The region of allocation `a`: the one registered for it, else a new
+    /// one (after unregistering any registered for memory `a` replaced).
+    fn register_allocation_locked(&self, inner: &mut MutexGuard<'_, Inner>, a: &ckpt_cuda::Allocation) -> Result<CudaRegion> {
+        if let Some(r) = inner.cuda_regions.values().find(|r| r.pieces().is_empty() && r.base == a.base && r.len_bytes == a.len_bytes && r.buffer_id == a.buffer_id) {
+            return Ok(r.clone());
+        }
+        // Two live allocations never overlap: one registered over `a` was
+        // freed since (the address was reused).
+        let stale: Vec<u32> = inner.cuda_regions.values().filter(|r| r.pieces().is_empty() && r.overlaps(a)).map(|r| r.region_id).collect();
+        self.drop_cuda_regions_locked(inner, &stale)?;
+        let (kind, fd) = match ckpt_cuda::export(a)? {
             ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
             ckpt_cuda::Export::Vmm(fd) => (CudaKind::Vmm, Some(fd)),
         };
-        let region_id = inner.next_region_id;
-        inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
-        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, kind };
+        let region_id = self.next_region_id(inner)?;
+        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, buffer_id: a.buffer_id, kind };
         let timeout = inner.request_timeout;
-        let conn = self.ensure_connected(&mut inner)?;
+        let conn = self.ensure_connected(inner)?;
         self.register_cuda_on(conn, &r, timeout, fd)?;
         inner.cuda_regions.insert(region_id, r.clone());
         Ok(r)
+    }
+
+    fn next_region_id(&self, inner: &mut MutexGuard<'_, Inner>) -> Result<u32> {
+        let region_id = inner.next_region_id;
+        inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
+        Ok(region_id)
+    }
+
+    /// Forgets the CUDA regions `ids` and the spans made of any of them,
+    /// and has the sidecar close them (spans first).
+    fn drop_cuda_regions_locked(&self, inner: &mut MutexGuard<'_, Inner>, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut gone: Vec<u32> = inner.cuda_regions.values().filter(|r| r.pieces().iter().any(|p| ids.contains(p))).map(|r| r.region_id).collect();
+        gone.extend_from_slice(ids);
+        for id in &gone {
+            inner.cuda_regions.remove(id);
+        }
+        let timeout = inner.request_timeout;
+        // Not connected: the sidecar closed them with the session.
+        let Ok(conn) = self.ensure_connected(inner) else { return Ok(()) };
+        for region_id in gone {
+            match self.call_on(conn, timeout, "UnregisterRegion", |id| Request::UnregisterRegion { id, region_id })? {
+                // An Error: the sidecar no longer had it (nothing to close).
+                Reply::RegionUnregistered { .. } | Reply::Error { .. } => {}
+                other => return Err(unexpected("UnregisterRegion", other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a save or load: every CUDA region its device tensors lie in
+    /// must still name the memory at its address (one driver call per
+    /// allocation: its buffer id), and a tensor that crosses the end of a
+    /// registered allocation is registered as a span. A region whose memory
+    /// was freed (another allocation now at the address) is replaced:
+    /// unregistered, the new allocation exported and registered.
+    fn refresh_cuda_locked(&self, inner: &mut MutexGuard<'_, Inner>, tensors: &[TensorRef]) -> Result<()> {
+        if inner.cuda_regions.is_empty() {
+            return Ok(());
+        }
+        let mut checked: Vec<(u32, bool)> = Vec::new();
+        let mut redo: Vec<(u64, u64)> = Vec::new();
+        for t in tensors {
+            let (ptr, len) = (t.ptr as u64, t.len_bytes);
+            if len == 0 || inner.regions.values().any(|r| r.offset_of(ptr as usize, len).is_some()) {
+                continue;
+            }
+            let fresh = match inner.cuda_regions.values().find(|r| r.offset_of(ptr, len).is_some()) {
+                Some(r) => match checked.iter().find(|(id, _)| *id == r.region_id) {
+                    Some(&(_, ok)) => ok,
+                    None => {
+                        let ok = still_there(&inner.cuda_regions, r);
+                        checked.push((r.region_id, ok));
+                        ok
+                    }
+                },
+                // Starts in a registered allocation and runs past its end.
+                None => !inner.cuda_regions.values().any(|r| r.offset_of(ptr, 0).is_some()),
+            };
+            if !fresh {
+                redo.push((ptr, len));
+            }
+        }
+        for (ptr, len) in redo {
+            self.register_range_locked(inner, ptr, len)?;
+        }
+        Ok(())
     }
 
     /// Unregisters the CUDA region holding device address `ptr` (the
@@ -721,17 +856,14 @@ impl Client {
     pub fn unregister_cuda(&self, ptr: u64) -> Result<()> {
         let id = {
             let inner = self.lock_inner();
-            inner.cuda_regions.values().find(|r| r.offset_of(ptr, 0).is_some()).map(|r| r.region_id)
+            inner.cuda_regions.values().find(|r| r.pieces().is_empty() && r.offset_of(ptr, 0).is_some()).map(|r| r.region_id)
         };
         let Some(region_id) = id else { return Err(Error::UnknownRegion { ptr: ptr as usize }) };
         let mut inner = self.lock_inner();
-        inner.cuda_regions.remove(&region_id);
-        let timeout = inner.request_timeout;
-        let Ok(conn) = self.ensure_connected(&mut inner) else { return Ok(()) };
-        match self.call_on(conn, timeout, "UnregisterRegion", |id| Request::UnregisterRegion { id, region_id })? {
-            Reply::RegionUnregistered { .. } => Ok(()),
-            other => Err(unexpected("UnregisterRegion", other)),
-        }
+        let pieces = inner.cuda_regions.get(&region_id).map(|r| r.pieces().to_vec()).unwrap_or_default();
+        // A span goes with its pieces; a piece with the spans made of it.
+        let ids = if pieces.is_empty() { vec![region_id] } else { pieces };
+        self.drop_cuda_regions_locked(&mut inner, &ids)
     }
 
     /// CUDA regions currently registered.
@@ -747,6 +879,7 @@ impl Client {
     /// a plain save.
     pub fn save_on_stream(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], stream: u64) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
+        self.refresh_cuda_locked(&mut inner, tensors)?;
         let descs = describe(&inner, tensors)?;
         let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
         let lazy_release = inner.lazy_release;
@@ -928,6 +1061,7 @@ impl Client {
     /// tells what the checkpoint holds.
     pub fn load(&self, step: Option<u64>, tensors: &[TensorRef]) -> Result<LoadInfo> {
         let mut inner = self.lock_inner();
+        self.refresh_cuda_locked(&mut inner, tensors)?;
         let descs = describe(&inner, tensors)?;
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;
@@ -1148,7 +1282,7 @@ impl Client {
             CudaKind::Vmm => {
                 let fd = match fd {
                     Some(fd) => fd,
-                    None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device })? {
+                    None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device, buffer_id: r.buffer_id })? {
                         ckpt_cuda::Export::Vmm(fd) => fd,
                         ckpt_cuda::Export::Legacy(_) => return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation", r.base))),
                     },
@@ -1156,6 +1290,10 @@ impl Client {
                 let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, len_bytes })?;
                 drop(fd);
                 self.await_reply(id, conn.gen, "the sidecar to answer RegisterCudaVmmRegion", timeout)?
+            }
+            CudaKind::Span { pieces, .. } => {
+                let pieces = pieces.clone();
+                self.call_on(conn, timeout, "RegisterCudaSpan", |id| Request::RegisterCudaSpan { id, region_id, pieces })?
             }
         };
         match reply {
@@ -1256,6 +1394,20 @@ impl Drop for Client {
 
 fn unexpected(what: &str, reply: Reply) -> Error {
     Error::Protocol(format!("unexpected reply to {what}: {reply:?}"))
+}
+
+/// Whether CUDA region `r` (of `all`) still names the memory at its
+/// address: the allocation there has the buffer id it was registered with
+/// (each piece's, for a span); with no id from the driver, the same base
+/// and length.
+fn still_there(all: &BTreeMap<u32, CudaRegion>, r: &CudaRegion) -> bool {
+    if !r.pieces().is_empty() {
+        return r.pieces().iter().all(|p| all.get(p).is_some_and(|p| still_there(all, p)));
+    }
+    match r.buffer_id {
+        0 => ckpt_cuda::allocation_of(r.base).is_ok_and(|a| a.base == r.base && a.len_bytes == r.len_bytes),
+        id => ckpt_cuda::buffer_id(r.base).is_ok_and(|now| now == id),
+    }
 }
 
 /// Turns tensor refs into descriptors: the region each lies in (host shm or

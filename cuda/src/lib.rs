@@ -157,12 +157,45 @@ fn in_primary<T>(ordinal: i32, f: impl FnOnce() -> Result<T>) -> Result<T> {
     out
 }
 
-/// One device allocation: where it starts, how long it is, which device.
+/// One device allocation: where it starts, how long it is, which device,
+/// and which allocation it is (`CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique per
+/// allocation for the process's life, never reused after a free; 0 when the
+/// driver does not say). A freed allocation and a new one at the same
+/// address differ in `buffer_id`, so a cached export is never taken for
+/// the new memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocation {
     pub base: u64,
     pub len_bytes: u64,
     pub device: i32,
+    pub buffer_id: u64,
+}
+
+/// The buffer id of the allocation holding device pointer `ptr` (see
+/// [`Allocation::buffer_id`]): one driver call, the cheap check that a
+/// cached registration still names the memory at `ptr`.
+pub fn buffer_id(ptr: u64) -> Result<u64> {
+    probe()?;
+    let mut id: u64 = 0;
+    // SAFETY: BUFFER_ID writes one unsigned long long into `id`; an unknown
+    // pointer is an error code, not a fault.
+    unsafe {
+        check(
+            "cuPointerGetAttribute(BUFFER_ID)",
+            sys::cuPointerGetAttribute((&mut id as *mut u64).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr),
+        )?;
+    }
+    Ok(id)
+}
+
+/// Whether device pointer `ptr` is backed by memory: false for a reserved
+/// but unmapped VMM address (`CU_POINTER_ATTRIBUTE_MAPPED`); true when the
+/// driver does not say (older drivers), the other checks then decide.
+fn is_mapped(ptr: u64) -> bool {
+    let mut mapped: i32 = 1;
+    // SAFETY: MAPPED writes one int (a bool) into `mapped`.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut mapped as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MAPPED, ptr) };
+    r != CUresult::CUDA_SUCCESS || mapped != 0
 }
 
 /// The allocation that holds device pointer `ptr` (trainer side).
@@ -178,12 +211,50 @@ pub fn allocation_of(ptr: u64) -> Result<Allocation> {
         )
         .map_err(|e| CudaError::Invalid(format!("pointer {ptr:#x} is not CUDA device memory: {e}")))?;
     }
+    if !is_mapped(ptr) {
+        return Err(CudaError::Invalid(format!("device address {ptr:#x} is reserved but not mapped to any allocation")));
+    }
     in_primary(device, || {
         let (mut base, mut len) = (0u64, 0usize);
         // SAFETY: valid out-pointers; the context is current (in_primary).
         unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut len, ptr))? };
-        Ok(Allocation { base, len_bytes: len as u64, device })
+        // A driver that cannot say (0) leaves base and length as the identity.
+        let buffer_id = buffer_id(base).unwrap_or(0);
+        Ok(Allocation { base, len_bytes: len as u64, device, buffer_id })
     })
+}
+
+/// The allocations that hold the `len_bytes` at device pointer `ptr`, in
+/// address order: the one holding `ptr`, then, while the range runs past
+/// its end, the allocation mapped right there (VMM chunks mapped back to
+/// back in one reserved range, as PyTorch's expandable segments do:
+/// cuMemGetAddressRange answers for the chunk, not the reservation).
+/// Refused, naming the address, when the range runs into memory with no
+/// allocation mapped, so nothing outside an allocation is ever described.
+pub fn allocations_covering(ptr: u64, len_bytes: u64) -> Result<Vec<Allocation>> {
+    let first = allocation_of(ptr)?;
+    let end = ptr.checked_add(len_bytes).ok_or_else(|| CudaError::Invalid(format!("device range {ptr:#x} + {len_bytes} bytes overflows")))?;
+    let mut out = vec![first];
+    loop {
+        let last = out[out.len() - 1];
+        let at = last.base + last.len_bytes;
+        if at >= end {
+            return Ok(out);
+        }
+        let why = match allocation_of(at) {
+            Ok(next) if next.base == at && next.device == first.device => {
+                out.push(next);
+                continue;
+            }
+            Ok(next) if next.base != at => format!("the address there lies in an allocation starting at {:#x}", next.base),
+            Ok(next) => format!("the allocation there is on device {}, not {}", next.device, first.device),
+            Err(e) => e.to_string(),
+        };
+        return Err(CudaError::Invalid(format!(
+            "device range {ptr:#x} + {len_bytes} bytes is not all mapped memory: the allocation at {:#x} ends at {at:#x} and no allocation starts there ({why})",
+            last.base
+        )));
+    }
 }
 
 /// The legacy IPC handle of the allocation starting at `base` (trainer side).
@@ -530,6 +601,20 @@ impl Stream {
         unsafe { check("cuEventRecord", sys::cuEventRecord(event.event, self.stream)) }
     }
 
+    /// Records a fresh event of this process on the stream: it completes
+    /// once the work queued here before has ([`LocalEvent::synchronize`]
+    /// waits for that part of the stream's work only).
+    pub fn mark(&self) -> Result<LocalEvent> {
+        bind(self.device)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context current (bind).
+        unsafe { check("cuEventCreate", sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32))? };
+        let e = LocalEvent { event, device: self.device };
+        // SAFETY: both handles are alive.
+        unsafe { check("cuEventRecord", sys::cuEventRecord(e.event, self.stream))? };
+        Ok(e)
+    }
+
     /// Queues a copy of `len` bytes at device address `src` to `dst`.
     ///
     /// # Safety
@@ -566,6 +651,34 @@ impl Drop for Stream {
         if bind(self.device).is_ok() {
             // SAFETY: ours, destroyed once; the driver finishes queued work first.
             unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+/// An event of this process recorded on one of its streams ([`Stream::mark`]).
+pub struct LocalEvent {
+    event: sys::CUevent,
+    device: i32,
+}
+
+// SAFETY: a driver handle; every use binds the context first.
+unsafe impl Send for LocalEvent {}
+unsafe impl Sync for LocalEvent {}
+
+impl LocalEvent {
+    /// Blocks until the work queued before the record has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: the event is ours and alive.
+        unsafe { check("cuEventSynchronize", sys::cuEventSynchronize(self.event)) }
+    }
+}
+
+impl Drop for LocalEvent {
+    fn drop(&mut self) {
+        if bind(self.device).is_ok() {
+            // SAFETY: created by Stream::mark, destroyed once.
+            unsafe { sys::cuEventDestroy_v2(self.event) };
         }
     }
 }

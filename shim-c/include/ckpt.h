@@ -391,7 +391,11 @@ int ckpt_cuda_probe(void);
 // inside a cudaMalloc / cuMemAlloc block, or a PyTorch caching-allocator
 // block) as a region of this client, exported once by its legacy IPC
 // handle; its region id goes to *region_id. Registering an address of an
-// allocation already registered returns the same region. Tensors inside
+// allocation already registered returns the same region. The allocation
+// is known by its identity (CU_POINTER_ATTRIBUTE_BUFFER_ID), not only its
+// address: when it was freed and another one now lies there, the old
+// registration is dropped (the sidecar closes it) and the new allocation
+// registered, here or at the next save that names the address. Tensors inside
 // the allocation are then passed to ckpt_save_on_stream / ckpt_load by
 // their device address. Fails with CKPT_E_CUDA when there is no driver or
 // `ptr` is not device memory.
@@ -400,6 +404,23 @@ int ckpt_cuda_probe(void);
 // `client` is a live client; `region_id` is writable. `ptr` is only
 // passed to the driver, never dereferenced.
 int ckpt_register_cuda(struct ckpt_client *client, const void *ptr, uint32_t *region_id);
+
+// As ckpt_register_cuda, for the `len_bytes` at device address `ptr`,
+// which may cross from one allocation into the next ones mapped right
+// after it (VMM chunks of one reserved address range, as PyTorch's
+// expandable segments map them): each allocation is exported and
+// registered once, and the run of them as one region (a span) whose id
+// goes to *region_id. A range that runs into unmapped memory fails with
+// CKPT_E_CUDA, naming the address. (ckpt_save_on_stream registers such a
+// span by itself for a tensor that starts in a registered allocation.)
+//
+// # Safety
+// `client` is a live client; `region_id` is writable. `ptr` is only
+// passed to the driver, never dereferenced.
+int ckpt_register_cuda_range(struct ckpt_client *client,
+                             const void *ptr,
+                             uint64_t len_bytes,
+                             uint32_t *region_id);
 
 // Unregisters the CUDA region holding device address `ptr`: the sidecar
 // closes its handle on the allocation (the memory stays the trainer's).

@@ -20,7 +20,11 @@ pub extern "C" fn ckpt_cuda_probe() -> c_int {
 /// inside a cudaMalloc / cuMemAlloc block, or a PyTorch caching-allocator
 /// block) as a region of this client, exported once by its legacy IPC
 /// handle; its region id goes to *region_id. Registering an address of an
-/// allocation already registered returns the same region. Tensors inside
+/// allocation already registered returns the same region. The allocation
+/// is known by its identity (CU_POINTER_ATTRIBUTE_BUFFER_ID), not only its
+/// address: when it was freed and another one now lies there, the old
+/// registration is dropped (the sidecar closes it) and the new allocation
+/// registered, here or at the next save that names the address. Tensors inside
 /// the allocation are then passed to ckpt_save_on_stream / ckpt_load by
 /// their device address. Fails with CKPT_E_CUDA when there is no driver or
 /// `ptr` is not device memory.
@@ -35,6 +39,31 @@ pub unsafe extern "C" fn ckpt_register_cuda(client: *mut ckpt_client, ptr: *cons
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
         let r = c.client.register_cuda(ptr as u64)?;
+        // SAFETY: checked non-NULL; writable by the caller's contract.
+        unsafe { *region_id = r.region_id };
+        Ok(())
+    })
+}
+
+/// As ckpt_register_cuda, for the `len_bytes` at device address `ptr`,
+/// which may cross from one allocation into the next ones mapped right
+/// after it (VMM chunks of one reserved address range, as PyTorch's
+/// expandable segments map them): each allocation is exported and
+/// registered once, and the run of them as one region (a span) whose id
+/// goes to *region_id. A range that runs into unmapped memory fails with
+/// CKPT_E_CUDA, naming the address. (ckpt_save_on_stream registers such a
+/// span by itself for a tensor that starts in a registered allocation.)
+///
+/// # Safety
+/// `client` is a live client; `region_id` is writable. `ptr` is only
+/// passed to the driver, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_register_cuda_range(client: *mut ckpt_client, ptr: *const c_void, len_bytes: u64, region_id: *mut u32) -> c_int {
+    guard(|| {
+        let region_id = out(region_id, "region_id")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let r = c.client.register_cuda_range(ptr as u64, len_bytes)?;
         // SAFETY: checked non-NULL; writable by the caller's contract.
         unsafe { *region_id = r.region_id };
         Ok(())

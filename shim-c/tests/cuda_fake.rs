@@ -72,6 +72,11 @@ impl Serve {
 
     /// As [`Serve::start`]; the sidecar's own device copies late by `delay_us`.
     fn start_with_delay(tmp: &Path, fake: bool, delay_us: Option<u64>) -> Serve {
+        Serve::start_with_env(tmp, fake, delay_us, &[])
+    }
+
+    /// As [`Serve::start_with_delay`], with more environment for the sidecar.
+    fn start_with_env(tmp: &Path, fake: bool, delay_us: Option<u64>, env: &[(&str, &str)]) -> Serve {
         let (dir, sock, log, stats) = (tmp.join("ck"), tmp.join("s.sock"), tmp.join("sidecar.log"), tmp.join("stats"));
         std::fs::create_dir_all(&stats).unwrap();
         let mut cmd = Command::new(sidecar());
@@ -83,6 +88,7 @@ impl Serve {
         if let Some(d) = delay_us {
             cmd.env("FAKE_CUDA_COPY_DELAY_US", d.to_string());
         }
+        cmd.envs(env.iter().copied());
         let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
         let t0 = Instant::now();
         while std::os::unix::net::UnixStream::connect(&sock).is_err() {
@@ -367,6 +373,92 @@ fn device_tensors_saved_as_ranks_parts_commit_as_one_checkpoint() {
     assert_eq!(committed(&dir), [8]);
     let v = verify(&dir);
     assert!(v.status.success(), "{}", text(&v));
+}
+
+#[test]
+fn a_freed_allocation_replaced_at_the_same_address_is_saved_with_its_new_bytes_and_the_old_import_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // Late writes (300 ms): each save must also wait on the trainer's event.
+    let mut cmd = trainer_cmd(&exe, tmp.path(), "realloc", 300_000);
+    cmd.env("CKPT_TEST_SIDECAR_STATS", serve.stats.join(serve.pid().to_string()));
+    let o = run(cmd);
+    let out = String::from_utf8_lossy(&o.stdout);
+    // Each step loads back with the bytes of the allocation it was saved
+    // from; after each re-save the sidecar held one import: the stale one
+    // was closed, not kept beside the new.
+    assert!(o.status.success() && out.contains("ok") && out.contains("open=1,1"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let dir = tmp.path().join("ck");
+    assert_eq!(committed(&dir), [20, 21, 22]);
+    let v = verify(&dir);
+    assert!(v.status.success(), "{}", text(&v));
+    // Three allocations at one address, then the load target: four imports, all closed at the end.
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(4));
+}
+
+#[test]
+fn tensors_crossing_vmm_chunks_of_one_reserved_range_round_trip_and_a_range_into_unmapped_memory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let o = run(trainer_cmd(&exe, tmp.path(), "span", 300_000));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // One clear line, naming where the mapping stops, at registration and at save.
+    let refusals: Vec<&str> = out.lines().filter(|l| l.contains("refused: ")).collect();
+    assert_eq!(refusals.len(), 2, "{out}");
+    for l in refusals {
+        assert!(l.contains("is not all mapped memory") && l.contains("ends at"), "{l}");
+    }
+    let v = verify(&tmp.path().join("ck"));
+    assert!(v.status.success(), "{}", text(&v));
+    // Four chunks of the range, one of the half-mapped one: each imported once, all closed at the end.
+    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(5));
+}
+
+/// The `device_windows` of every save the sidecar released (its log).
+fn device_windows(log: &str) -> Vec<usize> {
+    log.lines().filter(|l| l.contains("released")).filter_map(|l| l.split("device_windows=").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
+}
+
+#[test]
+fn device_copies_in_small_windows_round_trip_bit_exact_behind_the_trainers_event() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    // Windows of 64 KiB (at least one copy run, ~1 MiB, each), the sidecar's
+    // copies late by 20 ms each: the windows complete one after another
+    // while the disk writes the earlier ones.
+    let serve = Serve::start_with_env(tmp.path(), true, Some(20_000), &[("CKPT_SIDECAR_DEVICE_WINDOW", "64KiB")]);
+    // Two allocations, three tensors at offsets, written 300 ms late: only the
+    // fence makes the snapshot right (the trainer checks what it loads back).
+    let o = run(trainer_cmd(&exe, tmp.path(), "roundtrip", 300_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // 64 allocations, two tensors each (one at an offset): 4 MiB of device state.
+    let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    let windows = device_windows(&serve.log());
+    assert_eq!(windows.len(), 2, "two saves released: {}", serve.log());
+    assert!(windows.iter().all(|&w| w >= 3), "each save's device copy ran in several windows: {windows:?}");
+    let v = verify(&tmp.path().join("ck"));
+    assert!(v.status.success(), "{}", text(&v));
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+}
+
+#[test]
+fn a_stream_wait_on_a_copy_in_several_windows_waits_for_the_last_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    // One 3 MiB tensor in windows of 64 KiB (three runs of 1 MiB), each window's
+    // copy 1.5 s late: the trainer's done event must sit behind the last
+    // window's copy, else the next step's write lands in the later windows.
+    let serve = Serve::start_with_env(tmp.path(), true, Some(1_500_000), &[("CKPT_SIDECAR_DEVICE_WINDOW", "64KiB")]);
+    let o = run(trainer_cmd(&exe, tmp.path(), "guard", 2_000));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(device_windows(&serve.log()).iter().all(|&w| w >= 3), "{}", serve.log());
 }
 
 /// Whether this test process itself finds a CUDA driver.

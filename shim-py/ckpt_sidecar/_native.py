@@ -117,6 +117,7 @@ def lib():
         "ckpt_install_sigterm_handler": ([], c.c_int),
         "ckpt_cuda_probe": ([], c.c_int),
         "ckpt_register_cuda": ([P, P, c.POINTER(c.c_uint32)], c.c_int),
+        "ckpt_register_cuda_range": ([P, P, c.c_uint64, c.POINTER(c.c_uint32)], c.c_int),
         "ckpt_unregister_cuda": ([P, P], c.c_int),
         "ckpt_save_on_stream": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t, P,
                                  c.POINTER(c.c_uint64)], c.c_int),

@@ -897,10 +897,12 @@ class Checkpointer:
         plan, _direct, copy_bytes, streams = self._plan(fl.leaves)
         c = _SavePlan(plan, copy_bytes, pickle_skeleton(SKELETON_VERSION, skeleton), streams)
         objs = [o for _, o in fl.leaves]
-        # A plan with device tensors in place is kept too (torch CUDA tensors:
-        # the same addresses are the same registered allocations, which
-        # libckpt keeps for the client's life); their streams are asked again
-        # at each save (_send). Interface objects have no quick key.
+        # A plan with device tensors in place is kept too (torch CUDA tensors);
+        # libckpt checks at each save that each registered allocation is still
+        # the one at its address (its buffer id) and registers anew one freed
+        # and replaced (torch.cuda.empty_cache, then a new block there). Their
+        # streams are asked again at each save (_send). Interface objects
+        # have no quick key.
         if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
             c.remember(key, self._regions_gen)
             plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
@@ -976,7 +978,7 @@ class Checkpointer:
                 # Device memory: described in place in its registered
                 # allocation (no copy by the trainer), else copied to the host.
                 addr, nbytes, contiguous, stream = dev
-                inplace = contiguous and nbytes > 0 and self._register_cuda(ref, addr)
+                inplace = contiguous and nbytes > 0 and self._register_cuda(ref, addr, nbytes)
                 if inplace and stream not in streams:
                     streams.append(stream)
             elif ref.kind == "np":
@@ -1013,12 +1015,15 @@ class Checkpointer:
                                   f"({streams}); synchronize them onto one stream first")
         return [tuple(r) for r in rows], direct, copy_bytes, streams
 
-    def _register_cuda(self, ref, addr):
-        """Registers the CUDA allocation holding `addr` with the sidecar (once per
-        allocation: libckpt keeps them); False when a torch tensor must take the
+    def _register_cuda(self, ref, addr, nbytes):
+        """Registers the CUDA allocations holding the `nbytes` at `addr` with the
+        sidecar (once per allocation: libckpt keeps them, by identity, so memory
+        freed and allocated again at the address is registered anew; a range
+        across VMM chunks mapped back to back, as PyTorch's expandable
+        segments are, is one span); False when a torch tensor must take the
         host path instead (a warning says why, once)."""
         rid = ctypes.c_uint32()
-        st = N.lib().ckpt_register_cuda(self._client, addr, ctypes.byref(rid))
+        st = N.lib().ckpt_register_cuda_range(self._client, addr, nbytes, ctypes.byref(rid))
         if st == 0:
             return True
         err = N.error_for(st, N.last_error())
@@ -1186,7 +1191,7 @@ class Checkpointer:
                     continue
                 addr, nbytes = dev[0], dev[1]
                 rid = ctypes.c_uint32()
-                N.check(L.ckpt_register_cuda(self._client, addr, ctypes.byref(rid)))
+                N.check(L.ckpt_register_cuda_range(self._client, addr, nbytes, ctypes.byref(rid)))
                 is_u8 = ref.dtype == "uint8" if ref.kind == "torch" else ref.dtype == np.uint8
                 shape = list(ref.shape) if ref.stored != "U8" or is_u8 else [nbytes]
                 bn, bd = ref.name.encode(), ref.stored.encode()

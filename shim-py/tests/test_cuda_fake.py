@@ -257,3 +257,80 @@ def test_guard_makes_the_next_step_wait_on_the_copy_on_its_stream_not_the_cpu(tm
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"state_after_hook": "pending", "snapshot_is_saved": True, "device_has_step": True}, got
+
+
+REALLOC = textwrap.dedent(r"""
+    import ctypes, json, os, sys
+    import numpy as np
+    import ckpt_sidecar as cs
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    def ok(r, what):
+        if r != 0:
+            raise SystemExit(f"{what}: CUDA error {r}")
+    ok(cu.cuInit(0), "cuInit")
+    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"
+    stats = os.environ["FAKE_CUDA_STATS_DIR"]
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    stream = ctypes.c_void_p()
+    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+
+    class DeviceArray:
+        def __init__(self, ptr, shape, typestr, stream):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                             "strides": None, "version": 3, "stream": stream}
+
+    def sidecar_stat(key):
+        # The fake's counters of the spawned sidecar (the only other process writing there).
+        for f in os.listdir(stats):
+            if f != str(os.getpid()) and not f.endswith(".tmp"):
+                for line in open(os.path.join(stats, f)):
+                    k, v = line.split()
+                    if k == key:
+                        return int(v)
+        return None
+
+    N = 1 << 20
+    ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
+    want, addrs = [], []
+    base = ctypes.c_uint64()
+    for step in (1, 2):
+        if step == 2:
+            ok(cu.cuMemFree_v2(base), "cuMemFree")
+        ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(N)), "cuMemAlloc_v2")
+        addrs.append(base.value)
+        v = (np.arange(N // 4, dtype="<u4") * (7 + step)).astype("<u4")
+        want.append(v)
+        # Written late on `stream`: each save waits on its event.
+        ok(cu.cuMemcpyHtoDAsync_v2(base, v.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(N), stream), "write")
+        ck.save(step, {"x": DeviceArray(base.value, (N // 4,), "<u4", stream.value)}).wait_durable(timeout=120)
+    assert addrs[0] == addrs[1], f"the fake did not reuse the freed address: {addrs}"
+    opened, total = sidecar_stat("imports_open"), sidecar_stat("imports_total")
+    for step in (1, 2):
+        got = ck.load(step, map_location="cpu")["x"]
+        assert np.array_equal(got, want[step - 1]), f"step {step} does not hold the bytes of its own allocation"
+    ck.close()
+    ok(cu.cuStreamSynchronize(stream), "sync")
+    ok(cu.cuMemFree_v2(base), "cuMemFree")
+    print(json.dumps({"ok": True, "imports_open": opened, "imports_total": total}))
+""")
+
+
+def test_memory_freed_and_allocated_again_at_the_same_address_is_saved_anew_and_the_old_import_closed(tmp_path):
+    script = tmp_path / "realloc.py"
+    script.write_text(REALLOC)
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    os.environ["FAKE_CUDA_STATS_DIR"] = str(stats)
+    try:
+        r = run_script(tmp_path, script, 300_000)
+    finally:
+        del os.environ["FAKE_CUDA_STATS_DIR"]
+    assert r.returncode == 0 and '"ok": true' in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # Two allocations at one address, each imported once; the first closed
+    # when the second was registered, before step 2 was saved.
+    assert (got["imports_open"], got["imports_total"]) == (1, 2), got

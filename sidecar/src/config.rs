@@ -78,9 +78,35 @@ pub const COPY_BLOCK_BYTES: usize = 256 << 10;
 /// (adjacent pieces merged up to this).
 pub const DEVICE_COPY_BYTES_MAX: usize = 64 << 20;
 /// A pipelined save with device regions copies them in windows of about
-/// this many bytes (one batch, one wait each), so the disk writes the
-/// early windows while later ones are still copied from the device.
-pub const DEVICE_WINDOW_BYTES: usize = 256 << 20;
+/// this many bytes (each waited for on its own), so the disk writes the
+/// early windows while later ones are still copied from the device. The
+/// default; [`DEVICE_WINDOW_ENV`] (a size: "64KiB", "1GiB") sets another,
+/// read once per process ([`device_window_bytes`]). Windows end at copy
+/// runs (about [`COPY_PIECE_BYTES`]), so a window is never smaller than one.
+pub const DEVICE_WINDOW_BYTES_DEFAULT: usize = 256 << 20;
+pub const DEVICE_WINDOW_ENV: &str = "CKPT_SIDECAR_DEVICE_WINDOW";
+/// Smallest window [`DEVICE_WINDOW_ENV`] may ask for.
+pub const DEVICE_WINDOW_BYTES_MIN: usize = 4 << 10;
+
+/// The device copy window: [`DEVICE_WINDOW_ENV`] if set and valid (a bad
+/// value is said once, in one warning line, and the default used), else
+/// [`DEVICE_WINDOW_BYTES_DEFAULT`].
+pub fn device_window_bytes() -> usize {
+    static WINDOW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WINDOW.get_or_init(|| {
+        let Some(text) = std::env::var_os(DEVICE_WINDOW_ENV) else { return DEVICE_WINDOW_BYTES_DEFAULT };
+        let text = text.to_string_lossy();
+        match ckpt_store::units::parse_size(&text).map_err(|e| e.to_string()).and_then(|n| {
+            usize::try_from(n).ok().filter(|&n| n >= DEVICE_WINDOW_BYTES_MIN).ok_or_else(|| format!("below the smallest window, {DEVICE_WINDOW_BYTES_MIN} bytes"))
+        }) {
+            Ok(n) => n,
+            Err(why) => {
+                tracing::warn!("{DEVICE_WINDOW_ENV}={text:?} ignored ({why}); device copies use windows of {DEVICE_WINDOW_BYTES_DEFAULT} bytes");
+                DEVICE_WINDOW_BYTES_DEFAULT
+            }
+        }
+    })
+}
 /// A pipelined save whose image is at least this large goes to the
 /// committer before its copy starts, so the disk writes while it copies;
 /// a smaller one goes right after its copy (and Released): its copy is
@@ -97,7 +123,7 @@ const _: () = assert!(HELLO_BYTES_MAX < FRAME_BYTES_MAX);
 const _: () = assert!((BLOB_BYTES_MAX as u64) >= FRAME_BYTES_MAX as u64, "a blob that fits a frame fits the blob limit");
 const _: () = assert!(COPY_THREADS >= 1);
 const _: () = assert!(COPY_PIECE_BYTES % COPY_BLOCK_BYTES == 0);
-const _: () = assert!(DEVICE_WINDOW_BYTES >= DEVICE_COPY_BYTES_MAX);
+const _: () = assert!(DEVICE_WINDOW_BYTES_DEFAULT >= DEVICE_COPY_BYTES_MAX);
 const _: () = assert!(LOAD_PWRITE_BYTES_MAX <= (isize::MAX as usize));
 const _: () = assert!(SHM_NAME_BYTES_MAX <= 255);
 const _: () = assert!(COMMIT_QUEUE_MAX >= 1);

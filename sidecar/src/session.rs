@@ -159,6 +159,11 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
+            Request::RegisterCudaSpan { id, region_id, pieces } => {
+                let reply = register_cuda_span(&mut regions, id, region_id, &pieces);
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
             Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, done_event, rank, world_size } => {
                 // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
                 let part = (rank, world_size) != (0, 1);
@@ -273,9 +278,43 @@ fn register_cuda(
     }
 }
 
+fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, pieces: &[u32]) -> Reply {
+    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+    if regions.contains_key(&region_id) {
+        return err(format!("region {region_id} is already registered"));
+    }
+    if regions.len() >= config::REGIONS_PER_SESSION_MAX {
+        return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
+    }
+    if pieces.len() > config::REGIONS_PER_SESSION_MAX {
+        return err(format!("CUDA span {region_id}: {} pieces, more than the {} regions a session may have", pieces.len(), config::REGIONS_PER_SESSION_MAX));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(pieces.len());
+    if let Some(p) = pieces.iter().find(|&&p| !seen.insert(p)) {
+        return err(format!("CUDA span {region_id}: piece region {p} appears twice (pieces are mapped back to back, never twice)"));
+    }
+    let found: Result<Vec<Arc<Region>>, u32> = pieces.iter().map(|p| regions.get(p).cloned().ok_or(*p)).collect();
+    let opened = match found {
+        Ok(ps) => Region::open_cuda_span(region_id, ps),
+        Err(p) => return err(format!("CUDA span {region_id}: piece region {p} is not registered")),
+    };
+    match opened {
+        Ok(r) => {
+            debug!(region_id, pieces = pieces.len(), len_bytes = r.len_bytes, "CUDA span registered");
+            regions.insert(region_id, Arc::new(r));
+            Reply::RegionRegistered { id, region_id }
+        }
+        Err(e) => {
+            info!(region_id, "CUDA span refused: {e}");
+            err(format!("region {region_id}: {e}"))
+        }
+    }
+}
+
 fn update_counts(shared: &Shared, s: &Session, regions: &HashMap<u32, Arc<Region>>) {
     let n = regions.len() as u32;
-    let bytes = regions.values().map(|r| r.len_bytes).sum();
+    // A span's bytes are its pieces', counted once.
+    let bytes = regions.values().filter(|r| r.kind() != "cuda-span").map(|r| r.len_bytes).sum();
     shared.update_session(s.session_id, |e| {
         e.regions = n;
         e.region_bytes = bytes;

@@ -26,7 +26,7 @@ use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::progress::{Filler, Progress};
-use crate::regions::Region;
+use crate::regions::{BatchMark, Region};
 use crate::staging::{Lease, StagingError};
 use crate::jobs::Flight;
 use crate::peer::Peer;
@@ -270,6 +270,20 @@ fn copy_batches(pieces: &mut Pieces) {
 
 /// [`copy_batches`] for the pieces `within` only.
 fn copy_batches_in(pieces: &mut Pieces, within: std::ops::Range<usize>) {
+    let queued = queue_batches_in(pieces, within);
+    for region in queued {
+        // SAFETY: the region is kept alive by the caller's Arc for the
+        // whole copy (Pieces' invariant).
+        unsafe { (*region).finish_batch() };
+    }
+}
+
+/// Queues the batches of the pieces `within` (as [`copy_batches_in`]) and
+/// marks those pieces staged, without waiting: the regions queued are
+/// returned, and the caller must wait for them ([`Region::finish_batch`],
+/// or [`Region::wait_mark`] on a mark taken after) before the staged bytes
+/// are read or the lease is given back.
+fn queue_batches_in(pieces: &mut Pieces, within: std::ops::Range<usize>) -> Vec<*const Region> {
     /// A region, its merged ranges (source offset, destination, length), and its pieces' indices.
     type Batch = (*const Region, Vec<(u64, *mut u8, usize)>, Vec<usize>);
     let mut by_region: Vec<Batch> = Vec::new();
@@ -306,10 +320,7 @@ fn copy_batches_in(pieces: &mut Pieces, within: std::ops::Range<usize>) {
             }
         }
     }
-    for region in queued {
-        // SAFETY: as above: alive for the whole copy.
-        unsafe { (*region).finish_batch() };
-    }
+    queued
 }
 
 /// Runs of consecutive pieces of about [`COPY_PIECE_BYTES`], claimed by
@@ -477,6 +488,8 @@ pub struct FedCopy {
     pieces: Pieces,
     runs: Vec<usize>,
     pub progress: Arc<Progress>,
+    /// The windows the device copy ran in (0: no device memory), for the log.
+    pub device_windows: usize,
 }
 
 impl FedCopy {
@@ -493,7 +506,7 @@ impl FedCopy {
         let starts = runs[..runs.len() - 1].iter().map(|&k| base_off + (pieces.0[k].dst as usize - base_ptr) as u64).collect();
         let progress = Arc::new(Progress::new(starts, base_off + layout.staging_len));
         lease.filled_by(progress.clone());
-        FedCopy { pieces, runs, progress }
+        FedCopy { pieces, runs, progress, device_windows: 0 }
     }
 
     /// Copies every piece, marking each run done as it ends; with `crc`,
@@ -510,29 +523,62 @@ impl FedCopy {
             let piece_crcs = run_runs(&self.pieces, &self.runs, stop, &|p| p.copy(crc), &|r| progress.done(r))?;
             return Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)));
         }
-        // Device regions: one batch per window of runs (one wait each), its
-        // runs then checksummed and marked done, so the disk writes window
-        // k while window k + 1 is copied from the device.
-        let mut piece_crcs = vec![0u32; self.pieces.0.len()];
+        // Device regions, in windows of runs (config::device_window_bytes):
+        // every window's copies are queued at once, each followed by a mark,
+        // then the trainer's done event behind them all (a stream waiting on
+        // it runs after the whole copy: regions/cuda.rs); then window by
+        // window, its marks are waited for and its runs checksummed and
+        // marked done, so the disk writes window k while window k + 1 is
+        // still coming off the device.
+        let window = config::device_window_bytes();
+        let mut windows = Vec::new();
         let mut r0 = 0;
         while r0 + 1 < self.runs.len() {
             let mut r1 = r0 + 1;
             let mut bytes = 0usize;
             while r1 < self.runs.len() {
                 bytes += self.pieces.0[self.runs[r1 - 1]..self.runs[r1]].iter().map(|p| p.len).sum::<usize>();
-                if bytes >= config::DEVICE_WINDOW_BYTES {
+                if bytes >= window {
                     break;
                 }
                 r1 += 1;
             }
             let r1 = r1.min(self.runs.len() - 1);
+            windows.push((r0, r1));
+            r0 = r1;
+        }
+        let mut marks: Vec<Vec<(*const Region, BatchMark)>> = Vec::with_capacity(windows.len());
+        let mut regions: Vec<*const Region> = Vec::new();
+        for &(r0, r1) in &windows {
+            let queued = queue_batches_in(&mut self.pieces, self.runs[r0]..self.runs[r1]);
+            // SAFETY (this closure): a queued region is alive for the whole copy (Pieces' invariant).
+            marks.push(queued.iter().map(|&r| (r, unsafe { (*r).mark_batch() })).collect());
+            regions.extend(queued.into_iter().filter(|r| !regions.contains(r)).collect::<Vec<_>>());
+        }
+        for &r in &regions {
+            // SAFETY: alive for the whole copy.
+            unsafe { (*r).all_queued() };
+        }
+        self.device_windows = windows.len();
+        // Waits for the marks of windows `from..`: nothing queued may still
+        // write into the lease when this returns, even when stopped early.
+        let wait_from = |marks: &[Vec<(*const Region, BatchMark)>], from: usize| {
+            for (r, m) in marks[from..].iter().flatten() {
+                // SAFETY: alive for the whole copy.
+                unsafe { (**r).wait_mark(m) };
+            }
+        };
+        let mut piece_crcs = vec![0u32; self.pieces.0.len()];
+        for (w, &(r0, r1)) in windows.iter().enumerate() {
+            wait_from(&marks[w..=w], 0);
             let (k0, k1) = (self.runs[r0], self.runs[r1]);
-            copy_batches_in(&mut self.pieces, k0..k1);
             // The window's runs, renumbered from 0 for run_runs.
             let runs: Vec<usize> = self.runs[r0..=r1].to_vec();
-            let got = run_runs(&self.pieces, &runs, stop, &|p| p.copy(crc), &|r| progress.done(r0 + r))?;
+            let Some(got) = run_runs(&self.pieces, &runs, stop, &|p| p.copy(crc), &|r| progress.done(r0 + r)) else {
+                wait_from(&marks, w + 1);
+                return None;
+            };
             piece_crcs[k0..k1].copy_from_slice(&got[k0..k1]);
-            r0 = r1;
         }
         Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)))
     }
@@ -793,7 +839,7 @@ fn run_fed_save(
             return;
         }
     };
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, device_windows = fed.device_windows, "released");
     // Released before the copy's end is told to the committer: Durable
     // (which waits for it) always comes after.
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });

@@ -1242,3 +1242,36 @@ fn passed_descriptors_are_matched_to_vmm_registrations_and_bounded() {
     // The first session and the sidecar serve on.
     assert_eq!(c.status().sessions.len(), 1, "the closed sessions are gone");
 }
+
+#[test]
+fn a_cuda_span_of_unknown_repeated_or_host_pieces_is_refused_and_the_session_goes_on() {
+    let sc = Sidecar::start(&[]);
+    let mut c = sc.client();
+    let shm = Shm::new(4096);
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { region_id: 1, .. }));
+    for (pieces, want) in [
+        (vec![1, 7], "piece region 7 is not registered"),
+        (vec![1, 1], "piece region 1 appears twice"),
+        (vec![1], "a span needs at least two pieces"),
+    ] {
+        let id = c.id();
+        c.send(&Request::RegisterCudaSpan { id, region_id: 9, pieces: pieces.clone() });
+        match c.recv() {
+            Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {
+                assert_eq!(i, id);
+                assert!(message.contains(want) && !message.contains('\n'), "{pieces:?}: {message}");
+            }
+            other => panic!("expected an Error for {pieces:?}, got {other:?}"),
+        }
+    }
+    // Two host regions: known, but no CUDA allocations.
+    let shm2 = Shm::new(4096);
+    assert!(matches!(c.register(2, &shm2), Reply::RegionRegistered { region_id: 2, .. }));
+    let id = c.id();
+    c.send(&Request::RegisterCudaSpan { id, region_id: 9, pieces: vec![1, 2] });
+    match c.recv() {
+        Reply::Error { code: ErrorCode::BadRegion, message, .. } => assert!(message.contains("piece region 1 is host-shm memory, not one CUDA allocation"), "{message}"),
+        other => panic!("expected an Error, got {other:?}"),
+    }
+    assert_eq!(c.status().sessions.len(), 1, "the session goes on");
+}

@@ -22,6 +22,17 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
 - guard_stream_wait_c / guard_stream_wait_torch: the next step's write,
   queued right after ckpt_stream_wait_copy (C) or optimizer.step() under
   guard(optimizer) (torch), stays out of the snapshot;
+- span_and_realloc_c: the C trainer's "span" mode (tensors crossing two and
+  three VMM chunks mapped back to back in one reserved range, round trip in
+  place; a range into an unmapped chunk refused) and "realloc" mode (memory
+  freed and allocated again at the same address is saved with its new
+  bytes; inconclusive, and said so, if the driver did not reuse the address);
+- expandable_segments_torch: torch with
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, tensors that cross the
+  allocator's chunks, saved and loaded back bit-exact; then freed,
+  empty_cache(), allocated again (same shapes: the kept save plan) with
+  other values and saved again: the second step holds the new values.
+  Whether the tensors went in place (no host copy) is reported;
 - stream_wait_survives_sidecar_death: the trainer's stream waits on the
   sidecar's done event, the sidecar is SIGKILLed at once: does the driver
   release the wait (the fake driver assumes so; docs/protocol.md)? A hang
@@ -247,6 +258,67 @@ def vmm_c():
             serve.stop()
 
 
+def span_and_realloc_c():
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = c_trainer(tmp)
+        serve = Serve(tmp)
+        env = dict(os.environ, CKPT_SIDECAR_SOCKET=serve.socket)
+        try:
+            r = subprocess.run([exe, "span"], env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "ok" in r.stdout and r.stdout.count("refused: ") == 2, r.stdout + r.stderr
+            r = subprocess.run([exe, "realloc"], env=env, capture_output=True, text=True, timeout=300)
+            if r.returncode == 20:
+                results["bench"]["realloc_c"] = "inconclusive: the driver did not reuse the freed address"
+            else:
+                assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+            serve.verify()
+        finally:
+            serve.stop()
+
+
+EXPANDABLE = textwrap.dedent("""
+    import json, sys, warnings, torch
+    import ckpt_sidecar as cs
+    assert "expandable_segments:True" in __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"]
+    ck = cs.Checkpointer(socket=sys.argv[1], spawn=False)
+    # 7 MiB tensors: several cross the allocator's 20 MiB chunks of one segment.
+    def make(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return {f"t{i}": torch.randn(7 << 18, device="cuda", generator=g) for i in range(24)}
+    inplace = []
+    for step, seed in ((1, 11), (2, 12)):
+        if step == 2:
+            del state
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        state = make(seed)
+        want = {k: v.cpu() for k, v in state.items()}
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            h = ck.save(step, state)
+        inplace.append(h.copied_bytes == 0)
+        h.wait_durable(timeout=300)
+        back = ck.load(step, map_location="cpu")
+        for k, v in want.items():
+            assert torch.equal(back[k], v), f"step {step}: {k} differs"
+    ck.close()
+    print(json.dumps({"ok": True, "inplace": inplace, "warnings": [str(x.message) for x in w]}))
+""")
+
+
+def expandable_segments_torch():
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp)
+        try:
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+            r = subprocess.run([sys.executable, "-c", EXPANDABLE, serve.socket], env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and '"ok": true' in r.stdout, r.stdout + r.stderr
+            results["bench"]["expandable_segments_torch"] = json.loads(r.stdout.strip().splitlines()[-1])
+            serve.verify()
+        finally:
+            serve.stop()
+
+
 def guard_stream_wait_c():
     with tempfile.TemporaryDirectory() as tmp:
         exe = c_trainer(tmp)
@@ -384,6 +456,8 @@ def main():
     check("vmm_c", vmm_c)
     check("guard_stream_wait_c", guard_stream_wait_c)
     check("guard_stream_wait_torch", guard_stream_wait_torch)
+    check("span_and_realloc_c", span_and_realloc_c)
+    check("expandable_segments_torch", expandable_segments_torch)
     check("stream_wait_survives_sidecar_death", stream_wait_survives_sidecar_death)
     check("bench", bench)
     out = os.environ.get("OUT")

@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -148,6 +148,16 @@ pub enum Request {
     /// matched to these requests in the order they arrive. Reply:
     /// RegionRegistered or Error. Added in version 6.
     RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, len_bytes: u64 },
+    /// Registers region `region_id` as the concatenation of CUDA regions
+    /// this client registered before (`pieces`, in address order): device
+    /// allocations mapped back to back in the client's address space, as
+    /// PyTorch's expandable segments map cuMemCreate chunks into one
+    /// reserved range, so a tensor crossing a chunk boundary is one
+    /// (region, offset, length). Its length is the pieces' sum; the sidecar
+    /// opens nothing new (the pieces' imports stay open while the span
+    /// lives, even after a piece is unregistered). All pieces lie on one
+    /// device. Reply: RegionRegistered or Error. Added in version 8.
+    RegisterCudaSpan { id: u64, region_id: u32, pieces: Vec<u32> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

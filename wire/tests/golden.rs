@@ -37,6 +37,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("save_after_event", encode(&Request::SaveAfterEvent { id: 10, step: 101, tensors: vec![t.clone()], blobs: vec![], lazy_release: true, device: 0, event: vec![0xcd; 64], done_event: vec![0xef; 64], rank: 1, world_size: 2 })),
         ("save_part", encode(&Request::SavePart { id: 11, step: 100, rank: 1, world_size: 2, tensors: vec![t], blobs: vec![b.clone()], lazy_release: true })),
         ("register_cuda_vmm_region", encode(&Request::RegisterCudaVmmRegion { id: 12, region_id: 4, device: 0, len_bytes: 2 << 20 })),
+        ("register_cuda_span", encode(&Request::RegisterCudaSpan { id: 13, region_id: 9, pieces: vec![4, 5, 7] })),
         ("copy_queued", encode(&Reply::CopyQueued { id: 10, step: 101 })),
         ("welcome", encode(&Reply::Welcome { version: PROTOCOL_VERSION, server_pid: 42, dirs: vec!["/ckpt".into()], staging_bytes: 1 << 30 })),
         ("refused", encode(&Reply::Refused { reason: "version".into() })),

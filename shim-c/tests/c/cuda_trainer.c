@@ -38,6 +38,20 @@
  *   parts                two clients, ranks 0 and 1 of 2, each save its own device
  *                        tensor (behind a late write) as its part of step 8; a third
  *                        client loads both back into fresh memory, bit-exact.
+ *   realloc              saves a tensor, frees its allocation, allocates again at the
+ *                        same address (the driver reuses it: checked) with other
+ *                        bytes and saves the same descriptor again, twice (same
+ *                        size, then smaller); each step loads back with its own
+ *                        bytes, and after each re-save the sidecar holds one import
+ *                        (the stale one closed: "open=1,1", read from the fake's
+ *                        counters of the sidecar, file $CKPT_TEST_SIDECAR_STATS).
+ *   span                 four VMM chunks mapped back to back in one reserved range
+ *                        (PyTorch's expandable segments); tensors crossing two and
+ *                        three chunks (one registered by its start only, one with
+ *                        ckpt_register_cuda_range) and one inside a chunk: saved
+ *                        behind a late write, overwritten, loaded back in place
+ *                        bit-exact; then a range running into an unmapped chunk
+ *                        is refused, at registration and at save ("refused: ...").
  */
 #include <signal.h>
 #include <stdint.h>
@@ -276,6 +290,135 @@ static int vmm(ckpt_client *c, CUstream stream, const char *mode) {
     return 0;
 }
 
+/* The fake driver's counter `key` in the sidecar's process (-1: unknown). */
+static long sidecar_stat(const char *key) {
+    const char *path = getenv("CKPT_TEST_SIDECAR_STATS");
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (!f) return -1;
+    char k[64];
+    long v, got = -1;
+    while (fscanf(f, "%63s %ld", k, &v) == 2)
+        if (!strcmp(k, key)) got = v;
+    fclose(f);
+    return got;
+}
+
+static int realloc_mode(ckpt_client *c, CUstream stream) {
+    const size_t n = A_BYTES, small = 1u << 20;
+    CUdeviceptr a = dev_alloc(n, 1);
+    uint32_t rid;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &rid));
+    uint64_t s1[1] = {n}, s3[1] = {small};
+    /* The trainer's descriptors stay as they are (a kept save plan): same address, same size. */
+    ckpt_tensor t[1] = {{"w", "U8", s1, 1, (void *)(uintptr_t)a, n}};
+    unsigned char *want[3] = {malloc(n), malloc(n), malloc(n)}, *got = malloc(n);
+    long open_after[2] = {-1, -1};
+    uint64_t id;
+    for (int k = 0; k < 3; k++) {
+        size_t len = k == 2 ? small : n;
+        if (k > 0) {
+            CU(cuMemFree_v2(a));
+            CUdeviceptr again = dev_alloc(len, 90 + k);
+            if (again != a) { fprintf(stderr, "the driver did not reuse the freed address (%llx, then %llx)\n", a, again); return 20; }
+        }
+        if (k == 2) t[0] = (ckpt_tensor){"w", "U8", s3, 1, (void *)(uintptr_t)a, small};
+        fill(want[k], len, 80 + k);
+        CU(cuMemcpyHtoDAsync_v2(a, want[k], len, stream));
+        CK(ckpt_save_on_stream(c, 20 + k, t, 1, NULL, 0, stream, &id));
+        CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+        if (k > 0) open_after[k - 1] = sidecar_stat("imports_open");
+    }
+    CU(cuStreamSynchronize(stream));
+    CUdeviceptr r = dev_alloc(n, 3);
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)r, &rid));
+    for (int k = 0; k < 3; k++) {
+        size_t len = k == 2 ? small : n;
+        ckpt_tensor l[1] = {{"w", "U8", k == 2 ? s3 : s1, 1, (void *)(uintptr_t)r, len}};
+        uint64_t got_step;
+        int source;
+        CK(ckpt_load(c, 20 + k, l, 1, &got_step, &source));
+        CU(cuMemcpyDtoH_v2(got, r, len));
+        if (memcmp(got, want[k], len)) { fprintf(stderr, "step %d does not hold the bytes of the allocation saved then\n", 20 + k); return 21; }
+    }
+    CK(ckpt_close(c));
+    printf("open=%ld,%ld\nok\n", open_after[0], open_after[1]);
+    return 0;
+}
+
+#define CHUNK ((size_t)2 << 20)
+
+/* `n` VMM chunks of CHUNK bytes, each its own cuMemCreate (exportable as a
+ * POSIX fd), mapped back to back into one reserved range; chunk k is left
+ * unmapped when bit k of `holes` is set. */
+static CUdeviceptr vmm_chunks(int n, unsigned holes) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1;
+    prop.requestedHandleTypes = 1;
+    prop.location.type = 1;
+    CUdeviceptr base;
+    CU(cuMemAddressReserve(&base, n * CHUNK, 0, 0, 0));
+    for (int k = 0; k < n; k++) {
+        if (holes & (1u << k)) continue;
+        CUmemGenericAllocationHandle h;
+        CU(cuMemCreate(&h, CHUNK, &prop, 0));
+        CU(cuMemMap(base + k * CHUNK, CHUNK, 0, h, 0));
+        CUmemAccessDesc access = {{1, 0}, 3};
+        CU(cuMemSetAccess(base + k * CHUNK, CHUNK, &access, 1));
+        CU(cuMemRelease(h));
+    }
+    return base;
+}
+
+static int span(ckpt_client *c, CUstream stream) {
+    const size_t total = 4 * CHUNK, MiB = 1u << 20;
+    CUdeviceptr b = vmm_chunks(4, 0);
+    /* t1 crosses chunks 0-1, t2 chunks 1-2-3, t3 lies inside chunk 3. */
+    size_t off[3] = {MiB, 3 * MiB + 4096, 7 * MiB}, len[3] = {2 * MiB, 4 * MiB - 4096, MiB};
+    uint64_t s1[1] = {2 * MiB / 4}, s2[1] = {4 * MiB - 4096}, s3[1] = {MiB};
+    ckpt_tensor t[3] = {
+        {"t1", "F32", s1, 1, (void *)(uintptr_t)(b + off[0]), len[0]},
+        {"t2", "U8", s2, 1, (void *)(uintptr_t)(b + off[1]), len[1]},
+        {"t3", "U8", s3, 1, (void *)(uintptr_t)(b + off[2]), len[2]},
+    };
+    uint32_t r0, r2;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)(b + off[0]), &r0));
+    CK(ckpt_register_cuda_range(c, (void *)(uintptr_t)(b + off[1]), len[1], &r2));
+    unsigned char *want = malloc(total), *next = malloc(total), *got = malloc(total);
+    fill(want, total, 61);
+    fill(next, total, 62);
+    CU(cuMemcpyHtoDAsync_v2(b, want, total, stream));
+    uint64_t id, got_step;
+    int source;
+    CK(ckpt_save_on_stream(c, 4, t, 3, NULL, 0, stream, &id));
+    CK(ckpt_wait(c, id, CKPT_RELEASED, 120000));
+    CU(cuMemcpyHtoDAsync_v2(b, next, total, stream));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    CK(ckpt_load(c, 4, t, 3, &got_step, &source));
+    CU(cuMemcpyDtoH_v2(got, b, total));
+    for (int k = 0; k < 3; k++)
+        if (memcmp(got + off[k], want + off[k], len[k])) { fprintf(stderr, "t%d differs after the round trip across chunks\n", k + 1); return 30; }
+    if (memcmp(got, next, off[0]) || memcmp(got + off[0] + len[0], next + off[0] + len[0], off[1] - off[0] - len[0])) {
+        fprintf(stderr, "the load wrote outside its tensors\n");
+        return 31;
+    }
+    /* Chunk 1 of this range is not mapped: a range into it is refused. */
+    CUdeviceptr h = vmm_chunks(2, 2u);
+    uint32_t rh;
+    if (ckpt_register_cuda_range(c, (void *)(uintptr_t)(h + MiB), 2 * MiB, &rh) == CKPT_OK) { fprintf(stderr, "a range into unmapped memory was registered\n"); return 32; }
+    printf("refused: %s\n", ckpt_last_error());
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)h, &rh));
+    ckpt_tensor bad[1] = {{"bad", "U8", s1, 1, (void *)(uintptr_t)(h + MiB), 2 * MiB}};
+    if (ckpt_save_on_stream(c, 5, bad, 1, NULL, 0, stream, &id) == CKPT_OK) { fprintf(stderr, "a tensor running into unmapped memory was saved\n"); return 33; }
+    printf("save refused: %s\n", ckpt_last_error());
+    CK(ckpt_close(c));
+    for (int k = 0; k < 4; k++) CU(cuMemUnmap(b + k * CHUNK, CHUNK));
+    CU(cuMemAddressFree(b, total));
+    printf("ok\n");
+    return 0;
+}
+
 static int guarded(ckpt_client *c, CUstream stream, int guard) {
     CUdeviceptr a = dev_alloc(A_BYTES, 1);
     unsigned char *want = malloc(A_BYTES), *next = malloc(A_BYTES), *got = malloc(A_BYTES);
@@ -371,6 +514,8 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "many")) return many(c, stream);
     if (!strcmp(mode, "vmm-unexportable")) return vmm_unexportable(c);
     if (!strcmp(mode, "parts")) return parts(c, stream);
+    if (!strcmp(mode, "realloc")) return realloc_mode(c, stream);
+    if (!strcmp(mode, "span")) return span(c, stream);
     if (!strcmp(mode, "guard") || !strcmp(mode, "no-guard")) return guarded(c, stream, !strcmp(mode, "guard"));
     if (!strcmp(mode, "vmm-check")) return vmm_check(c);
     if (!strncmp(mode, "vmm-", 4)) return vmm(c, stream, mode);

@@ -288,7 +288,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 s.steps.retain(|&k, _| k <= step);
                 send(&w, &Reply::RolledBack { id, step, removed });
             }
-            Request::RegisterCudaRegion { id, region_id, .. } | Request::RegisterCudaVmmRegion { id, region_id, .. } => {
+            Request::RegisterCudaRegion { id, region_id, .. } | Request::RegisterCudaVmmRegion { id, region_id, .. } | Request::RegisterCudaSpan { id, region_id, .. } => {
                 send(&w, &Reply::Error { id, code: ErrorCode::BadRegion, message: format!("CUDA region {region_id}: the fake sidecar has no CUDA") })
             }
             Request::SaveAfterEvent { id, step, .. } => {
@@ -312,6 +312,7 @@ fn kind(r: &Request) -> String {
         Request::Rollback { step, .. } => format!("Rollback {step}"),
         Request::RegisterCudaRegion { region_id, .. } => format!("RegisterCudaRegion {region_id}"),
         Request::RegisterCudaVmmRegion { region_id, .. } => format!("RegisterCudaVmmRegion {region_id}"),
+        Request::RegisterCudaSpan { region_id, .. } => format!("RegisterCudaSpan {region_id}"),
         Request::SaveAfterEvent { step, .. } => format!("SaveAfterEvent {step}"),
         Request::SavePart { step, rank, world_size, .. } => format!("SavePart {step} rank {rank} of {world_size}"),
         Request::Bye => "Bye".into(),

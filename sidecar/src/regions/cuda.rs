@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ckpt_cuda::{HostRegistration, Imported, OpenedEvent, Stream};
+use ckpt_cuda::{HostRegistration, Imported, LocalEvent, OpenedEvent, Stream};
 use tracing::{info, warn};
 
 use super::RegionError;
@@ -149,6 +149,31 @@ impl CudaMemory {
     pub fn finish_batch(&self) {
         self.stream.fire_after_queued();
         if let Err(e) = self.stream.stream.synchronize() {
+            let _ = self.stream.stream.synchronize();
+            self.fail(format!("device-to-host copy failed: {e}"));
+        }
+    }
+
+    /// A mark behind the copies queued so far on the session's stream
+    /// (None when the driver refused one: [`CudaMemory::wait_mark`] then
+    /// waits for the whole stream).
+    pub fn mark(&self) -> Option<LocalEvent> {
+        self.stream.stream.mark().map_err(|e| warn!("cannot mark the device copies (waiting for the whole stream instead): {e}")).ok()
+    }
+
+    /// Every batch of the save is queued: records the trainer's done event
+    /// behind them (once per save; see the module).
+    pub fn all_queued(&self) {
+        self.stream.fire_after_queued();
+    }
+
+    /// Waits until the copies queued before `mark` have completed.
+    pub fn wait_mark(&self, mark: Option<&LocalEvent>) {
+        let done = match mark {
+            Some(e) => e.synchronize(),
+            None => self.stream.stream.synchronize(),
+        };
+        if let Err(e) = done {
             let _ = self.stream.stream.synchronize();
             self.fail(format!("device-to-host copy failed: {e}"));
         }

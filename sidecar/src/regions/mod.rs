@@ -10,6 +10,9 @@
 //! - [`cuda`]: a CUDA device allocation of the client opened from its legacy
 //!   IPC handle, copied on the session's own stream after the trainer's
 //!   event (see `docs/protocol.md`, CUDA).
+//! - a CUDA span: CUDA regions of the session that the client mapped back
+//!   to back (PyTorch's expandable segments), seen as one: every access is
+//!   split at the pieces' boundaries and goes to the piece's own region.
 //!
 //! Each kind has its own registration in the session; snapshot, committer
 //! and load see only `Region`.
@@ -45,6 +48,8 @@ pub enum RegionError {
     Cuda(#[from] ckpt_cuda::CudaError),
     #[error("CUDA region: {why}; register it again")]
     CudaCopy { why: String },
+    #[error("CUDA span: {0}")]
+    Span(String),
     #[error("bytes {offset_bytes}..{offset_bytes}+{len_bytes} lie outside region {region_id} of {region_bytes} bytes")]
     OutOfBounds { region_id: u32, offset_bytes: u64, len_bytes: u64, region_bytes: u64 },
 }
@@ -53,9 +58,15 @@ pub enum RegionError {
 pub enum Memory {
     /// A host shared-memory segment.
     HostShm(ShmMemory),
-    /// A CUDA device allocation of the client (legacy IPC).
+    /// A CUDA device allocation of the client (legacy IPC or VMM).
     Cuda(CudaMemory),
+    /// CUDA regions mapped back to back by the client: (offset of each in
+    /// this region, the piece). Holds the pieces' imports open.
+    CudaSpan(Vec<(u64, std::sync::Arc<Region>)>),
 }
+
+/// A point in a region's queued copies ([`Region::mark_batch`]).
+pub struct BatchMark(Option<ckpt_cuda::LocalEvent>);
 
 /// A region a client registered: its id, its length, and its memory.
 pub struct Region {
@@ -79,15 +90,47 @@ impl Region {
         Ok(Region { region_id, len_bytes, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
     }
 
+    /// Region `region_id` made of the CUDA regions `pieces`, which the
+    /// client mapped back to back in this order (it alone can see that);
+    /// each must be a single CUDA allocation, all on one device.
+    pub fn open_cuda_span(region_id: u32, pieces: Vec<std::sync::Arc<Region>>) -> Result<Region, RegionError> {
+        let mut device = None;
+        let mut at = 0u64;
+        let mut parts = Vec::with_capacity(pieces.len());
+        if pieces.len() < 2 {
+            return Err(RegionError::Span(format!("a span needs at least two pieces, not {}", pieces.len())));
+        }
+        for p in pieces {
+            let Memory::Cuda(m) = &p.memory else {
+                return Err(RegionError::Span(format!("piece region {} is {} memory, not one CUDA allocation", p.region_id, p.kind())));
+            };
+            if *device.get_or_insert(m.device()) != m.device() {
+                return Err(RegionError::Span(format!("piece region {} lies on CUDA device {}, the span's first piece on {}", p.region_id, m.device(), device.unwrap_or(0))));
+            }
+            let next = at.checked_add(p.len_bytes).ok_or_else(|| RegionError::Span("the pieces' lengths overflow".into()))?;
+            parts.push((at, p));
+            at = next;
+        }
+        Ok(Region { region_id, len_bytes: at, memory: Memory::CudaSpan(parts) })
+    }
+
     /// Whether this is CUDA memory shared by legacy IPC, whose bytes are
     /// undefined once the client that exported it died.
     pub fn is_legacy_cuda(&self) -> bool {
-        matches!(&self.memory, Memory::Cuda(m) if !m.is_vmm())
+        match &self.memory {
+            Memory::Cuda(m) => !m.is_vmm(),
+            Memory::CudaSpan(ps) => ps.iter().any(|(_, p)| p.is_legacy_cuda()),
+            Memory::HostShm(_) => false,
+        }
     }
 
     /// Whether this is a CUDA VMM allocation (valid after its client died).
     pub fn is_vmm_cuda(&self) -> bool {
-        matches!(&self.memory, Memory::Cuda(m) if m.is_vmm())
+        match &self.memory {
+            Memory::Cuda(m) => m.is_vmm(),
+            Memory::CudaSpan(ps) => ps.iter().all(|(_, p)| p.is_vmm_cuda()),
+            Memory::HostShm(_) => false,
+        }
     }
 
     /// What kind of memory this is, for logs and status.
@@ -95,13 +138,25 @@ impl Region {
         match &self.memory {
             Memory::HostShm(_) => "host-shm",
             Memory::Cuda(_) => "cuda",
+            Memory::CudaSpan(_) => "cuda-span",
         }
     }
 
     /// Whether [`Region::copy_batch`] copies for this kind (device memory),
     /// rather than leaving it to [`Region::copy_out`] piece by piece.
     pub fn copies_in_batches(&self) -> bool {
-        matches!(self.memory, Memory::Cuda(_))
+        matches!(self.memory, Memory::Cuda(_) | Memory::CudaSpan(_))
+    }
+
+    /// A span's pieces that `len` bytes at `offset_bytes` touch, in order:
+    /// (piece, offset in the piece, offset in the range, length). The range
+    /// lies in the span (callers check), so the parts cover it exactly.
+    fn span_parts(pieces: &[(u64, std::sync::Arc<Region>)], offset_bytes: u64, len: u64) -> impl Iterator<Item = (&Region, u64, u64, u64)> {
+        let end = offset_bytes + len;
+        pieces.iter().filter_map(move |(at, p)| {
+            let (lo, hi) = (offset_bytes.max(*at), end.min(at + p.len_bytes));
+            (lo < hi).then(|| (&**p, lo - at, lo - offset_bytes, hi - lo))
+        })
     }
 
     /// Checks that `len_bytes` at `offset_bytes` lie inside the region.
@@ -127,6 +182,20 @@ impl Region {
             Memory::HostShm(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
             // SAFETY: as above.
             Memory::Cuda(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
+            Memory::CudaSpan(ps) => {
+                for (p, at, d, n) in Self::span_parts(ps, offset_bytes, len as u64) {
+                    // SAFETY: dst..dst+len is the caller's; each part is a
+                    // disjoint sub-range of it and lies in its piece
+                    // (span_parts clips to the piece's bounds).
+                    unsafe { p.copy_out(at, dst.add(d as usize), n as usize, false) };
+                }
+                if !crc {
+                    return 0;
+                }
+                // SAFETY: dst..dst+len was just written (the pieces' copies
+                // are synchronous) and is the caller's for the call.
+                crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, len) })
+            }
         }
     }
 
@@ -152,14 +221,68 @@ impl Region {
                 unsafe { m.queue_batch(ranges) };
                 true
             }
+            Memory::CudaSpan(ps) => {
+                let mut per_piece: Vec<Vec<(u64, *mut u8, usize)>> = vec![Vec::new(); ps.len()];
+                for &(off, dst, len) in ranges {
+                    assert!(self.contains(off, len as u64).is_ok(), "queue_batch outside the region (callers check bounds first)");
+                    for (p, at, d, n) in Self::span_parts(ps, off, len as u64) {
+                        let k = ps.iter().position(|(_, q)| std::ptr::eq(&**q, p)).expect("a part of one of the pieces");
+                        per_piece[k].push((at, dst.wrapping_add(d as usize), n as usize));
+                    }
+                }
+                for ((_, p), rs) in ps.iter().zip(&per_piece) {
+                    // SAFETY: the caller's contract: each part is a disjoint
+                    // sub-range of a caller's range, inside its piece.
+                    if !rs.is_empty() && !unsafe { p.queue_batch(rs) } {
+                        unreachable!("a span's pieces are CUDA allocations, which copy in batches");
+                    }
+                }
+                true
+            }
         }
     }
 
     /// Waits until the batch [`Region::queue_batch`] queued has completed
     /// (a no-op for kinds that do not batch).
     pub fn finish_batch(&self) {
-        if let Memory::Cuda(m) = &self.memory {
-            m.finish_batch();
+        match &self.memory {
+            Memory::Cuda(m) => m.finish_batch(),
+            // The pieces share the session's stream: the first waits for all.
+            Memory::CudaSpan(ps) => ps.iter().for_each(|(_, p)| p.finish_batch()),
+            Memory::HostShm(_) => {}
+        }
+    }
+
+    /// A point in the copies this region queued so far ([`Region::queue_batch`]):
+    /// [`Region::wait_mark`] waits for those only. A kind that does not
+    /// batch has nothing to mark.
+    pub fn mark_batch(&self) -> BatchMark {
+        match &self.memory {
+            Memory::Cuda(m) => BatchMark(m.mark()),
+            // The pieces share the session's stream: a mark on one marks all.
+            Memory::CudaSpan(ps) => ps[0].1.mark_batch(),
+            Memory::HostShm(_) => BatchMark(None),
+        }
+    }
+
+    /// Every batch of the save is queued (on every region): the first call
+    /// records the trainer's done event behind them (regions/cuda.rs).
+    pub fn all_queued(&self) {
+        match &self.memory {
+            Memory::Cuda(m) => m.all_queued(),
+            Memory::CudaSpan(ps) => ps[0].1.all_queued(),
+            Memory::HostShm(_) => {}
+        }
+    }
+
+    /// Waits until the copies queued before `mark` have completed (all the
+    /// stream's, when the mark could not be taken); a failure shows in
+    /// [`Region::check_intact`], as for the copies.
+    pub fn wait_mark(&self, mark: &BatchMark) {
+        match &self.memory {
+            Memory::Cuda(m) => m.wait_mark(mark.0.as_ref()),
+            Memory::CudaSpan(ps) => ps[0].1.wait_mark(mark),
+            Memory::HostShm(_) => {}
         }
     }
 
@@ -170,6 +293,7 @@ impl Region {
         match &self.memory {
             Memory::HostShm(m) => m.check_intact(),
             Memory::Cuda(m) => m.check_intact(),
+            Memory::CudaSpan(ps) => ps.iter().try_for_each(|(_, p)| p.check_intact()),
         }
     }
 
@@ -179,6 +303,8 @@ impl Region {
         match &self.memory {
             Memory::HostShm(m) => m.write_at(offset_bytes, bytes),
             Memory::Cuda(m) => m.write_at(offset_bytes, bytes),
+            Memory::CudaSpan(ps) => Self::span_parts(ps, offset_bytes, bytes.len() as u64)
+                .try_for_each(|(p, at, d, n)| p.write_at(at, &bytes[d as usize..(d + n) as usize])),
         }
     }
 
@@ -189,7 +315,7 @@ impl Region {
             Memory::HostShm(m) => m.unlink(),
             // Device memory belongs to the driver: it is freed with its
             // owner's context; the import closes with the region.
-            Memory::Cuda(_) => {}
+            Memory::Cuda(_) | Memory::CudaSpan(_) => {}
         }
     }
 
@@ -197,10 +323,52 @@ impl Region {
     pub fn as_shm(&self) -> Option<&ShmMemory> {
         match &self.memory {
             Memory::HostShm(m) => Some(m),
-            Memory::Cuda(_) => None,
+            Memory::Cuda(_) | Memory::CudaSpan(_) => None,
         }
     }
 }
 
 #[cfg(test)]
 pub(crate) use shm::{test_segment, truncate_segment, unlink_segment};
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A span's accesses are split at its pieces' bounds, exactly covering
+    /// the range, each part inside its piece; a span of host memory is
+    /// refused (only CUDA allocations can be pieces).
+    #[test]
+    fn a_span_splits_every_range_at_its_pieces_bounds() {
+        // SAFETY: getuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let lens = [4096usize, 8192, 4096];
+        let mut names = Vec::new();
+        let pieces: Vec<Arc<Region>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let (name, _fd) = test_segment(n, |_| 0);
+                let r = Region::open_shm(i as u32 + 1, &name, n as u64, uid).unwrap();
+                names.push(name);
+                Arc::new(r)
+            })
+            .collect();
+        let at = [0u64, 4096, 12288];
+        let ps: Vec<(u64, Arc<Region>)> = at.iter().copied().zip(pieces.iter().cloned()).collect();
+        let parts: Vec<(u32, u64, u64, u64)> = Region::span_parts(&ps, 2048, 12288).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect();
+        assert_eq!(parts, [(1, 2048, 0, 2048), (2, 0, 2048, 8192), (3, 0, 10240, 2048)]);
+        // Inside one piece: one part; at a bound: the next piece only.
+        assert_eq!(Region::span_parts(&ps, 5000, 100).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(), [(2, 904, 0, 100)]);
+        assert_eq!(Region::span_parts(&ps, 12288, 4096).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(), [(3, 0, 0, 4096)]);
+        let e = Region::open_cuda_span(9, pieces.clone()).err().expect("host pieces refused").to_string();
+        assert!(e.contains("piece region 1 is host-shm memory, not one CUDA allocation"), "{e}");
+        let e = Region::open_cuda_span(9, pieces[..1].to_vec()).err().expect("one piece refused").to_string();
+        assert!(e.contains("at least two pieces"), "{e}");
+        for n in names {
+            unlink_segment(&n);
+        }
+    }
+}

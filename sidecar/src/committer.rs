@@ -100,6 +100,11 @@ pub fn part_timeout() -> std::time::Duration {
 fn fail_part(shared: &Shared, job: Job, code: ErrorCode, reason: String) {
     let key = job.key();
     drop(job.lease);
+    // A fed part whose copy failed: its own reason (its copy has ended, the lease is back).
+    let (code, reason) = match job.fill.as_ref().map(|f| f.end()) {
+        Some(FillEnd::Failed { code, reason }) => (code, reason),
+        _ => (code, reason),
+    };
     shared.end(key);
     job.peer.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
 }

@@ -107,6 +107,12 @@ pub fn device_window_bytes() -> usize {
         }
     })
 }
+/// A pipelined save whose image is at least this large goes to the
+/// committer before its copy starts, so the disk writes while it copies;
+/// a smaller one goes right after its copy (and Released): its copy is
+/// shorter than the committer's start (temp folder, files, reserve),
+/// which would only take a core from the copy the trainer waits for.
+pub const FED_EARLY_BYTES_MIN: u64 = 16 << 20;
 /// Writes into a client region on load go in requests of at most this.
 pub const LOAD_PWRITE_BYTES_MAX: usize = 64 << 20;
 

@@ -1,9 +1,11 @@
 //! Several nodes (`--shared DIR`): this node's side of a commit that spans
 //! the sidecars of every node, on the committer thread.
 //!
-//! Each rank's released part is written into the step's temp folder in the
-//! shared directory at once: shards, blobs, its slice declarations, then
-//! the marker (`Store::write_rank_part`). Its staging lease is then freed.
+//! Each rank's part is written into the step's temp folder in the shared
+//! directory while the session still copies it (`Store::write_rank_part_fed`:
+//! each chunk once its bytes are copied, as a whole save's `commit_fed`):
+//! shards, blobs, its slice declarations, then, after the copy's
+//! checksums, the marker. Its staging lease is then freed.
 //! The rank waits here for the global commit. The sidecar serving rank 0 of a step
 //! is that step's **coordinator**. Each tick it looks for every marker;
 //! when all are in, it commits (`Store::commit_ranks`). When the part
@@ -36,7 +38,7 @@ use ckpt_store::nodes::{self, RanksState};
 use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
-use crate::jobs::{error_code, Flight, Job};
+use crate::jobs::{error_code, FillEnd, Flight, Job};
 use crate::peer::Peer;
 use crate::slices;
 use crate::state::{Phase, Shared};
@@ -88,14 +90,23 @@ impl Nodes {
         self.steps.iter().filter(|(_, w)| w.coordinator).map(|(s, _)| *s).collect()
     }
 
-    /// One rank's released part: written into the shared directory with
-    /// its marker, its lease freed; the rank then waits for the commit.
+    /// One rank's part (released, or still being copied: `job.fill`):
+    /// written into the shared directory with its marker, its lease freed;
+    /// the rank then waits for the commit. A part whose copy fails is
+    /// answered Failed here, with the copy's reason, its files removed.
     pub fn offer(&mut self, store: &mut Store, shared: &Shared, job: Job) {
-        let Job { id, step, layout, lease, crcs, blobs, part, peer, span, copy_seconds, .. } = job;
+        let Job { id, step, layout, lease, crcs, blobs, part, peer, span, copy_seconds, fill, .. } = job;
         let _enter = span.enter();
         let part = part.expect("only parts go to the nodes");
         let key = Flight::Part(step, part.rank);
+        // Called with the lease dropped: a fed part's copy has ended then
+        // (the lease's drop waits for it), and a copy that failed is
+        // answered with its own reason (the session does not answer it).
         let fail = |code, reason: String| {
+            let (code, reason) = match fill.as_ref().map(|f| f.end()) {
+                Some(FillEnd::Failed { code, reason }) => (code, reason),
+                _ => (code, reason),
+            };
             shared.end(key);
             peer.send(&Reply::Failed { id, step, code, reason });
         };
@@ -136,7 +147,12 @@ impl Nodes {
         // they travel beside the rank's marker into the step's index.
         let blob_refs: Vec<image::Blob> = blobs.iter().filter(|b| !slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
         let t0 = Instant::now();
-        let r = store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls);
+        // A fed part (still being copied) is written as it is copied; its
+        // marker waits for the copy's checksums.
+        let r = match &fill {
+            None => store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls),
+            Some(f) => store.write_rank_part_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs, &decls),
+        };
         drop(blob_refs);
         drop(lease);
         let rep = match r {
@@ -145,6 +161,10 @@ impl Nodes {
                 warn!(rank = part.rank, "writing this rank's part into the shared directory failed: {e}");
                 return fail(error_code(&e), e.to_string());
             }
+        };
+        let copy_seconds = match fill.as_ref().map(|f| f.end()) {
+            Some(FillEnd::Copied { copy_seconds }) => copy_seconds,
+            _ => copy_seconds,
         };
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
         shared.set_phase(key, Phase::Queued);

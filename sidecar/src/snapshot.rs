@@ -740,9 +740,12 @@ pub fn run_save(
         }
     };
     shared.set_phase(key, Phase::Copying);
-    if part.is_none() {
+    // Pipelined: whole saves, and a rank's part of several nodes (written
+    // on its own into the shared directory). A part of one node's group
+    // waits for the other ranks' parts first, so it copies, then queues.
+    if part.is_none() || shared.shared_dir.is_some() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
+        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -796,7 +799,8 @@ fn log_if_handed_over_by_gone(peer: &Peer, gone: Option<&'static str>) {
     }
 }
 
-/// The rest of a whole (not per-rank) save, pipelined: the job goes to the
+/// The rest of a whole save, or of a rank's part of several nodes,
+/// pipelined: the job goes to the
 /// committer before the copy, which then writes each chunk of the image as
 /// soon as it is copied ([`FedCopy`], `Store::commit_fed`), so the time to
 /// durable is about the disk's alone, not the copy's plus the disk's.
@@ -812,6 +816,7 @@ fn run_fed_save(
     peer: &Arc<Peer>,
     id: u64,
     step: u64,
+    part: Option<Part>,
     layout: Layout,
     sources: Vec<Source>,
     mut lease: Lease,
@@ -822,7 +827,10 @@ fn run_fed_save(
     t_received: Instant,
     gone: Option<&'static str>,
 ) {
-    let key = Flight::Step(step);
+    let key = match part {
+        Some(p) => Flight::Part(step, p.rank),
+        None => Flight::Step(step),
+    };
     let guard = span.enter();
     let mut fed = FedCopy::plan(&layout, &sources, &mut lease);
     let fill = Arc::new(Fill::new(fed.progress.clone()));
@@ -830,13 +838,21 @@ fn run_fed_save(
     let progress = fed.progress.clone();
     let _filler = Filler(&progress);
     let waited_seconds = waited.as_secs_f64();
-    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part: None, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
-    if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
+    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
+    // To the committer: false (the save answered Failed here) when it is gone.
+    let hand_over = |job: Job| -> bool {
+        let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) else { return true };
         // The committer is gone only if the daemon is tearing down.
-        fed.progress.fail("the committer has stopped".into());
+        progress.fail("the committer has stopped".into());
+        // The lease's drop waits for the copy: none is running now.
         drop(e);
         shared.end(key);
         peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        false
+    };
+    // Small images are handed over after the copy (config::FED_EARLY_BYTES_MIN).
+    let mut unsent = Some(job);
+    if layout.staging_len >= config::FED_EARLY_BYTES_MIN && !hand_over(unsent.take().expect("not sent yet")) {
         return;
     }
     let give_up = || shared.stop_reason(peer, gone);
@@ -854,6 +870,9 @@ fn run_fed_save(
             info!(step, code = ?e.code(), "save refused: {e}");
             // The committer removes what it wrote, ends the flight, answers Failed.
             fill.fail(e.code(), e.to_string());
+            if let Some(job) = unsent {
+                hand_over(job);
+            }
             return;
         }
     };
@@ -862,6 +881,11 @@ fn run_fed_save(
     // Released before the copy's end is told to the committer: Durable
     // (which waits for it) always comes after.
     peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    if let Some(job) = unsent {
+        if !hand_over(job) {
+            return;
+        }
+    }
     let crcs = crcs.unwrap_or_else(|| {
         let t_crc = Instant::now();
         let crcs = fed.checksum(&layout);

@@ -471,3 +471,29 @@ fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_nam
         other => panic!("expected Failed, got {other:?}"),
     }
 }
+
+/// A part is written while it is copied (the pipeline): a part whose copy
+/// is stopped (its trainer gone before Released) leaves no file and no
+/// marker of its rank in the step's temp folder, though its shards were
+/// being written meanwhile (32 MiB: handed to the committer before the
+/// copy), and the step does not commit.
+#[test]
+fn a_part_whose_copy_is_stopped_leaves_no_file_of_its_rank() {
+    let c = Cluster::new();
+    let a = c.node(0, "60");
+    let shared = c.shared();
+    let mut r0 = Rank::connect(&a, 0, 32 << 20);
+    r0.save(5, 2);
+    // Gone before Released: the copy stops at its next check.
+    r0.s.shutdown(std::net::Shutdown::Both).unwrap();
+    let t0 = Instant::now();
+    while !a.log().contains("writing this rank's part into the shared directory failed") {
+        assert!(t0.elapsed() < Duration::from_secs(120), "the stopped part was never given up: {}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(a.log().contains("aborted before release"), "{}", a.log());
+    let tmp = ckpt_store::nodes::ranks_tmp_path(&shared, 5).unwrap();
+    let left: Vec<String> = std::fs::read_dir(&tmp).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
+    assert!(left.iter().all(|n| ranks::rank_of_file(n) != Some(0) && !n.contains("rank-00000")), "rank 0's files left: {left:?}");
+    assert!(!catalog::is_committed(&shared, 5));
+}

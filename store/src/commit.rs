@@ -626,13 +626,13 @@ fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Bl
 /// Where a commit's image comes from: already in staging with its
 /// checksums, or still being filled.
 #[derive(Clone, Copy)]
-enum Fill<'a> {
+pub(crate) enum Fill<'a> {
     Done(&'a [u32]),
     Fed(&'a Progress),
 }
 
 impl<'a> Fill<'a> {
-    fn progress(self) -> Option<&'a Progress> {
+    pub(crate) fn progress(self) -> Option<&'a Progress> {
         match self {
             Fill::Done(_) => None,
             Fill::Fed(p) => Some(p),

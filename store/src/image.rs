@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
 use crate::format::{
@@ -70,7 +71,10 @@ pub struct TensorPlace {
 
 #[derive(Debug, Clone)]
 pub struct Layout {
-    pub specs: Vec<TensorSpec>,
+    /// Shared by a layout's clones (a kept save plan, the job, the
+    /// committer's rebased copy): a thousand names and shapes are not
+    /// copied at every save.
+    pub specs: Arc<Vec<TensorSpec>>,
     pub places: Vec<TensorPlace>,
     pub shards: Vec<ShardPlan>,
     pub opts: LayoutOptions,
@@ -169,7 +173,7 @@ impl Layout {
             });
             staging += io_len;
         }
-        Ok(Layout { specs, places, shards, opts, staging_len: staging, slices: Vec::new() })
+        Ok(Layout { specs: Arc::new(specs), places, shards, opts, staging_len: staging, slices: Vec::new() })
     }
 
     /// Moves the whole image to start at `base_bytes` in a larger staging
@@ -264,7 +268,7 @@ impl Layout {
 
     /// A layout of no tensors (what [`crate::ranks::merge`] fills).
     pub(crate) fn empty(opts: LayoutOptions) -> Layout {
-        Layout { specs: Vec::new(), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new() }
+        Layout { specs: Arc::new(Vec::new()), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new() }
     }
 
     fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {

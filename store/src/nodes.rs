@@ -36,10 +36,11 @@ use std::time::Instant;
 use tracing::info;
 
 use crate::catalog;
-use crate::commit::{write_shards, write_small_file, CommitError, CommitReport, Store};
+use crate::commit::{write_shards, write_small_file, CommitError, CommitReport, Fill, Store};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
 use crate::mem::AlignedBuf;
+use crate::progress::Progress;
 use crate::ranks;
 
 /// Where a multi-rank step stands in the shared directory.
@@ -125,6 +126,39 @@ impl Store {
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],
     ) -> Result<PartReport, CommitError> {
+        self.write_rank_part_filled(step, layout, staging, Fill::Done(tensor_crcs), blobs, slices)
+    }
+
+    /// [`Store::write_rank_part`] of an image still being filled (the
+    /// several-node form of [`Store::commit_fed`]): each chunk of the
+    /// rank's shards is written once `progress` says its bytes are
+    /// copied, the shards are synced, and the marker waits for the
+    /// filler's checksums, so a marker still means every byte of the part
+    /// was copied, checked and synced. A filler that fails makes this fail
+    /// with [`CommitError::Unfilled`], the rank's files removed again; no
+    /// marker is written. The filler must write nothing below the ready
+    /// prefix (the progress's contract).
+    pub fn write_rank_part_fed(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &AlignedBuf,
+        progress: &Progress,
+        blobs: &[Blob<'_>],
+        slices: &[SliceDecl],
+    ) -> Result<PartReport, CommitError> {
+        self.write_rank_part_filled(step, layout, staging, Fill::Fed(progress), blobs, slices)
+    }
+
+    fn write_rank_part_filled(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &AlignedBuf,
+        fill: Fill<'_>,
+        blobs: &[Blob<'_>],
+        slices: &[SliceDecl],
+    ) -> Result<PartReport, CommitError> {
         crate::image::validate_blobs(blobs)?;
         assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory");
         assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
@@ -135,7 +169,7 @@ impl Store {
         self.check_abort(step)?;
         let rank = layout.opts.rank;
         let tmp = ranks_tmp_path(&shared, step)?;
-        let r = self.write_rank_part_inner(step, &tmp, layout, staging, tensor_crcs, blobs, slices);
+        let r = self.write_rank_part_inner(step, &tmp, layout, staging, fill, blobs, slices);
         if r.is_err() {
             let _ = remove_rank_files(&tmp, rank, blobs);
         }
@@ -149,7 +183,7 @@ impl Store {
         tmp: &Path,
         layout: &Layout,
         staging: &AlignedBuf,
-        tensor_crcs: &[u32],
+        fill: Fill<'_>,
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],
     ) -> Result<PartReport, CommitError> {
@@ -163,7 +197,7 @@ impl Store {
         remove_rank_files(tmp, rank, blobs).map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
         let chunk_bytes = self.opts.chunk_bytes;
         let d = self.shared.as_mut().expect("checked by the caller");
-        write_shards(d, step, 0, tmp, layout, staging, None, chunk_bytes)?;
+        write_shards(d, step, 0, tmp, layout, staging, fill.progress(), chunk_bytes)?;
         let mut bytes = layout.file_bytes();
         if !blobs.is_empty() {
             let bdir = tmp.join(BLOBS_DIR_NAME);
@@ -186,6 +220,16 @@ impl Store {
             write_small_file(&p, &json).map_err(|e| CommitError::io(&p, "write rank slice declarations", e))?;
             catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
         }
+        // A fed part's checksums: the filler's end (its last bytes are
+        // already written and synced above).
+        let fed_crcs;
+        let tensor_crcs = match fill {
+            Fill::Done(c) => c,
+            Fill::Fed(p) => {
+                fed_crcs = p.outcome().map_err(|why| CommitError::Unfilled { step, why })?;
+                &fed_crcs[..]
+            }
+        };
         self.check_abort(step)?;
         // The marker: this rank's index, under a temp name, synced, renamed.
         let marker = tmp.join(format::rank_marker_name(rank));

@@ -32,6 +32,10 @@ struct State {
     /// The first run not done yet.
     next: usize,
     outcome: Option<Result<Vec<u32>, String>>,
+    /// The least offset a blocked writer waits for (u64::MAX: none waits):
+    /// a run done below it wakes nobody, so a copy of many small runs
+    /// does not wake the writer (and take a core from the copy) per run.
+    wanted: u64,
 }
 
 impl Progress {
@@ -41,7 +45,7 @@ impl Progress {
     pub fn new(starts: Vec<u64>, end: u64) -> Progress {
         assert!(starts.windows(2).all(|w| w[0] <= w[1]) && starts.last().is_none_or(|&s| s <= end), "runs out of order");
         let n = starts.len();
-        Progress { starts, end, state: Mutex::new(State { done: vec![false; n], next: 0, outcome: None }), changed: Condvar::new() }
+        Progress { starts, end, state: Mutex::new(State { done: vec![false; n], next: 0, outcome: None, wanted: u64::MAX }), changed: Condvar::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -61,9 +65,13 @@ impl Progress {
         while st.next < st.done.len() && st.done[st.next] {
             st.next += 1;
         }
-        let moved = st.next != before;
+        // Woken: every blocked writer; each sets `wanted` again if it still waits.
+        let wake = st.next != before && self.prefix(&st) >= st.wanted;
+        if wake {
+            st.wanted = u64::MAX;
+        }
         drop(st);
-        if moved {
+        if wake {
             self.changed.notify_all();
         }
     }
@@ -96,6 +104,7 @@ impl Progress {
             if !block || p >= need || st.outcome.is_some() {
                 return Ok(p);
             }
+            st.wanted = st.wanted.min(need);
             st = self.changed.wait(st).expect("progress lock poisoned");
         }
     }
@@ -143,6 +152,24 @@ mod tests {
         assert_eq!(p.ready(0, false), Ok(16384));
         p.finish(vec![7]);
         assert_eq!(p.outcome(), Ok(vec![7]));
+    }
+
+    #[test]
+    fn runs_below_what_a_blocked_writer_needs_do_not_wake_it() {
+        let p = Arc::new(Progress::new(vec![0, 100, 200, 300], 400));
+        let q = p.clone();
+        let h = std::thread::spawn(move || q.ready(300, true));
+        // Wait until the writer blocks (it has said what it needs).
+        while p.lock().wanted == u64::MAX {
+            std::thread::yield_now();
+        }
+        p.done(0);
+        p.done(1);
+        assert_eq!(p.lock().wanted, 300, "runs below the need: the writer was not woken");
+        assert!(!h.is_finished());
+        p.done(2);
+        assert_eq!(h.join().unwrap(), Ok(300));
+        assert_eq!(p.lock().wanted, u64::MAX, "a woken writer that got what it needed waits no more");
     }
 
     #[test]

@@ -43,14 +43,14 @@ pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
     let mut out = Layout::empty(parts[0].opts);
     out.opts.rank = 0;
     for p in parts {
-        for s in &p.specs {
+        for s in p.specs.iter() {
             if !names.insert(s.name.clone()) {
                 return Err(FormatError::DuplicateTensor(s.name.clone()));
             }
         }
         let (n_specs, n_shards) = (out.specs.len(), out.shards.len());
         out.staging_len = out.staging_len.max(p.staging_len);
-        out.specs.extend(p.specs);
+        std::sync::Arc::make_mut(&mut out.specs).extend(p.specs.iter().cloned());
         out.places.extend(p.places.into_iter().map(|mut pl| {
             pl.shard_idx += n_shards;
             pl

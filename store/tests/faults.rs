@@ -493,3 +493,77 @@ fn a_fed_commit_writes_only_filled_bytes_and_a_failed_filler_leaves_nothing() {
         }
     }
 }
+
+/// A rank's part of several nodes written while it is filled
+/// (`Store::write_rank_part_fed`): only copied bytes reach the disk (the
+/// image is filled out of order, paced, into a buffer of 0xAA: a chunk
+/// written before its bytes were copied fails the load of the committed
+/// step), the marker comes after the filler's checksums; a filler that
+/// fails leaves no file of the rank and no marker.
+#[test]
+fn a_fed_rank_part_writes_only_filled_bytes_and_a_failed_filler_leaves_no_marker() {
+    let part = |rank: u32, prefix: &str, seed: u64| {
+        let specs = synthetic::transformer_specs(12 * MIB)
+            .into_iter()
+            .map(|mut s| {
+                s.name = format!("{prefix}{}", s.name);
+                s
+            })
+            .collect();
+        let layout = Layout::plan(specs, LayoutOptions { rank, world_size: 2, shard_bytes_max: 4 * MIB, ..Default::default() }).unwrap();
+        let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+        let crcs = synthetic::stage(&layout, staging.as_mut_slice(), seed);
+        Staged { layout, staging, crcs }
+    };
+    let (r0, r1) = (part(0, "", 21), part(1, "r1.", 22));
+    let first = r0.layout.shard_range(0).start + 4096;
+    let end = r0.layout.staging_len as usize;
+    let runs: Vec<(usize, usize)> = (first..end).step_by(MIB as usize).map(|a| (a, (a + MIB as usize).min(end))).collect();
+    let n = runs.len();
+    let order: Vec<usize> = (0..n).map(|i| if i % 2 == 1 { i - 1 } else if i + 1 < n { i + 1 } else { i }).collect();
+    for (label, io) in combos() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = dir.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        let opts = StoreOptions { io, chunk_bytes: 256 << 10, shared: Some(shared.clone()), ..StoreOptions::new(vec![dir.path().join("own")]) };
+        let Some(mut store) = open_store(opts, label) else { continue };
+        let ctx = format!("{label}, fed rank part");
+        for (step, fail_after) in [(1u64, None), (2, Some(n / 2))] {
+            let mut dst = AlignedBuf::new(end).unwrap();
+            dst.as_mut_slice().fill(0xAA);
+            dst.as_mut_slice()[..first].copy_from_slice(&r0.staging.as_slice()[..first]);
+            let progress = Progress::new(runs.iter().map(|r| r.0 as u64).collect(), end as u64);
+            let dst_addr = dst.as_ptr() as usize;
+            let r = std::thread::scope(|s| {
+                s.spawn(|| fill(&progress, &r0, dst_addr, &runs, &order, fail_after));
+                store.write_rank_part_fed(step, &r0.layout, &dst, &progress, &[], &[])
+            });
+            let tmp = ckpt_store::nodes::ranks_tmp_path(&shared, step).unwrap();
+            match fail_after {
+                None => {
+                    r.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    store.write_rank_part(step, &r1.layout, &r1.staging, &r1.crcs, &[], &[]).unwrap_or_else(|e| panic!("{ctx}: rank 1: {e}"));
+                    assert_eq!(store.ranks_missing(step, 2).unwrap(), Vec::<u32>::new(), "{ctx}: both markers in");
+                    store.commit_ranks(step, 2).unwrap_or_else(|e| panic!("{ctx}: commit: {e}"));
+                    let ropts = ReadOptions { io, ..Default::default() };
+                    let v = restore::verify(&shared, step, &ropts, |_, _| {}).unwrap_or_else(|e| panic!("{ctx}: verify: {e}"));
+                    assert!(v.problems.is_empty(), "{ctx}: damaged: {:?}", v.problems);
+                    let loaded = restore::load(&shared, Which::Step(step), &ropts, None).unwrap_or_else(|e| panic!("{ctx}: load: {e}"));
+                    for s in [&r0, &r1] {
+                        for (i, spec) in s.layout.specs.iter().enumerate() {
+                            let got = loaded.tensor(&spec.name).unwrap_or_else(|| panic!("{ctx}: tensor {} missing", spec.name));
+                            assert!(got == &s.staging.as_slice()[s.layout.tensor_range(i)], "{ctx}: tensor {} differs from what was staged", spec.name);
+                        }
+                    }
+                }
+                Some(_) => {
+                    let e = r.unwrap_err();
+                    assert!(matches!(e, CommitError::Unfilled { step: 2, .. }) && e.to_string().contains("gave up"), "{ctx}: {e}");
+                    assert_eq!(store.ranks_missing(step, 2).unwrap(), vec![0, 1], "{ctx}: no marker");
+                    let left: Vec<String> = fs::read_dir(&tmp).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
+                    assert_eq!(left, Vec::<String>::new(), "{ctx}: the failed rank's files are gone");
+                }
+            }
+        }
+    }
+}

@@ -226,15 +226,24 @@ struct PlacedReply {
     fell_back: Vec<String>,
 }
 
+/// Where a LoadPacked puts the checkpoint: `len_bytes` at `offset_bytes` of
+/// host region `region_id`.
+pub struct PackedRange {
+    pub region_id: u32,
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+}
+
 /// LoadPacked: every tensor of the checkpoint into one range of a host
 /// region, at offsets the sidecar chooses. From disk the shard images are
 /// read straight into the region (O_DIRECT into a writable mapping of it,
 /// no staging, no copy) and verified there; from the resident image each
 /// tensor is checked, then copied to its offset in the file image. Nothing
 /// is written when the range is too small: the reply says how much is needed.
-pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, peer: &Arc<Peer>, id: u64, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64) {
+pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, peer: &Arc<Peer>, id: u64, step: Option<u64>, into: PackedRange) {
     let t0 = Instant::now();
-    let reply = match load_packed(shared, regions, step, region_id, offset_bytes, len_bytes) {
+    let len_bytes = into.len_bytes;
+    let reply = match load_packed(shared, regions, step, into) {
         Ok(p) => {
             let placed = p.need_bytes <= len_bytes;
             info!(step = p.step, source = ?p.source, n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
@@ -248,7 +257,8 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
     peer.send(&reply);
 }
 
-fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64) -> Result<PlacedReply, Fail> {
+fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
+    let PackedRange { region_id, offset_bytes, len_bytes } = into;
     let region = regions.get(&region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
     region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
     let shm = region.as_shm().ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is device memory; a packed load needs a host region")))?;

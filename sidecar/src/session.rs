@@ -139,7 +139,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
             Request::Load { id, step, tensors } => load::run_load(&shared, &peer, &regions, id, step, tensors),
             Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => {
-                load::run_load_packed(&shared, &regions, &peer, id, step, region_id, offset_bytes, len_bytes)
+                load::run_load_packed(&shared, &regions, &peer, id, step, load::PackedRange { region_id, offset_bytes, len_bytes })
             }
             Request::List { id } => {
                 let primary = shared.read_dir();

@@ -228,16 +228,27 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     shared.remove_session(s.session_id);
 }
 
-/// Whether `pid` no longer runs: no such process, or a zombie. (A pid that
-/// was reused meanwhile counts as alive: its regions are then left to the
-/// shim's own sweep.)
+/// Whether `pid` no longer runs: no such process, a zombie, or one already
+/// exiting. The last matters: a killed process closes its files (so its
+/// connection reads EOF here) before it becomes a zombie, and the kernel
+/// marks it exiting (PF_EXITING in /proc's flags) before either. (A pid
+/// that was reused meanwhile counts as alive: its regions are then left to
+/// the shim's own sweep.)
 fn process_is_gone(pid: u32) -> bool {
+    /// `PF_EXITING` of include/linux/sched.h: set at the start of the exit.
+    const PF_EXITING: u64 = 0x4;
     if pid == 0 {
         return false;
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the command name's closing parenthesis.
-        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+        // The fields after the command name's closing parenthesis: state,
+        // ppid, pgrp, session, tty_nr, tpgid, flags, ...
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| {
+            let mut fields = rest.split_ascii_whitespace();
+            let state = fields.next().unwrap_or("");
+            let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+            state.starts_with('Z') || state.starts_with('X') || flags & PF_EXITING != 0
+        }),
         Err(e) => e.kind() == std::io::ErrorKind::NotFound,
     }
 }

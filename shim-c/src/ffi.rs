@@ -396,10 +396,20 @@ pub unsafe extern "C" fn ckpt_set_rank(client: *mut ckpt_client, rank: u32, worl
 /// `client` is a live client; `ptr` points to writable storage.
 #[no_mangle]
 pub unsafe extern "C" fn ckpt_alloc(client: *mut ckpt_client, len_bytes: u64, ptr: *mut *mut c_void) -> c_int {
+    // SAFETY: the caller's contract is alloc_into's.
+    unsafe { alloc_into(client, len_bytes, ptr, false) }
+}
+
+/// ckpt_alloc and ckpt_alloc_hand_over: a region, its address into *ptr.
+///
+/// # Safety
+/// `client` is a live client; `ptr` points to writable storage.
+unsafe fn alloc_into(client: *mut ckpt_client, len_bytes: u64, ptr: *mut *mut c_void, hand_over: bool) -> c_int {
     guard(|| {
         let ptr = out(ptr, "ptr")?;
         // SAFETY: the caller's contract.
-        let region = unsafe { self::client(client) }?.client.alloc_region(len_bytes)?;
+        let c = &unsafe { self::client(client) }?.client;
+        let region = if hand_over { c.alloc_hand_over_region(len_bytes) } else { c.alloc_region(len_bytes) }?;
         // SAFETY: `ptr` is non-NULL and writable by the caller's contract.
         unsafe { *ptr = region.as_ptr().cast() };
         Ok(())
@@ -418,14 +428,8 @@ pub unsafe extern "C" fn ckpt_alloc(client: *mut ckpt_client, len_bytes: u64, pt
 /// `client` is a live client; `ptr` points to writable storage.
 #[no_mangle]
 pub unsafe extern "C" fn ckpt_alloc_hand_over(client: *mut ckpt_client, len_bytes: u64, ptr: *mut *mut c_void) -> c_int {
-    guard(|| {
-        let ptr = out(ptr, "ptr")?;
-        // SAFETY: the caller's contract.
-        let region = unsafe { self::client(client) }?.client.alloc_hand_over_region(len_bytes)?;
-        // SAFETY: `ptr` is non-NULL and writable by the caller's contract.
-        unsafe { *ptr = region.as_ptr().cast() };
-        Ok(())
-    })
+    // SAFETY: the caller's contract is alloc_into's.
+    unsafe { alloc_into(client, len_bytes, ptr, true) }
 }
 
 /// Copies the name of the shared-memory segment behind memory from

@@ -88,3 +88,33 @@ def assert_nothing_left(tmpdir, pids, dead, bar_s=10.0):
         import shutil
 
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# A trainer script's fake-CUDA start, said once: the fake driver loaded, this
+# process's primary context current, a stream. cuInit reads this process's
+# copy delay (FAKE_CUDA_COPY_DELAY_US, as the test set it); the delay set after
+# it is the one the sidecar the script spawns inherits.
+FAKE_CUDA_CONTEXT = """\
+def fake_cuda_context(sidecar_copy_delay_us):
+    cu = ctypes.CDLL("libcuda.so.1")
+    def ok(r, what):
+        if r != 0:
+            raise SystemExit(f"{what}: CUDA error {r}")
+    ok(cu.cuInit(0), "cuInit")
+    os.environ["FAKE_CUDA_COPY_DELAY_US"] = str(sidecar_copy_delay_us)
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    stream = ctypes.c_void_p()
+    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    return cu, ok, dev, ctx, stream
+"""
+
+
+def fake_cuda_script(text):
+    """A trainer script (indented source, dedented here) whose line
+    `{FAKE_CUDA_CONTEXT}` becomes the definition of fake_cuda_context."""
+    import textwrap
+
+    return textwrap.dedent(text).replace("{FAKE_CUDA_CONTEXT}\n", FAKE_CUDA_CONTEXT)

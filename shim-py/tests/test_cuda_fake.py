@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 import pytest
+from ckpt_test_util import fake_cuda_script
 
 from ckpt_sidecar import _native
 
@@ -40,23 +41,13 @@ def fake_dir():
                 "cargo build --release --workspace")
 
 
-TRAINER = textwrap.dedent(r"""
+TRAINER = fake_cuda_script(r"""
     import ctypes, json, os, sys
     import numpy as np
     import ckpt_sidecar as cs
 
-    cu = ctypes.CDLL("libcuda.so.1")
-    def ok(r, what):
-        if r != 0:
-            raise SystemExit(f"{what}: CUDA error {r}")
-    ok(cu.cuInit(0), "cuInit")  # reads this process's copy delay (late on purpose)
-    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"  # the spawned sidecar's copies: prompt
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    stream = ctypes.c_void_p()
-    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=2000)
     base = ctypes.c_uint64()
     ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(1 << 20)), "cuMemAlloc_v2")
 
@@ -191,24 +182,14 @@ def test_without_a_driver_a_device_object_is_refused_clearly(sidecar):
         assert np.array_equal(ck.load(2)["h"], np.ones(4, np.float32))
 
 
-GUARD_TRAINER = textwrap.dedent(r"""
+GUARD_TRAINER = fake_cuda_script(r"""
     import ctypes, json, os, sys, time
     import numpy as np
     import torch
     import ckpt_sidecar as cs
 
-    cu = ctypes.CDLL("libcuda.so.1")
-    def ok(r, what):
-        if r != 0:
-            raise SystemExit(f"{what}: CUDA error {r}")
-    ok(cu.cuInit(0), "cuInit")  # this process's copies: prompt
-    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "1500000"  # the spawned sidecar's: 1.5 s late
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    stream = ctypes.c_void_p()
-    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=1500000)
     N = 1 << 18
     base = ctypes.c_uint64()
     ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(4 * N)), "cuMemAlloc_v2")

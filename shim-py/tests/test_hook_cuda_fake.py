@@ -24,30 +24,21 @@ import sys
 import textwrap
 
 import pytest
+from ckpt_test_util import fake_cuda_script
 
 from test_cuda_fake import fake_dir
 
 torch = pytest.importorskip("torch")
 
-TRAINER = textwrap.dedent(r"""
+TRAINER = fake_cuda_script(r"""
     import ctypes, io, json, os, sys
     import torch
     from ckpt_sidecar import _hook
 
     mode, out = sys.argv[1], sys.argv[2]
     assert hasattr(torch.serialization, "skip_data"), "this torch has no skip_data"
-    cu = ctypes.CDLL("libcuda.so.1")
-    def ok(r, what):
-        if r != 0:
-            raise SystemExit(f"{what}: CUDA error {r}")
-    ok(cu.cuInit(0), "cuInit")  # reads this process's copy delay (late on purpose)
-    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"  # the spawned sidecar's copies: prompt
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    stream = ctypes.c_void_p()
-    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=2000)
 
     mirror = {}  # CPU storage address -> its device copy's address
     allocs = []

@@ -597,14 +597,6 @@ fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> 
 /// syncs them (files and the blobs folder); a fed image's checksums are
 /// waited for first. Returns the bytes written.
 fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Blob<'_>], primary_tmp: &Path, paths: &[PathBuf]) -> Result<u64, CommitError> {
-    let fed_crcs;
-    let tensor_crcs = match fill {
-        Fill::Done(c) => c,
-        Fill::Fed(p) => {
-            fed_crcs = p.outcome().map_err(|why| CommitError::Unfilled { step, why })?;
-            &fed_crcs[..]
-        }
-    };
     let mut bytes = 0;
     if !blobs.is_empty() {
         let bdir = primary_tmp.join(BLOBS_DIR_NAME);
@@ -616,8 +608,10 @@ fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Bl
         }
         catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
     }
-    let secondary_dirs = paths[1..].iter().map(|p| p.display().to_string()).collect();
-    let index = layout.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes();
+    let secondary_dirs: Vec<String> = paths[1..].iter().map(|p| p.display().to_string()).collect();
+    // Rendered while a fed image is still copied; only its numbers wait.
+    layout.prepare_index(&secondary_dirs);
+    let index = layout.index_json(step, &fill.crcs(step)?, blobs, secondary_dirs);
     let ipath = primary_tmp.join(INDEX_FILE_NAME);
     write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
     Ok(bytes + index.len() as u64)
@@ -636,6 +630,14 @@ impl<'a> Fill<'a> {
         match self {
             Fill::Done(_) => None,
             Fill::Fed(p) => Some(p),
+        }
+    }
+
+    /// The tensors' checksums: at hand, or the filler's once it ended.
+    pub(crate) fn crcs(self, step: u64) -> Result<std::borrow::Cow<'a, [u32]>, CommitError> {
+        match self {
+            Fill::Done(c) => Ok(c.into()),
+            Fill::Fed(p) => p.outcome().map(Into::into).map_err(|why| CommitError::Unfilled { step, why }),
         }
     }
 }

@@ -503,6 +503,18 @@ pub struct IndexBlob {
     pub crc32c: u32,
 }
 
+/// Seals an index's canonical JSON whose `index_crc32c` is 0: sets it to
+/// the checksum of those bytes, and returns it. The field is the last one,
+/// so the sealed JSON differs from the zeroed one only in that number.
+pub(crate) fn seal_json(v: &mut Vec<u8>) -> u32 {
+    const ZEROED: &[u8] = b"\"index_crc32c\": 0";
+    let crc = crc32c::crc32c(v);
+    // The last occurrence: a tensor name holding the same text comes earlier.
+    let at = v.windows(ZEROED.len()).rposition(|w| w == ZEROED).expect("the index JSON ends with its checksum field") + ZEROED.len() - 1;
+    v.splice(at..at + 1, crc.to_string().into_bytes());
+    crc
+}
+
 impl Index {
     pub fn to_json_bytes(&self) -> Vec<u8> {
         let mut v = serde_json::to_vec_pretty(self).expect("the index always serialises");
@@ -519,7 +531,15 @@ impl Index {
 
     /// Sets `index_crc32c`; the writer calls it last.
     pub fn seal(&mut self) {
-        self.ckpt.index_crc32c = self.content_crc32c();
+        self.sealed_json_bytes();
+    }
+
+    /// Seals the index and returns its bytes, serialising it once.
+    pub fn sealed_json_bytes(&mut self) -> Vec<u8> {
+        self.ckpt.index_crc32c = 0;
+        let mut v = self.to_json_bytes();
+        self.ckpt.index_crc32c = seal_json(&mut v);
+        v
     }
 
     /// Parses and validates an index: its own checksum matches, every name is

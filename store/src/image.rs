@@ -12,9 +12,10 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
+use crate::index_template::IndexTemplate;
 use crate::format::{
     self, Dtype, FormatError, HeaderTensor, Index, IndexBlob, IndexFile, IndexMetadata, IndexSlice, IndexSliced, IndexTensor, CkptSection,
 };
@@ -84,6 +85,9 @@ pub struct Layout {
     /// ranks' parts); empty for most images. Only [`Layout::set_slices`]
     /// sets it, after checking, so [`Layout::index`] cannot fail on it.
     slices: Vec<SliceDecl>,
+    /// The rendered index ([`Layout::prepare_index`]), shared by clones;
+    /// `None` inside if it could not be read (then built at once).
+    index_template: Arc<OnceLock<Option<IndexTemplate>>>,
 }
 
 /// A stored tensor of a layout that is elements `elems` (row-major) of the
@@ -173,7 +177,7 @@ impl Layout {
             });
             staging += io_len;
         }
-        Ok(Layout { specs: Arc::new(specs), places, shards, opts, staging_len: staging, slices: Vec::new() })
+        Ok(Layout { specs: Arc::new(specs), places, shards, opts, staging_len: staging, slices: Vec::new(), index_template: Default::default() })
     }
 
     /// Moves the whole image to start at `base_bytes` in a larger staging
@@ -258,6 +262,7 @@ impl Layout {
         let zeros = vec![0; self.specs.len()];
         checked_slices(&self.index_tensors(&zeros), &decls)?;
         self.slices = decls;
+        self.index_template = Default::default();
         Ok(())
     }
 
@@ -268,7 +273,7 @@ impl Layout {
 
     /// A layout of no tensors (what [`crate::ranks::merge`] fills).
     pub(crate) fn empty(opts: LayoutOptions) -> Layout {
-        Layout { specs: Arc::new(Vec::new()), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new() }
+        Layout { specs: Arc::new(Vec::new()), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new(), index_template: Default::default() }
     }
 
     fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {
@@ -284,27 +289,55 @@ impl Layout {
         tensors
     }
 
-    /// The `slices` section from the declarations (pieces in element order).
-    fn index_slices(&self, tensor_crcs: &[u32]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
-        slices_section(&self.index_tensors(tensor_crcs), &self.slices)
-    }
-
     /// The commit record for this image.
     pub fn index(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
-        let file_crcs = self.file_crcs(tensor_crcs);
-        let files = self
-            .shards
-            .iter()
-            .zip(&file_crcs)
-            .map(|(sh, &crc)| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: crc })
-            .collect();
-        let tensors = self.index_tensors(tensor_crcs);
+        let mut index = self.index_draft(step, blobs, secondary_dirs);
+        let c = &mut index.ckpt;
+        for (f, crc) in c.files.iter_mut().zip(self.file_crcs(tensor_crcs)) {
+            f.crc32c = crc;
+        }
+        for (s, &crc) in self.specs.iter().zip(tensor_crcs) {
+            c.tensors.get_mut(&s.name).expect("the draft lists every tensor").crc32c = crc;
+        }
+        for piece in c.slices.values_mut().flat_map(|l| l.slices.iter_mut()) {
+            piece.crc32c = c.tensors[&piece.tensor].crc32c;
+        }
+        index.seal();
+        index
+    }
+
+    /// The commit record's bytes ([`Layout::index`] as written), from the
+    /// layout's rendered index ([`Layout::prepare_index`]), which its
+    /// clones share: a kept save plan renders it once.
+    pub fn index_json(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Vec<u8> {
+        match self.template(&secondary_dirs) {
+            Some(t) => t.render(self, step, tensor_crcs, blobs),
+            None => self.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes(),
+        }
+    }
+
+    /// Renders the index with holes for its numbers, unless done already:
+    /// a commit calls it while the image is still copied, so that only
+    /// the numbers wait for the copy's checksums.
+    pub fn prepare_index(&self, secondary_dirs: &[String]) {
+        self.template(secondary_dirs);
+    }
+
+    fn template(&self, secondary_dirs: &[String]) -> Option<&IndexTemplate> {
+        let t = self.index_template.get_or_init(|| IndexTemplate::new(self, secondary_dirs.to_vec()));
+        // Another directory set (never, for one store) is not worth keeping.
+        t.as_ref().filter(|t| t.names(secondary_dirs))
+    }
+
+    /// The index with step `step`, these blobs and every checksum 0.
+    pub(crate) fn index_draft(&self, step: u64, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
+        let files = self.shards.iter().map(|sh| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: 0 }).collect();
+        let tensors = self.index_tensors(&vec![0; self.specs.len()]);
         let weight_map = tensors.iter().map(|(n, t)| (n.clone(), t.file.clone())).collect();
         // Checked by set_slices: building them again cannot fail.
-        let slices = self.index_slices(tensor_crcs).expect("slices were checked when set");
+        let slices = slices_section(&tensors, &self.slices).expect("slices were checked when set");
         let format_version = if slices.is_empty() { config::FORMAT_VERSION_OLDEST } else { config::FORMAT_VERSION };
-        let blobs = blobs.iter().map(|b| IndexBlob { name: b.name.to_string(), len_bytes: b.bytes.len() as u64, crc32c: crc32c::crc32c(b.bytes) }).collect();
-        let mut index = Index {
+        Index {
             metadata: IndexMetadata { total_size: self.tensor_bytes() },
             weight_map,
             ckpt: CkptSection {
@@ -314,14 +347,17 @@ impl Layout {
                 secondary_dirs,
                 files,
                 tensors,
-                blobs,
+                blobs: index_blobs(blobs),
                 slices,
                 index_crc32c: 0,
             },
-        };
-        index.seal();
-        index
+        }
     }
+}
+
+/// The index's entries of `blobs`.
+pub(crate) fn index_blobs(blobs: &[Blob<'_>]) -> Vec<IndexBlob> {
+    blobs.iter().map(|b| IndexBlob { name: b.name.to_string(), len_bytes: b.bytes.len() as u64, crc32c: crc32c::crc32c(b.bytes) }).collect()
 }
 
 /// A small opaque byte blob saved beside the tensors (`blobs/<name>`).

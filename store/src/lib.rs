@@ -21,6 +21,7 @@ pub mod config;
 pub mod crc;
 pub mod format;
 pub mod image;
+mod index_template;
 pub mod io;
 pub mod lock;
 pub mod mem;

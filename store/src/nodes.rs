@@ -222,20 +222,13 @@ impl Store {
         }
         // A fed part's checksums: the filler's end (its last bytes are
         // already written and synced above).
-        let fed_crcs;
-        let tensor_crcs = match fill {
-            Fill::Done(c) => c,
-            Fill::Fed(p) => {
-                fed_crcs = p.outcome().map_err(|why| CommitError::Unfilled { step, why })?;
-                &fed_crcs[..]
-            }
-        };
+        layout.prepare_index(&[]);
+        let index = layout.index_json(step, &fill.crcs(step)?, blobs, Vec::new());
         self.check_abort(step)?;
         // The marker: this rank's index, under a temp name, synced, renamed.
         let marker = tmp.join(format::rank_marker_name(rank));
         let scratch = tmp.join(format!(".{}.tmp", format::rank_marker_name(rank)));
         let _ = fs::remove_file(&scratch);
-        let index = layout.index(step, tensor_crcs, blobs, Vec::new()).to_json_bytes();
         write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
         fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
         catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;

@@ -35,6 +35,7 @@ is the last line of stdout.
 """
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -362,10 +363,14 @@ def deepspeed_unavailable():
     utils ops built, JIT the first time, and loaded into this process), else
     exactly what failed: the import, ninja, libaio, page-locking, or the build."""
     try:
-        import deepspeed  # noqa: F401
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.io import FastFileWriter, FastFileWriterConfig  # noqa: F401
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        # DeepSpeed's logger writes to the sys.stdout of its import: stderr
+        # here, so standard output stays the table and the JSON line.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.io import FastFileWriter, FastFileWriterConfig  # noqa: F401
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+            get_accelerator()
     except Exception as e:  # noqa: BLE001 - any import failure is the reason
         return f"import deepspeed failed ({type(e).__name__}: {_one_line(e)}); pip install deepspeed"
     accel = get_accelerator()._name

@@ -69,3 +69,5 @@ def test_bench_compare_runs_deepspeed_fastpersist_and_restores_the_state(sidecar
     assert row["stall_s"] > 0 and row["durable_s"] == row["stall_s"] and row["restore_s"] > 0, row
     assert len(row["samples"]) == 2 and all(s["restore_verified"] is True for s in row["samples"]), row
     assert any(line.startswith("deepspeed_fastpersist") for line in r.stdout.splitlines()[:-1])  # in the table
+    # Standard output is the table, then the JSON: DeepSpeed's log lines go to stderr.
+    assert r.stdout.splitlines()[0].split()[:2] == ["method", "size"], r.stdout[:2000]

@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 mod save;
-pub use save::{decode_save, encode_save, BlobRef, Dims, RankOf, SaveIn, TensorDescIn, TensorDescRef};
+pub use save::{decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims, RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
 pub const PROTOCOL_VERSION: u32 = 11;

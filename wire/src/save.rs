@@ -9,7 +9,6 @@ use std::fmt;
 use std::ops::Deref;
 
 use serde::de::{Deserializer, SeqAccess, Visitor};
-use serde::ser::{SerializeStructVariant, Serializer};
 use serde::{Deserialize, Serialize};
 
 use crate::{Blob, FrameError, TensorDesc};
@@ -47,43 +46,43 @@ pub struct RankOf {
     pub world_size: u32,
 }
 
-struct SaveOut<'a> {
-    id: u64,
-    step: u64,
-    part: Option<RankOf>,
-    tensors: &'a [TensorDescRef<'a>],
-    blobs: &'a [BlobRef<'a>],
-    lazy_release: bool,
-}
-
-impl Serialize for SaveOut<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        // Field for field as the derived Serialize of Request::Save / SavePart.
-        let mut v = match self.part {
-            None => s.serialize_struct_variant("Request", SAVE_TAG as u32, "Save", 5)?,
-            Some(_) => s.serialize_struct_variant("Request", SAVE_PART_TAG as u32, "SavePart", 7)?,
-        };
-        v.serialize_field("id", &self.id)?;
-        v.serialize_field("step", &self.step)?;
-        if let Some(p) = self.part {
-            v.serialize_field("rank", &p.rank)?;
-            v.serialize_field("world_size", &p.world_size)?;
-        }
-        v.serialize_field("tensors", self.tensors)?;
-        v.serialize_field("blobs", self.blobs)?;
-        v.serialize_field("lazy_release", &self.lazy_release)?;
-        v.end()
-    }
+/// The encoded tensor list of a Save or SavePart (its length, then each
+/// descriptor): the bytes [`encode_save`] writes between the step (or the
+/// world size) and the blobs. A client that saves the same descriptors
+/// again keeps them and sends them with [`encode_save_with`]; the sidecar
+/// then finds them byte for byte ([`SaveHead::rest_after`]).
+pub fn encode_tensors(tensors: &[TensorDescRef<'_>]) -> Vec<u8> {
+    // About 40 bytes per tensor: one allocation for most saves.
+    postcard::to_extend(tensors, Vec::with_capacity(8 + tensors.len() * 48)).expect("encoding into a Vec cannot fail")
 }
 
 /// The frame (length prefix included) of a `Request::Save` (`part` None) or
 /// `Request::SavePart`, byte for byte what [`crate::encode`] makes of the
 /// owned message.
 pub fn encode_save(id: u64, step: u64, part: Option<RankOf>, tensors: &[TensorDescRef<'_>], blobs: &[BlobRef<'_>], lazy_release: bool) -> Vec<u8> {
-    // About 40 bytes per tensor: one allocation for most saves.
-    let mut out = Vec::with_capacity(64 + tensors.len() * 48 + blobs.iter().map(|b| b.bytes.len() + b.name.len() + 8).sum::<usize>());
+    encode_save_with(id, step, part, &encode_tensors(tensors), blobs, lazy_release)
+}
+
+/// [`encode_save`] with the tensor list already encoded ([`encode_tensors`]).
+pub fn encode_save_with(id: u64, step: u64, part: Option<RankOf>, tensors_encoded: &[u8], blobs: &[BlobRef<'_>], lazy_release: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + tensors_encoded.len() + blobs.iter().map(|b| b.bytes.len() + b.name.len() + 8).sum::<usize>());
+    // Field for field as the derived Serialize of Request::Save / SavePart:
+    // the variant's index (one byte), then each field (a struct is its
+    // fields one after another).
     out.extend_from_slice(&[0; 4]);
-    let mut out = postcard::to_extend(&SaveOut { id, step, part, tensors, blobs, lazy_release }, out).expect("encoding into a Vec cannot fail");
+    let out = match part {
+        None => {
+            out.push(SAVE_TAG);
+            postcard::to_extend(&(id, step), out)
+        }
+        Some(p) => {
+            out.push(SAVE_PART_TAG);
+            postcard::to_extend(&(id, step, p.rank, p.world_size), out)
+        }
+    };
+    let mut out = out.expect("encoding into a Vec cannot fail");
+    out.extend_from_slice(tensors_encoded);
+    let mut out = postcard::to_extend(&(blobs, lazy_release), out).expect("encoding into a Vec cannot fail");
     let len = (out.len() - 4) as u32;
     out[..4].copy_from_slice(&len.to_le_bytes());
     out
@@ -189,50 +188,78 @@ pub struct SaveIn<'a> {
     pub lazy_release: bool,
 }
 
-#[derive(Deserialize)]
-struct SaveFields<'a> {
-    id: u64,
-    step: u64,
-    #[serde(borrow)]
-    tensors: Vec<TensorDescIn<'a>>,
-    blobs: Vec<Blob>,
-    lazy_release: bool,
+/// A Save or SavePart read up to its tensor list ([`decode_save_head`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SaveHead<'a> {
+    pub id: u64,
+    pub step: u64,
+    pub part: Option<RankOf>,
+    /// The encoded tensor list, the blobs and lazy_release.
+    rest: &'a [u8],
 }
 
-#[derive(Deserialize)]
-struct SavePartFields<'a> {
-    id: u64,
-    step: u64,
-    rank: u32,
-    world_size: u32,
-    #[serde(borrow)]
-    tensors: Vec<TensorDescIn<'a>>,
-    blobs: Vec<Blob>,
-    lazy_release: bool,
+/// The rest of a Save decoded ([`SaveHead::rest`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveRest<'a> {
+    pub tensors: Vec<TensorDescIn<'a>>,
+    /// The bytes the tensors were decoded from ([`encode_tensors`]' of them).
+    pub tensors_encoded: &'a [u8],
+    pub blobs: Vec<Blob>,
+    pub lazy_release: bool,
+}
+
+/// Reads a frame body that holds a Save or SavePart up to its tensor list;
+/// None when it holds another message (decode it with [`crate::decode`]).
+/// Never panics on any input.
+pub fn decode_save_head(body: &[u8]) -> Option<Result<SaveHead<'_>, FrameError>> {
+    let (&tag, rest) = body.split_first()?;
+    let dec = |e| FrameError::Decode(e);
+    Some(match tag {
+        SAVE_TAG => postcard::take_from_bytes::<(u64, u64)>(rest).map(|((id, step), rest)| SaveHead { id, step, part: None, rest }).map_err(dec),
+        SAVE_PART_TAG => postcard::take_from_bytes::<(u64, u64, u32, u32)>(rest)
+            .map(|((id, step, rank, world_size), rest)| SaveHead { id, step, part: Some(RankOf { rank, world_size }), rest })
+            .map_err(dec),
+        _ => return None,
+    })
+}
+
+impl<'a> SaveHead<'a> {
+    /// The tensor list (descriptors borrowing the frame), its bytes, the
+    /// blobs and lazy_release.
+    pub fn rest(&self) -> Result<SaveRest<'a>, FrameError> {
+        let (tensors, after) = decode_tensors(self.rest)?;
+        let tensors_encoded = &self.rest[..self.rest.len() - after.len()];
+        let (blobs, lazy_release) = postcard::from_bytes::<(Vec<Blob>, bool)>(after).map_err(FrameError::Decode)?;
+        Ok(SaveRest { tensors, tensors_encoded, blobs, lazy_release })
+    }
+
+    /// When the tensor list is `tensors_encoded` byte for byte (the list of
+    /// an earlier save, as [`SaveRest::tensors_encoded`] gave it): the
+    /// blobs and lazy_release after it, the list itself not decoded again.
+    /// None when the list differs. (Decoding is a function of the bytes it
+    /// reads, and a list's encoding ends where it ends: the same bytes are
+    /// the same descriptors.)
+    pub fn rest_after(&self, tensors_encoded: &[u8]) -> Option<Result<(Vec<Blob>, bool), FrameError>> {
+        let after = self.rest.strip_prefix(tensors_encoded)?;
+        Some(postcard::from_bytes::<(Vec<Blob>, bool)>(after).map_err(FrameError::Decode))
+    }
+}
+
+/// Decodes an encoded tensor list ([`encode_tensors`]) at the start of
+/// `bytes`; returns the descriptors and the bytes after the list.
+pub fn decode_tensors(bytes: &[u8]) -> Result<(Vec<TensorDescIn<'_>>, &[u8]), FrameError> {
+    postcard::take_from_bytes::<Vec<TensorDescIn>>(bytes).map_err(FrameError::Decode)
 }
 
 /// Decodes a frame body that holds a Save or SavePart into descriptors
 /// borrowing `body`; None when it holds another message (decode it with
 /// [`crate::decode`]). Never panics on any input.
 pub fn decode_save(body: &[u8]) -> Option<Result<SaveIn<'_>, FrameError>> {
-    let (&tag, rest) = body.split_first()?;
-    let dec = |e| FrameError::Decode(e);
-    Some(match tag {
-        SAVE_TAG => postcard::from_bytes::<SaveFields>(rest)
-            .map(|f| SaveIn { id: f.id, step: f.step, part: None, tensors: f.tensors, blobs: f.blobs, lazy_release: f.lazy_release })
-            .map_err(dec),
-        SAVE_PART_TAG => postcard::from_bytes::<SavePartFields>(rest)
-            .map(|f| SaveIn {
-                id: f.id,
-                step: f.step,
-                part: Some(RankOf { rank: f.rank, world_size: f.world_size }),
-                tensors: f.tensors,
-                blobs: f.blobs,
-                lazy_release: f.lazy_release,
-            })
-            .map_err(dec),
-        _ => return None,
-    })
+    let head = match decode_save_head(body)? {
+        Ok(h) => h,
+        Err(e) => return Some(Err(e)),
+    };
+    Some(head.rest().map(|r| SaveIn { id: head.id, step: head.step, part: head.part, tensors: r.tensors, blobs: r.blobs, lazy_release: r.lazy_release }))
 }
 
 #[cfg(test)]
@@ -281,6 +308,48 @@ mod tests {
             assert_eq!(&*got.tensors[2].shape, &[1, 1, 1, 1, 1, 1, 1, 2][..]);
             assert!(matches!(got.tensors[2].shape, Dims::Heap(_)) && matches!(got.tensors[0].shape, Dims::Inline { .. }));
         }
+    }
+
+    #[test]
+    fn a_kept_tensor_list_is_sent_and_found_byte_for_byte() {
+        let (ts, bs) = owned();
+        let brefs: Vec<BlobRef> = bs.iter().map(|b| BlobRef { name: &b.name, bytes: &b.bytes }).collect();
+        let list = encode_tensors(&refs(&ts));
+        for part in [None, Some(RankOf { rank: 1, world_size: 2 })] {
+            // Any id and step (varints of other lengths) around the same list.
+            for (id, step) in [(1, 2), (300, 1 << 40)] {
+                let frame = encode_save_with(id, step, part, &list, &brefs, true);
+                assert_eq!(frame, encode_save(id, step, part, &refs(&ts), &brefs, true));
+                let head = decode_save_head(&frame[4..]).expect("a save").unwrap();
+                assert_eq!((head.id, head.step, head.part), (id, step, part));
+                let rest = head.rest().unwrap();
+                assert_eq!(rest.tensors_encoded, &list[..]);
+                assert_eq!(rest.tensors, ts.iter().map(TensorDescIn::of).collect::<Vec<_>>());
+                assert_eq!(head.rest_after(&list).expect("the same list").unwrap(), (bs.clone(), true));
+                assert_eq!(decode_tensors(&list).unwrap(), (rest.tensors.clone(), &[][..]));
+            }
+        }
+        // Any descriptor changed in any field: another list, not found.
+        let mut other = ts.clone();
+        for change in 0..6 {
+            other.clone_from(&ts);
+            let t = &mut other[1];
+            match change {
+                0 => t.name.push('x'),
+                1 => t.dtype = "F16".into(),
+                2 => t.shape = vec![1],
+                3 => t.region_id += 1,
+                4 => t.offset_bytes += 1,
+                _ => t.len_bytes += 1,
+            }
+            let frame = encode_save(9, 9, None, &refs(&other), &brefs, false);
+            let head = decode_save_head(&frame[4..]).unwrap().unwrap();
+            assert!(head.rest_after(&list).is_none(), "change {change}");
+            assert_eq!(head.rest().unwrap().tensors[1], TensorDescIn::of(&other[1]));
+        }
+        // A list that is a prefix of the kept one (fewer tensors) differs in its length.
+        let frame = encode_save(9, 9, None, &refs(&ts[..2]), &brefs, false);
+        assert!(decode_save_head(&frame[4..]).unwrap().unwrap().rest_after(&list).is_none());
     }
 
     #[test]

@@ -297,6 +297,83 @@ struct Inner {
     lazy_release: bool,
     /// (rank, world size) of this trainer; saves are parts when world > 1.
     rank: (u32, u32),
+    /// The last save's tensor list, encoded, and what it was made from.
+    kept_list: Option<KeptList>,
+}
+
+/// A save's encoded tensor list ([`ckpt_wire::encode_tensors`]) with what
+/// it is a function of: each tensor's name, dtype, shape, address and
+/// length, and the regions that place addresses (their ids, addresses and
+/// lengths: [`locate`] reads nothing else). A save of the same tensors
+/// while the regions are the same (a trainer saving one state again and
+/// again) sends these bytes again: no locating, no encoding per tensor.
+struct KeptList {
+    regions: Vec<(u32, usize, u64)>,
+    cuda_regions: Vec<(u32, u64, u64)>,
+    /// Names and dtypes end to end (a tensor's end where its entry says).
+    text: String,
+    /// Shapes end to end.
+    dims: Vec<u64>,
+    tensors: Vec<KeptTensor>,
+    encoded: Vec<u8>,
+}
+
+struct KeptTensor {
+    name_end: usize,
+    dtype_end: usize,
+    dims_end: usize,
+    ptr: usize,
+    len_bytes: u64,
+}
+
+impl KeptList {
+    fn new(inner: &Inner, tensors: &[TensorRef], encoded: Vec<u8>) -> KeptList {
+        let mut text = String::with_capacity(tensors.iter().map(|t| t.name.len() + t.dtype.len()).sum());
+        let mut dims = Vec::with_capacity(tensors.iter().map(|t| t.shape.len()).sum());
+        let kept = tensors
+            .iter()
+            .map(|t| {
+                text.push_str(t.name);
+                let name_end = text.len();
+                text.push_str(t.dtype);
+                dims.extend_from_slice(t.shape);
+                KeptTensor { name_end, dtype_end: text.len(), dims_end: dims.len(), ptr: t.ptr as usize, len_bytes: t.len_bytes }
+            })
+            .collect();
+        KeptList {
+            regions: inner.regions.values().map(|r| (r.region_id(), r.as_ptr() as usize, r.len_bytes())).collect(),
+            cuda_regions: inner.cuda_regions.values().map(|r| (r.region_id, r.base, r.len_bytes)).collect(),
+            text,
+            dims,
+            tensors: kept,
+            encoded,
+        }
+    }
+
+    /// Whether this is the list of `tensors` with `inner`'s regions now.
+    fn is_of(&self, inner: &Inner, tensors: &[TensorRef]) -> bool {
+        if self.tensors.len() != tensors.len()
+            || self.regions.len() != inner.regions.len()
+            || self.cuda_regions.len() != inner.cuda_regions.len()
+            || !inner.regions.values().zip(&self.regions).all(|(r, &k)| (r.region_id(), r.as_ptr() as usize, r.len_bytes()) == k)
+            || !inner.cuda_regions.values().zip(&self.cuda_regions).all(|(r, &k)| (r.region_id, r.base, r.len_bytes) == k)
+        {
+            return false;
+        }
+        let (mut at, mut d0) = (0, 0);
+        for (k, t) in self.tensors.iter().zip(tensors) {
+            if k.ptr != t.ptr as usize
+                || k.len_bytes != t.len_bytes
+                || self.text[at..k.name_end] != *t.name
+                || self.text[k.name_end..k.dtype_end] != *t.dtype
+                || self.dims[d0..k.dims_end] != *t.shape
+            {
+                return false;
+            }
+            (at, d0) = (k.dtype_end, k.dims_end);
+        }
+        true
+    }
 }
 
 struct Conn {
@@ -572,7 +649,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), cuda_done_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1) }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), cuda_done_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1), kept_list: None }),
         };
         {
             let mut inner = client.lock_inner();
@@ -712,20 +789,31 @@ impl Client {
     pub fn save(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef]) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
         self.refresh_cuda_locked(&mut inner, tensors)?;
-        // Encoded from the caller's borrowed names and shapes: no copy of
-        // them (a save of thousands of tensors costs a pass, not allocations).
-        let mut descs = Vec::with_capacity(tensors.len());
-        for t in tensors {
-            let (region_id, offset_bytes) = locate(&inner, t)?;
-            descs.push(ckpt_wire::TensorDescRef { name: t.name, dtype: t.dtype, shape: t.shape, region_id, offset_bytes, len_bytes: t.len_bytes });
-        }
+        // The same tensors as the last save, with the same regions: its
+        // list again. Else encoded from the caller's borrowed names and
+        // shapes: no copy of them (a save of thousands of tensors costs a
+        // pass, not allocations), and kept for the next save.
+        let kept = inner.kept_list.take().filter(|k| k.is_of(&inner, tensors));
+        let kept = match kept {
+            Some(k) => k,
+            None => {
+                let mut descs = Vec::with_capacity(tensors.len());
+                for t in tensors {
+                    let (region_id, offset_bytes) = locate(&inner, t)?;
+                    descs.push(ckpt_wire::TensorDescRef { name: t.name, dtype: t.dtype, shape: t.shape, region_id, offset_bytes, len_bytes: t.len_bytes });
+                }
+                KeptList::new(&inner, tensors, ckpt_wire::encode_tensors(&descs))
+            }
+        };
         let blobs: Vec<ckpt_wire::BlobRef> = blobs.iter().map(|b| ckpt_wire::BlobRef { name: b.name, bytes: b.bytes }).collect();
         let lazy_release = inner.lazy_release;
         let part = match inner.rank {
             (_, 1) => None,
             (rank, world_size) => Some(ckpt_wire::RankOf { rank, world_size }),
         };
-        self.submit_encoded(&mut inner, step, None, |id| ckpt_wire::encode_save(id, step, part, &descs, &blobs, lazy_release))
+        let sent = self.submit_encoded(&mut inner, step, None, |id| ckpt_wire::encode_save_with(id, step, part, &kept.encoded, &blobs, lazy_release));
+        inner.kept_list = Some(kept);
+        sent
     }
 
     /// Registers the CUDA allocation holding device address `ptr` (found

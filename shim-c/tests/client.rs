@@ -286,3 +286,66 @@ fn free_and_close_unregister_and_remove_the_shared_memory() {
     let log = fake.log_when_ended();
     assert!(log.contains(&"UnregisterRegion 1".to_string()) && log.last().unwrap() == "Bye", "{log:?}");
 }
+
+/// A save of the same tensors again sends the last save's encoded list
+/// (the client keeps it); any change to a tensor or to the regions makes a
+/// new one. Each save's tensors, as the sidecar received and copied them,
+/// are the ones of that save: names, dtypes, shapes and bytes.
+#[test]
+fn each_save_describes_its_tensors_as_they_are_now_though_the_last_list_is_kept() {
+    let (_d, sock) = temp_socket();
+    let fake = Fake::start(&sock, Opts::default());
+    let c = Client::connect(Some(&sock)).unwrap();
+    let r = c.alloc_region(8192).unwrap();
+    fill(&r, 1, 8192);
+    let mut step = 0;
+    let mut check = |c: &Client, t: &[TensorRef], region: &ckpt::ShmRegion| {
+        step += 1;
+        let h = c.save(step, t, &[]).unwrap();
+        c.wait(h.id, Wanted::Durable, SEC).unwrap();
+        let got = fake.store.lock().unwrap().steps[&step].tensors.clone();
+        assert_eq!(got.len(), t.len(), "step {step}");
+        for ((info, bytes), t) in got.iter().zip(t) {
+            assert_eq!((info.name.as_str(), info.dtype.as_str(), &info.shape[..], info.len_bytes), (t.name, t.dtype, t.shape, t.len_bytes), "step {step}");
+            let mut want = vec![0u8; t.len_bytes as usize];
+            region.read_at(t.ptr as u64 - region.as_ptr() as u64, &mut want).unwrap();
+            assert_eq!(bytes, &want, "step {step}: {}", t.name);
+        }
+    };
+    let a = TensorRef::in_region("a", "F32", &[2, 4], &r, 0, 32);
+    let b = TensorRef::in_region("b", "U8", &[100], &r, 4096, 100);
+    check(&c, &[a, b], &r);
+    check(&c, &[a, b], &r); // the kept list
+    fill(&r, 2, 8192); // new bytes, same tensors
+    check(&c, &[a, b], &r);
+    // Each field of one tensor changed in turn, and the list kept between.
+    let changed = [
+        TensorRef::in_region("b2", "U8", &[100], &r, 4096, 100),
+        TensorRef::in_region("b", "I8", &[100], &r, 4096, 100),
+        TensorRef::in_region("b", "U8", &[10, 10], &r, 4096, 100),
+        TensorRef::in_region("b", "U8", &[100], &r, 2048, 100),
+        TensorRef::in_region("b", "U8", &[99], &r, 4096, 99),
+    ];
+    for b2 in changed {
+        check(&c, &[a, b2], &r);
+        check(&c, &[a, b], &r);
+    }
+    check(&c, &[a], &r); // fewer tensors
+    check(&c, &[a, b, TensorRef::in_region("c", "U8", &[8], &r, 8000, 8)], &r);
+    // The same addresses in another region: the region freed and another
+    // made (its id differs), the tensors at its start.
+    let r2 = c.alloc_region(8192).unwrap();
+    fill(&r2, 3, 8192);
+    let a2 = TensorRef::in_region("a", "F32", &[2, 4], &r2, 0, 32);
+    check(&c, &[a2], &r2);
+    let at = r2.as_ptr() as usize;
+    c.free_region(&r2).unwrap();
+    drop(r2); // unmapped: the next region is usually mapped at its address
+    let r3 = c.alloc_region(8192).unwrap();
+    eprintln!("the next region mapped at the same address: {}", r3.as_ptr() as usize == at);
+    fill(&r3, 4, 8192);
+    let a3 = TensorRef::in_region("a", "F32", &[2, 4], &r3, 0, 32);
+    check(&c, &[a3], &r3);
+    let log = fake.log();
+    assert_eq!(log.iter().filter(|l| l.starts_with("Save ")).count(), step as usize, "{log:?}");
+}

@@ -5,7 +5,10 @@
 //!
 //! Invariants:
 //! - a plan is reused only for descriptors equal to those it was made from,
-//!   field for field, with the same layout options, while every region its
+//!   field for field, or for the very bytes of the encoded list they were
+//!   decoded from (the same bytes decode to the same descriptors: a Save
+//!   of a kept list is not decoded at all, [`SavePlans::kept_list`]), with
+//!   the same layout options, while every region its
 //!   sources read is still the session's registered region of that id (the
 //!   same mapping); every check of [`plan_save`] depends only on these, so
 //!   a reused plan is one that would pass them again; blobs, which the plan
@@ -19,11 +22,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ckpt_store::image::{Layout, LayoutOptions};
-use ckpt_wire::{Blob, TensorDescIn};
+use ckpt_wire::{Blob, FrameError, SaveHead, TensorDescIn};
 
 use crate::config;
 use crate::regions::Region;
-use crate::snapshot::{check_blobs, plan_save, Planner, SaveError, Source};
+use crate::snapshot::{check_blobs, plan_save, Planner, SaveError, SaveTensors, Source};
 
 /// One descriptor as a plan remembers it.
 struct Kept {
@@ -53,6 +56,9 @@ impl Kept {
 struct Plan {
     opts: LayoutOptions,
     descs: Vec<Kept>,
+    /// The encoded list the descriptors were decoded from, when known: a
+    /// Save whose frame holds these bytes is planned without decoding it.
+    encoded: Option<Box<[u8]>>,
     /// The distinct regions the sources read, as registered when planned.
     regions: Vec<(u32, Arc<Region>)>,
     layout: Layout,
@@ -61,10 +67,11 @@ struct Plan {
 
 impl Plan {
     fn fits(&self, tensors: &[TensorDescIn<'_>], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
-        self.opts == opts
-            && self.descs.len() == tensors.len()
-            && self.regions.iter().all(|(id, r)| regions.get(id).is_some_and(|now| Arc::ptr_eq(now, r)))
-            && self.descs.iter().zip(tensors).all(|(k, d)| k.is(d))
+        self.descs.len() == tensors.len() && self.fits_regions(regions, opts) && self.descs.iter().zip(tensors).all(|(k, d)| k.is(d))
+    }
+
+    fn fits_regions(&self, regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
+        self.opts == opts && self.regions.iter().all(|(id, r)| regions.get(id).is_some_and(|now| Arc::ptr_eq(now, r)))
     }
 }
 
@@ -78,15 +85,54 @@ pub struct SavePlans {
 
 impl Planner for SavePlans {
     /// The image and sources of a Save of `tensors`: a kept plan when one
-    /// was made from the same descriptors, else [`plan_save`]'s (kept for
-    /// the next save).
-    fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+    /// was made from the same descriptors (or the same encoded list), else
+    /// [`plan_save`]'s (kept for the next save).
+    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+        let (tensors, encoded) = match tensors {
+            SaveTensors::Kept(list) => {
+                if let Some(i) = self.plans.iter().rposition(|p| p.encoded.as_deref() == Some(list) && p.fits_regions(regions, opts)) {
+                    return self.reuse(i, blobs);
+                }
+                // Its plan no longer fits (a region registered anew): the
+                // list decoded after all, and planned as any other.
+                let (tensors, _) = ckpt_wire::decode_tensors(list).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+                return self.plan_decoded(&tensors, Some(list), blobs, regions, opts);
+            }
+            SaveTensors::Decoded { tensors, encoded } => (tensors, encoded),
+        };
+        self.plan_decoded(tensors, encoded, blobs, regions, opts)
+    }
+}
+
+impl SavePlans {
+    /// Forgets every plan (a region was unregistered: no plan may keep its mapping).
+    pub fn clear(&mut self) {
+        self.plans.clear();
+    }
+
+    /// When `head`'s tensor list is, byte for byte, the encoded list of a
+    /// kept plan: that list (the frame's bytes, for [`SaveTensors::Kept`])
+    /// and the rest of the Save read after it, the list not decoded.
+    #[allow(clippy::type_complexity)]
+    pub fn kept_list<'a>(&self, head: &SaveHead<'a>) -> Option<(&'a [u8], Result<(Vec<Blob>, bool), FrameError>)> {
+        self.plans.iter().rev().filter_map(|p| p.encoded.as_deref()).find_map(|list| head.rest_after(list))
+    }
+
+    /// Plan `i` reused (most recently used last).
+    fn reuse(&mut self, i: usize, blobs: &[Blob]) -> Result<(Layout, Vec<Source>), SaveError> {
+        check_blobs(blobs)?;
+        let p = self.plans.remove(i);
+        let out = (p.layout.clone(), p.sources.clone());
+        self.plans.push(p);
+        Ok(out)
+    }
+
+    fn plan_decoded(&mut self, tensors: &[TensorDescIn<'_>], encoded: Option<&[u8]>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
         if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
-            check_blobs(blobs)?;
-            let p = self.plans.remove(i);
-            let out = (p.layout.clone(), p.sources.clone());
-            self.plans.push(p);
-            return Ok(out);
+            if self.plans[i].encoded.is_none() {
+                self.plans[i].encoded = encoded.map(Box::from);
+            }
+            return self.reuse(i, blobs);
         }
         let (layout, sources) = plan_save(tensors, blobs, regions, opts)?;
         self.fresh += 1;
@@ -99,20 +145,14 @@ impl Planner for SavePlans {
                     }
                 }
             }
-            self.plans.push(Plan { opts, descs: tensors.iter().map(Kept::of).collect(), regions: used, layout: layout.clone(), sources: sources.clone() });
+            let descs = tensors.iter().map(Kept::of).collect();
+            self.plans.push(Plan { opts, descs, encoded: encoded.map(Box::from), regions: used, layout: layout.clone(), sources: sources.clone() });
             let mut kept: usize = self.plans.iter().map(|p| p.descs.len()).sum();
             while self.plans.len() > config::SAVE_PLANS_KEPT || kept > config::SAVE_PLAN_TENSORS_MAX {
                 kept -= self.plans.remove(0).descs.len();
             }
         }
         Ok((layout, sources))
-    }
-}
-
-impl SavePlans {
-    /// Forgets every plan (a region was unregistered: no plan may keep its mapping).
-    pub fn clear(&mut self) {
-        self.plans.clear();
     }
 }
 
@@ -123,6 +163,10 @@ mod tests {
 
     fn d(name: &str, region_id: u32, off: u64, len: u64) -> TensorDescIn<'_> {
         TensorDescIn { name, dtype: "U8", shape: ckpt_wire::Dims::from_slice(&[len]), region_id, offset_bytes: off, len_bytes: len }
+    }
+
+    fn decoded<'a>(tensors: &'a [TensorDescIn<'a>]) -> SaveTensors<'a> {
+        SaveTensors::Decoded { tensors, encoded: None }
     }
 
     fn region(id: u32) -> Arc<Region> {
@@ -139,37 +183,85 @@ mod tests {
         let mut plans = SavePlans::default();
         let ts = [d("a", 1, 0, 64), d("b", 2, 64, 8)];
         let opts = LayoutOptions::default();
-        let (l1, _) = plans.plan(&ts, &[], &regions, opts).unwrap();
-        let (l2, s2) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        let (l1, _) = plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
+        let (l2, s2) = plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
         assert_eq!(plans.fresh, 1, "the same descriptors reuse the plan");
         assert_eq!(l1.shards[0].header, l2.shards[0].header);
         assert!(Arc::ptr_eq(s2[0].region.as_ref().unwrap(), &regions[&1]) && s2[1].offset_bytes == 64);
         // Any field changed: planned anew (and checked anew).
         for other in [[d("a", 1, 0, 64), d("c", 2, 64, 8)], [d("a", 1, 8, 64), d("b", 2, 64, 8)], [d("a", 1, 0, 64), d("b", 1, 64, 8)]] {
             let fresh = plans.fresh;
-            plans.plan(&other, &[], &regions, opts).unwrap();
+            plans.plan(decoded(&other), &[], &regions, opts).unwrap();
             assert_eq!(plans.fresh, fresh + 1);
         }
-        assert!(matches!(plans.plan(&[d("a", 1, 0, 64), d("b", 1, 32, 8)], &[], &regions, opts), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plans.plan(decoded(&[d("a", 1, 0, 64), d("b", 1, 32, 8)]), &[], &regions, opts), Err(SaveError::BadRequest(_))));
         // Other layout options: planned anew.
         let fresh = plans.fresh;
-        plans.plan(&ts, &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }).unwrap();
+        plans.plan(decoded(&ts), &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }).unwrap();
         assert_eq!(plans.fresh, fresh + 1);
         // Bad blobs are refused even when the plan is reused.
         let bad = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plans.plan(&ts, &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plans.plan(decoded(&ts), &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
         // A region registered anew under the same id: planned anew, reading the new one.
-        plans.plan(&ts, &[], &regions, opts).unwrap();
+        plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
         let fresh = plans.fresh;
         regions.insert(2, region(2));
-        let (_, after) = plans.plan(&ts, &[], &regions, opts).unwrap();
+        let (_, after) = plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
         assert_eq!(plans.fresh, fresh + 1);
         assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
         // A region gone: refused as before.
         regions.remove(&2);
-        assert!(matches!(plans.plan(&ts, &[], &regions, opts), Err(SaveError::BadRegion(_))));
+        assert!(matches!(plans.plan(decoded(&ts), &[], &regions, opts), Err(SaveError::BadRegion(_))));
         plans.clear();
         assert!(plans.plans.is_empty());
+    }
+
+    #[test]
+    fn a_save_whose_list_a_plan_was_made_from_is_planned_without_decoding_it_while_its_regions_stay() {
+        let mut regions = HashMap::from([(1, region(1)), (2, region(2))]);
+        let mut plans = SavePlans::default();
+        let opts = LayoutOptions::default();
+        let refs = |ts: &[(&'static str, u32, u64, u64)]| -> Vec<u8> {
+            let shapes: Vec<[u64; 1]> = ts.iter().map(|t| [t.3]).collect();
+            let descs: Vec<ckpt_wire::TensorDescRef> = ts.iter().zip(&shapes).map(|(t, shape)| ckpt_wire::TensorDescRef { name: t.0, dtype: "U8", shape, region_id: t.1, offset_bytes: t.2, len_bytes: t.3 }).collect();
+            ckpt_wire::encode_tensors(&descs)
+        };
+        let frame = |list: &[u8], step| ckpt_wire::encode_save_with(step, step, None, list, &[], false);
+        let list = refs(&[("a", 1, 0, 64), ("b", 2, 64, 8)]);
+        let f1 = frame(&list, 1);
+        let head = ckpt_wire::decode_save_head(&f1[4..]).unwrap().unwrap();
+        assert!(plans.kept_list(&head).is_none(), "no plan yet");
+        let rest = head.rest().unwrap();
+        let (l1, _) = plans.plan(SaveTensors::Decoded { tensors: &rest.tensors, encoded: Some(rest.tensors_encoded) }, &[], &regions, opts).unwrap();
+        assert_eq!(plans.fresh, 1);
+        // The same list in another save's frame: found, and its plan reused.
+        let f2 = frame(&list, 300);
+        let head = ckpt_wire::decode_save_head(&f2[4..]).unwrap().unwrap();
+        let (found, rest) = plans.kept_list(&head).expect("the kept list");
+        assert_eq!((found, rest.unwrap()), (&list[..], (vec![], false)));
+        let (l2, s2) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts).unwrap();
+        assert_eq!(plans.fresh, 1, "reused");
+        assert_eq!(l1.shards[0].header, l2.shards[0].header);
+        assert!(Arc::ptr_eq(s2[1].region.as_ref().unwrap(), &regions[&2]) && s2[1].offset_bytes == 64);
+        // Any descriptor changed: not found (decoded and planned as any other).
+        for other in [[("a", 1, 0, 64), ("c", 2, 64, 8)], [("a", 1, 8, 64), ("b", 2, 64, 8)], [("a", 1, 0, 64), ("b", 1, 64, 8)], [("a", 1, 0, 64), ("b", 2, 64, 9)]] {
+            let f = frame(&refs(&other), 4);
+            assert!(plans.kept_list(&ckpt_wire::decode_save_head(&f[4..]).unwrap().unwrap()).is_none());
+        }
+        // Region 2 registered anew under its id: the list is still found,
+        // but planned anew from its descriptors, reading the new region.
+        regions.insert(2, region(2));
+        let (found, _) = plans.kept_list(&head).expect("the kept list");
+        let (_, after) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts).unwrap();
+        assert_eq!(plans.fresh, 2);
+        assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
+        // Bad blobs are refused with a kept list too; a region gone: refused as before.
+        let bad = Blob { name: "../x".into(), bytes: vec![1] };
+        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
+        regions.remove(&2);
+        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[], &regions, opts), Err(SaveError::BadRegion(_))));
+        plans.clear();
+        assert!(plans.kept_list(&head).is_none());
     }
 
     #[test]
@@ -178,7 +270,7 @@ mod tests {
         let mut plans = SavePlans::default();
         let names: Vec<String> = (0..config::SAVE_PLANS_KEPT + 3).map(|i| format!("t{i}")).collect();
         for n in &names {
-            plans.plan(&[d(n, 1, 0, 8)], &[], &regions, LayoutOptions::default()).unwrap();
+            plans.plan(decoded(&[d(n, 1, 0, 8)]), &[], &regions, LayoutOptions::default()).unwrap();
         }
         assert_eq!(plans.plans.len(), config::SAVE_PLANS_KEPT);
         assert_eq!(&*plans.plans.last().unwrap().descs[0].name, names.last().unwrap().as_str());

@@ -25,7 +25,7 @@ use crate::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::regions::{CudaSession, CudaSource, Region};
 use crate::save_plan::SavePlans;
-use crate::snapshot;
+use crate::snapshot::{self, SaveTensors};
 use crate::peer::Peer;
 use crate::state::Shared;
 
@@ -39,6 +39,13 @@ pub struct Session {
     pub peer_pid: u32,
     pub client_pid: u32,
     pub name: String,
+}
+
+/// A Save's tensor list as the session read it from the frame: a kept
+/// plan's list found byte for byte, or the descriptors and their bytes.
+enum Read<'a> {
+    Kept(&'a [u8]),
+    Decoded(Vec<TensorDescIn<'a>>, &'a [u8]),
 }
 
 pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
@@ -68,11 +75,26 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
         };
         // A Save (or SavePart), the hot message, is read into descriptors
-        // that borrow the frame: no allocation per tensor.
-        match ckpt_wire::decode_save(&body) {
-            Some(Ok(sv)) => {
-                let part = sv.part.map(|p| Part { rank: p.rank, world_size: p.world_size });
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, sv.id, sv.step, &sv.tensors, sv.blobs, sv.lazy_release, part);
+        // that borrow the frame: no allocation per tensor; and not even
+        // that when its tensor list is, byte for byte, one a kept plan was
+        // made from (a trainer saving the same state again).
+        let read = ckpt_wire::decode_save_head(&body).map(|head| -> Result<_, FrameError> {
+            let head = head?;
+            let part = head.part.map(|p| Part { rank: p.rank, world_size: p.world_size });
+            if let Some((list, rest)) = plans.kept_list(&head) {
+                let (blobs, lazy_release) = rest?;
+                return Ok((head.id, head.step, part, Read::Kept(list), blobs, lazy_release));
+            }
+            let rest = head.rest()?;
+            Ok((head.id, head.step, part, Read::Decoded(rest.tensors, rest.tensors_encoded), rest.blobs, rest.lazy_release))
+        });
+        match read {
+            Some(Ok((id, step, part, read, blobs, lazy_release))) => {
+                let tensors = match &read {
+                    Read::Kept(list) => SaveTensors::Kept(list),
+                    Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
+                };
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, tensors, blobs, lazy_release, part);
                 continue;
             }
             Some(Err(e)) => {
@@ -114,11 +136,11 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             // Read by decode_save above; kept whole for any other path here.
             Request::Save { id, step, tensors, blobs, lazy_release } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, None)
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, None)
             }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, Some(Part { rank, world_size }))
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, Some(Part { rank, world_size }))
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 let pieces = vec![FilePiece { region_id, offset_bytes, len_bytes }];
@@ -194,7 +216,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 match fenced {
                     Ok(()) => {
                         let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                        snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, &views, blobs, lazy_release, part.then_some(Part { rank, world_size }));
+                        snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }));
                         cuda.end_save(device);
                     }
                     Err(e) => {

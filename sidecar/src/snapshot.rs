@@ -632,11 +632,22 @@ fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
 pub const CLIENT_GONE_LEGACY_CUDA: &str =
     "the client disconnected before release, and its CUDA memory is shared by legacy IPC, undefined once the exporting process is gone (VMM allocations are not): the partial snapshot is not committed";
 
+/// A Save's tensors as its session read them.
+#[derive(Clone, Copy)]
+pub enum SaveTensors<'a> {
+    /// Decoded, with the bytes of their encoded list when the frame was
+    /// read in parts ([`ckpt_wire::SaveHead::rest`]).
+    Decoded { tensors: &'a [TensorDescIn<'a>], encoded: Option<&'a [u8]> },
+    /// Not decoded: the encoded list of a kept plan, found byte for byte in
+    /// the frame (`save_plan::SavePlans::kept_list`).
+    Kept(&'a [u8]),
+}
+
 /// What plans a save's image and sources: [`plan_save`] itself, or a
 /// session's cache of earlier plans (`save_plan::SavePlans`, which uses
 /// this module, hence the trait rather than the type here).
 pub trait Planner {
-    fn plan(&mut self, tensors: &[TensorDescIn<'_>], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError>;
+    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError>;
 }
 
 /// Runs one Save for a session: checks, waits for staging, copies, replies
@@ -649,7 +660,7 @@ pub fn run_save(
     plans: &mut dyn Planner,
     id: u64,
     step: u64,
-    tensors: &[TensorDescIn<'_>],
+    tensors: SaveTensors<'_>,
     blobs: Vec<Blob>,
     lazy_release: bool,
     part: Option<Part>,

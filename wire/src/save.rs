@@ -234,14 +234,15 @@ impl<'a> SaveHead<'a> {
     }
 
     /// When the tensor list is `tensors_encoded` byte for byte (the list of
-    /// an earlier save, as [`SaveRest::tensors_encoded`] gave it): the
-    /// blobs and lazy_release after it, the list itself not decoded again.
-    /// None when the list differs. (Decoding is a function of the bytes it
-    /// reads, and a list's encoding ends where it ends: the same bytes are
-    /// the same descriptors.)
-    pub fn rest_after(&self, tensors_encoded: &[u8]) -> Option<Result<(Vec<Blob>, bool), FrameError>> {
+    /// an earlier save, as [`SaveRest::tensors_encoded`] gave it): the list
+    /// (this frame's bytes), and the blobs and lazy_release after it, the
+    /// list itself not decoded again. None when the list differs.
+    /// (Decoding is a function of the bytes it reads, and a list's encoding
+    /// ends where it ends: the same bytes are the same descriptors.)
+    #[allow(clippy::type_complexity)]
+    pub fn rest_after(&self, tensors_encoded: &[u8]) -> Option<(&'a [u8], Result<(Vec<Blob>, bool), FrameError>)> {
         let after = self.rest.strip_prefix(tensors_encoded)?;
-        Some(postcard::from_bytes::<(Vec<Blob>, bool)>(after).map_err(FrameError::Decode))
+        Some((&self.rest[..tensors_encoded.len()], postcard::from_bytes::<(Vec<Blob>, bool)>(after).map_err(FrameError::Decode)))
     }
 }
 
@@ -325,7 +326,8 @@ mod tests {
                 let rest = head.rest().unwrap();
                 assert_eq!(rest.tensors_encoded, &list[..]);
                 assert_eq!(rest.tensors, ts.iter().map(TensorDescIn::of).collect::<Vec<_>>());
-                assert_eq!(head.rest_after(&list).expect("the same list").unwrap(), (bs.clone(), true));
+                let (same, tail) = head.rest_after(&list).expect("the same list");
+                assert_eq!((same, tail.unwrap()), (&list[..], (bs.clone(), true)));
                 assert_eq!(decode_tensors(&list).unwrap(), (rest.tensors.clone(), &[][..]));
             }
         }

@@ -29,7 +29,7 @@ use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::progress::{Filler, Progress};
-use crate::regions::{BatchMark, Region};
+use crate::regions::{store_fence, BatchMark, Region};
 use crate::staging::{Lease, StagingError};
 use crate::jobs::Flight;
 use crate::peer::Peer;
@@ -373,6 +373,10 @@ fn run_runs(pieces: &Pieces, runs: &[usize], stop: &(dyn Fn() -> bool + Sync), f
             let r = next.fetch_add(1, Ordering::Relaxed);
             let (Some(&a), Some(&b)) = (runs.get(r), runs.get(r + 1)) else { return out };
             out.extend((a..b).map(|k| (k, f(&pieces.0[k]))));
+            // The run's copies visible to other threads (the writer, once
+            // told; the caller, after the join): one fence per run, not per
+            // piece (Region::copy_out).
+            store_fence();
             run_done(r);
         }
     };

@@ -28,7 +28,7 @@ pub mod cuda;
 pub mod shm;
 
 pub use cuda::{CudaMemory, CudaSession, CudaSource, SessionStream};
-pub use shm::{validate_shm_name, ShmMemory};
+pub use shm::{store_fence, validate_shm_name, ShmMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
@@ -183,6 +183,8 @@ impl Region {
     /// `crc`, returns their crc32c, computed during the copy (else 0). A
     /// fault of the memory under the copy does not stop it: the bytes read
     /// are then wrong, and [`Region::check_intact`] says so afterwards.
+    /// The bytes may be written with streaming stores: the copying thread
+    /// calls [`store_fence`] before another thread may read them.
     ///
     /// # Safety
     /// `dst..dst+len` is writable and no one else's for the call, and the

@@ -200,7 +200,8 @@ impl ShmMemory {
     /// Copies `len` bytes at `offset_bytes` to `dst` with streaming stores,
     /// armed against a truncation ([`ShmMemory::read`]); with `crc`, returns
     /// the crc32c of the bytes, computed from each source block right after
-    /// it is copied, while it is in cache (else 0).
+    /// it is copied, while it is in cache (else 0). Other threads see the
+    /// bytes only after this one's [`store_fence`].
     ///
     /// # Safety
     /// `offset_bytes..+len` lies inside the region (`Region` checked it);
@@ -341,14 +342,17 @@ impl Drop for ShmMemory {
 /// no read-for-ownership (a third less memory traffic than a plain copy,
 /// which also reads every destination line before writing it). Nobody reads
 /// the image soon enough for caching it to pay: the checksum pass starts
-/// after the whole copy, and images are far larger than the L3. Ends with a
-/// store fence, so the bytes are visible to other threads once this returns.
+/// after the whole copy, and images are far larger than the L3. Ends
+/// without a store fence: streaming stores are weakly ordered, so the
+/// copying thread calls [`store_fence`] once its copies are done, before
+/// any other thread may read them (a fence per copy waits for each 4 KiB
+/// tensor's stores to drain: a third of a copy of a thousand of them).
 ///
 /// SAFETY: as [`std::ptr::copy_nonoverlapping`]: `src..src+len` readable,
 /// `dst..dst+len` writable, the two disjoint.
 #[cfg(target_arch = "x86_64")]
 unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     // Plain copy up to the first 16-byte aligned destination address.
     let head = dst.align_offset(16).min(len);
     std::ptr::copy_nonoverlapping(src, dst, head);
@@ -368,10 +372,22 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
         n -= 64;
     }
     std::ptr::copy_nonoverlapping(s, d, n);
-    // Streaming stores are weakly ordered: make them globally visible before
-    // this thread reports the piece done (thread join, then Released).
-    _mm_sfence();
 }
+
+/// Makes this thread's streaming stores ([`ShmMemory::copy_out`]) globally
+/// visible: called by a copying thread once a run of copies is done, before
+/// it says so to another thread (the disk writer, or the thread that joins
+/// it and replies Released).
+#[cfg(target_arch = "x86_64")]
+pub fn store_fence() {
+    // SAFETY: sfence has no preconditions (SSE, part of x86-64).
+    unsafe { std::arch::x86_64::_mm_sfence() }
+}
+
+/// Elsewhere copies are plain stores, ordered by the atomics and joins
+/// that hand them over.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn store_fence() {}
 
 /// Elsewhere: a plain copy.
 ///

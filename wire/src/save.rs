@@ -36,6 +36,7 @@ pub struct TensorDescRef<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BlobRef<'a> {
     pub name: &'a str,
+    #[serde(serialize_with = "crate::byte_buf::serialize")]
     pub bytes: &'a [u8],
 }
 

@@ -1376,22 +1376,38 @@ class Checkpointer:
             torch = torch_module()
             fl = Flattener()
             fl.walk(state)
-            mine, device = {}, []
+            # direct: (address, nbytes, ref, is device memory) of the leaves
+            # the sidecar writes itself: device tensors, and host ones lying
+            # contiguous in this client's regions (after share()).
+            mine, direct = {}, []
             for ref, obj in fl.leaves:
                 dev = _cuda.device_leaf(ref, obj, torch)
                 if dev is not None:
                     if not dev[2]:
                         raise InvalidArgument(f"load_into: tensor {ref.name!r} is a non-contiguous CUDA tensor "
                                               "(the sidecar writes device memory as one range); nothing was loaded")
-                    device.append((ref, dev))
+                    direct.append((dev[0], dev[1], ref, True))
                 elif ref.kind == "torch" and obj.device.type != "cpu":
                     raise InvalidArgument(f"load_into: tensor {ref.name!r} is on device {obj.device}, which this "
                                           "package cannot write; nothing was loaded")
                 elif ref.kind == "np" and not obj.flags.writeable:
                     raise InvalidArgument(f"load_into: array {ref.name!r} is read-only; nothing was loaded")
+                elif _leaf_nbytes(ref, obj) and (obj.flags.c_contiguous if ref.kind == "np" else obj.is_contiguous()):
+                    addr = obj.__array_interface__["data"][0] if ref.kind == "np" else obj.data_ptr()
+                    if self._region_of(addr, _leaf_nbytes(ref, obj)) is not None:
+                        direct.append((addr, _leaf_nbytes(ref, obj), ref, False))
                 mine[ref.name] = (ref, obj)
-            on_device = {ref.name for ref, _ in device}
-            host = [n for n in mine if n not in on_device]
+            # The sidecar refuses overlapping destinations (views of one
+            # storage, tied weights): host leaves after the first are copied.
+            direct.sort(key=lambda d: d[:2])
+            kept, end = [], 0
+            for d in direct:
+                if d[3] or d[0] >= end:
+                    kept.append(d)
+                    end = max(end, d[0] + d[1]) if not d[3] else end
+            direct = kept
+            by_sidecar = {d[2].name for d in direct}
+            host = [n for n in mine if n not in by_sidecar]
             target, lease, srcs = None, None, {}
             try:
                 got, infos, offs, target, lease = self._load_into_region(want, mine, strict, bool(host))
@@ -1416,13 +1432,16 @@ class Checkpointer:
                             i = have[name]
                             nbytes = infos[i][3]
                             srcs[name] = np.frombuffer(lease, np.uint8, nbytes, offs[i]) if nbytes else None
-                if device:
-                    descs, keep, n = (N.Tensor * len(device))(), [], 0
-                    for ref, (addr, nbytes, _, _) in device:
+                if direct:
+                    # Written by the sidecar itself, verified before it writes
+                    # (from disk: the whole checkpoint, into its staging).
+                    descs, keep, n = (N.Tensor * len(direct))(), [], 0
+                    for addr, nbytes, ref, on_device in direct:
                         if ref.name not in have or nbytes == 0:
                             continue
-                        rid = ctypes.c_uint32()
-                        N.check(L.ckpt_register_cuda_range(self._client, addr, nbytes, ctypes.byref(rid)))
+                        if on_device:
+                            rid = ctypes.c_uint32()
+                            N.check(L.ckpt_register_cuda_range(self._client, addr, nbytes, ctypes.byref(rid)))
                         _, dt, shape, _ = infos[have[ref.name]]
                         bn, bd = ref.name.encode(), dt.encode()
                         shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
@@ -1457,7 +1476,9 @@ class Checkpointer:
         target = None
         try:
             for _ in range(LOAD_TRIES_MAX):
-                free = [r for r in self._load_pool if r.free() and r.region.len_bytes >= need.value]
+                # Without host tensors to copy, a small new region: the reply
+                # lists the tensors and nothing is read (unless it is tiny).
+                free = [r for r in self._load_pool if host and r.free() and r.region.len_bytes >= need.value]
                 if target is None or target.region.len_bytes < need.value:
                     if target is not None and target not in self._load_pool:
                         self._drop_load_region(target)

@@ -181,3 +181,26 @@ def test_a_damaged_checkpoint_never_reaches_the_state_and_latest_falls_back(tmp_
         _assert_equal(s1, target)
     finally:
         ck.close()
+
+
+def test_shared_tensors_are_written_by_the_sidecar_and_the_rest_copied(ck, monkeypatch):
+    from ckpt_sidecar import checkpointer
+
+    s = _state(1)
+    ck.save(1, s).wait_durable(30)
+    target = _zeros_like(s)
+    ck.share(target["model"])  # contiguous ones now lie in this client's regions
+    target["model"]["alias"] = target["model"]["bf16"]  # the same memory twice: the sidecar refuses overlaps
+    ck.save(2, {**s, "model": {**s["model"], "alias": s["model"]["bf16"]}}).wait_durable(30)
+    objs = [(name, v, _addr(v)) for name, v in _leaves(target)]
+    copied = []
+    real = checkpointer._copy_into
+    monkeypatch.setattr(checkpointer, "_copy_into", lambda ref, obj, src: (copied.append(ref.name), real(ref, obj, src)))
+    assert ck.load_into(target, 2) == 2
+    _assert_equal({**s, "model": {**s["model"], "alias": s["model"]["bf16"]}}, target)
+    for (name, v, addr), (_, now) in zip(objs, _leaves(target)):
+        assert now is v and _addr(now) == addr, name
+    # Shared (share() made the transposed one contiguous): written by the
+    # sidecar. The second view of one memory and the arrays outside shared
+    # memory: copied.
+    assert sorted(copied) == ["model.alias", "opt.big_endian", "opt.flags", "opt.m", "opt.u8"], copied

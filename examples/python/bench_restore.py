@@ -9,13 +9,17 @@ Then --rounds rounds, the order of the methods rotated between rounds; each
 method runs in a fresh Python process that first allocates and touches the
 trainer's state (its pages warm, as a resumed trainer's model and optimizer
 are), then spawns its own sidecar on DIR (so the checkpoint is read from
-disk, not from a resident image) and times:
+disk, not from a resident image; its staging holds the checkpoint, as
+Checkpointer's default does) and times:
 
   load        ck.load(): the state as views of a new load region
   load+copy   ck.load(), then every tensor copied into the trainer's own
               tensors (what a trainer does with load()'s result:
               load_state_dict / copy_)
   load_into   ck.load_into(state): into the trainer's own tensors in place
+  load_into_shared  the same with the state in shared memory (ck.share(state)
+              before the clock starts, as a trainer that saves in place
+              does): the sidecar writes the tensors itself
 
 and the same call again in the same process (`again`: load() reuses its
 region once the first load's tensors are gone; load_into frees its region
@@ -34,7 +38,7 @@ import sys
 import tempfile
 import time
 
-METHODS = ("load", "load+copy", "load_into")
+METHODS = ("load", "load+copy", "load_into", "load_into_shared")
 
 
 def log(msg):
@@ -51,11 +55,14 @@ def child(method, ckdir, spec_path):
     for name, (shape, _) in spec.items():
         state[name] = torch.empty(shape).fill_(-1.0)  # touched: warm pages
     out = {}
-    with cs.Checkpointer(dir=ckdir, staging="64MiB") as ck:
+    size = sum(t.numel() * 4 for t in state.values())
+    with cs.Checkpointer(dir=ckdir, staging=size + (64 << 20)) as ck:
         ck.list()  # the sidecar is up before the clock starts
+        if method == "load_into_shared":
+            ck.share(state)
         for key in ("first_s", "again_s"):
             t0 = time.perf_counter()
-            if method == "load_into":
+            if method.startswith("load_into"):
                 assert ck.load_into(state, 1) == 1
             else:
                 got = ck.load(1)
@@ -138,14 +145,14 @@ def main():
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    print(f"{'method':12s} {'size':>8s} {'first s':>9s} {'GB/s':>7s} {'÷ fio read':>10s} {'again s':>9s}")
+    print(f"{'method':17s} {'size':>8s} {'first s':>9s} {'GB/s':>7s} {'÷ fio read':>10s} {'again s':>9s}")
     for r in results:
         ratio = f"{r['first_over_fio_read']:.2f}" if r["first_over_fio_read"] else "-"
-        print(f"{r['method']:12s} {r['size_bytes'] / 2**20:6.0f}Mi {r['first_s']:9.3f} "
+        print(f"{r['method']:17s} {r['size_bytes'] / 2**20:6.0f}Mi {r['first_s']:9.3f} "
               f"{r['size_bytes'] / r['first_s'] / 1e9:7.2f} {ratio:>10s} {r['again_s']:9.3f}")
     for e in limits:
         f = f"{e['fio_read_s']:9.3f}" if e["fio_read_s"] else "        -"
-        print(f"{'fio read':12s} {e['size_bytes'] / 2**20:6.0f}Mi {f}")
+        print(f"{'fio read':17s} {e['size_bytes'] / 2**20:6.0f}Mi {f}")
     if args.json:
         print(json.dumps({"results": results, "limits": limits}))
 

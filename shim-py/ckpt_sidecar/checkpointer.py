@@ -1410,7 +1410,12 @@ class Checkpointer:
             host = [n for n in mine if n not in by_sidecar]
             target, lease, srcs = None, None, {}
             try:
-                got, infos, offs, target, lease = self._load_into_region(want, mine, strict, bool(host))
+                # A first guess at the region the checkpoint needs: the host
+                # tensors' bytes plus room for shard headers; a wrong guess
+                # costs one more request (the reply says what it needs).
+                guess = sum(_leaf_nbytes(*mine[n]) for n in host)
+                guess += (guess >> 30) * 8192 + 256 * len(mine) + (64 << 10) if host else 0
+                got, infos, offs, target, lease = self._load_into_region(want, mine, strict, guess)
                 skel = self._loaded_blob(STRUCTURE_BLOB) if offs is not None else None
                 refs = {}
                 if skel is not None:
@@ -1463,16 +1468,18 @@ class Checkpointer:
             self.last_load_step = got
             return LoadedInto(got, self.last_load_source, missing, unexpected)
 
-    def _load_into_region(self, want, mine, strict, host):
+    def _load_into_region(self, want, mine, strict, guess_bytes):
         """load_into's packed load: (step, tensor list, offsets, region,
         lease), the checkpoint read and verified into a free pool region or a
         new one not in the pool (the caller frees it). The state is matched
         against the checkpoint's index as soon as the sidecar names it (before
-        any read when no region was large enough). Without host tensors only
-        the list is asked for (offsets None)."""
+        any read when the first region, `guess_bytes` at least, was too small).
+        With guess_bytes 0 (no host tensors) only the list is asked for
+        (offsets None)."""
         L = N.lib()
         got, src, need = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_uint64()
-        need.value = 1
+        need.value = max(guess_bytes, 1)
+        host = guess_bytes > 0
         target = None
         try:
             for _ in range(LOAD_TRIES_MAX):

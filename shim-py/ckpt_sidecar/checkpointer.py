@@ -37,7 +37,7 @@ from . import _native as N
 from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
 from ._units import count_arg, size_arg, step_arg
-from .errors import Closed, ConnectFailed, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
+from .errors import Closed, ConnectFailed, Damaged, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
@@ -1408,54 +1408,70 @@ class Checkpointer:
             direct = kept
             by_sidecar = {d[2].name for d in direct}
             host = [n for n in mine if n not in by_sidecar]
-            target, lease, srcs = None, None, {}
+            # Some host tensors in shared memory, and every tensor checked by
+            # the index alone (no dtype safetensors lacks, whose real dtype
+            # only the structure blob says): one Load request writes them all,
+            # the rest into a small bounce region (the sidecar verifies the
+            # whole checkpoint before it writes anything). Else the packed way.
+            one_request = any(not d[3] for d in direct) and all(_index_checkable(r) for r, _ in mine.values())
+            target, lease, srcs, bounce = None, None, {}, None
             try:
-                # A first guess at the region the checkpoint needs: the host
-                # tensors' bytes plus room for shard headers; a wrong guess
-                # costs one more request (the reply says what it needs).
-                guess = sum(_leaf_nbytes(*mine[n]) for n in host)
-                guess += (guess >> 30) * 8192 + 256 * len(mine) + (64 << 10) if host else 0
-                got, infos, offs, target, lease = self._load_into_region(want, mine, strict, guess)
-                skel = self._loaded_blob(STRUCTURE_BLOB) if offs is not None else None
-                refs = {}
-                if skel is not None:
-                    version, skeleton = pickle.loads(skel)
-                    if version == SKELETON_VERSION:
-                        _collect_refs(skeleton, refs)
-                missing, unexpected = _match_state(mine, infos, refs, got, strict)
-                have = {i[0]: k for k, i in enumerate(infos)}
-                if host and (NOT_PLACED in offs or self._loaded_blob(PARTS_BLOB) is not None):
-                    # Tensors stored in slices by several ranks (or an older
-                    # checkpoint's pieces) are put together by the per-tensor
-                    # path, into its own region, before anything is copied.
-                    names = [n for n in host if n in have]
-                    for name, v in self._load_tensors(got, names, "cpu")[1].items():
-                        srcs[name] = _raw_bytes(v)
-                else:
-                    for name in host:
-                        if name in have:
-                            i = have[name]
-                            nbytes = infos[i][3]
-                            srcs[name] = np.frombuffer(lease, np.uint8, nbytes, offs[i]) if nbytes else None
-                if direct:
-                    # Written by the sidecar itself, verified before it writes
-                    # (from disk: the whole checkpoint, into its staging).
-                    descs, keep, n = (N.Tensor * len(direct))(), [], 0
-                    for addr, nbytes, ref, on_device in direct:
-                        if ref.name not in have or nbytes == 0:
-                            continue
-                        if on_device:
-                            rid = ctypes.c_uint32()
-                            N.check(L.ckpt_register_cuda_range(self._client, addr, nbytes, ctypes.byref(rid)))
-                        _, dt, shape, _ = infos[have[ref.name]]
-                        bn, bd = ref.name.encode(), dt.encode()
-                        shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-                        keep += [bn, bd, shp]
-                        descs[n] = N.Tensor(bn, bd, shp, len(shape), addr, nbytes)
-                        n += 1
-                    if n:
+                if one_request:
+                    got, infos, _, target, _ = self._load_into_region(want, mine, strict, 0)
+                    missing, unexpected = _match_state(mine, infos, {}, got, strict)
+                    if target not in self._load_pool:
+                        self._drop_load_region(target)
+                    target = None
+                    have = {i[0]: k for k, i in enumerate(infos)}
+                    spare = [n for n in host if n in have and infos[have[n]][3]]
+                    at, total = {}, 0
+                    for n in spare:
+                        at[n] = total
+                        total += _align(infos[have[n]][3])
+                    bounce = self._alloc(total) if total else None
+                    try:
                         # The step found above, explicitly: `latest` may have moved meanwhile.
-                        N.check(L.ckpt_load(self._client, got, descs, n, None, None))
+                        self._load_described(got, infos, direct + [(bounce.ptr + at[n], infos[have[n]][3], mine[n][0], False)
+                                                                   for n in spare])
+                        srcs = {n: np.frombuffer(bounce.buf, np.uint8, infos[have[n]][3], at[n]) for n in spare}
+                    except Damaged:
+                        if want != -1:
+                            raise
+                        one_request = False  # the packed way falls back past a damaged latest
+                if not one_request:
+                    # Host tensors in shared memory are copied too (the
+                    # checkpoint is read once, into the load region).
+                    direct = [d for d in direct if d[3]]
+                    host = [n for n in mine if n not in {d[2].name for d in direct}]
+                    # A first guess at the region the checkpoint needs: the host
+                    # tensors' bytes plus room for shard headers; a wrong guess
+                    # costs one more request (the reply says what it needs).
+                    guess = sum(_leaf_nbytes(*mine[n]) for n in host)
+                    guess += (guess >> 30) * 8192 + 256 * len(mine) + (64 << 10) if host else 0
+                    got, infos, offs, target, lease = self._load_into_region(want, mine, strict, guess)
+                    skel = self._loaded_blob(STRUCTURE_BLOB) if offs is not None else None
+                    refs = {}
+                    if skel is not None:
+                        version, skeleton = pickle.loads(skel)
+                        if version == SKELETON_VERSION:
+                            _collect_refs(skeleton, refs)
+                    missing, unexpected = _match_state(mine, infos, refs, got, strict)
+                    have = {i[0]: k for k, i in enumerate(infos)}
+                    if host and (NOT_PLACED in offs or self._loaded_blob(PARTS_BLOB) is not None):
+                        # Tensors stored in slices by several ranks (or an older
+                        # checkpoint's pieces) are put together by the per-tensor
+                        # path, into its own region, before anything is copied.
+                        names = [n for n in host if n in have]
+                        for name, v in self._load_tensors(got, names, "cpu")[1].items():
+                            srcs[name] = _raw_bytes(v)
+                    else:
+                        for name in host:
+                            if name in have:
+                                i = have[name]
+                                nbytes = infos[i][3]
+                                srcs[name] = np.frombuffer(lease, np.uint8, nbytes, offs[i]) if nbytes else None
+                    if direct:
+                        self._load_described(got, infos, direct)
                 for name, src in srcs.items():
                     if src is not None:
                         _copy_into(*mine[name], src)
@@ -1465,8 +1481,34 @@ class Checkpointer:
                 srcs = lease = None
                 if target is not None and target not in self._load_pool:
                     self._drop_load_region(target)
+                if bounce is not None:
+                    self._free_region(bounce)
             self.last_load_step = got
             return LoadedInto(got, self.last_load_source, missing, unexpected)
+
+    def _load_described(self, step, infos, places):
+        """One Load of `step` that the sidecar writes itself: `places` are
+        (address, nbytes, ref, is device memory), each tensor named by
+        ref.name and described as the checkpoint's `infos` list it (the
+        sidecar checks every one, and the whole checkpoint's checksums,
+        before writing any)."""
+        L = N.lib()
+        have = {i[0]: i for i in infos}
+        descs, keep, n = (N.Tensor * max(len(places), 1))(), [], 0
+        for addr, nbytes, ref, on_device in places:
+            if ref.name not in have or nbytes == 0:
+                continue
+            if on_device:
+                rid = ctypes.c_uint32()
+                N.check(L.ckpt_register_cuda_range(self._client, addr, nbytes, ctypes.byref(rid)))
+            _, dt, shape, _ = have[ref.name]
+            bn, bd = ref.name.encode(), dt.encode()
+            shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            keep += [bn, bd, shp]
+            descs[n] = N.Tensor(bn, bd, shp, len(shape), addr, nbytes)
+            n += 1
+        if n:
+            N.check(L.ckpt_load(self._client, step, descs, n, None, None))
 
     def _load_into_region(self, want, mine, strict, guess_bytes):
         """load_into's packed load: (step, tensor list, offsets, region,
@@ -1766,6 +1808,12 @@ def _leaf_nbytes(ref, obj):
     if ref.kind == "torch":
         return obj.numel() * obj.element_size()
     return int(np.prod(ref.shape, dtype=np.int64)) * np.dtype(ref.dtype).itemsize
+
+
+def _index_checkable(ref):
+    """Whether the checkpoint's index alone says a leaf's dtype: not one
+    safetensors lacks (stored as U8 bytes, the real dtype in the skeleton)."""
+    return ref.stored != "U8" or _dtype_name(ref.dtype) == "uint8"
 
 
 def _stored_shape(ref, obj):

@@ -1363,11 +1363,17 @@ class Checkpointer:
         into `state`: a damaged checkpoint never leaves it half overwritten.
         The region is one a finished load() left free if one is large
         enough, else a new one freed before this returns: no second copy of
-        the state outlives the call. Device tensors (contiguous; a strided
-        one is refused) are written by the sidecar straight into their GPU
-        memory (host-to-device on its own stream, finished before this
-        returns). Nothing may write the tensors of `state` meanwhile, nor
-        while a save of them is not yet released."""
+        the state outlives the call. Tensors lying contiguous in this
+        client's shared memory (after share()) are written by the sidecar
+        itself when the index alone checks every tensor: one Load request,
+        the checkpoint verified whole in the sidecar's staging before any
+        write, the other host tensors through a bounce region sized for them
+        alone. Device tensors (contiguous; a strided one is refused) are
+        written by the sidecar straight into their GPU memory (host-to-device
+        on its own stream, finished before this returns). Nothing may write
+        the tensors of `state` meanwhile, nor while a save of them is not yet
+        released. See shim-py/README.md, "Loading into the trainer's
+        tensors"."""
         L = N.lib()
         with self._mu:
             self._ensure()

@@ -378,7 +378,7 @@ fn place_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, region_id: u32, off
         return Err((ErrorCode::BadRequest, format!("offset {offset_bytes} is not a multiple of 4096")));
     }
     let r = regions.get(&region_id).ok_or((ErrorCode::BadRegion, "unknown region".to_string()))?;
-    if offset_bytes.checked_add(len_bytes).map_or(true, |end| end > r.len) {
+    if offset_bytes.checked_add(len_bytes).is_none_or(|end| end > r.len) {
         return Err((ErrorCode::BadRegion, "outside region".into()));
     }
     let mut offsets = Vec::with_capacity(ck.tensors.len());

@@ -219,3 +219,37 @@ def test_shared_tensors_are_written_by_the_sidecar_and_the_rest_copied(ck, monke
         # arrays outside shared memory: through a bounce region, copied.
         assert sorted(copied) == ["model.alias", "opt.flags", "opt.m", "opt.u8"], copied
     assert ck._load_pool == []
+
+
+def test_a_resumed_model_and_optimizer_continue_bit_identically(ck):
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return m, opt
+
+    def step(m, opt, i):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+    m, opt = make(0)
+    for i in range(3):
+        step(m, opt, i)
+    ck.save(3, {"model": m.state_dict(), "optim": opt.state_dict()}).wait_durable(30)
+    step(m, opt, 3)  # the run goes on: what the resumed one must reproduce
+    # A resumed trainer: another initialisation, its optimizer state already
+    # created (one step), then restored in place.
+    m2, opt2 = make(1)
+    step(m2, opt2, 99)
+    params = [p.data_ptr() for p in m2.parameters()]
+    assert ck.load_into({"model": m2.state_dict(), "optim": opt2.state_dict()}) == 3
+    assert [p.data_ptr() for p in m2.parameters()] == params
+    step(m2, opt2, 3)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for k in ("exp_avg", "exp_avg_sq", "step"):
+        for p, p2 in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(opt.state[p][k], opt2.state[p2][k]), k

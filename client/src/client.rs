@@ -1004,7 +1004,8 @@ impl Client {
 
     /// Has the sidecar write `pieces` (address, length), laid end to end, as
     /// the whole file `path`: each lies in one of this client's shm regions
-    /// or registered CUDA allocations ([`Client::register_cuda`]). With CUDA
+    /// or registered CUDA memory ([`Client::register_cuda`]; a piece across
+    /// VMM chunks: [`Client::register_cuda_range`]). With CUDA
     /// pieces, an interprocess event is recorded on `stream` (a CUstream of
     /// this process; 0: the legacy default stream) and sent with the request:
     /// the sidecar's stream waits on it before copying, the CPU never waits.

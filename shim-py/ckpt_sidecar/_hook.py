@@ -55,7 +55,9 @@ then replaces torch.save and torch.load:
   with a hole where each storage's bytes go (torch's own persistent_id,
   wrapped through pickle_module, says which storage fills which hole; the
   pickle bytes are the same). CPU storages are copied into their holes; each
-  CUDA storage is sent in place, its allocation registered once (libckpt),
+  CUDA storage is sent in place, the allocations it lies in registered once
+  each (libckpt's range call: a storage across VMM chunks mapped back to
+  back, as PyTorch's expandable segments map them, is one span region),
   behind an interprocess event recorded on the device's current stream (the
   one the original torch.save copies on): protocol SaveFilePieces. The
   sidecar's own stream waits on the event, copies the storages into its

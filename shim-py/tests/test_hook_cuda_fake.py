@@ -57,6 +57,42 @@ TRAINER = fake_cuda_script(r"""
         mirror[s.data_ptr()] = p
         return p
 
+    CHUNK = 2 << 20  # the fake's VMM granularity
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+    class Prop(ctypes.Structure):  # CUmemAllocationProp
+        _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
+                    ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+    class Access(ctypes.Structure):  # CUmemAccessDesc
+        _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+    def vmm_chunks(n):
+        # n VMM chunks (each its own cuMemCreate, exportable as a POSIX fd)
+        # mapped back to back into one reserved range, as PyTorch's
+        # expandable segments map them; the range's base.
+        base = ctypes.c_uint64()
+        ok(cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(n * CHUNK), ctypes.c_size_t(0),
+                                  ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        prop = Prop(type=1, requestedHandleTypes=1, location=Location(1, 0))
+        for k in range(n):
+            h = ctypes.c_uint64()
+            ok(cu.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(CHUNK), ctypes.byref(prop), ctypes.c_ulonglong(0)), "cuMemCreate")
+            at = ctypes.c_uint64(base.value + k * CHUNK)
+            ok(cu.cuMemMap(at, ctypes.c_size_t(CHUNK), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0)), "cuMemMap")
+            access = Access(location=Location(1, 0), flags=3)
+            ok(cu.cuMemSetAccess(at, ctypes.c_size_t(CHUNK), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
+            ok(cu.cuMemRelease(h), "cuMemRelease")
+        return base.value
+
+    def place(t, p):
+        # t's storage mirrored at device address p (zeros, then a late copy).
+        s = t.untyped_storage()
+        n = s.nbytes()
+        zeros = (ctypes.c_ubyte * n)()
+        ok(cu.cuMemcpyHtoD_v2(ctypes.c_uint64(p), zeros, ctypes.c_size_t(n)), "zeros")
+        ok(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(p), ctypes.c_void_p(s.data_ptr()), ctypes.c_size_t(n), stream), "late")
+        mirror[s.data_ptr()] = p
+
     def device_storage(storage, torch):
         p = mirror.get(storage.data_ptr())
         return None if p is None else (p, storage.nbytes(), 0, stream.value)
@@ -116,6 +152,27 @@ TRAINER = fake_cuda_script(r"""
             state["step"] = k
             torch.save(state, os.path.join(out, "again.pt"))
         report["again_equal"] = equal(torch.load(os.path.join(out, "again.pt"), weights_only=True), state)
+    elif mode == "span":
+        # Storages across VMM chunks (PyTorch's expandable segments): one
+        # across three chunks, one across two, one inside a chunk of those.
+        state = {"across3": torch.arange(5 << 18, dtype=torch.float32) - 7,    # 5 MiB
+                 "across2": torch.arange(1 << 19, dtype=torch.int32) * 3,      # 2 MiB
+                 "inside": torch.ones(1000, dtype=torch.float64) * 0.5,
+                 "host": torch.linspace(0, 1, 333, dtype=torch.float64), "step": 3}
+        expected = original(state)
+        mirror.clear()  # only these storages are on the device
+        b3, b2 = vmm_chunks(3), vmm_chunks(2)
+        place(state["across3"], b3 + (1 << 20))             # chunks 0-2 of the first range
+        place(state["across2"], b2 + (1 << 20) + 4096)      # chunks 0-1 of the second
+        place(state["inside"], b2 + 4096)                   # inside chunk 0 of the second
+        path = os.path.join(out, "span.pt")
+        torch.save(state, path)
+        junk = (ctypes.c_ubyte * 8192)(*([0xee] * 8192))
+        for p in (b3 + (2 << 20) - 4096, b2 + (2 << 20) - 4096, b2 + 4096):  # across chunk boundaries too
+            ok(cu.cuMemcpyHtoD_v2(ctypes.c_uint64(p), junk, ctypes.c_size_t(8192)), "junk")
+        assert _hook.flush(120)
+        report["identical"] = open(path, "rb").read() == expected
+        report["loads_equal"] = equal(torch.load(path, weights_only=True), state)
     elif mode == "refused":
         # Larger than the sidecar's whole staging: refused before Released,
         # so the original torch.save runs (host way) and the file is written.
@@ -179,6 +236,16 @@ def test_cuda_storages_go_from_the_device_and_the_file_is_torch_saves_own(tmp_pa
     assert r["identical"], (r, err)
     assert r["loads_equal"] and r["again_equal"], r
     assert r["counts"]["in_process"] == 1, r  # only the first file, before the sidecar answered
+
+
+def test_storages_across_vmm_chunks_go_from_the_device(tmp_path, private_tmp):
+    """A storage across two or three VMM chunks mapped back to back (PyTorch's
+    expandable segments) is registered as one span and copied from the
+    device, not sent the host way; the file is torch.save's own."""
+    r, err = run(tmp_path, "span", private_tmp)
+    assert r["cuda"] == {"device": 1, "fell_back": 0, "lost": 0}, (r, err)
+    assert "host way" not in err and "did not take" not in err, err
+    assert r["identical"] and r["loads_equal"], (r, err)
 
 
 def test_a_refusal_before_released_falls_back_to_the_original_torch_save(tmp_path, private_tmp):

@@ -31,7 +31,8 @@ from test_cuda_fake import fake_dir
 torch = pytest.importorskip("torch")
 
 TRAINER = fake_cuda_script(r"""
-    import ctypes, io, json, os, sys
+    import collections, ctypes, io, json, os, random, sys, types
+    import numpy as np
     import torch
     from ckpt_sidecar import _hook
 
@@ -97,6 +98,7 @@ TRAINER = fake_cuda_script(r"""
         p = mirror.get(storage.data_ptr())
         return None if p is None else (p, storage.nbytes(), 0, stream.value)
     _hook._device_storage = device_storage
+    _hook._host_tensor = lambda t: t.untyped_storage().data_ptr() not in mirror  # the pre-scan's view of it
     _hook._cuda_possible = lambda torch: True
     _hook.install()
 
@@ -173,6 +175,46 @@ TRAINER = fake_cuda_script(r"""
         assert _hook.flush(120)
         report["identical"] = open(path, "rb").read() == expected
         report["loads_equal"] = equal(torch.load(path, weights_only=True), state)
+    elif mode == "cpu":
+        # CUDA is initialised (_cuda_possible): a CPU-only object goes the
+        # host way with no skip_data pass (counted here), however nested; a
+        # device storage anywhere in it, or behind an object the pre-scan does
+        # not know, still goes the CUDA way.
+        passes = [0]
+        real_skip_data = torch.serialization.skip_data
+        def counting_skip_data(*a, **k):
+            passes[0] += 1
+            return real_skip_data(*a, **k)
+        torch.serialization.skip_data = counting_skip_data
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        cpu_state = {
+            "model": model.state_dict(),  # an OrderedDict with _metadata
+            "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, 4)}},
+                    "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}]},
+            "rng": (torch.get_rng_state(), np.random.get_state(), random.getstate()),
+            "tags": {"a", "b"}, "shape": torch.Size([2, 3]), "dtype": torch.bfloat16, "epoch": np.int64(2),
+        }
+        ways = []
+        def save(name, obj):
+            before, device = passes[0], _hook.cuda_counts()["device"]
+            path = os.path.join(out, name)
+            want = original(obj)
+            torch.save(obj, path)
+            assert _hook.flush(120)
+            ways.append({"name": name, "skip_data_passes": passes[0] - before,
+                         "device": _hook.cuda_counts()["device"] - device,
+                         "identical": open(path, "rb").read() == want})
+        save("cpu.pt", cpu_state)
+        dev = state["model"]["b"]  # mirrored on the device
+        save("deep.pt", {"outer": [({"inner": collections.OrderedDict(w=dev)},)], "cpu": cpu_state})
+        od = collections.OrderedDict(x=torch.zeros(2))
+        od._meta = {"w": dev}  # an attribute of the container, pickled with it
+        save("attr.pt", od)
+        save("unknown.pt", {"ns": types.SimpleNamespace(w=dev), "cpu": cpu_state})
+        t = torch.zeros(3)
+        t.extra = dev  # a tensor's attributes are pickled with it
+        save("tensor-attr.pt", {"t": t})
+        report["ways"] = ways
     elif mode == "refused":
         # Larger than the sidecar's whole staging: refused before Released,
         # so the original torch.save runs (host way) and the file is written.
@@ -246,6 +288,24 @@ def test_storages_across_vmm_chunks_go_from_the_device(tmp_path, private_tmp):
     assert r["cuda"] == {"device": 1, "fell_back": 0, "lost": 0}, (r, err)
     assert "host way" not in err and "did not take" not in err, err
     assert r["identical"] and r["loads_equal"], (r, err)
+
+
+def test_a_cpu_only_save_after_cuda_init_runs_no_skip_data_pass(tmp_path, private_tmp):
+    """Once CUDA is initialised, a CPU-only object (a state dict, optimizer
+    state, RNG states, nested) goes the host way without the skip_data pass;
+    a device storage nested deep, in a container's attributes, in a tensor's
+    attributes, or behind an object the pre-scan does not know, goes the
+    CUDA way. Every file is torch.save's own bytes."""
+    r, err = run(tmp_path, "cpu", private_tmp)
+    ways = {w.pop("name"): w for w in r["ways"]}
+    assert ways == {
+        "cpu.pt": {"skip_data_passes": 0, "device": 0, "identical": True},
+        "deep.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+        "attr.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+        "unknown.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+        "tensor-attr.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+    }, (ways, err)
+    assert r["cuda"] == {"device": 4, "fell_back": 0, "lost": 0}, (r, err)
 
 
 def test_a_refusal_before_released_falls_back_to_the_original_torch_save(tmp_path, private_tmp):

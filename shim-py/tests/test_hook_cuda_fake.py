@@ -31,7 +31,7 @@ from test_cuda_fake import fake_dir
 torch = pytest.importorskip("torch")
 
 TRAINER = fake_cuda_script(r"""
-    import collections, ctypes, io, json, os, random, sys, types
+    import collections, ctypes, io, json, os, random, sys, time, types
     import numpy as np
     import torch
     from ckpt_sidecar import _hook
@@ -57,6 +57,18 @@ TRAINER = fake_cuda_script(r"""
         ok(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(p), ctypes.c_void_p(s.data_ptr()), ctypes.c_size_t(n), stream), "late")
         mirror[s.data_ptr()] = p
         return p
+
+    def sidecar_imports():
+        # The fake's count of device memory the sidecar has imported and not
+        # closed (its counters file; this process's own is left out).
+        d = os.environ["FAKE_CUDA_STATS_DIR"]
+        n = 0
+        for name in os.listdir(d):
+            if name.isdigit() and name != str(os.getpid()):
+                for line in open(os.path.join(d, name)):
+                    k, v = line.split()
+                    n += int(v) if k == "imports_open" else 0
+        return n
 
     CHUNK = 2 << 20  # the fake's VMM granularity
     class Location(ctypes.Structure):
@@ -215,6 +227,28 @@ TRAINER = fake_cuda_script(r"""
         t.extra = dev  # a tensor's attributes are pickled with it
         save("tensor-attr.pt", {"t": t})
         report["ways"] = ways
+    elif mode == "freed":
+        # The allocation a saved storage lay in is freed; the storage now lies
+        # in another one (at another address: allocated before the free). At
+        # the next save, registering the new allocation unregisters the old
+        # one, whose memory is gone: the sidecar closes its import.
+        mirror.clear()
+        x = {"x": state["model"]["i"]}
+        on_device(x["x"])
+        torch.save(x, os.path.join(out, "freed1.pt"))
+        assert _hook.flush(120)
+        first = sidecar_imports()
+        old = allocs.pop()
+        on_device(x["x"])
+        ok(cu.cuMemFree_v2(old), "cuMemFree")
+        path = os.path.join(out, "freed2.pt")
+        torch.save(x, path)
+        assert _hook.flush(120)
+        deadline = time.monotonic() + 60  # the sidecar closes it as it answers; polled, generously
+        while sidecar_imports() != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report["imports_open"] = [first, sidecar_imports()]
+        report["identical"] = open(path, "rb").read() == original(x)
     elif mode == "refused":
         # Larger than the sidecar's whole staging: refused before Released,
         # so the original torch.save runs (host way) and the file is written.
@@ -306,6 +340,18 @@ def test_a_cpu_only_save_after_cuda_init_runs_no_skip_data_pass(tmp_path, privat
         "tensor-attr.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
     }, (ways, err)
     assert r["cuda"] == {"device": 4, "fell_back": 0, "lost": 0}, (r, err)
+
+
+def test_the_import_of_a_freed_allocation_is_closed_at_the_next_registration(tmp_path, private_tmp):
+    """A storage saved from one allocation, that allocation freed, the storage
+    saved again from another: the sidecar holds one import, not two (the
+    stale one is unregistered when the new allocation is registered, not
+    when the trainer leaves)."""
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    r, err = run(tmp_path, "freed", private_tmp, FAKE_CUDA_STATS_DIR=str(stats))
+    assert r["imports_open"] == [1, 1], (r, err)
+    assert r["identical"] and r["cuda"] == {"device": 2, "fell_back": 0, "lost": 0}, (r, err)
 
 
 def test_a_refusal_before_released_falls_back_to_the_original_torch_save(tmp_path, private_tmp):

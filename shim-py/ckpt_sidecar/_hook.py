@@ -344,7 +344,10 @@ def _may_hold_cuda(obj, torch):
         if t in leaves:
             continue
         if t in tensors:
-            if not _host_tensor(o) or o.__dict__:
+            # Python state (attributes) is pickled with the tensor, as torch's
+            # Tensor.__reduce_ex__ finds it (without making a __dict__).
+            getstate = getattr(o, "__getstate__", None)
+            if not _host_tensor(o) or (getstate() if getstate is not None else o.__dict__):
                 return True
             continue
         if t in mappings or t in sequences:

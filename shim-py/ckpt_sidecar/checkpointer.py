@@ -1014,8 +1014,10 @@ class Checkpointer:
 
     def save_file_pieces(self, path, pieces, stream, torch_zip):
         """save_file of a file made of `pieces` [(address, nbytes)] laid end to
-        end, each in this client's shared memory or in CUDA device memory (its
-        allocation registered here, once); device pieces are fenced by an
+        end, each in this client's shared memory or in CUDA device memory (the
+        allocations it lies in registered here, once each: a piece across VMM
+        chunks mapped back to back, as PyTorch's expandable segments map
+        them, is registered as one span); device pieces are fenced by an
         event recorded now on CUDA `stream` (a handle), the sidecar copying
         them on its own stream. With `torch_zip` the pieces are a torch.save
         archive written under skip_data, whose CRC-32s the sidecar computes.
@@ -1029,7 +1031,7 @@ class Checkpointer:
             for addr, n, device in pieces:
                 if device and n:
                     rid = ctypes.c_uint32()
-                    N.check(N.lib().ckpt_register_cuda(self._client, addr, ctypes.byref(rid)))
+                    N.check(N.lib().ckpt_register_cuda_range(self._client, addr, n, ctypes.byref(rid)))
             arr = (N.FilePiece * len(pieces))(*[N.FilePiece(addr, n) for addr, n, _ in pieces])
             finish = N.FILE_TORCH_ZIP if torch_zip else N.FILE_AS_IS
             sid = ctypes.c_uint64()

@@ -136,3 +136,8 @@ pub const PART_TIMEOUT_ENV: &str = "CKPT_SIDECAR_PART_TIMEOUT_S";
 /// The committer looks at incomplete groups at least this often.
 pub const PART_TICK_MS: u64 = 200;
 const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);
+
+/// `inspect` without a step reads the newest checkpoint; in a directory a
+/// live sidecar serves with --keep, that one may be deleted between picking
+/// and reading it. The newest is picked again at most this many times.
+pub const RESOLVE_TRIES_MAX: u32 = 8;

@@ -564,6 +564,8 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
                 (Some(i.logical().len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
             }
+            // Deleted since it was listed (a live sidecar's --keep): not shown as damaged.
+            Err(_) if !catalog::is_committed(dir, s) => continue,
             Err(_) => (None, None, None, None),
         };
         rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
@@ -669,14 +671,27 @@ fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
     catalog::committed_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
 }
 
+/// The step asked for (else as [`resolve_step`] picks it) and its index. The
+/// newest step of a directory a live sidecar serves may be deleted by its
+/// --keep between picking and reading: then the new newest one is read.
+fn read_step_index(dir: &Path, step: Option<u64>) -> anyhow::Result<(u64, format::Index)> {
+    let mut tries = 0;
+    loop {
+        let s = resolve_step(dir, step)?;
+        match restore::read_index(dir, s) {
+            Err(_) if step.is_none() && tries < config::RESOLVE_TRIES_MAX && !catalog::is_committed(dir, s) => tries += 1,
+            r => return Ok((s, r?)),
+        }
+    }
+}
+
 /// `1 file`, `2 files`.
 fn plural(n: usize, what: &str) -> String {
     format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
-    let step = resolve_step(dir, step)?;
-    let index = restore::read_index(dir, step)?;
+    let (step, index) = read_step_index(dir, step)?;
     let logical = index.logical();
     if json {
         // The index as stored, plus `logical`: every tensor as readers see
@@ -762,7 +777,27 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
                 b.set_length(total);
                 b.set_position(done);
             }
-        })?;
+        });
+        // A step a live sidecar's --keep (or a rollback) deleted after it was
+        // listed reads as missing files: gone, not damaged.
+        let r = match r {
+            Ok(r) if r.problems.is_empty() => r,
+            Ok(_) | Err(_) if !catalog::is_committed(dir, s) => {
+                if step.is_some() {
+                    bail!("{}: step {s} was deleted while it was being verified (a sidecar's --keep, or a rollback)", dir.display());
+                }
+                if !json {
+                    let say = || println!("step {s}: deleted while being verified (a sidecar's --keep, or a rollback); not checked");
+                    if let Some(b) = &bar {
+                        b.suspend(say);
+                    } else {
+                        say();
+                    }
+                }
+                continue;
+            }
+            r => r?,
+        };
         damaged |= !r.problems.is_empty();
         // Ranks as the index says (verify just checked it, or said why not).
         let index = restore::read_index(dir, s).ok();
@@ -871,10 +906,15 @@ fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode
             }
             Err(e) => {
                 failed = true;
+                // The row names the directory; the error's own naming of it is not repeated.
+                let why = match &e {
+                    eio::ProbeError::Io { what, source, .. } => format!("{what}: {source}"),
+                    other => other.to_string(),
+                };
                 if !json {
-                    println!("{}: unusable: {e}", d.display());
+                    println!("{}: unusable: {why}", d.display());
                 }
-                rows.push(json!({"dir": d, "engine": null, "error": e.to_string()}));
+                rows.push(json!({"dir": d, "engine": null, "error": why}));
             }
         }
     }

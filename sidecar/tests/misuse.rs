@@ -408,3 +408,79 @@ fn status_lists_no_session_of_its_own_and_a_closed_stdout_leaves_the_sidecar_ser
     assert!(serve.try_wait().unwrap().is_none(), "the sidecar died of its clients' closed pipes");
     ckpt_test_support::terminate(&mut serve, Duration::from_secs(30)).expect("serve stops on SIGTERM");
 }
+
+/// `verify`, `ls` and `inspect` beside a process that commits and deletes
+/// old checkpoints as it goes (a live sidecar's --keep; here `debug
+/// torture --keep 1`, the same store code): a step deleted after it was
+/// listed is gone, never reported as damaged (exit 3) nor as an unreadable
+/// index. Runs until the race was seen a few times (verify says so).
+#[test]
+fn tools_beside_a_directory_whose_old_steps_are_deleted_never_call_them_damaged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    let mut writer = Command::new(BIN)
+        .args(["debug", "torture", "--size", "1MiB", "--keep", "1", "--dir"])
+        .arg(&d)
+        .env("CKPT_SIDECAR_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !d.join("latest").exists() {
+        assert!(writer.try_wait().unwrap().is_none(), "the writer exited");
+        assert!(t0.elapsed() < Duration::from_secs(60), "no first commit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (mut seen, mut runs, mut failures) = (0, 0, Vec::new());
+    while seen < 3 && t0.elapsed() < Duration::from_secs(120) {
+        runs += 1;
+        let json = runs % 2 == 0;
+        let mut args = vec!["verify".to_string(), d.to_str().unwrap().to_string()];
+        if json {
+            args.push("--json".into());
+        }
+        let out = Command::new(BIN).args(&args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if out.status.code() != Some(0) {
+            failures.push(format!("{args:?}: {:?}: {text}{}", out.status, String::from_utf8_lossy(&out.stderr)));
+        } else if json {
+            let j: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+            assert_eq!(j["ok"], true, "{j}");
+        }
+        seen += text.matches("deleted while being verified").count();
+        let ls = Command::new(BIN).arg("ls").arg(&d).output().unwrap();
+        let ls_text = String::from_utf8_lossy(&ls.stdout);
+        if ls.status.code() != Some(0) || ls_text.contains("unreadable") {
+            failures.push(format!("ls: {:?}: {ls_text}{}", ls.status, String::from_utf8_lossy(&ls.stderr)));
+        }
+        let ins = Command::new(BIN).arg("inspect").arg(&d).output().unwrap();
+        if ins.status.code() != Some(0) {
+            failures.push(format!("inspect: {:?}: {}", ins.status, String::from_utf8_lossy(&ins.stderr)));
+        }
+        if failures.len() >= 3 {
+            break;
+        }
+    }
+    ckpt_test_support::kill9(&mut writer);
+    assert!(failures.is_empty(), "{} failures in {runs} runs:\n{}", failures.len(), failures.join("\n"));
+    assert!(seen >= 1, "no step was deleted while it was verified in {runs} runs: the race was not exercised");
+}
+
+/// A directory no file can be made in (/proc): doctor's row names it once,
+/// then why, and the command fails; the JSON row says the same.
+#[test]
+fn doctor_names_an_unusable_directory_once() {
+    let out = Command::new(BIN).args(["doctor", "/proc"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| l.starts_with("/proc:")).unwrap_or_else(|| panic!("no row for /proc: {text}"));
+    assert!(row.starts_with("/proc: unusable: probe write: "), "{row}");
+    assert_eq!(repeated_clause(row), None, "{row}");
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(BIN).args(["doctor", "/proc", "--json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let err = j["dirs"][0]["error"].as_str().unwrap_or_default();
+    assert!(err.starts_with("probe write: ") && !err.contains("/proc"), "{j}");
+}

@@ -70,6 +70,15 @@ CONSTRUCTOR_CASES = [
     (dict(keep=-1), ValueError, "keep=-1"),
     (dict(keep=True), ValueError, "keep=True"),
     (dict(keep="3"), ValueError, "keep='3'"),
+    (dict(socket=""), ValueError, "socket=''"),
+    (dict(socket=5), TypeError, "socket=5"),
+    (dict(cpus="9-1"), ValueError, '"9-1" is not a CPU list'),
+    (dict(cpus=""), ValueError, "cpus=''"),
+    (dict(cpus="1,x"), ValueError, '"1,x" is not a CPU list'),
+    (dict(cpus=[-1]), ValueError, "cpus=[-1]"),
+    (dict(cpus=[True]), ValueError, "cpus=[True]"),
+    (dict(cpus=[]), ValueError, "cpus=[]"),
+    (dict(cpus=3), TypeError, "cpus=3"),
 ]
 
 
@@ -90,6 +99,46 @@ def test_bad_constructor_arguments_raise_before_anything_is_made(kwargs, exc, te
     finally:
         ok.close()
     assert lock_is_free(str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("dir,exc", [("", ValueError), (5, TypeError), (["ck"], TypeError)])
+def test_a_directory_that_is_no_path_is_refused_naming_it(dir, exc, tmp_path, private_tmp, no_default_sidecar,
+                                                          monkeypatch):
+    # "" is no directory: not the current one.
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with pytest.raises(exc) as e:
+        cs.Checkpointer(dir=dir, staging="16MiB")
+    assert f"dir={dir!r}" in str(e.value), str(e.value)
+    assert tree(tmp_path) == {str(cwd)}, "something was made"
+
+
+def test_a_bytes_directory_is_a_directory(tmp_path, private_tmp, no_default_sidecar):
+    ck = cs.Checkpointer(dir=os.fsencode(tmp_path / "ck"), staging="16MiB")
+    try:
+        assert ck.dir == str(tmp_path / "ck")
+        ck.save(1, STATE).wait_durable()
+        assert ck.list() == [1]
+    finally:
+        ck.close()
+
+
+def test_a_spawned_sidecar_that_fails_to_start_is_said_in_one_line(tmp_path, private_tmp, no_default_sidecar,
+                                                                   monkeypatch):
+    # Its log says what it does first (INFO lines), then its error: only the
+    # error is the exception's message.
+    monkeypatch.setenv("CKPT_SIDECAR_LOG", "info")
+    with pytest.raises(cs.SidecarError) as e:
+        cs.Checkpointer(dir=str(tmp_path / "ck"), staging="15PiB")
+    msg = str(e.value)
+    assert "\n" not in msg.strip() and " INFO " not in msg and " WARN " not in msg, msg
+    assert msg.startswith("spawned sidecar exited with 1: cannot allocate 15.0 PiB of staging memory"), msg
+    (tmp_path / "afile").write_bytes(b"precious")
+    with pytest.raises(cs.SidecarError) as e:
+        cs.Checkpointer(dir=str(tmp_path / "ck"), socket=str(tmp_path / "afile"), staging="16MiB")
+    assert str(e.value) == f"spawned sidecar exited with 1: {tmp_path / 'afile'}: exists and is not a socket"
+    assert (tmp_path / "afile").read_bytes() == b"precious"
 
 
 def test_a_file_as_the_directory_is_refused_naming_it(tmp_path, private_tmp, no_default_sidecar):
@@ -179,13 +228,50 @@ def test_an_empty_key_round_trips(ck):
 
 
 def test_a_closed_checkpointer_refuses_everything(ck):
-    ck.save(1, STATE).wait_durable()
+    h = ck.save(1, STATE).wait_durable()
     ck.close()
+    # Its save handles too: Closed, not the native shim's "client is NULL".
     for call in (lambda: ck.save(2, STATE), lambda: ck.load(), lambda: ck.list(), lambda: ck.rollback(1),
-                 lambda: ck.latest()):
-        with pytest.raises(cs.Closed):
+                 lambda: ck.latest(), lambda: ck.wait_released(), lambda: h.wait_durable(), lambda: h.state(),
+                 lambda: h.figures(), lambda: h.done()):
+        with pytest.raises(cs.Closed) as e:
             call()
+        assert str(e.value) == "the Checkpointer is closed"
     ck.close()  # twice is fine
+
+
+@pytest.mark.parametrize("timeout,exc", [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
+                                         (True, TypeError), (float("-inf"), ValueError)])
+def test_a_wait_takes_a_timeout_of_seconds_or_none(ck, timeout, exc):
+    h = ck.save(1, STATE)
+    with pytest.raises(exc) as e:
+        h.wait_durable(timeout=timeout)
+    assert f"timeout={timeout!r}" in str(e.value)
+    # No limit: None, or infinity (not an OverflowError).
+    assert h.wait_durable(timeout=float("inf")) is h
+    assert h.wait_durable(timeout=1e300) is h
+    assert h.wait_durable(timeout=None) is h
+
+
+def test_load_tensors_takes_a_list_of_names_not_a_name(ck):
+    ck.save(1, {"w": np.arange(3), "wx": np.ones(2)}).wait_durable()
+    with pytest.raises(TypeError, match=r"names='w': give a list of tensor names, e.g. \['w'\]"):
+        ck.load_tensors("w")
+    np.testing.assert_array_equal(ck.load_tensors(["w"])["w"], np.arange(3))
+
+
+def test_reserve_takes_a_size_or_a_state(ck):
+    for bad, exc, text in ((-5, ValueError, "state_or_bytes=-5"), (0, ValueError, "state_or_bytes=0"),
+                           ("lots", ValueError, '"lots"'), (True, TypeError, "True")):
+        with pytest.raises(exc) as e:
+            ck.reserve(bad)
+        assert text in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="count=0"):
+        ck.reserve(1 << 20, count=0)
+    ck.reserve("1MiB")
+    ck.reserve({"w": np.ones(1000)})
+    ck.save(1, STATE).wait_durable()
+    assert ck.list() == [1]
 
 
 def test_a_forked_child_gets_closed_at_once_and_spawns_nothing(tmp_path, private_tmp, no_default_sidecar):

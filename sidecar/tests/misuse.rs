@@ -484,3 +484,55 @@ fn doctor_names_an_unusable_directory_once() {
     let err = j["dirs"][0]["error"].as_str().unwrap_or_default();
     assert!(err.starts_with("probe write: ") && !err.contains("/proc"), "{j}");
 }
+
+/// `rollback --to` a step whose shard is truncated would move `latest` to a
+/// checkpoint no trainer loads and un-commit the later, sound ones: refused
+/// in one line naming the file, nothing changed, by the tool and through a
+/// sidecar serving the directory.
+#[test]
+fn rollback_to_a_step_with_a_truncated_shard_is_refused_and_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let shard = d.join("step-000000000001/rank-00000-of-00001-shard-0000.safetensors");
+    let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    f.set_len(1000).unwrap();
+    drop(f);
+    let before = tree(&d);
+    let want = format!("error: cannot roll back to step 1: {}: 1000 bytes where the index says", shard.display());
+    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.trim().starts_with(&want) && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(tree(&d), before, "the tool changed the directory");
+    // The same through a sidecar that serves the directory.
+    let socket = tmp.path().join("run/s.sock");
+    let mut serve = Command::new(BIN)
+        .args(["serve", "--staging", "2MiB", "--dir"])
+        .arg(&d)
+        .arg("--socket")
+        .arg(&socket)
+        .env("CKPT_SIDECAR_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(serve.try_wait().unwrap().is_none(), "serve exited");
+        assert!(t0.elapsed() < Duration::from_secs(30), "serve did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = tree(&d);
+    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("1000 bytes where the index says") && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(repeated_clause(err.trim()), None, "{err}");
+    assert_eq!(tree(&d), before, "the sidecar changed the directory");
+    assert_eq!(std::fs::read_to_string(d.join("latest")).unwrap().trim(), "step-000000000002");
+    ckpt_test_support::terminate(&mut serve, Duration::from_secs(30)).expect("serve stops on SIGTERM");
+}

@@ -59,6 +59,10 @@ impl Fixture {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // `stale/`: a sound checkpoint whose `latest` names a step not there.
+        let out = Command::new(BIN).args(["bench", "write", "--size", "64KiB", "--dir"]).arg(root.join("stale")).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::write(root.join("stale/latest"), b"step-000000000099\n").unwrap();
         Fixture { _tmp: tmp, root }
     }
 
@@ -243,6 +247,11 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     cases.push(case(&["verify", &junk], &[3], None));
     cases.push(case(&["verify", &junk, "--json"], &[3], None));
     cases.push(case(&["bench", "read", "--dir", &junk], &[1], Some(junk.as_str())));
+    // `latest` naming a step that is not there: the newest committed one is read, as a load would.
+    let stale = fx.p("stale");
+    cases.push(case(&["bench", "read", "--dir", &stale], &[0], None));
+    cases.push(case(&["inspect", &stale], &[0], None));
+    cases.push(case(&["verify", &stale], &[0], None));
     cases.push(cleaning(&["gc", &junk, "--keep", "1"], &[0], None));
     // Step 1's index does not read: a trainer sent back to it could not load.
     cases.push(cleaning(&["rollback", &junk, "--to", "1"], &[1], Some("cannot roll back to it: ")));

@@ -550,6 +550,13 @@ fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         None => std::env::current_exe().context("locating this binary")?.with_file_name("libckpt.so"),
     };
     let p = std::fs::canonicalize(&p).with_context(|| format!("--preload: {} (build it with cargo build --release, or pass its path)", p.display()))?;
+    // The dynamic loader ignores a preload it cannot load (one line of its
+    // own, then the trainer runs without the shim): refused here instead.
+    let mut magic = [0u8; 4];
+    std::fs::File::open(&p).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).with_context(|| format!("--preload: {}", p.display()))?;
+    if &magic != b"\x7fELF" {
+        bail!("--preload: {} is not a shared library (no ELF header)", p.display());
+    }
     Ok(p)
 }
 

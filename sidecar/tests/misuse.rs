@@ -228,6 +228,9 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     }
     cases.push(case(&["serve", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB"], &[1], Some("pass a shorter --socket")));
     cases.push(case(&["launch", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB", "--", "true"], &[1], Some("pass a shorter --socket")));
+    // A preload library that is no shared library: the loader would ignore it.
+    cases.push(case(&["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &afile, "--", "true"], &[1], Some(&format!("--preload: {afile} is not a shared library"))));
+    cases.push(case(&["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &empty, "--", "true"], &[1], Some(&format!("--preload: {empty}: "))));
     cases.push(case(&["status", "--socket", &nx_sock], &[1], Some(&format!("no sidecar is listening at {nx_sock}"))));
     cases.push(case(&["status", "--socket", &afile, "--json"], &[1], Some(afile.as_str())));
     // An empty directory: nothing to read, nothing to clean.

@@ -24,28 +24,29 @@ def _q(text):
     return json.dumps(text)
 
 
-def parse_size(text):
-    """Bytes in `text` ("512MiB", "1.5GB", "1048576"); ValueError naming it,
-    in the words of the command line's parser."""
+def parse_size(text, what="size"):
+    """Bytes in `text` ("512MiB", "1.5GB", "1048576"); ValueError naming it
+    (as `what`, e.g. an environment variable), in the words of the command
+    line's parser."""
     s = text.strip()
     split = next((i for i, c in enumerate(s) if not (c.isascii() and c.isdigit()) and c != "."), len(s))
     num, unit = s[:split], s[split:]
-    expected = f"size {_q(text)}: expected a number and an optional unit, like 512MiB, 1.5GB or 1048576"
+    expected = f"{what} {_q(text)}: expected a number and an optional unit, like 512MiB, 1.5GB or 1048576"
     intp, _, frac = num.partition(".")
     if not intp and not frac or "." in frac or len(intp) > 20 or len(frac) > 18:
         raise ValueError(expected)
     u = unit.strip().lower()
     mult = _UNITS.get(u)
     if mult is None:
-        raise ValueError(f"size {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
+        raise ValueError(f"{what} {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
                          "KiB MiB GiB TiB PiB = powers of 1024)")
     scale = 10 ** len(frac)
     frac_bytes = (int(frac) if frac else 0) * mult
     if frac_bytes % scale:
-        raise ValueError(f"size {_q(text)} is not a whole number of bytes")
+        raise ValueError(f"{what} {_q(text)} is not a whole number of bytes")
     total = (int(intp) if intp else 0) * mult + frac_bytes // scale
     if total > U64_MAX:
-        raise ValueError(f"size {_q(text)} is too large (at most 16 EiB)")
+        raise ValueError(f"{what} {_q(text)} is too large (at most 16 EiB)")
     return total
 
 
@@ -56,6 +57,18 @@ def size_arg(name, value):
     n = parse_size(value) if isinstance(value, str) else int(value)
     if n < 1 or n > U64_MAX:
         raise ValueError(f"{name}={value!r}: a size must be from 1 byte to 16 EiB")
+    return n
+
+
+def env_size(name, environ):
+    """The size in environment variable `name` (None when unset or empty),
+    at least 1 byte; ValueError naming the variable."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    n = parse_size(raw, what=name)
+    if n < 1:
+        raise ValueError(f"{name} {_q(raw)}: a size must be at least 1 byte")
     return n
 
 

@@ -336,3 +336,36 @@ def test_ckpt_sidecar_bin_overrides_the_bundled_binary_and_a_wrong_one_is_named(
     monkeypatch.setenv("CKPT_SIDECAR_BIN", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="CKPT_SIDECAR_BIN.*missing.*not a file"):
         _native.sidecar_binary()
+
+
+# ---------------------------------------------------------------- the torch.save hook
+
+
+@pytest.mark.parametrize("value,why", [("0", "a size must be at least 1 byte"), ("lots", "expected a number")])
+def test_the_hook_names_a_bad_staging_variable_as_the_user_wrote_it(value, why, tmp_path, private_tmp):
+    # The variable, not the Checkpointer keyword the hook passes it on as;
+    # the file is written by this process all the same.
+    import sys
+    import textwrap
+
+    pkg = os.path.dirname(os.path.dirname(cs.__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+    env.update(CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"), CKPT_SIDECAR_STAGING=value,
+               PYTHONPATH=os.pathsep.join([pkg, env.get("PYTHONPATH", "")]))
+    for k in ("CKPT_SIDECAR_LIB", "CKPT_SIDECAR_BIN"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    code = textwrap.dedent("""
+        import torch
+        from ckpt_sidecar import _hook
+        _hook.install()
+        torch.save({"t": torch.ones(4)}, "a.pt")
+        assert _hook.flush(60)
+        print(torch.load("a.pt")["t"].sum().item(), _hook.counts()["in_process"])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4.0", "1"], r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f'CKPT_SIDECAR_STAGING "{value}": {why}' in lines[0], r.stderr
+    assert "staging=" not in r.stderr, r.stderr

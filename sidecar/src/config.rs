@@ -30,6 +30,10 @@ pub const SOCKET_PATH_BYTES_MAX: usize = 107;
 pub const HELLO_BYTES_MAX: u32 = 64 << 10;
 /// A peer that connects and says nothing for this long is dropped.
 pub const HELLO_TIMEOUT_MS: u64 = 5_000;
+/// A command-line tool (status, rollback) waits this long for a sidecar's
+/// Welcome, and status for its report: what does not answer is no sidecar,
+/// or a stuck one.
+pub const TOOL_ANSWER_TIMEOUT_MS: u64 = 10_000;
 /// A reply the client does not take within this long ends its session
 /// (a client that never reads cannot stall the committer).
 pub const SEND_TIMEOUT_MS: u64 = 10_000;

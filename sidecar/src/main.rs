@@ -609,7 +609,8 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         {
             bail!("no sidecar is listening at {} (start one: ckpt-sidecar serve --dir DIR, or give its --socket)", socket.display())
         }
-        r => r?,
+        Err(e @ daemon::ClientError::Connect { .. }) => return Err(e.into()), // names the socket
+        r => r.with_context(|| format!("asking {} for its status", socket.display()))?,
     };
     // Our own connection is not one of the sidecar's sessions worth listing.
     let me = std::process::id();

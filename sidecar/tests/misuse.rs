@@ -548,3 +548,34 @@ fn rollback_to_a_step_with_a_truncated_shard_is_refused_and_loses_nothing() {
     assert_eq!(std::fs::read_to_string(d.join("latest")).unwrap().trim(), "step-000000000002");
     ckpt_test_support::terminate(&mut serve, Duration::from_secs(30)).expect("serve stops on SIGTERM");
 }
+
+/// `status` against a socket where something else listens: one that never
+/// answers, one that answers garbage. One line naming the socket and what
+/// went wrong (a timeout said as one, not as "Resource temporarily unavailable").
+#[test]
+fn status_of_a_socket_that_is_no_sidecar_names_it_in_one_line() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let silent = tmp.path().join("silent.sock");
+    let garbage = tmp.path().join("garbage.sock");
+    let l_silent = std::os::unix::net::UnixListener::bind(&silent).unwrap();
+    let l_garbage = std::os::unix::net::UnixListener::bind(&garbage).unwrap();
+    // Accepted and held open, never answered.
+    let held = std::thread::spawn(move || l_silent.accept().map(|(c, _)| c));
+    std::thread::spawn(move || {
+        for c in l_garbage.incoming() {
+            let mut c = c.unwrap();
+            let _ = c.write_all(&[0xff, 0xff, 0xff, 0x7f, b'x', b'y']);
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    });
+    for (sock, want) in [(&silent, "no answer within 10 s"), (&garbage, "frame of 2147483647 bytes is above the limit")] {
+        let out = Command::new(BIN).arg("status").arg("--socket").arg(sock).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(&format!("asking {} for its status: ", sock.display())) && err.contains(want), "{err}");
+        assert!(out.stdout.is_empty());
+    }
+    drop(held);
+}

@@ -253,6 +253,22 @@ def test_a_wait_takes_a_timeout_of_seconds_or_none(ck, timeout, exc):
     assert h.wait_durable(timeout=None) is h
 
 
+def test_a_damaged_checkpoint_is_said_in_one_line(ck, sidecar):
+    for s in (1, 2):
+        ck.save(s, {"a": np.full(1000, s), "b": np.full(2000, s)}).wait_durable()
+    # Step 1: not the one the sidecar still holds in memory (that one loads from RAM).
+    d = sidecar.dir / "step-000000000001"
+    shard = next(p for p in d.iterdir() if p.name.endswith(".safetensors"))
+    os.truncate(shard, 100)
+    (d / "blobs" / "structure.pkl").unlink()
+    for call in (lambda: ck.load(1), lambda: ck.load_tensors(["a"], step=1)):
+        with pytest.raises(cs.Damaged) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg, msg
+        assert f"{shard.name}: 100 bytes where the index says" in msg and "structure.pkl" in msg, msg
+
+
 def test_load_tensors_takes_a_list_of_names_not_a_name(ck):
     ck.save(1, {"w": np.arange(3), "wx": np.ones(2)}).wait_durable()
     with pytest.raises(TypeError, match=r"names='w': give a list of tensor names, e.g. \['w'\]"):

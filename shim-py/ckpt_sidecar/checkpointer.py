@@ -603,6 +603,13 @@ class Checkpointer:
         if self._private_dir:
             self._make_tmpdir()
             self.dir = os.path.join(self._tmpdir, "ckpt")
+        # Another open Checkpointer of this process holds the lock below: waiting
+        # for it (as for a draining sidecar) would wait out the whole deadline.
+        for other in list(_live):
+            if (other._proc is not None and other._client is not None and other._own.pid == os.getpid()
+                    and os.path.realpath(other.dir) == os.path.realpath(self.dir)):
+                raise SidecarError(f"{self.dir} is in use by another Checkpointer of this process, which spawned "
+                                   "its sidecar; use that one, or close() it first")
         os.makedirs(self.dir, exist_ok=True)
         # One sidecar per directory: the lock is inherited by the sidecar and held
         # until it exits, so a restarted trainer waits for a draining one.

@@ -141,6 +141,27 @@ def test_a_spawned_sidecar_that_fails_to_start_is_said_in_one_line(tmp_path, pri
     assert (tmp_path / "afile").read_bytes() == b"precious"
 
 
+def test_a_second_checkpointer_of_the_same_directory_in_one_process_is_refused_at_once(tmp_path, private_tmp,
+                                                                                        no_default_sidecar):
+    # It waited 120 s for the first one's lock (as for a draining sidecar).
+    import time
+
+    ck = cs.Checkpointer(dir=str(tmp_path / "ck"), staging="16MiB")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(cs.SidecarError, match="in use by another Checkpointer of this process"):
+            cs.Checkpointer(dir=str(tmp_path / "ck" / "." ), staging="16MiB")
+        assert time.monotonic() - t0 < 30
+        ck.save(1, STATE).wait_durable()
+    finally:
+        ck.close()
+    again = cs.Checkpointer(dir=str(tmp_path / "ck"), staging="16MiB")
+    try:
+        assert again.list() == [1]
+    finally:
+        again.close()
+
+
 def test_a_file_as_the_directory_is_refused_naming_it(tmp_path, private_tmp, no_default_sidecar):
     f = tmp_path / "afile"
     f.write_bytes(b"x")

@@ -179,10 +179,6 @@ def _align(n):
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def _ms(timeout):
-    return timeout_ms(timeout)
-
-
 class _LoadRegion:
     """A region that load() reads checkpoints into, and this process's own
     mapping of it (shm_open + mmap): loaded tensors are views of that
@@ -297,7 +293,7 @@ class SaveHandle:
         stream = self.cuda_stream if stream is None else int(stream)
         t0 = time.perf_counter()
         try:
-            N.check(N.lib().ckpt_stream_wait_copy(self._ck._live_client(), self.id, stream, _ms(timeout), ctypes.byref(on)))
+            N.check(N.lib().ckpt_stream_wait_copy(self._ck._live_client(), self.id, stream, timeout_ms(timeout), ctypes.byref(on)))
         except Timeout:
             raise
         except SidecarError:
@@ -319,7 +315,7 @@ class SaveHandle:
         # Any answer but a timeout (success or the save's failure) means the
         # sidecar is done with our memory for this save.
         try:
-            N.check(N.lib().ckpt_wait(self._ck._live_client(), self.id, what, _ms(timeout)))
+            N.check(N.lib().ckpt_wait(self._ck._live_client(), self.id, what, timeout_ms(timeout)))
         except Timeout:
             raise
         except SidecarError:

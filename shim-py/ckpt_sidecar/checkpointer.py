@@ -513,6 +513,9 @@ class Checkpointer:
             raise NotADirectoryError(errno.ENOTDIR, "Checkpointer(dir=...) is not a directory", self.dir)
         keep = None if keep is None else count_arg("keep", keep)
         staging = None if staging is None else size_arg("staging", staging)
+        log = None if log is None else os.path.abspath(path_arg("log", log))
+        if log is not None and os.path.isdir(log):
+            raise IsADirectoryError(errno.EISDIR, "Checkpointer(log=...) is a directory, not a file", log)
         self._keep, self._staging, self._log = keep, staging, log
         self._cpus = None if cpus is None else cpus_arg(cpus)
         self._regions = []       # every region of this client, sorted by ptr

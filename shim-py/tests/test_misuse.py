@@ -71,6 +71,8 @@ CONSTRUCTOR_CASES = [
     (dict(keep=True), ValueError, "keep=True"),
     (dict(keep="3"), ValueError, "keep='3'"),
     (dict(socket=""), ValueError, "socket=''"),
+    (dict(log=""), ValueError, "log=''"),
+    (dict(log="/"), IsADirectoryError, "Checkpointer(log=...) is a directory"),
     (dict(socket=5), TypeError, "socket=5"),
     (dict(cpus="9-1"), ValueError, '"9-1" is not a CPU list'),
     (dict(cpus=""), ValueError, "cpus=''"),

@@ -456,7 +456,14 @@ def _flat_address(ref, obj, nbytes):
         return obj.__array_interface__["data"][0] if obj.flags.c_contiguous else None
     if ref.kind == "cuda":
         return None  # device memory: copied by _copy_in through the driver
-    return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() else None
+    return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() and not _lazy_view(obj) else None
+
+
+def _lazy_view(t):
+    """A torch tensor whose memory holds other values than it has: a lazy
+    conjugate (`z.conj()`) or negative view; its bytes must be resolved by a
+    copy, never taken as they lie."""
+    return t.is_conj() or t.is_neg()
 
 
 
@@ -1082,7 +1089,8 @@ class Checkpointer:
                 addr = obj.__array_interface__["data"][0] if nbytes else 0
             else:
                 nbytes = obj.numel() * obj.element_size()
-                inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8)
+                inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8) \
+                    and not _lazy_view(obj)
                 addr = obj.data_ptr() if nbytes else 0
             is_u8 = obj.dtype == np.uint8 if ref.kind == "np" else ref.dtype == "uint8"
             # A dtype safetensors lacks travels as its raw bytes (U8, [nbytes]).
@@ -1151,7 +1159,7 @@ class Checkpointer:
             if ref.stored != "U8" or src.dtype == torch.uint8:
                 dst.view(src.dtype).view(src.shape).copy_(src)
             else:
-                dst.copy_(src.reshape(-1).contiguous().view(torch.uint8))
+                dst.copy_(src.resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8))
         return region.ptr + off
 
     # ---- load ----

@@ -292,6 +292,27 @@ def test_a_damaged_checkpoint_is_said_in_one_line(ck, sidecar):
         assert f"{shard.name}: 100 bytes where the index says" in msg and "structure.pkl" in msg, msg
 
 
+def test_lazy_conjugate_and_negative_views_are_saved_as_their_values(ck):
+    # z.conj() shares z's memory with a flag: its bytes as they lie are z's.
+    # They were sent (or memmoved) raw, so the checkpoint held z, not z.conj().
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    state = {"conj": z.conj(), "imag_of_conj": z.conj().imag, "neg": torch.ones(3)._neg_view(),
+             "conj_strided": torch.stack([z, z], 1).conj()[:, 0]}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    for step in (1, 2):  # the second save goes through the kept save plan
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        for k, v in state.items():
+            assert back[k].resolve_conj().resolve_neg().tolist() == v.resolve_conj().resolve_neg().tolist(), (step, k)
+    # Shared in place: copied at save, not sent as the raw shared memory.
+    shared = ck.share({"z": torch.tensor([5 + 6j], dtype=torch.complex64), "o": torch.ones(2)})
+    view = {"zc": shared["z"].conj(), "neg": shared["o"]._neg_view()}
+    ck.save(3, view).wait_durable()
+    back = ck.load(3)
+    assert back["zc"].resolve_conj().tolist() == [5 - 6j] and back["neg"].resolve_neg().tolist() == [-1.0, -1.0]
+
+
 def test_load_tensors_takes_a_list_of_names_not_a_name(ck):
     ck.save(1, {"w": np.arange(3), "wx": np.ones(2)}).wait_durable()
     with pytest.raises(TypeError, match=r"names='w': give a list of tensor names, e.g. \['w'\]"):

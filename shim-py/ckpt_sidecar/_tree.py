@@ -104,7 +104,7 @@ class Flattener:
             return ref
         t = self.torch
         if t is not None and isinstance(obj, t.Tensor) and obj.layout == t.strided \
-                and not obj.is_quantized and obj.device.type != "meta":
+                and not obj.is_quantized and not obj.is_nested and obj.device.type != "meta":
             dname = str(obj.dtype).replace("torch.", "")
             extra = {"param": isinstance(obj, t.nn.Parameter), "requires_grad": obj.requires_grad,
                      "device": str(obj.device)}
@@ -255,6 +255,8 @@ def quick_key(state):
     try:
         walk(state)
     except (_NoKey, RecursionError):
+        return None
+    except RuntimeError:  # a tensor without sizes or strides (nested): the full walk decides
         return None
     return sig, leaves
 

@@ -313,6 +313,22 @@ def test_lazy_conjugate_and_negative_views_are_saved_as_their_values(ck):
     assert back["zc"].resolve_conj().tolist() == [5 - 6j] and back["neg"].resolve_neg().tolist() == [-1.0, -1.0]
 
 
+def test_a_nested_tensor_is_saved_as_torch_pickles_it(ck):
+    # It has no sizes: asking raised torch's "Internal error ... Please file an issue".
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the prototype API's warning
+        nt = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)])
+    state = {"nt": nt, "w": torch.ones(2), "more": [nt, torch.zeros(1)]}
+    for step in (1, 2):
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        assert [t.tolist() for t in back["nt"].unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]
+        assert back["w"].tolist() == [1.0, 1.0] and back["more"][1].tolist() == [0.0]
+
+
 def test_load_tensors_takes_a_list_of_names_not_a_name(ck):
     ck.save(1, {"w": np.arange(3), "wx": np.ones(2)}).wait_durable()
     with pytest.raises(TypeError, match=r"names='w': give a list of tensor names, e.g. \['w'\]"):

@@ -95,7 +95,10 @@ class Flattener:
                 raise ValueError(f"state{_where(path)} is a container it is itself inside of: "
                                  "a self-referencing state cannot be saved")
             inside = inside | {id(obj)}
-        if isinstance(obj, np.ndarray) and obj.dtype.kind != "O" and not obj.dtype.hasobject:
+        # An ndarray subclass may hold more than its bytes (a masked array's
+        # mask, a matrix's type): pickled whole, as it pickles itself. A
+        # memmap is its bytes.
+        if type(obj) in (np.ndarray, np.memmap) and obj.dtype.kind != "O" and not obj.dtype.hasobject:
             key = (obj.dtype.kind, obj.dtype.itemsize)
             native = obj.dtype.byteorder in ("=", "|", "<") or obj.dtype.itemsize == 1
             stored = NP_TO_ST.get(key) if native else None

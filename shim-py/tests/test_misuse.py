@@ -329,6 +329,23 @@ def test_a_nested_tensor_is_saved_as_torch_pickles_it(ck):
         assert back["w"].tolist() == [1.0, 1.0] and back["more"][1].tolist() == [0.0]
 
 
+def test_an_array_subclass_keeps_what_its_bytes_do_not_hold(ck, tmp_path):
+    # A masked array was saved as its data alone: the mask was lost, the
+    # masked values came back as values (and a record array as a plain one).
+    m = np.ma.masked_array([1, 2, 3], mask=[False, True, False])
+    mm = np.memmap(tmp_path / "mm", dtype=np.float32, mode="w+", shape=(4,))
+    mm[:] = 7
+    state = {"masked": m, "rec": np.rec.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")]), "memmap": mm, "plain": np.arange(3)}
+    for step in (1, 2):
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        assert type(back["masked"]) is np.ma.MaskedArray and back["masked"].mask.tolist() == [False, True, False]
+        assert back["masked"].sum() == 4
+        assert type(back["rec"]) is np.recarray and back["rec"].a.tolist() == [1]
+        np.testing.assert_array_equal(back["memmap"], np.full(4, 7, dtype=np.float32))
+        np.testing.assert_array_equal(back["plain"], np.arange(3))
+
+
 def test_load_tensors_takes_a_list_of_names_not_a_name(ck):
     ck.save(1, {"w": np.arange(3), "wx": np.ones(2)}).wait_durable()
     with pytest.raises(TypeError, match=r"names='w': give a list of tensor names, e.g. \['w'\]"):

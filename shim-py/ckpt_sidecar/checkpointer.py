@@ -556,6 +556,12 @@ class Checkpointer:
                 self._spawn()
             else:
                 self._check_dir(dir)
+                given = [f"{k}={v!r}" for k, v in (("keep", keep), ("staging", staging), ("cpus", cpus), ("log", log))
+                         if v is not None]
+                if given:
+                    # They are the options of a sidecar this Checkpointer starts.
+                    warnings.warn(f"{', '.join(given)}: ignored, the sidecar at {self.socket or '(default socket)'} "
+                                  "was already running (they apply to one this Checkpointer spawns)")
             self.rank, self.world_size, self.local_rank = dist.rank_info()
             if self.world_size > 1:
                 N.check(N.lib().ckpt_set_rank(self._client, self.rank, self.world_size))

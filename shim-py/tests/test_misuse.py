@@ -164,6 +164,18 @@ def test_a_second_checkpointer_of_the_same_directory_in_one_process_is_refused_a
         again.close()
 
 
+def test_options_of_a_spawned_sidecar_given_to_a_running_one_are_said_to_be_ignored(sidecar):
+    # keep=2 against a sidecar already running: no retention happens; it was silent.
+    with pytest.warns(UserWarning, match=r"keep=2, staging=1073741824: ignored, the sidecar at .* was already running"):
+        ck = cs.Checkpointer(socket=sidecar.socket, keep=2, staging="1GiB")
+    ck.close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cs.Checkpointer(socket=sidecar.socket).close()
+
+
 def test_a_file_as_the_directory_is_refused_naming_it(tmp_path, private_tmp, no_default_sidecar):
     f = tmp_path / "afile"
     f.write_bytes(b"x")

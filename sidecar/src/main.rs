@@ -859,7 +859,18 @@ fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> any
         }
         r => r?,
     };
-    let deleted = retention::apply(store.dirs(), Retention { keep_last: keep, keep_every })?;
+    let policy = Retention { keep_last: keep, keep_every };
+    // Never delete the last checkpoints that would load for steps that would
+    // not (a truncated newest one): what is kept must hold one that loads.
+    let doomed = retention::plan(store.dirs(), policy)?;
+    if !doomed.is_empty() {
+        let kept: Vec<u64> = catalog::committed_steps(store.primary())?.into_iter().filter(|s| !doomed.contains(s)).collect();
+        let why: Vec<String> = kept.iter().map_while(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).map(|w| format!("step {s}: {w}"))).collect();
+        if why.len() == kept.len() && doomed.iter().any(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).is_none()) {
+            bail!("gc would keep only steps that would not load ({}); nothing deleted: keep more (--keep), or roll back to a sound step first (ckpt-sidecar verify DIR)", why.join("; "));
+        }
+    }
+    let deleted = retention::apply(store.dirs(), policy)?;
     let kept = catalog::committed_steps(store.primary())?;
     let recovered = store.recovery().removed.clone();
     // The locks go (and their files with them) before any output: a closed

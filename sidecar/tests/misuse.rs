@@ -579,3 +579,30 @@ fn status_of_a_socket_that_is_no_sidecar_names_it_in_one_line() {
     }
     drop(held);
 }
+
+/// `gc --keep 1` when the newest step's shard is truncated would delete the
+/// only step that loads: refused in one line naming why, nothing deleted.
+#[test]
+fn gc_never_keeps_only_steps_that_would_not_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let shard = d.join("step-000000000002/rank-00000-of-00001-shard-0000.safetensors");
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(1000).unwrap();
+    let before = tree(&d);
+    let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let want = format!("error: gc would keep only steps that would not load (step 2: {}: 1000 bytes where the index says", shard.display());
+    assert!(err.trim().starts_with(&want) && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(tree(&d), before, "gc changed the directory");
+    // Both damaged: nothing to protect, retention does what it is told.
+    let shard1 = d.join("step-000000000001/rank-00000-of-00001-shard-0000.safetensors");
+    std::fs::OpenOptions::new().write(true).open(&shard1).unwrap().set_len(1000).unwrap();
+    let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!d.join("step-000000000001").exists());
+}

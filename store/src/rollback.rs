@@ -72,6 +72,16 @@ pub fn rollback(dirs: &[PathBuf], step: u64) -> Result<Vec<u64>, RollbackError> 
     complete(dirs, step).map_err(io("un-commit later steps"))
 }
 
+/// Why committed `step` would not load, found without reading its data (its
+/// index, then a stat per file and blob), or None. For a command about to
+/// give up other steps for it (rollback, gc).
+pub fn would_not_load(dirs: &[PathBuf], step: u64) -> Option<String> {
+    match restore::read_index(&dirs[0], step) {
+        Err(e) => Some(e.to_string()),
+        Ok(index) => missing_bytes(dirs, &index, step),
+    }
+}
+
 /// The first file or blob of `step` that is missing or not the length its
 /// index says (a stat each, no data read), as "path: what".
 fn missing_bytes(dirs: &[PathBuf], index: &Index, step: u64) -> Option<String> {

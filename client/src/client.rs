@@ -733,8 +733,9 @@ impl Client {
     /// IPC handle, or, for a VMM allocation, as a file descriptor passed over
     /// the socket (SCM_RIGHTS); an allocation already registered returns its
     /// region. A registration made for memory since freed (another
-    /// allocation now at the address: its buffer id differs) is
-    /// unregistered first, so the sidecar closes its import.
+    /// allocation now at the address: its buffer id differs), and any other
+    /// whose memory is gone, is unregistered first when a new allocation is
+    /// registered, so the sidecar closes its import.
     /// Fails with [`Error::Cuda`] when there is no CUDA driver or `ptr` is
     /// not device memory.
     pub fn register_cuda(&self, ptr: u64) -> Result<CudaRegion> {
@@ -782,14 +783,19 @@ impl Client {
     }
 
     /// The region of allocation `a`: the one registered for it, else a new
-    /// one (after unregistering any registered for memory `a` replaced).
+    /// one, after unregistering every registration whose memory is gone:
+    /// one `a` replaced, and any other freed since (one driver call each,
+    /// only when a new allocation is registered), so the sidecar closes
+    /// their imports (a VMM import keeps the freed chunk's memory alive)
+    /// now rather than when this client leaves.
     fn register_allocation_locked(&self, inner: &mut MutexGuard<'_, Inner>, a: &ckpt_cuda::Allocation) -> Result<CudaRegion> {
         if let Some(r) = inner.cuda_regions.values().find(|r| r.pieces().is_empty() && r.base == a.base && r.len_bytes == a.len_bytes && r.buffer_id == a.buffer_id) {
             return Ok(r.clone());
         }
         // Two live allocations never overlap: one registered over `a` was
         // freed since (the address was reused).
-        let stale: Vec<u32> = inner.cuda_regions.values().filter(|r| r.pieces().is_empty() && r.overlaps(a)).map(|r| r.region_id).collect();
+        let all = &inner.cuda_regions;
+        let stale: Vec<u32> = all.values().filter(|r| r.pieces().is_empty() && (r.overlaps(a) || !still_there(all, r))).map(|r| r.region_id).collect();
         self.drop_cuda_regions_locked(inner, &stale)?;
         let (kind, fd) = match ckpt_cuda::export(a)? {
             ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
@@ -1004,7 +1010,8 @@ impl Client {
 
     /// Has the sidecar write `pieces` (address, length), laid end to end, as
     /// the whole file `path`: each lies in one of this client's shm regions
-    /// or registered CUDA allocations ([`Client::register_cuda`]). With CUDA
+    /// or registered CUDA memory ([`Client::register_cuda`]; a piece across
+    /// VMM chunks: [`Client::register_cuda_range`]). With CUDA
     /// pieces, an interprocess event is recorded on `stream` (a CUstream of
     /// this process; 0: the legacy default stream) and sent with the request:
     /// the sidecar's stream waits on it before copying, the CPU never waits.

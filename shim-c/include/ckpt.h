@@ -295,8 +295,9 @@ int ckpt_save_file(struct ckpt_client *client,
                    uint64_t *save_id);
 
 // As ckpt_save_file, for a file made of `n_pieces` pieces laid end to end
-// (protocol 9): each in memory from ckpt_alloc or in a CUDA allocation
-// registered with ckpt_register_cuda. With CUDA pieces an interprocess
+// (protocol 9): each in memory from ckpt_alloc or in CUDA memory registered
+// with ckpt_register_cuda (one allocation) or ckpt_register_cuda_range (a
+// piece across VMM chunks mapped back to back). With CUDA pieces an interprocess
 // event is recorded on `stream` (a CUstream / cudaStream_t; NULL: the
 // legacy default stream) and sent along: the sidecar's own stream waits on
 // it, then copies the device pieces; the CPU never waits. The pieces may
@@ -489,7 +490,9 @@ int ckpt_cuda_probe(void);
 // is known by its identity (CU_POINTER_ATTRIBUTE_BUFFER_ID), not only its
 // address: when it was freed and another one now lies there, the old
 // registration is dropped (the sidecar closes it) and the new allocation
-// registered, here or at the next save that names the address. Tensors inside
+// registered, here or at the next save that names the address; any other
+// registration whose memory is gone is dropped too when a new allocation is
+// registered. Tensors inside
 // the allocation are then passed to ckpt_save_on_stream / ckpt_load by
 // their device address. Fails with CKPT_E_CUDA when there is no driver or
 // `ptr` is not device memory.

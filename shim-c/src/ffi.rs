@@ -536,8 +536,9 @@ pub unsafe extern "C" fn ckpt_save_file(client: *mut ckpt_client, path: *const c
 }
 
 /// As ckpt_save_file, for a file made of `n_pieces` pieces laid end to end
-/// (protocol 9): each in memory from ckpt_alloc or in a CUDA allocation
-/// registered with ckpt_register_cuda. With CUDA pieces an interprocess
+/// (protocol 9): each in memory from ckpt_alloc or in CUDA memory registered
+/// with ckpt_register_cuda (one allocation) or ckpt_register_cuda_range (a
+/// piece across VMM chunks mapped back to back). With CUDA pieces an interprocess
 /// event is recorded on `stream` (a CUstream / cudaStream_t; NULL: the
 /// legacy default stream) and sent along: the sidecar's own stream waits on
 /// it, then copies the device pieces; the CPU never waits. The pieces may

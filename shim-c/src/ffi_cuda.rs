@@ -24,7 +24,9 @@ pub extern "C" fn ckpt_cuda_probe() -> c_int {
 /// is known by its identity (CU_POINTER_ATTRIBUTE_BUFFER_ID), not only its
 /// address: when it was freed and another one now lies there, the old
 /// registration is dropped (the sidecar closes it) and the new allocation
-/// registered, here or at the next save that names the address. Tensors inside
+/// registered, here or at the next save that names the address; any other
+/// registration whose memory is gone is dropped too when a new allocation is
+/// registered. Tensors inside
 /// the allocation are then passed to ckpt_save_on_stream / ckpt_load by
 /// their device address. Fails with CKPT_E_CUDA when there is no driver or
 /// `ptr` is not device memory.

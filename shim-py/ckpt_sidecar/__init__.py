@@ -15,7 +15,8 @@ from .errors import (BadRequest, Closed, ConnectFailed, CudaError, Damaged, Disc
 
 __version__ = "0.1.0"
 
-_LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "capture_rng": "checkpointer",
+_LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "LoadedInto": "checkpointer",
+         "capture_rng": "checkpointer",
          "restore_rng_state": "checkpointer"}
 
 

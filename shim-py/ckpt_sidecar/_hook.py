@@ -50,12 +50,17 @@ then replaces torch.save and torch.load:
   here is written here too, after it.
 - CUDA tensors (the CUDA way; $CKPT_SIDECAR_HOOK_CUDA, default "device"):
   when the object holds CUDA storages (only looked for once CUDA is
-  initialised in this process), torch.save runs under
+  initialised in this process, first by a walk of its plain containers and
+  tensors, _may_hold_cuda: an object found to hold none goes the host way
+  with no further pass; one that holds a CUDA storage or an object the walk
+  does not know, a module say, goes on), torch.save runs under
   torch.serialization.skip_data() into shared memory: the file's skeleton,
   with a hole where each storage's bytes go (torch's own persistent_id,
   wrapped through pickle_module, says which storage fills which hole; the
   pickle bytes are the same). CPU storages are copied into their holes; each
-  CUDA storage is sent in place, its allocation registered once (libckpt),
+  CUDA storage is sent in place, the allocations it lies in registered once
+  each (libckpt's range call: a storage across VMM chunks mapped back to
+  back, as PyTorch's expandable segments map them, is one span region),
   behind an interprocess event recorded on the device's current stream (the
   one the original torch.save copies on): protocol SaveFilePieces. The
   sidecar's own stream waits on the event, copies the storages into its
@@ -85,6 +90,7 @@ then replaces torch.save and torch.load:
   status check above.
 """
 import atexit
+import collections
 import ctypes
 import errno
 import importlib.abc
@@ -298,6 +304,68 @@ def _cuda_possible(torch):
     is initialised (a cheap check; tests substitute it)."""
     cuda = getattr(torch, "cuda", None)
     return cuda is not None and cuda.is_initialized()
+
+
+def _host_tensor(t):
+    """Whether a torch.Tensor's bytes are in host memory: the one question the
+    pre-scan asks of a tensor (tests substitute it, as _device_storage)."""
+    return t.is_cpu
+
+
+_leaves = None  # types holding no storage, and pickled as themselves
+
+
+def _may_hold_cuda(obj, torch):
+    """False when pickling `obj` certainly reaches no storage outside host
+    memory, so torch.save of it takes the host way with no skip_data pass;
+    True when it holds one, or holds an object whose pickling is not known
+    here (a module, a dataclass, a tensor subclass or one with attributes:
+    the skip_data pass then decides). Walks the plain containers torch.save
+    meets in state dicts (dict, OrderedDict with its attributes such as a
+    state dict's _metadata, list, tuple, set), exact torch.Tensor /
+    Parameter (which pickle their storage and, when they have any, their
+    attributes), scalars, strings, torch dtypes/devices/sizes and numpy
+    arrays of plain dtypes; each container once."""
+    global _leaves
+    if _leaves is None:
+        _leaves = frozenset((str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype,
+                             torch.device, torch.Size, torch.layout, torch.memory_format))
+    leaves = _leaves
+    tensors = (torch.Tensor, torch.nn.Parameter)
+    mappings = (dict, collections.OrderedDict)
+    sequences = (list, tuple, set, frozenset)
+    np = sys.modules.get("numpy")  # loaded with torch; not imported here
+    seen = set()
+    stack = [obj]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        o = pop()
+        t = type(o)
+        if t in leaves:
+            continue
+        if t in tensors:
+            # Python state (attributes) is pickled with the tensor, as torch's
+            # Tensor.__reduce_ex__ finds it (without making a __dict__).
+            getstate = getattr(o, "__getstate__", None)
+            if not _host_tensor(o) or (getstate() if getstate is not None else o.__dict__):
+                return True
+            continue
+        if t in mappings or t in sequences:
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            if t in sequences:
+                push(o)
+            else:
+                push(o.keys())
+                push(o.values())
+                if t is not dict and o.__dict__:  # an OrderedDict's attributes are pickled too
+                    push(o.__dict__.values())
+            continue
+        if np is not None and (t is np.ndarray or isinstance(o, np.generic)) and not o.dtype.hasobject:
+            continue
+        return True
+    return False
 
 
 class _KeyedPickle:
@@ -552,6 +620,8 @@ class _Files:
         if getattr(getattr(torch, "serialization", None), "skip_data", None) is None \
                 or not kwargs.get("_use_new_zipfile_serialization", True):
             return False
+        if not _may_hold_cuda(obj, torch):
+            return False  # no CUDA storage: the host way, without a skip_data pass first
         ck = self._connect_running()
         if ck is None or self.pool is None:
             return False  # no sidecar yet: the host way starts one and writes this file here

@@ -31,7 +31,8 @@ from test_cuda_fake import fake_dir
 torch = pytest.importorskip("torch")
 
 TRAINER = fake_cuda_script(r"""
-    import ctypes, io, json, os, sys
+    import collections, ctypes, io, json, os, random, sys, time, types
+    import numpy as np
     import torch
     from ckpt_sidecar import _hook
 
@@ -57,10 +58,59 @@ TRAINER = fake_cuda_script(r"""
         mirror[s.data_ptr()] = p
         return p
 
+    def sidecar_imports():
+        # The fake's count of device memory the sidecar has imported and not
+        # closed (its counters file; this process's own is left out).
+        d = os.environ["FAKE_CUDA_STATS_DIR"]
+        n = 0
+        for name in os.listdir(d):
+            if name.isdigit() and name != str(os.getpid()):
+                for line in open(os.path.join(d, name)):
+                    k, v = line.split()
+                    n += int(v) if k == "imports_open" else 0
+        return n
+
+    CHUNK = 2 << 20  # the fake's VMM granularity
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+    class Prop(ctypes.Structure):  # CUmemAllocationProp
+        _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
+                    ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+    class Access(ctypes.Structure):  # CUmemAccessDesc
+        _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+    def vmm_chunks(n):
+        # n VMM chunks (each its own cuMemCreate, exportable as a POSIX fd)
+        # mapped back to back into one reserved range, as PyTorch's
+        # expandable segments map them; the range's base.
+        base = ctypes.c_uint64()
+        ok(cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(n * CHUNK), ctypes.c_size_t(0),
+                                  ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        prop = Prop(type=1, requestedHandleTypes=1, location=Location(1, 0))
+        for k in range(n):
+            h = ctypes.c_uint64()
+            ok(cu.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(CHUNK), ctypes.byref(prop), ctypes.c_ulonglong(0)), "cuMemCreate")
+            at = ctypes.c_uint64(base.value + k * CHUNK)
+            ok(cu.cuMemMap(at, ctypes.c_size_t(CHUNK), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0)), "cuMemMap")
+            access = Access(location=Location(1, 0), flags=3)
+            ok(cu.cuMemSetAccess(at, ctypes.c_size_t(CHUNK), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
+            ok(cu.cuMemRelease(h), "cuMemRelease")
+        return base.value
+
+    def place(t, p):
+        # t's storage mirrored at device address p (zeros, then a late copy).
+        s = t.untyped_storage()
+        n = s.nbytes()
+        zeros = (ctypes.c_ubyte * n)()
+        ok(cu.cuMemcpyHtoD_v2(ctypes.c_uint64(p), zeros, ctypes.c_size_t(n)), "zeros")
+        ok(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(p), ctypes.c_void_p(s.data_ptr()), ctypes.c_size_t(n), stream), "late")
+        mirror[s.data_ptr()] = p
+
     def device_storage(storage, torch):
         p = mirror.get(storage.data_ptr())
         return None if p is None else (p, storage.nbytes(), 0, stream.value)
     _hook._device_storage = device_storage
+    _hook._host_tensor = lambda t: t.untyped_storage().data_ptr() not in mirror  # the pre-scan's view of it
     _hook._cuda_possible = lambda torch: True
     _hook.install()
 
@@ -116,6 +166,89 @@ TRAINER = fake_cuda_script(r"""
             state["step"] = k
             torch.save(state, os.path.join(out, "again.pt"))
         report["again_equal"] = equal(torch.load(os.path.join(out, "again.pt"), weights_only=True), state)
+    elif mode == "span":
+        # Storages across VMM chunks (PyTorch's expandable segments): one
+        # across three chunks, one across two, one inside a chunk of those.
+        state = {"across3": torch.arange(5 << 18, dtype=torch.float32) - 7,    # 5 MiB
+                 "across2": torch.arange(1 << 19, dtype=torch.int32) * 3,      # 2 MiB
+                 "inside": torch.ones(1000, dtype=torch.float64) * 0.5,
+                 "host": torch.linspace(0, 1, 333, dtype=torch.float64), "step": 3}
+        expected = original(state)
+        mirror.clear()  # only these storages are on the device
+        b3, b2 = vmm_chunks(3), vmm_chunks(2)
+        place(state["across3"], b3 + (1 << 20))             # chunks 0-2 of the first range
+        place(state["across2"], b2 + (1 << 20) + 4096)      # chunks 0-1 of the second
+        place(state["inside"], b2 + 4096)                   # inside chunk 0 of the second
+        path = os.path.join(out, "span.pt")
+        torch.save(state, path)
+        junk = (ctypes.c_ubyte * 8192)(*([0xee] * 8192))
+        for p in (b3 + (2 << 20) - 4096, b2 + (2 << 20) - 4096, b2 + 4096):  # across chunk boundaries too
+            ok(cu.cuMemcpyHtoD_v2(ctypes.c_uint64(p), junk, ctypes.c_size_t(8192)), "junk")
+        assert _hook.flush(120)
+        report["identical"] = open(path, "rb").read() == expected
+        report["loads_equal"] = equal(torch.load(path, weights_only=True), state)
+    elif mode == "cpu":
+        # CUDA is initialised (_cuda_possible): a CPU-only object goes the
+        # host way with no skip_data pass (counted here), however nested; a
+        # device storage anywhere in it, or behind an object the pre-scan does
+        # not know, still goes the CUDA way.
+        passes = [0]
+        real_skip_data = torch.serialization.skip_data
+        def counting_skip_data(*a, **k):
+            passes[0] += 1
+            return real_skip_data(*a, **k)
+        torch.serialization.skip_data = counting_skip_data
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        cpu_state = {
+            "model": model.state_dict(),  # an OrderedDict with _metadata
+            "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, 4)}},
+                    "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}]},
+            "rng": (torch.get_rng_state(), np.random.get_state(), random.getstate()),
+            "tags": {"a", "b"}, "shape": torch.Size([2, 3]), "dtype": torch.bfloat16, "epoch": np.int64(2),
+        }
+        ways = []
+        def save(name, obj):
+            before, device = passes[0], _hook.cuda_counts()["device"]
+            path = os.path.join(out, name)
+            want = original(obj)
+            torch.save(obj, path)
+            assert _hook.flush(120)
+            ways.append({"name": name, "skip_data_passes": passes[0] - before,
+                         "device": _hook.cuda_counts()["device"] - device,
+                         "identical": open(path, "rb").read() == want})
+        save("cpu.pt", cpu_state)
+        dev = state["model"]["b"]  # mirrored on the device
+        save("deep.pt", {"outer": [({"inner": collections.OrderedDict(w=dev)},)], "cpu": cpu_state})
+        od = collections.OrderedDict(x=torch.zeros(2))
+        od._meta = {"w": dev}  # an attribute of the container, pickled with it
+        save("attr.pt", od)
+        save("unknown.pt", {"ns": types.SimpleNamespace(w=dev), "cpu": cpu_state})
+        t = torch.zeros(3)
+        t.extra = dev  # a tensor's attributes are pickled with it
+        save("tensor-attr.pt", {"t": t})
+        report["ways"] = ways
+    elif mode == "freed":
+        # The allocation a saved storage lay in is freed; the storage now lies
+        # in another one (at another address: allocated before the free). At
+        # the next save, registering the new allocation unregisters the old
+        # one, whose memory is gone: the sidecar closes its import.
+        mirror.clear()
+        x = {"x": state["model"]["i"]}
+        on_device(x["x"])
+        torch.save(x, os.path.join(out, "freed1.pt"))
+        assert _hook.flush(120)
+        first = sidecar_imports()
+        old = allocs.pop()
+        on_device(x["x"])
+        ok(cu.cuMemFree_v2(old), "cuMemFree")
+        path = os.path.join(out, "freed2.pt")
+        torch.save(x, path)
+        assert _hook.flush(120)
+        deadline = time.monotonic() + 60  # the sidecar closes it as it answers; polled, generously
+        while sidecar_imports() != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report["imports_open"] = [first, sidecar_imports()]
+        report["identical"] = open(path, "rb").read() == original(x)
     elif mode == "refused":
         # Larger than the sidecar's whole staging: refused before Released,
         # so the original torch.save runs (host way) and the file is written.
@@ -179,6 +312,46 @@ def test_cuda_storages_go_from_the_device_and_the_file_is_torch_saves_own(tmp_pa
     assert r["identical"], (r, err)
     assert r["loads_equal"] and r["again_equal"], r
     assert r["counts"]["in_process"] == 1, r  # only the first file, before the sidecar answered
+
+
+def test_storages_across_vmm_chunks_go_from_the_device(tmp_path, private_tmp):
+    """A storage across two or three VMM chunks mapped back to back (PyTorch's
+    expandable segments) is registered as one span and copied from the
+    device, not sent the host way; the file is torch.save's own."""
+    r, err = run(tmp_path, "span", private_tmp)
+    assert r["cuda"] == {"device": 1, "fell_back": 0, "lost": 0}, (r, err)
+    assert "host way" not in err and "did not take" not in err, err
+    assert r["identical"] and r["loads_equal"], (r, err)
+
+
+def test_a_cpu_only_save_after_cuda_init_runs_no_skip_data_pass(tmp_path, private_tmp):
+    """Once CUDA is initialised, a CPU-only object (a state dict, optimizer
+    state, RNG states, nested) goes the host way without the skip_data pass;
+    a device storage nested deep, in a container's attributes, in a tensor's
+    attributes, or behind an object the pre-scan does not know, goes the
+    CUDA way. Every file is torch.save's own bytes."""
+    r, err = run(tmp_path, "cpu", private_tmp)
+    ways = {w.pop("name"): w for w in r["ways"]}
+    assert ways == {
+        "cpu.pt": {"skip_data_passes": 0, "device": 0, "identical": True},
+        "deep.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+        "attr.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+        "unknown.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+        "tensor-attr.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
+    }, (ways, err)
+    assert r["cuda"] == {"device": 4, "fell_back": 0, "lost": 0}, (r, err)
+
+
+def test_the_import_of_a_freed_allocation_is_closed_at_the_next_registration(tmp_path, private_tmp):
+    """A storage saved from one allocation, that allocation freed, the storage
+    saved again from another: the sidecar holds one import, not two (the
+    stale one is unregistered when the new allocation is registered, not
+    when the trainer leaves)."""
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    r, err = run(tmp_path, "freed", private_tmp, FAKE_CUDA_STATS_DIR=str(stats))
+    assert r["imports_open"] == [1, 1], (r, err)
+    assert r["identical"] and r["cuda"] == {"device": 2, "fell_back": 0, "lost": 0}, (r, err)
 
 
 def test_a_refusal_before_released_falls_back_to_the_original_torch_save(tmp_path, private_tmp):

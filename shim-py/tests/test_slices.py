@@ -81,7 +81,13 @@ def test_four_ranks_split_a_tensor_that_loads_whole_on_two_and_on_one(tmp_path, 
         got = ck.load_tensors(["model.embed.weight", "model.bias"], step=4)
         with pytest.raises(NotFound, match="model.nope"):
             ck.load_tensors(["model.nope"], step=4)
+        # Into a state's own tensors, the split one put together in place.
+        target = {"model": {k: torch.zeros_like(v) for k, v in small_state()["model"].items()}, "note": ""}
+        ptrs = {k: v.data_ptr() for k, v in target["model"].items()}
+        assert ck.load_into(target, step=4) == 4
     want = small_state()["model"]
+    for k, v in want.items():
+        assert torch.equal(target["model"][k], v) and target["model"][k].data_ptr() == ptrs[k], k
     assert set(got) == {"model.embed.weight", "model.bias"}
     assert torch.equal(got["model.embed.weight"], want["embed.weight"]) and torch.equal(got["model.bias"], want["bias"])
 

@@ -3,9 +3,10 @@
 //! with every checksum verified (source Disk) into a staging lease, then the
 //! requested tensors written into the client's regions with pwrite.
 //!
-//! Invariants: nothing unverified reaches a client (RAM bytes are checked
-//! against the tensor checksums as they are written out; disk reads go
-//! through `restore::load_into`); a descriptor is used only after its dtype,
+//! Invariants: nothing unverified reaches a client, and nothing at all when
+//! any tensor is damaged (RAM bytes of every tensor asked for are checked
+//! against their checksums before the first is written; disk reads go
+//! through `restore::load_into`, whole); a descriptor is used only after its dtype,
 //! shape and length equal the checkpoint's and its bytes lie inside its
 //! region; the load borrows staging rather than allocating, unless the
 //! checkpoint is larger than the whole budget (then it allocates, and says so).
@@ -118,13 +119,17 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
         }
         haves.push(h);
     }
-    for (d, h) in descs.iter().zip(haves) {
+    // Every checksum before any write: a damaged tensor leaves the client's
+    // memory as it was, not half loaded (load_into counts on it).
+    for (d, h) in descs.iter().zip(&haves) {
         if let (Some(want), [(_, bytes)]) = (h.crc32c, h.pieces.as_slice()) {
             let got = ckpt_store::image::crc32c_parallel(bytes);
             if got != want {
                 return Err(Fail(ErrorCode::Damaged, format!("tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)", d.name)));
             }
         }
+    }
+    for (d, h) in descs.iter().zip(haves) {
         if d.len_bytes == 0 {
             continue;
         }

@@ -311,7 +311,7 @@ impl Layout {
     /// clones share: a kept save plan renders it once.
     pub fn index_json(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Vec<u8> {
         match self.template(&secondary_dirs) {
-            Some(t) => t.render(self, step, tensor_crcs, blobs),
+            Some(t) => t.render(step, &self.file_crcs(tensor_crcs), tensor_crcs, &index_blobs(blobs)),
             None => self.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes(),
         }
     }
@@ -324,7 +324,10 @@ impl Layout {
     }
 
     fn template(&self, secondary_dirs: &[String]) -> Option<&IndexTemplate> {
-        let t = self.index_template.get_or_init(|| IndexTemplate::new(self, secondary_dirs.to_vec()));
+        let t = self.index_template.get_or_init(|| {
+            let draft = self.index_draft(0, &[], secondary_dirs.to_vec());
+            IndexTemplate::new(&draft, self.specs.iter().map(|s| s.name.as_str()))
+        });
         // Another directory set (never, for one store) is not worth keeping.
         t.as_ref().filter(|t| t.names(secondary_dirs))
     }
@@ -482,6 +485,48 @@ mod tests {
         assert_eq!(files[0], crc32c::crc32c(file));
         let big = vec![5u8; 20 << 20];
         assert_eq!(crc32c_parallel(&big), crc32c::crc32c(&big));
+    }
+
+    fn many_kinds_of_names() -> Layout {
+        let mut s: Vec<TensorSpec> = (0..40).map(|i| TensorSpec::new(format!("layer.{i}.w"), Dtype::F32, &[1 + i * 500])).collect();
+        // Names holding the keys the index template looks for, escaped in the JSON.
+        s.push(TensorSpec::new("\"crc32c\": 0", Dtype::U8, &[2]));
+        s.push(TensorSpec::new("    \"step\": 0,", Dtype::U8, &[2]));
+        s.push(TensorSpec::new("step", Dtype::U8, &[3]));
+        s.push(TensorSpec::new("blobs", Dtype::U8, &[0]));
+        s.push(TensorSpec::new("w#elems[0:5]", Dtype::F32, &[5]));
+        s.push(TensorSpec::new("w#elems[5:12]", Dtype::F32, &[7]));
+        let mut l = Layout::plan(s, LayoutOptions { shard_bytes_max: 64 << 10, n_dirs: 2, ..Default::default() }).unwrap();
+        let decl = |piece: &str, a, b| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![12], elems: [a, b] };
+        l.set_slices(vec![decl("w#elems[5:12]", 5, 12), decl("w#elems[0:5]", 0, 5)]).unwrap();
+        assert!(l.shards.len() > 2);
+        l
+    }
+
+    #[test]
+    fn the_rendered_index_is_the_index_built_at_once() {
+        let l = many_kinds_of_names();
+        let dirs = vec!["/second".to_string()];
+        l.prepare_index(&dirs);
+        assert!(l.template(&dirs).is_some(), "the template reads");
+        for (step, blobs) in [(0, vec![]), (7, vec![Blob { name: "rng", bytes: b"state" }]), (format::STEP_MAX, vec![Blob { name: "a", bytes: b"" }, Blob { name: "z", bytes: b"\n\"" }])] {
+            let crcs: Vec<u32> = (0..l.specs.len() as u32).map(|i| 0x9e37_79b9u32.wrapping_mul(i.wrapping_add(step as u32) | 1)).collect();
+            let whole = l.index(step, &crcs, &blobs, dirs.clone());
+            // A clone (as the committer's rebased copy) shares the rendering.
+            let bytes = l.clone().index_json(step, &crcs, &blobs, dirs.clone());
+            assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.to_json_bytes()).unwrap());
+            assert_eq!(Index::from_json_bytes(&bytes).unwrap(), whole);
+        }
+        // Other directories than rendered: built at once, still right.
+        assert!(l.template(&[]).is_none());
+        assert_eq!(l.index_json(3, &vec![5; l.specs.len()], &[], vec![]), l.index(3, &vec![5; l.specs.len()], &[], vec![]).to_json_bytes());
+    }
+
+    #[test]
+    fn an_index_without_slices_or_secondaries_renders_too() {
+        let l = Layout::plan(vec![TensorSpec::new("a", Dtype::F16, &[3]), TensorSpec::new("b", Dtype::I64, &[0])], LayoutOptions::default()).unwrap();
+        assert_eq!(l.index_json(3, &[11, 22], &[], vec![]), l.index(3, &[11, 22], &[], vec![]).to_json_bytes());
+        assert!(l.template(&[]).is_some());
     }
 
     #[test]

@@ -6,15 +6,16 @@
 //! commit's critical path (the index waits for the copy's checksums).
 //!
 //! The bytes are exactly [`crate::format::Index::to_json_bytes`] of the sealed index
-//! built at once ([`Layout::index`]); the tests compare the two.
+//! built at once (`Layout::index`); the tests (in image.rs) compare the two.
 //!
 //! Invariant: the template is read from serde_json's pretty output of the
 //! draft, whose layout of keys and indentation the format fixes (a key
 //! `"crc32c"` can appear nowhere else: inside a JSON string its quotes are
 //! escaped).
 
-use crate::format;
-use crate::image::{Blob, Layout};
+use std::collections::HashMap;
+
+use crate::format::{self, Index, IndexBlob};
 
 /// What one hole of the template takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,20 +40,23 @@ pub(crate) struct IndexTemplate {
 }
 
 impl IndexTemplate {
-    /// Renders `layout`'s index; `None` if the JSON is not laid out as this
-    /// module expects (a bug: the caller then builds the index at once).
-    pub(crate) fn new(layout: &Layout, secondary_dirs: Vec<String>) -> Option<IndexTemplate> {
-        let draft = layout.index_draft(0, &[], secondary_dirs.clone());
+    /// Reads the holes of `draft` (an index with step 0, no blobs and
+    /// every checksum 0) whose tensors are `names` (a layout's, in its
+    /// order: a checksum is named by its index there); `None` if the JSON is
+    /// not laid out as this module expects (a bug: the caller then builds
+    /// the index at once).
+    pub(crate) fn new<'a>(draft: &Index, names: impl Iterator<Item = &'a str>) -> Option<IndexTemplate> {
         let json = draft.to_json_bytes();
         let ckpt = find(&json, b"\n  \"ckpt\": {\n", 0)?;
         let step = find(&json, b"\n    \"step\": 0,\n", ckpt)? + b"\n    \"step\": ".len();
         let blobs = find(&json, b"\n    \"blobs\": [],\n", ckpt)? + b"\n    \"blobs\": ".len();
         // Checksums in document order: files, tensors (by name), slices.
-        let by_name: std::collections::HashMap<&str, usize> = layout.specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
-        let owners = (0..layout.shards.len())
+        let by_name: HashMap<&str, usize> = names.enumerate().map(|(i, n)| (n, i)).collect();
+        let c = &draft.ckpt;
+        let owners = (0..c.files.len())
             .map(Hole::File)
-            .chain(draft.ckpt.tensors.keys().map(|n| Hole::Tensor(by_name[n.as_str()])))
-            .chain(draft.ckpt.slices.values().flat_map(|l| &l.slices).map(|s| Hole::Tensor(by_name[s.tensor.as_str()])));
+            .chain(c.tensors.keys().map(|n| by_name.get(n.as_str()).map(|&i| Hole::Tensor(i))).collect::<Option<Vec<_>>>()?)
+            .chain(c.slices.values().flat_map(|l| &l.slices).map(|s| by_name.get(s.tensor.as_str()).map(|&i| Hole::Tensor(i))).collect::<Option<Vec<_>>>()?);
         const CRC: &[u8] = b"\"crc32c\": 0";
         let mut holes = vec![(step, Hole::Step), (blobs, Hole::Blobs)];
         let mut at = ckpt;
@@ -64,16 +68,16 @@ impl IndexTemplate {
             return None;
         }
         holes.sort_by_key(|&(at, _)| at);
-        Some(IndexTemplate { secondary_dirs, json, holes })
+        Some(IndexTemplate { secondary_dirs: c.secondary_dirs.clone(), json, holes })
     }
 
     pub(crate) fn names(&self, secondary_dirs: &[String]) -> bool {
         self.secondary_dirs == secondary_dirs
     }
 
-    /// The sealed index's bytes, for the layout this template was made from.
-    pub(crate) fn render(&self, layout: &Layout, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>]) -> Vec<u8> {
-        let file_crcs = layout.file_crcs(tensor_crcs);
+    /// The sealed index's bytes, given the checksums of the files and
+    /// tensors (in the layout's order) and the blobs' entries.
+    pub(crate) fn render(&self, step: u64, file_crcs: &[u32], tensor_crcs: &[u32], blobs: &[IndexBlob]) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.json.len() + 12 * self.holes.len() + blobs.len() * 128);
         let mut from = 0;
         for &(at, hole) in &self.holes {
@@ -96,8 +100,8 @@ impl IndexTemplate {
 }
 
 /// `blobs` as the pretty JSON of the index holds them, two levels deep.
-fn nested_blobs(blobs: &[Blob<'_>]) -> Vec<u8> {
-    let list = serde_json::to_vec_pretty(&crate::image::index_blobs(blobs)).expect("blob entries serialise");
+fn nested_blobs(blobs: &[IndexBlob]) -> Vec<u8> {
+    let list = serde_json::to_vec_pretty(blobs).expect("blob entries serialise");
     let mut out = Vec::with_capacity(list.len() + 64);
     for &b in &list {
         out.push(b);
@@ -110,50 +114,4 @@ fn nested_blobs(blobs: &[Blob<'_>]) -> Vec<u8> {
 
 fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
     hay.get(from..)?.windows(needle.len()).position(|w| w == needle).map(|i| i + from)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::format::{Dtype, Index};
-    use crate::image::{LayoutOptions, SliceDecl, TensorSpec};
-
-    fn layout() -> Layout {
-        let mut s: Vec<TensorSpec> = (0..40).map(|i| TensorSpec::new(format!("layer.{i}.w"), Dtype::F32, &[1 + i * 500])).collect();
-        // Names holding the keys the template looks for, escaped in the JSON.
-        s.push(TensorSpec::new("\"crc32c\": 0", Dtype::U8, &[2]));
-        s.push(TensorSpec::new("    \"step\": 0,", Dtype::U8, &[2]));
-        s.push(TensorSpec::new("step", Dtype::U8, &[3]));
-        s.push(TensorSpec::new("blobs", Dtype::U8, &[0]));
-        s.push(TensorSpec::new("w#elems[0:5]", Dtype::F32, &[5]));
-        s.push(TensorSpec::new("w#elems[5:12]", Dtype::F32, &[7]));
-        let mut l = Layout::plan(s, LayoutOptions { shard_bytes_max: 64 << 10, n_dirs: 2, ..Default::default() }).unwrap();
-        let decl = |piece: &str, a, b| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![12], elems: [a, b] };
-        l.set_slices(vec![decl("w#elems[5:12]", 5, 12), decl("w#elems[0:5]", 0, 5)]).unwrap();
-        assert!(l.shards.len() > 2);
-        l
-    }
-
-    #[test]
-    fn the_template_renders_the_index_built_at_once() {
-        let l = layout();
-        let dirs = vec!["/second".to_string()];
-        let t = IndexTemplate::new(&l, dirs.clone()).expect("the template reads");
-        for (step, blobs) in [(0, vec![]), (7, vec![Blob { name: "rng", bytes: b"state" }]), (format::STEP_MAX, vec![Blob { name: "a", bytes: b"" }, Blob { name: "z", bytes: b"\n\"" }])] {
-            let crcs: Vec<u32> = (0..l.specs.len() as u32).map(|i| 0x9e37_79b9u32.wrapping_mul(i.wrapping_add(step as u32) | 1)).collect();
-            let whole = l.index(step, &crcs, &blobs, dirs.clone());
-            let bytes = t.render(&l, step, &crcs, &blobs);
-            assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.to_json_bytes()).unwrap());
-            assert_eq!(Index::from_json_bytes(&bytes).unwrap(), whole);
-        }
-    }
-
-    #[test]
-    fn a_template_without_slices_or_secondaries_renders_too() {
-        let l = Layout::plan(vec![TensorSpec::new("a", Dtype::F16, &[3]), TensorSpec::new("b", Dtype::I64, &[0])], LayoutOptions::default()).unwrap();
-        let t = IndexTemplate::new(&l, vec![]).unwrap();
-        assert!(t.names(&[]) && !t.names(&["/x".into()]));
-        let bytes = t.render(&l, 3, &[11, 22], &[]);
-        assert_eq!(bytes, l.index(3, &[11, 22], &[], vec![]).to_json_bytes());
-    }
 }

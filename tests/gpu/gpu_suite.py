@@ -36,6 +36,12 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
   empty_cache(), allocated again (same shapes: the kept save plan) with
   other values and saved again: the second step holds the new values.
   Whether the tensors went in place (no host copy) is reported;
+- hook_expandable_segments: the same allocator setting, CUDA tensors that
+  cross its chunks saved through the torch.save hook the CUDA way (its
+  storages registered as spans), twice with empty_cache() between: each
+  file byte-identical to the original torch.save's, none fell back to the
+  host way; then a CPU-only state saved with CUDA initialised runs no
+  skip_data pass;
 - stream_wait_survives_sidecar_death: the trainer's stream waits on the
   sidecar's done event, the sidecar is SIGKILLed at once: does the driver
   release the wait (the fake driver assumes so; docs/protocol.md)? A hang
@@ -338,6 +344,67 @@ def expandable_segments_torch():
             serve.stop()
 
 
+HOOK_EXPANDABLE = textwrap.dedent("""
+    import io, json, os, sys, torch
+    import ckpt_sidecar._hook as hook
+    assert "expandable_segments:True" in os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    hook.install()
+    passes = [0]
+    real_skip_data = torch.serialization.skip_data
+    def counting_skip_data(*a, **k):
+        passes[0] += 1
+        return real_skip_data(*a, **k)
+    torch.serialization.skip_data = counting_skip_data
+    def original(obj):
+        b = io.BytesIO()
+        torch.save.__wrapped__(obj, b)
+        return b.getvalue()
+    # 7 MiB tensors: several cross the allocator's 20 MiB chunks of one segment.
+    def make(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return {f"t{i}": torch.randn(7 << 18, device="cuda", generator=g) for i in range(24)}
+    out = {}
+    for step, seed in ((1, 11), (2, 12)):
+        if step == 2:
+            del state
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        state = make(seed)
+        want, cpu = original(state), {k: v.cpu() for k, v in state.items()}
+        path = os.path.join(sys.argv[1], f"m{step}.pt")
+        torch.save(state, path)
+        for v in state.values():
+            v.mul_(2.0)  # the next step's write, at once
+        assert hook.flush(300)
+        assert open(path, "rb").read() == want, f"step {step}: the hook's file differs from torch.save's"
+        back = torch.load(path, map_location="cpu")
+        assert all(torch.equal(back[k], v) for k, v in cpu.items()), f"step {step}: a tensor differs"
+    out["cuda_after_two"] = hook.cuda_counts()
+    assert out["cuda_after_two"] == {"device": 2, "fell_back": 0, "lost": 0}, out
+    # CUDA is initialised: a CPU-only state goes the host way with no skip_data pass.
+    before = passes[0]
+    cpu_state = {k: v.cpu() for k, v in state.items()}
+    path = os.path.join(sys.argv[1], "cpu.pt")
+    torch.save(cpu_state, path)
+    assert hook.flush(300)
+    out["cpu_only_skip_data_passes"] = passes[0] - before
+    assert out["cpu_only_skip_data_passes"] == 0 and open(path, "rb").read() == original(cpu_state), out
+    print(json.dumps({"ok": True, **out}))
+""")
+
+
+def hook_expandable_segments():
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = Serve(tmp)
+        try:
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", CKPT_SIDECAR_SOCKET=serve.socket)
+            r = subprocess.run([sys.executable, "-c", HOOK_EXPANDABLE, tmp], env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and '"ok": true' in r.stdout, r.stdout + r.stderr
+            results["bench"]["hook_expandable_segments"] = json.loads(r.stdout.strip().splitlines()[-1])
+        finally:
+            serve.stop()
+
+
 def guard_stream_wait_c():
     with tempfile.TemporaryDirectory() as tmp:
         exe = c_trainer(tmp)
@@ -477,6 +544,7 @@ def main():
     check("guard_stream_wait_torch", guard_stream_wait_torch)
     check("span_and_realloc_c", span_and_realloc_c)
     check("expandable_segments_torch", expandable_segments_torch)
+    check("hook_expandable_segments", hook_expandable_segments)
     check("stream_wait_survives_sidecar_death", stream_wait_survives_sidecar_death)
     check("bench", bench)
     out = os.environ.get("OUT")

@@ -98,6 +98,33 @@ int main(void) {
     CHECK(ckpt_loaded_tensor(c, 0, &name, &dtype, &sh, &ndim, &tlen) == CKPT_OK);
     CHECK(!strcmp(name, "w") && !strcmp(dtype, "F32") && ndim == 1 && sh[0] == 16 && tlen == 64);
     CHECK(ckpt_loaded_tensor(c, 1, &name, NULL, NULL, NULL, NULL) == CKPT_E_INVALID);
+    uint64_t at = 0;
+    CHECK(ckpt_loaded_tensor_offset(c, 0, &at) == CKPT_OK && at == UINT64_MAX); /* a plain load places nothing */
+
+    /* Packed load: the sidecar lays the checkpoint out in memory from
+       ckpt_alloc; too small a range first (it says what it needs, writes
+       nothing), then enough, and the bytes read back where it says. */
+    unsigned char *p = NULL;
+    CHECK(ckpt_alloc(c, 8192, (void **)&p) == CKPT_OK && p != NULL);
+    memset(p, 0xAB, 8192);
+    uint64_t need = 0;
+    got = 0;
+    CHECK(ckpt_load_packed(c, -1, p, 32, &got, &source, &need) == CKPT_OK && got == 1 && need >= 64 && need > 32);
+    CHECK(p[0] == 0xAB && p[31] == 0xAB);
+    CHECK(ckpt_loaded_tensor_offset(c, 0, &at) == CKPT_OK && at == UINT64_MAX);
+    CHECK(ckpt_load_packed(c, 1, p, 8192, &got, &source, &need) == CKPT_OK && got == 1 && source == CKPT_SOURCE_RAM && need <= 8192);
+    CHECK(ckpt_loaded_tensor_count(c, &nt) == CKPT_OK && nt == 1);
+    CHECK(ckpt_loaded_tensor_offset(c, 0, &at) == CKPT_OK && at + 64 <= need);
+    float back[16];
+    memcpy(back, p + at, sizeof back);
+    for (int i = 0; i < 16; i++) CHECK(back[i] == (float)i);
+    CHECK(ckpt_loaded_tensor_offset(c, 1, &at) == CKPT_E_INVALID);
+    CHECK(ckpt_loaded_blob(c, "meta", buf, sizeof buf, &len) == CKPT_OK && len == 5 && !memcmp(buf, "hello", 5));
+    CHECK(ckpt_load_packed(c, 42, p, 8192, &got, &source, &need) == CKPT_E_NOT_FOUND);
+    CHECK(ckpt_load_packed(c, -5, p, 8192, &got, &source, &need) == CKPT_E_INVALID);
+    CHECK(ckpt_load_packed(c, 1, heap, sizeof heap, &got, &source, &need) == CKPT_E_REGION);
+    CHECK(ckpt_load_packed(NULL, 1, p, 8192, &got, &source, &need) == CKPT_E_INVALID);
+    CHECK(ckpt_free(c, p) == CKPT_OK);
 
     /* Status as JSON. */
     size_t jlen = 0;

@@ -294,8 +294,25 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
             Request::SaveAfterEvent { id, step, .. } => {
                 send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar has no CUDA".into() })
             }
-            Request::LoadPacked { id, .. } => {
-                send(&w, &Reply::Error { id, code: ErrorCode::BadRequest, message: "the fake sidecar does not place loads".into() })
+            Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => {
+                let s = store.lock().unwrap();
+                let found = match step {
+                    Some(n) => s.steps.get(&n).map(|c| (n, c.clone())),
+                    None => s.steps.iter().next_back().map(|(n, c)| (*n, c.clone())),
+                };
+                drop(s);
+                let Some((n, ck)) = found else {
+                    send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: "no checkpoint".into() });
+                    continue;
+                };
+                match place_in(&regions, &ck, region_id, offset_bytes, len_bytes) {
+                    Ok((offsets, need_bytes)) => {
+                        let blobs = if offsets.is_empty() { vec![] } else { ck.blobs.clone() };
+                        let tensors = ck.tensors.iter().map(|t| t.0.clone()).collect();
+                        send(&w, &Reply::Placed { id, step: n, source: LoadSource::Ram, tensors, offsets, need_bytes, blobs, fell_back: vec![] })
+                    }
+                    Err((code, message)) => send(&w, &Reply::Error { id, code, message }),
+                }
             }
             Request::Bye => return,
             Request::Hello { .. } => return,
@@ -351,6 +368,33 @@ fn write_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, descs: &[TensorDesc
         assert_eq!(n as usize, bytes.len());
     }
     Ok(())
+}
+
+/// The fake's LoadPacked: the tensors back to back in checkpoint order, each
+/// at a multiple of 64 bytes from `offset_bytes`; (offsets, need_bytes), the
+/// offsets empty and nothing written when `len_bytes` is below need_bytes.
+fn place_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, region_id: u32, offset_bytes: u64, len_bytes: u64) -> Result<(Vec<u64>, u64), (ErrorCode, String)> {
+    if offset_bytes % 4096 != 0 {
+        return Err((ErrorCode::BadRequest, format!("offset {offset_bytes} is not a multiple of 4096")));
+    }
+    let r = regions.get(&region_id).ok_or((ErrorCode::BadRegion, "unknown region".to_string()))?;
+    if offset_bytes.checked_add(len_bytes).is_none_or(|end| end > r.len) {
+        return Err((ErrorCode::BadRegion, "outside region".into()));
+    }
+    let mut offsets = Vec::with_capacity(ck.tensors.len());
+    let mut need_bytes = 0u64;
+    for (info, _) in &ck.tensors {
+        offsets.push(need_bytes);
+        need_bytes = (need_bytes + info.len_bytes).div_ceil(64) * 64;
+    }
+    if need_bytes > len_bytes {
+        return Ok((Vec::new(), need_bytes));
+    }
+    for ((_, bytes), at) in ck.tensors.iter().zip(&offsets) {
+        let n = unsafe { libc::pwrite(r.fd, bytes.as_ptr().cast(), bytes.len(), (offset_bytes + at) as i64) };
+        assert_eq!(n as usize, bytes.len());
+    }
+    Ok((offsets, need_bytes))
 }
 
 pub fn temp_socket() -> (tempfile::TempDir, PathBuf) {

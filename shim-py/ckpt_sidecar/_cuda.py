@@ -51,8 +51,9 @@ def device_leaf(ref, obj, torch):
         stream = cai.get("stream")
         return int(cai["data"][0]), nbytes, contiguous, 0 if stream is None else int(stream)
     if ref.kind == "torch" and torch is not None and obj.is_cuda:
-        return (obj.data_ptr(), obj.numel() * obj.element_size(), obj.is_contiguous(),
-                torch.cuda.current_stream(obj.device).cuda_stream)
+        # A lazy conjugate or negative view is not its bytes as they lie: copied, not sent in place.
+        flat = obj.is_contiguous() and not (obj.is_conj() or obj.is_neg())
+        return (obj.data_ptr(), obj.numel() * obj.element_size(), flat, torch.cuda.current_stream(obj.device).cuda_stream)
     return None
 
 

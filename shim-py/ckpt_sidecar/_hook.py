@@ -493,7 +493,7 @@ class _Files:
                 # the Checkpointer's private temp folder (removed with it, by its
                 # janitor too when this process is killed).
                 d = os.environ.get("CKPT_SIDECAR_DIR") or None
-                staging = os.environ.get("CKPT_SIDECAR_STAGING") or str(max(256 << 20, 2 * nbytes))
+                staging = _units.env_size("CKPT_SIDECAR_STAGING", os.environ) or max(256 << 20, 2 * nbytes)
                 self._spawner = threading.Thread(target=self._spawn, args=(Checkpointer, d, staging),
                                                  name="ckpt-sidecar-spawn", daemon=True)
                 self._spawner.start()

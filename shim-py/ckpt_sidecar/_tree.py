@@ -95,7 +95,10 @@ class Flattener:
                 raise ValueError(f"state{_where(path)} is a container it is itself inside of: "
                                  "a self-referencing state cannot be saved")
             inside = inside | {id(obj)}
-        if isinstance(obj, np.ndarray) and obj.dtype.kind != "O" and not obj.dtype.hasobject:
+        # An ndarray subclass may hold more than its bytes (a masked array's
+        # mask, a matrix's type): pickled whole, as it pickles itself. A
+        # memmap is its bytes.
+        if type(obj) in (np.ndarray, np.memmap) and obj.dtype.kind != "O" and not obj.dtype.hasobject:
             key = (obj.dtype.kind, obj.dtype.itemsize)
             native = obj.dtype.byteorder in ("=", "|", "<") or obj.dtype.itemsize == 1
             stored = NP_TO_ST.get(key) if native else None
@@ -104,7 +107,7 @@ class Flattener:
             return ref
         t = self.torch
         if t is not None and isinstance(obj, t.Tensor) and obj.layout == t.strided \
-                and not obj.is_quantized and obj.device.type != "meta":
+                and not obj.is_quantized and not obj.is_nested and obj.device.type != "meta":
             dname = str(obj.dtype).replace("torch.", "")
             extra = {"param": isinstance(obj, t.nn.Parameter), "requires_grad": obj.requires_grad,
                      "device": str(obj.device)}
@@ -243,7 +246,8 @@ def quick_key(state):
             add((id(o), o.shape, o.strides, o.dtype) if _NP_FIXED_BUFFER else
                 (id(o), o.shape, o.strides, o.dtype, o.__array_interface__["data"][0]))
         elif tensor is not None and isinstance(o, tensor):
-            if o.layout is not strided or o.is_quantized or o.device.type == "meta":
+            # A lazy conjugate or negative view shares its base's key but not its values.
+            if o.layout is not strided or o.is_quantized or o.device.type == "meta" or o.is_conj() or o.is_neg():
                 raise _NoKey
             leaf(o)
             add((tp, o.data_ptr(), o.shape, o.stride(), o.dtype, o.device, o.requires_grad))
@@ -255,6 +259,8 @@ def quick_key(state):
     try:
         walk(state)
     except (_NoKey, RecursionError):
+        return None
+    except RuntimeError:  # a tensor without sizes or strides (nested): the full walk decides
         return None
     finally:
         # `walk` refers to itself (its closure holds it, to recurse): a
@@ -283,10 +289,10 @@ def _bulk(vals, sig, leaves, torch):
         sig.append((_BULK_NP, tuple(map(id, vals)), tuple(map(_SHAPE, vals)), tuple(map(_STRIDES, vals)), dtypes))
     elif torch is not None and tp is torch.Tensor:
         devices = tuple(map(_DEVICE, vals))
-        if set(map(_LAYOUT, vals)) != {torch.strided} or any(map(_QUANTIZED, vals)) \
-                or any(d.type == "meta" for d in set(devices)):
-            raise _NoKey
         t = torch.Tensor
+        if set(map(_LAYOUT, vals)) != {torch.strided} or any(map(_QUANTIZED, vals)) \
+                or any(d.type == "meta" for d in set(devices)) or any(map(t.is_conj, vals)) or any(map(t.is_neg, vals)):
+            raise _NoKey
         sig.append((_BULK_TORCH, tuple(map(t.data_ptr, vals)), tuple(map(_SHAPE, vals)), tuple(map(t.stride, vals)),
                     tuple(map(_DTYPE, vals)), devices, tuple(map(_GRAD, vals))))
     else:

@@ -5,9 +5,11 @@ GB, TB, PB), binary ones powers of 1024 (KiB ... PiB), a bare K/M/G/T/P is
 binary, no unit or B is bytes, case is ignored, fractions are exact."""
 import json
 import numbers
+import os
 
 STEP_MAX = 999_999_999_999  # the largest step a folder name holds (docs/format.md)
 U64_MAX = (1 << 64) - 1
+I64_MAX = (1 << 63) - 1
 
 _UNITS = {
     "": 1, "b": 1,
@@ -22,28 +24,29 @@ def _q(text):
     return json.dumps(text)
 
 
-def parse_size(text):
-    """Bytes in `text` ("512MiB", "1.5GB", "1048576"); ValueError naming it,
-    in the words of the command line's parser."""
+def parse_size(text, what="size"):
+    """Bytes in `text` ("512MiB", "1.5GB", "1048576"); ValueError naming it
+    (as `what`, e.g. an environment variable), in the words of the command
+    line's parser."""
     s = text.strip()
     split = next((i for i, c in enumerate(s) if not (c.isascii() and c.isdigit()) and c != "."), len(s))
     num, unit = s[:split], s[split:]
-    expected = f"size {_q(text)}: expected a number and an optional unit, like 512MiB, 1.5GB or 1048576"
+    expected = f"{what} {_q(text)}: expected a number and an optional unit, like 512MiB, 1.5GB or 1048576"
     intp, _, frac = num.partition(".")
     if not intp and not frac or "." in frac or len(intp) > 20 or len(frac) > 18:
         raise ValueError(expected)
     u = unit.strip().lower()
     mult = _UNITS.get(u)
     if mult is None:
-        raise ValueError(f"size {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
+        raise ValueError(f"{what} {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
                          "KiB MiB GiB TiB PiB = powers of 1024)")
     scale = 10 ** len(frac)
     frac_bytes = (int(frac) if frac else 0) * mult
     if frac_bytes % scale:
-        raise ValueError(f"size {_q(text)} is not a whole number of bytes")
+        raise ValueError(f"{what} {_q(text)} is not a whole number of bytes")
     total = (int(intp) if intp else 0) * mult + frac_bytes // scale
     if total > U64_MAX:
-        raise ValueError(f"size {_q(text)} is too large (at most 16 EiB)")
+        raise ValueError(f"{what} {_q(text)} is too large (at most 16 EiB)")
     return total
 
 
@@ -57,11 +60,73 @@ def size_arg(name, value):
     return n
 
 
+def env_size(name, environ):
+    """The size in environment variable `name` (None when unset or empty),
+    at least 1 byte; ValueError naming the variable."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    n = parse_size(raw, what=name)
+    if n < 1:
+        raise ValueError(f"{name} {_q(raw)}: a size must be at least 1 byte")
+    return n
+
+
 def count_arg(name, value):
     """A count option (keep=N): an int of at least 1."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name}={value!r}: must be an int of at least 1")
     return int(value)
+
+
+def path_arg(name, value):
+    """A path option (str, bytes or os.PathLike, not empty) as a str."""
+    try:
+        path = os.fsdecode(os.fspath(value))
+    except TypeError:
+        raise TypeError(f"{name}={value!r}: give a path (a str or an os.PathLike)") from None
+    if not path:
+        raise ValueError(f"{name}={value!r}: an empty path names no directory or file")
+    return path
+
+
+CPU_INDEX_MAX = (1 << 16) - 1  # as the command line's --cpus parser
+
+
+def cpus_arg(value):
+    """CPUs for --cpus: a CPU list string ("1", "2-7,12") or ints, checked as
+    the command line checks it; returned as the string passed on."""
+    if isinstance(value, str):
+        ok = bool(value.strip())
+        for part in value.split(","):
+            a, _, b = part.strip().partition("-")
+            b = b if _ else a
+            if not (a.isdigit() and b.isdigit() and int(a) <= int(b) <= CPU_INDEX_MAX):
+                ok = False
+        if not ok:
+            raise ValueError(f"cpus={value!r}: {_q(value)} is not a CPU list like 1 or 2-7,12")
+        return value
+    try:
+        cpus = list(value)
+    except TypeError:
+        raise TypeError(f"cpus={value!r}: give a CPU list like \"2-7,12\" or a list of ints") from None
+    bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, numbers.Integral) or not 0 <= c <= CPU_INDEX_MAX]
+    if bad or not cpus:
+        raise ValueError(f"cpus={value!r}: give CPU numbers from 0 to {CPU_INDEX_MAX} (a list of ints, or \"2-7,12\")")
+    return ",".join(str(int(c)) for c in cpus)
+
+
+def timeout_ms(timeout):
+    """A wait's timeout in seconds (None or inf: no limit) as milliseconds
+    for the shim (-1: no limit); a negative, NaN or non-number timeout raises."""
+    if timeout is None:
+        return -1
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout={timeout!r}: give seconds as a number, or None to wait without a limit")
+    t = float(timeout)
+    if not t >= 0:  # NaN too
+        raise ValueError(f"timeout={timeout!r}: give seconds from 0 up, or None to wait without a limit")
+    return -1 if t * 1000 >= I64_MAX else int(t * 1000)
 
 
 def step_arg(step, latest_ok=False):

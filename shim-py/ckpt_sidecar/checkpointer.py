@@ -18,6 +18,7 @@ import operator
 import fcntl
 import gc
 import mmap
+import numbers
 import os
 import pickle
 import random
@@ -36,7 +37,7 @@ from . import _cuda
 from . import _native as N
 from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
-from ._units import count_arg, size_arg, step_arg
+from ._units import count_arg, cpus_arg, path_arg, size_arg, step_arg, timeout_ms
 from .errors import Closed, ConnectFailed, Damaged, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
 
 ALIGN_BYTES = 64
@@ -178,10 +179,6 @@ def _align(n):
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def _ms(timeout):
-    return -1 if timeout is None else max(0, int(timeout * 1000))
-
-
 class _LoadRegion:
     """A region that load() reads checkpoints into, and this process's own
     mapping of it (shm_open + mmap): loaded tensors are views of that
@@ -260,7 +257,7 @@ class SaveHandle:
     def state(self):
         """"pending" (not taken), "released" (taken), "durable" or "failed", without blocking."""
         st = ctypes.c_int()
-        N.check(N.lib().ckpt_poll(self._ck._client, self.id, ctypes.byref(st)))
+        N.check(N.lib().ckpt_poll(self._ck._live_client(), self.id, ctypes.byref(st)))
         if st.value != N.PENDING:
             self._mark_taken()
         return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed"}[st.value]
@@ -296,7 +293,7 @@ class SaveHandle:
         stream = self.cuda_stream if stream is None else int(stream)
         t0 = time.perf_counter()
         try:
-            N.check(N.lib().ckpt_stream_wait_copy(self._ck._client, self.id, stream, _ms(timeout), ctypes.byref(on)))
+            N.check(N.lib().ckpt_stream_wait_copy(self._ck._live_client(), self.id, stream, timeout_ms(timeout), ctypes.byref(on)))
         except Timeout:
             raise
         except SidecarError:
@@ -318,7 +315,7 @@ class SaveHandle:
         # Any answer but a timeout (success or the save's failure) means the
         # sidecar is done with our memory for this save.
         try:
-            N.check(N.lib().ckpt_wait(self._ck._client, self.id, what, _ms(timeout)))
+            N.check(N.lib().ckpt_wait(self._ck._live_client(), self.id, what, timeout_ms(timeout)))
         except Timeout:
             raise
         except SidecarError:
@@ -341,7 +338,7 @@ class SaveHandle:
     def figures(self):
         """{"copy_s", "waited_s", "persist_s"} as the sidecar reported them (None: not yet known)."""
         vals = [ctypes.c_double() for _ in range(3)]
-        N.check(N.lib().ckpt_save_figures(self._ck._client, self.id, *(ctypes.byref(v) for v in vals)))
+        N.check(N.lib().ckpt_save_figures(self._ck._live_client(), self.id, *(ctypes.byref(v) for v in vals)))
         return {k: (v.value if v.value >= 0 else None) for k, v in zip(("copy_s", "waited_s", "persist_s"), vals)}
 
     def __repr__(self):
@@ -459,7 +456,14 @@ def _flat_address(ref, obj, nbytes):
         return obj.__array_interface__["data"][0] if obj.flags.c_contiguous else None
     if ref.kind == "cuda":
         return None  # device memory: copied by _copy_in through the driver
-    return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() else None
+    return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() and not _lazy_view(obj) else None
+
+
+def _lazy_view(t):
+    """A torch tensor whose memory holds other values than it has: a lazy
+    conjugate (`z.conj()`) or negative view; its bytes must be resolved by a
+    copy, never taken as they lie."""
+    return t.is_conj() or t.is_neg()
 
 
 
@@ -511,13 +515,16 @@ class Checkpointer:
         self._private_dir = _private_dir
         # Every argument is checked before anything is taken or created, with
         # the command line's meaning (sizes: ckpt_sidecar._units).
-        self.dir = os.path.abspath(os.fspath(dir if dir is not None else "ckpt"))
+        self.dir = os.path.abspath(path_arg("dir", dir) if dir is not None else "ckpt")
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
             raise NotADirectoryError(errno.ENOTDIR, "Checkpointer(dir=...) is not a directory", self.dir)
         keep = None if keep is None else count_arg("keep", keep)
         staging = None if staging is None else size_arg("staging", staging)
+        log = None if log is None else os.path.abspath(path_arg("log", log))
+        if log is not None and os.path.isdir(log):
+            raise IsADirectoryError(errno.EISDIR, "Checkpointer(log=...) is a directory, not a file", log)
         self._keep, self._staging, self._log = keep, staging, log
-        self._cpus = cpus if cpus is None or isinstance(cpus, str) else ",".join(str(int(c)) for c in cpus)
+        self._cpus = None if cpus is None else cpus_arg(cpus)
         self._regions = []       # every region of this client, sorted by ptr
         self._regions_gen = 0    # bumped when a region comes or goes (a cached save plan is then stale)
         self._save_plans = []    # the last saves' prepared requests, newest last (see _SavePlan)
@@ -531,7 +538,7 @@ class Checkpointer:
         self._last = None
         self._budget = None      # the sidecar's staging budget, once asked (see _check_fits)
         self._mu = threading.RLock()
-        self.socket = os.fspath(socket) if socket is not None else None
+        self.socket = path_arg("socket", socket) if socket is not None else None
         self._socket_arg = self.socket is not None  # spawn there, not at a private path
         try:
             try:
@@ -549,6 +556,12 @@ class Checkpointer:
                 self._spawn()
             else:
                 self._check_dir(dir)
+                given = [f"{k}={v!r}" for k, v in (("keep", keep), ("staging", staging), ("cpus", cpus), ("log", log))
+                         if v is not None]
+                if given:
+                    # They are the options of a sidecar this Checkpointer starts.
+                    warnings.warn(f"{', '.join(given)}: ignored, the sidecar at {self.socket or '(default socket)'} "
+                                  "was already running (they apply to one this Checkpointer spawns)")
             self.rank, self.world_size, self.local_rank = dist.rank_info()
             if self.world_size > 1:
                 N.check(N.lib().ckpt_set_rank(self._client, self.rank, self.world_size))
@@ -602,6 +615,13 @@ class Checkpointer:
         if self._private_dir:
             self._make_tmpdir()
             self.dir = os.path.join(self._tmpdir, "ckpt")
+        # Another open Checkpointer of this process holds the lock below: waiting
+        # for it (as for a draining sidecar) would wait out the whole deadline.
+        for other in list(_live):
+            if (other._proc is not None and other._client is not None and other._own.pid == os.getpid()
+                    and os.path.realpath(other.dir) == os.path.realpath(self.dir)):
+                raise SidecarError(f"{self.dir} is in use by another Checkpointer of this process, which spawned "
+                                   "its sidecar; use that one, or close() it first")
         os.makedirs(self.dir, exist_ok=True)
         # One sidecar per directory: the lock is inherited by the sidecar and held
         # until it exits, so a restarted trainer waits for a draining one.
@@ -665,6 +685,7 @@ class Checkpointer:
         # The sidecar holds the lock and the janitor's pipe until it exits.
         keep = (self._lock_fd,) + ((self._own.life_w,) if self._own.life_w is not None else ())
         with open(self.log_path, "ab") as logf:
+            self._log_from = logf.tell()  # a log= file may hold earlier runs
             # Own session: a Ctrl-C at the terminal reaches the trainer, which then stops it in order.
             self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
                                           pass_fds=keep, start_new_session=True)
@@ -691,13 +712,21 @@ class Checkpointer:
             N.check(N.lib().ckpt_reconnect(self._client))
 
     def _log_tail(self):
+        """Why the spawned sidecar stopped, in one line: its error line (the
+        command line's `error: ...`), not the log lines before it; else the
+        log's last line."""
         try:
             with open(self.log_path, "rb") as f:
-                return f.read()[-2000:].decode("utf-8", "replace")
+                f.seek(self._log_from)
+                lines = [ln.strip() for ln in f.read()[-8000:].decode("utf-8", "replace").splitlines() if ln.strip()]
         except OSError:
             return "(no log)"
+        errors = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
+        return errors[-1] if errors else (lines[-1] if lines else "(its log is empty)")
 
-    def _ensure(self):
+    def _live_client(self):
+        """The client, when this process may speak on it: Closed after
+        close(), and in a forked child (its handles' calls too)."""
         if self._client is None:
             raise Closed("the Checkpointer is closed", -16)
         if os.getpid() != self._own.pid:
@@ -705,6 +734,10 @@ class Checkpointer:
             # must not speak on them, nor start a sidecar of its own.
             raise Closed(f"this Checkpointer belongs to process {self._own.pid}; a forked child "
                          "cannot use it (make a new Checkpointer in the child)", -16)
+        return self._client
+
+    def _ensure(self):
+        self._live_client()
         if self._proc is not None and self._proc.poll() is not None:
             warnings.warn(f"the spawned sidecar exited ({self._proc.returncode}); starting a new one")
             self._proc.stdin.close()  # ends the old launch's child, if it outlived launch
@@ -798,10 +831,12 @@ class Checkpointer:
 
     def reserve(self, state_or_bytes, count=POOL_REGIONS_MAX):
         """Allocate and pre-fault `count` save regions big enough for `state_or_bytes`
-        (a state like save's, or a byte count), so the first saves do not pay for
-        fresh pages (about 2 s per GiB on VMs that return freed memory)."""
-        if isinstance(state_or_bytes, int):
-            n = state_or_bytes
+        (a state like save's, or a byte count: an int or a size like "1GiB"), so the
+        first saves do not pay for fresh pages (about 2 s per GiB on VMs that
+        return freed memory)."""
+        count = count_arg("count", count)
+        if isinstance(state_or_bytes, (numbers.Integral, str)):
+            n = size_arg("state_or_bytes", state_or_bytes)
         else:
             fl = Flattener()
             fl.walk(state_or_bytes)
@@ -1062,7 +1097,8 @@ class Checkpointer:
                 addr = obj.__array_interface__["data"][0] if nbytes else 0
             else:
                 nbytes = obj.numel() * obj.element_size()
-                inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8)
+                inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8) \
+                    and not _lazy_view(obj)
                 addr = obj.data_ptr() if nbytes else 0
             is_u8 = obj.dtype == np.uint8 if ref.kind == "np" else ref.dtype == "uint8"
             # A dtype safetensors lacks travels as its raw bytes (U8, [nbytes]).
@@ -1131,7 +1167,7 @@ class Checkpointer:
             if ref.stored != "U8" or src.dtype == torch.uint8:
                 dst.view(src.dtype).view(src.shape).copy_(src)
             else:
-                dst.copy_(src.reshape(-1).contiguous().view(torch.uint8))
+                dst.copy_(src.resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8))
         return region.ptr + off
 
     # ---- load ----
@@ -1260,6 +1296,8 @@ class Checkpointer:
         them: "model.embed.weight"), verified by the sidecar: {name: tensor},
         each whole whatever world size saved it. An unknown name raises
         NotFound naming it."""
+        if isinstance(names, (str, bytes)):
+            raise TypeError(f"names={names!r}: give a list of tensor names, e.g. [{names!r}]")
         names = list(names)
         with self._mu:
             return self._load_tensors(step, names, map_location)[1]
@@ -1698,6 +1736,7 @@ class Checkpointer:
 
     def wait_released(self, timeout=None):
         """Wait until the trainer may change the tensors of the last save (no-op without one)."""
+        self._live_client()
         if self._last is not None:
             self._last.wait_released(timeout)
 

@@ -70,6 +70,17 @@ CONSTRUCTOR_CASES = [
     (dict(keep=-1), ValueError, "keep=-1"),
     (dict(keep=True), ValueError, "keep=True"),
     (dict(keep="3"), ValueError, "keep='3'"),
+    (dict(socket=""), ValueError, "socket=''"),
+    (dict(log=""), ValueError, "log=''"),
+    (dict(log="/"), IsADirectoryError, "Checkpointer(log=...) is a directory"),
+    (dict(socket=5), TypeError, "socket=5"),
+    (dict(cpus="9-1"), ValueError, '"9-1" is not a CPU list'),
+    (dict(cpus=""), ValueError, "cpus=''"),
+    (dict(cpus="1,x"), ValueError, '"1,x" is not a CPU list'),
+    (dict(cpus=[-1]), ValueError, "cpus=[-1]"),
+    (dict(cpus=[True]), ValueError, "cpus=[True]"),
+    (dict(cpus=[]), ValueError, "cpus=[]"),
+    (dict(cpus=3), TypeError, "cpus=3"),
 ]
 
 
@@ -90,6 +101,79 @@ def test_bad_constructor_arguments_raise_before_anything_is_made(kwargs, exc, te
     finally:
         ok.close()
     assert lock_is_free(str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("dir,exc", [("", ValueError), (5, TypeError), (["ck"], TypeError)])
+def test_a_directory_that_is_no_path_is_refused_naming_it(dir, exc, tmp_path, private_tmp, no_default_sidecar,
+                                                          monkeypatch):
+    # "" is no directory: not the current one.
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with pytest.raises(exc) as e:
+        cs.Checkpointer(dir=dir, staging="16MiB")
+    assert f"dir={dir!r}" in str(e.value), str(e.value)
+    assert tree(tmp_path) == {str(cwd)}, "something was made"
+
+
+def test_a_bytes_directory_is_a_directory(tmp_path, private_tmp, no_default_sidecar):
+    ck = cs.Checkpointer(dir=os.fsencode(tmp_path / "ck"), staging="16MiB")
+    try:
+        assert ck.dir == str(tmp_path / "ck")
+        ck.save(1, STATE).wait_durable()
+        assert ck.list() == [1]
+    finally:
+        ck.close()
+
+
+def test_a_spawned_sidecar_that_fails_to_start_is_said_in_one_line(tmp_path, private_tmp, no_default_sidecar,
+                                                                   monkeypatch):
+    # Its log says what it does first (INFO lines), then its error: only the
+    # error is the exception's message.
+    monkeypatch.setenv("CKPT_SIDECAR_LOG", "info")
+    with pytest.raises(cs.SidecarError) as e:
+        cs.Checkpointer(dir=str(tmp_path / "ck"), staging="15PiB")
+    msg = str(e.value)
+    assert "\n" not in msg.strip() and " INFO " not in msg and " WARN " not in msg, msg
+    assert msg.startswith("spawned sidecar exited with 1: cannot allocate 15.0 PiB of staging memory"), msg
+    (tmp_path / "afile").write_bytes(b"precious")
+    with pytest.raises(cs.SidecarError) as e:
+        cs.Checkpointer(dir=str(tmp_path / "ck"), socket=str(tmp_path / "afile"), staging="16MiB")
+    assert str(e.value) == f"spawned sidecar exited with 1: {tmp_path / 'afile'}: exists and is not a socket"
+    assert (tmp_path / "afile").read_bytes() == b"precious"
+
+
+def test_a_second_checkpointer_of_the_same_directory_in_one_process_is_refused_at_once(tmp_path, private_tmp,
+                                                                                        no_default_sidecar):
+    # It waited 120 s for the first one's lock (as for a draining sidecar).
+    import time
+
+    ck = cs.Checkpointer(dir=str(tmp_path / "ck"), staging="16MiB")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(cs.SidecarError, match="in use by another Checkpointer of this process"):
+            cs.Checkpointer(dir=str(tmp_path / "ck" / "." ), staging="16MiB")
+        assert time.monotonic() - t0 < 30
+        ck.save(1, STATE).wait_durable()
+    finally:
+        ck.close()
+    again = cs.Checkpointer(dir=str(tmp_path / "ck"), staging="16MiB")
+    try:
+        assert again.list() == [1]
+    finally:
+        again.close()
+
+
+def test_options_of_a_spawned_sidecar_given_to_a_running_one_are_said_to_be_ignored(sidecar):
+    # keep=2 against a sidecar already running: no retention happens; it was silent.
+    with pytest.warns(UserWarning, match=r"keep=2, staging=1073741824: ignored, the sidecar at .* was already running"):
+        ck = cs.Checkpointer(socket=sidecar.socket, keep=2, staging="1GiB")
+    ck.close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cs.Checkpointer(socket=sidecar.socket).close()
 
 
 def test_a_file_as_the_directory_is_refused_naming_it(tmp_path, private_tmp, no_default_sidecar):
@@ -179,13 +263,136 @@ def test_an_empty_key_round_trips(ck):
 
 
 def test_a_closed_checkpointer_refuses_everything(ck):
-    ck.save(1, STATE).wait_durable()
+    h = ck.save(1, STATE).wait_durable()
     ck.close()
+    # Its save handles too: Closed, not the native shim's "client is NULL".
     for call in (lambda: ck.save(2, STATE), lambda: ck.load(), lambda: ck.list(), lambda: ck.rollback(1),
-                 lambda: ck.latest()):
-        with pytest.raises(cs.Closed):
+                 lambda: ck.latest(), lambda: ck.wait_released(), lambda: h.wait_durable(), lambda: h.state(),
+                 lambda: h.figures(), lambda: h.done()):
+        with pytest.raises(cs.Closed) as e:
             call()
+        assert str(e.value) == "the Checkpointer is closed"
     ck.close()  # twice is fine
+
+
+@pytest.mark.parametrize("timeout,exc", [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
+                                         (True, TypeError), (float("-inf"), ValueError)])
+def test_a_wait_takes_a_timeout_of_seconds_or_none(ck, timeout, exc):
+    h = ck.save(1, STATE)
+    with pytest.raises(exc) as e:
+        h.wait_durable(timeout=timeout)
+    assert f"timeout={timeout!r}" in str(e.value)
+    # No limit: None, or infinity (not an OverflowError).
+    assert h.wait_durable(timeout=float("inf")) is h
+    assert h.wait_durable(timeout=1e300) is h
+    assert h.wait_durable(timeout=None) is h
+
+
+def test_a_damaged_checkpoint_is_said_in_one_line(ck, sidecar):
+    for s in (1, 2):
+        ck.save(s, {"a": np.full(1000, s), "b": np.full(2000, s)}).wait_durable()
+    # Step 1: not the one the sidecar still holds in memory (that one loads from RAM).
+    d = sidecar.dir / "step-000000000001"
+    shard = next(p for p in d.iterdir() if p.name.endswith(".safetensors"))
+    os.truncate(shard, 100)
+    (d / "blobs" / "structure.pkl").unlink()
+    for call in (lambda: ck.load(1), lambda: ck.load_tensors(["a"], step=1)):
+        with pytest.raises(cs.Damaged) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg, msg
+        assert f"{shard.name}: 100 bytes where the index says" in msg and "structure.pkl" in msg, msg
+
+
+def test_lazy_conjugate_and_negative_views_are_saved_as_their_values(ck):
+    # z.conj() shares z's memory with a flag: its bytes as they lie are z's.
+    # They were sent (or memmoved) raw, so the checkpoint held z, not z.conj().
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    state = {"conj": z.conj(), "imag_of_conj": z.conj().imag, "neg": torch.ones(3)._neg_view(),
+             "conj_strided": torch.stack([z, z], 1).conj()[:, 0]}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    for step in (1, 2):  # the second save goes through the kept save plan
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        for k, v in state.items():
+            assert back[k].resolve_conj().resolve_neg().tolist() == v.resolve_conj().resolve_neg().tolist(), (step, k)
+    # Shared in place: copied at save, not sent as the raw shared memory.
+    shared = ck.share({"z": torch.tensor([5 + 6j], dtype=torch.complex64), "o": torch.ones(2)})
+    view = {"zc": shared["z"].conj(), "neg": shared["o"]._neg_view()}
+    ck.save(3, view).wait_durable()
+    back = ck.load(3)
+    assert back["zc"].resolve_conj().tolist() == [5 - 6j] and back["neg"].resolve_neg().tolist() == [-1.0, -1.0]
+
+
+def test_a_conjugate_flag_flipped_between_saves_of_the_same_memory_is_seen(ck):
+    # z and z.conj() share address, shape, strides and dtype: a save key
+    # without the flags reused z's kept plan (bytes sent raw) for z.conj().
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 - 4j, 5 + 0.5j], dtype=torch.complex64)
+    r = torch.tensor([1.0, -2.0, 3.0])
+    many = {f"t{i}": torch.full((2,), float(i)) for i in range(3)}  # a container saved in bulk
+    plain = {"z": z, "r": r, **many}
+    flagged = {"z": z.conj(), "r": r._neg_view(), **{k: v._neg_view() for k, v in many.items()}}
+    for step, state in enumerate([plain, flagged, plain, flagged], start=1):
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        for k, v in state.items():
+            assert back[k].resolve_conj().resolve_neg().tolist() == v.resolve_conj().resolve_neg().tolist(), (step, k)
+
+
+def test_a_nested_tensor_is_saved_as_torch_pickles_it(ck):
+    # It has no sizes: asking raised torch's "Internal error ... Please file an issue".
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the prototype API's warning
+        nt = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)])
+    state = {"nt": nt, "w": torch.ones(2), "more": [nt, torch.zeros(1)]}
+    for step in (1, 2):
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        assert [t.tolist() for t in back["nt"].unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]
+        assert back["w"].tolist() == [1.0, 1.0] and back["more"][1].tolist() == [0.0]
+
+
+def test_an_array_subclass_keeps_what_its_bytes_do_not_hold(ck, tmp_path):
+    # A masked array was saved as its data alone: the mask was lost, the
+    # masked values came back as values (and a record array as a plain one).
+    m = np.ma.masked_array([1, 2, 3], mask=[False, True, False])
+    mm = np.memmap(tmp_path / "mm", dtype=np.float32, mode="w+", shape=(4,))
+    mm[:] = 7
+    state = {"masked": m, "rec": np.rec.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")]), "memmap": mm, "plain": np.arange(3)}
+    for step in (1, 2):
+        ck.save(step, state).wait_durable()
+        back = ck.load(step)
+        assert type(back["masked"]) is np.ma.MaskedArray and back["masked"].mask.tolist() == [False, True, False]
+        assert back["masked"].sum() == 4
+        assert type(back["rec"]) is np.recarray and back["rec"].a.tolist() == [1]
+        np.testing.assert_array_equal(back["memmap"], np.full(4, 7, dtype=np.float32))
+        np.testing.assert_array_equal(back["plain"], np.arange(3))
+
+
+def test_load_tensors_takes_a_list_of_names_not_a_name(ck):
+    ck.save(1, {"w": np.arange(3), "wx": np.ones(2)}).wait_durable()
+    with pytest.raises(TypeError, match=r"names='w': give a list of tensor names, e.g. \['w'\]"):
+        ck.load_tensors("w")
+    np.testing.assert_array_equal(ck.load_tensors(["w"])["w"], np.arange(3))
+
+
+def test_reserve_takes_a_size_or_a_state(ck):
+    for bad, exc, text in ((-5, ValueError, "state_or_bytes=-5"), (0, ValueError, "state_or_bytes=0"),
+                           ("lots", ValueError, '"lots"'), (True, TypeError, "True")):
+        with pytest.raises(exc) as e:
+            ck.reserve(bad)
+        assert text in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="count=0"):
+        ck.reserve(1 << 20, count=0)
+    ck.reserve("1MiB")
+    ck.reserve({"w": np.ones(1000)})
+    ck.save(1, STATE).wait_durable()
+    assert ck.list() == [1]
 
 
 def test_a_forked_child_gets_closed_at_once_and_spawns_nothing(tmp_path, private_tmp, no_default_sidecar):
@@ -250,3 +457,36 @@ def test_ckpt_sidecar_bin_overrides_the_bundled_binary_and_a_wrong_one_is_named(
     monkeypatch.setenv("CKPT_SIDECAR_BIN", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="CKPT_SIDECAR_BIN.*missing.*not a file"):
         _native.sidecar_binary()
+
+
+# ---------------------------------------------------------------- the torch.save hook
+
+
+@pytest.mark.parametrize("value,why", [("0", "a size must be at least 1 byte"), ("lots", "expected a number")])
+def test_the_hook_names_a_bad_staging_variable_as_the_user_wrote_it(value, why, tmp_path, private_tmp):
+    # The variable, not the Checkpointer keyword the hook passes it on as;
+    # the file is written by this process all the same.
+    import sys
+    import textwrap
+
+    pkg = os.path.dirname(os.path.dirname(cs.__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+    env.update(CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"), CKPT_SIDECAR_STAGING=value,
+               PYTHONPATH=os.pathsep.join([pkg, env.get("PYTHONPATH", "")]))
+    for k in ("CKPT_SIDECAR_LIB", "CKPT_SIDECAR_BIN"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    code = textwrap.dedent("""
+        import torch
+        from ckpt_sidecar import _hook
+        _hook.install()
+        torch.save({"t": torch.ones(4)}, "a.pt")
+        assert _hook.flush(60)
+        print(torch.load("a.pt")["t"].sum().item(), _hook.counts()["in_process"])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4.0", "1"], r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f'CKPT_SIDECAR_STAGING "{value}": {why}' in lines[0], r.stderr
+    assert "staging=" not in r.stderr, r.stderr

@@ -286,7 +286,7 @@ fn rollback_one(store: &mut Store, shared: &Shared, job: RollbackJob) {
             warn!(step, "rollback failed: {e}");
             let code = match e {
                 RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
-                RollbackError::Unreadable(_) => ErrorCode::Damaged,
+                RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } => ErrorCode::Damaged,
                 RollbackError::Io { .. } => ErrorCode::Io,
             };
             peer.send(&Reply::Error { id, code, message: e.to_string() });

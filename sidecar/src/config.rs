@@ -30,6 +30,10 @@ pub const SOCKET_PATH_BYTES_MAX: usize = 107;
 pub const HELLO_BYTES_MAX: u32 = 64 << 10;
 /// A peer that connects and says nothing for this long is dropped.
 pub const HELLO_TIMEOUT_MS: u64 = 5_000;
+/// A command-line tool (status, rollback) waits this long for a sidecar's
+/// Welcome, and status for its report: what does not answer is no sidecar,
+/// or a stuck one.
+pub const TOOL_ANSWER_TIMEOUT_MS: u64 = 10_000;
 /// A reply the client does not take within this long ends its session
 /// (a client that never reads cannot stall the committer).
 pub const SEND_TIMEOUT_MS: u64 = 10_000;
@@ -136,3 +140,8 @@ pub const PART_TIMEOUT_ENV: &str = "CKPT_SIDECAR_PART_TIMEOUT_S";
 /// The committer looks at incomplete groups at least this often.
 pub const PART_TICK_MS: u64 = 200;
 const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);
+
+/// `inspect` without a step reads the newest checkpoint; in a directory a
+/// live sidecar serves with --keep, that one may be deleted between picking
+/// and reading it. The newest is picked again at most this many times.
+pub const RESOLVE_TRIES_MAX: u32 = 8;

@@ -373,7 +373,10 @@ pub enum ClientError {
     #[error("cannot connect to the sidecar at {path}: {source}")]
     Connect { path: PathBuf, source: io::Error },
     #[error("talking to the sidecar: {0}")]
-    Frame(#[from] FrameError),
+    Frame(FrameError),
+    /// A read timed out: what listens there is no sidecar, or a stuck one.
+    #[error("no answer within {secs} s (not a ckpt-sidecar, or a stuck one)")]
+    NoAnswer { secs: u64 },
     #[error("the sidecar refused: {0}")]
     Refused(String),
     #[error("the sidecar speaks protocol version {0}, this binary {PROTOCOL_VERSION}")]
@@ -389,18 +392,25 @@ pub enum ClientError {
 /// `timeout`: how long to wait for the answer (None: no limit).
 fn request(socket: &Path, name: &str, req: &Request, timeout: Option<Duration>) -> Result<Reply, ClientError> {
     let stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let hello_timeout = Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS);
+    let _ = stream.set_read_timeout(Some(hello_timeout));
     let mut s = NoSigPipe(stream);
-    ckpt_wire::write_frame(&mut s, &ckpt_wire::hello(name))?;
-    match ckpt_wire::read_frame::<Reply>(&mut s)? {
+    let frame = |waited: Option<Duration>| {
+        move |e: FrameError| match (&e, waited) {
+            (FrameError::Io(io), Some(w)) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => ClientError::NoAnswer { secs: w.as_secs() },
+            _ => ClientError::Frame(e),
+        }
+    };
+    ckpt_wire::write_frame(&mut s, &ckpt_wire::hello(name)).map_err(frame(None))?;
+    match ckpt_wire::read_frame::<Reply>(&mut s).map_err(frame(Some(hello_timeout)))? {
         Reply::Welcome { version, .. } if version == PROTOCOL_VERSION => {}
         Reply::Welcome { version, .. } => return Err(ClientError::Version(version)),
         Reply::Refused { reason } => return Err(ClientError::Refused(reason)),
         other => return Err(ClientError::Unexpected(format!("{other:?}"))),
     }
     let _ = s.0.set_read_timeout(timeout);
-    ckpt_wire::write_frame(&mut s, req)?;
-    let reply = ckpt_wire::read_frame::<Reply>(&mut s)?;
+    ckpt_wire::write_frame(&mut s, req).map_err(frame(None))?;
+    let reply = ckpt_wire::read_frame::<Reply>(&mut s).map_err(frame(timeout))?;
     let _ = ckpt_wire::write_frame(&mut s, &Request::Bye);
     match reply {
         Reply::Error { code, message, .. } => Err(ClientError::Remote { code, message }),
@@ -438,7 +448,7 @@ impl io::Read for NoSigPipe {
 
 /// Asks the sidecar at `socket` for its status.
 pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
-    match request(socket, "ckpt-sidecar status", &Request::Status { id: 1 }, Some(Duration::from_secs(10)))? {
+    match request(socket, "ckpt-sidecar status", &Request::Status { id: 1 }, Some(Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS)))? {
         Reply::Status { id: 1, report } => Ok(report),
         other => Err(ClientError::Unexpected(format!("{other:?}"))),
     }

@@ -550,6 +550,13 @@ fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         None => std::env::current_exe().context("locating this binary")?.with_file_name("libckpt.so"),
     };
     let p = std::fs::canonicalize(&p).with_context(|| format!("--preload: {} (build it with cargo build --release, or pass its path)", p.display()))?;
+    // The dynamic loader ignores a preload it cannot load (one line of its
+    // own, then the trainer runs without the shim): refused here instead.
+    let mut magic = [0u8; 4];
+    std::fs::File::open(&p).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).with_context(|| format!("--preload: {}", p.display()))?;
+    if &magic != b"\x7fELF" {
+        bail!("--preload: {} is not a shared library (no ELF header)", p.display());
+    }
     Ok(p)
 }
 
@@ -564,6 +571,8 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
                 (Some(i.logical().len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
             }
+            // Deleted since it was listed (a live sidecar's --keep): not shown as damaged.
+            Err(_) if !catalog::is_committed(dir, s) => continue,
             Err(_) => (None, None, None, None),
         };
         rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
@@ -600,7 +609,8 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         {
             bail!("no sidecar is listening at {} (start one: ckpt-sidecar serve --dir DIR, or give its --socket)", socket.display())
         }
-        r => r?,
+        Err(e @ daemon::ClientError::Connect { .. }) => return Err(e.into()), // names the socket
+        r => r.with_context(|| format!("asking {} for its status", socket.display()))?,
     };
     // Our own connection is not one of the sidecar's sessions worth listing.
     let me = std::process::id();
@@ -669,14 +679,27 @@ fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
     catalog::committed_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
 }
 
+/// The step asked for (else as [`resolve_step`] picks it) and its index. The
+/// newest step of a directory a live sidecar serves may be deleted by its
+/// --keep between picking and reading: then the new newest one is read.
+fn read_step_index(dir: &Path, step: Option<u64>) -> anyhow::Result<(u64, format::Index)> {
+    let mut tries = 0;
+    loop {
+        let s = resolve_step(dir, step)?;
+        match restore::read_index(dir, s) {
+            Err(_) if step.is_none() && tries < config::RESOLVE_TRIES_MAX && !catalog::is_committed(dir, s) => tries += 1,
+            r => return Ok((s, r?)),
+        }
+    }
+}
+
 /// `1 file`, `2 files`.
 fn plural(n: usize, what: &str) -> String {
     format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
-    let step = resolve_step(dir, step)?;
-    let index = restore::read_index(dir, step)?;
+    let (step, index) = read_step_index(dir, step)?;
     let logical = index.logical();
     if json {
         // The index as stored, plus `logical`: every tensor as readers see
@@ -762,7 +785,27 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
                 b.set_length(total);
                 b.set_position(done);
             }
-        })?;
+        });
+        // A step a live sidecar's --keep (or a rollback) deleted after it was
+        // listed reads as missing files: gone, not damaged.
+        let r = match r {
+            Ok(r) if r.problems.is_empty() => r,
+            Ok(_) | Err(_) if !catalog::is_committed(dir, s) => {
+                if step.is_some() {
+                    bail!("{}: step {s} was deleted while it was being verified (a sidecar's --keep, or a rollback)", dir.display());
+                }
+                if !json {
+                    let say = || println!("step {s}: deleted while being verified (a sidecar's --keep, or a rollback); not checked");
+                    if let Some(b) = &bar {
+                        b.suspend(say);
+                    } else {
+                        say();
+                    }
+                }
+                continue;
+            }
+            r => r?,
+        };
         damaged |= !r.problems.is_empty();
         // Ranks as the index says (verify just checked it, or said why not).
         let index = restore::read_index(dir, s).ok();
@@ -816,7 +859,18 @@ fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> any
         }
         r => r?,
     };
-    let deleted = retention::apply(store.dirs(), Retention { keep_last: keep, keep_every })?;
+    let policy = Retention { keep_last: keep, keep_every };
+    // Never delete the last checkpoints that would load for steps that would
+    // not (a truncated newest one): what is kept must hold one that loads.
+    let doomed = retention::plan(store.dirs(), policy)?;
+    if !doomed.is_empty() {
+        let kept: Vec<u64> = catalog::committed_steps(store.primary())?.into_iter().filter(|s| !doomed.contains(s)).collect();
+        let why: Vec<String> = kept.iter().map_while(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).map(|w| format!("step {s}: {w}"))).collect();
+        if why.len() == kept.len() && doomed.iter().any(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).is_none()) {
+            bail!("gc would keep only steps that would not load ({}); nothing deleted: keep more (--keep), or roll back to a sound step first (ckpt-sidecar verify DIR)", why.join("; "));
+        }
+    }
+    let deleted = retention::apply(store.dirs(), policy)?;
     let kept = catalog::committed_steps(store.primary())?;
     let recovered = store.recovery().removed.clone();
     // The locks go (and their files with them) before any output: a closed
@@ -871,10 +925,15 @@ fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode
             }
             Err(e) => {
                 failed = true;
+                // The row names the directory; the error's own naming of it is not repeated.
+                let why = match &e {
+                    eio::ProbeError::Io { what, source, .. } => format!("{what}: {source}"),
+                    other => other.to_string(),
+                };
                 if !json {
-                    println!("{}: unusable: {e}", d.display());
+                    println!("{}: unusable: {why}", d.display());
                 }
-                rows.push(json!({"dir": d, "engine": null, "error": e.to_string()}));
+                rows.push(json!({"dir": d, "engine": null, "error": why}));
             }
         }
     }

@@ -59,6 +59,10 @@ impl Fixture {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // `stale/`: a sound checkpoint whose `latest` names a step not there.
+        let out = Command::new(BIN).args(["bench", "write", "--size", "64KiB", "--dir"]).arg(root.join("stale")).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::write(root.join("stale/latest"), b"step-000000000099\n").unwrap();
         Fixture { _tmp: tmp, root }
     }
 
@@ -224,6 +228,9 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     }
     cases.push(case(&["serve", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB"], &[1], Some("pass a shorter --socket")));
     cases.push(case(&["launch", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB", "--", "true"], &[1], Some("pass a shorter --socket")));
+    // A preload library that is no shared library: the loader would ignore it.
+    cases.push(case(&["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &afile, "--", "true"], &[1], Some(&format!("--preload: {afile} is not a shared library"))));
+    cases.push(case(&["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &empty, "--", "true"], &[1], Some(&format!("--preload: {empty}: "))));
     cases.push(case(&["status", "--socket", &nx_sock], &[1], Some(&format!("no sidecar is listening at {nx_sock}"))));
     cases.push(case(&["status", "--socket", &afile, "--json"], &[1], Some(afile.as_str())));
     // An empty directory: nothing to read, nothing to clean.
@@ -243,6 +250,11 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     cases.push(case(&["verify", &junk], &[3], None));
     cases.push(case(&["verify", &junk, "--json"], &[3], None));
     cases.push(case(&["bench", "read", "--dir", &junk], &[1], Some(junk.as_str())));
+    // `latest` naming a step that is not there: the newest committed one is read, as a load would.
+    let stale = fx.p("stale");
+    cases.push(case(&["bench", "read", "--dir", &stale], &[0], None));
+    cases.push(case(&["inspect", &stale], &[0], None));
+    cases.push(case(&["verify", &stale], &[0], None));
     cases.push(cleaning(&["gc", &junk, "--keep", "1"], &[0], None));
     // Step 1's index does not read: a trainer sent back to it could not load.
     cases.push(cleaning(&["rollback", &junk, "--to", "1"], &[1], Some("cannot roll back to it: ")));
@@ -407,4 +419,190 @@ fn status_lists_no_session_of_its_own_and_a_closed_stdout_leaves_the_sidecar_ser
     }
     assert!(serve.try_wait().unwrap().is_none(), "the sidecar died of its clients' closed pipes");
     ckpt_test_support::terminate(&mut serve, Duration::from_secs(30)).expect("serve stops on SIGTERM");
+}
+
+/// `verify`, `ls` and `inspect` beside a process that commits and deletes
+/// old checkpoints as it goes (a live sidecar's --keep; here `debug
+/// torture --keep 1`, the same store code): a step deleted after it was
+/// listed is gone, never reported as damaged (exit 3) nor as an unreadable
+/// index. Runs until the race was seen a few times (verify says so).
+#[test]
+fn tools_beside_a_directory_whose_old_steps_are_deleted_never_call_them_damaged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    let mut writer = Command::new(BIN)
+        .args(["debug", "torture", "--size", "1MiB", "--keep", "1", "--dir"])
+        .arg(&d)
+        .env("CKPT_SIDECAR_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !d.join("latest").exists() {
+        assert!(writer.try_wait().unwrap().is_none(), "the writer exited");
+        assert!(t0.elapsed() < Duration::from_secs(60), "no first commit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (mut seen, mut runs, mut failures) = (0, 0, Vec::new());
+    while seen < 3 && t0.elapsed() < Duration::from_secs(120) {
+        runs += 1;
+        let json = runs % 2 == 0;
+        let mut args = vec!["verify".to_string(), d.to_str().unwrap().to_string()];
+        if json {
+            args.push("--json".into());
+        }
+        let out = Command::new(BIN).args(&args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if out.status.code() != Some(0) {
+            failures.push(format!("{args:?}: {:?}: {text}{}", out.status, String::from_utf8_lossy(&out.stderr)));
+        } else if json {
+            let j: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+            assert_eq!(j["ok"], true, "{j}");
+        }
+        seen += text.matches("deleted while being verified").count();
+        let ls = Command::new(BIN).arg("ls").arg(&d).output().unwrap();
+        let ls_text = String::from_utf8_lossy(&ls.stdout);
+        if ls.status.code() != Some(0) || ls_text.contains("unreadable") {
+            failures.push(format!("ls: {:?}: {ls_text}{}", ls.status, String::from_utf8_lossy(&ls.stderr)));
+        }
+        let ins = Command::new(BIN).arg("inspect").arg(&d).output().unwrap();
+        if ins.status.code() != Some(0) {
+            failures.push(format!("inspect: {:?}: {}", ins.status, String::from_utf8_lossy(&ins.stderr)));
+        }
+        if failures.len() >= 3 {
+            break;
+        }
+    }
+    ckpt_test_support::kill9(&mut writer);
+    assert!(failures.is_empty(), "{} failures in {runs} runs:\n{}", failures.len(), failures.join("\n"));
+    assert!(seen >= 1, "no step was deleted while it was verified in {runs} runs: the race was not exercised");
+}
+
+/// A directory no file can be made in (/proc): doctor's row names it once,
+/// then why, and the command fails; the JSON row says the same.
+#[test]
+fn doctor_names_an_unusable_directory_once() {
+    let out = Command::new(BIN).args(["doctor", "/proc"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| l.starts_with("/proc:")).unwrap_or_else(|| panic!("no row for /proc: {text}"));
+    assert!(row.starts_with("/proc: unusable: probe write: "), "{row}");
+    assert_eq!(repeated_clause(row), None, "{row}");
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(BIN).args(["doctor", "/proc", "--json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let err = j["dirs"][0]["error"].as_str().unwrap_or_default();
+    assert!(err.starts_with("probe write: ") && !err.contains("/proc"), "{j}");
+}
+
+/// `rollback --to` a step whose shard is truncated would move `latest` to a
+/// checkpoint no trainer loads and un-commit the later, sound ones: refused
+/// in one line naming the file, nothing changed, by the tool and through a
+/// sidecar serving the directory.
+#[test]
+fn rollback_to_a_step_with_a_truncated_shard_is_refused_and_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let shard = d.join("step-000000000001/rank-00000-of-00001-shard-0000.safetensors");
+    let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    f.set_len(1000).unwrap();
+    drop(f);
+    let before = tree(&d);
+    let want = format!("error: cannot roll back to step 1: {}: 1000 bytes where the index says", shard.display());
+    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.trim().starts_with(&want) && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(tree(&d), before, "the tool changed the directory");
+    // The same through a sidecar that serves the directory.
+    let socket = tmp.path().join("run/s.sock");
+    let mut serve = Command::new(BIN)
+        .args(["serve", "--staging", "2MiB", "--dir"])
+        .arg(&d)
+        .arg("--socket")
+        .arg(&socket)
+        .env("CKPT_SIDECAR_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(serve.try_wait().unwrap().is_none(), "serve exited");
+        assert!(t0.elapsed() < Duration::from_secs(30), "serve did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = tree(&d);
+    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("1000 bytes where the index says") && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(repeated_clause(err.trim()), None, "{err}");
+    assert_eq!(tree(&d), before, "the sidecar changed the directory");
+    assert_eq!(std::fs::read_to_string(d.join("latest")).unwrap().trim(), "step-000000000002");
+    ckpt_test_support::terminate(&mut serve, Duration::from_secs(30)).expect("serve stops on SIGTERM");
+}
+
+/// `status` against a socket where something else listens: one that never
+/// answers, one that answers garbage. One line naming the socket and what
+/// went wrong (a timeout said as one, not as "Resource temporarily unavailable").
+#[test]
+fn status_of_a_socket_that_is_no_sidecar_names_it_in_one_line() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let silent = tmp.path().join("silent.sock");
+    let garbage = tmp.path().join("garbage.sock");
+    let l_silent = std::os::unix::net::UnixListener::bind(&silent).unwrap();
+    let l_garbage = std::os::unix::net::UnixListener::bind(&garbage).unwrap();
+    // Accepted and held open, never answered.
+    let held = std::thread::spawn(move || l_silent.accept().map(|(c, _)| c));
+    std::thread::spawn(move || {
+        for c in l_garbage.incoming() {
+            let mut c = c.unwrap();
+            let _ = c.write_all(&[0xff, 0xff, 0xff, 0x7f, b'x', b'y']);
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    });
+    for (sock, want) in [(&silent, "no answer within 10 s"), (&garbage, "frame of 2147483647 bytes is above the limit")] {
+        let out = Command::new(BIN).arg("status").arg("--socket").arg(sock).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(&format!("asking {} for its status: ", sock.display())) && err.contains(want), "{err}");
+        assert!(out.stdout.is_empty());
+    }
+    drop(held);
+}
+
+/// `gc --keep 1` when the newest step's shard is truncated would delete the
+/// only step that loads: refused in one line naming why, nothing deleted.
+#[test]
+fn gc_never_keeps_only_steps_that_would_not_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let shard = d.join("step-000000000002/rank-00000-of-00001-shard-0000.safetensors");
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(1000).unwrap();
+    let before = tree(&d);
+    let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let want = format!("error: gc would keep only steps that would not load (step 2: {}: 1000 bytes where the index says", shard.display());
+    assert!(err.trim().starts_with(&want) && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(tree(&d), before, "gc changed the directory");
+    // Both damaged: nothing to protect, retention does what it is told.
+    let shard1 = d.join("step-000000000001/rank-00000-of-00001-shard-0000.safetensors");
+    std::fs::OpenOptions::new().write(true).open(&shard1).unwrap().set_len(1000).unwrap();
+    let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!d.join("step-000000000001").exists());
 }

@@ -120,7 +120,12 @@ pub struct ReadArgs {
 }
 
 pub fn read(args: &ReadArgs) -> anyhow::Result<Figures> {
-    let step = catalog::latest_step(&args.dir)?.ok_or_else(|| anyhow::anyhow!("{}: no committed checkpoint to read", args.dir.display()))?;
+    // `latest`, else (missing, or naming no committed step) the newest, as a load picks.
+    let newest = || catalog::committed_steps(&args.dir).map(|s| s.last().copied());
+    let step = match catalog::latest_step(&args.dir)? {
+        Some(s) => s,
+        None => newest()?.ok_or_else(|| anyhow::anyhow!("{}: no committed checkpoint to read", args.dir.display()))?,
+    };
     let index = restore::read_index(&args.dir, step)?;
     let file_bytes: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
     let fio = if args.compare_fio { Some(fio_gib_per_s(&args.dir, file_bytes, "read")?) } else { None };

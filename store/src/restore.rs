@@ -78,7 +78,8 @@ pub enum LoadError {
     NoCheckpoint { dir: PathBuf },
     #[error("{dir}: step {step} is not a committed checkpoint")]
     NotCommitted { dir: PathBuf, step: u64 },
-    #[error("{}: step {step} is damaged:\n  {}", dir.display(), problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("\n  "))]
+    /// One line (it reaches a trainer's exception over the wire): the problems joined by "; ".
+    #[error("{}: step {step} is damaged: {}", dir.display(), problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
     Damaged { dir: PathBuf, step: u64, problems: Vec<Problem> },
     #[error("{path}: {what}: {source}")]
     Io { path: PathBuf, what: &'static str, source: io::Error },

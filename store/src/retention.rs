@@ -38,14 +38,19 @@ impl Retention {
 /// Applies `policy` to the checkpoints in `dirs` (`dirs[0]` the primary);
 /// returns the steps deleted.
 pub fn apply(dirs: &[PathBuf], policy: Retention) -> io::Result<Vec<u64>> {
-    let primary = &dirs[0];
-    let committed = catalog::committed_steps(primary)?;
-    let latest = catalog::latest_step(primary)?;
-    let doomed: Vec<u64> = policy.doomed(&committed).into_iter().filter(|&s| Some(s) != latest).collect();
+    let doomed = plan(dirs, policy)?;
     for &step in &doomed {
         delete(dirs, step)?;
     }
     Ok(doomed)
+}
+
+/// The steps `apply` would delete now (never the one `latest` names).
+pub fn plan(dirs: &[PathBuf], policy: Retention) -> io::Result<Vec<u64>> {
+    let primary = &dirs[0];
+    let committed = catalog::committed_steps(primary)?;
+    let latest = catalog::latest_step(primary)?;
+    Ok(policy.doomed(&committed).into_iter().filter(|&s| Some(s) != latest).collect())
 }
 
 /// Deletes one committed checkpoint crash-safely (see the module comment).

@@ -25,7 +25,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::catalog;
-use crate::format::{self, ROLLBACK_FILE_NAME};
+use crate::format::{self, Index, BLOBS_DIR_NAME, ROLLBACK_FILE_NAME};
 use crate::restore;
 use crate::retention;
 
@@ -37,6 +37,11 @@ pub enum RollbackError {
     /// load it. Its text says the cause once (no `source`: it is the message).
     #[error("cannot roll back to it: {0}; roll back to a step whose index reads (ckpt-sidecar verify DIR)")]
     Unreadable(String),
+    /// A file or blob the target's index names is missing or of another
+    /// length (a truncated shard): it would not load, and the later steps
+    /// a rollback un-commits may be the only sound ones.
+    #[error("cannot roll back to step {step}: {what}; it would not load (ckpt-sidecar verify DIR finds the sound steps)")]
+    Incomplete { step: u64, what: String },
     #[error("rollback to step {step} in {}: {what}: {source}", dir.display())]
     Io { step: u64, dir: PathBuf, what: &'static str, source: io::Error },
 }
@@ -59,9 +64,45 @@ pub fn rollback(dirs: &[PathBuf], step: u64) -> Result<Vec<u64>, RollbackError> 
     if !committed.contains(&step) {
         return Err(RollbackError::NotCommitted { step, dir: primary.clone(), committed });
     }
-    restore::read_index(primary, step).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
+    let index = restore::read_index(primary, step).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
+    if let Some(what) = missing_bytes(dirs, &index, step) {
+        return Err(RollbackError::Incomplete { step, what });
+    }
     catalog::write_step_file(primary, ROLLBACK_FILE_NAME, step).map_err(io("write the rollback intent"))?;
     complete(dirs, step).map_err(io("un-commit later steps"))
+}
+
+/// Why committed `step` would not load, found without reading its data (its
+/// index, then a stat per file and blob), or None. For a command about to
+/// give up other steps for it (rollback, gc).
+pub fn would_not_load(dirs: &[PathBuf], step: u64) -> Option<String> {
+    match restore::read_index(&dirs[0], step) {
+        Err(e) => Some(e.to_string()),
+        Ok(index) => missing_bytes(dirs, &index, step),
+    }
+}
+
+/// The first file or blob of `step` that is missing or not the length its
+/// index says (a stat each, no data read), as "path: what".
+fn missing_bytes(dirs: &[PathBuf], index: &Index, step: u64) -> Option<String> {
+    let check = |path: PathBuf, len: u64| match fs::metadata(&path) {
+        Err(e) => Some(format!("{}: {e}", path.display())),
+        Ok(m) if m.len() != len => Some(format!("{}: {} bytes where the index says {len}", path.display(), m.len())),
+        Ok(_) => None,
+    };
+    let secondaries = &index.ckpt.secondary_dirs;
+    for f in &index.ckpt.files {
+        let i = f.dir_idx as usize;
+        let dir = match dirs.get(i) {
+            Some(d) => d.clone(),
+            None => PathBuf::from(secondaries.get(i.wrapping_sub(1))?),
+        };
+        if let Some(what) = check(catalog::step_path(&dir, step).join(&f.name), f.len_bytes) {
+            return Some(what);
+        }
+    }
+    let blobs = catalog::step_path(&dirs[0], step).join(BLOBS_DIR_NAME);
+    index.ckpt.blobs.iter().find_map(|b| check(blobs.join(&b.name), b.len_bytes))
 }
 
 /// Steps 2–4 of the protocol, for `rollback` and for recovery.

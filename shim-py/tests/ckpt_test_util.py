@@ -118,3 +118,8 @@ def fake_cuda_script(text):
     import textwrap
 
     return textwrap.dedent(text).replace("{FAKE_CUDA_CONTEXT}\n", FAKE_CUDA_CONTEXT)
+
+
+def largest_shard(step_dir):
+    """The largest shard file of a committed step's folder."""
+    return max(step_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ckpt_sidecar as cs
+from ckpt_test_util import largest_shard
 from ckpt_sidecar.errors import Damaged
 
 
@@ -35,10 +36,6 @@ def _same_bytes(a, b):
             assert a[k] == b[k], k
 
 
-def _largest_shard(step_dir):
-    return max(step_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-
-
 def test_load_is_bit_exact_from_disk_and_from_ram(ck):
     s1, s2 = _state(1), _state(2)
     ck.save(1, s1).wait_durable(30)
@@ -59,7 +56,7 @@ def test_a_flipped_byte_is_caught_and_latest_falls_back(tmp_path, sidecar):
     ck.save(2, s2).wait_durable(30)
     ck.close()
     sidecar.stop()  # step 2 is no longer resident: loads read the disk
-    shard = _largest_shard(sidecar.dir / "step-000000000002")
+    shard = largest_shard(sidecar.dir / "step-000000000002")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ckpt_sidecar as cs
+from ckpt_test_util import largest_shard
 from ckpt_sidecar.errors import Damaged, InvalidArgument
 
 torch = pytest.importorskip("torch")
@@ -77,10 +78,6 @@ def _snapshot(s):
 def _assert_equal(want, got):
     for (name, a), (_, b) in zip(_leaves(want), _leaves(got)):
         assert _bytes(a) == _bytes(b), f"{name} differs"
-
-
-def _largest_shard(step_dir):
-    return max(step_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
 
 
 def test_load_into_is_bit_exact_in_place_from_disk_and_from_ram(ck):
@@ -170,7 +167,7 @@ def test_a_damaged_checkpoint_never_reaches_the_state_and_latest_falls_back(tmp_
     ck.save(2, s2).wait_durable(30)
     ck.close()
     sidecar.stop()  # step 2 is no longer resident: loads read the disk
-    shard = _largest_shard(sidecar.dir / "step-000000000002")
+    shard = largest_shard(sidecar.dir / "step-000000000002")
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0x01  # near the end: the tensors before it were read and matched
     shard.write_bytes(bytes(data))

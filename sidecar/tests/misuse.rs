@@ -388,22 +388,7 @@ fn recovery_points_latest_only_at_a_checkpoint_whose_index_reads() {
 fn status_lists_no_session_of_its_own_and_a_closed_stdout_leaves_the_sidecar_serving() {
     let tmp = tempfile::tempdir().unwrap();
     let socket = tmp.path().join("run/s.sock");
-    let mut serve = Command::new(BIN)
-        .args(["serve", "--staging", "2MiB", "--dir"])
-        .arg(tmp.path().join("ckpt"))
-        .arg("--socket")
-        .arg(&socket)
-        .env("CKPT_SIDECAR_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(serve.try_wait().unwrap().is_none(), "serve exited");
-        assert!(t0.elapsed() < Duration::from_secs(30), "serve did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut serve = serve_listening(&tmp.path().join("ckpt"), &socket);
     let out = Command::new(BIN).arg("status").arg("--socket").arg(&socket).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
@@ -522,22 +507,7 @@ fn rollback_to_a_step_with_a_truncated_shard_is_refused_and_loses_nothing() {
     assert_eq!(tree(&d), before, "the tool changed the directory");
     // The same through a sidecar that serves the directory.
     let socket = tmp.path().join("run/s.sock");
-    let mut serve = Command::new(BIN)
-        .args(["serve", "--staging", "2MiB", "--dir"])
-        .arg(&d)
-        .arg("--socket")
-        .arg(&socket)
-        .env("CKPT_SIDECAR_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(serve.try_wait().unwrap().is_none(), "serve exited");
-        assert!(t0.elapsed() < Duration::from_secs(30), "serve did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut serve = serve_listening(&d, &socket);
     let before = tree(&d);
     let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -605,4 +575,25 @@ fn gc_never_keeps_only_steps_that_would_not_load() {
     let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!d.join("step-000000000001").exists());
+}
+
+/// A `serve` of `dir` with 2 MiB of staging, once it listens on `socket`.
+fn serve_listening(dir: &Path, socket: &Path) -> std::process::Child {
+    let mut serve = Command::new(BIN)
+        .args(["serve", "--staging", "2MiB", "--dir"])
+        .arg(dir)
+        .arg("--socket")
+        .arg(socket)
+        .env("CKPT_SIDECAR_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        assert!(serve.try_wait().unwrap().is_none(), "serve exited");
+        assert!(t0.elapsed() < Duration::from_secs(30), "serve did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    serve
 }

@@ -37,6 +37,16 @@ pub struct Store {
     pub sessions: u32,
 }
 
+impl Store {
+    /// Step `step` (the newest for None) and a copy of its checkpoint.
+    fn find(&self, step: Option<u64>) -> Option<(u64, Ckpt)> {
+        match step {
+            Some(n) => self.steps.get(&n).map(|c| (n, c.clone())),
+            None => self.steps.iter().next_back().map(|(n, c)| (*n, c.clone())),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Ckpt {
     pub tensors: Vec<(TensorInfo, Vec<u8>)>,
@@ -250,13 +260,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar does not gather parts".into() });
             }
             Request::Load { id, step, tensors } => {
-                let s = store.lock().unwrap();
-                let found = match step {
-                    Some(n) => s.steps.get(&n).map(|c| (n, c.clone())),
-                    None => s.steps.iter().next_back().map(|(n, c)| (*n, c.clone())),
-                };
-                drop(s);
-                let Some((n, ck)) = found else {
+                let Some((n, ck)) = store.lock().unwrap().find(step) else {
                     send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: "no checkpoint".into() });
                     continue;
                 };
@@ -295,13 +299,7 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar has no CUDA".into() })
             }
             Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => {
-                let s = store.lock().unwrap();
-                let found = match step {
-                    Some(n) => s.steps.get(&n).map(|c| (n, c.clone())),
-                    None => s.steps.iter().next_back().map(|(n, c)| (*n, c.clone())),
-                };
-                drop(s);
-                let Some((n, ck)) = found else {
+                let Some((n, ck)) = store.lock().unwrap().find(step) else {
                     send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: "no checkpoint".into() });
                     continue;
                 };

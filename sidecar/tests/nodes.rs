@@ -240,7 +240,7 @@ fn four_ranks_on_two_nodes_commit_one_checkpoint_with_every_tensor() {
 #[test]
 fn a_node_whose_sidecar_is_killed_mid_write_never_commits_and_its_folder_is_removed() {
     let c = Cluster::new();
-    let (a, mut b) = (c.node(0, "2"), c.node(1, "2"));
+    let (a, mut b) = (c.node(0, "5"), c.node(1, "5"));
     let shared = c.shared();
     let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 48 << 20), Rank::connect(&b, 3, 1 << 20)];
     save_all(&mut ranks, 1, &shared);
@@ -275,7 +275,9 @@ fn a_node_whose_sidecar_is_killed_mid_write_never_commits_and_its_folder_is_remo
 #[test]
 fn a_rank_that_never_sends_fails_the_step_on_every_node_naming_it() {
     let c = Cluster::new();
-    let (a, b) = (c.node(0, "1.5"), c.node(1, "1.5"));
+    // Long enough for the three present ranks' parts (and the four of the
+    // retry) to arrive on a loaded machine: at 1.5 s the test failed there.
+    let (a, b) = (c.node(0, "5"), c.node(1, "5"));
     let shared = c.shared();
     let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 1 << 20)];
     // Rank 3 (node b) died before its part: ranks 0, 1, 2 wait, then fail.

@@ -410,6 +410,20 @@ int ckpt_loaded_blob(struct ckpt_client *client,
                      uint64_t cap_bytes,
                      uint64_t *len_bytes);
 
+// Why the last successful ckpt_load or ckpt_load_packed of "latest" did not
+// load a newer checkpoint (each newer step that would not load, "step N:
+// reason", joined by "; "), copied into `buf` as ckpt_loaded_blob copies a
+// blob; a length of 0 when it loaded the newest. CKPT_E_NOT_FOUND when
+// there was no load yet.
+//
+// # Safety
+// `client` is a live client; `buf` writable for `cap_bytes`; `len_bytes`
+// writable.
+int ckpt_loaded_fell_back(struct ckpt_client *client,
+                          void *buf,
+                          uint64_t cap_bytes,
+                          uint64_t *len_bytes);
+
 // How many tensors the checkpoint of the last successful ckpt_load holds
 // (all of them, not only those loaded).
 //

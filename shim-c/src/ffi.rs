@@ -786,16 +786,48 @@ pub unsafe extern "C" fn ckpt_loaded_blob(client: *mut ckpt_client, name: *const
         let len_out = out(len_bytes, "len_bytes")?;
         let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
         let blob = last.as_ref().and_then(|l| l.info.blobs.iter().find(|b| b.name == name)).ok_or_else(|| Error::NoSuchBlob { name: name.to_string() })?;
-        let len = blob.bytes.len() as u64;
-        unsafe { *len_out = len };
-        if buf.is_null() && cap_bytes == 0 {
-            return Ok(());
-        }
-        if cap_bytes < len || buf.is_null() {
-            return Err(Error::Truncated { len_bytes: len, cap_bytes });
-        }
-        unsafe { std::ptr::copy_nonoverlapping(blob.bytes.as_ptr(), buf.cast::<u8>(), blob.bytes.len()) };
-        Ok(())
+        unsafe { copy_out(&blob.bytes, buf, cap_bytes, len_out) }
+    })
+}
+
+/// Copies `bytes` into `buf` (capacity `cap_bytes`) and stores their length
+/// in *len_out: ckpt_loaded_blob's and ckpt_loaded_fell_back's contract.
+///
+/// # Safety
+/// `buf` writable for `cap_bytes` (or NULL); `len_out` writable.
+unsafe fn copy_out(bytes: &[u8], buf: *mut c_void, cap_bytes: u64, len_out: *mut u64) -> Result<(), Error> {
+    let len = bytes.len() as u64;
+    // SAFETY: writable by the contract.
+    unsafe { *len_out = len };
+    if buf.is_null() && cap_bytes == 0 {
+        return Ok(());
+    }
+    if cap_bytes < len || buf.is_null() {
+        return Err(Error::Truncated { len_bytes: len, cap_bytes });
+    }
+    // SAFETY: buf holds at least len bytes by the check and the contract.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), bytes.len()) };
+    Ok(())
+}
+
+/// Why the last successful ckpt_load or ckpt_load_packed of "latest" did not
+/// load a newer checkpoint (each newer step that would not load, "step N:
+/// reason", joined by "; "), copied into `buf` as ckpt_loaded_blob copies a
+/// blob; a length of 0 when it loaded the newest. CKPT_E_NOT_FOUND when
+/// there was no load yet.
+///
+/// # Safety
+/// `client` is a live client; `buf` writable for `cap_bytes`; `len_bytes`
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_fell_back(client: *mut ckpt_client, buf: *mut c_void, cap_bytes: u64, len_bytes: *mut u64) -> c_int {
+    guard(|| {
+        // SAFETY (this block): the caller's contract for every pointer.
+        let c = unsafe { self::client(client) }?;
+        let len_out = out(len_bytes, "len_bytes")?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let text = last.as_ref().map(|l| l.info.fell_back.join("; ")).ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        unsafe { copy_out(text.as_bytes(), buf, cap_bytes, len_out) }
     })
 }
 

@@ -119,6 +119,7 @@ def lib():
         "ckpt_loaded_tensor_offset": ([P, c.c_size_t, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_region_name": ([P, P, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_loaded_blob": ([P, c.c_char_p, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_loaded_fell_back": ([P, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_loaded_tensor_count": ([P, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_loaded_tensor": ([P, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_char_p),
                                 c.POINTER(c.POINTER(c.c_uint64)), c.POINTER(c.c_uint32),

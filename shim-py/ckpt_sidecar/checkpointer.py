@@ -1266,7 +1266,7 @@ class Checkpointer:
                 break
         else:
             raise SidecarError(f"checkpoint {got.value} kept needing a larger region ({need.value} bytes); try again")
-        self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+        self._note_load(got.value, src.value)
         infos = self._loaded_tensors()
         offs, off = [], ctypes.c_uint64()
         for i in range(len(infos)):
@@ -1311,7 +1311,7 @@ class Checkpointer:
         want = -1 if want is None else want
         got, src = ctypes.c_uint64(), ctypes.c_int()
         N.check(L.ckpt_load(self._client, want, None, 0, ctypes.byref(got), ctypes.byref(src)))
-        self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+        self._note_load(got.value, src.value)
         infos = self._loaded_tensors()
         skel = self._loaded_blob(STRUCTURE_BLOB)
         # The sidecar lists and loads tensors stored in slices whole. Only
@@ -1581,7 +1581,7 @@ class Checkpointer:
                 N.check(L.ckpt_load_packed(self._client, want, ctypes.c_void_p(target.region.ptr),
                                            target.region.len_bytes, ctypes.byref(got), ctypes.byref(src),
                                            ctypes.byref(need)))
-                self.last_load_step, self.last_load_source = got.value, ("ram" if src.value == N.SOURCE_RAM else "disk")
+                self._note_load(got.value, src.value)
                 infos = self._loaded_tensors()
                 if need.value <= target.region.len_bytes:
                     break
@@ -1624,6 +1624,24 @@ class Checkpointer:
                               f"rank {self.rank} gets rank {self.rank % saved_world_size}'s RNG state")
             return self._loaded_blob(dist.rng_blob_name(self.rank % saved_world_size))
         return self._loaded_blob(RNG_BLOB)
+
+    def _note_load(self, step, source):
+        """Records a load that succeeded (`last_load_step`, `last_load_source`,
+        `last_load_fell_back`) and, where "latest" passed over newer steps
+        that do not load, says so in a RuntimeWarning: the run resumes from
+        an older step than its newest checkpoint."""
+        self.last_load_step, self.last_load_source = step, ("ram" if source == N.SOURCE_RAM else "disk")
+        L = N.lib()
+        n = ctypes.c_uint64()
+        N.check(L.ckpt_loaded_fell_back(self._client, None, 0, ctypes.byref(n)))
+        why = ""
+        if n.value:
+            buf = ctypes.create_string_buffer(n.value)
+            N.check(L.ckpt_loaded_fell_back(self._client, buf, n.value, ctypes.byref(n)))
+            why = buf.raw[: n.value].decode(errors="replace")
+            warnings.warn(f"loaded step {step}, not a newer checkpoint that does not load ({why})", RuntimeWarning,
+                          stacklevel=4)
+        self.last_load_fell_back = why
 
     def _loaded_tensors(self):
         L = N.lib()

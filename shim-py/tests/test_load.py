@@ -2,6 +2,8 @@
 the tensors come back as views of it. Bit-exact from disk and from RAM, a
 flipped byte still caught, and the lifetime rule: a loaded tensor is never
 overwritten by a later load or save, and stays valid after close()."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -65,9 +67,19 @@ def test_a_flipped_byte_is_caught_and_latest_falls_back(tmp_path, sidecar):
     try:
         with pytest.raises(Damaged, match="checksum mismatch"):
             ck.load(2)
-        back = ck.load()
+        # Said: the run resumes from an older step than its newest checkpoint.
+        with pytest.warns(RuntimeWarning, match=r"loaded step 1, not a newer checkpoint that does not load \(.*step 2 .*checksum mismatch") as said:
+            back = ck.load()
+        assert str(said[0].message).count("step 2") == 1, said[0].message  # said once
         assert ck.last_load_step == 1 and ck.last_load_source == "disk"
+        assert "step 2 is damaged" in ck.last_load_fell_back
         _same_bytes(s1, back)
+        with pytest.warns(RuntimeWarning, match="loaded step 1, not a newer"):
+            assert ck.load_tensors(["u8"])["u8"].tobytes() == s1["u8"].tobytes()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.load(1)  # the step asked for: nothing passed over, nothing said
+        assert ck.last_load_fell_back == ""
     finally:
         ck.close()
 

@@ -215,7 +215,8 @@ fn served_from_index(step: u64, index: &ckpt_store::format::Index, blobs: &std::
         .map(|t| TensorInfo { name: t.name.to_string(), dtype: t.dtype.as_str().into(), shape: t.shape.to_vec(), len_bytes: t.len_bytes() })
         .collect();
     let blobs = blobs.iter().map(|(n, b)| Blob { name: n.clone(), bytes: b.clone() }).collect();
-    let fell_back = fell_back.iter().map(|(s, why)| format!("step {s}: {why}")).collect();
+    // Each named by its step once: most reasons say it already.
+    let fell_back = fell_back.iter().map(|(s, why)| if why.contains(&format!("step {s} ")) { why.clone() } else { format!("step {s}: {why}") }).collect();
     (step, LoadSource::Disk, tensors, blobs, fell_back)
 }
 

@@ -490,14 +490,7 @@ fn doctor_names_an_unusable_directory_once() {
 fn rollback_to_a_step_with_a_truncated_shard_is_refused_and_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("d");
-    for _ in 0..2 {
-        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-    let shard = d.join("step-000000000001/rank-00000-of-00001-shard-0000.safetensors");
-    let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
-    f.set_len(1000).unwrap();
-    drop(f);
+    let shard = truncated_shard_among_two_steps(&d, 1);
     let before = tree(&d);
     let want = format!("error: cannot roll back to step 1: {}: 1000 bytes where the index says", shard.display());
     let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
@@ -556,12 +549,7 @@ fn status_of_a_socket_that_is_no_sidecar_names_it_in_one_line() {
 fn gc_never_keeps_only_steps_that_would_not_load() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("d");
-    for _ in 0..2 {
-        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-    let shard = d.join("step-000000000002/rank-00000-of-00001-shard-0000.safetensors");
-    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(1000).unwrap();
+    let shard = truncated_shard_among_two_steps(&d, 2);
     let before = tree(&d);
     let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -596,4 +584,16 @@ fn serve_listening(dir: &Path, socket: &Path) -> std::process::Child {
         std::thread::sleep(Duration::from_millis(20));
     }
     serve
+}
+
+/// Commits steps 1 and 2 into `d` (bench write, 256 KiB each), then cuts step
+/// `step`'s shard to 1000 bytes; returns the shard's path.
+fn truncated_shard_among_two_steps(d: &Path, step: u64) -> PathBuf {
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let shard = d.join(format!("step-{step:012}/rank-00000-of-00001-shard-0000.safetensors"));
+    std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(1000).unwrap();
+    shard
 }

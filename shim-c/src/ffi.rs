@@ -664,30 +664,47 @@ pub unsafe extern "C" fn ckpt_load(client: *mut ckpt_client, step: i64, tensors:
     guard(|| {
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
-        let step = match step {
-            -1 => None,
-            s if s >= 0 => Some(s as u64),
-            s => return Err(invalid(format!("step {s}: expected a step >= 0 or -1 for the latest"))),
-        };
+        let step = load_step(step)?;
         let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
         let info = c.client.load(step, &ts)?;
+        unsafe { c.loaded(info, out_step, out_source) };
+        Ok(())
+    })
+}
+
+/// A load's step argument: -1 for the latest good checkpoint, else a step.
+fn load_step(step: i64) -> Result<Option<u64>, Error> {
+    match step {
+        -1 => Ok(None),
+        s if s >= 0 => Ok(Some(s as u64)),
+        s => Err(invalid(format!("step {s}: expected a step >= 0 or -1 for the latest"))),
+    }
+}
+
+impl ckpt_client {
+    /// Records a load that succeeded (what ckpt_loaded_* report) and stores
+    /// its step and source in the out-pointers that are not NULL.
+    ///
+    /// # Safety
+    /// Non-NULL out-pointers are writable.
+    unsafe fn loaded(&self, info: LoadInfo, out_step: *mut u64, out_source: *mut c_int) {
         if !out_step.is_null() {
+            // SAFETY: writable by the contract.
             unsafe { *out_step = info.step };
         }
         if !out_source.is_null() {
-            unsafe {
-                *out_source = match info.source {
-                    LoadSource::Ram => CKPT_SOURCE_RAM,
-                    LoadSource::Disk => CKPT_SOURCE_DISK,
-                }
+            let source = match info.source {
+                LoadSource::Ram => CKPT_SOURCE_RAM,
+                LoadSource::Disk => CKPT_SOURCE_DISK,
             };
+            // SAFETY: writable by the contract.
+            unsafe { *out_source = source };
         }
         let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("NULs removed");
         let names = info.tensors.iter().map(|t| cstring(&t.name)).collect();
         let dtypes = info.tensors.iter().map(|t| cstring(&t.dtype)).collect();
-        *c.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
-        Ok(())
-    })
+        *self.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
+    }
 }
 
 /// Loads every tensor of checkpoint `step` (-1: the latest good one) into the
@@ -716,30 +733,12 @@ pub unsafe extern "C" fn ckpt_load_packed(
     guard(|| {
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
-        let step = match step {
-            -1 => None,
-            s if s >= 0 => Some(s as u64),
-            s => return Err(invalid(format!("step {s}: expected a step >= 0 or -1 for the latest"))),
-        };
+        let step = load_step(step)?;
         let info = c.client.load_packed(step, data.cast::<u8>(), len_bytes)?;
-        if !out_step.is_null() {
-            unsafe { *out_step = info.step };
-        }
-        if !out_source.is_null() {
-            unsafe {
-                *out_source = match info.source {
-                    LoadSource::Ram => CKPT_SOURCE_RAM,
-                    LoadSource::Disk => CKPT_SOURCE_DISK,
-                }
-            };
-        }
         if !out_need_bytes.is_null() {
             unsafe { *out_need_bytes = info.need_bytes };
         }
-        let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("NULs removed");
-        let names = info.tensors.iter().map(|t| cstring(&t.name)).collect();
-        let dtypes = info.tensors.iter().map(|t| cstring(&t.dtype)).collect();
-        *c.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
+        unsafe { c.loaded(info, out_step, out_source) };
         Ok(())
     })
 }

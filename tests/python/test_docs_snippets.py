@@ -68,11 +68,10 @@ def tool_bin(tmp_path_factory, sidecar_bin):
     """A folder for PATH: `python` (this venv's), `torchrun` over it, and
     ckpt-sidecar's own folder after it."""
     d = tmp_path_factory.mktemp("bin")
-    (d / "python").symlink_to(sys.executable)
-    (d / "python3").symlink_to(sys.executable)
-    tr = d / "torchrun"
-    tr.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
-    tr.chmod(0o755)
+    # Scripts, not links: a venv's Python finds its venv from the path it was run by.
+    for name, args in (("python", ""), ("python3", ""), ("torchrun", " -m torch.distributed.run")):
+        (d / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        (d / name).chmod(0o755)
     return d
 
 

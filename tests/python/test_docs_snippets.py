@@ -144,15 +144,35 @@ def test_readme_test_command_is_what_ci_runs():
     assert (REPO / "examples/python/demo.sh").is_file()
 
 
+def _anchors(path):
+    """The anchors GitHub gives the headings of a Markdown file."""
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
 def test_doc_links_resolve():
-    """Every relative link of the user docs names a file that exists."""
+    """Every relative link of the user docs names a file that exists, and
+    a heading of it that exists."""
+    bad = []
     for doc in ("README.md", "docs/guide.md", "docs/cli.md", "docs/python.md", "docs/performance.md",
                 "docs/testing.md", "shim-py/README.md"):
         path = REPO / doc
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
             if "://" in target:
                 continue
-            assert (path.parent / target).exists(), f"{doc}: link to {target}, which does not exist"
+            dest = (path.parent / target) if target else path
+            if not dest.exists():
+                bad.append(f"{doc}: {target} does not exist")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{doc}: {target}#{anchor}: no such heading")
+    assert not bad, "\n".join(bad)
 
 
 # ---- docs/cli.md against the binary ----

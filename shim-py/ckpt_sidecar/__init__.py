@@ -6,7 +6,7 @@
     ck.guard(optimizer)                       # optimizer.step() waits for the release
     state = ck.load("latest")
 
-See shim-py/README.md. The native client is libckpt (shim-c), bundled.
+See docs/python.md. The native client is libckpt (shim-c), bundled.
 Importing this package is cheap (numpy and the native library load on first use).
 """
 from .errors import (BadRequest, Closed, ConnectFailed, CudaError, Damaged, Disconnected, InvalidArgument, IOFailed,

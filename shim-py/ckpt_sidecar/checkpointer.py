@@ -1412,7 +1412,7 @@ class Checkpointer:
         written by the sidecar straight into their GPU memory (host-to-device
         on its own stream, finished before this returns). Nothing may write
         the tensors of `state` meanwhile, nor while a save of them is not yet
-        released. See shim-py/README.md, "Loading into the trainer's
+        released. See docs/python.md, "Loading into the trainer's
         tensors"."""
         L = N.lib()
         with self._mu:

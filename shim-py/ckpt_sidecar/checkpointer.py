@@ -33,6 +33,7 @@ import weakref
 
 import numpy as np
 
+from . import _alias
 from . import _cuda
 from . import _native as N
 from . import dist
@@ -1395,7 +1396,10 @@ class Checkpointer:
         (`strict=False` loads the ones both have, as torch's
         `load_state_dict(strict=False)`; the result's `missing_keys` are the
         state's tensors the checkpoint lacks, `unexpected_keys` the
-        checkpoint's that the state lacks); a numpy array is writable.
+        checkpoint's that the state lacks); a numpy array is writable; no
+        tensor is an expanded view (stride 0: its elements share memory) and
+        no two share memory unless they are the very same view (tied
+        weights, written with each name's bytes in turn).
 
         Host tensors: the sidecar reads the checkpoint into a load region,
         verifying every checksum (a damaged `latest` falls back to the newest
@@ -1443,6 +1447,9 @@ class Checkpointer:
                     if self._region_of(addr, _leaf_nbytes(ref, obj)) is not None:
                         direct.append((addr, _leaf_nbytes(ref, obj), ref, False))
                 mine[ref.name] = (ref, obj)
+            why = _alias.aliasing_error(fl.leaves, _cuda.device_leaf, torch)
+            if why is not None:
+                raise InvalidArgument(f"load_into: {why}; nothing was loaded")
             # The sidecar refuses overlapping destinations (views of one
             # storage, tied weights): host leaves after the first are copied.
             direct.sort(key=lambda d: d[:2])

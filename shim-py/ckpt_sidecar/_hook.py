@@ -8,7 +8,8 @@ then replaces torch.save and torch.load:
 
 - torch.save(obj, path) (the host way) serialises with the original
   torch.save straight into shared memory (a pool of reused regions; the very first file, before
-  any sidecar is known, goes through private memory), hands the bytes to the
+  any sidecar is known, goes through private memory, as does a file for
+  which /dev/shm has no room, said once on stderr), hands the bytes to the
   sidecar (protocol SaveFile: copied into its staging) and returns once the
   sidecar holds them (Released). The pool's regions are hand-over regions
   (protocol.md), so once sent the file is written even if this process
@@ -236,12 +237,17 @@ class _ShmFile:
         self._pool = pool
         self.region = pool.take(size_hint)
         self.len_bytes = 0
+        self.no_room = None  # the SidecarError of a region this file outgrew and could not get
 
     def write(self, b):
         src = self._frombuffer(memoryview(b).cast("B"), dtype=self._u8)
         n = src.nbytes
         if self.len_bytes + n > self.region.len_bytes:
-            self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
+            try:
+                self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
+            except SidecarError as e:  # /dev/shm full: the caller serialises in private memory
+                self.no_room = e
+                raise
         if n:
             ctypes.memmove(self.region.ptr + self.len_bytes, src.ctypes.data, n)
         self.len_bytes += n
@@ -587,8 +593,11 @@ class _Files:
         try:
             return _ShmFile(self.pool, hint)
         except SidecarError as e:
-            self._say_once(("alloc", type(e)), f"no shared memory for torch.save ({e}); serialising in private memory")
+            self.say_no_shm(e)
             return None
+
+    def say_no_shm(self, e):
+        self._say_once(("alloc", type(e)), f"no shared memory for torch.save ({e}); serialising in private memory")
 
     def submit(self, path, data):
         """Hands `data` for `path` to the sidecar and returns once it holds it,
@@ -1143,7 +1152,15 @@ def patch(torch):
             orig_save(obj, out, *args, **kwargs)
         except BaseException:
             out.release()
-            raise
+            if out.no_room is None:
+                raise
+            # No shared memory for a file this large (/dev/shm full): in
+            # private memory, as the first file (nothing is lost).
+            _files.say_no_shm(out.no_room)
+            out = io.BytesIO()
+            orig_save(obj, out, *args, **kwargs)
+            _files.submit(path, out.getbuffer())
+            return
         _files.submit(path, out)
 
     def load(f, *args, **kwargs):

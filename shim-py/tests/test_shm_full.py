@@ -64,3 +64,45 @@ def test_a_nearly_full_dev_shm_is_an_error_naming_it_not_a_sigbus(tmp_path):
         assert "8 MiB saved and loaded equal" in r.stdout, r.stdout + r.stderr
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+HOOK_CODE = """
+    import os, pickle, torch
+    from ckpt_sidecar import _hook
+
+    torch.save({"first": 1}, "first.pt")         # written here while the sidecar starts
+    assert _hook.wait_sidecar(60)
+    with open("/dev/shm/taken", "wb") as f:      # 40 MiB of the 64 MiB taken
+        f.write(b"\\1" * (40 << 20))
+    big = {"blob": os.urandom(32 << 20)}
+    torch.save(big, "big.pt")                    # no shared memory for it: private memory, written here
+    with open("big.pt", "rb") as f:
+        assert pickle.load(f) == big
+    torch.save({"small": 2}, "small.pt")         # small ones still go to the sidecar
+    _hook.flush()
+    print(_hook.counts(), flush=True)
+"""
+
+
+def test_the_hook_serialises_in_private_memory_what_a_full_dev_shm_cannot_hold(tmp_path):
+    # torch.save of a file that outgrows its shared-memory region while
+    # /dev/shm is full: the hook's region could not grow (an error raised
+    # out of torch.save, before: a SIGBUS); it serialises in private memory
+    # and writes the file in this process, and says so once.
+    from test_hook import FAKE_TORCH
+
+    (tmp_path / "fake" / "torch").mkdir(parents=True)
+    (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    tmpdir = tempfile.mkdtemp(prefix="ck")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+        env.update(TMPDIR=tmpdir, CKPT_SIDECAR="1", CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"),
+                   CKPT_SIDECAR_STAGING="64MiB", PYTHONPATH=str(tmp_path / "fake"))
+        r = _private_dev_shm([sys.executable, "-c", textwrap.dedent(HOOK_CODE)], env, tmp_path)
+        if r is None:
+            pytest.skip("cannot mount a private tmpfs on /dev/shm here (unshare -m and unshare -rm refused)")
+        assert r.returncode == 0, f"exit {r.returncode} (-7: SIGBUS)\n{r.stdout}\n{r.stderr}"
+        assert "no shared memory for torch.save" in r.stderr and "/dev/shm" in r.stderr, r.stderr
+        assert "'in_process': 2" in r.stdout and "'sidecar': 1" in r.stdout, r.stdout + r.stderr
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)

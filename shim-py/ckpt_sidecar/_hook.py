@@ -645,10 +645,11 @@ class _Files:
         the write is raised here, as plain torch.save raises it."""
         with self._mu:
             self._here[path] = self._here.get(path, 0) + 1
-            self._mu.wait_for(lambda: min(self._unplaced[path]) == seq)
-            superseded = self._latest[path] != seq  # a newer file of the path was saved meanwhile
         fd = None
         try:
+            with self._mu:
+                self._mu.wait_for(lambda: min(self._unplaced[path]) == seq)
+                superseded = self._latest[path] != seq  # a newer file of the path was saved meanwhile
             if superseded:
                 self._count("superseded")
             else:

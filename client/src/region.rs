@@ -2,8 +2,16 @@
 //!
 //! Owns: creating a segment (`shm_open(O_CREAT | O_EXCL, 0600)` through the
 //! `shared_memory` crate, name `/ckpt-<pid>-<region_id>-<16 hex>` as
-//! docs/protocol.md says), mapping it read-write in the trainer, and removing
+//! docs/protocol.md says), reserving its pages (`posix_fallocate`) before
+//! anything touches it, mapping it read-write in the trainer, and removing
 //! its name when the region is freed.
+//!
+//! Reserved pages (a decision): a tmpfs segment is sparse after `ftruncate`,
+//! and a page first touched when `/dev/shm` is full kills the toucher with
+//! SIGBUS: the trainer copying a tensor in, or the sidecar writing a load
+//! into it. Every segment is therefore backed in full at creation; a full
+//! `/dev/shm` is [`RegionError::NoRoom`] (naming `/dev/shm` and the size),
+//! returned before a byte is copied.
 //!
 //! Name lifetime (a decision): the name stays in `/dev/shm` for as long as
 //! the region is allocated, not just until the sidecar has opened it, so that
@@ -16,6 +24,9 @@
 //! whose peer is gone as well.
 //!
 //! Invariants:
+//! - every page of a segment is allocated before `create` returns, so no
+//!   access within `len_bytes` faults for want of memory (nobody else
+//!   truncates our segments: they are 0600 and ours);
 //! - the mapping is valid for `len_bytes` from `as_ptr()` until the region
 //!   is dropped; nothing here reads or writes through it except the explicit
 //!   copy helpers, which check bounds first;
@@ -71,6 +82,18 @@ pub enum RegionError {
     BadLength { len_bytes: u64, max: u64 },
     #[error("creating shared memory segment {name} ({len_bytes} bytes) failed: {source}")]
     Create { name: String, len_bytes: u64, source: ShmemError },
+    /// `/dev/shm` (a tmpfs) cannot hold the segment: refused at creation,
+    /// before anything is copied (see the module's doc).
+    #[error("no room in /dev/shm for a shared memory segment of {len_bytes} bytes ({}): {source} \
+             (see `df -h /dev/shm`; free space there, or give the container a larger /dev/shm)", mib(*len_bytes))]
+    NoRoom { len_bytes: u64, source: std::io::Error },
+    #[error("reserving the pages of shared memory segment {name} ({len_bytes} bytes) failed: {source}")]
+    Reserve { name: String, len_bytes: u64, source: std::io::Error },
+}
+
+/// `len_bytes` in MiB, for messages.
+fn mib(len_bytes: u64) -> String {
+    format!("{:.1} MiB", len_bytes as f64 / (1u64 << 20) as f64)
 }
 
 impl ShmRegion {
@@ -86,7 +109,10 @@ impl ShmRegion {
             match ShmemConf::new().os_id(&name).size(len_bytes as usize).create() {
                 Ok(shmem) => {
                     debug_assert!(shmem.is_owner());
-                    return Ok(ShmRegion { shmem, region_id, len_bytes, hand_over: false, unlink_on_drop: AtomicBool::new(true) });
+                    // Dropped (unmapped and unlinked) on failure.
+                    let region = ShmRegion { shmem, region_id, len_bytes, hand_over: false, unlink_on_drop: AtomicBool::new(true) };
+                    reserve(&name, len_bytes)?;
+                    return Ok(region);
                 }
                 // A name left by an earlier process with our pid: pick another suffix.
                 Err(ShmemError::MappingIdExists) if tries < 8 => tries += 1,
@@ -162,6 +188,33 @@ impl ShmRegion {
             Some(end) if end <= self.len_bytes => Ok(()),
             _ => Err(format!("{len} bytes at offset {offset_bytes} do not fit region {} of {} bytes", self.region_id, self.len_bytes)),
         }
+    }
+}
+
+/// Allocates every page of the new segment `name` (`posix_fallocate` through
+/// a descriptor of its own: the crate keeps its one private), so that no
+/// later access faults for want of memory. ENOSPC: `/dev/shm` is full.
+fn reserve(name: &str, len_bytes: u64) -> Result<(), RegionError> {
+    let err = |source: std::io::Error| match source.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::ENOMEM) | Some(libc::EFBIG) => RegionError::NoRoom { len_bytes, source },
+        _ => RegionError::Reserve { name: name.to_string(), len_bytes, source },
+    };
+    let c = CString::new(name).map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+    let len = libc::off_t::try_from(len_bytes).map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+    // SAFETY: `c` is a valid NUL-terminated string; the descriptor returned
+    // is ours alone and closed below.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(err(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is an open descriptor of a regular (tmpfs) file; the call
+    // only allocates blocks within [0, len), which the segment already spans.
+    let rc = unsafe { libc::posix_fallocate(fd, 0, len) };
+    // SAFETY: `fd` was opened above and is not used after this.
+    unsafe { libc::close(fd) };
+    match rc {
+        0 => Ok(()),
+        rc => Err(err(std::io::Error::from_raw_os_error(rc))),
     }
 }
 
@@ -280,6 +333,23 @@ mod tests {
         assert_eq!(r.offset_of(base - 1, 1), None);
         drop(r);
         assert!(fs::metadata(&path).is_err(), "segment name left behind");
+    }
+
+    #[test]
+    fn create_reserves_the_segments_pages() {
+        // Issue 19, defect 2: a sparse segment faulted in on a full /dev/shm
+        // killed the trainer with SIGBUS; every page is allocated up front.
+        let len_bytes = 3 << 20;
+        let r = ShmRegion::create(4, len_bytes).unwrap();
+        let meta = fs::metadata(format!("/dev/shm{}", r.shm_name())).unwrap();
+        assert!(meta.blocks() * 512 >= len_bytes, "{} bytes allocated of {len_bytes}", meta.blocks() * 512);
+    }
+
+    #[test]
+    fn no_room_names_dev_shm_and_the_size() {
+        let e = RegionError::NoRoom { len_bytes: 36 << 20, source: std::io::Error::from_raw_os_error(libc::ENOSPC) };
+        let text = e.to_string();
+        assert!(text.contains("/dev/shm") && text.contains("37748736 bytes (36.0 MiB)"), "{text}");
     }
 
     #[test]

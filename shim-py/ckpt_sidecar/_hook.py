@@ -8,7 +8,8 @@ then replaces torch.save and torch.load:
 
 - torch.save(obj, path) (the host way) serialises with the original
   torch.save straight into shared memory (a pool of reused regions; the very first file, before
-  any sidecar is known, goes through private memory), hands the bytes to the
+  any sidecar is known, goes through private memory, as does a file for
+  which /dev/shm has no room, said once on stderr), hands the bytes to the
   sidecar (protocol SaveFile: copied into its staging) and returns once the
   sidecar holds them (Released). The pool's regions are hand-over regions
   (protocol.md), so once sent the file is written even if this process
@@ -27,7 +28,9 @@ then replaces torch.save and torch.load:
   /proc, /sys, a device or FIFO at the path), the original torch.save runs
   instead and raises its own exception (or, for a device or a file in a
   directory it cannot create files in, writes it as it always does). A
-  write that fails after torch.save returned (disk full) is said on stderr
+  write this process does inside torch.save raises its OSError there. A
+  write that fails after torch.save returned (at the sidecar, or the
+  fsync here; disk full) is said on stderr
   at once; the next torch.save or torch.load of that path raises it (an
   OSError with its errno, told once); a process that never asked exits
   with status 1 after saying it (see _at_exit).
@@ -38,16 +41,28 @@ then replaces torch.save and torch.load:
   the Checkpointer's private temp folder. It is spawned in the background: its staging is
   pre-faulted before it answers (seconds per GiB on a VM), which the first
   torch.save does not wait for; files saved until it answers are written
-  by this process, as below.
-- Nothing is lost when the sidecar cannot do it: if it cannot be started or
-  reached, refuses a file (e.g. larger than its staging), or dies before the
-  file is durable, a background thread of this process writes the file the
-  same way (temp, fsync, rename, fsync of the directory) from the bytes the
-  hook keeps until then (its shared-memory region stays busy until the file
-  is durable), and says so on stderr once. A save superseded by a
-  newer torch.save of the same path is not rewritten. Files of one path land
-  in the order they were saved: a file whose path still has a write pending
-  here is written here too, after it.
+  by this process inside torch.save, as below.
+- Nothing is lost when the sidecar cannot do it: if it is not answering
+  yet, cannot be started or reached, or refuses a file (e.g. larger than its
+  staging), this process writes the file inside torch.save, which returns
+  once the file is in place under its name, as the original torch.save
+  leaves it (a kill of the process from then on loses nothing): the bytes
+  go into an unnamed file of the directory (O_TMPFILE; a temp file
+  .NAME.ckpt-tmp-PID-HEX where the file system has none), linked under
+  such a temp name and renamed over the path; a failure of that write is
+  raised by torch.save. Its fsync and the directory's follow on a
+  background thread. If the sidecar dies after it took a file but before
+  the file is durable, that thread writes the file the same way from the
+  bytes the hook keeps until then (its shared-memory region stays busy
+  until the file is durable), and says so on stderr once. A save
+  superseded by a newer torch.save of the same path is not rewritten.
+  Files of one path land in the order they were saved: a file to be
+  written here waits until every older file of its path is in place (or
+  given up), and a file whose path still has a write running here is
+  written here too, after it. Temp files that a killed process left (its
+  pid dead, and no lock on the file, which a writer holds) are removed by
+  the first torch.save of a later process into that directory
+  (sweep_strays), saying so on stderr.
 - CUDA tensors (the CUDA way; $CKPT_SIDECAR_HOOK_CUDA, default "device"):
   when the object holds CUDA storages (only looked for once CUDA is
   initialised in this process, first by a walk of its plain containers and
@@ -93,11 +108,13 @@ import atexit
 import collections
 import ctypes
 import errno
+import fcntl
 import importlib.abc
 import io
 import os
 import pickle
 import queue
+import re
 import stat
 import sys
 import threading
@@ -220,12 +237,17 @@ class _ShmFile:
         self._pool = pool
         self.region = pool.take(size_hint)
         self.len_bytes = 0
+        self.no_room = None  # the SidecarError of a region this file outgrew and could not get
 
     def write(self, b):
         src = self._frombuffer(memoryview(b).cast("B"), dtype=self._u8)
         n = src.nbytes
         if self.len_bytes + n > self.region.len_bytes:
-            self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
+            try:
+                self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
+            except SidecarError as e:  # /dev/shm full: the caller serialises in private memory
+                self.no_room = e
+                raise
         if n:
             ctypes.memmove(self.region.ptr + self.len_bytes, src.ctypes.data, n)
         self.len_bytes += n
@@ -458,7 +480,9 @@ class _Files:
         self._sizes = {}     # path -> size of its last file (the next one's size hint)
         self._no_sidecar = None  # why the sidecar is not used, once it failed to start
         self._spawner = None     # the thread starting a sidecar, while and after it does
-        self._here = {}          # path -> writes of it this process has to do (queued or running)
+        self._here = {}          # path -> writes of it this process has to do (waiting or running)
+        self._unplaced = {}      # path -> sequence numbers of its files not yet in place (nor given up)
+        self._swept = set()      # directories whose stray temp files were looked for
         self._said = set()
         # Files written by the sidecar, by this process, and not rewritten (superseded).
         self.counts = {"sidecar": 0, "in_process": 0, "superseded": 0}
@@ -547,6 +571,18 @@ class _Files:
         if self._ck is not None:
             self._ck.close()
 
+    def sweep_once(self, d):
+        """The first time this process saves into directory `d`: the temp
+        files dead processes left there are removed (sweep_strays)."""
+        with self._mu:
+            if d in self._swept:
+                return
+            self._swept.add(d)
+        gone = sweep_strays(d)
+        if gone:
+            print(f"ckpt_sidecar: removed {len(gone)} temp file(s) that a killed process left in {d}: "
+                  f"{', '.join(sorted(gone))}", file=sys.stderr)
+
     def open(self, path):
         """A _ShmFile to serialise `path`'s next file into, once a sidecar is
         in use (None before the first file, or without a sidecar: the caller
@@ -557,23 +593,25 @@ class _Files:
         try:
             return _ShmFile(self.pool, hint)
         except SidecarError as e:
-            self._say_once(("alloc", type(e)), f"no shared memory for torch.save ({e}); serialising in private memory")
+            self.say_no_shm(e)
             return None
 
+    def say_no_shm(self, e):
+        self._say_once(("alloc", type(e)), f"no shared memory for torch.save ({e}); serialising in private memory")
+
     def submit(self, path, data):
-        """Hands `data` for `path` to the sidecar and returns once it holds it
-        (or at once, when this process is to write it). `data` is bytes-like,
-        or the _ShmFile it was serialised into (no copy then)."""
+        """Hands `data` for `path` to the sidecar and returns once it holds it,
+        or, when this process is to write it, once the file is in place under
+        its name (its fsync follows on the writer thread). `data` is
+        bytes-like, or the _ShmFile it was serialised into (no copy then)."""
         shm = isinstance(data, _ShmFile)
         n = data.len_bytes if shm else len(data)
         self._sizes[path] = n
         ck = self._checkpointer(n)
+        # Newest first: an older file of this path that the sidecar gives
+        # back from now on is superseded, never written over this one.
+        seq = self._begin(path)
         with self._mu:
-            # Newest first: an older file of this path that the sidecar gives
-            # back from now on is superseded, never written over this one.
-            self._seq += 1
-            seq = self._latest[path] = self._seq
-            self._pending[path] = self._pending.get(path, 0) + 1
             # Behind a write of this path here: here too, after it.
             here = ck is None or self._here.get(path, 0) > 0
         handle = None
@@ -594,13 +632,52 @@ class _Files:
                 self._say_once(("refused", type(e)), f"the sidecar did not take torch.save to {path} ({e}); "
                                "writing it in this process")
                 handle = None
+        if handle is None:
+            self._write_here(path, seq, data)
+        else:
+            self._enqueue(path, seq, data, handle)
+
+    def _write_here(self, path, seq, data):
+        """Writes `path`'s file `seq` in this process, now: returns once it is
+        in place under its name (as plain torch.save leaves it), after every
+        older file of the path (at the sidecar, or being written here) is in
+        place or given up; its fsync goes to the writer thread. A failure of
+        the write is raised here, as plain torch.save raises it."""
         with self._mu:
-            if handle is None:
-                self._here[path] = self._here.get(path, 0) + 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ckpt-sidecar-torch-save", daemon=True)
-                self._thread.start()
-            self._q.put((path, seq, data, handle))
+            self._here[path] = self._here.get(path, 0) + 1
+        fd = None
+        try:
+            with self._mu:
+                self._mu.wait_for(lambda: min(self._unplaced[path]) == seq)
+                superseded = self._latest[path] != seq  # a newer file of the path was saved meanwhile
+            if superseded:
+                self._count("superseded")
+            else:
+                fd = place(path, data.view() if isinstance(data, _ShmFile) else data)
+                self._count("in_process")
+        except BaseException as e:
+            self._finish_here(path, seq, data, done=True)
+            if isinstance(e, OSError) and e.filename is None:  # os.write's: say which file
+                raise OSError(e.errno, e.strerror, path) from e
+            raise
+        self._finish_here(path, seq, data, done=fd is None)
+        if fd is not None:
+            self._enqueue(path, seq, _Placed(fd), None)
+
+    def _finish_here(self, path, seq, data, done):
+        """`path`'s file `seq` is in place here (or not written): its bytes are
+        no longer needed, and a newer file of the path may go on; `done`: no
+        fsync follows (the file is no longer pending)."""
+        if isinstance(data, _ShmFile):
+            data.release()
+        with self._mu:
+            self._here[path] -= 1
+            if not self._here[path]:
+                del self._here[path]
+            self._placed(path, seq)
+            if done:
+                self._done(path)
+            self._mu.notify_all()
 
     def cuda_mode(self):
         """"device" or "host" ($CKPT_SIDECAR_HOOK_CUDA, read once)."""
@@ -657,9 +734,8 @@ class _Files:
                                f"device ({e}); the original torch.save copies it to the host")
                 with self._mu:
                     self.cuda["fell_back"] += 1
-                    self._pending[path] -= 1
-                    if not self._pending[path]:
-                        del self._pending[path]
+                    self._placed(path, seq)
+                    self._done(path)
                     self._mu.notify_all()
                 return False
         finally:
@@ -678,7 +754,21 @@ class _Files:
             self._seq += 1
             seq = self._latest[path] = self._seq
             self._pending[path] = self._pending.get(path, 0) + 1
+            self._unplaced.setdefault(path, set()).add(seq)
             return seq
+
+    def _placed(self, path, seq):
+        """(Under _mu.) `path`'s file `seq` is in place, or will never be."""
+        left = self._unplaced[path]
+        left.discard(seq)
+        if not left:
+            del self._unplaced[path]
+
+    def _done(self, path):
+        """(Under _mu.) One file of `path` is no longer pending."""
+        self._pending[path] -= 1
+        if not self._pending[path]:
+            del self._pending[path]
 
     def _enqueue(self, path, seq, data, handle):
         """To the writer thread: wait for `handle` (None: write `data` here)."""
@@ -691,30 +781,41 @@ class _Files:
     def _run(self):
         while True:
             path, seq, data, handle = self._q.get()
-            here = handle is None  # counted in self._here by submit
+            if isinstance(data, _Placed):  # written here, in place: its fsync
+                try:
+                    sync_placed(data.fd, path)
+                except BaseException as e:  # as below
+                    print(f"ckpt_sidecar: torch.save to {path} failed after it returned: {e}", file=sys.stderr)
+                    with self._mu:
+                        self.errors[path] = e
+                finally:
+                    with self._mu:
+                        self._done(path)
+                        self._mu.notify_all()
+                continue
+            here = False
             try:
-                if handle is not None:
-                    try:
-                        handle.wait_durable()
-                        self._count("sidecar")
-                        continue
-                    except SidecarError as e:
-                        if data is _DEVICE:
-                            with self._mu:
-                                superseded = self._latest[path] != seq
-                            if superseded:
-                                self._count("superseded")
-                                continue
-                            with self._mu:
-                                self.cuda["lost"] += 1
-                            raise OSError(getattr(e, "errno", None) or errno.EIO,
-                                          f"the sidecar did not finish it after it held its CUDA tensors ({e}); "
-                                          "this process kept no host copy (CKPT_SIDECAR_HOOK_CUDA=host keeps one)") from e
-                        self._say_once(("lost", type(e)), f"the sidecar did not finish {path} ({e}); "
-                                       "writing it in this process")
+                try:
+                    handle.wait_durable()
+                    self._count("sidecar")
+                    continue
+                except SidecarError as e:
+                    if data is _DEVICE:
+                        with self._mu:
+                            superseded = self._latest[path] != seq
+                        if superseded:
+                            self._count("superseded")
+                            continue
+                        with self._mu:
+                            self.cuda["lost"] += 1
+                        raise OSError(getattr(e, "errno", None) or errno.EIO,
+                                      f"the sidecar did not finish it after it held its CUDA tensors ({e}); "
+                                      "this process kept no host copy (CKPT_SIDECAR_HOOK_CUDA=host keeps one)") from e
+                    self._say_once(("lost", type(e)), f"the sidecar did not finish {path} ({e}); "
+                                   "writing it in this process")
                 with self._mu:
                     superseded = self._latest[path] != seq
-                    if not superseded and not here:  # a newer file of the path now waits for this write
+                    if not superseded:  # a newer file of the path now waits for this write
                         self._here[path] = self._here.get(path, 0) + 1
                         here = True
                 if superseded:
@@ -734,9 +835,8 @@ class _Files:
                         self._here[path] -= 1
                         if not self._here[path]:
                             del self._here[path]
-                    self._pending[path] -= 1
-                    if not self._pending[path]:
-                        del self._pending[path]
+                    self._placed(path, seq)
+                    self._done(path)
                     self._mu.notify_all()
 
     def _count(self, what):
@@ -781,26 +881,149 @@ def _later_error(path, err):
 _files = _Files()
 
 
-def write_atomic(path, data):
+class _Placed:
+    """A file this process wrote and renamed into place: its open descriptor,
+    for the writer thread's fsync (sync_placed)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd):
+        self.fd = fd
+
+
+TMP_MARKER = ".ckpt-tmp-"  # the hook's temp names: .NAME.ckpt-tmp-PID-HEX
+_TMP_NAME = re.compile(r"\.(.+)\.ckpt-tmp-([0-9]+)-([0-9a-f]{16})")
+
+
+def _temp_name(path):
+    d, name = os.path.split(path)
+    return os.path.join(d, f".{name}{TMP_MARKER}{os.getpid()}-{os.urandom(8).hex()}")
+
+
+def _write_all(fd, data):
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def place(path, data):
+    """Writes `data` as the file `path`, now: as plain torch.save leaves it
+    when it returns (in the page cache, under its name), atomically (the
+    path names the old file or the new one, whole). The bytes go into an
+    unnamed file of the directory (O_TMPFILE; a named temp file
+    .NAME.ckpt-tmp-PID-HEX where the file system has none), linked under a
+    temp name and renamed over `path`. The temp file is flock'ed while it
+    exists, so that sweep_strays (of any process, in any pid namespace)
+    knows it is not a dead process's. Returns the file's descriptor, not yet
+    synced: sync_placed. A failure removes the temp file and raises."""
     d = os.path.dirname(path) or "."
-    tmp = os.path.join(d, f".{os.path.basename(path)}.ckpt-tmp-{os.getpid()}-{os.urandom(8).hex()}")
+    fd = named = None
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        flag = getattr(os, "O_TMPFILE", 0)
+        if flag:
+            try:
+                fd = os.open(d, flag | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+        if fd is None:
+            named = _temp_name(path)
+            fd = os.open(named, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _write_all(fd, data)
+        if named is None:
+            tmp = _temp_name(path)
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: no privilege
+                # needed (os.link calls linkat, not link, given a dir fd).
+                os.link(f"/proc/self/fd/{fd}", os.path.basename(tmp), dst_dir_fd=dfd, follow_symlinks=True)
+            finally:
+                os.close(dfd)
+            named = tmp
+        os.replace(named, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if named is not None and fd is not None:
+            try:
+                os.unlink(named)
+            except OSError:
+                pass
+        if fd is not None:
+            os.close(fd)
         raise
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    return fd
+
+
+def sync_placed(fd, path):
+    """Makes a file `place` put at `path` durable: its fsync (then closed),
+    then its directory's."""
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_atomic(path, data):
+    """`path` written with `data` and durable (place, then sync_placed)."""
+    sync_placed(place(path, data), path)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError) as e:
+        return isinstance(e, PermissionError)  # someone else's; a number no pid can be: dead
+    return True
+
+
+def sweep_strays(d):
+    """Removes from directory `d` the temp files (.NAME.ckpt-tmp-PID-HEX) of
+    a torch.save through the hook that a dead process left behind (killed
+    between creating and renaming it): ours (our uid), of a pid that is not
+    alive here, and not flock'ed by anyone (a process of another pid
+    namespace holds its lock while the file exists). Returns their names."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        m = _TMP_NAME.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m.group(2))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        p = os.path.join(d, name)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its writer is alive
+            try:
+                if os.stat(p, follow_symlinks=False).st_ino != st.st_ino:
+                    continue  # renamed away and replaced meanwhile
+                os.unlink(p)
+                gone.append(name)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    return gone
 
 
 def flush(timeout=None):
@@ -917,6 +1140,7 @@ def patch(torch):
             # so that files still land in save order).
             _files.wait(path)
             return orig_save(obj, f, *args, **kwargs)
+        _files.sweep_once(os.path.dirname(path))
         if not args and _files.submit_cuda(torch, path, obj, orig_save, kwargs):
             return
         out = _files.open(path)
@@ -929,7 +1153,15 @@ def patch(torch):
             orig_save(obj, out, *args, **kwargs)
         except BaseException:
             out.release()
-            raise
+            if out.no_room is None:
+                raise
+            # No shared memory for a file this large (/dev/shm full): in
+            # private memory, as the first file (nothing is lost).
+            _files.say_no_shm(out.no_room)
+            out = io.BytesIO()
+            orig_save(obj, out, *args, **kwargs)
+            _files.submit(path, out.getbuffer())
+            return
         _files.submit(path, out)
 
     def load(f, *args, **kwargs):

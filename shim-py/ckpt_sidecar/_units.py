@@ -50,6 +50,16 @@ def parse_size(text, what="size"):
     return total
 
 
+def human_bytes(b):
+    """A size for people, as the command line prints it: "512 B", "1.5 GiB"."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    v, i = float(b), 0
+    while v >= 1024.0 and i < len(units) - 1:
+        v /= 1024.0
+        i += 1
+    return f"{b} B" if i == 0 else f"{v:.1f} {units[i]}"
+
+
 def size_arg(name, value):
     """A size option (int bytes or a string with a unit), at least 1 byte."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):

@@ -51,18 +51,20 @@ import time
 
 import torch
 
-from . import _native
+from . import _native, _units
 from .checkpointer import Checkpointer
 from .errors import SidecarError
 
-UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
 def parse_size(s):
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]i?B|B)?\s*", s, re.I)
-    if not m:
-        raise argparse.ArgumentTypeError(f"size {s!r}: expected a number with KiB/MiB/GiB (or KB/MB/GB)")
-    return int(m.group(1)) * UNITS[(m.group(2) or "").upper()]
+    """A size as the command line takes it (_units: store/src/units.rs's meaning)."""
+    try:
+        return _units.parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# The smallest state make_state builds: its 32 norm vectors of 1024 float32.
+STATE_BYTES_MIN = 32 * 4096
 
 
 def log(msg):
@@ -707,6 +709,14 @@ def parse_args(argv=None):
         p.error(str(e))
     if not a.sizes:
         p.error("--sizes: no size given")
+    small = [n for n in a.sizes if n < STATE_BYTES_MIN]
+    if small:
+        p.error(f"--sizes: {', '.join(_units.human_bytes(n) for n in small)} is below the smallest state this "
+                f"benchmark builds ({_units.human_bytes(STATE_BYTES_MIN)}: 32 norm vectors of 4 KiB)")
+    if a.plot is not None:
+        why = plot_path_problem(a.plot)
+        if why:
+            p.error(f"--plot {a.plot}: {why} (checked before the run, so that no run is lost)")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
     if a.loop_rounds < 1:
@@ -745,7 +755,7 @@ def main(argv=None):
             ck = side.connect()
         step = 0
         for size in args.sizes:
-            log(f"size {size >> 20} MiB: making the state")
+            log(f"size {_units.human_bytes(size)}: making the state")
             state = make_state(size)
             size_b = nbytes(state)
             shared_state = None
@@ -782,14 +792,14 @@ def main(argv=None):
                     step += 2  # a sidecar method also uses step + 1
                     workdir = os.path.join(base, f"{m}-{step}")
                     os.makedirs(workdir)
-                    log(f"size {size >> 20} MiB, round {r + 1}/{total}{'' if timed else ' (warm-up)'}: {m}")
+                    log(f"size {_units.human_bytes(size)}, round {r + 1}/{total}{'' if timed else ' (warm-up)'}: {m}")
                     gc.collect()
                     out = methods[m](step, workdir)
                     shutil.rmtree(workdir, ignore_errors=True)
                     if timed:
                         samples[m].append(out)
                 if timed:
-                    log(f"size {size >> 20} MiB, round {r + 1}/{total}: fio write/read, memcpy")
+                    log(f"size {_units.human_bytes(size)}, round {r + 1}/{total}: fio write/read, memcpy")
                     lim["fio_write_s"].append(fio(base, size_b, "write"))
                     lim["fio_read_s"].append(fio(base, size_b, "read"))
                     lim["memcpy_s"].append(memcpy_s(state, dst))
@@ -841,11 +851,53 @@ def main(argv=None):
         print_table(doc)
     if loop is not None:
         print_loop(loop)
+    plot_failed = None
     if args.plot and results:
-        plot(doc, args.plot)
-        log(f"wrote {args.plot}")
+        try:
+            plot(doc, args.plot)
+            log(f"wrote {args.plot}")
+        except Exception as e:  # noqa: BLE001 - the figures (and --json) are not lost for a picture
+            plot_failed = f"bench compare: --plot {args.plot}: writing the plot failed: {type(e).__name__}: {e}"
+            log(plot_failed)
     if args.json:
-        print(json.dumps(doc))
+        print(json.dumps(doc), flush=True)
+    if plot_failed:
+        raise SystemExit(plot_failed)
+
+
+def plot_path_problem(path):
+    """Why a PNG cannot be written at `path` (a directory there, a missing
+    or unwritable folder, a file there that cannot be written, a file format
+    matplotlib does not write), else None. The folder is probed by creating
+    (and removing) a file in it; `path` itself is not created."""
+    path = os.path.abspath(path)
+    d = os.path.dirname(path)
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(d):
+        return f"no folder {d}"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "exists and is not writable"
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".bench-compare-plot-probe-"):
+            pass
+    except OSError as e:
+        return f"cannot create a file in {d}: {e.strerror or e}"
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+
+            known = FigureCanvasAgg(Figure()).get_supported_filetypes()
+        except ImportError as e:
+            return f"matplotlib, which draws it, does not import ({e})"
+        if ext not in known:
+            return f"matplotlib writes no .{ext} file (it writes {', '.join(sorted(known))})"
+    return None
 
 
 def fmt(x, unit=""):
@@ -859,14 +911,14 @@ def print_table(doc):
         lim = lims[r["size_bytes"]]
         ratio = r["durable_s"] / lim["fio_write_s"] if r["durable_s"] and lim["fio_write_s"] else None
         gbs = r["gb_per_s"]
-        print(f"{r['method']:24s} {r['size_bytes'] / 2**20:7.0f}Mi {fmt(r['stall_s']):>9s} {fmt(r['durable_s']):>10s} "
+        print(f"{r['method']:24s} {_units.human_bytes(r['size_bytes']):>9s} {fmt(r['stall_s']):>9s} {fmt(r['durable_s']):>10s} "
               f"{'-' if gbs is None else f'{gbs:.2f}':>7s} {'-' if ratio is None else f'{ratio:.2f}':>6s} "
               f"{fmt(r['restore_s']):>10s}")
     for e in doc["limits"]:
-        print(f"{'limit: fio write':24s} {e['size_bytes'] / 2**20:7.0f}Mi {'':>9s} {fmt(e['fio_write_s']):>10s}")
-        print(f"{'limit: fio read':24s} {e['size_bytes'] / 2**20:7.0f}Mi {'':>9s} {'':>10s} {'':>7s} {'':>6s} "
+        print(f"{'limit: fio write':24s} {_units.human_bytes(e['size_bytes']):>9s} {'':>9s} {fmt(e['fio_write_s']):>10s}")
+        print(f"{'limit: fio read':24s} {_units.human_bytes(e['size_bytes']):>9s} {'':>9s} {'':>10s} {'':>7s} {'':>6s} "
               f"{fmt(e['fio_read_s']):>10s}")
-        print(f"{'limit: memcpy':24s} {e['size_bytes'] / 2**20:7.0f}Mi {fmt(e['memcpy_s']):>9s}")
+        print(f"{'limit: memcpy':24s} {_units.human_bytes(e['size_bytes']):>9s} {fmt(e['memcpy_s']):>9s}")
     for m, note in {r["method"]: r["note"] for r in doc["results"] if r.get("note")}.items():
         print(f"{m}: note: {note}")
     for m, why in doc.get("skipped", {}).items():
@@ -899,9 +951,9 @@ def plot(doc, path):
     for a in (a1, a2):
         a.set_xscale("log")
         a.set_yscale("log")
-        a.set_xticks(xs, [f"{x:.0f}" for x in xs])
+        a.set_xticks(xs, [_units.human_bytes(n) for n in sizes])
         a.minorticks_off()
-        a.set_xlabel("state size (MiB)")
+        a.set_xlabel("state size")
         a.grid(True, which="both", alpha=0.3)
     a1.set_ylabel("trainer stall per save (s)")
     a1.set_title("stall (lower is better)")

@@ -33,7 +33,9 @@ import weakref
 
 import numpy as np
 
+from . import _alias
 from . import _cuda
+from . import _dirlock
 from . import _native as N
 from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
@@ -472,6 +474,10 @@ class Checkpointer:
 
     dir: checkpoint directory for a spawned sidecar (default "ckpt"). A running
         sidecar keeps its own (ck.dir then names it; a warning when `dir` differs).
+        With no sidecar at `socket`, one that `ckpt-sidecar serve` runs for `dir`
+        (its directory lock file names its socket) is connected to instead of
+        spawning one (which could not take the directory); a directory held by
+        another trainer's spawned sidecar is waited for, then named.
     socket: socket path (default: $CKPT_SIDECAR_SOCKET, else the shim's default path).
     spawn: start `ckpt-sidecar serve` for this process when none is reachable: at
         `socket` if given, else at a private path (ck.socket).
@@ -543,6 +549,7 @@ class Checkpointer:
         try:
             try:
                 self._client = self._connect(self.socket)
+                joined = True
             except ConnectFailed as e:
                 if not spawn:
                     raise
@@ -553,8 +560,10 @@ class Checkpointer:
                         f"rank {ranks.rank} of {ranks.world_size}: no sidecar reachable ({e}); run the job as "
                         f"`ckpt-sidecar launch --dir DIR -- torchrun ...` (one sidecar per node), or start "
                         f"`ckpt-sidecar serve` per node and set CKPT_SIDECAR_SOCKET", ConnectFailed.code) from e
-                self._spawn()
-            else:
+                joined = not self._socket_arg and not _private_dir and self._join_serving()
+                if not joined:
+                    self._spawn()
+            if joined:
                 self._check_dir(dir)
                 given = [f"{k}={v!r}" for k, v in (("keep", keep), ("staging", staging), ("cpus", cpus), ("log", log))
                          if v is not None]
@@ -579,6 +588,20 @@ class Checkpointer:
                 warnings.warn(f"releasing a Checkpointer whose constructor failed ({e}): {e2}")
             raise
         _live.add(self)
+
+    def _join_serving(self):
+        """Connects to the sidecar `ckpt-sidecar serve` runs for this
+        directory, when its lock file names one that answers (a sidecar
+        serves one directory: a second one could not take it); True if so."""
+        h = _dirlock.holder(self.dir)
+        if h is None or h["role"] != "serve" or not h["socket"]:
+            return False
+        try:
+            self._client = self._connect(h["socket"])
+        except (ConnectFailed, Disconnected):
+            return False  # its holder is gone (the file outlives a killed one): spawn as usual
+        self.socket = h["socket"]
+        return True
 
     def _check_dir(self, asked):
         """A running sidecar writes where it was told: say so when that is not `dir`."""
@@ -624,16 +647,24 @@ class Checkpointer:
                                    "its sidecar; use that one, or close() it first")
         os.makedirs(self.dir, exist_ok=True)
         # One sidecar per directory: the lock is inherited by the sidecar and held
-        # until it exits, so a restarted trainer waits for a draining one.
-        self._lock_fd = os.open(os.path.join(self.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # until it exits, so a restarted trainer waits for a draining one. A
+        # directory where no file can be made (read-only) gets no lock file
+        # here; the sidecar's own directory lock still keeps one owner.
+        try:
+            self._lock_fd = os.open(os.path.join(self.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
         deadline = time.monotonic() + 120
-        while True:
+        while self._lock_fd is not None:
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError as e:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                    raise SidecarError(f"{self.dir} is in use by another spawned sidecar ({e})") from e
+                    h = _dirlock.holder(self.dir)
+                    who = f": {_dirlock.describe(h)}" if h is not None else ""
+                    raise SidecarError(f"{self.dir} is in use by another spawned sidecar{who} ({e})") from e
                 time.sleep(0.05)
         if self._tmpdir is None:
             self._make_tmpdir()
@@ -683,7 +714,7 @@ class Checkpointer:
         cmd += ["--", "/bin/sh", "-c", 'trap "" TERM INT HUP; exec cat']
         self.log_path = self._log or os.path.join(self._tmpdir, "sidecar.log")
         # The sidecar holds the lock and the janitor's pipe until it exits.
-        keep = (self._lock_fd,) + ((self._own.life_w,) if self._own.life_w is not None else ())
+        keep = tuple(fd for fd in (self._lock_fd, self._own.life_w) if fd is not None)
         with open(self.log_path, "ab") as logf:
             self._log_from = logf.tell()  # a log= file may hold earlier runs
             # Own session: a Ctrl-C at the terminal reaches the trainer, which then stops it in order.
@@ -1395,7 +1426,10 @@ class Checkpointer:
         (`strict=False` loads the ones both have, as torch's
         `load_state_dict(strict=False)`; the result's `missing_keys` are the
         state's tensors the checkpoint lacks, `unexpected_keys` the
-        checkpoint's that the state lacks); a numpy array is writable.
+        checkpoint's that the state lacks); a numpy array is writable; no
+        tensor is an expanded view (stride 0: its elements share memory) and
+        no two share memory unless they are the very same view (tied
+        weights, written with each name's bytes in turn).
 
         Host tensors: the sidecar reads the checkpoint into a load region,
         verifying every checksum (a damaged `latest` falls back to the newest
@@ -1443,6 +1477,9 @@ class Checkpointer:
                     if self._region_of(addr, _leaf_nbytes(ref, obj)) is not None:
                         direct.append((addr, _leaf_nbytes(ref, obj), ref, False))
                 mine[ref.name] = (ref, obj)
+            why = _alias.aliasing_error(fl.leaves, _cuda.device_leaf, torch)
+            if why is not None:
+                raise InvalidArgument(f"load_into: {why}; nothing was loaded")
             # The sidecar refuses overlapping destinations (views of one
             # storage, tied weights): host leaves after the first are copied.
             direct.sort(key=lambda d: d[:2])

@@ -221,14 +221,15 @@ def test_hook_with_real_torch(tmp_path):
 
 
 def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, monkeypatch):
-    # The first file of a path is being written here (no sidecar yet); the
-    # sidecar then answers and the path is saved again. The new file must
-    # not go to the sidecar, which could rename it into place before the old
-    # write's rename, leaving the old bytes: it is written here, after.
+    # The sidecar took the path's first file and then failed it: this
+    # process writes it (slowly). The path is saved again meanwhile: the new
+    # file must not go to the sidecar, which could rename it into place
+    # before the old write's rename, leaving the old bytes: it is written
+    # here, after, and its torch.save returns once it is in place.
     from ckpt_sidecar import _hook
+    from ckpt_sidecar.errors import SidecarError
 
     files = _hook._Files()
-    files._spawner = threading.Thread(target=lambda: None)  # "a sidecar is starting"
     started, go = threading.Event(), threading.Event()
     real_write = _hook.write_atomic
 
@@ -240,30 +241,138 @@ def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, mo
     monkeypatch.setattr(_hook, "write_atomic", slow_write)
     taken = []
 
-    class Handle:
+    class Durable:
         def wait_taken(self, timeout=None):
             pass
 
         def wait_durable(self, timeout=None):
             pass
 
-    class SidecarWritingAtOnce:
+    class Failed(Durable):
+        def wait_durable(self, timeout=None):
+            raise SidecarError("the sidecar died")
+
+    class SidecarFailingItsFirstFile:
         def save_file(self, path, data):
             taken.append(path)
+            if len(taken) == 1:
+                return Failed()
             real_write(path, bytes(data))
-            return Handle()
+            return Durable()
 
     path = str(tmp_path / "model.pt")
+    files._ck = SidecarFailingItsFirstFile()
     files.submit(path, b"old")
-    assert started.wait(30)
-    files._ck = SidecarWritingAtOnce()
-    files.submit(path, b"new")
+    assert started.wait(30)   # the writer thread writes the old file here
+    again = threading.Thread(target=files.submit, args=(path, b"new"))
+    again.start()
     files.submit(str(tmp_path / "other.pt"), b"other")   # another path: to the sidecar
     go.set()
+    again.join(30)
+    assert not again.is_alive()
+    assert open(path, "rb").read() == b"new"   # in place when its torch.save returned
     assert files.wait(None, 30)
     assert open(path, "rb").read() == b"new"
-    assert taken == [str(tmp_path / "other.pt")]
+    assert taken == [path, str(tmp_path / "other.pt")]
     assert files.counts == {"sidecar": 1, "in_process": 2, "superseded": 0}
+
+
+def test_hook_files_written_here_are_in_place_when_torch_save_returns(tmp_path, monkeypatch):
+    # Issue 19, defect 1: a file this process writes (no sidecar answering
+    # yet) was queued for a thread and torch.save returned at once, so a
+    # kill lost it. It is now in place under its name when submit returns;
+    # only the fsync is left to the thread (held here until the end).
+    from ckpt_sidecar import _hook
+
+    files = _hook._Files()
+    files._spawner = threading.Thread(target=lambda: None)  # "a sidecar is starting"
+    go = threading.Event()
+    real_fsync = os.fsync
+
+    def held_fsync(fd):
+        go.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(_hook.os, "fsync", held_fsync)
+    for name, data in (("a.pt", b"a" * 1000), ("b.pt", b"b" * 100000), ("a.pt", b"A")):
+        files.submit(str(tmp_path / name), data)
+        assert (tmp_path / name).read_bytes() == data, name
+    assert sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt"]   # no temp file
+    assert files.pending(str(tmp_path / "a.pt"))              # its fsync is still to come
+    go.set()
+    assert files.wait(None, 30)
+    assert files.counts == {"sidecar": 0, "in_process": 3, "superseded": 0}
+    assert (tmp_path / "a.pt").read_bytes() == b"A"
+
+
+REPRO_19 = """
+import os, signal, torch
+torch.save({'w': torch.zeros(1000)}, '{dir}/a.pt')
+torch.save({'w': torch.ones(1000)}, '{dir}/b.pt')
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_hook_first_files_survive_a_sigkill_right_after_torch_save(tmp_path):
+    # Issue 19, defect 1, its reproduction (5 runs): the files of the first
+    # torch.save calls, written here while the spawned sidecar starts (or
+    # by the sidecar, once it answers), are there after a SIGKILL, whole,
+    # and no temp file is left.
+    torch = pytest.importorskip("torch", reason="torch not installed: the reproduction of issue 19 needs it")
+    from ckpt_test_util import wait_until
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
+    for run in range(5):
+        d = tmp_path / f"x{run}"
+        d.mkdir()
+        private = tempfile.mkdtemp(prefix="ck")  # the spawned sidecar's folder: short, socket paths live there
+        try:
+            e = dict(env, CKPT_SIDECAR="1", CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"), TMPDIR=private)
+            r = subprocess.run([sys.executable, "-c", REPRO_19.replace("{dir}", str(d))], env=e,
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == -9, r.stderr
+            # A file the sidecar took is written by it after the kill: wait
+            # for it to finish and exit (its private folder then removed).
+            wait_until(lambda: os.listdir(private) == [], 30, lambda: f"the sidecar's folder empties: {os.listdir(private)}")
+            assert sorted(os.listdir(d)) == ["a.pt", "b.pt"], (run, os.listdir(d), r.stderr)
+            assert torch.equal(torch.load(d / "a.pt")["w"], torch.zeros(1000)), run
+            assert torch.equal(torch.load(d / "b.pt")["w"], torch.ones(1000)), run
+        finally:
+            import shutil
+
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def test_hook_removes_temp_files_a_killed_process_left_and_no_others(tmp_path):
+    # A process killed inside its write leaves .NAME.ckpt-tmp-PID-HEX: the
+    # next hook that saves into the folder removes it, if its pid is dead
+    # and nobody holds its lock (a live writer of another pid namespace
+    # does); a live pid's, a locked one and other names stay.
+    import fcntl
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stray = f".a.pt.ckpt-tmp-{dead.pid}-{'0' * 15}1"
+    huge = f".b.pt.ckpt-tmp-{10 ** 12}-{'0' * 15}2"            # no pid can be that: dead
+    live = f".a.pt.ckpt-tmp-{os.getpid()}-{'0' * 15}3"
+    locked = f".a.pt.ckpt-tmp-{10 ** 12}-{'0' * 15}4"
+    sidecars = ".a.pt.ckpt-tmp-00000000000000ab"              # the sidecar's own temp names: not the hook's
+    for n in (stray, huge, live, locked, sidecars, "keep.pt"):
+        (tmp_path / n).write_bytes(b"x")
+    fd = os.open(tmp_path / locked, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        code = """
+            import torch
+            torch.save({"k": 1}, "a.pt")
+        """
+        r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path)
+        assert r.returncode == 0, r.stderr
+    finally:
+        os.close(fd)
+    left = sorted(n for n in os.listdir(tmp_path) if "ckpt-tmp" in n)
+    assert left == sorted([live, locked, sidecars]), left
+    assert "removed 2 temp file(s) that a killed process left" in r.stderr, r.stderr
 
 
 def test_sigkilled_trainer_with_hook_leaves_nothing_behind(tmp_path):
@@ -427,13 +536,23 @@ def test_hook_read_only_file_system_raises_at_call_time_as_the_original(tmp_path
 
 
 def test_hook_disk_full_raises_at_next_save_or_load_of_the_path(tmp_path):
-    # 4 MiB into a 1 MiB file system: torch.save returns (the write fails
-    # later, in the sidecar or this process's thread); the next torch.load
-    # and the next torch.save of the path raise it, once each failure.
+    # 4 MiB into a 1 MiB file system. Written here (no sidecar answering
+    # yet): torch.save raises ENOSPC itself and leaves nothing. Taken by the
+    # sidecar: torch.save returns (the write fails later, in the sidecar and
+    # then this process's thread); the next torch.load and the next
+    # torch.save of the path raise it, once each failure.
     code = """
-        import errno, torch
+        import errno, os, torch
         from ckpt_sidecar import _hook
         big = {"blob": bytes(4 << 20)}
+        try:
+            torch.save(big, "mnt/a.pt")        # no sidecar yet: written here, at once
+            raise SystemExit("a save written here into a full disk did not raise")
+        except OSError as e:
+            assert e.errno == errno.ENOSPC and e.filename.endswith("mnt/a.pt"), e
+            print("save here raised:", e)
+        assert os.listdir("mnt") == [], os.listdir("mnt")   # no file, no temp file
+        assert _hook.wait_sidecar(60)
         torch.save(big, "mnt/a.pt")            # returns: the disk fills later
         try:
             torch.load("mnt/a.pt")
@@ -455,6 +574,7 @@ def test_hook_disk_full_raises_at_next_save_or_load_of_the_path(tmp_path):
     """
     r = _in_mount_ns(tmp_path, "size=1m", code)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "save here raised: [Errno 28]" in r.stdout, r.stdout
     assert "load raised: [Errno 28]" in r.stdout and "save raised: [Errno 28]" in r.stdout, r.stdout
     assert r.stdout.rstrip().endswith("ok"), r.stdout
 
@@ -462,6 +582,9 @@ def test_hook_disk_full_raises_at_next_save_or_load_of_the_path(tmp_path):
 def test_hook_disk_full_never_asked_about_exits_non_zero(tmp_path):
     code = """
         import torch
+        from ckpt_sidecar import _hook
+        torch.save({"small": 0}, "mnt/first.pt")   # written here while the sidecar starts
+        assert _hook.wait_sidecar(60)
         torch.save({"blob": bytes(4 << 20)}, "mnt/a.pt")
         torch.save({"small": 1}, "mnt/ok.pt")
         print("returned", flush=True)

@@ -381,3 +381,28 @@ import time; time.sleep(600)
     with cs.Checkpointer(socket=sidecar.socket, spawn=False) as ck:
         assert ck.list() == [1]
 
+
+
+def test_checkpointer_on_a_directory_a_serve_sidecar_holds_connects_to_it(sidecar, no_default_sidecar, tmp_path):
+    # Issue 19: Checkpointer(dir=D) while `ckpt-sidecar serve --dir D` runs at
+    # another socket spawned a sidecar that could not take D. The serving
+    # sidecar's lock file names its socket: the Checkpointer connects there.
+    w = np.arange(1000, dtype=np.float32)
+    with pytest.warns(UserWarning, match="staging=.*ignored, the sidecar at .* was already running"):
+        ck = cs.Checkpointer(dir=str(sidecar.dir), staging="64MiB")
+    try:
+        assert not ck.spawned and ck.socket == sidecar.socket
+        assert os.path.realpath(ck.dir) == os.path.realpath(sidecar.dir)
+        ck.save(1, {"w": w}).wait_durable(30)
+        assert np.array_equal(ck.load(1)["w"], w)
+    finally:
+        ck.close()
+    assert (sidecar.dir / "step-000000000001").is_dir()
+    # A lock file its killed holder left (the socket answers no more): a
+    # sidecar is spawned as before.
+    sidecar.kill()
+    ck = cs.Checkpointer(dir=str(sidecar.dir), staging="64MiB")
+    try:
+        assert ck.spawned and ck.list() == [1]
+    finally:
+        ck.close()

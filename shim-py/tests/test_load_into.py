@@ -251,3 +251,35 @@ def test_a_resumed_model_and_optimizer_continue_bit_identically(ck):
     for k in ("exp_avg", "exp_avg_sq", "step"):
         for p, p2 in zip(m.parameters(), m2.parameters()):
             assert torch.equal(opt.state[p][k], opt2.state[p2][k]), k
+
+
+def test_load_into_refuses_an_expanded_target_or_overlapping_targets_before_writing(ck):
+    # Issue 19, defect 5: an expanded target (stride 0) had the keys before
+    # it written, then failed with torch's raw RuntimeError; two targets
+    # overlapping in memory loaded "successfully", the last write winning.
+    # Both are refused before a byte of the state changes, naming the tensors.
+    s = {"a": torch.arange(12.0), "b": torch.arange(12.0) + 100}
+    ck.save(1, s).wait_durable(30)
+    first = torch.full((12,), -1.0)
+    expanded = {"a": first, "b": torch.full((1,), -2.0).expand(12)}
+    with pytest.raises(InvalidArgument, match=r"load_into: tensor 'b' is an expanded view \(stride 0.*nothing was loaded"):
+        ck.load_into(expanded, 1)
+    assert torch.equal(first, torch.full((12,), -1.0)), "a key before the expanded one was written"
+    buf = torch.full((18,), -1.0)
+    with pytest.raises(InvalidArgument, match="tensors 'a' and 'b' overlap in memory.*nothing was loaded"):
+        ck.load_into({"a": buf[0:12], "b": buf[6:18]}, 1)
+    assert torch.equal(buf, torch.full((18,), -1.0))
+    arr = np.full(18, -1.0, np.float32)
+    with pytest.raises(InvalidArgument, match="overlap in memory"):
+        ck.load_into({"a": arr[0:12], "b": arr[6:18]}, 1)
+    assert (arr == -1.0).all()
+    # Views of one storage that share no byte (the halves of a fused
+    # weight, interleaved row by row) and the very same view twice (tied
+    # weights) still load.
+    ck.save(2, {"q": torch.arange(12.0).reshape(4, 3), "k": -torch.arange(12.0).reshape(4, 3),
+                "tied": torch.ones(5), "tied2": torch.ones(5)}).wait_durable(30)
+    fused, tied = torch.zeros(4, 6), torch.zeros(5)
+    assert ck.load_into({"q": fused[:, :3], "k": fused[:, 3:], "tied": tied, "tied2": tied}, 2) == 2
+    assert torch.equal(fused[:, :3], torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(fused[:, 3:], -torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(tied, torch.ones(5))

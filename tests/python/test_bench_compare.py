@@ -71,3 +71,59 @@ def test_bench_compare_runs_deepspeed_fastpersist_and_restores_the_state(sidecar
     assert any(line.startswith("deepspeed_fastpersist") for line in r.stdout.splitlines()[:-1])  # in the table
     # Standard output is the table, then the JSON: DeepSpeed's log lines go to stderr.
     assert r.stdout.splitlines()[0].split()[:2] == ["method", "size"], r.stdout[:2000]
+
+
+def _compare(args, **kw):
+    return subprocess.run([sys.executable, "-m", "ckpt_sidecar.bench_compare", *args], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def test_bench_compare_plot_to_an_unwritable_path_fails_before_the_run_in_one_line(tmp_path, capsys):
+    # Issue 19, defect 7: the whole run went first, then a PIL traceback,
+    # and the --json document was lost. The path is checked first.
+    pytest.importorskip("torch", reason="bench compare imports torch")
+    from ckpt_sidecar.bench_compare import parse_args
+
+    (tmp_path / "a_dir").mkdir()
+    for png, why in [(tmp_path / "no" / "such" / "p.png", "no folder"), (tmp_path / "a_dir", "is a directory"),
+                     (tmp_path / "p.nosuchformat", "matplotlib writes no .nosuchformat file")]:
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--dir", str(tmp_path / "disk"), "--json", "--plot", str(png)])
+        assert e.value.code == 2
+        assert f"--plot {png}: {why}" in capsys.readouterr().err
+    r = _compare(["--dir", str(tmp_path / "disk"), "--sizes", "1MiB", "--json", "--plot", "/proc/p.png"])
+    assert r.returncode == 2, r.stderr
+    assert "--plot /proc/p.png: cannot create a file in /proc" in r.stderr, r.stderr
+    assert "round 1/" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "disk").exists()   # nothing was run
+
+
+def test_bench_compare_a_plot_that_fails_after_the_run_keeps_the_json(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch", reason="bench compare imports torch")
+    from ckpt_sidecar import bench_compare
+
+    def broken(doc, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench_compare, "plot", broken)
+    png = tmp_path / "p.png"
+    with pytest.raises(SystemExit, match="--plot .*p.png: writing the plot failed: OSError"):
+        bench_compare.main(["--dir", str(tmp_path / "disk"), "--sizes", "128KiB", "--methods", "torch_save",
+                            "--rounds", "1", "--warmup", "0", "--json", "--plot", str(png)])
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["method"] for r in doc["results"]] == ["torch_save"]
+
+
+def test_bench_compare_sizes_mean_what_the_command_line_says(tmp_path):
+    # Issue 19: `--sizes 100` measured 128 KiB and printed "0Mi"; the module
+    # refused 1.5MiB and 1G, which the command line takes.
+    pytest.importorskip("torch", reason="bench compare imports torch")
+    from ckpt_sidecar.bench_compare import parse_args
+
+    a = parse_args(["--dir", str(tmp_path), "--sizes", "1.5MiB,1G,2MB,300KiB", "--loop-size", "1.5MiB"])
+    assert a.sizes == [3 << 19, 1 << 30, 2_000_000, 300 << 10] and a.loop_size == 3 << 19
+    r = _compare(["--dir", str(tmp_path / "disk"), "--sizes", "100"])
+    assert r.returncode == 2 and "--sizes: 100 B is below the smallest state this benchmark builds (128.0 KiB" \
+        in r.stderr, r.stderr
+    r = _compare(["--dir", str(tmp_path / "disk"), "--sizes", "1.5XB"])
+    assert r.returncode == 2 and 'unknown unit "xb"' in r.stderr, r.stderr

@@ -91,6 +91,7 @@ def test_safetensors_sigkill_right_after_save_file_returns_keeps_the_file(tmp_pa
     while not (tmp_path / "big.safetensors").exists():
         assert time.monotonic() < deadline, sidecar.log.read_text()
         time.sleep(0.05)
+    assert "file durable" in sidecar.log.read_text()  # written by the sidecar, not by the killed trainer
     st.save_file({"w": torch.arange(1 << 20, dtype=torch.float32)}, tmp_path / "own.safetensors", metadata={"k": "v"})
     assert (tmp_path / "big.safetensors").read_bytes() == (tmp_path / "own.safetensors").read_bytes()
 

@@ -175,7 +175,8 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
     if let Some(m) = metrics {
-        crate::metrics::spawn(m, shared.clone()).map_err(DaemonError::Thread)?;
+        let s = shared.clone();
+        crate::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
     }
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.

@@ -10,16 +10,17 @@
 //! [`config::METRICS_REQUEST_BYTES_MAX`] read within
 //! [`config::METRICS_IO_TIMEOUT_MS`]).
 //!
-//! Invariant: the gauges (staging, in-flight, sessions) are read from
-//! [`Shared::report`] at each scrape, the very report `status --json`
-//! prints, so both say the same of one moment.
+//! Invariant: the gauges (staging, in-flight, sessions) are read at each
+//! scrape from the status report (`Shared::report`, passed in by the daemon
+//! as a function, so this module needs nothing of the daemon's state), the
+//! very report `status --json` prints, so both say the same of one moment.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use ckpt_wire::{ErrorCode, Reply};
+use ckpt_wire::{ErrorCode, Reply, StatusReport};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -29,7 +30,6 @@ use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::config;
-use crate::state::Shared;
 
 type Reason = [(&'static str, &'static str); 1];
 
@@ -125,10 +125,9 @@ fn gauge(v: u64) -> Gauge {
     g
 }
 
-/// The metrics as OpenMetrics text, the gauges read from `shared` now.
-pub fn render(shared: &Shared) -> String {
+/// The metrics as OpenMetrics text, the gauges from `report` (now's).
+pub fn render(report: &StatusReport) -> String {
     let m = metrics();
-    let report = shared.report();
     let mut r = Registry::with_prefix("ckpt");
     r.register("checkpoints_started", "Saves (checkpoints, ranks' parts, hooked files) that passed their checks", m.started.clone());
     r.register("checkpoints_released", "Saves released to the trainer (the sidecar holds its copy)", m.released.clone());
@@ -158,8 +157,9 @@ pub fn bind(addr: SocketAddr) -> Result<TcpListener, BindError> {
     TcpListener::bind(addr).map_err(|source| BindError { addr, source })
 }
 
-/// Serves `GET /metrics` on `listener` from a thread of its own.
-pub fn spawn(listener: TcpListener, shared: Arc<Shared>) -> std::io::Result<()> {
+/// Serves `GET /metrics` on `listener` from a thread of its own; `report`
+/// gives the status report at each scrape.
+pub fn spawn(listener: TcpListener, report: impl Fn() -> StatusReport + Send + 'static) -> std::io::Result<()> {
     if let Ok(a) = listener.local_addr() {
         info!(metrics = %format!("http://{a}/metrics"), "metrics listening");
     }
@@ -167,7 +167,7 @@ pub fn spawn(listener: TcpListener, shared: Arc<Shared>) -> std::io::Result<()> 
         for conn in listener.incoming() {
             match conn {
                 Ok(s) => {
-                    if let Err(e) = answer(s, &shared) {
+                    if let Err(e) = answer(s, &report) {
                         info!("metrics request: {e}");
                     }
                 }
@@ -180,7 +180,7 @@ pub fn spawn(listener: TcpListener, shared: Arc<Shared>) -> std::io::Result<()> 
 
 /// One HTTP/1.x exchange: the request head read (bounded, timed out), one
 /// response, the connection closed.
-fn answer(mut s: TcpStream, shared: &Shared) -> std::io::Result<()> {
+fn answer(mut s: TcpStream, report: &dyn Fn() -> StatusReport) -> std::io::Result<()> {
     let timeout = Some(Duration::from_millis(config::METRICS_IO_TIMEOUT_MS));
     s.set_read_timeout(timeout)?;
     s.set_write_timeout(timeout)?;
@@ -202,7 +202,7 @@ fn answer(mut s: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let path = target.split(|&b| b == b'?').next().unwrap_or(&[]);
     match (method, path) {
         (b"GET", b"/metrics") => {
-            respond(&mut s, "200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", &render(shared))
+            respond(&mut s, "200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", &render(&report()))
         }
         (b"GET", _) => respond(&mut s, "404 Not Found", "text/plain", "only /metrics here\n"),
         _ => respond(&mut s, "405 Method Not Allowed", "text/plain", "GET /metrics\n"),

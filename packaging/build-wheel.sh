@@ -10,6 +10,8 @@
 #   OUT_DIR (or $OUT_DIR) defaults to target/wheels; the wheel's path is the
 #   last line printed. PYTHON picks the Python that runs pip (default: .venv's,
 #   else python3; it needs setuptools and wheel, or network for pip to get them).
+#   CKPT_SIDECAR_SKIP_CARGO=1 packs what $CARGO_TARGET_DIR/release (target/release)
+#   holds, with no cargo run (e.g. binaries built elsewhere).
 #
 # Why a platform tag set here and not auditwheel: what auditwheel repair
 # checks and decides for these two files is checked here the same way, with
@@ -29,8 +31,12 @@ export PATH="$PATH:$HOME/.cargo/bin"
 TARGET=${CARGO_TARGET_DIR:-target}
 case $TARGET in /*) ;; *) TARGET=$ROOT/$TARGET ;; esac
 
-echo "building ckpt-shim and ckpt-sidecar (release)" >&2
-cargo build --release -p ckpt-shim -p ckpt-sidecar >&2
+if [ "${CKPT_SIDECAR_SKIP_CARGO:-}" = 1 ]; then
+    echo "CKPT_SIDECAR_SKIP_CARGO=1: packing what $TARGET/release holds" >&2
+else
+    echo "building ckpt-shim and ckpt-sidecar (release)" >&2
+    cargo build --release -p ckpt-shim -p ckpt-sidecar >&2
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or repairs) the Python virtual environment at .venv with what
 # tests/python needs: pytest, numpy, safetensors, crc32c, matplotlib (bench
-# compare's --plot, smoke-tested), and torch (the
+# compare's --plot, smoke-tested), lightning (shim-py/tests/test_lightning.py,
+# after torch), and torch (the
 # default Linux wheel from PyPI, about 5 GB with its CUDA libraries; it runs
 # on CPU too).
 # Fast when it is already there: nothing is installed if the imports work.
@@ -21,6 +22,19 @@ install_torch() {
         echo "installing torch into $VENV"
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch
         "$VENV/bin/python" -c 'import torch'
+    fi
+}
+
+# lightning (ckpt_sidecar.lightning's test: a real Trainer on CPU), after torch
+# so that pip keeps the venv's torch: about 45 s and 25 MB (lightning,
+# pytorch_lightning, lightning_fabric, torchmetrics, aiohttp). Pinned, so a new
+# release cannot change CI.
+LIGHTNING_VERSION=2.6.6
+install_lightning() {
+    if ! "$VENV/bin/python" -c 'import lightning' 2>/dev/null; then
+        echo "installing lightning $LIGHTNING_VERSION into $VENV"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check "lightning==$LIGHTNING_VERSION"
+        "$VENV/bin/python" -c 'import lightning, torch'
     fi
 }
 
@@ -66,6 +80,7 @@ print("deepspeed: " + ("skipped by bench compare: " + why if why else "FastPersi
 
 if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib' 2>/dev/null; then
     install_torch
+    install_lightning
     install_shim
     install_deepspeed
     exit 0
@@ -80,5 +95,6 @@ echo "installing ${PACKAGES[*]} into $VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PACKAGES[@]}"
 "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib'
 install_torch
+install_lightning
 install_shim
 install_deepspeed

@@ -169,6 +169,9 @@ def install():
         patch(sys.modules["torch"])
     else:
         sys.meta_path.insert(0, _TorchFinder())
+    from . import _hook_safetensors  # safetensors.torch.save_file through the same path
+
+    _hook_safetensors.install()
 
 
 class _Pool:

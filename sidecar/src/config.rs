@@ -145,3 +145,13 @@ const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);
 /// live sidecar serves with --keep, that one may be deleted between picking
 /// and reading it. The newest is picked again at most this many times.
 pub const RESOLVE_TRIES_MAX: u32 = 8;
+
+/// `--metrics`: the request head read from a scraper (bytes), and how long
+/// its read or the response's write may take, so one stuck client cannot
+/// hold the (single) metrics thread.
+pub const METRICS_REQUEST_BYTES_MAX: usize = 8 << 10;
+pub const METRICS_IO_TIMEOUT_MS: u64 = 2_000;
+/// Buckets of the metrics' seconds histograms: 1 ms doubling, so the last
+/// bound is 2^(N-1) ms (about 4.4 minutes for 19).
+pub const METRICS_BUCKETS_N: u16 = 19;
+const _: () = assert!(METRICS_BUCKETS_N >= 2 && METRICS_BUCKETS_N <= 30);

@@ -55,6 +55,8 @@ pub struct DaemonOptions {
     /// Several nodes: the directory all nodes' sidecars share (multi-rank
     /// steps are written and committed there, `crate::nodes`).
     pub shared: Option<PathBuf>,
+    /// Serve metrics on this address (`crate::metrics`).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +77,8 @@ pub enum DaemonError {
     TempDir(io::Error),
     #[error("starting a thread: {0}")]
     Thread(io::Error),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::BindError),
     #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
     Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
 }
@@ -135,6 +139,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     if budget < config::STAGING_BYTES_MIN {
         return Err(DaemonError::StagingTooSmall(budget));
     }
+    let metrics = opts.metrics.map(crate::metrics::bind).transpose()?;
     let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
     // The directories are locked (a second sidecar on one fails here, naming
     // the holder) and recovered before the staging budget is allocated.
@@ -169,6 +174,10 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
+    if let Some(m) = metrics {
+        let s = shared.clone();
+        crate::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
+    }
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.
     listener.publish()?;

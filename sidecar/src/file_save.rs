@@ -176,6 +176,7 @@ pub fn run_save_file(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, A
         return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
     }
     let key = shared.begin_file(&path, len_bytes);
+    peer.started(id, t_received, len_bytes);
     let span = info_span!("save_file", path = %path, bytes = len_bytes, pieces = sources.len());
     let guard = span.enter();
     let give_up = || shared.stop_reason(peer, (!handed_over).then_some("the client disconnected before release"));

@@ -21,6 +21,7 @@ pub mod fd_socket;
 pub mod file_save;
 pub mod jobs;
 pub mod load;
+pub mod metrics;
 pub mod nodes;
 pub mod peer;
 pub mod regions;

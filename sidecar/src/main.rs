@@ -152,6 +152,10 @@ struct DaemonArgs {
     /// missing one is likely a shared file system not mounted here).
     #[arg(long)]
     shared: Option<PathBuf>,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics,
+    /// e.g. 127.0.0.1:9464 (docs/metrics.md); port 0 picks a free one (logged).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
     #[command(flatten)]
     io: IoArgs,
 }
@@ -168,6 +172,7 @@ impl DaemonArgs {
             shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
             shared: self.shared.clone(),
+            metrics: self.metrics,
         })
     }
 }

@@ -5,8 +5,9 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ckpt_wire::Reply;
 
@@ -16,17 +17,35 @@ pub struct Peer {
     stream: Mutex<UnixStream>,
     fd: i32,
     broken: AtomicBool,
+    /// Request id -> (arrival, file bytes) of this client's saves in flight,
+    /// for the metrics (`crate::metrics`): until their Durable or Failed.
+    started: Mutex<HashMap<u64, (Instant, u64)>>,
 }
 
 impl Peer {
     pub fn new(stream: UnixStream) -> Peer {
         let _ = stream.set_write_timeout(Some(Duration::from_millis(crate::config::SEND_TIMEOUT_MS)));
         let fd = stream.as_raw_fd();
-        Peer { stream: Mutex::new(stream), fd, broken: AtomicBool::new(false) }
+        Peer { stream: Mutex::new(stream), fd, broken: AtomicBool::new(false), started: Mutex::new(HashMap::new()) }
+    }
+
+    /// Save `id` (of `bytes` file bytes, received at `t_received`) is in
+    /// flight: counted, and timed until its Released/Durable/Failed.
+    pub fn started(&self, id: u64, t_received: Instant, bytes: u64) {
+        crate::metrics::record_started();
+        self.started.lock().expect("started lock").insert(id, (t_received, bytes));
     }
 
     /// Sends one reply; false (and the peer marked broken) if it could not.
+    /// Released, Durable and Failed are counted first (`crate::metrics`),
+    /// sent or not.
     pub fn send(&self, reply: &Reply) -> bool {
+        if let Reply::Released { id, .. } | Reply::Durable { id, .. } | Reply::Failed { id, .. } = reply {
+            let mut started = self.started.lock().expect("started lock");
+            let at = if matches!(reply, Reply::Released { .. }) { started.get(id).copied() } else { started.remove(id) };
+            drop(started);
+            crate::metrics::record_reply(reply, at.map(|(t, _)| t.elapsed().as_secs_f64()), at.map_or(0, |(_, b)| b));
+        }
         if self.broken.load(Ordering::SeqCst) {
             return false;
         }

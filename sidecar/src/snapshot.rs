@@ -728,6 +728,7 @@ pub fn run_save(
         let what = part.map_or(String::new(), |p| format!(" (rank {} of {})", p.rank, p.world_size));
         return fail(SaveError::BadRequest(format!("step {step}{what} is already in flight")));
     }
+    peer.started(id, t_received, layout.file_bytes());
     if let Err(e) = check_sizes(&sources) {
         shared.end(key);
         return fail(e);

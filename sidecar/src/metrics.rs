@@ -1,0 +1,217 @@
+//! Metrics a cluster can scrape: `serve`/`launch --metrics ADDR` answers
+//! `GET /metrics` over plain HTTP on ADDR with the OpenMetrics text format
+//! (which Prometheus scrapes), encoded by the `prometheus-client` crate.
+//! docs/metrics.md says what each metric means.
+//!
+//! Owns: the process's counters and histograms ([`record_started`],
+//! [`record_reply`]: fed by every session's [`crate::peer::Peer`], the one
+//! place Released/Durable/Failed leave the daemon), and the `ckpt-metrics`
+//! thread, which serves one connection at a time (a request of at most
+//! [`config::METRICS_REQUEST_BYTES_MAX`] read within
+//! [`config::METRICS_IO_TIMEOUT_MS`]).
+//!
+//! Invariant: the gauges (staging, in-flight, sessions) are read at each
+//! scrape from the status report (`Shared::report`, passed in by the daemon
+//! as a function, so this module needs nothing of the daemon's state), the
+//! very report `status --json` prints, so both say the same of one moment.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use ckpt_wire::{ErrorCode, Reply, StatusReport};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tracing::{info, warn};
+
+use crate::config;
+
+type Reason = [(&'static str, &'static str); 1];
+
+/// What the daemon counts from its start.
+pub struct Metrics {
+    started: Counter,
+    released: Counter,
+    durable: Counter,
+    failed: Family<Reason, Counter>,
+    bytes_written: Counter,
+    release_seconds: Histogram,
+    durable_seconds: Histogram,
+}
+
+fn seconds_buckets() -> impl Iterator<Item = f64> {
+    // 1 ms .. about 4.4 min, doubling.
+    exponential_buckets(0.001, 2.0, config::METRICS_BUCKETS_N)
+}
+
+/// The process's metrics (made at first use).
+pub fn metrics() -> &'static Metrics {
+    static M: OnceLock<Metrics> = OnceLock::new();
+    M.get_or_init(|| {
+        let failed = Family::default();
+        for code in REASONS {
+            let _ = failed.get_or_create(&[("reason", reason(&code))]); // every reason shown, from 0
+        }
+        Metrics {
+            started: Counter::default(),
+            released: Counter::default(),
+            durable: Counter::default(),
+            failed,
+            bytes_written: Counter::default(),
+            release_seconds: Histogram::new(seconds_buckets()),
+            durable_seconds: Histogram::new(seconds_buckets()),
+        }
+    })
+}
+
+const REASONS: [ErrorCode; 7] = [
+    ErrorCode::BadRequest,
+    ErrorCode::BadRegion,
+    ErrorCode::NotFound,
+    ErrorCode::Damaged,
+    ErrorCode::Io,
+    ErrorCode::ShuttingDown,
+    ErrorCode::TooLarge,
+];
+
+/// A save (Save, SavePart or SaveFile) passed its checks and is in flight.
+pub fn record_started() {
+    metrics().started.inc();
+}
+
+/// The label value of a failure's code (a bounded set: the wire's codes).
+fn reason(code: &ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::BadRequest => "bad_request",
+        ErrorCode::BadRegion => "bad_region",
+        ErrorCode::NotFound => "not_found",
+        ErrorCode::Damaged => "damaged",
+        ErrorCode::Io => "io",
+        ErrorCode::ShuttingDown => "shutting_down",
+        ErrorCode::TooLarge => "too_large",
+    }
+}
+
+/// A reply about to leave for a client: Released, Durable and Failed are
+/// counted; `since_s` is the time since the save arrived (None: a Failed
+/// before it was in flight), `bytes` its file bytes.
+pub fn record_reply(reply: &Reply, since_s: Option<f64>, bytes: u64) {
+    let m = metrics();
+    match reply {
+        Reply::Released { copy_seconds, waited_seconds, .. } => {
+            m.released.inc();
+            m.release_seconds.observe(since_s.unwrap_or(copy_seconds + waited_seconds));
+        }
+        Reply::Durable { persist_seconds, .. } => {
+            m.durable.inc();
+            m.bytes_written.inc_by(bytes);
+            m.durable_seconds.observe(since_s.unwrap_or(*persist_seconds));
+        }
+        Reply::Failed { code, .. } => {
+            m.failed.get_or_create(&[("reason", reason(code))]).inc();
+        }
+        _ => {}
+    }
+}
+
+fn gauge(v: u64) -> Gauge {
+    let g = Gauge::default();
+    g.set(i64::try_from(v).unwrap_or(i64::MAX));
+    g
+}
+
+/// The metrics as OpenMetrics text, the gauges from `report` (now's).
+pub fn render(report: &StatusReport) -> String {
+    let m = metrics();
+    let mut r = Registry::with_prefix("ckpt");
+    r.register("checkpoints_started", "Saves (checkpoints, ranks' parts, hooked files) that passed their checks", m.started.clone());
+    r.register("checkpoints_released", "Saves released to the trainer (the sidecar holds its copy)", m.released.clone());
+    r.register("checkpoints_durable", "Saves committed on disk and reported durable", m.durable.clone());
+    r.register("checkpoints_failed", "Saves that failed, by reason (the wire's error code)", m.failed.clone());
+    r.register("bytes_written", "File bytes of the saves reported durable", m.bytes_written.clone());
+    r.register("release_seconds", "From a save's arrival to Released: the longest the trainer can wait for it", m.release_seconds.clone());
+    r.register("durable_seconds", "From a save's arrival to Durable", m.durable_seconds.clone());
+    r.register("staging_bytes", "Staging memory budget, allocated at start", gauge(report.staging_bytes));
+    r.register("staging_used_bytes", "Staging memory leased now (copies, writes, the resident image)", gauge(report.staging_used_bytes));
+    r.register("in_flight", "Saves in flight now (status: in_flight)", gauge(report.in_flight.len() as u64));
+    r.register("sessions", "Connected clients now (status: sessions)", gauge(report.sessions.len() as u64));
+    let mut out = String::new();
+    encode(&mut out, &r).expect("encoding into a String cannot fail");
+    out
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot serve metrics on {addr} (--metrics): {source}")]
+pub struct BindError {
+    addr: SocketAddr,
+    source: std::io::Error,
+}
+
+/// Binds ADDR (before the daemon starts, so a taken port fails the start).
+pub fn bind(addr: SocketAddr) -> Result<TcpListener, BindError> {
+    TcpListener::bind(addr).map_err(|source| BindError { addr, source })
+}
+
+/// Serves `GET /metrics` on `listener` from a thread of its own; `report`
+/// gives the status report at each scrape.
+pub fn spawn(listener: TcpListener, report: impl Fn() -> StatusReport + Send + 'static) -> std::io::Result<()> {
+    if let Ok(a) = listener.local_addr() {
+        info!(metrics = %format!("http://{a}/metrics"), "metrics listening");
+    }
+    std::thread::Builder::new().name("ckpt-metrics".into()).spawn(move || {
+        for conn in listener.incoming() {
+            match conn {
+                Ok(s) => {
+                    if let Err(e) = answer(s, &report) {
+                        info!("metrics request: {e}");
+                    }
+                }
+                Err(e) => warn!("metrics accept: {e}"),
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// One HTTP/1.x exchange: the request head read (bounded, timed out), one
+/// response, the connection closed.
+fn answer(mut s: TcpStream, report: &dyn Fn() -> StatusReport) -> std::io::Result<()> {
+    let timeout = Some(Duration::from_millis(config::METRICS_IO_TIMEOUT_MS));
+    s.set_read_timeout(timeout)?;
+    s.set_write_timeout(timeout)?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
+        if head.len() >= config::METRICS_REQUEST_BYTES_MAX {
+            return respond(&mut s, "431 Request Header Fields Too Large", "text/plain", "request head too large\n");
+        }
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|&b| b == b'\n').next().unwrap_or(&[]);
+    let mut words = line.split(|&b| b == b' ');
+    let (method, target) = (words.next().unwrap_or(&[]), words.next().unwrap_or(&[]));
+    let path = target.split(|&b| b == b'?').next().unwrap_or(&[]);
+    match (method, path) {
+        (b"GET", b"/metrics") => {
+            respond(&mut s, "200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", &render(&report()))
+        }
+        (b"GET", _) => respond(&mut s, "404 Not Found", "text/plain", "only /metrics here\n"),
+        _ => respond(&mut s, "405 Method Not Allowed", "text/plain", "GET /metrics\n"),
+    }
+}
+
+fn respond(s: &mut TcpStream, status: &str, content_type: &str, body: &str) -> std::io::Result<()> {
+    let head = format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    s.write_all(head.as_bytes())?;
+    s.write_all(body.as_bytes())?;
+    s.flush()
+}

@@ -60,6 +60,52 @@ pub struct DeviceInfo {
     pub ordinal: i32,
     pub name: String,
     pub total_bytes: u64,
+    /// The device's UUID (`cuDeviceGetUuid_v2`): the same device has the
+    /// same UUID in every process, whatever its ordinal there
+    /// (`CUDA_VISIBLE_DEVICES` renumbers devices per process).
+    pub uuid: [u8; UUID_BYTES],
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: 0 default, 2 prohibited, 3
+    /// exclusive-process (a second process's context is refused).
+    pub compute_mode: i32,
+}
+
+/// Bytes of a device UUID.
+pub const UUID_BYTES: usize = 16;
+
+/// A device UUID as nvidia-smi writes it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn uuid_text(uuid: &[u8]) -> String {
+    let h: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    if h.len() != 2 * UUID_BYTES {
+        return format!("GPU-{h}");
+    }
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// The ordinal, in this process, of the device whose UUID is `uuid`; None
+/// when this process does not see it.
+pub fn ordinal_of_uuid(uuid: &[u8]) -> Result<Option<i32>> {
+    Ok(probe()?.devices.iter().find(|d| d.uuid[..] == *uuid).map(|d| d.ordinal))
+}
+
+/// The UUID of this process's device `ordinal`.
+pub fn uuid_of(ordinal: i32) -> Result<[u8; UUID_BYTES]> {
+    let info = probe()?;
+    info.devices
+        .iter()
+        .find(|d| d.ordinal == ordinal)
+        .map(|d| d.uuid)
+        .ok_or_else(|| CudaError::Invalid(format!("CUDA device {ordinal} does not exist ({} devices)", info.devices.len())))
+}
+
+/// Free and total device memory of device `ordinal` (`cuMemGetInfo_v2`, in
+/// its primary context: creating it costs device memory the first time).
+pub fn memory_info(ordinal: i32) -> Result<(u64, u64)> {
+    in_primary(ordinal, || {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the context is current (in_primary).
+        unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
+        Ok((free as u64, total as u64))
+    })
 }
 
 fn check(call: &'static str, r: CUresult) -> Result<()> {
@@ -111,7 +157,12 @@ fn probe_once() -> Result<DriverInfo> {
             let name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
             let mut total = 0usize;
             check("cuDeviceTotalMem", sys::cuDeviceTotalMem_v2(&mut total, dev))?;
-            devices.push(DeviceInfo { ordinal, name, total_bytes: total as u64 });
+            let mut uuid = sys::CUuuid_st { bytes: [0; UUID_BYTES] };
+            check("cuDeviceGetUuid_v2", sys::cuDeviceGetUuid_v2(&mut uuid, dev))?;
+            let mut compute_mode = 0;
+            // A driver that cannot say leaves the default mode (0).
+            let _ = sys::cuDeviceGetAttribute(&mut compute_mode, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, dev);
+            devices.push(DeviceInfo { ordinal, name, total_bytes: total as u64, uuid: uuid.bytes.map(|c| c as u8), compute_mode });
         }
         Ok(DriverInfo { driver_version, devices })
     }
@@ -551,6 +602,22 @@ impl OpenedEvent {
     }
 }
 
+impl OpenedEvent {
+    /// Whether the work queued before the event's latest record has
+    /// completed (`cuEventQuery`): never blocks, so the caller can watch the
+    /// event's owner while it waits (a wait on an event whose recorder died
+    /// may never end).
+    pub fn is_done(&self) -> Result<bool> {
+        bind(self.device)?;
+        // SAFETY: the event is alive (borrowed).
+        match unsafe { sys::cuEventQuery(self.event) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| false),
+        }
+    }
+}
+
 impl Drop for OpenedEvent {
     fn drop(&mut self) {
         if bind(self.device).is_ok() {
@@ -696,17 +763,68 @@ impl HostRegistration {
     pub unsafe fn new(ptr: *mut u8, len: usize, device: i32) -> Result<HostRegistration> {
         bind(device)?;
         // SAFETY: the caller's contract.
-        unsafe { check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE))? };
+        unsafe { Self::register(ptr, len, device, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+    }
+
+    /// # Safety
+    /// As [`HostRegistration::new`]; a context of `device` is current.
+    unsafe fn register(ptr: *mut u8, len: usize, device: i32, flags: u32) -> Result<HostRegistration> {
+        // SAFETY: the caller's contract.
+        unsafe { check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr.cast(), len, flags))? };
         Ok(HostRegistration { ptr: ptr as usize, device })
     }
 }
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        if bind(self.device).is_ok() {
-            // SAFETY: registered by `new`, unregistered once.
-            unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
-        }
+        // In the device's primary context, then the thread's own back (a
+        // trainer thread's context is the trainer's).
+        // SAFETY: registered by `register`, unregistered once.
+        let _ = in_primary(self.device, || unsafe { check("cuMemHostUnregister", sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void)) });
+    }
+}
+
+/// A 32-bit word of host memory the device's streams can wait on (trainer
+/// side): page-locked and mapped for the device (`cuMemHostRegister` with
+/// `DEVICEMAP | PORTABLE`), so `cuStreamWaitValue32` on it holds a stream
+/// until the word reaches a value that the host (any process mapping the
+/// same page) writes. Unregistered on drop.
+pub struct HostWord {
+    ptr: usize,
+    _registration: HostRegistration,
+}
+
+impl HostWord {
+    /// Registers the `len` bytes at `page` (page-aligned, holding the word
+    /// at its start) for device `device`'s streams.
+    ///
+    /// # Safety
+    /// `page..page+len` is mapped host memory that outlives the `HostWord`,
+    /// and its first 4 bytes are only accessed atomically.
+    pub unsafe fn new(page: *mut u8, len: usize, device: i32) -> Result<HostWord> {
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller's contract.
+        let registration = in_primary(device, || unsafe { HostRegistration::register(page, len, device, flags) })?;
+        Ok(HostWord { ptr: page as usize, _registration: registration })
+    }
+
+    /// Makes later work on `stream` (a CUstream of device `device`; 0: the
+    /// legacy default stream) wait until the word is at least `value`
+    /// (compared as `(i32)(word - value) >= 0`, so it may wrap). The CPU
+    /// does not wait.
+    pub fn wait_geq(&self, stream: u64, device: i32, value: u32) -> Result<()> {
+        in_primary(device, || {
+            let mut dptr: sys::CUdeviceptr = 0;
+            // SAFETY: the word's page is registered with DEVICEMAP (new);
+            // valid out-pointer; an invalid stream is an error code.
+            unsafe {
+                check("cuMemHostGetDevicePointer", sys::cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr as *mut std::ffi::c_void, 0))?;
+                check(
+                    "cuStreamWaitValue32",
+                    sys::cuStreamWaitValue32_v2(stream as sys::CUstream, dptr, value, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32),
+                )
+            }
+        })
     }
 }
 

@@ -230,16 +230,73 @@ fn a_trainer_killed_right_after_released_still_commits() {
 fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
-    let serve = Serve::start(tmp.path(), true);
-    // The trainer's writes finish 5 s late; it dies right after sending the save.
-    let out = run(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
+    // The sidecar's copies are 3 s late; the trainer dies once its event
+    // completed (the fence passed), in the middle of the sidecar's copy.
+    let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
+    let out = run(trainer_cmd(&exe, tmp.path(), "die-mid-copy", 2_000));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("synced"), "{}", text(&out));
     serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
     assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
     // The reason names the CUDA cause: legacy IPC memory is undefined once its exporter died.
     assert!(serve.log().contains("shared by legacy IPC, undefined once the exporting process is gone"), "{}", serve.log());
     assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+}
+
+/// Hazard 1, the trainer's side: a trainer killed before the event its save
+/// waits on ran (its work never completes: the fake's waits on it never
+/// end, as the real driver's may not). The sidecar, polling the event while
+/// it watches the client, gives the save up: the session ends, its staging
+/// is free, nothing commits, every import closes.
+#[test]
+fn a_trainer_killed_before_its_event_ran_ends_its_session_and_frees_staging() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // The trainer's writes finish 5 s late: its event cannot complete before it dies.
+    let out = run(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
+    serve.wait_for("the session ended", |s| s.log().contains("session ended"));
+    assert!(serve.log().contains("the client went away") && serve.log().contains("nothing of this save was copied"), "{}", serve.log());
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
+    // Staging is free: a new client's save of all of it (64 MiB) goes through.
+    let c = Client::connect(Some(&tmp.path().join("s.sock"))).unwrap();
+    let st = c.status().unwrap();
+    assert_eq!(st.staging_used_bytes, 0, "{st:?}");
+    assert!(st.sessions.len() == 1, "only this client's session is left: {st:?}");
+    c.close();
+}
+
+/// Hazard 1, the sidecar's side: a sidecar SIGKILLed with a save's copies
+/// queued (3 s late) while the trainer's stream waits on that copy
+/// (`ckpt_stream_wait_copy`): the save fails and the trainer's next device
+/// work on that very stream completes. A stream waiting on an event the
+/// dead sidecar was to record would never run again.
+#[test]
+fn the_sidecar_killed_while_the_trainers_stream_waits_on_its_copy_leaves_that_stream_running() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
+    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies-guarded", 2_000).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "guarded on_stream=1", "the stream wait was queued while the copy ran");
+    let mut serve = serve;
+    kill9(&mut serve.child.take().unwrap());
+    let pid = child.id();
+    // Bounded: a stream that never runs again leaves the trainer hanging.
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(60) {
+            kill9(&mut child);
+            panic!("the trainer hung: its stream still waits on the dead sidecar's copy");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    sweep_fake_memory(pid);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("trained on"), "{}", text(&out));
 }
 
 #[test]

@@ -315,3 +315,56 @@ def test_memory_freed_and_allocated_again_at_the_same_address_is_saved_anew_and_
     # Two allocations at one address, each imported once; the first closed
     # when the second was registered, before step 2 was saved.
     assert (got["imports_open"], got["imports_total"]) == (1, 2), got
+
+
+STRICT = textwrap.dedent(r"""
+    import ctypes, json, os, sys
+    cu = ctypes.CDLL("libcuda.so.1")
+    out = {}
+    out["init"] = cu.cuInit(0)
+    n = ctypes.c_int()
+    cu.cuDeviceGetCount(ctypes.byref(n))
+    out["count"] = n.value
+    uuids = []
+    for i in range(n.value):
+        u = (ctypes.c_char * 16)()
+        assert cu.cuDeviceGetUuid_v2(u, i) == 0
+        uuids.append(bytes(u).hex())
+    out["uuids"] = uuids
+    p = ctypes.c_uint64()
+    # No context current on this thread: 201.
+    out["alloc_without_context"] = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4096))
+    ctx = ctypes.c_void_p()
+    assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and cu.cuCtxSetCurrent(ctx) == 0
+    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4096)) == 0
+    class Handle(ctypes.Structure):  # CUipcMemHandle, passed by value
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+    h = Handle()
+    assert cu.cuIpcGetMemHandle(ctypes.byref(h), p) == 0
+    q = ctypes.c_uint64()
+    # A handle exported by this very process cannot be opened here.
+    out["open_own_handle"] = cu.cuIpcOpenMemHandle_v2(ctypes.byref(q), h, 1)
+    print(json.dumps(out))
+""")
+
+
+def run_strict(tmp_path, env_extra):
+    script = tmp_path / "strict.py"
+    script.write_text(STRICT)
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(fake_dir())
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(env_extra)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_fake_driver_is_as_strict_as_the_real_one_on_contexts_own_handles_and_visible_devices(tmp_path):
+    both = run_strict(tmp_path, {"CKPT_FAKE_CUDA_DEVICES": "2"})
+    assert both["count"] == 2 and len(set(both["uuids"])) == 2, both
+    assert both["alloc_without_context"] == 201, both
+    assert both["open_own_handle"] != 0, both
+    one = run_strict(tmp_path, {"CKPT_FAKE_CUDA_DEVICES": "2", "CUDA_VISIBLE_DEVICES": "1"})
+    # Device 1 alone: ordinal 0 here, with device 1's UUID.
+    assert one["count"] == 1 and one["uuids"] == [both["uuids"][1]], (one, both)

@@ -11,10 +11,18 @@
  *                        the trainer writes again right after Released; then
  *                        a load into a third allocation, compared bit-exact.
  *   die-after-release    saves, waits for Released, prints "released", SIGKILLs itself.
- *   die-before-release   queues a very late write, saves, SIGKILLs itself at once.
+ *   die-before-release   queues a very late write, saves, SIGKILLs itself at once
+ *                        (the event the save waits on has not completed: it never will).
+ *   die-mid-copy         saves, waits until its own stream (and so the save's event)
+ *                        has completed, prints "synced", SIGKILLs itself (the test
+ *                        makes the sidecar's copies late: it dies mid-copy).
  *   many                 64 allocations, two tensors in each (one at an offset),
  *                        saved behind the event, loaded back in place, bit-exact.
  *   refused              the sidecar has no driver: registration fails, saying so.
+ *   sidecar-dies-guarded saves, makes its stream wait on the sidecar's copy
+ *                        (ckpt_stream_wait_copy), prints "guarded"; the test kills the
+ *                        sidecar; the save fails, then device work on that very stream
+ *                        completes (cuStreamSynchronize) and it prints "trained on".
  *   sidecar-dies         saves behind a very late write, prints "saved", expects
  *                        the save to fail when the test kills the sidecar, then
  *                        trains on (device work) and prints "trained on".
@@ -547,6 +555,30 @@ int main(int argc, char **argv) {
         printf("saved\n");
         fflush(stdout);
         raise(SIGKILL);
+    }
+    if (!strcmp(mode, "die-mid-copy")) {
+        CU(cuStreamSynchronize(stream));
+        printf("synced\n");
+        fflush(stdout);
+        raise(SIGKILL);
+    }
+    if (!strcmp(mode, "sidecar-dies-guarded")) {
+        int on_stream = -1;
+        CK(ckpt_stream_wait_copy(c, id, stream, 120000, &on_stream));
+        printf("guarded on_stream=%d\n", on_stream);
+        fflush(stdout);
+        int r = ckpt_wait(c, id, CKPT_RELEASED, 120000);
+        if (r == CKPT_OK) { fprintf(stderr, "the save was released although the sidecar was killed\n"); return 5; }
+        fprintf(stderr, "save failed as expected: %s\n", ckpt_last_error());
+        /* The next step on the stream that waited on the copy: it must run. */
+        unsigned char *h = malloc(B_BYTES);
+        fill(h, B_BYTES, 98);
+        CU(cuMemcpyHtoDAsync_v2(b, h, B_BYTES, stream));
+        CU(cuStreamSynchronize(stream));
+        CU(cuMemcpyDtoH_v2(want_b, b, B_BYTES));
+        if (memcmp(h, want_b, B_BYTES)) { fprintf(stderr, "device memory wrong after the sidecar died\n"); return 6; }
+        printf("trained on\n");
+        return 0;
     }
     if (!strcmp(mode, "sidecar-dies")) {
         printf("saved\n");

@@ -5,25 +5,36 @@
 //! session ended: the client left or died). A VMM import stays valid after
 //! the client died (the driver counts references); a legacy one does not.
 //!
-//! Copies run on the session's own stream ([`CudaSession`]): a
-//! `SaveAfterEvent` makes that stream wait on the trainer's event first
-//! ([`CudaSession::fence`], called after the message arrived), so every
-//! device-to-host copy queued after it sees the bytes as of the trainer's
-//! record; the trainer's CPU never waits. With a done event, the save's
-//! copies are all queued first ([`CudaMemory::queue_batch`]), then the first
-//! [`CudaMemory::finish_batch`] records the trainer's done event behind them
-//! and says so (`CopyQueued`) before waiting for them: a trainer stream that
-//! waits on that event runs its next step after the copy, with no CPU wait.
-//! Staging is page-locked once with `cuMemHostRegister` (ordinary cached
-//! memory, never write-combined).
+//! Devices are named by UUID: the client's ordinal of a device is its own
+//! (`CUDA_VISIBLE_DEVICES` renumbers devices per process), so a region's
+//! registration says the device's UUID and the session maps the client's
+//! ordinal to the sidecar's device of that UUID ([`CudaSession::device`]),
+//! refusing a UUID the sidecar does not see.
+//!
+//! Copies run on the session's own stream ([`CudaSession`]). The sidecar
+//! never makes that stream wait on the trainer's work and never blocks in a
+//! driver call on it: a `SaveAfterEvent` is fenced by polling the trainer's
+//! event (`cuEventQuery`, [`CudaSession::fence`]) while watching the client,
+//! and only once it completed are the save's device-to-host copies queued.
+//! A wait on an event whose process died may never end (the driver leaves
+//! it undefined), so a client that dies first only fails its save: nothing
+//! queued on the stream depends on it, and every copy queued completes by
+//! itself. Nothing the trainer's stream waits on is the sidecar's to
+//! complete either (the trainer's client releases its own stream waits:
+//! docs/protocol.md, CUDA). Staging is page-locked with `cuMemHostRegister`
+//! (ordinary cached memory, never write-combined), once per staging buffer,
+//! and unregistered before that buffer is freed ([`pin_staging`]).
 //!
 //! A failed driver call during a copy cannot stop it (copy_out returns no
 //! error); it is remembered, and [`CudaMemory::check_intact`] refuses the
-//! save afterwards, as a truncated shm segment is refused.
+//! save afterwards, as a truncated shm segment is refused. Every path that
+//! queued a copy waits for the stream before returning, also after an
+//! error ([`Synced`]), so no copy writes into staging after its lease.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use ckpt_cuda::{HostRegistration, Imported, LocalEvent, OpenedEvent, Stream};
 use tracing::{info, warn};
@@ -31,6 +42,7 @@ use tracing::{info, warn};
 use super::RegionError;
 use crate::config;
 use crate::staging::Staging;
+use ckpt_store::mem::AlignedBuf;
 
 /// What names a client's device allocation.
 pub enum CudaSource<'a> {
@@ -40,30 +52,40 @@ pub enum CudaSource<'a> {
     Fd(OwnedFd),
 }
 
-/// The session's stream on one device, and what to do once the current
-/// save's copies are all queued on it (record the trainer's done event, tell
-/// the trainer).
+/// The session's stream on one device.
 pub struct SessionStream {
     stream: Stream,
-    after_queued: Mutex<Option<AfterQueued>>,
 }
 
-struct AfterQueued {
-    event: Arc<OpenedEvent>,
-    notify: Box<dyn FnOnce() + Send>,
+/// Waits for a stream when dropped: built before a copy is queued, so every
+/// way out of the function that queued it (an error too) waits for the
+/// copy before the destination may be reused.
+struct Synced<'a> {
+    stream: &'a Stream,
+    done: bool,
 }
 
-impl SessionStream {
-    /// Records the pending done event (if any) behind everything queued so
-    /// far and runs its notification; a failed record is only logged (the
-    /// trainer then learns of the copy by Released).
-    fn fire_after_queued(&self) {
-        let pending = self.after_queued.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(AfterQueued { event, notify }) = pending {
-            match self.stream.record(&event) {
-                Ok(()) => notify(),
-                Err(e) => warn!("cannot record the trainer's done event after the copy: {e}"),
-            }
+impl<'a> Synced<'a> {
+    fn new(stream: &'a Stream) -> Self {
+        Synced { stream, done: false }
+    }
+
+    /// Waits for the stream now, saying how it went.
+    fn wait(mut self) -> ckpt_cuda::Result<()> {
+        self.done = true;
+        let r = self.stream.synchronize();
+        if r.is_err() {
+            // A failed wait is tried once more: the copy must be over.
+            let _ = self.stream.synchronize();
+        }
+        r
+    }
+}
+
+impl Drop for Synced<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.stream.synchronize();
         }
     }
 }
@@ -108,12 +130,13 @@ impl CudaMemory {
     /// lies inside the region (checked by [`super::Region::copy_out`]).
     pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
         let src = self.imported.ptr() + offset_bytes;
-        let s = &self.stream.stream;
-        // SAFETY: dst is the caller's for the call, and the synchronize below
-        // returns only once the copy into it is done; src..src+len lies in
-        // the imported allocation (bounds checked by Region, the allocation
-        // holds len_bytes: checked at open).
-        let done = unsafe { s.copy_dtoh_async(dst, src, len) }.and_then(|()| s.synchronize());
+        let synced = Synced::new(&self.stream.stream);
+        // SAFETY: dst is the caller's for the call, and `synced` waits for
+        // the stream before this returns, whatever happens; src..src+len
+        // lies in the imported allocation (bounds checked by Region, the
+        // allocation holds len_bytes: checked at open).
+        let queued = unsafe { self.stream.stream.copy_dtoh_async(dst, src, len) };
+        let done = queued.and(synced.wait());
         if let Err(e) = done {
             self.fail(format!("device-to-host copy failed: {e}"));
             return 0;
@@ -143,13 +166,9 @@ impl CudaMemory {
         }
     }
 
-    /// Once every batch of the save is queued: records the trainer's done
-    /// event behind them (the first call of a save; see the module), then
-    /// waits until the stream's copies have completed.
+    /// Waits until the stream's queued copies have completed.
     pub fn finish_batch(&self) {
-        self.stream.fire_after_queued();
-        if let Err(e) = self.stream.stream.synchronize() {
-            let _ = self.stream.stream.synchronize();
+        if let Err(e) = Synced::new(&self.stream.stream).wait() {
             self.fail(format!("device-to-host copy failed: {e}"));
         }
     }
@@ -159,12 +178,6 @@ impl CudaMemory {
     /// waits for the whole stream).
     pub fn mark(&self) -> Option<LocalEvent> {
         self.stream.stream.mark().map_err(|e| warn!("cannot mark the device copies (waiting for the whole stream instead): {e}")).ok()
-    }
-
-    /// Every batch of the save is queued: records the trainer's done event
-    /// behind them (once per save; see the module).
-    pub fn all_queued(&self) {
-        self.stream.fire_after_queued();
     }
 
     /// Waits until the copies queued before `mark` have completed.
@@ -191,10 +204,12 @@ impl CudaMemory {
     /// follows, so the trainer's later work sees the bytes).
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
         let dst = self.imported.ptr() + offset_bytes;
-        let s = &self.stream.stream;
-        // SAFETY: `bytes` is borrowed until after the synchronize; the range
-        // lies in the allocation (bounds checked by Region::write_at).
-        unsafe { s.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) }.and_then(|()| s.synchronize()).map_err(RegionError::from)
+        let synced = Synced::new(&self.stream.stream);
+        // SAFETY: `bytes` is borrowed until `synced` waited for the stream
+        // (below, or on its drop); the range lies in the allocation (bounds
+        // checked by Region::write_at).
+        let queued = unsafe { self.stream.stream.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) };
+        queued.and(synced.wait()).map_err(RegionError::from)
     }
 
     pub fn device(&self) -> i32 {
@@ -202,60 +217,93 @@ impl CudaMemory {
     }
 }
 
-/// A session's CUDA state: its own stream per device, and the trainer's
+/// A session's CUDA state: the client's devices (its ordinal → the
+/// sidecar's, by UUID), its own stream per device, and the trainer's
 /// interprocess events it opened (kept while the session lives).
 #[derive(Default)]
 pub struct CudaSession {
+    devices: HashMap<i32, i32>,
     streams: HashMap<i32, Arc<SessionStream>>,
     events: HashMap<(i32, Vec<u8>), Arc<OpenedEvent>>,
 }
 
+/// How often [`CudaSession::fence`] checks its event at first, and at most.
+const FENCE_POLL_MIN: Duration = Duration::from_micros(20);
+const FENCE_POLL_MAX: Duration = Duration::from_millis(2);
+
 impl CudaSession {
-    /// The session's stream on `device`, created at first use; the first
-    /// one in the daemon also page-locks staging.
+    /// The sidecar's ordinal of the client's device `client_device`, whose
+    /// UUID is `uuid` (as a registration says it), remembered for the
+    /// session's later messages naming that ordinal. Refused, naming the
+    /// UUID, when the sidecar does not see that device, or when the client
+    /// named another UUID for the same ordinal before.
+    pub fn device(&mut self, client_device: i32, uuid: &[u8]) -> Result<i32, RegionError> {
+        let invalid = |m: String| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(m));
+        if uuid.len() != ckpt_cuda::UUID_BYTES {
+            return Err(invalid(format!("a CUDA device UUID has {} bytes, not {}", ckpt_cuda::UUID_BYTES, uuid.len())));
+        }
+        let Some(ours) = ckpt_cuda::ordinal_of_uuid(uuid)? else {
+            let seen: Vec<String> = ckpt_cuda::probe()?.devices.iter().map(|d| ckpt_cuda::uuid_text(&d.uuid)).collect();
+            return Err(invalid(format!(
+                "the client's CUDA device {client_device} ({}) is not visible to the sidecar (it sees {}): start the sidecar with that device visible (CUDA_VISIBLE_DEVICES)",
+                ckpt_cuda::uuid_text(uuid),
+                seen.join(", ")
+            )));
+        };
+        match self.devices.insert(client_device, ours) {
+            Some(before) if before != ours => {
+                self.devices.insert(client_device, before);
+                Err(invalid(format!("the client's CUDA device {client_device} was registered before as another device than {}", ckpt_cuda::uuid_text(uuid))))
+            }
+            _ => Ok(ours),
+        }
+    }
+
+    /// The sidecar's ordinal of the client's device `client_device`, as a
+    /// registration named it.
+    fn ours(&self, client_device: i32) -> Result<i32, RegionError> {
+        self.devices
+            .get(&client_device)
+            .copied()
+            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on the client's device {client_device}"))))
+    }
+
+    /// The session's stream on the sidecar's device `device`, created at
+    /// first use; staging is page-locked then if it is not yet.
     pub fn stream(&mut self, device: i32, staging: &Staging) -> Result<Arc<SessionStream>, RegionError> {
         if let Some(s) = self.streams.get(&device) {
             return Ok(s.clone());
         }
-        let s = Arc::new(SessionStream { stream: Stream::new(device)?, after_queued: Mutex::new(None) });
+        let s = Arc::new(SessionStream { stream: Stream::new(device)? });
         pin_staging(staging, device);
         self.streams.insert(device, s.clone());
         Ok(s)
     }
 
-    /// Makes the session's stream on `device` wait on the trainer's event
-    /// (its IPC handle), as recorded now: call after the Save arrived.
-    pub fn fence(&mut self, device: i32, event: &[u8]) -> Result<(), RegionError> {
-        let stream = self.stream_of(device)?;
+    /// Waits, on this thread, until the trainer's event (its IPC handle, on
+    /// the client's device `client_device`) as recorded now has completed:
+    /// call after the Save arrived, before any copy of it is queued. Polls
+    /// the event (`cuEventQuery`), never blocking in the driver, and gives
+    /// up with an error once `gone` says the client is gone (its event may
+    /// then never complete).
+    pub fn fence(&mut self, client_device: i32, event: &[u8], gone: &dyn Fn() -> bool) -> Result<(), RegionError> {
+        let device = self.ours(client_device)?;
         let event = self.event(device, event)?;
-        stream.stream.wait_event(&event)?;
-        Ok(())
-    }
-
-    /// For the save about to run: once its copies are queued on `device`'s
-    /// stream, record the trainer's `done_event` behind them and call
-    /// `notify`. Cleared by [`CudaSession::end_save`] if the save never got
-    /// that far.
-    pub fn after_queued(&mut self, device: i32, done_event: &[u8], notify: Box<dyn FnOnce() + Send>) -> Result<(), RegionError> {
-        let stream = self.stream_of(device)?;
-        let event = self.event(device, done_event)?;
-        *stream.after_queued.lock().unwrap_or_else(|p| p.into_inner()) = Some(AfterQueued { event, notify });
-        Ok(())
-    }
-
-    /// The save is over: drops a done event it did not record (refused
-    /// before its copy).
-    pub fn end_save(&mut self, device: i32) {
-        if let Some(s) = self.streams.get(&device) {
-            s.after_queued.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let mut pause = FENCE_POLL_MIN;
+        let t0 = Instant::now();
+        loop {
+            if event.is_done()? {
+                return Ok(());
+            }
+            if gone() {
+                return Err(RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!(
+                    "the client went away {:.3} s into the wait for its CUDA event (the work before it may never complete): nothing of this save was copied",
+                    t0.elapsed().as_secs_f64()
+                ))));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(FENCE_POLL_MAX);
         }
-    }
-
-    fn stream_of(&self, device: i32) -> Result<Arc<SessionStream>, RegionError> {
-        self.streams
-            .get(&device)
-            .cloned()
-            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on device {device}"))))
     }
 
     /// The trainer's event `handle`, opened once per session.
@@ -273,24 +321,43 @@ impl CudaSession {
     }
 }
 
-/// Page-locks the whole staging buffer once for the daemon's life (the
-/// device's copies then run at full DMA speed). A refusal only costs speed.
+/// The staging buffer page-locked for CUDA copies: the registration goes
+/// (unregistered) before the buffer it holds may be freed.
+struct Pinned {
+    /// None: the driver refused (copies then run slower, from pageable memory).
+    _registration: Option<HostRegistration>,
+    /// Keeps the registered pages mapped while registered (dropped after
+    /// `registration`: fields drop in order).
+    buf: Arc<AlignedBuf>,
+}
+
+/// Page-locks the staging buffer for the device's copies (they then run at
+/// full DMA speed), once per buffer: a daemon has one for its life. Another
+/// buffer (a second `Staging` in one process: tests, benches) replaces the
+/// registration: the old one is unregistered first, while its buffer is
+/// still mapped, so no registration ever outlives the pages it pinned, and a
+/// later buffer at the same address is registered anew, never DMA'd into
+/// through stale pinned pages. A refusal only costs speed.
 fn pin_staging(staging: &Staging, device: i32) {
-    static PINNED: OnceLock<Option<HostRegistration>> = OnceLock::new();
-    PINNED.get_or_init(|| {
-        let buf = staging.buf();
-        // SAFETY: the staging buffer is allocated once and lives as long as
-        // the daemon (Shared holds it), so longer than this registration,
-        // which is never dropped.
-        match unsafe { HostRegistration::new(buf.as_ptr().cast_mut(), buf.len(), device) } {
-            Ok(r) => {
-                info!(bytes = buf.len(), "staging page-locked for CUDA copies");
-                Some(r)
-            }
-            Err(e) => {
-                warn!("staging could not be page-locked for CUDA copies (they run slower): {e}");
-                None
-            }
+    static PINNED: Mutex<Option<Pinned>> = Mutex::new(None);
+    let mut pinned = PINNED.lock().unwrap_or_else(|p| p.into_inner());
+    let buf = staging.buf();
+    if pinned.as_ref().is_some_and(|p| Arc::ptr_eq(&p.buf, buf)) {
+        return;
+    }
+    // Unregistered (then its buffer released) before the new one registers.
+    *pinned = None;
+    // SAFETY: `Pinned` keeps an Arc of the buffer for as long as the
+    // registration lives and drops the registration first.
+    let registration = match unsafe { HostRegistration::new(buf.as_ptr().cast_mut(), buf.len(), device) } {
+        Ok(r) => {
+            info!(bytes = buf.len(), "staging page-locked for CUDA copies");
+            Some(r)
         }
-    });
+        Err(e) => {
+            warn!("staging could not be page-locked for CUDA copies (they run slower): {e}");
+            None
+        }
+    };
+    *pinned = Some(Pinned { _registration: registration, buf: buf.clone() });
 }

@@ -279,16 +279,6 @@ impl Region {
         }
     }
 
-    /// Every batch of the save is queued (on every region): the first call
-    /// records the trainer's done event behind them (regions/cuda.rs).
-    pub fn all_queued(&self) {
-        match &self.memory {
-            Memory::Cuda(m) => m.all_queued(),
-            Memory::CudaSpan(ps) => ps[0].1.all_queued(),
-            Memory::HostShm(_) => {}
-        }
-    }
-
     /// Waits until the copies queued before `mark` have completed (all the
     /// stream's, when the mark could not be taken); a failure shows in
     /// [`Region::check_intact`], as for the copies.

@@ -368,3 +368,49 @@ def test_the_fake_driver_is_as_strict_as_the_real_one_on_contexts_own_handles_an
     one = run_strict(tmp_path, {"CKPT_FAKE_CUDA_DEVICES": "2", "CUDA_VISIBLE_DEVICES": "1"})
     # Device 1 alone: ordinal 0 here, with device 1's UUID.
     assert one["count"] == 1 and one["uuids"] == [both["uuids"][1]], (one, both)
+
+
+NO_CONTEXT_THREAD = fake_cuda_script(r"""
+    import ctypes, json, os, sys, threading
+    import numpy as np
+    import ckpt_sidecar as cs
+
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=2000)
+    base = ctypes.c_uint64()
+    ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(1 << 16)), "cuMemAlloc_v2")
+    v = np.arange(1 << 14, dtype="<u4")
+    ok(cu.cuMemcpyHtoD_v2(base, v.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(v.nbytes)), "fill")
+
+    class DeviceArray:
+        def __init__(self, ptr, shape, typestr):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                             "strides": None, "version": 3, "stream": None}
+
+    ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
+    # Two views that overlap: the second cannot be described in place and is
+    # copied to the host by the shim, on a thread that has no CUDA context.
+    state = {"a": DeviceArray(base.value, (1 << 14,), "<u4"), "b": DeviceArray(base.value + 64, (16,), "<u4")}
+    err = []
+    def save():
+        try:
+            ck.save(1, state).wait_durable(timeout=120)
+        except Exception as e:
+            err.append(repr(e))
+    t = threading.Thread(target=save)
+    t.start()
+    t.join()
+    back = ck.load(1, map_location="cpu") if not err else None
+    ck.close()
+    print(json.dumps({"err": err, "a": bool(back is not None and np.array_equal(back["a"], v)),
+                      "b": bool(back is not None and np.array_equal(back["b"], v[16:32]))}))
+""")
+
+
+def test_a_device_leaf_copied_by_the_shim_on_a_thread_with_no_cuda_context_is_copied_in_its_devices_context(tmp_path):
+    script = tmp_path / "noctx.py"
+    script.write_text(NO_CONTEXT_THREAD)
+    r = run_script(tmp_path, script, 2_000)
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"err": [], "a": True, "b": True}, got

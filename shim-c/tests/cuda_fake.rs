@@ -522,3 +522,39 @@ fn a_stream_wait_on_a_copy_in_several_windows_waits_for_the_last_window() {
 fn ckpt_cuda_probe_in_this_process() -> Option<()> {
     ckpt_cuda::probe().ok().map(|_| ())
 }
+
+/// Hazard 3: ordinals are per process. With two devices, a trainer that sees
+/// only device 1 (`CUDA_VISIBLE_DEVICES=1`: its ordinal 0) and a sidecar
+/// that sees both: the sidecar opens the trainer's memory on its device 1,
+/// found by UUID. Opened on its device 0 (the same ordinal), a legacy
+/// import would be a peer import through the wrong GPU, and a VMM import
+/// would be refused.
+#[test]
+fn devices_are_matched_by_uuid_not_by_ordinal() {
+    for mode in ["roundtrip", "vmm-roundtrip"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let exe = trainer(tmp.path());
+        let serve = Serve::start_with_env(tmp.path(), true, None, &[("CKPT_FAKE_CUDA_DEVICES", "2")]);
+        let mut cmd = trainer_cmd(&exe, tmp.path(), mode, 300_000);
+        cmd.env("CKPT_FAKE_CUDA_DEVICES", "2").env("CUDA_VISIBLE_DEVICES", "1");
+        let o = run(cmd);
+        assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{mode}: {}\nsidecar log:\n{}", text(&o), serve.log());
+        serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+        assert_eq!(serve.stat("peer_imports"), Some(0), "{mode}: every legacy import was opened on the memory's own device");
+    }
+}
+
+/// Hazard 3: a device the sidecar does not see is refused at registration,
+/// naming its UUID.
+#[test]
+fn a_device_the_sidecar_does_not_see_is_refused_naming_its_uuid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let _serve = Serve::start_with_env(tmp.path(), true, None, &[("CKPT_FAKE_CUDA_DEVICES", "2"), ("CUDA_VISIBLE_DEVICES", "0")]);
+    let mut cmd = trainer_cmd(&exe, tmp.path(), "refused", 2_000);
+    cmd.env("CKPT_FAKE_CUDA_DEVICES", "2").env("CUDA_VISIBLE_DEVICES", "1");
+    let o = run(cmd);
+    let out = String::from_utf8_lossy(&o.stdout);
+    // The fake's device 1 has UUID "fakecuda-uuid-" d0 01.
+    assert!(o.status.success() && out.contains("refused:") && out.contains("is not visible to the sidecar") && out.contains("GPU-66616b65-6375-6461-2d75-7569642dd001"), "{}", text(&o));
+}

@@ -73,7 +73,8 @@
  *   imported allocations are open ("imports_open N": legacy IPC opens and
  *   imported VMM handles not yet released), how many were ever opened, how
  *   many host ranges are registered, how many VMM mappings exist
- *   ("vmm_maps N"), how many frees were pinned by an importer
+ *   ("vmm_maps N"), how many IPC events were opened ("events_opened N"),
+ *   how many frees were pinned by an importer
  *   ("frees_pinned N"), how many legacy imports were opened in a context of
  *   another physical device than the memory's ("peer_imports N") and the
  *   device memory this process holds ("device_used_bytes N").
@@ -171,7 +172,7 @@ static struct pinned g_pinned[PINNED_MAX];
 struct hostreg { uintptr_t base; size_t len; };
 static struct hostreg g_hostregs[HOSTREGS_MAX];
 static size_t g_host_registered_bytes;
-static long g_imports_open, g_imports_total, g_host_registered, g_vmm_maps, g_frees_pinned, g_peer_imports;
+static long g_imports_open, g_imports_total, g_host_registered, g_vmm_maps, g_frees_pinned, g_peer_imports, g_events_opened;
 
 static size_t page_bytes(void) { return (size_t)sysconf(_SC_PAGESIZE); }
 static size_t page_round(size_t n) {
@@ -188,8 +189,8 @@ static void write_stats_locked(void) {
     size_t used = 0;
     for (int i = 0; i < DEVICES_MAX; i++) used += g_device_used[i];
     int n = snprintf(buf, sizeof buf,
-                     "imports_open %ld\nimports_total %ld\nhost_registered %ld\nvmm_maps %ld\nfrees_pinned %ld\npeer_imports %ld\ndevice_used_bytes %zu\n",
-                     g_imports_open, g_imports_total, g_host_registered, g_vmm_maps, g_frees_pinned, g_peer_imports, used);
+                     "imports_open %ld\nimports_total %ld\nhost_registered %ld\nvmm_maps %ld\nfrees_pinned %ld\npeer_imports %ld\ndevice_used_bytes %zu\nevents_opened %ld\n",
+                     g_imports_open, g_imports_total, g_host_registered, g_vmm_maps, g_frees_pinned, g_peer_imports, used, g_events_opened);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (fd < 0) return;
     if (write(fd, buf, n) == n) rename(tmp, path);
@@ -1203,6 +1204,10 @@ CUresult cuIpcOpenEventHandle(CUevent *ph, CUipcEventHandle h) {
     e->fd = -1;
     e->id = m.id;
     e->ctx = t_current;
+    pthread_mutex_lock(&g_mu);
+    g_events_opened++;
+    write_stats_locked();
+    pthread_mutex_unlock(&g_mu);
     *ph = e;
     return OK;
 }

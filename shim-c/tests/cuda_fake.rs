@@ -169,6 +169,21 @@ fn committed(dir: &Path) -> Vec<u64> {
     j["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect()
 }
 
+/// Starts a trainer, waits for its first line to be `line`, then until the
+/// sidecar's state says `what` (`cond`), and SIGKILLs it.
+fn kill_when(mut cmd: Command, line: &str, serve: &Serve, what: &str, cond: impl Fn(&Serve) -> bool) {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+    if first.trim() != line {
+        kill9(&mut child);
+        panic!("the trainer said {first:?}, not {line:?}: {}", text(&child.wait_with_output().unwrap()));
+    }
+    serve.wait_for(what, cond);
+    kill9(&mut child);
+    sweep_fake_memory(child.id());
+}
+
 fn verify(dir: &Path) -> Output {
     Command::new(sidecar()).arg("verify").arg(dir).output().unwrap()
 }
@@ -199,7 +214,9 @@ fn many_allocations_with_tensors_at_offsets_round_trip_bit_exact() {
     let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
-    assert_eq!(serve.stat("imports_total"), Some(64));
+    // Each legacy allocation opened three times, each closed again: checked
+    // at registration, for the save, for the load (none outlives its request).
+    assert_eq!(serve.stat("imports_total"), Some(3 * 64));
 }
 
 #[test]
@@ -230,11 +247,10 @@ fn a_trainer_killed_right_after_released_still_commits() {
 fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
-    // The sidecar's copies are 3 s late; the trainer dies once its event
-    // completed (the fence passed), in the middle of the sidecar's copy.
+    // The sidecar's copies are 3 s late; the trainer is killed once its
+    // event completed and the sidecar opened both allocations for the copy.
     let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
-    let out = run(trainer_cmd(&exe, tmp.path(), "die-mid-copy", 2_000));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("synced"), "{}", text(&out));
+    kill_when(trainer_cmd(&exe, tmp.path(), "die-mid-copy", 2_000), "synced", &serve, "both allocations open for the copy", |s| s.stat("imports_open") == Some(2));
     serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
     assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
     // The reason names the CUDA cause: legacy IPC memory is undefined once its exporter died.
@@ -253,9 +269,9 @@ fn a_trainer_killed_before_its_event_ran_ends_its_session_and_frees_staging() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
-    // The trainer's writes finish 5 s late: its event cannot complete before it dies.
-    let out = run(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
+    // The trainer's writes finish 5 s late: its event cannot complete before
+    // it is killed, once the sidecar opened the event to poll it.
+    kill_when(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000), "saved", &serve, "the trainer's event opened", |s| s.stat("events_opened") == Some(1));
     serve.wait_for("the session ended", |s| s.log().contains("session ended"));
     assert!(serve.log().contains("the client went away") && serve.log().contains("nothing of this save was copied"), "{}", serve.log());
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
@@ -443,16 +459,18 @@ fn a_freed_allocation_replaced_at_the_same_address_is_saved_with_its_new_bytes_a
     let o = run(cmd);
     let out = String::from_utf8_lossy(&o.stdout);
     // Each step loads back with the bytes of the allocation it was saved
-    // from; after each re-save the sidecar held one import: the stale one
-    // was closed, not kept beside the new.
-    assert!(o.status.success() && out.contains("ok") && out.contains("open=1,1"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // from; after each re-save the sidecar held no import: legacy imports
+    // close with the request that opened them (the stale one included).
+    assert!(o.status.success() && out.contains("ok") && out.contains("open=0,0"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     let dir = tmp.path().join("ck");
     assert_eq!(committed(&dir), [20, 21, 22]);
     let v = verify(&dir);
     assert!(v.status.success(), "{}", text(&v));
-    // Three allocations at one address, then the load target: four imports, all closed at the end.
+    // Three allocations at one address, then the load target: four checked
+    // at registration, one opened per save and per load (three each): ten
+    // imports, all closed at the end.
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
-    assert_eq!(serve.stat("imports_total"), Some(4));
+    assert_eq!(serve.stat("imports_total"), Some(10));
 }
 
 #[test]
@@ -557,4 +575,37 @@ fn a_device_the_sidecar_does_not_see_is_refused_naming_its_uuid() {
     let out = String::from_utf8_lossy(&o.stdout);
     // The fake's device 1 has UUID "fakecuda-uuid-" d0 01.
     assert!(o.status.success() && out.contains("refused:") && out.contains("is not visible to the sidecar") && out.contains("GPU-66616b65-6375-6461-2d75-7569642dd001"), "{}", text(&o));
+}
+
+/// Hazard 2: no legacy import outlives the request that needs it. A trainer
+/// saves, frees the memory and allocates as much again: with the device
+/// capped at 8 MiB that fits only if the sidecar closed its import (the
+/// driver keeps memory freed while imported allocated: the trainer's OOM
+/// retry would fail for the sidecar's sake). Without the cap, a second
+/// client of the same trainer then registers the new allocation at the same
+/// address: refused (ALREADY_MAPPED) while the old import is still open.
+#[test]
+fn a_legacy_import_is_closed_after_its_save_so_freed_memory_is_free_and_its_address_reusable() {
+    for cap in [Some("8388608"), None] {
+        let tmp = tempfile::tempdir().unwrap();
+        let exe = trainer(tmp.path());
+        let serve = Serve::start(tmp.path(), true);
+        let stats = tmp.path().join("trainer-stats");
+        std::fs::create_dir_all(&stats).unwrap();
+        let mut cmd = trainer_cmd(&exe, tmp.path(), "free-and-reuse", 2_000);
+        cmd.env("FAKE_CUDA_STATS_DIR", &stats);
+        if let Some(cap) = cap {
+            cmd.env("FAKE_CUDA_DEVICE_MEMORY_BYTES", cap);
+        }
+        let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let pid = child.id();
+        let o = child.wait_with_output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success() && out.contains("ok"), "cap {cap:?}: {}\nsidecar log:\n{}", text(&o), serve.log());
+        // The trainer's own counters: its free was not pinned by an importer.
+        let s = std::fs::read_to_string(stats.join(pid.to_string())).unwrap();
+        assert!(s.contains("frees_pinned 0"), "cap {cap:?}: {s}");
+        assert_eq!(committed(&tmp.path().join("ck")), [1, 2]);
+        serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    }
 }

@@ -312,9 +312,10 @@ def test_memory_freed_and_allocated_again_at_the_same_address_is_saved_anew_and_
         del os.environ["FAKE_CUDA_STATS_DIR"]
     assert r.returncode == 0 and '"ok": true' in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    # Two allocations at one address, each imported once; the first closed
-    # when the second was registered, before step 2 was saved.
-    assert (got["imports_open"], got["imports_total"]) == (1, 2), got
+    # Two allocations at one address, each opened at registration (to check
+    # it) and for its save, and closed again each time: no legacy import
+    # outlives its request (the trainer may free the memory at any time).
+    assert (got["imports_open"], got["imports_total"]) == (0, 4), got
 
 
 STRICT = textwrap.dedent(r"""

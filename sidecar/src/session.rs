@@ -62,6 +62,12 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     let mut cuda = CudaSession::default();
     let mut plans = SavePlans::default();
     loop {
+        // Every request runs its copies and loads to their end on this
+        // thread: between requests no legacy CUDA import is needed, and none
+        // stays open (regions/cuda.rs: the trainer may free the memory).
+        for r in regions.values() {
+            r.close_imports();
+        }
         let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
             Ok(b) => b,
             Err(FrameError::Closed) => {

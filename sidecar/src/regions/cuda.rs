@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ckpt_cuda::{HostRegistration, Imported, LocalEvent, OpenedEvent, Stream};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::RegionError;
 use crate::config;
@@ -90,9 +90,24 @@ impl Drop for Synced<'_> {
     }
 }
 
-/// One imported device allocation and the stream its copies run on.
+/// How the sidecar holds a client's allocation.
+enum Held {
+    /// A VMM import: the driver counts its references, so holding it costs
+    /// the client nothing (a chunk it unmaps stays ours until we let go).
+    Vmm(Imported),
+    /// A legacy IPC allocation: its handle only, between requests. The
+    /// driver leaves `cuMemFree` of memory still open in an importer
+    /// undefined, and in practice the memory then stays allocated (the
+    /// trainer's OOM retry would fail for our import), and a new allocation
+    /// at an address still open here is refused (`ALREADY_MAPPED`). So the
+    /// import is opened by the first copy or load of a request that needs
+    /// it and closed once that request is over ([`CudaMemory::close_import`]).
+    Legacy { handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES], device: i32, len_bytes: u64, open: Mutex<Option<Imported>> },
+}
+
+/// One device allocation of the client and the stream its copies run on.
 pub struct CudaMemory {
-    imported: Imported,
+    held: Held,
     stream: Arc<SessionStream>,
     /// The first driver error of a copy, if any (sticky: register again).
     failed: Mutex<Option<String>>,
@@ -102,16 +117,54 @@ impl CudaMemory {
     /// Opens the allocation `source` names on `device`; it must hold
     /// `len_bytes`. A passed fd is closed once imported (the import holds
     /// the allocation).
+    /// A legacy handle is opened here once, to check it, and closed again:
+    /// only its bytes are kept ([`Held::Legacy`]).
     pub fn open(source: CudaSource, device: i32, len_bytes: u64, stream: Arc<SessionStream>) -> Result<CudaMemory, RegionError> {
-        let imported = match source {
-            CudaSource::Ipc(handle) => Imported::open(handle, device, len_bytes)?,
-            CudaSource::Fd(fd) => Imported::import_fd(&fd, device, len_bytes)?,
+        let held = match source {
+            CudaSource::Ipc(handle) => {
+                drop(Imported::open(handle, device, len_bytes)?);
+                let handle = handle.try_into().expect("Imported::open checked the handle's length");
+                Held::Legacy { handle, device, len_bytes, open: Mutex::new(None) }
+            }
+            CudaSource::Fd(fd) => Held::Vmm(Imported::import_fd(&fd, device, len_bytes)?),
         };
-        Ok(CudaMemory { imported, stream, failed: Mutex::new(None) })
+        Ok(CudaMemory { held, stream, failed: Mutex::new(None) })
     }
 
     pub fn is_vmm(&self) -> bool {
-        self.imported.is_vmm()
+        matches!(self.held, Held::Vmm(_))
+    }
+
+    /// The allocation's address here, opening a legacy import if it is not
+    /// open (it then stays open until [`CudaMemory::close_import`]).
+    fn ptr(&self) -> Result<u64, RegionError> {
+        match &self.held {
+            Held::Vmm(i) => Ok(i.ptr()),
+            Held::Legacy { handle, device, len_bytes, open } => {
+                let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(i) = &*open {
+                    return Ok(i.ptr());
+                }
+                let t0 = std::time::Instant::now();
+                let i = Imported::open(handle, *device, *len_bytes)?;
+                let ptr = i.ptr();
+                *open = Some(i);
+                debug!(open_us = t0.elapsed().as_secs_f64() * 1e6, "legacy CUDA import opened for a request");
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// Closes a legacy import opened for the request that just ended (no
+    /// copy or load on it runs any more: the caller's contract, kept by the
+    /// session, which calls it between requests). A VMM import stays.
+    pub fn close_import(&self) {
+        if let Held::Legacy { open, .. } = &self.held {
+            let t0 = std::time::Instant::now();
+            if open.lock().unwrap_or_else(|p| p.into_inner()).take().is_some() {
+                debug!(close_us = t0.elapsed().as_secs_f64() * 1e6, "legacy CUDA import closed after its request");
+            }
+        }
     }
 
     fn fail(&self, what: String) {
@@ -129,7 +182,13 @@ impl CudaMemory {
     /// `dst..dst+len` is writable and no one else's for the call; the range
     /// lies inside the region (checked by [`super::Region::copy_out`]).
     pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
-        let src = self.imported.ptr() + offset_bytes;
+        let src = match self.ptr() {
+            Ok(p) => p + offset_bytes,
+            Err(e) => {
+                self.fail(format!("opening the allocation failed: {e}"));
+                return 0;
+            }
+        };
         let synced = Synced::new(&self.stream.stream);
         // SAFETY: dst is the caller's for the call, and `synced` waits for
         // the stream before this returns, whatever happens; src..src+len
@@ -156,10 +215,14 @@ impl CudaMemory {
     /// As [`CudaMemory::copy_out`], for every range, until `finish_batch`
     /// has returned.
     pub unsafe fn queue_batch(&self, ranges: &[(u64, *mut u8, usize)]) {
+        let base = match self.ptr() {
+            Ok(p) => p,
+            Err(e) => return self.fail(format!("opening the allocation failed: {e}")),
+        };
         for &(offset_bytes, dst, len) in ranges {
             // SAFETY: the caller's contract; finish_batch returns only once
             // every queued copy is done (also after an error).
-            if let Err(e) = unsafe { self.stream.stream.copy_dtoh_async(dst, self.imported.ptr() + offset_bytes, len) } {
+            if let Err(e) = unsafe { self.stream.stream.copy_dtoh_async(dst, base + offset_bytes, len) } {
                 self.fail(format!("device-to-host copy failed: {e}"));
                 return;
             }
@@ -203,7 +266,7 @@ impl CudaMemory {
     /// session's stream, synchronized before returning (the Loaded reply
     /// follows, so the trainer's later work sees the bytes).
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
-        let dst = self.imported.ptr() + offset_bytes;
+        let dst = self.ptr()? + offset_bytes;
         let synced = Synced::new(&self.stream.stream);
         // SAFETY: `bytes` is borrowed until `synced` waited for the stream
         // (below, or on its drop); the range lies in the allocation (bounds
@@ -213,7 +276,10 @@ impl CudaMemory {
     }
 
     pub fn device(&self) -> i32 {
-        self.imported.device()
+        match &self.held {
+            Held::Vmm(i) => i.device(),
+            Held::Legacy { device, .. } => *device,
+        }
     }
 }
 

@@ -312,6 +312,17 @@ impl Region {
         }
     }
 
+    /// Closes what this region opened for the request that just ended (a
+    /// legacy CUDA import: regions/cuda.rs); nothing may still copy from or
+    /// into it.
+    pub fn close_imports(&self) {
+        match &self.memory {
+            Memory::Cuda(m) => m.close_import(),
+            Memory::CudaSpan(ps) => ps.iter().for_each(|(_, p)| p.close_imports()),
+            Memory::HostShm(_) => {}
+        }
+    }
+
     /// Removes what a client that died left behind of this region (a host
     /// segment's name; its bytes go once the last mapping does).
     pub fn remove_dead_owners_memory(&self) {

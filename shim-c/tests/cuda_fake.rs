@@ -362,11 +362,27 @@ fn without_a_driver_cuda_registration_fails_clearly_and_host_checkpoints_still_w
 #[test]
 fn doctor_reports_the_fake_device_when_its_folder_is_on_the_search_path() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path()).arg("--json").env("LD_LIBRARY_PATH", fake_dir()).output().unwrap();
+    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path()).arg("--json").env("LD_LIBRARY_PATH", fake_dir()).env("FAKE_CUDA_DEVICE_MEMORY_BYTES", "1073741824").output().unwrap();
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
     assert_eq!(j["cuda"]["available"], true, "{j}");
     assert_eq!(j["cuda"]["driver_version"], "12.8", "{j}");
     assert!(j["cuda"]["devices"][0]["name"].as_str().unwrap().contains("fake CUDA device"), "{j}");
+    // The device's UUID, compute mode and free memory (the fake's cap, nothing used).
+    assert_eq!(j["cuda"]["devices"][0]["uuid"], "GPU-66616b65-6375-6461-2d75-7569642dd000", "{j}");
+    assert_eq!(j["cuda"]["devices"][0]["compute_mode"], "default", "{j}");
+    assert_eq!(j["cuda"]["devices"][0]["free_bytes"], 1u64 << 30, "{j}");
+    // A device in exclusive-process mode is named as one the sidecar cannot use beside a trainer.
+    let o = Command::new(sidecar())
+        .arg("doctor")
+        .arg(tmp.path())
+        .arg("--json")
+        .env("LD_LIBRARY_PATH", fake_dir())
+        .env("FAKE_CUDA_COMPUTE_MODE", "3")
+        .output()
+        .unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert_eq!(j["cuda"]["devices"][0]["compute_mode"], "exclusive-process", "{j}");
+    assert!(j["cuda"]["devices"][0]["warning"].as_str().unwrap().contains("cannot create its context while the trainer holds one"), "{j}");
 }
 
 #[test]

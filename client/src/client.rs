@@ -426,6 +426,10 @@ struct SaveEntry {
     /// A CUDA save: its device, and the value the copy-done word reaches
     /// once its copy is over ([`crate::done_word`]).
     cuda_device: Option<(i32, u32)>,
+    /// The request named one of this client's interprocess events, and
+    /// the sidecar has not answered it yet: it may still poll the event,
+    /// which must not be destroyed under it ([`Client::close`]).
+    event_pending: bool,
 }
 
 impl State {
@@ -483,6 +487,16 @@ impl State {
         if let (Some(w), Some(&SaveEntry { cuda_device: Some((_, value)), .. })) = (&self.done_word, self.saves.get(&id)) {
             w.release(value);
         }
+        // The sidecar answered: it polled the request's event to its end
+        // (or gave it up) before.
+        if let Some(e) = self.saves.get_mut(&id) {
+            e.event_pending = false;
+        }
+    }
+
+    /// Whether the sidecar may still poll one of this client's events.
+    fn events_in_use(&self) -> bool {
+        self.saves.values().any(|e| e.event_pending)
     }
 
     fn fail_save(&mut self, id: u64, code: Option<ErrorCode>, reason: String) {
@@ -1056,7 +1070,10 @@ impl Client {
         }
         st.done_sent = value;
         match st.saves.get_mut(&h.id) {
-            Some(e) if !is_final(e.status.state) && !e.status.released => e.cuda_device = Some((device, value)),
+            Some(e) if !is_final(e.status.state) && !e.status.released => {
+                e.cuda_device = Some((device, value));
+                e.event_pending = true;
+            }
             // Over already (a reply came first): nothing will wait on it.
             _ => {
                 if let Some(w) = &st.done_word {
@@ -1159,7 +1176,14 @@ impl Client {
             _ => return Err(Error::InvalidArgument(format!("the CUDA pieces of file {path} lie on {} devices ({devices:?}); one file's device pieces must share one device", devices.len()))),
         };
         let path = path.to_string();
-        self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces { id, path, pieces: out, device, event, finish })
+        let with_event = !event.is_empty();
+        let h = self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces { id, path, pieces: out, device, event, finish })?;
+        if with_event {
+            if let Some(e) = self.lock_state().saves.get_mut(&h.id).filter(|e| !is_final(e.status.state) && !e.status.released) {
+                e.event_pending = true;
+            }
+        }
+        Ok(h)
     }
 
     /// Files a save under a fresh id and sends the request `make` builds.
@@ -1185,7 +1209,7 @@ impl Client {
                 persist_seconds: None,
                 error: None,
             };
-            st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None });
+            st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, event_pending: false });
             id
         };
         if let Err(e) = send_encoded(&conn.stream, &make(id)) {
@@ -1345,7 +1369,19 @@ impl Client {
         }
         inner.regions.clear();
         inner.cuda_regions.clear();
-        inner.cuda_events.clear();
+        self.retire_cuda_events(&mut inner);
+    }
+
+    /// Destroys this client's interprocess events once the sidecar can no
+    /// longer use them: a request it has not answered may still have it
+    /// polling one (a destroyed event's state is undefined: it could read
+    /// as done before the trainer's work is). Those are left to the
+    /// process's end (a few driver handles), never destroyed under it.
+    fn retire_cuda_events(&self, inner: &mut Inner) {
+        let events = std::mem::take(&mut inner.cuda_events);
+        if self.lock_state().events_in_use() {
+            std::mem::forget(events);
+        }
     }
 
     // ---- internals ----

@@ -155,6 +155,7 @@ struct alloc {
     uintptr_t base; size_t size; int imported; struct vmm *vmm; unsigned long long id;
     int ordinal; int phys; struct memhdr *hdr; int fd; int refs;
     int src_pid; unsigned long long src_id; uint64_t src_base;
+    int pool; /* from cuMemAllocAsync: a stream-ordered pool's, not legacy-IPC capable */
 };
 static struct alloc g_allocs[ALLOCS_MAX];
 static unsigned long long g_buffer_ids, g_alloc_ids;
@@ -571,6 +572,19 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     return OK;
 }
 
+/* Stream-ordered allocation (cudaMallocAsync): memory of the device's
+ * default pool, not legacy-IPC capable (its pool exports it, not used here). */
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
+    (void)s;
+    CUresult r = cuMemAlloc_v2(dptr, size);
+    if (r != OK) return r;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_alloc_locked((uintptr_t)*dptr);
+    if (a) a->pool = 1;
+    pthread_mutex_unlock(&g_mu);
+    return OK;
+}
+
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
     NEED_CTX();
     pthread_mutex_lock(&g_mu);
@@ -633,10 +647,11 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr p) {
     case 3: *(CUdeviceptr *)data = p; return OK;              /* DEVICE_POINTER */
     case 7: *(unsigned long long *)data = copy.id; return OK; /* BUFFER_ID */
     case 9: *(int *)data = copy.ordinal; return OK;           /* DEVICE_ORDINAL */
-    case 10: *(int *)data = copy.vmm ? 0 : 1; return OK;      /* IS_LEGACY_CUDA_IPC_CAPABLE */
+    case 10: *(int *)data = copy.vmm || copy.pool ? 0 : 1; return OK; /* IS_LEGACY_CUDA_IPC_CAPABLE */
     case 11: *(CUdeviceptr *)data = copy.base; return OK;     /* RANGE_START_ADDR */
     case 12: *(size_t *)data = copy.size; return OK;          /* RANGE_SIZE */
     case 13: *(int *)data = 1; return OK;                     /* MAPPED (unmapped: not found above) */
+    case 17: *(void **)data = copy.pool ? (void *)&g_ctx[copy.ordinal] : NULL; return OK; /* MEMPOOL_HANDLE */
     default: return E_INVALID_VALUE;
     }
 }
@@ -649,7 +664,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dptr) {
     if (!h) return E_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_alloc_locked((uintptr_t)dptr);
-    int ok = a && !a->imported && !a->vmm && a->base == (uintptr_t)dptr;
+    int ok = a && !a->imported && !a->vmm && !a->pool && a->base == (uintptr_t)dptr;
     if (ok) {
         struct memhandle m = { .pid = (int)getpid(), .fd = a->fd, .alloc_id = a->hdr->alloc_id, .base = a->base };
         memcpy(m.magic, MEM_MAGIC, 8);

@@ -249,6 +249,17 @@ fn is_mapped(ptr: u64) -> bool {
     r != CUresult::CUDA_SUCCESS || mapped != 0
 }
 
+/// Whether device pointer `ptr` lies in memory of a stream-ordered pool
+/// (`cuMemAllocAsync`, `cudaMallocAsync`): `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`
+/// names its pool. False when the driver does not say.
+fn from_memory_pool(ptr: u64) -> bool {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: MEMPOOL_HANDLE writes one pointer into `pool`; an unknown
+    // pointer is an error code.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut pool as *mut sys::CUmemoryPool).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr) };
+    r == CUresult::CUDA_SUCCESS && !pool.is_null()
+}
+
 /// The allocation that holds device pointer `ptr` (trainer side).
 pub fn allocation_of(ptr: u64) -> Result<Allocation> {
     probe()?;
@@ -351,8 +362,16 @@ pub fn export(a: &Allocation) -> Result<Export> {
     in_primary(a.device, || {
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer; `base` is only looked up by the driver.
-        unsafe { check("cuMemRetainAllocationHandle", sys::cuMemRetainAllocationHandle(&mut h, a.base as *mut std::ffi::c_void)) }
-            .map_err(|e| CudaError::Invalid(format!("the CUDA allocation at {:#x} is neither legacy-IPC capable nor a VMM allocation: {e}", a.base)))?;
+        unsafe { check("cuMemRetainAllocationHandle", sys::cuMemRetainAllocationHandle(&mut h, a.base as *mut std::ffi::c_void)) }.map_err(|e| {
+            if from_memory_pool(a.base) {
+                CudaError::Invalid(format!(
+                    "the CUDA allocation at {:#x} comes from a stream-ordered memory pool (cudaMallocAsync; PyTorch's PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which cannot be shared with the sidecar (not legacy-IPC capable): use PyTorch's default allocator (expandable_segments:True works too)",
+                    a.base
+                ))
+            } else {
+                CudaError::Invalid(format!("the CUDA allocation at {:#x} is neither legacy-IPC capable nor a VMM allocation: {e}", a.base))
+            }
+        })?;
         let out = export_retained(a, h);
         // SAFETY: `h` was retained above and is released once; the mapping
         // keeps the allocation alive for the trainer.

@@ -415,3 +415,37 @@ def test_a_device_leaf_copied_by_the_shim_on_a_thread_with_no_cuda_context_is_co
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"err": [], "a": True, "b": True}, got
+
+
+ASYNC_POOL = fake_cuda_script(r"""
+    import ctypes, json, os, sys
+    import numpy as np
+    import ckpt_sidecar as cs
+
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=2000)
+    p = ctypes.c_uint64()
+    ok(cu.cuMemAllocAsync(ctypes.byref(p), ctypes.c_size_t(1 << 16), stream), "cuMemAllocAsync")
+
+    class DeviceArray:
+        def __init__(self, ptr):
+            self.__cuda_array_interface__ = {"shape": (1 << 14,), "typestr": "<f4", "data": (ptr, False),
+                                             "strides": None, "version": 3, "stream": None}
+
+    ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
+    try:
+        ck.save(1, {"x": DeviceArray(p.value)})
+        print(json.dumps({"error": None}))
+    except cs.CudaError as e:
+        print(json.dumps({"error": str(e)}))
+    ck.close()
+""")
+
+
+def test_memory_of_a_stream_ordered_pool_is_refused_naming_cudamallocasync(tmp_path):
+    script = tmp_path / "pool.py"
+    script.write_text(ASYNC_POOL)
+    r = run_script(tmp_path, script, 2_000)
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["error"] and "cudaMallocAsync" in got["error"] and "backend:cudaMallocAsync" in got["error"], got

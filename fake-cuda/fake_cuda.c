@@ -817,6 +817,10 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 #define HANDLE_TYPE_POSIX_FD 1
+#define HANDLE_TYPE_FABRIC 8
+/* A fabric handle: magic, exporter pid, its memfd's number. */
+#define FAB_MAGIC "FKCUFAB"
+struct fabhandle { char magic[8]; int pid; int fd; };
 #define VMM_GRANULARITY ((size_t)2 << 20)
 
 static void vmm_unref_locked(struct vmm *v) {
@@ -880,6 +884,13 @@ CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h,
     (void)flags;
     NEED_INIT();
     struct vmm *v = (struct vmm *)(uintptr_t)h;
+    if (out && v && type == HANDLE_TYPE_FABRIC && (v->handle_types & HANDLE_TYPE_FABRIC)) {
+        struct fabhandle f = { .pid = (int)getpid(), .fd = v->fd };
+        memcpy(f.magic, FAB_MAGIC, 8);
+        memset(out, 0, 64);
+        memcpy(out, &f, sizeof f);
+        return OK;
+    }
     if (!out || !v || type != HANDLE_TYPE_POSIX_FD) return E_INVALID_VALUE;
     if (!(v->handle_types & HANDLE_TYPE_POSIX_FD)) return E_INVALID_VALUE;
     int fd = fcntl(v->fd, F_DUPFD_CLOEXEC, 0);
@@ -890,8 +901,19 @@ CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h,
 
 CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os_handle, int type) {
     NEED_INIT();
-    if (!h || type != HANDLE_TYPE_POSIX_FD) return E_INVALID_VALUE;
-    int fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
+    if (!h || (type != HANDLE_TYPE_POSIX_FD && type != HANDLE_TYPE_FABRIC)) return E_INVALID_VALUE;
+    int fd;
+    if (type == HANDLE_TYPE_FABRIC) {
+        /* The exporter's memfd, by its number in the exporter (as an IMEX channel would find it). */
+        struct fabhandle f;
+        memcpy(&f, os_handle, sizeof f);
+        if (memcmp(f.magic, FAB_MAGIC, 8) != 0) return E_INVALID_VALUE;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%d/fd/%d", f.pid, f.fd);
+        fd = open(path, O_RDWR | O_CLOEXEC);
+    } else {
+        fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
+    }
     if (fd < 0) return E_INVALID_HANDLE;
     struct stat st;
     if (fstat(fd, &st) != 0 || st.st_size <= 0 || st.st_size % VMM_GRANULARITY) { close(fd); return E_INVALID_HANDLE; }
@@ -908,7 +930,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
     link[nl > 0 ? nl : 0] = 0;
     const char *at = strstr(link, "fakecuda-vmm-");
     v->phys = at ? atoi(at + strlen("fakecuda-vmm-")) : 0;
-    v->handle_types = HANDLE_TYPE_POSIX_FD;
+    v->handle_types = type;
     pthread_mutex_lock(&g_mu);
     g_imports_open++;
     g_imports_total++;

@@ -100,6 +100,9 @@ enum CudaKind {
     /// Exported as a POSIX fd (SCM_RIGHTS) at each registration, closed here
     /// once sent: the trainer keeps no descriptor of its own.
     Vmm,
+    /// A VMM allocation exported as a FABRIC handle (its only exportable
+    /// type), sent as bytes.
+    Fabric([u8; ckpt_cuda::FABRIC_HANDLE_BYTES]),
     /// Allocations registered as regions `pieces`, mapped back to back in
     /// this order (RegisterCudaSpan); `vmm`: all of them are VMM ones.
     Span { pieces: Vec<u32>, vmm: bool },
@@ -109,7 +112,7 @@ impl CudaRegion {
     /// Whether the memory is VMM (valid in the sidecar after this process
     /// dies), not legacy IPC.
     pub fn is_vmm(&self) -> bool {
-        matches!(self.kind, CudaKind::Vmm | CudaKind::Span { vmm: true, .. })
+        matches!(self.kind, CudaKind::Vmm | CudaKind::Fabric(_) | CudaKind::Span { vmm: true, .. })
     }
 
     /// The regions a span is made of (empty for a single allocation).
@@ -922,6 +925,7 @@ impl Client {
         let (kind, fd) = match ckpt_cuda::export(a)? {
             ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
             ckpt_cuda::Export::Vmm(fd) => (CudaKind::Vmm, Some(fd)),
+            ckpt_cuda::Export::Fabric(h) => (CudaKind::Fabric(h), None),
         };
         let region_id = self.next_region_id(inner)?;
         let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, buffer_id: a.buffer_id, kind };
@@ -1525,13 +1529,19 @@ impl Client {
                     Some(fd) => fd,
                     None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device, buffer_id: r.buffer_id })? {
                         ckpt_cuda::Export::Vmm(fd) => fd,
-                        ckpt_cuda::Export::Legacy(_) => return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation", r.base))),
+                        ckpt_cuda::Export::Legacy(_) | ckpt_cuda::Export::Fabric(_) => {
+                            return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation exportable as an fd", r.base)))
+                        }
                     },
                 };
                 let device_uuid = ckpt_cuda::uuid_of(device)?.to_vec();
-                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes })?;
+                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle: Vec::new(), len_bytes })?;
                 drop(fd);
                 self.await_reply(id, conn.gen, "the sidecar to answer RegisterCudaVmmRegion", timeout)?
+            }
+            CudaKind::Fabric(h) => {
+                let (device_uuid, fabric_handle) = (ckpt_cuda::uuid_of(device)?.to_vec(), h.to_vec());
+                self.call_on(conn, timeout, "RegisterCudaVmmRegion", |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes })?
             }
             CudaKind::Span { pieces, .. } => {
                 let pieces = pieces.clone();

@@ -340,7 +340,14 @@ pub enum Export {
     /// driver reference-counts it, so an importer keeps the bytes after the
     /// exporter died.
     Vmm(OwnedFd),
+    /// A VMM allocation created with only `CU_MEM_HANDLE_TYPE_FABRIC` among
+    /// its handle types (PyTorch's expandable segments where an IMEX
+    /// channel exists): its 64-byte fabric handle.
+    Fabric([u8; FABRIC_HANDLE_BYTES]),
 }
+
+/// Bytes of a `CU_MEM_HANDLE_TYPE_FABRIC` handle.
+pub const FABRIC_HANDLE_BYTES: usize = 64;
 
 /// How the allocation `a` is shared: legacy IPC when the driver says it is
 /// capable of it, else (a VMM mapping) its physical allocation exported as a
@@ -382,14 +389,21 @@ pub fn export(a: &Allocation) -> Result<Export> {
 
 fn export_retained(a: &Allocation, h: sys::CUmemGenericAllocationHandle) -> Result<Export> {
     const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    const FABRIC: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
     // SAFETY: an all-zero CUmemAllocationProp is a valid value of the C
     // struct (enums at 0, null pointer); the driver overwrites it.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer, a retained handle.
     unsafe { check("cuMemGetAllocationPropertiesFromHandle", sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h))? };
+    if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 && prop.requestedHandleTypes.0 & FABRIC.0 != 0 {
+        let mut fabric = sys::CUmemFabricHandle_st { data: [0; FABRIC_HANDLE_BYTES] };
+        // SAFETY: for FABRIC the driver writes one CUmemFabricHandle.
+        unsafe { check("cuMemExportToShareableHandle(FABRIC)", sys::cuMemExportToShareableHandle((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), h, FABRIC, 0))? };
+        return Ok(Export::Fabric(fabric.data));
+    }
     if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 {
         return Err(CudaError::Invalid(format!(
-            "the VMM allocation at {:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in its requestedHandleTypes, so it cannot be shared with the sidecar",
+            "the VMM allocation at {:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR or CU_MEM_HANDLE_TYPE_FABRIC in its requestedHandleTypes, so it cannot be shared with the sidecar",
             a.base
         )));
     }
@@ -505,6 +519,25 @@ impl Imported {
     /// writable here. The fd may be closed afterwards: the import holds the
     /// allocation, which then outlives its exporter.
     pub fn import_fd(fd: &OwnedFd, device: i32, len_bytes: u64) -> Result<Imported> {
+        let os_handle = fd.as_raw_fd() as isize as *mut std::ffi::c_void;
+        // SAFETY: for POSIX_FD the os handle is the descriptor's value, open (borrowed).
+        unsafe { Self::import_shareable(os_handle, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, device, len_bytes) }
+    }
+
+    /// As [`Imported::import_fd`], for an allocation exported as a FABRIC
+    /// handle ([`Export::Fabric`]).
+    pub fn import_fabric(handle: &[u8], device: i32, len_bytes: u64) -> Result<Imported> {
+        let data: [u8; FABRIC_HANDLE_BYTES] =
+            handle.try_into().map_err(|_| CudaError::Invalid(format!("a fabric handle has {FABRIC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        let mut fabric = sys::CUmemFabricHandle_st { data };
+        // SAFETY: for FABRIC the os handle points at a CUmemFabricHandle,
+        // alive for the call.
+        unsafe { Self::import_shareable((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC, device, len_bytes) }
+    }
+
+    /// # Safety
+    /// `os_handle` is what `cuMemImportFromShareableHandle` takes for `kind`.
+    unsafe fn import_shareable(os_handle: *mut std::ffi::c_void, kind: sys::CUmemAllocationHandleType, device: i32, len_bytes: u64) -> Result<Imported> {
         bind(device)?;
         let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
         // SAFETY: all-zero is a valid CUmemAllocationProp (see export_retained).
@@ -525,14 +558,8 @@ impl Imported {
             .filter(|&s| s > 0)
             .ok_or_else(|| CudaError::Invalid(format!("a VMM region of {len_bytes} bytes cannot be mapped")))?;
         let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: for POSIX_FD the os handle is the descriptor's value; the
-        // driver takes its own reference (we keep ours until the caller drops it).
-        unsafe {
-            check(
-                "cuMemImportFromShareableHandle",
-                sys::cuMemImportFromShareableHandle(&mut h, fd.as_raw_fd() as isize as *mut std::ffi::c_void, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-            )?
-        };
+        // SAFETY: the caller's contract; the driver takes its own reference.
+        unsafe { check("cuMemImportFromShareableHandle", sys::cuMemImportFromShareableHandle(&mut h, os_handle, kind))? };
         let mut ptr = 0u64;
         // SAFETY: valid out-pointer.
         if let Err(e) = unsafe { check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)) } {

@@ -625,3 +625,19 @@ fn a_legacy_import_is_closed_after_its_save_so_freed_memory_is_free_and_its_addr
         serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
     }
 }
+
+/// Hazard 4: a VMM allocation whose only exportable handle type is FABRIC
+/// (PyTorch's expandable segments where an IMEX channel exists) goes in
+/// place by its fabric handle, not refused for lack of a POSIX fd type.
+#[test]
+fn vmm_allocations_exportable_only_as_fabric_handles_round_trip_in_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let mut cmd = trainer_cmd(&exe, tmp.path(), "vmm-roundtrip", 300_000);
+    cmd.env("CKPT_TEST_VMM_HANDLE_TYPES", "8");
+    let o = run(cmd);
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(2));
+}

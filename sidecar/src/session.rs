@@ -192,7 +192,12 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes } => {
+            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes } if !fabric_handle.is_empty() => {
+                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fabric(&fabric_handle), len_bytes);
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
+            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes, .. } => {
                 let reply = match reader.get_mut().take_fd() {
                     Some(fd) => register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fd(fd), len_bytes),
                     None => Reply::Error {

@@ -194,8 +194,12 @@ pub enum Request {
     /// after the trainer dies) and closes the descriptor. Descriptors are
     /// matched to these requests in the order they arrive. Reply:
     /// RegionRegistered or Error. Added in version 6. `device_uuid`
-    /// (version 12): as in [`Request::RegisterCudaRegion`].
-    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, device_uuid: Vec<u8>, len_bytes: u64 },
+    /// (version 12): as in [`Request::RegisterCudaRegion`]. `fabric_handle`
+    /// (version 12; empty: the fd way above): the allocation exported as a
+    /// CU_MEM_HANDLE_TYPE_FABRIC handle (64 bytes; PyTorch's expandable
+    /// segments where an IMEX channel exists), imported from those bytes:
+    /// the frame then carries no descriptor.
+    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, device_uuid: Vec<u8>, fabric_handle: Vec<u8>, len_bytes: u64 },
     /// Registers region `region_id` as the concatenation of CUDA regions
     /// this client registered before (`pieces`, in address order): device
     /// allocations mapped back to back in the client's address space, as

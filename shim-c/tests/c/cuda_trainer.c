@@ -190,7 +190,10 @@ static CUdeviceptr vmm_alloc(size_t n, int exportable) {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
     prop.type = 1;                                 /* PINNED */
-    prop.requestedHandleTypes = exportable ? 1 : 0; /* POSIX_FILE_DESCRIPTOR */
+    /* POSIX_FILE_DESCRIPTOR (1), or CKPT_TEST_VMM_HANDLE_TYPES (8: FABRIC only, as
+     * PyTorch's expandable segments where an IMEX channel exists). */
+    const char *types = getenv("CKPT_TEST_VMM_HANDLE_TYPES");
+    prop.requestedHandleTypes = exportable ? (types && *types ? atoi(types) : 1) : 0;
     prop.location.type = 1;                        /* DEVICE */
     prop.location.id = 0;
     size_t g;

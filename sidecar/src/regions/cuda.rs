@@ -50,6 +50,8 @@ pub enum CudaSource<'a> {
     Ipc(&'a [u8]),
     /// A VMM allocation exported as a POSIX fd (closed once imported).
     Fd(OwnedFd),
+    /// A VMM allocation exported as a FABRIC handle (64 bytes).
+    Fabric(&'a [u8]),
 }
 
 /// The session's stream on one device.
@@ -127,6 +129,7 @@ impl CudaMemory {
                 Held::Legacy { handle, device, len_bytes, open: Mutex::new(None) }
             }
             CudaSource::Fd(fd) => Held::Vmm(Imported::import_fd(&fd, device, len_bytes)?),
+            CudaSource::Fabric(handle) => Held::Vmm(Imported::import_fabric(handle, device, len_bytes)?),
         };
         Ok(CudaMemory { held, stream, failed: Mutex::new(None) })
     }

@@ -11,9 +11,9 @@
 # Results: stdout, and $OUT/gpu-results.json when OUT is set (written after
 # every check). Bounded to 8 minutes on one H200.
 #
-# Without cargo (a GPU machine with Python and torch only) it uses the
-# bundle of tests/gpu/pack.sh: run it inside that folder, or from a checkout
-# whose target/gpu-bundle holds it.
+# Inside the bundle of tests/gpu/pack.sh (a GPU machine with Python and torch
+# only) it uses the bundle; from a checkout, cargo's build, or without cargo
+# the checkout's target/gpu-bundle.
 #
 # Without a CUDA driver (or with only the test-only fake one) it prints
 # `skipped: no CUDA driver` and exits 0, counting nothing as passed.
@@ -52,25 +52,29 @@ fi
 if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
-# The native files and the Python package: built here when cargo is there,
-# else from the bundle tests/gpu/pack.sh made (this folder when run.sh runs
-# inside it, or target/gpu-bundle of this checkout).
-if command -v cargo >/dev/null; then
+# The native files and the Python package: the bundle tests/gpu/pack.sh made
+# when run.sh runs inside it; else built here when cargo is there; else the
+# bundle in target/gpu-bundle of this checkout.
+is_bundle() { [ -x "$1/ckpt-sidecar" ] && [ -f "$1/libckpt.so" ] && ls "$1"/*.whl >/dev/null 2>&1; }
+BUNDLE=""
+if is_bundle "$PWD"; then
+    BUNDLE=$PWD
+elif ! command -v cargo >/dev/null; then
+    b="${CARGO_TARGET_DIR:-$PWD/target}/gpu-bundle"
+    if ! is_bundle "$b"; then
+        echo "no cargo and no bundle: run bash tests/gpu/pack.sh where Rust is, and copy its folder here" >&2
+        exit 2
+    fi
+    BUNDLE=$b
+fi
+if [ -z "$BUNDLE" ]; then
     echo "== cargo build --release --workspace"
     cargo build --release --workspace
     TARGET="${CARGO_TARGET_DIR:-$PWD/target}/release"
     export CKPT_SIDECAR_BIN="$TARGET/ckpt-sidecar" CKPT_SIDECAR_LIB="$TARGET/libckpt.so"
     export PYTHONPATH="$PWD/shim-py${PYTHONPATH:+:$PYTHONPATH}"
 else
-    BUNDLE=""
-    for b in "$PWD" "${CARGO_TARGET_DIR:-$PWD/target}/gpu-bundle"; do
-        if [ -x "$b/ckpt-sidecar" ] && [ -f "$b/libckpt.so" ] && ls "$b"/*.whl >/dev/null 2>&1; then BUNDLE=$b; break; fi
-    done
-    if [ -z "$BUNDLE" ]; then
-        echo "no cargo and no bundle: run bash tests/gpu/pack.sh where Rust is, and copy its folder here" >&2
-        exit 2
-    fi
-    echo "== no cargo: the bundle in $BUNDLE"
+    echo "== the bundle in $BUNDLE"
     PKG=$(mktemp -d)
     trap 'rm -rf "$PKG"' EXIT
     "$PY" -m pip install -q --no-index --no-deps --target "$PKG" "$BUNDLE"/*.whl

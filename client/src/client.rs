@@ -100,6 +100,9 @@ enum CudaKind {
     /// Exported as a POSIX fd (SCM_RIGHTS) at each registration, closed here
     /// once sent: the trainer keeps no descriptor of its own.
     Vmm,
+    /// A VMM allocation exported as a FABRIC handle (its only exportable
+    /// type), sent as bytes.
+    Fabric([u8; ckpt_cuda::FABRIC_HANDLE_BYTES]),
     /// Allocations registered as regions `pieces`, mapped back to back in
     /// this order (RegisterCudaSpan); `vmm`: all of them are VMM ones.
     Span { pieces: Vec<u32>, vmm: bool },
@@ -109,7 +112,7 @@ impl CudaRegion {
     /// Whether the memory is VMM (valid in the sidecar after this process
     /// dies), not legacy IPC.
     pub fn is_vmm(&self) -> bool {
-        matches!(self.kind, CudaKind::Vmm | CudaKind::Span { vmm: true, .. })
+        matches!(self.kind, CudaKind::Vmm | CudaKind::Fabric(_) | CudaKind::Span { vmm: true, .. })
     }
 
     /// The regions a span is made of (empty for a single allocation).
@@ -287,9 +290,9 @@ struct Inner {
     cuda_regions: BTreeMap<u32, CudaRegion>,
     /// One interprocess event per CUDA device, recorded at each save.
     cuda_events: HashMap<i32, ckpt_cuda::IpcEvent>,
-    /// One interprocess event per CUDA device that the sidecar records after
-    /// queuing a save's device copies ([`Client::stream_wait_copy`]).
-    cuda_done_events: HashMap<i32, ckpt_cuda::IpcEvent>,
+    /// The last value of the copy-done sequence given to a device save
+    /// ([`crate::done_word`]).
+    done_seq: u32,
     next_region_id: u32,
     closed: bool,
     request_timeout: Option<Duration>,
@@ -411,6 +414,11 @@ struct State {
     replies: HashMap<u64, Reply>,
     saves: HashMap<u64, SaveEntry>,
     finished: VecDeque<u64>,
+    /// The word device saves' stream waits wait on, made at the first such
+    /// save (None: not yet, or the driver refused it: waits are then the
+    /// CPU's), and the highest value given to a save sent.
+    done_word: Option<Arc<crate::done_word::DoneWord>>,
+    done_sent: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -418,16 +426,20 @@ struct SaveEntry {
     status: SaveStatus,
     /// Set when failed: the code the sidecar gave, or None for a lost connection.
     code: Option<ErrorCode>,
-    /// A CUDA save sent with a done event: its device.
-    cuda_device: Option<i32>,
-    /// The sidecar queued its device copies and recorded the done event after them.
-    copy_queued: bool,
+    /// A CUDA save: its device, and the value the copy-done word reaches
+    /// once its copy is over ([`crate::done_word`]).
+    cuda_device: Option<(i32, u32)>,
+    /// The request named one of this client's interprocess events, and
+    /// the sidecar has not answered it yet: it may still poll the event,
+    /// which must not be destroyed under it ([`Client::close`]).
+    event_pending: bool,
 }
 
 impl State {
     fn file(&mut self, reply: Reply) {
         match reply {
             Reply::Released { id, copy_seconds, waited_seconds, .. } => {
+                self.copy_over(id);
                 if let Some(e) = self.saves.get_mut(&id) {
                     if e.status.state == SaveState::Pending {
                         e.status.state = SaveState::Released;
@@ -438,6 +450,7 @@ impl State {
                 }
             }
             Reply::Durable { id, path, persist_seconds, .. } => {
+                self.copy_over(id);
                 if let Some(e) = self.saves.get_mut(&id) {
                     if matches!(e.status.state, SaveState::Pending | SaveState::Released) {
                         // Durable implies released, even if Released was never seen.
@@ -449,13 +462,14 @@ impl State {
                     }
                 }
             }
-            Reply::CopyQueued { id, .. } => {
-                if let Some(e) = self.saves.get_mut(&id) {
-                    e.copy_queued = true;
-                }
+            // Not sent since protocol version 12.
+            Reply::CopyQueued { .. } => {}
+            Reply::Failed { id, code, reason, .. } => {
+                self.copy_over(id);
+                self.fail_save(id, Some(code), reason)
             }
-            Reply::Failed { id, code, reason, .. } => self.fail_save(id, Some(code), reason),
             Reply::Error { id, code, message } if self.saves.get(&id).is_some_and(|e| !is_final(e.status.state)) => {
+                self.copy_over(id);
                 self.fail_save(id, Some(code), message)
             }
             Reply::Refused { reason } => self.lose(format!("the sidecar ended the session: {reason}")),
@@ -468,6 +482,24 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Save `id`'s device copy is over (or will never run): the trainer's
+    /// streams waiting on it go on ([`crate::done_word`]).
+    fn copy_over(&mut self, id: u64) {
+        if let (Some(w), Some(&SaveEntry { cuda_device: Some((_, value)), .. })) = (&self.done_word, self.saves.get(&id)) {
+            w.release(value);
+        }
+        // The sidecar answered: it polled the request's event to its end
+        // (or gave it up) before.
+        if let Some(e) = self.saves.get_mut(&id) {
+            e.event_pending = false;
+        }
+    }
+
+    /// Whether the sidecar may still poll one of this client's events.
+    fn events_in_use(&self) -> bool {
+        self.saves.values().any(|e| e.event_pending)
     }
 
     fn fail_save(&mut self, id: u64, code: Option<ErrorCode>, reason: String) {
@@ -493,6 +525,11 @@ impl State {
     fn lose(&mut self, reason: String) {
         if self.dead.is_some() {
             return;
+        }
+        // No copy of a save sent on this connection may still be waited for:
+        // the sidecar cannot finish it any more.
+        if let Some(w) = &self.done_word {
+            w.release(self.done_sent);
         }
         let open: Vec<u64> = self.saves.iter().filter(|(_, e)| !is_final(e.status.state)).map(|(id, _)| *id).collect();
         for id in open {
@@ -649,7 +686,7 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), cuda_done_events: HashMap::new(), next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1), kept_list: None }),
+            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), done_seq: 0, next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1), kept_list: None }),
         };
         {
             let mut inner = client.lock_inner();
@@ -888,6 +925,7 @@ impl Client {
         let (kind, fd) = match ckpt_cuda::export(a)? {
             ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
             ckpt_cuda::Export::Vmm(fd) => (CudaKind::Vmm, Some(fd)),
+            ckpt_cuda::Export::Fabric(h) => (CudaKind::Fabric(h), None),
         };
         let region_id = self.next_region_id(inner)?;
         let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, buffer_id: a.buffer_id, kind };
@@ -1009,10 +1047,6 @@ impl Client {
             [d] => d,
             _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
         };
-        if let std::collections::hash_map::Entry::Vacant(e) = inner.cuda_done_events.entry(device) {
-            e.insert(ckpt_cuda::IpcEvent::new(device)?);
-        }
-        let done_event = inner.cuda_done_events[&device].handle().to_vec();
         let event = match inner.cuda_events.entry(device) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(device)?),
@@ -1027,53 +1061,64 @@ impl Client {
             lazy_release,
             device,
             event,
-            done_event,
             rank,
             world_size,
         })?;
-        if let Some(e) = self.lock_state().saves.get_mut(&h.id) {
-            e.cuda_device = Some(device);
+        // The copy-done word's next value is this save's; the word is made
+        // at the first device save (a refusal only makes waits the CPU's).
+        inner.done_seq = inner.done_seq.wrapping_add(1);
+        let value = inner.done_seq;
+        let mut st = self.lock_state();
+        if st.done_word.is_none() {
+            st.done_word = crate::done_word::DoneWord::new(device).map(Arc::new).ok();
+        }
+        st.done_sent = value;
+        match st.saves.get_mut(&h.id) {
+            Some(e) if !is_final(e.status.state) && !e.status.released => {
+                e.cuda_device = Some((device, value));
+                e.event_pending = true;
+            }
+            // Over already (a reply came first): nothing will wait on it.
+            _ => {
+                if let Some(w) = &st.done_word {
+                    w.release(value);
+                }
+            }
         }
         Ok(h)
     }
 
     /// Makes the trainer's `stream` (a CUstream; 0: the legacy default
     /// stream) wait until the sidecar's device-to-host copy of save
-    /// `save_id` is done, without the CPU waiting for the copy: the lazy
-    /// wait before an optimizer step. The CPU waits only until the sidecar
-    /// has queued the copy (`CopyQueued`: a message away) or the save is
-    /// released or over; then, if the copy may still run, the stream waits
-    /// on the event the sidecar recorded behind it. Returns true when such a
-    /// stream wait was queued, false when none was needed (the save is
-    /// released, failed, or has no device tensors: a host save's release is
-    /// waited for on the CPU, as [`Client::wait`] does).
+    /// `save_id` is over, without the CPU waiting: the lazy wait before an
+    /// optimizer step. The stream waits on a word of this process's memory
+    /// that the client itself sets when the copy is over (Released), the
+    /// save ended, or the sidecar is gone ([`crate::done_word`]): never on
+    /// anything only the sidecar could complete, so a sidecar that dies
+    /// mid-copy cannot freeze the stream. Returns true when such a stream
+    /// wait was queued, false when none was needed (the save is released,
+    /// failed, or has no device tensors: a host save's release is waited
+    /// for on the CPU, as [`Client::wait`] does, and so is a device save's
+    /// where the driver refused the word).
     pub fn stream_wait_copy(&self, save_id: u64, stream: u64, timeout: Option<Duration>) -> Result<bool> {
         self.check_owner()?;
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut st = self.lock_state();
-        let device = loop {
+        let (device, value, word) = {
+            let st = self.lock_state();
             let e = st.saves.get(&save_id).ok_or(Error::UnknownSave { save_id })?;
-            let Some(device) = e.cuda_device else {
-                drop(st);
-                self.wait(save_id, Wanted::Released, timeout)?;
-                return Ok(false);
-            };
             if e.status.released || is_final(e.status.state) {
                 return Ok(false);
             }
-            if e.copy_queued {
-                break device;
+            match (e.cuda_device, &st.done_word) {
+                (Some((device, value)), Some(w)) => (device, value, w.clone()),
+                _ => {
+                    drop(st);
+                    self.wait(save_id, Wanted::Released, timeout)?;
+                    return Ok(false);
+                }
             }
-            let what = e.status.what();
-            st = self.wait_changed(st, deadline).map_err(|()| Error::Timeout {
-                what: format!("the sidecar to queue the device copy of {what}"),
-                timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
-            })?;
         };
-        drop(st);
-        let inner = self.lock_inner();
-        let event = inner.cuda_done_events.get(&device).ok_or_else(|| Error::InvalidArgument(format!("no CUDA done event on device {device}")))?;
-        event.wait_on(stream)?;
+        // Raised already if the copy ended meanwhile: the wait then passes at once.
+        word.wait_on(stream, device, value)?;
         Ok(true)
     }
 
@@ -1135,7 +1180,14 @@ impl Client {
             _ => return Err(Error::InvalidArgument(format!("the CUDA pieces of file {path} lie on {} devices ({devices:?}); one file's device pieces must share one device", devices.len()))),
         };
         let path = path.to_string();
-        self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces { id, path, pieces: out, device, event, finish })
+        let with_event = !event.is_empty();
+        let h = self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces { id, path, pieces: out, device, event, finish })?;
+        if with_event {
+            if let Some(e) = self.lock_state().saves.get_mut(&h.id).filter(|e| !is_final(e.status.state) && !e.status.released) {
+                e.event_pending = true;
+            }
+        }
+        Ok(h)
     }
 
     /// Files a save under a fresh id and sends the request `make` builds.
@@ -1161,7 +1213,7 @@ impl Client {
                 persist_seconds: None,
                 error: None,
             };
-            st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, copy_queued: false });
+            st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, event_pending: false });
             id
         };
         if let Err(e) = send_encoded(&conn.stream, &make(id)) {
@@ -1307,7 +1359,6 @@ impl Client {
             inner.cuda_regions.clear();
             // The parent's events: CUDA is unusable in a forked child.
             std::mem::forget(std::mem::take(&mut inner.cuda_events));
-            std::mem::forget(std::mem::take(&mut inner.cuda_done_events));
             return;
         }
         if let Some(conn) = inner.conn.take() {
@@ -1322,8 +1373,19 @@ impl Client {
         }
         inner.regions.clear();
         inner.cuda_regions.clear();
-        inner.cuda_events.clear();
-        inner.cuda_done_events.clear();
+        self.retire_cuda_events(&mut inner);
+    }
+
+    /// Destroys this client's interprocess events once the sidecar can no
+    /// longer use them: a request it has not answered may still have it
+    /// polling one (a destroyed event's state is undefined: it could read
+    /// as done before the trainer's work is). Those are left to the
+    /// process's end (a few driver handles), never destroyed under it.
+    fn retire_cuda_events(&self, inner: &mut Inner) {
+        let events = std::mem::take(&mut inner.cuda_events);
+        if self.lock_state().events_in_use() {
+            std::mem::forget(events);
+        }
     }
 
     // ---- internals ----
@@ -1459,19 +1521,27 @@ impl Client {
         let reply = match &r.kind {
             CudaKind::Legacy(h) => {
                 let ipc_handle = h.to_vec();
-                self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes })?
+                let device_uuid = ckpt_cuda::uuid_of(device)?.to_vec();
+                self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes })?
             }
             CudaKind::Vmm => {
                 let fd = match fd {
                     Some(fd) => fd,
                     None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device, buffer_id: r.buffer_id })? {
                         ckpt_cuda::Export::Vmm(fd) => fd,
-                        ckpt_cuda::Export::Legacy(_) => return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation", r.base))),
+                        ckpt_cuda::Export::Legacy(_) | ckpt_cuda::Export::Fabric(_) => {
+                            return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation exportable as an fd", r.base)))
+                        }
                     },
                 };
-                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, len_bytes })?;
+                let device_uuid = ckpt_cuda::uuid_of(device)?.to_vec();
+                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle: Vec::new(), len_bytes })?;
                 drop(fd);
                 self.await_reply(id, conn.gen, "the sidecar to answer RegisterCudaVmmRegion", timeout)?
+            }
+            CudaKind::Fabric(h) => {
+                let (device_uuid, fabric_handle) = (ckpt_cuda::uuid_of(device)?.to_vec(), h.to_vec());
+                self.call_on(conn, timeout, "RegisterCudaVmmRegion", |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes })?
             }
             CudaKind::Span { pieces, .. } => {
                 let pieces = pieces.clone();

@@ -12,6 +12,7 @@
 //! trainer. The messages and framing are the `ckpt-wire` crate's.
 
 pub mod client;
+pub mod done_word;
 pub mod error;
 pub mod region;
 

@@ -60,6 +60,52 @@ pub struct DeviceInfo {
     pub ordinal: i32,
     pub name: String,
     pub total_bytes: u64,
+    /// The device's UUID (`cuDeviceGetUuid_v2`): the same device has the
+    /// same UUID in every process, whatever its ordinal there
+    /// (`CUDA_VISIBLE_DEVICES` renumbers devices per process).
+    pub uuid: [u8; UUID_BYTES],
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: 0 default, 2 prohibited, 3
+    /// exclusive-process (a second process's context is refused).
+    pub compute_mode: i32,
+}
+
+/// Bytes of a device UUID.
+pub const UUID_BYTES: usize = 16;
+
+/// A device UUID as nvidia-smi writes it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn uuid_text(uuid: &[u8]) -> String {
+    let h: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    if h.len() != 2 * UUID_BYTES {
+        return format!("GPU-{h}");
+    }
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// The ordinal, in this process, of the device whose UUID is `uuid`; None
+/// when this process does not see it.
+pub fn ordinal_of_uuid(uuid: &[u8]) -> Result<Option<i32>> {
+    Ok(probe()?.devices.iter().find(|d| d.uuid[..] == *uuid).map(|d| d.ordinal))
+}
+
+/// The UUID of this process's device `ordinal`.
+pub fn uuid_of(ordinal: i32) -> Result<[u8; UUID_BYTES]> {
+    let info = probe()?;
+    info.devices
+        .iter()
+        .find(|d| d.ordinal == ordinal)
+        .map(|d| d.uuid)
+        .ok_or_else(|| CudaError::Invalid(format!("CUDA device {ordinal} does not exist ({} devices)", info.devices.len())))
+}
+
+/// Free and total device memory of device `ordinal` (`cuMemGetInfo_v2`, in
+/// its primary context: creating it costs device memory the first time).
+pub fn memory_info(ordinal: i32) -> Result<(u64, u64)> {
+    in_primary(ordinal, || {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the context is current (in_primary).
+        unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
+        Ok((free as u64, total as u64))
+    })
 }
 
 fn check(call: &'static str, r: CUresult) -> Result<()> {
@@ -111,7 +157,12 @@ fn probe_once() -> Result<DriverInfo> {
             let name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
             let mut total = 0usize;
             check("cuDeviceTotalMem", sys::cuDeviceTotalMem_v2(&mut total, dev))?;
-            devices.push(DeviceInfo { ordinal, name, total_bytes: total as u64 });
+            let mut uuid = sys::CUuuid_st { bytes: [0; UUID_BYTES] };
+            check("cuDeviceGetUuid_v2", sys::cuDeviceGetUuid_v2(&mut uuid, dev))?;
+            let mut compute_mode = 0;
+            // A driver that cannot say leaves the default mode (0).
+            let _ = sys::cuDeviceGetAttribute(&mut compute_mode, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, dev);
+            devices.push(DeviceInfo { ordinal, name, total_bytes: total as u64, uuid: uuid.bytes.map(|c| c as u8), compute_mode });
         }
         Ok(DriverInfo { driver_version, devices })
     }
@@ -198,6 +249,17 @@ fn is_mapped(ptr: u64) -> bool {
     r != CUresult::CUDA_SUCCESS || mapped != 0
 }
 
+/// Whether device pointer `ptr` lies in memory of a stream-ordered pool
+/// (`cuMemAllocAsync`, `cudaMallocAsync`): `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`
+/// names its pool. False when the driver does not say.
+fn from_memory_pool(ptr: u64) -> bool {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: MEMPOOL_HANDLE writes one pointer into `pool`; an unknown
+    // pointer is an error code.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut pool as *mut sys::CUmemoryPool).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr) };
+    r == CUresult::CUDA_SUCCESS && !pool.is_null()
+}
+
 /// The allocation that holds device pointer `ptr` (trainer side).
 pub fn allocation_of(ptr: u64) -> Result<Allocation> {
     probe()?;
@@ -278,7 +340,14 @@ pub enum Export {
     /// driver reference-counts it, so an importer keeps the bytes after the
     /// exporter died.
     Vmm(OwnedFd),
+    /// A VMM allocation created with only `CU_MEM_HANDLE_TYPE_FABRIC` among
+    /// its handle types (PyTorch's expandable segments where an IMEX
+    /// channel exists): its 64-byte fabric handle.
+    Fabric([u8; FABRIC_HANDLE_BYTES]),
 }
+
+/// Bytes of a `CU_MEM_HANDLE_TYPE_FABRIC` handle.
+pub const FABRIC_HANDLE_BYTES: usize = 64;
 
 /// How the allocation `a` is shared: legacy IPC when the driver says it is
 /// capable of it, else (a VMM mapping) its physical allocation exported as a
@@ -300,8 +369,16 @@ pub fn export(a: &Allocation) -> Result<Export> {
     in_primary(a.device, || {
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer; `base` is only looked up by the driver.
-        unsafe { check("cuMemRetainAllocationHandle", sys::cuMemRetainAllocationHandle(&mut h, a.base as *mut std::ffi::c_void)) }
-            .map_err(|e| CudaError::Invalid(format!("the CUDA allocation at {:#x} is neither legacy-IPC capable nor a VMM allocation: {e}", a.base)))?;
+        unsafe { check("cuMemRetainAllocationHandle", sys::cuMemRetainAllocationHandle(&mut h, a.base as *mut std::ffi::c_void)) }.map_err(|e| {
+            if from_memory_pool(a.base) {
+                CudaError::Invalid(format!(
+                    "the CUDA allocation at {:#x} comes from a stream-ordered memory pool (cudaMallocAsync; PyTorch's PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which cannot be shared with the sidecar (not legacy-IPC capable): use PyTorch's default allocator (expandable_segments:True works too)",
+                    a.base
+                ))
+            } else {
+                CudaError::Invalid(format!("the CUDA allocation at {:#x} is neither legacy-IPC capable nor a VMM allocation: {e}", a.base))
+            }
+        })?;
         let out = export_retained(a, h);
         // SAFETY: `h` was retained above and is released once; the mapping
         // keeps the allocation alive for the trainer.
@@ -312,14 +389,21 @@ pub fn export(a: &Allocation) -> Result<Export> {
 
 fn export_retained(a: &Allocation, h: sys::CUmemGenericAllocationHandle) -> Result<Export> {
     const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    const FABRIC: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
     // SAFETY: an all-zero CUmemAllocationProp is a valid value of the C
     // struct (enums at 0, null pointer); the driver overwrites it.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer, a retained handle.
     unsafe { check("cuMemGetAllocationPropertiesFromHandle", sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h))? };
+    if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 && prop.requestedHandleTypes.0 & FABRIC.0 != 0 {
+        let mut fabric = sys::CUmemFabricHandle_st { data: [0; FABRIC_HANDLE_BYTES] };
+        // SAFETY: for FABRIC the driver writes one CUmemFabricHandle.
+        unsafe { check("cuMemExportToShareableHandle(FABRIC)", sys::cuMemExportToShareableHandle((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), h, FABRIC, 0))? };
+        return Ok(Export::Fabric(fabric.data));
+    }
     if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 {
         return Err(CudaError::Invalid(format!(
-            "the VMM allocation at {:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in its requestedHandleTypes, so it cannot be shared with the sidecar",
+            "the VMM allocation at {:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR or CU_MEM_HANDLE_TYPE_FABRIC in its requestedHandleTypes, so it cannot be shared with the sidecar",
             a.base
         )));
     }
@@ -435,6 +519,25 @@ impl Imported {
     /// writable here. The fd may be closed afterwards: the import holds the
     /// allocation, which then outlives its exporter.
     pub fn import_fd(fd: &OwnedFd, device: i32, len_bytes: u64) -> Result<Imported> {
+        let os_handle = fd.as_raw_fd() as isize as *mut std::ffi::c_void;
+        // SAFETY: for POSIX_FD the os handle is the descriptor's value, open (borrowed).
+        unsafe { Self::import_shareable(os_handle, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, device, len_bytes) }
+    }
+
+    /// As [`Imported::import_fd`], for an allocation exported as a FABRIC
+    /// handle ([`Export::Fabric`]).
+    pub fn import_fabric(handle: &[u8], device: i32, len_bytes: u64) -> Result<Imported> {
+        let data: [u8; FABRIC_HANDLE_BYTES] =
+            handle.try_into().map_err(|_| CudaError::Invalid(format!("a fabric handle has {FABRIC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        let mut fabric = sys::CUmemFabricHandle_st { data };
+        // SAFETY: for FABRIC the os handle points at a CUmemFabricHandle,
+        // alive for the call.
+        unsafe { Self::import_shareable((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC, device, len_bytes) }
+    }
+
+    /// # Safety
+    /// `os_handle` is what `cuMemImportFromShareableHandle` takes for `kind`.
+    unsafe fn import_shareable(os_handle: *mut std::ffi::c_void, kind: sys::CUmemAllocationHandleType, device: i32, len_bytes: u64) -> Result<Imported> {
         bind(device)?;
         let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
         // SAFETY: all-zero is a valid CUmemAllocationProp (see export_retained).
@@ -455,14 +558,8 @@ impl Imported {
             .filter(|&s| s > 0)
             .ok_or_else(|| CudaError::Invalid(format!("a VMM region of {len_bytes} bytes cannot be mapped")))?;
         let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: for POSIX_FD the os handle is the descriptor's value; the
-        // driver takes its own reference (we keep ours until the caller drops it).
-        unsafe {
-            check(
-                "cuMemImportFromShareableHandle",
-                sys::cuMemImportFromShareableHandle(&mut h, fd.as_raw_fd() as isize as *mut std::ffi::c_void, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-            )?
-        };
+        // SAFETY: the caller's contract; the driver takes its own reference.
+        unsafe { check("cuMemImportFromShareableHandle", sys::cuMemImportFromShareableHandle(&mut h, os_handle, kind))? };
         let mut ptr = 0u64;
         // SAFETY: valid out-pointer.
         if let Err(e) = unsafe { check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)) } {
@@ -548,6 +645,22 @@ impl OpenedEvent {
         // SAFETY: valid out-pointer; a bad handle is an error code.
         unsafe { check("cuIpcOpenEventHandle", sys::cuIpcOpenEventHandle(&mut event, h))? };
         Ok(OpenedEvent { event, device })
+    }
+}
+
+impl OpenedEvent {
+    /// Whether the work queued before the event's latest record has
+    /// completed (`cuEventQuery`): never blocks, so the caller can watch the
+    /// event's owner while it waits (a wait on an event whose recorder died
+    /// may never end).
+    pub fn is_done(&self) -> Result<bool> {
+        bind(self.device)?;
+        // SAFETY: the event is alive (borrowed).
+        match unsafe { sys::cuEventQuery(self.event) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| false),
+        }
     }
 }
 
@@ -696,17 +809,68 @@ impl HostRegistration {
     pub unsafe fn new(ptr: *mut u8, len: usize, device: i32) -> Result<HostRegistration> {
         bind(device)?;
         // SAFETY: the caller's contract.
-        unsafe { check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE))? };
+        unsafe { Self::register(ptr, len, device, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+    }
+
+    /// # Safety
+    /// As [`HostRegistration::new`]; a context of `device` is current.
+    unsafe fn register(ptr: *mut u8, len: usize, device: i32, flags: u32) -> Result<HostRegistration> {
+        // SAFETY: the caller's contract.
+        unsafe { check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr.cast(), len, flags))? };
         Ok(HostRegistration { ptr: ptr as usize, device })
     }
 }
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        if bind(self.device).is_ok() {
-            // SAFETY: registered by `new`, unregistered once.
-            unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
-        }
+        // In the device's primary context, then the thread's own back (a
+        // trainer thread's context is the trainer's).
+        // SAFETY: registered by `register`, unregistered once.
+        let _ = in_primary(self.device, || unsafe { check("cuMemHostUnregister", sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void)) });
+    }
+}
+
+/// A 32-bit word of host memory the device's streams can wait on (trainer
+/// side): page-locked and mapped for the device (`cuMemHostRegister` with
+/// `DEVICEMAP | PORTABLE`), so `cuStreamWaitValue32` on it holds a stream
+/// until the word reaches a value that the host (any process mapping the
+/// same page) writes. Unregistered on drop.
+pub struct HostWord {
+    ptr: usize,
+    _registration: HostRegistration,
+}
+
+impl HostWord {
+    /// Registers the `len` bytes at `page` (page-aligned, holding the word
+    /// at its start) for device `device`'s streams.
+    ///
+    /// # Safety
+    /// `page..page+len` is mapped host memory that outlives the `HostWord`,
+    /// and its first 4 bytes are only accessed atomically.
+    pub unsafe fn new(page: *mut u8, len: usize, device: i32) -> Result<HostWord> {
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller's contract.
+        let registration = in_primary(device, || unsafe { HostRegistration::register(page, len, device, flags) })?;
+        Ok(HostWord { ptr: page as usize, _registration: registration })
+    }
+
+    /// Makes later work on `stream` (a CUstream of device `device`; 0: the
+    /// legacy default stream) wait until the word is at least `value`
+    /// (compared as `(i32)(word - value) >= 0`, so it may wrap). The CPU
+    /// does not wait.
+    pub fn wait_geq(&self, stream: u64, device: i32, value: u32) -> Result<()> {
+        in_primary(device, || {
+            let mut dptr: sys::CUdeviceptr = 0;
+            // SAFETY: the word's page is registered with DEVICEMAP (new);
+            // valid out-pointer; an invalid stream is an error code.
+            unsafe {
+                check("cuMemHostGetDevicePointer", sys::cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr as *mut std::ffi::c_void, 0))?;
+                check(
+                    "cuStreamWaitValue32",
+                    sys::cuStreamWaitValue32_v2(stream as sys::CUstream, dptr, value, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32),
+                )
+            }
+        })
     }
 }
 

@@ -169,6 +169,21 @@ fn committed(dir: &Path) -> Vec<u64> {
     j["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect()
 }
 
+/// Starts a trainer, waits for its first line to be `line`, then until the
+/// sidecar's state says `what` (`cond`), and SIGKILLs it.
+fn kill_when(mut cmd: Command, line: &str, serve: &Serve, what: &str, cond: impl Fn(&Serve) -> bool) {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+    if first.trim() != line {
+        kill9(&mut child);
+        panic!("the trainer said {first:?}, not {line:?}: {}", text(&child.wait_with_output().unwrap()));
+    }
+    serve.wait_for(what, cond);
+    kill9(&mut child);
+    sweep_fake_memory(child.id());
+}
+
 fn verify(dir: &Path) -> Output {
     Command::new(sidecar()).arg("verify").arg(dir).output().unwrap()
 }
@@ -199,7 +214,9 @@ fn many_allocations_with_tensors_at_offsets_round_trip_bit_exact() {
     let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
-    assert_eq!(serve.stat("imports_total"), Some(64));
+    // Each legacy allocation opened three times, each closed again: checked
+    // at registration, for the save, for the load (none outlives its request).
+    assert_eq!(serve.stat("imports_total"), Some(3 * 64));
 }
 
 #[test]
@@ -230,16 +247,72 @@ fn a_trainer_killed_right_after_released_still_commits() {
 fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
-    let serve = Serve::start(tmp.path(), true);
-    // The trainer's writes finish 5 s late; it dies right after sending the save.
-    let out = run(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("saved"), "{}", text(&out));
+    // The sidecar's copies are 3 s late; the trainer is killed once its
+    // event completed and the sidecar opened both allocations for the copy.
+    let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
+    kill_when(trainer_cmd(&exe, tmp.path(), "die-mid-copy", 2_000), "synced", &serve, "both allocations open for the copy", |s| s.stat("imports_open") == Some(2));
     serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
     assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
     // The reason names the CUDA cause: legacy IPC memory is undefined once its exporter died.
     assert!(serve.log().contains("shared by legacy IPC, undefined once the exporting process is gone"), "{}", serve.log());
     assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+}
+
+/// Hazard 1, the trainer's side: a trainer killed before the event its save
+/// waits on ran (its work never completes: the fake's waits on it never
+/// end, as the real driver's may not). The sidecar, polling the event while
+/// it watches the client, gives the save up: the session ends, its staging
+/// is free, nothing commits, every import closes.
+#[test]
+fn a_trainer_killed_before_its_event_ran_ends_its_session_and_frees_staging() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    // The trainer's writes finish 5 s late: its event cannot complete before
+    // it is killed, once the sidecar opened the event to poll it.
+    kill_when(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000), "saved", &serve, "the trainer's event opened", |s| s.stat("events_opened") == Some(1));
+    serve.wait_for("the session ended", |s| s.log().contains("session ended"));
+    assert!(serve.log().contains("the client went away") && serve.log().contains("nothing of this save was copied"), "{}", serve.log());
+    serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
+    // Staging is free: a new client's save of all of it (64 MiB) goes through.
+    let c = Client::connect(Some(&tmp.path().join("s.sock"))).unwrap();
+    let st = c.status().unwrap();
+    assert_eq!(st.staging_used_bytes, 0, "{st:?}");
+    assert!(st.sessions.len() == 1, "only this client's session is left: {st:?}");
+    c.close();
+}
+
+/// Hazard 1, the sidecar's side: a sidecar SIGKILLed with a save's copies
+/// queued (3 s late) while the trainer's stream waits on that copy
+/// (`ckpt_stream_wait_copy`): the save fails and the trainer's next device
+/// work on that very stream completes. A stream waiting on an event the
+/// dead sidecar was to record would never run again.
+#[test]
+fn the_sidecar_killed_while_the_trainers_stream_waits_on_its_copy_leaves_that_stream_running() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
+    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies-guarded", 2_000).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "guarded on_stream=1", "the stream wait was queued while the copy ran");
+    let mut serve = serve;
+    kill9(&mut serve.child.take().unwrap());
+    let pid = child.id();
+    // Bounded: a stream that never runs again leaves the trainer hanging.
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(60) {
+            kill9(&mut child);
+            panic!("the trainer hung: its stream still waits on the dead sidecar's copy");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    sweep_fake_memory(pid);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("trained on"), "{}", text(&out));
 }
 
 #[test]
@@ -289,11 +362,27 @@ fn without_a_driver_cuda_registration_fails_clearly_and_host_checkpoints_still_w
 #[test]
 fn doctor_reports_the_fake_device_when_its_folder_is_on_the_search_path() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path()).arg("--json").env("LD_LIBRARY_PATH", fake_dir()).output().unwrap();
+    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path()).arg("--json").env("LD_LIBRARY_PATH", fake_dir()).env("FAKE_CUDA_DEVICE_MEMORY_BYTES", "1073741824").output().unwrap();
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
     assert_eq!(j["cuda"]["available"], true, "{j}");
     assert_eq!(j["cuda"]["driver_version"], "12.8", "{j}");
     assert!(j["cuda"]["devices"][0]["name"].as_str().unwrap().contains("fake CUDA device"), "{j}");
+    // The device's UUID, compute mode and free memory (the fake's cap, nothing used).
+    assert_eq!(j["cuda"]["devices"][0]["uuid"], "GPU-66616b65-6375-6461-2d75-7569642dd000", "{j}");
+    assert_eq!(j["cuda"]["devices"][0]["compute_mode"], "default", "{j}");
+    assert_eq!(j["cuda"]["devices"][0]["free_bytes"], 1u64 << 30, "{j}");
+    // A device in exclusive-process mode is named as one the sidecar cannot use beside a trainer.
+    let o = Command::new(sidecar())
+        .arg("doctor")
+        .arg(tmp.path())
+        .arg("--json")
+        .env("LD_LIBRARY_PATH", fake_dir())
+        .env("FAKE_CUDA_COMPUTE_MODE", "3")
+        .output()
+        .unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert_eq!(j["cuda"]["devices"][0]["compute_mode"], "exclusive-process", "{j}");
+    assert!(j["cuda"]["devices"][0]["warning"].as_str().unwrap().contains("cannot create its context while the trainer holds one"), "{j}");
 }
 
 #[test]
@@ -386,16 +475,18 @@ fn a_freed_allocation_replaced_at_the_same_address_is_saved_with_its_new_bytes_a
     let o = run(cmd);
     let out = String::from_utf8_lossy(&o.stdout);
     // Each step loads back with the bytes of the allocation it was saved
-    // from; after each re-save the sidecar held one import: the stale one
-    // was closed, not kept beside the new.
-    assert!(o.status.success() && out.contains("ok") && out.contains("open=1,1"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    // from; after each re-save the sidecar held no import: legacy imports
+    // close with the request that opened them (the stale one included).
+    assert!(o.status.success() && out.contains("ok") && out.contains("open=0,0"), "{}\nsidecar log:\n{}", text(&o), serve.log());
     let dir = tmp.path().join("ck");
     assert_eq!(committed(&dir), [20, 21, 22]);
     let v = verify(&dir);
     assert!(v.status.success(), "{}", text(&v));
-    // Three allocations at one address, then the load target: four imports, all closed at the end.
+    // Three allocations at one address, then the load target: four checked
+    // at registration, one opened per save and per load (three each): ten
+    // imports, all closed at the end.
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
-    assert_eq!(serve.stat("imports_total"), Some(4));
+    assert_eq!(serve.stat("imports_total"), Some(10));
 }
 
 #[test]
@@ -464,4 +555,89 @@ fn a_stream_wait_on_a_copy_in_several_windows_waits_for_the_last_window() {
 /// Whether this test process itself finds a CUDA driver.
 fn ckpt_cuda_probe_in_this_process() -> Option<()> {
     ckpt_cuda::probe().ok().map(|_| ())
+}
+
+/// Hazard 3: ordinals are per process. With two devices, a trainer that sees
+/// only device 1 (`CUDA_VISIBLE_DEVICES=1`: its ordinal 0) and a sidecar
+/// that sees both: the sidecar opens the trainer's memory on its device 1,
+/// found by UUID. Opened on its device 0 (the same ordinal), a legacy
+/// import would be a peer import through the wrong GPU, and a VMM import
+/// would be refused.
+#[test]
+fn devices_are_matched_by_uuid_not_by_ordinal() {
+    for mode in ["roundtrip", "vmm-roundtrip"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let exe = trainer(tmp.path());
+        let serve = Serve::start_with_env(tmp.path(), true, None, &[("CKPT_FAKE_CUDA_DEVICES", "2")]);
+        let mut cmd = trainer_cmd(&exe, tmp.path(), mode, 300_000);
+        cmd.env("CKPT_FAKE_CUDA_DEVICES", "2").env("CUDA_VISIBLE_DEVICES", "1");
+        let o = run(cmd);
+        assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{mode}: {}\nsidecar log:\n{}", text(&o), serve.log());
+        serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+        assert_eq!(serve.stat("peer_imports"), Some(0), "{mode}: every legacy import was opened on the memory's own device");
+    }
+}
+
+/// Hazard 3: a device the sidecar does not see is refused at registration,
+/// naming its UUID.
+#[test]
+fn a_device_the_sidecar_does_not_see_is_refused_naming_its_uuid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let _serve = Serve::start_with_env(tmp.path(), true, None, &[("CKPT_FAKE_CUDA_DEVICES", "2"), ("CUDA_VISIBLE_DEVICES", "0")]);
+    let mut cmd = trainer_cmd(&exe, tmp.path(), "refused", 2_000);
+    cmd.env("CKPT_FAKE_CUDA_DEVICES", "2").env("CUDA_VISIBLE_DEVICES", "1");
+    let o = run(cmd);
+    let out = String::from_utf8_lossy(&o.stdout);
+    // The fake's device 1 has UUID "fakecuda-uuid-" d0 01.
+    assert!(o.status.success() && out.contains("refused:") && out.contains("is not visible to the sidecar") && out.contains("GPU-66616b65-6375-6461-2d75-7569642dd001"), "{}", text(&o));
+}
+
+/// Hazard 2: no legacy import outlives the request that needs it. A trainer
+/// saves, frees the memory and allocates as much again: with the device
+/// capped at 8 MiB that fits only if the sidecar closed its import (the
+/// driver keeps memory freed while imported allocated: the trainer's OOM
+/// retry would fail for the sidecar's sake). Without the cap, a second
+/// client of the same trainer then registers the new allocation at the same
+/// address: refused (ALREADY_MAPPED) while the old import is still open.
+#[test]
+fn a_legacy_import_is_closed_after_its_save_so_freed_memory_is_free_and_its_address_reusable() {
+    for cap in [Some("8388608"), None] {
+        let tmp = tempfile::tempdir().unwrap();
+        let exe = trainer(tmp.path());
+        let serve = Serve::start(tmp.path(), true);
+        let stats = tmp.path().join("trainer-stats");
+        std::fs::create_dir_all(&stats).unwrap();
+        let mut cmd = trainer_cmd(&exe, tmp.path(), "free-and-reuse", 2_000);
+        cmd.env("FAKE_CUDA_STATS_DIR", &stats);
+        if let Some(cap) = cap {
+            cmd.env("FAKE_CUDA_DEVICE_MEMORY_BYTES", cap);
+        }
+        let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let pid = child.id();
+        let o = child.wait_with_output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success() && out.contains("ok"), "cap {cap:?}: {}\nsidecar log:\n{}", text(&o), serve.log());
+        // The trainer's own counters: its free was not pinned by an importer.
+        let s = std::fs::read_to_string(stats.join(pid.to_string())).unwrap();
+        assert!(s.contains("frees_pinned 0"), "cap {cap:?}: {s}");
+        assert_eq!(committed(&tmp.path().join("ck")), [1, 2]);
+        serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
+    }
+}
+
+/// Hazard 4: a VMM allocation whose only exportable handle type is FABRIC
+/// (PyTorch's expandable segments where an IMEX channel exists) goes in
+/// place by its fabric handle, not refused for lack of a POSIX fd type.
+#[test]
+fn vmm_allocations_exportable_only_as_fabric_handles_round_trip_in_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = trainer(tmp.path());
+    let serve = Serve::start(tmp.path(), true);
+    let mut cmd = trainer_cmd(&exe, tmp.path(), "vmm-roundtrip", 300_000);
+    cmd.env("CKPT_TEST_VMM_HANDLE_TYPES", "8");
+    let o = run(cmd);
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    assert_eq!(serve.stat("imports_total"), Some(2));
 }

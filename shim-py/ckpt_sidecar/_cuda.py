@@ -87,15 +87,46 @@ def _cu():
     return _driver
 
 
+def _in_context_of(cu, ptr, run):
+    """Run `run()` with the primary context of the device holding device
+    pointer `ptr` current on this thread (the driver refuses these calls
+    on a thread with no context: CUDA_ERROR_INVALID_CONTEXT), then put back
+    the thread's own context. Returns run()'s CUDA status."""
+    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+    ordinal, dev, ctx, before = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    r = cu.cuPointerGetAttribute(ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr))
+    if r == 0:
+        r = cu.cuDeviceGet(ctypes.byref(dev), ordinal.value)
+    if r == 0:
+        r = cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    if r == 0:
+        r = cu.cuCtxGetCurrent(ctypes.byref(before))
+    if r != 0:
+        return r
+    r = cu.cuCtxSetCurrent(ctx)
+    try:
+        return r if r != 0 else run()
+    finally:
+        cu.cuCtxSetCurrent(before)
+        cu.cuDevicePrimaryCtxRelease_v2(dev)
+
+
 def copy_to_host(obj, dst_ptr, nbytes, stream):
     """Copy a contiguous `__cuda_array_interface__` object's bytes to host
     memory at `dst_ptr`, after the work queued on its stream (the fallback for
-    a device leaf that cannot be described in place: one overlapping another)."""
+    a device leaf that cannot be described in place: one overlapping another).
+    Runs in the primary context of the object's device, whatever context
+    this thread has (or none)."""
     cu = _cu()
     src = obj.__cuda_array_interface__["data"][0]
-    r = cu.cuStreamSynchronize(ctypes.c_void_p(stream if stream > 2 else 0))
-    if r == 0:
-        r = cu.cuMemcpyDtoH_v2(ctypes.c_void_p(dst_ptr), ctypes.c_uint64(src), ctypes.c_size_t(nbytes))
+
+    def run():
+        r = cu.cuStreamSynchronize(ctypes.c_void_p(stream if stream > 2 else 0))
+        if r == 0:
+            r = cu.cuMemcpyDtoH_v2(ctypes.c_void_p(dst_ptr), ctypes.c_uint64(src), ctypes.c_size_t(nbytes))
+        return r
+
+    r = _in_context_of(cu, src, run)
     if r != 0:
         from .errors import CudaError
         raise CudaError(f"copying a device tensor to the host failed: CUDA error {r}")

@@ -944,7 +944,7 @@ fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode
     }
     // CUDA is optional: its absence is reported, never a failure.
     if json {
-        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::cuda_probe::json()}));
+        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::cuda_probe::json_with(true)}));
     } else {
         println!("cuda: {}", ckpt_sidecar::cuda_probe::summary());
     }

@@ -62,6 +62,12 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     let mut cuda = CudaSession::default();
     let mut plans = SavePlans::default();
     loop {
+        // Every request runs its copies and loads to their end on this
+        // thread: between requests no legacy CUDA import is needed, and none
+        // stays open (regions/cuda.rs: the trainer may free the memory).
+        for r in regions.values() {
+            r.close_imports();
+        }
         let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
             Ok(b) => b,
             Err(FrameError::Closed) => {
@@ -150,7 +156,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 // Device pieces: the session's stream waits on the trainer's
                 // event (as recorded now, after the message arrived) before
                 // any copy is queued on it.
-                let fenced = if event.is_empty() { Ok(()) } else { cuda.fence(device, &event) };
+                let fenced = if event.is_empty() { Ok(()) } else { cuda.fence(device, &event, &|| peer.is_gone() || shared.is_aborting()) };
                 match fenced {
                     Ok(()) => file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, FileRequest { id, path, pieces, finish }),
                     Err(e) => {
@@ -181,14 +187,19 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                     peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });
                 }
             }
-            Request::RegisterCudaRegion { id, region_id, device, ipc_handle, len_bytes } => {
-                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, device, CudaSource::Ipc(&ipc_handle), len_bytes);
+            Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes } => {
+                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Ipc(&ipc_handle), len_bytes);
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::RegisterCudaVmmRegion { id, region_id, device, len_bytes } => {
+            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes } if !fabric_handle.is_empty() => {
+                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fabric(&fabric_handle), len_bytes);
+                update_counts(&shared, &s, &regions);
+                peer.send(&reply);
+            }
+            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes, .. } => {
                 let reply = match reader.get_mut().take_fd() {
-                    Some(fd) => register_cuda(&shared, &mut regions, &mut cuda, id, region_id, device, CudaSource::Fd(fd), len_bytes),
+                    Some(fd) => register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fd(fd), len_bytes),
                     None => Reply::Error {
                         id,
                         code: ErrorCode::BadRegion,
@@ -203,21 +214,15 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, done_event, rank, world_size } => {
+            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, rank, world_size } => {
                 // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
                 let part = (rank, world_size) != (0, 1);
-                let fenced = cuda.fence(device, &event).and_then(|()| {
-                    if done_event.is_empty() {
-                        return Ok(());
-                    }
-                    let p = peer.clone();
-                    cuda.after_queued(device, &done_event, Box::new(move || { p.send(&Reply::CopyQueued { id, step }); }))
-                });
-                match fenced {
+                // The trainer's event is polled here, watching the client:
+                // nothing is queued on the device before its work is done.
+                match cuda.fence(device, &event, &|| peer.is_gone() || shared.is_aborting()) {
                     Ok(()) => {
                         let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
                         snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }));
-                        cuda.end_save(device);
                     }
                     Err(e) => {
                         info!(step, "save refused: the trainer's CUDA event: {e}");
@@ -304,7 +309,7 @@ fn register_cuda(
     cuda: &mut CudaSession,
     id: u64,
     region_id: u32,
-    device: i32,
+    (client_device, uuid): (i32, &[u8]),
     source: CudaSource,
     len_bytes: u64,
 ) -> Reply {
@@ -315,10 +320,14 @@ fn register_cuda(
     if regions.len() >= config::REGIONS_PER_SESSION_MAX {
         return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
     }
-    let opened = cuda.stream(device, &shared.staging).and_then(|stream| Region::open_cuda(region_id, source, device, len_bytes, stream));
+    // The client's ordinal means its device of that UUID, whatever the sidecar numbers it.
+    let opened = cuda
+        .device(client_device, uuid)
+        .and_then(|device| Ok((device, cuda.stream(device, &shared.staging)?)))
+        .and_then(|(device, stream)| Region::open_cuda(region_id, source, device, len_bytes, stream));
     match opened {
         Ok(r) => {
-            debug!(region_id, device, len_bytes, vmm = r.is_vmm_cuda(), "CUDA region registered");
+            debug!(region_id, client_device, len_bytes, vmm = r.is_vmm_cuda(), "CUDA region registered");
             regions.insert(region_id, Arc::new(r));
             Reply::RegionRegistered { id, region_id }
         }

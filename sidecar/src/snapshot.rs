@@ -540,9 +540,8 @@ impl FedCopy {
             return Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)));
         }
         // Device regions, in windows of runs (config::device_window_bytes):
-        // every window's copies are queued at once, each followed by a mark,
-        // then the trainer's done event behind them all (a stream waiting on
-        // it runs after the whole copy: regions/cuda.rs); then window by
+        // every window's copies are queued at once, each followed by a mark
+        // (the trainer's event was waited for before: regions/cuda.rs); then window by
         // window, its marks are waited for and its runs checksummed and
         // marked done, so the disk writes window k while window k + 1 is
         // still coming off the device.
@@ -564,16 +563,10 @@ impl FedCopy {
             r0 = r1;
         }
         let mut marks: Vec<Vec<(*const Region, BatchMark)>> = Vec::with_capacity(windows.len());
-        let mut regions: Vec<*const Region> = Vec::new();
         for &(r0, r1) in &windows {
             let queued = queue_batches_in(&mut self.pieces, self.runs[r0]..self.runs[r1]);
             // SAFETY (this closure): a queued region is alive for the whole copy (Pieces' invariant).
             marks.push(queued.iter().map(|&r| (r, unsafe { (*r).mark_batch() })).collect());
-            regions.extend(queued.into_iter().filter(|r| !regions.contains(r)).collect::<Vec<_>>());
-        }
-        for &r in &regions {
-            // SAFETY: alive for the whole copy.
-            unsafe { (*r).all_queued() };
         }
         self.device_windows = windows.len();
         // Waits for the marks of windows `from..`: nothing queued may still

@@ -1387,7 +1387,7 @@ fn passed_descriptors_are_matched_to_vmm_registrations_and_bounded() {
     // A VMM registration without its descriptor: refused, the session goes on.
     let mut c = sc.client();
     let id = c.id();
-    c.send(&Request::RegisterCudaVmmRegion { id, region_id: 1, device: 0, len_bytes: 2 << 20 });
+    c.send(&Request::RegisterCudaVmmRegion { id, region_id: 1, device: 0, device_uuid: vec![0; 16], fabric_handle: vec![], len_bytes: 2 << 20 });
     match c.recv() {
         Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {
             assert_eq!(i, id);
@@ -1400,7 +1400,7 @@ fn passed_descriptors_are_matched_to_vmm_registrations_and_bounded() {
     // anyway): refused with the reason, and the descriptor was taken.
     let devnull = std::fs::File::open("/dev/null").unwrap();
     let id = c.id();
-    let frame = ckpt_wire::encode(&Request::RegisterCudaVmmRegion { id, region_id: 2, device: 0, len_bytes: 2 << 20 });
+    let frame = ckpt_wire::encode(&Request::RegisterCudaVmmRegion { id, region_id: 2, device: 0, device_uuid: vec![0; 16], fabric_handle: vec![], len_bytes: 2 << 20 });
     send_with_fds(&c.s, &frame, &[devnull.as_raw_fd()]).unwrap();
     match c.recv() {
         Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {

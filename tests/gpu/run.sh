@@ -7,8 +7,13 @@
 # wait ends when the sidecar dies) and the GPU benchmark (device-to-host snapshot
 # bandwidth beside a plain pinned cudaMemcpy of the same size in the same
 # run, the trainer's CPU time inside save for a 4 GiB state, a training
-# step's slowdown while the sidecar copies). Results: stdout, and
-# $OUT/gpu-results.json when OUT is set. Sized for under 8 minutes on one H200.
+# step's slowdown while the sidecar copies), each asserted (tests/gpu/README.md).
+# Results: stdout, and $OUT/gpu-results.json when OUT is set (written after
+# every check). Bounded to 8 minutes on one H200.
+#
+# Inside the bundle of tests/gpu/pack.sh (a GPU machine with Python and torch
+# only) it uses the bundle; from a checkout, cargo's build, or without cargo
+# the checkout's target/gpu-bundle.
 #
 # Without a CUDA driver (or with only the test-only fake one) it prints
 # `skipped: no CUDA driver` and exits 0, counting nothing as passed.
@@ -47,10 +52,34 @@ fi
 if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
-echo "== cargo build --release --workspace"
-cargo build --release --workspace
-TARGET="${CARGO_TARGET_DIR:-$PWD/target}/release"
-export CKPT_SIDECAR_BIN="$TARGET/ckpt-sidecar" CKPT_SIDECAR_LIB="$TARGET/libckpt.so"
-export PYTHONPATH="$PWD/shim-py${PYTHONPATH:+:$PYTHONPATH}"
-echo "== GPU suite and benchmark"
-exec "$PY" tests/gpu/gpu_suite.py
+# The native files and the Python package: the bundle tests/gpu/pack.sh made
+# when run.sh runs inside it; else built here when cargo is there; else the
+# bundle in target/gpu-bundle of this checkout.
+is_bundle() { [ -x "$1/ckpt-sidecar" ] && [ -f "$1/libckpt.so" ] && ls "$1"/*.whl >/dev/null 2>&1; }
+BUNDLE=""
+if is_bundle "$PWD"; then
+    BUNDLE=$PWD
+elif ! command -v cargo >/dev/null; then
+    b="${CARGO_TARGET_DIR:-$PWD/target}/gpu-bundle"
+    if ! is_bundle "$b"; then
+        echo "no cargo and no bundle: run bash tests/gpu/pack.sh where Rust is, and copy its folder here" >&2
+        exit 2
+    fi
+    BUNDLE=$b
+fi
+if [ -z "$BUNDLE" ]; then
+    echo "== cargo build --release --workspace"
+    cargo build --release --workspace
+    TARGET="${CARGO_TARGET_DIR:-$PWD/target}/release"
+    export CKPT_SIDECAR_BIN="$TARGET/ckpt-sidecar" CKPT_SIDECAR_LIB="$TARGET/libckpt.so"
+    export PYTHONPATH="$PWD/shim-py${PYTHONPATH:+:$PYTHONPATH}"
+else
+    echo "== the bundle in $BUNDLE"
+    PKG=$(mktemp -d)
+    trap 'rm -rf "$PKG"' EXIT
+    "$PY" -m pip install -q --no-index --no-deps --target "$PKG" "$BUNDLE"/*.whl
+    export CKPT_SIDECAR_BIN="$BUNDLE/ckpt-sidecar" CKPT_SIDECAR_LIB="$BUNDLE/libckpt.so"
+    export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+fi
+echo "== GPU suite and benchmark (8 minutes at most)"
+timeout --signal=TERM --kill-after=20 480 "$PY" tests/gpu/gpu_suite.py

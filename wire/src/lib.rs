@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims, RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -146,20 +146,24 @@ pub enum Request {
     /// not exceed the allocation. Descriptors then name (region, offset,
     /// length) inside the allocation, as for shm. Reply: RegionRegistered or
     /// Error. Added in version 4.
-    RegisterCudaRegion { id: u64, region_id: u32, device: i32, ipc_handle: Vec<u8>, len_bytes: u64 },
+    ///
+    /// `device_uuid` (version 12): the UUID (16 bytes, `cuDeviceGetUuid_v2`)
+    /// of the client's device `device`. Ordinals are per process
+    /// (`CUDA_VISIBLE_DEVICES`), so the sidecar opens the allocation on its
+    /// own device of that UUID and refuses a UUID it does not see, naming
+    /// it; later messages naming `device` mean that device too.
+    RegisterCudaRegion { id: u64, region_id: u32, device: i32, device_uuid: Vec<u8>, ipc_handle: Vec<u8>, len_bytes: u64 },
     /// A Save whose CUDA tensors are ready once `event` completes: the IPC
     /// handle (64 bytes) of an event created with CU_EVENT_INTERPROCESS |
     /// CU_EVENT_DISABLE_TIMING, recorded on the trainer's stream just before
-    /// this message was sent. The sidecar's own stream waits on it (after the
-    /// message arrived) before copying; the trainer's CPU never waits.
-    /// Replies as a Save does. Added in version 4.
-    ///
-    /// `done_event` (version 6; empty: none) is the IPC handle of another
-    /// interprocess event of the client: the sidecar records it on its
-    /// stream right after queuing the save's device-to-host copies, then
-    /// sends [`Reply::CopyQueued`]; a client stream that waits on it then
-    /// (cuStreamWaitEvent) runs its later work only after the copy, with no
-    /// CPU wait for the copy itself.
+    /// this message was sent. The sidecar polls it (after the message
+    /// arrived; it never makes its stream wait on it, nor blocks on it: a
+    /// wait on an event whose process died may never end) and queues its
+    /// copies once it completed; the trainer's CPU never waits. `device` is
+    /// the client's ordinal, as registered. Replies as a Save does. Added in
+    /// version 4. (Versions 6 to 11 had a `done_event` the sidecar recorded
+    /// behind its copies; since 12 the trainer's stream waits on nothing
+    /// only the sidecar can complete: see docs/protocol.md, CUDA.)
     ///
     /// `rank`, `world_size` (version 6): with world_size > 1 this is rank
     /// `rank`'s part of the checkpoint, as a SavePart; 0 of 1 is a whole save.
@@ -171,7 +175,6 @@ pub enum Request {
         lazy_release: bool,
         device: i32,
         event: Vec<u8>,
-        done_event: Vec<u8>,
         rank: u32,
         world_size: u32,
     },
@@ -190,8 +193,13 @@ pub enum Request {
     /// imports and maps it (reference-counted by the driver: it stays valid
     /// after the trainer dies) and closes the descriptor. Descriptors are
     /// matched to these requests in the order they arrive. Reply:
-    /// RegionRegistered or Error. Added in version 6.
-    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, len_bytes: u64 },
+    /// RegionRegistered or Error. Added in version 6. `device_uuid`
+    /// (version 12): as in [`Request::RegisterCudaRegion`]. `fabric_handle`
+    /// (version 12; empty: the fd way above): the allocation exported as a
+    /// CU_MEM_HANDLE_TYPE_FABRIC handle (64 bytes; PyTorch's expandable
+    /// segments where an IMEX channel exists), imported from those bytes:
+    /// the frame then carries no descriptor.
+    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, device_uuid: Vec<u8>, fabric_handle: Vec<u8>, len_bytes: u64 },
     /// Registers region `region_id` as the concatenation of CUDA regions
     /// this client registered before (`pieces`, in address order): device
     /// allocations mapped back to back in the client's address space, as
@@ -301,10 +309,9 @@ pub enum Reply {
     /// The rollback to `step` is done; `removed` lists the steps that were
     /// un-committed, newest first. (Version 3.)
     RolledBack { id: u64, step: u64, removed: Vec<u64> },
-    /// The device-to-host copies of save `id` (a SaveAfterEvent with a
-    /// `done_event`) are queued on the sidecar's stream and the done event is
-    /// recorded after them; Released still follows once they completed.
-    /// (Version 6.)
+    /// Versions 6 to 11: the device copies of a SaveAfterEvent were queued
+    /// behind its `done_event`. Never sent since version 12 (kept so the
+    /// replies after it keep their encoding).
     CopyQueued { id: u64, step: u64 },
     /// The answer to a LoadPacked: as [`Reply::Loaded`], plus where each
     /// tensor of `tensors` now starts (`offsets[i]`, from the request's

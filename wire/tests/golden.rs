@@ -33,10 +33,10 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("bye", encode(&Request::Bye)),
         ("save_file", encode(&Request::SaveFile { id: 7, path: "/runs/model.pt".into(), region_id: 2, offset_bytes: 0, len_bytes: 1234 })),
         ("rollback", encode(&Request::Rollback { id: 8, step: 4 })),
-        ("register_cuda", encode(&Request::RegisterCudaRegion { id: 9, region_id: 3, device: 0, ipc_handle: vec![0xab; 64], len_bytes: 1 << 21 })),
-        ("save_after_event", encode(&Request::SaveAfterEvent { id: 10, step: 101, tensors: vec![t.clone()], blobs: vec![], lazy_release: true, device: 0, event: vec![0xcd; 64], done_event: vec![0xef; 64], rank: 1, world_size: 2 })),
+        ("register_cuda", encode(&Request::RegisterCudaRegion { id: 9, region_id: 3, device: 0, device_uuid: vec![0x5a; 16], ipc_handle: vec![0xab; 64], len_bytes: 1 << 21 })),
+        ("save_after_event", encode(&Request::SaveAfterEvent { id: 10, step: 101, tensors: vec![t.clone()], blobs: vec![], lazy_release: true, device: 0, event: vec![0xcd; 64], rank: 1, world_size: 2 })),
         ("save_part", encode(&Request::SavePart { id: 11, step: 100, rank: 1, world_size: 2, tensors: vec![t], blobs: vec![b.clone()], lazy_release: true })),
-        ("register_cuda_vmm_region", encode(&Request::RegisterCudaVmmRegion { id: 12, region_id: 4, device: 0, len_bytes: 2 << 20 })),
+        ("register_cuda_vmm_region", encode(&Request::RegisterCudaVmmRegion { id: 12, region_id: 4, device: 0, device_uuid: vec![0x5a; 16], fabric_handle: vec![], len_bytes: 2 << 20 })),
         ("register_cuda_span", encode(&Request::RegisterCudaSpan { id: 13, region_id: 9, pieces: vec![4, 5, 7] })),
         ("save_file_pieces", encode(&Request::SaveFilePieces {
             id: 14,

@@ -11,10 +11,19 @@
  *                        the trainer writes again right after Released; then
  *                        a load into a third allocation, compared bit-exact.
  *   die-after-release    saves, waits for Released, prints "released", SIGKILLs itself.
- *   die-before-release   queues a very late write, saves, SIGKILLs itself at once.
+ *   die-before-release   queues a very late write, saves, prints "saved" and waits
+ *                        to be killed (by the test, before the event the save waits
+ *                        on completed: it never will).
+ *   die-mid-copy         saves, waits until its own stream (and so the save's event)
+ *                        has completed, prints "synced" and waits to be killed (by
+ *                        the test, while the sidecar's late copies run).
  *   many                 64 allocations, two tensors in each (one at an offset),
  *                        saved behind the event, loaded back in place, bit-exact.
  *   refused              the sidecar has no driver: registration fails, saying so.
+ *   sidecar-dies-guarded saves, makes its stream wait on the sidecar's copy
+ *                        (ckpt_stream_wait_copy), prints "guarded"; the test kills the
+ *                        sidecar; the save fails, then device work on that very stream
+ *                        completes (cuStreamSynchronize) and it prints "trained on".
  *   sidecar-dies         saves behind a very late write, prints "saved", expects
  *                        the save to fail when the test kills the sidecar, then
  *                        trains on (device work) and prints "trained on".
@@ -45,6 +54,14 @@
  *                        bytes, and after each re-save the sidecar holds one import
  *                        (the stale one closed: "open=1,1", read from the fake's
  *                        counters of the sidecar, file $CKPT_TEST_SIDECAR_STATS).
+ *   free-and-reuse       saves a 6 MiB allocation (Durable), frees it and allocates
+ *                        6 MiB again (the fake lands it at the same address; with
+ *                        FAKE_CUDA_DEVICE_MEMORY_BYTES=8 MiB only if the sidecar
+ *                        let go of the freed memory: "realloc failed: 2" if not),
+ *                        then a second client (as the torch.save hook is beside
+ *                        a Checkpointer) registers and saves the new allocation
+ *                        ("second client refused: ..." if the sidecar still had
+ *                        the old one open at that address: ALREADY_MAPPED).
  *   span                 four VMM chunks mapped back to back in one reserved range
  *                        (PyTorch's expandable segments); tensors crossing two and
  *                        three chunks (one registered by its start only, one with
@@ -53,7 +70,9 @@
  *                        bit-exact; then a range running into an unmapped chunk
  *                        is refused, at registration and at save ("refused: ...").
  */
+#define _POSIX_C_SOURCE 200809L
 #include <signal.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -171,7 +190,10 @@ static CUdeviceptr vmm_alloc(size_t n, int exportable) {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
     prop.type = 1;                                 /* PINNED */
-    prop.requestedHandleTypes = exportable ? 1 : 0; /* POSIX_FILE_DESCRIPTOR */
+    /* POSIX_FILE_DESCRIPTOR (1), or CKPT_TEST_VMM_HANDLE_TYPES (8: FABRIC only, as
+     * PyTorch's expandable segments where an IMEX channel exists). */
+    const char *types = getenv("CKPT_TEST_VMM_HANDLE_TYPES");
+    prop.requestedHandleTypes = exportable ? (types && *types ? atoi(types) : 1) : 0;
     prop.location.type = 1;                        /* DEVICE */
     prop.location.id = 0;
     size_t g;
@@ -495,6 +517,39 @@ static int parts(ckpt_client *c, CUstream stream) {
     return 0;
 }
 
+static int free_and_reuse(ckpt_client *c, CUstream stream) {
+    size_t n = 6u << 20;
+    CUdeviceptr a = dev_alloc(n, 31);
+    uint32_t rid;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &rid));
+    uint64_t s1[1] = {n};
+    ckpt_tensor t[1] = {{"w", "U8", s1, 1, (void *)(uintptr_t)a, n}};
+    uint64_t id;
+    CK(ckpt_save_on_stream(c, 1, t, 1, NULL, 0, stream, &id));
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CU(cuStreamSynchronize(stream));
+    CU(cuMemFree_v2(a));
+    CUdeviceptr b;
+    int r = cuMemAlloc_v2(&b, n);
+    if (r != 0) { printf("realloc failed: %d\n", r); return 0; }
+    if (b != a) { fprintf(stderr, "the fake did not reuse the freed address\n"); return 21; }
+    unsigned char *h = malloc(n);
+    fill(h, n, 32);
+    CU(cuMemcpyHtoD_v2(b, h, n));
+    ckpt_client *c2;
+    CK(ckpt_connect(NULL, &c2));
+    uint32_t rid2;
+    if (ckpt_register_cuda(c2, (void *)(uintptr_t)b, &rid2) != CKPT_OK) { printf("second client refused: %s\n", ckpt_last_error()); return 0; }
+    t[0].data = (void *)(uintptr_t)b;
+    CK(ckpt_save_on_stream(c2, 2, t, 1, NULL, 0, stream, &id));
+    CK(ckpt_wait(c2, id, CKPT_DURABLE, 120000));
+    CK(ckpt_close(c2));
+    CK(ckpt_close(c));
+    CU(cuMemFree_v2(b));
+    printf("ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: cuda_trainer MODE\n"); return 2; }
     const char *mode = argv[1];
@@ -516,6 +571,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "parts")) return parts(c, stream);
     if (!strcmp(mode, "realloc")) return realloc_mode(c, stream);
     if (!strcmp(mode, "span")) return span(c, stream);
+    if (!strcmp(mode, "free-and-reuse")) return free_and_reuse(c, stream);
     if (!strcmp(mode, "guard") || !strcmp(mode, "no-guard")) return guarded(c, stream, !strcmp(mode, "guard"));
     if (!strcmp(mode, "vmm-check")) return vmm_check(c);
     if (!strncmp(mode, "vmm-", 4)) return vmm(c, stream, mode);
@@ -546,7 +602,31 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "die-before-release")) {
         printf("saved\n");
         fflush(stdout);
-        raise(SIGKILL);
+        for (;;) pause();
+    }
+    if (!strcmp(mode, "die-mid-copy")) {
+        CU(cuStreamSynchronize(stream));
+        printf("synced\n");
+        fflush(stdout);
+        for (;;) pause();
+    }
+    if (!strcmp(mode, "sidecar-dies-guarded")) {
+        int on_stream = -1;
+        CK(ckpt_stream_wait_copy(c, id, stream, 120000, &on_stream));
+        printf("guarded on_stream=%d\n", on_stream);
+        fflush(stdout);
+        int r = ckpt_wait(c, id, CKPT_RELEASED, 120000);
+        if (r == CKPT_OK) { fprintf(stderr, "the save was released although the sidecar was killed\n"); return 5; }
+        fprintf(stderr, "save failed as expected: %s\n", ckpt_last_error());
+        /* The next step on the stream that waited on the copy: it must run. */
+        unsigned char *h = malloc(B_BYTES);
+        fill(h, B_BYTES, 98);
+        CU(cuMemcpyHtoDAsync_v2(b, h, B_BYTES, stream));
+        CU(cuStreamSynchronize(stream));
+        CU(cuMemcpyDtoH_v2(want_b, b, B_BYTES));
+        if (memcmp(h, want_b, B_BYTES)) { fprintf(stderr, "device memory wrong after the sidecar died\n"); return 6; }
+        printf("trained on\n");
+        return 0;
     }
     if (!strcmp(mode, "sidecar-dies")) {
         printf("saved\n");

@@ -5,32 +5,44 @@
 //! session ended: the client left or died). A VMM import stays valid after
 //! the client died (the driver counts references); a legacy one does not.
 //!
-//! Copies run on the session's own stream ([`CudaSession`]): a
-//! `SaveAfterEvent` makes that stream wait on the trainer's event first
-//! ([`CudaSession::fence`], called after the message arrived), so every
-//! device-to-host copy queued after it sees the bytes as of the trainer's
-//! record; the trainer's CPU never waits. With a done event, the save's
-//! copies are all queued first ([`CudaMemory::queue_batch`]), then the first
-//! [`CudaMemory::finish_batch`] records the trainer's done event behind them
-//! and says so (`CopyQueued`) before waiting for them: a trainer stream that
-//! waits on that event runs its next step after the copy, with no CPU wait.
-//! Staging is page-locked once with `cuMemHostRegister` (ordinary cached
-//! memory, never write-combined).
+//! Devices are named by UUID: the client's ordinal of a device is its own
+//! (`CUDA_VISIBLE_DEVICES` renumbers devices per process), so a region's
+//! registration says the device's UUID and the session maps the client's
+//! ordinal to the sidecar's device of that UUID ([`CudaSession::device`]),
+//! refusing a UUID the sidecar does not see.
+//!
+//! Copies run on the session's own stream ([`CudaSession`]). The sidecar
+//! never makes that stream wait on the trainer's work and never blocks in a
+//! driver call on it: a `SaveAfterEvent` is fenced by polling the trainer's
+//! event (`cuEventQuery`, [`CudaSession::fence`]) while watching the client,
+//! and only once it completed are the save's device-to-host copies queued.
+//! A wait on an event whose process died may never end (the driver leaves
+//! it undefined), so a client that dies first only fails its save: nothing
+//! queued on the stream depends on it, and every copy queued completes by
+//! itself. Nothing the trainer's stream waits on is the sidecar's to
+//! complete either (the trainer's client releases its own stream waits:
+//! docs/protocol.md, CUDA). Staging is page-locked with `cuMemHostRegister`
+//! (ordinary cached memory, never write-combined), once per staging buffer,
+//! and unregistered before that buffer is freed ([`pin_staging`]).
 //!
 //! A failed driver call during a copy cannot stop it (copy_out returns no
 //! error); it is remembered, and [`CudaMemory::check_intact`] refuses the
-//! save afterwards, as a truncated shm segment is refused.
+//! save afterwards, as a truncated shm segment is refused. Every path that
+//! queued a copy waits for the stream before returning, also after an
+//! error ([`Synced`]), so no copy writes into staging after its lease.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use ckpt_cuda::{HostRegistration, Imported, LocalEvent, OpenedEvent, Stream};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::RegionError;
 use crate::config;
 use crate::staging::Staging;
+use ckpt_store::mem::AlignedBuf;
 
 /// What names a client's device allocation.
 pub enum CudaSource<'a> {
@@ -38,39 +50,66 @@ pub enum CudaSource<'a> {
     Ipc(&'a [u8]),
     /// A VMM allocation exported as a POSIX fd (closed once imported).
     Fd(OwnedFd),
+    /// A VMM allocation exported as a FABRIC handle (64 bytes).
+    Fabric(&'a [u8]),
 }
 
-/// The session's stream on one device, and what to do once the current
-/// save's copies are all queued on it (record the trainer's done event, tell
-/// the trainer).
+/// The session's stream on one device.
 pub struct SessionStream {
     stream: Stream,
-    after_queued: Mutex<Option<AfterQueued>>,
 }
 
-struct AfterQueued {
-    event: Arc<OpenedEvent>,
-    notify: Box<dyn FnOnce() + Send>,
+/// Waits for a stream when dropped: built before a copy is queued, so every
+/// way out of the function that queued it (an error too) waits for the
+/// copy before the destination may be reused.
+struct Synced<'a> {
+    stream: &'a Stream,
+    done: bool,
 }
 
-impl SessionStream {
-    /// Records the pending done event (if any) behind everything queued so
-    /// far and runs its notification; a failed record is only logged (the
-    /// trainer then learns of the copy by Released).
-    fn fire_after_queued(&self) {
-        let pending = self.after_queued.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(AfterQueued { event, notify }) = pending {
-            match self.stream.record(&event) {
-                Ok(()) => notify(),
-                Err(e) => warn!("cannot record the trainer's done event after the copy: {e}"),
-            }
+impl<'a> Synced<'a> {
+    fn new(stream: &'a Stream) -> Self {
+        Synced { stream, done: false }
+    }
+
+    /// Waits for the stream now, saying how it went.
+    fn wait(mut self) -> ckpt_cuda::Result<()> {
+        self.done = true;
+        let r = self.stream.synchronize();
+        if r.is_err() {
+            // A failed wait is tried once more: the copy must be over.
+            let _ = self.stream.synchronize();
+        }
+        r
+    }
+}
+
+impl Drop for Synced<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.stream.synchronize();
         }
     }
 }
 
-/// One imported device allocation and the stream its copies run on.
+/// How the sidecar holds a client's allocation.
+enum Held {
+    /// A VMM import: the driver counts its references, so holding it costs
+    /// the client nothing (a chunk it unmaps stays ours until we let go).
+    Vmm(Imported),
+    /// A legacy IPC allocation: its handle only, between requests. The
+    /// driver leaves `cuMemFree` of memory still open in an importer
+    /// undefined, and in practice the memory then stays allocated (the
+    /// trainer's OOM retry would fail for our import), and a new allocation
+    /// at an address still open here is refused (`ALREADY_MAPPED`). So the
+    /// import is opened by the first copy or load of a request that needs
+    /// it and closed once that request is over ([`CudaMemory::close_import`]).
+    Legacy { handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES], device: i32, len_bytes: u64, open: Mutex<Option<Imported>> },
+}
+
+/// One device allocation of the client and the stream its copies run on.
 pub struct CudaMemory {
-    imported: Imported,
+    held: Held,
     stream: Arc<SessionStream>,
     /// The first driver error of a copy, if any (sticky: register again).
     failed: Mutex<Option<String>>,
@@ -80,16 +119,55 @@ impl CudaMemory {
     /// Opens the allocation `source` names on `device`; it must hold
     /// `len_bytes`. A passed fd is closed once imported (the import holds
     /// the allocation).
+    /// A legacy handle is opened here once, to check it, and closed again:
+    /// only its bytes are kept ([`Held::Legacy`]).
     pub fn open(source: CudaSource, device: i32, len_bytes: u64, stream: Arc<SessionStream>) -> Result<CudaMemory, RegionError> {
-        let imported = match source {
-            CudaSource::Ipc(handle) => Imported::open(handle, device, len_bytes)?,
-            CudaSource::Fd(fd) => Imported::import_fd(&fd, device, len_bytes)?,
+        let held = match source {
+            CudaSource::Ipc(handle) => {
+                drop(Imported::open(handle, device, len_bytes)?);
+                let handle = handle.try_into().expect("Imported::open checked the handle's length");
+                Held::Legacy { handle, device, len_bytes, open: Mutex::new(None) }
+            }
+            CudaSource::Fd(fd) => Held::Vmm(Imported::import_fd(&fd, device, len_bytes)?),
+            CudaSource::Fabric(handle) => Held::Vmm(Imported::import_fabric(handle, device, len_bytes)?),
         };
-        Ok(CudaMemory { imported, stream, failed: Mutex::new(None) })
+        Ok(CudaMemory { held, stream, failed: Mutex::new(None) })
     }
 
     pub fn is_vmm(&self) -> bool {
-        self.imported.is_vmm()
+        matches!(self.held, Held::Vmm(_))
+    }
+
+    /// The allocation's address here, opening a legacy import if it is not
+    /// open (it then stays open until [`CudaMemory::close_import`]).
+    fn ptr(&self) -> Result<u64, RegionError> {
+        match &self.held {
+            Held::Vmm(i) => Ok(i.ptr()),
+            Held::Legacy { handle, device, len_bytes, open } => {
+                let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(i) = &*open {
+                    return Ok(i.ptr());
+                }
+                let t0 = std::time::Instant::now();
+                let i = Imported::open(handle, *device, *len_bytes)?;
+                let ptr = i.ptr();
+                *open = Some(i);
+                debug!(open_us = t0.elapsed().as_secs_f64() * 1e6, "legacy CUDA import opened for a request");
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// Closes a legacy import opened for the request that just ended (no
+    /// copy or load on it runs any more: the caller's contract, kept by the
+    /// session, which calls it between requests). A VMM import stays.
+    pub fn close_import(&self) {
+        if let Held::Legacy { open, .. } = &self.held {
+            let t0 = std::time::Instant::now();
+            if open.lock().unwrap_or_else(|p| p.into_inner()).take().is_some() {
+                debug!(close_us = t0.elapsed().as_secs_f64() * 1e6, "legacy CUDA import closed after its request");
+            }
+        }
     }
 
     fn fail(&self, what: String) {
@@ -107,13 +185,20 @@ impl CudaMemory {
     /// `dst..dst+len` is writable and no one else's for the call; the range
     /// lies inside the region (checked by [`super::Region::copy_out`]).
     pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
-        let src = self.imported.ptr() + offset_bytes;
-        let s = &self.stream.stream;
-        // SAFETY: dst is the caller's for the call, and the synchronize below
-        // returns only once the copy into it is done; src..src+len lies in
-        // the imported allocation (bounds checked by Region, the allocation
-        // holds len_bytes: checked at open).
-        let done = unsafe { s.copy_dtoh_async(dst, src, len) }.and_then(|()| s.synchronize());
+        let src = match self.ptr() {
+            Ok(p) => p + offset_bytes,
+            Err(e) => {
+                self.fail(format!("opening the allocation failed: {e}"));
+                return 0;
+            }
+        };
+        let synced = Synced::new(&self.stream.stream);
+        // SAFETY: dst is the caller's for the call, and `synced` waits for
+        // the stream before this returns, whatever happens; src..src+len
+        // lies in the imported allocation (bounds checked by Region, the
+        // allocation holds len_bytes: checked at open).
+        let queued = unsafe { self.stream.stream.copy_dtoh_async(dst, src, len) };
+        let done = queued.and(synced.wait());
         if let Err(e) = done {
             self.fail(format!("device-to-host copy failed: {e}"));
             return 0;
@@ -133,23 +218,23 @@ impl CudaMemory {
     /// As [`CudaMemory::copy_out`], for every range, until `finish_batch`
     /// has returned.
     pub unsafe fn queue_batch(&self, ranges: &[(u64, *mut u8, usize)]) {
+        let base = match self.ptr() {
+            Ok(p) => p,
+            Err(e) => return self.fail(format!("opening the allocation failed: {e}")),
+        };
         for &(offset_bytes, dst, len) in ranges {
             // SAFETY: the caller's contract; finish_batch returns only once
             // every queued copy is done (also after an error).
-            if let Err(e) = unsafe { self.stream.stream.copy_dtoh_async(dst, self.imported.ptr() + offset_bytes, len) } {
+            if let Err(e) = unsafe { self.stream.stream.copy_dtoh_async(dst, base + offset_bytes, len) } {
                 self.fail(format!("device-to-host copy failed: {e}"));
                 return;
             }
         }
     }
 
-    /// Once every batch of the save is queued: records the trainer's done
-    /// event behind them (the first call of a save; see the module), then
-    /// waits until the stream's copies have completed.
+    /// Waits until the stream's queued copies have completed.
     pub fn finish_batch(&self) {
-        self.stream.fire_after_queued();
-        if let Err(e) = self.stream.stream.synchronize() {
-            let _ = self.stream.stream.synchronize();
+        if let Err(e) = Synced::new(&self.stream.stream).wait() {
             self.fail(format!("device-to-host copy failed: {e}"));
         }
     }
@@ -159,12 +244,6 @@ impl CudaMemory {
     /// waits for the whole stream).
     pub fn mark(&self) -> Option<LocalEvent> {
         self.stream.stream.mark().map_err(|e| warn!("cannot mark the device copies (waiting for the whole stream instead): {e}")).ok()
-    }
-
-    /// Every batch of the save is queued: records the trainer's done event
-    /// behind them (once per save; see the module).
-    pub fn all_queued(&self) {
-        self.stream.fire_after_queued();
     }
 
     /// Waits until the copies queued before `mark` have completed.
@@ -190,72 +269,110 @@ impl CudaMemory {
     /// session's stream, synchronized before returning (the Loaded reply
     /// follows, so the trainer's later work sees the bytes).
     pub fn write_at(&self, offset_bytes: u64, bytes: &[u8]) -> Result<(), RegionError> {
-        let dst = self.imported.ptr() + offset_bytes;
-        let s = &self.stream.stream;
-        // SAFETY: `bytes` is borrowed until after the synchronize; the range
-        // lies in the allocation (bounds checked by Region::write_at).
-        unsafe { s.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) }.and_then(|()| s.synchronize()).map_err(RegionError::from)
+        let dst = self.ptr()? + offset_bytes;
+        let synced = Synced::new(&self.stream.stream);
+        // SAFETY: `bytes` is borrowed until `synced` waited for the stream
+        // (below, or on its drop); the range lies in the allocation (bounds
+        // checked by Region::write_at).
+        let queued = unsafe { self.stream.stream.copy_htod_async(dst, bytes.as_ptr(), bytes.len()) };
+        queued.and(synced.wait()).map_err(RegionError::from)
     }
 
     pub fn device(&self) -> i32 {
-        self.imported.device()
+        match &self.held {
+            Held::Vmm(i) => i.device(),
+            Held::Legacy { device, .. } => *device,
+        }
     }
 }
 
-/// A session's CUDA state: its own stream per device, and the trainer's
+/// A session's CUDA state: the client's devices (its ordinal → the
+/// sidecar's, by UUID), its own stream per device, and the trainer's
 /// interprocess events it opened (kept while the session lives).
 #[derive(Default)]
 pub struct CudaSession {
+    devices: HashMap<i32, i32>,
     streams: HashMap<i32, Arc<SessionStream>>,
     events: HashMap<(i32, Vec<u8>), Arc<OpenedEvent>>,
 }
 
+/// How often [`CudaSession::fence`] checks its event at first, and at most.
+const FENCE_POLL_MIN: Duration = Duration::from_micros(20);
+const FENCE_POLL_MAX: Duration = Duration::from_millis(2);
+
 impl CudaSession {
-    /// The session's stream on `device`, created at first use; the first
-    /// one in the daemon also page-locks staging.
+    /// The sidecar's ordinal of the client's device `client_device`, whose
+    /// UUID is `uuid` (as a registration says it), remembered for the
+    /// session's later messages naming that ordinal. Refused, naming the
+    /// UUID, when the sidecar does not see that device, or when the client
+    /// named another UUID for the same ordinal before.
+    pub fn device(&mut self, client_device: i32, uuid: &[u8]) -> Result<i32, RegionError> {
+        let invalid = |m: String| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(m));
+        if uuid.len() != ckpt_cuda::UUID_BYTES {
+            return Err(invalid(format!("a CUDA device UUID has {} bytes, not {}", ckpt_cuda::UUID_BYTES, uuid.len())));
+        }
+        let Some(ours) = ckpt_cuda::ordinal_of_uuid(uuid)? else {
+            let seen: Vec<String> = ckpt_cuda::probe()?.devices.iter().map(|d| ckpt_cuda::uuid_text(&d.uuid)).collect();
+            return Err(invalid(format!(
+                "the client's CUDA device {client_device} ({}) is not visible to the sidecar (it sees {}): start the sidecar with that device visible (CUDA_VISIBLE_DEVICES)",
+                ckpt_cuda::uuid_text(uuid),
+                seen.join(", ")
+            )));
+        };
+        match self.devices.insert(client_device, ours) {
+            Some(before) if before != ours => {
+                self.devices.insert(client_device, before);
+                Err(invalid(format!("the client's CUDA device {client_device} was registered before as another device than {}", ckpt_cuda::uuid_text(uuid))))
+            }
+            _ => Ok(ours),
+        }
+    }
+
+    /// The sidecar's ordinal of the client's device `client_device`, as a
+    /// registration named it.
+    fn ours(&self, client_device: i32) -> Result<i32, RegionError> {
+        self.devices
+            .get(&client_device)
+            .copied()
+            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on the client's device {client_device}"))))
+    }
+
+    /// The session's stream on the sidecar's device `device`, created at
+    /// first use; staging is page-locked then if it is not yet.
     pub fn stream(&mut self, device: i32, staging: &Staging) -> Result<Arc<SessionStream>, RegionError> {
         if let Some(s) = self.streams.get(&device) {
             return Ok(s.clone());
         }
-        let s = Arc::new(SessionStream { stream: Stream::new(device)?, after_queued: Mutex::new(None) });
+        let s = Arc::new(SessionStream { stream: Stream::new(device)? });
         pin_staging(staging, device);
         self.streams.insert(device, s.clone());
         Ok(s)
     }
 
-    /// Makes the session's stream on `device` wait on the trainer's event
-    /// (its IPC handle), as recorded now: call after the Save arrived.
-    pub fn fence(&mut self, device: i32, event: &[u8]) -> Result<(), RegionError> {
-        let stream = self.stream_of(device)?;
+    /// Waits, on this thread, until the trainer's event (its IPC handle, on
+    /// the client's device `client_device`) as recorded now has completed:
+    /// call after the Save arrived, before any copy of it is queued. Polls
+    /// the event (`cuEventQuery`), never blocking in the driver, and gives
+    /// up with an error once `gone` says the client is gone (its event may
+    /// then never complete).
+    pub fn fence(&mut self, client_device: i32, event: &[u8], gone: &dyn Fn() -> bool) -> Result<(), RegionError> {
+        let device = self.ours(client_device)?;
         let event = self.event(device, event)?;
-        stream.stream.wait_event(&event)?;
-        Ok(())
-    }
-
-    /// For the save about to run: once its copies are queued on `device`'s
-    /// stream, record the trainer's `done_event` behind them and call
-    /// `notify`. Cleared by [`CudaSession::end_save`] if the save never got
-    /// that far.
-    pub fn after_queued(&mut self, device: i32, done_event: &[u8], notify: Box<dyn FnOnce() + Send>) -> Result<(), RegionError> {
-        let stream = self.stream_of(device)?;
-        let event = self.event(device, done_event)?;
-        *stream.after_queued.lock().unwrap_or_else(|p| p.into_inner()) = Some(AfterQueued { event, notify });
-        Ok(())
-    }
-
-    /// The save is over: drops a done event it did not record (refused
-    /// before its copy).
-    pub fn end_save(&mut self, device: i32) {
-        if let Some(s) = self.streams.get(&device) {
-            s.after_queued.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let mut pause = FENCE_POLL_MIN;
+        let t0 = Instant::now();
+        loop {
+            if event.is_done()? {
+                return Ok(());
+            }
+            if gone() {
+                return Err(RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!(
+                    "the client went away {:.3} s into the wait for its CUDA event (the work before it may never complete): nothing of this save was copied",
+                    t0.elapsed().as_secs_f64()
+                ))));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(FENCE_POLL_MAX);
         }
-    }
-
-    fn stream_of(&self, device: i32) -> Result<Arc<SessionStream>, RegionError> {
-        self.streams
-            .get(&device)
-            .cloned()
-            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on device {device}"))))
     }
 
     /// The trainer's event `handle`, opened once per session.
@@ -273,24 +390,43 @@ impl CudaSession {
     }
 }
 
-/// Page-locks the whole staging buffer once for the daemon's life (the
-/// device's copies then run at full DMA speed). A refusal only costs speed.
+/// The staging buffer page-locked for CUDA copies: the registration goes
+/// (unregistered) before the buffer it holds may be freed.
+struct Pinned {
+    /// None: the driver refused (copies then run slower, from pageable memory).
+    _registration: Option<HostRegistration>,
+    /// Keeps the registered pages mapped while registered (dropped after
+    /// `registration`: fields drop in order).
+    buf: Arc<AlignedBuf>,
+}
+
+/// Page-locks the staging buffer for the device's copies (they then run at
+/// full DMA speed), once per buffer: a daemon has one for its life. Another
+/// buffer (a second `Staging` in one process: tests, benches) replaces the
+/// registration: the old one is unregistered first, while its buffer is
+/// still mapped, so no registration ever outlives the pages it pinned, and a
+/// later buffer at the same address is registered anew, never DMA'd into
+/// through stale pinned pages. A refusal only costs speed.
 fn pin_staging(staging: &Staging, device: i32) {
-    static PINNED: OnceLock<Option<HostRegistration>> = OnceLock::new();
-    PINNED.get_or_init(|| {
-        let buf = staging.buf();
-        // SAFETY: the staging buffer is allocated once and lives as long as
-        // the daemon (Shared holds it), so longer than this registration,
-        // which is never dropped.
-        match unsafe { HostRegistration::new(buf.as_ptr().cast_mut(), buf.len(), device) } {
-            Ok(r) => {
-                info!(bytes = buf.len(), "staging page-locked for CUDA copies");
-                Some(r)
-            }
-            Err(e) => {
-                warn!("staging could not be page-locked for CUDA copies (they run slower): {e}");
-                None
-            }
+    static PINNED: Mutex<Option<Pinned>> = Mutex::new(None);
+    let mut pinned = PINNED.lock().unwrap_or_else(|p| p.into_inner());
+    let buf = staging.buf();
+    if pinned.as_ref().is_some_and(|p| Arc::ptr_eq(&p.buf, buf)) {
+        return;
+    }
+    // Unregistered (then its buffer released) before the new one registers.
+    *pinned = None;
+    // SAFETY: `Pinned` keeps an Arc of the buffer for as long as the
+    // registration lives and drops the registration first.
+    let registration = match unsafe { HostRegistration::new(buf.as_ptr().cast_mut(), buf.len(), device) } {
+        Ok(r) => {
+            info!(bytes = buf.len(), "staging page-locked for CUDA copies");
+            Some(r)
         }
-    });
+        Err(e) => {
+            warn!("staging could not be page-locked for CUDA copies (they run slower): {e}");
+            None
+        }
+    };
+    *pinned = Some(Pinned { _registration: registration, buf: buf.clone() });
 }

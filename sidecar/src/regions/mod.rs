@@ -279,16 +279,6 @@ impl Region {
         }
     }
 
-    /// Every batch of the save is queued (on every region): the first call
-    /// records the trainer's done event behind them (regions/cuda.rs).
-    pub fn all_queued(&self) {
-        match &self.memory {
-            Memory::Cuda(m) => m.all_queued(),
-            Memory::CudaSpan(ps) => ps[0].1.all_queued(),
-            Memory::HostShm(_) => {}
-        }
-    }
-
     /// Waits until the copies queued before `mark` have completed (all the
     /// stream's, when the mark could not be taken); a failure shows in
     /// [`Region::check_intact`], as for the copies.
@@ -319,6 +309,17 @@ impl Region {
             Memory::Cuda(m) => m.write_at(offset_bytes, bytes),
             Memory::CudaSpan(ps) => Self::span_parts(ps, offset_bytes, bytes.len() as u64)
                 .try_for_each(|(p, at, d, n)| p.write_at(at, &bytes[d as usize..(d + n) as usize])),
+        }
+    }
+
+    /// Closes what this region opened for the request that just ended (a
+    /// legacy CUDA import: regions/cuda.rs); nothing may still copy from or
+    /// into it.
+    pub fn close_imports(&self) {
+        match &self.memory {
+            Memory::Cuda(m) => m.close_import(),
+            Memory::CudaSpan(ps) => ps.iter().for_each(|(_, p)| p.close_imports()),
+            Memory::HostShm(_) => {}
         }
     }
 

@@ -24,7 +24,7 @@ MAX_BYTES=$((48 << 20))
 
 cargo build --release -p ckpt-shim -p ckpt-sidecar >&2
 rm -rf "$BUNDLE"
-mkdir -p "$BUNDLE/tests/gpu" "$BUNDLE/shim-c/include" "$BUNDLE/shim-c/tests/c" "$BUNDLE/wheel-tmp"
+mkdir -p "$BUNDLE/tests/gpu" "$BUNDLE/shim-c/include" "$BUNDLE/shim-c/tests/c"
 for f in ckpt-sidecar libckpt.so; do
     cp "$TARGET/release/$f" "$BUNDLE/$f"
     strip --strip-debug "$BUNDLE/$f"
@@ -33,20 +33,10 @@ cp tests/gpu/run.sh tests/gpu/gpu_suite.py tests/gpu/README.md "$BUNDLE/tests/gp
 cp shim-c/include/ckpt.h "$BUNDLE/shim-c/include/"
 cp shim-c/tests/c/cuda_trainer.c "$BUNDLE/shim-c/tests/c/"
 
-# ---- THE WHEEL STEP (one line; the lead switches it to packaging/build-wheel.sh, issue 22) ----
-"$PY" -m pip wheel -q --no-deps --no-build-isolation ./shim-py -w "$BUNDLE/wheel-tmp" >&2
-# ----
-
-# The package loads its native files with ctypes (no extension module): any
-# CPython 3 on this platform can install it (the GPU machine has 3.12).
-# Their debug info is stripped too, to stay small.
-whl=$(ls "$BUNDLE"/wheel-tmp/*.whl)
-( cd "$BUNDLE/wheel-tmp" && "$PY" -m wheel unpack -d unpacked "$whl" >&2 \
-  && for f in unpacked/*/ckpt_sidecar/_native/ckpt-sidecar unpacked/*/ckpt_sidecar/_native/libckpt.so; do strip --strip-debug "$f"; done \
-  && mkdir -p repacked && "$PY" -m wheel pack -d repacked unpacked/* >&2 \
-  && "$PY" -m wheel tags --python-tag py3 --abi-tag none --remove repacked/*.whl >&2 )
-mv "$BUNDLE"/wheel-tmp/repacked/*.whl "$BUNDLE/"
-rm -rf "$BUNDLE/wheel-tmp"
+# The Python package: the wheel users install (packaging/build-wheel.sh,
+# stripped, py3-none-manylinux tagged: any CPython 3 on this platform, the
+# GPU machine's 3.12 too), with the binaries just built (no second cargo run).
+CKPT_SIDECAR_SKIP_CARGO=1 PYTHON="$PY" bash packaging/build-wheel.sh "$BUNDLE" >&2
 
 bytes=$(du -sb "$BUNDLE" | cut -f1)
 if [ "$bytes" -gt "$MAX_BYTES" ]; then

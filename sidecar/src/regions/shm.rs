@@ -139,15 +139,7 @@ impl ShmMemory {
     /// region: if the client truncated the segment, the read sees zeros
     /// instead of killing the sidecar, and [`ShmMemory::check_intact`] fails.
     pub fn read<R>(&self, f: impl FnOnce() -> R) -> R {
-        let armed = Armed { start: self.ptr as usize, len: self.len_bytes as usize, truncated: &self.truncated };
-        let outer = ARMED.with(|a| a.replace(Some(armed)));
-        // The handler runs on this thread, between any two instructions:
-        // keep the compiler from moving the reads out of the armed span.
-        compiler_fence(Ordering::SeqCst);
-        let out = f();
-        compiler_fence(Ordering::SeqCst);
-        ARMED.with(|a| a.set(outer));
-        out
+        arm(Armed { start: self.ptr as usize, len: self.len_bytes as usize, writable: false, truncated: &self.truncated }, f)
     }
 
     /// A second mapping of the segment, writable, for a load that reads
@@ -199,9 +191,13 @@ impl ShmMemory {
 
     /// Copies `len` bytes at `offset_bytes` to `dst` with streaming stores,
     /// armed against a truncation ([`ShmMemory::read`]); with `crc`, returns
-    /// the crc32c of the bytes, computed from each source block right after
-    /// it is copied, while it is in cache (else 0). Other threads see the
-    /// bytes only after this one's [`store_fence`].
+    /// the crc32c of the bytes staged (else 0): each block is first copied
+    /// into a small bounce buffer on this thread's stack (it stays in cache),
+    /// checksummed there and streamed on from there, so the checksum is that
+    /// of what was staged even if the trainer writes the source meanwhile (a
+    /// second read of the source could see other bytes), for one cached copy
+    /// more and no memory pass more. Other threads see the bytes only after
+    /// this one's [`store_fence`].
     ///
     /// # Safety
     /// `offset_bytes..+len` lies inside the region (`Region` checked it);
@@ -214,14 +210,21 @@ impl ShmMemory {
                 unsafe { copy_streaming(dst, src, len) };
                 return 0;
             }
+            let mut bounce = std::mem::MaybeUninit::<[u8; config::COPY_BOUNCE_BYTES]>::uninit();
+            let b = bounce.as_mut_ptr().cast::<u8>();
             let mut c = 0u32;
             let mut at = 0;
             while at < len {
-                let n = (len - at).min(config::COPY_BLOCK_BYTES);
-                // SAFETY: as above, for this block.
-                unsafe { copy_streaming(dst.add(at), src.add(at), n) };
-                // SAFETY: the same source block, in the live read-only mapping.
-                c = crc32c::crc32c_append(c, unsafe { std::slice::from_raw_parts(src.add(at), n) });
+                let n = (len - at).min(config::COPY_BOUNCE_BYTES);
+                // SAFETY: src..+len is readable (the caller's contract; the
+                // mapping lives as long as self); the bounce buffer is this
+                // frame's, n ≤ its size, disjoint from the source.
+                unsafe { std::ptr::copy_nonoverlapping(src.add(at), b, n) };
+                // SAFETY: the first n bytes of the bounce buffer were just written.
+                let staged = unsafe { std::slice::from_raw_parts(b, n) };
+                c = crc32c::crc32c_append(c, staged);
+                // SAFETY: dst..+len is the caller's (contract), disjoint from the bounce buffer.
+                unsafe { copy_streaming(dst.add(at), b, n) };
                 at += n;
             }
             c
@@ -232,10 +235,15 @@ impl ShmMemory {
     /// shrunk segment would fault the copy) and that no read found it
     /// shrunk: before a copy, and after it (the client may truncate during).
     pub fn check_intact(&self) -> Result<(), RegionError> {
+        let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os { name: self.shm_name.clone(), what: "fstat", source })?;
         if self.was_truncated() {
+            // A fault with the segment still long enough: a page of it could
+            // not be backed (the tmpfs under /dev/shm, or the memory limit, is full).
+            if (st.st_size as u64) >= self.len_bytes {
+                return Err(RegionError::Unbacked { name: self.shm_name.clone(), len_bytes: self.len_bytes });
+            }
             return Err(RegionError::Truncated { name: self.shm_name.clone() });
         }
-        let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os { name: self.shm_name.clone(), what: "fstat", source })?;
         if (st.st_size as u64) < self.len_bytes {
             return Err(RegionError::TooSmall { name: self.shm_name.clone(), size_bytes: st.st_size as u64, len_bytes: self.len_bytes });
         }
@@ -303,17 +311,14 @@ impl Writable<'_> {
     }
 
     /// Runs `f`, which reads and writes this mapping, with this thread's
-    /// SIGBUS handler armed for it: a segment shrunk meanwhile reads as
-    /// zeros (writes there then fail) and the region is marked truncated
-    /// ([`ShmMemory::check_intact`] fails).
+    /// SIGBUS handler armed for it: from the first fault on (a segment shrunk
+    /// meanwhile, or a page the full tmpfs cannot back), the rest of the
+    /// mapping is private zero pages, read as zeros and written to no avail,
+    /// and the region is marked truncated ([`ShmMemory::check_intact`]
+    /// fails). The kernel's own accesses (an O_DIRECT read into it) fail
+    /// with EFAULT instead of a signal.
     pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
-        let armed = Armed { start: self.ptr as usize, len: self.len, truncated: &self.mem.truncated };
-        let outer = ARMED.with(|a| a.replace(Some(armed)));
-        compiler_fence(Ordering::SeqCst);
-        let out = f();
-        compiler_fence(Ordering::SeqCst);
-        ARMED.with(|a| a.set(outer));
-        out
+        arm(Armed { start: self.ptr as usize, len: self.len, writable: true, truncated: &self.mem.truncated }, f)
     }
 }
 
@@ -402,7 +407,30 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
 struct Armed {
     start: usize,
     len: usize,
+    /// A writable mapping ([`Writable`]): the pages mapped over a fault are
+    /// writable too, so the store that faulted runs again and lands in
+    /// them (read-only ones would turn it into a SIGSEGV: death).
+    writable: bool,
     truncated: *const AtomicBool,
+}
+
+/// Runs `f` with this thread's SIGBUS handler armed for `armed`, and puts
+/// back what was armed before when `f` returns or unwinds (a drop guard: a
+/// panic inside must not leave the handler pointing at a region that may be
+/// unmapped next).
+fn arm<R>(armed: Armed, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Armed>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            compiler_fence(Ordering::SeqCst);
+            ARMED.with(|a| a.set(self.0));
+        }
+    }
+    let _restore = Restore(ARMED.with(|a| a.replace(Some(armed))));
+    // The handler runs on this thread, between any two instructions:
+    // keep the compiler from moving the accesses out of the armed span.
+    compiler_fence(Ordering::SeqCst);
+    f()
 }
 
 thread_local! {
@@ -443,7 +471,9 @@ fn install_fault_handler() {
 
 /// SIGBUS: if this thread is reading a region and the fault lies in it, map
 /// zero pages from the faulting page to the region's end (the faulting load
-/// then re-runs and reads zeros) and mark the region truncated. Otherwise
+/// then re-runs and reads zeros; in a writable mapping they are writable,
+/// and the faulting store lands in them, lost) and mark the region
+/// truncated. Otherwise
 /// put the previous action back and return: the fault repeats and is that
 /// action's (Rust's guard-page check, or death by SIGBUS).
 /// Only async-signal-safe calls: a TLS load, mmap, sigaction, an atomic store.
@@ -455,13 +485,14 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
             let page = PAGE_BYTES.load(Ordering::Relaxed);
             let from = addr & !(page - 1);
             let end = (a.start + a.len).div_ceil(page) * page;
-            // SAFETY: [from, end) lies inside the region's own read-only
-            // mapping (mmap rounds it up to whole pages), which the reader
-            // holds alive; replacing it with private zero pages changes only
-            // what our reads of it see. Checked against MAP_FAILED.
-            let p = unsafe {
-                libc::mmap(from as *mut libc::c_void, end - from, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0)
-            };
+            let prot = if a.writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+            // SAFETY: [from, end) lies inside the region's own mapping (mmap
+            // rounds it up to whole pages; the read-only one, or the writable
+            // one of a Writable), which the armed thread holds alive;
+            // replacing it with private zero pages changes only what our
+            // accesses of it see and where our stores land (nowhere the
+            // client sees). Checked against MAP_FAILED.
+            let p = unsafe { libc::mmap(from as *mut libc::c_void, end - from, prot, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0) };
             if p != libc::MAP_FAILED {
                 // SAFETY: `truncated` points into the ShmMemory that `read`
                 // borrows for as long as ARMED names it.
@@ -603,6 +634,53 @@ mod tests {
             assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS, "armed for another region: {armed_for_other}, status {status:#x}");
         }
         assert!(!r.was_truncated() && !other.was_truncated());
+    }
+
+    #[test]
+    fn a_store_into_a_writable_mapping_of_a_truncated_segment_does_not_kill_the_process() {
+        // The RAM path of a LoadPacked stores through the writable mapping:
+        // read-only zero pages over a fault turned the store's retry into a
+        // SIGSEGV (issue 23, defect 1). Checked in a child, which would die.
+        let len = 256 << 10;
+        let (name, fd) = test_segment(len, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        let w = r.map_writable().unwrap();
+        let dst = w.ptr();
+        let src = vec![7u8; len];
+        truncate_segment(&fd, 8192 + 100);
+        // SAFETY: the child only writes its copy of the mapping and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: dst..dst+len is the writable mapping of the region, src is ours.
+            w.run(|| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) });
+            let code = if r.was_truncated() && matches!(r.check_intact(), Err(RegionError::Truncated { .. })) { 0 } else { 3 };
+            // SAFETY: leaving the child without running the test harness.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child died or saw no truncation: status {status:#x}");
+        // In this process too: the bytes still backed hold what was stored.
+        // SAFETY: as in the child.
+        w.run(|| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) });
+        assert!(r.check_intact().is_err());
+        let mut head = vec![0u8; 8192];
+        std::fs::File::from(fd.try_clone().unwrap()).read_exact_at(&mut head, 0).unwrap();
+        assert!(head.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn the_armed_region_is_put_back_when_the_armed_closure_panics() {
+        let (name, _fd) = test_segment(4096, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = ShmMemory::open(&name, 4096, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.read(|| panic!("inside"))));
+        assert!(caught.is_err());
+        assert!(ARMED.with(|a| a.get()).is_none(), "the handler still names the region after the panic");
     }
 
     #[test]

@@ -278,6 +278,10 @@ impl ShmMemory {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
+                if e.raw_os_error() == Some(libc::ENOSPC) {
+                    // A hole of the segment the full tmpfs cannot back.
+                    return Err(RegionError::Unbacked { name: self.shm_name.clone(), len_bytes: self.len_bytes });
+                }
                 return Err(RegionError::Os { name: self.shm_name.clone(), what: "pwrite", source: e });
             }
             if r == 0 {

@@ -191,13 +191,11 @@ impl ShmMemory {
 
     /// Copies `len` bytes at `offset_bytes` to `dst` with streaming stores,
     /// armed against a truncation ([`ShmMemory::read`]); with `crc`, returns
-    /// the crc32c of the bytes staged (else 0): each block is first copied
-    /// into a small bounce buffer on this thread's stack (it stays in cache),
-    /// checksummed there and streamed on from there, so the checksum is that
-    /// of what was staged even if the trainer writes the source meanwhile (a
-    /// second read of the source could see other bytes), for one cached copy
-    /// more and no memory pass more. Other threads see the bytes only after
-    /// this one's [`store_fence`].
+    /// the crc32c of the bytes staged (else 0), computed from the very
+    /// values the copy loaded and stored ([`copy_streaming_crc`]), so it is
+    /// that of what was staged even if the trainer writes the source
+    /// meanwhile (a second read of the source could see other bytes). Other
+    /// threads see the bytes only after this one's [`store_fence`].
     ///
     /// # Safety
     /// `offset_bytes..+len` lies inside the region (`Region` checked it);
@@ -210,24 +208,8 @@ impl ShmMemory {
                 unsafe { copy_streaming(dst, src, len) };
                 return 0;
             }
-            let mut bounce = std::mem::MaybeUninit::<[u8; config::COPY_BOUNCE_BYTES]>::uninit();
-            let b = bounce.as_mut_ptr().cast::<u8>();
-            let mut c = 0u32;
-            let mut at = 0;
-            while at < len {
-                let n = (len - at).min(config::COPY_BOUNCE_BYTES);
-                // SAFETY: src..+len is readable (the caller's contract; the
-                // mapping lives as long as self); the bounce buffer is this
-                // frame's, n ≤ its size, disjoint from the source.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(at), b, n) };
-                // SAFETY: the first n bytes of the bounce buffer were just written.
-                let staged = unsafe { std::slice::from_raw_parts(b, n) };
-                c = crc32c::crc32c_append(c, staged);
-                // SAFETY: dst..+len is the caller's (contract), disjoint from the bounce buffer.
-                unsafe { copy_streaming(dst.add(at), b, n) };
-                at += n;
-            }
-            c
+            // SAFETY: the caller's contract; the mapping lives as long as self.
+            unsafe { copy_streaming_crc(dst, src, len) }
         })
     }
 
@@ -381,6 +363,126 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
         n -= 64;
     }
     std::ptr::copy_nonoverlapping(s, d, n);
+}
+
+/// [`copy_streaming`] that also returns the crc32c of the bytes, computed
+/// from the registers each 8 bytes were loaded into and stored from: the
+/// checksum of exactly what was staged, whatever the source does meanwhile,
+/// in the same single pass over memory. Blocks of `3 * CRC_LANE_BYTES` are
+/// done as three lanes side by side (three independent crc32 chains, the
+/// instruction's latency hidden), then joined with `crc::combine_op`.
+/// Without SSE4.2: copied through a small bounce buffer, checksummed there.
+///
+/// SAFETY: as [`copy_streaming`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    if std::arch::is_x86_feature_detected!("sse4.2") && std::arch::is_x86_feature_detected!("sse4.1") {
+        // SAFETY: the CPU has SSE4.1 and 4.2 (checked); the caller's contract.
+        unsafe { copy_streaming_crc_sse42(dst, src, len) }
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { copy_bounced_crc(dst, src, len) }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_streaming_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    // SAFETY: the caller's contract.
+    unsafe { copy_bounced_crc(dst, src, len) }
+}
+
+use config::COPY_CRC_LANE_BYTES as CRC_LANE_BYTES;
+
+/// SAFETY: as [`copy_streaming`], and the CPU has SSE4.1 and SSE4.2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2,sse4.1")]
+unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    use std::arch::x86_64::{__m128i, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128, _mm_stream_si64};
+    // Raw (uninverted) crc state, as the instruction keeps it.
+    let mut state: u32 = !0;
+    // Byte stores up to a 16-byte aligned destination.
+    let head = dst.align_offset(16).min(len);
+    for i in 0..head {
+        let b = src.add(i).read_volatile();
+        dst.add(i).write(b);
+        state = _mm_crc32_u8(state, b);
+    }
+    let (d, s, mut n) = (dst.add(head), src.add(head), len - head);
+    let mut at = 0usize;
+    let block = 3 * CRC_LANE_BYTES;
+    if n >= block {
+        let op = ckpt_store::crc::shift_op(CRC_LANE_BYTES as u64);
+        while n >= block {
+            let (mut a, mut b, mut c) = (!0u32 as u64, !0u32 as u64, !0u32 as u64);
+            let (sa, sb, sc) = (s.add(at), s.add(at + CRC_LANE_BYTES), s.add(at + 2 * CRC_LANE_BYTES));
+            let (da, db, dc) = (d.add(at), d.add(at + CRC_LANE_BYTES), d.add(at + 2 * CRC_LANE_BYTES));
+            let mut i = 0;
+            while i < CRC_LANE_BYTES {
+                // Each 16 bytes loaded once into a register, stored from it
+                // (streaming) and checksummed from it: what is checksummed
+                // is what is staged.
+                let x = _mm_loadu_si128(sa.add(i).cast::<__m128i>());
+                let y = _mm_loadu_si128(sb.add(i).cast::<__m128i>());
+                let z = _mm_loadu_si128(sc.add(i).cast::<__m128i>());
+                _mm_stream_si128(da.add(i).cast::<__m128i>(), x);
+                _mm_stream_si128(db.add(i).cast::<__m128i>(), y);
+                _mm_stream_si128(dc.add(i).cast::<__m128i>(), z);
+                a = _mm_crc32_u64(a, _mm_cvtsi128_si64(x) as u64);
+                b = _mm_crc32_u64(b, _mm_cvtsi128_si64(y) as u64);
+                c = _mm_crc32_u64(c, _mm_cvtsi128_si64(z) as u64);
+                a = _mm_crc32_u64(a, _mm_extract_epi64::<1>(x) as u64);
+                b = _mm_crc32_u64(b, _mm_extract_epi64::<1>(y) as u64);
+                c = _mm_crc32_u64(c, _mm_extract_epi64::<1>(z) as u64);
+                i += 16;
+            }
+            // Join: crc(prefix ‖ A ‖ B ‖ C), as standard (inverted) crcs.
+            let mut crc = !state;
+            for lane in [a as u32, b as u32, c as u32] {
+                crc = ckpt_store::crc::combine_op(crc, !lane, op);
+            }
+            state = !crc;
+            at += block;
+            n -= block;
+        }
+    }
+    while n >= 8 {
+        let x = s.add(at).cast::<u64>().read_volatile();
+        state = _mm_crc32_u64(state as u64, x) as u32;
+        _mm_stream_si64(d.add(at).cast::<i64>(), x as i64);
+        at += 8;
+        n -= 8;
+    }
+    while n > 0 {
+        let x = s.add(at).read_volatile();
+        d.add(at).write(x);
+        state = _mm_crc32_u8(state, x);
+        at += 1;
+        n -= 1;
+    }
+    !state
+}
+
+/// The fallback of [`copy_streaming_crc`]: each block copied into a bounce
+/// buffer on this thread's stack, checksummed there, streamed on from there.
+///
+/// SAFETY: as [`copy_streaming`].
+#[allow(dead_code)]
+unsafe fn copy_bounced_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    const BOUNCE_BYTES: usize = config::COPY_BOUNCE_BYTES;
+    let mut bounce = [0u8; BOUNCE_BYTES];
+    let mut c = 0u32;
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(BOUNCE_BYTES);
+        // SAFETY: the caller's contract; the bounce buffer is this frame's,
+        // n ≤ its size, disjoint from both.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), bounce.as_mut_ptr(), n) };
+        c = crc32c::crc32c_append(c, &bounce[..n]);
+        // SAFETY: as above.
+        unsafe { copy_streaming(dst.add(at), bounce.as_ptr(), n) };
+        at += n;
+    }
+    c
 }
 
 /// Makes this thread's streaming stores ([`ShmMemory::copy_out`]) globally
@@ -578,6 +680,28 @@ mod tests {
                     unsafe { copy_streaming(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
                     assert_eq!(&dst[dst_off..dst_off + len], &src[src_off..src_off + len], "src+{src_off} dst+{dst_off} len {len}");
                     assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA), "wrote outside: src+{src_off} dst+{dst_off} len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_checksummed_copy_stages_the_bytes_and_their_crc_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        for src_off in [0usize, 1, 7, 8, 13] {
+            for dst_off in [0usize, 1, 5, 8, 64] {
+                for len in [0usize, 1, 7, 8, 9, 63, 4096, 3 * CRC_LANE_BYTES - 1, 3 * CRC_LANE_BYTES, 3 * CRC_LANE_BYTES + 9, 150_001] {
+                    let mut dst = vec![0xAAu8; 160_000];
+                    // SAFETY: both ranges lie inside their vectors, which are distinct.
+                    let c = unsafe { copy_streaming_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    store_fence();
+                    let want = &src[src_off..src_off + len];
+                    assert_eq!(&dst[dst_off..dst_off + len], want, "src+{src_off} dst+{dst_off} len {len}");
+                    assert_eq!(c, crc32c::crc32c(want), "src+{src_off} dst+{dst_off} len {len}");
+                    assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA));
+                    // SAFETY: as above.
+                    let b = unsafe { copy_bounced_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    assert_eq!(b, c);
                 }
             }
         }

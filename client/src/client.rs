@@ -644,15 +644,19 @@ fn send_with_fd(sock: i32, bytes: &[u8], passed: i32) -> isize {
     }
 }
 
-fn reader_loop(stream: UnixStream, gen: u64, shared: Arc<Shared>) {
-    let fd = stream.as_raw_fd();
-    read_replies(stream, gen, &shared);
-    fork_fd_unregister(fd); // `stream` is closed by now
+fn reader_loop(mut stream: UnixStream, gen: u64, shared: Arc<Shared>) {
+    read_replies(&mut stream, gen, &shared);
+    // Unregistered while still open: a fork after the close would have the
+    // child's handler close whatever descriptor took the number meanwhile.
+    // (A fork between the two leaves the child a copy of this socket,
+    // closed when the child exits: the lesser harm.)
+    fork_fd_unregister(stream.as_raw_fd());
+    drop(stream);
 }
 
-fn read_replies(mut stream: UnixStream, gen: u64, shared: &Shared) {
+fn read_replies(stream: &mut UnixStream, gen: u64, shared: &Shared) {
     loop {
-        let got = ckpt_wire::read_frame::<Reply>(&mut stream);
+        let got = ckpt_wire::read_frame::<Reply>(stream);
         let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.gen != gen {
             return;
@@ -796,6 +800,9 @@ impl Client {
     }
 
     fn free_region_id(&self, region_id: u32) -> Result<()> {
+        // Before the lock: in a forked child it may be held by a thread of
+        // the parent that does not exist here (held across a round trip).
+        self.check_owner()?;
         let mut inner = self.lock_inner();
         let Some(region) = inner.regions.remove(&region_id) else {
             return Err(Error::UnknownRegion { ptr: 0 });
@@ -1340,15 +1347,22 @@ impl Client {
     /// sidecar. Regions are unregistered by the session's end, then unmapped
     /// and unlinked here. Later calls fail with [`Error::Closed`].
     pub fn close(&self) {
-        let mut inner = self.lock_inner();
-        if inner.closed {
-            return;
-        }
-        inner.closed = true;
         if self.check_owner().is_err() {
             // A forked child: the connection and the names are the parent's.
             // Its descriptors were closed by the fork handler (their numbers
-            // may be reused by now), and its reader thread does not exist here.
+            // may be reused by now), and its reader thread does not exist
+            // here. The lock may be held for good by a thread of the parent
+            // that was not forked: then leave everything as it is (the
+            // child's exit releases its copies).
+            let mut inner = match self.inner.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return,
+            };
+            if inner.closed {
+                return;
+            }
+            inner.closed = true;
             if let Some(conn) = inner.conn.take() {
                 std::mem::forget(conn);
             }
@@ -1361,6 +1375,11 @@ impl Client {
             std::mem::forget(std::mem::take(&mut inner.cuda_events));
             return;
         }
+        let mut inner = self.lock_inner();
+        if inner.closed {
+            return;
+        }
+        inner.closed = true;
         if let Some(conn) = inner.conn.take() {
             let _ = send_frame(&conn.stream, &Request::Bye);
             {
@@ -1596,6 +1615,8 @@ impl Client {
     }
 
     fn call(&self, what: &str, make: impl FnOnce(u64) -> Request) -> Result<Reply> {
+        // Before the lock: in a forked child it may be held for good.
+        self.check_owner()?;
         let mut inner = self.lock_inner();
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;

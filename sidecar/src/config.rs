@@ -78,6 +78,12 @@ pub const COPY_THREADS: usize = 2;
 pub const COPY_PIECE_BYTES: usize = 1 << 20;
 /// Copy then checksum this much at a time, while it is still in cache.
 pub const COPY_BLOCK_BYTES: usize = 256 << 10;
+/// A lazily released save's copy checksums the very values it loads and
+/// stores (`regions::shm`), in three lanes of this many bytes side by side.
+pub const COPY_CRC_LANE_BYTES: usize = 8 << 10;
+/// Without SSE4.2 it copies through a bounce buffer of this size on the
+/// copying thread's stack, checksummed there.
+pub const COPY_BOUNCE_BYTES: usize = 16 << 10;
 /// Largest single device-to-host copy a CUDA region's batch queues
 /// (adjacent pieces merged up to this).
 pub const DEVICE_COPY_BYTES_MAX: usize = 64 << 20;
@@ -127,6 +133,8 @@ const _: () = assert!(HELLO_BYTES_MAX < FRAME_BYTES_MAX);
 const _: () = assert!((BLOB_BYTES_MAX as u64) >= FRAME_BYTES_MAX as u64, "a blob that fits a frame fits the blob limit");
 const _: () = assert!(COPY_THREADS >= 1);
 const _: () = assert!(COPY_PIECE_BYTES % COPY_BLOCK_BYTES == 0);
+const _: () = assert!(COPY_BOUNCE_BYTES <= 256 << 10); // on a thread's stack
+const _: () = assert!(COPY_CRC_LANE_BYTES % 8 == 0);
 const _: () = assert!(DEVICE_WINDOW_BYTES_DEFAULT >= DEVICE_COPY_BYTES_MAX);
 const _: () = assert!(LOAD_PWRITE_BYTES_MAX <= (isize::MAX as usize));
 const _: () = assert!(SHM_NAME_BYTES_MAX <= 255);

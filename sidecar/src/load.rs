@@ -38,6 +38,8 @@ impl From<LoadError> for Fail {
             LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } => ErrorCode::NotFound,
             LoadError::Damaged { .. } => ErrorCode::Damaged,
             LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
+            // The client's region failed under the load: its error, not the checkpoint's.
+            LoadError::Destination { .. } => ErrorCode::BadRegion,
         };
         Fail(code, e.to_string())
     }
@@ -339,14 +341,21 @@ fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Optio
     }
     // SAFETY: dest is page-aligned (the mapping is, and offset_bytes is a
     // multiple of the O_DIRECT block) and valid for len_bytes for as long as
-    // `map` lives; every reader thread touches it only inside `map.run`.
-    let r = unsafe { restore::load_into_raw(primary, which, &shared.read_opts, dest, len_bytes as usize, &|work| map.run(work)) };
+    // `map` lives; every reader thread touches it only inside `map.run`,
+    // where a fault of a shrunk or unbacked segment is handled (and the
+    // kernel's reads into such pages fail with EFAULT, no signal).
+    let r = unsafe { restore::load_into_raw(primary, which, &shared.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm }) };
     let p = match r {
         Ok(p) => p,
         Err(LoadError::BufferTooSmall { step, need_bytes, .. }) => {
             // A fallback to an older, larger checkpoint.
             let index = restore::read_index(primary, step)?;
             return Ok(too_small(step, &index, need_bytes));
+        }
+        Err(e @ LoadError::Destination { .. }) => {
+            let m = e.to_string();
+            let m = if m.contains(&shm.shm_name) { m } else { format!("shm segment {:?}: {m}", shm.shm_name) };
+            return Err(Fail(ErrorCode::BadRegion, m));
         }
         Err(e) => return Err(e.into()),
     };
@@ -355,4 +364,27 @@ fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Optio
     let offsets = tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();
     info!(step = p.step, bytes = p.bytes, read_seconds = p.seconds, engine = %p.engine, "read into the client's region");
     Ok(PlacedReply { step: p.step, source: LoadSource::Disk, tensors, offsets, need_bytes: restore::load_len_bytes(&p.index), blobs, fell_back })
+}
+
+/// A LoadPacked's destination as the reader sees it: every access inside the
+/// region's armed span, and the region's own check after a step failed, so
+/// a segment its client shrank (or a /dev/shm too full to back it) is this
+/// load's error, never damage of the checkpoint nor a reason to fall back.
+struct IntoRegion<'a> {
+    map: &'a crate::regions::shm::Writable<'a>,
+    shm: &'a crate::regions::shm::ShmMemory,
+}
+
+impl restore::ReadDest for IntoRegion<'_> {
+    fn run(&self, work: &mut dyn FnMut()) {
+        self.map.run(work)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.shm.check_intact().map_err(|e| e.to_string())
+    }
+
+    fn foreign(&self) -> bool {
+        true
+    }
 }

@@ -698,6 +698,194 @@ fn a_client_truncating_its_segment_during_copies_fails_those_saves_not_the_sidec
     assert!(leftovers(&sc.dir).is_empty(), "{:?}", leftovers(&sc.dir));
 }
 
+/// What a hostile client does to one of its own segments while the sidecar
+/// reads from or writes into it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Spite {
+    /// ftruncate to a few pages.
+    Truncate,
+    /// shm_unlink (the sidecar's descriptor keeps the object).
+    Unlink,
+    /// Its own view unmapped and mapped again from the name.
+    Remap,
+    /// Other bytes written over it.
+    Fill,
+}
+
+/// Does `what` to `shm`, the client's own segment.
+fn spite(shm: &mut Shm, what: Spite, rng: &mut ckpt_test_support::Rng) {
+    let c = std::ffi::CString::new(shm.name.clone()).unwrap();
+    match what {
+        Spite::Truncate => {
+            let keep = rng.below(4) * 4096 + rng.below(100);
+            // SAFETY: plain libc calls on a descriptor opened and closed here.
+            unsafe {
+                let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
+                if fd >= 0 {
+                    libc::ftruncate(fd, keep as libc::off_t);
+                    libc::close(fd);
+                }
+            }
+        }
+        // SAFETY: removes our own name; failure (already gone) is fine.
+        Spite::Unlink => unsafe {
+            libc::shm_unlink(c.as_ptr());
+        },
+        // SAFETY: replaces our own mapping at the same address with a new
+        // mapping of the same object (when the name still exists).
+        Spite::Remap => unsafe {
+            let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
+            if fd >= 0 {
+                let p = libc::mmap(shm.ptr.cast(), shm.len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0);
+                assert_eq!(p, shm.ptr.cast(), "remap: {}", std::io::Error::last_os_error());
+                libc::close(fd);
+            }
+        },
+        Spite::Fill => {
+            // Only what is still backed: a truncated view would fault here.
+            let seed = rng.next_u64();
+            // SAFETY: plain libc call on a descriptor opened and closed here.
+            let size = unsafe {
+                let fd = libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0);
+                let mut st: libc::stat = std::mem::zeroed();
+                let ok = fd >= 0 && libc::fstat(fd, &mut st) == 0;
+                if fd >= 0 {
+                    libc::close(fd);
+                }
+                if ok { st.st_size as usize } else { 0 }
+            };
+            let n = size.min(shm.len) / 4096 * 4096;
+            ckpt_store::synthetic::fill(&mut shm.bytes_mut()[..n], seed);
+        }
+    }
+}
+
+#[test]
+fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_loads_harms_no_one_else() {
+    // Issue 23, defect 1 (and issue 19, defect 2): a segment shrunk under
+    // the RAM path of a LoadPacked killed the sidecar (SIGSEGV); one shrunk
+    // under a disk load made it report the sound checkpoint damaged.
+    let seed = ckpt_test_support::seed_from_env("CKPT_TEST_SEED", 0x5917e, "hostile client");
+    let mut rng = ckpt_test_support::Rng::new(seed);
+    let sc = Sidecar::start(&[]);
+    let len = 4usize << 20;
+    let w = |region_id: u32| vec![desc("w", "U8", &[len as u64], region_id, 0)];
+    // Another client's session, which must not notice anything.
+    let mut other = sc.client();
+    let mut mine = Shm::new(len);
+    mine.fill(1);
+    other.register(1, &mine);
+    other.save_durable(1, w(1), blobs(1));
+    // The hostile client: a source segment for saves and a target for loads,
+    // each made again (new region id) once it was truncated or unlinked.
+    let mut c = sc.client();
+    let mut next_region = 10u32;
+    let mut fresh = |c: &mut Client, seed: u64| {
+        let mut s = Shm::new(len + 4096);
+        s.fill(seed);
+        next_region += 1;
+        assert!(matches!(c.register(next_region, &s), Reply::RegionRegistered { .. }));
+        (s, next_region)
+    };
+    let (mut src, mut src_id) = fresh(&mut c, 2);
+    let (mut dst, mut dst_id) = fresh(&mut c, 3);
+    // Committed steps and their bytes (read back: a fill during the copy
+    // makes them a mix, which must still verify).
+    let mut good: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut step = 100u64;
+    let (mut n_ok, mut n_refused) = (0, 0);
+    let mut sources = std::collections::BTreeMap::<String, u32>::new();
+    for i in 0..100u32 {
+        let what = [Spite::Truncate, Spite::Unlink, Spite::Remap, Spite::Fill][rng.below(4) as usize];
+        let delay = Duration::from_micros(rng.below(3000));
+        // Saves until there are two steps, then any of: a save, a packed
+        // load of the latest (RAM) or an older step (disk), a plain load of either.
+        let kind = if good.len() < 2 { 0 } else { rng.below(5) };
+        let at = format!("try {i} (seed {seed:#x}): {} with {what:?} after {delay:?}", ["save", "packed latest", "packed older", "load latest", "load older"][kind as usize]);
+        let target_step = match kind {
+            0 | 1 | 3 => None,
+            _ => Some(good[rng.below(good.len() as u64 - 1) as usize].0),
+        };
+        let id = c.id();
+        match kind {
+            0 => {
+                step += 1;
+                c.send(&Request::Save { id, step, tensors: w(src_id), blobs: blobs(step), lazy_release: step % 2 == 1 });
+            }
+            1 | 2 => c.send(&Request::LoadPacked { id, step: target_step, region_id: dst_id, offset_bytes: 0, len_bytes: dst.len as u64 }),
+            _ => c.send(&Request::Load { id, step: target_step, tensors: w(dst_id) }),
+        }
+        std::thread::sleep(delay);
+        let victim = if kind == 0 { &mut src } else { &mut dst };
+        spite(victim, what, &mut rng);
+        // The reply: a success or an error naming the client's region, never damage.
+        let outcome = loop {
+            match c.recv() {
+                Reply::Released { id: r, .. } if r == id => continue,
+                Reply::Durable { id: r, .. } if r == id => {
+                    let l = restore::load(&sc.dir, Which::Step(step), &ReadOptions::default(), None).unwrap_or_else(|e| panic!("{at}: committed step {step} does not load: {e}"));
+                    good.push((step, l.tensor("w").unwrap().to_vec()));
+                    break Ok(None);
+                }
+                Reply::Placed { id: r, step: s, source, offsets, fell_back, .. } if r == id => {
+                    assert!(fell_back.is_empty(), "{at}: fell back {fell_back:?}");
+                    *sources.entry(format!("{source:?}")).or_default() += 1;
+                    break Ok(Some((s, offsets[0])));
+                }
+                Reply::Loaded { id: r, step: s, source, fell_back, .. } if r == id => {
+                    assert!(fell_back.is_empty(), "{at}: fell back {fell_back:?}");
+                    *sources.entry(format!("{source:?}")).or_default() += 1;
+                    break Ok(Some((s, 0)));
+                }
+                Reply::Failed { id: r, code, reason, .. } | Reply::Error { id: r, code, message: reason } if r == id => break Err((code, reason)),
+                other => panic!("{at}: unexpected {other:?}"),
+            }
+        };
+        match outcome {
+            Ok(placed) => {
+                n_ok += 1;
+                // Data checked where the client left its target alone.
+                if let (Some((s, off)), Spite::Unlink | Spite::Remap) = (placed, what) {
+                    let want = &good.iter().find(|g| g.0 == s).unwrap_or_else(|| panic!("{at}: loaded unknown step {s}")).1;
+                    assert!(&dst.bytes()[off as usize..off as usize + len] == &want[..], "{at}: step {s} loaded other bytes");
+                }
+            }
+            Err((code, reason)) => {
+                n_refused += 1;
+                assert_eq!(code, ErrorCode::BadRegion, "{at}: {reason}");
+                assert!(reason.contains(&victim_name(kind, &src, &dst)), "{at}: the error does not name the segment: {reason}");
+            }
+        }
+        if matches!(what, Spite::Truncate | Spite::Unlink) {
+            if kind == 0 {
+                (src, src_id) = fresh(&mut c, i as u64);
+            } else {
+                (dst, dst_id) = fresh(&mut c, i as u64);
+            }
+        }
+        // The other session is served all along.
+        assert_eq!(other.status().staging_bytes, 64 << 20, "{at}");
+    }
+    eprintln!("hostile client: {n_ok} requests served, {n_refused} refused; loads by source {sources:?}");
+    // Every committed step is sound, and the other client still saves and loads.
+    for (s, bytes) in &good {
+        let l = restore::load(&sc.dir, Which::Step(*s), &ReadOptions::default(), None).unwrap();
+        assert!(l.tensor("w").unwrap() == &bytes[..], "step {s}");
+    }
+    mine.fill(99);
+    other.save_durable(9999, w(1), blobs(9999));
+    let mut back = Shm::new(len);
+    other.register(2, &back);
+    match other.load(Some(9999), w(2)) {
+        Reply::Loaded { step: 9999, .. } => assert!(back.bytes_mut() == mine.bytes(), "the other client's load differs"),
+        r => panic!("the other client's load: {r:?}"),
+    }
+}
+
+fn victim_name(kind: u64, src: &Shm, dst: &Shm) -> String {
+    if kind == 0 { src.name.clone() } else { dst.name.clone() }
+}
+
 #[test]
 fn malformed_frames_close_only_that_session() {
     let sc = Sidecar::start(&[]);

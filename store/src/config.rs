@@ -46,6 +46,15 @@ pub const BLOB_BYTES_MAX: usize = 256 << 20;
 pub const INDEX_BYTES_MAX: u64 = 256 << 20;
 /// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.
 pub const POOL_THREADS_DEFAULT: usize = 4;
+/// A driver whose engine fails to return completions while requests are in
+/// flight tries again this many times, `ENGINE_RETRY_PAUSE_MS` apart (the
+/// kernel's EAGAIN/ENOMEM under memory pressure passes); past that it can
+/// never hand the buffers back safely, and the process aborts.
+pub const ENGINE_WAIT_RETRIES_MAX: u32 = 3000;
+pub const ENGINE_RETRY_PAUSE_MS: u64 = 1;
+/// Times the io_uring engine retries `io_uring_enter` on EAGAIN/ENOMEM
+/// (memory pressure), `ENGINE_RETRY_PAUSE_MS` apart, before it reports it.
+pub const URING_ENTER_RETRIES_MAX: u32 = 100;
 
 /// Several nodes: a multi-rank temp folder in the shared directory that
 /// nothing touched for this long is abandoned (its coordinator died, or

@@ -81,6 +81,8 @@ impl AlignedBuf {
 
     /// An anonymous private read-write mapping of `len` bytes.
     fn map(len: usize, extra_flags: libc::c_int) -> io::Result<NonNull<u8>> {
+        // Miri maps only plain anonymous private memory (zeroed: the same contents).
+        let extra_flags = if cfg!(miri) { 0 } else { extra_flags };
         // SAFETY: an anonymous private mapping with no address hint touches no
         // existing memory; the result is checked against MAP_FAILED.
         let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags, -1, 0) };

@@ -87,6 +87,12 @@ pub enum LoadError {
     Probe(#[from] eio::ProbeError),
     #[error("step {step} needs {need_bytes} bytes of memory to load; {have_bytes} given")]
     BufferTooSmall { step: u64, need_bytes: u64, have_bytes: u64 },
+    /// The memory read into failed under the load (a client's shared
+    /// memory that shrank or could not be backed: a read into it got EFAULT,
+    /// or the caller's check says so): an error of this load, never damage
+    /// of the checkpoint, so `latest` does not fall back past the step.
+    #[error("step {step} could not be read into its destination: {why}")]
+    Destination { step: u64, why: String },
 }
 
 /// A checkpoint in memory of its own, every checksum matched: a [`Placed`]
@@ -178,7 +184,9 @@ fn candidates(primary: &Path, which: Which) -> Result<Vec<u64>, LoadError> {
     }
 }
 
-/// Whether a failed candidate lets `latest` fall back to an older one.
+/// Whether a failed candidate lets `latest` fall back to an older one: a
+/// damaged or unreadable checkpoint does; a failed destination
+/// ([`LoadError::Destination`]) does not (the step may be sound).
 fn falls_back(which: Which, e: &LoadError) -> bool {
     which == Which::Latest && matches!(e, LoadError::Damaged { .. } | LoadError::Io { .. })
 }
@@ -253,24 +261,56 @@ impl Placed {
 pub fn load_into(primary: &Path, which: Which, opts: &ReadOptions, dest: &mut [u8]) -> Result<Placed, LoadError> {
     // SAFETY: dest is a live, exclusively borrowed slice of dest.len() bytes,
     // untouched by anything else until this returns.
-    unsafe { load_into_raw(primary, which, opts, dest.as_mut_ptr(), dest.len(), &|work| work()) }
+    unsafe { load_into_raw(primary, which, opts, dest.as_mut_ptr(), dest.len(), &OwnMemory) }
 }
 
-/// Runs a reader thread's work (reading into the destination and checking
-/// it) inside whatever the caller needs around every access to that memory,
-/// on that thread: the daemon arms its fault handler for a client's
-/// segment there. `|work| work()` when nothing is needed.
-pub type ReadGuard<'a> = &'a (dyn Fn(&mut dyn FnMut()) + Sync);
+/// What a load needs around the memory it reads into, when that memory is
+/// not its own (a client's shared memory, which may shrink under it).
+pub trait ReadDest: Sync {
+    /// Runs a reader thread's work (reading into the destination and
+    /// checking it) inside whatever the caller needs around every access to
+    /// that memory, on that thread: the daemon arms its fault handler for a
+    /// client's segment there.
+    fn run(&self, work: &mut dyn FnMut());
+
+    /// After a step failed to load: `Err(why)` when the destination failed
+    /// under it (then the failure is [`LoadError::Destination`], not damage).
+    fn check(&self) -> Result<(), String>;
+
+    /// Whether another process may write the destination meanwhile (a
+    /// client's shared memory): then a checksum that fails there may be its
+    /// writes, and the step is verified again from disk before it is called
+    /// damaged.
+    fn foreign(&self) -> bool {
+        false
+    }
+}
+
+/// Memory of the loader's own: nothing around its accesses, never failing.
+pub struct OwnMemory;
+
+impl ReadDest for OwnMemory {
+    fn run(&self, work: &mut dyn FnMut()) {
+        work()
+    }
+
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
 
 /// [`load_into`] into memory given by address: `dest_len` bytes at `dest`,
-/// read by every reader thread inside `guard`.
+/// read by every reader thread inside `guard.run`. A read into it that
+/// fails with EFAULT, or a step that fails while `guard.check` says the
+/// memory failed, is [`LoadError::Destination`] (no fallback).
 ///
 /// # Safety
 /// `dest` must be block-aligned and valid for reads and writes of
-/// `dest_len` bytes for the whole call. Another process may change those
-/// bytes meanwhile (a client's shared memory): then what it wrote may fail
-/// a checksum, never pass one it did not.
-pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, dest: *mut u8, dest_len: usize, guard: ReadGuard<'_>) -> Result<Placed, LoadError> {
+/// `dest_len` bytes for the whole call, or fault only inside `guard.run`
+/// in a way it handles. Another process may change those bytes meanwhile (a
+/// client's shared memory): then what it wrote may fail a checksum, never
+/// pass one it did not.
+pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, dest: *mut u8, dest_len: usize, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
     assert_eq!(dest as usize % DIRECT_ALIGN_BYTES, 0, "load destination must be block-aligned");
     let mut fell_back = Vec::new();
     let mut last_err = None;
@@ -289,6 +329,14 @@ pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, de
             Ok(mut p) => {
                 p.fell_back = fell_back;
                 return Ok(p);
+            }
+            // A checksum failed in memory someone else writes: the step is
+            // damaged only if it also fails when verified on its own.
+            Err(LoadError::Damaged { .. }) if guard.foreign() && verify(primary, step, opts, |_, _| {}).is_ok_and(|r| r.problems.is_empty()) => {
+                return Err(LoadError::Destination {
+                    step,
+                    why: "its bytes changed in the destination while they were read and checked there (written by its owner?); the checkpoint itself verifies".into(),
+                });
             }
             Err(e) if falls_back(which, &e) => {
                 tracing::warn!(step, "checkpoint unusable, falling back: {e}");
@@ -319,15 +367,21 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
     };
     // SAFETY: buf is owned here, page-aligned, at least `need` bytes, and
     // not touched by anything else until read_step_at returns.
-    match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0, &|work| work()) } {
+    match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0, &OwnMemory) } {
         Ok(placed) => Ok(Loaded { placed, buf }),
         Err(e) => Err((e, Some(buf))),
     }
 }
 
-/// What one directory's reader thread found ([`read_and_check`]): the
-/// problems, each file's data-section start, and the engine name.
-type DirRead = (Vec<Problem>, Vec<(String, u64)>, String);
+/// What one directory's reader thread found ([`read_and_check`]).
+struct DirRead {
+    problems: Vec<Problem>,
+    /// Each file's data-section start.
+    starts: Vec<(String, u64)>,
+    engine: String,
+    /// A read into the destination failed with EFAULT: the memory, not the file.
+    dest_failed: Option<String>,
+}
 
 /// Reads and checks every shard and blob of `step` (whose index is `index`)
 /// into memory at `base`.
@@ -335,7 +389,7 @@ type DirRead = (Vec<Problem>, Vec<(String, u64)>, String);
 /// # Safety
 /// `base` must be block-aligned and valid for writes of
 /// `load_len_bytes(&index)` bytes that nothing else touches during the call.
-unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant, guard: ReadGuard<'_>) -> Result<Placed, LoadError> {
+unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
     let dirs = dir_paths(primary, &index, opts);
     let mut files = BTreeMap::new();
     let mut at = 0usize;
@@ -359,7 +413,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
                     let targets: Vec<(usize, Dest)> = p.iter().map(|&(fi, off)| (fi, Dest::Whole((base + off) as *mut u8))).collect();
                     let mut reader = DirReader::open(dir, opts.io)?;
                     let mut out = None;
-                    guard(&mut || {
+                    guard.run(&mut || {
                         // SAFETY: each target is a disjoint range of the
                         // caller's memory, valid until this scope ends (this
                         // function's contract).
@@ -373,17 +427,32 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     });
     let mut problems = Vec::new();
     let mut engines = Vec::new();
-    for (p, starts, engine) in outcome? {
-        problems.extend(p);
-        for (name, ds) in starts {
+    let mut dest_failed = None;
+    let outcome = match outcome {
+        Ok(o) => o,
+        // An engine that would not start: still the memory's fault if it failed.
+        Err(e) => return Err(guard.check().err().map_or(e, |why| LoadError::Destination { step, why })),
+    };
+    for d in outcome {
+        problems.extend(d.problems);
+        for (name, ds) in d.starts {
             files.get_mut(&name).expect("file listed").1 = ds;
         }
-        engines.push(engine);
+        engines.push(d.engine);
+        dest_failed = dest_failed.or(d.dest_failed);
     }
     let mut blobs = BTreeMap::new();
     problems.extend(read_blobs(&step_dirs[0], &index, &mut blobs));
     name_slices(&index, &mut problems);
-    if !problems.is_empty() {
+    if !problems.is_empty() || dest_failed.is_some() {
+        // A checksum that failed because the memory under it went (zero
+        // pages mapped over a shrunk segment) is the memory's failure.
+        if let Err(why) = guard.check() {
+            return Err(LoadError::Destination { step, why });
+        }
+        if let Some(why) = dest_failed {
+            return Err(LoadError::Destination { step, why });
+        }
         return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems });
     }
     engines.dedup();
@@ -436,7 +505,7 @@ unsafe fn read_and_check(
     index: &Index,
     targets: &[(usize, Dest)],
     reader: &mut DirReader,
-) -> (Vec<Problem>, Vec<(String, u64)>, String) {
+) -> DirRead {
     let mut any_direct = false;
     let mut problems = Vec::new();
     let mut opened = Vec::new();
@@ -471,6 +540,7 @@ unsafe fn read_and_check(
     let r = eio::drive(reader.engine.as_mut(), OpKind::Read, &ios, config::CHUNK_BYTES_DEFAULT, |i, bytes| {
         checks[i].feed(bytes, &mut check_problems);
     });
+    let mut dest_failed = None;
     if let Err(e) = r {
         let name = match &e {
             eio::DriveError::Io { file_idx, .. } | eio::DriveError::ShortRead { file_idx, .. } | eio::DriveError::ShortWrite { file_idx, .. } => {
@@ -478,7 +548,13 @@ unsafe fn read_and_check(
             }
             eio::DriveError::Engine(_) | eio::DriveError::Source(_) => None,
         };
-        problems.push(problem(name, None, format!("read failed: {e}")));
+        if e.errno() == Some(libc::EFAULT) {
+            // The kernel could not write the destination's pages: the
+            // memory failed (a client's segment shrunk or unbacked), not the file.
+            dest_failed = Some(format!("{}: the destination memory faulted: {e}", name.unwrap_or("a shard")));
+        } else {
+            problems.push(problem(name, None, format!("read failed: {e}")));
+        }
     }
     problems.extend(check_problems);
     let mut starts = Vec::new();
@@ -487,7 +563,7 @@ unsafe fn read_and_check(
         starts.push((c.file.name.clone(), c.data_start.unwrap_or(0)));
     }
     let engine = eio::EngineChoice { direct: any_direct, ..reader.choice.clone() }.name();
-    (problems, starts, engine)
+    DirRead { problems, starts, engine, dest_failed }
 }
 
 /// An engine for reading one directory, opened once and reused for its files.
@@ -689,8 +765,10 @@ impl Verifier {
             };
             // SAFETY: the window belongs to self, borrowed mutably for this
             // whole call, and nothing else touches it during read_and_check.
-            let (p, _, _) = unsafe { read_and_check(&dir, &index, &[(fi, Dest::Window(window, window_bytes))], reader) };
-            problems.extend(p);
+            let d = unsafe { read_and_check(&dir, &index, &[(fi, Dest::Window(window, window_bytes))], reader) };
+            problems.extend(d.problems);
+            // Our own window never faults; if it did, say so.
+            problems.extend(d.dest_failed.map(|why| problem(Some(&f.name), None, why)));
             done += f.len_bytes;
             progress(done, total);
         }

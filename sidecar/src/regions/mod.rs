@@ -42,8 +42,10 @@ pub enum RegionError {
     NotRegular { name: String },
     #[error("shm segment {name:?} has {size_bytes} bytes, fewer than the {len_bytes} registered")]
     TooSmall { name: String, size_bytes: u64, len_bytes: u64 },
-    #[error("shm segment {name:?} was truncated by its owner while the sidecar read it; register it again")]
+    #[error("shm segment {name:?} was truncated by its owner while the sidecar read or wrote it; register it again")]
     Truncated { name: String },
+    #[error("shm segment {name:?} ({len_bytes} bytes): a page of it could not be backed while the sidecar read or wrote it (is /dev/shm full?); register it again")]
+    Unbacked { name: String, len_bytes: u64 },
     #[error(transparent)]
     Cuda(#[from] ckpt_cuda::CudaError),
     #[error("CUDA region: {why}; register it again")]

@@ -139,15 +139,7 @@ impl ShmMemory {
     /// region: if the client truncated the segment, the read sees zeros
     /// instead of killing the sidecar, and [`ShmMemory::check_intact`] fails.
     pub fn read<R>(&self, f: impl FnOnce() -> R) -> R {
-        let armed = Armed { start: self.ptr as usize, len: self.len_bytes as usize, truncated: &self.truncated };
-        let outer = ARMED.with(|a| a.replace(Some(armed)));
-        // The handler runs on this thread, between any two instructions:
-        // keep the compiler from moving the reads out of the armed span.
-        compiler_fence(Ordering::SeqCst);
-        let out = f();
-        compiler_fence(Ordering::SeqCst);
-        ARMED.with(|a| a.set(outer));
-        out
+        arm(Armed { start: self.ptr as usize, len: self.len_bytes as usize, writable: false, truncated: &self.truncated }, f)
     }
 
     /// A second mapping of the segment, writable, for a load that reads
@@ -199,9 +191,11 @@ impl ShmMemory {
 
     /// Copies `len` bytes at `offset_bytes` to `dst` with streaming stores,
     /// armed against a truncation ([`ShmMemory::read`]); with `crc`, returns
-    /// the crc32c of the bytes, computed from each source block right after
-    /// it is copied, while it is in cache (else 0). Other threads see the
-    /// bytes only after this one's [`store_fence`].
+    /// the crc32c of the bytes staged (else 0), computed from the very
+    /// values the copy loaded and stored ([`copy_streaming_crc`]), so it is
+    /// that of what was staged even if the trainer writes the source
+    /// meanwhile (a second read of the source could see other bytes). Other
+    /// threads see the bytes only after this one's [`store_fence`].
     ///
     /// # Safety
     /// `offset_bytes..+len` lies inside the region (`Region` checked it);
@@ -214,17 +208,8 @@ impl ShmMemory {
                 unsafe { copy_streaming(dst, src, len) };
                 return 0;
             }
-            let mut c = 0u32;
-            let mut at = 0;
-            while at < len {
-                let n = (len - at).min(config::COPY_BLOCK_BYTES);
-                // SAFETY: as above, for this block.
-                unsafe { copy_streaming(dst.add(at), src.add(at), n) };
-                // SAFETY: the same source block, in the live read-only mapping.
-                c = crc32c::crc32c_append(c, unsafe { std::slice::from_raw_parts(src.add(at), n) });
-                at += n;
-            }
-            c
+            // SAFETY: the caller's contract; the mapping lives as long as self.
+            unsafe { copy_streaming_crc(dst, src, len) }
         })
     }
 
@@ -232,10 +217,15 @@ impl ShmMemory {
     /// shrunk segment would fault the copy) and that no read found it
     /// shrunk: before a copy, and after it (the client may truncate during).
     pub fn check_intact(&self) -> Result<(), RegionError> {
+        let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os { name: self.shm_name.clone(), what: "fstat", source })?;
         if self.was_truncated() {
+            // A fault with the segment still long enough: a page of it could
+            // not be backed (the tmpfs under /dev/shm, or the memory limit, is full).
+            if (st.st_size as u64) >= self.len_bytes {
+                return Err(RegionError::Unbacked { name: self.shm_name.clone(), len_bytes: self.len_bytes });
+            }
             return Err(RegionError::Truncated { name: self.shm_name.clone() });
         }
-        let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os { name: self.shm_name.clone(), what: "fstat", source })?;
         if (st.st_size as u64) < self.len_bytes {
             return Err(RegionError::TooSmall { name: self.shm_name.clone(), size_bytes: st.st_size as u64, len_bytes: self.len_bytes });
         }
@@ -270,6 +260,10 @@ impl ShmMemory {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
+                if e.raw_os_error() == Some(libc::ENOSPC) {
+                    // A hole of the segment the full tmpfs cannot back.
+                    return Err(RegionError::Unbacked { name: self.shm_name.clone(), len_bytes: self.len_bytes });
+                }
                 return Err(RegionError::Os { name: self.shm_name.clone(), what: "pwrite", source: e });
             }
             if r == 0 {
@@ -303,17 +297,14 @@ impl Writable<'_> {
     }
 
     /// Runs `f`, which reads and writes this mapping, with this thread's
-    /// SIGBUS handler armed for it: a segment shrunk meanwhile reads as
-    /// zeros (writes there then fail) and the region is marked truncated
-    /// ([`ShmMemory::check_intact`] fails).
+    /// SIGBUS handler armed for it: from the first fault on (a segment shrunk
+    /// meanwhile, or a page the full tmpfs cannot back), the rest of the
+    /// mapping is private zero pages, read as zeros and written to no avail,
+    /// and the region is marked truncated ([`ShmMemory::check_intact`]
+    /// fails). The kernel's own accesses (an O_DIRECT read into it) fail
+    /// with EFAULT instead of a signal.
     pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
-        let armed = Armed { start: self.ptr as usize, len: self.len, truncated: &self.mem.truncated };
-        let outer = ARMED.with(|a| a.replace(Some(armed)));
-        compiler_fence(Ordering::SeqCst);
-        let out = f();
-        compiler_fence(Ordering::SeqCst);
-        ARMED.with(|a| a.set(outer));
-        out
+        arm(Armed { start: self.ptr as usize, len: self.len, writable: true, truncated: &self.mem.truncated }, f)
     }
 }
 
@@ -374,6 +365,126 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     std::ptr::copy_nonoverlapping(s, d, n);
 }
 
+/// [`copy_streaming`] that also returns the crc32c of the bytes, computed
+/// from the registers each 8 bytes were loaded into and stored from: the
+/// checksum of exactly what was staged, whatever the source does meanwhile,
+/// in the same single pass over memory. Blocks of `3 * CRC_LANE_BYTES` are
+/// done as three lanes side by side (three independent crc32 chains, the
+/// instruction's latency hidden), then joined with `crc::combine_op`.
+/// Without SSE4.2: copied through a small bounce buffer, checksummed there.
+///
+/// SAFETY: as [`copy_streaming`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    if std::arch::is_x86_feature_detected!("sse4.2") && std::arch::is_x86_feature_detected!("sse4.1") {
+        // SAFETY: the CPU has SSE4.1 and 4.2 (checked); the caller's contract.
+        unsafe { copy_streaming_crc_sse42(dst, src, len) }
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { copy_bounced_crc(dst, src, len) }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_streaming_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    // SAFETY: the caller's contract.
+    unsafe { copy_bounced_crc(dst, src, len) }
+}
+
+use config::COPY_CRC_LANE_BYTES as CRC_LANE_BYTES;
+
+/// SAFETY: as [`copy_streaming`], and the CPU has SSE4.1 and SSE4.2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2,sse4.1")]
+unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    use std::arch::x86_64::{__m128i, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128, _mm_stream_si64};
+    // Raw (uninverted) crc state, as the instruction keeps it.
+    let mut state: u32 = !0;
+    // Byte stores up to a 16-byte aligned destination.
+    let head = dst.align_offset(16).min(len);
+    for i in 0..head {
+        let b = src.add(i).read_volatile();
+        dst.add(i).write(b);
+        state = _mm_crc32_u8(state, b);
+    }
+    let (d, s, mut n) = (dst.add(head), src.add(head), len - head);
+    let mut at = 0usize;
+    let block = 3 * CRC_LANE_BYTES;
+    if n >= block {
+        let op = ckpt_store::crc::shift_op(CRC_LANE_BYTES as u64);
+        while n >= block {
+            let (mut a, mut b, mut c) = (!0u32 as u64, !0u32 as u64, !0u32 as u64);
+            let (sa, sb, sc) = (s.add(at), s.add(at + CRC_LANE_BYTES), s.add(at + 2 * CRC_LANE_BYTES));
+            let (da, db, dc) = (d.add(at), d.add(at + CRC_LANE_BYTES), d.add(at + 2 * CRC_LANE_BYTES));
+            let mut i = 0;
+            while i < CRC_LANE_BYTES {
+                // Each 16 bytes loaded once into a register, stored from it
+                // (streaming) and checksummed from it: what is checksummed
+                // is what is staged.
+                let x = _mm_loadu_si128(sa.add(i).cast::<__m128i>());
+                let y = _mm_loadu_si128(sb.add(i).cast::<__m128i>());
+                let z = _mm_loadu_si128(sc.add(i).cast::<__m128i>());
+                _mm_stream_si128(da.add(i).cast::<__m128i>(), x);
+                _mm_stream_si128(db.add(i).cast::<__m128i>(), y);
+                _mm_stream_si128(dc.add(i).cast::<__m128i>(), z);
+                a = _mm_crc32_u64(a, _mm_cvtsi128_si64(x) as u64);
+                b = _mm_crc32_u64(b, _mm_cvtsi128_si64(y) as u64);
+                c = _mm_crc32_u64(c, _mm_cvtsi128_si64(z) as u64);
+                a = _mm_crc32_u64(a, _mm_extract_epi64::<1>(x) as u64);
+                b = _mm_crc32_u64(b, _mm_extract_epi64::<1>(y) as u64);
+                c = _mm_crc32_u64(c, _mm_extract_epi64::<1>(z) as u64);
+                i += 16;
+            }
+            // Join: crc(prefix ‖ A ‖ B ‖ C), as standard (inverted) crcs.
+            let mut crc = !state;
+            for lane in [a as u32, b as u32, c as u32] {
+                crc = ckpt_store::crc::combine_op(crc, !lane, op);
+            }
+            state = !crc;
+            at += block;
+            n -= block;
+        }
+    }
+    while n >= 8 {
+        let x = s.add(at).cast::<u64>().read_volatile();
+        state = _mm_crc32_u64(state as u64, x) as u32;
+        _mm_stream_si64(d.add(at).cast::<i64>(), x as i64);
+        at += 8;
+        n -= 8;
+    }
+    while n > 0 {
+        let x = s.add(at).read_volatile();
+        d.add(at).write(x);
+        state = _mm_crc32_u8(state, x);
+        at += 1;
+        n -= 1;
+    }
+    !state
+}
+
+/// The fallback of [`copy_streaming_crc`]: each block copied into a bounce
+/// buffer on this thread's stack, checksummed there, streamed on from there.
+///
+/// SAFETY: as [`copy_streaming`].
+#[allow(dead_code)]
+unsafe fn copy_bounced_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    const BOUNCE_BYTES: usize = config::COPY_BOUNCE_BYTES;
+    let mut bounce = [0u8; BOUNCE_BYTES];
+    let mut c = 0u32;
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(BOUNCE_BYTES);
+        // SAFETY: the caller's contract; the bounce buffer is this frame's,
+        // n ≤ its size, disjoint from both.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), bounce.as_mut_ptr(), n) };
+        c = crc32c::crc32c_append(c, &bounce[..n]);
+        // SAFETY: as above.
+        unsafe { copy_streaming(dst.add(at), bounce.as_ptr(), n) };
+        at += n;
+    }
+    c
+}
+
 /// Makes this thread's streaming stores ([`ShmMemory::copy_out`]) globally
 /// visible: called by a copying thread once a run of copies is done, before
 /// it says so to another thread (the disk writer, or the thread that joins
@@ -402,7 +513,30 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
 struct Armed {
     start: usize,
     len: usize,
+    /// A writable mapping ([`Writable`]): the pages mapped over a fault are
+    /// writable too, so the store that faulted runs again and lands in
+    /// them (read-only ones would turn it into a SIGSEGV: death).
+    writable: bool,
     truncated: *const AtomicBool,
+}
+
+/// Runs `f` with this thread's SIGBUS handler armed for `armed`, and puts
+/// back what was armed before when `f` returns or unwinds (a drop guard: a
+/// panic inside must not leave the handler pointing at a region that may be
+/// unmapped next).
+fn arm<R>(armed: Armed, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Armed>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            compiler_fence(Ordering::SeqCst);
+            ARMED.with(|a| a.set(self.0));
+        }
+    }
+    let _restore = Restore(ARMED.with(|a| a.replace(Some(armed))));
+    // The handler runs on this thread, between any two instructions:
+    // keep the compiler from moving the accesses out of the armed span.
+    compiler_fence(Ordering::SeqCst);
+    f()
 }
 
 thread_local! {
@@ -443,7 +577,9 @@ fn install_fault_handler() {
 
 /// SIGBUS: if this thread is reading a region and the fault lies in it, map
 /// zero pages from the faulting page to the region's end (the faulting load
-/// then re-runs and reads zeros) and mark the region truncated. Otherwise
+/// then re-runs and reads zeros; in a writable mapping they are writable,
+/// and the faulting store lands in them, lost) and mark the region
+/// truncated. Otherwise
 /// put the previous action back and return: the fault repeats and is that
 /// action's (Rust's guard-page check, or death by SIGBUS).
 /// Only async-signal-safe calls: a TLS load, mmap, sigaction, an atomic store.
@@ -455,13 +591,14 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
             let page = PAGE_BYTES.load(Ordering::Relaxed);
             let from = addr & !(page - 1);
             let end = (a.start + a.len).div_ceil(page) * page;
-            // SAFETY: [from, end) lies inside the region's own read-only
-            // mapping (mmap rounds it up to whole pages), which the reader
-            // holds alive; replacing it with private zero pages changes only
-            // what our reads of it see. Checked against MAP_FAILED.
-            let p = unsafe {
-                libc::mmap(from as *mut libc::c_void, end - from, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0)
-            };
+            let prot = if a.writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+            // SAFETY: [from, end) lies inside the region's own mapping (mmap
+            // rounds it up to whole pages; the read-only one, or the writable
+            // one of a Writable), which the armed thread holds alive;
+            // replacing it with private zero pages changes only what our
+            // accesses of it see and where our stores land (nowhere the
+            // client sees). Checked against MAP_FAILED.
+            let p = unsafe { libc::mmap(from as *mut libc::c_void, end - from, prot, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0) };
             if p != libc::MAP_FAILED {
                 // SAFETY: `truncated` points into the ShmMemory that `read`
                 // borrows for as long as ARMED names it.
@@ -549,6 +686,28 @@ mod tests {
     }
 
     #[test]
+    fn the_checksummed_copy_stages_the_bytes_and_their_crc_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        for src_off in [0usize, 1, 7, 8, 13] {
+            for dst_off in [0usize, 1, 5, 8, 64] {
+                for len in [0usize, 1, 7, 8, 9, 63, 4096, 3 * CRC_LANE_BYTES - 1, 3 * CRC_LANE_BYTES, 3 * CRC_LANE_BYTES + 9, 150_001] {
+                    let mut dst = vec![0xAAu8; 160_000];
+                    // SAFETY: both ranges lie inside their vectors, which are distinct.
+                    let c = unsafe { copy_streaming_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    store_fence();
+                    let want = &src[src_off..src_off + len];
+                    assert_eq!(&dst[dst_off..dst_off + len], want, "src+{src_off} dst+{dst_off} len {len}");
+                    assert_eq!(c, crc32c::crc32c(want), "src+{src_off} dst+{dst_off} len {len}");
+                    assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA));
+                    // SAFETY: as above.
+                    let b = unsafe { copy_bounced_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    assert_eq!(b, c);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_segment_truncated_under_a_read_reads_as_zeros_and_is_refused_from_then_on() {
         let len = 1 << 20;
         let (name, fd) = test_segment(len, pattern);
@@ -603,6 +762,53 @@ mod tests {
             assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS, "armed for another region: {armed_for_other}, status {status:#x}");
         }
         assert!(!r.was_truncated() && !other.was_truncated());
+    }
+
+    #[test]
+    fn a_store_into_a_writable_mapping_of_a_truncated_segment_does_not_kill_the_process() {
+        // The RAM path of a LoadPacked stores through the writable mapping:
+        // read-only zero pages over a fault turned the store's retry into a
+        // SIGSEGV (issue 23, defect 1). Checked in a child, which would die.
+        let len = 256 << 10;
+        let (name, fd) = test_segment(len, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        let w = r.map_writable().unwrap();
+        let dst = w.ptr();
+        let src = vec![7u8; len];
+        truncate_segment(&fd, 8192 + 100);
+        // SAFETY: the child only writes its copy of the mapping and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: dst..dst+len is the writable mapping of the region, src is ours.
+            w.run(|| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) });
+            let code = if r.was_truncated() && matches!(r.check_intact(), Err(RegionError::Truncated { .. })) { 0 } else { 3 };
+            // SAFETY: leaving the child without running the test harness.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child died or saw no truncation: status {status:#x}");
+        // In this process too: the bytes still backed hold what was stored.
+        // SAFETY: as in the child.
+        w.run(|| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) });
+        assert!(r.check_intact().is_err());
+        let mut head = vec![0u8; 8192];
+        std::fs::File::from(fd.try_clone().unwrap()).read_exact_at(&mut head, 0).unwrap();
+        assert!(head.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn the_armed_region_is_put_back_when_the_armed_closure_panics() {
+        let (name, _fd) = test_segment(4096, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = ShmMemory::open(&name, 4096, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.read(|| panic!("inside"))));
+        assert!(caught.is_err());
+        assert!(ARMED.with(|a| a.get()).is_none(), "the handler still names the region after the panic");
     }
 
     #[test]

@@ -11,7 +11,16 @@
 //!   returned by [`IoEngine::wait`]; a failed push hands it back at once.
 //!   This is the one unsafe contract of the module ([`IoEngine::push`]).
 //! - the drivers never leave a request in flight when they return, on success
-//!   or on error, so their callers may free or reuse buffers afterwards.
+//!   or on error, so their callers may free or reuse buffers afterwards:
+//!   every path out of [`drive`], [`drive_fed`] and [`sync_all`] first reaps
+//!   every completion of what it pushed. An engine that fails to return
+//!   completions is asked again ([`reap`]); one that never does again leaves
+//!   no sound way out (the buffers can never be handed back), and the
+//!   process aborts rather than unwind into code that frees them.
+//! - a completion is taken only by the call that pushed its request: each
+//!   call tags its requests' `user_data` with a generation of its own
+//!   ([`tag`]), and a completion of any other is ignored, never taken for a
+//!   slot of this one.
 
 mod pool;
 mod uring;
@@ -21,7 +30,7 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use pool::PoolEngine;
@@ -502,7 +511,8 @@ unsafe fn drive_gated(
             off += len;
         }
     }
-    // Slots: user_data indexes into it.
+    // Slots: user_data's low half indexes into it, its high half is this call's generation.
+    let generation = next_generation();
     let mut slots: Vec<Option<Pending>> = (0..qd).map(|_| None).collect();
     let mut free: Vec<usize> = (0..qd).rev().collect();
     // Per file: completed ranges beyond the contiguous prefix, the prefix,
@@ -513,7 +523,9 @@ unsafe fn drive_gated(
     // A read that stopped at EOF: the file's real end.
     let mut eof_at: Vec<Option<u64>> = vec![None; files.len()];
     let mut first_err: Option<DriveError> = None;
-    let mut in_flight = 0usize;
+    // Requests pushed and not reaped; a panic (of on_bytes, say) with any
+    // left aborts the process, as an engine that cannot reap does.
+    let mut in_flight = InFlight(0);
     let mut comps = Vec::with_capacity(qd);
     // The filler's ready prefix as last asked (gated writes only).
     let mut ready = 0u64;
@@ -528,7 +540,7 @@ unsafe fn drive_gated(
                 let need = starts[p.file_idx] + p.offset + p.len;
                 if need > ready {
                     // Wait for the filler only when the disk has nothing to do.
-                    match progress.ready(need, in_flight == 0) {
+                    match progress.ready(need, in_flight.0 == 0) {
                         Ok(r) => ready = r,
                         Err(why) => {
                             first_err = Some(DriveError::Source(why));
@@ -548,13 +560,13 @@ unsafe fn drive_gated(
                 continue;
             }
             let slot = free.pop().expect("checked non-empty");
-            let op = Op { kind, fd: f.fd, ptr: f.addr(p.offset), len: p.len as u32, offset: p.offset, user_data: slot as u64 };
+            let op = Op { kind, fd: f.fd, ptr: f.addr(p.offset), len: p.len as u32, offset: p.offset, user_data: tag(generation, slot) };
             // SAFETY: the range lies inside the caller's FileIo memory, valid for
             // the whole call; we reap every completion before returning.
             match engine.push(op) {
                 Ok(()) => {
                     slots[slot] = Some(p);
-                    in_flight += 1;
+                    in_flight.0 += 1;
                 }
                 Err(e) => {
                     free.push(slot);
@@ -563,7 +575,7 @@ unsafe fn drive_gated(
                 }
             }
         }
-        if in_flight > 0 {
+        if in_flight.0 > 0 {
             if let Err(e) = engine.submit() {
                 // Nothing new started; what was in flight must still be reaped.
                 first_err.get_or_insert(DriveError::Engine(e));
@@ -579,23 +591,25 @@ unsafe fn drive_gated(
                 }
             }
         }
-        if in_flight == 0 {
+        if in_flight.0 == 0 {
             if todo.is_empty() || first_err.is_some() {
                 break;
             }
             continue; // delivery made room in a window
         }
         comps.clear();
-        if let Err(e) = engine.wait(1, &mut comps) {
-            // The engine can no longer tell us about in-flight requests, so
-            // their buffers can never be handed back safely: stop hard.
-            panic!("io engine failed while requests were in flight: {e}");
+        if let Some(e) = reap(engine, 1, &mut comps) {
+            // Nothing new is issued; what is in flight is still reaped.
+            first_err.get_or_insert(DriveError::Engine(e));
         }
         for c in comps.drain(..) {
-            let slot = c.user_data as usize;
-            let p = slots[slot].take().expect("completion for an idle slot");
+            let Some(slot) = untag(generation, c.user_data).filter(|&s| s < qd && slots[s].is_some()) else {
+                tracing::error!(user_data = c.user_data, result = c.result, "a completion of no request of this call: ignored");
+                continue;
+            };
+            let p = slots[slot].take().expect("checked above");
             free.push(slot);
-            in_flight -= 1;
+            in_flight.0 -= 1;
             let f = &files[p.file_idx];
             if c.result < 0 {
                 let what = if kind == OpKind::Write { "write" } else { "read" };
@@ -666,30 +680,109 @@ fn advance_prefix(prefix: &mut u64, ranges: &mut Vec<(u64, u64)>) {
     }
 }
 
-/// fdatasync every descriptor, all in flight at once.
+/// fdatasync every descriptor, up to the queue depth in flight at once.
+/// A failed push stops it after what was pushed is reaped.
 pub fn sync_all(engine: &mut dyn IoEngine, fds: &[RawFd]) -> Result<(), DriveError> {
+    let generation = next_generation();
     let mut first_err = None;
     let mut comps = Vec::new();
-    for chunk in fds.chunks(engine.queue_depth().max(1)) {
+    let qd = engine.queue_depth().max(1);
+    for (chunk_idx, chunk) in fds.chunks(qd).enumerate() {
+        let mut pushed = 0;
         for (i, &fd) in chunk.iter().enumerate() {
-            let op = Op { kind: OpKind::Fdatasync, fd, ptr: std::ptr::null_mut(), len: 0, offset: 0, user_data: i as u64 };
+            let op = Op { kind: OpKind::Fdatasync, fd, ptr: std::ptr::null_mut(), len: 0, offset: 0, user_data: tag(generation, chunk_idx * qd + i) };
             // SAFETY: fdatasync touches no memory of ours.
-            unsafe { engine.push(op) }.map_err(DriveError::Engine)?;
-        }
-        comps.clear();
-        engine.wait(chunk.len(), &mut comps).map_err(DriveError::Engine)?;
-        for c in &comps {
-            if c.result < 0 {
-                first_err.get_or_insert(DriveError::Io {
-                    what: "fdatasync",
-                    file_idx: c.user_data as usize,
-                    offset_bytes: 0,
-                    source: io::Error::from_raw_os_error(-c.result),
-                });
+            match unsafe { engine.push(op) } {
+                Ok(()) => pushed += 1,
+                Err(e) => {
+                    first_err.get_or_insert(DriveError::Engine(e));
+                    break;
+                }
             }
+        }
+        let mut reaped = 0;
+        while reaped < pushed {
+            comps.clear();
+            if let Some(e) = reap(engine, pushed - reaped, &mut comps) {
+                first_err.get_or_insert(DriveError::Engine(e));
+            }
+            for c in &comps {
+                let Some(file_idx) = untag(generation, c.user_data).filter(|&i| i / qd == chunk_idx && i < fds.len()) else {
+                    tracing::error!(user_data = c.user_data, result = c.result, "a completion of no fdatasync of this call: ignored");
+                    continue;
+                };
+                reaped += 1;
+                if c.result < 0 {
+                    first_err.get_or_insert(DriveError::Io { what: "fdatasync", file_idx, offset_bytes: 0, source: io::Error::from_raw_os_error(-c.result) });
+                }
+            }
+        }
+        if first_err.is_some() {
+            break;
         }
     }
     first_err.map_or(Ok(()), Err)
+}
+
+/// Requests of a driver call in flight. Dropped with some left only by an
+/// unwinding panic, which would free buffers the kernel still uses: abort.
+struct InFlight(usize);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0 > 0 {
+            eprintln!("ckpt: a panic with {} I/O requests in flight; their buffers can never be freed safely: aborting", self.0);
+            std::process::abort();
+        }
+    }
+}
+
+/// A fresh generation for one driver call's `user_data` tags.
+fn next_generation() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `user_data` of request `idx` of the call of `generation`.
+fn tag(generation: u32, idx: usize) -> u64 {
+    debug_assert!(idx <= u32::MAX as usize);
+    (u64::from(generation) << 32) | idx as u64
+}
+
+/// The request index in `user_data` if the call of `generation` tagged it.
+fn untag(generation: u32, user_data: u64) -> Option<usize> {
+    ((user_data >> 32) as u32 == generation).then_some((user_data & u64::from(u32::MAX)) as usize)
+}
+
+/// Waits for at least `min` completions, appended to `out`. An engine that
+/// fails is asked again, [`config::ENGINE_WAIT_RETRIES_MAX`] times
+/// [`config::ENGINE_RETRY_PAUSE_MS`] apart, since requests in flight still
+/// use the caller's buffers; the first failure is returned (the caller
+/// issues nothing more and reports it) once the completions are in. An
+/// engine that never answers again leaves the buffers with the kernel for
+/// good: no return is sound (the caller would free or reuse them), and an
+/// unwinding panic would free them too, so the process aborts.
+fn reap(engine: &mut dyn IoEngine, min: usize, out: &mut Vec<Completion>) -> Option<io::Error> {
+    let start = out.len();
+    let mut first = None;
+    for _ in 0..=config::ENGINE_WAIT_RETRIES_MAX {
+        let want = min.saturating_sub(out.len() - start);
+        match engine.wait(want, out) {
+            Ok(()) => return first,
+            Err(e) => {
+                tracing::warn!("I/O engine failed to return completions, asking again: {e}");
+                first.get_or_insert(e);
+                if out.len() - start >= min {
+                    return first;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(config::ENGINE_RETRY_PAUSE_MS));
+            }
+        }
+    }
+    let e = first.expect("failed at least once");
+    tracing::error!("I/O engine cannot return completions of requests in flight ({e}); their buffers can never be freed safely: aborting");
+    eprintln!("ckpt: I/O engine cannot return completions of requests in flight ({e}); aborting");
+    std::process::abort();
 }
 
 #[cfg(test)]
@@ -771,5 +864,184 @@ pub(crate) mod tests {
             assert_eq!(err.errno(), Some(libc::EIO), "{err}");
             assert!(err.to_string().contains("offset 196608"), "{err}");
         }
+    }
+
+    /// An engine double that fails a chosen `push` or `wait` call (0-based,
+    /// counted per engine), runs requests itself (pread/pwrite/fdatasync at
+    /// `wait`, completions in reverse order), and checks the drivers'
+    /// contract as it goes: no request is pushed onto memory a request in
+    /// flight still uses, and after a driver returns nothing is in flight.
+    pub(crate) struct FailingEngine {
+        qd: usize,
+        fail_push_at: Option<usize>,
+        fail_wait_at: Option<usize>,
+        n_push: usize,
+        n_wait: usize,
+        /// Pushed, not yet returned by `wait`.
+        queued: Vec<Op>,
+        /// Returned by the next `wait` before anything else (a stale completion).
+        inject: Vec<Completion>,
+        /// Pushes onto memory still in flight.
+        reused_under_kernel: usize,
+    }
+
+    impl FailingEngine {
+        pub(crate) fn new(qd: usize, fail_push_at: Option<usize>, fail_wait_at: Option<usize>) -> FailingEngine {
+            FailingEngine { qd, fail_push_at, fail_wait_at, n_push: 0, n_wait: 0, queued: Vec::new(), inject: Vec::new(), reused_under_kernel: 0 }
+        }
+
+        pub(crate) fn assert_idle(&self, what: &str) {
+            assert!(self.queued.is_empty(), "{what}: the driver returned with {} requests in flight", self.queued.len());
+            assert_eq!(self.reused_under_kernel, 0, "{what}: memory of a request in flight was handed out again");
+        }
+    }
+
+    // SAFETY: the queued ops' pointers are dereferenced only by `wait`, on
+    // the thread that owns the engine (as the io_uring engine's ring does).
+    unsafe impl Send for FailingEngine {}
+
+    impl IoEngine for FailingEngine {
+        fn queue_depth(&self) -> usize {
+            self.qd
+        }
+
+        unsafe fn push(&mut self, op: Op) -> io::Result<()> {
+            let n = self.n_push;
+            self.n_push += 1;
+            if self.fail_push_at == Some(n) {
+                return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+            }
+            if op.kind != OpKind::Fdatasync {
+                let (b, e) = (op.ptr as usize, op.ptr as usize + op.len as usize);
+                let overlaps = |q: &Op| q.kind != OpKind::Fdatasync && (q.ptr as usize) < e && b < q.ptr as usize + q.len as usize;
+                if self.queued.iter().any(overlaps) {
+                    self.reused_under_kernel += 1;
+                }
+            }
+            assert!(self.queued.len() < self.qd, "more requests pushed than the queue depth");
+            self.queued.push(op);
+            Ok(())
+        }
+
+        fn submit(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+
+        fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> io::Result<()> {
+            let n = self.n_wait;
+            self.n_wait += 1;
+            if self.fail_wait_at == Some(n) {
+                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+            }
+            out.append(&mut self.inject);
+            assert!(min <= self.queued.len(), "waits for {min} completions with {} in flight: would block for ever", self.queued.len());
+            while let Some(op) = self.queued.pop() {
+                // SAFETY: the push contract keeps op's memory valid until now.
+                let r = unsafe {
+                    match op.kind {
+                        OpKind::Write => libc::pwrite(op.fd, op.ptr.cast(), op.len as usize, op.offset as libc::off_t),
+                        OpKind::Read => libc::pread(op.fd, op.ptr.cast(), op.len as usize, op.offset as libc::off_t),
+                        OpKind::Fdatasync => libc::fdatasync(op.fd) as isize,
+                    }
+                };
+                let result = if r < 0 { -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) } else { r as i32 };
+                out.push(Completion { user_data: op.user_data, result });
+            }
+            Ok(())
+        }
+
+        fn register(&mut self, _buf: Arc<AlignedBuf>) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    const CHUNK: usize = 64 << 10;
+    const N_CHUNKS: usize = 10;
+
+    fn pattern(len: usize, seed: u8) -> AlignedBuf {
+        let mut b = AlignedBuf::new(len).unwrap();
+        for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
+            *x = (i % 251) as u8 ^ seed;
+        }
+        b
+    }
+
+    #[test]
+    fn drivers_reap_every_request_when_push_or_wait_fails_at_any_position_of_a_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = N_CHUNKS * CHUNK;
+        // Each driver call pushes at most N_CHUNKS requests and waits as often.
+        for at in 0..N_CHUNKS + 2 {
+            for (fail_push, fail_wait) in [(Some(at), None), (None, Some(at))] {
+                let what = format!("push fails at {fail_push:?}, wait at {fail_wait:?}");
+                // Write.
+                let path = dir.path().join(format!("w{at}-{}", fail_push.is_some()));
+                let mut src = pattern(len, at as u8);
+                let f = open_for_write(&path, false).unwrap();
+                let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 0 }];
+                let mut e = FailingEngine::new(4, fail_push, fail_wait);
+                // SAFETY: src outlives the call.
+                let r = unsafe { drive(&mut e, OpKind::Write, &files, CHUNK, |_, _| {}) };
+                e.assert_idle(&format!("write, {what}"));
+                // The same engine, failing no more, serves the next call right.
+                e.fail_push_at = None;
+                e.fail_wait_at = None;
+                if r.is_err() {
+                    // SAFETY: as above.
+                    unsafe { drive(&mut e, OpKind::Write, &files, CHUNK, |_, _| {}) }.unwrap();
+                }
+                e.assert_idle(&format!("write again, {what}"));
+                assert_eq!(std::fs::read(&path).unwrap(), src.as_slice(), "{what}");
+                // Read, through a window (requests wait for the bytes to be consumed).
+                let mut e = FailingEngine::new(4, fail_push, fail_wait);
+                let mut window = AlignedBuf::new(4 * CHUNK).unwrap();
+                let rf = open_for_read(&path, false).unwrap();
+                let files = [FileIo { fd: rf.as_raw_fd(), ptr: window.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 4 * CHUNK as u64 }];
+                let mut got = Vec::new();
+                // SAFETY: window outlives the call and nothing else touches it.
+                let r = unsafe { drive(&mut e, OpKind::Read, &files, CHUNK, |_, b| got.extend_from_slice(b)) };
+                e.assert_idle(&format!("read, {what}"));
+                match r {
+                    Ok(()) => assert_eq!(got, src.as_slice(), "{what}"),
+                    Err(err) => assert!(matches!(err, DriveError::Engine(_)), "{what}: {err}"),
+                }
+                // fdatasync of more descriptors than the queue depth.
+                let mut e = FailingEngine::new(4, fail_push, fail_wait);
+                let fds: Vec<RawFd> = std::iter::repeat(f.as_raw_fd()).take(N_CHUNKS).collect();
+                let r = sync_all(&mut e, &fds);
+                e.assert_idle(&format!("sync_all, {what}"));
+                if let Err(err) = r {
+                    assert!(matches!(err, DriveError::Engine(_)), "{what}: {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_completion_of_an_earlier_call_is_never_taken_for_one_of_a_new_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = N_CHUNKS * CHUNK;
+        let path = dir.path().join("f");
+        let mut src = pattern(len, 7);
+        let f = open_for_write(&path, false).unwrap();
+        let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 0 }];
+        let mut e = FailingEngine::new(4, None, None);
+        // SAFETY: src outlives the call.
+        unsafe { drive(&mut e, OpKind::Write, &files, CHUNK, |_, _| {}) }.unwrap();
+        // A late completion of slot 0 of a call that ended (as a driver that
+        // returned early would have left), arriving in the next call's wait.
+        for user_data in [0, tag(next_generation(), 0), tag(next_generation(), 3)] {
+            e.inject.push(Completion { user_data, result: CHUNK as i32 });
+            let mut dst = AlignedBuf::new(len).unwrap();
+            let rf = open_for_read(&path, false).unwrap();
+            let files = [FileIo { fd: rf.as_raw_fd(), ptr: dst.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 0 }];
+            // SAFETY: dst outlives the call and nothing else touches it.
+            unsafe { drive(&mut e, OpKind::Read, &files, CHUNK, |_, _| {}) }.unwrap();
+            e.assert_idle("read with a stale completion");
+            assert_eq!(dst.as_slice(), src.as_slice());
+        }
+        e.inject.push(Completion { user_data: 1, result: 0 });
+        sync_all(&mut e, &[f.as_raw_fd(); 6]).unwrap();
+        e.assert_idle("sync_all with a stale completion");
     }
 }

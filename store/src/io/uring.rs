@@ -8,7 +8,7 @@ use std::sync::Arc;
 use io_uring::{opcode, register::Probe, types, IoUring};
 
 use super::{Completion, IoEngine, Op, OpKind};
-use crate::config::SLAB_BYTES;
+use crate::config::{ENGINE_RETRY_PAUSE_MS, SLAB_BYTES, URING_ENTER_RETRIES_MAX};
 use crate::mem::AlignedBuf;
 
 pub struct UringEngine {
@@ -87,9 +87,10 @@ impl IoEngine for UringEngine {
             match self.ring.submit() {
                 Ok(n) => self.unsubmitted -= n.min(self.unsubmitted),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) || e.raw_os_error() == Some(libc::EAGAIN) => {
-                    // The completion queue is full: completions must be reaped
-                    // first, which wait() does. Not an error.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN | libc::ENOMEM)) => {
+                    // The completion queue is full, or the kernel is short of
+                    // memory for now: wait() submits them again (and reaps
+                    // first). Not an error: they are still queued.
                     return Ok(());
                 }
                 Err(e) => return Err(e),
@@ -100,6 +101,7 @@ impl IoEngine for UringEngine {
 
     fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> io::Result<()> {
         let mut got = 0;
+        let mut short_of_memory = 0;
         loop {
             for cqe in self.ring.completion() {
                 out.push(Completion { user_data: cqe.user_data(), result: cqe.result() });
@@ -110,7 +112,12 @@ impl IoEngine for UringEngine {
             }
             match self.ring.submit_and_wait(min - got) {
                 Ok(n) => self.unsubmitted -= n.min(self.unsubmitted),
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => {}
+                // io_uring_enter under memory pressure: it passes.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) && short_of_memory < URING_ENTER_RETRIES_MAX => {
+                    short_of_memory += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(ENGINE_RETRY_PAUSE_MS));
+                }
                 Err(e) => return Err(e),
             }
         }

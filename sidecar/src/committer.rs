@@ -38,7 +38,11 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
             loop {
                 let tick = Instant::now() + std::time::Duration::from_millis(config::PART_TICK_MS);
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
-                match rx.recv_deadline(deadline) {
+                let work = rx.recv_deadline(deadline);
+                if matches!(work, Ok(Work::Checkpoint(_))) {
+                    crate::faults::maybe_panic(crate::faults::At::Commit);
+                }
+                match work {
                     Ok(Work::Checkpoint(job)) if job.part.is_some() => match nodes.as_mut() {
                         Some(n) => n.offer(&mut store, &shared, job),
                         None => gather(&mut store, &shared, &mut groups, job),
@@ -147,6 +151,14 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             return;
         }
     };
+    if let Some(why) = disagreement(&parts, &decls) {
+        let e = CommitError::PartsDisagree { step, why };
+        warn!(step, world_size, "{e}");
+        for job in parts {
+            fail_part(shared, job, error_code(&e), e.to_string());
+        }
+        return;
+    }
     let mut layouts = Vec::with_capacity(parts.len());
     let mut crcs = Vec::new();
     let mut blobs = Vec::new();
@@ -186,6 +198,23 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             }
         }
     }
+}
+
+/// Whether the parts make a step that does not load (ranks that saved
+/// different states under one step): one line saying so.
+fn disagreement(parts: &[Job], decls: &[image::SliceDecl]) -> Option<String> {
+    use ckpt_store::skeleton::{self, RankPart};
+    let ranks: Vec<RankPart<'_>> = parts
+        .iter()
+        .map(|j| RankPart {
+            rank: j.part.map_or(0, |p| p.rank),
+            tensors: j.layout.specs.iter().map(|s| s.name.as_str()).collect(),
+            structure: j.blobs.iter().find(|b| b.name == skeleton::STRUCTURE_BLOB).map(|b| &b.bytes[..]),
+            parts_map: j.blobs.iter().any(|b| b.name == skeleton::PARTS_BLOB),
+        })
+        .collect();
+    let slices: Vec<(&str, &str)> = decls.iter().map(|d| (d.piece.as_str(), d.of.as_str())).collect();
+    skeleton::parts_disagree(&ranks, &slices)
 }
 
 /// Every rank's slice declarations (the parts' `ckpt.slices.json` blobs).

@@ -419,7 +419,23 @@ enum DebugCmd {
     },
 }
 
+/// A panic anywhere in this binary ends the process at once (issue 23): a
+/// thread that unwound would leave what it held registered (its session's
+/// duplicate socket, a step in flight), so its trainer would wait forever
+/// for an answer and a drain never end. An abort closes every socket (the
+/// trainers see EOF) and the next start recovers the directory. libckpt, a
+/// library inside the trainer, keeps unwinding into its catch_unwind.
+fn abort_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        eprintln!("ckpt-sidecar: aborting on a broken invariant (clients see their connection close; the next start recovers the directory)");
+        std::process::abort();
+    }));
+}
+
 fn main() -> ExitCode {
+    abort_on_panic();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version

@@ -59,6 +59,18 @@ pub struct SessionEntry {
     pub stream: Option<UnixStream>,
 }
 
+/// See [`Shared::session_guard`].
+pub struct SessionGuard {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.shared.remove_session(self.id);
+    }
+}
+
 pub struct Shared {
     pub dirs: Vec<PathBuf>,
     pub layout_opts: LayoutOptions,
@@ -224,7 +236,17 @@ impl Shared {
     }
 
     pub fn remove_session(&self, id: u64) {
-        self.sessions.lock().expect("sessions lock").remove(&id);
+        // Also from a guard's drop while a panic unwinds: a poisoned lock
+        // still removes the entry.
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    /// The registration of session `id`, removed when the guard drops:
+    /// however the session's thread ends (a return, a panic that unwinds
+    /// in a test build), its entry and the duplicate of its socket go, so
+    /// `drained` never waits for a session that no thread serves.
+    pub fn session_guard(self: &Arc<Self>, id: u64) -> SessionGuard {
+        SessionGuard { shared: self.clone(), id }
     }
 
     /// Shuts every session's socket down (daemon exit): clients see EOF.

@@ -235,3 +235,60 @@ fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
     }
     assert!(!catalog::is_committed(&sc.dir, 7));
 }
+
+/// The Python package's skeleton blob (`structure.pkl`: pickle protocol 4
+/// of `(1, [TensorRef(name, "np", None), ...])`, as `_tree.pickle_skeleton`
+/// writes its TensorRefs), naming `names`.
+fn structure_blob(names: &[&str]) -> Blob {
+    let mut p = vec![0x80, 4, b'K', 1, b']', 0x94, b'('];
+    let s = |p: &mut Vec<u8>, t: &str| {
+        p.push(0x8c);
+        p.push(t.len() as u8);
+        p.extend_from_slice(t.as_bytes());
+    };
+    s(&mut p, "ckpt_sidecar._tree");
+    s(&mut p, "TensorRef");
+    p.extend([0x93, 0x94]);
+    for (i, n) in names.iter().enumerate() {
+        if i > 0 {
+            p.extend([b'h', 1]);
+        }
+        p.extend([b')', 0x81, b'(']);
+        s(&mut p, n);
+        s(&mut p, "np");
+        p.extend([b'N', b't', b'b']);
+    }
+    p.extend([b'e', 0x86, b'.']);
+    Blob { name: "structure.pkl".into(), bytes: p }
+}
+
+#[test]
+fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks_and_the_tensor() {
+    // Before: rank 0's {"a", "only0"} and rank 1's {"a", "only1"}, each
+    // partitioned on its own, committed a and only1 under rank 0's skeleton:
+    // durable, verified, and not loadable ("tensor 'only0' ... missing").
+    let sc = Sidecar::start("300");
+    let (mut a, mut b) = (sc.client(), sc.client());
+    let (_sa, _sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    part(&mut a, 5, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "only0"])]);
+    part(&mut b, 5, 1, 2, vec![f32s("only1", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
+        match reply(s) {
+            Reply::Failed { step: 5, code: ErrorCode::BadRequest, reason, .. } => {
+                assert!(reason.contains("rank 0") && reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\""), "{reason}");
+                assert!(!reason.contains('\n'), "{reason}");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+    assert!(!catalog::is_committed(&sc.dir, 5));
+    assert!(hidden(&sc.dir).is_empty(), "{:?}", hidden(&sc.dir));
+    // The same state on both ranks (a to rank 0, b to rank 1): it commits.
+    part(&mut a, 5, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "b"])]);
+    part(&mut b, 5, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
+        assert!(matches!(reply(s), Reply::Durable { step: 5, .. }));
+    }
+}

@@ -139,6 +139,17 @@ pub fn recover_shared(dir: &Path, stale_after: std::time::Duration) -> io::Resul
     for e in fs::read_dir(dir)? {
         let e = e?;
         let name = e.file_name();
+        // A coordinator's abort record (nodes::abort_record_path), once
+        // stale: the ranks it was for were answered long ago.
+        let record = name.to_str().and_then(|n| n.strip_suffix(format::RANKS_ABORT_SUFFIX)).and_then(format::parse_ranks_tmp_name).is_some();
+        if record && e.file_type()?.is_file() {
+            let p = e.path();
+            if now.duration_since(e.metadata()?.modified()?).unwrap_or_default() >= stale_after {
+                fs::remove_file(&p)?;
+                removed.push(p);
+            }
+            continue;
+        }
         if name.to_str().and_then(format::parse_ranks_tmp_name).is_none() || !e.file_type()?.is_dir() {
             continue;
         }

@@ -20,6 +20,7 @@ use crate::config::{self, DIRECT_ALIGN_BYTES};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::io::{self as eio, FileIo, IoPolicy, OpKind};
 use crate::mem::AlignedBuf;
+use crate::skeleton;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
@@ -382,6 +383,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     }
     let mut blobs = BTreeMap::new();
     problems.extend(read_blobs(&step_dirs[0], &index, &mut blobs));
+    check_skeleton(&index, &blobs, &mut problems);
     name_slices(&index, &mut problems);
     if !problems.is_empty() {
         return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems });
@@ -389,6 +391,16 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     engines.dedup();
     let bytes = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
     Ok(Placed { step, index, blobs, fell_back: Vec::new(), bytes, seconds: t0.elapsed().as_secs_f64(), engine: engines.join(","), files })
+}
+
+/// A checkpoint whose Python skeleton names a tensor it does not hold does
+/// not load (crate::skeleton): a problem of its `structure.pkl`.
+fn check_skeleton(index: &Index, blobs: &BTreeMap<String, Vec<u8>>, problems: &mut Vec<Problem>) {
+    let missing = skeleton::missing_from_index(index, blobs.get(skeleton::STRUCTURE_BLOB).map(Vec::as_slice));
+    if !missing.is_empty() {
+        let file = format!("{BLOBS_DIR_NAME}/{}", skeleton::STRUCTURE_BLOB);
+        problems.push(problem(Some(&file), None, skeleton::describe_missing(&missing)));
+    }
 }
 
 fn read_blobs(step_dir: &Path, index: &Index, out: &mut BTreeMap<String, Vec<u8>>) -> Vec<Problem> {
@@ -696,6 +708,7 @@ impl Verifier {
         }
         let mut blobs = BTreeMap::new();
         problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
+        check_skeleton(&index, &blobs, &mut problems);
         name_slices(&index, &mut problems);
         Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.logical().len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
     }

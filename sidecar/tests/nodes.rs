@@ -167,8 +167,15 @@ impl Drop for Rank {
     }
 }
 
+/// Temp folders (and files) left in `dir`, the coordinators' abort records
+/// (`.tmp-step-…-ranks.aborted`, kept for the other nodes) aside.
 fn temp_folders(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp")).collect()
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp") && !n.ends_with(".aborted")).collect()
+}
+
+/// The reason the coordinator left in its abort record of `step`.
+fn abort_record(dir: &Path, step: u64) -> String {
+    std::fs::read_to_string(ckpt_store::nodes::abort_record_path(dir, step).unwrap()).unwrap_or_default()
 }
 
 /// Saves `step` on ranks 0..4 (0, 1 on node a; 2, 3 on node b), node b's
@@ -293,7 +300,11 @@ fn a_rank_that_never_sends_fails_the_step_on_every_node_naming_it() {
     }
     assert!(!catalog::is_committed(&shared, 7));
     assert!(temp_folders(&shared).is_empty());
-    // Node b learned it from the shared directory (its own rank 2's answer).
+    // Node b learned it from the shared directory (its own rank 2's answer):
+    // the coordinator's reason, naming the ranks missing when it aborted,
+    // whenever node b last looked (before: node b named the ranks whose
+    // markers it had not seen, [0, 1, 3] when it last looked before theirs came).
+    assert!(abort_record(&shared, 7).contains("[3] of 4"), "{}", abort_record(&shared, 7));
     assert!(b.log().contains("the coordinator (rank 0's sidecar) aborted the step"), "{}", b.log());
     // The step can be saved again, by all four ranks.
     ranks.push(Rank::connect(&b, 3, 1 << 20));
@@ -454,10 +465,9 @@ fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_nam
         match r.reply() {
             Reply::Failed { step: 5, reason, .. } => {
                 assert!(!reason.contains('\n'), "rank {}: {reason}", r.rank);
-                // Rank 0's sidecar (the coordinator) names the cause; node b
-                // learns only the abort (which markers it saw depends on when
-                // it last looked).
-                assert!(if r.rank == 0 { reason.contains("sliced tensor \"w\"") } else { reason.contains("the coordinator (rank 0's sidecar) aborted the step") }, "rank {}: {reason}", r.rank);
+                // Rank 0's sidecar (the coordinator) names the cause, and
+                // node b answers with it (its abort record).
+                assert!(reason.contains("sliced tensor \"w\"") && reason.contains("the coordinator's commit failed"), "rank {}: {reason}", r.rank);
             }
             other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
         }
@@ -498,4 +508,29 @@ fn a_part_whose_copy_is_stopped_leaves_no_file_of_its_rank() {
     let left: Vec<String> = std::fs::read_dir(&tmp).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
     assert!(left.iter().all(|n| ranks::rank_of_file(n) != Some(0) && !n.contains("rank-00000")), "rank 0's files left: {left:?}");
     assert!(!catalog::is_committed(&shared, 5));
+}
+
+#[test]
+fn ranks_on_two_nodes_that_saved_different_states_are_refused_on_both_naming_the_tensor() {
+    // Before: the coordinator committed a and only1 under rank 0's skeleton
+    // naming a and only0, a step the Python package cannot load.
+    let c = Cluster::new();
+    let (a, b) = (c.node(0, "300"), c.node(1, "300"));
+    let shared = c.shared();
+    let (mut r0, mut r1) = (Rank::connect(&a, 0, 1 << 20), Rank::connect(&b, 1, 1 << 20));
+    let skeleton = Blob { name: ckpt_store::skeleton::STRUCTURE_BLOB.into(), bytes: ckpt_store::skeleton::minimal_skeleton(&["a", "only0"]) };
+    r1.save_part(5, 2, vec![f32s("only1", 100, 0)], vec![]);
+    r1.released(5);
+    r0.save_part(5, 2, vec![f32s("a", 100, 0)], vec![skeleton]);
+    r0.released(5);
+    for r in [&mut r0, &mut r1] {
+        match r.reply() {
+            Reply::Failed { step: 5, reason, .. } => {
+                assert!(reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\"") && !reason.contains('\n'), "rank {}: {reason}", r.rank);
+            }
+            other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
+        }
+    }
+    assert!(!catalog::is_committed(&shared, 5));
+    assert!(temp_folders(&shared).is_empty(), "{:?}", temp_folders(&shared));
 }

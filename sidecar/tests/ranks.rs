@@ -236,30 +236,9 @@ fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
     assert!(!catalog::is_committed(&sc.dir, 7));
 }
 
-/// The Python package's skeleton blob (`structure.pkl`: pickle protocol 4
-/// of `(1, [TensorRef(name, "np", None), ...])`, as `_tree.pickle_skeleton`
-/// writes its TensorRefs), naming `names`.
+/// The Python package's skeleton blob naming `names`.
 fn structure_blob(names: &[&str]) -> Blob {
-    let mut p = vec![0x80, 4, b'K', 1, b']', 0x94, b'('];
-    let s = |p: &mut Vec<u8>, t: &str| {
-        p.push(0x8c);
-        p.push(t.len() as u8);
-        p.extend_from_slice(t.as_bytes());
-    };
-    s(&mut p, "ckpt_sidecar._tree");
-    s(&mut p, "TensorRef");
-    p.extend([0x93, 0x94]);
-    for (i, n) in names.iter().enumerate() {
-        if i > 0 {
-            p.extend([b'h', 1]);
-        }
-        p.extend([b')', 0x81, b'(']);
-        s(&mut p, n);
-        s(&mut p, "np");
-        p.extend([b'N', b't', b'b']);
-    }
-    p.extend([b'e', 0x86, b'.']);
-    Blob { name: "structure.pkl".into(), bytes: p }
+    Blob { name: ckpt_store::skeleton::STRUCTURE_BLOB.into(), bytes: ckpt_store::skeleton::minimal_skeleton(names) }
 }
 
 #[test]

@@ -370,6 +370,10 @@ impl Store {
         write_small_file(&scratch, reason.as_bytes())?;
         fs::rename(&scratch, &record)?;
         catalog::remove_tree(&tmp)?;
+        // Earlier steps' records whose ranks were all answered long ago.
+        if let Err(e) = crate::recovery::remove_stale_abort_records(shared, self.opts.shared_stale_after) {
+            tracing::warn!("could not remove stale abort records in {} ({e})", shared.display());
+        }
         catalog::fsync_dir(shared)?;
         Ok(true)
     }

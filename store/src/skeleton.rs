@@ -398,6 +398,34 @@ pub fn parts_disagree<'a>(parts: &[RankPart<'a>], slices: &[(&'a str, &'a str)])
     None
 }
 
+/// The smallest skeleton the Python package could have written naming
+/// `names`: pickle protocol 4 of `(1, [TensorRef(name, "np", None), ...])`,
+/// assembled as `pickle` does (STACK_GLOBAL, EMPTY_TUPLE, NEWOBJ, the state
+/// tuple, BUILD; the class memoized once). For tests of the check, here and
+/// through the daemon. Names are at most 255 bytes.
+pub fn minimal_skeleton(names: &[&str]) -> Vec<u8> {
+    let mut p = vec![0x80, 4, b'K', 1, b']', 0x94, b'('];
+    let s = |p: &mut Vec<u8>, t: &str| {
+        p.push(0x8c);
+        p.push(u8::try_from(t.len()).expect("a name of at most 255 bytes"));
+        p.extend_from_slice(t.as_bytes());
+    };
+    s(&mut p, TENSOR_REF_MODULE);
+    s(&mut p, TENSOR_REF_CLASS);
+    p.extend([0x93, 0x94]);
+    for (i, n) in names.iter().enumerate() {
+        if i > 0 {
+            p.extend([b'h', 1]);
+        }
+        p.extend([b')', 0x81, b'(']);
+        s(&mut p, n);
+        s(&mut p, "np");
+        p.extend([b'N', b't', b'b']);
+    }
+    p.extend([b'e', 0x86, b'.']);
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,35 +470,9 @@ ff4b007494624b0385948c03463332944e7494628c0162945d94286804298194288c03622e30\
         assert!(missing_tensors(Some(b"not a pickle"), false, |_| false).is_empty());
     }
 
-    /// `(1, [TensorRef(n, "np", None), ...])` hand-assembled as protocol 4
-    /// does: STACK_GLOBAL, EMPTY_TUPLE, NEWOBJ, state tuple, BUILD (the
-    /// class memoized once, then taken from the memo).
-    fn skeleton_of(names: &[&str]) -> Vec<u8> {
-        let mut p = vec![0x80, 4, b'K', 1, b']', 0x94, b'('];
-        let s = |p: &mut Vec<u8>, t: &str| {
-            p.push(0x8c);
-            p.push(t.len() as u8);
-            p.extend_from_slice(t.as_bytes());
-        };
-        s(&mut p, "ckpt_sidecar._tree");
-        s(&mut p, "TensorRef");
-        p.extend([0x93, 0x94]);
-        for (i, n) in names.iter().enumerate() {
-            if i > 0 {
-                p.extend([b'h', 1]);
-            }
-            p.extend([b')', 0x81, b'(']);
-            s(&mut p, n);
-            s(&mut p, "np");
-            p.extend([b'N', b't', b'b']);
-        }
-        p.extend([b'e', 0x86, b'.']);
-        p
-    }
-
     #[test]
     fn tensor_refs_built_by_newobj_give_their_names() {
-        let p = skeleton_of(&["a", "only0"]);
+        let p = minimal_skeleton(&["a", "only0"]);
         let names = referenced_tensors(&p).unwrap();
         assert_eq!(names.into_iter().collect::<Vec<_>>(), ["a", "only0"]);
         assert_eq!(missing_tensors(Some(&p), false, |n| n == "a"), ["only0"]);
@@ -480,7 +482,7 @@ ff4b007494624b0385948c03463332944e7494628c0162945d94286804298194288c03622e30\
 
     #[test]
     fn ranks_that_saved_different_states_disagree_naming_the_ranks_and_the_tensor() {
-        let s0 = skeleton_of(&["a", "only0"]);
+        let s0 = minimal_skeleton(&["a", "only0"]);
         let part = |rank, tensors, structure| RankPart { rank, tensors, structure, parts_map: false };
         // Rank 0 stores a (its partition gave only0 to rank 1), rank 1 stores only1.
         let parts = [part(0, vec!["a"], Some(&s0[..])), part(1, vec!["only1"], None)];
@@ -490,7 +492,7 @@ ff4b007494624b0385948c03463332944e7494628c0162945d94286804298194288c03622e30\
             "the ranks' parts do not make one loadable state: the skeleton rank 0 saved (structure.pkl) names tensor \"only0\", which no rank stores; rank 1 stores \"only1\", which it does not name (every rank must save the same state under one step)"
         );
         // The same state, partitioned with a tensor in slices: it loads.
-        let s = skeleton_of(&["a", "w"]);
+        let s = minimal_skeleton(&["a", "w"]);
         let parts = [part(0, vec!["a", "w#elems[0:5]"], Some(&s[..])), part(1, vec!["w#elems[5:9]"], None)];
         assert_eq!(parts_disagree(&parts, &[("w#elems[0:5]", "w"), ("w#elems[5:9]", "w")]), None);
         // No skeleton this store reads (a C client's blob, DCP): no check.

@@ -129,10 +129,10 @@ struct DaemonArgs {
     #[arg(long, value_parser = parse_nonzero_size)]
     staging: Option<u64>,
     /// Keep only the newest N committed checkpoints (default: keep all).
-    #[arg(long, value_parser = parse_keep)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_keep)]
     keep: Option<usize>,
     /// With --keep, also keep every step that is a multiple of K.
-    #[arg(long, requires = "keep", value_parser = parse_positive)]
+    #[arg(long, requires = "keep", allow_negative_numbers = true, value_parser = parse_positive)]
     keep_every: Option<u64>,
     /// Also accept clients of this uid (repeatable); default: only our own uid.
     #[arg(long = "allow-uid")]
@@ -213,7 +213,7 @@ enum Cmd {
     Inspect {
         dir: PathBuf,
         /// Step to show (default: latest).
-        #[arg(value_parser = parse_step)]
+        #[arg(allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
         #[arg(long)]
         json: bool,
@@ -222,7 +222,7 @@ enum Cmd {
     Verify {
         dir: PathBuf,
         /// Only this step (default: every committed checkpoint).
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
         /// Secondary directories, when they moved since the write.
         #[arg(long = "secondary")]
@@ -240,7 +240,7 @@ enum Cmd {
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
         /// The step to go back to (a committed checkpoint whose index reads).
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         to: u64,
         #[arg(long)]
         json: bool,
@@ -251,9 +251,9 @@ enum Cmd {
         /// Target directories, primary first.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long, value_parser = parse_keep)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_keep)]
         keep: usize,
-        #[arg(long, value_parser = parse_positive)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_positive)]
         keep_every: Option<u64>,
         #[arg(long)]
         json: bool,
@@ -290,7 +290,7 @@ enum BenchCmd {
         #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
         /// Step to write (default: one past the newest).
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
         /// Largest shard file.
         #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
@@ -396,7 +396,7 @@ enum DebugCmd {
         manifest: PathBuf,
         #[arg(long = "dir", required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         step: u64,
         #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
         shard_size: u64,
@@ -410,7 +410,7 @@ enum DebugCmd {
         dirs: Vec<PathBuf>,
         #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
-        #[arg(long, default_value_t = 3, value_parser = parse_keep)]
+        #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = parse_keep)]
         keep: usize,
         #[arg(long)]
         count: Option<u64>,
@@ -578,7 +578,7 @@ fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 
 fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     catalog::check_dir(dir)?;
-    let steps = catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
+    let steps = catalog::readable_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
     let latest = catalog::latest_step(dir)?;
     let mut rows = Vec::new();
     for s in steps {
@@ -692,7 +692,7 @@ fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
     if let Some(s) = catalog::latest_step(dir)? {
         return Ok(s);
     }
-    catalog::committed_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
+    catalog::readable_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
 }
 
 /// The step asked for (else as [`resolve_step`] picks it) and its index. The
@@ -775,7 +775,7 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     }
     let steps = match step {
         Some(s) => vec![s],
-        None => catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?,
+        None => catalog::readable_steps(dir).with_context(|| format!("listing {}", dir.display()))?,
     };
     if steps.is_empty() {
         bail!("{}: no committed checkpoint to verify", dir.display());

@@ -167,7 +167,7 @@ impl Nodes {
             _ => copy_seconds,
         };
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
-        shared.set_phase(key, Phase::Queued);
+        shared.set_phase(key, Phase::WaitingForRanks);
         let timeout = self.timeout;
         let w = self.steps.entry(step).or_insert_with(|| StepWait {
             world_size: part.world_size,

@@ -166,7 +166,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
             Request::List { id } => {
                 let primary = shared.read_dir();
-                let reply = match catalog::committed_steps(primary) {
+                let reply = match catalog::readable_steps(primary) {
                     Ok(steps) => Reply::Listing { id, steps, latest: catalog::latest_step(primary).ok().flatten() },
                     Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
                 };

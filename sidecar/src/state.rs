@@ -30,6 +30,9 @@ pub enum Phase {
     WaitingForStaging,
     Copying,
     Queued,
+    /// A rank's part, released (or written, several nodes), waiting for the
+    /// other ranks' parts of its step.
+    WaitingForRanks,
     Writing,
 }
 
@@ -39,6 +42,7 @@ impl Phase {
             Phase::WaitingForStaging => "waiting for staging",
             Phase::Copying => "copying",
             Phase::Queued => "queued for writing",
+            Phase::WaitingForRanks => "waiting for the other ranks' parts",
             Phase::Writing => "writing",
         }
     }

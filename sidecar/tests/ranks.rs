@@ -271,3 +271,48 @@ fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks
         assert!(matches!(reply(s), Reply::Durable { step: 5, .. }));
     }
 }
+
+#[test]
+fn a_rank_that_resumes_after_the_part_timeout_is_told_the_others_sent_to_the_attempt_given_up() {
+    // Before: rank 1, alone in the step's new attempt, was told "rank(s)
+    // [0] of 2 sent no released part" although rank 0 had sent its part
+    // (to the attempt given up), and status said "queued for writing"
+    // while its part waited for the other ranks'.
+    // Long enough for the status look to find rank 0's part waiting.
+    let sc = Sidecar::start("8");
+    let (mut a, mut b, mut watcher) = (sc.client(), sc.client(), sc.client());
+    let (_sa, _sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    part(&mut a, 4, 0, 2, vec![f32s("w.0", 1000, 0)], vec![]);
+    assert!(matches!(reply(&mut a), Reply::Released { step: 4, .. }));
+    let phase_of_step_4 = |s: &mut UnixStream| {
+        ckpt_wire::write_frame(s, &Request::Status { id: 99 }).unwrap();
+        match reply(s) {
+            Reply::Status { report, .. } => report.in_flight.iter().find(|f| f.step == 4).map(|f| f.phase.clone()),
+            other => panic!("expected Status, got {other:?}"),
+        }
+    };
+    // Briefly copying or queued, then waiting for rank 1 until the timeout.
+    let t0 = Instant::now();
+    loop {
+        let phase = phase_of_step_4(&mut watcher);
+        if phase.as_deref() == Some("waiting for the other ranks' parts") {
+            break;
+        }
+        assert!(phase.is_some() && t0.elapsed() < Duration::from_secs(30), "step 4's phase: {phase:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match reply(&mut a) {
+        Reply::Failed { step: 4, reason, .. } => assert!(reason.contains("rank(s) [1] of 2") && !reason.contains("earlier attempt"), "{reason}"),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    // Rank 1 resumes after the timeout: a new attempt, alone.
+    part(&mut b, 4, 1, 2, vec![f32s("w.1", 1000, 0)], vec![]);
+    assert!(matches!(reply(&mut b), Reply::Released { step: 4, .. }));
+    match reply(&mut b) {
+        Reply::Failed { step: 4, reason, .. } => {
+            assert!(reason.contains("rank(s) [0] of 2") && reason.contains("rank(s) [0] sent theirs to an earlier attempt"), "{reason}")
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    assert!(!catalog::is_committed(&sc.dir, 4));
+}

@@ -134,7 +134,8 @@ pub fn load_len_bytes(index: &Index) -> u64 {
 }
 
 pub fn read_index(primary: &Path, step: u64) -> Result<Index, LoadError> {
-    if !catalog::is_committed(primary, step) {
+    // A step a pending rollback un-commits is not read (one timeline).
+    if !catalog::is_readable(primary, step) {
         return Err(LoadError::NotCommitted { dir: primary.to_path_buf(), step });
     }
     let p = catalog::step_path(primary, step).join(INDEX_FILE_NAME);
@@ -165,7 +166,7 @@ fn candidates(primary: &Path, which: Which) -> Result<Vec<u64>, LoadError> {
     match which {
         Which::Step(s) => Ok(vec![s]),
         Which::Latest => {
-            let mut c = catalog::committed_steps(primary).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "list", source: e })?;
+            let mut c = catalog::readable_steps(primary).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "list", source: e })?;
             // `latest` first if it names a committed one, then newest down.
             if let Some(l) = catalog::latest_step(primary).ok().flatten() {
                 c.retain(|&s| s <= l);

@@ -1299,7 +1299,8 @@ fn a_second_serve_or_a_gc_on_a_served_directory_is_refused_naming_the_holder() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a second serve on a locked directory started");
-    assert!(t0.elapsed() < Duration::from_secs(5), "the second serve took {:?} to fail", t0.elapsed());
+    // Bounds a hang only: the refusal comes at the lock, before staging.
+    assert!(t0.elapsed() < Duration::from_secs(60), "the second serve took {:?} to fail", t0.elapsed());
     assert!(err.contains(&format!("pid {pid}")) && err.contains("in use"), "{err}");
     assert!(!other.join("sidecar.sock").exists(), "the refused sidecar left its socket");
     // gc refuses too (the serving sidecar's --keep is the way), and the

@@ -178,14 +178,30 @@ fn abort_record(dir: &Path, step: u64) -> String {
     std::fs::read_to_string(ckpt_store::nodes::abort_record_path(dir, step).unwrap()).unwrap_or_default()
 }
 
+/// Waits until the markers of `ranks` for `step` are in the shared
+/// directory (bounded: a marker that never comes fails the test).
+fn wait_for_markers(shared: &Path, step: u64, ranks: &[u32]) {
+    let tmp = ckpt_store::nodes::ranks_tmp_path(shared, step).unwrap();
+    let t0 = Instant::now();
+    while !ranks.iter().all(|&r| tmp.join(ckpt_store::format::rank_marker_name(r)).exists()) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "markers of ranks {ranks:?} of step {step} never came");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Saves `step` on ranks 0..4 (0, 1 on node a; 2, 3 on node b), node b's
-/// ranks first, and checks every rank gets Durable only once the step is
-/// committed in the shared directory.
+/// ranks first and rank 0 last, once the others' markers are in: the
+/// coordinator's part timeout starts with rank 0's part, so it never decides
+/// the outcome here, however slow the machine. Checks every rank gets
+/// Durable only once the step is committed in the shared directory.
 fn save_all(ranks: &mut [Rank], step: u64, shared: &Path) {
-    for i in [2, 3, 0, 1] {
+    for i in [2, 3, 1] {
         ranks[i].save(step, 4);
         ranks[i].released(step);
     }
+    wait_for_markers(shared, step, &[1, 2, 3]);
+    ranks[0].save(step, 4);
+    ranks[0].released(step);
     for r in ranks.iter_mut() {
         match r.reply() {
             Reply::Durable { step: s, path, .. } => {
@@ -284,14 +300,21 @@ fn a_rank_that_never_sends_fails_the_step_on_every_node_naming_it() {
     let c = Cluster::new();
     // Long enough for the three present ranks' parts (and the four of the
     // retry) to arrive on a loaded machine: at 1.5 s the test failed there.
-    let (a, b) = (c.node(0, "5"), c.node(1, "5"));
+    // Node b's own timeout far longer: it never gives its rank up before the
+    // coordinator's abort (which decides), however slow the machine.
+    let (a, b) = (c.node(0, "5"), c.node(1, "60"));
     let shared = c.shared();
     let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 1 << 20)];
     // Rank 3 (node b) died before its part: ranks 0, 1, 2 wait, then fail.
-    for r in ranks.iter_mut() {
-        r.save(7, 4);
-        r.released(7);
+    // Rank 0 (whose part starts the coordinator's clock) last, once the
+    // others' markers are in: only rank 3's absence decides the outcome.
+    for i in [1, 2] {
+        ranks[i].save(7, 4);
+        ranks[i].released(7);
     }
+    wait_for_markers(&shared, 7, &[1, 2]);
+    ranks[0].save(7, 4);
+    ranks[0].released(7);
     for r in ranks.iter_mut() {
         match r.reply() {
             Reply::Failed { step: 7, reason, .. } => assert!(reason.contains("[3] of 4"), "rank {}: {reason}", r.rank),

@@ -301,3 +301,31 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_thread_that_ends_by_a_panic_leaves_no_registration_and_the_drain_ends() {
+        // Before: the entry (with its duplicate of a socket whose client was
+        // gone) stayed, so `drained` was false for good: a sidecar that
+        // never exited (issue 19 defect 6).
+        let (tx, _rx) = crossbeam_channel::bounded(1);
+        let staging = Staging::new(4 << 20).unwrap();
+        let shared = Arc::new(Shared::new(vec![], LayoutOptions::default(), ReadOptions::default(), staging, tx, vec![], Arc::new(AtomicBool::new(false))));
+        let (ours, client) = UnixStream::pair().unwrap();
+        drop(client);
+        let id = shared.add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) }).unwrap();
+        assert!(!shared.drained(), "a registered session of a gone client holds the drain");
+        let sh = shared.clone();
+        let ended = std::thread::spawn(move || {
+            let _registered = sh.session_guard(id);
+            panic!("a session thread ends early");
+        })
+        .join();
+        assert!(ended.is_err());
+        assert!(shared.drained());
+        assert!(shared.sessions.lock().unwrap().is_empty());
+    }
+}

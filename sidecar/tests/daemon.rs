@@ -1580,6 +1580,13 @@ fn a_directory_removed_and_made_again_under_a_live_sidecar_refuses_saves_naming_
     assert!(why.contains("removed and made again") && why.contains(&*sc.dir.file_name().unwrap().to_string_lossy()), "{why}");
     assert!(why.contains("restarted"), "{why}");
     assert!(leftovers(&sc.dir).is_empty() && catalog::committed_steps(&sc.dir).unwrap().is_empty(), "nothing written into the new directory");
+    // A rollback through it changes nothing there either.
+    let id = c.id();
+    c.send(&Request::Rollback { id, step: 1 });
+    match c.recv() {
+        Reply::Error { code: ErrorCode::Io, message, .. } => assert!(message.contains("removed and made again"), "{message}"),
+        other => panic!("expected Error, got {other:?}"),
+    }
     // The sidecar's exit leaves the other holder's lock file in place.
     assert_eq!(sc.stop(), 0, "{}", sc.log_text());
     assert!(sc.dir.join(ckpt_store::lock::LOCK_FILE_NAME).exists());

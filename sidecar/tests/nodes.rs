@@ -518,9 +518,17 @@ fn a_part_whose_copy_is_stopped_leaves_no_file_of_its_rank() {
     let a = c.node(0, "60");
     let shared = c.shared();
     let mut r0 = Rank::connect(&a, 0, 32 << 20);
+    // Gone before Released: the copy stops at its next check. The sidecar
+    // is stopped while the part is sent and the client goes, so its copy
+    // cannot end first (before: on a loaded machine it sometimes did, the
+    // part was released and written, and the test waited for ever).
+    let pid = a.child.id() as i32;
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     r0.save(5, 2);
-    // Gone before Released: the copy stops at its next check.
     r0.s.shutdown(std::net::Shutdown::Both).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let t0 = Instant::now();
     while !a.log().contains("writing this rank's part into the shared directory failed") {
         assert!(t0.elapsed() < Duration::from_secs(120), "the stopped part was never given up: {}", a.log());

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ckpt::{BlobRef, Client, Error, SaveState, TensorRef, Wanted};
 use ckpt_wire::{ErrorCode, LoadSource};
@@ -190,14 +190,15 @@ fn failures_after_release_are_reported_by_wait() {
 #[test]
 fn wait_times_out_and_the_save_goes_on() {
     let (_d, sock) = temp_socket();
-    let _fake = Fake::start(&sock, Opts { release_delay: Duration::from_millis(500), ..Opts::default() });
+    // The release comes long after the wait's 50 ms: Timeout shows the wait
+    // did not wait for it (a wait that had would have got it); no timed
+    // bound, which a loaded machine can break.
+    let _fake = Fake::start(&sock, Opts { release_delay: Duration::from_secs(3), ..Opts::default() });
     let c = Client::connect(Some(&sock)).unwrap();
     let r = c.alloc_region(4096).unwrap();
     let h = c.save(1, &[TensorRef::in_region("w", "U8", &[8], &r, 0, 8)], &[]).unwrap();
-    let t0 = Instant::now();
     let e = c.wait(h.id, Wanted::Released, Some(Duration::from_millis(50))).err().unwrap();
     assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
-    assert!(t0.elapsed() < Duration::from_millis(400));
     c.wait(h.id, Wanted::Durable, SEC).unwrap();
 }
 

@@ -91,7 +91,7 @@ fn save_release_durable_and_load_from_ram_then_disk() {
     // between is served from disk), so wait until its status says so.
     let t0 = Instant::now();
     while c.status().unwrap().resident_step != Some(8) {
-        assert!(t0.elapsed() < Duration::from_secs(5), "step 8 never became resident");
+        assert!(t0.elapsed() < Duration::from_secs(60), "step 8 never became resident");
         std::thread::sleep(Duration::from_millis(5));
     }
     let want = pattern(8, 1 << 20);
@@ -231,7 +231,7 @@ fn sidecar_killed_then_restarted_the_client_reconnects_and_keeps_its_regions() {
     serve.kill9();
     let t0 = Instant::now();
     while c.is_connected() {
-        assert!(t0.elapsed() < Duration::from_secs(5), "EOF not noticed");
+        assert!(t0.elapsed() < Duration::from_secs(60), "EOF not noticed");
         std::thread::sleep(Duration::from_millis(10));
     }
     let e = c.save(2, &t, &[]).err().unwrap();

@@ -21,7 +21,7 @@ use ckpt_store::rollback::RollbackError;
 use ckpt_store::image::{self};
 use crate::staging::Resident;
 use crate::config;
-use crate::coordinator::{Groups, Offer};
+use crate::coordinator::{Expired, Groups, Offer};
 use crate::nodes::Nodes;
 use crate::slices;
 use crate::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
@@ -38,7 +38,11 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
             loop {
                 let tick = Instant::now() + std::time::Duration::from_millis(config::PART_TICK_MS);
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
-                match rx.recv_deadline(deadline) {
+                let work = rx.recv_deadline(deadline);
+                if matches!(work, Ok(Work::Checkpoint(_))) {
+                    crate::faults::maybe_panic(crate::faults::At::Commit);
+                }
+                match work {
                     Ok(Work::Checkpoint(job)) if job.part.is_some() => match nodes.as_mut() {
                         Some(n) => n.offer(&mut store, &shared, job),
                         None => gather(&mut store, &shared, &mut groups, job),
@@ -75,9 +79,16 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                         *c = now;
                     }
                 }
-                for (step, world_size, missing, parts) in groups.expire(Instant::now()) {
+                for Expired { step, world_size, missing, sent_earlier, parts } in groups.expire(Instant::now()) {
+                    // A rank that resumed after the timeout is alone in a new
+                    // attempt: the others did send, to the one given up.
+                    let earlier = if sent_earlier.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (rank(s) {sent_earlier:?} sent theirs to an earlier attempt of this step, given up at the part timeout: every rank must save the step again)")
+                    };
                     let why = format!(
-                        "step {step}: rank(s) {missing:?} of {world_size} sent no released part within {} s; the step is not committed",
+                        "step {step}: rank(s) {missing:?} of {world_size} sent no released part within {} s{earlier}; the step is not committed",
                         groups.timeout().as_secs_f64()
                     );
                     warn!("{why}");
@@ -90,9 +101,28 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
         .expect("spawning the committer thread")
 }
 
+/// The part timeout (`CKPT_SIDECAR_PART_TIMEOUT_S`, else the default);
+/// checked at the daemon's start ([`check_part_timeout`]), so an invalid
+/// value never silently means the default.
 pub fn part_timeout() -> std::time::Duration {
-    let s = std::env::var(config::PART_TIMEOUT_ENV).ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| s.is_finite() && *s > 0.0);
-    std::time::Duration::from_secs_f64(s.unwrap_or(config::PART_TIMEOUT_DEFAULT_S as f64))
+    check_part_timeout().unwrap_or(std::time::Duration::from_secs(config::PART_TIMEOUT_DEFAULT_S))
+}
+
+/// The part timeout the environment asks for, or why its value is refused.
+pub fn check_part_timeout() -> Result<std::time::Duration, String> {
+    let default = std::time::Duration::from_secs(config::PART_TIMEOUT_DEFAULT_S);
+    // Unset or empty: the default.
+    let Some(raw) = std::env::var_os(config::PART_TIMEOUT_ENV).filter(|v| !v.is_empty()) else { return Ok(default) };
+    let text = raw.to_string_lossy();
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s <= config::PART_TIMEOUT_MAX_S as f64 => Ok(std::time::Duration::from_secs_f64(s)),
+        _ => Err(format!(
+            "{}={text:?}: not a number of seconds above 0 and at most {} (unset: {} s)",
+            config::PART_TIMEOUT_ENV,
+            config::PART_TIMEOUT_MAX_S,
+            config::PART_TIMEOUT_DEFAULT_S
+        )),
+    }
 }
 
 /// Frees one part's lease, ends its flight, then answers it Failed (so a
@@ -112,7 +142,7 @@ fn fail_part(shared: &Shared, job: Job, code: ErrorCode, reason: String) {
 /// One rank's part: kept until its step's group is complete, then the
 /// whole group is committed as one checkpoint.
 fn gather(store: &mut Store, shared: &Shared, groups: &mut Groups, job: Job) {
-    shared.set_phase(job.key(), Phase::Queued);
+    shared.set_phase(job.key(), Phase::WaitingForRanks);
     match groups.offer(job) {
         Offer::Pending => {}
         Offer::Refused(job, why) => {
@@ -147,6 +177,14 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             return;
         }
     };
+    if let Some(why) = disagreement(&parts, &decls) {
+        let e = CommitError::PartsDisagree { step, why };
+        warn!(step, world_size, "{e}");
+        for job in parts {
+            fail_part(shared, job, error_code(&e), e.to_string());
+        }
+        return;
+    }
     let mut layouts = Vec::with_capacity(parts.len());
     let mut crcs = Vec::new();
     let mut blobs = Vec::new();
@@ -186,6 +224,23 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             }
         }
     }
+}
+
+/// Whether the parts make a step that does not load (ranks that saved
+/// different states under one step): one line saying so.
+fn disagreement(parts: &[Job], decls: &[image::SliceDecl]) -> Option<String> {
+    use ckpt_store::skeleton::{self, RankPart};
+    let ranks: Vec<RankPart<'_>> = parts
+        .iter()
+        .map(|j| RankPart {
+            rank: j.part.map_or(0, |p| p.rank),
+            tensors: j.layout.specs.iter().map(|s| s.name.as_str()).collect(),
+            structure: j.blobs.iter().find(|b| b.name == skeleton::STRUCTURE_BLOB).map(|b| &b.bytes[..]),
+            parts_map: j.blobs.iter().any(|b| b.name == skeleton::PARTS_BLOB),
+        })
+        .collect();
+    let slices: Vec<(&str, &str)> = decls.iter().map(|d| (d.piece.as_str(), d.of.as_str())).collect();
+    skeleton::parts_disagree(&ranks, &slices)
 }
 
 /// Every rank's slice declarations (the parts' `ckpt.slices.json` blobs).
@@ -286,8 +341,8 @@ fn rollback_one(store: &mut Store, shared: &Shared, job: RollbackJob) {
             warn!(step, "rollback failed: {e}");
             let code = match e {
                 RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
-                RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } => ErrorCode::Damaged,
-                RollbackError::Io { .. } => ErrorCode::Io,
+                RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => ErrorCode::Damaged,
+                RollbackError::Io { .. } | RollbackError::DirReplaced { .. } => ErrorCode::Io,
             };
             peer.send(&Reply::Error { id, code, message: e.to_string() });
         }

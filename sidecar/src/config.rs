@@ -145,6 +145,9 @@ const _: () = assert!(COMMIT_QUEUE_MAX >= 1);
 /// committed); `CKPT_SIDECAR_PART_TIMEOUT_S` (seconds) overrides it.
 pub const PART_TIMEOUT_DEFAULT_S: u64 = 300;
 pub const PART_TIMEOUT_ENV: &str = "CKPT_SIDECAR_PART_TIMEOUT_S";
+/// The largest part timeout the environment may ask for (a week).
+pub const PART_TIMEOUT_MAX_S: u64 = 7 * 24 * 3600;
+const _: () = assert!(PART_TIMEOUT_DEFAULT_S <= PART_TIMEOUT_MAX_S);
 /// The committer looks at incomplete groups at least this often.
 pub const PART_TICK_MS: u64 = 200;
 const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);

@@ -36,11 +36,29 @@ struct Group {
 pub struct Groups {
     pending: BTreeMap<u64, Group>,
     timeout: Duration,
+    /// Steps given up lately: when, and the ranks whose parts had come. A
+    /// rank that resumes after the timeout starts the step anew alone; when
+    /// that attempt is given up too, its reason says which missing ranks
+    /// did send, to the earlier attempt. Kept for twice the timeout.
+    given_up: BTreeMap<u64, (Instant, Vec<u32>)>,
+}
+
+/// A group given up at its timeout.
+pub struct Expired {
+    pub step: u64,
+    pub world_size: u32,
+    /// The ranks whose parts did not come to this attempt.
+    pub missing: Vec<u32>,
+    /// Those of `missing` whose parts came to an earlier attempt of the
+    /// step, itself given up (they must save the step again).
+    pub sent_earlier: Vec<u32>,
+    /// The parts that came.
+    pub parts: Vec<Job>,
 }
 
 impl Groups {
     pub fn new(timeout: Duration) -> Groups {
-        Groups { pending: BTreeMap::new(), timeout }
+        Groups { pending: BTreeMap::new(), timeout, given_up: BTreeMap::new() }
     }
 
     pub fn timeout(&self) -> Duration {
@@ -73,15 +91,21 @@ impl Groups {
         self.pending.values().map(|g| g.since + self.timeout).min()
     }
 
-    /// Removes the groups whose time is up at `now`: (step, world size,
-    /// missing ranks, the parts that came).
-    pub fn expire(&mut self, now: Instant) -> Vec<(u64, u32, Vec<u32>, Vec<Job>)> {
+    /// Removes the groups whose time is up at `now`.
+    pub fn expire(&mut self, now: Instant) -> Vec<Expired> {
+        let keep = self.timeout * 2;
+        self.given_up.retain(|_, (when, _)| now.duration_since(*when) < keep);
         let late: Vec<u64> = self.pending.iter().filter(|(_, g)| now >= g.since + self.timeout).map(|(&s, _)| s).collect();
         late.into_iter()
             .map(|step| {
                 let g = self.pending.remove(&step).expect("listed above");
-                let missing = (0..g.world_size).filter(|r| !g.parts.contains_key(r)).collect();
-                (step, g.world_size, missing, g.parts.into_values().collect())
+                let missing: Vec<u32> = (0..g.world_size).filter(|r| !g.parts.contains_key(r)).collect();
+                let sent_earlier = match self.given_up.get(&step) {
+                    Some((when, sent)) if *when <= g.since => missing.iter().copied().filter(|r| sent.contains(r)).collect(),
+                    _ => Vec::new(),
+                };
+                self.given_up.insert(step, (now, g.parts.keys().copied().collect()));
+                Expired { step, world_size: g.world_size, missing, sent_earlier, parts: g.parts.into_values().collect() }
             })
             .collect()
     }

@@ -81,6 +81,9 @@ pub enum DaemonError {
     Metrics(#[from] crate::metrics::BindError),
     #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
     Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
+    /// An environment variable the daemon reads has a value it refuses.
+    #[error("{0}")]
+    Env(String),
 }
 
 /// Pins this thread, and so every thread it starts later, to `cpus`;
@@ -135,6 +138,7 @@ struct Running {
 /// Starts the daemon; `role` (`serve` or `launch`) goes into the directory
 /// locks with the socket, so a second process on a directory names us.
 fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, DaemonError> {
+    crate::committer::check_part_timeout().map_err(DaemonError::Env)?;
     let budget = opts.staging_bytes.unwrap_or_else(default_staging_bytes);
     if budget < config::STAGING_BYTES_MIN {
         return Err(DaemonError::StagingTooSmall(budget));

@@ -154,5 +154,7 @@ pub fn error_code(e: &CommitError) -> ErrorCode {
         CommitError::AlreadyCommitted { .. } | CommitError::Format(_) => ErrorCode::BadRequest,
         CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
         CommitError::Unfilled { .. } => ErrorCode::Io,
+        CommitError::PartsDisagree { .. } => ErrorCode::BadRequest,
+        CommitError::DirReplaced { .. } => ErrorCode::Io,
     }
 }

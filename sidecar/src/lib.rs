@@ -18,6 +18,7 @@ pub mod cuda_probe;
 pub mod coordinator;
 pub mod daemon;
 pub mod fd_socket;
+pub mod faults;
 pub mod file_save;
 pub mod jobs;
 pub mod load;

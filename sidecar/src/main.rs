@@ -129,10 +129,10 @@ struct DaemonArgs {
     #[arg(long, value_parser = parse_nonzero_size)]
     staging: Option<u64>,
     /// Keep only the newest N committed checkpoints (default: keep all).
-    #[arg(long, value_parser = parse_keep)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_keep)]
     keep: Option<usize>,
     /// With --keep, also keep every step that is a multiple of K.
-    #[arg(long, requires = "keep", value_parser = parse_positive)]
+    #[arg(long, requires = "keep", allow_negative_numbers = true, value_parser = parse_positive)]
     keep_every: Option<u64>,
     /// Also accept clients of this uid (repeatable); default: only our own uid.
     #[arg(long = "allow-uid")]
@@ -218,7 +218,7 @@ enum Cmd {
     Inspect {
         dir: PathBuf,
         /// Step to show (default: latest).
-        #[arg(value_parser = parse_step)]
+        #[arg(allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
         #[arg(long)]
         json: bool,
@@ -227,7 +227,7 @@ enum Cmd {
     Verify {
         dir: PathBuf,
         /// Only this step (default: every committed checkpoint).
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
         /// Secondary directories, when they moved since the write.
         #[arg(long = "secondary")]
@@ -245,7 +245,7 @@ enum Cmd {
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
         /// The step to go back to (a committed checkpoint whose index reads).
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         to: u64,
         #[arg(long)]
         json: bool,
@@ -256,9 +256,9 @@ enum Cmd {
         /// Target directories, primary first.
         #[arg(required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long, value_parser = parse_keep)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_keep)]
         keep: usize,
-        #[arg(long, value_parser = parse_positive)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_positive)]
         keep_every: Option<u64>,
         #[arg(long)]
         json: bool,
@@ -295,7 +295,7 @@ enum BenchCmd {
         #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
         /// Step to write (default: one past the newest).
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
         /// Largest shard file.
         #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
@@ -401,7 +401,7 @@ enum DebugCmd {
         manifest: PathBuf,
         #[arg(long = "dir", required = true)]
         dirs: Vec<PathBuf>,
-        #[arg(long, value_parser = parse_step)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
         step: u64,
         #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
         shard_size: u64,
@@ -415,7 +415,7 @@ enum DebugCmd {
         dirs: Vec<PathBuf>,
         #[arg(long, value_parser = parse_nonzero_size)]
         size: u64,
-        #[arg(long, default_value_t = 3, value_parser = parse_keep)]
+        #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = parse_keep)]
         keep: usize,
         #[arg(long)]
         count: Option<u64>,
@@ -424,7 +424,23 @@ enum DebugCmd {
     },
 }
 
+/// A panic anywhere in this binary ends the process at once (issue 23): a
+/// thread that unwound would leave what it held registered (its session's
+/// duplicate socket, a step in flight), so its trainer would wait forever
+/// for an answer and a drain never end. An abort closes every socket (the
+/// trainers see EOF) and the next start recovers the directory. libckpt, a
+/// library inside the trainer, keeps unwinding into its catch_unwind.
+fn abort_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        eprintln!("ckpt-sidecar: aborting on a broken invariant (clients see their connection close; the next start recovers the directory)");
+        std::process::abort();
+    }));
+}
+
 fn main() -> ExitCode {
+    abort_on_panic();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
@@ -567,7 +583,7 @@ fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 
 fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     catalog::check_dir(dir)?;
-    let steps = catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
+    let steps = catalog::readable_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
     let latest = catalog::latest_step(dir)?;
     let mut rows = Vec::new();
     for s in steps {
@@ -681,7 +697,7 @@ fn resolve_step(dir: &Path, step: Option<u64>) -> anyhow::Result<u64> {
     if let Some(s) = catalog::latest_step(dir)? {
         return Ok(s);
     }
-    catalog::committed_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
+    catalog::readable_steps(dir)?.last().copied().with_context(|| format!("{}: no committed checkpoint", dir.display()))
 }
 
 /// The step asked for (else as [`resolve_step`] picks it) and its index. The
@@ -764,7 +780,7 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     }
     let steps = match step {
         Some(s) => vec![s],
-        None => catalog::committed_steps(dir).with_context(|| format!("listing {}", dir.display()))?,
+        None => catalog::readable_steps(dir).with_context(|| format!("listing {}", dir.display()))?,
     };
     if steps.is_empty() {
         bail!("{}: no committed checkpoint to verify", dir.display());

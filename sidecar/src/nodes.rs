@@ -167,7 +167,7 @@ impl Nodes {
             _ => copy_seconds,
         };
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
-        shared.set_phase(key, Phase::Queued);
+        shared.set_phase(key, Phase::WaitingForRanks);
         let timeout = self.timeout;
         let w = self.steps.entry(step).or_insert_with(|| StepWait {
             world_size: part.world_size,
@@ -235,10 +235,14 @@ impl Nodes {
                     durable(shared, w, step, &rep.path.display().to_string(), persist_seconds);
                 }
                 Err(e) => {
-                    let why = format!("step {step}: the coordinator's commit failed: {e}; the step is not committed");
+                    let why = match &e {
+                        // Its own line already names the step and says nothing was committed.
+                        CommitError::PartsDisagree { .. } => e.to_string(),
+                        _ => format!("step {step}: the coordinator's commit failed: {e}; the step is not committed"),
+                    };
                     warn!("{why}");
                     if !matches!(e, CommitError::AlreadyCommitted { .. }) {
-                        self.abort_folder(store, step);
+                        self.abort_folder(store, step, &why);
                     }
                     for x in w.waiters {
                         answer_failed(shared, x, step, error_code(&e), why.clone());
@@ -258,7 +262,7 @@ impl Nodes {
                 )
             };
             warn!("{why}");
-            self.abort_folder(store, step);
+            self.abort_folder(store, step, &why);
             let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
                 answer_failed(shared, x, step, code, why.clone());
@@ -266,8 +270,10 @@ impl Nodes {
         }
     }
 
-    fn abort_folder(&self, store: &Store, step: u64) {
-        match store.abort_ranks(step) {
+    /// Removes the step's temp folder, leaving `why` as its abort record
+    /// for the other nodes' ranks.
+    fn abort_folder(&self, store: &Store, step: u64, why: &str) {
+        match store.abort_ranks(step, why) {
             Ok(true) => info!(step, "removed the step's multi-rank temp folder"),
             Ok(false) => {}
             Err(e) => warn!(step, "could not remove the step's multi-rank temp folder ({e}); a sidecar's start removes it once stale"),
@@ -297,7 +303,11 @@ impl Nodes {
             RanksState::Gone => {
                 let w = self.steps.remove(&step).expect("polled");
                 let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
-                let why = if missing.is_empty() {
+                // The coordinator's own reason, with the ranks missing when it
+                // aborted (this sidecar's last look may predate later markers).
+                let why = if let Some(why) = nodes::abort_reason(&dir, step) {
+                    why
+                } else if missing.is_empty() {
                     format!("step {step}: the coordinator (rank 0's sidecar) aborted the step after every marker was in (its commit failed; its log says why); the step is not committed")
                 } else {
                     format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size)
@@ -339,11 +349,12 @@ impl Nodes {
     /// The committer's queue closed: every waiting rank is failed.
     pub fn fail_all(&mut self, store: &Store, shared: &Shared, why: &str) {
         for (step, w) in std::mem::take(&mut self.steps) {
+            let why = format!("step {step}: {why}");
             if w.coordinator {
-                self.abort_folder(store, step);
+                self.abort_folder(store, step, &format!("{why} (the coordinator, rank 0's sidecar, stopped)"));
             }
             for x in w.waiters {
-                answer_failed(shared, x, step, ErrorCode::ShuttingDown, format!("step {step}: {why}"));
+                answer_failed(shared, x, step, ErrorCode::ShuttingDown, why.clone());
             }
         }
     }

@@ -260,8 +260,9 @@ fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
     let Some(session_id) = shared.add_session(SessionEntry { pid: client_pid, name: name.clone(), regions: 0, region_bytes: 0, stream: s.try_clone().ok() }) else {
         return refuse(s, format!("too many sessions (at most {})", config::SESSIONS_MAX));
     };
+    // Removed however this thread ends, after the session's own state.
+    let _registered = shared.session_guard(session_id);
     if ckpt_wire::write_frame(&mut s, &welcome).is_err() {
-        shared.remove_session(session_id);
         return;
     }
     info!(session_id, uid, peer_pid = pid, client_pid, name = %name, "session started");

@@ -52,8 +52,8 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     let peer = match stream.try_clone() {
         Ok(w) => Arc::new(Peer::new(w)),
         Err(e) => {
+            // The caller's guard removes the session's registration.
             warn!("cannot clone the client socket: {e}");
-            shared.remove_session(s.session_id);
             return;
         }
     };
@@ -96,6 +96,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
         });
         match read {
             Some(Ok((id, step, part, read, blobs, lazy_release))) => {
+                crate::faults::maybe_panic(crate::faults::At::Session);
                 let tensors = match &read {
                     Read::Kept(list) => SaveTensors::Kept(list),
                     Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
@@ -171,7 +172,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
             Request::List { id } => {
                 let primary = shared.read_dir();
-                let reply = match catalog::committed_steps(primary) {
+                let reply = match catalog::readable_steps(primary) {
                     Ok(steps) => Reply::Listing { id, steps, latest: catalog::latest_step(primary).ok().flatten() },
                     Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
                 };
@@ -252,7 +253,6 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
     drop(regions);
     drop(cuda);
     info!(pid = s.client_pid, name = %s.name, "session ended");
-    shared.remove_session(s.session_id);
 }
 
 /// Whether `pid` no longer runs: no such process, a zombie, or one already

@@ -30,6 +30,9 @@ pub enum Phase {
     WaitingForStaging,
     Copying,
     Queued,
+    /// A rank's part, released (or written, several nodes), waiting for the
+    /// other ranks' parts of its step.
+    WaitingForRanks,
     Writing,
 }
 
@@ -39,6 +42,7 @@ impl Phase {
             Phase::WaitingForStaging => "waiting for staging",
             Phase::Copying => "copying",
             Phase::Queued => "queued for writing",
+            Phase::WaitingForRanks => "waiting for the other ranks' parts",
             Phase::Writing => "writing",
         }
     }
@@ -57,6 +61,18 @@ pub struct SessionEntry {
     pub region_bytes: u64,
     /// A handle on the socket, to shut it down when the daemon exits.
     pub stream: Option<UnixStream>,
+}
+
+/// See [`Shared::session_guard`].
+pub struct SessionGuard {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.shared.remove_session(self.id);
+    }
 }
 
 pub struct Shared {
@@ -224,7 +240,17 @@ impl Shared {
     }
 
     pub fn remove_session(&self, id: u64) {
-        self.sessions.lock().expect("sessions lock").remove(&id);
+        // Also from a guard's drop while a panic unwinds: a poisoned lock
+        // still removes the entry.
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    /// The registration of session `id`, removed when the guard drops:
+    /// however the session's thread ends (a return, a panic that unwinds
+    /// in a test build), its entry and the duplicate of its socket go, so
+    /// `drained` never waits for a session that no thread serves.
+    pub fn session_guard(self: &Arc<Self>, id: u64) -> SessionGuard {
+        SessionGuard { shared: self.clone(), id }
     }
 
     /// Shuts every session's socket down (daemon exit): clients see EOF.
@@ -273,5 +299,33 @@ impl Shared {
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_thread_that_ends_by_a_panic_leaves_no_registration_and_the_drain_ends() {
+        // Before: the entry (with its duplicate of a socket whose client was
+        // gone) stayed, so `drained` was false for good: a sidecar that
+        // never exited (issue 19 defect 6).
+        let (tx, _rx) = crossbeam_channel::bounded(1);
+        let staging = Staging::new(4 << 20).unwrap();
+        let shared = Arc::new(Shared::new(vec![], LayoutOptions::default(), ReadOptions::default(), staging, tx, vec![], Arc::new(AtomicBool::new(false))));
+        let (ours, client) = UnixStream::pair().unwrap();
+        drop(client);
+        let id = shared.add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) }).unwrap();
+        assert!(!shared.drained(), "a registered session of a gone client holds the drain");
+        let sh = shared.clone();
+        let ended = std::thread::spawn(move || {
+            let _registered = sh.session_guard(id);
+            panic!("a session thread ends early");
+        })
+        .join();
+        assert!(ended.is_err());
+        assert!(shared.drained());
+        assert!(shared.sessions.lock().unwrap().is_empty());
     }
 }

@@ -160,11 +160,12 @@ impl Checker {
         restore::load(primary, which, &ReadOptions::default(), self.buf.take())
     }
 
-    /// Every committed checkpoint in the primary is whole. Holds at every
+    /// Every committed checkpoint readers see in the primary is whole (a
+    /// pending rollback's later steps are not among them). Holds at every
     /// instant, recovery or not: that is what the commit point means.
     fn assert_committed_whole(&mut self, dirs: &[PathBuf], ctx: &str) -> Vec<u64> {
         let primary = &dirs[0];
-        let committed = catalog::committed_steps(primary).expect("list committed steps");
+        let committed = catalog::readable_steps(primary).expect("list committed steps");
         for &s in &committed {
             let l = self.load(primary, Which::Step(s)).unwrap_or_else(|e| panic!("{ctx}: committed step {s} does not load: {e}"));
             assert_eq!(l.step, s);
@@ -488,16 +489,17 @@ fn sigkill_during_rollback_leaves_the_old_or_the_new_timeline() {
         let was_killed = killed_by_sigkill(&status);
         assert!(was_killed || status.success(), "{ctx}: rollback failed ({status}): {err}");
 
-        // Before recovery: whatever is listed is whole, and `latest` names a
-        // committed step (the target is never touched, later steps go away
-        // by one rename each).
+        // Before recovery: whatever readers see is whole and is one timeline,
+        // the old or the new (a pending intent hides the steps it
+        // un-commits), and `latest` as they see it names a step of it (the
+        // target is never touched, later steps go away by one rename each).
+        let new: Vec<u64> = before.iter().copied().filter(|&s| s <= to).collect();
         let listed = check.assert_committed_whole(dirs, &format!("{ctx}, before recovery"));
-        let raw = catalog::read_latest(&dirs[0]).unwrap().unwrap_or_else(|| panic!("{ctx}: no latest"));
-        let named = format::parse_step_dir_name(&raw).unwrap_or_else(|| panic!("{ctx}: latest is {raw:?}"));
-        assert!(listed.contains(&named), "{ctx}: latest names step {named}, which is not committed (listed {listed:?})");
+        assert!(listed == before || listed == new, "{ctx}: readers see {listed:?}, neither the old timeline {before:?} nor the new one");
+        let named = catalog::latest_step(&dirs[0]).unwrap().unwrap_or_else(|| panic!("{ctx}: no latest"));
+        assert_eq!(Some(&named), listed.last(), "{ctx}: latest names step {named} (listed {listed:?})");
 
         let after = check.recover_and_check(dirs, &ctx);
-        let new: Vec<u64> = before.iter().copied().filter(|&s| s <= to).collect();
         if after == before {
             assert!(was_killed, "{ctx}: a finished rollback left the old timeline");
             old_timeline += 1;

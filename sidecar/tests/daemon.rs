@@ -36,6 +36,10 @@ impl Sidecar {
     }
 
     fn start_in(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str]) -> Sidecar {
+        Self::start_in_env(tmp, dir, extra, &[])
+    }
+
+    fn start_in_env(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Sidecar {
         let socket = tmp.path().join("run").join("sidecar.sock");
         let log = tmp.path().join(format!("sidecar-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
         let child = Command::new(BIN)
@@ -47,6 +51,7 @@ impl Sidecar {
             .args(["--staging", "64MiB"])
             .args(extra)
             .env("CKPT_SIDECAR_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -1482,7 +1487,8 @@ fn a_second_serve_or_a_gc_on_a_served_directory_is_refused_naming_the_holder() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a second serve on a locked directory started");
-    assert!(t0.elapsed() < Duration::from_secs(5), "the second serve took {:?} to fail", t0.elapsed());
+    // Bounds a hang only: the refusal comes at the lock, before staging.
+    assert!(t0.elapsed() < Duration::from_secs(60), "the second serve took {:?} to fail", t0.elapsed());
     assert!(err.contains(&format!("pid {pid}")) && err.contains("in use"), "{err}");
     assert!(!other.join("sidecar.sock").exists(), "the refused sidecar left its socket");
     // gc refuses too (the serving sidecar's --keep is the way), and the
@@ -1657,4 +1663,128 @@ fn a_cuda_span_of_unknown_repeated_or_host_pieces_is_refused_and_the_session_goe
         other => panic!("expected an Error, got {other:?}"),
     }
     assert_eq!(c.status().sessions.len(), 1, "the session goes on");
+}
+
+/// Reads replies until the sidecar's end of the connection closes; the
+/// replies read before. The socket's read timeout (REPLY_TIMEOUT) bounds a
+/// connection that never closes, which fails the test.
+fn replies_until_eof(c: &mut Client) -> Vec<Reply> {
+    let mut got = Vec::new();
+    loop {
+        match ckpt_wire::read_frame::<Reply>(&mut c.s) {
+            Ok(r) => got.push(r),
+            Err(ckpt_wire::FrameError::Closed) => return got,
+            Err(ckpt_wire::FrameError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => return got,
+            Err(e) => panic!("expected the connection to close, got {e} after {got:?}"),
+        }
+    }
+}
+
+/// The sidecar's exit status once it has exited (bounded: a sidecar that
+/// stays fails the test).
+fn exit_status(sc: &mut Sidecar) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = sc.child.as_mut().unwrap().try_wait().unwrap() {
+            sc.child = None;
+            return st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "the sidecar did not exit:\n{}", sc.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A panic at `at` (CKPT_SIDECAR_TEST_PANIC) while step 3 is saved: the
+/// trainer's connection closes (EOF, not a wait for ever), the sidecar
+/// exits, and the next one on the directory recovers it and serves.
+fn a_panic_ends_the_sidecar_and_the_next_recovers(at: &str) -> Vec<Reply> {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let mut sc = Sidecar::start_in_env(tmp, dir.clone(), &[], &[("CKPT_SIDECAR_TEST_PANIC", at)]);
+    let mut shm = Shm::new(1 << 20);
+    shm.fill(3);
+    let mut c = sc.client();
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    let tensors = vec![desc("w", "F32", &[65536], 1, 0)];
+    c.save(3, tensors.clone(), blobs(3));
+    let got = replies_until_eof(&mut c);
+    assert!(!got.iter().any(|r| matches!(r, Reply::Durable { .. })), "{got:?}");
+    let st = exit_status(&mut sc);
+    assert_eq!(st.signal(), Some(libc::SIGABRT), "{st}:\n{}", sc.log_text());
+    assert!(sc.log_text().contains("a panic injected"), "{}", sc.log_text());
+    assert!(!catalog::is_committed(&dir, 3));
+    // The next sidecar on the directory: what was in flight is gone, step 3 saves.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let mut next = Sidecar::start_in(tmp2, dir.clone(), &[]);
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    let mut c = next.client();
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    c.save_durable(3, tensors.clone(), blobs(3));
+    assert_on_disk(&dir, 3, &shm, &tensors);
+    assert_eq!(next.stop(), 0, "{}", next.log_text());
+    got
+}
+
+#[test]
+fn a_panic_in_a_session_closes_its_trainers_connection_and_ends_the_sidecar() {
+    // Before: the session thread unwound, its registration kept a duplicate
+    // of the socket, so the trainer waited for ever and no drain ended.
+    let got = a_panic_ends_the_sidecar_and_the_next_recovers("session");
+    assert!(got.is_empty(), "{got:?}");
+}
+
+#[test]
+fn a_panic_in_the_committer_closes_every_trainers_connection_and_ends_the_sidecar() {
+    // Before: the committer thread died, its job's Durable never came, and
+    // the step stayed in flight for good.
+    a_panic_ends_the_sidecar_and_the_next_recovers("commit");
+}
+
+#[test]
+fn a_directory_removed_and_made_again_under_a_live_sidecar_refuses_saves_naming_it() {
+    // Before: the sidecar wrote into the new directory, whose lock it did
+    // not hold, beside a gc or a second sidecar that took it.
+    let mut sc = Sidecar::start(&[]);
+    let mut shm = Shm::new(1 << 20);
+    shm.fill(1);
+    let mut c = sc.client();
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    let tensors = vec![desc("w", "F32", &[1000], 1, 0)];
+    c.save_durable(1, tensors.clone(), blobs(1));
+    std::fs::remove_dir_all(&sc.dir).unwrap();
+    std::fs::create_dir(&sc.dir).unwrap();
+    let released_then_failed = |c: &mut Client, step: u64| {
+        let id = c.save(step, tensors.clone(), blobs(step));
+        assert!(matches!(c.recv(), Reply::Released { .. }));
+        match c.recv() {
+            Reply::Failed { id: i, code: ErrorCode::Io, reason, .. } if i == id => reason,
+            other => panic!("expected Failed Io, got {other:?}"),
+        }
+    };
+    // A second holder of the new directory's lock is not disturbed either.
+    let other = ckpt_store::lock::DirLock::acquire(&sc.dir, "test", None).unwrap();
+    let why = released_then_failed(&mut c, 2);
+    assert!(why.contains("removed and made again") && why.contains(&*sc.dir.file_name().unwrap().to_string_lossy()), "{why}");
+    assert!(why.contains("restarted"), "{why}");
+    assert!(leftovers(&sc.dir).is_empty() && catalog::committed_steps(&sc.dir).unwrap().is_empty(), "nothing written into the new directory");
+    // A rollback through it changes nothing there either.
+    let id = c.id();
+    c.send(&Request::Rollback { id, step: 1 });
+    match c.recv() {
+        Reply::Error { code: ErrorCode::Io, message, .. } => assert!(message.contains("removed and made again"), "{message}"),
+        other => panic!("expected Error, got {other:?}"),
+    }
+    // The sidecar's exit leaves the other holder's lock file in place.
+    assert_eq!(sc.stop(), 0, "{}", sc.log_text());
+    assert!(sc.dir.join(ckpt_store::lock::LOCK_FILE_NAME).exists());
+    drop(other);
+    // Removed for good: refused as well, saying so.
+    let mut sc = Sidecar::start(&[]);
+    let mut c = sc.client();
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    std::fs::remove_dir_all(&sc.dir).unwrap();
+    let why = released_then_failed(&mut c, 3);
+    assert!(why.contains("was removed after"), "{why}");
+    assert_eq!(sc.stop(), 0, "{}", sc.log_text());
 }

@@ -597,3 +597,100 @@ fn truncated_shard_among_two_steps(d: &Path, step: u64) -> PathBuf {
     std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(1000).unwrap();
     shard
 }
+
+#[test]
+fn negative_steps_and_counts_are_range_errors_naming_the_value() {
+    // Before: clap took "-1" for a flag ("unexpected argument '-1' found").
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    let d = d.to_str().unwrap();
+    for (args, want) in [
+        (vec!["rollback", d, "--to", "-1"], "step \"-1\""),
+        (vec!["verify", d, "--step", "-1"], "step \"-1\""),
+        (vec!["inspect", d, "-1"], "step \"-1\""),
+        (vec!["gc", d, "--keep", "-1"], "-1"),
+    ] {
+        let out = Command::new(BIN).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && !err.contains("unexpected argument") && err.trim().lines().count() == 1, "{args:?}: {err}");
+    }
+    assert!(!Path::new(d).exists());
+}
+
+#[test]
+fn an_invalid_part_timeout_is_refused_at_start_naming_it() {
+    // Before: any value that did not parse silently meant 300 s.
+    let tmp = tempfile::tempdir().unwrap();
+    let before = tree(tmp.path());
+    for v in ["abc", "0", "-5", "inf", "NaN", "1e12"] {
+        let d = tmp.path().join("d");
+        let out = Command::new(BIN)
+            .args(["serve", "--staging", "2MiB", "--dir"])
+            .arg(&d)
+            .arg("--socket")
+            .arg(tmp.path().join("run/s.sock"))
+            .env("CKPT_SIDECAR_PART_TIMEOUT_S", v)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{v}: {err}");
+        assert!(err.contains(&format!("CKPT_SIDECAR_PART_TIMEOUT_S={v:?}")) && error_lines(&err).len() == 1, "{v}: {err}");
+        assert_eq!(tree(tmp.path()), before, "{v}: a refused start left something");
+    }
+}
+
+#[test]
+fn rollback_to_a_step_whose_bytes_are_damaged_is_refused_naming_the_damage() {
+    // Before: a stat-only check let it through, un-committing sound step 2.
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..2 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let shard = d.join("step-000000000001/rank-00000-of-00001-shard-0000.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0xff;
+    std::fs::write(&shard, &bytes).unwrap();
+    let before = tree(&d);
+    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot roll back to step 1: it is damaged") && err.contains("checksum mismatch") && error_lines(&err).len() == 1, "{err}");
+    assert_eq!(tree(&d), before, "the tool changed the directory");
+}
+
+#[test]
+fn readers_see_one_timeline_while_a_rollback_killed_midway_is_pending() {
+    // A rollback to step 1 killed after its intent was durable, before
+    // `latest` moved and before steps 2 and 3 were un-committed. Before:
+    // `ls`, `verify` and `inspect` listed and read steps 2 and 3 while
+    // `latest` named 3 (or 1), until the next owner finished the rollback.
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("d");
+    for _ in 0..3 {
+        let out = Command::new(BIN).args(["bench", "write", "--size", "256KiB", "--dir"]).arg(&d).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    std::fs::write(d.join(".ckpt-rollback"), "step-000000000001\n").unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).arg(&d).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let ls: serde_json::Value = serde_json::from_str(&run(&["ls", "--json"])).unwrap();
+    let steps: Vec<u64> = ls["checkpoints"].as_array().map(|a| a.iter().filter_map(|c| c["step"].as_u64()).collect()).unwrap_or_default();
+    assert_eq!(steps, [1], "{ls}");
+    assert_eq!(ls["latest"].as_u64(), Some(1), "{ls}");
+    let verify: serde_json::Value = serde_json::from_str(&run(&["verify", "--json"])).unwrap();
+    assert!(verify.to_string().contains("\"step\":1") && !verify.to_string().contains("\"step\":3"), "{verify}");
+    assert!(run(&["inspect"]).contains("step 1"));
+    assert_eq!(ckpt_store::restore::load(&d, ckpt_store::restore::Which::Latest, &Default::default(), None).unwrap().step, 1);
+    assert!(ckpt_store::restore::load(&d, ckpt_store::restore::Which::Step(3), &Default::default(), None).is_err());
+    // The next owner (here gc) finishes the rollback: the same timeline.
+    run(&["gc", "--keep", "10"]);
+    assert_eq!(ckpt_store::catalog::committed_steps(&d).unwrap(), [1]);
+    assert!(!d.join(".ckpt-rollback").exists());
+}

@@ -167,18 +167,41 @@ impl Drop for Rank {
     }
 }
 
+/// Temp folders (and files) left in `dir`, the coordinators' abort records
+/// (`.tmp-step-…-ranks.aborted`, kept for the other nodes) aside.
 fn temp_folders(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp")).collect()
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp") && !n.ends_with(".aborted")).collect()
+}
+
+/// The reason the coordinator left in its abort record of `step`.
+fn abort_record(dir: &Path, step: u64) -> String {
+    std::fs::read_to_string(ckpt_store::nodes::abort_record_path(dir, step).unwrap()).unwrap_or_default()
+}
+
+/// Waits until the markers of `ranks` for `step` are in the shared
+/// directory (bounded: a marker that never comes fails the test).
+fn wait_for_markers(shared: &Path, step: u64, ranks: &[u32]) {
+    let tmp = ckpt_store::nodes::ranks_tmp_path(shared, step).unwrap();
+    let t0 = Instant::now();
+    while !ranks.iter().all(|&r| tmp.join(ckpt_store::format::rank_marker_name(r)).exists()) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "markers of ranks {ranks:?} of step {step} never came");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Saves `step` on ranks 0..4 (0, 1 on node a; 2, 3 on node b), node b's
-/// ranks first, and checks every rank gets Durable only once the step is
-/// committed in the shared directory.
+/// ranks first and rank 0 last, once the others' markers are in: the
+/// coordinator's part timeout starts with rank 0's part, so it never decides
+/// the outcome here, however slow the machine. Checks every rank gets
+/// Durable only once the step is committed in the shared directory.
 fn save_all(ranks: &mut [Rank], step: u64, shared: &Path) {
-    for i in [2, 3, 0, 1] {
+    for i in [2, 3, 1] {
         ranks[i].save(step, 4);
         ranks[i].released(step);
     }
+    wait_for_markers(shared, step, &[1, 2, 3]);
+    ranks[0].save(step, 4);
+    ranks[0].released(step);
     for r in ranks.iter_mut() {
         match r.reply() {
             Reply::Durable { step: s, path, .. } => {
@@ -277,14 +300,21 @@ fn a_rank_that_never_sends_fails_the_step_on_every_node_naming_it() {
     let c = Cluster::new();
     // Long enough for the three present ranks' parts (and the four of the
     // retry) to arrive on a loaded machine: at 1.5 s the test failed there.
-    let (a, b) = (c.node(0, "5"), c.node(1, "5"));
+    // Node b's own timeout far longer: it never gives its rank up before the
+    // coordinator's abort (which decides), however slow the machine.
+    let (a, b) = (c.node(0, "5"), c.node(1, "60"));
     let shared = c.shared();
     let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 1 << 20)];
     // Rank 3 (node b) died before its part: ranks 0, 1, 2 wait, then fail.
-    for r in ranks.iter_mut() {
-        r.save(7, 4);
-        r.released(7);
+    // Rank 0 (whose part starts the coordinator's clock) last, once the
+    // others' markers are in: only rank 3's absence decides the outcome.
+    for i in [1, 2] {
+        ranks[i].save(7, 4);
+        ranks[i].released(7);
     }
+    wait_for_markers(&shared, 7, &[1, 2]);
+    ranks[0].save(7, 4);
+    ranks[0].released(7);
     for r in ranks.iter_mut() {
         match r.reply() {
             Reply::Failed { step: 7, reason, .. } => assert!(reason.contains("[3] of 4"), "rank {}: {reason}", r.rank),
@@ -293,7 +323,11 @@ fn a_rank_that_never_sends_fails_the_step_on_every_node_naming_it() {
     }
     assert!(!catalog::is_committed(&shared, 7));
     assert!(temp_folders(&shared).is_empty());
-    // Node b learned it from the shared directory (its own rank 2's answer).
+    // Node b learned it from the shared directory (its own rank 2's answer):
+    // the coordinator's reason, naming the ranks missing when it aborted,
+    // whenever node b last looked (before: node b named the ranks whose
+    // markers it had not seen, [0, 1, 3] when it last looked before theirs came).
+    assert!(abort_record(&shared, 7).contains("[3] of 4"), "{}", abort_record(&shared, 7));
     assert!(b.log().contains("the coordinator (rank 0's sidecar) aborted the step"), "{}", b.log());
     // The step can be saved again, by all four ranks.
     ranks.push(Rank::connect(&b, 3, 1 << 20));
@@ -454,10 +488,9 @@ fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_nam
         match r.reply() {
             Reply::Failed { step: 5, reason, .. } => {
                 assert!(!reason.contains('\n'), "rank {}: {reason}", r.rank);
-                // Rank 0's sidecar (the coordinator) names the cause; node b
-                // learns only the abort (which markers it saw depends on when
-                // it last looked).
-                assert!(if r.rank == 0 { reason.contains("sliced tensor \"w\"") } else { reason.contains("the coordinator (rank 0's sidecar) aborted the step") }, "rank {}: {reason}", r.rank);
+                // Rank 0's sidecar (the coordinator) names the cause, and
+                // node b answers with it (its abort record).
+                assert!(reason.contains("sliced tensor \"w\"") && reason.contains("the coordinator's commit failed"), "rank {}: {reason}", r.rank);
             }
             other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
         }
@@ -485,9 +518,17 @@ fn a_part_whose_copy_is_stopped_leaves_no_file_of_its_rank() {
     let a = c.node(0, "60");
     let shared = c.shared();
     let mut r0 = Rank::connect(&a, 0, 32 << 20);
+    // Gone before Released: the copy stops at its next check. The sidecar
+    // is stopped while the part is sent and the client goes, so its copy
+    // cannot end first (before: on a loaded machine it sometimes did, the
+    // part was released and written, and the test waited for ever).
+    let pid = a.child.id() as i32;
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     r0.save(5, 2);
-    // Gone before Released: the copy stops at its next check.
     r0.s.shutdown(std::net::Shutdown::Both).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let t0 = Instant::now();
     while !a.log().contains("writing this rank's part into the shared directory failed") {
         assert!(t0.elapsed() < Duration::from_secs(120), "the stopped part was never given up: {}", a.log());
@@ -498,4 +539,29 @@ fn a_part_whose_copy_is_stopped_leaves_no_file_of_its_rank() {
     let left: Vec<String> = std::fs::read_dir(&tmp).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
     assert!(left.iter().all(|n| ranks::rank_of_file(n) != Some(0) && !n.contains("rank-00000")), "rank 0's files left: {left:?}");
     assert!(!catalog::is_committed(&shared, 5));
+}
+
+#[test]
+fn ranks_on_two_nodes_that_saved_different_states_are_refused_on_both_naming_the_tensor() {
+    // Before: the coordinator committed a and only1 under rank 0's skeleton
+    // naming a and only0, a step the Python package cannot load.
+    let c = Cluster::new();
+    let (a, b) = (c.node(0, "300"), c.node(1, "300"));
+    let shared = c.shared();
+    let (mut r0, mut r1) = (Rank::connect(&a, 0, 1 << 20), Rank::connect(&b, 1, 1 << 20));
+    let skeleton = Blob { name: ckpt_store::skeleton::STRUCTURE_BLOB.into(), bytes: ckpt_store::skeleton::minimal_skeleton(&["a", "only0"]) };
+    r1.save_part(5, 2, vec![f32s("only1", 100, 0)], vec![]);
+    r1.released(5);
+    r0.save_part(5, 2, vec![f32s("a", 100, 0)], vec![skeleton]);
+    r0.released(5);
+    for r in [&mut r0, &mut r1] {
+        match r.reply() {
+            Reply::Failed { step: 5, reason, .. } => {
+                assert!(reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\"") && !reason.contains('\n'), "rank {}: {reason}", r.rank);
+            }
+            other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
+        }
+    }
+    assert!(!catalog::is_committed(&shared, 5));
+    assert!(temp_folders(&shared).is_empty(), "{:?}", temp_folders(&shared));
 }

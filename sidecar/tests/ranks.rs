@@ -235,3 +235,84 @@ fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
     }
     assert!(!catalog::is_committed(&sc.dir, 7));
 }
+
+/// The Python package's skeleton blob naming `names`.
+fn structure_blob(names: &[&str]) -> Blob {
+    Blob { name: ckpt_store::skeleton::STRUCTURE_BLOB.into(), bytes: ckpt_store::skeleton::minimal_skeleton(names) }
+}
+
+#[test]
+fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks_and_the_tensor() {
+    // Before: rank 0's {"a", "only0"} and rank 1's {"a", "only1"}, each
+    // partitioned on its own, committed a and only1 under rank 0's skeleton:
+    // durable, verified, and not loadable ("tensor 'only0' ... missing").
+    let sc = Sidecar::start("300");
+    let (mut a, mut b) = (sc.client(), sc.client());
+    let (_sa, _sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    part(&mut a, 5, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "only0"])]);
+    part(&mut b, 5, 1, 2, vec![f32s("only1", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
+        match reply(s) {
+            Reply::Failed { step: 5, code: ErrorCode::BadRequest, reason, .. } => {
+                assert!(reason.contains("rank 0") && reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\""), "{reason}");
+                assert!(!reason.contains('\n'), "{reason}");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+    assert!(!catalog::is_committed(&sc.dir, 5));
+    assert!(hidden(&sc.dir).is_empty(), "{:?}", hidden(&sc.dir));
+    // The same state on both ranks (a to rank 0, b to rank 1): it commits.
+    part(&mut a, 5, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "b"])]);
+    part(&mut b, 5, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
+        assert!(matches!(reply(s), Reply::Durable { step: 5, .. }));
+    }
+}
+
+#[test]
+fn a_rank_that_resumes_after_the_part_timeout_is_told_the_others_sent_to_the_attempt_given_up() {
+    // Before: rank 1, alone in the step's new attempt, was told "rank(s)
+    // [0] of 2 sent no released part" although rank 0 had sent its part
+    // (to the attempt given up), and status said "queued for writing"
+    // while its part waited for the other ranks'.
+    // Long enough for the status look to find rank 0's part waiting.
+    let sc = Sidecar::start("8");
+    let (mut a, mut b, mut watcher) = (sc.client(), sc.client(), sc.client());
+    let (_sa, _sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
+    part(&mut a, 4, 0, 2, vec![f32s("w.0", 1000, 0)], vec![]);
+    assert!(matches!(reply(&mut a), Reply::Released { step: 4, .. }));
+    let phase_of_step_4 = |s: &mut UnixStream| {
+        ckpt_wire::write_frame(s, &Request::Status { id: 99 }).unwrap();
+        match reply(s) {
+            Reply::Status { report, .. } => report.in_flight.iter().find(|f| f.step == 4).map(|f| f.phase.clone()),
+            other => panic!("expected Status, got {other:?}"),
+        }
+    };
+    // Briefly copying or queued, then waiting for rank 1 until the timeout.
+    let t0 = Instant::now();
+    loop {
+        let phase = phase_of_step_4(&mut watcher);
+        if phase.as_deref() == Some("waiting for the other ranks' parts") {
+            break;
+        }
+        assert!(phase.is_some() && t0.elapsed() < Duration::from_secs(30), "step 4's phase: {phase:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match reply(&mut a) {
+        Reply::Failed { step: 4, reason, .. } => assert!(reason.contains("rank(s) [1] of 2") && !reason.contains("earlier attempt"), "{reason}"),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    // Rank 1 resumes after the timeout: a new attempt, alone.
+    part(&mut b, 4, 1, 2, vec![f32s("w.1", 1000, 0)], vec![]);
+    assert!(matches!(reply(&mut b), Reply::Released { step: 4, .. }));
+    match reply(&mut b) {
+        Reply::Failed { step: 4, reason, .. } => {
+            assert!(reason.contains("rank(s) [0] of 2") && reason.contains("rank(s) [0] sent theirs to an earlier attempt"), "{reason}")
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    assert!(!catalog::is_committed(&sc.dir, 4));
+}

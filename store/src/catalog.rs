@@ -61,6 +61,31 @@ pub fn committed_steps(primary: &Path) -> io::Result<Vec<u64>> {
     Ok(step_dirs(primary)?.into_iter().filter(|&s| is_committed(primary, s)).collect())
 }
 
+/// The step a pending rollback goes back to: `.ckpt-rollback` naming a
+/// committed step (a rollback whose intent is durable and that did not
+/// finish yet: running, or killed midway until the next owner of the
+/// directory finishes it in recovery).
+pub fn rollback_pending_to(primary: &Path) -> Option<u64> {
+    let raw = fs::read_to_string(primary.join(format::ROLLBACK_FILE_NAME)).ok()?;
+    format::parse_step_dir_name(raw.trim()).filter(|&s| is_committed(primary, s))
+}
+
+/// The committed steps readers see (`ls`, `verify`, `inspect`, loads,
+/// List): one timeline, even while a rollback is pending, whose later
+/// steps are not among them although some are still on disk.
+pub fn readable_steps(primary: &Path) -> io::Result<Vec<u64>> {
+    let mut steps = committed_steps(primary)?;
+    if let Some(to) = rollback_pending_to(primary) {
+        steps.retain(|&s| s <= to);
+    }
+    Ok(steps)
+}
+
+/// Whether readers see `step` as committed ([`readable_steps`]).
+pub fn is_readable(primary: &Path, step: u64) -> bool {
+    is_committed(primary, step) && rollback_pending_to(primary).is_none_or(|to| step <= to)
+}
+
 /// What `latest` says, trimmed; None when there is no such file.
 pub fn read_latest(primary: &Path) -> io::Result<Option<String>> {
     match fs::read_to_string(primary.join(LATEST_FILE_NAME)) {
@@ -70,8 +95,12 @@ pub fn read_latest(primary: &Path) -> io::Result<Option<String>> {
     }
 }
 
-/// The step `latest` names, if it names a committed checkpoint.
+/// The step `latest` names, if it names a committed checkpoint; while a
+/// rollback is pending, its target (where it moves `latest` first).
 pub fn latest_step(primary: &Path) -> io::Result<Option<u64>> {
+    if let Some(to) = rollback_pending_to(primary) {
+        return Ok(Some(to));
+    }
     Ok(read_latest(primary)?.and_then(|s| format::parse_step_dir_name(&s)).filter(|&s| is_committed(primary, s)))
 }
 

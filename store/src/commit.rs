@@ -19,6 +19,7 @@
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -128,6 +129,14 @@ pub enum CommitError {
     Aborted { step: u64 },
     #[error("step {step}: its image was never complete ({why}); nothing was committed")]
     Unfilled { step: u64, why: String },
+    /// Several ranks' parts that would commit a step no reader can load
+    /// (crate::skeleton::parts_disagree).
+    #[error("step {step}: {why}; nothing was committed")]
+    PartsDisagree { step: u64, why: String },
+    /// The path of a target directory no longer names the directory this
+    /// Store opened and locked (removed, or removed and made again).
+    #[error("{}: the checkpoint directory was {what} after this process opened it, so its one-owner lock is not on the directory there now; saves are refused until the sidecar is restarted", dir.display())]
+    DirReplaced { dir: PathBuf, what: &'static str },
 }
 
 impl CommitError {
@@ -190,6 +199,9 @@ pub struct Store {
     abort: Option<Arc<AtomicBool>>,
     /// The directory shared with other nodes' sidecars, if any ([`crate::nodes`]).
     pub(crate) shared: Option<TargetDir>,
+    /// (st_dev, st_ino) of each of `paths` when they were locked: a commit
+    /// first checks that each path still names that directory.
+    ids: Vec<(u64, u64)>,
 }
 
 impl Store {
@@ -210,8 +222,11 @@ impl Store {
             paths.push(p);
         }
         let mut locks = Vec::new();
+        let mut ids = Vec::new();
         for p in &paths {
             locks.push(DirLock::acquire(p, &opts.lock_role, opts.lock_socket.as_deref())?);
+            let m = fs::metadata(p).map_err(|e| StoreError::Io { path: p.clone(), what: "look up directory", source: e })?;
+            ids.push((m.dev(), m.ino()));
         }
         let mut dirs = Vec::new();
         for p in &paths {
@@ -241,7 +256,7 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared })
+        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
@@ -260,6 +275,7 @@ impl Store {
     /// resident image of a caller that keeps one must be dropped if it is
     /// one of them.
     pub fn rollback(&mut self, step: u64) -> Result<Vec<u64>, RollbackError> {
+        self.check_dirs_unchanged().map_err(|e| RollbackError::DirReplaced { step, why: e.to_string() })?;
         rollback::rollback(&self.paths, step)
     }
 
@@ -297,6 +313,22 @@ impl Store {
     /// commit fails with [`CommitError::Aborted`] and leaves nothing behind.
     pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
         self.abort = Some(flag);
+    }
+
+    /// Whether every target directory's path still names the directory
+    /// this Store opened and locked (issue 19: a directory removed and made
+    /// again under a live sidecar would otherwise be written without its
+    /// lock, beside a `gc` or a second sidecar that took the new one's).
+    pub fn check_dirs_unchanged(&self) -> Result<(), CommitError> {
+        for (p, &(dev, ino)) in self.paths.iter().zip(&self.ids) {
+            match fs::metadata(p) {
+                Ok(m) if (m.dev(), m.ino()) == (dev, ino) => {}
+                Ok(_) => return Err(CommitError::DirReplaced { dir: p.clone(), what: "removed and made again" }),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(CommitError::DirReplaced { dir: p.clone(), what: "removed" }),
+                Err(e) => return Err(CommitError::io(p, "look up directory", e)),
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn check_abort(&self, step: u64) -> Result<(), CommitError> {
@@ -368,6 +400,7 @@ impl Store {
         assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
         let span = info_span!("checkpoint", step, bytes = layout.file_bytes());
         let _enter = span.enter();
+        self.check_dirs_unchanged()?;
         let primary = self.paths[0].clone();
         if catalog::is_committed(&primary, step) {
             return Err(CommitError::AlreadyCommitted { step, dir: primary });

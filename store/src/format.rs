@@ -213,6 +213,10 @@ pub fn parse_ranks_tmp_name(name: &str) -> Option<u64> {
 
 pub const RANKS_TMP_SUFFIX: &str = "-ranks";
 
+/// What follows a [`ranks_tmp_name`] in the name of its coordinator's
+/// abort record (a file beside the folder: `nodes::abort_record_path`).
+pub const RANKS_ABORT_SUFFIX: &str = ".aborted";
+
 /// One rank's marker in a [`ranks_tmp_name`] folder: `rank-RRRRR.done`, an
 /// index of that rank's files, tensors and blobs, written and synced after
 /// them.

@@ -32,5 +32,6 @@ pub mod recovery;
 pub mod restore;
 pub mod retention;
 pub mod rollback;
+pub mod skeleton;
 pub mod synthetic;
 pub mod units;

@@ -101,7 +101,17 @@ impl Drop for DirLock {
         // Removed while still held: whoever opens it now either finds no file
         // (and makes a new one) or finds, after its flock, that its inode is
         // gone from the path, and tries again.
-        let _ = std::fs::remove_file(self.dir.join(LOCK_FILE_NAME));
+        // Only our own file: a directory removed and made again under us
+        // has another holder's lock file at that path now.
+        use std::os::unix::fs::MetadataExt;
+        let path = self.dir.join(LOCK_FILE_NAME);
+        let ours = match (self.file.metadata(), std::fs::metadata(&path)) {
+            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+            _ => false,
+        };
+        if ours {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

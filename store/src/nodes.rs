@@ -59,6 +59,23 @@ pub fn ranks_tmp_path(shared: &Path, step: u64) -> Result<PathBuf, format::Forma
     Ok(shared.join(format::ranks_tmp_name(step)?))
 }
 
+/// The coordinator's abort record of `step` in the shared directory,
+/// `.tmp-step-…-ranks.aborted` (a file beside the temp folder): the
+/// reason it gave its ranks, written before it removed the folder. Removed
+/// by the step's commit and, once stale, by recovery.
+pub fn abort_record_path(shared: &Path, step: u64) -> Result<PathBuf, format::FormatError> {
+    Ok(shared.join(format!("{}{}", format::ranks_tmp_name(step)?, format::RANKS_ABORT_SUFFIX)))
+}
+
+/// The reason the coordinator gave when it aborted `step` (its abort
+/// record), if it left one.
+pub fn abort_reason(shared: &Path, step: u64) -> Option<String> {
+    let p = abort_record_path(shared, step).ok()?;
+    let bytes = fs::read(p).ok()?;
+    let s = String::from_utf8(bytes).ok()?;
+    (!s.is_empty() && !s.contains('\n')).then_some(s)
+}
+
 /// Reads where `step` stands; committed is checked last, so a rename
 /// between the two looks is seen as committed, never as gone.
 pub fn ranks_state(shared: &Path, step: u64) -> io::Result<RanksState> {
@@ -287,6 +304,9 @@ impl Store {
                 Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
             }
         }
+        if let Some(why) = disagreement(&tmp, &parts, &decls)? {
+            return Err(CommitError::PartsDisagree { step, why });
+        }
         let index = ranks::merge_indexes(parts, &decls)?;
         if index.ckpt.world_size != world_size {
             return Err(CommitError::Format(format::FormatError::Index(format!("the markers say world size {}, the ranks {world_size}", index.ckpt.world_size))));
@@ -303,6 +323,10 @@ impl Store {
         let dest = catalog::step_path(&shared, step);
         fs::rename(&tmp, &dest).map_err(|e| CommitError::io(&dest, "rename temp folder into place", e))?;
         catalog::fsync_dir(&shared).map_err(|e| CommitError::io(&shared, "sync directory after rename", e))?;
+        // An earlier attempt's abort record: this attempt committed.
+        if let Ok(p) = abort_record_path(&shared, step) {
+            let _ = fs::remove_file(p);
+        }
         if catalog::latest_step(&shared).ok().flatten().is_none_or(|l| l <= step) {
             if let Err(e) = catalog::write_latest(&shared, step) {
                 tracing::warn!("step {step} committed but `latest` not updated ({e}); the next commit moves it");
@@ -328,16 +352,28 @@ impl Store {
         })
     }
 
-    /// The coordinator gives a step up: its multi-rank temp folder is
-    /// removed (a committed step is never touched). Returns whether there
-    /// was one.
-    pub fn abort_ranks(&self, step: u64) -> io::Result<bool> {
+    /// The coordinator gives a step up: `reason` is written first as the
+    /// step's abort record ([`abort_record`]: the other sidecars answer their
+    /// ranks with it, so every rank hears the coordinator's one reason, with
+    /// the ranks whose markers were missing at that moment), then its
+    /// multi-rank temp folder is removed (a committed step is never
+    /// touched). Returns whether there was one.
+    pub fn abort_ranks(&self, step: u64, reason: &str) -> io::Result<bool> {
         let shared = self.shared_or_panic();
         let tmp = ranks_tmp_path(shared, step).map_err(io::Error::other)?;
         if !tmp.exists() {
             return Ok(false);
         }
+        let record = abort_record_path(shared, step).map_err(io::Error::other)?;
+        let scratch = record.with_extension("aborted.tmp");
+        let _ = fs::remove_file(&scratch);
+        write_small_file(&scratch, reason.as_bytes())?;
+        fs::rename(&scratch, &record)?;
         catalog::remove_tree(&tmp)?;
+        // Earlier steps' records whose ranks were all answered long ago.
+        if let Err(e) = crate::recovery::remove_stale_abort_records(shared, self.opts.shared_stale_after) {
+            tracing::warn!("could not remove stale abort records in {} ({e})", shared.display());
+        }
         catalog::fsync_dir(shared)?;
         Ok(true)
     }
@@ -355,6 +391,34 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// Whether the ranks' markers make a step that does not load
+/// (crate::skeleton::parts_disagree), reading the skeleton blob of the rank
+/// that wrote one from the temp folder (its checksum checked against the
+/// marker: a torn blob is not read as a skeleton).
+fn disagreement(tmp: &Path, parts: &[(u32, Index)], decls: &[SliceDecl]) -> Result<Option<String>, CommitError> {
+    use crate::skeleton::{self, RankPart};
+    let mut structures = Vec::new();
+    for (rank, ix) in parts {
+        let Some(b) = ix.ckpt.blobs.iter().find(|b| b.name == skeleton::STRUCTURE_BLOB) else { continue };
+        let p = tmp.join(BLOBS_DIR_NAME).join(&b.name);
+        let bytes = fs::read(&p).map_err(|e| CommitError::io(&p, format!("rank {rank}'s marker lists it"), e))?;
+        if crc32c::crc32c(&bytes) == b.crc32c {
+            structures.push((*rank, bytes));
+        }
+    }
+    let ranks: Vec<RankPart<'_>> = parts
+        .iter()
+        .map(|(rank, ix)| RankPart {
+            rank: *rank,
+            tensors: ix.ckpt.tensors.keys().map(String::as_str).collect(),
+            structure: structures.iter().find(|(r, _)| r == rank).map(|(_, b)| &b[..]),
+            parts_map: ix.ckpt.blobs.iter().any(|b| b.name == skeleton::PARTS_BLOB),
+        })
+        .collect();
+    let slices: Vec<(&str, &str)> = decls.iter().map(|d| (d.piece.as_str(), d.of.as_str())).collect();
+    Ok(skeleton::parts_disagree(&ranks, &slices))
 }
 
 /// Removes rank `rank`'s shards, marker, slice declarations and the named

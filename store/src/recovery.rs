@@ -149,8 +149,29 @@ pub fn recover_shared(dir: &Path, stale_after: std::time::Duration) -> io::Resul
             removed.push(p);
         }
     }
+    removed.extend(remove_stale_abort_records(dir, stale_after)?);
     if !removed.is_empty() {
         catalog::fsync_dir(dir)?;
+    }
+    Ok(removed)
+}
+
+/// Removes the coordinators' abort records (`nodes::abort_record_path`)
+/// older than `stale_after` from the shared directory: every rank they were
+/// for was answered by then (a node gives a step up after twice the part
+/// timeout, the daemon's `stale_after`).
+pub fn remove_stale_abort_records(dir: &Path, stale_after: std::time::Duration) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let now = std::time::SystemTime::now();
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        let record = name.to_str().and_then(|n| n.strip_suffix(format::RANKS_ABORT_SUFFIX)).and_then(format::parse_ranks_tmp_name).is_some();
+        if record && e.file_type()?.is_file() && now.duration_since(e.metadata()?.modified()?).unwrap_or_default() >= stale_after {
+            let p = e.path();
+            fs::remove_file(&p)?;
+            removed.push(p);
+        }
     }
     Ok(removed)
 }

@@ -20,6 +20,7 @@ use crate::config::{self, DIRECT_ALIGN_BYTES};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::io::{self as eio, FileIo, IoPolicy, OpKind};
 use crate::mem::AlignedBuf;
+use crate::skeleton;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
@@ -139,7 +140,8 @@ pub fn load_len_bytes(index: &Index) -> u64 {
 }
 
 pub fn read_index(primary: &Path, step: u64) -> Result<Index, LoadError> {
-    if !catalog::is_committed(primary, step) {
+    // A step a pending rollback un-commits is not read (one timeline).
+    if !catalog::is_readable(primary, step) {
         return Err(LoadError::NotCommitted { dir: primary.to_path_buf(), step });
     }
     let p = catalog::step_path(primary, step).join(INDEX_FILE_NAME);
@@ -170,7 +172,7 @@ fn candidates(primary: &Path, which: Which) -> Result<Vec<u64>, LoadError> {
     match which {
         Which::Step(s) => Ok(vec![s]),
         Which::Latest => {
-            let mut c = catalog::committed_steps(primary).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "list", source: e })?;
+            let mut c = catalog::readable_steps(primary).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "list", source: e })?;
             // `latest` first if it names a committed one, then newest down.
             if let Some(l) = catalog::latest_step(primary).ok().flatten() {
                 c.retain(|&s| s <= l);
@@ -443,6 +445,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     }
     let mut blobs = BTreeMap::new();
     problems.extend(read_blobs(&step_dirs[0], &index, &mut blobs));
+    check_skeleton(&index, &blobs, &mut problems);
     name_slices(&index, &mut problems);
     if !problems.is_empty() || dest_failed.is_some() {
         // A checksum that failed because the memory under it went (zero
@@ -458,6 +461,16 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     engines.dedup();
     let bytes = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
     Ok(Placed { step, index, blobs, fell_back: Vec::new(), bytes, seconds: t0.elapsed().as_secs_f64(), engine: engines.join(","), files })
+}
+
+/// A checkpoint whose Python skeleton names a tensor it does not hold does
+/// not load (crate::skeleton): a problem of its `structure.pkl`.
+fn check_skeleton(index: &Index, blobs: &BTreeMap<String, Vec<u8>>, problems: &mut Vec<Problem>) {
+    let missing = skeleton::missing_from_index(index, blobs.get(skeleton::STRUCTURE_BLOB).map(Vec::as_slice));
+    if !missing.is_empty() {
+        let file = format!("{BLOBS_DIR_NAME}/{}", skeleton::STRUCTURE_BLOB);
+        problems.push(problem(Some(&file), None, skeleton::describe_missing(&missing)));
+    }
 }
 
 fn read_blobs(step_dir: &Path, index: &Index, out: &mut BTreeMap<String, Vec<u8>>) -> Vec<Problem> {
@@ -774,6 +787,7 @@ impl Verifier {
         }
         let mut blobs = BTreeMap::new();
         problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
+        check_skeleton(&index, &blobs, &mut problems);
         name_slices(&index, &mut problems);
         Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.logical().len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
     }

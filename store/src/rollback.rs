@@ -42,6 +42,14 @@ pub enum RollbackError {
     /// a rollback un-commits may be the only sound ones.
     #[error("cannot roll back to step {step}: {what}; it would not load (ckpt-sidecar verify DIR finds the sound steps)")]
     Incomplete { step: u64, what: String },
+    /// The target's bytes do not match their checksums (or its skeleton
+    /// names a tensor it lacks): read in full before anything is changed.
+    #[error("cannot roll back to step {step}: it is damaged ({what}{}); the later steps a rollback un-commits may be the only sound ones (ckpt-sidecar verify DIR finds the sound steps)", if *n_more > 0 { format!("; {n_more} more problem(s)") } else { String::new() })]
+    Damaged { step: u64, what: String, n_more: usize },
+    /// The Store's directory is no longer the one it locked (see
+    /// `CommitError::DirReplaced`): nothing is changed there.
+    #[error("rollback to step {step}: {why}")]
+    DirReplaced { step: u64, why: String },
     #[error("rollback to step {step} in {}: {what}: {source}", dir.display())]
     Io { step: u64, dir: PathBuf, what: &'static str, source: io::Error },
 }
@@ -67,6 +75,13 @@ pub fn rollback(dirs: &[PathBuf], step: u64) -> Result<Vec<u64>, RollbackError> 
     let index = restore::read_index(primary, step).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
     if let Some(what) = missing_bytes(dirs, &index, step) {
         return Err(RollbackError::Incomplete { step, what });
+    }
+    // Every byte of the target read and checked before a later step goes:
+    // a rollback to a step that does not load would un-commit sound ones.
+    let opts = restore::ReadOptions { secondary_dirs: (dirs.len() > 1).then(|| dirs[1..].to_vec()), ..Default::default() };
+    let report = restore::verify(primary, step, &opts, |_, _| {}).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
+    if let Some(p) = report.problems.first() {
+        return Err(RollbackError::Damaged { step, what: p.to_string(), n_more: report.problems.len() - 1 });
     }
     catalog::write_step_file(primary, ROLLBACK_FILE_NAME, step).map_err(io("write the rollback intent"))?;
     complete(dirs, step).map_err(io("un-commit later steps"))

@@ -8,6 +8,10 @@ use ckpt_store::restore::{self, ReadOptions, Which};
 
 /// Commits `specs` (bytes filled with a pattern) as `step`.
 fn commit(dir: &std::path::Path, step: u64, specs: Vec<TensorSpec>) {
+    commit_with_blobs(dir, step, specs, &[]);
+}
+
+fn commit_with_blobs(dir: &std::path::Path, step: u64, specs: Vec<TensorSpec>, blobs: &[ckpt_store::image::Blob<'_>]) {
     let layout = Layout::plan(specs, LayoutOptions::default()).unwrap();
     let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
     layout.write_headers(staging.as_mut_slice());
@@ -18,7 +22,7 @@ fn commit(dir: &std::path::Path, step: u64, specs: Vec<TensorSpec>) {
     }
     let crcs = layout.tensor_crcs(staging.as_slice());
     let mut store = Store::open(StoreOptions::new(vec![dir.to_path_buf()])).unwrap();
-    store.commit(step, &layout, &staging, &crcs, &[]).unwrap();
+    store.commit(step, &layout, &staging, &crcs, blobs).unwrap();
 }
 
 /// A shard holding only zero-byte tensors ends with its header: verify and
@@ -48,4 +52,30 @@ fn empty_tensors_around_a_full_one_verify_and_load() {
     let loaded = restore::load(tmp.path(), Which::Step(2), &opts, None).unwrap();
     assert_eq!(loaded.tensor("b"), Some(&[31u8, 32, 33][..]));
     assert_eq!(loaded.tensor("c"), Some(&[][..]));
+}
+
+/// A committed step whose Python skeleton names a tensor it lacks (written
+/// before ranks' parts were checked at commit) does not load: `latest`
+/// falls back past it saying why, `verify` names it, a load of it fails.
+/// Before: it verified and loaded, and the Python load then raised
+/// NotFound with no fallback.
+#[test]
+fn a_step_whose_skeleton_names_a_missing_tensor_is_passed_over_by_latest_saying_why() {
+    use ckpt_store::image::Blob;
+    use ckpt_store::skeleton::{minimal_skeleton, STRUCTURE_BLOB};
+    let tmp = tempfile::tempdir().unwrap();
+    let good = minimal_skeleton(&["a"]);
+    let bad = minimal_skeleton(&["a", "only0"]);
+    commit_with_blobs(tmp.path(), 4, vec![TensorSpec::new("a", Dtype::F32, &[10])], &[Blob { name: STRUCTURE_BLOB, bytes: &good }]);
+    commit_with_blobs(tmp.path(), 5, vec![TensorSpec::new("a", Dtype::F32, &[10]), TensorSpec::new("only1", Dtype::F32, &[10])], &[Blob { name: STRUCTURE_BLOB, bytes: &bad }]);
+    let opts = ReadOptions::default();
+    let l = restore::load(tmp.path(), Which::Latest, &opts, None).unwrap();
+    assert_eq!(l.step, 4);
+    assert_eq!(l.fell_back.len(), 1, "{:?}", l.fell_back);
+    assert_eq!(l.fell_back[0].0, 5);
+    assert!(l.fell_back[0].1.contains("blobs/structure.pkl") && l.fell_back[0].1.contains("\"only0\""), "{}", l.fell_back[0].1);
+    let report = restore::verify(tmp.path(), 5, &opts, |_, _| {}).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert!(restore::load(tmp.path(), Which::Step(5), &opts, None).is_err());
+    assert!(restore::verify(tmp.path(), 4, &opts, |_, _| {}).unwrap().problems.is_empty());
 }

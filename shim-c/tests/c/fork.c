@@ -1,8 +1,9 @@
 /* fork() with a connected client (a data-loader worker, a shell-out).
  * argv[1] == "calls": the child's calls fail with CKPT_E_CLOSED and closing
  * there touches nothing of the parent's; the parent carries on.
- * argv[1] == "orphan": the parent exits at once while the child lives on;
- * the sidecar must still see the parent's connection end. */
+ * argv[1] == "orphan": the parent exits at once while the child lives on
+ * (until its stdin closes); the sidecar must still see the parent's
+ * connection end. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +30,10 @@ int main(int argc, char **argv) {
         if (!strstr(ckpt_last_error(), "fork")) _exit(21);
         if (ckpt_save(c, 2, &t, 1, NULL, 0, &id) != CKPT_E_CLOSED) _exit(22);
         if (orphan) {
-            sleep(3);
+            /* Lives until the test closes the pipe on stdin (after it saw
+             * the session end), not for a fixed time. */
+            char b;
+            while (read(0, &b, 1) > 0) {}
             _exit(0);
         }
         if (ckpt_close(c) != CKPT_OK) _exit(23);

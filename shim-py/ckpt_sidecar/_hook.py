@@ -127,25 +127,34 @@ _installed = False
 
 
 class _LoaderWrapper(importlib.abc.Loader):
-    def __init__(self, inner):
+    """Loads a module as its own loader does, then patches it."""
+
+    def __init__(self, inner, patch):
         self._inner = inner
+        self._patch = patch
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        patch(module)
+        self._patch(module)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
 
-class _TorchFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of whoever finds `torch`."""
+class PatchingFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of whoever finds module `name`,
+    so that `patch(module)` runs once the module is imported (torch here,
+    safetensors.torch in _hook_safetensors)."""
+
+    def __init__(self, name, patch):
+        self._name = name
+        self._patch = patch
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch":
+        if fullname != self._name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -153,9 +162,17 @@ class _TorchFinder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _LoaderWrapper(spec.loader)
+                    spec.loader = _LoaderWrapper(spec.loader, self._patch)
                 return spec
         return None
+
+
+def patch_when_imported(name, patch):
+    """`patch(module)` now if module `name` is imported already, else when it is."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, PatchingFinder(name, patch))
 
 
 def install():
@@ -165,10 +182,7 @@ def install():
     if _installed:
         return
     _installed = True
-    if "torch" in sys.modules:
-        patch(sys.modules["torch"])
-    else:
-        sys.meta_path.insert(0, _TorchFinder())
+    patch_when_imported("torch", patch)
     from . import _hook_safetensors  # safetensors.torch.save_file through the same path
 
     _hook_safetensors.install()

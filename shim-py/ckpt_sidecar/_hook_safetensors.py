@@ -30,9 +30,7 @@ import save_file` done after the import, the usual case).
   the original writes straight from the tensors (and never fsyncs).
 - load_file(path) of a path whose write is still pending waits for it.
 """
-import importlib.abc
 import os
-import sys
 import threading
 
 from . import _hook
@@ -45,38 +43,6 @@ _mu = threading.Lock()
 _counts = {"hooked": 0, "original": 0}
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        patch(module)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of whoever finds safetensors.torch."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
 def install():
     """Arrange that safetensors.torch.save_file/load_file go through the hook
     (now if the module is imported already, else when it is)."""
@@ -84,10 +50,7 @@ def install():
     if _installed:
         return
     _installed = True
-    if MODULE in sys.modules:
-        patch(sys.modules[MODULE])
-    else:
-        sys.meta_path.insert(0, _Finder())
+    _hook.patch_when_imported(MODULE, patch)
 
 
 def counts():

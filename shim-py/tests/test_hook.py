@@ -49,7 +49,7 @@ def test_hook_inert_without_env(tmp_path):
     code = """
         import sys
         assert not any(k.startswith("ckpt_sidecar") for k in sys.modules), "package imported at start"
-        assert not any(type(f).__name__ == "_TorchFinder" for f in sys.meta_path)
+        assert not any(type(f).__name__ == "PatchingFinder" for f in sys.meta_path)
         import torch
         assert not hasattr(torch.save, "_ckpt_sidecar_hook")
         print("inert")

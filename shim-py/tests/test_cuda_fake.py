@@ -128,6 +128,16 @@ def run_script(tmp_path, script, delay_us):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_script_json(tmp_path, name, code, delay_us):
+    """run_script of `code` written to tmp_path/name, which must exit 0; the
+    JSON object its last line of stdout prints."""
+    script = tmp_path / name
+    script.write_text(code)
+    r = run_script(tmp_path, script, delay_us)
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_cuda_array_interface_objects_are_saved_from_the_device_and_load_back_equal(tmp_path):
     import numpy as np
     from safetensors.numpy import load_file
@@ -232,11 +242,7 @@ def test_guard_makes_the_next_step_wait_on_the_copy_on_its_stream_not_the_cpu(tm
     right after optimizer.step() on the save's stream, stays out of the
     snapshot, though the hook returned while the sidecar was still copying
     (its copies are 1.5 s late): the wait was the stream's, not the CPU's."""
-    script = tmp_path / "guard.py"
-    script.write_text(GUARD_TRAINER)
-    r = run_script(tmp_path, script, 2_000)
-    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_script_json(tmp_path, "guard.py", GUARD_TRAINER, 2_000)
     assert got == {"state_after_hook": "pending", "snapshot_is_saved": True, "device_has_step": True}, got
 
 
@@ -409,11 +415,7 @@ NO_CONTEXT_THREAD = fake_cuda_script(r"""
 
 
 def test_a_device_leaf_copied_by_the_shim_on_a_thread_with_no_cuda_context_is_copied_in_its_devices_context(tmp_path):
-    script = tmp_path / "noctx.py"
-    script.write_text(NO_CONTEXT_THREAD)
-    r = run_script(tmp_path, script, 2_000)
-    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_script_json(tmp_path, "noctx.py", NO_CONTEXT_THREAD, 2_000)
     assert got == {"err": [], "a": True, "b": True}, got
 
 
@@ -443,9 +445,5 @@ ASYNC_POOL = fake_cuda_script(r"""
 
 
 def test_memory_of_a_stream_ordered_pool_is_refused_naming_cudamallocasync(tmp_path):
-    script = tmp_path / "pool.py"
-    script.write_text(ASYNC_POOL)
-    r = run_script(tmp_path, script, 2_000)
-    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_script_json(tmp_path, "pool.py", ASYNC_POOL, 2_000)
     assert got["error"] and "cudaMallocAsync" in got["error"] and "backend:cudaMallocAsync" in got["error"], got

@@ -133,6 +133,24 @@ static CUdeviceptr dev_alloc(size_t n, unsigned seed) {
     return d;
 }
 
+/* After the sidecar was killed with save `id` unreleased: the save fails,
+ * and device work on `stream` (writing `b`, read back through `scratch`)
+ * still runs. 0, or the exit status naming what went wrong. */
+static int train_on_after_sidecar_died(ckpt_client *c, uint64_t id, CUstream stream, CUdeviceptr b,
+                                       unsigned char *scratch, unsigned seed) {
+    int r = ckpt_wait(c, id, CKPT_RELEASED, 120000);
+    if (r == CKPT_OK) { fprintf(stderr, "the save was released although the sidecar was killed\n"); return 5; }
+    fprintf(stderr, "save failed as expected: %s\n", ckpt_last_error());
+    unsigned char *h = malloc(B_BYTES);
+    fill(h, B_BYTES, seed);
+    CU(cuMemcpyHtoDAsync_v2(b, h, B_BYTES, stream));
+    CU(cuStreamSynchronize(stream));
+    CU(cuMemcpyDtoH_v2(scratch, b, B_BYTES));
+    if (memcmp(h, scratch, B_BYTES)) { fprintf(stderr, "device memory wrong after the sidecar died\n"); return 6; }
+    printf("trained on\n");
+    return 0;
+}
+
 static int refused(ckpt_client *c) {
     CUdeviceptr d = dev_alloc(4096, 1);
     uint32_t rid;
@@ -615,34 +633,14 @@ int main(int argc, char **argv) {
         CK(ckpt_stream_wait_copy(c, id, stream, 120000, &on_stream));
         printf("guarded on_stream=%d\n", on_stream);
         fflush(stdout);
-        int r = ckpt_wait(c, id, CKPT_RELEASED, 120000);
-        if (r == CKPT_OK) { fprintf(stderr, "the save was released although the sidecar was killed\n"); return 5; }
-        fprintf(stderr, "save failed as expected: %s\n", ckpt_last_error());
         /* The next step on the stream that waited on the copy: it must run. */
-        unsigned char *h = malloc(B_BYTES);
-        fill(h, B_BYTES, 98);
-        CU(cuMemcpyHtoDAsync_v2(b, h, B_BYTES, stream));
-        CU(cuStreamSynchronize(stream));
-        CU(cuMemcpyDtoH_v2(want_b, b, B_BYTES));
-        if (memcmp(h, want_b, B_BYTES)) { fprintf(stderr, "device memory wrong after the sidecar died\n"); return 6; }
-        printf("trained on\n");
-        return 0;
+        return train_on_after_sidecar_died(c, id, stream, b, want_b, 98);
     }
     if (!strcmp(mode, "sidecar-dies")) {
         printf("saved\n");
         fflush(stdout);
-        int r = ckpt_wait(c, id, CKPT_RELEASED, 120000);
-        if (r == CKPT_OK) { fprintf(stderr, "the save was released although the sidecar was killed\n"); return 5; }
-        fprintf(stderr, "save failed as expected: %s\n", ckpt_last_error());
         /* Training goes on: more device work, no checkpoint needed. */
-        unsigned char *h = malloc(B_BYTES);
-        fill(h, B_BYTES, 99);
-        CU(cuMemcpyHtoDAsync_v2(b, h, B_BYTES, stream));
-        CU(cuStreamSynchronize(stream));
-        CU(cuMemcpyDtoH_v2(want_b, b, B_BYTES));
-        if (memcmp(h, want_b, B_BYTES)) { fprintf(stderr, "device memory wrong after the sidecar died\n"); return 6; }
-        printf("trained on\n");
-        return 0;
+        return train_on_after_sidecar_died(c, id, stream, b, want_b, 99);
     }
 
     CK(ckpt_wait(c, id, CKPT_RELEASED, 120000));

@@ -167,6 +167,16 @@ class PatchingFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def mark_hooked(*pairs):
+    """Each (hook, original) pair: the hook marked as ours (patch is then
+    idempotent), wrapping the original, under its name and doc."""
+    for fn, orig in pairs:
+        fn._ckpt_sidecar_hook = True
+        fn.__wrapped__ = orig
+        fn.__doc__ = orig.__doc__
+        fn.__name__ = orig.__name__
+
+
 def patch_when_imported(name, patch):
     """`patch(module)` now if module `name` is imported already, else when it is."""
     if name in sys.modules:
@@ -876,6 +886,19 @@ class _Files:
             err = self.errors.pop(path, None)
         return None if err is None else _later_error(path, err)
 
+    def raise_error(self, path):
+        """Raises the failure of an earlier write of `path` nobody was told of
+        yet (take_error), if any."""
+        err = self.take_error(path)
+        if err is not None:
+            raise err
+
+    def settle(self, path):
+        """Waits for `path`'s pending write, then raise_error: what a read of
+        `path` (torch.load, load_file, a Lightning load) does first."""
+        self.wait(path)
+        self.raise_error(path)
+
     def untold(self):
         """{path: exception} of failed writes nobody was told of."""
         with self._mu:
@@ -1148,9 +1171,7 @@ def patch(torch):
             # Not a file name ("d.pt/"): the original refuses it, in its words.
             return orig_save(obj, f, *args, **kwargs)
         path = _target(f)
-        err = _files.take_error(path)
-        if err is not None:
-            raise err
+        _files.raise_error(path)
         if not _atomic_write_possible(path):
             # What cannot be written now fails now, as the original's own
             # error: the original does it (after this path's pending writes,
@@ -1183,18 +1204,10 @@ def patch(torch):
 
     def load(f, *args, **kwargs):
         if _is_path(f):
-            path = _target(f)
-            _files.wait(path)
-            err = _files.take_error(path)
-            if err is not None:
-                raise err
+            _files.settle(_target(f))
         return orig_load(f, *args, **kwargs)
 
-    for fn, orig in ((save, orig_save), (load, orig_load)):
-        fn._ckpt_sidecar_hook = True
-        fn.__wrapped__ = orig
-        fn.__doc__ = orig.__doc__
-        fn.__name__ = orig.__name__
+    mark_hooked((save, orig_save), (load, orig_load))
     torch.save, torch.load = save, load
     torch._ckpt_sidecar_flush = flush
 

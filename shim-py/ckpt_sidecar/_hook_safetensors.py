@@ -76,9 +76,7 @@ def patch(st):
             _count("original")
             return orig_save_file(tensors, filename, metadata=metadata)
         path = _hook._target(filename)
-        err = _hook._files.take_error(path)
-        if err is not None:
-            raise err
+        _hook._files.raise_error(path)
         if not _hook._atomic_write_possible(path):
             # Fails now, as the original's own error (after this path's
             # pending writes, so that files still land in save order).
@@ -91,16 +89,8 @@ def patch(st):
 
     def load_file(filename, *args, **kwargs):
         if _hook._is_path(filename):
-            path = _hook._target(filename)
-            _hook._files.wait(path)
-            err = _hook._files.take_error(path)
-            if err is not None:
-                raise err
+            _hook._files.settle(_hook._target(filename))
         return orig_load_file(filename, *args, **kwargs)
 
-    for fn, orig in ((save_file, orig_save_file), (load_file, orig_load_file)):
-        fn._ckpt_sidecar_hook = True
-        fn.__wrapped__ = orig
-        fn.__doc__ = orig.__doc__
-        fn.__name__ = orig.__name__
+    _hook.mark_hooked((save_file, orig_save_file), (load_file, orig_load_file))
     st.save_file, st.load_file = save_file, load_file

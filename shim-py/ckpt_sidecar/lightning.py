@@ -53,9 +53,7 @@ def save_torch(obj, path):
 
     orig = getattr(torch.save, "__wrapped__", torch.save)  # the original when the hook replaced it
     path = _hook._target(path)
-    err = _hook._files.take_error(path)
-    if err is not None:
-        raise err
+    _hook._files.raise_error(path)
     if not _hook._atomic_write_possible(path):
         _hook._files.wait(path)
         return orig(obj, path)
@@ -102,11 +100,7 @@ class SidecarCheckpointIO(TorchCheckpointIO):
     def _settle(self, path):
         """Waits for `path`'s pending write; its failure, if any, raised."""
         if _local(path):
-            target = _hook._target(str(path).removeprefix("file://"))
-            _hook._files.wait(target)
-            err = _hook._files.take_error(target)
-            if err is not None:
-                raise err
+            _hook._files.settle(_hook._target(str(path).removeprefix("file://")))
 
     def load_checkpoint(self, path, *args, **kwargs):  # map_location, weights_only (Lightning >= 2.6)
         self._settle(path)
@@ -123,8 +117,6 @@ class SidecarCheckpointIO(TorchCheckpointIO):
     def teardown(self):
         _hook._files.wait(None)
         for path in sorted(self._paths):
-            err = _hook._files.take_error(path)
-            if err is not None:
-                raise err
+            _hook._files.raise_error(path)
         self._paths.clear()
         return super().teardown()

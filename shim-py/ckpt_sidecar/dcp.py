@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from . import _cuda
 from ._tree import Flattener
 from .checkpointer import Checkpointer
+from .errors import InvalidArgument
 
 METADATA_BLOB = "dcp.metadata.pkl"
 
@@ -101,6 +102,7 @@ class _DeviceStaging:
         self.worker = None  # DCP's background thread, from its first call into the writer
         self.cv = threading.Condition()
         self.handle = None
+        self.error = None  # why async_save cannot stage so (synchronize_staging raises it)
         self.over = False  # sent (handle set) or given up (the send failed)
 
     def seen_from(self, thread):
@@ -111,6 +113,11 @@ class _DeviceStaging:
     def sent(self, handle):
         with self.cv:
             self.handle, self.over = handle, True
+            self.cv.notify_all()
+
+    def refuse(self, err):
+        with self.cv:
+            self.error, self.over = err, True
             self.cv.notify_all()
 
     def wait_sent(self):
@@ -193,8 +200,26 @@ class SidecarWriter(StorageWriter):
         h = st.wait_sent()
         if self._staging is st:
             self._staging = None  # sent: a later dcp.save with this writer is fenced on its own thread's stream
+        if st.error is not None:
+            raise st.error
         if h is not None:
             h.wait_copy_on_stream()
+
+    def __getstate__(self):
+        # async_save's PROCESS executor pickles the writer to its daemon: the
+        # part would be sent from there, and this process could not make the
+        # trainer's stream wait on its copy (the tensors kept in place could
+        # change before it). Refused, here and in synchronize_staging.
+        st = self._staging
+        if st is not None:
+            err = InvalidArgument("SidecarWriter stages CUDA tensors in place (the sidecar's device copy is the "
+                                  "staging): use dcp.async_save's thread executor (AsyncCheckpointerType.THREAD, "
+                                  "the default), not PROCESS", InvalidArgument.code)
+            st.refuse(err)
+            raise err
+        if self._ck is not None:
+            raise TypeError("a SidecarWriter in use (its Checkpointer connected) cannot be pickled")
+        return dict(self.__dict__)
 
     def close(self):
         if self._ck is not None:

@@ -96,3 +96,32 @@ def test_dcp_async_save_stages_through_the_sidecar_writer_not_torchs_default_sta
     got = {"w": torch.zeros(1000), "meta": {"epoch": 0}}
     dcp.load(got, storage_reader=SidecarReader(sidecar.dir, step=3, socket=sidecar.socket, spawn=False), no_dist=True)
     assert torch.equal(got["w"], torch.arange(1000, dtype=torch.float32)) and got["meta"] == {"epoch": 2}
+
+
+def test_a_writer_staging_device_memory_pickled_to_async_saves_process_executor_is_refused_not_a_hang(tmp_path):
+    """async_save's PROCESS executor pickles the writer to its daemon, which
+    would send the part from there: synchronize_staging would wait for a send
+    this process never sees, and the tensors kept in place could change
+    before the copy. Pickling refuses, and so does synchronize_staging, at
+    once. (No driver needed: staging touches no device memory.)"""
+    import pickle
+
+    import ckpt_sidecar as cs
+    from ckpt_sidecar.dcp import SidecarWriter
+
+    class DeviceArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x7000_0000, False), "version": 3,
+                                    "strides": None, "stream": None}
+
+    host = SidecarWriter(tmp_path / "ck")
+    host.stage({"h": torch.ones(4)})
+    assert not host.should_synchronize_after_execute
+    assert pickle.loads(pickle.dumps(host)).dir == host.dir  # host state: the PROCESS executor works as before
+    w = SidecarWriter(tmp_path / "ck")
+    leaf = DeviceArray()
+    assert w.stage({"d": leaf, "h": torch.ones(4)})["d"] is leaf
+    assert w.should_synchronize_after_execute
+    with pytest.raises(cs.InvalidArgument, match="AsyncCheckpointerType.THREAD"):
+        pickle.dumps(w)
+    with pytest.raises(cs.InvalidArgument, match="AsyncCheckpointerType.THREAD"):
+        w.synchronize_staging()

@@ -57,16 +57,20 @@ def device_leaf(ref, obj, torch):
     return None
 
 
-def streams_now(dev, objs, torch):
+def streams_now(dev, objs, torch, torch_stream=None):
     """The streams the device leaves `dev` ([(index, ref)] into `objs`) are
     fenced on now: a kept save plan asks again at each save (torch's current
-    stream may have changed; one query per device)."""
+    stream may have changed; one query per device). `torch_stream`: the
+    stream (a handle) of every torch CUDA tensor instead of this thread's
+    current one (a save sent from another thread than the trainer's)."""
     out, per_device = [], {}
     for i, ref in dev:
         o = objs[i]
         if ref.kind == "cuda":
             s = o.__cuda_array_interface__.get("stream")
             s = 0 if s is None else int(s)
+        elif torch_stream is not None:
+            s = int(torch_stream)
         else:
             s = per_device.get(o.device)
             if s is None:

@@ -948,18 +948,22 @@ class Checkpointer:
             blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
         return self._save_leaves(step, leaves, blobs_py, t0)
 
-    def _save_leaves(self, step, leaves, blobs_py, t0):
+    def _save_leaves(self, step, leaves, blobs_py, t0, stream=None):
         """Sends [(TensorRef, tensor)] and [(blob name, bytes)] as `step` (this
         rank's part when the world size is above 1), with no plan kept for
-        later saves; returns the SaveHandle."""
+        later saves; returns the SaveHandle. `stream`: the CUDA stream (a
+        handle) torch CUDA tensors in place are fenced on, for a caller on
+        another thread than the one that wrote them (dcp.async_save's
+        background thread); None: this thread's current stream."""
         with self._mu:
             self._ensure()
             plan, _direct, copy_bytes, streams = self._plan(leaves)
             c = _SavePlan(plan, copy_bytes, None, streams)
-            return self._send(step, c, [o for _, o in leaves], blobs_py, t0)
+            return self._send(step, c, [o for _, o in leaves], blobs_py, t0, stream)
 
-    def _send(self, step, c, objs, blobs_py, t0):
-        """The copies into a save region, then the request (c: a _SavePlan)."""
+    def _send(self, step, c, objs, blobs_py, t0, stream=None):
+        """The copies into a save region, then the request (c: a _SavePlan;
+        `stream`: as _save_leaves)."""
         with self._mu:
             self._check_fits(step, c.tensor_bytes)
             region = self._take(c.copy_bytes) if c.copy_bytes else None
@@ -969,7 +973,7 @@ class Checkpointer:
                 blobs = c.blob_array(blobs_py)
                 sid = ctypes.c_uint64()
                 # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
-                streams = _cuda.streams_now(c.dev, objs, torch_module()) if c.dev else []
+                streams = _cuda.streams_now(c.dev, objs, torch_module(), stream) if c.dev else []
                 if len(streams) > 1:
                     raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
                                           f"({streams}); synchronize them onto one stream first")

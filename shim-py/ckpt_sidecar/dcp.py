@@ -19,10 +19,22 @@ Other ranks wait in `write_data` only until their part is copied
 (released); DCP's closing collective makes `dcp.save` return on every rank
 after the coordinator's `finish`, so after the commit.
 
-`dcp.async_save` uses the writer as its AsyncStager: `stage` copies every
-tensor once (detached, on the CPU; other values deep-copied), which is all
-the trainer waits for; DCP's background thread then runs the save above
-(the sidecar's own copy, write and commit) from that copy.
+CUDA tensors are never copied to the host by the trainer: `write_data`
+hands them to the sidecar in place (their allocations registered, a save
+fenced by an event on the stream they were written on), and the sidecar
+copies them into its staging on its own stream, as `Checkpointer.save` does.
+
+`dcp.async_save` uses the writer as its AsyncStager. `stage` copies every
+host tensor once (other values deep-copied) and keeps CUDA tensors (torch's,
+or `__cuda_array_interface__` objects) as they are: the sidecar's device
+copy is their staging. DCP's background thread then runs the save above;
+`synchronize_staging`, which async_save calls before it returns, waits on
+the trainer's CPU only until this rank's part is sent (DCP's planning, a
+message), then makes the trainer's stream (current at `stage`) wait until
+the sidecar has copied the device tensors (`SaveHandle.wait_copy_on_stream`):
+work queued on that stream after async_save returns (the optimizer step)
+runs after the copy, and the CPU never waits for the copy itself. A state
+with no CUDA tensor is staged by the copy alone, as before.
 
 Shards are our safetensors shards. torch's HuggingFaceStorageReader reads
 a step folder as plain safetensors: tensors whose one chunk is at the origin
@@ -33,6 +45,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import threading
 
 import numpy as np
 import torch
@@ -40,8 +53,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from . import _cuda
 from ._tree import Flattener
 from .checkpointer import Checkpointer
+from .errors import InvalidArgument
 
 METADATA_BLOB = "dcp.metadata.pkl"
 
@@ -55,15 +70,68 @@ def _item_name(index: MetadataIndex):
     return index.fqn
 
 
-def _copy(obj):
+def _stage_copy(obj, devices):
+    """The staged copy of `obj` for async_save: host tensors cloned, other
+    values deep-copied, and device memory (torch CUDA tensors, objects with
+    `__cuda_array_interface__`) kept as it is, its torch devices added to
+    `devices`: the sidecar's copy of it is its staging."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
+        if t.is_cuda:
+            devices.add(t.device)
+            return t
         return t.clone() if t.device.type == "cpu" else t.cpu()
+    if _cuda.interface(obj) is not None:
+        devices.add(None)
+        return obj
     if isinstance(obj, dict):
-        return type(obj)((k, _copy(v)) for k, v in obj.items())
+        return type(obj)((k, _stage_copy(v, devices)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_copy(v) for v in obj)
+        return type(obj)(_stage_copy(v, devices) for v in obj)
     return copy.deepcopy(obj)
+
+
+class _DeviceStaging:
+    """One async_save whose CUDA tensors the sidecar's copy stages: the
+    trainer's stream of them (current at stage), and this rank's part's
+    SaveHandle once DCP's background thread has sent it."""
+
+    def __init__(self, torch_stream):
+        self.torch_stream = torch_stream  # a handle, or None: no torch CUDA tensor (interface objects name theirs)
+        self.stager = threading.current_thread()
+        self.worker = None  # DCP's background thread, from its first call into the writer
+        self.cv = threading.Condition()
+        self.handle = None
+        self.error = None  # why async_save cannot stage so (synchronize_staging raises it)
+        self.over = False  # sent (handle set) or given up (the send failed)
+
+    def seen_from(self, thread):
+        if thread is not self.stager:
+            with self.cv:
+                self.worker = thread
+
+    def sent(self, handle):
+        with self.cv:
+            self.handle, self.over = handle, True
+            self.cv.notify_all()
+
+    def refuse(self, err):
+        with self.cv:
+            self.error, self.over = err, True
+            self.cv.notify_all()
+
+    def wait_sent(self):
+        """The part's SaveHandle once sent; None when DCP's background save
+        ended without sending it (its failure is the upload future's)."""
+        with self.cv:
+            while not self.over:
+                # Bounded waits only to notice a background thread that died
+                # in DCP's planning, before any call that would notify.
+                self.cv.wait(timeout=0.2)
+                w = self.worker
+                if w is not None and not w.is_alive():
+                    break
+            return self.handle
 
 
 def _done(value):
@@ -77,8 +145,17 @@ class SidecarWriter(StorageWriter):
     (None: the step after the newest committed one). Extra keyword
     arguments go to the Checkpointer (socket, staging, ...)."""
 
-    # AsyncStager: stage() returns when its copy is done.
+    # AsyncStager (a runtime-checked Protocol: async_save uses the writer as
+    # its stager only when it has every member, this property included;
+    # else torch's DefaultStager copies every tensor to the CPU itself).
+    # stage() returns when its copy is done; a stage of CUDA tensors (kept
+    # in place) sets it on the instance, to have async_save call
+    # synchronize_staging.
     _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self):
+        return self._synchronize_after_execute
 
     def __init__(self, dir, step=None, **checkpointer_kwargs):
         super().__init__()
@@ -87,6 +164,7 @@ class SidecarWriter(StorageWriter):
         self._kw = checkpointer_kwargs
         self._ck = None
         self._own_part = None
+        self._staging = None  # _DeviceStaging of the async_save in flight
         self.is_coordinator = False
 
     def _checkpointer(self):
@@ -95,11 +173,53 @@ class SidecarWriter(StorageWriter):
         return self._ck
 
     def stage(self, state_dict):
-        """One copy of the state the trainer may then change (AsyncStager)."""
-        return _copy(state_dict)
+        """The state as async_save saves it (AsyncStager): host tensors
+        copied, so the trainer may change them once this returns; CUDA
+        tensors kept in place, staged by the sidecar's device copy (see
+        synchronize_staging)."""
+        devices = set()
+        staged = _stage_copy(state_dict, devices)
+        self._staging = None
+        if devices:
+            torch_devices = [d for d in devices if d is not None]
+            stream = None
+            if len(torch_devices) == 1:
+                stream = torch.cuda.current_stream(torch_devices[0]).cuda_stream
+            self._staging = _DeviceStaging(stream)
+        self._synchronize_after_execute = self._staging is not None
+        return staged
 
     def synchronize_staging(self):
-        pass
+        """After a stage of CUDA tensors (async_save calls this before it
+        returns): waits until DCP's background thread has sent this rank's
+        part, then makes the stream the tensors were written on wait until
+        the sidecar has copied them, without the CPU waiting for the copy."""
+        st = self._staging
+        if st is None:
+            return
+        h = st.wait_sent()
+        if self._staging is st:
+            self._staging = None  # sent: a later dcp.save with this writer is fenced on its own thread's stream
+        if st.error is not None:
+            raise st.error
+        if h is not None:
+            h.wait_copy_on_stream()
+
+    def __getstate__(self):
+        # async_save's PROCESS executor pickles the writer to its daemon: the
+        # part would be sent from there, and this process could not make the
+        # trainer's stream wait on its copy (the tensors kept in place could
+        # change before it). Refused, here and in synchronize_staging.
+        st = self._staging
+        if st is not None:
+            err = InvalidArgument("SidecarWriter stages CUDA tensors in place (the sidecar's device copy is the "
+                                  "staging): use dcp.async_save's thread executor (AsyncCheckpointerType.THREAD, "
+                                  "the default), not PROCESS", InvalidArgument.code)
+            st.refuse(err)
+            raise err
+        if self._ck is not None:
+            raise TypeError("a SidecarWriter in use (its Checkpointer connected) cannot be pickled")
+        return dict(self.__dict__)
 
     def close(self):
         if self._ck is not None:
@@ -110,9 +230,13 @@ class SidecarWriter(StorageWriter):
         if checkpoint_id is not None:
             self.dir = str(checkpoint_id)
         self._own_part = None
+        if self._staging is not None:
+            self._staging.seen_from(threading.current_thread())
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
         self.is_coordinator = is_coordinator
+        if self._staging is not None:
+            self._staging.seen_from(threading.current_thread())
 
     def prepare_local_plan(self, plan):
         return plan
@@ -135,9 +259,14 @@ class SidecarWriter(StorageWriter):
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 t = np.frombuffer(raw, dtype=np.uint8).copy()
                 n = t.nbytes
+            elif (cai := _cuda.interface(data)) is not None:
+                # Device memory by address (CuPy, Numba): the sidecar copies it in place.
+                t = data
+                n = int(np.prod(tuple(cai["shape"]), dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
             else:
                 t = data.detach()
-                if t.device.type != "cpu":
+                # CUDA tensors go in place (the sidecar's device copy); other devices' through the host.
+                if t.device.type != "cpu" and not t.is_cuda:
                     t = t.cpu()
                 n = t.numel() * t.element_size()
             named[name] = t
@@ -156,7 +285,17 @@ class SidecarWriter(StorageWriter):
         fl.walk(named)
         for ref, _ in fl.leaves:
             assert ref.name in named, f"tensor name {ref.name!r} does not survive as a stored name"
-        return ck._save_leaves(step, fl.leaves, blobs, 0.0)
+        st = self._staging
+        try:
+            # From async_save's background thread: fenced on the trainer's stream, as of stage().
+            h = ck._save_leaves(step, fl.leaves, blobs, 0.0, st.torch_stream if st is not None else None)
+        except BaseException:
+            if st is not None:
+                st.sent(None)
+            raise
+        if st is not None:
+            st.sent(h)
+        return h
 
     def finish(self, metadata: Metadata, results):
         storage_md = {}

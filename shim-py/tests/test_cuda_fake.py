@@ -447,3 +447,114 @@ ASYNC_POOL = fake_cuda_script(r"""
 def test_memory_of_a_stream_ordered_pool_is_refused_naming_cudamallocasync(tmp_path):
     got = run_script_json(tmp_path, "pool.py", ASYNC_POOL, 2_000)
     assert got["error"] and "cudaMallocAsync" in got["error"] and "backend:cudaMallocAsync" in got["error"], got
+
+
+DCP_ASYNC_STAGE = fake_cuda_script(r"""
+    import ctypes, json, os, sys, threading
+    import numpy as np
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.staging import AsyncStager
+    import ckpt_sidecar as cs
+    from ckpt_sidecar.dcp import SidecarWriter
+
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=1500000)
+    stats = os.environ["FAKE_CUDA_STATS_DIR"]
+    N = 1 << 18
+    base = ctypes.c_uint64()
+    ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(4 * N)), "cuMemAlloc_v2")
+    saved = np.arange(N, dtype="<f4") * 0.5
+    next_step = -saved
+    ok(cu.cuMemcpyHtoD_v2(base, saved.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(saved.nbytes)), "fill")
+
+    class DeviceArray:
+        def __init__(self, ptr, shape, typestr, stream):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                             "strides": None, "version": 3, "stream": stream}
+
+    def sidecar_stat(key):
+        for f in os.listdir(stats):
+            if f != str(os.getpid()) and not f.endswith(".tmp"):
+                for line in open(os.path.join(stats, f)):
+                    k, v = line.split()
+                    if k == key:
+                        return int(v)
+        return None
+
+    class Planner:
+        # What DCP's planner hands write_data: each item's data from the staged state.
+        def __init__(self, staged):
+            self.staged = staged
+        def resolve_data(self, item):
+            return self.staged[item.index.fqn]
+
+    w = SidecarWriter(sys.argv[1], step=5, staging="64MiB")
+    dev_leaf, host = DeviceArray(base.value, (N,), "<f4", stream.value), torch.arange(16, dtype=torch.float32)
+    state = {"w": dev_leaf, "bias": host}
+    out = {"is_async_stager": isinstance(w, AsyncStager)}
+    # async_save's order: stage on the trainer's thread, the save on DCP's
+    # background thread, synchronize_staging on the trainer's thread.
+    staged = w.stage(state)
+    out["device_leaf_kept"] = staged["w"] is dev_leaf
+    out["host_copied"] = staged["bias"] is not host and bool(torch.equal(staged["bias"], host))
+    out["synchronize"] = w.should_synchronize_after_execute
+    err = []
+
+    def background():
+        try:
+            w.reset()
+            w.set_up_storage_writer(True)
+            items = [WriteItem(index=MetadataIndex(k), type=WriteItemType.TENSOR) for k in ("w", "bias")]
+            plans = w.prepare_global_plan([w.prepare_local_plan(SavePlan(items))])
+            results = w.write_data(plans[0], Planner(staged)).wait()
+            w.finish(Metadata(state_dict_metadata={}), [results])
+        except Exception as e:
+            err.append(repr(e))
+
+    t = threading.Thread(target=background)
+    t.start()
+    w.synchronize_staging()
+    h = w._checkpointer()._last
+    # The CPU did not wait for the sidecar's copy (1.5 s late): the stream does.
+    out["state_after_synchronize"] = h.state() if h is not None else None
+    host.add_(1000.0)
+    # The next step's write to the staged tensor, queued at once on the trainer's stream.
+    ok(cu.cuMemcpyHtoDAsync_v2(base, next_step.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(next_step.nbytes),
+                               stream), "next step")
+    t.join()
+    out["err"] = err
+    back = w._checkpointer().load(5, map_location="cpu")
+    out["device_snapshot_is_staged"] = bool(np.array_equal(np.asarray(back["w"]), saved))
+    out["host_snapshot_is_staged"] = bool(np.array_equal(np.asarray(back["bias"]), np.arange(16, dtype=np.float32)))
+    out["sidecar_imports_total"] = sidecar_stat("imports_total")
+    ok(cu.cuStreamSynchronize(stream), "sync")
+    now = np.empty_like(saved)
+    ok(cu.cuMemcpyDtoH_v2(now.ctypes.data_as(ctypes.c_void_p), base, ctypes.c_size_t(now.nbytes)), "read back")
+    out["device_has_next_step"] = bool(np.array_equal(now, next_step))
+    w.close()
+    ok(cu.cuMemFree_v2(base), "cuMemFree")
+    print(json.dumps(out))
+""")
+
+
+def test_dcp_async_save_stages_device_tensors_by_the_sidecars_copy_not_a_trainer_side_host_copy(tmp_path):
+    """SidecarWriter as async_save's stager, driven in async_save's order
+    (torch's own CUDA cannot run on the fake driver): stage keeps the device
+    leaf itself (no host copy by the trainer) and copies host tensors;
+    synchronize_staging returns while the sidecar's copy (1.5 s late) is
+    still pending; the next step's write queued on the trainer's stream
+    right after stays out of the checkpoint, which the sidecar copied from
+    the trainer's allocation (its import)."""
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    os.environ["FAKE_CUDA_STATS_DIR"] = str(stats)
+    try:
+        got = run_script_json(tmp_path, "dcp_stage.py", DCP_ASYNC_STAGE, 2_000)
+    finally:
+        del os.environ["FAKE_CUDA_STATS_DIR"]
+    assert got.pop("sidecar_imports_total", 0) >= 1, got
+    assert got == {"is_async_stager": True, "device_leaf_kept": True, "host_copied": True, "synchronize": True,
+                   "err": [], "state_after_synchronize": "pending", "device_snapshot_is_staged": True,
+                   "host_snapshot_is_staged": True, "device_has_next_step": True}, got

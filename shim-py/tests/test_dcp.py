@@ -71,3 +71,57 @@ def test_dcp_save_on_two_ranks_loads_in_one_process(tmp_path):
     got = template(2)
     dcp.load(got, storage_reader=SidecarReader(d))
     assert_same(got, {**state(0, 2, scale=2.0), **state(1, 2, scale=2.0)})
+
+
+def test_dcp_async_save_stages_through_the_sidecar_writer_not_torchs_default_stager(sidecar):
+    """async_save uses the writer as its stager only when the writer has every
+    member of torch's runtime-checked AsyncStager protocol; without
+    `should_synchronize_after_execute` torch's DefaultStager copied every
+    tensor (CUDA ones too) to the CPU on the trainer's thread instead."""
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    from ckpt_sidecar.dcp import SidecarReader, SidecarWriter
+
+    w = SidecarWriter(sidecar.dir, step=3, socket=sidecar.socket, spawn=False)
+    assert isinstance(w, AsyncStager)
+    staged = []
+    stage = w.stage
+    w.stage = lambda sd: staged.append(sorted(sd)) or stage(sd)
+    live = {"w": torch.arange(1000, dtype=torch.float32), "meta": {"epoch": 2}}
+    fut = dcp.async_save(live, storage_writer=w, no_dist=True)
+    live["w"].add_(1000.0)  # after async_save returned: not in the checkpoint
+    fut.result()
+    w.close()
+    assert staged == [["meta", "w"]]
+    got = {"w": torch.zeros(1000), "meta": {"epoch": 0}}
+    dcp.load(got, storage_reader=SidecarReader(sidecar.dir, step=3, socket=sidecar.socket, spawn=False), no_dist=True)
+    assert torch.equal(got["w"], torch.arange(1000, dtype=torch.float32)) and got["meta"] == {"epoch": 2}
+
+
+def test_a_writer_staging_device_memory_pickled_to_async_saves_process_executor_is_refused_not_a_hang(tmp_path):
+    """async_save's PROCESS executor pickles the writer to its daemon, which
+    would send the part from there: synchronize_staging would wait for a send
+    this process never sees, and the tensors kept in place could change
+    before the copy. Pickling refuses, and so does synchronize_staging, at
+    once. (No driver needed: staging touches no device memory.)"""
+    import pickle
+
+    import ckpt_sidecar as cs
+    from ckpt_sidecar.dcp import SidecarWriter
+
+    class DeviceArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x7000_0000, False), "version": 3,
+                                    "strides": None, "stream": None}
+
+    host = SidecarWriter(tmp_path / "ck")
+    host.stage({"h": torch.ones(4)})
+    assert not host.should_synchronize_after_execute
+    assert pickle.loads(pickle.dumps(host)).dir == host.dir  # host state: the PROCESS executor works as before
+    w = SidecarWriter(tmp_path / "ck")
+    leaf = DeviceArray()
+    assert w.stage({"d": leaf, "h": torch.ones(4)})["d"] is leaf
+    assert w.should_synchronize_after_execute
+    with pytest.raises(cs.InvalidArgument, match="AsyncCheckpointerType.THREAD"):
+        pickle.dumps(w)
+    with pytest.raises(cs.InvalidArgument, match="AsyncCheckpointerType.THREAD"):
+        w.synchronize_staging()

@@ -353,11 +353,9 @@ impl Store {
     /// this Store opened and locked (issue 19: a directory removed and made
     /// again under a live sidecar would otherwise be written without its
     /// lock, beside a `gc` or a second sidecar that took the new one's).
-    /// A read-only Store refuses here too: every write path checks this first.
+    /// A read-only Store refuses here too (commit and rollback check this first).
     pub fn check_dirs_unchanged(&self) -> Result<(), CommitError> {
-        if let Some(ro) = &self.read_only {
-            return Err(CommitError::ReadOnly(ro.clone()));
-        }
+        self.check_writable()?;
         for (p, &(dev, ino)) in self.paths.iter().zip(&self.ids) {
             match fs::metadata(p) {
                 Ok(m) if (m.dev(), m.ino()) == (dev, ino) => {}
@@ -367,6 +365,16 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    /// Refuses in a Store opened read-only ([`crate::read_only`]): checked
+    /// first by every write into the checkpoint directories (commits,
+    /// rollback, a rank's part and its commit; retention is skipped).
+    pub(crate) fn check_writable(&self) -> Result<(), CommitError> {
+        match &self.read_only {
+            Some(ro) => Err(CommitError::ReadOnly(ro.clone())),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn check_abort(&self, step: u64) -> Result<(), CommitError> {

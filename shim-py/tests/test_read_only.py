@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ckpt_sidecar as cs
-from conftest import sidecar_bin
+from ckpt_sidecar import _native
 
 CHILD = """
     import errno, os, socket, subprocess, sys, time
@@ -110,7 +110,7 @@ def test_a_read_only_checkpoint_directory_is_served_for_loads_and_refuses_saves(
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR") or k == "CKPT_SIDECAR_BIN"}
         env.update(TMPDIR=tmpdir, CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"))
         log = tmp_path / "ro-sidecar.log"
-        cmd = [sys.executable, "-c", textwrap.dedent(CHILD), str(d), str(tmp_path / "ro.sock"), sidecar_bin(), str(log)]
+        cmd = [sys.executable, "-c", textwrap.dedent(CHILD), str(d), str(tmp_path / "ro.sock"), _native.sidecar_binary(), str(log)]
         r = _read_only_bind(d, cmd, env)
         if r is None:
             pytest.skip("cannot bind-mount a directory read-only here (unshare -m and unshare -rm refused)")

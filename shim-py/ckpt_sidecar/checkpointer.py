@@ -649,7 +649,7 @@ class Checkpointer:
         # One sidecar per directory: the lock is inherited by the sidecar and held
         # until it exits, so a restarted trainer waits for a draining one. A
         # directory where no file can be made (read-only) gets no lock file
-        # here; the sidecar's own directory lock still keeps one owner.
+        # here: its sidecar serves loads only, without a lock (nothing writes).
         try:
             self._lock_fd = os.open(os.path.join(self.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:

@@ -29,6 +29,7 @@ use tracing::{info, warn};
 
 use ckpt_store::commit::{Store, StoreError, StoreOptions};
 use ckpt_store::lock::DirLock;
+use ckpt_store::read_only::ReadOnly;
 use crate::config;
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::io::IoPolicy;
@@ -57,6 +58,9 @@ pub struct DaemonOptions {
     pub shared: Option<PathBuf>,
     /// Serve metrics on this address (`crate::metrics`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// Serve loads only, without the directory lock (`--read-only`); a
+    /// directory that cannot be written is served so without it too.
+    pub read_only: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +159,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         shared: opts.shared.clone(),
         // Twice the part timeout: a live coordinator aborts long before.
         shared_stale_after: crate::committer::part_timeout() * 2,
+        read_only: if opts.read_only { ReadOnly::Always } else { ReadOnly::Auto },
         ..StoreOptions::new(opts.dirs.clone())
     })?;
     let locks = store.take_locks();
@@ -172,6 +177,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         Arc::new(AtomicBool::new(false)),
     );
     shared.shared_dir = store.shared_dir().map(Path::to_path_buf);
+    shared.read_only = store.read_only().cloned();
     let shared = Arc::new(shared);
     if let Some(d) = &shared.shared_dir {
         info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves");

@@ -155,6 +155,6 @@ pub fn error_code(e: &CommitError) -> ErrorCode {
         CommitError::Aborted { .. } => ErrorCode::ShuttingDown,
         CommitError::Unfilled { .. } => ErrorCode::Io,
         CommitError::PartsDisagree { .. } => ErrorCode::BadRequest,
-        CommitError::DirReplaced { .. } => ErrorCode::Io,
+        CommitError::DirReplaced { .. } | CommitError::ReadOnly(_) => ErrorCode::Io,
     }
 }

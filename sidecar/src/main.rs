@@ -156,6 +156,12 @@ struct DaemonArgs {
     /// e.g. 127.0.0.1:9464 (docs/metrics.md); port 0 picks a free one (logged).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
+    /// Serve loads (and ls, status) only: take no directory lock, run no
+    /// recovery, refuse saves and rollback. A directory whose lock file
+    /// cannot be written (a read-only file system, no write permission) is
+    /// served so without this flag too, as the log says at start.
+    #[arg(long)]
+    read_only: bool,
     #[command(flatten)]
     io: IoArgs,
 }
@@ -173,6 +179,7 @@ impl DaemonArgs {
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
             shared: self.shared.clone(),
             metrics: self.metrics,
+            read_only: self.read_only,
         })
     }
 }

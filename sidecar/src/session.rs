@@ -182,7 +182,9 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 peer.send(&Reply::Status { id, report: shared.report() });
             }
             Request::Rollback { id, step } => {
-                if shared.is_draining() || shared.is_aborting() {
+                if let Some(dir) = &shared.read_only {
+                    peer.send(&Reply::Error { id, code: ErrorCode::Io, message: format!("rollback to step {step}: {dir}") });
+                } else if shared.is_draining() || shared.is_aborting() {
                     peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: the sidecar is shutting down") });
                 } else if shared.commit_tx.send(Work::Rollback(RollbackJob { id, step, peer: peer.clone() })).is_err() {
                     peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });

@@ -47,6 +47,8 @@ pub enum SaveError {
     ShuttingDown,
     #[error("aborted: {0}")]
     Aborted(&'static str),
+    #[error("step {step}: {dir}")]
+    ReadOnly { step: u64, dir: ckpt_store::read_only::ReadOnlyDir },
 }
 
 impl SaveError {
@@ -56,6 +58,7 @@ impl SaveError {
             SaveError::BadRegion(_) => ErrorCode::BadRegion,
             SaveError::TooLarge(_) => ErrorCode::TooLarge,
             SaveError::ShuttingDown | SaveError::Aborted(_) => ErrorCode::ShuttingDown,
+            SaveError::ReadOnly { .. } => ErrorCode::Io,
         }
     }
 }
@@ -675,6 +678,10 @@ pub fn run_save(
     // before it went is served (checked once planned, below).
     if shared.is_aborting() || (shared.is_draining() && !peer.is_gone()) {
         return fail(SaveError::ShuttingDown);
+    }
+    if let Some(dir) = &shared.read_only {
+        // Before anything is planned or copied.
+        return fail(SaveError::ReadOnly { step, dir: dir.clone() });
     }
     if step > format::STEP_MAX {
         return fail(SaveError::BadRequest(format!("step {step} is above the largest step {}", format::STEP_MAX)));

@@ -100,6 +100,9 @@ pub struct Shared {
     /// Several nodes: the steps this sidecar coordinates now (the committer's
     /// `nodes` keeps it current), for status.
     pub coordinating: Mutex<Vec<u64>>,
+    /// The store was opened read-only (set once at start): saves and
+    /// rollbacks are refused with its text, loads served.
+    pub read_only: Option<ckpt_store::read_only::ReadOnlyDir>,
 }
 
 impl Shared {
@@ -133,6 +136,7 @@ impl Shared {
             last: Mutex::new(None),
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
+            read_only: None,
         }
     }
 

@@ -36,6 +36,7 @@ use crate::mem::AlignedBuf;
 use crate::progress::Progress;
 use crate::recovery::{self, RecoveryReport};
 use crate::lock::{DirLock, LockError};
+use crate::read_only::{self, ReadOnly, ReadOnlyDir};
 use crate::retention::{self, Retention};
 use crate::rollback::{self, RollbackError};
 
@@ -62,6 +63,9 @@ pub struct StoreOptions {
     /// multi-rank temp folders untouched for `shared_stale_after` are removed.
     pub shared: Option<PathBuf>,
     pub shared_stale_after: Duration,
+    /// Whether a directory that cannot be written is opened read-only
+    /// (no lock, no recovery, writes refused: [`crate::read_only`]).
+    pub read_only: ReadOnly,
 }
 
 impl StoreOptions {
@@ -77,6 +81,7 @@ impl StoreOptions {
             lock_socket: None,
             shared: None,
             shared_stale_after: Duration::from_secs(config::SHARED_STALE_AFTER_DEFAULT_S),
+            read_only: ReadOnly::Never,
         }
     }
 }
@@ -97,6 +102,9 @@ pub enum StoreError {
     NotADir(PathBuf),
     #[error(transparent)]
     Locked(#[from] LockError),
+    /// A directory this opener must write (`gc`, `rollback`) cannot be.
+    #[error("{}: the checkpoint directory is read-only ({source}); {role} writes there and cannot run (`ckpt-sidecar serve` serves loads from it read-only)", dir.display())]
+    ReadOnly { dir: PathBuf, role: String, source: io::Error },
     #[error("shared directory {} does not exist: it must be the one directory every node sees (create it there; a missing one is often a shared file system not mounted on this node)", .0.display())]
     NoSharedDir(PathBuf),
 }
@@ -137,6 +145,9 @@ pub enum CommitError {
     /// Store opened and locked (removed, or removed and made again).
     #[error("{}: the checkpoint directory was {what} after this process opened it, so its one-owner lock is not on the directory there now; saves are refused until the sidecar is restarted", dir.display())]
     DirReplaced { dir: PathBuf, what: &'static str },
+    /// The Store was opened read-only ([`crate::read_only`]).
+    #[error("{0}")]
+    ReadOnly(ReadOnlyDir),
 }
 
 impl CommitError {
@@ -202,12 +213,15 @@ pub struct Store {
     /// (st_dev, st_ino) of each of `paths` when they were locked: a commit
     /// first checks that each path still names that directory.
     ids: Vec<(u64, u64)>,
+    /// Opened read-only: no locks, no recovery, every write refused.
+    read_only: Option<ReadOnlyDir>,
 }
 
 impl Store {
     /// Creates missing directories (with `opts.create`), locks every one
     /// (a directory held by another process is refused, naming it), chooses
-    /// the engine per directory, and runs recovery.
+    /// the engine per directory, and runs recovery; or, read-only
+    /// (`opts.read_only`, [`crate::read_only`]), neither locks nor recovers.
     pub fn open(opts: StoreOptions) -> Result<Store, StoreError> {
         if opts.dirs.is_empty() {
             return Err(StoreError::NoDirs);
@@ -221,16 +235,26 @@ impl Store {
             }
             paths.push(p);
         }
-        let mut locks = Vec::new();
+        let (locks, read_only) = lock_or_read_only(&paths, &opts)?;
         let mut ids = Vec::new();
         for p in &paths {
-            locks.push(DirLock::acquire(p, &opts.lock_role, opts.lock_socket.as_deref())?);
             let m = fs::metadata(p).map_err(|e| StoreError::Io { path: p.clone(), what: "look up directory", source: e })?;
             ids.push((m.dev(), m.ino()));
         }
+        if let Some(ro) = &read_only {
+            warn!(dir = %ro.dir.display(), why = %ro.why, "read-only: no directory lock, no recovery; loads are served, saves, rollback and gc refused");
+        }
         let mut dirs = Vec::new();
         for p in &paths {
-            let choice = eio::probe(p, opts.io)?;
+            // The write probe leaves nothing, but needs to write.
+            let choice = match read_only {
+                Some(_) => {
+                    let mut c = eio::probe_for_read(p, opts.io)?.0;
+                    c.why.push("read-only: not probed for writes".into());
+                    c
+                }
+                None => eio::probe(p, opts.io)?,
+            };
             let mut engine = choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
             if let Some(plan) = &opts.faults {
                 engine = Box::new(FaultyEngine::new(engine, plan.clone()));
@@ -239,9 +263,14 @@ impl Store {
             dirs.push(TargetDir { path: p.clone(), choice, engine });
         }
         let shared = match &opts.shared {
-            Some(d) => Some(open_shared(d, &paths, &opts)?),
+            Some(d) => Some(open_shared(d, &paths, &opts, read_only.is_some())?),
             None => None,
         };
+        if read_only.is_some() {
+            // Recovery writes (removes leftovers, repairs `latest`); readers
+            // skip temp folders and fall back past a `latest` that fails.
+            return Ok(Store { locks, dirs, paths, opts, recovery: RecoveryReport::default(), abort: None, shared, ids, read_only });
+        }
         let mut recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
         if let Some(sh) = &shared {
             let removed = recovery::recover_shared(&sh.path, opts.shared_stale_after).map_err(|e| StoreError::Io { path: sh.path.clone(), what: "recovery of the shared directory", source: e })?;
@@ -256,7 +285,7 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids })
+        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids, read_only: None })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
@@ -285,6 +314,11 @@ impl Store {
 
     pub fn targets(&self) -> &[TargetDir] {
         &self.dirs
+    }
+
+    /// Opened read-only, and why ([`crate::read_only`]).
+    pub fn read_only(&self) -> Option<&ReadOnlyDir> {
+        self.read_only.as_ref()
     }
 
     pub fn recovery(&self) -> &RecoveryReport {
@@ -319,7 +353,9 @@ impl Store {
     /// this Store opened and locked (issue 19: a directory removed and made
     /// again under a live sidecar would otherwise be written without its
     /// lock, beside a `gc` or a second sidecar that took the new one's).
+    /// A read-only Store refuses here too (commit and rollback check this first).
     pub fn check_dirs_unchanged(&self) -> Result<(), CommitError> {
+        self.check_writable()?;
         for (p, &(dev, ino)) in self.paths.iter().zip(&self.ids) {
             match fs::metadata(p) {
                 Ok(m) if (m.dev(), m.ino()) == (dev, ino) => {}
@@ -329,6 +365,16 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    /// Refuses in a Store opened read-only ([`crate::read_only`]): checked
+    /// first by every write into the checkpoint directories (commits,
+    /// rollback, a rank's part and its commit; retention is skipped).
+    pub(crate) fn check_writable(&self) -> Result<(), CommitError> {
+        match &self.read_only {
+            Some(ro) => Err(CommitError::ReadOnly(ro.clone())),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn check_abort(&self, step: u64) -> Result<(), CommitError> {
@@ -382,7 +428,7 @@ impl Store {
     /// Applies the retention policy, if any; returns the steps deleted. A
     /// failure is logged: the newest checkpoint is committed either way.
     pub fn retain(&mut self) -> Vec<u64> {
-        let Some(policy) = self.opts.retention else { return Vec::new() };
+        let Some(policy) = self.opts.retention.filter(|_| self.read_only.is_none()) else { return Vec::new() };
         match retention::apply(&self.paths, policy) {
             Ok(deleted) => deleted,
             Err(e) => {
@@ -528,7 +574,7 @@ impl Store {
 /// missing mount would have each node commit into a local folder of its own
 /// and wait for the others' parts forever), never one of the node's own
 /// directories, probed for its engine (no lock: every node's sidecar opens it).
-fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions) -> Result<TargetDir, StoreError> {
+fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions, read_only: bool) -> Result<TargetDir, StoreError> {
     check_dir(d, false).map_err(|e| match e {
         StoreError::NoSuchDir(p) => StoreError::NoSharedDir(p),
         e => e,
@@ -537,13 +583,36 @@ fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions) -> Result<Targe
     if paths.contains(&p) {
         return Err(StoreError::DuplicateDir(p));
     }
-    let choice = eio::probe(&p, opts.io)?;
+    let choice = if read_only { eio::probe_for_read(&p, opts.io)?.0 } else { eio::probe(&p, opts.io)? };
     let mut engine = choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
     if let Some(plan) = &opts.faults {
         engine = Box::new(FaultyEngine::new(engine, plan.clone()));
     }
     info!(dir = %p.display(), engine = %choice.name(), why = %choice.why.join("; "), "shared directory (several nodes)");
     Ok(TargetDir { path: p, choice, engine })
+}
+
+/// Locks every directory, or, as `opts.read_only` says, none: with
+/// `Always`, or with `Auto` when a lock file cannot be opened for writing
+/// (the locks already taken are dropped: a read-only Store holds none).
+fn lock_or_read_only(paths: &[PathBuf], opts: &StoreOptions) -> Result<(Vec<DirLock>, Option<ReadOnlyDir>), StoreError> {
+    if opts.read_only == ReadOnly::Always {
+        return Ok((Vec::new(), Some(ReadOnlyDir { dir: paths[0].clone(), why: "--read-only".into() })));
+    }
+    let mut locks = Vec::new();
+    for p in paths {
+        match DirLock::acquire(p, &opts.lock_role, opts.lock_socket.as_deref()) {
+            Ok(l) => locks.push(l),
+            Err(LockError::Io { source, .. }) if read_only::is_read_only_error(&source) => {
+                if opts.read_only == ReadOnly::Auto {
+                    return Ok((Vec::new(), Some(ReadOnlyDir { dir: p.clone(), why: source.to_string() })));
+                }
+                return Err(StoreError::ReadOnly { dir: p.clone(), role: opts.lock_role.clone(), source });
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok((locks, None))
 }
 
 /// Writes every shard of directory `dir_idx` into `tmp` and syncs them;

@@ -10,7 +10,8 @@
 //! [`recovery`] and [`retention`] keep the directories clean; [`rollback`]
 //! makes an older checkpoint the head of the timeline again; [`atomic`]
 //! writes one file at a path atomically (the torch.save hook's files);
-//! [`lock`] makes one process the owner of a directory. See ARCHITECTURE.md
+//! [`lock`] makes one process the owner of a directory, and [`read_only`]
+//! serves a directory that cannot be written without it. See ARCHITECTURE.md
 //! for the map and docs/format.md for the format.
 
 pub mod atomic;
@@ -28,6 +29,7 @@ pub mod mem;
 pub mod nodes;
 pub mod progress;
 pub mod ranks;
+pub mod read_only;
 pub mod recovery;
 pub mod restore;
 pub mod retention;

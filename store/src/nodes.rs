@@ -176,6 +176,7 @@ impl Store {
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],
     ) -> Result<PartReport, CommitError> {
+        self.check_writable()?;
         crate::image::validate_blobs(blobs)?;
         assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory");
         assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
@@ -271,6 +272,7 @@ impl Store {
     /// `step-…` (the commit point), the shared directory synced, `latest`
     /// moved, retention applied there. On failure the caller aborts.
     pub fn commit_ranks(&mut self, step: u64, world_size: u32) -> Result<CommitReport, CommitError> {
+        self.check_writable()?;
         let t0 = Instant::now();
         let shared = self.shared_or_panic().to_path_buf();
         if catalog::is_committed(&shared, step) {

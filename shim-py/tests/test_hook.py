@@ -333,7 +333,7 @@ def test_hook_first_files_survive_a_sigkill_right_after_torch_save(tmp_path):
             assert r.returncode == -9, r.stderr
             # A file the sidecar took is written by it after the kill: wait
             # for it to finish and exit (its private folder then removed).
-            wait_until(lambda: os.listdir(private) == [], 30, lambda: f"the sidecar's folder empties: {os.listdir(private)}")
+            wait_until(lambda: os.listdir(private) == [], 120, lambda: f"the sidecar's folder empties: {os.listdir(private)}")
             assert sorted(os.listdir(d)) == ["a.pt", "b.pt"], (run, os.listdir(d), r.stderr)
             assert torch.equal(torch.load(d / "a.pt")["w"], torch.zeros(1000)), run
             assert torch.equal(torch.load(d / "b.pt")["w"], torch.ones(1000)), run

@@ -10,10 +10,15 @@
 //!
 //! Invariants:
 //! - leases are disjoint, block-aligned ranges of the buffer; only the
-//!   holder of a lease creates references into its range, and nothing ever
-//!   creates a reference to the whole buffer (the committer hands the buffer
-//!   to `Store::commit`, which only takes its address), so concurrent copies
-//!   into one lease and writes to disk from another are sound;
+//!   holder of a lease creates references into its range, and only while no
+//!   copy fills it ([`Lease::as_slice`] and [`Lease::as_mut_slice`] assert
+//!   that its filler ended), so concurrent copies into one lease and writes
+//!   to disk from another are sound;
+//! - nothing creates a reference to the whole buffer, by type: it is a
+//!   [`SharedBuf`] (an address and a length, no slice), and what
+//!   [`Staging::buf`] and [`Lease::staging_buf`] hand out (for registration,
+//!   `Store::commit` and the like) is that, so only `unsafe` code reads or
+//!   writes it outside a lease's slices;
 //! - the resident image is given up before any save waits for space.
 
 use std::collections::BTreeMap;
@@ -24,7 +29,7 @@ use tracing::{info, warn};
 
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use ckpt_store::image::Layout;
-use ckpt_store::mem::AlignedBuf;
+use ckpt_store::mem::SharedBuf;
 use ckpt_store::progress::Progress;
 
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +61,7 @@ struct State {
 }
 
 pub struct Staging {
-    buf: Arc<AlignedBuf>,
+    buf: Arc<SharedBuf>,
     budget_bytes: u64,
     state: Mutex<State>,
     freed: Condvar,
@@ -69,7 +74,7 @@ impl Staging {
         let budget_bytes = budget_bytes / STAGING_ALIGN_BYTES as u64 * STAGING_ALIGN_BYTES as u64;
         assert!(budget_bytes >= config::STAGING_BYTES_MIN, "staging budget below the minimum (checked by the caller)");
         let t0 = Instant::now();
-        let buf = AlignedBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
+        let buf = SharedBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
         let locked = buf.try_lock();
         info!(budget_bytes, locked, seconds = t0.elapsed().as_secs_f64(), "staging memory allocated and pre-faulted");
         let mut free = BTreeMap::new();
@@ -82,8 +87,9 @@ impl Staging {
         }))
     }
 
-    /// The buffer, for registration with the I/O engines.
-    pub fn buf(&self) -> &Arc<AlignedBuf> {
+    /// The buffer, for registration with the I/O engines and CUDA: its
+    /// address and length only.
+    pub fn buf(&self) -> &Arc<SharedBuf> {
         &self.buf
     }
 
@@ -246,37 +252,55 @@ impl Lease {
         self.len_bytes
     }
 
-    /// The start of the range.
+    /// The start of the range. Writes through it are the caller's `unsafe`
+    /// to justify: while they may run, no slice of the lease may be taken
+    /// (the caller keeps `&mut self` borrowed, or marks the range
+    /// [`Lease::filled_by`] the copy).
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.staging.buf.as_ptr().wrapping_add(self.offset_bytes as usize) as *mut u8
+        self.staging.buf.as_ptr().wrapping_add(self.offset_bytes as usize)
+    }
+
+    /// Panics while a copy still fills the range through raw pointers (a
+    /// slice then would alias its writes): a broken invariant.
+    fn assert_not_filling(&self) {
+        assert!(self.filler.as_ref().is_none_or(|p| p.ended()), "a slice of a staging lease taken while its copy still fills it");
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.assert_not_filling();
         // SAFETY: offset..offset+len lies inside the live buffer (the
-        // allocator hands out only extents of it); the range is leased to
-        // this Lease alone (module invariant), and &mut self makes this
-        // borrow exclusive.
+        // allocator hands out only extents of it, and the Arc keeps it
+        // mapped); the range is leased to this Lease alone (module
+        // invariant); no copy writes it (asserted: a filler's writes end
+        // before its outcome is set, progress.rs; a copy without a filler
+        // holds `&mut` of this lease throughout, snapshot.rs); the kernel
+        // touches it only in a Store call that borrows this lease; and
+        // &mut self makes this borrow exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len_bytes as usize) }
     }
 
     pub fn as_slice(&self) -> &[u8] {
+        self.assert_not_filling();
         let p = self.staging.buf.as_ptr().wrapping_add(self.offset_bytes as usize);
         // SAFETY: as in as_mut_slice; &self means no &mut into this range
-        // exists, and no one else writes to a leased range.
+        // exists, and the kernel only reads it while this is borrowed
+        // (`Store::commit` from `staging_buf`).
         unsafe { std::slice::from_raw_parts(p, self.len_bytes as usize) }
     }
 
     /// The whole staging buffer, for `Store::commit` with a layout rebased
-    /// to this lease's offset. Store::commit only reads the buffer's
-    /// address, never forms a slice of it.
-    pub fn staging_buf(&self) -> &AlignedBuf {
+    /// to this lease's offset: its address and length only (a
+    /// [`SharedBuf`]); the store never forms a slice of it.
+    pub fn staging_buf(&self) -> &SharedBuf {
         &self.staging.buf
     }
 
     /// Marks the range as being filled by whoever drives `progress`: the
     /// holder may then move the lease on (to the committer) while the copy
-    /// goes on, and dropping it waits until the copy ended.
+    /// goes on, and dropping it waits until the copy ended; its slices
+    /// refuse until then. Once per lease.
     pub fn filled_by(&mut self, progress: Arc<Progress>) {
+        assert!(self.filler.is_none(), "a staging lease filled twice");
         self.filler = Some(progress);
     }
 }
@@ -314,6 +338,25 @@ mod tests {
         // Coalesced back into one extent: the whole budget fits.
         let (c, _) = s.acquire(4 << 20, "e", || None).unwrap();
         assert_eq!(c.len_bytes(), 4 << 20);
+    }
+
+    /// Issue 23: a lease handed on while its copy still wrote into it gave
+    /// out a slice of those bytes (aliasing the copy's raw writes).
+    #[test]
+    fn a_lease_gives_no_slice_while_its_copy_fills_it() {
+        let s = Staging::new(4 << 20).unwrap();
+        let (mut lease, _) = s.acquire(1 << 20, "a", || None).unwrap();
+        lease.as_mut_slice()[0] = 7;
+        let progress = Arc::new(Progress::new(vec![0], 1 << 20));
+        lease.filled_by(progress.clone());
+        let refused = |f: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+        assert!(refused(&mut || { let _ = lease.as_slice(); }), "a shared slice while filling");
+        assert!(refused(&mut || { let _ = lease.as_mut_slice(); }), "a mutable slice while filling");
+        assert!(refused(&mut || lease.filled_by(progress.clone())), "a second filler");
+        progress.finish(vec![]);
+        assert_eq!(lease.as_slice()[0], 7);
+        lease.as_mut_slice()[1] = 8;
+        assert_eq!(lease.as_slice()[..2], [7, 8]);
     }
 
     #[test]

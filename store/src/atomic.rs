@@ -27,7 +27,7 @@ use crate::catalog;
 use crate::commit::{CommitError, Store};
 use crate::config::{self, DIRECT_ALIGN_BYTES};
 use crate::io::{self as eio, DriveError, FileIo, IoEngine, OpKind};
-use crate::mem::AlignedBuf;
+use crate::mem::BufAddr;
 
 /// The temp name's marker, between the destination's name and a nonce.
 pub const FILE_TMP_MARKER: &str = ".ckpt-tmp-";
@@ -46,7 +46,7 @@ impl Store {
     /// Writes one file at `dest` (outside the checkpoint directories)
     /// atomically from `len_bytes` of `staging` at `offset_bytes`, with the
     /// primary directory's engine; see [`write_atomic`].
-    pub fn write_file(&mut self, dest: &Path, staging: &AlignedBuf, offset_bytes: u64, len_bytes: u64) -> Result<FileReport, CommitError> {
+    pub fn write_file(&mut self, dest: &Path, staging: &dyn BufAddr, offset_bytes: u64, len_bytes: u64) -> Result<FileReport, CommitError> {
         let (engine, chunk_bytes) = self.primary_engine(dest)?;
         write_atomic(engine, dest, staging, offset_bytes, len_bytes, chunk_bytes)
     }
@@ -121,7 +121,7 @@ fn link_unnamed(f: &File, to: &Path) -> io::Result<()> {
 pub fn write_atomic(
     engine: &mut dyn IoEngine,
     dest: &Path,
-    staging: &AlignedBuf,
+    staging: &dyn BufAddr,
     offset_bytes: u64,
     len_bytes: u64,
     chunk_bytes: usize,
@@ -147,7 +147,7 @@ fn write_temp(
     dest: &Path,
     dir: &Path,
     tmp: &TempFile,
-    staging: &AlignedBuf,
+    staging: &dyn BufAddr,
     offset_bytes: u64,
     len_bytes: u64,
     chunk_bytes: usize,
@@ -155,12 +155,13 @@ fn write_temp(
     t0: Instant,
 ) -> Result<FileReport, CommitError> {
     let io_len = if tmp.direct { config::align_up(len_bytes, DIRECT_ALIGN_BYTES) } else { len_bytes };
-    assert!(offset_bytes + io_len <= staging.len() as u64, "range outside staging");
+    assert!(offset_bytes + io_len <= staging.len_bytes() as u64, "range outside staging");
     let f = &tmp.file;
     crate::commit::reserve(f, io_len).map_err(|e| CommitError::io(dir, format!("reserve {io_len} bytes for {}", dest.display()), e).needing(io_len))?;
     let fio = FileIo { fd: f.as_raw_fd(), ptr: staging.as_ptr().wrapping_add(offset_bytes as usize) as *mut u8, io_len, file_len: len_bytes, window_bytes: 0 };
-    // SAFETY: `staging` is borrowed for the whole call and the range was
-    // checked above; drive() reaps every request before it returns.
+    // SAFETY: `staging` is live memory while borrowed (BufAddr's contract),
+    // borrowed for the whole call, and the range was checked above against
+    // its length; drive() reaps every request before it returns.
     unsafe { eio::drive(engine, OpKind::Write, std::slice::from_ref(&fio), chunk_bytes, |_, _| {}) }.map_err(|e| drive_error(dest, e))?;
     if io_len != len_bytes {
         f.set_len(len_bytes).map_err(|e| CommitError::io(dir, format!("truncate padding of {}", dest.display()), e))?;
@@ -191,6 +192,7 @@ fn drive_error(dest: &Path, e: DriveError) -> CommitError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mem::AlignedBuf;
 
     fn write_with(engine: &mut dyn IoEngine, dest: &Path, bytes: &[u8]) -> FileReport {
         let mut buf = AlignedBuf::new(config::align_up(bytes.len() as u64, 4096).max(4096) as usize).unwrap();

@@ -15,7 +15,7 @@ use crate::catalog;
 use crate::commit::{Store, StoreOptions};
 use crate::image::{Layout, LayoutOptions};
 use crate::io::IoPolicy;
-use crate::mem::AlignedBuf;
+use crate::mem::{AlignedBuf, SharedBuf};
 use crate::restore::{self, ReadOptions, Which};
 use crate::synthetic;
 
@@ -84,13 +84,14 @@ pub fn write(args: &WriteArgs) -> anyhow::Result<Figures> {
         None => catalog::committed_steps(store.primary())?.last().map_or(1, |s| s + 1),
     };
     let crcs = synthetic::stage(&layout, staging.as_mut_slice(), step);
-    let staging = Arc::new(staging);
+    // Registered: shared with the engines from now on, only its address used.
+    let staging = Arc::new(SharedBuf::from(staging));
     store.register_staging(&staging);
     let prepare_seconds = t_prep.elapsed().as_secs_f64();
 
     let cpu0 = cpu_now();
     let t0 = Instant::now();
-    let report = store.commit(step, &layout, &staging, &crcs, &[])?;
+    let report = store.commit(step, &layout, &*staging, &crcs, &[])?;
     let seconds = t0.elapsed().as_secs_f64();
     let cpu1 = cpu_now();
     let gib = report.bytes as f64 / (1u64 << 30) as f64;

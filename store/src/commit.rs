@@ -32,7 +32,7 @@ use crate::config;
 use crate::format::{self, FormatError, BLOBS_DIR_NAME, INDEX_FILE_NAME, TMP_PREFIX};
 use crate::image::{self, Blob, Layout};
 use crate::io::{self as eio, DriveError, EngineChoice, FaultPlan, FaultyEngine, FileIo, IoEngine, IoPolicy, OpKind};
-use crate::mem::AlignedBuf;
+use crate::mem::{BufAddr, SharedBuf};
 use crate::progress::Progress;
 use crate::recovery::{self, RecoveryReport};
 use crate::lock::{DirLock, LockError};
@@ -334,7 +334,7 @@ impl Store {
 
     /// Registers staging memory with every engine so writes from it skip page
     /// pinning. Refusal (e.g. RLIMIT_MEMLOCK) only costs speed and is logged.
-    pub fn register_staging(&mut self, buf: &Arc<AlignedBuf>) {
+    pub fn register_staging(&mut self, buf: &Arc<SharedBuf>) {
         for d in self.dirs.iter_mut().chain(self.shared.as_mut()) {
             if let Err(e) = d.engine.register(buf.clone()) {
                 warn!(dir = %d.path.display(), "staging memory not registered with io_uring ({e}); writes go unregistered");
@@ -401,7 +401,7 @@ impl Store {
         &mut self,
         step: u64,
         layout: &Layout,
-        staging: &AlignedBuf,
+        staging: &dyn BufAddr,
         tensor_crcs: &[u32],
         blobs: &[Blob<'_>],
     ) -> Result<CommitReport, CommitError> {
@@ -420,8 +420,10 @@ impl Store {
     /// ([`Store::retain`]), so whoever waits for the commit need not wait
     /// for deletions too. The caller keeps `staging` untouched below the
     /// ready prefix, and must not free the image before the filler ended
-    /// (even when this returns an error first).
-    pub fn commit_fed(&mut self, step: u64, layout: &Layout, staging: &AlignedBuf, progress: &Progress, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
+    /// (even when this returns an error first). Memory written by a filler
+    /// while shared belongs in a [`SharedBuf`] (no slices), not an
+    /// [`crate::mem::AlignedBuf`] (whose `&self` gives them out).
+    pub fn commit_fed(&mut self, step: u64, layout: &Layout, staging: &dyn BufAddr, progress: &Progress, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
         self.commit_filled(step, layout, staging, Fill::Fed(progress), blobs)
     }
 
@@ -438,12 +440,12 @@ impl Store {
         }
     }
 
-    fn commit_filled(&mut self, step: u64, layout: &Layout, staging: &AlignedBuf, fill: Fill<'_>, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
+    fn commit_filled(&mut self, step: u64, layout: &Layout, staging: &dyn BufAddr, fill: Fill<'_>, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
         let t0 = Instant::now();
         let step_name = format::step_dir_name(step)?;
         image::validate_blobs(blobs)?;
         assert_eq!(layout.opts.n_dirs, self.dirs.len(), "layout planned for another directory count");
-        assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
+        assert!(staging.len_bytes() as u64 >= layout.staging_len, "staging smaller than the layout");
         let span = info_span!("checkpoint", step, bytes = layout.file_bytes());
         let _enter = span.enter();
         self.check_dirs_unchanged()?;
@@ -482,7 +484,7 @@ impl Store {
         &mut self,
         step: u64,
         layout: &Layout,
-        staging: &AlignedBuf,
+        staging: &dyn BufAddr,
         fill: Fill<'_>,
         blobs: &[Blob<'_>],
         tmps: &[PathBuf],
@@ -624,7 +626,7 @@ pub(crate) fn write_shards(
     dir_idx: u32,
     tmp: &Path,
     layout: &Layout,
-    staging: &AlignedBuf,
+    staging: &dyn BufAddr,
     progress: Option<&Progress>,
     chunk_bytes: usize,
 ) -> Result<(Duration, Duration), CommitError> {
@@ -652,10 +654,13 @@ pub(crate) fn write_shards(
         });
         files.push(f);
     }
-    // SAFETY: `staging` is borrowed for this whole function, so every range
-    // stays valid until the driver returns, which reaps every request first;
-    // a fed image's filler writes nothing below its ready prefix (the
-    // caller's contract, commit_fed).
+    // SAFETY: every range lies inside `staging` (the caller asserted
+    // staging_len ≤ its length), which is live memory while borrowed
+    // (BufAddr's contract) and borrowed for this whole function, so every
+    // range stays valid until the driver returns, which reaps every request
+    // first; no reference to these bytes is formed here (only the kernel
+    // reads them), and a fed image's filler writes nothing below its ready
+    // prefix (the caller's contract, commit_fed).
     let r = unsafe {
         match progress {
             None => eio::drive(d.engine.as_mut(), OpKind::Write, &ios, chunk_bytes, |_, _| {}),

@@ -4,7 +4,8 @@
 //! disk, and nothing above it: this crate knows no socket, session, client
 //! or region, and depends on neither `ckpt-wire` nor `ckpt-shim`. The path of
 //! a checkpoint through it: a [`image::Layout`] places tensors into
-//! safetensors shards laid out in staging memory ([`mem::AlignedBuf`]); the
+//! safetensors shards laid out in staging memory ([`mem::AlignedBuf`], or a
+//! [`mem::SharedBuf`] shared with copy threads: the store takes its address); the
 //! [`commit::Store`] writes them with an [`io`] engine per target directory
 //! and commits atomically; [`restore`] reads and verifies them back;
 //! [`recovery`] and [`retention`] keep the directories clean; [`rollback`]

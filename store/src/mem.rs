@@ -4,6 +4,17 @@
 //! goes back to the hypervisor and costs ~2.2 s/GiB to touch again), so the
 //! engine allocates its buffers once, populated up front, and reuses them;
 //! the data path never maps memory. See DESIGN.md, "Memory discipline".
+//!
+//! Two owners, two kinds of access:
+//! - [`AlignedBuf`]: owned by one holder (a test, a bench, restore's own
+//!   read buffers), like a `Box<[u8]>`: slices through `&self`/`&mut self`.
+//! - [`SharedBuf`]: memory several threads and the kernel write at once
+//!   through raw pointers (the daemon's staging, carved into leases): only
+//!   its address and length, never a slice, so safe code cannot form a
+//!   reference to bytes someone else is writing. Whoever hands out parts
+//!   of it (the daemon's `Lease`) forms the slices, under its own invariant.
+//!
+//! The store's writers read either through its address alone ([`BufAddr`]).
 
 use std::io;
 use std::ptr::NonNull;
@@ -22,7 +33,8 @@ pub struct AlignedBuf {
 }
 
 // SAFETY: AlignedBuf owns its mapping exclusively, like a Box<[u8]>; shared
-// access only hands out `&[u8]`, mutable access needs `&mut self`.
+// access only hands out `&[u8]`, mutable access needs `&mut self`. Memory
+// that others write through pointers while it is shared is a SharedBuf.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as above; no interior mutability.
 unsafe impl Sync for AlignedBuf {}
@@ -124,6 +136,132 @@ impl AlignedBuf {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in as_slice, and &mut self makes the access exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// Memory shared by threads and the kernel that write it through raw
+/// pointers (the daemon's staging): an address and a length, nothing that
+/// forms a reference to its bytes. It owns its mapping (unmapped on drop)
+/// and is usually held in an `Arc` by everyone who may still touch it (the
+/// staging allocator, the io_uring it is registered with, the CUDA
+/// registration), so the address stays valid while any of them holds it.
+///
+/// Made from a filled [`AlignedBuf`] (`SharedBuf::from`) or fresh
+/// ([`SharedBuf::new`]); there is no way back to the `AlignedBuf` and its
+/// slices. Reading or writing through [`SharedBuf::as_ptr`] is `unsafe`
+/// and the caller's to justify (no one else writes the same bytes at the
+/// same time).
+///
+/// ```
+/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let (p, n) = (b.as_ptr(), b.len());
+/// assert!(!p.is_null() && n == 4096);
+/// ```
+///
+/// It has no slice, safe or not, and no way to borrow the buffer inside
+/// (each block fails to compile with the error named):
+///
+/// ```compile_fail,E0599
+/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let _: &[u8] = b.as_slice();
+/// ```
+///
+/// ```compile_fail,E0608
+/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let _: &[u8] = &b[..];
+/// ```
+///
+/// ```compile_fail,E0599
+/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let _: &[u8] = b.as_ref();
+/// ```
+///
+/// ```compile_fail,E0616
+/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let _: &ckpt_store::mem::AlignedBuf = &b.mem;
+/// ```
+pub struct SharedBuf {
+    /// Never lent out: its slice methods are not reachable from here.
+    mem: AlignedBuf,
+}
+
+// SharedBuf is Send and Sync through AlignedBuf; unlike AlignedBuf, its
+// bytes are written through shared access, which is sound because every
+// such access is a raw-pointer access in `unsafe` code: safe code gets no
+// reference to them.
+
+impl SharedBuf {
+    /// A fresh mapping, as [`AlignedBuf::new`].
+    pub fn new(len: usize) -> io::Result<SharedBuf> {
+        AlignedBuf::new(len).map(SharedBuf::from)
+    }
+
+    /// Tries to lock the pages in RAM, as [`AlignedBuf::try_lock`].
+    pub fn try_lock(&self) -> bool {
+        self.mem.try_lock()
+    }
+
+    pub fn len(&self) -> usize {
+        self.mem.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mem.len == 0
+    }
+
+    /// The start of the mapping, valid for `len()` bytes while `self` lives.
+    /// Any access through it is the caller's `unsafe` to justify.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mem.ptr.as_ptr()
+    }
+}
+
+impl From<AlignedBuf> for SharedBuf {
+    fn from(mem: AlignedBuf) -> SharedBuf {
+        SharedBuf { mem }
+    }
+}
+
+impl std::fmt::Debug for SharedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBuf({:p}, {} bytes)", self.mem.ptr, self.mem.len)
+    }
+}
+
+/// Memory that the store's writers read through its address alone (the
+/// kernel reads it for them): an owned [`AlignedBuf`] or shared staging
+/// ([`SharedBuf`]). `Store::commit`, `commit_fed`, `write_file` and
+/// `write_rank_part*` take `&dyn BufAddr`, so handing them shared staging
+/// forms no reference to its bytes.
+///
+/// # Safety
+/// `as_ptr()..as_ptr() + len_bytes()` is one live mapping, readable, with
+/// the same address and length for as long as `self` is borrowed.
+pub unsafe trait BufAddr: Sync {
+    fn as_ptr(&self) -> *const u8;
+    fn len_bytes(&self) -> usize;
+}
+
+// SAFETY: the mapping made in new(), unmapped only on drop, so it lives as
+// long as any borrow of self; ptr and len never change.
+unsafe impl BufAddr for AlignedBuf {
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn len_bytes(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as for AlignedBuf: it owns one.
+unsafe impl BufAddr for SharedBuf {
+    fn as_ptr(&self) -> *const u8 {
+        self.mem.ptr.as_ptr()
+    }
+
+    fn len_bytes(&self) -> usize {
+        self.mem.len
     }
 }
 

@@ -39,7 +39,7 @@ use crate::catalog;
 use crate::commit::{write_shards, write_small_file, CommitError, CommitReport, Fill, Store};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
-use crate::mem::AlignedBuf;
+use crate::mem::BufAddr;
 use crate::progress::Progress;
 use crate::ranks;
 
@@ -138,7 +138,7 @@ impl Store {
         &mut self,
         step: u64,
         layout: &Layout,
-        staging: &AlignedBuf,
+        staging: &dyn BufAddr,
         tensor_crcs: &[u32],
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],
@@ -159,7 +159,7 @@ impl Store {
         &mut self,
         step: u64,
         layout: &Layout,
-        staging: &AlignedBuf,
+        staging: &dyn BufAddr,
         progress: &Progress,
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],
@@ -171,7 +171,7 @@ impl Store {
         &mut self,
         step: u64,
         layout: &Layout,
-        staging: &AlignedBuf,
+        staging: &dyn BufAddr,
         fill: Fill<'_>,
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],
@@ -179,7 +179,7 @@ impl Store {
         self.check_writable()?;
         crate::image::validate_blobs(blobs)?;
         assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory");
-        assert!(staging.len() as u64 >= layout.staging_len, "staging smaller than the layout");
+        assert!(staging.len_bytes() as u64 >= layout.staging_len, "staging smaller than the layout");
         let shared = self.shared_or_panic().to_path_buf();
         if catalog::is_committed(&shared, step) {
             return Err(CommitError::AlreadyCommitted { step, dir: shared });
@@ -200,7 +200,7 @@ impl Store {
         step: u64,
         tmp: &Path,
         layout: &Layout,
-        staging: &AlignedBuf,
+        staging: &dyn BufAddr,
         fill: Fill<'_>,
         blobs: &[Blob<'_>],
         slices: &[SliceDecl],

@@ -42,7 +42,7 @@ use tracing::{debug, info, warn};
 use super::RegionError;
 use crate::config;
 use crate::staging::Staging;
-use ckpt_store::mem::AlignedBuf;
+use ckpt_store::mem::SharedBuf;
 
 /// What names a client's device allocation.
 pub enum CudaSource<'a> {
@@ -397,7 +397,7 @@ struct Pinned {
     _registration: Option<HostRegistration>,
     /// Keeps the registered pages mapped while registered (dropped after
     /// `registration`: fields drop in order).
-    buf: Arc<AlignedBuf>,
+    buf: Arc<SharedBuf>,
 }
 
 /// Page-locks the staging buffer for the device's copies (they then run at
@@ -418,7 +418,7 @@ fn pin_staging(staging: &Staging, device: i32) {
     *pinned = None;
     // SAFETY: `Pinned` keeps an Arc of the buffer for as long as the
     // registration lives and drops the registration first.
-    let registration = match unsafe { HostRegistration::new(buf.as_ptr().cast_mut(), buf.len(), device) } {
+    let registration = match unsafe { HostRegistration::new(buf.as_ptr(), buf.len(), device) } {
         Ok(r) => {
             info!(bytes = buf.len(), "staging page-locked for CUDA copies");
             Some(r)

@@ -37,7 +37,7 @@ pub use pool::PoolEngine;
 pub use uring::UringEngine;
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
-use crate::mem::AlignedBuf;
+use crate::mem::{AlignedBuf, SharedBuf};
 use crate::progress::Progress;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +89,7 @@ pub trait IoEngine: Send {
     /// Registers `buf` as fixed buffers (io_uring) so requests inside it skip
     /// the per-request page pinning; engines without the notion keep nothing.
     /// The engine keeps `buf` alive as long as it is registered.
-    fn register(&mut self, buf: Arc<AlignedBuf>) -> io::Result<()>;
+    fn register(&mut self, buf: Arc<SharedBuf>) -> io::Result<()>;
 }
 
 // ----------------------------------------------------------- engine choice
@@ -388,7 +388,7 @@ impl IoEngine for FaultyEngine {
         Ok(())
     }
 
-    fn register(&mut self, buf: Arc<AlignedBuf>) -> io::Result<()> {
+    fn register(&mut self, buf: Arc<SharedBuf>) -> io::Result<()> {
         self.inner.register(buf)
     }
 }
@@ -950,7 +950,7 @@ pub(crate) mod tests {
             Ok(())
         }
 
-        fn register(&mut self, _buf: Arc<AlignedBuf>) -> io::Result<()> {
+        fn register(&mut self, _buf: Arc<SharedBuf>) -> io::Result<()> {
             Ok(())
         }
     }

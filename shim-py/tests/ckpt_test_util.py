@@ -109,12 +109,28 @@ def fake_cuda_context(sidecar_copy_delay_us):
     stream = ctypes.c_void_p()
     ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
     return cu, ok, dev, ctx, stream
+class DeviceArray:
+    # What CuPy or Numba would hand over: device memory by address.
+    def __init__(self, ptr, shape, typestr, stream=None):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": stream}
+def sidecar_stat(stats, key):
+    # The fake's counter `key` of the spawned sidecar (the only other process
+    # writing into the stats folder FAKE_CUDA_STATS_DIR), or None.
+    for f in os.listdir(stats):
+        if f != str(os.getpid()) and not f.endswith(".tmp"):
+            for line in open(os.path.join(stats, f)):
+                k, v = line.split()
+                if k == key:
+                    return int(v)
+    return None
 """
 
 
 def fake_cuda_script(text):
     """A trainer script (indented source, dedented here) whose line
-    `{FAKE_CUDA_CONTEXT}` becomes the definition of fake_cuda_context."""
+    `{FAKE_CUDA_CONTEXT}` becomes the definitions of fake_cuda_context,
+    DeviceArray and sidecar_stat."""
     import textwrap
 
     return textwrap.dedent(text).replace("{FAKE_CUDA_CONTEXT}\n", FAKE_CUDA_CONTEXT)

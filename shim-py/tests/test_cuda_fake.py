@@ -51,11 +51,6 @@ TRAINER = fake_cuda_script(r"""
     base = ctypes.c_uint64()
     ok(cu.cuMemAlloc_v2(ctypes.byref(base), ctypes.c_size_t(1 << 20)), "cuMemAlloc_v2")
 
-    class DeviceArray:
-        # What CuPy or Numba would hand over: device memory by address.
-        def __init__(self, ptr, shape, typestr, stream):
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
-                                             "strides": None, "version": 3, "stream": stream}
 
     w = (np.arange(1000, dtype=np.float32) * 0.5 - 7).astype("<f4")
     b = np.arange(64 * 64, dtype="<i8").reshape(64, 64) * 3 - 5
@@ -207,10 +202,6 @@ GUARD_TRAINER = fake_cuda_script(r"""
     step_writes = -saved
     ok(cu.cuMemcpyHtoD_v2(base, saved.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(saved.nbytes)), "fill")
 
-    class DeviceArray:
-        def __init__(self, ptr, shape, typestr, stream):
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
-                                             "strides": None, "version": 3, "stream": stream}
 
     ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
     assert ck.list() == []
@@ -246,39 +237,16 @@ def test_guard_makes_the_next_step_wait_on_the_copy_on_its_stream_not_the_cpu(tm
     assert got == {"state_after_hook": "pending", "snapshot_is_saved": True, "device_has_step": True}, got
 
 
-REALLOC = textwrap.dedent(r"""
+REALLOC = fake_cuda_script(r"""
     import ctypes, json, os, sys
     import numpy as np
     import ckpt_sidecar as cs
 
-    cu = ctypes.CDLL("libcuda.so.1")
-    def ok(r, what):
-        if r != 0:
-            raise SystemExit(f"{what}: CUDA error {r}")
-    ok(cu.cuInit(0), "cuInit")
-    os.environ["FAKE_CUDA_COPY_DELAY_US"] = "2000"
+    {FAKE_CUDA_CONTEXT}
+    cu, ok, dev, ctx, stream = fake_cuda_context(sidecar_copy_delay_us=2000)
     stats = os.environ["FAKE_CUDA_STATS_DIR"]
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    stream = ctypes.c_void_p()
-    ok(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
 
-    class DeviceArray:
-        def __init__(self, ptr, shape, typestr, stream):
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
-                                             "strides": None, "version": 3, "stream": stream}
 
-    def sidecar_stat(key):
-        # The fake's counters of the spawned sidecar (the only other process writing there).
-        for f in os.listdir(stats):
-            if f != str(os.getpid()) and not f.endswith(".tmp"):
-                for line in open(os.path.join(stats, f)):
-                    k, v = line.split()
-                    if k == key:
-                        return int(v)
-        return None
 
     N = 1 << 20
     ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
@@ -295,7 +263,7 @@ REALLOC = textwrap.dedent(r"""
         ok(cu.cuMemcpyHtoDAsync_v2(base, v.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(N), stream), "write")
         ck.save(step, {"x": DeviceArray(base.value, (N // 4,), "<u4", stream.value)}).wait_durable(timeout=120)
     assert addrs[0] == addrs[1], f"the fake did not reuse the freed address: {addrs}"
-    opened, total = sidecar_stat("imports_open"), sidecar_stat("imports_total")
+    opened, total = sidecar_stat(stats, "imports_open"), sidecar_stat(stats, "imports_total")
     for step in (1, 2):
         got = ck.load(step, map_location="cpu")["x"]
         assert np.array_equal(got, want[step - 1]), f"step {step} does not hold the bytes of its own allocation"
@@ -389,10 +357,6 @@ NO_CONTEXT_THREAD = fake_cuda_script(r"""
     v = np.arange(1 << 14, dtype="<u4")
     ok(cu.cuMemcpyHtoD_v2(base, v.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(v.nbytes)), "fill")
 
-    class DeviceArray:
-        def __init__(self, ptr, shape, typestr):
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
-                                             "strides": None, "version": 3, "stream": None}
 
     ck = cs.Checkpointer(dir=sys.argv[1], staging="64MiB")
     # Two views that overlap: the second cannot be described in place and is
@@ -469,19 +433,7 @@ DCP_ASYNC_STAGE = fake_cuda_script(r"""
     next_step = -saved
     ok(cu.cuMemcpyHtoD_v2(base, saved.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(saved.nbytes)), "fill")
 
-    class DeviceArray:
-        def __init__(self, ptr, shape, typestr, stream):
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
-                                             "strides": None, "version": 3, "stream": stream}
 
-    def sidecar_stat(key):
-        for f in os.listdir(stats):
-            if f != str(os.getpid()) and not f.endswith(".tmp"):
-                for line in open(os.path.join(stats, f)):
-                    k, v = line.split()
-                    if k == key:
-                        return int(v)
-        return None
 
     class Planner:
         # What DCP's planner hands write_data: each item's data from the staged state.
@@ -528,7 +480,7 @@ DCP_ASYNC_STAGE = fake_cuda_script(r"""
     back = w._checkpointer().load(5, map_location="cpu")
     out["device_snapshot_is_staged"] = bool(np.array_equal(np.asarray(back["w"]), saved))
     out["host_snapshot_is_staged"] = bool(np.array_equal(np.asarray(back["bias"]), np.arange(16, dtype=np.float32)))
-    out["sidecar_imports_total"] = sidecar_stat("imports_total")
+    out["sidecar_imports_total"] = sidecar_stat(stats, "imports_total")
     ok(cu.cuStreamSynchronize(stream), "sync")
     now = np.empty_like(saved)
     ok(cu.cuMemcpyDtoH_v2(now.ctypes.data_as(ctypes.c_void_p), base, ctypes.c_size_t(now.nbytes)), "read back")

@@ -1066,6 +1066,33 @@ def sweep_strays(d):
     return gone
 
 
+def save_host(orig_save, obj, path, *args, **kwargs):
+    """The host way of a file: `orig_save` (the original torch.save)
+    serialises `obj` into a shared-memory region of the pool (or, before a
+    sidecar answers or with /dev/shm full, into private memory), and the
+    bytes go to _files.submit for `path` (a _target, checked writable)."""
+    out = _files.open(path)
+    if out is None:
+        out = io.BytesIO()
+        orig_save(obj, out, *args, **kwargs)
+        _files.submit(path, out.getbuffer())
+        return
+    try:
+        orig_save(obj, out, *args, **kwargs)
+    except BaseException:
+        out.release()
+        if out.no_room is None:
+            raise
+        # No shared memory for a file this large (/dev/shm full): in
+        # private memory, as the first file (nothing is lost).
+        _files.say_no_shm(out.no_room)
+        out = io.BytesIO()
+        orig_save(obj, out, *args, **kwargs)
+        _files.submit(path, out.getbuffer())
+        return
+    _files.submit(path, out)
+
+
 def flush(timeout=None):
     """Wait until every torch.save through the hook is durable; True if so."""
     return _files.wait(None, timeout)
@@ -1181,26 +1208,7 @@ def patch(torch):
         _files.sweep_once(os.path.dirname(path))
         if not args and _files.submit_cuda(torch, path, obj, orig_save, kwargs):
             return
-        out = _files.open(path)
-        if out is None:
-            out = io.BytesIO()
-            orig_save(obj, out, *args, **kwargs)
-            _files.submit(path, out.getbuffer())
-            return
-        try:
-            orig_save(obj, out, *args, **kwargs)
-        except BaseException:
-            out.release()
-            if out.no_room is None:
-                raise
-            # No shared memory for a file this large (/dev/shm full): in
-            # private memory, as the first file (nothing is lost).
-            _files.say_no_shm(out.no_room)
-            out = io.BytesIO()
-            orig_save(obj, out, *args, **kwargs)
-            _files.submit(path, out.getbuffer())
-            return
-        _files.submit(path, out)
+        save_host(orig_save, obj, path, *args, **kwargs)
 
     def load(f, *args, **kwargs):
         if _is_path(f):

@@ -27,7 +27,6 @@ for this process at the first save, as the hook does.
   and raises the first write that failed after its save returned (an
   OSError with its errno).
 """
-import io
 import os
 
 try:
@@ -57,18 +56,7 @@ def save_torch(obj, path):
     if not _hook._atomic_write_possible(path):
         _hook._files.wait(path)
         return orig(obj, path)
-    out = _hook._files.open(path)
-    if out is None:  # no sidecar yet: serialised in private memory
-        buf = io.BytesIO()
-        orig(obj, buf)
-        _hook._files.submit(path, buf.getbuffer())
-        return None
-    try:
-        orig(obj, out)
-    except BaseException:
-        out.release()
-        raise
-    _hook._files.submit(path, out)
+    _hook.save_host(orig, obj, path)
     return None
 
 

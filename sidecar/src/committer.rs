@@ -342,7 +342,7 @@ fn rollback_one(store: &mut Store, shared: &Shared, job: RollbackJob) {
             let code = match e {
                 RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
                 RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => ErrorCode::Damaged,
-                RollbackError::Io { .. } | RollbackError::DirReplaced { .. } => ErrorCode::Io,
+                RollbackError::Io { .. } | RollbackError::Refused { .. } => ErrorCode::Io,
             };
             peer.send(&Reply::Error { id, code, message: e.to_string() });
         }

@@ -304,7 +304,7 @@ impl Store {
     /// resident image of a caller that keeps one must be dropped if it is
     /// one of them.
     pub fn rollback(&mut self, step: u64) -> Result<Vec<u64>, RollbackError> {
-        self.check_dirs_unchanged().map_err(|e| RollbackError::DirReplaced { step, why: e.to_string() })?;
+        self.check_dirs_unchanged().map_err(|e| RollbackError::Refused { step, why: e.to_string() })?;
         rollback::rollback(&self.paths, step)
     }
 

@@ -80,7 +80,7 @@ mod tests {
         assert!(matches!(e, CommitError::ReadOnly(_)), "{e:?}");
         assert!(e.to_string().starts_with(&format!("{} is read-only (--read-only)", dir.display())), "{e}");
         let e = store.rollback(1).unwrap_err();
-        assert!(matches!(&e, RollbackError::DirReplaced { why, .. } if why.contains("is read-only")), "{e:?}");
+        assert!(matches!(&e, RollbackError::Refused { why, .. } if why.contains("is read-only")), "{e:?}");
         // A writer may still own the directory beside the reader.
         drop(Store::open(opts(d.path(), ReadOnly::Never)).unwrap());
     }

@@ -46,10 +46,11 @@ pub enum RollbackError {
     /// names a tensor it lacks): read in full before anything is changed.
     #[error("cannot roll back to step {step}: it is damaged ({what}{}); the later steps a rollback un-commits may be the only sound ones (ckpt-sidecar verify DIR finds the sound steps)", if *n_more > 0 { format!("; {n_more} more problem(s)") } else { String::new() })]
     Damaged { step: u64, what: String, n_more: usize },
-    /// The Store's directory is no longer the one it locked (see
-    /// `CommitError::DirReplaced`): nothing is changed there.
+    /// The Store may not write there: its directory is no longer the one it
+    /// locked (`CommitError::DirReplaced`), or it was opened read-only
+    /// (`CommitError::ReadOnly`). Nothing is changed there.
     #[error("rollback to step {step}: {why}")]
-    DirReplaced { step: u64, why: String },
+    Refused { step: u64, why: String },
     #[error("rollback to step {step} in {}: {what}: {source}", dir.display())]
     Io { step: u64, dir: PathBuf, what: &'static str, source: io::Error },
 }

@@ -71,7 +71,7 @@ enum Cmd {
         adapters: u64,
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(2..=10_000))]
         steps: u32,
-        /// Rounds of the full save with detection on and off (after one warm-up round).
+        /// Rounds of the full save with detection on and off (after two warm-up rounds).
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
         full_rounds: u32,
         #[arg(long)]
@@ -187,6 +187,10 @@ fn print_incremental(f: &incremental::IncrementalFigures, json: bool) -> anyhow:
     println!("full save of {} (every tensor changed), detection on vs off, alternated:", human_bytes(full.bytes));
     println!("  stall   on  {}   off {}   median on/off {:.3} (bar 1.05)", secs(&full.on_stall_seconds), secs(&full.off_stall_seconds), full.stall_on_over_off);
     println!("  durable on  {}   off {}   median on/off {:.3} (bar 1.05)", secs(&full.on_durable_seconds), secs(&full.off_durable_seconds), full.durable_on_over_off);
+    println!(
+        "  second save after start (no history yet: all stable, shards wait for the digests; not in the medians): durable on {:.3} off {:.3}",
+        full.on_second_save_durable_seconds, full.off_second_save_durable_seconds
+    );
     Ok(())
 }
 

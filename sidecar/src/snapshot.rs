@@ -24,7 +24,7 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
-use crate::jobs::{Fill, Job, Part, Work};
+use crate::jobs::{Fill, Job, Part, Sums, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
@@ -204,14 +204,6 @@ struct Piece {
     len: usize,
     /// Already copied by its region's batch ([`copy_batches`]).
     staged: bool,
-}
-
-/// A save's tensor checksums and, for an incremental layout
-/// (`LayoutOptions::incremental`), digests (`ckpt_store::digest`), in the
-/// layout's order.
-pub struct Sums {
-    pub crcs: Vec<u32>,
-    pub digests: Option<Vec<u128>>,
 }
 
 // A copy piece is one digest block: a tensor's pieces start at its first

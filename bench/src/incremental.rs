@@ -43,6 +43,9 @@ pub struct IncrementalArgs {
     pub adapter_bytes: u64,
     pub steps: usize,
     pub full_rounds: usize,
+    /// Saves ask for a lazy release (the Python package's way): checksums
+    /// and digests are taken during the copy, so they are in the stall.
+    pub lazy_release: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -87,6 +90,7 @@ pub struct IncrementalFigures {
     pub written_over_changed_median: f64,
     pub durable_over_alone_median: f64,
     pub full: FullFigures,
+    pub lazy_release: bool,
     pub memory: &'static str,
 }
 
@@ -207,6 +211,8 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
     let steps = (|| -> anyhow::Result<Vec<StepFigures>> {
         let client = sc.connect()?;
         let alone = alone_sc.connect()?;
+        client.set_lazy_release(args.lazy_release);
+        alone.set_lazy_release(args.lazy_release);
         let region = client.alloc_region(state.len)?;
         let alone_region = alone.alloc_region(state.len)?;
         state.fill(&region, 1, |_| true)?;
@@ -254,6 +260,8 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
     let full = (|| -> anyhow::Result<FullFigures> {
         let con = on.connect()?;
         let coff = off.connect()?;
+        con.set_lazy_release(args.lazy_release);
+        coff.set_lazy_release(args.lazy_release);
         let ron = con.alloc_region(base.len)?;
         let roff = coff.alloc_region(base.len)?;
         let refs_on = base.refs(&ron, |_| true);
@@ -314,6 +322,7 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
         written_over_changed_median: w,
         durable_over_alone_median: d,
         full,
+        lazy_release: args.lazy_release,
         memory: "pre-faulted",
     })
 }

@@ -74,6 +74,9 @@ enum Cmd {
         /// Rounds of the full save with detection on and off (after two warm-up rounds).
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
         full_rounds: u32,
+        /// Saves ask for a lazy release (as the Python package's): checksums and digests during the copy.
+        #[arg(long)]
+        lazy_release: bool,
         #[arg(long)]
         json: bool,
     },
@@ -111,8 +114,8 @@ fn main() -> ExitCode {
             }
             r.and_then(|f| print_stall(&f, json))
         }
-        Cmd::Incremental { dir, base, adapters, steps, full_rounds, json } => {
-            incremental::run(&incremental::IncrementalArgs { dir, base_bytes: base, adapter_bytes: adapters, steps: steps as usize, full_rounds: full_rounds as usize })
+        Cmd::Incremental { dir, base, adapters, steps, full_rounds, lazy_release, json } => {
+            incremental::run(&incremental::IncrementalArgs { dir, base_bytes: base, adapter_bytes: adapters, steps: steps as usize, full_rounds: full_rounds as usize, lazy_release })
                 .and_then(|f| print_incremental(&f, json))
         }
     };
@@ -165,7 +168,7 @@ fn print_incremental(f: &incremental::IncrementalFigures, json: bool) -> anyhow:
         println!("{}", serde_json::to_string_pretty(f)?);
         return Ok(());
     }
-    println!("op: incremental (real client -> real sidecars, host memory, {})", f.memory);
+    println!("op: incremental (real client -> real sidecars, host memory, {}, {} release)", f.memory, if f.lazy_release { "lazy" } else { "early" });
     println!("state: frozen base {}, changing {} (adapters + 2 moments) every step", human_bytes(f.base_bytes), human_bytes(f.changing_bytes));
     println!("{:>5} {:>12} {:>12} {:>8} {:>9} {:>10} {:>10} {:>8}", "step", "written", "changed+idx", "w/c", "stall_s", "durable_s", "alone_s", "d/alone");
     for s in &f.steps {

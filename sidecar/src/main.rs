@@ -355,7 +355,7 @@ enum BenchCmd {
     #[command(disable_help_flag = true)]
     Incremental {
         /// `ckpt-bench incremental`'s options (--dir DIR [--base SIZE]
-        /// [--adapters SIZE] [--steps N] [--full-rounds N] [--json]; --help
+        /// [--adapters SIZE] [--steps N] [--full-rounds N] [--lazy-release] [--json]; --help
         /// lists them), passed on as they are.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,

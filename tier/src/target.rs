@@ -159,6 +159,29 @@ pub fn remote_index_json(local_index_json: &[u8]) -> Result<Vec<u8>, format::For
     Ok(index.sealed_json_bytes())
 }
 
+/// The files of a committed local step as [`Target::upload_step`] takes
+/// them: every shard in its directory (`primary` or the index's secondary
+/// directory `dir_idx`), every blob as `blobs/<name>`, with the index's
+/// lengths and checksums.
+pub fn local_files(primary: &FsPath, index: &Index) -> Vec<LocalFile> {
+    let step_dir = |dir: &FsPath| dir.join(format::step_dir_name(index.ckpt.step).expect("a valid index's step"));
+    let dirs: Vec<PathBuf> =
+        std::iter::once(primary.to_path_buf()).chain(index.ckpt.secondary_dirs.iter().map(PathBuf::from)).collect();
+    let files = index.ckpt.files.iter().map(|f| LocalFile {
+        local_path: step_dir(dirs.get(f.dir_idx as usize).map_or(primary, |d| d.as_path())).join(&f.name),
+        name: f.name.clone(),
+        len: f.len_bytes,
+        crc32c: f.crc32c,
+    });
+    let blobs = index.ckpt.blobs.iter().map(|b| LocalFile {
+        local_path: step_dir(primary).join(BLOBS_DIR_NAME).join(&b.name),
+        name: format!("{BLOBS_DIR_NAME}/{}", b.name),
+        len: b.len_bytes,
+        crc32c: b.crc32c,
+    });
+    files.chain(blobs).collect()
+}
+
 /// Splits a file name of a step folder into path parts, refusing what
 /// could leave the folder or is no object name.
 fn name_parts(name: &str) -> Result<Vec<&str>, String> {
@@ -359,6 +382,13 @@ impl Target {
             let b = r.bytes().await.map_err(|e| inner.store_err("get", &path, e))?;
             Ok(b.to_vec())
         })
+    }
+
+    /// The length of one file of a step (a HEAD request).
+    pub fn file_len(&self, step: u64, name: &str) -> Result<u64, TierError> {
+        let inner = &*self.inner;
+        let path = self.file_path(step, name)?;
+        inner.rt.block_on(async { inner.store.head(&path).await.map(|m| m.size).map_err(|e| inner.store_err("head", &path, e)) })
     }
 
     /// Ranged read of one file of a step into `dst` (parallel ranged GETs

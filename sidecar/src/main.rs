@@ -28,6 +28,7 @@ use ckpt_store::synthetic;
 use ckpt_store::units::{human_bytes, parse_size};
 use ckpt_store::format::STEP_MAX;
 
+mod bench_drain;
 mod remote_cli;
 
 const EXIT_DAMAGED: u8 = 3;
@@ -394,6 +395,31 @@ enum BenchCmd {
     Ranks {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
+    },
+    /// A drain target's throughput: a committed step of SIZE written locally,
+    /// uploaded by the drain tier (ckpt-tier) beside the plain object_store
+    /// client's multipart put of the same files, then downloaded by both;
+    /// for file:// also fio's write into that directory. Ratios printed.
+    Drain {
+        /// The drain target: file:///dir or s3://bucket/prefix (AWS_* environment).
+        #[arg(long)]
+        url: String,
+        #[arg(long, value_parser = parse_nonzero_size)]
+        size: u64,
+        /// Where the local step is written (a temp folder inside, removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        local: PathBuf,
+        /// Largest shard file of the local step.
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "256MiB")]
+        shard_size: u64,
+        /// Parts in flight (both clients).
+        #[arg(long, default_value_t = 8)]
+        parallel: usize,
+        /// Multipart part size (both clients).
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "16MiB")]
+        part_size: u64,
+        #[arg(long)]
+        json: bool,
     },
     /// Read `latest` back with verification.
     Read {
@@ -1098,6 +1124,9 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 .status()
                 .with_context(|| format!("running {}", bench.display()))?;
             return Ok(child_exit(status));
+        }
+        BenchCmd::Drain { url, size, local, shard_size, parallel, part_size, json } => {
+            bench_drain::run(&bench_drain::Args { url, size, local, shard_size, parallel, part_size, json })?;
         }
         BenchCmd::Ranks { args } => {
             let python = bench_python(None);

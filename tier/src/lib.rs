@@ -14,6 +14,7 @@
 //! blocking: a small tokio runtime lives inside each [`Target`] (shared by
 //! its clones); call it from plain threads, never from inside a runtime.
 
+pub mod bench;
 mod config;
 mod error;
 mod limiter;

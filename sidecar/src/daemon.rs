@@ -61,6 +61,8 @@ pub struct DaemonOptions {
     /// Serve loads only, without the directory lock (`--read-only`); a
     /// directory that cannot be written is served so without it too.
     pub read_only: bool,
+    /// The drain tier: every committed step is uploaded there (`crate::drain`).
+    pub drain: Option<crate::drain::DrainOptions>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +90,8 @@ pub enum DaemonError {
     /// An environment variable the daemon reads has a value it refuses.
     #[error("{0}")]
     Env(String),
+    #[error(transparent)]
+    Drain(#[from] crate::drain::DrainError),
 }
 
 /// Pins this thread, and so every thread it starts later, to `cpus`;
@@ -148,6 +152,17 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         return Err(DaemonError::StagingTooSmall(budget));
     }
     let metrics = opts.metrics.map(crate::metrics::bind).transpose()?;
+    // The drain target first: a wrong credential or an unreachable URL
+    // stops the start before anything is bound, locked or allocated.
+    let drain = match &opts.drain {
+        Some(d) => {
+            let dirs = opts.dirs.iter().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())).collect();
+            let drain = crate::drain::Drain::open(d.clone(), dirs)?;
+            info!(url = drain.url(), every = d.every, keep = ?d.keep, bandwidth_bytes_per_s = ?d.bandwidth_bytes_per_s, "drain target reachable");
+            Some(drain)
+        }
+        None => None,
+    };
     let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
     // The directories are locked (a second sidecar on one fails here, naming
     // the holder) and recovered before the staging budget is allocated.
@@ -163,6 +178,10 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         ..StoreOptions::new(opts.dirs.clone())
     })?;
     let locks = store.take_locks();
+    if let Some(d) = &drain {
+        store.set_retention_hold(d.hold());
+        crate::drain::remove_stale_fetches(&store.dirs()[0]);
+    }
     let staging = Staging::new(budget)?;
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
@@ -178,12 +197,16 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     );
     shared.shared_dir = store.shared_dir().map(Path::to_path_buf);
     shared.read_only = store.read_only().cloned();
+    shared.drain = drain.clone();
     let shared = Arc::new(shared);
     if let Some(d) = &shared.shared_dir {
         info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves");
     }
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
+    if let Some(d) = &drain {
+        d.spawn()?;
+    }
     if let Some(m) = metrics {
         let s = shared.clone();
         crate::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;

@@ -546,3 +546,48 @@ pub fn remove_stale_fetches(primary: &Path) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ckpt_store::commit::{Store, StoreOptions};
+    use ckpt_store::image::{Blob, Layout, LayoutOptions};
+    use ckpt_store::mem::AlignedBuf;
+    use ckpt_store::restore::{self, ReadOptions, Which};
+    use ckpt_store::synthetic;
+
+    /// Regression: the local index names secondary directories (absolute
+    /// paths of this node) and files in them (`dir_idx` 1); uploaded as is,
+    /// a reader of the remote step would look for those files on this
+    /// node's disks. The remote step must be a one-directory checkpoint.
+    #[test]
+    fn a_step_striped_over_two_dirs_drains_as_a_one_directory_checkpoint_that_loads() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+        let mut store = Store::open(StoreOptions::new(dirs.clone())).unwrap();
+        let layout = Layout::plan(synthetic::transformer_specs(4 << 20), LayoutOptions { n_dirs: 2, shard_bytes_max: 1 << 20, ..Default::default() }).unwrap();
+        let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+        let crcs = synthetic::stage(&layout, staging.as_mut_slice(), 3);
+        store.commit(7, &layout, &staging, &crcs, &[Blob { name: "rng", bytes: b"seed" }]).unwrap();
+        drop(store);
+        let dirs: Vec<PathBuf> = dirs.iter().map(|d| d.canonicalize().unwrap()).collect();
+        let index = Index::from_json_bytes(&std::fs::read(catalog::step_path(&dirs[0], 7).join(INDEX_FILE_NAME)).unwrap()).unwrap();
+        assert!(index.ckpt.files.iter().any(|f| f.dir_idx == 1), "the test needs files on the secondary");
+        let (files, remote_index) = remote_plan(&dirs, 7, index).unwrap();
+        let remote = tmp.path().join("remote");
+        let step_dir = catalog::step_path(&remote, 7);
+        for f in &files {
+            let bytes = std::fs::read(&f.local_path).unwrap();
+            assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (f.len, f.crc32c), "{}", f.name);
+            let to = step_dir.join(&f.name);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::write(to, bytes).unwrap();
+        }
+        assert!(files.iter().any(|f| f.name == "blobs/rng"));
+        std::fs::write(step_dir.join(INDEX_FILE_NAME), &remote_index).unwrap();
+        let parsed = Index::from_json_bytes(&remote_index).unwrap();
+        assert!(parsed.ckpt.secondary_dirs.is_empty() && parsed.ckpt.files.iter().all(|f| f.dir_idx == 0));
+        let loaded = restore::load(&remote, Which::Step(7), &ReadOptions::default(), None).unwrap();
+        assert_eq!(loaded.blobs["rng"], b"seed");
+    }
+}

@@ -223,14 +223,13 @@ def test_start_with_an_unreachable_drain_is_one_clear_error_naming_the_url(tmp_p
 
 
 def test_start_with_wrong_credentials_is_one_clear_error_naming_the_url_and_no_secret(tmp_path, s3):
-    env = dict(s3.env, AWS_SECRET_ACCESS_KEY="not-the-secret-4242")
-    # moto accepts any key unless told otherwise; the bucket of another
-    # account is what a wrong credential sees: ask for one that is not there.
-    a = Drained(tmp_path, "a", tmp_path / "L", "s3://no-such-bucket-for-these-keys/run1", env=env)
+    env = dict(s3.env, AWS_SECRET_ACCESS_KEY="not-the-secret-4242")  # serve.sh's moto checks signatures
+    a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/run1", env=env)
     out = subprocess.run(a.args, capture_output=True, text=True, env=a.env, timeout=120)
     assert out.returncode == 1, out.stderr
-    assert "s3://no-such-bucket-for-these-keys/run1" in out.stderr, out.stderr
+    assert "s3://ckpt-test/run1" in out.stderr, out.stderr
     assert "not-the-secret-4242" not in out.stderr
+    assert not Path(a.socket).exists()
 
 
 def test_drain_target_gone_at_runtime_local_saves_go_on_and_replicated_is_never_claimed(tmp_path, servers):
@@ -331,3 +330,44 @@ def test_damaged_remote_index_load_falls_back_to_the_previous_replicated_step_an
         said = ck.last_load_fell_back
         said = said if isinstance(said, str) else " ".join(said)
         assert "step 2" in said and "remote index damaged" in said, said
+
+
+def test_launch_exits_only_once_the_last_step_is_replicated(tmp_path):
+    # Before: launch exited as soon as the trainer's steps were durable
+    # locally, so the last one never reached the drain target.
+    import sys
+
+    remote, local = tmp_path / "R", tmp_path / "L"
+    trainer = tmp_path / "t.py"
+    trainer.write_text(
+        "import numpy as np, ckpt_sidecar as cs\n"
+        "ck = cs.Checkpointer(spawn=False)\n"
+        "for s in (1, 2):\n"
+        "    ck.save(s, {'w': np.full(1 << 20, s, np.float32)}).wait_durable()\n"
+        "ck.close()\n"
+    )
+    out = subprocess.run([sidecar_bin(), "launch", "--dir", str(local), "--staging", STAGING, "--drain", f"file://{remote}",
+                          "--drain-bandwidth", "4MB/s", "--", sys.executable, str(trainer)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert remote_step_dirs(remote)[-1] == "step-000000000002", out.stderr
+    assert (remote / "latest").read_text().strip() == "step-000000000002"
+
+
+def test_a_damaged_local_step_is_loaded_from_the_drain_target_and_says_so(tmp_path, servers):
+    remote, local = tmp_path / "R", tmp_path / "L"
+    a = Drained(tmp_path, "a", local, f"file://{remote}").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, state(1)).wait_replicated(timeout=60)
+    a.stop()
+    shard = max((local / "step-000000000001").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    b = Drained(tmp_path, "b", local, f"file://{remote}").start()
+    servers.append(b)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        assert_equal_state(ck.load(1), state(1))
+        said = ck.last_load_fell_back
+        said = said if isinstance(said, str) else " ".join(said)
+        assert "local copy damaged" in said, said

@@ -258,13 +258,30 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
-        if r.shared.is_draining() && r.shared.drained() {
+        if r.shared.is_draining() && r.shared.drained() && drain_settled(&r.shared) {
             break r.shared.is_aborting();
         }
     };
     info!(aborted, "sidecar exits");
     stop(r);
     Ok(if aborted { 1 } else { 0 })
+}
+
+/// A stopping sidecar waits for its drain to replicate the newest committed
+/// step (unless it aborts, or the target is down): the local disks may
+/// not outlive it.
+fn drain_settled(shared: &Shared) -> bool {
+    match &shared.drain {
+        Some(d) if !shared.is_aborting() => {
+            let settled = d.settled();
+            if !settled {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| info!(url = d.url(), "waiting for the drain to replicate the newest committed step before exiting (signal again to exit without)"));
+            }
+            settled
+        }
+        _ => true,
+    }
 }
 
 fn on_stop_signal(shared: &Shared, sig: i32, n: u32) {
@@ -403,7 +420,7 @@ fn run_child(
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
         if let Some(code) = child_code {
-            if r.shared.drained() {
+            if r.shared.drained() && drain_settled(&r.shared) {
                 return Ok(code.clamp(0, 255) as u8);
             }
         }

@@ -383,6 +383,19 @@ impl Drain {
         self.cv.notify_all();
     }
 
+    /// Whether a stopping sidecar may exit as far as the drain goes: the
+    /// newest committed step it will drain is replicated (or skipped), or
+    /// the target is down (then what is not replicated stays local, and
+    /// the next sidecar on these directories uploads it).
+    pub fn settled(&self) -> bool {
+        let newest = catalog::committed_steps(self.primary()).unwrap_or_default().into_iter().filter(|s| s % self.opts.every == 0).last();
+        let st = self.lock();
+        if !st.up {
+            return true;
+        }
+        st.uploading.is_none() && newest.is_none_or(|n| st.done_upto.is_some_and(|d| d >= n))
+    }
+
     /// For `status`.
     pub fn report(&self) -> DrainReport {
         let st = self.lock();
@@ -450,6 +463,16 @@ impl Drain {
                 Ok(None)
             }
         }
+    }
+
+    /// Remote step `step`, made readable as a checkpoint directory (a load
+    /// whose local copy of it is damaged reads this one).
+    pub fn remote_copy(&self, step: u64) -> Result<RemoteCkpt, (ErrorCode, String)> {
+        self.fetch(step).map_err(|e| match e {
+            Fetch::Missing => (ErrorCode::NotFound, format!("step {step} is not on the drain target {}", self.url())),
+            Fetch::Damaged(why) => (ErrorCode::Damaged, why),
+            Fetch::Io(why) => (ErrorCode::Io, why),
+        })
     }
 
     /// Makes remote step `step` readable as a checkpoint directory.

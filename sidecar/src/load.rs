@@ -161,7 +161,17 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
     check_descs(regions, descs)?;
     let remote = remote_source(shared, step)?;
     match &remote {
-        None => load_from(shared, peer, regions, shared.read_dir(), step, descs, true),
+        // A local copy that is damaged: the drain target's, if it has one.
+        None => match (load_from(shared, peer, regions, shared.read_dir(), step, descs, true), step, &shared.drain) {
+            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
+                let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
+                warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
+                let mut served = load_from(shared, peer, regions, &r.dir, Some(s), descs, false)?;
+                served.4.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
+                Ok(served)
+            }
+            (r, ..) => r,
+        },
         Some(r) => {
             let mut served = load_from(shared, peer, regions, &r.dir, Some(r.step), descs, false)?;
             served.4.splice(0..0, r.fell_back.iter().cloned());
@@ -262,6 +272,7 @@ struct PlacedReply {
 
 /// Where a LoadPacked puts the checkpoint: `len_bytes` at `offset_bytes` of
 /// host region `region_id`.
+#[derive(Clone, Copy)]
 pub struct PackedRange {
     pub region_id: u32,
     pub offset_bytes: u64,
@@ -294,7 +305,17 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
 fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
     let remote = remote_source(shared, step)?;
     match &remote {
-        None => load_packed_from(shared, regions, shared.read_dir(), step, into, true),
+        // A local copy that is damaged: the drain target's, if it has one.
+        None => match (load_packed_from(shared, regions, shared.read_dir(), step, into, true), step, &shared.drain) {
+            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
+                let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
+                warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
+                let mut placed = load_packed_from(shared, regions, &r.dir, Some(s), into, false)?;
+                placed.fell_back.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
+                Ok(placed)
+            }
+            (r, ..) => r,
+        },
         Some(r) => {
             let mut placed = load_packed_from(shared, regions, &r.dir, Some(r.step), into, false)?;
             placed.fell_back.splice(0..0, r.fell_back.iter().cloned());

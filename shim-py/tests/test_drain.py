@@ -293,7 +293,9 @@ def test_retention_on_both_tiers_and_the_step_being_uploaded_is_never_deleted_lo
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
         for step in (1, 2, 3, 4):
             ck.save(step, state(step)).wait_replicated(timeout=60)
-    assert remote_step_dirs(remote) == ["step-000000000003", "step-000000000004"]
+    # Remote deletions follow Replicated, as local ones follow Durable.
+    wait_until(lambda: remote_step_dirs(remote) == ["step-000000000003", "step-000000000004"], 60,
+               lambda: f"--drain-keep 2 leaving steps 3 and 4 remotely: {remote_step_dirs(remote)}")
     assert sorted(p.name for p in local.glob("step-*")) == ["step-000000000004"]
     a.stop()
     # The step being uploaded is held from local retention (--keep 1).

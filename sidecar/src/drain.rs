@@ -98,7 +98,8 @@ pub struct Drain {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
-    #[error("--drain {url}: {source}")]
+    /// The tier's text names the URL (never a secret).
+    #[error("--drain: {source}; the sidecar does not start")]
     Open { url: String, source: ckpt_tier::TierError },
     #[error("starting the drain thread: {0}")]
     Thread(std::io::Error),
@@ -478,7 +479,10 @@ impl Drain {
     /// Makes remote step `step` readable as a checkpoint directory.
     fn fetch(&self, step: u64) -> Result<RemoteCkpt, Fetch> {
         let url = self.url();
-        let index_bytes = self.target.get_index(step).map_err(|e| if self.target.steps().is_ok_and(|s| !s.contains(&step)) { Fetch::Missing } else { Fetch::Io(e.to_string()) })?;
+        let index_bytes = self.target.get_index(step).map_err(|e| match e {
+            ckpt_tier::TierError::NotFound { .. } => Fetch::Missing,
+            e => Fetch::Io(e.to_string()),
+        })?;
         let index = Index::from_json_bytes(&index_bytes).map_err(|e| Fetch::Damaged(format!("step {step} on {url}: remote index damaged: {e}")))?;
         // A file:// target is a checkpoint directory: read in place.
         if let Some(root) = url.strip_prefix("file://") {

@@ -268,22 +268,52 @@ def remote_step_dirs(remote):
     return sorted(p.name for p in remote.glob("step-*") if (p / "model.safetensors.index.json").exists())
 
 
-def test_sigkill_mid_upload_leaves_no_half_step_remotely_and_the_next_sidecar_replicates_it(tmp_path, servers):
+def s3_client(env):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
+
+
+def s3_keys(env, prefix):
+    got = s3_client(env).list_objects_v2(Bucket="ckpt-test", Prefix=prefix)
+    return sorted(o["Key"] for o in got.get("Contents", []))
+
+
+def s3_uploads_in_progress(env, prefix):
+    got = s3_client(env).list_multipart_uploads(Bucket="ckpt-test", Prefix=prefix)
+    return got.get("Uploads", [])
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_sigkill_mid_upload_leaves_no_half_step_remotely_and_the_next_sidecar_replicates_it(tmp_path, servers, kind, request):
     remote = tmp_path / "R"
-    big = {"w": np.random.default_rng(7).standard_normal(4 << 20).astype(np.float32)}  # 16 MiB
-    a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}", "--drain-bandwidth", "2MB/s").start()
+    env = None
+    if kind == "s3":
+        env = request.getfixturevalue("s3").env
+        url = "s3://ckpt-test/kill"
+        index_key = "kill/step-000000000001/model.safetensors.index.json"
+        started = lambda: s3_uploads_in_progress(env, "kill/") or s3_keys(env, "kill/step-000000000001/")  # noqa: E731
+        committed = lambda: index_key in s3_keys(env, "kill/")  # noqa: E731
+    else:
+        url = f"file://{remote}"
+        started = lambda: any(p.is_file() for p in (remote / "step-000000000001").rglob("*"))  # noqa: E731
+        committed = lambda: remote_step_dirs(remote) == ["step-000000000001"]  # noqa: E731
+    big = {"w": np.random.default_rng(7).standard_normal(8 << 20).astype(np.float32)}  # 32 MiB: several parts
+    a = Drained(tmp_path, "a", tmp_path / "L", url, "--drain-bandwidth", "4MB/s", env=env).start()
     servers.append(a)
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
         ck.save(1, big).wait_durable(60)
-    wait_until(lambda: a.drain()["uploading"] == 1, 60, "the upload of step 1 under way")
+    wait_until(lambda: a.drain()["uploading"] == 1 and started(), 60, "bytes of step 1 on the target")
     a.kill()
-    assert remote_step_dirs(remote) == [], "a half-uploaded step must not be committed remotely"
-    b = Drained(tmp_path, "b", tmp_path / "L", f"file://{remote}").start()
+    assert not committed(), "a half-uploaded step must not be committed remotely"
+    b = Drained(tmp_path, "b", tmp_path / "L", url, env=env).start()
     servers.append(b)
     wait_until(lambda: b.drain()["last_replicated"] == 1, 120, "the next sidecar replicating step 1")
-    assert remote_step_dirs(remote) == ["step-000000000001"]
-    out = subprocess.run([sidecar_bin(), "verify", str(remote)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert committed()
+    if kind == "file":
+        out = subprocess.run([sidecar_bin(), "verify", str(remote)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_retention_on_both_tiers_and_the_step_being_uploaded_is_never_deleted_locally(tmp_path, servers):

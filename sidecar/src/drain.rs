@@ -99,7 +99,7 @@ pub struct Drain {
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
     /// The tier's text names the URL (never a secret).
-    #[error("--drain: {source}; the sidecar does not start")]
+    #[error("--drain (the sidecar does not start): {source}")]
     Open { url: String, source: ckpt_tier::TierError },
     #[error("starting the drain thread: {0}")]
     Thread(std::io::Error),

@@ -110,7 +110,22 @@ impl Drain {
     /// unreachable endpoint fails here, naming the URL).
     pub fn open(opts: DrainOptions, dirs: Vec<PathBuf>) -> Result<Arc<Drain>, DrainError> {
         let topts = ckpt_tier::TargetOptions { bandwidth_bytes_per_s: opts.bandwidth_bytes_per_s, ..Default::default() };
-        let target = Target::open(&opts.url, topts).map_err(|source| DrainError::Open { url: opts.url.clone(), source })?;
+        // Opened on a SCHED_IDLE thread: the target's runtime threads
+        // (uploads: reads, checksums, sends) inherit the class, so the drain
+        // only takes CPU no trainer or copy wants (the every-step loop's
+        // overhead with a drain, issue 20).
+        let target = std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("ckpt-drain-open".into())
+                .spawn_scoped(s, || {
+                    idle_priority();
+                    Target::open(&opts.url, topts)
+                })
+                .map_err(DrainError::Thread)?
+                .join()
+                .expect("opening the drain target panicked")
+                .map_err(|source| DrainError::Open { url: opts.url.clone(), source })
+        })?;
         Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())) }))
     }
 
@@ -141,7 +156,14 @@ impl Drain {
     /// holds, then drain forever.
     pub fn spawn(self: &Arc<Drain>) -> Result<(), DrainError> {
         let d = self.clone();
-        std::thread::Builder::new().name("ckpt-drain".into()).spawn(move || d.run()).map(|_| ()).map_err(DrainError::Thread)
+        std::thread::Builder::new()
+            .name("ckpt-drain".into())
+            .spawn(move || {
+                idle_priority();
+                d.run()
+            })
+            .map(|_| ())
+            .map_err(DrainError::Thread)
     }
 
     /// What the target holds, learnt once at start (retried while down).
@@ -510,6 +532,15 @@ impl Drain {
         info!(step, url, dir = %temp.display(), "fetched from the drain target for a load");
         Ok(RemoteCkpt { dir: temp, step, temp: Some(guard), fell_back: Vec::new() })
     }
+}
+
+/// Puts the calling thread (and the threads it starts later) in the
+/// SCHED_IDLE class: it runs only on a core nothing else wants.
+fn idle_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: changes only the calling thread's scheduling policy (pid 0);
+    // `param` is a valid sched_param for SCHED_IDLE.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
 }
 
 enum Upload {

@@ -408,6 +408,10 @@ enum BenchCmd {
         /// What a step's compute is: gpu_like (a sleep, the CPU free) or cpu.
         #[arg(long, value_parser = ["gpu_like", "cpu"])]
         loop_kind: Option<String>,
+        /// With --loop/--loop-only: run the sidecar's loop again with
+        /// `serve --drain URL` and print its overhead beside the plain loop's.
+        #[arg(long, value_name = "URL")]
+        drain: Option<String>,
     },
     /// The same state written by 1, 2 and 4 ranks, each rank's share into
     /// its own directory, beside fio over the same directories in parallel:
@@ -1119,7 +1123,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             cmd.args(&args);
             return run_bench_child(cmd, &python, "ckpt_sidecar.bench_ranks");
         }
-        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind } => {
+        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind, drain } => {
             // The comparison drives Python libraries (torch, safetensors, DCP):
             // it lives in the Python package, measuring this very binary.
             let python = bench_python(python);
@@ -1142,7 +1146,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             if loop_only {
                 cmd.arg("--loop-only");
             }
-            let loop_values = [("--loop-size", loop_size.map(|v| v.to_string())), ("--loop-steps", loop_steps.map(|v| v.to_string())), ("--loop-rounds", loop_rounds.map(|v| v.to_string())), ("--loop-kind", loop_kind)];
+            let loop_values = [("--loop-size", loop_size.map(|v| v.to_string())), ("--loop-steps", loop_steps.map(|v| v.to_string())), ("--loop-rounds", loop_rounds.map(|v| v.to_string())), ("--loop-kind", loop_kind), ("--drain", drain)];
             for (flag, value) in loop_values {
                 if let Some(v) = value {
                     cmd.arg(flag).arg(v);

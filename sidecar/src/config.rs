@@ -157,6 +157,10 @@ const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);
 /// and reading it. The newest is picked again at most this many times.
 pub const RESOLVE_TRIES_MAX: u32 = 8;
 
+/// `verify URL` (a drain target) streams each file through a window of at
+/// most this many bytes, filled by parallel ranged GETs of one part each.
+pub const REMOTE_VERIFY_WINDOW_BYTES: usize = 64 << 20;
+
 /// `--metrics`: the request head read from a scraper (bytes), and how long
 /// its read or the response's write may take, so one stuck client cannot
 /// hold the (single) metrics thread.

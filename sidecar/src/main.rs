@@ -28,6 +28,9 @@ use ckpt_store::synthetic;
 use ckpt_store::units::{human_bytes, parse_size};
 use ckpt_store::format::STEP_MAX;
 
+mod bench_drain;
+mod remote_cli;
+
 const EXIT_DAMAGED: u8 = 3;
 const EXIT_USAGE: u8 = 2;
 
@@ -250,21 +253,27 @@ enum Cmd {
     },
     /// List committed checkpoints.
     Ls {
+        /// A checkpoint directory, or a drain target's URL (file:///dir, s3://bucket/prefix).
         dir: PathBuf,
         #[arg(long)]
         json: bool,
     },
     /// Show a checkpoint's tensors (dtype, shape, bytes) and blobs.
     Inspect {
+        /// A checkpoint directory, or a drain target's URL (file:///dir, s3://bucket/prefix).
         dir: PathBuf,
         /// Step to show (default: latest).
         #[arg(allow_negative_numbers = true, value_parser = parse_step)]
         step: Option<u64>,
+        /// The step to show, as an option (the same as STEP).
+        #[arg(long = "step", id = "step_flag", allow_negative_numbers = true, value_parser = parse_step, conflicts_with = "step")]
+        step_flag: Option<u64>,
         #[arg(long)]
         json: bool,
     },
     /// Check every byte of checkpoints against their checksums.
     Verify {
+        /// A checkpoint directory, or a drain target's URL (file:///dir, s3://bucket/prefix).
         dir: PathBuf,
         /// Only this step (default: every committed checkpoint).
         #[arg(long, allow_negative_numbers = true, value_parser = parse_step)]
@@ -423,6 +432,31 @@ enum BenchCmd {
     Ranks {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
+    },
+    /// A drain target's throughput: a committed step of SIZE written locally,
+    /// uploaded by the drain tier (ckpt-tier) beside the plain object_store
+    /// client's multipart put of the same files, then downloaded by both;
+    /// for file:// also fio's write into that directory. Ratios printed.
+    Drain {
+        /// The drain target: file:///dir or s3://bucket/prefix (AWS_* environment).
+        #[arg(long)]
+        url: String,
+        #[arg(long, value_parser = parse_nonzero_size)]
+        size: u64,
+        /// Where the local step is written (a temp folder inside, removed at the end).
+        #[arg(long, default_value = "/tmp")]
+        local: PathBuf,
+        /// Largest shard file of the local step.
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "256MiB")]
+        shard_size: u64,
+        /// Parts in flight (both clients).
+        #[arg(long, default_value_t = 8)]
+        parallel: usize,
+        /// Multipart part size (both clients).
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "16MiB")]
+        part_size: u64,
+        #[arg(long)]
+        json: bool,
     },
     /// Read `latest` back with verification.
     Read {
@@ -597,9 +631,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(daemon::launch(&d.options()?, &cmd, preload.as_deref())?))
         }
         Cmd::Status { socket, json } => status(socket, json),
-        Cmd::Ls { dir, json } => ls(&dir, json),
-        Cmd::Inspect { dir, step, json } => inspect(&dir, step, json),
-        Cmd::Verify { dir, step, secondaries, json, io } => verify(&dir, step, secondaries, json, io.policy()),
+        // A drain target's URL (file://, s3://) is read through ckpt-tier (remote_cli.rs).
+        Cmd::Ls { dir, json } => match remote_cli::url_of(&dir) {
+            Some(url) => remote_cli::ls(url, json),
+            None => ls(&dir, json),
+        },
+        Cmd::Inspect { dir, step, step_flag, json } => match remote_cli::url_of(&dir) {
+            Some(url) => remote_cli::inspect(url, step.or(step_flag), json),
+            None => inspect(&dir, step.or(step_flag), json),
+        },
+        Cmd::Verify { dir, step, secondaries, json, io } => match remote_cli::url_of(&dir) {
+            Some(url) => remote_cli::verify(url, step, &secondaries, json),
+            None => verify(&dir, step, secondaries, json, io.policy()),
+        },
         Cmd::Gc { dirs, keep, keep_every, json } => gc(&dirs, keep, keep_every, json),
         Cmd::Rollback { dirs, to, json } => rollback(&dirs, to, json),
         Cmd::Doctor { dirs, json, io } => doctor(&dirs, json, io.policy()),
@@ -642,10 +686,18 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         };
         rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
     }
+    print_ls(&dir.display().to_string(), json!({"dir": dir, "latest": latest, "checkpoints": rows}), json);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `ls`'s output (a directory's or a drain target's): `doc` is the JSON
+/// document, `{"dir" or "url", "latest", "checkpoints": rows}`.
+fn print_ls(shown: &str, doc: serde_json::Value, json: bool) {
+    let rows = doc["checkpoints"].as_array().cloned().unwrap_or_default();
     if json {
-        println!("{}", json!({"dir": dir, "latest": latest, "checkpoints": rows}));
+        println!("{doc}");
     } else if rows.is_empty() {
-        println!("{}: no committed checkpoint", dir.display());
+        println!("{shown}: no committed checkpoint");
     } else {
         println!("{:>12}  {:>5}  {:>8}  {:>12}  LATEST", "STEP", "RANKS", "TENSORS", "BYTES");
         for r in &rows {
@@ -663,7 +715,6 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
             println!("{}", line.trim_end());
         }
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
@@ -782,6 +833,12 @@ fn plural(n: usize, what: &str) -> String {
 
 fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
     let (step, index) = read_step_index(dir, step)?;
+    print_inspect(&index, &catalog::step_path(dir, step).display().to_string(), json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `inspect`'s output for one step's index, found at `location`.
+fn print_inspect(index: &format::Index, location: &str, json: bool) -> anyhow::Result<()> {
     let logical = index.logical();
     if json {
         // The index as stored, plus `logical`: every tensor as readers see
@@ -800,7 +857,7 @@ fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode
             .collect();
         v["logical"] = serde_json::Value::Object(l);
         println!("{v}");
-        return Ok(ExitCode::SUCCESS);
+        return Ok(());
     }
     let c = &index.ckpt;
     let bytes: u64 = c.files.iter().map(|f| f.len_bytes).sum();
@@ -808,12 +865,12 @@ fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode
     println!(
         "step {} in {}: {}{stored}, {}, {}",
         c.step,
-        catalog::step_path(dir, step).display(),
+        location,
         plural(logical.len(), "tensor"),
         plural(c.files.len(), "file"),
         human_bytes(bytes)
     );
-    println!("{}", ckpt_store::ranks::describe(&index));
+    println!("{}", ckpt_store::ranks::describe(index));
     println!("{:<48} {:<8} {:<20} {:>12}  FILE", "TENSOR", "DTYPE", "SHAPE", "SIZE");
     for t in &logical {
         let (size, shape) = (human_bytes(t.len_bytes()), format!("{:?}", t.shape));
@@ -831,7 +888,7 @@ fn inspect(dir: &Path, step: Option<u64>, json: bool) -> anyhow::Result<ExitCode
     for b in &c.blobs {
         println!("blob {:<43} {:>42}", b.name, human_bytes(b.len_bytes));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, io: IoPolicy) -> anyhow::Result<ExitCode> {
@@ -905,12 +962,7 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
                 print();
             }
         }
-        results.push(json!({
-            "step": r.step, "ok": r.problems.is_empty(), "files": r.files, "tensors": r.tensors, "bytes": r.bytes,
-            "world_size": index.as_ref().map(|i| i.ckpt.world_size),
-            "bytes_per_rank": index.as_ref().map(|i| ckpt_store::ranks::bytes_per_rank(i).into_values().collect::<Vec<u64>>()),
-            "seconds": r.seconds, "problems": r.problems.iter().map(|p| json!({"file": p.file, "tensor": p.tensor, "what": p.what})).collect::<Vec<_>>(),
-        }));
+        results.push(verify_row(&r, index.as_ref()));
     }
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -919,6 +971,16 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
         println!("{}", json!({"dir": dir, "ok": !damaged, "checkpoints": results}));
     }
     Ok(if damaged { ExitCode::from(EXIT_DAMAGED) } else { ExitCode::SUCCESS })
+}
+
+/// One checkpoint of `verify --json`.
+fn verify_row(r: &restore::VerifyReport, index: Option<&format::Index>) -> serde_json::Value {
+    json!({
+        "step": r.step, "ok": r.problems.is_empty(), "files": r.files, "tensors": r.tensors, "bytes": r.bytes,
+        "world_size": index.map(|i| i.ckpt.world_size),
+        "bytes_per_rank": index.map(|i| ckpt_store::ranks::bytes_per_rank(i).into_values().collect::<Vec<u64>>()),
+        "seconds": r.seconds, "problems": r.problems.iter().map(|p| json!({"file": p.file, "tensor": p.tensor, "what": p.what})).collect::<Vec<_>>(),
+    })
 }
 
 fn print_verify(r: &restore::VerifyReport) {
@@ -1116,6 +1178,9 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
                 .status()
                 .with_context(|| format!("running {}", bench.display()))?;
             return Ok(child_exit(status));
+        }
+        BenchCmd::Drain { url, size, local, shard_size, parallel, part_size, json } => {
+            bench_drain::run(&bench_drain::Args { url, size, local, shard_size, parallel, part_size, json })?;
         }
         BenchCmd::Ranks { args } => {
             let python = bench_python(None);

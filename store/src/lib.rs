@@ -36,5 +36,6 @@ pub mod restore;
 pub mod retention;
 pub mod rollback;
 pub mod skeleton;
+pub mod source;
 pub mod synthetic;
 pub mod units;

@@ -55,14 +55,14 @@ impl std::fmt::Display for Problem {
     }
 }
 
-fn problem(file: Option<&str>, tensor: Option<&str>, what: impl Into<String>) -> Problem {
+pub(crate) fn problem(file: Option<&str>, tensor: Option<&str>, what: impl Into<String>) -> Problem {
     Problem { file: file.map(str::to_string), tensor: tensor.map(str::to_string), what: what.into() }
 }
 
 /// A problem found in a stored tensor that is a slice names the logical
 /// tensor and says which slice: `FILE: tensor "w": slice elems [a, b) of
 /// rank R (stored as "w#…"): checksum mismatch …`.
-fn name_slices(index: &Index, problems: &mut [Problem]) {
+pub(crate) fn name_slices(index: &Index, problems: &mut [Problem]) {
     if index.ckpt.slices.is_empty() {
         return;
     }
@@ -465,7 +465,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
 
 /// A checkpoint whose Python skeleton names a tensor it does not hold does
 /// not load (crate::skeleton): a problem of its `structure.pkl`.
-fn check_skeleton(index: &Index, blobs: &BTreeMap<String, Vec<u8>>, problems: &mut Vec<Problem>) {
+pub(crate) fn check_skeleton(index: &Index, blobs: &BTreeMap<String, Vec<u8>>, problems: &mut Vec<Problem>) {
     let missing = skeleton::missing_from_index(index, blobs.get(skeleton::STRUCTURE_BLOB).map(Vec::as_slice));
     if !missing.is_empty() {
         let file = format!("{BLOBS_DIR_NAME}/{}", skeleton::STRUCTURE_BLOB);
@@ -597,7 +597,7 @@ impl DirReader {
 /// Checks one file from a stream of its bytes in order: the header (kept
 /// until whole), then each tensor's crc32c computed incrementally, and the
 /// file's crc32c combined from them.
-struct FileCheck<'a> {
+pub(crate) struct FileCheck<'a> {
     file: &'a format::IndexFile,
     tensors: Vec<(&'a String, &'a format::IndexTensor)>,
     /// Bytes fed so far.
@@ -611,7 +611,7 @@ struct FileCheck<'a> {
 }
 
 impl<'a> FileCheck<'a> {
-    fn new(file: &'a format::IndexFile, tensors: Vec<(&'a String, &'a format::IndexTensor)>) -> FileCheck<'a> {
+    pub(crate) fn new(file: &'a format::IndexFile, tensors: Vec<(&'a String, &'a format::IndexTensor)>) -> FileCheck<'a> {
         FileCheck { file, tensors, pos: 0, header: Vec::new(), data_start: None, next: 0, tensor_crc: 0, file_crc: 0, failed: false }
     }
 
@@ -620,7 +620,7 @@ impl<'a> FileCheck<'a> {
         self.failed = true;
     }
 
-    fn feed(&mut self, mut bytes: &[u8], problems: &mut Vec<Problem>) {
+    pub(crate) fn feed(&mut self, mut bytes: &[u8], problems: &mut Vec<Problem>) {
         let f = self.file;
         while !bytes.is_empty() && !self.failed {
             let Some(ds) = self.data_start else {
@@ -697,7 +697,7 @@ impl<'a> FileCheck<'a> {
         }
     }
 
-    fn finish(&self, problems: &mut Vec<Problem>) {
+    pub(crate) fn finish(&self, problems: &mut Vec<Problem>) {
         let f = self.file;
         if self.failed || problems.iter().any(|p| p.file.as_deref() == Some(&f.name)) {
             return;

@@ -27,6 +27,10 @@ pub const RETRY_BACKOFF_BASE: f64 = 2.0;
 pub const OPEN_RETRY_MAX: usize = 2;
 pub const OPEN_RETRY_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// file:// uploads write with O_DIRECT in whole blocks of this size (the
+/// last part padded, then the file truncated).
+pub const DIRECT_BLOCK_BYTES: usize = 4096;
+
 /// Worker threads of the tier's own tokio runtime (network I/O; reads and
 /// checksums run on its blocking pool).
 pub const RUNTIME_WORKER_THREADS: usize = 2;

@@ -14,6 +14,7 @@
 //! blocking: a small tokio runtime lives inside each [`Target`] (shared by
 //! its clones); call it from plain threads, never from inside a runtime.
 
+pub mod bench;
 mod config;
 mod error;
 mod limiter;
@@ -21,4 +22,4 @@ mod target;
 
 pub use config::*;
 pub use error::TierError;
-pub use target::{remote_index_json, LocalFile, Target, TargetOptions, UploadStats};
+pub use target::{local_files, remote_index_json, LocalFile, Target, TargetOptions, UploadStats};

@@ -28,6 +28,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use ckpt_store::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME, LATEST_FILE_NAME};
+use ckpt_store::mem::AlignedBuf;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
@@ -141,7 +142,7 @@ fn install_crypto_provider() {
     });
 }
 
-fn nonce() -> u64 {
+pub(crate) fn nonce() -> u64 {
     use std::hash::BuildHasher;
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     std::hash::RandomState::new().hash_one((std::time::SystemTime::now(), std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)))
@@ -157,6 +158,29 @@ pub fn remote_index_json(local_index_json: &[u8]) -> Result<Vec<u8>, format::For
         f.dir_idx = 0;
     }
     Ok(index.sealed_json_bytes())
+}
+
+/// The files of a committed local step as [`Target::upload_step`] takes
+/// them: every shard in its directory (`primary` or the index's secondary
+/// directory `dir_idx`), every blob as `blobs/<name>`, with the index's
+/// lengths and checksums.
+pub fn local_files(primary: &FsPath, index: &Index) -> Vec<LocalFile> {
+    let step_dir = |dir: &FsPath| dir.join(format::step_dir_name(index.ckpt.step).expect("a valid index's step"));
+    let dirs: Vec<PathBuf> =
+        std::iter::once(primary.to_path_buf()).chain(index.ckpt.secondary_dirs.iter().map(PathBuf::from)).collect();
+    let files = index.ckpt.files.iter().map(|f| LocalFile {
+        local_path: step_dir(dirs.get(f.dir_idx as usize).map_or(primary, |d| d.as_path())).join(&f.name),
+        name: f.name.clone(),
+        len: f.len_bytes,
+        crc32c: f.crc32c,
+    });
+    let blobs = index.ckpt.blobs.iter().map(|b| LocalFile {
+        local_path: step_dir(primary).join(BLOBS_DIR_NAME).join(&b.name),
+        name: format!("{BLOBS_DIR_NAME}/{}", b.name),
+        len: b.len_bytes,
+        crc32c: b.crc32c,
+    });
+    files.chain(blobs).collect()
 }
 
 /// Splits a file name of a step folder into path parts, refusing what
@@ -361,6 +385,13 @@ impl Target {
         })
     }
 
+    /// The length of one file of a step (a HEAD request).
+    pub fn file_len(&self, step: u64, name: &str) -> Result<u64, TierError> {
+        let inner = &*self.inner;
+        let path = self.file_path(step, name)?;
+        inner.rt.block_on(async { inner.store.head(&path).await.map(|m| m.size).map_err(|e| inner.store_err("head", &path, e)) })
+    }
+
     /// Ranged read of one file of a step into `dst` (parallel ranged GETs
     /// of one part size each for a large `dst`). The caller verifies
     /// checksums as a local load does.
@@ -534,7 +565,10 @@ impl Inner {
     }
 
     fn part_size_for(&self, len: u64) -> usize {
-        (self.part_size as u64).max(len.div_ceil(MAX_PARTS)) as usize
+        // Whole blocks, so that every part but the last starts and ends on
+        // one (file:// writes with O_DIRECT).
+        let p = (self.part_size as u64).max(len.div_ceil(MAX_PARTS));
+        (p.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64) as usize
     }
 
     async fn upload_one(&self, f: &LocalFile, path: Path, sem: Arc<Semaphore>) -> Result<(), TierError> {
@@ -546,6 +580,9 @@ impl Inner {
         }
         let file = Arc::new(file);
         let part = self.part_size_for(f.len);
+        if let Backend::Local { root } = &self.backend {
+            return self.upload_local(f, &path, root, file, part, sem).await;
+        }
         if f.len <= part as u64 {
             let _permit = sem.acquire().await.expect("the semaphore is never closed");
             let (data, crc) = self.read_part(file, f, &path, 0, f.len as usize).await?;
@@ -648,6 +685,145 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// A file:// upload, written directly: parts read and written in
+    /// parallel (pread, crc32c, pwrite on the blocking pool, page-aligned
+    /// buffers reused) into `<name>#<nonce>` beside the destination, with
+    /// O_DIRECT where the file system takes it (the last part padded to the
+    /// block, the file truncated to its length after); if the combined
+    /// crc32c matches, fdatasync, rename into place, sync the folders up to
+    /// the root; otherwise the staging file is removed. (object_store's
+    /// LocalFileSystem upload writes its parts one at a time, under a lock,
+    /// buffered.)
+    async fn upload_local(&self, f: &LocalFile, path: &Path, root: &FsPath, src: Arc<File>, part: usize, sem: Arc<Semaphore>) -> Result<(), TierError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        enum PartError {
+            Read(std::io::Error),
+            Write(std::io::Error),
+        }
+        let tio = |op: &'static str, p: &FsPath, e: std::io::Error| TierError::TargetIo { url: self.url.clone(), op, path: p.to_path_buf(), source: e };
+        let dest = root.join(path.as_ref());
+        let parent = dest.parent().expect("an object is inside the root").to_path_buf();
+        let tmp = PathBuf::from(format!("{}#{:016x}", dest.display(), nonce()));
+        std::fs::create_dir_all(&parent).map_err(|e| tio("create directory", &parent, e))?;
+        let open = |direct: bool| {
+            let mut o = File::options();
+            o.write(true).create_new(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(&tmp)
+        };
+        let (out, direct) = match open(true) {
+            Ok(f) => (f, true),
+            // A file system without O_DIRECT (tmpfs): buffered, synced at the end.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false).map_err(|e| tio("create", &tmp, e))?, false),
+            Err(e) => return Err(tio("create", &tmp, e)),
+        };
+        let out = Arc::new(out);
+        // The source read with O_DIRECT too where it can be (a step just
+        // written with O_DIRECT is not in the page cache anyway).
+        let (src, src_direct) = match File::options().read(true).custom_flags(libc::O_DIRECT).open(&f.local_path) {
+            Ok(d) => (Arc::new(d), true),
+            Err(_) => (src, false),
+        };
+        let block = DIRECT_BLOCK_BYTES;
+        let buf_len = part.div_ceil(block) * block;
+        let pool: Arc<std::sync::Mutex<Vec<AlignedBuf>>> = Arc::default();
+        let n_parts = f.len.div_ceil(part as u64) as usize;
+        let results: Vec<Result<(u32, u64), TierError>> = futures::stream::iter(0..n_parts)
+            .map(|i| {
+                let (sem, src, out, pool, tmp, tio) = (sem.clone(), src.clone(), out.clone(), pool.clone(), &tmp, &tio);
+                async move {
+                    let _permit = sem.acquire_owned().await.expect("the semaphore is never closed");
+                    let offset = (i * part) as u64;
+                    let len = (f.len - offset).min(part as u64) as usize;
+                    self.throttle(len as u64).await;
+                    let r = tokio::task::spawn_blocking(move || {
+                        let mut buf = match pool.lock().expect("buffer pool").pop() {
+                            Some(b) => b,
+                            None => AlignedBuf::new(buf_len).map_err(PartError::Read)?,
+                        };
+                        let b = buf.as_mut_slice();
+                        let read = |b: &mut [u8]| -> std::io::Result<()> {
+                            if !src_direct {
+                                return src.read_exact_at(&mut b[..len], offset);
+                            }
+                            // Whole blocks; the file ends inside the last one.
+                            let want = len.div_ceil(block) * block;
+                            let mut got = 0;
+                            while got < len {
+                                match src.read_at(&mut b[got..want], offset + got as u64) {
+                                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                                    Ok(n) => got += n,
+                                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                    Err(e) => return Err(e),
+                                }
+                            }
+                            Ok(())
+                        };
+                        let r = read(b).map_err(PartError::Read).and_then(|()| {
+                            let crc = crc32c::crc32c(&b[..len]);
+                            // O_DIRECT writes whole blocks: the tail of the last part is
+                            // padded with zeros, cut off by the truncate at the end.
+                            let wlen = if direct { len.div_ceil(block) * block } else { len };
+                            b[len..wlen].fill(0);
+                            out.write_all_at(&b[..wlen], offset).map_err(PartError::Write)?;
+                            Ok(crc)
+                        });
+                        pool.lock().expect("buffer pool").push(buf);
+                        r
+                    })
+                    .await
+                    .map_err(|e| TierError::Task { url: self.url.clone(), reason: e.to_string() })?;
+                    match r {
+                        Ok(crc) => Ok((crc, len as u64)),
+                        Err(PartError::Read(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                            Err(self.changed(f, path, format!("shorter than the {} bytes of its index", f.len)))
+                        }
+                        Err(PartError::Read(e)) => Err(TierError::LocalIo { url: self.url.clone(), object: self.rel(path), path: f.local_path.clone(), source: e }),
+                        Err(PartError::Write(e)) => Err(tio("write", tmp, e)),
+                    }
+                }
+            })
+            .buffered(self.parallel)
+            .collect()
+            .await;
+        let mut crc_all = 0u32;
+        let mut failed = None;
+        for r in results {
+            match r {
+                Ok((crc, len)) => crc_all = ckpt_store::crc::combine(crc_all, crc, len),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if failed.is_none() && crc_all != f.crc32c {
+            failed = Some(self.changed(f, path, format!("crc32c {crc_all:#010x}, its index says {:#010x}", f.crc32c)));
+        }
+        let finish = || -> Result<(), TierError> {
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            out.set_len(f.len).map_err(|e| tio("truncate", &tmp, e))?;
+            out.sync_data().map_err(|e| tio("sync", &tmp, e))?;
+            std::fs::rename(&tmp, &dest).map_err(|e| tio("rename", &tmp, e))?;
+            // The new entry, and any folder created for it, made durable.
+            for dir in dest.ancestors().skip(1) {
+                File::open(dir).and_then(|d| d.sync_all()).map_err(|e| tio("sync", dir, e))?;
+                if dir == root {
+                    break;
+                }
+            }
+            Ok(())
+        };
+        let r = tokio::task::block_in_place(finish);
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r
     }
 
     async fn abort(&self, sink: Sink) {

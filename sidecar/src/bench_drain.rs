@@ -1,0 +1,91 @@
+//! `bench drain`: the drain tier's upload and download against the plain
+//! object_store client on the same target in the same run (and, for
+//! file://, fio's write into that directory). Figures only. Part of the
+//! binary (main.rs).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+use ckpt_store::bench;
+use ckpt_store::units::human_bytes;
+use ckpt_tier::bench::{self as tier_bench, DrainBenchArgs};
+use ckpt_tier::TargetOptions;
+
+pub struct Args {
+    pub url: String,
+    pub size: u64,
+    pub local: PathBuf,
+    pub shard_size: u64,
+    pub parallel: usize,
+    pub part_size: u64,
+    pub json: bool,
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    // fio first, into the target directory, while nothing else runs.
+    let fio = match tier_bench::file_url_dir(&a.url) {
+        Some(dir) => Some(bench::fio_gib_per_s(&dir, a.size, "write").with_context(|| format!("fio write into {}", dir.display()))?),
+        None => None,
+    };
+    let local = tempfile_in(&a.local)?;
+    let r = (|| {
+        let w = bench::write(&bench::WriteArgs {
+            dirs: vec![local.clone()],
+            size_bytes: a.size,
+            step: Some(1),
+            io: Default::default(),
+            shard_bytes_max: a.shard_size,
+            compare_fio: false,
+        })?;
+        let (files, index_json) = tier_bench::local_step(&local, w.step).with_context(|| format!("reading the step in {}", local.display()))?;
+        let opts = TargetOptions { bandwidth_bytes_per_s: None, parallel: a.parallel, part_size_bytes: a.part_size as usize };
+        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs { url: a.url.clone(), step: w.step, files, index_json, opts })?)
+    })();
+    let _ = std::fs::remove_dir_all(&local);
+    let f = r?;
+    let gib = |secs: f64| bench::gib_per_s(f.bytes, secs);
+    println!(
+        "drain {}: {} in {} files, {} parts of {} in flight",
+        f.url,
+        human_bytes(f.bytes),
+        f.files,
+        f.parallel,
+        human_bytes(f.part_size_bytes as u64)
+    );
+    println!(
+        "upload    ours (upload_step)        {:>7.3} s {:>7.3} GiB/s | plain object_store WriteMultipart {:>7.3} s {:>7.3} GiB/s | ours/plain {:.2}",
+        f.upload_seconds,
+        gib(f.upload_seconds),
+        f.plain_upload_seconds,
+        gib(f.plain_upload_seconds),
+        f.upload_ratio()
+    );
+    println!(
+        "download  ours (read_range)         {:>7.3} s {:>7.3} GiB/s | plain object_store get            {:>7.3} s {:>7.3} GiB/s | ours/plain {:.2}",
+        f.download_seconds,
+        gib(f.download_seconds),
+        f.plain_download_seconds,
+        gib(f.plain_download_seconds),
+        f.download_ratio()
+    );
+    if let Some(fio) = fio {
+        println!("fio write into the directory (bs 4M, O_DIRECT, iodepth 16): {fio:.3} GiB/s | ours/fio {:.2}", gib(f.upload_seconds) / fio);
+    }
+    if a.json {
+        let mut j = serde_json::to_value(&f)?;
+        j["upload_ratio"] = f.upload_ratio().into();
+        j["download_ratio"] = f.download_ratio().into();
+        j["fio_write_gib_per_s"] = fio.into();
+        j["upload_ratio_to_fio"] = fio.map(|x| gib(f.upload_seconds) / x).into();
+        println!("{j}");
+    }
+    Ok(())
+}
+
+/// A fresh folder inside `dir` for the local step.
+fn tempfile_in(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let p = dir.join(format!("ckpt-bench-drain-{}", std::process::id()));
+    std::fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
+    Ok(p)
+}

@@ -436,8 +436,13 @@ impl Drain {
         }
     }
 
-    /// Remote steps (for List and `latest`); None when the target does not answer.
+    /// Remote steps (for List and `latest`); None when the target does not
+    /// answer, or is known to be down (a load of `latest` then reads the
+    /// local directories at once, without waiting for the target's retries).
     pub fn remote_steps(&self) -> Option<Vec<u64>> {
+        if !self.lock().up {
+            return None;
+        }
         match self.target.steps() {
             Ok(s) => Some(s),
             Err(e) => {

@@ -109,8 +109,8 @@ def assert_equal_state(got, want):
 class S3:
     """tests/s3/serve.sh PORT in the foreground, its `export` lines parsed."""
 
-    def __init__(self, tmp_path):
-        self.port = free_port()
+    def __init__(self, tmp_path, port=None):
+        self.port = port or free_port()
         self.log = tmp_path / "s3.log"
         self.env = {}
         self.proc = subprocess.Popen(["bash", str(REPO / "tests/s3/serve.sh"), str(self.port)], stdout=subprocess.PIPE,
@@ -403,3 +403,22 @@ def test_a_damaged_local_step_is_loaded_from_the_drain_target_and_says_so(tmp_pa
         said = ck.last_load_fell_back
         said = said if isinstance(said, str) else " ".join(said)
         assert "local copy damaged" in said, said
+
+
+def test_s3_server_killed_and_restarted_mid_drain_local_saves_go_on_and_the_drain_resumes(tmp_path, servers, s3):
+    a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/restart", env=s3.env).start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, state(1)).wait_replicated(timeout=120)
+        s3.stop()
+        h2 = ck.save(2, state(2))
+        h2.wait_durable(60)
+        wait_until(lambda: a.drain()["state"] == "down", 120, "status saying the drain is down")
+        assert h2.state() == "durable"
+        again = S3(tmp_path, port=s3.port)  # an empty server: the bucket made anew, step 1 gone with the old one
+        try:
+            h2.wait_replicated(timeout=120)
+            assert "restart/step-000000000002/model.safetensors.index.json" in s3_keys(again.env, "restart/")
+        finally:
+            again.stop()
+    assert a.drain()["state"] == "up"

@@ -123,8 +123,9 @@ async fn plain_upload(url: &str, store: &dyn ObjectStore, dir: &Path, files: &[L
     Ok(())
 }
 
-/// Runs the four measurements once each, in this order: plain upload,
-/// ours, our download, plain download; then removes what it uploaded.
+/// Runs the four measurements once each, in this order: our upload, the
+/// plain upload, our download, the plain download (each upload from a
+/// cold page cache); then removes what it uploaded.
 pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let sub = format!("bench-drain-{:016x}", nonce());
     let ours_url = format!("{}/{sub}/ours", args.url.trim_end_matches('/'));
@@ -142,13 +143,13 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let result = (|| {
         drop_cache(&args.files);
         let t0 = Instant::now();
-        rt.block_on(plain_upload(&args.url, plain.as_ref(), &plain_dir, &args.files, part, parallel))?;
-        let plain_upload_seconds = t0.elapsed().as_secs_f64();
+        t.upload_step(args.step, &args.files, &args.index_json)?;
+        let upload_seconds = t0.elapsed().as_secs_f64();
 
         drop_cache(&args.files);
         let t0 = Instant::now();
-        t.upload_step(args.step, &args.files, &args.index_json)?;
-        let upload_seconds = t0.elapsed().as_secs_f64();
+        rt.block_on(plain_upload(&args.url, plain.as_ref(), &plain_dir, &args.files, part, parallel))?;
+        let plain_upload_seconds = t0.elapsed().as_secs_f64();
 
         let biggest = args.files.iter().map(|f| f.len).max().unwrap_or(0) as usize;
         let mut buf = vec![0u8; biggest];

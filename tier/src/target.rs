@@ -392,8 +392,8 @@ impl Target {
         inner.rt.block_on(async { inner.store.head(&path).await.map(|m| m.size).map_err(|e| inner.store_err("head", &path, e)) })
     }
 
-    /// Ranged read of one file of a step into `dst` (parallel ranged GETs
-    /// of one part size each for a large `dst`). The caller verifies
+    /// Ranged read of one file of a step into `dst` (for a large `dst`, at
+    /// most `parallel` ranged GETs in parallel, each at least a part). The caller verifies
     /// checksums as a local load does.
     pub fn read_range(&self, step: u64, name: &str, offset: u64, dst: &mut [u8]) -> Result<(), TierError> {
         let inner = &*self.inner;
@@ -401,7 +401,10 @@ impl Target {
         if dst.is_empty() {
             return Ok(());
         }
-        let chunk = inner.part_size;
+        // At most `parallel` ranges, none under a part: fewer, larger
+        // requests (a server may pay per request what a whole object costs:
+        // moto reads the whole object for every ranged GET).
+        let chunk = inner.part_size.max(dst.len().div_ceil(inner.parallel));
         let path = &path;
         inner.rt.block_on(
             futures::stream::iter(dst.chunks_mut(chunk).enumerate())

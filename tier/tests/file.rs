@@ -113,3 +113,17 @@ fn file_remote_index_has_every_file_in_the_step_folder() {
     let r = ckpt_store::format::Index::from_json_bytes(&remote).unwrap();
     assert!(r.ckpt.secondary_dirs.is_empty() && r.ckpt.files.iter().all(|f| f.dir_idx == 0));
 }
+
+#[test]
+fn file_target_without_o_direct_is_written_buffered() {
+    // tmpfs refuses O_DIRECT: source and target there take the buffered path.
+    let local = tempfile::tempdir_in("/dev/shm").unwrap();
+    let remote = tempfile::tempdir_in("/dev/shm").unwrap();
+    let t = Target::open(&file_url(remote.path()), small_parts()).unwrap();
+    let s = local_step(local.path(), 1, 2 * ckpt_tier::MIN_PART_SIZE_BYTES + 4097);
+    t.upload_step(1, &s.files, &s.index_json).unwrap();
+    for (name, data) in &s.bytes {
+        let p = remote.path().join("step-000000000001").join(name);
+        assert!(std::fs::read(&p).unwrap() == *data, "{}", p.display());
+    }
+}

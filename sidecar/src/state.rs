@@ -103,6 +103,8 @@ pub struct Shared {
     /// The store was opened read-only (set once at start): saves and
     /// rollbacks are refused with its text, loads served.
     pub read_only: Option<ckpt_store::read_only::ReadOnlyDir>,
+    /// The drain tier (`--drain URL`), set once at start (`crate::drain`).
+    pub drain: Option<Arc<crate::drain::Drain>>,
     /// Incremental saves: which tensors changed at the last commit (the
     /// committer sets it; sessions plan stable shards from it).
     history: Mutex<History>,
@@ -154,6 +156,7 @@ impl Shared {
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
             read_only: None,
+            drain: None,
             history: Mutex::new(History::default()),
             full_every: std::sync::atomic::AtomicU32::new(ckpt_store::config::FULL_EVERY_DEFAULT),
             saves_since_full: std::sync::atomic::AtomicU32::new(0),
@@ -338,6 +341,7 @@ impl Shared {
             cuda: crate::cuda_probe::summary(),
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
+            drain: self.drain.as_ref().map(|d| d.report()),
         }
     }
 }

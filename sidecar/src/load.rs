@@ -35,7 +35,7 @@ struct Fail(ErrorCode, String);
 impl From<LoadError> for Fail {
     fn from(e: LoadError) -> Fail {
         let code = match &e {
-            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } => ErrorCode::NotFound,
+            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => ErrorCode::NotFound,
             LoadError::Damaged { .. } => ErrorCode::Damaged,
             LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
             // The client's region failed under the load: its error, not the checkpoint's.
@@ -184,10 +184,16 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
         Which::Latest => catalog::latest_step(primary).ok().flatten(),
     };
     let mut need_bytes = first.and_then(|s| restore::read_index(primary, s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
+    // Node-local files: only the files of the tensors asked for are read
+    // (a rank loading its own part needs no other node's disks).
+    let read_opts = match &shared.read_opts.node {
+        Some(_) => std::borrow::Cow::Owned(restore::ReadOptions { only_tensors: Some(descs.iter().map(|d| d.name.clone()).collect()), ..shared.read_opts.clone() }),
+        None => std::borrow::Cow::Borrowed(&shared.read_opts),
+    };
     for _ in 0..3 {
         if need_bytes > shared.staging.budget_bytes() {
             warn!(need_bytes, budget_bytes = shared.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
-            let l = restore::load(primary, which, &shared.read_opts, None)?;
+            let l = restore::load(primary, which, &read_opts, None)?;
             deliver(regions, descs, |name| from_index(&l.index, name, |t| l.tensor(t)))?;
             return Ok(served_from_index(l.step, &l.index, &l.blobs, &l.fell_back));
         }
@@ -196,7 +202,7 @@ fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, 
             StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
             e => Fail(ErrorCode::Io, e.to_string()),
         })?;
-        match restore::load_into(primary, which, &shared.read_opts, lease.as_mut_slice()) {
+        match restore::load_into(primary, which, &read_opts, lease.as_mut_slice()) {
             Ok(p) => {
                 let image = lease.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;

@@ -208,6 +208,12 @@ impl Nodes {
         } else {
             self.watch(store, shared, step);
         }
+        if !self.steps.contains_key(&step) {
+            // Decided: node-local folders of steps aborted, or un-committed
+            // by the coordinator's retention, go (store::nodes::sweep_node_local).
+            let waiting: BTreeSet<u64> = self.steps.keys().copied().collect();
+            store.sweep_node_local(&waiting);
+        }
     }
 
     /// The coordinator: commit when every marker is in, abort when the

@@ -208,12 +208,15 @@ impl Nodes {
         } else {
             self.watch(store, shared, step);
         }
-        if !self.steps.contains_key(&step) {
-            // Decided: node-local folders of steps aborted, or un-committed
-            // by the coordinator's retention, go (store::nodes::sweep_node_local).
-            let waiting: BTreeSet<u64> = self.steps.keys().copied().collect();
-            store.sweep_node_local(&waiting);
-        }
+    }
+
+    /// A step was decided (and removed from `steps`): before its ranks are
+    /// answered, this node's node-local folders of steps aborted, or
+    /// un-committed by the coordinator's retention, go
+    /// (`ckpt_store::nodes::sweep_node_local`); a no-op without `--node-local`.
+    fn sweep(&self, store: &Store) {
+        let waiting: BTreeSet<u64> = self.steps.keys().copied().collect();
+        store.sweep_node_local(&waiting);
     }
 
     /// The coordinator: commit when every marker is in, abort when the
@@ -238,6 +241,7 @@ impl Nodes {
                     let copy_seconds = w.waiters.iter().map(|x| x.copy_seconds).fold(0.0, f64::max);
                     let gib_per_s = w.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
                     shared.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+                    self.sweep(store);
                     durable(shared, w, step, &rep.path.display().to_string(), persist_seconds);
                 }
                 Err(e) => {
@@ -250,6 +254,7 @@ impl Nodes {
                     if !matches!(e, CommitError::AlreadyCommitted { .. }) {
                         self.abort_folder(store, step, &why);
                     }
+                    self.sweep(store);
                     for x in w.waiters {
                         answer_failed(shared, x, step, error_code(&e), why.clone());
                     }
@@ -269,6 +274,7 @@ impl Nodes {
             };
             warn!("{why}");
             self.abort_folder(store, step, &why);
+            self.sweep(store);
             let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
                 answer_failed(shared, x, step, code, why.clone());
@@ -304,6 +310,7 @@ impl Nodes {
                 let path = ckpt_store::catalog::step_path(&dir, step).display().to_string();
                 let persist_seconds = w.since.elapsed().as_secs_f64();
                 info!(step, "durable (committed by the coordinator, rank 0's sidecar)");
+                self.sweep(store);
                 durable(shared, w, step, &path, persist_seconds);
             }
             RanksState::Gone => {
@@ -319,6 +326,7 @@ impl Nodes {
                     format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size)
                 };
                 warn!("{why}");
+                self.sweep(store);
                 for x in w.waiters {
                     answer_failed(shared, x, step, ErrorCode::Io, why.clone());
                 }

@@ -30,9 +30,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None):
+def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None, node_args=lambda node: []):
     """Runs both simulated nodes at once; returns (their CompletedProcess-like
-    (returncode, output) pairs, the ranks' results)."""
+    (returncode, output) pairs, the ranks' results). `node_args(node)`: more
+    options of node `node`'s sidecar."""
     from conftest import sidecar_bin
 
     port = free_port()
@@ -47,7 +48,7 @@ def two_nodes(tmp_path, shared, step, mode, vocab=5000, timeout_s=None):
     procs = []
     for node in (0, 1):
         cmd = [sidecar_bin(), "launch", "--dir", str(tmp_path / f"node{node}"), "--shared", str(shared),
-               "--staging", "128MiB", "--", torchrun(), "--nnodes", "2", "--node-rank", str(node),
+               "--staging", "128MiB", *node_args(node), "--", torchrun(), "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                str(WORKER), str(shared), str(step), mode, str(vocab)]
         log = open(tmp_path / f"node{node}-{mode}-{step}.log", "w+")
@@ -95,3 +96,33 @@ def test_trainers_of_both_nodes_killed_after_every_part_was_released_still_commi
     assert (shared / "latest").read_text().strip() == "step-000000000004"
     got = load_single(shared)
     assert all(torch.equal(got["model"][k], v) for k, v in state().items())
+
+
+def test_node_local_shards_stay_on_each_nodes_own_disk_and_the_step_loads_whole(tmp_path):
+    """--node-local: each node's ranks' shards go to its own --dir, only
+    blobs, markers and the index to the shared directory; the index names
+    the node holding each file (before: every shard went to the shared
+    directory)."""
+    from replicated_train import state
+
+    shared = tmp_path / "shared"
+    out, saved = two_nodes(tmp_path, shared, 3, "save", node_args=lambda node: ["--node-local", "--node-id", f"node{node}"])
+    assert [rc for rc, _ in out] == [0, 0], out[0][1][-3000:] + out[1][1][-3000:]
+    assert [(s["rank"], s["world_size"]) for s in saved] == [(r, 4) for r in range(4)]
+    step_dir = shared / "step-000000000003"
+    assert not list(step_dir.glob("*.safetensors"))
+    index = json.loads((step_dir / "model.safetensors.index.json").read_text())
+    nodes = index["ckpt"]["nodes"]
+    assert sorted(nodes) == ["node0", "node1"]
+    for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
+        local = tmp_path / node / "node-step-000000000003"
+        assert nodes[node]["dirs"] == [str(tmp_path.resolve() / node)]
+        assert sorted(nodes[node]["files"]) == sorted(p.name for p in local.glob("*.safetensors"))
+        assert sorted(shard_bytes(local)) == [f"rank-{r:05d}-of-00004" for r in ranks]
+    assert not [p for p in shared.iterdir() if p.name.startswith(".tmp-")]
+    # On this one machine, a sidecar that names no node reads each node's
+    # files where the index recorded them: the whole state, bit-equal.
+    got, want = load_single(shared), state()
+    assert got["note"] == "replicated" and set(got["model"]) == set(want)
+    for k, v in want.items():
+        assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), k

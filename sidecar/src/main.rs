@@ -171,7 +171,7 @@ struct DaemonArgs {
     #[arg(long)]
     shared: Option<PathBuf>,
     /// With --shared: each node's ranks' shards go to this node's own
-    /// --dir (striped over --secondary), in `node-step-…` folders; only
+    /// --dir(s) (striped over them as a one-node save), in `node-step-…` folders; only
     /// blobs, markers and the index go to the shared directory, and the
     /// index names the node holding each file. A node's ranks load their
     /// own node's files from its disks; another node's files need a drain

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or repairs) the Python virtual environment at .venv with what
 # tests/python needs: pytest, numpy, safetensors, crc32c, matplotlib (bench
-# compare's --plot, smoke-tested), lightning (shim-py/tests/test_lightning.py,
+# compare's --plot, smoke-tested), moto (tests/s3/serve.sh), lightning (shim-py/tests/test_lightning.py,
 # after torch), and torch (the
 # default Linux wheel from PyPI, about 5 GB with its CUDA libraries; it runs
 # on CPU too).
@@ -35,6 +35,19 @@ install_lightning() {
         echo "installing lightning $LIGHTNING_VERSION into $VENV"
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check "lightning==$LIGHTNING_VERSION"
         "$VENV/bin/python" -c 'import lightning, torch'
+    fi
+}
+
+# moto (tests/s3/serve.sh: the S3-compatible server of the drain tier's
+# tests, ckpt-tier's and the sidecar's): its S3 part and the standalone
+# server's flask. Pinned, so a new release cannot change CI; serve.sh
+# installs the same if it is missing.
+MOTO_VERSION=5.2.5
+install_moto() {
+    if ! "$VENV/bin/python" -c 'import moto, flask, flask_cors' 2>/dev/null; then
+        echo "installing moto $MOTO_VERSION into $VENV"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check "moto[s3]==$MOTO_VERSION" flask flask-cors
+        "$VENV/bin/python" -c 'import moto, flask, flask_cors'
     fi
 }
 
@@ -81,6 +94,7 @@ print("deepspeed: " + ("skipped by bench compare: " + why if why else "FastPersi
 if "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib' 2>/dev/null; then
     install_torch
     install_lightning
+    install_moto
     install_shim
     install_deepspeed
     exit 0
@@ -96,5 +110,6 @@ echo "installing ${PACKAGES[*]} into $VENV"
 "$VENV/bin/python" -c 'import safetensors, numpy, crc32c, pytest, matplotlib'
 install_torch
 install_lightning
+install_moto
 install_shim
 install_deepspeed

@@ -3,6 +3,8 @@
 //! stopping a child process the way the daemon is stopped (SIGTERM, drain).
 //! A dev-dependency only; nothing here ships.
 
+pub mod s3;
+
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 

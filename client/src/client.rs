@@ -181,6 +181,9 @@ pub struct SaveStatus {
     pub persist_seconds: Option<f64>,
     /// Why it failed, when `state` is Failed.
     pub error: Option<String>,
+    /// The drain target it was replicated to, once a
+    /// [`Client::wait_replicated`] saw it (protocol 13).
+    pub replicated_to: Option<String>,
 }
 
 impl SaveStatus {
@@ -563,6 +566,7 @@ fn reply_id(r: &Reply) -> Option<u64> {
         | Reply::RolledBack { id, .. }
         | Reply::CopyQueued { id, .. }
         | Reply::Placed { id, .. }
+        | Reply::Replicated { id, .. }
         | Reply::Error { id, .. } => Some(*id),
     }
 }
@@ -1219,6 +1223,7 @@ impl Client {
                 path: None,
                 persist_seconds: None,
                 error: None,
+                replicated_to: None,
             };
             st.saves.insert(id, SaveEntry { status, code: None, cuda_device: None, event_pending: false });
             id
@@ -1270,6 +1275,44 @@ impl Client {
                 what: format!("save of {what} to be {}", if wanted == Wanted::Released { "released" } else { "durable" }),
                 timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
             })?;
+        }
+    }
+
+    /// Blocks until checkpoint save `save_id` is **Replicated**: durable,
+    /// then committed on the sidecar's drain target (`--drain URL`, its
+    /// remote index written), or `timeout` passes (None: no limit;
+    /// [`Error::Timeout`], the replication goes on). A sidecar without a
+    /// drain target, or a step its drain skipped (a newer one was drained
+    /// instead, `--drain-every`), answers at once with
+    /// [`Error::Remote`] (NotFound) saying why: never a hang.
+    pub fn wait_replicated(&self, save_id: u64, timeout: Option<Duration>) -> Result<SaveStatus> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let s = self.wait(save_id, Wanted::Durable, timeout)?;
+        if let Some(f) = &s.file {
+            return Err(Error::InvalidArgument(format!("save {save_id} wrote the file {f}; only checkpoints are replicated")));
+        }
+        if s.replicated_to.is_some() {
+            return Ok(s);
+        }
+        let step = s.step;
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        self.check_owner()?;
+        let mut inner = self.lock_inner();
+        let conn = self.ensure_connected(&mut inner)?;
+        let gen = conn.gen;
+        let id = self.send_request(conn, |id| Request::WaitReplicated { id, step })?;
+        drop(inner);
+        match self.await_reply(id, gen, &format!("step {step} to be replicated"), left)? {
+            Reply::Replicated { url, .. } => {
+                let mut st = self.lock_state();
+                let mut s = s;
+                s.replicated_to = Some(url.clone());
+                if let Some(e) = st.saves.get_mut(&save_id) {
+                    e.status.replicated_to = Some(url);
+                }
+                Ok(s)
+            }
+            other => Err(unexpected("WaitReplicated", other)),
         }
     }
 

@@ -99,6 +99,11 @@
 // Save state: the save failed; ckpt_wait on it returns the error.
 #define CKPT_FAILED 3
 
+// Save state, and what ckpt_wait can wait for: the checkpoint is committed
+// on the sidecar's drain target (`--drain URL`) too (protocol 13). ckpt_poll
+// says so only once a wait for it returned.
+#define CKPT_REPLICATED 4
+
 // Load source (ckpt_load): the sidecar still held the checkpoint in memory.
 #define CKPT_SOURCE_RAM 1
 
@@ -318,8 +323,9 @@ int ckpt_save_file_pieces(struct ckpt_client *client,
                           int finish,
                           uint64_t *save_id);
 
-// Blocks until save `save_id` is CKPT_RELEASED or CKPT_DURABLE (as `what`
-// says), or `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the
+// Blocks until save `save_id` is CKPT_RELEASED, CKPT_DURABLE or
+// CKPT_REPLICATED (as `what` says; see ckpt_wait_replicated), or
+// `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the
 // save's error when it failed (e.g. CKPT_E_IO, CKPT_E_DISCONNECTED);
 // CKPT_E_TIMEOUT when the time ran out (the save goes on).
 //
@@ -327,8 +333,21 @@ int ckpt_save_file_pieces(struct ckpt_client *client,
 // `client` is a live client.
 int ckpt_wait(struct ckpt_client *client, uint64_t save_id, int what, int64_t timeout_ms);
 
+// Blocks until checkpoint save `save_id` is CKPT_REPLICATED: durable, then
+// committed on the sidecar's drain target (`--drain URL`: its files, then
+// its remote index), or `timeout_ms` passes (< 0: no limit;
+// CKPT_E_TIMEOUT, the replication goes on). CKPT_E_NOT_FOUND at once when
+// the sidecar has no drain target, or its drain skipped the step (a newer
+// one was drained instead, or --drain-every leaves it out), with the
+// reason in ckpt_last_error(); CKPT_E_INVALID for a ckpt_save_file.
+//
+// # Safety
+// `client` is a live client.
+int ckpt_wait_replicated(struct ckpt_client *client, uint64_t save_id, int64_t timeout_ms);
+
 // Stores the save's state in *state (CKPT_PENDING, CKPT_RELEASED,
-// CKPT_DURABLE or CKPT_FAILED) without blocking. For CKPT_FAILED the
+// CKPT_DURABLE, CKPT_REPLICATED once a wait for it returned, or
+// CKPT_FAILED) without blocking. For CKPT_FAILED the
 // reason is also in ckpt_last_error() (the call itself returns CKPT_OK).
 //
 // # Safety

@@ -72,6 +72,10 @@ pub const CKPT_RELEASED: c_int = 1;
 pub const CKPT_DURABLE: c_int = 2;
 /// Save state: the save failed; ckpt_wait on it returns the error.
 pub const CKPT_FAILED: c_int = 3;
+/// Save state, and what ckpt_wait can wait for: the checkpoint is committed
+/// on the sidecar's drain target (`--drain URL`) too (protocol 13). ckpt_poll
+/// says so only once a wait for it returned.
+pub const CKPT_REPLICATED: c_int = 4;
 
 /// Load source (ckpt_load): the sidecar still held the checkpoint in memory.
 pub const CKPT_SOURCE_RAM: c_int = 1;
@@ -579,8 +583,9 @@ pub unsafe extern "C" fn ckpt_save_file_pieces(
     })
 }
 
-/// Blocks until save `save_id` is CKPT_RELEASED or CKPT_DURABLE (as `what`
-/// says), or `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the
+/// Blocks until save `save_id` is CKPT_RELEASED, CKPT_DURABLE or
+/// CKPT_REPLICATED (as `what` says; see ckpt_wait_replicated), or
+/// `timeout_ms` passes (< 0: no limit). CKPT_OK when reached; the
 /// save's error when it failed (e.g. CKPT_E_IO, CKPT_E_DISCONNECTED);
 /// CKPT_E_TIMEOUT when the time ran out (the save goes on).
 ///
@@ -591,17 +596,39 @@ pub unsafe extern "C" fn ckpt_wait(client: *mut ckpt_client, save_id: u64, what:
     guard(|| {
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
+        let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
         let wanted = match what {
             CKPT_RELEASED => Wanted::Released,
             CKPT_DURABLE => Wanted::Durable,
-            _ => return Err(invalid(format!("what is {what}; expected CKPT_RELEASED (1) or CKPT_DURABLE (2)"))),
+            CKPT_REPLICATED => return c.client.wait_replicated(save_id, timeout).map(|_| ()),
+            _ => return Err(invalid(format!("what is {what}; expected CKPT_RELEASED (1), CKPT_DURABLE (2) or CKPT_REPLICATED (4)"))),
         };
-        c.client.wait(save_id, wanted, u64::try_from(timeout_ms).ok().map(Duration::from_millis)).map(|_| ())
+        c.client.wait(save_id, wanted, timeout).map(|_| ())
+    })
+}
+
+/// Blocks until checkpoint save `save_id` is CKPT_REPLICATED: durable, then
+/// committed on the sidecar's drain target (`--drain URL`: its files, then
+/// its remote index), or `timeout_ms` passes (< 0: no limit;
+/// CKPT_E_TIMEOUT, the replication goes on). CKPT_E_NOT_FOUND at once when
+/// the sidecar has no drain target, or its drain skipped the step (a newer
+/// one was drained instead, or --drain-every leaves it out), with the
+/// reason in ckpt_last_error(); CKPT_E_INVALID for a ckpt_save_file.
+///
+/// # Safety
+/// `client` is a live client.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_wait_replicated(client: *mut ckpt_client, save_id: u64, timeout_ms: i64) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        c.client.wait_replicated(save_id, u64::try_from(timeout_ms).ok().map(Duration::from_millis)).map(|_| ())
     })
 }
 
 /// Stores the save's state in *state (CKPT_PENDING, CKPT_RELEASED,
-/// CKPT_DURABLE or CKPT_FAILED) without blocking. For CKPT_FAILED the
+/// CKPT_DURABLE, CKPT_REPLICATED once a wait for it returned, or
+/// CKPT_FAILED) without blocking. For CKPT_FAILED the
 /// reason is also in ckpt_last_error() (the call itself returns CKPT_OK).
 ///
 /// # Safety
@@ -615,6 +642,7 @@ pub unsafe extern "C" fn ckpt_poll(client: *mut ckpt_client, save_id: u64, state
         let v = match s.state {
             SaveState::Pending => CKPT_PENDING,
             SaveState::Released => CKPT_RELEASED,
+            SaveState::Durable if s.replicated_to.is_some() => CKPT_REPLICATED,
             SaveState::Durable => CKPT_DURABLE,
             SaveState::Failed => {
                 set_last_error(s.error.as_deref().unwrap_or("save failed"));

@@ -15,7 +15,7 @@ from .errors import error_for
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 
 OK = 0
-PENDING, RELEASED, DURABLE, FAILED = 0, 1, 2, 3
+PENDING, RELEASED, DURABLE, FAILED, REPLICATED = 0, 1, 2, 3, 4
 SOURCE_RAM, SOURCE_DISK = 1, 2
 E_TRUNCATED = -15
 
@@ -109,6 +109,7 @@ def lib():
         "ckpt_save_file_pieces": ([P, c.c_char_p, c.POINTER(FilePiece), c.c_size_t, P, c.c_int,
                                    c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_wait": ([P, c.c_uint64, c.c_int, c.c_int64], c.c_int),
+        "ckpt_wait_replicated": ([P, c.c_uint64, c.c_int64], c.c_int),
         "ckpt_poll": ([P, c.c_uint64, c.POINTER(c.c_int)], c.c_int),
         "ckpt_save_figures": ([P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double),
                                c.POINTER(c.c_double)], c.c_int),

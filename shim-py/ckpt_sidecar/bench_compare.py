@@ -121,7 +121,7 @@ class Sidecar:
     `ckpt-sidecar bench compare` to itself), staging allocated and pre-faulted
     at start."""
 
-    def __init__(self, ckdir, staging_bytes):
+    def __init__(self, ckdir, staging_bytes, drain=None):
         self.tmp = tempfile.mkdtemp(prefix="bench-compare-sidecar-")
         self.sock = os.path.join(self.tmp, "sidecar.sock")
         self.log = os.path.join(self.tmp, "sidecar.log")
@@ -129,7 +129,8 @@ class Sidecar:
         with open(self.log, "wb") as f:
             binary = os.environ.get("CKPT_SIDECAR_BIN") or _native.sidecar_binary()  # bench compare: itself
             self.proc = subprocess.Popen([binary, "serve", "--dir", ckdir, "--socket", self.sock,
-                                          "--staging", str(staging_bytes), "--keep", "2"],
+                                          "--staging", str(staging_bytes), "--keep", "2"]
+                                         + (["--drain", drain] if drain else []),
                                          stdout=f, stderr=f, env=env)
 
     def connect(self, timeout=300):
@@ -507,7 +508,7 @@ LOOP_METHODS = ["sidecar_shared", "torch_save", "torch_save_fsync", "safetensors
                 "dcp_save", "dcp_async_save", "deepspeed_fastpersist"]
 
 
-def run_loop(args, base, skipped):
+def run_loop(args, base, skipped, drain=None):
     """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
     three times that in state) trained --loop-steps steps, checkpointing every
     step, every 10 steps, and never, through each method. The step: a
@@ -531,7 +532,7 @@ def run_loop(args, base, skipped):
 
     fwd_bwd()
     opt.step()  # AdamW's moments exist from here on
-    side = Sidecar(os.path.join(base, "loop-ckpt"), 6 * args.loop_size + (256 << 20))
+    side = Sidecar(os.path.join(base, "loop-ckpt" + ("-drain" if drain else "")), 6 * args.loop_size + (256 << 20), drain=drain)
     ck = side.connect()
     try:
         ck.share(model)
@@ -646,6 +647,8 @@ def run_loop(args, base, skipped):
 
         want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(","))
                 if m in LOOP_METHODS and m not in skipped]
+        if drain:
+            want = ["sidecar_shared"]  # the same loop, its sidecar draining every step to `drain`
         plain = [loop(None, 1)]
         samples = {(m, every): [] for m in want for every in (1, 10)}
         savers = {m: saver(m) for m in want}
@@ -665,7 +668,7 @@ def run_loop(args, base, skipped):
                  "step_s": med([x["step_s"] for x in v]), "never_step_s": med([x["never_step_s"] for x in v]),
                  "slowdown_pct": med([x["slowdown_pct"] for x in v]), "samples": v}
                 for (m, every), v in samples.items()]
-        return {"state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
+        return {"drain": drain, "state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
                 "sidecar_persist_s": med(persist), "never_step_s": med(plain), "never_runs": plain, "rows": rows}
     finally:
         ck.close()
@@ -696,6 +699,9 @@ def parse_args(argv=None):
     p.add_argument("--loop", action="store_true", help="also the training-loop benchmark (checkpoint every step, "
                                                         "every 10, never; each method)")
     p.add_argument("--loop-only", action="store_true", help="only the training-loop benchmark")
+    p.add_argument("--drain", default=None, metavar="URL",
+                   help="with --loop/--loop-only: run the sidecar's loop again with `serve --drain URL` (every step "
+                        "uploaded to URL) and print its overhead beside the loop without a drain")
     p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
     p.add_argument("--loop-steps", type=int, default=20)
     p.add_argument("--loop-rounds", type=int, default=3,
@@ -829,6 +835,7 @@ def main(argv=None):
             side.stop()
             side = None
         loop = run_loop(args, base, skipped) if args.loop or args.loop_only else None
+        loop_drain = run_loop(args, base, skipped, drain=args.drain) if loop is not None and args.drain else None
     finally:
         if side is not None:
             try:
@@ -847,10 +854,15 @@ def main(argv=None):
                     "(page cache dropped; the sidecar loads the checkpoint before its resident newest one)"}
     if loop is not None:
         doc["loop"] = loop
+    if loop_drain is not None:
+        doc["loop_drain"] = loop_drain
     if results:
         print_table(doc)
     if loop is not None:
         print_loop(loop)
+    if loop_drain is not None:
+        print(f"with --drain {loop_drain['drain']}:")
+        print_loop(loop_drain)
     plot_failed = None
     if args.plot and results:
         try:

@@ -257,12 +257,13 @@ class SaveHandle:
             self._region = None
 
     def state(self):
-        """"pending" (not taken), "released" (taken), "durable" or "failed", without blocking."""
+        """"pending" (not taken), "released" (taken), "durable", "replicated" (once
+        wait_replicated returned) or "failed", without blocking."""
         st = ctypes.c_int()
         N.check(N.lib().ckpt_poll(self._ck._live_client(), self.id, ctypes.byref(st)))
         if st.value != N.PENDING:
             self._mark_taken()
-        return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed"}[st.value]
+        return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed", N.REPLICATED: "replicated"}[st.value]
 
     def wait_released(self, timeout=None):
         """Block until the trainer may change the saved tensors again, and the
@@ -313,6 +314,23 @@ class SaveHandle:
         """Block until the checkpoint is committed on disk; raises its failure."""
         return self._wait(N.DURABLE, timeout)
 
+    def wait_replicated(self, timeout=None):
+        """Block until the checkpoint is *replicated*: durable, then committed on
+        the sidecar's drain target (`--drain URL`: its files, then its remote
+        index). Raises Timeout when `timeout` (seconds) passes (the upload
+        goes on), the save's failure, or NotFound at once, saying why, when
+        the sidecar has no drain target or its drain skipped this step (a
+        newer one was drained instead, or --drain-every leaves it out)."""
+        try:
+            N.check(N.lib().ckpt_wait_replicated(self._ck._live_client(), self.id, timeout_ms(timeout)))
+        except Timeout:
+            raise
+        except SidecarError:
+            self._mark_taken()
+            raise
+        self._mark_taken()
+        return self
+
     def _wait(self, what, timeout):
         # Any answer but a timeout (success or the save's failure) means the
         # sidecar is done with our memory for this save.
@@ -335,7 +353,7 @@ class SaveHandle:
 
     def done(self):
         """True once the save is durable or failed (wait_durable returns or raises at once)."""
-        return self.state() in ("durable", "failed")
+        return self.state() in ("durable", "replicated", "failed")
 
     def figures(self):
         """{"copy_s", "waited_s", "persist_s"} as the sidecar reported them (None: not yet known)."""

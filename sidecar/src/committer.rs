@@ -215,6 +215,9 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
                 shared.end(key);
                 job.peer.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
             }
+            if let Some(d) = &shared.drain {
+                d.committed(step);
+            }
         }
         Err(e) => {
             warn!(step, world_size, "commit of every rank's part failed: {e}");
@@ -307,6 +310,9 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
             shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease });
             peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
+            if let Some(d) = &shared.drain {
+                d.committed(step);
+            }
             // Deletions after Durable: nobody waits for them, but the flight
             // ends after them (a draining daemon exits once they are done).
             let t_retain = Instant::now();

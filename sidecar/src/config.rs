@@ -166,3 +166,20 @@ pub const METRICS_IO_TIMEOUT_MS: u64 = 2_000;
 /// bound is 2^(N-1) ms (about 4.4 minutes for 19).
 pub const METRICS_BUCKETS_N: u16 = 19;
 const _: () = assert!(METRICS_BUCKETS_N >= 2 && METRICS_BUCKETS_N <= 30);
+
+/// The drain (`--drain URL`, `crate::drain`): how often it looks for new
+/// committed steps when nothing woke it, and its retry backoff while the
+/// target fails (doubling from the minimum to the maximum).
+pub const DRAIN_POLL_MS: u64 = 1_000;
+pub const DRAIN_BACKOFF_MIN_MS: u64 = 200;
+pub const DRAIN_BACKOFF_MAX_MS: u64 = 10_000;
+const _: () = assert!(DRAIN_BACKOFF_MIN_MS <= DRAIN_BACKOFF_MAX_MS);
+/// Clients waiting for a step to be replicated, at once (all sessions).
+pub const DRAIN_WAITERS_MAX: usize = 4096;
+/// Skipped steps `status` lists (the newest).
+pub const DRAIN_SKIPPED_SHOWN_MAX: usize = 64;
+/// A remote step fetched for a load is read in pieces of this size.
+pub const HYDRATE_CHUNK_BYTES: usize = 64 << 20;
+/// Name prefix of a fetched remote step's temporary folder in the primary
+/// directory (removed after its load, and at start).
+pub const HYDRATE_PREFIX: &str = ".ckpt-fetch-";

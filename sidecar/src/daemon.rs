@@ -64,6 +64,8 @@ pub struct DaemonOptions {
     /// Serve loads only, without the directory lock (`--read-only`); a
     /// directory that cannot be written is served so without it too.
     pub read_only: bool,
+    /// The drain tier: every committed step is uploaded there (`crate::drain`).
+    pub drain: Option<crate::drain::DrainOptions>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +93,8 @@ pub enum DaemonError {
     /// An environment variable the daemon reads has a value it refuses.
     #[error("{0}")]
     Env(String),
+    #[error(transparent)]
+    Drain(#[from] crate::drain::DrainError),
 }
 
 /// Pins this thread, and so every thread it starts later, to `cpus`;
@@ -151,6 +155,17 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         return Err(DaemonError::StagingTooSmall(budget));
     }
     let metrics = opts.metrics.map(crate::metrics::bind).transpose()?;
+    // The drain target first: a wrong credential or an unreachable URL
+    // stops the start before anything is bound, locked or allocated.
+    let drain = match &opts.drain {
+        Some(d) => {
+            let dirs = opts.dirs.iter().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())).collect();
+            let drain = crate::drain::Drain::open(d.clone(), dirs)?;
+            info!(url = drain.url(), every = d.every, keep = ?d.keep, bandwidth_bytes_per_s = ?d.bandwidth_bytes_per_s, "drain target reachable");
+            Some(drain)
+        }
+        None => None,
+    };
     let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
     // The directories are locked (a second sidecar on one fails here, naming
     // the holder) and recovered before the staging budget is allocated.
@@ -167,6 +182,10 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         ..StoreOptions::new(opts.dirs.clone())
     })?;
     let locks = store.take_locks();
+    if let Some(d) = &drain {
+        store.set_retention_hold(d.hold());
+        crate::drain::remove_stale_fetches(&store.dirs()[0]);
+    }
     let staging = Staging::new(budget)?;
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
@@ -182,6 +201,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     );
     shared.shared_dir = store.shared_dir().map(Path::to_path_buf);
     shared.read_only = store.read_only().cloned();
+    shared.drain = drain.clone();
     let shared = Arc::new(shared);
     if let Some(d) = &shared.shared_dir {
         match &shared.read_opts.node {
@@ -191,6 +211,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());
+    if let Some(d) = &drain {
+        d.spawn()?;
+    }
     if let Some(m) = metrics {
         let s = shared.clone();
         crate::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
@@ -242,13 +265,30 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
-        if r.shared.is_draining() && r.shared.drained() {
+        if r.shared.is_draining() && r.shared.drained() && drain_settled(&r.shared) {
             break r.shared.is_aborting();
         }
     };
     info!(aborted, "sidecar exits");
     stop(r);
     Ok(if aborted { 1 } else { 0 })
+}
+
+/// A stopping sidecar waits for its drain to replicate the newest committed
+/// step (unless it aborts, or the target is down): the local disks may
+/// not outlive it.
+fn drain_settled(shared: &Shared) -> bool {
+    match &shared.drain {
+        Some(d) if !shared.is_aborting() => {
+            let settled = d.settled();
+            if !settled {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| info!(url = d.url(), "waiting for the drain to replicate the newest committed step before exiting (signal again to exit without)"));
+            }
+            settled
+        }
+        _ => true,
+    }
 }
 
 fn on_stop_signal(shared: &Shared, sig: i32, n: u32) {
@@ -387,7 +427,7 @@ fn run_child(
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
         if let Some(code) = child_code {
-            if r.shared.drained() {
+            if r.shared.drained() && drain_settled(&r.shared) {
                 return Ok(code.clamp(0, 255) as u8);
             }
         }

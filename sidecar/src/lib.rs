@@ -17,6 +17,7 @@ pub mod config;
 pub mod cuda_probe;
 pub mod coordinator;
 pub mod daemon;
+pub mod drain;
 pub mod fd_socket;
 pub mod faults;
 pub mod file_save;

@@ -144,13 +144,49 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
     Ok(())
 }
 
+/// With a drain target (`crate::drain`): the remote step a load of `step`
+/// (None: latest) reads, when it is not committed locally or (latest) the
+/// target holds a newer one; None: the local directories.
+fn remote_source(shared: &Shared, step: Option<u64>) -> Result<Option<crate::drain::RemoteCkpt>, Fail> {
+    let Some(d) = shared.drain.as_ref().filter(|_| shared.shared_dir.is_none()) else { return Ok(None) };
+    let local_latest = catalog::latest_step(shared.read_dir()).ok().flatten();
+    let r = d.remote_source(step, local_latest).map_err(|(code, m)| Fail(code, m))?;
+    if let Some(r) = &r {
+        info!(step = r.step, url = d.url(), "loading from the drain target (not in the local directories, or newer there)");
+    }
+    Ok(r)
+}
+
 fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
+    let remote = remote_source(shared, step)?;
+    match &remote {
+        // A local copy that is damaged: the drain target's, if it has one.
+        None => match (load_from(shared, peer, regions, shared.read_dir(), step, descs, true), step, &shared.drain) {
+            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
+                let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
+                warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
+                let mut served = load_from(shared, peer, regions, &r.dir, Some(s), descs, false)?;
+                served.4.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
+                Ok(served)
+            }
+            (r, ..) => r,
+        },
+        Some(r) => {
+            let mut served = load_from(shared, peer, regions, &r.dir, Some(r.step), descs, false)?;
+            served.4.splice(0..0, r.fell_back.iter().cloned());
+            Ok(served)
+        }
+    }
+}
+
+/// A Load from checkpoint directory `primary` (`ram`: the resident image
+/// may serve it).
+fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, primary: &std::path::Path, step: Option<u64>, descs: &[TensorDesc], ram: bool) -> Result<Served, Fail> {
     // Several nodes: checkpoints are read from the shared directory, where
     // the multi-rank steps are committed; the resident image (a step of
     // this node's own directory) is never theirs.
-    let primary = shared.read_dir();
-    let resident = if shared.shared_dir.is_some() { None } else { shared.staging.resident() };
+    let resident = if shared.shared_dir.is_some() || !ram { None } else { shared.staging.resident() };
     // RAM: the resident image, if it is the checkpoint asked for.
     if let Some(r) = resident {
         let wanted = match step {
@@ -242,6 +278,7 @@ struct PlacedReply {
 
 /// Where a LoadPacked puts the checkpoint: `len_bytes` at `offset_bytes` of
 /// host region `region_id`.
+#[derive(Clone, Copy)]
 pub struct PackedRange {
     pub region_id: u32,
     pub offset_bytes: u64,
@@ -272,6 +309,30 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
 }
 
 fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
+    let remote = remote_source(shared, step)?;
+    match &remote {
+        // A local copy that is damaged: the drain target's, if it has one.
+        None => match (load_packed_from(shared, regions, shared.read_dir(), step, into, true), step, &shared.drain) {
+            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
+                let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
+                warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
+                let mut placed = load_packed_from(shared, regions, &r.dir, Some(s), into, false)?;
+                placed.fell_back.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
+                Ok(placed)
+            }
+            (r, ..) => r,
+        },
+        Some(r) => {
+            let mut placed = load_packed_from(shared, regions, &r.dir, Some(r.step), into, false)?;
+            placed.fell_back.splice(0..0, r.fell_back.iter().cloned());
+            Ok(placed)
+        }
+    }
+}
+
+/// A LoadPacked from checkpoint directory `primary` (`ram`: the resident
+/// image may serve it).
+fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, primary: &std::path::Path, step: Option<u64>, into: PackedRange, ram: bool) -> Result<PlacedReply, Fail> {
     let PackedRange { region_id, offset_bytes, len_bytes } = into;
     let region = regions.get(&region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
     region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
@@ -280,8 +341,7 @@ fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Optio
         return Err(Fail(ErrorCode::BadRequest, format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES)));
     }
     shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
-    let primary = shared.read_dir();
-    let resident = if shared.shared_dir.is_some() { None } else { shared.staging.resident() };
+    let resident = if shared.shared_dir.is_some() || !ram { None } else { shared.staging.resident() };
     let wanted = match step {
         Some(s) => Some(s),
         None => catalog::latest_step(primary).ok().flatten(),

@@ -192,8 +192,35 @@ struct DaemonArgs {
     /// served so without this flag too, as the log says at start.
     #[arg(long)]
     read_only: bool,
+    /// Drain every committed step to this target after it is durable:
+    /// file:///abs/path (a shared file system) or an object store
+    /// (s3://bucket/prefix; gs://, az:// as object_store gives them),
+    /// credentials from the standard environment (AWS_ACCESS_KEY_ID, ...,
+    /// AWS_ENDPOINT_URL, AWS_ALLOW_HTTP). Checked at start: a wrong
+    /// credential or an unreachable URL stops the sidecar. Loads read a
+    /// step that is not local (or newer there) from it.
+    #[arg(long, value_name = "URL")]
+    drain: Option<String>,
+    /// With --drain, drain every K-th step only (multiples of K).
+    #[arg(long, requires = "drain", value_name = "K", allow_negative_numbers = true, value_parser = parse_positive, default_value_t = 1)]
+    drain_every: u64,
+    /// With --drain, keep only the newest N steps on the drain target.
+    #[arg(long, requires = "drain", value_name = "N", allow_negative_numbers = true, value_parser = parse_keep)]
+    drain_keep: Option<usize>,
+    /// With --drain, upload at most SIZE per second (e.g. 500MB/s, 1GiB/s),
+    /// so the next save's local writes are not starved.
+    #[arg(long, requires = "drain", value_name = "SIZE/s", value_parser = parse_bandwidth)]
+    drain_bandwidth: Option<u64>,
     #[command(flatten)]
     io: IoArgs,
+}
+
+/// A bandwidth: a size (as everywhere, KB = 1000, KiB = 1024) per second,
+/// with or without the `/s`.
+fn parse_bandwidth(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let size = t.strip_suffix("/s").unwrap_or(t);
+    parse_nonzero_size(size).map_err(|e| format!("{e} (a bandwidth is a size per second, e.g. 500MB/s)"))
 }
 
 impl DaemonArgs {
@@ -215,6 +242,12 @@ impl DaemonArgs {
             },
             metrics: self.metrics,
             read_only: self.read_only,
+            drain: self.drain.as_ref().map(|url| ckpt_sidecar::drain::DrainOptions {
+                url: url.clone(),
+                every: self.drain_every,
+                keep: self.drain_keep,
+                bandwidth_bytes_per_s: self.drain_bandwidth,
+            }),
         })
     }
 }
@@ -688,6 +721,11 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
             "cuda": r.cuda,
             "shared_dir": (!r.shared_dir.is_empty()).then_some(&r.shared_dir),
             "coordinating": r.coordinating,
+            "drain": r.drain.as_ref().map(|d| json!({
+                "url": d.url, "state": if d.up { "up" } else { "down" }, "error": (!d.error.is_empty()).then_some(&d.error),
+                "last_replicated": d.last_replicated, "uploading": d.uploading, "backlog": d.backlog, "skipped": d.skipped,
+                "bytes_per_s": d.bytes_per_s, "every": d.every, "keep": d.keep,
+            })),
         });
         println!("{j}");
         return Ok(ExitCode::SUCCESS);
@@ -725,6 +763,18 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
             format!("coordinator of step(s) {:?} (serves their rank 0)", r.coordinating)
         };
         println!("shared:   {} (several nodes); {role}", r.shared_dir);
+    }
+    if let Some(d) = &r.drain {
+        let state = if d.up { "up".to_string() } else { format!("DOWN ({}); retrying", d.error) };
+        println!(
+            "drain:    {} {state}; last replicated: {}; uploading: {}; backlog: {:?}; skipped: {:?}; {}/s",
+            d.url,
+            d.last_replicated.map_or("none".into(), |s| s.to_string()),
+            d.uploading.map_or("none".into(), |s| s.to_string()),
+            d.backlog,
+            d.skipped,
+            human_bytes(d.bytes_per_s as u64)
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

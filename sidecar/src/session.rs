@@ -173,7 +173,18 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             Request::List { id } => {
                 let primary = shared.read_dir();
                 let reply = match catalog::readable_steps(primary) {
-                    Ok(steps) => Reply::Listing { id, steps, latest: catalog::latest_step(primary).ok().flatten() },
+                    // With a drain target: its steps too (a load reads them
+                    // from there), and `latest` the newer of both tiers'.
+                    Ok(mut steps) => {
+                        let mut latest = catalog::latest_step(primary).ok().flatten();
+                        if let Some(remote) = shared.drain.as_ref().filter(|_| shared.shared_dir.is_none()).and_then(|d| d.remote_steps()) {
+                            latest = latest.max(remote.last().copied());
+                            steps.extend(remote);
+                            steps.sort_unstable();
+                            steps.dedup();
+                        }
+                        Reply::Listing { id, steps, latest }
+                    }
                     Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
                 };
                 peer.send(&reply);
@@ -233,6 +244,12 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                     }
                 }
             }
+            Request::WaitReplicated { id, step } => match &shared.drain {
+                Some(d) => d.wait(&peer, id, step, catalog::is_committed(shared.primary(), step)),
+                None => {
+                    peer.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated") });
+                }
+            },
             Request::Bye => {
                 debug!("client said bye");
                 break;

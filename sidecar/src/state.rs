@@ -103,6 +103,8 @@ pub struct Shared {
     /// The store was opened read-only (set once at start): saves and
     /// rollbacks are refused with its text, loads served.
     pub read_only: Option<ckpt_store::read_only::ReadOnlyDir>,
+    /// The drain tier (`--drain URL`), set once at start (`crate::drain`).
+    pub drain: Option<Arc<crate::drain::Drain>>,
 }
 
 impl Shared {
@@ -137,6 +139,7 @@ impl Shared {
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
             read_only: None,
+            drain: None,
         }
     }
 
@@ -302,6 +305,7 @@ impl Shared {
             cuda: crate::cuda_probe::summary(),
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
+            drain: self.drain.as_ref().map(|d| d.report()),
         }
     }
 }

@@ -221,6 +221,10 @@ pub struct Store {
     ids: Vec<(u64, u64)>,
     /// Opened read-only: no locks, no recovery, every write refused.
     read_only: Option<ReadOnlyDir>,
+    /// Steps retention must keep whatever its policy says (the daemon's
+    /// drain holds the newest step not yet replicated); locked while
+    /// retention plans and deletes, so a step held before is never deleted.
+    retention_hold: Option<Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>>,
 }
 
 impl Store {
@@ -275,7 +279,7 @@ impl Store {
         if read_only.is_some() {
             // Recovery writes (removes leftovers, repairs `latest`); readers
             // skip temp folders and fall back past a `latest` that fails.
-            return Ok(Store { locks, dirs, paths, opts, recovery: RecoveryReport::default(), abort: None, shared, ids, read_only });
+            return Ok(Store { locks, dirs, paths, opts, recovery: RecoveryReport::default(), abort: None, shared, ids, read_only, retention_hold: None });
         }
         let mut recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
         if let Some(sh) = &shared {
@@ -295,7 +299,7 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids, read_only: None })
+        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids, read_only: None, retention_hold: None })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
@@ -357,6 +361,11 @@ impl Store {
     /// commit fails with [`CommitError::Aborted`] and leaves nothing behind.
     pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
         self.abort = Some(flag);
+    }
+
+    /// Makes retention keep every step in `hold` (checked under its lock).
+    pub fn set_retention_hold(&mut self, hold: Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>) {
+        self.retention_hold = Some(hold);
     }
 
     /// Whether every target directory's path still names the directory
@@ -441,7 +450,16 @@ impl Store {
     /// failure is logged: the newest checkpoint is committed either way.
     pub fn retain(&mut self) -> Vec<u64> {
         let Some(policy) = self.opts.retention.filter(|_| self.read_only.is_none()) else { return Vec::new() };
-        match retention::apply(&self.paths, policy) {
+        let held = self.retention_hold.as_ref().map(|h| h.lock().unwrap_or_else(|p| p.into_inner()));
+        let applied = retention::plan(&self.paths, policy).and_then(|doomed| {
+            let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.as_ref().is_some_and(|h| h.contains(s))).collect();
+            for &step in &doomed {
+                retention::delete(&self.paths, step)?;
+            }
+            Ok(doomed)
+        });
+        drop(held);
+        match applied {
             Ok(deleted) => deleted,
             Err(e) => {
                 warn!("retention failed ({e}); the new checkpoint is committed");

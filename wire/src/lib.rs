@@ -22,7 +22,7 @@ mod save;
 pub use save::{decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims, RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -232,6 +232,16 @@ pub enum Request {
     /// Error. The bytes are the client's from then on: the sidecar writes the
     /// region again only when asked to. Added in version 11.
     LoadPacked { id: u64, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64 },
+    /// Tell me when the committed checkpoint `step` is **Replicated**: its
+    /// files and then its index (the remote commit) are on the sidecar's
+    /// drain target (`--drain URL`). Reply: [`Reply::Replicated`] once it
+    /// is (at once if it already is), or Error: NotFound when the sidecar
+    /// has no drain target, or the drain skipped the step (a newer one was
+    /// drained instead, or `--drain-every` leaves it out), or the step is
+    /// not committed; ShuttingDown when the sidecar stops first. The
+    /// sidecar never answers Replicated for a step whose remote index is
+    /// not written. Added in version 13.
+    WaitReplicated { id: u64, step: u64 },
 }
 
 
@@ -331,6 +341,9 @@ pub enum Reply {
         blobs: Vec<Blob>,
         fell_back: Vec<String>,
     },
+    /// The answer to a WaitReplicated: `step` is committed on the drain
+    /// target `url` (no secrets in it). (Version 13.)
+    Replicated { id: u64, step: u64, url: String },
 }
 
 /// [`Reply::Placed`]'s offset of a tensor that is not contiguous in the region.
@@ -356,6 +369,35 @@ pub struct StatusReport {
     /// Several nodes: the steps this sidecar coordinates now (it serves
     /// their rank 0, and commits or aborts them). (Version 7.)
     pub coordinating: Vec<u64>,
+    /// The drain tier (`--drain URL`), when the sidecar has one. (Version 13.)
+    pub drain: Option<DrainReport>,
+}
+
+/// What the drain (`--drain URL`) is doing, for `status`. (Version 13.)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct DrainReport {
+    /// The target, as given (no secrets).
+    pub url: String,
+    /// Whether the last request to the target succeeded.
+    pub up: bool,
+    /// Why the target counts as down (empty when up).
+    pub error: String,
+    /// The newest step this sidecar knows to be replicated (remote latest).
+    pub last_replicated: Option<u64>,
+    /// The step being uploaded now.
+    pub uploading: Option<u64>,
+    /// Committed local steps not yet replicated that the drain will take
+    /// (the newest of them next; the others will be skipped).
+    pub backlog: Vec<u64>,
+    /// Steps the drain skipped (a newer one was drained instead), newest
+    /// last, at most the last few.
+    pub skipped: Vec<u64>,
+    /// Bytes per second of the last upload.
+    pub bytes_per_s: f64,
+    /// Every K-th step only (1: every step).
+    pub every: u64,
+    /// Remote retention (`--drain-keep`), if any.
+    pub keep: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,6 +21,18 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         cuda: "no CUDA driver".into(),
         shared_dir: "/shared/ckpt".into(),
         coordinating: vec![100],
+        drain: Some(DrainReport {
+            url: "s3://ckpt-test/run1".into(),
+            up: true,
+            error: String::new(),
+            last_replicated: Some(3),
+            uploading: Some(4),
+            backlog: vec![5],
+            skipped: vec![2],
+            bytes_per_s: 1e9,
+            every: 1,
+            keep: Some(2),
+        }),
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
@@ -77,6 +89,8 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             fell_back: vec!["step 101: damaged".into()],
         })),
         ("rolled_back", encode(&Reply::RolledBack { id: 8, step: 4, removed: vec![10, 9] })),
+        ("wait_replicated", encode(&Request::WaitReplicated { id: 16, step: 100 })),
+        ("replicated", encode(&Reply::Replicated { id: 16, step: 100, url: "s3://ckpt-test/run1".into() })),
     ]
 }
 

@@ -20,7 +20,7 @@ int main(void) {
     ckpt_client *c = NULL;
     CHECK(ckpt_connect(NULL, &c) == CKPT_OK && c != NULL);
     CHECK(ckpt_connected(c) == 1);
-    CHECK(ckpt_protocol_version() == 12);
+    CHECK(ckpt_protocol_version() == 13);
     float *w = NULL;
     CHECK(ckpt_alloc(c, 4096, (void **)&w) == CKPT_OK && w != NULL);
     CHECK(ckpt_alloc(c, 0, (void **)&w) == CKPT_E_INVALID);
@@ -39,6 +39,10 @@ int main(void) {
     CHECK(ckpt_wait(c, id, CKPT_RELEASED, 10000) == CKPT_OK);
     CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_OK);
     int state = -1;
+    CHECK(ckpt_poll(c, id, &state) == CKPT_OK && state == CKPT_DURABLE);
+    /* The fake has no drain target: an error at once, never a hang. */
+    CHECK(ckpt_wait_replicated(c, id, -1) == CKPT_E_NOT_FOUND && strstr(ckpt_last_error(), "no drain target"));
+    CHECK(ckpt_wait(c, id, CKPT_REPLICATED, -1) == CKPT_E_NOT_FOUND);
     CHECK(ckpt_poll(c, id, &state) == CKPT_OK && state == CKPT_DURABLE);
     double copy = 0, waited = 0, persist = 0;
     CHECK(ckpt_save_figures(c, id, &copy, &waited, &persist) == CKPT_OK && copy >= 0 && persist >= 0);

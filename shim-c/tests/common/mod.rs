@@ -312,6 +312,9 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                     Err((code, message)) => send(&w, &Reply::Error { id, code, message }),
                 }
             }
+            Request::WaitReplicated { id, step } => {
+                send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: the fake sidecar has no drain target") })
+            }
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -325,6 +328,7 @@ fn kind(r: &Request) -> String {
         Request::Save { step, lazy_release, .. } => format!("Save {step}{}", if *lazy_release { " lazy" } else { "" }),
         Request::Load { .. } => "Load".into(),
         Request::LoadPacked { .. } => "LoadPacked".into(),
+        Request::WaitReplicated { step, .. } => format!("WaitReplicated {step}"),
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),

@@ -1,0 +1,373 @@
+"""The drain tier (issue 20): `serve --drain URL` uploads every committed step
+after it is durable (phase Replicated), and a load reads a step the local
+directories lack (or an older one than the target's) from the target.
+
+file:// always; s3:// through tests/s3/serve.sh (moto), started here on a
+free port: if it cannot start, the test fails (never skips). No sleeps as
+synchronisation: every wait is on a condition, deadlines only bound a hang."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckpt_sidecar as cs
+from ckpt_sidecar.errors import NotFound, Timeout
+from ckpt_test_util import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+STAGING = "64MiB"
+
+
+def sidecar_bin():
+    from ckpt_sidecar import _native
+
+    return _native.sidecar_binary()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class Drained:
+    """A `ckpt-sidecar serve --dir DIR --drain URL ...` on a private socket."""
+
+    def __init__(self, tmp_path, name, ckdir, url, *extra, env=None):
+        self.dir, self.url = Path(ckdir), url
+        self.socket = str(tmp_path / f"sock-{name}" / "sidecar.sock")
+        self.log = tmp_path / f"sidecar-{name}.log"
+        args = [sidecar_bin(), "serve", "--dir", str(self.dir), "--socket", self.socket, "--staging", STAGING]
+        if url is not None:
+            args += ["--drain", url]
+        self.args = args + list(extra)
+        self.env = dict(os.environ, **(env or {}))
+        self.proc = None
+
+    def start(self):
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=log, env=self.env)
+        wait_until(lambda: self.proc.poll() is not None or listening(self.socket), 30, "the sidecar listening")
+        assert self.proc.poll() is None, f"sidecar exited: {self.log.read_text()}"
+        return self
+
+    def status(self):
+        out = subprocess.run([sidecar_bin(), "status", "--socket", self.socket, "--json"], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    def drain(self):
+        return self.status()["drain"]
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def servers():
+    started = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+def state(step, n=64 * 1024):
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal(n).astype(np.float32), "b": np.arange(step, step + 100, dtype=np.int64), "meta": {"step": step}}
+
+
+def assert_equal_state(got, want):
+    assert set(got) == set(want)
+    np.testing.assert_array_equal(got["w"], want["w"])
+    np.testing.assert_array_equal(got["b"], want["b"])
+    assert got["meta"] == want["meta"]
+
+
+class S3:
+    """tests/s3/serve.sh PORT in the foreground, its `export` lines parsed."""
+
+    def __init__(self, tmp_path):
+        self.port = free_port()
+        self.log = tmp_path / "s3.log"
+        self.env = {}
+        self.proc = subprocess.Popen(["bash", str(REPO / "tests/s3/serve.sh"), str(self.port)], stdout=subprocess.PIPE,
+                                     stderr=open(self.log, "ab"), text=True, start_new_session=True)
+        want = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ALLOW_HTTP"}
+        deadline = time.monotonic() + 300  # a first run installs moto
+        while not want <= set(self.env):
+            line = self.proc.stdout.readline()
+            assert line, f"tests/s3/serve.sh ended before printing its exports: {self.log.read_text()}"
+            assert time.monotonic() < deadline, "tests/s3/serve.sh printed no exports"
+            if line.startswith("export "):
+                k, _, v = line[len("export "):].strip().partition("=")
+                self.env[k] = v.strip("'\"")
+        wait_until(lambda: self.proc.poll() is not None or self._accepts(), 120, "the S3 server accepting connections")
+        assert self.proc.poll() is None, f"the S3 server exited: {self.log.read_text()}"
+
+    def _accepts(self):
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def s3(tmp_path):
+    s = S3(tmp_path)
+    yield s
+    s.stop()
+
+
+def bar(tmp_path, servers, url, env=None):
+    """The issue's Bar: saves 1..3, wait_replicated on each; L emptied; a new
+    sidecar on the same drain loads `latest` = step 3, bit-equal."""
+    local = tmp_path / "L"
+    a = Drained(tmp_path, "a", local, url, env=env).start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        for step in (1, 2, 3):
+            h = ck.save(step, state(step))
+            h.wait_replicated(timeout=120)
+            assert h.state() == "replicated"
+    d = a.drain()
+    assert d["last_replicated"] == 3 and d["state"] == "up" and d["skipped"] == [], d
+    a.stop()
+    shutil.rmtree(local)
+    b = Drained(tmp_path, "b", local, url, env=env).start()
+    servers.append(b)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        got = ck.load("latest")
+        assert ck.last_load_step == 3
+        assert_equal_state(got, state(3))
+        assert_equal_state(ck.load(2), state(2))
+    return b
+
+
+def test_bar_file_drain_replicates_each_step_and_a_new_sidecar_restores_latest_from_the_drain(tmp_path, servers):
+    remote = tmp_path / "R"
+    bar(tmp_path, servers, f"file://{remote}")
+    for step in (1, 2, 3):
+        assert (remote / f"step-{step:012d}" / "model.safetensors.index.json").is_file()
+    assert (remote / "latest").read_text().strip() == "step-000000000003"
+    # R is an ordinary checkpoint directory: the CLI verifies it.
+    out = subprocess.run([sidecar_bin(), "verify", str(remote), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bar_s3_drain_replicates_each_step_ls_lists_them_and_a_new_sidecar_restores_latest(tmp_path, servers, s3):
+    bar(tmp_path, servers, "s3://ckpt-test/run1", env=s3.env)
+    out = subprocess.run([sidecar_bin(), "ls", "s3://ckpt-test/run1"], capture_output=True, text=True, env=dict(os.environ, **s3.env))
+    assert out.returncode == 0, out.stdout + out.stderr
+    listed = [int(w) for line in out.stdout.splitlines() for w in line.split()[:1] if w.isdigit()]
+    assert listed == [1, 2, 3], out.stdout
+
+
+def test_wait_replicated_without_a_drain_is_a_clear_error_not_a_hang(tmp_path, servers):
+    a = Drained(tmp_path, "a", tmp_path / "L", None).start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        h = ck.save(1, state(1))
+        h.wait_durable(60)
+        with pytest.raises(NotFound, match="no drain target"):
+            h.wait_replicated()
+    assert a.status().get("drain") is None
+
+
+def test_drain_every_k_replicates_multiples_only_and_refuses_to_wait_for_others(tmp_path, servers):
+    remote = tmp_path / "R"
+    a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}", "--drain-every", "2").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        h1 = ck.save(1, state(1))
+        h1.wait_durable(60)
+        with pytest.raises(NotFound, match="drain-every"):
+            h1.wait_replicated(timeout=60)
+        ck.save(2, state(2)).wait_replicated(timeout=60)
+    assert sorted(p.name for p in remote.glob("step-*")) == ["step-000000000002"]
+
+
+def test_start_with_an_unreachable_drain_is_one_clear_error_naming_the_url(tmp_path):
+    port = free_port()  # nothing listens there
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/run1", env=env)
+    out = subprocess.run(a.args, capture_output=True, text=True, env=a.env, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "s3://ckpt-test/run1" in out.stderr, out.stderr
+    assert not Path(a.socket).exists()
+
+
+def test_start_with_wrong_credentials_is_one_clear_error_naming_the_url_and_no_secret(tmp_path, s3):
+    env = dict(s3.env, AWS_SECRET_ACCESS_KEY="not-the-secret-4242")  # serve.sh's moto checks signatures
+    a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/run1", env=env)
+    out = subprocess.run(a.args, capture_output=True, text=True, env=a.env, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "s3://ckpt-test/run1" in out.stderr, out.stderr
+    assert "not-the-secret-4242" not in out.stderr
+    assert not Path(a.socket).exists()
+
+
+def test_drain_target_gone_at_runtime_local_saves_go_on_and_replicated_is_never_claimed(tmp_path, servers):
+    remote = tmp_path / "R"
+    a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, state(1)).wait_replicated(timeout=60)
+        # The target breaks under the sidecar: its root is now a plain file.
+        shutil.rmtree(remote)
+        remote.write_text("not a directory")
+        h2 = ck.save(2, state(2))
+        h2.wait_durable(60)
+        wait_until(lambda: a.drain()["state"] == "down", 60, "status saying the drain is down")
+        h3 = ck.save(3, state(3))
+        h3.wait_durable(60)
+        assert (tmp_path / "L" / "step-000000000003" / "model.safetensors.index.json").is_file()
+        with pytest.raises(Timeout):
+            h3.wait_replicated(timeout=1.0)
+        assert h3.state() == "durable"
+        d = a.drain()
+        assert d["last_replicated"] == 1 and d["error"], d
+        # Back: the drain retries and replicates the newest, skipping 2.
+        remote.unlink()
+        remote.mkdir()
+        h3.wait_replicated(timeout=120)
+        with pytest.raises(NotFound, match="skipped"):
+            h2.wait_replicated(timeout=60)
+    assert a.drain()["state"] == "up"
+    log = a.log.read_text()
+    assert log.count("drain target down") == 1, log
+    assert log.count("reachable again") == 1, log
+
+
+def remote_step_dirs(remote):
+    return sorted(p.name for p in remote.glob("step-*") if (p / "model.safetensors.index.json").exists())
+
+
+def test_sigkill_mid_upload_leaves_no_half_step_remotely_and_the_next_sidecar_replicates_it(tmp_path, servers):
+    remote = tmp_path / "R"
+    big = {"w": np.random.default_rng(7).standard_normal(4 << 20).astype(np.float32)}  # 16 MiB
+    a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}", "--drain-bandwidth", "2MB/s").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, big).wait_durable(60)
+    wait_until(lambda: a.drain()["uploading"] == 1, 60, "the upload of step 1 under way")
+    a.kill()
+    assert remote_step_dirs(remote) == [], "a half-uploaded step must not be committed remotely"
+    b = Drained(tmp_path, "b", tmp_path / "L", f"file://{remote}").start()
+    servers.append(b)
+    wait_until(lambda: b.drain()["last_replicated"] == 1, 120, "the next sidecar replicating step 1")
+    assert remote_step_dirs(remote) == ["step-000000000001"]
+    out = subprocess.run([sidecar_bin(), "verify", str(remote)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_retention_on_both_tiers_and_the_step_being_uploaded_is_never_deleted_locally(tmp_path, servers):
+    remote, local = tmp_path / "R", tmp_path / "L"
+    a = Drained(tmp_path, "a", local, f"file://{remote}", "--keep", "1", "--drain-keep", "2").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save(step, state(step)).wait_replicated(timeout=60)
+    assert remote_step_dirs(remote) == ["step-000000000003", "step-000000000004"]
+    assert sorted(p.name for p in local.glob("step-*")) == ["step-000000000004"]
+    a.stop()
+    # The step being uploaded is held from local retention (--keep 1).
+    big = {"w": np.random.default_rng(8).standard_normal(2 << 20).astype(np.float32)}  # 8 MiB
+    b = Drained(tmp_path, "b", local, f"file://{remote}", "--keep", "1", "--drain-bandwidth", "2MB/s").start()
+    servers.append(b)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        h5 = ck.save(5, big)
+        h5.wait_durable(60)
+        wait_until(lambda: b.drain()["uploading"] == 5, 60, "the upload of step 5 under way")
+        ck.save(6, state(6)).wait_durable(60)
+        assert (local / "step-000000000005" / "model.safetensors.index.json").is_file(), "the step under upload was deleted"
+        h5.wait_replicated(timeout=120)
+
+
+def test_damaged_remote_index_load_falls_back_to_the_previous_replicated_step_and_says_so(tmp_path, servers):
+    remote, local = tmp_path / "R", tmp_path / "L"
+    a = Drained(tmp_path, "a", local, f"file://{remote}").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        for step in (1, 2):
+            ck.save(step, state(step)).wait_replicated(timeout=60)
+    a.stop()
+    shutil.rmtree(local)
+    idx = remote / "step-000000000002" / "model.safetensors.index.json"
+    raw = bytearray(idx.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    idx.write_bytes(bytes(raw))
+    b = Drained(tmp_path, "b", local, f"file://{remote}").start()
+    servers.append(b)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        got = ck.load("latest")
+        assert_equal_state(got, state(1))
+        said = ck.last_load_fell_back
+        said = said if isinstance(said, str) else " ".join(said)
+        assert "step 2" in said and "remote index damaged" in said, said
+
+
+def test_launch_exits_only_once_the_last_step_is_replicated(tmp_path):
+    # Before: launch exited as soon as the trainer's steps were durable
+    # locally, so the last one never reached the drain target.
+    import sys
+
+    remote, local = tmp_path / "R", tmp_path / "L"
+    trainer = tmp_path / "t.py"
+    trainer.write_text(
+        "import numpy as np, ckpt_sidecar as cs\n"
+        "ck = cs.Checkpointer(spawn=False)\n"
+        "for s in (1, 2):\n"
+        "    ck.save(s, {'w': np.full(1 << 20, s, np.float32)}).wait_durable()\n"
+        "ck.close()\n"
+    )
+    out = subprocess.run([sidecar_bin(), "launch", "--dir", str(local), "--staging", STAGING, "--drain", f"file://{remote}",
+                          "--drain-bandwidth", "4MB/s", "--", sys.executable, str(trainer)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert remote_step_dirs(remote)[-1] == "step-000000000002", out.stderr
+    assert (remote / "latest").read_text().strip() == "step-000000000002"
+
+
+def test_a_damaged_local_step_is_loaded_from_the_drain_target_and_says_so(tmp_path, servers):
+    remote, local = tmp_path / "R", tmp_path / "L"
+    a = Drained(tmp_path, "a", local, f"file://{remote}").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, state(1)).wait_replicated(timeout=60)
+    a.stop()
+    shard = max((local / "step-000000000001").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    b = Drained(tmp_path, "b", local, f"file://{remote}").start()
+    servers.append(b)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        assert_equal_state(ck.load(1), state(1))
+        said = ck.last_load_fell_back
+        said = said if isinstance(said, str) else " ".join(said)
+        assert "local copy damaged" in said, said

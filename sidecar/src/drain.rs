@@ -1,0 +1,616 @@
+//! The drain tier (`--drain URL`): a thread (`ckpt-drain`) that uploads
+//! each step committed in the local directories to a shared file system or
+//! an object store (`ckpt_tier::Target`), after it is Durable: its files
+//! (read from every target directory, checked against the local index's
+//! checksums), then its index, the remote commit point (phase
+//! **Replicated**), then the remote `latest`.
+//!
+//! Behaviour:
+//! - Falling behind: of the committed steps not yet drained, only the
+//!   newest is uploaded; the older ones are skipped (said in `status` and
+//!   the log). `--drain-every K` drains multiples of K only.
+//! - Target down or slow: local checkpoints go on (the committer never
+//!   waits for this thread); an upload that fails is retried with a
+//!   doubling backoff, and the log says so once per change of state
+//!   (down, then up again). Nothing is claimed Replicated before the
+//!   remote index is written; a step half uploaded by a killed sidecar is
+//!   never visible remotely (no index) and is uploaded again by the next
+//!   one, which first removes such leftovers (`Target::clean_incomplete`).
+//! - Retention: `--drain-keep N` deletes the oldest remote steps beyond N
+//!   (never the newest); the local step that is the newest not yet
+//!   replicated is held from local retention ([`Drain::hold`]).
+//! - Restore: [`Drain::remote_source`] says whether a load must read the
+//!   drain target (the step is not local, or the target has a newer one
+//!   than `latest`), and makes that step readable as an ordinary
+//!   checkpoint directory (a `file://` target is one; an object store's
+//!   step is fetched into a temporary folder, removed after the load), so
+//!   every load path verifies it exactly as a local one.
+//!
+//! Invariants: the thread never holds the state lock across a request to
+//! the target; waiters are bounded ([`config::DRAIN_WAITERS_MAX`]) and
+//! answered exactly once (Replicated, or an error naming why not).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use ckpt_store::catalog;
+use ckpt_store::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
+use ckpt_tier::{LocalFile, Target};
+use ckpt_wire::{DrainReport, ErrorCode, Reply};
+use tracing::{info, warn};
+
+use crate::config;
+use crate::peer::Peer;
+
+/// What `--drain*` asked for.
+#[derive(Debug, Clone)]
+pub struct DrainOptions {
+    pub url: String,
+    /// Drain multiples of this only (1: every step).
+    pub every: u64,
+    /// Keep this many remote steps (None: all).
+    pub keep: Option<usize>,
+    /// Upload bandwidth limit (None: unlimited).
+    pub bandwidth_bytes_per_s: Option<u64>,
+}
+
+/// One client waiting for a step to be replicated.
+struct Waiter {
+    peer: Arc<Peer>,
+    id: u64,
+    step: u64,
+}
+
+#[derive(Default)]
+struct State {
+    up: bool,
+    /// Why the target counts as down.
+    error: String,
+    /// Steps known to be committed remotely.
+    replicated: BTreeSet<u64>,
+    /// The newest step handled (replicated or skipped): older steps are
+    /// never drained again.
+    done_upto: Option<u64>,
+    /// Skipped steps (the newest few).
+    skipped: BTreeSet<u64>,
+    uploading: Option<u64>,
+    backlog: Vec<u64>,
+    bytes_per_s: f64,
+    waiters: Vec<Waiter>,
+    /// Set by [`Drain::committed`]: look again now.
+    wake: bool,
+}
+
+/// The drain: shared by the drain thread, the committer (which wakes it)
+/// and the sessions (WaitReplicated, loads).
+pub struct Drain {
+    target: Target,
+    opts: DrainOptions,
+    /// The local target directories, the primary first.
+    dirs: Vec<PathBuf>,
+    state: Mutex<State>,
+    cv: Condvar,
+    /// Steps local retention must not delete (the newest not yet replicated).
+    hold: Arc<Mutex<BTreeSet<u64>>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DrainError {
+    #[error("--drain {url}: {source}")]
+    Open { url: String, source: ckpt_tier::TierError },
+    #[error("starting the drain thread: {0}")]
+    Thread(std::io::Error),
+}
+
+impl Drain {
+    /// Opens the target (one authenticated request: a wrong credential or an
+    /// unreachable endpoint fails here, naming the URL).
+    pub fn open(opts: DrainOptions, dirs: Vec<PathBuf>) -> Result<Arc<Drain>, DrainError> {
+        let topts = ckpt_tier::TargetOptions { bandwidth_bytes_per_s: opts.bandwidth_bytes_per_s, ..Default::default() };
+        let target = Target::open(&opts.url, topts).map_err(|source| DrainError::Open { url: opts.url.clone(), source })?;
+        Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())) }))
+    }
+
+    pub fn url(&self) -> &str {
+        self.target.url()
+    }
+
+    /// The steps local retention must keep (shared with the Store).
+    pub fn hold(&self) -> Arc<Mutex<BTreeSet<u64>>> {
+        self.hold.clone()
+    }
+
+    fn primary(&self) -> &Path {
+        &self.dirs[0]
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("drain state lock")
+    }
+
+    /// The committer made `step` durable: drain it (or a newer one) soon.
+    pub fn committed(&self, _step: u64) {
+        self.lock().wake = true;
+        self.cv.notify_all();
+    }
+
+    /// Starts the drain thread: clean the target's leftovers, learn what it
+    /// holds, then drain forever.
+    pub fn spawn(self: &Arc<Drain>) -> Result<(), DrainError> {
+        let d = self.clone();
+        std::thread::Builder::new().name("ckpt-drain".into()).spawn(move || d.run()).map(|_| ()).map_err(DrainError::Thread)
+    }
+
+    /// What the target holds, learnt once at start (retried while down).
+    fn learn(&self) -> Result<(), ckpt_tier::TierError> {
+        let removed = self.target.clean_incomplete()?;
+        if removed > 0 {
+            info!(url = self.url(), removed, "drain: removed half-uploaded steps and unfinished multipart uploads a previous sidecar left");
+        }
+        let steps = self.target.steps()?;
+        let latest = self.target.latest()?;
+        let mut st = self.lock();
+        st.replicated.extend(steps.iter().copied());
+        st.done_upto = st.done_upto.max(latest).max(steps.last().copied());
+        info!(url = self.url(), remote_steps = ?steps, remote_latest = ?latest, "drain: target holds these steps");
+        Ok(())
+    }
+
+    fn run(self: Arc<Drain>) {
+        let mut backoff_ms = config::DRAIN_BACKOFF_MIN_MS;
+        let mut learnt = false;
+        loop {
+            if !learnt {
+                match self.learn() {
+                    Ok(()) => {
+                        learnt = true;
+                        self.set_up(true, String::new());
+                    }
+                    Err(e) => {
+                        self.set_up(false, e.to_string());
+                        self.pause(Duration::from_millis(backoff_ms));
+                        backoff_ms = (backoff_ms * 2).min(config::DRAIN_BACKOFF_MAX_MS);
+                        continue;
+                    }
+                }
+            }
+            match self.drain_once() {
+                Ok(true) => backoff_ms = config::DRAIN_BACKOFF_MIN_MS,
+                Ok(false) => {
+                    backoff_ms = config::DRAIN_BACKOFF_MIN_MS;
+                    self.pause(Duration::from_millis(config::DRAIN_POLL_MS));
+                }
+                Err(()) => {
+                    self.pause(Duration::from_millis(backoff_ms));
+                    backoff_ms = (backoff_ms * 2).min(config::DRAIN_BACKOFF_MAX_MS);
+                }
+            }
+        }
+    }
+
+    /// Waits until woken (a new durable step) or `d` passed; answers waiters.
+    fn pause(&self, d: Duration) {
+        let deadline = Instant::now() + d;
+        let mut st = self.lock();
+        loop {
+            self.answer(&mut st);
+            if st.wake {
+                st.wake = false;
+                return;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            // Woken early to answer new waiters too.
+            st = self.cv.wait_timeout(st, (deadline - now).min(Duration::from_millis(config::DRAIN_POLL_MS))).expect("drain state lock").0;
+        }
+    }
+
+    fn set_up(&self, up: bool, error: String) {
+        let mut st = self.lock();
+        if st.up != up {
+            if up {
+                info!(url = self.url(), "drain target reachable again; draining");
+            } else {
+                warn!(url = self.url(), "drain target down ({error}); local checkpoints go on, the drain retries with backoff");
+            }
+        }
+        st.up = up;
+        st.error = error;
+    }
+
+    /// One round: the steps to drain now. Ok(true): a step was uploaded (look
+    /// again at once); Ok(false): nothing to do; Err: the target failed.
+    fn drain_once(&self) -> Result<bool, ()> {
+        let committed = catalog::committed_steps(self.primary()).unwrap_or_default();
+        let newest;
+        {
+            let mut st = self.lock();
+            let pending: Vec<u64> = committed.iter().copied().filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0).collect();
+            st.backlog = pending.clone();
+            let Some(&n) = pending.last() else {
+                self.answer(&mut st);
+                return Ok(false);
+            };
+            newest = n;
+            let older = &pending[..pending.len() - 1];
+            if !older.is_empty() {
+                info!(url = self.url(), skipped = ?older, draining = newest, "drain behind: draining the newest committed step, skipping older ones");
+                st.skipped.extend(older.iter().copied());
+                while st.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
+                    st.skipped.pop_first();
+                }
+                st.done_upto = Some(older[older.len() - 1]);
+            }
+            st.uploading = Some(newest);
+            self.answer(&mut st);
+        }
+        // Held from local retention from now until it is replicated (or a
+        // newer one replaces it as the newest not replicated).
+        {
+            let mut h = self.hold.lock().expect("hold lock");
+            h.clear();
+            h.insert(newest);
+        }
+        let outcome = if catalog::is_committed(self.primary(), newest) { self.upload(newest) } else { Err(Upload::Gone) };
+        let mut st = self.lock();
+        st.uploading = None;
+        match outcome {
+            Ok(stats) => {
+                let bps = stats.bytes as f64 / stats.seconds.max(1e-9);
+                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, seconds = stats.seconds, bytes_per_s = bps, "replicated");
+                st.replicated.insert(newest);
+                st.done_upto = Some(newest);
+                st.bytes_per_s = bps;
+                st.backlog.retain(|&s| s > newest);
+                self.hold.lock().expect("hold lock").remove(&newest);
+                self.answer(&mut st);
+                drop(st);
+                self.set_up(true, String::new());
+                self.retain_remote();
+                Ok(true)
+            }
+            Err(Upload::Gone) => {
+                info!(step = newest, "drain: step deleted locally before it was drained (retention or rollback); skipped");
+                st.skipped.insert(newest);
+                st.done_upto = Some(newest);
+                self.hold.lock().expect("hold lock").remove(&newest);
+                self.answer(&mut st);
+                Ok(true)
+            }
+            Err(Upload::Failed(e)) => {
+                drop(st);
+                // Deleted under the upload: not the target's fault.
+                if !catalog::is_committed(self.primary(), newest) {
+                    let mut st = self.lock();
+                    st.skipped.insert(newest);
+                    st.done_upto = Some(newest);
+                    self.answer(&mut st);
+                    return Ok(true);
+                }
+                self.set_up(false, format!("step {newest}: {e}"));
+                Err(())
+            }
+        }
+    }
+
+    fn upload(&self, step: u64) -> Result<ckpt_tier::UploadStats, Upload> {
+        let index_bytes = std::fs::read(catalog::step_path(self.primary(), step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
+        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("local index of step {step}: {e}")))?;
+        let (files, remote_index) = remote_plan(&self.dirs, step, index).map_err(Upload::Failed)?;
+        self.target.upload_step(step, &files, &remote_index).map_err(|e| Upload::Failed(e.to_string()))
+    }
+
+    /// `--drain-keep N`: the oldest remote steps beyond N deleted (index
+    /// first); the remote latest is never one of them.
+    fn retain_remote(&self) {
+        let Some(keep) = self.opts.keep else { return };
+        let steps = match self.target.steps() {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(url = self.url(), "drain retention: listing failed ({e}); retried after the next upload");
+                return;
+            }
+        };
+        let latest = self.target.latest().ok().flatten();
+        let doomed: Vec<u64> = steps[..steps.len().saturating_sub(keep)].iter().copied().filter(|&s| Some(s) != latest).collect();
+        for s in doomed {
+            match self.target.delete_step(s) {
+                Ok(()) => {
+                    info!(step = s, url = self.url(), "drain retention: remote step deleted");
+                    self.lock().replicated.remove(&s);
+                }
+                Err(e) => warn!(step = s, url = self.url(), "drain retention: delete failed ({e})"),
+            }
+        }
+    }
+
+    /// Answers every waiter whose step is replicated, skipped or never to
+    /// be drained; drops those whose client is gone.
+    fn answer(&self, st: &mut State) {
+        let url = self.url().to_string();
+        let uploading = st.uploading;
+        let done_upto = st.done_upto;
+        let replicated = &st.replicated;
+        let skipped = &st.skipped;
+        st.waiters.retain(|w| {
+            if w.peer.is_gone() {
+                return false;
+            }
+            let reply = if replicated.contains(&w.step) {
+                Some(Reply::Replicated { id: w.id, step: w.step, url: url.clone() })
+            } else if skipped.contains(&w.step) || (done_upto.is_some_and(|d| w.step <= d) && uploading != Some(w.step)) {
+                Some(Reply::Error { id: w.id, code: ErrorCode::NotFound, message: format!("step {}: skipped by the drain to {url} (a newer step was drained instead, or it was deleted first); it is not replicated", w.step) })
+            } else {
+                None
+            };
+            match reply {
+                Some(r) => {
+                    w.peer.send(&r);
+                    false
+                }
+                None => true,
+            }
+        });
+    }
+
+    /// A WaitReplicated: answered now, or when the step is replicated (or skipped).
+    pub fn wait(&self, peer: &Arc<Peer>, id: u64, step: u64, committed_locally: bool) {
+        let mut st = self.lock();
+        if st.replicated.contains(&step) {
+            peer.send(&Reply::Replicated { id, step, url: self.url().to_string() });
+            return;
+        }
+        let refuse = |why: String| peer.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: {why}; it will not be replicated to {}", self.url()) });
+        if step % self.opts.every != 0 {
+            refuse(format!("--drain-every {} drains multiples of {} only", self.opts.every, self.opts.every));
+            return;
+        }
+        if !committed_locally && st.uploading != Some(step) {
+            refuse("not committed in this sidecar's directories".into());
+            return;
+        }
+        if st.waiters.len() >= config::DRAIN_WAITERS_MAX {
+            peer.send(&Reply::Error { id, code: ErrorCode::BadRequest, message: format!("more than {} waits for replication at once", config::DRAIN_WAITERS_MAX) });
+            return;
+        }
+        st.waiters.push(Waiter { peer: peer.clone(), id, step });
+        self.answer(&mut st);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Whether a stopping sidecar may exit as far as the drain goes: the
+    /// newest committed step it will drain is replicated (or skipped), or
+    /// the target is down (then what is not replicated stays local, and
+    /// the next sidecar on these directories uploads it).
+    pub fn settled(&self) -> bool {
+        let newest = catalog::committed_steps(self.primary()).unwrap_or_default().into_iter().filter(|s| s % self.opts.every == 0).last();
+        let st = self.lock();
+        if !st.up {
+            return true;
+        }
+        st.uploading.is_none() && newest.is_none_or(|n| st.done_upto.is_some_and(|d| d >= n))
+    }
+
+    /// For `status`.
+    pub fn report(&self) -> DrainReport {
+        let st = self.lock();
+        DrainReport {
+            url: self.url().to_string(),
+            up: st.up,
+            error: st.error.clone(),
+            last_replicated: st.replicated.last().copied(),
+            uploading: st.uploading,
+            backlog: st.backlog.clone(),
+            skipped: st.skipped.iter().copied().collect(),
+            bytes_per_s: st.bytes_per_s,
+            every: self.opts.every,
+            keep: self.opts.keep.map(|k| k as u64),
+        }
+    }
+
+    /// Remote steps (for List and `latest`); None when the target does not answer.
+    pub fn remote_steps(&self) -> Option<Vec<u64>> {
+        match self.target.steps() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                warn!(url = self.url(), "listing the drain target failed ({e}); loads use the local directories");
+                None
+            }
+        }
+    }
+
+    /// Whether a load of `step` (None: latest) must read the drain target:
+    /// the step is not committed locally, or (latest) the target holds a
+    /// newer one. Then the step, made readable as a checkpoint directory;
+    /// a remote step whose index is damaged is passed over (latest: the
+    /// previous remote step is tried, and `fell_back` says so).
+    pub fn remote_source(&self, step: Option<u64>, local_latest: Option<u64>) -> Result<Option<RemoteCkpt>, (ErrorCode, String)> {
+        match step {
+            Some(s) => {
+                if catalog::is_readable(self.primary(), s) {
+                    return Ok(None);
+                }
+                self.fetch(s).map(Some).map_err(|e| match e {
+                    Fetch::Missing => (ErrorCode::NotFound, format!("step {s} is committed neither locally nor on the drain target {}", self.url())),
+                    Fetch::Damaged(why) => (ErrorCode::Damaged, why),
+                    Fetch::Io(why) => (ErrorCode::Io, why),
+                })
+            }
+            None => {
+                let Some(remote) = self.remote_steps() else { return Ok(None) };
+                let mut fell_back = Vec::new();
+                for &s in remote.iter().rev().filter(|&&s| local_latest.is_none_or(|l| s > l)) {
+                    match self.fetch(s) {
+                        Ok(mut r) => {
+                            r.fell_back = fell_back;
+                            return Ok(Some(r));
+                        }
+                        Err(Fetch::Missing) => {}
+                        Err(Fetch::Damaged(why) | Fetch::Io(why)) => {
+                            warn!(step = s, url = self.url(), "remote step unreadable, falling back to the previous replicated step: {why}");
+                            fell_back.push(why);
+                        }
+                    }
+                }
+                if !fell_back.is_empty() {
+                    warn!(?fell_back, "no newer remote step readable; loading the local latest");
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Remote step `step`, made readable as a checkpoint directory (a load
+    /// whose local copy of it is damaged reads this one).
+    pub fn remote_copy(&self, step: u64) -> Result<RemoteCkpt, (ErrorCode, String)> {
+        self.fetch(step).map_err(|e| match e {
+            Fetch::Missing => (ErrorCode::NotFound, format!("step {step} is not on the drain target {}", self.url())),
+            Fetch::Damaged(why) => (ErrorCode::Damaged, why),
+            Fetch::Io(why) => (ErrorCode::Io, why),
+        })
+    }
+
+    /// Makes remote step `step` readable as a checkpoint directory.
+    fn fetch(&self, step: u64) -> Result<RemoteCkpt, Fetch> {
+        let url = self.url();
+        let index_bytes = self.target.get_index(step).map_err(|e| if self.target.steps().is_ok_and(|s| !s.contains(&step)) { Fetch::Missing } else { Fetch::Io(e.to_string()) })?;
+        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Fetch::Damaged(format!("step {step} on {url}: remote index damaged: {e}")))?;
+        // A file:// target is a checkpoint directory: read in place.
+        if let Some(root) = url.strip_prefix("file://") {
+            return Ok(RemoteCkpt { dir: PathBuf::from(root), step, temp: None, fell_back: Vec::new() });
+        }
+        let temp = self.primary().join(format!("{}{}-{:016x}", config::HYDRATE_PREFIX, std::process::id(), ckpt_store::io::nonce()));
+        let guard = TempDir(temp.clone());
+        let step_dir = catalog::step_path(&temp, step);
+        std::fs::create_dir_all(step_dir.join(BLOBS_DIR_NAME)).map_err(|e| Fetch::Io(format!("{}: {e}", step_dir.display())))?;
+        let mut buf = vec![0u8; config::HYDRATE_CHUNK_BYTES];
+        let names = index.ckpt.files.iter().map(|f| (f.name.clone(), f.len_bytes)).chain(index.ckpt.blobs.iter().map(|b| (format!("{BLOBS_DIR_NAME}/{}", b.name), b.len_bytes)));
+        for (name, len) in names {
+            use std::io::Write;
+            let path = step_dir.join(&name);
+            let mut f = std::fs::File::create(&path).map_err(|e| Fetch::Io(format!("{}: {e}", path.display())))?;
+            let mut off = 0u64;
+            while off < len {
+                let n = (len - off).min(buf.len() as u64) as usize;
+                self.target.read_range(step, &name, off, &mut buf[..n]).map_err(|e| Fetch::Io(e.to_string()))?;
+                f.write_all(&buf[..n]).map_err(|e| Fetch::Io(format!("{}: {e}", path.display())))?;
+                off += n as u64;
+            }
+        }
+        std::fs::write(step_dir.join(INDEX_FILE_NAME), &index_bytes).map_err(|e| Fetch::Io(format!("{}: {e}", step_dir.display())))?;
+        info!(step, url, dir = %temp.display(), "fetched from the drain target for a load");
+        Ok(RemoteCkpt { dir: temp, step, temp: Some(guard), fell_back: Vec::new() })
+    }
+}
+
+enum Upload {
+    /// The step is no longer committed locally.
+    Gone,
+    Failed(String),
+}
+
+enum Fetch {
+    Missing,
+    Damaged(String),
+    Io(String),
+}
+
+/// A remote step made readable: `dir` is a checkpoint directory holding it.
+pub struct RemoteCkpt {
+    pub dir: PathBuf,
+    pub step: u64,
+    /// Removed when the load is done.
+    #[allow(dead_code)]
+    temp: Option<TempDir>,
+    /// Newer remote steps passed over, and why.
+    pub fell_back: Vec<String>,
+}
+
+/// A fetched step's temporary folder, removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The files of a committed local step as the target takes them (shards
+/// from every directory, blobs), and the index the target gets: the same,
+/// with every file in the one step folder (no secondary directories), so
+/// the remote step is an ordinary one-directory checkpoint.
+pub fn remote_plan(dirs: &[PathBuf], step: u64, mut index: Index) -> Result<(Vec<LocalFile>, Vec<u8>), String> {
+    let step_name = format::step_dir_name(step).map_err(|e| e.to_string())?;
+    let mut files = Vec::with_capacity(index.ckpt.files.len() + index.ckpt.blobs.len());
+    for f in &mut index.ckpt.files {
+        let dir = dirs.get(f.dir_idx as usize).ok_or_else(|| format!("step {step}: file {} is in directory #{} of {}", f.name, f.dir_idx, dirs.len()))?;
+        files.push(LocalFile { local_path: dir.join(&step_name).join(&f.name), name: f.name.clone(), len: f.len_bytes, crc32c: f.crc32c });
+        f.dir_idx = 0;
+    }
+    for b in &index.ckpt.blobs {
+        let name = format!("{BLOBS_DIR_NAME}/{}", b.name);
+        files.push(LocalFile { local_path: dirs[0].join(&step_name).join(&name), name, len: b.len_bytes, crc32c: b.crc32c });
+    }
+    index.ckpt.secondary_dirs.clear();
+    Ok((files, index.sealed_json_bytes()))
+}
+
+/// Removes fetched-step folders a previous sidecar left in the primary.
+pub fn remove_stale_fetches(primary: &Path) {
+    let Ok(rd) = std::fs::read_dir(primary) else { return };
+    for e in rd.flatten() {
+        if e.file_name().to_string_lossy().starts_with(config::HYDRATE_PREFIX) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ckpt_store::commit::{Store, StoreOptions};
+    use ckpt_store::image::{Blob, Layout, LayoutOptions};
+    use ckpt_store::mem::AlignedBuf;
+    use ckpt_store::restore::{self, ReadOptions, Which};
+    use ckpt_store::synthetic;
+
+    /// Regression: the local index names secondary directories (absolute
+    /// paths of this node) and files in them (`dir_idx` 1); uploaded as is,
+    /// a reader of the remote step would look for those files on this
+    /// node's disks. The remote step must be a one-directory checkpoint.
+    #[test]
+    fn a_step_striped_over_two_dirs_drains_as_a_one_directory_checkpoint_that_loads() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+        let mut store = Store::open(StoreOptions::new(dirs.clone())).unwrap();
+        let layout = Layout::plan(synthetic::transformer_specs(4 << 20), LayoutOptions { n_dirs: 2, shard_bytes_max: 1 << 20, ..Default::default() }).unwrap();
+        let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+        let crcs = synthetic::stage(&layout, staging.as_mut_slice(), 3);
+        store.commit(7, &layout, &staging, &crcs, &[Blob { name: "rng", bytes: b"seed" }]).unwrap();
+        drop(store);
+        let dirs: Vec<PathBuf> = dirs.iter().map(|d| d.canonicalize().unwrap()).collect();
+        let index = Index::from_json_bytes(&std::fs::read(catalog::step_path(&dirs[0], 7).join(INDEX_FILE_NAME)).unwrap()).unwrap();
+        assert!(index.ckpt.files.iter().any(|f| f.dir_idx == 1), "the test needs files on the secondary");
+        let (files, remote_index) = remote_plan(&dirs, 7, index).unwrap();
+        let remote = tmp.path().join("remote");
+        let step_dir = catalog::step_path(&remote, 7);
+        for f in &files {
+            let bytes = std::fs::read(&f.local_path).unwrap();
+            assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (f.len, f.crc32c), "{}", f.name);
+            let to = step_dir.join(&f.name);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::write(to, bytes).unwrap();
+        }
+        assert!(files.iter().any(|f| f.name == "blobs/rng"));
+        std::fs::write(step_dir.join(INDEX_FILE_NAME), &remote_index).unwrap();
+        let parsed = Index::from_json_bytes(&remote_index).unwrap();
+        assert!(parsed.ckpt.secondary_dirs.is_empty() && parsed.ckpt.files.iter().all(|f| f.dir_idx == 0));
+        let loaded = restore::load(&remote, Which::Step(7), &ReadOptions::default(), None).unwrap();
+        assert_eq!(loaded.blobs["rng"], b"seed");
+    }
+}

@@ -160,7 +160,17 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let drain = match &opts.drain {
         Some(d) => {
             let dirs = opts.dirs.iter().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())).collect();
-            let drain = crate::drain::Drain::open(d.clone(), dirs)?;
+            let dirs: Vec<PathBuf> = dirs;
+            // Several nodes with node-local files: this node drains its own
+            // files of the steps committed in the shared directory.
+            let nodes = match (&opts.shared, &opts.node_local) {
+                (Some(sh), Some(id)) => Some(crate::drain::NodesDrain {
+                    shared: std::fs::canonicalize(sh).unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
+                    me: ThisNode { id: id.clone(), dirs: dirs.clone() },
+                }),
+                _ => None,
+            };
+            let drain = crate::drain::Drain::open_nodes(d.clone(), dirs, nodes)?;
             info!(url = drain.url(), every = d.every, keep = ?d.keep, bandwidth_bytes_per_s = ?d.bandwidth_bytes_per_s, "drain target reachable");
             Some(drain)
         }

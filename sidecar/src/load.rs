@@ -144,6 +144,22 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
     Ok(())
 }
 
+/// Several nodes with node-local files and a drain target: a load of
+/// `step` (None: latest) that needs a file another node holds (`descs`:
+/// the tensors asked for; None: all) reads the whole step from the drain
+/// target (`load`, into `dir` holding step `s`); None: no such file, or no
+/// drain (the local read then says which node holds it).
+fn other_nodes_files<T>(shared: &Shared, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(&std::path::Path, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
+    let (Some(d), Some(_)) = (&shared.drain, &shared.read_opts.node) else { return Ok(None) };
+    let Some(s) = step.or_else(|| catalog::latest_step(shared.read_dir()).ok().flatten()) else { return Ok(None) };
+    let Ok(index) = restore::read_index(shared.read_dir(), s) else { return Ok(None) };
+    let opts = restore::ReadOptions { only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()), ..shared.read_opts.clone() };
+    let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
+    let r = d.remote_copy(s).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
+    info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files");
+    load(&r.dir, s).map(Some)
+}
+
 /// With a drain target (`crate::drain`): the remote step a load of `step`
 /// (None: latest) reads, when it is not committed locally or (latest) the
 /// target holds a newer one; None: the local directories.
@@ -159,6 +175,9 @@ fn remote_source(shared: &Shared, step: Option<u64>) -> Result<Option<crate::dra
 
 fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
+    if let Some(served) = other_nodes_files(shared, step, Some(descs), |dir, s| load_from(shared, peer, regions, dir, Some(s), descs, false))? {
+        return Ok(served);
+    }
     let remote = remote_source(shared, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
@@ -309,6 +328,9 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
 }
 
 fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
+    if let Some(placed) = other_nodes_files(shared, step, None, |dir, s| load_packed_from(shared, regions, dir, Some(s), into, false))? {
+        return Ok(placed);
+    }
     let remote = remote_source(shared, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.

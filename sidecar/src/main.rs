@@ -175,12 +175,13 @@ struct DaemonArgs {
     /// blobs, markers and the index go to the shared directory, and the
     /// index names the node holding each file. A node's ranks load their
     /// own node's files from its disks; another node's files need a drain
-    /// target (docs/guide.md, "Several nodes").
+    /// target (docs/guide.md, "Several nodes"). --shared with --drain
+    /// implies it (each node drains its own files).
     #[arg(long, requires = "shared")]
     node_local: bool,
-    /// This node's id in the index (with --node-local): letters, digits,
-    /// '.', '_', '-' (default: the host name).
-    #[arg(long, requires = "node_local", value_name = "NAME", value_parser = parse_node_id)]
+    /// This node's id in the index (with --node-local, or --shared and
+    /// --drain): letters, digits, '.', '_', '-' (default: the host name).
+    #[arg(long, requires = "shared", value_name = "NAME", value_parser = parse_node_id)]
     node_id: Option<String>,
     /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics,
     /// e.g. 127.0.0.1:9464 (docs/metrics.md); port 0 picks a free one (logged).
@@ -235,8 +236,9 @@ impl DaemonArgs {
             shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
             shared: self.shared.clone(),
-            node_local: match (&self.node_local, &self.node_id) {
-                (false, _) => None,
+            node_local: match (self.node_local || (self.shared.is_some() && self.drain.is_some()), &self.node_id) {
+                (false, Some(_)) => bail!("--node-id names this node's files: it needs --node-local (or --shared with --drain)"),
+                (false, None) => None,
                 (true, Some(id)) => Some(id.clone()),
                 (true, None) => Some(host_node_id()?),
             },

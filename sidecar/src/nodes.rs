@@ -375,6 +375,10 @@ impl Nodes {
 }
 
 fn durable(shared: &Shared, w: StepWait, step: u64, path: &str, persist_seconds: f64) {
+    // The drain (node-local files): this node uploads its files of the step.
+    if let Some(d) = &shared.drain {
+        d.committed(step);
+    }
     for x in w.waiters {
         shared.end(Flight::Part(step, x.rank));
         x.peer.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });

@@ -734,3 +734,71 @@ fn node_local_folders_follow_the_coordinators_retention() {
     assert!(!c.local(1).join(folder(1)).exists() && c.local(1).join(folder(3)).is_dir(), "{:?}", names_in(&c.local(1)));
     assert!(!c.local(0).join(folder(2)).exists());
 }
+
+/// Sends a Load of every tensor of `owners` (as `load_tensors` lays out one
+/// rank's) into `r`'s region, one owner after the other at `stride`.
+fn load_all_tensors(r: &mut Rank, step: Option<u64>, owners: &[Rank], stride: u64) -> Reply {
+    let mut tensors = Vec::new();
+    for (i, o) in owners.iter().enumerate() {
+        let n = o.bytes.len() as u64 / 4;
+        let half = n / 2;
+        let base = i as u64 * stride;
+        tensors.push(TensorDesc { name: format!("w.{}", o.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: base, len_bytes: 4 * half });
+        tensors.push(TensorDesc { name: format!("b.{}", o.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: base + 4 * half, len_bytes: 4 * (n - half) });
+    }
+    ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 60, step, tensors }).unwrap();
+    r.reply()
+}
+
+#[test]
+fn node_local_steps_drain_from_every_node_and_load_from_the_drain_once_a_node_is_gone() {
+    // Before: a drain target with --shared drained nothing of the nodes'
+    // steps, and a node-local step whose other node was gone did not load.
+    let c = Cluster::new();
+    let remote = c.tmp.path().join("remote");
+    std::fs::create_dir(&remote).unwrap();
+    let url = format!("file://{}", remote.display());
+    // --shared with --drain: node-local files (no --node-local needed).
+    let (a, mut b) = (c.node_with(0, "300", &["--node-id", "node-a", "--drain", &url]), c.node_with(1, "300", &["--node-id", "node-b", "--drain", &url]));
+    let shared = c.shared();
+    let len = 1 << 20;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    save_all(&mut ranks, 4, &shared);
+    assert!(names_in(&catalog::step_path(&shared, 4)).iter().all(|n| !n.ends_with(".safetensors")));
+    // Every rank hears Replicated: each node uploaded its own files, node a
+    // (holding rank 0's) the blobs and the remote index once both had.
+    for r in ranks.iter_mut() {
+        ckpt_wire::write_frame(&mut r.s, &Request::WaitReplicated { id: 70, step: 4 }).unwrap();
+        match r.reply() {
+            Reply::Replicated { step: 4, .. } => {}
+            other => panic!("rank {}: expected Replicated, got {other:?}\n{}\n{}", r.rank, a.log(), b.log()),
+        }
+    }
+    // The target holds an ordinary one-directory checkpoint: every file, no node.
+    let index = restore::read_index(&remote, 4).unwrap();
+    assert!(index.ckpt.nodes.is_empty() && index.ckpt.files.iter().all(|f| f.dir_idx == 0));
+    assert_eq!(names_in(&catalog::step_path(&remote, 4)).iter().filter(|n| n.ends_with(".safetensors")).count(), 4);
+    assert!(!shared.join(".drain-step-000000000004").exists(), "upload marks left: {:?}", names_in(&shared));
+    let l = restore::load(&remote, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 4);
+    for r in &ranks {
+        let half = r.bytes.len() / 8 * 4;
+        assert_eq!(l.tensor(&format!("w.{}", r.rank)).unwrap(), &r.bytes[..half]);
+        assert_eq!(l.tensor(&format!("b.{}", r.rank)).unwrap(), &r.bytes[half..]);
+    }
+    // Node b is gone, and its disk with it: through node a, every tensor
+    // of `latest` (node b's from the drain target), bit-equal.
+    ckpt_test_support::kill9(&mut b.child);
+    std::fs::remove_dir_all(c.local(1)).unwrap();
+    let mut r = Rank::connect(&a, 0, 4 * len);
+    r.zero_shm();
+    match load_all_tensors(&mut r, None, &ranks, len as u64) {
+        Reply::Loaded { step: 4, .. } => {}
+        other => panic!("expected Loaded, got {other:?}\n{}", a.log()),
+    }
+    let got = r.read_shm(4 * len);
+    for (i, o) in ranks.iter().enumerate() {
+        assert_eq!(&got[i * len..(i + 1) * len], &o.bytes[..], "rank {}'s tensors", o.rank);
+    }
+    assert!(a.log().contains("loading from the drain target: another node holds"), "{}", a.log());
+}

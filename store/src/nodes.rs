@@ -591,3 +591,100 @@ fn remove_rank_files(tmp: &Path, rank: u32, blobs: &[Blob<'_>]) -> io::Result<()
     }
     Ok(())
 }
+
+// ------------------------------------------------ draining node-local steps
+
+/// The folder of `step`'s upload marks in the shared directory,
+/// `.drain-step-<12 digits>` (docs/format.md, "Node-local files"): one file
+/// `<node>.uploaded` per node whose files of the step are on the drain
+/// target. The drain's coordinator (the node holding rank 0's files,
+/// [`drain_coordinator`]) commits the remote step once every node of the
+/// index has its mark, then removes the folder.
+pub fn upload_marks_path(shared: &Path, step: u64) -> Result<PathBuf, format::FormatError> {
+    let name = format::step_dir_name(step)?;
+    Ok(shared.join(format!("{DRAIN_MARKS_PREFIX}{}", &name[format::STEP_PREFIX.len()..])))
+}
+
+pub const DRAIN_MARKS_PREFIX: &str = ".drain-step-";
+
+/// Records that `node`'s files of `step` are uploaded (a file written under
+/// a temp name, synced, renamed, the folder synced).
+pub fn mark_uploaded(shared: &Path, step: u64, node: &str) -> io::Result<()> {
+    format::validate_node_id(node).map_err(io::Error::other)?;
+    let dir = upload_marks_path(shared, step).map_err(io::Error::other)?;
+    match fs::create_dir(&dir) {
+        Ok(()) => catalog::fsync_dir(shared)?,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let (scratch, mark) = (dir.join(format!(".{node}.uploaded.tmp")), dir.join(format!("{node}.uploaded")));
+    write_small_file(&scratch, node.as_bytes())?;
+    fs::rename(&scratch, &mark)?;
+    catalog::fsync_dir(&dir)
+}
+
+/// The nodes whose upload marks of `step` are in the shared directory.
+pub fn uploaded_nodes(shared: &Path, step: u64) -> io::Result<BTreeSet<String>> {
+    let dir = upload_marks_path(shared, step).map_err(io::Error::other)?;
+    let rd = match fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeSet::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = BTreeSet::new();
+    for e in rd {
+        if let Some(n) = e?.file_name().to_str().and_then(|n| n.strip_suffix(".uploaded")).filter(|n| !n.starts_with('.')) {
+            out.insert(n.to_string());
+        }
+    }
+    Ok(out)
+}
+
+/// Removes `step`'s upload marks (after its remote commit, or when the
+/// drain gave the step up).
+pub fn remove_upload_marks(shared: &Path, step: u64) -> io::Result<()> {
+    let dir = upload_marks_path(shared, step).map_err(io::Error::other)?;
+    match catalog::remove_tree(&dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The node whose drain commits a node-local step remotely: the holder of
+/// rank 0's first file, else (rank 0 wrote none) the first node id.
+pub fn drain_coordinator(index: &Index) -> Option<&str> {
+    let rank0 = index.ckpt.files.iter().find(|f| ranks::rank_of_file(&f.name) == Some(0));
+    rank0.and_then(|f| index.holder(&f.name)).map(|(id, _)| id).or_else(|| index.ckpt.nodes.keys().next().map(String::as_str))
+}
+
+/// A step's index as a one-directory checkpoint holds it (the drain
+/// target's): every file in the step's own folder (`dir_idx` 0), no
+/// secondary directories, no node-held files; sealed again.
+pub fn flattened_index(mut index: Index) -> Index {
+    index.ckpt.files.iter_mut().for_each(|f| f.dir_idx = 0);
+    index.ckpt.secondary_dirs.clear();
+    index.ckpt.nodes.clear();
+    index.seal();
+    index
+}
+
+#[cfg(test)]
+mod drain_tests {
+    use super::*;
+
+    #[test]
+    fn upload_marks_are_per_node_and_go_with_their_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        assert!(uploaded_nodes(d, 3).unwrap().is_empty());
+        mark_uploaded(d, 3, "node-a").unwrap();
+        mark_uploaded(d, 3, "node-b").unwrap();
+        mark_uploaded(d, 3, "node-a").unwrap();
+        assert_eq!(uploaded_nodes(d, 3).unwrap().into_iter().collect::<Vec<_>>(), ["node-a", "node-b"]);
+        assert!(uploaded_nodes(d, 4).unwrap().is_empty());
+        assert!(mark_uploaded(d, 3, "../x").is_err());
+        remove_upload_marks(d, 3).unwrap();
+        remove_upload_marks(d, 3).unwrap();
+        assert!(uploaded_nodes(d, 3).unwrap().is_empty());
+    }
+}

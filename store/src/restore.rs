@@ -119,6 +119,21 @@ pub enum LoadError {
     OnAnotherNode { step: u64, file: String, node: String, dir: String, this: String },
 }
 
+/// The node holding a file this reader needs (`opts.only_tensors`' files,
+/// or all) when that is not the reader's node (`opts.node`); None when
+/// every such file is the reader's own or in the index's directories.
+pub fn held_elsewhere(index: &Index, opts: &ReadOptions) -> Option<String> {
+    let me = opts.node.as_ref()?;
+    let only: Option<std::collections::BTreeSet<&str>> =
+        opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
+    index
+        .ckpt
+        .files
+        .iter()
+        .filter(|f| only.as_ref().is_none_or(|o| o.contains(f.name.as_str())))
+        .find_map(|f| index.holder(&f.name).filter(|(id, _)| *id != me.id).map(|(id, _)| id.to_string()))
+}
+
 /// The folder file `fi` of `step` is read from: its node's `node-step-…`
 /// folder for a node-held file (this node's own directories when the
 /// reader names its node; refused when another node holds it), else the

@@ -353,7 +353,17 @@ impl Drain {
             st.uploading = Some(newest);
             self.answer(&mut st);
         }
+        // Held from the coordinator's retention in the shared directory
+        // until replicated (or a newer one is the newest not replicated).
+        {
+            let mut h = self.hold.lock().expect("hold lock");
+            h.clear();
+            h.insert(newest);
+        }
         let outcome = self.upload_nodes(n, newest);
+        if !matches!(outcome, Ok(None) | Err(Upload::Failed(_))) {
+            self.hold.lock().expect("hold lock").remove(&newest);
+        }
         let mut st = self.lock();
         match outcome {
             Ok(Some(stats)) => {

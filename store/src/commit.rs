@@ -224,7 +224,7 @@ pub struct Store {
     /// Steps retention must keep whatever its policy says (the daemon's
     /// drain holds the newest step not yet replicated); locked while
     /// retention plans and deletes, so a step held before is never deleted.
-    retention_hold: Option<Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>>,
+    pub(crate) retention_hold: Option<Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>>,
 }
 
 impl Store {

@@ -438,7 +438,17 @@ impl Store {
         }
         let mut deleted_by_retention = Vec::new();
         if let Some(policy) = self.opts.retention {
-            match crate::retention::apply(std::slice::from_ref(&shared), policy) {
+            // The drain's hold (the step being uploaded) is kept, as in Store::retain.
+            let dirs = std::slice::from_ref(&shared);
+            let held = self.retention_hold.as_ref().map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
+            let applied = crate::retention::plan(dirs, policy).and_then(|doomed| {
+                let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.contains(s)).collect();
+                for &s in &doomed {
+                    crate::retention::delete(dirs, s)?;
+                }
+                Ok(doomed)
+            });
+            match applied {
                 Ok(d) => deleted_by_retention = d,
                 Err(e) => tracing::warn!("retention in the shared directory failed ({e}); step {step} is committed"),
             }

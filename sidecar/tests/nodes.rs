@@ -802,3 +802,38 @@ fn node_local_steps_drain_from_every_node_and_load_from_the_drain_once_a_node_is
     }
     assert!(a.log().contains("loading from the drain target: another node holds"), "{}", a.log());
 }
+
+#[test]
+fn node_local_shards_are_striped_over_a_nodes_directories_and_its_ranks_load_them() {
+    let c = Cluster::new();
+    let second = c.tmp.path().join("node1").join("local2");
+    let (a, b) = (
+        c.node_with(0, "300", &["--node-local", "--node-id", "a"]),
+        c.node_with(1, "300", &["--node-local", "--node-id", "b", "--dir", second.to_str().unwrap(), "--shard-size", "1MiB"]),
+    );
+    let shared = c.shared();
+    let len = 4 << 20;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    save_all(&mut ranks, 6, &shared);
+    let index = restore::read_index(&shared, 6).unwrap();
+    let nb = &index.ckpt.nodes["b"];
+    assert_eq!(nb.dirs, [c.local(1), second.clone()].map(|d| std::fs::canonicalize(d).unwrap().display().to_string()));
+    // Node b's ranks' shards are spread over both of its directories.
+    let folder = ckpt_store::format::node_step_dir_name(6).unwrap();
+    let (in1, in2) = (names_in(&c.local(1).join(&folder)), names_in(&second.join(&folder)));
+    assert!(!in1.is_empty() && !in2.is_empty(), "{in1:?} {in2:?}");
+    let mut all: Vec<String> = in1.iter().chain(&in2).cloned().collect();
+    all.sort();
+    assert_eq!(all, nb.files);
+    for f in &index.ckpt.files {
+        if let Some(("b", _)) = index.holder(&f.name) {
+            let d = if in1.contains(&f.name) { 0 } else { 1 };
+            assert_eq!(f.dir_idx, d, "{}", f.name);
+        }
+    }
+    // Rank 3 restores its tensors through node b's sidecar, from both disks.
+    let mut r3 = Rank::connect(&b, 3, len);
+    r3.zero_shm();
+    assert!(matches!(load_tensors(&mut r3, 6, &ranks[3]), Reply::Loaded { step: 6, .. }));
+    assert_eq!(r3.read_shm(len), ranks[3].bytes);
+}

@@ -286,7 +286,7 @@ impl Store {
             let removed = recovery::recover_shared(&sh.path, opts.shared_stale_after).map_err(|e| StoreError::Io { path: sh.path.clone(), what: "recovery of the shared directory", source: e })?;
             recovery.removed.extend(removed);
             if opts.node_local.is_some() {
-                let removed = crate::nodes::sweep_node_local(&paths, &sh.path, &Default::default()).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery of node-local step folders", source: e })?;
+                let removed = recovery::sweep_node_local(&paths, &sh.path, &Default::default()).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery of node-local step folders", source: e })?;
                 recovery.removed.extend(removed);
             }
         }

@@ -334,7 +334,7 @@ impl Store {
         if self.read_only().is_some() {
             return Vec::new();
         }
-        match sweep_node_local(self.dirs(), shared, waiting) {
+        match crate::recovery::sweep_node_local(self.dirs(), shared, waiting) {
             Ok(removed) => {
                 for p in &removed {
                     info!(path = %p.display(), "removed a node-local step folder (its step is not committed in the shared directory: aborted, or gone by retention)");
@@ -512,39 +512,7 @@ pub fn node_step_path(dir: &Path, step: u64) -> Result<PathBuf, format::FormatEr
     Ok(dir.join(format::node_step_dir_name(step)?))
 }
 
-/// The node-local rule (docs/format.md, "Node-local files"): a node's
-/// `node-step-…` folder is kept while its step is committed in the shared
-/// directory (its index names the files) or in flight there (its
-/// multi-rank temp folder exists: the coordinator may still commit it), or
-/// while this node's ranks wait for it (`waiting`); otherwise (aborted,
-/// un-committed by retention, `gc` or a rollback) it is removed, in every
-/// one of `dirs`. Returns what it removed.
-pub fn sweep_node_local(dirs: &[PathBuf], shared: &Path, waiting: &BTreeSet<u64>) -> io::Result<Vec<PathBuf>> {
-    let mut removed = Vec::new();
-    for d in dirs {
-        let mut here = false;
-        for e in fs::read_dir(d)? {
-            let e = e?;
-            let Some(step) = e.file_name().to_str().and_then(format::parse_node_step_dir_name) else { continue };
-            if waiting.contains(&step) || !e.file_type()?.is_dir() {
-                continue;
-            }
-            // In flight first, committed last: a commit between the two
-            // looks is seen as committed.
-            let in_flight = ranks_tmp_path(shared, step).map_err(io::Error::other)?.exists();
-            if in_flight || catalog::is_committed(shared, step) {
-                continue;
-            }
-            catalog::remove_tree(&e.path())?;
-            removed.push(e.path());
-            here = true;
-        }
-        if here {
-            catalog::fsync_dir(d)?;
-        }
-    }
-    Ok(removed)
-}
+pub use crate::recovery::sweep_node_local;
 
 /// Whether the ranks' markers make a step that does not load
 /// (crate::skeleton::parts_disagree), reading the skeleton blob of the rank

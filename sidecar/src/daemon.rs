@@ -33,7 +33,7 @@ use ckpt_store::read_only::ReadOnly;
 use crate::config;
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::io::IoPolicy;
-use ckpt_store::restore::ReadOptions;
+use ckpt_store::restore::{ReadOptions, ThisNode};
 use ckpt_store::retention::Retention;
 use crate::server::{self, Listener, ServerError};
 use crate::staging::{Staging, StagingError};
@@ -56,6 +56,9 @@ pub struct DaemonOptions {
     /// Several nodes: the directory all nodes' sidecars share (multi-rank
     /// steps are written and committed there, `crate::nodes`).
     pub shared: Option<PathBuf>,
+    /// Several nodes, node-local files (`--node-local`): this node's id;
+    /// its ranks' shards go to its own directories.
+    pub node_local: Option<String>,
     /// Serve metrics on this address (`crate::metrics`).
     pub metrics: Option<std::net::SocketAddr>,
     /// Serve loads only, without the directory lock (`--read-only`); a
@@ -161,7 +164,17 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let drain = match &opts.drain {
         Some(d) => {
             let dirs = opts.dirs.iter().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())).collect();
-            let drain = crate::drain::Drain::open(d.clone(), dirs)?;
+            let dirs: Vec<PathBuf> = dirs;
+            // Several nodes with node-local files: this node drains its own
+            // files of the steps committed in the shared directory.
+            let nodes = match (&opts.shared, &opts.node_local) {
+                (Some(sh), Some(id)) => Some(crate::drain::NodesDrain {
+                    shared: std::fs::canonicalize(sh).unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
+                    me: ThisNode { id: id.clone(), dirs: dirs.clone() },
+                }),
+                _ => None,
+            };
+            let drain = crate::drain::Drain::open_nodes(d.clone(), dirs, nodes)?;
             info!(url = drain.url(), every = d.every, keep = ?d.keep, bandwidth_bytes_per_s = ?d.bandwidth_bytes_per_s, "drain target reachable");
             Some(drain)
         }
@@ -178,6 +191,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         shared: opts.shared.clone(),
         // Twice the part timeout: a live coordinator aborts long before.
         shared_stale_after: crate::committer::part_timeout() * 2,
+        node_local: opts.node_local.clone(),
         read_only: if opts.read_only { ReadOnly::Always } else { ReadOnly::Auto },
         ..StoreOptions::new(opts.dirs.clone())
     })?;
@@ -193,7 +207,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let mut shared = Shared::new(
         store.dirs().to_vec(),
         layout_opts,
-        ReadOptions { io: opts.io, ..Default::default() },
+        ReadOptions { io: opts.io, node: store.node_id().map(|id| ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() }), ..Default::default() },
         staging,
         tx,
         opts.allow_uids.clone(),
@@ -205,7 +219,10 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     shared.full_every.store(opts.full_every, std::sync::atomic::Ordering::Relaxed);
     let shared = Arc::new(shared);
     if let Some(d) = &shared.shared_dir {
-        info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves");
+        match &shared.read_opts.node {
+            None => info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
+            Some(n) => info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, node-local: this node's ranks' shards go to its own directories, markers and the index to the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
+        }
     }
     info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
     crate::committer::spawn(store, rx, shared.clone());

@@ -81,6 +81,21 @@ struct State {
     waiters: Vec<Waiter>,
     /// Set by [`Drain::committed`]: look again now.
     wake: bool,
+    /// Several nodes: steps whose files this node uploaded (and marked).
+    mine_uploaded: BTreeSet<u64>,
+    /// Several nodes: the step whose remote commit this node last said it waits for.
+    waiting_said: Option<u64>,
+}
+
+/// Several nodes with node-local files (`--shared` and a drain): the
+/// committed steps are in the shared directory; each node uploads the
+/// files it holds and marks them uploaded there; the drain's coordinator
+/// (`ckpt_store::nodes::drain_coordinator`: the node holding rank 0's files)
+/// uploads the blobs and commits the remote step once every node's mark is in.
+#[derive(Debug, Clone)]
+pub struct NodesDrain {
+    pub shared: PathBuf,
+    pub me: ckpt_store::restore::ThisNode,
 }
 
 /// The drain: shared by the drain thread, the committer (which wakes it)
@@ -94,6 +109,8 @@ pub struct Drain {
     cv: Condvar,
     /// Steps local retention must not delete (the newest not yet replicated).
     hold: Arc<Mutex<BTreeSet<u64>>>,
+    /// Several nodes ([`NodesDrain`]).
+    nodes: Option<NodesDrain>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +126,11 @@ impl Drain {
     /// Opens the target (one authenticated request: a wrong credential or an
     /// unreachable endpoint fails here, naming the URL).
     pub fn open(opts: DrainOptions, dirs: Vec<PathBuf>) -> Result<Arc<Drain>, DrainError> {
+        Drain::open_nodes(opts, dirs, None)
+    }
+
+    /// [`Drain::open`] for a node of several ([`NodesDrain`]).
+    pub fn open_nodes(opts: DrainOptions, dirs: Vec<PathBuf>, nodes: Option<NodesDrain>) -> Result<Arc<Drain>, DrainError> {
         let topts = ckpt_tier::TargetOptions { bandwidth_bytes_per_s: opts.bandwidth_bytes_per_s, ..Default::default() };
         // Opened on a SCHED_IDLE thread: the target's runtime threads
         // (uploads: reads, checksums, sends) inherit the class, so the drain
@@ -126,7 +148,7 @@ impl Drain {
                 .expect("opening the drain target panicked")
                 .map_err(|source| DrainError::Open { url: opts.url.clone(), source })
         })?;
-        Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())) }))
+        Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())), nodes }))
     }
 
     pub fn url(&self) -> &str {
@@ -168,7 +190,9 @@ impl Drain {
 
     /// What the target holds, learnt once at start (retried while down).
     fn learn(&self) -> Result<(), ckpt_tier::TierError> {
-        let removed = self.target.clean_incomplete()?;
+        // Several nodes: another node may be uploading a step this one does
+        // not see committed remotely yet; its files are not leftovers.
+        let removed = if self.nodes.is_some() { 0 } else { self.target.clean_incomplete()? };
         if removed > 0 {
             info!(url = self.url(), removed, "drain: removed half-uploaded steps and unfinished multipart uploads a previous sidecar left");
         }
@@ -199,7 +223,11 @@ impl Drain {
                     }
                 }
             }
-            match self.drain_once() {
+            let round = match &self.nodes {
+                None => self.drain_once(),
+                Some(n) => self.drain_once_nodes(n),
+            };
+            match round {
                 Ok(true) => backoff_ms = config::DRAIN_BACKOFF_MIN_MS,
                 Ok(false) => {
                     backoff_ms = config::DRAIN_BACKOFF_MIN_MS;
@@ -320,6 +348,139 @@ impl Drain {
         }
     }
 
+    /// [`Drain::drain_once`] for a node of several: the newest step
+    /// committed in the shared directory not yet drained; Ok(false) also
+    /// while it waits for the other nodes' uploads or the remote commit.
+    fn drain_once_nodes(&self, n: &NodesDrain) -> Result<bool, ()> {
+        let committed = catalog::committed_steps(&n.shared).unwrap_or_default();
+        let newest;
+        {
+            let mut st = self.lock();
+            let pending: Vec<u64> = committed.iter().copied().filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0).collect();
+            st.backlog = pending.clone();
+            let Some(&nw) = pending.last() else {
+                self.answer(&mut st);
+                return Ok(false);
+            };
+            newest = nw;
+            let older = &pending[..pending.len() - 1];
+            if !older.is_empty() {
+                info!(url = self.url(), skipped = ?older, draining = newest, "drain behind: draining the newest committed step, skipping older ones");
+                st.skipped.extend(older.iter().copied());
+                while st.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
+                    st.skipped.pop_first();
+                }
+                st.done_upto = Some(older[older.len() - 1]);
+                st.mine_uploaded.retain(|&s| s >= newest);
+            }
+            st.uploading = Some(newest);
+            self.answer(&mut st);
+        }
+        // Held from the coordinator's retention in the shared directory
+        // until replicated (or a newer one is the newest not replicated).
+        {
+            let mut h = self.hold.lock().expect("hold lock");
+            h.clear();
+            h.insert(newest);
+        }
+        let outcome = self.upload_nodes(n, newest);
+        if !matches!(outcome, Ok(None) | Err(Upload::Failed(_))) {
+            self.hold.lock().expect("hold lock").remove(&newest);
+        }
+        let mut st = self.lock();
+        match outcome {
+            Ok(Some(stats)) => {
+                st.uploading = None;
+                let bps = stats.bytes as f64 / stats.seconds.max(1e-9);
+                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, seconds = stats.seconds, "replicated (every node's files; the remote index is written)");
+                st.replicated.insert(newest);
+                st.done_upto = Some(newest);
+                st.bytes_per_s = bps;
+                st.backlog.retain(|&s| s > newest);
+                st.mine_uploaded.remove(&newest);
+                self.answer(&mut st);
+                drop(st);
+                self.set_up(true, String::new());
+                self.retain_remote();
+                Ok(true)
+            }
+            Ok(None) => {
+                if st.waiting_said != Some(newest) {
+                    st.waiting_said = Some(newest);
+                    info!(step = newest, url = self.url(), "this node's files are uploaded; waiting for the other nodes' uploads and the remote commit");
+                }
+                self.answer(&mut st);
+                Ok(false)
+            }
+            Err(Upload::Gone) => {
+                st.uploading = None;
+                info!(step = newest, "drain: step deleted before it was drained (retention or rollback); skipped");
+                st.skipped.insert(newest);
+                st.done_upto = Some(newest);
+                self.answer(&mut st);
+                Ok(true)
+            }
+            Err(Upload::Failed(e)) => {
+                st.uploading = None;
+                drop(st);
+                self.set_up(false, format!("step {newest}: {e}"));
+                Err(())
+            }
+        }
+    }
+
+    /// This node's part of draining `step` (several nodes): its files
+    /// uploaded and marked; the coordinator then, once every node's mark is
+    /// in, the blobs and the remote index. Some(stats) once the step is
+    /// committed remotely; None while waiting for others.
+    fn upload_nodes(&self, n: &NodesDrain, step: u64) -> Result<Option<ckpt_tier::UploadStats>, Upload> {
+        use ckpt_store::nodes as cn;
+        let index_bytes = std::fs::read(catalog::step_path(&n.shared, step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
+        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("index of step {step} in {}: {e}", n.shared.display())))?;
+        let failed = |e: ckpt_tier::TierError| Upload::Failed(e.to_string());
+        let done = ckpt_tier::UploadStats { bytes: 0, files: 0, seconds: 0.0 };
+        if self.target.steps().map_err(failed)?.contains(&step) {
+            return Ok(Some(done));
+        }
+        let mut stats = done;
+        if !self.lock().mine_uploaded.contains(&step) {
+            let mine = node_files(&index, &n.me, step).map_err(Upload::Failed)?;
+            if !mine.is_empty() {
+                stats = self.target.upload_files(step, &mine).map_err(failed)?;
+            }
+            if index.ckpt.nodes.contains_key(&n.me.id) {
+                cn::mark_uploaded(&n.shared, step, &n.me.id).map_err(|e| Upload::Failed(format!("upload mark of step {step} in {}: {e}", n.shared.display())))?;
+            }
+            self.lock().mine_uploaded.insert(step);
+        }
+        if cn::drain_coordinator(&index) != Some(n.me.id.as_str()) {
+            return Ok(None);
+        }
+        let marked = cn::uploaded_nodes(&n.shared, step).map_err(|e| Upload::Failed(format!("upload marks of step {step}: {e}")))?;
+        if index.ckpt.nodes.keys().any(|id| !marked.contains(id)) {
+            return Ok(None);
+        }
+        let step_name = format::step_dir_name(step).map_err(|e| Upload::Failed(e.to_string()))?;
+        let blobs: Vec<LocalFile> = index
+            .ckpt
+            .blobs
+            .iter()
+            .map(|b| {
+                let name = format!("{BLOBS_DIR_NAME}/{}", b.name);
+                LocalFile { local_path: n.shared.join(&step_name).join(&name), name, len: b.len_bytes, crc32c: b.crc32c }
+            })
+            .collect();
+        if !blobs.is_empty() {
+            let b = self.target.upload_files(step, &blobs).map_err(failed)?;
+            stats = ckpt_tier::UploadStats { bytes: stats.bytes + b.bytes, files: stats.files + b.files, seconds: stats.seconds + b.seconds };
+        }
+        self.target.commit_step(step, &cn::flattened_index(index).to_json_bytes()).map_err(failed)?;
+        if let Err(e) = cn::remove_upload_marks(&n.shared, step) {
+            warn!(step, "could not remove the upload marks of step {step} ({e})");
+        }
+        Ok(Some(stats))
+    }
+
     fn upload(&self, step: u64) -> Result<ckpt_tier::UploadStats, Upload> {
         let index_bytes = std::fs::read(catalog::step_path(self.primary(), step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
         let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("local index of step {step}: {e}")))?;
@@ -411,7 +572,9 @@ impl Drain {
     /// the target is down (then what is not replicated stays local, and
     /// the next sidecar on these directories uploads it).
     pub fn settled(&self) -> bool {
-        let newest = catalog::committed_steps(self.primary()).unwrap_or_default().into_iter().filter(|s| s % self.opts.every == 0).last();
+        // Several nodes: the steps are committed in the shared directory.
+        let committed_in = self.nodes.as_ref().map_or(self.primary(), |n| n.shared.as_path());
+        let newest = catalog::committed_steps(committed_in).unwrap_or_default().into_iter().filter(|s| s % self.opts.every == 0).last();
         let st = self.lock();
         if !st.up {
             return true;
@@ -598,6 +761,21 @@ pub fn remote_plan(dirs: &[PathBuf], step: u64, mut index: Index) -> Result<(Vec
     }
     index.ckpt.secondary_dirs.clear();
     Ok((files, index.sealed_json_bytes()))
+}
+
+/// This node's files of a node-local step (`ckpt.nodes`), read from its own
+/// directories' `node-step-…` folders.
+fn node_files(index: &Index, me: &ckpt_store::restore::ThisNode, step: u64) -> Result<Vec<LocalFile>, String> {
+    let folder = format::node_step_dir_name(step).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for f in &index.ckpt.files {
+        if index.holder(&f.name).map(|(id, _)| id) != Some(me.id.as_str()) {
+            continue;
+        }
+        let dir = me.dirs.get(f.dir_idx as usize).ok_or_else(|| format!("step {step}: file {} is in directory #{} of this node's {}", f.name, f.dir_idx, me.dirs.len()))?;
+        out.push(LocalFile { local_path: dir.join(&folder).join(&f.name), name: f.name.clone(), len: f.len_bytes, crc32c: f.crc32c });
+    }
+    Ok(out)
 }
 
 /// Removes fetched-step folders a previous sidecar left in the primary.

@@ -35,7 +35,7 @@ struct Fail(ErrorCode, String);
 impl From<LoadError> for Fail {
     fn from(e: LoadError) -> Fail {
         let code = match &e {
-            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } => ErrorCode::NotFound,
+            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => ErrorCode::NotFound,
             LoadError::Damaged { .. } => ErrorCode::Damaged,
             LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
             // The client's region failed under the load: its error, not the checkpoint's.
@@ -144,6 +144,22 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
     Ok(())
 }
 
+/// Several nodes with node-local files and a drain target: a load of
+/// `step` (None: latest) that needs a file another node holds (`descs`:
+/// the tensors asked for; None: all) reads the whole step from the drain
+/// target (`load`, into `dir` holding step `s`); None: no such file, or no
+/// drain (the local read then says which node holds it).
+fn other_nodes_files<T>(shared: &Shared, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(&std::path::Path, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
+    let (Some(d), Some(_)) = (&shared.drain, &shared.read_opts.node) else { return Ok(None) };
+    let Some(s) = step.or_else(|| catalog::latest_step(shared.read_dir()).ok().flatten()) else { return Ok(None) };
+    let Ok(index) = restore::read_index(shared.read_dir(), s) else { return Ok(None) };
+    let opts = restore::ReadOptions { only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()), ..shared.read_opts.clone() };
+    let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
+    let r = d.remote_copy(s).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
+    info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files");
+    load(&r.dir, s).map(Some)
+}
+
 /// With a drain target (`crate::drain`): the remote step a load of `step`
 /// (None: latest) reads, when it is not committed locally or (latest) the
 /// target holds a newer one; None: the local directories.
@@ -159,6 +175,9 @@ fn remote_source(shared: &Shared, step: Option<u64>) -> Result<Option<crate::dra
 
 fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
+    if let Some(served) = other_nodes_files(shared, step, Some(descs), |dir, s| load_from(shared, peer, regions, dir, Some(s), descs, false))? {
+        return Ok(served);
+    }
     let remote = remote_source(shared, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
@@ -220,10 +239,16 @@ fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Regio
         Which::Latest => catalog::latest_step(primary).ok().flatten(),
     };
     let mut need_bytes = first.and_then(|s| restore::read_index(primary, s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
+    // Node-local files: only the files of the tensors asked for are read
+    // (a rank loading its own part needs no other node's disks).
+    let read_opts = match &shared.read_opts.node {
+        Some(_) => std::borrow::Cow::Owned(restore::ReadOptions { only_tensors: Some(descs.iter().map(|d| d.name.clone()).collect()), ..shared.read_opts.clone() }),
+        None => std::borrow::Cow::Borrowed(&shared.read_opts),
+    };
     for _ in 0..3 {
         if need_bytes > shared.staging.budget_bytes() {
             warn!(need_bytes, budget_bytes = shared.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
-            let l = restore::load(primary, which, &shared.read_opts, None)?;
+            let l = restore::load(primary, which, &read_opts, None)?;
             deliver(regions, descs, |name| from_index(&l.index, name, |t| l.tensor(t)))?;
             return Ok(served_from_index(l.step, &l.index, &l.blobs, &l.fell_back));
         }
@@ -232,7 +257,7 @@ fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Regio
             StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
             e => Fail(ErrorCode::Io, e.to_string()),
         })?;
-        match restore::load_into(primary, which, &shared.read_opts, lease.as_mut_slice()) {
+        match restore::load_into(primary, which, &read_opts, lease.as_mut_slice()) {
             Ok(p) => {
                 let image = lease.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
@@ -303,6 +328,9 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
 }
 
 fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
+    if let Some(placed) = other_nodes_files(shared, step, None, |dir, s| load_packed_from(shared, regions, dir, Some(s), into, false))? {
+        return Ok(placed);
+    }
     let remote = remote_source(shared, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.

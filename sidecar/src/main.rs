@@ -60,6 +60,24 @@ fn parse_positive(s: &str) -> Result<u64, String> {
     }
 }
 
+fn parse_node_id(s: &str) -> Result<String, String> {
+    ckpt_store::format::validate_node_id(s).map(|()| s.to_string()).map_err(|e| e.to_string())
+}
+
+/// The default node id: this host's name, as far as it is a valid one
+/// (`--node-id` otherwise).
+fn host_node_id() -> anyhow::Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        bail!("--node-local: cannot read the host name ({}); give --node-id NAME", std::io::Error::last_os_error());
+    }
+    let name = String::from_utf8_lossy(buf.split(|&b| b == 0).next().unwrap_or_default()).into_owned();
+    ckpt_store::format::validate_node_id(&name).map_err(|e| anyhow::anyhow!("--node-local: the host name is no valid node id ({e}); give --node-id NAME"))?;
+    Ok(name)
+}
+
 fn parse_keep(s: &str) -> Result<usize, String> {
     parse_positive(s).map(|n| n.min(usize::MAX as u64) as usize).map_err(|e| format!("{e} (the newest checkpoint is never deleted)"))
 }
@@ -155,6 +173,19 @@ struct DaemonArgs {
     /// missing one is likely a shared file system not mounted here).
     #[arg(long)]
     shared: Option<PathBuf>,
+    /// With --shared: each node's ranks' shards go to this node's own
+    /// --dir(s) (striped over them as a one-node save), in `node-step-…` folders; only
+    /// blobs, markers and the index go to the shared directory, and the
+    /// index names the node holding each file. A node's ranks load their
+    /// own node's files from its disks; another node's files need a drain
+    /// target (docs/guide.md, "Several nodes"). --shared with --drain
+    /// implies it (each node drains its own files).
+    #[arg(long, requires = "shared")]
+    node_local: bool,
+    /// This node's id in the index (with --node-local, or --shared and
+    /// --drain): letters, digits, '.', '_', '-' (default: the host name).
+    #[arg(long, requires = "shared", value_name = "NAME", value_parser = parse_node_id)]
+    node_id: Option<String>,
     /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics,
     /// e.g. 127.0.0.1:9464 (docs/metrics.md); port 0 picks a free one (logged).
     #[arg(long, value_name = "ADDR")]
@@ -228,6 +259,12 @@ impl DaemonArgs {
             shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
             shared: self.shared.clone(),
+            node_local: match (self.node_local || (self.shared.is_some() && self.drain.is_some()), &self.node_id) {
+                (false, Some(_)) => bail!("--node-id names this node's files: it needs --node-local (or --shared with --drain)"),
+                (false, None) => None,
+                (true, Some(id)) => Some(id.clone()),
+                (true, None) => Some(host_node_id()?),
+            },
             metrics: self.metrics,
             read_only: self.read_only,
             drain: self.drain.as_ref().map(|url| ckpt_sidecar::drain::DrainOptions {
@@ -937,7 +974,7 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     if steps.is_empty() {
         bail!("{}: no committed checkpoint to verify", dir.display());
     }
-    let opts = ReadOptions { io, secondary_dirs: if secondaries.is_empty() { None } else { Some(secondaries) } };
+    let opts = ReadOptions { io, secondary_dirs: if secondaries.is_empty() { None } else { Some(secondaries) }, ..Default::default() };
     let bar = if std::io::stderr().is_terminal() && !json {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}").expect("valid template"));

@@ -210,6 +210,15 @@ impl Nodes {
         }
     }
 
+    /// A step was decided (and removed from `steps`): before its ranks are
+    /// answered, this node's node-local folders of steps aborted, or
+    /// un-committed by the coordinator's retention, go
+    /// (`ckpt_store::nodes::sweep_node_local`); a no-op without `--node-local`.
+    fn sweep(&self, store: &Store) {
+        let waiting: BTreeSet<u64> = self.steps.keys().copied().collect();
+        store.sweep_node_local(&waiting);
+    }
+
     /// The coordinator: commit when every marker is in, abort when the
     /// timeout passed first.
     fn coordinate(&mut self, store: &mut Store, shared: &Shared, step: u64) {
@@ -232,6 +241,7 @@ impl Nodes {
                     let copy_seconds = w.waiters.iter().map(|x| x.copy_seconds).fold(0.0, f64::max);
                     let gib_per_s = w.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
                     shared.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+                    self.sweep(store);
                     durable(shared, w, step, &rep.path.display().to_string(), persist_seconds);
                 }
                 Err(e) => {
@@ -244,6 +254,7 @@ impl Nodes {
                     if !matches!(e, CommitError::AlreadyCommitted { .. }) {
                         self.abort_folder(store, step, &why);
                     }
+                    self.sweep(store);
                     for x in w.waiters {
                         answer_failed(shared, x, step, error_code(&e), why.clone());
                     }
@@ -263,6 +274,7 @@ impl Nodes {
             };
             warn!("{why}");
             self.abort_folder(store, step, &why);
+            self.sweep(store);
             let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
                 answer_failed(shared, x, step, code, why.clone());
@@ -298,6 +310,7 @@ impl Nodes {
                 let path = ckpt_store::catalog::step_path(&dir, step).display().to_string();
                 let persist_seconds = w.since.elapsed().as_secs_f64();
                 info!(step, "durable (committed by the coordinator, rank 0's sidecar)");
+                self.sweep(store);
                 durable(shared, w, step, &path, persist_seconds);
             }
             RanksState::Gone => {
@@ -313,6 +326,7 @@ impl Nodes {
                     format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size)
                 };
                 warn!("{why}");
+                self.sweep(store);
                 for x in w.waiters {
                     answer_failed(shared, x, step, ErrorCode::Io, why.clone());
                 }
@@ -361,6 +375,10 @@ impl Nodes {
 }
 
 fn durable(shared: &Shared, w: StepWait, step: u64, path: &str, persist_seconds: f64) {
+    // The drain (node-local files): this node uploads its files of the step.
+    if let Some(d) = &shared.drain {
+        d.committed(step);
+    }
     for x in w.waiters {
         shared.end(Flight::Part(step, x.rank));
         x.peer.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });

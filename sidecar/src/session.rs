@@ -245,7 +245,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 }
             }
             Request::WaitReplicated { id, step } => match &shared.drain {
-                Some(d) => d.wait(&peer, id, step, catalog::is_committed(shared.primary(), step)),
+                Some(d) => d.wait(&peer, id, step, catalog::is_committed(shared.read_dir(), step)),
                 None => {
                     peer.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated") });
                 }

@@ -811,8 +811,9 @@ pub fn run_save(
             return fail(SaveError::BadRequest(format!("rank {} of world size {}: need 0 <= rank < world_size", p.rank, p.world_size)));
         }
         (opts.rank, opts.world_size) = (p.rank, p.world_size);
-        if shared.shared_dir.is_some() {
-            // Several nodes: every part goes into the one shared directory.
+        if shared.shared_dir.is_some() && shared.read_opts.node.is_none() {
+            // Several nodes: every part goes into the one shared directory
+            // (node-local: into this node's own directories, striped).
             opts.n_dirs = 1;
         }
     }

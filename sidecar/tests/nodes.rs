@@ -37,6 +37,16 @@ impl Cluster {
 
     /// Node `node`'s sidecar: socket and directory of its own, the shared one.
     fn node(&self, node: u32, part_timeout_s: &str) -> Node {
+        self.node_with(node, part_timeout_s, &[])
+    }
+
+    /// Node `node`'s own directory (`--dir`).
+    fn local(&self, node: u32) -> PathBuf {
+        self.tmp.path().join(format!("node{node}")).join("local")
+    }
+
+    /// Node `node`'s sidecar with more options (`--node-local`, ...).
+    fn node_with(&self, node: u32, part_timeout_s: &str, extra: &[&str]) -> Node {
         let base = self.tmp.path().join(format!("node{node}"));
         let (dir, socket, log) = (base.join("local"), base.join("run").join("s.sock"), self.tmp.path().join(format!("node{node}.log")));
         std::fs::create_dir_all(&base).unwrap();
@@ -47,6 +57,7 @@ impl Cluster {
             .arg(self.shared())
             .arg("--socket")
             .arg(&socket)
+            .args(extra)
             .env("CKPT_SIDECAR_PART_TIMEOUT_S", part_timeout_s)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -145,6 +156,19 @@ impl Rank {
             libc::close(fd);
         }
         out
+    }
+
+    /// Zeroes this rank's segment (before a load into it).
+    fn zero_shm(&self) {
+        let c = std::ffi::CString::new(self.shm_name.clone()).unwrap();
+        let zeros = vec![0u8; self.bytes.len()];
+        // SAFETY: plain libc calls with checked results on a segment of our own name.
+        unsafe {
+            let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
+            assert!(fd >= 0);
+            assert_eq!(libc::pwrite(fd, zeros.as_ptr().cast(), zeros.len(), 0), zeros.len() as isize);
+            libc::close(fd);
+        }
     }
 
     fn reply(&mut self) -> Reply {
@@ -564,4 +588,252 @@ fn ranks_on_two_nodes_that_saved_different_states_are_refused_on_both_naming_the
     }
     assert!(!catalog::is_committed(&shared, 5));
     assert!(temp_folders(&shared).is_empty(), "{:?}", temp_folders(&shared));
+}
+
+// ------------------------------------------------ node-local files (--node-local)
+
+/// The files of `dir` (names), sorted; empty when it does not exist.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The shard files of ranks `ranks` of a world of 4 (one shard each here).
+fn shards_of(ranks: &[u32]) -> Vec<String> {
+    ranks.iter().map(|&r| ckpt_store::format::shard_file_name(r, 4, 0)).collect()
+}
+
+/// Sends a Load of `names` (each with its shape and bytes as rank `owner`
+/// saved them: `w.R` then `b.R`, F32) into `r`'s region at offset 0.
+fn load_tensors(r: &mut Rank, step: u64, owner: &Rank) -> Reply {
+    let n = owner.bytes.len() as u64 / 4;
+    let half = n / 2;
+    let tensors = vec![
+        TensorDesc { name: format!("w.{}", owner.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: 0, len_bytes: 4 * half },
+        TensorDesc { name: format!("b.{}", owner.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: 4 * half, len_bytes: 4 * (n - half) },
+    ];
+    ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 50, step: Some(step), tensors }).unwrap();
+    r.reply()
+}
+
+#[test]
+fn node_local_shards_stay_on_each_nodes_own_disk_and_the_index_names_their_holders() {
+    // Before: every node's shards went into the shared directory; there was
+    // no way to write with each node's own disks.
+    let c = Cluster::new();
+    let (a, mut b) = (c.node_with(0, "300", &["--node-local", "--node-id", "node-a"]), c.node_with(1, "300", &["--node-local", "--node-id", "node-b"]));
+    let shared = c.shared();
+    let len = 2 << 20;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    save_all(&mut ranks, 5, &shared);
+    // The shared directory holds the index, markers and blobs, no shard.
+    let step_dir = catalog::step_path(&shared, 5);
+    assert!(names_in(&step_dir).iter().all(|n| !n.ends_with(".safetensors")), "{:?}", names_in(&step_dir));
+    assert!(step_dir.join("blobs").join("rng.rank-00002.pkl").is_file());
+    // Each node's shards are in its own node-step folder.
+    let folder = ckpt_store::format::node_step_dir_name(5).unwrap();
+    assert_eq!(names_in(&c.local(0).join(&folder)), shards_of(&[0, 1]));
+    assert_eq!(names_in(&c.local(1).join(&folder)), shards_of(&[2, 3]));
+    // The index says which node holds which file, and where.
+    let index = restore::read_index(&shared, 5).unwrap();
+    assert_eq!(index.ckpt.nodes.keys().collect::<Vec<_>>(), ["node-a", "node-b"]);
+    for (id, node, ranks) in [("node-a", 0, [0, 1]), ("node-b", 1, [2, 3])] {
+        let n = &index.ckpt.nodes[id];
+        assert_eq!(n.files, shards_of(&ranks));
+        assert_eq!(n.dirs, [std::fs::canonicalize(c.local(node)).unwrap().display().to_string()]);
+        for f in &n.files {
+            assert_eq!(index.holder(f).map(|(h, _)| h), Some(id));
+        }
+    }
+    // On this one machine a reader that names no node reads every node's
+    // files where they were recorded: the whole step, bit-equal.
+    let l = restore::load(&shared, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 5);
+    for r in &ranks {
+        let half = r.bytes.len() / 8 * 4;
+        assert_eq!(l.tensor(&format!("w.{}", r.rank)).unwrap(), &r.bytes[..half]);
+        assert_eq!(l.tensor(&format!("b.{}", r.rank)).unwrap(), &r.bytes[half..]);
+    }
+    // Node b is gone, and its disk with it.
+    ckpt_test_support::kill9(&mut b.child);
+    std::fs::remove_dir_all(c.local(1)).unwrap();
+    // Node a's rank 0 restores its own tensors from node a's disk alone.
+    let mut r0 = Rank::connect(&a, 0, len);
+    r0.zero_shm();
+    assert_eq!(r0.read_shm(len), vec![0u8; len]);
+    match load_tensors(&mut r0, 5, &ranks[0]) {
+        Reply::Loaded { step: 5, source, .. } => assert_eq!(source, ckpt_wire::LoadSource::Disk),
+        other => panic!("expected Loaded, got {other:?}\n{}", a.log()),
+    }
+    assert_eq!(r0.read_shm(len), ranks[0].bytes);
+    // A tensor node b held: a clear error naming node b and the way out.
+    match load_tensors(&mut r0, 5, &ranks[2]) {
+        Reply::Error { code, message, .. } => {
+            assert_eq!(code, ckpt_wire::ErrorCode::NotFound);
+            assert!(message.contains("held by node \"node-b\"") && message.contains("this is node \"node-a\"") && message.contains("--drain"), "{message}");
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[test]
+fn node_local_step_whose_node_is_killed_before_its_marker_aborts_on_both_and_leaves_no_folder() {
+    let c = Cluster::new();
+    let (a, mut b) = (c.node_with(0, "5", &["--node-local", "--node-id", "a"]), c.node_with(1, "5", &["--node-local", "--node-id", "b"]));
+    let shared = c.shared();
+    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 48 << 20), Rank::connect(&b, 3, 1 << 20)];
+    save_all(&mut ranks, 1, &shared);
+    // Step 2: rank 2's large part is released, then node b's sidecar is
+    // SIGKILLed (mid-write or just after; rank 3's part never goes out).
+    ranks[2].save(2, 4);
+    ranks[2].released(2);
+    ckpt_test_support::kill9(&mut b.child);
+    for i in [0, 1] {
+        ranks[i].save(2, 4);
+        ranks[i].released(2);
+    }
+    for i in [0, 1] {
+        match ranks[i].reply() {
+            Reply::Failed { step: 2, reason, .. } => assert!(reason.contains("wrote no marker") && reason.contains("of 4") && reason.contains("aborted"), "{reason}"),
+            other => panic!("rank {i}: expected Failed, got {other:?}\n{}", a.log()),
+        }
+    }
+    // Nothing of step 2 is visible: not committed, no temp folder, and
+    // node a removed its own node-local folder of it when the step failed.
+    let folder = ckpt_store::format::node_step_dir_name(2).unwrap();
+    assert!(!catalog::is_committed(&shared, 2));
+    assert!(temp_folders(&shared).is_empty(), "{:?}", temp_folders(&shared));
+    assert!(!c.local(0).join(&folder).exists(), "{:?}", names_in(&c.local(0)));
+    assert_eq!(catalog::latest_step(&shared).unwrap(), Some(1));
+    // Node b's sidecar starts again: its half-written folder of the aborted
+    // step goes (recovery), its folder of the committed step 1 stays.
+    let b2 = c.node_with(1, "5", &["--node-local", "--node-id", "b"]);
+    assert!(!c.local(1).join(&folder).exists(), "{:?}\n{}", names_in(&c.local(1)), b2.log());
+    assert_eq!(names_in(&c.local(1).join(ckpt_store::format::node_step_dir_name(1).unwrap())), shards_of(&[2, 3]));
+    let l = restore::load(&shared, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 1);
+    assert_eq!(l.tensor("b.3").unwrap(), &ranks[3].bytes[ranks[3].bytes.len() / 8 * 4..]);
+}
+
+#[test]
+fn node_local_folders_follow_the_coordinators_retention() {
+    let c = Cluster::new();
+    let args = |id| ["--node-local", "--node-id", id, "--keep", "1"];
+    let (a, b) = (c.node_with(0, "300", &args("a")), c.node_with(1, "300", &args("b")));
+    let shared = c.shared();
+    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 1 << 20), Rank::connect(&b, 3, 1 << 20)];
+    let folder = |s| ckpt_store::format::node_step_dir_name(s).unwrap();
+    save_all(&mut ranks, 1, &shared);
+    save_all(&mut ranks, 2, &shared);
+    // The coordinator un-committed step 1 before its answer: node a's folder of it is gone.
+    assert_eq!(catalog::committed_steps(&shared).unwrap(), [2]);
+    assert!(!c.local(0).join(folder(1)).exists() && c.local(0).join(folder(2)).is_dir());
+    save_all(&mut ranks, 3, &shared);
+    // Node b follows at its next decision at the latest.
+    assert!(!c.local(1).join(folder(1)).exists() && c.local(1).join(folder(3)).is_dir(), "{:?}", names_in(&c.local(1)));
+    assert!(!c.local(0).join(folder(2)).exists());
+}
+
+/// Sends a Load of every tensor of `owners` (as `load_tensors` lays out one
+/// rank's) into `r`'s region, one owner after the other at `stride`.
+fn load_all_tensors(r: &mut Rank, step: Option<u64>, owners: &[Rank], stride: u64) -> Reply {
+    let mut tensors = Vec::new();
+    for (i, o) in owners.iter().enumerate() {
+        let n = o.bytes.len() as u64 / 4;
+        let half = n / 2;
+        let base = i as u64 * stride;
+        tensors.push(TensorDesc { name: format!("w.{}", o.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: base, len_bytes: 4 * half });
+        tensors.push(TensorDesc { name: format!("b.{}", o.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: base + 4 * half, len_bytes: 4 * (n - half) });
+    }
+    ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 60, step, tensors }).unwrap();
+    r.reply()
+}
+
+#[test]
+fn node_local_steps_drain_from_every_node_and_load_from_the_drain_once_a_node_is_gone() {
+    // Before: a drain target with --shared drained nothing of the nodes'
+    // steps, and a node-local step whose other node was gone did not load.
+    let c = Cluster::new();
+    let remote = c.tmp.path().join("remote");
+    std::fs::create_dir(&remote).unwrap();
+    let url = format!("file://{}", remote.display());
+    // --shared with --drain: node-local files (no --node-local needed).
+    let (a, mut b) = (c.node_with(0, "300", &["--node-id", "node-a", "--drain", &url]), c.node_with(1, "300", &["--node-id", "node-b", "--drain", &url]));
+    let shared = c.shared();
+    let len = 1 << 20;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    save_all(&mut ranks, 4, &shared);
+    assert!(names_in(&catalog::step_path(&shared, 4)).iter().all(|n| !n.ends_with(".safetensors")));
+    // Every rank hears Replicated: each node uploaded its own files, node a
+    // (holding rank 0's) the blobs and the remote index once both had.
+    for r in ranks.iter_mut() {
+        ckpt_wire::write_frame(&mut r.s, &Request::WaitReplicated { id: 70, step: 4 }).unwrap();
+        match r.reply() {
+            Reply::Replicated { step: 4, .. } => {}
+            other => panic!("rank {}: expected Replicated, got {other:?}\n{}\n{}", r.rank, a.log(), b.log()),
+        }
+    }
+    // The target holds an ordinary one-directory checkpoint: every file, no node.
+    let index = restore::read_index(&remote, 4).unwrap();
+    assert!(index.ckpt.nodes.is_empty() && index.ckpt.files.iter().all(|f| f.dir_idx == 0));
+    assert_eq!(names_in(&catalog::step_path(&remote, 4)).iter().filter(|n| n.ends_with(".safetensors")).count(), 4);
+    assert!(!shared.join(".drain-step-000000000004").exists(), "upload marks left: {:?}", names_in(&shared));
+    let l = restore::load(&remote, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 4);
+    for r in &ranks {
+        let half = r.bytes.len() / 8 * 4;
+        assert_eq!(l.tensor(&format!("w.{}", r.rank)).unwrap(), &r.bytes[..half]);
+        assert_eq!(l.tensor(&format!("b.{}", r.rank)).unwrap(), &r.bytes[half..]);
+    }
+    // Node b is gone, and its disk with it: through node a, every tensor
+    // of `latest` (node b's from the drain target), bit-equal.
+    ckpt_test_support::kill9(&mut b.child);
+    std::fs::remove_dir_all(c.local(1)).unwrap();
+    let mut r = Rank::connect(&a, 0, 4 * len);
+    r.zero_shm();
+    match load_all_tensors(&mut r, None, &ranks, len as u64) {
+        Reply::Loaded { step: 4, .. } => {}
+        other => panic!("expected Loaded, got {other:?}\n{}", a.log()),
+    }
+    let got = r.read_shm(4 * len);
+    for (i, o) in ranks.iter().enumerate() {
+        assert_eq!(&got[i * len..(i + 1) * len], &o.bytes[..], "rank {}'s tensors", o.rank);
+    }
+    assert!(a.log().contains("loading from the drain target: another node holds"), "{}", a.log());
+}
+
+#[test]
+fn node_local_shards_are_striped_over_a_nodes_directories_and_its_ranks_load_them() {
+    let c = Cluster::new();
+    let second = c.tmp.path().join("node1").join("local2");
+    let (a, b) = (
+        c.node_with(0, "300", &["--node-local", "--node-id", "a"]),
+        c.node_with(1, "300", &["--node-local", "--node-id", "b", "--dir", second.to_str().unwrap(), "--shard-size", "1MiB"]),
+    );
+    let shared = c.shared();
+    let len = 4 << 20;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    save_all(&mut ranks, 6, &shared);
+    let index = restore::read_index(&shared, 6).unwrap();
+    let nb = &index.ckpt.nodes["b"];
+    assert_eq!(nb.dirs, [c.local(1), second.clone()].map(|d| std::fs::canonicalize(d).unwrap().display().to_string()));
+    // Node b's ranks' shards are spread over both of its directories.
+    let folder = ckpt_store::format::node_step_dir_name(6).unwrap();
+    let (in1, in2) = (names_in(&c.local(1).join(&folder)), names_in(&second.join(&folder)));
+    assert!(!in1.is_empty() && !in2.is_empty(), "{in1:?} {in2:?}");
+    let mut all: Vec<String> = in1.iter().chain(&in2).cloned().collect();
+    all.sort();
+    assert_eq!(all, nb.files);
+    for f in &index.ckpt.files {
+        if let Some(("b", _)) = index.holder(&f.name) {
+            let d = if in1.contains(&f.name) { 0 } else { 1 };
+            assert_eq!(f.dir_idx, d, "{}", f.name);
+        }
+    }
+    // Rank 3 restores its tensors through node b's sidecar, from both disks.
+    let mut r3 = Rank::connect(&b, 3, len);
+    r3.zero_shm();
+    assert!(matches!(load_tensors(&mut r3, 6, &ranks[3]), Reply::Loaded { step: 6, .. }));
+    assert_eq!(r3.read_shm(len), ranks[3].bytes);
 }

@@ -63,6 +63,11 @@ pub struct StoreOptions {
     /// multi-rank temp folders untouched for `shared_stale_after` are removed.
     pub shared: Option<PathBuf>,
     pub shared_stale_after: Duration,
+    /// Several nodes, node-local files (`--node-local`, needs `shared`):
+    /// this node's id. A rank's shards then go into this node's own
+    /// directories (`node-step-…` folders), only blobs and markers into
+    /// the shared directory ([`crate::nodes`]).
+    pub node_local: Option<String>,
     /// Whether a directory that cannot be written is opened read-only
     /// (no lock, no recovery, writes refused: [`crate::read_only`]).
     pub read_only: ReadOnly,
@@ -81,6 +86,7 @@ impl StoreOptions {
             lock_socket: None,
             shared: None,
             shared_stale_after: Duration::from_secs(config::SHARED_STALE_AFTER_DEFAULT_S),
+            node_local: None,
             read_only: ReadOnly::Never,
         }
     }
@@ -201,7 +207,7 @@ pub struct Store {
     /// One exclusive lock per directory, held as long as the Store (or by
     /// whoever took them with [`Store::take_locks`]).
     locks: Vec<DirLock>,
-    dirs: Vec<TargetDir>,
+    pub(crate) dirs: Vec<TargetDir>,
     paths: Vec<PathBuf>,
     pub(crate) opts: StoreOptions,
     recovery: RecoveryReport,
@@ -218,7 +224,7 @@ pub struct Store {
     /// Steps retention must keep whatever its policy says (the daemon's
     /// drain holds the newest step not yet replicated); locked while
     /// retention plans and deletes, so a step held before is never deleted.
-    retention_hold: Option<Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>>,
+    pub(crate) retention_hold: Option<Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>>,
     /// Incremental commits may link unchanged stable shards
     /// ([`Store::set_link_unchanged`]); false writes everything.
     link_unchanged: bool,
@@ -298,6 +304,10 @@ impl Store {
         if let Some(sh) = &shared {
             let removed = recovery::recover_shared(&sh.path, opts.shared_stale_after).map_err(|e| StoreError::Io { path: sh.path.clone(), what: "recovery of the shared directory", source: e })?;
             recovery.removed.extend(removed);
+            if opts.node_local.is_some() {
+                let removed = recovery::sweep_node_local(&paths, &sh.path, &Default::default()).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery of node-local step folders", source: e })?;
+                recovery.removed.extend(removed);
+            }
         }
         for p in &recovery.removed {
             info!(path = %p.display(), "recovery removed");

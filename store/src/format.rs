@@ -232,6 +232,34 @@ pub fn parse_rank_marker_name(name: &str) -> Option<u32> {
 
 pub const RANK_MARKER_SUFFIX: &str = ".done";
 
+/// A node's own folder of a step whose shards it holds on its local disks
+/// (docs/format.md, "Node-local files"): `node-step-<12 digits>` in each of
+/// the node's directories. Not a checkpoint by itself (no index): its files
+/// count only through the shared directory's committed index, which names
+/// the node holding each of them.
+pub fn node_step_dir_name(step: u64) -> Result<String, FormatError> {
+    Ok(format!("{NODE_STEP_PREFIX}{}", step_dir_name(step)?))
+}
+
+/// The step of a [`node_step_dir_name`] folder.
+pub fn parse_node_step_dir_name(name: &str) -> Option<u64> {
+    parse_step_dir_name(name.strip_prefix(NODE_STEP_PREFIX)?)
+}
+
+pub const NODE_STEP_PREFIX: &str = "node-";
+
+/// A node id as the index records it (`--node-id`, default the host
+/// name): 1 to 64 bytes of ASCII letters, digits, `.`, `_`, `-`, not
+/// starting with `.` (it is shown in errors and logs, never a path).
+pub fn validate_node_id(id: &str) -> Result<(), FormatError> {
+    let ok = !id.is_empty() && id.len() <= 64 && !id.starts_with('.') && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(FormatError::Index(format!("node id {id:?}: 1 to 64 of ASCII letters, digits, '.', '_', '-', not starting with '.'")))
+    }
+}
+
 /// Rank `rank`'s slice declarations beside its marker, `rank-RRRRR.slices.json`
 /// (only when it declares some): JSON `{"slices": [{"piece", "of", "shape",
 /// "elems"}]}`, written and synced before the marker.
@@ -411,6 +439,13 @@ pub struct CkptSection {
     /// version 1). Each piece is also an ordinary tensor of `tensors`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub slices: BTreeMap<String, IndexSliced>,
+    /// Node-local files (several nodes, `--node-local`): by node id, the
+    /// node's directories and the files it holds there, in its
+    /// `node-step-…` folders (docs/format.md, "Node-local files"); the
+    /// `dir_idx` of such a file is an index into that node's `dirs`.
+    /// Absent when every file is in the index's own directories.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub nodes: BTreeMap<String, IndexNode>,
     /// crc32c of this index's canonical JSON with this field set to 0, so a
     /// flipped byte in the commit record itself is caught too.
     pub index_crc32c: u32,
@@ -425,6 +460,17 @@ pub struct IndexFile {
     pub len_bytes: u64,
     /// crc32c of the whole file.
     pub crc32c: u32,
+}
+
+/// One node's files of a step ([`CkptSection::nodes`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexNode {
+    /// The node's directories (absolute paths at write time, its `--dir`
+    /// first, then its `--secondary`s), each holding a `node-step-…` folder.
+    pub dirs: Vec<String>,
+    /// Names of the files of `files` this node holds.
+    pub files: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -591,6 +637,19 @@ impl Index {
             return bad(format!("step {} too large", c.step));
         }
         let n_dirs = 1 + c.secondary_dirs.len() as u32;
+        // A node-held file's dir_idx names one of its node's directories.
+        let mut held: BTreeMap<&str, (&str, u32)> = BTreeMap::new();
+        for (id, n) in &c.nodes {
+            validate_node_id(id)?;
+            if n.dirs.is_empty() {
+                return bad(format!("node {id:?} lists no directory"));
+            }
+            for f in &n.files {
+                if held.insert(f.as_str(), (id.as_str(), n.dirs.len() as u32)).is_some() {
+                    return bad(format!("file {f:?} held by two nodes"));
+                }
+            }
+        }
         let mut files = BTreeMap::new();
         for f in &c.files {
             if !is_shard_file_name(&f.name) {
@@ -600,8 +659,11 @@ impl Index {
             if of.parse::<u32>().ok() != Some(c.world_size) {
                 return bad(format!("file {:?} was written by a world of {of}, the index says {}", f.name, c.world_size));
             }
-            if f.dir_idx >= n_dirs {
-                return bad(format!("file {:?} names directory {} of {}", f.name, f.dir_idx, n_dirs));
+            match held.remove(f.name.as_str()) {
+                Some((node, n)) if f.dir_idx >= n => return bad(format!("file {:?} names directory {} of node {node:?}'s {n}", f.name, f.dir_idx)),
+                Some(_) => {}
+                None if f.dir_idx >= n_dirs => return bad(format!("file {:?} names directory {} of {}", f.name, f.dir_idx, n_dirs)),
+                None => {}
             }
             if files.insert(f.name.as_str(), f).is_some() {
                 return bad(format!("file {:?} listed twice", f.name));
@@ -624,6 +686,9 @@ impl Index {
             }
             total += len;
         }
+        if let Some(f) = held.keys().next() {
+            return bad(format!("a node holds file {f:?}, which the index does not list"));
+        }
         if self.weight_map.len() != c.tensors.len() {
             return bad("weight_map lists tensors the ckpt section does not".into());
         }
@@ -639,6 +704,12 @@ impl Index {
             }
         }
         Ok(())
+    }
+
+    /// The node holding file `name` on its own disks, if a node does
+    /// ([`CkptSection::nodes`]): its id and entry.
+    pub fn holder(&self, name: &str) -> Option<(&str, &IndexNode)> {
+        self.ckpt.nodes.iter().find(|(_, n)| n.files.iter().any(|f| f == name)).map(|(id, n)| (id.as_str(), n))
     }
 
     /// Every tensor as a reader sees it, by name: each logical tensor with

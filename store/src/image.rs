@@ -406,6 +406,7 @@ impl Layout {
                 tensors,
                 blobs: index_blobs(blobs),
                 slices,
+                nodes: BTreeMap::new(),
                 index_crc32c: 0,
             },
         }

@@ -178,7 +178,10 @@ impl Store {
     ) -> Result<PartReport, CommitError> {
         self.check_writable()?;
         crate::image::validate_blobs(blobs)?;
-        assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory");
+        match self.opts.node_local {
+            None => assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory"),
+            Some(_) => assert_eq!(layout.opts.n_dirs, self.dirs().len(), "a rank's node-local part is planned for this node's directories"),
+        }
         assert!(staging.len_bytes() as u64 >= layout.staging_len, "staging smaller than the layout");
         let shared = self.shared_or_panic().to_path_buf();
         if catalog::is_committed(&shared, step) {
@@ -190,6 +193,13 @@ impl Store {
         let r = self.write_rank_part_inner(step, &tmp, layout, staging, fill, blobs, slices);
         if r.is_err() {
             let _ = remove_rank_files(&tmp, rank, blobs);
+            if self.opts.node_local.is_some() {
+                for d in self.dirs() {
+                    if let Ok(local) = node_step_path(d, step) {
+                        let _ = remove_rank_files(&local, rank, &[]);
+                    }
+                }
+            }
         }
         r
     }
@@ -214,8 +224,14 @@ impl Store {
         }
         remove_rank_files(tmp, rank, blobs).map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
         let chunk_bytes = self.opts.chunk_bytes;
-        let d = self.shared.as_mut().expect("checked by the caller");
-        write_shards(d, step, 0, tmp, layout, staging, fill.progress(), chunk_bytes)?;
+        if self.opts.node_local.is_some() {
+            // Node-local: the shards go into this node's own directories
+            // (striped as the layout says), synced before the marker.
+            self.write_node_local_shards(step, layout, staging, fill, chunk_bytes)?;
+        } else {
+            let d = self.shared.as_mut().expect("checked by the caller");
+            write_shards(d, step, 0, tmp, layout, staging, fill.progress(), chunk_bytes)?;
+        }
         let mut bytes = layout.file_bytes();
         if !blobs.is_empty() {
             let bdir = tmp.join(BLOBS_DIR_NAME);
@@ -241,7 +257,16 @@ impl Store {
         // A fed part's checksums: the filler's end (its last bytes are
         // already written and synced above).
         layout.prepare_index(&[]);
-        let index = layout.index_json(step, &fill.crcs(step)?, blobs, Vec::new());
+        let mut index = layout.index_json(step, &fill.crcs(step)?, blobs, Vec::new());
+        if let Some(id) = &self.opts.node_local {
+            // The marker names this node as the holder of the rank's files,
+            // and its directories (the files' dir_idx name one of them).
+            let mut ix: Index = serde_json::from_slice(&index).expect("a layout's index parses");
+            let files = ix.ckpt.files.iter().map(|f| f.name.clone()).collect();
+            let dirs = self.dirs().iter().map(|d| d.display().to_string()).collect();
+            ix.ckpt.nodes.insert(id.clone(), format::IndexNode { dirs, files });
+            index = ix.sealed_json_bytes();
+        }
         self.check_abort(step)?;
         // The marker: this rank's index, under a temp name, synced, renamed.
         let marker = tmp.join(format::rank_marker_name(rank));
@@ -251,6 +276,76 @@ impl Store {
         fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
         catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
         Ok(PartReport { bytes, marker })
+    }
+
+    /// Writes and syncs a rank's shards into this node's `node-step-…`
+    /// folder of `step` in each of its directories (made, with their
+    /// directory synced, if missing; the rank's files of an earlier attempt
+    /// removed first): one writer thread per directory, as a commit does.
+    fn write_node_local_shards(&mut self, step: u64, layout: &Layout, staging: &dyn BufAddr, fill: Fill<'_>, chunk_bytes: usize) -> Result<(), CommitError> {
+        let rank = layout.opts.rank;
+        let mut locals = Vec::new();
+        for d in self.dirs() {
+            let local = node_step_path(d, step)?;
+            match fs::create_dir(&local) {
+                Ok(()) => catalog::fsync_dir(d).map_err(|e| CommitError::io(d, "sync directory", e))?,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    remove_rank_files(&local, rank, &[]).map_err(|e| CommitError::io(&local, format!("remove rank {rank}'s files of an earlier attempt"), e))?
+                }
+                Err(e) => return Err(CommitError::io(&local, "create the node-local step folder", e)),
+            }
+            locals.push(local);
+        }
+        let results: Vec<Result<_, CommitError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .dirs
+                .iter_mut()
+                .enumerate()
+                .map(|(dir_idx, d)| {
+                    let local = &locals[dir_idx];
+                    std::thread::Builder::new()
+                        .name(format!("ckpt-write-{dir_idx}"))
+                        .spawn_scoped(s, move || write_shards(d, step, dir_idx as u32, local, layout, staging, fill.progress(), chunk_bytes))
+                        .expect("spawning a writer thread")
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect()
+        });
+        for r in results {
+            r?;
+        }
+        for local in &locals {
+            catalog::fsync_dir(local).map_err(|e| CommitError::io(local, "sync the node-local step folder", e))?;
+        }
+        Ok(())
+    }
+
+    /// This node's id when its ranks' shards go to its own disks
+    /// (`--node-local`).
+    pub fn node_id(&self) -> Option<&str> {
+        self.opts.node_local.as_deref()
+    }
+
+    /// Removes this node's `node-step-…` folders whose steps are neither
+    /// committed nor in flight in the shared directory, `waiting` aside
+    /// ([`sweep_node_local`]); a failure is logged.
+    pub fn sweep_node_local(&self, waiting: &BTreeSet<u64>) -> Vec<PathBuf> {
+        let (Some(_), Some(shared)) = (&self.opts.node_local, self.shared_dir()) else { return Vec::new() };
+        if self.read_only().is_some() {
+            return Vec::new();
+        }
+        match crate::recovery::sweep_node_local(self.dirs(), shared, waiting) {
+            Ok(removed) => {
+                for p in &removed {
+                    info!(path = %p.display(), "removed a node-local step folder (its step is not committed in the shared directory: aborted, or gone by retention)");
+                }
+                removed
+            }
+            Err(e) => {
+                tracing::warn!("could not sweep the node-local step folders ({e}); the next step or start tries again");
+                Vec::new()
+            }
+        }
     }
 
     /// The ranks of `0..world_size` whose markers of `step` are not yet in
@@ -287,6 +382,13 @@ impl Store {
             let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
             let ix = Index::from_json_bytes(&raw).map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
             for f in &ix.ckpt.files {
+                if let Some((node, _)) = ix.holder(&f.name) {
+                    // On that node's own disks: its marker (written after
+                    // they were synced there) is the word for them.
+                    tracing::debug!(file = %f.name, node, "node-local file");
+                    bytes += f.len_bytes;
+                    continue;
+                }
                 let fp = tmp.join(&f.name);
                 let len = fs::metadata(&fp).map_err(|e| CommitError::io(&fp, format!("rank {rank}'s marker lists it"), e))?.len();
                 if len != f.len_bytes {
@@ -336,7 +438,17 @@ impl Store {
         }
         let mut deleted_by_retention = Vec::new();
         if let Some(policy) = self.opts.retention {
-            match crate::retention::apply(std::slice::from_ref(&shared), policy) {
+            // The drain's hold (the step being uploaded) is kept, as in Store::retain.
+            let dirs = std::slice::from_ref(&shared);
+            let held = self.retention_hold.as_ref().map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
+            let applied = crate::retention::plan(dirs, policy).and_then(|doomed| {
+                let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.contains(s)).collect();
+                for &s in &doomed {
+                    crate::retention::delete(dirs, s)?;
+                }
+                Ok(doomed)
+            });
+            match applied {
                 Ok(d) => deleted_by_retention = d,
                 Err(e) => tracing::warn!("retention in the shared directory failed ({e}); step {step} is committed"),
             }
@@ -395,6 +507,13 @@ impl Store {
     }
 }
 
+/// This node's folder of `step` in its directory `dir` (node-local files).
+pub fn node_step_path(dir: &Path, step: u64) -> Result<PathBuf, format::FormatError> {
+    Ok(dir.join(format::node_step_dir_name(step)?))
+}
+
+pub use crate::recovery::sweep_node_local;
+
 /// Whether the ranks' markers make a step that does not load
 /// (crate::skeleton::parts_disagree), reading the skeleton blob of the rank
 /// that wrote one from the temp folder (its checksum checked against the
@@ -449,4 +568,101 @@ fn remove_rank_files(tmp: &Path, rank: u32, blobs: &[Blob<'_>]) -> io::Result<()
         catalog::fsync_dir(tmp)?;
     }
     Ok(())
+}
+
+// ------------------------------------------------ draining node-local steps
+
+/// The folder of `step`'s upload marks in the shared directory,
+/// `.drain-step-<12 digits>` (docs/format.md, "Node-local files"): one file
+/// `<node>.uploaded` per node whose files of the step are on the drain
+/// target. The drain's coordinator (the node holding rank 0's files,
+/// [`drain_coordinator`]) commits the remote step once every node of the
+/// index has its mark, then removes the folder.
+pub fn upload_marks_path(shared: &Path, step: u64) -> Result<PathBuf, format::FormatError> {
+    let name = format::step_dir_name(step)?;
+    Ok(shared.join(format!("{DRAIN_MARKS_PREFIX}{}", &name[format::STEP_PREFIX.len()..])))
+}
+
+pub const DRAIN_MARKS_PREFIX: &str = ".drain-step-";
+
+/// Records that `node`'s files of `step` are uploaded (a file written under
+/// a temp name, synced, renamed, the folder synced).
+pub fn mark_uploaded(shared: &Path, step: u64, node: &str) -> io::Result<()> {
+    format::validate_node_id(node).map_err(io::Error::other)?;
+    let dir = upload_marks_path(shared, step).map_err(io::Error::other)?;
+    match fs::create_dir(&dir) {
+        Ok(()) => catalog::fsync_dir(shared)?,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let (scratch, mark) = (dir.join(format!(".{node}.uploaded.tmp")), dir.join(format!("{node}.uploaded")));
+    write_small_file(&scratch, node.as_bytes())?;
+    fs::rename(&scratch, &mark)?;
+    catalog::fsync_dir(&dir)
+}
+
+/// The nodes whose upload marks of `step` are in the shared directory.
+pub fn uploaded_nodes(shared: &Path, step: u64) -> io::Result<BTreeSet<String>> {
+    let dir = upload_marks_path(shared, step).map_err(io::Error::other)?;
+    let rd = match fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeSet::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = BTreeSet::new();
+    for e in rd {
+        if let Some(n) = e?.file_name().to_str().and_then(|n| n.strip_suffix(".uploaded")).filter(|n| !n.starts_with('.')) {
+            out.insert(n.to_string());
+        }
+    }
+    Ok(out)
+}
+
+/// Removes `step`'s upload marks (after its remote commit, or when the
+/// drain gave the step up).
+pub fn remove_upload_marks(shared: &Path, step: u64) -> io::Result<()> {
+    let dir = upload_marks_path(shared, step).map_err(io::Error::other)?;
+    match catalog::remove_tree(&dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The node whose drain commits a node-local step remotely: the holder of
+/// rank 0's first file, else (rank 0 wrote none) the first node id.
+pub fn drain_coordinator(index: &Index) -> Option<&str> {
+    let rank0 = index.ckpt.files.iter().find(|f| ranks::rank_of_file(&f.name) == Some(0));
+    rank0.and_then(|f| index.holder(&f.name)).map(|(id, _)| id).or_else(|| index.ckpt.nodes.keys().next().map(String::as_str))
+}
+
+/// A step's index as a one-directory checkpoint holds it (the drain
+/// target's): every file in the step's own folder (`dir_idx` 0), no
+/// secondary directories, no node-held files; sealed again.
+pub fn flattened_index(mut index: Index) -> Index {
+    index.ckpt.files.iter_mut().for_each(|f| f.dir_idx = 0);
+    index.ckpt.secondary_dirs.clear();
+    index.ckpt.nodes.clear();
+    index.seal();
+    index
+}
+
+#[cfg(test)]
+mod drain_tests {
+    use super::*;
+
+    #[test]
+    fn upload_marks_are_per_node_and_go_with_their_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        assert!(uploaded_nodes(d, 3).unwrap().is_empty());
+        mark_uploaded(d, 3, "node-a").unwrap();
+        mark_uploaded(d, 3, "node-b").unwrap();
+        mark_uploaded(d, 3, "node-a").unwrap();
+        assert_eq!(uploaded_nodes(d, 3).unwrap().into_iter().collect::<Vec<_>>(), ["node-a", "node-b"]);
+        assert!(uploaded_nodes(d, 4).unwrap().is_empty());
+        assert!(mark_uploaded(d, 3, "../x").is_err());
+        remove_upload_marks(d, 3).unwrap();
+        remove_upload_marks(d, 3).unwrap();
+        assert!(uploaded_nodes(d, 3).unwrap().is_empty());
+    }
 }

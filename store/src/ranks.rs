@@ -89,6 +89,7 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
     out.ckpt.files.clear();
     out.ckpt.tensors.clear();
     out.ckpt.blobs.clear();
+    out.ckpt.nodes.clear();
     for (r, (rank, ix)) in parts.into_iter().enumerate() {
         if rank != r as u32 {
             return bad(format!("rank {r}'s marker is missing (or sent twice)"));
@@ -113,6 +114,20 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
             out.ckpt.tensors.insert(name, t);
         }
         out.metadata.total_size += ix.metadata.total_size;
+        // Node-local files: every rank of a node names the same directories.
+        for (id, n) in ix.ckpt.nodes {
+            match out.ckpt.nodes.entry(id) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(n);
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    if o.get().dirs != n.dirs {
+                        return bad(format!("rank {rank}'s marker says node {:?} holds its files in {:?}, an earlier rank's in {:?}", o.key(), n.dirs, o.get().dirs));
+                    }
+                    o.get_mut().files.extend(n.files);
+                }
+            }
+        }
         for b in ix.ckpt.blobs {
             if out.ckpt.blobs.iter().any(|o| o.name == b.name) {
                 return Err(FormatError::DuplicateBlob(b.name));
@@ -121,6 +136,7 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
         }
     }
     out.ckpt.blobs.sort_by(|a, b| a.name.cmp(&b.name));
+    out.ckpt.nodes.values_mut().for_each(|n| n.files.sort());
     out.ckpt.slices = image::checked_slices(&out.ckpt.tensors, decls)?;
     out.ckpt.format_version = config::format_version_for(!out.ckpt.slices.is_empty(), out.ckpt.tensors.values().any(|t| t.xxh128.is_some()));
     out.validate()?;

@@ -156,6 +156,40 @@ pub fn recover_shared(dir: &Path, stale_after: std::time::Duration) -> io::Resul
     Ok(removed)
 }
 
+/// The node-local rule (docs/format.md, "Node-local files"): a node's
+/// `node-step-…` folder is kept while its step is committed in the shared
+/// directory (its index names the files) or in flight there (its
+/// multi-rank temp folder exists: the coordinator may still commit it), or
+/// while this node's ranks wait for it (`waiting`); otherwise (aborted,
+/// un-committed by retention, `gc` or a rollback) it is removed, in every
+/// one of `dirs`. Returns what it removed.
+pub fn sweep_node_local(dirs: &[PathBuf], shared: &Path, waiting: &std::collections::BTreeSet<u64>) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for d in dirs {
+        let mut here = false;
+        for e in fs::read_dir(d)? {
+            let e = e?;
+            let Some(step) = e.file_name().to_str().and_then(format::parse_node_step_dir_name) else { continue };
+            if waiting.contains(&step) || !e.file_type()?.is_dir() {
+                continue;
+            }
+            // In flight first, committed last: a commit between the two
+            // looks is seen as committed.
+            let in_flight = shared.join(format::ranks_tmp_name(step).map_err(io::Error::other)?).exists();
+            if in_flight || catalog::is_committed(shared, step) {
+                continue;
+            }
+            catalog::remove_tree(&e.path())?;
+            removed.push(e.path());
+            here = true;
+        }
+        if here {
+            catalog::fsync_dir(d)?;
+        }
+    }
+    Ok(removed)
+}
+
 /// Removes the coordinators' abort records (`nodes::abort_record_path`)
 /// older than `stale_after` from the shared directory: every rank they were
 /// for was answered by then (a node gives a step up after twice the part

@@ -33,6 +33,25 @@ pub struct ReadOptions {
     pub io: IoPolicy,
     /// Secondary directories to use instead of those the index recorded.
     pub secondary_dirs: Option<Vec<PathBuf>>,
+    /// The node reading (several nodes, node-local files: `--node-local`):
+    /// files it holds are read from its own directories, a file another
+    /// node holds is [`LoadError::OnAnotherNode`]. None: every node-held
+    /// file is read where its node's directories were recorded (one
+    /// machine, or tools that name no node).
+    pub node: Option<ThisNode>,
+    /// Read only the files holding these tensors (names as readers see
+    /// them, `Index::logical`; a load of some tensors): those files are
+    /// checked whole, every blob is read; a name the step lacks is
+    /// ignored here (the caller finds it missing). None: every file.
+    pub only_tensors: Option<std::collections::BTreeSet<String>>,
+}
+
+/// The node a reader runs on ([`ReadOptions::node`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThisNode {
+    pub id: String,
+    /// Its directories, in the order a node-held file's `dir_idx` names them.
+    pub dirs: Vec<PathBuf>,
 }
 
 /// One thing wrong with a checkpoint, naming where.
@@ -94,6 +113,41 @@ pub enum LoadError {
     /// of the checkpoint, so `latest` does not fall back past the step.
     #[error("step {step} could not be read into its destination: {why}")]
     Destination { step: u64, why: String },
+    /// A file the load needs is on another node's own disks (node-local
+    /// files, docs/format.md): not damage, so `latest` does not fall back.
+    #[error("step {step}: {file} is held by node {node:?} on its own disks ({dir}); this is node {this:?}, which cannot read it: restore on that node, give a drain target (--drain) that holds the step, or save in the shared layout (without --node-local)")]
+    OnAnotherNode { step: u64, file: String, node: String, dir: String, this: String },
+}
+
+/// The node holding a file this reader needs (`opts.only_tensors`' files,
+/// or all) when that is not the reader's node (`opts.node`); None when
+/// every such file is the reader's own or in the index's directories.
+pub fn held_elsewhere(index: &Index, opts: &ReadOptions) -> Option<String> {
+    let me = opts.node.as_ref()?;
+    let only: Option<std::collections::BTreeSet<&str>> =
+        opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
+    index
+        .ckpt
+        .files
+        .iter()
+        .filter(|f| only.as_ref().is_none_or(|o| o.contains(f.name.as_str())))
+        .find_map(|f| index.holder(&f.name).filter(|(id, _)| *id != me.id).map(|(id, _)| id.to_string()))
+}
+
+/// The folder file `fi` of `step` is read from: its node's `node-step-…`
+/// folder for a node-held file (this node's own directories when the
+/// reader names its node; refused when another node holds it), else the
+/// step's folder in the directory its `dir_idx` names.
+fn file_folder(index: &Index, dirs: &[PathBuf], step: u64, fi: usize, opts: &ReadOptions) -> Result<PathBuf, LoadError> {
+    let f = &index.ckpt.files[fi];
+    let Some((node, entry)) = index.holder(&f.name) else { return Ok(catalog::step_path(&dirs[f.dir_idx as usize], step)) };
+    let name = format::node_step_dir_name(step).expect("a committed step's number is valid");
+    let recorded = &entry.dirs[f.dir_idx as usize];
+    match &opts.node {
+        Some(me) if me.id == node => Ok(me.dirs.get(f.dir_idx as usize).map_or_else(|| PathBuf::from(recorded), |d| d.clone()).join(name)),
+        Some(me) => Err(LoadError::OnAnotherNode { step, file: f.name.clone(), node: node.to_string(), dir: recorded.clone(), this: me.id.clone() }),
+        None => Ok(PathBuf::from(recorded).join(name)),
+    }
 }
 
 /// A checkpoint in memory of its own, every checksum matched: a [`Placed`]
@@ -395,14 +449,32 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
     let dirs = dir_paths(primary, &index, opts);
     let mut files = BTreeMap::new();
     let mut at = 0usize;
-    let mut plan: Vec<Vec<(usize, usize)>> = vec![Vec::new(); dirs.len()];
+    // One reader per folder the files are read from (a directory's step
+    // folder, or a node's node-step folder).
+    let mut step_dirs: Vec<PathBuf> = Vec::new();
+    let mut plan: Vec<Vec<(usize, usize)>> = Vec::new();
+    let only_files: Option<std::collections::BTreeSet<&str>> =
+        opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
     for (fi, f) in index.ckpt.files.iter().enumerate() {
-        files.insert(f.name.clone(), (at, 0u64));
-        plan[f.dir_idx as usize].push((fi, at));
+        let here = at;
         at += config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES) as usize;
+        if only_files.as_ref().is_some_and(|only| !only.contains(f.name.as_str())) {
+            continue;
+        }
+        let folder = file_folder(&index, &dirs, step, fi, opts)?;
+        files.insert(f.name.clone(), (here, 0u64));
+        let di = match step_dirs.iter().position(|d| *d == folder) {
+            Some(di) => di,
+            None => {
+                step_dirs.push(folder);
+                plan.push(Vec::new());
+                step_dirs.len() - 1
+            }
+        };
+        plan[di].push((fi, here));
     }
     let base = base as usize;
-    let step_dirs: Vec<PathBuf> = dirs.iter().map(|d| catalog::step_path(d, step)).collect();
+    let blobs_dir = catalog::step_path(primary, step);
     let outcome: Result<Vec<DirRead>, LoadError> = std::thread::scope(|s| {
         let handles: Vec<_> = plan
             .iter()
@@ -444,7 +516,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
         dest_failed = dest_failed.or(d.dest_failed);
     }
     let mut blobs = BTreeMap::new();
-    problems.extend(read_blobs(&step_dirs[0], &index, &mut blobs));
+    problems.extend(read_blobs(&blobs_dir, &index, &mut blobs));
     check_skeleton(&index, &blobs, &mut problems);
     name_slices(&index, &mut problems);
     if !problems.is_empty() || dest_failed.is_some() {
@@ -459,7 +531,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
         return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems });
     }
     engines.dedup();
-    let bytes = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
+    let bytes = index.ckpt.files.iter().filter(|f| files.contains_key(&f.name)).map(|f| f.len_bytes).sum();
     Ok(Placed { step, index, blobs, fell_back: Vec::new(), bytes, seconds: t0.elapsed().as_secs_f64(), engine: engines.join(","), files })
 }
 
@@ -768,14 +840,17 @@ impl Verifier {
             self.window_for(biggest).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify window", source: e })?;
         let mut problems = Vec::new();
         let mut done = 0;
-        let mut readers: Vec<Option<DirReader>> = dirs.iter().map(|_| None).collect();
+        let mut readers: Vec<(PathBuf, DirReader)> = Vec::new();
         for (fi, f) in index.ckpt.files.iter().enumerate() {
-            let di = f.dir_idx as usize;
-            let dir = catalog::step_path(&dirs[di], step);
-            let reader = match &mut readers[di] {
-                Some(r) => r,
-                slot => slot.insert(DirReader::open(&dir, opts.io)?),
+            let dir = file_folder(&index, &dirs, step, fi, opts)?;
+            let ri = match readers.iter().position(|(d, _)| *d == dir) {
+                Some(ri) => ri,
+                None => {
+                    readers.push((dir.clone(), DirReader::open(&dir, opts.io)?));
+                    readers.len() - 1
+                }
             };
+            let reader = &mut readers[ri].1;
             // SAFETY: the window belongs to self, borrowed mutably for this
             // whole call, and nothing else touches it during read_and_check.
             let d = unsafe { read_and_check(&dir, &index, &[(fi, Dest::Window(window, window_bytes))], reader) };

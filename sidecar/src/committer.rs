@@ -305,7 +305,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             );
             shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
-            shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease });
+            shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease, origin: Arc::downgrade(&peer) });
             peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
             // Deletions after Durable: nobody waits for them, but the flight
             // ends after them (a draining daemon exits once they are done).

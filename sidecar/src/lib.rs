@@ -34,3 +34,4 @@ pub mod snapshot;
 pub mod staging;
 pub mod state;
 pub mod torch_zip;
+pub mod unchanged;

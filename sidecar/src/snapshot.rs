@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn};
+use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn, Unchanged};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
@@ -664,6 +664,7 @@ pub fn run_save(
     blobs: Vec<Blob>,
     lazy_release: bool,
     part: Option<Part>,
+    unchanged: Option<Unchanged>,
 ) {
     let t_received = Instant::now();
     let key = match part {
@@ -697,10 +698,15 @@ pub fn run_save(
             opts.n_dirs = 1;
         }
     }
-    let (layout, sources) = match plans.plan(tensors, &blobs, regions, opts) {
+    let (layout, mut sources) = match plans.plan(tensors, &blobs, regions, opts) {
         Ok(x) => x,
         Err(e) => return fail(e),
     };
+    if let Some(u) = &unchanged {
+        if let Err(e) = u.check(layout.specs.len()) {
+            return fail(SaveError::BadRequest(e));
+        }
+    }
     let plan_seconds = t_received.elapsed().as_secs_f64();
     // Handed over: every byte it reads lies in a hand-over region (or it
     // reads none), so what it copies is final once sent, and the save is
@@ -756,12 +762,24 @@ pub fn run_save(
         }
     };
     shared.set_phase(key, Phase::Copying);
+    // Tensors the client proves unchanged since a step this session saved,
+    // taken from its resident image rather than the client (whole saves:
+    // parts are never resident).
+    let taken = part.is_none().then(|| crate::unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| {
+        let taken = reuse.fill(&layout, &mut lease);
+        for i in taken.tensors() {
+            sources[i].region = None;
+        }
+        shared.unchanged_taken_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
+        info!(taken_bytes = taken.bytes, "tensors flagged unchanged taken from the resident image, not copied from the client");
+        taken
+    });
     // Pipelined: whole saves, and a rank's part of several nodes (written
     // on its own into the shared directory). A part of one node's group
     // waits for the other ranks' parts first, so it copies, then queues.
     if part.is_none() || shared.shared_dir.is_some() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
+        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone, taken);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -774,6 +792,7 @@ pub fn run_save(
     // there to be told.
     let intact = check_sizes(&sources);
     drop(sources);
+    debug_assert!(taken.is_none(), "parts take nothing from the resident image");
     let crcs = match (intact, copied, give_up()) {
         (Ok(()), Some(crcs), None) => crcs,
         (intact, _, why) => {
@@ -842,6 +861,7 @@ fn run_fed_save(
     span: tracing::Span,
     t_received: Instant,
     gone: Option<&'static str>,
+    taken: Option<crate::unchanged::Taken>,
 ) {
     let key = match part {
         Some(p) => Flight::Part(step, p.rank),
@@ -902,12 +922,16 @@ fn run_fed_save(
             return;
         }
     }
-    let crcs = crcs.unwrap_or_else(|| {
+    let mut crcs = crcs.unwrap_or_else(|| {
         let t_crc = Instant::now();
         let crcs = fed.checksum(&layout);
         info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
         crcs
     });
+    if let Some(t) = &taken {
+        // Not copied, so not checksummed: their step's checksums.
+        t.patch_crcs(&mut crcs);
+    }
     drop(guard);
     fill.finish(copy_seconds, crcs);
 }

@@ -51,6 +51,10 @@ pub struct Resident {
     pub crcs: Vec<u32>,
     pub blobs: Vec<ckpt_wire::Blob>,
     pub lease: Lease,
+    /// The session that saved it (its reply side): a save's tensors flagged
+    /// unchanged since this step are taken from here only for that session
+    /// (`crate::unchanged`). A Weak keeps the pointer from being reused.
+    pub origin: std::sync::Weak<crate::peer::Peer>,
 }
 
 struct State {
@@ -381,7 +385,7 @@ mod tests {
         assert!(waited >= Duration::from_millis(100));
         let (r, _) = s.acquire(3 << 20, "r", || None).unwrap();
         let layout = Layout::plan(vec![], Default::default()).unwrap();
-        s.offer_resident(Resident { step: 1, layout, crcs: vec![], blobs: vec![], lease: r });
+        s.offer_resident(Resident { step: 1, layout, crcs: vec![], blobs: vec![], lease: r, origin: std::sync::Weak::new() });
         assert_eq!(s.resident_step(), Some(1));
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);

@@ -103,6 +103,9 @@ pub struct Shared {
     /// The store was opened read-only (set once at start): saves and
     /// rollbacks are refused with its text, loads served.
     pub read_only: Option<ckpt_store::read_only::ReadOnlyDir>,
+    /// Bytes of flagged-unchanged tensors taken from the resident image
+    /// instead of the client (`crate::unchanged`), since start.
+    pub unchanged_taken_bytes: AtomicU64,
 }
 
 impl Shared {
@@ -133,6 +136,7 @@ impl Shared {
             in_flight_cv: Condvar::new(),
             sessions: Mutex::new(BTreeMap::new()),
             next_session_id: AtomicU64::new(1),
+            unchanged_taken_bytes: AtomicU64::new(0),
             last: Mutex::new(None),
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
@@ -302,6 +306,7 @@ impl Shared {
             cuda: crate::cuda_probe::summary(),
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
+            unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),
         }
     }
 }

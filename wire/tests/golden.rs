@@ -21,12 +21,13 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         cuda: "no CUDA driver".into(),
         shared_dir: "/shared/ckpt".into(),
         coordinating: vec![100],
+        unchanged_taken_bytes: 1 << 20,
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
         ("register", encode(&Request::RegisterRegion { id: 1, region_id: 2, shm_name: "/ckpt-7-2".into(), len_bytes: 1 << 20, hand_over: true })),
         ("unregister", encode(&Request::UnregisterRegion { id: 2, region_id: 2 })),
-        ("save", encode(&Request::Save { id: 3, step: 100, tensors: vec![t.clone()], blobs: vec![b.clone()], lazy_release: false })),
+        ("save", encode(&Request::Save { id: 3, step: 100, tensors: vec![t.clone()], blobs: vec![b.clone()], lazy_release: false, unchanged: None })),
         ("load", encode(&Request::Load { id: 4, step: None, tensors: vec![t.clone()] })),
         ("list", encode(&Request::List { id: 5 })),
         ("status", encode(&Request::Status { id: 6 })),
@@ -34,8 +35,9 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("save_file", encode(&Request::SaveFile { id: 7, path: "/runs/model.pt".into(), region_id: 2, offset_bytes: 0, len_bytes: 1234 })),
         ("rollback", encode(&Request::Rollback { id: 8, step: 4 })),
         ("register_cuda", encode(&Request::RegisterCudaRegion { id: 9, region_id: 3, device: 0, device_uuid: vec![0x5a; 16], ipc_handle: vec![0xab; 64], len_bytes: 1 << 21 })),
-        ("save_after_event", encode(&Request::SaveAfterEvent { id: 10, step: 101, tensors: vec![t.clone()], blobs: vec![], lazy_release: true, device: 0, event: vec![0xcd; 64], rank: 1, world_size: 2 })),
-        ("save_part", encode(&Request::SavePart { id: 11, step: 100, rank: 1, world_size: 2, tensors: vec![t], blobs: vec![b.clone()], lazy_release: true })),
+        ("save_after_event", encode(&Request::SaveAfterEvent { id: 10, step: 101, tensors: vec![t.clone()], blobs: vec![], lazy_release: true, device: 0, event: vec![0xcd; 64], rank: 1, world_size: 2, unchanged: Some(Unchanged { since_step: 100, bits: vec![1] }) })),
+        ("save_part", encode(&Request::SavePart { id: 11, step: 100, rank: 1, world_size: 2, tensors: vec![t.clone()], blobs: vec![b.clone()], lazy_release: true, unchanged: None })),
+        ("save_unchanged", encode(&Request::Save { id: 16, step: 102, tensors: vec![t], blobs: vec![], lazy_release: true, unchanged: Some(Unchanged { since_step: 101, bits: vec![0b1] }) })),
         ("register_cuda_vmm_region", encode(&Request::RegisterCudaVmmRegion { id: 12, region_id: 4, device: 0, device_uuid: vec![0x5a; 16], fabric_handle: vec![], len_bytes: 2 << 20 })),
         ("register_cuda_span", encode(&Request::RegisterCudaSpan { id: 13, region_id: 9, pieces: vec![4, 5, 7] })),
         ("save_file_pieces", encode(&Request::SaveFilePieces {

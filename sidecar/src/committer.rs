@@ -187,19 +187,33 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
     }
     let mut layouts = Vec::with_capacity(parts.len());
     let mut crcs = Vec::new();
+    // Incremental parts: every part's digests, in the merged order.
+    let mut digests: Option<Vec<u128>> = parts.iter().all(|j| j.digests.is_some()).then(Vec::new);
     let mut blobs = Vec::new();
     for j in &parts {
         let mut placed = j.layout.clone();
         placed.rebase(j.lease.offset_bytes());
         layouts.push(placed);
         crcs.extend_from_slice(&j.crcs);
+        if let (Some(d), Some(jd)) = (digests.as_mut(), j.digests.as_ref()) {
+            d.extend_from_slice(jd);
+        }
         blobs.extend(j.blobs.iter().filter(|b| !slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }));
     }
     let t0 = Instant::now();
     let r = ckpt_store::ranks::merge(layouts)
         .and_then(|mut merged| merged.set_slices(decls).map(|()| merged))
         .map_err(CommitError::from)
-        .and_then(|merged| store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs));
+        .and_then(|merged| match digests.as_deref().filter(|_| merged.opts.incremental) {
+            Some(d) => {
+                crate::incremental::before_commit(store, shared);
+                store.commit_with_digests(step, &merged, parts[0].lease.staging_buf(), &crcs, d, &blobs)
+            }
+            None => store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs),
+        });
+    if r.is_ok() {
+        crate::incremental::after_commit(store, shared);
+    }
     drop(blobs);
     let persist_seconds = t0.elapsed().as_secs_f64();
     match r {
@@ -253,7 +267,7 @@ fn declared_slices(parts: &[Job]) -> Result<Vec<image::SliceDecl>, String> {
 }
 
 fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
-    let Job { id, step, layout, lease, crcs, blobs, part: _, peer, span, copy_seconds, waited_seconds, t_received, fill } = job;
+    let Job { id, step, layout, lease, crcs, digests, blobs, part: _, peer, span, copy_seconds, waited_seconds, t_received, fill } = job;
     let _enter = span.enter();
     // A fed job whose copy failed is answered with the copy's reason, once
     // its lease is back (the lease's drop waits for the copy's end).
@@ -276,18 +290,25 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
     let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
     let t0 = Instant::now();
     let queued_s = (t0 - t_received).as_secs_f64() - waited_seconds - if fill.is_some() { 0.0 } else { copy_seconds };
-    let r = match &fill {
-        None => store.commit(step, &placed, lease.staging_buf(), &crcs, &blob_refs),
-        Some(f) => store.commit_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs),
+    if placed.opts.incremental {
+        crate::incremental::before_commit(store, shared);
+    }
+    let r = match (&fill, &digests) {
+        (None, Some(d)) => store.commit_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs),
+        (None, None) => store.commit(step, &placed, lease.staging_buf(), &crcs, &blob_refs),
+        (Some(f), _) => store.commit_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs),
     };
+    if r.is_ok() {
+        crate::incremental::after_commit(store, shared);
+    }
     let persist_seconds = t0.elapsed().as_secs_f64();
     // A fed job's copy figures and checksums: its copy ended before the commit point.
-    let (copy_seconds, crcs) = match (&fill, &r) {
+    let (copy_seconds, crcs, digests) = match (&fill, &r) {
         (Some(f), Ok(_)) => match (f.end(), f.progress.outcome()) {
-            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs),
+            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs, f.progress.digests()),
             _ => unreachable!("a fed commit succeeds only after its copy finished"),
         },
-        _ => (copy_seconds, crcs),
+        _ => (copy_seconds, crcs, digests),
     };
     match r {
         Ok(rep) => {
@@ -305,7 +326,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             );
             shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
-            shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease, origin: Arc::downgrade(&peer) });
+            shared.staging.offer_resident(Resident { step, layout, crcs, digests, blobs, lease, origin: Arc::downgrade(&peer) });
             peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
             // Deletions after Durable: nobody waits for them, but the flight
             // ends after them (a draining daemon exits once they are done).

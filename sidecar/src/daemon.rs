@@ -61,6 +61,10 @@ pub struct DaemonOptions {
     /// Serve loads only, without the directory lock (`--read-only`); a
     /// directory that cannot be written is served so without it too.
     pub read_only: bool,
+    /// Incremental checkpoints (`--incremental`): digests, stable shards, links.
+    pub incremental: bool,
+    /// Every K-th save written in full (`--full-every`; 0: never).
+    pub full_every: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,7 +170,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let staging = Staging::new(budget)?;
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
-    let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, ..Default::default() };
+    let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, incremental: opts.incremental, ..Default::default() };
     let mut shared = Shared::new(
         store.dirs().to_vec(),
         layout_opts,
@@ -178,6 +182,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     );
     shared.shared_dir = store.shared_dir().map(Path::to_path_buf);
     shared.read_only = store.read_only().cloned();
+    shared.full_every.store(opts.full_every, std::sync::atomic::Ordering::Relaxed);
     let shared = Arc::new(shared);
     if let Some(d) = &shared.shared_dir {
         info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves");

@@ -94,10 +94,14 @@ impl Fill {
         Fill { progress, end: Mutex::new(None) }
     }
 
-    /// The copy and its checksums are done (after Released was sent).
-    pub fn finish(&self, copy_seconds: f64, crcs: Vec<u32>) {
+    /// The copy and its checksums (and digests, incremental) are done
+    /// (after Released was sent).
+    pub fn finish(&self, copy_seconds: f64, sums: crate::snapshot::Sums) {
         *self.end.lock().expect("fill lock") = Some(FillEnd::Copied { copy_seconds });
-        self.progress.finish(crcs);
+        match sums.digests {
+            Some(d) => self.progress.finish_with_digests(sums.crcs, d),
+            None => self.progress.finish(sums.crcs),
+        }
     }
 
     /// The copy failed; nothing was released.
@@ -122,6 +126,9 @@ pub struct Job {
     pub layout: Layout,
     pub lease: Lease,
     pub crcs: Vec<u32>,
+    /// Each tensor's digest (an incremental layout's copy; with `fill`, the
+    /// progress has them instead).
+    pub digests: Option<Vec<u128>>,
     pub blobs: Vec<ckpt_wire::Blob>,
     /// Some: one rank's part; the committer waits for the others (coordinator).
     pub part: Option<Part>,

@@ -9,7 +9,8 @@
 //! [`state`] (what the threads share), [`fd_socket`] (the session's socket
 //! keeping descriptors passed with SCM_RIGHTS), [`jobs`] (what goes to the
 //! committer), [`peer`] (replies to one client), [`file_save`] (one file at
-//! a client's path, for the torch.save hook) and [`daemon`] (serve, launch,
+//! a client's path, for the torch.save hook), [`incremental`] (links and
+//! history of incremental checkpoints) and [`daemon`] (serve, launch,
 //! signals). See ARCHITECTURE.md for the map.
 
 pub mod committer;
@@ -20,6 +21,7 @@ pub mod daemon;
 pub mod fd_socket;
 pub mod faults;
 pub mod file_save;
+pub mod incremental;
 pub mod jobs;
 pub mod load;
 pub mod metrics;

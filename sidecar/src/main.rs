@@ -162,8 +162,28 @@ struct DaemonArgs {
     /// served so without this flag too, as the log says at start.
     #[arg(long)]
     read_only: bool,
+    /// Incremental checkpoints: on (default) takes a 128-bit digest of every
+    /// tensor during the copy and hard-links, instead of writing, each
+    /// stable shard whose tensors are unchanged since the newest committed
+    /// step (docs/format.md, "Incremental checkpoints"); off writes every
+    /// step in full and records no digests.
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set, value_name = "on|off")]
+    incremental: bool,
+    /// With --incremental on, every K-th save is written in full (nothing
+    /// linked), so a file is shared by at most K consecutive steps and one
+    /// damaged file damages at most those; 0: never (default: 10).
+    #[arg(long, default_value_t = ckpt_store::config::FULL_EVERY_DEFAULT, value_name = "K")]
+    full_every: u32,
     #[command(flatten)]
     io: IoArgs,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: expected on or off")),
+    }
 }
 
 impl DaemonArgs {
@@ -180,6 +200,8 @@ impl DaemonArgs {
             shared: self.shared.clone(),
             metrics: self.metrics,
             read_only: self.read_only,
+            incremental: self.incremental,
+            full_every: self.full_every,
         })
     }
 }

@@ -10,7 +10,8 @@
 //!   of a kept list is not decoded at all, [`SavePlans::kept_list`]), with
 //!   the same layout options, while every region its
 //!   sources read is still the session's registered region of that id (the
-//!   same mapping); every check of [`plan_save`] depends only on these, so
+//!   same mapping), and, for incremental saves, the same history
+//!   (`LayoutOptions::history_gen`: the stable shards depend on it); every check of [`plan_save`] depends only on these, so
 //!   a reused plan is one that would pass them again; blobs, which the plan
 //!   does not cover, are checked at every save;
 //! - the session drops its plans when it unregisters a region, so a plan
@@ -18,7 +19,7 @@
 //! - at most [`config::SAVE_PLANS_KEPT`] plans and
 //!   [`config::SAVE_PLAN_TENSORS_MAX`] descriptors are kept per session.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ckpt_store::image::{Layout, LayoutOptions};
@@ -87,7 +88,7 @@ impl Planner for SavePlans {
     /// The image and sources of a Save of `tensors`: a kept plan when one
     /// was made from the same descriptors (or the same encoded list), else
     /// [`plan_save`]'s (kept for the next save).
-    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError> {
         let (tensors, encoded) = match tensors {
             SaveTensors::Kept(list) => {
                 if let Some(i) = self.plans.iter().rposition(|p| p.encoded.as_deref() == Some(list) && p.fits_regions(regions, opts)) {
@@ -96,11 +97,11 @@ impl Planner for SavePlans {
                 // Its plan no longer fits (a region registered anew): the
                 // list decoded after all, and planned as any other.
                 let (tensors, _) = ckpt_wire::decode_tensors(list).map_err(|e| SaveError::BadRequest(e.to_string()))?;
-                return self.plan_decoded(&tensors, Some(list), blobs, regions, opts);
+                return self.plan_decoded(&tensors, Some(list), blobs, regions, opts, changed);
             }
             SaveTensors::Decoded { tensors, encoded } => (tensors, encoded),
         };
-        self.plan_decoded(tensors, encoded, blobs, regions, opts)
+        self.plan_decoded(tensors, encoded, blobs, regions, opts, changed)
     }
 }
 
@@ -127,14 +128,14 @@ impl SavePlans {
         Ok(out)
     }
 
-    fn plan_decoded(&mut self, tensors: &[TensorDescIn<'_>], encoded: Option<&[u8]>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+    fn plan_decoded(&mut self, tensors: &[TensorDescIn<'_>], encoded: Option<&[u8]>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError> {
         if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
             if self.plans[i].encoded.is_none() {
                 self.plans[i].encoded = encoded.map(Box::from);
             }
             return self.reuse(i, blobs);
         }
-        let (layout, sources) = plan_save(tensors, blobs, regions, opts)?;
+        let (layout, sources) = plan_save(tensors, blobs, regions, opts, changed)?;
         self.fresh += 1;
         if tensors.len() <= config::SAVE_PLAN_TENSORS_MAX {
             let mut used: Vec<(u32, Arc<Region>)> = Vec::new();
@@ -183,35 +184,35 @@ mod tests {
         let mut plans = SavePlans::default();
         let ts = [d("a", 1, 0, 64), d("b", 2, 64, 8)];
         let opts = LayoutOptions::default();
-        let (l1, _) = plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
-        let (l2, s2) = plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
+        let (l1, _) = plans.plan(decoded(&ts), &[], &regions, opts, None).unwrap();
+        let (l2, s2) = plans.plan(decoded(&ts), &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, 1, "the same descriptors reuse the plan");
         assert_eq!(l1.shards[0].header, l2.shards[0].header);
         assert!(Arc::ptr_eq(s2[0].region.as_ref().unwrap(), &regions[&1]) && s2[1].offset_bytes == 64);
         // Any field changed: planned anew (and checked anew).
         for other in [[d("a", 1, 0, 64), d("c", 2, 64, 8)], [d("a", 1, 8, 64), d("b", 2, 64, 8)], [d("a", 1, 0, 64), d("b", 1, 64, 8)]] {
             let fresh = plans.fresh;
-            plans.plan(decoded(&other), &[], &regions, opts).unwrap();
+            plans.plan(decoded(&other), &[], &regions, opts, None).unwrap();
             assert_eq!(plans.fresh, fresh + 1);
         }
-        assert!(matches!(plans.plan(decoded(&[d("a", 1, 0, 64), d("b", 1, 32, 8)]), &[], &regions, opts), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plans.plan(decoded(&[d("a", 1, 0, 64), d("b", 1, 32, 8)]), &[], &regions, opts, None), Err(SaveError::BadRequest(_))));
         // Other layout options: planned anew.
         let fresh = plans.fresh;
-        plans.plan(decoded(&ts), &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }).unwrap();
+        plans.plan(decoded(&ts), &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }, None).unwrap();
         assert_eq!(plans.fresh, fresh + 1);
         // Bad blobs are refused even when the plan is reused.
         let bad = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plans.plan(decoded(&ts), &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plans.plan(decoded(&ts), &[bad], &regions, opts, None), Err(SaveError::BadRequest(_))));
         // A region registered anew under the same id: planned anew, reading the new one.
-        plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
+        plans.plan(decoded(&ts), &[], &regions, opts, None).unwrap();
         let fresh = plans.fresh;
         regions.insert(2, region(2));
-        let (_, after) = plans.plan(decoded(&ts), &[], &regions, opts).unwrap();
+        let (_, after) = plans.plan(decoded(&ts), &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, fresh + 1);
         assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
         // A region gone: refused as before.
         regions.remove(&2);
-        assert!(matches!(plans.plan(decoded(&ts), &[], &regions, opts), Err(SaveError::BadRegion(_))));
+        assert!(matches!(plans.plan(decoded(&ts), &[], &regions, opts, None), Err(SaveError::BadRegion(_))));
         plans.clear();
         assert!(plans.plans.is_empty());
     }
@@ -232,14 +233,14 @@ mod tests {
         let head = ckpt_wire::decode_save_head(&f1[4..]).unwrap().unwrap();
         assert!(plans.kept_list(&head).is_none(), "no plan yet");
         let rest = head.rest().unwrap();
-        let (l1, _) = plans.plan(SaveTensors::Decoded { tensors: &rest.tensors, encoded: Some(rest.tensors_encoded) }, &[], &regions, opts).unwrap();
+        let (l1, _) = plans.plan(SaveTensors::Decoded { tensors: &rest.tensors, encoded: Some(rest.tensors_encoded) }, &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, 1);
         // The same list in another save's frame: found, and its plan reused.
         let f2 = frame(&list, 300);
         let head = ckpt_wire::decode_save_head(&f2[4..]).unwrap().unwrap();
         let (found, rest) = plans.kept_list(&head).expect("the kept list");
         assert_eq!((found, rest.unwrap()), (&list[..], (vec![], false)));
-        let (l2, s2) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts).unwrap();
+        let (l2, s2) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, 1, "reused");
         assert_eq!(l1.shards[0].header, l2.shards[0].header);
         assert!(Arc::ptr_eq(s2[1].region.as_ref().unwrap(), &regions[&2]) && s2[1].offset_bytes == 64);
@@ -252,14 +253,14 @@ mod tests {
         // but planned anew from its descriptors, reading the new region.
         regions.insert(2, region(2));
         let (found, _) = plans.kept_list(&head).expect("the kept list");
-        let (_, after) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts).unwrap();
+        let (_, after) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, 2);
         assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
         // Bad blobs are refused with a kept list too; a region gone: refused as before.
         let bad = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[bad], &regions, opts), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[bad], &regions, opts, None), Err(SaveError::BadRequest(_))));
         regions.remove(&2);
-        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[], &regions, opts), Err(SaveError::BadRegion(_))));
+        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None), Err(SaveError::BadRegion(_))));
         plans.clear();
         assert!(plans.kept_list(&head).is_none());
     }
@@ -270,7 +271,7 @@ mod tests {
         let mut plans = SavePlans::default();
         let names: Vec<String> = (0..config::SAVE_PLANS_KEPT + 3).map(|i| format!("t{i}")).collect();
         for n in &names {
-            plans.plan(decoded(&[d(n, 1, 0, 8)]), &[], &regions, LayoutOptions::default()).unwrap();
+            plans.plan(decoded(&[d(n, 1, 0, 8)]), &[], &regions, LayoutOptions::default(), None).unwrap();
         }
         assert_eq!(plans.plans.len(), config::SAVE_PLANS_KEPT);
         assert_eq!(&*plans.plans.last().unwrap().descs[0].name, names.last().unwrap().as_str());

@@ -163,7 +163,10 @@ pub fn check_blobs(blobs: &[Blob]) -> Result<(), SaveError> {
 
 /// Every check of protocol.md's Save section that needs no shared state;
 /// returns the planned image (at base 0) and each spec's source.
-pub fn plan_save(tensors: &[impl Desc], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
+///
+/// `changed`: with `opts.incremental`, the tensors that changed at the
+/// previous save (the rest go into stable shards, `Layout::plan_with`).
+pub fn plan_save(tensors: &[impl Desc], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&std::collections::HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError> {
     if tensors.len() > config::TENSORS_PER_REQUEST_MAX {
         return Err(SaveError::BadRequest(format!("{} tensors; at most {} per save", tensors.len(), config::TENSORS_PER_REQUEST_MAX)));
     }
@@ -186,7 +189,7 @@ pub fn plan_save(tensors: &[impl Desc], blobs: &[Blob], regions: &HashMap<u32, A
         sources.push(Source { region, offset_bytes: d.offset_bytes(), len_bytes: d.len_bytes() });
     }
     check_no_overlap(tensors).map_err(SaveError::BadRequest)?;
-    let layout = Layout::plan(specs, opts).map_err(|e| SaveError::BadRequest(e.to_string()))?;
+    let layout = Layout::plan_with(specs, opts, changed).map_err(|e| SaveError::BadRequest(e.to_string()))?;
     Ok((layout, sources))
 }
 
@@ -203,7 +206,32 @@ struct Piece {
     staged: bool,
 }
 
+/// A save's tensor checksums and, for an incremental layout
+/// (`LayoutOptions::incremental`), digests (`ckpt_store::digest`), in the
+/// layout's order.
+pub struct Sums {
+    pub crcs: Vec<u32>,
+    pub digests: Option<Vec<u128>>,
+}
+
+// A copy piece is one digest block: a tensor's pieces start at its first
+// byte and are at most one block long, so each piece's hash is a block's.
+const _: () = assert!(COPY_PIECE_BYTES == ckpt_store::digest::DIGEST_BLOCK_BYTES);
+
 impl Piece {
+    /// [`Piece::copy`] that also returns the piece's digest (one block of
+    /// `ckpt_store::digest`), hashed while its bytes are in cache.
+    fn copy_summed(&self, crc: bool) -> (u32, u128) {
+        if self.staged {
+            return sum_of_staged(self, crc);
+        }
+        // SAFETY: as in Piece::copy.
+        match unsafe { self.region.as_ref() } {
+            Some(r) => unsafe { r.copy_out_summed(self.src_offset_bytes, self.dst, self.len, crc) },
+            None => unreachable!("a checksum piece is never copied"),
+        }
+    }
+
     /// Copies this piece out of its region into its part of the lease;
     /// with `crc`, returns the crc32c of the bytes.
     fn copy(&self, crc: bool) -> u32 {
@@ -354,16 +382,16 @@ fn runs_of(pieces: &Pieces) -> Vec<usize> {
 /// Runs `f` on every piece on [`config::COPY_THREADS`] threads (the
 /// caller's included), returning its result per piece; stops early (None)
 /// when `stop`, asked by the caller's thread between pieces, says so.
-fn run_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync)) -> Option<Vec<u32>> {
+fn run_pieces<T: Copy + Default + Send>(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> T + Sync)) -> Option<Vec<T>> {
     run_runs(pieces, &runs_of(pieces), stop, f, &|_| {})
 }
 
 /// [`run_pieces`] over the given runs, calling `run_done(r)` as each run
 /// ends (in whatever order the threads end them).
-fn run_runs(pieces: &Pieces, runs: &[usize], stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> u32 + Sync), run_done: &(dyn Fn(usize) + Sync)) -> Option<Vec<u32>> {
+fn run_runs<T: Copy + Default + Send>(pieces: &Pieces, runs: &[usize], stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> T + Sync), run_done: &(dyn Fn(usize) + Sync)) -> Option<Vec<T>> {
     let next = AtomicUsize::new(0);
     let stopped = AtomicBool::new(false);
-    let work = |checker: bool| -> Vec<(usize, u32)> {
+    let work = |checker: bool| -> Vec<(usize, T)> {
         let mut out = Vec::new();
         loop {
             if stopped.load(Ordering::Relaxed) {
@@ -383,7 +411,7 @@ fn run_runs(pieces: &Pieces, runs: &[usize], stop: &(dyn Fn() -> bool + Sync), f
             run_done(r);
         }
     };
-    let mut results = vec![0u32; pieces.0.len()];
+    let mut results = vec![T::default(); pieces.0.len()];
     std::thread::scope(|s| {
         // No helper for a single run: spawning one costs more than it copies.
         let helpers: Vec<_> = (1..config::COPY_THREADS.min(runs.len().saturating_sub(1)))
@@ -436,12 +464,18 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
 /// core's cache: one pass over memory instead of a copy pass and a checksum
 /// pass, for a save whose trainer does not wait for Released (lazy
 /// release); the copy takes longer. None when stopped early.
-pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Vec<u32>> {
+/// With an incremental layout, each tensor's digest too, hashed in the
+/// same pass ([`Region::copy_out_summed`]).
+pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Sums> {
     layout.write_headers(lease.as_mut_slice());
     let mut pieces = pieces_of(layout, Some(sources), lease);
     copy_batches(&mut pieces);
+    if layout.opts.incremental {
+        let sums = run_pieces(&pieces, stop, &|p| p.copy_summed(true))?;
+        return Some(fold_sums(layout, &pieces, &sums));
+    }
     let piece_crcs = run_pieces(&pieces, stop, &|p| p.copy(true))?;
-    Some(fold_crcs(layout, &pieces, &piece_crcs))
+    Some(Sums { crcs: fold_crcs(layout, &pieces, &piece_crcs), digests: None })
 }
 
 /// Copies `ranges` (region, offset, length) end to end to the start of the
@@ -474,10 +508,38 @@ fn copy_pieces(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync)) -> bool {
 /// The tensor checksums of the image copied into the lease, computed from
 /// the staged bytes themselves (no one writes them after the copy), on
 /// [`config::COPY_THREADS`] threads.
-pub fn checksum(layout: &Layout, lease: &mut Lease) -> Vec<u32> {
+/// With an incremental layout, each tensor's digest too, in the same
+/// pass (each block hashed right after its checksum, while in cache).
+pub fn checksum(layout: &Layout, lease: &mut Lease) -> Sums {
     let pieces = pieces_of(layout, None, lease);
-    let piece_crcs = run_pieces(&pieces, &|| false, &crc_of_staged).expect("a checksum pass is never stopped");
-    fold_crcs(layout, &pieces, &piece_crcs)
+    staged_sums(layout, &pieces, None)
+}
+
+/// The checksums (and digests, incremental) of staged pieces, by run
+/// (`runs`) or by the default runs.
+fn staged_sums(layout: &Layout, pieces: &Pieces, runs: Option<&[usize]>) -> Sums {
+    let default_runs;
+    let runs = match runs {
+        Some(r) => r,
+        None => {
+            default_runs = runs_of(pieces);
+            &default_runs
+        }
+    };
+    if layout.opts.incremental {
+        let sums = run_runs(pieces, runs, &|| false, &|p| sum_of_staged(p, true), &|_| {}).expect("a checksum pass is never stopped");
+        return fold_sums(layout, pieces, &sums);
+    }
+    let piece_crcs = run_runs(pieces, runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
+    Sums { crcs: fold_crcs(layout, pieces, &piece_crcs), digests: None }
+}
+
+/// The crc32c (with `crc`) and digest of a piece's staged bytes, in one
+/// pass (block by block: checksummed, then hashed while in cache).
+fn sum_of_staged(p: &Piece, crc: bool) -> (u32, u128) {
+    // SAFETY: dst..dst+len is this piece's own part of the lease, copied
+    // before and not written while summed (as crc_of_staged).
+    crate::regions::sum_of(unsafe { std::slice::from_raw_parts(p.dst, p.len) }, crc)
 }
 
 /// The crc32c of a piece's staged bytes, block by block.
@@ -532,15 +594,23 @@ impl FedCopy {
     /// also returns each tensor's crc32c (computed during the copy). None
     /// when stopped early. Does not end the progress: the caller does,
     /// after its checks ([`FedCopy::checksum`], `Fill`).
-    pub fn copy(&mut self, layout: &Layout, crc: bool, stop: &(dyn Fn() -> bool + Sync)) -> Option<Option<Vec<u32>>> {
+    pub fn copy(&mut self, layout: &Layout, crc: bool, stop: &(dyn Fn() -> bool + Sync)) -> Option<Option<Sums>> {
+        if crc && layout.opts.incremental {
+            return self.copy_with(layout, stop, &|p| p.copy_summed(true)).map(|s| Some(fold_sums(layout, &self.pieces, &s)));
+        }
+        let crcs = self.copy_with(layout, stop, &|p| p.copy(crc))?;
+        Some(crc.then(|| Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None }))
+    }
+
+    /// The copy of [`FedCopy::copy`], `f` per piece (copy, and what it sums).
+    fn copy_with<T: Copy + Default + Send>(&mut self, _layout: &Layout, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> T + Sync)) -> Option<Vec<T>> {
         let progress = &self.progress;
         let batched = self.pieces.0.iter().any(|p| {
             // SAFETY: a non-null region is kept alive by the caller's Arcs (Pieces' invariant).
             unsafe { p.region.as_ref() }.is_some_and(Region::copies_in_batches)
         });
         if !batched {
-            let piece_crcs = run_runs(&self.pieces, &self.runs, stop, &|p| p.copy(crc), &|r| progress.done(r))?;
-            return Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)));
+            return run_runs(&self.pieces, &self.runs, stop, f, &|r| progress.done(r));
         }
         // Device regions, in windows of runs (config::device_window_bytes):
         // every window's copies are queued at once, each followed by a mark
@@ -580,25 +650,25 @@ impl FedCopy {
                 unsafe { (**r).wait_mark(m) };
             }
         };
-        let mut piece_crcs = vec![0u32; self.pieces.0.len()];
+        let mut piece_crcs = vec![T::default(); self.pieces.0.len()];
         for (w, &(r0, r1)) in windows.iter().enumerate() {
             wait_from(&marks[w..=w], 0);
             let (k0, k1) = (self.runs[r0], self.runs[r1]);
             // The window's runs, renumbered from 0 for run_runs.
             let runs: Vec<usize> = self.runs[r0..=r1].to_vec();
-            let Some(got) = run_runs(&self.pieces, &runs, stop, &|p| p.copy(crc), &|r| progress.done(r0 + r)) else {
+            let Some(got) = run_runs(&self.pieces, &runs, stop, f, &|r| progress.done(r0 + r)) else {
                 wait_from(&marks, w + 1);
                 return None;
             };
             piece_crcs[k0..k1].copy_from_slice(&got[k0..k1]);
         }
-        Some(crc.then(|| fold_crcs(layout, &self.pieces, &piece_crcs)))
+        Some(piece_crcs)
     }
 
-    /// The tensor checksums from the staged bytes (after a copy without them).
-    pub fn checksum(&self, layout: &Layout) -> Vec<u32> {
-        let piece_crcs = run_runs(&self.pieces, &self.runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
-        fold_crcs(layout, &self.pieces, &piece_crcs)
+    /// The tensor checksums (and digests, incremental) from the staged
+    /// bytes (after a copy without them).
+    pub fn checksum(&self, layout: &Layout) -> Sums {
+        staged_sums(layout, &self.pieces, Some(&self.runs))
     }
 }
 
@@ -613,6 +683,20 @@ fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
         prev = p.tensor_idx;
     }
     crcs
+}
+
+/// [`fold_crcs`] for checksums and digests: each tensor's digest combines
+/// its pieces' (one digest block each, in order); a tensor with no piece
+/// (empty) has the digest of no blocks.
+fn fold_sums(layout: &Layout, pieces: &Pieces, sums: &[(u32, u128)]) -> Sums {
+    let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
+    let crcs = fold_crcs(layout, pieces, &crcs);
+    let mut blocks: Vec<Vec<u128>> = vec![Vec::new(); layout.specs.len()];
+    for (p, s) in pieces.0.iter().zip(sums) {
+        blocks[p.tensor_idx].push(s.1);
+    }
+    let digests = blocks.into_iter().map(ckpt_store::digest::combine).collect();
+    Sums { crcs, digests: Some(digests) }
 }
 
 /// Checks that every source region still holds its registered bytes and
@@ -647,7 +731,9 @@ pub enum SaveTensors<'a> {
 /// session's cache of earlier plans (`save_plan::SavePlans`, which uses
 /// this module, hence the trait rather than the type here).
 pub trait Planner {
-    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError>;
+    /// `changed` is [`plan_save`]'s; `opts.history_gen` names it, so a
+    /// plan kept under another history is not reused.
+    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&std::collections::HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError>;
 }
 
 /// Runs one Save for a session: checks, waits for staging, copies, replies
@@ -698,7 +784,9 @@ pub fn run_save(
             opts.n_dirs = 1;
         }
     }
-    let (layout, mut sources) = match plans.plan(tensors, &blobs, regions, opts) {
+    let history = if opts.incremental { shared.history() } else { Default::default() };
+    opts.history_gen = history.generation;
+    let (layout, mut sources) = match plans.plan(tensors, &blobs, regions, opts, history.changed.as_deref()) {
         Ok(x) => x,
         Err(e) => return fail(e),
     };
@@ -816,7 +904,7 @@ pub fn run_save(
     });
     shared.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = Job { id, step, layout, lease, crcs, blobs, part, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received, fill: None };
+    let job = Job { id, step, layout, lease, crcs: crcs.crcs, digests: crcs.digests, blobs, part, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received, fill: None };
     if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
         let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
@@ -874,7 +962,7 @@ fn run_fed_save(
     let progress = fed.progress.clone();
     let _filler = Filler(&progress);
     let waited_seconds = waited.as_secs_f64();
-    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), blobs, part, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
+    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), digests: None, blobs, part, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
     // To the committer: false (the save answered Failed here) when it is gone.
     let hand_over = |job: Job| -> bool {
         let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) else { return true };
@@ -929,8 +1017,8 @@ fn run_fed_save(
         crcs
     });
     if let Some(t) = &taken {
-        // Not copied, so not checksummed: their step's checksums.
-        t.patch_crcs(&mut crcs);
+        // Not copied, so not checksummed: their step's checksums and digests.
+        t.patch(&mut crcs.crcs, crcs.digests.as_deref_mut());
     }
     drop(guard);
     fill.finish(copy_seconds, crcs);
@@ -955,7 +1043,7 @@ mod tests {
         unlink_segment(&name);
         let regions = HashMap::from([(1, region.clone())]);
         let tensors = [d("a", 1, 0, 4 << 20), d("b", 1, 4 << 20, 4 << 20)];
-        let (layout, sources) = plan_save(&tensors, &[], &regions, Default::default()).unwrap();
+        let (layout, sources) = plan_save(&tensors, &[], &regions, Default::default(), None).unwrap();
         let staging = crate::staging::Staging::new(layout.staging_len).unwrap();
         check_sizes(&sources).unwrap();
         // Truncated after the checks (as a client may, during the copy): the
@@ -1006,12 +1094,12 @@ mod tests {
     #[test]
     fn unregistered_regions_and_bad_names_are_refused() {
         let regions = HashMap::new();
-        assert!(matches!(plan_save(&[d("a", 7, 0, 4)], &[], &regions, Default::default()), Err(SaveError::BadRegion(_))));
-        assert!(matches!(plan_save(&[d("a\0", 7, 0, 0)], &[], &regions, Default::default()), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plan_save(&[d("a", 7, 0, 4)], &[], &regions, Default::default(), None), Err(SaveError::BadRegion(_))));
+        assert!(matches!(plan_save(&[d("a\0", 7, 0, 0)], &[], &regions, Default::default(), None), Err(SaveError::BadRequest(_))));
         let blob = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plan_save(&[] as &[TensorDesc], &[blob], &regions, Default::default()), Err(SaveError::BadRequest(_))));
+        assert!(matches!(plan_save(&[] as &[TensorDesc], &[blob], &regions, Default::default(), None), Err(SaveError::BadRequest(_))));
         // Zero-element tensors need no region.
-        let (l, _) = plan_save(&[d("e", 9, 0, 0)], &[], &regions, Default::default()).unwrap();
+        let (l, _) = plan_save(&[d("e", 9, 0, 0)], &[], &regions, Default::default(), None).unwrap();
         assert_eq!(l.specs.len(), 1);
     }
 }

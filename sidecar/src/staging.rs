@@ -49,6 +49,8 @@ pub struct Resident {
     /// Planned at base 0: offsets are relative to the lease.
     pub layout: Layout,
     pub crcs: Vec<u32>,
+    /// Each tensor's digest (an incremental layout's; None otherwise).
+    pub digests: Option<Vec<u128>>,
     pub blobs: Vec<ckpt_wire::Blob>,
     pub lease: Lease,
     /// The session that saved it (its reply side): a save's tensors flagged
@@ -385,7 +387,7 @@ mod tests {
         assert!(waited >= Duration::from_millis(100));
         let (r, _) = s.acquire(3 << 20, "r", || None).unwrap();
         let layout = Layout::plan(vec![], Default::default()).unwrap();
-        s.offer_resident(Resident { step: 1, layout, crcs: vec![], blobs: vec![], lease: r, origin: std::sync::Weak::new() });
+        s.offer_resident(Resident { step: 1, layout, crcs: vec![], digests: None, blobs: vec![], lease: r, origin: std::sync::Weak::new() });
         assert_eq!(s.resident_step(), Some(1));
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);

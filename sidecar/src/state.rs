@@ -106,6 +106,23 @@ pub struct Shared {
     /// Bytes of flagged-unchanged tensors taken from the resident image
     /// instead of the client (`crate::unchanged`), since start.
     pub unchanged_taken_bytes: AtomicU64,
+    /// Incremental saves: which tensors changed at the last commit (the
+    /// committer sets it; sessions plan stable shards from it).
+    history: Mutex<History>,
+    /// `--full-every` (incremental): every K-th save written in full.
+    pub full_every: std::sync::atomic::AtomicU32,
+    /// Saves committed since the last one that linked nothing (the
+    /// committer's, `crate::incremental`).
+    pub saves_since_full: std::sync::atomic::AtomicU32,
+}
+
+/// What the last incremental commit found changed, and a generation that
+/// changes with it (a kept save plan is reused only under the same one).
+#[derive(Clone, Default)]
+pub struct History {
+    pub generation: u64,
+    /// None: nothing compared yet (every tensor counts as stable).
+    pub changed: Option<Arc<std::collections::HashSet<String>>>,
 }
 
 impl Shared {
@@ -141,6 +158,25 @@ impl Shared {
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
             read_only: None,
+            history: Mutex::new(History::default()),
+            full_every: std::sync::atomic::AtomicU32::new(ckpt_store::config::FULL_EVERY_DEFAULT),
+            saves_since_full: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
+    /// The history incremental saves plan their stable shards with.
+    pub fn history(&self) -> History {
+        self.history.lock().expect("history lock").clone()
+    }
+
+    /// After an incremental commit: the tensors it found changed (None:
+    /// it had nothing to compare with; the history stays as it was).
+    pub fn set_changed(&self, changed: Option<std::collections::HashSet<String>>) {
+        let Some(changed) = changed else { return };
+        let mut h = self.history.lock().expect("history lock");
+        if h.changed.as_deref() != Some(&changed) {
+            h.generation += 1;
+            h.changed = Some(Arc::new(changed));
         }
     }
 

@@ -2,10 +2,11 @@
 //! `incremental="trust-version"` in the Python shim): their bytes are taken
 //! from the step the trainer names instead of from its memory, so they are
 //! not copied out of the client's regions (on a GPU: no device-to-host
-//! copy). Today's source is the resident image (the newest committed
-//! whole save, still in staging); a step whose stable shards are linked
-//! from the previous one (issue 21's incremental core) takes them from
-//! there too.
+//! copy). Their source is the resident image (the newest committed whole
+//! save, still in staging), with its checksums and digests; with
+//! incremental layouts, a stable shard whose tensors are all unchanged is
+//! then linked from the previous step by the commit as usual (its digests
+//! match), so such a tensor is neither copied from the client nor written.
 //!
 //! Invariants:
 //! - a flag is honoured only against the very image the client names: the
@@ -77,32 +78,45 @@ impl Reuse {
     pub fn fill(self, layout: &Layout, lease: &mut Lease) -> Taken {
         let from = self.resident.lease.as_slice();
         let to = lease.as_mut_slice();
-        let mut crcs = Vec::with_capacity(self.pairs.len());
+        let mut sums = Vec::with_capacity(self.pairs.len());
         for &(i, j) in &self.pairs {
-            to[layout.tensor_range(i)].copy_from_slice(&from[self.resident.layout.tensor_range(j)]);
-            crcs.push((i, self.resident.crcs[j]));
+            let (dst, src) = (layout.tensor_range(i), self.resident.layout.tensor_range(j));
+            to[dst.clone()].copy_from_slice(&from[src]);
+            // An incremental layout needs the tensor's digest: the resident
+            // image's when it has them, else hashed from the bytes just copied.
+            let digest = layout.opts.incremental.then(|| match &self.resident.digests {
+                Some(d) => d[j],
+                None => ckpt_store::digest::tensor_digest(&to[dst]),
+            });
+            sums.push((i, self.resident.crcs[j], digest));
         }
-        Taken { crcs, bytes: self.bytes }
+        Taken { sums, bytes: self.bytes }
     }
 }
 
-/// What [`Reuse::fill`] took: the tensors' checksums and their bytes.
+/// What [`Reuse::fill`] took: the tensors' checksums (and digests, for an
+/// incremental layout) and their bytes.
 pub struct Taken {
-    crcs: Vec<(usize, u32)>,
+    sums: Vec<(usize, u32, Option<u128>)>,
     pub bytes: u64,
 }
 
 impl Taken {
     /// The indexes of the tensors taken.
     pub fn tensors(&self) -> impl Iterator<Item = usize> + '_ {
-        self.crcs.iter().map(|&(i, _)| i)
+        self.sums.iter().map(|&(i, _, _)| i)
     }
 
-    /// Puts the taken tensors' checksums into a save's (whose copy left
-    /// them out).
-    pub fn patch_crcs(&self, crcs: &mut [u32]) {
-        for &(i, c) in &self.crcs {
+    /// Puts the taken tensors' checksums and digests into a save's (whose
+    /// copy left them out, so its entries for them are those of no bytes).
+    pub fn patch(&self, crcs: &mut [u32], digests: Option<&mut [u128]>) {
+        for &(i, c, _) in &self.sums {
             crcs[i] = c;
+        }
+        if let Some(d) = digests {
+            for &(i, _, digest) in &self.sums {
+                d[i] = digest.expect("an incremental layout's taken tensors carry their digests");
+            }
         }
     }
 }

@@ -215,6 +215,25 @@ pub struct Store {
     ids: Vec<(u64, u64)>,
     /// Opened read-only: no locks, no recovery, every write refused.
     read_only: Option<ReadOnlyDir>,
+    /// Incremental commits may link unchanged stable shards
+    /// ([`Store::set_link_unchanged`]); false writes everything.
+    link_unchanged: bool,
+    /// What the last incremental commit found ([`Store::take_incremental`]).
+    incremental: Option<IncrementalReport>,
+}
+
+/// What an incremental commit (a layout planned with
+/// `LayoutOptions::incremental`, digests given) found and did.
+#[derive(Debug, Clone, Default)]
+pub struct IncrementalReport {
+    /// The committed step it compared with; None: there was none.
+    pub prev_step: Option<u64>,
+    /// Shards linked from `prev_step` instead of written, and their bytes.
+    pub linked_files: usize,
+    pub linked_bytes: u64,
+    /// Tensors that changed since `prev_step` (or are new); None when there
+    /// was nothing to compare with.
+    pub changed: Option<std::collections::HashSet<String>>,
 }
 
 impl Store {
@@ -269,7 +288,7 @@ impl Store {
         if read_only.is_some() {
             // Recovery writes (removes leftovers, repairs `latest`); readers
             // skip temp folders and fall back past a `latest` that fails.
-            return Ok(Store { locks, dirs, paths, opts, recovery: RecoveryReport::default(), abort: None, shared, ids, read_only });
+            return Ok(Store { locks, dirs, paths, opts, recovery: RecoveryReport::default(), abort: None, shared, ids, read_only, link_unchanged: true, incremental: None });
         }
         let mut recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
         if let Some(sh) = &shared {
@@ -285,11 +304,24 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids, read_only: None })
+        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids, read_only: None, link_unchanged: true, incremental: None })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
         &self.paths
+    }
+
+    /// Whether later incremental commits may link unchanged stable shards
+    /// of the newest committed step (true at open); false writes the next
+    /// ones in full (`--full-every`).
+    pub fn set_link_unchanged(&mut self, link: bool) {
+        self.link_unchanged = link;
+    }
+
+    /// What the last successful incremental commit found (taken: None
+    /// until the next one).
+    pub fn take_incremental(&mut self) -> Option<IncrementalReport> {
+        self.incremental.take()
     }
 
     /// Hands the directory locks to the caller, who must outlive every use
@@ -427,6 +459,25 @@ impl Store {
         self.commit_filled(step, layout, staging, Fill::Fed(progress), blobs)
     }
 
+    /// [`Store::commit`] of an incremental image (`LayoutOptions::
+    /// incremental`) with each tensor's digest: the index records them,
+    /// and unchanged stable shards are linked ([`crate::incremental`]).
+    pub fn commit_with_digests(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        tensor_crcs: &[u32],
+        digests: &[u128],
+        blobs: &[Blob<'_>],
+    ) -> Result<CommitReport, CommitError> {
+        let t0 = Instant::now();
+        let mut report = self.commit_filled(step, layout, staging, Fill::Summed(tensor_crcs, digests), blobs)?;
+        report.deleted_by_retention = self.retain();
+        report.total = t0.elapsed();
+        Ok(report)
+    }
+
     /// Applies the retention policy, if any; returns the steps deleted. A
     /// failure is logged: the newest checkpoint is committed either way.
     pub fn retain(&mut self) -> Vec<u64> {
@@ -495,6 +546,13 @@ impl Store {
         for t in tmps {
             fs::create_dir(t).map_err(|e| CommitError::io(t, "create temp folder", e))?;
         }
+        // Incremental: the step compared with, and the shards that may be
+        // linked from it (decided once the save's digests are in).
+        self.incremental = None;
+        let prev = if layout.opts.incremental { crate::incremental::Prev::newest(&self.paths) } else { None };
+        let candidates: Vec<Option<PathBuf>> =
+            (0..layout.shards.len()).map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s))).collect();
+        let (prev_ref, candidates) = (prev.as_ref(), &candidates);
         // Shards: one thread per directory, each with its own engine. Meanwhile
         // this thread writes and syncs the blobs and the index (once a fed
         // image's checksums are in), so their syncs share the shards'
@@ -510,23 +568,36 @@ impl Store {
                     let tmp = &tmps[dir_idx];
                     std::thread::Builder::new()
                         .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || write_shards(d, step, dir_idx as u32, tmp, layout, staging, fill.progress(), chunk_bytes))
+                        .spawn_scoped(s, move || write_dir(d, step, dir_idx as u32, tmp, layout, staging, fill, chunk_bytes, prev_ref, candidates))
                         .expect("spawning a writer thread")
                 })
                 .collect();
             let small = write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths);
-            let results: Vec<Result<(Duration, Duration), CommitError>> = handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
+            let results: Vec<Result<(Duration, Duration, Vec<usize>), CommitError>> = handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
             (results, small)
         });
         let (mut write, mut sync) = (Duration::ZERO, Duration::ZERO);
+        let mut linked = Vec::new();
         for r in results {
-            let (w, s) = r?;
+            let (w, s, l) = r?;
             write = write.max(w);
             sync = sync.max(s);
+            linked.extend(l);
         }
         let t_commit = Instant::now();
         let small_bytes = small?;
-        let bytes = layout.file_bytes() + small_bytes;
+        let linked_bytes: u64 = linked.iter().map(|&s| layout.shards[s].file_len).sum();
+        let bytes = layout.file_bytes() - linked_bytes + small_bytes;
+        let incremental = match fill.digests() {
+            Some(d) if layout.opts.incremental => {
+                let crcs = fill.crcs(step)?;
+                Some(IncrementalReport { prev_step: prev.as_ref().map(|p| p.step), linked_files: linked.len(), linked_bytes, changed: prev.as_ref().map(|p| p.changed(layout, &crcs, &d)) })
+            }
+            _ => None,
+        };
+        if let Some(r) = &incremental {
+            info!(prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental");
+        }
         self.check_abort(step)?;
         for t in tmps {
             catalog::fsync_dir(t).map_err(|e| CommitError::io(t, "sync temp folder", e))?;
@@ -549,6 +620,7 @@ impl Store {
             })?;
         }
         renamed.clear();
+        self.incremental = incremental;
         let primary = &self.paths[0];
         let update_latest = match catalog::latest_step(primary) {
             Ok(Some(l)) => l <= step,
@@ -617,6 +689,59 @@ fn lock_or_read_only(paths: &[PathBuf], opts: &StoreOptions) -> Result<(Vec<DirL
     Ok((locks, None))
 }
 
+/// Writes the shards of directory `dir_idx` into `tmp` and syncs them, as
+/// [`write_shards`], except those with a link `candidates` (incremental):
+/// these wait for the save's checksums and digests, then are linked from
+/// the previous step when every tensor of theirs is unchanged, else
+/// written. Returns (write time, sync time, the shards linked).
+#[allow(clippy::too_many_arguments)]
+fn write_dir(
+    d: &mut TargetDir,
+    step: u64,
+    dir_idx: u32,
+    tmp: &Path,
+    layout: &Layout,
+    staging: &dyn BufAddr,
+    fill: Fill<'_>,
+    chunk_bytes: usize,
+    prev: Option<&crate::incremental::Prev>,
+    candidates: &[Option<PathBuf>],
+) -> Result<(Duration, Duration, Vec<usize>), CommitError> {
+    let deferred: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && candidates[s].is_some()).collect();
+    let (mut w, mut sy) = write_shards_some(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| candidates[s].is_none())?;
+    let Some(prev) = prev.filter(|_| !deferred.is_empty()) else { return Ok((w, sy, Vec::new())) };
+    let t0 = Instant::now();
+    // Waits for the copy's end (its checksums and digests).
+    let crcs = fill.crcs(step)?;
+    let digests = fill.digests();
+    let mut linked = Vec::new();
+    let mut rest = Vec::new();
+    for s in deferred {
+        let sh = &layout.shards[s];
+        let same = digests.as_ref().is_some_and(|dg| sh.tensors.iter().all(|&i| prev.unchanged(layout, i, crcs[i], dg[i])));
+        let from = candidates[s].as_ref().expect("deferred shards have a candidate");
+        if same {
+            match crate::incremental::link(from, &tmp.join(&sh.file_name)) {
+                Ok(()) => {
+                    linked.push(s);
+                    continue;
+                }
+                Err(e) => warn!(from = %from.display(), "incremental: could not link ({e}); writing the shard"),
+            }
+        }
+        rest.push(s);
+    }
+    let w0 = t0.elapsed();
+    if !rest.is_empty() {
+        // The copy ended: the whole image is final.
+        let (w2, s2) = write_shards_some(d, step, dir_idx, tmp, layout, staging, None, chunk_bytes, &|s| rest.contains(&s))?;
+        (w, sy) = (w + w0 + w2, sy + s2);
+    } else {
+        w += w0;
+    }
+    Ok((w, sy, linked))
+}
+
 /// Writes every shard of directory `dir_idx` into `tmp` and syncs them;
 /// returns (write time, sync time).
 #[allow(clippy::too_many_arguments)]
@@ -630,9 +755,25 @@ pub(crate) fn write_shards(
     progress: Option<&Progress>,
     chunk_bytes: usize,
 ) -> Result<(Duration, Duration), CommitError> {
+    write_shards_some(d, step, dir_idx, tmp, layout, staging, progress, chunk_bytes, &|_| true)
+}
+
+/// [`write_shards`] of the shards `which` says.
+#[allow(clippy::too_many_arguments)]
+fn write_shards_some(
+    d: &mut TargetDir,
+    step: u64,
+    dir_idx: u32,
+    tmp: &Path,
+    layout: &Layout,
+    staging: &dyn BufAddr,
+    progress: Option<&Progress>,
+    chunk_bytes: usize,
+    which: &(dyn Fn(usize) -> bool + Sync),
+) -> Result<(Duration, Duration), CommitError> {
     let t0 = Instant::now();
     let direct = d.choice.direct;
-    let shards: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx).collect();
+    let shards: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && which(s)).collect();
     let mut files: Vec<File> = Vec::with_capacity(shards.len());
     let mut ios = Vec::with_capacity(shards.len());
     let mut starts = Vec::with_capacity(shards.len());
@@ -718,7 +859,9 @@ fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Bl
     let secondary_dirs: Vec<String> = paths[1..].iter().map(|p| p.display().to_string()).collect();
     // Rendered while a fed image is still copied; only its numbers wait.
     layout.prepare_index(&secondary_dirs);
-    let index = layout.index_json(step, &fill.crcs(step)?, blobs, secondary_dirs);
+    let crcs = fill.crcs(step)?;
+    let digests = fill.digests().filter(|_| layout.opts.incremental);
+    let index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, secondary_dirs);
     let ipath = primary_tmp.join(INDEX_FILE_NAME);
     write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
     Ok(bytes + index.len() as u64)
@@ -729,13 +872,15 @@ fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Bl
 #[derive(Clone, Copy)]
 pub(crate) enum Fill<'a> {
     Done(&'a [u32]),
+    /// Done, with each tensor's digest (incremental).
+    Summed(&'a [u32], &'a [u128]),
     Fed(&'a Progress),
 }
 
 impl<'a> Fill<'a> {
     pub(crate) fn progress(self) -> Option<&'a Progress> {
         match self {
-            Fill::Done(_) => None,
+            Fill::Done(_) | Fill::Summed(..) => None,
             Fill::Fed(p) => Some(p),
         }
     }
@@ -743,8 +888,18 @@ impl<'a> Fill<'a> {
     /// The tensors' checksums: at hand, or the filler's once it ended.
     pub(crate) fn crcs(self, step: u64) -> Result<std::borrow::Cow<'a, [u32]>, CommitError> {
         match self {
-            Fill::Done(c) => Ok(c.into()),
+            Fill::Done(c) | Fill::Summed(c, _) => Ok(c.into()),
             Fill::Fed(p) => p.outcome().map(Into::into).map_err(|why| CommitError::Unfilled { step, why }),
+        }
+    }
+
+    /// The tensors' digests, if the filler computed them (waits for a fed
+    /// image's end).
+    pub(crate) fn digests(self) -> Option<std::borrow::Cow<'a, [u128]>> {
+        match self {
+            Fill::Done(_) => None,
+            Fill::Summed(_, d) => Some(d.into()),
+            Fill::Fed(p) => p.digests().map(Into::into),
         }
     }
 }

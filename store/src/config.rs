@@ -34,6 +34,19 @@ pub const SLAB_BYTES: usize = 256 << 20;
 /// Largest shard file the planner makes unless a single tensor is larger.
 pub const SHARD_BYTES_DEFAULT: u64 = 1 << 30;
 
+/// Incremental layouts (`Layout::plan_with`): a stable tensor (unchanged at
+/// the previous save, or with no history yet) of at least this many bytes
+/// gets a shard of its own, so that whether it can be linked depends on it
+/// alone, never on a neighbour; smaller stable tensors share shards of at
+/// most [`STABLE_BUCKET_BYTES_MAX`] (a change in one of them rewrites its
+/// bucket once, then moves it to the volatile shards).
+pub const STABLE_OWN_SHARD_BYTES_MIN: u64 = 1 << 20;
+pub const STABLE_BUCKET_BYTES_MAX: u64 = 16 << 20;
+/// Default of `--full-every`: every this many saves of a daemon, a step is
+/// written in full (nothing linked), so no file is shared by more than
+/// this many consecutive steps and a damaged one damages at most those.
+pub const FULL_EVERY_DEFAULT: u32 = 10;
+
 /// The safetensors library refuses headers above 100 MB; stay well below.
 pub const HEADER_BYTES_MAX: usize = 64 << 20;
 /// Longest tensor name accepted.
@@ -64,14 +77,31 @@ pub const URING_ENTER_RETRIES_MAX: u32 = 100;
 pub const SHARED_STALE_AFTER_DEFAULT_S: u64 = 900;
 
 /// The newest index format this build writes and reads. Version 2 added
-/// `ckpt.slices` (tensors stored in pieces); an index that uses nothing
+/// `ckpt.slices` (tensors stored in pieces), version 3 the per-tensor
+/// digest `xxh128` (incremental checkpoints); an index that uses nothing
 /// newer is written as [`FORMAT_VERSION_OLDEST`], so older readers still
 /// read it. Readers refuse versions outside the two.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
+/// The version of an index with `ckpt.slices` and no digests.
+pub const FORMAT_VERSION_SLICES: u32 = 2;
+/// The version of an index with per-tensor digests (`xxh128`).
+pub const FORMAT_VERSION_DIGESTS: u32 = 3;
+
+/// The oldest version that has everything an index uses: readers of older
+/// builds keep reading what needs nothing newer.
+pub fn format_version_for(slices: bool, digests: bool) -> u32 {
+    if digests {
+        FORMAT_VERSION_DIGESTS
+    } else if slices {
+        FORMAT_VERSION_SLICES
+    } else {
+        FORMAT_VERSION_OLDEST
+    }
+}
 /// The oldest index format this build reads (and writes, when it suffices).
 pub const FORMAT_VERSION_OLDEST: u32 = 1;
 
-const _: () = assert!(FORMAT_VERSION_OLDEST >= 1 && FORMAT_VERSION_OLDEST <= FORMAT_VERSION);
+const _: () = assert!(FORMAT_VERSION_OLDEST >= 1 && FORMAT_VERSION_OLDEST < FORMAT_VERSION_SLICES && FORMAT_VERSION_SLICES < FORMAT_VERSION_DIGESTS && FORMAT_VERSION_DIGESTS <= FORMAT_VERSION);
 const _: () = assert!(DIRECT_ALIGN_BYTES.is_power_of_two());
 const _: () = assert!(HUGE_PAGE_BYTES.is_power_of_two() && HUGE_PAGE_BYTES % DIRECT_ALIGN_BYTES == 0);
 const _: () = assert!(DATA_ALIGN_BYTES % DIRECT_ALIGN_BYTES == 0);
@@ -81,6 +111,7 @@ const _: () = assert!(SLAB_BYTES <= SLAB_BYTES_MAX);
 const _: () = assert!(QUEUE_DEPTH_MIN <= QUEUE_DEPTH_DEFAULT && QUEUE_DEPTH_DEFAULT <= QUEUE_DEPTH_MAX);
 const _: () = assert!(CHUNK_BYTES_DEFAULT <= u32::MAX as usize);
 const _: () = assert!(HEADER_BYTES_MAX < 100_000_000);
+const _: () = assert!(STABLE_OWN_SHARD_BYTES_MIN <= STABLE_BUCKET_BYTES_MAX && STABLE_BUCKET_BYTES_MAX <= SHARD_BYTES_DEFAULT);
 
 /// Rounds `n` up to a multiple of `align` (a power of two).
 pub const fn align_up(n: u64, align: usize) -> u64 {

@@ -436,6 +436,12 @@ pub struct IndexTensor {
     /// Relative to the shard's data section, as in the safetensors header.
     pub data_offsets: [u64; 2],
     pub crc32c: u32,
+    /// The tensor's digest ([`crate::digest`]: XXH3-128 over 1 MiB blocks),
+    /// 32 lowercase hex digits; written by incremental saves (format
+    /// version 3), absent otherwise. It decides "unchanged since the last
+    /// committed step"; integrity stays `crc32c`'s job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xxh128: Option<String>,
 }
 
 /// A logical tensor stored as element ranges of its row-major flattening,
@@ -572,6 +578,14 @@ impl Index {
         }
         if !c.slices.is_empty() && c.format_version < 2 {
             return bad(format!("format version {} has no slices, but the index lists some", c.format_version));
+        }
+        for (name, t) in &c.tensors {
+            match &t.xxh128 {
+                None => {}
+                Some(_) if c.format_version < 3 => return bad(format!("format version {} has no digests, but tensor {name:?} has one", c.format_version)),
+                Some(d) if crate::digest::parse_hex(d).is_none() => return bad(format!("tensor {name:?}: xxh128 {d:?} is not 32 lowercase hex digits")),
+                Some(_) => {}
+            }
         }
         if c.step > STEP_MAX {
             return bad(format!("step {} too large", c.step));

@@ -39,11 +39,18 @@ pub struct LayoutOptions {
     pub shard_bytes_max: u64,
     pub rank: u32,
     pub world_size: u32,
+    /// Incremental checkpoints: stable tensors in stable shards
+    /// ([`Layout::plan_with`]) and an index with a digest per tensor.
+    pub incremental: bool,
+    /// Which history (set of tensors that changed at the previous save)
+    /// the layout was planned with: a kept save plan is reused only under
+    /// the same one. 0: none.
+    pub history_gen: u64,
 }
 
 impl Default for LayoutOptions {
     fn default() -> Self {
-        LayoutOptions { n_dirs: 1, shard_bytes_max: config::SHARD_BYTES_DEFAULT, rank: 0, world_size: 1 }
+        LayoutOptions { n_dirs: 1, shard_bytes_max: config::SHARD_BYTES_DEFAULT, rank: 0, world_size: 1, incremental: false, history_gen: 0 }
     }
 }
 
@@ -59,6 +66,10 @@ pub struct ShardPlan {
     pub io_len: u64,
     /// Indexes into `Layout::specs`, in file order.
     pub tensors: Vec<usize>,
+    /// A stable shard (incremental layouts): its tensors were unchanged at
+    /// the previous save, so the commit may link the previous step's file
+    /// instead of writing it (`crate::incremental`).
+    pub stable: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -104,6 +115,20 @@ pub struct SliceDecl {
 
 impl Layout {
     pub fn plan(specs: Vec<TensorSpec>, opts: LayoutOptions) -> Result<Layout, FormatError> {
+        Layout::plan_with(specs, opts, None)
+    }
+
+    /// [`Layout::plan`], and with `opts.incremental`, stable shards: the
+    /// tensors not in `changed` (those that changed at the previous save;
+    /// None: no history, every tensor counts as stable) go into shards of
+    /// their own, after the others in staging (so a fed commit writes the
+    /// changing shards first): each stable tensor of at least
+    /// [`config::STABLE_OWN_SHARD_BYTES_MIN`] alone, the smaller ones in
+    /// buckets of at most [`config::STABLE_BUCKET_BYTES_MAX`] in the
+    /// caller's order, each on a directory chosen by its first tensor's
+    /// name. So the same stable tensors give the same stable shards at the
+    /// next save, whatever the others do, and their files can be linked.
+    pub fn plan_with(specs: Vec<TensorSpec>, opts: LayoutOptions, changed: Option<&HashSet<String>>) -> Result<Layout, FormatError> {
         assert!(opts.n_dirs >= 1 && opts.shard_bytes_max > 0 && opts.world_size >= 1 && opts.rank < opts.world_size);
         let mut seen = HashSet::new();
         let mut lens = Vec::with_capacity(specs.len());
@@ -118,40 +143,43 @@ impl Layout {
                 dtype: s.dtype,
             })?);
         }
-        let total: u64 = lens.iter().sum();
-        // Stable: bigger elements first, then the caller's order.
-        let mut order: Vec<usize> = (0..specs.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(specs[i].dtype.size_bytes()));
-
-        // As many shards as the size cap needs, a multiple of the directory
-        // count so every disk gets the same share, and balanced in bytes.
-        let n_dirs = opts.n_dirs as u64;
-        let n_shards = if specs.is_empty() {
-            0
+        let (volatile, stable): (Vec<usize>, Vec<usize>) = if opts.incremental {
+            (0..specs.len()).partition(|&i| changed.is_some_and(|c| c.contains(&specs[i].name)))
         } else {
-            let by_size = total.div_ceil(opts.shard_bytes_max).max(1);
-            by_size.div_ceil(n_dirs) * n_dirs
+            ((0..specs.len()).collect(), Vec::new())
         };
-        let target = if n_shards == 0 { 0 } else { total.div_ceil(n_shards) };
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        let mut cur: Vec<usize> = Vec::new();
-        let mut cur_bytes = 0u64;
-        for i in order {
-            if !cur.is_empty() && cur_bytes + lens[i] > target && (groups.len() as u64) + 1 < n_shards {
-                groups.push(std::mem::take(&mut cur));
-                cur_bytes = 0;
+        let n_dirs = opts.n_dirs as u64;
+        let mut groups: Vec<(Vec<usize>, u32, bool)> =
+            balanced_groups(&specs, &lens, volatile, opts).into_iter().enumerate().map(|(k, g)| (g, (k as u64 % n_dirs) as u32, false)).collect();
+        let bucket_max = config::STABLE_BUCKET_BYTES_MAX.min(opts.shard_bytes_max);
+        let mut bucket: Vec<usize> = Vec::new();
+        let mut bucket_bytes = 0u64;
+        let mut stable_groups = Vec::new();
+        for i in stable {
+            if lens[i] >= config::STABLE_OWN_SHARD_BYTES_MIN {
+                stable_groups.push(vec![i]);
+                continue;
             }
-            cur.push(i);
-            cur_bytes += lens[i];
+            if !bucket.is_empty() && bucket_bytes + lens[i] > bucket_max {
+                stable_groups.push(std::mem::take(&mut bucket));
+                bucket_bytes = 0;
+            }
+            bucket.push(i);
+            bucket_bytes += lens[i];
         }
-        if !cur.is_empty() {
-            groups.push(cur);
+        if !bucket.is_empty() {
+            stable_groups.push(bucket);
+        }
+        for mut g in stable_groups {
+            g.sort_by_key(|&i| std::cmp::Reverse(specs[i].dtype.size_bytes()));
+            let dir_idx = (crc32c::crc32c(specs[g[0]].name.as_bytes()) as u64 % n_dirs) as u32;
+            groups.push((g, dir_idx, true));
         }
 
         let mut places = vec![TensorPlace { shard_idx: 0, data_offsets: (0, 0), staging_offset: 0 }; specs.len()];
         let mut shards = Vec::with_capacity(groups.len());
         let mut staging = 0u64;
-        for (shard_idx, group) in groups.into_iter().enumerate() {
+        for (shard_idx, (group, dir_idx, stable)) in groups.into_iter().enumerate() {
             let mut at = 0u64;
             let mut header_tensors = Vec::with_capacity(group.len());
             for &i in &group {
@@ -168,12 +196,13 @@ impl Layout {
             let io_len = config::align_up(file_len, DIRECT_ALIGN_BYTES);
             shards.push(ShardPlan {
                 file_name: format::shard_file_name(opts.rank, opts.world_size, shard_idx),
-                dir_idx: (shard_idx as u64 % n_dirs) as u32,
+                dir_idx,
                 header,
                 staging_offset: staging,
                 file_len,
                 io_len,
                 tensors: group,
+                stable,
             });
             staging += io_len;
         }
@@ -283,7 +312,7 @@ impl Layout {
             let file = self.shards[p.shard_idx].file_name.clone();
             tensors.insert(
                 s.name.clone(),
-                IndexTensor { file, dtype: s.dtype, shape: s.shape.clone(), data_offsets: [p.data_offsets.0, p.data_offsets.1], crc32c: tensor_crcs[i] },
+                IndexTensor { file, dtype: s.dtype, shape: s.shape.clone(), data_offsets: [p.data_offsets.0, p.data_offsets.1], crc32c: tensor_crcs[i], xxh128: None },
             );
         }
         tensors
@@ -291,7 +320,22 @@ impl Layout {
 
     /// The commit record for this image.
     pub fn index(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
+        self.index_with(step, tensor_crcs, None, blobs, secondary_dirs)
+    }
+
+    /// [`Layout::index`] with each tensor's digest (`xxh128`, format
+    /// version 3), in the layout's order.
+    pub fn index_with(&self, step: u64, tensor_crcs: &[u32], digests: Option<&[u128]>, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
         let mut index = self.index_draft(step, blobs, secondary_dirs);
+        if let Some(d) = digests {
+            assert_eq!(d.len(), self.specs.len());
+            for (s, &d) in self.specs.iter().zip(d) {
+                index.ckpt.tensors.get_mut(&s.name).expect("the draft lists every tensor").xxh128 = Some(crate::digest::to_hex(d));
+            }
+        } else {
+            index.ckpt.tensors.values_mut().for_each(|t| t.xxh128 = None);
+        }
+        index.ckpt.format_version = config::format_version_for(!index.ckpt.slices.is_empty(), digests.is_some());
         let c = &mut index.ckpt;
         for (f, crc) in c.files.iter_mut().zip(self.file_crcs(tensor_crcs)) {
             f.crc32c = crc;
@@ -310,9 +354,15 @@ impl Layout {
     /// layout's rendered index ([`Layout::prepare_index`]), which its
     /// clones share: a kept save plan renders it once.
     pub fn index_json(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Vec<u8> {
-        match self.template(&secondary_dirs) {
-            Some(t) => t.render(step, &self.file_crcs(tensor_crcs), tensor_crcs, &index_blobs(blobs)),
-            None => self.index(step, tensor_crcs, blobs, secondary_dirs).to_json_bytes(),
+        self.index_json_with(step, tensor_crcs, None, blobs, secondary_dirs)
+    }
+
+    /// [`Layout::index_json`] with digests ([`Layout::index_with`]); the
+    /// rendered index of an incremental layout has holes for them.
+    pub fn index_json_with(&self, step: u64, tensor_crcs: &[u32], digests: Option<&[u128]>, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Vec<u8> {
+        match self.template(&secondary_dirs).filter(|t| t.has_digests() == digests.is_some()) {
+            Some(t) => t.render(step, &self.file_crcs(tensor_crcs), tensor_crcs, digests.unwrap_or(&[]), &index_blobs(blobs)),
+            None => self.index_with(step, tensor_crcs, digests, blobs, secondary_dirs).to_json_bytes(),
         }
     }
 
@@ -335,11 +385,15 @@ impl Layout {
     /// The index with step `step`, these blobs and every checksum 0.
     pub(crate) fn index_draft(&self, step: u64, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
         let files = self.shards.iter().map(|sh| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: 0 }).collect();
-        let tensors = self.index_tensors(&vec![0; self.specs.len()]);
+        let mut tensors = self.index_tensors(&vec![0; self.specs.len()]);
+        if self.opts.incremental {
+            // Zeros: the rendered index's holes (index_template).
+            tensors.values_mut().for_each(|t| t.xxh128 = Some(crate::digest::to_hex(0)));
+        }
         let weight_map = tensors.iter().map(|(n, t)| (n.clone(), t.file.clone())).collect();
         // Checked by set_slices: building them again cannot fail.
         let slices = slices_section(&tensors, &self.slices).expect("slices were checked when set");
-        let format_version = if slices.is_empty() { config::FORMAT_VERSION_OLDEST } else { config::FORMAT_VERSION };
+        let format_version = config::format_version_for(!slices.is_empty(), self.opts.incremental);
         Index {
             metadata: IndexMetadata { total_size: self.tensor_bytes() },
             weight_map,
@@ -356,6 +410,38 @@ impl Layout {
             },
         }
     }
+}
+
+/// The tensors `which` grouped as [`Layout::plan`] always did: by
+/// decreasing element size (stable), as many shards as the size cap needs,
+/// a multiple of the directory count, balanced in bytes.
+fn balanced_groups(specs: &[TensorSpec], lens: &[u64], mut order: Vec<usize>, opts: LayoutOptions) -> Vec<Vec<usize>> {
+    let total: u64 = order.iter().map(|&i| lens[i]).sum();
+    // Stable: bigger elements first, then the caller's order.
+    order.sort_by_key(|&i| std::cmp::Reverse(specs[i].dtype.size_bytes()));
+    let n_dirs = opts.n_dirs as u64;
+    let n_shards = if order.is_empty() {
+        0
+    } else {
+        let by_size = total.div_ceil(opts.shard_bytes_max).max(1);
+        by_size.div_ceil(n_dirs) * n_dirs
+    };
+    let target = if n_shards == 0 { 0 } else { total.div_ceil(n_shards) };
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut cur: Vec<usize> = Vec::new();
+    let mut cur_bytes = 0u64;
+    for i in order {
+        if !cur.is_empty() && cur_bytes + lens[i] > target && (groups.len() as u64) + 1 < n_shards {
+            groups.push(std::mem::take(&mut cur));
+            cur_bytes = 0;
+        }
+        cur.push(i);
+        cur_bytes += lens[i];
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    groups
 }
 
 /// The index's entries of `blobs`.
@@ -520,6 +606,35 @@ mod tests {
         // Other directories than rendered: built at once, still right.
         assert!(l.template(&[]).is_none());
         assert_eq!(l.index_json(3, &vec![5; l.specs.len()], &[], vec![]), l.index(3, &vec![5; l.specs.len()], &[], vec![]).to_json_bytes());
+    }
+
+    #[test]
+    fn an_incremental_layouts_rendered_index_with_digests_is_the_index_built_at_once() {
+        let specs: Vec<TensorSpec> = (0..12).map(|i| TensorSpec::new(format!("t{i}"), Dtype::F32, &[1 + (i % 3) * (300 << 10)])).collect();
+        let changed: HashSet<String> = ["t1".to_string(), "t5".to_string()].into();
+        let l = Layout::plan_with(specs, LayoutOptions { incremental: true, n_dirs: 2, ..Default::default() }, Some(&changed)).unwrap();
+        let dirs = vec!["/second".to_string()];
+        let crcs: Vec<u32> = (0..12).map(|i| i * 7 + 1).collect();
+        let digests: Vec<u128> = (0..12u128).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834) ^ 5).collect();
+        let whole = l.index_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
+        let bytes = l.index_json_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
+        assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.to_json_bytes()).unwrap());
+        let read = Index::from_json_bytes(&bytes).unwrap();
+        assert_eq!(read.ckpt.format_version, config::FORMAT_VERSION_DIGESTS);
+        assert_eq!(read.ckpt.tensors["t3"].xxh128.as_deref().and_then(crate::digest::parse_hex), Some(digests[3]));
+        // Without digests: version 1, no xxh128 (built at once).
+        let plain = Index::from_json_bytes(&l.index_json(9, &crcs, &[], dirs)).unwrap();
+        assert_eq!(plain.ckpt.format_version, config::FORMAT_VERSION_OLDEST);
+        assert!(plain.ckpt.tensors.values().all(|t| t.xxh128.is_none()));
+        // Changed tensors in volatile shards first; each stable one of 1 MiB or more alone.
+        let volatile: Vec<&ShardPlan> = l.shards.iter().filter(|s| !s.stable).collect();
+        assert!(l.shards.iter().position(|s| s.stable).unwrap() >= volatile.len());
+        let vnames: HashSet<&str> = volatile.iter().flat_map(|s| s.tensors.iter().map(|&i| l.specs[i].name.as_str())).collect();
+        assert_eq!(vnames, ["t1", "t5"].into());
+        for sh in l.shards.iter().filter(|s| s.stable) {
+            let big = sh.tensors.iter().any(|&i| l.tensor_range(i).len() as u64 >= config::STABLE_OWN_SHARD_BYTES_MIN);
+            assert!(!big || sh.tensors.len() == 1);
+        }
     }
 
     #[test]

@@ -27,7 +27,12 @@ enum Hole {
     File(usize),
     /// The checksum of the layout's tensor `i` (also each slice of it).
     Tensor(usize),
+    /// The digest of the layout's tensor `i` (32 hex digits, incremental saves).
+    Digest(usize),
 }
+
+/// The draft's digest value: 32 zeros, replaced at render.
+const DIGEST_ZEROS: &[u8] = b"00000000000000000000000000000000";
 
 #[derive(Debug)]
 pub(crate) struct IndexTemplate {
@@ -67,6 +72,20 @@ impl IndexTemplate {
         if find(&json, CRC, at).is_some() {
             return None;
         }
+        // Digests (incremental layouts' drafts carry zeros): tensors by name.
+        const DIGEST: &[u8] = b"\"xxh128\": \"00000000000000000000000000000000\"";
+        let mut at = ckpt;
+        for (n, t) in &c.tensors {
+            if t.xxh128.is_none() {
+                continue;
+            }
+            let i = *by_name.get(n.as_str())?;
+            at = find(&json, DIGEST, at)? + DIGEST.len();
+            holes.push((at - 1 - DIGEST_ZEROS.len(), Hole::Digest(i)));
+        }
+        if find(&json, DIGEST, at).is_some() {
+            return None;
+        }
         holes.sort_by_key(|&(at, _)| at);
         Some(IndexTemplate { secondary_dirs: c.secondary_dirs.clone(), json, holes })
     }
@@ -75,9 +94,16 @@ impl IndexTemplate {
         self.secondary_dirs == secondary_dirs
     }
 
+    /// Whether the template has holes for digests.
+    pub(crate) fn has_digests(&self) -> bool {
+        self.holes.iter().any(|(_, h)| matches!(h, Hole::Digest(_)))
+    }
+
     /// The sealed index's bytes, given the checksums of the files and
-    /// tensors (in the layout's order) and the blobs' entries.
-    pub(crate) fn render(&self, step: u64, file_crcs: &[u32], tensor_crcs: &[u32], blobs: &[IndexBlob]) -> Vec<u8> {
+    /// tensors (in the layout's order), the tensors' digests (when the
+    /// template has holes for them: [`IndexTemplate::has_digests`]) and the
+    /// blobs' entries.
+    pub(crate) fn render(&self, step: u64, file_crcs: &[u32], tensor_crcs: &[u32], digests: &[u128], blobs: &[IndexBlob]) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.json.len() + 12 * self.holes.len() + blobs.len() * 128);
         let mut from = 0;
         for &(at, hole) in &self.holes {
@@ -87,6 +113,10 @@ impl IndexTemplate {
                 Hole::Step => out.extend_from_slice(step.to_string().as_bytes()),
                 Hole::File(i) => out.extend_from_slice(file_crcs[i].to_string().as_bytes()),
                 Hole::Tensor(i) => out.extend_from_slice(tensor_crcs[i].to_string().as_bytes()),
+                Hole::Digest(i) => {
+                    from = at + DIGEST_ZEROS.len();
+                    out.extend_from_slice(crate::digest::to_hex(digests[i]).as_bytes());
+                }
                 Hole::Blobs => {
                     from = at + 2;
                     out.extend_from_slice(&nested_blobs(blobs));

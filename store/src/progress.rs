@@ -32,6 +32,9 @@ struct State {
     /// The first run not done yet.
     next: usize,
     outcome: Option<Result<Vec<u32>, String>>,
+    /// The tensors' digests, when the filler computed them (incremental
+    /// saves); set with a successful outcome.
+    digests: Option<Vec<u128>>,
     /// The least offset a blocked writer waits for (u64::MAX: none waits):
     /// a run done below it wakes nobody, so a copy of many small runs
     /// does not wake the writer (and take a core from the copy) per run.
@@ -45,7 +48,7 @@ impl Progress {
     pub fn new(starts: Vec<u64>, end: u64) -> Progress {
         assert!(starts.windows(2).all(|w| w[0] <= w[1]) && starts.last().is_none_or(|&s| s <= end), "runs out of order");
         let n = starts.len();
-        Progress { starts, end, state: Mutex::new(State { done: vec![false; n], next: 0, outcome: None, wanted: u64::MAX }), changed: Condvar::new() }
+        Progress { starts, end, state: Mutex::new(State { done: vec![false; n], next: 0, outcome: None, digests: None, wanted: u64::MAX }), changed: Condvar::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -83,6 +86,25 @@ impl Progress {
         st.outcome.get_or_insert(Ok(crcs));
         drop(st);
         self.changed.notify_all();
+    }
+
+    /// [`Progress::finish`] with each tensor's digest ([`crate::digest`]).
+    pub fn finish_with_digests(&self, crcs: Vec<u32>, digests: Vec<u128>) {
+        let mut st = self.lock();
+        st.next = st.done.len();
+        if st.outcome.is_none() {
+            st.outcome = Some(Ok(crcs));
+            st.digests = Some(digests);
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The digests the filler gave with its outcome (waits for it, as
+    /// [`Progress::outcome`]); None when it gave none or failed.
+    pub fn digests(&self) -> Option<Vec<u128>> {
+        let _ = self.outcome();
+        self.lock().digests.clone()
     }
 
     /// The filler's end: the image will never be complete, because `why`.

@@ -122,7 +122,7 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
     }
     out.ckpt.blobs.sort_by(|a, b| a.name.cmp(&b.name));
     out.ckpt.slices = image::checked_slices(&out.ckpt.tensors, decls)?;
-    out.ckpt.format_version = if out.ckpt.slices.is_empty() { config::FORMAT_VERSION_OLDEST } else { config::FORMAT_VERSION };
+    out.ckpt.format_version = config::format_version_for(!out.ckpt.slices.is_empty(), out.ckpt.tensors.values().any(|t| t.xxh128.is_some()));
     out.validate()?;
     out.seal();
     Ok(out)
@@ -235,7 +235,7 @@ mod tests {
         let decls = [decl("w#elems[1000:2000]", [1000, 2000]), decl("w#elems[0:1000]", [0, 1000])];
         let (ia, ib) = (a.index(7, &[1], &[], vec![]), b.index(7, &[2, 3], &[], vec![]));
         let m = merge_indexes(vec![(0, ia.clone()), (1, ib.clone())], &decls).unwrap();
-        assert_eq!(m.ckpt.format_version, config::FORMAT_VERSION);
+        assert_eq!(m.ckpt.format_version, config::FORMAT_VERSION_SLICES);
         let w = m.logical_tensor("w").unwrap();
         assert_eq!((w.shape, w.slices.len()), (&[4u64, 500][..], 2));
         assert_eq!(Index::from_json_bytes(&m.to_json_bytes()).unwrap(), m);

@@ -215,6 +215,28 @@ impl Region {
         }
     }
 
+    /// [`Region::copy_out`] that also returns the bytes' XXH3-128 (one
+    /// block of `ckpt_store::digest`): host memory hashes each block of the
+    /// source right after copying it, while in cache
+    /// ([`ShmMemory::copy_out_summed`]); device memory from the staged bytes.
+    ///
+    /// # Safety
+    /// As [`Region::copy_out`].
+    pub unsafe fn copy_out_summed(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> (u32, u128) {
+        assert!(self.contains(offset_bytes, len as u64).is_ok(), "copy_out outside the region (callers check bounds first)");
+        match &self.memory {
+            // SAFETY: the caller's contract; bounds asserted above.
+            Memory::HostShm(m) => unsafe { m.copy_out_summed(offset_bytes, dst, len, crc) },
+            _ => {
+                // SAFETY: the caller's contract.
+                unsafe { self.copy_out(offset_bytes, dst, len, false) };
+                // SAFETY: dst..dst+len was just written (device copies here
+                // are synchronous) and is the caller's for the call.
+                sum_of(unsafe { std::slice::from_raw_parts(dst, len) }, crc)
+            }
+        }
+    }
+
     /// Queues copies of many ranges `(offset_bytes, dst, len)` in one batch
     /// where the kind gains from it (CUDA: on the session's stream); returns
     /// false, copying nothing, for a kind that copies piece by piece (host
@@ -388,4 +410,19 @@ mod tests {
             unlink_segment(&n);
         }
     }
+}
+
+/// The crc32c (when `crc`; else 0) and the XXH3-128 of `bytes` (one digest
+/// block), in one pass: each block of [`crate::config::COPY_BLOCK_BYTES`]
+/// is checksummed, then hashed while it is in cache.
+pub fn sum_of(bytes: &[u8], crc: bool) -> (u32, u128) {
+    let mut c = 0u32;
+    let mut h = ckpt_store::digest::BlockHasher::default();
+    for block in bytes.chunks(crate::config::COPY_BLOCK_BYTES) {
+        if crc {
+            c = crc32c::crc32c_append(c, block);
+        }
+        h.update(block);
+    }
+    (c, h.finish())
 }

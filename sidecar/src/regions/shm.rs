@@ -213,6 +213,47 @@ impl ShmMemory {
         })
     }
 
+    /// [`ShmMemory::copy_out`] that also returns the XXH3-128 of the bytes
+    /// (one digest block, `ckpt_store::digest`): block by block of
+    /// [`config::COPY_BLOCK_BYTES`], each block copied (with its crc32c when
+    /// `crc`), then hashed from the source while it is still in this
+    /// core's cache, so the digest costs no second read from memory. The
+    /// source may change under the hash (the client's memory): the digest
+    /// may then not be the staged bytes', which only makes the tensor count
+    /// as changed (a tensor is unchanged only if its crc of the staged
+    /// bytes matches too: `ckpt_store::incremental`).
+    ///
+    /// # Safety
+    /// As [`ShmMemory::copy_out`].
+    pub unsafe fn copy_out_summed(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> (u32, u128) {
+        let src = self.src_ptr(offset_bytes, len as u64);
+        self.read(|| {
+            let mut c = 0u32;
+            let mut h = ckpt_store::digest::BlockHasher::default();
+            let mut at = 0usize;
+            while at < len {
+                let n = (len - at).min(config::COPY_BLOCK_BYTES);
+                // SAFETY: the caller's contract (at + n ≤ len); the mapping
+                // lives as long as self.
+                unsafe {
+                    if crc {
+                        let b = copy_streaming_crc(dst.add(at), src.add(at), n);
+                        c = if at == 0 { b } else { ckpt_store::crc::combine(c, b, n as u64) };
+                    } else {
+                        copy_streaming(dst.add(at), src.add(at), n);
+                    }
+                }
+                // SAFETY: src..src+len lies in the mapping (the caller's
+                // contract), read-only for us and armed against a truncation
+                // (ShmMemory::read); another process may write it meanwhile,
+                // which only changes the value hashed (see above).
+                h.update(unsafe { std::slice::from_raw_parts(src.add(at), n) });
+                at += n;
+            }
+            (c, h.finish())
+        })
+    }
+
     /// Re-checks that the segment still holds every registered byte (a
     /// shrunk segment would fault the copy) and that no read found it
     /// shrunk: before a copy, and after it (the client may truncate during).

@@ -1,0 +1,117 @@
+//! Incremental checkpoints (docs/format.md, "Incremental checkpoints"): a
+//! stable shard whose every tensor is unchanged since the newest committed
+//! step is not written; that step's file is hard-linked into the new step's
+//! temp folder instead (same directory, so the same file system), so every
+//! step folder stays a complete safetensors checkpoint and retention stays
+//! unlinking.
+//!
+//! Invariants:
+//! - a tensor is unchanged only if the newest readable committed step
+//!   ([`catalog::readable_steps`]: never a step a pending rollback
+//!   un-commits) has a tensor of that name with the same dtype, shape,
+//!   crc32c and digest (`xxh128`); an index without digests changes all;
+//! - a file is linked only if it holds exactly the shard's tensors at the
+//!   shard's offsets (so the same header bytes), in the same directory
+//!   index, with the shard's length: the linked file is byte for byte the
+//!   file the shard would have written, and the index lists it unchanged;
+//! - a link that fails (the file gone, EMLINK, EXDEV) writes the shard
+//!   instead: linking only ever saves work.
+
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::path::{Path, PathBuf};
+
+use tracing::{debug, warn};
+
+use crate::catalog;
+use crate::format::{Index, INDEX_FILE_NAME};
+use crate::image::Layout;
+
+/// The newest committed step an incremental commit compares with.
+pub struct Prev {
+    pub step: u64,
+    pub index: Index,
+    /// The step's folder in each target directory, by `dir_idx`.
+    step_dirs: Vec<PathBuf>,
+    /// Tensor name → (dtype, shape, crc32c, digest).
+    by_name: HashMap<String, usize>,
+}
+
+impl Prev {
+    /// The newest readable committed step of the store whose directories
+    /// are `paths` (primary first), with its index; None when there is
+    /// none, its index does not read, or it was written for other
+    /// directories than these (then nothing can be linked).
+    pub fn newest(paths: &[PathBuf]) -> Option<Prev> {
+        let step = *catalog::readable_steps(&paths[0]).ok()?.last()?;
+        let dir = catalog::step_path(&paths[0], step);
+        let bytes = std::fs::read(dir.join(INDEX_FILE_NAME)).ok()?;
+        let index = match Index::from_json_bytes(&bytes) {
+            Ok(i) => i,
+            Err(e) => {
+                warn!(step, "incremental: the newest step's index does not read ({e}); everything is written");
+                return None;
+            }
+        };
+        let secondaries: Vec<String> = paths[1..].iter().map(|p| p.display().to_string()).collect();
+        if index.ckpt.secondary_dirs != secondaries {
+            debug!(step, "incremental: the newest step was written to other directories; nothing linked");
+            return None;
+        }
+        let step_dirs = paths.iter().map(|p| catalog::step_path(p, step)).collect();
+        let by_name = index.ckpt.tensors.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect();
+        Some(Prev { step, index, step_dirs, by_name })
+    }
+
+    /// Whether layout tensor `i` (crc `crc`, digest `digest`) is unchanged
+    /// since this step.
+    pub fn unchanged(&self, layout: &Layout, i: usize, crc: u32, digest: u128) -> bool {
+        let s = &layout.specs[i];
+        let Some(t) = self.index.ckpt.tensors.get(&s.name) else { return false };
+        t.dtype == s.dtype && t.shape == s.shape && t.crc32c == crc && t.xxh128.as_deref().and_then(crate::digest::parse_hex) == Some(digest)
+    }
+
+    /// The names of `layout`'s tensors that changed since this step (or
+    /// are new), from the save's checksums and digests.
+    pub fn changed(&self, layout: &Layout, crcs: &[u32], digests: &[u128]) -> HashSet<String> {
+        (0..layout.specs.len()).filter(|&i| !self.unchanged(layout, i, crcs[i], digests[i])).map(|i| layout.specs[i].name.clone()).collect()
+    }
+
+    /// The file of this step that shard `s` of `layout` could be linked
+    /// to (before the save's digests are known): a stable shard whose
+    /// tensors that file holds exactly, at the same offsets, in the same
+    /// directory, of the same length.
+    pub fn candidate(&self, layout: &Layout, s: usize) -> Option<PathBuf> {
+        let sh = &layout.shards[s];
+        if !sh.stable || sh.tensors.is_empty() {
+            return None;
+        }
+        let first = &layout.specs[sh.tensors[0]].name;
+        self.by_name.get(first)?;
+        let file = &self.index.ckpt.tensors[first].file;
+        let f = self.index.ckpt.files.iter().find(|f| &f.name == file)?;
+        if f.dir_idx != sh.dir_idx || f.len_bytes != sh.file_len {
+            return None;
+        }
+        let held: Vec<_> = self.index.tensors_of(file).collect();
+        if held.len() != sh.tensors.len() {
+            return None;
+        }
+        for &i in &sh.tensors {
+            let s = &layout.specs[i];
+            let t = self.index.ckpt.tensors.get(&s.name)?;
+            let p = &layout.places[i];
+            if &t.file != file || t.dtype != s.dtype || t.shape != s.shape || t.data_offsets != [p.data_offsets.0, p.data_offsets.1] || t.xxh128.is_none() {
+                return None;
+            }
+        }
+        Some(self.step_dirs[sh.dir_idx as usize].join(file))
+    }
+}
+
+/// Links `from` (a committed step's file) as `to` (in a temp folder of the
+/// same directory). The new name becomes durable with the temp folder's
+/// sync (the commit rule); the file's bytes are already durable.
+pub fn link(from: &Path, to: &Path) -> io::Result<()> {
+    std::fs::hard_link(from, to)
+}

@@ -824,6 +824,7 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     };
     let mut results = Vec::new();
     let mut damaged = false;
+    let mut damaged_files: Vec<(u64, String)> = Vec::new();
     let mut verifier = restore::Verifier::default();
     for s in steps {
         if let Some(b) = &bar {
@@ -857,6 +858,7 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
             r => r?,
         };
         damaged |= !r.problems.is_empty();
+        damaged_files.extend(r.problems.iter().filter_map(|p| p.file.clone()).map(|f| (s, f)));
         // Ranks as the index says (verify just checked it, or said why not).
         let index = restore::read_index(dir, s).ok();
         let ranks_line = index.as_ref().map(ckpt_store::ranks::describe);
@@ -883,8 +885,26 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // Incremental checkpoints share files between steps (hard links): a
+    // damaged one damages every step that links it; say which.
+    let mut shared_damage = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (s, file) in &damaged_files {
+        let Some(id) = ckpt_store::incremental::file_inode(dir, *s, file) else { continue };
+        if !seen.insert(id) {
+            continue;
+        }
+        let steps = ckpt_store::incremental::steps_sharing(dir, id);
+        if steps.len() > 1 {
+            let list = steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+            if !json {
+                println!("damaged file {file} (step {s}) is shared by steps {list} (one file, hard-linked: every one of them is damaged)");
+            }
+            shared_damage.push(json!({"step": s, "file": file, "shared_by": steps}));
+        }
+    }
     if json {
-        println!("{}", json!({"dir": dir, "ok": !damaged, "checkpoints": results}));
+        println!("{}", json!({"dir": dir, "ok": !damaged, "checkpoints": results, "shared_damage": shared_damage}));
     }
     Ok(if damaged { ExitCode::from(EXIT_DAMAGED) } else { ExitCode::SUCCESS })
 }

@@ -115,3 +115,27 @@ impl Prev {
 pub fn link(from: &Path, to: &Path) -> io::Result<()> {
     std::fs::hard_link(from, to)
 }
+
+/// The (device, inode) of `file` of committed step `step` of `primary`
+/// (its directory as the step's index names it), or None.
+pub fn file_inode(primary: &Path, step: u64, file: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let index = crate::restore::read_index(primary, step).ok()?;
+    let f = index.ckpt.files.iter().find(|f| f.name == file)?;
+    let dir = if f.dir_idx == 0 { primary.to_path_buf() } else { PathBuf::from(index.ckpt.secondary_dirs.get(f.dir_idx as usize - 1)?) };
+    let m = std::fs::metadata(catalog::step_path(&dir, step).join(file)).ok()?;
+    Some((m.dev(), m.ino()))
+}
+
+/// The readable committed steps of `primary` that hold the inode `id`
+/// ([`file_inode`]) under any of their file names: the steps a damaged
+/// shared file damages (`verify` names them).
+pub fn steps_sharing(primary: &Path, id: (u64, u64)) -> Vec<u64> {
+    let Ok(steps) = catalog::readable_steps(primary) else { return Vec::new() };
+    steps
+        .into_iter()
+        .filter(|&s| {
+            crate::restore::read_index(primary, s).is_ok_and(|index| index.ckpt.files.iter().any(|f| file_inode(primary, s, &f.name) == Some(id)))
+        })
+        .collect()
+}

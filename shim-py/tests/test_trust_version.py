@@ -41,14 +41,15 @@ def test_incremental_argument_is_checked(sidecar):
 
 def test_trusted_mode_takes_unchanged_tensors_from_the_sidecar_not_the_trainer(sidecar):
     """A frozen base is flagged unchanged from the second save on: the sidecar
-    takes it from its own copy of the previous step (status counts the bytes),
-    the trainer does not copy it either, and every step loads bit-equal."""
+    takes it from its own copy of the previous step (status counts the bytes)
+    and links its shard rather than writing it, the trainer does not copy it
+    either, and every step loads bit-equal."""
     base, adapter, opt = lora_state()
     base_bytes = sum(t.numel() * t.element_size() for t in base.values())
     ck = trusted(sidecar)
     try:
         want = {}
-        for step in range(1, 5):
+        for step in range(1, 6):
             train_step(adapter, opt)
             state = {"base": base, "adapter": adapter.state_dict(), "opt": opt.state_dict()}
             before = taken_bytes(ck)
@@ -60,6 +61,13 @@ def test_trusted_mode_takes_unchanged_tensors_from_the_sidecar_not_the_trainer(s
             # The trainer copies the base into each of its two save regions
             # once; then only what changed.
             assert (h.copied_bytes >= base_bytes) == (step <= 2), (step, h.copied_bytes)
+            # Incremental layouts (the sidecar's default): once the history
+            # says which tensors change (step 2's commit) and the previous
+            # step has the base in a shard of its own (step 3), the base's
+            # shard is linked, not written: neither copied nor written.
+            if step >= 4:
+                written = ck.status()["last"]["bytes"]
+                assert written < base_bytes, (step, written)
             want[step] = {k: v.clone() for k, v in adapter.state_dict().items()}
         for step, ad in want.items():
             back = ck.load(step)

@@ -44,11 +44,13 @@ def stamp(ref, obj, old=None):
         return None
     try:
         version = obj._version
-    except RuntimeError:  # an inference tensor: no version counter
+        storage = obj.untyped_storage()
+        facts = (storage._cdata, obj.data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype,
+                 obj.device, version)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        # An inference tensor (no version counter), or a tensor subclass
+        # without a plain storage: never trusted.
         return None
-    storage = obj.untyped_storage()
-    facts = (storage._cdata, obj.data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype,
-             obj.device, version)
     if old is not None and old[0] == facts and _same_tensor(old, obj, version):
         return old
     from torch.multiprocessing.reductions import StorageWeakRef

@@ -239,7 +239,7 @@ mod tests {
         let f2 = frame(&list, 300);
         let head = ckpt_wire::decode_save_head(&f2[4..]).unwrap().unwrap();
         let (found, rest) = plans.kept_list(&head).expect("the kept list");
-        assert_eq!((found, rest.unwrap()), (&list[..], (vec![], false)));
+        assert_eq!((found, rest.unwrap()), (&list[..], (vec![], false, None)));
         let (l2, s2) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, 1, "reused");
         assert_eq!(l1.shards[0].header, l2.shards[0].header);

@@ -120,3 +120,59 @@ impl Taken {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ckpt_store::format::Dtype;
+    use ckpt_store::image::{LayoutOptions, TensorSpec};
+    use std::os::unix::net::UnixStream;
+
+    fn layout(specs: &[(&str, Dtype, u64)]) -> Layout {
+        let specs = specs.iter().map(|&(n, d, len)| TensorSpec { name: n.into(), dtype: d, shape: vec![len] }).collect();
+        Layout::plan(specs, LayoutOptions::default()).unwrap()
+    }
+
+    fn idx(l: &Layout, name: &str) -> usize {
+        l.specs.iter().position(|s| s.name == name).unwrap()
+    }
+
+    #[test]
+    fn flags_are_honoured_only_against_the_named_step_this_session_saved_and_the_same_tensors() {
+        let staging = Staging::new(4 << 20).unwrap();
+        let (a, _a) = UnixStream::pair().unwrap();
+        let (b, _b) = UnixStream::pair().unwrap();
+        let (me, other) = (Arc::new(Peer::new(a)), Arc::new(Peer::new(b)));
+        let old = layout(&[("w", Dtype::U8, 4096), ("b", Dtype::U8, 4096)]);
+        let (mut lease, _) = staging.acquire(old.staging_len, "old", || None).unwrap();
+        lease.as_mut_slice()[old.tensor_range(idx(&old, "w"))].fill(7);
+        let mut crcs = vec![0u32; 2];
+        crcs[idx(&old, "w")] = 11;
+        crcs[idx(&old, "b")] = 22;
+        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: Arc::downgrade(&me) });
+
+        let new = layout(&[("b", Dtype::U8, 4096), ("w", Dtype::U8, 4096), ("n", Dtype::U8, 4096)]);
+        let flags = |since_step, f: [bool; 3]| Unchanged { since_step, bits: Unchanged::bits_of(f) };
+        // Another session, another step, nothing flagged: nothing taken.
+        assert!(find(&staging, &other, &new, Some(&flags(5, [true; 3]))).is_none());
+        assert!(find(&staging, &me, &new, Some(&flags(4, [true; 3]))).is_none());
+        assert!(find(&staging, &me, &new, Some(&flags(5, [false; 3]))).is_none());
+        assert!(find(&staging, &me, &new, None).is_none());
+        // A name the step lacks, or another shape or dtype: that tensor is copied.
+        let reshaped = layout(&[("b", Dtype::U8, 4096), ("w", Dtype::U8, 2048), ("n", Dtype::U8, 4096)]);
+        assert_eq!(find(&staging, &me, &reshaped, Some(&flags(5, [true; 3]))).unwrap().bytes, 4096);
+        let retyped = layout(&[("b", Dtype::I8, 4096), ("w", Dtype::U8, 4096), ("n", Dtype::U8, 4096)]);
+        assert_eq!(find(&staging, &me, &retyped, Some(&flags(5, [true; 3]))).unwrap().bytes, 4096);
+        // Flagged w (index 1 of the new list) and n: w taken, bytes and checksum.
+        let reuse = find(&staging, &me, &new, Some(&flags(5, [false, true, true]))).unwrap();
+        assert_eq!(reuse.bytes, 4096);
+        let (mut lease, _) = staging.acquire(new.staging_len, "new", || None).unwrap();
+        let taken = reuse.fill(&new, &mut lease);
+        assert_eq!(taken.tensors().collect::<Vec<_>>(), vec![idx(&new, "w")]);
+        assert!(lease.as_slice()[new.tensor_range(idx(&new, "w"))].iter().all(|&x| x == 7));
+        let mut crcs = vec![0u32; 3];
+        taken.patch(&mut crcs, None);
+        assert_eq!(crcs[idx(&new, "w")], 11);
+        assert_eq!(crcs[idx(&new, "b")], 0);
+    }
+}

@@ -237,29 +237,38 @@ def memcpy_s(state, dst):
 
 # ---- methods: each returns a callable that saves once and returns {stall_s, durable_s, restore_s, ...} ----
 
+# Untimed saves before a timed one of a LoRA-like state (SidecarMethod).
+STEADY_SAVES = 3
+
+
 class SidecarMethod:
     def __init__(self, name, ck, state, shared, steady=None):
         self.name, self.ck, self.state, self.shared = name, ck, state, shared
         self.dummy = {"dummy": torch.zeros(1024)}
-        # sidecar_trust: a callable that makes the state's next step (the
-        # adapters' writes); an untimed save of the state comes first, so the
-        # timed one is the steady state of saving every step, and no restore
-        # follows (its untimed tiny save would evict the image the next
-        # timed save takes the frozen base from).
+        # LoRA-like states (sidecar_copied, sidecar_trust): a callable that
+        # makes the state's next step (the adapters' writes). STEADY_SAVES
+        # untimed saves of the state come first, each after such a step, so
+        # the timed one is the steady state of saving every step (the
+        # sidecar's incremental layout learns which tensors change from its
+        # last commits, which other methods' saves in between replace), and
+        # no restore follows (its untimed tiny save would be the newest
+        # commit the next save compares with).
         self.steady = steady
 
     def __call__(self, step, workdir):
         ck = self.ck
         if self.steady is not None:
-            ck.save(step, self.state).wait_durable()
-            self.steady()
+            for k in range(STEADY_SAVES):
+                ck.save(step + k, self.state).wait_durable()
+                self.steady()
             t0 = time.perf_counter()
-            h = ck.save(step + 1, self.state)
+            h = ck.save(step + STEADY_SAVES, self.state)
             h.wait_released()
             t1 = time.perf_counter()
             h.wait_durable()
             t2 = time.perf_counter()
-            return {"stall_s": t1 - t0, "durable_s": t2 - t0, "restore_s": None, "trainer_copied_bytes": h.copied_bytes}
+            return {"stall_s": t1 - t0, "durable_s": t2 - t0, "restore_s": None, "trainer_copied_bytes": h.copied_bytes,
+                    "written_bytes": (ck.status().get("last") or {}).get("bytes")}
         t0 = time.perf_counter()
         h = ck.save(step, self.state)
         h.wait_released()
@@ -602,16 +611,18 @@ def run_loop(args, base, skipped):
     opt.step()  # AdamW's moments exist from here on
     side = Sidecar(os.path.join(base, "loop-ckpt"), 6 * args.loop_size + (256 << 20))
     ck = side.connect()
-    ck_trust = None
     try:
         ck.share(model)
         ck.share(opt.state)
         ck.guard(opt)
         if args.loop_lora:
-            # The same shared tensors, saved through a second connection that
-            # trusts torch's version counters (the frozen base is not copied).
-            ck_trust = Checkpointer(socket=side.sock, spawn=False, incremental="trust-version")
-            ck_trust.guard(opt)
+            # sidecar_trust: the same connection and shared tensors, its saves
+            # made with incremental="trust-version" (a tracker of its own,
+            # swapped in for them): the frozen base is flagged unchanged and
+            # the sidecar takes it from its resident image instead of copying
+            # it from shared memory.
+            from . import _trust
+            trust_tracker = _trust.Tracker()
 
         def state(step):
             return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
@@ -649,7 +660,13 @@ def run_loop(args, base, skipped):
             if m == "sidecar_shared":
                 return lambda st: ck.save(next(steps), st)
             if m == "sidecar_trust":
-                return lambda st: ck_trust.save(next(steps), st)
+                def f(st):
+                    ck._trust = trust_tracker
+                    try:
+                        return ck.save(next(steps), st)
+                    finally:
+                        ck._trust = None
+                return f
             if m in ("torch_save", "torch_save_fsync"):
                 def f(st):
                     path = os.path.join(wd, "state.pt")
@@ -717,8 +734,6 @@ def run_loop(args, base, skipped):
             total = time.perf_counter() - t0
             if ck._last is not None:
                 ck._last.wait_durable()
-            if ck_trust is not None and ck_trust._last is not None:
-                ck_trust._last.wait_durable()
             if dcp_async["fut"] is not None:
                 dcp_async["fut"].result()
                 dcp_async["fut"] = None
@@ -754,8 +769,6 @@ def run_loop(args, base, skipped):
                            "unchanged_taken_bytes": ck.status()["unchanged_taken_bytes"]}
         return out
     finally:
-        if ck_trust is not None:
-            ck_trust.close()
         ck.close()
         side.stop()
 
@@ -831,7 +844,8 @@ LORA_METHODS = ["sidecar_trust", "sidecar_changed_only"]
 
 def main(argv=None):
     args = parse_args(argv)
-    known = ALL_METHODS + (LORA_METHODS if args.lora is not None else [])
+    known = ALL_METHODS + (LORA_METHODS if args.lora is not None else []) + \
+        (["sidecar_trust"] if args.loop_lora and args.lora is None else [])
     want = known if args.methods is None else [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in want if m not in known]
     if unknown:
@@ -877,6 +891,10 @@ def main(argv=None):
                     ck_trust.reserve(state)
                     methods[m] = SidecarMethod(m, ck_trust, state, False, steady=lambda: train_adapters(changing))
                     continue
+                if m == "sidecar_copied" and args.lora is not None:
+                    ck.reserve(state)
+                    methods[m] = SidecarMethod(m, ck, state, False, steady=lambda: train_adapters(changing))
+                    continue
                 if m == "sidecar_changed_only":
                     ck.reserve(state)
                     only = {k: t for k, t in state.items() if not k.startswith("base.")}
@@ -910,7 +928,7 @@ def main(argv=None):
                 timed = r >= args.warmup
                 order = names[r % len(names):] + names[:r % len(names)]  # rotated
                 for m in order:
-                    step += 2  # a sidecar method also uses step + 1
+                    step += 2 + STEADY_SAVES  # a sidecar method also uses step + 1 (a steady one up to step + STEADY_SAVES)
                     workdir = os.path.join(base, f"{m}-{step}")
                     os.makedirs(workdir)
                     log(f"size {_units.human_bytes(size)}, round {r + 1}/{total}{'' if timed else ' (warm-up)'}: {m}")
@@ -929,9 +947,10 @@ def main(argv=None):
                      "samples": lim, "rounds": args.rounds, "memory": "warm"}
             limits.append(entry)
             for m, outs in samples.items():
-                # sidecar_changed_only saves the changed tensors alone: its own bytes.
+                # sidecar_changed_only saves the changed tensors alone: its
+                # throughput is of its own bytes (the row stays under the size).
                 row_b = nbytes(methods[m].state) if m == "sidecar_changed_only" else size_b
-                row = {"method": m, "size_bytes": row_b,
+                row = {"method": m, "size_bytes": size_b, "saved_bytes": row_b,
                        "stall_s": med([o["stall_s"] for o in outs]),
                        "durable_s": med([o.get("durable_s") for o in outs]),
                        "restore_s": med([o.get("restore_s") for o in outs]),
@@ -944,8 +963,9 @@ def main(argv=None):
                 row["gb_per_s"] = row_b / row["durable_s"] / 1e9 if row["durable_s"] else None
                 if args.lora is not None:
                     row["lora_adapter_bytes"] = args.lora
-                if m in ("sidecar_trust",):
+                if m in ("sidecar_trust", "sidecar_copied") and args.lora is not None:
                     row["trainer_copied_bytes"] = med([o.get("trainer_copied_bytes") for o in outs])
+                    row["written_bytes"] = med([o.get("written_bytes") for o in outs])
                 if m == "deepspeed_fastpersist" and DEEPSPEED_NOTE:
                     row["note"] = DEEPSPEED_NOTE
                 results.append(row)

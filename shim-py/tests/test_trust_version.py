@@ -79,6 +79,46 @@ def test_trusted_mode_takes_unchanged_tensors_from_the_sidecar_not_the_trainer(s
         ck.close()
 
 
+def test_trusted_steady_state_copies_the_frozen_base_from_nowhere_and_a_full_every_step_writes_it(tmp_path):
+    """Once the layout repeats (step 4 on), the sidecar's copy of the
+    previous step becomes the new image: the frozen base is copied neither
+    from the trainer nor from that copy (all of it counted in place), and
+    its shard is linked; the --full-every steps write it in full from those
+    same bytes; every step loads bit-equal."""
+    from conftest import Sidecar
+
+    s = Sidecar(tmp_path, args=("--full-every", "3")).start()
+    base, adapter, opt = lora_state()
+    base_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    ck = trusted(s)
+    try:
+        want, full_steps = {}, []
+        for step in range(1, 9):
+            train_step(adapter, opt)
+            state = {"base": base, "adapter": adapter.state_dict(), "opt": opt.state_dict()}
+            before = ck.status()
+            ck.save(step, state).wait_durable(30)
+            after = ck.status()
+            taken = after["unchanged_taken_bytes"] - before["unchanged_taken_bytes"]
+            in_place = after["unchanged_in_place_bytes"] - before["unchanged_in_place_bytes"]
+            if step >= 4:
+                assert (taken, in_place) == (base_bytes, base_bytes), (step, taken, in_place)
+                if after["last"]["bytes"] >= base_bytes:
+                    full_steps.append(step)
+            want[step] = {k: v.clone() for k, v in adapter.state_dict().items()}
+        # Steps 4..8 with --full-every 3: some written in full, the rest linked.
+        assert full_steps and len(full_steps) < 5, full_steps
+        for step, ad in want.items():
+            back = ck.load(step)
+            for k, v in base.items():
+                assert torch.equal(back["base"][k], v), (step, k)
+            for k, v in ad.items():
+                assert torch.equal(back["adapter"][k], v), (step, k)
+    finally:
+        ck.close()
+        s.stop()
+
+
 def test_trusted_mode_misses_a_write_through_data_and_the_default_mode_does_not(sidecar):
     """`.data` gives an alias with a version counter of its own: an in-place
     write through it leaves the tensor's `_version` as it was, so the trusted

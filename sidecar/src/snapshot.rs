@@ -837,8 +837,16 @@ pub fn run_save(
         Some("the client disconnected before release")
     };
     let give_up = || shared.stop_reason(peer, gone);
-    let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
-        Ok(x) => x,
+    // Tensors the client proves unchanged since a step this session saved
+    // are taken from its resident image rather than the client (whole
+    // saves: parts are never resident). In place, when they already lie
+    // where this layout puts them: the resident image's lease becomes this
+    // save's, and their bytes are copied from nowhere.
+    let adopted = part.is_none().then(|| crate::unchanged::adopt(&shared.staging, peer, &layout, unchanged.as_ref())).flatten();
+    let (mut lease, waited, adopted) = match adopted {
+        Some((lease, taken)) => (lease, std::time::Duration::ZERO, Some(taken)),
+        None => match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
+            Ok((lease, waited)) => (lease, waited, None),
         Err(StagingError::GaveUp { why }) => {
             shared.end(key);
             warn!("aborted while waiting for staging: {why}");
@@ -848,20 +856,22 @@ pub fn run_save(
             shared.end(key);
             return fail(SaveError::TooLarge(e.to_string()));
         }
+        },
     };
     shared.set_phase(key, Phase::Copying);
-    // Tensors the client proves unchanged since a step this session saved,
-    // taken from its resident image rather than the client (whole saves:
-    // parts are never resident).
-    let taken = part.is_none().then(|| crate::unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| {
-        let taken = reuse.fill(&layout, &mut lease);
+    // Else copied from the resident image into the lease just taken.
+    let in_place = adopted.is_some();
+    let taken = adopted.or_else(|| part.is_none().then(|| crate::unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
+    if let Some(taken) = &taken {
         for i in taken.tensors() {
             sources[i].region = None;
         }
         shared.unchanged_taken_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
-        info!(taken_bytes = taken.bytes, "tensors flagged unchanged taken from the resident image, not copied from the client");
-        taken
-    });
+        if in_place {
+            shared.unchanged_in_place_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
+        }
+        info!(taken_bytes = taken.bytes, in_place, "tensors flagged unchanged taken from the resident image, not copied from the client");
+    }
     // Pipelined: whole saves, and a rank's part of several nodes (written
     // on its own into the shared directory). A part of one node's group
     // waits for the other ranks' parts first, so it copies, then queues.

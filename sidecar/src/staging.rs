@@ -120,6 +120,23 @@ impl Staging {
         self.lock().resident.as_ref().map(|r| r.step)
     }
 
+    /// Takes the resident image out of staging, lease and all, when no one
+    /// else holds it (no load reads it now) and `f` accepts it (returning
+    /// what it found): a save then lays its image over it in place
+    /// (`crate::unchanged::adopt`). The resident stays when `f` says None.
+    pub fn take_resident_with<T>(&self, f: impl FnOnce(&Resident) -> Option<T>) -> Option<(Resident, T)> {
+        let mut st = self.lock();
+        let r = st.resident.as_ref()?;
+        // Clones are made only under this lock (`resident`): a count of one
+        // now stays one, so the unwrap below cannot fail.
+        if Arc::strong_count(r) != 1 {
+            return None;
+        }
+        let t = f(r)?;
+        let r = Arc::try_unwrap(st.resident.take().expect("checked above")).ok().expect("the only reference, under the lock");
+        Some((r, t))
+    }
+
     /// Gives up the resident image if its step is later than `step` (a
     /// rollback un-commits it).
     pub fn drop_resident_after(&self, step: u64) {
@@ -305,6 +322,13 @@ impl Lease {
     /// holder may then move the lease on (to the committer) while the copy
     /// goes on, and dropping it waits until the copy ended; its slices
     /// refuse until then. Once per lease.
+    /// This lease, its earlier filler forgotten (it ended: asserted), to be
+    /// filled again: a resident image's lease taken over by a new save.
+    pub fn refill(mut self) -> Lease {
+        assert!(self.filler.take().is_none_or(|p| p.ended()), "a staging lease refilled while its copy still fills it");
+        self
+    }
+
     pub fn filled_by(&mut self, progress: Arc<Progress>) {
         assert!(self.filler.is_none(), "a staging lease filled twice");
         self.filler = Some(progress);

@@ -106,6 +106,9 @@ pub struct Shared {
     /// Bytes of flagged-unchanged tensors taken from the resident image
     /// instead of the client (`crate::unchanged`), since start.
     pub unchanged_taken_bytes: AtomicU64,
+    /// Of those, the bytes taken in place: the resident image's lease became
+    /// the save's (`crate::unchanged::adopt`), so they were not copied at all.
+    pub unchanged_in_place_bytes: AtomicU64,
     /// Incremental saves: which tensors changed at the last commit (the
     /// committer sets it; sessions plan stable shards from it).
     history: Mutex<History>,
@@ -154,6 +157,7 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             next_session_id: AtomicU64::new(1),
             unchanged_taken_bytes: AtomicU64::new(0),
+            unchanged_in_place_bytes: AtomicU64::new(0),
             last: Mutex::new(None),
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
@@ -343,6 +347,7 @@ impl Shared {
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
             unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),
+            unchanged_in_place_bytes: self.unchanged_in_place_bytes.load(Ordering::Relaxed),
         }
     }
 }

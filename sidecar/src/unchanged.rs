@@ -45,6 +45,13 @@ pub struct Reuse {
 pub fn find(staging: &Staging, peer: &Arc<Peer>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<Reuse> {
     let u = unchanged.filter(|u| u.count() > 0)?;
     let resident = staging.resident()?;
+    let (pairs, bytes) = pairs_of(&resident, peer, layout, u)?;
+    Some(Reuse { resident, pairs, bytes })
+}
+
+/// The (new index, resident index) pairs of the flagged tensors `resident`
+/// holds as the flags require, and their bytes; None when there are none.
+fn pairs_of(resident: &Resident, peer: &Arc<Peer>, layout: &Layout, u: &Unchanged) -> Option<(Vec<(usize, usize)>, u64)> {
     if resident.step != u.since_step || !std::sync::Weak::ptr_eq(&resident.origin, &Arc::downgrade(peer)) {
         return None;
     }
@@ -67,7 +74,40 @@ pub fn find(staging: &Staging, peer: &Arc<Peer>, layout: &Layout, unchanged: Opt
         pairs.push((i, j));
         bytes += len as u64;
     }
-    (!pairs.is_empty()).then_some(Reuse { resident, pairs, bytes })
+    (!pairs.is_empty()).then_some((pairs, bytes))
+}
+
+/// The resident image's lease itself as the save's, when every tensor
+/// taken from it already lies where `layout` puts it (same staging range:
+/// in the steady state of a trusted run, whose layout repeats): the taken
+/// bytes are then copied from nowhere, neither from the client nor from
+/// the resident image, and the copy of the rest overwrites the other
+/// tensors and the headers. Only when no one else holds the resident image
+/// (a load serving its step keeps it) and its lease is large enough; the
+/// resident image is gone from then on (a load of its step reads the
+/// disk). None: nothing adopted, the resident image untouched.
+pub fn adopt(staging: &Staging, peer: &Arc<Peer>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<(Lease, Taken)> {
+    let u = unchanged.filter(|u| u.count() > 0)?;
+    let (resident, (pairs, bytes)) = staging.take_resident_with(|r| {
+        if r.lease.len_bytes() < layout.staging_len {
+            return None;
+        }
+        let (pairs, bytes) = pairs_of(r, peer, layout, u)?;
+        pairs.iter().all(|&(i, j)| layout.tensor_range(i) == r.layout.tensor_range(j)).then_some((pairs, bytes))
+    })?;
+    let lease = resident.lease.refill();
+    let sums = pairs
+        .iter()
+        .map(|&(i, j)| {
+            // As in Reuse::fill: the resident's digest, else hashed in place.
+            let digest = layout.opts.incremental.then(|| match &resident.digests {
+                Some(d) => d[j],
+                None => ckpt_store::digest::tensor_digest(&lease.as_slice()[layout.tensor_range(i)]),
+            });
+            (i, resident.crcs[j], digest)
+        })
+        .collect();
+    Some((lease, Taken { sums, bytes }))
 }
 
 impl Reuse {
@@ -174,5 +214,43 @@ mod tests {
         taken.patch(&mut crcs, None);
         assert_eq!(crcs[idx(&new, "w")], 11);
         assert_eq!(crcs[idx(&new, "b")], 0);
+    }
+
+    #[test]
+    fn a_resident_image_laid_out_as_the_save_is_adopted_in_place_only_when_no_one_else_holds_it() {
+        let staging = Staging::new(4 << 20).unwrap();
+        let (a, _a) = UnixStream::pair().unwrap();
+        let me = Arc::new(Peer::new(a));
+        let old = layout(&[("w", Dtype::U8, 4096), ("b", Dtype::U8, 4096)]);
+        let (mut lease, _) = staging.acquire(old.staging_len, "old", || None).unwrap();
+        lease.as_mut_slice()[old.tensor_range(idx(&old, "w"))].fill(7);
+        let at = lease.offset_bytes();
+        let mut crcs = vec![0u32; 2];
+        crcs[idx(&old, "w")] = 11;
+        crcs[idx(&old, "b")] = 22;
+        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: Arc::downgrade(&me) });
+        let flags = |f: [bool; 2]| Unchanged { since_step: 5, bits: Unchanged::bits_of(f) };
+        let w_flag = if idx(&old, "w") == 0 { [true, false] } else { [false, true] };
+        // Another layout (w elsewhere): not adopted, the resident stays.
+        let moved = layout(&[("w", Dtype::U8, 4096), ("a", Dtype::U8, 4096), ("b", Dtype::U8, 4096)]);
+        if moved.tensor_range(idx(&moved, "w")) != old.tensor_range(idx(&old, "w")) {
+            let f = Unchanged { since_step: 5, bits: Unchanged::bits_of((0..3).map(|i| i == idx(&moved, "w"))) };
+            assert!(adopt(&staging, &me, &moved, Some(&f)).is_none());
+            assert_eq!(staging.resident_step(), Some(5));
+        }
+        // A load holding the resident image: not adopted.
+        let held = staging.resident().unwrap();
+        assert!(adopt(&staging, &me, &old, Some(&flags(w_flag))).is_none());
+        drop(held);
+        // The same layout: the resident's lease becomes the save's, w's bytes
+        // and checksum in place, and the resident image is gone.
+        let (mut lease, taken) = adopt(&staging, &me, &old, Some(&flags(w_flag))).unwrap();
+        assert_eq!(staging.resident_step(), None);
+        assert_eq!((lease.offset_bytes(), taken.bytes), (at, 4096));
+        assert!(lease.as_mut_slice()[old.tensor_range(idx(&old, "w"))].iter().all(|&x| x == 7));
+        let mut crcs = vec![0u32; 2];
+        taken.patch(&mut crcs, None);
+        assert_eq!(crcs[idx(&old, "w")], 11);
+        assert_eq!(crcs[idx(&old, "b")], 0);
     }
 }

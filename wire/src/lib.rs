@@ -419,6 +419,10 @@ pub struct StatusReport {
     /// from the sidecar's own copy of the step named instead of copying
     /// them from the client, since the sidecar started. (Version 13.)
     pub unchanged_taken_bytes: u64,
+    /// Of those, the bytes taken in place: the sidecar's copy of the step
+    /// named became the new save's image, so they were copied from nowhere.
+    /// (Version 13.)
+    pub unchanged_in_place_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

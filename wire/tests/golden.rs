@@ -22,6 +22,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         shared_dir: "/shared/ckpt".into(),
         coordinating: vec![100],
         unchanged_taken_bytes: 1 << 20,
+        unchanged_in_place_bytes: 1 << 19,
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),

@@ -7,6 +7,8 @@
 //! incremental layouts, a stable shard whose tensors are all unchanged is
 //! then linked from the previous step by the commit as usual (its digests
 //! match), so such a tensor is neither copied from the client nor written.
+//! In the steady state (the layout repeats) it is not copied at all: the
+//! resident image's lease becomes the save's ([`adopt`]).
 //!
 //! Invariants:
 //! - a flag is honoured only against the very image the client names: the
@@ -21,7 +23,13 @@
 //! - the resident image is looked up only after the save's lease was
 //!   taken (a lease that evicts it must not wait on our own reference), and
 //!   its bytes are copied before the copy of the rest starts, so the
-//!   writer's ready prefix never covers bytes not yet there.
+//!   writer's ready prefix never covers bytes not yet there;
+//! - an adopted lease ([`adopt`]) holds every taken tensor at the very
+//!   range the new layout gives it, and no one else held the resident image
+//!   (its only reference, under the staging lock), so nothing reads it while
+//!   the copy overwrites the rest; the new image is as complete as a copied
+//!   one, so whatever the commit decides (link, or write: `--full-every`, a
+//!   failed link, another previous step) has its bytes.
 
 use std::collections::HashMap;
 use std::sync::Arc;

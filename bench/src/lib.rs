@@ -3,4 +3,5 @@
 //! `ckpt-sidecar` binary links no client code; `ckpt-sidecar bench stall`
 //! runs the `ckpt-bench` binary installed beside it.
 
+pub mod incremental;
 pub mod stall;

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use ckpt_bench::stall;
+use ckpt_bench::{incremental, stall};
 use ckpt_store::catalog;
 use ckpt_store::units::{human_bytes, parse_size};
 
@@ -55,6 +55,31 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Incremental checkpoints (issue 21): a LoRA-like state saved every
+    /// step (bytes written and time to durable beside saving the changed
+    /// tensors alone, through a second sidecar), and a full save with
+    /// detection on vs off, alternated. Subfolders of DIR are replaced.
+    Incremental {
+        /// Directory on the disk to measure (subfolders lora/, changed-alone/, full-on/, full-off/).
+        #[arg(long)]
+        dir: PathBuf,
+        /// The frozen base.
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "1GiB")]
+        base: u64,
+        /// The adapters' parameters (each with two AdamW-like moments of the same size).
+        #[arg(long, value_parser = parse_nonzero_size, default_value = "16MiB")]
+        adapters: u64,
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(2..=10_000))]
+        steps: u32,
+        /// Rounds of the full save with detection on and off (after two warm-up rounds).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        full_rounds: u32,
+        /// Saves ask for a lazy release (as the Python package's): checksums and digests during the copy.
+        #[arg(long)]
+        lazy_release: bool,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -88,6 +113,10 @@ fn main() -> ExitCode {
                 }
             }
             r.and_then(|f| print_stall(&f, json))
+        }
+        Cmd::Incremental { dir, base, adapters, steps, full_rounds, lazy_release, json } => {
+            incremental::run(&incremental::IncrementalArgs { dir, base_bytes: base, adapter_bytes: adapters, steps: steps as usize, full_rounds: full_rounds as usize, lazy_release })
+                .and_then(|f| print_incremental(&f, json))
         }
     };
     match r {
@@ -132,6 +161,40 @@ fn one_line(e: &anyhow::Error) -> String {
         line.push_str(&text);
     }
     line.replace('\n', " ")
+}
+
+fn print_incremental(f: &incremental::IncrementalFigures, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(f)?);
+        return Ok(());
+    }
+    println!("op: incremental (real client -> real sidecars, host memory, {}, {} release)", f.memory, if f.lazy_release { "lazy" } else { "early" });
+    println!("state: frozen base {}, changing {} (adapters + 2 moments) every step", human_bytes(f.base_bytes), human_bytes(f.changing_bytes));
+    println!("{:>5} {:>12} {:>12} {:>8} {:>9} {:>10} {:>10} {:>8}", "step", "written", "changed+idx", "w/c", "stall_s", "durable_s", "alone_s", "d/alone");
+    for s in &f.steps {
+        println!(
+            "{:>5} {:>12} {:>12} {:>8.3} {:>9.4} {:>10.4} {:>10.4} {:>8.2}",
+            s.step,
+            human_bytes(s.written_bytes),
+            human_bytes(s.changed_bytes),
+            s.written_over_changed,
+            s.stall_seconds,
+            s.durable_seconds,
+            s.alone_durable_seconds,
+            s.durable_over_alone
+        );
+    }
+    println!("median over linked steps: written/changed {:.3} (bar 1.1), durable/alone {:.2} (bar 1.5)", f.written_over_changed_median, f.durable_over_alone_median);
+    let secs = |v: &[f64]| v.iter().map(|s| format!("{s:.3}")).collect::<Vec<_>>().join(" ");
+    let full = &f.full;
+    println!("full save of {} (every tensor changed), detection on vs off, alternated:", human_bytes(full.bytes));
+    println!("  stall   on  {}   off {}   median on/off {:.3} (bar 1.05)", secs(&full.on_stall_seconds), secs(&full.off_stall_seconds), full.stall_on_over_off);
+    println!("  durable on  {}   off {}   median on/off {:.3} (bar 1.05)", secs(&full.on_durable_seconds), secs(&full.off_durable_seconds), full.durable_on_over_off);
+    println!(
+        "  second save after start (no history yet: all stable, shards wait for the digests; not in the medians): durable on {:.3} off {:.3}",
+        full.on_second_save_durable_seconds, full.off_second_save_durable_seconds
+    );
+    Ok(())
 }
 
 fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {

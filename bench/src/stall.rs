@@ -146,7 +146,7 @@ fn region_offsets(layout: &Layout) -> (Vec<u64>, u64) {
 /// A sidecar process of this binary, stopped (SIGTERM, drained) by
 /// [`Sidecar::stop`], killed on drop otherwise; its socket directory is
 /// removed either way.
-struct Sidecar {
+pub(crate) struct Sidecar {
     child: Option<Child>,
     sock_dir: PathBuf,
     socket: PathBuf,
@@ -154,7 +154,15 @@ struct Sidecar {
 }
 
 impl Sidecar {
+    /// `serve` with `--incremental off`: this benchmark measures the write
+    /// path, and its state changes little between saves (incremental saves
+    /// would link most of it: `bench incremental` measures that).
     fn spawn(dir: &Path, staging_bytes: u64) -> anyhow::Result<Sidecar> {
+        Sidecar::spawn_with(dir, staging_bytes, &["--incremental", "off"])
+    }
+
+    /// `serve` on DIR with this staging budget and these extra options.
+    pub(crate) fn spawn_with(dir: &Path, staging_bytes: u64, extra: &[&str]) -> anyhow::Result<Sidecar> {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         let sock_dir = std::env::temp_dir().join(format!("ckpt-bench-stall-{}-{nanos:08x}", std::process::id()));
         std::fs::DirBuilder::new().mode(0o700).create(&sock_dir).with_context(|| format!("creating {}", sock_dir.display()))?;
@@ -177,6 +185,7 @@ impl Sidecar {
             .arg(&sc.socket)
             .arg("--staging")
             .arg(staging_bytes.to_string())
+            .args(extra)
             // The sidecar must never act as a client of another sidecar.
             .env_remove("CKPT_SIDECAR_PRELOAD")
             .stdin(Stdio::null())
@@ -188,11 +197,11 @@ impl Sidecar {
         Ok(sc)
     }
 
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }
 
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let Some(p) = &self.log else { return String::new() };
         let s = std::fs::read_to_string(p).unwrap_or_default();
         let lines: Vec<&str> = s.lines().collect();
@@ -205,7 +214,7 @@ impl Sidecar {
     }
 
     /// Connects once the sidecar accepts (it allocates its staging first).
-    fn connect(&mut self) -> anyhow::Result<Client> {
+    pub(crate) fn connect(&mut self) -> anyhow::Result<Client> {
         let t0 = Instant::now();
         loop {
             if let Some(st) = self.child.as_mut().expect("running").try_wait()? {
@@ -225,7 +234,7 @@ impl Sidecar {
     }
 
     /// SIGTERM, then waits for it to drain and exit; its status must be 0.
-    fn stop(mut self) -> anyhow::Result<()> {
+    pub(crate) fn stop(mut self) -> anyhow::Result<()> {
         let mut child = self.child.take().expect("running");
         // SAFETY: signalling our own child, which has not been reaped.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };

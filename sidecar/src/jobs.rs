@@ -71,6 +71,14 @@ pub struct FileJob {
     pub t_received: Instant,
 }
 
+/// A save's tensor checksums and, for an incremental layout
+/// (`LayoutOptions::incremental`), digests (`ckpt_store::digest`), in the
+/// layout's order.
+pub struct Sums {
+    pub crcs: Vec<u32>,
+    pub digests: Option<Vec<u128>>,
+}
+
 /// A save whose image the session is still copying while the committer
 /// writes it: the copy's [`Progress`], and how it ended (set before the
 /// progress ends, so the committer reads it once `progress.outcome()` returned).
@@ -96,7 +104,7 @@ impl Fill {
 
     /// The copy and its checksums (and digests, incremental) are done
     /// (after Released was sent).
-    pub fn finish(&self, copy_seconds: f64, sums: crate::snapshot::Sums) {
+    pub fn finish(&self, copy_seconds: f64, sums: Sums) {
         *self.end.lock().expect("fill lock") = Some(FillEnd::Copied { copy_seconds });
         match sums.digests {
             Some(d) => self.progress.finish_with_digests(sums.crcs, d),

@@ -348,6 +348,18 @@ enum BenchCmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Incremental checkpoints: a LoRA-like state (frozen base + adapters
+    /// with AdamW-like moments) saved every step, bytes written and time to
+    /// durable beside saving the changed tensors alone; a full save with
+    /// detection on vs off, alternated.
+    #[command(disable_help_flag = true)]
+    Incremental {
+        /// `ckpt-bench incremental`'s options (--dir DIR [--base SIZE]
+        /// [--adapters SIZE] [--steps N] [--full-rounds N] [--lazy-release] [--json]; --help
+        /// lists them), passed on as they are.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// This sidecar against torch.save, safetensors, torch.distributed.checkpoint
     /// (save, async_save) and DeepSpeed FastPersist (when it can run) on the same
     /// state, in one run: stall, time to durable, restore, beside fio and memcpy.
@@ -1097,6 +1109,20 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
         BenchCmd::Write { dirs, size, step, shard_size, compare_fio, json, io } => {
             let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
             print_figures(&f, json)?;
+        }
+        BenchCmd::Incremental { args } => {
+            let me = std::env::current_exe().context("finding this executable")?;
+            let bench = me.with_file_name("ckpt-bench");
+            if !bench.is_file() {
+                bail!("bench incremental needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
+            }
+            let status = std::process::Command::new(&bench)
+                .arg("incremental")
+                .args(args)
+                .env("CKPT_SIDECAR_BIN", &me)
+                .status()
+                .with_context(|| format!("running {}", bench.display()))?;
+            return Ok(child_exit(status));
         }
         BenchCmd::Stall { args } => {
             // The trainer's side lives in ckpt-bench, so that this binary links

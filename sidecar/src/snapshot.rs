@@ -24,7 +24,7 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn, Unchanged};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
-use crate::jobs::{Fill, Job, Part, Work};
+use crate::jobs::{Fill, Job, Part, Sums, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
@@ -204,14 +204,6 @@ struct Piece {
     len: usize,
     /// Already copied by its region's batch ([`copy_batches`]).
     staged: bool,
-}
-
-/// A save's tensor checksums and, for an incremental layout
-/// (`LayoutOptions::incremental`), digests (`ckpt_store::digest`), in the
-/// layout's order.
-pub struct Sums {
-    pub crcs: Vec<u32>,
-    pub digests: Option<Vec<u128>>,
 }
 
 // A copy piece is one digest block: a tensor's pieces start at its first
@@ -571,6 +563,9 @@ pub struct FedCopy {
     pub progress: Arc<Progress>,
     /// The windows the device copy ran in (0: no device memory), for the log.
     pub device_windows: usize,
+    /// A lazily released incremental copy's sums per piece, whose pieces
+    /// of volatile tensors still lack their digests ([`FedCopy::complete`]).
+    pending: Option<Vec<(u32, u128)>>,
 }
 
 impl FedCopy {
@@ -587,7 +582,7 @@ impl FedCopy {
         let starts = runs[..runs.len() - 1].iter().map(|&k| base_off + (pieces.0[k].dst as usize - base_ptr) as u64).collect();
         let progress = Arc::new(Progress::new(starts, base_off + layout.staging_len));
         lease.filled_by(progress.clone());
-        FedCopy { pieces, runs, progress, device_windows: 0 }
+        FedCopy { pieces, runs, progress, device_windows: 0, pending: None }
     }
 
     /// Copies every piece, marking each run done as it ends; with `crc`,
@@ -596,7 +591,16 @@ impl FedCopy {
     /// after its checks ([`FedCopy::checksum`], `Fill`).
     pub fn copy(&mut self, layout: &Layout, crc: bool, stop: &(dyn Fn() -> bool + Sync)) -> Option<Option<Sums>> {
         if crc && layout.opts.incremental {
-            return self.copy_with(layout, stop, &|p| p.copy_summed(true)).map(|s| Some(fold_sums(layout, &self.pieces, &s)));
+            // Digests in the copy's pass only for tensors of stable shards
+            // (their links wait for them); a volatile tensor's digest only
+            // serves the next save, so it is taken after the release
+            // ([`FedCopy::complete`]), off the trainer's stall.
+            let stable = stable_tensors(layout);
+            let sums = self.copy_with(layout, stop, &|p| if stable[p.tensor_idx] { p.copy_summed(true) } else { (p.copy(true), 0) })?;
+            let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
+            let out = Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None };
+            self.pending = Some(sums);
+            return Some(Some(out));
         }
         let crcs = self.copy_with(layout, stop, &|p| p.copy(crc))?;
         Some(crc.then(|| Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None }))
@@ -665,6 +669,24 @@ impl FedCopy {
         Some(piece_crcs)
     }
 
+    /// The sums of a copy made with its checksums, completed after the
+    /// release: a lazily released incremental copy's volatile tensors get
+    /// their digests from the staged bytes (on the copy threads); any other
+    /// copy's sums are returned as they are.
+    pub fn complete(&mut self, layout: &Layout, sums: Sums) -> Sums {
+        let Some(mut pending) = self.pending.take() else { return sums };
+        let stable = stable_tensors(layout);
+        let rest = run_runs(&self.pieces, &self.runs, &|| false, &|p| if stable[p.tensor_idx] { 0 } else { sum_of_staged(p, false).1 }, &|_| {}).expect("a digest pass is never stopped");
+        for ((p, s), d) in self.pieces.0.iter().zip(&mut pending).zip(rest) {
+            if !stable[p.tensor_idx] {
+                s.1 = d;
+            }
+        }
+        let out = fold_sums(layout, &self.pieces, &pending);
+        debug_assert_eq!(out.crcs, sums.crcs);
+        out
+    }
+
     /// The tensor checksums (and digests, incremental) from the staged
     /// bytes (after a copy without them).
     pub fn checksum(&self, layout: &Layout) -> Sums {
@@ -683,6 +705,17 @@ fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
         prev = p.tensor_idx;
     }
     crcs
+}
+
+/// Whether each tensor of `layout` lies in a stable shard.
+fn stable_tensors(layout: &Layout) -> Vec<bool> {
+    let mut v = vec![false; layout.specs.len()];
+    for sh in layout.shards.iter().filter(|s| s.stable) {
+        for &i in &sh.tensors {
+            v[i] = true;
+        }
+    }
+    v
 }
 
 /// [`fold_crcs`] for checksums and digests: each tensor's digest combines
@@ -1020,12 +1053,15 @@ fn run_fed_save(
             return;
         }
     }
-    let mut crcs = crcs.unwrap_or_else(|| {
-        let t_crc = Instant::now();
-        let crcs = fed.checksum(&layout);
-        info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
-        crcs
-    });
+    let mut crcs = match crcs {
+        Some(sums) => fed.complete(&layout, sums),
+        None => {
+            let t_crc = Instant::now();
+            let crcs = fed.checksum(&layout);
+            info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
+            crcs
+        }
+    };
     if let Some(t) = &taken {
         // Not copied, so not checksummed: their step's checksums and digests.
         t.patch(&mut crcs.crcs, crcs.digests.as_deref_mut());

@@ -513,7 +513,10 @@ fn largest_shard(dir: &Path, step: u64) -> PathBuf {
 
 #[test]
 fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_when_too_small() {
-    let sc = Sidecar::start(&[]);
+    // Steps 9 and 10 save the same bytes: with the default incremental
+    // saves they would share their files (one flipped byte would damage
+    // both); every save written in full keeps them apart for the fallback.
+    let sc = Sidecar::start(&["--full-every", "1"]);
     let (descs, len) = model(1);
     let mut shm = Shm::new(len);
     shm.fill(7);

@@ -202,7 +202,8 @@ fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
         assert!(matches!(reply(s), Reply::Durable { step: 6, .. }), "{}", std::fs::read_to_string(&sc.log).unwrap_or_default());
     }
     let index = restore::read_index(&sc.dir, 6).unwrap();
-    assert_eq!(index.ckpt.format_version, 2);
+    // Slices (2) and, with the default --incremental on, digests (3).
+    assert_eq!(index.ckpt.format_version, 3);
     assert!(index.ckpt.blobs.is_empty(), "declarations are not stored as blobs");
     let w = index.logical_tensor("w").unwrap();
     assert_eq!((w.shape, w.slices.len()), (&[3u64, 100][..], 2));
@@ -315,4 +316,58 @@ fn a_rank_that_resumes_after_the_part_timeout_is_told_the_others_sent_to_the_att
         other => panic!("expected Failed, got {other:?}"),
     }
     assert!(!catalog::is_committed(&sc.dir, 4));
+}
+
+/// Writes `bytes` at `offset` of the shared-memory segment `name`.
+fn shm_write(name: &str, offset: usize, bytes: &[u8]) {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: plain libc calls with checked results on a segment of our own name.
+    unsafe {
+        let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0o600);
+        assert!(fd >= 0);
+        assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), bytes.len(), offset as libc::off_t), bytes.len() as isize);
+        libc::close(fd);
+    }
+}
+
+/// Incremental saves of several ranks (issue 21): each rank's part is
+/// compared with the same rank's previous part through the merged image,
+/// so a rank's unchanged stable shard is linked from the step before, and
+/// every step still loads what each rank saved.
+#[test]
+fn each_ranks_unchanged_shards_are_linked_from_its_previous_part() {
+    use std::os::unix::fs::MetadataExt;
+    let sc = Sidecar::start("300");
+    let (mut a, mut b) = (sc.client(), sc.client());
+    let len = 2 << 20;
+    let (mut sa, mut sb) = (register(&mut a, 0, len), register(&mut b, 1, len));
+    let frozen_ino = |step: u64, name: &str| {
+        let index = restore::read_index(&sc.dir, step).unwrap();
+        std::fs::metadata(catalog::step_path(&sc.dir, step).join(&index.ckpt.tensors[name].file)).unwrap().ino()
+    };
+    for step in 1..=3u64 {
+        // The small tensor of each rank changes every step; the big one never.
+        for shm in [&mut sa, &mut sb] {
+            shm.bytes[1 << 20] = step as u8;
+            shm_write(&shm.name, 1 << 20, &[step as u8]);
+        }
+        part(&mut a, step, 0, 2, vec![f32s("r0.frozen", 1 << 18, 0), f32s("r0.moving", 1000, 1 << 20)], vec![]);
+        part(&mut b, step, 1, 2, vec![f32s("r1.frozen", 1 << 18, 0), f32s("r1.moving", 1000, 1 << 20)], vec![]);
+        for s in [&mut a, &mut b] {
+            assert!(matches!(reply(s), Reply::Released { .. }));
+        }
+        for s in [&mut a, &mut b] {
+            assert!(matches!(reply(s), Reply::Durable { .. }));
+        }
+        let l = restore::load(&sc.dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
+        assert_eq!(l.tensor("r0.frozen").unwrap(), &sa.bytes[..1 << 20]);
+        assert_eq!(l.tensor("r1.moving").unwrap(), &sb.bytes[1 << 20..(1 << 20) + 4000]);
+        assert_eq!(l.tensor("r0.moving").unwrap(), &sa.bytes[1 << 20..(1 << 20) + 4000]);
+        let index = restore::read_index(&sc.dir, step).unwrap();
+        assert!(index.ckpt.tensors.values().all(|t| t.xxh128.is_some()), "incremental parts record digests");
+    }
+    for name in ["r0.frozen", "r1.frozen"] {
+        assert_eq!(frozen_ino(1, name), frozen_ino(3, name), "{name}: not linked across steps");
+    }
+    assert_ne!(frozen_ino(3, "r0.frozen"), frozen_ino(3, "r1.frozen"));
 }

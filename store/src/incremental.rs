@@ -113,7 +113,27 @@ impl Prev {
 /// same directory). The new name becomes durable with the temp folder's
 /// sync (the commit rule); the file's bytes are already durable.
 pub fn link(from: &Path, to: &Path) -> io::Result<()> {
-    std::fs::hard_link(from, to)
+    std::fs::hard_link(from, to)?;
+    kill_after_links_for_tests();
+    Ok(())
+}
+
+/// Crash tests: `CKPT_STORE_TEST_KILL_AFTER_LINKS=N` kills this process
+/// with SIGKILL right after its N-th link (a sidecar killed while it links
+/// a step's shards). Unset (always, outside tests), nothing happens; the
+/// variable is read once.
+pub const TEST_KILL_AFTER_LINKS_ENV: &str = "CKPT_STORE_TEST_KILL_AFTER_LINKS";
+
+fn kill_after_links_for_tests() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static AFTER: OnceLock<Option<u64>> = OnceLock::new();
+    static LINKS: AtomicU64 = AtomicU64::new(0);
+    let Some(n) = *AFTER.get_or_init(|| std::env::var(TEST_KILL_AFTER_LINKS_ENV).ok().and_then(|v| v.parse().ok())) else { return };
+    if LINKS.fetch_add(1, Ordering::SeqCst) + 1 == n {
+        // SAFETY: raising a signal on this process has no preconditions.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
 }
 
 /// The (device, inode) of `file` of committed step `step` of `primary`

@@ -136,10 +136,10 @@ fn an_index_without_slices_stays_version_1_and_version_1_with_slices_is_refused(
     index.seal();
     let e = Index::from_json_bytes(&index.to_json_bytes()).unwrap_err();
     assert!(e.to_string().contains("format version 1 has no slices"), "{e}");
-    index.ckpt.format_version = 3;
+    index.ckpt.format_version = 4;
     index.seal();
     let e = Index::from_json_bytes(&index.to_json_bytes()).unwrap_err();
-    assert!(e.to_string().contains("format version 3 is not supported (this build reads 1 to 2)"), "{e}");
+    assert!(e.to_string().contains("format version 4 is not supported (this build reads 1 to 3)"), "{e}");
     let plain = parts();
     assert_eq!(plain.index(1, &[0, 0, 0], &[], vec![]).ckpt.format_version, 1);
 }

@@ -835,6 +835,19 @@ impl Client {
     /// [`Client::wait`] or [`Client::poll`] tell when it is released / durable.
     /// The tensors must not change until it is released.
     pub fn save(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef]) -> Result<SaveHandle> {
+        self.save_unchanged(step, tensors, blobs, None)
+    }
+
+    /// [`Client::save`] with tensors the trainer proves unchanged since its
+    /// own save of `unchanged.since_step` (protocol 13, [`ckpt_wire::Unchanged`]:
+    /// bit `i` flags `tensors[i]`). The sidecar may take their bytes from
+    /// that step instead of the regions, when it holds it as this
+    /// connection saved it; else it copies them. A flag on a changed tensor
+    /// makes the checkpoint hold its old bytes: flag only what is proven.
+    pub fn save_unchanged(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], unchanged: Option<&ckpt_wire::Unchanged>) -> Result<SaveHandle> {
+        if let Some(u) = unchanged {
+            u.check(tensors.len()).map_err(Error::InvalidArgument)?;
+        }
         let mut inner = self.lock_inner();
         self.refresh_cuda_locked(&mut inner, tensors)?;
         // The same tensors as the last save, with the same regions: its
@@ -859,7 +872,8 @@ impl Client {
             (_, 1) => None,
             (rank, world_size) => Some(ckpt_wire::RankOf { rank, world_size }),
         };
-        let sent = self.submit_encoded(&mut inner, step, None, |id| ckpt_wire::encode_save_with(id, step, part, &kept.encoded, &blobs, lazy_release));
+        let unchanged = unchanged.filter(|u| u.count() > 0).map(|u| ckpt_wire::UnchangedRef { since_step: u.since_step, bits: &u.bits });
+        let sent = self.submit_encoded(&mut inner, step, None, |id| ckpt_wire::encode_save_with(id, step, part, &kept.encoded, &blobs, lazy_release, unchanged));
         inner.kept_list = Some(kept);
         sent
     }
@@ -1043,6 +1057,17 @@ impl Client {
     /// on it before copying. The CPU never waits. With no CUDA tensor this is
     /// a plain save.
     pub fn save_on_stream(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], stream: u64) -> Result<SaveHandle> {
+        self.save_on_stream_unchanged(step, tensors, blobs, stream, None)
+    }
+
+    /// [`Client::save_on_stream`] with tensors proven unchanged, as
+    /// [`Client::save_unchanged`]: on a GPU the sidecar then skips their
+    /// device-to-host copy.
+    pub fn save_on_stream_unchanged(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], stream: u64, unchanged: Option<&ckpt_wire::Unchanged>) -> Result<SaveHandle> {
+        if let Some(u) = unchanged {
+            u.check(tensors.len()).map_err(Error::InvalidArgument)?;
+        }
+        let unchanged = unchanged.filter(|u| u.count() > 0).cloned();
         let mut inner = self.lock_inner();
         self.refresh_cuda_locked(&mut inner, tensors)?;
         let descs = describe(&inner, tensors)?;
@@ -1052,9 +1077,15 @@ impl Client {
         devices.sort_unstable();
         devices.dedup();
         let (rank, world_size) = inner.rank;
+        if devices.is_empty() && unchanged.is_some() {
+            // No device tensor: a plain save, its tensor list kept for the next.
+            drop(inner);
+            let blobs: Vec<BlobRef> = blobs.iter().map(|b| BlobRef { name: &b.name, bytes: &b.bytes }).collect();
+            return self.save_unchanged(step, tensors, &blobs, unchanged.as_ref());
+        }
         let device = match devices[..] {
-            [] if world_size == 1 => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release }),
-            [] => return self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release }),
+            [] if world_size == 1 => return self.submit(&mut inner, step, None, |id| Request::Save { id, step, tensors: descs, blobs, lazy_release, unchanged }),
+            [] => return self.submit(&mut inner, step, None, |id| Request::SavePart { id, step, rank, world_size, tensors: descs, blobs, lazy_release, unchanged }),
             [d] => d,
             _ => return Err(Error::InvalidArgument(format!("the CUDA tensors of one save lie on {} devices ({devices:?}); save each device's tensors from its own client", devices.len()))),
         };
@@ -1074,6 +1105,7 @@ impl Client {
             event,
             rank,
             world_size,
+            unchanged,
         })?;
         // The copy-done word's next value is this save's; the word is made
         // at the first device save (a refusal only makes waits the CPU's).

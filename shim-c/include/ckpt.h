@@ -118,6 +118,10 @@
 // pieces; the sidecar computes the CRC-32s torch.save would have written.
 #define CKPT_FILE_TORCH_ZIP 1
 
+// Tensor flag (ckpt_save_flagged): the tensor holds the very bytes it held
+// when this client's save of `since_step` copied them (protocol 13).
+#define CKPT_TENSOR_UNCHANGED 1
+
 // A connection to the sidecar, its shared-memory regions and saves (opaque).
 typedef struct ckpt_client ckpt_client;
 
@@ -281,6 +285,31 @@ int ckpt_save(struct ckpt_client *client,
               const struct ckpt_blob *blobs,
               size_t n_blobs,
               uint64_t *save_id);
+
+// As ckpt_save_on_stream (and, with no CUDA tensor, as ckpt_save), with a
+// flags word per tensor: `tensor_flags[i]` (NULL: none) may hold
+// CKPT_TENSOR_UNCHANGED, which promises that `tensors[i]` holds the very
+// bytes it held when this client's save of step `since_step` copied them.
+// The sidecar then may take them from that step instead of copying them
+// (on a GPU: no device-to-host copy), when it holds the step as this
+// connection saved it; otherwise it copies them as usual. A broken
+// promise is not detected: the checkpoint then holds the old bytes.
+// `since_step` < 0: no tensor is flagged. Unknown flag bits are refused
+// (CKPT_E_INVALID). ckpt_save and ckpt_save_on_stream are unchanged.
+//
+// # Safety
+// As ckpt_save_on_stream; `tensor_flags` is NULL or holds `n_tensors`
+// words.
+int ckpt_save_flagged(struct ckpt_client *client,
+                      uint64_t step,
+                      const struct ckpt_tensor *tensors,
+                      size_t n_tensors,
+                      const uint32_t *tensor_flags,
+                      int64_t since_step,
+                      const struct ckpt_blob *blobs,
+                      size_t n_blobs,
+                      void *stream,
+                      uint64_t *save_id);
 
 // Asks the sidecar to write `len_bytes` at `data` (inside memory from
 // ckpt_alloc) as the whole content of the file `path` (absolute, in an

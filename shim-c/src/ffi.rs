@@ -515,6 +515,55 @@ pub unsafe extern "C" fn ckpt_save(
     })
 }
 
+/// Tensor flag (ckpt_save_flagged): the tensor holds the very bytes it held
+/// when this client's save of `since_step` copied them (protocol 13).
+pub const CKPT_TENSOR_UNCHANGED: u32 = 1;
+
+/// As ckpt_save_on_stream (and, with no CUDA tensor, as ckpt_save), with a
+/// flags word per tensor: `tensor_flags[i]` (NULL: none) may hold
+/// CKPT_TENSOR_UNCHANGED, which promises that `tensors[i]` holds the very
+/// bytes it held when this client's save of step `since_step` copied them.
+/// The sidecar then may take them from that step instead of copying them
+/// (on a GPU: no device-to-host copy), when it holds the step as this
+/// connection saved it; otherwise it copies them as usual. A broken
+/// promise is not detected: the checkpoint then holds the old bytes.
+/// `since_step` < 0: no tensor is flagged. Unknown flag bits are refused
+/// (CKPT_E_INVALID). ckpt_save and ckpt_save_on_stream are unchanged.
+///
+/// # Safety
+/// As ckpt_save_on_stream; `tensor_flags` is NULL or holds `n_tensors`
+/// words.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ckpt_save_flagged(
+    client: *mut ckpt_client,
+    step: u64,
+    tensors: *const ckpt_tensor,
+    n_tensors: usize,
+    tensor_flags: *const u32,
+    since_step: i64,
+    blobs: *const ckpt_blob,
+    n_blobs: usize,
+    stream: *mut c_void,
+    save_id: *mut u64,
+) -> c_int {
+    guard(|| {
+        let save_id = out(save_id, "save_id")?;
+        // SAFETY (this block): the caller's contract for every pointer.
+        let c = unsafe { self::client(client) }?;
+        let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
+        let bs = unsafe { blob_refs(blobs, n_blobs) }?;
+        let flags: &[u32] = if tensor_flags.is_null() { &[] } else { unsafe { slice(tensor_flags, n_tensors, "tensor_flags") }? };
+        if let Some((i, f)) = flags.iter().enumerate().find(|(_, &f)| f & !CKPT_TENSOR_UNCHANGED != 0) {
+            return Err(invalid(format!("tensor_flags[{i}] = {f:#x}: unknown flag bits (known: CKPT_TENSOR_UNCHANGED = 1)")));
+        }
+        let unchanged = u64::try_from(since_step).ok().map(|since_step| ckpt_wire::Unchanged { since_step, bits: ckpt_wire::Unchanged::bits_of(flags.iter().map(|&f| f & CKPT_TENSOR_UNCHANGED != 0)) });
+        let h = c.client.save_on_stream_unchanged(step, &ts, &bs, stream as u64, unchanged.as_ref())?;
+        unsafe { *save_id = h.id };
+        Ok(())
+    })
+}
+
 /// Asks the sidecar to write `len_bytes` at `data` (inside memory from
 /// ckpt_alloc) as the whole content of the file `path` (absolute, in an
 /// existing directory), atomically: a temp file in that directory, synced,

@@ -287,3 +287,34 @@ fn example_trainer_under_launch_crashes_and_resumes_verified() {
     let v = Command::new(&bin).arg("verify").arg(&dir).output().unwrap();
     assert!(v.status.success(), "verify: {}", text(&v));
 }
+
+/// ckpt_save_flagged from C against the real sidecar (tests/c/unchanged.c):
+/// a tensor flagged CKPT_TENSOR_UNCHANGED since the step this client saved
+/// last is taken from the sidecar's copy of that step (a write the flag did
+/// not declare is not saved), one not flagged is copied, a flag naming
+/// another step is ignored, unknown flag bits are refused.
+#[test]
+fn c_flag_unchanged_takes_the_named_steps_bytes_and_only_those() {
+    let Some(bin) = sidecar_bin() else { return };
+    let Some(cc) = support::cc() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let exe = d.path().join("unchanged");
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = support::lib_dir();
+    let o = Command::new(&cc)
+        .args(["-std=c99", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-pedantic"])
+        .arg(format!("-I{}", crate_dir.join("include").display()))
+        .arg(crate_dir.join("tests/c/unchanged.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lckpt")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "compiling tests/c/unchanged.c failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    let sock = d.path().join("s.sock");
+    let _serve = Serve::start(&bin, &d.path().join("ckpt"), &sock);
+    let o = Command::new(&exe).env("CKPT_SIDECAR_SOCKET", &sock).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}", text(&o));
+}

@@ -36,6 +36,7 @@ class FilePiece(ctypes.Structure):
 
 
 FILE_AS_IS, FILE_TORCH_ZIP = 0, 1  # ckpt_save_file_pieces' finish
+TENSOR_UNCHANGED = 1  # ckpt_save_flagged's per-tensor flag
 
 
 class Blob(ctypes.Structure):
@@ -135,6 +136,8 @@ def lib():
         "ckpt_register_cuda": ([P, P, c.POINTER(c.c_uint32)], c.c_int),
         "ckpt_register_cuda_range": ([P, P, c.c_uint64, c.POINTER(c.c_uint32)], c.c_int),
         "ckpt_unregister_cuda": ([P, P], c.c_int),
+        "ckpt_save_flagged": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(c.c_uint32), c.c_int64,
+                               c.POINTER(Blob), c.c_size_t, P, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_save_on_stream": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t, P,
                                  c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_stream_wait_copy": ([P, c.c_uint64, P, c.c_int64, c.POINTER(c.c_int)], c.c_int),

@@ -30,6 +30,18 @@ printed).
   ckpt-sidecar bench compare --dir DIR --sizes 256MiB,1GiB [--rounds 3] [--json] [--plot out.png]
   python -m ckpt_sidecar.bench_compare --dir DIR --sizes 256MiB,1GiB ...   (the same)
 
+LoRA-like state (--lora ADAPTER_SIZE): each size is a frozen base that never
+changes, plus ADAPTER_SIZE of adapters (float32) with AdamW-like state (two
+moments of the same size), all three written in place (torch add_) before
+every save. Extra methods then: sidecar_trust (incremental="trust-version":
+the frozen base is proven unchanged by torch's version counters; its row is
+the steady state of saving every step: an untimed save of the state right
+before each timed one, and no restore, which would evict the image it takes
+from) and sidecar_changed_only (the adapters and moments alone: what the
+changed tensors cost). --loop-lora does the same for the training loop
+(a frozen MLP with rank-8 adapters per layer, AdamW on the adapters only),
+with the extra loop method sidecar_trust.
+
 Progress goes to stderr; the table to stdout; with --json the JSON document
 is the last line of stdout.
 """
@@ -90,6 +102,30 @@ def make_state(size_bytes):
     for j in range(32):
         state[f"layers.{j}.norm.weight"] = torch.rand(1024, generator=g)
     return state
+
+
+def make_lora_state(base_bytes, adapter_bytes):
+    """A frozen base of about base_bytes (make_state's tensors) and adapters of
+    adapter_bytes float32 in 1 MiB tensors, each with two AdamW-like moments;
+    returns (state, the tensors written at every step)."""
+    state = {f"base.{k}": t for k, t in make_state(base_bytes).items()}
+    g = torch.Generator().manual_seed(1)
+    changing = []
+    n = max(1, adapter_bytes // (1 << 20))
+    per = max(1, adapter_bytes // n // 4)
+    for i in range(n):
+        for kind in ("weight", "exp_avg", "exp_avg_sq"):
+            t = torch.rand(per, generator=g)
+            state[f"adapter.{i}.{kind}"] = t
+            changing.append(t)
+    return state, changing
+
+
+def train_adapters(changing):
+    """One optimizer step's writes: every adapter tensor and moment in place."""
+    with torch.no_grad():
+        for t in changing:
+            t.add_(1e-3)
 
 
 def nbytes(state):
@@ -202,13 +238,38 @@ def memcpy_s(state, dst):
 
 # ---- methods: each returns a callable that saves once and returns {stall_s, durable_s, restore_s, ...} ----
 
+# Untimed saves before a timed one of a LoRA-like state (SidecarMethod).
+STEADY_SAVES = 3
+
+
 class SidecarMethod:
-    def __init__(self, name, ck, state, shared):
+    def __init__(self, name, ck, state, shared, steady=None):
         self.name, self.ck, self.state, self.shared = name, ck, state, shared
         self.dummy = {"dummy": torch.zeros(1024)}
+        # LoRA-like states (sidecar_copied, sidecar_trust): a callable that
+        # makes the state's next step (the adapters' writes). STEADY_SAVES
+        # untimed saves of the state come first, each after such a step, so
+        # the timed one is the steady state of saving every step (the
+        # sidecar's incremental layout learns which tensors change from its
+        # last commits, which other methods' saves in between replace), and
+        # no restore follows (its untimed tiny save would be the newest
+        # commit the next save compares with).
+        self.steady = steady
 
     def __call__(self, step, workdir):
         ck = self.ck
+        if self.steady is not None:
+            for k in range(STEADY_SAVES):
+                ck.save(step + k, self.state).wait_durable()
+                self.steady()
+            t0 = time.perf_counter()
+            h = ck.save(step + STEADY_SAVES, self.state)
+            h.wait_released()
+            t1 = time.perf_counter()
+            h.wait_durable()
+            t2 = time.perf_counter()
+            return {"stall_s": t1 - t0, "durable_s": t2 - t0, "restore_s": None, "trainer_copied_bytes": h.copied_bytes,
+                    "written_bytes": (ck.status().get("last") or {}).get("bytes")}
         t0 = time.perf_counter()
         h = ck.save(step, self.state)
         h.wait_released()
@@ -523,9 +584,26 @@ def run_loop(args, base, skipped, drain=None):
     torch.set_num_threads(1)
     width = 1024
     layers = max(1, args.loop_size // (width * width * 4))
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(8, width)
+    if args.loop_lora:
+        # LoRA-like: a frozen MLP, rank-8 adapters per layer, AdamW on the adapters.
+        class Lora(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.base = nn.ModuleList(nn.Linear(width, width).requires_grad_(False) for _ in range(layers))
+                self.a = nn.ParameterList(nn.Parameter(torch.randn(width, 8) * 0.01) for _ in range(layers))
+                self.b = nn.ParameterList(nn.Parameter(torch.zeros(8, width)) for _ in range(layers))
+
+            def forward(self, y):
+                for lin, a, b in zip(self.base, self.a, self.b):
+                    y = lin(y) + (y @ a) @ b
+                return y
+
+        model = Lora()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    else:
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def fwd_bwd():
         model(x).sum().backward()
@@ -538,11 +616,20 @@ def run_loop(args, base, skipped, drain=None):
         ck.share(model)
         ck.share(opt.state)
         ck.guard(opt)
+        if args.loop_lora:
+            # sidecar_trust: the same connection and shared tensors, its saves
+            # made with incremental="trust-version" (a tracker of its own,
+            # swapped in for them): the frozen base is flagged unchanged and
+            # the sidecar takes it from its resident image instead of copying
+            # it from shared memory.
+            from . import _trust
+            trust_tracker = _trust.Tracker()
 
         def state(step):
             return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
-        size_b = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+        size_b = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
+            sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
         steps = iter(range(1, 10**9))
         persist = []
         for _ in range(3):
@@ -573,6 +660,14 @@ def run_loop(args, base, skipped, drain=None):
             os.makedirs(wd, exist_ok=True)
             if m == "sidecar_shared":
                 return lambda st: ck.save(next(steps), st)
+            if m == "sidecar_trust":
+                def f(st):
+                    ck._trust = trust_tracker
+                    try:
+                        return ck.save(next(steps), st)
+                    finally:
+                        ck._trust = None
+                return f
             if m in ("torch_save", "torch_save_fsync"):
                 def f(st):
                     path = os.path.join(wd, "state.pt")
@@ -645,8 +740,9 @@ def run_loop(args, base, skipped, drain=None):
                 dcp_async["fut"] = None
             return total / args.loop_steps
 
-        want = [m for m in (LOOP_METHODS if args.methods is None else args.methods.split(","))
-                if m in LOOP_METHODS and m not in skipped]
+        loop_methods = LOOP_METHODS + (["sidecar_trust"] if args.loop_lora else [])
+        want = [m for m in (loop_methods if args.methods is None else args.methods.split(","))
+                if m in loop_methods and m not in skipped]
         if drain:
             want = ["sidecar_shared"]  # the same loop, its sidecar draining every step to `drain`
         plain = [loop(None, 1)]
@@ -668,8 +764,13 @@ def run_loop(args, base, skipped, drain=None):
                  "step_s": med([x["step_s"] for x in v]), "never_step_s": med([x["never_step_s"] for x in v]),
                  "slowdown_pct": med([x["slowdown_pct"] for x in v]), "samples": v}
                 for (m, every), v in samples.items()]
-        return {"drain": drain, "state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
-                "sidecar_persist_s": med(persist), "never_step_s": med(plain), "never_runs": plain, "rows": rows}
+        out = {"drain": drain, "state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
+               "sidecar_persist_s": med(persist), "never_step_s": med(plain), "never_runs": plain, "rows": rows}
+        if args.loop_lora:
+            out["lora"] = {"frozen_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
+                           "adapter_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+                           "unchanged_taken_bytes": ck.status()["unchanged_taken_bytes"]}
+        return out
     finally:
         ck.close()
         side.stop()
@@ -679,6 +780,11 @@ def print_loop(loop):
     print(f"training loop: {loop['steps']} steps, {loop['kind']} compute {loop['step_compute_s'] * 1e3:.0f} ms + "
           f"optimizer step; state {loop['state_bytes'] / 2**20:.0f} MiB; sidecar persist "
           f"{loop['sidecar_persist_s'] * 1e3:.0f} ms; never: {loop['never_step_s'] * 1e3:.1f} ms/step")
+    if "lora" in loop:
+        lo = loop["lora"]
+        print(f"LoRA-like: frozen {lo['frozen_bytes'] / 2**20:.1f} MiB, adapters {lo['adapter_bytes'] / 2**20:.2f} MiB "
+              f"(+ AdamW moments); frozen bytes taken without a copy (trust-version): "
+              f"{lo['unchanged_taken_bytes'] / 2**20:.0f} MiB")
     print(f"{'method':24s} {'every':>5s} {'ms/step':>9s} {'slowdown':>9s}  (median of {loop['rows'][0]['rounds'] if loop['rows'] else 0} rounds; each round's)")
     for r in loop["rows"]:
         each = " ".join(f"{x['slowdown_pct']:+.1f}" for x in r["samples"])
@@ -707,6 +813,12 @@ def parse_args(argv=None):
     p.add_argument("--loop-rounds", type=int, default=3,
                    help="rounds of the training loop, methods rotated between rounds; medians (default 3)")
     p.add_argument("--loop-kind", choices=["gpu_like", "cpu"], default="gpu_like")
+    p.add_argument("--lora", type=parse_size, default=None, metavar="ADAPTER_SIZE",
+                   help="LoRA-like states: each size is a frozen base, plus ADAPTER_SIZE of adapters with two AdamW "
+                        "moments written before every save; adds sidecar_trust and sidecar_changed_only")
+    p.add_argument("--loop-lora", action="store_true",
+                   help="the training loop with a frozen model and rank-8 adapters (AdamW on the adapters only); "
+                        "adds the loop method sidecar_trust")
     p.add_argument("--plot", default=None, help="write a PNG: stall and throughput per method and size (log scales)")
     a = p.parse_args(argv)
     try:
@@ -732,14 +844,19 @@ def parse_args(argv=None):
 
 ALL_METHODS = ["sidecar_copied", "sidecar_shared", "torch_save", "torch_save_fsync", "safetensors_fsync",
                "dcp_save", "dcp_async_save", "deepspeed_fastpersist"]
+# With --lora only (they need the LoRA-like state).
+LORA_METHODS = ["sidecar_trust", "sidecar_changed_only"]
 
 
 def main(argv=None):
     args = parse_args(argv)
-    want = ALL_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in want if m not in ALL_METHODS]
+    known = ALL_METHODS + (LORA_METHODS if args.lora is not None else []) + \
+        (["sidecar_trust"] if args.loop_lora and args.lora is None else [])
+    want = known if args.methods is None else [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in want if m not in known]
     if unknown:
-        raise SystemExit(f"bench compare: unknown method(s) {unknown}; known: {ALL_METHODS}")
+        raise SystemExit(f"bench compare: unknown method(s) {unknown}; known: {known}"
+                         + ("" if args.lora is not None else f" ({', '.join(LORA_METHODS)} with --lora)"))
     os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="bench-compare-", dir=args.dir)
     skipped = {}
@@ -760,13 +877,35 @@ def main(argv=None):
             side = Sidecar(os.path.join(base, "sidecar-ckpt"), staging)
             ck = side.connect()
         step = 0
+        ck_trust = None
+        if side is not None and args.lora is not None and "sidecar_trust" in want:
+            ck_trust = Checkpointer(socket=side.sock, spawn=False, incremental="trust-version")
         for size in args.sizes:
-            log(f"size {_units.human_bytes(size)}: making the state")
-            state = make_state(size)
+            log(f"size {_units.human_bytes(size)}: making the state" + (
+                f" (LoRA-like: frozen base + {_units.human_bytes(args.lora)} of adapters, AdamW moments)"
+                if args.lora is not None else ""))
+            changing = []
+            if args.lora is not None:
+                state, changing = make_lora_state(size, args.lora)
+            else:
+                state = make_state(size)
             size_b = nbytes(state)
             shared_state = None
             methods = {}
             for m in want:
+                if m == "sidecar_trust":
+                    ck_trust.reserve(state)
+                    methods[m] = SidecarMethod(m, ck_trust, state, False, steady=lambda: train_adapters(changing))
+                    continue
+                if m == "sidecar_copied" and args.lora is not None:
+                    ck.reserve(state)
+                    methods[m] = SidecarMethod(m, ck, state, False, steady=lambda: train_adapters(changing))
+                    continue
+                if m == "sidecar_changed_only":
+                    ck.reserve(state)
+                    only = {k: t for k, t in state.items() if not k.startswith("base.")}
+                    methods[m] = SidecarMethod(m, ck, only, False)
+                    continue
                 if m == "sidecar_copied":
                     ck.reserve(state)
                     methods[m] = SidecarMethod(m, ck, state, False)
@@ -795,10 +934,11 @@ def main(argv=None):
                 timed = r >= args.warmup
                 order = names[r % len(names):] + names[:r % len(names)]  # rotated
                 for m in order:
-                    step += 2  # a sidecar method also uses step + 1
+                    step += 2 + STEADY_SAVES  # a sidecar method also uses step + 1 (a steady one up to step + STEADY_SAVES)
                     workdir = os.path.join(base, f"{m}-{step}")
                     os.makedirs(workdir)
                     log(f"size {_units.human_bytes(size)}, round {r + 1}/{total}{'' if timed else ' (warm-up)'}: {m}")
+                    train_adapters(changing)  # LoRA-like: the adapters changed since the last save
                     gc.collect()
                     out = methods[m](step, workdir)
                     shutil.rmtree(workdir, ignore_errors=True)
@@ -813,7 +953,10 @@ def main(argv=None):
                      "samples": lim, "rounds": args.rounds, "memory": "warm"}
             limits.append(entry)
             for m, outs in samples.items():
-                row = {"method": m, "size_bytes": size_b,
+                # sidecar_changed_only saves the changed tensors alone: its
+                # throughput is of its own bytes (the row stays under the size).
+                row_b = nbytes(methods[m].state) if m == "sidecar_changed_only" else size_b
+                row = {"method": m, "size_bytes": size_b, "saved_bytes": row_b,
                        "stall_s": med([o["stall_s"] for o in outs]),
                        "durable_s": med([o.get("durable_s") for o in outs]),
                        "restore_s": med([o.get("restore_s") for o in outs]),
@@ -823,7 +966,12 @@ def main(argv=None):
                     row["durable_over_fio_write"] = row["durable_s"] / entry["fio_write_s"]
                 if row["restore_s"] and entry["fio_read_s"]:
                     row["restore_over_fio_read"] = row["restore_s"] / entry["fio_read_s"]
-                row["gb_per_s"] = size_b / row["durable_s"] / 1e9 if row["durable_s"] else None
+                row["gb_per_s"] = row_b / row["durable_s"] / 1e9 if row["durable_s"] else None
+                if args.lora is not None:
+                    row["lora_adapter_bytes"] = args.lora
+                if m in ("sidecar_trust", "sidecar_copied") and args.lora is not None:
+                    row["trainer_copied_bytes"] = med([o.get("trainer_copied_bytes") for o in outs])
+                    row["written_bytes"] = med([o.get("written_bytes") for o in outs])
                 if m == "deepspeed_fastpersist" and DEEPSPEED_NOTE:
                     row["note"] = DEEPSPEED_NOTE
                 results.append(row)
@@ -831,6 +979,8 @@ def main(argv=None):
             DcpMethod._targets = None
             gc.collect()
         if side is not None:
+            if ck_trust is not None:
+                ck_trust.close()
             ck.close()
             side.stop()
             side = None

@@ -37,6 +37,7 @@ from . import _alias
 from . import _cuda
 from . import _dirlock
 from . import _native as N
+from . import _trust
 from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
 from ._units import count_arg, cpus_arg, path_arg, size_arg, step_arg, timeout_ms
@@ -51,6 +52,7 @@ SPAWN_TIMEOUT_S = 120.0  # the sidecar pre-faults its staging first (up to ~2 s 
 POOL_REGIONS_MAX = 2  # save regions (busy or free), reused so their pages stay warm
 PENDING_PRUNE_AT = 64  # handles remembered before the released or dropped ones are pruned
 SAVE_PLANS_MAX = 8  # prepared save requests kept for states saved again (a trainer alternating a few states)
+INCREMENTAL_MODES = (None, "digest", "trust-version")  # Checkpointer(incremental=...)
 LOAD_REGION_MIN_BYTES = 1 << 20  # the first load region's size before the sidecar says what a checkpoint needs
 LOAD_TRIES_MAX = 4  # packed loads asked again because the checkpoint needed a larger region
 NOT_PLACED = (1 << 64) - 1  # ckpt_loaded_tensor_offset of a tensor not contiguous in the region
@@ -206,12 +208,15 @@ class _Region:
     """Memory from ckpt_alloc: address, length, and a ctypes array over it (a
     writable buffer numpy and torch can view)."""
 
-    __slots__ = ("ptr", "len_bytes", "buf", "busy", "__weakref__")
+    __slots__ = ("ptr", "len_bytes", "buf", "busy", "filled", "__weakref__")
 
     def __init__(self, ptr, len_bytes):
         self.ptr, self.len_bytes = ptr, len_bytes
         self.buf = (ctypes.c_ubyte * max(len_bytes, 1)).from_address(ptr)
         self.busy = None  # the SaveHandle whose copy reads it
+        # incremental="trust-version": (plan, {leaf index: stamp}) of the
+        # tensors a plan copied here and their stamps then (_trust); None: unknown.
+        self.filled = None
 
 
 def _current_stream():
@@ -372,7 +377,7 @@ class _SavePlan:
     Kept by the Checkpointer for the next save of the same state."""
 
     __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "dead", "blobs", "__weakref__")
+                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "dead", "blobs", "leaf_refs", "trust_names", "__weakref__")
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -382,6 +387,8 @@ class _SavePlan:
         self.copy_bytes, self.skeleton = copy_bytes, skeleton
         self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
         self.tensor_bytes = sum(r[2] for r in plan)
+        self.leaf_refs = [r[0] for r in plan]
+        self.trust_names = None  # _trust.names_of
         self.inplace = False
         self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
         self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save
@@ -450,20 +457,37 @@ class _SavePlan:
         (alive: their ids are then theirs)."""
         return gen == self.gen and key[0] == self.sig and self.alive()
 
-    def copy_in(self, ck, objs, region):
+    def copy_in(self, ck, objs, region, stamps=None):
         """Copies the tensors not sent in place (objs: the state's leaves, in
-        plan order) into `region` and points their descriptors there."""
+        plan order) into `region` and points their descriptors there. With
+        `stamps` (incremental="trust-version": each leaf's _trust.stamp now),
+        a tensor whose slot in `region` was filled by this plan from the same
+        stamp is not copied again (its bytes are there), and the region
+        remembers what it holds. Returns the bytes copied."""
         memmove, base = ctypes.memmove, region.ptr
         view = self.data_view
+        had = region.filled[1] if region.filled is not None and region.filled[0] is self else None
+        region.filled = None  # unknown while copying (an exception leaves it so)
+        now = {}
+        copied = 0
         for i, nbytes, off, ref, src in self.copies:
             dst = base + off
             view[i] = dst
             if not nbytes:
                 continue
+            if stamps is not None and stamps[i] is not None:
+                if had is not None and _trust.same(had.get(i), stamps[i], objs[i]):
+                    now[i] = stamps[i]
+                    continue
+                now[i] = stamps[i]
+            copied += nbytes
             if src is not None:
                 memmove(dst, src, nbytes)
             else:
                 ck._copy_in(ref, objs[i], nbytes, region, off)
+        if stamps is not None:
+            region.filled = (self, now)
+        return copied
 
 
 def _flat_address(ref, obj, nbytes):
@@ -505,6 +529,15 @@ class Checkpointer:
         ints); keeps them off a single-threaded trainer's core on a small machine.
     preemption: turn SIGTERM (a scheduler's notice before it kills the job) into
         `preempted()` returning True, instead of ending the process; see preempted().
+    incremental: None or "digest" (the default: the sidecar copies every tensor
+        and decides what changed itself), or "trust-version" (opt-in): a torch
+        tensor that is the same object over the same storage with the same
+        `_version` as at this Checkpointer's previous save of the same state is
+        sent flagged unchanged, and neither the trainer nor the sidecar copies
+        it again (on a GPU: no device-to-host copy). A write that torch's
+        version counter does not see (through `.data`, a numpy or DLPack view,
+        a raw pointer, a kernel outside torch) is then MISSED: the checkpoint
+        keeps the old bytes. See docs/python.md, "Incremental saves".
 
     Ranks: the rank and world size come from torch.distributed when it is
     initialised, else from RANK / WORLD_SIZE (ck.rank, ck.world_size). With a
@@ -527,7 +560,7 @@ class Checkpointer:
     _lock_fd = _owned("lock_fd")
 
     def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None, cpus=None,
-                 preemption=False, _private_dir=False):
+                 preemption=False, incremental=None, _private_dir=False):
         self._own = _Owned()
         # close() and collection both end in _release(own) (once); at exit,
         # _close_all closes what is still open (in atexit order: after the
@@ -549,6 +582,11 @@ class Checkpointer:
             raise IsADirectoryError(errno.EISDIR, "Checkpointer(log=...) is a directory, not a file", log)
         self._keep, self._staging, self._log = keep, staging, log
         self._cpus = None if cpus is None else cpus_arg(cpus)
+        if incremental not in INCREMENTAL_MODES:
+            raise InvalidArgument(f"incremental={incremental!r}: one of {', '.join(map(repr, INCREMENTAL_MODES))}",
+                                  InvalidArgument.code)
+        # "trust-version": torch version counters prove tensors unchanged (_trust).
+        self._trust = _trust.Tracker() if incremental == "trust-version" else None
         self._regions = []       # every region of this client, sorted by ptr
         self._regions_gen = 0    # bumped when a region comes or goes (a cached save plan is then stale)
         self._save_plans = []    # the last saves' prepared requests, newest last (see _SavePlan)
@@ -896,6 +934,7 @@ class Checkpointer:
             got = []
             for _ in range(min(count, POOL_REGIONS_MAX)):
                 r = self._take(n)
+                _trust.clear_slots(r)
                 pages = np.frombuffer(r.buf, dtype=np.uint8, count=r.len_bytes)
                 pages[::4096] = 0  # touch every page
                 got.append(r)
@@ -986,8 +1025,13 @@ class Checkpointer:
             self._check_fits(step, c.tensor_bytes)
             region = self._take(c.copy_bytes) if c.copy_bytes else None
             try:
-                if region is not None:
-                    c.copy_in(self, objs, region)
+                stamps = flags = None
+                if self._trust is not None:
+                    self._trust.settle(self._client)
+                    base = self._trust.base(c)
+                    stamps = _trust.stamps_of(objs, c, base[3] if base is not None else None)
+                    flags = self._trust.flags(c, objs, stamps)
+                copied = c.copy_in(self, objs, region, stamps) if region is not None else 0
                 blobs = c.blob_array(blobs_py)
                 sid = ctypes.c_uint64()
                 # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
@@ -995,13 +1039,20 @@ class Checkpointer:
                 if len(streams) > 1:
                     raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
                                           f"({streams}); synchronize them onto one stream first")
-                if streams:
+                if flags is not None:
+                    since, arr = flags
+                    N.check(N.lib().ckpt_save_flagged(self._client, int(step), c.descs, c.n, arr, since, blobs,
+                                                      len(blobs_py), streams[0] if streams else None,
+                                                      ctypes.byref(sid)))
+                elif streams:
                     N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
                                                         streams[0], ctypes.byref(sid)))
                 else:
                     N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
                                               ctypes.byref(sid)))
                 self._own.untaken.add(sid.value)
+                if stamps is not None:
+                    self._trust.sent(sid.value, c, int(step), stamps)
             except BaseException:
                 if region is not None:
                     self._give_back(region)
@@ -1009,7 +1060,7 @@ class Checkpointer:
             h = SaveHandle(self, int(step), sid.value, region, 0.0, inplace=c.inplace)
             # Only device tensors in place: the next step can wait on the copy on its stream.
             h.cuda_stream = streams[0] if streams and not c.host_inplace else None
-            h.copied_bytes = c.copy_bytes
+            h.copied_bytes = copied
             if region is not None:
                 region.busy = h
             self._pending.append(weakref.ref(h))
@@ -1070,6 +1121,7 @@ class Checkpointer:
         with self._mu:
             self._ensure()
             region = self._take(n) if n else None
+            _trust.clear_slots(region)
             try:
                 if n:
                     ctypes.memmove(region.ptr, src.ctypes.data, n)
@@ -1475,6 +1527,8 @@ class Checkpointer:
             self._ensure()
             want = step_arg(step, latest_ok=True)
             want = -1 if want is None else want
+            # The sidecar writes shared and device tensors in place, no version bump.
+            self._forget_unchanged()
             torch = torch_module()
             fl = Flattener()
             fl.walk(state)
@@ -1852,9 +1906,19 @@ class Checkpointer:
         L = N.lib()
         with self._mu:
             self._ensure()
+            self._forget_unchanged()
             n = ctypes.c_size_t()
             N.check(L.ckpt_rollback(self._client, step_arg(step), ctypes.byref(n)))
             return n.value
+
+    def _forget_unchanged(self):
+        """incremental="trust-version": what earlier saves proved is forgotten
+        (load_into writes some tensors without a version bump; a rollback
+        un-commits the steps flags would name): the next save copies all."""
+        if self._trust is not None:
+            self._trust.forget()
+            for r in self._save_regions:
+                _trust.clear_slots(r)
 
     def status(self):
         """The sidecar's status report (dict)."""

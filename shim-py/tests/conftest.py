@@ -19,7 +19,8 @@ def sidecar_bin():
 
 
 class Sidecar:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, args=()):
+        self.args = list(args)
         self.dir = tmp_path / "ckpt"
         self.socket = str(tmp_path / "sock" / "sidecar.sock")
         self.log = tmp_path / "sidecar.log"
@@ -28,7 +29,7 @@ class Sidecar:
     def start(self):
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sidecar_bin(), "serve", "--dir", str(self.dir), "--socket", self.socket,
-                                          "--staging", STAGING], stdout=log, stderr=log)
+                                          "--staging", STAGING, *self.args], stdout=log, stderr=log)
         deadline = time.monotonic() + 20
         while not self._listening():
             assert self.proc.poll() is None, f"sidecar exited: {self.log.read_text()}"

@@ -306,12 +306,12 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
     }
     let persist_seconds = t0.elapsed().as_secs_f64();
     // A fed job's copy figures and checksums: its copy ended before the commit point.
-    let (copy_seconds, crcs) = match (&fill, &r) {
+    let (copy_seconds, crcs, digests) = match (&fill, &r) {
         (Some(f), Ok(_)) => match (f.end(), f.progress.outcome()) {
-            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs),
+            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs, f.progress.digests()),
             _ => unreachable!("a fed commit succeeds only after its copy finished"),
         },
-        _ => (copy_seconds, crcs),
+        _ => (copy_seconds, crcs, digests),
     };
     match r {
         Ok(rep) => {
@@ -329,7 +329,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             );
             shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
-            shared.staging.offer_resident(Resident { step, layout, crcs, blobs, lease });
+            shared.staging.offer_resident(Resident { step, layout, crcs, digests, blobs, lease, origin: Arc::downgrade(&peer) });
             peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
             if let Some(d) = &shared.drain {
                 d.committed(step);

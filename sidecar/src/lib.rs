@@ -37,3 +37,4 @@ pub mod snapshot;
 pub mod staging;
 pub mod state;
 pub mod torch_zip;
+pub mod unchanged;

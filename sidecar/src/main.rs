@@ -492,6 +492,15 @@ enum BenchCmd {
         /// `serve --drain URL` and print its overhead beside the plain loop's.
         #[arg(long, value_name = "URL")]
         drain: Option<String>,
+        /// LoRA-like states: each size is a frozen base plus adapters of
+        /// this size with AdamW-like moments written before every save; adds
+        /// the methods sidecar_trust and sidecar_changed_only.
+        #[arg(long, value_parser = parse_nonzero_size)]
+        lora: Option<u64>,
+        /// The training loop with a LoRA-like model (frozen MLP, rank-8
+        /// adapters); adds the loop method sidecar_trust.
+        #[arg(long)]
+        loop_lora: bool,
     },
     /// The same state written by 1, 2 and 4 ranks, each rank's share into
     /// its own directory, beside fio over the same directories in parallel:
@@ -1293,7 +1302,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             cmd.args(&args);
             return run_bench_child(cmd, &python, "ckpt_sidecar.bench_ranks");
         }
-        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind, drain } => {
+        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind, drain, lora, loop_lora } => {
             // The comparison drives Python libraries (torch, safetensors, DCP):
             // it lives in the Python package, measuring this very binary.
             let python = bench_python(python);
@@ -1315,6 +1324,12 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             }
             if loop_only {
                 cmd.arg("--loop-only");
+            }
+            if let Some(a) = lora {
+                cmd.arg("--lora").arg(a.to_string());
+            }
+            if loop_lora {
+                cmd.arg("--loop-lora");
             }
             let loop_values = [("--loop-size", loop_size.map(|v| v.to_string())), ("--loop-steps", loop_steps.map(|v| v.to_string())), ("--loop-rounds", loop_rounds.map(|v| v.to_string())), ("--loop-kind", loop_kind), ("--drain", drain)];
             for (flag, value) in loop_values {

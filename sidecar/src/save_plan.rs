@@ -115,7 +115,7 @@ impl SavePlans {
     /// kept plan: that list (the frame's bytes, for [`SaveTensors::Kept`])
     /// and the rest of the Save read after it, the list not decoded.
     #[allow(clippy::type_complexity)]
-    pub fn kept_list<'a>(&self, head: &SaveHead<'a>) -> Option<(&'a [u8], Result<(Vec<Blob>, bool), FrameError>)> {
+    pub fn kept_list<'a>(&self, head: &SaveHead<'a>) -> Option<(&'a [u8], Result<(Vec<Blob>, bool, Option<ckpt_wire::Unchanged>), FrameError>)> {
         self.plans.iter().rev().filter_map(|p| p.encoded.as_deref()).find_map(|list| head.rest_after(list))
     }
 
@@ -227,7 +227,7 @@ mod tests {
             let descs: Vec<ckpt_wire::TensorDescRef> = ts.iter().zip(&shapes).map(|(t, shape)| ckpt_wire::TensorDescRef { name: t.0, dtype: "U8", shape, region_id: t.1, offset_bytes: t.2, len_bytes: t.3 }).collect();
             ckpt_wire::encode_tensors(&descs)
         };
-        let frame = |list: &[u8], step| ckpt_wire::encode_save_with(step, step, None, list, &[], false);
+        let frame = |list: &[u8], step| ckpt_wire::encode_save_with(step, step, None, list, &[], false, None);
         let list = refs(&[("a", 1, 0, 64), ("b", 2, 64, 8)]);
         let f1 = frame(&list, 1);
         let head = ckpt_wire::decode_save_head(&f1[4..]).unwrap().unwrap();
@@ -239,7 +239,7 @@ mod tests {
         let f2 = frame(&list, 300);
         let head = ckpt_wire::decode_save_head(&f2[4..]).unwrap().unwrap();
         let (found, rest) = plans.kept_list(&head).expect("the kept list");
-        assert_eq!((found, rest.unwrap()), (&list[..], (vec![], false)));
+        assert_eq!((found, rest.unwrap()), (&list[..], (vec![], false, None)));
         let (l2, s2) = plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None).unwrap();
         assert_eq!(plans.fresh, 1, "reused");
         assert_eq!(l1.shards[0].header, l2.shards[0].header);

@@ -88,20 +88,20 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             let head = head?;
             let part = head.part.map(|p| Part { rank: p.rank, world_size: p.world_size });
             if let Some((list, rest)) = plans.kept_list(&head) {
-                let (blobs, lazy_release) = rest?;
-                return Ok((head.id, head.step, part, Read::Kept(list), blobs, lazy_release));
+                let (blobs, lazy_release, unchanged) = rest?;
+                return Ok((head.id, head.step, part, Read::Kept(list), blobs, lazy_release, unchanged));
             }
             let rest = head.rest()?;
-            Ok((head.id, head.step, part, Read::Decoded(rest.tensors, rest.tensors_encoded), rest.blobs, rest.lazy_release))
+            Ok((head.id, head.step, part, Read::Decoded(rest.tensors, rest.tensors_encoded), rest.blobs, rest.lazy_release, rest.unchanged))
         });
         match read {
-            Some(Ok((id, step, part, read, blobs, lazy_release))) => {
+            Some(Ok((id, step, part, read, blobs, lazy_release, unchanged))) => {
                 crate::faults::maybe_panic(crate::faults::At::Session);
                 let tensors = match &read {
                     Read::Kept(list) => SaveTensors::Kept(list),
                     Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
                 };
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, tensors, blobs, lazy_release, part);
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, tensors, blobs, lazy_release, part, unchanged);
                 continue;
             }
             Some(Err(e)) => {
@@ -141,13 +141,13 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 peer.send(&reply);
             }
             // Read by decode_save above; kept whole for any other path here.
-            Request::Save { id, step, tensors, blobs, lazy_release } => {
+            Request::Save { id, step, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, None)
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, None, unchanged)
             }
-            Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release } => {
+            Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, Some(Part { rank, world_size }))
+                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, Some(Part { rank, world_size }), unchanged)
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 let pieces = vec![FilePiece { region_id, offset_bytes, len_bytes }];
@@ -228,7 +228,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 update_counts(&shared, &s, &regions);
                 peer.send(&reply);
             }
-            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, rank, world_size } => {
+            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, rank, world_size, unchanged } => {
                 // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
                 let part = (rank, world_size) != (0, 1);
                 // The trainer's event is polled here, watching the client:
@@ -236,7 +236,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                 match cuda.fence(device, &event, &|| peer.is_gone() || shared.is_aborting()) {
                     Ok(()) => {
                         let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                        snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }));
+                        snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }), unchanged);
                     }
                     Err(e) => {
                         info!(step, "save refused: the trainer's CUDA event: {e}");

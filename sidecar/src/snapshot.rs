@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn};
+use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn, Unchanged};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
@@ -783,6 +783,7 @@ pub fn run_save(
     blobs: Vec<Blob>,
     lazy_release: bool,
     part: Option<Part>,
+    unchanged: Option<Unchanged>,
 ) {
     let t_received = Instant::now();
     let key = match part {
@@ -819,10 +820,15 @@ pub fn run_save(
     }
     let history = if opts.incremental { shared.history() } else { Default::default() };
     opts.history_gen = history.generation;
-    let (layout, sources) = match plans.plan(tensors, &blobs, regions, opts, history.changed.as_deref()) {
+    let (layout, mut sources) = match plans.plan(tensors, &blobs, regions, opts, history.changed.as_deref()) {
         Ok(x) => x,
         Err(e) => return fail(e),
     };
+    if let Some(u) = &unchanged {
+        if let Err(e) = u.check(layout.specs.len()) {
+            return fail(SaveError::BadRequest(e));
+        }
+    }
     let plan_seconds = t_received.elapsed().as_secs_f64();
     // Handed over: every byte it reads lies in a hand-over region (or it
     // reads none), so what it copies is final once sent, and the save is
@@ -865,8 +871,16 @@ pub fn run_save(
         Some("the client disconnected before release")
     };
     let give_up = || shared.stop_reason(peer, gone);
-    let (mut lease, waited) = match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
-        Ok(x) => x,
+    // Tensors the client proves unchanged since a step this session saved
+    // are taken from its resident image rather than the client (whole
+    // saves: parts are never resident). In place, when they already lie
+    // where this layout puts them: the resident image's lease becomes this
+    // save's, and their bytes are copied from nowhere.
+    let adopted = part.is_none().then(|| crate::unchanged::adopt(&shared.staging, peer, &layout, unchanged.as_ref())).flatten();
+    let (mut lease, waited, adopted) = match adopted {
+        Some((lease, taken)) => (lease, std::time::Duration::ZERO, Some(taken)),
+        None => match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
+            Ok((lease, waited)) => (lease, waited, None),
         Err(StagingError::GaveUp { why }) => {
             shared.end(key);
             warn!("aborted while waiting for staging: {why}");
@@ -876,14 +890,28 @@ pub fn run_save(
             shared.end(key);
             return fail(SaveError::TooLarge(e.to_string()));
         }
+        },
     };
     shared.set_phase(key, Phase::Copying);
+    // Else copied from the resident image into the lease just taken.
+    let in_place = adopted.is_some();
+    let taken = adopted.or_else(|| part.is_none().then(|| crate::unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
+    if let Some(taken) = &taken {
+        for i in taken.tensors() {
+            sources[i].region = None;
+        }
+        shared.unchanged_taken_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
+        if in_place {
+            shared.unchanged_in_place_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
+        }
+        info!(taken_bytes = taken.bytes, in_place, "tensors flagged unchanged taken from the resident image, not copied from the client");
+    }
     // Pipelined: whole saves, and a rank's part of several nodes (written
     // on its own into the shared directory). A part of one node's group
     // waits for the other ranks' parts first, so it copies, then queues.
     if part.is_none() || shared.shared_dir.is_some() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone);
+        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone, taken);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -896,6 +924,7 @@ pub fn run_save(
     // there to be told.
     let intact = check_sizes(&sources);
     drop(sources);
+    debug_assert!(taken.is_none(), "parts take nothing from the resident image");
     let crcs = match (intact, copied, give_up()) {
         (Ok(()), Some(crcs), None) => crcs,
         (intact, _, why) => {
@@ -964,6 +993,7 @@ fn run_fed_save(
     span: tracing::Span,
     t_received: Instant,
     gone: Option<&'static str>,
+    taken: Option<crate::unchanged::Taken>,
 ) {
     let key = match part {
         Some(p) => Flight::Part(step, p.rank),
@@ -1024,7 +1054,7 @@ fn run_fed_save(
             return;
         }
     }
-    let crcs = match crcs {
+    let mut crcs = match crcs {
         Some(sums) => fed.complete(&layout, sums),
         None => {
             let t_crc = Instant::now();
@@ -1033,6 +1063,10 @@ fn run_fed_save(
             crcs
         }
     };
+    if let Some(t) = &taken {
+        // Not copied, so not checksummed: their step's checksums and digests.
+        t.patch(&mut crcs.crcs, crcs.digests.as_deref_mut());
+    }
     drop(guard);
     fill.finish(copy_seconds, crcs);
 }

@@ -49,8 +49,14 @@ pub struct Resident {
     /// Planned at base 0: offsets are relative to the lease.
     pub layout: Layout,
     pub crcs: Vec<u32>,
+    /// Each tensor's digest (an incremental layout's; None otherwise).
+    pub digests: Option<Vec<u128>>,
     pub blobs: Vec<ckpt_wire::Blob>,
     pub lease: Lease,
+    /// The session that saved it (its reply side): a save's tensors flagged
+    /// unchanged since this step are taken from here only for that session
+    /// (`crate::unchanged`). A Weak keeps the pointer from being reused.
+    pub origin: std::sync::Weak<crate::peer::Peer>,
 }
 
 struct State {
@@ -112,6 +118,23 @@ impl Staging {
 
     pub fn resident_step(&self) -> Option<u64> {
         self.lock().resident.as_ref().map(|r| r.step)
+    }
+
+    /// Takes the resident image out of staging, lease and all, when no one
+    /// else holds it (no load reads it now) and `f` accepts it (returning
+    /// what it found): a save then lays its image over it in place
+    /// (`crate::unchanged::adopt`). The resident stays when `f` says None.
+    pub fn take_resident_with<T>(&self, f: impl FnOnce(&Resident) -> Option<T>) -> Option<(Resident, T)> {
+        let mut st = self.lock();
+        let r = st.resident.as_ref()?;
+        // Clones are made only under this lock (`resident`): a count of one
+        // now stays one, so the unwrap below cannot fail.
+        if Arc::strong_count(r) != 1 {
+            return None;
+        }
+        let t = f(r)?;
+        let r = Arc::try_unwrap(st.resident.take().expect("checked above")).ok().expect("the only reference, under the lock");
+        Some((r, t))
     }
 
     /// Gives up the resident image if its step is later than `step` (a
@@ -299,6 +322,13 @@ impl Lease {
     /// holder may then move the lease on (to the committer) while the copy
     /// goes on, and dropping it waits until the copy ended; its slices
     /// refuse until then. Once per lease.
+    /// This lease, its earlier filler forgotten (it ended: asserted), to be
+    /// filled again: a resident image's lease taken over by a new save.
+    pub fn refill(mut self) -> Lease {
+        assert!(self.filler.take().is_none_or(|p| p.ended()), "a staging lease refilled while its copy still fills it");
+        self
+    }
+
     pub fn filled_by(&mut self, progress: Arc<Progress>) {
         assert!(self.filler.is_none(), "a staging lease filled twice");
         self.filler = Some(progress);
@@ -381,7 +411,7 @@ mod tests {
         assert!(waited >= Duration::from_millis(100));
         let (r, _) = s.acquire(3 << 20, "r", || None).unwrap();
         let layout = Layout::plan(vec![], Default::default()).unwrap();
-        s.offer_resident(Resident { step: 1, layout, crcs: vec![], blobs: vec![], lease: r });
+        s.offer_resident(Resident { step: 1, layout, crcs: vec![], digests: None, blobs: vec![], lease: r, origin: std::sync::Weak::new() });
         assert_eq!(s.resident_step(), Some(1));
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);

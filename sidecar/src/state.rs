@@ -103,6 +103,12 @@ pub struct Shared {
     /// The store was opened read-only (set once at start): saves and
     /// rollbacks are refused with its text, loads served.
     pub read_only: Option<ckpt_store::read_only::ReadOnlyDir>,
+    /// Bytes of flagged-unchanged tensors taken from the resident image
+    /// instead of the client (`crate::unchanged`), since start.
+    pub unchanged_taken_bytes: AtomicU64,
+    /// Of those, the bytes taken in place: the resident image's lease became
+    /// the save's (`crate::unchanged::adopt`), so they were not copied at all.
+    pub unchanged_in_place_bytes: AtomicU64,
     /// The drain tier (`--drain URL`), set once at start (`crate::drain`).
     pub drain: Option<Arc<crate::drain::Drain>>,
     /// Incremental saves: which tensors changed at the last commit (the
@@ -152,6 +158,8 @@ impl Shared {
             in_flight_cv: Condvar::new(),
             sessions: Mutex::new(BTreeMap::new()),
             next_session_id: AtomicU64::new(1),
+            unchanged_taken_bytes: AtomicU64::new(0),
+            unchanged_in_place_bytes: AtomicU64::new(0),
             last: Mutex::new(None),
             shared_dir: None,
             coordinating: Mutex::new(Vec::new()),
@@ -341,6 +349,8 @@ impl Shared {
             cuda: crate::cuda_probe::summary(),
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
+            unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),
+            unchanged_in_place_bytes: self.unchanged_in_place_bytes.load(Ordering::Relaxed),
             drain: self.drain.as_ref().map(|d| d.report()),
         }
     }

@@ -158,7 +158,7 @@ impl Client {
         let id = self.id();
         // Odd steps ask for a lazy release (checksums during the copy), even
         // ones for an early one (checksums after it): every test covers both.
-        self.send(&Request::Save { id, step, tensors, blobs, lazy_release: step % 2 == 1 });
+        self.send(&Request::Save { id, step, tensors, blobs, lazy_release: step % 2 == 1, unchanged: None });
         id
     }
 
@@ -818,7 +818,7 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
         match kind {
             0 => {
                 step += 1;
-                c.send(&Request::Save { id, step, tensors: w(src_id), blobs: blobs(step), lazy_release: step % 2 == 1 });
+                c.send(&Request::Save { id, step, tensors: w(src_id), blobs: blobs(step), lazy_release: step % 2 == 1, unchanged: None });
             }
             1 | 2 => c.send(&Request::LoadPacked { id, step: target_step, region_id: dst_id, offset_bytes: 0, len_bytes: dst.len as u64 }),
             _ => c.send(&Request::Load { id, step: target_step, tensors: w(dst_id) }),

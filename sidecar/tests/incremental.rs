@@ -120,7 +120,7 @@ impl Client {
     /// Saves (odd steps with a lazy release: digests hashed during the
     /// copy; even ones after it) and waits for Durable.
     fn save_durable(&mut self, step: u64, tensors: &[TensorDesc]) {
-        let id = self.call(|id| Request::Save { id, step, tensors: tensors.to_vec(), blobs: vec![], lazy_release: step % 2 == 1 });
+        let id = self.call(|id| Request::Save { id, step, tensors: tensors.to_vec(), blobs: vec![], lazy_release: step % 2 == 1, unchanged: None });
         match self.recv() {
             Reply::Released { id: i, .. } => assert_eq!(i, id),
             other => panic!("step {step}: expected Released, got {other:?}"),
@@ -456,7 +456,7 @@ fn sigkill_while_linking_leaves_no_listed_step_that_fails_verify() {
         let moving = descs[3].offset_bytes as usize;
         for step in 1..=4u64 {
             shm.bytes_mut()[moving] = step as u8;
-            let id = c.call(|id| Request::Save { id, step, tensors: descs.clone(), blobs: vec![], lazy_release: step % 2 == 1 });
+            let id = c.call(|id| Request::Save { id, step, tensors: descs.clone(), blobs: vec![], lazy_release: step % 2 == 1, unchanged: None });
             let snapshot: BTreeMap<String, Vec<u8>> = descs.iter().map(|d| (d.name.clone(), shm.of(d))).collect();
             let durable = loop {
                 match ckpt_wire::read_frame::<Reply>(&mut c.s) {

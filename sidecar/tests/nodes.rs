@@ -134,13 +134,13 @@ impl Rank {
             TensorDesc { name: format!("b.{}", self.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: 4 * half, len_bytes: 4 * (n - half) },
         ];
         let blobs = vec![Blob { name: format!("rng.rank-{:05}.pkl", self.rank), bytes: vec![self.rank as u8; 16] }];
-        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: self.rank % 2 == 0 };
+        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: self.rank % 2 == 0, unchanged: None };
         ckpt_wire::write_frame(&mut self.s, &req).unwrap();
     }
 
     /// Sends this rank's part of `step` as the given tensors and blobs.
     fn save_part(&mut self, step: u64, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
-        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: false };
+        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: false, unchanged: None };
         ckpt_wire::write_frame(&mut self.s, &req).unwrap();
     }
 

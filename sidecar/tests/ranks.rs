@@ -95,7 +95,7 @@ impl Drop for Shm {
 }
 
 fn part(s: &mut UnixStream, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
-    let req = Request::SavePart { id: 10 + rank as u64, step, rank, world_size, tensors, blobs, lazy_release: rank % 2 == 0 };
+    let req = Request::SavePart { id: 10 + rank as u64, step, rank, world_size, tensors, blobs, lazy_release: rank % 2 == 0, unchanged: None };
     ckpt_wire::write_frame(s, &req).unwrap();
 }
 

@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 mod save;
-pub use save::{decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims, RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef};
+pub use save::{decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims, RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef, UnchangedRef};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
 pub const PROTOCOL_VERSION: u32 = 13;
@@ -42,6 +42,61 @@ pub struct TensorDesc {
     pub region_id: u32,
     pub offset_bytes: u64,
     pub len_bytes: u64,
+}
+
+/// Tensors the trainer proves unchanged since its own save of `since_step`
+/// (a Save's, SavePart's or SaveAfterEvent's `unchanged`, version 13): bit
+/// `i % 8` of byte `i / 8` set means tensor `i` of the request holds the
+/// very bytes it held when that save copied it (the Python shim proves it
+/// with torch's version counters, `incremental="trust-version"`). The
+/// sidecar may then take those bytes from step `since_step` instead of
+/// the client's memory, when it holds that step as this session saved it;
+/// else it copies them as usual. A bitmap shorter than the tensor list
+/// flags none of the tensors past it; a bit past the list is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unchanged {
+    pub since_step: u64,
+    #[serde(with = "byte_buf")]
+    pub bits: Vec<u8>,
+}
+
+impl Unchanged {
+    /// Whether tensor `i` is flagged.
+    pub fn is_set(&self, i: usize) -> bool {
+        self.bits.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+
+    /// The bitmap of `flags` (true: unchanged), trailing zero bytes dropped.
+    pub fn bits_of(flags: impl IntoIterator<Item = bool>) -> Vec<u8> {
+        let mut bits = Vec::new();
+        for (i, f) in flags.into_iter().enumerate() {
+            if i % 8 == 0 {
+                bits.push(0u8);
+            }
+            if f {
+                bits[i / 8] |= 1 << (i % 8);
+            }
+        }
+        while bits.last() == Some(&0) {
+            bits.pop();
+        }
+        bits
+    }
+
+    /// How many tensors are flagged.
+    pub fn count(&self) -> usize {
+        self.bits.iter().map(|b| b.count_ones() as usize).sum()
+    }
+
+    /// Checks the bitmap against a request of `n_tensors` tensors: no bit
+    /// past the list.
+    pub fn check(&self, n_tensors: usize) -> Result<(), String> {
+        let past = self.bits.iter().enumerate().flat_map(|(k, &b)| (0..8).filter(move |j| b & (1 << j) != 0).map(move |j| k * 8 + j)).find(|&i| i >= n_tensors);
+        match past {
+            Some(i) => Err(format!("unchanged flags name tensor {i}, but the save has {n_tensors} tensors")),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What a checkpoint holds for one tensor (no bytes).
@@ -116,8 +171,10 @@ pub enum Request {
     /// trainer does not block on Released (it computes meanwhile), so the
     /// sidecar checksums each block during the copy, while it is in cache
     /// (one memory pass fewer, a later Released); false: Released as early
-    /// as possible, checksums after it. (Version 2.)
-    Save { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
+    /// as possible, checksums after it. (Version 2.) `unchanged` (version
+    /// 13): tensors the trainer proves unchanged since an earlier save of
+    /// its own ([`Unchanged`]).
+    Save { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, unchanged: Option<Unchanged> },
     /// Write the named tensors of `step` (None: latest) into the regions the
     /// descriptors name, verified; reply: Loaded or Error.
     Load { id: u64, step: Option<u64>, tensors: Vec<TensorDesc> },
@@ -177,6 +234,8 @@ pub enum Request {
         event: Vec<u8>,
         rank: u32,
         world_size: u32,
+        /// Version 13: as a Save's.
+        unchanged: Option<Unchanged>,
     },
     /// A Save of rank `rank`'s part of a checkpoint written by `world_size`
     /// ranks (1 ≤ world_size, rank < world_size). Replies as a Save does;
@@ -184,8 +243,8 @@ pub enum Request {
     /// sidecar and the whole checkpoint is committed; a part whose group is
     /// not complete within the sidecar's part timeout gets Failed, and so
     /// do the others. Blob names must differ between the ranks' parts.
-    /// Added in version 5.
-    SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool },
+    /// Added in version 5. `unchanged` (version 13): as a Save's.
+    SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, unchanged: Option<Unchanged> },
     /// Registers a CUDA VMM allocation (cuMemCreate, mapped with cuMemMap)
     /// of `device` as region `region_id`: its first byte of this frame
     /// carries exactly one file descriptor (SCM_RIGHTS), the allocation
@@ -369,6 +428,14 @@ pub struct StatusReport {
     /// Several nodes: the steps this sidecar coordinates now (it serves
     /// their rank 0, and commits or aborts them). (Version 7.)
     pub coordinating: Vec<u64>,
+    /// Bytes of tensors flagged unchanged ([`Unchanged`]) that saves took
+    /// from the sidecar's own copy of the step named instead of copying
+    /// them from the client, since the sidecar started. (Version 13.)
+    pub unchanged_taken_bytes: u64,
+    /// Of those, the bytes taken in place: the sidecar's copy of the step
+    /// named became the new save's image, so they were copied from nowhere.
+    /// (Version 13.)
+    pub unchanged_in_place_bytes: u64,
     /// The drain tier (`--drain URL`), when the sidecar has one. (Version 13.)
     pub drain: Option<DrainReport>,
 }
@@ -507,11 +574,23 @@ mod tests {
             tensors: vec![TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![2, 3], region_id: 1, offset_bytes: 64, len_bytes: 24 }],
             blobs: vec![Blob { name: "rng".into(), bytes: vec![1, 2, 3] }],
             lazy_release: true,
+            unchanged: Some(Unchanged { since_step: 99, bits: vec![1] }),
         };
         let f = encode(&m);
         assert_eq!(u32::from_le_bytes(f[..4].try_into().unwrap()) as usize, f.len() - 4);
         let back: Request = read_frame(&mut &f[..]).unwrap();
         assert_eq!(back, m);
+    }
+
+    #[test]
+    fn unchanged_bitmaps_flag_the_tensors_they_name() {
+        let u = Unchanged { since_step: 1, bits: Unchanged::bits_of([false, true, false, false, false, false, false, false, true, false, false]) };
+        assert_eq!(u.bits, vec![0b10, 0b1]);
+        assert!(!u.is_set(0) && u.is_set(1) && u.is_set(8) && !u.is_set(9) && !u.is_set(400));
+        assert_eq!(u.count(), 2);
+        u.check(9).unwrap();
+        assert!(u.check(8).unwrap_err().contains("tensor 8"));
+        assert!(Unchanged::bits_of([false, false]).is_empty());
     }
 
     #[test]

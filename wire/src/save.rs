@@ -11,7 +11,7 @@ use std::ops::Deref;
 use serde::de::{Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-use crate::{Blob, FrameError, TensorDesc};
+use crate::{Blob, FrameError, TensorDesc, Unchanged};
 #[cfg(test)]
 use crate::Request;
 
@@ -40,6 +40,19 @@ pub struct BlobRef<'a> {
     pub bytes: &'a [u8],
 }
 
+/// A Save's `unchanged` over a borrowed bitmap; encodes exactly as an
+/// [`Unchanged`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct UnchangedRef<'a> {
+    pub since_step: u64,
+    #[serde(serialize_with = "crate::byte_buf::serialize")]
+    pub bits: &'a [u8],
+}
+
+/// What follows the tensor list of a Save or SavePart: blobs,
+/// lazy_release, unchanged.
+type Tail = (Vec<Blob>, bool, Option<Unchanged>);
+
 /// Which of a checkpoint's parts a SavePart is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankOf {
@@ -60,13 +73,13 @@ pub fn encode_tensors(tensors: &[TensorDescRef<'_>]) -> Vec<u8> {
 /// The frame (length prefix included) of a `Request::Save` (`part` None) or
 /// `Request::SavePart`, byte for byte what [`crate::encode`] makes of the
 /// owned message.
-pub fn encode_save(id: u64, step: u64, part: Option<RankOf>, tensors: &[TensorDescRef<'_>], blobs: &[BlobRef<'_>], lazy_release: bool) -> Vec<u8> {
-    encode_save_with(id, step, part, &encode_tensors(tensors), blobs, lazy_release)
+pub fn encode_save(id: u64, step: u64, part: Option<RankOf>, tensors: &[TensorDescRef<'_>], blobs: &[BlobRef<'_>], lazy_release: bool, unchanged: Option<UnchangedRef<'_>>) -> Vec<u8> {
+    encode_save_with(id, step, part, &encode_tensors(tensors), blobs, lazy_release, unchanged)
 }
 
 /// [`encode_save`] with the tensor list already encoded ([`encode_tensors`]).
-pub fn encode_save_with(id: u64, step: u64, part: Option<RankOf>, tensors_encoded: &[u8], blobs: &[BlobRef<'_>], lazy_release: bool) -> Vec<u8> {
-    let mut out = Vec::with_capacity(32 + tensors_encoded.len() + blobs.iter().map(|b| b.bytes.len() + b.name.len() + 8).sum::<usize>());
+pub fn encode_save_with(id: u64, step: u64, part: Option<RankOf>, tensors_encoded: &[u8], blobs: &[BlobRef<'_>], lazy_release: bool, unchanged: Option<UnchangedRef<'_>>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(48 + unchanged.map_or(0, |u| u.bits.len()) + tensors_encoded.len() + blobs.iter().map(|b| b.bytes.len() + b.name.len() + 8).sum::<usize>());
     // Field for field as the derived Serialize of Request::Save / SavePart:
     // the variant's index (one byte), then each field (a struct is its
     // fields one after another).
@@ -83,7 +96,7 @@ pub fn encode_save_with(id: u64, step: u64, part: Option<RankOf>, tensors_encode
     };
     let mut out = out.expect("encoding into a Vec cannot fail");
     out.extend_from_slice(tensors_encoded);
-    let mut out = postcard::to_extend(&(blobs, lazy_release), out).expect("encoding into a Vec cannot fail");
+    let mut out = postcard::to_extend(&(blobs, lazy_release, unchanged), out).expect("encoding into a Vec cannot fail");
     let len = (out.len() - 4) as u32;
     out[..4].copy_from_slice(&len.to_le_bytes());
     out
@@ -187,6 +200,7 @@ pub struct SaveIn<'a> {
     pub tensors: Vec<TensorDescIn<'a>>,
     pub blobs: Vec<Blob>,
     pub lazy_release: bool,
+    pub unchanged: Option<Unchanged>,
 }
 
 /// A Save or SavePart read up to its tensor list ([`decode_save_head`]).
@@ -195,7 +209,7 @@ pub struct SaveHead<'a> {
     pub id: u64,
     pub step: u64,
     pub part: Option<RankOf>,
-    /// The encoded tensor list, the blobs and lazy_release.
+    /// The encoded tensor list, the blobs, lazy_release and unchanged.
     rest: &'a [u8],
 }
 
@@ -207,6 +221,7 @@ pub struct SaveRest<'a> {
     pub tensors_encoded: &'a [u8],
     pub blobs: Vec<Blob>,
     pub lazy_release: bool,
+    pub unchanged: Option<Unchanged>,
 }
 
 /// Reads a frame body that holds a Save or SavePart up to its tensor list;
@@ -226,24 +241,24 @@ pub fn decode_save_head(body: &[u8]) -> Option<Result<SaveHead<'_>, FrameError>>
 
 impl<'a> SaveHead<'a> {
     /// The tensor list (descriptors borrowing the frame), its bytes, the
-    /// blobs and lazy_release.
+    /// blobs, lazy_release and unchanged.
     pub fn rest(&self) -> Result<SaveRest<'a>, FrameError> {
         let (tensors, after) = decode_tensors(self.rest)?;
         let tensors_encoded = &self.rest[..self.rest.len() - after.len()];
-        let (blobs, lazy_release) = postcard::from_bytes::<(Vec<Blob>, bool)>(after).map_err(FrameError::Decode)?;
-        Ok(SaveRest { tensors, tensors_encoded, blobs, lazy_release })
+        let (blobs, lazy_release, unchanged) = postcard::from_bytes::<Tail>(after).map_err(FrameError::Decode)?;
+        Ok(SaveRest { tensors, tensors_encoded, blobs, lazy_release, unchanged })
     }
 
     /// When the tensor list is `tensors_encoded` byte for byte (the list of
     /// an earlier save, as [`SaveRest::tensors_encoded`] gave it): the list
-    /// (this frame's bytes), and the blobs and lazy_release after it, the
+    /// (this frame's bytes), and the blobs, lazy_release and unchanged after it, the
     /// list itself not decoded again. None when the list differs.
     /// (Decoding is a function of the bytes it reads, and a list's encoding
     /// ends where it ends: the same bytes are the same descriptors.)
     #[allow(clippy::type_complexity)]
-    pub fn rest_after(&self, tensors_encoded: &[u8]) -> Option<(&'a [u8], Result<(Vec<Blob>, bool), FrameError>)> {
+    pub fn rest_after(&self, tensors_encoded: &[u8]) -> Option<(&'a [u8], Result<(Vec<Blob>, bool, Option<Unchanged>), FrameError>)> {
         let after = self.rest.strip_prefix(tensors_encoded)?;
-        Some((&self.rest[..tensors_encoded.len()], postcard::from_bytes::<(Vec<Blob>, bool)>(after).map_err(FrameError::Decode)))
+        Some((&self.rest[..tensors_encoded.len()], postcard::from_bytes::<Tail>(after).map_err(FrameError::Decode)))
     }
 }
 
@@ -261,7 +276,7 @@ pub fn decode_save(body: &[u8]) -> Option<Result<SaveIn<'_>, FrameError>> {
         Ok(h) => h,
         Err(e) => return Some(Err(e)),
     };
-    Some(head.rest().map(|r| SaveIn { id: head.id, step: head.step, part: head.part, tensors: r.tensors, blobs: r.blobs, lazy_release: r.lazy_release }))
+    Some(head.rest().map(|r| SaveIn { id: head.id, step: head.step, part: head.part, tensors: r.tensors, blobs: r.blobs, lazy_release: r.lazy_release, unchanged: r.unchanged }))
 }
 
 #[cfg(test)]
@@ -289,23 +304,25 @@ mod tests {
     #[test]
     fn tags_match_the_request_enum() {
         let (ts, bs) = owned();
-        assert_eq!(request_tag(&Request::Save { id: 1, step: 2, tensors: ts.clone(), blobs: bs.clone(), lazy_release: true }), SAVE_TAG);
-        assert_eq!(request_tag(&Request::SavePart { id: 1, step: 2, rank: 0, world_size: 1, tensors: ts, blobs: bs, lazy_release: true }), SAVE_PART_TAG);
+        assert_eq!(request_tag(&Request::Save { id: 1, step: 2, tensors: ts.clone(), blobs: bs.clone(), lazy_release: true, unchanged: None }), SAVE_TAG);
+        assert_eq!(request_tag(&Request::SavePart { id: 1, step: 2, rank: 0, world_size: 1, tensors: ts, blobs: bs, lazy_release: true, unchanged: None }), SAVE_PART_TAG);
     }
 
     #[test]
     fn borrowed_saves_encode_and_decode_as_the_owned_messages() {
         let (ts, bs) = owned();
         let brefs: Vec<BlobRef> = bs.iter().map(|b| BlobRef { name: &b.name, bytes: &b.bytes }).collect();
-        for (part, lazy) in [(None, false), (Some(RankOf { rank: 3, world_size: 4 }), true)] {
+        let flags = Unchanged { since_step: 99, bits: vec![0b101] };
+        for (part, lazy, unchanged) in [(None, false, None), (Some(RankOf { rank: 3, world_size: 4 }), true, None), (None, true, Some(flags.clone())), (Some(RankOf { rank: 0, world_size: 2 }), false, Some(flags.clone()))] {
             let msg = match part {
-                None => Request::Save { id: 7, step: 100, tensors: ts.clone(), blobs: bs.clone(), lazy_release: lazy },
-                Some(p) => Request::SavePart { id: 7, step: 100, rank: p.rank, world_size: p.world_size, tensors: ts.clone(), blobs: bs.clone(), lazy_release: lazy },
+                None => Request::Save { id: 7, step: 100, tensors: ts.clone(), blobs: bs.clone(), lazy_release: lazy, unchanged: unchanged.clone() },
+                Some(p) => Request::SavePart { id: 7, step: 100, rank: p.rank, world_size: p.world_size, tensors: ts.clone(), blobs: bs.clone(), lazy_release: lazy, unchanged: unchanged.clone() },
             };
-            let frame = encode_save(7, 100, part, &refs(&ts), &brefs, lazy);
+            let uref = unchanged.as_ref().map(|u| UnchangedRef { since_step: u.since_step, bits: &u.bits });
+            let frame = encode_save(7, 100, part, &refs(&ts), &brefs, lazy, uref);
             assert_eq!(frame, crate::encode(&msg));
             let got = decode_save(&frame[4..]).expect("a save").unwrap();
-            let want = SaveIn { id: 7, step: 100, part, tensors: ts.iter().map(TensorDescIn::of).collect(), blobs: bs.clone(), lazy_release: lazy };
+            let want = SaveIn { id: 7, step: 100, part, tensors: ts.iter().map(TensorDescIn::of).collect(), blobs: bs.clone(), lazy_release: lazy, unchanged };
             assert_eq!(got, want);
             assert_eq!(&*got.tensors[2].shape, &[1, 1, 1, 1, 1, 1, 1, 2][..]);
             assert!(matches!(got.tensors[2].shape, Dims::Heap(_)) && matches!(got.tensors[0].shape, Dims::Inline { .. }));
@@ -320,15 +337,17 @@ mod tests {
         for part in [None, Some(RankOf { rank: 1, world_size: 2 })] {
             // Any id and step (varints of other lengths) around the same list.
             for (id, step) in [(1, 2), (300, 1 << 40)] {
-                let frame = encode_save_with(id, step, part, &list, &brefs, true);
-                assert_eq!(frame, encode_save(id, step, part, &refs(&ts), &brefs, true));
+                let u = UnchangedRef { since_step: 5, bits: &[2] };
+                let frame = encode_save_with(id, step, part, &list, &brefs, true, Some(u));
+                assert_eq!(frame, encode_save(id, step, part, &refs(&ts), &brefs, true, Some(u)));
                 let head = decode_save_head(&frame[4..]).expect("a save").unwrap();
                 assert_eq!((head.id, head.step, head.part), (id, step, part));
                 let rest = head.rest().unwrap();
                 assert_eq!(rest.tensors_encoded, &list[..]);
                 assert_eq!(rest.tensors, ts.iter().map(TensorDescIn::of).collect::<Vec<_>>());
                 let (same, tail) = head.rest_after(&list).expect("the same list");
-                assert_eq!((same, tail.unwrap()), (&list[..], (bs.clone(), true)));
+                assert_eq!((same, tail.unwrap()), (&list[..], (bs.clone(), true, Some(Unchanged { since_step: 5, bits: vec![2] }))));
+                assert_eq!(rest.unchanged, Some(Unchanged { since_step: 5, bits: vec![2] }));
                 assert_eq!(decode_tensors(&list).unwrap(), (rest.tensors.clone(), &[][..]));
             }
         }
@@ -345,13 +364,13 @@ mod tests {
                 4 => t.offset_bytes += 1,
                 _ => t.len_bytes += 1,
             }
-            let frame = encode_save(9, 9, None, &refs(&other), &brefs, false);
+            let frame = encode_save(9, 9, None, &refs(&other), &brefs, false, None);
             let head = decode_save_head(&frame[4..]).unwrap().unwrap();
             assert!(head.rest_after(&list).is_none(), "change {change}");
             assert_eq!(head.rest().unwrap().tensors[1], TensorDescIn::of(&other[1]));
         }
         // A list that is a prefix of the kept one (fewer tensors) differs in its length.
-        let frame = encode_save(9, 9, None, &refs(&ts[..2]), &brefs, false);
+        let frame = encode_save(9, 9, None, &refs(&ts[..2]), &brefs, false, None);
         assert!(decode_save_head(&frame[4..]).unwrap().unwrap().rest_after(&list).is_none());
     }
 
@@ -360,7 +379,7 @@ mod tests {
         assert!(decode_save(&crate::encode(&Request::List { id: 1 })[4..]).is_none());
         assert!(decode_save(&[]).is_none());
         let (ts, bs) = owned();
-        let frame = crate::encode(&Request::Save { id: 7, step: 100, tensors: ts, blobs: bs, lazy_release: false });
+        let frame = crate::encode(&Request::Save { id: 7, step: 100, tensors: ts, blobs: bs, lazy_release: false, unchanged: Some(Unchanged { since_step: 3, bits: vec![1] }) });
         // Every truncation is an error, never a panic.
         for n in 1..frame.len() - 4 {
             assert!(matches!(decode_save(&frame[4..4 + n]), Some(Err(FrameError::Decode(_)))), "{n}");

@@ -70,6 +70,7 @@ pub fn local_step(dir: &Path, step: u64, big_len: usize) -> LocalStep {
             tensors: BTreeMap::new(),
             blobs: vec![IndexBlob { name: "extra.bin".into(), len_bytes: blob.len() as u64, crc32c: blob_crc }],
             slices: BTreeMap::new(),
+            nodes: BTreeMap::new(),
             index_crc32c: 0,
         },
     };

@@ -600,8 +600,19 @@ fn names_in(dir: &Path) -> Vec<String> {
 }
 
 /// The shard files of ranks `ranks` of a world of 4 (one shard each here).
-fn shards_of(ranks: &[u32]) -> Vec<String> {
-    ranks.iter().map(|&r| ckpt_store::format::shard_file_name(r, 4, 0)).collect()
+/// The ranks whose shards `names` are (`rank-R-of-…-shard-…`), each once, in
+/// order: how many shards a rank's part takes is the layout's business (an
+/// incremental save puts stable tensors in shards of their own).
+fn ranks_of(names: &[String]) -> Vec<u32> {
+    let mut ranks: Vec<u32> = names
+        .iter()
+        .map(|n| {
+            assert!(n.ends_with(".safetensors"), "{n}: not a shard");
+            n.strip_prefix("rank-").and_then(|r| r.get(..5)).and_then(|r| r.parse().ok()).unwrap_or_else(|| panic!("{n}: not a rank's shard"))
+        })
+        .collect();
+    ranks.dedup();
+    ranks
 }
 
 /// Sends a Load of `names` (each with its shape and bytes as rank `owner`
@@ -633,14 +644,18 @@ fn node_local_shards_stay_on_each_nodes_own_disk_and_the_index_names_their_holde
     assert!(step_dir.join("blobs").join("rng.rank-00002.pkl").is_file());
     // Each node's shards are in its own node-step folder.
     let folder = ckpt_store::format::node_step_dir_name(5).unwrap();
-    assert_eq!(names_in(&c.local(0).join(&folder)), shards_of(&[0, 1]));
-    assert_eq!(names_in(&c.local(1).join(&folder)), shards_of(&[2, 3]));
+    assert_eq!(ranks_of(&names_in(&c.local(0).join(&folder))), [0, 1]);
+    assert_eq!(ranks_of(&names_in(&c.local(1).join(&folder))), [2, 3]);
     // The index says which node holds which file, and where.
     let index = restore::read_index(&shared, 5).unwrap();
     assert_eq!(index.ckpt.nodes.keys().collect::<Vec<_>>(), ["node-a", "node-b"]);
     for (id, node, ranks) in [("node-a", 0, [0, 1]), ("node-b", 1, [2, 3])] {
         let n = &index.ckpt.nodes[id];
-        assert_eq!(n.files, shards_of(&ranks));
+        assert_eq!(ranks_of(&n.files), ranks);
+        let (mut listed, mut on_disk) = (n.files.clone(), names_in(&c.local(node).join(&folder)));
+        listed.sort();
+        on_disk.sort();
+        assert_eq!(listed, on_disk, "the index lists exactly the files in {id}'s folder");
         assert_eq!(n.dirs, [std::fs::canonicalize(c.local(node)).unwrap().display().to_string()]);
         for f in &n.files {
             assert_eq!(index.holder(f).map(|(h, _)| h), Some(id));
@@ -710,7 +725,7 @@ fn node_local_step_whose_node_is_killed_before_its_marker_aborts_on_both_and_lea
     // step goes (recovery), its folder of the committed step 1 stays.
     let b2 = c.node_with(1, "5", &["--node-local", "--node-id", "b"]);
     assert!(!c.local(1).join(&folder).exists(), "{:?}\n{}", names_in(&c.local(1)), b2.log());
-    assert_eq!(names_in(&c.local(1).join(ckpt_store::format::node_step_dir_name(1).unwrap())), shards_of(&[2, 3]));
+    assert_eq!(ranks_of(&names_in(&c.local(1).join(ckpt_store::format::node_step_dir_name(1).unwrap()))), [2, 3]);
     let l = restore::load(&shared, Which::Latest, &ReadOptions::default(), None).unwrap();
     assert_eq!(l.step, 1);
     assert_eq!(l.tensor("b.3").unwrap(), &ranks[3].bytes[ranks[3].bytes.len() / 8 * 4..]);

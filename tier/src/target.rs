@@ -18,6 +18,10 @@
 //! mid-upload (object_store cannot list a bucket's pending uploads). A
 //! `file://` upload is object_store's staged file (`<name>#<n>`, renamed on
 //! completion, synced: `with_fsync`); `clean_incomplete` removes leftovers.
+//!
+//! [`Target::copy_file`]: a file of a step made from the same-named file of
+//! another step on the target, without uploading it (S3: a server-side copy,
+//! an independent object; file://: a hard link within the target).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

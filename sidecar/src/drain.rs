@@ -30,7 +30,7 @@
 //! the target; waiters are bounded ([`config::DRAIN_WAITERS_MAX`]) and
 //! answered exactly once (Replicated, or an error naming why not).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -85,6 +85,42 @@ struct State {
     mine_uploaded: BTreeSet<u64>,
     /// Several nodes: the step whose remote commit this node last said it waits for.
     waiting_said: Option<u64>,
+    /// The files of the step this sidecar last replicated, by name, as
+    /// they were on this node: a file of a later step that is the same
+    /// one (an incremental save's hard link) is copied on the target
+    /// from that step instead of uploaded again.
+    last_files: Option<(u64, HashMap<String, FileId>)>,
+    /// Since start: bytes uploaded, and bytes copied on the target instead.
+    uploaded_bytes: u64,
+    copied_bytes: u64,
+}
+
+/// A local file's identity: the same inode (an incremental save links an
+/// unchanged shard of the previous step), not modified since, with the
+/// same length and checksum in both indexes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    mtime_ns: i128,
+    len: u64,
+    crc32c: u32,
+}
+
+impl FileId {
+    fn of(f: &LocalFile) -> Option<FileId> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(&f.local_path).ok()?;
+        Some(FileId { dev: m.dev(), ino: m.ino(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128, len: f.len, crc32c: f.crc32c })
+    }
+}
+
+/// What one step's drain moved: uploaded, or copied on the target.
+#[derive(Debug, Clone, Copy)]
+struct Moved {
+    stats: ckpt_tier::UploadStats,
+    copied_bytes: u64,
+    copied_files: usize,
 }
 
 /// Several nodes with node-local files (`--shared` and a drain): the
@@ -310,9 +346,11 @@ impl Drain {
         let mut st = self.lock();
         st.uploading = None;
         match outcome {
-            Ok(stats) => {
+            Ok(Moved { stats, copied_bytes, copied_files }) => {
                 let bps = stats.bytes as f64 / stats.seconds.max(1e-9);
-                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, seconds = stats.seconds, bytes_per_s = bps, "replicated");
+                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, copied_bytes, copied_files, seconds = stats.seconds, bytes_per_s = bps, "replicated (copied: unchanged files the target holds already)");
+                st.uploaded_bytes += stats.bytes;
+                st.copied_bytes += copied_bytes;
                 st.replicated.insert(newest);
                 st.done_upto = Some(newest);
                 st.bytes_per_s = bps;
@@ -481,11 +519,44 @@ impl Drain {
         Ok(Some(stats))
     }
 
-    fn upload(&self, step: u64) -> Result<ckpt_tier::UploadStats, Upload> {
+    /// Uploads `step`: a file that is the same local file (inode, mtime,
+    /// length, crc32c) as the same-named file of the step this sidecar last
+    /// replicated, which the target still holds, is copied there on the
+    /// target instead ([`Target::copy_file`]; uploaded if the copy fails);
+    /// the rest uploaded; the index last (the remote commit).
+    fn upload(&self, step: u64) -> Result<Moved, Upload> {
+        let t0 = Instant::now();
         let index_bytes = std::fs::read(catalog::step_path(self.primary(), step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
         let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("local index of step {step}: {e}")))?;
         let (files, remote_index) = remote_plan(&self.dirs, step, index).map_err(Upload::Failed)?;
-        self.target.upload_step(step, &files, &remote_index).map_err(|e| Upload::Failed(e.to_string()))
+        let ids: HashMap<String, FileId> = files.iter().filter_map(|f| Some((f.name.clone(), FileId::of(f)?))).collect();
+        let prev = {
+            let st = self.lock();
+            st.last_files.clone().filter(|(s, _)| *s != step && st.replicated.contains(s))
+        };
+        let (mut copied_bytes, mut copied_files) = (0, 0);
+        let mut to_upload = Vec::with_capacity(files.len());
+        for f in files {
+            let same = prev.as_ref().filter(|(_, by_name)| ids.get(&f.name).is_some_and(|id| by_name.get(&f.name) == Some(id)));
+            match same {
+                Some((from, _)) => match self.target.copy_file(*from, step, &f.name) {
+                    Ok(()) => {
+                        copied_bytes += f.len;
+                        copied_files += 1;
+                    }
+                    Err(e) => {
+                        warn!(step, from = *from, file = f.name, "drain: copying an unchanged file on the target failed ({e}); uploading it");
+                        to_upload.push(f);
+                    }
+                },
+                None => to_upload.push(f),
+            }
+        }
+        let mut stats = self.target.upload_files(step, &to_upload).map_err(|e| Upload::Failed(e.to_string()))?;
+        self.target.commit_step(step, &remote_index).map_err(|e| Upload::Failed(e.to_string()))?;
+        stats.seconds = t0.elapsed().as_secs_f64();
+        self.lock().last_files = Some((step, ids));
+        Ok(Moved { stats, copied_bytes, copied_files })
     }
 
     /// `--drain-keep N`: the oldest remote steps beyond N deleted (index
@@ -831,4 +902,82 @@ mod tests {
         let loaded = restore::load(&remote, Which::Step(7), &ReadOptions::default(), None).unwrap();
         assert_eq!(loaded.blobs["rng"], b"seed");
     }
+
+    /// Issue 21 point 5: an incremental run of 3 steps (a frozen tensor in
+    /// its own stable shard, hard-linked locally, and a changing one),
+    /// drained. Before this, every step's frozen shard was uploaded again;
+    /// now it is uploaded once and copied on the target after. Every
+    /// remote step loads bit-equal, and after `--drain-keep 1` deleted the
+    /// older steps the newest still does.
+    fn incremental_drain_uploads_unchanged_shard_once(url: &str) {
+        use ckpt_store::format::Dtype;
+        use ckpt_store::image::TensorSpec;
+        use std::collections::HashSet;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("local");
+        let mut store = Store::open(StoreOptions::new(vec![dir.clone()])).unwrap();
+        let dir = dir.canonicalize().unwrap();
+        let specs = vec![TensorSpec::new("frozen", Dtype::F32, &[1 << 19]), TensorSpec::new("moving", Dtype::F32, &[1 << 12])];
+        let changed: HashSet<String> = ["moving".to_string()].into();
+        let layout = Layout::plan_with(specs, LayoutOptions { incremental: true, ..Default::default() }, Some(&changed)).unwrap();
+        let frozen_shard = layout.shards[layout.places[0].shard_idx].clone();
+        assert!(frozen_shard.stable && frozen_shard.tensors == vec![0], "the test needs the frozen tensor alone in a stable shard");
+        let opts = DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None };
+        let drain = Drain::open(opts.clone(), vec![dir.clone()]).unwrap();
+        let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+        let mut expected = Vec::new();
+        for step in 1..=3u64 {
+            let st = staging.as_mut_slice();
+            layout.write_headers(st);
+            synthetic::fill(&mut st[layout.tensor_range(0)], 42);
+            synthetic::fill(&mut st[layout.tensor_range(1)], step);
+            let crcs = layout.tensor_crcs(st);
+            let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[layout.tensor_range(i)])).collect();
+            expected.push((st[layout.tensor_range(0)].to_vec(), st[layout.tensor_range(1)].to_vec()));
+            store.commit_with_digests(step, &layout, &staging, &crcs, &digests, &[]).unwrap();
+            if step > 1 {
+                assert_eq!(store.take_incremental().unwrap().linked_files, 1, "step {step}: the frozen shard is linked locally");
+            }
+            assert_eq!(drain.drain_once(), Ok(true), "step {step}");
+        }
+        let frozen_len = frozen_shard.file_len;
+        let st = drain.lock();
+        assert_eq!(st.replicated.iter().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(st.copied_bytes, 2 * frozen_len, "steps 2 and 3 copy the frozen shard on the target");
+        let total: u64 = layout.shards.iter().map(|s| s.file_len).sum();
+        assert_eq!(st.uploaded_bytes, 3 * total - 2 * frozen_len, "the frozen shard is uploaded once");
+        drop(st);
+        if let Some(root) = url.strip_prefix("file://") {
+            use std::os::unix::fs::MetadataExt;
+            // The copies are hard links within the target: one inode.
+            let inos: Vec<u64> = (1..=3).map(|s| std::fs::metadata(catalog::step_path(Path::new(root), s).join(&frozen_shard.file_name)).unwrap().ino()).collect();
+            assert!(inos[0] == inos[1] && inos[1] == inos[2], "{inos:?}");
+        }
+        let check = |d: &Drain, step: u64| {
+            let r = d.remote_copy(step).unwrap_or_else(|e| panic!("step {step}: {e:?}"));
+            let loaded = restore::load(&r.dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
+            let (frozen, moving) = &expected[step as usize - 1];
+            assert!(loaded.tensor("frozen").unwrap() == &frozen[..] && loaded.tensor("moving").unwrap() == &moving[..], "step {step} differs");
+        };
+        for step in 1..=3 {
+            check(&drain, step);
+        }
+        let keep1 = Drain::open(DrainOptions { keep: Some(1), ..opts }, vec![dir.clone()]).unwrap();
+        keep1.retain_remote();
+        assert_eq!(keep1.target.steps().unwrap(), vec![3]);
+        check(&keep1, 3);
+    }
+
+    #[test]
+    fn incremental_drain_to_file_target_uploads_unchanged_shard_once() {
+        let remote = tempfile::tempdir().unwrap();
+        incremental_drain_uploads_unchanged_shard_once(&format!("file://{}", remote.path().display()));
+    }
+
+    #[test]
+    fn incremental_drain_to_s3_uploads_unchanged_shard_once() {
+        let server = ckpt_test_support::s3::S3Server::shared();
+        incremental_drain_uploads_unchanged_shard_once(&server.url("incremental-drain"));
+    }
+
 }

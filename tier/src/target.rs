@@ -18,6 +18,10 @@
 //! mid-upload (object_store cannot list a bucket's pending uploads). A
 //! `file://` upload is object_store's staged file (`<name>#<n>`, renamed on
 //! completion, synced: `with_fsync`); `clean_incomplete` removes leftovers.
+//!
+//! [`Target::copy_file`]: a file of a step made from the same-named file of
+//! another step on the target, without uploading it (S3: a server-side copy,
+//! an independent object; file://: a hard link within the target).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -302,6 +306,52 @@ impl Target {
         );
         results.into_iter().collect::<Result<Vec<()>, _>>()?;
         Ok(UploadStats { bytes: files.iter().map(|f| f.len).sum(), files: files.len(), seconds: t0.elapsed().as_secs_f64() })
+    }
+
+    /// Makes file `name` of step `to_step` a copy of the same-named file of
+    /// step `from_step` on the target, without uploading it again: an
+    /// object store's server-side copy (an independent object), a `file://`
+    /// hard link within the target (a copy where the file system refuses a
+    /// link). Either way each step folder stays complete on its own:
+    /// deleting `from_step` later leaves `to_step` whole. The caller knows
+    /// the two files are the same bytes; the remote commit
+    /// ([`Target::commit_step`]) still checks every length.
+    pub fn copy_file(&self, from_step: u64, to_step: u64, name: &str) -> Result<(), TierError> {
+        let inner = &*self.inner;
+        let from = self.file_path(from_step, name)?;
+        let to = self.file_path(to_step, name)?;
+        match &inner.backend {
+            Backend::S3 { .. } => inner.rt.block_on(async { inner.store.copy(&from, &to).await.map_err(|e| inner.store_err("copy", &from, e)) }),
+            Backend::Local { root } => {
+                let tio = |op: &'static str, p: &FsPath, e: std::io::Error| TierError::TargetIo { url: inner.url.clone(), op, path: p.to_path_buf(), source: e };
+                let (src, dest) = (root.join(from.as_ref()), root.join(to.as_ref()));
+                let parent = dest.parent().expect("an object is inside the root").to_path_buf();
+                std::fs::create_dir_all(&parent).map_err(|e| tio("create directory", &parent, e))?;
+                let tmp = PathBuf::from(format!("{}#{:016x}", dest.display(), nonce()));
+                let made = match std::fs::hard_link(&src, &tmp) {
+                    Ok(()) => Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(TierError::NotFound { url: inner.url.clone(), object: inner.rel(&from) }),
+                    // EXDEV, EMLINK, a file system without links: a copy, synced.
+                    Err(_) => std::fs::copy(&src, &tmp)
+                        .and_then(|_| File::open(&tmp)?.sync_data())
+                        .map_err(|e| tio("copy", &src, e)),
+                };
+                let r = made.and_then(|()| {
+                    std::fs::rename(&tmp, &dest).map_err(|e| tio("rename", &tmp, e))?;
+                    for dir in dest.ancestors().skip(1) {
+                        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| tio("sync", dir, e))?;
+                        if dir == root {
+                            break;
+                        }
+                    }
+                    Ok(())
+                });
+                if r.is_err() {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+                r
+            }
+        }
     }
 
     /// The remote commit: checks that every file the index names is on the

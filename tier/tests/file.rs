@@ -127,3 +127,22 @@ fn file_target_without_o_direct_is_written_buffered() {
         assert!(std::fs::read(&p).unwrap() == *data, "{}", p.display());
     }
 }
+
+#[test]
+fn file_copied_file_is_a_hard_link_and_survives_deleting_its_source() {
+    use std::os::unix::fs::MetadataExt;
+    let (local, remote) = (tempdir(), tempdir());
+    let t = Target::open(&file_url(remote.path()), small_parts()).unwrap();
+    let big = ckpt_store::format::shard_file_name(0, 2, 0);
+    let at = |step: u64| remote.path().join(ckpt_store::format::step_dir_name(step).unwrap()).join(&big);
+    // Checked before the delete inside: the copy is the same inode.
+    let probe = tempdir();
+    let tp = Target::open(&file_url(probe.path()), small_parts()).unwrap();
+    let s = local_step(local.path(), 1, 1000);
+    tp.upload_step(1, &s.files, &s.index_json).unwrap();
+    tp.copy_file(1, 2, &big).unwrap();
+    let p = |step: u64| probe.path().join(ckpt_store::format::step_dir_name(step).unwrap()).join(&big);
+    assert_eq!(std::fs::metadata(p(1)).unwrap().ino(), std::fs::metadata(p(2)).unwrap().ino(), "a file:// copy is a hard link");
+    copied_file_survives_deleting_its_source(&t, local.path());
+    assert!(!at(1).exists() && at(2).exists());
+}

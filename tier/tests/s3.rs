@@ -94,3 +94,9 @@ fn s3_open_of_a_missing_bucket_names_the_url() {
     let secret = &server.env.iter().find(|(k, _)| k == "AWS_SECRET_ACCESS_KEY").unwrap().1;
     assert!(!e.contains(secret.as_str()), "{e}");
 }
+
+#[test]
+fn s3_copied_file_survives_deleting_its_source() {
+    let local = tempdir();
+    copied_file_survives_deleting_its_source(&target("copied"), local.path());
+}

@@ -181,3 +181,35 @@ pub fn file_url(p: &Path) -> String {
 pub fn local_dir(t: &tempfile::TempDir) -> PathBuf {
     t.path().to_path_buf()
 }
+
+/// Step 2's big shard is a target-side copy of step 1's (`copy_file`, the
+/// drain's unchanged file), the rest uploaded; step 2 commits, and reads
+/// back bit-equal after step 1 is deleted (each remote step self-contained).
+pub fn copied_file_survives_deleting_its_source(t: &Target, local: &Path) {
+    let s1 = local_step(local, 1, ckpt_tier::MIN_PART_SIZE_BYTES + 4321);
+    t.upload_step(1, &s1.files, &s1.index_json).unwrap();
+    let big = format::shard_file_name(0, 2, 0);
+    // Step 2: the same big shard (its bytes, name and index entry), new others.
+    let mut s2 = local_step(local, 2, 1);
+    let big_file = s1.files.iter().find(|f| f.name == big).unwrap().clone();
+    let mut index = Index::from_json_bytes(&s2.index_json).unwrap();
+    for f in &mut index.ckpt.files {
+        if f.name == big {
+            (f.len_bytes, f.crc32c) = (big_file.len, big_file.crc32c);
+        }
+    }
+    s2.index_json = index.sealed_json_bytes();
+    s2.bytes.insert(big.clone(), s1.bytes[&big].clone());
+    let rest: Vec<LocalFile> = s2.files.iter().filter(|f| f.name != big).cloned().collect();
+    t.copy_file(1, 2, &big).unwrap();
+    t.upload_files(2, &rest).unwrap();
+    t.commit_step(2, &s2.index_json).unwrap();
+    // A copy of a file the source step lacks is NotFound, naming it.
+    let e = t.copy_file(1, 3, "no-such.safetensors").unwrap_err();
+    assert!(matches!(e, ckpt_tier::TierError::NotFound { .. }), "{e}");
+    t.delete_step(1).unwrap();
+    assert_eq!(t.steps().unwrap(), vec![2]);
+    for (name, data) in &s2.bytes {
+        assert!(read_all(t, 2, name, data.len()) == *data, "{name} of step 2 differs after step 1 was deleted");
+    }
+}

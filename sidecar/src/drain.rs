@@ -309,32 +309,38 @@ impl Drain {
         st.error = error;
     }
 
+    /// The step to drain next among `committed`: the newest not yet drained
+    /// (multiples of `--drain-every` only), marked as uploading; the older
+    /// ones are skipped, said once, and `on_skip(state, newest)` runs when
+    /// some were. None (waiters answered): nothing to drain.
+    fn next_step(&self, committed: &[u64], on_skip: impl FnOnce(&mut State, u64)) -> Option<u64> {
+        let mut st = self.lock();
+        let pending: Vec<u64> = committed.iter().copied().filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0).collect();
+        st.backlog = pending.clone();
+        let Some(&newest) = pending.last() else {
+            self.answer(&mut st);
+            return None;
+        };
+        let older = &pending[..pending.len() - 1];
+        if !older.is_empty() {
+            info!(url = self.url(), skipped = ?older, draining = newest, "drain behind: draining the newest committed step, skipping older ones");
+            st.skipped.extend(older.iter().copied());
+            while st.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
+                st.skipped.pop_first();
+            }
+            st.done_upto = Some(older[older.len() - 1]);
+            on_skip(&mut st, newest);
+        }
+        st.uploading = Some(newest);
+        self.answer(&mut st);
+        Some(newest)
+    }
+
     /// One round: the steps to drain now. Ok(true): a step was uploaded (look
     /// again at once); Ok(false): nothing to do; Err: the target failed.
     fn drain_once(&self) -> Result<bool, ()> {
         let committed = catalog::committed_steps(self.primary()).unwrap_or_default();
-        let newest;
-        {
-            let mut st = self.lock();
-            let pending: Vec<u64> = committed.iter().copied().filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0).collect();
-            st.backlog = pending.clone();
-            let Some(&n) = pending.last() else {
-                self.answer(&mut st);
-                return Ok(false);
-            };
-            newest = n;
-            let older = &pending[..pending.len() - 1];
-            if !older.is_empty() {
-                info!(url = self.url(), skipped = ?older, draining = newest, "drain behind: draining the newest committed step, skipping older ones");
-                st.skipped.extend(older.iter().copied());
-                while st.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
-                    st.skipped.pop_first();
-                }
-                st.done_upto = Some(older[older.len() - 1]);
-            }
-            st.uploading = Some(newest);
-            self.answer(&mut st);
-        }
+        let Some(newest) = self.next_step(&committed, |_, _| {}) else { return Ok(false) };
         // Held from local retention from now until it is replicated (or a
         // newer one replaces it as the newest not replicated).
         {
@@ -391,29 +397,7 @@ impl Drain {
     /// while it waits for the other nodes' uploads or the remote commit.
     fn drain_once_nodes(&self, n: &NodesDrain) -> Result<bool, ()> {
         let committed = catalog::committed_steps(&n.shared).unwrap_or_default();
-        let newest;
-        {
-            let mut st = self.lock();
-            let pending: Vec<u64> = committed.iter().copied().filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0).collect();
-            st.backlog = pending.clone();
-            let Some(&nw) = pending.last() else {
-                self.answer(&mut st);
-                return Ok(false);
-            };
-            newest = nw;
-            let older = &pending[..pending.len() - 1];
-            if !older.is_empty() {
-                info!(url = self.url(), skipped = ?older, draining = newest, "drain behind: draining the newest committed step, skipping older ones");
-                st.skipped.extend(older.iter().copied());
-                while st.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
-                    st.skipped.pop_first();
-                }
-                st.done_upto = Some(older[older.len() - 1]);
-                st.mine_uploaded.retain(|&s| s >= newest);
-            }
-            st.uploading = Some(newest);
-            self.answer(&mut st);
-        }
+        let Some(newest) = self.next_step(&committed, |st, newest| st.mine_uploaded.retain(|&s| s >= newest)) else { return Ok(false) };
         // Held from the coordinator's retention in the shared directory
         // until replicated (or a newer one is the newest not replicated).
         {

@@ -157,7 +157,7 @@ class Sidecar:
     `ckpt-sidecar bench compare` to itself), staging allocated and pre-faulted
     at start."""
 
-    def __init__(self, ckdir, staging_bytes, drain=None):
+    def __init__(self, ckdir, staging_bytes, drain=None, extra=()):
         self.tmp = tempfile.mkdtemp(prefix="bench-compare-sidecar-")
         self.sock = os.path.join(self.tmp, "sidecar.sock")
         self.log = os.path.join(self.tmp, "sidecar.log")
@@ -166,7 +166,7 @@ class Sidecar:
             binary = os.environ.get("CKPT_SIDECAR_BIN") or _native.sidecar_binary()  # bench compare: itself
             self.proc = subprocess.Popen([binary, "serve", "--dir", ckdir, "--socket", self.sock,
                                           "--staging", str(staging_bytes), "--keep", "2"]
-                                         + (["--drain", drain] if drain else []),
+                                         + (["--drain", drain] if drain else []) + list(extra),
                                          stdout=f, stderr=f, env=env)
 
     def connect(self, timeout=300):
@@ -874,7 +874,11 @@ def main(argv=None):
         if args.sizes and any(m.startswith("sidecar") for m in want):
             staging = 2 * max(args.sizes) + (256 << 20)
             log(f"starting the sidecar (staging {staging >> 20} MiB, pre-faulted)")
-            side = Sidecar(os.path.join(base, "sidecar-ckpt"), staging)
+            # Without --lora the state never changes between rounds: incremental
+            # saves would link every shard of the step before and the rows would
+            # time a link, not the full write every other method does.
+            side = Sidecar(os.path.join(base, "sidecar-ckpt"), staging,
+                           extra=() if args.lora is not None else ("--incremental", "off"))
             ck = side.connect()
         step = 0
         ck_trust = None

@@ -14,10 +14,13 @@
 //! scrape from the status report (`Shared::report`, passed in by the daemon
 //! as a function, so this module needs nothing of the daemon's state), the
 //! very report `status --json` prints, so both say the same of one moment.
+//! The counters and histograms a scrape prints are one moment's too: a
+//! reply's updates happen under `Metrics::snapshot` shared, the encoding
+//! under it exclusive.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 
 use ckpt_wire::{ErrorCode, Reply, StatusReport};
@@ -42,6 +45,11 @@ pub struct Metrics {
     bytes_written: Counter,
     release_seconds: Histogram,
     durable_seconds: Histogram,
+    /// Held shared by every update of several metrics that belong together
+    /// (a Durable's counter, bytes and histogram), and exclusively while a
+    /// scrape reads them all, so a scrape never sees half an update (the
+    /// durable counter one behind its histogram's count, say).
+    snapshot: RwLock<()>,
 }
 
 fn seconds_buckets() -> impl Iterator<Item = f64> {
@@ -65,6 +73,7 @@ pub fn metrics() -> &'static Metrics {
             bytes_written: Counter::default(),
             release_seconds: Histogram::new(seconds_buckets()),
             durable_seconds: Histogram::new(seconds_buckets()),
+            snapshot: RwLock::new(()),
         }
     })
 }
@@ -81,7 +90,9 @@ const REASONS: [ErrorCode; 7] = [
 
 /// A save (Save, SavePart or SaveFile) passed its checks and is in flight.
 pub fn record_started() {
-    metrics().started.inc();
+    let m = metrics();
+    let _whole = m.snapshot.read().unwrap_or_else(|e| e.into_inner());
+    m.started.inc();
 }
 
 /// The label value of a failure's code (a bounded set: the wire's codes).
@@ -102,6 +113,7 @@ fn reason(code: &ErrorCode) -> &'static str {
 /// before it was in flight), `bytes` its file bytes.
 pub fn record_reply(reply: &Reply, since_s: Option<f64>, bytes: u64) {
     let m = metrics();
+    let _whole = m.snapshot.read().unwrap_or_else(|e| e.into_inner());
     match reply {
         Reply::Released { copy_seconds, waited_seconds, .. } => {
             m.released.inc();
@@ -141,6 +153,7 @@ pub fn render(report: &StatusReport) -> String {
     r.register("in_flight", "Saves in flight now (status: in_flight)", gauge(report.in_flight.len() as u64));
     r.register("sessions", "Connected clients now (status: sessions)", gauge(report.sessions.len() as u64));
     let mut out = String::new();
+    let _whole = m.snapshot.write().unwrap_or_else(|e| e.into_inner());
     encode(&mut out, &r).expect("encoding into a String cannot fail");
     out
 }

@@ -16,6 +16,12 @@
 //! The sidecars never speak to each other; ranks tell theirs the rank and
 //! world size in SavePart.
 //!
+//! An incremental part (`--incremental on`) is compared with the newest
+//! step committed in the shared directory: its stable shards whose tensors
+//! are all unchanged are hard-linked from that step's files (in the shared
+//! directory, or this node's own folder of it), `--full-every` counted per
+//! rank; what it found changed feeds the history the next parts plan with.
+//!
 //! Invariants:
 //! - Durable reaches a rank only once the step's index is under its final
 //!   name in the shared directory.
@@ -49,6 +55,8 @@ struct Waiter {
     rank: u32,
     peer: Arc<Peer>,
     copy_seconds: f64,
+    /// An incremental part: how many of its shards were linked (`--full-every`'s count).
+    linked_files: Option<usize>,
 }
 
 struct StepWait {
@@ -67,6 +75,10 @@ struct StepWait {
 pub struct Nodes {
     steps: BTreeMap<u64, StepWait>,
     timeout: Duration,
+    /// Per rank served here: its parts committed since the last one that
+    /// linked nothing (`--full-every`, counted per rank as one node's
+    /// sidecar counts its saves: `crate::incremental`).
+    since_full: BTreeMap<u32, u32>,
 }
 
 fn answer_failed(shared: &Shared, w: Waiter, step: u64, code: ErrorCode, reason: String) {
@@ -76,7 +88,7 @@ fn answer_failed(shared: &Shared, w: Waiter, step: u64, code: ErrorCode, reason:
 
 impl Nodes {
     pub fn new(timeout: Duration) -> Nodes {
-        Nodes { steps: BTreeMap::new(), timeout }
+        Nodes { steps: BTreeMap::new(), timeout, since_full: BTreeMap::new() }
     }
 
     /// Whether some rank waits for a step's outcome (the committer then
@@ -95,7 +107,7 @@ impl Nodes {
     /// the rank then waits for the commit. A part whose copy fails is
     /// answered Failed here, with the copy's reason, its files removed.
     pub fn offer(&mut self, store: &mut Store, shared: &Shared, job: Job) {
-        let Job { id, step, layout, lease, crcs, blobs, part, peer, span, copy_seconds, fill, .. } = job;
+        let Job { id, step, layout, lease, crcs, digests, blobs, part, peer, span, copy_seconds, fill, .. } = job;
         let _enter = span.enter();
         let part = part.expect("only parts go to the nodes");
         let key = Flight::Part(step, part.rank);
@@ -149,9 +161,13 @@ impl Nodes {
         let t0 = Instant::now();
         // A fed part (still being copied) is written as it is copied; its
         // marker waits for the copy's checksums.
-        let r = match &fill {
-            None => store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls),
-            Some(f) => store.write_rank_part_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs, &decls),
+        // Incremental: whether its unchanged stable shards may be linked
+        // (`--full-every`, counted per rank).
+        store.set_link_unchanged(self.may_link(shared, part.rank));
+        let r = match (&fill, &digests) {
+            (None, Some(d)) if placed.opts.incremental => store.write_rank_part_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs, &decls),
+            (None, _) => store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls),
+            (Some(f), _) => store.write_rank_part_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs, &decls),
         };
         drop(blob_refs);
         drop(lease);
@@ -166,6 +182,11 @@ impl Nodes {
             Some(FillEnd::Copied { copy_seconds }) => copy_seconds,
             _ => copy_seconds,
         };
+        // The next parts' stable shards: this part's tensors that changed.
+        let linked_files = rep.incremental.map(|inc| {
+            shared.merge_changed(layout.specs.iter().map(|s| s.name.as_str()), inc.changed);
+            inc.linked_files
+        });
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
         shared.set_phase(key, Phase::WaitingForRanks);
         let timeout = self.timeout;
@@ -189,8 +210,31 @@ impl Nodes {
                 "coordinator of this step (this sidecar serves rank 0): commits when every rank's marker is in the shared directory"
             );
         }
-        w.waiters.push(Waiter { id, rank: part.rank, peer, copy_seconds });
+        w.waiters.push(Waiter { id, rank: part.rank, peer, copy_seconds, linked_files });
         self.poll_step(store, shared, step);
+    }
+
+    /// Whether rank `rank`'s next part may link unchanged shards: not when
+    /// it is the `--full-every`-th of its parts since the last committed
+    /// one that linked nothing.
+    fn may_link(&self, shared: &Shared, rank: u32) -> bool {
+        let k = shared.full_every.load(std::sync::atomic::Ordering::Relaxed);
+        let since = self.since_full.get(&rank).copied().unwrap_or(0);
+        let link = k == 0 || since + 1 < k;
+        if !link {
+            info!(rank, full_every = k, "incremental: this rank's part is written in full (--full-every)");
+        }
+        link
+    }
+
+    /// A step committed: each of its ranks' counts toward `--full-every`
+    /// (a part that linked nothing restarts it).
+    fn count_committed(&mut self, w: &StepWait) {
+        for x in &w.waiters {
+            let Some(n) = x.linked_files else { continue };
+            let c = self.since_full.entry(x.rank).or_insert(0);
+            *c = if n == 0 { 0 } else { *c + 1 };
+        }
     }
 
     /// Looks at every waiting step in the shared directory.
@@ -242,6 +286,7 @@ impl Nodes {
                     let gib_per_s = w.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
                     shared.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
                     self.sweep(store);
+                    self.count_committed(&w);
                     durable(shared, w, step, &rep.path.display().to_string(), persist_seconds);
                 }
                 Err(e) => {
@@ -311,6 +356,7 @@ impl Nodes {
                 let persist_seconds = w.since.elapsed().as_secs_f64();
                 info!(step, "durable (committed by the coordinator, rank 0's sidecar)");
                 self.sweep(store);
+                self.count_committed(&w);
                 durable(shared, w, step, &path, persist_seconds);
             }
             RanksState::Gone => {

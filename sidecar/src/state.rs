@@ -187,6 +187,25 @@ impl Shared {
         }
     }
 
+    /// After an incremental rank's part of several nodes was written
+    /// (`crate::nodes`): the history's entries for the part's tensors
+    /// `names` become what it found changed (None: it had nothing to
+    /// compare with; the history stays). Other ranks' entries stay: names
+    /// are unique across ranks.
+    pub fn merge_changed<'a>(&self, names: impl Iterator<Item = &'a str>, changed: Option<std::collections::HashSet<String>>) {
+        let Some(changed) = changed else { return };
+        let mut h = self.history.lock().expect("history lock");
+        let mut next = h.changed.as_deref().cloned().unwrap_or_default();
+        for n in names {
+            next.remove(n);
+        }
+        next.extend(changed);
+        if h.changed.as_deref() != Some(&next) {
+            h.generation += 1;
+            h.changed = Some(Arc::new(next));
+        }
+    }
+
     pub fn primary(&self) -> &std::path::Path {
         &self.dirs[0]
     }

@@ -8,6 +8,7 @@
 //! never sends its part fails the step on every node, naming the rank.
 //! Ranks whose sessions are gone after Released still commit.
 
+use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -851,4 +852,210 @@ fn node_local_shards_are_striped_over_a_nodes_directories_and_its_ranks_load_the
     r3.zero_shm();
     assert!(matches!(load_tensors(&mut r3, 6, &ranks[3]), Reply::Loaded { step: 6, .. }));
     assert_eq!(r3.read_shm(len), ranks[3].bytes);
+}
+
+// ------------------------------------------------ incremental parts (issue 21)
+
+impl Rank {
+    /// Writes `bytes` at `offset` of this rank's segment (and of its copy).
+    fn write_shm(&mut self, offset: usize, bytes: &[u8]) {
+        self.bytes[offset..offset + bytes.len()].copy_from_slice(bytes);
+        let c = std::ffi::CString::new(self.shm_name.clone()).unwrap();
+        // SAFETY: plain libc calls with checked results on a segment of our own name.
+        unsafe {
+            let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
+            assert!(fd >= 0);
+            assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), bytes.len(), offset as libc::off_t), bytes.len() as isize);
+            libc::close(fd);
+        }
+    }
+}
+
+/// One rank's state of the incremental tests: `frozen.R` (the first
+/// `frozen` bytes of its segment) and `moving.R` (the rest), F32.
+fn frozen_and_moving(rank: u32, frozen: u64, moving: u64) -> Vec<TensorDesc> {
+    vec![f32s(&format!("frozen.{rank}"), frozen / 4, 0), f32s(&format!("moving.{rank}"), moving / 4, frozen)]
+}
+
+/// Saves `step` on ranks 0 (node a) and 1 (node b) of a world of 2, rank
+/// 1 first and rank 0 once rank 1's marker is in (as `save_all`); both Durable.
+fn save_two(ranks: &mut [Rank], step: u64, shared: &Path, frozen: u64, moving: u64) {
+    for i in [1, 0] {
+        if i == 0 {
+            wait_for_markers(shared, step, &[1]);
+        }
+        let r = &mut ranks[i];
+        r.save_part(step, 2, frozen_and_moving(r.rank, frozen, moving), vec![]);
+        r.released(step);
+    }
+    for r in ranks.iter_mut() {
+        match r.reply() {
+            Reply::Durable { step: s, .. } if s == step => {}
+            other => panic!("rank {}: expected Durable of step {step}, got {other:?}", r.rank),
+        }
+    }
+}
+
+/// (dev, ino) of the file holding tensor `name` in committed step `step`
+/// of the shared directory (a node-held file where its node recorded it).
+fn inode_of(shared: &Path, step: u64, name: &str) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let index = restore::read_index(shared, step).unwrap();
+    let file = &index.ckpt.tensors[name].file;
+    let id = ckpt_store::incremental::file_inode(shared, step, file).unwrap_or_else(|| panic!("step {step}: no file {file}"));
+    let folder = match index.holder(file) {
+        Some((_, n)) => PathBuf::from(&n.dirs[0]).join(ckpt_store::format::node_step_dir_name(step).unwrap()),
+        None => catalog::step_path(shared, step),
+    };
+    let m = std::fs::metadata(folder.join(file)).unwrap();
+    assert_eq!((m.dev(), m.ino()), id);
+    id
+}
+
+/// Bytes of the files under `dirs` whose inode is not in `seen` (added to
+/// it): what was written since the last look, a hard link to a file seen
+/// before counting nothing, whatever retention deleted meanwhile.
+fn new_file_bytes(dirs: &[PathBuf], seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut todo: Vec<PathBuf> = dirs.to_vec();
+    let mut bytes = 0;
+    while let Some(d) = todo.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                todo.push(e.path());
+            } else if m.is_file() && seen.insert((m.dev(), m.ino())) {
+                bytes += m.len();
+            }
+        }
+    }
+    bytes
+}
+
+/// Rank `owner`'s tensors of `step` loaded through `reader`'s sidecar into
+/// `reader`'s region (a rank of world size 2 restoring its own part).
+fn load_own_part(reader: &mut Rank, step: u64, owner: u32, frozen: u64, moving: u64) -> Vec<u8> {
+    reader.zero_shm();
+    ckpt_wire::write_frame(&mut reader.s, &Request::Load { id: 80, step: Some(step), tensors: frozen_and_moving(owner, frozen, moving) }).unwrap();
+    match reader.reply() {
+        Reply::Loaded { step: s, .. } if s == step => {}
+        other => panic!("rank {owner}: expected Loaded of step {step}, got {other:?}"),
+    }
+    reader.read_shm((frozen + moving) as usize)
+}
+
+fn cli(args: &[&str]) -> (i32, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Issue 21 on several nodes, with the shards in the shared directory or
+/// on each node's own disk (`node_local`): each rank's part is compared
+/// with the newest committed step, so a stable shard whose tensors are all
+/// unchanged is a hard link of that step's file (the same inode), never
+/// written again; a tensor changed in one rank is written; every step loads
+/// bit-equal at world size 2 (each rank its part, through its node) and 1
+/// (the whole step); the index records digests; `verify` passes; after
+/// retention and gc the kept steps load. Prints the bytes each step added
+/// (2 ranks: 64 MiB frozen + 1 MiB changing in all).
+fn incremental_parts_are_linked_on_two_nodes(node_local: bool) {
+    const FROZEN: u64 = 32 << 20;
+    const MOVING: u64 = 512 << 10;
+    let c = Cluster::new();
+    let shared = c.shared();
+    let args = |id: &'static str| -> Vec<&'static str> {
+        let mut v = vec!["--keep", "2"];
+        if node_local {
+            v.extend(["--node-local", "--node-id", id]);
+        }
+        v
+    };
+    let (a, b) = (c.node_with(0, "300", &args("a")), c.node_with(1, "300", &args("b")));
+    let len = (FROZEN + MOVING) as usize;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&b, 1, len)];
+    let mut readers = vec![Rank::connect(&a, 0, len), Rank::connect(&b, 1, len)];
+    let dirs = [shared.clone(), c.local(0), c.local(1)];
+    let mut seen = std::collections::HashSet::new();
+    new_file_bytes(&dirs, &mut seen);
+    let mut saved: BTreeMap<u64, [Vec<u8>; 2]> = BTreeMap::new();
+    let mut frozen_inodes = BTreeMap::new();
+    for step in 1..=4u64 {
+        // Every step, each rank's moving tensor changes (4 bytes of each
+        // 4 KiB); at step 4 one element of rank 1's frozen tensor too.
+        for r in ranks.iter_mut() {
+            for k in 0..MOVING as usize / 4096 {
+                r.write_shm(FROZEN as usize + k * 4096, &[step as u8, k as u8, 0x5a, r.rank as u8]);
+            }
+        }
+        if step == 4 {
+            let old = ranks[1].bytes[4 * 1000];
+            ranks[1].write_shm(4 * 1000, &[old ^ 0x40]);
+        }
+        save_two(&mut ranks, step, &shared, FROZEN, MOVING);
+        let written = new_file_bytes(&dirs, &mut seen);
+        println!("{} layout, step {step}: {written} bytes in files written (hard links of earlier files not counted)", if node_local { "node-local" } else { "shared" });
+        if (2..=3).contains(&step) {
+            // The two moving tensors, their shards' headers, index, markers.
+            let limit = 2 * MOVING + (256 << 10);
+            assert!(written <= limit, "step {step} wrote {written} bytes; at most {limit} expected");
+        }
+        saved.insert(step, [ranks[0].bytes.clone(), ranks[1].bytes.clone()]);
+        frozen_inodes.insert(step, [inode_of(&shared, step, "frozen.0"), inode_of(&shared, step, "frozen.1")]);
+        // World size 2: each rank restores its own part through its node.
+        for (i, reader) in readers.iter_mut().enumerate() {
+            assert!(load_own_part(reader, step, i as u32, FROZEN, MOVING) == saved[&step][i], "step {step}: rank {i}'s part differs");
+        }
+        // World size 1: the whole step, in one reader.
+        let l = restore::load(&shared, Which::Step(step), &ReadOptions::default(), None).unwrap();
+        for (i, want) in saved[&step].iter().enumerate() {
+            assert!(l.tensor(&format!("frozen.{i}")).unwrap() == &want[..FROZEN as usize], "step {step}: frozen.{i}");
+            assert!(l.tensor(&format!("moving.{i}")).unwrap() == &want[FROZEN as usize..], "step {step}: moving.{i}");
+        }
+        let index = restore::read_index(&shared, step).unwrap();
+        assert!(index.ckpt.tensors.values().all(|t| t.xxh128.is_some()), "step {step}: the parts' digests are in the index");
+    }
+    // Rank 0's frozen tensor never changed: one file, step 1's, in every
+    // step. Rank 1's changed at step 4: written then, linked before.
+    for s in 2..=4 {
+        assert_eq!(frozen_inodes[&s][0], frozen_inodes[&1][0], "step {s}: rank 0's frozen shard is not step 1's file");
+    }
+    assert_eq!(frozen_inodes[&2][1], frozen_inodes[&1][1]);
+    assert_eq!(frozen_inodes[&3][1], frozen_inodes[&1][1]);
+    assert_ne!(frozen_inodes[&4][1], frozen_inodes[&3][1], "rank 1's changed tensor was not written");
+    // Steps 3 and 4 are kept (--keep 2); steps 1 and 2, whose files they
+    // link, are gone (node-local: the nodes' folders of them too).
+    assert_eq!(catalog::committed_steps(&shared).unwrap(), [3, 4]);
+    if node_local {
+        for n in 0..2 {
+            assert!(!c.local(n).join(ckpt_store::format::node_step_dir_name(1).unwrap()).exists(), "{:?}", names_in(&c.local(n)));
+        }
+    }
+    for s in [3, 4] {
+        let l = restore::load(&shared, Which::Step(s), &ReadOptions::default(), None).unwrap();
+        for i in 0..2 {
+            assert!(l.tensor(&format!("frozen.{i}")).unwrap() == &saved[&s][i][..FROZEN as usize], "step {s}: frozen.{i}");
+        }
+    }
+    let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cli(&["gc", shared.to_str().unwrap(), "--keep", "1"]);
+    assert_eq!(code, 0, "{out}");
+    let l = restore::load(&shared, Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!(l.step, 4);
+    for i in 0..2 {
+        assert!(l.tensor(&format!("frozen.{i}")).unwrap() == &saved[&4][i][..FROZEN as usize]);
+        assert!(l.tensor(&format!("moving.{i}")).unwrap() == &saved[&4][i][FROZEN as usize..]);
+    }
+    drop((a, b));
+}
+
+#[test]
+fn incremental_parts_in_the_shared_directory_link_each_ranks_unchanged_shards() {
+    incremental_parts_are_linked_on_two_nodes(false);
+}
+
+#[test]
+fn incremental_node_local_parts_link_within_each_nodes_own_directory() {
+    incremental_parts_are_linked_on_two_nodes(true);
 }

@@ -227,7 +227,7 @@ pub struct Store {
     pub(crate) retention_hold: Option<Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>>,
     /// Incremental commits may link unchanged stable shards
     /// ([`Store::set_link_unchanged`]); false writes everything.
-    link_unchanged: bool,
+    pub(crate) link_unchanged: bool,
     /// What the last incremental commit found ([`Store::take_incremental`]).
     incremental: Option<IncrementalReport>,
 }
@@ -718,12 +718,12 @@ fn lock_or_read_only(paths: &[PathBuf], opts: &StoreOptions) -> Result<(Vec<DirL
 }
 
 /// Writes the shards of directory `dir_idx` into `tmp` and syncs them, as
-/// [`write_shards`], except those with a link `candidates` (incremental):
+/// [`write_shards_some`] (all of them), except those with a link `candidates` (incremental):
 /// these wait for the save's checksums and digests, then are linked from
 /// the previous step when every tensor of theirs is unchanged, else
 /// written. Returns (write time, sync time, the shards linked).
 #[allow(clippy::too_many_arguments)]
-fn write_dir(
+pub(crate) fn write_dir(
     d: &mut TargetDir,
     step: u64,
     dir_idx: u32,
@@ -770,23 +770,8 @@ fn write_dir(
     Ok((w, sy, linked))
 }
 
-/// Writes every shard of directory `dir_idx` into `tmp` and syncs them;
-/// returns (write time, sync time).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn write_shards(
-    d: &mut TargetDir,
-    step: u64,
-    dir_idx: u32,
-    tmp: &Path,
-    layout: &Layout,
-    staging: &dyn BufAddr,
-    progress: Option<&Progress>,
-    chunk_bytes: usize,
-) -> Result<(Duration, Duration), CommitError> {
-    write_shards_some(d, step, dir_idx, tmp, layout, staging, progress, chunk_bytes, &|_| true)
-}
-
-/// [`write_shards`] of the shards `which` says.
+/// Writes the shards of directory `dir_idx` that `which` says into `tmp`
+/// and syncs them; returns (write time, sync time).
 #[allow(clippy::too_many_arguments)]
 fn write_shards_some(
     d: &mut TargetDir,

@@ -31,8 +31,12 @@ use crate::image::Layout;
 pub struct Prev {
     pub step: u64,
     pub index: Index,
-    /// The step's folder in each target directory, by `dir_idx`.
-    step_dirs: Vec<PathBuf>,
+    /// Where each of its files that this store may link from lies (file
+    /// name → path): in one node's store, every file, in the step's folder
+    /// of the directory its `dir_idx` names; in a rank's part of several
+    /// nodes, only those on the same file system as the part's shards
+    /// ([`Prev::newest_shared`]).
+    linkable: HashMap<String, PathBuf>,
     /// Tensor name → (dtype, shape, crc32c, digest).
     by_name: HashMap<String, usize>,
 }
@@ -58,9 +62,50 @@ impl Prev {
             debug!(step, "incremental: the newest step was written to other directories; nothing linked");
             return None;
         }
-        let step_dirs = paths.iter().map(|p| catalog::step_path(p, step)).collect();
+        let step_dirs: Vec<PathBuf> = paths.iter().map(|p| catalog::step_path(p, step)).collect();
+        let linkable = index.ckpt.files.iter().filter_map(|f| Some((f.name.clone(), step_dirs.get(f.dir_idx as usize)?.join(&f.name)))).collect();
+        Some(Prev::with(step, index, linkable))
+    }
+
+    /// For one rank's part of several nodes (docs/format.md, "Several
+    /// nodes"): the newest readable committed step of the shared directory
+    /// `shared`, whose files the part's shards may be linked to. In the
+    /// shared layout (`node` None) those are the files in its step folder
+    /// there (the part's temp folder is in the same directory); with
+    /// node-local files (`node`: this node's id and its directories, as
+    /// `ckpt.nodes` records them), only the files this node holds in the
+    /// same directories (a link stays within one of the node's own
+    /// directories, `node-step-N` to `node-step-M`). None when there is no
+    /// such step or its index does not read.
+    pub fn newest_shared(shared: &Path, node: Option<(&str, &[PathBuf])>) -> Option<Prev> {
+        let step = *catalog::readable_steps(shared).ok()?.last()?;
+        let index = match crate::restore::read_index(shared, step) {
+            Ok(i) => i,
+            Err(e) => {
+                warn!(step, "incremental: the newest step's index in the shared directory does not read ({e}); everything is written");
+                return None;
+            }
+        };
+        let mut linkable = HashMap::new();
+        for f in &index.ckpt.files {
+            let path = match (index.holder(&f.name), node) {
+                (None, None) => catalog::step_path(shared, step).join(&f.name),
+                (Some((holder, entry)), Some((id, dirs))) if holder == id && entry.dirs.len() == dirs.len() && entry.dirs.iter().zip(dirs).all(|(a, b)| Path::new(a) == b) => {
+                    let Ok(folder) = crate::format::node_step_dir_name(step) else { continue };
+                    let Some(d) = dirs.get(f.dir_idx as usize) else { continue };
+                    d.join(folder).join(&f.name)
+                }
+                // Another node's disk, or another layout: never linked.
+                _ => continue,
+            };
+            linkable.insert(f.name.clone(), path);
+        }
+        Some(Prev::with(step, index, linkable))
+    }
+
+    fn with(step: u64, index: Index, linkable: HashMap<String, PathBuf>) -> Prev {
         let by_name = index.ckpt.tensors.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect();
-        Some(Prev { step, index, step_dirs, by_name })
+        Prev { step, index, linkable, by_name }
     }
 
     /// Whether layout tensor `i` (crc `crc`, digest `digest`) is unchanged
@@ -105,7 +150,7 @@ impl Prev {
                 return None;
             }
         }
-        Some(self.step_dirs[sh.dir_idx as usize].join(file))
+        self.linkable.get(file).cloned()
     }
 }
 
@@ -137,13 +182,19 @@ fn kill_after_links_for_tests() {
 }
 
 /// The (device, inode) of `file` of committed step `step` of `primary`
-/// (its directory as the step's index names it), or None.
+/// (its directory as the step's index names it; a node-held file in its
+/// node's recorded directory), or None.
 pub fn file_inode(primary: &Path, step: u64, file: &str) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     let index = crate::restore::read_index(primary, step).ok()?;
     let f = index.ckpt.files.iter().find(|f| f.name == file)?;
-    let dir = if f.dir_idx == 0 { primary.to_path_buf() } else { PathBuf::from(index.ckpt.secondary_dirs.get(f.dir_idx as usize - 1)?) };
-    let m = std::fs::metadata(catalog::step_path(&dir, step).join(file)).ok()?;
+    let folder = match index.holder(file) {
+        // A node-local file (several nodes): in its node's `node-step-…` folder.
+        Some((_, entry)) => PathBuf::from(entry.dirs.get(f.dir_idx as usize)?).join(crate::format::node_step_dir_name(step).ok()?),
+        None if f.dir_idx == 0 => catalog::step_path(primary, step),
+        None => catalog::step_path(Path::new(index.ckpt.secondary_dirs.get(f.dir_idx as usize - 1)?), step),
+    };
+    let m = std::fs::metadata(folder.join(file)).ok()?;
     Some((m.dev(), m.ino()))
 }
 

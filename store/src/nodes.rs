@@ -5,7 +5,12 @@
 //! function of the step alone. Each node's sidecar writes its ranks'
 //! shards and blobs into it and syncs them ([`Store::write_rank_part`]).
 //! Then it writes and syncs a marker `rank-RRRRR.done` per rank: an index
-//! of that rank's files, tensors and blobs. A rank that declares slices of
+//! of that rank's files, tensors and blobs (with their digests, for an
+//! incremental part). An incremental part's stable shards whose tensors are
+//! all unchanged since the newest step committed in the shared directory
+//! are hard-linked from that step's files instead of written: in the shared
+//! directory, or, node-local, from this node's own `node-step-…` folder of
+//! that step in the same directory ([`crate::incremental::Prev::newest_shared`]). A rank that declares slices of
 //! split tensors has them written and synced before its marker, beside it
 //! (`rank-RRRRR.slices.json`).
 //!
@@ -36,7 +41,8 @@ use std::time::Instant;
 use tracing::info;
 
 use crate::catalog;
-use crate::commit::{write_shards, write_small_file, CommitError, CommitReport, Fill, Store};
+use crate::commit::{write_dir, write_small_file, CommitError, CommitReport, Fill, IncrementalReport, Store};
+use crate::incremental::Prev;
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
 use crate::mem::BufAddr;
@@ -112,9 +118,12 @@ struct RankSlices {
 /// Figures of one rank's part written into the shared directory.
 #[derive(Debug, Clone)]
 pub struct PartReport {
-    /// Shard and blob bytes written.
+    /// Shard and blob bytes written (a linked shard's not counted).
     pub bytes: u64,
     pub marker: PathBuf,
+    /// An incremental part (digests taken): the committed step it was
+    /// compared with, the shards linked from it, the tensors that changed.
+    pub incremental: Option<IncrementalReport>,
 }
 
 impl Store {
@@ -144,6 +153,24 @@ impl Store {
         slices: &[SliceDecl],
     ) -> Result<PartReport, CommitError> {
         self.write_rank_part_filled(step, layout, staging, Fill::Done(tensor_crcs), blobs, slices)
+    }
+
+    /// [`Store::write_rank_part`] of an incremental part (its layout
+    /// planned with `LayoutOptions::incremental`) with each tensor's
+    /// digest: the marker records them, and stable shards whose tensors
+    /// are all unchanged since the newest committed step are linked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_rank_part_with_digests(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        tensor_crcs: &[u32],
+        digests: &[u128],
+        blobs: &[Blob<'_>],
+        slices: &[SliceDecl],
+    ) -> Result<PartReport, CommitError> {
+        self.write_rank_part_filled(step, layout, staging, Fill::Summed(tensor_crcs, digests), blobs, slices)
     }
 
     /// [`Store::write_rank_part`] of an image still being filled (the
@@ -224,15 +251,29 @@ impl Store {
         }
         remove_rank_files(tmp, rank, blobs).map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
         let chunk_bytes = self.opts.chunk_bytes;
-        if self.opts.node_local.is_some() {
+        // Incremental (docs/format.md, "Incremental checkpoints"): the
+        // newest committed step of the shared directory, and this part's
+        // stable shards that may be linked from its files on the same file
+        // system (decided once the copy's digests are in).
+        let own_dirs = self.dirs().to_vec();
+        let prev = if layout.opts.incremental { Prev::newest_shared(&shared, self.opts.node_local.as_deref().map(|id| (id, &own_dirs[..]))) } else { None };
+        let candidates: Vec<Option<PathBuf>> =
+            (0..layout.shards.len()).map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s))).collect();
+        let linked = if self.opts.node_local.is_some() {
             // Node-local: the shards go into this node's own directories
             // (striped as the layout says), synced before the marker.
-            self.write_node_local_shards(step, layout, staging, fill, chunk_bytes)?;
+            self.write_node_local_shards(step, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?
         } else {
             let d = self.shared.as_mut().expect("checked by the caller");
-            write_shards(d, step, 0, tmp, layout, staging, fill.progress(), chunk_bytes)?;
-        }
-        let mut bytes = layout.file_bytes();
+            let (_, _, linked) = write_dir(d, step, 0, tmp, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?;
+            if !linked.is_empty() {
+                // The links' names durable before the marker says the part is.
+                catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
+            }
+            linked
+        };
+        let linked_bytes: u64 = linked.iter().map(|&s| layout.shards[s].file_len).sum();
+        let mut bytes = layout.file_bytes() - linked_bytes;
         if !blobs.is_empty() {
             let bdir = tmp.join(BLOBS_DIR_NAME);
             match fs::create_dir(&bdir) {
@@ -257,7 +298,18 @@ impl Store {
         // A fed part's checksums: the filler's end (its last bytes are
         // already written and synced above).
         layout.prepare_index(&[]);
-        let mut index = layout.index_json(step, &fill.crcs(step)?, blobs, Vec::new());
+        let crcs = fill.crcs(step)?;
+        let digests = fill.digests().filter(|_| layout.opts.incremental);
+        let mut index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, Vec::new());
+        let incremental = digests.as_deref().map(|d| IncrementalReport {
+            prev_step: prev.as_ref().map(|p| p.step),
+            linked_files: linked.len(),
+            linked_bytes,
+            changed: prev.as_ref().map(|p| p.changed(layout, &crcs, d)),
+        });
+        if let Some(r) = &incremental {
+            info!(rank, prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental (this rank's part)");
+        }
         if let Some(id) = &self.opts.node_local {
             // The marker names this node as the holder of the rank's files,
             // and its directories (the files' dir_idx name one of them).
@@ -275,14 +327,27 @@ impl Store {
         write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
         fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
         catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
-        Ok(PartReport { bytes, marker })
+        Ok(PartReport { bytes, marker, incremental })
     }
 
     /// Writes and syncs a rank's shards into this node's `node-step-…`
     /// folder of `step` in each of its directories (made, with their
     /// directory synced, if missing; the rank's files of an earlier attempt
     /// removed first): one writer thread per directory, as a commit does.
-    fn write_node_local_shards(&mut self, step: u64, layout: &Layout, staging: &dyn BufAddr, fill: Fill<'_>, chunk_bytes: usize) -> Result<(), CommitError> {
+    /// A shard with a link candidate (incremental) is linked from this
+    /// node's folder of `prev` when all its tensors are unchanged; returns
+    /// the shards linked.
+    #[allow(clippy::too_many_arguments)]
+    fn write_node_local_shards(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        fill: Fill<'_>,
+        chunk_bytes: usize,
+        prev: Option<&Prev>,
+        candidates: &[Option<PathBuf>],
+    ) -> Result<Vec<usize>, CommitError> {
         let rank = layout.opts.rank;
         let mut locals = Vec::new();
         for d in self.dirs() {
@@ -305,19 +370,21 @@ impl Store {
                     let local = &locals[dir_idx];
                     std::thread::Builder::new()
                         .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || write_shards(d, step, dir_idx as u32, local, layout, staging, fill.progress(), chunk_bytes))
+                        .spawn_scoped(s, move || write_dir(d, step, dir_idx as u32, local, layout, staging, fill, chunk_bytes, prev, candidates))
                         .expect("spawning a writer thread")
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect()
         });
+        let mut linked = Vec::new();
         for r in results {
-            r?;
+            linked.extend(r?.2);
         }
+        // Synced with the written shards' names, the links' too.
         for local in &locals {
             catalog::fsync_dir(local).map_err(|e| CommitError::io(local, "sync the node-local step folder", e))?;
         }
-        Ok(())
+        Ok(linked)
     }
 
     /// This node's id when its ranks' shards go to its own disks

@@ -1060,3 +1060,46 @@ fn incremental_parts_in_the_shared_directory_link_each_ranks_unchanged_shards() 
 fn incremental_node_local_parts_link_within_each_nodes_own_directory() {
     incremental_parts_are_linked_on_two_nodes(true);
 }
+
+/// `--full-every K` on several nodes counts each rank's parts: with K = 2,
+/// every second part of a rank links nothing, so a file is shared by at
+/// most 2 steps. A flipped byte in a node-held file that two steps link is
+/// reported by `verify` for both (it finds the file on its node's disk).
+#[test]
+fn node_local_parts_are_written_in_full_every_kth_step_and_verify_names_the_steps_sharing_a_damaged_file() {
+    const FROZEN: u64 = 2 << 20;
+    const MOVING: u64 = 64 << 10;
+    let c = Cluster::new();
+    let shared = c.shared();
+    let args = |id| ["--node-local", "--node-id", id, "--full-every", "2"];
+    let (a, b) = (c.node_with(0, "300", &args("a")), c.node_with(1, "300", &args("b")));
+    let len = (FROZEN + MOVING) as usize;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&b, 1, len)];
+    let mut inodes = BTreeMap::new();
+    for step in 1..=4u64 {
+        for r in ranks.iter_mut() {
+            r.write_shm(FROZEN as usize, &[step as u8]);
+        }
+        save_two(&mut ranks, step, &shared, FROZEN, MOVING);
+        inodes.insert(step, [inode_of(&shared, step, "frozen.0"), inode_of(&shared, step, "frozen.1")]);
+    }
+    for i in 0..2 {
+        assert_eq!(inodes[&2][i], inodes[&1][i], "rank {i}: step 2 links step 1's file");
+        assert_ne!(inodes[&3][i], inodes[&2][i], "rank {i}: step 3 is its second part since a full one: written in full");
+        assert_eq!(inodes[&4][i], inodes[&3][i], "rank {i}: step 4 links step 3's file");
+    }
+    let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    // Flip one byte of rank 1's frozen tensor in the file steps 3 and 4 share.
+    let index = restore::read_index(&shared, 4).unwrap();
+    let file = &index.ckpt.tensors["frozen.1"].file;
+    let path = c.local(1).join(ckpt_store::format::node_step_dir_name(4).unwrap()).join(file);
+    let mut raw = std::fs::read(&path).unwrap();
+    let at = raw.len() - 100;
+    raw[at] ^= 1;
+    std::fs::write(&path, &raw).unwrap();
+    let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
+    assert_eq!(code, 3, "{out}");
+    assert!(out.contains(&format!("damaged file {file} (step 3) is shared by steps 3, 4")), "{out}");
+    drop((a, b));
+}

@@ -48,6 +48,11 @@ impl Cluster {
 
     /// Node `node`'s sidecar with more options (`--node-local`, ...).
     fn node_with(&self, node: u32, part_timeout_s: &str, extra: &[&str]) -> Node {
+        self.node_with_env(node, part_timeout_s, extra, &[])
+    }
+
+    /// [`Cluster::node_with`] with more environment (test hooks).
+    fn node_with_env(&self, node: u32, part_timeout_s: &str, extra: &[&str], env: &[(&str, &str)]) -> Node {
         let base = self.tmp.path().join(format!("node{node}"));
         let (dir, socket, log) = (base.join("local"), base.join("run").join("s.sock"), self.tmp.path().join(format!("node{node}.log")));
         std::fs::create_dir_all(&base).unwrap();
@@ -61,6 +66,7 @@ impl Cluster {
             .args(extra)
             .env("CKPT_SIDECAR_PART_TIMEOUT_S", part_timeout_s)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -1102,4 +1108,60 @@ fn node_local_parts_are_written_in_full_every_kth_step_and_verify_names_the_step
     assert_eq!(code, 3, "{out}");
     assert!(out.contains(&format!("damaged file {file} (step 3) is shared by steps 3, 4")), "{out}");
     drop((a, b));
+}
+
+/// A node's sidecar SIGKILLed while it links its rank's unchanged shard
+/// (node-local: in its own directory) leaves no marker: the coordinator
+/// aborts the step, `verify` passes on what is committed, the earlier step
+/// loads; restarted, the node removes its half-linked folder, and the step
+/// saved again commits, its shard linked.
+#[test]
+fn node_local_sidecar_killed_while_linking_leaves_no_step_that_fails_and_the_retry_links() {
+    const FROZEN: u64 = 2 << 20;
+    const MOVING: u64 = 64 << 10;
+    let c = Cluster::new();
+    let shared = c.shared();
+    let args = |id| ["--node-local", "--node-id", id];
+    let a = c.node_with(0, "5", &args("a"));
+    let mut b = c.node_with_env(1, "60", &args("b"), &[(ckpt_store::incremental::TEST_KILL_AFTER_LINKS_ENV, "1")]);
+    let len = (FROZEN + MOVING) as usize;
+    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&b, 1, len)];
+    save_two(&mut ranks, 1, &shared, FROZEN, MOVING);
+    // Step 2: node b's sidecar kills itself at its first link.
+    for r in ranks.iter_mut() {
+        r.write_shm(FROZEN as usize, &[2]);
+    }
+    ranks[1].save_part(2, 2, frozen_and_moving(1, FROZEN, MOVING), vec![]);
+    let t0 = Instant::now();
+    while b.child.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "node b's sidecar never linked a shard (it kills itself at its first link)\n{}", b.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ranks[0].save_part(2, 2, frozen_and_moving(0, FROZEN, MOVING), vec![]);
+    ranks[0].released(2);
+    match ranks[0].reply() {
+        Reply::Failed { step: 2, reason, .. } => assert!(reason.contains("wrote no marker"), "{reason}"),
+        other => panic!("rank 0: expected Failed, got {other:?}\n{}", a.log()),
+    }
+    assert_eq!(catalog::committed_steps(&shared).unwrap(), [1]);
+    let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    let folder2 = c.local(1).join(ckpt_store::format::node_step_dir_name(2).unwrap());
+    assert!(folder2.exists(), "node b was killed after it made its folder of step 2");
+    // Node b again (no kill): recovery removes its folder of the aborted step.
+    let b = c.node_with(1, "60", &args("b"));
+    assert!(!folder2.exists(), "{:?}", names_in(&c.local(1)));
+    ranks[1] = Rank::connect(&b, 1, len);
+    ranks[1].write_shm(FROZEN as usize, &[2]);
+    save_two(&mut ranks, 2, &shared, FROZEN, MOVING);
+    for i in 0..2 {
+        assert_eq!(inode_of(&shared, 2, &format!("frozen.{i}")), inode_of(&shared, 1, &format!("frozen.{i}")), "rank {i}");
+    }
+    let l = restore::load(&shared, Which::Step(2), &ReadOptions::default(), None).unwrap();
+    for (i, r) in ranks.iter().enumerate() {
+        assert!(l.tensor(&format!("frozen.{i}")).unwrap() == &r.bytes[..FROZEN as usize]);
+        assert!(l.tensor(&format!("moving.{i}")).unwrap() == &r.bytes[FROZEN as usize..]);
+    }
+    let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
 }

@@ -36,6 +36,9 @@ const FILL_CHUNK_BYTES: usize = 4 << 20;
 const BASE_TENSOR_BYTES: u64 = 32 << 20;
 /// One adapter tensor (a LoRA A or B matrix, F32).
 const ADAPTER_TENSOR_BYTES: u64 = 128 << 10;
+/// Steps the full-save sidecars keep (`--keep`): the one an incremental
+/// save compares with, and the one it commits.
+const FULL_KEEP: &str = "2";
 
 pub struct IncrementalArgs {
     pub dir: PathBuf,
@@ -255,8 +258,11 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
     let off_dir = fresh_dir(&args.dir.join("full-off"))?;
     let base = lora_state(args.base_bytes, 0);
     let full_staging = config::align_up(base.len + base.len / 8 + (64 << 20), 1 << 20);
-    let mut on = Sidecar::spawn_with(&on_dir, full_staging, &[])?;
-    let mut off = Sidecar::spawn_with(&off_dir, full_staging, &["--incremental", "off"])?;
+    // Both keep their last two steps (retention runs after Durable, and
+    // alike on both): a run of many rounds keeps 4 GiB on disk, not 2 GiB
+    // per round.
+    let mut on = Sidecar::spawn_with(&on_dir, full_staging, &["--keep", FULL_KEEP])?;
+    let mut off = Sidecar::spawn_with(&off_dir, full_staging, &["--incremental", "off", "--keep", FULL_KEEP])?;
     let full = (|| -> anyhow::Result<FullFigures> {
         let con = on.connect()?;
         let coff = off.connect()?;

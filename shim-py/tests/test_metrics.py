@@ -129,6 +129,9 @@ def test_metrics_scraped_during_saves_agree_with_status(msidecar):
     assert value(s, "ckpt_staging_used_bytes") == status["staging_used_bytes"]
     assert value(s, "ckpt_in_flight") == len(status["in_flight"]) == 0
     assert value(s, "ckpt_sessions") == len(status["sessions"]) == 1
+    # Counters read from the same report (nothing flagged unchanged here).
+    assert value(s, "ckpt_unchanged_taken_bytes_total") == status["unchanged_taken_bytes"] == 0
+    assert value(s, "ckpt_unchanged_in_place_bytes_total") == status["unchanged_in_place_bytes"] == 0
 
 
 def test_metrics_port_taken_fails_the_start(tmp_path):

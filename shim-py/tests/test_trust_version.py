@@ -235,3 +235,31 @@ def test_load_into_and_rollback_forget_what_was_proven(sidecar):
         assert taken_bytes(ck) == before
     finally:
         ck.close()
+
+
+def test_status_json_shows_the_unchanged_counters_the_daemon_keeps(sidecar):
+    """`ckpt-sidecar status --json` printed neither `unchanged_taken_bytes`
+    nor `unchanged_in_place_bytes`, though the daemon's report (what
+    Checkpointer.status() returns) has them."""
+    import json
+    import subprocess
+
+    from conftest import sidecar_bin
+
+    base, adapter, opt = lora_state()
+    ck = trusted(sidecar)
+    try:
+        for step in range(1, 5):
+            train_step(adapter, opt)
+            ck.save(step, {"base": base, "adapter": adapter.state_dict(), "opt": opt.state_dict()}).wait_durable(30)
+        want = ck.status()
+    finally:
+        ck.close()
+    out = subprocess.run([sidecar_bin(), "status", "--json", "--socket", sidecar.socket], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    j = json.loads(out.stdout)
+    assert want["unchanged_taken_bytes"] > 0
+    assert j["unchanged_taken_bytes"] == want["unchanged_taken_bytes"]
+    assert j["unchanged_in_place_bytes"] == want["unchanged_in_place_bytes"]
+    text = subprocess.run([sidecar_bin(), "status", "--socket", sidecar.socket], capture_output=True, text=True, timeout=30)
+    assert text.returncode == 0 and "unchanged:" in text.stdout, text.stdout

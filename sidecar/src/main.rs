@@ -817,6 +817,7 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
             "sessions": r.sessions.iter().map(|s| json!({"pid": s.pid, "name": s.name, "regions": s.regions, "region_bytes": s.region_bytes})).collect::<Vec<_>>(),
             "in_flight": r.in_flight.iter().map(|f| json!({"step": f.step, "file": f.file, "phase": f.phase, "bytes": f.bytes})).collect::<Vec<_>>(),
             "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
+            "unchanged_taken_bytes": r.unchanged_taken_bytes, "unchanged_in_place_bytes": r.unchanged_in_place_bytes,
             "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
             "cuda": r.cuda,
             "shared_dir": (!r.shared_dir.is_empty()).then_some(&r.shared_dir),
@@ -833,6 +834,11 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
     println!("sidecar pid {} at {}", r.server_pid, socket.display());
     println!("dirs:     {}", r.dirs.join(", "));
     println!("staging:  {} of {} in use; resident step: {}", human_bytes(r.staging_used_bytes), human_bytes(r.staging_bytes), r.resident_step.map_or("none".into(), |s| s.to_string()));
+    println!(
+        "unchanged: {} taken from the resident image, not copied ({} of it in place)",
+        human_bytes(r.unchanged_taken_bytes),
+        human_bytes(r.unchanged_in_place_bytes)
+    );
     println!("sessions: {}", r.sessions.len());
     for s in &r.sessions {
         println!("  pid {:>8}  {:<24} {} region(s), {}", s.pid, s.name, s.regions, human_bytes(s.region_bytes));

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use ckpt_wire::{ErrorCode, Reply, StatusReport};
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
@@ -152,6 +152,16 @@ pub fn render(report: &StatusReport) -> String {
     r.register("staging_used_bytes", "Staging memory leased now (copies, writes, the resident image)", gauge(report.staging_used_bytes));
     r.register("in_flight", "Saves in flight now (status: in_flight)", gauge(report.in_flight.len() as u64));
     r.register("sessions", "Connected clients now (status: sessions)", gauge(report.sessions.len() as u64));
+    r.register(
+        "unchanged_taken_bytes",
+        "Bytes of tensors flagged unchanged (trust-version) taken from the resident image instead of copied from the client (status: unchanged_taken_bytes)",
+        ConstCounter::new(report.unchanged_taken_bytes),
+    );
+    r.register(
+        "unchanged_in_place_bytes",
+        "Of those, bytes taken in place: already where the new layout puts them, copied from nowhere (status: unchanged_in_place_bytes)",
+        ConstCounter::new(report.unchanged_in_place_bytes),
+    );
     let mut out = String::new();
     let _whole = m.snapshot.write().unwrap_or_else(|e| e.into_inner());
     encode(&mut out, &r).expect("encoding into a String cannot fail");

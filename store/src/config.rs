@@ -42,6 +42,11 @@ pub const SHARD_BYTES_DEFAULT: u64 = 1 << 30;
 /// bucket once, then moves it to the volatile shards).
 pub const STABLE_OWN_SHARD_BYTES_MIN: u64 = 1 << 20;
 pub const STABLE_BUCKET_BYTES_MAX: u64 = 16 << 20;
+/// The checksum pass of an incremental save checksums (crc32c) this much,
+/// then hashes it (XXH3-128) while it is still in the first-level cache
+/// (`digest::crc_and_digest`): small enough to stay there, large enough
+/// that each call's fixed cost is nothing (a multiple of XXH3's 1 KiB block).
+pub const SUM_CHUNK_BYTES: usize = 16 << 10;
 /// Default of `--full-every`: every this many saves of a daemon, a step is
 /// written in full (nothing linked), so no file is shared by more than
 /// this many consecutive steps and a damaged one damages at most those.
@@ -103,6 +108,7 @@ pub const FORMAT_VERSION_OLDEST: u32 = 1;
 
 const _: () = assert!(FORMAT_VERSION_OLDEST >= 1 && FORMAT_VERSION_OLDEST < FORMAT_VERSION_SLICES && FORMAT_VERSION_SLICES < FORMAT_VERSION_DIGESTS && FORMAT_VERSION_DIGESTS <= FORMAT_VERSION);
 const _: () = assert!(DIRECT_ALIGN_BYTES.is_power_of_two());
+const _: () = assert!(SUM_CHUNK_BYTES > 0 && SUM_CHUNK_BYTES % 1024 == 0);
 const _: () = assert!(HUGE_PAGE_BYTES.is_power_of_two() && HUGE_PAGE_BYTES % DIRECT_ALIGN_BYTES == 0);
 const _: () = assert!(DATA_ALIGN_BYTES % DIRECT_ALIGN_BYTES == 0);
 const _: () = assert!(CHUNK_BYTES_DEFAULT % DIRECT_ALIGN_BYTES == 0);

@@ -413,16 +413,8 @@ mod tests {
 }
 
 /// The crc32c (when `crc`; else 0) and the XXH3-128 of `bytes` (one digest
-/// block), in one pass: each block of [`crate::config::COPY_BLOCK_BYTES`]
-/// is checksummed, then hashed while it is in cache.
+/// block), in one pass: each chunk is checksummed, then hashed while it is
+/// in the first-level cache (`ckpt_store::digest::crc_and_digest`).
 pub fn sum_of(bytes: &[u8], crc: bool) -> (u32, u128) {
-    let mut c = 0u32;
-    let mut h = ckpt_store::digest::BlockHasher::default();
-    for block in bytes.chunks(crate::config::COPY_BLOCK_BYTES) {
-        if crc {
-            c = crc32c::crc32c_append(c, block);
-        }
-        h.update(block);
-    }
-    (c, h.finish())
+    ckpt_store::digest::crc_and_digest(bytes, crc)
 }

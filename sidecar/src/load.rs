@@ -161,7 +161,7 @@ fn other_nodes_files<T>(shared: &Shared, step: Option<u64>, descs: Option<&[Tens
     let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
     let n_fetched = index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
     let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
-    info!(step = s, node, url = d.url(), "loading another node's files of the step from the drain target, this node's from its disks");
+    info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files (this node's own are read from its disks)");
     load(Origin::Dir(shared.read_dir(), Some(&r)), s).map(Some)
 }
 
@@ -542,4 +542,15 @@ impl restore::ReadDest for IntoRegion<'_> {
     fn foreign(&self) -> bool {
         true
     }
+}
+
+/// A load of step `step` that only the drain target holds, read as `Load`
+/// and `LoadPacked` read it (`Drain::remote_source`, then the verified
+/// load of [`Origin`]: a `file://` directory in place, an object store's
+/// files streamed) into `dest` (at least `restore::load_len_bytes`);
+/// returns the bytes of shard files read. For `bench drain`.
+pub fn load_remote_step(drain: &crate::drain::Drain, step: u64, dest: &mut [u8]) -> Result<u64, String> {
+    let r = drain.remote_source(Some(step), None).map_err(|(_, m)| m)?.ok_or_else(|| format!("step {step} is in the local directories"))?;
+    let p = Origin::of(&r).read_into(Which::Step(step), &restore::ReadOptions::default(), dest).map_err(|e| e.to_string())?;
+    Ok(p.bytes)
 }

@@ -190,3 +190,98 @@ pub fn load_remote(index_bytes: &[u8], step: u64, src: &dyn FetchFiles) -> Resul
     let placed = load_remote_into(index_bytes, step, src, buf.as_mut_slice())?;
     Ok(Loaded::new(placed, buf))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+    use crate::commit::{Store, StoreOptions};
+    use crate::format::INDEX_FILE_NAME;
+    use crate::image::{Blob, Layout, LayoutOptions};
+    use crate::restore::Which;
+    use crate::synthetic;
+    use std::sync::atomic::AtomicU64;
+
+    /// A step folder read as a drain target would give it: whole files in
+    /// small pieces (tensor boundaries fall inside pieces), counting bytes.
+    struct Folder {
+        dir: PathBuf,
+        fetched_bytes: AtomicU64,
+    }
+
+    impl FetchFiles for Folder {
+        fn label(&self) -> &str {
+            "test://remote"
+        }
+        fn parallel(&self) -> usize {
+            3
+        }
+        fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), String> {
+            let bytes = std::fs::read(self.dir.join(name)).map_err(|e| format!("{name}: {e}"))?;
+            if bytes.len() != dst.len() {
+                return Err(format!("{name} is {} bytes where the index says {}", bytes.len(), dst.len()));
+            }
+            for (d, s) in dst.chunks_mut(1000).zip(bytes.chunks(1000)) {
+                d.copy_from_slice(s);
+                feed(d);
+            }
+            self.fetched_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    fn committed_step(root: &std::path::Path) -> (PathBuf, Vec<u8>) {
+        let dir = root.join("ck");
+        let mut store = Store::open(StoreOptions::new(vec![dir.clone()])).unwrap();
+        let layout = Layout::plan(synthetic::transformer_specs(2 << 20), LayoutOptions { shard_bytes_max: 512 << 10, ..Default::default() }).unwrap();
+        let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+        let crcs = synthetic::stage(&layout, staging.as_mut_slice(), 5);
+        store.commit(5, &layout, &staging, &crcs, &[Blob { name: "rng", bytes: b"seed" }]).unwrap();
+        let step_dir = catalog::step_path(&dir, 5);
+        let index_bytes = std::fs::read(step_dir.join(INDEX_FILE_NAME)).unwrap();
+        (dir, index_bytes)
+    }
+
+    #[test]
+    fn a_streamed_remote_step_loads_bit_equal_to_a_local_load_fetching_every_byte_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, index_bytes) = committed_step(tmp.path());
+        let src = Folder { dir: catalog::step_path(&dir, 5), fetched_bytes: AtomicU64::new(0) };
+        let got = load_remote(&index_bytes, 5, &src).unwrap();
+        let want = restore::load(&dir, Which::Step(5), &ReadOptions::default(), None).unwrap();
+        assert!(got.index.ckpt.files.len() > 3, "the test needs several files fetched side by side");
+        for name in want.index.ckpt.tensors.keys() {
+            assert!(got.tensor(name) == want.tensor(name), "tensor {name} differs");
+        }
+        assert_eq!(got.blobs["rng"], b"seed");
+        let shard_bytes: u64 = want.index.ckpt.files.iter().map(|f| f.len_bytes).sum();
+        assert_eq!(src.fetched_bytes.load(Ordering::Relaxed), shard_bytes + 4);
+    }
+
+    #[test]
+    fn a_flipped_byte_in_a_streamed_file_is_damage_naming_the_source_file_and_tensor() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, index_bytes) = committed_step(tmp.path());
+        let step_dir = catalog::step_path(&dir, 5);
+        let index = Index::from_json_bytes(&index_bytes).unwrap();
+        let f = index.ckpt.files.iter().max_by_key(|f| f.len_bytes).unwrap();
+        let path = step_dir.join(&f.name);
+        let mut raw = std::fs::read(&path).unwrap();
+        let at = raw.len() - 100;
+        raw[at] ^= 0x40;
+        std::fs::write(&path, &raw).unwrap();
+        let src = Folder { dir: step_dir, fetched_bytes: AtomicU64::new(0) };
+        match load_remote(&index_bytes, 5, &src) {
+            Err(e @ LoadError::Damaged { .. }) => {
+                let said = e.to_string();
+                assert!(said.starts_with("test://remote: step 5 is damaged") && said.contains(&f.name) && said.contains("checksum mismatch"), "{said}");
+            }
+            Err(e) => panic!("not damage: {e}"),
+            Ok(_) => panic!("a flipped byte loaded"),
+        }
+        // A file of another length: damage naming it, nothing loaded.
+        std::fs::write(&path, &raw[..at]).unwrap();
+        let err = load_remote(&index_bytes, 5, &src).err().expect("a short file loaded");
+        assert!(matches!(err, LoadError::Damaged { .. }) && err.to_string().contains(&f.name), "{err}");
+    }
+}

@@ -467,11 +467,8 @@ def test_a_remote_only_step_on_s3_is_streamed_into_the_load_with_nothing_written
 
 
 def test_a_flipped_byte_in_a_remote_shard_on_s3_is_caught_while_streamed_and_named(tmp_path, servers, s3):
-    import boto3
-
     local, b = _replicated_then_local_gone(tmp_path, servers, s3, "s3://ckpt-test/flip", (1,))
-    client = boto3.client("s3", endpoint_url=s3.env["AWS_ENDPOINT_URL"], aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"], region_name=s3.env["AWS_REGION"])
+    client = s3_client(s3.env)
     objs = client.list_objects_v2(Bucket="ckpt-test", Prefix="flip/step-000000000001/")["Contents"]
     shard = max((o for o in objs if o["Key"].endswith(".safetensors")), key=lambda o: o["Size"])
     raw = bytearray(client.get_object(Bucket="ckpt-test", Key=shard["Key"])["Body"].read())

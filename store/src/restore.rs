@@ -17,11 +17,14 @@ use std::time::Instant;
 
 use crate::catalog;
 use crate::config::{self, DIRECT_ALIGN_BYTES};
-use crate::fetch::{self, FetchFiles};
+
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::io::{self as eio, FileIo, IoPolicy, OpKind};
 use crate::mem::AlignedBuf;
 use crate::skeleton;
+
+pub(crate) mod fetched;
+pub use fetched::FetchFiles;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
@@ -446,9 +449,9 @@ fn verifies_apart(primary: &Path, step: u64, opts: &ReadOptions, remote: Option<
     let Some(src) = remote else { return verify(primary, step, opts, |_, _| {}).is_ok_and(|r| r.problems.is_empty()) };
     let Ok(index) = read_index(primary, step) else { return false };
     let names: std::collections::BTreeSet<String> = problems.iter().filter_map(|p| p.file.clone()).collect();
-    let fetched = |n: &str| matches!((index.holder(n), &opts.node), (Some((id, _)), Some(me)) if id != me.id);
+    let is_fetched = |n: &str| matches!((index.holder(n), &opts.node), (Some((id, _)), Some(me)) if id != me.id);
     let names: Vec<String> = names.into_iter().collect();
-    !names.is_empty() && names.iter().all(|n| fetched(n)) && fetch::verifies_when_fetched_again(&index, &names, src)
+    !names.is_empty() && names.iter().all(|n| is_fetched(n)) && fetched::verifies_when_fetched_again(&index, &names, src)
 }
 
 type LoadFail = (LoadError, Option<AlignedBuf>);
@@ -513,7 +516,7 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
     // folder, or a node's node-step folder); the fetched files apart.
     let mut step_dirs: Vec<PathBuf> = Vec::new();
     let mut plan: Vec<Vec<(usize, usize)>> = Vec::new();
-    let mut fetched: Vec<(usize, usize)> = Vec::new();
+    let mut to_fetch: Vec<(usize, usize)> = Vec::new();
     let only_files: Option<std::collections::BTreeSet<&str>> =
         opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
     for (fi, f) in index.ckpt.files.iter().enumerate() {
@@ -527,13 +530,13 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
             (Some(_), _) => match file_folder(&index, &dirs, step, fi, opts) {
                 Ok(folder) => folder,
                 Err(LoadError::OnAnotherNode { .. }) if remote.is_some() => {
-                    fetched.push((fi, here));
+                    to_fetch.push((fi, here));
                     continue;
                 }
                 Err(e) => return Err(e),
             },
             (None, _) => {
-                fetched.push((fi, here));
+                to_fetch.push((fi, here));
                 continue;
             }
         };
@@ -548,7 +551,7 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
         plan[di].push((fi, here));
     }
     let base = base as usize;
-    let outcome: Result<(Vec<DirRead>, Option<fetch::Fetched>), LoadError> = std::thread::scope(|s| {
+    let outcome: Result<(Vec<DirRead>, Option<fetched::Fetched>), LoadError> = std::thread::scope(|s| {
         let handles: Vec<_> = plan
             .iter()
             .enumerate()
@@ -575,7 +578,7 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
             // SAFETY: the fetched files' ranges are disjoint from each other
             // and from the local readers' (each file has its own), valid
             // until this scope ends (this function's contract).
-            Some(src) if !fetched.is_empty() => Some(unsafe { fetch::fetch_and_check(&index, &fetched, src, base, guard) }),
+            Some(src) if !to_fetch.is_empty() => Some(unsafe { fetched::fetch_and_check(&index, &to_fetch, src, base, guard) }),
             _ => None,
         };
         let reads = handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect::<Result<Vec<_>, _>>()?;
@@ -607,7 +610,7 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
     let mut blobs = BTreeMap::new();
     match (primary, remote) {
         (Some(p), _) => problems.extend(read_blobs(&catalog::step_path(p, step), &index, &mut blobs)),
-        (None, Some(src)) => problems.extend(fetch::fetch_blobs(&index, src, &mut blobs)),
+        (None, Some(src)) => problems.extend(fetched::fetch_blobs(&index, src, &mut blobs)),
         (None, None) => unreachable!("an origin has a directory or a source"),
     }
     check_skeleton(&index, &blobs, &mut problems);
@@ -623,7 +626,7 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
         }
         let dir = match (primary, remote) {
             (Some(p), _) => p.to_path_buf(),
-            (None, Some(src)) => fetch::label_path(src),
+            (None, Some(src)) => fetched::label_path(src),
             (None, None) => unreachable!("an origin has a directory or a source"),
         };
         return Err(LoadError::Damaged { dir, step, problems });

@@ -422,3 +422,62 @@ def test_s3_server_killed_and_restarted_mid_drain_local_saves_go_on_and_the_drai
         finally:
             again.stop()
     assert a.drain()["state"] == "up"
+
+
+def _dir_seen(d):
+    """What a load may not change in directory d: its own mtime (any entry
+    made or removed in it, a `.ckpt-fetch-*` folder included) and every
+    path under it with its size and mtime."""
+    return d.stat().st_mtime_ns, sorted((str(p.relative_to(d)), p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*"))
+
+
+def _replicated_then_local_gone(tmp_path, servers, s3, url, steps):
+    local = tmp_path / "L"
+    a = Drained(tmp_path, "a", local, url, env=s3.env).start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        for step in steps:
+            ck.save(step, state(step)).wait_replicated(timeout=120)
+    a.stop()
+    shutil.rmtree(local)
+    b = Drained(tmp_path, "b", local, url, env=s3.env).start()
+    servers.append(b)
+    return local, b
+
+
+def test_a_remote_only_step_on_s3_is_streamed_into_the_load_with_nothing_written_to_the_local_dir(tmp_path, servers, s3):
+    # Before: the step was copied into `.ckpt-fetch-*` in the primary, loaded
+    # from there and removed (the primary's mtime moved, and the bytes were
+    # written and read locally once more). Now every file is streamed into
+    # the load's memory: LoadPacked (load) and Load (load_into) alike.
+    local, b = _replicated_then_local_gone(tmp_path, servers, s3, "s3://ckpt-test/stream", (1, 2))
+    before = _dir_seen(local)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        assert_equal_state(ck.load("latest"), state(2))
+        assert ck.last_load_step == 2
+        assert_equal_state(ck.load(1), state(1))
+        want = state(1)
+        target = {"w": np.zeros_like(want["w"]), "b": np.zeros_like(want["b"]), "meta": {"step": 0}}
+        got = ck.load_into(target, 1)
+        assert got == 1, repr(got)
+        np.testing.assert_array_equal(target["w"], want["w"])
+        np.testing.assert_array_equal(target["b"], want["b"])
+    assert _dir_seen(local) == before, "the load wrote to the local directory"
+    assert not list(local.glob(".ckpt-fetch-*"))
+
+
+def test_a_flipped_byte_in_a_remote_shard_on_s3_is_caught_while_streamed_and_named(tmp_path, servers, s3):
+    local, b = _replicated_then_local_gone(tmp_path, servers, s3, "s3://ckpt-test/flip", (1,))
+    client = s3_client(s3.env)
+    objs = client.list_objects_v2(Bucket="ckpt-test", Prefix="flip/step-000000000001/")["Contents"]
+    shard = max((o for o in objs if o["Key"].endswith(".safetensors")), key=lambda o: o["Size"])
+    raw = bytearray(client.get_object(Bucket="ckpt-test", Key=shard["Key"])["Body"].read())
+    raw[-100] ^= 0x40
+    client.put_object(Bucket="ckpt-test", Key=shard["Key"], Body=bytes(raw))
+    before = _dir_seen(local)
+    with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
+        with pytest.raises(cs.errors.Damaged) as e:
+            ck.load(1)
+    said = str(e.value)
+    assert "s3://ckpt-test/flip" in said and shard["Key"].rsplit("/", 1)[1] in said and "checksum mismatch" in said, said
+    assert _dir_seen(local) == before

@@ -1,11 +1,19 @@
 //! `bench drain`: the drain tier's upload and download against the plain
 //! object_store client on the same target in the same run (and, for
-//! file://, fio's write into that directory). Figures only. Part of the
-//! binary (main.rs).
+//! file://, fio's write into that directory), and the restore of the step
+//! through the sidecar's load path (`load::load_remote_step`: what Load
+//! and LoadPacked do for a step only the target holds, every checksum
+//! verified) beside the plain client's download of the same bytes.
+//! Figures only. Part of the binary (main.rs).
 
 use std::path::PathBuf;
 
+use std::time::Instant;
+
 use anyhow::Context;
+use ckpt_sidecar::drain::{Drain, DrainOptions};
+use ckpt_sidecar::load;
+use ckpt_store::mem::AlignedBuf;
 
 use ckpt_store::bench;
 use ckpt_store::units::human_bytes;
@@ -40,7 +48,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         })?;
         let (files, index_json) = tier_bench::local_step(&local, w.step).with_context(|| format!("reading the step in {}", local.display()))?;
         let opts = TargetOptions { bandwidth_bytes_per_s: None, parallel: a.parallel, part_size_bytes: a.part_size as usize };
-        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs { url: a.url.clone(), step: w.step, files, index_json, opts })?)
+        let index = ckpt_store::format::Index::from_json_bytes(&index_json)?;
+        let need_bytes = ckpt_store::restore::load_len_bytes(&index) as usize;
+        // The daemon's load path: a sidecar whose directory lacks the step
+        // (an empty one) and whose drain is the target our upload went to.
+        let empty = local.join("empty");
+        std::fs::create_dir_all(&empty)?;
+        let restore = move |url: &str, step: u64| -> Result<f64, String> {
+            let drain = Drain::open(DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![empty.clone()]).map_err(|e| e.to_string())?;
+            // Memory as the daemon's staging is: allocated and touched before.
+            let mut dest = AlignedBuf::new(need_bytes.max(1)).map_err(|e| e.to_string())?;
+            dest.as_mut_slice().iter_mut().step_by(4096).for_each(|b| *b = 1);
+            let t0 = Instant::now();
+            load::load_remote_step(&drain, step, dest.as_mut_slice())?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs { url: a.url.clone(), step: w.step, files, index_json, opts, restore: Some(Box::new(restore)) })?)
     })();
     let _ = std::fs::remove_dir_all(&local);
     let f = r?;
@@ -69,6 +92,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         gib(f.plain_download_seconds),
         f.download_ratio()
     );
+    if let (Some(r), Some(again), Some(ratio)) = (f.restore_seconds, f.plain_download_again_seconds, f.restore_ratio()) {
+        println!(
+            "restore   ours (the sidecar's load) {:>7.3} s {:>7.3} GiB/s | plain object_store get (again)    {:>7.3} s {:>7.3} GiB/s | ours/plain {:.2}",
+            r,
+            gib(r),
+            again,
+            gib(again),
+            ratio
+        );
+    }
     if let Some(fio) = fio {
         println!("fio write into the directory (bs 4M, O_DIRECT, iodepth 16): {fio:.3} GiB/s | ours/fio {:.2}", gib(f.upload_seconds) / fio);
     }
@@ -76,6 +109,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let mut j = serde_json::to_value(&f)?;
         j["upload_ratio"] = f.upload_ratio().into();
         j["download_ratio"] = f.download_ratio().into();
+        j["restore_ratio"] = f.restore_ratio().into();
         j["fio_write_gib_per_s"] = fio.into();
         j["upload_ratio_to_fio"] = fio.map(|x| gib(f.upload_seconds) / x).into();
         println!("{j}");

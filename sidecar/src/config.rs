@@ -182,8 +182,7 @@ const _: () = assert!(DRAIN_BACKOFF_MIN_MS <= DRAIN_BACKOFF_MAX_MS);
 pub const DRAIN_WAITERS_MAX: usize = 4096;
 /// Skipped steps `status` lists (the newest).
 pub const DRAIN_SKIPPED_SHOWN_MAX: usize = 64;
-/// A remote step fetched for a load is read in pieces of this size.
-pub const HYDRATE_CHUNK_BYTES: usize = 64 << 20;
-/// Name prefix of a fetched remote step's temporary folder in the primary
-/// directory (removed after its load, and at start).
+/// Name prefix of the temporary folder in the primary directory into which
+/// older sidecars copied a remote step before loading it (removed at start;
+/// a remote step is now streamed into the load's memory, `remote_step`).
 pub const HYDRATE_PREFIX: &str = ".ckpt-fetch-";

@@ -21,10 +21,11 @@
 //!   replicated is held from local retention ([`Drain::hold`]).
 //! - Restore: [`Drain::remote_source`] says whether a load must read the
 //!   drain target (the step is not local, or the target has a newer one
-//!   than `latest`), and makes that step readable as an ordinary
-//!   checkpoint directory (a `file://` target is one; an object store's
-//!   step is fetched into a temporary folder, removed after the load), so
-//!   every load path verifies it exactly as a local one.
+//!   than `latest`), and makes that step readable (`crate::remote_step`):
+//!   a `file://` target is an ordinary checkpoint directory, read in
+//!   place; an object store's step is streamed into the load's memory
+//!   with every checksum checked as a local load checks it, and no local
+//!   copy.
 //!
 //! Invariants: the thread never holds the state lock across a request to
 //! the target; waiters are bounded ([`config::DRAIN_WAITERS_MAX`]) and
@@ -43,6 +44,7 @@ use tracing::{info, warn};
 
 use crate::config;
 use crate::peer::Peer;
+pub use crate::remote_step::{RemoteCkpt, RemoteFrom, RemoteStep};
 
 /// What `--drain*` asked for.
 #[derive(Debug, Clone)]
@@ -721,7 +723,10 @@ impl Drain {
         })
     }
 
-    /// Makes remote step `step` readable as a checkpoint directory.
+    /// Makes remote step `step` readable for a load: a `file://` target's
+    /// directory, read in place; an object store's step, streamed into the
+    /// load's memory (its index fetched and parsed here; every file's
+    /// bytes are checked by the load as they arrive).
     fn fetch(&self, step: u64) -> Result<RemoteCkpt, Fetch> {
         let url = self.url();
         let index_bytes = self.target.get_index(step).map_err(|e| match e {
@@ -731,29 +736,22 @@ impl Drain {
         let index = Index::from_json_bytes(&index_bytes).map_err(|e| Fetch::Damaged(format!("step {step} on {url}: remote index damaged: {e}")))?;
         // A file:// target is a checkpoint directory: read in place.
         if let Some(root) = url.strip_prefix("file://") {
-            return Ok(RemoteCkpt { dir: PathBuf::from(root), step, temp: None, fell_back: Vec::new() });
+            return Ok(RemoteCkpt { step, from: RemoteFrom::Dir(PathBuf::from(root)), fell_back: Vec::new() });
         }
-        let temp = self.primary().join(format!("{}{}-{:016x}", config::HYDRATE_PREFIX, std::process::id(), ckpt_store::io::nonce()));
-        let guard = TempDir(temp.clone());
-        let step_dir = catalog::step_path(&temp, step);
-        std::fs::create_dir_all(step_dir.join(BLOBS_DIR_NAME)).map_err(|e| Fetch::Io(format!("{}: {e}", step_dir.display())))?;
-        let mut buf = vec![0u8; config::HYDRATE_CHUNK_BYTES];
-        let names = index.ckpt.files.iter().map(|f| (f.name.clone(), f.len_bytes)).chain(index.ckpt.blobs.iter().map(|b| (format!("{BLOBS_DIR_NAME}/{}", b.name), b.len_bytes)));
-        for (name, len) in names {
-            use std::io::Write;
-            let path = step_dir.join(&name);
-            let mut f = std::fs::File::create(&path).map_err(|e| Fetch::Io(format!("{}: {e}", path.display())))?;
-            let mut off = 0u64;
-            while off < len {
-                let n = (len - off).min(buf.len() as u64) as usize;
-                self.target.read_range(step, &name, off, &mut buf[..n]).map_err(|e| Fetch::Io(e.to_string()))?;
-                f.write_all(&buf[..n]).map_err(|e| Fetch::Io(format!("{}: {e}", path.display())))?;
-                off += n as u64;
-            }
-        }
-        std::fs::write(step_dir.join(INDEX_FILE_NAME), &index_bytes).map_err(|e| Fetch::Io(format!("{}: {e}", step_dir.display())))?;
-        info!(step, url, dir = %temp.display(), "fetched from the drain target for a load");
-        Ok(RemoteCkpt { dir: temp, step, temp: Some(guard), fell_back: Vec::new() })
+        let n_files = index.ckpt.files.len();
+        Ok(RemoteCkpt { step, from: RemoteFrom::Stream(RemoteStep::new(self.target.clone(), step, index_bytes, index, n_files)), fell_back: Vec::new() })
+    }
+
+    /// The files of step `step` on the target, for a load that reads this
+    /// node's own files locally and fetches `n_files` others (several
+    /// nodes): the step must be committed there.
+    pub fn remote_files(&self, step: u64, n_files: usize) -> Result<RemoteStep, (ErrorCode, String)> {
+        let index_bytes = self.target.get_index(step).map_err(|e| match e {
+            ckpt_tier::TierError::NotFound { .. } => (ErrorCode::NotFound, format!("step {step} is not on the drain target {}", self.url())),
+            e => (ErrorCode::Io, e.to_string()),
+        })?;
+        let index = Index::from_json_bytes(&index_bytes).map_err(|e| (ErrorCode::Damaged, format!("step {step} on {}: remote index damaged: {e}", self.url())))?;
+        Ok(RemoteStep::new(self.target.clone(), step, index_bytes, index, n_files))
     }
 }
 
@@ -776,26 +774,6 @@ enum Fetch {
     Missing,
     Damaged(String),
     Io(String),
-}
-
-/// A remote step made readable: `dir` is a checkpoint directory holding it.
-pub struct RemoteCkpt {
-    pub dir: PathBuf,
-    pub step: u64,
-    /// Removed when the load is done.
-    #[allow(dead_code)]
-    temp: Option<TempDir>,
-    /// Newer remote steps passed over, and why.
-    pub fell_back: Vec<String>,
-}
-
-/// A fetched step's temporary folder, removed on drop.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// The files of a committed local step as the target takes them (shards
@@ -833,7 +811,8 @@ fn node_files(index: &Index, me: &ckpt_store::restore::ThisNode, step: u64) -> R
     Ok(out)
 }
 
-/// Removes fetched-step folders a previous sidecar left in the primary.
+/// Removes fetched-step folders an older sidecar (one that copied a remote
+/// step into the primary before loading it) left there.
 pub fn remove_stale_fetches(primary: &Path) {
     let Ok(rd) = std::fs::read_dir(primary) else { return };
     for e in rd.flatten() {
@@ -939,7 +918,10 @@ mod tests {
         }
         let check = |d: &Drain, step: u64| {
             let r = d.remote_copy(step).unwrap_or_else(|e| panic!("step {step}: {e:?}"));
-            let loaded = restore::load(&r.dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
+            let loaded = match &r.from {
+                RemoteFrom::Dir(dir) => restore::load(dir, Which::Step(step), &ReadOptions::default(), None).unwrap(),
+                RemoteFrom::Stream(rs) => ckpt_store::fetch::load_remote(&rs.index_bytes, step, rs).unwrap(),
+            };
             let (frozen, moving) = &expected[step as usize - 1];
             assert!(loaded.tensor("frozen").unwrap() == &frozen[..] && loaded.tensor("moving").unwrap() == &moving[..], "step {step} differs");
         };

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod nodes;
 pub mod peer;
 pub mod regions;
+pub mod remote_step;
 pub mod save_plan;
 pub mod server;
 pub mod session;

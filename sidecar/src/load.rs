@@ -24,7 +24,9 @@ use tracing::{info, warn};
 use ckpt_store::catalog;
 use ckpt_store::format::Index;
 use crate::regions::Region;
-use ckpt_store::restore::{self, LoadError, Which};
+use ckpt_store::fetch::FetchFiles;
+use ckpt_store::restore::{self, LoadError, Placed, Which};
+use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
 use crate::snapshot::{check_desc_shape, check_no_overlap};
 use crate::staging::StagingError;
 use crate::peer::Peer;
@@ -146,18 +148,21 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
 
 /// Several nodes with node-local files and a drain target: a load of
 /// `step` (None: latest) that needs a file another node holds (`descs`:
-/// the tensors asked for; None: all) reads the whole step from the drain
-/// target (`load`, into `dir` holding step `s`); None: no such file, or no
-/// drain (the local read then says which node holds it).
-fn other_nodes_files<T>(shared: &Shared, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(&std::path::Path, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
-    let (Some(d), Some(_)) = (&shared.drain, &shared.read_opts.node) else { return Ok(None) };
+/// the tensors asked for; None: all) reads this node's files from its own
+/// disks and fetches the others' from the drain target, straight into the
+/// load's memory (`load`, from the shared directory with the fetcher, for
+/// step `s`); None: no such file, or no drain (the local read then says
+/// which node holds it).
+fn other_nodes_files<T>(shared: &Shared, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(Origin<'_>, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
+    let (Some(d), Some(me)) = (&shared.drain, &shared.read_opts.node) else { return Ok(None) };
     let Some(s) = step.or_else(|| catalog::latest_step(shared.read_dir()).ok().flatten()) else { return Ok(None) };
     let Ok(index) = restore::read_index(shared.read_dir(), s) else { return Ok(None) };
     let opts = restore::ReadOptions { only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()), ..shared.read_opts.clone() };
     let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
-    let r = d.remote_copy(s).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
-    info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files");
-    load(&r.dir, s).map(Some)
+    let n_fetched = index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
+    let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
+    info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files (this node's own are read from its disks)");
+    load(Origin::Dir(shared.read_dir(), Some(&r)), s).map(Some)
 }
 
 /// With a drain target (`crate::drain`): the remote step a load of `step`
@@ -175,39 +180,105 @@ fn remote_source(shared: &Shared, step: Option<u64>) -> Result<Option<crate::dra
 
 fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
-    if let Some(served) = other_nodes_files(shared, step, Some(descs), |dir, s| load_from(shared, peer, regions, dir, Some(s), descs, false))? {
+    if let Some(served) = other_nodes_files(shared, step, Some(descs), |origin, s| load_from(shared, peer, regions, origin, Some(s), descs, false))? {
         return Ok(served);
     }
     let remote = remote_source(shared, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
-        None => match (load_from(shared, peer, regions, shared.read_dir(), step, descs, true), step, &shared.drain) {
+        None => match (load_from(shared, peer, regions, Origin::Dir(shared.read_dir(), None), step, descs, true), step, &shared.drain) {
             (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
                 let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
-                let mut served = load_from(shared, peer, regions, &r.dir, Some(s), descs, false)?;
+                let mut served = load_from(shared, peer, regions, Origin::of(&r), Some(s), descs, false)?;
                 served.4.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
                 Ok(served)
             }
             (r, ..) => r,
         },
         Some(r) => {
-            let mut served = load_from(shared, peer, regions, &r.dir, Some(r.step), descs, false)?;
+            let mut served = load_from(shared, peer, regions, Origin::of(r), Some(r.step), descs, false)?;
             served.4.splice(0..0, r.fell_back.iter().cloned());
             Ok(served)
         }
     }
 }
 
-/// A Load from checkpoint directory `primary` (`ram`: the resident image
-/// may serve it).
-fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, primary: &std::path::Path, step: Option<u64>, descs: &[TensorDesc], ram: bool) -> Result<Served, Fail> {
+/// Where a load reads the checkpoint from.
+#[derive(Clone, Copy)]
+enum Origin<'a> {
+    /// A checkpoint directory (this node's, or a `file://` drain target's);
+    /// a file another node holds is fetched from the source when given.
+    Dir(&'a std::path::Path, Option<&'a dyn FetchFiles>),
+    /// A step only an object store holds: every file streamed into the
+    /// load's memory, no local copy (`crate::remote_step`).
+    Remote(&'a RemoteStep),
+}
+
+impl<'a> Origin<'a> {
+    fn of(r: &'a RemoteCkpt) -> Origin<'a> {
+        match &r.from {
+            RemoteFrom::Dir(dir) => Origin::Dir(dir, None),
+            RemoteFrom::Stream(rs) => Origin::Remote(rs),
+        }
+    }
+
+    /// The checkpoint directory, if it is one.
+    fn dir(self) -> Option<&'a std::path::Path> {
+        match self {
+            Origin::Dir(dir, _) => Some(dir),
+            Origin::Remote(_) => None,
+        }
+    }
+
+    /// The step `which` tries first.
+    fn first_step(self, which: Which) -> Option<u64> {
+        match (which, self) {
+            (Which::Step(s), _) => Some(s),
+            (Which::Latest, Origin::Dir(dir, _)) => catalog::latest_step(dir).ok().flatten(),
+            (Which::Latest, Origin::Remote(r)) => Some(r.step),
+        }
+    }
+
+    /// The index of `step`.
+    fn index(self, step: u64) -> Result<std::borrow::Cow<'a, Index>, LoadError> {
+        match self {
+            Origin::Dir(dir, _) => restore::read_index(dir, step).map(std::borrow::Cow::Owned),
+            Origin::Remote(r) => Ok(std::borrow::Cow::Borrowed(&r.index)),
+        }
+    }
+
+    /// Reads and verifies the checkpoint into `dest`.
+    fn read_into(self, which: Which, opts: &restore::ReadOptions, dest: &mut [u8]) -> Result<Placed, LoadError> {
+        match self {
+            Origin::Dir(dir, remote) => restore::load_into_with(dir, which, opts, remote, dest),
+            Origin::Remote(r) => ckpt_store::fetch::load_remote_into(&r.index_bytes, r.step, r, dest),
+        }
+    }
+
+    /// [`Origin::read_into`] by address.
+    ///
+    /// # Safety
+    /// As `restore::load_into_raw`.
+    unsafe fn read_into_raw(self, which: Which, opts: &restore::ReadOptions, dest: *mut u8, dest_len: usize, guard: &dyn restore::ReadDest) -> Result<Placed, LoadError> {
+        match self {
+            // SAFETY: this function's contract, passed on.
+            Origin::Dir(dir, remote) => unsafe { restore::load_into_raw_with(dir, which, opts, remote, dest, dest_len, guard) },
+            // SAFETY: this function's contract, passed on.
+            Origin::Remote(r) => unsafe { ckpt_store::fetch::load_remote_into_raw(&r.index_bytes, r.step, r, dest, dest_len, guard) },
+        }
+    }
+}
+
+/// A Load from `origin` (`ram`: the resident image may serve it; a
+/// checkpoint directory's only).
+fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, descs: &[TensorDesc], ram: bool) -> Result<Served, Fail> {
     // Several nodes: checkpoints are read from the shared directory, where
     // the multi-rank steps are committed; the resident image (a step of
     // this node's own directory) is never theirs.
     let resident = if shared.shared_dir.is_some() || !ram { None } else { shared.staging.resident() };
     // RAM: the resident image, if it is the checkpoint asked for.
-    if let Some(r) = resident {
+    if let (Some(r), Some(primary)) = (resident, origin.dir()) {
         let wanted = match step {
             Some(s) => Some(s),
             None => catalog::latest_step(primary).ok().flatten(),
@@ -231,14 +302,11 @@ fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Regio
             return Ok((r.step, LoadSource::Ram, tensors, r.blobs.clone(), Vec::new()));
         }
     }
-    // Disk, into a staging lease sized from the index (retried if `latest`
-    // fell back to a larger checkpoint).
+    // Disk (or the drain target), into a staging lease sized from the
+    // index (retried if `latest` fell back to a larger checkpoint).
     let which = step.map_or(Which::Latest, Which::Step);
-    let first = match which {
-        Which::Step(s) => Some(s),
-        Which::Latest => catalog::latest_step(primary).ok().flatten(),
-    };
-    let mut need_bytes = first.and_then(|s| restore::read_index(primary, s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
+    let mut need_bytes =
+        origin.first_step(which).and_then(|s| origin.index(s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
     // Node-local files: only the files of the tensors asked for are read
     // (a rank loading its own part needs no other node's disks).
     let read_opts = match &shared.read_opts.node {
@@ -246,23 +314,28 @@ fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Regio
         None => std::borrow::Cow::Borrowed(&shared.read_opts),
     };
     for _ in 0..3 {
-        if need_bytes > shared.staging.budget_bytes() {
+        let r = if need_bytes > shared.staging.budget_bytes() {
             warn!(need_bytes, budget_bytes = shared.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
-            let l = restore::load(primary, which, &read_opts, None)?;
-            deliver(regions, descs, |name| from_index(&l.index, name, |t| l.tensor(t)))?;
-            return Ok(served_from_index(l.step, &l.index, &l.blobs, &l.fell_back));
-        }
-        let give_up = || shared.stop_reason(peer, Some("the client disconnected"));
-        let (mut lease, _) = shared.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
-            StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
-            e => Fail(ErrorCode::Io, e.to_string()),
-        })?;
-        match restore::load_into(primary, which, &read_opts, lease.as_mut_slice()) {
-            Ok(p) => {
+            let mut buf = ckpt_store::mem::AlignedBuf::new(need_bytes as usize).map_err(|e| Fail(ErrorCode::Io, format!("allocating {need_bytes} bytes to load into: {e}")))?;
+            origin.read_into(which, &read_opts, buf.as_mut_slice()).map(|p| {
+                let image = buf.as_slice();
+                deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
+                Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back))
+            })
+        } else {
+            let give_up = || shared.stop_reason(peer, Some("the client disconnected"));
+            let (mut lease, _) = shared.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
+                StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
+                e => Fail(ErrorCode::Io, e.to_string()),
+            })?;
+            origin.read_into(which, &read_opts, lease.as_mut_slice()).map(|p| {
                 let image = lease.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
-                return Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back));
-            }
+                Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back))
+            })
+        };
+        match r {
+            Ok(served) => return served,
             Err(LoadError::BufferTooSmall { need_bytes: n, .. }) => need_bytes = n,
             Err(e) => return Err(e.into()),
         }
@@ -328,33 +401,33 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
 }
 
 fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
-    if let Some(placed) = other_nodes_files(shared, step, None, |dir, s| load_packed_from(shared, regions, dir, Some(s), into, false))? {
+    if let Some(placed) = other_nodes_files(shared, step, None, |origin, s| load_packed_from(shared, regions, origin, Some(s), into, false))? {
         return Ok(placed);
     }
     let remote = remote_source(shared, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
-        None => match (load_packed_from(shared, regions, shared.read_dir(), step, into, true), step, &shared.drain) {
+        None => match (load_packed_from(shared, regions, Origin::Dir(shared.read_dir(), None), step, into, true), step, &shared.drain) {
             (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
                 let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
-                let mut placed = load_packed_from(shared, regions, &r.dir, Some(s), into, false)?;
+                let mut placed = load_packed_from(shared, regions, Origin::of(&r), Some(s), into, false)?;
                 placed.fell_back.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
                 Ok(placed)
             }
             (r, ..) => r,
         },
         Some(r) => {
-            let mut placed = load_packed_from(shared, regions, &r.dir, Some(r.step), into, false)?;
+            let mut placed = load_packed_from(shared, regions, Origin::of(r), Some(r.step), into, false)?;
             placed.fell_back.splice(0..0, r.fell_back.iter().cloned());
             Ok(placed)
         }
     }
 }
 
-/// A LoadPacked from checkpoint directory `primary` (`ram`: the resident
-/// image may serve it).
-fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, primary: &std::path::Path, step: Option<u64>, into: PackedRange, ram: bool) -> Result<PlacedReply, Fail> {
+/// A LoadPacked from `origin` (`ram`: the resident image may serve it; a
+/// checkpoint directory's only).
+fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, into: PackedRange, ram: bool) -> Result<PlacedReply, Fail> {
     let PackedRange { region_id, offset_bytes, len_bytes } = into;
     let region = regions.get(&region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
     region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
@@ -364,15 +437,13 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, primar
     }
     shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
     let resident = if shared.shared_dir.is_some() || !ram { None } else { shared.staging.resident() };
-    let wanted = match step {
-        Some(s) => Some(s),
-        None => catalog::latest_step(primary).ok().flatten(),
-    };
+    let which = step.map_or(Which::Latest, Which::Step);
+    let wanted = origin.first_step(which);
     let map = shm.map_writable().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
     // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
     // inside the region (checked above), and the mapping covers the region.
     let dest = map.ptr().wrapping_add(offset_bytes as usize);
-    if let Some(r) = resident.filter(|r| wanted == Some(r.step) && catalog::is_committed(primary, r.step)) {
+    if let Some(r) = resident.filter(|r| wanted == Some(r.step) && origin.dir().is_some_and(|primary| catalog::is_committed(primary, r.step))) {
         let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
         order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
         let need_bytes = r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
@@ -403,13 +474,9 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, primar
         let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
         return Ok(PlacedReply { step: r.step, source: LoadSource::Ram, tensors, offsets, need_bytes, blobs: r.blobs.clone(), fell_back: Vec::new() });
     }
-    // Disk: straight into the region. Too small for the first candidate:
-    // say what it needs, from its index, before reading anything.
-    let which = step.map_or(Which::Latest, Which::Step);
-    let first = match which {
-        Which::Step(s) => Some(s),
-        Which::Latest => catalog::latest_step(primary).ok().flatten(),
-    };
+    // Disk (or the drain target): straight into the region. Too small for
+    // the first candidate: say what it needs, from its index, before
+    // reading anything.
     let too_small = |step: u64, index: &Index, need_bytes: u64| PlacedReply {
         step,
         source: LoadSource::Disk,
@@ -419,8 +486,8 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, primar
         blobs: Vec::new(),
         fell_back: Vec::new(),
     };
-    if let Some(s) = first {
-        if let Ok(index) = restore::read_index(primary, s) {
+    if let Some(s) = wanted {
+        if let Ok(index) = origin.index(s) {
             let need_bytes = restore::load_len_bytes(&index);
             if need_bytes > len_bytes {
                 return Ok(too_small(s, &index, need_bytes));
@@ -432,12 +499,12 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, primar
     // `map` lives; every reader thread touches it only inside `map.run`,
     // where a fault of a shrunk or unbacked segment is handled (and the
     // kernel's reads into such pages fail with EFAULT, no signal).
-    let r = unsafe { restore::load_into_raw(primary, which, &shared.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm }) };
+    let r = unsafe { origin.read_into_raw(which, &shared.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm }) };
     let p = match r {
         Ok(p) => p,
         Err(LoadError::BufferTooSmall { step, need_bytes, .. }) => {
             // A fallback to an older, larger checkpoint.
-            let index = restore::read_index(primary, step)?;
+            let index = origin.index(step)?;
             return Ok(too_small(step, &index, need_bytes));
         }
         Err(e @ LoadError::Destination { .. }) => {
@@ -475,4 +542,15 @@ impl restore::ReadDest for IntoRegion<'_> {
     fn foreign(&self) -> bool {
         true
     }
+}
+
+/// A load of step `step` that only the drain target holds, read as `Load`
+/// and `LoadPacked` read it (`Drain::remote_source`, then the verified
+/// load of [`Origin`]: a `file://` directory in place, an object store's
+/// files streamed) into `dest` (at least `restore::load_len_bytes`);
+/// returns the bytes of shard files read. For `bench drain`.
+pub fn load_remote_step(drain: &crate::drain::Drain, step: u64, dest: &mut [u8]) -> Result<u64, String> {
+    let r = drain.remote_source(Some(step), None).map_err(|(_, m)| m)?.ok_or_else(|| format!("step {step} is in the local directories"))?;
+    let p = Origin::of(&r).read_into(Which::Step(step), &restore::ReadOptions::default(), dest).map_err(|e| e.to_string())?;
+    Ok(p.bytes)
 }

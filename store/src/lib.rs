@@ -22,6 +22,7 @@ pub mod commit;
 pub mod config;
 pub mod crc;
 pub mod digest;
+pub mod fetch;
 pub mod format;
 pub mod image;
 pub mod incremental;

@@ -17,10 +17,14 @@ use std::time::Instant;
 
 use crate::catalog;
 use crate::config::{self, DIRECT_ALIGN_BYTES};
+
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::io::{self as eio, FileIo, IoPolicy, OpKind};
 use crate::mem::AlignedBuf;
 use crate::skeleton;
+
+pub(crate) mod fetched;
+pub use fetched::FetchFiles;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
@@ -166,6 +170,10 @@ impl std::ops::Deref for Loaded {
 }
 
 impl Loaded {
+    pub(crate) fn new(placed: Placed, buf: AlignedBuf) -> Loaded {
+        Loaded { placed, buf }
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&[u8]> {
         self.placed.tensor_range(name).map(|r| &self.buf.as_slice()[r])
     }
@@ -320,6 +328,14 @@ pub fn load_into(primary: &Path, which: Which, opts: &ReadOptions, dest: &mut [u
     unsafe { load_into_raw(primary, which, opts, dest.as_mut_ptr(), dest.len(), &OwnMemory) }
 }
 
+/// [`load_into`], with another node's files fetched from `remote`
+/// ([`load_into_raw_with`]).
+pub fn load_into_with(primary: &Path, which: Which, opts: &ReadOptions, remote: Option<&dyn FetchFiles>, dest: &mut [u8]) -> Result<Placed, LoadError> {
+    // SAFETY: dest is a live, exclusively borrowed slice of dest.len() bytes,
+    // untouched by anything else until this returns.
+    unsafe { load_into_raw_with(primary, which, opts, remote, dest.as_mut_ptr(), dest.len(), &OwnMemory) }
+}
+
 /// What a load needs around the memory it reads into, when that memory is
 /// not its own (a client's shared memory, which may shrink under it).
 pub trait ReadDest: Sync {
@@ -367,6 +383,26 @@ impl ReadDest for OwnMemory {
 /// client's shared memory): then what it wrote may fail a checksum, never
 /// pass one it did not.
 pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, dest: *mut u8, dest_len: usize, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
+    // SAFETY: this function's contract, passed on.
+    unsafe { load_into_raw_with(primary, which, opts, None, dest, dest_len, guard) }
+}
+
+/// [`load_into_raw`], where a file another node holds (node-local files,
+/// `opts.node`) is fetched from `remote` (a drain target holding the step:
+/// `crate::fetch`) straight into its place instead of refused: this node's
+/// own files are read from its disks, the rest streamed, all checked alike.
+///
+/// # Safety
+/// As [`load_into_raw`].
+pub unsafe fn load_into_raw_with(
+    primary: &Path,
+    which: Which,
+    opts: &ReadOptions,
+    remote: Option<&dyn FetchFiles>,
+    dest: *mut u8,
+    dest_len: usize,
+    guard: &dyn ReadDest,
+) -> Result<Placed, LoadError> {
     assert_eq!(dest as usize % DIRECT_ALIGN_BYTES, 0, "load destination must be block-aligned");
     let mut fell_back = Vec::new();
     let mut last_err = None;
@@ -379,7 +415,7 @@ pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, de
             }
             // SAFETY: dest is block-aligned and valid for need_bytes (this
             // function's contract, checked against need_bytes above).
-            unsafe { read_step_at(primary, step, index, opts, dest, t0, guard) }
+            unsafe { read_step_at(Origin::Local { primary, remote }, step, index, opts, dest, t0, guard) }
         });
         match r {
             Ok(mut p) => {
@@ -388,7 +424,7 @@ pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, de
             }
             // A checksum failed in memory someone else writes: the step is
             // damaged only if it also fails when verified on its own.
-            Err(LoadError::Damaged { .. }) if guard.foreign() && verify(primary, step, opts, |_, _| {}).is_ok_and(|r| r.problems.is_empty()) => {
+            Err(LoadError::Damaged { ref problems, .. }) if guard.foreign() && verifies_apart(primary, step, opts, remote, problems) => {
                 return Err(LoadError::Destination {
                     step,
                     why: "its bytes changed in the destination while they were read and checked there (written by its owner?); the checkpoint itself verifies".into(),
@@ -403,6 +439,19 @@ pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, de
         }
     }
     Err(last_err.expect("at least one candidate"))
+}
+
+/// Whether a step whose checksums failed in a client's memory verifies on
+/// its own (then the failure was that memory's, not the checkpoint's). With
+/// files fetched from `remote`: only when every file with a problem is one
+/// fetched, and verifies when fetched again into memory of our own.
+fn verifies_apart(primary: &Path, step: u64, opts: &ReadOptions, remote: Option<&dyn FetchFiles>, problems: &[Problem]) -> bool {
+    let Some(src) = remote else { return verify(primary, step, opts, |_, _| {}).is_ok_and(|r| r.problems.is_empty()) };
+    let Ok(index) = read_index(primary, step) else { return false };
+    let names: std::collections::BTreeSet<String> = problems.iter().filter_map(|p| p.file.clone()).collect();
+    let is_fetched = |n: &str| matches!((index.holder(n), &opts.node), (Some((id, _)), Some(me)) if id != me.id);
+    let names: Vec<String> = names.into_iter().collect();
+    !names.is_empty() && names.iter().all(|n| is_fetched(n)) && fetched::verifies_when_fetched_again(&index, &names, src)
 }
 
 type LoadFail = (LoadError, Option<AlignedBuf>);
@@ -423,7 +472,7 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
     };
     // SAFETY: buf is owned here, page-aligned, at least `need` bytes, and
     // not touched by anything else until read_step_at returns.
-    match unsafe { read_step_at(primary, step, index, opts, buf.as_mut_ptr(), t0, &OwnMemory) } {
+    match unsafe { read_step_at(Origin::Local { primary, remote: None }, step, index, opts, buf.as_mut_ptr(), t0, &OwnMemory) } {
         Ok(placed) => Ok(Loaded { placed, buf }),
         Err(e) => Err((e, Some(buf))),
     }
@@ -439,20 +488,35 @@ struct DirRead {
     dest_failed: Option<String>,
 }
 
+/// Where a load's files come from ([`read_step_at`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Origin<'a> {
+    /// The step is committed in `primary`; a file another node holds is
+    /// fetched from `remote` when given (else refused).
+    Local { primary: &'a Path, remote: Option<&'a dyn FetchFiles> },
+    /// Every file and blob fetched (a step only a drain target holds).
+    Remote(&'a dyn FetchFiles),
+}
+
 /// Reads and checks every shard and blob of `step` (whose index is `index`)
 /// into memory at `base`.
 ///
 /// # Safety
 /// `base` must be block-aligned and valid for writes of
 /// `load_len_bytes(&index)` bytes that nothing else touches during the call.
-unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
-    let dirs = dir_paths(primary, &index, opts);
+pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
+    let (primary, remote) = match origin {
+        Origin::Local { primary, remote } => (Some(primary), remote),
+        Origin::Remote(src) => (None, Some(src)),
+    };
+    let dirs = primary.map(|p| dir_paths(p, &index, opts)).unwrap_or_default();
     let mut files = BTreeMap::new();
     let mut at = 0usize;
     // One reader per folder the files are read from (a directory's step
-    // folder, or a node's node-step folder).
+    // folder, or a node's node-step folder); the fetched files apart.
     let mut step_dirs: Vec<PathBuf> = Vec::new();
     let mut plan: Vec<Vec<(usize, usize)>> = Vec::new();
+    let mut to_fetch: Vec<(usize, usize)> = Vec::new();
     let only_files: Option<std::collections::BTreeSet<&str>> =
         opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
     for (fi, f) in index.ckpt.files.iter().enumerate() {
@@ -461,8 +525,21 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
         if only_files.as_ref().is_some_and(|only| !only.contains(f.name.as_str())) {
             continue;
         }
-        let folder = file_folder(&index, &dirs, step, fi, opts)?;
         files.insert(f.name.clone(), (here, 0u64));
+        let folder = match (primary, remote) {
+            (Some(_), _) => match file_folder(&index, &dirs, step, fi, opts) {
+                Ok(folder) => folder,
+                Err(LoadError::OnAnotherNode { .. }) if remote.is_some() => {
+                    to_fetch.push((fi, here));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            },
+            (None, _) => {
+                to_fetch.push((fi, here));
+                continue;
+            }
+        };
         let di = match step_dirs.iter().position(|d| *d == folder) {
             Some(di) => di,
             None => {
@@ -474,8 +551,7 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
         plan[di].push((fi, here));
     }
     let base = base as usize;
-    let blobs_dir = catalog::step_path(primary, step);
-    let outcome: Result<Vec<DirRead>, LoadError> = std::thread::scope(|s| {
+    let outcome: Result<(Vec<DirRead>, Option<fetched::Fetched>), LoadError> = std::thread::scope(|s| {
         let handles: Vec<_> = plan
             .iter()
             .enumerate()
@@ -493,16 +569,25 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
                         // function's contract).
                         out = Some(unsafe { read_and_check(dir, index, &targets, &mut reader) });
                     });
-                    Ok(out.expect("the guard runs the work"))
+                    Ok::<DirRead, LoadError>(out.expect("the guard runs the work"))
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect()
+        // The fetched files on this thread's own readers meanwhile.
+        let got = match remote {
+            // SAFETY: the fetched files' ranges are disjoint from each other
+            // and from the local readers' (each file has its own), valid
+            // until this scope ends (this function's contract).
+            Some(src) if !to_fetch.is_empty() => Some(unsafe { fetched::fetch_and_check(&index, &to_fetch, src, base, guard) }),
+            _ => None,
+        };
+        let reads = handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect::<Result<Vec<_>, _>>()?;
+        Ok((reads, got))
     });
     let mut problems = Vec::new();
     let mut engines = Vec::new();
     let mut dest_failed = None;
-    let outcome = match outcome {
+    let (outcome, got) = match outcome {
         Ok(o) => o,
         // An engine that would not start: still the memory's fault if it failed.
         Err(e) => return Err(guard.check().err().map_or(e, |why| LoadError::Destination { step, why })),
@@ -515,8 +600,19 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
         engines.push(d.engine);
         dest_failed = dest_failed.or(d.dest_failed);
     }
+    if let (Some(g), Some(src)) = (got, remote) {
+        problems.extend(g.problems);
+        for (name, ds) in g.starts {
+            files.get_mut(&name).expect("file listed").1 = ds;
+        }
+        engines.push(format!("fetched from {}", src.label()));
+    }
     let mut blobs = BTreeMap::new();
-    problems.extend(read_blobs(&blobs_dir, &index, &mut blobs));
+    match (primary, remote) {
+        (Some(p), _) => problems.extend(read_blobs(&catalog::step_path(p, step), &index, &mut blobs)),
+        (None, Some(src)) => problems.extend(fetched::fetch_blobs(&index, src, &mut blobs)),
+        (None, None) => unreachable!("an origin has a directory or a source"),
+    }
     check_skeleton(&index, &blobs, &mut problems);
     name_slices(&index, &mut problems);
     if !problems.is_empty() || dest_failed.is_some() {
@@ -528,7 +624,12 @@ unsafe fn read_step_at(primary: &Path, step: u64, index: Index, opts: &ReadOptio
         if let Some(why) = dest_failed {
             return Err(LoadError::Destination { step, why });
         }
-        return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems });
+        let dir = match (primary, remote) {
+            (Some(p), _) => p.to_path_buf(),
+            (None, Some(src)) => fetched::label_path(src),
+            (None, None) => unreachable!("an origin has a directory or a source"),
+        };
+        return Err(LoadError::Damaged { dir, step, problems });
     }
     engines.dedup();
     let bytes = index.ckpt.files.iter().filter(|f| files.contains_key(&f.name)).map(|f| f.len_bytes).sum();
@@ -767,6 +868,11 @@ impl<'a> FileCheck<'a> {
             self.tensor_crc = 0;
             self.next += 1;
         }
+    }
+
+    /// Where the file's data section starts, once its header was parsed.
+    pub(crate) fn data_start(&self) -> Option<u64> {
+        self.data_start
     }
 
     pub(crate) fn finish(&self, problems: &mut Vec<Problem>) {

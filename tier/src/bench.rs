@@ -2,7 +2,9 @@
 //! (`Target::upload_step`) against the plain object_store client's
 //! multipart put of the same files (`WriteMultipart`, the same part size
 //! and parts in flight), and our download (`read_range` of every file)
-//! against the plain client's `get`, on the same target in the same run.
+//! against the plain client's `get`, on the same target in the same run;
+//! and, given by the caller, a restore of the step through its load path
+//! (the sidecar's), beside the plain client's download again.
 //! Figures only; nothing here asserts a time.
 
 use std::io::Read;
@@ -28,6 +30,10 @@ pub struct DrainBenchArgs {
     pub files: Vec<LocalFile>,
     pub index_json: Vec<u8>,
     pub opts: TargetOptions,
+    /// A restore of the uploaded step through the caller's load path
+    /// (the sidecar's: a step only the target holds, loaded verified into
+    /// memory), given the URL our upload went to and the step: its seconds.
+    pub restore: Option<Box<dyn Fn(&str, u64) -> Result<f64, String>>>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -45,6 +51,11 @@ pub struct DrainFigures {
     pub download_seconds: f64,
     /// object_store's get(...).bytes() of every file.
     pub plain_download_seconds: f64,
+    /// [`DrainBenchArgs::restore`], when given.
+    pub restore_seconds: Option<f64>,
+    /// The plain client's download again, right after the restore (same
+    /// bytes, same conditions; the restore's ratio is taken against it).
+    pub plain_download_again_seconds: Option<f64>,
 }
 
 impl DrainFigures {
@@ -53,6 +64,12 @@ impl DrainFigures {
     }
     pub fn download_ratio(&self) -> f64 {
         self.plain_download_seconds / self.download_seconds.max(1e-12)
+    }
+    /// Restore speed over the plain client's download speed (the better
+    /// of its two runs): ≥ 0.8 is issue 20's bar.
+    pub fn restore_ratio(&self) -> Option<f64> {
+        let plain = self.plain_download_again_seconds.map_or(self.plain_download_seconds, |a| a.min(self.plain_download_seconds));
+        self.restore_seconds.map(|r| plain / r.max(1e-12))
     }
 }
 
@@ -153,25 +170,38 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
 
         let biggest = args.files.iter().map(|f| f.len).max().unwrap_or(0) as usize;
         let mut buf = vec![0u8; biggest];
+        drop_target_cache(&args.url, &sub);
         let t0 = Instant::now();
         for f in &args.files {
             t.read_range(args.step, &f.name, 0, &mut buf[..f.len as usize])?;
         }
         let download_seconds = t0.elapsed().as_secs_f64();
 
-        let t0 = Instant::now();
-        rt.block_on(async {
-            for f in &args.files {
-                let path = f.name.split('/').fold(plain_dir.clone(), |p, part| p.join(part));
-                let got = plain.get(&path).await.map_err(|e| store_err(&args.url, "get", &path, e))?;
-                let b = got.bytes().await.map_err(|e| store_err(&args.url, "get", &path, e))?;
-                if b.len() as u64 != f.len {
-                    return Err(TierError::PastEnd { url: args.url.clone(), object: path.to_string(), offset: 0, len: f.len, size: b.len() as u64 });
+        let plain_download = || {
+            drop_target_cache(&args.url, &sub);
+            let t0 = Instant::now();
+            rt.block_on(async {
+                for f in &args.files {
+                    let path = f.name.split('/').fold(plain_dir.clone(), |p, part| p.join(part));
+                    let got = plain.get(&path).await.map_err(|e| store_err(&args.url, "get", &path, e))?;
+                    let b = got.bytes().await.map_err(|e| store_err(&args.url, "get", &path, e))?;
+                    if b.len() as u64 != f.len {
+                        return Err(TierError::PastEnd { url: args.url.clone(), object: path.to_string(), offset: 0, len: f.len, size: b.len() as u64 });
+                    }
                 }
+                Ok::<(), TierError>(())
+            })?;
+            Ok::<f64, TierError>(t0.elapsed().as_secs_f64())
+        };
+        let plain_download_seconds = plain_download()?;
+        let (restore_seconds, plain_download_again_seconds) = match &args.restore {
+            Some(restore) => {
+                drop_target_cache(&args.url, &sub);
+                let r = restore(&ours_url, args.step).map_err(|reason| TierError::Task { url: args.url.clone(), reason: format!("restore: {reason}") })?;
+                (Some(r), Some(plain_download()?))
             }
-            Ok::<(), TierError>(())
-        })?;
-        let plain_download_seconds = t0.elapsed().as_secs_f64();
+            None => (None, None),
+        };
         Ok(DrainFigures {
             url: args.url.clone(),
             bytes,
@@ -182,6 +212,8 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
             plain_upload_seconds,
             download_seconds,
             plain_download_seconds,
+            restore_seconds,
+            plain_download_again_seconds,
         })
     })();
 
@@ -197,6 +229,24 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     });
     remove_empty_file_dirs(&args.url, &sub);
     result
+}
+
+/// file://: the bench's files on the target dropped from the page cache,
+/// so that every download reads the disk (ours uploads with O_DIRECT, the
+/// plain client through the cache).
+fn drop_target_cache(url: &str, sub: &str) {
+    let Some(root) = file_url_dir(url) else { return };
+    let mut stack = vec![root.join(sub)];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => drop_cache(&[LocalFile { local_path: e.path(), name: String::new(), len: 0, crc32c: 0 }]),
+                _ => {}
+            }
+        }
+    }
 }
 
 /// file:// leaves empty folders behind object deletes: removed.

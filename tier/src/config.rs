@@ -10,6 +10,22 @@ pub const DEFAULT_PART_SIZE_BYTES: usize = 16 << 20;
 pub const MIN_PART_SIZE_BYTES: usize = 5 << 20;
 /// S3 allows at most 10 000 parts: larger files get larger parts.
 pub const MAX_PARTS: u64 = 10_000;
+/// A restore's request pattern (`Target::fetch_file`, `fetch_ranges`):
+/// one GET per file, its body streamed into the load's memory as it
+/// arrives, the files of a step fetched `parallel` at once. Measured
+/// (`bench drain`, 512 MiB, docs/performance.md), against moto, which
+/// copies the whole object for every ranged GET: 8 files by whole GETs
+/// restored at 3.0 x the plain client's sequential download; 2 files by
+/// ranged GETs of a part (4 in flight each) at 0.18 x. So only a step of
+/// one file (`RANGED_GET_FILES_MAX`) of at least `RANGED_GET_MIN_PARTS`
+/// parts is split into ranged GETs of a part each (`parallel` in flight):
+/// one GET is one connection's bandwidth on S3, which serves ranges
+/// cheaply (not measured here: no real S3 in reach).
+pub const RANGED_GET_FILES_MAX: usize = 1;
+pub const RANGED_GET_MIN_PARTS: u64 = 4;
+/// A file:// target's file is read into place in pieces of this size.
+pub const LOCAL_FETCH_CHUNK_BYTES: usize = 4 << 20;
+
 /// Concurrency is bounded: each slot holds one part in memory.
 pub const MAX_PARALLEL: usize = 256;
 
@@ -37,3 +53,4 @@ pub const RUNTIME_WORKER_THREADS: usize = 2;
 
 const _: () = assert!(DEFAULT_PART_SIZE_BYTES >= MIN_PART_SIZE_BYTES);
 const _: () = assert!(DEFAULT_PARALLEL <= MAX_PARALLEL);
+const _: () = assert!(RANGED_GET_FILES_MAX >= 1 && RANGED_GET_MIN_PARTS >= 2);

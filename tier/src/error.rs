@@ -62,6 +62,10 @@ pub enum TierError {
     #[error("drain target {url}: {object}: read of {len} bytes at {offset} is past its end ({size} bytes)")]
     PastEnd { url: String, object: String, offset: u64, len: u64, size: u64 },
 
+    /// An object read whole is not of the length its index says.
+    #[error("drain target {url}: {object} is {size} bytes (at least) where the index says {expected}")]
+    WrongLength { url: String, object: String, expected: u64, size: u64 },
+
     /// A name or step that cannot be an object of the layout.
     #[error("drain target {url}: bad object name {object:?}: {reason}")]
     BadName { url: String, object: String, reason: String },

@@ -46,6 +46,9 @@ use crate::config::*;
 use crate::error::TierError;
 use crate::limiter::TokenBucket;
 
+mod fetch;
+pub use fetch::fetch_ranges;
+
 /// The name prefix of an S3 upload's marker object in its step folder.
 const UPLOAD_MARKER_PREFIX: &str = ".ckpt-upload-";
 

@@ -1,0 +1,126 @@
+//! Reading fetched files (a drain target's, through a [`FetchFiles`]) into
+//! a load's memory: each file streamed straight into its place and checked
+//! piece by piece with the per-file check a local read uses. Part of
+//! `restore` (its reader threads run these); the public entry points of a
+//! remote load are in `crate::fetch`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::format::{Index, BLOBS_DIR_NAME};
+use crate::restore::{problem, FileCheck, Problem, ReadDest};
+
+/// Where a step's files come from when this node's directories do not hold
+/// them (a drain target). Shared by several reader threads at once.
+pub trait FetchFiles: Sync {
+    /// Names the source in errors (a URL without secrets).
+    fn label(&self) -> &str;
+    /// Files fetched at once (one reader thread each).
+    fn parallel(&self) -> usize;
+    /// Reads all of file `name` of the step (`blobs/<name>` for a blob),
+    /// exactly `dst.len()` bytes, into `dst`, calling `feed` with each piece
+    /// once it is in `dst`, in file order, from the calling thread (a
+    /// destination that needs its accesses guarded is touched only there).
+    /// Err: a message naming the source and object.
+    fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), String>;
+}
+
+/// What the remote reader threads found, as `restore`'s directory readers say it.
+pub(crate) struct Fetched {
+    pub problems: Vec<Problem>,
+    /// Each file's data-section start.
+    pub starts: Vec<(String, u64)>,
+}
+
+/// Fetches the files `targets` (index into `index.ckpt.files`, byte offset
+/// in `base`) with at most `src.parallel()` reader threads, each inside
+/// `guard.run`, checking every file as its pieces arrive.
+///
+/// # Safety
+/// `base + offset` must be valid for writes of each file's length, the
+/// ranges disjoint and touched by nothing else during the call (or fault
+/// only inside `guard.run` in a way it handles).
+pub(crate) unsafe fn fetch_and_check(index: &Index, targets: &[(usize, usize)], src: &dyn FetchFiles, base: usize, guard: &dyn ReadDest) -> Fetched {
+    let next = AtomicUsize::new(0);
+    let n_threads = src.parallel().clamp(1, targets.len().max(1));
+    let outs: Vec<Fetched> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n_threads)
+            .map(|_| {
+                let next = &next;
+                s.spawn(move || {
+                    let mut out = Fetched { problems: Vec::new(), starts: Vec::new() };
+                    guard.run(&mut || loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(fi, off)) = targets.get(i) else { break };
+                        let f = &index.ckpt.files[fi];
+                        // SAFETY: this file's range of the destination,
+                        // disjoint from every other target's, valid for
+                        // f.len_bytes (this function's contract).
+                        let dst = unsafe { std::slice::from_raw_parts_mut((base + off) as *mut u8, f.len_bytes as usize) };
+                        let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
+                        let mut problems = Vec::new();
+                        if let Err(e) = src.fetch(&f.name, dst, &mut |bytes| check.feed(bytes, &mut problems)) {
+                            problems.push(problem(Some(&f.name), None, format!("read failed: {e}")));
+                        }
+                        check.finish(&mut problems);
+                        out.starts.push((f.name.clone(), check.data_start().unwrap_or(0)));
+                        out.problems.extend(problems);
+                    });
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("fetch thread panicked")).collect()
+    });
+    let mut all = Fetched { problems: Vec::new(), starts: Vec::new() };
+    for o in outs {
+        all.problems.extend(o.problems);
+        all.starts.extend(o.starts);
+    }
+    all
+}
+
+/// Every blob of the step fetched and checked against the index (into `out`).
+pub(crate) fn fetch_blobs(index: &Index, src: &dyn FetchFiles, out: &mut BTreeMap<String, Vec<u8>>) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    for b in &index.ckpt.blobs {
+        let file = format!("{BLOBS_DIR_NAME}/{}", b.name);
+        let mut bytes = vec![0u8; b.len_bytes as usize];
+        if let Err(e) = src.fetch(&file, &mut bytes, &mut |_| {}) {
+            problems.push(problem(Some(&file), None, format!("cannot read: {e}")));
+            continue;
+        }
+        let crc = crc32c::crc32c(&bytes);
+        if crc != b.crc32c {
+            problems.push(problem(Some(&file), None, format!("checksum mismatch (index {:#010x}, file {crc:#010x})", b.crc32c)));
+        } else {
+            out.insert(b.name.clone(), bytes);
+        }
+    }
+    problems
+}
+
+/// Whether every file of `names` verifies when fetched again into memory
+/// of our own (a checksum that failed in a client's memory: its writes, or
+/// the source's bytes?).
+pub(crate) fn verifies_when_fetched_again(index: &Index, names: &[String], src: &dyn FetchFiles) -> bool {
+    names.iter().all(|name| {
+        // A blob's problem is never the destination's (blobs go to memory of their own).
+        let Some(f) = index.ckpt.files.iter().find(|f| &f.name == name) else { return false };
+        let mut buf = vec![0u8; f.len_bytes as usize];
+        let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
+        let mut problems = Vec::new();
+        if src.fetch(&f.name, &mut buf, &mut |bytes| check.feed(bytes, &mut problems)).is_err() {
+            return false;
+        }
+        check.finish(&mut problems);
+        problems.is_empty()
+    })
+}
+
+/// The label of a source as the `dir` of a [`LoadError::Damaged`].
+pub(crate) fn label_path(src: &dyn FetchFiles) -> PathBuf {
+    PathBuf::from(src.label())
+}
+

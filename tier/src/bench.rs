@@ -28,6 +28,42 @@ pub struct DrainBenchArgs {
     pub files: Vec<LocalFile>,
     pub index_json: Vec<u8>,
     pub opts: TargetOptions,
+    /// Also time the upload from memory (the files held in page-aligned
+    /// buffers, as the sidecar's staging holds a step right after its
+    /// commit: [`Target::upload_files_held`]).
+    pub from_memory: bool,
+}
+
+/// The files' bytes in page-aligned, pre-faulted buffers (padded to the
+/// block), lent to an upload as the sidecar's staging image is.
+pub struct MemFiles {
+    bufs: Vec<ckpt_store::mem::AlignedBuf>,
+    lens: Vec<u64>,
+}
+
+impl MemFiles {
+    pub fn read(files: &[LocalFile]) -> std::io::Result<MemFiles> {
+        use std::os::unix::fs::FileExt;
+        let block = crate::config::DIRECT_BLOCK_BYTES as u64;
+        let mut bufs = Vec::with_capacity(files.len());
+        for f in files {
+            let mut b = ckpt_store::mem::AlignedBuf::new((f.len.div_ceil(block) * block).max(block) as usize)?;
+            std::fs::File::open(&f.local_path)?.read_exact_at(&mut b.as_mut_slice()[..f.len as usize], 0)?;
+            bufs.push(b);
+        }
+        Ok(MemFiles { bufs, lens: files.iter().map(|f| f.len).collect() })
+    }
+}
+
+impl crate::target::HeldBytes for MemFiles {
+    fn with_part(&self, file_idx: usize, offset: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> bool {
+        let (Some(b), Some(&flen)) = (self.bufs.get(file_idx), self.lens.get(file_idx)) else { return false };
+        if offset + len as u64 > flen {
+            return false;
+        }
+        f(&b.as_slice()[offset as usize..]);
+        true
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -45,6 +81,8 @@ pub struct DrainFigures {
     pub download_seconds: f64,
     /// object_store's get(...).bytes() of every file.
     pub plain_download_seconds: f64,
+    /// Target::upload_files_held (from memory) + commit_step, when asked.
+    pub upload_from_memory_seconds: Option<f64>,
 }
 
 impl DrainFigures {
@@ -141,6 +179,18 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let bytes: u64 = args.files.iter().map(|f| f.len).sum();
 
     let result = (|| {
+        let upload_from_memory_seconds = if args.from_memory {
+            let mem = Arc::new(MemFiles::read(&args.files).map_err(|e| TierError::LocalIo { url: args.url.clone(), object: String::new(), path: PathBuf::new(), source: e })?);
+            let t0 = Instant::now();
+            let (_, from_memory) = t.upload_files_held(args.step, &args.files, mem)?;
+            t.commit_step(args.step, &args.index_json)?;
+            let secs = t0.elapsed().as_secs_f64();
+            assert_eq!(from_memory, bytes, "every byte lent was taken from memory");
+            t.delete_step(args.step)?;
+            Some(secs)
+        } else {
+            None
+        };
         drop_cache(&args.files);
         let t0 = Instant::now();
         t.upload_step(args.step, &args.files, &args.index_json)?;
@@ -182,6 +232,7 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
             plain_upload_seconds,
             download_seconds,
             plain_download_seconds,
+            upload_from_memory_seconds,
         })
     })();
 

@@ -875,6 +875,18 @@ impl Inner {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false).map_err(|e| tio("create", &tmp, e))?, false),
             Err(e) => return Err(tio("create", &tmp, e)),
         };
+        // The whole file allocated at once (as fio does before it writes):
+        // parallel parts would otherwise allocate their blocks one write at
+        // a time, interleaved. Refused (a file system without it): written
+        // as it comes.
+        {
+            use std::os::fd::AsRawFd;
+            let alloc_len = if direct { f.len.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64 } else { f.len };
+            if alloc_len > 0 {
+                // SAFETY: fallocate on a descriptor we own; no memory passed.
+                let _ = unsafe { libc::fallocate(out.as_raw_fd(), 0, 0, alloc_len as libc::off_t) };
+            }
+        }
         let out = Arc::new(out);
         // The source read with O_DIRECT too where it can be (a step just
         // written with O_DIRECT is not in the page cache anyway).

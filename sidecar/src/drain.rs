@@ -310,6 +310,15 @@ impl Drain {
         }
     }
 
+    /// [`Drain::set_up`] to up, under the lock the caller holds.
+    fn mark_up(&self, st: &mut State) {
+        if !st.up {
+            info!(url = self.url(), "drain target reachable again; draining");
+        }
+        st.up = true;
+        st.error.clear();
+    }
+
     fn set_up(&self, up: bool, error: String) {
         let mut st = self.lock();
         if st.up != up {
@@ -376,9 +385,11 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 self.hold.lock().expect("hold lock").remove(&newest);
+                // Up before the waiters hear Replicated: a status asked
+                // right after it must not still say down.
+                self.mark_up(&mut st);
                 self.answer(&mut st);
                 drop(st);
-                self.set_up(true, String::new());
                 self.retain_remote();
                 Ok(true)
             }
@@ -434,9 +445,9 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 st.mine_uploaded.remove(&newest);
+                self.mark_up(&mut st);
                 self.answer(&mut st);
                 drop(st);
-                self.set_up(true, String::new());
                 self.retain_remote();
                 Ok(true)
             }

@@ -63,7 +63,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             load::load_remote_step(&drain, step, dest.as_mut_slice())?;
             Ok(t0.elapsed().as_secs_f64())
         };
-        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs { url: a.url.clone(), step: w.step, files, index_json, opts, restore: Some(Box::new(restore)) })?)
+        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs { url: a.url.clone(), step: w.step, files, index_json, opts, restore: Some(Box::new(restore)), from_memory: true })?)
     })();
     let _ = std::fs::remove_dir_all(&local);
     let f = r?;
@@ -84,6 +84,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         gib(f.plain_upload_seconds),
         f.upload_ratio()
     );
+    if let Some(m) = f.upload_from_memory_seconds {
+        println!(
+            "upload    ours from memory (staging) {:>7.3} s {:>7.3} GiB/s | (the daemon's path while the step is resident)                  | ours/plain {:.2}",
+            m,
+            gib(m),
+            f.plain_upload_seconds / m.max(1e-12)
+        );
+    }
     println!(
         "download  ours (read_range)         {:>7.3} s {:>7.3} GiB/s | plain object_store get            {:>7.3} s {:>7.3} GiB/s | ours/plain {:.2}",
         f.download_seconds,
@@ -103,7 +111,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         );
     }
     if let Some(fio) = fio {
-        println!("fio write into the directory (bs 4M, O_DIRECT, iodepth 16): {fio:.3} GiB/s | ours/fio {:.2}", gib(f.upload_seconds) / fio);
+        println!("fio write into the directory (bs 4M, O_DIRECT, iodepth 16): {fio:.3} GiB/s | ours/fio {:.2} (from disk)", gib(f.upload_seconds) / fio);
+        if let Some(m) = f.upload_from_memory_seconds {
+            println!("ours from memory / fio {:.2}", gib(m) / fio);
+        }
     }
     if a.json {
         let mut j = serde_json::to_value(&f)?;
@@ -112,6 +123,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         j["restore_ratio"] = f.restore_ratio().into();
         j["fio_write_gib_per_s"] = fio.into();
         j["upload_ratio_to_fio"] = fio.map(|x| gib(f.upload_seconds) / x).into();
+        j["upload_from_memory_ratio_to_fio"] = fio.zip(f.upload_from_memory_seconds).map(|(x, m)| gib(m) / x).into();
         println!("{j}");
     }
     Ok(())

@@ -201,6 +201,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         crate::drain::remove_stale_fetches(&store.dirs()[0]);
     }
     let staging = Staging::new(budget)?;
+    if let Some(d) = &drain {
+        d.use_staging(staging.clone());
+    }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
     let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, incremental: opts.incremental, ..Default::default() };

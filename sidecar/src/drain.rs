@@ -45,6 +45,7 @@ use tracing::{info, warn};
 use crate::config;
 use crate::peer::Peer;
 pub use crate::remote_step::{RemoteCkpt, RemoteFrom, RemoteStep};
+use crate::staging::{Lent, Staging};
 
 /// What `--drain*` asked for.
 #[derive(Debug, Clone)]
@@ -95,6 +96,8 @@ struct State {
     /// Since start: bytes uploaded, and bytes copied on the target instead.
     uploaded_bytes: u64,
     copied_bytes: u64,
+    /// Of the bytes uploaded, those taken from staging memory (not read back from disk).
+    from_memory_bytes: u64,
 }
 
 /// A local file's identity: the same inode (an incremental save links an
@@ -123,6 +126,8 @@ struct Moved {
     stats: ckpt_tier::UploadStats,
     copied_bytes: u64,
     copied_files: usize,
+    /// Of the bytes uploaded, those taken from staging memory.
+    from_memory_bytes: u64,
 }
 
 /// Several nodes with node-local files (`--shared` and a drain): the
@@ -149,6 +154,9 @@ pub struct Drain {
     hold: Arc<Mutex<BTreeSet<u64>>>,
     /// Several nodes ([`NodesDrain`]).
     nodes: Option<NodesDrain>,
+    /// The daemon's staging: a step still resident there right after its
+    /// commit is uploaded from memory ([`ResidentFiles`]).
+    staging: std::sync::OnceLock<Arc<Staging>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -186,11 +194,17 @@ impl Drain {
                 .expect("opening the drain target panicked")
                 .map_err(|source| DrainError::Open { url: opts.url.clone(), source })
         })?;
-        Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())), nodes }))
+        Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())), nodes, staging: Default::default() }))
     }
 
     pub fn url(&self) -> &str {
         self.target.url()
+    }
+
+    /// Uploads read a step's files from `staging` while its image is
+    /// resident there (and lent), from disk otherwise.
+    pub fn use_staging(&self, staging: Arc<Staging>) {
+        let _ = self.staging.set(staging);
     }
 
     /// The steps local retention must keep (shared with the Store).
@@ -298,6 +312,15 @@ impl Drain {
         }
     }
 
+    /// [`Drain::set_up`] to up, under the lock the caller holds.
+    fn mark_up(&self, st: &mut State) {
+        if !st.up {
+            info!(url = self.url(), "drain target reachable again; draining");
+        }
+        st.up = true;
+        st.error.clear();
+    }
+
     fn set_up(&self, up: bool, error: String) {
         let mut st = self.lock();
         if st.up != up {
@@ -354,9 +377,9 @@ impl Drain {
         let mut st = self.lock();
         st.uploading = None;
         match outcome {
-            Ok(Moved { stats, copied_bytes, copied_files }) => {
+            Ok(Moved { stats, copied_bytes, copied_files, from_memory_bytes }) => {
                 let bps = stats.bytes as f64 / stats.seconds.max(1e-9);
-                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, copied_bytes, copied_files, seconds = stats.seconds, bytes_per_s = bps, "replicated (copied: unchanged files the target holds already)");
+                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, from_memory_bytes, copied_bytes, copied_files, seconds = stats.seconds, bytes_per_s = bps, "replicated (from memory: bytes taken from staging, not read back from disk; copied: unchanged files the target holds already)");
                 st.uploaded_bytes += stats.bytes;
                 st.copied_bytes += copied_bytes;
                 st.replicated.insert(newest);
@@ -364,9 +387,11 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 self.hold.lock().expect("hold lock").remove(&newest);
+                // Up before the waiters hear Replicated: a status asked
+                // right after it must not still say down.
+                self.mark_up(&mut st);
                 self.answer(&mut st);
                 drop(st);
-                self.set_up(true, String::new());
                 self.retain_remote();
                 Ok(true)
             }
@@ -422,9 +447,9 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 st.mine_uploaded.remove(&newest);
+                self.mark_up(&mut st);
                 self.answer(&mut st);
                 drop(st);
-                self.set_up(true, String::new());
                 self.retain_remote();
                 Ok(true)
             }
@@ -538,11 +563,25 @@ impl Drain {
                 None => to_upload.push(f),
             }
         }
-        let mut stats = self.target.upload_files(step, &to_upload).map_err(|e| Upload::Failed(e.to_string()))?;
+        // From staging while the step's image is resident there (lent: a
+        // save takes it back whenever it needs it), else from disk.
+        let lent = self.staging.get().and_then(|s| Some((s, s.lend_resident(step)?)));
+        let held = lent.as_ref().and_then(|(_, l)| ResidentFiles::new(l.clone(), &to_upload));
+        let up = match held {
+            Some(h) => self.target.upload_files_held(step, &to_upload, Arc::new(h)),
+            None => self.target.upload_files(step, &to_upload).map(|s| (s, 0)),
+        };
+        if let Some((s, l)) = &lent {
+            s.end_lend(l);
+        }
+        let (mut stats, from_memory_bytes) = up.map_err(|e| Upload::Failed(e.to_string()))?;
         self.target.commit_step(step, &remote_index).map_err(|e| Upload::Failed(e.to_string()))?;
         stats.seconds = t0.elapsed().as_secs_f64();
-        self.lock().last_files = Some((step, ids));
-        Ok(Moved { stats, copied_bytes, copied_files })
+        let mut st = self.lock();
+        st.last_files = Some((step, ids));
+        st.from_memory_bytes += from_memory_bytes;
+        drop(st);
+        Ok(Moved { stats, copied_bytes, copied_files, from_memory_bytes })
     }
 
     /// `--drain-keep N`: the oldest remote steps beyond N deleted (index
@@ -755,13 +794,62 @@ impl Drain {
     }
 }
 
+/// The files of an upload that a lent staging image holds: a shard of the
+/// image's layout with the same name and length as the committed file, at
+/// its offset in the lease (block-aligned, padded to the block: the
+/// `file://` path writes from it with O_DIRECT, no copy). Blobs are read
+/// from disk (small).
+struct ResidentFiles {
+    lent: Arc<Lent>,
+    /// Per file of the call: (offset in the lease, bytes there: `io_len`).
+    places: Vec<Option<(u64, u64)>>,
+}
+
+impl ResidentFiles {
+    /// None when the image holds none of the files.
+    fn new(lent: Arc<Lent>, files: &[LocalFile]) -> Option<ResidentFiles> {
+        let places: Vec<Option<(u64, u64)>> = lent.with(|r| {
+            files
+                .iter()
+                .map(|f| r.layout.shards.iter().find(|s| s.file_name == f.name && s.file_len == f.len).map(|s| (s.staging_offset, s.io_len)))
+                .map(|p| p.filter(|&(off, io_len)| off + io_len <= r.lease.len_bytes()))
+                .collect()
+        })?;
+        places.iter().any(Option::is_some).then_some(ResidentFiles { lent, places })
+    }
+}
+
+impl ckpt_tier::HeldBytes for ResidentFiles {
+    fn with_part(&self, file_idx: usize, offset: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> bool {
+        let Some(&Some((start, io_len))) = self.places.get(file_idx) else { return false };
+        let end = (offset + len as u64).div_ceil(ckpt_tier::DIRECT_BLOCK_BYTES as u64) * ckpt_tier::DIRECT_BLOCK_BYTES as u64;
+        if offset + len as u64 > io_len {
+            return false;
+        }
+        self.lent.with(|r| f(&r.lease.as_slice()[(start + offset) as usize..(start + end.min(io_len)) as usize])).is_some()
+    }
+}
+
 /// Puts the calling thread (and the threads it starts later) in the
-/// SCHED_IDLE class: it runs only on a core nothing else wants.
+/// SCHED_IDLE class: it runs only on a core nothing else wants; and in the
+/// idle I/O class: where the disk's scheduler honours classes (mq-deadline,
+/// bfq), the drain's reads and writes go after the committer's, so a drain
+/// target on the same disk as `--dir` does not slow the next save's writes
+/// (the every-step loop with a drain, issue 20). mq-deadline still serves
+/// an idle request within its aging time (`prio_aging_expire`, 10 s), so
+/// the drain is never starved for good.
 fn idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: changes only the calling thread's scheduling policy (pid 0);
     // `param` is a valid sched_param for SCHED_IDLE.
     unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    const IOPRIO_WHO_PROCESS: libc::c_long = 1;
+    const IOPRIO_CLASS_IDLE: libc::c_long = 3;
+    const IOPRIO_CLASS_SHIFT: libc::c_long = 13;
+    // SAFETY: sets the I/O priority of the calling thread only (who =
+    // process, id 0 = the caller); no memory is passed. A kernel without
+    // it returns an error, which leaves the default class: nothing to do.
+    unsafe { libc::syscall(libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0 as libc::c_long, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT) };
 }
 
 enum Upload {
@@ -946,4 +1034,77 @@ mod tests {
         incremental_drain_uploads_unchanged_shard_once(&server.url("incremental-drain"));
     }
 
+    /// A step committed from a staging lease and resident there, as the
+    /// committer leaves it; `flip` flips a byte of the first shard's image
+    /// in staging after the commit (the disk holds the committed bytes).
+    fn resident_step(dir: &Path, staging: &Arc<crate::staging::Staging>, step: u64, flip: bool) -> Layout {
+        let mut store = Store::open(StoreOptions::new(vec![dir.to_path_buf()])).unwrap();
+        store.register_staging(staging.buf());
+        let layout = Layout::plan(synthetic::transformer_specs(12 << 20), LayoutOptions { shard_bytes_max: 4 << 20, ..Default::default() }).unwrap();
+        let (mut lease, _) = staging.acquire(layout.staging_len, "test", || Some("must not wait")).unwrap();
+        let crcs = synthetic::stage(&layout, lease.as_mut_slice(), step);
+        let mut placed = layout.clone();
+        placed.rebase(lease.offset_bytes());
+        store.commit(step, &placed, lease.staging_buf(), &crcs, &[Blob { name: "rng", bytes: b"seed" }]).unwrap();
+        if flip {
+            let at = layout.shards[0].staging_offset as usize + 100;
+            lease.as_mut_slice()[at] ^= 0x08;
+        }
+        let blobs = vec![ckpt_wire::Blob { name: "rng".into(), bytes: b"seed".to_vec() }];
+        staging.offer_resident(crate::staging::Resident { step, layout: layout.clone(), crcs, digests: None, blobs, lease, origin: std::sync::Weak::new() });
+        layout
+    }
+
+    fn assert_remote_equals_local(remote: &Path, local: &Path, step: u64) {
+        let (r, l) = (catalog::step_path(remote, step), catalog::step_path(local, step));
+        let index = Index::from_json_bytes(&std::fs::read(l.join(INDEX_FILE_NAME)).unwrap()).unwrap();
+        for f in &index.ckpt.files {
+            assert!(std::fs::read(r.join(&f.name)).unwrap() == std::fs::read(l.join(&f.name)).unwrap(), "{} differs", f.name);
+        }
+        restore::verify(remote, step, &ReadOptions::default(), |_, _| {}).unwrap();
+    }
+
+    /// Issue 20 (drain throughput): a step still resident in staging right
+    /// after its commit is uploaded from there, not read back from disk;
+    /// the remote files equal the committed ones.
+    #[test]
+    fn a_resident_step_drains_from_staging_memory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("local");
+        let staging = crate::staging::Staging::new(32 << 20).unwrap();
+        let layout = resident_step(&dir, &staging, 4, false);
+        let dir = dir.canonicalize().unwrap();
+        let remote = tmp.path().join("remote");
+        let drain = Drain::open(DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![dir.clone()]).unwrap();
+        drain.use_staging(staging.clone());
+        assert_eq!(drain.drain_once(), Ok(true));
+        let shards: u64 = layout.shards.iter().map(|s| s.file_len).sum();
+        let st = drain.lock();
+        assert_eq!(st.replicated.iter().copied().collect::<Vec<_>>(), vec![4]);
+        assert_eq!(st.from_memory_bytes, shards, "every shard from staging (the blob from disk)");
+        drop(st);
+        assert_remote_equals_local(&remote, &dir, 4);
+        assert_eq!(staging.resident_step(), Some(4), "the loan ended; the image stays resident");
+    }
+
+    /// The crc32c is checked on the bytes taken from staging too: an image
+    /// that differs from the committed file (a flipped byte) is not
+    /// uploaded; that file is read from disk instead, and the remote step
+    /// is the committed one.
+    #[test]
+    fn a_resident_image_that_differs_from_its_files_drains_from_disk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("local");
+        let staging = crate::staging::Staging::new(32 << 20).unwrap();
+        let layout = resident_step(&dir, &staging, 6, true);
+        let dir = dir.canonicalize().unwrap();
+        let remote = tmp.path().join("remote");
+        let drain = Drain::open(DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![dir.clone()]).unwrap();
+        drain.use_staging(staging.clone());
+        assert_eq!(drain.drain_once(), Ok(true));
+        let shards: u64 = layout.shards.iter().map(|s| s.file_len).sum();
+        assert_eq!(drain.lock().from_memory_bytes, shards - layout.shards[0].file_len, "the differing shard from disk");
+        assert_remote_equals_local(&remote, &dir, 6);
+    }
 }
+

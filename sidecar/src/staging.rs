@@ -19,7 +19,9 @@
 //!   [`Staging::buf`] and [`Lease::staging_buf`] hand out (for registration,
 //!   `Store::commit` and the like) is that, so only `unsafe` code reads or
 //!   writes it outside a lease's slices;
-//! - the resident image is given up before any save waits for space.
+//! - the resident image is given up before any save waits for space, and
+//!   so is an image lent to the drain (a save waits at most for the drain's
+//!   parts in progress, never for its upload).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -64,6 +66,45 @@ struct State {
     free: BTreeMap<u64, u64>,
     used_bytes: u64,
     resident: Option<Arc<Resident>>,
+    /// The resident image lent to the drain ([`Staging::lend_resident`]).
+    lent: Option<Arc<Lent>>,
+    /// How many times a save took a lent image back.
+    lends_taken_back: u64,
+}
+
+/// A committed image lent to the drain, which uploads from it instead of
+/// reading the step back from disk. A save never waits for the drain's
+/// upload: one that needs the image's space, or the image itself (adopt),
+/// takes it back ([`Lent::take_back`]), waiting only for the reads in
+/// progress (the parts being written to the target at that moment); the
+/// drain reads the rest from disk.
+pub struct Lent {
+    step: u64,
+    image: std::sync::RwLock<Option<Arc<Resident>>>,
+}
+
+impl Lent {
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Runs `f` over the image while it is lent; None once taken back.
+    pub fn with<R>(&self, f: impl FnOnce(&Resident) -> R) -> Option<R> {
+        let g = self.image.read().expect("lent image lock");
+        g.as_ref().map(|r| f(r))
+    }
+
+    /// Ends the loan: waits for the reads in progress, then lets the image
+    /// go (its lease is freed here if no one else holds it). Never called
+    /// under the staging lock (freeing a lease takes it).
+    pub fn take_back(&self) {
+        let image = self.image.write().expect("lent image lock").take();
+        drop(image);
+    }
+
+    pub fn is_lent(&self) -> bool {
+        self.image.read().expect("lent image lock").is_some()
+    }
 }
 
 pub struct Staging {
@@ -88,7 +129,7 @@ impl Staging {
         Ok(Arc::new(Staging {
             buf: Arc::new(buf),
             budget_bytes,
-            state: Mutex::new(State { free, used_bytes: 0, resident: None }),
+            state: Mutex::new(State { free, used_bytes: 0, resident: None, lent: None, lends_taken_back: 0 }),
             freed: Condvar::new(),
         }))
     }
@@ -126,6 +167,16 @@ impl Staging {
     /// (`crate::unchanged::adopt`). The resident stays when `f` says None.
     pub fn take_resident_with<T>(&self, f: impl FnOnce(&Resident) -> Option<T>) -> Option<(Resident, T)> {
         let mut st = self.lock();
+        // A save comes before the drain: an image lent to it is taken back.
+        if st.resident.as_ref().is_some_and(|r| Arc::strong_count(r) != 1) {
+            if let Some(l) = st.lent.take() {
+                st.lends_taken_back += 1;
+                drop(st);
+                info!(step = l.step, "staging: the image lent to the drain taken back for a save (the drain reads the rest from disk)");
+                l.take_back();
+                st = self.lock();
+            }
+        }
         let r = st.resident.as_ref()?;
         // Clones are made only under this lock (`resident`): a count of one
         // now stays one, so the unwrap below cannot fail.
@@ -135,6 +186,36 @@ impl Staging {
         let t = f(r)?;
         let r = Arc::try_unwrap(st.resident.take().expect("checked above")).ok().expect("the only reference, under the lock");
         Some((r, t))
+    }
+
+    /// Lends the resident image to the drain when it is `step`'s, until
+    /// [`Staging::end_lend`] or a save takes it back. One loan at a time (a
+    /// former one is ended).
+    pub fn lend_resident(&self, step: u64) -> Option<Arc<Lent>> {
+        let mut st = self.lock();
+        let old = st.lent.take();
+        let lent = st.resident.as_ref().filter(|r| r.step == step).map(|r| Arc::new(Lent { step, image: std::sync::RwLock::new(Some(r.clone())) }));
+        st.lent = lent.clone();
+        drop(st);
+        if let Some(o) = old {
+            o.take_back();
+        }
+        lent
+    }
+
+    /// The drain is done with `lent`.
+    pub fn end_lend(&self, lent: &Arc<Lent>) {
+        let mut st = self.lock();
+        if st.lent.as_ref().is_some_and(|l| Arc::ptr_eq(l, lent)) {
+            st.lent = None;
+        }
+        drop(st);
+        lent.take_back();
+    }
+
+    /// How many times a save took an image lent to the drain back.
+    pub fn lends_taken_back(&self) -> u64 {
+        self.lock().lends_taken_back
     }
 
     /// Gives up the resident image if its step is later than `step` (a
@@ -199,6 +280,16 @@ impl Staging {
                 info!(step = r.step, "resident checkpoint evicted from staging to make room");
                 drop(st);
                 drop(r);
+                st = self.lock();
+                continue;
+            }
+            // Never wait for the drain: the image it reads from is taken
+            // back (it waits for the parts in progress only).
+            if let Some(l) = st.lent.take() {
+                st.lends_taken_back += 1;
+                drop(st);
+                info!(step = l.step, "staging: the image lent to the drain taken back to make room (the drain reads the rest from disk)");
+                l.take_back();
                 st = self.lock();
                 continue;
             }
@@ -416,4 +507,65 @@ mod tests {
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);
     }
+    fn resident(s: &Arc<Staging>, step: u64, len: u64) -> Resident {
+        let (lease, _) = s.acquire(len, "r", || Some("must not wait")).unwrap();
+        Resident { step, layout: Layout::plan(vec![], Default::default()).unwrap(), crcs: vec![], digests: None, blobs: vec![], lease, origin: std::sync::Weak::new() }
+    }
+
+    /// Issue 20 (drain from staging): a save that needs the space of the
+    /// image lent to the drain gets it while the drain's upload is still
+    /// going on (its loan not ended): it waits only for the part in
+    /// progress, then the drain reads no more from that image.
+    #[test]
+    fn a_save_takes_back_the_image_lent_to_the_drain_without_waiting_for_its_upload() {
+        let s = Staging::new(4 << 20).unwrap();
+        s.offer_resident(resident(&s, 1, 3 << 20));
+        let lent = s.lend_resident(1).expect("the resident step is lent");
+        assert!(s.lend_resident(2).is_none(), "only the resident step is lent");
+        // lend_resident(2) ended the first loan: lend again.
+        let lent = { drop(lent); s.lend_resident(1).unwrap() };
+        // A part in progress: the drain reads the image until told to stop.
+        let (in_part_tx, in_part_rx) = std::sync::mpsc::channel();
+        let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
+        let l2 = lent.clone();
+        let part = std::thread::spawn(move || {
+            l2.with(|r| {
+                in_part_tx.send(r.step).unwrap();
+                finish_rx.recv().unwrap();
+            })
+        });
+        assert_eq!(in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap(), 1);
+        // A save needing 3 MiB of the 4: only the lent image's space fits it.
+        let s2 = s.clone();
+        let (got_tx, got_rx) = std::sync::mpsc::channel();
+        let save = std::thread::spawn(move || {
+            let r = s2.acquire(3 << 20, "save", || None).map(|(l, _)| l.len_bytes());
+            got_tx.send(()).unwrap();
+            r
+        });
+        // The part in progress ends; the drain has not ended its loan (its
+        // upload goes on, from disk), yet the save gets its space.
+        finish_tx.send(()).unwrap();
+        assert_eq!(part.join().unwrap(), Some(()));
+        got_rx.recv_timeout(Duration::from_secs(60)).expect("the save got its space before the drain's upload ended");
+        assert_eq!(save.join().unwrap().unwrap(), 3 << 20);
+        assert!(lent.with(|_| ()).is_none() && !lent.is_lent(), "the drain reads no more from the image");
+        assert_eq!(s.lends_taken_back(), 1);
+        s.end_lend(&lent);
+    }
+
+    /// A save that adopts the resident image in place takes it back from
+    /// the drain first (the drain goes on from disk).
+    #[test]
+    fn adopting_the_resident_takes_it_back_from_the_drain() {
+        let s = Staging::new(4 << 20).unwrap();
+        s.offer_resident(resident(&s, 5, 1 << 20));
+        let lent = s.lend_resident(5).unwrap();
+        let (r, step) = s.take_resident_with(|r| Some(r.step)).expect("adopted although lent");
+        assert_eq!((r.step, step), (5, 5));
+        assert!(!lent.is_lent());
+        assert_eq!(s.lends_taken_back(), 1);
+        s.end_lend(&lent);
+    }
 }
+

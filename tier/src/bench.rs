@@ -34,6 +34,42 @@ pub struct DrainBenchArgs {
     /// (the sidecar's: a step only the target holds, loaded verified into
     /// memory), given the URL our upload went to and the step: its seconds.
     pub restore: Option<Box<dyn Fn(&str, u64) -> Result<f64, String>>>,
+    /// Also time the upload from memory (the files held in page-aligned
+    /// buffers, as the sidecar's staging holds a step right after its
+    /// commit: [`Target::upload_files_held`]).
+    pub from_memory: bool,
+}
+
+/// The files' bytes in page-aligned, pre-faulted buffers (padded to the
+/// block), lent to an upload as the sidecar's staging image is.
+pub struct MemFiles {
+    bufs: Vec<ckpt_store::mem::AlignedBuf>,
+    lens: Vec<u64>,
+}
+
+impl MemFiles {
+    pub fn read(files: &[LocalFile]) -> std::io::Result<MemFiles> {
+        use std::os::unix::fs::FileExt;
+        let block = crate::config::DIRECT_BLOCK_BYTES as u64;
+        let mut bufs = Vec::with_capacity(files.len());
+        for f in files {
+            let mut b = ckpt_store::mem::AlignedBuf::new((f.len.div_ceil(block) * block).max(block) as usize)?;
+            std::fs::File::open(&f.local_path)?.read_exact_at(&mut b.as_mut_slice()[..f.len as usize], 0)?;
+            bufs.push(b);
+        }
+        Ok(MemFiles { bufs, lens: files.iter().map(|f| f.len).collect() })
+    }
+}
+
+impl crate::target::HeldBytes for MemFiles {
+    fn with_part(&self, file_idx: usize, offset: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> bool {
+        let (Some(b), Some(&flen)) = (self.bufs.get(file_idx), self.lens.get(file_idx)) else { return false };
+        if offset + len as u64 > flen {
+            return false;
+        }
+        f(&b.as_slice()[offset as usize..]);
+        true
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -56,6 +92,8 @@ pub struct DrainFigures {
     /// The plain client's download again, right after the restore (same
     /// bytes, same conditions; the restore's ratio is taken against it).
     pub plain_download_again_seconds: Option<f64>,
+    /// Target::upload_files_held (from memory) + commit_step, when asked.
+    pub upload_from_memory_seconds: Option<f64>,
 }
 
 impl DrainFigures {
@@ -158,6 +196,18 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let bytes: u64 = args.files.iter().map(|f| f.len).sum();
 
     let result = (|| {
+        let upload_from_memory_seconds = if args.from_memory {
+            let mem = Arc::new(MemFiles::read(&args.files).map_err(|e| TierError::LocalIo { url: args.url.clone(), object: String::new(), path: PathBuf::new(), source: e })?);
+            let t0 = Instant::now();
+            let (_, from_memory) = t.upload_files_held(args.step, &args.files, mem)?;
+            t.commit_step(args.step, &args.index_json)?;
+            let secs = t0.elapsed().as_secs_f64();
+            assert_eq!(from_memory, bytes, "every byte lent was taken from memory");
+            t.delete_step(args.step)?;
+            Some(secs)
+        } else {
+            None
+        };
         drop_cache(&args.files);
         let t0 = Instant::now();
         t.upload_step(args.step, &args.files, &args.index_json)?;
@@ -214,6 +264,7 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
             plain_download_seconds,
             restore_seconds,
             plain_download_again_seconds,
+            upload_from_memory_seconds,
         })
     })();
 

@@ -48,6 +48,8 @@ use crate::limiter::TokenBucket;
 
 mod fetch;
 pub use fetch::fetch_ranges;
+/// Part buffers of one upload call, reused by its files' parts.
+type BufPool = Arc<std::sync::Mutex<Vec<AlignedBuf>>>;
 
 /// The name prefix of an S3 upload's marker object in its step folder.
 const UPLOAD_MARKER_PREFIX: &str = ".ckpt-upload-";
@@ -77,6 +79,26 @@ pub struct LocalFile {
     pub len: u64,
     /// From the local index: the bytes read for upload are checked against it.
     pub crc32c: u32,
+}
+
+/// Bytes of some of an upload's files still held in memory (the sidecar's
+/// staging image of a step just committed), lent to the upload so that it
+/// does not read them back from the disk. The holder may take them back at
+/// any time (a save needs the memory): the parts not started by then are
+/// read from the local file, as without a holder. Memory is only a cache:
+/// the bytes uploaded are checked against [`LocalFile::crc32c`] all the
+/// same, and a file whose lent bytes do not match is uploaded again from
+/// its local file.
+pub trait HeldBytes: Send + Sync {
+    /// Calls `f` with bytes `offset..` of file `file_idx` (an index into
+    /// the call's `files`), at least `len` of them, and returns true; false
+    /// when it holds them no longer (or never did). The slice should start
+    /// on a [`DIRECT_BLOCK_BYTES`] boundary and run on to `len` rounded up
+    /// to one (what follows the file in memory: the `file://` path writes
+    /// whole blocks with O_DIRECT, then truncates), else the part is copied
+    /// first. The memory stays lent while `f` runs: a holder that takes it
+    /// back waits for the calls in progress (at most `parallel` parts).
+    fn with_part(&self, file_idx: usize, offset: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> bool;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -294,6 +316,18 @@ impl Target {
     /// Uploads only the named files of a step, no index. Every file is
     /// tried; the first error is returned (an aborted file is no object).
     pub fn upload_files(&self, step: u64, files: &[LocalFile]) -> Result<UploadStats, TierError> {
+        self.upload(step, files, None).map(|(stats, _)| stats)
+    }
+
+    /// [`Target::upload_files`], the parts of `files` that `held` still
+    /// lends taken from memory instead of read from the local files (see
+    /// [`HeldBytes`]). Returns the stats and how many bytes came from
+    /// memory.
+    pub fn upload_files_held(&self, step: u64, files: &[LocalFile], held: Arc<dyn HeldBytes>) -> Result<(UploadStats, u64), TierError> {
+        self.upload(step, files, Some(held))
+    }
+
+    fn upload(&self, step: u64, files: &[LocalFile], held: Option<Arc<dyn HeldBytes>>) -> Result<(UploadStats, u64), TierError> {
         let t0 = Instant::now();
         let mut paths = Vec::with_capacity(files.len());
         for f in files {
@@ -301,14 +335,22 @@ impl Target {
         }
         let inner = &*self.inner;
         let sem = Arc::new(Semaphore::new(inner.parallel));
+        // One pool of part buffers for the whole call (at most `parallel`
+        // of them live): fresh pages cost more than the write on some VMs.
+        let pool: BufPool = Arc::default();
+        let from_memory = AtomicU64::new(0);
         let results: Vec<Result<(), TierError>> = inner.rt.block_on(
-            futures::stream::iter(files.iter().zip(paths))
-                .map(|(f, p)| inner.upload_one(f, p, sem.clone()))
+            futures::stream::iter(files.iter().zip(paths).enumerate())
+                .map(|(i, (f, p))| {
+                    let held = held.clone().map(|h| (h, i));
+                    inner.upload_one(f, p, sem.clone(), held, pool.clone(), &from_memory)
+                })
                 .buffer_unordered(inner.parallel)
                 .collect(),
         );
         results.into_iter().collect::<Result<Vec<()>, _>>()?;
-        Ok(UploadStats { bytes: files.iter().map(|f| f.len).sum(), files: files.len(), seconds: t0.elapsed().as_secs_f64() })
+        let stats = UploadStats { bytes: files.iter().map(|f| f.len).sum(), files: files.len(), seconds: t0.elapsed().as_secs_f64() };
+        Ok((stats, from_memory.load(Ordering::Relaxed)))
     }
 
     /// Makes file `name` of step `to_step` a copy of the same-named file of
@@ -598,15 +640,35 @@ impl Inner {
 
     /// Reads `len` bytes at `offset` of a local file on the blocking pool;
     /// returns them and their crc32c.
-    async fn read_part(&self, file: Arc<File>, f: &LocalFile, object: &Path, offset: u64, len: usize) -> Result<(Bytes, u32), TierError> {
-        let r = tokio::task::spawn_blocking(move || -> std::io::Result<(Bytes, u32)> {
+    #[allow(clippy::too_many_arguments)]
+    async fn read_part(
+        &self,
+        file: Arc<File>,
+        f: &LocalFile,
+        object: &Path,
+        offset: u64,
+        len: usize,
+        held: Option<(Arc<dyn HeldBytes>, usize)>,
+        from_memory: &AtomicU64,
+    ) -> Result<(Bytes, u32), TierError> {
+        let r = tokio::task::spawn_blocking(move || -> std::io::Result<(Bytes, u32, bool)> {
             let mut buf = vec![0u8; len];
-            file.read_exact_at(&mut buf, offset)?;
+            // Copied out of the holder's memory (it may take it back as soon as this returns).
+            let lent = held.is_some_and(|(h, idx)| h.with_part(idx, offset, len, &mut |s| buf.copy_from_slice(&s[..len])));
+            if !lent {
+                file.read_exact_at(&mut buf, offset)?;
+            }
             let crc = crc32c::crc32c(&buf);
-            Ok((Bytes::from(buf), crc))
+            Ok((Bytes::from(buf), crc, lent))
         })
         .await
-        .map_err(|e| TierError::Task { url: self.url.clone(), reason: e.to_string() })?;
+        .map_err(|e| TierError::Task { url: self.url.clone(), reason: e.to_string() })?
+        .map(|(b, crc, lent)| {
+            if lent {
+                from_memory.fetch_add(len as u64, Ordering::Relaxed);
+            }
+            (b, crc)
+        });
         r.map_err(|e| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 self.changed(f, object, format!("shorter than the {} bytes of its index", f.len))
@@ -627,7 +689,7 @@ impl Inner {
         (p.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64) as usize
     }
 
-    async fn upload_one(&self, f: &LocalFile, path: Path, sem: Arc<Semaphore>) -> Result<(), TierError> {
+    async fn upload_one(&self, f: &LocalFile, path: Path, sem: Arc<Semaphore>, held: Option<(Arc<dyn HeldBytes>, usize)>, pool: BufPool, from_memory: &AtomicU64) -> Result<(), TierError> {
         let io_err = |e| TierError::LocalIo { url: self.url.clone(), object: self.rel(&path), path: f.local_path.clone(), source: e };
         let file = File::open(&f.local_path).map_err(io_err)?;
         let actual = file.metadata().map_err(io_err)?.len();
@@ -636,12 +698,38 @@ impl Inner {
         }
         let file = Arc::new(file);
         let part = self.part_size_for(f.len);
+        let mine = AtomicU64::new(0);
+        let r = self.upload_one_from(f, &path, file.clone(), part, sem.clone(), held, pool.clone(), &mine).await;
+        if matches!(r, Err(TierError::LocalChanged { .. })) && mine.load(Ordering::Relaxed) > 0 {
+            // Memory is a cache; the committed file is the truth.
+            tracing::warn!(file = %f.local_path.display(), "the bytes held in memory differ from the committed file; uploading it from the file");
+            return self.upload_one_from(f, &path, file, part, sem, None, pool, &AtomicU64::new(0)).await;
+        }
+        from_memory.fetch_add(mine.load(Ordering::Relaxed), Ordering::Relaxed);
+        r
+    }
+
+    /// One file's upload, its parts taken from `held` while it lends them
+    /// (counted in `from_memory`), else read from the local file.
+    #[allow(clippy::too_many_arguments)]
+    async fn upload_one_from(
+        &self,
+        f: &LocalFile,
+        path: &Path,
+        file: Arc<File>,
+        part: usize,
+        sem: Arc<Semaphore>,
+        held: Option<(Arc<dyn HeldBytes>, usize)>,
+        pool: BufPool,
+        from_memory: &AtomicU64,
+    ) -> Result<(), TierError> {
+        let path = path.clone();
         if let Backend::Local { root } = &self.backend {
-            return self.upload_local(f, &path, root, file, part, sem).await;
+            return self.upload_local(f, &path, root, file, part, sem, held, pool, from_memory).await;
         }
         if f.len <= part as u64 {
             let _permit = sem.acquire().await.expect("the semaphore is never closed");
-            let (data, crc) = self.read_part(file, f, &path, 0, f.len as usize).await?;
+            let (data, crc) = self.read_part(file, f, &path, 0, f.len as usize, held.clone(), from_memory).await?;
             if crc != f.crc32c {
                 return Err(self.changed(f, &path, format!("crc32c {crc:#010x}, its index says {:#010x}", f.crc32c)));
             }
@@ -674,12 +762,12 @@ impl Inner {
         {
             let mut reads = futures::stream::iter(0..n_parts)
                 .map(|i| {
-                    let (sem, file, path) = (sem.clone(), file.clone(), &path);
+                    let (sem, file, path, held) = (sem.clone(), file.clone(), &path, held.clone());
                     async move {
                         let permit = sem.acquire_owned().await.expect("the semaphore is never closed");
                         let offset = (i * part) as u64;
                         let len = (f.len - offset).min(part as u64) as usize;
-                        let (data, crc) = self.read_part(file, f, path, offset, len).await?;
+                        let (data, crc) = self.read_part(file, f, path, offset, len, held, from_memory).await?;
                         Ok::<_, TierError>((i, data, crc, permit))
                     }
                 })
@@ -752,7 +840,19 @@ impl Inner {
     /// the root; otherwise the staging file is removed. (object_store's
     /// LocalFileSystem upload writes its parts one at a time, under a lock,
     /// buffered.)
-    async fn upload_local(&self, f: &LocalFile, path: &Path, root: &FsPath, src: Arc<File>, part: usize, sem: Arc<Semaphore>) -> Result<(), TierError> {
+    #[allow(clippy::too_many_arguments)]
+    async fn upload_local(
+        &self,
+        f: &LocalFile,
+        path: &Path,
+        root: &FsPath,
+        src: Arc<File>,
+        part: usize,
+        sem: Arc<Semaphore>,
+        held: Option<(Arc<dyn HeldBytes>, usize)>,
+        pool: BufPool,
+        from_memory: &AtomicU64,
+    ) -> Result<(), TierError> {
         use std::os::unix::fs::OpenOptionsExt;
         enum PartError {
             Read(std::io::Error),
@@ -777,6 +877,18 @@ impl Inner {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false).map_err(|e| tio("create", &tmp, e))?, false),
             Err(e) => return Err(tio("create", &tmp, e)),
         };
+        // The whole file allocated at once (as fio does before it writes):
+        // parallel parts would otherwise allocate their blocks one write at
+        // a time, interleaved. Refused (a file system without it): written
+        // as it comes.
+        {
+            use std::os::fd::AsRawFd;
+            let alloc_len = if direct { f.len.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64 } else { f.len };
+            if alloc_len > 0 {
+                // SAFETY: fallocate on a descriptor we own; no memory passed.
+                let _ = unsafe { libc::fallocate(out.as_raw_fd(), 0, 0, alloc_len as libc::off_t) };
+            }
+        }
         let out = Arc::new(out);
         // The source read with O_DIRECT too where it can be (a step just
         // written with O_DIRECT is not in the page cache anyway).
@@ -786,20 +898,52 @@ impl Inner {
         };
         let block = DIRECT_BLOCK_BYTES;
         let buf_len = part.div_ceil(block) * block;
-        let pool: Arc<std::sync::Mutex<Vec<AlignedBuf>>> = Arc::default();
         let n_parts = f.len.div_ceil(part as u64) as usize;
         let results: Vec<Result<(u32, u64), TierError>> = futures::stream::iter(0..n_parts)
             .map(|i| {
-                let (sem, src, out, pool, tmp, tio) = (sem.clone(), src.clone(), out.clone(), pool.clone(), &tmp, &tio);
+                let (sem, src, out, pool, tmp, tio, held) = (sem.clone(), src.clone(), out.clone(), pool.clone(), &tmp, &tio, held.clone());
                 async move {
                     let _permit = sem.acquire_owned().await.expect("the semaphore is never closed");
                     let offset = (i * part) as u64;
                     let len = (f.len - offset).min(part as u64) as usize;
                     self.throttle(len as u64).await;
                     let r = tokio::task::spawn_blocking(move || {
-                        let mut buf = match pool.lock().expect("buffer pool").pop() {
+                        let take_buf = || -> std::io::Result<AlignedBuf> {
+                            match pool.lock().expect("buffer pool").pop() {
+                                Some(b) if b.len() >= buf_len => Ok(b),
+                                _ => AlignedBuf::new(buf_len),
+                            }
+                        };
+                        // O_DIRECT writes whole blocks: the tail of the last part is
+                        // padded, cut off by the truncate at the end.
+                        let wlen = if direct { len.div_ceil(block) * block } else { len };
+                        // From the holder's memory while it lends it: written from
+                        // there when O_DIRECT takes it as it is (no copy), else copied.
+                        let mut lent: Option<Result<u32, PartError>> = None;
+                        let mut copied: Option<AlignedBuf> = None;
+                        if let Some((h, idx)) = &held {
+                            h.with_part(*idx, offset, len, &mut |m: &[u8]| {
+                                if m.len() >= wlen && (!direct || (m.as_ptr() as usize) % block == 0) {
+                                    let crc = crc32c::crc32c(&m[..len]);
+                                    lent = Some(out.write_all_at(&m[..wlen], offset).map(|()| crc).map_err(PartError::Write));
+                                } else {
+                                    match take_buf() {
+                                        Ok(mut b) => {
+                                            b.as_mut_slice()[..len].copy_from_slice(&m[..len]);
+                                            copied = Some(b);
+                                        }
+                                        Err(e) => lent = Some(Err(PartError::Read(e))),
+                                    }
+                                }
+                            });
+                        }
+                        if let Some(r) = lent {
+                            return r.map(|crc| (crc, true));
+                        }
+                        let from_mem = copied.is_some();
+                        let mut buf = match copied {
                             Some(b) => b,
-                            None => AlignedBuf::new(buf_len).map_err(PartError::Read)?,
+                            None => take_buf().map_err(PartError::Read)?,
                         };
                         let b = buf.as_mut_slice();
                         let read = |b: &mut [u8]| -> std::io::Result<()> {
@@ -819,14 +963,12 @@ impl Inner {
                             }
                             Ok(())
                         };
-                        let r = read(b).map_err(PartError::Read).and_then(|()| {
+                        let got = if from_mem { Ok(()) } else { read(b) };
+                        let r = got.map_err(PartError::Read).and_then(|()| {
                             let crc = crc32c::crc32c(&b[..len]);
-                            // O_DIRECT writes whole blocks: the tail of the last part is
-                            // padded with zeros, cut off by the truncate at the end.
-                            let wlen = if direct { len.div_ceil(block) * block } else { len };
                             b[len..wlen].fill(0);
                             out.write_all_at(&b[..wlen], offset).map_err(PartError::Write)?;
-                            Ok(crc)
+                            Ok((crc, from_mem))
                         });
                         pool.lock().expect("buffer pool").push(buf);
                         r
@@ -834,7 +976,12 @@ impl Inner {
                     .await
                     .map_err(|e| TierError::Task { url: self.url.clone(), reason: e.to_string() })?;
                     match r {
-                        Ok(crc) => Ok((crc, len as u64)),
+                        Ok((crc, from_mem)) => {
+                            if from_mem {
+                                from_memory.fetch_add(len as u64, Ordering::Relaxed);
+                            }
+                            Ok((crc, len as u64))
+                        }
                         Err(PartError::Read(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                             Err(self.changed(f, path, format!("shorter than the {} bytes of its index", f.len)))
                         }

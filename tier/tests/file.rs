@@ -146,3 +146,24 @@ fn file_copied_file_is_a_hard_link_and_survives_deleting_its_source() {
     copied_file_survives_deleting_its_source(&t, local.path());
     assert!(!at(1).exists() && at(2).exists());
 }
+
+#[test]
+fn file_held_upload_takes_bytes_from_memory() {
+    let (local, remote) = (tempdir(), tempdir());
+    let t = Target::open(&file_url(remote.path()), small_parts()).unwrap();
+    held_upload_takes_bytes_from_memory(&t, local.path());
+}
+
+#[test]
+fn file_held_bytes_that_differ_are_replaced_from_disk() {
+    let (local, remote) = (tempdir(), tempdir());
+    let t = Target::open(&file_url(remote.path()), small_parts()).unwrap();
+    held_bytes_that_differ_are_replaced_from_disk(&t, local.path());
+}
+
+#[test]
+fn file_held_bytes_taken_back_mid_upload_are_read_from_disk() {
+    let (local, remote) = (tempdir(), tempdir());
+    let t = Target::open(&file_url(remote.path()), small_parts()).unwrap();
+    held_bytes_taken_back_mid_upload_are_read_from_disk(&t, local.path());
+}

@@ -100,3 +100,21 @@ fn s3_copied_file_survives_deleting_its_source() {
     let local = tempdir();
     copied_file_survives_deleting_its_source(&target("copied"), local.path());
 }
+
+#[test]
+fn s3_held_upload_takes_bytes_from_memory() {
+    let local = tempdir();
+    held_upload_takes_bytes_from_memory(&target("held"), local.path());
+}
+
+#[test]
+fn s3_held_bytes_that_differ_are_replaced_from_disk() {
+    let local = tempdir();
+    held_bytes_that_differ_are_replaced_from_disk(&target("held-differ"), local.path());
+}
+
+#[test]
+fn s3_held_bytes_taken_back_mid_upload_are_read_from_disk() {
+    let local = tempdir();
+    held_bytes_taken_back_mid_upload_are_read_from_disk(&target("held-taken-back"), local.path());
+}

@@ -213,3 +213,98 @@ pub fn copied_file_survives_deleting_its_source(t: &Target, local: &Path) {
         assert!(read_all(t, 2, name, data.len()) == *data, "{name} of step 2 differs after step 1 was deleted");
     }
 }
+
+/// A holder of an upload's files in memory (page-aligned buffers, as the
+/// sidecar's staging), for `upload_files_held`: it may hold a file's bytes
+/// with a flipped byte, and may stop lending after some parts (a save took
+/// the memory back).
+pub struct TestHeld {
+    bufs: Vec<ckpt_store::mem::AlignedBuf>,
+    lens: Vec<u64>,
+    /// Parts it still lends (negative: unlimited).
+    lends_left: std::sync::atomic::AtomicI64,
+    pub lent_parts: std::sync::atomic::AtomicU64,
+}
+
+impl TestHeld {
+    pub fn new(files: &[LocalFile], lends: i64) -> TestHeld {
+        let block = ckpt_tier::DIRECT_BLOCK_BYTES;
+        let bufs = files
+            .iter()
+            .map(|f| {
+                let mut b = ckpt_store::mem::AlignedBuf::new((f.len as usize).div_ceil(block).max(1) * block).unwrap();
+                b.as_mut_slice()[..f.len as usize].copy_from_slice(&std::fs::read(&f.local_path).unwrap());
+                b
+            })
+            .collect();
+        TestHeld { bufs, lens: files.iter().map(|f| f.len).collect(), lends_left: lends.into(), lent_parts: 0.into() }
+    }
+
+    pub fn flip(&mut self, file_idx: usize, at: usize) {
+        self.bufs[file_idx].as_mut_slice()[at] ^= 0x40;
+    }
+}
+
+impl ckpt_tier::HeldBytes for TestHeld {
+    fn with_part(&self, file_idx: usize, offset: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> bool {
+        use std::sync::atomic::Ordering;
+        assert!(offset + len as u64 <= self.lens[file_idx], "a part inside its file");
+        if self.lends_left.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.lends_left.store(0, Ordering::SeqCst);
+            return false;
+        }
+        f(&self.bufs[file_idx].as_slice()[offset as usize..]);
+        self.lent_parts.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+}
+
+/// Upload from memory (`upload_files_held`): every part taken from the
+/// holder, none read from the local files (they are changed on disk after
+/// the holder read them, so a read would fail the crc), the remote files
+/// equal to the committed bytes, then committed as usual.
+pub fn held_upload_takes_bytes_from_memory(t: &Target, local: &Path) {
+    let s = local_step(local, 8, 2 * ckpt_tier::MIN_PART_SIZE_BYTES + 777);
+    let held = std::sync::Arc::new(TestHeld::new(&s.files, -1));
+    // The local files changed under it: a part read from disk would not match.
+    for f in &s.files {
+        let mut d = std::fs::read(&f.local_path).unwrap();
+        d[0] ^= 1;
+        std::fs::write(&f.local_path, &d).unwrap();
+    }
+    let (stats, from_memory) = t.upload_files_held(8, &s.files, held.clone()).unwrap();
+    assert_eq!(from_memory, stats.bytes, "every byte from memory");
+    t.commit_step(8, &s.index_json).unwrap();
+    for (name, data) in &s.bytes {
+        assert!(read_all(t, 8, name, data.len()) == *data, "{name} differs");
+    }
+}
+
+/// Lent bytes that differ from the committed file (the crc is checked on
+/// memory too): that file is uploaded again from disk; the remote file is
+/// the committed one, and the bytes counted from memory exclude it.
+pub fn held_bytes_that_differ_are_replaced_from_disk(t: &Target, local: &Path) {
+    let s = local_step(local, 9, 2 * ckpt_tier::MIN_PART_SIZE_BYTES + 777);
+    let mut held = TestHeld::new(&s.files, -1);
+    held.flip(0, ckpt_tier::MIN_PART_SIZE_BYTES + 5);
+    let (stats, from_memory) = t.upload_files_held(9, &s.files, std::sync::Arc::new(held)).unwrap();
+    assert_eq!(from_memory, stats.bytes - s.files[0].len, "the differing file counted from disk");
+    t.commit_step(9, &s.index_json).unwrap();
+    for (name, data) in &s.bytes {
+        assert!(read_all(t, 9, name, data.len()) == *data, "{name} differs");
+    }
+}
+
+/// The holder takes its memory back after one part (a save needed it):
+/// the other parts are read from disk, the upload completes, equal bytes.
+pub fn held_bytes_taken_back_mid_upload_are_read_from_disk(t: &Target, local: &Path) {
+    let s = local_step(local, 10, 3 * ckpt_tier::MIN_PART_SIZE_BYTES + 777);
+    let held = std::sync::Arc::new(TestHeld::new(&s.files, 1));
+    let (stats, from_memory) = t.upload_files_held(10, &s.files, held.clone()).unwrap();
+    assert_eq!(held.lent_parts.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(from_memory > 0 && from_memory < stats.bytes, "{from_memory} of {}", stats.bytes);
+    t.commit_step(10, &s.index_json).unwrap();
+    for (name, data) in &s.bytes {
+        assert!(read_all(t, 10, name, data.len()) == *data, "{name} differs");
+    }
+}

@@ -736,7 +736,7 @@ fn write_dir(
     candidates: &[Option<PathBuf>],
 ) -> Result<(Duration, Duration, Vec<usize>), CommitError> {
     let deferred: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && candidates[s].is_some()).collect();
-    let (mut w, mut sy) = write_shards_some(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| candidates[s].is_none())?;
+    let (mut w, mut sy) = write_shards(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| candidates[s].is_none())?;
     let Some(prev) = prev.filter(|_| !deferred.is_empty()) else { return Ok((w, sy, Vec::new())) };
     let t0 = Instant::now();
     // Waits for the copy's end (its checksums and digests).
@@ -762,7 +762,7 @@ fn write_dir(
     let w0 = t0.elapsed();
     if !rest.is_empty() {
         // The copy ended: the whole image is final.
-        let (w2, s2) = write_shards_some(d, step, dir_idx, tmp, layout, staging, None, chunk_bytes, &|s| rest.contains(&s))?;
+        let (w2, s2) = write_shards(d, step, dir_idx, tmp, layout, staging, None, chunk_bytes, &|s| rest.contains(&s))?;
         (w, sy) = (w + w0 + w2, sy + s2);
     } else {
         w += w0;
@@ -770,25 +770,10 @@ fn write_dir(
     Ok((w, sy, linked))
 }
 
-/// Writes every shard of directory `dir_idx` into `tmp` and syncs them;
-/// returns (write time, sync time).
+/// Writes the shards of directory `dir_idx` that `which` says (`&|_| true`:
+/// all) into `tmp` and syncs them; returns (write time, sync time).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn write_shards(
-    d: &mut TargetDir,
-    step: u64,
-    dir_idx: u32,
-    tmp: &Path,
-    layout: &Layout,
-    staging: &dyn BufAddr,
-    progress: Option<&Progress>,
-    chunk_bytes: usize,
-) -> Result<(Duration, Duration), CommitError> {
-    write_shards_some(d, step, dir_idx, tmp, layout, staging, progress, chunk_bytes, &|_| true)
-}
-
-/// [`write_shards`] of the shards `which` says.
-#[allow(clippy::too_many_arguments)]
-fn write_shards_some(
     d: &mut TargetDir,
     step: u64,
     dir_idx: u32,

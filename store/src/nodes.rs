@@ -230,7 +230,7 @@ impl Store {
             self.write_node_local_shards(step, layout, staging, fill, chunk_bytes)?;
         } else {
             let d = self.shared.as_mut().expect("checked by the caller");
-            write_shards(d, step, 0, tmp, layout, staging, fill.progress(), chunk_bytes)?;
+            write_shards(d, step, 0, tmp, layout, staging, fill.progress(), chunk_bytes, &|_| true)?;
         }
         let mut bytes = layout.file_bytes();
         if !blobs.is_empty() {
@@ -305,7 +305,7 @@ impl Store {
                     let local = &locals[dir_idx];
                     std::thread::Builder::new()
                         .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || write_shards(d, step, dir_idx as u32, local, layout, staging, fill.progress(), chunk_bytes))
+                        .spawn_scoped(s, move || write_shards(d, step, dir_idx as u32, local, layout, staging, fill.progress(), chunk_bytes, &|_| true))
                         .expect("spawning a writer thread")
                 })
                 .collect();

@@ -297,7 +297,13 @@ impl Drain {
     }
 
     fn set_up(&self, up: bool, error: String) {
-        let mut st = self.lock();
+        self.mark_up(&mut self.lock(), up, error);
+    }
+
+    /// [`Drain::set_up`] under the lock the caller holds: a replication
+    /// marks the target up before its waiters are answered, so a client
+    /// told Replicated never then reads the drain "down" in status.
+    fn mark_up(&self, st: &mut State, up: bool, error: String) {
         if st.up != up {
             if up {
                 info!(url = self.url(), "drain target reachable again; draining");
@@ -362,9 +368,9 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 self.hold.lock().expect("hold lock").remove(&newest);
+                self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
                 drop(st);
-                self.set_up(true, String::new());
                 self.retain_remote();
                 Ok(true)
             }
@@ -420,9 +426,9 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 st.mine_uploaded.remove(&newest);
+                self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
                 drop(st);
-                self.set_up(true, String::new());
                 self.retain_remote();
                 Ok(true)
             }

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use ckpt_wire::{ErrorCode, LoadSource};
 
-use crate::client::{BlobRef, Client, LoadInfo, SaveState, TensorRef, Wanted};
+use crate::client::{BlobRef, Client, LoadInfo, SaveHandle, SaveState, TensorRef, Wanted};
 use crate::error::Error;
 
 /// Success.
@@ -503,13 +503,34 @@ pub unsafe extern "C" fn ckpt_save(
     n_blobs: usize,
     save_id: *mut u64,
 ) -> c_int {
+    // SAFETY: the caller's contract, which is save_with's.
+    unsafe { save_with(client, tensors, n_tensors, blobs, n_blobs, save_id, |c, ts, bs| c.save(step, ts, bs)) }
+}
+
+/// The body every save entry point shares (ckpt_save, ckpt_save_on_stream,
+/// ckpt_save_flagged): decodes the client, the tensors and the blobs, asks
+/// `send` to send the save, and stores its id in *save_id.
+///
+/// # Safety
+/// As ckpt_save: `client` is a live client; `tensors` / `blobs` point to
+/// that many valid descriptors (or are NULL with a count of 0); `save_id`
+/// is writable.
+pub(crate) unsafe fn save_with(
+    client: *mut ckpt_client,
+    tensors: *const ckpt_tensor,
+    n_tensors: usize,
+    blobs: *const ckpt_blob,
+    n_blobs: usize,
+    save_id: *mut u64,
+    send: impl FnOnce(&Client, &[TensorRef<'_>], &[BlobRef<'_>]) -> Result<SaveHandle, Error>,
+) -> c_int {
     guard(|| {
         let save_id = out(save_id, "save_id")?;
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
         let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
         let bs = unsafe { blob_refs(blobs, n_blobs) }?;
-        let h = c.client.save(step, &ts, &bs)?;
+        let h = send(&c.client, &ts, &bs)?;
         unsafe { *save_id = h.id };
         Ok(())
     })
@@ -547,21 +568,18 @@ pub unsafe extern "C" fn ckpt_save_flagged(
     stream: *mut c_void,
     save_id: *mut u64,
 ) -> c_int {
-    guard(|| {
-        let save_id = out(save_id, "save_id")?;
-        // SAFETY (this block): the caller's contract for every pointer.
-        let c = unsafe { self::client(client) }?;
-        let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
-        let bs = unsafe { blob_refs(blobs, n_blobs) }?;
-        let flags: &[u32] = if tensor_flags.is_null() { &[] } else { unsafe { slice(tensor_flags, n_tensors, "tensor_flags") }? };
-        if let Some((i, f)) = flags.iter().enumerate().find(|(_, &f)| f & !CKPT_TENSOR_UNCHANGED != 0) {
-            return Err(invalid(format!("tensor_flags[{i}] = {f:#x}: unknown flag bits (known: CKPT_TENSOR_UNCHANGED = 1)")));
-        }
-        let unchanged = u64::try_from(since_step).ok().map(|since_step| ckpt_wire::Unchanged { since_step, bits: ckpt_wire::Unchanged::bits_of(flags.iter().map(|&f| f & CKPT_TENSOR_UNCHANGED != 0)) });
-        let h = c.client.save_on_stream_unchanged(step, &ts, &bs, stream as u64, unchanged.as_ref())?;
-        unsafe { *save_id = h.id };
-        Ok(())
-    })
+    // SAFETY: the caller's contract (save_with's, and `tensor_flags` holds
+    // n_tensors words when not NULL).
+    unsafe {
+        save_with(client, tensors, n_tensors, blobs, n_blobs, save_id, |c, ts, bs| {
+            let flags: &[u32] = if tensor_flags.is_null() { &[] } else { slice(tensor_flags, n_tensors, "tensor_flags")? };
+            if let Some((i, f)) = flags.iter().enumerate().find(|(_, &f)| f & !CKPT_TENSOR_UNCHANGED != 0) {
+                return Err(invalid(format!("tensor_flags[{i}] = {f:#x}: unknown flag bits (known: CKPT_TENSOR_UNCHANGED = 1)")));
+            }
+            let unchanged = u64::try_from(since_step).ok().map(|since_step| ckpt_wire::Unchanged { since_step, bits: ckpt_wire::Unchanged::bits_of(flags.iter().map(|&f| f & CKPT_TENSOR_UNCHANGED != 0)) });
+            c.save_on_stream_unchanged(step, ts, bs, stream as u64, unchanged.as_ref())
+        })
+    }
 }
 
 /// Asks the sidecar to write `len_bytes` at `data` (inside memory from

@@ -6,7 +6,7 @@
 use std::ffi::{c_int, c_void};
 
 use crate::error::Error;
-use crate::ffi::{blob_refs, ckpt_blob, ckpt_client, ckpt_tensor, client, guard, out, slice, tensor_refs};
+use crate::ffi::{ckpt_blob, ckpt_client, ckpt_tensor, client, guard, out, save_with};
 
 /// CKPT_OK if a CUDA driver with at least one device is there, else
 /// CKPT_E_CUDA with the reason in ckpt_last_error() ("no CUDA driver ...").
@@ -109,16 +109,8 @@ pub unsafe extern "C" fn ckpt_save_on_stream(
     stream: *mut c_void,
     save_id: *mut u64,
 ) -> c_int {
-    guard(|| {
-        let save_id = out(save_id, "save_id")?;
-        // SAFETY (this block): the caller's contract for every pointer.
-        let c = unsafe { self::client(client) }?;
-        let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
-        let bs = unsafe { blob_refs(blobs, n_blobs) }?;
-        let h = c.client.save_on_stream(step, &ts, &bs, stream as u64)?;
-        unsafe { *save_id = h.id };
-        Ok(())
-    })
+    // SAFETY: the caller's contract, which is save_with's.
+    unsafe { save_with(client, tensors, n_tensors, blobs, n_blobs, save_id, |c, ts, bs| c.save_on_stream(step, ts, bs, stream as u64)) }
 }
 
 /// Makes `stream` (a CUstream / cudaStream_t of this process; NULL: the

@@ -326,21 +326,17 @@ class SaveHandle:
         goes on), the save's failure, or NotFound at once, saying why, when
         the sidecar has no drain target or its drain skipped this step (a
         newer one was drained instead, or --drain-every leaves it out)."""
-        try:
-            N.check(N.lib().ckpt_wait_replicated(self._ck._live_client(), self.id, timeout_ms(timeout)))
-        except Timeout:
-            raise
-        except SidecarError:
-            self._mark_taken()
-            raise
-        self._mark_taken()
-        return self
+        return self._answered(lambda client: N.lib().ckpt_wait_replicated(client, self.id, timeout_ms(timeout)))
 
     def _wait(self, what, timeout):
-        # Any answer but a timeout (success or the save's failure) means the
-        # sidecar is done with our memory for this save.
+        return self._answered(lambda client: N.lib().ckpt_wait(client, self.id, what, timeout_ms(timeout)))
+
+    def _answered(self, wait):
+        """Runs `wait(client)`, a native wait for this save. Any answer but a
+        timeout (success or the save's failure) means the sidecar is done
+        with our memory for this save."""
         try:
-            N.check(N.lib().ckpt_wait(self._ck._live_client(), self.id, what, timeout_ms(timeout)))
+            N.check(wait(self._ck._live_client()))
         except Timeout:
             raise
         except SidecarError:

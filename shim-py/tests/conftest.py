@@ -2,10 +2,11 @@
 
 Tests use the installed package (pip install ./shim-py, as .ci/setup-python.sh
 does) and its bundled binary."""
+import json
 import os
 import socket
 import subprocess
-import time
+from pathlib import Path
 
 import pytest
 
@@ -19,22 +20,29 @@ def sidecar_bin():
 
 
 class Sidecar:
-    def __init__(self, tmp_path, args=()):
+    """`ckpt-sidecar serve` on a private socket: `args`, more options;
+    `name`, for several in one test (their own socket and log); `ckdir`, its
+    --dir (default tmp_path/ckpt); `env`, added to this process's."""
+
+    def __init__(self, tmp_path, args=(), name=None, ckdir=None, env=None):
         self.args = list(args)
-        self.dir = tmp_path / "ckpt"
-        self.socket = str(tmp_path / "sock" / "sidecar.sock")
-        self.log = tmp_path / "sidecar.log"
+        self.dir = tmp_path / "ckpt" if ckdir is None else Path(ckdir)
+        self.socket = str(tmp_path / ("sock" if name is None else f"sock-{name}") / "sidecar.sock")
+        self.log = tmp_path / ("sidecar.log" if name is None else f"sidecar-{name}.log")
+        self.env = dict(os.environ, **(env or {}))
         self.proc = None
 
+    def command(self):
+        return [sidecar_bin(), "serve", "--dir", str(self.dir), "--socket", self.socket, "--staging", STAGING, *self.args]
+
     def start(self):
+        from ckpt_test_util import wait_until
+
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sidecar_bin(), "serve", "--dir", str(self.dir), "--socket", self.socket,
-                                          "--staging", STAGING, *self.args], stdout=log, stderr=log)
-        deadline = time.monotonic() + 20
-        while not self._listening():
-            assert self.proc.poll() is None, f"sidecar exited: {self.log.read_text()}"
-            assert time.monotonic() < deadline, "sidecar did not listen"
-            time.sleep(0.02)
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, env=self.env)
+        # A deadline that only bounds a hang: the start waits on the socket.
+        wait_until(lambda: self.proc.poll() is not None or self._listening(), 60, "the sidecar listening")
+        assert self.proc.poll() is None, f"sidecar exited: {self.log.read_text()}"
         return self
 
     def _listening(self):
@@ -46,6 +54,11 @@ class Sidecar:
             return False
         finally:
             s.close()
+
+    def status(self):
+        """`ckpt-sidecar status --json` of this sidecar."""
+        out = subprocess.run([sidecar_bin(), "status", "--socket", self.socket, "--json"], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
 
     def kill(self):
         self.proc.kill()

@@ -45,10 +45,12 @@ def launch(tmp_path, ckdir, step, mode, vocab=5000, nproc=2, env_extra=None, che
 
 
 def load_single(ckdir, step="latest"):
-    """The whole state, in this process (world size 1, its own sidecar)."""
+    """The whole state, in this process (world size 1, its own sidecar).
+    Staging as small as the state allows: the default (a quarter of RAM,
+    pre-faulted) got the spawned sidecar OOM-killed (-9) on a busy machine."""
     from ckpt_sidecar import Checkpointer
 
-    with Checkpointer(dir=str(ckdir)) as ck:
+    with Checkpointer(dir=str(ckdir), staging="256MiB") as ck:
         assert ck.world_size == 1
         return ck.load(step)
 

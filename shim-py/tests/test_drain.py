@@ -20,15 +20,9 @@ import pytest
 import ckpt_sidecar as cs
 from ckpt_sidecar.errors import NotFound, Timeout
 from ckpt_test_util import wait_until
+from conftest import STAGING, Sidecar, sidecar_bin
 
 REPO = Path(__file__).resolve().parents[2]
-STAGING = "64MiB"
-
-
-def sidecar_bin():
-    from ckpt_sidecar import _native
-
-    return _native.sidecar_binary()
 
 
 def free_port():
@@ -37,53 +31,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def listening(path):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-class Drained:
-    """A `ckpt-sidecar serve --dir DIR --drain URL ...` on a private socket."""
+class Drained(Sidecar):
+    """conftest's sidecar, `serve --dir DIR --drain URL ...` (no --drain when
+    `url` is None)."""
 
     def __init__(self, tmp_path, name, ckdir, url, *extra, env=None):
-        self.dir, self.url = Path(ckdir), url
-        self.socket = str(tmp_path / f"sock-{name}" / "sidecar.sock")
-        self.log = tmp_path / f"sidecar-{name}.log"
-        args = [sidecar_bin(), "serve", "--dir", str(self.dir), "--socket", self.socket, "--staging", STAGING]
-        if url is not None:
-            args += ["--drain", url]
-        self.args = args + list(extra)
-        self.env = dict(os.environ, **(env or {}))
-        self.proc = None
-
-    def start(self):
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=log, env=self.env)
-        wait_until(lambda: self.proc.poll() is not None or listening(self.socket), 30, "the sidecar listening")
-        assert self.proc.poll() is None, f"sidecar exited: {self.log.read_text()}"
-        return self
-
-    def status(self):
-        out = subprocess.run([sidecar_bin(), "status", "--socket", self.socket, "--json"], capture_output=True, text=True, check=True)
-        return json.loads(out.stdout)
+        super().__init__(tmp_path, args=([] if url is None else ["--drain", url]) + list(extra), name=name, ckdir=ckdir, env=env)
+        self.url = url
 
     def drain(self):
         return self.status()["drain"]
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 @pytest.fixture
@@ -216,7 +173,7 @@ def test_start_with_an_unreachable_drain_is_one_clear_error_naming_the_url(tmp_p
     port = free_port()  # nothing listens there
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
     a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/run1", env=env)
-    out = subprocess.run(a.args, capture_output=True, text=True, env=a.env, timeout=120)
+    out = subprocess.run(a.command(), capture_output=True, text=True, env=a.env, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "s3://ckpt-test/run1" in out.stderr, out.stderr
     assert not Path(a.socket).exists()
@@ -225,7 +182,7 @@ def test_start_with_an_unreachable_drain_is_one_clear_error_naming_the_url(tmp_p
 def test_start_with_wrong_credentials_is_one_clear_error_naming_the_url_and_no_secret(tmp_path, s3):
     env = dict(s3.env, AWS_SECRET_ACCESS_KEY="not-the-secret-4242")  # serve.sh's moto checks signatures
     a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/run1", env=env)
-    out = subprocess.run(a.args, capture_output=True, text=True, env=a.env, timeout=120)
+    out = subprocess.run(a.command(), capture_output=True, text=True, env=a.env, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "s3://ckpt-test/run1" in out.stderr, out.stderr
     assert "not-the-secret-4242" not in out.stderr

@@ -4,25 +4,21 @@ agrees with the status report (docs/metrics.md)."""
 import re
 import subprocess
 import threading
-import time
 import urllib.request
 
 import numpy as np
 import pytest
 
+from ckpt_test_util import wait_until
 from conftest import STAGING, Sidecar, sidecar_bin
 
 
 class MetricsSidecar(Sidecar):
+    def __init__(self, tmp_path):
+        super().__init__(tmp_path, args=("--metrics", "127.0.0.1:0"))
+
     def start(self):
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sidecar_bin(), "serve", "--dir", str(self.dir), "--socket", self.socket,
-                                          "--staging", STAGING, "--metrics", "127.0.0.1:0"], stdout=log, stderr=log)
-        deadline = time.monotonic() + 20
-        while not self._listening():
-            assert self.proc.poll() is None, f"sidecar exited: {self.log.read_text()}"
-            assert time.monotonic() < deadline, "sidecar did not listen"
-            time.sleep(0.02)
+        super().start()
         # The metrics listener is bound before the socket is published, and logged.
         self.url = re.search(r"metrics=(http://\S+/metrics)", self.log.read_text()).group(1)
         return self
@@ -114,6 +110,9 @@ def test_metrics_scraped_during_saves_agree_with_status(msidecar):
     with pytest.raises(cs.SidecarError):
         ck.save(n_saves, {"w": np.zeros(4, dtype=np.float32)}).wait_durable()
     try:
+        # At rest: the last save's flight ends after its Durable (retention
+        # runs after it), so a status taken at once may still show it.
+        wait_until(lambda: not ck.status()["in_flight"], 60, "the last save's flight ending")
         status = ck.status()
         s = parse(scrape(msidecar.url))
     finally:

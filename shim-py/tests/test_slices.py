@@ -144,12 +144,12 @@ def test_a_checkpoint_with_parts_pkl_written_before_slices_still_loads(tmp_path,
 
     from ckpt_sidecar import Checkpointer
 
-    with Checkpointer(dir=str(old)) as ck:
+    with Checkpointer(dir=str(old), staging="64MiB") as ck:
         got = ck.load(3)
     want = small_state()
     assert got["note"] == want["note"]
     assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
-    with Checkpointer(dir=str(old)) as ck:
+    with Checkpointer(dir=str(old), staging="64MiB") as ck:
         one = ck.load_tensors(["model.embed.weight"])
     assert torch.equal(one["model.embed.weight"], want["model"]["embed.weight"])
     assert cli("verify", str(old)).returncode == 0

@@ -312,17 +312,14 @@ impl Drain {
         }
     }
 
-    /// [`Drain::set_up`] to up, under the lock the caller holds.
-    fn mark_up(&self, st: &mut State) {
-        if !st.up {
-            info!(url = self.url(), "drain target reachable again; draining");
-        }
-        st.up = true;
-        st.error.clear();
+    fn set_up(&self, up: bool, error: String) {
+        self.mark_up(&mut self.lock(), up, error);
     }
 
-    fn set_up(&self, up: bool, error: String) {
-        let mut st = self.lock();
+    /// [`Drain::set_up`] under the lock the caller holds: a replication
+    /// marks the target up before its waiters are answered, so a client
+    /// told Replicated never then reads the drain "down" in status.
+    fn mark_up(&self, st: &mut State, up: bool, error: String) {
         if st.up != up {
             if up {
                 info!(url = self.url(), "drain target reachable again; draining");
@@ -387,9 +384,7 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 self.hold.lock().expect("hold lock").remove(&newest);
-                // Up before the waiters hear Replicated: a status asked
-                // right after it must not still say down.
-                self.mark_up(&mut st);
+                self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
                 drop(st);
                 self.retain_remote();
@@ -447,7 +442,7 @@ impl Drain {
                 st.bytes_per_s = bps;
                 st.backlog.retain(|&s| s > newest);
                 st.mine_uploaded.remove(&newest);
-                self.mark_up(&mut st);
+                self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
                 drop(st);
                 self.retain_remote();

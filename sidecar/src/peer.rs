@@ -30,9 +30,9 @@ impl Peer {
     }
 
     /// Save `id` (of `bytes` file bytes, received at `t_received`) is in
-    /// flight: counted, and timed until its Released/Durable/Failed.
+    /// flight: timed until its Released/Durable/Failed. (Counted when its
+    /// flight began: `Shared::begin_step`, `begin_file`.)
     pub fn started(&self, id: u64, t_received: Instant, bytes: u64) {
-        crate::metrics::record_started();
         self.started.lock().expect("started lock").insert(id, (t_received, bytes));
     }
 

@@ -249,6 +249,10 @@ impl Shared {
         if clash {
             return false;
         }
+        // Counted before it shows in flight: a scrape, which reads the
+        // flights and then the counters, never sees more in flight than
+        // started (metrics.rs).
+        crate::metrics::record_started();
         m.insert(key, InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
         true
     }
@@ -257,6 +261,8 @@ impl Shared {
     pub fn begin_file(&self, path: &str, bytes: u64) -> Flight {
         let key = Flight::File(self.next_file_no.fetch_add(1, Ordering::Relaxed));
         let entry = InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: Some(path.to_string()) };
+        // Counted before it shows in flight, as in begin_step.
+        crate::metrics::record_started();
         self.in_flight.lock().expect("in-flight lock").insert(key, entry);
         key
     }

@@ -6,25 +6,24 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use ckpt_store::catalog;
 use ckpt_store::restore::{self, ReadOptions, Which};
-use ckpt_test_support::terminate;
+use ckpt_test_support::daemon::{Client, Daemon, Shm};
 use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, Request, TensorDesc, MAGIC, PROTOCOL_VERSION};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
-const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------- sidecar
 
+/// `ckpt-sidecar serve` with 64 MiB of staging in a temporary directory of
+/// its own: the shared [`Daemon`] (which it derefs to), and where it lives.
 struct Sidecar {
-    child: Option<Child>,
-    socket: PathBuf,
+    daemon: Daemon,
     dir: PathBuf,
-    log: PathBuf,
     _tmp: tempfile::TempDir,
 }
 
@@ -42,229 +41,45 @@ impl Sidecar {
     fn start_in_env(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Sidecar {
         let socket = tmp.path().join("run").join("sidecar.sock");
         let log = tmp.path().join(format!("sidecar-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
-        let child = Command::new(BIN)
-            .arg("serve")
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--staging", "64MiB"])
-            .args(extra)
-            .env("CKPT_SIDECAR_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut s = Sidecar { child: Some(child), socket, dir, log, _tmp: tmp };
-        let t0 = Instant::now();
-        while UnixStream::connect(&s.socket).is_err() {
-            if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("sidecar exited at start ({st}):\n{}", s.log_text());
-            }
-            assert!(t0.elapsed() < Duration::from_secs(20), "sidecar did not listen:\n{}", s.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        s
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        let daemon = Daemon::serve(Path::new(BIN), &dir, socket, log, "64MiB", extra, env);
+        Sidecar { daemon, dir, _tmp: tmp }
     }
 
     fn client(&self) -> Client {
-        Client::connect(&self.socket)
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.as_ref().unwrap().id() as i32
-    }
-
-    /// SIGTERM, then the exit code.
-    fn stop(&mut self) -> i32 {
-        let mut c = self.child.take().unwrap();
-        terminate(&mut c, Duration::from_secs(30)).unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
+        let c = Client::connect(&self.socket, "daemon-test");
+        assert_eq!(c.staging_bytes, 64 << 20);
+        c
     }
 
     /// Stops this one and starts another on the same directory.
     fn restart(mut self) -> Sidecar {
         assert_eq!(self.stop(), 0, "{}", self.log_text());
-        let tmp = std::mem::replace(&mut self._tmp, tempfile::tempdir().unwrap());
-        Sidecar::start_in(tmp, self.dir.clone(), &[])
+        let Sidecar { dir, _tmp: tmp, .. } = self;
+        Sidecar::start_in(tmp, dir, &[])
     }
 }
 
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+impl std::ops::Deref for Sidecar {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.daemon
     }
 }
 
-// ---------------------------------------------------------------- client
-
-struct Client {
-    s: UnixStream,
-    next_id: u64,
-}
-
-impl Client {
-    fn raw(socket: &Path) -> UnixStream {
-        let s = UnixStream::connect(socket).unwrap();
-        s.set_read_timeout(Some(REPLY_TIMEOUT)).unwrap();
-        s
-    }
-
-    fn connect(socket: &Path) -> Client {
-        let mut s = Self::raw(socket);
-        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("daemon-test")).unwrap();
-        match ckpt_wire::read_frame::<Reply>(&mut s).unwrap() {
-            Reply::Welcome { version, staging_bytes, .. } => {
-                assert_eq!(version, PROTOCOL_VERSION);
-                assert_eq!(staging_bytes, 64 << 20);
-            }
-            other => panic!("expected Welcome, got {other:?}"),
-        }
-        Client { s, next_id: 1 }
-    }
-
-    fn id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    fn send(&mut self, r: &Request) {
-        ckpt_wire::write_frame(&mut self.s, r).unwrap();
-    }
-
-    fn recv(&mut self) -> Reply {
-        ckpt_wire::read_frame::<Reply>(&mut self.s).unwrap()
-    }
-
-    fn register(&mut self, region_id: u32, shm: &Shm) -> Reply {
-        self.register_as(region_id, shm, false)
-    }
-
-    /// Registers `shm`, as a hand-over region (protocol.md) or not.
-    fn register_as(&mut self, region_id: u32, shm: &Shm, hand_over: bool) -> Reply {
-        let id = self.id();
-        self.send(&Request::RegisterRegion { id, region_id, shm_name: shm.name.clone(), len_bytes: shm.len as u64, hand_over });
-        self.recv()
-    }
-
-    fn save(&mut self, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) -> u64 {
-        let id = self.id();
-        // Odd steps ask for a lazy release (checksums during the copy), even
-        // ones for an early one (checksums after it): every test covers both.
-        self.send(&Request::Save { id, step, tensors, blobs, lazy_release: step % 2 == 1, unchanged: None });
-        id
-    }
-
-    /// Save, then expect Released and Durable.
-    fn save_durable(&mut self, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) -> String {
-        let id = self.save(step, tensors, blobs);
-        match self.recv() {
-            Reply::Released { id: i, step: s, .. } => assert_eq!((i, s), (id, step)),
-            other => panic!("expected Released, got {other:?}"),
-        }
-        match self.recv() {
-            Reply::Durable { id: i, step: s, path, .. } => {
-                assert_eq!((i, s), (id, step));
-                path
-            }
-            other => panic!("expected Durable, got {other:?}"),
-        }
-    }
-
-    fn expect_failed(&mut self, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, code: ErrorCode) -> String {
-        let id = self.save(step, tensors, blobs);
-        match self.recv() {
-            Reply::Failed { id: i, code: c, reason, .. } if i == id && c == code => reason,
-            other => panic!("expected Failed {code:?}, got {other:?}"),
-        }
-    }
-
-    fn load(&mut self, step: Option<u64>, tensors: Vec<TensorDesc>) -> Reply {
-        let id = self.id();
-        self.send(&Request::Load { id, step, tensors });
-        self.recv()
-    }
-
-    fn status(&mut self) -> ckpt_wire::StatusReport {
-        let id = self.id();
-        self.send(&Request::Status { id });
-        match self.recv() {
-            Reply::Status { report, .. } => report,
-            other => panic!("expected Status, got {other:?}"),
-        }
-    }
-
-    /// The session was closed by the sidecar: EOF (after an optional Error).
-    fn expect_closed(mut s: UnixStream) {
-        loop {
-            match ckpt_wire::read_frame::<Reply>(&mut s) {
-                Ok(Reply::Error { code: ErrorCode::BadRequest, .. }) => {}
-                Ok(other) => panic!("expected the session to close, got {other:?}"),
-                Err(ckpt_wire::FrameError::Closed) => return,
-                Err(ckpt_wire::FrameError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
-                Err(e) => panic!("expected EOF, got {e}"),
-            }
-        }
+impl std::ops::DerefMut for Sidecar {
+    fn deref_mut(&mut self) -> &mut Daemon {
+        &mut self.daemon
     }
 }
 
-// ---------------------------------------------------------------- shm
-
-static SHM_N: AtomicU32 = AtomicU32::new(0);
-
-/// A POSIX shared-memory segment, mapped read-write here.
-struct Shm {
-    name: String,
-    ptr: *mut u8,
-    len: usize,
+/// Segments filled with `ckpt_store::synthetic`'s bytes of a seed.
+trait Fill {
+    fn fill(&mut self, seed: u64);
 }
 
-impl Shm {
-    fn new(len: usize) -> Shm {
-        let name = format!("/ckpt-test-{}-{}-{:08x}", std::process::id(), SHM_N.fetch_add(1, Ordering::Relaxed), Instant::now().elapsed().subsec_nanos() ^ 0x5a5a);
-        let c = std::ffi::CString::new(name.clone()).unwrap();
-        // SAFETY: plain libc calls with checked results; the mapping is ours.
-        unsafe {
-            let fd = libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600);
-            assert!(fd >= 0, "shm_open: {}", std::io::Error::last_os_error());
-            assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
-            let p = libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
-            assert_ne!(p, libc::MAP_FAILED);
-            libc::close(fd);
-            Shm { name, ptr: p.cast(), len }
-        }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: our own live mapping of len bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, exclusive through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
+impl Fill for Shm {
     fn fill(&mut self, seed: u64) {
         ckpt_store::synthetic::fill(self.bytes_mut(), seed);
-    }
-}
-
-impl Drop for Shm {
-    fn drop(&mut self) {
-        let c = std::ffi::CString::new(self.name.clone()).unwrap();
-        // SAFETY: unmapping our mapping; unlinking our name.
-        unsafe {
-            libc::munmap(self.ptr.cast(), self.len.max(1));
-            libc::shm_unlink(c.as_ptr());
-        }
     }
 }
 
@@ -296,16 +111,12 @@ fn blobs(step: u64) -> Vec<Blob> {
     vec![Blob { name: "rng.state".into(), bytes: format!("rng at {step}").into_bytes() }, Blob { name: "loader.json".into(), bytes: b"{\"epoch\":1}".to_vec() }]
 }
 
-fn region_bytes<'a>(shm: &'a Shm, d: &TensorDesc) -> &'a [u8] {
-    &shm.bytes()[d.offset_bytes as usize..(d.offset_bytes + d.len_bytes) as usize]
-}
-
 fn assert_on_disk(dir: &Path, step: u64, shm: &Shm, descs: &[TensorDesc]) {
     let r = restore::verify(dir, step, &ReadOptions::default(), |_, _| {}).unwrap();
     assert!(r.problems.is_empty(), "{:?}", r.problems);
     let l = restore::load(dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
     for d in descs {
-        assert_eq!(l.tensor(&d.name).unwrap(), region_bytes(shm, d), "tensor {}", d.name);
+        assert_eq!(l.tensor(&d.name).unwrap(), shm.of(d), "tensor {}", d.name);
     }
     assert_eq!(l.blobs["rng.state"], format!("rng at {step}").into_bytes());
 }
@@ -448,7 +259,7 @@ fn load_comes_from_ram_then_from_disk_after_a_restart() {
         other => panic!("expected Loaded from Ram, got {other:?}"),
     }
     for d in &descs {
-        assert_eq!(region_bytes(&target, &TensorDesc { region_id: 2, ..d.clone() }), region_bytes(&shm, d), "{}", d.name);
+        assert_eq!(target.of(&TensorDesc { region_id: 2, ..d.clone() }), shm.of(d), "{}", d.name);
     }
     // An older step is not resident: from disk.
     assert!(matches!(c.load(Some(9), vec![]), Reply::Loaded { step: 9, source: LoadSource::Disk, .. }));
@@ -473,7 +284,7 @@ fn load_comes_from_ram_then_from_disk_after_a_restart() {
         other => panic!("expected Loaded from Disk, got {other:?}"),
     }
     for d in &descs {
-        assert_eq!(region_bytes(&target2, &TensorDesc { region_id: 5, ..d.clone() }), region_bytes(&shm, d), "{}", d.name);
+        assert_eq!(target2.of(&TensorDesc { region_id: 5, ..d.clone() }), shm.of(d), "{}", d.name);
     }
     // Wrong dtype, unknown name, no such step.
     let wrong = vec![TensorDesc { dtype: "F16".into(), len_bytes: 6_000_000, region_id: 5, ..descs[6].clone() }];
@@ -500,7 +311,7 @@ fn assert_placed(reply: Reply, target: &Shm, at: u64, shm: &Shm, descs: &[Tensor
         let d = descs.iter().find(|d| d.name == t.name).unwrap();
         assert_eq!((t.dtype.as_str(), t.shape.as_slice(), t.len_bytes), (d.dtype.as_str(), d.shape.as_slice(), d.len_bytes), "{}", t.name);
         let from = (at + off) as usize;
-        assert!(&target.bytes()[from..from + t.len_bytes as usize] == region_bytes(shm, d), "tensor {} differs", t.name);
+        assert!(&target.bytes()[from..from + t.len_bytes as usize] == shm.of(d), "tensor {} differs", t.name);
     }
     (step, source, fell_back)
 }
@@ -895,6 +706,50 @@ fn victim_name(kind: u64, src: &Shm, dst: &Shm) -> String {
 }
 
 #[test]
+fn a_client_writing_its_tensor_during_a_lazily_released_copy_never_gets_a_durable_step_that_does_not_load() {
+    // The lazy release's copy stored each 16 bytes from a register but
+    // checksummed them with a second read of the client's memory (LLVM
+    // folded the crc's loads into `crc32 reg, [src]`): a byte the client
+    // changed in between was staged one way and checksummed another, and
+    // the step, reported Durable, did not load ("checksum mismatch"). The
+    // hostile-client test above found it, about one run in ten under load.
+    // A client that writes during the copy may save a mix of old and new
+    // bytes, but never a step that does not verify.
+    let sc = Sidecar::start(&[]);
+    let len = 4usize << 20;
+    let mut shm = Shm::new(len);
+    shm.fill(1);
+    let mut c = sc.client();
+    assert!(matches!(c.register(1, &shm), Reply::RegionRegistered { .. }));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let at = shm.ptr as usize;
+    std::thread::scope(|s| {
+        // The trainer breaking its promise: it writes the tensor all along.
+        s.spawn(|| {
+            let mut k = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for off in (0..len).step_by(8) {
+                    // SAFETY: inside our own live mapping of `len` bytes,
+                    // 8-aligned (mmap is page-aligned); only the sidecar
+                    // (another process) reads it meanwhile.
+                    unsafe { ((at + off) as *mut u64).write_volatile(k) };
+                    k += 1;
+                }
+            }
+        });
+        // Odd steps: lazy release, checksums taken during the copy.
+        for step in (1..=59u64).step_by(2) {
+            c.save_durable(step, vec![desc("w", "U8", &[len as u64], 1, 0)], vec![]);
+            if let Err(e) = restore::load(&sc.dir, Which::Step(step), &ReadOptions::default(), None) {
+                stop.store(true, Ordering::Relaxed);
+                panic!("step {step}, reported durable, does not load: {e}");
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+}
+
+#[test]
 fn malformed_frames_close_only_that_session() {
     let sc = Sidecar::start(&[]);
     let open = || {
@@ -1139,7 +994,8 @@ fn the_socket_appears_only_once_the_sidecar_answers_and_a_second_one_is_refused(
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let mut sc = Sidecar { child: Some(child), socket: socket.clone(), dir: tmp.path().join("ckpt"), log: log.clone(), _tmp: tempfile::tempdir().unwrap() };
+    let daemon = Daemon { child: Some(child), socket: socket.clone(), log: log.clone() };
+    let mut sc = Sidecar { daemon, dir: tmp.path().join("ckpt"), _tmp: tempfile::tempdir().unwrap() };
     let t0 = Instant::now();
     while !socket.exists() {
         assert!(t0.elapsed() < Duration::from_secs(60), "no socket:\n{}", sc.log_text());
@@ -1669,7 +1525,7 @@ fn a_cuda_span_of_unknown_repeated_or_host_pieces_is_refused_and_the_session_goe
 }
 
 /// Reads replies until the sidecar's end of the connection closes; the
-/// replies read before. The socket's read timeout (REPLY_TIMEOUT) bounds a
+/// replies read before. The socket's read timeout (HANG_BOUND) bounds a
 /// connection that never closes, which fails the test.
 fn replies_until_eof(c: &mut Client) -> Vec<Reply> {
     let mut got = Vec::new();

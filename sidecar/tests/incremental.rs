@@ -6,25 +6,22 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
 
 use ckpt_store::catalog;
 use ckpt_store::restore::{self, ReadOptions, Which};
-use ckpt_test_support::{terminate, Rng};
+use ckpt_test_support::daemon::{Client, Daemon, Shm};
+use ckpt_test_support::Rng;
 use ckpt_wire::{Reply, Request, TensorDesc};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
 const MIB: u64 = 1 << 20;
 
-struct Sidecar {
-    child: Option<Child>,
-    socket: PathBuf,
-    log: PathBuf,
-}
+/// `ckpt-sidecar serve --dir DIR` with 256 MiB of staging, its socket and
+/// log in `tmp`: the shared [`Daemon`], which it derefs to.
+struct Sidecar(Daemon);
 
 impl Sidecar {
     fn start(tmp: &Path, dir: &Path, extra: &[&str]) -> Sidecar {
@@ -35,158 +32,35 @@ impl Sidecar {
         static N: AtomicU32 = AtomicU32::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
         let socket = tmp.join(format!("run{n}")).join("sidecar.sock");
-        let log = tmp.join(format!("sidecar-{n}.log"));
-        let child = Command::new(BIN)
-            .arg("serve")
-            .arg("--dir")
-            .arg(dir)
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--staging", "256MiB"])
-            .args(extra)
-            .env("CKPT_SIDECAR_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut s = Sidecar { child: Some(child), socket, log };
-        let t0 = Instant::now();
-        while UnixStream::connect(&s.socket).is_err() {
-            if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("sidecar exited at start ({st}):\n{}", s.log_text());
-            }
-            assert!(t0.elapsed() < Duration::from_secs(30), "sidecar did not listen:\n{}", s.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        s
+        Sidecar(Daemon::serve(Path::new(BIN), dir, socket, tmp.join(format!("sidecar-{n}.log")), "256MiB", extra, env))
     }
 
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn stop(&mut self) {
-        let mut c = self.child.take().unwrap();
-        let code = terminate(&mut c, Duration::from_secs(60)).unwrap_or_else(|| panic!("sidecar did not exit:\n{}", self.log_text()));
-        assert_eq!(code, 0, "{}", self.log_text());
-    }
-}
-
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-struct Client {
-    s: UnixStream,
-    next_id: u64,
-}
-
-impl Client {
-    fn connect(socket: &Path) -> Client {
-        let mut s = UnixStream::connect(socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("incremental-test")).unwrap();
-        match ckpt_wire::read_frame::<Reply>(&mut s).unwrap() {
-            Reply::Welcome { .. } => {}
-            other => panic!("expected Welcome, got {other:?}"),
-        }
-        Client { s, next_id: 1 }
-    }
-
-    fn call(&mut self, r: impl FnOnce(u64) -> Request) -> u64 {
-        self.next_id += 1;
-        ckpt_wire::write_frame(&mut self.s, &r(self.next_id)).unwrap();
-        self.next_id
-    }
-
-    fn recv(&mut self) -> Reply {
-        ckpt_wire::read_frame::<Reply>(&mut self.s).unwrap()
-    }
-
-    fn register(&mut self, region_id: u32, shm: &Shm) {
-        self.call(|id| Request::RegisterRegion { id, region_id, shm_name: shm.name.clone(), len_bytes: shm.len as u64, hand_over: false });
-        match self.recv() {
-            Reply::RegionRegistered { .. } => {}
+    /// A session with `shm` registered as region 1.
+    fn client(&self, shm: &Shm) -> Client {
+        let mut c = Client::connect(&self.socket, "incremental-test");
+        match c.register(1, shm) {
+            Reply::RegionRegistered { .. } => c,
             other => panic!("register: {other:?}"),
         }
     }
 
-    /// Saves (odd steps with a lazy release: digests hashed during the
-    /// copy; even ones after it) and waits for Durable.
-    fn save_durable(&mut self, step: u64, tensors: &[TensorDesc]) {
-        let id = self.call(|id| Request::Save { id, step, tensors: tensors.to_vec(), blobs: vec![], lazy_release: step % 2 == 1, unchanged: None });
-        match self.recv() {
-            Reply::Released { id: i, .. } => assert_eq!(i, id),
-            other => panic!("step {step}: expected Released, got {other:?}"),
-        }
-        match self.recv() {
-            Reply::Durable { id: i, .. } => assert_eq!(i, id),
-            other => panic!("step {step}: expected Durable, got {other:?}"),
-        }
-    }
-
-    fn rollback(&mut self, step: u64) {
-        self.call(|id| Request::Rollback { id, step });
-        match self.recv() {
-            Reply::RolledBack { step: s, .. } => assert_eq!(s, step),
-            other => panic!("rollback to {step}: {other:?}"),
-        }
+    /// SIGTERM; the sidecar must exit 0.
+    fn stop(&mut self) {
+        let code = self.0.stop();
+        assert_eq!(code, 0, "{}", self.log_text());
     }
 }
 
-static SHM_N: AtomicU32 = AtomicU32::new(0);
-
-struct Shm {
-    name: String,
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Shm {
-    fn new(len: usize) -> Shm {
-        let name = format!("/ckpt-incr-{}-{}", std::process::id(), SHM_N.fetch_add(1, Ordering::Relaxed));
-        let c = std::ffi::CString::new(name.clone()).unwrap();
-        // SAFETY: plain libc calls with checked results; the mapping is ours.
-        unsafe {
-            let fd = libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600);
-            assert!(fd >= 0, "shm_open: {}", std::io::Error::last_os_error());
-            assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
-            let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
-            assert_ne!(p, libc::MAP_FAILED);
-            libc::close(fd);
-            Shm { name, ptr: p.cast(), len }
-        }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: our own live mapping of len bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, exclusive through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    fn of(&self, d: &TensorDesc) -> Vec<u8> {
-        self.bytes()[d.offset_bytes as usize..(d.offset_bytes + d.len_bytes) as usize].to_vec()
+impl std::ops::Deref for Sidecar {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.0
     }
 }
 
-impl Drop for Shm {
-    fn drop(&mut self) {
-        let c = std::ffi::CString::new(self.name.clone()).unwrap();
-        // SAFETY: unmapping our mapping; unlinking our name.
-        unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
-            libc::shm_unlink(c.as_ptr());
-        }
+impl std::ops::DerefMut for Sidecar {
+    fn deref_mut(&mut self) -> &mut Daemon {
+        &mut self.0
     }
 }
 
@@ -250,16 +124,15 @@ fn bar_a_frozen_64_mib_and_a_changing_1_mib_saved_six_times_take_the_disk_of_one
     let mut shm = Shm::new(len);
     ckpt_store::synthetic::fill(shm.bytes_mut(), 7);
     let mut sc = Sidecar::start(tmp.path(), &dir, &[]);
-    let mut c = Client::connect(&sc.socket);
-    c.register(1, &shm);
+    let mut c = sc.client(&shm);
     let mut saved: BTreeMap<u64, BTreeMap<String, Vec<u8>>> = BTreeMap::new();
     for step in 1..=6u64 {
         for d in descs.iter().filter(|d| !d.name.starts_with("base.")) {
             let r = d.offset_bytes as usize..(d.offset_bytes + d.len_bytes) as usize;
             ckpt_store::synthetic::fill(&mut shm.bytes_mut()[r], 1000 + step);
         }
-        c.save_durable(step, &descs);
-        saved.insert(step, descs.iter().map(|d| (d.name.clone(), shm.of(d))).collect());
+        c.save_durable(step, descs.clone(), vec![]);
+        saved.insert(step, descs.iter().map(|d| (d.name.clone(), shm.of(d).to_vec())).collect());
     }
     drop(c);
     sc.stop();
@@ -304,8 +177,7 @@ fn a_change_of_one_element_is_never_missed_across_rollback_and_gc() {
     let mut shm = Shm::new(len);
     ckpt_store::synthetic::fill(shm.bytes_mut(), seed);
     let mut sc = Sidecar::start(tmp.path(), &dir, &["--full-every", "0"]);
-    let mut c = Client::connect(&sc.socket);
-    c.register(1, &shm);
+    let mut c = sc.client(&shm);
     let mut saved: BTreeMap<u64, BTreeMap<String, Vec<u8>>> = BTreeMap::new();
     let mut step = 0u64;
     let save_round = |c: &mut Client, shm: &mut Shm, step: u64, rng: &mut Rng, saved: &mut BTreeMap<u64, BTreeMap<String, Vec<u8>>>| {
@@ -326,8 +198,8 @@ fn a_change_of_one_element_is_never_missed_across_rollback_and_gc() {
             let b = shm.bytes_mut();
             b[at] = b[at].wrapping_add(1 + rng.below(255) as u8);
         }
-        c.save_durable(step, &descs);
-        saved.insert(step, descs.iter().map(|d| (d.name.clone(), shm.of(d))).collect());
+        c.save_durable(step, descs.clone(), vec![]);
+        saved.insert(step, descs.iter().map(|d| (d.name.clone(), shm.of(d).to_vec())).collect());
     };
     for _ in 0..10 {
         step += 1;
@@ -338,7 +210,10 @@ fn a_change_of_one_element_is_never_missed_across_rollback_and_gc() {
     // in ten steps of 0, 1 or many changes).
     let shared: usize = (1..10).map(|s| inodes(&dir, s).intersection(&inodes(&dir, s + 1)).count()).sum();
     // Back to step 6, then on from there: nothing of steps 7..10 may be linked.
-    c.rollback(6);
+    match c.rollback(6) {
+        Reply::RolledBack { step: 6, .. } => {}
+        other => panic!("rollback to 6: {other:?}"),
+    }
     for s in 7..=10 {
         saved.remove(&s);
     }
@@ -377,12 +252,11 @@ fn a_flipped_byte_in_a_shared_shard_is_reported_for_every_step_that_links_it() {
     let mut shm = Shm::new(len);
     ckpt_store::synthetic::fill(shm.bytes_mut(), 3);
     let mut sc = Sidecar::start(tmp.path(), &dir, &[]);
-    let mut c = Client::connect(&sc.socket);
-    c.register(1, &shm);
+    let mut c = sc.client(&shm);
     for step in 1..=4u64 {
         let d = &descs[1];
         shm.bytes_mut()[d.offset_bytes as usize] = step as u8;
-        c.save_durable(step, &descs);
+        c.save_durable(step, descs.clone(), vec![]);
     }
     drop(c);
     sc.stop();
@@ -418,10 +292,9 @@ fn incremental_off_links_nothing_and_writes_no_digests() {
     let mut shm = Shm::new(len);
     ckpt_store::synthetic::fill(shm.bytes_mut(), 5);
     let mut sc = Sidecar::start(tmp.path(), &dir, &["--incremental", "off"]);
-    let mut c = Client::connect(&sc.socket);
-    c.register(1, &shm);
+    let mut c = sc.client(&shm);
     for step in 1..=2u64 {
-        c.save_durable(step, &descs);
+        c.save_durable(step, descs.clone(), vec![]);
     }
     drop(c);
     sc.stop();
@@ -450,14 +323,13 @@ fn sigkill_while_linking_leaves_no_listed_step_that_fails_verify() {
         ckpt_store::synthetic::fill(shm.bytes_mut(), k);
         let kv = k.to_string();
         let mut sc = Sidecar::start_env(tmp.path(), &dir, &["--full-every", "0"], &[(ckpt_store::incremental::TEST_KILL_AFTER_LINKS_ENV, &kv)]);
-        let mut c = Client::connect(&sc.socket);
-        c.register(1, &shm);
+        let mut c = sc.client(&shm);
         let mut saved: BTreeMap<u64, BTreeMap<String, Vec<u8>>> = BTreeMap::new();
         let moving = descs[3].offset_bytes as usize;
         for step in 1..=4u64 {
             shm.bytes_mut()[moving] = step as u8;
             let id = c.call(|id| Request::Save { id, step, tensors: descs.clone(), blobs: vec![], lazy_release: step % 2 == 1, unchanged: None });
-            let snapshot: BTreeMap<String, Vec<u8>> = descs.iter().map(|d| (d.name.clone(), shm.of(d))).collect();
+            let snapshot: BTreeMap<String, Vec<u8>> = descs.iter().map(|d| (d.name.clone(), shm.of(d).to_vec())).collect();
             let durable = loop {
                 match ckpt_wire::read_frame::<Reply>(&mut c.s) {
                     Ok(Reply::Released { .. }) => {}
@@ -483,13 +355,12 @@ fn sigkill_while_linking_leaves_no_listed_step_that_fails_verify() {
         }
         // Recovery, then saves that link again.
         let mut sc = Sidecar::start(tmp.path(), &dir, &[]);
-        let mut c = Client::connect(&sc.socket);
-        c.register(1, &shm);
+        let mut c = sc.client(&shm);
         let next = listed.last().map_or(1, |s| s + 1);
         for step in next..next + 2 {
             shm.bytes_mut()[moving] = step as u8;
-            c.save_durable(step, &descs);
-            saved.insert(step, descs.iter().map(|d| (d.name.clone(), shm.of(d))).collect());
+            c.save_durable(step, descs.clone(), vec![]);
+            saved.insert(step, descs.iter().map(|d| (d.name.clone(), shm.of(d).to_vec())).collect());
         }
         drop(c);
         sc.stop();

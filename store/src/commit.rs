@@ -718,7 +718,7 @@ fn lock_or_read_only(paths: &[PathBuf], opts: &StoreOptions) -> Result<(Vec<DirL
 }
 
 /// Writes the shards of directory `dir_idx` into `tmp` and syncs them, as
-/// [`write_shards_some`] (all of them), except those with a link `candidates` (incremental):
+/// [`write_shards`] (all of them), except those with a link `candidates` (incremental):
 /// these wait for the save's checksums and digests, then are linked from
 /// the previous step when every tensor of theirs is unchanged, else
 /// written. Returns (write time, sync time, the shards linked).
@@ -736,7 +736,7 @@ pub(crate) fn write_dir(
     candidates: &[Option<PathBuf>],
 ) -> Result<(Duration, Duration, Vec<usize>), CommitError> {
     let deferred: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && candidates[s].is_some()).collect();
-    let (mut w, mut sy) = write_shards_some(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| candidates[s].is_none())?;
+    let (mut w, mut sy) = write_shards(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| candidates[s].is_none())?;
     let Some(prev) = prev.filter(|_| !deferred.is_empty()) else { return Ok((w, sy, Vec::new())) };
     let t0 = Instant::now();
     // Waits for the copy's end (its checksums and digests).
@@ -762,7 +762,7 @@ pub(crate) fn write_dir(
     let w0 = t0.elapsed();
     if !rest.is_empty() {
         // The copy ended: the whole image is final.
-        let (w2, s2) = write_shards_some(d, step, dir_idx, tmp, layout, staging, None, chunk_bytes, &|s| rest.contains(&s))?;
+        let (w2, s2) = write_shards(d, step, dir_idx, tmp, layout, staging, None, chunk_bytes, &|s| rest.contains(&s))?;
         (w, sy) = (w + w0 + w2, sy + s2);
     } else {
         w += w0;
@@ -770,10 +770,10 @@ pub(crate) fn write_dir(
     Ok((w, sy, linked))
 }
 
-/// Writes the shards of directory `dir_idx` that `which` says into `tmp`
-/// and syncs them; returns (write time, sync time).
+/// Writes the shards of directory `dir_idx` that `which` says (`&|_| true`:
+/// all) into `tmp` and syncs them; returns (write time, sync time).
 #[allow(clippy::too_many_arguments)]
-fn write_shards_some(
+pub(crate) fn write_shards(
     d: &mut TargetDir,
     step: u64,
     dir_idx: u32,

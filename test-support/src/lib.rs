@@ -1,8 +1,10 @@
 //! What the crash and kill tests of both crates share: a seeded PRNG whose
 //! seed comes from an environment variable (so a failing run replays), and
-//! stopping a child process the way the daemon is stopped (SIGTERM, drain).
-//! A dev-dependency only; nothing here ships.
+//! stopping a child process the way the daemon is stopped (SIGTERM, drain);
+//! the daemon's own harness (`daemon`: the real binary, a raw wire client,
+//! shared-memory segments). A dev-dependency only; nothing here ships.
 
+pub mod daemon;
 pub mod s3;
 
 use std::process::{Child, ExitStatus};

@@ -461,10 +461,12 @@ unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> 
             while i < CRC_LANE_BYTES {
                 // Each 16 bytes loaded once into a register, stored from it
                 // (streaming) and checksummed from it: what is checksummed
-                // is what is staged.
-                let x = _mm_loadu_si128(sa.add(i).cast::<__m128i>());
-                let y = _mm_loadu_si128(sb.add(i).cast::<__m128i>());
-                let z = _mm_loadu_si128(sc.add(i).cast::<__m128i>());
+                // is what is staged. `loaded_once`: else LLVM folds the
+                // crc's loads into `crc32 reg, [src]`, a second read of
+                // memory the client may be writing.
+                let x = loaded_once(_mm_loadu_si128(sa.add(i).cast::<__m128i>()));
+                let y = loaded_once(_mm_loadu_si128(sb.add(i).cast::<__m128i>()));
+                let z = loaded_once(_mm_loadu_si128(sc.add(i).cast::<__m128i>()));
                 _mm_stream_si128(da.add(i).cast::<__m128i>(), x);
                 _mm_stream_si128(db.add(i).cast::<__m128i>(), y);
                 _mm_stream_si128(dc.add(i).cast::<__m128i>(), z);
@@ -487,7 +489,7 @@ unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> 
         }
     }
     while n >= 8 {
-        let x = s.add(at).cast::<u64>().read_volatile();
+        let x = loaded_once_u64(s.add(at).cast::<u64>().read_unaligned());
         state = _mm_crc32_u64(state as u64, x) as u32;
         _mm_stream_si64(d.add(at).cast::<i64>(), x as i64);
         at += 8;
@@ -501,6 +503,31 @@ unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> 
         n -= 1;
     }
     !state
+}
+
+/// `x`, which the compiler must from now on take as an opaque register
+/// value: every later use reads that register, never the memory `x` was
+/// loaded from. The source of a copy is a client's memory, which another
+/// process may write at any moment; without this, LLVM (which assumes the
+/// memory unchanged) reads it a second time for the checksum (`crc32 reg,
+/// [src]`), and a byte the client changes in between is checksummed other
+/// than it is staged: a committed checkpoint that does not verify.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn loaded_once(mut x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m128i {
+    // SAFETY: an empty asm that passes the register through unchanged; it
+    // touches no memory, stack or flags.
+    unsafe { std::arch::asm!("/* {0} */", inout(xmm_reg) x, options(pure, nomem, nostack, preserves_flags)) };
+    x
+}
+
+/// [`loaded_once`] for 8 bytes in a general register.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn loaded_once_u64(mut x: u64) -> u64 {
+    // SAFETY: as in loaded_once.
+    unsafe { std::arch::asm!("/* {0} */", inout(reg) x, options(pure, nomem, nostack, preserves_flags)) };
+    x
 }
 
 /// The fallback of [`copy_streaming_crc`]: each block copied into a bounce
@@ -746,6 +773,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_checksummed_copy_checksums_the_bytes_it_staged_while_its_source_changes() {
+        // Regression: the crc was taken with a second read of the source
+        // (LLVM folded the loads into `crc32 reg, [src]`), so a source
+        // written meanwhile (a client's memory) was staged one way and
+        // checksummed another: a Durable step that did not load. Another
+        // thread writes the source all along here (atomically; the copy
+        // reads it as it reads a client's memory, which another process
+        // writes): whatever mix a copy stages, its crc is that mix's.
+        use std::sync::atomic::AtomicU64;
+        let len = 3 * CRC_LANE_BYTES + 40;
+        let src: Vec<AtomicU64> = (0..len / 8 + 1).map(|i| AtomicU64::new(i as u64)).collect();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for w in &src {
+                        w.store(k, Ordering::Relaxed);
+                        k = k.wrapping_add(1);
+                    }
+                }
+            });
+            let mut dst = vec![0u8; len];
+            let mut bad = 0;
+            for _ in 0..20_000 {
+                // SAFETY: src holds at least len bytes, dst exactly len; distinct.
+                let c = unsafe { copy_streaming_crc(dst.as_mut_ptr(), src.as_ptr().cast::<u8>(), len) };
+                store_fence();
+                if c != crc32c::crc32c(&dst) {
+                    bad += 1;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            assert_eq!(bad, 0, "copies of 20000 whose crc is not that of the bytes they staged");
+        });
     }
 
     #[test]

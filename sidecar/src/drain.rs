@@ -1059,19 +1059,28 @@ mod tests {
         restore::verify(remote, step, &ReadOptions::default(), |_, _| {}).unwrap();
     }
 
+    /// A step committed into `TMP/local` and left resident in a staging
+    /// (its first shard's image flipped if `flip`), and a drain to
+    /// `file://TMP/remote` lent that staging.
+    fn drain_of_resident_step(step: u64, flip: bool) -> (tempfile::TempDir, Arc<crate::staging::Staging>, Layout, Arc<Drain>) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("local");
+        let staging = crate::staging::Staging::new(32 << 20).unwrap();
+        let layout = resident_step(&dir, &staging, step, flip);
+        let dir = dir.canonicalize().unwrap();
+        let remote = tmp.path().join("remote");
+        let drain = Drain::open(DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![dir]).unwrap();
+        drain.use_staging(staging.clone());
+        (tmp, staging, layout, drain)
+    }
+
     /// Issue 20 (drain throughput): a step still resident in staging right
     /// after its commit is uploaded from there, not read back from disk;
     /// the remote files equal the committed ones.
     #[test]
     fn a_resident_step_drains_from_staging_memory() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("local");
-        let staging = crate::staging::Staging::new(32 << 20).unwrap();
-        let layout = resident_step(&dir, &staging, 4, false);
-        let dir = dir.canonicalize().unwrap();
-        let remote = tmp.path().join("remote");
-        let drain = Drain::open(DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![dir.clone()]).unwrap();
-        drain.use_staging(staging.clone());
+        let (tmp, staging, layout, drain) = drain_of_resident_step(4, false);
+        let (dir, remote) = (tmp.path().join("local").canonicalize().unwrap(), tmp.path().join("remote"));
         assert_eq!(drain.drain_once(), Ok(true));
         let shards: u64 = layout.shards.iter().map(|s| s.file_len).sum();
         let st = drain.lock();
@@ -1088,14 +1097,8 @@ mod tests {
     /// is the committed one.
     #[test]
     fn a_resident_image_that_differs_from_its_files_drains_from_disk() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("local");
-        let staging = crate::staging::Staging::new(32 << 20).unwrap();
-        let layout = resident_step(&dir, &staging, 6, true);
-        let dir = dir.canonicalize().unwrap();
-        let remote = tmp.path().join("remote");
-        let drain = Drain::open(DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![dir.clone()]).unwrap();
-        drain.use_staging(staging.clone());
+        let (tmp, _staging, layout, drain) = drain_of_resident_step(6, true);
+        let (dir, remote) = (tmp.path().join("local").canonicalize().unwrap(), tmp.path().join("remote"));
         assert_eq!(drain.drain_once(), Ok(true));
         let shards: u64 = layout.shards.iter().map(|s| s.file_len).sum();
         assert_eq!(drain.lock().from_memory_bytes, shards - layout.shards[0].file_len, "the differing shard from disk");

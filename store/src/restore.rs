@@ -647,10 +647,20 @@ pub(crate) fn check_skeleton(index: &Index, blobs: &BTreeMap<String, Vec<u8>>, p
 }
 
 fn read_blobs(step_dir: &Path, index: &Index, out: &mut BTreeMap<String, Vec<u8>>) -> Vec<Problem> {
+    check_blobs(index, out, |name, _| fs::read(step_dir.join(BLOBS_DIR_NAME).join(name)).map_err(|e| e.to_string()))
+}
+
+/// Every blob of the step read by `read(name, len from the index)` and
+/// checked against the index (length, crc32c) into `out`: the problems.
+pub(crate) fn check_blobs(
+    index: &Index,
+    out: &mut BTreeMap<String, Vec<u8>>,
+    mut read: impl FnMut(&str, usize) -> Result<Vec<u8>, String>,
+) -> Vec<Problem> {
     let mut problems = Vec::new();
     for b in &index.ckpt.blobs {
         let file = format!("{BLOBS_DIR_NAME}/{}", b.name);
-        match fs::read(step_dir.join(BLOBS_DIR_NAME).join(&b.name)) {
+        match read(&b.name, b.len_bytes as usize) {
             Err(e) => problems.push(problem(Some(&file), None, format!("cannot read: {e}"))),
             Ok(bytes) if bytes.len() as u64 != b.len_bytes => {
                 problems.push(problem(Some(&file), None, format!("{} bytes where the index says {}", bytes.len(), b.len_bytes)))

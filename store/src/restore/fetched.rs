@@ -83,22 +83,11 @@ pub(crate) unsafe fn fetch_and_check(index: &Index, targets: &[(usize, usize)], 
 
 /// Every blob of the step fetched and checked against the index (into `out`).
 pub(crate) fn fetch_blobs(index: &Index, src: &dyn FetchFiles, out: &mut BTreeMap<String, Vec<u8>>) -> Vec<Problem> {
-    let mut problems = Vec::new();
-    for b in &index.ckpt.blobs {
-        let file = format!("{BLOBS_DIR_NAME}/{}", b.name);
-        let mut bytes = vec![0u8; b.len_bytes as usize];
-        if let Err(e) = src.fetch(&file, &mut bytes, &mut |_| {}) {
-            problems.push(problem(Some(&file), None, format!("cannot read: {e}")));
-            continue;
-        }
-        let crc = crc32c::crc32c(&bytes);
-        if crc != b.crc32c {
-            problems.push(problem(Some(&file), None, format!("checksum mismatch (index {:#010x}, file {crc:#010x})", b.crc32c)));
-        } else {
-            out.insert(b.name.clone(), bytes);
-        }
-    }
-    problems
+    crate::restore::check_blobs(index, out, |name, len| {
+        let mut bytes = vec![0u8; len];
+        src.fetch(&format!("{BLOBS_DIR_NAME}/{name}"), &mut bytes, &mut |_| {}).map_err(|e| e.to_string())?;
+        Ok(bytes)
+    })
 }
 
 /// Whether every file of `names` verifies when fetched again into memory

@@ -516,8 +516,9 @@ unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> 
 #[inline(always)]
 fn loaded_once(mut x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m128i {
     // SAFETY: an empty asm that passes the register through unchanged; it
-    // touches no memory, stack or flags.
-    unsafe { std::arch::asm!("/* {0} */", inout(xmm_reg) x, options(pure, nomem, nostack, preserves_flags)) };
+    // touches no memory, stack or flags. Not `pure`: the compiler may then
+    // neither drop it nor run it again on a second load of the source.
+    unsafe { std::arch::asm!("/* {0} */", inout(xmm_reg) x, options(nomem, nostack, preserves_flags)) };
     x
 }
 
@@ -526,7 +527,7 @@ fn loaded_once(mut x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m128i 
 #[inline(always)]
 fn loaded_once_u64(mut x: u64) -> u64 {
     // SAFETY: as in loaded_once.
-    unsafe { std::arch::asm!("/* {0} */", inout(reg) x, options(pure, nomem, nostack, preserves_flags)) };
+    unsafe { std::arch::asm!("/* {0} */", inout(reg) x, options(nomem, nostack, preserves_flags)) };
     x
 }
 

@@ -102,6 +102,18 @@ impl Lent {
         drop(image);
     }
 
+    /// [`Lent::take_back`] unless a read is in progress: false then (the
+    /// loan goes on).
+    pub fn try_take_back(&self) -> bool {
+        match self.image.try_write() {
+            Ok(mut g) => {
+                drop(g.take());
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     pub fn is_lent(&self) -> bool {
         self.image.read().expect("lent image lock").is_some()
     }
@@ -167,14 +179,23 @@ impl Staging {
     /// (`crate::unchanged::adopt`). The resident stays when `f` says None.
     pub fn take_resident_with<T>(&self, f: impl FnOnce(&Resident) -> Option<T>) -> Option<(Resident, T)> {
         let mut st = self.lock();
-        // A save comes before the drain: an image lent to it is taken back.
+        // A save comes before the drain: an image lent to it is taken back,
+        // but only when no part is being read from it right now. This runs
+        // in a save's snapshot (the trainer waits for it), and a part in
+        // progress may take long at the drain's idle I/O priority: then
+        // nothing is adopted and the save copies, as without a resident.
         if st.resident.as_ref().is_some_and(|r| Arc::strong_count(r) != 1) {
-            if let Some(l) = st.lent.take() {
-                st.lends_taken_back += 1;
+            if let Some(l) = st.lent.clone() {
                 drop(st);
+                if !l.try_take_back() {
+                    return None;
+                }
                 info!(step = l.step, "staging: the image lent to the drain taken back for a save (the drain reads the rest from disk)");
-                l.take_back();
                 st = self.lock();
+                if st.lent.as_ref().is_some_and(|x| Arc::ptr_eq(x, &l)) {
+                    st.lent = None;
+                }
+                st.lends_taken_back += 1;
             }
         }
         let r = st.resident.as_ref()?;
@@ -567,5 +588,39 @@ mod tests {
         assert_eq!(s.lends_taken_back(), 1);
         s.end_lend(&lent);
     }
-}
 
+    /// A save's snapshot never waits for the drain: while a part is being
+    /// read from the lent image, adopting it is declined at once (the save
+    /// copies) and the loan goes on; once no read is in progress, the save
+    /// adopts it.
+    #[test]
+    fn a_save_does_not_wait_for_a_drain_part_in_progress_to_adopt_the_resident() {
+        let s = Staging::new(4 << 20).unwrap();
+        s.offer_resident(resident(&s, 7, 1 << 20));
+        let lent = s.lend_resident(7).unwrap();
+        let (in_part_tx, in_part_rx) = std::sync::mpsc::channel();
+        let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
+        let l2 = lent.clone();
+        let part = std::thread::spawn(move || {
+            l2.with(|_| {
+                in_part_tx.send(()).unwrap();
+                finish_rx.recv().unwrap();
+            })
+        });
+        in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        // The part is still in progress (it waits for finish_tx): a call
+        // that waited for it would never answer (the deadline bounds that).
+        let (s2, (ans_tx, ans_rx)) = (s.clone(), std::sync::mpsc::channel());
+        std::thread::spawn(move || ans_tx.send(s2.take_resident_with(|r| Some(r.step)).map(|(r, _)| r.step)));
+        let adopted = ans_rx.recv_timeout(Duration::from_secs(60)).expect("the save did not wait for the drain's part");
+        assert_eq!(adopted, None, "nothing adopted while a part is read");
+        assert!(lent.is_lent(), "the loan goes on");
+        assert_eq!(s.resident_step(), Some(7));
+        finish_tx.send(()).unwrap();
+        assert_eq!(part.join().unwrap(), Some(()));
+        let (r, _) = s.take_resident_with(|r| Some(r.step)).expect("adopted once no part is read");
+        assert_eq!(r.step, 7);
+        assert!(!lent.is_lent());
+        s.end_lend(&lent);
+    }
+}

@@ -528,6 +528,22 @@ mod tests {
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);
     }
+    /// A drain part reading `lent`'s image, begun when this returns (the
+    /// step it read checked); it ends when the sender is sent to.
+    fn part_in_progress(lent: &Arc<Lent>) -> (std::thread::JoinHandle<Option<()>>, std::sync::mpsc::Sender<()>) {
+        let (in_part_tx, in_part_rx) = std::sync::mpsc::channel();
+        let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
+        let l2 = lent.clone();
+        let part = std::thread::spawn(move || {
+            l2.with(|r| {
+                in_part_tx.send(r.step).unwrap();
+                finish_rx.recv().unwrap();
+            })
+        });
+        assert_eq!(in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap(), lent.step(), "the part reads the lent step");
+        (part, finish_tx)
+    }
+
     fn resident(s: &Arc<Staging>, step: u64, len: u64) -> Resident {
         let (lease, _) = s.acquire(len, "r", || Some("must not wait")).unwrap();
         Resident { step, layout: Layout::plan(vec![], Default::default()).unwrap(), crcs: vec![], digests: None, blobs: vec![], lease, origin: std::sync::Weak::new() }
@@ -546,16 +562,7 @@ mod tests {
         // lend_resident(2) ended the first loan: lend again.
         let lent = { drop(lent); s.lend_resident(1).unwrap() };
         // A part in progress: the drain reads the image until told to stop.
-        let (in_part_tx, in_part_rx) = std::sync::mpsc::channel();
-        let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
-        let l2 = lent.clone();
-        let part = std::thread::spawn(move || {
-            l2.with(|r| {
-                in_part_tx.send(r.step).unwrap();
-                finish_rx.recv().unwrap();
-            })
-        });
-        assert_eq!(in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap(), 1);
+        let (part, finish_tx) = part_in_progress(&lent);
         // A save needing 3 MiB of the 4: only the lent image's space fits it.
         let s2 = s.clone();
         let (got_tx, got_rx) = std::sync::mpsc::channel();
@@ -598,16 +605,7 @@ mod tests {
         let s = Staging::new(4 << 20).unwrap();
         s.offer_resident(resident(&s, 7, 1 << 20));
         let lent = s.lend_resident(7).unwrap();
-        let (in_part_tx, in_part_rx) = std::sync::mpsc::channel();
-        let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
-        let l2 = lent.clone();
-        let part = std::thread::spawn(move || {
-            l2.with(|_| {
-                in_part_tx.send(()).unwrap();
-                finish_rx.recv().unwrap();
-            })
-        });
-        in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        let (part, finish_tx) = part_in_progress(&lent);
         // The part is still in progress (it waits for finish_tx): a call
         // that waited for it would never answer (the deadline bounds that).
         let (s2, (ans_tx, ans_rx)) = (s.clone(), std::sync::mpsc::channel());

@@ -235,9 +235,9 @@ fn parse_save_log(log: &str) -> SaveLog {
             let at = line.find("step=").unwrap_or_else(|| panic!("no step in {line:?}")) + 5;
             line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
         };
-        if line.contains("ckpt_sidecar::snapshot: released") {
+        if line.contains("ckpt_sidecar::save::snapshot: released") {
             out.released.insert(step());
-        } else if line.contains("ckpt_sidecar::snapshot: aborted") {
+        } else if line.contains("ckpt_sidecar::save::snapshot: aborted") {
             out.aborted.insert(step());
         } else if line.contains("save refused") && !line.contains("save refused: aborted:") {
             out.refused.push(line.to_string());

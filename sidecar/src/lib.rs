@@ -1,41 +1,27 @@
 //! ckpt-sidecar: the checkpoint sidecar daemon (docs/protocol.md, server
-//! side), over the storage engine `ckpt-store`.
+//! side), over the storage engine `ckpt-store`. The folders are the stages
+//! of a checkpoint, lowest layer first (ARCHITECTURE.md has the map, and
+//! `.ci/import-cycles.py` keeps every folder from reaching a later one):
 //!
-//! [`server`] (socket, handshake), [`session`] (one thread per client),
-//! [`regions`] (client memory the sidecar maps: host shm and CUDA device
-//! allocations), [`cuda_probe`] (what the CUDA driver probe found),
-//! [`snapshot`] (check and copy a save into [`staging`]), [`committer`]
-//! (writes and commits in order), [`load`] (restores into client memory),
-//! [`state`] (what the threads share), [`fd_socket`] (the session's socket
-//! keeping descriptors passed with SCM_RIGHTS), [`jobs`] (what goes to the
-//! committer), [`peer`] (replies to one client), [`file_save`] (one file at
-//! a client's path, for the torch.save hook), [`incremental`] (links and
-//! history of incremental checkpoints) and [`daemon`] (serve, launch,
-//! signals). See ARCHITECTURE.md for the map.
+//! - [`config`]: every limit of the daemon (and the engine's, re-exported).
+//! - [`memory`]: the one staging buffer, and the client memory the daemon
+//!   maps (host shm and CUDA device allocations).
+//! - [`reply`]: the sending side of one client's session.
+//! - [`state`]: what the daemon's threads share.
+//! - [`save`]: a Save checked, planned and copied into staging; files at a
+//!   client's path for the torch.save hook.
+//! - [`commit`]: the committer thread: writes, ranks, nodes, incremental.
+//! - [`drain`]: uploads of durable steps to the drain tier, and loads of
+//!   steps it holds.
+//! - [`load`]: restores into client memory.
+//! - [`daemon`]: serve, launch, the socket, sessions, signals, metrics.
 
-pub mod committer;
+pub mod commit;
 pub mod config;
-pub mod cuda_probe;
-pub mod coordinator;
 pub mod daemon;
 pub mod drain;
-pub mod fd_socket;
-pub mod faults;
-pub mod file_save;
-pub mod incremental;
-pub mod jobs;
 pub mod load;
-pub mod metrics;
-pub mod nodes;
-pub mod peer;
-pub mod regions;
-pub mod remote_step;
-pub mod save_plan;
-pub mod server;
-pub mod session;
-pub mod slices;
-pub mod snapshot;
-pub mod staging;
+pub mod memory;
+pub mod reply;
+pub mod save;
 pub mod state;
-pub mod torch_zip;
-pub mod unchanged;

@@ -28,8 +28,7 @@ use ckpt_store::synthetic;
 use ckpt_store::units::{human_bytes, parse_size};
 use ckpt_store::format::STEP_MAX;
 
-mod bench_drain;
-mod remote_cli;
+mod cli;
 
 const EXIT_DAMAGED: u8 = 3;
 const EXIT_USAGE: u8 = 2;
@@ -673,7 +672,7 @@ impl Made {
             Cmd::Serve { d } | Cmd::Launch { d, .. } => {
                 paths.extend(d.dirs.iter().cloned());
                 if matches!(cmd, Cmd::Serve { .. }) || d.socket.is_some() {
-                    let sock = d.socket.clone().unwrap_or_else(ckpt_sidecar::server::default_socket_path);
+                    let sock = d.socket.clone().unwrap_or_else(ckpt_sidecar::daemon::server::default_socket_path);
                     paths.extend(sock.parent().map(Path::to_path_buf));
                 }
             }
@@ -712,16 +711,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Status { socket, json } => status(socket, json),
         // A drain target's URL (file://, s3://) is read through ckpt-tier (remote_cli.rs).
-        Cmd::Ls { dir, json } => match remote_cli::url_of(&dir) {
-            Some(url) => remote_cli::ls(url, json),
+        Cmd::Ls { dir, json } => match cli::remote::url_of(&dir) {
+            Some(url) => cli::remote::ls(url, json),
             None => ls(&dir, json),
         },
-        Cmd::Inspect { dir, step, step_flag, json } => match remote_cli::url_of(&dir) {
-            Some(url) => remote_cli::inspect(url, step.or(step_flag), json),
+        Cmd::Inspect { dir, step, step_flag, json } => match cli::remote::url_of(&dir) {
+            Some(url) => cli::remote::inspect(url, step.or(step_flag), json),
             None => inspect(&dir, step.or(step_flag), json),
         },
-        Cmd::Verify { dir, step, secondaries, json, io } => match remote_cli::url_of(&dir) {
-            Some(url) => remote_cli::verify(url, step, &secondaries, json),
+        Cmd::Verify { dir, step, secondaries, json, io } => match cli::remote::url_of(&dir) {
+            Some(url) => cli::remote::verify(url, step, &secondaries, json),
             None => verify(&dir, step, secondaries, json, io.policy()),
         },
         Cmd::Gc { dirs, keep, keep_every, json } => gc(&dirs, keep, keep_every, json),
@@ -798,7 +797,7 @@ fn print_ls(shown: &str, doc: serde_json::Value, json: bool) {
 }
 
 fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
-    let socket = socket.unwrap_or_else(ckpt_sidecar::server::default_socket_path);
+    let socket = socket.unwrap_or_else(ckpt_sidecar::daemon::server::default_socket_path);
     let mut r = match daemon::status(&socket) {
         Err(daemon::ClientError::Connect { source, .. })
             if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
@@ -1189,9 +1188,9 @@ fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode
     }
     // CUDA is optional: its absence is reported, never a failure.
     if json {
-        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::cuda_probe::json_with(true)}));
+        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::daemon::cuda_probe::json_with(true)}));
     } else {
-        println!("cuda: {}", ckpt_sidecar::cuda_probe::summary());
+        println!("cuda: {}", ckpt_sidecar::daemon::cuda_probe::summary());
     }
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
@@ -1300,7 +1299,7 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             return Ok(child_exit(status));
         }
         BenchCmd::Drain { url, size, local, shard_size, parallel, part_size, json } => {
-            bench_drain::run(&bench_drain::Args { url, size, local, shard_size, parallel, part_size, json })?;
+            cli::bench_drain::run(&cli::bench_drain::Args { url, size, local, shard_size, parallel, part_size, json })?;
         }
         BenchCmd::Ranks { args } => {
             let python = bench_python(None);

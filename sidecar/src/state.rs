@@ -18,11 +18,11 @@ use std::time::Duration;
 use ckpt_wire::{InFlight, LastFigures, SessionInfo, StatusReport};
 use crossbeam_channel::Sender;
 
-use crate::jobs::{Flight, Work};
-use crate::peer::Peer;
+use crate::commit::jobs::{Flight, Work};
+use crate::reply::Peer;
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::restore::ReadOptions;
-use crate::staging::Staging;
+use crate::memory::staging::Staging;
 
 /// Phases a checkpoint goes through in the daemon (shown by `status`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,10 +104,10 @@ pub struct Shared {
     /// rollbacks are refused with its text, loads served.
     pub read_only: Option<ckpt_store::read_only::ReadOnlyDir>,
     /// Bytes of flagged-unchanged tensors taken from the resident image
-    /// instead of the client (`crate::unchanged`), since start.
+    /// instead of the client (`crate::save::trusted_unchanged`), since start.
     pub unchanged_taken_bytes: AtomicU64,
     /// Of those, the bytes taken in place: the resident image's lease became
-    /// the save's (`crate::unchanged::adopt`), so they were not copied at all.
+    /// the save's (`crate::save::trusted_unchanged::adopt`), so they were not copied at all.
     pub unchanged_in_place_bytes: AtomicU64,
     /// The drain tier (`--drain URL`), set once at start (`crate::drain`).
     pub drain: Option<Arc<crate::drain::Drain>>,
@@ -117,7 +117,7 @@ pub struct Shared {
     /// `--full-every` (incremental): every K-th save written in full.
     pub full_every: std::sync::atomic::AtomicU32,
     /// Saves committed since the last one that linked nothing (the
-    /// committer's, `crate::incremental`).
+    /// committer's, `crate::commit::full_every`).
     pub saves_since_full: std::sync::atomic::AtomicU32,
 }
 
@@ -188,7 +188,7 @@ impl Shared {
     }
 
     /// After an incremental rank's part of several nodes was written
-    /// (`crate::nodes`): the history's entries for the part's tensors
+    /// (`crate::commit::nodes`): the history's entries for the part's tensors
     /// `names` become what it found changed (None: it had nothing to
     /// compare with; the history stays). Other ranks' entries stay: names
     /// are unique across ranks.
@@ -252,7 +252,7 @@ impl Shared {
         // Counted before it shows in flight: a scrape, which reads the
         // flights and then the counters, never sees more in flight than
         // started (metrics.rs).
-        crate::metrics::record_started();
+        crate::daemon::metrics::record_started();
         m.insert(key, InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
         true
     }
@@ -262,7 +262,7 @@ impl Shared {
         let key = Flight::File(self.next_file_no.fetch_add(1, Ordering::Relaxed));
         let entry = InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: Some(path.to_string()) };
         // Counted before it shows in flight, as in begin_step.
-        crate::metrics::record_started();
+        crate::daemon::metrics::record_started();
         self.in_flight.lock().expect("in-flight lock").insert(key, entry);
         key
     }
@@ -296,7 +296,7 @@ impl Shared {
     /// it went (a handed-over save among it still commits: protocol.md).
     /// Sessions of live clients do not hold the exit.
     pub fn drained(&self) -> bool {
-        self.wait_drained(Duration::ZERO) && !self.sessions.lock().expect("sessions lock").values().any(|e| e.stream.as_ref().is_some_and(|s| crate::peer::closed(s.as_raw_fd())))
+        self.wait_drained(Duration::ZERO) && !self.sessions.lock().expect("sessions lock").values().any(|e| e.stream.as_ref().is_some_and(|s| crate::reply::closed(s.as_raw_fd())))
     }
 
     pub fn add_session(&self, e: SessionEntry) -> Option<u64> {
@@ -371,7 +371,7 @@ impl Shared {
             staging_used_bytes: self.staging.used_bytes(),
             resident_step: self.staging.resident_step(),
             last: self.last.lock().expect("figures lock").clone(),
-            cuda: crate::cuda_probe::summary(),
+            cuda: crate::daemon::cuda_probe::summary(),
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
             unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),

@@ -460,7 +460,7 @@ fn f32s(name: &str, n: u64, offset_bytes: u64) -> TensorDesc {
 /// `w`, F32 [3, 100] (the blob ckpt.slices.json).
 fn declares(piece: &str, a: u64, b: u64) -> Blob {
     let json = format!(r#"{{"slices":[{{"tensor":"{piece}","of":"w","shape":[3,100],"elems":[{a},{b}]}}]}}"#);
-    Blob { name: ckpt_sidecar::slices::SLICES_BLOB.into(), bytes: json.into_bytes() }
+    Blob { name: ckpt_sidecar::commit::slices::SLICES_BLOB.into(), bytes: json.into_bytes() }
 }
 
 #[test]

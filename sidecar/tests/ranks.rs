@@ -172,7 +172,7 @@ fn a_step_some_rank_never_sends_is_given_up_and_a_stray_world_size_refused() {
 }
 
 fn slices_blob(json: &str) -> Blob {
-    Blob { name: ckpt_sidecar::slices::SLICES_BLOB.into(), bytes: json.as_bytes().to_vec() }
+    Blob { name: ckpt_sidecar::commit::slices::SLICES_BLOB.into(), bytes: json.as_bytes().to_vec() }
 }
 
 fn read_shm(name: &str, len: usize) -> Vec<u8> {

@@ -11,8 +11,8 @@ use ckpt_store::image::Layout;
 use ckpt_store::progress::Progress;
 use ckpt_wire::ErrorCode;
 
-use crate::peer::Peer;
-use crate::staging::Lease;
+use crate::reply::Peer;
+use crate::memory::staging::Lease;
 
 /// What is in flight: a step checkpoint (at most one per step), or one
 /// SaveFile (numbered; several may name the same path, the last wins).

@@ -44,9 +44,9 @@ use ckpt_store::nodes::{self, RanksState};
 use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
-use crate::jobs::{error_code, FillEnd, Flight, Job};
-use crate::peer::Peer;
-use crate::slices;
+use crate::commit::jobs::{error_code, FillEnd, Flight, Job};
+use crate::reply::Peer;
+use crate::commit::slices;
 use crate::state::{Phase, Shared};
 
 /// A rank whose part is on disk, waiting for the global commit.
@@ -77,7 +77,7 @@ pub struct Nodes {
     timeout: Duration,
     /// Per rank served here: its parts committed since the last one that
     /// linked nothing (`--full-every`, counted per rank as one node's
-    /// sidecar counts its saves: `crate::incremental`).
+    /// sidecar counts its saves: `crate::commit::full_every`).
     since_full: BTreeMap<u32, u32>,
 }
 

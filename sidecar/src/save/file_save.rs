@@ -5,7 +5,7 @@
 //! SaveFilePieces (version 9) is the same for a file made of several pieces,
 //! host or device memory (the hook's CUDA way: a skip_data skeleton in shm,
 //! the storages copied from the device after the trainer's event), whose
-//! torch.save CRC-32s the sidecar computes ([`crate::torch_zip`]).
+//! torch.save CRC-32s the sidecar computes ([`crate::save::torch_zip`]).
 //!
 //! The session thread checks the request and copies the bytes into a
 //! staging lease ([`run_save_file`]); the committer writes them
@@ -34,14 +34,14 @@ use std::time::Instant;
 use ckpt_wire::{ErrorCode, FileFinish, FilePiece, Reply};
 use tracing::{info, info_span, warn};
 
-use crate::jobs::{FileJob, Work};
+use crate::commit::jobs::{FileJob, Work};
 use crate::config::{self, STAGING_ALIGN_BYTES};
-use crate::regions::Region;
-use crate::snapshot;
-use crate::staging::StagingError;
-use crate::peer::Peer;
+use crate::memory::regions::Region;
+use crate::save::snapshot;
+use crate::memory::staging::StagingError;
+use crate::reply::Peer;
 use crate::state::{Phase, Shared};
-use crate::torch_zip;
+use crate::save::torch_zip;
 
 /// Longest path accepted (Linux PATH_MAX, terminating NUL included).
 const PATH_BYTES_MAX: usize = 4095;

@@ -19,12 +19,12 @@ use tracing::{info, warn};
 use ckpt_store::commit::{CommitError, Store};
 use ckpt_store::rollback::RollbackError;
 use ckpt_store::image::{self};
-use crate::staging::Resident;
+use crate::memory::staging::Resident;
 use crate::config;
-use crate::coordinator::{Expired, Groups, Offer};
-use crate::nodes::Nodes;
-use crate::slices;
-use crate::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
+use crate::commit::rank_groups::{Expired, Groups, Offer};
+use crate::commit::nodes::Nodes;
+use crate::commit::slices;
+use crate::commit::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
 use crate::state::{Phase, Shared};
 
 pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinHandle<()> {
@@ -40,7 +40,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
                 let work = rx.recv_deadline(deadline);
                 if matches!(work, Ok(Work::Checkpoint(_))) {
-                    crate::faults::maybe_panic(crate::faults::At::Commit);
+                    crate::daemon::test_panic::maybe_panic(crate::daemon::test_panic::At::Commit);
                 }
                 match work {
                     Ok(Work::Checkpoint(job)) if job.part.is_some() => match nodes.as_mut() {
@@ -206,13 +206,13 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
         .map_err(CommitError::from)
         .and_then(|merged| match digests.as_deref().filter(|_| merged.opts.incremental) {
             Some(d) => {
-                crate::incremental::before_commit(store, shared);
+                crate::commit::full_every::before_commit(store, shared);
                 store.commit_with_digests(step, &merged, parts[0].lease.staging_buf(), &crcs, d, &blobs)
             }
             None => store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs),
         });
     if r.is_ok() {
-        crate::incremental::after_commit(store, shared);
+        crate::commit::full_every::after_commit(store, shared);
     }
     drop(blobs);
     let persist_seconds = t0.elapsed().as_secs_f64();
@@ -294,7 +294,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
     let t0 = Instant::now();
     let queued_s = (t0 - t_received).as_secs_f64() - waited_seconds - if fill.is_some() { 0.0 } else { copy_seconds };
     if placed.opts.incremental {
-        crate::incremental::before_commit(store, shared);
+        crate::commit::full_every::before_commit(store, shared);
     }
     let r = match (&fill, &digests) {
         (None, Some(d)) => store.commit_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs),
@@ -302,7 +302,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
         (Some(f), _) => store.commit_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs),
     };
     if r.is_ok() {
-        crate::incremental::after_commit(store, shared);
+        crate::commit::full_every::after_commit(store, shared);
     }
     let persist_seconds = t0.elapsed().as_secs_f64();
     // A fed job's copy figures and checksums: its copy ended before the commit point.

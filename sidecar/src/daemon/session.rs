@@ -19,14 +19,14 @@ use tracing::{debug, info, warn};
 
 use ckpt_store::catalog;
 use crate::config;
-use crate::fd_socket::FdSocket;
-use crate::file_save::{self, FileRequest};
-use crate::jobs::{Part, RollbackJob, Work};
+use crate::daemon::fd_socket::FdSocket;
+use crate::save::file_save::{self, FileRequest};
+use crate::commit::jobs::{Part, RollbackJob, Work};
 use crate::load;
-use crate::regions::{CudaSession, CudaSource, Region};
-use crate::save_plan::SavePlans;
-use crate::snapshot::{self, SaveTensors};
-use crate::peer::Peer;
+use crate::memory::regions::{CudaSession, CudaSource, Region};
+use crate::save::plan_cache::SavePlans;
+use crate::save::snapshot::{self, SaveTensors};
+use crate::reply::Peer;
 use crate::state::Shared;
 
 /// The id of an `Error` that answers no request (a malformed frame).
@@ -96,7 +96,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
         });
         match read {
             Some(Ok((id, step, part, read, blobs, lazy_release, unchanged))) => {
-                crate::faults::maybe_panic(crate::faults::At::Session);
+                crate::daemon::test_panic::maybe_panic(crate::daemon::test_panic::At::Session);
                 let tensors = match &read {
                     Read::Kept(list) => SaveTensors::Kept(list),
                     Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },

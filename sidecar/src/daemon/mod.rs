@@ -13,6 +13,13 @@
 //!   finish and the sidecar exits with the child's status (128 + signal if
 //!   it was killed). A signal after the child exited aborts in-flight work.
 
+pub mod cuda_probe;
+pub mod fd_socket;
+pub mod metrics;
+pub mod server;
+pub mod session;
+pub mod test_panic;
+
 use std::ffi::OsString;
 use std::io;
 use std::os::unix::net::UnixStream;
@@ -35,8 +42,8 @@ use ckpt_store::image::LayoutOptions;
 use ckpt_store::io::IoPolicy;
 use ckpt_store::restore::{ReadOptions, ThisNode};
 use ckpt_store::retention::Retention;
-use crate::server::{self, Listener, ServerError};
-use crate::staging::{Staging, StagingError};
+use server::{Listener, ServerError};
+use crate::memory::staging::{Staging, StagingError};
 use crate::state::Shared;
 
 #[derive(Debug, Clone)]
@@ -54,12 +61,12 @@ pub struct DaemonOptions {
     /// scheduler likes); launch's command keeps the CPUs it would have had.
     pub cpus: Option<Vec<usize>>,
     /// Several nodes: the directory all nodes' sidecars share (multi-rank
-    /// steps are written and committed there, `crate::nodes`).
+    /// steps are written and committed there, `crate::commit::nodes`).
     pub shared: Option<PathBuf>,
     /// Several nodes, node-local files (`--node-local`): this node's id;
     /// its ranks' shards go to its own directories.
     pub node_local: Option<String>,
-    /// Serve metrics on this address (`crate::metrics`).
+    /// Serve metrics on this address (`crate::daemon::metrics`).
     pub metrics: Option<std::net::SocketAddr>,
     /// Serve loads only, without the directory lock (`--read-only`); a
     /// directory that cannot be written is served so without it too.
@@ -91,7 +98,7 @@ pub enum DaemonError {
     #[error("starting a thread: {0}")]
     Thread(io::Error),
     #[error(transparent)]
-    Metrics(#[from] crate::metrics::BindError),
+    Metrics(#[from] crate::daemon::metrics::BindError),
     #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
     Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
     /// An environment variable the daemon reads has a value it refuses.
@@ -153,12 +160,12 @@ struct Running {
 /// Starts the daemon; `role` (`serve` or `launch`) goes into the directory
 /// locks with the socket, so a second process on a directory names us.
 fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, DaemonError> {
-    crate::committer::check_part_timeout().map_err(DaemonError::Env)?;
+    crate::commit::committer::check_part_timeout().map_err(DaemonError::Env)?;
     let budget = opts.staging_bytes.unwrap_or_else(default_staging_bytes);
     if budget < config::STAGING_BYTES_MIN {
         return Err(DaemonError::StagingTooSmall(budget));
     }
-    let metrics = opts.metrics.map(crate::metrics::bind).transpose()?;
+    let metrics = opts.metrics.map(crate::daemon::metrics::bind).transpose()?;
     // The drain target first: a wrong credential or an unreachable URL
     // stops the start before anything is bound, locked or allocated.
     let drain = match &opts.drain {
@@ -190,7 +197,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         lock_socket: Some(std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf())),
         shared: opts.shared.clone(),
         // Twice the part timeout: a live coordinator aborts long before.
-        shared_stale_after: crate::committer::part_timeout() * 2,
+        shared_stale_after: crate::commit::committer::part_timeout() * 2,
         node_local: opts.node_local.clone(),
         read_only: if opts.read_only { ReadOnly::Always } else { ReadOnly::Auto },
         ..StoreOptions::new(opts.dirs.clone())
@@ -227,14 +234,14 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
             Some(n) => info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, node-local: this node's ranks' shards go to its own directories, markers and the index to the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
         }
     }
-    info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::cuda_probe::summary(), "sidecar ready");
-    crate::committer::spawn(store, rx, shared.clone());
+    info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::daemon::cuda_probe::summary(), "sidecar ready");
+    crate::commit::committer::spawn(store, rx, shared.clone());
     if let Some(d) = &drain {
         d.spawn()?;
     }
     if let Some(m) = metrics {
         let s = shared.clone();
-        crate::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
+        crate::daemon::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
     }
     server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.

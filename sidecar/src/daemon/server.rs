@@ -19,7 +19,7 @@ use ckpt_wire::{Reply, Request, MAGIC, PROTOCOL_VERSION};
 use tracing::{info, warn};
 
 use crate::config;
-use crate::session::{self, Session};
+use crate::daemon::session::{self, Session};
 use crate::state::{SessionEntry, Shared};
 
 #[derive(Debug, thiserror::Error)]

@@ -37,8 +37,8 @@ use std::sync::Arc;
 use ckpt_store::image::Layout;
 use ckpt_wire::Unchanged;
 
-use crate::peer::Peer;
-use crate::staging::{Lease, Resident, Staging};
+use crate::reply::Peer;
+use crate::memory::staging::{Lease, Resident, Staging};
 
 /// The tensors of one save taken from a resident image.
 pub struct Reuse {

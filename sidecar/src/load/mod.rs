@@ -23,13 +23,13 @@ use tracing::{info, warn};
 
 use ckpt_store::catalog;
 use ckpt_store::format::Index;
-use crate::regions::Region;
+use crate::memory::regions::Region;
 use ckpt_store::fetch::FetchFiles;
 use ckpt_store::restore::{self, LoadError, Placed, Which};
 use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
-use crate::snapshot::{check_desc_shape, check_no_overlap};
-use crate::staging::StagingError;
-use crate::peer::Peer;
+use crate::save::snapshot::{check_desc_shape, check_no_overlap};
+use crate::memory::staging::StagingError;
+use crate::reply::Peer;
 use crate::state::Shared;
 
 struct Fail(ErrorCode, String);
@@ -211,7 +211,7 @@ enum Origin<'a> {
     /// a file another node holds is fetched from the source when given.
     Dir(&'a std::path::Path, Option<&'a dyn FetchFiles>),
     /// A step only an object store holds: every file streamed into the
-    /// load's memory, no local copy (`crate::remote_step`).
+    /// load's memory, no local copy (`crate::drain::remote_source`).
     Remote(&'a RemoteStep),
 }
 
@@ -526,8 +526,8 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, origin
 /// a segment its client shrank (or a /dev/shm too full to back it) is this
 /// load's error, never damage of the checkpoint nor a reason to fall back.
 struct IntoRegion<'a> {
-    map: &'a crate::regions::shm::Writable<'a>,
-    shm: &'a crate::regions::shm::ShmMemory,
+    map: &'a crate::memory::regions::shm::Writable<'a>,
+    shm: &'a crate::memory::regions::shm::ShmMemory,
 }
 
 impl restore::ReadDest for IntoRegion<'_> {

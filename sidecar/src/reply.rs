@@ -18,7 +18,7 @@ pub struct Peer {
     fd: i32,
     broken: AtomicBool,
     /// Request id -> (arrival, file bytes) of this client's saves in flight,
-    /// for the metrics (`crate::metrics`): until their Durable or Failed.
+    /// for the metrics (`crate::daemon::metrics`): until their Durable or Failed.
     started: Mutex<HashMap<u64, (Instant, u64)>>,
 }
 
@@ -37,14 +37,14 @@ impl Peer {
     }
 
     /// Sends one reply; false (and the peer marked broken) if it could not.
-    /// Released, Durable and Failed are counted first (`crate::metrics`),
+    /// Released, Durable and Failed are counted first (`crate::daemon::metrics`),
     /// sent or not.
     pub fn send(&self, reply: &Reply) -> bool {
         if let Reply::Released { id, .. } | Reply::Durable { id, .. } | Reply::Failed { id, .. } = reply {
             let mut started = self.started.lock().expect("started lock");
             let at = if matches!(reply, Reply::Released { .. }) { started.get(id).copied() } else { started.remove(id) };
             drop(started);
-            crate::metrics::record_reply(reply, at.map(|(t, _)| t.elapsed().as_secs_f64()), at.map_or(0, |(_, b)| b));
+            crate::daemon::metrics::record_reply(reply, at.map(|(t, _)| t.elapsed().as_secs_f64()), at.map_or(0, |(_, b)| b));
         }
         if self.broken.load(Ordering::SeqCst) {
             return false;

@@ -24,15 +24,15 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn, Unchanged};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
-use crate::jobs::{Fill, Job, Part, Sums, Work};
+use crate::commit::jobs::{Fill, Job, Part, Sums, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::progress::{Filler, Progress};
-use crate::regions::{store_fence, BatchMark, Region};
-use crate::staging::{Lease, StagingError};
-use crate::jobs::Flight;
-use crate::peer::Peer;
+use crate::memory::regions::{store_fence, BatchMark, Region};
+use crate::memory::staging::{Lease, StagingError};
+use crate::commit::jobs::Flight;
+use crate::reply::Peer;
 use crate::state::{Phase, Shared};
 
 #[derive(Debug, thiserror::Error)]
@@ -531,7 +531,7 @@ fn staged_sums(layout: &Layout, pieces: &Pieces, runs: Option<&[usize]>) -> Sums
 fn sum_of_staged(p: &Piece, crc: bool) -> (u32, u128) {
     // SAFETY: dst..dst+len is this piece's own part of the lease, copied
     // before and not written while summed (as crc_of_staged).
-    crate::regions::sum_of(unsafe { std::slice::from_raw_parts(p.dst, p.len) }, crc)
+    crate::memory::regions::sum_of(unsafe { std::slice::from_raw_parts(p.dst, p.len) }, crc)
 }
 
 /// The crc32c of a piece's staged bytes, block by block.
@@ -876,7 +876,7 @@ pub fn run_save(
     // saves: parts are never resident). In place, when they already lie
     // where this layout puts them: the resident image's lease becomes this
     // save's, and their bytes are copied from nowhere.
-    let adopted = part.is_none().then(|| crate::unchanged::adopt(&shared.staging, peer, &layout, unchanged.as_ref())).flatten();
+    let adopted = part.is_none().then(|| crate::save::trusted_unchanged::adopt(&shared.staging, peer, &layout, unchanged.as_ref())).flatten();
     let (mut lease, waited, adopted) = match adopted {
         Some((lease, taken)) => (lease, std::time::Duration::ZERO, Some(taken)),
         None => match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
@@ -895,7 +895,7 @@ pub fn run_save(
     shared.set_phase(key, Phase::Copying);
     // Else copied from the resident image into the lease just taken.
     let in_place = adopted.is_some();
-    let taken = adopted.or_else(|| part.is_none().then(|| crate::unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
+    let taken = adopted.or_else(|| part.is_none().then(|| crate::save::trusted_unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
     if let Some(taken) = &taken {
         for i in taken.tensors() {
             sources[i].region = None;
@@ -993,7 +993,7 @@ fn run_fed_save(
     span: tracing::Span,
     t_received: Instant,
     gone: Option<&'static str>,
-    taken: Option<crate::unchanged::Taken>,
+    taken: Option<crate::save::trusted_unchanged::Taken>,
 ) {
     let key = match part {
         Some(p) => Flight::Part(step, p.rank),
@@ -1081,7 +1081,7 @@ mod tests {
 
     #[test]
     fn a_region_truncated_before_or_during_a_copy_fails_the_save_instead_of_the_sidecar() {
-        use crate::regions::{test_segment, truncate_segment, unlink_segment};
+        use crate::memory::regions::{test_segment, truncate_segment, unlink_segment};
         // Two tensors of 4 MiB, so both copy threads read the segment.
         let len = 8usize << 20;
         let (name, fd) = test_segment(len, |i| (i % 13) as u8 + 1);
@@ -1091,7 +1091,7 @@ mod tests {
         let regions = HashMap::from([(1, region.clone())]);
         let tensors = [d("a", 1, 0, 4 << 20), d("b", 1, 4 << 20, 4 << 20)];
         let (layout, sources) = plan_save(&tensors, &[], &regions, Default::default(), None).unwrap();
-        let staging = crate::staging::Staging::new(layout.staging_len).unwrap();
+        let staging = crate::memory::staging::Staging::new(layout.staging_len).unwrap();
         check_sizes(&sources).unwrap();
         // Truncated after the checks (as a client may, during the copy): the
         // copy runs to its end on zero pages and the save is refused.

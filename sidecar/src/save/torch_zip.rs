@@ -201,7 +201,7 @@ mod tests {
     use super::*;
 
     /// torch.save({"a": torch.arange(1000, dtype=torch.float32)}, buf) by torch 2.15 (CRC-32s computed).
-    const FULL: &[u8] = include_bytes!("../tests/fixtures/torch_save_arange.pt");
+    const FULL: &[u8] = include_bytes!("../../tests/fixtures/torch_save_arange.pt");
 
     fn records(file: &[u8]) -> Vec<Record> {
         parse(file).unwrap().records

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::jobs::Job;
+use crate::commit::jobs::Job;
 
 /// What offering a part did.
 pub enum Offer {

@@ -21,7 +21,7 @@
 //!   replicated is held from local retention ([`Drain::hold`]).
 //! - Restore: [`Drain::remote_source`] says whether a load must read the
 //!   drain target (the step is not local, or the target has a newer one
-//!   than `latest`), and makes that step readable (`crate::remote_step`):
+//!   than `latest`), and makes that step readable (`crate::drain::remote_source`):
 //!   a `file://` target is an ordinary checkpoint directory, read in
 //!   place; an object store's step is streamed into the load's memory
 //!   with every checksum checked as a local load checks it, and no local
@@ -30,6 +30,8 @@
 //! Invariants: the thread never holds the state lock across a request to
 //! the target; waiters are bounded ([`config::DRAIN_WAITERS_MAX`]) and
 //! answered exactly once (Replicated, or an error naming why not).
+
+pub mod remote_source;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -43,9 +45,9 @@ use ckpt_wire::{DrainReport, ErrorCode, Reply};
 use tracing::{info, warn};
 
 use crate::config;
-use crate::peer::Peer;
-pub use crate::remote_step::{RemoteCkpt, RemoteFrom, RemoteStep};
-use crate::staging::{Lent, Staging};
+use crate::reply::Peer;
+pub use crate::drain::remote_source::{RemoteCkpt, RemoteFrom, RemoteStep};
+use crate::memory::staging::{Lent, Staging};
 
 /// What `--drain*` asked for.
 #[derive(Debug, Clone)]
@@ -1032,7 +1034,7 @@ mod tests {
     /// A step committed from a staging lease and resident there, as the
     /// committer leaves it; `flip` flips a byte of the first shard's image
     /// in staging after the commit (the disk holds the committed bytes).
-    fn resident_step(dir: &Path, staging: &Arc<crate::staging::Staging>, step: u64, flip: bool) -> Layout {
+    fn resident_step(dir: &Path, staging: &Arc<crate::memory::staging::Staging>, step: u64, flip: bool) -> Layout {
         let mut store = Store::open(StoreOptions::new(vec![dir.to_path_buf()])).unwrap();
         store.register_staging(staging.buf());
         let layout = Layout::plan(synthetic::transformer_specs(12 << 20), LayoutOptions { shard_bytes_max: 4 << 20, ..Default::default() }).unwrap();
@@ -1046,7 +1048,7 @@ mod tests {
             lease.as_mut_slice()[at] ^= 0x08;
         }
         let blobs = vec![ckpt_wire::Blob { name: "rng".into(), bytes: b"seed".to_vec() }];
-        staging.offer_resident(crate::staging::Resident { step, layout: layout.clone(), crcs, digests: None, blobs, lease, origin: std::sync::Weak::new() });
+        staging.offer_resident(crate::memory::staging::Resident { step, layout: layout.clone(), crcs, digests: None, blobs, lease, origin: std::sync::Weak::new() });
         layout
     }
 
@@ -1062,10 +1064,10 @@ mod tests {
     /// A step committed into `TMP/local` and left resident in a staging
     /// (its first shard's image flipped if `flip`), and a drain to
     /// `file://TMP/remote` lent that staging.
-    fn drain_of_resident_step(step: u64, flip: bool) -> (tempfile::TempDir, Arc<crate::staging::Staging>, Layout, Arc<Drain>) {
+    fn drain_of_resident_step(step: u64, flip: bool) -> (tempfile::TempDir, Arc<crate::memory::staging::Staging>, Layout, Arc<Drain>) {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("local");
-        let staging = crate::staging::Staging::new(32 << 20).unwrap();
+        let staging = crate::memory::staging::Staging::new(32 << 20).unwrap();
         let layout = resident_step(&dir, &staging, step, flip);
         let dir = dir.canonicalize().unwrap();
         let remote = tmp.path().join("remote");

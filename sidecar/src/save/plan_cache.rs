@@ -26,8 +26,8 @@ use ckpt_store::image::{Layout, LayoutOptions};
 use ckpt_wire::{Blob, FrameError, SaveHead, TensorDescIn};
 
 use crate::config;
-use crate::regions::Region;
-use crate::snapshot::{check_blobs, plan_save, Planner, SaveError, SaveTensors, Source};
+use crate::memory::regions::Region;
+use crate::save::snapshot::{check_blobs, plan_save, Planner, SaveError, SaveTensors, Source};
 
 /// One descriptor as a plan remembers it.
 struct Kept {
@@ -160,7 +160,7 @@ impl SavePlans {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::regions::{test_segment, unlink_segment};
+    use crate::memory::regions::{test_segment, unlink_segment};
 
     fn d(name: &str, region_id: u32, off: u64, len: u64) -> TensorDescIn<'_> {
         TensorDescIn { name, dtype: "U8", shape: ckpt_wire::Dims::from_slice(&[len]), region_id, offset_bytes: off, len_bytes: len }

@@ -57,8 +57,8 @@ pub struct Resident {
     pub lease: Lease,
     /// The session that saved it (its reply side): a save's tensors flagged
     /// unchanged since this step are taken from here only for that session
-    /// (`crate::unchanged`). A Weak keeps the pointer from being reused.
-    pub origin: std::sync::Weak<crate::peer::Peer>,
+    /// (`crate::save::trusted_unchanged`). A Weak keeps the pointer from being reused.
+    pub origin: std::sync::Weak<crate::reply::Peer>,
 }
 
 struct State {
@@ -176,7 +176,7 @@ impl Staging {
     /// Takes the resident image out of staging, lease and all, when no one
     /// else holds it (no load reads it now) and `f` accepts it (returning
     /// what it found): a save then lays its image over it in place
-    /// (`crate::unchanged::adopt`). The resident stays when `f` says None.
+    /// (`crate::save::trusted_unchanged::adopt`). The resident stays when `f` says None.
     pub fn take_resident_with<T>(&self, f: impl FnOnce(&Resident) -> Option<T>) -> Option<(Resident, T)> {
         let mut st = self.lock();
         // A save comes before the drain: an image lent to it is taken back,

@@ -41,7 +41,7 @@ use tracing::{debug, info, warn};
 
 use super::RegionError;
 use crate::config;
-use crate::staging::Staging;
+use crate::memory::staging::Staging;
 use ckpt_store::mem::SharedBuf;
 
 /// What names a client's device allocation.

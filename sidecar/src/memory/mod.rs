@@ -1,0 +1,6 @@
+//! Memory the daemon copies between: its own staging buffer ([`staging`],
+//! allocated once, leased per save and load) and the clients' memory it
+//! maps ([`regions`]: host shm segments and CUDA allocations).
+
+pub mod regions;
+pub mod staging;

@@ -1,35 +1,39 @@
 #!/usr/bin/env python3
-"""Fails when the modules of a crate import each other in a circle.
+"""Fails when the modules of a crate import each other in a circle, file by
+file or folder by folder.
 
-ARCHITECTURE.md's layers are only walls if no file reaches back up: for each
-crate (a folder with src/lib.rs), builds the graph "file A names `crate::b`"
-and prints every cycle. Usage: python3 .ci/import-cycles.py [ROOT]
+ARCHITECTURE.md's layers are only walls if no file reaches back up. For each
+crate (a folder with src/lib.rs) it builds two graphs from "file A names
+`crate::b::c`" (code only: comments and `#[cfg(test)]` tails are left out):
+- modules: one node per file (`save::snapshot`), so no two files of a crate
+  import each other, directly or around a circle;
+- layers: one node per top-level module or folder (`save`), so the folders
+  stack as layers: none reaches a folder that reaches back to it.
+Every cycle of either is printed. Usage: python3 .ci/import-cycles.py [ROOT]
 """
-import pathlib, re, sys
+import pathlib
+import re
+import sys
 
-root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
-bad = 0
-for lib in sorted(root.glob("*/src/lib.rs")):
-    src = lib.parent
-    mods = {}
-    for f in src.rglob("*.rs"):
-        rel = f.relative_to(src).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "mod":
-            parts = parts[:-1]
-        if parts in (["lib"], ["main"]):
-            continue
-        mods[parts[0]] = mods.get(parts[0], []) + [f]
-    graph = {}
-    for m, files in mods.items():
-        text = "".join(re.sub(r"#\[cfg\(test\)\][\s\S]*", "", f.read_text()) for f in files)
-        text = re.sub(r"//[^\n]*", "", text)
-        graph[m] = {d for d in re.findall(r"crate::([a-z_0-9]+)", text) if d in mods and d != m}
-    seen, stack, cycles = set(), [], []
+
+def module_of(src, f):
+    parts = list(f.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "mod":
+        parts = parts[:-1]
+    return tuple(parts)
+
+
+def code_of(f):
+    text = re.sub(r"#\[cfg\(test\)\][\s\S]*", "", f.read_text())
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def cycles_of(graph):
+    seen, stack, found = set(), [], []
 
     def visit(n):
         if n in stack:
-            cycles.append(stack[stack.index(n):] + [n])
+            found.append(stack[stack.index(n):] + [n])
             return
         if n in seen:
             return
@@ -41,8 +45,43 @@ for lib in sorted(root.glob("*/src/lib.rs")):
 
     for n in sorted(graph):
         visit(n)
-    for c in cycles:
+    return found
+
+
+def graphs_of(src):
+    mods = {}
+    for f in src.rglob("*.rs"):
+        m = module_of(src, f)
+        if m in ((), ("lib",), ("main",)):
+            continue
+        mods[m] = f
+    files, layers = {m: set() for m in mods}, {m[0]: set() for m in mods}
+    for m, f in mods.items():
+        for path in re.findall(r"crate::((?:[a-z_0-9]+::)*[a-z_0-9]+)", code_of(f)):
+            parts = tuple(path.split("::"))
+            # The longest prefix that is a module of the crate (the rest names an item).
+            target = next((parts[:k] for k in range(len(parts), 0, -1) if parts[:k] in mods), None)
+            if target is None:
+                continue
+            # A folder's own mod.rs is the parent of its files, not a peer:
+            # an edge between a module and its ancestor is no layer crossing.
+            if target != m and target != m[: len(target)] and m != target[: len(m)]:
+                files[m].add(target)
+            if target[0] != m[0]:
+                layers[m[0]].add(target[0])
+    return files, layers
+
+
+root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+bad = 0
+for lib in sorted(root.glob("*/src/lib.rs")):
+    crate = lib.parent.parent.name
+    files, layers = graphs_of(lib.parent)
+    for c in cycles_of(files):
         bad += 1
-        print(f"{lib.parent.parent.name}: import cycle: {' -> '.join(c)}")
+        print(f"{crate}: import cycle: {' -> '.join('::'.join(m) for m in c)}")
+    for c in cycles_of(layers):
+        bad += 1
+        print(f"{crate}: layer cycle (folders): {' -> '.join(c)}")
 print(f"import cycles: {bad}")
 sys.exit(1 if bad else 0)

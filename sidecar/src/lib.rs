@@ -22,6 +22,5 @@ pub mod daemon;
 pub mod drain;
 pub mod load;
 pub mod memory;
-pub mod reply;
 pub mod save;
 pub mod state;

@@ -257,7 +257,7 @@ impl DaemonArgs {
             io: self.io.policy(),
             shard_bytes_max: self.shard_size,
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
-            shared: self.shared.clone(),
+            shared_dir: self.shared.clone(),
             node_local: match (self.node_local || (self.shared.is_some() && self.drain.is_some()), &self.node_id) {
                 (false, Some(_)) => bail!("--node-id names this node's files: it needs --node-local (or --shared with --drain)"),
                 (false, None) => None,
@@ -1188,9 +1188,9 @@ fn doctor(dirs: &[PathBuf], json: bool, io: IoPolicy) -> anyhow::Result<ExitCode
     }
     // CUDA is optional: its absence is reported, never a failure.
     if json {
-        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::daemon::cuda_probe::json_with(true)}));
+        println!("{}", json!({"dirs": rows, "cuda": ckpt_sidecar::memory::cuda_probe::json_with(true)}));
     } else {
-        println!("cuda: {}", ckpt_sidecar::daemon::cuda_probe::summary());
+        println!("cuda: {}", ckpt_sidecar::memory::cuda_probe::summary());
     }
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }

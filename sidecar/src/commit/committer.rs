@@ -21,18 +21,18 @@ use ckpt_store::rollback::RollbackError;
 use ckpt_store::image::{self};
 use crate::memory::staging::Resident;
 use crate::config;
-use crate::commit::rank_groups::{Expired, Groups, Offer};
+use crate::commit::rank_groups::{Expired, RankGroups, Offer};
 use crate::commit::nodes::Nodes;
 use crate::commit::slices;
-use crate::commit::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
-use crate::state::{Phase, Shared};
+use crate::state::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
+use crate::state::{Phase, DaemonState};
 
-pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinHandle<()> {
-    store.set_abort_flag(shared.aborting.clone());
+pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> JoinHandle<()> {
+    store.set_abort_flag(state.aborting.clone());
     std::thread::Builder::new()
         .name("ckpt-commit".into())
         .spawn(move || {
-            let mut groups = Groups::new(part_timeout());
+            let mut groups = RankGroups::new(part_timeout());
             // Several nodes: parts go to the shared directory, not to `groups`.
             let mut nodes = store.shared_dir().is_some().then(|| Nodes::new(part_timeout()));
             loop {
@@ -40,41 +40,41 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
                 let work = rx.recv_deadline(deadline);
                 if matches!(work, Ok(Work::Checkpoint(_))) {
-                    crate::daemon::test_panic::maybe_panic(crate::daemon::test_panic::At::Commit);
+                    crate::state::test_panic::maybe_panic(crate::state::test_panic::At::Commit);
                 }
                 match work {
                     Ok(Work::Checkpoint(job)) if job.part.is_some() => match nodes.as_mut() {
-                        Some(n) => n.offer(&mut store, &shared, job),
-                        None => gather(&mut store, &shared, &mut groups, job),
+                        Some(n) => n.offer(&mut store, &state, job),
+                        None => gather(&mut store, &state, &mut groups, job),
                     },
-                    Ok(Work::Checkpoint(job)) => commit_one(&mut store, &shared, job),
-                    Ok(Work::File(job)) => write_one(&mut store, &shared, job),
-                    Ok(Work::Rollback(job)) => rollback_one(&mut store, &shared, job),
+                    Ok(Work::Checkpoint(job)) => commit_one(&mut store, &state, job),
+                    Ok(Work::File(job)) => write_one(&mut store, &state, job),
+                    Ok(Work::Rollback(job)) => rollback_one(&mut store, &state, job),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
                         if let Some(n) = nodes.as_mut() {
-                            n.fail_all(&store, &shared, "the sidecar stopped before the step was committed");
+                            n.fail_all(&store, &state, "the sidecar stopped before the step was committed");
                         }
                         for job in groups.take_all() {
-                            fail_part(&shared, job, ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived".into());
+                            fail_part(&state, job, ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived".into());
                         }
                         break;
                     }
                 }
                 // Draining, no new part is accepted: an incomplete group never completes.
-                if shared.is_aborting() || shared.is_draining() {
+                if state.is_aborting() || state.is_draining() {
                     for job in groups.take_all() {
                         let why = format!("step {}: the sidecar is shutting down before every rank's part arrived; the step is not committed", job.step);
                         warn!("rank {:?}: {why}", job.part.map(|p| p.rank));
-                        fail_part(&shared, job, ErrorCode::ShuttingDown, why);
+                        fail_part(&state, job, ErrorCode::ShuttingDown, why);
                     }
                 }
                 if let Some(n) = nodes.as_mut().filter(|n| n.has_waiting()) {
-                    n.tick(&mut store, &shared);
+                    n.tick(&mut store, &state);
                 }
                 if let Some(n) = &nodes {
                     let now = n.coordinating();
-                    let mut c = shared.coordinating.lock().expect("coordinating lock");
+                    let mut c = state.coordinating.lock().expect("coordinating lock");
                     if *c != now {
                         *c = now;
                     }
@@ -93,7 +93,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, shared: Arc<Shared>) -> JoinH
                     );
                     warn!("{why}");
                     for job in parts {
-                        fail_part(&shared, job, ErrorCode::Io, why.clone());
+                        fail_part(&state, job, ErrorCode::Io, why.clone());
                     }
                 }
             }
@@ -127,7 +127,7 @@ pub fn check_part_timeout() -> Result<std::time::Duration, String> {
 
 /// Frees one part's lease, ends its flight, then answers it Failed (so a
 /// client that saves the step again at once does not find it in flight).
-fn fail_part(shared: &Shared, job: Job, code: ErrorCode, reason: String) {
+fn fail_part(state: &DaemonState, job: Job, code: ErrorCode, reason: String) {
     let key = job.key();
     drop(job.lease);
     // A fed part whose copy failed: its own reason (its copy has ended, the lease is back).
@@ -135,36 +135,36 @@ fn fail_part(shared: &Shared, job: Job, code: ErrorCode, reason: String) {
         Some(FillEnd::Failed { code, reason }) => (code, reason),
         _ => (code, reason),
     };
-    shared.end(key);
-    job.peer.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
+    state.end(key);
+    job.replies.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
 }
 
 /// One rank's part: kept until its step's group is complete, then the
 /// whole group is committed as one checkpoint.
-fn gather(store: &mut Store, shared: &Shared, groups: &mut Groups, job: Job) {
-    shared.set_phase(job.key(), Phase::WaitingForRanks);
+fn gather(store: &mut Store, state: &DaemonState, groups: &mut RankGroups, job: Job) {
+    state.set_phase(job.key(), Phase::WaitingForRanks);
     match groups.offer(job) {
         Offer::Pending => {}
         Offer::Refused(job, why) => {
             warn!("{why}");
-            fail_part(shared, *job, ErrorCode::BadRequest, why);
+            fail_part(state, *job, ErrorCode::BadRequest, why);
         }
-        Offer::Complete(parts) => commit_group(store, shared, parts),
+        Offer::Complete(parts) => commit_group(store, state, parts),
     }
 }
 
 /// Commits every rank's part of one step as one checkpoint; Durable (or
 /// Failed) goes to every rank's session.
-fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
+fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
     let step = parts[0].step;
-    if shared.is_aborting() {
+    if state.is_aborting() {
         for job in parts {
-            fail_part(shared, job, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
+            fail_part(state, job, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
         }
         return;
     }
     for j in &parts {
-        shared.set_phase(j.key(), Phase::Writing);
+        state.set_phase(j.key(), Phase::Writing);
     }
     let world_size = parts.len();
     let decls = match declared_slices(&parts) {
@@ -172,7 +172,7 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
         Err(why) => {
             warn!(step, "{why}");
             for job in parts {
-                fail_part(shared, job, ErrorCode::BadRequest, format!("step {step}: {why}"));
+                fail_part(state, job, ErrorCode::BadRequest, format!("step {step}: {why}"));
             }
             return;
         }
@@ -181,7 +181,7 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
         let e = CommitError::PartsDisagree { step, why };
         warn!(step, world_size, "{e}");
         for job in parts {
-            fail_part(shared, job, error_code(&e), e.to_string());
+            fail_part(state, job, error_code(&e), e.to_string());
         }
         return;
     }
@@ -206,13 +206,13 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
         .map_err(CommitError::from)
         .and_then(|merged| match digests.as_deref().filter(|_| merged.opts.incremental) {
             Some(d) => {
-                crate::commit::full_every::before_commit(store, shared);
+                crate::commit::full_every::before_commit(store, state);
                 store.commit_with_digests(step, &merged, parts[0].lease.staging_buf(), &crcs, d, &blobs)
             }
             None => store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs),
         });
     if r.is_ok() {
-        crate::commit::full_every::after_commit(store, shared);
+        crate::commit::full_every::after_commit(store, state);
     }
     drop(blobs);
     let persist_seconds = t0.elapsed().as_secs_f64();
@@ -221,15 +221,15 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             let gib_per_s = rep.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
             info!(step, world_size, persist_s = persist_seconds, gib_per_s, "durable (every rank's part)");
             let copy_seconds = parts.iter().map(|j| j.copy_seconds).fold(0.0, f64::max);
-            shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+            state.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
             let path = rep.path.display().to_string();
             for job in parts {
                 let key = job.key();
                 drop(job.lease);
-                shared.end(key);
-                job.peer.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
+                state.end(key);
+                job.replies.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
             }
-            if let Some(d) = &shared.drain {
+            if let Some(d) = &state.drain {
                 d.committed(step);
             }
         }
@@ -237,7 +237,7 @@ fn commit_group(store: &mut Store, shared: &Shared, parts: Vec<Job>) {
             warn!(step, world_size, "commit of every rank's part failed: {e}");
             let code = error_code(&e);
             for job in parts {
-                fail_part(shared, job, code, e.to_string());
+                fail_part(state, job, code, e.to_string());
             }
         }
     }
@@ -269,8 +269,8 @@ fn declared_slices(parts: &[Job]) -> Result<Vec<image::SliceDecl>, String> {
     Ok(out)
 }
 
-fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
-    let Job { id, step, layout, lease, crcs, digests, blobs, part: _, peer, span, copy_seconds, waited_seconds, t_received, fill } = job;
+fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
+    let Job { id, step, layout, lease, crcs, digests, blobs, part: _, replies, span, copy_seconds, waited_seconds, t_received, fill } = job;
     let _enter = span.enter();
     // A fed job whose copy failed is answered with the copy's reason, once
     // its lease is back (the lease's drop waits for the copy's end).
@@ -280,21 +280,21 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             Some(FillEnd::Failed { code, reason }) => (code, reason),
             _ => (code, reason),
         };
-        peer.send(&Reply::Failed { id, step, code, reason });
-        shared.end(Flight::Step(step));
+        replies.send(&Reply::Failed { id, step, code, reason });
+        state.end(Flight::Step(step));
     };
-    if shared.is_aborting() {
+    if state.is_aborting() {
         warn!("aborted before writing (the sidecar is aborting)");
         return failed(lease, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
     }
-    shared.set_phase(Flight::Step(step), Phase::Writing);
+    state.set_phase(Flight::Step(step), Phase::Writing);
     let mut placed = layout.clone();
     placed.rebase(lease.offset_bytes());
     let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
     let t0 = Instant::now();
     let queued_s = (t0 - t_received).as_secs_f64() - waited_seconds - if fill.is_some() { 0.0 } else { copy_seconds };
     if placed.opts.incremental {
-        crate::commit::full_every::before_commit(store, shared);
+        crate::commit::full_every::before_commit(store, state);
     }
     let r = match (&fill, &digests) {
         (None, Some(d)) => store.commit_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs),
@@ -302,7 +302,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
         (Some(f), _) => store.commit_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs),
     };
     if r.is_ok() {
-        crate::commit::full_every::after_commit(store, shared);
+        crate::commit::full_every::after_commit(store, state);
     }
     let persist_seconds = t0.elapsed().as_secs_f64();
     // A fed job's copy figures and checksums: its copy ended before the commit point.
@@ -327,11 +327,11 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
                 gib_per_s,
                 "durable"
             );
-            shared.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+            state.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
-            shared.staging.offer_resident(Resident { step, layout, crcs, digests, blobs, lease, origin: Arc::downgrade(&peer) });
-            peer.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
-            if let Some(d) = &shared.drain {
+            state.staging.offer_resident(Resident { step, layout, crcs, digests, blobs, lease, origin: replies.origin() });
+            replies.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
+            if let Some(d) = &state.drain {
                 d.committed(step);
             }
             // Deletions after Durable: nobody waits for them, but the flight
@@ -341,7 +341,7 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
             if !deleted.is_empty() {
                 info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
             }
-            shared.end(Flight::Step(step));
+            state.end(Flight::Step(step));
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "commit failed: {e}");
@@ -352,17 +352,17 @@ fn commit_one(store: &mut Store, shared: &Shared, job: Job) {
 
 /// Rolls the store back; a resident image of a rolled-back step is dropped
 /// first, so no Load serves it from RAM afterwards.
-fn rollback_one(store: &mut Store, shared: &Shared, job: RollbackJob) {
-    let RollbackJob { id, step, peer } = job;
-    if shared.is_aborting() {
-        peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: not done, the sidecar is shutting down") });
+fn rollback_one(store: &mut Store, state: &DaemonState, job: RollbackJob) {
+    let RollbackJob { id, step, replies } = job;
+    if state.is_aborting() {
+        replies.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: not done, the sidecar is shutting down") });
         return;
     }
-    shared.staging.drop_resident_after(step);
+    state.staging.drop_resident_after(step);
     match store.rollback(step) {
         Ok(removed) => {
             info!(step, ?removed, "rolled back");
-            peer.send(&Reply::RolledBack { id, step, removed });
+            replies.send(&Reply::RolledBack { id, step, removed });
         }
         Err(e) => {
             warn!(step, "rollback failed: {e}");
@@ -371,15 +371,15 @@ fn rollback_one(store: &mut Store, shared: &Shared, job: RollbackJob) {
                 RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => ErrorCode::Damaged,
                 RollbackError::Io { .. } | RollbackError::Refused { .. } => ErrorCode::Io,
             };
-            peer.send(&Reply::Error { id, code, message: e.to_string() });
+            replies.send(&Reply::Error { id, code, message: e.to_string() });
         }
     }
 }
 
-fn write_one(store: &mut Store, shared: &Shared, job: FileJob) {
-    let FileJob { id, key, path, len_bytes, lease, peer, span, copy_seconds, waited_seconds, t_received } = job;
+fn write_one(store: &mut Store, state: &DaemonState, job: FileJob) {
+    let FileJob { id, key, path, len_bytes, lease, replies, span, copy_seconds, waited_seconds, t_received } = job;
     let _enter = span.enter();
-    shared.set_phase(key, Phase::Writing);
+    state.set_phase(key, Phase::Writing);
     let queued_s = t_received.elapsed().as_secs_f64() - copy_seconds - waited_seconds;
     let t0 = Instant::now();
     let r = store.write_file(&path, lease.staging_buf(), lease.offset_bytes(), len_bytes);
@@ -395,12 +395,12 @@ fn write_one(store: &mut Store, shared: &Shared, job: FileJob) {
                 direct = rep.direct,
                 "file durable"
             );
-            peer.send(&Reply::Durable { id, step: 0, path: path.display().to_string(), persist_seconds });
+            replies.send(&Reply::Durable { id, step: 0, path: path.display().to_string(), persist_seconds });
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "file write failed: {e}");
-            peer.send(&Reply::Failed { id, step: 0, code: error_code(&e), reason: e.to_string() });
+            replies.send(&Reply::Failed { id, step: 0, code: error_code(&e), reason: e.to_string() });
         }
     }
-    shared.end(key);
+    state.end(key);
 }

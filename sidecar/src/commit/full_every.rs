@@ -13,13 +13,13 @@ use std::sync::atomic::Ordering;
 use ckpt_store::commit::Store;
 use tracing::info;
 
-use crate::state::Shared;
+use crate::state::DaemonState;
 
 /// Tells the store whether the next commit may link: not when it is the
 /// `--full-every`-th save since the last one that linked nothing.
-pub fn before_commit(store: &mut Store, shared: &Shared) {
-    let k = shared.full_every.load(Ordering::Relaxed);
-    let since = shared.saves_since_full.load(Ordering::Relaxed);
+pub fn before_commit(store: &mut Store, state: &DaemonState) {
+    let k = state.full_every.load(Ordering::Relaxed);
+    let since = state.saves_since_full.load(Ordering::Relaxed);
     let link = k == 0 || since + 1 < k;
     if !link {
         info!(full_every = k, "incremental: this save is written in full (--full-every)");
@@ -29,12 +29,12 @@ pub fn before_commit(store: &mut Store, shared: &Shared) {
 
 /// After a successful commit: the tensors it found changed become the
 /// history, and a save that linked nothing restarts the `--full-every` count.
-pub fn after_commit(store: &mut Store, shared: &Shared) {
+pub fn after_commit(store: &mut Store, state: &DaemonState) {
     let Some(rep) = store.take_incremental() else { return };
-    shared.set_changed(rep.changed);
+    state.set_changed(rep.changed);
     if rep.linked_files == 0 {
-        shared.saves_since_full.store(0, Ordering::Relaxed);
+        state.saves_since_full.store(0, Ordering::Relaxed);
     } else {
-        shared.saves_since_full.fetch_add(1, Ordering::Relaxed);
+        state.saves_since_full.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -6,7 +6,6 @@
 
 pub mod committer;
 pub mod full_every;
-pub mod jobs;
 pub mod nodes;
 pub mod rank_groups;
 pub mod slices;

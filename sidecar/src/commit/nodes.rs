@@ -44,16 +44,16 @@ use ckpt_store::nodes::{self, RanksState};
 use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
-use crate::commit::jobs::{error_code, FillEnd, Flight, Job};
-use crate::reply::Peer;
+use crate::state::jobs::{error_code, FillEnd, Flight, Job};
+use crate::state::reply::Replies;
 use crate::commit::slices;
-use crate::state::{Phase, Shared};
+use crate::state::{Phase, DaemonState};
 
 /// A rank whose part is on disk, waiting for the global commit.
 struct Waiter {
     id: u64,
     rank: u32,
-    peer: Arc<Peer>,
+    replies: Arc<Replies>,
     copy_seconds: f64,
     /// An incremental part: how many of its shards were linked (`--full-every`'s count).
     linked_files: Option<usize>,
@@ -81,9 +81,9 @@ pub struct Nodes {
     since_full: BTreeMap<u32, u32>,
 }
 
-fn answer_failed(shared: &Shared, w: Waiter, step: u64, code: ErrorCode, reason: String) {
-    shared.end(Flight::Part(step, w.rank));
-    w.peer.send(&Reply::Failed { id: w.id, step, code, reason });
+fn answer_failed(state: &DaemonState, w: Waiter, step: u64, code: ErrorCode, reason: String) {
+    state.end(Flight::Part(step, w.rank));
+    w.replies.send(&Reply::Failed { id: w.id, step, code, reason });
 }
 
 impl Nodes {
@@ -106,8 +106,8 @@ impl Nodes {
     /// written into the shared directory with its marker, its lease freed;
     /// the rank then waits for the commit. A part whose copy fails is
     /// answered Failed here, with the copy's reason, its files removed.
-    pub fn offer(&mut self, store: &mut Store, shared: &Shared, job: Job) {
-        let Job { id, step, layout, lease, crcs, digests, blobs, part, peer, span, copy_seconds, fill, .. } = job;
+    pub fn offer(&mut self, store: &mut Store, state: &DaemonState, job: Job) {
+        let Job { id, step, layout, lease, crcs, digests, blobs, part, replies, span, copy_seconds, fill, .. } = job;
         let _enter = span.enter();
         let part = part.expect("only parts go to the nodes");
         let key = Flight::Part(step, part.rank);
@@ -119,8 +119,8 @@ impl Nodes {
                 Some(FillEnd::Failed { code, reason }) => (code, reason),
                 _ => (code, reason),
             };
-            shared.end(key);
-            peer.send(&Reply::Failed { id, step, code, reason });
+            state.end(key);
+            replies.send(&Reply::Failed { id, step, code, reason });
         };
         if let Some(w) = self.steps.get(&step) {
             if w.world_size != part.world_size {
@@ -136,7 +136,7 @@ impl Nodes {
                 return fail(ErrorCode::BadRequest, why);
             }
         }
-        if shared.is_aborting() {
+        if state.is_aborting() {
             drop(lease);
             return fail(ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
         }
@@ -152,7 +152,7 @@ impl Nodes {
                 return fail(ErrorCode::BadRequest, why);
             }
         };
-        shared.set_phase(key, Phase::Writing);
+        state.set_phase(key, Phase::Writing);
         let mut placed = layout.clone();
         placed.rebase(lease.offset_bytes());
         // Slice declarations are not stored as blobs (protocol.md, "Slices"):
@@ -163,7 +163,7 @@ impl Nodes {
         // marker waits for the copy's checksums.
         // Incremental: whether its unchanged stable shards may be linked
         // (`--full-every`, counted per rank).
-        store.set_link_unchanged(self.may_link(shared, part.rank));
+        store.set_link_unchanged(self.may_link(state, part.rank));
         let r = match (&fill, &digests) {
             (None, Some(d)) if placed.opts.incremental => store.write_rank_part_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs, &decls),
             (None, _) => store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls),
@@ -184,11 +184,11 @@ impl Nodes {
         };
         // The next parts' stable shards: this part's tensors that changed.
         let linked_files = rep.incremental.map(|inc| {
-            shared.merge_changed(layout.specs.iter().map(|s| s.name.as_str()), inc.changed);
+            state.merge_changed(layout.specs.iter().map(|s| s.name.as_str()), inc.changed);
             inc.linked_files
         });
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
-        shared.set_phase(key, Phase::WaitingForRanks);
+        state.set_phase(key, Phase::WaitingForRanks);
         let timeout = self.timeout;
         let w = self.steps.entry(step).or_insert_with(|| StepWait {
             world_size: part.world_size,
@@ -210,15 +210,15 @@ impl Nodes {
                 "coordinator of this step (this sidecar serves rank 0): commits when every rank's marker is in the shared directory"
             );
         }
-        w.waiters.push(Waiter { id, rank: part.rank, peer, copy_seconds, linked_files });
-        self.poll_step(store, shared, step);
+        w.waiters.push(Waiter { id, rank: part.rank, replies, copy_seconds, linked_files });
+        self.poll_step(store, state, step);
     }
 
     /// Whether rank `rank`'s next part may link unchanged shards: not when
     /// it is the `--full-every`-th of its parts since the last committed
     /// one that linked nothing.
-    fn may_link(&self, shared: &Shared, rank: u32) -> bool {
-        let k = shared.full_every.load(std::sync::atomic::Ordering::Relaxed);
+    fn may_link(&self, state: &DaemonState, rank: u32) -> bool {
+        let k = state.full_every.load(std::sync::atomic::Ordering::Relaxed);
         let since = self.since_full.get(&rank).copied().unwrap_or(0);
         let link = k == 0 || since + 1 < k;
         if !link {
@@ -238,19 +238,19 @@ impl Nodes {
     }
 
     /// Looks at every waiting step in the shared directory.
-    pub fn tick(&mut self, store: &mut Store, shared: &Shared) {
+    pub fn tick(&mut self, store: &mut Store, state: &DaemonState) {
         let steps: Vec<u64> = self.steps.keys().copied().collect();
         for step in steps {
-            self.poll_step(store, shared, step);
+            self.poll_step(store, state, step);
         }
     }
 
-    fn poll_step(&mut self, store: &mut Store, shared: &Shared, step: u64) {
+    fn poll_step(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
         let Some(w) = self.steps.get(&step) else { return };
         if w.coordinator {
-            self.coordinate(store, shared, step);
+            self.coordinate(store, state, step);
         } else {
-            self.watch(store, shared, step);
+            self.watch(store, state, step);
         }
     }
 
@@ -265,7 +265,7 @@ impl Nodes {
 
     /// The coordinator: commit when every marker is in, abort when the
     /// timeout passed first.
-    fn coordinate(&mut self, store: &mut Store, shared: &Shared, step: u64) {
+    fn coordinate(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
         let w = self.steps.get(&step).expect("polled");
         let world_size = w.world_size;
         let missing = match store.ranks_missing(step, world_size) {
@@ -284,10 +284,10 @@ impl Nodes {
                     info!(step, world_size, commit_s = t0.elapsed().as_secs_f64(), "durable (every node's ranks; this sidecar coordinated)");
                     let copy_seconds = w.waiters.iter().map(|x| x.copy_seconds).fold(0.0, f64::max);
                     let gib_per_s = w.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
-                    shared.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+                    state.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
                     self.sweep(store);
                     self.count_committed(&w);
-                    durable(shared, w, step, &rep.path.display().to_string(), persist_seconds);
+                    durable(state, w, step, &rep.path.display().to_string(), persist_seconds);
                 }
                 Err(e) => {
                     let why = match &e {
@@ -301,15 +301,15 @@ impl Nodes {
                     }
                     self.sweep(store);
                     for x in w.waiters {
-                        answer_failed(shared, x, step, error_code(&e), why.clone());
+                        answer_failed(state, x, step, error_code(&e), why.clone());
                     }
                 }
             }
             return;
         }
-        if shared.is_aborting() || w.since.elapsed() >= self.timeout {
+        if state.is_aborting() || w.since.elapsed() >= self.timeout {
             let w = self.steps.remove(&step).expect("polled");
-            let why = if shared.is_aborting() {
+            let why = if state.is_aborting() {
                 format!("step {step}: the coordinator (rank 0's sidecar) is shutting down before rank(s) {missing:?} of {world_size} wrote their markers; the step is not committed")
             } else {
                 format!(
@@ -320,9 +320,9 @@ impl Nodes {
             warn!("{why}");
             self.abort_folder(store, step, &why);
             self.sweep(store);
-            let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
+            let code = if state.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
-                answer_failed(shared, x, step, code, why.clone());
+                answer_failed(state, x, step, code, why.clone());
             }
         }
     }
@@ -339,9 +339,9 @@ impl Nodes {
 
     /// Not the coordinator: Durable once the step is committed; Failed when
     /// its folder is gone uncommitted, or when nobody decided in time.
-    fn watch(&mut self, store: &mut Store, shared: &Shared, step: u64) {
+    fn watch(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
         let dir = store.shared_dir().expect("nodes run with a shared directory").to_path_buf();
-        let state = match nodes::ranks_state(&dir, step) {
+        let ranks = match nodes::ranks_state(&dir, step) {
             Ok(s) => s,
             Err(e) => {
                 warn!(step, "cannot read the shared directory ({e}); trying again");
@@ -349,7 +349,7 @@ impl Nodes {
             }
         };
         let w = self.steps.get_mut(&step).expect("polled");
-        match state {
+        match ranks {
             RanksState::Committed => {
                 let w = self.steps.remove(&step).expect("polled");
                 let path = ckpt_store::catalog::step_path(&dir, step).display().to_string();
@@ -357,7 +357,7 @@ impl Nodes {
                 info!(step, "durable (committed by the coordinator, rank 0's sidecar)");
                 self.sweep(store);
                 self.count_committed(&w);
-                durable(shared, w, step, &path, persist_seconds);
+                durable(state, w, step, &path, persist_seconds);
             }
             RanksState::Gone => {
                 let w = self.steps.remove(&step).expect("polled");
@@ -374,16 +374,16 @@ impl Nodes {
                 warn!("{why}");
                 self.sweep(store);
                 for x in w.waiters {
-                    answer_failed(shared, x, step, ErrorCode::Io, why.clone());
+                    answer_failed(state, x, step, ErrorCode::Io, why.clone());
                 }
             }
             RanksState::InFlight(seen) => {
                 w.seen = seen;
                 let limit = self.timeout * 2;
-                if shared.is_aborting() || w.since.elapsed() >= limit {
+                if state.is_aborting() || w.since.elapsed() >= limit {
                     let w = self.steps.remove(&step).expect("polled");
                     let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
-                    let why = if shared.is_aborting() {
+                    let why = if state.is_aborting() {
                         format!("step {step}: this sidecar is shutting down before the coordinator committed; rank(s) {missing:?} of {} had written no marker", w.world_size)
                     } else {
                         format!(
@@ -397,9 +397,9 @@ impl Nodes {
                     if let Err(e) = store.withdraw_ranks(step, &ranks) {
                         warn!(step, "could not remove this node's ranks' files ({e})");
                     }
-                    let code = if shared.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
+                    let code = if state.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
                     for x in w.waiters {
-                        answer_failed(shared, x, step, code, why.clone());
+                        answer_failed(state, x, step, code, why.clone());
                     }
                 }
             }
@@ -407,26 +407,26 @@ impl Nodes {
     }
 
     /// The committer's queue closed: every waiting rank is failed.
-    pub fn fail_all(&mut self, store: &Store, shared: &Shared, why: &str) {
+    pub fn fail_all(&mut self, store: &Store, state: &DaemonState, why: &str) {
         for (step, w) in std::mem::take(&mut self.steps) {
             let why = format!("step {step}: {why}");
             if w.coordinator {
                 self.abort_folder(store, step, &format!("{why} (the coordinator, rank 0's sidecar, stopped)"));
             }
             for x in w.waiters {
-                answer_failed(shared, x, step, ErrorCode::ShuttingDown, why.clone());
+                answer_failed(state, x, step, ErrorCode::ShuttingDown, why.clone());
             }
         }
     }
 }
 
-fn durable(shared: &Shared, w: StepWait, step: u64, path: &str, persist_seconds: f64) {
+fn durable(state: &DaemonState, w: StepWait, step: u64, path: &str, persist_seconds: f64) {
     // The drain (node-local files): this node uploads its files of the step.
-    if let Some(d) = &shared.drain {
+    if let Some(d) = &state.drain {
         d.committed(step);
     }
     for x in w.waiters {
-        shared.end(Flight::Part(step, x.rank));
-        x.peer.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });
+        state.end(Flight::Part(step, x.rank));
+        x.replies.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });
     }
 }

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::commit::jobs::Job;
+use crate::state::jobs::Job;
 
 /// What offering a part did.
 pub enum Offer {
@@ -33,7 +33,7 @@ struct Group {
     since: Instant,
 }
 
-pub struct Groups {
+pub struct RankGroups {
     pending: BTreeMap<u64, Group>,
     timeout: Duration,
     /// Steps given up lately: when, and the ranks whose parts had come. A
@@ -56,9 +56,9 @@ pub struct Expired {
     pub parts: Vec<Job>,
 }
 
-impl Groups {
-    pub fn new(timeout: Duration) -> Groups {
-        Groups { pending: BTreeMap::new(), timeout, given_up: BTreeMap::new() }
+impl RankGroups {
+    pub fn new(timeout: Duration) -> RankGroups {
+        RankGroups { pending: BTreeMap::new(), timeout, given_up: BTreeMap::new() }
     }
 
     pub fn timeout(&self) -> Duration {

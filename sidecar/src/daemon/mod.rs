@@ -13,12 +13,9 @@
 //!   finish and the sidecar exits with the child's status (128 + signal if
 //!   it was killed). A signal after the child exited aborts in-flight work.
 
-pub mod cuda_probe;
 pub mod fd_socket;
-pub mod metrics;
 pub mod server;
 pub mod session;
-pub mod test_panic;
 
 use std::ffi::OsString;
 use std::io;
@@ -44,7 +41,7 @@ use ckpt_store::restore::{ReadOptions, ThisNode};
 use ckpt_store::retention::Retention;
 use server::{Listener, ServerError};
 use crate::memory::staging::{Staging, StagingError};
-use crate::state::Shared;
+use crate::state::DaemonState;
 
 #[derive(Debug, Clone)]
 pub struct DaemonOptions {
@@ -62,11 +59,11 @@ pub struct DaemonOptions {
     pub cpus: Option<Vec<usize>>,
     /// Several nodes: the directory all nodes' sidecars share (multi-rank
     /// steps are written and committed there, `crate::commit::nodes`).
-    pub shared: Option<PathBuf>,
+    pub shared_dir: Option<PathBuf>,
     /// Several nodes, node-local files (`--node-local`): this node's id;
     /// its ranks' shards go to its own directories.
     pub node_local: Option<String>,
-    /// Serve metrics on this address (`crate::daemon::metrics`).
+    /// Serve metrics on this address (`crate::state::metrics`).
     pub metrics: Option<std::net::SocketAddr>,
     /// Serve loads only, without the directory lock (`--read-only`); a
     /// directory that cannot be written is served so without it too.
@@ -98,7 +95,7 @@ pub enum DaemonError {
     #[error("starting a thread: {0}")]
     Thread(io::Error),
     #[error(transparent)]
-    Metrics(#[from] crate::daemon::metrics::BindError),
+    Metrics(#[from] crate::state::metrics::BindError),
     #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
     Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
     /// An environment variable the daemon reads has a value it refuses.
@@ -149,7 +146,7 @@ enum Event {
 }
 
 struct Running {
-    shared: Arc<Shared>,
+    state: Arc<DaemonState>,
     listener: Listener,
     /// The target directories' locks: released (their files removed) when
     /// the daemon stops, after draining; the committer's Store does not
@@ -165,7 +162,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     if budget < config::STAGING_BYTES_MIN {
         return Err(DaemonError::StagingTooSmall(budget));
     }
-    let metrics = opts.metrics.map(crate::daemon::metrics::bind).transpose()?;
+    let metrics = opts.metrics.map(crate::state::metrics::bind).transpose()?;
     // The drain target first: a wrong credential or an unreachable URL
     // stops the start before anything is bound, locked or allocated.
     let drain = match &opts.drain {
@@ -174,9 +171,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
             let dirs: Vec<PathBuf> = dirs;
             // Several nodes with node-local files: this node drains its own
             // files of the steps committed in the shared directory.
-            let nodes = match (&opts.shared, &opts.node_local) {
+            let nodes = match (&opts.shared_dir, &opts.node_local) {
                 (Some(sh), Some(id)) => Some(crate::drain::NodesDrain {
-                    shared: std::fs::canonicalize(sh).unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
+                    shared_dir: std::fs::canonicalize(sh).unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
                     me: ThisNode { id: id.clone(), dirs: dirs.clone() },
                 }),
                 _ => None,
@@ -195,7 +192,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         retention: opts.retention,
         lock_role: role.into(),
         lock_socket: Some(std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf())),
-        shared: opts.shared.clone(),
+        shared: opts.shared_dir.clone(),
         // Twice the part timeout: a live coordinator aborts long before.
         shared_stale_after: crate::commit::committer::part_timeout() * 2,
         node_local: opts.node_local.clone(),
@@ -214,7 +211,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
     let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, incremental: opts.incremental, ..Default::default() };
-    let mut shared = Shared::new(
+    let mut state = DaemonState::new(
         store.dirs().to_vec(),
         layout_opts,
         ReadOptions { io: opts.io, node: store.node_id().map(|id| ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() }), ..Default::default() },
@@ -223,30 +220,30 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         opts.allow_uids.clone(),
         Arc::new(AtomicBool::new(false)),
     );
-    shared.shared_dir = store.shared_dir().map(Path::to_path_buf);
-    shared.read_only = store.read_only().cloned();
-    shared.drain = drain.clone();
-    shared.full_every.store(opts.full_every, std::sync::atomic::Ordering::Relaxed);
-    let shared = Arc::new(shared);
-    if let Some(d) = &shared.shared_dir {
-        match &shared.read_opts.node {
+    state.shared_dir = store.shared_dir().map(Path::to_path_buf);
+    state.read_only = store.read_only().cloned();
+    state.drain = drain.clone();
+    state.full_every.store(opts.full_every, std::sync::atomic::Ordering::Relaxed);
+    let state = Arc::new(state);
+    if let Some(d) = &state.shared_dir {
+        match &state.read_opts.node {
             None => info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
             Some(n) => info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, node-local: this node's ranks' shards go to its own directories, markers and the index to the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
         }
     }
-    info!(dirs = ?shared.dirs, engines = %store.engine_names(), staging_bytes = shared.staging.budget_bytes(), cuda = %crate::daemon::cuda_probe::summary(), "sidecar ready");
-    crate::commit::committer::spawn(store, rx, shared.clone());
+    info!(dirs = ?state.dirs, engines = %store.engine_names(), staging_bytes = state.staging.budget_bytes(), cuda = %crate::memory::cuda_probe::summary(), "sidecar ready");
+    crate::commit::committer::spawn(store, rx, state.clone());
     if let Some(d) = &drain {
         d.spawn()?;
     }
     if let Some(m) = metrics {
-        let s = shared.clone();
-        crate::daemon::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
+        let s = state.clone();
+        crate::state::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
     }
-    server::spawn_accept(&listener, shared.clone()).map_err(DaemonError::Thread)?;
+    server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.
     listener.publish()?;
-    Ok(Running { shared, listener, _locks: locks })
+    Ok(Running { state, listener, _locks: locks })
 }
 
 fn signals(tx: crossbeam_channel::Sender<Event>) -> Result<(), DaemonError> {
@@ -265,7 +262,7 @@ fn signals(tx: crossbeam_channel::Sender<Event>) -> Result<(), DaemonError> {
 }
 
 fn stop(r: Running) {
-    r.shared.close_sessions();
+    r.state.close_sessions();
     drop(r.listener);
 }
 
@@ -284,14 +281,14 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
             Ok(Event::Signal(SIGHUP)) => info!("SIGHUP: logs go to stderr, nothing to reopen"),
             Ok(Event::Signal(s)) => {
                 n_signals += 1;
-                on_stop_signal(&r.shared, s, n_signals);
+                on_stop_signal(&r.state, s, n_signals);
             }
             Ok(Event::ChildExited(_)) => unreachable!("serve has no child"),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
-        if r.shared.is_draining() && r.shared.drained() && drain_settled(&r.shared) {
-            break r.shared.is_aborting();
+        if r.state.is_draining() && r.state.drained() && drain_settled(&r.state) {
+            break r.state.is_aborting();
         }
     };
     info!(aborted, "sidecar exits");
@@ -302,9 +299,9 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
 /// A stopping sidecar waits for its drain to replicate the newest committed
 /// step (unless it aborts, or the target is down): the local disks may
 /// not outlive it.
-fn drain_settled(shared: &Shared) -> bool {
-    match &shared.drain {
-        Some(d) if !shared.is_aborting() => {
+fn drain_settled(state: &DaemonState) -> bool {
+    match &state.drain {
+        Some(d) if !state.is_aborting() => {
             let settled = d.settled();
             if !settled {
                 static SAID: std::sync::Once = std::sync::Once::new();
@@ -316,16 +313,16 @@ fn drain_settled(shared: &Shared) -> bool {
     }
 }
 
-fn on_stop_signal(shared: &Shared, sig: i32, n: u32) {
+fn on_stop_signal(state: &DaemonState, sig: i32, n: u32) {
     match n {
         1 => {
-            shared.draining.store(true, Ordering::SeqCst);
-            info!(sig, in_flight = shared.n_in_flight(), "stopping: no new saves; finishing in-flight checkpoints (signal again to abort them)");
+            state.draining.store(true, Ordering::SeqCst);
+            info!(sig, in_flight = state.n_in_flight(), "stopping: no new saves; finishing in-flight checkpoints (signal again to abort them)");
         }
         2 => {
-            shared.draining.store(true, Ordering::SeqCst);
-            shared.aborting.store(true, Ordering::SeqCst);
-            warn!(sig, in_flight = shared.n_in_flight(), "aborting in-flight checkpoints (signal again to exit at once)");
+            state.draining.store(true, Ordering::SeqCst);
+            state.aborting.store(true, Ordering::SeqCst);
+            warn!(sig, in_flight = state.n_in_flight(), "aborting in-flight checkpoints (signal again to exit at once)");
         }
         _ => {
             warn!("exiting at once; the next start removes what was in flight");
@@ -440,19 +437,19 @@ fn run_child(
             Ok(Event::Signal(s)) => {
                 if s != SIGHUP {
                     n_after_exit += 1;
-                    on_stop_signal(&r.shared, s, n_after_exit + 1);
+                    on_stop_signal(&r.state, s, n_after_exit + 1);
                 }
             }
             Ok(Event::ChildExited(code)) => {
-                info!(code, in_flight = r.shared.n_in_flight(), "trainer exited; finishing in-flight checkpoints");
-                r.shared.draining.store(true, Ordering::SeqCst);
+                info!(code, in_flight = r.state.n_in_flight(), "trainer exited; finishing in-flight checkpoints");
+                r.state.draining.store(true, Ordering::SeqCst);
                 child_code = Some(code);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => unreachable!("the signal thread never ends"),
         }
         if let Some(code) = child_code {
-            if r.shared.drained() && drain_settled(&r.shared) {
+            if r.state.drained() && drain_settled(&r.state) {
                 return Ok(code.clamp(0, 255) as u8);
             }
         }

@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use crate::config;
 use crate::daemon::session::{self, Session};
-use crate::state::{SessionEntry, Shared};
+use crate::state::{SessionEntry, DaemonState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -193,7 +193,7 @@ pub fn peer_cred(s: &UnixStream) -> io::Result<(u32, u32)> {
 }
 
 /// Accepts connections forever on a thread of its own (`ckpt-accept`).
-pub fn spawn_accept(listener: &Listener, shared: Arc<Shared>) -> io::Result<std::thread::JoinHandle<()>> {
+pub fn spawn_accept(listener: &Listener, state: Arc<DaemonState>) -> io::Result<std::thread::JoinHandle<()>> {
     let l = listener.listener.try_clone()?;
     std::thread::Builder::new().name("ckpt-accept".into()).spawn(move || {
         for (conn_no, conn) in l.incoming().enumerate() {
@@ -201,7 +201,7 @@ pub fn spawn_accept(listener: &Listener, shared: Arc<Shared>) -> io::Result<std:
                 Ok(s) => {
                     // The handshake runs on the session's own thread, so a
                     // silent peer cannot hold up the next accept.
-                    let sh = shared.clone();
+                    let sh = state.clone();
                     if let Err(e) = std::thread::Builder::new().name(format!("ckpt-session-{conn_no}")).spawn(move || handshake(&sh, s)) {
                         warn!("cannot start a session thread: {e}");
                     }
@@ -222,7 +222,7 @@ fn refuse(mut s: UnixStream, reason: String) {
 }
 
 /// Checks the peer and its Hello, then serves the session on this thread.
-fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
+fn handshake(state: &Arc<DaemonState>, mut s: UnixStream) {
     let (uid, pid) = match peer_cred(&s) {
         Ok(c) => c,
         Err(e) => return refuse(s, format!("cannot read peer credentials: {e}")),
@@ -230,8 +230,8 @@ fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
     let _ = s.set_read_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
     let _ = s.set_write_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
     let hello = ckpt_wire::read_frame_body(&mut s, config::HELLO_BYTES_MAX).and_then(|b| ckpt_wire::decode::<Request>(&b));
-    if uid != shared.uid && !shared.allow_uids.contains(&uid) {
-        return refuse(s, format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", shared.uid));
+    if uid != state.uid && !state.allow_uids.contains(&uid) {
+        return refuse(s, format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", state.uid));
     }
     let (client_pid, name) = match hello {
         Ok(Request::Hello { magic, version, pid: client_pid, name }) => {
@@ -246,25 +246,25 @@ fn handshake(shared: &Arc<Shared>, mut s: UnixStream) {
         Ok(_) => return refuse(s, "the first message must be a Hello".into()),
         Err(e) => return refuse(s, format!("bad handshake: {e}")),
     };
-    if shared.is_aborting() {
+    if state.is_aborting() {
         return refuse(s, "the sidecar is shutting down".into());
     }
     let _ = s.set_read_timeout(None);
     let welcome = Reply::Welcome {
         version: PROTOCOL_VERSION,
-        server_pid: shared.server_pid,
-        dirs: shared.dirs.iter().map(|d| d.display().to_string()).collect(),
-        staging_bytes: shared.staging.budget_bytes(),
+        server_pid: state.server_pid,
+        dirs: state.dirs.iter().map(|d| d.display().to_string()).collect(),
+        staging_bytes: state.staging.budget_bytes(),
     };
     let name: String = name.chars().take(256).collect();
-    let Some(session_id) = shared.add_session(SessionEntry { pid: client_pid, name: name.clone(), regions: 0, region_bytes: 0, stream: s.try_clone().ok() }) else {
+    let Some(session_id) = state.add_session(SessionEntry { pid: client_pid, name: name.clone(), regions: 0, region_bytes: 0, stream: s.try_clone().ok() }) else {
         return refuse(s, format!("too many sessions (at most {})", config::SESSIONS_MAX));
     };
     // Removed however this thread ends, after the session's own state.
-    let _registered = shared.session_guard(session_id);
+    let _registered = state.session_guard(session_id);
     if ckpt_wire::write_frame(&mut s, &welcome).is_err() {
         return;
     }
     info!(session_id, uid, peer_pid = pid, client_pid, name = %name, "session started");
-    session::run(shared.clone(), Session { session_id, peer_uid: uid, peer_pid: pid, client_pid, name }, s);
+    session::run(state.clone(), Session { session_id, peer_uid: uid, peer_pid: pid, client_pid, name }, s);
 }

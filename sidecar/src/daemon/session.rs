@@ -2,7 +2,7 @@
 //! (`ckpt-session-<n>`) that reads request frames in order and answers them.
 //! Saves (and SaveFiles) are checked and copied on this thread (so a
 //! session's saves keep their order); their Durable/Failed replies come later from the committer
-//! through the shared [`Peer`].
+//! through the shared [`Replies`].
 //!
 //! Invariants: a frame is length-checked before its body is read and decoded
 //! without panicking; a malformed frame ends this session only (an `Error`
@@ -21,13 +21,13 @@ use ckpt_store::catalog;
 use crate::config;
 use crate::daemon::fd_socket::FdSocket;
 use crate::save::file_save::{self, FileRequest};
-use crate::commit::jobs::{Part, RollbackJob, Work};
+use crate::state::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::memory::regions::{CudaSession, CudaSource, Region};
 use crate::save::plan_cache::SavePlans;
 use crate::save::snapshot::{self, SaveTensors};
-use crate::reply::Peer;
-use crate::state::Shared;
+use crate::state::reply::Replies;
+use crate::state::DaemonState;
 
 /// The id of an `Error` that answers no request (a malformed frame).
 pub const NO_REQUEST_ID: u64 = u64::MAX;
@@ -48,9 +48,9 @@ enum Read<'a> {
     Decoded(Vec<TensorDescIn<'a>>, &'a [u8]),
 }
 
-pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
-    let peer = match stream.try_clone() {
-        Ok(w) => Arc::new(Peer::new(w)),
+pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
+    let replies = match stream.try_clone() {
+        Ok(w) => Arc::new(Replies::new(w)),
         Err(e) => {
             // The caller's guard removes the session's registration.
             warn!("cannot clone the client socket: {e}");
@@ -76,7 +76,7 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             }
             Err(e) => {
                 warn!(pid = s.client_pid, "bad frame, closing the session: {e}");
-                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("bad frame, closing: {e}") });
+                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("bad frame, closing: {e}") });
                 break;
             }
         };
@@ -96,17 +96,17 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
         });
         match read {
             Some(Ok((id, step, part, read, blobs, lazy_release, unchanged))) => {
-                crate::daemon::test_panic::maybe_panic(crate::daemon::test_panic::At::Session);
+                crate::state::test_panic::maybe_panic(crate::state::test_panic::At::Session);
                 let tensors = match &read {
                     Read::Kept(list) => SaveTensors::Kept(list),
                     Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
                 };
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, tensors, blobs, lazy_release, part, unchanged);
+                snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, tensors, blobs, lazy_release, part, unchanged);
                 continue;
             }
             Some(Err(e)) => {
                 warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
-                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
                 break;
             }
             None => {}
@@ -115,19 +115,19 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
             Ok(r) => r,
             Err(e) => {
                 warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
-                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
                 break;
             }
         };
         drop(body);
         match req {
             Request::Hello { .. } => {
-                peer.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: "Hello after the handshake".into() });
+                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: "Hello after the handshake".into() });
             }
             Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over } => {
                 let reply = register(&s, &mut regions, id, region_id, &shm_name, len_bytes, hand_over);
-                update_counts(&shared, &s, &regions);
-                peer.send(&reply);
+                update_counts(&state, &s, &regions);
+                replies.send(&reply);
             }
             Request::UnregisterRegion { id, region_id } => {
                 // Copies run on this thread, so none uses the region now;
@@ -137,47 +137,47 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                     Some(_) => Reply::RegionUnregistered { id, region_id },
                     None => Reply::Error { id, code: ErrorCode::BadRegion, message: format!("region {region_id} is not registered") },
                 };
-                update_counts(&shared, &s, &regions);
-                peer.send(&reply);
+                update_counts(&state, &s, &regions);
+                replies.send(&reply);
             }
             // Read by decode_save above; kept whole for any other path here.
             Request::Save { id, step, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, None, unchanged)
+                snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, None, unchanged)
             }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, Some(Part { rank, world_size }), unchanged)
+                snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, Some(Part { rank, world_size }), unchanged)
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 let pieces = vec![FilePiece { region_id, offset_bytes, len_bytes }];
-                file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, FileRequest { id, path, pieces, finish: FileFinish::AsIs })
+                file_save::run_save_file(&state, &replies, &regions, s.peer_uid, FileRequest { id, path, pieces, finish: FileFinish::AsIs })
             }
             Request::SaveFilePieces { id, path, pieces, device, event, finish } => {
                 // Device pieces: the session's stream waits on the trainer's
                 // event (as recorded now, after the message arrived) before
                 // any copy is queued on it.
-                let fenced = if event.is_empty() { Ok(()) } else { cuda.fence(device, &event, &|| peer.is_gone() || shared.is_aborting()) };
+                let fenced = if event.is_empty() { Ok(()) } else { cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting()) };
                 match fenced {
-                    Ok(()) => file_save::run_save_file(&shared, &peer, &regions, s.peer_uid, FileRequest { id, path, pieces, finish }),
+                    Ok(()) => file_save::run_save_file(&state, &replies, &regions, s.peer_uid, FileRequest { id, path, pieces, finish }),
                     Err(e) => {
                         info!(path = %path, "save of a file refused: the trainer's CUDA event: {e}");
-                        peer.send(&Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}") });
+                        replies.send(&Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}") });
                     }
                 }
             }
-            Request::Load { id, step, tensors } => load::run_load(&shared, &peer, &regions, id, step, tensors),
+            Request::Load { id, step, tensors } => load::run_load(&state, &replies, &regions, id, step, tensors),
             Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => {
-                load::run_load_packed(&shared, &regions, &peer, id, step, load::PackedRange { region_id, offset_bytes, len_bytes })
+                load::run_load_packed(&state, &regions, &replies, id, step, load::PackedRange { region_id, offset_bytes, len_bytes })
             }
             Request::List { id } => {
-                let primary = shared.read_dir();
+                let primary = state.read_dir();
                 let reply = match catalog::readable_steps(primary) {
                     // With a drain target: its steps too (a load reads them
                     // from there), and `latest` the newer of both tiers'.
                     Ok(mut steps) => {
                         let mut latest = catalog::latest_step(primary).ok().flatten();
-                        if let Some(remote) = shared.drain.as_ref().filter(|_| shared.shared_dir.is_none()).and_then(|d| d.remote_steps()) {
+                        if let Some(remote) = state.drain.as_ref().filter(|_| state.shared_dir.is_none()).and_then(|d| d.remote_steps()) {
                             latest = latest.max(remote.last().copied());
                             steps.extend(remote);
                             steps.sort_unstable();
@@ -187,67 +187,67 @@ pub fn run(shared: Arc<Shared>, s: Session, stream: UnixStream) {
                     }
                     Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
                 };
-                peer.send(&reply);
+                replies.send(&reply);
             }
             Request::Status { id } => {
-                peer.send(&Reply::Status { id, report: shared.report() });
+                replies.send(&Reply::Status { id, report: state.report() });
             }
             Request::Rollback { id, step } => {
-                if let Some(dir) = &shared.read_only {
-                    peer.send(&Reply::Error { id, code: ErrorCode::Io, message: format!("rollback to step {step}: {dir}") });
-                } else if shared.is_draining() || shared.is_aborting() {
-                    peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: the sidecar is shutting down") });
-                } else if shared.commit_tx.send(Work::Rollback(RollbackJob { id, step, peer: peer.clone() })).is_err() {
-                    peer.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });
+                if let Some(dir) = &state.read_only {
+                    replies.send(&Reply::Error { id, code: ErrorCode::Io, message: format!("rollback to step {step}: {dir}") });
+                } else if state.is_draining() || state.is_aborting() {
+                    replies.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: the sidecar is shutting down") });
+                } else if state.commit_tx.send(Work::Rollback(RollbackJob { id, step, replies: replies.clone() })).is_err() {
+                    replies.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });
                 }
             }
             Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes } => {
-                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Ipc(&ipc_handle), len_bytes);
-                update_counts(&shared, &s, &regions);
-                peer.send(&reply);
+                let reply = register_cuda(&state, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Ipc(&ipc_handle), len_bytes);
+                update_counts(&state, &s, &regions);
+                replies.send(&reply);
             }
             Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes } if !fabric_handle.is_empty() => {
-                let reply = register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fabric(&fabric_handle), len_bytes);
-                update_counts(&shared, &s, &regions);
-                peer.send(&reply);
+                let reply = register_cuda(&state, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fabric(&fabric_handle), len_bytes);
+                update_counts(&state, &s, &regions);
+                replies.send(&reply);
             }
             Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes, .. } => {
                 let reply = match reader.get_mut().take_fd() {
-                    Some(fd) => register_cuda(&shared, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fd(fd), len_bytes),
+                    Some(fd) => register_cuda(&state, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fd(fd), len_bytes),
                     None => Reply::Error {
                         id,
                         code: ErrorCode::BadRegion,
                         message: format!("CUDA VMM region {region_id}: the request carried no file descriptor (send it with SCM_RIGHTS on the frame)"),
                     },
                 };
-                update_counts(&shared, &s, &regions);
-                peer.send(&reply);
+                update_counts(&state, &s, &regions);
+                replies.send(&reply);
             }
             Request::RegisterCudaSpan { id, region_id, pieces } => {
                 let reply = register_cuda_span(&mut regions, id, region_id, &pieces);
-                update_counts(&shared, &s, &regions);
-                peer.send(&reply);
+                update_counts(&state, &s, &regions);
+                replies.send(&reply);
             }
             Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, rank, world_size, unchanged } => {
                 // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
                 let part = (rank, world_size) != (0, 1);
                 // The trainer's event is polled here, watching the client:
                 // nothing is queued on the device before its work is done.
-                match cuda.fence(device, &event, &|| peer.is_gone() || shared.is_aborting()) {
+                match cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting()) {
                     Ok(()) => {
                         let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                        snapshot::run_save(&shared, &peer, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }), unchanged);
+                        snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }), unchanged);
                     }
                     Err(e) => {
                         info!(step, "save refused: the trainer's CUDA event: {e}");
-                        peer.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}") });
+                        replies.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}") });
                     }
                 }
             }
-            Request::WaitReplicated { id, step } => match &shared.drain {
-                Some(d) => d.wait(&peer, id, step, catalog::is_committed(shared.read_dir(), step)),
+            Request::WaitReplicated { id, step } => match &state.drain {
+                Some(d) => d.wait(replies.clone(), id, step, catalog::is_committed(state.read_dir(), step)),
                 None => {
-                    peer.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated") });
+                    replies.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated") });
                 }
             },
             Request::Bye => {
@@ -323,7 +323,7 @@ fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, regio
 
 #[allow(clippy::too_many_arguments)]
 fn register_cuda(
-    shared: &Shared,
+    state: &DaemonState,
     regions: &mut HashMap<u32, Arc<Region>>,
     cuda: &mut CudaSession,
     id: u64,
@@ -342,7 +342,7 @@ fn register_cuda(
     // The client's ordinal means its device of that UUID, whatever the sidecar numbers it.
     let opened = cuda
         .device(client_device, uuid)
-        .and_then(|device| Ok((device, cuda.stream(device, &shared.staging)?)))
+        .and_then(|device| Ok((device, cuda.stream(device, &state.staging)?)))
         .and_then(|(device, stream)| Region::open_cuda(region_id, source, device, len_bytes, stream));
     match opened {
         Ok(r) => {
@@ -390,11 +390,11 @@ fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_i
     }
 }
 
-fn update_counts(shared: &Shared, s: &Session, regions: &HashMap<u32, Arc<Region>>) {
+fn update_counts(state: &DaemonState, s: &Session, regions: &HashMap<u32, Arc<Region>>) {
     let n = regions.len() as u32;
     // A span's bytes are its pieces', counted once.
     let bytes = regions.values().filter(|r| r.kind() != "cuda-span").map(|r| r.len_bytes).sum();
-    shared.update_session(s.session_id, |e| {
+    state.update_session(s.session_id, |e| {
         e.regions = n;
         e.region_bytes = bytes;
     });

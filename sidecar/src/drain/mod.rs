@@ -45,7 +45,6 @@ use ckpt_wire::{DrainReport, ErrorCode, Reply};
 use tracing::{info, warn};
 
 use crate::config;
-use crate::reply::Peer;
 pub use crate::drain::remote_source::{RemoteCkpt, RemoteFrom, RemoteStep};
 use crate::memory::staging::{Lent, Staging};
 
@@ -61,9 +60,19 @@ pub struct DrainOptions {
     pub bandwidth_bytes_per_s: Option<u64>,
 }
 
+/// Where the drain answers a client that waits for a step to be replicated
+/// (a session's reply side, `crate::state::reply::Replies`): the drain knows
+/// no sessions, only this.
+pub trait Answer: Send + Sync {
+    /// Sends one reply; false if it could not be sent.
+    fn send(&self, reply: &Reply) -> bool;
+    /// Whether the client has gone: its wait is dropped unanswered.
+    fn is_gone(&self) -> bool;
+}
+
 /// One client waiting for a step to be replicated.
 struct Waiter {
-    peer: Arc<Peer>,
+    replies: Arc<dyn Answer>,
     id: u64,
     step: u64,
 }
@@ -139,7 +148,7 @@ struct Moved {
 /// uploads the blobs and commits the remote step once every node's mark is in.
 #[derive(Debug, Clone)]
 pub struct NodesDrain {
-    pub shared: PathBuf,
+    pub shared_dir: PathBuf,
     pub me: ckpt_store::restore::ThisNode,
 }
 
@@ -420,7 +429,7 @@ impl Drain {
     /// committed in the shared directory not yet drained; Ok(false) also
     /// while it waits for the other nodes' uploads or the remote commit.
     fn drain_once_nodes(&self, n: &NodesDrain) -> Result<bool, ()> {
-        let committed = catalog::committed_steps(&n.shared).unwrap_or_default();
+        let committed = catalog::committed_steps(&n.shared_dir).unwrap_or_default();
         let Some(newest) = self.next_step(&committed, |st, newest| st.mine_uploaded.retain(|&s| s >= newest)) else { return Ok(false) };
         // Held from the coordinator's retention in the shared directory
         // until replicated (or a newer one is the newest not replicated).
@@ -481,8 +490,8 @@ impl Drain {
     /// committed remotely; None while waiting for others.
     fn upload_nodes(&self, n: &NodesDrain, step: u64) -> Result<Option<ckpt_tier::UploadStats>, Upload> {
         use ckpt_store::nodes as cn;
-        let index_bytes = std::fs::read(catalog::step_path(&n.shared, step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
-        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("index of step {step} in {}: {e}", n.shared.display())))?;
+        let index_bytes = std::fs::read(catalog::step_path(&n.shared_dir, step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
+        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("index of step {step} in {}: {e}", n.shared_dir.display())))?;
         let failed = |e: ckpt_tier::TierError| Upload::Failed(e.to_string());
         let done = ckpt_tier::UploadStats { bytes: 0, files: 0, seconds: 0.0 };
         if self.target.steps().map_err(failed)?.contains(&step) {
@@ -495,14 +504,14 @@ impl Drain {
                 stats = self.target.upload_files(step, &mine).map_err(failed)?;
             }
             if index.ckpt.nodes.contains_key(&n.me.id) {
-                cn::mark_uploaded(&n.shared, step, &n.me.id).map_err(|e| Upload::Failed(format!("upload mark of step {step} in {}: {e}", n.shared.display())))?;
+                cn::mark_uploaded(&n.shared_dir, step, &n.me.id).map_err(|e| Upload::Failed(format!("upload mark of step {step} in {}: {e}", n.shared_dir.display())))?;
             }
             self.lock().mine_uploaded.insert(step);
         }
         if cn::drain_coordinator(&index) != Some(n.me.id.as_str()) {
             return Ok(None);
         }
-        let marked = cn::uploaded_nodes(&n.shared, step).map_err(|e| Upload::Failed(format!("upload marks of step {step}: {e}")))?;
+        let marked = cn::uploaded_nodes(&n.shared_dir, step).map_err(|e| Upload::Failed(format!("upload marks of step {step}: {e}")))?;
         if index.ckpt.nodes.keys().any(|id| !marked.contains(id)) {
             return Ok(None);
         }
@@ -513,7 +522,7 @@ impl Drain {
             .iter()
             .map(|b| {
                 let name = format!("{BLOBS_DIR_NAME}/{}", b.name);
-                LocalFile { local_path: n.shared.join(&step_name).join(&name), name, len: b.len_bytes, crc32c: b.crc32c }
+                LocalFile { local_path: n.shared_dir.join(&step_name).join(&name), name, len: b.len_bytes, crc32c: b.crc32c }
             })
             .collect();
         if !blobs.is_empty() {
@@ -521,7 +530,7 @@ impl Drain {
             stats = ckpt_tier::UploadStats { bytes: stats.bytes + b.bytes, files: stats.files + b.files, seconds: stats.seconds + b.seconds };
         }
         self.target.commit_step(step, &cn::flattened_index(index).to_json_bytes()).map_err(failed)?;
-        if let Err(e) = cn::remove_upload_marks(&n.shared, step) {
+        if let Err(e) = cn::remove_upload_marks(&n.shared_dir, step) {
             warn!(step, "could not remove the upload marks of step {step} ({e})");
         }
         Ok(Some(stats))
@@ -614,7 +623,7 @@ impl Drain {
         let replicated = &st.replicated;
         let skipped = &st.skipped;
         st.waiters.retain(|w| {
-            if w.peer.is_gone() {
+            if w.replies.is_gone() {
                 return false;
             }
             let reply = if replicated.contains(&w.step) {
@@ -626,7 +635,7 @@ impl Drain {
             };
             match reply {
                 Some(r) => {
-                    w.peer.send(&r);
+                    w.replies.send(&r);
                     false
                 }
                 None => true,
@@ -635,13 +644,13 @@ impl Drain {
     }
 
     /// A WaitReplicated: answered now, or when the step is replicated (or skipped).
-    pub fn wait(&self, peer: &Arc<Peer>, id: u64, step: u64, committed_locally: bool) {
+    pub fn wait(&self, replies: Arc<dyn Answer>, id: u64, step: u64, committed_locally: bool) {
         let mut st = self.lock();
         if st.replicated.contains(&step) {
-            peer.send(&Reply::Replicated { id, step, url: self.url().to_string() });
+            replies.send(&Reply::Replicated { id, step, url: self.url().to_string() });
             return;
         }
-        let refuse = |why: String| peer.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: {why}; it will not be replicated to {}", self.url()) });
+        let refuse = |why: String| replies.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: {why}; it will not be replicated to {}", self.url()) });
         if step % self.opts.every != 0 {
             refuse(format!("--drain-every {} drains multiples of {} only", self.opts.every, self.opts.every));
             return;
@@ -651,10 +660,10 @@ impl Drain {
             return;
         }
         if st.waiters.len() >= config::DRAIN_WAITERS_MAX {
-            peer.send(&Reply::Error { id, code: ErrorCode::BadRequest, message: format!("more than {} waits for replication at once", config::DRAIN_WAITERS_MAX) });
+            replies.send(&Reply::Error { id, code: ErrorCode::BadRequest, message: format!("more than {} waits for replication at once", config::DRAIN_WAITERS_MAX) });
             return;
         }
-        st.waiters.push(Waiter { peer: peer.clone(), id, step });
+        st.waiters.push(Waiter { replies, id, step });
         self.answer(&mut st);
         drop(st);
         self.cv.notify_all();
@@ -666,7 +675,7 @@ impl Drain {
     /// the next sidecar on these directories uploads it).
     pub fn settled(&self) -> bool {
         // Several nodes: the steps are committed in the shared directory.
-        let committed_in = self.nodes.as_ref().map_or(self.primary(), |n| n.shared.as_path());
+        let committed_in = self.nodes.as_ref().map_or(self.primary(), |n| n.shared_dir.as_path());
         let newest = catalog::committed_steps(committed_in).unwrap_or_default().into_iter().filter(|s| s % self.opts.every == 0).last();
         let st = self.lock();
         if !st.up {
@@ -1048,7 +1057,7 @@ mod tests {
             lease.as_mut_slice()[at] ^= 0x08;
         }
         let blobs = vec![ckpt_wire::Blob { name: "rng".into(), bytes: b"seed".to_vec() }];
-        staging.offer_resident(crate::memory::staging::Resident { step, layout: layout.clone(), crcs, digests: None, blobs, lease, origin: std::sync::Weak::new() });
+        staging.offer_resident(crate::memory::staging::Resident { step, layout: layout.clone(), crcs, digests: None, blobs, lease, origin: std::sync::Weak::<()>::new() });
         layout
     }
 

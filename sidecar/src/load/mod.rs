@@ -29,8 +29,8 @@ use ckpt_store::restore::{self, LoadError, Placed, Which};
 use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
 use crate::save::snapshot::{check_desc_shape, check_no_overlap};
 use crate::memory::staging::StagingError;
-use crate::reply::Peer;
-use crate::state::Shared;
+use crate::state::reply::Replies;
+use crate::state::DaemonState;
 
 struct Fail(ErrorCode, String);
 
@@ -75,9 +75,9 @@ fn from_index<'a>(index: &'a Index, name: &str, bytes: impl Fn(&str) -> Option<&
     Some(Have { dtype: t.dtype.as_str(), shape: t.shape, pieces, crc32c: None })
 }
 
-pub fn run_load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: Option<u64>, descs: Vec<TensorDesc>) {
+pub fn run_load(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: Option<u64>, descs: Vec<TensorDesc>) {
     let t0 = Instant::now();
-    let reply = match load(shared, peer, regions, step, &descs) {
+    let reply = match load(state, replies, regions, step, &descs) {
         Ok((step, source, tensors, blobs, fell_back)) => {
             info!(step, ?source, n_tensors = descs.len(), seconds = t0.elapsed().as_secs_f64(), "loaded");
             Reply::Loaded { id, step, source, tensors, blobs, fell_back }
@@ -87,7 +87,7 @@ pub fn run_load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Re
             Reply::Error { id, code, message }
         }
     };
-    peer.send(&reply);
+    replies.send(&reply);
 }
 
 type Served = (u64, LoadSource, Vec<TensorInfo>, Vec<Blob>, Vec<String>);
@@ -153,24 +153,24 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
 /// load's memory (`load`, from the shared directory with the fetcher, for
 /// step `s`); None: no such file, or no drain (the local read then says
 /// which node holds it).
-fn other_nodes_files<T>(shared: &Shared, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(Origin<'_>, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
-    let (Some(d), Some(me)) = (&shared.drain, &shared.read_opts.node) else { return Ok(None) };
-    let Some(s) = step.or_else(|| catalog::latest_step(shared.read_dir()).ok().flatten()) else { return Ok(None) };
-    let Ok(index) = restore::read_index(shared.read_dir(), s) else { return Ok(None) };
-    let opts = restore::ReadOptions { only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()), ..shared.read_opts.clone() };
+fn other_nodes_files<T>(state: &DaemonState, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(Origin<'_>, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
+    let (Some(d), Some(me)) = (&state.drain, &state.read_opts.node) else { return Ok(None) };
+    let Some(s) = step.or_else(|| catalog::latest_step(state.read_dir()).ok().flatten()) else { return Ok(None) };
+    let Ok(index) = restore::read_index(state.read_dir(), s) else { return Ok(None) };
+    let opts = restore::ReadOptions { only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()), ..state.read_opts.clone() };
     let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
     let n_fetched = index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
     let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
     info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files (this node's own are read from its disks)");
-    load(Origin::Dir(shared.read_dir(), Some(&r)), s).map(Some)
+    load(Origin::Dir(state.read_dir(), Some(&r)), s).map(Some)
 }
 
 /// With a drain target (`crate::drain`): the remote step a load of `step`
 /// (None: latest) reads, when it is not committed locally or (latest) the
 /// target holds a newer one; None: the local directories.
-fn remote_source(shared: &Shared, step: Option<u64>) -> Result<Option<crate::drain::RemoteCkpt>, Fail> {
-    let Some(d) = shared.drain.as_ref().filter(|_| shared.shared_dir.is_none()) else { return Ok(None) };
-    let local_latest = catalog::latest_step(shared.read_dir()).ok().flatten();
+fn remote_source(state: &DaemonState, step: Option<u64>) -> Result<Option<crate::drain::RemoteCkpt>, Fail> {
+    let Some(d) = state.drain.as_ref().filter(|_| state.shared_dir.is_none()) else { return Ok(None) };
+    let local_latest = catalog::latest_step(state.read_dir()).ok().flatten();
     let r = d.remote_source(step, local_latest).map_err(|(code, m)| Fail(code, m))?;
     if let Some(r) = &r {
         info!(step = r.step, url = d.url(), "loading from the drain target (not in the local directories, or newer there)");
@@ -178,26 +178,26 @@ fn remote_source(shared: &Shared, step: Option<u64>) -> Result<Option<crate::dra
     Ok(r)
 }
 
-fn load(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
+fn load(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
-    if let Some(served) = other_nodes_files(shared, step, Some(descs), |origin, s| load_from(shared, peer, regions, origin, Some(s), descs, false))? {
+    if let Some(served) = other_nodes_files(state, step, Some(descs), |origin, s| load_from(state, replies, regions, origin, Some(s), descs, false))? {
         return Ok(served);
     }
-    let remote = remote_source(shared, step)?;
+    let remote = remote_source(state, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
-        None => match (load_from(shared, peer, regions, Origin::Dir(shared.read_dir(), None), step, descs, true), step, &shared.drain) {
-            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
+        None => match (load_from(state, replies, regions, Origin::Dir(state.read_dir(), None), step, descs, true), step, &state.drain) {
+            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if state.shared_dir.is_none() => {
                 let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
-                let mut served = load_from(shared, peer, regions, Origin::of(&r), Some(s), descs, false)?;
+                let mut served = load_from(state, replies, regions, Origin::of(&r), Some(s), descs, false)?;
                 served.4.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
                 Ok(served)
             }
             (r, ..) => r,
         },
         Some(r) => {
-            let mut served = load_from(shared, peer, regions, Origin::of(r), Some(r.step), descs, false)?;
+            let mut served = load_from(state, replies, regions, Origin::of(r), Some(r.step), descs, false)?;
             served.4.splice(0..0, r.fell_back.iter().cloned());
             Ok(served)
         }
@@ -272,11 +272,11 @@ impl<'a> Origin<'a> {
 
 /// A Load from `origin` (`ram`: the resident image may serve it; a
 /// checkpoint directory's only).
-fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, descs: &[TensorDesc], ram: bool) -> Result<Served, Fail> {
+fn load_from(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, descs: &[TensorDesc], ram: bool) -> Result<Served, Fail> {
     // Several nodes: checkpoints are read from the shared directory, where
     // the multi-rank steps are committed; the resident image (a step of
     // this node's own directory) is never theirs.
-    let resident = if shared.shared_dir.is_some() || !ram { None } else { shared.staging.resident() };
+    let resident = if state.shared_dir.is_some() || !ram { None } else { state.staging.resident() };
     // RAM: the resident image, if it is the checkpoint asked for.
     if let (Some(r), Some(primary)) = (resident, origin.dir()) {
         let wanted = match step {
@@ -309,13 +309,13 @@ fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Regio
         origin.first_step(which).and_then(|s| origin.index(s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
     // Node-local files: only the files of the tensors asked for are read
     // (a rank loading its own part needs no other node's disks).
-    let read_opts = match &shared.read_opts.node {
-        Some(_) => std::borrow::Cow::Owned(restore::ReadOptions { only_tensors: Some(descs.iter().map(|d| d.name.clone()).collect()), ..shared.read_opts.clone() }),
-        None => std::borrow::Cow::Borrowed(&shared.read_opts),
+    let read_opts = match &state.read_opts.node {
+        Some(_) => std::borrow::Cow::Owned(restore::ReadOptions { only_tensors: Some(descs.iter().map(|d| d.name.clone()).collect()), ..state.read_opts.clone() }),
+        None => std::borrow::Cow::Borrowed(&state.read_opts),
     };
     for _ in 0..3 {
-        let r = if need_bytes > shared.staging.budget_bytes() {
-            warn!(need_bytes, budget_bytes = shared.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
+        let r = if need_bytes > state.staging.budget_bytes() {
+            warn!(need_bytes, budget_bytes = state.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
             let mut buf = ckpt_store::mem::AlignedBuf::new(need_bytes as usize).map_err(|e| Fail(ErrorCode::Io, format!("allocating {need_bytes} bytes to load into: {e}")))?;
             origin.read_into(which, &read_opts, buf.as_mut_slice()).map(|p| {
                 let image = buf.as_slice();
@@ -323,8 +323,8 @@ fn load_from(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Regio
                 Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back))
             })
         } else {
-            let give_up = || shared.stop_reason(peer, Some("the client disconnected"));
-            let (mut lease, _) = shared.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
+            let give_up = || state.stop_reason(replies, Some("the client disconnected"));
+            let (mut lease, _) = state.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
                 StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
                 e => Fail(ErrorCode::Io, e.to_string()),
             })?;
@@ -383,10 +383,10 @@ pub struct PackedRange {
 /// no staging, no copy) and verified there; from the resident image each
 /// tensor is checked, then copied to its offset in the file image. Nothing
 /// is written when the range is too small: the reply says how much is needed.
-pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, peer: &Arc<Peer>, id: u64, step: Option<u64>, into: PackedRange) {
+pub fn run_load_packed(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, replies: &Arc<Replies>, id: u64, step: Option<u64>, into: PackedRange) {
     let t0 = Instant::now();
     let len_bytes = into.len_bytes;
-    let reply = match load_packed(shared, regions, step, into) {
+    let reply = match load_packed(state, regions, step, into) {
         Ok(p) => {
             let placed = p.need_bytes <= len_bytes;
             info!(step = p.step, source = ?p.source, n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
@@ -397,28 +397,28 @@ pub fn run_load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, pee
             Reply::Error { id, code, message }
         }
     };
-    peer.send(&reply);
+    replies.send(&reply);
 }
 
-fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
-    if let Some(placed) = other_nodes_files(shared, step, None, |origin, s| load_packed_from(shared, regions, origin, Some(s), into, false))? {
+fn load_packed(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
+    if let Some(placed) = other_nodes_files(state, step, None, |origin, s| load_packed_from(state, regions, origin, Some(s), into, false))? {
         return Ok(placed);
     }
-    let remote = remote_source(shared, step)?;
+    let remote = remote_source(state, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
-        None => match (load_packed_from(shared, regions, Origin::Dir(shared.read_dir(), None), step, into, true), step, &shared.drain) {
-            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if shared.shared_dir.is_none() => {
+        None => match (load_packed_from(state, regions, Origin::Dir(state.read_dir(), None), step, into, true), step, &state.drain) {
+            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if state.shared_dir.is_none() => {
                 let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
-                let mut placed = load_packed_from(shared, regions, Origin::of(&r), Some(s), into, false)?;
+                let mut placed = load_packed_from(state, regions, Origin::of(&r), Some(s), into, false)?;
                 placed.fell_back.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
                 Ok(placed)
             }
             (r, ..) => r,
         },
         Some(r) => {
-            let mut placed = load_packed_from(shared, regions, Origin::of(r), Some(r.step), into, false)?;
+            let mut placed = load_packed_from(state, regions, Origin::of(r), Some(r.step), into, false)?;
             placed.fell_back.splice(0..0, r.fell_back.iter().cloned());
             Ok(placed)
         }
@@ -427,7 +427,7 @@ fn load_packed(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, step: Optio
 
 /// A LoadPacked from `origin` (`ram`: the resident image may serve it; a
 /// checkpoint directory's only).
-fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, into: PackedRange, ram: bool) -> Result<PlacedReply, Fail> {
+fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, into: PackedRange, ram: bool) -> Result<PlacedReply, Fail> {
     let PackedRange { region_id, offset_bytes, len_bytes } = into;
     let region = regions.get(&region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
     region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
@@ -436,7 +436,7 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, origin
         return Err(Fail(ErrorCode::BadRequest, format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES)));
     }
     shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
-    let resident = if shared.shared_dir.is_some() || !ram { None } else { shared.staging.resident() };
+    let resident = if state.shared_dir.is_some() || !ram { None } else { state.staging.resident() };
     let which = step.map_or(Which::Latest, Which::Step);
     let wanted = origin.first_step(which);
     let map = shm.map_writable().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
@@ -499,7 +499,7 @@ fn load_packed_from(shared: &Shared, regions: &HashMap<u32, Arc<Region>>, origin
     // `map` lives; every reader thread touches it only inside `map.run`,
     // where a fault of a shrunk or unbacked segment is handled (and the
     // kernel's reads into such pages fail with EFAULT, no signal).
-    let r = unsafe { origin.read_into_raw(which, &shared.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm }) };
+    let r = unsafe { origin.read_into_raw(which, &state.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm }) };
     let p = match r {
         Ok(p) => p,
         Err(LoadError::BufferTooSmall { step, need_bytes, .. }) => {

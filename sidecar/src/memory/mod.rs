@@ -2,5 +2,6 @@
 //! allocated once, leased per save and load) and the clients' memory it
 //! maps ([`regions`]: host shm segments and CUDA allocations).
 
+pub mod cuda_probe;
 pub mod regions;
 pub mod staging;

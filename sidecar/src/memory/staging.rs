@@ -55,11 +55,15 @@ pub struct Resident {
     pub digests: Option<Vec<u128>>,
     pub blobs: Vec<ckpt_wire::Blob>,
     pub lease: Lease,
-    /// The session that saved it (its reply side): a save's tensors flagged
+    /// The session that saved it, opaque to staging: a save's tensors flagged
     /// unchanged since this step are taken from here only for that session
     /// (`crate::save::trusted_unchanged`). A Weak keeps the pointer from being reused.
-    pub origin: std::sync::Weak<crate::reply::Peer>,
+    pub origin: Origin,
 }
+
+/// Who saved a resident image: compared by address only
+/// (`std::sync::Weak::ptr_eq`), never upgraded. An empty Weak is nobody's.
+pub type Origin = std::sync::Weak<dyn std::any::Any + Send + Sync>;
 
 struct State {
     /// Free extents: offset → length, coalesced, block-aligned.
@@ -523,7 +527,7 @@ mod tests {
         assert!(waited >= Duration::from_millis(100));
         let (r, _) = s.acquire(3 << 20, "r", || None).unwrap();
         let layout = Layout::plan(vec![], Default::default()).unwrap();
-        s.offer_resident(Resident { step: 1, layout, crcs: vec![], digests: None, blobs: vec![], lease: r, origin: std::sync::Weak::new() });
+        s.offer_resident(Resident { step: 1, layout, crcs: vec![], digests: None, blobs: vec![], lease: r, origin: std::sync::Weak::<()>::new() });
         assert_eq!(s.resident_step(), Some(1));
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);
@@ -546,7 +550,7 @@ mod tests {
 
     fn resident(s: &Arc<Staging>, step: u64, len: u64) -> Resident {
         let (lease, _) = s.acquire(len, "r", || Some("must not wait")).unwrap();
-        Resident { step, layout: Layout::plan(vec![], Default::default()).unwrap(), crcs: vec![], digests: None, blobs: vec![], lease, origin: std::sync::Weak::new() }
+        Resident { step, layout: Layout::plan(vec![], Default::default()).unwrap(), crcs: vec![], digests: None, blobs: vec![], lease, origin: std::sync::Weak::<()>::new() }
     }
 
     /// Issue 20 (drain from staging): a save that needs the space of the

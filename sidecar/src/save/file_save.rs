@@ -34,13 +34,13 @@ use std::time::Instant;
 use ckpt_wire::{ErrorCode, FileFinish, FilePiece, Reply};
 use tracing::{info, info_span, warn};
 
-use crate::commit::jobs::{FileJob, Work};
+use crate::state::jobs::{FileJob, Work};
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use crate::memory::regions::Region;
 use crate::save::snapshot;
 use crate::memory::staging::StagingError;
-use crate::reply::Peer;
-use crate::state::{Phase, Shared};
+use crate::state::reply::Replies;
+use crate::state::{Phase, DaemonState};
 use crate::save::torch_zip;
 
 /// Longest path accepted (Linux PATH_MAX, terminating NUL included).
@@ -128,19 +128,19 @@ pub struct FileRequest {
 /// session made it wait on), completes a torch.save archive's CRC-32 fields
 /// ([`torch_zip`], after Released), replies Released (or Failed), and queues
 /// the bytes for the committer.
-pub fn run_save_file(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, Arc<Region>>, peer_uid: u32, req: FileRequest) {
+pub fn run_save_file(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, peer_uid: u32, req: FileRequest) {
     let FileRequest { id, path, pieces, finish } = req;
     let t_received = Instant::now();
     let fail = |code: ErrorCode, reason: String| {
         info!(path = %path, ?code, "save of a file refused: {reason}");
-        peer.send(&Reply::Failed { id, step: 0, code, reason });
+        replies.send(&Reply::Failed { id, step: 0, code, reason });
     };
     // Draining: no new saves, but one a client sent before it went is
     // served when its region was handed over (checked below).
-    if shared.is_aborting() || (shared.is_draining() && !peer.is_gone()) {
+    if state.is_aborting() || (state.is_draining() && !replies.is_gone()) {
         return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
     }
-    let dest = match check_path(&path, peer_uid, shared.uid) {
+    let dest = match check_path(&path, peer_uid, state.uid) {
         Ok(p) => p,
         Err((code, reason)) => return fail(code, reason),
     };
@@ -165,30 +165,30 @@ pub fn run_save_file(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, A
         sources.push((r.clone(), p.offset_bytes, p.len_bytes));
     }
     let lease_bytes = config::align_up(len_bytes, STAGING_ALIGN_BYTES).max(STAGING_ALIGN_BYTES as u64);
-    if lease_bytes > shared.staging.budget_bytes() {
-        let budget = shared.staging.budget_bytes();
+    if lease_bytes > state.staging.budget_bytes() {
+        let budget = state.staging.budget_bytes();
         return fail(ErrorCode::TooLarge, format!("{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"));
     }
     // Bytes all in hand-over regions (or none) are the sidecar's once sent:
     // the client's departure does not stop their copy (protocol.md).
     let handed_over = sources.iter().all(|(r, _, _)| r.hands_over());
-    if shared.is_draining() && !handed_over {
+    if state.is_draining() && !handed_over {
         return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
     }
-    let key = shared.begin_file(&path, len_bytes);
-    peer.started(id, t_received, len_bytes);
+    let key = state.begin_file(&path, len_bytes);
+    replies.started(id, t_received, len_bytes);
     let span = info_span!("save_file", path = %path, bytes = len_bytes, pieces = sources.len());
     let guard = span.enter();
-    let give_up = || shared.stop_reason(peer, (!handed_over).then_some("the client disconnected before release"));
-    let (mut lease, waited) = match shared.staging.acquire(lease_bytes, &path, give_up) {
+    let give_up = || state.stop_reason(replies, (!handed_over).then_some("the client disconnected before release"));
+    let (mut lease, waited) = match state.staging.acquire(lease_bytes, &path, give_up) {
         Ok(x) => x,
         Err(e) => {
-            shared.end(key);
+            state.end(key);
             let code = if matches!(e, StagingError::GaveUp { .. }) { ErrorCode::ShuttingDown } else { ErrorCode::TooLarge };
             return fail(code, format!("{path}: {e}"));
         }
     };
-    shared.set_phase(key, Phase::Copying);
+    state.set_phase(key, Phase::Copying);
     let t_copy = Instant::now();
     let ranges: Vec<(&Region, u64, u64)> = sources.iter().map(|(r, off, len)| (&**r, *off, *len)).collect();
     let copied = snapshot::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
@@ -218,29 +218,29 @@ pub fn run_save_file(shared: &Shared, peer: &Arc<Peer>, regions: &HashMap<u32, A
     };
     if let Some((code, reason)) = refused {
         drop(lease);
-        shared.end(key);
+        state.end(key);
         warn!(copy_s = copy_seconds, "aborted before release, nothing written: {reason}");
         return fail(code, reason);
     }
     let waited_seconds = waited.as_secs_f64();
-    if handed_over && peer.is_gone() {
+    if handed_over && replies.is_gone() {
         info!("the client is gone, but it handed these bytes over at save: committing them");
     }
     info!(copy_s = copy_seconds, waited_s = waited_seconds, "released");
-    peer.send(&Reply::Released { id, step: 0, copy_seconds, waited_seconds });
+    replies.send(&Reply::Released { id, step: 0, copy_seconds, waited_seconds });
     if let Some(z) = zip {
         // Off the trainer's stall: it only waited for Released.
         let t_crc = Instant::now();
         torch_zip::fill(&mut lease.as_mut_slice()[..len_bytes as usize], &z);
         info!(crc_s = t_crc.elapsed().as_secs_f64(), "torch.save archive CRC-32s computed");
     }
-    shared.set_phase(key, Phase::Queued);
+    state.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = FileJob { id, key, path: dest, len_bytes, lease, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received };
-    if let Err(e) = shared.commit_tx.send(Work::File(job)) {
+    let job = FileJob { id, key, path: dest, len_bytes, lease, replies: replies.clone(), span, copy_seconds, waited_seconds, t_received };
+    if let Err(e) = state.commit_tx.send(Work::File(job)) {
         let Work::File(job) = e.into_inner() else { unreachable!("sent a file job") };
-        shared.end(key);
-        job.peer.send(&Reply::Failed { id, step: 0, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        state.end(key);
+        job.replies.send(&Reply::Failed { id, step: 0, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
     }
 }
 

@@ -24,16 +24,16 @@ use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn, Unchanged};
 use tracing::{info, info_span, warn};
 
 use ckpt_store::catalog;
-use crate::commit::jobs::{Fill, Job, Part, Sums, Work};
+use crate::state::jobs::{Fill, Job, Part, Sums, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::progress::{Filler, Progress};
 use crate::memory::regions::{store_fence, BatchMark, Region};
 use crate::memory::staging::{Lease, StagingError};
-use crate::commit::jobs::Flight;
-use crate::reply::Peer;
-use crate::state::{Phase, Shared};
+use crate::state::jobs::Flight;
+use crate::state::reply::Replies;
+use crate::state::{Phase, DaemonState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
@@ -773,8 +773,8 @@ pub trait Planner {
 /// Released (or Failed), and queues the image for the committer.
 #[allow(clippy::too_many_arguments)]
 pub fn run_save(
-    shared: &Shared,
-    peer: &Arc<Peer>,
+    state: &DaemonState,
+    replies: &Arc<Replies>,
     regions: &HashMap<u32, Arc<Region>>,
     plans: &mut dyn Planner,
     id: u64,
@@ -792,33 +792,33 @@ pub fn run_save(
     };
     let fail = |e: SaveError| {
         info!(step, code = ?e.code(), "save refused: {e}");
-        peer.send(&Reply::Failed { id, step, code: e.code(), reason: e.to_string() });
+        replies.send(&Reply::Failed { id, step, code: e.code(), reason: e.to_string() });
     };
     // Draining: no new saves; but a handed-over save that a client sent
     // before it went is served (checked once planned, below).
-    if shared.is_aborting() || (shared.is_draining() && !peer.is_gone()) {
+    if state.is_aborting() || (state.is_draining() && !replies.is_gone()) {
         return fail(SaveError::ShuttingDown);
     }
-    if let Some(dir) = &shared.read_only {
+    if let Some(dir) = &state.read_only {
         // Before anything is planned or copied.
         return fail(SaveError::ReadOnly { step, dir: dir.clone() });
     }
     if step > format::STEP_MAX {
         return fail(SaveError::BadRequest(format!("step {step} is above the largest step {}", format::STEP_MAX)));
     }
-    let mut opts = shared.layout_opts;
+    let mut opts = state.layout_opts;
     if let Some(p) = part {
         if p.world_size == 0 || p.rank >= p.world_size {
             return fail(SaveError::BadRequest(format!("rank {} of world size {}: need 0 <= rank < world_size", p.rank, p.world_size)));
         }
         (opts.rank, opts.world_size) = (p.rank, p.world_size);
-        if shared.shared_dir.is_some() && shared.read_opts.node.is_none() {
+        if state.shared_dir.is_some() && state.read_opts.node.is_none() {
             // Several nodes: every part goes into the one shared directory
             // (node-local: into this node's own directories, striped).
             opts.n_dirs = 1;
         }
     }
-    let history = if opts.incremental { shared.history() } else { Default::default() };
+    let history = if opts.incremental { state.history() } else { Default::default() };
     opts.history_gen = history.generation;
     let (layout, mut sources) = match plans.plan(tensors, &blobs, regions, opts, history.changed.as_deref()) {
         Ok(x) => x,
@@ -834,31 +834,31 @@ pub fn run_save(
     // reads none), so what it copies is final once sent, and the save is
     // the sidecar's even if its client goes before Released.
     let handed_over = sources.iter().all(|s| s.region.as_ref().is_none_or(|r| r.hands_over()));
-    if shared.is_draining() && !handed_over {
+    if state.is_draining() && !handed_over {
         return fail(SaveError::ShuttingDown);
     }
     let image_bytes = layout.staging_len;
-    if image_bytes > shared.staging.budget_bytes() {
+    if image_bytes > state.staging.budget_bytes() {
         return fail(SaveError::TooLarge(format!(
             "step {step}: the file image needs {image_bytes} bytes, more than the whole staging budget of {} bytes (raise --staging)",
-            shared.staging.budget_bytes()
+            state.staging.budget_bytes()
         )));
     }
     // A part of several nodes is committed in the shared directory.
-    let commit_dir = if part.is_some() { shared.read_dir() } else { shared.primary() };
+    let commit_dir = if part.is_some() { state.read_dir() } else { state.primary() };
     if catalog::is_committed(commit_dir, step) {
         return fail(SaveError::BadRequest(format!(
             "step {step} is already committed in {}; to save it again, roll back to an earlier step first (rollback in the shim, or ckpt-sidecar rollback DIR --to STEP)",
             commit_dir.display()
         )));
     }
-    if !shared.begin_step(key, layout.file_bytes()) {
+    if !state.begin_step(key, layout.file_bytes()) {
         let what = part.map_or(String::new(), |p| format!(" (rank {} of {})", p.rank, p.world_size));
         return fail(SaveError::BadRequest(format!("step {step}{what} is already in flight")));
     }
-    peer.started(id, t_received, layout.file_bytes());
+    replies.started(id, t_received, layout.file_bytes());
     if let Err(e) = check_sizes(&sources) {
-        shared.end(key);
+        state.end(key);
         return fail(e);
     }
     let span = info_span!("save", step, bytes = layout.file_bytes(), tensors = layout.specs.len());
@@ -870,48 +870,48 @@ pub fn run_save(
     } else {
         Some("the client disconnected before release")
     };
-    let give_up = || shared.stop_reason(peer, gone);
+    let give_up = || state.stop_reason(replies, gone);
     // Tensors the client proves unchanged since a step this session saved
     // are taken from its resident image rather than the client (whole
     // saves: parts are never resident). In place, when they already lie
     // where this layout puts them: the resident image's lease becomes this
     // save's, and their bytes are copied from nowhere.
-    let adopted = part.is_none().then(|| crate::save::trusted_unchanged::adopt(&shared.staging, peer, &layout, unchanged.as_ref())).flatten();
+    let adopted = part.is_none().then(|| crate::save::trusted_unchanged::adopt(&state.staging, replies, &layout, unchanged.as_ref())).flatten();
     let (mut lease, waited, adopted) = match adopted {
         Some((lease, taken)) => (lease, std::time::Duration::ZERO, Some(taken)),
-        None => match shared.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
+        None => match state.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
             Ok((lease, waited)) => (lease, waited, None),
         Err(StagingError::GaveUp { why }) => {
-            shared.end(key);
+            state.end(key);
             warn!("aborted while waiting for staging: {why}");
             return fail(SaveError::Aborted(why));
         }
         Err(e) => {
-            shared.end(key);
+            state.end(key);
             return fail(SaveError::TooLarge(e.to_string()));
         }
         },
     };
-    shared.set_phase(key, Phase::Copying);
+    state.set_phase(key, Phase::Copying);
     // Else copied from the resident image into the lease just taken.
     let in_place = adopted.is_some();
-    let taken = adopted.or_else(|| part.is_none().then(|| crate::save::trusted_unchanged::find(&shared.staging, peer, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
+    let taken = adopted.or_else(|| part.is_none().then(|| crate::save::trusted_unchanged::find(&state.staging, replies, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
     if let Some(taken) = &taken {
         for i in taken.tensors() {
             sources[i].region = None;
         }
-        shared.unchanged_taken_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
+        state.unchanged_taken_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
         if in_place {
-            shared.unchanged_in_place_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
+            state.unchanged_in_place_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
         }
         info!(taken_bytes = taken.bytes, in_place, "tensors flagged unchanged taken from the resident image, not copied from the client");
     }
     // Pipelined: whole saves, and a rank's part of several nodes (written
     // on its own into the shared directory). A part of one node's group
     // waits for the other ranks' parts first, so it copies, then queues.
-    if part.is_none() || shared.shared_dir.is_some() {
+    if part.is_none() || state.shared_dir.is_some() {
         drop(guard);
-        return run_fed_save(shared, peer, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone, taken);
+        return run_fed_save(state, replies, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone, taken);
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
@@ -930,15 +930,15 @@ pub fn run_save(
         (intact, _, why) => {
             let e = intact.err().unwrap_or(SaveError::Aborted(why.unwrap_or("stopped during the copy")));
             drop(lease);
-            shared.end(key);
+            state.end(key);
             warn!(copy_s = copy_seconds, "aborted before release, nothing written: {e}");
             return fail(e);
         }
     };
     let waited_seconds = waited.as_secs_f64();
-    log_if_handed_over_by_gone(peer, gone);
+    log_if_handed_over_by_gone(replies, gone);
     info!(plan_s = plan_seconds, copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
-    peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     let crcs = crcs.unwrap_or_else(|| {
         // From the staged bytes, which only this lease's holder touches now.
         let t_crc = Instant::now();
@@ -946,22 +946,22 @@ pub fn run_save(
         info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
         crcs
     });
-    shared.set_phase(key, Phase::Queued);
+    state.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = Job { id, step, layout, lease, crcs: crcs.crcs, digests: crcs.digests, blobs, part, peer: peer.clone(), span, copy_seconds, waited_seconds, t_received, fill: None };
-    if let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) {
+    let job = Job { id, step, layout, lease, crcs: crcs.crcs, digests: crcs.digests, blobs, part, replies: replies.clone(), span, copy_seconds, waited_seconds, t_received, fill: None };
+    if let Err(e) = state.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
         let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
-        shared.end(key);
-        job.peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        state.end(key);
+        job.replies.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
     }
 }
 
 /// Says so when a handed-over save (`gone` None: its client's departure
 /// does not stop it) is released to a client already gone: it commits all
 /// the same (protocol.md, "Release of handed-over saves").
-fn log_if_handed_over_by_gone(peer: &Peer, gone: Option<&'static str>) {
-    if gone.is_none() && peer.is_gone() {
+fn log_if_handed_over_by_gone(replies: &Replies, gone: Option<&'static str>) {
+    if gone.is_none() && replies.is_gone() {
         info!("the client is gone, but it handed this save over (every tensor copied at save into a hand-over region): committing it");
     }
 }
@@ -979,8 +979,8 @@ fn log_if_handed_over_by_gone(peer: &Peer, gone: Option<&'static str>) {
 /// first and nothing of a failed save is committed.
 #[allow(clippy::too_many_arguments)]
 fn run_fed_save(
-    shared: &Shared,
-    peer: &Arc<Peer>,
+    state: &DaemonState,
+    replies: &Arc<Replies>,
     id: u64,
     step: u64,
     part: Option<Part>,
@@ -1006,16 +1006,16 @@ fn run_fed_save(
     let progress = fed.progress.clone();
     let _filler = Filler(&progress);
     let waited_seconds = waited.as_secs_f64();
-    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), digests: None, blobs, part, peer: peer.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
+    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), digests: None, blobs, part, replies: replies.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
     // To the committer: false (the save answered Failed here) when it is gone.
     let hand_over = |job: Job| -> bool {
-        let Err(e) = shared.commit_tx.send(Work::Checkpoint(job)) else { return true };
+        let Err(e) = state.commit_tx.send(Work::Checkpoint(job)) else { return true };
         // The committer is gone only if the daemon is tearing down.
         progress.fail("the committer has stopped".into());
         // The lease's drop waits for the copy: none is running now.
         drop(e);
-        shared.end(key);
-        peer.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        state.end(key);
+        replies.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
         false
     };
     // Small images are handed over after the copy (config::FED_EARLY_BYTES_MIN).
@@ -1023,7 +1023,7 @@ fn run_fed_save(
     if layout.staging_len >= config::FED_EARLY_BYTES_MIN && !hand_over(unsent.take().expect("not sent yet")) {
         return;
     }
-    let give_up = || shared.stop_reason(peer, gone);
+    let give_up = || state.stop_reason(replies, gone);
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
     let copied = fed.copy(&layout, lazy_release, &stop);
@@ -1044,11 +1044,11 @@ fn run_fed_save(
             return;
         }
     };
-    log_if_handed_over_by_gone(peer, gone);
+    log_if_handed_over_by_gone(replies, gone);
     info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, device_windows = fed.device_windows, "released");
     // Released before the copy's end is told to the committer: Durable
     // (which waits for it) always comes after.
-    peer.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
+    replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     if let Some(job) = unsent {
         if !hand_over(job) {
             return;

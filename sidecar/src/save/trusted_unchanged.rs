@@ -37,7 +37,7 @@ use std::sync::Arc;
 use ckpt_store::image::Layout;
 use ckpt_wire::Unchanged;
 
-use crate::reply::Peer;
+use crate::state::reply::Replies;
 use crate::memory::staging::{Lease, Resident, Staging};
 
 /// The tensors of one save taken from a resident image.
@@ -50,17 +50,17 @@ pub struct Reuse {
 
 /// The tensors of a save (planned as `layout`) whose flags `unchanged`
 /// honours against the resident image; None when none can be taken.
-pub fn find(staging: &Staging, peer: &Arc<Peer>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<Reuse> {
+pub fn find(staging: &Staging, replies: &Arc<Replies>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<Reuse> {
     let u = unchanged.filter(|u| u.count() > 0)?;
     let resident = staging.resident()?;
-    let (pairs, bytes) = pairs_of(&resident, peer, layout, u)?;
+    let (pairs, bytes) = pairs_of(&resident, replies, layout, u)?;
     Some(Reuse { resident, pairs, bytes })
 }
 
 /// The (new index, resident index) pairs of the flagged tensors `resident`
 /// holds as the flags require, and their bytes; None when there are none.
-fn pairs_of(resident: &Resident, peer: &Arc<Peer>, layout: &Layout, u: &Unchanged) -> Option<(Vec<(usize, usize)>, u64)> {
-    if resident.step != u.since_step || !std::sync::Weak::ptr_eq(&resident.origin, &Arc::downgrade(peer)) {
+fn pairs_of(resident: &Resident, replies: &Arc<Replies>, layout: &Layout, u: &Unchanged) -> Option<(Vec<(usize, usize)>, u64)> {
+    if resident.step != u.since_step || !std::sync::Weak::ptr_eq(&resident.origin, &replies.origin()) {
         return None;
     }
     let by_name: HashMap<&str, usize> = resident.layout.specs.iter().enumerate().map(|(j, s)| (s.name.as_str(), j)).collect();
@@ -94,13 +94,13 @@ fn pairs_of(resident: &Resident, peer: &Arc<Peer>, layout: &Layout, u: &Unchange
 /// (a load serving its step keeps it) and its lease is large enough; the
 /// resident image is gone from then on (a load of its step reads the
 /// disk). None: nothing adopted, the resident image untouched.
-pub fn adopt(staging: &Staging, peer: &Arc<Peer>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<(Lease, Taken)> {
+pub fn adopt(staging: &Staging, replies: &Arc<Replies>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<(Lease, Taken)> {
     let u = unchanged.filter(|u| u.count() > 0)?;
     let (resident, (pairs, bytes)) = staging.take_resident_with(|r| {
         if r.lease.len_bytes() < layout.staging_len {
             return None;
         }
-        let (pairs, bytes) = pairs_of(r, peer, layout, u)?;
+        let (pairs, bytes) = pairs_of(r, replies, layout, u)?;
         pairs.iter().all(|&(i, j)| layout.tensor_range(i) == r.layout.tensor_range(j)).then_some((pairs, bytes))
     })?;
     let lease = resident.lease.refill();
@@ -190,14 +190,14 @@ mod tests {
         let staging = Staging::new(4 << 20).unwrap();
         let (a, _a) = UnixStream::pair().unwrap();
         let (b, _b) = UnixStream::pair().unwrap();
-        let (me, other) = (Arc::new(Peer::new(a)), Arc::new(Peer::new(b)));
+        let (me, other) = (Arc::new(Replies::new(a)), Arc::new(Replies::new(b)));
         let old = layout(&[("w", Dtype::U8, 4096), ("b", Dtype::U8, 4096)]);
         let (mut lease, _) = staging.acquire(old.staging_len, "old", || None).unwrap();
         lease.as_mut_slice()[old.tensor_range(idx(&old, "w"))].fill(7);
         let mut crcs = vec![0u32; 2];
         crcs[idx(&old, "w")] = 11;
         crcs[idx(&old, "b")] = 22;
-        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: Arc::downgrade(&me) });
+        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: me.origin() });
 
         let new = layout(&[("b", Dtype::U8, 4096), ("w", Dtype::U8, 4096), ("n", Dtype::U8, 4096)]);
         let flags = |since_step, f: [bool; 3]| Unchanged { since_step, bits: Unchanged::bits_of(f) };
@@ -228,7 +228,7 @@ mod tests {
     fn a_resident_image_laid_out_as_the_save_is_adopted_in_place_only_when_no_one_else_holds_it() {
         let staging = Staging::new(4 << 20).unwrap();
         let (a, _a) = UnixStream::pair().unwrap();
-        let me = Arc::new(Peer::new(a));
+        let me = Arc::new(Replies::new(a));
         let old = layout(&[("w", Dtype::U8, 4096), ("b", Dtype::U8, 4096)]);
         let (mut lease, _) = staging.acquire(old.staging_len, "old", || None).unwrap();
         lease.as_mut_slice()[old.tensor_range(idx(&old, "w"))].fill(7);
@@ -236,7 +236,7 @@ mod tests {
         let mut crcs = vec![0u32; 2];
         crcs[idx(&old, "w")] = 11;
         crcs[idx(&old, "b")] = 22;
-        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: Arc::downgrade(&me) });
+        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: me.origin() });
         let flags = |f: [bool; 2]| Unchanged { since_step: 5, bits: Unchanged::bits_of(f) };
         let w_flag = if idx(&old, "w") == 0 { [true, false] } else { [false, true] };
         // Another layout (w elsewhere): not adopted, the resident stays.

@@ -1,11 +1,19 @@
 //! What the daemon's threads share: configuration, staging, the committer's
-//! queue, the registry of sessions and in-flight checkpoints (for `status`,
-//! for the "not in flight" rule and for draining), the last figures, and
-//! each session's reply channel ([`Peer`], in `peer.rs`).
+//! queue and what goes on it ([`jobs`]), the registry of sessions and
+//! in-flight checkpoints (for `status`, for the "not in flight" rule and for
+//! draining), the last figures, each session's reply side ([`reply`]), the
+//! metrics they feed ([`metrics`]) and the panics tests inject
+//! ([`test_panic`]). Every stage above `memory/` and `drain/` may use it;
+//! it uses neither a stage nor the daemon.
 //!
 //! Invariants: a step is in the in-flight registry from the moment its Save
 //! passed validation until it is durable, failed or aborted, and at most
 //! once; the daemon drains by waiting for the registry to be empty.
+
+pub mod jobs;
+pub mod metrics;
+pub mod reply;
+pub mod test_panic;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -18,8 +26,8 @@ use std::time::Duration;
 use ckpt_wire::{InFlight, LastFigures, SessionInfo, StatusReport};
 use crossbeam_channel::Sender;
 
-use crate::commit::jobs::{Flight, Work};
-use crate::reply::Peer;
+use crate::state::jobs::{Flight, Work};
+use crate::state::reply::Replies;
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::restore::ReadOptions;
 use crate::memory::staging::Staging;
@@ -65,17 +73,17 @@ pub struct SessionEntry {
 
 /// See [`Shared::session_guard`].
 pub struct SessionGuard {
-    shared: Arc<Shared>,
+    state: Arc<DaemonState>,
     id: u64,
 }
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        self.shared.remove_session(self.id);
+        self.state.remove_session(self.id);
     }
 }
 
-pub struct Shared {
+pub struct DaemonState {
     pub dirs: Vec<PathBuf>,
     pub layout_opts: LayoutOptions,
     pub read_opts: ReadOptions,
@@ -130,7 +138,7 @@ pub struct History {
     pub changed: Option<Arc<std::collections::HashSet<String>>>,
 }
 
-impl Shared {
+impl DaemonState {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         dirs: Vec<PathBuf>,
@@ -140,8 +148,8 @@ impl Shared {
         commit_tx: Sender<Work>,
         allow_uids: Vec<u32>,
         aborting: Arc<AtomicBool>,
-    ) -> Shared {
-        Shared {
+    ) -> DaemonState {
+        DaemonState {
             dirs,
             layout_opts,
             read_opts,
@@ -224,14 +232,14 @@ impl Shared {
         self.aborting.load(Ordering::SeqCst)
     }
 
-    /// Why work for `peer` must stop now, if it must: the daemon aborts, or
+    /// Why work for `replies` must stop now, if it must: the daemon aborts, or
     /// the client is gone (`gone` says so in the caller's terms; None: work
     /// whose client's departure does not stop it, a handed-over save).
-    pub fn stop_reason(&self, peer: &Peer, gone: Option<&'static str>) -> Option<&'static str> {
+    pub fn stop_reason(&self, replies: &Replies, gone: Option<&'static str>) -> Option<&'static str> {
         if self.is_aborting() {
             Some("the sidecar is aborting")
         } else {
-            gone.filter(|_| peer.is_gone())
+            gone.filter(|_| replies.is_gone())
         }
     }
 
@@ -252,7 +260,7 @@ impl Shared {
         // Counted before it shows in flight: a scrape, which reads the
         // flights and then the counters, never sees more in flight than
         // started (metrics.rs).
-        crate::daemon::metrics::record_started();
+        crate::state::metrics::record_started();
         m.insert(key, InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
         true
     }
@@ -262,7 +270,7 @@ impl Shared {
         let key = Flight::File(self.next_file_no.fetch_add(1, Ordering::Relaxed));
         let entry = InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: Some(path.to_string()) };
         // Counted before it shows in flight, as in begin_step.
-        crate::daemon::metrics::record_started();
+        crate::state::metrics::record_started();
         self.in_flight.lock().expect("in-flight lock").insert(key, entry);
         key
     }
@@ -296,7 +304,7 @@ impl Shared {
     /// it went (a handed-over save among it still commits: protocol.md).
     /// Sessions of live clients do not hold the exit.
     pub fn drained(&self) -> bool {
-        self.wait_drained(Duration::ZERO) && !self.sessions.lock().expect("sessions lock").values().any(|e| e.stream.as_ref().is_some_and(|s| crate::reply::closed(s.as_raw_fd())))
+        self.wait_drained(Duration::ZERO) && !self.sessions.lock().expect("sessions lock").values().any(|e| e.stream.as_ref().is_some_and(|s| crate::state::reply::closed(s.as_raw_fd())))
     }
 
     pub fn add_session(&self, e: SessionEntry) -> Option<u64> {
@@ -326,7 +334,7 @@ impl Shared {
     /// in a test build), its entry and the duplicate of its socket go, so
     /// `drained` never waits for a session that no thread serves.
     pub fn session_guard(self: &Arc<Self>, id: u64) -> SessionGuard {
-        SessionGuard { shared: self.clone(), id }
+        SessionGuard { state: self.clone(), id }
     }
 
     /// Shuts every session's socket down (daemon exit): clients see EOF.
@@ -371,7 +379,7 @@ impl Shared {
             staging_used_bytes: self.staging.used_bytes(),
             resident_step: self.staging.resident_step(),
             last: self.last.lock().expect("figures lock").clone(),
-            cuda: crate::daemon::cuda_probe::summary(),
+            cuda: crate::memory::cuda_probe::summary(),
             shared_dir: self.shared_dir.as_ref().map_or(String::new(), |d| d.display().to_string()),
             coordinating: self.coordinating.lock().expect("coordinating lock").clone(),
             unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),
@@ -392,19 +400,19 @@ mod tests {
         // never exited (issue 19 defect 6).
         let (tx, _rx) = crossbeam_channel::bounded(1);
         let staging = Staging::new(4 << 20).unwrap();
-        let shared = Arc::new(Shared::new(vec![], LayoutOptions::default(), ReadOptions::default(), staging, tx, vec![], Arc::new(AtomicBool::new(false))));
+        let state = Arc::new(DaemonState::new(vec![], LayoutOptions::default(), ReadOptions::default(), staging, tx, vec![], Arc::new(AtomicBool::new(false))));
         let (ours, client) = UnixStream::pair().unwrap();
         drop(client);
-        let id = shared.add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) }).unwrap();
-        assert!(!shared.drained(), "a registered session of a gone client holds the drain");
-        let sh = shared.clone();
+        let id = state.add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) }).unwrap();
+        assert!(!state.drained(), "a registered session of a gone client holds the drain");
+        let sh = state.clone();
         let ended = std::thread::spawn(move || {
             let _registered = sh.session_guard(id);
             panic!("a session thread ends early");
         })
         .join();
         assert!(ended.is_err());
-        assert!(shared.drained());
-        assert!(shared.sessions.lock().unwrap().is_empty());
+        assert!(state.drained());
+        assert!(state.sessions.lock().unwrap().is_empty());
     }
 }

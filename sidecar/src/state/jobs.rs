@@ -1,6 +1,6 @@
 //! What the sessions hand to the committer ([`Work`]): a copied checkpoint
 //! ([`Job`]), a SaveFile's bytes ([`FileJob`]), each holding its staging
-//! lease and the peer to answer, or a rollback ([`RollbackJob`]); and the key of the in-flight registry
+//! lease and the replies to answer, or a rollback ([`RollbackJob`]); and the key of the in-flight registry
 //! ([`Flight`]).
 
 use std::sync::{Arc, Mutex};
@@ -11,7 +11,7 @@ use ckpt_store::image::Layout;
 use ckpt_store::progress::Progress;
 use ckpt_wire::ErrorCode;
 
-use crate::reply::Peer;
+use crate::state::reply::Replies;
 use crate::memory::staging::Lease;
 
 /// What is in flight: a step checkpoint (at most one per step), or one
@@ -53,7 +53,7 @@ pub enum Work {
 pub struct RollbackJob {
     pub id: u64,
     pub step: u64,
-    pub peer: Arc<Peer>,
+    pub replies: Arc<Replies>,
 }
 
 /// A SaveFile's bytes, copied, waiting to be written to `path`.
@@ -64,7 +64,7 @@ pub struct FileJob {
     pub len_bytes: u64,
     /// The bytes at its start, zeroes after them.
     pub lease: Lease,
-    pub peer: Arc<Peer>,
+    pub replies: Arc<Replies>,
     pub span: tracing::Span,
     pub copy_seconds: f64,
     pub waited_seconds: f64,
@@ -140,7 +140,7 @@ pub struct Job {
     pub blobs: Vec<ckpt_wire::Blob>,
     /// Some: one rank's part; the committer waits for the others (coordinator).
     pub part: Option<Part>,
-    pub peer: Arc<Peer>,
+    pub replies: Arc<Replies>,
     /// The checkpoint's span (step, bytes), entered around its phases.
     pub span: tracing::Span,
     pub copy_seconds: f64,

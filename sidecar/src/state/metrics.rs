@@ -4,7 +4,7 @@
 //! docs/metrics.md says what each metric means.
 //!
 //! Owns: the process's counters and histograms ([`record_started`],
-//! [`record_reply`]: fed by every session's [`crate::reply::Peer`], the one
+//! [`record_reply`]: fed by every session's [`crate::state::reply::Replies`], the one
 //! place Released/Durable/Failed leave the daemon), and the `ckpt-metrics`
 //! thread, which serves one connection at a time (a request of at most
 //! [`config::METRICS_REQUEST_BYTES_MAX`] read within

@@ -11,7 +11,17 @@ fn main() {
     let lib = out.join("libcuda.so.1");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let status = Command::new(&cc)
-        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-std=gnu11", "-Wl,-soname,libcuda.so.1", "-o"])
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-std=gnu11",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+        ])
         .arg(&lib)
         .arg("fake_cuda.c")
         .args(["-lpthread", "-lrt"])

@@ -116,7 +116,11 @@ impl State {
     }
 
     fn refs<'a>(&'a self, region: &'a Region, which: impl Fn(&str) -> bool) -> Vec<TensorRef<'a>> {
-        self.tensors.iter().filter(|t| which(&t.0)).map(|(n, d, s, off, len)| TensorRef::in_region(n, d, s, region, *off, *len)).collect()
+        self.tensors
+            .iter()
+            .filter(|t| which(&t.0))
+            .map(|(n, d, s, off, len)| TensorRef::in_region(n, d, s, region, *off, *len))
+            .collect()
     }
 
     /// Fills the tensors `which` says with bytes of `seed` (a training step's change).
@@ -142,7 +146,11 @@ fn lora_state(base_bytes: u64, adapter_bytes: u64) -> State {
     let mut parts: Vec<(String, &'static str, u64)> = Vec::new();
     let n_base = base_bytes.div_ceil(BASE_TENSOR_BYTES);
     for i in 0..n_base {
-        parts.push((format!("model.layers.{i}.weight"), "BF16", BASE_TENSOR_BYTES.min(base_bytes - i * BASE_TENSOR_BYTES)));
+        parts.push((
+            format!("model.layers.{i}.weight"),
+            "BF16",
+            BASE_TENSOR_BYTES.min(base_bytes - i * BASE_TENSOR_BYTES),
+        ));
     }
     let n_adapter = adapter_bytes.div_ceil(ADAPTER_TENSOR_BYTES);
     for i in 0..n_adapter {
@@ -210,7 +218,8 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
     let lora_dir = fresh_dir(&args.dir.join("lora"))?;
     let alone_dir = fresh_dir(&args.dir.join("changed-alone"))?;
     let mut sc = Sidecar::spawn_with(&lora_dir, staging, &[])?;
-    let mut alone_sc = Sidecar::spawn_with(&alone_dir, config::align_up(3 * changing_bytes + (64 << 20), 1 << 20), &[])?;
+    let mut alone_sc =
+        Sidecar::spawn_with(&alone_dir, config::align_up(3 * changing_bytes + (64 << 20), 1 << 20), &[])?;
     let steps = (|| -> anyhow::Result<Vec<StepFigures>> {
         let client = sc.connect()?;
         let alone = alone_sc.connect()?;
@@ -272,7 +281,17 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
         let roff = coff.alloc_region(base.len)?;
         let refs_on = base.refs(&ron, |_| true);
         let refs_off = base.refs(&roff, |_| true);
-        let mut f = FullFigures { bytes: base.tensors.iter().map(|t| t.4).sum(), on_stall_seconds: vec![], off_stall_seconds: vec![], on_durable_seconds: vec![], off_durable_seconds: vec![], stall_on_over_off: 0.0, durable_on_over_off: 0.0, on_second_save_durable_seconds: 0.0, off_second_save_durable_seconds: 0.0 };
+        let mut f = FullFigures {
+            bytes: base.tensors.iter().map(|t| t.4).sum(),
+            on_stall_seconds: vec![],
+            off_stall_seconds: vec![],
+            on_durable_seconds: vec![],
+            off_durable_seconds: vec![],
+            stall_on_over_off: 0.0,
+            durable_on_over_off: 0.0,
+            on_second_save_durable_seconds: 0.0,
+            off_second_save_durable_seconds: 0.0,
+        };
         // Rounds 0 and 1 warm both up, not counted: the first save has
         // nothing to compare with; the second has no history yet (every
         // tensor stable: its shards wait for the digests), reported apart.
@@ -286,7 +305,11 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
             for is_on in order {
                 let (stall, durable) = if is_on { save(&con, step, &refs_on)? } else { save(&coff, step, &refs_off)? };
                 if r == 1 {
-                    *(if is_on { &mut f.on_second_save_durable_seconds } else { &mut f.off_second_save_durable_seconds }) = durable;
+                    *(if is_on {
+                        &mut f.on_second_save_durable_seconds
+                    } else {
+                        &mut f.off_second_save_durable_seconds
+                    }) = durable;
                 }
                 if r < WARM_ROUNDS {
                     continue;
@@ -318,7 +341,10 @@ pub fn run(args: &IncrementalArgs) -> anyhow::Result<IncrementalFigures> {
     let (w, d) = if linked.is_empty() {
         (f64::NAN, f64::NAN)
     } else {
-        (median(&linked.iter().map(|s| s.written_over_changed).collect::<Vec<_>>()), median(&linked.iter().map(|s| s.durable_over_alone).collect::<Vec<_>>()))
+        (
+            median(&linked.iter().map(|s| s.written_over_changed).collect::<Vec<_>>()),
+            median(&linked.iter().map(|s| s.durable_over_alone).collect::<Vec<_>>()),
+        )
     };
     Ok(IncrementalFigures {
         op: "incremental",

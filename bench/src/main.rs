@@ -103,9 +103,21 @@ fn main() -> ExitCode {
         Cmd::Stall { dir, size, python, staging, repeats, compare_fio, json } => {
             // The sidecar it starts creates the directory; a failed run
             // removes what it made (only folders left empty).
-            let made: Vec<PathBuf> = dir.ancestors().filter(|a| !a.as_os_str().is_empty()).take_while(|a| std::fs::symlink_metadata(a).is_err()).map(Path::to_path_buf).collect();
+            let made: Vec<PathBuf> = dir
+                .ancestors()
+                .filter(|a| !a.as_os_str().is_empty())
+                .take_while(|a| std::fs::symlink_metadata(a).is_err())
+                .map(Path::to_path_buf)
+                .collect();
             let r = check_stall_args(&dir, python.as_deref()).and_then(|()| {
-                stall::run(&stall::StallArgs { dir, size_bytes: size, python, staging_bytes: staging, repeats: repeats as usize, compare_fio })
+                stall::run(&stall::StallArgs {
+                    dir,
+                    size_bytes: size,
+                    python,
+                    staging_bytes: staging,
+                    repeats: repeats as usize,
+                    compare_fio,
+                })
             });
             if r.is_err() {
                 for p in &made {
@@ -115,8 +127,15 @@ fn main() -> ExitCode {
             r.and_then(|f| print_stall(&f, json))
         }
         Cmd::Incremental { dir, base, adapters, steps, full_rounds, lazy_release, json } => {
-            incremental::run(&incremental::IncrementalArgs { dir, base_bytes: base, adapter_bytes: adapters, steps: steps as usize, full_rounds: full_rounds as usize, lazy_release })
-                .and_then(|f| print_incremental(&f, json))
+            incremental::run(&incremental::IncrementalArgs {
+                dir,
+                base_bytes: base,
+                adapter_bytes: adapters,
+                steps: steps as usize,
+                full_rounds: full_rounds as usize,
+                lazy_release,
+            })
+            .and_then(|f| print_incremental(&f, json))
         }
     };
     match r {
@@ -136,7 +155,8 @@ fn check_stall_args(dir: &Path, python: Option<&Path>) -> anyhow::Result<()> {
     }
     if let Some(py) = python {
         use std::os::unix::fs::PermissionsExt;
-        let runnable = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+        let runnable =
+            |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
         let found = if py.components().count() > 1 {
             runnable(py)
         } else {
@@ -168,9 +188,20 @@ fn print_incremental(f: &incremental::IncrementalFigures, json: bool) -> anyhow:
         println!("{}", serde_json::to_string_pretty(f)?);
         return Ok(());
     }
-    println!("op: incremental (real client -> real sidecars, host memory, {}, {} release)", f.memory, if f.lazy_release { "lazy" } else { "early" });
-    println!("state: frozen base {}, changing {} (adapters + 2 moments) every step", human_bytes(f.base_bytes), human_bytes(f.changing_bytes));
-    println!("{:>5} {:>12} {:>12} {:>8} {:>9} {:>10} {:>10} {:>8}", "step", "written", "changed+idx", "w/c", "stall_s", "durable_s", "alone_s", "d/alone");
+    println!(
+        "op: incremental (real client -> real sidecars, host memory, {}, {} release)",
+        f.memory,
+        if f.lazy_release { "lazy" } else { "early" }
+    );
+    println!(
+        "state: frozen base {}, changing {} (adapters + 2 moments) every step",
+        human_bytes(f.base_bytes),
+        human_bytes(f.changing_bytes)
+    );
+    println!(
+        "{:>5} {:>12} {:>12} {:>8} {:>9} {:>10} {:>10} {:>8}",
+        "step", "written", "changed+idx", "w/c", "stall_s", "durable_s", "alone_s", "d/alone"
+    );
     for s in &f.steps {
         println!(
             "{:>5} {:>12} {:>12} {:>8.3} {:>9.4} {:>10.4} {:>10.4} {:>8.2}",
@@ -184,12 +215,25 @@ fn print_incremental(f: &incremental::IncrementalFigures, json: bool) -> anyhow:
             s.durable_over_alone
         );
     }
-    println!("median over linked steps: written/changed {:.3} (bar 1.1), durable/alone {:.2} (bar 1.5)", f.written_over_changed_median, f.durable_over_alone_median);
+    println!(
+        "median over linked steps: written/changed {:.3} (bar 1.1), durable/alone {:.2} (bar 1.5)",
+        f.written_over_changed_median, f.durable_over_alone_median
+    );
     let secs = |v: &[f64]| v.iter().map(|s| format!("{s:.3}")).collect::<Vec<_>>().join(" ");
     let full = &f.full;
     println!("full save of {} (every tensor changed), detection on vs off, alternated:", human_bytes(full.bytes));
-    println!("  stall   on  {}   off {}   median on/off {:.3} (bar 1.05)", secs(&full.on_stall_seconds), secs(&full.off_stall_seconds), full.stall_on_over_off);
-    println!("  durable on  {}   off {}   median on/off {:.3} (bar 1.05)", secs(&full.on_durable_seconds), secs(&full.off_durable_seconds), full.durable_on_over_off);
+    println!(
+        "  stall   on  {}   off {}   median on/off {:.3} (bar 1.05)",
+        secs(&full.on_stall_seconds),
+        secs(&full.off_stall_seconds),
+        full.stall_on_over_off
+    );
+    println!(
+        "  durable on  {}   off {}   median on/off {:.3} (bar 1.05)",
+        secs(&full.on_durable_seconds),
+        secs(&full.off_durable_seconds),
+        full.durable_on_over_off
+    );
     println!(
         "  second save after start (no history yet: all stable, shards wait for the digests; not in the medians): durable on {:.3} off {:.3}",
         full.on_second_save_durable_seconds, full.off_second_save_durable_seconds
@@ -201,13 +245,24 @@ fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {
     let secs = |v: &[f64]| v.iter().map(|s| format!("{s:.4}")).collect::<Vec<_>>().join(" ");
     let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     println!("op:                 stall (real client -> real sidecar pid {}, host memory)", f.sidecar_pid);
-    println!("bytes:              {} ({}) in {} tensors; files {} ({})", f.bytes, human_bytes(f.bytes), f.n_tensors, f.file_bytes, human_bytes(f.file_bytes));
+    println!(
+        "bytes:              {} ({}) in {} tensors; files {} ({})",
+        f.bytes,
+        human_bytes(f.bytes),
+        f.n_tensors,
+        f.file_bytes,
+        human_bytes(f.file_bytes)
+    );
     println!("steps:              {:?}", f.steps);
     println!("stall s:            {} (save() until Released)", secs(&f.stall_seconds));
     println!("stall median/max:   {:.4} / {:.4} s", f.stall_seconds_median, f.stall_seconds_max);
     println!("sidecar copy s:     {} (median {:.4}; from Released)", secs(&f.copy_seconds), f.copy_seconds_median);
     println!("memcpy s:           {} (one thread, same bytes, same run)", secs(&f.memcpy_seconds));
-    println!("memcpy median:      {:.4} s ({:.2} GiB/s)", f.memcpy_seconds_median, f.bytes as f64 / f.memcpy_seconds_median / (1u64 << 30) as f64);
+    println!(
+        "memcpy median:      {:.4} s ({:.2} GiB/s)",
+        f.memcpy_seconds_median,
+        f.bytes as f64 / f.memcpy_seconds_median / (1u64 << 30) as f64
+    );
     println!(
         "stall / memcpy:     {:.3} (bar <= {}: {})",
         f.stall_over_memcpy,
@@ -219,7 +274,11 @@ fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {
     println!("released->durable:  {:.4} s (median, seen by the client)", f.release_to_durable_seconds_median);
     if let (Some(fio), Some(r)) = (f.fio_gib_per_s, f.persist_over_fio) {
         println!("fio gib_per_s:      {fio:.3} (same size, same directory, just before)");
-        println!("persist / fio:      {r:.3} (bar >= {}: {})", stall::BAR_PERSIST_OVER_FIO, verdict(r >= stall::BAR_PERSIST_OVER_FIO));
+        println!(
+            "persist / fio:      {r:.3} (bar >= {}: {})",
+            stall::BAR_PERSIST_OVER_FIO,
+            verdict(r >= stall::BAR_PERSIST_OVER_FIO)
+        );
     }
     let limit = f.staging_bytes + stall::BAR_RSS_OVER_STAGING_BYTES;
     println!("staging:            {} ({})", f.staging_bytes, human_bytes(f.staging_bytes));
@@ -239,7 +298,11 @@ fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {
         verdict(f.sidecar_rss_bytes.saturating_sub(f.sidecar_rss_shmem_bytes) <= limit)
     );
     match (f.torch_save_seconds, &f.torch_note) {
-        (Some(s), note) => println!("torch.save+fsync:   {s:.3} s ({}); stall is {:.1}x below", note.as_deref().unwrap_or(""), s / f.stall_seconds_median),
+        (Some(s), note) => println!(
+            "torch.save+fsync:   {s:.3} s ({}); stall is {:.1}x below",
+            note.as_deref().unwrap_or(""),
+            s / f.stall_seconds_median
+        ),
         (None, Some(why)) => println!("torch.save+fsync:   none: {why}"),
         (None, None) => {}
     }
@@ -249,4 +312,3 @@ fn print_stall(f: &stall::StallFigures, json: bool) -> anyhow::Result<()> {
     }
     Ok(())
 }
-

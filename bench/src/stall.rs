@@ -163,9 +163,13 @@ impl Sidecar {
 
     /// `serve` on DIR with this staging budget and these extra options.
     pub(crate) fn spawn_with(dir: &Path, staging_bytes: u64, extra: &[&str]) -> anyhow::Result<Sidecar> {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         let sock_dir = std::env::temp_dir().join(format!("ckpt-bench-stall-{}-{nanos:08x}", std::process::id()));
-        std::fs::DirBuilder::new().mode(0o700).create(&sock_dir).with_context(|| format!("creating {}", sock_dir.display()))?;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&sock_dir)
+            .with_context(|| format!("creating {}", sock_dir.display()))?;
         let socket = sock_dir.join("sidecar.sock");
         // The sidecar's log goes to the terminal when asked for
         // (CKPT_SIDECAR_LOG), else to a file shown if something fails.
@@ -223,11 +227,17 @@ impl Sidecar {
             if self.socket.exists() {
                 match Client::connect(Some(&self.socket)) {
                     Ok(c) => return Ok(c),
-                    Err(e) if t0.elapsed() > START_TIMEOUT => bail!("the sidecar did not accept within {START_TIMEOUT:?}: {e}{}", self.log_tail()),
+                    Err(e) if t0.elapsed() > START_TIMEOUT => {
+                        bail!("the sidecar did not accept within {START_TIMEOUT:?}: {e}{}", self.log_tail())
+                    }
                     Err(_) => {}
                 }
             } else if t0.elapsed() > START_TIMEOUT {
-                bail!("the sidecar did not create {} within {START_TIMEOUT:?}{}", self.socket.display(), self.log_tail());
+                bail!(
+                    "the sidecar did not create {} within {START_TIMEOUT:?}{}",
+                    self.socket.display(),
+                    self.log_tail()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -365,7 +375,8 @@ pub fn run(args: &StallArgs) -> anyhow::Result<StallFigures> {
         staging_bytes >= image_bytes,
         "--staging {staging_bytes} is smaller than one image of this state ({image_bytes} bytes); saves would be refused"
     );
-    let fio = if args.compare_fio { Some(bench::fio_gib_per_s(&args.dir, layout.file_bytes(), "write")?) } else { None };
+    let fio =
+        if args.compare_fio { Some(bench::fio_gib_per_s(&args.dir, layout.file_bytes(), "write")?) } else { None };
 
     let t_prep = Instant::now();
     // memcpy buffers, pre-faulted (MAP_POPULATE) and the source filled.
@@ -399,7 +410,16 @@ pub fn run(args: &StallArgs) -> anyhow::Result<StallFigures> {
             .specs
             .iter()
             .enumerate()
-            .map(|(i, s)| TensorRef::in_region(&s.name, dtypes[i], &s.shape, &region, offsets[i], layout.tensor_range(i).len() as u64))
+            .map(|(i, s)| {
+                TensorRef::in_region(
+                    &s.name,
+                    dtypes[i],
+                    &s.shape,
+                    &region,
+                    offsets[i],
+                    layout.tensor_range(i).len() as u64,
+                )
+            })
             .collect();
         let step_idx = layout.specs.iter().position(|s| s.name == "train.step");
         // A warm-up memcpy (first touch of the code path, TLB).
@@ -434,7 +454,8 @@ pub fn run(args: &StallArgs) -> anyhow::Result<StallFigures> {
             release_to_durable.push(t0.elapsed().as_secs_f64() - stall);
             stall_seconds.push(stall);
             copy_seconds.push(released.copy_seconds.unwrap_or(f64::NAN));
-            persist_seconds.push(durable.persist_seconds.ok_or_else(|| anyhow!("step {step}: Durable without persist_seconds"))?);
+            persist_seconds
+                .push(durable.persist_seconds.ok_or_else(|| anyhow!("step {step}: Durable without persist_seconds"))?);
             let index = restore::read_index(&args.dir, step)?;
             file_bytes = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
             steps.push(step);
@@ -541,13 +562,15 @@ print(json.dumps({"seconds": times, "torch": torch.__version__, "bytes": nbytes}
 "#;
 
 fn torch_save_seconds(py: &Path, dir: &Path, specs: &[TensorSpec], runs: usize) -> anyhow::Result<(f64, String)> {
-    let spec_json: Vec<serde_json::Value> = specs.iter().map(|s| serde_json::json!([s.name, s.dtype.as_str(), s.shape])).collect();
+    let spec_json: Vec<serde_json::Value> =
+        specs.iter().map(|s| serde_json::json!([s.name, s.dtype.as_str(), s.shape])).collect();
     let path = dir.join(format!(".torch-save-bench-{}.pt", std::process::id()));
     // The specs go in through a file, not a pipe: this process dies of
     // SIGPIPE on a closed pipe (its stdout's rule), and a Python that exits
     // at once (not there, no torch) closes its stdin unread.
     let specs_path = dir.join(format!(".torch-save-bench-{}.json", std::process::id()));
-    std::fs::write(&specs_path, serde_json::to_string(&spec_json)?).with_context(|| format!("writing {}", specs_path.display()))?;
+    std::fs::write(&specs_path, serde_json::to_string(&spec_json)?)
+        .with_context(|| format!("writing {}", specs_path.display()))?;
     let specs_file = std::fs::File::open(&specs_path).with_context(|| format!("opening {}", specs_path.display()));
     let _ = std::fs::remove_file(&specs_path);
     let child = Command::new(py)
@@ -563,15 +586,36 @@ fn torch_save_seconds(py: &Path, dir: &Path, specs: &[TensorSpec], runs: usize) 
     let out = child.wait_with_output()?;
     let _ = std::fs::remove_file(&path);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    ensure!(out.status.success(), "{} failed ({}): {}", py.display(), out.status, String::from_utf8_lossy(&out.stderr).trim());
+    ensure!(
+        out.status.success(),
+        "{} failed ({}): {}",
+        py.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
     let last = stdout.lines().last().ok_or_else(|| anyhow!("{} printed nothing", py.display()))?;
-    let j: serde_json::Value = serde_json::from_str(last).with_context(|| format!("{} printed {last:?}", py.display()))?;
+    let j: serde_json::Value =
+        serde_json::from_str(last).with_context(|| format!("{} printed {last:?}", py.display()))?;
     if let Some(e) = j["error"].as_str() {
         bail!("{e}");
     }
-    let times: Vec<f64> = j["seconds"].as_array().ok_or_else(|| anyhow!("no seconds in {last}"))?.iter().filter_map(|v| v.as_f64()).collect();
+    let times: Vec<f64> = j["seconds"]
+        .as_array()
+        .ok_or_else(|| anyhow!("no seconds in {last}"))?
+        .iter()
+        .filter_map(|v| v.as_f64())
+        .collect();
     ensure!(!times.is_empty(), "no times in {last}");
-    Ok((median(&times), format!("torch {} ({}), {} bytes, {} run(s), median", j["torch"].as_str().unwrap_or("?"), py.display(), j["bytes"], times.len())))
+    Ok((
+        median(&times),
+        format!(
+            "torch {} ({}), {} bytes, {} run(s), median",
+            j["torch"].as_str().unwrap_or("?"),
+            py.display(),
+            j["bytes"],
+            times.len()
+        ),
+    ))
 }
 
 #[cfg(test)]

@@ -26,10 +26,16 @@ fn bench_stall(dir: &Path, extra: &[&str]) -> serde_json::Value {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "bench stall failed ({}):\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "bench stall failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Human lines first, the JSON object last.
     assert!(stdout.lines().count() > 5, "{stdout}");
-    serde_json::from_str(stdout.lines().last().unwrap()).unwrap_or_else(|e| panic!("last line is not JSON ({e}):\n{stdout}"))
+    serde_json::from_str(stdout.lines().last().unwrap())
+        .unwrap_or_else(|e| panic!("last line is not JSON ({e}):\n{stdout}"))
 }
 
 fn positive(j: &serde_json::Value, key: &str) -> f64 {

@@ -42,7 +42,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ckpt_wire::{Blob, ErrorCode, FileFinish, FilePiece, FrameError, LoadSource, Reply, Request, StatusReport, TensorDesc, TensorInfo, FRAME_BYTES_MAX, PROTOCOL_VERSION, SOCKET_ENV};
+use ckpt_wire::{
+    Blob, ErrorCode, FileFinish, FilePiece, FrameError, LoadSource, Reply, Request, StatusReport, TensorDesc,
+    TensorInfo, FRAME_BYTES_MAX, PROTOCOL_VERSION, SOCKET_ENV,
+};
 
 use crate::error::{Error, Result};
 use crate::region::ShmRegion;
@@ -71,7 +74,14 @@ pub struct TensorRef<'a> {
 
 impl<'a> TensorRef<'a> {
     /// A tensor at `offset_bytes` in `region`.
-    pub fn in_region(name: &'a str, dtype: &'a str, shape: &'a [u64], region: &ShmRegion, offset_bytes: u64, len_bytes: u64) -> Self {
+    pub fn in_region(
+        name: &'a str,
+        dtype: &'a str,
+        shape: &'a [u64],
+        region: &ShmRegion,
+        offset_bytes: u64,
+        len_bytes: u64,
+    ) -> Self {
         TensorRef { name, dtype, shape, ptr: region.as_ptr().wrapping_add(offset_bytes as usize), len_bytes }
     }
 }
@@ -105,7 +115,10 @@ enum CudaKind {
     Fabric([u8; ckpt_cuda::FABRIC_HANDLE_BYTES]),
     /// Allocations registered as regions `pieces`, mapped back to back in
     /// this order (RegisterCudaSpan); `vmm`: all of them are VMM ones.
-    Span { pieces: Vec<u32>, vmm: bool },
+    Span {
+        pieces: Vec<u32>,
+        vmm: bool,
+    },
 }
 
 impl CudaRegion {
@@ -343,7 +356,13 @@ impl KeptList {
                 let name_end = text.len();
                 text.push_str(t.dtype);
                 dims.extend_from_slice(t.shape);
-                KeptTensor { name_end, dtype_end: text.len(), dims_end: dims.len(), ptr: t.ptr as usize, len_bytes: t.len_bytes }
+                KeptTensor {
+                    name_end,
+                    dtype_end: text.len(),
+                    dims_end: dims.len(),
+                    ptr: t.ptr as usize,
+                    len_bytes: t.len_bytes,
+                }
             })
             .collect();
         KeptList {
@@ -361,8 +380,16 @@ impl KeptList {
         if self.tensors.len() != tensors.len()
             || self.regions.len() != inner.regions.len()
             || self.cuda_regions.len() != inner.cuda_regions.len()
-            || !inner.regions.values().zip(&self.regions).all(|(r, &k)| (r.region_id(), r.as_ptr() as usize, r.len_bytes()) == k)
-            || !inner.cuda_regions.values().zip(&self.cuda_regions).all(|(r, &k)| (r.region_id, r.base, r.len_bytes) == k)
+            || !inner
+                .regions
+                .values()
+                .zip(&self.regions)
+                .all(|(r, &k)| (r.region_id(), r.as_ptr() as usize, r.len_bytes()) == k)
+            || !inner
+                .cuda_regions
+                .values()
+                .zip(&self.cuda_regions)
+                .all(|(r, &k)| (r.region_id, r.base, r.len_bytes) == k)
         {
             return false;
         }
@@ -490,7 +517,9 @@ impl State {
     /// Save `id`'s device copy is over (or will never run): the trainer's
     /// streams waiting on it go on ([`crate::done_word`]).
     fn copy_over(&mut self, id: u64) {
-        if let (Some(w), Some(&SaveEntry { cuda_device: Some((_, value)), .. })) = (&self.done_word, self.saves.get(&id)) {
+        if let (Some(w), Some(&SaveEntry { cuda_device: Some((_, value)), .. })) =
+            (&self.done_word, self.saves.get(&id))
+        {
             w.release(value);
         }
         // The sidecar answered: it polled the request's event to its end
@@ -669,10 +698,14 @@ fn read_replies(stream: &mut UnixStream, gen: u64, shared: &Shared) {
             Ok(reply) => st.file(reply),
             Err(e) => {
                 let reason = match e {
-                    FrameError::Closed => "the sidecar closed the connection (it exited, was killed, or ended the session)".to_string(),
+                    FrameError::Closed => {
+                        "the sidecar closed the connection (it exited, was killed, or ended the session)".to_string()
+                    }
                     FrameError::Truncated => "the sidecar closed the connection in the middle of a reply".to_string(),
                     FrameError::Io(e) => format!("reading from the sidecar failed: {e}"),
-                    e @ (FrameError::TooLarge { .. } | FrameError::Decode(_)) => format!("unreadable reply from the sidecar ({e}); connection dropped"),
+                    e @ (FrameError::TooLarge { .. } | FrameError::Decode(_)) => {
+                        format!("unreadable reply from the sidecar ({e}); connection dropped")
+                    }
                 };
                 st.lose(reason);
                 let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -693,8 +726,23 @@ impl Client {
             owner_pid: std::process::id(),
             socket_path,
             name: program_name(),
-            shared: Arc::new(Shared { state: Mutex::new(State { next_id: 1, ..State::default() }), changed: Condvar::new() }),
-            inner: Mutex::new(Inner { conn: None, regions: BTreeMap::new(), cuda_regions: BTreeMap::new(), cuda_events: HashMap::new(), done_seq: 0, next_region_id: 1, closed: false, request_timeout: None, lazy_release: false, rank: (0, 1), kept_list: None }),
+            shared: Arc::new(Shared {
+                state: Mutex::new(State { next_id: 1, ..State::default() }),
+                changed: Condvar::new(),
+            }),
+            inner: Mutex::new(Inner {
+                conn: None,
+                regions: BTreeMap::new(),
+                cuda_regions: BTreeMap::new(),
+                cuda_events: HashMap::new(),
+                done_seq: 0,
+                next_region_id: 1,
+                closed: false,
+                request_timeout: None,
+                lazy_release: false,
+                rank: (0, 1),
+                kept_list: None,
+            }),
         };
         {
             let mut inner = client.lock_inner();
@@ -740,7 +788,9 @@ impl Client {
     /// (SavePart); the sidecar commits a step once every part is there.
     pub fn set_rank(&self, rank: u32, world_size: u32) -> Result<()> {
         if world_size == 0 || rank >= world_size {
-            return Err(Error::InvalidArgument(format!("rank {rank} of world size {world_size}: need 0 <= rank < world_size")));
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of world size {world_size}: need 0 <= rank < world_size"
+            )));
         }
         self.lock_inner().rank = (rank, world_size);
         Ok(())
@@ -775,7 +825,8 @@ impl Client {
             return Err(Error::Closed);
         }
         let region_id = inner.next_region_id;
-        inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
+        inner.next_region_id =
+            inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
         let region = Arc::new(ShmRegion::create(region_id, len_bytes)?.handing_over(hand_over));
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(&mut inner)?;
@@ -818,7 +869,8 @@ impl Client {
             Ok(c) => c,
             Err(_) => return Ok(()),
         };
-        let reply = self.call_on(conn, timeout, "UnregisterRegion", |id| Request::UnregisterRegion { id, region_id })?;
+        let reply =
+            self.call_on(conn, timeout, "UnregisterRegion", |id| Request::UnregisterRegion { id, region_id })?;
         drop(region);
         match reply {
             Reply::RegionUnregistered { .. } => Ok(()),
@@ -844,7 +896,13 @@ impl Client {
     /// that step instead of the regions, when it holds it as this
     /// connection saved it; else it copies them. A flag on a changed tensor
     /// makes the checkpoint hold its old bytes: flag only what is proven.
-    pub fn save_unchanged(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], unchanged: Option<&ckpt_wire::Unchanged>) -> Result<SaveHandle> {
+    pub fn save_unchanged(
+        &self,
+        step: u64,
+        tensors: &[TensorRef],
+        blobs: &[BlobRef],
+        unchanged: Option<&ckpt_wire::Unchanged>,
+    ) -> Result<SaveHandle> {
         if let Some(u) = unchanged {
             u.check(tensors.len()).map_err(Error::InvalidArgument)?;
         }
@@ -861,19 +919,31 @@ impl Client {
                 let mut descs = Vec::with_capacity(tensors.len());
                 for t in tensors {
                     let (region_id, offset_bytes) = locate(&inner, t)?;
-                    descs.push(ckpt_wire::TensorDescRef { name: t.name, dtype: t.dtype, shape: t.shape, region_id, offset_bytes, len_bytes: t.len_bytes });
+                    descs.push(ckpt_wire::TensorDescRef {
+                        name: t.name,
+                        dtype: t.dtype,
+                        shape: t.shape,
+                        region_id,
+                        offset_bytes,
+                        len_bytes: t.len_bytes,
+                    });
                 }
                 KeptList::new(&inner, tensors, ckpt_wire::encode_tensors(&descs))
             }
         };
-        let blobs: Vec<ckpt_wire::BlobRef> = blobs.iter().map(|b| ckpt_wire::BlobRef { name: b.name, bytes: b.bytes }).collect();
+        let blobs: Vec<ckpt_wire::BlobRef> =
+            blobs.iter().map(|b| ckpt_wire::BlobRef { name: b.name, bytes: b.bytes }).collect();
         let lazy_release = inner.lazy_release;
         let part = match inner.rank {
             (_, 1) => None,
             (rank, world_size) => Some(ckpt_wire::RankOf { rank, world_size }),
         };
-        let unchanged = unchanged.filter(|u| u.count() > 0).map(|u| ckpt_wire::UnchangedRef { since_step: u.since_step, bits: &u.bits });
-        let sent = self.submit_encoded(&mut inner, step, None, |id| ckpt_wire::encode_save_with(id, step, part, &kept.encoded, &blobs, lazy_release, unchanged));
+        let unchanged = unchanged
+            .filter(|u| u.count() > 0)
+            .map(|u| ckpt_wire::UnchangedRef { since_step: u.since_step, bits: &u.bits });
+        let sent = self.submit_encoded(&mut inner, step, None, |id| {
+            ckpt_wire::encode_save_with(id, step, part, &kept.encoded, &blobs, lazy_release, unchanged)
+        });
         inner.kept_list = Some(kept);
         sent
     }
@@ -924,7 +994,14 @@ impl Client {
         }
         let region_id = self.next_region_id(inner)?;
         let len_bytes = allocs.iter().map(|a| a.len_bytes).sum();
-        let r = CudaRegion { region_id, base: allocs[0].base, len_bytes, device: allocs[0].device, buffer_id: 0, kind: CudaKind::Span { pieces, vmm } };
+        let r = CudaRegion {
+            region_id,
+            base: allocs[0].base,
+            len_bytes,
+            device: allocs[0].device,
+            buffer_id: 0,
+            kind: CudaKind::Span { pieces, vmm },
+        };
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(inner)?;
         self.register_cuda_on(conn, &r, timeout, None)?;
@@ -938,14 +1015,24 @@ impl Client {
     /// only when a new allocation is registered), so the sidecar closes
     /// their imports (a VMM import keeps the freed chunk's memory alive)
     /// now rather than when this client leaves.
-    fn register_allocation_locked(&self, inner: &mut MutexGuard<'_, Inner>, a: &ckpt_cuda::Allocation) -> Result<CudaRegion> {
-        if let Some(r) = inner.cuda_regions.values().find(|r| r.pieces().is_empty() && r.base == a.base && r.len_bytes == a.len_bytes && r.buffer_id == a.buffer_id) {
+    fn register_allocation_locked(
+        &self,
+        inner: &mut MutexGuard<'_, Inner>,
+        a: &ckpt_cuda::Allocation,
+    ) -> Result<CudaRegion> {
+        if let Some(r) = inner.cuda_regions.values().find(|r| {
+            r.pieces().is_empty() && r.base == a.base && r.len_bytes == a.len_bytes && r.buffer_id == a.buffer_id
+        }) {
             return Ok(r.clone());
         }
         // Two live allocations never overlap: one registered over `a` was
         // freed since (the address was reused).
         let all = &inner.cuda_regions;
-        let stale: Vec<u32> = all.values().filter(|r| r.pieces().is_empty() && (r.overlaps(a) || !still_there(all, r))).map(|r| r.region_id).collect();
+        let stale: Vec<u32> = all
+            .values()
+            .filter(|r| r.pieces().is_empty() && (r.overlaps(a) || !still_there(all, r)))
+            .map(|r| r.region_id)
+            .collect();
         self.drop_cuda_regions_locked(inner, &stale)?;
         let (kind, fd) = match ckpt_cuda::export(a)? {
             ckpt_cuda::Export::Legacy(h) => (CudaKind::Legacy(h), None),
@@ -953,7 +1040,14 @@ impl Client {
             ckpt_cuda::Export::Fabric(h) => (CudaKind::Fabric(h), None),
         };
         let region_id = self.next_region_id(inner)?;
-        let r = CudaRegion { region_id, base: a.base, len_bytes: a.len_bytes, device: a.device, buffer_id: a.buffer_id, kind };
+        let r = CudaRegion {
+            region_id,
+            base: a.base,
+            len_bytes: a.len_bytes,
+            device: a.device,
+            buffer_id: a.buffer_id,
+            kind,
+        };
         let timeout = inner.request_timeout;
         let conn = self.ensure_connected(inner)?;
         self.register_cuda_on(conn, &r, timeout, fd)?;
@@ -963,7 +1057,8 @@ impl Client {
 
     fn next_region_id(&self, inner: &mut MutexGuard<'_, Inner>) -> Result<u32> {
         let region_id = inner.next_region_id;
-        inner.next_region_id = inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
+        inner.next_region_id =
+            inner.next_region_id.checked_add(1).ok_or_else(|| Error::InvalidArgument("region ids exhausted".into()))?;
         Ok(region_id)
     }
 
@@ -973,7 +1068,12 @@ impl Client {
         if ids.is_empty() {
             return Ok(());
         }
-        let mut gone: Vec<u32> = inner.cuda_regions.values().filter(|r| r.pieces().iter().any(|p| ids.contains(p))).map(|r| r.region_id).collect();
+        let mut gone: Vec<u32> = inner
+            .cuda_regions
+            .values()
+            .filter(|r| r.pieces().iter().any(|p| ids.contains(p)))
+            .map(|r| r.region_id)
+            .collect();
         gone.extend_from_slice(ids);
         for id in &gone {
             inner.cuda_regions.remove(id);
@@ -1035,7 +1135,11 @@ impl Client {
     pub fn unregister_cuda(&self, ptr: u64) -> Result<()> {
         let id = {
             let inner = self.lock_inner();
-            inner.cuda_regions.values().find(|r| r.pieces().is_empty() && r.offset_of(ptr, 0).is_some()).map(|r| r.region_id)
+            inner
+                .cuda_regions
+                .values()
+                .find(|r| r.pieces().is_empty() && r.offset_of(ptr, 0).is_some())
+                .map(|r| r.region_id)
         };
         let Some(region_id) = id else { return Err(Error::UnknownRegion { ptr: ptr as usize }) };
         let mut inner = self.lock_inner();
@@ -1056,14 +1160,27 @@ impl Client {
     /// `stream` and sent with the save, and the sidecar's own stream waits
     /// on it before copying. The CPU never waits. With no CUDA tensor this is
     /// a plain save.
-    pub fn save_on_stream(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], stream: u64) -> Result<SaveHandle> {
+    pub fn save_on_stream(
+        &self,
+        step: u64,
+        tensors: &[TensorRef],
+        blobs: &[BlobRef],
+        stream: u64,
+    ) -> Result<SaveHandle> {
         self.save_on_stream_unchanged(step, tensors, blobs, stream, None)
     }
 
     /// [`Client::save_on_stream`] with tensors proven unchanged, as
     /// [`Client::save_unchanged`]: on a GPU the sidecar then skips their
     /// device-to-host copy.
-    pub fn save_on_stream_unchanged(&self, step: u64, tensors: &[TensorRef], blobs: &[BlobRef], stream: u64, unchanged: Option<&ckpt_wire::Unchanged>) -> Result<SaveHandle> {
+    pub fn save_on_stream_unchanged(
+        &self,
+        step: u64,
+        tensors: &[TensorRef],
+        blobs: &[BlobRef],
+        stream: u64,
+        unchanged: Option<&ckpt_wire::Unchanged>,
+    ) -> Result<SaveHandle> {
         if let Some(u) = unchanged {
             u.check(tensors.len()).map_err(Error::InvalidArgument)?;
         }
@@ -1071,9 +1188,11 @@ impl Client {
         let mut inner = self.lock_inner();
         self.refresh_cuda_locked(&mut inner, tensors)?;
         let descs = describe(&inner, tensors)?;
-        let blobs: Vec<Blob> = blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
+        let blobs: Vec<Blob> =
+            blobs.iter().map(|b| Blob { name: b.name.to_string(), bytes: b.bytes.to_vec() }).collect();
         let lazy_release = inner.lazy_release;
-        let mut devices: Vec<i32> = descs.iter().filter_map(|d| inner.cuda_regions.get(&d.region_id)).map(|r| r.device).collect();
+        let mut devices: Vec<i32> =
+            descs.iter().filter_map(|d| inner.cuda_regions.get(&d.region_id)).map(|r| r.device).collect();
         devices.sort_unstable();
         devices.dedup();
         let (rank, world_size) = inner.rank;
@@ -1194,13 +1313,20 @@ impl Client {
     /// `finish` says what the sidecar completes before writing
     /// ([`FileFinish::TorchZip`]: a torch.save skip_data archive's CRC-32s).
     /// Replies as [`Client::save_file`]. (Protocol 9.)
-    pub fn save_file_pieces(&self, path: &str, pieces: &[(*const u8, u64)], stream: u64, finish: FileFinish) -> Result<SaveHandle> {
+    pub fn save_file_pieces(
+        &self,
+        path: &str,
+        pieces: &[(*const u8, u64)],
+        stream: u64,
+        finish: FileFinish,
+    ) -> Result<SaveHandle> {
         let mut inner = self.lock_inner();
         let mut out = Vec::with_capacity(pieces.len());
         let mut devices: Vec<i32> = Vec::new();
         for (i, &(ptr, len_bytes)) in pieces.iter().enumerate() {
             let name = format!("{path} piece {i}");
-            let (region_id, offset_bytes) = locate(&inner, &TensorRef { name: &name, dtype: "U8", shape: &[], ptr, len_bytes })?;
+            let (region_id, offset_bytes) =
+                locate(&inner, &TensorRef { name: &name, dtype: "U8", shape: &[], ptr, len_bytes })?;
             if len_bytes > 0 {
                 if let Some(r) = inner.cuda_regions.get(&region_id) {
                     if !devices.contains(&r.device) {
@@ -1224,9 +1350,18 @@ impl Client {
         };
         let path = path.to_string();
         let with_event = !event.is_empty();
-        let h = self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces { id, path, pieces: out, device, event, finish })?;
+        let h = self.submit(&mut inner, 0, Some(path.clone()), |id| Request::SaveFilePieces {
+            id,
+            path,
+            pieces: out,
+            device,
+            event,
+            finish,
+        })?;
         if with_event {
-            if let Some(e) = self.lock_state().saves.get_mut(&h.id).filter(|e| !is_final(e.status.state) && !e.status.released) {
+            if let Some(e) =
+                self.lock_state().saves.get_mut(&h.id).filter(|e| !is_final(e.status.state) && !e.status.released)
+            {
                 e.event_pending = true;
             }
         }
@@ -1234,12 +1369,24 @@ impl Client {
     }
 
     /// Files a save under a fresh id and sends the request `make` builds.
-    fn submit(&self, inner: &mut MutexGuard<'_, Inner>, step: u64, file: Option<String>, make: impl FnOnce(u64) -> Request) -> Result<SaveHandle> {
+    fn submit(
+        &self,
+        inner: &mut MutexGuard<'_, Inner>,
+        step: u64,
+        file: Option<String>,
+        make: impl FnOnce(u64) -> Request,
+    ) -> Result<SaveHandle> {
         self.submit_encoded(inner, step, file, |id| ckpt_wire::encode(&make(id)))
     }
 
     /// [`Client::submit`] of a request already encoded as a frame by `make`.
-    fn submit_encoded(&self, inner: &mut MutexGuard<'_, Inner>, step: u64, file: Option<String>, make: impl FnOnce(u64) -> Vec<u8>) -> Result<SaveHandle> {
+    fn submit_encoded(
+        &self,
+        inner: &mut MutexGuard<'_, Inner>,
+        step: u64,
+        file: Option<String>,
+        make: impl FnOnce(u64) -> Vec<u8>,
+    ) -> Result<SaveHandle> {
         let conn = self.ensure_connected(inner)?;
         let id = {
             let mut st = self.lock_state();
@@ -1304,7 +1451,10 @@ impl Client {
             }
             let what = s.what();
             st = self.wait_changed(st, deadline).map_err(|()| Error::Timeout {
-                what: format!("save of {what} to be {}", if wanted == Wanted::Released { "released" } else { "durable" }),
+                what: format!(
+                    "save of {what} to be {}",
+                    if wanted == Wanted::Released { "released" } else { "durable" }
+                ),
                 timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
             })?;
         }
@@ -1321,7 +1471,9 @@ impl Client {
         let deadline = timeout.map(|t| Instant::now() + t);
         let s = self.wait(save_id, Wanted::Durable, timeout)?;
         if let Some(f) = &s.file {
-            return Err(Error::InvalidArgument(format!("save {save_id} wrote the file {f}; only checkpoints are replicated")));
+            return Err(Error::InvalidArgument(format!(
+                "save {save_id} wrote the file {f}; only checkpoints are replicated"
+            )));
         }
         if s.replicated_to.is_some() {
             return Ok(s);
@@ -1361,7 +1513,9 @@ impl Client {
         let id = self.send_request(conn, |id| Request::Load { id, step, tensors: descs })?;
         drop(inner);
         match self.await_reply(id, gen, "the sidecar to load", timeout)? {
-            Reply::Loaded { step, source, tensors, blobs, fell_back, .. } => Ok(LoadInfo { step, source, tensors, blobs, fell_back, offsets: Vec::new(), need_bytes: 0 }),
+            Reply::Loaded { step, source, tensors, blobs, fell_back, .. } => {
+                Ok(LoadInfo { step, source, tensors, blobs, fell_back, offsets: Vec::new(), need_bytes: 0 })
+            }
             other => Err(unexpected("Load", other)),
         }
     }
@@ -1385,7 +1539,9 @@ impl Client {
         let id = self.send_request(conn, |id| Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes })?;
         drop(inner);
         match self.await_reply(id, gen, "the sidecar to load", timeout)? {
-            Reply::Placed { step, source, tensors, offsets, need_bytes, blobs, fell_back, .. } => Ok(LoadInfo { step, source, tensors, blobs, fell_back, offsets, need_bytes }),
+            Reply::Placed { step, source, tensors, offsets, need_bytes, blobs, fell_back, .. } => {
+                Ok(LoadInfo { step, source, tensors, blobs, fell_back, offsets, need_bytes })
+            }
             other => Err(unexpected("LoadPacked", other)),
         }
     }
@@ -1501,7 +1657,11 @@ impl Client {
         self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn wait_changed<'a>(&self, st: MutexGuard<'a, State>, deadline: Option<Instant>) -> Result<MutexGuard<'a, State>, ()> {
+    fn wait_changed<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        deadline: Option<Instant>,
+    ) -> Result<MutexGuard<'a, State>, ()> {
         match deadline {
             None => Ok(self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner())),
             Some(d) => {
@@ -1532,9 +1692,14 @@ impl Client {
             Ok(Reply::Refused { reason }) => return Err(Error::Refused { path: path.clone(), reason }),
             Ok(other) => return Err(hs(format!("expected Welcome, got {other:?}"))),
             Err(FrameError::Io(e)) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                return Err(Error::Timeout { what: format!("the sidecar at {} to answer Hello", path.display()), timeout_ms: HANDSHAKE_TIMEOUT.as_millis() as u64 })
+                return Err(Error::Timeout {
+                    what: format!("the sidecar at {} to answer Hello", path.display()),
+                    timeout_ms: HANDSHAKE_TIMEOUT.as_millis() as u64,
+                })
             }
-            Err(FrameError::Closed) => return Err(hs("the sidecar closed the connection without answering Hello".into())),
+            Err(FrameError::Closed) => {
+                return Err(hs("the sidecar closed the connection without answering Hello".into()))
+            }
             Err(e) => return Err(hs(e.to_string())),
         };
         stream.set_read_timeout(None).map_err(|e| hs(e.to_string()))?;
@@ -1549,11 +1714,14 @@ impl Client {
         };
         let shared = self.shared.clone();
         let fds = (stream.as_raw_fd(), reader_stream.as_raw_fd());
-        let reader = std::thread::Builder::new().name("ckpt-shim-reader".into()).spawn(move || reader_loop(reader_stream, gen, shared)).map_err(|e| {
-            fork_fd_unregister(fds.0);
-            fork_fd_unregister(fds.1);
-            hs(format!("cannot start the reader thread: {e}"))
-        })?;
+        let reader = std::thread::Builder::new()
+            .name("ckpt-shim-reader".into())
+            .spawn(move || reader_loop(reader_stream, gen, shared))
+            .map_err(|e| {
+                fork_fd_unregister(fds.0);
+                fork_fd_unregister(fds.1);
+                hs(format!("cannot start the reader thread: {e}"))
+            })?;
         inner.conn = Some(Conn { stream, gen, reader: Some(reader), info });
         Ok(())
     }
@@ -1579,14 +1747,21 @@ impl Client {
         if let Some(old) = inner.conn.take() {
             old.shut();
         }
-        let fail = |e: Error| Error::Disconnected { reason: format!("{lost}; reconnecting to {} failed: {e}", self.socket_path.display()) };
+        let fail = |e: Error| Error::Disconnected {
+            reason: format!("{lost}; reconnecting to {} failed: {e}", self.socket_path.display()),
+        };
         self.open(inner).map_err(fail)?;
         let timeout = inner.request_timeout;
         let conn = inner.conn.as_ref().expect("open sets it");
         for region in inner.regions.values() {
             if let Err(e) = self.register(conn, region, timeout) {
                 let e = Error::Disconnected {
-                    reason: format!("reconnected to {}, but re-registering region {} ({}) failed: {e}", self.socket_path.display(), region.region_id(), region.shm_name()),
+                    reason: format!(
+                        "reconnected to {}, but re-registering region {} ({}) failed: {e}",
+                        self.socket_path.display(),
+                        region.region_id(),
+                        region.shm_name()
+                    ),
                 };
                 if let Some(c) = inner.conn.take() {
                     self.lock_state().lose(e.to_string());
@@ -1597,7 +1772,13 @@ impl Client {
         }
         for r in inner.cuda_regions.values() {
             if let Err(e) = self.register_cuda_on(conn, r, timeout, None) {
-                let e = Error::Disconnected { reason: format!("reconnected to {}, but re-registering CUDA region {} failed: {e}", self.socket_path.display(), r.region_id) };
+                let e = Error::Disconnected {
+                    reason: format!(
+                        "reconnected to {}, but re-registering CUDA region {} failed: {e}",
+                        self.socket_path.display(),
+                        r.region_id
+                    ),
+                };
                 if let Some(c) = inner.conn.take() {
                     self.lock_state().lose(e.to_string());
                     c.shut();
@@ -1610,36 +1791,75 @@ impl Client {
 
     /// Registers `r` on `conn`; a VMM region's fd is `fd` (exported by
     /// the caller) or exported again now (a reconnect), and closed once sent.
-    fn register_cuda_on(&self, conn: &Conn, r: &CudaRegion, timeout: Option<Duration>, fd: Option<std::os::fd::OwnedFd>) -> Result<()> {
+    fn register_cuda_on(
+        &self,
+        conn: &Conn,
+        r: &CudaRegion,
+        timeout: Option<Duration>,
+        fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<()> {
         let (region_id, device, len_bytes) = (r.region_id, r.device, r.len_bytes);
         let reply = match &r.kind {
             CudaKind::Legacy(h) => {
                 let ipc_handle = h.to_vec();
                 let device_uuid = ckpt_cuda::uuid_of(device)?.to_vec();
-                self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes })?
+                self.call_on(conn, timeout, "RegisterCudaRegion", |id| Request::RegisterCudaRegion {
+                    id,
+                    region_id,
+                    device,
+                    device_uuid,
+                    ipc_handle,
+                    len_bytes,
+                })?
             }
             CudaKind::Vmm => {
                 let fd = match fd {
                     Some(fd) => fd,
-                    None => match ckpt_cuda::export(&ckpt_cuda::Allocation { base: r.base, len_bytes, device, buffer_id: r.buffer_id })? {
+                    None => match ckpt_cuda::export(&ckpt_cuda::Allocation {
+                        base: r.base,
+                        len_bytes,
+                        device,
+                        buffer_id: r.buffer_id,
+                    })? {
                         ckpt_cuda::Export::Vmm(fd) => fd,
                         ckpt_cuda::Export::Legacy(_) | ckpt_cuda::Export::Fabric(_) => {
-                            return Err(Error::InvalidArgument(format!("CUDA region {region_id} at {:#x} is no longer a VMM allocation exportable as an fd", r.base)))
+                            return Err(Error::InvalidArgument(format!(
+                                "CUDA region {region_id} at {:#x} is no longer a VMM allocation exportable as an fd",
+                                r.base
+                            )))
                         }
                     },
                 };
                 let device_uuid = ckpt_cuda::uuid_of(device)?.to_vec();
-                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle: Vec::new(), len_bytes })?;
+                let id = self.send_request_with_fd(conn, fd.as_raw_fd(), |id| Request::RegisterCudaVmmRegion {
+                    id,
+                    region_id,
+                    device,
+                    device_uuid,
+                    fabric_handle: Vec::new(),
+                    len_bytes,
+                })?;
                 drop(fd);
                 self.await_reply(id, conn.gen, "the sidecar to answer RegisterCudaVmmRegion", timeout)?
             }
             CudaKind::Fabric(h) => {
                 let (device_uuid, fabric_handle) = (ckpt_cuda::uuid_of(device)?.to_vec(), h.to_vec());
-                self.call_on(conn, timeout, "RegisterCudaVmmRegion", |id| Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes })?
+                self.call_on(conn, timeout, "RegisterCudaVmmRegion", |id| Request::RegisterCudaVmmRegion {
+                    id,
+                    region_id,
+                    device,
+                    device_uuid,
+                    fabric_handle,
+                    len_bytes,
+                })?
             }
             CudaKind::Span { pieces, .. } => {
                 let pieces = pieces.clone();
-                self.call_on(conn, timeout, "RegisterCudaSpan", |id| Request::RegisterCudaSpan { id, region_id, pieces })?
+                self.call_on(conn, timeout, "RegisterCudaSpan", |id| Request::RegisterCudaSpan {
+                    id,
+                    region_id,
+                    pieces,
+                })?
             }
         };
         match reply {
@@ -1649,8 +1869,15 @@ impl Client {
     }
 
     fn register(&self, conn: &Conn, region: &ShmRegion, timeout: Option<Duration>) -> Result<()> {
-        let (region_id, shm_name, len_bytes, hand_over) = (region.region_id(), region.shm_name().to_string(), region.len_bytes(), region.hands_over());
-        match self.call_on(conn, timeout, "RegisterRegion", |id| Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over })? {
+        let (region_id, shm_name, len_bytes, hand_over) =
+            (region.region_id(), region.shm_name().to_string(), region.len_bytes(), region.hands_over());
+        match self.call_on(conn, timeout, "RegisterRegion", |id| Request::RegisterRegion {
+            id,
+            region_id,
+            shm_name,
+            len_bytes,
+            hand_over,
+        })? {
             Reply::RegionRegistered { region_id: got, .. } if got == region_id => Ok(()),
             other => Err(unexpected("RegisterRegion", other)),
         }
@@ -1701,7 +1928,13 @@ impl Client {
         self.await_reply(id, gen, &format!("the sidecar to answer {what}"), timeout)
     }
 
-    fn call_on(&self, conn: &Conn, timeout: Option<Duration>, what: &str, make: impl FnOnce(u64) -> Request) -> Result<Reply> {
+    fn call_on(
+        &self,
+        conn: &Conn,
+        timeout: Option<Duration>,
+        what: &str,
+        make: impl FnOnce(u64) -> Request,
+    ) -> Result<Reply> {
         let id = self.send_request(conn, make)?;
         self.await_reply(id, conn.gen, &format!("the sidecar to answer {what}"), timeout)
     }
@@ -1719,7 +1952,9 @@ impl Client {
             }
             if st.gen != gen || st.dead.is_some() {
                 st.waiting.remove(&id);
-                return Err(Error::Disconnected { reason: st.dead.clone().unwrap_or_else(|| "the connection was replaced".into()) });
+                return Err(Error::Disconnected {
+                    reason: st.dead.clone().unwrap_or_else(|| "the connection was replaced".into()),
+                });
             }
             st = match self.wait_changed(st, deadline) {
                 Ok(st) => st,
@@ -1727,7 +1962,10 @@ impl Client {
                     let mut st = self.lock_state();
                     st.waiting.remove(&id);
                     st.replies.remove(&id);
-                    return Err(Error::Timeout { what: what.to_string(), timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0) });
+                    return Err(Error::Timeout {
+                        what: what.to_string(),
+                        timeout_ms: timeout.map(|t| t.as_millis() as u64).unwrap_or(0),
+                    });
                 }
             };
         }
@@ -1765,7 +2003,14 @@ fn describe(inner: &Inner, tensors: &[TensorRef]) -> Result<Vec<TensorDesc>> {
         .iter()
         .map(|t| {
             let (region_id, offset_bytes) = locate(inner, t)?;
-            Ok(TensorDesc { name: t.name.to_string(), dtype: t.dtype.to_string(), shape: t.shape.to_vec(), region_id, offset_bytes, len_bytes: t.len_bytes })
+            Ok(TensorDesc {
+                name: t.name.to_string(),
+                dtype: t.dtype.to_string(),
+                shape: t.shape.to_vec(),
+                region_id,
+                offset_bytes,
+                len_bytes: t.len_bytes,
+            })
         })
         .collect()
 }
@@ -1774,10 +2019,10 @@ fn describe(inner: &Inner, tensors: &[TensorRef]) -> Result<Vec<TensorDesc>> {
 fn locate(inner: &Inner, t: &TensorRef) -> Result<(u32, u64)> {
     let regions = &inner.regions;
     let ptr = t.ptr as usize;
-    let found = regions
-        .values()
-        .find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off)))
-        .or_else(|| inner.cuda_regions.values().find_map(|r| r.offset_of(ptr as u64, t.len_bytes).map(|off| (r.region_id, off))));
+    let found =
+        regions.values().find_map(|r| r.offset_of(ptr, t.len_bytes).map(|off| (r.region_id(), off))).or_else(|| {
+            inner.cuda_regions.values().find_map(|r| r.offset_of(ptr as u64, t.len_bytes).map(|off| (r.region_id, off)))
+        });
     match found {
         Some(f) => Ok(f),
         // A zero-byte tensor needs no region bytes: any region at offset 0.

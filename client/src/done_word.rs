@@ -32,9 +32,21 @@ impl DoneWord {
     pub fn new(device: i32) -> ckpt_cuda::Result<DoneWord> {
         // SAFETY: an anonymous private page, never unmapped (leaked for the
         // process's life: see the module); checked below.
-        let page = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
         if page == libc::MAP_FAILED {
-            return Err(ckpt_cuda::CudaError::Invalid(format!("mapping a page for the copy-done word: {}", std::io::Error::last_os_error())));
+            return Err(ckpt_cuda::CudaError::Invalid(format!(
+                "mapping a page for the copy-done word: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         // SAFETY: the page is mapped for the process's life and its first 4
         // bytes are only used as this AtomicU32 (aligned: a page start).

@@ -48,7 +48,9 @@ pub enum Error {
     Cuda(#[from] ckpt_cuda::CudaError),
     #[error("the client is closed")]
     Closed,
-    #[error("this client was connected by process {owner_pid}, not this one (a fork): connect a new client in the child")]
+    #[error(
+        "this client was connected by process {owner_pid}, not this one (a fork): connect a new client in the child"
+    )]
     Forked { owner_pid: u32 },
 }
 

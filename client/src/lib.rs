@@ -16,6 +16,9 @@ pub mod done_word;
 pub mod error;
 pub mod region;
 
-pub use client::{default_socket_path, BlobRef, Client, CudaRegion, LoadInfo, Region, SaveHandle, SaveState, SaveStatus, ServerInfo, TensorRef, Wanted};
+pub use client::{
+    default_socket_path, BlobRef, Client, CudaRegion, LoadInfo, Region, SaveHandle, SaveState, SaveStatus, ServerInfo,
+    TensorRef, Wanted,
+};
 pub use error::{Error, Result};
 pub use region::ShmRegion;

@@ -110,7 +110,13 @@ impl ShmRegion {
                 Ok(shmem) => {
                     debug_assert!(shmem.is_owner());
                     // Dropped (unmapped and unlinked) on failure.
-                    let region = ShmRegion { shmem, region_id, len_bytes, hand_over: false, unlink_on_drop: AtomicBool::new(true) };
+                    let region = ShmRegion {
+                        shmem,
+                        region_id,
+                        len_bytes,
+                        hand_over: false,
+                        unlink_on_drop: AtomicBool::new(true),
+                    };
                     reserve(&name, len_bytes)?;
                     return Ok(region);
                 }
@@ -186,7 +192,10 @@ impl ShmRegion {
     fn check(&self, offset_bytes: u64, len: usize) -> Result<(), String> {
         match offset_bytes.checked_add(len as u64) {
             Some(end) if end <= self.len_bytes => Ok(()),
-            _ => Err(format!("{len} bytes at offset {offset_bytes} do not fit region {} of {} bytes", self.region_id, self.len_bytes)),
+            _ => Err(format!(
+                "{len} bytes at offset {offset_bytes} do not fit region {} of {} bytes",
+                self.region_id, self.len_bytes
+            )),
         }
     }
 }
@@ -200,7 +209,8 @@ fn reserve(name: &str, len_bytes: u64) -> Result<(), RegionError> {
         _ => RegionError::Reserve { name: name.to_string(), len_bytes, source },
     };
     let c = CString::new(name).map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
-    let len = libc::off_t::try_from(len_bytes).map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+    let len =
+        libc::off_t::try_from(len_bytes).map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
     // SAFETY: `c` is a valid NUL-terminated string; the descriptor returned
     // is ours alone and closed below.
     let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
@@ -247,7 +257,8 @@ fn random_u64() -> u64 {
     // No getrandom (old kernel, seccomp): time and a counter are unique enough
     // for a name that is created with O_EXCL and retried on collision.
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     t ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 

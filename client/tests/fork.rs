@@ -15,10 +15,21 @@ use ckpt_wire::{Reply, Request, PROTOCOL_VERSION};
 fn stalling_sidecar(listener: UnixListener, seen: mpsc::Sender<()>, done: mpsc::Receiver<()>) {
     let (mut s, _) = listener.accept().unwrap();
     let _hello: Request = ckpt_wire::read_frame(&mut s).unwrap();
-    ckpt_wire::write_frame(&mut s, &Reply::Welcome { version: PROTOCOL_VERSION, server_pid: std::process::id(), dirs: vec![], staging_bytes: 64 << 20 }).unwrap();
+    ckpt_wire::write_frame(
+        &mut s,
+        &Reply::Welcome {
+            version: PROTOCOL_VERSION,
+            server_pid: std::process::id(),
+            dirs: vec![],
+            staging_bytes: 64 << 20,
+        },
+    )
+    .unwrap();
     while let Ok(r) = ckpt_wire::read_frame::<Request>(&mut s) {
         match r {
-            Request::RegisterRegion { id, region_id, .. } => ckpt_wire::write_frame(&mut s, &Reply::RegionRegistered { id, region_id }).unwrap(),
+            Request::RegisterRegion { id, region_id, .. } => {
+                ckpt_wire::write_frame(&mut s, &Reply::RegionRegistered { id, region_id }).unwrap()
+            }
             Request::UnregisterRegion { .. } => {
                 let _ = seen.send(());
                 let _ = done.recv();
@@ -50,7 +61,8 @@ fn a_forked_child_never_blocks_on_a_lock_its_parent_held_at_the_fork() {
         // SAFETY: the child only calls the client (which must not block) and _exits.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
-            let forked = matches!(client.list(), Err(Error::Forked { .. })) && matches!(client.status(), Err(Error::Forked { .. }));
+            let forked = matches!(client.list(), Err(Error::Forked { .. }))
+                && matches!(client.status(), Err(Error::Forked { .. }));
             client.close();
             // SAFETY: leaving the child without running the test harness.
             unsafe { libc::_exit(if forked { 0 } else { 3 }) };

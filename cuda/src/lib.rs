@@ -90,11 +90,9 @@ pub fn ordinal_of_uuid(uuid: &[u8]) -> Result<Option<i32>> {
 /// The UUID of this process's device `ordinal`.
 pub fn uuid_of(ordinal: i32) -> Result<[u8; UUID_BYTES]> {
     let info = probe()?;
-    info.devices
-        .iter()
-        .find(|d| d.ordinal == ordinal)
-        .map(|d| d.uuid)
-        .ok_or_else(|| CudaError::Invalid(format!("CUDA device {ordinal} does not exist ({} devices)", info.devices.len())))
+    info.devices.iter().find(|d| d.ordinal == ordinal).map(|d| d.uuid).ok_or_else(|| {
+        CudaError::Invalid(format!("CUDA device {ordinal} does not exist ({} devices)", info.devices.len()))
+    })
 }
 
 /// Free and total device memory of device `ordinal` (`cuMemGetInfo_v2`, in
@@ -161,8 +159,18 @@ fn probe_once() -> Result<DriverInfo> {
             check("cuDeviceGetUuid_v2", sys::cuDeviceGetUuid_v2(&mut uuid, dev))?;
             let mut compute_mode = 0;
             // A driver that cannot say leaves the default mode (0).
-            let _ = sys::cuDeviceGetAttribute(&mut compute_mode, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, dev);
-            devices.push(DeviceInfo { ordinal, name, total_bytes: total as u64, uuid: uuid.bytes.map(|c| c as u8), compute_mode });
+            let _ = sys::cuDeviceGetAttribute(
+                &mut compute_mode,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE,
+                dev,
+            );
+            devices.push(DeviceInfo {
+                ordinal,
+                name,
+                total_bytes: total as u64,
+                uuid: uuid.bytes.map(|c| c as u8),
+                compute_mode,
+            });
         }
         Ok(DriverInfo { driver_version, devices })
     }
@@ -173,7 +181,10 @@ fn probe_once() -> Result<DriverInfo> {
 pub fn bind(ordinal: i32) -> Result<()> {
     let info = probe()?;
     if ordinal < 0 || ordinal as usize >= info.devices.len() {
-        return Err(CudaError::Invalid(format!("CUDA device {ordinal} does not exist ({} devices)", info.devices.len())));
+        return Err(CudaError::Invalid(format!(
+            "CUDA device {ordinal} does not exist ({} devices)",
+            info.devices.len()
+        )));
     }
     static CTX: OnceLock<Vec<std::sync::Mutex<usize>>> = OnceLock::new();
     let slots = CTX.get_or_init(|| (0..info.devices.len()).map(|_| std::sync::Mutex::new(0)).collect());
@@ -233,7 +244,11 @@ pub fn buffer_id(ptr: u64) -> Result<u64> {
     unsafe {
         check(
             "cuPointerGetAttribute(BUFFER_ID)",
-            sys::cuPointerGetAttribute((&mut id as *mut u64).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr),
+            sys::cuPointerGetAttribute(
+                (&mut id as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                ptr,
+            ),
         )?;
     }
     Ok(id)
@@ -245,7 +260,13 @@ pub fn buffer_id(ptr: u64) -> Result<u64> {
 fn is_mapped(ptr: u64) -> bool {
     let mut mapped: i32 = 1;
     // SAFETY: MAPPED writes one int (a bool) into `mapped`.
-    let r = unsafe { sys::cuPointerGetAttribute((&mut mapped as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MAPPED, ptr) };
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut mapped as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MAPPED,
+            ptr,
+        )
+    };
     r != CUresult::CUDA_SUCCESS || mapped != 0
 }
 
@@ -256,7 +277,13 @@ fn from_memory_pool(ptr: u64) -> bool {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: MEMPOOL_HANDLE writes one pointer into `pool`; an unknown
     // pointer is an error code.
-    let r = unsafe { sys::cuPointerGetAttribute((&mut pool as *mut sys::CUmemoryPool).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr) };
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut pool as *mut sys::CUmemoryPool).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    };
     r == CUresult::CUDA_SUCCESS && !pool.is_null()
 }
 
@@ -269,12 +296,18 @@ pub fn allocation_of(ptr: u64) -> Result<Allocation> {
     unsafe {
         check(
             "cuPointerGetAttribute(DEVICE_ORDINAL)",
-            sys::cuPointerGetAttribute((&mut device as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+            sys::cuPointerGetAttribute(
+                (&mut device as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            ),
         )
         .map_err(|e| CudaError::Invalid(format!("pointer {ptr:#x} is not CUDA device memory: {e}")))?;
     }
     if !is_mapped(ptr) {
-        return Err(CudaError::Invalid(format!("device address {ptr:#x} is reserved but not mapped to any allocation")));
+        return Err(CudaError::Invalid(format!(
+            "device address {ptr:#x} is reserved but not mapped to any allocation"
+        )));
     }
     in_primary(device, || {
         let (mut base, mut len) = (0u64, 0usize);
@@ -295,7 +328,9 @@ pub fn allocation_of(ptr: u64) -> Result<Allocation> {
 /// allocation mapped, so nothing outside an allocation is ever described.
 pub fn allocations_covering(ptr: u64, len_bytes: u64) -> Result<Vec<Allocation>> {
     let first = allocation_of(ptr)?;
-    let end = ptr.checked_add(len_bytes).ok_or_else(|| CudaError::Invalid(format!("device range {ptr:#x} + {len_bytes} bytes overflows")))?;
+    let end = ptr
+        .checked_add(len_bytes)
+        .ok_or_else(|| CudaError::Invalid(format!("device range {ptr:#x} + {len_bytes} bytes overflows")))?;
     let mut out = vec![first];
     loop {
         let last = out[out.len() - 1];
@@ -308,7 +343,9 @@ pub fn allocations_covering(ptr: u64, len_bytes: u64) -> Result<Vec<Allocation>>
                 out.push(next);
                 continue;
             }
-            Ok(next) if next.base != at => format!("the address there lies in an allocation starting at {:#x}", next.base),
+            Ok(next) if next.base != at => {
+                format!("the address there lies in an allocation starting at {:#x}", next.base)
+            }
             Ok(next) => format!("the allocation there is on device {}, not {}", next.device, first.device),
             Err(e) => e.to_string(),
         };
@@ -360,7 +397,11 @@ pub fn export(a: &Allocation) -> Result<Export> {
     let asked = unsafe {
         check(
             "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
-            sys::cuPointerGetAttribute((&mut legacy as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, a.base),
+            sys::cuPointerGetAttribute(
+                (&mut legacy as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                a.base,
+            ),
         )
     };
     if asked.is_err() || legacy != 0 {
@@ -388,17 +429,25 @@ pub fn export(a: &Allocation) -> Result<Export> {
 }
 
 fn export_retained(a: &Allocation, h: sys::CUmemGenericAllocationHandle) -> Result<Export> {
-    const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    const POSIX_FD: sys::CUmemAllocationHandleType =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     const FABRIC: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
     // SAFETY: an all-zero CUmemAllocationProp is a valid value of the C
     // struct (enums at 0, null pointer); the driver overwrites it.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer, a retained handle.
-    unsafe { check("cuMemGetAllocationPropertiesFromHandle", sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h))? };
+    unsafe {
+        check("cuMemGetAllocationPropertiesFromHandle", sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h))?
+    };
     if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 && prop.requestedHandleTypes.0 & FABRIC.0 != 0 {
         let mut fabric = sys::CUmemFabricHandle_st { data: [0; FABRIC_HANDLE_BYTES] };
         // SAFETY: for FABRIC the driver writes one CUmemFabricHandle.
-        unsafe { check("cuMemExportToShareableHandle(FABRIC)", sys::cuMemExportToShareableHandle((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), h, FABRIC, 0))? };
+        unsafe {
+            check(
+                "cuMemExportToShareableHandle(FABRIC)",
+                sys::cuMemExportToShareableHandle((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), h, FABRIC, 0),
+            )?
+        };
         return Ok(Export::Fabric(fabric.data));
     }
     if prop.requestedHandleTypes.0 & POSIX_FD.0 == 0 {
@@ -409,7 +458,12 @@ fn export_retained(a: &Allocation, h: sys::CUmemGenericAllocationHandle) -> Resu
     }
     let mut fd: std::ffi::c_int = -1;
     // SAFETY: for POSIX_FD the driver writes one int (a new descriptor).
-    unsafe { check("cuMemExportToShareableHandle", sys::cuMemExportToShareableHandle((&mut fd as *mut std::ffi::c_int).cast(), h, POSIX_FD, 0))? };
+    unsafe {
+        check(
+            "cuMemExportToShareableHandle",
+            sys::cuMemExportToShareableHandle((&mut fd as *mut std::ffi::c_int).cast(), h, POSIX_FD, 0),
+        )?
+    };
     if fd < 0 {
         return Err(CudaError::Invalid("cuMemExportToShareableHandle gave no file descriptor".into()));
     }
@@ -432,7 +486,8 @@ unsafe impl Sync for IpcEvent {}
 
 impl IpcEvent {
     pub fn new(device: i32) -> Result<IpcEvent> {
-        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let flags =
+            sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         in_primary(device, || {
             let mut event: sys::CUevent = std::ptr::null_mut();
             // SAFETY: valid out-pointers; context current (in_primary).
@@ -462,7 +517,9 @@ impl IpcEvent {
     pub fn wait_on(&self, stream: u64) -> Result<()> {
         // SAFETY: the event is ours and alive; the stream is the caller's
         // (an invalid one is an error code).
-        in_primary(self.device, || unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream as sys::CUstream, self.event, 0)) })
+        in_primary(self.device, || unsafe {
+            check("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream as sys::CUstream, self.event, 0))
+        })
     }
 
     /// Records the event on `stream` (a CUstream / cudaStream_t; 0: the
@@ -470,7 +527,9 @@ impl IpcEvent {
     pub fn record(&self, stream: u64) -> Result<()> {
         // SAFETY: the event is ours and alive; the stream is the caller's
         // (an invalid one is an error code).
-        in_primary(self.device, || unsafe { check("cuEventRecord", sys::cuEventRecord(self.event, stream as sys::CUstream)) })
+        in_primary(self.device, || unsafe {
+            check("cuEventRecord", sys::cuEventRecord(self.event, stream as sys::CUstream))
+        })
     }
 }
 
@@ -495,20 +554,28 @@ pub struct Imported {
 impl Imported {
     /// Opens `handle` on `device` and checks the allocation holds `len_bytes`.
     pub fn open(handle: &[u8], device: i32, len_bytes: u64) -> Result<Imported> {
-        let reserved: [u8; IPC_HANDLE_BYTES] =
-            handle.try_into().map_err(|_| CudaError::Invalid(format!("an IPC memory handle has {IPC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        let reserved: [u8; IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            CudaError::Invalid(format!("an IPC memory handle has {IPC_HANDLE_BYTES} bytes, not {}", handle.len()))
+        })?;
         bind(device)?;
         let h = sys::CUipcMemHandle { reserved: reserved.map(|b| b as std::ffi::c_char) };
         let mut ptr = 0u64;
         // SAFETY: valid out-pointer; the handle is plain bytes (a bad one is
         // an error code).
-        unsafe { check("cuIpcOpenMemHandle", sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32))? };
+        unsafe {
+            check(
+                "cuIpcOpenMemHandle",
+                sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32),
+            )?
+        };
         let imported = Imported { ptr, len_bytes, device, vmm: None };
         let (mut base, mut size) = (0u64, 0usize);
         // SAFETY: valid out-pointers; `ptr` was just mapped.
         unsafe { check("cuMemGetAddressRange", sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr))? };
         if (size as u64) < len_bytes {
-            return Err(CudaError::Invalid(format!("the CUDA allocation has {size} bytes, fewer than the {len_bytes} registered")));
+            return Err(CudaError::Invalid(format!(
+                "the CUDA allocation has {size} bytes, fewer than the {len_bytes} registered"
+            )));
         }
         Ok(imported)
     }
@@ -521,23 +588,43 @@ impl Imported {
     pub fn import_fd(fd: &OwnedFd, device: i32, len_bytes: u64) -> Result<Imported> {
         let os_handle = fd.as_raw_fd() as isize as *mut std::ffi::c_void;
         // SAFETY: for POSIX_FD the os handle is the descriptor's value, open (borrowed).
-        unsafe { Self::import_shareable(os_handle, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, device, len_bytes) }
+        unsafe {
+            Self::import_shareable(
+                os_handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                device,
+                len_bytes,
+            )
+        }
     }
 
     /// As [`Imported::import_fd`], for an allocation exported as a FABRIC
     /// handle ([`Export::Fabric`]).
     pub fn import_fabric(handle: &[u8], device: i32, len_bytes: u64) -> Result<Imported> {
-        let data: [u8; FABRIC_HANDLE_BYTES] =
-            handle.try_into().map_err(|_| CudaError::Invalid(format!("a fabric handle has {FABRIC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        let data: [u8; FABRIC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            CudaError::Invalid(format!("a fabric handle has {FABRIC_HANDLE_BYTES} bytes, not {}", handle.len()))
+        })?;
         let mut fabric = sys::CUmemFabricHandle_st { data };
         // SAFETY: for FABRIC the os handle points at a CUmemFabricHandle,
         // alive for the call.
-        unsafe { Self::import_shareable((&mut fabric as *mut sys::CUmemFabricHandle_st).cast(), sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC, device, len_bytes) }
+        unsafe {
+            Self::import_shareable(
+                (&mut fabric as *mut sys::CUmemFabricHandle_st).cast(),
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+                device,
+                len_bytes,
+            )
+        }
     }
 
     /// # Safety
     /// `os_handle` is what `cuMemImportFromShareableHandle` takes for `kind`.
-    unsafe fn import_shareable(os_handle: *mut std::ffi::c_void, kind: sys::CUmemAllocationHandleType, device: i32, len_bytes: u64) -> Result<Imported> {
+    unsafe fn import_shareable(
+        os_handle: *mut std::ffi::c_void,
+        kind: sys::CUmemAllocationHandleType,
+        device: i32,
+        len_bytes: u64,
+    ) -> Result<Imported> {
         bind(device)?;
         let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
         // SAFETY: all-zero is a valid CUmemAllocationProp (see export_retained).
@@ -549,7 +636,11 @@ impl Imported {
         unsafe {
             check(
                 "cuMemGetAllocationGranularity",
-                sys::cuMemGetAllocationGranularity(&mut granularity, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                sys::cuMemGetAllocationGranularity(
+                    &mut granularity,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
             )?
         };
         let size = usize::try_from(len_bytes)
@@ -559,7 +650,9 @@ impl Imported {
             .ok_or_else(|| CudaError::Invalid(format!("a VMM region of {len_bytes} bytes cannot be mapped")))?;
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: the caller's contract; the driver takes its own reference.
-        unsafe { check("cuMemImportFromShareableHandle", sys::cuMemImportFromShareableHandle(&mut h, os_handle, kind))? };
+        unsafe {
+            check("cuMemImportFromShareableHandle", sys::cuMemImportFromShareableHandle(&mut h, os_handle, kind))?
+        };
         let mut ptr = 0u64;
         // SAFETY: valid out-pointer.
         if let Err(e) = unsafe { check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)) } {
@@ -575,11 +668,14 @@ impl Imported {
                 sys::cuMemAddressFree(ptr, size);
                 sys::cuMemRelease(h);
             }
-            return Err(CudaError::Invalid(format!("the VMM allocation does not hold the {len_bytes} bytes registered: {e}")));
+            return Err(CudaError::Invalid(format!(
+                "the VMM allocation does not hold the {len_bytes} bytes registered: {e}"
+            )));
         }
         // From here Drop unmaps, frees the range and releases the handle.
         let imported = Imported { ptr, len_bytes, device, vmm: Some((h, size)) };
-        let access = sys::CUmemAccessDesc { location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+        let access =
+            sys::CUmemAccessDesc { location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
         // SAFETY: the range is mapped (above); one descriptor.
         unsafe { check("cuMemSetAccess", sys::cuMemSetAccess(ptr, size, &access, 1))? };
         Ok(imported)
@@ -637,8 +733,9 @@ unsafe impl Sync for OpenedEvent {}
 
 impl OpenedEvent {
     pub fn open(handle: &[u8], device: i32) -> Result<OpenedEvent> {
-        let reserved: [u8; IPC_HANDLE_BYTES] =
-            handle.try_into().map_err(|_| CudaError::Invalid(format!("an IPC event handle has {IPC_HANDLE_BYTES} bytes, not {}", handle.len())))?;
+        let reserved: [u8; IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            CudaError::Invalid(format!("an IPC event handle has {IPC_HANDLE_BYTES} bytes, not {}", handle.len()))
+        })?;
         bind(device)?;
         let h = sys::CUipcEventHandle { reserved: reserved.map(|b| b as std::ffi::c_char) };
         let mut event: sys::CUevent = std::ptr::null_mut();
@@ -690,7 +787,12 @@ impl Stream {
         bind(device)?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: valid out-pointer; context current.
-        unsafe { check("cuStreamCreate", sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))? };
+        unsafe {
+            check(
+                "cuStreamCreate",
+                sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+            )?
+        };
         Ok(Stream { stream, device })
     }
 
@@ -721,7 +823,9 @@ impl Stream {
         bind(self.device)?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         // SAFETY: valid out-pointer; context current (bind).
-        unsafe { check("cuEventCreate", sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32))? };
+        unsafe {
+            check("cuEventCreate", sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32))?
+        };
         let e = LocalEvent { event, device: self.device };
         // SAFETY: both handles are alive.
         unsafe { check("cuEventRecord", sys::cuEventRecord(e.event, self.stream))? };
@@ -826,7 +930,9 @@ impl Drop for HostRegistration {
         // In the device's primary context, then the thread's own back (a
         // trainer thread's context is the trainer's).
         // SAFETY: registered by `register`, unregistered once.
-        let _ = in_primary(self.device, || unsafe { check("cuMemHostUnregister", sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void)) });
+        let _ = in_primary(self.device, || unsafe {
+            check("cuMemHostUnregister", sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void))
+        });
     }
 }
 
@@ -864,10 +970,18 @@ impl HostWord {
             // SAFETY: the word's page is registered with DEVICEMAP (new);
             // valid out-pointer; an invalid stream is an error code.
             unsafe {
-                check("cuMemHostGetDevicePointer", sys::cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr as *mut std::ffi::c_void, 0))?;
+                check(
+                    "cuMemHostGetDevicePointer",
+                    sys::cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr as *mut std::ffi::c_void, 0),
+                )?;
                 check(
                     "cuStreamWaitValue32",
-                    sys::cuStreamWaitValue32_v2(stream as sys::CUstream, dptr, value, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32),
+                    sys::cuStreamWaitValue32_v2(
+                        stream as sys::CUstream,
+                        dptr,
+                        value,
+                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                    ),
                 )
             }
         })

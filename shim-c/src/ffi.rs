@@ -339,7 +339,8 @@ pub unsafe extern "C" fn ckpt_reconnect(client: *mut ckpt_client) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn ckpt_connected(client: *const ckpt_client) -> c_int {
     // SAFETY: the caller's contract.
-    catch_unwind(AssertUnwindSafe(|| unsafe { client.as_ref() }.is_some_and(|c| c.client.is_connected()) as c_int)).unwrap_or(0)
+    catch_unwind(AssertUnwindSafe(|| unsafe { client.as_ref() }.is_some_and(|c| c.client.is_connected()) as c_int))
+        .unwrap_or(0)
 }
 
 /// Limits how long ckpt_load, ckpt_list, ckpt_alloc, ckpt_free and
@@ -431,7 +432,11 @@ unsafe fn alloc_into(client: *mut ckpt_client, len_bytes: u64, ptr: *mut *mut c_
 /// # Safety
 /// `client` is a live client; `ptr` points to writable storage.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_alloc_hand_over(client: *mut ckpt_client, len_bytes: u64, ptr: *mut *mut c_void) -> c_int {
+pub unsafe extern "C" fn ckpt_alloc_hand_over(
+    client: *mut ckpt_client,
+    len_bytes: u64,
+    ptr: *mut *mut c_void,
+) -> c_int {
     // SAFETY: the caller's contract is alloc_into's.
     unsafe { alloc_into(client, len_bytes, ptr, true) }
 }
@@ -448,12 +453,23 @@ pub unsafe extern "C" fn ckpt_alloc_hand_over(client: *mut ckpt_client, len_byte
 /// `client` is a live client; `buf` writable for `cap` bytes (or NULL with
 /// cap 0); `len` writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_region_name(client: *mut ckpt_client, ptr: *mut c_void, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int {
+pub unsafe extern "C" fn ckpt_region_name(
+    client: *mut ckpt_client,
+    ptr: *mut c_void,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
     guard(|| {
         let len = out(len, "len")?;
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
-        let region = c.client.regions().into_iter().find(|r| std::ptr::eq(r.as_ptr(), ptr.cast::<u8>())).ok_or(Error::UnknownRegion { ptr: ptr as usize })?;
+        let region = c
+            .client
+            .regions()
+            .into_iter()
+            .find(|r| std::ptr::eq(r.as_ptr(), ptr.cast::<u8>()))
+            .ok_or(Error::UnknownRegion { ptr: ptr as usize })?;
         let name = region.shm_name().as_bytes();
         // SAFETY: writable by the contract.
         unsafe { *len = name.len() };
@@ -572,11 +588,17 @@ pub unsafe extern "C" fn ckpt_save_flagged(
     // n_tensors words when not NULL).
     unsafe {
         save_with(client, tensors, n_tensors, blobs, n_blobs, save_id, |c, ts, bs| {
-            let flags: &[u32] = if tensor_flags.is_null() { &[] } else { slice(tensor_flags, n_tensors, "tensor_flags")? };
+            let flags: &[u32] =
+                if tensor_flags.is_null() { &[] } else { slice(tensor_flags, n_tensors, "tensor_flags")? };
             if let Some((i, f)) = flags.iter().enumerate().find(|(_, &f)| f & !CKPT_TENSOR_UNCHANGED != 0) {
-                return Err(invalid(format!("tensor_flags[{i}] = {f:#x}: unknown flag bits (known: CKPT_TENSOR_UNCHANGED = 1)")));
+                return Err(invalid(format!(
+                    "tensor_flags[{i}] = {f:#x}: unknown flag bits (known: CKPT_TENSOR_UNCHANGED = 1)"
+                )));
             }
-            let unchanged = u64::try_from(since_step).ok().map(|since_step| ckpt_wire::Unchanged { since_step, bits: ckpt_wire::Unchanged::bits_of(flags.iter().map(|&f| f & CKPT_TENSOR_UNCHANGED != 0)) });
+            let unchanged = u64::try_from(since_step).ok().map(|since_step| ckpt_wire::Unchanged {
+                since_step,
+                bits: ckpt_wire::Unchanged::bits_of(flags.iter().map(|&f| f & CKPT_TENSOR_UNCHANGED != 0)),
+            });
             c.save_on_stream_unchanged(step, ts, bs, stream as u64, unchanged.as_ref())
         })
     }
@@ -594,7 +616,13 @@ pub unsafe extern "C" fn ckpt_save_flagged(
 /// `client` is a live client; `path` a NUL-terminated string; `save_id`
 /// writable. `data` is only compared with region addresses.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_save_file(client: *mut ckpt_client, path: *const c_char, data: *const c_void, len_bytes: u64, save_id: *mut u64) -> c_int {
+pub unsafe extern "C" fn ckpt_save_file(
+    client: *mut ckpt_client,
+    path: *const c_char,
+    data: *const c_void,
+    len_bytes: u64,
+    save_id: *mut u64,
+) -> c_int {
     guard(|| {
         let save_id = out(save_id, "save_id")?;
         // SAFETY (this block): the caller's contract for every pointer.
@@ -637,7 +665,11 @@ pub unsafe extern "C" fn ckpt_save_file_pieces(
         let finish = match finish {
             CKPT_FILE_AS_IS => ckpt_wire::FileFinish::AsIs,
             CKPT_FILE_TORCH_ZIP => ckpt_wire::FileFinish::TorchZip,
-            other => return Err(invalid(format!("finish {other} is neither CKPT_FILE_AS_IS (0) nor CKPT_FILE_TORCH_ZIP (1)"))),
+            other => {
+                return Err(invalid(format!(
+                    "finish {other} is neither CKPT_FILE_AS_IS (0) nor CKPT_FILE_TORCH_ZIP (1)"
+                )))
+            }
         };
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
@@ -668,7 +700,11 @@ pub unsafe extern "C" fn ckpt_wait(client: *mut ckpt_client, save_id: u64, what:
             CKPT_RELEASED => Wanted::Released,
             CKPT_DURABLE => Wanted::Durable,
             CKPT_REPLICATED => return c.client.wait_replicated(save_id, timeout).map(|_| ()),
-            _ => return Err(invalid(format!("what is {what}; expected CKPT_RELEASED (1), CKPT_DURABLE (2) or CKPT_REPLICATED (4)"))),
+            _ => {
+                return Err(invalid(format!(
+                    "what is {what}; expected CKPT_RELEASED (1), CKPT_DURABLE (2) or CKPT_REPLICATED (4)"
+                )))
+            }
         };
         c.client.wait(save_id, wanted, timeout).map(|_| ())
     })
@@ -729,11 +765,19 @@ pub unsafe extern "C" fn ckpt_poll(client: *mut ckpt_client, save_id: u64, state
 /// # Safety
 /// `client` is a live client; non-NULL out-pointers are writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_save_figures(client: *mut ckpt_client, save_id: u64, copy_seconds: *mut f64, waited_seconds: *mut f64, persist_seconds: *mut f64) -> c_int {
+pub unsafe extern "C" fn ckpt_save_figures(
+    client: *mut ckpt_client,
+    save_id: u64,
+    copy_seconds: *mut f64,
+    waited_seconds: *mut f64,
+    persist_seconds: *mut f64,
+) -> c_int {
     guard(|| {
         // SAFETY: the caller's contract.
         let s = unsafe { self::client(client) }?.client.poll(save_id)?;
-        for (p, v) in [(copy_seconds, s.copy_seconds), (waited_seconds, s.waited_seconds), (persist_seconds, s.persist_seconds)] {
+        for (p, v) in
+            [(copy_seconds, s.copy_seconds), (waited_seconds, s.waited_seconds), (persist_seconds, s.persist_seconds)]
+        {
             if !p.is_null() {
                 // SAFETY: non-NULL out-pointers are writable by the contract.
                 unsafe { *p = v.unwrap_or(-1.0) };
@@ -755,7 +799,14 @@ pub unsafe extern "C" fn ckpt_save_figures(client: *mut ckpt_client, save_id: u6
 /// `client` is a live client; `tensors` points to `n_tensors` valid
 /// descriptors (or NULL with 0); non-NULL out-pointers are writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_load(client: *mut ckpt_client, step: i64, tensors: *const ckpt_tensor, n_tensors: usize, out_step: *mut u64, out_source: *mut c_int) -> c_int {
+pub unsafe extern "C" fn ckpt_load(
+    client: *mut ckpt_client,
+    step: i64,
+    tensors: *const ckpt_tensor,
+    n_tensors: usize,
+    out_step: *mut u64,
+    out_source: *mut c_int,
+) -> c_int {
     guard(|| {
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
@@ -872,14 +923,23 @@ pub unsafe extern "C" fn ckpt_loaded_tensor_offset(client: *mut ckpt_client, idx
 /// `client` is a live client; `name` a C string; `buf` writable for
 /// `cap_bytes`; `len_bytes` writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_loaded_blob(client: *mut ckpt_client, name: *const c_char, buf: *mut c_void, cap_bytes: u64, len_bytes: *mut u64) -> c_int {
+pub unsafe extern "C" fn ckpt_loaded_blob(
+    client: *mut ckpt_client,
+    name: *const c_char,
+    buf: *mut c_void,
+    cap_bytes: u64,
+    len_bytes: *mut u64,
+) -> c_int {
     guard(|| {
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
         let name = unsafe { c_str(name, "name") }?;
         let len_out = out(len_bytes, "len_bytes")?;
         let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let blob = last.as_ref().and_then(|l| l.info.blobs.iter().find(|b| b.name == name)).ok_or_else(|| Error::NoSuchBlob { name: name.to_string() })?;
+        let blob = last
+            .as_ref()
+            .and_then(|l| l.info.blobs.iter().find(|b| b.name == name))
+            .ok_or_else(|| Error::NoSuchBlob { name: name.to_string() })?;
         unsafe { copy_out(&blob.bytes, buf, cap_bytes, len_out) }
     })
 }
@@ -914,13 +974,21 @@ unsafe fn copy_out(bytes: &[u8], buf: *mut c_void, cap_bytes: u64, len_out: *mut
 /// `client` is a live client; `buf` writable for `cap_bytes`; `len_bytes`
 /// writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_loaded_fell_back(client: *mut ckpt_client, buf: *mut c_void, cap_bytes: u64, len_bytes: *mut u64) -> c_int {
+pub unsafe extern "C" fn ckpt_loaded_fell_back(
+    client: *mut ckpt_client,
+    buf: *mut c_void,
+    cap_bytes: u64,
+    len_bytes: *mut u64,
+) -> c_int {
     guard(|| {
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
         let len_out = out(len_bytes, "len_bytes")?;
         let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let text = last.as_ref().map(|l| l.info.fell_back.join("; ")).ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        let text = last
+            .as_ref()
+            .map(|l| l.info.fell_back.join("; "))
+            .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
         unsafe { copy_out(text.as_bytes(), buf, cap_bytes, len_out) }
     })
 }
@@ -937,7 +1005,10 @@ pub unsafe extern "C" fn ckpt_loaded_tensor_count(client: *mut ckpt_client, n: *
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
         let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let count = last.as_ref().map(|l| l.info.tensors.len()).ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        let count = last
+            .as_ref()
+            .map(|l| l.info.tensors.len())
+            .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
         // SAFETY: writable by the contract.
         unsafe { *n = count };
         Ok(())
@@ -965,7 +1036,11 @@ pub unsafe extern "C" fn ckpt_loaded_tensor(
         let c = unsafe { self::client(client) }?;
         let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
         let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
-        let t = l.info.tensors.get(idx).ok_or_else(|| invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())))?;
+        let t = l
+            .info
+            .tensors
+            .get(idx)
+            .ok_or_else(|| invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())))?;
         unsafe {
             if !name.is_null() {
                 *name = l.names[idx].as_ptr();
@@ -995,7 +1070,13 @@ pub unsafe extern "C" fn ckpt_loaded_tensor(
 /// # Safety
 /// `client` is a live client; `steps` writable for `cap` values; `n` writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_list(client: *mut ckpt_client, steps: *mut u64, cap: usize, n: *mut usize, latest: *mut i64) -> c_int {
+pub unsafe extern "C" fn ckpt_list(
+    client: *mut ckpt_client,
+    steps: *mut u64,
+    cap: usize,
+    n: *mut usize,
+    latest: *mut i64,
+) -> c_int {
     guard(|| {
         let n = out(n, "n")?;
         // SAFETY (this block): the caller's contract for every pointer.
@@ -1028,13 +1109,19 @@ pub unsafe extern "C" fn ckpt_list(client: *mut ckpt_client, steps: *mut u64, ca
 /// # Safety
 /// `client` is a live client; `buf` writable for `cap` bytes; `len` writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_status_json(client: *mut ckpt_client, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int {
+pub unsafe extern "C" fn ckpt_status_json(
+    client: *mut ckpt_client,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
     guard(|| {
         let len = out(len, "len")?;
         // SAFETY (this block): the caller's contract for every pointer.
         let c = unsafe { self::client(client) }?;
         let report = c.client.status()?;
-        let json = serde_json::to_string(&report).map_err(|e| Error::Protocol(format!("status report not encodable: {e}")))?;
+        let json =
+            serde_json::to_string(&report).map_err(|e| Error::Protocol(format!("status report not encodable: {e}")))?;
         unsafe { *len = json.len() };
         if buf.is_null() && cap == 0 {
             return Ok(());
@@ -1088,7 +1175,10 @@ pub extern "C" fn ckpt_preempted() -> c_int {
 /// previous disposition (by default: the process terminates). Idempotent.
 #[no_mangle]
 pub extern "C" fn ckpt_install_sigterm_handler() -> c_int {
-    guard(|| crate::sigterm::install_sigterm_handler().map_err(|e| Error::InvalidArgument(format!("sigaction(SIGTERM) failed: {e}"))))
+    guard(|| {
+        crate::sigterm::install_sigterm_handler()
+            .map_err(|e| Error::InvalidArgument(format!("sigaction(SIGTERM) failed: {e}")))
+    })
 }
 
 /// The client connected at load time in preload mode (CKPT_SIDECAR_PRELOAD=1),
@@ -1119,7 +1209,8 @@ pub(crate) unsafe fn blob_refs<'a>(blobs: *const ckpt_blob, n_blobs: usize) -> R
         .enumerate()
         .map(|(i, b)| {
             let name = unsafe { c_str(b.name, format_args!("blobs[{i}].name")) }?;
-            let bytes = unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, format!("blobs[{i}].data ({name})")) }?;
+            let bytes =
+                unsafe { slice(b.data.cast::<u8>(), b.len_bytes as usize, format!("blobs[{i}].data ({name})")) }?;
             Ok(BlobRef { name, bytes })
         })
         .collect()

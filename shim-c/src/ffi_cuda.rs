@@ -35,7 +35,11 @@ pub extern "C" fn ckpt_cuda_probe() -> c_int {
 /// `client` is a live client; `region_id` is writable. `ptr` is only
 /// passed to the driver, never dereferenced.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_register_cuda(client: *mut ckpt_client, ptr: *const c_void, region_id: *mut u32) -> c_int {
+pub unsafe extern "C" fn ckpt_register_cuda(
+    client: *mut ckpt_client,
+    ptr: *const c_void,
+    region_id: *mut u32,
+) -> c_int {
     guard(|| {
         let region_id = out(region_id, "region_id")?;
         // SAFETY: the caller's contract.
@@ -60,7 +64,12 @@ pub unsafe extern "C" fn ckpt_register_cuda(client: *mut ckpt_client, ptr: *cons
 /// `client` is a live client; `region_id` is writable. `ptr` is only
 /// passed to the driver, never dereferenced.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_register_cuda_range(client: *mut ckpt_client, ptr: *const c_void, len_bytes: u64, region_id: *mut u32) -> c_int {
+pub unsafe extern "C" fn ckpt_register_cuda_range(
+    client: *mut ckpt_client,
+    ptr: *const c_void,
+    len_bytes: u64,
+    region_id: *mut u32,
+) -> c_int {
     guard(|| {
         let region_id = out(region_id, "region_id")?;
         // SAFETY: the caller's contract.
@@ -110,7 +119,11 @@ pub unsafe extern "C" fn ckpt_save_on_stream(
     save_id: *mut u64,
 ) -> c_int {
     // SAFETY: the caller's contract, which is save_with's.
-    unsafe { save_with(client, tensors, n_tensors, blobs, n_blobs, save_id, |c, ts, bs| c.save_on_stream(step, ts, bs, stream as u64)) }
+    unsafe {
+        save_with(client, tensors, n_tensors, blobs, n_blobs, save_id, |c, ts, bs| {
+            c.save_on_stream(step, ts, bs, stream as u64)
+        })
+    }
 }
 
 /// Makes `stream` (a CUstream / cudaStream_t of this process; NULL: the
@@ -129,11 +142,21 @@ pub unsafe extern "C" fn ckpt_save_on_stream(
 /// `client` is a live client; `stream` is NULL or a live stream of this
 /// process; `on_stream` is NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn ckpt_stream_wait_copy(client: *mut ckpt_client, save_id: u64, stream: *mut c_void, timeout_ms: i64, on_stream: *mut c_int) -> c_int {
+pub unsafe extern "C" fn ckpt_stream_wait_copy(
+    client: *mut ckpt_client,
+    save_id: u64,
+    stream: *mut c_void,
+    timeout_ms: i64,
+    on_stream: *mut c_int,
+) -> c_int {
     guard(|| {
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
-        let queued = c.client.stream_wait_copy(save_id, stream as u64, u64::try_from(timeout_ms).ok().map(std::time::Duration::from_millis))?;
+        let queued = c.client.stream_wait_copy(
+            save_id,
+            stream as u64,
+            u64::try_from(timeout_ms).ok().map(std::time::Duration::from_millis),
+        )?;
         if !on_stream.is_null() {
             // SAFETY: non-NULL, writable by the caller's contract.
             unsafe { *on_stream = c_int::from(queued) };

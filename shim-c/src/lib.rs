@@ -24,6 +24,9 @@ pub mod ffi_cuda;
 pub mod preload;
 pub mod sigterm;
 
-pub use client::{default_socket_path, BlobRef, Client, LoadInfo, Region, SaveHandle, SaveState, SaveStatus, ServerInfo, TensorRef, Wanted};
+pub use client::{
+    default_socket_path, BlobRef, Client, LoadInfo, Region, SaveHandle, SaveState, SaveStatus, ServerInfo, TensorRef,
+    Wanted,
+};
 pub use error::{Error, Result};
 pub use region::ShmRegion;

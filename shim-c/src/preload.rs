@@ -20,7 +20,9 @@
 //! is kept by `ffi.rs` (`ckpt_default_client`).
 
 use crate::client::Client;
-use crate::ffi::{close_client_in_place, default_client_ptr, new_boxed_client, set_default_client, set_default_client_error};
+use crate::ffi::{
+    close_client_in_place, default_client_ptr, new_boxed_client, set_default_client, set_default_client_error,
+};
 use crate::sigterm::install_sigterm_handler;
 
 /// The environment variable that turns preload mode on ("1").

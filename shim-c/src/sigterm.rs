@@ -12,7 +12,6 @@
 //! stopped with two SIGTERMs (no SIGKILL needed). A program that installs its
 //! own SIGTERM handler later replaces ours (the flag then stays 0).
 
-
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 

@@ -8,10 +8,10 @@ mod common;
 
 mod support;
 
-use support::{cc, lib_dir, text};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{cc, lib_dir, text};
 
 use common::{temp_socket, Fake, Opts};
 
@@ -21,7 +21,11 @@ fn crate_dir() -> &'static Path {
 
 fn so_path() -> PathBuf {
     let p = lib_dir().join("libckpt.so");
-    assert!(p.exists(), "{} missing: cargo builds the cdylib with the tests; run `cargo build -p ckpt-shim`", p.display());
+    assert!(
+        p.exists(),
+        "{} missing: cargo builds the cdylib with the tests; run `cargo build -p ckpt-shim`",
+        p.display()
+    );
     p
 }
 
@@ -71,7 +75,12 @@ fn preloading_into_unmodified_programs_changes_nothing_without_preload_mode() {
     let so = so_path();
     let o = Command::new("true").env("LD_PRELOAD", &so).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
     assert!(o.status.success() && o.stderr.is_empty(), "{}", text(&o));
-    let o = Command::new("sh").args(["-c", "echo hello; exit 7"]).env("LD_PRELOAD", &so).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    let o = Command::new("sh")
+        .args(["-c", "echo hello; exit 7"])
+        .env("LD_PRELOAD", &so)
+        .env_remove("CKPT_SIDECAR_PRELOAD")
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(7), "{}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout), "hello\n");
     assert!(o.stderr.is_empty(), "{}", text(&o));
@@ -82,7 +91,12 @@ fn preload_mode_connects_unmodified_programs_and_never_breaks_them() {
     let so = so_path();
     let (_d, sock) = temp_socket();
     // No sidecar: one line on stderr, the program runs as usual.
-    let o = Command::new("true").env("LD_PRELOAD", &so).env("CKPT_SIDECAR_PRELOAD", "1").env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
+    let o = Command::new("true")
+        .env("LD_PRELOAD", &so)
+        .env("CKPT_SIDECAR_PRELOAD", "1")
+        .env("CKPT_SIDECAR_SOCKET", &sock)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("libckpt: preload: not connected"), "{}", text(&o));
     // With a sidecar: the process says Hello (name from /proc/self/comm) and exits normally.
@@ -103,7 +117,8 @@ fn preload_mode_connects_unmodified_programs_and_never_breaks_them() {
 /// Whether `pid` has a handler for `sig` (its SigCgt mask in /proc).
 fn catches(pid: i32, sig: i32) -> bool {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).and_then(|m| u64::from_str_radix(m.trim(), 16).ok());
+    let mask =
+        status.lines().find_map(|l| l.strip_prefix("SigCgt:")).and_then(|m| u64::from_str_radix(m.trim(), 16).ok());
     mask.is_some_and(|m| m & (1 << (sig - 1)) != 0)
 }
 
@@ -123,7 +138,10 @@ fn preload_mode_one_sigterm_sets_the_flag_a_second_terminates() {
     // Past the constructor: wait until the process catches SIGTERM.
     let t0 = Instant::now();
     while !catches(pid, libc::SIGTERM) {
-        assert!(t0.elapsed() < Duration::from_secs(60), "the preloaded constructor never installed its SIGTERM handler");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the preloaded constructor never installed its SIGTERM handler"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     // SAFETY: signalling our own child.
@@ -153,7 +171,12 @@ fn preload_mode_gives_a_default_client_and_the_preemption_flag() {
     let o = Command::new(&exe).env("CKPT_SIDECAR_PRELOAD", "1").env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let _fake = Fake::start(&sock, Opts::default());
-    let o = Command::new(&exe).arg("connected").env("CKPT_SIDECAR_PRELOAD", "1").env("CKPT_SIDECAR_SOCKET", &sock).output().unwrap();
+    let o = Command::new(&exe)
+        .arg("connected")
+        .env("CKPT_SIDECAR_PRELOAD", "1")
+        .env("CKPT_SIDECAR_SOCKET", &sock)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("preempted: 1"), "{}", text(&o));
 }
@@ -220,7 +243,12 @@ fn a_forked_child_never_touches_its_parents_connection() {
     compile(&cc, &crate_dir().join("tests/c/fork.c"), &exe, true, true);
     let (_d, sock) = temp_socket();
     let fake = Fake::start(&sock, Opts::default());
-    let o = Command::new(&exe).arg("calls").env("CKPT_SIDECAR_SOCKET", &sock).env_remove("CKPT_SIDECAR_PRELOAD").output().unwrap();
+    let o = Command::new(&exe)
+        .arg("calls")
+        .env("CKPT_SIDECAR_SOCKET", &sock)
+        .env_remove("CKPT_SIDECAR_PRELOAD")
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     // One session only (the child never spoke), and it ended with Bye from the parent.
     let log = fake.log_when_ended();
@@ -230,7 +258,13 @@ fn a_forked_child_never_touches_its_parents_connection() {
 
     // The parent dies while its child lives on: the session must still end now.
     let fake = Fake::start(&sock, Opts::default());
-    let mut parent = Command::new(&exe).arg("orphan").env("CKPT_SIDECAR_SOCKET", &sock).stdin(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let mut parent = Command::new(&exe)
+        .arg("orphan")
+        .env("CKPT_SIDECAR_SOCKET", &sock)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
     // The orphaned child lives until this pipe closes: an End while it lives
     // means it did not keep the session's socket open (before: it lived 3 s
     // and the End had to come within 2 s, a race on a loaded machine).

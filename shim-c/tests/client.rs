@@ -25,10 +25,8 @@ fn save_released_durable_then_load_gives_the_same_bytes() {
     assert_eq!(c.server_info().unwrap().server_pid, std::process::id());
     let r = c.alloc_region(8192).unwrap();
     fill(&r, 1, 8192);
-    let t = [
-        TensorRef::in_region("a", "F32", &[2, 4], &r, 0, 32),
-        TensorRef::in_region("b", "U8", &[100], &r, 4096, 100),
-    ];
+    let t =
+        [TensorRef::in_region("a", "F32", &[2, 4], &r, 0, 32), TensorRef::in_region("b", "U8", &[100], &r, 4096, 100)];
     let h = c.save(7, &t, &[BlobRef { name: "rng", bytes: b"state-7" }]).unwrap();
     assert_eq!(h.step, 7);
     let s = c.wait(h.id, Wanted::Released, SEC).unwrap();
@@ -307,7 +305,11 @@ fn each_save_describes_its_tensors_as_they_are_now_though_the_last_list_is_kept(
         let got = fake.store.lock().unwrap().steps[&step].tensors.clone();
         assert_eq!(got.len(), t.len(), "step {step}");
         for ((info, bytes), t) in got.iter().zip(t) {
-            assert_eq!((info.name.as_str(), info.dtype.as_str(), &info.shape[..], info.len_bytes), (t.name, t.dtype, t.shape, t.len_bytes), "step {step}");
+            assert_eq!(
+                (info.name.as_str(), info.dtype.as_str(), &info.shape[..], info.len_bytes),
+                (t.name, t.dtype, t.shape, t.len_bytes),
+                "step {step}"
+            );
             let mut want = vec![0u8; t.len_bytes as usize];
             region.read_at(t.ptr as u64 - region.as_ptr() as u64, &mut want).unwrap();
             assert_eq!(bytes, &want, "step {step}: {}", t.name);

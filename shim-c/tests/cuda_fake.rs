@@ -92,7 +92,11 @@ impl Serve {
         let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
         let t0 = Instant::now();
         while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(30), "serve did not come up:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "serve did not come up:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Serve { child: Some(child), log, stats }
@@ -116,7 +120,11 @@ impl Serve {
     fn wait_for(&self, what: &str, cond: impl Fn(&Serve) -> bool) {
         let t0 = Instant::now();
         while !cond(self) {
-            assert!(t0.elapsed() < Duration::from_secs(60), "timed out waiting for {what}; sidecar log:\n{}", self.log());
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "timed out waiting for {what}; sidecar log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -197,7 +205,12 @@ fn device_memory_round_trips_bit_exact_behind_the_trainers_event() {
     // stream wait on the trainer's event, the snapshot would hold the
     // bytes from before them (the C trainer checks what it loads back).
     let o = run(trainer_cmd(&exe, tmp.path(), "roundtrip", 300_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     let v = verify(&tmp.path().join("ck"));
     assert!(v.status.success(), "{}", text(&v));
     // Every import was closed when the client left; staging was page-locked once.
@@ -212,7 +225,12 @@ fn many_allocations_with_tensors_at_offsets_round_trip_bit_exact() {
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
     let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
     // Each legacy allocation opened three times, each closed again: checked
     // at registration, for the save, for the load (none outlives its request).
@@ -226,7 +244,12 @@ fn a_sidecar_without_a_driver_refuses_device_memory_saying_why() {
     let serve = Serve::start(tmp.path(), false);
     let o = run(trainer_cmd(&exe, tmp.path(), "refused", 2_000));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && out.contains("refused:") && out.contains("no CUDA driver"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && out.contains("refused:") && out.contains("no CUDA driver"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
 }
 
 #[test]
@@ -250,11 +273,21 @@ fn an_unreleased_legacy_snapshot_of_a_dead_trainer_is_aborted() {
     // The sidecar's copies are 3 s late; the trainer is killed once its
     // event completed and the sidecar opened both allocations for the copy.
     let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
-    kill_when(trainer_cmd(&exe, tmp.path(), "die-mid-copy", 2_000), "synced", &serve, "both allocations open for the copy", |s| s.stat("imports_open") == Some(2));
+    kill_when(
+        trainer_cmd(&exe, tmp.path(), "die-mid-copy", 2_000),
+        "synced",
+        &serve,
+        "both allocations open for the copy",
+        |s| s.stat("imports_open") == Some(2),
+    );
     serve.wait_for("the save aborted", |s| s.log().contains("aborted before release"));
     assert!(serve.log().contains("the client disconnected before release"), "{}", serve.log());
     // The reason names the CUDA cause: legacy IPC memory is undefined once its exporter died.
-    assert!(serve.log().contains("shared by legacy IPC, undefined once the exporting process is gone"), "{}", serve.log());
+    assert!(
+        serve.log().contains("shared by legacy IPC, undefined once the exporting process is gone"),
+        "{}",
+        serve.log()
+    );
     assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
 }
@@ -271,9 +304,19 @@ fn a_trainer_killed_before_its_event_ran_ends_its_session_and_frees_staging() {
     let serve = Serve::start(tmp.path(), true);
     // The trainer's writes finish 5 s late: its event cannot complete before
     // it is killed, once the sidecar opened the event to poll it.
-    kill_when(trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000), "saved", &serve, "the trainer's event opened", |s| s.stat("events_opened") == Some(1));
+    kill_when(
+        trainer_cmd(&exe, tmp.path(), "die-before-release", 5_000_000),
+        "saved",
+        &serve,
+        "the trainer's event opened",
+        |s| s.stat("events_opened") == Some(1),
+    );
     serve.wait_for("the session ended", |s| s.log().contains("session ended"));
-    assert!(serve.log().contains("the client went away") && serve.log().contains("nothing of this save was copied"), "{}", serve.log());
+    assert!(
+        serve.log().contains("the client went away") && serve.log().contains("nothing of this save was copied"),
+        "{}",
+        serve.log()
+    );
     serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
     assert!(committed(&tmp.path().join("ck")).is_empty(), "nothing may commit");
     // Staging is free: a new client's save of all of it (64 MiB) goes through.
@@ -294,7 +337,11 @@ fn the_sidecar_killed_while_the_trainers_stream_waits_on_its_copy_leaves_that_st
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
     let serve = Serve::start_with_delay(tmp.path(), true, Some(3_000_000));
-    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies-guarded", 2_000).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies-guarded", 2_000)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "guarded on_stream=1", "the stream wait was queued while the copy ran");
@@ -320,7 +367,11 @@ fn the_sidecar_killed_mid_copy_leaves_the_trainer_training() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
     let serve = Serve::start(tmp.path(), true);
-    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies", 3_000_000).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = trainer_cmd(&exe, tmp.path(), "sidecar-dies", 3_000_000)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "saved");
@@ -346,13 +397,21 @@ fn without_a_driver_cuda_registration_fails_clearly_and_host_checkpoints_still_w
     }
     let r = c.alloc_region(4096).unwrap();
     r.write_at(0, &[7u8; 4096]).unwrap();
-    let h = c.save(1, &[TensorRef::in_region("w", "U8", &[4096], &r, 0, 4096)], &[BlobRef { name: "m", bytes: b"x" }]).unwrap();
+    let h = c
+        .save(1, &[TensorRef::in_region("w", "U8", &[4096], &r, 0, 4096)], &[BlobRef { name: "m", bytes: b"x" }])
+        .unwrap();
     c.wait(h.id, Wanted::Durable, Some(Duration::from_secs(60))).unwrap();
     let status = c.status().unwrap();
     c.close();
     // The sidecar without a driver says so (status, doctor), and serves on.
     assert!(status.cuda.contains("no CUDA driver"), "{}", status.cuda);
-    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path().join("ck")).arg("--json").env_remove("LD_LIBRARY_PATH").output().unwrap();
+    let o = Command::new(sidecar())
+        .arg("doctor")
+        .arg(tmp.path().join("ck"))
+        .arg("--json")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
     assert_eq!(j["cuda"]["available"], false, "{j}");
     assert!(j["cuda"]["error"].as_str().unwrap().contains("no CUDA driver"), "{j}");
@@ -362,7 +421,14 @@ fn without_a_driver_cuda_registration_fails_clearly_and_host_checkpoints_still_w
 #[test]
 fn doctor_reports_the_fake_device_when_its_folder_is_on_the_search_path() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = Command::new(sidecar()).arg("doctor").arg(tmp.path()).arg("--json").env("LD_LIBRARY_PATH", fake_dir()).env("FAKE_CUDA_DEVICE_MEMORY_BYTES", "1073741824").output().unwrap();
+    let o = Command::new(sidecar())
+        .arg("doctor")
+        .arg(tmp.path())
+        .arg("--json")
+        .env("LD_LIBRARY_PATH", fake_dir())
+        .env("FAKE_CUDA_DEVICE_MEMORY_BYTES", "1073741824")
+        .output()
+        .unwrap();
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
     assert_eq!(j["cuda"]["available"], true, "{j}");
     assert_eq!(j["cuda"]["driver_version"], "12.8", "{j}");
@@ -382,7 +448,13 @@ fn doctor_reports_the_fake_device_when_its_folder_is_on_the_search_path() {
         .unwrap();
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
     assert_eq!(j["cuda"]["devices"][0]["compute_mode"], "exclusive-process", "{j}");
-    assert!(j["cuda"]["devices"][0]["warning"].as_str().unwrap().contains("cannot create its context while the trainer holds one"), "{j}");
+    assert!(
+        j["cuda"]["devices"][0]["warning"]
+            .as_str()
+            .unwrap()
+            .contains("cannot create its context while the trainer holds one"),
+        "{j}"
+    );
 }
 
 #[test]
@@ -393,12 +465,19 @@ fn vmm_allocations_round_trip_bit_exact_behind_the_trainers_event() {
     // Late writes (300 ms): only the sidecar's wait on the event makes the
     // snapshot right; the trainer checks what it loads back in place.
     let o = run(trainer_cmd(&exe, tmp.path(), "vmm-roundtrip", 300_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     let v = verify(&tmp.path().join("ck"));
     assert!(v.status.success(), "{}", text(&v));
     // Both allocations came as fds and were imported once each; every import
     // was released and unmapped when the client left.
-    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    serve.wait_for("VMM imports released and unmapped", |s| {
+        s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0)
+    });
     assert_eq!(serve.stat("imports_total"), Some(2));
 }
 
@@ -414,10 +493,17 @@ fn a_vmm_trainer_killed_right_after_released_still_commits_bit_exact() {
     serve.wait_for("step 5 committed", |_| committed(&dir) == [5]);
     let v = verify(&dir);
     assert!(v.status.success(), "{}", text(&v));
-    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    serve.wait_for("VMM imports released and unmapped", |s| {
+        s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0)
+    });
     // Another process loads the committed step: exactly the bytes saved.
     let o = run(trainer_cmd(&exe, tmp.path(), "vmm-check", 2_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
 }
 
 #[test]
@@ -427,7 +513,12 @@ fn a_vmm_allocation_not_exportable_as_an_fd_is_refused_saying_why() {
     let serve = Serve::start(tmp.path(), true);
     let o = run(trainer_cmd(&exe, tmp.path(), "vmm-unexportable", 2_000));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && out.contains("refused:") && out.contains("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && out.contains("refused:") && out.contains("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     assert_eq!(serve.stat("imports_total").unwrap_or(0), 0, "nothing was sent to import");
 }
 
@@ -442,12 +533,22 @@ fn a_stream_wait_on_the_sidecars_copy_keeps_the_next_step_out_of_the_snapshot() 
     let o = run(trainer_cmd(&exe, tmp.path(), "guard", 2_000));
     let out = String::from_utf8_lossy(&o.stdout);
     // The stream wait was queued while the sidecar still copied: the CPU did not wait for the copy.
-    assert!(o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     // The control: the same write without the stream wait leaks into the snapshot.
     let tmp2 = tempfile::tempdir().unwrap();
     let serve2 = Serve::start_with_delay(tmp2.path(), true, Some(1_500_000));
     let o = run(trainer_cmd(&exe, tmp2.path(), "no-guard", 2_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=overwritten"), "{}\nsidecar log:\n{}", text(&o), serve2.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("snapshot=overwritten"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve2.log()
+    );
 }
 
 #[test]
@@ -457,7 +558,12 @@ fn device_tensors_saved_as_ranks_parts_commit_as_one_checkpoint() {
     let serve = Serve::start(tmp.path(), true);
     // Each rank's write is 300 ms late: each part waits on its own client's event.
     let o = run(trainer_cmd(&exe, tmp.path(), "parts", 300_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     let dir = tmp.path().join("ck");
     assert_eq!(committed(&dir), [8]);
     let v = verify(&dir);
@@ -477,7 +583,12 @@ fn a_freed_allocation_replaced_at_the_same_address_is_saved_with_its_new_bytes_a
     // Each step loads back with the bytes of the allocation it was saved
     // from; after each re-save the sidecar held no import: legacy imports
     // close with the request that opened them (the stale one included).
-    assert!(o.status.success() && out.contains("ok") && out.contains("open=0,0"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && out.contains("ok") && out.contains("open=0,0"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     let dir = tmp.path().join("ck");
     assert_eq!(committed(&dir), [20, 21, 22]);
     let v = verify(&dir);
@@ -506,13 +617,18 @@ fn tensors_crossing_vmm_chunks_of_one_reserved_range_round_trip_and_a_range_into
     let v = verify(&tmp.path().join("ck"));
     assert!(v.status.success(), "{}", text(&v));
     // Four chunks of the range, one of the half-mapped one: each imported once, all closed at the end.
-    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    serve.wait_for("VMM imports released and unmapped", |s| {
+        s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0)
+    });
     assert_eq!(serve.stat("imports_total"), Some(5));
 }
 
 /// The `device_windows` of every save the sidecar released (its log).
 fn device_windows(log: &str) -> Vec<usize> {
-    log.lines().filter(|l| l.contains("released")).filter_map(|l| l.split("device_windows=").nth(1)?.split_whitespace().next()?.parse().ok()).collect()
+    log.lines()
+        .filter(|l| l.contains("released"))
+        .filter_map(|l| l.split("device_windows=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect()
 }
 
 #[test]
@@ -526,10 +642,20 @@ fn device_copies_in_small_windows_round_trip_bit_exact_behind_the_trainers_event
     // Two allocations, three tensors at offsets, written 300 ms late: only the
     // fence makes the snapshot right (the trainer checks what it loads back).
     let o = run(trainer_cmd(&exe, tmp.path(), "roundtrip", 300_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     // 64 allocations, two tensors each (one at an offset): 4 MiB of device state.
     let o = run(trainer_cmd(&exe, tmp.path(), "many", 2_000));
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     let windows = device_windows(&serve.log());
     assert_eq!(windows.len(), 2, "two saves released: {}", serve.log());
     assert!(windows.iter().all(|&w| w >= 3), "each save's device copy ran in several windows: {windows:?}");
@@ -548,7 +674,12 @@ fn a_stream_wait_on_a_copy_in_several_windows_waits_for_the_last_window() {
     let serve = Serve::start_with_env(tmp.path(), true, Some(1_500_000), &[("CKPT_SIDECAR_DEVICE_WINDOW", "64KiB")]);
     let o = run(trainer_cmd(&exe, tmp.path(), "guard", 2_000));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"), "{}\nsidecar log:\n{}", text(&o), serve.log());
+    assert!(
+        o.status.success() && out.contains("on_stream=1 state=pending") && out.contains("snapshot=saved"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
     assert!(device_windows(&serve.log()).iter().all(|&w| w >= 3), "{}", serve.log());
 }
 
@@ -572,9 +703,18 @@ fn devices_are_matched_by_uuid_not_by_ordinal() {
         let mut cmd = trainer_cmd(&exe, tmp.path(), mode, 300_000);
         cmd.env("CKPT_FAKE_CUDA_DEVICES", "2").env("CUDA_VISIBLE_DEVICES", "1");
         let o = run(cmd);
-        assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{mode}: {}\nsidecar log:\n{}", text(&o), serve.log());
+        assert!(
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+            "{mode}: {}\nsidecar log:\n{}",
+            text(&o),
+            serve.log()
+        );
         serve.wait_for("imports closed", |s| s.stat("imports_open") == Some(0));
-        assert_eq!(serve.stat("peer_imports"), Some(0), "{mode}: every legacy import was opened on the memory's own device");
+        assert_eq!(
+            serve.stat("peer_imports"),
+            Some(0),
+            "{mode}: every legacy import was opened on the memory's own device"
+        );
     }
 }
 
@@ -584,13 +724,25 @@ fn devices_are_matched_by_uuid_not_by_ordinal() {
 fn a_device_the_sidecar_does_not_see_is_refused_naming_its_uuid() {
     let tmp = tempfile::tempdir().unwrap();
     let exe = trainer(tmp.path());
-    let _serve = Serve::start_with_env(tmp.path(), true, None, &[("CKPT_FAKE_CUDA_DEVICES", "2"), ("CUDA_VISIBLE_DEVICES", "0")]);
+    let _serve = Serve::start_with_env(
+        tmp.path(),
+        true,
+        None,
+        &[("CKPT_FAKE_CUDA_DEVICES", "2"), ("CUDA_VISIBLE_DEVICES", "0")],
+    );
     let mut cmd = trainer_cmd(&exe, tmp.path(), "refused", 2_000);
     cmd.env("CKPT_FAKE_CUDA_DEVICES", "2").env("CUDA_VISIBLE_DEVICES", "1");
     let o = run(cmd);
     let out = String::from_utf8_lossy(&o.stdout);
     // The fake's device 1 has UUID "fakecuda-uuid-" d0 01.
-    assert!(o.status.success() && out.contains("refused:") && out.contains("is not visible to the sidecar") && out.contains("GPU-66616b65-6375-6461-2d75-7569642dd001"), "{}", text(&o));
+    assert!(
+        o.status.success()
+            && out.contains("refused:")
+            && out.contains("is not visible to the sidecar")
+            && out.contains("GPU-66616b65-6375-6461-2d75-7569642dd001"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// Hazard 2: no legacy import outlives the request that needs it. A trainer
@@ -637,7 +789,14 @@ fn vmm_allocations_exportable_only_as_fabric_handles_round_trip_in_place() {
     let mut cmd = trainer_cmd(&exe, tmp.path(), "vmm-roundtrip", 300_000);
     cmd.env("CKPT_TEST_VMM_HANDLE_TYPES", "8");
     let o = run(cmd);
-    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"), "{}\nsidecar log:\n{}", text(&o), serve.log());
-    serve.wait_for("VMM imports released and unmapped", |s| s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0));
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ok"),
+        "{}\nsidecar log:\n{}",
+        text(&o),
+        serve.log()
+    );
+    serve.wait_for("VMM imports released and unmapped", |s| {
+        s.stat("imports_open") == Some(0) && s.stat("vmm_maps") == Some(0)
+    });
     assert_eq!(serve.stat("imports_total"), Some(2));
 }

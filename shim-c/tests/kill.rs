@@ -31,7 +31,6 @@
 
 mod support;
 
-use support::{cc, lib_dir, sidecar_bin, text};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Read;
@@ -39,6 +38,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{cc, lib_dir, sidecar_bin, text};
 
 use ckpt::{Client, TensorRef};
 use ckpt_test_support::{kill9, seed_from_env, terminate, Rng};
@@ -128,7 +128,9 @@ impl Drop for Reaped {
 
 /// Word `i` of tensor `tensor` at `step` (tests/c/kill_trainer.c: content_word).
 fn content_word(step: u64, tensor: u64, i: u64) -> u64 {
-    i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03) ^ (tensor + 1).wrapping_mul(0x94D0_49BB_1331_11EB)
+    i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03)
+        ^ (tensor + 1).wrapping_mul(0x94D0_49BB_1331_11EB)
 }
 
 /// The trainer's tensors for a model of `mib` MiB: (name, dtype, words).
@@ -139,7 +141,11 @@ fn tensors(mib: u64) -> [(&'static str, &'static str, u64); 4] {
 
 /// Whether `bytes` are exactly tensor `name` at `step`.
 fn check_tensor(mib: u64, step: u64, name: &str, bytes: &[u8]) -> Result<(), String> {
-    let (k, (_, _, words)) = tensors(mib).into_iter().enumerate().find(|(_, t)| t.0 == name).ok_or_else(|| format!("unexpected tensor {name:?}"))?;
+    let (k, (_, _, words)) = tensors(mib)
+        .into_iter()
+        .enumerate()
+        .find(|(_, t)| t.0 == name)
+        .ok_or_else(|| format!("unexpected tensor {name:?}"))?;
     if bytes.len() as u64 != words * 8 {
         return Err(format!("tensor {name}: {} bytes, expected {}", bytes.len(), words * 8));
     }
@@ -207,7 +213,8 @@ impl Sidecar {
     /// SIGTERM (drain), then its exit code.
     fn stop(&mut self) -> i32 {
         let mut c = self.child.take().unwrap();
-        terminate(&mut c, PATIENCE).unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
+        terminate(&mut c, PATIENCE)
+            .unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
     }
 }
 
@@ -252,7 +259,8 @@ fn parse_save_log(log: &str) -> SaveLog {
 fn committed(bin: &Path, dir: &Path) -> (BTreeSet<u64>, Option<u64>) {
     let o = Command::new(bin).arg("ls").arg(dir).arg("--json").output().unwrap();
     assert!(o.status.success(), "ls: {}", text(&o));
-    let v: serde_json::Value = serde_json::from_slice(o.stdout.trim_ascii()).unwrap_or_else(|e| panic!("ls --json: {e}: {}", text(&o)));
+    let v: serde_json::Value =
+        serde_json::from_slice(o.stdout.trim_ascii()).unwrap_or_else(|e| panic!("ls --json: {e}: {}", text(&o)));
     let steps = v["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
     (steps, v["latest"].as_u64())
 }
@@ -286,18 +294,21 @@ fn check_files(dir: &Path, step: u64, mib: u64) -> Result<(), String> {
         let mut file = Vec::new();
         f.read_to_end(&mut file).map_err(|e| format!("{}: {e}", path.display()))?;
         let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
-        let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).map_err(|e| format!("{}: header: {e}", path.display()))?;
+        let header: serde_json::Value =
+            serde_json::from_slice(&file[8..8 + n]).map_err(|e| format!("{}: header: {e}", path.display()))?;
         let data = &file[8 + n..];
         for (name, t) in header.as_object().unwrap() {
             if name == "__metadata__" {
                 continue;
             }
-            let off: Vec<usize> = t["data_offsets"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+            let off: Vec<usize> =
+                t["data_offsets"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
             let want_dtype = tensors(mib).iter().find(|x| x.0 == name).map(|x| x.1).unwrap_or("?");
             if t["dtype"] != want_dtype {
                 return Err(format!("step {step}: tensor {name} has dtype {}", t["dtype"]));
             }
-            check_tensor(mib, step, name, &data[off[0]..off[1]]).map_err(|e| format!("step {step} ({}): {e}", path.display()))?;
+            check_tensor(mib, step, name, &data[off[0]..off[1]])
+                .map_err(|e| format!("step {step} ({}): {e}", path.display()))?;
             seen.insert(name.clone());
         }
     }
@@ -313,7 +324,11 @@ fn check_files(dir: &Path, step: u64, mib: u64) -> Result<(), String> {
 }
 
 fn tmp_dirs(dir: &Path) -> Vec<String> {
-    fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp-step-")).collect()
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp-step-"))
+        .collect()
 }
 
 /// Removes the shared memory a SIGKILLed trainer could not.
@@ -431,7 +446,13 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
         let delay = Duration::from_micros(rng.below(KILL_DELAY_US_MAX));
         std::thread::sleep(delay);
         let st = kill9(&mut child.0);
-        let ctx = || format!("run {run} (trainer pid {pid}, killed after {delay:?}):\n{}\nstderr: {}", tail(&out, 30), fs::read_to_string(out.with_extension("err")).unwrap_or_default());
+        let ctx = || {
+            format!(
+                "run {run} (trainer pid {pid}, killed after {delay:?}):\n{}\nstderr: {}",
+                tail(&out, 30),
+                fs::read_to_string(out.with_extension("err")).unwrap_or_default()
+            )
+        };
         assert_eq!(st.signal(), Some(libc::SIGKILL), "the trainer exited by itself ({st}) in {}", ctx());
 
         // Wait until the dead trainer's session has ended (every frame it
@@ -445,8 +466,10 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
         );
 
         let lines = trainer_lines(&out);
-        let issued: BTreeSet<u64> = lines.iter().filter_map(|l| if let Line::Save(s) = l { Some(*s) } else { None }).collect();
-        let seen_released: BTreeSet<u64> = lines.iter().filter_map(|l| if let Line::Released(s) = l { Some(*s) } else { None }).collect();
+        let issued: BTreeSet<u64> =
+            lines.iter().filter_map(|l| if let Line::Save(s) = l { Some(*s) } else { None }).collect();
+        let seen_released: BTreeSet<u64> =
+            lines.iter().filter_map(|l| if let Line::Released(s) = l { Some(*s) } else { None }).collect();
         for l in &lines {
             match l {
                 Line::Resumed(r) => {
@@ -474,9 +497,19 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
         assert!(known.is_subset(&now), "committed steps vanished: had {known:?}, now {now:?}");
         let new: BTreeSet<u64> = now.difference(&known).copied().collect();
         // Released (seen by the trainer) ⇒ committed.
-        assert!(seen_released.is_subset(&now), "released steps {:?} not committed ({now:?}) in {}", seen_released.difference(&now).collect::<Vec<_>>(), ctx());
+        assert!(
+            seen_released.is_subset(&now),
+            "released steps {:?} not committed ({now:?}) in {}",
+            seen_released.difference(&now).collect::<Vec<_>>(),
+            ctx()
+        );
         // Committed in this run ⇔ released by the sidecar in this run; never an aborted one.
-        assert_eq!(new, run_log.released, "committed in this run vs released by the sidecar ({run_log:?}) in {}", ctx());
+        assert_eq!(
+            new,
+            run_log.released,
+            "committed in this run vs released by the sidecar ({run_log:?}) in {}",
+            ctx()
+        );
         assert!(new.is_disjoint(&run_log.aborted), "an aborted save was committed: {run_log:?}, {}", ctx());
         assert!(new.is_subset(&issued), "committed {new:?}, but the trainer saved only {issued:?} in {}", ctx());
         for &s in &new {
@@ -494,7 +527,8 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
             region.read_at(0, &mut got).unwrap();
             let mut at = 0;
             for t in &specs {
-                check_tensor(MIB, l, t.0, &got[at..at + t.2 as usize * 8]).unwrap_or_else(|e| panic!("load latest: {e} in {}", ctx()));
+                check_tensor(MIB, l, t.0, &got[at..at + t.2 as usize * 8])
+                    .unwrap_or_else(|e| panic!("load latest: {e} in {}", ctx()));
                 at += t.2 as usize * 8;
             }
         }
@@ -539,7 +573,8 @@ fn trainer_sigkilled_at_random_points_released_saves_commit_the_others_never() {
         .unwrap_or_default();
     // SAFETY: kill(pid, 0) only asks whether the pid exists (a reused pid is alive: not swept).
     let dead = |p: u32| unsafe { libc::kill(p as i32, 0) } != 0;
-    let stale: Vec<&String> = left.iter().filter(|n| pids.iter().any(|&p| n.starts_with(&format!("ckpt-{p}-")) && dead(p))).collect();
+    let stale: Vec<&String> =
+        left.iter().filter(|n| pids.iter().any(|&p| n.starts_with(&format!("ckpt-{p}-")) && dead(p))).collect();
     assert!(stale.is_empty(), "shared memory of killed trainers not swept: {stale:?}");
     me.close();
     assert_eq!(sidecar.stop(), 0, "{}", sidecar.log_text());
@@ -568,7 +603,9 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
 
     let out = tmp.path().join("trainer.log");
     let mut trainer = spawn_trainer(&exe, &["--mib", &MIB.to_string(), "--keep-going", "--step-ms", "50"], &sock, &out);
-    let ctx = |round: usize, sidecar: &Sidecar| format!("round {round}; trainer log:\n{}\nsidecar log:\n{}", tail(&out, 25), sidecar.log_text());
+    let ctx = |round: usize, sidecar: &Sidecar| {
+        format!("round {round}; trainer log:\n{}\nsidecar log:\n{}", tail(&out, 25), sidecar.log_text())
+    };
 
     let mut known: BTreeSet<u64> = BTreeSet::new(); // committed and checked
     let mut mid_write = 0;
@@ -576,7 +613,10 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
     let mut mark = 0; // saves after this step went to the current sidecar
     for round in 0..ROUNDS {
         // A save released by this sidecar.
-        wait_for(|| format!("a release after step {mark}: {}", ctx(round, &sidecar)), || trainer_lines(&out).iter().any(|l| matches!(l, Line::Released(s) if *s > mark)).then_some(()));
+        wait_for(
+            || format!("a release after step {mark}: {}", ctx(round, &sidecar)),
+            || trainer_lines(&out).iter().any(|l| matches!(l, Line::Released(s) if *s > mark)).then_some(()),
+        );
         if round % 2 == 0 {
             // While a checkpoint is being written.
             let c = Client::connect(Some(&sock)).unwrap();
@@ -590,7 +630,10 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
         } else {
             // At a random point after the next release (copying, queued, writing, committed).
             let n = trainer_lines(&out).iter().filter(|l| matches!(l, Line::Released(_))).count();
-            wait_for(|| format!("the next release: {}", ctx(round, &sidecar)), || (trainer_lines(&out).iter().filter(|l| matches!(l, Line::Released(_))).count() > n).then_some(()));
+            wait_for(
+                || format!("the next release: {}", ctx(round, &sidecar)),
+                || (trainer_lines(&out).iter().filter(|l| matches!(l, Line::Released(_))).count() > n).then_some(()),
+            );
             std::thread::sleep(Duration::from_micros(rng.below(40_000)));
         }
         let lines_before = trainer_lines(&out).len();
@@ -613,7 +656,10 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
         // when the kill fell between the commit point (the rename) and the
         // update of `latest` (the next start repairs that, checked below).
         let newest_two: Vec<u64> = now.iter().rev().take(2).copied().collect();
-        assert!(latest.is_none_or(|l| newest_two.contains(&l)) && latest.is_some() != now.is_empty(), "latest {latest:?} after the kill; committed {now:?}");
+        assert!(
+            latest.is_none_or(|l| newest_two.contains(&l)) && latest.is_some() != now.is_empty(),
+            "latest {latest:?} after the kill; committed {now:?}"
+        );
         if latest != now.last().copied() {
             latest_behind += 1;
         }
@@ -627,7 +673,9 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
                 let lines = trainer_lines(&out);
                 let after = &lines[lines_before..];
                 let first = after.iter().find(|l| matches!(l, Line::Error(..) | Line::Failed(..)))?.clone();
-                let at = after.iter().position(|l| matches!(l, Line::Error(_, call, _, msg) if call == "save" && msg.contains("reconnecting")))?;
+                let at = after.iter().position(
+                    |l| matches!(l, Line::Error(_, call, _, msg) if call == "save" && msg.contains("reconnecting")),
+                )?;
                 let steps_after = after[at..].iter().filter(|l| matches!(l, Line::Step(_))).count();
                 (steps_after >= 2).then_some((first, after[at].clone()))
             },
@@ -640,17 +688,27 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
         assert!(msg.contains("sidecar"), "not a clear error: {first_err:?}");
         let Line::Error(_, _, rc, msg) = &save_err_at else { unreachable!() };
         assert_eq!(*rc, CKPT_E_DISCONNECTED, "{save_err_at:?}");
-        assert!(msg.contains("sidecar") && msg.contains(&*sock.to_string_lossy()), "not a clear error: {save_err_at:?}");
+        assert!(
+            msg.contains("sidecar") && msg.contains(&*sock.to_string_lossy()),
+            "not a clear error: {save_err_at:?}"
+        );
         assert!(trainer.0.try_wait().unwrap().is_none(), "the trainer stopped: {}", ctx(round, &sidecar));
 
         // A new sidecar on the same directory and socket cleans up at start.
-        mark = trainer_lines(&out).iter().filter_map(|l| if let Line::Save(s) = l { Some(*s) } else { None }).max().unwrap();
+        mark = trainer_lines(&out)
+            .iter()
+            .filter_map(|l| if let Line::Save(s) = l { Some(*s) } else { None })
+            .max()
+            .unwrap();
         sidecar = Sidecar::start(&bin, &dir, &sock, "256MiB", &slog(round + 1));
         // Every folder the kill left is gone. (The trainer may already have
         // reconnected: a pipelined save writes its own temp folder from the
         // start of its copy, so that one may be there.)
         let stale: Vec<String> = tmp_dirs(&dir).into_iter().filter(|d| left.contains(d)).collect();
-        assert!(stale.is_empty(), "temp folders the kill left are still there after a new start: {stale:?} (left by the kill: {left:?})");
+        assert!(
+            stale.is_empty(),
+            "temp folders the kill left are still there after a new start: {stale:?} (left by the kill: {left:?})"
+        );
         let (after_start, latest) = committed(&bin, &dir);
         assert!(known.is_subset(&after_start), "the new sidecar removed committed steps: {known:?} vs {after_start:?}");
         assert_eq!(latest, after_start.last().copied(), "latest after a new start");
@@ -675,8 +733,10 @@ fn sidecar_sigkilled_mid_write_nothing_committed_is_damaged_the_trainer_goes_on_
     verify(&bin, &dir, None).unwrap();
     assert_eq!(latest, now.last().copied());
     // Every durable step is committed, every committed step was saved.
-    let durable: BTreeSet<u64> = lines.iter().filter_map(|l| if let Line::Durable(s) = l { Some(*s) } else { None }).collect();
-    let issued: BTreeSet<u64> = lines.iter().filter_map(|l| if let Line::Save(s) = l { Some(*s) } else { None }).collect();
+    let durable: BTreeSet<u64> =
+        lines.iter().filter_map(|l| if let Line::Durable(s) = l { Some(*s) } else { None }).collect();
+    let issued: BTreeSet<u64> =
+        lines.iter().filter_map(|l| if let Line::Save(s) = l { Some(*s) } else { None }).collect();
     assert!(durable.is_subset(&now), "durable but not committed: {:?}", durable.difference(&now).collect::<Vec<_>>());
     assert!(now.is_subset(&issued));
     // Training never stopped: one "step" line per step, in order, through every outage.

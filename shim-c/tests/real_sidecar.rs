@@ -6,10 +6,10 @@
 
 mod support;
 
-use support::{sidecar_bin, text};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{sidecar_bin, text};
 
 use ckpt::{BlobRef, Client, Error, TensorRef, Wanted};
 use ckpt_test_support::{kill9, terminate};
@@ -69,7 +69,10 @@ fn save_release_durable_and_load_from_ram_then_disk() {
     let c = Client::connect(Some(&sock)).unwrap();
     let r = c.alloc_region(1 << 20).unwrap();
     let shape = [256u64, 256];
-    let t = [TensorRef::in_region("a", "F32", &shape, &r, 0, 256 * 256 * 4), TensorRef::in_region("b", "U8", &[1000], &r, 512 * 1024, 1000)];
+    let t = [
+        TensorRef::in_region("a", "F32", &shape, &r, 0, 256 * 256 * 4),
+        TensorRef::in_region("b", "U8", &[1000], &r, 512 * 1024, 1000),
+    ];
     // Many saves in flight: wait only for release between them.
     let mut ids = Vec::new();
     for step in 1..=8u64 {
@@ -152,7 +155,11 @@ fn save_file_writes_whole_files_atomically_and_refuses_bad_paths() {
     assert_eq!(std::fs::read(&empty).unwrap(), b"");
     // Refusals name the problem, and the session goes on.
     let missing = out.join("no/such/dir/x.pt");
-    for (path, needle) in [("relative.pt", "not absolute"), (missing.to_str().unwrap(), "No such file"), (out.to_str().unwrap(), "is a directory")] {
+    for (path, needle) in [
+        ("relative.pt", "not absolute"),
+        (missing.to_str().unwrap(), "No such file"),
+        (out.to_str().unwrap(), "is a directory"),
+    ] {
         let h = c.save_file(path, r.as_ptr(), 10).unwrap();
         let e = c.wait(h.id, Wanted::Durable, SEC).err().unwrap();
         assert!(matches!(&e, Error::SaveFailed { what, .. } if what.contains(path)), "{e:?}");
@@ -197,7 +204,11 @@ fn sidecar_killed_during_save_file_leaves_the_old_file_or_the_new_one() {
         if got == b"old" {
             outcomes.0 += 1;
         } else {
-            assert!(got == new, "after a kill at {kill_after_ms} ms the file is neither old nor new ({} bytes)", got.len());
+            assert!(
+                got == new,
+                "after a kill at {kill_after_ms} ms the file is neither old nor new ({} bytes)",
+                got.len()
+            );
             outcomes.1 += 1;
         }
         // The temp file is unnamed until just before the rename; a kill in
@@ -270,7 +281,15 @@ fn example_trainer_under_launch_crashes_and_resumes_verified() {
     }
     let dir = tmp.path().join("ck");
     let launch = |args: &[&str]| {
-        Command::new(&bin).args(["launch", "--staging", "64MiB", "--dir"]).arg(&dir).arg("--").arg(&exe).args(args).env("CKPT_SIDECAR_LOG", "warn").output().unwrap()
+        Command::new(&bin)
+            .args(["launch", "--staging", "64MiB", "--dir"])
+            .arg(&dir)
+            .arg("--")
+            .arg(&exe)
+            .args(args)
+            .env("CKPT_SIDECAR_LOG", "warn")
+            .output()
+            .unwrap()
     };
     let o = launch(&["--steps", "12", "--quiet"]);
     assert!(o.status.success(), "{}", text(&o));

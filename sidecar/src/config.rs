@@ -130,7 +130,8 @@ const _: () = assert!(STAGING_BYTES_MIN <= STAGING_BYTES_DEFAULT_MAX);
 const _: () = assert!(STAGING_BYTES_MIN % STAGING_ALIGN_BYTES as u64 == 0);
 const _: () = assert!(STAGING_ALIGN_BYTES % DIRECT_ALIGN_BYTES == 0);
 const _: () = assert!(HELLO_BYTES_MAX < FRAME_BYTES_MAX);
-const _: () = assert!((BLOB_BYTES_MAX as u64) >= FRAME_BYTES_MAX as u64, "a blob that fits a frame fits the blob limit");
+const _: () =
+    assert!((BLOB_BYTES_MAX as u64) >= FRAME_BYTES_MAX as u64, "a blob that fits a frame fits the blob limit");
 const _: () = assert!(COPY_THREADS >= 1);
 const _: () = assert!(COPY_PIECE_BYTES % COPY_BLOCK_BYTES == 0);
 const _: () = assert!(COPY_BOUNCE_BYTES <= 256 << 10); // on a thread's stack

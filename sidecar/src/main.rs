@@ -12,21 +12,21 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
+use ckpt_sidecar::config;
+use ckpt_sidecar::daemon::{self, DaemonOptions};
 use ckpt_store::bench;
 use ckpt_store::catalog;
 use ckpt_store::commit::{Store, StoreError, StoreOptions};
-use ckpt_store::lock::LockError;
-use ckpt_sidecar::config;
-use ckpt_sidecar::daemon::{self, DaemonOptions};
+use ckpt_store::format::STEP_MAX;
 use ckpt_store::format::{self, Dtype};
 use ckpt_store::image::{Blob, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::io::{self as eio, IoPolicy, Want};
+use ckpt_store::lock::LockError;
 use ckpt_store::mem::AlignedBuf;
 use ckpt_store::restore::{self, ReadOptions};
 use ckpt_store::retention::{self, Retention};
 use ckpt_store::synthetic;
 use ckpt_store::units::{human_bytes, parse_size};
-use ckpt_store::format::STEP_MAX;
 
 mod cli;
 
@@ -73,12 +73,15 @@ fn host_node_id() -> anyhow::Result<String> {
         bail!("--node-local: cannot read the host name ({}); give --node-id NAME", std::io::Error::last_os_error());
     }
     let name = String::from_utf8_lossy(buf.split(|&b| b == 0).next().unwrap_or_default()).into_owned();
-    ckpt_store::format::validate_node_id(&name).map_err(|e| anyhow::anyhow!("--node-local: the host name is no valid node id ({e}); give --node-id NAME"))?;
+    ckpt_store::format::validate_node_id(&name)
+        .map_err(|e| anyhow::anyhow!("--node-local: the host name is no valid node id ({e}); give --node-id NAME"))?;
     Ok(name)
 }
 
 fn parse_keep(s: &str) -> Result<usize, String> {
-    parse_positive(s).map(|n| n.min(usize::MAX as u64) as usize).map_err(|e| format!("{e} (the newest checkpoint is never deleted)"))
+    parse_positive(s)
+        .map(|n| n.min(usize::MAX as u64) as usize)
+        .map_err(|e| format!("{e} (the newest checkpoint is never deleted)"))
 }
 
 #[derive(Parser)]
@@ -259,7 +262,9 @@ impl DaemonArgs {
             cpus: self.cpus.as_ref().map(|c| c.0.clone()),
             shared_dir: self.shared.clone(),
             node_local: match (self.node_local || (self.shared.is_some() && self.drain.is_some()), &self.node_id) {
-                (false, Some(_)) => bail!("--node-id names this node's files: it needs --node-local (or --shared with --drain)"),
+                (false, Some(_)) => {
+                    bail!("--node-id names this node's files: it needs --node-local (or --shared with --drain)")
+                }
                 (false, None) => None,
                 (true, Some(id)) => Some(id.clone()),
                 (true, None) => Some(host_node_id()?),
@@ -617,7 +622,9 @@ fn main() -> ExitCode {
     // The daemon says what it does (one line per checkpoint); tools stay quiet.
     let default_level = if daemon { "info" } else { "warn" };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CKPT_SIDECAR_LOG").unwrap_or_else(|_| default_level.into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CKPT_SIDECAR_LOG").unwrap_or_else(|_| default_level.into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
@@ -737,11 +744,15 @@ fn resolve_preload(p: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         Some(p) => p,
         None => std::env::current_exe().context("locating this binary")?.with_file_name("libckpt.so"),
     };
-    let p = std::fs::canonicalize(&p).with_context(|| format!("--preload: {} (build it with cargo build --release, or pass its path)", p.display()))?;
+    let p = std::fs::canonicalize(&p).with_context(|| {
+        format!("--preload: {} (build it with cargo build --release, or pass its path)", p.display())
+    })?;
     // The dynamic loader ignores a preload it cannot load (one line of its
     // own, then the trainer runs without the shim): refused here instead.
     let mut magic = [0u8; 4];
-    std::fs::File::open(&p).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).with_context(|| format!("--preload: {}", p.display()))?;
+    std::fs::File::open(&p)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .with_context(|| format!("--preload: {}", p.display()))?;
     if &magic != b"\x7fELF" {
         bail!("--preload: {} is not a shared library (no ELF header)", p.display());
     }
@@ -757,7 +768,12 @@ fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         let (tensors, bytes, world_size, per_rank) = match restore::read_index(dir, s) {
             Ok(i) => {
                 let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
-                (Some(i.logical().len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
+                (
+                    Some(i.logical().len()),
+                    Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()),
+                    Some(i.ckpt.world_size),
+                    Some(per_rank),
+                )
             }
             // Deleted since it was listed (a live sidecar's --keep): not shown as damaged.
             Err(_) if !catalog::is_committed(dir, s) => continue,
@@ -802,7 +818,10 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
         Err(daemon::ClientError::Connect { source, .. })
             if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
         {
-            bail!("no sidecar is listening at {} (start one: ckpt-sidecar serve --dir DIR, or give its --socket)", socket.display())
+            bail!(
+                "no sidecar is listening at {} (start one: ckpt-sidecar serve --dir DIR, or give its --socket)",
+                socket.display()
+            )
         }
         Err(e @ daemon::ClientError::Connect { .. }) => return Err(e.into()), // names the socket
         r => r.with_context(|| format!("asking {} for its status", socket.display()))?,
@@ -832,7 +851,12 @@ fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
     }
     println!("sidecar pid {} at {}", r.server_pid, socket.display());
     println!("dirs:     {}", r.dirs.join(", "));
-    println!("staging:  {} of {} in use; resident step: {}", human_bytes(r.staging_used_bytes), human_bytes(r.staging_bytes), r.resident_step.map_or("none".into(), |s| s.to_string()));
+    println!(
+        "staging:  {} of {} in use; resident step: {}",
+        human_bytes(r.staging_used_bytes),
+        human_bytes(r.staging_bytes),
+        r.resident_step.map_or("none".into(), |s| s.to_string())
+    );
     println!(
         "unchanged: {} taken from the resident image, not copied ({} of it in place)",
         human_bytes(r.unchanged_taken_bytes),
@@ -905,7 +929,9 @@ fn read_step_index(dir: &Path, step: Option<u64>) -> anyhow::Result<(u64, format
     loop {
         let s = resolve_step(dir, step)?;
         match restore::read_index(dir, s) {
-            Err(_) if step.is_none() && tries < config::RESOLVE_TRIES_MAX && !catalog::is_committed(dir, s) => tries += 1,
+            Err(_) if step.is_none() && tries < config::RESOLVE_TRIES_MAX && !catalog::is_committed(dir, s) => {
+                tries += 1
+            }
             r => return Ok((s, r?)),
         }
     }
@@ -946,7 +972,8 @@ fn print_inspect(index: &format::Index, location: &str, json: bool) -> anyhow::R
     }
     let c = &index.ckpt;
     let bytes: u64 = c.files.iter().map(|f| f.len_bytes).sum();
-    let stored = if logical.len() == c.tensors.len() { String::new() } else { format!(" ({} stored)", c.tensors.len()) };
+    let stored =
+        if logical.len() == c.tensors.len() { String::new() } else { format!(" ({} stored)", c.tensors.len()) };
     println!(
         "step {} in {}: {}{stored}, {}, {}",
         c.step,
@@ -963,7 +990,14 @@ fn print_inspect(index: &format::Index, location: &str, json: bool) -> anyhow::R
             println!("{:<48} {:<8} {:<20} {:>12}  {}", t.name, t.dtype.as_str(), shape, size, t.slices[0].file);
             continue;
         }
-        println!("{:<48} {:<8} {:<20} {:>12}  {}", t.name, t.dtype.as_str(), shape, size, plural(t.slices.len(), "slice"));
+        println!(
+            "{:<48} {:<8} {:<20} {:>12}  {}",
+            t.name,
+            t.dtype.as_str(),
+            shape,
+            size,
+            plural(t.slices.len(), "slice")
+        );
         for s in &t.slices {
             let rank = ckpt_store::ranks::rank_of_file(s.file).map_or("?".into(), |r| r.to_string());
             let what = format!("slice elems [{}, {}) rank {rank}", s.elems[0], s.elems[1]);
@@ -976,7 +1010,13 @@ fn print_inspect(index: &format::Index, location: &str, json: bool) -> anyhow::R
     Ok(())
 }
 
-fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, io: IoPolicy) -> anyhow::Result<ExitCode> {
+fn verify(
+    dir: &Path,
+    step: Option<u64>,
+    secondaries: Vec<PathBuf>,
+    json: bool,
+    io: IoPolicy,
+) -> anyhow::Result<ExitCode> {
     catalog::check_dir(dir)?;
     for d in &secondaries {
         catalog::check_dir(d)?;
@@ -988,10 +1028,17 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
     if steps.is_empty() {
         bail!("{}: no committed checkpoint to verify", dir.display());
     }
-    let opts = ReadOptions { io, secondary_dirs: if secondaries.is_empty() { None } else { Some(secondaries) }, ..Default::default() };
+    let opts = ReadOptions {
+        io,
+        secondary_dirs: if secondaries.is_empty() { None } else { Some(secondaries) },
+        ..Default::default()
+    };
     let bar = if std::io::stderr().is_terminal() && !json {
         let b = indicatif::ProgressBar::new(0);
-        b.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}").expect("valid template"));
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+                .expect("valid template"),
+        );
         Some(b)
     } else {
         None
@@ -1017,10 +1064,17 @@ fn verify(dir: &Path, step: Option<u64>, secondaries: Vec<PathBuf>, json: bool, 
             Ok(r) if r.problems.is_empty() => r,
             Ok(_) | Err(_) if !catalog::is_committed(dir, s) => {
                 if step.is_some() {
-                    bail!("{}: step {s} was deleted while it was being verified (a sidecar's --keep, or a rollback)", dir.display());
+                    bail!(
+                        "{}: step {s} was deleted while it was being verified (a sidecar's --keep, or a rollback)",
+                        dir.display()
+                    );
                 }
                 if !json {
-                    let say = || println!("step {s}: deleted while being verified (a sidecar's --keep, or a rollback); not checked");
+                    let say = || {
+                        println!(
+                            "step {s}: deleted while being verified (a sidecar's --keep, or a rollback); not checked"
+                        )
+                    };
                     if let Some(b) = &bar {
                         b.suspend(say);
                     } else {
@@ -1090,7 +1144,14 @@ fn verify_row(r: &restore::VerifyReport, index: Option<&format::Index>) -> serde
 
 fn print_verify(r: &restore::VerifyReport) {
     if r.problems.is_empty() {
-        println!("step {}: ok ({} files, {} tensors, {} in {:.2} s)", r.step, r.files, r.tensors, human_bytes(r.bytes), r.seconds);
+        println!(
+            "step {}: ok ({} files, {} tensors, {} in {:.2} s)",
+            r.step,
+            r.files,
+            r.tensors,
+            human_bytes(r.bytes),
+            r.seconds
+        );
     } else {
         println!("step {}: DAMAGED", r.step);
         for p in &r.problems {
@@ -1102,7 +1163,11 @@ fn print_verify(r: &restore::VerifyReport) {
 fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
     // Opening the store locks the directories (a serving sidecar's are
     // refused, naming it) and runs recovery first, so leftovers go too.
-    let store = match Store::open(StoreOptions { create: false, lock_role: "gc".into(), ..StoreOptions::new(dirs.to_vec()) }) {
+    let store = match Store::open(StoreOptions {
+        create: false,
+        lock_role: "gc".into(),
+        ..StoreOptions::new(dirs.to_vec())
+    }) {
         Err(StoreError::Locked(e @ LockError::Held { .. })) => {
             bail!("{e}; gc does not run beside a live sidecar: its --keep N deletes old checkpoints as it commits (or stop it, then gc)")
         }
@@ -1113,9 +1178,15 @@ fn gc(dirs: &[PathBuf], keep: usize, keep_every: Option<u64>, json: bool) -> any
     // not (a truncated newest one): what is kept must hold one that loads.
     let doomed = retention::plan(store.dirs(), policy)?;
     if !doomed.is_empty() {
-        let kept: Vec<u64> = catalog::committed_steps(store.primary())?.into_iter().filter(|s| !doomed.contains(s)).collect();
-        let why: Vec<String> = kept.iter().map_while(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).map(|w| format!("step {s}: {w}"))).collect();
-        if why.len() == kept.len() && doomed.iter().any(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).is_none()) {
+        let kept: Vec<u64> =
+            catalog::committed_steps(store.primary())?.into_iter().filter(|s| !doomed.contains(s)).collect();
+        let why: Vec<String> = kept
+            .iter()
+            .map_while(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).map(|w| format!("step {s}: {w}")))
+            .collect();
+        if why.len() == kept.len()
+            && doomed.iter().any(|&s| ckpt_store::rollback::would_not_load(store.dirs(), s).is_none())
+        {
             bail!("gc would keep only steps that would not load ({}); nothing deleted: keep more (--keep), or roll back to a sound step first (ckpt-sidecar verify DIR)", why.join("; "));
         }
     }
@@ -1142,11 +1213,17 @@ fn rollback(dirs: &[PathBuf], to: u64, json: bool) -> anyhow::Result<ExitCode> {
     let served = dirs.iter().find_map(|d| ckpt_store::lock::holder(d).and_then(|h| h.socket.clone().map(|s| (h, s))));
     let (removed, via) = match served {
         Some((holder, socket)) => {
-            let removed = daemon::rollback(&socket, to).with_context(|| format!("rolling back through the sidecar that holds the directory ({})", holder.describe()))?;
+            let removed = daemon::rollback(&socket, to).with_context(|| {
+                format!("rolling back through the sidecar that holds the directory ({})", holder.describe())
+            })?;
             (removed, Some(socket))
         }
         None => {
-            let mut store = Store::open(StoreOptions { create: false, lock_role: "rollback".into(), ..StoreOptions::new(dirs.to_vec()) })?;
+            let mut store = Store::open(StoreOptions {
+                create: false,
+                lock_role: "rollback".into(),
+                ..StoreOptions::new(dirs.to_vec())
+            })?;
             (store.rollback(to)?, None)
         }
     };
@@ -1219,7 +1296,9 @@ fn print_figures(f: &bench::Figures, json: bool) -> anyhow::Result<()> {
 /// The Python a bench module runs with: --python, else $CKPT_SIDECAR_PYTHON,
 /// else `python3`.
 fn bench_python(given: Option<PathBuf>) -> PathBuf {
-    given.or_else(|| std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from)).unwrap_or_else(|| PathBuf::from("python3"))
+    given
+        .or_else(|| std::env::var_os("CKPT_SIDECAR_PYTHON").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
 const PYTHON_HINT: &str = "point $CKPT_SIDECAR_PYTHON (or bench compare's --python) at a Python where it is installed (pip install ./shim-py; the README's .venv has it)";
@@ -1236,7 +1315,9 @@ fn python_module(python: &Path, module: &str) -> anyhow::Result<std::process::Co
         .status();
     match probe {
         Err(e) => bail!("cannot run {} for {module}: {e}; {PYTHON_HINT}", python.display()),
-        Ok(s) if !s.success() => bail!("{} cannot import ckpt_sidecar, which {module} needs; {PYTHON_HINT}", python.display()),
+        Ok(s) if !s.success() => {
+            bail!("{} cannot import ckpt_sidecar, which {module} needs; {PYTHON_HINT}", python.display())
+        }
         Ok(_) => {}
     }
     let me = std::env::current_exe().context("finding this executable")?;
@@ -1265,14 +1346,24 @@ fn child_exit(status: std::process::ExitStatus) -> ExitCode {
 fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
     match what {
         BenchCmd::Write { dirs, size, step, shard_size, compare_fio, json, io } => {
-            let f = bench::write(&bench::WriteArgs { dirs, size_bytes: size, step, io: io.policy(), shard_bytes_max: shard_size, compare_fio })?;
+            let f = bench::write(&bench::WriteArgs {
+                dirs,
+                size_bytes: size,
+                step,
+                io: io.policy(),
+                shard_bytes_max: shard_size,
+                compare_fio,
+            })?;
             print_figures(&f, json)?;
         }
         BenchCmd::Incremental { args } => {
             let me = std::env::current_exe().context("finding this executable")?;
             let bench = me.with_file_name("ckpt-bench");
             if !bench.is_file() {
-                bail!("bench incremental needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
+                bail!(
+                    "bench incremental needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)",
+                    me.display()
+                );
             }
             let status = std::process::Command::new(&bench)
                 .arg("incremental")
@@ -1288,7 +1379,10 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             let me = std::env::current_exe().context("finding this executable")?;
             let bench = me.with_file_name("ckpt-bench");
             if !bench.is_file() {
-                bail!("bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)", me.display());
+                bail!(
+                    "bench stall needs ckpt-bench beside {} (build it: cargo build --release -p ckpt-bench)",
+                    me.display()
+                );
             }
             let status = std::process::Command::new(&bench)
                 .arg("stall")
@@ -1307,14 +1401,37 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             cmd.args(&args);
             return run_bench_child(cmd, &python, "ckpt_sidecar.bench_ranks");
         }
-        BenchCmd::Compare { dir, sizes, rounds, warmup, methods, json, plot, python, with_loop, loop_only, loop_size, loop_steps, loop_rounds, loop_kind, drain, lora, loop_lora } => {
+        BenchCmd::Compare {
+            dir,
+            sizes,
+            rounds,
+            warmup,
+            methods,
+            json,
+            plot,
+            python,
+            with_loop,
+            loop_only,
+            loop_size,
+            loop_steps,
+            loop_rounds,
+            loop_kind,
+            drain,
+            lora,
+            loop_lora,
+        } => {
             // The comparison drives Python libraries (torch, safetensors, DCP):
             // it lives in the Python package, measuring this very binary.
             let python = bench_python(python);
             let sizes: Vec<String> = sizes.iter().map(u64::to_string).collect();
             let mut cmd = python_module(&python, "ckpt_sidecar.bench_compare")?;
             cmd.arg("--dir").arg(&dir);
-            cmd.arg("--sizes").arg(sizes.join(",")).arg("--rounds").arg(rounds.to_string()).arg("--warmup").arg(warmup.to_string());
+            cmd.arg("--sizes")
+                .arg(sizes.join(","))
+                .arg("--rounds")
+                .arg(rounds.to_string())
+                .arg("--warmup")
+                .arg(warmup.to_string());
             if let Some(m) = methods {
                 cmd.arg("--methods").arg(m);
             }
@@ -1336,7 +1453,13 @@ fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             if loop_lora {
                 cmd.arg("--loop-lora");
             }
-            let loop_values = [("--loop-size", loop_size.map(|v| v.to_string())), ("--loop-steps", loop_steps.map(|v| v.to_string())), ("--loop-rounds", loop_rounds.map(|v| v.to_string())), ("--loop-kind", loop_kind), ("--drain", drain)];
+            let loop_values = [
+                ("--loop-size", loop_size.map(|v| v.to_string())),
+                ("--loop-steps", loop_steps.map(|v| v.to_string())),
+                ("--loop-rounds", loop_rounds.map(|v| v.to_string())),
+                ("--loop-kind", loop_kind),
+                ("--drain", drain),
+            ];
             for (flag, value) in loop_values {
                 if let Some(v) = value {
                     cmd.arg(flag).arg(v);
@@ -1382,22 +1505,37 @@ fn debug_cmd(what: DebugCmd) -> anyhow::Result<ExitCode> {
             let specs = m
                 .tensors
                 .iter()
-                .map(|t| Ok(TensorSpec { name: t.name.clone(), dtype: Dtype::parse(&t.dtype)?, shape: t.shape.clone() }))
+                .map(|t| {
+                    Ok(TensorSpec { name: t.name.clone(), dtype: Dtype::parse(&t.dtype)?, shape: t.shape.clone() })
+                })
                 .collect::<Result<Vec<_>, format::FormatError>>()?;
             let mut store = Store::open(StoreOptions { io: io.policy(), ..StoreOptions::new(dirs.clone()) })?;
-            let layout = Layout::plan(specs, LayoutOptions { n_dirs: dirs.len(), shard_bytes_max: shard_size, ..Default::default() })?;
+            let layout = Layout::plan(
+                specs,
+                LayoutOptions { n_dirs: dirs.len(), shard_bytes_max: shard_size, ..Default::default() },
+            )?;
             let mut staging = AlignedBuf::new(layout.staging_len as usize)?;
             layout.write_headers(staging.as_mut_slice());
             for (i, t) in m.tensors.iter().enumerate() {
-                let bytes = std::fs::read(base.join(&t.file)).with_context(|| format!("reading {}", t.file.display()))?;
+                let bytes =
+                    std::fs::read(base.join(&t.file)).with_context(|| format!("reading {}", t.file.display()))?;
                 let r = layout.tensor_range(i);
                 if bytes.len() != r.len() {
-                    bail!("{}: {} bytes, but {} {:?} needs {}", t.file.display(), bytes.len(), t.dtype, t.shape, r.len());
+                    bail!(
+                        "{}: {} bytes, but {} {:?} needs {}",
+                        t.file.display(),
+                        bytes.len(),
+                        t.dtype,
+                        t.shape,
+                        r.len()
+                    );
                 }
                 staging.as_mut_slice()[r].copy_from_slice(&bytes);
             }
-            let blob_bytes = m.blobs.iter().map(|b| std::fs::read(base.join(&b.file))).collect::<Result<Vec<_>, _>>()?;
-            let blobs: Vec<Blob> = m.blobs.iter().zip(&blob_bytes).map(|(b, bytes)| Blob { name: &b.name, bytes }).collect();
+            let blob_bytes =
+                m.blobs.iter().map(|b| std::fs::read(base.join(&b.file))).collect::<Result<Vec<_>, _>>()?;
+            let blobs: Vec<Blob> =
+                m.blobs.iter().zip(&blob_bytes).map(|(b, bytes)| Blob { name: &b.name, bytes }).collect();
             let crcs = layout.tensor_crcs(staging.as_slice());
             let r = store.commit(step, &layout, &staging, &crcs, &blobs)?;
             println!("{}", json!({"step": r.step, "path": r.path, "bytes": r.bytes, "engine": store.engine_names()}));
@@ -1408,7 +1546,10 @@ fn debug_cmd(what: DebugCmd) -> anyhow::Result<ExitCode> {
                 retention: Some(Retention { keep_last: keep, keep_every: None }),
                 ..StoreOptions::new(dirs.clone())
             })?;
-            let layout = Layout::plan(synthetic::transformer_specs(size), LayoutOptions { n_dirs: dirs.len(), shard_bytes_max: (size / 3).max(1 << 20), ..Default::default() })?;
+            let layout = Layout::plan(
+                synthetic::transformer_specs(size),
+                LayoutOptions { n_dirs: dirs.len(), shard_bytes_max: (size / 3).max(1 << 20), ..Default::default() },
+            )?;
             let mut staging = AlignedBuf::new(layout.staging_len as usize)?;
             let first = catalog::committed_steps(store.primary())?.last().map_or(1, |s| s + 1);
             let blob = b"torture blob".to_vec();

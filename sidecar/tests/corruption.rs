@@ -140,10 +140,13 @@ impl Fixture {
 
         let (code, out_json, err) = cli(&["verify".as_ref(), dir, "--json".as_ref()]);
         assert_eq!(code, EXIT_DAMAGED, "verify --json exit code: {out_json} {err}");
-        let v: serde_json::Value = serde_json::from_str(out_json.trim()).unwrap_or_else(|e| panic!("verify --json output {out_json:?}: {e}"));
+        let v: serde_json::Value =
+            serde_json::from_str(out_json.trim()).unwrap_or_else(|e| panic!("verify --json output {out_json:?}: {e}"));
         assert_eq!(v["ok"], serde_json::Value::Bool(false), "{v}");
         let cps = v["checkpoints"].as_array().expect("checkpoints array");
-        let by_step = |s: u64| cps.iter().find(|c| c["step"].as_u64() == Some(s)).unwrap_or_else(|| panic!("step {s} missing in {v}"));
+        let by_step = |s: u64| {
+            cps.iter().find(|c| c["step"].as_u64() == Some(s)).unwrap_or_else(|| panic!("step {s} missing in {v}"))
+        };
         assert_eq!(by_step(OLD)["ok"], serde_json::Value::Bool(true), "{v}");
         assert_eq!(by_step(NEW)["ok"], serde_json::Value::Bool(false), "{v}");
         let problems = by_step(NEW)["problems"].as_array().expect("problems").clone();
@@ -309,7 +312,12 @@ fn flipped_byte_in_a_secondary_directory_is_caught() {
     flip_byte(&path, data_start(&path) + t.data_offsets[0] + len - 1);
 
     let problems = f.verify(NEW);
-    assert!(problems.iter().any(|p| p.tensor.as_deref() == Some(name.as_str()) && p.file.as_deref() == Some(t.file.as_str())), "{problems:?}");
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.tensor.as_deref() == Some(name.as_str()) && p.file.as_deref() == Some(t.file.as_str())),
+        "{problems:?}"
+    );
     let (out, _) = f.assert_cli_verify_damaged();
     assert!(out.contains(name.as_str()) && out.contains(&t.file), "{out}");
     let why = f.assert_falls_back();
@@ -327,7 +335,9 @@ fn truncated_extended_or_missing_shard_is_caught_and_named() {
         Grow(u64),
         Delete,
     }
-    for damage in [Damage::CutBy(1), Damage::CutBy(100_000), Damage::CutTo(4), Damage::CutTo(0), Damage::Grow(1), Damage::Delete] {
+    for damage in
+        [Damage::CutBy(1), Damage::CutBy(100_000), Damage::CutTo(4), Damage::CutTo(0), Damage::Grow(1), Damage::Delete]
+    {
         let f = Fixture::new(1);
         let (path, file, _, _) = f.locate(NEW, TENSOR);
         let len = fs::metadata(&path).unwrap().len();
@@ -368,29 +378,41 @@ fn missing_or_altered_blob_is_caught() {
 fn corrupted_index_makes_load_latest_fall_back() {
     type Damage = Box<dyn Fn(&[u8]) -> Vec<u8>>;
     let variants: Vec<(&str, Damage)> = vec![
-        ("not JSON", Box::new(|b: &[u8]| {
-            let mut v = b.to_vec();
-            v[0] = b'x';
-            v
-        })),
+        (
+            "not JSON",
+            Box::new(|b: &[u8]| {
+                let mut v = b.to_vec();
+                v[0] = b'x';
+                v
+            }),
+        ),
         ("cut in half", Box::new(|b: &[u8]| b[..b.len() / 2].to_vec())),
         ("empty", Box::new(|_: &[u8]| Vec::new())),
-        ("says another step", Box::new(|b: &[u8]| {
-            let s = String::from_utf8(b.to_vec()).unwrap();
-            let from = format!("\"step\": {NEW},");
-            assert!(s.contains(&from), "index layout changed: {s}");
-            s.replacen(&from, &format!("\"step\": {OLD},"), 1).into_bytes()
-        })),
-        ("a tensor checksum altered", Box::new(|b: &[u8]| {
-            let mut idx = Index::from_json_bytes(b).unwrap();
-            idx.ckpt.tensors.get_mut(TENSOR).unwrap().crc32c ^= 1;
-            idx.to_json_bytes()
-        })),
-        ("a file length altered", Box::new(|b: &[u8]| {
-            let mut idx = Index::from_json_bytes(b).unwrap();
-            idx.ckpt.files[0].len_bytes += 1;
-            idx.to_json_bytes()
-        })),
+        (
+            "says another step",
+            Box::new(|b: &[u8]| {
+                let s = String::from_utf8(b.to_vec()).unwrap();
+                let from = format!("\"step\": {NEW},");
+                assert!(s.contains(&from), "index layout changed: {s}");
+                s.replacen(&from, &format!("\"step\": {OLD},"), 1).into_bytes()
+            }),
+        ),
+        (
+            "a tensor checksum altered",
+            Box::new(|b: &[u8]| {
+                let mut idx = Index::from_json_bytes(b).unwrap();
+                idx.ckpt.tensors.get_mut(TENSOR).unwrap().crc32c ^= 1;
+                idx.to_json_bytes()
+            }),
+        ),
+        (
+            "a file length altered",
+            Box::new(|b: &[u8]| {
+                let mut idx = Index::from_json_bytes(b).unwrap();
+                idx.ckpt.files[0].len_bytes += 1;
+                idx.to_json_bytes()
+            }),
+        ),
     ];
     for (what, damage) in &variants {
         let f = Fixture::new(1);
@@ -429,7 +451,10 @@ fn flipped_byte_in_the_safetensors_header_is_caught() {
     let (path0, file, _, _) = probe.locate(NEW, TENSOR);
     let json = header_json(&path0);
     let find = |needle: &str| -> u64 {
-        let at = json.windows(needle.len()).position(|w| w == needle.as_bytes()).unwrap_or_else(|| panic!("{needle} not in the header"));
+        let at = json
+            .windows(needle.len())
+            .position(|w| w == needle.as_bytes())
+            .unwrap_or_else(|| panic!("{needle} not in the header"));
         8 + at as u64
     };
     let trailing_spaces = json.iter().rev().take_while(|&&b| b == b' ').count() as u64;
@@ -504,7 +529,11 @@ fn any_single_flipped_byte_in_a_shard_is_caught() {
             }
             if checked % 8 == 0 {
                 let problems = f.verify(NEW);
-                assert!(names_file(&problems, &file.name), "{} byte {at} ^ {mask:#04x}: verify: {problems:?}", file.name);
+                assert!(
+                    names_file(&problems, &file.name),
+                    "{} byte {at} ^ {mask:#04x}: verify: {problems:?}",
+                    file.name
+                );
             }
             xor_byte(&path, at, mask);
             checked += 1;

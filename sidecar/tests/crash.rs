@@ -23,12 +23,12 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt_store::catalog;
-use ckpt_test_support::{seed_from_env, Rng};
 use ckpt_store::commit::{Store, StoreOptions};
 use ckpt_store::format::{self, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, ROLLBACK_FILE_NAME, TMP_PREFIX};
 use ckpt_store::mem::AlignedBuf;
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::synthetic;
+use ckpt_test_support::{seed_from_env, Rng};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt-sidecar");
 const DEFAULT_SEED: u64 = 0x5EED_C0DE_2024_0001;
@@ -112,7 +112,11 @@ fn spawn_torture(dirs: &[PathBuf], size: &str, keep: usize, count: Option<u64>) 
 
 /// Steps the torture process printed as committed.
 fn reported_commits(stdout: &str) -> Vec<u64> {
-    stdout.lines().filter_map(|l| l.strip_prefix("committed ")).map(|s| s.trim().parse().expect("step number")).collect()
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("committed "))
+        .map(|s| s.trim().parse().expect("step number"))
+        .collect()
 }
 
 /// Names of the entries of `dir` that are in-flight leftovers.
@@ -120,7 +124,11 @@ fn leftovers(dir: &Path) -> Vec<String> {
     fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
         .map(|e| e.expect("dir entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| [TMP_PREFIX, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, ROLLBACK_FILE_NAME].iter().any(|p| n.starts_with(p)))
+        .filter(|n| {
+            [TMP_PREFIX, DEL_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX, ROLLBACK_FILE_NAME]
+                .iter()
+                .any(|p| n.starts_with(p))
+        })
         .collect()
 }
 
@@ -167,7 +175,9 @@ impl Checker {
         let primary = &dirs[0];
         let committed = catalog::readable_steps(primary).expect("list committed steps");
         for &s in &committed {
-            let l = self.load(primary, Which::Step(s)).unwrap_or_else(|e| panic!("{ctx}: committed step {s} does not load: {e}"));
+            let l = self
+                .load(primary, Which::Step(s))
+                .unwrap_or_else(|e| panic!("{ctx}: committed step {s} does not load: {e}"));
             assert_eq!(l.step, s);
             assert!(!l.index.ckpt.files.is_empty() && !l.index.ckpt.tensors.is_empty(), "{ctx}: step {s} is empty");
             self.buf = Some(l.into_buf());
@@ -187,7 +197,8 @@ impl Checker {
     /// Opens the store (which runs recovery) and checks the invariants of a
     /// recovered set of directories; returns the committed steps.
     fn recover_and_check(&mut self, dirs: &[PathBuf], ctx: &str) -> Vec<u64> {
-        let store = Store::open(StoreOptions::new(dirs.to_vec())).unwrap_or_else(|e| panic!("{ctx}: Store::open (recovery) failed: {e}"));
+        let store = Store::open(StoreOptions::new(dirs.to_vec()))
+            .unwrap_or_else(|e| panic!("{ctx}: Store::open (recovery) failed: {e}"));
         drop(store);
         let primary = &dirs[0];
 
@@ -217,13 +228,25 @@ impl Checker {
         match committed.last() {
             None => {
                 assert_eq!(catalog::latest_step(primary).unwrap(), None, "{ctx}: latest without a checkpoint");
-                assert_eq!(catalog::read_latest(primary).unwrap(), None, "{ctx}: a `latest` file without any checkpoint");
+                assert_eq!(
+                    catalog::read_latest(primary).unwrap(),
+                    None,
+                    "{ctx}: a `latest` file without any checkpoint"
+                );
                 assert!(matches!(self.load(primary, Which::Latest), Err(restore::LoadError::NoCheckpoint { .. })));
             }
             Some(&newest) => {
-                assert_eq!(catalog::latest_step(primary).unwrap(), Some(newest), "{ctx}: latest is not the newest committed step");
+                assert_eq!(
+                    catalog::latest_step(primary).unwrap(),
+                    Some(newest),
+                    "{ctx}: latest is not the newest committed step"
+                );
                 let raw = catalog::read_latest(primary).unwrap();
-                assert_eq!(raw.as_deref(), Some(format::step_dir_name(newest).unwrap().as_str()), "{ctx}: `latest` file content");
+                assert_eq!(
+                    raw.as_deref(),
+                    Some(format::step_dir_name(newest).unwrap().as_str()),
+                    "{ctx}: `latest` file content"
+                );
                 assert!(catalog::is_committed(primary, newest));
 
                 let l = self.load(primary, Which::Latest).unwrap_or_else(|e| panic!("{ctx}: load latest failed: {e}"));
@@ -234,10 +257,15 @@ impl Checker {
                 // fills tensor i with fill(seed = step + i)).
                 let specs = synthetic::transformer_specs(self.size_bytes);
                 for i in [0, specs.len() / 2, specs.len() - 1] {
-                    let got = l.tensor(&specs[i].name).unwrap_or_else(|| panic!("{ctx}: tensor {} missing", specs[i].name));
+                    let got =
+                        l.tensor(&specs[i].name).unwrap_or_else(|| panic!("{ctx}: tensor {} missing", specs[i].name));
                     let mut want = vec![0u8; got.len()];
                     synthetic::fill(&mut want, newest.wrapping_add(i as u64));
-                    assert!(got == want.as_slice(), "{ctx}: tensor {} of step {newest} does not hold that step's data", specs[i].name);
+                    assert!(
+                        got == want.as_slice(),
+                        "{ctx}: tensor {} of step {newest} does not hold that step's data",
+                        specs[i].name
+                    );
                 }
                 self.buf = Some(l.into_buf());
             }
@@ -346,7 +374,11 @@ fn sigkill_during_commits_never_breaks_a_committed_checkpoint() {
         // (Without a print, consecutive kills between a commit and its
         // retention can each leave one more.)
         if last_proc_reported {
-            assert!(after.len() <= TORTURE_KEEP + 1, "{ctx}: {} checkpoints with keep {TORTURE_KEEP}: {after:?}", after.len());
+            assert!(
+                after.len() <= TORTURE_KEEP + 1,
+                "{ctx}: {} checkpoints with keep {TORTURE_KEEP}: {after:?}",
+                after.len()
+            );
         }
 
         t.kills += 1;
@@ -370,7 +402,12 @@ fn sigkill_during_commits_never_breaks_a_committed_checkpoint() {
             t.committed
         );
         assert!(t.progress > 0, "[{}] no kill ever saw a new checkpoint: the test did not exercise commits", t.name);
-        assert!(t.committed.last().copied().unwrap_or(0) >= 3, "[{}] too few commits happened: {:?}", t.name, t.committed);
+        assert!(
+            t.committed.last().copied().unwrap_or(0) >= 3,
+            "[{}] too few commits happened: {:?}",
+            t.name,
+            t.committed
+        );
     }
     eprintln!(
         "crash: {N_KILLS} kills ({early_kills} in the first 3 ms, {recovery_kills} extra kills during startup recovery), \
@@ -416,7 +453,11 @@ fn sigkill_during_gc_never_leaves_a_half_deleted_checkpoint_committed() {
                 // First round of each set: measure an uncrashed gc.
                 let o = child.wait_with_output().expect("wait for gc");
                 gc_us[k] = Some((t0.elapsed().as_micros() as u64).max(1_000));
-                (o.status, String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+                (
+                    o.status,
+                    String::from_utf8_lossy(&o.stdout).into_owned(),
+                    String::from_utf8_lossy(&o.stderr).into_owned(),
+                )
             }
             Some(us) => kill_after(child, Duration::from_micros(rng.below(us + us / 5))),
         };
@@ -429,8 +470,15 @@ fn sigkill_during_gc_never_leaves_a_half_deleted_checkpoint_committed() {
         // The newest is never deleted; deletions go oldest first, so what is
         // left is a tail of what was there; a finished gc keeps just one.
         let newest = *before.last().unwrap();
-        assert_eq!(after.last(), Some(&newest), "{ctx}: the newest checkpoint is gone (before {before:?}, after {after:?})");
-        assert!(before.ends_with(&after), "{ctx}: what is left is not the newest ones (before {before:?}, after {after:?})");
+        assert_eq!(
+            after.last(),
+            Some(&newest),
+            "{ctx}: the newest checkpoint is gone (before {before:?}, after {after:?})"
+        );
+        assert!(
+            before.ends_with(&after),
+            "{ctx}: what is left is not the newest ones (before {before:?}, after {after:?})"
+        );
         if !was_killed {
             assert_eq!(after, vec![newest], "{ctx}: gc finished but kept {after:?}");
         }
@@ -482,7 +530,11 @@ fn sigkill_during_rollback_leaves_the_old_or_the_new_timeline() {
             None => {
                 let o = child.wait_with_output().expect("wait for rollback");
                 rollback_us[k] = Some((t0.elapsed().as_micros() as u64).max(1_000));
-                (o.status, String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+                (
+                    o.status,
+                    String::from_utf8_lossy(&o.stdout).into_owned(),
+                    String::from_utf8_lossy(&o.stderr).into_owned(),
+                )
             }
             Some(us) => kill_after(child, Duration::from_micros(rng.below(us + us / 5))),
         };
@@ -495,7 +547,10 @@ fn sigkill_during_rollback_leaves_the_old_or_the_new_timeline() {
         // target is never touched, later steps go away by one rename each).
         let new: Vec<u64> = before.iter().copied().filter(|&s| s <= to).collect();
         let listed = check.assert_committed_whole(dirs, &format!("{ctx}, before recovery"));
-        assert!(listed == before || listed == new, "{ctx}: readers see {listed:?}, neither the old timeline {before:?} nor the new one");
+        assert!(
+            listed == before || listed == new,
+            "{ctx}: readers see {listed:?}, neither the old timeline {before:?} nor the new one"
+        );
         let named = catalog::latest_step(&dirs[0]).unwrap().unwrap_or_else(|| panic!("{ctx}: no latest"));
         assert_eq!(Some(&named), listed.last(), "{ctx}: latest names step {named} (listed {listed:?})");
 

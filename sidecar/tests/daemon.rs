@@ -40,7 +40,10 @@ impl Sidecar {
 
     fn start_in_env(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Sidecar {
         let socket = tmp.path().join("run").join("sidecar.sock");
-        let log = tmp.path().join(format!("sidecar-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
+        let log = tmp.path().join(format!(
+            "sidecar-{}.log",
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+        ));
         let daemon = Daemon::serve(Path::new(BIN), &dir, socket, log, "64MiB", extra, env);
         Sidecar { daemon, dir, _tmp: tmp }
     }
@@ -90,7 +93,14 @@ fn desc(name: &str, dtype: &str, shape: &[u64], region_id: u32, offset_bytes: u6
         "F32" | "I32" => 4,
         _ => 8,
     };
-    TensorDesc { name: name.into(), dtype: dtype.into(), shape: shape.to_vec(), region_id, offset_bytes, len_bytes: el * shape.iter().product::<u64>() }
+    TensorDesc {
+        name: name.into(),
+        dtype: dtype.into(),
+        shape: shape.to_vec(),
+        region_id,
+        offset_bytes,
+        len_bytes: el * shape.iter().product::<u64>(),
+    }
 }
 
 /// A small model laid out in one region: (descriptors, bytes needed).
@@ -108,7 +118,10 @@ fn model(region_id: u32) -> (Vec<TensorDesc>, usize) {
 }
 
 fn blobs(step: u64) -> Vec<Blob> {
-    vec![Blob { name: "rng.state".into(), bytes: format!("rng at {step}").into_bytes() }, Blob { name: "loader.json".into(), bytes: b"{\"epoch\":1}".to_vec() }]
+    vec![
+        Blob { name: "rng.state".into(), bytes: format!("rng at {step}").into_bytes() },
+        Blob { name: "loader.json".into(), bytes: b"{\"epoch\":1}".to_vec() },
+    ]
 }
 
 fn assert_on_disk(dir: &Path, step: u64, shm: &Shm, descs: &[TensorDesc]) {
@@ -267,7 +280,10 @@ fn load_comes_from_ram_then_from_disk_after_a_restart() {
     match c.load(Some(10), vec![]) {
         Reply::Loaded { tensors, .. } => {
             let big = tensors.iter().find(|t| t.name == "big").unwrap();
-            assert_eq!((big.dtype.as_str(), big.shape.as_slice(), big.len_bytes), ("F32", &[3_000_000u64][..], 12_000_000));
+            assert_eq!(
+                (big.dtype.as_str(), big.shape.as_slice(), big.len_bytes),
+                ("F32", &[3_000_000u64][..], 12_000_000)
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -302,14 +318,27 @@ fn load_packed(c: &mut Client, step: Option<u64>, region_id: u32, offset_bytes: 
 
 /// Each tensor of a Placed reply holds, at its offset in `target`, the bytes
 /// `descs` gave it in `shm` (bit for bit); returns the reply's step and source.
-fn assert_placed(reply: Reply, target: &Shm, at: u64, shm: &Shm, descs: &[TensorDesc]) -> (u64, LoadSource, Vec<String>) {
-    let Reply::Placed { step, source, tensors, offsets, need_bytes, blobs: b, fell_back, .. } = reply else { panic!("expected Placed, got {reply:?}") };
+fn assert_placed(
+    reply: Reply,
+    target: &Shm,
+    at: u64,
+    shm: &Shm,
+    descs: &[TensorDesc],
+) -> (u64, LoadSource, Vec<String>) {
+    let Reply::Placed { step, source, tensors, offsets, need_bytes, blobs: b, fell_back, .. } = reply else {
+        panic!("expected Placed, got {reply:?}")
+    };
     assert_eq!((tensors.len(), offsets.len()), (descs.len(), descs.len()));
     assert!(need_bytes <= target.len as u64 - at);
     assert_eq!(b.iter().find(|b| b.name == "rng.state").unwrap().bytes, format!("rng at {step}").into_bytes());
     for (t, off) in tensors.iter().zip(&offsets) {
         let d = descs.iter().find(|d| d.name == t.name).unwrap();
-        assert_eq!((t.dtype.as_str(), t.shape.as_slice(), t.len_bytes), (d.dtype.as_str(), d.shape.as_slice(), d.len_bytes), "{}", t.name);
+        assert_eq!(
+            (t.dtype.as_str(), t.shape.as_slice(), t.len_bytes),
+            (d.dtype.as_str(), d.shape.as_slice(), d.len_bytes),
+            "{}",
+            t.name
+        );
         let from = (at + off) as usize;
         assert!(&target.bytes()[from..from + t.len_bytes as usize] == shm.of(d), "tensor {} differs", t.name);
     }
@@ -317,7 +346,11 @@ fn assert_placed(reply: Reply, target: &Shm, at: u64, shm: &Shm, descs: &[Tensor
 }
 
 fn largest_shard(dir: &Path, step: u64) -> PathBuf {
-    let mut files: Vec<_> = std::fs::read_dir(catalog::step_path(dir, step)).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
+    let mut files: Vec<_> = std::fs::read_dir(catalog::step_path(dir, step))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
     files.sort_by_key(|p| std::fs::metadata(p).unwrap().len());
     files.pop().unwrap()
 }
@@ -349,13 +382,19 @@ fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_wh
     }
     assert!(target.bytes().iter().all(|&b| b == 0xee), "a load that did not fit wrote into the region");
     // From disk (9 is not resident), at an aligned offset; then from RAM.
-    assert_eq!(assert_placed(load_packed(&mut c, Some(9), 2, 4096, target.len as u64 - 4096), &target, 4096, &shm, &descs).0, 9);
+    assert_eq!(
+        assert_placed(load_packed(&mut c, Some(9), 2, 4096, target.len as u64 - 4096), &target, 4096, &shm, &descs).0,
+        9
+    );
     assert!(target.bytes()[..4096].iter().all(|&b| b == 0xee), "written before the range");
     let (step, source, _) = assert_placed(load_packed(&mut c, None, 2, 0, target.len as u64), &target, 0, &shm, &descs);
     assert_eq!((step, source), (10, LoadSource::Ram));
     // Unaligned, out of range, unknown region.
     assert!(matches!(load_packed(&mut c, Some(9), 2, 100, 1 << 20), Reply::Error { code: ErrorCode::BadRequest, .. }));
-    assert!(matches!(load_packed(&mut c, Some(9), 2, 0, target.len as u64 + 1), Reply::Error { code: ErrorCode::BadRegion, .. }));
+    assert!(matches!(
+        load_packed(&mut c, Some(9), 2, 0, target.len as u64 + 1),
+        Reply::Error { code: ErrorCode::BadRegion, .. }
+    ));
     assert!(matches!(load_packed(&mut c, Some(9), 7, 0, 4096), Reply::Error { code: ErrorCode::BadRegion, .. }));
     // A flipped byte on disk is caught; `latest` falls back past it.
     drop(c);
@@ -371,14 +410,22 @@ fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_wh
     let mut c = sc.client();
     c.register(2, &target);
     match load_packed(&mut c, Some(10), 2, 0, target.len as u64) {
-        Reply::Error { code: ErrorCode::Damaged, message, .. } => assert!(message.contains("checksum mismatch"), "{message}"),
+        Reply::Error { code: ErrorCode::Damaged, message, .. } => {
+            assert!(message.contains("checksum mismatch"), "{message}")
+        }
         other => panic!("expected Damaged, got {other:?}"),
     }
     target.bytes_mut().fill(0xee);
-    let (step, source, fell_back) = assert_placed(load_packed(&mut c, None, 2, 0, target.len as u64), &target, 0, &shm, &descs);
+    let (step, source, fell_back) =
+        assert_placed(load_packed(&mut c, None, 2, 0, target.len as u64), &target, 0, &shm, &descs);
     assert_eq!((step, source), (9, LoadSource::Disk));
     // Named once by its step (the reason says "step 10 is damaged").
-    assert!(fell_back.len() == 1 && fell_back[0].matches("step 10").count() == 1 && fell_back[0].contains("checksum mismatch"), "{fell_back:?}");
+    assert!(
+        fell_back.len() == 1
+            && fell_back[0].matches("step 10").count() == 1
+            && fell_back[0].contains("checksum mismatch"),
+        "{fell_back:?}"
+    );
 }
 
 #[test]
@@ -419,7 +466,13 @@ fn bad_requests_get_errors_and_the_session_goes_on() {
     c.register(2, &big);
     c.expect_failed(1, vec![desc("huge", "U8", &[80 << 20], 2, 0)], vec![], ErrorCode::TooLarge);
     // Regions: path tricks, missing segment, too short, duplicate id.
-    for (name, len) in [("/../etc/passwd", 4u64), ("/a/b", 4), ("noslash", 4), ("/ckpt-test-does-not-exist", 4), (shm.name.as_str(), 2 << 20)] {
+    for (name, len) in [
+        ("/../etc/passwd", 4u64),
+        ("/a/b", 4),
+        ("noslash", 4),
+        ("/ckpt-test-does-not-exist", 4),
+        (shm.name.as_str(), 2 << 20),
+    ] {
         let id = c.id();
         c.send(&Request::RegisterRegion { id, region_id: 50, shm_name: name.into(), len_bytes: len, hand_over: false });
         assert!(matches!(c.recv(), Reply::Error { code: ErrorCode::BadRegion, .. }), "{name}");
@@ -472,7 +525,9 @@ fn a_client_truncating_its_segment_during_copies_fails_those_saves_not_the_sidec
         let name = b.name.clone();
         let cut = std::thread::spawn(move || {
             let t0 = Instant::now();
-            let taken = |f: &ckpt_wire::InFlight| f.step == step_b && (f.phase == "waiting for staging" || f.phase == "copying");
+            let taken = |f: &ckpt_wire::InFlight| {
+                f.step == step_b && (f.phase == "waiting for staging" || f.phase == "copying")
+            };
             while !watcher.status().in_flight.iter().any(taken) && t0.elapsed() < Duration::from_secs(10) {}
             truncate_segment(&name, 4096);
         });
@@ -485,7 +540,10 @@ fn a_client_truncating_its_segment_during_copies_fails_those_saves_not_the_sidec
                 Reply::Durable { id, .. } if id == id_b => {
                     // Released means copied whole before the cut: the file holds the bytes.
                     let l = restore::load(&sc.dir, Which::Step(step_b), &ReadOptions::default(), None).unwrap();
-                    assert!(l.tensor("w").unwrap() == &expected[..], "step {step_b}: committed bytes differ from the segment's");
+                    assert!(
+                        l.tensor("w").unwrap() == &expected[..],
+                        "step {step_b}: committed bytes differ from the segment's"
+                    );
                     durable += 1;
                     b_done = true;
                 }
@@ -555,7 +613,14 @@ fn spite(shm: &mut Shm, what: Spite, rng: &mut ckpt_test_support::Rng) {
         Spite::Remap => unsafe {
             let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
             if fd >= 0 {
-                let p = libc::mmap(shm.ptr.cast(), shm.len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0);
+                let p = libc::mmap(
+                    shm.ptr.cast(),
+                    shm.len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd,
+                    0,
+                );
                 assert_eq!(p, shm.ptr.cast(), "remap: {}", std::io::Error::last_os_error());
                 libc::close(fd);
             }
@@ -571,7 +636,11 @@ fn spite(shm: &mut Shm, what: Spite, rng: &mut ckpt_test_support::Rng) {
                 if fd >= 0 {
                     libc::close(fd);
                 }
-                if ok { st.st_size as usize } else { 0 }
+                if ok {
+                    st.st_size as usize
+                } else {
+                    0
+                }
             };
             let n = size.min(shm.len) / 4096 * 4096;
             ckpt_store::synthetic::fill(&mut shm.bytes_mut()[..n], seed);
@@ -620,7 +689,10 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
         // Saves until there are two steps, then any of: a save, a packed
         // load of the latest (RAM) or an older step (disk), a plain load of either.
         let kind = if good.len() < 2 { 0 } else { rng.below(5) };
-        let at = format!("try {i} (seed {seed:#x}): {} with {what:?} after {delay:?}", ["save", "packed latest", "packed older", "load latest", "load older"][kind as usize]);
+        let at = format!(
+            "try {i} (seed {seed:#x}): {} with {what:?} after {delay:?}",
+            ["save", "packed latest", "packed older", "load latest", "load older"][kind as usize]
+        );
         let target_step = match kind {
             0 | 1 | 3 => None,
             _ => Some(good[rng.below(good.len() as u64 - 1) as usize].0),
@@ -629,9 +701,22 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
         match kind {
             0 => {
                 step += 1;
-                c.send(&Request::Save { id, step, tensors: w(src_id), blobs: blobs(step), lazy_release: step % 2 == 1, unchanged: None });
+                c.send(&Request::Save {
+                    id,
+                    step,
+                    tensors: w(src_id),
+                    blobs: blobs(step),
+                    lazy_release: step % 2 == 1,
+                    unchanged: None,
+                });
             }
-            1 | 2 => c.send(&Request::LoadPacked { id, step: target_step, region_id: dst_id, offset_bytes: 0, len_bytes: dst.len as u64 }),
+            1 | 2 => c.send(&Request::LoadPacked {
+                id,
+                step: target_step,
+                region_id: dst_id,
+                offset_bytes: 0,
+                len_bytes: dst.len as u64,
+            }),
             _ => c.send(&Request::Load { id, step: target_step, tensors: w(dst_id) }),
         }
         std::thread::sleep(delay);
@@ -642,7 +727,8 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
             match c.recv() {
                 Reply::Released { id: r, .. } if r == id => continue,
                 Reply::Durable { id: r, .. } if r == id => {
-                    let l = restore::load(&sc.dir, Which::Step(step), &ReadOptions::default(), None).unwrap_or_else(|e| panic!("{at}: committed step {step} does not load: {e}"));
+                    let l = restore::load(&sc.dir, Which::Step(step), &ReadOptions::default(), None)
+                        .unwrap_or_else(|e| panic!("{at}: committed step {step} does not load: {e}"));
                     good.push((step, l.tensor("w").unwrap().to_vec()));
                     break Ok(None);
                 }
@@ -656,7 +742,11 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
                     *sources.entry(format!("{source:?}")).or_default() += 1;
                     break Ok(Some((s, 0)));
                 }
-                Reply::Failed { id: r, code, reason, .. } | Reply::Error { id: r, code, message: reason } if r == id => break Err((code, reason)),
+                Reply::Failed { id: r, code, reason, .. } | Reply::Error { id: r, code, message: reason }
+                    if r == id =>
+                {
+                    break Err((code, reason))
+                }
                 other => panic!("{at}: unexpected {other:?}"),
             }
         };
@@ -665,14 +755,21 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
                 n_ok += 1;
                 // Data checked where the client left its target alone.
                 if let (Some((s, off)), Spite::Unlink | Spite::Remap) = (placed, what) {
-                    let want = &good.iter().find(|g| g.0 == s).unwrap_or_else(|| panic!("{at}: loaded unknown step {s}")).1;
-                    assert!(&dst.bytes()[off as usize..off as usize + len] == &want[..], "{at}: step {s} loaded other bytes");
+                    let want =
+                        &good.iter().find(|g| g.0 == s).unwrap_or_else(|| panic!("{at}: loaded unknown step {s}")).1;
+                    assert!(
+                        &dst.bytes()[off as usize..off as usize + len] == &want[..],
+                        "{at}: step {s} loaded other bytes"
+                    );
                 }
             }
             Err((code, reason)) => {
                 n_refused += 1;
                 assert_eq!(code, ErrorCode::BadRegion, "{at}: {reason}");
-                assert!(reason.contains(&victim_name(kind, &src, &dst)), "{at}: the error does not name the segment: {reason}");
+                assert!(
+                    reason.contains(&victim_name(kind, &src, &dst)),
+                    "{at}: the error does not name the segment: {reason}"
+                );
             }
         }
         if matches!(what, Spite::Truncate | Spite::Unlink) {
@@ -696,13 +793,19 @@ fn a_client_truncating_unlinking_or_remapping_its_segments_during_saves_and_load
     let mut back = Shm::new(len);
     other.register(2, &back);
     match other.load(Some(9999), w(2)) {
-        Reply::Loaded { step: 9999, .. } => assert!(back.bytes_mut() == mine.bytes(), "the other client's load differs"),
+        Reply::Loaded { step: 9999, .. } => {
+            assert!(back.bytes_mut() == mine.bytes(), "the other client's load differs")
+        }
         r => panic!("the other client's load: {r:?}"),
     }
 }
 
 fn victim_name(kind: u64, src: &Shm, dst: &Shm) -> String {
-    if kind == 0 { src.name.clone() } else { dst.name.clone() }
+    if kind == 0 {
+        src.name.clone()
+    } else {
+        dst.name.clone()
+    }
 }
 
 #[test]
@@ -1004,14 +1107,26 @@ fn the_socket_appears_only_once_the_sidecar_answers_and_a_second_one_is_refused(
     // The moment the path exists, the daemon is past its staging pre-fault.
     assert!(sc.log_text().contains("sidecar ready"), "socket visible before the sidecar was ready:\n{}", sc.log_text());
     assert!(!dead.exists(), "a dead daemon's starting socket was left");
-    let names: Vec<_> = std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let names: Vec<_> =
+        std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert_eq!(names, ["sidecar.sock"]);
-    let answers = || Command::new(BIN).args(["status", "--json", "--socket"]).arg(&socket).output().unwrap().status.success();
+    let answers =
+        || Command::new(BIN).args(["status", "--json", "--socket"]).arg(&socket).output().unwrap().status.success();
     assert!(answers());
     // A second sidecar on the same socket is refused, and leaves the first's alone.
-    let out = Command::new(BIN).args(["serve", "--staging", "16MiB", "--dir"]).arg(tmp.path().join("ckpt2")).arg("--socket").arg(&socket).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--staging", "16MiB", "--dir"])
+        .arg(tmp.path().join("ckpt2"))
+        .arg("--socket")
+        .arg(&socket)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("another sidecar is already listening there"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("another sidecar is already listening there"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(answers());
     assert_eq!(sc.stop(), 0);
     assert!(!socket.exists());
@@ -1035,7 +1150,9 @@ fn launch_runs_the_command_with_the_socket_and_exits_with_its_status() {
 
 #[test]
 fn launch_cpus_pins_the_sidecar_but_not_its_command() {
-    let allowed = |status: &str| status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_string()).unwrap();
+    let allowed = |status: &str| {
+        status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_string()).unwrap()
+    };
     let ours = allowed(&std::fs::read_to_string("/proc/self/status").unwrap());
     let last: usize = ours.rsplit([',', '-']).next().unwrap().parse().unwrap();
     let tmp = tempfile::tempdir().unwrap();
@@ -1055,11 +1172,17 @@ fn launch_cpus_pins_the_sidecar_but_not_its_command() {
     assert!(sidecar.len() >= 3, "{text}");
     assert!(sidecar.iter().all(|c| *c == last.to_string()), "{text}");
     // CPUs this process may not use are refused, naming the ones it may.
-    let out = Command::new(BIN).args(["launch", "--staging", "16MiB", "--cpus", "4000", "--dir"]).arg(tmp.path().join("ckpt")).args(["--", "true"]).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["launch", "--staging", "16MiB", "--cpus", "4000", "--dir"])
+        .arg(tmp.path().join("ckpt"))
+        .args(["--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot run on CPUs [4000]") && err.contains("may use CPUs"), "{err}");
-    let out = Command::new(BIN).args(["serve", "--cpus", "1-x", "--dir"]).arg(tmp.path().join("ckpt")).output().unwrap();
+    let out =
+        Command::new(BIN).args(["serve", "--cpus", "1-x", "--dir"]).arg(tmp.path().join("ckpt")).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a CPU list"));
 }
 
@@ -1075,7 +1198,8 @@ fn other_uid_child() {
     }
     // An allowed uid may save checkpoints, but not have files written.
     if let Ok(path) = std::env::var("CKPT_TEST_OTHER_UID_FILE") {
-        ckpt_wire::write_frame(&mut s, &Request::SaveFile { id: 1, path, region_id: 1, offset_bytes: 0, len_bytes: 0 }).unwrap();
+        ckpt_wire::write_frame(&mut s, &Request::SaveFile { id: 1, path, region_id: 1, offset_bytes: 0, len_bytes: 0 })
+            .unwrap();
         println!("SAVEFILE: {:?}", ckpt_wire::read_frame::<Reply>(&mut s).unwrap());
     }
 }
@@ -1149,7 +1273,11 @@ impl SmallFs {
         let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
         let mnt = tmp.path().join("small");
         std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"]).arg(&mnt).status().map_err(|e| e.to_string())?;
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"])
+            .arg(&mnt)
+            .status()
+            .map_err(|e| e.to_string())?;
         if !st.success() {
             return Err(format!("mount -t tmpfs failed: {st}"));
         }
@@ -1180,7 +1308,9 @@ fn disk_full_fails_that_save_keeps_earlier_ones_and_keeps_serving() {
     let id = c.save(2, vec![desc("w", "U8", &[12 << 20], 1, 0)], vec![]);
     assert!(matches!(c.recv(), Reply::Released { .. }));
     match c.recv() {
-        Reply::Failed { id: i, code: ErrorCode::Io, reason, .. } if i == id => assert!(reason.contains("disk full"), "{reason}"),
+        Reply::Failed { id: i, code: ErrorCode::Io, reason, .. } if i == id => {
+            assert!(reason.contains("disk full"), "{reason}")
+        }
         other => panic!("expected Failed Io, got {other:?}"),
     }
     assert_eq!(catalog::committed_steps(&sc.dir).unwrap(), vec![1]);
@@ -1284,7 +1414,9 @@ fn rollback_moves_latest_uncommits_later_steps_and_lets_them_be_saved_again() {
     let id = c.id();
     c.send(&Request::Rollback { id, step: 11 });
     match c.recv() {
-        Reply::Error { id: i, code: ErrorCode::NotFound, message } => assert!(i == id && message.contains("11"), "{message}"),
+        Reply::Error { id: i, code: ErrorCode::NotFound, message } => {
+            assert!(i == id && message.contains("11"), "{message}")
+        }
         other => panic!("expected NotFound, got {other:?}"),
     }
     let id = c.id();
@@ -1440,7 +1572,14 @@ fn passed_descriptors_are_matched_to_vmm_registrations_and_bounded() {
     // A VMM registration without its descriptor: refused, the session goes on.
     let mut c = sc.client();
     let id = c.id();
-    c.send(&Request::RegisterCudaVmmRegion { id, region_id: 1, device: 0, device_uuid: vec![0; 16], fabric_handle: vec![], len_bytes: 2 << 20 });
+    c.send(&Request::RegisterCudaVmmRegion {
+        id,
+        region_id: 1,
+        device: 0,
+        device_uuid: vec![0; 16],
+        fabric_handle: vec![],
+        len_bytes: 2 << 20,
+    });
     match c.recv() {
         Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {
             assert_eq!(i, id);
@@ -1453,12 +1592,22 @@ fn passed_descriptors_are_matched_to_vmm_registrations_and_bounded() {
     // anyway): refused with the reason, and the descriptor was taken.
     let devnull = std::fs::File::open("/dev/null").unwrap();
     let id = c.id();
-    let frame = ckpt_wire::encode(&Request::RegisterCudaVmmRegion { id, region_id: 2, device: 0, device_uuid: vec![0; 16], fabric_handle: vec![], len_bytes: 2 << 20 });
+    let frame = ckpt_wire::encode(&Request::RegisterCudaVmmRegion {
+        id,
+        region_id: 2,
+        device: 0,
+        device_uuid: vec![0; 16],
+        fabric_handle: vec![],
+        len_bytes: 2 << 20,
+    });
     send_with_fds(&c.s, &frame, &[devnull.as_raw_fd()]).unwrap();
     match c.recv() {
         Reply::Error { id: i, code: ErrorCode::BadRegion, message } => {
             assert_eq!(i, id);
-            assert!(message.starts_with("CUDA region 2: ") && !message.contains("carried no file descriptor"), "{message}");
+            assert!(
+                message.starts_with("CUDA region 2: ") && !message.contains("carried no file descriptor"),
+                "{message}"
+            );
         }
         other => panic!("expected an Error, got {other:?}"),
     }
@@ -1518,7 +1667,9 @@ fn a_cuda_span_of_unknown_repeated_or_host_pieces_is_refused_and_the_session_goe
     let id = c.id();
     c.send(&Request::RegisterCudaSpan { id, region_id: 9, pieces: vec![1, 2] });
     match c.recv() {
-        Reply::Error { code: ErrorCode::BadRegion, message, .. } => assert!(message.contains("piece region 1 is host-shm memory, not one CUDA allocation"), "{message}"),
+        Reply::Error { code: ErrorCode::BadRegion, message, .. } => {
+            assert!(message.contains("piece region 1 is host-shm memory, not one CUDA allocation"), "{message}")
+        }
         other => panic!("expected an Error, got {other:?}"),
     }
     assert_eq!(c.status().sessions.len(), 1, "the session goes on");
@@ -1624,14 +1775,22 @@ fn a_directory_removed_and_made_again_under_a_live_sidecar_refuses_saves_naming_
     // A second holder of the new directory's lock is not disturbed either.
     let other = ckpt_store::lock::DirLock::acquire(&sc.dir, "test", None).unwrap();
     let why = released_then_failed(&mut c, 2);
-    assert!(why.contains("removed and made again") && why.contains(&*sc.dir.file_name().unwrap().to_string_lossy()), "{why}");
+    assert!(
+        why.contains("removed and made again") && why.contains(&*sc.dir.file_name().unwrap().to_string_lossy()),
+        "{why}"
+    );
     assert!(why.contains("restarted"), "{why}");
-    assert!(leftovers(&sc.dir).is_empty() && catalog::committed_steps(&sc.dir).unwrap().is_empty(), "nothing written into the new directory");
+    assert!(
+        leftovers(&sc.dir).is_empty() && catalog::committed_steps(&sc.dir).unwrap().is_empty(),
+        "nothing written into the new directory"
+    );
     // A rollback through it changes nothing there either.
     let id = c.id();
     c.send(&Request::Rollback { id, step: 1 });
     match c.recv() {
-        Reply::Error { code: ErrorCode::Io, message, .. } => assert!(message.contains("removed and made again"), "{message}"),
+        Reply::Error { code: ErrorCode::Io, message, .. } => {
+            assert!(message.contains("removed and made again"), "{message}")
+        }
         other => panic!("expected Error, got {other:?}"),
     }
     // The sidecar's exit leaves the other holder's lock file in place.

@@ -38,7 +38,12 @@ fn output(mut c: Command) -> Output {
 }
 
 fn describe(o: &Output) -> String {
-    format!("{}\nstdout:\n{}\nstderr:\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn run_ok(c: Command, ctx: &str) -> Output {
@@ -87,8 +92,20 @@ fn modes() -> Vec<Mode> {
     const BOTH_WORK: &str = "io_uring and O_DIRECT both work here";
     vec![
         Mode { name: "default", env: vec![], flags: vec![], engine: "io_uring+O_DIRECT", why: vec![BOTH_WORK] },
-        Mode { name: "env uring=off", env: vec![("CKPT_SIDECAR_URING", "off")], flags: vec![], engine: "thread-pool+O_DIRECT", why: vec![URING_OFF] },
-        Mode { name: "env direct=off", env: vec![("CKPT_SIDECAR_DIRECT", "off")], flags: vec![], engine: "io_uring+buffered", why: vec![DIRECT_OFF] },
+        Mode {
+            name: "env uring=off",
+            env: vec![("CKPT_SIDECAR_URING", "off")],
+            flags: vec![],
+            engine: "thread-pool+O_DIRECT",
+            why: vec![URING_OFF],
+        },
+        Mode {
+            name: "env direct=off",
+            env: vec![("CKPT_SIDECAR_DIRECT", "off")],
+            flags: vec![],
+            engine: "io_uring+buffered",
+            why: vec![DIRECT_OFF],
+        },
         Mode {
             name: "env uring=off direct=off",
             env: vec![("CKPT_SIDECAR_URING", "off"), ("CKPT_SIDECAR_DIRECT", "off")],
@@ -96,8 +113,20 @@ fn modes() -> Vec<Mode> {
             engine: "thread-pool+buffered",
             why: vec![URING_OFF, DIRECT_OFF],
         },
-        Mode { name: "--uring off", env: vec![], flags: vec!["--uring", "off"], engine: "thread-pool+O_DIRECT", why: vec![URING_OFF] },
-        Mode { name: "--direct off", env: vec![], flags: vec!["--direct", "off"], engine: "io_uring+buffered", why: vec![DIRECT_OFF] },
+        Mode {
+            name: "--uring off",
+            env: vec![],
+            flags: vec!["--uring", "off"],
+            engine: "thread-pool+O_DIRECT",
+            why: vec![URING_OFF],
+        },
+        Mode {
+            name: "--direct off",
+            env: vec![],
+            flags: vec!["--direct", "off"],
+            engine: "io_uring+buffered",
+            why: vec![DIRECT_OFF],
+        },
         Mode {
             name: "--uring off --direct off",
             env: vec![],
@@ -147,7 +176,12 @@ fn check_doctor(dir: &Path, m: &Mode) -> Value {
     assert_eq!(row["engine"], m.engine, "{ctx}: {row}");
     assert_eq!(row["uring"].as_bool(), Some(m.engine.starts_with("io_uring")), "{ctx}: {row}");
     assert_eq!(row["direct"].as_bool(), Some(m.engine.ends_with("O_DIRECT")), "{ctx}: {row}");
-    let why: Vec<&str> = row["why"].as_array().unwrap_or_else(|| panic!("{ctx}: no why: {row}")).iter().map(|w| w.as_str().unwrap()).collect();
+    let why: Vec<&str> = row["why"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{ctx}: no why: {row}"))
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
     for w in &m.why {
         assert!(why.contains(w), "{ctx}: why {why:?} lacks {w:?}");
     }
@@ -164,7 +198,8 @@ fn check_doctor(dir: &Path, m: &Mode) -> Value {
 /// bench write, verify, bench read in `dir` under the mode.
 fn check_round_trip(dir: &Path, m: &Mode) {
     let ctx = format!("bench, {}", m.name);
-    let o = run_ok(m.cmd(&["bench", "write", "--dir", p(dir), "--size", "8MiB", "--shard-size", "3MiB", "--json"]), &ctx);
+    let o =
+        run_ok(m.cmd(&["bench", "write", "--dir", p(dir), "--size", "8MiB", "--shard-size", "3MiB", "--json"]), &ctx);
     let w = last_json(&o, &ctx);
     assert_eq!(w["op"], "write", "{ctx}: {w}");
     assert_eq!(w["engine"], m.engine, "{ctx}: bench write used another engine: {w}");
@@ -302,11 +337,26 @@ mod seccomp {
         // `prog`, which it owns; no allocation happens in the child.
         unsafe {
             c.pre_exec(move || {
-                let fprog = libc::sock_fprog { len: prog.len() as libc::c_ushort, filter: prog.as_ptr() as *mut libc::sock_filter };
-                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) != 0 {
+                let fprog = libc::sock_fprog {
+                    len: prog.len() as libc::c_ushort,
+                    filter: prog.as_ptr() as *mut libc::sock_filter,
+                };
+                if libc::prctl(
+                    libc::PR_SET_NO_NEW_PRIVS,
+                    1 as libc::c_ulong,
+                    0 as libc::c_ulong,
+                    0 as libc::c_ulong,
+                    0 as libc::c_ulong,
+                ) != 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
-                if libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER as libc::c_ulong, &fprog as *const libc::sock_fprog) != 0 {
+                if libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+                    &fprog as *const libc::sock_fprog,
+                ) != 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -331,7 +381,8 @@ fn io_uring_refused_by_seccomp_falls_back_to_the_thread_pool() {
     assert_eq!(row["uring"], false, "{row}");
     let why = row["why"].as_array().unwrap();
     assert!(
-        why.iter().any(|w| w.as_str().unwrap().contains("io_uring refused") && w.as_str().unwrap().contains("Operation not permitted")),
+        why.iter().any(|w| w.as_str().unwrap().contains("io_uring refused")
+            && w.as_str().unwrap().contains("Operation not permitted")),
         "the reason names the refusal: {row}"
     );
 
@@ -343,7 +394,13 @@ fn io_uring_refused_by_seccomp_falls_back_to_the_thread_pool() {
     assert!(row["error"].as_str().unwrap().contains("io_uring required but refused"), "{row}");
 
     // bench write falls back by itself, and its checkpoint verifies and reads.
-    let o = run_ok(deny_io_uring(sidecar(&["bench", "write", "--dir", dir, "--size", "8MiB", "--shard-size", "3MiB", "--json"], &[])), "bench write under seccomp");
+    let o = run_ok(
+        deny_io_uring(sidecar(
+            &["bench", "write", "--dir", dir, "--size", "8MiB", "--shard-size", "3MiB", "--json"],
+            &[],
+        )),
+        "bench write under seccomp",
+    );
     let w = last_json(&o, "bench write under seccomp");
     assert_eq!(w["engine"], "thread-pool+O_DIRECT", "{w}");
     let o = run_ok(deny_io_uring(sidecar(&["verify", dir, "--json"], &[])), "verify under seccomp");
@@ -357,7 +414,10 @@ fn io_uring_refused_by_seccomp_falls_back_to_the_thread_pool() {
 
     // bench write with --uring on under the filter fails cleanly (exit 1, no leftovers).
     let e = tempfile::tempdir().unwrap();
-    let o = output(deny_io_uring(sidecar(&["bench", "write", "--dir", p(e.path()), "--size", "1MiB", "--uring", "on"], &[])));
+    let o = output(deny_io_uring(sidecar(
+        &["bench", "write", "--dir", p(e.path()), "--size", "1MiB", "--uring", "on"],
+        &[],
+    )));
     assert_eq!(o.status.code(), Some(1), "{}", describe(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("io_uring required but refused"), "{}", describe(&o));
     assert_eq!(std::fs::read_dir(e.path()).unwrap().count(), 0, "nothing written after the refusal");

@@ -69,7 +69,14 @@ fn f32_tensors(sizes: &[(String, u64)]) -> (Vec<TensorDesc>, usize) {
     let mut at = 0u64;
     let mut v = Vec::new();
     for (name, len) in sizes {
-        v.push(TensorDesc { name: name.clone(), dtype: "F32".into(), shape: vec![len / 4], region_id: 1, offset_bytes: at, len_bytes: *len });
+        v.push(TensorDesc {
+            name: name.clone(),
+            dtype: "F32".into(),
+            shape: vec![len / 4],
+            region_id: 1,
+            offset_bytes: at,
+            len_bytes: *len,
+        });
         at += len.div_ceil(4096) * 4096;
     }
     (v, at as usize)
@@ -84,11 +91,15 @@ fn du_bytes(dir: &Path) -> u64 {
 
 fn cli(args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    (
+        out.status.code().unwrap_or(-1),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
 }
 
 fn assert_loads(dir: &Path, step: u64, want: &BTreeMap<String, Vec<u8>>) {
-    let l = restore::load(dir, Which::Step(step), &ReadOptions::default(), None).unwrap_or_else(|e| panic!("step {step}: {e}"));
+    let l = restore::load(dir, Which::Step(step), &ReadOptions::default(), None)
+        .unwrap_or_else(|e| panic!("step {step}: {e}"));
     for (name, bytes) in want {
         assert!(l.tensor(name).unwrap() == &bytes[..], "step {step}: tensor {name} differs from what was saved");
     }
@@ -119,7 +130,11 @@ fn bar_a_frozen_64_mib_and_a_changing_1_mib_saved_six_times_take_the_disk_of_one
     // Frozen: 16 tensors of 4 MiB. Changing: 1 MiB in three tensors (512,
     // 256 and 256 KiB), small ones that start in a bucket of their own.
     let mut sizes: Vec<(String, u64)> = (0..16).map(|i| (format!("base.layer{i:02}.weight"), 4 * MIB)).collect();
-    sizes.extend([("lora.a".to_string(), 512 << 10), ("lora.b".to_string(), 256 << 10), ("opt.state".to_string(), 256 << 10)]);
+    sizes.extend([
+        ("lora.a".to_string(), 512 << 10),
+        ("lora.b".to_string(), 256 << 10),
+        ("opt.state".to_string(), 256 << 10),
+    ]);
     let (descs, len) = f32_tensors(&sizes);
     let mut shm = Shm::new(len);
     ckpt_store::synthetic::fill(shm.bytes_mut(), 7);
@@ -159,7 +174,11 @@ fn bar_a_frozen_64_mib_and_a_changing_1_mib_saved_six_times_take_the_disk_of_one
 /// after gc of earlier steps; unchanged big tensors share inodes.
 #[test]
 fn a_change_of_one_element_is_never_missed_across_rollback_and_gc() {
-    let seed = ckpt_test_support::seed_from_env("CKPT_TEST_SEED", 21, "a_change_of_one_element_is_never_missed_across_rollback_and_gc");
+    let seed = ckpt_test_support::seed_from_env(
+        "CKPT_TEST_SEED",
+        21,
+        "a_change_of_one_element_is_never_missed_across_rollback_and_gc",
+    );
     let mut rng = Rng::new(seed);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
@@ -180,7 +199,11 @@ fn a_change_of_one_element_is_never_missed_across_rollback_and_gc() {
     let mut c = sc.client(&shm);
     let mut saved: BTreeMap<u64, BTreeMap<String, Vec<u8>>> = BTreeMap::new();
     let mut step = 0u64;
-    let save_round = |c: &mut Client, shm: &mut Shm, step: u64, rng: &mut Rng, saved: &mut BTreeMap<u64, BTreeMap<String, Vec<u8>>>| {
+    let save_round = |c: &mut Client,
+                      shm: &mut Shm,
+                      step: u64,
+                      rng: &mut Rng,
+                      saved: &mut BTreeMap<u64, BTreeMap<String, Vec<u8>>>| {
         let n = match rng.below(3) {
             0 => 0,
             1 => 1,
@@ -265,7 +288,13 @@ fn a_flipped_byte_in_a_shared_shard_is_reported_for_every_step_that_links_it() {
     let path = catalog::step_path(&dir, 4).join(&file);
     let ino = std::fs::metadata(&path).unwrap().ino();
     // The stable shards' numbers may change between steps (a link takes the new name).
-    let frozen_ino = |s: u64| std::fs::metadata(catalog::step_path(&dir, s).join(&restore::read_index(&dir, s).unwrap().ckpt.tensors["frozen"].file)).unwrap().ino();
+    let frozen_ino = |s: u64| {
+        std::fs::metadata(
+            catalog::step_path(&dir, s).join(&restore::read_index(&dir, s).unwrap().ckpt.tensors["frozen"].file),
+        )
+        .unwrap()
+        .ino()
+    };
     let sharing: Vec<u64> = (1..=4).filter(|&s| frozen_ino(s) == ino).collect();
     assert_eq!(sharing, vec![1, 2, 3, 4], "the frozen tensor's shard is one inode in every step");
     // Flip one byte of the frozen tensor's data (the file is read-only to no one here).
@@ -322,14 +351,27 @@ fn sigkill_while_linking_leaves_no_listed_step_that_fails_verify() {
         let mut shm = Shm::new(len);
         ckpt_store::synthetic::fill(shm.bytes_mut(), k);
         let kv = k.to_string();
-        let mut sc = Sidecar::start_env(tmp.path(), &dir, &["--full-every", "0"], &[(ckpt_store::incremental::TEST_KILL_AFTER_LINKS_ENV, &kv)]);
+        let mut sc = Sidecar::start_env(
+            tmp.path(),
+            &dir,
+            &["--full-every", "0"],
+            &[(ckpt_store::incremental::TEST_KILL_AFTER_LINKS_ENV, &kv)],
+        );
         let mut c = sc.client(&shm);
         let mut saved: BTreeMap<u64, BTreeMap<String, Vec<u8>>> = BTreeMap::new();
         let moving = descs[3].offset_bytes as usize;
         for step in 1..=4u64 {
             shm.bytes_mut()[moving] = step as u8;
-            let id = c.call(|id| Request::Save { id, step, tensors: descs.clone(), blobs: vec![], lazy_release: step % 2 == 1, unchanged: None });
-            let snapshot: BTreeMap<String, Vec<u8>> = descs.iter().map(|d| (d.name.clone(), shm.of(d).to_vec())).collect();
+            let id = c.call(|id| Request::Save {
+                id,
+                step,
+                tensors: descs.clone(),
+                blobs: vec![],
+                lazy_release: step % 2 == 1,
+                unchanged: None,
+            });
+            let snapshot: BTreeMap<String, Vec<u8>> =
+                descs.iter().map(|d| (d.name.clone(), shm.of(d).to_vec())).collect();
             let durable = loop {
                 match ckpt_wire::read_frame::<Reply>(&mut c.s) {
                     Ok(Reply::Released { .. }) => {}
@@ -345,7 +387,12 @@ fn sigkill_while_linking_leaves_no_listed_step_that_fails_verify() {
             }
         }
         let status = sc.child.as_mut().unwrap().wait().unwrap();
-        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(libc::SIGKILL), "k={k}: the sidecar was not killed while linking:\n{}", sc.log_text());
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL),
+            "k={k}: the sidecar was not killed while linking:\n{}",
+            sc.log_text()
+        );
         sc.child = None;
         let listed = catalog::readable_steps(&dir).unwrap();
         let (code, out) = cli(&["verify", dir.to_str().unwrap()]);
@@ -369,6 +416,9 @@ fn sigkill_while_linking_leaves_no_listed_step_that_fails_verify() {
         }
         let (code, out) = cli(&["verify", dir.to_str().unwrap()]);
         assert_eq!(code, 0, "k={k}:\n{out}");
-        assert!(std::fs::read_dir(&dir).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with(".tmp-")), "k={k}: a temp folder stayed");
+        assert!(
+            std::fs::read_dir(&dir).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with(".tmp-")),
+            "k={k}: a temp folder stayed"
+        );
     }
 }

@@ -60,7 +60,11 @@ impl Fixture {
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         // `stale/`: a sound checkpoint whose `latest` names a step not there.
-        let out = Command::new(BIN).args(["bench", "write", "--size", "64KiB", "--dir"]).arg(root.join("stale")).output().unwrap();
+        let out = Command::new(BIN)
+            .args(["bench", "write", "--size", "64KiB", "--dir"])
+            .arg(root.join("stale"))
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         std::fs::write(root.join("stale/latest"), b"step-000000000099\n").unwrap();
         Fixture { _tmp: tmp, root }
@@ -99,7 +103,8 @@ fn error_lines(err: &str) -> Vec<&str> {
     let mut out = Vec::new();
     let mut in_log = false;
     for l in err.lines().filter(|l| !l.trim().is_empty()) {
-        let is_log = l.as_bytes().first().is_some_and(u8::is_ascii_digit) && (l.contains(" WARN ") || l.contains(" INFO "));
+        let is_log =
+            l.as_bytes().first().is_some_and(u8::is_ascii_digit) && (l.contains(" WARN ") || l.contains(" INFO "));
         if is_log || (in_log && l.starts_with(' ')) {
             in_log = true;
             continue;
@@ -137,7 +142,8 @@ fn run_case(fx: &Fixture, c: &Case) -> Result<(), String> {
     if !code.is_some_and(|x| c.exit.contains(&x)) {
         return Err(format!("exit {code:?}, want one of {:?}; stderr: {err}", c.exit));
     }
-    let lines: Vec<&str> = if c.cleans { error_lines(&err) } else { err.lines().filter(|l| !l.trim().is_empty()).collect() };
+    let lines: Vec<&str> =
+        if c.cleans { error_lines(&err) } else { err.lines().filter(|l| !l.trim().is_empty()).collect() };
     match &c.names {
         None if !lines.is_empty() => return Err(format!("stderr not empty: {err}")),
         None => {}
@@ -155,7 +161,8 @@ fn run_case(fx: &Fixture, c: &Case) -> Result<(), String> {
     }
     let mut after = tree(&fx.root);
     if c.cleans {
-        let latest = |t: &BTreeSet<(PathBuf, u64)>| t.iter().filter(|(p, _)| p.ends_with("latest")).cloned().collect::<Vec<_>>();
+        let latest =
+            |t: &BTreeSet<(PathBuf, u64)>| t.iter().filter(|(p, _)| p.ends_with("latest")).cloned().collect::<Vec<_>>();
         for l in latest(&before).into_iter().chain(latest(&after)) {
             after.remove(&l);
         }
@@ -164,7 +171,11 @@ fn run_case(fx: &Fixture, c: &Case) -> Result<(), String> {
             b.remove(&l);
         }
         if b != after {
-            return Err(format!("the tree changed beyond `latest`: new {:?}, gone {:?}", after.difference(&b).collect::<Vec<_>>(), b.difference(&after).collect::<Vec<_>>()));
+            return Err(format!(
+                "the tree changed beyond `latest`: new {:?}, gone {:?}",
+                after.difference(&b).collect::<Vec<_>>(),
+                b.difference(&after).collect::<Vec<_>>()
+            ));
         }
         return Ok(());
     }
@@ -226,11 +237,27 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     ] {
         cases.push(case(&args, &[1], Some(&not_dir)));
     }
-    cases.push(case(&["serve", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB"], &[1], Some("pass a shorter --socket")));
-    cases.push(case(&["launch", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB", "--", "true"], &[1], Some("pass a shorter --socket")));
+    cases.push(case(
+        &["serve", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB"],
+        &[1],
+        Some("pass a shorter --socket"),
+    ));
+    cases.push(case(
+        &["launch", "--dir", &nx, "--socket", &long_sock, "--staging", "2MiB", "--", "true"],
+        &[1],
+        Some("pass a shorter --socket"),
+    ));
     // A preload library that is no shared library: the loader would ignore it.
-    cases.push(case(&["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &afile, "--", "true"], &[1], Some(&format!("--preload: {afile} is not a shared library"))));
-    cases.push(case(&["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &empty, "--", "true"], &[1], Some(&format!("--preload: {empty}: "))));
+    cases.push(case(
+        &["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &afile, "--", "true"],
+        &[1],
+        Some(&format!("--preload: {afile} is not a shared library")),
+    ));
+    cases.push(case(
+        &["launch", "--dir", &nx, "--staging", "2MiB", "--preload", "--preload-lib", &empty, "--", "true"],
+        &[1],
+        Some(&format!("--preload: {empty}: ")),
+    ));
     cases.push(case(&["status", "--socket", &nx_sock], &[1], Some(&format!("no sidecar is listening at {nx_sock}"))));
     cases.push(case(&["status", "--socket", &afile, "--json"], &[1], Some(afile.as_str())));
     // An empty directory: nothing to read, nothing to clean.
@@ -295,12 +322,28 @@ fn every_subcommand_refuses_bad_paths_and_values_in_one_line_and_leaves_nothing(
     // A shared directory is never made: a missing one is likely an unmounted
     // shared file system, and each node would commit into its own.
     let no_shared = format!("{nx}-shared");
-    cases.push(case(&["serve", "--dir", &nx, "--socket", &sock, "--staging", "64MiB", "--shared", &no_shared], &[1], Some(&format!("shared directory {no_shared} does not exist"))));
-    cases.push(case(&["bench", "stall", "--dir", &nx, "--size", "1MiB", "--python", &format!("{nx}/python")], &[1], Some(&format!("{nx}/python"))));
+    cases.push(case(
+        &["serve", "--dir", &nx, "--socket", &sock, "--staging", "64MiB", "--shared", &no_shared],
+        &[1],
+        Some(&format!("shared directory {no_shared} does not exist")),
+    ));
+    cases.push(case(
+        &["bench", "stall", "--dir", &nx, "--size", "1MiB", "--python", &format!("{nx}/python")],
+        &[1],
+        Some(&format!("{nx}/python")),
+    ));
     // A Python that is missing, or cannot import the package the bench
     // modules live in, is named in one line (not Python's module lookup).
-    cases.push(case(&["bench", "compare", "--dir", &nx, "--python", &format!("{nx}/python")], &[1], Some(&format!("{nx}/python"))));
-    cases.push(case(&["bench", "compare", "--dir", &nx, "--python", "/bin/false"], &[1], Some("/bin/false cannot import ckpt_sidecar")));
+    cases.push(case(
+        &["bench", "compare", "--dir", &nx, "--python", &format!("{nx}/python")],
+        &[1],
+        Some(&format!("{nx}/python")),
+    ));
+    cases.push(case(
+        &["bench", "compare", "--dir", &nx, "--python", "/bin/false"],
+        &[1],
+        Some("/bin/false cannot import ckpt_sidecar"),
+    ));
     let mut failures = Vec::new();
     for c in &cases {
         if let Err(e) = run_case(&fx, c) {
@@ -315,13 +358,21 @@ fn a_closed_stdout_ends_a_tool_quietly() {
     let fx = Fixture::new();
     let good = fx.p("good");
     // A reader that takes one byte and goes away, as `| head -c 1` does.
-    for args in [vec!["inspect", &good], vec!["inspect", &good, "--json"], vec!["verify", &good, "--json"], vec!["ls", &good], vec!["doctor", &good]] {
+    for args in [
+        vec!["inspect", &good],
+        vec!["inspect", &good, "--json"],
+        vec!["verify", &good, "--json"],
+        vec!["ls", &good],
+        vec!["doctor", &good],
+    ] {
         let mut child = Command::new(BIN).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         drop(child.stdout.take()); // closed before the command writes
         let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         use std::os::unix::process::ExitStatusExt;
-        let quiet = out.status.code() == Some(0) || out.status.code() == Some(141) || out.status.signal() == Some(libc::SIGPIPE);
+        let quiet = out.status.code() == Some(0)
+            || out.status.code() == Some(141)
+            || out.status.signal() == Some(libc::SIGPIPE);
         assert!(quiet && !err.contains("panicked"), "{args:?}: {:?}: {err}", out.status);
         assert!(err.is_empty(), "{args:?}: {err}");
     }
@@ -397,7 +448,14 @@ fn status_lists_no_session_of_its_own_and_a_closed_stdout_leaves_the_sidecar_ser
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["sessions"].as_array().map(Vec::len), Some(0), "{j}");
     for _ in 0..3 {
-        let mut c = Command::new(BIN).arg("status").arg("--socket").arg(&socket).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut c = Command::new(BIN)
+            .arg("status")
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
         drop(c.stdout.take());
         let out = c.wait_with_output().unwrap();
         assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -493,7 +551,8 @@ fn rollback_to_a_step_with_a_truncated_shard_is_refused_and_loses_nothing() {
     let shard = truncated_shard_among_two_steps(&d, 1);
     let before = tree(&d);
     let want = format!("error: cannot roll back to step 1: {}: 1000 bytes where the index says", shard.display());
-    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let out =
+        Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.trim().starts_with(&want) && err.trim().lines().count() == 1, "{err}");
@@ -532,7 +591,8 @@ fn status_of_a_socket_that_is_no_sidecar_names_it_in_one_line() {
             std::thread::sleep(Duration::from_millis(500));
         }
     });
-    for (sock, want) in [(&silent, "no answer within 10 s"), (&garbage, "frame of 2147483647 bytes is above the limit")] {
+    for (sock, want) in [(&silent, "no answer within 10 s"), (&garbage, "frame of 2147483647 bytes is above the limit")]
+    {
         let out = Command::new(BIN).arg("status").arg("--socket").arg(sock).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{err}");
@@ -551,10 +611,14 @@ fn gc_never_keeps_only_steps_that_would_not_load() {
     let d = tmp.path().join("d");
     let shard = truncated_shard_among_two_steps(&d, 2);
     let before = tree(&d);
-    let out = Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let out =
+        Command::new(BIN).arg("gc").arg(&d).args(["--keep", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    let want = format!("error: gc would keep only steps that would not load (step 2: {}: 1000 bytes where the index says", shard.display());
+    let want = format!(
+        "error: gc would keep only steps that would not load (step 2: {}: 1000 bytes where the index says",
+        shard.display()
+    );
     assert!(err.trim().starts_with(&want) && err.trim().lines().count() == 1, "{err}");
     assert_eq!(tree(&d), before, "gc changed the directory");
     // Both damaged: nothing to protect, retention does what it is told.
@@ -613,7 +677,10 @@ fn negative_steps_and_counts_are_range_errors_naming_the_value() {
         let out = Command::new(BIN).args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains(want) && !err.contains("unexpected argument") && err.trim().lines().count() == 1, "{args:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("unexpected argument") && err.trim().lines().count() == 1,
+            "{args:?}: {err}"
+        );
     }
     assert!(!Path::new(d).exists());
 }
@@ -635,7 +702,10 @@ fn an_invalid_part_timeout_is_refused_at_start_naming_it() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{v}: {err}");
-        assert!(err.contains(&format!("CKPT_SIDECAR_PART_TIMEOUT_S={v:?}")) && error_lines(&err).len() == 1, "{v}: {err}");
+        assert!(
+            err.contains(&format!("CKPT_SIDECAR_PART_TIMEOUT_S={v:?}")) && error_lines(&err).len() == 1,
+            "{v}: {err}"
+        );
         assert_eq!(tree(tmp.path()), before, "{v}: a refused start left something");
     }
 }
@@ -655,10 +725,16 @@ fn rollback_to_a_step_whose_bytes_are_damaged_is_refused_naming_the_damage() {
     bytes[at] ^= 0xff;
     std::fs::write(&shard, &bytes).unwrap();
     let before = tree(&d);
-    let out = Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
+    let out =
+        Command::new(BIN).arg("rollback").arg(&d).args(["--to", "1"]).env("CKPT_SIDECAR_LOG", "warn").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot roll back to step 1: it is damaged") && err.contains("checksum mismatch") && error_lines(&err).len() == 1, "{err}");
+    assert!(
+        err.contains("cannot roll back to step 1: it is damaged")
+            && err.contains("checksum mismatch")
+            && error_lines(&err).len() == 1,
+        "{err}"
+    );
     assert_eq!(tree(&d), before, "the tool changed the directory");
 }
 
@@ -681,13 +757,17 @@ fn readers_see_one_timeline_while_a_rollback_killed_midway_is_pending() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let ls: serde_json::Value = serde_json::from_str(&run(&["ls", "--json"])).unwrap();
-    let steps: Vec<u64> = ls["checkpoints"].as_array().map(|a| a.iter().filter_map(|c| c["step"].as_u64()).collect()).unwrap_or_default();
+    let steps: Vec<u64> =
+        ls["checkpoints"].as_array().map(|a| a.iter().filter_map(|c| c["step"].as_u64()).collect()).unwrap_or_default();
     assert_eq!(steps, [1], "{ls}");
     assert_eq!(ls["latest"].as_u64(), Some(1), "{ls}");
     let verify: serde_json::Value = serde_json::from_str(&run(&["verify", "--json"])).unwrap();
     assert!(verify.to_string().contains("\"step\":1") && !verify.to_string().contains("\"step\":3"), "{verify}");
     assert!(run(&["inspect"]).contains("step 1"));
-    assert_eq!(ckpt_store::restore::load(&d, ckpt_store::restore::Which::Latest, &Default::default(), None).unwrap().step, 1);
+    assert_eq!(
+        ckpt_store::restore::load(&d, ckpt_store::restore::Which::Latest, &Default::default(), None).unwrap().step,
+        1
+    );
     assert!(ckpt_store::restore::load(&d, ckpt_store::restore::Which::Step(3), &Default::default(), None).is_err());
     // The next owner (here gc) finishes the rollback: the same timeline.
     run(&["gc", "--keep", "10"]);

@@ -54,7 +54,8 @@ impl Cluster {
     /// [`Cluster::node_with`] with more environment (test hooks).
     fn node_with_env(&self, node: u32, part_timeout_s: &str, extra: &[&str], env: &[(&str, &str)]) -> Node {
         let base = self.tmp.path().join(format!("node{node}"));
-        let (dir, socket, log) = (base.join("local"), base.join("run").join("s.sock"), self.tmp.path().join(format!("node{node}.log")));
+        let (dir, socket, log) =
+            (base.join("local"), base.join("run").join("s.sock"), self.tmp.path().join(format!("node{node}.log")));
         std::fs::create_dir_all(&base).unwrap();
         let child = Command::new(BIN)
             .args(["serve", "--staging", "64MiB", "--dir"])
@@ -73,7 +74,11 @@ impl Cluster {
             .unwrap();
         let t0 = Instant::now();
         while UnixStream::connect(&socket).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(60), "node {node}'s sidecar did not listen: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "node {node}'s sidecar did not listen: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Node { child, socket, log }
@@ -114,7 +119,11 @@ impl Rank {
         ckpt_wire::write_frame(&mut s, &ckpt_wire::hello("nodes-test")).unwrap();
         assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::Welcome { .. }));
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let shm_name = format!("/ckpt-nodes-test-{}-{rank}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let shm_name = format!(
+            "/ckpt-nodes-test-{}-{rank}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let mut bytes = vec![0u8; len];
         ckpt_store::synthetic::fill(&mut bytes, 11 + rank as u64);
         let c = std::ffi::CString::new(shm_name.clone()).unwrap();
@@ -126,7 +135,17 @@ impl Rank {
             assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), len, 0), len as isize);
             libc::close(fd);
         }
-        ckpt_wire::write_frame(&mut s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: shm_name.clone(), len_bytes: len as u64, hand_over: false }).unwrap();
+        ckpt_wire::write_frame(
+            &mut s,
+            &Request::RegisterRegion {
+                id: 1,
+                region_id: 1,
+                shm_name: shm_name.clone(),
+                len_bytes: len as u64,
+                hand_over: false,
+            },
+        )
+        .unwrap();
         assert!(matches!(ckpt_wire::read_frame::<Reply>(&mut s).unwrap(), Reply::RegionRegistered { .. }));
         Rank { rank, s, shm_name, bytes }
     }
@@ -137,17 +156,49 @@ impl Rank {
         let n = self.bytes.len() as u64 / 4;
         let half = n / 2;
         let tensors = vec![
-            TensorDesc { name: format!("w.{}", self.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: 0, len_bytes: 4 * half },
-            TensorDesc { name: format!("b.{}", self.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: 4 * half, len_bytes: 4 * (n - half) },
+            TensorDesc {
+                name: format!("w.{}", self.rank),
+                dtype: "F32".into(),
+                shape: vec![half],
+                region_id: 1,
+                offset_bytes: 0,
+                len_bytes: 4 * half,
+            },
+            TensorDesc {
+                name: format!("b.{}", self.rank),
+                dtype: "F32".into(),
+                shape: vec![n - half],
+                region_id: 1,
+                offset_bytes: 4 * half,
+                len_bytes: 4 * (n - half),
+            },
         ];
         let blobs = vec![Blob { name: format!("rng.rank-{:05}.pkl", self.rank), bytes: vec![self.rank as u8; 16] }];
-        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: self.rank % 2 == 0, unchanged: None };
+        let req = Request::SavePart {
+            id: 100 + step,
+            step,
+            rank: self.rank,
+            world_size,
+            tensors,
+            blobs,
+            lazy_release: self.rank % 2 == 0,
+            unchanged: None,
+        };
         ckpt_wire::write_frame(&mut self.s, &req).unwrap();
     }
 
     /// Sends this rank's part of `step` as the given tensors and blobs.
     fn save_part(&mut self, step: u64, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
-        let req = Request::SavePart { id: 100 + step, step, rank: self.rank, world_size, tensors, blobs, lazy_release: false, unchanged: None };
+        let req = Request::SavePart {
+            id: 100 + step,
+            step,
+            rank: self.rank,
+            world_size,
+            tensors,
+            blobs,
+            lazy_release: false,
+            unchanged: None,
+        };
         ckpt_wire::write_frame(&mut self.s, &req).unwrap();
     }
 
@@ -201,7 +252,11 @@ impl Drop for Rank {
 /// Temp folders (and files) left in `dir`, the coordinators' abort records
 /// (`.tmp-step-…-ranks.aborted`, kept for the other nodes) aside.
 fn temp_folders(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp") && !n.ends_with(".aborted")).collect()
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp") && !n.ends_with(".aborted"))
+        .collect()
 }
 
 /// The reason the coordinator left in its abort record of `step`.
@@ -250,7 +305,12 @@ fn four_ranks_on_two_nodes_commit_one_checkpoint_with_every_tensor() {
     let c = Cluster::new();
     let (a, b) = (c.node(0, "300"), c.node(1, "300"));
     let len = 3 << 20;
-    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, len),
+        Rank::connect(&a, 1, len),
+        Rank::connect(&b, 2, len),
+        Rank::connect(&b, 3, len),
+    ];
     save_all(&mut ranks, 5, &c.shared());
     let shared = c.shared();
     let index = restore::read_index(&shared, 5).unwrap();
@@ -296,7 +356,12 @@ fn a_node_whose_sidecar_is_killed_mid_write_never_commits_and_its_folder_is_remo
     let c = Cluster::new();
     let (a, mut b) = (c.node(0, "5"), c.node(1, "5"));
     let shared = c.shared();
-    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 48 << 20), Rank::connect(&b, 3, 1 << 20)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, 1 << 20),
+        Rank::connect(&a, 1, 1 << 20),
+        Rank::connect(&b, 2, 48 << 20),
+        Rank::connect(&b, 3, 1 << 20),
+    ];
     save_all(&mut ranks, 1, &shared);
     // Step 2: rank 2's large part is released, then node b's sidecar is
     // SIGKILLed (mid-write or just after; rank 3's part never goes out).
@@ -310,7 +375,10 @@ fn a_node_whose_sidecar_is_killed_mid_write_never_commits_and_its_folder_is_remo
     for i in [0, 1] {
         match ranks[i].reply() {
             Reply::Failed { step: 2, reason, .. } => {
-                assert!(reason.contains("wrote no marker") && reason.contains('3') && reason.contains("of 4"), "{reason}");
+                assert!(
+                    reason.contains("wrote no marker") && reason.contains('3') && reason.contains("of 4"),
+                    "{reason}"
+                );
                 assert!(reason.contains("aborted"), "{reason}");
             }
             other => panic!("rank {i}: expected Failed, got {other:?}\n{}", a.log()),
@@ -371,7 +439,12 @@ fn ranks_gone_after_release_still_commit_on_every_node() {
     let (a, b) = (c.node(0, "300"), c.node(1, "300"));
     let shared = c.shared();
     {
-        let mut ranks = [Rank::connect(&a, 0, 2 << 20), Rank::connect(&a, 1, 2 << 20), Rank::connect(&b, 2, 2 << 20), Rank::connect(&b, 3, 2 << 20)];
+        let mut ranks = [
+            Rank::connect(&a, 0, 2 << 20),
+            Rank::connect(&a, 1, 2 << 20),
+            Rank::connect(&b, 2, 2 << 20),
+            Rank::connect(&b, 3, 2 << 20),
+        ];
         for i in [3, 2, 1, 0] {
             ranks[i].save(9, 4);
             ranks[i].released(9);
@@ -432,7 +505,9 @@ fn a_dead_coordinator_fails_the_other_nodes_ranks_and_its_folder_goes_at_a_later
     r1.save(3, 2);
     r1.released(3);
     match r1.reply() {
-        Reply::Failed { step: 3, reason, .. } => assert!(reason.contains("no commit nor abort by the coordinator"), "{reason}"),
+        Reply::Failed { step: 3, reason, .. } => {
+            assert!(reason.contains("no commit nor abort by the coordinator"), "{reason}")
+        }
         other => panic!("expected Failed, got {other:?}\n{}", b.log()),
     }
     // Node b withdrew its own rank's files; rank 0's are left to recovery.
@@ -441,7 +516,14 @@ fn a_dead_coordinator_fails_the_other_nodes_ranks_and_its_folder_goes_at_a_later
     assert!(!catalog::is_committed(&shared, 3));
     // Once nothing touched it for twice the part timeout, a sidecar that
     // starts removes it.
-    let newest = || std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().metadata().unwrap().modified().unwrap()).chain([std::fs::metadata(&tmp).unwrap().modified().unwrap()]).max().unwrap();
+    let newest = || {
+        std::fs::read_dir(&tmp)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().modified().unwrap())
+            .chain([std::fs::metadata(&tmp).unwrap().modified().unwrap()])
+            .max()
+            .unwrap()
+    };
     let t0 = Instant::now();
     while newest().elapsed().unwrap_or_default() < Duration::from_millis(2500) {
         assert!(t0.elapsed() < Duration::from_secs(60));
@@ -470,7 +552,12 @@ fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_nam
     let shared = c.shared();
     let (mut r0, mut r1) = (Rank::connect(&a, 0, 1 << 20), Rank::connect(&b, 1, 1 << 20));
     // w is F32 [3, 100]: elements [0, 100) on rank 0 (node a), [100, 300) on rank 1 (node b).
-    r1.save_part(4, 2, vec![f32s("w#elems[100:300]", 200, 4096), f32s("b", 10, 8192)], vec![declares("w#elems[100:300]", 100, 300)]);
+    r1.save_part(
+        4,
+        2,
+        vec![f32s("w#elems[100:300]", 200, 4096), f32s("b", 10, 8192)],
+        vec![declares("w#elems[100:300]", 100, 300)],
+    );
     r1.released(4);
     r0.save_part(4, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![declares("w#elems[0:100]", 0, 100)]);
     r0.released(4);
@@ -500,12 +587,20 @@ fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_nam
     ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 20, step: Some(4), tensors: vec![] }).unwrap();
     match r.reply() {
         Reply::Loaded { tensors, .. } => {
-            let names: Vec<(&str, &[u64], u64)> = tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice(), t.len_bytes)).collect();
+            let names: Vec<(&str, &[u64], u64)> =
+                tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice(), t.len_bytes)).collect();
             assert_eq!(names, [("b", &[10u64][..], 40), ("w", &[3, 100][..], 1200)]);
         }
         other => panic!("expected Loaded, got {other:?}"),
     }
-    let desc = TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![3, 100], region_id: 1, offset_bytes: 65536, len_bytes: 1200 };
+    let desc = TensorDesc {
+        name: "w".into(),
+        dtype: "F32".into(),
+        shape: vec![3, 100],
+        region_id: 1,
+        offset_bytes: 65536,
+        len_bytes: 1200,
+    };
     ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 21, step: Some(4), tensors: vec![desc] }).unwrap();
     assert!(matches!(r.reply(), Reply::Loaded { step: 4, .. }));
     assert_eq!(&r.read_shm(65536 + 1200)[65536..], &whole[..]);
@@ -522,7 +617,11 @@ fn a_tensor_split_across_two_nodes_is_one_logical_tensor_that_loads_whole_by_nam
                 assert!(!reason.contains('\n'), "rank {}: {reason}", r.rank);
                 // Rank 0's sidecar (the coordinator) names the cause, and
                 // node b answers with it (its abort record).
-                assert!(reason.contains("sliced tensor \"w\"") && reason.contains("the coordinator's commit failed"), "rank {}: {reason}", r.rank);
+                assert!(
+                    reason.contains("sliced tensor \"w\"") && reason.contains("the coordinator's commit failed"),
+                    "rank {}: {reason}",
+                    r.rank
+                );
             }
             other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
         }
@@ -568,8 +667,13 @@ fn a_part_whose_copy_is_stopped_leaves_no_file_of_its_rank() {
     }
     assert!(a.log().contains("aborted before release"), "{}", a.log());
     let tmp = ckpt_store::nodes::ranks_tmp_path(&shared, 5).unwrap();
-    let left: Vec<String> = std::fs::read_dir(&tmp).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
-    assert!(left.iter().all(|n| ranks::rank_of_file(n) != Some(0) && !n.contains("rank-00000")), "rank 0's files left: {left:?}");
+    let left: Vec<String> = std::fs::read_dir(&tmp)
+        .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.iter().all(|n| ranks::rank_of_file(n) != Some(0) && !n.contains("rank-00000")),
+        "rank 0's files left: {left:?}"
+    );
     assert!(!catalog::is_committed(&shared, 5));
 }
 
@@ -581,7 +685,10 @@ fn ranks_on_two_nodes_that_saved_different_states_are_refused_on_both_naming_the
     let (a, b) = (c.node(0, "300"), c.node(1, "300"));
     let shared = c.shared();
     let (mut r0, mut r1) = (Rank::connect(&a, 0, 1 << 20), Rank::connect(&b, 1, 1 << 20));
-    let skeleton = Blob { name: ckpt_store::skeleton::STRUCTURE_BLOB.into(), bytes: ckpt_store::skeleton::minimal_skeleton(&["a", "only0"]) };
+    let skeleton = Blob {
+        name: ckpt_store::skeleton::STRUCTURE_BLOB.into(),
+        bytes: ckpt_store::skeleton::minimal_skeleton(&["a", "only0"]),
+    };
     r1.save_part(5, 2, vec![f32s("only1", 100, 0)], vec![]);
     r1.released(5);
     r0.save_part(5, 2, vec![f32s("a", 100, 0)], vec![skeleton]);
@@ -589,7 +696,13 @@ fn ranks_on_two_nodes_that_saved_different_states_are_refused_on_both_naming_the
     for r in [&mut r0, &mut r1] {
         match r.reply() {
             Reply::Failed { step: 5, reason, .. } => {
-                assert!(reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\"") && !reason.contains('\n'), "rank {}: {reason}", r.rank);
+                assert!(
+                    reason.contains("\"only0\"")
+                        && reason.contains("rank 1 stores \"only1\"")
+                        && !reason.contains('\n'),
+                    "rank {}: {reason}",
+                    r.rank
+                );
             }
             other => panic!("rank {}: expected Failed, got {other:?}", r.rank),
         }
@@ -602,7 +715,9 @@ fn ranks_on_two_nodes_that_saved_different_states_are_refused_on_both_naming_the
 
 /// The files of `dir` (names), sorted; empty when it does not exist.
 fn names_in(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
     v.sort();
     v
 }
@@ -616,7 +731,10 @@ fn ranks_of(names: &[String]) -> Vec<u32> {
         .iter()
         .map(|n| {
             assert!(n.ends_with(".safetensors"), "{n}: not a shard");
-            n.strip_prefix("rank-").and_then(|r| r.get(..5)).and_then(|r| r.parse().ok()).unwrap_or_else(|| panic!("{n}: not a rank's shard"))
+            n.strip_prefix("rank-")
+                .and_then(|r| r.get(..5))
+                .and_then(|r| r.parse().ok())
+                .unwrap_or_else(|| panic!("{n}: not a rank's shard"))
         })
         .collect();
     ranks.dedup();
@@ -629,8 +747,22 @@ fn load_tensors(r: &mut Rank, step: u64, owner: &Rank) -> Reply {
     let n = owner.bytes.len() as u64 / 4;
     let half = n / 2;
     let tensors = vec![
-        TensorDesc { name: format!("w.{}", owner.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: 0, len_bytes: 4 * half },
-        TensorDesc { name: format!("b.{}", owner.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: 4 * half, len_bytes: 4 * (n - half) },
+        TensorDesc {
+            name: format!("w.{}", owner.rank),
+            dtype: "F32".into(),
+            shape: vec![half],
+            region_id: 1,
+            offset_bytes: 0,
+            len_bytes: 4 * half,
+        },
+        TensorDesc {
+            name: format!("b.{}", owner.rank),
+            dtype: "F32".into(),
+            shape: vec![n - half],
+            region_id: 1,
+            offset_bytes: 4 * half,
+            len_bytes: 4 * (n - half),
+        },
     ];
     ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 50, step: Some(step), tensors }).unwrap();
     r.reply()
@@ -641,10 +773,18 @@ fn node_local_shards_stay_on_each_nodes_own_disk_and_the_index_names_their_holde
     // Before: every node's shards went into the shared directory; there was
     // no way to write with each node's own disks.
     let c = Cluster::new();
-    let (a, mut b) = (c.node_with(0, "300", &["--node-local", "--node-id", "node-a"]), c.node_with(1, "300", &["--node-local", "--node-id", "node-b"]));
+    let (a, mut b) = (
+        c.node_with(0, "300", &["--node-local", "--node-id", "node-a"]),
+        c.node_with(1, "300", &["--node-local", "--node-id", "node-b"]),
+    );
     let shared = c.shared();
     let len = 2 << 20;
-    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, len),
+        Rank::connect(&a, 1, len),
+        Rank::connect(&b, 2, len),
+        Rank::connect(&b, 3, len),
+    ];
     save_all(&mut ranks, 5, &shared);
     // The shared directory holds the index, markers and blobs, no shard.
     let step_dir = catalog::step_path(&shared, 5);
@@ -694,7 +834,12 @@ fn node_local_shards_stay_on_each_nodes_own_disk_and_the_index_names_their_holde
     match load_tensors(&mut r0, 5, &ranks[2]) {
         Reply::Error { code, message, .. } => {
             assert_eq!(code, ckpt_wire::ErrorCode::NotFound);
-            assert!(message.contains("held by node \"node-b\"") && message.contains("this is node \"node-a\"") && message.contains("--drain"), "{message}");
+            assert!(
+                message.contains("held by node \"node-b\"")
+                    && message.contains("this is node \"node-a\"")
+                    && message.contains("--drain"),
+                "{message}"
+            );
         }
         other => panic!("expected an error, got {other:?}"),
     }
@@ -703,9 +848,17 @@ fn node_local_shards_stay_on_each_nodes_own_disk_and_the_index_names_their_holde
 #[test]
 fn node_local_step_whose_node_is_killed_before_its_marker_aborts_on_both_and_leaves_no_folder() {
     let c = Cluster::new();
-    let (a, mut b) = (c.node_with(0, "5", &["--node-local", "--node-id", "a"]), c.node_with(1, "5", &["--node-local", "--node-id", "b"]));
+    let (a, mut b) = (
+        c.node_with(0, "5", &["--node-local", "--node-id", "a"]),
+        c.node_with(1, "5", &["--node-local", "--node-id", "b"]),
+    );
     let shared = c.shared();
-    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 48 << 20), Rank::connect(&b, 3, 1 << 20)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, 1 << 20),
+        Rank::connect(&a, 1, 1 << 20),
+        Rank::connect(&b, 2, 48 << 20),
+        Rank::connect(&b, 3, 1 << 20),
+    ];
     save_all(&mut ranks, 1, &shared);
     // Step 2: rank 2's large part is released, then node b's sidecar is
     // SIGKILLed (mid-write or just after; rank 3's part never goes out).
@@ -718,7 +871,10 @@ fn node_local_step_whose_node_is_killed_before_its_marker_aborts_on_both_and_lea
     }
     for i in [0, 1] {
         match ranks[i].reply() {
-            Reply::Failed { step: 2, reason, .. } => assert!(reason.contains("wrote no marker") && reason.contains("of 4") && reason.contains("aborted"), "{reason}"),
+            Reply::Failed { step: 2, reason, .. } => assert!(
+                reason.contains("wrote no marker") && reason.contains("of 4") && reason.contains("aborted"),
+                "{reason}"
+            ),
             other => panic!("rank {i}: expected Failed, got {other:?}\n{}", a.log()),
         }
     }
@@ -745,7 +901,12 @@ fn node_local_folders_follow_the_coordinators_retention() {
     let args = |id| ["--node-local", "--node-id", id, "--keep", "1"];
     let (a, b) = (c.node_with(0, "300", &args("a")), c.node_with(1, "300", &args("b")));
     let shared = c.shared();
-    let mut ranks = vec![Rank::connect(&a, 0, 1 << 20), Rank::connect(&a, 1, 1 << 20), Rank::connect(&b, 2, 1 << 20), Rank::connect(&b, 3, 1 << 20)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, 1 << 20),
+        Rank::connect(&a, 1, 1 << 20),
+        Rank::connect(&b, 2, 1 << 20),
+        Rank::connect(&b, 3, 1 << 20),
+    ];
     let folder = |s| ckpt_store::format::node_step_dir_name(s).unwrap();
     save_all(&mut ranks, 1, &shared);
     save_all(&mut ranks, 2, &shared);
@@ -766,8 +927,22 @@ fn load_all_tensors(r: &mut Rank, step: Option<u64>, owners: &[Rank], stride: u6
         let n = o.bytes.len() as u64 / 4;
         let half = n / 2;
         let base = i as u64 * stride;
-        tensors.push(TensorDesc { name: format!("w.{}", o.rank), dtype: "F32".into(), shape: vec![half], region_id: 1, offset_bytes: base, len_bytes: 4 * half });
-        tensors.push(TensorDesc { name: format!("b.{}", o.rank), dtype: "F32".into(), shape: vec![n - half], region_id: 1, offset_bytes: base + 4 * half, len_bytes: 4 * (n - half) });
+        tensors.push(TensorDesc {
+            name: format!("w.{}", o.rank),
+            dtype: "F32".into(),
+            shape: vec![half],
+            region_id: 1,
+            offset_bytes: base,
+            len_bytes: 4 * half,
+        });
+        tensors.push(TensorDesc {
+            name: format!("b.{}", o.rank),
+            dtype: "F32".into(),
+            shape: vec![n - half],
+            region_id: 1,
+            offset_bytes: base + 4 * half,
+            len_bytes: 4 * (n - half),
+        });
     }
     ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 60, step, tensors }).unwrap();
     r.reply()
@@ -782,10 +957,18 @@ fn node_local_steps_drain_from_every_node_and_load_from_the_drain_once_a_node_is
     std::fs::create_dir(&remote).unwrap();
     let url = format!("file://{}", remote.display());
     // --shared with --drain: node-local files (no --node-local needed).
-    let (a, mut b) = (c.node_with(0, "300", &["--node-id", "node-a", "--drain", &url]), c.node_with(1, "300", &["--node-id", "node-b", "--drain", &url]));
+    let (a, mut b) = (
+        c.node_with(0, "300", &["--node-id", "node-a", "--drain", &url]),
+        c.node_with(1, "300", &["--node-id", "node-b", "--drain", &url]),
+    );
     let shared = c.shared();
     let len = 1 << 20;
-    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, len),
+        Rank::connect(&a, 1, len),
+        Rank::connect(&b, 2, len),
+        Rank::connect(&b, 3, len),
+    ];
     save_all(&mut ranks, 4, &shared);
     assert!(names_in(&catalog::step_path(&shared, 4)).iter().all(|n| !n.ends_with(".safetensors")));
     // Every rank hears Replicated: each node uploaded its own files, node a
@@ -832,11 +1015,20 @@ fn node_local_shards_are_striped_over_a_nodes_directories_and_its_ranks_load_the
     let second = c.tmp.path().join("node1").join("local2");
     let (a, b) = (
         c.node_with(0, "300", &["--node-local", "--node-id", "a"]),
-        c.node_with(1, "300", &["--node-local", "--node-id", "b", "--dir", second.to_str().unwrap(), "--shard-size", "1MiB"]),
+        c.node_with(
+            1,
+            "300",
+            &["--node-local", "--node-id", "b", "--dir", second.to_str().unwrap(), "--shard-size", "1MiB"],
+        ),
     );
     let shared = c.shared();
     let len = 4 << 20;
-    let mut ranks = vec![Rank::connect(&a, 0, len), Rank::connect(&a, 1, len), Rank::connect(&b, 2, len), Rank::connect(&b, 3, len)];
+    let mut ranks = vec![
+        Rank::connect(&a, 0, len),
+        Rank::connect(&a, 1, len),
+        Rank::connect(&b, 2, len),
+        Rank::connect(&b, 3, len),
+    ];
     save_all(&mut ranks, 6, &shared);
     let index = restore::read_index(&shared, 6).unwrap();
     let nb = &index.ckpt.nodes["b"];
@@ -872,7 +1064,10 @@ impl Rank {
         unsafe {
             let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
             assert!(fd >= 0);
-            assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), bytes.len(), offset as libc::off_t), bytes.len() as isize);
+            assert_eq!(
+                libc::pwrite(fd, bytes.as_ptr().cast(), bytes.len(), offset as libc::off_t),
+                bytes.len() as isize
+            );
             libc::close(fd);
         }
     }
@@ -909,7 +1104,8 @@ fn inode_of(shared: &Path, step: u64, name: &str) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
     let index = restore::read_index(shared, step).unwrap();
     let file = &index.ckpt.tensors[name].file;
-    let id = ckpt_store::incremental::file_inode(shared, step, file).unwrap_or_else(|| panic!("step {step}: no file {file}"));
+    let id = ckpt_store::incremental::file_inode(shared, step, file)
+        .unwrap_or_else(|| panic!("step {step}: no file {file}"));
     let folder = match index.holder(file) {
         Some((_, n)) => PathBuf::from(&n.dirs[0]).join(ckpt_store::format::node_step_dir_name(step).unwrap()),
         None => catalog::step_path(shared, step),
@@ -944,7 +1140,11 @@ fn new_file_bytes(dirs: &[PathBuf], seen: &mut std::collections::HashSet<(u64, u
 /// `reader`'s region (a rank of world size 2 restoring its own part).
 fn load_own_part(reader: &mut Rank, step: u64, owner: u32, frozen: u64, moving: u64) -> Vec<u8> {
     reader.zero_shm();
-    ckpt_wire::write_frame(&mut reader.s, &Request::Load { id: 80, step: Some(step), tensors: frozen_and_moving(owner, frozen, moving) }).unwrap();
+    ckpt_wire::write_frame(
+        &mut reader.s,
+        &Request::Load { id: 80, step: Some(step), tensors: frozen_and_moving(owner, frozen, moving) },
+    )
+    .unwrap();
     match reader.reply() {
         Reply::Loaded { step: s, .. } if s == step => {}
         other => panic!("rank {owner}: expected Loaded of step {step}, got {other:?}"),
@@ -954,7 +1154,10 @@ fn load_own_part(reader: &mut Rank, step: u64, owner: u32, frozen: u64, moving: 
 
 fn cli(args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    (
+        out.status.code().unwrap_or(-1),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
 }
 
 /// Issue 21 on several nodes, with the shards in the shared directory or
@@ -1001,7 +1204,10 @@ fn incremental_parts_are_linked_on_two_nodes(node_local: bool) {
         }
         save_two(&mut ranks, step, &shared, FROZEN, MOVING);
         let written = new_file_bytes(&dirs, &mut seen);
-        println!("{} layout, step {step}: {written} bytes in files written (hard links of earlier files not counted)", if node_local { "node-local" } else { "shared" });
+        println!(
+            "{} layout, step {step}: {written} bytes in files written (hard links of earlier files not counted)",
+            if node_local { "node-local" } else { "shared" }
+        );
         if (2..=3).contains(&step) {
             // The two moving tensors, their shards' headers, index, markers.
             let limit = 2 * MOVING + (256 << 10);
@@ -1011,7 +1217,10 @@ fn incremental_parts_are_linked_on_two_nodes(node_local: bool) {
         frozen_inodes.insert(step, [inode_of(&shared, step, "frozen.0"), inode_of(&shared, step, "frozen.1")]);
         // World size 2: each rank restores its own part through its node.
         for (i, reader) in readers.iter_mut().enumerate() {
-            assert!(load_own_part(reader, step, i as u32, FROZEN, MOVING) == saved[&step][i], "step {step}: rank {i}'s part differs");
+            assert!(
+                load_own_part(reader, step, i as u32, FROZEN, MOVING) == saved[&step][i],
+                "step {step}: rank {i}'s part differs"
+            );
         }
         // World size 1: the whole step, in one reader.
         let l = restore::load(&shared, Which::Step(step), &ReadOptions::default(), None).unwrap();
@@ -1020,7 +1229,10 @@ fn incremental_parts_are_linked_on_two_nodes(node_local: bool) {
             assert!(l.tensor(&format!("moving.{i}")).unwrap() == &want[FROZEN as usize..], "step {step}: moving.{i}");
         }
         let index = restore::read_index(&shared, step).unwrap();
-        assert!(index.ckpt.tensors.values().all(|t| t.xxh128.is_some()), "step {step}: the parts' digests are in the index");
+        assert!(
+            index.ckpt.tensors.values().all(|t| t.xxh128.is_some()),
+            "step {step}: the parts' digests are in the index"
+        );
     }
     // Rank 0's frozen tensor never changed: one file, step 1's, in every
     // step. Rank 1's changed at step 4: written then, linked before.
@@ -1035,13 +1247,20 @@ fn incremental_parts_are_linked_on_two_nodes(node_local: bool) {
     assert_eq!(catalog::committed_steps(&shared).unwrap(), [3, 4]);
     if node_local {
         for n in 0..2 {
-            assert!(!c.local(n).join(ckpt_store::format::node_step_dir_name(1).unwrap()).exists(), "{:?}", names_in(&c.local(n)));
+            assert!(
+                !c.local(n).join(ckpt_store::format::node_step_dir_name(1).unwrap()).exists(),
+                "{:?}",
+                names_in(&c.local(n))
+            );
         }
     }
     for s in [3, 4] {
         let l = restore::load(&shared, Which::Step(s), &ReadOptions::default(), None).unwrap();
         for i in 0..2 {
-            assert!(l.tensor(&format!("frozen.{i}")).unwrap() == &saved[&s][i][..FROZEN as usize], "step {s}: frozen.{i}");
+            assert!(
+                l.tensor(&format!("frozen.{i}")).unwrap() == &saved[&s][i][..FROZEN as usize],
+                "step {s}: frozen.{i}"
+            );
         }
     }
     let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
@@ -1091,7 +1310,10 @@ fn node_local_parts_are_written_in_full_every_kth_step_and_verify_names_the_step
     }
     for i in 0..2 {
         assert_eq!(inodes[&2][i], inodes[&1][i], "rank {i}: step 2 links step 1's file");
-        assert_ne!(inodes[&3][i], inodes[&2][i], "rank {i}: step 3 is its second part since a full one: written in full");
+        assert_ne!(
+            inodes[&3][i], inodes[&2][i],
+            "rank {i}: step 3 is its second part since a full one: written in full"
+        );
         assert_eq!(inodes[&4][i], inodes[&3][i], "rank {i}: step 4 links step 3's file");
     }
     let (code, out) = cli(&["verify", shared.to_str().unwrap()]);
@@ -1134,7 +1356,11 @@ fn node_local_sidecar_killed_while_linking_leaves_no_step_that_fails_and_the_ret
     ranks[1].save_part(2, 2, frozen_and_moving(1, FROZEN, MOVING), vec![]);
     let t0 = Instant::now();
     while b.child.try_wait().unwrap().is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "node b's sidecar never linked a shard (it kills itself at its first link)\n{}", b.log());
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "node b's sidecar never linked a shard (it kills itself at its first link)\n{}",
+            b.log()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     ranks[0].save_part(2, 2, frozen_and_moving(0, FROZEN, MOVING), vec![]);
@@ -1155,7 +1381,11 @@ fn node_local_sidecar_killed_while_linking_leaves_no_step_that_fails_and_the_ret
     ranks[1].write_shm(FROZEN as usize, &[2]);
     save_two(&mut ranks, 2, &shared, FROZEN, MOVING);
     for i in 0..2 {
-        assert_eq!(inode_of(&shared, 2, &format!("frozen.{i}")), inode_of(&shared, 1, &format!("frozen.{i}")), "rank {i}");
+        assert_eq!(
+            inode_of(&shared, 2, &format!("frozen.{i}")),
+            inode_of(&shared, 1, &format!("frozen.{i}")),
+            "rank {i}"
+        );
     }
     let l = restore::load(&shared, Which::Step(2), &ReadOptions::default(), None).unwrap();
     for (i, r) in ranks.iter().enumerate() {

@@ -26,7 +26,8 @@ struct Sidecar {
 impl Sidecar {
     fn start(part_timeout_s: &str) -> Sidecar {
         let tmp = tempfile::tempdir().unwrap();
-        let (dir, socket, log) = (tmp.path().join("ckpt"), tmp.path().join("run").join("s.sock"), tmp.path().join("sidecar.log"));
+        let (dir, socket, log) =
+            (tmp.path().join("ckpt"), tmp.path().join("run").join("s.sock"), tmp.path().join("sidecar.log"));
         let child = Command::new(BIN)
             .args(["serve", "--staging", "64MiB", "--dir"])
             .arg(&dir)
@@ -39,7 +40,11 @@ impl Sidecar {
             .unwrap();
         let t0 = Instant::now();
         while UnixStream::connect(&socket).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(30), "sidecar did not listen: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "sidecar did not listen: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Sidecar { child, socket, dir, log, _tmp: tmp }
@@ -69,7 +74,11 @@ struct Shm {
 
 fn register(s: &mut UnixStream, rank: u32, len: usize) -> Shm {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let name = format!("/ckpt-ranks-test-{}-{rank}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let name = format!(
+        "/ckpt-ranks-test-{}-{rank}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
     let mut bytes = vec![0u8; len];
     ckpt_store::synthetic::fill(&mut bytes, 7 + rank as u64);
     let c = std::ffi::CString::new(name.clone()).unwrap();
@@ -81,7 +90,17 @@ fn register(s: &mut UnixStream, rank: u32, len: usize) -> Shm {
         assert_eq!(libc::pwrite(fd, bytes.as_ptr().cast(), len, 0), len as isize);
         libc::close(fd);
     }
-    ckpt_wire::write_frame(s, &Request::RegisterRegion { id: 1, region_id: 1, shm_name: name.clone(), len_bytes: len as u64, hand_over: false }).unwrap();
+    ckpt_wire::write_frame(
+        s,
+        &Request::RegisterRegion {
+            id: 1,
+            region_id: 1,
+            shm_name: name.clone(),
+            len_bytes: len as u64,
+            hand_over: false,
+        },
+    )
+    .unwrap();
     assert!(matches!(ckpt_wire::read_frame::<Reply>(s).unwrap(), Reply::RegionRegistered { .. }));
     Shm { name, bytes }
 }
@@ -95,7 +114,16 @@ impl Drop for Shm {
 }
 
 fn part(s: &mut UnixStream, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>) {
-    let req = Request::SavePart { id: 10 + rank as u64, step, rank, world_size, tensors, blobs, lazy_release: rank % 2 == 0, unchanged: None };
+    let req = Request::SavePart {
+        id: 10 + rank as u64,
+        step,
+        rank,
+        world_size,
+        tensors,
+        blobs,
+        lazy_release: rank % 2 == 0,
+        unchanged: None,
+    };
     ckpt_wire::write_frame(s, &req).unwrap();
 }
 
@@ -108,7 +136,11 @@ fn f32s(name: &str, n: u64, offset_bytes: u64) -> TensorDesc {
 }
 
 fn hidden(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(".tmp")).collect()
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp"))
+        .collect()
 }
 
 #[test]
@@ -116,11 +148,25 @@ fn every_ranks_part_commits_as_one_checkpoint_and_only_then_is_durable() {
     let sc = Sidecar::start("300");
     let (mut a, mut b) = (sc.client(), sc.client());
     let (sa, sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
-    part(&mut a, 3, 0, 2, vec![f32s("w.0", 100_000, 0)], vec![Blob { name: "structure.pkl".into(), bytes: b"s".to_vec() }]);
+    part(
+        &mut a,
+        3,
+        0,
+        2,
+        vec![f32s("w.0", 100_000, 0)],
+        vec![Blob { name: "structure.pkl".into(), bytes: b"s".to_vec() }],
+    );
     assert!(matches!(reply(&mut a), Reply::Released { step: 3, .. }));
     // Rank 0 alone: released, but not committed until rank 1's part is here.
     assert!(!catalog::is_committed(&sc.dir, 3));
-    part(&mut b, 3, 1, 2, vec![f32s("w.1", 90_000, 4096), f32s("b.1", 10_000, 400_000)], vec![Blob { name: "rng.rank-00001.pkl".into(), bytes: b"r1".to_vec() }]);
+    part(
+        &mut b,
+        3,
+        1,
+        2,
+        vec![f32s("w.1", 90_000, 4096), f32s("b.1", 10_000, 400_000)],
+        vec![Blob { name: "rng.rank-00001.pkl".into(), bytes: b"r1".to_vec() }],
+    );
     assert!(matches!(reply(&mut b), Reply::Released { step: 3, .. }));
     for s in [&mut a, &mut b] {
         match reply(s) {
@@ -167,7 +213,11 @@ fn a_step_some_rank_never_sends_is_given_up_and_a_stray_world_size_refused() {
     part(&mut b, 4, 1, 2, vec![f32s("w.1", 1000, 0)], vec![]);
     for s in [&mut a, &mut b] {
         assert!(matches!(reply(s), Reply::Released { step: 4, .. }));
-        assert!(matches!(reply(s), Reply::Durable { step: 4, .. }), "{}", std::fs::read_to_string(&sc.log).unwrap_or_default());
+        assert!(
+            matches!(reply(s), Reply::Durable { step: 4, .. }),
+            "{}",
+            std::fs::read_to_string(&sc.log).unwrap_or_default()
+        );
     }
 }
 
@@ -194,12 +244,25 @@ fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
     let (mut a, mut b) = (sc.client(), sc.client());
     let (sa, sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
     // w is F32 [3, 100]: elements [0, 100) on rank 0, [100, 300) on rank 1.
-    let decl = |t: &str, a: u64, b: u64| format!(r#"{{"slices":[{{"tensor":"{t}","of":"w","shape":[3,100],"elems":[{a},{b}]}}]}}"#);
+    let decl = |t: &str, a: u64, b: u64| {
+        format!(r#"{{"slices":[{{"tensor":"{t}","of":"w","shape":[3,100],"elems":[{a},{b}]}}]}}"#)
+    };
     part(&mut a, 6, 0, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![slices_blob(&decl("w#elems[0:100]", 0, 100))]);
-    part(&mut b, 6, 1, 2, vec![f32s("w#elems[100:300]", 200, 4096), f32s("b", 10, 8192)], vec![slices_blob(&decl("w#elems[100:300]", 100, 300))]);
+    part(
+        &mut b,
+        6,
+        1,
+        2,
+        vec![f32s("w#elems[100:300]", 200, 4096), f32s("b", 10, 8192)],
+        vec![slices_blob(&decl("w#elems[100:300]", 100, 300))],
+    );
     for s in [&mut a, &mut b] {
         assert!(matches!(reply(s), Reply::Released { step: 6, .. }));
-        assert!(matches!(reply(s), Reply::Durable { step: 6, .. }), "{}", std::fs::read_to_string(&sc.log).unwrap_or_default());
+        assert!(
+            matches!(reply(s), Reply::Durable { step: 6, .. }),
+            "{}",
+            std::fs::read_to_string(&sc.log).unwrap_or_default()
+        );
     }
     let index = restore::read_index(&sc.dir, 6).unwrap();
     // Slices (2) and, with the default --incremental on, digests (3).
@@ -214,23 +277,40 @@ fn declared_slices_become_one_logical_tensor_that_loads_whole_by_name() {
     ckpt_wire::write_frame(&mut a, &Request::Load { id: 20, step: Some(6), tensors: vec![] }).unwrap();
     match reply(&mut a) {
         Reply::Loaded { tensors, .. } => {
-            let names: Vec<(&str, &[u64], u64)> = tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice(), t.len_bytes)).collect();
+            let names: Vec<(&str, &[u64], u64)> =
+                tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice(), t.len_bytes)).collect();
             assert_eq!(names, [("b", &[10u64][..], 40), ("w", &[3, 100][..], 1200)]);
         }
         other => panic!("expected Loaded, got {other:?}"),
     }
-    let desc = TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![3, 100], region_id: 1, offset_bytes: 65536, len_bytes: 1200 };
+    let desc = TensorDesc {
+        name: "w".into(),
+        dtype: "F32".into(),
+        shape: vec![3, 100],
+        region_id: 1,
+        offset_bytes: 65536,
+        len_bytes: 1200,
+    };
     ckpt_wire::write_frame(&mut a, &Request::Load { id: 21, step: Some(6), tensors: vec![desc] }).unwrap();
     assert!(matches!(reply(&mut a), Reply::Loaded { step: 6, .. }));
     assert_eq!(&read_shm(&sa.name, 65536 + 1200)[65536..], &whole[..]);
 
     // Declarations that leave a gap fail every rank's part with one line.
     part(&mut a, 7, 0, 2, vec![f32s("w#elems[0:100]", 100, 0)], vec![slices_blob(&decl("w#elems[0:100]", 0, 100))]);
-    part(&mut b, 7, 1, 2, vec![f32s("w#elems[100:300]", 200, 4096)], vec![slices_blob(&decl("w#elems[100:300]", 120, 300))]);
+    part(
+        &mut b,
+        7,
+        1,
+        2,
+        vec![f32s("w#elems[100:300]", 200, 4096)],
+        vec![slices_blob(&decl("w#elems[100:300]", 120, 300))],
+    );
     for s in [&mut a, &mut b] {
         assert!(matches!(reply(s), Reply::Released { step: 7, .. }));
         match reply(s) {
-            Reply::Failed { step: 7, reason, .. } => assert!(reason.contains("sliced tensor \"w\"") && !reason.contains('\n'), "{reason}"),
+            Reply::Failed { step: 7, reason, .. } => {
+                assert!(reason.contains("sliced tensor \"w\"") && !reason.contains('\n'), "{reason}")
+            }
             other => panic!("expected Failed, got {other:?}"),
         }
     }
@@ -256,7 +336,12 @@ fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks
         assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
         match reply(s) {
             Reply::Failed { step: 5, code: ErrorCode::BadRequest, reason, .. } => {
-                assert!(reason.contains("rank 0") && reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\""), "{reason}");
+                assert!(
+                    reason.contains("rank 0")
+                        && reason.contains("\"only0\"")
+                        && reason.contains("rank 1 stores \"only1\""),
+                    "{reason}"
+                );
                 assert!(!reason.contains('\n'), "{reason}");
             }
             other => panic!("expected Failed, got {other:?}"),
@@ -303,7 +388,9 @@ fn a_rank_that_resumes_after_the_part_timeout_is_told_the_others_sent_to_the_att
         std::thread::sleep(Duration::from_millis(20));
     }
     match reply(&mut a) {
-        Reply::Failed { step: 4, reason, .. } => assert!(reason.contains("rank(s) [1] of 2") && !reason.contains("earlier attempt"), "{reason}"),
+        Reply::Failed { step: 4, reason, .. } => {
+            assert!(reason.contains("rank(s) [1] of 2") && !reason.contains("earlier attempt"), "{reason}")
+        }
         other => panic!("expected Failed, got {other:?}"),
     }
     // Rank 1 resumes after the timeout: a new attempt, alone.
@@ -311,7 +398,10 @@ fn a_rank_that_resumes_after_the_part_timeout_is_told_the_others_sent_to_the_att
     assert!(matches!(reply(&mut b), Reply::Released { step: 4, .. }));
     match reply(&mut b) {
         Reply::Failed { step: 4, reason, .. } => {
-            assert!(reason.contains("rank(s) [0] of 2") && reason.contains("rank(s) [0] sent theirs to an earlier attempt"), "{reason}")
+            assert!(
+                reason.contains("rank(s) [0] of 2") && reason.contains("rank(s) [0] sent theirs to an earlier attempt"),
+                "{reason}"
+            )
         }
         other => panic!("expected Failed, got {other:?}"),
     }

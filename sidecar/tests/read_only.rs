@@ -20,22 +20,43 @@ const MOUNT_RO: &str = r#"mount --bind "$0" "$0" && mount -o remount,bind,ro "$0
 /// The unshare flags that let this process mount here, if any.
 fn unshare_flags(dir: &Path) -> Option<&'static str> {
     ["-m", "-rm"].into_iter().find(|f| {
-        Command::new("unshare").args([f, "sh", "-c", MOUNT_RO]).arg(dir).arg("true").output().is_ok_and(|o| o.status.success())
+        Command::new("unshare")
+            .args([f, "sh", "-c", MOUNT_RO])
+            .arg(dir)
+            .arg("true")
+            .output()
+            .is_ok_and(|o| o.status.success())
     })
 }
 
 /// Runs `ckpt-sidecar ARGS` with `dir` read-only.
 fn read_only(flags: &str, dir: &Path, args: &[&str]) -> Output {
-    Command::new("unshare").args([flags, "sh", "-c", MOUNT_RO]).arg(dir).arg(BIN).args(args).output().expect("run unshare")
+    Command::new("unshare")
+        .args([flags, "sh", "-c", MOUNT_RO])
+        .arg(dir)
+        .arg(BIN)
+        .args(args)
+        .output()
+        .expect("run unshare")
 }
 
 fn text(o: &Output) -> String {
-    format!("exit {:?}\nstdout: {}\nstderr: {}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn write_steps(dir: &Path, steps: &[u64]) {
     for s in steps {
-        let o = Command::new(BIN).args(["bench", "write", "--dir"]).arg(dir).args(["--size", "1MiB", "--step", &s.to_string()]).output().unwrap();
+        let o = Command::new(BIN)
+            .args(["bench", "write", "--dir"])
+            .arg(dir)
+            .args(["--size", "1MiB", "--step", &s.to_string()])
+            .output()
+            .unwrap();
         assert!(o.status.success(), "{}", text(&o));
     }
 }
@@ -59,7 +80,12 @@ fn gc_and_rollback_on_a_read_only_directory_refuse_naming_it_and_ls_verify_read_
         let o = read_only(flags, &d, &args);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
-        assert!(err.contains(&format!("{ds}: the checkpoint directory is read-only")) && err.contains(&format!("{role} writes there")), "{args:?}: {}", text(&o));
+        assert!(
+            err.contains(&format!("{ds}: the checkpoint directory is read-only"))
+                && err.contains(&format!("{role} writes there")),
+            "{args:?}: {}",
+            text(&o)
+        );
         assert_eq!(err.trim().lines().count(), 1, "one line: {}", text(&o));
     }
     // Nothing was deleted or un-committed.
@@ -88,7 +114,13 @@ fn serve_read_only_on_a_writable_directory_takes_no_lock_and_leaves_the_owner_lo
     let leftover = d.join(".tmp-step-000000000002-0123abcd");
     std::fs::create_dir(&leftover).unwrap();
     let sock = tmp.path().join("ro.sock");
-    let mut ro = Command::new(BIN).args(["serve", "--read-only", "--staging", "2MiB", "--dir"]).arg(&d).arg("--socket").arg(&sock).spawn().unwrap();
+    let mut ro = Command::new(BIN)
+        .args(["serve", "--read-only", "--staging", "2MiB", "--dir"])
+        .arg(&d)
+        .arg("--socket")
+        .arg(&sock)
+        .spawn()
+        .unwrap();
     wait_socket(&sock, &mut ro);
     let o = Command::new(BIN).arg("status").arg("--socket").arg(&sock).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
@@ -96,7 +128,13 @@ fn serve_read_only_on_a_writable_directory_takes_no_lock_and_leaves_the_owner_lo
     assert!(leftover.is_dir(), "a read-only sidecar ran recovery");
     // The directory's owner can still start beside the reader (and locks it).
     let sock2 = tmp.path().join("rw.sock");
-    let mut rw = Command::new(BIN).args(["serve", "--staging", "2MiB", "--dir"]).arg(&d).arg("--socket").arg(&sock2).spawn().unwrap();
+    let mut rw = Command::new(BIN)
+        .args(["serve", "--staging", "2MiB", "--dir"])
+        .arg(&d)
+        .arg("--socket")
+        .arg(&sock2)
+        .spawn()
+        .unwrap();
     wait_socket(&sock2, &mut rw);
     assert!(!leftover.exists(), "the owner's recovery removes the leftover");
     let o = Command::new(BIN).args(["gc", "--keep", "1"]).arg(&d).output().unwrap();

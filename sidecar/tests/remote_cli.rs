@@ -21,16 +21,36 @@ fn run(args: &[&str], env: &[(String, String)]) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!("status {:?}\nstdout:\n{}\nstderr:\n{}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// Steps 1 and 2 (several shards each) written locally, uploaded to `t`.
 fn local_steps_uploaded(local: &Path, t: &Target) {
     for step in [1u64, 2] {
-        let o = run(&["bench", "write", "--dir", p(local), "--size", "8MiB", "--shard-size", "3MiB", "--step", &step.to_string()], &[]);
+        let o = run(
+            &[
+                "bench",
+                "write",
+                "--dir",
+                p(local),
+                "--size",
+                "8MiB",
+                "--shard-size",
+                "3MiB",
+                "--step",
+                &step.to_string(),
+            ],
+            &[],
+        );
         assert!(o.status.success(), "{}", text(&o));
         let index = ckpt_store::restore::read_index(local, step).unwrap();
-        let index_json = std::fs::read(local.join(format::step_dir_name(step).unwrap()).join(format::INDEX_FILE_NAME)).unwrap();
+        let index_json =
+            std::fs::read(local.join(format::step_dir_name(step).unwrap()).join(format::INDEX_FILE_NAME)).unwrap();
         t.upload_step(step, &local_files(local, &index), &index_json).unwrap();
     }
 }
@@ -47,7 +67,12 @@ fn ls_inspect_verify_ok(url: &str, env: &[(String, String)]) {
     let o = run(&["ls", url], env);
     assert!(o.status.success(), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.lines().any(|l| l.trim_start().starts_with("1 ")) && out.lines().any(|l| l.trim_start().starts_with("2 ") && l.ends_with('*')), "{}", text(&o));
+    assert!(
+        out.lines().any(|l| l.trim_start().starts_with("1 "))
+            && out.lines().any(|l| l.trim_start().starts_with("2 ") && l.ends_with('*')),
+        "{}",
+        text(&o)
+    );
 
     let o = run(&["ls", url, "--json"], env);
     assert!(o.status.success(), "{}", text(&o));
@@ -58,7 +83,11 @@ fn ls_inspect_verify_ok(url: &str, env: &[(String, String)]) {
 
     let o = run(&["inspect", url, "--step", "1"], env);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stdout).starts_with(&format!("step 1 in {url}/step-000000000001: ")), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).starts_with(&format!("step 1 in {url}/step-000000000001: ")),
+        "{}",
+        text(&o)
+    );
 
     let o = run(&["verify", url], env);
     assert!(o.status.success(), "{}", text(&o));
@@ -127,7 +156,11 @@ fn remote_cli_s3_ls_inspect_verify_and_flipped_byte() {
     let o = run(&["verify", &url, "--step", "2"], &server.env);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("step 2: DAMAGED") && out.contains(&name) && out.contains("checksum mismatch"), "{}", text(&o));
+    assert!(
+        out.contains("step 2: DAMAGED") && out.contains(&name) && out.contains("checksum mismatch"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]

@@ -46,7 +46,13 @@ impl Store {
     /// Writes one file at `dest` (outside the checkpoint directories)
     /// atomically from `len_bytes` of `staging` at `offset_bytes`, with the
     /// primary directory's engine; see [`write_atomic`].
-    pub fn write_file(&mut self, dest: &Path, staging: &dyn BufAddr, offset_bytes: u64, len_bytes: u64) -> Result<FileReport, CommitError> {
+    pub fn write_file(
+        &mut self,
+        dest: &Path,
+        staging: &dyn BufAddr,
+        offset_bytes: u64,
+        len_bytes: u64,
+    ) -> Result<FileReport, CommitError> {
         let (engine, chunk_bytes) = self.primary_engine(dest)?;
         write_atomic(engine, dest, staging, offset_bytes, len_bytes, chunk_bytes)
     }
@@ -87,7 +93,15 @@ fn open_temp(dest: &Path, dir: &Path) -> io::Result<TempFile> {
             match o.open(named.as_deref().unwrap_or(dir)) {
                 Ok(file) => return Ok(TempFile { file, direct, named }),
                 Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => continue,
-                Err(e) if tmpfile && matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::ENOENT)) => break,
+                Err(e)
+                    if tmpfile
+                        && matches!(
+                            e.raw_os_error(),
+                            Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::ENOENT)
+                        ) =>
+                {
+                    break
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -101,7 +115,8 @@ fn link_unnamed(f: &File, to: &Path) -> io::Result<()> {
     let to_c = CString::new(to.as_os_str().as_bytes()).map_err(io::Error::other)?;
     let proc = CString::new(format!("/proc/self/fd/{}", f.as_raw_fd())).expect("no NUL");
     // SAFETY: valid NUL-terminated paths; AT_FDCWD as the directories.
-    let r = unsafe { libc::linkat(libc::AT_FDCWD, proc.as_ptr(), libc::AT_FDCWD, to_c.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+    let r =
+        unsafe { libc::linkat(libc::AT_FDCWD, proc.as_ptr(), libc::AT_FDCWD, to_c.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
     if r == 0 {
         return Ok(());
     }
@@ -157,12 +172,21 @@ fn write_temp(
     let io_len = if tmp.direct { config::align_up(len_bytes, DIRECT_ALIGN_BYTES) } else { len_bytes };
     assert!(offset_bytes + io_len <= staging.len_bytes() as u64, "range outside staging");
     let f = &tmp.file;
-    crate::commit::reserve(f, io_len).map_err(|e| CommitError::io(dir, format!("reserve {io_len} bytes for {}", dest.display()), e).needing(io_len))?;
-    let fio = FileIo { fd: f.as_raw_fd(), ptr: staging.as_ptr().wrapping_add(offset_bytes as usize) as *mut u8, io_len, file_len: len_bytes, window_bytes: 0 };
+    crate::commit::reserve(f, io_len).map_err(|e| {
+        CommitError::io(dir, format!("reserve {io_len} bytes for {}", dest.display()), e).needing(io_len)
+    })?;
+    let fio = FileIo {
+        fd: f.as_raw_fd(),
+        ptr: staging.as_ptr().wrapping_add(offset_bytes as usize) as *mut u8,
+        io_len,
+        file_len: len_bytes,
+        window_bytes: 0,
+    };
     // SAFETY: `staging` is live memory while borrowed (BufAddr's contract),
     // borrowed for the whole call, and the range was checked above against
     // its length; drive() reaps every request before it returns.
-    unsafe { eio::drive(engine, OpKind::Write, std::slice::from_ref(&fio), chunk_bytes, |_, _| {}) }.map_err(|e| drive_error(dest, e))?;
+    unsafe { eio::drive(engine, OpKind::Write, std::slice::from_ref(&fio), chunk_bytes, |_, _| {}) }
+        .map_err(|e| drive_error(dest, e))?;
     if io_len != len_bytes {
         f.set_len(len_bytes).map_err(|e| CommitError::io(dir, format!("truncate padding of {}", dest.display()), e))?;
     }

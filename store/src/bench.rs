@@ -71,14 +71,24 @@ pub struct WriteArgs {
 pub fn write(args: &WriteArgs) -> anyhow::Result<Figures> {
     let fio = if args.compare_fio { Some(fio_gib_per_s(&args.dirs[0], args.size_bytes, "write")?) } else { None };
     let t_prep = Instant::now();
-    anyhow::ensure!(args.size_bytes > 0 && args.shard_bytes_max > 0, "bench write needs a size and a shard size of at least 1 byte");
+    anyhow::ensure!(
+        args.size_bytes > 0 && args.shard_bytes_max > 0,
+        "bench write needs a size and a shard size of at least 1 byte"
+    );
     // Memory first: a size this machine cannot hold fails before any
     // directory is created or locked.
     let specs = synthetic::transformer_specs(args.size_bytes);
-    let layout = Layout::plan(specs, LayoutOptions { n_dirs: args.dirs.len(), shard_bytes_max: args.shard_bytes_max, ..Default::default() })?;
+    let layout = Layout::plan(
+        specs,
+        LayoutOptions { n_dirs: args.dirs.len(), shard_bytes_max: args.shard_bytes_max, ..Default::default() },
+    )?;
     let mut staging = alloc(layout.staging_len, &format!("the state of --size {} bytes", args.size_bytes))?;
     staging.try_lock();
-    let mut store = Store::open(StoreOptions { io: args.io, lock_role: "bench write".into(), ..StoreOptions::new(args.dirs.clone()) })?;
+    let mut store = Store::open(StoreOptions {
+        io: args.io,
+        lock_role: "bench write".into(),
+        ..StoreOptions::new(args.dirs.clone())
+    })?;
     let step = match args.step {
         Some(s) => s,
         None => catalog::committed_steps(store.primary())?.last().map_or(1, |s| s + 1),
@@ -136,7 +146,8 @@ pub fn read(args: &ReadArgs) -> anyhow::Result<Figures> {
     let prepare_seconds = t_prep.elapsed().as_secs_f64();
     let cpu0 = cpu_now();
     let t0 = Instant::now();
-    let loaded = restore::load(&args.dir, Which::Step(step), &ReadOptions { io: args.io, ..Default::default() }, Some(buf))?;
+    let loaded =
+        restore::load(&args.dir, Which::Step(step), &ReadOptions { io: args.io, ..Default::default() }, Some(buf))?;
     let seconds = t0.elapsed().as_secs_f64();
     let cpu1 = cpu_now();
     let gib = loaded.bytes as f64 / (1u64 << 30) as f64;
@@ -162,8 +173,11 @@ pub fn read(args: &ReadArgs) -> anyhow::Result<Figures> {
 /// Pre-faulted memory of `len` bytes for a benchmark; the error names the
 /// size and what it was for.
 fn alloc(len: u64, what: &str) -> anyhow::Result<AlignedBuf> {
-    let n = usize::try_from(len).map_err(|_| anyhow::anyhow!("cannot allocate {} for {what}: too large for this machine", crate::units::human_bytes(len)))?;
-    AlignedBuf::new(n).map_err(|e| anyhow::anyhow!("cannot allocate {} for {what}: {e}", crate::units::human_bytes(len)))
+    let n = usize::try_from(len).map_err(|_| {
+        anyhow::anyhow!("cannot allocate {} for {what}: too large for this machine", crate::units::human_bytes(len))
+    })?;
+    AlignedBuf::new(n)
+        .map_err(|e| anyhow::anyhow!("cannot allocate {} for {what}: {e}", crate::units::human_bytes(len)))
 }
 
 /// fio's sequential O_DIRECT throughput for `size_bytes` in `dir`, with the
@@ -201,7 +215,9 @@ pub fn fio_gib_per_s(dir: &Path, size_bytes: u64, rw: &str) -> anyhow::Result<f6
             run(base("prep", "write"))?;
         }
         let j = run(base("limit", rw))?;
-        let bw = j["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| anyhow::anyhow!("fio JSON without jobs[0].{rw}.bw_bytes"))?;
+        let bw = j["jobs"][0][rw]["bw_bytes"]
+            .as_f64()
+            .ok_or_else(|| anyhow::anyhow!("fio JSON without jobs[0].{rw}.bw_bytes"))?;
         Ok(bw / (1u64 << 30) as f64)
     })();
     let _ = std::fs::remove_file(&f);

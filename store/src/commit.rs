@@ -32,11 +32,11 @@ use crate::config;
 use crate::format::{self, FormatError, BLOBS_DIR_NAME, INDEX_FILE_NAME, TMP_PREFIX};
 use crate::image::{self, Blob, Layout};
 use crate::io::{self as eio, DriveError, EngineChoice, FaultPlan, FaultyEngine, FileIo, IoEngine, IoPolicy, OpKind};
+use crate::lock::{DirLock, LockError};
 use crate::mem::{BufAddr, SharedBuf};
 use crate::progress::Progress;
-use crate::recovery::{self, RecoveryReport};
-use crate::lock::{DirLock, LockError};
 use crate::read_only::{self, ReadOnly, ReadOnlyDir};
+use crate::recovery::{self, RecoveryReport};
 use crate::retention::{self, Retention};
 use crate::rollback::{self, RollbackError};
 
@@ -120,9 +120,11 @@ pub enum StoreError {
 fn check_dir(d: &Path, create: bool) -> Result<(), StoreError> {
     match catalog::check_dir(d) {
         Ok(()) => Ok(()),
-        Err(catalog::DirError::NoSuchDir(_)) if create => {
-            fs::create_dir_all(d).map_err(|e| StoreError::Io { path: d.to_path_buf(), what: "create directory", source: e })
-        }
+        Err(catalog::DirError::NoSuchDir(_)) if create => fs::create_dir_all(d).map_err(|e| StoreError::Io {
+            path: d.to_path_buf(),
+            what: "create directory",
+            source: e,
+        }),
         Err(catalog::DirError::NoSuchDir(p)) => Err(StoreError::NoSuchDir(p)),
         Err(catalog::DirError::NotADir(p)) => Err(StoreError::NotADir(p)),
         Err(catalog::DirError::Io { path, source }) => Err(StoreError::Io { path, what: "look up directory", source }),
@@ -174,7 +176,9 @@ impl CommitError {
     /// Says how many bytes the failed step needed, if the disk was full.
     pub(crate) fn needing(self, n: u64) -> CommitError {
         match self {
-            CommitError::DiskFull { dir, what, source, .. } => CommitError::DiskFull { dir, what, needed_bytes: Some(n), source },
+            CommitError::DiskFull { dir, what, source, .. } => {
+                CommitError::DiskFull { dir, what, needed_bytes: Some(n), source }
+            }
             other => other,
         }
     }
@@ -258,7 +262,11 @@ impl Store {
         let mut paths: Vec<PathBuf> = Vec::new();
         for d in &opts.dirs {
             check_dir(d, opts.create)?;
-            let p = fs::canonicalize(d).map_err(|e| StoreError::Io { path: d.clone(), what: "resolve directory", source: e })?;
+            let p = fs::canonicalize(d).map_err(|e| StoreError::Io {
+                path: d.clone(),
+                what: "resolve directory",
+                source: e,
+            })?;
             if paths.contains(&p) {
                 return Err(StoreError::DuplicateDir(p));
             }
@@ -267,7 +275,11 @@ impl Store {
         let (locks, read_only) = lock_or_read_only(&paths, &opts)?;
         let mut ids = Vec::new();
         for p in &paths {
-            let m = fs::metadata(p).map_err(|e| StoreError::Io { path: p.clone(), what: "look up directory", source: e })?;
+            let m = fs::metadata(p).map_err(|e| StoreError::Io {
+                path: p.clone(),
+                what: "look up directory",
+                source: e,
+            })?;
             ids.push((m.dev(), m.ino()));
         }
         if let Some(ro) = &read_only {
@@ -284,7 +296,11 @@ impl Store {
                 }
                 None => eio::probe(p, opts.io)?,
             };
-            let mut engine = choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
+            let mut engine = choice.open_engine().map_err(|e| StoreError::Io {
+                path: p.clone(),
+                what: "start I/O engine",
+                source: e,
+            })?;
             if let Some(plan) = &opts.faults {
                 engine = Box::new(FaultyEngine::new(engine, plan.clone()));
             }
@@ -298,14 +314,37 @@ impl Store {
         if read_only.is_some() {
             // Recovery writes (removes leftovers, repairs `latest`); readers
             // skip temp folders and fall back past a `latest` that fails.
-            return Ok(Store { locks, dirs, paths, opts, recovery: RecoveryReport::default(), abort: None, shared, ids, read_only, retention_hold: None, link_unchanged: true, incremental: None });
+            return Ok(Store {
+                locks,
+                dirs,
+                paths,
+                opts,
+                recovery: RecoveryReport::default(),
+                abort: None,
+                shared,
+                ids,
+                read_only,
+                retention_hold: None,
+                link_unchanged: true,
+                incremental: None,
+            });
         }
-        let mut recovery = recovery::recover(&paths).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery", source: e })?;
+        let mut recovery = recovery::recover(&paths).map_err(|e| StoreError::Io {
+            path: paths[0].clone(),
+            what: "recovery",
+            source: e,
+        })?;
         if let Some(sh) = &shared {
-            let removed = recovery::recover_shared(&sh.path, opts.shared_stale_after).map_err(|e| StoreError::Io { path: sh.path.clone(), what: "recovery of the shared directory", source: e })?;
+            let removed = recovery::recover_shared(&sh.path, opts.shared_stale_after).map_err(|e| StoreError::Io {
+                path: sh.path.clone(),
+                what: "recovery of the shared directory",
+                source: e,
+            })?;
             recovery.removed.extend(removed);
             if opts.node_local.is_some() {
-                let removed = recovery::sweep_node_local(&paths, &sh.path, &Default::default()).map_err(|e| StoreError::Io { path: paths[0].clone(), what: "recovery of node-local step folders", source: e })?;
+                let removed = recovery::sweep_node_local(&paths, &sh.path, &Default::default()).map_err(|e| {
+                    StoreError::Io { path: paths[0].clone(), what: "recovery of node-local step folders", source: e }
+                })?;
                 recovery.removed.extend(removed);
             }
         }
@@ -318,7 +357,20 @@ impl Store {
         for w in &recovery.warnings {
             warn!("{w}");
         }
-        Ok(Store { locks, dirs, paths, opts, recovery, abort: None, shared, ids, read_only: None, retention_hold: None, link_unchanged: true, incremental: None })
+        Ok(Store {
+            locks,
+            dirs,
+            paths,
+            opts,
+            recovery,
+            abort: None,
+            shared,
+            ids,
+            read_only: None,
+            retention_hold: None,
+            link_unchanged: true,
+            incremental: None,
+        })
     }
 
     pub fn dirs(&self) -> &[PathBuf] {
@@ -411,7 +463,9 @@ impl Store {
             match fs::metadata(p) {
                 Ok(m) if (m.dev(), m.ino()) == (dev, ino) => {}
                 Ok(_) => return Err(CommitError::DirReplaced { dir: p.clone(), what: "removed and made again" }),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(CommitError::DirReplaced { dir: p.clone(), what: "removed" }),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(CommitError::DirReplaced { dir: p.clone(), what: "removed" })
+                }
                 Err(e) => return Err(CommitError::io(p, "look up directory", e)),
             }
         }
@@ -440,7 +494,11 @@ impl Store {
     /// aborting.
     pub(crate) fn primary_engine(&mut self, dest: &Path) -> Result<(&mut dyn IoEngine, usize), CommitError> {
         if self.abort.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
-            return Err(CommitError::Io { path: dest.to_path_buf(), what: "aborted before writing (shutting down)".into(), source: io::Error::from(io::ErrorKind::Interrupted) });
+            return Err(CommitError::Io {
+                path: dest.to_path_buf(),
+                what: "aborted before writing (shutting down)".into(),
+                source: io::Error::from(io::ErrorKind::Interrupted),
+            });
         }
         Ok((self.dirs[0].engine.as_mut(), self.opts.chunk_bytes))
     }
@@ -474,7 +532,14 @@ impl Store {
     /// (even when this returns an error first). Memory written by a filler
     /// while shared belongs in a [`SharedBuf`] (no slices), not an
     /// [`crate::mem::AlignedBuf`] (whose `&self` gives them out).
-    pub fn commit_fed(&mut self, step: u64, layout: &Layout, staging: &dyn BufAddr, progress: &Progress, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
+    pub fn commit_fed(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        progress: &Progress,
+        blobs: &[Blob<'_>],
+    ) -> Result<CommitReport, CommitError> {
         self.commit_filled(step, layout, staging, Fill::Fed(progress), blobs)
     }
 
@@ -503,7 +568,8 @@ impl Store {
         let Some(policy) = self.opts.retention.filter(|_| self.read_only.is_none()) else { return Vec::new() };
         let held = self.retention_hold.as_ref().map(|h| h.lock().unwrap_or_else(|p| p.into_inner()));
         let applied = retention::plan(&self.paths, policy).and_then(|doomed| {
-            let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.as_ref().is_some_and(|h| h.contains(s))).collect();
+            let doomed: Vec<u64> =
+                doomed.into_iter().filter(|s| !held.as_ref().is_some_and(|h| h.contains(s))).collect();
             for &step in &doomed {
                 retention::delete(&self.paths, step)?;
             }
@@ -519,7 +585,14 @@ impl Store {
         }
     }
 
-    fn commit_filled(&mut self, step: u64, layout: &Layout, staging: &dyn BufAddr, fill: Fill<'_>, blobs: &[Blob<'_>]) -> Result<CommitReport, CommitError> {
+    fn commit_filled(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        fill: Fill<'_>,
+        blobs: &[Blob<'_>],
+    ) -> Result<CommitReport, CommitError> {
         let t0 = Instant::now();
         let step_name = format::step_dir_name(step)?;
         image::validate_blobs(blobs)?;
@@ -578,8 +651,9 @@ impl Store {
         // linked from it (decided once the save's digests are in).
         self.incremental = None;
         let prev = if layout.opts.incremental { crate::incremental::Prev::newest(&self.paths) } else { None };
-        let candidates: Vec<Option<PathBuf>> =
-            (0..layout.shards.len()).map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s))).collect();
+        let candidates: Vec<Option<PathBuf>> = (0..layout.shards.len())
+            .map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s)))
+            .collect();
         let (prev_ref, candidates) = (prev.as_ref(), &candidates);
         // Shards: one thread per directory, each with its own engine. Meanwhile
         // this thread writes and syncs the blobs and the index (once a fed
@@ -596,12 +670,26 @@ impl Store {
                     let tmp = &tmps[dir_idx];
                     std::thread::Builder::new()
                         .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || write_dir(d, step, dir_idx as u32, tmp, layout, staging, fill, chunk_bytes, prev_ref, candidates))
+                        .spawn_scoped(s, move || {
+                            write_dir(
+                                d,
+                                step,
+                                dir_idx as u32,
+                                tmp,
+                                layout,
+                                staging,
+                                fill,
+                                chunk_bytes,
+                                prev_ref,
+                                candidates,
+                            )
+                        })
                         .expect("spawning a writer thread")
                 })
                 .collect();
             let small = write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths);
-            let results: Vec<Result<(Duration, Duration, Vec<usize>), CommitError>> = handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
+            let results: Vec<Result<(Duration, Duration, Vec<usize>), CommitError>> =
+                handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
             (results, small)
         });
         let (mut write, mut sync) = (Duration::ZERO, Duration::ZERO);
@@ -619,7 +707,12 @@ impl Store {
         let incremental = match fill.digests() {
             Some(d) if layout.opts.incremental => {
                 let crcs = fill.crcs(step)?;
-                Some(IncrementalReport { prev_step: prev.as_ref().map(|p| p.step), linked_files: linked.len(), linked_bytes, changed: prev.as_ref().map(|p| p.changed(layout, &crcs, &d)) })
+                Some(IncrementalReport {
+                    prev_step: prev.as_ref().map(|p| p.step),
+                    linked_files: linked.len(),
+                    linked_bytes,
+                    changed: prev.as_ref().map(|p| p.changed(layout, &crcs, &d)),
+                })
             }
             _ => None,
         };
@@ -681,12 +774,17 @@ fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions, read_only: bool
         StoreError::NoSuchDir(p) => StoreError::NoSharedDir(p),
         e => e,
     })?;
-    let p = fs::canonicalize(d).map_err(|e| StoreError::Io { path: d.to_path_buf(), what: "resolve directory", source: e })?;
+    let p = fs::canonicalize(d).map_err(|e| StoreError::Io {
+        path: d.to_path_buf(),
+        what: "resolve directory",
+        source: e,
+    })?;
     if paths.contains(&p) {
         return Err(StoreError::DuplicateDir(p));
     }
     let choice = if read_only { eio::probe_for_read(&p, opts.io)?.0 } else { eio::probe(&p, opts.io)? };
-    let mut engine = choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
+    let mut engine =
+        choice.open_engine().map_err(|e| StoreError::Io { path: p.clone(), what: "start I/O engine", source: e })?;
     if let Some(plan) = &opts.faults {
         engine = Box::new(FaultyEngine::new(engine, plan.clone()));
     }
@@ -697,7 +795,10 @@ fn open_shared(d: &Path, paths: &[PathBuf], opts: &StoreOptions, read_only: bool
 /// Locks every directory, or, as `opts.read_only` says, none: with
 /// `Always`, or with `Auto` when a lock file cannot be opened for writing
 /// (the locks already taken are dropped: a read-only Store holds none).
-fn lock_or_read_only(paths: &[PathBuf], opts: &StoreOptions) -> Result<(Vec<DirLock>, Option<ReadOnlyDir>), StoreError> {
+fn lock_or_read_only(
+    paths: &[PathBuf],
+    opts: &StoreOptions,
+) -> Result<(Vec<DirLock>, Option<ReadOnlyDir>), StoreError> {
     if opts.read_only == ReadOnly::Always {
         return Ok((Vec::new(), Some(ReadOnlyDir { dir: paths[0].clone(), why: "--read-only".into() })));
     }
@@ -735,8 +836,11 @@ pub(crate) fn write_dir(
     prev: Option<&crate::incremental::Prev>,
     candidates: &[Option<PathBuf>],
 ) -> Result<(Duration, Duration, Vec<usize>), CommitError> {
-    let deferred: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && candidates[s].is_some()).collect();
-    let (mut w, mut sy) = write_shards(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| candidates[s].is_none())?;
+    let deferred: Vec<usize> =
+        (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && candidates[s].is_some()).collect();
+    let (mut w, mut sy) = write_shards(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| {
+        candidates[s].is_none()
+    })?;
     let Some(prev) = prev.filter(|_| !deferred.is_empty()) else { return Ok((w, sy, Vec::new())) };
     let t0 = Instant::now();
     // Waits for the copy's end (its checksums and digests).
@@ -746,7 +850,8 @@ pub(crate) fn write_dir(
     let mut rest = Vec::new();
     for s in deferred {
         let sh = &layout.shards[s];
-        let same = digests.as_ref().is_some_and(|dg| sh.tensors.iter().all(|&i| prev.unchanged(layout, i, crcs[i], dg[i])));
+        let same =
+            digests.as_ref().is_some_and(|dg| sh.tensors.iter().all(|&i| prev.unchanged(layout, i, crcs[i], dg[i])));
         let from = candidates[s].as_ref().expect("deferred shards have a candidate");
         if same {
             match crate::incremental::link(from, &tmp.join(&sh.file_name)) {
@@ -786,7 +891,8 @@ pub(crate) fn write_shards(
 ) -> Result<(Duration, Duration), CommitError> {
     let t0 = Instant::now();
     let direct = d.choice.direct;
-    let shards: Vec<usize> = (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && which(s)).collect();
+    let shards: Vec<usize> =
+        (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && which(s)).collect();
     let mut files: Vec<File> = Vec::with_capacity(shards.len());
     let mut ios = Vec::with_capacity(shards.len());
     let mut starts = Vec::with_capacity(shards.len());
@@ -795,7 +901,8 @@ pub(crate) fn write_shards(
         let path = tmp.join(&sh.file_name);
         let f = eio::open_for_write(&path, direct).map_err(|e| CommitError::io(&path, "create shard", e))?;
         let io_len = if direct { sh.io_len } else { sh.file_len };
-        reserve(&f, io_len).map_err(|e| CommitError::io(tmp, format!("reserve space for {}", sh.file_name), e).needing(io_len))?;
+        reserve(&f, io_len)
+            .map_err(|e| CommitError::io(tmp, format!("reserve space for {}", sh.file_name), e).needing(io_len))?;
         let range = layout.shard_range(s);
         starts.push(range.start as u64);
         ios.push(FileIo {
@@ -841,7 +948,9 @@ pub(crate) fn write_shards(
 
 fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> CommitError {
     let file_idx = match &e {
-        DriveError::Io { file_idx, .. } | DriveError::ShortWrite { file_idx, .. } | DriveError::ShortRead { file_idx, .. } => Some(*file_idx),
+        DriveError::Io { file_idx, .. }
+        | DriveError::ShortWrite { file_idx, .. }
+        | DriveError::ShortRead { file_idx, .. } => Some(*file_idx),
         DriveError::Engine(_) | DriveError::Source(_) => None,
     };
     let path = file_idx.map_or_else(|| tmp.to_path_buf(), |i| tmp.join(&layout.shards[shards[i]].file_name));
@@ -857,14 +966,23 @@ fn drive_error(tmp: &Path, layout: &Layout, shards: &[usize], e: DriveError) -> 
 /// Writes the blobs and then the index into the primary's temp folder and
 /// syncs them (files and the blobs folder); a fed image's checksums are
 /// waited for first. Returns the bytes written.
-fn write_blobs_and_index(step: u64, layout: &Layout, fill: Fill<'_>, blobs: &[Blob<'_>], primary_tmp: &Path, paths: &[PathBuf]) -> Result<u64, CommitError> {
+fn write_blobs_and_index(
+    step: u64,
+    layout: &Layout,
+    fill: Fill<'_>,
+    blobs: &[Blob<'_>],
+    primary_tmp: &Path,
+    paths: &[PathBuf],
+) -> Result<u64, CommitError> {
     let mut bytes = 0;
     if !blobs.is_empty() {
         let bdir = primary_tmp.join(BLOBS_DIR_NAME);
         fs::create_dir(&bdir).map_err(|e| CommitError::io(&bdir, "create blobs folder", e))?;
         for b in blobs {
             let p = bdir.join(b.name);
-            write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
+            write_small_file(&p, b.bytes).map_err(|e| {
+                CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64)
+            })?;
             bytes += b.bytes.len() as u64;
         }
         catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;

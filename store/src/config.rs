@@ -106,7 +106,12 @@ pub fn format_version_for(slices: bool, digests: bool) -> u32 {
 /// The oldest index format this build reads (and writes, when it suffices).
 pub const FORMAT_VERSION_OLDEST: u32 = 1;
 
-const _: () = assert!(FORMAT_VERSION_OLDEST >= 1 && FORMAT_VERSION_OLDEST < FORMAT_VERSION_SLICES && FORMAT_VERSION_SLICES < FORMAT_VERSION_DIGESTS && FORMAT_VERSION_DIGESTS <= FORMAT_VERSION);
+const _: () = assert!(
+    FORMAT_VERSION_OLDEST >= 1
+        && FORMAT_VERSION_OLDEST < FORMAT_VERSION_SLICES
+        && FORMAT_VERSION_SLICES < FORMAT_VERSION_DIGESTS
+        && FORMAT_VERSION_DIGESTS <= FORMAT_VERSION
+);
 const _: () = assert!(DIRECT_ALIGN_BYTES.is_power_of_two());
 const _: () = assert!(SUM_CHUNK_BYTES > 0 && SUM_CHUNK_BYTES % 1024 == 0);
 const _: () = assert!(HUGE_PAGE_BYTES.is_power_of_two() && HUGE_PAGE_BYTES % DIRECT_ALIGN_BYTES == 0);
@@ -117,7 +122,8 @@ const _: () = assert!(SLAB_BYTES <= SLAB_BYTES_MAX);
 const _: () = assert!(QUEUE_DEPTH_MIN <= QUEUE_DEPTH_DEFAULT && QUEUE_DEPTH_DEFAULT <= QUEUE_DEPTH_MAX);
 const _: () = assert!(CHUNK_BYTES_DEFAULT <= u32::MAX as usize);
 const _: () = assert!(HEADER_BYTES_MAX < 100_000_000);
-const _: () = assert!(STABLE_OWN_SHARD_BYTES_MIN <= STABLE_BUCKET_BYTES_MAX && STABLE_BUCKET_BYTES_MAX <= SHARD_BYTES_DEFAULT);
+const _: () =
+    assert!(STABLE_OWN_SHARD_BYTES_MIN <= STABLE_BUCKET_BYTES_MAX && STABLE_BUCKET_BYTES_MAX <= SHARD_BYTES_DEFAULT);
 
 /// Rounds `n` up to a multiple of `align` (a power of two).
 pub const fn align_up(n: u64, align: usize) -> u64 {

@@ -78,11 +78,17 @@ mod tests {
             let (a, b) = data.split_at(split);
             let want = crc32c::crc32c(&data);
             assert_eq!(combine(crc32c::crc32c(a), crc32c::crc32c(b), b.len() as u64), want, "split {split}");
-            assert_eq!(combine(crc32c::crc32c(a), crc32c::crc32c(b), b.len() as u64), crc32c::crc32c_combine(crc32c::crc32c(a), crc32c::crc32c(b), b.len()));
+            assert_eq!(
+                combine(crc32c::crc32c(a), crc32c::crc32c(b), b.len() as u64),
+                crc32c::crc32c_combine(crc32c::crc32c(a), crc32c::crc32c(b), b.len())
+            );
         }
         // Large lengths (no bytes needed): agrees with the crate's combine.
         for len in [1u64 << 30, (5u64 << 30) + 12_345, u32::MAX as u64 + 7] {
-            assert_eq!(combine(0x1234_5678, 0x9abc_def0, len), crc32c::crc32c_combine(0x1234_5678, 0x9abc_def0, len as usize));
+            assert_eq!(
+                combine(0x1234_5678, 0x9abc_def0, len),
+                crc32c::crc32c_combine(0x1234_5678, 0x9abc_def0, len as usize)
+            );
         }
     }
 }

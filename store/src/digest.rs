@@ -159,7 +159,9 @@ pub fn to_hex(d: u128) -> String {
 
 /// The value of an index's `xxh128` (32 lowercase hex digits), or None.
 pub fn parse_hex(s: &str) -> Option<u128> {
-    (s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))).then(|| u128::from_str_radix(s, 16).ok()).flatten()
+    (s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+        .then(|| u128::from_str_radix(s, 16).ok())
+        .flatten()
 }
 
 #[cfg(test)]
@@ -185,7 +187,26 @@ mod tests {
     /// 128, 240 bytes; 64-byte stripes, 1 KiB blocks).
     fn sizes() -> Vec<usize> {
         let c = SUM_CHUNK_BYTES;
-        let mut v = vec![0, 1, 3, 16, 17, 128, 129, 240, 241, 1023, 1024, 1025, c - 1, c, c + 1, 3 * c + 17, DIGEST_BLOCK_BYTES - 1, DIGEST_BLOCK_BYTES];
+        let mut v = vec![
+            0,
+            1,
+            3,
+            16,
+            17,
+            128,
+            129,
+            240,
+            241,
+            1023,
+            1024,
+            1025,
+            c - 1,
+            c,
+            c + 1,
+            3 * c + 17,
+            DIGEST_BLOCK_BYTES - 1,
+            DIGEST_BLOCK_BYTES,
+        ];
         v.extend([64 * 1024 + 64, 256 << 10]);
         v
     }
@@ -196,7 +217,11 @@ mod tests {
         // format's digests were first taken with) and the crc32c crate.
         assert_eq!(xxh3_128(b""), 0x99aa06d3014798d86001c324468d497f, "XXH3-128 of nothing (xxhsum -H2)");
         assert_eq!(Kernel::best() == Kernel::Dispatched, Kernel::has_avx2(), "AVX2 picks the dispatched kernel");
-        eprintln!("this CPU: AVX2 {} (the dispatched kernel runs {})", Kernel::has_avx2(), if Kernel::has_avx2() { "AVX2" } else { "its own fallback" });
+        eprintln!(
+            "this CPU: AVX2 {} (the dispatched kernel runs {})",
+            Kernel::has_avx2(),
+            if Kernel::has_avx2() { "AVX2" } else { "its own fallback" }
+        );
         let buf = data(DIGEST_BLOCK_BYTES + 64);
         for start in [0usize, 1, 7, 63] {
             for n in sizes() {
@@ -208,9 +233,17 @@ mod tests {
                         if chunk == 1 && n > 4096 {
                             continue;
                         }
-                        assert_eq!(crc_and_digest_with(k, bytes, true, chunk), (want_crc, want), "{k:?} fused, chunk {chunk}, {n} bytes at +{start}");
+                        assert_eq!(
+                            crc_and_digest_with(k, bytes, true, chunk),
+                            (want_crc, want),
+                            "{k:?} fused, chunk {chunk}, {n} bytes at +{start}"
+                        );
                     }
-                    assert_eq!(crc_and_digest_with(k, bytes, false, SUM_CHUNK_BYTES), (0, want), "{k:?} not fused, {n} bytes at +{start}");
+                    assert_eq!(
+                        crc_and_digest_with(k, bytes, false, SUM_CHUNK_BYTES),
+                        (0, want),
+                        "{k:?} not fused, {n} bytes at +{start}"
+                    );
                     // Piecewise, cut at odd places.
                     let mut h = BlockHasher::with_kernel(k);
                     bytes.chunks(4096 + 3).for_each(|p| h.update(p));
@@ -218,7 +251,10 @@ mod tests {
                 }
             }
         }
-        assert_eq!(crc_and_digest(&buf[..3 * SUM_CHUNK_BYTES + 5], true), (crc32c::crc32c(&buf[..3 * SUM_CHUNK_BYTES + 5]), xxh3_128(&buf[..3 * SUM_CHUNK_BYTES + 5])));
+        assert_eq!(
+            crc_and_digest(&buf[..3 * SUM_CHUNK_BYTES + 5], true),
+            (crc32c::crc32c(&buf[..3 * SUM_CHUNK_BYTES + 5]), xxh3_128(&buf[..3 * SUM_CHUNK_BYTES + 5]))
+        );
     }
 
     #[test]
@@ -228,7 +264,9 @@ mod tests {
         let len = 2 * DIGEST_BLOCK_BYTES + DIGEST_BLOCK_BYTES / 2;
         let base = data(len);
         let whole = tensor_digest(&base);
-        let per_block = |k: Kernel, fused: bool, t: &[u8]| combine(t.chunks(DIGEST_BLOCK_BYTES).map(|b| crc_and_digest_with(k, b, fused, SUM_CHUNK_BYTES).1));
+        let per_block = |k: Kernel, fused: bool, t: &[u8]| {
+            combine(t.chunks(DIGEST_BLOCK_BYTES).map(|b| crc_and_digest_with(k, b, fused, SUM_CHUNK_BYTES).1))
+        };
         for k in KERNELS {
             assert_eq!(per_block(k, true, &base), whole);
             assert_eq!(per_block(k, false, &base), whole);

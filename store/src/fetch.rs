@@ -31,10 +31,21 @@ use crate::source;
 /// As [`restore::load_into_raw`]: `dest` block-aligned and valid for
 /// `dest_len` bytes for the whole call, or faulting only inside `guard.run`
 /// in a way it handles.
-pub unsafe fn load_remote_into_raw(index_bytes: &[u8], step: u64, src: &dyn FetchFiles, dest: *mut u8, dest_len: usize, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
+pub unsafe fn load_remote_into_raw(
+    index_bytes: &[u8],
+    step: u64,
+    src: &dyn FetchFiles,
+    dest: *mut u8,
+    dest_len: usize,
+    guard: &dyn ReadDest,
+) -> Result<Placed, LoadError> {
     assert_eq!(dest as usize % crate::config::DIRECT_ALIGN_BYTES, 0, "load destination must be block-aligned");
     let t0 = Instant::now();
-    let index = source::parse_index(index_bytes, step).map_err(|p| LoadError::Damaged { dir: label_path(src), step, problems: vec![p] })?;
+    let index = source::parse_index(index_bytes, step).map_err(|p| LoadError::Damaged {
+        dir: label_path(src),
+        step,
+        problems: vec![p],
+    })?;
     let need_bytes = restore::load_len_bytes(&index);
     if need_bytes > dest_len as u64 {
         return Err(LoadError::BufferTooSmall { step, need_bytes, have_bytes: dest_len as u64 });
@@ -61,7 +72,12 @@ pub unsafe fn load_remote_into_raw(index_bytes: &[u8], step: u64, src: &dyn Fetc
 }
 
 /// [`load_remote_into_raw`] into a slice of the caller's.
-pub fn load_remote_into(index_bytes: &[u8], step: u64, src: &dyn FetchFiles, dest: &mut [u8]) -> Result<Placed, LoadError> {
+pub fn load_remote_into(
+    index_bytes: &[u8],
+    step: u64,
+    src: &dyn FetchFiles,
+    dest: &mut [u8],
+) -> Result<Placed, LoadError> {
     // SAFETY: dest is a live, exclusively borrowed slice of dest.len()
     // bytes, untouched by anything else until this returns.
     unsafe { load_remote_into_raw(index_bytes, step, src, dest.as_mut_ptr(), dest.len(), &OwnMemory) }
@@ -69,9 +85,17 @@ pub fn load_remote_into(index_bytes: &[u8], step: u64, src: &dyn FetchFiles, des
 
 /// [`load_remote_into`] into memory of its own.
 pub fn load_remote(index_bytes: &[u8], step: u64, src: &dyn FetchFiles) -> Result<Loaded, LoadError> {
-    let index = source::parse_index(index_bytes, step).map_err(|p| LoadError::Damaged { dir: label_path(src), step, problems: vec![p] })?;
+    let index = source::parse_index(index_bytes, step).map_err(|p| LoadError::Damaged {
+        dir: label_path(src),
+        step,
+        problems: vec![p],
+    })?;
     let need = restore::load_len_bytes(&index) as usize;
-    let mut buf = AlignedBuf::new(need.max(1)).map_err(|e| LoadError::Io { path: label_path(src), what: "allocate load buffer", source: e })?;
+    let mut buf = AlignedBuf::new(need.max(1)).map_err(|e| LoadError::Io {
+        path: label_path(src),
+        what: "allocate load buffer",
+        source: e,
+    })?;
     let placed = load_remote_into(index_bytes, step, src, buf.as_mut_slice())?;
     Ok(Loaded::new(placed, buf))
 }
@@ -81,11 +105,11 @@ mod tests {
     use super::*;
     use crate::catalog;
     use crate::commit::{Store, StoreOptions};
+    use crate::format::Index;
     use crate::format::INDEX_FILE_NAME;
     use crate::image::{Blob, Layout, LayoutOptions};
     use crate::restore::Which;
     use crate::synthetic;
-    use crate::format::Index;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -120,7 +144,11 @@ mod tests {
     fn committed_step(root: &std::path::Path) -> (PathBuf, Vec<u8>) {
         let dir = root.join("ck");
         let mut store = Store::open(StoreOptions::new(vec![dir.clone()])).unwrap();
-        let layout = Layout::plan(synthetic::transformer_specs(2 << 20), LayoutOptions { shard_bytes_max: 512 << 10, ..Default::default() }).unwrap();
+        let layout = Layout::plan(
+            synthetic::transformer_specs(2 << 20),
+            LayoutOptions { shard_bytes_max: 512 << 10, ..Default::default() },
+        )
+        .unwrap();
         let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
         let crcs = synthetic::stage(&layout, staging.as_mut_slice(), 5);
         store.commit(5, &layout, &staging, &crcs, &[Blob { name: "rng", bytes: b"seed" }]).unwrap();
@@ -161,7 +189,12 @@ mod tests {
         match load_remote(&index_bytes, 5, &src) {
             Err(e @ LoadError::Damaged { .. }) => {
                 let said = e.to_string();
-                assert!(said.starts_with("test://remote: step 5 is damaged") && said.contains(&f.name) && said.contains("checksum mismatch"), "{said}");
+                assert!(
+                    said.starts_with("test://remote: step 5 is damaged")
+                        && said.contains(&f.name)
+                        && said.contains("checksum mismatch"),
+                    "{said}"
+                );
             }
             Err(e) => panic!("not damage: {e}"),
             Ok(_) => panic!("a flipped byte loaded"),

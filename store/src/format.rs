@@ -252,11 +252,16 @@ pub const NODE_STEP_PREFIX: &str = "node-";
 /// name): 1 to 64 bytes of ASCII letters, digits, `.`, `_`, `-`, not
 /// starting with `.` (it is shown in errors and logs, never a path).
 pub fn validate_node_id(id: &str) -> Result<(), FormatError> {
-    let ok = !id.is_empty() && id.len() <= 64 && !id.starts_with('.') && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && !id.starts_with('.')
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
     if ok {
         Ok(())
     } else {
-        Err(FormatError::Index(format!("node id {id:?}: 1 to 64 of ASCII letters, digits, '.', '_', '-', not starting with '.'")))
+        Err(FormatError::Index(format!(
+            "node id {id:?}: 1 to 64 of ASCII letters, digits, '.', '_', '-', not starting with '.'"
+        )))
     }
 }
 
@@ -322,7 +327,9 @@ pub fn encode_header(tensors: &[HeaderTensor]) -> Result<Vec<u8>, FormatError> {
     let data_start = config::align_up(8 + json.len() as u64, DATA_ALIGN_BYTES) as usize;
     let header_len = data_start - 8;
     if header_len > HEADER_BYTES_MAX {
-        return Err(FormatError::Header(format!("header of {header_len} bytes is above the limit of {HEADER_BYTES_MAX}")));
+        return Err(FormatError::Header(format!(
+            "header of {header_len} bytes is above the limit of {HEADER_BYTES_MAX}"
+        )));
     }
     let mut out = Vec::with_capacity(data_start);
     out.extend_from_slice(&(header_len as u64).to_le_bytes());
@@ -358,8 +365,7 @@ pub fn decode_header(prefix: &[u8], file_len_bytes: u64) -> Result<ParsedHeader,
         return Err(bad(format!("header length {header_len} runs past the end of the file ({file_len_bytes} bytes)")));
     }
     let json = prefix.get(8..data_start as usize).ok_or_else(|| bad("header not fully read".into()))?;
-    let value: serde_json::Value =
-        serde_json::from_slice(json).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let value: serde_json::Value = serde_json::from_slice(json).map_err(|e| bad(format!("header is not JSON: {e}")))?;
     let obj = value.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
     let mut tensors = Vec::with_capacity(obj.len());
     for (name, v) in obj {
@@ -368,7 +374,9 @@ pub fn decode_header(prefix: &[u8], file_len_bytes: u64) -> Result<ParsedHeader,
         }
         validate_tensor_name(name)?;
         let t = v.as_object().ok_or_else(|| bad(format!("tensor {name:?} is not an object")))?;
-        let dtype = Dtype::parse(t.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("tensor {name:?}: no dtype")))?)?;
+        let dtype = Dtype::parse(
+            t.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("tensor {name:?}: no dtype")))?,
+        )?;
         let shape = t
             .get("shape")
             .and_then(|s| s.as_array())
@@ -383,9 +391,15 @@ pub fn decode_header(prefix: &[u8], file_len_bytes: u64) -> Result<ParsedHeader,
             .ok_or_else(|| bad(format!("tensor {name:?}: no data_offsets")))?;
         let begin = offs[0].as_u64().ok_or_else(|| bad(format!("tensor {name:?}: bad offset")))?;
         let end = offs[1].as_u64().ok_or_else(|| bad(format!("tensor {name:?}: bad offset")))?;
-        let len = tensor_len_bytes(dtype, &shape).ok_or_else(|| FormatError::ShapeOverflow { name: name.clone(), shape: shape.clone(), dtype })?;
+        let len = tensor_len_bytes(dtype, &shape).ok_or_else(|| FormatError::ShapeOverflow {
+            name: name.clone(),
+            shape: shape.clone(),
+            dtype,
+        })?;
         if end < begin || end - begin != len {
-            return Err(bad(format!("tensor {name:?}: offsets [{begin},{end}] do not hold {len} bytes of {dtype} {shape:?}")));
+            return Err(bad(format!(
+                "tensor {name:?}: offsets [{begin},{end}] do not hold {len} bytes of {dtype} {shape:?}"
+            )));
         }
         tensors.push(HeaderTensor { name: name.clone(), dtype, shape, data_offsets: (begin, end) });
     }
@@ -393,7 +407,10 @@ pub fn decode_header(prefix: &[u8], file_len_bytes: u64) -> Result<ParsedHeader,
     let mut at = 0u64;
     for t in &tensors {
         if t.data_offsets.0 != at {
-            return Err(bad(format!("tensor {:?} starts at {} where {} was expected (holes or overlaps)", t.name, t.data_offsets.0, at)));
+            return Err(bad(format!(
+                "tensor {:?} starts at {} where {} was expected (holes or overlaps)",
+                t.name, t.data_offsets.0, at
+            )));
         }
         at = t.data_offsets.1;
     }
@@ -566,7 +583,9 @@ pub(crate) fn seal_json(v: &mut Vec<u8>) -> u32 {
     const ZEROED: &[u8] = b"\"index_crc32c\": 0";
     let crc = crc32c::crc32c(v);
     // The last occurrence: a tensor name holding the same text comes earlier.
-    let at = v.windows(ZEROED.len()).rposition(|w| w == ZEROED).expect("the index JSON ends with its checksum field") + ZEROED.len() - 1;
+    let at = v.windows(ZEROED.len()).rposition(|w| w == ZEROED).expect("the index JSON ends with its checksum field")
+        + ZEROED.len()
+        - 1;
     v.splice(at..at + 1, crc.to_string().into_bytes());
     crc
 }
@@ -605,7 +624,10 @@ impl Index {
         let index: Index = serde_json::from_slice(bytes).map_err(|e| FormatError::Index(e.to_string()))?;
         let crc = index.content_crc32c();
         if crc != index.ckpt.index_crc32c {
-            return Err(FormatError::Index(format!("index checksum mismatch (recorded {:#010x}, content {crc:#010x})", index.ckpt.index_crc32c)));
+            return Err(FormatError::Index(format!(
+                "index checksum mismatch (recorded {:#010x}, content {crc:#010x})",
+                index.ckpt.index_crc32c
+            )));
         }
         index.validate()?;
         Ok(index)
@@ -628,8 +650,15 @@ impl Index {
         for (name, t) in &c.tensors {
             match &t.xxh128 {
                 None => {}
-                Some(_) if c.format_version < 3 => return bad(format!("format version {} has no digests, but tensor {name:?} has one", c.format_version)),
-                Some(d) if crate::digest::parse_hex(d).is_none() => return bad(format!("tensor {name:?}: xxh128 {d:?} is not 32 lowercase hex digits")),
+                Some(_) if c.format_version < 3 => {
+                    return bad(format!(
+                        "format version {} has no digests, but tensor {name:?} has one",
+                        c.format_version
+                    ))
+                }
+                Some(d) if crate::digest::parse_hex(d).is_none() => {
+                    return bad(format!("tensor {name:?}: xxh128 {d:?} is not 32 lowercase hex digits"))
+                }
                 Some(_) => {}
             }
         }
@@ -657,12 +686,19 @@ impl Index {
             }
             let of = &f.name["rank-00000-of-".len().."rank-00000-of-00000".len()];
             if of.parse::<u32>().ok() != Some(c.world_size) {
-                return bad(format!("file {:?} was written by a world of {of}, the index says {}", f.name, c.world_size));
+                return bad(format!(
+                    "file {:?} was written by a world of {of}, the index says {}",
+                    f.name, c.world_size
+                ));
             }
             match held.remove(f.name.as_str()) {
-                Some((node, n)) if f.dir_idx >= n => return bad(format!("file {:?} names directory {} of node {node:?}'s {n}", f.name, f.dir_idx)),
+                Some((node, n)) if f.dir_idx >= n => {
+                    return bad(format!("file {:?} names directory {} of node {node:?}'s {n}", f.name, f.dir_idx))
+                }
                 Some(_) => {}
-                None if f.dir_idx >= n_dirs => return bad(format!("file {:?} names directory {} of {}", f.name, f.dir_idx, n_dirs)),
+                None if f.dir_idx >= n_dirs => {
+                    return bad(format!("file {:?} names directory {} of {}", f.name, f.dir_idx, n_dirs))
+                }
                 None => {}
             }
             if files.insert(f.name.as_str(), f).is_some() {
@@ -675,8 +711,11 @@ impl Index {
             let Some(f) = files.get(t.file.as_str()) else {
                 return bad(format!("tensor {name:?} names unknown file {:?}", t.file));
             };
-            let len = tensor_len_bytes(t.dtype, &t.shape)
-                .ok_or_else(|| FormatError::ShapeOverflow { name: name.clone(), shape: t.shape.clone(), dtype: t.dtype })?;
+            let len = tensor_len_bytes(t.dtype, &t.shape).ok_or_else(|| FormatError::ShapeOverflow {
+                name: name.clone(),
+                shape: t.shape.clone(),
+                dtype: t.dtype,
+            })?;
             let [b, e] = t.data_offsets;
             if e < b || e - b != len || e > f.len_bytes {
                 return bad(format!("tensor {name:?}: offsets [{b},{e}] do not fit {len} bytes in file {:?}", t.file));
@@ -717,8 +756,10 @@ impl Index {
     /// slice.
     pub fn logical(&self) -> Vec<LogicalTensor<'_>> {
         let c = &self.ckpt;
-        let pieces: std::collections::HashSet<&str> = c.slices.values().flat_map(|s| s.slices.iter().map(|p| p.tensor.as_str())).collect();
-        let mut out: Vec<LogicalTensor<'_>> = c.tensors.keys().filter(|n| !pieces.contains(n.as_str())).filter_map(|n| self.logical_tensor(n)).collect();
+        let pieces: std::collections::HashSet<&str> =
+            c.slices.values().flat_map(|s| s.slices.iter().map(|p| p.tensor.as_str())).collect();
+        let mut out: Vec<LogicalTensor<'_>> =
+            c.tensors.keys().filter(|n| !pieces.contains(n.as_str())).filter_map(|n| self.logical_tensor(n)).collect();
         out.extend(c.slices.keys().filter_map(|n| self.logical_tensor(n)));
         out.sort_by(|a, b| a.name.cmp(b.name));
         out
@@ -731,13 +772,25 @@ impl Index {
             let slices = s
                 .slices
                 .iter()
-                .map(|p| SliceView { tensor: &p.tensor, file: &p.file, elems: p.elems, data_offsets: p.data_offsets, crc32c: p.crc32c })
+                .map(|p| SliceView {
+                    tensor: &p.tensor,
+                    file: &p.file,
+                    elems: p.elems,
+                    data_offsets: p.data_offsets,
+                    crc32c: p.crc32c,
+                })
                 .collect();
             return Some(LogicalTensor { name, dtype: s.dtype, shape: &s.shape, slices });
         }
         let (name, t) = c.tensors.get_key_value(name)?;
         let n_elems = t.shape.iter().product();
-        let whole = SliceView { tensor: name, file: &t.file, elems: [0, n_elems], data_offsets: t.data_offsets, crc32c: t.crc32c };
+        let whole = SliceView {
+            tensor: name,
+            file: &t.file,
+            elems: [0, n_elems],
+            data_offsets: t.data_offsets,
+            crc32c: t.crc32c,
+        };
         Some(LogicalTensor { name, dtype: t.dtype, shape: &t.shape, slices: vec![whole] })
     }
 
@@ -760,7 +813,10 @@ impl Index {
 /// and no stored tensor's; every slice a distinct 1-D stored tensor of the
 /// logical dtype whose length, file, offsets and checksum the slice repeats
 /// exactly; slices in order, covering the logical tensor's elements once.
-pub fn validate_slices(tensors: &BTreeMap<String, IndexTensor>, slices: &BTreeMap<String, IndexSliced>) -> Result<(), FormatError> {
+pub fn validate_slices(
+    tensors: &BTreeMap<String, IndexTensor>,
+    slices: &BTreeMap<String, IndexSliced>,
+) -> Result<(), FormatError> {
     let bad = |m: String| Err(FormatError::Index(m));
     let mut used = std::collections::HashSet::new();
     for (name, s) in slices {
@@ -768,9 +824,11 @@ pub fn validate_slices(tensors: &BTreeMap<String, IndexTensor>, slices: &BTreeMa
         if tensors.contains_key(name) {
             return bad(format!("sliced tensor {name:?} is also a stored tensor"));
         }
-        let n_elems = tensor_len_bytes(s.dtype, &s.shape)
-            .ok_or_else(|| FormatError::ShapeOverflow { name: name.clone(), shape: s.shape.clone(), dtype: s.dtype })?
-            / s.dtype.size_bytes();
+        let n_elems = tensor_len_bytes(s.dtype, &s.shape).ok_or_else(|| FormatError::ShapeOverflow {
+            name: name.clone(),
+            shape: s.shape.clone(),
+            dtype: s.dtype,
+        })? / s.dtype.size_bytes();
         if s.slices.is_empty() {
             return bad(format!("sliced tensor {name:?} has no slices"));
         }

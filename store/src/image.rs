@@ -15,10 +15,11 @@ use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use crate::config::{self, DIRECT_ALIGN_BYTES};
-use crate::index_template::IndexTemplate;
 use crate::format::{
-    self, Dtype, FormatError, HeaderTensor, Index, IndexBlob, IndexFile, IndexMetadata, IndexSlice, IndexSliced, IndexTensor, CkptSection,
+    self, CkptSection, Dtype, FormatError, HeaderTensor, Index, IndexBlob, IndexFile, IndexMetadata, IndexSlice,
+    IndexSliced, IndexTensor,
 };
+use crate::index_template::IndexTemplate;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
@@ -50,7 +51,14 @@ pub struct LayoutOptions {
 
 impl Default for LayoutOptions {
     fn default() -> Self {
-        LayoutOptions { n_dirs: 1, shard_bytes_max: config::SHARD_BYTES_DEFAULT, rank: 0, world_size: 1, incremental: false, history_gen: 0 }
+        LayoutOptions {
+            n_dirs: 1,
+            shard_bytes_max: config::SHARD_BYTES_DEFAULT,
+            rank: 0,
+            world_size: 1,
+            incremental: false,
+            history_gen: 0,
+        }
     }
 }
 
@@ -128,7 +136,11 @@ impl Layout {
     /// caller's order, each on a directory chosen by its first tensor's
     /// name. So the same stable tensors give the same stable shards at the
     /// next save, whatever the others do, and their files can be linked.
-    pub fn plan_with(specs: Vec<TensorSpec>, opts: LayoutOptions, changed: Option<&HashSet<String>>) -> Result<Layout, FormatError> {
+    pub fn plan_with(
+        specs: Vec<TensorSpec>,
+        opts: LayoutOptions,
+        changed: Option<&HashSet<String>>,
+    ) -> Result<Layout, FormatError> {
         assert!(opts.n_dirs >= 1 && opts.shard_bytes_max > 0 && opts.world_size >= 1 && opts.rank < opts.world_size);
         let mut seen = HashSet::new();
         let mut lens = Vec::with_capacity(specs.len());
@@ -149,8 +161,11 @@ impl Layout {
             ((0..specs.len()).collect(), Vec::new())
         };
         let n_dirs = opts.n_dirs as u64;
-        let mut groups: Vec<(Vec<usize>, u32, bool)> =
-            balanced_groups(&specs, &lens, volatile, opts).into_iter().enumerate().map(|(k, g)| (g, (k as u64 % n_dirs) as u32, false)).collect();
+        let mut groups: Vec<(Vec<usize>, u32, bool)> = balanced_groups(&specs, &lens, volatile, opts)
+            .into_iter()
+            .enumerate()
+            .map(|(k, g)| (g, (k as u64 % n_dirs) as u32, false))
+            .collect();
         let bucket_max = config::STABLE_BUCKET_BYTES_MAX.min(opts.shard_bytes_max);
         let mut bucket: Vec<usize> = Vec::new();
         let mut bucket_bytes = 0u64;
@@ -184,13 +199,22 @@ impl Layout {
             let mut header_tensors = Vec::with_capacity(group.len());
             for &i in &group {
                 let s = &specs[i];
-                header_tensors.push(HeaderTensor { name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), data_offsets: (at, at + lens[i]) });
+                header_tensors.push(HeaderTensor {
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    data_offsets: (at, at + lens[i]),
+                });
                 at += lens[i];
             }
             let header = format::encode_header(&header_tensors)?;
             let data_start = staging + header.len() as u64;
             for (&i, h) in group.iter().zip(&header_tensors) {
-                places[i] = TensorPlace { shard_idx, data_offsets: h.data_offsets, staging_offset: data_start + h.data_offsets.0 };
+                places[i] = TensorPlace {
+                    shard_idx,
+                    data_offsets: h.data_offsets,
+                    staging_offset: data_start + h.data_offsets.0,
+                };
             }
             let file_len = header.len() as u64 + at;
             let io_len = config::align_up(file_len, DIRECT_ALIGN_BYTES);
@@ -206,7 +230,15 @@ impl Layout {
             });
             staging += io_len;
         }
-        Ok(Layout { specs: Arc::new(specs), places, shards, opts, staging_len: staging, slices: Vec::new(), index_template: Default::default() })
+        Ok(Layout {
+            specs: Arc::new(specs),
+            places,
+            shards,
+            opts,
+            staging_len: staging,
+            slices: Vec::new(),
+            index_template: Default::default(),
+        })
     }
 
     /// Moves the whole image to start at `base_bytes` in a larger staging
@@ -302,7 +334,15 @@ impl Layout {
 
     /// A layout of no tensors (what [`crate::ranks::merge`] fills).
     pub(crate) fn empty(opts: LayoutOptions) -> Layout {
-        Layout { specs: Arc::new(Vec::new()), places: Vec::new(), shards: Vec::new(), opts, staging_len: 0, slices: Vec::new(), index_template: Default::default() }
+        Layout {
+            specs: Arc::new(Vec::new()),
+            places: Vec::new(),
+            shards: Vec::new(),
+            opts,
+            staging_len: 0,
+            slices: Vec::new(),
+            index_template: Default::default(),
+        }
     }
 
     fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {
@@ -312,7 +352,14 @@ impl Layout {
             let file = self.shards[p.shard_idx].file_name.clone();
             tensors.insert(
                 s.name.clone(),
-                IndexTensor { file, dtype: s.dtype, shape: s.shape.clone(), data_offsets: [p.data_offsets.0, p.data_offsets.1], crc32c: tensor_crcs[i], xxh128: None },
+                IndexTensor {
+                    file,
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    data_offsets: [p.data_offsets.0, p.data_offsets.1],
+                    crc32c: tensor_crcs[i],
+                    xxh128: None,
+                },
             );
         }
         tensors
@@ -325,12 +372,20 @@ impl Layout {
 
     /// [`Layout::index`] with each tensor's digest (`xxh128`, format
     /// version 3), in the layout's order.
-    pub fn index_with(&self, step: u64, tensor_crcs: &[u32], digests: Option<&[u128]>, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
+    pub fn index_with(
+        &self,
+        step: u64,
+        tensor_crcs: &[u32],
+        digests: Option<&[u128]>,
+        blobs: &[Blob<'_>],
+        secondary_dirs: Vec<String>,
+    ) -> Index {
         let mut index = self.index_draft(step, blobs, secondary_dirs);
         if let Some(d) = digests {
             assert_eq!(d.len(), self.specs.len());
             for (s, &d) in self.specs.iter().zip(d) {
-                index.ckpt.tensors.get_mut(&s.name).expect("the draft lists every tensor").xxh128 = Some(crate::digest::to_hex(d));
+                index.ckpt.tensors.get_mut(&s.name).expect("the draft lists every tensor").xxh128 =
+                    Some(crate::digest::to_hex(d));
             }
         } else {
             index.ckpt.tensors.values_mut().for_each(|t| t.xxh128 = None);
@@ -353,15 +408,30 @@ impl Layout {
     /// The commit record's bytes ([`Layout::index`] as written), from the
     /// layout's rendered index ([`Layout::prepare_index`]), which its
     /// clones share: a kept save plan renders it once.
-    pub fn index_json(&self, step: u64, tensor_crcs: &[u32], blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Vec<u8> {
+    pub fn index_json(
+        &self,
+        step: u64,
+        tensor_crcs: &[u32],
+        blobs: &[Blob<'_>],
+        secondary_dirs: Vec<String>,
+    ) -> Vec<u8> {
         self.index_json_with(step, tensor_crcs, None, blobs, secondary_dirs)
     }
 
     /// [`Layout::index_json`] with digests ([`Layout::index_with`]); the
     /// rendered index of an incremental layout has holes for them.
-    pub fn index_json_with(&self, step: u64, tensor_crcs: &[u32], digests: Option<&[u128]>, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Vec<u8> {
+    pub fn index_json_with(
+        &self,
+        step: u64,
+        tensor_crcs: &[u32],
+        digests: Option<&[u128]>,
+        blobs: &[Blob<'_>],
+        secondary_dirs: Vec<String>,
+    ) -> Vec<u8> {
         match self.template(&secondary_dirs).filter(|t| t.has_digests() == digests.is_some()) {
-            Some(t) => t.render(step, &self.file_crcs(tensor_crcs), tensor_crcs, digests.unwrap_or(&[]), &index_blobs(blobs)),
+            Some(t) => {
+                t.render(step, &self.file_crcs(tensor_crcs), tensor_crcs, digests.unwrap_or(&[]), &index_blobs(blobs))
+            }
             None => self.index_with(step, tensor_crcs, digests, blobs, secondary_dirs).to_json_bytes(),
         }
     }
@@ -384,7 +454,11 @@ impl Layout {
 
     /// The index with step `step`, these blobs and every checksum 0.
     pub(crate) fn index_draft(&self, step: u64, blobs: &[Blob<'_>], secondary_dirs: Vec<String>) -> Index {
-        let files = self.shards.iter().map(|sh| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: 0 }).collect();
+        let files = self
+            .shards
+            .iter()
+            .map(|sh| IndexFile { name: sh.file_name.clone(), dir_idx: sh.dir_idx, len_bytes: sh.file_len, crc32c: 0 })
+            .collect();
         let mut tensors = self.index_tensors(&vec![0; self.specs.len()]);
         if self.opts.incremental {
             // Zeros: the rendered index's holes (index_template).
@@ -447,7 +521,14 @@ fn balanced_groups(specs: &[TensorSpec], lens: &[u64], mut order: Vec<usize>, op
 
 /// The index's entries of `blobs`.
 pub(crate) fn index_blobs(blobs: &[Blob<'_>]) -> Vec<IndexBlob> {
-    blobs.iter().map(|b| IndexBlob { name: b.name.to_string(), len_bytes: b.bytes.len() as u64, crc32c: crc32c::crc32c(b.bytes) }).collect()
+    blobs
+        .iter()
+        .map(|b| IndexBlob {
+            name: b.name.to_string(),
+            len_bytes: b.bytes.len() as u64,
+            crc32c: crc32c::crc32c(b.bytes),
+        })
+        .collect()
 }
 
 /// A small opaque byte blob saved beside the tensors (`blobs/<name>`).
@@ -491,7 +572,10 @@ pub fn crc32c_parallel(data: &[u8]) -> u32 {
 /// every rank's part ([`Layout::set_slices`]) and the coordinator's commit
 /// of several nodes' markers ([`crate::ranks::merge_indexes`]) both check
 /// declarations here.
-pub fn checked_slices(tensors: &BTreeMap<String, IndexTensor>, decls: &[SliceDecl]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
+pub fn checked_slices(
+    tensors: &BTreeMap<String, IndexTensor>,
+    decls: &[SliceDecl],
+) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
     let slices = slices_section(tensors, decls)?;
     format::validate_slices(tensors, &slices)?;
     Ok(slices)
@@ -499,16 +583,37 @@ pub fn checked_slices(tensors: &BTreeMap<String, IndexTensor>, decls: &[SliceDec
 
 /// The `slices` section from the declarations, unchecked beyond what
 /// building it needs (every piece a stored tensor, one shape per name).
-fn slices_section(tensors: &BTreeMap<String, IndexTensor>, decls: &[SliceDecl]) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
+fn slices_section(
+    tensors: &BTreeMap<String, IndexTensor>,
+    decls: &[SliceDecl],
+) -> Result<BTreeMap<String, IndexSliced>, FormatError> {
     let mut out: BTreeMap<String, IndexSliced> = BTreeMap::new();
     for d in decls {
-        let t = tensors.get(&d.piece).ok_or_else(|| FormatError::Index(format!("slice {:?} of {:?}: no such tensor in the checkpoint", d.piece, d.of)))?;
-        let rank = format::rank_of_shard_file(&t.file).ok_or_else(|| FormatError::Index(format!("slice {:?} of {:?}: file {:?} names no rank", d.piece, d.of, t.file)))?;
-        let e = out.entry(d.of.clone()).or_insert_with(|| IndexSliced { dtype: t.dtype, shape: d.shape.clone(), slices: Vec::new() });
+        let t = tensors.get(&d.piece).ok_or_else(|| {
+            FormatError::Index(format!("slice {:?} of {:?}: no such tensor in the checkpoint", d.piece, d.of))
+        })?;
+        let rank = format::rank_of_shard_file(&t.file).ok_or_else(|| {
+            FormatError::Index(format!("slice {:?} of {:?}: file {:?} names no rank", d.piece, d.of, t.file))
+        })?;
+        let e = out.entry(d.of.clone()).or_insert_with(|| IndexSliced {
+            dtype: t.dtype,
+            shape: d.shape.clone(),
+            slices: Vec::new(),
+        });
         if e.shape != d.shape {
-            return Err(FormatError::Index(format!("sliced tensor {:?}: slices give shapes {:?} and {:?}", d.of, e.shape, d.shape)));
+            return Err(FormatError::Index(format!(
+                "sliced tensor {:?}: slices give shapes {:?} and {:?}",
+                d.of, e.shape, d.shape
+            )));
         }
-        e.slices.push(IndexSlice { tensor: d.piece.clone(), rank, file: t.file.clone(), elems: d.elems, data_offsets: t.data_offsets, crc32c: t.crc32c });
+        e.slices.push(IndexSlice {
+            tensor: d.piece.clone(),
+            rank,
+            file: t.file.clone(),
+            elems: d.elems,
+            data_offsets: t.data_offsets,
+            crc32c: t.crc32c,
+        });
     }
     for e in out.values_mut() {
         e.slices.sort_by_key(|p| p.elems);
@@ -545,7 +650,8 @@ mod tests {
     #[test]
     fn shards_balance_over_directories() {
         let specs: Vec<_> = (0..40).map(|i| TensorSpec::new(format!("t{i}"), Dtype::F32, &[1 << 16])).collect();
-        let l = Layout::plan(specs, LayoutOptions { n_dirs: 3, shard_bytes_max: 4 << 20, ..Default::default() }).unwrap();
+        let l =
+            Layout::plan(specs, LayoutOptions { n_dirs: 3, shard_bytes_max: 4 << 20, ..Default::default() }).unwrap();
         // 10 MiB over shards of at most 4 MiB -> 3, a multiple of 3 dirs.
         assert_eq!(l.shards.len(), 3);
         let dirs: Vec<u32> = l.shards.iter().map(|s| s.dir_idx).collect();
@@ -575,7 +681,8 @@ mod tests {
     }
 
     fn many_kinds_of_names() -> Layout {
-        let mut s: Vec<TensorSpec> = (0..40).map(|i| TensorSpec::new(format!("layer.{i}.w"), Dtype::F32, &[1 + i * 500])).collect();
+        let mut s: Vec<TensorSpec> =
+            (0..40).map(|i| TensorSpec::new(format!("layer.{i}.w"), Dtype::F32, &[1 + i * 500])).collect();
         // Names holding the keys the index template looks for, escaped in the JSON.
         s.push(TensorSpec::new("\"crc32c\": 0", Dtype::U8, &[2]));
         s.push(TensorSpec::new("    \"step\": 0,", Dtype::U8, &[2]));
@@ -583,8 +690,10 @@ mod tests {
         s.push(TensorSpec::new("blobs", Dtype::U8, &[0]));
         s.push(TensorSpec::new("w#elems[0:5]", Dtype::F32, &[5]));
         s.push(TensorSpec::new("w#elems[5:12]", Dtype::F32, &[7]));
-        let mut l = Layout::plan(s, LayoutOptions { shard_bytes_max: 64 << 10, n_dirs: 2, ..Default::default() }).unwrap();
-        let decl = |piece: &str, a, b| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![12], elems: [a, b] };
+        let mut l =
+            Layout::plan(s, LayoutOptions { shard_bytes_max: 64 << 10, n_dirs: 2, ..Default::default() }).unwrap();
+        let decl =
+            |piece: &str, a, b| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![12], elems: [a, b] };
         l.set_slices(vec![decl("w#elems[5:12]", 5, 12), decl("w#elems[0:5]", 0, 5)]).unwrap();
         assert!(l.shards.len() > 2);
         l
@@ -596,8 +705,14 @@ mod tests {
         let dirs = vec!["/second".to_string()];
         l.prepare_index(&dirs);
         assert!(l.template(&dirs).is_some(), "the template reads");
-        for (step, blobs) in [(0, vec![]), (7, vec![Blob { name: "rng", bytes: b"state" }]), (format::STEP_MAX, vec![Blob { name: "a", bytes: b"" }, Blob { name: "z", bytes: b"\n\"" }])] {
-            let crcs: Vec<u32> = (0..l.specs.len() as u32).map(|i| 0x9e37_79b9u32.wrapping_mul(i.wrapping_add(step as u32) | 1)).collect();
+        for (step, blobs) in [
+            (0, vec![]),
+            (7, vec![Blob { name: "rng", bytes: b"state" }]),
+            (format::STEP_MAX, vec![Blob { name: "a", bytes: b"" }, Blob { name: "z", bytes: b"\n\"" }]),
+        ] {
+            let crcs: Vec<u32> = (0..l.specs.len() as u32)
+                .map(|i| 0x9e37_79b9u32.wrapping_mul(i.wrapping_add(step as u32) | 1))
+                .collect();
             let whole = l.index(step, &crcs, &blobs, dirs.clone());
             // A clone (as the committer's rebased copy) shares the rendering.
             let bytes = l.clone().index_json(step, &crcs, &blobs, dirs.clone());
@@ -606,17 +721,27 @@ mod tests {
         }
         // Other directories than rendered: built at once, still right.
         assert!(l.template(&[]).is_none());
-        assert_eq!(l.index_json(3, &vec![5; l.specs.len()], &[], vec![]), l.index(3, &vec![5; l.specs.len()], &[], vec![]).to_json_bytes());
+        assert_eq!(
+            l.index_json(3, &vec![5; l.specs.len()], &[], vec![]),
+            l.index(3, &vec![5; l.specs.len()], &[], vec![]).to_json_bytes()
+        );
     }
 
     #[test]
     fn an_incremental_layouts_rendered_index_with_digests_is_the_index_built_at_once() {
-        let specs: Vec<TensorSpec> = (0..12).map(|i| TensorSpec::new(format!("t{i}"), Dtype::F32, &[1 + (i % 3) * (300 << 10)])).collect();
+        let specs: Vec<TensorSpec> =
+            (0..12).map(|i| TensorSpec::new(format!("t{i}"), Dtype::F32, &[1 + (i % 3) * (300 << 10)])).collect();
         let changed: HashSet<String> = ["t1".to_string(), "t5".to_string()].into();
-        let l = Layout::plan_with(specs, LayoutOptions { incremental: true, n_dirs: 2, ..Default::default() }, Some(&changed)).unwrap();
+        let l = Layout::plan_with(
+            specs,
+            LayoutOptions { incremental: true, n_dirs: 2, ..Default::default() },
+            Some(&changed),
+        )
+        .unwrap();
         let dirs = vec!["/second".to_string()];
         let crcs: Vec<u32> = (0..12).map(|i| i * 7 + 1).collect();
-        let digests: Vec<u128> = (0..12u128).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834) ^ 5).collect();
+        let digests: Vec<u128> =
+            (0..12u128).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834) ^ 5).collect();
         let whole = l.index_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
         let bytes = l.index_json_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
         assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.to_json_bytes()).unwrap());
@@ -630,7 +755,8 @@ mod tests {
         // Changed tensors in volatile shards first; each stable one of 1 MiB or more alone.
         let volatile: Vec<&ShardPlan> = l.shards.iter().filter(|s| !s.stable).collect();
         assert!(l.shards.iter().position(|s| s.stable).unwrap() >= volatile.len());
-        let vnames: HashSet<&str> = volatile.iter().flat_map(|s| s.tensors.iter().map(|&i| l.specs[i].name.as_str())).collect();
+        let vnames: HashSet<&str> =
+            volatile.iter().flat_map(|s| s.tensors.iter().map(|&i| l.specs[i].name.as_str())).collect();
         assert_eq!(vnames, ["t1", "t5"].into());
         for sh in l.shards.iter().filter(|s| s.stable) {
             let big = sh.tensors.iter().any(|&i| l.tensor_range(i).len() as u64 >= config::STABLE_OWN_SHARD_BYTES_MIN);
@@ -640,7 +766,11 @@ mod tests {
 
     #[test]
     fn an_index_without_slices_or_secondaries_renders_too() {
-        let l = Layout::plan(vec![TensorSpec::new("a", Dtype::F16, &[3]), TensorSpec::new("b", Dtype::I64, &[0])], LayoutOptions::default()).unwrap();
+        let l = Layout::plan(
+            vec![TensorSpec::new("a", Dtype::F16, &[3]), TensorSpec::new("b", Dtype::I64, &[0])],
+            LayoutOptions::default(),
+        )
+        .unwrap();
         assert_eq!(l.index_json(3, &[11, 22], &[], vec![]), l.index(3, &[11, 22], &[], vec![]).to_json_bytes());
         assert!(l.template(&[]).is_some());
     }
@@ -680,4 +810,3 @@ mod tests {
         assert!(matches!(Layout::plan(s, LayoutOptions::default()), Err(FormatError::ShapeOverflow { .. })));
     }
 }
-

@@ -63,7 +63,12 @@ impl Prev {
             return None;
         }
         let step_dirs: Vec<PathBuf> = paths.iter().map(|p| catalog::step_path(p, step)).collect();
-        let linkable = index.ckpt.files.iter().filter_map(|f| Some((f.name.clone(), step_dirs.get(f.dir_idx as usize)?.join(&f.name)))).collect();
+        let linkable = index
+            .ckpt
+            .files
+            .iter()
+            .filter_map(|f| Some((f.name.clone(), step_dirs.get(f.dir_idx as usize)?.join(&f.name))))
+            .collect();
         Some(Prev::with(step, index, linkable))
     }
 
@@ -90,7 +95,11 @@ impl Prev {
         for f in &index.ckpt.files {
             let path = match (index.holder(&f.name), node) {
                 (None, None) => catalog::step_path(shared, step).join(&f.name),
-                (Some((holder, entry)), Some((id, dirs))) if holder == id && entry.dirs.len() == dirs.len() && entry.dirs.iter().zip(dirs).all(|(a, b)| Path::new(a) == b) => {
+                (Some((holder, entry)), Some((id, dirs)))
+                    if holder == id
+                        && entry.dirs.len() == dirs.len()
+                        && entry.dirs.iter().zip(dirs).all(|(a, b)| Path::new(a) == b) =>
+                {
                     let Ok(folder) = crate::format::node_step_dir_name(step) else { continue };
                     let Some(d) = dirs.get(f.dir_idx as usize) else { continue };
                     d.join(folder).join(&f.name)
@@ -113,13 +122,19 @@ impl Prev {
     pub fn unchanged(&self, layout: &Layout, i: usize, crc: u32, digest: u128) -> bool {
         let s = &layout.specs[i];
         let Some(t) = self.index.ckpt.tensors.get(&s.name) else { return false };
-        t.dtype == s.dtype && t.shape == s.shape && t.crc32c == crc && t.xxh128.as_deref().and_then(crate::digest::parse_hex) == Some(digest)
+        t.dtype == s.dtype
+            && t.shape == s.shape
+            && t.crc32c == crc
+            && t.xxh128.as_deref().and_then(crate::digest::parse_hex) == Some(digest)
     }
 
     /// The names of `layout`'s tensors that changed since this step (or
     /// are new), from the save's checksums and digests.
     pub fn changed(&self, layout: &Layout, crcs: &[u32], digests: &[u128]) -> HashSet<String> {
-        (0..layout.specs.len()).filter(|&i| !self.unchanged(layout, i, crcs[i], digests[i])).map(|i| layout.specs[i].name.clone()).collect()
+        (0..layout.specs.len())
+            .filter(|&i| !self.unchanged(layout, i, crcs[i], digests[i]))
+            .map(|i| layout.specs[i].name.clone())
+            .collect()
     }
 
     /// The file of this step that shard `s` of `layout` could be linked
@@ -146,7 +161,12 @@ impl Prev {
             let s = &layout.specs[i];
             let t = self.index.ckpt.tensors.get(&s.name)?;
             let p = &layout.places[i];
-            if &t.file != file || t.dtype != s.dtype || t.shape != s.shape || t.data_offsets != [p.data_offsets.0, p.data_offsets.1] || t.xxh128.is_none() {
+            if &t.file != file
+                || t.dtype != s.dtype
+                || t.shape != s.shape
+                || t.data_offsets != [p.data_offsets.0, p.data_offsets.1]
+                || t.xxh128.is_none()
+            {
                 return None;
             }
         }
@@ -174,7 +194,10 @@ fn kill_after_links_for_tests() {
     use std::sync::OnceLock;
     static AFTER: OnceLock<Option<u64>> = OnceLock::new();
     static LINKS: AtomicU64 = AtomicU64::new(0);
-    let Some(n) = *AFTER.get_or_init(|| std::env::var(TEST_KILL_AFTER_LINKS_ENV).ok().and_then(|v| v.parse().ok())) else { return };
+    let Some(n) = *AFTER.get_or_init(|| std::env::var(TEST_KILL_AFTER_LINKS_ENV).ok().and_then(|v| v.parse().ok()))
+    else {
+        return;
+    };
     if LINKS.fetch_add(1, Ordering::SeqCst) + 1 == n {
         // SAFETY: raising a signal on this process has no preconditions.
         unsafe { libc::raise(libc::SIGKILL) };
@@ -190,7 +213,9 @@ pub fn file_inode(primary: &Path, step: u64, file: &str) -> Option<(u64, u64)> {
     let f = index.ckpt.files.iter().find(|f| f.name == file)?;
     let folder = match index.holder(file) {
         // A node-local file (several nodes): in its node's `node-step-…` folder.
-        Some((_, entry)) => PathBuf::from(entry.dirs.get(f.dir_idx as usize)?).join(crate::format::node_step_dir_name(step).ok()?),
+        Some((_, entry)) => {
+            PathBuf::from(entry.dirs.get(f.dir_idx as usize)?).join(crate::format::node_step_dir_name(step).ok()?)
+        }
         None if f.dir_idx == 0 => catalog::step_path(primary, step),
         None => catalog::step_path(Path::new(index.ckpt.secondary_dirs.get(f.dir_idx as usize - 1)?), step),
     };
@@ -206,7 +231,8 @@ pub fn steps_sharing(primary: &Path, id: (u64, u64)) -> Vec<u64> {
     steps
         .into_iter()
         .filter(|&s| {
-            crate::restore::read_index(primary, s).is_ok_and(|index| index.ckpt.files.iter().any(|f| file_inode(primary, s, &f.name) == Some(id)))
+            crate::restore::read_index(primary, s)
+                .is_ok_and(|index| index.ckpt.files.iter().any(|f| file_inode(primary, s, &f.name) == Some(id)))
         })
         .collect()
 }

@@ -60,8 +60,19 @@ impl IndexTemplate {
         let c = &draft.ckpt;
         let owners = (0..c.files.len())
             .map(Hole::File)
-            .chain(c.tensors.keys().map(|n| by_name.get(n.as_str()).map(|&i| Hole::Tensor(i))).collect::<Option<Vec<_>>>()?)
-            .chain(c.slices.values().flat_map(|l| &l.slices).map(|s| by_name.get(s.tensor.as_str()).map(|&i| Hole::Tensor(i))).collect::<Option<Vec<_>>>()?);
+            .chain(
+                c.tensors
+                    .keys()
+                    .map(|n| by_name.get(n.as_str()).map(|&i| Hole::Tensor(i)))
+                    .collect::<Option<Vec<_>>>()?,
+            )
+            .chain(
+                c.slices
+                    .values()
+                    .flat_map(|l| &l.slices)
+                    .map(|s| by_name.get(s.tensor.as_str()).map(|&i| Hole::Tensor(i)))
+                    .collect::<Option<Vec<_>>>()?,
+            );
         const CRC: &[u8] = b"\"crc32c\": 0";
         let mut holes = vec![(step, Hole::Step), (blobs, Hole::Blobs)];
         let mut at = ckpt;
@@ -103,7 +114,14 @@ impl IndexTemplate {
     /// tensors (in the layout's order), the tensors' digests (when the
     /// template has holes for them: [`IndexTemplate::has_digests`]) and the
     /// blobs' entries.
-    pub(crate) fn render(&self, step: u64, file_crcs: &[u32], tensor_crcs: &[u32], digests: &[u128], blobs: &[IndexBlob]) -> Vec<u8> {
+    pub(crate) fn render(
+        &self,
+        step: u64,
+        file_crcs: &[u32],
+        tensor_crcs: &[u32],
+        digests: &[u128],
+        blobs: &[IndexBlob],
+    ) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.json.len() + 12 * self.holes.len() + blobs.len() * 128);
         let mut from = 0;
         for &(at, hole) in &self.holes {

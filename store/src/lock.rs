@@ -122,7 +122,15 @@ impl DirLock {
         let path = dir.join(LOCK_FILE_NAME);
         let io_err = |source| LockError::Io { path: path.clone(), source };
         for _ in 0..LOCK_ATTEMPTS_MAX {
-            let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o644).custom_flags(libc::O_CLOEXEC).open(&path).map_err(io_err)?;
+            let mut file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o644)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(io_err)?;
             // SAFETY: flock on a descriptor we own; no memory is involved.
             if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 let e = io::Error::last_os_error();
@@ -134,8 +142,12 @@ impl DirLock {
             if !is_current(&file, &path).map_err(io_err)? {
                 continue;
             }
-            let me = Holder { pid: Some(std::process::id()), role: role.to_string(), socket: socket.map(Path::to_path_buf) };
-            file.set_len(0).and_then(|()| file.rewind()).and_then(|()| file.write_all(me.render().as_bytes())).map_err(io_err)?;
+            let me =
+                Holder { pid: Some(std::process::id()), role: role.to_string(), socket: socket.map(Path::to_path_buf) };
+            file.set_len(0)
+                .and_then(|()| file.rewind())
+                .and_then(|()| file.write_all(me.render().as_bytes()))
+                .map_err(io_err)?;
             return Ok(DirLock { file, dir: dir.to_path_buf() });
         }
         Err(io_err(io::Error::other("the lock file kept being replaced while locking it")))
@@ -183,7 +195,12 @@ mod tests {
         // the same process conflicts as another process's would.
         let e = DirLock::acquire(d.path(), "gc", None).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains(&format!("pid {}", std::process::id())) && msg.contains("serve") && msg.contains("/run/x/sidecar.sock"), "{msg}");
+        assert!(
+            msg.contains(&format!("pid {}", std::process::id()))
+                && msg.contains("serve")
+                && msg.contains("/run/x/sidecar.sock"),
+            "{msg}"
+        );
         let h = holder(d.path()).unwrap();
         assert_eq!(h.socket.as_deref(), Some(sock));
         drop(first);

@@ -97,7 +97,16 @@ impl AlignedBuf {
         let extra_flags = if cfg!(miri) { 0 } else { extra_flags };
         // SAFETY: an anonymous private mapping with no address hint touches no
         // existing memory; the result is checked against MAP_FAILED.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags, -1, 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags,
+                -1,
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }

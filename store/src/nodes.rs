@@ -42,9 +42,9 @@ use tracing::info;
 
 use crate::catalog;
 use crate::commit::{write_dir, write_small_file, CommitError, CommitReport, Fill, IncrementalReport, Store};
-use crate::incremental::Prev;
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
+use crate::incremental::Prev;
 use crate::mem::BufAddr;
 use crate::progress::Progress;
 use crate::ranks;
@@ -206,8 +206,14 @@ impl Store {
         self.check_writable()?;
         crate::image::validate_blobs(blobs)?;
         match self.opts.node_local {
-            None => assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory"),
-            Some(_) => assert_eq!(layout.opts.n_dirs, self.dirs().len(), "a rank's node-local part is planned for this node's directories"),
+            None => {
+                assert_eq!(layout.opts.n_dirs, 1, "a rank's part in the shared directory is planned for one directory")
+            }
+            Some(_) => assert_eq!(
+                layout.opts.n_dirs,
+                self.dirs().len(),
+                "a rank's node-local part is planned for this node's directories"
+            ),
         }
         assert!(staging.len_bytes() as u64 >= layout.staging_len, "staging smaller than the layout");
         let shared = self.shared_or_panic().to_path_buf();
@@ -249,23 +255,30 @@ impl Store {
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(CommitError::io(tmp, "create the multi-rank temp folder", e)),
         }
-        remove_rank_files(tmp, rank, blobs).map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
+        remove_rank_files(tmp, rank, blobs)
+            .map_err(|e| CommitError::io(tmp, format!("remove rank {rank}'s files of an earlier attempt"), e))?;
         let chunk_bytes = self.opts.chunk_bytes;
         // Incremental (docs/format.md, "Incremental checkpoints"): the
         // newest committed step of the shared directory, and this part's
         // stable shards that may be linked from its files on the same file
         // system (decided once the copy's digests are in).
         let own_dirs = self.dirs().to_vec();
-        let prev = if layout.opts.incremental { Prev::newest_shared(&shared, self.opts.node_local.as_deref().map(|id| (id, &own_dirs[..]))) } else { None };
-        let candidates: Vec<Option<PathBuf>> =
-            (0..layout.shards.len()).map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s))).collect();
+        let prev = if layout.opts.incremental {
+            Prev::newest_shared(&shared, self.opts.node_local.as_deref().map(|id| (id, &own_dirs[..])))
+        } else {
+            None
+        };
+        let candidates: Vec<Option<PathBuf>> = (0..layout.shards.len())
+            .map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s)))
+            .collect();
         let linked = if self.opts.node_local.is_some() {
             // Node-local: the shards go into this node's own directories
             // (striped as the layout says), synced before the marker.
             self.write_node_local_shards(step, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?
         } else {
             let d = self.shared.as_mut().expect("checked by the caller");
-            let (_, _, linked) = write_dir(d, step, 0, tmp, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?;
+            let (_, _, linked) =
+                write_dir(d, step, 0, tmp, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?;
             if !linked.is_empty() {
                 // The links' names durable before the marker says the part is.
                 catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
@@ -283,7 +296,9 @@ impl Store {
             }
             for b in blobs {
                 let p = bdir.join(b.name);
-                write_small_file(&p, b.bytes).map_err(|e| CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64))?;
+                write_small_file(&p, b.bytes).map_err(|e| {
+                    CommitError::io(&p, format!("write blob {:?}", b.name), e).needing(b.bytes.len() as u64)
+                })?;
                 bytes += b.bytes.len() as u64;
             }
             catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
@@ -291,7 +306,8 @@ impl Store {
         if !slices.is_empty() {
             // Synced, its entry too, before the marker: a marker present means they are in.
             let p = tmp.join(format::rank_slices_name(rank));
-            let json = serde_json::to_vec(&RankSlices { slices: slices.to_vec() }).expect("slice declarations serialize");
+            let json =
+                serde_json::to_vec(&RankSlices { slices: slices.to_vec() }).expect("slice declarations serialize");
             write_small_file(&p, &json).map_err(|e| CommitError::io(&p, "write rank slice declarations", e))?;
             catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
         }
@@ -355,7 +371,9 @@ impl Store {
             match fs::create_dir(&local) {
                 Ok(()) => catalog::fsync_dir(d).map_err(|e| CommitError::io(d, "sync directory", e))?,
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                    remove_rank_files(&local, rank, &[]).map_err(|e| CommitError::io(&local, format!("remove rank {rank}'s files of an earlier attempt"), e))?
+                    remove_rank_files(&local, rank, &[]).map_err(|e| {
+                        CommitError::io(&local, format!("remove rank {rank}'s files of an earlier attempt"), e)
+                    })?
                 }
                 Err(e) => return Err(CommitError::io(&local, "create the node-local step folder", e)),
             }
@@ -370,7 +388,20 @@ impl Store {
                     let local = &locals[dir_idx];
                     std::thread::Builder::new()
                         .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || write_dir(d, step, dir_idx as u32, local, layout, staging, fill, chunk_bytes, prev, candidates))
+                        .spawn_scoped(s, move || {
+                            write_dir(
+                                d,
+                                step,
+                                dir_idx as u32,
+                                local,
+                                layout,
+                                staging,
+                                fill,
+                                chunk_bytes,
+                                prev,
+                                candidates,
+                            )
+                        })
                         .expect("spawning a writer thread")
                 })
                 .collect();
@@ -447,7 +478,8 @@ impl Store {
         for rank in 0..world_size {
             let p = tmp.join(format::rank_marker_name(rank));
             let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
-            let ix = Index::from_json_bytes(&raw).map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
+            let ix = Index::from_json_bytes(&raw)
+                .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
             for f in &ix.ckpt.files {
                 if let Some((node, _)) = ix.holder(&f.name) {
                     // On that node's own disks: its marker (written after
@@ -457,9 +489,15 @@ impl Store {
                     continue;
                 }
                 let fp = tmp.join(&f.name);
-                let len = fs::metadata(&fp).map_err(|e| CommitError::io(&fp, format!("rank {rank}'s marker lists it"), e))?.len();
+                let len = fs::metadata(&fp)
+                    .map_err(|e| CommitError::io(&fp, format!("rank {rank}'s marker lists it"), e))?
+                    .len();
                 if len != f.len_bytes {
-                    return Err(CommitError::Format(format::FormatError::Index(format!("{}: {len} bytes, rank {rank}'s marker says {}", fp.display(), f.len_bytes))));
+                    return Err(CommitError::Format(format::FormatError::Index(format!(
+                        "{}: {len} bytes, rank {rank}'s marker says {}",
+                        fp.display(),
+                        f.len_bytes
+                    ))));
                 }
                 bytes += len;
             }
@@ -468,7 +506,9 @@ impl Store {
             let sp = tmp.join(format::rank_slices_name(rank));
             match fs::read(&sp) {
                 Ok(raw) => {
-                    let d: RankSlices = serde_json::from_slice(&raw).map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display()))))?;
+                    let d: RankSlices = serde_json::from_slice(&raw).map_err(|e| {
+                        CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display())))
+                    })?;
                     decls.extend(d.slices);
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -480,7 +520,10 @@ impl Store {
         }
         let index = ranks::merge_indexes(parts, &decls)?;
         if index.ckpt.world_size != world_size {
-            return Err(CommitError::Format(format::FormatError::Index(format!("the markers say world size {}, the ranks {world_size}", index.ckpt.world_size))));
+            return Err(CommitError::Format(format::FormatError::Index(format!(
+                "the markers say world size {}, the ranks {world_size}",
+                index.ckpt.world_size
+            ))));
         }
         let t_commit = Instant::now();
         let ipath = tmp.join(INDEX_FILE_NAME);
@@ -507,7 +550,11 @@ impl Store {
         if let Some(policy) = self.opts.retention {
             // The drain's hold (the step being uploaded) is kept, as in Store::retain.
             let dirs = std::slice::from_ref(&shared);
-            let held = self.retention_hold.as_ref().map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
+            let held = self
+                .retention_hold
+                .as_ref()
+                .map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).clone())
+                .unwrap_or_default();
             let applied = crate::retention::plan(dirs, policy).and_then(|doomed| {
                 let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.contains(s)).collect();
                 for &s in &doomed {
@@ -678,7 +725,9 @@ pub fn uploaded_nodes(shared: &Path, step: u64) -> io::Result<BTreeSet<String>> 
     };
     let mut out = BTreeSet::new();
     for e in rd {
-        if let Some(n) = e?.file_name().to_str().and_then(|n| n.strip_suffix(".uploaded")).filter(|n| !n.starts_with('.')) {
+        if let Some(n) =
+            e?.file_name().to_str().and_then(|n| n.strip_suffix(".uploaded")).filter(|n| !n.starts_with('.'))
+        {
             out.insert(n.to_string());
         }
     }
@@ -699,7 +748,10 @@ pub fn remove_upload_marks(shared: &Path, step: u64) -> io::Result<()> {
 /// rank 0's first file, else (rank 0 wrote none) the first node id.
 pub fn drain_coordinator(index: &Index) -> Option<&str> {
     let rank0 = index.ckpt.files.iter().find(|f| ranks::rank_of_file(&f.name) == Some(0));
-    rank0.and_then(|f| index.holder(&f.name)).map(|(id, _)| id).or_else(|| index.ckpt.nodes.keys().next().map(String::as_str))
+    rank0
+        .and_then(|f| index.holder(&f.name))
+        .map(|(id, _)| id)
+        .or_else(|| index.ckpt.nodes.keys().next().map(String::as_str))
 }
 
 /// A step's index as a one-directory checkpoint holds it (the drain

@@ -46,9 +46,17 @@ impl Progress {
     /// `starts` (ascending, below `end`). Bytes below the first run (headers,
     /// written before the fill starts) are ready at once.
     pub fn new(starts: Vec<u64>, end: u64) -> Progress {
-        assert!(starts.windows(2).all(|w| w[0] <= w[1]) && starts.last().is_none_or(|&s| s <= end), "runs out of order");
+        assert!(
+            starts.windows(2).all(|w| w[0] <= w[1]) && starts.last().is_none_or(|&s| s <= end),
+            "runs out of order"
+        );
         let n = starts.len();
-        Progress { starts, end, state: Mutex::new(State { done: vec![false; n], next: 0, outcome: None, digests: None, wanted: u64::MAX }), changed: Condvar::new() }
+        Progress {
+            starts,
+            end,
+            state: Mutex::new(State { done: vec![false; n], next: 0, outcome: None, digests: None, wanted: u64::MAX }),
+            changed: Condvar::new(),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

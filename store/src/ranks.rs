@@ -14,8 +14,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::format::{self, FormatError, Index};
 use crate::config;
+use crate::format::{self, FormatError, Index};
 use crate::image::{self, Layout, SliceDecl};
 
 /// Joins the parts (one per rank, in any order) of one checkpoint into one
@@ -33,7 +33,10 @@ pub fn merge(mut parts: Vec<Layout>) -> Result<Layout, FormatError> {
     }
     for (r, p) in parts.iter().enumerate() {
         if p.opts.world_size != world_size || p.opts.n_dirs != n_dirs {
-            return bad(format!("rank {} was planned for world size {} and {} directories, rank 0 for {world_size} and {n_dirs}", p.opts.rank, p.opts.world_size, p.opts.n_dirs));
+            return bad(format!(
+                "rank {} was planned for world size {} and {} directories, rank 0 for {world_size} and {n_dirs}",
+                p.opts.rank, p.opts.world_size, p.opts.n_dirs
+            ));
         }
         if p.opts.rank != r as u32 {
             return bad(format!("rank {r} is missing (or sent twice)"));
@@ -95,7 +98,10 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
             return bad(format!("rank {r}'s marker is missing (or sent twice)"));
         }
         if ix.ckpt.step != step || ix.ckpt.world_size != world_size {
-            return bad(format!("rank {rank}'s marker is of step {} and world size {}, rank 0's of step {step} and {world_size}", ix.ckpt.step, ix.ckpt.world_size));
+            return bad(format!(
+                "rank {rank}'s marker is of step {} and world size {}, rank 0's of step {step} and {world_size}",
+                ix.ckpt.step, ix.ckpt.world_size
+            ));
         }
         if !ix.ckpt.secondary_dirs.is_empty() {
             return bad(format!("rank {rank}'s marker names other directories"));
@@ -122,7 +128,12 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
                 }
                 std::collections::btree_map::Entry::Occupied(mut o) => {
                     if o.get().dirs != n.dirs {
-                        return bad(format!("rank {rank}'s marker says node {:?} holds its files in {:?}, an earlier rank's in {:?}", o.key(), n.dirs, o.get().dirs));
+                        return bad(format!(
+                            "rank {rank}'s marker says node {:?} holds its files in {:?}, an earlier rank's in {:?}",
+                            o.key(),
+                            n.dirs,
+                            o.get().dirs
+                        ));
                     }
                     o.get_mut().files.extend(n.files);
                 }
@@ -138,7 +149,8 @@ pub fn merge_indexes(mut parts: Vec<(u32, Index)>, decls: &[SliceDecl]) -> Resul
     out.ckpt.blobs.sort_by(|a, b| a.name.cmp(&b.name));
     out.ckpt.nodes.values_mut().for_each(|n| n.files.sort());
     out.ckpt.slices = image::checked_slices(&out.ckpt.tensors, decls)?;
-    out.ckpt.format_version = config::format_version_for(!out.ckpt.slices.is_empty(), out.ckpt.tensors.values().any(|t| t.xxh128.is_some()));
+    out.ckpt.format_version =
+        config::format_version_for(!out.ckpt.slices.is_empty(), out.ckpt.tensors.values().any(|t| t.xxh128.is_some()));
     out.validate()?;
     out.seal();
     Ok(out)
@@ -204,7 +216,10 @@ mod tests {
         assert_eq!(per.len(), 2);
         assert!(per[&0] > per[&1] && per[&1] > 0);
         let line = describe(&idx);
-        assert!(line.starts_with("world size 2; rank 0: ") && line.contains("rank 1: ") && line.contains("spread"), "{line}");
+        assert!(
+            line.starts_with("world size 2; rank 0: ") && line.contains("rank 1: ") && line.contains("spread"),
+            "{line}"
+        );
     }
 
     #[test]
@@ -240,14 +255,18 @@ mod tests {
         assert!(merge_indexes(vec![(0, ia.clone()), (0, ia.clone())], &[]).is_err());
         assert!(merge_indexes(vec![(0, ia.clone()), (1, b.index(8, &[3], &[], vec![]))], &[]).is_err());
         assert!(merge_indexes(vec![(0, ia.clone()), (1, ia.clone())], &[]).is_err());
-        assert!(matches!(merge_indexes(vec![(0, ia), (1, part(1, 2, &["a"]).index(7, &[3], &[], vec![]))], &[]), Err(FormatError::DuplicateTensor(_))));
+        assert!(matches!(
+            merge_indexes(vec![(0, ia), (1, part(1, 2, &["a"]).index(7, &[3], &[], vec![]))], &[]),
+            Err(FormatError::DuplicateTensor(_))
+        ));
     }
 
     #[test]
     fn markers_with_slice_declarations_merge_into_the_same_slices_as_one_sidecars() {
         // w is F32 [4, 500]: elements [0, 1000) on rank 0, [1000, 2000) on rank 1.
         let (a, b) = (part(0, 2, &["w#elems[0:1000]"]), part(1, 2, &["w#elems[1000:2000]", "c"]));
-        let decl = |piece: &str, e: [u64; 2]| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![4, 500], elems: e };
+        let decl =
+            |piece: &str, e: [u64; 2]| SliceDecl { piece: piece.into(), of: "w".into(), shape: vec![4, 500], elems: e };
         let decls = [decl("w#elems[1000:2000]", [1000, 2000]), decl("w#elems[0:1000]", [0, 1000])];
         let (ia, ib) = (a.index(7, &[1], &[], vec![]), b.index(7, &[2, 3], &[], vec![]));
         let m = merge_indexes(vec![(0, ia.clone()), (1, ib.clone())], &decls).unwrap();

@@ -97,7 +97,14 @@ mod tests {
 
     #[test]
     fn only_errors_that_say_the_directory_cannot_be_written_make_it_read_only() {
-        for (errno, ro) in [(libc::EROFS, true), (libc::EACCES, true), (libc::EPERM, true), (libc::ENOSPC, false), (libc::EIO, false), (libc::ENOENT, false)] {
+        for (errno, ro) in [
+            (libc::EROFS, true),
+            (libc::EACCES, true),
+            (libc::EPERM, true),
+            (libc::ENOSPC, false),
+            (libc::EIO, false),
+            (libc::ENOENT, false),
+        ] {
             assert_eq!(is_read_only_error(&io::Error::from_raw_os_error(errno)), ro, "errno {errno}");
         }
     }

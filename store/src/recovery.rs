@@ -15,8 +15,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::catalog;
-use crate::rollback::Interrupted;
 use crate::format::{self, DEL_PREFIX, INDEX_FILE_NAME, LATEST_TMP_PREFIX, PROBE_PREFIX, TMP_PREFIX};
+use crate::rollback::Interrupted;
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RecoveryReport {
@@ -87,7 +87,9 @@ pub fn recover(dirs: &[PathBuf]) -> io::Result<RecoveryReport> {
         }
     }
     match crate::rollback::finish_interrupted(dirs)? {
-        Some(Interrupted::Finished { step, removed }) => report.warnings.push(format!("finished an interrupted rollback to step {step}: un-committed {removed:?}")),
+        Some(Interrupted::Finished { step, removed }) => {
+            report.warnings.push(format!("finished an interrupted rollback to step {step}: un-committed {removed:?}"))
+        }
         Some(Interrupted::Dropped(w)) => report.warnings.push(w),
         None => {}
     }
@@ -163,7 +165,11 @@ pub fn recover_shared(dir: &Path, stale_after: std::time::Duration) -> io::Resul
 /// while this node's ranks wait for it (`waiting`); otherwise (aborted,
 /// un-committed by retention, `gc` or a rollback) it is removed, in every
 /// one of `dirs`. Returns what it removed.
-pub fn sweep_node_local(dirs: &[PathBuf], shared: &Path, waiting: &std::collections::BTreeSet<u64>) -> io::Result<Vec<PathBuf>> {
+pub fn sweep_node_local(
+    dirs: &[PathBuf],
+    shared: &Path,
+    waiting: &std::collections::BTreeSet<u64>,
+) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     for d in dirs {
         let mut here = false;
@@ -200,8 +206,15 @@ pub fn remove_stale_abort_records(dir: &Path, stale_after: std::time::Duration) 
     for e in fs::read_dir(dir)? {
         let e = e?;
         let name = e.file_name();
-        let record = name.to_str().and_then(|n| n.strip_suffix(format::RANKS_ABORT_SUFFIX)).and_then(format::parse_ranks_tmp_name).is_some();
-        if record && e.file_type()?.is_file() && now.duration_since(e.metadata()?.modified()?).unwrap_or_default() >= stale_after {
+        let record = name
+            .to_str()
+            .and_then(|n| n.strip_suffix(format::RANKS_ABORT_SUFFIX))
+            .and_then(format::parse_ranks_tmp_name)
+            .is_some();
+        if record
+            && e.file_type()?.is_file()
+            && now.duration_since(e.metadata()?.modified()?).unwrap_or_default() >= stale_after
+        {
             let p = e.path();
             fs::remove_file(&p)?;
             removed.push(p);

@@ -91,7 +91,10 @@ pub(crate) fn name_slices(index: &Index, problems: &mut [Problem]) {
     }
     for p in problems {
         let Some((logical, s)) = p.tensor.as_deref().and_then(|t| index.slice_of(t)) else { continue };
-        p.what = format!("slice elems [{}, {}) of rank {} (stored as {:?}): {}", s.elems[0], s.elems[1], s.rank, s.tensor, p.what);
+        p.what = format!(
+            "slice elems [{}, {}) of rank {} (stored as {:?}): {}",
+            s.elems[0], s.elems[1], s.rank, s.tensor, p.what
+        );
         p.tensor = Some(logical.to_string());
     }
 }
@@ -128,8 +131,13 @@ pub enum LoadError {
 /// every such file is the reader's own or in the index's directories.
 pub fn held_elsewhere(index: &Index, opts: &ReadOptions) -> Option<String> {
     let me = opts.node.as_ref()?;
-    let only: Option<std::collections::BTreeSet<&str>> =
-        opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
+    let only: Option<std::collections::BTreeSet<&str>> = opts.only_tensors.as_ref().map(|names| {
+        names
+            .iter()
+            .filter_map(|n| index.logical_tensor(n))
+            .flat_map(|t| t.slices.into_iter().map(|s| s.file))
+            .collect()
+    });
     index
         .ckpt
         .files
@@ -142,14 +150,30 @@ pub fn held_elsewhere(index: &Index, opts: &ReadOptions) -> Option<String> {
 /// folder for a node-held file (this node's own directories when the
 /// reader names its node; refused when another node holds it), else the
 /// step's folder in the directory its `dir_idx` names.
-fn file_folder(index: &Index, dirs: &[PathBuf], step: u64, fi: usize, opts: &ReadOptions) -> Result<PathBuf, LoadError> {
+fn file_folder(
+    index: &Index,
+    dirs: &[PathBuf],
+    step: u64,
+    fi: usize,
+    opts: &ReadOptions,
+) -> Result<PathBuf, LoadError> {
     let f = &index.ckpt.files[fi];
-    let Some((node, entry)) = index.holder(&f.name) else { return Ok(catalog::step_path(&dirs[f.dir_idx as usize], step)) };
+    let Some((node, entry)) = index.holder(&f.name) else {
+        return Ok(catalog::step_path(&dirs[f.dir_idx as usize], step));
+    };
     let name = format::node_step_dir_name(step).expect("a committed step's number is valid");
     let recorded = &entry.dirs[f.dir_idx as usize];
     match &opts.node {
-        Some(me) if me.id == node => Ok(me.dirs.get(f.dir_idx as usize).map_or_else(|| PathBuf::from(recorded), |d| d.clone()).join(name)),
-        Some(me) => Err(LoadError::OnAnotherNode { step, file: f.name.clone(), node: node.to_string(), dir: recorded.clone(), this: me.id.clone() }),
+        Some(me) if me.id == node => {
+            Ok(me.dirs.get(f.dir_idx as usize).map_or_else(|| PathBuf::from(recorded), |d| d.clone()).join(name))
+        }
+        Some(me) => Err(LoadError::OnAnotherNode {
+            step,
+            file: f.name.clone(),
+            node: node.to_string(),
+            dir: recorded.clone(),
+            this: me.id.clone(),
+        }),
         None => Ok(PathBuf::from(recorded).join(name)),
     }
 }
@@ -207,7 +231,11 @@ pub fn read_index(primary: &Path, step: u64) -> Result<Index, LoadError> {
         return Err(LoadError::NotCommitted { dir: primary.to_path_buf(), step });
     }
     let p = catalog::step_path(primary, step).join(INDEX_FILE_NAME);
-    let damaged = |what: String| LoadError::Damaged { dir: primary.to_path_buf(), step, problems: vec![problem(Some(INDEX_FILE_NAME), None, what)] };
+    let damaged = |what: String| LoadError::Damaged {
+        dir: primary.to_path_buf(),
+        step,
+        problems: vec![problem(Some(INDEX_FILE_NAME), None, what)],
+    };
     let len = fs::metadata(&p).map_err(|e| LoadError::Io { path: p.clone(), what: "stat index", source: e })?.len();
     if len > config::INDEX_BYTES_MAX {
         return Err(damaged(format!("index of {len} bytes is above the limit")));
@@ -234,7 +262,11 @@ fn candidates(primary: &Path, which: Which) -> Result<Vec<u64>, LoadError> {
     match which {
         Which::Step(s) => Ok(vec![s]),
         Which::Latest => {
-            let mut c = catalog::readable_steps(primary).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "list", source: e })?;
+            let mut c = catalog::readable_steps(primary).map_err(|e| LoadError::Io {
+                path: primary.to_path_buf(),
+                what: "list",
+                source: e,
+            })?;
             // `latest` first if it names a committed one, then newest down.
             if let Some(l) = catalog::latest_step(primary).ok().flatten() {
                 c.retain(|&s| s <= l);
@@ -330,7 +362,13 @@ pub fn load_into(primary: &Path, which: Which, opts: &ReadOptions, dest: &mut [u
 
 /// [`load_into`], with another node's files fetched from `remote`
 /// ([`load_into_raw_with`]).
-pub fn load_into_with(primary: &Path, which: Which, opts: &ReadOptions, remote: Option<&dyn FetchFiles>, dest: &mut [u8]) -> Result<Placed, LoadError> {
+pub fn load_into_with(
+    primary: &Path,
+    which: Which,
+    opts: &ReadOptions,
+    remote: Option<&dyn FetchFiles>,
+    dest: &mut [u8],
+) -> Result<Placed, LoadError> {
     // SAFETY: dest is a live, exclusively borrowed slice of dest.len() bytes,
     // untouched by anything else until this returns.
     unsafe { load_into_raw_with(primary, which, opts, remote, dest.as_mut_ptr(), dest.len(), &OwnMemory) }
@@ -382,7 +420,14 @@ impl ReadDest for OwnMemory {
 /// in a way it handles. Another process may change those bytes meanwhile (a
 /// client's shared memory): then what it wrote may fail a checksum, never
 /// pass one it did not.
-pub unsafe fn load_into_raw(primary: &Path, which: Which, opts: &ReadOptions, dest: *mut u8, dest_len: usize, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
+pub unsafe fn load_into_raw(
+    primary: &Path,
+    which: Which,
+    opts: &ReadOptions,
+    dest: *mut u8,
+    dest_len: usize,
+    guard: &dyn ReadDest,
+) -> Result<Placed, LoadError> {
     // SAFETY: this function's contract, passed on.
     unsafe { load_into_raw_with(primary, which, opts, None, dest, dest_len, guard) }
 }
@@ -424,7 +469,9 @@ pub unsafe fn load_into_raw_with(
             }
             // A checksum failed in memory someone else writes: the step is
             // damaged only if it also fails when verified on its own.
-            Err(LoadError::Damaged { ref problems, .. }) if guard.foreign() && verifies_apart(primary, step, opts, remote, problems) => {
+            Err(LoadError::Damaged { ref problems, .. })
+                if guard.foreign() && verifies_apart(primary, step, opts, remote, problems) =>
+            {
                 return Err(LoadError::Destination {
                     step,
                     why: "its bytes changed in the destination while they were read and checked there (written by its owner?); the checkpoint itself verifies".into(),
@@ -445,13 +492,21 @@ pub unsafe fn load_into_raw_with(
 /// its own (then the failure was that memory's, not the checkpoint's). With
 /// files fetched from `remote`: only when every file with a problem is one
 /// fetched, and verifies when fetched again into memory of our own.
-fn verifies_apart(primary: &Path, step: u64, opts: &ReadOptions, remote: Option<&dyn FetchFiles>, problems: &[Problem]) -> bool {
+fn verifies_apart(
+    primary: &Path,
+    step: u64,
+    opts: &ReadOptions,
+    remote: Option<&dyn FetchFiles>,
+    problems: &[Problem],
+) -> bool {
     let Some(src) = remote else { return verify(primary, step, opts, |_, _| {}).is_ok_and(|r| r.problems.is_empty()) };
     let Ok(index) = read_index(primary, step) else { return false };
     let names: std::collections::BTreeSet<String> = problems.iter().filter_map(|p| p.file.clone()).collect();
     let is_fetched = |n: &str| matches!((index.holder(n), &opts.node), (Some((id, _)), Some(me)) if id != me.id);
     let names: Vec<String> = names.into_iter().collect();
-    !names.is_empty() && names.iter().all(|n| is_fetched(n)) && fetched::verifies_when_fetched_again(&index, &names, src)
+    !names.is_empty()
+        && names.iter().all(|n| is_fetched(n))
+        && fetched::verifies_when_fetched_again(&index, &names, src)
 }
 
 type LoadFail = (LoadError, Option<AlignedBuf>);
@@ -467,12 +522,19 @@ fn load_step(primary: &Path, step: u64, opts: &ReadOptions, buf: Option<AlignedB
         Some(b) if b.len() >= need => b,
         _ => match AlignedBuf::new(need) {
             Ok(b) => b,
-            Err(e) => return Err((LoadError::Io { path: primary.to_path_buf(), what: "allocate load buffer", source: e }, None)),
+            Err(e) => {
+                return Err((
+                    LoadError::Io { path: primary.to_path_buf(), what: "allocate load buffer", source: e },
+                    None,
+                ))
+            }
         },
     };
     // SAFETY: buf is owned here, page-aligned, at least `need` bytes, and
     // not touched by anything else until read_step_at returns.
-    match unsafe { read_step_at(Origin::Local { primary, remote: None }, step, index, opts, buf.as_mut_ptr(), t0, &OwnMemory) } {
+    match unsafe {
+        read_step_at(Origin::Local { primary, remote: None }, step, index, opts, buf.as_mut_ptr(), t0, &OwnMemory)
+    } {
         Ok(placed) => Ok(Loaded { placed, buf }),
         Err(e) => Err((e, Some(buf))),
     }
@@ -504,7 +566,15 @@ pub(crate) enum Origin<'a> {
 /// # Safety
 /// `base` must be block-aligned and valid for writes of
 /// `load_len_bytes(&index)` bytes that nothing else touches during the call.
-pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, opts: &ReadOptions, base: *mut u8, t0: Instant, guard: &dyn ReadDest) -> Result<Placed, LoadError> {
+pub(crate) unsafe fn read_step_at(
+    origin: Origin<'_>,
+    step: u64,
+    index: Index,
+    opts: &ReadOptions,
+    base: *mut u8,
+    t0: Instant,
+    guard: &dyn ReadDest,
+) -> Result<Placed, LoadError> {
     let (primary, remote) = match origin {
         Origin::Local { primary, remote } => (Some(primary), remote),
         Origin::Remote(src) => (None, Some(src)),
@@ -517,8 +587,13 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
     let mut step_dirs: Vec<PathBuf> = Vec::new();
     let mut plan: Vec<Vec<(usize, usize)>> = Vec::new();
     let mut to_fetch: Vec<(usize, usize)> = Vec::new();
-    let only_files: Option<std::collections::BTreeSet<&str>> =
-        opts.only_tensors.as_ref().map(|names| names.iter().filter_map(|n| index.logical_tensor(n)).flat_map(|t| t.slices.into_iter().map(|s| s.file)).collect());
+    let only_files: Option<std::collections::BTreeSet<&str>> = opts.only_tensors.as_ref().map(|names| {
+        names
+            .iter()
+            .filter_map(|n| index.logical_tensor(n))
+            .flat_map(|t| t.slices.into_iter().map(|s| s.file))
+            .collect()
+    });
     for (fi, f) in index.ckpt.files.iter().enumerate() {
         let here = at;
         at += config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES) as usize;
@@ -560,7 +635,8 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
                 let index = &index;
                 let dir = &step_dirs[di];
                 s.spawn(move || {
-                    let targets: Vec<(usize, Dest)> = p.iter().map(|&(fi, off)| (fi, Dest::Whole((base + off) as *mut u8))).collect();
+                    let targets: Vec<(usize, Dest)> =
+                        p.iter().map(|&(fi, off)| (fi, Dest::Whole((base + off) as *mut u8))).collect();
                     let mut reader = DirReader::open(dir, opts.io)?;
                     let mut out = None;
                     guard.run(&mut || {
@@ -578,10 +654,13 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
             // SAFETY: the fetched files' ranges are disjoint from each other
             // and from the local readers' (each file has its own), valid
             // until this scope ends (this function's contract).
-            Some(src) if !to_fetch.is_empty() => Some(unsafe { fetched::fetch_and_check(&index, &to_fetch, src, base, guard) }),
+            Some(src) if !to_fetch.is_empty() => {
+                Some(unsafe { fetched::fetch_and_check(&index, &to_fetch, src, base, guard) })
+            }
             _ => None,
         };
-        let reads = handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect::<Result<Vec<_>, _>>()?;
+        let reads =
+            handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect::<Result<Vec<_>, _>>()?;
         Ok((reads, got))
     });
     let mut problems = Vec::new();
@@ -633,7 +712,16 @@ pub(crate) unsafe fn read_step_at(origin: Origin<'_>, step: u64, index: Index, o
     }
     engines.dedup();
     let bytes = index.ckpt.files.iter().filter(|f| files.contains_key(&f.name)).map(|f| f.len_bytes).sum();
-    Ok(Placed { step, index, blobs, fell_back: Vec::new(), bytes, seconds: t0.elapsed().as_secs_f64(), engine: engines.join(","), files })
+    Ok(Placed {
+        step,
+        index,
+        blobs,
+        fell_back: Vec::new(),
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+        engine: engines.join(","),
+        files,
+    })
 }
 
 /// A checkpoint whose Python skeleton names a tensor it does not hold does
@@ -662,13 +750,19 @@ pub(crate) fn check_blobs(
         let file = format!("{BLOBS_DIR_NAME}/{}", b.name);
         match read(&b.name, b.len_bytes as usize) {
             Err(e) => problems.push(problem(Some(&file), None, format!("cannot read: {e}"))),
-            Ok(bytes) if bytes.len() as u64 != b.len_bytes => {
-                problems.push(problem(Some(&file), None, format!("{} bytes where the index says {}", bytes.len(), b.len_bytes)))
-            }
+            Ok(bytes) if bytes.len() as u64 != b.len_bytes => problems.push(problem(
+                Some(&file),
+                None,
+                format!("{} bytes where the index says {}", bytes.len(), b.len_bytes),
+            )),
             Ok(bytes) => {
                 let crc = crc32c::crc32c(&bytes);
                 if crc != b.crc32c {
-                    problems.push(problem(Some(&file), None, format!("checksum mismatch (index {:#010x}, file {crc:#010x})", b.crc32c)));
+                    problems.push(problem(
+                        Some(&file),
+                        None,
+                        format!("checksum mismatch (index {:#010x}, file {crc:#010x})", b.crc32c),
+                    ));
                 } else {
                     out.insert(b.name.clone(), bytes);
                 }
@@ -696,12 +790,7 @@ enum Dest {
 /// Each destination must be valid, writable and otherwise untouched for the
 /// whole call: for `Whole`, the file's length rounded up to the O_DIRECT
 /// block; for `Window`, the window.
-unsafe fn read_and_check(
-    step_dir: &Path,
-    index: &Index,
-    targets: &[(usize, Dest)],
-    reader: &mut DirReader,
-) -> DirRead {
+unsafe fn read_and_check(step_dir: &Path, index: &Index, targets: &[(usize, Dest)], reader: &mut DirReader) -> DirRead {
     let mut any_direct = false;
     let mut problems = Vec::new();
     let mut opened = Vec::new();
@@ -739,9 +828,9 @@ unsafe fn read_and_check(
     let mut dest_failed = None;
     if let Err(e) = r {
         let name = match &e {
-            eio::DriveError::Io { file_idx, .. } | eio::DriveError::ShortRead { file_idx, .. } | eio::DriveError::ShortWrite { file_idx, .. } => {
-                Some(checks[*file_idx].file.name.as_str())
-            }
+            eio::DriveError::Io { file_idx, .. }
+            | eio::DriveError::ShortRead { file_idx, .. }
+            | eio::DriveError::ShortWrite { file_idx, .. } => Some(checks[*file_idx].file.name.as_str()),
             eio::DriveError::Engine(_) | eio::DriveError::Source(_) => None,
         };
         if e.errno() == Some(libc::EFAULT) {
@@ -772,7 +861,11 @@ struct DirReader {
 impl DirReader {
     fn open(dir: &Path, policy: IoPolicy) -> Result<DirReader, LoadError> {
         let (choice, want_direct) = eio::probe_for_read(dir, policy)?;
-        let engine = choice.open_engine().map_err(|e| LoadError::Io { path: dir.to_path_buf(), what: "start I/O engine", source: e })?;
+        let engine = choice.open_engine().map_err(|e| LoadError::Io {
+            path: dir.to_path_buf(),
+            what: "start I/O engine",
+            source: e,
+        })?;
         Ok(DirReader { choice, want_direct, engine })
     }
 }
@@ -794,8 +887,21 @@ pub(crate) struct FileCheck<'a> {
 }
 
 impl<'a> FileCheck<'a> {
-    pub(crate) fn new(file: &'a format::IndexFile, tensors: Vec<(&'a String, &'a format::IndexTensor)>) -> FileCheck<'a> {
-        FileCheck { file, tensors, pos: 0, header: Vec::new(), data_start: None, next: 0, tensor_crc: 0, file_crc: 0, failed: false }
+    pub(crate) fn new(
+        file: &'a format::IndexFile,
+        tensors: Vec<(&'a String, &'a format::IndexTensor)>,
+    ) -> FileCheck<'a> {
+        FileCheck {
+            file,
+            tensors,
+            pos: 0,
+            header: Vec::new(),
+            data_start: None,
+            next: 0,
+            tensor_crc: 0,
+            file_crc: 0,
+            failed: false,
+        }
     }
 
     fn fail(&mut self, problems: &mut Vec<Problem>, what: String) {
@@ -813,7 +919,9 @@ impl<'a> FileCheck<'a> {
                 } else {
                     let hlen = u64::from_le_bytes(self.header[..8].try_into().expect("8 bytes"));
                     if hlen > config::HEADER_BYTES_MAX as u64 || 8 + hlen > f.len_bytes {
-                        let e = format::decode_header(&self.header, f.len_bytes).err().map_or_else(|| "bad header length".to_string(), |e| e.to_string());
+                        let e = format::decode_header(&self.header, f.len_bytes)
+                            .err()
+                            .map_or_else(|| "bad header length".to_string(), |e| e.to_string());
                         return self.fail(problems, e);
                     }
                     8 + hlen as usize
@@ -823,7 +931,8 @@ impl<'a> FileCheck<'a> {
                 self.pos += take as u64;
                 bytes = &bytes[take..];
                 let whole = self.header.len() >= 8
-                    && self.header.len() as u64 == 8 + u64::from_le_bytes(self.header[..8].try_into().expect("8 bytes"));
+                    && self.header.len() as u64
+                        == 8 + u64::from_le_bytes(self.header[..8].try_into().expect("8 bytes"));
                 if whole {
                     self.parse_header(problems);
                 }
@@ -846,9 +955,16 @@ impl<'a> FileCheck<'a> {
         match format::decode_header(&self.header, self.file.len_bytes) {
             Err(e) => self.fail(problems, e.to_string()),
             Ok(h) => {
-                let listed: Vec<_> = self.tensors.iter().map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets)).collect();
-                let mut found: Vec<_> =
-                    h.tensors.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), [t.data_offsets.0, t.data_offsets.1])).collect();
+                let listed: Vec<_> = self
+                    .tensors
+                    .iter()
+                    .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice(), t.data_offsets))
+                    .collect();
+                let mut found: Vec<_> = h
+                    .tensors
+                    .iter()
+                    .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), [t.data_offsets.0, t.data_offsets.1]))
+                    .collect();
                 // File order, ties (zero-byte tensors) by name: as tensors_of.
                 found.sort_by(|a, b| (a.3, a.0).cmp(&(b.3, b.0)));
                 if listed != found {
@@ -872,7 +988,11 @@ impl<'a> FileCheck<'a> {
                 return;
             }
             if self.tensor_crc != t.crc32c {
-                problems.push(problem(Some(&self.file.name), Some(name), format!("checksum mismatch (index {:#010x}, data {:#010x})", t.crc32c, self.tensor_crc)));
+                problems.push(problem(
+                    Some(&self.file.name),
+                    Some(name),
+                    format!("checksum mismatch (index {:#010x}, data {:#010x})", t.crc32c, self.tensor_crc),
+                ));
             }
             self.file_crc = crate::crc::combine(self.file_crc, self.tensor_crc, t.data_offsets[1] - t.data_offsets[0]);
             self.tensor_crc = 0;
@@ -893,7 +1013,11 @@ impl<'a> FileCheck<'a> {
         if self.pos != f.len_bytes || self.next != self.tensors.len() {
             problems.push(problem(Some(&f.name), None, format!("only {} of {} bytes checked", self.pos, f.len_bytes)));
         } else if self.file_crc != f.crc32c {
-            problems.push(problem(Some(&f.name), None, format!("file checksum mismatch (index {:#010x}, file {:#010x})", f.crc32c, self.file_crc)));
+            problems.push(problem(
+                Some(&f.name),
+                None,
+                format!("file checksum mismatch (index {:#010x}, file {:#010x})", f.crc32c, self.file_crc),
+            ));
         }
     }
 }
@@ -916,7 +1040,12 @@ const _: () = assert!(VERIFY_WINDOW_BYTES_MAX % config::CHUNK_BYTES_DEFAULT == 0
 /// Checks every byte of a committed checkpoint, streaming each file through
 /// a window of memory; `progress(bytes_done, bytes_total)` after each file.
 /// To verify several checkpoints, keep one [`Verifier`] (it reuses its window).
-pub fn verify(primary: &Path, step: u64, opts: &ReadOptions, progress: impl FnMut(u64, u64)) -> Result<VerifyReport, LoadError> {
+pub fn verify(
+    primary: &Path,
+    step: u64,
+    opts: &ReadOptions,
+    progress: impl FnMut(u64, u64),
+) -> Result<VerifyReport, LoadError> {
     Verifier::default().verify(primary, step, opts, progress)
 }
 
@@ -929,7 +1058,8 @@ pub struct Verifier {
 
 impl Verifier {
     fn window_for(&mut self, biggest_file_bytes: u64) -> std::io::Result<(*mut u8, u64)> {
-        let want = (config::align_up(biggest_file_bytes.max(1), config::CHUNK_BYTES_DEFAULT) as usize).min(VERIFY_WINDOW_BYTES_MAX);
+        let want = (config::align_up(biggest_file_bytes.max(1), config::CHUNK_BYTES_DEFAULT) as usize)
+            .min(VERIFY_WINDOW_BYTES_MAX);
         if self.window.as_ref().is_none_or(|w| w.len() < want) {
             self.window = None; // the old one goes before the new one comes
             self.window = Some(AlignedBuf::new(want)?);
@@ -940,20 +1070,36 @@ impl Verifier {
         Ok((w.as_mut_ptr(), len))
     }
 
-    pub fn verify(&mut self, primary: &Path, step: u64, opts: &ReadOptions, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport, LoadError> {
+    pub fn verify(
+        &mut self,
+        primary: &Path,
+        step: u64,
+        opts: &ReadOptions,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<VerifyReport, LoadError> {
         let t0 = Instant::now();
         let index = match read_index(primary, step) {
             Ok(i) => i,
             Err(LoadError::Damaged { problems, .. }) => {
-                return Ok(VerifyReport { step, files: 0, tensors: 0, bytes: 0, problems, seconds: t0.elapsed().as_secs_f64() })
+                return Ok(VerifyReport {
+                    step,
+                    files: 0,
+                    tensors: 0,
+                    bytes: 0,
+                    problems,
+                    seconds: t0.elapsed().as_secs_f64(),
+                })
             }
             Err(e) => return Err(e),
         };
         let dirs = dir_paths(primary, &index, opts);
         let total: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
         let biggest = index.ckpt.files.iter().map(|f| f.len_bytes).max().unwrap_or(0);
-        let (window, window_bytes) =
-            self.window_for(biggest).map_err(|e| LoadError::Io { path: primary.to_path_buf(), what: "allocate verify window", source: e })?;
+        let (window, window_bytes) = self.window_for(biggest).map_err(|e| LoadError::Io {
+            path: primary.to_path_buf(),
+            what: "allocate verify window",
+            source: e,
+        })?;
         let mut problems = Vec::new();
         let mut done = 0;
         let mut readers: Vec<(PathBuf, DirReader)> = Vec::new();
@@ -980,6 +1126,13 @@ impl Verifier {
         problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
         check_skeleton(&index, &blobs, &mut problems);
         name_slices(&index, &mut problems);
-        Ok(VerifyReport { step, files: index.ckpt.files.len(), tensors: index.logical().len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() })
+        Ok(VerifyReport {
+            step,
+            files: index.ckpt.files.len(),
+            tensors: index.logical().len(),
+            bytes: total,
+            problems,
+            seconds: t0.elapsed().as_secs_f64(),
+        })
     }
 }

@@ -40,7 +40,9 @@ pub enum RollbackError {
     /// A file or blob the target's index names is missing or of another
     /// length (a truncated shard): it would not load, and the later steps
     /// a rollback un-commits may be the only sound ones.
-    #[error("cannot roll back to step {step}: {what}; it would not load (ckpt-sidecar verify DIR finds the sound steps)")]
+    #[error(
+        "cannot roll back to step {step}: {what}; it would not load (ckpt-sidecar verify DIR finds the sound steps)"
+    )]
     Incomplete { step: u64, what: String },
     /// The target's bytes do not match their checksums (or its skeleton
     /// names a tensor it lacks): read in full before anything is changed.
@@ -79,8 +81,10 @@ pub fn rollback(dirs: &[PathBuf], step: u64) -> Result<Vec<u64>, RollbackError> 
     }
     // Every byte of the target read and checked before a later step goes:
     // a rollback to a step that does not load would un-commit sound ones.
-    let opts = restore::ReadOptions { secondary_dirs: (dirs.len() > 1).then(|| dirs[1..].to_vec()), ..Default::default() };
-    let report = restore::verify(primary, step, &opts, |_, _| {}).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
+    let opts =
+        restore::ReadOptions { secondary_dirs: (dirs.len() > 1).then(|| dirs[1..].to_vec()), ..Default::default() };
+    let report =
+        restore::verify(primary, step, &opts, |_, _| {}).map_err(|e| RollbackError::Unreadable(e.to_string()))?;
     if let Some(p) = report.problems.first() {
         return Err(RollbackError::Damaged { step, what: p.to_string(), n_more: report.problems.len() - 1 });
     }
@@ -163,7 +167,10 @@ pub fn finish_interrupted(dirs: &[PathBuf]) -> io::Result<Option<Interrupted>> {
         None => {
             fs::remove_file(primary.join(ROLLBACK_FILE_NAME))?;
             catalog::fsync_dir(primary)?;
-            Ok(Some(Interrupted::Dropped(format!("{} named {raw:?}, not a committed checkpoint; removed", primary.join(ROLLBACK_FILE_NAME).display()))))
+            Ok(Some(Interrupted::Dropped(format!(
+                "{} named {raw:?}, not a committed checkpoint; removed",
+                primary.join(ROLLBACK_FILE_NAME).display()
+            ))))
         }
     }
 }

@@ -236,7 +236,9 @@ pub fn referenced_tensors(pkl: &[u8]) -> Option<BTreeSet<String>> {
                 let f = pop(&mut stack)?;
                 // copyreg._reconstructor(cls, object, None): protocols 0 and 1.
                 let made = match (&f, &args) {
-                    (V::Global(m, n), V::Tuple(a)) if m == "copyreg" && n == "_reconstructor" => a.first().is_some_and(is_tensor_ref),
+                    (V::Global(m, n), V::Tuple(a)) if m == "copyreg" && n == "_reconstructor" => {
+                        a.first().is_some_and(is_tensor_ref)
+                    }
                     _ => false,
                 };
                 stack.push(if made { V::TensorRef } else { V::Other })
@@ -250,7 +252,11 @@ pub fn referenced_tensors(pkl: &[u8]) -> Option<BTreeSet<String>> {
                 let module = r.line()?;
                 let name = r.line()?;
                 pop_mark(&mut stack, &mut marks)?;
-                stack.push(if module == TENSOR_REF_MODULE && name == TENSOR_REF_CLASS { V::TensorRef } else { V::Other })
+                stack.push(if module == TENSOR_REF_MODULE && name == TENSOR_REF_CLASS {
+                    V::TensorRef
+                } else {
+                    V::Other
+                })
             }
             b'b' => {
                 let state = pop(&mut stack)?;
@@ -350,7 +356,10 @@ pub fn describe_missing(missing: &[String]) -> String {
         0 | 1 => String::new(),
         n => format!(" (and {} more)", n - 1),
     };
-    format!("the skeleton ({STRUCTURE_BLOB}) names tensor {:?}{more}, which the checkpoint does not hold", missing.first().map(String::as_str).unwrap_or(""))
+    format!(
+        "the skeleton ({STRUCTURE_BLOB}) names tensor {:?}{more}, which the checkpoint does not hold",
+        missing.first().map(String::as_str).unwrap_or("")
+    )
 }
 
 /// What one rank's part of a step holds, for [`parts_disagree`].
@@ -377,7 +386,8 @@ pub fn parts_disagree<'a>(parts: &[RankPart<'a>], slices: &[(&'a str, &'a str)])
     fn whole_of<'s>(slices: &[(&'s str, &'s str)], t: &'s str) -> &'s str {
         slices.iter().find(|(piece, _)| *piece == t).map_or(t, |(_, of)| *of)
     }
-    let stored: std::collections::HashSet<&str> = parts.iter().flat_map(|p| p.tensors.iter().copied()).chain(slices.iter().map(|(_, of)| *of)).collect();
+    let stored: std::collections::HashSet<&str> =
+        parts.iter().flat_map(|p| p.tensors.iter().copied()).chain(slices.iter().map(|(_, of)| *of)).collect();
     for p in parts {
         let Some(names) = p.structure.and_then(referenced_tensors) else { continue };
         let Some(missing) = names.iter().find(|n| !stored.contains(n.as_str())) else { continue };
@@ -477,7 +487,10 @@ ff4b007494624b0385948c03463332944e7494628c0162945d94286804298194288c03622e30\
         assert_eq!(names.into_iter().collect::<Vec<_>>(), ["a", "only0"]);
         assert_eq!(missing_tensors(Some(&p), false, |n| n == "a"), ["only0"]);
         assert!(missing_tensors(Some(&p), true, |n| n == "a").is_empty());
-        assert_eq!(describe_missing(&["only0".into()]), "the skeleton (structure.pkl) names tensor \"only0\", which the checkpoint does not hold");
+        assert_eq!(
+            describe_missing(&["only0".into()]),
+            "the skeleton (structure.pkl) names tensor \"only0\", which the checkpoint does not hold"
+        );
     }
 
     #[test]

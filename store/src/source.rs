@@ -31,7 +31,11 @@ pub fn parse_index(bytes: &[u8], step: u64) -> Result<Index, Problem> {
     }
     let index = Index::from_json_bytes(bytes).map_err(|e| problem(Some(INDEX_FILE_NAME), None, e.to_string()))?;
     if index.ckpt.step != step {
-        return Err(problem(Some(INDEX_FILE_NAME), None, format!("index says step {} in folder of step {step}", index.ckpt.step)));
+        return Err(problem(
+            Some(INDEX_FILE_NAME),
+            None,
+            format!("index says step {} in folder of step {step}", index.ckpt.step),
+        ));
     }
     Ok(index)
 }
@@ -50,7 +54,16 @@ pub fn verify_source(
     let t0 = Instant::now();
     let index = match parse_index(index_bytes, step) {
         Ok(i) => i,
-        Err(p) => return VerifyReport { step, files: 0, tensors: 0, bytes: 0, problems: vec![p], seconds: t0.elapsed().as_secs_f64() },
+        Err(p) => {
+            return VerifyReport {
+                step,
+                files: 0,
+                tensors: 0,
+                bytes: 0,
+                problems: vec![p],
+                seconds: t0.elapsed().as_secs_f64(),
+            }
+        }
     };
     let total: u64 = index.ckpt.files.iter().map(|f| f.len_bytes).sum();
     let biggest = index.ckpt.files.iter().map(|f| f.len_bytes).max().unwrap_or(0);
@@ -60,9 +73,11 @@ pub fn verify_source(
     for f in &index.ckpt.files {
         match src.file_len(&f.name) {
             Err(e) => problems.push(problem(Some(&f.name), None, format!("cannot read: {e}"))),
-            Ok(actual) if actual != f.len_bytes => {
-                problems.push(problem(Some(&f.name), None, format!("{actual} bytes where the index says {}", f.len_bytes)))
-            }
+            Ok(actual) if actual != f.len_bytes => problems.push(problem(
+                Some(&f.name),
+                None,
+                format!("{actual} bytes where the index says {}", f.len_bytes),
+            )),
             Ok(_) => {
                 let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
                 let mut file_problems = Vec::new();
@@ -99,7 +114,11 @@ pub fn verify_source(
             Ok(bytes) => {
                 let crc = crc32c::crc32c(&bytes);
                 if crc != b.crc32c {
-                    problems.push(problem(Some(&file), None, format!("checksum mismatch (index {:#010x}, file {crc:#010x})", b.crc32c)));
+                    problems.push(problem(
+                        Some(&file),
+                        None,
+                        format!("checksum mismatch (index {:#010x}, file {crc:#010x})", b.crc32c),
+                    ));
                 } else {
                     blobs.insert(b.name.clone(), bytes);
                 }
@@ -108,5 +127,12 @@ pub fn verify_source(
     }
     check_skeleton(&index, &blobs, &mut problems);
     name_slices(&index, &mut problems);
-    VerifyReport { step, files: index.ckpt.files.len(), tensors: index.logical().len(), bytes: total, problems, seconds: t0.elapsed().as_secs_f64() }
+    VerifyReport {
+        step,
+        files: index.ckpt.files.len(),
+        tensors: index.logical().len(),
+        bytes: total,
+        problems,
+        seconds: t0.elapsed().as_secs_f64(),
+    }
 }

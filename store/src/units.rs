@@ -94,7 +94,8 @@ mod tests {
 
     #[test]
     fn bad_sizes_are_refused_naming_the_text() {
-        for text in ["", "lots", "1.2.3GiB", "1XB", "-1", "0.3B", "1.0000001KiB", "99999999PiB", "18446744073709551616"] {
+        for text in ["", "lots", "1.2.3GiB", "1XB", "-1", "0.3B", "1.0000001KiB", "99999999PiB", "18446744073709551616"]
+        {
             let e = parse_size(text).unwrap_err();
             assert!(e.contains(&format!("{text:?}")), "{text}: {e}");
         }

@@ -35,8 +35,11 @@ struct Staged {
 }
 
 fn stage(size_bytes: u64, n_dirs: usize, shard_bytes_max: u64, seed: u64) -> Staged {
-    let layout = Layout::plan(synthetic::transformer_specs(size_bytes), LayoutOptions { n_dirs, shard_bytes_max, ..Default::default() })
-        .expect("plan the synthetic layout");
+    let layout = Layout::plan(
+        synthetic::transformer_specs(size_bytes),
+        LayoutOptions { n_dirs, shard_bytes_max, ..Default::default() },
+    )
+    .expect("plan the synthetic layout");
     let mut staging = AlignedBuf::new(layout.staging_len as usize).expect("staging memory");
     let crcs = synthetic::stage(&layout, staging.as_mut_slice(), seed);
     Staged { layout, staging, crcs }
@@ -65,7 +68,9 @@ fn open_store(opts: StoreOptions, label: &str) -> Option<Store> {
             assert_eq!(s.engine_names(), label, "the forced engine is the one in use");
             Some(s)
         }
-        Err(ckpt_store::commit::StoreError::Probe(e @ ProbeError::Io { .. })) if e.to_string().contains("required but refused") => {
+        Err(ckpt_store::commit::StoreError::Probe(e @ ProbeError::Io { .. }))
+            if e.to_string().contains("required but refused") =>
+        {
             println!("skipped {label}: {e}");
             None
         }
@@ -94,14 +99,20 @@ fn latest_name(dir: &Path) -> Option<String> {
 /// with exactly the staged tensor bytes.
 fn assert_intact(primary: &Path, step: u64, s: &Staged, io: IoPolicy, ctx: &str) {
     let opts = ReadOptions { io, ..Default::default() };
-    let r = restore::verify(primary, step, &opts, |_, _| {}).unwrap_or_else(|e| panic!("{ctx}: verify step {step}: {e}"));
+    let r =
+        restore::verify(primary, step, &opts, |_, _| {}).unwrap_or_else(|e| panic!("{ctx}: verify step {step}: {e}"));
     assert!(r.problems.is_empty(), "{ctx}: step {step} damaged: {:?}", r.problems);
     assert_eq!(r.tensors, s.layout.specs.len(), "{ctx}");
     assert_eq!(r.bytes, s.layout.file_bytes(), "{ctx}");
-    let loaded = restore::load(primary, Which::Step(step), &opts, None).unwrap_or_else(|e| panic!("{ctx}: load step {step}: {e}"));
+    let loaded = restore::load(primary, Which::Step(step), &opts, None)
+        .unwrap_or_else(|e| panic!("{ctx}: load step {step}: {e}"));
     for (i, spec) in s.layout.specs.iter().enumerate() {
         let got = loaded.tensor(&spec.name).unwrap_or_else(|| panic!("{ctx}: tensor {} missing", spec.name));
-        assert!(got == &s.staging.as_slice()[s.layout.tensor_range(i)], "{ctx}: tensor {} differs from what was staged", spec.name);
+        assert!(
+            got == &s.staging.as_slice()[s.layout.tensor_range(i)],
+            "{ctx}: tensor {} differs from what was staged",
+            spec.name
+        );
     }
 }
 
@@ -110,10 +121,18 @@ fn assert_intact(primary: &Path, step: u64, s: &Staged, io: IoPolicy, ctx: &str)
 fn assert_nothing_left(dirs: &[PathBuf], failed_step: u64, good_step: u64, good: &Staged, io: IoPolicy, ctx: &str) {
     for d in dirs {
         assert_eq!(temp_leftovers(d), Vec::<String>::new(), "{ctx}: temp folder left in {}", d.display());
-        assert!(!catalog::step_path(d, failed_step).exists(), "{ctx}: folder of the failed step {failed_step} in {}", d.display());
+        assert!(
+            !catalog::step_path(d, failed_step).exists(),
+            "{ctx}: folder of the failed step {failed_step} in {}",
+            d.display()
+        );
     }
     assert!(!catalog::is_committed(&dirs[0], failed_step), "{ctx}");
-    assert_eq!(latest_name(&dirs[0]).as_deref(), Some(format::step_dir_name(good_step).unwrap().as_str()), "{ctx}: latest moved");
+    assert_eq!(
+        latest_name(&dirs[0]).as_deref(),
+        Some(format::step_dir_name(good_step).unwrap().as_str()),
+        "{ctx}: latest moved"
+    );
     assert_eq!(catalog::latest_step(&dirs[0]).unwrap(), Some(good_step), "{ctx}");
     assert_intact(&dirs[0], good_step, good, io, ctx);
 }
@@ -202,7 +221,9 @@ fn disk_full_case(label: &str, io: IoPolicy) {
     let ctx = format!("{label} on {}", fs_.kind);
     println!("{ctx}: {} bytes free", fs_.free_bytes());
     let dir = fs_.mnt.join("ckpt");
-    let Some(mut store) = open_store(StoreOptions { io, ..StoreOptions::new(vec![dir.clone()]) }, label) else { return };
+    let Some(mut store) = open_store(StoreOptions { io, ..StoreOptions::new(vec![dir.clone()]) }, label) else {
+        return;
+    };
     let dirs = store.dirs().to_vec();
 
     let small = stage(4 * MIB, 1, 1 << 30, 1);
@@ -216,7 +237,10 @@ fn disk_full_case(label: &str, io: IoPolicy) {
     println!("{ctx}: {text}");
     match &err {
         CommitError::DiskFull { needed_bytes, source, .. } => {
-            assert!(needed_bytes.is_some_and(|n| n > 0), "{ctx}: DiskFull at the reservation says what it needed: {text}");
+            assert!(
+                needed_bytes.is_some_and(|n| n > 0),
+                "{ctx}: DiskFull at the reservation says what it needed: {text}"
+            );
             assert!(matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)), "{ctx}: {source:?}");
         }
         other => panic!("{ctx}: expected DiskFull, got {other:?}"),
@@ -236,7 +260,8 @@ fn disk_full_case(label: &str, io: IoPolicy) {
     let blob = vec![0x5au8; (free + 8 * MIB) as usize];
     let small4 = stage(4 * MIB, 1, 1 << 30, 4);
     assert!(small4.layout.file_bytes() + 4 * MIB < free, "{ctx}: the shards alone must fit");
-    let err = commit(&mut store, 4, &small4, &[Blob { name: "optimizer", bytes: &blob }]).expect_err("a blob bigger than the free space must fail");
+    let err = commit(&mut store, 4, &small4, &[Blob { name: "optimizer", bytes: &blob }])
+        .expect_err("a blob bigger than the free space must fail");
     let text = err.to_string();
     println!("{ctx}: {text}");
     assert!(matches!(err, CommitError::DiskFull { .. }), "{ctx}: expected DiskFull, got {err:?}");
@@ -247,7 +272,8 @@ fn disk_full_case(label: &str, io: IoPolicy) {
 
     // And it still serves, with a blob that fits.
     let small5 = stage(4 * MIB, 1, 1 << 30, 5);
-    commit(&mut store, 5, &small5, &[Blob { name: "optimizer", bytes: b"fits" }]).unwrap_or_else(|e| panic!("{ctx}: commit after the blob failure: {e}"));
+    commit(&mut store, 5, &small5, &[Blob { name: "optimizer", bytes: b"fits" }])
+        .unwrap_or_else(|e| panic!("{ctx}: commit after the blob failure: {e}"));
     assert_intact(&dirs[0], 5, &small5, io, &ctx);
     // The earlier good checkpoints were never touched.
     assert_intact(&dirs[0], 1, &small, io, &ctx);
@@ -298,18 +324,26 @@ fn eio_case(label: &str, io: IoPolicy, n_dirs: usize) {
     // for its whole life, so the faulty store starts from zero at step 2.
     let good = stage(8 * MIB, n_dirs, 2 * MIB, 1);
     {
-        let Some(mut clean) = open_store(StoreOptions { io, chunk_bytes: chunk, ..StoreOptions::new(dirs_in.clone()) }, label) else { return };
-        commit(&mut clean, 1, &good, &[Blob { name: "meta", bytes: b"one" }]).unwrap_or_else(|e| panic!("{ctx}: clean commit: {e}"));
+        let Some(mut clean) =
+            open_store(StoreOptions { io, chunk_bytes: chunk, ..StoreOptions::new(dirs_in.clone()) }, label)
+        else {
+            return;
+        };
+        commit(&mut clean, 1, &good, &[Blob { name: "meta", bytes: b"one" }])
+            .unwrap_or_else(|e| panic!("{ctx}: clean commit: {e}"));
     }
     let s2 = stage(8 * MIB, n_dirs, 2 * MIB, 2);
     assert!(s2.layout.shards.len() >= 2 * n_dirs, "{ctx}: several shards per directory");
     let n = 9; // past the first shard of the primary (2 MiB shards, 256 KiB chunks)
     let faults = FaultPlan { fail_write_n: Some((n, libc::EIO)), ..Default::default() };
-    let mut store = open_store(StoreOptions { io, chunk_bytes: chunk, faults: Some(faults), ..StoreOptions::new(dirs_in) }, label).unwrap();
+    let mut store =
+        open_store(StoreOptions { io, chunk_bytes: chunk, faults: Some(faults), ..StoreOptions::new(dirs_in) }, label)
+            .unwrap();
     let dirs = store.dirs().to_vec();
     let direct = store.targets()[0].choice.direct;
     let (shard, offset) = nth_write(&s2.layout, 0, direct, chunk as u64, n);
-    let err = commit(&mut store, 2, &s2, &[Blob { name: "meta", bytes: b"two" }]).expect_err("an injected EIO must fail the commit");
+    let err = commit(&mut store, 2, &s2, &[Blob { name: "meta", bytes: b"two" }])
+        .expect_err("an injected EIO must fail the commit");
     let text = err.to_string();
     println!("{ctx}: {text}");
     assert!(matches!(err, CommitError::Io { .. }), "{ctx}: EIO is not disk full: {err:?}");
@@ -324,7 +358,11 @@ fn eio_case(label: &str, io: IoPolicy, n_dirs: usize) {
         assert!(s2.layout.shards.iter().any(|sh| text.contains(&sh.file_name)), "{ctx}: names a shard: {text}");
     }
     assert_nothing_left(&dirs, 2, 1, &good, io, &ctx);
-    assert_eq!(restore::load(&dirs[0], Which::Latest, &ReadOptions { io, ..Default::default() }, None).unwrap().step, 1, "{ctx}");
+    assert_eq!(
+        restore::load(&dirs[0], Which::Latest, &ReadOptions { io, ..Default::default() }, None).unwrap().step,
+        1,
+        "{ctx}"
+    );
 
     // The same store keeps serving (its n-th write is behind it).
     let s3 = stage(8 * MIB, n_dirs, 2 * MIB, 3);
@@ -354,11 +392,19 @@ fn injected_eio_on_the_first_write() {
     for (label, io) in combos() {
         let root = tempfile::tempdir().unwrap();
         let faults = FaultPlan { fail_write_n: Some((0, libc::EIO)), ..Default::default() };
-        let Some(mut store) = open_store(StoreOptions { io, faults: Some(faults), ..StoreOptions::new(vec![root.path().join("d")]) }, label) else { continue };
+        let Some(mut store) = open_store(
+            StoreOptions { io, faults: Some(faults), ..StoreOptions::new(vec![root.path().join("d")]) },
+            label,
+        ) else {
+            continue;
+        };
         let dirs = store.dirs().to_vec();
         let s = stage(2 * MIB, 1, 1 << 30, 1);
         let err = commit(&mut store, 1, &s, &[]).expect_err("EIO must fail the commit");
-        assert!(err.to_string().contains("Input/output error") && err.to_string().contains(&s.layout.shards[0].file_name), "{label}: {err}");
+        assert!(
+            err.to_string().contains("Input/output error") && err.to_string().contains(&s.layout.shards[0].file_name),
+            "{label}: {err}"
+        );
         assert_eq!(temp_leftovers(&dirs[0]), Vec::<String>::new(), "{label}");
         assert_eq!(catalog::committed_steps(&dirs[0]).unwrap(), Vec::<u64>::new(), "{label}");
         assert_eq!(latest_name(&dirs[0]), None, "{label}: no latest without a checkpoint");
@@ -372,13 +418,15 @@ fn injected_eio_on_the_first_write() {
 fn short_writes_case(label: &str, io: IoPolicy, s: &Staged, chunk_bytes: usize) {
     let root = tempfile::tempdir().unwrap();
     let faults = FaultPlan { short_writes: true, ..Default::default() };
-    let Some(mut store) =
-        open_store(StoreOptions { io, chunk_bytes, faults: Some(faults), ..StoreOptions::new(vec![root.path().join("d")]) }, label)
-    else {
+    let Some(mut store) = open_store(
+        StoreOptions { io, chunk_bytes, faults: Some(faults), ..StoreOptions::new(vec![root.path().join("d")]) },
+        label,
+    ) else {
         return;
     };
     let dirs = store.dirs().to_vec();
-    commit(&mut store, 7, s, &[Blob { name: "meta", bytes: b"short" }]).unwrap_or_else(|e| panic!("{label}: commit with short writes: {e}"));
+    commit(&mut store, 7, s, &[Blob { name: "meta", bytes: b"short" }])
+        .unwrap_or_else(|e| panic!("{label}: commit with short writes: {e}"));
     for sh in &s.layout.shards {
         let len = fs::metadata(catalog::step_path(&dirs[0], 7).join(&sh.file_name)).unwrap().len();
         assert_eq!(len, sh.file_len, "{label}: {} has its exact length", sh.file_name);
@@ -403,7 +451,8 @@ fn short_writes_are_completed_buffered_aligned_files() {
     // shard file is a whole number of blocks long.
     use ckpt_store::format::Dtype;
     use ckpt_store::image::TensorSpec;
-    let specs: Vec<TensorSpec> = (0..12).map(|i| TensorSpec::new(format!("w.{i}"), Dtype::BF16, &[256 + 64 * i, 1024])).collect();
+    let specs: Vec<TensorSpec> =
+        (0..12).map(|i| TensorSpec::new(format!("w.{i}"), Dtype::BF16, &[256 + 64 * i, 1024])).collect();
     let layout = Layout::plan(specs, LayoutOptions { shard_bytes_max: 3 * MIB, ..Default::default() }).unwrap();
     assert!(layout.shards.iter().all(|sh| sh.file_len == sh.io_len), "whole-block files");
     let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
@@ -432,7 +481,14 @@ fn short_writes_are_completed_buffered_any_length() {
 /// A filler copies `src`'s image into `dst` run by run, in the order given,
 /// marking each run done; then finishes with the checksums, or after
 /// `fail_after` runs fails instead.
-fn fill(progress: &Progress, src: &Staged, dst: usize, runs: &[(usize, usize)], order: &[usize], fail_after: Option<usize>) {
+fn fill(
+    progress: &Progress,
+    src: &Staged,
+    dst: usize,
+    runs: &[(usize, usize)],
+    order: &[usize],
+    fail_after: Option<usize>,
+) {
     for (n, &r) in order.iter().enumerate() {
         if fail_after == Some(n) {
             progress.fail("the test's filler gave up".into());
@@ -457,17 +513,32 @@ fn a_fed_commit_writes_only_filled_bytes_and_a_failed_filler_leaves_nothing() {
     for (label, io) in combos() {
         let dir = tempfile::tempdir().unwrap();
         let dirs = vec![dir.path().join("a"), dir.path().join("b")];
-        let Some(mut store) = open_store(StoreOptions { io, chunk_bytes: 256 << 10, ..StoreOptions::new(dirs.clone()) }, label) else { continue };
+        let Some(mut store) =
+            open_store(StoreOptions { io, chunk_bytes: 256 << 10, ..StoreOptions::new(dirs.clone()) }, label)
+        else {
+            continue;
+        };
         let src = stage(24 * MIB, 2, 8 * MIB, 5);
         // The image's bytes in runs of 1 MiB after the first shard's header
         // (headers come with the image: copied first, ready at once).
         let first = src.layout.shard_range(0).start + 4096;
         let end = src.layout.staging_len as usize;
-        let runs: Vec<(usize, usize)> = (first..end).step_by(MIB as usize).map(|a| (a, (a + MIB as usize).min(end))).collect();
+        let runs: Vec<(usize, usize)> =
+            (first..end).step_by(MIB as usize).map(|a| (a, (a + MIB as usize).min(end))).collect();
         // Filled out of order (1, 0, 3, 2, ...): a chunk written before its
         // bytes were copied would carry 0xAA and fail the verification.
         let n = runs.len();
-        let order: Vec<usize> = (0..n).map(|i| if i % 2 == 1 { i - 1 } else if i + 1 < n { i + 1 } else { i }).collect();
+        let order: Vec<usize> = (0..n)
+            .map(|i| {
+                if i % 2 == 1 {
+                    i - 1
+                } else if i + 1 < n {
+                    i + 1
+                } else {
+                    i
+                }
+            })
+            .collect();
         let ctx = format!("{label}, fed");
         for (step, fail_after) in [(1u64, None), (2, Some(runs.len() / 2))] {
             let mut dst = AlignedBuf::new(end).unwrap();
@@ -488,7 +559,10 @@ fn a_fed_commit_writes_only_filled_bytes_and_a_failed_filler_leaves_nothing() {
                 }
                 Some(_) => {
                     let e = r.unwrap_err();
-                    assert!(matches!(e, CommitError::Unfilled { step: 2, .. }) && e.to_string().contains("gave up"), "{ctx}: {e}");
+                    assert!(
+                        matches!(e, CommitError::Unfilled { step: 2, .. }) && e.to_string().contains("gave up"),
+                        "{ctx}: {e}"
+                    );
                     assert_nothing_left(&dirs, 2, 1, &src, io, &ctx);
                 }
             }
@@ -512,7 +586,9 @@ fn a_fed_rank_part_writes_only_filled_bytes_and_a_failed_filler_leaves_no_marker
                 s
             })
             .collect();
-        let layout = Layout::plan(specs, LayoutOptions { rank, world_size: 2, shard_bytes_max: 4 * MIB, ..Default::default() }).unwrap();
+        let layout =
+            Layout::plan(specs, LayoutOptions { rank, world_size: 2, shard_bytes_max: 4 * MIB, ..Default::default() })
+                .unwrap();
         let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
         let crcs = synthetic::stage(&layout, staging.as_mut_slice(), seed);
         Staged { layout, staging, crcs }
@@ -520,14 +596,30 @@ fn a_fed_rank_part_writes_only_filled_bytes_and_a_failed_filler_leaves_no_marker
     let (r0, r1) = (part(0, "", 21), part(1, "r1.", 22));
     let first = r0.layout.shard_range(0).start + 4096;
     let end = r0.layout.staging_len as usize;
-    let runs: Vec<(usize, usize)> = (first..end).step_by(MIB as usize).map(|a| (a, (a + MIB as usize).min(end))).collect();
+    let runs: Vec<(usize, usize)> =
+        (first..end).step_by(MIB as usize).map(|a| (a, (a + MIB as usize).min(end))).collect();
     let n = runs.len();
-    let order: Vec<usize> = (0..n).map(|i| if i % 2 == 1 { i - 1 } else if i + 1 < n { i + 1 } else { i }).collect();
+    let order: Vec<usize> = (0..n)
+        .map(|i| {
+            if i % 2 == 1 {
+                i - 1
+            } else if i + 1 < n {
+                i + 1
+            } else {
+                i
+            }
+        })
+        .collect();
     for (label, io) in combos() {
         let dir = tempfile::tempdir().unwrap();
         let shared = dir.path().join("shared");
         fs::create_dir(&shared).unwrap();
-        let opts = StoreOptions { io, chunk_bytes: 256 << 10, shared: Some(shared.clone()), ..StoreOptions::new(vec![dir.path().join("own")]) };
+        let opts = StoreOptions {
+            io,
+            chunk_bytes: 256 << 10,
+            shared: Some(shared.clone()),
+            ..StoreOptions::new(vec![dir.path().join("own")])
+        };
         let Some(mut store) = open_store(opts, label) else { continue };
         let ctx = format!("{label}, fed rank part");
         for (step, fail_after) in [(1u64, None), (2, Some(n / 2))] {
@@ -546,25 +638,40 @@ fn a_fed_rank_part_writes_only_filled_bytes_and_a_failed_filler_leaves_no_marker
             match fail_after {
                 None => {
                     r.unwrap_or_else(|e| panic!("{ctx}: {e}"));
-                    store.write_rank_part(step, &r1.layout, &r1.staging, &r1.crcs, &[], &[]).unwrap_or_else(|e| panic!("{ctx}: rank 1: {e}"));
+                    store
+                        .write_rank_part(step, &r1.layout, &r1.staging, &r1.crcs, &[], &[])
+                        .unwrap_or_else(|e| panic!("{ctx}: rank 1: {e}"));
                     assert_eq!(store.ranks_missing(step, 2).unwrap(), Vec::<u32>::new(), "{ctx}: both markers in");
                     store.commit_ranks(step, 2).unwrap_or_else(|e| panic!("{ctx}: commit: {e}"));
                     let ropts = ReadOptions { io, ..Default::default() };
-                    let v = restore::verify(&shared, step, &ropts, |_, _| {}).unwrap_or_else(|e| panic!("{ctx}: verify: {e}"));
+                    let v = restore::verify(&shared, step, &ropts, |_, _| {})
+                        .unwrap_or_else(|e| panic!("{ctx}: verify: {e}"));
                     assert!(v.problems.is_empty(), "{ctx}: damaged: {:?}", v.problems);
-                    let loaded = restore::load(&shared, Which::Step(step), &ropts, None).unwrap_or_else(|e| panic!("{ctx}: load: {e}"));
+                    let loaded = restore::load(&shared, Which::Step(step), &ropts, None)
+                        .unwrap_or_else(|e| panic!("{ctx}: load: {e}"));
                     for s in [&r0, &r1] {
                         for (i, spec) in s.layout.specs.iter().enumerate() {
-                            let got = loaded.tensor(&spec.name).unwrap_or_else(|| panic!("{ctx}: tensor {} missing", spec.name));
-                            assert!(got == &s.staging.as_slice()[s.layout.tensor_range(i)], "{ctx}: tensor {} differs from what was staged", spec.name);
+                            let got = loaded
+                                .tensor(&spec.name)
+                                .unwrap_or_else(|| panic!("{ctx}: tensor {} missing", spec.name));
+                            assert!(
+                                got == &s.staging.as_slice()[s.layout.tensor_range(i)],
+                                "{ctx}: tensor {} differs from what was staged",
+                                spec.name
+                            );
                         }
                     }
                 }
                 Some(_) => {
                     let e = r.unwrap_err();
-                    assert!(matches!(e, CommitError::Unfilled { step: 2, .. }) && e.to_string().contains("gave up"), "{ctx}: {e}");
+                    assert!(
+                        matches!(e, CommitError::Unfilled { step: 2, .. }) && e.to_string().contains("gave up"),
+                        "{ctx}: {e}"
+                    );
                     assert_eq!(store.ranks_missing(step, 2).unwrap(), vec![0, 1], "{ctx}: no marker");
-                    let left: Vec<String> = fs::read_dir(&tmp).map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()).unwrap_or_default();
+                    let left: Vec<String> = fs::read_dir(&tmp)
+                        .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+                        .unwrap_or_default();
                     assert_eq!(left, Vec::<String>::new(), "{ctx}: the failed rank's files are gone");
                 }
             }

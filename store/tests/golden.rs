@@ -48,7 +48,8 @@ fn check(name: &str, actual: &[u8]) {
         println!("updated {}", path.display());
         return;
     }
-    let expected = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} (regenerate with CKPT_UPDATE_GOLDEN=1)", path.display()));
+    let expected = std::fs::read(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (regenerate with CKPT_UPDATE_GOLDEN=1)", path.display()));
     assert!(
         expected == actual,
         "{name} differs from its golden file {}: the on-disk format changed.\n--- expected ---\n{}\n--- actual ---\n{}",
@@ -83,7 +84,8 @@ fn golden_index_parses_and_describes_the_golden_shard() {
     for t in &header.tensors {
         let it = &index.ckpt.tensors[&t.name];
         assert_eq!((it.dtype, &it.shape), (t.dtype, &t.shape));
-        let bytes = &shard[(header.data_start + t.data_offsets.0) as usize..(header.data_start + t.data_offsets.1) as usize];
+        let bytes =
+            &shard[(header.data_start + t.data_offsets.0) as usize..(header.data_start + t.data_offsets.1) as usize];
         assert_eq!(it.crc32c, crc32c::crc32c(bytes), "{}", t.name);
     }
 }

@@ -45,7 +45,15 @@ fn a_checkpoint_of_only_empty_tensors_verifies_and_loads() {
 #[test]
 fn empty_tensors_around_a_full_one_verify_and_load() {
     let tmp = tempfile::tempdir().unwrap();
-    commit(tmp.path(), 2, vec![TensorSpec::new("a", Dtype::F32, &[0]), TensorSpec::new("b", Dtype::U8, &[3]), TensorSpec::new("c", Dtype::I64, &[2, 0])]);
+    commit(
+        tmp.path(),
+        2,
+        vec![
+            TensorSpec::new("a", Dtype::F32, &[0]),
+            TensorSpec::new("b", Dtype::U8, &[3]),
+            TensorSpec::new("c", Dtype::I64, &[2, 0]),
+        ],
+    );
     let opts = ReadOptions::default();
     let report = restore::verify(tmp.path(), 2, &opts, |_, _| {}).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
@@ -66,14 +74,28 @@ fn a_step_whose_skeleton_names_a_missing_tensor_is_passed_over_by_latest_saying_
     let tmp = tempfile::tempdir().unwrap();
     let good = minimal_skeleton(&["a"]);
     let bad = minimal_skeleton(&["a", "only0"]);
-    commit_with_blobs(tmp.path(), 4, vec![TensorSpec::new("a", Dtype::F32, &[10])], &[Blob { name: STRUCTURE_BLOB, bytes: &good }]);
-    commit_with_blobs(tmp.path(), 5, vec![TensorSpec::new("a", Dtype::F32, &[10]), TensorSpec::new("only1", Dtype::F32, &[10])], &[Blob { name: STRUCTURE_BLOB, bytes: &bad }]);
+    commit_with_blobs(
+        tmp.path(),
+        4,
+        vec![TensorSpec::new("a", Dtype::F32, &[10])],
+        &[Blob { name: STRUCTURE_BLOB, bytes: &good }],
+    );
+    commit_with_blobs(
+        tmp.path(),
+        5,
+        vec![TensorSpec::new("a", Dtype::F32, &[10]), TensorSpec::new("only1", Dtype::F32, &[10])],
+        &[Blob { name: STRUCTURE_BLOB, bytes: &bad }],
+    );
     let opts = ReadOptions::default();
     let l = restore::load(tmp.path(), Which::Latest, &opts, None).unwrap();
     assert_eq!(l.step, 4);
     assert_eq!(l.fell_back.len(), 1, "{:?}", l.fell_back);
     assert_eq!(l.fell_back[0].0, 5);
-    assert!(l.fell_back[0].1.contains("blobs/structure.pkl") && l.fell_back[0].1.contains("\"only0\""), "{}", l.fell_back[0].1);
+    assert!(
+        l.fell_back[0].1.contains("blobs/structure.pkl") && l.fell_back[0].1.contains("\"only0\""),
+        "{}",
+        l.fell_back[0].1
+    );
     let report = restore::verify(tmp.path(), 5, &opts, |_, _| {}).unwrap();
     assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
     assert!(restore::load(tmp.path(), Which::Step(5), &opts, None).is_err());

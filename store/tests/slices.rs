@@ -67,8 +67,14 @@ fn a_sliced_tensor_is_described_in_the_index_and_loads_whole() {
     if std::env::var_os("CKPT_UPDATE_GOLDEN").is_some() {
         std::fs::write(&path, &bytes).unwrap();
     } else {
-        let want = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} (regenerate with CKPT_UPDATE_GOLDEN=1)", path.display()));
-        assert!(want == bytes, "the sliced index differs from {}:\n{}", path.display(), String::from_utf8_lossy(&bytes));
+        let want = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (regenerate with CKPT_UPDATE_GOLDEN=1)", path.display()));
+        assert!(
+            want == bytes,
+            "the sliced index differs from {}:\n{}",
+            path.display(),
+            String::from_utf8_lossy(&bytes)
+        );
     }
     let index = Index::from_json_bytes(&bytes).unwrap();
     assert_eq!(index.ckpt.format_version, 2);
@@ -101,21 +107,26 @@ fn a_flipped_byte_in_a_slice_names_the_logical_tensor_and_its_file() {
 
     let r = restore::verify(tmp.path(), 9, &ReadOptions::default(), |_, _| {}).unwrap();
     let lines: Vec<String> = r.problems.iter().map(|p| p.to_string()).collect();
-    let want = format!("{}: tensor \"w\": slice elems [5, 12) of rank 1 (stored as \"w#elems[5:12]\"): checksum mismatch", sh.file_name);
+    let want = format!(
+        "{}: tensor \"w\": slice elems [5, 12) of rank 1 (stored as \"w#elems[5:12]\"): checksum mismatch",
+        sh.file_name
+    );
     assert!(lines.iter().any(|l| l.starts_with(&want)), "{lines:?}");
     assert_eq!(r.tensors, 2, "verify counts logical tensors");
-    let e = restore::load(tmp.path(), Which::Step(9), &ReadOptions::default(), None).err().expect("a damaged step does not load");
+    let e = restore::load(tmp.path(), Which::Step(9), &ReadOptions::default(), None)
+        .err()
+        .expect("a damaged step does not load");
     assert!(e.to_string().contains(&want), "{e}");
 }
 
 #[test]
 fn slices_that_leave_a_gap_overlap_or_mismatch_are_refused() {
     let bad = [
-        vec![decl("w#elems[0:5]", 0, 5)],                                   // [5, 12) missing
-        vec![decl("w#elems[0:5]", 0, 5), decl("w#elems[5:12]", 4, 11)],     // overlap
+        vec![decl("w#elems[0:5]", 0, 5)],                               // [5, 12) missing
+        vec![decl("w#elems[0:5]", 0, 5), decl("w#elems[5:12]", 4, 11)], // overlap
         vec![decl("w#elems[0:5]", 0, 5), decl("w#elems[5:12]", 5, 12), decl("b", 12, 14)], // past the end
-        vec![decl("w#elems[0:5]", 0, 5), decl("nope", 5, 12)],              // no such tensor
-        vec![SliceDecl { of: "b".into(), ..decl("w#elems[0:5]", 0, 5) }],   // logical name is a stored one
+        vec![decl("w#elems[0:5]", 0, 5), decl("nope", 5, 12)],          // no such tensor
+        vec![SliceDecl { of: "b".into(), ..decl("w#elems[0:5]", 0, 5) }], // logical name is a stored one
         vec![decl("w#elems[0:5]", 0, 5), SliceDecl { shape: vec![12], ..decl("w#elems[5:12]", 5, 12) }], // two shapes
     ];
     for decls in bad {

@@ -28,7 +28,15 @@ impl Daemon {
     /// Starts `bin serve --dir DIR --socket SOCKET --staging STAGING EXTRA…`
     /// with `env` (and `CKPT_SIDECAR_LOG=info`), its stderr in `log`, and
     /// returns once the socket accepts a connection.
-    pub fn serve(bin: &Path, dir: &Path, socket: PathBuf, log: PathBuf, staging: &str, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    pub fn serve(
+        bin: &Path,
+        dir: &Path,
+        socket: PathBuf,
+        log: PathBuf,
+        staging: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let child = Command::new(bin)
             .arg("serve")
             .arg("--dir")
@@ -66,7 +74,8 @@ impl Daemon {
     /// SIGTERM, then the exit code (-1: ended by a signal).
     pub fn stop(&mut self) -> i32 {
         let mut c = self.child.take().unwrap();
-        crate::terminate(&mut c, HANG_BOUND).unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
+        crate::terminate(&mut c, HANG_BOUND)
+            .unwrap_or_else(|| panic!("sidecar did not exit after SIGTERM:\n{}", self.log_text()))
     }
 }
 
@@ -135,7 +144,13 @@ impl Client {
 
     /// Registers `shm`, as a hand-over region (protocol.md) or not.
     pub fn register_as(&mut self, region_id: u32, shm: &Shm, hand_over: bool) -> Reply {
-        self.call(|id| Request::RegisterRegion { id, region_id, shm_name: shm.name.clone(), len_bytes: shm.len as u64, hand_over });
+        self.call(|id| Request::RegisterRegion {
+            id,
+            region_id,
+            shm_name: shm.name.clone(),
+            len_bytes: shm.len as u64,
+            hand_over,
+        });
         self.recv()
     }
 
@@ -215,14 +230,26 @@ pub struct Shm {
 
 impl Shm {
     pub fn new(len: usize) -> Shm {
-        let name = format!("/ckpt-test-{}-{}-{:08x}", std::process::id(), SHM_N.fetch_add(1, Ordering::Relaxed), Instant::now().elapsed().subsec_nanos() ^ 0x5a5a);
+        let name = format!(
+            "/ckpt-test-{}-{}-{:08x}",
+            std::process::id(),
+            SHM_N.fetch_add(1, Ordering::Relaxed),
+            Instant::now().elapsed().subsec_nanos() ^ 0x5a5a
+        );
         let c = std::ffi::CString::new(name.clone()).unwrap();
         // SAFETY: plain libc calls with checked results; the mapping is ours.
         unsafe {
             let fd = libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600);
             assert!(fd >= 0, "shm_open: {}", std::io::Error::last_os_error());
             assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
-            let p = libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
             assert_ne!(p, libc::MAP_FAILED);
             libc::close(fd);
             Shm { name, ptr: p.cast(), len }

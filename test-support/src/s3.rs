@@ -90,7 +90,8 @@ impl S3Server {
                 Ok(())
             });
         }
-        let mut child = spawn_from_long_lived_thread(cmd).unwrap_or_else(|e| panic!("starting {}: {e}", script.display()));
+        let mut child =
+            spawn_from_long_lived_thread(cmd).unwrap_or_else(|e| panic!("starting {}: {e}", script.display()));
         let show_log = |log: &PathBuf| std::fs::read_to_string(log).unwrap_or_default();
 
         // The export lines come first, then the server listens.
@@ -137,7 +138,10 @@ impl S3Server {
             if t0.elapsed() > START_DEADLINE {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("tests/s3/serve.sh {port} did not answer within {START_DEADLINE:?}; its log:\n{}", show_log(&log));
+                panic!(
+                    "tests/s3/serve.sh {port} did not answer within {START_DEADLINE:?}; its log:\n{}",
+                    show_log(&log)
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -106,7 +106,9 @@ impl DrainFigures {
     /// Restore speed over the plain client's download speed (the better
     /// of its two runs): ≥ 0.8 is issue 20's bar.
     pub fn restore_ratio(&self) -> Option<f64> {
-        let plain = self.plain_download_again_seconds.map_or(self.plain_download_seconds, |a| a.min(self.plain_download_seconds));
+        let plain = self
+            .plain_download_again_seconds
+            .map_or(self.plain_download_seconds, |a| a.min(self.plain_download_seconds));
         self.restore_seconds.map(|r| plain / r.max(1e-12))
     }
 }
@@ -155,18 +157,32 @@ fn store_err(url: &str, op: &'static str, p: &Path, e: object_store::Error) -> T
     TierError::Store { url: url.to_string(), op, object: p.to_string(), source: e }
 }
 
-async fn plain_upload(url: &str, store: &dyn ObjectStore, dir: &Path, files: &[LocalFile], part: usize, parallel: usize) -> Result<(), TierError> {
+async fn plain_upload(
+    url: &str,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    files: &[LocalFile],
+    part: usize,
+    parallel: usize,
+) -> Result<(), TierError> {
     let mut buf = vec![0u8; part];
     for f in files {
         let path = f.name.split('/').fold(dir.clone(), |p, part| p.join(part));
         let up = store.put_multipart(&path).await.map_err(|e| store_err(url, "start upload of", &path, e))?;
         let mut w = WriteMultipart::new_with_chunk_size(up, part);
-        let mut file = std::fs::File::open(&f.local_path)
-            .map_err(|e| TierError::LocalIo { url: url.to_string(), object: f.name.clone(), path: f.local_path.clone(), source: e })?;
+        let mut file = std::fs::File::open(&f.local_path).map_err(|e| TierError::LocalIo {
+            url: url.to_string(),
+            object: f.name.clone(),
+            path: f.local_path.clone(),
+            source: e,
+        })?;
         loop {
-            let n = file
-                .read(&mut buf)
-                .map_err(|e| TierError::LocalIo { url: url.to_string(), object: f.name.clone(), path: f.local_path.clone(), source: e })?;
+            let n = file.read(&mut buf).map_err(|e| TierError::LocalIo {
+                url: url.to_string(),
+                object: f.name.clone(),
+                path: f.local_path.clone(),
+                source: e,
+            })?;
             if n == 0 {
                 break;
             }
@@ -190,14 +206,24 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
         .worker_threads(crate::config::RUNTIME_WORKER_THREADS)
         .enable_all()
         .build()
-        .map_err(|e| TierError::TargetIo { url: args.url.clone(), op: "start runtime", path: PathBuf::new(), source: e })?;
+        .map_err(|e| TierError::TargetIo {
+            url: args.url.clone(),
+            op: "start runtime",
+            path: PathBuf::new(),
+            source: e,
+        })?;
     let part = args.opts.part_size_bytes.max(crate::config::MIN_PART_SIZE_BYTES);
     let parallel = args.opts.parallel.max(1);
     let bytes: u64 = args.files.iter().map(|f| f.len).sum();
 
     let result = (|| {
         let upload_from_memory_seconds = if args.from_memory {
-            let mem = Arc::new(MemFiles::read(&args.files).map_err(|e| TierError::LocalIo { url: args.url.clone(), object: String::new(), path: PathBuf::new(), source: e })?);
+            let mem = Arc::new(MemFiles::read(&args.files).map_err(|e| TierError::LocalIo {
+                url: args.url.clone(),
+                object: String::new(),
+                path: PathBuf::new(),
+                source: e,
+            })?);
             let t0 = Instant::now();
             let (_, from_memory) = t.upload_files_held(args.step, &args.files, mem)?;
             t.commit_step(args.step, &args.index_json)?;
@@ -236,7 +262,13 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
                     let got = plain.get(&path).await.map_err(|e| store_err(&args.url, "get", &path, e))?;
                     let b = got.bytes().await.map_err(|e| store_err(&args.url, "get", &path, e))?;
                     if b.len() as u64 != f.len {
-                        return Err(TierError::PastEnd { url: args.url.clone(), object: path.to_string(), offset: 0, len: f.len, size: b.len() as u64 });
+                        return Err(TierError::PastEnd {
+                            url: args.url.clone(),
+                            object: path.to_string(),
+                            offset: 0,
+                            len: f.len,
+                            size: b.len() as u64,
+                        });
                     }
                 }
                 Ok::<(), TierError>(())
@@ -247,7 +279,10 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
         let (restore_seconds, plain_download_again_seconds) = match &args.restore {
             Some(restore) => {
                 drop_target_cache(&args.url, &sub);
-                let r = restore(&ours_url, args.step).map_err(|reason| TierError::Task { url: args.url.clone(), reason: format!("restore: {reason}") })?;
+                let r = restore(&ours_url, args.step).map_err(|reason| TierError::Task {
+                    url: args.url.clone(),
+                    reason: format!("restore: {reason}"),
+                })?;
                 (Some(r), Some(plain_download()?))
             }
             None => (None, None),
@@ -273,7 +308,8 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let _ = t.clean_incomplete();
     rt.block_on(async {
         use futures::TryStreamExt;
-        let all: Vec<Path> = plain.list(Some(&plain_dir)).map_ok(|m| m.location).try_collect().await.unwrap_or_default();
+        let all: Vec<Path> =
+            plain.list(Some(&plain_dir)).map_ok(|m| m.location).try_collect().await.unwrap_or_default();
         for p in all {
             let _ = plain.delete(&p).await;
         }
@@ -293,7 +329,9 @@ fn drop_target_cache(url: &str, sub: &str) {
         for e in rd.flatten() {
             match e.file_type() {
                 Ok(t) if t.is_dir() => stack.push(e.path()),
-                Ok(t) if t.is_file() => drop_cache(&[LocalFile { local_path: e.path(), name: String::new(), len: 0, crc32c: 0 }]),
+                Ok(t) if t.is_file() => {
+                    drop_cache(&[LocalFile { local_path: e.path(), name: String::new(), len: 0, crc32c: 0 }])
+                }
                 _ => {}
             }
         }
@@ -318,7 +356,9 @@ pub fn file_url_dir(url: &str) -> Option<PathBuf> {
 
 /// The step's files and index of a committed local step.
 pub fn local_step(primary: &FsPath, step: u64) -> std::io::Result<(Vec<LocalFile>, Vec<u8>)> {
-    let index_json = std::fs::read(primary.join(format::step_dir_name(step).map_err(std::io::Error::other)?).join(format::INDEX_FILE_NAME))?;
+    let index_json = std::fs::read(
+        primary.join(format::step_dir_name(step).map_err(std::io::Error::other)?).join(format::INDEX_FILE_NAME),
+    )?;
     let index = format::Index::from_json_bytes(&index_json).map_err(std::io::Error::other)?;
     Ok((crate::target::local_files(primary, &index), index_json))
 }

@@ -22,4 +22,6 @@ mod target;
 
 pub use config::*;
 pub use error::TierError;
-pub use target::{fetch_ranges, local_files, remote_index_json, HeldBytes, LocalFile, Target, TargetOptions, UploadStats};
+pub use target::{
+    fetch_ranges, local_files, remote_index_json, HeldBytes, LocalFile, Target, TargetOptions, UploadStats,
+};

@@ -66,7 +66,11 @@ pub struct TargetOptions {
 
 impl Default for TargetOptions {
     fn default() -> Self {
-        TargetOptions { bandwidth_bytes_per_s: None, parallel: DEFAULT_PARALLEL, part_size_bytes: DEFAULT_PART_SIZE_BYTES }
+        TargetOptions {
+            bandwidth_bytes_per_s: None,
+            parallel: DEFAULT_PARALLEL,
+            part_size_bytes: DEFAULT_PART_SIZE_BYTES,
+        }
     }
 }
 
@@ -155,7 +159,11 @@ fn shown_url(url: &str) -> String {
 
 fn retry(max_retries: usize, timeout: std::time::Duration) -> RetryConfig {
     RetryConfig {
-        backoff: BackoffConfig { init_backoff: RETRY_BACKOFF_INIT, max_backoff: RETRY_BACKOFF_MAX, base: RETRY_BACKOFF_BASE },
+        backoff: BackoffConfig {
+            init_backoff: RETRY_BACKOFF_INIT,
+            max_backoff: RETRY_BACKOFF_MAX,
+            base: RETRY_BACKOFF_BASE,
+        },
         max_retries,
         retry_timeout: timeout,
     }
@@ -174,7 +182,11 @@ fn install_crypto_provider() {
 pub(crate) fn nonce() -> u64 {
     use std::hash::BuildHasher;
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    std::hash::RandomState::new().hash_one((std::time::SystemTime::now(), std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)))
+    std::hash::RandomState::new().hash_one((
+        std::time::SystemTime::now(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+    ))
 }
 
 /// The index as a drain target holds it: every file in the step folder
@@ -251,29 +263,51 @@ impl Target {
             .thread_name("ckpt-tier")
             .enable_all()
             .build()
-            .map_err(|e| TierError::TargetIo { url: shown.clone(), op: "start runtime", path: PathBuf::new(), source: e })?;
-        let (store, probe, backend, prefix): (Arc<dyn ObjectStore>, Arc<dyn ObjectStore>, Backend, Path) = match parsed.scheme() {
+            .map_err(|e| TierError::TargetIo {
+                url: shown.clone(),
+                op: "start runtime",
+                path: PathBuf::new(),
+                source: e,
+            })?;
+        let (store, probe, backend, prefix): (Arc<dyn ObjectStore>, Arc<dyn ObjectStore>, Backend, Path) = match parsed
+            .scheme()
+        {
             "file" => {
                 if parsed.host_str().is_some_and(|h| !h.is_empty() && h != "localhost") {
                     return Err(bad("file:// takes an absolute path (file:///dir), no host".into()));
                 }
-                let root = parsed.to_file_path().map_err(|_| bad("file:// takes an absolute path (file:///dir)".into()))?;
-                std::fs::create_dir_all(&root).map_err(|e| TierError::TargetIo { url: shown.clone(), op: "create directory", path: root.clone(), source: e })?;
+                let root =
+                    parsed.to_file_path().map_err(|_| bad("file:// takes an absolute path (file:///dir)".into()))?;
+                std::fs::create_dir_all(&root).map_err(|e| TierError::TargetIo {
+                    url: shown.clone(),
+                    op: "create directory",
+                    path: root.clone(),
+                    source: e,
+                })?;
                 let fs = LocalFileSystem::new_with_prefix(&root)
-                    .map_err(|e| TierError::Open { url: shown.clone(), what: format!("directory {}", root.display()), source: e })?
+                    .map_err(|e| TierError::Open {
+                        url: shown.clone(),
+                        what: format!("directory {}", root.display()),
+                        source: e,
+                    })?
                     .with_fsync(true);
                 let fs: Arc<dyn ObjectStore> = Arc::new(fs);
                 (fs.clone(), fs, Backend::Local { root }, Path::default())
             }
             "s3" => {
-                let bucket = parsed.host_str().filter(|b| !b.is_empty()).ok_or_else(|| bad("s3:// needs a bucket (s3://bucket/prefix)".into()))?;
+                let bucket = parsed
+                    .host_str()
+                    .filter(|b| !b.is_empty())
+                    .ok_or_else(|| bad("s3:// needs a bucket (s3://bucket/prefix)".into()))?;
                 let prefix = parsed.path().trim_matches('/');
                 let prefix = Path::parse(prefix).map_err(|e| bad(format!("bad prefix {prefix:?}: {e}")))?;
                 let build = |r: RetryConfig| {
-                    AmazonS3Builder::from_env().with_url(format!("s3://{bucket}")).with_retry(r).build().map_err(|e| TierError::Open {
-                        url: shown.clone(),
-                        what: "S3 configuration from the environment".into(),
-                        source: e,
+                    AmazonS3Builder::from_env().with_url(format!("s3://{bucket}")).with_retry(r).build().map_err(|e| {
+                        TierError::Open {
+                            url: shown.clone(),
+                            what: "S3 configuration from the environment".into(),
+                            source: e,
+                        }
                     })
                 };
                 let s3 = Arc::new(build(retry(RETRY_MAX, RETRY_TIMEOUT))?);
@@ -323,11 +357,21 @@ impl Target {
     /// lends taken from memory instead of read from the local files (see
     /// [`HeldBytes`]). Returns the stats and how many bytes came from
     /// memory.
-    pub fn upload_files_held(&self, step: u64, files: &[LocalFile], held: Arc<dyn HeldBytes>) -> Result<(UploadStats, u64), TierError> {
+    pub fn upload_files_held(
+        &self,
+        step: u64,
+        files: &[LocalFile],
+        held: Arc<dyn HeldBytes>,
+    ) -> Result<(UploadStats, u64), TierError> {
         self.upload(step, files, Some(held))
     }
 
-    fn upload(&self, step: u64, files: &[LocalFile], held: Option<Arc<dyn HeldBytes>>) -> Result<(UploadStats, u64), TierError> {
+    fn upload(
+        &self,
+        step: u64,
+        files: &[LocalFile],
+        held: Option<Arc<dyn HeldBytes>>,
+    ) -> Result<(UploadStats, u64), TierError> {
         let t0 = Instant::now();
         let mut paths = Vec::with_capacity(files.len());
         for f in files {
@@ -349,7 +393,11 @@ impl Target {
                 .collect(),
         );
         results.into_iter().collect::<Result<Vec<()>, _>>()?;
-        let stats = UploadStats { bytes: files.iter().map(|f| f.len).sum(), files: files.len(), seconds: t0.elapsed().as_secs_f64() };
+        let stats = UploadStats {
+            bytes: files.iter().map(|f| f.len).sum(),
+            files: files.len(),
+            seconds: t0.elapsed().as_secs_f64(),
+        };
         Ok((stats, from_memory.load(Ordering::Relaxed)))
     }
 
@@ -366,16 +414,25 @@ impl Target {
         let from = self.file_path(from_step, name)?;
         let to = self.file_path(to_step, name)?;
         match &inner.backend {
-            Backend::S3 { .. } => inner.rt.block_on(async { inner.store.copy(&from, &to).await.map_err(|e| inner.store_err("copy", &from, e)) }),
+            Backend::S3 { .. } => inner
+                .rt
+                .block_on(async { inner.store.copy(&from, &to).await.map_err(|e| inner.store_err("copy", &from, e)) }),
             Backend::Local { root } => {
-                let tio = |op: &'static str, p: &FsPath, e: std::io::Error| TierError::TargetIo { url: inner.url.clone(), op, path: p.to_path_buf(), source: e };
+                let tio = |op: &'static str, p: &FsPath, e: std::io::Error| TierError::TargetIo {
+                    url: inner.url.clone(),
+                    op,
+                    path: p.to_path_buf(),
+                    source: e,
+                };
                 let (src, dest) = (root.join(from.as_ref()), root.join(to.as_ref()));
                 let parent = dest.parent().expect("an object is inside the root").to_path_buf();
                 std::fs::create_dir_all(&parent).map_err(|e| tio("create directory", &parent, e))?;
                 let tmp = PathBuf::from(format!("{}#{:016x}", dest.display(), nonce()));
                 let made = match std::fs::hard_link(&src, &tmp) {
                     Ok(()) => Ok(()),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(TierError::NotFound { url: inner.url.clone(), object: inner.rel(&from) }),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        Err(TierError::NotFound { url: inner.url.clone(), object: inner.rel(&from) })
+                    }
                     // EXDEV, EMLINK, a file system without links: a copy, synced.
                     Err(_) => std::fs::copy(&src, &tmp)
                         .and_then(|_| File::open(&tmp)?.sync_data())
@@ -430,12 +487,28 @@ impl Target {
                 match present.get(&name) {
                     Some(&size) if size == len => {}
                     Some(&size) => {
-                        return Err(TierError::Incomplete { url: inner.url.clone(), step, object: name, detail: format!("is {size} bytes, the index says {len}") })
+                        return Err(TierError::Incomplete {
+                            url: inner.url.clone(),
+                            step,
+                            object: name,
+                            detail: format!("is {size} bytes, the index says {len}"),
+                        })
                     }
-                    None => return Err(TierError::Incomplete { url: inner.url.clone(), step, object: name, detail: "is missing".into() }),
+                    None => {
+                        return Err(TierError::Incomplete {
+                            url: inner.url.clone(),
+                            step,
+                            object: name,
+                            detail: "is missing".into(),
+                        })
+                    }
                 }
             }
-            inner.store.put(&index_path, PutPayload::from(remote)).await.map_err(|e| inner.store_err("put", &index_path, e))?;
+            inner
+                .store
+                .put(&index_path, PutPayload::from(remote))
+                .await
+                .map_err(|e| inner.store_err("put", &index_path, e))?;
             let newer = match inner.latest_object().await? {
                 Some(cur) => step > cur,
                 None => true,
@@ -443,7 +516,11 @@ impl Target {
             if newer {
                 let latest = inner.latest_path();
                 let body = format!("{}\n", format::step_dir_name(step).expect("validated step"));
-                inner.store.put(&latest, PutPayload::from(body)).await.map_err(|e| inner.store_err("put", &latest, e))?;
+                inner
+                    .store
+                    .put(&latest, PutPayload::from(body))
+                    .await
+                    .map_err(|e| inner.store_err("put", &latest, e))?;
             }
             Ok(())
         })
@@ -484,7 +561,9 @@ impl Target {
     pub fn file_len(&self, step: u64, name: &str) -> Result<u64, TierError> {
         let inner = &*self.inner;
         let path = self.file_path(step, name)?;
-        inner.rt.block_on(async { inner.store.head(&path).await.map(|m| m.size).map_err(|e| inner.store_err("head", &path, e)) })
+        inner.rt.block_on(async {
+            inner.store.head(&path).await.map(|m| m.size).map_err(|e| inner.store_err("head", &path, e))
+        })
     }
 
     /// Ranged read of one file of a step into `dst` (for a large `dst`, at
@@ -506,7 +585,8 @@ impl Target {
                 .map(|(i, buf)| async move {
                     let start = offset + (i * chunk) as u64;
                     let end = start + buf.len() as u64;
-                    let b = inner.store.get_range(path, start..end).await.map_err(|e| inner.store_err("read", path, e))?;
+                    let b =
+                        inner.store.get_range(path, start..end).await.map_err(|e| inner.store_err("read", path, e))?;
                     if b.len() != buf.len() {
                         return Err(TierError::PastEnd {
                             url: inner.url.clone(),
@@ -568,7 +648,11 @@ impl Target {
     }
 
     fn file_path(&self, step: u64, name: &str) -> Result<Path, TierError> {
-        let parts = name_parts(name).map_err(|reason| TierError::BadName { url: self.inner.url.clone(), object: name.to_string(), reason })?;
+        let parts = name_parts(name).map_err(|reason| TierError::BadName {
+            url: self.inner.url.clone(),
+            object: name.to_string(),
+            reason,
+        })?;
         let mut p = self.step_path(step)?;
         for part in parts {
             p = p.join(part);
@@ -598,7 +682,11 @@ impl Sink {
 
 impl Inner {
     fn step_path(&self, step: u64) -> Result<Path, TierError> {
-        let name = format::step_dir_name(step).map_err(|e| TierError::BadName { url: self.url.clone(), object: format!("step {step}"), reason: e.to_string() })?;
+        let name = format::step_dir_name(step).map_err(|e| TierError::BadName {
+            url: self.url.clone(),
+            object: format!("step {step}"),
+            reason: e.to_string(),
+        })?;
         Ok(self.prefix.clone().join(name))
     }
 
@@ -654,7 +742,8 @@ impl Inner {
         let r = tokio::task::spawn_blocking(move || -> std::io::Result<(Bytes, u32, bool)> {
             let mut buf = vec![0u8; len];
             // Copied out of the holder's memory (it may take it back as soon as this returns).
-            let lent = held.is_some_and(|(h, idx)| h.with_part(idx, offset, len, &mut |s| buf.copy_from_slice(&s[..len])));
+            let lent =
+                held.is_some_and(|(h, idx)| h.with_part(idx, offset, len, &mut |s| buf.copy_from_slice(&s[..len])));
             if !lent {
                 file.read_exact_at(&mut buf, offset)?;
             }
@@ -673,7 +762,12 @@ impl Inner {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 self.changed(f, object, format!("shorter than the {} bytes of its index", f.len))
             } else {
-                TierError::LocalIo { url: self.url.clone(), object: self.rel(object), path: f.local_path.clone(), source: e }
+                TierError::LocalIo {
+                    url: self.url.clone(),
+                    object: self.rel(object),
+                    path: f.local_path.clone(),
+                    source: e,
+                }
             }
         })
     }
@@ -689,8 +783,21 @@ impl Inner {
         (p.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64) as usize
     }
 
-    async fn upload_one(&self, f: &LocalFile, path: Path, sem: Arc<Semaphore>, held: Option<(Arc<dyn HeldBytes>, usize)>, pool: BufPool, from_memory: &AtomicU64) -> Result<(), TierError> {
-        let io_err = |e| TierError::LocalIo { url: self.url.clone(), object: self.rel(&path), path: f.local_path.clone(), source: e };
+    async fn upload_one(
+        &self,
+        f: &LocalFile,
+        path: Path,
+        sem: Arc<Semaphore>,
+        held: Option<(Arc<dyn HeldBytes>, usize)>,
+        pool: BufPool,
+        from_memory: &AtomicU64,
+    ) -> Result<(), TierError> {
+        let io_err = |e| TierError::LocalIo {
+            url: self.url.clone(),
+            object: self.rel(&path),
+            path: f.local_path.clone(),
+            source: e,
+        };
         let file = File::open(&f.local_path).map_err(io_err)?;
         let actual = file.metadata().map_err(io_err)?.len();
         if actual != f.len {
@@ -750,9 +857,9 @@ impl Inner {
                 }
                 Sink::S3 { s3: s3.clone(), path: path.clone(), id, marker }
             }
-            Backend::Local { .. } => {
-                Sink::Local { up: self.store.put_multipart(&path).await.map_err(|e| self.store_err("start upload of", &path, e))? }
-            }
+            Backend::Local { .. } => Sink::Local {
+                up: self.store.put_multipart(&path).await.map_err(|e| self.store_err("start upload of", &path, e))?,
+            },
         };
 
         let n_parts = f.len.div_ceil(part as u64) as usize;
@@ -858,7 +965,12 @@ impl Inner {
             Read(std::io::Error),
             Write(std::io::Error),
         }
-        let tio = |op: &'static str, p: &FsPath, e: std::io::Error| TierError::TargetIo { url: self.url.clone(), op, path: p.to_path_buf(), source: e };
+        let tio = |op: &'static str, p: &FsPath, e: std::io::Error| TierError::TargetIo {
+            url: self.url.clone(),
+            op,
+            path: p.to_path_buf(),
+            source: e,
+        };
         let dest = root.join(path.as_ref());
         let parent = dest.parent().expect("an object is inside the root").to_path_buf();
         let tmp = PathBuf::from(format!("{}#{:016x}", dest.display(), nonce()));
@@ -874,7 +986,9 @@ impl Inner {
         let (out, direct) = match open(true) {
             Ok(f) => (f, true),
             // A file system without O_DIRECT (tmpfs): buffered, synced at the end.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false).map_err(|e| tio("create", &tmp, e))?, false),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                (open(false).map_err(|e| tio("create", &tmp, e))?, false)
+            }
             Err(e) => return Err(tio("create", &tmp, e)),
         };
         // The whole file allocated at once (as fio does before it writes):
@@ -883,7 +997,8 @@ impl Inner {
         // as it comes.
         {
             use std::os::fd::AsRawFd;
-            let alloc_len = if direct { f.len.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64 } else { f.len };
+            let alloc_len =
+                if direct { f.len.div_ceil(DIRECT_BLOCK_BYTES as u64) * DIRECT_BLOCK_BYTES as u64 } else { f.len };
             if alloc_len > 0 {
                 // SAFETY: fallocate on a descriptor we own; no memory passed.
                 let _ = unsafe { libc::fallocate(out.as_raw_fd(), 0, 0, alloc_len as libc::off_t) };
@@ -901,7 +1016,8 @@ impl Inner {
         let n_parts = f.len.div_ceil(part as u64) as usize;
         let results: Vec<Result<(u32, u64), TierError>> = futures::stream::iter(0..n_parts)
             .map(|i| {
-                let (sem, src, out, pool, tmp, tio, held) = (sem.clone(), src.clone(), out.clone(), pool.clone(), &tmp, &tio, held.clone());
+                let (sem, src, out, pool, tmp, tio, held) =
+                    (sem.clone(), src.clone(), out.clone(), pool.clone(), &tmp, &tio, held.clone());
                 async move {
                     let _permit = sem.acquire_owned().await.expect("the semaphore is never closed");
                     let offset = (i * part) as u64;
@@ -925,7 +1041,9 @@ impl Inner {
                             h.with_part(*idx, offset, len, &mut |m: &[u8]| {
                                 if m.len() >= wlen && (!direct || (m.as_ptr() as usize) % block == 0) {
                                     let crc = crc32c::crc32c(&m[..len]);
-                                    lent = Some(out.write_all_at(&m[..wlen], offset).map(|()| crc).map_err(PartError::Write));
+                                    lent = Some(
+                                        out.write_all_at(&m[..wlen], offset).map(|()| crc).map_err(PartError::Write),
+                                    );
                                 } else {
                                     match take_buf() {
                                         Ok(mut b) => {
@@ -985,7 +1103,12 @@ impl Inner {
                         Err(PartError::Read(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                             Err(self.changed(f, path, format!("shorter than the {} bytes of its index", f.len)))
                         }
-                        Err(PartError::Read(e)) => Err(TierError::LocalIo { url: self.url.clone(), object: self.rel(path), path: f.local_path.clone(), source: e }),
+                        Err(PartError::Read(e)) => Err(TierError::LocalIo {
+                            url: self.url.clone(),
+                            object: self.rel(path),
+                            path: f.local_path.clone(),
+                            source: e,
+                        }),
                         Err(PartError::Write(e)) => Err(tio("write", tmp, e)),
                     }
                 }
@@ -1070,8 +1193,13 @@ impl Inner {
 
     /// Every step folder, and whether it holds an index, ascending.
     async fn step_folders(&self) -> Result<Vec<(u64, bool)>, TierError> {
-        let list = self.store.list_with_delimiter(self.prefix_opt()).await.map_err(|e| self.store_err("list", &self.prefix, e))?;
-        let steps: Vec<u64> = list.common_prefixes.iter().filter_map(|p| p.filename().and_then(format::parse_step_dir_name)).collect();
+        let list = self
+            .store
+            .list_with_delimiter(self.prefix_opt())
+            .await
+            .map_err(|e| self.store_err("list", &self.prefix, e))?;
+        let steps: Vec<u64> =
+            list.common_prefixes.iter().filter_map(|p| p.filename().and_then(format::parse_step_dir_name)).collect();
         let mut out: Vec<(u64, bool)> = futures::stream::iter(steps)
             .map(|s| async move { Ok::<_, TierError>((s, self.has_index(s).await?)) })
             .buffer_unordered(self.parallel)
@@ -1114,30 +1242,39 @@ impl Inner {
     /// Every object of a step folder removed (uploads its markers name
     /// aborted first); returns how many uploads it aborted.
     async fn remove_step_folder(&self, step_dir: &Path) -> Result<usize, TierError> {
-        let objects: Vec<Path> =
-            self.store.list(Some(step_dir)).map_ok(|m| m.location).try_collect().await.map_err(|e| self.store_err("list", step_dir, e))?;
+        let objects: Vec<Path> = self
+            .store
+            .list(Some(step_dir))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await
+            .map_err(|e| self.store_err("list", step_dir, e))?;
         let mut aborted = 0;
         for p in objects.iter().filter(|p| p.filename().is_some_and(|n| n.starts_with(UPLOAD_MARKER_PREFIX))) {
             self.abort_marked(p).await?;
             aborted += 1;
         }
-        futures::stream::iter(objects.iter().filter(|p| !p.filename().is_some_and(|n| n.starts_with(UPLOAD_MARKER_PREFIX))))
-            .map(|p| async move {
-                match self.store.delete(p).await {
-                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-                    Err(e) => Err(self.store_err("delete", p, e)),
-                }
-            })
-            .buffer_unordered(self.parallel)
-            .try_collect::<()>()
-            .await?;
+        futures::stream::iter(
+            objects.iter().filter(|p| !p.filename().is_some_and(|n| n.starts_with(UPLOAD_MARKER_PREFIX))),
+        )
+        .map(|p| async move {
+            match self.store.delete(p).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                Err(e) => Err(self.store_err("delete", p, e)),
+            }
+        })
+        .buffer_unordered(self.parallel)
+        .try_collect::<()>()
+        .await?;
         if let Backend::Local { root } = &self.backend {
             // Empty folders and object_store's staging files, which its listing hides.
             let dir = root.join(self.rel(step_dir));
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(TierError::TargetIo { url: self.url.clone(), op: "remove", path: dir, source: e }),
+                Err(e) => {
+                    return Err(TierError::TargetIo { url: self.url.clone(), op: "remove", path: dir, source: e })
+                }
             }
         }
         Ok(aborted)
@@ -1152,7 +1289,9 @@ impl Inner {
                     .store
                     .list(Some(step_dir))
                     .map_ok(|m| m.location)
-                    .try_filter(|p| std::future::ready(p.filename().is_some_and(|n| n.starts_with(UPLOAD_MARKER_PREFIX))))
+                    .try_filter(|p| {
+                        std::future::ready(p.filename().is_some_and(|n| n.starts_with(UPLOAD_MARKER_PREFIX)))
+                    })
                     .try_collect()
                     .await
                     .map_err(|e| self.store_err("list", step_dir, e))?;
@@ -1175,7 +1314,12 @@ impl Inner {
 
     /// Removes object_store's staging files (`<name>#<n>`) of one directory.
     fn remove_staging_files(&self, dir: &FsPath) -> Result<usize, TierError> {
-        let io = |op, path: &FsPath, e| TierError::TargetIo { url: self.url.clone(), op, path: path.to_path_buf(), source: e };
+        let io = |op, path: &FsPath, e| TierError::TargetIo {
+            url: self.url.clone(),
+            op,
+            path: path.to_path_buf(),
+            source: e,
+        };
         let mut n = 0;
         for e in std::fs::read_dir(dir).map_err(|e| io("list", dir, e))? {
             let e = e.map_err(|e| io("list", dir, e))?;

@@ -142,7 +142,11 @@ fn file_copied_file_is_a_hard_link_and_survives_deleting_its_source() {
     tp.upload_step(1, &s.files, &s.index_json).unwrap();
     tp.copy_file(1, 2, &big).unwrap();
     let p = |step: u64| probe.path().join(ckpt_store::format::step_dir_name(step).unwrap()).join(&big);
-    assert_eq!(std::fs::metadata(p(1)).unwrap().ino(), std::fs::metadata(p(2)).unwrap().ino(), "a file:// copy is a hard link");
+    assert_eq!(
+        std::fs::metadata(p(1)).unwrap().ino(),
+        std::fs::metadata(p(2)).unwrap().ino(),
+        "a file:// copy is a hard link"
+    );
     copied_file_survives_deleting_its_source(&t, local.path());
     assert!(!at(1).exists() && at(2).exists());
 }

@@ -11,7 +11,8 @@ use common::*;
 /// A fresh prefix per test: the tests share one server and bucket.
 fn target(prefix: &str) -> Target {
     let server = S3Server::shared();
-    Target::open(&server.url(prefix), small_parts()).unwrap_or_else(|e| panic!("{e}; server log {}", server.log.display()))
+    Target::open(&server.url(prefix), small_parts())
+        .unwrap_or_else(|e| panic!("{e}; server log {}", server.log.display()))
 }
 
 #[test]
@@ -80,7 +81,10 @@ fn s3_pending_multipart_upload_of_a_dead_sidecar_is_aborted() {
         // says NoSuchUpload; moto fails with a 500 from its KeyError on
         // the unknown upload id, which its log shows).
         let e = s3.put_part(&key, &id, 1, PutPayload::from(vec![7u8; 10])).await.unwrap_err().to_string();
-        assert!(e.contains("NoSuchUpload") || e.contains("500 Internal Server Error"), "the upload is still there: {e}");
+        assert!(
+            e.contains("NoSuchUpload") || e.contains("500 Internal Server Error"),
+            "the upload is still there: {e}"
+        );
         assert!(matches!(s3.head(&marker).await, Err(object_store::Error::NotFound { .. })));
     });
 }

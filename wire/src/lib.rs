@@ -19,7 +19,10 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 mod save;
-pub use save::{decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims, RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef, UnchangedRef};
+pub use save::{
+    decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims,
+    RankOf, SaveHead, SaveIn, SaveRest, TensorDescIn, TensorDescRef, UnchangedRef,
+};
 
 /// Bumped on any change of the messages below (the golden tests fail first).
 pub const PROTOCOL_VERSION: u32 = 13;
@@ -91,7 +94,12 @@ impl Unchanged {
     /// Checks the bitmap against a request of `n_tensors` tensors: no bit
     /// past the list.
     pub fn check(&self, n_tensors: usize) -> Result<(), String> {
-        let past = self.bits.iter().enumerate().flat_map(|(k, &b)| (0..8).filter(move |j| b & (1 << j) != 0).map(move |j| k * 8 + j)).find(|&i| i >= n_tensors);
+        let past = self
+            .bits
+            .iter()
+            .enumerate()
+            .flat_map(|(k, &b)| (0..8).filter(move |j| b & (1 << j) != 0).map(move |j| k * 8 + j))
+            .find(|&i| i >= n_tensors);
         match past {
             Some(i) => Err(format!("unchanged flags name tensor {i}, but the save has {n_tensors} tensors")),
             None => Ok(()),
@@ -157,15 +165,29 @@ pub(crate) mod byte_buf {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
-    Hello { magic: [u8; 4], version: u32, pid: u32, name: String },
+    Hello {
+        magic: [u8; 4],
+        version: u32,
+        pid: u32,
+        name: String,
+    },
     /// A POSIX shared-memory segment (name as for shm_open, e.g. "/ckpt-1-0")
     /// the sidecar maps read-only; `len_bytes` may not exceed its size.
     /// `hand_over` (version 9): the client writes this region only to fill
     /// a save before sending it, and not again until that save is released,
     /// so a save whose every tensor lies in such regions is the sidecar's
     /// once sent: it commits even if the client goes before Released.
-    RegisterRegion { id: u64, region_id: u32, shm_name: String, len_bytes: u64, hand_over: bool },
-    UnregisterRegion { id: u64, region_id: u32 },
+    RegisterRegion {
+        id: u64,
+        region_id: u32,
+        shm_name: String,
+        len_bytes: u64,
+        hand_over: bool,
+    },
+    UnregisterRegion {
+        id: u64,
+        region_id: u32,
+    },
     /// Snapshot these tensors and blobs as checkpoint `step`; replies:
     /// Released, then Durable or Failed, all with `id`. `lazy_release`: the
     /// trainer does not block on Released (it computes meanwhile), so the
@@ -174,12 +196,27 @@ pub enum Request {
     /// as possible, checksums after it. (Version 2.) `unchanged` (version
     /// 13): tensors the trainer proves unchanged since an earlier save of
     /// its own ([`Unchanged`]).
-    Save { id: u64, step: u64, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, unchanged: Option<Unchanged> },
+    Save {
+        id: u64,
+        step: u64,
+        tensors: Vec<TensorDesc>,
+        blobs: Vec<Blob>,
+        lazy_release: bool,
+        unchanged: Option<Unchanged>,
+    },
     /// Write the named tensors of `step` (None: latest) into the regions the
     /// descriptors name, verified; reply: Loaded or Error.
-    Load { id: u64, step: Option<u64>, tensors: Vec<TensorDesc> },
-    List { id: u64 },
-    Status { id: u64 },
+    Load {
+        id: u64,
+        step: Option<u64>,
+        tensors: Vec<TensorDesc>,
+    },
+    List {
+        id: u64,
+    },
+    Status {
+        id: u64,
+    },
     Bye,
     /// Write the `len_bytes` at `offset_bytes` of region `region_id` as the
     /// whole content of the file `path` (absolute; its directory must
@@ -188,13 +225,22 @@ pub enum Request {
     /// Released (the bytes are in staging; the region may change), then
     /// Durable (path renamed, directory synced) or Failed. Added in
     /// version 2 (the torch.save hook).
-    SaveFile { id: u64, path: String, region_id: u32, offset_bytes: u64, len_bytes: u64 },
+    SaveFile {
+        id: u64,
+        path: String,
+        region_id: u32,
+        offset_bytes: u64,
+        len_bytes: u64,
+    },
     /// Make the committed checkpoint `step` the newest again: `latest`
     /// moves to it first, then every later step is un-committed (crash-safe,
     /// across all target directories), so later steps can be saved anew.
     /// Queued behind the saves sent before it. Reply: RolledBack or Error.
     /// Added in version 3.
-    Rollback { id: u64, step: u64 },
+    Rollback {
+        id: u64,
+        step: u64,
+    },
     /// CUDA device memory of the client as region `region_id`: one whole
     /// allocation (`cudaMalloc`, PyTorch's caching allocator) on CUDA device
     /// `device`, named by its legacy IPC handle (`cuIpcGetMemHandle`, 64
@@ -209,7 +255,14 @@ pub enum Request {
     /// (`CUDA_VISIBLE_DEVICES`), so the sidecar opens the allocation on its
     /// own device of that UUID and refuses a UUID it does not see, naming
     /// it; later messages naming `device` mean that device too.
-    RegisterCudaRegion { id: u64, region_id: u32, device: i32, device_uuid: Vec<u8>, ipc_handle: Vec<u8>, len_bytes: u64 },
+    RegisterCudaRegion {
+        id: u64,
+        region_id: u32,
+        device: i32,
+        device_uuid: Vec<u8>,
+        ipc_handle: Vec<u8>,
+        len_bytes: u64,
+    },
     /// A Save whose CUDA tensors are ready once `event` completes: the IPC
     /// handle (64 bytes) of an event created with CU_EVENT_INTERPROCESS |
     /// CU_EVENT_DISABLE_TIMING, recorded on the trainer's stream just before
@@ -244,7 +297,16 @@ pub enum Request {
     /// not complete within the sidecar's part timeout gets Failed, and so
     /// do the others. Blob names must differ between the ranks' parts.
     /// Added in version 5. `unchanged` (version 13): as a Save's.
-    SavePart { id: u64, step: u64, rank: u32, world_size: u32, tensors: Vec<TensorDesc>, blobs: Vec<Blob>, lazy_release: bool, unchanged: Option<Unchanged> },
+    SavePart {
+        id: u64,
+        step: u64,
+        rank: u32,
+        world_size: u32,
+        tensors: Vec<TensorDesc>,
+        blobs: Vec<Blob>,
+        lazy_release: bool,
+        unchanged: Option<Unchanged>,
+    },
     /// Registers a CUDA VMM allocation (cuMemCreate, mapped with cuMemMap)
     /// of `device` as region `region_id`: its first byte of this frame
     /// carries exactly one file descriptor (SCM_RIGHTS), the allocation
@@ -258,7 +320,14 @@ pub enum Request {
     /// CU_MEM_HANDLE_TYPE_FABRIC handle (64 bytes; PyTorch's expandable
     /// segments where an IMEX channel exists), imported from those bytes:
     /// the frame then carries no descriptor.
-    RegisterCudaVmmRegion { id: u64, region_id: u32, device: i32, device_uuid: Vec<u8>, fabric_handle: Vec<u8>, len_bytes: u64 },
+    RegisterCudaVmmRegion {
+        id: u64,
+        region_id: u32,
+        device: i32,
+        device_uuid: Vec<u8>,
+        fabric_handle: Vec<u8>,
+        len_bytes: u64,
+    },
     /// Registers region `region_id` as the concatenation of CUDA regions
     /// this client registered before (`pieces`, in address order): device
     /// allocations mapped back to back in the client's address space, as
@@ -268,7 +337,11 @@ pub enum Request {
     /// opens nothing new (the pieces' imports stay open while the span
     /// lives, even after a piece is unregistered). All pieces lie on one
     /// device. Reply: RegionRegistered or Error. Added in version 8.
-    RegisterCudaSpan { id: u64, region_id: u32, pieces: Vec<u32> },
+    RegisterCudaSpan {
+        id: u64,
+        region_id: u32,
+        pieces: Vec<u32>,
+    },
     /// A SaveFile whose content is `pieces` laid end to end: each names
     /// bytes of a registered region, host shm or CUDA device memory (the
     /// torch.save hook's CUDA way: the file's skeleton in shm, each CUDA
@@ -281,7 +354,14 @@ pub enum Request {
     /// Replies as SaveFile does: Released once every piece is in staging
     /// (the device copy done: the trainer may change the tensors), then
     /// Durable or Failed. Added in version 10.
-    SaveFilePieces { id: u64, path: String, pieces: Vec<FilePiece>, device: i32, event: Vec<u8>, finish: FileFinish },
+    SaveFilePieces {
+        id: u64,
+        path: String,
+        pieces: Vec<FilePiece>,
+        device: i32,
+        event: Vec<u8>,
+        finish: FileFinish,
+    },
     /// Load every tensor of `step` (None: latest, falling back past damaged
     /// ones) into `len_bytes` at `offset_bytes` of host region `region_id`,
     /// laid out as the sidecar chooses: the checkpoint's shard images back to
@@ -290,7 +370,13 @@ pub enum Request {
     /// (nothing written when the checkpoint needs more than `len_bytes`) or
     /// Error. The bytes are the client's from then on: the sidecar writes the
     /// region again only when asked to. Added in version 11.
-    LoadPacked { id: u64, step: Option<u64>, region_id: u32, offset_bytes: u64, len_bytes: u64 },
+    LoadPacked {
+        id: u64,
+        step: Option<u64>,
+        region_id: u32,
+        offset_bytes: u64,
+        len_bytes: u64,
+    },
     /// Tell me when the committed checkpoint `step` is **Replicated**: its
     /// files and then its index (the remote commit) are on the sidecar's
     /// drain target (`--drain URL`). Reply: [`Reply::Replicated`] once it
@@ -300,9 +386,11 @@ pub enum Request {
     /// not committed; ShuttingDown when the sidecar stops first. The
     /// sidecar never answers Replicated for a step whose remote index is
     /// not written. Added in version 13.
-    WaitReplicated { id: u64, step: u64 },
+    WaitReplicated {
+        id: u64,
+        step: u64,
+    },
 }
-
 
 /// One piece of a [`Request::SaveFilePieces`]: `len_bytes` at `offset_bytes`
 /// of region `region_id`. (Version 10.)
@@ -355,33 +443,86 @@ pub enum ErrorCode {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Welcome { version: u32, server_pid: u32, dirs: Vec<String>, staging_bytes: u64 },
+    Welcome {
+        version: u32,
+        server_pid: u32,
+        dirs: Vec<String>,
+        staging_bytes: u64,
+    },
     /// The handshake failed (version, magic, uid); the connection closes.
-    Refused { reason: String },
-    RegionRegistered { id: u64, region_id: u32 },
-    RegionUnregistered { id: u64, region_id: u32 },
+    Refused {
+        reason: String,
+    },
+    RegionRegistered {
+        id: u64,
+        region_id: u32,
+    },
+    RegionUnregistered {
+        id: u64,
+        region_id: u32,
+    },
     /// The snapshot is complete: the trainer may change the tensors again.
-    Released { id: u64, step: u64, copy_seconds: f64, waited_seconds: f64 },
+    Released {
+        id: u64,
+        step: u64,
+        copy_seconds: f64,
+        waited_seconds: f64,
+    },
     /// The checkpoint is committed on disk.
-    Durable { id: u64, step: u64, path: String, persist_seconds: f64 },
+    Durable {
+        id: u64,
+        step: u64,
+        path: String,
+        persist_seconds: f64,
+    },
     /// The save did not commit (before or after Released), and why.
-    Failed { id: u64, step: u64, code: ErrorCode, reason: String },
+    Failed {
+        id: u64,
+        step: u64,
+        code: ErrorCode,
+        reason: String,
+    },
     /// The requested tensors are in place. `tensors` lists every tensor of
     /// the checkpoint (so a client can size its regions with a first Load of
     /// no tensors); `blobs` are all its blobs; `fell_back` says which newer
     /// checkpoints were skipped as damaged, and why.
-    Loaded { id: u64, step: u64, source: LoadSource, tensors: Vec<TensorInfo>, blobs: Vec<Blob>, fell_back: Vec<String> },
-    Listing { id: u64, steps: Vec<u64>, latest: Option<u64> },
-    Status { id: u64, report: StatusReport },
+    Loaded {
+        id: u64,
+        step: u64,
+        source: LoadSource,
+        tensors: Vec<TensorInfo>,
+        blobs: Vec<Blob>,
+        fell_back: Vec<String>,
+    },
+    Listing {
+        id: u64,
+        steps: Vec<u64>,
+        latest: Option<u64>,
+    },
+    Status {
+        id: u64,
+        report: StatusReport,
+    },
     /// A request failed; the session goes on.
-    Error { id: u64, code: ErrorCode, message: String },
+    Error {
+        id: u64,
+        code: ErrorCode,
+        message: String,
+    },
     /// The rollback to `step` is done; `removed` lists the steps that were
     /// un-committed, newest first. (Version 3.)
-    RolledBack { id: u64, step: u64, removed: Vec<u64> },
+    RolledBack {
+        id: u64,
+        step: u64,
+        removed: Vec<u64>,
+    },
     /// Versions 6 to 11: the device copies of a SaveAfterEvent were queued
     /// behind its `done_event`. Never sent since version 12 (kept so the
     /// replies after it keep their encoding).
-    CopyQueued { id: u64, step: u64 },
+    CopyQueued {
+        id: u64,
+        step: u64,
+    },
     /// The answer to a LoadPacked: as [`Reply::Loaded`], plus where each
     /// tensor of `tensors` now starts (`offsets[i]`, from the request's
     /// `offset_bytes`; [`NOT_PLACED`] for a tensor stored in slices, which
@@ -402,7 +543,11 @@ pub enum Reply {
     },
     /// The answer to a WaitReplicated: `step` is committed on the drain
     /// target `url` (no secrets in it). (Version 13.)
-    Replicated { id: u64, step: u64, url: String },
+    Replicated {
+        id: u64,
+        step: u64,
+        url: String,
+    },
 }
 
 /// [`Reply::Placed`]'s offset of a tensor that is not contiguous in the region.
@@ -548,7 +693,13 @@ pub fn read_frame_body(r: &mut impl Read, max_bytes: u32) -> Result<Vec<u8>, Fra
         return Err(FrameError::TooLarge { len_bytes: len as u64, max_bytes });
     }
     let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).map_err(|e| if e.kind() == io::ErrorKind::UnexpectedEof { FrameError::Truncated } else { e.into() })?;
+    r.read_exact(&mut body).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            FrameError::Truncated
+        } else {
+            e.into()
+        }
+    })?;
     Ok(body)
 }
 
@@ -571,7 +722,14 @@ mod tests {
         let m = Request::Save {
             id: 7,
             step: 100,
-            tensors: vec![TensorDesc { name: "w".into(), dtype: "F32".into(), shape: vec![2, 3], region_id: 1, offset_bytes: 64, len_bytes: 24 }],
+            tensors: vec![TensorDesc {
+                name: "w".into(),
+                dtype: "F32".into(),
+                shape: vec![2, 3],
+                region_id: 1,
+                offset_bytes: 64,
+                len_bytes: 24,
+            }],
             blobs: vec![Blob { name: "rng".into(), bytes: vec![1, 2, 3] }],
             lazy_release: true,
             unchanged: Some(Unchanged { since_step: 99, bits: vec![1] }),
@@ -584,7 +742,10 @@ mod tests {
 
     #[test]
     fn unchanged_bitmaps_flag_the_tensors_they_name() {
-        let u = Unchanged { since_step: 1, bits: Unchanged::bits_of([false, true, false, false, false, false, false, false, true, false, false]) };
+        let u = Unchanged {
+            since_step: 1,
+            bits: Unchanged::bits_of([false, true, false, false, false, false, false, false, true, false, false]),
+        };
         assert_eq!(u.bits, vec![0b10, 0b1]);
         assert!(!u.is_set(0) && u.is_set(1) && u.is_set(8) && !u.is_set(9) && !u.is_set(400));
         assert_eq!(u.count(), 2);

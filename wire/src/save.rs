@@ -11,9 +11,9 @@ use std::ops::Deref;
 use serde::de::{Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-use crate::{Blob, FrameError, TensorDesc, Unchanged};
 #[cfg(test)]
 use crate::Request;
+use crate::{Blob, FrameError, TensorDesc, Unchanged};
 
 /// Postcard writes an enum's variant index as a varint first: one byte
 /// below 128. Pinned by `tags_match_the_request_enum` below.
@@ -73,13 +73,33 @@ pub fn encode_tensors(tensors: &[TensorDescRef<'_>]) -> Vec<u8> {
 /// The frame (length prefix included) of a `Request::Save` (`part` None) or
 /// `Request::SavePart`, byte for byte what [`crate::encode`] makes of the
 /// owned message.
-pub fn encode_save(id: u64, step: u64, part: Option<RankOf>, tensors: &[TensorDescRef<'_>], blobs: &[BlobRef<'_>], lazy_release: bool, unchanged: Option<UnchangedRef<'_>>) -> Vec<u8> {
+pub fn encode_save(
+    id: u64,
+    step: u64,
+    part: Option<RankOf>,
+    tensors: &[TensorDescRef<'_>],
+    blobs: &[BlobRef<'_>],
+    lazy_release: bool,
+    unchanged: Option<UnchangedRef<'_>>,
+) -> Vec<u8> {
     encode_save_with(id, step, part, &encode_tensors(tensors), blobs, lazy_release, unchanged)
 }
 
 /// [`encode_save`] with the tensor list already encoded ([`encode_tensors`]).
-pub fn encode_save_with(id: u64, step: u64, part: Option<RankOf>, tensors_encoded: &[u8], blobs: &[BlobRef<'_>], lazy_release: bool, unchanged: Option<UnchangedRef<'_>>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(48 + unchanged.map_or(0, |u| u.bits.len()) + tensors_encoded.len() + blobs.iter().map(|b| b.bytes.len() + b.name.len() + 8).sum::<usize>());
+pub fn encode_save_with(
+    id: u64,
+    step: u64,
+    part: Option<RankOf>,
+    tensors_encoded: &[u8],
+    blobs: &[BlobRef<'_>],
+    lazy_release: bool,
+    unchanged: Option<UnchangedRef<'_>>,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(
+        48 + unchanged.map_or(0, |u| u.bits.len())
+            + tensors_encoded.len()
+            + blobs.iter().map(|b| b.bytes.len() + b.name.len() + 8).sum::<usize>(),
+    );
     // Field for field as the derived Serialize of Request::Save / SavePart:
     // the variant's index (one byte), then each field (a struct is its
     // fields one after another).
@@ -187,7 +207,14 @@ pub struct TensorDescIn<'a> {
 impl<'a> TensorDescIn<'a> {
     /// The view of an owned descriptor (a message decoded the usual way).
     pub fn of(d: &'a TensorDesc) -> Self {
-        TensorDescIn { name: &d.name, dtype: &d.dtype, shape: Dims::from_slice(&d.shape), region_id: d.region_id, offset_bytes: d.offset_bytes, len_bytes: d.len_bytes }
+        TensorDescIn {
+            name: &d.name,
+            dtype: &d.dtype,
+            shape: Dims::from_slice(&d.shape),
+            region_id: d.region_id,
+            offset_bytes: d.offset_bytes,
+            len_bytes: d.len_bytes,
+        }
     }
 }
 
@@ -231,9 +258,16 @@ pub fn decode_save_head(body: &[u8]) -> Option<Result<SaveHead<'_>, FrameError>>
     let (&tag, rest) = body.split_first()?;
     let dec = |e| FrameError::Decode(e);
     Some(match tag {
-        SAVE_TAG => postcard::take_from_bytes::<(u64, u64)>(rest).map(|((id, step), rest)| SaveHead { id, step, part: None, rest }).map_err(dec),
+        SAVE_TAG => postcard::take_from_bytes::<(u64, u64)>(rest)
+            .map(|((id, step), rest)| SaveHead { id, step, part: None, rest })
+            .map_err(dec),
         SAVE_PART_TAG => postcard::take_from_bytes::<(u64, u64, u32, u32)>(rest)
-            .map(|((id, step, rank, world_size), rest)| SaveHead { id, step, part: Some(RankOf { rank, world_size }), rest })
+            .map(|((id, step, rank, world_size), rest)| SaveHead {
+                id,
+                step,
+                part: Some(RankOf { rank, world_size }),
+                rest,
+            })
             .map_err(dec),
         _ => return None,
     })
@@ -256,7 +290,10 @@ impl<'a> SaveHead<'a> {
     /// (Decoding is a function of the bytes it reads, and a list's encoding
     /// ends where it ends: the same bytes are the same descriptors.)
     #[allow(clippy::type_complexity)]
-    pub fn rest_after(&self, tensors_encoded: &[u8]) -> Option<(&'a [u8], Result<(Vec<Blob>, bool, Option<Unchanged>), FrameError>)> {
+    pub fn rest_after(
+        &self,
+        tensors_encoded: &[u8],
+    ) -> Option<(&'a [u8], Result<(Vec<Blob>, bool, Option<Unchanged>), FrameError>)> {
         let after = self.rest.strip_prefix(tensors_encoded)?;
         Some((&self.rest[..tensors_encoded.len()], postcard::from_bytes::<Tail>(after).map_err(FrameError::Decode)))
     }
@@ -276,7 +313,15 @@ pub fn decode_save(body: &[u8]) -> Option<Result<SaveIn<'_>, FrameError>> {
         Ok(h) => h,
         Err(e) => return Some(Err(e)),
     };
-    Some(head.rest().map(|r| SaveIn { id: head.id, step: head.step, part: head.part, tensors: r.tensors, blobs: r.blobs, lazy_release: r.lazy_release, unchanged: r.unchanged }))
+    Some(head.rest().map(|r| SaveIn {
+        id: head.id,
+        step: head.step,
+        part: head.part,
+        tensors: r.tensors,
+        blobs: r.blobs,
+        lazy_release: r.lazy_release,
+        unchanged: r.unchanged,
+    }))
 }
 
 #[cfg(test)]
@@ -290,22 +335,74 @@ mod tests {
 
     fn owned() -> (Vec<TensorDesc>, Vec<Blob>) {
         let ts = vec![
-            TensorDesc { name: "model.w".into(), dtype: "BF16".into(), shape: vec![4, 3], region_id: 2, offset_bytes: 4096, len_bytes: 24 },
-            TensorDesc { name: "scalar".into(), dtype: "F32".into(), shape: vec![], region_id: 2, offset_bytes: 0, len_bytes: 4 },
-            TensorDesc { name: "deep".into(), dtype: "U8".into(), shape: vec![1, 1, 1, 1, 1, 1, 1, 2], region_id: 300, offset_bytes: u64::MAX, len_bytes: 2 },
+            TensorDesc {
+                name: "model.w".into(),
+                dtype: "BF16".into(),
+                shape: vec![4, 3],
+                region_id: 2,
+                offset_bytes: 4096,
+                len_bytes: 24,
+            },
+            TensorDesc {
+                name: "scalar".into(),
+                dtype: "F32".into(),
+                shape: vec![],
+                region_id: 2,
+                offset_bytes: 0,
+                len_bytes: 4,
+            },
+            TensorDesc {
+                name: "deep".into(),
+                dtype: "U8".into(),
+                shape: vec![1, 1, 1, 1, 1, 1, 1, 2],
+                region_id: 300,
+                offset_bytes: u64::MAX,
+                len_bytes: 2,
+            },
         ];
         (ts, vec![Blob { name: "rng".into(), bytes: vec![9, 8, 7] }, Blob { name: "e".into(), bytes: vec![] }])
     }
 
     fn refs(ts: &[TensorDesc]) -> Vec<TensorDescRef<'_>> {
-        ts.iter().map(|t| TensorDescRef { name: &t.name, dtype: &t.dtype, shape: &t.shape, region_id: t.region_id, offset_bytes: t.offset_bytes, len_bytes: t.len_bytes }).collect()
+        ts.iter()
+            .map(|t| TensorDescRef {
+                name: &t.name,
+                dtype: &t.dtype,
+                shape: &t.shape,
+                region_id: t.region_id,
+                offset_bytes: t.offset_bytes,
+                len_bytes: t.len_bytes,
+            })
+            .collect()
     }
 
     #[test]
     fn tags_match_the_request_enum() {
         let (ts, bs) = owned();
-        assert_eq!(request_tag(&Request::Save { id: 1, step: 2, tensors: ts.clone(), blobs: bs.clone(), lazy_release: true, unchanged: None }), SAVE_TAG);
-        assert_eq!(request_tag(&Request::SavePart { id: 1, step: 2, rank: 0, world_size: 1, tensors: ts, blobs: bs, lazy_release: true, unchanged: None }), SAVE_PART_TAG);
+        assert_eq!(
+            request_tag(&Request::Save {
+                id: 1,
+                step: 2,
+                tensors: ts.clone(),
+                blobs: bs.clone(),
+                lazy_release: true,
+                unchanged: None
+            }),
+            SAVE_TAG
+        );
+        assert_eq!(
+            request_tag(&Request::SavePart {
+                id: 1,
+                step: 2,
+                rank: 0,
+                world_size: 1,
+                tensors: ts,
+                blobs: bs,
+                lazy_release: true,
+                unchanged: None
+            }),
+            SAVE_PART_TAG
+        );
     }
 
     #[test]
@@ -313,19 +410,50 @@ mod tests {
         let (ts, bs) = owned();
         let brefs: Vec<BlobRef> = bs.iter().map(|b| BlobRef { name: &b.name, bytes: &b.bytes }).collect();
         let flags = Unchanged { since_step: 99, bits: vec![0b101] };
-        for (part, lazy, unchanged) in [(None, false, None), (Some(RankOf { rank: 3, world_size: 4 }), true, None), (None, true, Some(flags.clone())), (Some(RankOf { rank: 0, world_size: 2 }), false, Some(flags.clone()))] {
+        for (part, lazy, unchanged) in [
+            (None, false, None),
+            (Some(RankOf { rank: 3, world_size: 4 }), true, None),
+            (None, true, Some(flags.clone())),
+            (Some(RankOf { rank: 0, world_size: 2 }), false, Some(flags.clone())),
+        ] {
             let msg = match part {
-                None => Request::Save { id: 7, step: 100, tensors: ts.clone(), blobs: bs.clone(), lazy_release: lazy, unchanged: unchanged.clone() },
-                Some(p) => Request::SavePart { id: 7, step: 100, rank: p.rank, world_size: p.world_size, tensors: ts.clone(), blobs: bs.clone(), lazy_release: lazy, unchanged: unchanged.clone() },
+                None => Request::Save {
+                    id: 7,
+                    step: 100,
+                    tensors: ts.clone(),
+                    blobs: bs.clone(),
+                    lazy_release: lazy,
+                    unchanged: unchanged.clone(),
+                },
+                Some(p) => Request::SavePart {
+                    id: 7,
+                    step: 100,
+                    rank: p.rank,
+                    world_size: p.world_size,
+                    tensors: ts.clone(),
+                    blobs: bs.clone(),
+                    lazy_release: lazy,
+                    unchanged: unchanged.clone(),
+                },
             };
             let uref = unchanged.as_ref().map(|u| UnchangedRef { since_step: u.since_step, bits: &u.bits });
             let frame = encode_save(7, 100, part, &refs(&ts), &brefs, lazy, uref);
             assert_eq!(frame, crate::encode(&msg));
             let got = decode_save(&frame[4..]).expect("a save").unwrap();
-            let want = SaveIn { id: 7, step: 100, part, tensors: ts.iter().map(TensorDescIn::of).collect(), blobs: bs.clone(), lazy_release: lazy, unchanged };
+            let want = SaveIn {
+                id: 7,
+                step: 100,
+                part,
+                tensors: ts.iter().map(TensorDescIn::of).collect(),
+                blobs: bs.clone(),
+                lazy_release: lazy,
+                unchanged,
+            };
             assert_eq!(got, want);
             assert_eq!(&*got.tensors[2].shape, &[1, 1, 1, 1, 1, 1, 1, 2][..]);
-            assert!(matches!(got.tensors[2].shape, Dims::Heap(_)) && matches!(got.tensors[0].shape, Dims::Inline { .. }));
+            assert!(
+                matches!(got.tensors[2].shape, Dims::Heap(_)) && matches!(got.tensors[0].shape, Dims::Inline { .. })
+            );
         }
     }
 
@@ -346,7 +474,10 @@ mod tests {
                 assert_eq!(rest.tensors_encoded, &list[..]);
                 assert_eq!(rest.tensors, ts.iter().map(TensorDescIn::of).collect::<Vec<_>>());
                 let (same, tail) = head.rest_after(&list).expect("the same list");
-                assert_eq!((same, tail.unwrap()), (&list[..], (bs.clone(), true, Some(Unchanged { since_step: 5, bits: vec![2] }))));
+                assert_eq!(
+                    (same, tail.unwrap()),
+                    (&list[..], (bs.clone(), true, Some(Unchanged { since_step: 5, bits: vec![2] })))
+                );
                 assert_eq!(rest.unchanged, Some(Unchanged { since_step: 5, bits: vec![2] }));
                 assert_eq!(decode_tensors(&list).unwrap(), (rest.tensors.clone(), &[][..]));
             }
@@ -379,7 +510,14 @@ mod tests {
         assert!(decode_save(&crate::encode(&Request::List { id: 1 })[4..]).is_none());
         assert!(decode_save(&[]).is_none());
         let (ts, bs) = owned();
-        let frame = crate::encode(&Request::Save { id: 7, step: 100, tensors: ts, blobs: bs, lazy_release: false, unchanged: Some(Unchanged { since_step: 3, bits: vec![1] }) });
+        let frame = crate::encode(&Request::Save {
+            id: 7,
+            step: 100,
+            tensors: ts,
+            blobs: bs,
+            lazy_release: false,
+            unchanged: Some(Unchanged { since_step: 3, bits: vec![1] }),
+        });
         // Every truncation is an error, never a panic.
         for n in 1..frame.len() - 4 {
             assert!(matches!(decode_save(&frame[4..4 + n]), Some(Err(FrameError::Decode(_)))), "{n}");

@@ -202,7 +202,15 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
         send(&w, &Reply::Refused { reason: reason.clone() });
         return;
     }
-    send(&w, &Reply::Welcome { version: opts.version.unwrap_or(PROTOCOL_VERSION), server_pid: std::process::id(), dirs: vec!["/fake".into()], staging_bytes: 1 << 30 });
+    send(
+        &w,
+        &Reply::Welcome {
+            version: opts.version.unwrap_or(PROTOCOL_VERSION),
+            server_pid: std::process::id(),
+            dirs: vec!["/fake".into()],
+            staging_bytes: 1 << 30,
+        },
+    );
     let mut regions: HashMap<u32, MappedRegion> = HashMap::new();
     loop {
         let req = match ckpt_wire::read_frame::<Request>(&mut rd) {
@@ -214,13 +222,15 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
         };
         store.lock().unwrap().log.push(kind(&req));
         match req {
-            Request::RegisterRegion { id, region_id, shm_name, len_bytes, .. } => match open_region(&shm_name, len_bytes) {
-                Ok(m) => {
-                    regions.insert(region_id, m);
-                    send(&w, &Reply::RegionRegistered { id, region_id });
+            Request::RegisterRegion { id, region_id, shm_name, len_bytes, .. } => {
+                match open_region(&shm_name, len_bytes) {
+                    Ok(m) => {
+                        regions.insert(region_id, m);
+                        send(&w, &Reply::RegionRegistered { id, region_id });
+                    }
+                    Err(message) => send(&w, &Reply::Error { id, code: ErrorCode::BadRegion, message }),
                 }
-                Err(message) => send(&w, &Reply::Error { id, code: ErrorCode::BadRegion, message }),
-            },
+            }
             Request::UnregisterRegion { id, region_id } => {
                 regions.remove(&region_id);
                 send(&w, &Reply::RegionUnregistered { id, region_id });
@@ -230,7 +240,15 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 let mut bad = None;
                 for t in &tensors {
                     match copy_out(&regions, t) {
-                        Ok(b) => copied.push((TensorInfo { name: t.name.clone(), dtype: t.dtype.clone(), shape: t.shape.clone(), len_bytes: t.len_bytes }, b)),
+                        Ok(b) => copied.push((
+                            TensorInfo {
+                                name: t.name.clone(),
+                                dtype: t.dtype.clone(),
+                                shape: t.shape.clone(),
+                                len_bytes: t.len_bytes,
+                            },
+                            b,
+                        )),
                         Err(e) => bad = Some(e),
                     }
                 }
@@ -239,7 +257,15 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                     continue;
                 }
                 if store.lock().unwrap().steps.contains_key(&step) {
-                    send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step} is already committed") });
+                    send(
+                        &w,
+                        &Reply::Failed {
+                            id,
+                            step,
+                            code: ErrorCode::BadRequest,
+                            reason: format!("step {step} is already committed"),
+                        },
+                    );
                     continue;
                 }
                 std::thread::sleep(opts.release_delay);
@@ -248,16 +274,35 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 std::thread::spawn(move || {
                     std::thread::sleep(opts2.durable_delay);
                     if opts2.fail_step == Some(step) {
-                        send(&w2, &Reply::Failed { id, step, code: ErrorCode::Io, reason: "No space left on device (fake)".into() });
+                        send(
+                            &w2,
+                            &Reply::Failed {
+                                id,
+                                step,
+                                code: ErrorCode::Io,
+                                reason: "No space left on device (fake)".into(),
+                            },
+                        );
                         return;
                     }
                     store2.lock().unwrap().steps.insert(step, Ckpt { tensors: copied, blobs });
-                    send(&w2, &Reply::Durable { id, step, path: format!("/fake/step-{step:012}"), persist_seconds: 0.002 });
+                    send(
+                        &w2,
+                        &Reply::Durable { id, step, path: format!("/fake/step-{step:012}"), persist_seconds: 0.002 },
+                    );
                 });
             }
             Request::SavePart { id, step, .. } => {
                 // The fake gathers no parts: the kind in the log is what tests look at.
-                send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar does not gather parts".into() });
+                send(
+                    &w,
+                    &Reply::Failed {
+                        id,
+                        step,
+                        code: ErrorCode::BadRequest,
+                        reason: "the fake sidecar does not gather parts".into(),
+                    },
+                );
             }
             Request::Load { id, step, tensors } => {
                 let Some((n, ck)) = store.lock().unwrap().find(step) else {
@@ -267,7 +312,14 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 match write_in(&regions, &ck, &tensors) {
                     Ok(()) => send(
                         &w,
-                        &Reply::Loaded { id, step: n, source: LoadSource::Ram, tensors: ck.tensors.iter().map(|t| t.0.clone()).collect(), blobs: ck.blobs.clone(), fell_back: vec![] },
+                        &Reply::Loaded {
+                            id,
+                            step: n,
+                            source: LoadSource::Ram,
+                            tensors: ck.tensors.iter().map(|t| t.0.clone()).collect(),
+                            blobs: ck.blobs.clone(),
+                            fell_back: vec![],
+                        },
                     ),
                     Err((code, message)) => send(&w, &Reply::Error { id, code, message }),
                 }
@@ -278,26 +330,59 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                 let latest = steps.last().copied();
                 send(&w, &Reply::Listing { id, steps, latest });
             }
-            Request::Status { id } => send(&w, &Reply::Status { id, report: StatusReport { server_pid: std::process::id(), staging_bytes: 1 << 30, ..Default::default() } }),
+            Request::Status { id } => send(
+                &w,
+                &Reply::Status {
+                    id,
+                    report: StatusReport {
+                        server_pid: std::process::id(),
+                        staging_bytes: 1 << 30,
+                        ..Default::default()
+                    },
+                },
+            ),
             Request::SaveFile { id, .. } | Request::SaveFilePieces { id, .. } => {
-                send(&w, &Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: "the fake sidecar writes no files".into() });
+                send(
+                    &w,
+                    &Reply::Failed {
+                        id,
+                        step: 0,
+                        code: ErrorCode::BadRequest,
+                        reason: "the fake sidecar writes no files".into(),
+                    },
+                );
             }
             Request::Rollback { id, step } => {
                 let mut s = store.lock().unwrap();
                 if !s.steps.contains_key(&step) {
-                    send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step} is not committed") });
+                    send(
+                        &w,
+                        &Reply::Error {
+                            id,
+                            code: ErrorCode::NotFound,
+                            message: format!("step {step} is not committed"),
+                        },
+                    );
                     continue;
                 }
                 let removed: Vec<u64> = s.steps.keys().copied().filter(|&k| k > step).rev().collect();
                 s.steps.retain(|&k, _| k <= step);
                 send(&w, &Reply::RolledBack { id, step, removed });
             }
-            Request::RegisterCudaRegion { id, region_id, .. } | Request::RegisterCudaVmmRegion { id, region_id, .. } | Request::RegisterCudaSpan { id, region_id, .. } => {
-                send(&w, &Reply::Error { id, code: ErrorCode::BadRegion, message: format!("CUDA region {region_id}: the fake sidecar has no CUDA") })
-            }
-            Request::SaveAfterEvent { id, step, .. } => {
-                send(&w, &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar has no CUDA".into() })
-            }
+            Request::RegisterCudaRegion { id, region_id, .. }
+            | Request::RegisterCudaVmmRegion { id, region_id, .. }
+            | Request::RegisterCudaSpan { id, region_id, .. } => send(
+                &w,
+                &Reply::Error {
+                    id,
+                    code: ErrorCode::BadRegion,
+                    message: format!("CUDA region {region_id}: the fake sidecar has no CUDA"),
+                },
+            ),
+            Request::SaveAfterEvent { id, step, .. } => send(
+                &w,
+                &Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: "the fake sidecar has no CUDA".into() },
+            ),
             Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => {
                 let Some((n, ck)) = store.lock().unwrap().find(step) else {
                     send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: "no checkpoint".into() });
@@ -307,14 +392,31 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                     Ok((offsets, need_bytes)) => {
                         let blobs = if offsets.is_empty() { vec![] } else { ck.blobs.clone() };
                         let tensors = ck.tensors.iter().map(|t| t.0.clone()).collect();
-                        send(&w, &Reply::Placed { id, step: n, source: LoadSource::Ram, tensors, offsets, need_bytes, blobs, fell_back: vec![] })
+                        send(
+                            &w,
+                            &Reply::Placed {
+                                id,
+                                step: n,
+                                source: LoadSource::Ram,
+                                tensors,
+                                offsets,
+                                need_bytes,
+                                blobs,
+                                fell_back: vec![],
+                            },
+                        )
                     }
                     Err((code, message)) => send(&w, &Reply::Error { id, code, message }),
                 }
             }
-            Request::WaitReplicated { id, step } => {
-                send(&w, &Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: the fake sidecar has no drain target") })
-            }
+            Request::WaitReplicated { id, step } => send(
+                &w,
+                &Reply::Error {
+                    id,
+                    code: ErrorCode::NotFound,
+                    message: format!("step {step}: the fake sidecar has no drain target"),
+                },
+            ),
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -358,7 +460,11 @@ fn copy_out(regions: &HashMap<u32, MappedRegion>, t: &TensorDesc) -> Result<Vec<
 
 fn write_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, descs: &[TensorDesc]) -> Result<(), (ErrorCode, String)> {
     for d in descs {
-        let (info, bytes) = ck.tensors.iter().find(|t| t.0.name == d.name).ok_or((ErrorCode::NotFound, format!("no tensor {:?}", d.name)))?;
+        let (info, bytes) = ck
+            .tensors
+            .iter()
+            .find(|t| t.0.name == d.name)
+            .ok_or((ErrorCode::NotFound, format!("no tensor {:?}", d.name)))?;
         if info.dtype != d.dtype || info.shape != d.shape || info.len_bytes != d.len_bytes {
             return Err((ErrorCode::BadRequest, format!("{}: dtype/shape/len differ", d.name)));
         }
@@ -375,7 +481,13 @@ fn write_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, descs: &[TensorDesc
 /// The fake's LoadPacked: the tensors back to back in checkpoint order, each
 /// at a multiple of 64 bytes from `offset_bytes`; (offsets, need_bytes), the
 /// offsets empty and nothing written when `len_bytes` is below need_bytes.
-fn place_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, region_id: u32, offset_bytes: u64, len_bytes: u64) -> Result<(Vec<u64>, u64), (ErrorCode, String)> {
+fn place_in(
+    regions: &HashMap<u32, MappedRegion>,
+    ck: &Ckpt,
+    region_id: u32,
+    offset_bytes: u64,
+    len_bytes: u64,
+) -> Result<(Vec<u64>, u64), (ErrorCode, String)> {
     if offset_bytes % 4096 != 0 {
         return Err((ErrorCode::BadRequest, format!("offset {offset_bytes} is not a multiple of 4096")));
     }

@@ -33,7 +33,9 @@ pub struct Args {
 pub fn run(a: &Args) -> anyhow::Result<()> {
     // fio first, into the target directory, while nothing else runs.
     let fio = match tier_bench::file_url_dir(&a.url) {
-        Some(dir) => Some(bench::fio_gib_per_s(&dir, a.size, "write").with_context(|| format!("fio write into {}", dir.display()))?),
+        Some(dir) => Some(
+            bench::fio_gib_per_s(&dir, a.size, "write").with_context(|| format!("fio write into {}", dir.display()))?,
+        ),
         None => None,
     };
     let local = tempfile_in(&a.local)?;
@@ -46,8 +48,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             shard_bytes_max: a.shard_size,
             compare_fio: false,
         })?;
-        let (files, index_json) = tier_bench::local_step(&local, w.step).with_context(|| format!("reading the step in {}", local.display()))?;
-        let opts = TargetOptions { bandwidth_bytes_per_s: None, parallel: a.parallel, part_size_bytes: a.part_size as usize };
+        let (files, index_json) = tier_bench::local_step(&local, w.step)
+            .with_context(|| format!("reading the step in {}", local.display()))?;
+        let opts =
+            TargetOptions { bandwidth_bytes_per_s: None, parallel: a.parallel, part_size_bytes: a.part_size as usize };
         let index = ckpt_store::format::Index::from_json_bytes(&index_json)?;
         let need_bytes = ckpt_store::restore::load_len_bytes(&index) as usize;
         // The daemon's load path: a sidecar whose directory lacks the step
@@ -55,7 +59,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let empty = local.join("empty");
         std::fs::create_dir_all(&empty)?;
         let restore = move |url: &str, step: u64| -> Result<f64, String> {
-            let drain = Drain::open(DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![empty.clone()]).map_err(|e| e.to_string())?;
+            let drain = Drain::open(
+                DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None },
+                vec![empty.clone()],
+            )
+            .map_err(|e| e.to_string())?;
             // Memory as the daemon's staging is: allocated and touched before.
             let mut dest = AlignedBuf::new(need_bytes.max(1)).map_err(|e| e.to_string())?;
             dest.as_mut_slice().iter_mut().step_by(4096).for_each(|b| *b = 1);
@@ -63,7 +71,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             load::load_remote_step(&drain, step, dest.as_mut_slice())?;
             Ok(t0.elapsed().as_secs_f64())
         };
-        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs { url: a.url.clone(), step: w.step, files, index_json, opts, restore: Some(Box::new(restore)), from_memory: true })?)
+        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs {
+            url: a.url.clone(),
+            step: w.step,
+            files,
+            index_json,
+            opts,
+            restore: Some(Box::new(restore)),
+            from_memory: true,
+        })?)
     })();
     let _ = std::fs::remove_dir_all(&local);
     let f = r?;
@@ -100,7 +116,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         gib(f.plain_download_seconds),
         f.download_ratio()
     );
-    if let (Some(r), Some(again), Some(ratio)) = (f.restore_seconds, f.plain_download_again_seconds, f.restore_ratio()) {
+    if let (Some(r), Some(again), Some(ratio)) = (f.restore_seconds, f.plain_download_again_seconds, f.restore_ratio())
+    {
         println!(
             "restore   ours (the sidecar's load) {:>7.3} s {:>7.3} GiB/s | plain object_store get (again)    {:>7.3} s {:>7.3} GiB/s | ours/plain {:.2}",
             r,
@@ -111,7 +128,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         );
     }
     if let Some(fio) = fio {
-        println!("fio write into the directory (bs 4M, O_DIRECT, iodepth 16): {fio:.3} GiB/s | ours/fio {:.2} (from disk)", gib(f.upload_seconds) / fio);
+        println!(
+            "fio write into the directory (bs 4M, O_DIRECT, iodepth 16): {fio:.3} GiB/s | ours/fio {:.2} (from disk)",
+            gib(f.upload_seconds) / fio
+        );
         if let Some(m) = f.upload_from_memory_seconds {
             println!("ours from memory / fio {:.2}", gib(m) / fio);
         }

@@ -47,7 +47,12 @@ pub fn ls(url: &str, json: bool) -> anyhow::Result<ExitCode> {
             Ok(b) => match source::parse_index(&b, s) {
                 Ok(i) => {
                     let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
-                    (Some(i.logical().len()), Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()), Some(i.ckpt.world_size), Some(per_rank))
+                    (
+                        Some(i.logical().len()),
+                        Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()),
+                        Some(i.ckpt.world_size),
+                        Some(per_rank),
+                    )
                 }
                 Err(_) => (None, None, None, None),
             },
@@ -90,7 +95,12 @@ impl StepSource for TargetSource<'_> {
     }
 }
 
-pub fn verify(url: &str, step: Option<u64>, secondaries: &[std::path::PathBuf], json: bool) -> anyhow::Result<ExitCode> {
+pub fn verify(
+    url: &str,
+    step: Option<u64>,
+    secondaries: &[std::path::PathBuf],
+    json: bool,
+) -> anyhow::Result<ExitCode> {
     if !secondaries.is_empty() {
         bail!("--secondary is for a local directory: a drain target holds every file of a step in its step folder");
     }
@@ -107,7 +117,9 @@ pub fn verify(url: &str, step: Option<u64>, secondaries: &[std::path::PathBuf], 
     for s in steps {
         let index_bytes = match t.get_index(s) {
             Ok(b) => b,
-            Err(TierError::NotFound { .. }) if step.is_some() => bail!("{}: step {s} is not committed there (no index)", t.url()),
+            Err(TierError::NotFound { .. }) if step.is_some() => {
+                bail!("{}: step {s} is not committed there (no index)", t.url())
+            }
             Err(TierError::NotFound { .. }) => {
                 if !json {
                     println!("step {s}: deleted while being verified (the drain's retention); not checked");

@@ -16,16 +16,16 @@ use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use tracing::{info, warn};
 
-use ckpt_store::commit::{CommitError, Store};
-use ckpt_store::rollback::RollbackError;
-use ckpt_store::image::{self};
-use crate::memory::staging::Resident;
-use crate::config;
-use crate::commit::rank_groups::{Expired, RankGroups, Offer};
 use crate::commit::nodes::Nodes;
+use crate::commit::rank_groups::{Expired, Offer, RankGroups};
 use crate::commit::slices;
+use crate::config;
+use crate::memory::staging::Resident;
 use crate::state::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
-use crate::state::{Phase, DaemonState};
+use crate::state::{DaemonState, Phase};
+use ckpt_store::commit::{CommitError, Store};
+use ckpt_store::image::{self};
+use ckpt_store::rollback::RollbackError;
 
 pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> JoinHandle<()> {
     store.set_abort_flag(state.aborting.clone());
@@ -115,7 +115,9 @@ pub fn check_part_timeout() -> Result<std::time::Duration, String> {
     let Some(raw) = std::env::var_os(config::PART_TIMEOUT_ENV).filter(|v| !v.is_empty()) else { return Ok(default) };
     let text = raw.to_string_lossy();
     match text.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s <= config::PART_TIMEOUT_MAX_S as f64 => Ok(std::time::Duration::from_secs_f64(s)),
+        Ok(s) if s.is_finite() && s > 0.0 && s <= config::PART_TIMEOUT_MAX_S as f64 => {
+            Ok(std::time::Duration::from_secs_f64(s))
+        }
         _ => Err(format!(
             "{}={text:?}: not a number of seconds above 0 and at most {} (unset: {} s)",
             config::PART_TIMEOUT_ENV,
@@ -159,7 +161,12 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
     let step = parts[0].step;
     if state.is_aborting() {
         for job in parts {
-            fail_part(state, job, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
+            fail_part(
+                state,
+                job,
+                ErrorCode::ShuttingDown,
+                format!("step {step}: aborted before writing; the sidecar is shutting down"),
+            );
         }
         return;
     }
@@ -198,7 +205,12 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         if let (Some(d), Some(jd)) = (digests.as_mut(), j.digests.as_ref()) {
             d.extend_from_slice(jd);
         }
-        blobs.extend(j.blobs.iter().filter(|b| !slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }));
+        blobs.extend(
+            j.blobs
+                .iter()
+                .filter(|b| !slices::is_declaration(b))
+                .map(|b| image::Blob { name: &b.name, bytes: &b.bytes }),
+        );
     }
     let t0 = Instant::now();
     let r = ckpt_store::ranks::merge(layouts)
@@ -221,7 +233,13 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
             let gib_per_s = rep.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
             info!(step, world_size, persist_s = persist_seconds, gib_per_s, "durable (every rank's part)");
             let copy_seconds = parts.iter().map(|j| j.copy_seconds).fold(0.0, f64::max);
-            state.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+            state.set_last(LastFigures {
+                step,
+                bytes: rep.bytes,
+                copy_seconds,
+                persist_seconds,
+                persist_gib_per_s: gib_per_s,
+            });
             let path = rep.path.display().to_string();
             for job in parts {
                 let key = job.key();
@@ -270,7 +288,22 @@ fn declared_slices(parts: &[Job]) -> Result<Vec<image::SliceDecl>, String> {
 }
 
 fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
-    let Job { id, step, layout, lease, crcs, digests, blobs, part: _, replies, span, copy_seconds, waited_seconds, t_received, fill } = job;
+    let Job {
+        id,
+        step,
+        layout,
+        lease,
+        crcs,
+        digests,
+        blobs,
+        part: _,
+        replies,
+        span,
+        copy_seconds,
+        waited_seconds,
+        t_received,
+        fill,
+    } = job;
     let _enter = span.enter();
     // A fed job whose copy failed is answered with the copy's reason, once
     // its lease is back (the lease's drop waits for the copy's end).
@@ -285,7 +318,11 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
     };
     if state.is_aborting() {
         warn!("aborted before writing (the sidecar is aborting)");
-        return failed(lease, ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
+        return failed(
+            lease,
+            ErrorCode::ShuttingDown,
+            format!("step {step}: aborted before writing; the sidecar is shutting down"),
+        );
     }
     state.set_phase(Flight::Step(step), Phase::Writing);
     let mut placed = layout.clone();
@@ -327,9 +364,23 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
                 gib_per_s,
                 "durable"
             );
-            state.set_last(LastFigures { step, bytes: rep.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+            state.set_last(LastFigures {
+                step,
+                bytes: rep.bytes,
+                copy_seconds,
+                persist_seconds,
+                persist_gib_per_s: gib_per_s,
+            });
             // Resident first: a Load sent the moment Durable arrives is served from RAM.
-            state.staging.offer_resident(Resident { step, layout, crcs, digests, blobs, lease, origin: replies.origin() });
+            state.staging.offer_resident(Resident {
+                step,
+                layout,
+                crcs,
+                digests,
+                blobs,
+                lease,
+                origin: replies.origin(),
+            });
             replies.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
             if let Some(d) = &state.drain {
                 d.committed(step);
@@ -355,7 +406,11 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
 fn rollback_one(store: &mut Store, state: &DaemonState, job: RollbackJob) {
     let RollbackJob { id, step, replies } = job;
     if state.is_aborting() {
-        replies.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: not done, the sidecar is shutting down") });
+        replies.send(&Reply::Error {
+            id,
+            code: ErrorCode::ShuttingDown,
+            message: format!("rollback to step {step}: not done, the sidecar is shutting down"),
+        });
         return;
     }
     state.staging.drop_resident_after(step);
@@ -368,7 +423,9 @@ fn rollback_one(store: &mut Store, state: &DaemonState, job: RollbackJob) {
             warn!(step, "rollback failed: {e}");
             let code = match e {
                 RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
-                RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => ErrorCode::Damaged,
+                RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => {
+                    ErrorCode::Damaged
+                }
                 RollbackError::Io { .. } | RollbackError::Refused { .. } => ErrorCode::Io,
             };
             replies.send(&Reply::Error { id, code, message: e.to_string() });

@@ -44,10 +44,10 @@ use ckpt_store::nodes::{self, RanksState};
 use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
+use crate::commit::slices;
 use crate::state::jobs::{error_code, FillEnd, Flight, Job};
 use crate::state::reply::Replies;
-use crate::commit::slices;
-use crate::state::{Phase, DaemonState};
+use crate::state::{DaemonState, Phase};
 
 /// A rank whose part is on disk, waiting for the global commit.
 struct Waiter {
@@ -124,7 +124,10 @@ impl Nodes {
         };
         if let Some(w) = self.steps.get(&step) {
             if w.world_size != part.world_size {
-                let why = format!("step {step}: rank {} says world size {}, but this node's earlier ranks said {}", part.rank, part.world_size, w.world_size);
+                let why = format!(
+                    "step {step}: rank {} says world size {}, but this node's earlier ranks said {}",
+                    part.rank, part.world_size, w.world_size
+                );
                 warn!("{why}");
                 drop(lease);
                 return fail(ErrorCode::BadRequest, why);
@@ -138,7 +141,10 @@ impl Nodes {
         }
         if state.is_aborting() {
             drop(lease);
-            return fail(ErrorCode::ShuttingDown, format!("step {step}: aborted before writing; the sidecar is shutting down"));
+            return fail(
+                ErrorCode::ShuttingDown,
+                format!("step {step}: aborted before writing; the sidecar is shutting down"),
+            );
         }
         // This rank's slice declarations, checked here as one sidecar checks
         // each part's (they name its own tensors); the coordinator checks
@@ -157,7 +163,11 @@ impl Nodes {
         placed.rebase(lease.offset_bytes());
         // Slice declarations are not stored as blobs (protocol.md, "Slices"):
         // they travel beside the rank's marker into the step's index.
-        let blob_refs: Vec<image::Blob> = blobs.iter().filter(|b| !slices::is_declaration(b)).map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
+        let blob_refs: Vec<image::Blob> = blobs
+            .iter()
+            .filter(|b| !slices::is_declaration(b))
+            .map(|b| image::Blob { name: &b.name, bytes: &b.bytes })
+            .collect();
         let t0 = Instant::now();
         // A fed part (still being copied) is written as it is copied; its
         // marker waits for the copy's checksums.
@@ -165,9 +175,13 @@ impl Nodes {
         // (`--full-every`, counted per rank).
         store.set_link_unchanged(self.may_link(state, part.rank));
         let r = match (&fill, &digests) {
-            (None, Some(d)) if placed.opts.incremental => store.write_rank_part_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs, &decls),
+            (None, Some(d)) if placed.opts.incremental => {
+                store.write_rank_part_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs, &decls)
+            }
             (None, _) => store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls),
-            (Some(f), _) => store.write_rank_part_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs, &decls),
+            (Some(f), _) => {
+                store.write_rank_part_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs, &decls)
+            }
         };
         drop(blob_refs);
         drop(lease);
@@ -281,10 +295,21 @@ impl Nodes {
             match store.commit_ranks(step, world_size) {
                 Ok(rep) => {
                     let persist_seconds = w.since.elapsed().as_secs_f64();
-                    info!(step, world_size, commit_s = t0.elapsed().as_secs_f64(), "durable (every node's ranks; this sidecar coordinated)");
+                    info!(
+                        step,
+                        world_size,
+                        commit_s = t0.elapsed().as_secs_f64(),
+                        "durable (every node's ranks; this sidecar coordinated)"
+                    );
                     let copy_seconds = w.waiters.iter().map(|x| x.copy_seconds).fold(0.0, f64::max);
                     let gib_per_s = w.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
-                    state.set_last(LastFigures { step, bytes: w.bytes, copy_seconds, persist_seconds, persist_gib_per_s: gib_per_s });
+                    state.set_last(LastFigures {
+                        step,
+                        bytes: w.bytes,
+                        copy_seconds,
+                        persist_seconds,
+                        persist_gib_per_s: gib_per_s,
+                    });
                     self.sweep(store);
                     self.count_committed(&w);
                     durable(state, w, step, &rep.path.display().to_string(), persist_seconds);
@@ -333,7 +358,10 @@ impl Nodes {
         match store.abort_ranks(step, why) {
             Ok(true) => info!(step, "removed the step's multi-rank temp folder"),
             Ok(false) => {}
-            Err(e) => warn!(step, "could not remove the step's multi-rank temp folder ({e}); a sidecar's start removes it once stale"),
+            Err(e) => warn!(
+                step,
+                "could not remove the step's multi-rank temp folder ({e}); a sidecar's start removes it once stale"
+            ),
         }
     }
 

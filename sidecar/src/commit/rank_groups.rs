@@ -69,9 +69,16 @@ impl RankGroups {
     pub fn offer(&mut self, job: Job) -> Offer {
         let part = job.part.expect("only parts are gathered");
         let step = job.step;
-        let g = self.pending.entry(step).or_insert_with(|| Group { world_size: part.world_size, parts: BTreeMap::new(), since: Instant::now() });
+        let g = self.pending.entry(step).or_insert_with(|| Group {
+            world_size: part.world_size,
+            parts: BTreeMap::new(),
+            since: Instant::now(),
+        });
         if g.world_size != part.world_size {
-            let why = format!("step {step}: rank {} says world size {}, but earlier ranks said {}", part.rank, part.world_size, g.world_size);
+            let why = format!(
+                "step {step}: rank {} says world size {}, but earlier ranks said {}",
+                part.rank, part.world_size, g.world_size
+            );
             return Offer::Refused(Box::new(job), why);
         }
         if g.parts.contains_key(&part.rank) {
@@ -95,17 +102,26 @@ impl RankGroups {
     pub fn expire(&mut self, now: Instant) -> Vec<Expired> {
         let keep = self.timeout * 2;
         self.given_up.retain(|_, (when, _)| now.duration_since(*when) < keep);
-        let late: Vec<u64> = self.pending.iter().filter(|(_, g)| now >= g.since + self.timeout).map(|(&s, _)| s).collect();
+        let late: Vec<u64> =
+            self.pending.iter().filter(|(_, g)| now >= g.since + self.timeout).map(|(&s, _)| s).collect();
         late.into_iter()
             .map(|step| {
                 let g = self.pending.remove(&step).expect("listed above");
                 let missing: Vec<u32> = (0..g.world_size).filter(|r| !g.parts.contains_key(r)).collect();
                 let sent_earlier = match self.given_up.get(&step) {
-                    Some((when, sent)) if *when <= g.since => missing.iter().copied().filter(|r| sent.contains(r)).collect(),
+                    Some((when, sent)) if *when <= g.since => {
+                        missing.iter().copied().filter(|r| sent.contains(r)).collect()
+                    }
                     _ => Vec::new(),
                 };
                 self.given_up.insert(step, (now, g.parts.keys().copied().collect()));
-                Expired { step, world_size: g.world_size, missing, sent_earlier, parts: g.parts.into_values().collect() }
+                Expired {
+                    step,
+                    world_size: g.world_size,
+                    missing,
+                    sent_earlier,
+                    parts: g.parts.into_values().collect(),
+                }
             })
             .collect()
     }

@@ -47,7 +47,10 @@ pub fn declared(rank: u32, layout: &Layout, blobs: &[Blob]) -> Result<Vec<SliceD
     let mut out = Vec::with_capacity(d.slices.len());
     for s in d.slices {
         if !layout.specs.iter().any(|t| t.name == s.tensor) {
-            return Err(format!("rank {rank}: blob {SLICES_BLOB} declares tensor {:?}, which is not in its part", s.tensor));
+            return Err(format!(
+                "rank {rank}: blob {SLICES_BLOB} declares tensor {:?}, which is not in its part",
+                s.tensor
+            ));
         }
         out.push(SliceDecl { piece: s.tensor, of: s.of, shape: s.shape, elems: s.elems });
     }
@@ -66,12 +69,22 @@ mod tests {
 
     #[test]
     fn declarations_name_the_parts_own_tensors() {
-        let l = Layout::plan(vec![TensorSpec::new("w#elems[0:5]", Dtype::F32, &[5])], LayoutOptions { world_size: 2, ..Default::default() }).unwrap();
+        let l = Layout::plan(
+            vec![TensorSpec::new("w#elems[0:5]", Dtype::F32, &[5])],
+            LayoutOptions { world_size: 2, ..Default::default() },
+        )
+        .unwrap();
         assert!(declared(0, &l, &[]).unwrap().is_empty());
         let ok = blob(r#"{"slices":[{"tensor":"w#elems[0:5]","of":"w","shape":[4,3],"elems":[0,5]}]}"#);
-        assert_eq!(declared(0, &l, &[ok]).unwrap(), [SliceDecl { piece: "w#elems[0:5]".into(), of: "w".into(), shape: vec![4, 3], elems: [0, 5] }]);
+        assert_eq!(
+            declared(0, &l, &[ok]).unwrap(),
+            [SliceDecl { piece: "w#elems[0:5]".into(), of: "w".into(), shape: vec![4, 3], elems: [0, 5] }]
+        );
         let other = blob(r#"{"slices":[{"tensor":"v","of":"w","shape":[4,3],"elems":[0,5]}]}"#);
-        assert_eq!(declared(1, &l, &[other]).unwrap_err(), "rank 1: blob ckpt.slices.json declares tensor \"v\", which is not in its part");
+        assert_eq!(
+            declared(1, &l, &[other]).unwrap_err(),
+            "rank 1: blob ckpt.slices.json declares tensor \"v\", which is not in its part"
+        );
         let e = declared(0, &l, &[blob("{\"slices\":[{\"tensor\":1}]}")]).unwrap_err();
         assert!(e.starts_with("rank 0: blob ckpt.slices.json: "), "{e}");
     }

@@ -85,10 +85,16 @@ impl Read for FdSocket {
             }
         }
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(io::Error::other(format!("the client passed more than {} file descriptors at once", config::FDS_PER_READ_MAX)));
+            return Err(io::Error::other(format!(
+                "the client passed more than {} file descriptors at once",
+                config::FDS_PER_READ_MAX
+            )));
         }
         if self.fds.len() + received.len() > config::PASSED_FDS_MAX {
-            return Err(io::Error::other(format!("the client passed more than {} file descriptors not yet used by a request", config::PASSED_FDS_MAX)));
+            return Err(io::Error::other(format!(
+                "the client passed more than {} file descriptors not yet used by a request",
+                config::PASSED_FDS_MAX
+            )));
         }
         self.fds.extend(received);
         Ok(n)

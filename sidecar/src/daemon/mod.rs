@@ -31,17 +31,17 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{info, warn};
 
-use ckpt_store::commit::{Store, StoreError, StoreOptions};
-use ckpt_store::lock::DirLock;
-use ckpt_store::read_only::ReadOnly;
 use crate::config;
+use crate::memory::staging::{Staging, StagingError};
+use crate::state::DaemonState;
+use ckpt_store::commit::{Store, StoreError, StoreOptions};
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::io::IoPolicy;
+use ckpt_store::lock::DirLock;
+use ckpt_store::read_only::ReadOnly;
 use ckpt_store::restore::{ReadOptions, ThisNode};
 use ckpt_store::retention::Retention;
 use server::{Listener, ServerError};
-use crate::memory::staging::{Staging, StagingError};
-use crate::state::DaemonState;
 
 #[derive(Debug, Clone)]
 pub struct DaemonOptions {
@@ -173,7 +173,8 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
             // files of the steps committed in the shared directory.
             let nodes = match (&opts.shared_dir, &opts.node_local) {
                 (Some(sh), Some(id)) => Some(crate::drain::NodesDrain {
-                    shared_dir: std::fs::canonicalize(sh).unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
+                    shared_dir: std::fs::canonicalize(sh)
+                        .unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
                     me: ThisNode { id: id.clone(), dirs: dirs.clone() },
                 }),
                 _ => None,
@@ -210,11 +211,20 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
-    let layout_opts = LayoutOptions { n_dirs: store.dirs().len(), shard_bytes_max: opts.shard_bytes_max, incremental: opts.incremental, ..Default::default() };
+    let layout_opts = LayoutOptions {
+        n_dirs: store.dirs().len(),
+        shard_bytes_max: opts.shard_bytes_max,
+        incremental: opts.incremental,
+        ..Default::default()
+    };
     let mut state = DaemonState::new(
         store.dirs().to_vec(),
         layout_opts,
-        ReadOptions { io: opts.io, node: store.node_id().map(|id| ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() }), ..Default::default() },
+        ReadOptions {
+            io: opts.io,
+            node: store.node_id().map(|id| ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() }),
+            ..Default::default()
+        },
         staging,
         tx,
         opts.allow_uids.clone(),
@@ -227,8 +237,12 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let state = Arc::new(state);
     if let Some(d) = &state.shared_dir {
         match &state.read_opts.node {
-            None => info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
-            Some(n) => info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, node-local: this node's ranks' shards go to its own directories, markers and the index to the shared directory; this sidecar coordinates every step whose rank 0 it serves"),
+            None => {
+                info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves")
+            }
+            Some(n) => {
+                info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, node-local: this node's ranks' shards go to its own directories, markers and the index to the shared directory; this sidecar coordinates every step whose rank 0 it serves")
+            }
         }
     }
     info!(dirs = ?state.dirs, engines = %store.engine_names(), staging_bytes = state.staging.budget_bytes(), cuda = %crate::memory::cuda_probe::summary(), "sidecar ready");
@@ -317,12 +331,20 @@ fn on_stop_signal(state: &DaemonState, sig: i32, n: u32) {
     match n {
         1 => {
             state.draining.store(true, Ordering::SeqCst);
-            info!(sig, in_flight = state.n_in_flight(), "stopping: no new saves; finishing in-flight checkpoints (signal again to abort them)");
+            info!(
+                sig,
+                in_flight = state.n_in_flight(),
+                "stopping: no new saves; finishing in-flight checkpoints (signal again to abort them)"
+            );
         }
         2 => {
             state.draining.store(true, Ordering::SeqCst);
             state.aborting.store(true, Ordering::SeqCst);
-            warn!(sig, in_flight = state.n_in_flight(), "aborting in-flight checkpoints (signal again to exit at once)");
+            warn!(
+                sig,
+                in_flight = state.n_in_flight(),
+                "aborting in-flight checkpoints (signal again to exit at once)"
+            );
         }
         _ => {
             warn!("exiting at once; the next start removes what was in flight");
@@ -334,7 +356,10 @@ fn on_stop_signal(state: &DaemonState, sig: i32, n: u32) {
 /// A private directory for launch's socket (0700, under XDG_RUNTIME_DIR
 /// or /tmp); removed at exit.
 fn private_dir() -> io::Result<PathBuf> {
-    let base = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty() && Path::new(p).is_dir()).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    let base = std::env::var_os("XDG_RUNTIME_DIR")
+        .filter(|p| !p.is_empty() && Path::new(p).is_dir())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
     let mut template = base.join("ckpt-sidecar-launch-XXXXXX").into_os_string().into_encoded_bytes();
     template.push(0);
     // SAFETY: template is a writable NUL-terminated buffer ending in XXXXXX,
@@ -479,13 +504,18 @@ pub enum ClientError {
 /// wire crate, and returns its reply (an `Error` reply as `ClientError::Remote`).
 /// `timeout`: how long to wait for the answer (None: no limit).
 fn request(socket: &Path, name: &str, req: &Request, timeout: Option<Duration>) -> Result<Reply, ClientError> {
-    let stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
+    let stream =
+        UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.to_path_buf(), source })?;
     let hello_timeout = Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS);
     let _ = stream.set_read_timeout(Some(hello_timeout));
     let mut s = NoSigPipe(stream);
     let frame = |waited: Option<Duration>| {
         move |e: FrameError| match (&e, waited) {
-            (FrameError::Io(io), Some(w)) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => ClientError::NoAnswer { secs: w.as_secs() },
+            (FrameError::Io(io), Some(w))
+                if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+            {
+                ClientError::NoAnswer { secs: w.as_secs() }
+            }
             _ => ClientError::Frame(e),
         }
     };
@@ -536,7 +566,12 @@ impl io::Read for NoSigPipe {
 
 /// Asks the sidecar at `socket` for its status.
 pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
-    match request(socket, "ckpt-sidecar status", &Request::Status { id: 1 }, Some(Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS)))? {
+    match request(
+        socket,
+        "ckpt-sidecar status",
+        &Request::Status { id: 1 },
+        Some(Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS)),
+    )? {
         Reply::Status { id: 1, report } => Ok(report),
         other => Err(ClientError::Unexpected(format!("{other:?}"))),
     }

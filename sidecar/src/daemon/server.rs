@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use crate::config;
 use crate::daemon::session::{self, Session};
-use crate::state::{SessionEntry, DaemonState};
+use crate::state::{DaemonState, SessionEntry};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -107,7 +107,10 @@ fn sweep_starting(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(STARTING_PREFIX)).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(STARTING_PREFIX)).and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
         if !Path::new(&format!("/proc/{pid}")).exists() && e.file_type().is_ok_and(|t| t.is_socket()) {
             let _ = fs::remove_file(e.path());
         }
@@ -132,7 +135,11 @@ pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerErr
         None
     } else {
         let mode = if open_to_other_uids { 0o711 } else { 0o700 };
-        fs::DirBuilder::new().recursive(true).mode(mode).create(&dir).map_err(io_err(&dir, "create socket directory"))?;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(mode)
+            .create(&dir)
+            .map_err(io_err(&dir, "create socket directory"))?;
         Some(dir.clone())
     };
     let md = fs::metadata(&dir).map_err(io_err(&dir, "stat socket directory"))?;
@@ -141,7 +148,8 @@ pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerErr
     }
     if md.mode() & 0o077 != 0 && !open_to_other_uids {
         if made_dir.is_some() || dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with("ckpt-sidecar")) {
-            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(io_err(&dir, "make socket directory private"))?;
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+                .map_err(io_err(&dir, "make socket directory private"))?;
         } else {
             warn!(dir = %dir.display(), "socket directory is accessible to others; the socket itself is 0600");
         }
@@ -158,7 +166,8 @@ pub fn bind(path: &Path, open_to_other_uids: bool) -> Result<Listener, ServerErr
     }
     sweep_starting(&dir);
     let starting = dir.join(format!("{STARTING_PREFIX}{}", std::process::id()));
-    let bound_at = if starting.as_os_str().len() <= config::SOCKET_PATH_BYTES_MAX { starting } else { path.to_path_buf() };
+    let bound_at =
+        if starting.as_os_str().len() <= config::SOCKET_PATH_BYTES_MAX { starting } else { path.to_path_buf() };
     if bound_at != path {
         let _ = fs::remove_file(&bound_at); // ours by its pid: left by a dead namesake
     }
@@ -185,7 +194,15 @@ pub fn peer_cred(s: &UnixStream) -> io::Result<(u32, u32)> {
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: c and len are valid out-pointers of the right size for
     // SO_PEERCRED; the fd is an open Unix socket.
-    let r = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut c as *mut libc::ucred).cast(), &mut len) };
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -202,7 +219,10 @@ pub fn spawn_accept(listener: &Listener, state: Arc<DaemonState>) -> io::Result<
                     // The handshake runs on the session's own thread, so a
                     // silent peer cannot hold up the next accept.
                     let sh = state.clone();
-                    if let Err(e) = std::thread::Builder::new().name(format!("ckpt-session-{conn_no}")).spawn(move || handshake(&sh, s)) {
+                    if let Err(e) = std::thread::Builder::new()
+                        .name(format!("ckpt-session-{conn_no}"))
+                        .spawn(move || handshake(&sh, s))
+                    {
                         warn!("cannot start a session thread: {e}");
                     }
                 }
@@ -229,9 +249,13 @@ fn handshake(state: &Arc<DaemonState>, mut s: UnixStream) {
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
     let _ = s.set_write_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
-    let hello = ckpt_wire::read_frame_body(&mut s, config::HELLO_BYTES_MAX).and_then(|b| ckpt_wire::decode::<Request>(&b));
+    let hello =
+        ckpt_wire::read_frame_body(&mut s, config::HELLO_BYTES_MAX).and_then(|b| ckpt_wire::decode::<Request>(&b));
     if uid != state.uid && !state.allow_uids.contains(&uid) {
-        return refuse(s, format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", state.uid));
+        return refuse(
+            s,
+            format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", state.uid),
+        );
     }
     let (client_pid, name) = match hello {
         Ok(Request::Hello { magic, version, pid: client_pid, name }) => {
@@ -239,7 +263,12 @@ fn handshake(state: &Arc<DaemonState>, mut s: UnixStream) {
                 return refuse(s, format!("bad magic {magic:?}; this is a ckpt-sidecar socket"));
             }
             if version != PROTOCOL_VERSION {
-                return refuse(s, format!("protocol version {version} is not supported; this sidecar speaks version {PROTOCOL_VERSION}"));
+                return refuse(
+                    s,
+                    format!(
+                        "protocol version {version} is not supported; this sidecar speaks version {PROTOCOL_VERSION}"
+                    ),
+                );
             }
             (client_pid, name)
         }
@@ -257,7 +286,13 @@ fn handshake(state: &Arc<DaemonState>, mut s: UnixStream) {
         staging_bytes: state.staging.budget_bytes(),
     };
     let name: String = name.chars().take(256).collect();
-    let Some(session_id) = state.add_session(SessionEntry { pid: client_pid, name: name.clone(), regions: 0, region_bytes: 0, stream: s.try_clone().ok() }) else {
+    let Some(session_id) = state.add_session(SessionEntry {
+        pid: client_pid,
+        name: name.clone(),
+        regions: 0,
+        region_bytes: 0,
+        stream: s.try_clone().ok(),
+    }) else {
         return refuse(s, format!("too many sessions (at most {})", config::SESSIONS_MAX));
     };
     // Removed however this thread ends, after the session's own state.

@@ -17,17 +17,17 @@ use std::sync::Arc;
 use ckpt_wire::{ErrorCode, FileFinish, FilePiece, FrameError, Reply, Request, TensorDescIn};
 use tracing::{debug, info, warn};
 
-use ckpt_store::catalog;
 use crate::config;
 use crate::daemon::fd_socket::FdSocket;
-use crate::save::file_save::{self, FileRequest};
-use crate::state::jobs::{Part, RollbackJob, Work};
 use crate::load;
 use crate::memory::regions::{CudaSession, CudaSource, Region};
+use crate::save::file_save::{self, FileRequest};
 use crate::save::plan_cache::SavePlans;
 use crate::save::snapshot::{self, SaveTensors};
+use crate::state::jobs::{Part, RollbackJob, Work};
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
+use ckpt_store::catalog;
 
 /// The id of an `Error` that answers no request (a malformed frame).
 pub const NO_REQUEST_ID: u64 = u64::MAX;
@@ -76,7 +76,11 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
             }
             Err(e) => {
                 warn!(pid = s.client_pid, "bad frame, closing the session: {e}");
-                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("bad frame, closing: {e}") });
+                replies.send(&Reply::Error {
+                    id: NO_REQUEST_ID,
+                    code: ErrorCode::BadRequest,
+                    message: format!("bad frame, closing: {e}"),
+                });
                 break;
             }
         };
@@ -92,7 +96,15 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                 return Ok((head.id, head.step, part, Read::Kept(list), blobs, lazy_release, unchanged));
             }
             let rest = head.rest()?;
-            Ok((head.id, head.step, part, Read::Decoded(rest.tensors, rest.tensors_encoded), rest.blobs, rest.lazy_release, rest.unchanged))
+            Ok((
+                head.id,
+                head.step,
+                part,
+                Read::Decoded(rest.tensors, rest.tensors_encoded),
+                rest.blobs,
+                rest.lazy_release,
+                rest.unchanged,
+            ))
         });
         match read {
             Some(Ok((id, step, part, read, blobs, lazy_release, unchanged))) => {
@@ -101,12 +113,28 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                     Read::Kept(list) => SaveTensors::Kept(list),
                     Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
                 };
-                snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, tensors, blobs, lazy_release, part, unchanged);
+                snapshot::run_save(
+                    &state,
+                    &replies,
+                    &regions,
+                    &mut plans,
+                    id,
+                    step,
+                    tensors,
+                    blobs,
+                    lazy_release,
+                    part,
+                    unchanged,
+                );
                 continue;
             }
             Some(Err(e)) => {
                 warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
-                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                replies.send(&Reply::Error {
+                    id: NO_REQUEST_ID,
+                    code: ErrorCode::BadRequest,
+                    message: format!("{e}; closing"),
+                });
                 break;
             }
             None => {}
@@ -115,14 +143,22 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
             Ok(r) => r,
             Err(e) => {
                 warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
-                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: format!("{e}; closing") });
+                replies.send(&Reply::Error {
+                    id: NO_REQUEST_ID,
+                    code: ErrorCode::BadRequest,
+                    message: format!("{e}; closing"),
+                });
                 break;
             }
         };
         drop(body);
         match req {
             Request::Hello { .. } => {
-                replies.send(&Reply::Error { id: NO_REQUEST_ID, code: ErrorCode::BadRequest, message: "Hello after the handshake".into() });
+                replies.send(&Reply::Error {
+                    id: NO_REQUEST_ID,
+                    code: ErrorCode::BadRequest,
+                    message: "Hello after the handshake".into(),
+                });
             }
             Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over } => {
                 let reply = register(&s, &mut regions, id, region_id, &shm_name, len_bytes, hand_over);
@@ -135,7 +171,11 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                 plans.clear();
                 let reply = match regions.remove(&region_id) {
                     Some(_) => Reply::RegionUnregistered { id, region_id },
-                    None => Reply::Error { id, code: ErrorCode::BadRegion, message: format!("region {region_id} is not registered") },
+                    None => Reply::Error {
+                        id,
+                        code: ErrorCode::BadRegion,
+                        message: format!("region {region_id} is not registered"),
+                    },
                 };
                 update_counts(&state, &s, &regions);
                 replies.send(&reply);
@@ -143,33 +183,83 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
             // Read by decode_save above; kept whole for any other path here.
             Request::Save { id, step, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, None, unchanged)
+                snapshot::run_save(
+                    &state,
+                    &replies,
+                    &regions,
+                    &mut plans,
+                    id,
+                    step,
+                    SaveTensors::Decoded { tensors: &views, encoded: None },
+                    blobs,
+                    lazy_release,
+                    None,
+                    unchanged,
+                )
             }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, Some(Part { rank, world_size }), unchanged)
+                snapshot::run_save(
+                    &state,
+                    &replies,
+                    &regions,
+                    &mut plans,
+                    id,
+                    step,
+                    SaveTensors::Decoded { tensors: &views, encoded: None },
+                    blobs,
+                    lazy_release,
+                    Some(Part { rank, world_size }),
+                    unchanged,
+                )
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 let pieces = vec![FilePiece { region_id, offset_bytes, len_bytes }];
-                file_save::run_save_file(&state, &replies, &regions, s.peer_uid, FileRequest { id, path, pieces, finish: FileFinish::AsIs })
+                file_save::run_save_file(
+                    &state,
+                    &replies,
+                    &regions,
+                    s.peer_uid,
+                    FileRequest { id, path, pieces, finish: FileFinish::AsIs },
+                )
             }
             Request::SaveFilePieces { id, path, pieces, device, event, finish } => {
                 // Device pieces: the session's stream waits on the trainer's
                 // event (as recorded now, after the message arrived) before
                 // any copy is queued on it.
-                let fenced = if event.is_empty() { Ok(()) } else { cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting()) };
+                let fenced = if event.is_empty() {
+                    Ok(())
+                } else {
+                    cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting())
+                };
                 match fenced {
-                    Ok(()) => file_save::run_save_file(&state, &replies, &regions, s.peer_uid, FileRequest { id, path, pieces, finish }),
+                    Ok(()) => file_save::run_save_file(
+                        &state,
+                        &replies,
+                        &regions,
+                        s.peer_uid,
+                        FileRequest { id, path, pieces, finish },
+                    ),
                     Err(e) => {
                         info!(path = %path, "save of a file refused: the trainer's CUDA event: {e}");
-                        replies.send(&Reply::Failed { id, step: 0, code: ErrorCode::BadRequest, reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}") });
+                        replies.send(&Reply::Failed {
+                            id,
+                            step: 0,
+                            code: ErrorCode::BadRequest,
+                            reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}"),
+                        });
                     }
                 }
             }
             Request::Load { id, step, tensors } => load::run_load(&state, &replies, &regions, id, step, tensors),
-            Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => {
-                load::run_load_packed(&state, &regions, &replies, id, step, load::PackedRange { region_id, offset_bytes, len_bytes })
-            }
+            Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => load::run_load_packed(
+                &state,
+                &regions,
+                &replies,
+                id,
+                step,
+                load::PackedRange { region_id, offset_bytes, len_bytes },
+            ),
             Request::List { id } => {
                 let primary = state.read_dir();
                 let reply = match catalog::readable_steps(primary) {
@@ -177,7 +267,9 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                     // from there), and `latest` the newer of both tiers'.
                     Ok(mut steps) => {
                         let mut latest = catalog::latest_step(primary).ok().flatten();
-                        if let Some(remote) = state.drain.as_ref().filter(|_| state.shared_dir.is_none()).and_then(|d| d.remote_steps()) {
+                        if let Some(remote) =
+                            state.drain.as_ref().filter(|_| state.shared_dir.is_none()).and_then(|d| d.remote_steps())
+                        {
                             latest = latest.max(remote.last().copied());
                             steps.extend(remote);
                             steps.sort_unstable();
@@ -194,20 +286,56 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
             }
             Request::Rollback { id, step } => {
                 if let Some(dir) = &state.read_only {
-                    replies.send(&Reply::Error { id, code: ErrorCode::Io, message: format!("rollback to step {step}: {dir}") });
+                    replies.send(&Reply::Error {
+                        id,
+                        code: ErrorCode::Io,
+                        message: format!("rollback to step {step}: {dir}"),
+                    });
                 } else if state.is_draining() || state.is_aborting() {
-                    replies.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: format!("rollback to step {step}: the sidecar is shutting down") });
-                } else if state.commit_tx.send(Work::Rollback(RollbackJob { id, step, replies: replies.clone() })).is_err() {
-                    replies.send(&Reply::Error { id, code: ErrorCode::ShuttingDown, message: "the committer has stopped".into() });
+                    replies.send(&Reply::Error {
+                        id,
+                        code: ErrorCode::ShuttingDown,
+                        message: format!("rollback to step {step}: the sidecar is shutting down"),
+                    });
+                } else if state
+                    .commit_tx
+                    .send(Work::Rollback(RollbackJob { id, step, replies: replies.clone() }))
+                    .is_err()
+                {
+                    replies.send(&Reply::Error {
+                        id,
+                        code: ErrorCode::ShuttingDown,
+                        message: "the committer has stopped".into(),
+                    });
                 }
             }
             Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes } => {
-                let reply = register_cuda(&state, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Ipc(&ipc_handle), len_bytes);
+                let reply = register_cuda(
+                    &state,
+                    &mut regions,
+                    &mut cuda,
+                    id,
+                    region_id,
+                    (device, &device_uuid),
+                    CudaSource::Ipc(&ipc_handle),
+                    len_bytes,
+                );
                 update_counts(&state, &s, &regions);
                 replies.send(&reply);
             }
-            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes } if !fabric_handle.is_empty() => {
-                let reply = register_cuda(&state, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fabric(&fabric_handle), len_bytes);
+            Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes }
+                if !fabric_handle.is_empty() =>
+            {
+                let reply = register_cuda(
+                    &state,
+                    &mut regions,
+                    &mut cuda,
+                    id,
+                    region_id,
+                    (device, &device_uuid),
+                    CudaSource::Fabric(&fabric_handle),
+                    len_bytes,
+                );
                 update_counts(&state, &s, &regions);
                 replies.send(&reply);
             }
@@ -228,7 +356,18 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                 update_counts(&state, &s, &regions);
                 replies.send(&reply);
             }
-            Request::SaveAfterEvent { id, step, tensors, blobs, lazy_release, device, event, rank, world_size, unchanged } => {
+            Request::SaveAfterEvent {
+                id,
+                step,
+                tensors,
+                blobs,
+                lazy_release,
+                device,
+                event,
+                rank,
+                world_size,
+                unchanged,
+            } => {
                 // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
                 let part = (rank, world_size) != (0, 1);
                 // The trainer's event is polled here, watching the client:
@@ -236,11 +375,28 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                 match cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting()) {
                     Ok(()) => {
                         let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                        snapshot::run_save(&state, &replies, &regions, &mut plans, id, step, SaveTensors::Decoded { tensors: &views, encoded: None }, blobs, lazy_release, part.then_some(Part { rank, world_size }), unchanged);
+                        snapshot::run_save(
+                            &state,
+                            &replies,
+                            &regions,
+                            &mut plans,
+                            id,
+                            step,
+                            SaveTensors::Decoded { tensors: &views, encoded: None },
+                            blobs,
+                            lazy_release,
+                            part.then_some(Part { rank, world_size }),
+                            unchanged,
+                        );
                     }
                     Err(e) => {
                         info!(step, "save refused: the trainer's CUDA event: {e}");
-                        replies.send(&Reply::Failed { id, step, code: ErrorCode::BadRequest, reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}") });
+                        replies.send(&Reply::Failed {
+                            id,
+                            step,
+                            code: ErrorCode::BadRequest,
+                            reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}"),
+                        });
                     }
                 }
             }
@@ -300,7 +456,15 @@ fn process_is_gone(pid: u32) -> bool {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn register(s: &Session, regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, shm_name: &str, len_bytes: u64, hand_over: bool) -> Reply {
+fn register(
+    s: &Session,
+    regions: &mut HashMap<u32, Arc<Region>>,
+    id: u64,
+    region_id: u32,
+    shm_name: &str,
+    len_bytes: u64,
+    hand_over: bool,
+) -> Reply {
     let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
@@ -366,11 +530,17 @@ fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_i
         return err(format!("at most {} regions per session", config::REGIONS_PER_SESSION_MAX));
     }
     if pieces.len() > config::REGIONS_PER_SESSION_MAX {
-        return err(format!("CUDA span {region_id}: {} pieces, more than the {} regions a session may have", pieces.len(), config::REGIONS_PER_SESSION_MAX));
+        return err(format!(
+            "CUDA span {region_id}: {} pieces, more than the {} regions a session may have",
+            pieces.len(),
+            config::REGIONS_PER_SESSION_MAX
+        ));
     }
     let mut seen = std::collections::HashSet::with_capacity(pieces.len());
     if let Some(p) = pieces.iter().find(|&&p| !seen.insert(p)) {
-        return err(format!("CUDA span {region_id}: piece region {p} appears twice (pieces are mapped back to back, never twice)"));
+        return err(format!(
+            "CUDA span {region_id}: piece region {p} appears twice (pieces are mapped back to back, never twice)"
+        ));
     }
     let found: Result<Vec<Arc<Region>>, u32> = pieces.iter().map(|p| regions.get(p).cloned().ok_or(*p)).collect();
     let opened = match found {

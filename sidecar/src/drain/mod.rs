@@ -127,7 +127,13 @@ impl FileId {
     fn of(f: &LocalFile) -> Option<FileId> {
         use std::os::unix::fs::MetadataExt;
         let m = std::fs::metadata(&f.local_path).ok()?;
-        Some(FileId { dev: m.dev(), ino: m.ino(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128, len: f.len, crc32c: f.crc32c })
+        Some(FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            len: f.len,
+            crc32c: f.crc32c,
+        })
     }
 }
 
@@ -187,8 +193,13 @@ impl Drain {
     }
 
     /// [`Drain::open`] for a node of several ([`NodesDrain`]).
-    pub fn open_nodes(opts: DrainOptions, dirs: Vec<PathBuf>, nodes: Option<NodesDrain>) -> Result<Arc<Drain>, DrainError> {
-        let topts = ckpt_tier::TargetOptions { bandwidth_bytes_per_s: opts.bandwidth_bytes_per_s, ..Default::default() };
+    pub fn open_nodes(
+        opts: DrainOptions,
+        dirs: Vec<PathBuf>,
+        nodes: Option<NodesDrain>,
+    ) -> Result<Arc<Drain>, DrainError> {
+        let topts =
+            ckpt_tier::TargetOptions { bandwidth_bytes_per_s: opts.bandwidth_bytes_per_s, ..Default::default() };
         // Opened on a SCHED_IDLE thread: the target's runtime threads
         // (uploads: reads, checksums, sends) inherit the class, so the drain
         // only takes CPU no trainer or copy wants (the every-step loop's
@@ -205,7 +216,16 @@ impl Drain {
                 .expect("opening the drain target panicked")
                 .map_err(|source| DrainError::Open { url: opts.url.clone(), source })
         })?;
-        Ok(Arc::new(Drain { target, opts, dirs, state: Mutex::new(State { up: true, ..State::default() }), cv: Condvar::new(), hold: Arc::new(Mutex::new(BTreeSet::new())), nodes, staging: Default::default() }))
+        Ok(Arc::new(Drain {
+            target,
+            opts,
+            dirs,
+            state: Mutex::new(State { up: true, ..State::default() }),
+            cv: Condvar::new(),
+            hold: Arc::new(Mutex::new(BTreeSet::new())),
+            nodes,
+            staging: Default::default(),
+        }))
     }
 
     pub fn url(&self) -> &str {
@@ -257,7 +277,10 @@ impl Drain {
         // not see committed remotely yet; its files are not leftovers.
         let removed = if self.nodes.is_some() { 0 } else { self.target.clean_incomplete()? };
         if removed > 0 {
-            info!(url = self.url(), removed, "drain: removed half-uploaded steps and unfinished multipart uploads a previous sidecar left");
+            info!(
+                url = self.url(),
+                removed, "drain: removed half-uploaded steps and unfinished multipart uploads a previous sidecar left"
+            );
         }
         let steps = self.target.steps()?;
         let latest = self.target.latest()?;
@@ -319,7 +342,11 @@ impl Drain {
                 return;
             }
             // Woken early to answer new waiters too.
-            st = self.cv.wait_timeout(st, (deadline - now).min(Duration::from_millis(config::DRAIN_POLL_MS))).expect("drain state lock").0;
+            st = self
+                .cv
+                .wait_timeout(st, (deadline - now).min(Duration::from_millis(config::DRAIN_POLL_MS)))
+                .expect("drain state lock")
+                .0;
         }
     }
 
@@ -335,7 +362,10 @@ impl Drain {
             if up {
                 info!(url = self.url(), "drain target reachable again; draining");
             } else {
-                warn!(url = self.url(), "drain target down ({error}); local checkpoints go on, the drain retries with backoff");
+                warn!(
+                    url = self.url(),
+                    "drain target down ({error}); local checkpoints go on, the drain retries with backoff"
+                );
             }
         }
         st.up = up;
@@ -348,7 +378,11 @@ impl Drain {
     /// some were. None (waiters answered): nothing to drain.
     fn next_step(&self, committed: &[u64], on_skip: impl FnOnce(&mut State, u64)) -> Option<u64> {
         let mut st = self.lock();
-        let pending: Vec<u64> = committed.iter().copied().filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0).collect();
+        let pending: Vec<u64> = committed
+            .iter()
+            .copied()
+            .filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0)
+            .collect();
         st.backlog = pending.clone();
         let Some(&newest) = pending.last() else {
             self.answer(&mut st);
@@ -381,7 +415,8 @@ impl Drain {
             h.clear();
             h.insert(newest);
         }
-        let outcome = if catalog::is_committed(self.primary(), newest) { self.upload(newest) } else { Err(Upload::Gone) };
+        let outcome =
+            if catalog::is_committed(self.primary(), newest) { self.upload(newest) } else { Err(Upload::Gone) };
         let mut st = self.lock();
         st.uploading = None;
         match outcome {
@@ -402,7 +437,10 @@ impl Drain {
                 Ok(true)
             }
             Err(Upload::Gone) => {
-                info!(step = newest, "drain: step deleted locally before it was drained (retention or rollback); skipped");
+                info!(
+                    step = newest,
+                    "drain: step deleted locally before it was drained (retention or rollback); skipped"
+                );
                 st.skipped.insert(newest);
                 st.done_upto = Some(newest);
                 self.hold.lock().expect("hold lock").remove(&newest);
@@ -430,7 +468,9 @@ impl Drain {
     /// while it waits for the other nodes' uploads or the remote commit.
     fn drain_once_nodes(&self, n: &NodesDrain) -> Result<bool, ()> {
         let committed = catalog::committed_steps(&n.shared_dir).unwrap_or_default();
-        let Some(newest) = self.next_step(&committed, |st, newest| st.mine_uploaded.retain(|&s| s >= newest)) else { return Ok(false) };
+        let Some(newest) = self.next_step(&committed, |st, newest| st.mine_uploaded.retain(|&s| s >= newest)) else {
+            return Ok(false);
+        };
         // Held from the coordinator's retention in the shared directory
         // until replicated (or a newer one is the newest not replicated).
         {
@@ -447,7 +487,14 @@ impl Drain {
             Ok(Some(stats)) => {
                 st.uploading = None;
                 let bps = stats.bytes as f64 / stats.seconds.max(1e-9);
-                info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, seconds = stats.seconds, "replicated (every node's files; the remote index is written)");
+                info!(
+                    step = newest,
+                    url = self.url(),
+                    bytes = stats.bytes,
+                    files = stats.files,
+                    seconds = stats.seconds,
+                    "replicated (every node's files; the remote index is written)"
+                );
                 st.replicated.insert(newest);
                 st.done_upto = Some(newest);
                 st.bytes_per_s = bps;
@@ -462,7 +509,11 @@ impl Drain {
             Ok(None) => {
                 if st.waiting_said != Some(newest) {
                     st.waiting_said = Some(newest);
-                    info!(step = newest, url = self.url(), "this node's files are uploaded; waiting for the other nodes' uploads and the remote commit");
+                    info!(
+                        step = newest,
+                        url = self.url(),
+                        "this node's files are uploaded; waiting for the other nodes' uploads and the remote commit"
+                    );
                 }
                 self.answer(&mut st);
                 Ok(false)
@@ -490,8 +541,10 @@ impl Drain {
     /// committed remotely; None while waiting for others.
     fn upload_nodes(&self, n: &NodesDrain, step: u64) -> Result<Option<ckpt_tier::UploadStats>, Upload> {
         use ckpt_store::nodes as cn;
-        let index_bytes = std::fs::read(catalog::step_path(&n.shared_dir, step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
-        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("index of step {step} in {}: {e}", n.shared_dir.display())))?;
+        let index_bytes =
+            std::fs::read(catalog::step_path(&n.shared_dir, step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
+        let index = Index::from_json_bytes(&index_bytes)
+            .map_err(|e| Upload::Failed(format!("index of step {step} in {}: {e}", n.shared_dir.display())))?;
         let failed = |e: ckpt_tier::TierError| Upload::Failed(e.to_string());
         let done = ckpt_tier::UploadStats { bytes: 0, files: 0, seconds: 0.0 };
         if self.target.steps().map_err(failed)?.contains(&step) {
@@ -504,14 +557,17 @@ impl Drain {
                 stats = self.target.upload_files(step, &mine).map_err(failed)?;
             }
             if index.ckpt.nodes.contains_key(&n.me.id) {
-                cn::mark_uploaded(&n.shared_dir, step, &n.me.id).map_err(|e| Upload::Failed(format!("upload mark of step {step} in {}: {e}", n.shared_dir.display())))?;
+                cn::mark_uploaded(&n.shared_dir, step, &n.me.id).map_err(|e| {
+                    Upload::Failed(format!("upload mark of step {step} in {}: {e}", n.shared_dir.display()))
+                })?;
             }
             self.lock().mine_uploaded.insert(step);
         }
         if cn::drain_coordinator(&index) != Some(n.me.id.as_str()) {
             return Ok(None);
         }
-        let marked = cn::uploaded_nodes(&n.shared_dir, step).map_err(|e| Upload::Failed(format!("upload marks of step {step}: {e}")))?;
+        let marked = cn::uploaded_nodes(&n.shared_dir, step)
+            .map_err(|e| Upload::Failed(format!("upload marks of step {step}: {e}")))?;
         if index.ckpt.nodes.keys().any(|id| !marked.contains(id)) {
             return Ok(None);
         }
@@ -522,12 +578,21 @@ impl Drain {
             .iter()
             .map(|b| {
                 let name = format!("{BLOBS_DIR_NAME}/{}", b.name);
-                LocalFile { local_path: n.shared_dir.join(&step_name).join(&name), name, len: b.len_bytes, crc32c: b.crc32c }
+                LocalFile {
+                    local_path: n.shared_dir.join(&step_name).join(&name),
+                    name,
+                    len: b.len_bytes,
+                    crc32c: b.crc32c,
+                }
             })
             .collect();
         if !blobs.is_empty() {
             let b = self.target.upload_files(step, &blobs).map_err(failed)?;
-            stats = ckpt_tier::UploadStats { bytes: stats.bytes + b.bytes, files: stats.files + b.files, seconds: stats.seconds + b.seconds };
+            stats = ckpt_tier::UploadStats {
+                bytes: stats.bytes + b.bytes,
+                files: stats.files + b.files,
+                seconds: stats.seconds + b.seconds,
+            };
         }
         self.target.commit_step(step, &cn::flattened_index(index).to_json_bytes()).map_err(failed)?;
         if let Err(e) = cn::remove_upload_marks(&n.shared_dir, step) {
@@ -543,10 +608,13 @@ impl Drain {
     /// the rest uploaded; the index last (the remote commit).
     fn upload(&self, step: u64) -> Result<Moved, Upload> {
         let t0 = Instant::now();
-        let index_bytes = std::fs::read(catalog::step_path(self.primary(), step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
-        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Upload::Failed(format!("local index of step {step}: {e}")))?;
+        let index_bytes =
+            std::fs::read(catalog::step_path(self.primary(), step).join(INDEX_FILE_NAME)).map_err(|_| Upload::Gone)?;
+        let index = Index::from_json_bytes(&index_bytes)
+            .map_err(|e| Upload::Failed(format!("local index of step {step}: {e}")))?;
         let (files, remote_index) = remote_plan(&self.dirs, step, index).map_err(Upload::Failed)?;
-        let ids: HashMap<String, FileId> = files.iter().filter_map(|f| Some((f.name.clone(), FileId::of(f)?))).collect();
+        let ids: HashMap<String, FileId> =
+            files.iter().filter_map(|f| Some((f.name.clone(), FileId::of(f)?))).collect();
         let prev = {
             let st = self.lock();
             st.last_files.clone().filter(|(s, _)| *s != step && st.replicated.contains(s))
@@ -554,7 +622,9 @@ impl Drain {
         let (mut copied_bytes, mut copied_files) = (0, 0);
         let mut to_upload = Vec::with_capacity(files.len());
         for f in files {
-            let same = prev.as_ref().filter(|(_, by_name)| ids.get(&f.name).is_some_and(|id| by_name.get(&f.name) == Some(id)));
+            let same = prev
+                .as_ref()
+                .filter(|(_, by_name)| ids.get(&f.name).is_some_and(|id| by_name.get(&f.name) == Some(id)));
             match same {
                 Some((from, _)) => match self.target.copy_file(*from, step, &f.name) {
                     Ok(()) => {
@@ -562,7 +632,12 @@ impl Drain {
                         copied_files += 1;
                     }
                     Err(e) => {
-                        warn!(step, from = *from, file = f.name, "drain: copying an unchanged file on the target failed ({e}); uploading it");
+                        warn!(
+                            step,
+                            from = *from,
+                            file = f.name,
+                            "drain: copying an unchanged file on the target failed ({e}); uploading it"
+                        );
                         to_upload.push(f);
                     }
                 },
@@ -602,7 +677,8 @@ impl Drain {
             }
         };
         let latest = self.target.latest().ok().flatten();
-        let doomed: Vec<u64> = steps[..steps.len().saturating_sub(keep)].iter().copied().filter(|&s| Some(s) != latest).collect();
+        let doomed: Vec<u64> =
+            steps[..steps.len().saturating_sub(keep)].iter().copied().filter(|&s| Some(s) != latest).collect();
         for s in doomed {
             match self.target.delete_step(s) {
                 Ok(()) => {
@@ -650,7 +726,13 @@ impl Drain {
             replies.send(&Reply::Replicated { id, step, url: self.url().to_string() });
             return;
         }
-        let refuse = |why: String| replies.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: {why}; it will not be replicated to {}", self.url()) });
+        let refuse = |why: String| {
+            replies.send(&Reply::Error {
+                id,
+                code: ErrorCode::NotFound,
+                message: format!("step {step}: {why}; it will not be replicated to {}", self.url()),
+            })
+        };
         if step % self.opts.every != 0 {
             refuse(format!("--drain-every {} drains multiples of {} only", self.opts.every, self.opts.every));
             return;
@@ -660,7 +742,11 @@ impl Drain {
             return;
         }
         if st.waiters.len() >= config::DRAIN_WAITERS_MAX {
-            replies.send(&Reply::Error { id, code: ErrorCode::BadRequest, message: format!("more than {} waits for replication at once", config::DRAIN_WAITERS_MAX) });
+            replies.send(&Reply::Error {
+                id,
+                code: ErrorCode::BadRequest,
+                message: format!("more than {} waits for replication at once", config::DRAIN_WAITERS_MAX),
+            });
             return;
         }
         st.waiters.push(Waiter { replies, id, step });
@@ -676,7 +762,11 @@ impl Drain {
     pub fn settled(&self) -> bool {
         // Several nodes: the steps are committed in the shared directory.
         let committed_in = self.nodes.as_ref().map_or(self.primary(), |n| n.shared_dir.as_path());
-        let newest = catalog::committed_steps(committed_in).unwrap_or_default().into_iter().filter(|s| s % self.opts.every == 0).last();
+        let newest = catalog::committed_steps(committed_in)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| s % self.opts.every == 0)
+            .last();
         let st = self.lock();
         if !st.up {
             return true;
@@ -722,14 +812,21 @@ impl Drain {
     /// newer one. Then the step, made readable as a checkpoint directory;
     /// a remote step whose index is damaged is passed over (latest: the
     /// previous remote step is tried, and `fell_back` says so).
-    pub fn remote_source(&self, step: Option<u64>, local_latest: Option<u64>) -> Result<Option<RemoteCkpt>, (ErrorCode, String)> {
+    pub fn remote_source(
+        &self,
+        step: Option<u64>,
+        local_latest: Option<u64>,
+    ) -> Result<Option<RemoteCkpt>, (ErrorCode, String)> {
         match step {
             Some(s) => {
                 if catalog::is_readable(self.primary(), s) {
                     return Ok(None);
                 }
                 self.fetch(s).map(Some).map_err(|e| match e {
-                    Fetch::Missing => (ErrorCode::NotFound, format!("step {s} is committed neither locally nor on the drain target {}", self.url())),
+                    Fetch::Missing => (
+                        ErrorCode::NotFound,
+                        format!("step {s} is committed neither locally nor on the drain target {}", self.url()),
+                    ),
                     Fetch::Damaged(why) => (ErrorCode::Damaged, why),
                     Fetch::Io(why) => (ErrorCode::Io, why),
                 })
@@ -745,7 +842,11 @@ impl Drain {
                         }
                         Err(Fetch::Missing) => {}
                         Err(Fetch::Damaged(why) | Fetch::Io(why)) => {
-                            warn!(step = s, url = self.url(), "remote step unreadable, falling back to the previous replicated step: {why}");
+                            warn!(
+                                step = s,
+                                url = self.url(),
+                                "remote step unreadable, falling back to the previous replicated step: {why}"
+                            );
                             fell_back.push(why);
                         }
                     }
@@ -778,13 +879,18 @@ impl Drain {
             ckpt_tier::TierError::NotFound { .. } => Fetch::Missing,
             e => Fetch::Io(e.to_string()),
         })?;
-        let index = Index::from_json_bytes(&index_bytes).map_err(|e| Fetch::Damaged(format!("step {step} on {url}: remote index damaged: {e}")))?;
+        let index = Index::from_json_bytes(&index_bytes)
+            .map_err(|e| Fetch::Damaged(format!("step {step} on {url}: remote index damaged: {e}")))?;
         // A file:// target is a checkpoint directory: read in place.
         if let Some(root) = url.strip_prefix("file://") {
             return Ok(RemoteCkpt { step, from: RemoteFrom::Dir(PathBuf::from(root)), fell_back: Vec::new() });
         }
         let n_files = index.ckpt.files.len();
-        Ok(RemoteCkpt { step, from: RemoteFrom::Stream(RemoteStep::new(self.target.clone(), step, index_bytes, index, n_files)), fell_back: Vec::new() })
+        Ok(RemoteCkpt {
+            step,
+            from: RemoteFrom::Stream(RemoteStep::new(self.target.clone(), step, index_bytes, index, n_files)),
+            fell_back: Vec::new(),
+        })
     }
 
     /// The files of step `step` on the target, for a load that reads this
@@ -792,10 +898,13 @@ impl Drain {
     /// nodes): the step must be committed there.
     pub fn remote_files(&self, step: u64, n_files: usize) -> Result<RemoteStep, (ErrorCode, String)> {
         let index_bytes = self.target.get_index(step).map_err(|e| match e {
-            ckpt_tier::TierError::NotFound { .. } => (ErrorCode::NotFound, format!("step {step} is not on the drain target {}", self.url())),
+            ckpt_tier::TierError::NotFound { .. } => {
+                (ErrorCode::NotFound, format!("step {step} is not on the drain target {}", self.url()))
+            }
             e => (ErrorCode::Io, e.to_string()),
         })?;
-        let index = Index::from_json_bytes(&index_bytes).map_err(|e| (ErrorCode::Damaged, format!("step {step} on {}: remote index damaged: {e}", self.url())))?;
+        let index = Index::from_json_bytes(&index_bytes)
+            .map_err(|e| (ErrorCode::Damaged, format!("step {step} on {}: remote index damaged: {e}", self.url())))?;
         Ok(RemoteStep::new(self.target.clone(), step, index_bytes, index, n_files))
     }
 }
@@ -817,7 +926,13 @@ impl ResidentFiles {
         let places: Vec<Option<(u64, u64)>> = lent.with(|r| {
             files
                 .iter()
-                .map(|f| r.layout.shards.iter().find(|s| s.file_name == f.name && s.file_len == f.len).map(|s| (s.staging_offset, s.io_len)))
+                .map(|f| {
+                    r.layout
+                        .shards
+                        .iter()
+                        .find(|s| s.file_name == f.name && s.file_len == f.len)
+                        .map(|s| (s.staging_offset, s.io_len))
+                })
                 .map(|p| p.filter(|&(off, io_len)| off + io_len <= r.lease.len_bytes()))
                 .collect()
         })?;
@@ -828,11 +943,14 @@ impl ResidentFiles {
 impl ckpt_tier::HeldBytes for ResidentFiles {
     fn with_part(&self, file_idx: usize, offset: u64, len: usize, f: &mut dyn FnMut(&[u8])) -> bool {
         let Some(&Some((start, io_len))) = self.places.get(file_idx) else { return false };
-        let end = (offset + len as u64).div_ceil(ckpt_tier::DIRECT_BLOCK_BYTES as u64) * ckpt_tier::DIRECT_BLOCK_BYTES as u64;
+        let end =
+            (offset + len as u64).div_ceil(ckpt_tier::DIRECT_BLOCK_BYTES as u64) * ckpt_tier::DIRECT_BLOCK_BYTES as u64;
         if offset + len as u64 > io_len {
             return false;
         }
-        self.lent.with(|r| f(&r.lease.as_slice()[(start + offset) as usize..(start + end.min(io_len)) as usize])).is_some()
+        self.lent
+            .with(|r| f(&r.lease.as_slice()[(start + offset) as usize..(start + end.min(io_len)) as usize]))
+            .is_some()
     }
 }
 
@@ -855,7 +973,14 @@ fn idle_priority() {
     // SAFETY: sets the I/O priority of the calling thread only (who =
     // process, id 0 = the caller); no memory is passed. A kernel without
     // it returns an error, which leaves the default class: nothing to do.
-    unsafe { libc::syscall(libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0 as libc::c_long, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT) };
+    unsafe {
+        libc::syscall(
+            libc::SYS_ioprio_set,
+            IOPRIO_WHO_PROCESS,
+            0 as libc::c_long,
+            IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT,
+        )
+    };
 }
 
 enum Upload {
@@ -878,13 +1003,25 @@ pub fn remote_plan(dirs: &[PathBuf], step: u64, mut index: Index) -> Result<(Vec
     let step_name = format::step_dir_name(step).map_err(|e| e.to_string())?;
     let mut files = Vec::with_capacity(index.ckpt.files.len() + index.ckpt.blobs.len());
     for f in &mut index.ckpt.files {
-        let dir = dirs.get(f.dir_idx as usize).ok_or_else(|| format!("step {step}: file {} is in directory #{} of {}", f.name, f.dir_idx, dirs.len()))?;
-        files.push(LocalFile { local_path: dir.join(&step_name).join(&f.name), name: f.name.clone(), len: f.len_bytes, crc32c: f.crc32c });
+        let dir = dirs
+            .get(f.dir_idx as usize)
+            .ok_or_else(|| format!("step {step}: file {} is in directory #{} of {}", f.name, f.dir_idx, dirs.len()))?;
+        files.push(LocalFile {
+            local_path: dir.join(&step_name).join(&f.name),
+            name: f.name.clone(),
+            len: f.len_bytes,
+            crc32c: f.crc32c,
+        });
         f.dir_idx = 0;
     }
     for b in &index.ckpt.blobs {
         let name = format!("{BLOBS_DIR_NAME}/{}", b.name);
-        files.push(LocalFile { local_path: dirs[0].join(&step_name).join(&name), name, len: b.len_bytes, crc32c: b.crc32c });
+        files.push(LocalFile {
+            local_path: dirs[0].join(&step_name).join(&name),
+            name,
+            len: b.len_bytes,
+            crc32c: b.crc32c,
+        });
     }
     index.ckpt.secondary_dirs.clear();
     Ok((files, index.sealed_json_bytes()))
@@ -899,8 +1036,15 @@ fn node_files(index: &Index, me: &ckpt_store::restore::ThisNode, step: u64) -> R
         if index.holder(&f.name).map(|(id, _)| id) != Some(me.id.as_str()) {
             continue;
         }
-        let dir = me.dirs.get(f.dir_idx as usize).ok_or_else(|| format!("step {step}: file {} is in directory #{} of this node's {}", f.name, f.dir_idx, me.dirs.len()))?;
-        out.push(LocalFile { local_path: dir.join(&folder).join(&f.name), name: f.name.clone(), len: f.len_bytes, crc32c: f.crc32c });
+        let dir = me.dirs.get(f.dir_idx as usize).ok_or_else(|| {
+            format!("step {step}: file {} is in directory #{} of this node's {}", f.name, f.dir_idx, me.dirs.len())
+        })?;
+        out.push(LocalFile {
+            local_path: dir.join(&folder).join(&f.name),
+            name: f.name.clone(),
+            len: f.len_bytes,
+            crc32c: f.crc32c,
+        });
     }
     Ok(out)
 }
@@ -934,13 +1078,19 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
         let mut store = Store::open(StoreOptions::new(dirs.clone())).unwrap();
-        let layout = Layout::plan(synthetic::transformer_specs(4 << 20), LayoutOptions { n_dirs: 2, shard_bytes_max: 1 << 20, ..Default::default() }).unwrap();
+        let layout = Layout::plan(
+            synthetic::transformer_specs(4 << 20),
+            LayoutOptions { n_dirs: 2, shard_bytes_max: 1 << 20, ..Default::default() },
+        )
+        .unwrap();
         let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
         let crcs = synthetic::stage(&layout, staging.as_mut_slice(), 3);
         store.commit(7, &layout, &staging, &crcs, &[Blob { name: "rng", bytes: b"seed" }]).unwrap();
         drop(store);
         let dirs: Vec<PathBuf> = dirs.iter().map(|d| d.canonicalize().unwrap()).collect();
-        let index = Index::from_json_bytes(&std::fs::read(catalog::step_path(&dirs[0], 7).join(INDEX_FILE_NAME)).unwrap()).unwrap();
+        let index =
+            Index::from_json_bytes(&std::fs::read(catalog::step_path(&dirs[0], 7).join(INDEX_FILE_NAME)).unwrap())
+                .unwrap();
         assert!(index.ckpt.files.iter().any(|f| f.dir_idx == 1), "the test needs files on the secondary");
         let (files, remote_index) = remote_plan(&dirs, 7, index).unwrap();
         let remote = tmp.path().join("remote");
@@ -974,11 +1124,17 @@ mod tests {
         let dir = tmp.path().join("local");
         let mut store = Store::open(StoreOptions::new(vec![dir.clone()])).unwrap();
         let dir = dir.canonicalize().unwrap();
-        let specs = vec![TensorSpec::new("frozen", Dtype::F32, &[1 << 19]), TensorSpec::new("moving", Dtype::F32, &[1 << 12])];
+        let specs =
+            vec![TensorSpec::new("frozen", Dtype::F32, &[1 << 19]), TensorSpec::new("moving", Dtype::F32, &[1 << 12])];
         let changed: HashSet<String> = ["moving".to_string()].into();
-        let layout = Layout::plan_with(specs, LayoutOptions { incremental: true, ..Default::default() }, Some(&changed)).unwrap();
+        let layout =
+            Layout::plan_with(specs, LayoutOptions { incremental: true, ..Default::default() }, Some(&changed))
+                .unwrap();
         let frozen_shard = layout.shards[layout.places[0].shard_idx].clone();
-        assert!(frozen_shard.stable && frozen_shard.tensors == vec![0], "the test needs the frozen tensor alone in a stable shard");
+        assert!(
+            frozen_shard.stable && frozen_shard.tensors == vec![0],
+            "the test needs the frozen tensor alone in a stable shard"
+        );
         let opts = DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None };
         let drain = Drain::open(opts.clone(), vec![dir.clone()]).unwrap();
         let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
@@ -989,11 +1145,16 @@ mod tests {
             synthetic::fill(&mut st[layout.tensor_range(0)], 42);
             synthetic::fill(&mut st[layout.tensor_range(1)], step);
             let crcs = layout.tensor_crcs(st);
-            let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[layout.tensor_range(i)])).collect();
+            let digests: Vec<u128> =
+                (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[layout.tensor_range(i)])).collect();
             expected.push((st[layout.tensor_range(0)].to_vec(), st[layout.tensor_range(1)].to_vec()));
             store.commit_with_digests(step, &layout, &staging, &crcs, &digests, &[]).unwrap();
             if step > 1 {
-                assert_eq!(store.take_incremental().unwrap().linked_files, 1, "step {step}: the frozen shard is linked locally");
+                assert_eq!(
+                    store.take_incremental().unwrap().linked_files,
+                    1,
+                    "step {step}: the frozen shard is linked locally"
+                );
             }
             assert_eq!(drain.drain_once(), Ok(true), "step {step}");
         }
@@ -1007,7 +1168,13 @@ mod tests {
         if let Some(root) = url.strip_prefix("file://") {
             use std::os::unix::fs::MetadataExt;
             // The copies are hard links within the target: one inode.
-            let inos: Vec<u64> = (1..=3).map(|s| std::fs::metadata(catalog::step_path(Path::new(root), s).join(&frozen_shard.file_name)).unwrap().ino()).collect();
+            let inos: Vec<u64> = (1..=3)
+                .map(|s| {
+                    std::fs::metadata(catalog::step_path(Path::new(root), s).join(&frozen_shard.file_name))
+                        .unwrap()
+                        .ino()
+                })
+                .collect();
             assert!(inos[0] == inos[1] && inos[1] == inos[2], "{inos:?}");
         }
         let check = |d: &Drain, step: u64| {
@@ -1017,7 +1184,10 @@ mod tests {
                 RemoteFrom::Stream(rs) => ckpt_store::fetch::load_remote(&rs.index_bytes, step, rs).unwrap(),
             };
             let (frozen, moving) = &expected[step as usize - 1];
-            assert!(loaded.tensor("frozen").unwrap() == &frozen[..] && loaded.tensor("moving").unwrap() == &moving[..], "step {step} differs");
+            assert!(
+                loaded.tensor("frozen").unwrap() == &frozen[..] && loaded.tensor("moving").unwrap() == &moving[..],
+                "step {step} differs"
+            );
         };
         for step in 1..=3 {
             check(&drain, step);
@@ -1046,7 +1216,11 @@ mod tests {
     fn resident_step(dir: &Path, staging: &Arc<crate::memory::staging::Staging>, step: u64, flip: bool) -> Layout {
         let mut store = Store::open(StoreOptions::new(vec![dir.to_path_buf()])).unwrap();
         store.register_staging(staging.buf());
-        let layout = Layout::plan(synthetic::transformer_specs(12 << 20), LayoutOptions { shard_bytes_max: 4 << 20, ..Default::default() }).unwrap();
+        let layout = Layout::plan(
+            synthetic::transformer_specs(12 << 20),
+            LayoutOptions { shard_bytes_max: 4 << 20, ..Default::default() },
+        )
+        .unwrap();
         let (mut lease, _) = staging.acquire(layout.staging_len, "test", || Some("must not wait")).unwrap();
         let crcs = synthetic::stage(&layout, lease.as_mut_slice(), step);
         let mut placed = layout.clone();
@@ -1057,7 +1231,15 @@ mod tests {
             lease.as_mut_slice()[at] ^= 0x08;
         }
         let blobs = vec![ckpt_wire::Blob { name: "rng".into(), bytes: b"seed".to_vec() }];
-        staging.offer_resident(crate::memory::staging::Resident { step, layout: layout.clone(), crcs, digests: None, blobs, lease, origin: std::sync::Weak::<()>::new() });
+        staging.offer_resident(crate::memory::staging::Resident {
+            step,
+            layout: layout.clone(),
+            crcs,
+            digests: None,
+            blobs,
+            lease,
+            origin: std::sync::Weak::<()>::new(),
+        });
         layout
     }
 
@@ -1065,7 +1247,11 @@ mod tests {
         let (r, l) = (catalog::step_path(remote, step), catalog::step_path(local, step));
         let index = Index::from_json_bytes(&std::fs::read(l.join(INDEX_FILE_NAME)).unwrap()).unwrap();
         for f in &index.ckpt.files {
-            assert!(std::fs::read(r.join(&f.name)).unwrap() == std::fs::read(l.join(&f.name)).unwrap(), "{} differs", f.name);
+            assert!(
+                std::fs::read(r.join(&f.name)).unwrap() == std::fs::read(l.join(&f.name)).unwrap(),
+                "{} differs",
+                f.name
+            );
         }
         restore::verify(remote, step, &ReadOptions::default(), |_, _| {}).unwrap();
     }
@@ -1073,14 +1259,26 @@ mod tests {
     /// A step committed into `TMP/local` and left resident in a staging
     /// (its first shard's image flipped if `flip`), and a drain to
     /// `file://TMP/remote` lent that staging.
-    fn drain_of_resident_step(step: u64, flip: bool) -> (tempfile::TempDir, Arc<crate::memory::staging::Staging>, Layout, Arc<Drain>) {
+    fn drain_of_resident_step(
+        step: u64,
+        flip: bool,
+    ) -> (tempfile::TempDir, Arc<crate::memory::staging::Staging>, Layout, Arc<Drain>) {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("local");
         let staging = crate::memory::staging::Staging::new(32 << 20).unwrap();
         let layout = resident_step(&dir, &staging, step, flip);
         let dir = dir.canonicalize().unwrap();
         let remote = tmp.path().join("remote");
-        let drain = Drain::open(DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None }, vec![dir]).unwrap();
+        let drain = Drain::open(
+            DrainOptions {
+                url: format!("file://{}", remote.display()),
+                every: 1,
+                keep: None,
+                bandwidth_bytes_per_s: None,
+            },
+            vec![dir],
+        )
+        .unwrap();
         drain.use_staging(staging.clone());
         (tmp, staging, layout, drain)
     }
@@ -1116,4 +1314,3 @@ mod tests {
         assert_remote_equals_local(&remote, &dir, 6);
     }
 }
-

@@ -57,7 +57,12 @@ impl FetchFiles for RemoteStep {
     }
 
     fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), String> {
-        let ranges = ckpt_tier::fetch_ranges(self.n_files, dst.len() as u64, self.target.parallel(), self.target.part_size_bytes());
+        let ranges = ckpt_tier::fetch_ranges(
+            self.n_files,
+            dst.len() as u64,
+            self.target.parallel(),
+            self.target.part_size_bytes(),
+        );
         self.target.fetch_file(self.step, name, dst, ranges, feed).map_err(|e| e.to_string())
     }
 }

@@ -21,23 +21,25 @@ use std::time::Instant;
 use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, TensorDesc, TensorInfo};
 use tracing::{info, warn};
 
-use ckpt_store::catalog;
-use ckpt_store::format::Index;
-use crate::memory::regions::Region;
-use ckpt_store::fetch::FetchFiles;
-use ckpt_store::restore::{self, LoadError, Placed, Which};
 use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
-use crate::save::snapshot::{check_desc_shape, check_no_overlap};
+use crate::memory::regions::Region;
 use crate::memory::staging::StagingError;
+use crate::save::snapshot::{check_desc_shape, check_no_overlap};
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
+use ckpt_store::catalog;
+use ckpt_store::fetch::FetchFiles;
+use ckpt_store::format::Index;
+use ckpt_store::restore::{self, LoadError, Placed, Which};
 
 struct Fail(ErrorCode, String);
 
 impl From<LoadError> for Fail {
     fn from(e: LoadError) -> Fail {
         let code = match &e {
-            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => ErrorCode::NotFound,
+            LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => {
+                ErrorCode::NotFound
+            }
             LoadError::Damaged { .. } => ErrorCode::Damaged,
             LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
             // The client's region failed under the load: its error, not the checkpoint's.
@@ -75,7 +77,14 @@ fn from_index<'a>(index: &'a Index, name: &str, bytes: impl Fn(&str) -> Option<&
     Some(Have { dtype: t.dtype.as_str(), shape: t.shape, pieces, crc32c: None })
 }
 
-pub fn run_load(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, id: u64, step: Option<u64>, descs: Vec<TensorDesc>) {
+pub fn run_load(
+    state: &DaemonState,
+    replies: &Arc<Replies>,
+    regions: &HashMap<u32, Arc<Region>>,
+    id: u64,
+    step: Option<u64>,
+    descs: Vec<TensorDesc>,
+) {
     let t0 = Instant::now();
     let reply = match load(state, replies, regions, step, &descs) {
         Ok((step, source, tensors, blobs, fell_back)) => {
@@ -94,7 +103,10 @@ type Served = (u64, LoadSource, Vec<TensorInfo>, Vec<Blob>, Vec<String>);
 
 fn check_descs(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc]) -> Result<(), Fail> {
     if descs.len() > crate::config::TENSORS_PER_REQUEST_MAX {
-        return Err(Fail(ErrorCode::BadRequest, format!("{} tensors; at most {} per load", descs.len(), crate::config::TENSORS_PER_REQUEST_MAX)));
+        return Err(Fail(
+            ErrorCode::BadRequest,
+            format!("{} tensors; at most {} per load", descs.len(), crate::config::TENSORS_PER_REQUEST_MAX),
+        ));
     }
     let mut seen = HashSet::new();
     for d in descs {
@@ -103,22 +115,39 @@ fn check_descs(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc]) -> Res
         }
         check_desc_shape(d).map_err(|e| Fail(ErrorCode::BadRequest, e))?;
         if d.len_bytes > 0 {
-            let r = regions.get(&d.region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("tensor {:?}: region {} is not registered", d.name, d.region_id)))?;
-            r.contains(d.offset_bytes, d.len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+            let r = regions.get(&d.region_id).ok_or_else(|| {
+                Fail(ErrorCode::BadRegion, format!("tensor {:?}: region {} is not registered", d.name, d.region_id))
+            })?;
+            r.contains(d.offset_bytes, d.len_bytes)
+                .map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
         }
     }
     check_no_overlap(descs).map_err(|e| Fail(ErrorCode::BadRequest, e))
 }
 
 /// Checks every descriptor against the checkpoint, then writes the bytes.
-fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup: impl Fn(&str) -> Option<Have<'a>>) -> Result<(), Fail> {
+fn deliver<'a>(
+    regions: &HashMap<u32, Arc<Region>>,
+    descs: &[TensorDesc],
+    lookup: impl Fn(&str) -> Option<Have<'a>>,
+) -> Result<(), Fail> {
     let mut haves = Vec::with_capacity(descs.len());
     for d in descs {
-        let h = lookup(&d.name).ok_or_else(|| Fail(ErrorCode::NotFound, format!("tensor {:?} is not in the checkpoint", d.name)))?;
+        let h = lookup(&d.name)
+            .ok_or_else(|| Fail(ErrorCode::NotFound, format!("tensor {:?} is not in the checkpoint", d.name)))?;
         if h.dtype != d.dtype || h.shape != d.shape.as_slice() || h.len_bytes() != d.len_bytes {
             return Err(Fail(
                 ErrorCode::BadRequest,
-                format!("tensor {:?}: the checkpoint has {} {:?} ({} bytes), the request says {} {:?} ({} bytes)", d.name, h.dtype, h.shape, h.len_bytes(), d.dtype, d.shape, d.len_bytes),
+                format!(
+                    "tensor {:?}: the checkpoint has {} {:?} ({} bytes), the request says {} {:?} ({} bytes)",
+                    d.name,
+                    h.dtype,
+                    h.shape,
+                    h.len_bytes(),
+                    d.dtype,
+                    d.shape,
+                    d.len_bytes
+                ),
             ));
         }
         haves.push(h);
@@ -129,7 +158,13 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
         if let (Some(want), [(_, bytes)]) = (h.crc32c, h.pieces.as_slice()) {
             let got = ckpt_store::image::crc32c_parallel(bytes);
             if got != want {
-                return Err(Fail(ErrorCode::Damaged, format!("tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)", d.name)));
+                return Err(Fail(
+                    ErrorCode::Damaged,
+                    format!(
+                        "tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)",
+                        d.name
+                    ),
+                ));
             }
         }
     }
@@ -140,7 +175,8 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
         let r = regions.get(&d.region_id).expect("checked in check_descs");
         for (at, bytes) in &h.pieces {
             // Inside the descriptor's range: the pieces' lengths sum to len_bytes (checked above).
-            r.write_at(d.offset_bytes + at, bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+            r.write_at(d.offset_bytes + at, bytes)
+                .map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
         }
     }
     Ok(())
@@ -153,13 +189,22 @@ fn deliver<'a>(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc], lookup
 /// load's memory (`load`, from the shared directory with the fetcher, for
 /// step `s`); None: no such file, or no drain (the local read then says
 /// which node holds it).
-fn other_nodes_files<T>(state: &DaemonState, step: Option<u64>, descs: Option<&[TensorDesc]>, load: impl FnOnce(Origin<'_>, u64) -> Result<T, Fail>) -> Result<Option<T>, Fail> {
+fn other_nodes_files<T>(
+    state: &DaemonState,
+    step: Option<u64>,
+    descs: Option<&[TensorDesc]>,
+    load: impl FnOnce(Origin<'_>, u64) -> Result<T, Fail>,
+) -> Result<Option<T>, Fail> {
     let (Some(d), Some(me)) = (&state.drain, &state.read_opts.node) else { return Ok(None) };
     let Some(s) = step.or_else(|| catalog::latest_step(state.read_dir()).ok().flatten()) else { return Ok(None) };
     let Ok(index) = restore::read_index(state.read_dir(), s) else { return Ok(None) };
-    let opts = restore::ReadOptions { only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()), ..state.read_opts.clone() };
+    let opts = restore::ReadOptions {
+        only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()),
+        ..state.read_opts.clone()
+    };
     let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
-    let n_fetched = index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
+    let n_fetched =
+        index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
     let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
     info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files (this node's own are read from its disks)");
     load(Origin::Dir(state.read_dir(), Some(&r)), s).map(Some)
@@ -173,20 +218,36 @@ fn remote_source(state: &DaemonState, step: Option<u64>) -> Result<Option<crate:
     let local_latest = catalog::latest_step(state.read_dir()).ok().flatten();
     let r = d.remote_source(step, local_latest).map_err(|(code, m)| Fail(code, m))?;
     if let Some(r) = &r {
-        info!(step = r.step, url = d.url(), "loading from the drain target (not in the local directories, or newer there)");
+        info!(
+            step = r.step,
+            url = d.url(),
+            "loading from the drain target (not in the local directories, or newer there)"
+        );
     }
     Ok(r)
 }
 
-fn load(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, descs: &[TensorDesc]) -> Result<Served, Fail> {
+fn load(
+    state: &DaemonState,
+    replies: &Arc<Replies>,
+    regions: &HashMap<u32, Arc<Region>>,
+    step: Option<u64>,
+    descs: &[TensorDesc],
+) -> Result<Served, Fail> {
     check_descs(regions, descs)?;
-    if let Some(served) = other_nodes_files(state, step, Some(descs), |origin, s| load_from(state, replies, regions, origin, Some(s), descs, false))? {
+    if let Some(served) = other_nodes_files(state, step, Some(descs), |origin, s| {
+        load_from(state, replies, regions, origin, Some(s), descs, false)
+    })? {
         return Ok(served);
     }
     let remote = remote_source(state, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
-        None => match (load_from(state, replies, regions, Origin::Dir(state.read_dir(), None), step, descs, true), step, &state.drain) {
+        None => match (
+            load_from(state, replies, regions, Origin::Dir(state.read_dir(), None), step, descs, true),
+            step,
+            &state.drain,
+        ) {
             (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if state.shared_dir.is_none() => {
                 let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
@@ -260,19 +321,38 @@ impl<'a> Origin<'a> {
     ///
     /// # Safety
     /// As `restore::load_into_raw`.
-    unsafe fn read_into_raw(self, which: Which, opts: &restore::ReadOptions, dest: *mut u8, dest_len: usize, guard: &dyn restore::ReadDest) -> Result<Placed, LoadError> {
+    unsafe fn read_into_raw(
+        self,
+        which: Which,
+        opts: &restore::ReadOptions,
+        dest: *mut u8,
+        dest_len: usize,
+        guard: &dyn restore::ReadDest,
+    ) -> Result<Placed, LoadError> {
         match self {
             // SAFETY: this function's contract, passed on.
-            Origin::Dir(dir, remote) => unsafe { restore::load_into_raw_with(dir, which, opts, remote, dest, dest_len, guard) },
+            Origin::Dir(dir, remote) => unsafe {
+                restore::load_into_raw_with(dir, which, opts, remote, dest, dest_len, guard)
+            },
             // SAFETY: this function's contract, passed on.
-            Origin::Remote(r) => unsafe { ckpt_store::fetch::load_remote_into_raw(&r.index_bytes, r.step, r, dest, dest_len, guard) },
+            Origin::Remote(r) => unsafe {
+                ckpt_store::fetch::load_remote_into_raw(&r.index_bytes, r.step, r, dest, dest_len, guard)
+            },
         }
     }
 }
 
 /// A Load from `origin` (`ram`: the resident image may serve it; a
 /// checkpoint directory's only).
-fn load_from(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, descs: &[TensorDesc], ram: bool) -> Result<Served, Fail> {
+fn load_from(
+    state: &DaemonState,
+    replies: &Arc<Replies>,
+    regions: &HashMap<u32, Arc<Region>>,
+    origin: Origin<'_>,
+    step: Option<u64>,
+    descs: &[TensorDesc],
+    ram: bool,
+) -> Result<Served, Fail> {
     // Several nodes: checkpoints are read from the shared directory, where
     // the multi-rank steps are committed; the resident image (a step of
     // this node's own directory) is never theirs.
@@ -284,19 +364,30 @@ fn load_from(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32,
             None => catalog::latest_step(primary).ok().flatten(),
         };
         if wanted == Some(r.step) && catalog::is_committed(primary, r.step) {
-            let by_name: HashMap<&str, usize> = r.layout.specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+            let by_name: HashMap<&str, usize> =
+                r.layout.specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
             let image = r.lease.as_slice();
             deliver(regions, descs, |name| {
                 let &i = by_name.get(name)?;
                 let s = &r.layout.specs[i];
-                Some(Have { dtype: s.dtype.as_str(), shape: &s.shape, pieces: vec![(0, &image[r.layout.tensor_range(i)])], crc32c: Some(r.crcs[i]) })
+                Some(Have {
+                    dtype: s.dtype.as_str(),
+                    shape: &s.shape,
+                    pieces: vec![(0, &image[r.layout.tensor_range(i)])],
+                    crc32c: Some(r.crcs[i]),
+                })
             })?;
             let mut tensors: Vec<TensorInfo> = r
                 .layout
                 .specs
                 .iter()
                 .enumerate()
-                .map(|(i, s)| TensorInfo { name: s.name.clone(), dtype: s.dtype.as_str().into(), shape: s.shape.clone(), len_bytes: r.layout.tensor_range(i).len() as u64 })
+                .map(|(i, s)| TensorInfo {
+                    name: s.name.clone(),
+                    dtype: s.dtype.as_str().into(),
+                    shape: s.shape.clone(),
+                    len_bytes: r.layout.tensor_range(i).len() as u64,
+                })
                 .collect();
             tensors.sort_by(|a, b| a.name.cmp(&b.name));
             return Ok((r.step, LoadSource::Ram, tensors, r.blobs.clone(), Vec::new()));
@@ -305,18 +396,28 @@ fn load_from(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32,
     // Disk (or the drain target), into a staging lease sized from the
     // index (retried if `latest` fell back to a larger checkpoint).
     let which = step.map_or(Which::Latest, Which::Step);
-    let mut need_bytes =
-        origin.first_step(which).and_then(|s| origin.index(s).ok()).map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
+    let mut need_bytes = origin
+        .first_step(which)
+        .and_then(|s| origin.index(s).ok())
+        .map_or(crate::config::STAGING_ALIGN_BYTES as u64, |i| restore::load_len_bytes(&i));
     // Node-local files: only the files of the tensors asked for are read
     // (a rank loading its own part needs no other node's disks).
     let read_opts = match &state.read_opts.node {
-        Some(_) => std::borrow::Cow::Owned(restore::ReadOptions { only_tensors: Some(descs.iter().map(|d| d.name.clone()).collect()), ..state.read_opts.clone() }),
+        Some(_) => std::borrow::Cow::Owned(restore::ReadOptions {
+            only_tensors: Some(descs.iter().map(|d| d.name.clone()).collect()),
+            ..state.read_opts.clone()
+        }),
         None => std::borrow::Cow::Borrowed(&state.read_opts),
     };
     for _ in 0..3 {
         let r = if need_bytes > state.staging.budget_bytes() {
-            warn!(need_bytes, budget_bytes = state.staging.budget_bytes(), "checkpoint larger than the staging budget: loading into freshly allocated memory");
-            let mut buf = ckpt_store::mem::AlignedBuf::new(need_bytes as usize).map_err(|e| Fail(ErrorCode::Io, format!("allocating {need_bytes} bytes to load into: {e}")))?;
+            warn!(
+                need_bytes,
+                budget_bytes = state.staging.budget_bytes(),
+                "checkpoint larger than the staging budget: loading into freshly allocated memory"
+            );
+            let mut buf = ckpt_store::mem::AlignedBuf::new(need_bytes as usize)
+                .map_err(|e| Fail(ErrorCode::Io, format!("allocating {need_bytes} bytes to load into: {e}")))?;
             origin.read_into(which, &read_opts, buf.as_mut_slice()).map(|p| {
                 let image = buf.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
@@ -343,16 +444,29 @@ fn load_from(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32,
     Err(Fail(ErrorCode::Io, "checkpoints changed size while loading; try again".into()))
 }
 
-fn served_from_index(step: u64, index: &ckpt_store::format::Index, blobs: &std::collections::BTreeMap<String, Vec<u8>>, fell_back: &[(u64, String)]) -> Served {
+fn served_from_index(
+    step: u64,
+    index: &ckpt_store::format::Index,
+    blobs: &std::collections::BTreeMap<String, Vec<u8>>,
+    fell_back: &[(u64, String)],
+) -> Served {
     // Tensors as readers see them: a tensor stored in slices once, whole.
     let tensors = index
         .logical()
         .iter()
-        .map(|t| TensorInfo { name: t.name.to_string(), dtype: t.dtype.as_str().into(), shape: t.shape.to_vec(), len_bytes: t.len_bytes() })
+        .map(|t| TensorInfo {
+            name: t.name.to_string(),
+            dtype: t.dtype.as_str().into(),
+            shape: t.shape.to_vec(),
+            len_bytes: t.len_bytes(),
+        })
         .collect();
     let blobs = blobs.iter().map(|(n, b)| Blob { name: n.clone(), bytes: b.clone() }).collect();
     // Each named by its step once: most reasons say it already.
-    let fell_back = fell_back.iter().map(|(s, why)| if why.contains(&format!("step {s} ")) { why.clone() } else { format!("step {s}: {why}") }).collect();
+    let fell_back = fell_back
+        .iter()
+        .map(|(s, why)| if why.contains(&format!("step {s} ")) { why.clone() } else { format!("step {s}: {why}") })
+        .collect();
     (step, LoadSource::Disk, tensors, blobs, fell_back)
 }
 
@@ -383,14 +497,30 @@ pub struct PackedRange {
 /// no staging, no copy) and verified there; from the resident image each
 /// tensor is checked, then copied to its offset in the file image. Nothing
 /// is written when the range is too small: the reply says how much is needed.
-pub fn run_load_packed(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, replies: &Arc<Replies>, id: u64, step: Option<u64>, into: PackedRange) {
+pub fn run_load_packed(
+    state: &DaemonState,
+    regions: &HashMap<u32, Arc<Region>>,
+    replies: &Arc<Replies>,
+    id: u64,
+    step: Option<u64>,
+    into: PackedRange,
+) {
     let t0 = Instant::now();
     let len_bytes = into.len_bytes;
     let reply = match load_packed(state, regions, step, into) {
         Ok(p) => {
             let placed = p.need_bytes <= len_bytes;
             info!(step = p.step, source = ?p.source, n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
-            Reply::Placed { id, step: p.step, source: p.source, tensors: p.tensors, offsets: p.offsets, need_bytes: p.need_bytes, blobs: p.blobs, fell_back: p.fell_back }
+            Reply::Placed {
+                id,
+                step: p.step,
+                source: p.source,
+                tensors: p.tensors,
+                offsets: p.offsets,
+                need_bytes: p.need_bytes,
+                blobs: p.blobs,
+                fell_back: p.fell_back,
+            }
         }
         Err(Fail(code, message)) => {
             info!(?step, ?code, "load (packed) failed: {message}");
@@ -400,14 +530,25 @@ pub fn run_load_packed(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>,
     replies.send(&reply);
 }
 
-fn load_packed(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, step: Option<u64>, into: PackedRange) -> Result<PlacedReply, Fail> {
-    if let Some(placed) = other_nodes_files(state, step, None, |origin, s| load_packed_from(state, regions, origin, Some(s), into, false))? {
+fn load_packed(
+    state: &DaemonState,
+    regions: &HashMap<u32, Arc<Region>>,
+    step: Option<u64>,
+    into: PackedRange,
+) -> Result<PlacedReply, Fail> {
+    if let Some(placed) = other_nodes_files(state, step, None, |origin, s| {
+        load_packed_from(state, regions, origin, Some(s), into, false)
+    })? {
         return Ok(placed);
     }
     let remote = remote_source(state, step)?;
     match &remote {
         // A local copy that is damaged: the drain target's, if it has one.
-        None => match (load_packed_from(state, regions, Origin::Dir(state.read_dir(), None), step, into, true), step, &state.drain) {
+        None => match (
+            load_packed_from(state, regions, Origin::Dir(state.read_dir(), None), step, into, true),
+            step,
+            &state.drain,
+        ) {
             (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if state.shared_dir.is_none() => {
                 let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
@@ -427,13 +568,27 @@ fn load_packed(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, step: O
 
 /// A LoadPacked from `origin` (`ram`: the resident image may serve it; a
 /// checkpoint directory's only).
-fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, origin: Origin<'_>, step: Option<u64>, into: PackedRange, ram: bool) -> Result<PlacedReply, Fail> {
+fn load_packed_from(
+    state: &DaemonState,
+    regions: &HashMap<u32, Arc<Region>>,
+    origin: Origin<'_>,
+    step: Option<u64>,
+    into: PackedRange,
+    ram: bool,
+) -> Result<PlacedReply, Fail> {
     let PackedRange { region_id, offset_bytes, len_bytes } = into;
-    let region = regions.get(&region_id).ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
+    let region = regions
+        .get(&region_id)
+        .ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
     region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
-    let shm = region.as_shm().ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is device memory; a packed load needs a host region")))?;
+    let shm = region.as_shm().ok_or_else(|| {
+        Fail(ErrorCode::BadRegion, format!("region {region_id} is device memory; a packed load needs a host region"))
+    })?;
     if offset_bytes % ckpt_store::config::DIRECT_ALIGN_BYTES as u64 != 0 {
-        return Err(Fail(ErrorCode::BadRequest, format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES)));
+        return Err(Fail(
+            ErrorCode::BadRequest,
+            format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES),
+        ));
     }
     shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
     let resident = if state.shared_dir.is_some() || !ram { None } else { state.staging.resident() };
@@ -443,19 +598,35 @@ fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, or
     // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
     // inside the region (checked above), and the mapping covers the region.
     let dest = map.ptr().wrapping_add(offset_bytes as usize);
-    if let Some(r) = resident.filter(|r| wanted == Some(r.step) && origin.dir().is_some_and(|primary| catalog::is_committed(primary, r.step))) {
+    if let Some(r) = resident.filter(|r| {
+        wanted == Some(r.step) && origin.dir().is_some_and(|primary| catalog::is_committed(primary, r.step))
+    }) {
         let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
         order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
-        let need_bytes = r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
+        let need_bytes =
+            r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
         let tensors = order
             .iter()
             .map(|&i| {
                 let s = &r.layout.specs[i];
-                TensorInfo { name: s.name.clone(), dtype: s.dtype.as_str().into(), shape: s.shape.clone(), len_bytes: r.layout.tensor_range(i).len() as u64 }
+                TensorInfo {
+                    name: s.name.clone(),
+                    dtype: s.dtype.as_str().into(),
+                    shape: s.shape.clone(),
+                    len_bytes: r.layout.tensor_range(i).len() as u64,
+                }
             })
             .collect();
         if need_bytes > len_bytes {
-            return Ok(PlacedReply { step: r.step, source: LoadSource::Ram, tensors, offsets: Vec::new(), need_bytes, blobs: Vec::new(), fell_back: Vec::new() });
+            return Ok(PlacedReply {
+                step: r.step,
+                source: LoadSource::Ram,
+                tensors,
+                offsets: Vec::new(),
+                need_bytes,
+                blobs: Vec::new(),
+                fell_back: Vec::new(),
+            });
         }
         let image = r.lease.as_slice();
         for &i in &order {
@@ -464,7 +635,13 @@ fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, or
             let got = ckpt_store::image::crc32c_parallel(bytes);
             if got != r.crcs[i] {
                 let name = &r.layout.specs[i].name;
-                return Err(Fail(ErrorCode::Damaged, format!("tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)", r.crcs[i])));
+                return Err(Fail(
+                    ErrorCode::Damaged,
+                    format!(
+                        "tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)",
+                        r.crcs[i]
+                    ),
+                ));
             }
             // SAFETY: range.end ≤ need_bytes ≤ len_bytes, so the copy stays in
             // the load range of the mapping; the source is our own lease.
@@ -472,7 +649,15 @@ fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, or
         }
         shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
         let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
-        return Ok(PlacedReply { step: r.step, source: LoadSource::Ram, tensors, offsets, need_bytes, blobs: r.blobs.clone(), fell_back: Vec::new() });
+        return Ok(PlacedReply {
+            step: r.step,
+            source: LoadSource::Ram,
+            tensors,
+            offsets,
+            need_bytes,
+            blobs: r.blobs.clone(),
+            fell_back: Vec::new(),
+        });
     }
     // Disk (or the drain target): straight into the region. Too small for
     // the first candidate: say what it needs, from its index, before
@@ -480,7 +665,16 @@ fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, or
     let too_small = |step: u64, index: &Index, need_bytes: u64| PlacedReply {
         step,
         source: LoadSource::Disk,
-        tensors: index.logical().iter().map(|t| TensorInfo { name: t.name.to_string(), dtype: t.dtype.as_str().into(), shape: t.shape.to_vec(), len_bytes: t.len_bytes() }).collect(),
+        tensors: index
+            .logical()
+            .iter()
+            .map(|t| TensorInfo {
+                name: t.name.to_string(),
+                dtype: t.dtype.as_str().into(),
+                shape: t.shape.to_vec(),
+                len_bytes: t.len_bytes(),
+            })
+            .collect(),
         offsets: Vec::new(),
         need_bytes,
         blobs: Vec::new(),
@@ -499,7 +693,9 @@ fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, or
     // `map` lives; every reader thread touches it only inside `map.run`,
     // where a fault of a shrunk or unbacked segment is handled (and the
     // kernel's reads into such pages fail with EFAULT, no signal).
-    let r = unsafe { origin.read_into_raw(which, &state.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm }) };
+    let r = unsafe {
+        origin.read_into_raw(which, &state.read_opts, dest, len_bytes as usize, &IntoRegion { map: &map, shm })
+    };
     let p = match r {
         Ok(p) => p,
         Err(LoadError::BufferTooSmall { step, need_bytes, .. }) => {
@@ -516,9 +712,18 @@ fn load_packed_from(state: &DaemonState, regions: &HashMap<u32, Arc<Region>>, or
     };
     shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
     let (_, _, tensors, blobs, fell_back) = served_from_index(p.step, &p.index, &p.blobs, &p.fell_back);
-    let offsets = tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();
+    let offsets =
+        tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();
     info!(step = p.step, bytes = p.bytes, read_seconds = p.seconds, engine = %p.engine, "read into the client's region");
-    Ok(PlacedReply { step: p.step, source: LoadSource::Disk, tensors, offsets, need_bytes: restore::load_len_bytes(&p.index), blobs, fell_back })
+    Ok(PlacedReply {
+        step: p.step,
+        source: LoadSource::Disk,
+        tensors,
+        offsets,
+        need_bytes: restore::load_len_bytes(&p.index),
+        blobs,
+        fell_back,
+    })
 }
 
 /// A LoadPacked's destination as the reader sees it: every access inside the
@@ -550,7 +755,12 @@ impl restore::ReadDest for IntoRegion<'_> {
 /// files streamed) into `dest` (at least `restore::load_len_bytes`);
 /// returns the bytes of shard files read. For `bench drain`.
 pub fn load_remote_step(drain: &crate::drain::Drain, step: u64, dest: &mut [u8]) -> Result<u64, String> {
-    let r = drain.remote_source(Some(step), None).map_err(|(_, m)| m)?.ok_or_else(|| format!("step {step} is in the local directories"))?;
-    let p = Origin::of(&r).read_into(Which::Step(step), &restore::ReadOptions::default(), dest).map_err(|e| e.to_string())?;
+    let r = drain
+        .remote_source(Some(step), None)
+        .map_err(|(_, m)| m)?
+        .ok_or_else(|| format!("step {step} is in the local directories"))?;
+    let p = Origin::of(&r)
+        .read_into(Which::Step(step), &restore::ReadOptions::default(), dest)
+        .map_err(|e| e.to_string())?;
     Ok(p.bytes)
 }

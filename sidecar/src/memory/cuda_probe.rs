@@ -56,7 +56,12 @@ pub fn summary() -> String {
                     None => d.name.clone(),
                 })
                 .collect();
-            format!("driver {}, {} device(s): {}", version_text(info.driver_version), info.devices.len(), names.join(", "))
+            format!(
+                "driver {}, {} device(s): {}",
+                version_text(info.driver_version),
+                info.devices.len(),
+                names.join(", ")
+            )
         }
         Err(e) => e.to_string(),
     }

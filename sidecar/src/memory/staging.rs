@@ -36,7 +36,9 @@ use ckpt_store::progress::Progress;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StagingError {
-    #[error("needs {need_bytes} bytes of staging, but the whole staging budget is {budget_bytes} bytes (raise --staging)")]
+    #[error(
+        "needs {need_bytes} bytes of staging, but the whole staging budget is {budget_bytes} bytes (raise --staging)"
+    )]
     TooLarge { need_bytes: u64, budget_bytes: u64 },
     #[error("gave up waiting for staging memory: {why}")]
     GaveUp { why: &'static str },
@@ -137,7 +139,8 @@ impl Staging {
         let budget_bytes = budget_bytes / STAGING_ALIGN_BYTES as u64 * STAGING_ALIGN_BYTES as u64;
         assert!(budget_bytes >= config::STAGING_BYTES_MIN, "staging budget below the minimum (checked by the caller)");
         let t0 = Instant::now();
-        let buf = SharedBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
+        let buf =
+            SharedBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
         let locked = buf.try_lock();
         info!(budget_bytes, locked, seconds = t0.elapsed().as_secs_f64(), "staging memory allocated and pre-faulted");
         let mut free = BTreeMap::new();
@@ -194,7 +197,10 @@ impl Staging {
                 if !l.try_take_back() {
                     return None;
                 }
-                info!(step = l.step, "staging: the image lent to the drain taken back for a save (the drain reads the rest from disk)");
+                info!(
+                    step = l.step,
+                    "staging: the image lent to the drain taken back for a save (the drain reads the rest from disk)"
+                );
                 st = self.lock();
                 if st.lent.as_ref().is_some_and(|x| Arc::ptr_eq(x, &l)) {
                     st.lent = None;
@@ -209,7 +215,9 @@ impl Staging {
             return None;
         }
         let t = f(r)?;
-        let r = Arc::try_unwrap(st.resident.take().expect("checked above")).ok().expect("the only reference, under the lock");
+        let r = Arc::try_unwrap(st.resident.take().expect("checked above"))
+            .ok()
+            .expect("the only reference, under the lock");
         Some((r, t))
     }
 
@@ -219,7 +227,11 @@ impl Staging {
     pub fn lend_resident(&self, step: u64) -> Option<Arc<Lent>> {
         let mut st = self.lock();
         let old = st.lent.take();
-        let lent = st.resident.as_ref().filter(|r| r.step == step).map(|r| Arc::new(Lent { step, image: std::sync::RwLock::new(Some(r.clone())) }));
+        let lent = st
+            .resident
+            .as_ref()
+            .filter(|r| r.step == step)
+            .map(|r| Arc::new(Lent { step, image: std::sync::RwLock::new(Some(r.clone())) }));
         st.lent = lent.clone();
         drop(st);
         if let Some(o) = old {
@@ -279,7 +291,12 @@ impl Staging {
     /// space; `give_up` is asked every few milliseconds whether to stop
     /// waiting (client gone, daemon aborting). Returns the lease and how
     /// long it waited.
-    pub fn acquire(self: &Arc<Self>, len_bytes: u64, what: &str, mut give_up: impl FnMut() -> Option<&'static str>) -> Result<(Lease, Duration), StagingError> {
+    pub fn acquire(
+        self: &Arc<Self>,
+        len_bytes: u64,
+        what: &str,
+        mut give_up: impl FnMut() -> Option<&'static str>,
+    ) -> Result<(Lease, Duration), StagingError> {
         let len = config::align_up(len_bytes, STAGING_ALIGN_BYTES);
         if len > self.budget_bytes {
             return Err(StagingError::TooLarge { need_bytes: len, budget_bytes: self.budget_bytes });
@@ -313,19 +330,32 @@ impl Staging {
             if let Some(l) = st.lent.take() {
                 st.lends_taken_back += 1;
                 drop(st);
-                info!(step = l.step, "staging: the image lent to the drain taken back to make room (the drain reads the rest from disk)");
+                info!(
+                    step = l.step,
+                    "staging: the image lent to the drain taken back to make room (the drain reads the rest from disk)"
+                );
                 l.take_back();
                 st = self.lock();
                 continue;
             }
             if !logged {
-                warn!(what, len_bytes = len, used_bytes = st.used_bytes, budget_bytes = self.budget_bytes, "staging full: waiting for earlier checkpoints to be written (back-pressure)");
+                warn!(
+                    what,
+                    len_bytes = len,
+                    used_bytes = st.used_bytes,
+                    budget_bytes = self.budget_bytes,
+                    "staging full: waiting for earlier checkpoints to be written (back-pressure)"
+                );
                 logged = true;
             }
             if let Some(why) = give_up() {
                 return Err(StagingError::GaveUp { why });
             }
-            st = self.freed.wait_timeout(st, Duration::from_millis(config::STAGING_WAIT_POLL_MS)).expect("staging lock poisoned").0;
+            st = self
+                .freed
+                .wait_timeout(st, Duration::from_millis(config::STAGING_WAIT_POLL_MS))
+                .expect("staging lock poisoned")
+                .0;
         }
     }
 
@@ -402,7 +432,10 @@ impl Lease {
     /// Panics while a copy still fills the range through raw pointers (a
     /// slice then would alias its writes): a broken invariant.
     fn assert_not_filling(&self) {
-        assert!(self.filler.as_ref().is_none_or(|p| p.ended()), "a slice of a staging lease taken while its copy still fills it");
+        assert!(
+            self.filler.as_ref().is_none_or(|p| p.ended()),
+            "a slice of a staging lease taken while its copy still fills it"
+        );
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -476,7 +509,13 @@ mod tests {
         assert_eq!(s.used_bytes(), 3 << 20);
         // Does not fit the free 1 MiB: waits until given up.
         let mut n = 0;
-        assert!(matches!(s.acquire(2 << 20, "c", || { n += 1; (n > 2).then_some("test") }), Err(StagingError::GaveUp { .. })));
+        assert!(matches!(
+            s.acquire(2 << 20, "c", || {
+                n += 1;
+                (n > 2).then_some("test")
+            }),
+            Err(StagingError::GaveUp { .. })
+        ));
         assert!(matches!(s.acquire(5 << 20, "d", || None), Err(StagingError::TooLarge { .. })));
         drop(a);
         drop(b);
@@ -496,8 +535,18 @@ mod tests {
         let progress = Arc::new(Progress::new(vec![0], 1 << 20));
         lease.filled_by(progress.clone());
         let refused = |f: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
-        assert!(refused(&mut || { let _ = lease.as_slice(); }), "a shared slice while filling");
-        assert!(refused(&mut || { let _ = lease.as_mut_slice(); }), "a mutable slice while filling");
+        assert!(
+            refused(&mut || {
+                let _ = lease.as_slice();
+            }),
+            "a shared slice while filling"
+        );
+        assert!(
+            refused(&mut || {
+                let _ = lease.as_mut_slice();
+            }),
+            "a mutable slice while filling"
+        );
         assert!(refused(&mut || lease.filled_by(progress.clone())), "a second filler");
         progress.finish(vec![]);
         assert_eq!(lease.as_slice()[0], 7);
@@ -527,7 +576,15 @@ mod tests {
         assert!(waited >= Duration::from_millis(100));
         let (r, _) = s.acquire(3 << 20, "r", || None).unwrap();
         let layout = Layout::plan(vec![], Default::default()).unwrap();
-        s.offer_resident(Resident { step: 1, layout, crcs: vec![], digests: None, blobs: vec![], lease: r, origin: std::sync::Weak::<()>::new() });
+        s.offer_resident(Resident {
+            step: 1,
+            layout,
+            crcs: vec![],
+            digests: None,
+            blobs: vec![],
+            lease: r,
+            origin: std::sync::Weak::<()>::new(),
+        });
         assert_eq!(s.resident_step(), Some(1));
         let (_x, _) = s.acquire(3 << 20, "x", || Some("must not wait")).unwrap();
         assert_eq!(s.resident_step(), None);
@@ -544,13 +601,25 @@ mod tests {
                 finish_rx.recv().unwrap();
             })
         });
-        assert_eq!(in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap(), lent.step(), "the part reads the lent step");
+        assert_eq!(
+            in_part_rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+            lent.step(),
+            "the part reads the lent step"
+        );
         (part, finish_tx)
     }
 
     fn resident(s: &Arc<Staging>, step: u64, len: u64) -> Resident {
         let (lease, _) = s.acquire(len, "r", || Some("must not wait")).unwrap();
-        Resident { step, layout: Layout::plan(vec![], Default::default()).unwrap(), crcs: vec![], digests: None, blobs: vec![], lease, origin: std::sync::Weak::<()>::new() }
+        Resident {
+            step,
+            layout: Layout::plan(vec![], Default::default()).unwrap(),
+            crcs: vec![],
+            digests: None,
+            blobs: vec![],
+            lease,
+            origin: std::sync::Weak::<()>::new(),
+        }
     }
 
     /// Issue 20 (drain from staging): a save that needs the space of the
@@ -564,7 +633,10 @@ mod tests {
         let lent = s.lend_resident(1).expect("the resident step is lent");
         assert!(s.lend_resident(2).is_none(), "only the resident step is lent");
         // lend_resident(2) ended the first loan: lend again.
-        let lent = { drop(lent); s.lend_resident(1).unwrap() };
+        let lent = {
+            drop(lent);
+            s.lend_resident(1).unwrap()
+        };
         // A part in progress: the drain reads the image until told to stop.
         let (part, finish_tx) = part_in_progress(&lent);
         // A save needing 3 MiB of the 4: only the lent image's space fits it.

@@ -34,14 +34,14 @@ use std::time::Instant;
 use ckpt_wire::{ErrorCode, FileFinish, FilePiece, Reply};
 use tracing::{info, info_span, warn};
 
-use crate::state::jobs::{FileJob, Work};
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use crate::memory::regions::Region;
-use crate::save::snapshot;
 use crate::memory::staging::StagingError;
-use crate::state::reply::Replies;
-use crate::state::{Phase, DaemonState};
+use crate::save::snapshot;
 use crate::save::torch_zip;
+use crate::state::jobs::{FileJob, Work};
+use crate::state::reply::Replies;
+use crate::state::{DaemonState, Phase};
 
 /// Longest path accepted (Linux PATH_MAX, terminating NUL included).
 const PATH_BYTES_MAX: usize = 4095;
@@ -128,7 +128,13 @@ pub struct FileRequest {
 /// session made it wait on), completes a torch.save archive's CRC-32 fields
 /// ([`torch_zip`], after Released), replies Released (or Failed), and queues
 /// the bytes for the committer.
-pub fn run_save_file(state: &DaemonState, replies: &Arc<Replies>, regions: &HashMap<u32, Arc<Region>>, peer_uid: u32, req: FileRequest) {
+pub fn run_save_file(
+    state: &DaemonState,
+    replies: &Arc<Replies>,
+    regions: &HashMap<u32, Arc<Region>>,
+    peer_uid: u32,
+    req: FileRequest,
+) {
     let FileRequest { id, path, pieces, finish } = req;
     let t_received = Instant::now();
     let fail = |code: ErrorCode, reason: String| {
@@ -167,7 +173,12 @@ pub fn run_save_file(state: &DaemonState, replies: &Arc<Replies>, regions: &Hash
     let lease_bytes = config::align_up(len_bytes, STAGING_ALIGN_BYTES).max(STAGING_ALIGN_BYTES as u64);
     if lease_bytes > state.staging.budget_bytes() {
         let budget = state.staging.budget_bytes();
-        return fail(ErrorCode::TooLarge, format!("{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"));
+        return fail(
+            ErrorCode::TooLarge,
+            format!(
+                "{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"
+            ),
+        );
     }
     // Bytes all in hand-over regions (or none) are the sidecar's once sent:
     // the client's departure does not stop their copy (protocol.md).
@@ -184,7 +195,8 @@ pub fn run_save_file(state: &DaemonState, replies: &Arc<Replies>, regions: &Hash
         Ok(x) => x,
         Err(e) => {
             state.end(key);
-            let code = if matches!(e, StagingError::GaveUp { .. }) { ErrorCode::ShuttingDown } else { ErrorCode::TooLarge };
+            let code =
+                if matches!(e, StagingError::GaveUp { .. }) { ErrorCode::ShuttingDown } else { ErrorCode::TooLarge };
             return fail(code, format!("{path}: {e}"));
         }
     };
@@ -207,13 +219,15 @@ pub fn run_save_file(state: &DaemonState, replies: &Arc<Replies>, regions: &Hash
         }
     };
     let zip = match finish {
-        FileFinish::TorchZip if refused.is_none() => match torch_zip::parse(&lease.as_mut_slice()[..len_bytes as usize]) {
-            Ok(z) => Some(z),
-            Err(e) => {
-                refused = Some((ErrorCode::BadRequest, format!("{path}: {e}")));
-                None
+        FileFinish::TorchZip if refused.is_none() => {
+            match torch_zip::parse(&lease.as_mut_slice()[..len_bytes as usize]) {
+                Ok(z) => Some(z),
+                Err(e) => {
+                    refused = Some((ErrorCode::BadRequest, format!("{path}: {e}")));
+                    None
+                }
             }
-        },
+        }
         _ => None,
     };
     if let Some((code, reason)) = refused {
@@ -236,11 +250,27 @@ pub fn run_save_file(state: &DaemonState, replies: &Arc<Replies>, regions: &Hash
     }
     state.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = FileJob { id, key, path: dest, len_bytes, lease, replies: replies.clone(), span, copy_seconds, waited_seconds, t_received };
+    let job = FileJob {
+        id,
+        key,
+        path: dest,
+        len_bytes,
+        lease,
+        replies: replies.clone(),
+        span,
+        copy_seconds,
+        waited_seconds,
+        t_received,
+    };
     if let Err(e) = state.commit_tx.send(Work::File(job)) {
         let Work::File(job) = e.into_inner() else { unreachable!("sent a file job") };
         state.end(key);
-        job.replies.send(&Reply::Failed { id, step: 0, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        job.replies.send(&Reply::Failed {
+            id,
+            step: 0,
+            code: ErrorCode::ShuttingDown,
+            reason: "the committer has stopped".into(),
+        });
     }
 }
 
@@ -284,7 +314,12 @@ mod tests {
         let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
         // SAFETY: a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        for (p, what) in [(&link, "symbolic link"), (&dangling, "symbolic link"), (&fifo, "FIFO"), (&PathBuf::from("/dev/null"), "character device")] {
+        for (p, what) in [
+            (&link, "symbolic link"),
+            (&dangling, "symbolic link"),
+            (&fifo, "FIFO"),
+            (&PathBuf::from("/dev/null"), "character device"),
+        ] {
             let (code, msg) = check_path(p.to_str().unwrap(), uid(), uid()).unwrap_err();
             assert_eq!(code, ErrorCode::BadRequest, "{msg}");
             assert!(msg.contains(what) && msg.contains(p.to_str().unwrap()), "{msg}");

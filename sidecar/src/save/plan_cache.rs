@@ -41,7 +41,14 @@ struct Kept {
 
 impl Kept {
     fn of(d: &TensorDescIn<'_>) -> Kept {
-        Kept { name: d.name.into(), dtype: d.dtype.into(), shape: d.shape.to_vec().into(), region_id: d.region_id, offset_bytes: d.offset_bytes, len_bytes: d.len_bytes }
+        Kept {
+            name: d.name.into(),
+            dtype: d.dtype.into(),
+            shape: d.shape.to_vec().into(),
+            region_id: d.region_id,
+            offset_bytes: d.offset_bytes,
+            len_bytes: d.len_bytes,
+        }
     }
 
     fn is(&self, d: &TensorDescIn<'_>) -> bool {
@@ -68,7 +75,9 @@ struct Plan {
 
 impl Plan {
     fn fits(&self, tensors: &[TensorDescIn<'_>], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
-        self.descs.len() == tensors.len() && self.fits_regions(regions, opts) && self.descs.iter().zip(tensors).all(|(k, d)| k.is(d))
+        self.descs.len() == tensors.len()
+            && self.fits_regions(regions, opts)
+            && self.descs.iter().zip(tensors).all(|(k, d)| k.is(d))
     }
 
     fn fits_regions(&self, regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
@@ -88,10 +97,19 @@ impl Planner for SavePlans {
     /// The image and sources of a Save of `tensors`: a kept plan when one
     /// was made from the same descriptors (or the same encoded list), else
     /// [`plan_save`]'s (kept for the next save).
-    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError> {
+    fn plan(
+        &mut self,
+        tensors: SaveTensors<'_>,
+        blobs: &[Blob],
+        regions: &HashMap<u32, Arc<Region>>,
+        opts: LayoutOptions,
+        changed: Option<&HashSet<String>>,
+    ) -> Result<(Layout, Vec<Source>), SaveError> {
         let (tensors, encoded) = match tensors {
             SaveTensors::Kept(list) => {
-                if let Some(i) = self.plans.iter().rposition(|p| p.encoded.as_deref() == Some(list) && p.fits_regions(regions, opts)) {
+                if let Some(i) =
+                    self.plans.iter().rposition(|p| p.encoded.as_deref() == Some(list) && p.fits_regions(regions, opts))
+                {
                     return self.reuse(i, blobs);
                 }
                 // Its plan no longer fits (a region registered anew): the
@@ -115,7 +133,10 @@ impl SavePlans {
     /// kept plan: that list (the frame's bytes, for [`SaveTensors::Kept`])
     /// and the rest of the Save read after it, the list not decoded.
     #[allow(clippy::type_complexity)]
-    pub fn kept_list<'a>(&self, head: &SaveHead<'a>) -> Option<(&'a [u8], Result<(Vec<Blob>, bool, Option<ckpt_wire::Unchanged>), FrameError>)> {
+    pub fn kept_list<'a>(
+        &self,
+        head: &SaveHead<'a>,
+    ) -> Option<(&'a [u8], Result<(Vec<Blob>, bool, Option<ckpt_wire::Unchanged>), FrameError>)> {
         self.plans.iter().rev().filter_map(|p| p.encoded.as_deref()).find_map(|list| head.rest_after(list))
     }
 
@@ -128,7 +149,15 @@ impl SavePlans {
         Ok(out)
     }
 
-    fn plan_decoded(&mut self, tensors: &[TensorDescIn<'_>], encoded: Option<&[u8]>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError> {
+    fn plan_decoded(
+        &mut self,
+        tensors: &[TensorDescIn<'_>],
+        encoded: Option<&[u8]>,
+        blobs: &[Blob],
+        regions: &HashMap<u32, Arc<Region>>,
+        opts: LayoutOptions,
+        changed: Option<&HashSet<String>>,
+    ) -> Result<(Layout, Vec<Source>), SaveError> {
         if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
             if self.plans[i].encoded.is_none() {
                 self.plans[i].encoded = encoded.map(Box::from);
@@ -147,7 +176,14 @@ impl SavePlans {
                 }
             }
             let descs = tensors.iter().map(Kept::of).collect();
-            self.plans.push(Plan { opts, descs, encoded: encoded.map(Box::from), regions: used, layout: layout.clone(), sources: sources.clone() });
+            self.plans.push(Plan {
+                opts,
+                descs,
+                encoded: encoded.map(Box::from),
+                regions: used,
+                layout: layout.clone(),
+                sources: sources.clone(),
+            });
             let mut kept: usize = self.plans.iter().map(|p| p.descs.len()).sum();
             while self.plans.len() > config::SAVE_PLANS_KEPT || kept > config::SAVE_PLAN_TENSORS_MAX {
                 kept -= self.plans.remove(0).descs.len();
@@ -163,7 +199,14 @@ mod tests {
     use crate::memory::regions::{test_segment, unlink_segment};
 
     fn d(name: &str, region_id: u32, off: u64, len: u64) -> TensorDescIn<'_> {
-        TensorDescIn { name, dtype: "U8", shape: ckpt_wire::Dims::from_slice(&[len]), region_id, offset_bytes: off, len_bytes: len }
+        TensorDescIn {
+            name,
+            dtype: "U8",
+            shape: ckpt_wire::Dims::from_slice(&[len]),
+            region_id,
+            offset_bytes: off,
+            len_bytes: len,
+        }
     }
 
     fn decoded<'a>(tensors: &'a [TensorDescIn<'a>]) -> SaveTensors<'a> {
@@ -190,12 +233,19 @@ mod tests {
         assert_eq!(l1.shards[0].header, l2.shards[0].header);
         assert!(Arc::ptr_eq(s2[0].region.as_ref().unwrap(), &regions[&1]) && s2[1].offset_bytes == 64);
         // Any field changed: planned anew (and checked anew).
-        for other in [[d("a", 1, 0, 64), d("c", 2, 64, 8)], [d("a", 1, 8, 64), d("b", 2, 64, 8)], [d("a", 1, 0, 64), d("b", 1, 64, 8)]] {
+        for other in [
+            [d("a", 1, 0, 64), d("c", 2, 64, 8)],
+            [d("a", 1, 8, 64), d("b", 2, 64, 8)],
+            [d("a", 1, 0, 64), d("b", 1, 64, 8)],
+        ] {
             let fresh = plans.fresh;
             plans.plan(decoded(&other), &[], &regions, opts, None).unwrap();
             assert_eq!(plans.fresh, fresh + 1);
         }
-        assert!(matches!(plans.plan(decoded(&[d("a", 1, 0, 64), d("b", 1, 32, 8)]), &[], &regions, opts, None), Err(SaveError::BadRequest(_))));
+        assert!(matches!(
+            plans.plan(decoded(&[d("a", 1, 0, 64), d("b", 1, 32, 8)]), &[], &regions, opts, None),
+            Err(SaveError::BadRequest(_))
+        ));
         // Other layout options: planned anew.
         let fresh = plans.fresh;
         plans.plan(decoded(&ts), &[], &regions, LayoutOptions { rank: 1, world_size: 2, ..opts }, None).unwrap();
@@ -224,7 +274,18 @@ mod tests {
         let opts = LayoutOptions::default();
         let refs = |ts: &[(&'static str, u32, u64, u64)]| -> Vec<u8> {
             let shapes: Vec<[u64; 1]> = ts.iter().map(|t| [t.3]).collect();
-            let descs: Vec<ckpt_wire::TensorDescRef> = ts.iter().zip(&shapes).map(|(t, shape)| ckpt_wire::TensorDescRef { name: t.0, dtype: "U8", shape, region_id: t.1, offset_bytes: t.2, len_bytes: t.3 }).collect();
+            let descs: Vec<ckpt_wire::TensorDescRef> = ts
+                .iter()
+                .zip(&shapes)
+                .map(|(t, shape)| ckpt_wire::TensorDescRef {
+                    name: t.0,
+                    dtype: "U8",
+                    shape,
+                    region_id: t.1,
+                    offset_bytes: t.2,
+                    len_bytes: t.3,
+                })
+                .collect();
             ckpt_wire::encode_tensors(&descs)
         };
         let frame = |list: &[u8], step| ckpt_wire::encode_save_with(step, step, None, list, &[], false, None);
@@ -233,7 +294,15 @@ mod tests {
         let head = ckpt_wire::decode_save_head(&f1[4..]).unwrap().unwrap();
         assert!(plans.kept_list(&head).is_none(), "no plan yet");
         let rest = head.rest().unwrap();
-        let (l1, _) = plans.plan(SaveTensors::Decoded { tensors: &rest.tensors, encoded: Some(rest.tensors_encoded) }, &[], &regions, opts, None).unwrap();
+        let (l1, _) = plans
+            .plan(
+                SaveTensors::Decoded { tensors: &rest.tensors, encoded: Some(rest.tensors_encoded) },
+                &[],
+                &regions,
+                opts,
+                None,
+            )
+            .unwrap();
         assert_eq!(plans.fresh, 1);
         // The same list in another save's frame: found, and its plan reused.
         let f2 = frame(&list, 300);
@@ -245,7 +314,12 @@ mod tests {
         assert_eq!(l1.shards[0].header, l2.shards[0].header);
         assert!(Arc::ptr_eq(s2[1].region.as_ref().unwrap(), &regions[&2]) && s2[1].offset_bytes == 64);
         // Any descriptor changed: not found (decoded and planned as any other).
-        for other in [[("a", 1, 0, 64), ("c", 2, 64, 8)], [("a", 1, 8, 64), ("b", 2, 64, 8)], [("a", 1, 0, 64), ("b", 1, 64, 8)], [("a", 1, 0, 64), ("b", 2, 64, 9)]] {
+        for other in [
+            [("a", 1, 0, 64), ("c", 2, 64, 8)],
+            [("a", 1, 8, 64), ("b", 2, 64, 8)],
+            [("a", 1, 0, 64), ("b", 1, 64, 8)],
+            [("a", 1, 0, 64), ("b", 2, 64, 9)],
+        ] {
             let f = frame(&refs(&other), 4);
             assert!(plans.kept_list(&ckpt_wire::decode_save_head(&f[4..]).unwrap().unwrap()).is_none());
         }
@@ -258,9 +332,15 @@ mod tests {
         assert!(Arc::ptr_eq(after[1].region.as_ref().unwrap(), &regions[&2]));
         // Bad blobs are refused with a kept list too; a region gone: refused as before.
         let bad = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[bad], &regions, opts, None), Err(SaveError::BadRequest(_))));
+        assert!(matches!(
+            plans.plan(SaveTensors::Kept(found), &[bad], &regions, opts, None),
+            Err(SaveError::BadRequest(_))
+        ));
         regions.remove(&2);
-        assert!(matches!(plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None), Err(SaveError::BadRegion(_))));
+        assert!(matches!(
+            plans.plan(SaveTensors::Kept(found), &[], &regions, opts, None),
+            Err(SaveError::BadRegion(_))
+        ));
         plans.clear();
         assert!(plans.kept_list(&head).is_none());
     }

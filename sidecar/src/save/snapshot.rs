@@ -23,17 +23,17 @@ use std::time::Instant;
 use ckpt_wire::{Blob, ErrorCode, Reply, TensorDesc, TensorDescIn, Unchanged};
 use tracing::{info, info_span, warn};
 
-use ckpt_store::catalog;
-use crate::state::jobs::{Fill, Job, Part, Sums, Work};
 use crate::config::{self, COPY_BLOCK_BYTES, COPY_PIECE_BYTES};
-use ckpt_store::format::{self, Dtype};
-use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
-use ckpt_store::progress::{Filler, Progress};
 use crate::memory::regions::{store_fence, BatchMark, Region};
 use crate::memory::staging::{Lease, StagingError};
 use crate::state::jobs::Flight;
+use crate::state::jobs::{Fill, Job, Part, Sums, Work};
 use crate::state::reply::Replies;
-use crate::state::{Phase, DaemonState};
+use crate::state::{DaemonState, Phase};
+use ckpt_store::catalog;
+use ckpt_store::format::{self, Dtype};
+use ckpt_store::image::{self, Layout, LayoutOptions, TensorSpec};
+use ckpt_store::progress::{Filler, Progress};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
@@ -127,9 +127,17 @@ impl Desc for TensorDescIn<'_> {
 /// Parses a wire dtype and checks `len_bytes == size(dtype) × Π shape`.
 pub fn check_desc_shape(d: &impl Desc) -> Result<Dtype, String> {
     let dtype = Dtype::parse(d.dtype()).map_err(|e| format!("tensor {:?}: {e}", d.name()))?;
-    let want = format::tensor_len_bytes(dtype, d.shape()).ok_or_else(|| format!("tensor {:?}: shape {:?} of {} overflows", d.name(), d.shape(), d.dtype()))?;
+    let want = format::tensor_len_bytes(dtype, d.shape())
+        .ok_or_else(|| format!("tensor {:?}: shape {:?} of {} overflows", d.name(), d.shape(), d.dtype()))?;
     if want != d.len_bytes() {
-        return Err(format!("tensor {:?}: len_bytes {} but {} {:?} is {} bytes", d.name(), d.len_bytes(), d.dtype(), d.shape(), want));
+        return Err(format!(
+            "tensor {:?}: len_bytes {} but {} {:?} is {} bytes",
+            d.name(),
+            d.len_bytes(),
+            d.dtype(),
+            d.shape(),
+            want
+        ));
     }
     Ok(dtype)
 }
@@ -146,7 +154,12 @@ pub fn check_no_overlap(tensors: &[impl Desc]) -> Result<(), String> {
     for w in spans.windows(2) {
         let (a, b) = (&w[0], &w[1]);
         if a.0 == b.0 && b.1 < a.2 {
-            return Err(format!("tensors {:?} and {:?} overlap in region {}", tensors[a.3].name(), tensors[b.3].name(), a.0));
+            return Err(format!(
+                "tensors {:?} and {:?} overlap in region {}",
+                tensors[a.3].name(),
+                tensors[b.3].name(),
+                a.0
+            ));
         }
     }
     Ok(())
@@ -155,7 +168,11 @@ pub fn check_no_overlap(tensors: &[impl Desc]) -> Result<(), String> {
 /// The checks of a Save's blobs (count, names, sizes).
 pub fn check_blobs(blobs: &[Blob]) -> Result<(), SaveError> {
     if blobs.len() > config::BLOBS_PER_SAVE_MAX {
-        return Err(SaveError::BadRequest(format!("{} blobs; at most {} per save", blobs.len(), config::BLOBS_PER_SAVE_MAX)));
+        return Err(SaveError::BadRequest(format!(
+            "{} blobs; at most {} per save",
+            blobs.len(),
+            config::BLOBS_PER_SAVE_MAX
+        )));
     }
     let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
     image::validate_blobs(&blob_refs).map_err(|e| SaveError::BadRequest(e.to_string()))
@@ -166,9 +183,19 @@ pub fn check_blobs(blobs: &[Blob]) -> Result<(), SaveError> {
 ///
 /// `changed`: with `opts.incremental`, the tensors that changed at the
 /// previous save (the rest go into stable shards, `Layout::plan_with`).
-pub fn plan_save(tensors: &[impl Desc], blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&std::collections::HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError> {
+pub fn plan_save(
+    tensors: &[impl Desc],
+    blobs: &[Blob],
+    regions: &HashMap<u32, Arc<Region>>,
+    opts: LayoutOptions,
+    changed: Option<&std::collections::HashSet<String>>,
+) -> Result<(Layout, Vec<Source>), SaveError> {
     if tensors.len() > config::TENSORS_PER_REQUEST_MAX {
-        return Err(SaveError::BadRequest(format!("{} tensors; at most {} per save", tensors.len(), config::TENSORS_PER_REQUEST_MAX)));
+        return Err(SaveError::BadRequest(format!(
+            "{} tensors; at most {} per save",
+            tensors.len(),
+            config::TENSORS_PER_REQUEST_MAX
+        )));
     }
     check_blobs(blobs)?;
     let mut specs = Vec::with_capacity(tensors.len());
@@ -179,10 +206,11 @@ pub fn plan_save(tensors: &[impl Desc], blobs: &[Blob], regions: &HashMap<u32, A
         let region = if d.len_bytes() == 0 {
             None
         } else {
-            let r = regions
-                .get(&d.region_id())
-                .ok_or_else(|| SaveError::BadRegion(format!("tensor {:?}: region {} is not registered", d.name(), d.region_id())))?;
-            r.contains(d.offset_bytes(), d.len_bytes()).map_err(|e| SaveError::BadRegion(format!("tensor {:?}: {e}", d.name())))?;
+            let r = regions.get(&d.region_id()).ok_or_else(|| {
+                SaveError::BadRegion(format!("tensor {:?}: region {} is not registered", d.name(), d.region_id()))
+            })?;
+            r.contains(d.offset_bytes(), d.len_bytes())
+                .map_err(|e| SaveError::BadRegion(format!("tensor {:?}: {e}", d.name())))?;
             Some(r.clone())
         };
         specs.push(TensorSpec { name: d.name().to_string(), dtype, shape: d.shape().to_vec() });
@@ -275,12 +303,26 @@ fn pieces_of(layout: &Layout, sources: Option<&[Source]>, lease: &mut Lease) -> 
 }
 
 /// Appends the pieces of one range of `len` bytes (`region` null: no source).
-fn split_range(pieces: &mut Vec<Piece>, tensor_idx: usize, region: *const Region, src_offset_bytes: u64, dst: *mut u8, len: usize) {
+fn split_range(
+    pieces: &mut Vec<Piece>,
+    tensor_idx: usize,
+    region: *const Region,
+    src_offset_bytes: u64,
+    dst: *mut u8,
+    len: usize,
+) {
     let mut at = 0usize;
     while at < len {
         let n = (len - at).min(COPY_PIECE_BYTES);
         // The pointer stays inside its range: at + n ≤ len.
-        pieces.push(Piece { tensor_idx, region, src_offset_bytes: src_offset_bytes + at as u64, dst: dst.wrapping_add(at), len: n, staged: false });
+        pieces.push(Piece {
+            tensor_idx,
+            region,
+            src_offset_bytes: src_offset_bytes + at as u64,
+            dst: dst.wrapping_add(at),
+            len: n,
+            staged: false,
+        });
         at += n;
     }
 }
@@ -326,7 +368,13 @@ fn queue_batches_in(pieces: &mut Pieces, within: std::ops::Range<usize>) -> Vec<
         };
         let (_, ranges, ks) = &mut by_region[at];
         match ranges.last_mut() {
-            Some((off, dst, len)) if *off + *len as u64 == p.src_offset_bytes && dst.wrapping_add(*len) == p.dst && *len + p.len <= config::DEVICE_COPY_BYTES_MAX => *len += p.len,
+            Some((off, dst, len))
+                if *off + *len as u64 == p.src_offset_bytes
+                    && dst.wrapping_add(*len) == p.dst
+                    && *len + p.len <= config::DEVICE_COPY_BYTES_MAX =>
+            {
+                *len += p.len
+            }
             _ => ranges.push((p.src_offset_bytes, p.dst, p.len)),
         }
         ks.push(k);
@@ -374,13 +422,23 @@ fn runs_of(pieces: &Pieces) -> Vec<usize> {
 /// Runs `f` on every piece on [`config::COPY_THREADS`] threads (the
 /// caller's included), returning its result per piece; stops early (None)
 /// when `stop`, asked by the caller's thread between pieces, says so.
-fn run_pieces<T: Copy + Default + Send>(pieces: &Pieces, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> T + Sync)) -> Option<Vec<T>> {
+fn run_pieces<T: Copy + Default + Send>(
+    pieces: &Pieces,
+    stop: &(dyn Fn() -> bool + Sync),
+    f: &(dyn Fn(&Piece) -> T + Sync),
+) -> Option<Vec<T>> {
     run_runs(pieces, &runs_of(pieces), stop, f, &|_| {})
 }
 
 /// [`run_pieces`] over the given runs, calling `run_done(r)` as each run
 /// ends (in whatever order the threads end them).
-fn run_runs<T: Copy + Default + Send>(pieces: &Pieces, runs: &[usize], stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> T + Sync), run_done: &(dyn Fn(usize) + Sync)) -> Option<Vec<T>> {
+fn run_runs<T: Copy + Default + Send>(
+    pieces: &Pieces,
+    runs: &[usize],
+    stop: &(dyn Fn() -> bool + Sync),
+    f: &(dyn Fn(&Piece) -> T + Sync),
+    run_done: &(dyn Fn(usize) + Sync),
+) -> Option<Vec<T>> {
     let next = AtomicUsize::new(0);
     let stopped = AtomicBool::new(false);
     let work = |checker: bool| -> Vec<(usize, T)> {
@@ -458,7 +516,12 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
 /// release); the copy takes longer. None when stopped early.
 /// With an incremental layout, each tensor's digest too, hashed in the
 /// same pass ([`Region::copy_out_summed`]).
-pub fn copy_and_checksum_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &(dyn Fn() -> bool + Sync)) -> Option<Sums> {
+pub fn copy_and_checksum_into(
+    layout: &Layout,
+    sources: &[Source],
+    lease: &mut Lease,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Option<Sums> {
     layout.write_headers(lease.as_mut_slice());
     let mut pieces = pieces_of(layout, Some(sources), lease);
     copy_batches(&mut pieces);
@@ -519,10 +582,12 @@ fn staged_sums(layout: &Layout, pieces: &Pieces, runs: Option<&[usize]>) -> Sums
         }
     };
     if layout.opts.incremental {
-        let sums = run_runs(pieces, runs, &|| false, &|p| sum_of_staged(p, true), &|_| {}).expect("a checksum pass is never stopped");
+        let sums = run_runs(pieces, runs, &|| false, &|p| sum_of_staged(p, true), &|_| {})
+            .expect("a checksum pass is never stopped");
         return fold_sums(layout, pieces, &sums);
     }
-    let piece_crcs = run_runs(pieces, runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
+    let piece_crcs =
+        run_runs(pieces, runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
     Sums { crcs: fold_crcs(layout, pieces, &piece_crcs), digests: None }
 }
 
@@ -579,7 +644,8 @@ impl FedCopy {
         pieces.0.sort_by_key(|p| p.dst as usize);
         let runs = runs_of(&pieces);
         let (base_ptr, base_off) = (lease.as_mut_ptr() as usize, lease.offset_bytes());
-        let starts = runs[..runs.len() - 1].iter().map(|&k| base_off + (pieces.0[k].dst as usize - base_ptr) as u64).collect();
+        let starts =
+            runs[..runs.len() - 1].iter().map(|&k| base_off + (pieces.0[k].dst as usize - base_ptr) as u64).collect();
         let progress = Arc::new(Progress::new(starts, base_off + layout.staging_len));
         lease.filled_by(progress.clone());
         FedCopy { pieces, runs, progress, device_windows: 0, pending: None }
@@ -596,7 +662,13 @@ impl FedCopy {
             // serves the next save, so it is taken after the release
             // ([`FedCopy::complete`]), off the trainer's stall.
             let stable = stable_tensors(layout);
-            let sums = self.copy_with(layout, stop, &|p| if stable[p.tensor_idx] { p.copy_summed(true) } else { (p.copy(true), 0) })?;
+            let sums = self.copy_with(layout, stop, &|p| {
+                if stable[p.tensor_idx] {
+                    p.copy_summed(true)
+                } else {
+                    (p.copy(true), 0)
+                }
+            })?;
             let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
             let out = Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None };
             self.pending = Some(sums);
@@ -607,7 +679,12 @@ impl FedCopy {
     }
 
     /// The copy of [`FedCopy::copy`], `f` per piece (copy, and what it sums).
-    fn copy_with<T: Copy + Default + Send>(&mut self, _layout: &Layout, stop: &(dyn Fn() -> bool + Sync), f: &(dyn Fn(&Piece) -> T + Sync)) -> Option<Vec<T>> {
+    fn copy_with<T: Copy + Default + Send>(
+        &mut self,
+        _layout: &Layout,
+        stop: &(dyn Fn() -> bool + Sync),
+        f: &(dyn Fn(&Piece) -> T + Sync),
+    ) -> Option<Vec<T>> {
         let progress = &self.progress;
         let batched = self.pieces.0.iter().any(|p| {
             // SAFETY: a non-null region is kept alive by the caller's Arcs (Pieces' invariant).
@@ -676,7 +753,14 @@ impl FedCopy {
     pub fn complete(&mut self, layout: &Layout, sums: Sums) -> Sums {
         let Some(mut pending) = self.pending.take() else { return sums };
         let stable = stable_tensors(layout);
-        let rest = run_runs(&self.pieces, &self.runs, &|| false, &|p| if stable[p.tensor_idx] { 0 } else { sum_of_staged(p, false).1 }, &|_| {}).expect("a digest pass is never stopped");
+        let rest = run_runs(
+            &self.pieces,
+            &self.runs,
+            &|| false,
+            &|p| if stable[p.tensor_idx] { 0 } else { sum_of_staged(p, false).1 },
+            &|_| {},
+        )
+        .expect("a digest pass is never stopped");
         for ((p, s), d) in self.pieces.0.iter().zip(&mut pending).zip(rest) {
             if !stable[p.tensor_idx] {
                 s.1 = d;
@@ -701,7 +785,8 @@ fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
     let mut prev = usize::MAX;
     for (p, &c) in pieces.0.iter().zip(piece_crcs) {
         // Pieces come in tensor order: a tensor's first piece is its crc so far.
-        crcs[p.tensor_idx] = if p.tensor_idx == prev { ckpt_store::crc::combine(crcs[p.tensor_idx], c, p.len as u64) } else { c };
+        crcs[p.tensor_idx] =
+            if p.tensor_idx == prev { ckpt_store::crc::combine(crcs[p.tensor_idx], c, p.len as u64) } else { c };
         prev = p.tensor_idx;
     }
     crcs
@@ -766,7 +851,14 @@ pub enum SaveTensors<'a> {
 pub trait Planner {
     /// `changed` is [`plan_save`]'s; `opts.history_gen` names it, so a
     /// plan kept under another history is not reused.
-    fn plan(&mut self, tensors: SaveTensors<'_>, blobs: &[Blob], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions, changed: Option<&std::collections::HashSet<String>>) -> Result<(Layout, Vec<Source>), SaveError>;
+    fn plan(
+        &mut self,
+        tensors: SaveTensors<'_>,
+        blobs: &[Blob],
+        regions: &HashMap<u32, Arc<Region>>,
+        opts: LayoutOptions,
+        changed: Option<&std::collections::HashSet<String>>,
+    ) -> Result<(Layout, Vec<Source>), SaveError>;
 }
 
 /// Runs one Save for a session: checks, waits for staging, copies, replies
@@ -809,7 +901,10 @@ pub fn run_save(
     let mut opts = state.layout_opts;
     if let Some(p) = part {
         if p.world_size == 0 || p.rank >= p.world_size {
-            return fail(SaveError::BadRequest(format!("rank {} of world size {}: need 0 <= rank < world_size", p.rank, p.world_size)));
+            return fail(SaveError::BadRequest(format!(
+                "rank {} of world size {}: need 0 <= rank < world_size",
+                p.rank, p.world_size
+            )));
         }
         (opts.rank, opts.world_size) = (p.rank, p.world_size);
         if state.shared_dir.is_some() && state.read_opts.node.is_none() {
@@ -876,26 +971,34 @@ pub fn run_save(
     // saves: parts are never resident). In place, when they already lie
     // where this layout puts them: the resident image's lease becomes this
     // save's, and their bytes are copied from nowhere.
-    let adopted = part.is_none().then(|| crate::save::trusted_unchanged::adopt(&state.staging, replies, &layout, unchanged.as_ref())).flatten();
+    let adopted = part
+        .is_none()
+        .then(|| crate::save::trusted_unchanged::adopt(&state.staging, replies, &layout, unchanged.as_ref()))
+        .flatten();
     let (mut lease, waited, adopted) = match adopted {
         Some((lease, taken)) => (lease, std::time::Duration::ZERO, Some(taken)),
         None => match state.staging.acquire(image_bytes, &format!("step {step}"), give_up) {
             Ok((lease, waited)) => (lease, waited, None),
-        Err(StagingError::GaveUp { why }) => {
-            state.end(key);
-            warn!("aborted while waiting for staging: {why}");
-            return fail(SaveError::Aborted(why));
-        }
-        Err(e) => {
-            state.end(key);
-            return fail(SaveError::TooLarge(e.to_string()));
-        }
+            Err(StagingError::GaveUp { why }) => {
+                state.end(key);
+                warn!("aborted while waiting for staging: {why}");
+                return fail(SaveError::Aborted(why));
+            }
+            Err(e) => {
+                state.end(key);
+                return fail(SaveError::TooLarge(e.to_string()));
+            }
         },
     };
     state.set_phase(key, Phase::Copying);
     // Else copied from the resident image into the lease just taken.
     let in_place = adopted.is_some();
-    let taken = adopted.or_else(|| part.is_none().then(|| crate::save::trusted_unchanged::find(&state.staging, replies, &layout, unchanged.as_ref())).flatten().map(|reuse| reuse.fill(&layout, &mut lease)));
+    let taken = adopted.or_else(|| {
+        part.is_none()
+            .then(|| crate::save::trusted_unchanged::find(&state.staging, replies, &layout, unchanged.as_ref()))
+            .flatten()
+            .map(|reuse| reuse.fill(&layout, &mut lease))
+    });
     if let Some(taken) = &taken {
         for i in taken.tensors() {
             sources[i].region = None;
@@ -904,20 +1007,43 @@ pub fn run_save(
         if in_place {
             state.unchanged_in_place_bytes.fetch_add(taken.bytes, Ordering::Relaxed);
         }
-        info!(taken_bytes = taken.bytes, in_place, "tensors flagged unchanged taken from the resident image, not copied from the client");
+        info!(
+            taken_bytes = taken.bytes,
+            in_place, "tensors flagged unchanged taken from the resident image, not copied from the client"
+        );
     }
     // Pipelined: whole saves, and a rank's part of several nodes (written
     // on its own into the shared directory). A part of one node's group
     // waits for the other ranks' parts first, so it copies, then queues.
     if part.is_none() || state.shared_dir.is_some() {
         drop(guard);
-        return run_fed_save(state, replies, id, step, part, layout, sources, lease, waited, blobs, lazy_release, span, t_received, gone, taken);
+        return run_fed_save(
+            state,
+            replies,
+            id,
+            step,
+            part,
+            layout,
+            sources,
+            lease,
+            waited,
+            blobs,
+            lazy_release,
+            span,
+            t_received,
+            gone,
+            taken,
+        );
     }
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
     // Lazy release: checksums during the copy. Else: the copy alone, and the
     // checksums after the release, off the trainer's stall.
-    let copied = if lazy_release { copy_and_checksum_into(&layout, &sources, &mut lease, &stop).map(Some) } else { copy_into(&layout, &sources, &mut lease, &stop).then_some(None) };
+    let copied = if lazy_release {
+        copy_and_checksum_into(&layout, &sources, &mut lease, &stop).map(Some)
+    } else {
+        copy_into(&layout, &sources, &mut lease, &stop).then_some(None)
+    };
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     // Released only if every region still held its bytes (one its client
     // truncated during the copy was read as zeros) and the client is still
@@ -937,7 +1063,15 @@ pub fn run_save(
     };
     let waited_seconds = waited.as_secs_f64();
     log_if_handed_over_by_gone(replies, gone);
-    info!(plan_s = plan_seconds, copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, "released");
+    info!(
+        plan_s = plan_seconds,
+        copy_s = copy_seconds,
+        waited_s = waited_seconds,
+        received_s = t_received.elapsed().as_secs_f64(),
+        lazy_release,
+        gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64,
+        "released"
+    );
     replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     let crcs = crcs.unwrap_or_else(|| {
         // From the staged bytes, which only this lease's holder touches now.
@@ -948,12 +1082,32 @@ pub fn run_save(
     });
     state.set_phase(key, Phase::Queued);
     drop(guard);
-    let job = Job { id, step, layout, lease, crcs: crcs.crcs, digests: crcs.digests, blobs, part, replies: replies.clone(), span, copy_seconds, waited_seconds, t_received, fill: None };
+    let job = Job {
+        id,
+        step,
+        layout,
+        lease,
+        crcs: crcs.crcs,
+        digests: crcs.digests,
+        blobs,
+        part,
+        replies: replies.clone(),
+        span,
+        copy_seconds,
+        waited_seconds,
+        t_received,
+        fill: None,
+    };
     if let Err(e) = state.commit_tx.send(Work::Checkpoint(job)) {
         // The committer is gone only if the daemon is tearing down.
         let Work::Checkpoint(job) = e.into_inner() else { unreachable!("sent a checkpoint job") };
         state.end(key);
-        job.replies.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        job.replies.send(&Reply::Failed {
+            id,
+            step,
+            code: ErrorCode::ShuttingDown,
+            reason: "the committer has stopped".into(),
+        });
     }
 }
 
@@ -1006,7 +1160,22 @@ fn run_fed_save(
     let progress = fed.progress.clone();
     let _filler = Filler(&progress);
     let waited_seconds = waited.as_secs_f64();
-    let job = Job { id, step, layout: layout.clone(), lease, crcs: Vec::new(), digests: None, blobs, part, replies: replies.clone(), span: span.clone(), copy_seconds: 0.0, waited_seconds, t_received, fill: Some(fill.clone()) };
+    let job = Job {
+        id,
+        step,
+        layout: layout.clone(),
+        lease,
+        crcs: Vec::new(),
+        digests: None,
+        blobs,
+        part,
+        replies: replies.clone(),
+        span: span.clone(),
+        copy_seconds: 0.0,
+        waited_seconds,
+        t_received,
+        fill: Some(fill.clone()),
+    };
     // To the committer: false (the save answered Failed here) when it is gone.
     let hand_over = |job: Job| -> bool {
         let Err(e) = state.commit_tx.send(Work::Checkpoint(job)) else { return true };
@@ -1015,7 +1184,12 @@ fn run_fed_save(
         // The lease's drop waits for the copy: none is running now.
         drop(e);
         state.end(key);
-        replies.send(&Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() });
+        replies.send(&Reply::Failed {
+            id,
+            step,
+            code: ErrorCode::ShuttingDown,
+            reason: "the committer has stopped".into(),
+        });
         false
     };
     // Small images are handed over after the copy (config::FED_EARLY_BYTES_MIN).
@@ -1045,7 +1219,15 @@ fn run_fed_save(
         }
     };
     log_if_handed_over_by_gone(replies, gone);
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, received_s = t_received.elapsed().as_secs_f64(), lazy_release, gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64, device_windows = fed.device_windows, "released");
+    info!(
+        copy_s = copy_seconds,
+        waited_s = waited_seconds,
+        received_s = t_received.elapsed().as_secs_f64(),
+        lazy_release,
+        gib_per_s = layout.tensor_bytes() as f64 / copy_seconds.max(1e-9) / (1u64 << 30) as f64,
+        device_windows = fed.device_windows,
+        "released"
+    );
     // Released before the copy's end is told to the committer: Durable
     // (which waits for it) always comes after.
     replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
@@ -1076,7 +1258,14 @@ mod tests {
     use super::*;
 
     fn d(name: &str, region_id: u32, off: u64, len: u64) -> TensorDesc {
-        TensorDesc { name: name.into(), dtype: "U8".into(), shape: vec![len], region_id, offset_bytes: off, len_bytes: len }
+        TensorDesc {
+            name: name.into(),
+            dtype: "U8".into(),
+            shape: vec![len],
+            region_id,
+            offset_bytes: off,
+            len_bytes: len,
+        }
     }
 
     #[test]
@@ -1098,7 +1287,11 @@ mod tests {
         truncate_segment(&fd, 1 << 20);
         for lazy in [false, true] {
             let (mut lease, _) = staging.acquire(layout.staging_len, "t", || None).unwrap();
-            let copied = if lazy { copy_and_checksum_into(&layout, &sources, &mut lease, &|| false).is_some() } else { copy_into(&layout, &sources, &mut lease, &|| false) };
+            let copied = if lazy {
+                copy_and_checksum_into(&layout, &sources, &mut lease, &|| false).is_some()
+            } else {
+                copy_into(&layout, &sources, &mut lease, &|| false)
+            };
             assert!(copied);
             let e = check_sizes(&sources).unwrap_err();
             assert!(matches!(e, SaveError::BadRegion(_)) && e.to_string().contains("truncated"), "{e}");
@@ -1114,7 +1307,10 @@ mod tests {
         truncate_segment(&fd, 1 << 20);
         let (mut lease, _) = staging.acquire(len as u64, "f", || None).unwrap();
         assert!(copy_ranges_into(&[(&region, 0, len as u64)], &mut lease, &|| false));
-        assert!(lease.as_slice()[..1 << 20].iter().all(|&b| b == 9) && lease.as_slice()[1 << 20..len].iter().all(|&b| b == 0));
+        assert!(
+            lease.as_slice()[..1 << 20].iter().all(|&b| b == 9)
+                && lease.as_slice()[1 << 20..len].iter().all(|&b| b == 0)
+        );
         assert!(region.as_shm().unwrap().was_truncated() && region.check_intact().is_err());
     }
 
@@ -1134,17 +1330,33 @@ mod tests {
         assert!(check_desc_shape(&t).is_err());
         t.dtype = "F33".into();
         assert!(check_desc_shape(&t).is_err());
-        let t = TensorDesc { name: "x".into(), dtype: "F64".into(), shape: vec![u64::MAX, 2], region_id: 1, offset_bytes: 0, len_bytes: 0 };
+        let t = TensorDesc {
+            name: "x".into(),
+            dtype: "F64".into(),
+            shape: vec![u64::MAX, 2],
+            region_id: 1,
+            offset_bytes: 0,
+            len_bytes: 0,
+        };
         assert!(check_desc_shape(&t).is_err());
     }
 
     #[test]
     fn unregistered_regions_and_bad_names_are_refused() {
         let regions = HashMap::new();
-        assert!(matches!(plan_save(&[d("a", 7, 0, 4)], &[], &regions, Default::default(), None), Err(SaveError::BadRegion(_))));
-        assert!(matches!(plan_save(&[d("a\0", 7, 0, 0)], &[], &regions, Default::default(), None), Err(SaveError::BadRequest(_))));
+        assert!(matches!(
+            plan_save(&[d("a", 7, 0, 4)], &[], &regions, Default::default(), None),
+            Err(SaveError::BadRegion(_))
+        ));
+        assert!(matches!(
+            plan_save(&[d("a\0", 7, 0, 0)], &[], &regions, Default::default(), None),
+            Err(SaveError::BadRequest(_))
+        ));
         let blob = Blob { name: "../x".into(), bytes: vec![1] };
-        assert!(matches!(plan_save(&[] as &[TensorDesc], &[blob], &regions, Default::default(), None), Err(SaveError::BadRequest(_))));
+        assert!(matches!(
+            plan_save(&[] as &[TensorDesc], &[blob], &regions, Default::default(), None),
+            Err(SaveError::BadRequest(_))
+        ));
         // Zero-element tensors need no region.
         let (l, _) = plan_save(&[d("e", 9, 0, 0)], &[], &regions, Default::default(), None).unwrap();
         assert_eq!(l.specs.len(), 1);

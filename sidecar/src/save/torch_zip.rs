@@ -158,7 +158,9 @@ pub fn parse(file: &[u8]) -> Result<TorchZip, TorchZipError> {
         };
         range(file, crc_at, 4, "CRC-32 field")?;
         let is_serialization_id = name.ends_with(&format!("/{SERIALIZATION_ID}"));
-        if is_serialization_id && (data.len() != SERIALIZATION_ID_DIGITS || !file[data.clone()].iter().all(u8::is_ascii_digit)) {
+        if is_serialization_id
+            && (data.len() != SERIALIZATION_ID_DIGITS || !file[data.clone()].iter().all(u8::is_ascii_digit))
+        {
             return bad(format!("record {name:?} is not {SERIALIZATION_ID_DIGITS} digits"));
         }
         records.push(Record { data, crc_at, central_crc_at: at + 16, has_descriptor, is_serialization_id });

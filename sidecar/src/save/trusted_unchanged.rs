@@ -37,8 +37,8 @@ use std::sync::Arc;
 use ckpt_store::image::Layout;
 use ckpt_wire::Unchanged;
 
-use crate::state::reply::Replies;
 use crate::memory::staging::{Lease, Resident, Staging};
+use crate::state::reply::Replies;
 
 /// The tensors of one save taken from a resident image.
 pub struct Reuse {
@@ -50,7 +50,12 @@ pub struct Reuse {
 
 /// The tensors of a save (planned as `layout`) whose flags `unchanged`
 /// honours against the resident image; None when none can be taken.
-pub fn find(staging: &Staging, replies: &Arc<Replies>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<Reuse> {
+pub fn find(
+    staging: &Staging,
+    replies: &Arc<Replies>,
+    layout: &Layout,
+    unchanged: Option<&Unchanged>,
+) -> Option<Reuse> {
     let u = unchanged.filter(|u| u.count() > 0)?;
     let resident = staging.resident()?;
     let (pairs, bytes) = pairs_of(&resident, replies, layout, u)?;
@@ -59,11 +64,17 @@ pub fn find(staging: &Staging, replies: &Arc<Replies>, layout: &Layout, unchange
 
 /// The (new index, resident index) pairs of the flagged tensors `resident`
 /// holds as the flags require, and their bytes; None when there are none.
-fn pairs_of(resident: &Resident, replies: &Arc<Replies>, layout: &Layout, u: &Unchanged) -> Option<(Vec<(usize, usize)>, u64)> {
+fn pairs_of(
+    resident: &Resident,
+    replies: &Arc<Replies>,
+    layout: &Layout,
+    u: &Unchanged,
+) -> Option<(Vec<(usize, usize)>, u64)> {
     if resident.step != u.since_step || !std::sync::Weak::ptr_eq(&resident.origin, &replies.origin()) {
         return None;
     }
-    let by_name: HashMap<&str, usize> = resident.layout.specs.iter().enumerate().map(|(j, s)| (s.name.as_str(), j)).collect();
+    let by_name: HashMap<&str, usize> =
+        resident.layout.specs.iter().enumerate().map(|(j, s)| (s.name.as_str(), j)).collect();
     let mut pairs = Vec::new();
     let mut bytes = 0u64;
     for (i, spec) in layout.specs.iter().enumerate() {
@@ -94,7 +105,12 @@ fn pairs_of(resident: &Resident, replies: &Arc<Replies>, layout: &Layout, u: &Un
 /// (a load serving its step keeps it) and its lease is large enough; the
 /// resident image is gone from then on (a load of its step reads the
 /// disk). None: nothing adopted, the resident image untouched.
-pub fn adopt(staging: &Staging, replies: &Arc<Replies>, layout: &Layout, unchanged: Option<&Unchanged>) -> Option<(Lease, Taken)> {
+pub fn adopt(
+    staging: &Staging,
+    replies: &Arc<Replies>,
+    layout: &Layout,
+    unchanged: Option<&Unchanged>,
+) -> Option<(Lease, Taken)> {
     let u = unchanged.filter(|u| u.count() > 0)?;
     let (resident, (pairs, bytes)) = staging.take_resident_with(|r| {
         if r.lease.len_bytes() < layout.staging_len {
@@ -177,7 +193,8 @@ mod tests {
     use std::os::unix::net::UnixStream;
 
     fn layout(specs: &[(&str, Dtype, u64)]) -> Layout {
-        let specs = specs.iter().map(|&(n, d, len)| TensorSpec { name: n.into(), dtype: d, shape: vec![len] }).collect();
+        let specs =
+            specs.iter().map(|&(n, d, len)| TensorSpec { name: n.into(), dtype: d, shape: vec![len] }).collect();
         Layout::plan(specs, LayoutOptions::default()).unwrap()
     }
 
@@ -197,7 +214,15 @@ mod tests {
         let mut crcs = vec![0u32; 2];
         crcs[idx(&old, "w")] = 11;
         crcs[idx(&old, "b")] = 22;
-        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: me.origin() });
+        staging.offer_resident(Resident {
+            step: 5,
+            layout: old.clone(),
+            crcs,
+            digests: None,
+            blobs: vec![],
+            lease,
+            origin: me.origin(),
+        });
 
         let new = layout(&[("b", Dtype::U8, 4096), ("w", Dtype::U8, 4096), ("n", Dtype::U8, 4096)]);
         let flags = |since_step, f: [bool; 3]| Unchanged { since_step, bits: Unchanged::bits_of(f) };
@@ -236,7 +261,15 @@ mod tests {
         let mut crcs = vec![0u32; 2];
         crcs[idx(&old, "w")] = 11;
         crcs[idx(&old, "b")] = 22;
-        staging.offer_resident(Resident { step: 5, layout: old.clone(), crcs, digests: None, blobs: vec![], lease, origin: me.origin() });
+        staging.offer_resident(Resident {
+            step: 5,
+            layout: old.clone(),
+            crcs,
+            digests: None,
+            blobs: vec![],
+            lease,
+            origin: me.origin(),
+        });
         let flags = |f: [bool; 2]| Unchanged { since_step: 5, bits: Unchanged::bits_of(f) };
         let w_flag = if idx(&old, "w") == 0 { [true, false] } else { [false, true] };
         // Another layout (w elsewhere): not adopted, the resident stays.

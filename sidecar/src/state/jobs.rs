@@ -11,8 +11,8 @@ use ckpt_store::image::Layout;
 use ckpt_store::progress::Progress;
 use ckpt_wire::ErrorCode;
 
-use crate::state::reply::Replies;
 use crate::memory::staging::Lease;
+use crate::state::reply::Replies;
 
 /// What is in flight: a step checkpoint (at most one per step), or one
 /// SaveFile (numbered; several may name the same path, the last wins).
@@ -121,7 +121,11 @@ impl Fill {
     /// Waits for the copy's end and says how it ended.
     pub fn end(&self) -> FillEnd {
         let _ = self.progress.outcome();
-        self.end.lock().expect("fill lock").clone().unwrap_or(FillEnd::Failed { code: ErrorCode::Io, reason: "the copy ended without finishing".into() })
+        self.end
+            .lock()
+            .expect("fill lock")
+            .clone()
+            .unwrap_or(FillEnd::Failed { code: ErrorCode::Io, reason: "the copy ended without finishing".into() })
     }
 }
 

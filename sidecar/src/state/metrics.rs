@@ -141,15 +141,31 @@ fn gauge(v: u64) -> Gauge {
 pub fn render(report: &StatusReport) -> String {
     let m = metrics();
     let mut r = Registry::with_prefix("ckpt");
-    r.register("checkpoints_started", "Saves (checkpoints, ranks' parts, hooked files) that passed their checks", m.started.clone());
-    r.register("checkpoints_released", "Saves released to the trainer (the sidecar holds its copy)", m.released.clone());
+    r.register(
+        "checkpoints_started",
+        "Saves (checkpoints, ranks' parts, hooked files) that passed their checks",
+        m.started.clone(),
+    );
+    r.register(
+        "checkpoints_released",
+        "Saves released to the trainer (the sidecar holds its copy)",
+        m.released.clone(),
+    );
     r.register("checkpoints_durable", "Saves committed on disk and reported durable", m.durable.clone());
     r.register("checkpoints_failed", "Saves that failed, by reason (the wire's error code)", m.failed.clone());
     r.register("bytes_written", "File bytes of the saves reported durable", m.bytes_written.clone());
-    r.register("release_seconds", "From a save's arrival to Released: the longest the trainer can wait for it", m.release_seconds.clone());
+    r.register(
+        "release_seconds",
+        "From a save's arrival to Released: the longest the trainer can wait for it",
+        m.release_seconds.clone(),
+    );
     r.register("durable_seconds", "From a save's arrival to Durable", m.durable_seconds.clone());
     r.register("staging_bytes", "Staging memory budget, allocated at start", gauge(report.staging_bytes));
-    r.register("staging_used_bytes", "Staging memory leased now (copies, writes, the resident image)", gauge(report.staging_used_bytes));
+    r.register(
+        "staging_used_bytes",
+        "Staging memory leased now (copies, writes, the resident image)",
+        gauge(report.staging_used_bytes),
+    );
     r.register("in_flight", "Saves in flight now (status: in_flight)", gauge(report.in_flight.len() as u64));
     r.register("sessions", "Connected clients now (status: sessions)", gauge(report.sessions.len() as u64));
     r.register(
@@ -233,7 +249,10 @@ fn answer(mut s: TcpStream, report: &dyn Fn() -> StatusReport) -> std::io::Resul
 }
 
 fn respond(s: &mut TcpStream, status: &str, content_type: &str, body: &str) -> std::io::Result<()> {
-    let head = format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
     s.write_all(head.as_bytes())?;
     s.write_all(body.as_bytes())?;
     s.flush()

@@ -26,11 +26,11 @@ use std::time::Duration;
 use ckpt_wire::{InFlight, LastFigures, SessionInfo, StatusReport};
 use crossbeam_channel::Sender;
 
+use crate::memory::staging::Staging;
 use crate::state::jobs::{Flight, Work};
 use crate::state::reply::Replies;
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::restore::ReadOptions;
-use crate::memory::staging::Staging;
 
 /// Phases a checkpoint goes through in the daemon (shown by `status`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,7 +200,11 @@ impl DaemonState {
     /// `names` become what it found changed (None: it had nothing to
     /// compare with; the history stays). Other ranks' entries stay: names
     /// are unique across ranks.
-    pub fn merge_changed<'a>(&self, names: impl Iterator<Item = &'a str>, changed: Option<std::collections::HashSet<String>>) {
+    pub fn merge_changed<'a>(
+        &self,
+        names: impl Iterator<Item = &'a str>,
+        changed: Option<std::collections::HashSet<String>>,
+    ) {
         let Some(changed) = changed else { return };
         let mut h = self.history.lock().expect("history lock");
         let mut next = h.changed.as_deref().cloned().unwrap_or_default();
@@ -304,7 +308,13 @@ impl DaemonState {
     /// it went (a handed-over save among it still commits: protocol.md).
     /// Sessions of live clients do not hold the exit.
     pub fn drained(&self) -> bool {
-        self.wait_drained(Duration::ZERO) && !self.sessions.lock().expect("sessions lock").values().any(|e| e.stream.as_ref().is_some_and(|s| crate::state::reply::closed(s.as_raw_fd())))
+        self.wait_drained(Duration::ZERO)
+            && !self
+                .sessions
+                .lock()
+                .expect("sessions lock")
+                .values()
+                .any(|e| e.stream.as_ref().is_some_and(|s| crate::state::reply::closed(s.as_raw_fd())))
     }
 
     pub fn add_session(&self, e: SessionEntry) -> Option<u64> {
@@ -400,10 +410,20 @@ mod tests {
         // never exited (issue 19 defect 6).
         let (tx, _rx) = crossbeam_channel::bounded(1);
         let staging = Staging::new(4 << 20).unwrap();
-        let state = Arc::new(DaemonState::new(vec![], LayoutOptions::default(), ReadOptions::default(), staging, tx, vec![], Arc::new(AtomicBool::new(false))));
+        let state = Arc::new(DaemonState::new(
+            vec![],
+            LayoutOptions::default(),
+            ReadOptions::default(),
+            staging,
+            tx,
+            vec![],
+            Arc::new(AtomicBool::new(false)),
+        ));
         let (ours, client) = UnixStream::pair().unwrap();
         drop(client);
-        let id = state.add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) }).unwrap();
+        let id = state
+            .add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) })
+            .unwrap();
         assert!(!state.drained(), "a registered session of a gone client holds the drain");
         let sh = state.clone();
         let ended = std::thread::spawn(move || {

@@ -1,11 +1,11 @@
 //! The sending side of one session ([`Replies`]): replies from the session
 //! thread and the committer go through it, one whole frame at a time.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,9 +48,14 @@ impl Replies {
     pub fn send(&self, reply: &Reply) -> bool {
         if let Reply::Released { id, .. } | Reply::Durable { id, .. } | Reply::Failed { id, .. } = reply {
             let mut started = self.started.lock().expect("started lock");
-            let at = if matches!(reply, Reply::Released { .. }) { started.get(id).copied() } else { started.remove(id) };
+            let at =
+                if matches!(reply, Reply::Released { .. }) { started.get(id).copied() } else { started.remove(id) };
             drop(started);
-            crate::state::metrics::record_reply(reply, at.map(|(t, _)| t.elapsed().as_secs_f64()), at.map_or(0, |(_, b)| b));
+            crate::state::metrics::record_reply(
+                reply,
+                at.map(|(t, _)| t.elapsed().as_secs_f64()),
+                at.map_or(0, |(_, b)| b),
+            );
         }
         if self.broken.load(Ordering::SeqCst) {
             return false;

@@ -139,7 +139,11 @@ impl IoPolicy {
             Ok(v) => v.parse::<Want>().map_err(|e| format!("{k}: {e}")),
             Err(_) => Ok(Want::Auto),
         };
-        Ok(IoPolicy { uring: get("CKPT_SIDECAR_URING")?, direct: get("CKPT_SIDECAR_DIRECT")?, queue_depth: config::QUEUE_DEPTH_DEFAULT })
+        Ok(IoPolicy {
+            uring: get("CKPT_SIDECAR_URING")?,
+            direct: get("CKPT_SIDECAR_DIRECT")?,
+            queue_depth: config::QUEUE_DEPTH_DEFAULT,
+        })
     }
 
     /// `self` with every Auto replaced by the environment's choice.
@@ -206,7 +210,11 @@ pub fn probe(dir: &Path, policy: IoPolicy) -> Result<EngineChoice, ProbeError> {
                 false
             }
             Err(e) => {
-                let what = if e.raw_os_error() == Some(libc::EINVAL) { "O_DIRECT required but refused" } else { "probe write" };
+                let what = if e.raw_os_error() == Some(libc::EINVAL) {
+                    "O_DIRECT required but refused"
+                } else {
+                    "probe write"
+                };
                 return Err(ProbeError::Io { dir: dir.display().to_string(), what, source: e });
             }
         },
@@ -236,7 +244,9 @@ pub fn open_for_read_with(path: &Path, want: Want) -> io::Result<(File, bool)> {
     }
     match open_for_read(path, true) {
         Ok(f) => Ok((f, true)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && want == Want::Auto => Ok((open_for_read(path, false)?, false)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && want == Want::Auto => {
+            Ok((open_for_read(path, false)?, false))
+        }
         Err(e) => Err(e),
     }
 }
@@ -251,7 +261,11 @@ fn probe_backend(dir: &Path, policy: IoPolicy) -> Result<(Backend, Vec<String>),
         w => match UringEngine::probe(policy.queue_depth) {
             Ok(()) => Backend::Uring,
             Err(e) if w == Want::On => {
-                return Err(ProbeError::Io { dir: dir.display().to_string(), what: "io_uring required but refused", source: e })
+                return Err(ProbeError::Io {
+                    dir: dir.display().to_string(),
+                    what: "io_uring required but refused",
+                    source: e,
+                })
             }
             Err(e) => {
                 why.push(format!("io_uring refused ({e}); using a thread pool of pwrite/pread"));
@@ -315,7 +329,10 @@ pub fn nonce() -> u64 {
     let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
     if n != 8 {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
         v = t ^ ((std::process::id() as u64) << 32) ^ COUNTER.fetch_add(1, Ordering::Relaxed);
     }
     v
@@ -480,7 +497,13 @@ pub unsafe fn drive(
 /// # Safety
 /// As [`drive`], and bytes below the ready prefix are not written by anyone
 /// until this returns.
-pub unsafe fn drive_fed(engine: &mut dyn IoEngine, files: &[FileIo], chunk_bytes: usize, starts: &[u64], progress: &Progress) -> Result<(), DriveError> {
+pub unsafe fn drive_fed(
+    engine: &mut dyn IoEngine,
+    files: &[FileIo],
+    chunk_bytes: usize,
+    starts: &[u64],
+    progress: &Progress,
+) -> Result<(), DriveError> {
     assert_eq!(files.len(), starts.len());
     // SAFETY: the caller's contract.
     unsafe { drive_gated(engine, OpKind::Write, files, chunk_bytes, |_, _| {}, Some((starts, progress))) }
@@ -560,7 +583,14 @@ unsafe fn drive_gated(
                 continue;
             }
             let slot = free.pop().expect("checked non-empty");
-            let op = Op { kind, fd: f.fd, ptr: f.addr(p.offset), len: p.len as u32, offset: p.offset, user_data: tag(generation, slot) };
+            let op = Op {
+                kind,
+                fd: f.fd,
+                ptr: f.addr(p.offset),
+                len: p.len as u32,
+                offset: p.offset,
+                user_data: tag(generation, slot),
+            };
             // SAFETY: the range lies inside the caller's FileIo memory, valid for
             // the whole call; we reap every completion before returning.
             match engine.push(op) {
@@ -604,7 +634,11 @@ unsafe fn drive_gated(
         }
         for c in comps.drain(..) {
             let Some(slot) = untag(generation, c.user_data).filter(|&s| s < qd && slots[s].is_some()) else {
-                tracing::error!(user_data = c.user_data, result = c.result, "a completion of no request of this call: ignored");
+                tracing::error!(
+                    user_data = c.user_data,
+                    result = c.result,
+                    "a completion of no request of this call: ignored"
+                );
                 continue;
             };
             let p = slots[slot].take().expect("checked above");
@@ -630,7 +664,12 @@ unsafe fn drive_gated(
                 (p.offset, p.offset + p.len)
             } else if n == 0 {
                 first_err.get_or_insert(if kind == OpKind::Write {
-                    DriveError::ShortWrite { file_idx: p.file_idx, offset_bytes: p.offset, expected_bytes: p.len, written_bytes: 0 }
+                    DriveError::ShortWrite {
+                        file_idx: p.file_idx,
+                        offset_bytes: p.offset,
+                        expected_bytes: p.len,
+                        written_bytes: 0,
+                    }
                 } else {
                     DriveError::ShortRead { file_idx: p.file_idx, offset_bytes: p.offset, expected_bytes: f.file_len }
                 });
@@ -690,7 +729,14 @@ pub fn sync_all(engine: &mut dyn IoEngine, fds: &[RawFd]) -> Result<(), DriveErr
     for (chunk_idx, chunk) in fds.chunks(qd).enumerate() {
         let mut pushed = 0;
         for (i, &fd) in chunk.iter().enumerate() {
-            let op = Op { kind: OpKind::Fdatasync, fd, ptr: std::ptr::null_mut(), len: 0, offset: 0, user_data: tag(generation, chunk_idx * qd + i) };
+            let op = Op {
+                kind: OpKind::Fdatasync,
+                fd,
+                ptr: std::ptr::null_mut(),
+                len: 0,
+                offset: 0,
+                user_data: tag(generation, chunk_idx * qd + i),
+            };
             // SAFETY: fdatasync touches no memory of ours.
             match unsafe { engine.push(op) } {
                 Ok(()) => pushed += 1,
@@ -707,13 +753,23 @@ pub fn sync_all(engine: &mut dyn IoEngine, fds: &[RawFd]) -> Result<(), DriveErr
                 first_err.get_or_insert(DriveError::Engine(e));
             }
             for c in &comps {
-                let Some(file_idx) = untag(generation, c.user_data).filter(|&i| i / qd == chunk_idx && i < fds.len()) else {
-                    tracing::error!(user_data = c.user_data, result = c.result, "a completion of no fdatasync of this call: ignored");
+                let Some(file_idx) = untag(generation, c.user_data).filter(|&i| i / qd == chunk_idx && i < fds.len())
+                else {
+                    tracing::error!(
+                        user_data = c.user_data,
+                        result = c.result,
+                        "a completion of no fdatasync of this call: ignored"
+                    );
                     continue;
                 };
                 reaped += 1;
                 if c.result < 0 {
-                    first_err.get_or_insert(DriveError::Io { what: "fdatasync", file_idx, offset_bytes: 0, source: io::Error::from_raw_os_error(-c.result) });
+                    first_err.get_or_insert(DriveError::Io {
+                        what: "fdatasync",
+                        file_idx,
+                        offset_bytes: 0,
+                        source: io::Error::from_raw_os_error(-c.result),
+                    });
                 }
             }
         }
@@ -731,7 +787,10 @@ struct InFlight(usize);
 impl Drop for InFlight {
     fn drop(&mut self) {
         if self.0 > 0 {
-            eprintln!("ckpt: a panic with {} I/O requests in flight; their buffers can never be freed safely: aborting", self.0);
+            eprintln!(
+                "ckpt: a panic with {} I/O requests in flight; their buffers can never be freed safely: aborting",
+                self.0
+            );
             std::process::abort();
         }
     }
@@ -807,7 +866,13 @@ pub(crate) mod tests {
             *b = (i * 7 % 251) as u8;
         }
         let f = open_for_write(&path, direct).unwrap();
-        let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64, window_bytes: 0 }];
+        let files = [FileIo {
+            fd: f.as_raw_fd(),
+            ptr: src.as_mut_ptr(),
+            io_len: io_len as u64,
+            file_len: file_len as u64,
+            window_bytes: 0,
+        }];
         // SAFETY: src outlives the call.
         unsafe { drive(engine, OpKind::Write, &files, 64 << 10, |_, _| {}) }.unwrap();
         f.set_len(file_len as u64).unwrap();
@@ -816,7 +881,13 @@ pub(crate) mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), &src.as_slice()[..file_len]);
         let mut dst = AlignedBuf::new(io_len).unwrap();
         let f = open_for_read(&path, direct).unwrap();
-        let files = [FileIo { fd: f.as_raw_fd(), ptr: dst.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64, window_bytes: 0 }];
+        let files = [FileIo {
+            fd: f.as_raw_fd(),
+            ptr: dst.as_mut_ptr(),
+            io_len: io_len as u64,
+            file_len: file_len as u64,
+            window_bytes: 0,
+        }];
         let mut streamed = Vec::new();
         // SAFETY: dst outlives the call and is not touched during it.
         unsafe { drive(engine, OpKind::Read, &files, 64 << 10, |_, b| streamed.extend_from_slice(b)) }.unwrap();
@@ -824,7 +895,13 @@ pub(crate) mod tests {
         assert_eq!(&dst.as_slice()[..file_len], &src.as_slice()[..file_len]);
         // Again through a window of four chunks: the bytes stream in order.
         let mut window = AlignedBuf::new(4 * (64 << 10)).unwrap();
-        let files = [FileIo { fd: f.as_raw_fd(), ptr: window.as_mut_ptr(), io_len: io_len as u64, file_len: file_len as u64, window_bytes: 4 * (64 << 10) }];
+        let files = [FileIo {
+            fd: f.as_raw_fd(),
+            ptr: window.as_mut_ptr(),
+            io_len: io_len as u64,
+            file_len: file_len as u64,
+            window_bytes: 4 * (64 << 10),
+        }];
         let mut streamed = Vec::new();
         // SAFETY: window outlives the call and is not touched during it.
         unsafe { drive(engine, OpKind::Read, &files, 64 << 10, |_, b| streamed.extend_from_slice(b)) }.unwrap();
@@ -858,7 +935,13 @@ pub(crate) mod tests {
             let dir = tempfile::tempdir().unwrap();
             let mut src = AlignedBuf::new(1 << 20).unwrap();
             let f = open_for_write(&dir.path().join("f"), true).unwrap();
-            let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: 1 << 20, file_len: 1 << 20, window_bytes: 0 }];
+            let files = [FileIo {
+                fd: f.as_raw_fd(),
+                ptr: src.as_mut_ptr(),
+                io_len: 1 << 20,
+                file_len: 1 << 20,
+                window_bytes: 0,
+            }];
             // SAFETY: src outlives the call.
             let err = unsafe { drive(&mut eng, OpKind::Write, &files, 64 << 10, |_, _| {}) }.unwrap_err();
             assert_eq!(err.errno(), Some(libc::EIO), "{err}");
@@ -887,11 +970,24 @@ pub(crate) mod tests {
 
     impl FailingEngine {
         pub(crate) fn new(qd: usize, fail_push_at: Option<usize>, fail_wait_at: Option<usize>) -> FailingEngine {
-            FailingEngine { qd, fail_push_at, fail_wait_at, n_push: 0, n_wait: 0, queued: Vec::new(), inject: Vec::new(), reused_under_kernel: 0 }
+            FailingEngine {
+                qd,
+                fail_push_at,
+                fail_wait_at,
+                n_push: 0,
+                n_wait: 0,
+                queued: Vec::new(),
+                inject: Vec::new(),
+                reused_under_kernel: 0,
+            }
         }
 
         pub(crate) fn assert_idle(&self, what: &str) {
-            assert!(self.queued.is_empty(), "{what}: the driver returned with {} requests in flight", self.queued.len());
+            assert!(
+                self.queued.is_empty(),
+                "{what}: the driver returned with {} requests in flight",
+                self.queued.len()
+            );
             assert_eq!(self.reused_under_kernel, 0, "{what}: memory of a request in flight was handed out again");
         }
     }
@@ -913,7 +1009,8 @@ pub(crate) mod tests {
             }
             if op.kind != OpKind::Fdatasync {
                 let (b, e) = (op.ptr as usize, op.ptr as usize + op.len as usize);
-                let overlaps = |q: &Op| q.kind != OpKind::Fdatasync && (q.ptr as usize) < e && b < q.ptr as usize + q.len as usize;
+                let overlaps =
+                    |q: &Op| q.kind != OpKind::Fdatasync && (q.ptr as usize) < e && b < q.ptr as usize + q.len as usize;
                 if self.queued.iter().any(overlaps) {
                     self.reused_under_kernel += 1;
                 }
@@ -934,7 +1031,11 @@ pub(crate) mod tests {
                 return Err(io::Error::from_raw_os_error(libc::ENOMEM));
             }
             out.append(&mut self.inject);
-            assert!(min <= self.queued.len(), "waits for {min} completions with {} in flight: would block for ever", self.queued.len());
+            assert!(
+                min <= self.queued.len(),
+                "waits for {min} completions with {} in flight: would block for ever",
+                self.queued.len()
+            );
             while let Some(op) = self.queued.pop() {
                 // SAFETY: the push contract keeps op's memory valid until now.
                 let r = unsafe {
@@ -944,7 +1045,8 @@ pub(crate) mod tests {
                         OpKind::Fdatasync => libc::fdatasync(op.fd) as isize,
                     }
                 };
-                let result = if r < 0 { -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) } else { r as i32 };
+                let result =
+                    if r < 0 { -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) } else { r as i32 };
                 out.push(Completion { user_data: op.user_data, result });
             }
             Ok(())
@@ -978,7 +1080,13 @@ pub(crate) mod tests {
                 let path = dir.path().join(format!("w{at}-{}", fail_push.is_some()));
                 let mut src = pattern(len, at as u8);
                 let f = open_for_write(&path, false).unwrap();
-                let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 0 }];
+                let files = [FileIo {
+                    fd: f.as_raw_fd(),
+                    ptr: src.as_mut_ptr(),
+                    io_len: len as u64,
+                    file_len: len as u64,
+                    window_bytes: 0,
+                }];
                 let mut e = FailingEngine::new(4, fail_push, fail_wait);
                 // SAFETY: src outlives the call.
                 let r = unsafe { drive(&mut e, OpKind::Write, &files, CHUNK, |_, _| {}) };
@@ -996,7 +1104,13 @@ pub(crate) mod tests {
                 let mut e = FailingEngine::new(4, fail_push, fail_wait);
                 let mut window = AlignedBuf::new(4 * CHUNK).unwrap();
                 let rf = open_for_read(&path, false).unwrap();
-                let files = [FileIo { fd: rf.as_raw_fd(), ptr: window.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 4 * CHUNK as u64 }];
+                let files = [FileIo {
+                    fd: rf.as_raw_fd(),
+                    ptr: window.as_mut_ptr(),
+                    io_len: len as u64,
+                    file_len: len as u64,
+                    window_bytes: 4 * CHUNK as u64,
+                }];
                 let mut got = Vec::new();
                 // SAFETY: window outlives the call and nothing else touches it.
                 let r = unsafe { drive(&mut e, OpKind::Read, &files, CHUNK, |_, b| got.extend_from_slice(b)) };
@@ -1024,7 +1138,13 @@ pub(crate) mod tests {
         let path = dir.path().join("f");
         let mut src = pattern(len, 7);
         let f = open_for_write(&path, false).unwrap();
-        let files = [FileIo { fd: f.as_raw_fd(), ptr: src.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 0 }];
+        let files = [FileIo {
+            fd: f.as_raw_fd(),
+            ptr: src.as_mut_ptr(),
+            io_len: len as u64,
+            file_len: len as u64,
+            window_bytes: 0,
+        }];
         let mut e = FailingEngine::new(4, None, None);
         // SAFETY: src outlives the call.
         unsafe { drive(&mut e, OpKind::Write, &files, CHUNK, |_, _| {}) }.unwrap();
@@ -1034,7 +1154,13 @@ pub(crate) mod tests {
             e.inject.push(Completion { user_data, result: CHUNK as i32 });
             let mut dst = AlignedBuf::new(len).unwrap();
             let rf = open_for_read(&path, false).unwrap();
-            let files = [FileIo { fd: rf.as_raw_fd(), ptr: dst.as_mut_ptr(), io_len: len as u64, file_len: len as u64, window_bytes: 0 }];
+            let files = [FileIo {
+                fd: rf.as_raw_fd(),
+                ptr: dst.as_mut_ptr(),
+                io_len: len as u64,
+                file_len: len as u64,
+                window_bytes: 0,
+            }];
             // SAFETY: dst outlives the call and nothing else touches it.
             unsafe { drive(&mut e, OpKind::Read, &files, CHUNK, |_, _| {}) }.unwrap();
             e.assert_idle("read with a stale completion");

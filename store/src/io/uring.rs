@@ -114,7 +114,10 @@ impl IoEngine for UringEngine {
                 Ok(n) => self.unsubmitted -= n.min(self.unsubmitted),
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => {}
                 // io_uring_enter under memory pressure: it passes.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) && short_of_memory < URING_ENTER_RETRIES_MAX => {
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM))
+                        && short_of_memory < URING_ENTER_RETRIES_MAX =>
+                {
                     short_of_memory += 1;
                     std::thread::sleep(std::time::Duration::from_millis(ENGINE_RETRY_PAUSE_MS));
                 }

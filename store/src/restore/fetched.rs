@@ -41,7 +41,13 @@ pub(crate) struct Fetched {
 /// `base + offset` must be valid for writes of each file's length, the
 /// ranges disjoint and touched by nothing else during the call (or fault
 /// only inside `guard.run` in a way it handles).
-pub(crate) unsafe fn fetch_and_check(index: &Index, targets: &[(usize, usize)], src: &dyn FetchFiles, base: usize, guard: &dyn ReadDest) -> Fetched {
+pub(crate) unsafe fn fetch_and_check(
+    index: &Index,
+    targets: &[(usize, usize)],
+    src: &dyn FetchFiles,
+    base: usize,
+    guard: &dyn ReadDest,
+) -> Fetched {
     let next = AtomicUsize::new(0);
     let n_threads = src.parallel().clamp(1, targets.len().max(1));
     let outs: Vec<Fetched> = std::thread::scope(|s| {
@@ -57,7 +63,8 @@ pub(crate) unsafe fn fetch_and_check(index: &Index, targets: &[(usize, usize)], 
                         // SAFETY: this file's range of the destination,
                         // disjoint from every other target's, valid for
                         // f.len_bytes (this function's contract).
-                        let dst = unsafe { std::slice::from_raw_parts_mut((base + off) as *mut u8, f.len_bytes as usize) };
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut((base + off) as *mut u8, f.len_bytes as usize) };
                         let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
                         let mut problems = Vec::new();
                         if let Err(e) = src.fetch(&f.name, dst, &mut |bytes| check.feed(bytes, &mut problems)) {
@@ -112,4 +119,3 @@ pub(crate) fn verifies_when_fetched_again(index: &Index, names: &[String], src: 
 pub(crate) fn label_path(src: &dyn FetchFiles) -> PathBuf {
     PathBuf::from(src.label())
 }
-

@@ -51,15 +51,25 @@ impl Target {
     /// and `feed` runs on the calling thread only (a destination whose
     /// accesses must be guarded is touched nowhere else). The caller
     /// verifies checksums as a local load does.
-    pub fn fetch_file(&self, step: u64, name: &str, dst: &mut [u8], ranges: usize, feed: &mut dyn FnMut(&[u8])) -> Result<(), TierError> {
+    pub fn fetch_file(
+        &self,
+        step: u64,
+        name: &str,
+        dst: &mut [u8],
+        ranges: usize,
+        feed: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), TierError> {
         let inner = &*self.inner;
         let path = self.file_path(step, name)?;
         let path = &path;
         let len = dst.len() as u64;
-        let wrong_len = |size: u64| TierError::WrongLength { url: inner.url.clone(), object: inner.rel(path), expected: len, size };
+        let wrong_len =
+            |size: u64| TierError::WrongLength { url: inner.url.clone(), object: inner.rel(path), expected: len, size };
         if let super::Backend::Local { root } = &inner.backend {
             // A directory: read in place, a chunk at a time (no runtime).
-            let file_path = name.split('/').fold(root.join(format::step_dir_name(step).expect("checked by file_path")), |p, part| p.join(part));
+            let file_path = name
+                .split('/')
+                .fold(root.join(format::step_dir_name(step).expect("checked by file_path")), |p, part| p.join(part));
             let io_err = |op, e| TierError::TargetIo { url: inner.url.clone(), op, path: file_path.clone(), source: e };
             let file = std::fs::File::open(&file_path).map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => TierError::NotFound { url: inner.url.clone(), object: inner.rel(path) },
@@ -107,9 +117,16 @@ impl Target {
                 .map(|(i, buf)| async move {
                     let start = (i * part) as u64;
                     let end = start + buf.len() as u64;
-                    let b = inner.store.get_range(path, start..end).await.map_err(|e| inner.store_err("read", path, e))?;
+                    let b =
+                        inner.store.get_range(path, start..end).await.map_err(|e| inner.store_err("read", path, e))?;
                     if b.len() != buf.len() {
-                        return Err(TierError::PastEnd { url: inner.url.clone(), object: inner.rel(path), offset: start, len: buf.len() as u64, size: start + b.len() as u64 });
+                        return Err(TierError::PastEnd {
+                            url: inner.url.clone(),
+                            object: inner.rel(path),
+                            offset: start,
+                            len: buf.len() as u64,
+                            size: start + b.len() as u64,
+                        });
                     }
                     buf.copy_from_slice(&b);
                     Ok::<&mut [u8], TierError>(buf)

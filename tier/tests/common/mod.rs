@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ckpt_store::format::{self, CkptSection, Index, IndexBlob, IndexFile, IndexMetadata};
-use ckpt_tier::{LocalFile, Target, TargetOptions};
 use ckpt_test_support::Rng;
+use ckpt_tier::{LocalFile, Target, TargetOptions};
 
 /// Small parts, so that a few MiB make a multipart upload of several parts.
 pub fn small_parts() -> TargetOptions {

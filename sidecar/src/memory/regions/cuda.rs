@@ -121,7 +121,12 @@ impl CudaMemory {
     /// the allocation).
     /// A legacy handle is opened here once, to check it, and closed again:
     /// only its bytes are kept ([`Held::Legacy`]).
-    pub fn open(source: CudaSource, device: i32, len_bytes: u64, stream: Arc<SessionStream>) -> Result<CudaMemory, RegionError> {
+    pub fn open(
+        source: CudaSource,
+        device: i32,
+        len_bytes: u64,
+        stream: Arc<SessionStream>,
+    ) -> Result<CudaMemory, RegionError> {
         let held = match source {
             CudaSource::Ipc(handle) => {
                 drop(Imported::open(handle, device, len_bytes)?);
@@ -243,7 +248,11 @@ impl CudaMemory {
     /// (None when the driver refused one: [`CudaMemory::wait_mark`] then
     /// waits for the whole stream).
     pub fn mark(&self) -> Option<LocalEvent> {
-        self.stream.stream.mark().map_err(|e| warn!("cannot mark the device copies (waiting for the whole stream instead): {e}")).ok()
+        self.stream
+            .stream
+            .mark()
+            .map_err(|e| warn!("cannot mark the device copies (waiting for the whole stream instead): {e}"))
+            .ok()
     }
 
     /// Waits until the copies queued before `mark` have completed.
@@ -322,7 +331,10 @@ impl CudaSession {
         match self.devices.insert(client_device, ours) {
             Some(before) if before != ours => {
                 self.devices.insert(client_device, before);
-                Err(invalid(format!("the client's CUDA device {client_device} was registered before as another device than {}", ckpt_cuda::uuid_text(uuid))))
+                Err(invalid(format!(
+                    "the client's CUDA device {client_device} was registered before as another device than {}",
+                    ckpt_cuda::uuid_text(uuid)
+                )))
             }
             _ => Ok(ours),
         }
@@ -331,10 +343,11 @@ impl CudaSession {
     /// The sidecar's ordinal of the client's device `client_device`, as a
     /// registration named it.
     fn ours(&self, client_device: i32) -> Result<i32, RegionError> {
-        self.devices
-            .get(&client_device)
-            .copied()
-            .ok_or_else(|| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!("no CUDA region is registered on the client's device {client_device}"))))
+        self.devices.get(&client_device).copied().ok_or_else(|| {
+            RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!(
+                "no CUDA region is registered on the client's device {client_device}"
+            )))
+        })
     }
 
     /// The session's stream on the sidecar's device `device`, created at

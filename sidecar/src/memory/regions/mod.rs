@@ -84,15 +84,37 @@ impl Region {
     /// Opens, checks and maps the host shm segment `shm_name` for a peer of
     /// `peer_uid`; `hand_over`: the client registered it as a hand-over
     /// region ([`Region::hands_over`]).
-    pub fn open_shm(region_id: u32, shm_name: &str, len_bytes: u64, peer_uid: u32, hand_over: bool) -> Result<Region, RegionError> {
-        Ok(Region { region_id, len_bytes, hand_over, memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?) })
+    pub fn open_shm(
+        region_id: u32,
+        shm_name: &str,
+        len_bytes: u64,
+        peer_uid: u32,
+        hand_over: bool,
+    ) -> Result<Region, RegionError> {
+        Ok(Region {
+            region_id,
+            len_bytes,
+            hand_over,
+            memory: Memory::HostShm(ShmMemory::open(shm_name, len_bytes, peer_uid)?),
+        })
     }
 
     /// Opens the CUDA allocation `source` names on `device` (a legacy IPC
     /// handle, or a VMM allocation's fd); its copies run on `stream` (the
     /// session's).
-    pub fn open_cuda(region_id: u32, source: CudaSource, device: i32, len_bytes: u64, stream: std::sync::Arc<SessionStream>) -> Result<Region, RegionError> {
-        Ok(Region { region_id, len_bytes, hand_over: false, memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?) })
+    pub fn open_cuda(
+        region_id: u32,
+        source: CudaSource,
+        device: i32,
+        len_bytes: u64,
+        stream: std::sync::Arc<SessionStream>,
+    ) -> Result<Region, RegionError> {
+        Ok(Region {
+            region_id,
+            len_bytes,
+            hand_over: false,
+            memory: Memory::Cuda(CudaMemory::open(source, device, len_bytes, stream)?),
+        })
     }
 
     /// Whether the client hands this region's bytes over at each save: it
@@ -116,12 +138,22 @@ impl Region {
         }
         for p in pieces {
             let Memory::Cuda(m) = &p.memory else {
-                return Err(RegionError::Span(format!("piece region {} is {} memory, not one CUDA allocation", p.region_id, p.kind())));
+                return Err(RegionError::Span(format!(
+                    "piece region {} is {} memory, not one CUDA allocation",
+                    p.region_id,
+                    p.kind()
+                )));
             };
             if *device.get_or_insert(m.device()) != m.device() {
-                return Err(RegionError::Span(format!("piece region {} lies on CUDA device {}, the span's first piece on {}", p.region_id, m.device(), device.unwrap_or(0))));
+                return Err(RegionError::Span(format!(
+                    "piece region {} lies on CUDA device {}, the span's first piece on {}",
+                    p.region_id,
+                    m.device(),
+                    device.unwrap_or(0)
+                )));
             }
-            let next = at.checked_add(p.len_bytes).ok_or_else(|| RegionError::Span("the pieces' lengths overflow".into()))?;
+            let next =
+                at.checked_add(p.len_bytes).ok_or_else(|| RegionError::Span("the pieces' lengths overflow".into()))?;
             parts.push((at, p));
             at = next;
         }
@@ -165,7 +197,11 @@ impl Region {
     /// A span's pieces that `len` bytes at `offset_bytes` touch, in order:
     /// (piece, offset in the piece, offset in the range, length). The range
     /// lies in the span (callers check), so the parts cover it exactly.
-    fn span_parts(pieces: &[(u64, std::sync::Arc<Region>)], offset_bytes: u64, len: u64) -> impl Iterator<Item = (&Region, u64, u64, u64)> {
+    fn span_parts(
+        pieces: &[(u64, std::sync::Arc<Region>)],
+        offset_bytes: u64,
+        len: u64,
+    ) -> impl Iterator<Item = (&Region, u64, u64, u64)> {
         let end = offset_bytes + len;
         pieces.iter().filter_map(move |(at, p)| {
             let (lo, hi) = (offset_bytes.max(*at), end.min(at + p.len_bytes));
@@ -177,7 +213,12 @@ impl Region {
     pub fn contains(&self, offset_bytes: u64, len_bytes: u64) -> Result<(), RegionError> {
         match offset_bytes.checked_add(len_bytes) {
             Some(end) if end <= self.len_bytes => Ok(()),
-            _ => Err(RegionError::OutOfBounds { region_id: self.region_id, offset_bytes, len_bytes, region_bytes: self.len_bytes }),
+            _ => Err(RegionError::OutOfBounds {
+                region_id: self.region_id,
+                offset_bytes,
+                len_bytes,
+                region_bytes: self.len_bytes,
+            }),
         }
     }
 
@@ -192,7 +233,10 @@ impl Region {
     /// `dst..dst+len` is writable and no one else's for the call, and the
     /// range was checked with [`Region::contains`].
     pub unsafe fn copy_out(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> u32 {
-        assert!(self.contains(offset_bytes, len as u64).is_ok(), "copy_out outside the region (callers check bounds first)");
+        assert!(
+            self.contains(offset_bytes, len as u64).is_ok(),
+            "copy_out outside the region (callers check bounds first)"
+        );
         match &self.memory {
             // SAFETY: the caller's contract; bounds asserted above.
             Memory::HostShm(m) => unsafe { m.copy_out(offset_bytes, dst, len, crc) },
@@ -223,7 +267,10 @@ impl Region {
     /// # Safety
     /// As [`Region::copy_out`].
     pub unsafe fn copy_out_summed(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> (u32, u128) {
-        assert!(self.contains(offset_bytes, len as u64).is_ok(), "copy_out outside the region (callers check bounds first)");
+        assert!(
+            self.contains(offset_bytes, len as u64).is_ok(),
+            "copy_out outside the region (callers check bounds first)"
+        );
         match &self.memory {
             // SAFETY: the caller's contract; bounds asserted above.
             Memory::HostShm(m) => unsafe { m.copy_out_summed(offset_bytes, dst, len, crc) },
@@ -253,7 +300,10 @@ impl Region {
             Memory::HostShm(_) => false,
             Memory::Cuda(m) => {
                 for &(off, _, len) in ranges {
-                    assert!(self.contains(off, len as u64).is_ok(), "queue_batch outside the region (callers check bounds first)");
+                    assert!(
+                        self.contains(off, len as u64).is_ok(),
+                        "queue_batch outside the region (callers check bounds first)"
+                    );
                 }
                 // SAFETY: the caller's contract; bounds asserted above.
                 unsafe { m.queue_batch(ranges) };
@@ -262,9 +312,13 @@ impl Region {
             Memory::CudaSpan(ps) => {
                 let mut per_piece: Vec<Vec<(u64, *mut u8, usize)>> = vec![Vec::new(); ps.len()];
                 for &(off, dst, len) in ranges {
-                    assert!(self.contains(off, len as u64).is_ok(), "queue_batch outside the region (callers check bounds first)");
+                    assert!(
+                        self.contains(off, len as u64).is_ok(),
+                        "queue_batch outside the region (callers check bounds first)"
+                    );
                     for (p, at, d, n) in Self::span_parts(ps, off, len as u64) {
-                        let k = ps.iter().position(|(_, q)| std::ptr::eq(&**q, p)).expect("a part of one of the pieces");
+                        let k =
+                            ps.iter().position(|(_, q)| std::ptr::eq(&**q, p)).expect("a part of one of the pieces");
                         per_piece[k].push((at, dst.wrapping_add(d as usize), n as usize));
                     }
                 }
@@ -397,11 +451,18 @@ mod tests {
             .collect();
         let at = [0u64, 4096, 12288];
         let ps: Vec<(u64, Arc<Region>)> = at.iter().copied().zip(pieces.iter().cloned()).collect();
-        let parts: Vec<(u32, u64, u64, u64)> = Region::span_parts(&ps, 2048, 12288).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect();
+        let parts: Vec<(u32, u64, u64, u64)> =
+            Region::span_parts(&ps, 2048, 12288).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect();
         assert_eq!(parts, [(1, 2048, 0, 2048), (2, 0, 2048, 8192), (3, 0, 10240, 2048)]);
         // Inside one piece: one part; at a bound: the next piece only.
-        assert_eq!(Region::span_parts(&ps, 5000, 100).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(), [(2, 904, 0, 100)]);
-        assert_eq!(Region::span_parts(&ps, 12288, 4096).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(), [(3, 0, 0, 4096)]);
+        assert_eq!(
+            Region::span_parts(&ps, 5000, 100).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(),
+            [(2, 904, 0, 100)]
+        );
+        assert_eq!(
+            Region::span_parts(&ps, 12288, 4096).map(|(p, off, d, n)| (p.region_id, off, d, n)).collect::<Vec<_>>(),
+            [(3, 0, 0, 4096)]
+        );
         let e = Region::open_cuda_span(9, pieces.clone()).err().expect("host pieces refused").to_string();
         assert!(e.contains("piece region 1 is host-shm memory, not one CUDA allocation"), "{e}");
         let e = Region::open_cuda_span(9, pieces[..1].to_vec()).err().expect("one piece refused").to_string();

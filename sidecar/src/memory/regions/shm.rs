@@ -102,7 +102,11 @@ impl ShmMemory {
         }
         // SAFETY: raw is a descriptor we just opened and own exclusively.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let st = fstat(fd.as_raw_fd()).map_err(|source| RegionError::Os { name: shm_name.to_string(), what: "fstat", source })?;
+        let st = fstat(fd.as_raw_fd()).map_err(|source| RegionError::Os {
+            name: shm_name.to_string(),
+            what: "fstat",
+            source,
+        })?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(RegionError::NotRegular { name: shm_name.to_string() });
         }
@@ -116,14 +120,25 @@ impl ShmMemory {
             std::ptr::null()
         } else {
             if usize::try_from(len_bytes).is_err() || len_bytes > isize::MAX as u64 {
-                return Err(RegionError::TooSmall { name: shm_name.to_string(), size_bytes: st.st_size as u64, len_bytes });
+                return Err(RegionError::TooSmall {
+                    name: shm_name.to_string(),
+                    size_bytes: st.st_size as u64,
+                    len_bytes,
+                });
             }
             // MAP_POPULATE fills the page tables now, at registration, so the
             // copy at save time runs at memcpy speed without page faults.
             // SAFETY: a new shared read-only mapping of an fd we own, no
             // address hint; checked against MAP_FAILED.
             let p = unsafe {
-                libc::mmap(std::ptr::null_mut(), len_bytes as usize, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_POPULATE, fd.as_raw_fd(), 0)
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len_bytes as usize,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED | libc::MAP_POPULATE,
+                    fd.as_raw_fd(),
+                    0,
+                )
             };
             if p == libc::MAP_FAILED {
                 return Err(os(shm_name, "mmap"));
@@ -131,7 +146,14 @@ impl ShmMemory {
             p as *const u8
         };
         install_fault_handler();
-        Ok(ShmMemory { shm_name: shm_name.to_string(), len_bytes, fd, ptr, truncated: AtomicBool::new(false), rw: std::sync::Mutex::new(0) })
+        Ok(ShmMemory {
+            shm_name: shm_name.to_string(),
+            len_bytes,
+            fd,
+            ptr,
+            truncated: AtomicBool::new(false),
+            rw: std::sync::Mutex::new(0),
+        })
     }
 
     /// Runs `f`, which reads this region's mapping (through pointers from
@@ -139,7 +161,15 @@ impl ShmMemory {
     /// region: if the client truncated the segment, the read sees zeros
     /// instead of killing the sidecar, and [`ShmMemory::check_intact`] fails.
     pub fn read<R>(&self, f: impl FnOnce() -> R) -> R {
-        arm(Armed { start: self.ptr as usize, len: self.len_bytes as usize, writable: false, truncated: &self.truncated }, f)
+        arm(
+            Armed {
+                start: self.ptr as usize,
+                len: self.len_bytes as usize,
+                writable: false,
+                truncated: &self.truncated,
+            },
+            f,
+        )
     }
 
     /// A second mapping of the segment, writable, for a load that reads
@@ -258,7 +288,11 @@ impl ShmMemory {
     /// shrunk segment would fault the copy) and that no read found it
     /// shrunk: before a copy, and after it (the client may truncate during).
     pub fn check_intact(&self) -> Result<(), RegionError> {
-        let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os { name: self.shm_name.clone(), what: "fstat", source })?;
+        let st = fstat(self.fd.as_raw_fd()).map_err(|source| RegionError::Os {
+            name: self.shm_name.clone(),
+            what: "fstat",
+            source,
+        })?;
         if self.was_truncated() {
             // A fault with the segment still long enough: a page of it could
             // not be backed (the tmpfs under /dev/shm, or the memory limit, is full).
@@ -268,7 +302,11 @@ impl ShmMemory {
             return Err(RegionError::Truncated { name: self.shm_name.clone() });
         }
         if (st.st_size as u64) < self.len_bytes {
-            return Err(RegionError::TooSmall { name: self.shm_name.clone(), size_bytes: st.st_size as u64, len_bytes: self.len_bytes });
+            return Err(RegionError::TooSmall {
+                name: self.shm_name.clone(),
+                size_bytes: st.st_size as u64,
+                len_bytes: self.len_bytes,
+            });
         }
         Ok(())
     }
@@ -294,7 +332,12 @@ impl ShmMemory {
             let n = (bytes.len() - done).min(config::LOAD_PWRITE_BYTES_MAX);
             // SAFETY: bytes[done..done+n] is a live slice; the fd is ours.
             let r = unsafe {
-                libc::pwrite(self.fd.as_raw_fd(), bytes.as_ptr().add(done).cast(), n, (offset_bytes + done as u64) as libc::off_t)
+                libc::pwrite(
+                    self.fd.as_raw_fd(),
+                    bytes.as_ptr().add(done).cast(),
+                    n,
+                    (offset_bytes + done as u64) as libc::off_t,
+                )
             };
             if r < 0 {
                 let e = io::Error::last_os_error();
@@ -308,7 +351,11 @@ impl ShmMemory {
                 return Err(RegionError::Os { name: self.shm_name.clone(), what: "pwrite", source: e });
             }
             if r == 0 {
-                return Err(RegionError::Os { name: self.shm_name.clone(), what: "pwrite", source: io::Error::from(io::ErrorKind::WriteZero) });
+                return Err(RegionError::Os {
+                    name: self.shm_name.clone(),
+                    what: "pwrite",
+                    source: io::Error::from(io::ErrorKind::WriteZero),
+                });
             }
             done += r as usize;
         }
@@ -438,7 +485,10 @@ use config::COPY_CRC_LANE_BYTES as CRC_LANE_BYTES;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2,sse4.1")]
 unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> u32 {
-    use std::arch::x86_64::{__m128i, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128, _mm_stream_si64};
+    use std::arch::x86_64::{
+        __m128i, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128,
+        _mm_stream_si64,
+    };
     // Raw (uninverted) crc state, as the instruction keeps it.
     let mut state: u32 = !0;
     // Byte stores up to a 16-byte aligned destination.
@@ -667,7 +717,16 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
             // replacing it with private zero pages changes only what our
             // accesses of it see and where our stores land (nowhere the
             // client sees). Checked against MAP_FAILED.
-            let p = unsafe { libc::mmap(from as *mut libc::c_void, end - from, prot, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0) };
+            let p = unsafe {
+                libc::mmap(
+                    from as *mut libc::c_void,
+                    end - from,
+                    prot,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
             if p != libc::MAP_FAILED {
                 // SAFETY: `truncated` points into the ShmMemory that `read`
                 // borrows for as long as ARMED names it.
@@ -677,7 +736,9 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
         }
     }
     // SAFETY: PREVIOUS was filled before this handler was installed.
-    unsafe { libc::sigaction(libc::SIGBUS, std::ptr::addr_of!(PREVIOUS).cast::<libc::sigaction>(), std::ptr::null_mut()) };
+    unsafe {
+        libc::sigaction(libc::SIGBUS, std::ptr::addr_of!(PREVIOUS).cast::<libc::sigaction>(), std::ptr::null_mut())
+    };
 }
 
 fn fstat(fd: i32) -> io::Result<libc::stat> {
@@ -747,8 +808,15 @@ mod tests {
                     let mut dst = vec![0xAAu8; 4096 + 200];
                     // SAFETY: both ranges lie inside their vectors, which are distinct.
                     unsafe { copy_streaming(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
-                    assert_eq!(&dst[dst_off..dst_off + len], &src[src_off..src_off + len], "src+{src_off} dst+{dst_off} len {len}");
-                    assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA), "wrote outside: src+{src_off} dst+{dst_off} len {len}");
+                    assert_eq!(
+                        &dst[dst_off..dst_off + len],
+                        &src[src_off..src_off + len],
+                        "src+{src_off} dst+{dst_off} len {len}"
+                    );
+                    assert!(
+                        dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA),
+                        "wrote outside: src+{src_off} dst+{dst_off} len {len}"
+                    );
                 }
             }
         }
@@ -759,10 +827,23 @@ mod tests {
         let src: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
         for src_off in [0usize, 1, 7, 8, 13] {
             for dst_off in [0usize, 1, 5, 8, 64] {
-                for len in [0usize, 1, 7, 8, 9, 63, 4096, 3 * CRC_LANE_BYTES - 1, 3 * CRC_LANE_BYTES, 3 * CRC_LANE_BYTES + 9, 150_001] {
+                for len in [
+                    0usize,
+                    1,
+                    7,
+                    8,
+                    9,
+                    63,
+                    4096,
+                    3 * CRC_LANE_BYTES - 1,
+                    3 * CRC_LANE_BYTES,
+                    3 * CRC_LANE_BYTES + 9,
+                    150_001,
+                ] {
                     let mut dst = vec![0xAAu8; 160_000];
                     // SAFETY: both ranges lie inside their vectors, which are distinct.
-                    let c = unsafe { copy_streaming_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    let c =
+                        unsafe { copy_streaming_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
                     store_fence();
                     let want = &src[src_off..src_off + len];
                     assert_eq!(&dst[dst_off..dst_off + len], want, "src+{src_off} dst+{dst_off} len {len}");
@@ -866,7 +947,10 @@ mod tests {
             let mut status = 0;
             // SAFETY: waiting for our own child.
             assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-            assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS, "armed for another region: {armed_for_other}, status {status:#x}");
+            assert!(
+                libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS,
+                "armed for another region: {armed_for_other}, status {status:#x}"
+            );
         }
         assert!(!r.was_truncated() && !other.was_truncated());
     }
@@ -890,14 +974,18 @@ mod tests {
         if pid == 0 {
             // SAFETY: dst..dst+len is the writable mapping of the region, src is ours.
             w.run(|| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) });
-            let code = if r.was_truncated() && matches!(r.check_intact(), Err(RegionError::Truncated { .. })) { 0 } else { 3 };
+            let code =
+                if r.was_truncated() && matches!(r.check_intact(), Err(RegionError::Truncated { .. })) { 0 } else { 3 };
             // SAFETY: leaving the child without running the test harness.
             unsafe { libc::_exit(code) };
         }
         let mut status = 0;
         // SAFETY: waiting for our own child.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child died or saw no truncation: status {status:#x}");
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child died or saw no truncation: status {status:#x}"
+        );
         // In this process too: the bytes still backed hold what was stored.
         // SAFETY: as in the child.
         w.run(|| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) });
@@ -920,7 +1008,9 @@ mod tests {
 
     #[test]
     fn shm_names_with_path_tricks_are_refused() {
-        for bad in ["", "/", "x", "/a/b", "/../etc/passwd", "/..", "/.", "/a\0b", "/a\nb", &format!("/{}", "x".repeat(255))] {
+        for bad in
+            ["", "/", "x", "/a/b", "/../etc/passwd", "/..", "/.", "/a\0b", "/a\nb", &format!("/{}", "x".repeat(255))]
+        {
             assert!(validate_shm_name(bad).is_err(), "{bad:?}");
         }
         for good in ["/ckpt-1-0-0123456789abcdef", "/a", "/.hidden"] {

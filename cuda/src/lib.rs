@@ -482,6 +482,7 @@ pub struct IpcEvent {
 // SAFETY: a CUevent is a driver handle, usable from any thread once the
 // context is current (every method binds it).
 unsafe impl Send for IpcEvent {}
+// SAFETY: as for Send: shared use goes through the driver, which is thread-safe once bound.
 unsafe impl Sync for IpcEvent {}
 
 impl IpcEvent {
@@ -729,6 +730,7 @@ pub struct OpenedEvent {
 
 // SAFETY: a driver handle; every use binds the context first.
 unsafe impl Send for OpenedEvent {}
+// SAFETY: as for Send: shared use goes through the driver, which is thread-safe once bound.
 unsafe impl Sync for OpenedEvent {}
 
 impl OpenedEvent {
@@ -780,6 +782,7 @@ pub struct Stream {
 // SAFETY: a driver handle; the driver serialises work on a stream, and every
 // use binds the context first.
 unsafe impl Send for Stream {}
+// SAFETY: as for Send: shared use goes through the driver, which is thread-safe once bound.
 unsafe impl Sync for Stream {}
 
 impl Stream {
@@ -880,6 +883,7 @@ pub struct LocalEvent {
 
 // SAFETY: a driver handle; every use binds the context first.
 unsafe impl Send for LocalEvent {}
+// SAFETY: as for Send: shared use goes through the driver, which is thread-safe once bound.
 unsafe impl Sync for LocalEvent {}
 
 impl LocalEvent {

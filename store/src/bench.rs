@@ -52,8 +52,9 @@ struct Cpu {
 }
 
 fn cpu_now() -> Cpu {
-    // SAFETY: getrusage fills the struct we pass.
+    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only fills the struct we pass, which outlives the call.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
     Cpu { user_s: t(u.ru_utime), sys_s: t(u.ru_stime) }

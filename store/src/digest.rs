@@ -82,6 +82,9 @@ pub fn block_digest(bytes: &[u8]) -> u128 {
 /// the block (each while it is in cache), then [`BlockHasher::finish`].
 pub struct BlockHasher(Inner);
 
+// The dispatched hasher stays inline: a BlockHasher lives on one copy
+// thread's stack for one block, and boxing it would allocate on the data path.
+#[allow(clippy::large_enum_variant)]
 enum Inner {
     Dispatched(twox_hash::XxHash3_128),
     Portable(Box<Xxh3>),

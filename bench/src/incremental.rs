@@ -1,4 +1,4 @@
-//! `bench incremental`: incremental checkpoints (issue 21) measured with a
+//! `bench incremental`: incremental checkpoints measured with a
 //! real client against real sidecar processes, in one run:
 //!
 //! 1. a LoRA-like state (a frozen base, and adapters whose parameters and

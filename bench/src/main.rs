@@ -55,7 +55,7 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Incremental checkpoints (issue 21): a LoRA-like state saved every
+    /// Incremental checkpoints: a LoRA-like state saved every
     /// step (bytes written and time to durable beside saving the changed
     /// tensors alone, through a second sidecar), and a full save with
     /// detection on vs off, alternated. Subfolders of DIR are replaced.

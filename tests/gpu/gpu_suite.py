@@ -42,7 +42,7 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
   file byte-identical to the original torch.save's, none fell back to the
   host way; then a CPU-only state saved with CUDA initialised runs no
   skip_data pass;
-- sidecar_killed_trainer_steps_on (issue 18, hazard 1): copies queued
+- sidecar_killed_trainer_steps_on: copies queued
   behind a long kernel (torch.cuda._sleep before save: the sidecar's copy
   cannot have run), the optimizer step under guard(optimizer) queued, the
   sidecar SIGKILLed: the trainer's next step completes within 5 s of the
@@ -57,7 +57,7 @@ Checks (each "passed" or "FAILED: why"; the exit status is 1 if any failed):
 - two_ranks_visible_devices (hazard 3): two ranks with different
   CUDA_VISIBLE_DEVICES orders save their cuda:0 tensors as parts of one
   step, loaded back bit-exact (skipped, saying so, with one GPU);
-- dcp_cuda (issue 18): dcp.save and dcp.async_save (no_dist) of 1 GiB of
+- dcp_cuda: dcp.save and dcp.async_save (no_dist) of 1 GiB of
   CUDA tensors through SidecarWriter: no trainer-side host copy (the parts'
   copied_bytes are 0), the trainer's stall inside async_save (warm: a
   first async_save makes the sidecar's context) under half the time a

@@ -152,6 +152,7 @@ impl Client {
         Ok(client)
     }
 
+    /// Where this client connects, and reconnects.
     pub fn socket_path(&self) -> &Path {
         &self.socket_path
     }

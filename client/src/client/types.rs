@@ -153,7 +153,7 @@ pub struct SaveStatus {
     /// Why it failed, when `state` is Failed.
     pub error: Option<String>,
     /// The drain target it was replicated to, once a
-    /// [`super::Client::wait_replicated`] saw it (protocol 13).
+    /// [`super::Client::wait_replicated`] saw it.
     pub replicated_to: Option<String>,
 }
 

@@ -1,6 +1,6 @@
 //! The client's errors: one variant per way a call can fail, each with text
 //! a trainer's operator can act on. The C ABI maps each to a `CKPT_E_*`
-//! status code ([`Error::status`]) and its Display text to `ckpt_last_error()`.
+//! status code (`ckpt_shim::ffi::status_of`) and its Display text to `ckpt_last_error()`.
 
 use std::path::PathBuf;
 

@@ -4,7 +4,13 @@
 //! - [`client`]: connect, allocate shared-memory regions, save (asynchronous:
 //!   released, then durable), wait/poll, load, list, status, reconnect after
 //!   a sidecar restart.
-//! - [`region`]: POSIX shared-memory segments (the only `unsafe`).
+//! - [`region`]: POSIX shared-memory segments.
+//! - [`done_word`]: the page-locked word a trainer's stream waits on for a
+//!   device save's copy.
+//! - [`error`]: the client's [`Error`].
+//!
+//! `unsafe` lives in `region`, `done_word` and the client's socket writes
+//! (descriptor passing) and fork handler, each behind a safe API.
 //!
 //! This crate runs nothing at load time. libckpt (crate `ckpt-shim`) is the
 //! C ABI over it and alone holds the preload constructor, so a Rust program

@@ -348,8 +348,8 @@ mod tests {
 
     #[test]
     fn create_reserves_the_segments_pages() {
-        // Issue 19, defect 2: a sparse segment faulted in on a full /dev/shm
-        // killed the trainer with SIGBUS; every page is allocated up front.
+        // A sparse segment faulted in on a full /dev/shm would kill the
+        // trainer with SIGBUS; every page is allocated up front.
         let len_bytes = 3 << 20;
         let r = ShmRegion::create(4, len_bytes).unwrap();
         let meta = fs::metadata(format!("/dev/shm{}", r.shm_name())).unwrap();
@@ -379,12 +379,14 @@ mod tests {
             // SAFETY: valid C string; the fd is closed at once.
             let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o600) };
             assert!(fd >= 0);
+            // SAFETY: `fd` was just opened here and is closed once.
             unsafe { libc::close(fd) };
         }
         sweep_stale();
         assert!(fs::metadata(format!("/dev/shm{dead}")).is_err());
         assert!(fs::metadata(format!("/dev/shm{mine}")).is_ok());
         let c = CString::new(mine.as_str()).unwrap();
+        // SAFETY: `c` is a valid C string naming this test's own segment.
         unsafe { libc::shm_unlink(c.as_ptr()) };
     }
 }

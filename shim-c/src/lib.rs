@@ -4,8 +4,8 @@
 //!   connect, allocate shared-memory regions, save (asynchronous: released,
 //!   then durable), wait/poll, load, list, status, reconnect after a sidecar
 //!   restart.
-//! - [`ffi`]: the C ABI over it (`include/ckpt.h`, prefix `ckpt_`, integer
-//!   status codes, `ckpt_last_error()`, no panic crosses it).
+//! - [`ffi`]: the C ABI over it, one file per area (`include/ckpt.h`, prefix
+//!   `ckpt_`, integer status codes, `ckpt_last_error()`, no panic crosses it).
 //! - [`preload`]: what happens when the library is loaded with
 //!   `CKPT_SIDECAR_PRELOAD=1` (connect from the environment, SIGTERM becomes
 //!   the preemption flag).
@@ -20,7 +20,6 @@
 pub use ckpt_client::{client, error, region};
 
 pub mod ffi;
-pub mod ffi_cuda;
 pub mod preload;
 pub mod sigterm;
 

@@ -15,13 +15,12 @@
 //! that reason. Every process that inherits `CKPT_SIDECAR_PRELOAD=1` (e.g.
 //! torchrun's workers, a shell's children) connects: one idle session each.
 //!
-//!
 //! The SIGTERM handler itself is `sigterm.rs`'s; the default client's pointer
-//! is kept by `ffi.rs` (`ckpt_default_client`).
+//! is kept by `ffi/process.rs` (`ckpt_default_client`).
 
 use crate::client::Client;
 use crate::ffi::{
-    close_client_in_place, default_client_ptr, new_boxed_client, set_default_client, set_default_client_error,
+    ckpt_client, close_client_in_place, default_client_ptr, set_default_client, set_default_client_error,
 };
 use crate::sigterm::install_sigterm_handler;
 
@@ -32,7 +31,7 @@ extern "C" fn close_default_at_exit() {
     let _ = std::panic::catch_unwind(|| {
         let p = default_client_ptr();
         if !p.is_null() {
-            // SAFETY: `p` came from new_boxed_client and is never freed.
+            // SAFETY: `p` came from ckpt_client::new_boxed and is never freed.
             unsafe { close_client_in_place(p) };
         }
     });
@@ -54,7 +53,7 @@ extern "C" fn on_load() {
         }
         match Client::connect(None) {
             Ok(client) => {
-                set_default_client(new_boxed_client(client));
+                set_default_client(ckpt_client::new_boxed(client));
                 // SAFETY: registering a plain extern "C" fn with atexit.
                 unsafe { libc::atexit(close_default_at_exit) };
             }

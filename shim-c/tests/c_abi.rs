@@ -148,6 +148,7 @@ fn preload_mode_one_sigterm_sets_the_flag_a_second_terminates() {
     unsafe { libc::kill(pid, libc::SIGTERM) };
     std::thread::sleep(Duration::from_millis(300));
     assert!(child.try_wait().unwrap().is_none(), "one SIGTERM must only set the preemption flag");
+    // SAFETY: signalling our own child, still running (checked just above).
     unsafe { libc::kill(pid, libc::SIGTERM) };
     let t0 = Instant::now();
     let status = loop {

@@ -1,12 +1,15 @@
-//! The C ABI's CUDA functions (protocol 4): device memory registered by
-//! pointer, saves fenced by an interprocess event recorded on the trainer's
-//! stream. Same conventions as [`crate::ffi`] (status codes, last error,
-//! catch_unwind); `include/ckpt.h` is generated from both files.
+//! The ABI's CUDA calls: device memory registered by pointer, saves fenced
+//! by an interprocess event recorded on the trainer's stream, and the
+//! stream wait for a save's copy. Same conventions as the rest of
+//! [`crate::ffi`] (status codes, last error, catch_unwind).
 
 use std::ffi::{c_int, c_void};
 
+use super::args::{client, out};
+use super::errors::guard;
+use super::save::save_with;
+use super::types::{ckpt_blob, ckpt_client, ckpt_tensor};
 use crate::error::Error;
-use crate::ffi::{ckpt_blob, ckpt_client, ckpt_tensor, client, guard, out, save_with};
 
 /// CKPT_OK if a CUDA driver with at least one device is there, else
 /// CKPT_E_CUDA with the reason in ckpt_last_error() ("no CUDA driver ...").

@@ -1,0 +1,311 @@
+//! The ABI's loads: tensors into the caller's places, or all of them packed
+//! into one range; then what the last load found (its tensors, blobs,
+//! offsets, and why it fell back), kept with C strings on the client.
+//!
+//! Invariant: the strings and shapes handed out stay valid until the next
+//! successful load or the close of that client.
+
+use std::ffi::{c_char, c_int, c_void, CString};
+
+use ckpt_wire::LoadSource;
+
+use super::args::{c_str, client, out, slice, tensor_refs};
+use super::codes::{CKPT_SOURCE_DISK, CKPT_SOURCE_RAM};
+use super::errors::{guard, invalid};
+use super::types::{ckpt_client, ckpt_tensor};
+use crate::client::LoadInfo;
+use crate::error::Error;
+
+/// What the last successful load returned, with C strings for its tensors'
+/// names and dtypes (handed out by ckpt_loaded_tensor).
+pub(super) struct LoadedC {
+    pub(super) info: LoadInfo,
+    pub(super) names: Vec<CString>,
+    pub(super) dtypes: Vec<CString>,
+}
+
+/// Loads checkpoint `step` (-1: the latest good one) into the places the
+/// `n_tensors` descriptors name (`data` = destination inside memory from
+/// ckpt_alloc; name, dtype, shape and len_bytes must match the checkpoint).
+/// With n_tensors 0 it only reports what the checkpoint holds. Stores the
+/// step loaded in *out_step and CKPT_SOURCE_RAM / CKPT_SOURCE_DISK in
+/// *out_source (either may be NULL). Blobs and the full tensor list are then
+/// available through ckpt_loaded_blob / ckpt_loaded_tensor.
+///
+/// # Safety
+/// `client` is a live client; `tensors` points to `n_tensors` valid
+/// descriptors (or NULL with 0); non-NULL out-pointers are writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_load(
+    client: *mut ckpt_client,
+    step: i64,
+    tensors: *const ckpt_tensor,
+    n_tensors: usize,
+    out_step: *mut u64,
+    out_source: *mut c_int,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        let step = load_step(step)?;
+        // SAFETY: `tensors` holds `n_tensors` valid descriptors, or is NULL with 0 (the caller's contract).
+        let ts = unsafe { tensor_refs(slice(tensors, n_tensors, "tensors")?) }?;
+        let info = c.client.load(step, &ts)?;
+        // SAFETY: non-NULL out-pointers are writable (the caller's contract).
+        unsafe { c.loaded(info, out_step, out_source) };
+        Ok(())
+    })
+}
+
+/// A load's step argument: -1 for the latest good checkpoint, else a step.
+fn load_step(step: i64) -> Result<Option<u64>, Error> {
+    match step {
+        -1 => Ok(None),
+        s if s >= 0 => Ok(Some(s as u64)),
+        s => Err(invalid(format!("step {s}: expected a step >= 0 or -1 for the latest"))),
+    }
+}
+
+impl ckpt_client {
+    /// Records a load that succeeded (what ckpt_loaded_* report) and stores
+    /// its step and source in the out-pointers that are not NULL.
+    ///
+    /// # Safety
+    /// Non-NULL out-pointers are writable.
+    unsafe fn loaded(&self, info: LoadInfo, out_step: *mut u64, out_source: *mut c_int) {
+        if !out_step.is_null() {
+            // SAFETY: writable by the contract.
+            unsafe { *out_step = info.step };
+        }
+        if !out_source.is_null() {
+            let source = match info.source {
+                LoadSource::Ram => CKPT_SOURCE_RAM,
+                LoadSource::Disk => CKPT_SOURCE_DISK,
+            };
+            // SAFETY: writable by the contract.
+            unsafe { *out_source = source };
+        }
+        let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("NULs removed");
+        let names = info.tensors.iter().map(|t| cstring(&t.name)).collect();
+        let dtypes = info.tensors.iter().map(|t| cstring(&t.dtype)).collect();
+        *self.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
+    }
+}
+
+/// Loads every tensor of checkpoint `step` (-1: the latest good one) into the
+/// `len_bytes` at `data` (inside memory from ckpt_alloc, 4096-byte aligned),
+/// verified, laid out as the sidecar chooses: ckpt_loaded_tensor_offset says
+/// where each tensor starts. From disk the sidecar reads straight into that
+/// memory (no copy). Stores the bytes the checkpoint needs in
+/// *out_need_bytes; when that is above `len_bytes` nothing was written and
+/// the tensor list only says what the checkpoint holds (call again with
+/// more). *out_step and *out_source as for ckpt_load; any out-pointer may be
+/// NULL. The memory is the caller's again when this returns.
+///
+/// # Safety
+/// `client` is a live client; `data` is memory from ckpt_alloc valid for
+/// `len_bytes`; non-NULL out-pointers are writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_load_packed(
+    client: *mut ckpt_client,
+    step: i64,
+    data: *mut c_void,
+    len_bytes: u64,
+    out_step: *mut u64,
+    out_source: *mut c_int,
+    out_need_bytes: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        let step = load_step(step)?;
+        let info = c.client.load_packed(step, data.cast::<u8>(), len_bytes)?;
+        if !out_need_bytes.is_null() {
+            // SAFETY: `out_need_bytes` is not NULL here; writable by the caller's contract.
+            unsafe { *out_need_bytes = info.need_bytes };
+        }
+        // SAFETY: non-NULL out-pointers are writable (the caller's contract).
+        unsafe { c.loaded(info, out_step, out_source) };
+        Ok(())
+    })
+}
+
+/// Where tensor `idx` of the last successful ckpt_load_packed starts, in
+/// bytes from its `data`; UINT64_MAX for a tensor stored in slices by
+/// several ranks (not contiguous there: load it with ckpt_load) and after a
+/// ckpt_load_packed that wrote nothing or a plain ckpt_load.
+///
+/// # Safety
+/// `client` is a live client; `offset` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_tensor_offset(client: *mut ckpt_client, idx: usize, offset: *mut u64) -> c_int {
+    guard(|| {
+        let offset = out(offset, "offset")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        if idx >= l.info.tensors.len() {
+            return Err(invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())));
+        }
+        // SAFETY: writable by the contract.
+        unsafe { *offset = l.info.offsets.get(idx).copied().unwrap_or(ckpt_wire::NOT_PLACED) };
+        Ok(())
+    })
+}
+
+/// Copies blob `name` of the last successful ckpt_load into `buf` (capacity
+/// `cap_bytes`) and stores its length in *len_bytes. With buf NULL and
+/// cap_bytes 0 it only stores the length. CKPT_E_TRUNCATED (length stored,
+/// nothing copied) when it does not fit; CKPT_E_NOT_FOUND when there is no
+/// such blob or no load yet.
+///
+/// # Safety
+/// `client` is a live client; `name` a C string; `buf` writable for
+/// `cap_bytes`; `len_bytes` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_blob(
+    client: *mut ckpt_client,
+    name: *const c_char,
+    buf: *mut c_void,
+    cap_bytes: u64,
+    len_bytes: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        // SAFETY: `name` is NULL or a NUL-terminated string (the caller's contract).
+        let name = unsafe { c_str(name, "name") }?;
+        let len_out = out(len_bytes, "len_bytes")?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let blob = last
+            .as_ref()
+            .and_then(|l| l.info.blobs.iter().find(|b| b.name == name))
+            .ok_or_else(|| Error::NoSuchBlob { name: name.to_string() })?;
+        // SAFETY: `buf` is writable for `cap_bytes` bytes or NULL, and `len_out` was
+        // checked non-NULL and is writable (the caller's contract).
+        unsafe { copy_out(&blob.bytes, buf, cap_bytes, len_out) }
+    })
+}
+
+/// Copies `bytes` into `buf` (capacity `cap_bytes`) and stores their length
+/// in *len_out: ckpt_loaded_blob's and ckpt_loaded_fell_back's contract.
+///
+/// # Safety
+/// `buf` writable for `cap_bytes` (or NULL); `len_out` writable.
+unsafe fn copy_out(bytes: &[u8], buf: *mut c_void, cap_bytes: u64, len_out: *mut u64) -> Result<(), Error> {
+    let len = bytes.len() as u64;
+    // SAFETY: writable by the contract.
+    unsafe { *len_out = len };
+    if buf.is_null() && cap_bytes == 0 {
+        return Ok(());
+    }
+    if cap_bytes < len || buf.is_null() {
+        return Err(Error::Truncated { len_bytes: len, cap_bytes });
+    }
+    // SAFETY: buf holds at least len bytes by the check and the contract.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), bytes.len()) };
+    Ok(())
+}
+
+/// Why the last successful ckpt_load or ckpt_load_packed of "latest" did not
+/// load a newer checkpoint (each newer step that would not load, "step N:
+/// reason", joined by "; "), copied into `buf` as ckpt_loaded_blob copies a
+/// blob; a length of 0 when it loaded the newest. CKPT_E_NOT_FOUND when
+/// there was no load yet.
+///
+/// # Safety
+/// `client` is a live client; `buf` writable for `cap_bytes`; `len_bytes`
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_fell_back(
+    client: *mut ckpt_client,
+    buf: *mut c_void,
+    cap_bytes: u64,
+    len_bytes: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        let len_out = out(len_bytes, "len_bytes")?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let text = last
+            .as_ref()
+            .map(|l| l.info.fell_back.join("; "))
+            .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        // SAFETY: `buf` is writable for `cap_bytes` bytes or NULL, and `len_out` was
+        // checked non-NULL and is writable (the caller's contract).
+        unsafe { copy_out(text.as_bytes(), buf, cap_bytes, len_out) }
+    })
+}
+
+/// How many tensors the checkpoint of the last successful ckpt_load holds
+/// (all of them, not only those loaded).
+///
+/// # Safety
+/// `client` is a live client; `n` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_tensor_count(client: *mut ckpt_client, n: *mut usize) -> c_int {
+    guard(|| {
+        let n = out(n, "n")?;
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let count = last
+            .as_ref()
+            .map(|l| l.info.tensors.len())
+            .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        // SAFETY: writable by the contract.
+        unsafe { *n = count };
+        Ok(())
+    })
+}
+
+/// Describes tensor `idx` (< ckpt_loaded_tensor_count) of the last successful
+/// ckpt_load. The strings and shape stay valid until the next ckpt_load or
+/// ckpt_close on this client. Any out-pointer may be NULL.
+///
+/// # Safety
+/// `client` is a live client; non-NULL out-pointers are writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_tensor(
+    client: *mut ckpt_client,
+    idx: usize,
+    name: *mut *const c_char,
+    dtype: *mut *const c_char,
+    shape: *mut *const u64,
+    ndim: *mut u32,
+    len_bytes: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        let t = l
+            .info
+            .tensors
+            .get(idx)
+            .ok_or_else(|| invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())))?;
+        // SAFETY: only non-NULL out-pointers are written, each writable (the caller's contract);
+        // what they point at lives in `last_load` until the next load or the close.
+        unsafe {
+            if !name.is_null() {
+                *name = l.names[idx].as_ptr();
+            }
+            if !dtype.is_null() {
+                *dtype = l.dtypes[idx].as_ptr();
+            }
+            if !shape.is_null() {
+                *shape = t.shape.as_ptr();
+            }
+            if !ndim.is_null() {
+                *ndim = t.shape.len() as u32;
+            }
+            if !len_bytes.is_null() {
+                *len_bytes = t.len_bytes;
+            }
+        }
+        Ok(())
+    })
+}

@@ -1,5 +1,7 @@
 //! What can go wrong on a tier. Every message names the target's URL (as
-//! given, credentials never part of it) and the object concerned.
+//! given, credentials never part of it) and the object concerned. The
+//! object store's errors are boxed: they are large, and every call of the
+//! tier returns a `Result` with this error.
 
 use std::path::PathBuf;
 
@@ -18,7 +20,7 @@ pub enum TierError {
         url: String,
         what: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// A request on one object failed (after the bounded retries).
@@ -28,7 +30,7 @@ pub enum TierError {
         op: &'static str,
         object: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// The object (or step) is not on the target.

@@ -582,7 +582,7 @@ impl Inner {
     fn store_err(&self, op: &'static str, p: &Path, e: object_store::Error) -> TierError {
         match e {
             object_store::Error::NotFound { .. } => TierError::NotFound { url: self.url.clone(), object: self.rel(p) },
-            e => TierError::Store { url: self.url.clone(), op, object: self.rel(p), source: e },
+            e => TierError::Store { url: self.url.clone(), op, object: self.rel(p), source: Box::new(e) },
         }
     }
 

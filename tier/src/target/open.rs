@@ -101,7 +101,7 @@ impl Target {
                     .map_err(|e| TierError::Open {
                         url: shown.clone(),
                         what: format!("directory {}", root.display()),
-                        source: e,
+                        source: Box::new(e),
                     })?
                     .with_fsync(true);
                 let fs: Arc<dyn ObjectStore> = Arc::new(fs);
@@ -119,7 +119,7 @@ impl Target {
                         TierError::Open {
                             url: shown.clone(),
                             what: "S3 configuration from the environment".into(),
-                            source: e,
+                            source: Box::new(e),
                         }
                     })
                 };
@@ -136,7 +136,7 @@ impl Target {
         rt.block_on(probe.list_with_delimiter(prefix_opt)).map_err(|e| TierError::Open {
             url: shown.clone(),
             what: "listing it with the credentials of the environment".into(),
-            source: e,
+            source: Box::new(e),
         })?;
         let parallel = opts.parallel.clamp(1, MAX_PARALLEL);
         let part_size = opts.part_size_bytes.max(MIN_PART_SIZE_BYTES);

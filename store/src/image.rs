@@ -138,19 +138,7 @@ impl Layout {
         changed: Option<&HashSet<String>>,
     ) -> Result<Layout, FormatError> {
         assert!(opts.n_dirs >= 1 && opts.shard_bytes_max > 0 && opts.world_size >= 1 && opts.rank < opts.world_size);
-        let mut seen = HashSet::new();
-        let mut lens = Vec::with_capacity(specs.len());
-        for s in &specs {
-            format::validate_tensor_name(&s.name)?;
-            if !seen.insert(s.name.as_str()) {
-                return Err(FormatError::DuplicateTensor(s.name.clone()));
-            }
-            lens.push(format::tensor_len_bytes(s.dtype, &s.shape).ok_or_else(|| FormatError::ShapeOverflow {
-                name: s.name.clone(),
-                shape: s.shape.clone(),
-                dtype: s.dtype,
-            })?);
-        }
+        let lens = tensor_lens(&specs)?;
         let (volatile, stable): (Vec<usize>, Vec<usize>) = if opts.incremental {
             (0..specs.len()).partition(|&i| changed.is_some_and(|c| c.contains(&specs[i].name)))
         } else {
@@ -162,26 +150,7 @@ impl Layout {
             .enumerate()
             .map(|(k, g)| (g, (k as u64 % n_dirs) as u32, false))
             .collect();
-        let bucket_max = config::STABLE_BUCKET_BYTES_MAX.min(opts.shard_bytes_max);
-        let mut bucket: Vec<usize> = Vec::new();
-        let mut bucket_bytes = 0u64;
-        let mut stable_groups = Vec::new();
-        for i in stable {
-            if lens[i] >= config::STABLE_OWN_SHARD_BYTES_MIN {
-                stable_groups.push(vec![i]);
-                continue;
-            }
-            if !bucket.is_empty() && bucket_bytes + lens[i] > bucket_max {
-                stable_groups.push(std::mem::take(&mut bucket));
-                bucket_bytes = 0;
-            }
-            bucket.push(i);
-            bucket_bytes += lens[i];
-        }
-        if !bucket.is_empty() {
-            stable_groups.push(bucket);
-        }
-        for mut g in stable_groups {
+        for mut g in stable_groups(&lens, stable, opts) {
             g.sort_by_key(|&i| std::cmp::Reverse(specs[i].dtype.size_bytes()));
             let dir_idx = (crc32c::crc32c(specs[g[0]].name.as_bytes()) as u64 % n_dirs) as u32;
             groups.push((g, dir_idx, true));
@@ -323,6 +292,52 @@ impl Layout {
             index_template: Default::default(),
         }
     }
+}
+
+/// Each tensor's bytes, its name checked and unique, its shape not
+/// overflowing.
+fn tensor_lens(specs: &[TensorSpec]) -> Result<Vec<u64>, FormatError> {
+    let mut seen = HashSet::new();
+    let mut lens = Vec::with_capacity(specs.len());
+    for s in specs {
+        format::validate_tensor_name(&s.name)?;
+        if !seen.insert(s.name.as_str()) {
+            return Err(FormatError::DuplicateTensor(s.name.clone()));
+        }
+        lens.push(format::tensor_len_bytes(s.dtype, &s.shape).ok_or_else(|| FormatError::ShapeOverflow {
+            name: s.name.clone(),
+            shape: s.shape.clone(),
+            dtype: s.dtype,
+        })?);
+    }
+    Ok(lens)
+}
+
+/// The stable tensors `stable` grouped into shards ([`Layout::plan_with`]):
+/// each of at least [`config::STABLE_OWN_SHARD_BYTES_MIN`] alone, the
+/// smaller ones in buckets of at most [`config::STABLE_BUCKET_BYTES_MAX`]
+/// (and the shard size cap), in the caller's order.
+fn stable_groups(lens: &[u64], stable: Vec<usize>, opts: LayoutOptions) -> Vec<Vec<usize>> {
+    let bucket_max = config::STABLE_BUCKET_BYTES_MAX.min(opts.shard_bytes_max);
+    let mut bucket: Vec<usize> = Vec::new();
+    let mut bucket_bytes = 0u64;
+    let mut groups = Vec::new();
+    for i in stable {
+        if lens[i] >= config::STABLE_OWN_SHARD_BYTES_MIN {
+            groups.push(vec![i]);
+            continue;
+        }
+        if !bucket.is_empty() && bucket_bytes + lens[i] > bucket_max {
+            groups.push(std::mem::take(&mut bucket));
+            bucket_bytes = 0;
+        }
+        bucket.push(i);
+        bucket_bytes += lens[i];
+    }
+    if !bucket.is_empty() {
+        groups.push(bucket);
+    }
+    groups
 }
 
 /// The tensors `which` grouped as [`Layout::plan`] always did: by

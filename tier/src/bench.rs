@@ -203,6 +203,43 @@ async fn plain_upload(
 /// Runs the four measurements once each, in this order: our upload, the
 /// plain upload, our download, the plain download (each upload from a
 /// cold page cache); then removes what it uploaded.
+/// The upload from memory timed ([`DrainBenchArgs::from_memory`]): the
+/// files lent from page-aligned buffers, committed, then deleted again.
+fn time_upload_from_memory(args: &DrainBenchArgs, t: &Target, bytes: u64) -> Result<f64, TierError> {
+    let mem = Arc::new(MemFiles::read(&args.files).map_err(|e| TierError::LocalIo {
+        url: args.url.clone(),
+        object: String::new(),
+        path: PathBuf::new(),
+        source: e,
+    })?);
+    let t0 = Instant::now();
+    let (_, from_memory) = t.upload_files_held(args.step, &args.files, mem)?;
+    t.commit_step(args.step, &args.index_json)?;
+    let secs = t0.elapsed().as_secs_f64();
+    assert_eq!(from_memory, bytes, "every byte lent was taken from memory");
+    t.delete_step(args.step)?;
+    Ok(secs)
+}
+
+/// Every file read whole through the plain client, its length checked.
+async fn plain_download(args: &DrainBenchArgs, plain: &dyn ObjectStore, plain_dir: &Path) -> Result<(), TierError> {
+    for f in &args.files {
+        let path = f.name.split('/').fold(plain_dir.clone(), |p, part| p.join(part));
+        let got = plain.get(&path).await.map_err(|e| store_err(&args.url, "get", &path, e))?;
+        let b = got.bytes().await.map_err(|e| store_err(&args.url, "get", &path, e))?;
+        if b.len() as u64 != f.len {
+            return Err(TierError::PastEnd {
+                url: args.url.clone(),
+                object: path.to_string(),
+                offset: 0,
+                len: f.len,
+                size: b.len() as u64,
+            });
+        }
+    }
+    Ok(())
+}
+
 pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let sub = format!("bench-drain-{:016x}", nonce());
     let ours_url = format!("{}/{sub}/ours", args.url.trim_end_matches('/'));
@@ -223,23 +260,8 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let bytes: u64 = args.files.iter().map(|f| f.len).sum();
 
     let result = (|| {
-        let upload_from_memory_seconds = if args.from_memory {
-            let mem = Arc::new(MemFiles::read(&args.files).map_err(|e| TierError::LocalIo {
-                url: args.url.clone(),
-                object: String::new(),
-                path: PathBuf::new(),
-                source: e,
-            })?);
-            let t0 = Instant::now();
-            let (_, from_memory) = t.upload_files_held(args.step, &args.files, mem)?;
-            t.commit_step(args.step, &args.index_json)?;
-            let secs = t0.elapsed().as_secs_f64();
-            assert_eq!(from_memory, bytes, "every byte lent was taken from memory");
-            t.delete_step(args.step)?;
-            Some(secs)
-        } else {
-            None
-        };
+        let upload_from_memory_seconds =
+            if args.from_memory { Some(time_upload_from_memory(args, &t, bytes)?) } else { None };
         drop_cache(&args.files);
         let t0 = Instant::now();
         t.upload_step(args.step, &args.files, &args.index_json)?;
@@ -259,29 +281,13 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
         }
         let download_seconds = t0.elapsed().as_secs_f64();
 
-        let plain_download = || {
+        let time_plain_download = || {
             drop_target_cache(&args.url, &sub);
             let t0 = Instant::now();
-            rt.block_on(async {
-                for f in &args.files {
-                    let path = f.name.split('/').fold(plain_dir.clone(), |p, part| p.join(part));
-                    let got = plain.get(&path).await.map_err(|e| store_err(&args.url, "get", &path, e))?;
-                    let b = got.bytes().await.map_err(|e| store_err(&args.url, "get", &path, e))?;
-                    if b.len() as u64 != f.len {
-                        return Err(TierError::PastEnd {
-                            url: args.url.clone(),
-                            object: path.to_string(),
-                            offset: 0,
-                            len: f.len,
-                            size: b.len() as u64,
-                        });
-                    }
-                }
-                Ok::<(), TierError>(())
-            })?;
+            rt.block_on(plain_download(args, plain.as_ref(), &plain_dir))?;
             Ok::<f64, TierError>(t0.elapsed().as_secs_f64())
         };
-        let plain_download_seconds = plain_download()?;
+        let plain_download_seconds = time_plain_download()?;
         let (restore_seconds, plain_download_again_seconds) = match &args.restore {
             Some(restore) => {
                 drop_target_cache(&args.url, &sub);
@@ -289,7 +295,7 @@ pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
                     url: args.url.clone(),
                     reason: format!("restore: {reason}"),
                 })?;
-                (Some(r), Some(plain_download()?))
+                (Some(r), Some(time_plain_download()?))
             }
             None => (None, None),
         };

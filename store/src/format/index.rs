@@ -109,6 +109,10 @@ pub struct IndexBlob {
     pub crc32c: u32,
 }
 
+/// Node-held files by name ([`CkptSection::nodes`]): the node's id and how
+/// many directories it has.
+type HeldFiles<'a> = BTreeMap<&'a str, (&'a str, u32)>;
+
 /// Seals an index's canonical JSON whose `index_crc32c` is 0: sets it to
 /// the checksum of those bytes, and returns it. The field is the last one,
 /// so the sealed JSON differs from the zeroed one only in that number.
@@ -166,7 +170,38 @@ impl Index {
         Ok(index)
     }
 
+    /// Checks what [`Index::from_json_bytes`] promises beyond the JSON's
+    /// shape, in this order: the format version and what it allows, the
+    /// nodes and files, the tensors, then the totals, slices and blobs.
     pub fn validate(&self) -> Result<(), FormatError> {
+        let bad = |m: String| Err(FormatError::Index(m));
+        let c = &self.ckpt;
+        self.validate_version()?;
+        let (files, held) = self.validate_files()?;
+        let total = self.validate_tensors(&files)?;
+        if let Some(f) = held.keys().next() {
+            return bad(format!("a node holds file {f:?}, which the index does not list"));
+        }
+        if self.weight_map.len() != c.tensors.len() {
+            return bad("weight_map lists tensors the ckpt section does not".into());
+        }
+        if total != self.metadata.total_size {
+            return bad(format!("total_size {} but tensors hold {}", self.metadata.total_size, total));
+        }
+        validate_slices(&c.tensors, &c.slices)?;
+        let mut blob_names = std::collections::BTreeSet::new();
+        for b in &c.blobs {
+            validate_blob_name(&b.name)?;
+            if !blob_names.insert(&b.name) {
+                return bad(format!("blob {:?} listed twice", b.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The format version is one this build reads, and allows the
+    /// sections present (slices, digests); the step fits its folder name.
+    fn validate_version(&self) -> Result<(), FormatError> {
         let bad = |m: String| Err(FormatError::Index(m));
         let c = &self.ckpt;
         if !(config::FORMAT_VERSION_OLDEST..=config::FORMAT_VERSION).contains(&c.format_version) {
@@ -198,9 +233,19 @@ impl Index {
         if c.step > STEP_MAX {
             return bad(format!("step {} too large", c.step));
         }
+        Ok(())
+    }
+
+    /// The nodes and the files: valid names of this world, each in a
+    /// directory that exists (its node's, for a node-held file), listed
+    /// once. Returns the files by name and the node-held names no file
+    /// claimed (the caller refuses them after the tensors).
+    fn validate_files(&self) -> Result<(BTreeMap<&str, &IndexFile>, HeldFiles<'_>), FormatError> {
+        let bad = |m: String| Err(FormatError::Index(m));
+        let c = &self.ckpt;
         let n_dirs = 1 + c.secondary_dirs.len() as u32;
         // A node-held file's dir_idx names one of its node's directories.
-        let mut held: BTreeMap<&str, (&str, u32)> = BTreeMap::new();
+        let mut held: HeldFiles<'_> = BTreeMap::new();
         for (id, n) in &c.nodes {
             validate_node_id(id)?;
             if n.dirs.is_empty() {
@@ -238,6 +283,15 @@ impl Index {
                 return bad(format!("file {:?} listed twice", f.name));
             }
         }
+        Ok((files, held))
+    }
+
+    /// Every tensor: a valid name in a listed file, offsets that fit its
+    /// dtype and shape inside the file, the same file in `weight_map`.
+    /// Returns the tensors' bytes.
+    fn validate_tensors(&self, files: &BTreeMap<&str, &IndexFile>) -> Result<u64, FormatError> {
+        let bad = |m: String| Err(FormatError::Index(m));
+        let c = &self.ckpt;
         let mut total = 0u64;
         for (name, t) in &c.tensors {
             validate_tensor_name(name)?;
@@ -258,24 +312,7 @@ impl Index {
             }
             total += len;
         }
-        if let Some(f) = held.keys().next() {
-            return bad(format!("a node holds file {f:?}, which the index does not list"));
-        }
-        if self.weight_map.len() != c.tensors.len() {
-            return bad("weight_map lists tensors the ckpt section does not".into());
-        }
-        if total != self.metadata.total_size {
-            return bad(format!("total_size {} but tensors hold {}", self.metadata.total_size, total));
-        }
-        validate_slices(&c.tensors, &c.slices)?;
-        let mut blob_names = std::collections::BTreeSet::new();
-        for b in &c.blobs {
-            validate_blob_name(&b.name)?;
-            if !blob_names.insert(&b.name) {
-                return bad(format!("blob {:?} listed twice", b.name));
-            }
-        }
-        Ok(())
+        Ok(total)
     }
 
     /// The node holding file `name` on its own disks, if a node does

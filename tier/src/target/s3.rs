@@ -71,22 +71,7 @@ impl Inner {
             return Ok(());
         }
 
-        let mut sink = match &self.backend {
-            Backend::S3 { s3 } => {
-                let id = s3.create_multipart(&path).await.map_err(|e| self.store_err("start upload of", &path, e))?;
-                let dir = Path::from_iter(path.parts().take(path.parts_count() - 1));
-                let marker = dir.join(format!("{UPLOAD_MARKER_PREFIX}{:016x}", nonce()).as_str());
-                let body = format!("{path}\n{id}\n");
-                if let Err(e) = self.store.put(&marker, PutPayload::from(body)).await {
-                    let _ = s3.abort_multipart(&path, &id).await;
-                    return Err(self.store_err("put", &marker, e));
-                }
-                Sink::S3 { s3: s3.clone(), path: path.clone(), id, marker }
-            }
-            Backend::Local { .. } => Sink::Local {
-                up: self.store.put_multipart(&path).await.map_err(|e| self.store_err("start upload of", &path, e))?,
-            },
-        };
+        let mut sink = self.start_multipart(&path).await?;
 
         let n_parts = f.len.div_ceil(part as u64) as usize;
         let mut failed: Option<TierError> = None;
@@ -143,6 +128,33 @@ impl Inner {
             self.abort(sink).await;
             return Err(e);
         }
+        self.complete(sink, &path, parts).await
+    }
+
+    /// A multipart upload of `path` started: S3's announced by its marker
+    /// (written before any part), or object_store's staged file://.
+    async fn start_multipart(&self, path: &Path) -> Result<Sink, TierError> {
+        match &self.backend {
+            Backend::S3 { s3 } => {
+                let id = s3.create_multipart(path).await.map_err(|e| self.store_err("start upload of", path, e))?;
+                let dir = Path::from_iter(path.parts().take(path.parts_count() - 1));
+                let marker = dir.join(format!("{UPLOAD_MARKER_PREFIX}{:016x}", nonce()).as_str());
+                let body = format!("{path}\n{id}\n");
+                if let Err(e) = self.store.put(&marker, PutPayload::from(body)).await {
+                    let _ = s3.abort_multipart(path, &id).await;
+                    return Err(self.store_err("put", &marker, e));
+                }
+                Ok(Sink::S3 { s3: s3.clone(), path: path.clone(), id, marker })
+            }
+            Backend::Local { .. } => Ok(Sink::Local {
+                up: self.store.put_multipart(path).await.map_err(|e| self.store_err("start upload of", path, e))?,
+            }),
+        }
+    }
+
+    /// Completes an upload whose every part is in (`parts`, by index);
+    /// then its marker goes. A completion that fails aborts the upload.
+    async fn complete(&self, sink: Sink, path: &Path, mut parts: Vec<(usize, PartId)>) -> Result<(), TierError> {
         parts.sort_by_key(|(i, _)| *i);
         match sink {
             Sink::S3 { s3, path, id, marker } => {
@@ -158,7 +170,7 @@ impl Inner {
                 }
             }
             Sink::Local { mut up } => {
-                up.complete().await.map_err(|e| self.store_err("complete upload of", &path, e))?;
+                up.complete().await.map_err(|e| self.store_err("complete upload of", path, e))?;
             }
         }
         Ok(())

@@ -340,9 +340,9 @@ fn stable_groups(lens: &[u64], stable: Vec<usize>, opts: LayoutOptions) -> Vec<V
     groups
 }
 
-/// The tensors `which` grouped as [`Layout::plan`] always did: by
-/// decreasing element size (stable), as many shards as the size cap needs,
-/// a multiple of the directory count, balanced in bytes.
+/// The tensors `order` grouped into shards as [`Layout::plan`] groups every
+/// tensor: by decreasing element size (stable), as many shards as the size
+/// cap needs, a multiple of the directory count, balanced in bytes.
 fn balanced_groups(specs: &[TensorSpec], lens: &[u64], mut order: Vec<usize>, opts: LayoutOptions) -> Vec<Vec<usize>> {
     let total: u64 = order.iter().map(|&i| lens[i]).sum();
     // Stable: bigger elements first, then the caller's order.

@@ -261,9 +261,9 @@ mod tests {
 
     #[test]
     fn zero_byte_tensors_sharing_an_offset_keep_file_order() {
-        // Regression: tensors_of sorted by start offset only, so an empty
-        // tensor sharing its offset with the next one could come second and
-        // the reader called a good shard's header wrong.
+        // Sorting by start offset alone can put an empty tensor sharing its
+        // offset with the next one second, and then the reader calls a good
+        // shard's header wrong.
         let specs = vec![TensorSpec::new("b.empty", Dtype::F32, &[0]), TensorSpec::new("a", Dtype::F32, &[4])];
         let l = Layout::plan(specs, LayoutOptions::default()).unwrap();
         let idx = l.index(1, &[0, 0], &[], vec![]);

@@ -21,6 +21,7 @@ use crate::restore::fetched::{label_path, verifies_when_fetched_again};
 pub use crate::restore::FetchFiles;
 use crate::restore::{self, LoadError, Loaded, OwnMemory, Placed, ReadDest, ReadOptions};
 use crate::source;
+pub use crate::source::SourceError;
 
 /// Loads step `step` that only `src` holds (its index bytes `index_bytes`,
 /// as the source gave them: parsed and checked as a local load does) into
@@ -127,10 +128,16 @@ mod tests {
         fn parallel(&self) -> usize {
             3
         }
-        fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), String> {
-            let bytes = std::fs::read(self.dir.join(name)).map_err(|e| format!("{name}: {e}"))?;
+        fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), SourceError> {
+            let bytes =
+                std::fs::read(self.dir.join(name)).map_err(|e| SourceError::Failed(format!("{name}: {e}").into()))?;
             if bytes.len() != dst.len() {
-                return Err(format!("{name} is {} bytes where the index says {}", bytes.len(), dst.len()));
+                return Err(SourceError::WrongLength {
+                    at: self.label().to_string(),
+                    object: name.to_string(),
+                    expected_bytes: dst.len() as u64,
+                    size_bytes: bytes.len() as u64,
+                });
             }
             for (d, s) in dst.chunks_mut(1000).zip(bytes.chunks(1000)) {
                 d.copy_from_slice(s);

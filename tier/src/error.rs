@@ -1,7 +1,11 @@
 //! What can go wrong on a tier. Every message names the target's URL (as
-//! given, credentials never part of it) and the object concerned.
+//! given, credentials never part of it) and the object concerned. The
+//! object store's errors are boxed: they are large, and every call of the
+//! tier returns a `Result` with this error.
 
 use std::path::PathBuf;
+
+use ckpt_store::source::SourceError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TierError {
@@ -16,7 +20,7 @@ pub enum TierError {
         url: String,
         what: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// A request on one object failed (after the bounded retries).
@@ -26,7 +30,7 @@ pub enum TierError {
         op: &'static str,
         object: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// The object (or step) is not on the target.
@@ -83,4 +87,49 @@ pub enum TierError {
     /// The runtime's worker task failed (a bug or a panic in a task).
     #[error("drain target {url}: internal task failed: {reason}")]
     Task { url: String, reason: String },
+}
+
+/// A tier's failure as the engine's checks of a remote step see it
+/// (`ckpt_store::source`): the failures they tell apart by name, every
+/// other one as it is. The messages stay the tier's, word for word.
+impl From<TierError> for SourceError {
+    fn from(e: TierError) -> SourceError {
+        match e {
+            TierError::NotFound { url, object } => SourceError::NotFound { at: format!("drain target {url}"), object },
+            TierError::PastEnd { url, object, offset, len, size } => SourceError::PastEnd {
+                at: format!("drain target {url}"),
+                object,
+                offset,
+                len_bytes: len,
+                size_bytes: size,
+            },
+            TierError::WrongLength { url, object, expected, size } => SourceError::WrongLength {
+                at: format!("drain target {url}"),
+                object,
+                expected_bytes: expected,
+                size_bytes: size,
+            },
+            other => SourceError::Failed(Box::new(other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_error_from_the_tier_says_what_the_tier_said() {
+        let url = "s3://b/p".to_string();
+        let object = "step-000000000003/x".to_string();
+        for e in [
+            TierError::NotFound { url: url.clone(), object: object.clone() },
+            TierError::PastEnd { url: url.clone(), object: object.clone(), offset: 5, len: 9, size: 10 },
+            TierError::WrongLength { url: url.clone(), object: object.clone(), expected: 4, size: 7 },
+            TierError::Task { url: url.clone(), reason: "gone".into() },
+        ] {
+            let said = e.to_string();
+            assert_eq!(SourceError::from(e).to_string(), said);
+        }
+    }
 }

@@ -11,7 +11,7 @@ use serde_json::json;
 
 use ckpt_sidecar::config;
 use ckpt_store::format::{self, Index};
-use ckpt_store::source::{self, StepSource};
+use ckpt_store::source::{self, SourceError, StepSource};
 use ckpt_tier::{Target, TargetOptions, TierError};
 
 /// The URL a command's DIR argument is, when it is one (`scheme://...`).
@@ -86,12 +86,12 @@ struct TargetSource<'a> {
 }
 
 impl StepSource for TargetSource<'_> {
-    fn file_len(&mut self, name: &str) -> Result<u64, String> {
-        self.t.file_len(self.step, name).map_err(|e| e.to_string())
+    fn file_len(&mut self, name: &str) -> Result<u64, SourceError> {
+        Ok(self.t.file_len(self.step, name)?)
     }
 
-    fn read(&mut self, name: &str, offset: u64, dst: &mut [u8]) -> Result<(), String> {
-        self.t.read_range(self.step, name, offset, dst).map_err(|e| e.to_string())
+    fn read(&mut self, name: &str, offset: u64, dst: &mut [u8]) -> Result<(), SourceError> {
+        Ok(self.t.read_range(self.step, name, offset, dst)?)
     }
 }
 

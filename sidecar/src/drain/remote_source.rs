@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use ckpt_store::fetch::FetchFiles;
+use ckpt_store::fetch::{FetchFiles, SourceError};
 use ckpt_store::format::Index;
 use ckpt_tier::Target;
 
@@ -56,13 +56,13 @@ impl FetchFiles for RemoteStep {
         self.target.parallel()
     }
 
-    fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), String> {
+    fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), SourceError> {
         let ranges = ckpt_tier::fetch_ranges(
             self.n_files,
             dst.len() as u64,
             self.target.parallel(),
             self.target.part_size_bytes(),
         );
-        self.target.fetch_file(self.step, name, dst, ranges, feed).map_err(|e| e.to_string())
+        Ok(self.target.fetch_file(self.step, name, dst, ranges, feed)?)
     }
 }

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::format::{Index, BLOBS_DIR_NAME};
 use crate::restore::{problem, FileCheck, Problem, ReadDest};
+use crate::source::SourceError;
 
 /// Where a step's files come from when this node's directories do not hold
 /// them (a drain target). Shared by several reader threads at once.
@@ -22,8 +23,7 @@ pub trait FetchFiles: Sync {
     /// exactly `dst.len()` bytes, into `dst`, calling `feed` with each piece
     /// once it is in `dst`, in file order, from the calling thread (a
     /// destination that needs its accesses guarded is touched only there).
-    /// Err: a message naming the source and object.
-    fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), String>;
+    fn fetch(&self, name: &str, dst: &mut [u8], feed: &mut dyn FnMut(&[u8])) -> Result<(), SourceError>;
 }
 
 /// What the remote reader threads found, as `restore`'s directory readers say it.

@@ -4,10 +4,9 @@
 //! through the sidecar's load path (`load::load_remote_step`: what Load
 //! and LoadPacked do for a step only the target holds, every checksum
 //! verified) beside the plain client's download of the same bytes.
-//! Figures only. Part of the binary (main.rs).
+//! Figures only.
 
-use std::path::PathBuf;
-
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -17,9 +16,10 @@ use ckpt_store::mem::AlignedBuf;
 
 use ckpt_store::bench;
 use ckpt_store::units::human_bytes;
-use ckpt_tier::bench::{self as tier_bench, DrainBenchArgs};
+use ckpt_tier::bench::{self as tier_bench, DrainBenchArgs, DrainFigures};
 use ckpt_tier::TargetOptions;
 
+/// `bench drain`'s options (`args::BenchCmd::Drain`).
 pub struct Args {
     pub url: String,
     pub size: u64,
@@ -30,6 +30,8 @@ pub struct Args {
     pub json: bool,
 }
 
+/// `bench drain`: measures, then prints the figures; the local step is
+/// removed whatever happened.
 pub fn run(a: &Args) -> anyhow::Result<()> {
     // fio first, into the target directory, while nothing else runs.
     let fio = match tier_bench::file_url_dir(&a.url) {
@@ -39,50 +41,60 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         None => None,
     };
     let local = tempfile_in(&a.local)?;
-    let r = (|| {
-        let w = bench::write(&bench::WriteArgs {
-            dirs: vec![local.clone()],
-            size_bytes: a.size,
-            step: Some(1),
-            io: Default::default(),
-            shard_bytes_max: a.shard_size,
-            compare_fio: false,
-        })?;
-        let (files, index_json) = tier_bench::local_step(&local, w.step)
-            .with_context(|| format!("reading the step in {}", local.display()))?;
-        let opts =
-            TargetOptions { bandwidth_bytes_per_s: None, parallel: a.parallel, part_size_bytes: a.part_size as usize };
-        let index = ckpt_store::format::Index::from_json_bytes(&index_json)?;
-        let need_bytes = ckpt_store::restore::load_len_bytes(&index) as usize;
-        // The daemon's load path: a sidecar whose directory lacks the step
-        // (an empty one) and whose drain is the target our upload went to.
-        let empty = local.join("empty");
-        std::fs::create_dir_all(&empty)?;
-        let restore = move |url: &str, step: u64| -> Result<f64, String> {
-            let drain = Drain::open(
-                DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None },
-                vec![empty.clone()],
-            )
-            .map_err(|e| e.to_string())?;
-            // Memory as the daemon's staging is: allocated and touched before.
-            let mut dest = AlignedBuf::new(need_bytes.max(1)).map_err(|e| e.to_string())?;
-            dest.as_mut_slice().iter_mut().step_by(4096).for_each(|b| *b = 1);
-            let t0 = Instant::now();
-            load::load_remote_step(&drain, step, dest.as_mut_slice())?;
-            Ok(t0.elapsed().as_secs_f64())
-        };
-        Ok::<_, anyhow::Error>(tier_bench::drain(&DrainBenchArgs {
-            url: a.url.clone(),
-            step: w.step,
-            files,
-            index_json,
-            opts,
-            restore: Some(Box::new(restore)),
-            from_memory: true,
-        })?)
-    })();
+    let r = measure(a, &local);
     let _ = std::fs::remove_dir_all(&local);
     let f = r?;
+    print_figures(&f, fio, a.json)
+}
+
+/// Writes the local step into `local`, then runs the tier's drain
+/// benchmark on it (restores through the sidecar's own load path).
+fn measure(a: &Args, local: &Path) -> anyhow::Result<DrainFigures> {
+    let w = bench::write(&bench::WriteArgs {
+        dirs: vec![local.to_path_buf()],
+        size_bytes: a.size,
+        step: Some(1),
+        io: Default::default(),
+        shard_bytes_max: a.shard_size,
+        compare_fio: false,
+    })?;
+    let (files, index_json) =
+        tier_bench::local_step(local, w.step).with_context(|| format!("reading the step in {}", local.display()))?;
+    let opts =
+        TargetOptions { bandwidth_bytes_per_s: None, parallel: a.parallel, part_size_bytes: a.part_size as usize };
+    let index = ckpt_store::format::Index::from_json_bytes(&index_json)?;
+    let need_bytes = ckpt_store::restore::load_len_bytes(&index) as usize;
+    // The daemon's load path: a sidecar whose directory lacks the step
+    // (an empty one) and whose drain is the target our upload went to.
+    let empty = local.join("empty");
+    std::fs::create_dir_all(&empty)?;
+    let restore = move |url: &str, step: u64| -> Result<f64, String> {
+        let drain = Drain::open(
+            DrainOptions { url: url.to_string(), every: 1, keep: None, bandwidth_bytes_per_s: None },
+            vec![empty.clone()],
+        )
+        .map_err(|e| e.to_string())?;
+        // Memory as the daemon's staging is: allocated and touched before.
+        let mut dest = AlignedBuf::new(need_bytes.max(1)).map_err(|e| e.to_string())?;
+        dest.as_mut_slice().iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let t0 = Instant::now();
+        load::load_remote_step(&drain, step, dest.as_mut_slice())?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    Ok(tier_bench::drain(&DrainBenchArgs {
+        url: a.url.clone(),
+        step: w.step,
+        files,
+        index_json,
+        opts,
+        restore: Some(Box::new(restore)),
+        from_memory: true,
+    })?)
+}
+
+/// The figures, one line per phase (ours beside the plain client), and
+/// with `json` one JSON document after them.
+fn print_figures(f: &DrainFigures, fio: Option<f64>, json: bool) -> anyhow::Result<()> {
     let gib = |secs: f64| bench::gib_per_s(f.bytes, secs);
     println!(
         "drain {}: {} in {} files, {} parts of {} in flight",
@@ -136,8 +148,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             println!("ours from memory / fio {:.2}", gib(m) / fio);
         }
     }
-    if a.json {
-        let mut j = serde_json::to_value(&f)?;
+    if json {
+        let mut j = serde_json::to_value(f)?;
         j["upload_ratio"] = f.upload_ratio().into();
         j["download_ratio"] = f.download_ratio().into();
         j["restore_ratio"] = f.restore_ratio().into();

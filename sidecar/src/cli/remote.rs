@@ -1,7 +1,7 @@
 //! `ls`, `inspect` and `verify` of a drain target (`file:///dir`,
 //! `s3://bucket/prefix`): the same output as for a local directory, the
 //! bytes read through ckpt-tier (credentials from the standard AWS_*
-//! environment). Part of the binary (main.rs), like the other commands.
+//! environment).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -59,7 +59,7 @@ pub fn ls(url: &str, json: bool) -> anyhow::Result<ExitCode> {
         };
         rows.push(json!({"step": s, "path": step_location(&t, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
     }
-    crate::print_ls(t.url(), json!({"url": t.url(), "latest": latest, "checkpoints": rows}), json);
+    super::print::print_ls(t.url(), json!({"url": t.url(), "latest": latest, "checkpoints": rows}), json);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -75,7 +75,7 @@ pub fn inspect(url: &str, step: Option<u64>, json: bool) -> anyhow::Result<ExitC
         None => t.latest()?.with_context(|| format!("{}: no committed checkpoint", t.url()))?,
     };
     let index = read_index(&t, step)?;
-    crate::print_inspect(&index, &step_location(&t, step), json)?;
+    super::print::print_inspect(&index, &step_location(&t, step), json)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -133,12 +133,12 @@ pub fn verify(
         damaged |= !r.problems.is_empty();
         let index = source::parse_index(&index_bytes, s).ok();
         if !json {
-            crate::print_verify(&r);
+            super::print::print_verify(&r);
             if let Some(i) = &index {
                 println!("  {}", ckpt_store::ranks::describe(i));
             }
         }
-        results.push(crate::verify_row(&r, index.as_ref()));
+        results.push(super::print::verify_row(&r, index.as_ref()));
     }
     if json {
         println!("{}", json!({"url": t.url(), "ok": !damaged, "checkpoints": results}));

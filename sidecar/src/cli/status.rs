@@ -1,0 +1,121 @@
+//! `status`: a running sidecar's sessions, in-flight checkpoints, staging
+//! use, last figures and drain, asked over its socket, printed for a person
+//! or as one JSON document.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+
+use ckpt_sidecar::daemon;
+use ckpt_store::units::human_bytes;
+use ckpt_wire::StatusReport;
+
+/// `status`: asks the sidecar at `socket` (default: where `serve` puts it);
+/// a socket nobody listens at is said in one line, with how to start one.
+pub fn status(socket: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
+    let socket = socket.unwrap_or_else(ckpt_sidecar::daemon::server::default_socket_path);
+    let mut r = match daemon::status(&socket) {
+        Err(daemon::ClientError::Connect { source, .. })
+            if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+        {
+            bail!(
+                "no sidecar is listening at {} (start one: ckpt-sidecar serve --dir DIR, or give its --socket)",
+                socket.display()
+            )
+        }
+        Err(e @ daemon::ClientError::Connect { .. }) => return Err(e.into()), // names the socket
+        r => r.with_context(|| format!("asking {} for its status", socket.display()))?,
+    };
+    // Our own connection is not one of the sidecar's sessions worth listing.
+    let me = std::process::id();
+    r.sessions.retain(|s| s.pid != me);
+    if json {
+        print_json(&socket, &r);
+    } else {
+        print_text(&socket, &r);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `status --json`: the report as one JSON document on one line.
+fn print_json(socket: &Path, r: &StatusReport) {
+    let j = json!({
+        "socket": socket, "server_pid": r.server_pid, "dirs": r.dirs,
+        "sessions": r.sessions.iter().map(|s| json!({"pid": s.pid, "name": s.name, "regions": s.regions, "region_bytes": s.region_bytes})).collect::<Vec<_>>(),
+        "in_flight": r.in_flight.iter().map(|f| json!({"step": f.step, "file": f.file, "phase": f.phase, "bytes": f.bytes})).collect::<Vec<_>>(),
+        "staging_bytes": r.staging_bytes, "staging_used_bytes": r.staging_used_bytes, "resident_step": r.resident_step,
+        "unchanged_taken_bytes": r.unchanged_taken_bytes, "unchanged_in_place_bytes": r.unchanged_in_place_bytes,
+        "last": r.last.as_ref().map(|l| json!({"step": l.step, "bytes": l.bytes, "copy_seconds": l.copy_seconds, "persist_seconds": l.persist_seconds, "persist_gib_per_s": l.persist_gib_per_s})),
+        "cuda": r.cuda,
+        "shared_dir": (!r.shared_dir.is_empty()).then_some(&r.shared_dir),
+        "coordinating": r.coordinating,
+        "drain": r.drain.as_ref().map(|d| json!({
+            "url": d.url, "state": if d.up { "up" } else { "down" }, "error": (!d.error.is_empty()).then_some(&d.error),
+            "last_replicated": d.last_replicated, "uploading": d.uploading, "backlog": d.backlog, "skipped": d.skipped,
+            "bytes_per_s": d.bytes_per_s, "every": d.every, "keep": d.keep,
+        })),
+    });
+    println!("{j}");
+}
+
+/// `status`: the report for a person, one line per subject.
+fn print_text(socket: &Path, r: &StatusReport) {
+    println!("sidecar pid {} at {}", r.server_pid, socket.display());
+    println!("dirs:     {}", r.dirs.join(", "));
+    println!(
+        "staging:  {} of {} in use; resident step: {}",
+        human_bytes(r.staging_used_bytes),
+        human_bytes(r.staging_bytes),
+        r.resident_step.map_or("none".into(), |s| s.to_string())
+    );
+    println!(
+        "unchanged: {} taken from the resident image, not copied ({} of it in place)",
+        human_bytes(r.unchanged_taken_bytes),
+        human_bytes(r.unchanged_in_place_bytes)
+    );
+    println!("sessions: {}", r.sessions.len());
+    for s in &r.sessions {
+        println!("  pid {:>8}  {:<24} {} region(s), {}", s.pid, s.name, s.regions, human_bytes(s.region_bytes));
+    }
+    println!("in flight: {}", r.in_flight.len());
+    for f in &r.in_flight {
+        match &f.file {
+            Some(path) => println!("  file {path}  {:<22} {}", f.phase, human_bytes(f.bytes)),
+            None => println!("  step {:>12}  {:<22} {}", f.step, f.phase, human_bytes(f.bytes)),
+        }
+    }
+    match &r.last {
+        Some(l) => println!(
+            "last:     step {} ({}): copy {:.3} s, persist {:.3} s, {:.2} GiB/s",
+            l.step,
+            human_bytes(l.bytes),
+            l.copy_seconds,
+            l.persist_seconds,
+            l.persist_gib_per_s
+        ),
+        None => println!("last:     none yet"),
+    }
+    println!("cuda:     {}", r.cuda);
+    if !r.shared_dir.is_empty() {
+        let role = if r.coordinating.is_empty() {
+            "coordinator of no step now (a step's coordinator is the sidecar serving its rank 0)".to_string()
+        } else {
+            format!("coordinator of step(s) {:?} (serves their rank 0)", r.coordinating)
+        };
+        println!("shared:   {} (several nodes); {role}", r.shared_dir);
+    }
+    if let Some(d) = &r.drain {
+        let state = if d.up { "up".to_string() } else { format!("DOWN ({}); retrying", d.error) };
+        println!(
+            "drain:    {} {state}; last replicated: {}; uploading: {}; backlog: {:?}; skipped: {:?}; {}/s",
+            d.url,
+            d.last_replicated.map_or("none".into(), |s| s.to_string()),
+            d.uploading.map_or("none".into(), |s| s.to_string()),
+            d.backlog,
+            d.skipped,
+            human_bytes(d.bytes_per_s as u64)
+        );
+    }
+}

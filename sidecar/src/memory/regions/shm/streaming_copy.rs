@@ -1,0 +1,323 @@
+//! The copy out of a host region into staging: streaming (non-temporal)
+//! stores, so the image bypasses the caches the trainer computes with, and
+//! with a crc32c computed from the very registers each load went through,
+//! so the checksum is that of the bytes staged even while the client
+//! writes its memory (`docs/format.md`'s checksums must verify what was
+//! committed). Other threads see the copies only after the copying
+//! thread's [`store_fence`].
+
+use crate::config;
+use config::COPY_CRC_LANE_BYTES as CRC_LANE_BYTES;
+
+/// Copies `len` bytes with non-temporal (streaming) stores: the staged
+/// image bypasses the caches instead of evicting, line by line, what the
+/// trainer computes with from the L3 both cores share, and its lines need
+/// no read-for-ownership (a third less memory traffic than a plain copy,
+/// which also reads every destination line before writing it). Nobody reads
+/// the image soon enough for caching it to pay: the checksum pass starts
+/// after the whole copy, and images are far larger than the L3. Ends
+/// without a store fence: streaming stores are weakly ordered, so the
+/// copying thread calls [`store_fence`] once its copies are done, before
+/// any other thread may read them (a fence per copy waits for each 4 KiB
+/// tensor's stores to drain: a third of a copy of a thousand of them).
+///
+/// SAFETY: as [`std::ptr::copy_nonoverlapping`]: `src..src+len` readable,
+/// `dst..dst+len` writable, the two disjoint.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    // Plain copy up to the first 16-byte aligned destination address.
+    let head = dst.align_offset(16).min(len);
+    std::ptr::copy_nonoverlapping(src, dst, head);
+    let (mut d, mut s, mut n) = (dst.add(head), src.add(head), len - head);
+    // SSE2 is part of x86-64: always there. 64 bytes (one line) per round.
+    while n >= 64 {
+        let a = _mm_loadu_si128(s.cast::<__m128i>());
+        let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
+        let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
+        let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
+        _mm_stream_si128(d.cast::<__m128i>(), a);
+        _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
+        _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
+        _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
+        d = d.add(64);
+        s = s.add(64);
+        n -= 64;
+    }
+    std::ptr::copy_nonoverlapping(s, d, n);
+}
+
+/// [`copy_streaming`] that also returns the crc32c of the bytes, computed
+/// from the registers each 8 bytes were loaded into and stored from: the
+/// checksum of exactly what was staged, whatever the source does meanwhile,
+/// in the same single pass over memory. Blocks of `3 * CRC_LANE_BYTES` are
+/// done as three lanes side by side (three independent crc32 chains, the
+/// instruction's latency hidden), then joined with `crc::combine_op`.
+/// Without SSE4.2: copied through a small bounce buffer, checksummed there.
+///
+/// SAFETY: as [`copy_streaming`].
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn copy_streaming_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    if std::arch::is_x86_feature_detected!("sse4.2") && std::arch::is_x86_feature_detected!("sse4.1") {
+        // SAFETY: the CPU has SSE4.1 and 4.2 (checked); the caller's contract.
+        unsafe { copy_streaming_crc_sse42(dst, src, len) }
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { copy_bounced_crc(dst, src, len) }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn copy_streaming_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    // SAFETY: the caller's contract.
+    unsafe { copy_bounced_crc(dst, src, len) }
+}
+
+/// SAFETY: as [`copy_streaming`], and the CPU has SSE4.1 and SSE4.2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2,sse4.1")]
+unsafe fn copy_streaming_crc_sse42(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    use std::arch::x86_64::{
+        __m128i, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128,
+        _mm_stream_si64,
+    };
+    // Raw (uninverted) crc state, as the instruction keeps it.
+    let mut state: u32 = !0;
+    // Byte stores up to a 16-byte aligned destination.
+    let head = dst.align_offset(16).min(len);
+    for i in 0..head {
+        let b = src.add(i).read_volatile();
+        dst.add(i).write(b);
+        state = _mm_crc32_u8(state, b);
+    }
+    let (d, s, mut n) = (dst.add(head), src.add(head), len - head);
+    let mut at = 0usize;
+    let block = 3 * CRC_LANE_BYTES;
+    if n >= block {
+        let op = ckpt_store::crc::shift_op(CRC_LANE_BYTES as u64);
+        while n >= block {
+            let (mut a, mut b, mut c) = (!0u32 as u64, !0u32 as u64, !0u32 as u64);
+            let (sa, sb, sc) = (s.add(at), s.add(at + CRC_LANE_BYTES), s.add(at + 2 * CRC_LANE_BYTES));
+            let (da, db, dc) = (d.add(at), d.add(at + CRC_LANE_BYTES), d.add(at + 2 * CRC_LANE_BYTES));
+            let mut i = 0;
+            while i < CRC_LANE_BYTES {
+                // Each 16 bytes loaded once into a register, stored from it
+                // (streaming) and checksummed from it: what is checksummed
+                // is what is staged. `loaded_once`: else LLVM folds the
+                // crc's loads into `crc32 reg, [src]`, a second read of
+                // memory the client may be writing.
+                let x = loaded_once(_mm_loadu_si128(sa.add(i).cast::<__m128i>()));
+                let y = loaded_once(_mm_loadu_si128(sb.add(i).cast::<__m128i>()));
+                let z = loaded_once(_mm_loadu_si128(sc.add(i).cast::<__m128i>()));
+                _mm_stream_si128(da.add(i).cast::<__m128i>(), x);
+                _mm_stream_si128(db.add(i).cast::<__m128i>(), y);
+                _mm_stream_si128(dc.add(i).cast::<__m128i>(), z);
+                a = _mm_crc32_u64(a, _mm_cvtsi128_si64(x) as u64);
+                b = _mm_crc32_u64(b, _mm_cvtsi128_si64(y) as u64);
+                c = _mm_crc32_u64(c, _mm_cvtsi128_si64(z) as u64);
+                a = _mm_crc32_u64(a, _mm_extract_epi64::<1>(x) as u64);
+                b = _mm_crc32_u64(b, _mm_extract_epi64::<1>(y) as u64);
+                c = _mm_crc32_u64(c, _mm_extract_epi64::<1>(z) as u64);
+                i += 16;
+            }
+            // Join: crc(prefix ‖ A ‖ B ‖ C), as standard (inverted) crcs.
+            let mut crc = !state;
+            for lane in [a as u32, b as u32, c as u32] {
+                crc = ckpt_store::crc::combine_op(crc, !lane, op);
+            }
+            state = !crc;
+            at += block;
+            n -= block;
+        }
+    }
+    while n >= 8 {
+        let x = loaded_once_u64(s.add(at).cast::<u64>().read_unaligned());
+        state = _mm_crc32_u64(state as u64, x) as u32;
+        _mm_stream_si64(d.add(at).cast::<i64>(), x as i64);
+        at += 8;
+        n -= 8;
+    }
+    while n > 0 {
+        let x = s.add(at).read_volatile();
+        d.add(at).write(x);
+        state = _mm_crc32_u8(state, x);
+        at += 1;
+        n -= 1;
+    }
+    !state
+}
+
+/// `x`, which the compiler must from now on take as an opaque register
+/// value: every later use reads that register, never the memory `x` was
+/// loaded from. The source of a copy is a client's memory, which another
+/// process may write at any moment; without this, LLVM (which assumes the
+/// memory unchanged) reads it a second time for the checksum (`crc32 reg,
+/// [src]`), and a byte the client changes in between is checksummed other
+/// than it is staged: a committed checkpoint that does not verify.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn loaded_once(mut x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m128i {
+    // SAFETY: an empty asm that passes the register through unchanged; it
+    // touches no memory, stack or flags. Not `pure`: the compiler may then
+    // neither drop it nor run it again on a second load of the source.
+    unsafe { std::arch::asm!("/* {0} */", inout(xmm_reg) x, options(nomem, nostack, preserves_flags)) };
+    x
+}
+
+/// [`loaded_once`] for 8 bytes in a general register.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn loaded_once_u64(mut x: u64) -> u64 {
+    // SAFETY: as in loaded_once.
+    unsafe { std::arch::asm!("/* {0} */", inout(reg) x, options(nomem, nostack, preserves_flags)) };
+    x
+}
+
+/// The fallback of [`copy_streaming_crc`]: each block copied into a bounce
+/// buffer on this thread's stack, checksummed there, streamed on from there.
+///
+/// SAFETY: as [`copy_streaming`].
+#[allow(dead_code)]
+unsafe fn copy_bounced_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    const BOUNCE_BYTES: usize = config::COPY_BOUNCE_BYTES;
+    let mut bounce = [0u8; BOUNCE_BYTES];
+    let mut c = 0u32;
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(BOUNCE_BYTES);
+        // SAFETY: the caller's contract; the bounce buffer is this frame's,
+        // n ≤ its size, disjoint from both.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), bounce.as_mut_ptr(), n) };
+        c = crc32c::crc32c_append(c, &bounce[..n]);
+        // SAFETY: as above.
+        unsafe { copy_streaming(dst.add(at), bounce.as_ptr(), n) };
+        at += n;
+    }
+    c
+}
+
+/// Makes this thread's streaming stores ([`ShmMemory::copy_out`](super::ShmMemory::copy_out)) globally
+/// visible: called by a copying thread once a run of copies is done, before
+/// it says so to another thread (the disk writer, or the thread that joins
+/// it and replies Released).
+#[cfg(target_arch = "x86_64")]
+pub fn store_fence() {
+    // SAFETY: sfence has no preconditions (SSE, part of x86-64).
+    unsafe { std::arch::x86_64::_mm_sfence() }
+}
+
+/// Elsewhere copies are plain stores, ordered by the atomics and joins
+/// that hand them over.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn store_fence() {}
+
+/// Elsewhere: a plain copy.
+///
+/// SAFETY: as [`std::ptr::copy_nonoverlapping`].
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    std::ptr::copy_nonoverlapping(src, dst, len)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    #[test]
+    fn streaming_copy_matches_a_plain_copy_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for src_off in [0usize, 1, 15, 16, 33] {
+            for dst_off in [0usize, 1, 8, 17, 64] {
+                for len in [0usize, 1, 15, 16, 63, 64, 65, 127, 1000, 4096 + 7] {
+                    let mut dst = vec![0xAAu8; 4096 + 200];
+                    // SAFETY: both ranges lie inside their vectors, which are distinct.
+                    unsafe { copy_streaming(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    assert_eq!(
+                        &dst[dst_off..dst_off + len],
+                        &src[src_off..src_off + len],
+                        "src+{src_off} dst+{dst_off} len {len}"
+                    );
+                    assert!(
+                        dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA),
+                        "wrote outside: src+{src_off} dst+{dst_off} len {len}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_checksummed_copy_stages_the_bytes_and_their_crc_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        for src_off in [0usize, 1, 7, 8, 13] {
+            for dst_off in [0usize, 1, 5, 8, 64] {
+                for len in [
+                    0usize,
+                    1,
+                    7,
+                    8,
+                    9,
+                    63,
+                    4096,
+                    3 * CRC_LANE_BYTES - 1,
+                    3 * CRC_LANE_BYTES,
+                    3 * CRC_LANE_BYTES + 9,
+                    150_001,
+                ] {
+                    let mut dst = vec![0xAAu8; 160_000];
+                    // SAFETY: both ranges lie inside their vectors, which are distinct.
+                    let c =
+                        unsafe { copy_streaming_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    store_fence();
+                    let want = &src[src_off..src_off + len];
+                    assert_eq!(&dst[dst_off..dst_off + len], want, "src+{src_off} dst+{dst_off} len {len}");
+                    assert_eq!(c, crc32c::crc32c(want), "src+{src_off} dst+{dst_off} len {len}");
+                    assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&x| x == 0xAA));
+                    // SAFETY: as above.
+                    let b = unsafe { copy_bounced_crc(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len) };
+                    assert_eq!(b, c);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_checksummed_copy_checksums_the_bytes_it_staged_while_its_source_changes() {
+        // Regression: the crc was taken with a second read of the source
+        // (LLVM folded the loads into `crc32 reg, [src]`), so a source
+        // written meanwhile (a client's memory) was staged one way and
+        // checksummed another: a Durable step that did not load. Another
+        // thread writes the source all along here (atomically; the copy
+        // reads it as it reads a client's memory, which another process
+        // writes): whatever mix a copy stages, its crc is that mix's.
+        use std::sync::atomic::AtomicU64;
+        let len = 3 * CRC_LANE_BYTES + 40;
+        let src: Vec<AtomicU64> = (0..len / 8 + 1).map(|i| AtomicU64::new(i as u64)).collect();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for w in &src {
+                        w.store(k, Ordering::Relaxed);
+                        k = k.wrapping_add(1);
+                    }
+                }
+            });
+            let mut dst = vec![0u8; len];
+            let mut bad = 0;
+            for _ in 0..20_000 {
+                // SAFETY: src holds at least len bytes, dst exactly len; distinct.
+                let c = unsafe { copy_streaming_crc(dst.as_mut_ptr(), src.as_ptr().cast::<u8>(), len) };
+                store_fence();
+                if c != crc32c::crc32c(&dst) {
+                    bad += 1;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            assert_eq!(bad, 0, "copies of 20000 whose crc is not that of the bytes they staged");
+        });
+    }
+}

@@ -177,8 +177,12 @@ fn save(client: &Client, step: u64, refs: &[TensorRef]) -> anyhow::Result<(f64, 
     Ok((stall, t0.elapsed().as_secs_f64()))
 }
 
-/// (dev, ino, bytes) of every file of a step folder.
-fn files_of(dir: &Path, step: u64) -> anyhow::Result<Vec<((u64, u64), u64, bool)>> {
+/// One file of a step folder: its (dev, ino), its bytes, and whether it is
+/// the index.
+type FileOfStep = ((u64, u64), u64, bool);
+
+/// Every file of a step folder.
+fn files_of(dir: &Path, step: u64) -> anyhow::Result<Vec<FileOfStep>> {
     let mut v = Vec::new();
     for e in std::fs::read_dir(catalog::step_path(dir, step))? {
         let e = e?;

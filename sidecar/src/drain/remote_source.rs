@@ -21,6 +21,9 @@ pub struct RemoteCkpt {
     pub fell_back: Vec<String>,
 }
 
+/// Made once per load and matched at once, never stored in bulk: the size
+/// difference between its variants costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 pub enum RemoteFrom {
     /// A `file://` target: a checkpoint directory holding the step.
     Dir(PathBuf),

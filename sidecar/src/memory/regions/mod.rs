@@ -424,6 +424,13 @@ impl Region {
 #[cfg(test)]
 pub(crate) use shm::{test_segment, truncate_segment, unlink_segment};
 
+/// The crc32c (when `crc`; else 0) and the XXH3-128 of `bytes` (one digest
+/// block), in one pass: each chunk is checksummed, then hashed while it is
+/// in the first-level cache (`ckpt_store::digest::crc_and_digest`).
+pub fn sum_of(bytes: &[u8], crc: bool) -> (u32, u128) {
+    ckpt_store::digest::crc_and_digest(bytes, crc)
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -471,11 +478,4 @@ mod tests {
             unlink_segment(&n);
         }
     }
-}
-
-/// The crc32c (when `crc`; else 0) and the XXH3-128 of `bytes` (one digest
-/// block), in one pass: each chunk is checksummed, then hashed while it is
-/// in the first-level cache (`ckpt_store::digest::crc_and_digest`).
-pub fn sum_of(bytes: &[u8], crc: bool) -> (u32, u128) {
-    ckpt_store::digest::crc_and_digest(bytes, crc)
 }

@@ -9,15 +9,39 @@
 See docs/python.md. The native client is libckpt (shim-c), bundled.
 Importing this package is cheap (numpy and the native library load on first use).
 """
-from .errors import (BadRequest, Closed, ConnectFailed, CudaError, Damaged, Disconnected, InvalidArgument, IOFailed,
-                     NotFound, Panic, ProtocolError, Refused, RegionError, ShmError, ShuttingDown, SidecarError,
-                     SidecarGone, Timeout, TooLarge, Truncated)
+
+from .errors import (
+    BadRequest,
+    Closed,
+    ConnectFailed,
+    CudaError,
+    Damaged,
+    Disconnected,
+    InvalidArgument,
+    IOFailed,
+    NotFound,
+    Panic,
+    ProtocolError,
+    Refused,
+    RegionError,
+    ShmError,
+    ShuttingDown,
+    SidecarError,
+    SidecarGone,
+    Timeout,
+    TooLarge,
+    Truncated,
+)
 
 __version__ = "0.1.0"
 
-_LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "LoadedInto": "checkpointer",
-         "capture_rng": "checkpointer",
-         "restore_rng_state": "checkpointer"}
+_LAZY = {
+    "Checkpointer": "checkpointer",
+    "SaveHandle": "checkpointer",
+    "LoadedInto": "checkpointer",
+    "capture_rng": "checkpointer",
+    "restore_rng_state": "checkpointer",
+}
 
 
 def __getattr__(name):

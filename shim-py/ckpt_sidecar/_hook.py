@@ -104,6 +104,7 @@ then replaces torch.save and torch.load:
   sidecar still being spawned is waited for, then stopped); then the exit
   status check above.
 """
+
 import atexit
 import collections
 import ctypes
@@ -301,15 +302,19 @@ class _PiecedFile(_ShmFile):
 
     def __init__(self, pool, size_hint):
         super().__init__(pool, size_hint)
-        self.pos = 0      # the file's length so far
-        self.runs = []    # (file offset, region offset, length) of bytes held here
-        self.holes = []   # (file offset, length) left for a storage's bytes
+        self.pos = 0  # the file's length so far
+        self.runs = []  # (file offset, region offset, length) of bytes held here
+        self.holes = []  # (file offset, length) left for a storage's bytes
 
     def write(self, b):
         at = self.len_bytes
         n = super().write(b)
         if n:
-            if self.runs and self.runs[-1][0] + self.runs[-1][2] == self.pos and self.runs[-1][1] + self.runs[-1][2] == at:
+            if (
+                self.runs
+                and self.runs[-1][0] + self.runs[-1][2] == self.pos
+                and self.runs[-1][1] + self.runs[-1][2] == at
+            ):
                 f, r, m = self.runs[-1]
                 self.runs[-1] = (f, r, m + n)
             else:
@@ -377,8 +382,23 @@ def _may_hold_cuda(obj, torch):
     arrays of plain dtypes; each container once."""
     global _leaves
     if _leaves is None:
-        _leaves = frozenset((str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype,
-                             torch.device, torch.Size, torch.layout, torch.memory_format))
+        _leaves = frozenset(
+            (
+                str,
+                bytes,
+                bytearray,
+                int,
+                float,
+                complex,
+                bool,
+                type(None),
+                torch.dtype,
+                torch.device,
+                torch.Size,
+                torch.layout,
+                torch.memory_format,
+            )
+        )
     leaves = _leaves
     tensors = (torch.Tensor, torch.nn.Parameter)
     mappings = (dict, collections.OrderedDict)
@@ -431,11 +451,13 @@ class _KeyedPickle:
             def __init__(self, *args, **kwargs):
                 theirs = getattr(self, "persistent_id", None)  # torch's, from its subclass
                 if theirs is not None:
+
                     def persistent_id(obj):
                         pid = theirs(obj)
                         if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
                             seen.setdefault(pid[2], obj)
                         return pid
+
                     self.persistent_id = persistent_id
                 super().__init__(*args, **kwargs)
 
@@ -497,19 +519,19 @@ class _Files:
     def __init__(self):
         self._q = queue.Queue()
         self._mu = threading.Condition()
-        self._pending = {}   # path -> count of writes not yet durable
-        self._latest = {}    # path -> sequence number of its newest save
+        self._pending = {}  # path -> count of writes not yet durable
+        self._latest = {}  # path -> sequence number of its newest save
         self._seq = 0
-        self.errors = {}     # path -> the last write's exception
+        self.errors = {}  # path -> the last write's exception
         self._thread = None
         self._ck = None
         self.pool = None
-        self._sizes = {}     # path -> size of its last file (the next one's size hint)
+        self._sizes = {}  # path -> size of its last file (the next one's size hint)
         self._no_sidecar = None  # why the sidecar is not used, once it failed to start
-        self._spawner = None     # the thread starting a sidecar, while and after it does
-        self._here = {}          # path -> writes of it this process has to do (waiting or running)
-        self._unplaced = {}      # path -> sequence numbers of its files not yet in place (nor given up)
-        self._swept = set()      # directories whose stray temp files were looked for
+        self._spawner = None  # the thread starting a sidecar, while and after it does
+        self._here = {}  # path -> writes of it this process has to do (waiting or running)
+        self._unplaced = {}  # path -> sequence numbers of its files not yet in place (nor given up)
+        self._swept = set()  # directories whose stray temp files were looked for
         self._said = set()
         # Files written by the sidecar, by this process, and not rewritten (superseded).
         self.counts = {"sidecar": 0, "in_process": 0, "superseded": 0}
@@ -545,8 +567,9 @@ class _Files:
                 # janitor too when this process is killed).
                 d = os.environ.get("CKPT_SIDECAR_DIR") or None
                 staging = _units.env_size("CKPT_SIDECAR_STAGING", os.environ) or max(256 << 20, 2 * nbytes)
-                self._spawner = threading.Thread(target=self._spawn, args=(Checkpointer, d, staging),
-                                                 name="ckpt-sidecar-spawn", daemon=True)
+                self._spawner = threading.Thread(
+                    target=self._spawn, args=(Checkpointer, d, staging), name="ckpt-sidecar-spawn", daemon=True
+                )
                 self._spawner.start()
         except Exception as e:  # noqa: BLE001 - any failure means: write here
             self._give_up(e)
@@ -607,8 +630,11 @@ class _Files:
             self._swept.add(d)
         gone = sweep_strays(d)
         if gone:
-            print(f"ckpt_sidecar: removed {len(gone)} temp file(s) that a killed process left in {d}: "
-                  f"{', '.join(sorted(gone))}", file=sys.stderr)
+            print(
+                f"ckpt_sidecar: removed {len(gone)} temp file(s) that a killed process left in {d}: "
+                f"{', '.join(sorted(gone))}",
+                file=sys.stderr,
+            )
 
     def open(self, path):
         """A _ShmFile to serialise `path`'s next file into, once a sidecar is
@@ -656,8 +682,10 @@ class _Files:
                 handle = ck.save_file_at(path, data.region.ptr, n) if shm else ck.save_file(path, data)
                 handle.wait_taken()
             except SidecarError as e:
-                self._say_once(("refused", type(e)), f"the sidecar did not take torch.save to {path} ({e}); "
-                               "writing it in this process")
+                self._say_once(
+                    ("refused", type(e)),
+                    f"the sidecar did not take torch.save to {path} ({e}); writing it in this process",
+                )
                 handle = None
         if handle is None:
             self._write_here(path, seq, data)
@@ -707,7 +735,7 @@ class _Files:
             self._mu.notify_all()
 
     def cuda_mode(self):
-        """"device" or "host" ($CKPT_SIDECAR_HOOK_CUDA, read once)."""
+        """ "device" or "host" ($CKPT_SIDECAR_HOOK_CUDA, read once)."""
         if self._cuda_mode is None:
             self._cuda_mode, complaint = _units.hook_cuda_mode(os.environ)
             if complaint:
@@ -721,8 +749,9 @@ class _Files:
         sidecar refused before Released: nothing lost)."""
         if self.cuda_mode() != "device" or not _cuda_possible(torch):
             return False
-        if getattr(getattr(torch, "serialization", None), "skip_data", None) is None \
-                or not kwargs.get("_use_new_zipfile_serialization", True):
+        if getattr(getattr(torch, "serialization", None), "skip_data", None) is None or not kwargs.get(
+            "_use_new_zipfile_serialization", True
+        ):
             return False
         if not _may_hold_cuda(obj, torch):
             return False  # no CUDA storage: the host way, without a skip_data pass first
@@ -747,8 +776,10 @@ class _Files:
                     self._say_once(("cuda-layout", e.args[0]), f"torch.save to {path} takes the host way: {e}")
                 return False
             except Exception as e:  # noqa: BLE001 - skip_data refuses some objects: the original then runs
-                self._say_once(("cuda-skip", type(e)), f"torch.save to {path} takes the host way: "
-                               f"torch.serialization.skip_data() refused it ({e})")
+                self._say_once(
+                    ("cuda-skip", type(e)),
+                    f"torch.save to {path} takes the host way: torch.serialization.skip_data() refused it ({e})",
+                )
                 return False
             config = getattr(getattr(torch.utils, "serialization", None), "config", None)
             torch_zip = bool(getattr(getattr(config, "save", None), "compute_crc32", True))
@@ -757,8 +788,11 @@ class _Files:
                 handle = ck.save_file_pieces(path, pieces, stream, torch_zip)
                 handle.wait_taken()
             except SidecarError as e:
-                self._say_once(("cuda-refused", type(e)), f"the sidecar did not take torch.save to {path} from the "
-                               f"device ({e}); the original torch.save copies it to the host")
+                self._say_once(
+                    ("cuda-refused", type(e)),
+                    f"the sidecar did not take torch.save to {path} from the "
+                    f"device ({e}); the original torch.save copies it to the host",
+                )
                 with self._mu:
                     self.cuda["fell_back"] += 1
                     self._placed(path, seq)
@@ -835,11 +869,14 @@ class _Files:
                             continue
                         with self._mu:
                             self.cuda["lost"] += 1
-                        raise OSError(getattr(e, "errno", None) or errno.EIO,
-                                      f"the sidecar did not finish it after it held its CUDA tensors ({e}); "
-                                      "this process kept no host copy (CKPT_SIDECAR_HOOK_CUDA=host keeps one)") from e
-                    self._say_once(("lost", type(e)), f"the sidecar did not finish {path} ({e}); "
-                                   "writing it in this process")
+                        raise OSError(
+                            getattr(e, "errno", None) or errno.EIO,
+                            f"the sidecar did not finish it after it held its CUDA tensors ({e}); "
+                            "this process kept no host copy (CKPT_SIDECAR_HOOK_CUDA=host keeps one)",
+                        ) from e
+                    self._say_once(
+                        ("lost", type(e)), f"the sidecar did not finish {path} ({e}); writing it in this process"
+                    )
                 with self._mu:
                     superseded = self._latest[path] != seq
                     if not superseded:  # a newer file of the path now waits for this write
@@ -912,8 +949,9 @@ def _later_error(path, err):
     the failure as __cause__."""
     code = getattr(err, "errno", None) or errno.EIO
     why = getattr(err, "strerror", None) or str(err) or type(err).__name__
-    e = OSError(code, f"an earlier torch.save to this path failed after it returned, the file was not written: {why}",
-                path)
+    e = OSError(
+        code, f"an earlier torch.save to this path failed after it returned, the file was not written: {why}", path
+    )
     e.__cause__ = err
     return e
 
@@ -943,7 +981,7 @@ def _temp_name(path):
 def _write_all(fd, data):
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def place(path, data):
@@ -1234,8 +1272,11 @@ def _at_exit():
     if not untold:
         return
     for path, err in untold.items():
-        print(f"ckpt_sidecar: torch.save to {path} failed after it returned, and no later torch.save or "
-              f"torch.load of it reported it: {err}; the file was not written", file=sys.stderr)
+        print(
+            f"ckpt_sidecar: torch.save to {path} failed after it returned, and no later torch.save or "
+            f"torch.load of it reported it: {err}; the file was not written",
+            file=sys.stderr,
+        )
     print(f"ckpt_sidecar: exiting with status {EXIT_STATUS} ({len(untold)} torch.save file(s) lost)", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -30,6 +30,7 @@ import save_file` done after the import, the usual case).
   the original writes straight from the tensors (and never fsyncs).
 - load_file(path) of a path whose write is still pending waits for it.
 """
+
 import os
 import threading
 

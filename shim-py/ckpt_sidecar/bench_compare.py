@@ -67,6 +67,7 @@ from . import _native, _units
 from .checkpointer import Checkpointer
 from .errors import SidecarError
 
+
 def parse_size(s):
     """A size as the command line takes it (_units: store/src/units.rs's meaning)."""
     try:
@@ -164,10 +165,14 @@ class Sidecar:
         env = dict(os.environ, CKPT_SIDECAR_LOG=os.environ.get("CKPT_SIDECAR_LOG", "warn"))
         with open(self.log, "wb") as f:
             binary = os.environ.get("CKPT_SIDECAR_BIN") or _native.sidecar_binary()  # bench compare: itself
-            self.proc = subprocess.Popen([binary, "serve", "--dir", ckdir, "--socket", self.sock,
-                                          "--staging", str(staging_bytes), "--keep", "2"]
-                                         + (["--drain", drain] if drain else []) + list(extra),
-                                         stdout=f, stderr=f, env=env)
+            self.proc = subprocess.Popen(
+                [binary, "serve", "--dir", ckdir, "--socket", self.sock, "--staging", str(staging_bytes), "--keep", "2"]
+                + (["--drain", drain] if drain else [])
+                + list(extra),
+                stdout=f,
+                stderr=f,
+                env=env,
+            )
 
     def connect(self, timeout=300):
         deadline = time.monotonic() + timeout
@@ -196,6 +201,7 @@ class Sidecar:
 
 # ---- limits ----
 
+
 def fio(dirpath, size_bytes, rw):
     """Sequential O_DIRECT write or read of size_bytes in dirpath: the best of two
     configurations, in seconds; None (and why, on stderr) when fio is missing or fails."""
@@ -211,13 +217,40 @@ def fio(dirpath, size_bytes, rw):
     best = None
     try:
         if rw == "read":
-            subprocess.run(["fio", "--name=prep", f"--filename={f}", "--rw=write", bs(4 << 20), f"--size={size_bytes}",
-                            "--direct=1", "--ioengine=io_uring", "--iodepth=16"], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    "fio",
+                    "--name=prep",
+                    f"--filename={f}",
+                    "--rw=write",
+                    bs(4 << 20),
+                    f"--size={size_bytes}",
+                    "--direct=1",
+                    "--ioengine=io_uring",
+                    "--iodepth=16",
+                ],
+                check=True,
+                capture_output=True,
+            )
         for opts in ([bs(4 << 20), "--iodepth=16"], [bs(1 << 20), "--iodepth=64"]):
-            out = subprocess.run(["fio", "--name=limit", f"--filename={f}", f"--rw={rw}", f"--size={size_bytes}",
-                                  "--direct=1", "--ioengine=io_uring", "--end_fsync=1", "--output-format=json"] + opts,
-                                 check=True, capture_output=True, text=True).stdout
-            bw = json.loads(out[out.index("{"):])["jobs"][0][rw]["bw_bytes"]
+            out = subprocess.run(
+                [
+                    "fio",
+                    "--name=limit",
+                    f"--filename={f}",
+                    f"--rw={rw}",
+                    f"--size={size_bytes}",
+                    "--direct=1",
+                    "--ioengine=io_uring",
+                    "--end_fsync=1",
+                    "--output-format=json",
+                ]
+                + opts,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            bw = json.loads(out[out.index("{") :])["jobs"][0][rw]["bw_bytes"]
             if bw and (best is None or bw > best):
                 best = bw
     except (subprocess.CalledProcessError, ValueError, KeyError) as e:
@@ -268,8 +301,13 @@ class SidecarMethod:
             t1 = time.perf_counter()
             h.wait_durable()
             t2 = time.perf_counter()
-            return {"stall_s": t1 - t0, "durable_s": t2 - t0, "restore_s": None, "trainer_copied_bytes": h.copied_bytes,
-                    "written_bytes": (ck.status().get("last") or {}).get("bytes")}
+            return {
+                "stall_s": t1 - t0,
+                "durable_s": t2 - t0,
+                "restore_s": None,
+                "trainer_copied_bytes": h.copied_bytes,
+                "written_bytes": (ck.status().get("last") or {}).get("bytes"),
+            }
         t0 = time.perf_counter()
         h = ck.save(step, self.state)
         h.wait_released()
@@ -309,6 +347,7 @@ def torch_save_method(fsync):
         out["restore_s"] = time.perf_counter() - t2
         del got
         return out
+
     return run
 
 
@@ -379,8 +418,13 @@ class DcpMethod:
 # io_buffer_size / io_buffer_double), and the aio defaults of its "aio"
 # config section (deepspeed/runtime/swap_tensor/constants.py).
 DS_IO_BUFFER_BYTES = 64 << 20
-DS_AIO = {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True,
-          "intra_op_parallelism": 1}
+DS_AIO = {
+    "block_size": 1 << 20,
+    "queue_depth": 8,
+    "single_submit": False,
+    "overlap_events": True,
+    "intra_op_parallelism": 1,
+}
 
 
 def _one_line(text, limit=400):
@@ -412,9 +456,11 @@ def _mlock_unavailable(nbytes):
             err = ctypes.get_errno()
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-            return (f"mlock of DeepSpeed's {nbytes >> 20} MiB I/O buffer failed ({os.strerror(err)}; "
-                    f"RLIMIT_MEMLOCK {limit}): its aio op page-locks its CPU buffers and aborts when it "
-                    f"cannot (ulimit -l unlimited, or CAP_IPC_LOCK)")
+            return (
+                f"mlock of DeepSpeed's {nbytes >> 20} MiB I/O buffer failed ({os.strerror(err)}; "
+                f"RLIMIT_MEMLOCK {limit}): its aio op page-locks its CPU buffers and aborts when it "
+                f"cannot (ulimit -l unlimited, or CAP_IPC_LOCK)"
+            )
         libc.munlock(addr, nbytes)
         return None
     finally:
@@ -434,6 +480,7 @@ def deepspeed_unavailable():
             from deepspeed.accelerator import get_accelerator
             from deepspeed.io import FastFileWriter, FastFileWriterConfig  # noqa: F401
             from deepspeed.ops.op_builder import AsyncIOBuilder
+
             get_accelerator()
     except Exception as e:  # noqa: BLE001 - any import failure is the reason
         return f"import deepspeed failed ({type(e).__name__}: {_one_line(e)}); pip install deepspeed"
@@ -455,8 +502,10 @@ def deepspeed_unavailable():
     if not is_ninja_available():
         return "ninja is not on PATH: DeepSpeed JIT-builds its async_io op with it (pip install ninja)"
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        return (f"DeepSpeed's async_io op cannot be built here ({accel} accelerator): libaio's io_submit did "
-                f"not compile and link (apt-get install libaio-dev)")
+        return (
+            f"DeepSpeed's async_io op cannot be built here ({accel} accelerator): libaio's io_submit did "
+            f"not compile and link (apt-get install libaio-dev)"
+        )
     why = _mlock_unavailable(DS_IO_BUFFER_BYTES)
     if why:
         return why
@@ -480,9 +529,11 @@ def deepspeed_unavailable():
             return f"FastFileWriter needs DeepSpeed's utils op: the {accel} accelerator has none ({e}); {why}"
         ffw.UtilsBuilder = GenericUtilsBuilder
         global DEEPSPEED_NOTE
-        DEEPSPEED_NOTE = (f"the {accel} accelerator has no utils op, which FastFileWriter's constructor loads "
-                          f"(for a path the stock torch.save never calls): DeepSpeed's generic C++ utils op is "
-                          f"built and used in its place")
+        DEEPSPEED_NOTE = (
+            f"the {accel} accelerator has no utils op, which FastFileWriter's constructor loads "
+            f"(for a path the stock torch.save never calls): DeepSpeed's generic C++ utils op is "
+            f"built and used in its place"
+        )
         log(f"deepspeed: {DEEPSPEED_NOTE}")
     except Exception as e:  # noqa: BLE001 - a failed build is the reason
         return f"building DeepSpeed's utils op failed ({accel} accelerator): {type(e).__name__}: {_one_line(e)}"
@@ -496,8 +547,10 @@ DEEPSPEED_NOTE = None
 def _load_op(name, builder, accel):
     """Builds (JIT, the first time) and loads one DeepSpeed op; None, or why it failed."""
     t0 = time.perf_counter()
-    log(f"deepspeed: loading its {name} op ({accel} accelerator; a JIT build takes minutes the first time, "
-        f"cached in ~/.cache/torch_extensions after)")
+    log(
+        f"deepspeed: loading its {name} op ({accel} accelerator; a JIT build takes minutes the first time, "
+        f"cached in ~/.cache/torch_extensions after)"
+    )
     try:
         builder().load(verbose=False)
     except Exception as e:  # noqa: BLE001 - a failed build is the reason
@@ -535,8 +588,10 @@ class DeepSpeedMethod:
         """One FastPersist save of `state` into the new file `path`, durable on return."""
         from deepspeed.io import FastFileWriter, FastFileWriterConfig
 
-        writer = FastFileWriter(file_path=path, config=FastFileWriterConfig(
-            dnvme_handle=self.handle, pinned_tensor=self.buffer, double_buffer=True))
+        writer = FastFileWriter(
+            file_path=path,
+            config=FastFileWriterConfig(dnvme_handle=self.handle, pinned_tensor=self.buffer, double_buffer=True),
+        )
         torch.save(state, writer)
         writer.close()  # drains, fsyncs and closes the file: the durable point
         fsync_path(os.path.dirname(path), True)
@@ -565,8 +620,15 @@ class DeepSpeedMethod:
 
 # The sidecar runs as a training loop would use it: parameters and moments in
 # shared memory (share), the optimizer step guarded.
-LOOP_METHODS = ["sidecar_shared", "torch_save", "torch_save_fsync", "safetensors_fsync",
-                "dcp_save", "dcp_async_save", "deepspeed_fastpersist"]
+LOOP_METHODS = [
+    "sidecar_shared",
+    "torch_save",
+    "torch_save_fsync",
+    "safetensors_fsync",
+    "dcp_save",
+    "dcp_async_save",
+    "deepspeed_fastpersist",
+]
 
 
 def run_loop(args, base, skipped, drain=None):
@@ -610,7 +672,9 @@ def run_loop(args, base, skipped, drain=None):
 
     fwd_bwd()
     opt.step()  # AdamW's moments exist from here on
-    side = Sidecar(os.path.join(base, "loop-ckpt" + ("-drain" if drain else "")), 6 * args.loop_size + (256 << 20), drain=drain)
+    side = Sidecar(
+        os.path.join(base, "loop-ckpt" + ("-drain" if drain else "")), 6 * args.loop_size + (256 << 20), drain=drain
+    )
     ck = side.connect()
     try:
         ck.share(model)
@@ -623,13 +687,18 @@ def run_loop(args, base, skipped, drain=None):
             # the sidecar takes it from its resident image instead of copying
             # it from shared memory.
             from . import _trust
+
             trust_tracker = _trust.Tracker()
 
         def state(step):
             return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
-        size_b = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
-            sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        size_b = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+            t.numel() * t.element_size()
+            for st in opt.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        )
         steps = iter(range(1, 10**9))
         persist = []
         for _ in range(3):
@@ -650,9 +719,11 @@ def run_loop(args, base, skipped, drain=None):
                     y = torch.mm(y, a).clamp_(0, 1)
                 fwd_bwd()
         else:
+
             def compute():
                 time.sleep(step_s)  # the accelerator computes
                 fwd_bwd()
+
         dcp_async = {"fut": None}
 
         def saver(m):
@@ -661,14 +732,17 @@ def run_loop(args, base, skipped, drain=None):
             if m == "sidecar_shared":
                 return lambda st: ck.save(next(steps), st)
             if m == "sidecar_trust":
+
                 def f(st):
                     ck._trust = trust_tracker
                     try:
                         return ck.save(next(steps), st)
                     finally:
                         ck._trust = None
+
                 return f
             if m in ("torch_save", "torch_save_fsync"):
+
                 def f(st):
                     path = os.path.join(wd, "state.pt")
                     if m == "torch_save":
@@ -679,6 +753,7 @@ def run_loop(args, base, skipped, drain=None):
                         fh.flush()
                         os.fsync(fh.fileno())
                     fsync_path(wd, True)
+
                 return f
             if m == "safetensors_fsync":
                 from safetensors.torch import save_file
@@ -686,11 +761,18 @@ def run_loop(args, base, skipped, drain=None):
                 def f(st):
                     path = os.path.join(wd, "state.safetensors")
                     flat = {f"model.{k}": v for k, v in st["model"].items()}
-                    flat.update({f"optim.{i}.{k}": v for i, s in st["optim"]["state"].items() for k, v in s.items()
-                                 if isinstance(v, torch.Tensor) and v.dim() > 0})
+                    flat.update(
+                        {
+                            f"optim.{i}.{k}": v
+                            for i, s in st["optim"]["state"].items()
+                            for k, v in s.items()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0
+                        }
+                    )
                     save_file(flat, path)
                     fsync_path(path)
                     fsync_path(wd, True)
+
                 return f
             if m in ("dcp_save", "dcp_async_save"):
                 import torch.distributed as dist
@@ -709,6 +791,7 @@ def run_loop(args, base, skipped, drain=None):
                         if dcp_async["fut"] is not None:
                             dcp_async["fut"].result()  # one in flight at a time
                         dcp_async["fut"] = dcp.async_save(st, checkpoint_id=path)
+
                 return f
             if m == "deepspeed_fastpersist":
                 ds = DeepSpeedMethod()
@@ -720,6 +803,7 @@ def run_loop(args, base, skipped, drain=None):
                     if os.path.exists(path):
                         os.unlink(path)
                     ds.save(path, st)
+
                 return f
             raise AssertionError(m)
 
@@ -741,35 +825,63 @@ def run_loop(args, base, skipped, drain=None):
             return total / args.loop_steps
 
         loop_methods = LOOP_METHODS + (["sidecar_trust"] if args.loop_lora else [])
-        want = [m for m in (loop_methods if args.methods is None else args.methods.split(","))
-                if m in loop_methods and m not in skipped]
+        want = [
+            m
+            for m in (loop_methods if args.methods is None else args.methods.split(","))
+            if m in loop_methods and m not in skipped
+        ]
         if drain:
             want = ["sidecar_shared"]  # the same loop, its sidecar draining every step to `drain`
         plain = [loop(None, 1)]
         samples = {(m, every): [] for m in want for every in (1, 10)}
         savers = {m: saver(m) for m in want}
         for r in range(args.loop_rounds):
-            order = want[r % len(want):] + want[:r % len(want)]  # rotated between rounds
+            order = want[r % len(want) :] + want[: r % len(want)]  # rotated between rounds
             for m in order:
                 for every in (1, 10):
-                    log(f"training loop, round {r + 1}/{args.loop_rounds}: {m}, checkpoint every {every} step(s) "
-                        f"({args.loop_steps} steps of {step_s * 1e3:.0f} ms {args.loop_kind} compute)")
+                    log(
+                        f"training loop, round {r + 1}/{args.loop_rounds}: {m}, checkpoint every {every} step(s) "
+                        f"({args.loop_steps} steps of {step_s * 1e3:.0f} ms {args.loop_kind} compute)"
+                    )
                     t = loop(savers[m], every)
                     plain.append(loop(None, 1))
                     never = (plain[-2] + plain[-1]) / 2
-                    samples[(m, every)].append({"step_s": t, "never_step_s": never, "slowdown_pct": 100 * (t / never - 1)})
-                    log(f"  {m} every {every}: {t * 1e3:.1f} ms/step vs {never * 1e3:.1f} never: "
-                        f"{samples[(m, every)][-1]['slowdown_pct']:+.1f} %")
-        rows = [{"method": m, "every": every, "rounds": len(v),
-                 "step_s": med([x["step_s"] for x in v]), "never_step_s": med([x["never_step_s"] for x in v]),
-                 "slowdown_pct": med([x["slowdown_pct"] for x in v]), "samples": v}
-                for (m, every), v in samples.items()]
-        out = {"drain": drain, "state_bytes": size_b, "steps": args.loop_steps, "kind": args.loop_kind, "step_compute_s": step_s,
-               "sidecar_persist_s": med(persist), "never_step_s": med(plain), "never_runs": plain, "rows": rows}
+                    samples[(m, every)].append(
+                        {"step_s": t, "never_step_s": never, "slowdown_pct": 100 * (t / never - 1)}
+                    )
+                    log(
+                        f"  {m} every {every}: {t * 1e3:.1f} ms/step vs {never * 1e3:.1f} never: "
+                        f"{samples[(m, every)][-1]['slowdown_pct']:+.1f} %"
+                    )
+        rows = [
+            {
+                "method": m,
+                "every": every,
+                "rounds": len(v),
+                "step_s": med([x["step_s"] for x in v]),
+                "never_step_s": med([x["never_step_s"] for x in v]),
+                "slowdown_pct": med([x["slowdown_pct"] for x in v]),
+                "samples": v,
+            }
+            for (m, every), v in samples.items()
+        ]
+        out = {
+            "drain": drain,
+            "state_bytes": size_b,
+            "steps": args.loop_steps,
+            "kind": args.loop_kind,
+            "step_compute_s": step_s,
+            "sidecar_persist_s": med(persist),
+            "never_step_s": med(plain),
+            "never_runs": plain,
+            "rows": rows,
+        }
         if args.loop_lora:
-            out["lora"] = {"frozen_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
-                           "adapter_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
-                           "unchanged_taken_bytes": ck.status()["unchanged_taken_bytes"]}
+            out["lora"] = {
+                "frozen_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
+                "adapter_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+                "unchanged_taken_bytes": ck.status()["unchanged_taken_bytes"],
+            }
         return out
     finally:
         ck.close()
@@ -777,15 +889,21 @@ def run_loop(args, base, skipped, drain=None):
 
 
 def print_loop(loop):
-    print(f"training loop: {loop['steps']} steps, {loop['kind']} compute {loop['step_compute_s'] * 1e3:.0f} ms + "
-          f"optimizer step; state {loop['state_bytes'] / 2**20:.0f} MiB; sidecar persist "
-          f"{loop['sidecar_persist_s'] * 1e3:.0f} ms; never: {loop['never_step_s'] * 1e3:.1f} ms/step")
+    print(
+        f"training loop: {loop['steps']} steps, {loop['kind']} compute {loop['step_compute_s'] * 1e3:.0f} ms + "
+        f"optimizer step; state {loop['state_bytes'] / 2**20:.0f} MiB; sidecar persist "
+        f"{loop['sidecar_persist_s'] * 1e3:.0f} ms; never: {loop['never_step_s'] * 1e3:.1f} ms/step"
+    )
     if "lora" in loop:
         lo = loop["lora"]
-        print(f"LoRA-like: frozen {lo['frozen_bytes'] / 2**20:.1f} MiB, adapters {lo['adapter_bytes'] / 2**20:.2f} MiB "
-              f"(+ AdamW moments); frozen bytes taken without a copy (trust-version): "
-              f"{lo['unchanged_taken_bytes'] / 2**20:.0f} MiB")
-    print(f"{'method':24s} {'every':>5s} {'ms/step':>9s} {'slowdown':>9s}  (median of {loop['rows'][0]['rounds'] if loop['rows'] else 0} rounds; each round's)")
+        print(
+            f"LoRA-like: frozen {lo['frozen_bytes'] / 2**20:.1f} MiB, adapters {lo['adapter_bytes'] / 2**20:.2f} MiB "
+            f"(+ AdamW moments); frozen bytes taken without a copy (trust-version): "
+            f"{lo['unchanged_taken_bytes'] / 2**20:.0f} MiB"
+        )
+    print(
+        f"{'method':24s} {'every':>5s} {'ms/step':>9s} {'slowdown':>9s}  (median of {loop['rows'][0]['rounds'] if loop['rows'] else 0} rounds; each round's)"
+    )
     for r in loop["rows"]:
         each = " ".join(f"{x['slowdown_pct']:+.1f}" for x in r["samples"])
         print(f"{r['method']:24s} {r['every']:5d} {r['step_s'] * 1e3:9.1f} {r['slowdown_pct']:+8.1f}%  ({each})")
@@ -793,32 +911,57 @@ def print_loop(loop):
 
 # ---- the run ----
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", required=True, help="directory on the disk to measure (checkpoints and files go in a "
-                                                "temp folder inside, removed at the end)")
+    p.add_argument(
+        "--dir",
+        required=True,
+        help="directory on the disk to measure (checkpoints and files go in a temp folder inside, removed at the end)",
+    )
     p.add_argument("--sizes", default="256MiB", help="comma-separated state sizes, e.g. 256MiB,1GiB,4GiB")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per size (median); methods rotate between rounds")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds per size (median); methods rotate between rounds"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (memory warm for every method)")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods (default: all)")
     p.add_argument("--json", action="store_true", help="the JSON document as the last line of stdout")
-    p.add_argument("--loop", action="store_true", help="also the training-loop benchmark (checkpoint every step, "
-                                                        "every 10, never; each method)")
+    p.add_argument(
+        "--loop",
+        action="store_true",
+        help="also the training-loop benchmark (checkpoint every step, every 10, never; each method)",
+    )
     p.add_argument("--loop-only", action="store_true", help="only the training-loop benchmark")
-    p.add_argument("--drain", default=None, metavar="URL",
-                   help="with --loop/--loop-only: run the sidecar's loop again with `serve --drain URL` (every step "
-                        "uploaded to URL) and print its overhead beside the loop without a drain")
+    p.add_argument(
+        "--drain",
+        default=None,
+        metavar="URL",
+        help="with --loop/--loop-only: run the sidecar's loop again with `serve --drain URL` (every step "
+        "uploaded to URL) and print its overhead beside the loop without a drain",
+    )
     p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
     p.add_argument("--loop-steps", type=int, default=20)
-    p.add_argument("--loop-rounds", type=int, default=3,
-                   help="rounds of the training loop, methods rotated between rounds; medians (default 3)")
+    p.add_argument(
+        "--loop-rounds",
+        type=int,
+        default=3,
+        help="rounds of the training loop, methods rotated between rounds; medians (default 3)",
+    )
     p.add_argument("--loop-kind", choices=["gpu_like", "cpu"], default="gpu_like")
-    p.add_argument("--lora", type=parse_size, default=None, metavar="ADAPTER_SIZE",
-                   help="LoRA-like states: each size is a frozen base, plus ADAPTER_SIZE of adapters with two AdamW "
-                        "moments written before every save; adds sidecar_trust and sidecar_changed_only")
-    p.add_argument("--loop-lora", action="store_true",
-                   help="the training loop with a frozen model and rank-8 adapters (AdamW on the adapters only); "
-                        "adds the loop method sidecar_trust")
+    p.add_argument(
+        "--lora",
+        type=parse_size,
+        default=None,
+        metavar="ADAPTER_SIZE",
+        help="LoRA-like states: each size is a frozen base, plus ADAPTER_SIZE of adapters with two AdamW "
+        "moments written before every save; adds sidecar_trust and sidecar_changed_only",
+    )
+    p.add_argument(
+        "--loop-lora",
+        action="store_true",
+        help="the training loop with a frozen model and rank-8 adapters (AdamW on the adapters only); "
+        "adds the loop method sidecar_trust",
+    )
     p.add_argument("--plot", default=None, help="write a PNG: stall and throughput per method and size (log scales)")
     a = p.parse_args(argv)
     try:
@@ -829,8 +972,10 @@ def parse_args(argv=None):
         p.error("--sizes: no size given")
     small = [n for n in a.sizes if n < STATE_BYTES_MIN]
     if small:
-        p.error(f"--sizes: {', '.join(_units.human_bytes(n) for n in small)} is below the smallest state this "
-                f"benchmark builds ({_units.human_bytes(STATE_BYTES_MIN)}: 32 norm vectors of 4 KiB)")
+        p.error(
+            f"--sizes: {', '.join(_units.human_bytes(n) for n in small)} is below the smallest state this "
+            f"benchmark builds ({_units.human_bytes(STATE_BYTES_MIN)}: 32 norm vectors of 4 KiB)"
+        )
     if a.plot is not None:
         why = plot_path_problem(a.plot)
         if why:
@@ -842,21 +987,34 @@ def parse_args(argv=None):
     return a
 
 
-ALL_METHODS = ["sidecar_copied", "sidecar_shared", "torch_save", "torch_save_fsync", "safetensors_fsync",
-               "dcp_save", "dcp_async_save", "deepspeed_fastpersist"]
+ALL_METHODS = [
+    "sidecar_copied",
+    "sidecar_shared",
+    "torch_save",
+    "torch_save_fsync",
+    "safetensors_fsync",
+    "dcp_save",
+    "dcp_async_save",
+    "deepspeed_fastpersist",
+]
 # With --lora only (they need the LoRA-like state).
 LORA_METHODS = ["sidecar_trust", "sidecar_changed_only"]
 
 
 def main(argv=None):
     args = parse_args(argv)
-    known = ALL_METHODS + (LORA_METHODS if args.lora is not None else []) + \
-        (["sidecar_trust"] if args.loop_lora and args.lora is None else [])
+    known = (
+        ALL_METHODS
+        + (LORA_METHODS if args.lora is not None else [])
+        + (["sidecar_trust"] if args.loop_lora and args.lora is None else [])
+    )
     want = known if args.methods is None else [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in want if m not in known]
     if unknown:
-        raise SystemExit(f"bench compare: unknown method(s) {unknown}; known: {known}"
-                         + ("" if args.lora is not None else f" ({', '.join(LORA_METHODS)} with --lora)"))
+        raise SystemExit(
+            f"bench compare: unknown method(s) {unknown}; known: {known}"
+            + ("" if args.lora is not None else f" ({', '.join(LORA_METHODS)} with --lora)")
+        )
     os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="bench-compare-", dir=args.dir)
     skipped = {}
@@ -877,17 +1035,25 @@ def main(argv=None):
             # Without --lora the state never changes between rounds: incremental
             # saves would link every shard of the step before and the rows would
             # time a link, not the full write every other method does.
-            side = Sidecar(os.path.join(base, "sidecar-ckpt"), staging,
-                           extra=() if args.lora is not None else ("--incremental", "off"))
+            side = Sidecar(
+                os.path.join(base, "sidecar-ckpt"),
+                staging,
+                extra=() if args.lora is not None else ("--incremental", "off"),
+            )
             ck = side.connect()
         step = 0
         ck_trust = None
         if side is not None and args.lora is not None and "sidecar_trust" in want:
             ck_trust = Checkpointer(socket=side.sock, spawn=False, incremental="trust-version")
         for size in args.sizes:
-            log(f"size {_units.human_bytes(size)}: making the state" + (
-                f" (LoRA-like: frozen base + {_units.human_bytes(args.lora)} of adapters, AdamW moments)"
-                if args.lora is not None else ""))
+            log(
+                f"size {_units.human_bytes(size)}: making the state"
+                + (
+                    f" (LoRA-like: frozen base + {_units.human_bytes(args.lora)} of adapters, AdamW moments)"
+                    if args.lora is not None
+                    else ""
+                )
+            )
             changing = []
             if args.lora is not None:
                 state, changing = make_lora_state(size, args.lora)
@@ -936,9 +1102,11 @@ def main(argv=None):
             total = args.warmup + args.rounds
             for r in range(total):
                 timed = r >= args.warmup
-                order = names[r % len(names):] + names[:r % len(names)]  # rotated
+                order = names[r % len(names) :] + names[: r % len(names)]  # rotated
                 for m in order:
-                    step += 2 + STEADY_SAVES  # a sidecar method also uses step + 1 (a steady one up to step + STEADY_SAVES)
+                    step += (
+                        2 + STEADY_SAVES
+                    )  # a sidecar method also uses step + 1 (a steady one up to step + STEADY_SAVES)
                     workdir = os.path.join(base, f"{m}-{step}")
                     os.makedirs(workdir)
                     log(f"size {_units.human_bytes(size)}, round {r + 1}/{total}{'' if timed else ' (warm-up)'}: {m}")
@@ -953,19 +1121,29 @@ def main(argv=None):
                     lim["fio_write_s"].append(fio(base, size_b, "write"))
                     lim["fio_read_s"].append(fio(base, size_b, "read"))
                     lim["memcpy_s"].append(memcpy_s(state, dst))
-            entry = {"size_bytes": size_b, **{k: med(v) for k, v in lim.items()},
-                     "samples": lim, "rounds": args.rounds, "memory": "warm"}
+            entry = {
+                "size_bytes": size_b,
+                **{k: med(v) for k, v in lim.items()},
+                "samples": lim,
+                "rounds": args.rounds,
+                "memory": "warm",
+            }
             limits.append(entry)
             for m, outs in samples.items():
                 # sidecar_changed_only saves the changed tensors alone: its
                 # throughput is of its own bytes (the row stays under the size).
                 row_b = nbytes(methods[m].state) if m == "sidecar_changed_only" else size_b
-                row = {"method": m, "size_bytes": size_b, "saved_bytes": row_b,
-                       "stall_s": med([o["stall_s"] for o in outs]),
-                       "durable_s": med([o.get("durable_s") for o in outs]),
-                       "restore_s": med([o.get("restore_s") for o in outs]),
-                       "rounds": len(outs), "memory": "warm",
-                       "samples": outs}
+                row = {
+                    "method": m,
+                    "size_bytes": size_b,
+                    "saved_bytes": row_b,
+                    "stall_s": med([o["stall_s"] for o in outs]),
+                    "durable_s": med([o.get("durable_s") for o in outs]),
+                    "restore_s": med([o.get("restore_s") for o in outs]),
+                    "rounds": len(outs),
+                    "memory": "warm",
+                    "samples": outs,
+                }
                 if row["durable_s"] and entry["fio_write_s"]:
                     row["durable_over_fio_write"] = row["durable_s"] / entry["fio_write_s"]
                 if row["restore_s"] and entry["fio_read_s"]:
@@ -999,13 +1177,17 @@ def main(argv=None):
             side.stop()
         shutil.rmtree(base, ignore_errors=True)
 
-    doc = {"results": results, "limits": limits, "skipped": skipped,
-           "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "dir": os.path.abspath(args.dir)},
-           "notes": "medians; memory warm for every method (states, targets and the sidecar's staging touched "
-                    "before timing, plus untimed warm-up rounds); methods rotated between rounds; stall: until the "
-                    "trainer may change its tensors (sidecar_shared: save() + wait_released, without overlapping "
-                    "the wait with compute); durable: synced to disk (torch_save: never, null); restore: from disk "
-                    "(page cache dropped; the sidecar loads the checkpoint before its resident newest one)"}
+    doc = {
+        "results": results,
+        "limits": limits,
+        "skipped": skipped,
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "dir": os.path.abspath(args.dir)},
+        "notes": "medians; memory warm for every method (states, targets and the sidecar's staging touched "
+        "before timing, plus untimed warm-up rounds); methods rotated between rounds; stall: until the "
+        "trainer may change its tensors (sidecar_shared: save() + wait_released, without overlapping "
+        "the wait with compute); durable: synced to disk (torch_save: never, null); restore: from disk "
+        "(page cache dropped; the sidecar loads the checkpoint before its resident newest one)",
+    }
     if loop is not None:
         doc["loop"] = loop
     if loop_drain is not None:
@@ -1072,18 +1254,26 @@ def fmt(x, unit=""):
 
 def print_table(doc):
     lims = {e["size_bytes"]: e for e in doc["limits"]}
-    print(f"{'method':24s} {'size':>9s} {'stall s':>9s} {'durable s':>10s} {'GB/s':>7s} {'÷ fio':>6s} {'restore s':>10s}")
+    print(
+        f"{'method':24s} {'size':>9s} {'stall s':>9s} {'durable s':>10s} {'GB/s':>7s} {'÷ fio':>6s} {'restore s':>10s}"
+    )
     for r in doc["results"]:
         lim = lims[r["size_bytes"]]
         ratio = r["durable_s"] / lim["fio_write_s"] if r["durable_s"] and lim["fio_write_s"] else None
         gbs = r["gb_per_s"]
-        print(f"{r['method']:24s} {_units.human_bytes(r['size_bytes']):>9s} {fmt(r['stall_s']):>9s} {fmt(r['durable_s']):>10s} "
-              f"{'-' if gbs is None else f'{gbs:.2f}':>7s} {'-' if ratio is None else f'{ratio:.2f}':>6s} "
-              f"{fmt(r['restore_s']):>10s}")
+        print(
+            f"{r['method']:24s} {_units.human_bytes(r['size_bytes']):>9s} {fmt(r['stall_s']):>9s} {fmt(r['durable_s']):>10s} "
+            f"{'-' if gbs is None else f'{gbs:.2f}':>7s} {'-' if ratio is None else f'{ratio:.2f}':>6s} "
+            f"{fmt(r['restore_s']):>10s}"
+        )
     for e in doc["limits"]:
-        print(f"{'limit: fio write':24s} {_units.human_bytes(e['size_bytes']):>9s} {'':>9s} {fmt(e['fio_write_s']):>10s}")
-        print(f"{'limit: fio read':24s} {_units.human_bytes(e['size_bytes']):>9s} {'':>9s} {'':>10s} {'':>7s} {'':>6s} "
-              f"{fmt(e['fio_read_s']):>10s}")
+        print(
+            f"{'limit: fio write':24s} {_units.human_bytes(e['size_bytes']):>9s} {'':>9s} {fmt(e['fio_write_s']):>10s}"
+        )
+        print(
+            f"{'limit: fio read':24s} {_units.human_bytes(e['size_bytes']):>9s} {'':>9s} {'':>10s} {'':>7s} {'':>6s} "
+            f"{fmt(e['fio_read_s']):>10s}"
+        )
         print(f"{'limit: memcpy':24s} {_units.human_bytes(e['size_bytes']):>9s} {fmt(e['memcpy_s']):>9s}")
     for m, note in {r["method"]: r["note"] for r in doc["results"] if r.get("note")}.items():
         print(f"{m}: note: {note}")

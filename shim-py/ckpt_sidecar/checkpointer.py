@@ -10,6 +10,7 @@ regions are hand-over regions (ckpt_alloc_hand_over): a save that reads only
 them (no share()'d tensor) is the sidecar's once sent, and commits even if
 this process dies before the sidecar has copied it.
 """
+
 import atexit
 import bisect
 import ctypes
@@ -41,7 +42,17 @@ from . import _trust
 from . import dist
 from ._tree import SKELETON_VERSION, Flattener, TensorRef, pickle_skeleton, quick_key, torch_module, unflatten
 from ._units import count_arg, cpus_arg, path_arg, size_arg, step_arg, timeout_ms
-from .errors import Closed, ConnectFailed, Damaged, Disconnected, InvalidArgument, NotFound, SidecarError, Timeout, TooLarge
+from .errors import (
+    Closed,
+    ConnectFailed,
+    Damaged,
+    Disconnected,
+    InvalidArgument,
+    NotFound,
+    SidecarError,
+    Timeout,
+    TooLarge,
+)
 
 ALIGN_BYTES = 64
 STRUCTURE_BLOB = "structure.pkl"
@@ -96,7 +107,7 @@ class _Owned:
         self.released = False
         self.client = self.proc = self.lock_fd = self.tmpdir = self.janitor = self.life_w = None
         self.untaken = set()  # ids of saves not yet taken by the sidecar (a close waits for them)
-        self.shared = []      # restore callables of share()'d tensors
+        self.shared = []  # restore callables of share()'d tensors
 
 
 def _release(own):
@@ -262,13 +273,19 @@ class SaveHandle:
             self._region = None
 
     def state(self):
-        """"pending" (not taken), "released" (taken), "durable", "replicated" (once
+        """ "pending" (not taken), "released" (taken), "durable", "replicated" (once
         wait_replicated returned) or "failed", without blocking."""
         st = ctypes.c_int()
         N.check(N.lib().ckpt_poll(self._ck._live_client(), self.id, ctypes.byref(st)))
         if st.value != N.PENDING:
             self._mark_taken()
-        return {N.PENDING: "pending", N.RELEASED: "released", N.DURABLE: "durable", N.FAILED: "failed", N.REPLICATED: "replicated"}[st.value]
+        return {
+            N.PENDING: "pending",
+            N.RELEASED: "released",
+            N.DURABLE: "durable",
+            N.FAILED: "failed",
+            N.REPLICATED: "replicated",
+        }[st.value]
 
     def wait_released(self, timeout=None):
         """Block until the trainer may change the saved tensors again, and the
@@ -301,7 +318,11 @@ class SaveHandle:
         stream = self.cuda_stream if stream is None else int(stream)
         t0 = time.perf_counter()
         try:
-            N.check(N.lib().ckpt_stream_wait_copy(self._ck._live_client(), self.id, stream, timeout_ms(timeout), ctypes.byref(on)))
+            N.check(
+                N.lib().ckpt_stream_wait_copy(
+                    self._ck._live_client(), self.id, stream, timeout_ms(timeout), ctypes.byref(on)
+                )
+            )
         except Timeout:
             raise
         except SidecarError:
@@ -372,8 +393,28 @@ class _SavePlan:
     tensors copied into a save region at each save (their offsets there).
     Kept by the Checkpointer for the next save of the same state."""
 
-    __slots__ = ("n", "descs", "keep", "skeleton", "copy_bytes", "tensor_bytes", "inplace", "copies", "data_view",
-                 "sig", "refs", "gen", "streams", "host_inplace", "dev", "dead", "blobs", "leaf_refs", "trust_names", "__weakref__")
+    __slots__ = (
+        "n",
+        "descs",
+        "keep",
+        "skeleton",
+        "copy_bytes",
+        "tensor_bytes",
+        "inplace",
+        "copies",
+        "data_view",
+        "sig",
+        "refs",
+        "gen",
+        "streams",
+        "host_inplace",
+        "dev",
+        "dead",
+        "blobs",
+        "leaf_refs",
+        "trust_names",
+        "__weakref__",
+    )
 
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
@@ -406,8 +447,17 @@ class _SavePlan:
                 self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
             self.descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
         # The descriptors' data fields, as one uint64 array (updated in bulk).
-        self.data_view = np.ndarray((self.n,), dtype=np.uint64, buffer=self.descs, offset=N.Tensor.data.offset,
-                                    strides=(ctypes.sizeof(N.Tensor),)) if self.n else None
+        self.data_view = (
+            np.ndarray(
+                (self.n,),
+                dtype=np.uint64,
+                buffer=self.descs,
+                offset=N.Tensor.data.offset,
+                strides=(ctypes.sizeof(N.Tensor),),
+            )
+            if self.n
+            else None
+        )
         self.sig = self.refs = self.gen = None
         self.dead = False
         self.blobs = None  # (the blobs' names and data, their ckpt_blob_t array) of the last save
@@ -417,8 +467,11 @@ class _SavePlan:
         the same names and byte objects come (the structure blob alone, at
         every save of an unchanged state), which the array keeps alive."""
         last = self.blobs
-        if last is not None and len(last[0]) == len(blobs_py) and \
-                all(a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], blobs_py)):
+        if (
+            last is not None
+            and len(last[0]) == len(blobs_py)
+            and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], blobs_py))
+        ):
             return last[1]
         keep = []
         arr = (N.Blob * max(len(blobs_py), 1))()
@@ -506,7 +559,6 @@ def _lazy_view(t):
     return t.is_conj() or t.is_neg()
 
 
-
 class Checkpointer:
     """A connection to a sidecar (spawned for this process if none runs).
 
@@ -555,8 +607,19 @@ class Checkpointer:
     _tmpdir = _owned("tmpdir")
     _lock_fd = _owned("lock_fd")
 
-    def __init__(self, dir=None, socket=None, spawn=True, keep=None, staging=None, log=None, cpus=None,
-                 preemption=False, incremental=None, _private_dir=False):
+    def __init__(
+        self,
+        dir=None,
+        socket=None,
+        spawn=True,
+        keep=None,
+        staging=None,
+        log=None,
+        cpus=None,
+        preemption=False,
+        incremental=None,
+        _private_dir=False,
+    ):
         self._own = _Owned()
         # close() and collection both end in _release(own) (once); at exit,
         # _close_all closes what is still open (in atexit order: after the
@@ -579,22 +642,23 @@ class Checkpointer:
         self._keep, self._staging, self._log = keep, staging, log
         self._cpus = None if cpus is None else cpus_arg(cpus)
         if incremental not in INCREMENTAL_MODES:
-            raise InvalidArgument(f"incremental={incremental!r}: one of {', '.join(map(repr, INCREMENTAL_MODES))}",
-                                  InvalidArgument.code)
+            raise InvalidArgument(
+                f"incremental={incremental!r}: one of {', '.join(map(repr, INCREMENTAL_MODES))}", InvalidArgument.code
+            )
         # "trust-version": torch version counters prove tensors unchanged (_trust).
         self._trust = _trust.Tracker() if incremental == "trust-version" else None
-        self._regions = []       # every region of this client, sorted by ptr
-        self._regions_gen = 0    # bumped when a region comes or goes (a cached save plan is then stale)
-        self._save_plans = []    # the last saves' prepared requests, newest last (see _SavePlan)
+        self._regions = []  # every region of this client, sorted by ptr
+        self._regions_gen = 0  # bumped when a region comes or goes (a cached save plan is then stale)
+        self._save_plans = []  # the last saves' prepared requests, newest last (see _SavePlan)
         self._region_ptrs = []
         self._save_regions = []  # regions for copies at save (at most POOL_REGIONS_MAX)
-        self._free = []          # those of them no save in flight uses
+        self._free = []  # those of them no save in flight uses
         self._load_region = None  # load_tensors' region (copies out of it)
-        self._load_pool = []      # load()'s regions (_LoadRegion), reused once their tensors are gone
-        self._pending = []       # weakrefs of handles not yet known released
+        self._load_pool = []  # load()'s regions (_LoadRegion), reused once their tensors are gone
+        self._pending = []  # weakrefs of handles not yet known released
         self._pending_prune_at = PENDING_PRUNE_AT  # dead ones are dropped when it grows past this
         self._last = None
-        self._budget = None      # the sidecar's staging budget, once asked (see _check_fits)
+        self._budget = None  # the sidecar's staging budget, once asked (see _check_fits)
         self._mu = threading.RLock()
         self.socket = path_arg("socket", socket) if socket is not None else None
         self._socket_arg = self.socket is not None  # spawn there, not at a private path
@@ -611,18 +675,25 @@ class Checkpointer:
                     raise ConnectFailed(
                         f"rank {ranks.rank} of {ranks.world_size}: no sidecar reachable ({e}); run the job as "
                         f"`ckpt-sidecar launch --dir DIR -- torchrun ...` (one sidecar per node), or start "
-                        f"`ckpt-sidecar serve` per node and set CKPT_SIDECAR_SOCKET", ConnectFailed.code) from e
+                        f"`ckpt-sidecar serve` per node and set CKPT_SIDECAR_SOCKET",
+                        ConnectFailed.code,
+                    ) from e
                 joined = not self._socket_arg and not _private_dir and self._join_serving()
                 if not joined:
                     self._spawn()
             if joined:
                 self._check_dir(dir)
-                given = [f"{k}={v!r}" for k, v in (("keep", keep), ("staging", staging), ("cpus", cpus), ("log", log))
-                         if v is not None]
+                given = [
+                    f"{k}={v!r}"
+                    for k, v in (("keep", keep), ("staging", staging), ("cpus", cpus), ("log", log))
+                    if v is not None
+                ]
                 if given:
                     # They are the options of a sidecar this Checkpointer starts.
-                    warnings.warn(f"{', '.join(given)}: ignored, the sidecar at {self.socket or '(default socket)'} "
-                                  "was already running (they apply to one this Checkpointer spawns)")
+                    warnings.warn(
+                        f"{', '.join(given)}: ignored, the sidecar at {self.socket or '(default socket)'} "
+                        "was already running (they apply to one this Checkpointer spawns)"
+                    )
             self.rank, self.world_size, self.local_rank = dist.rank_info()
             if self.world_size > 1:
                 N.check(N.lib().ckpt_set_rank(self._client, self.rank, self.world_size))
@@ -665,8 +736,10 @@ class Checkpointer:
         dirs = [st["shared_dir"]] if st.get("shared_dir") else (st.get("dirs") or [])
         if dirs:
             if asked is not None and os.path.realpath(dirs[0]) != os.path.realpath(self.dir):
-                warnings.warn(f"the sidecar at {self.socket or '(default socket)'} writes to {dirs[0]}, "
-                              f"not {self.dir}: checkpoints go there")
+                warnings.warn(
+                    f"the sidecar at {self.socket or '(default socket)'} writes to {dirs[0]}, "
+                    f"not {self.dir}: checkpoints go there"
+                )
             self.dir = dirs[0]
 
     # ---- connection and the spawned sidecar ----
@@ -693,10 +766,16 @@ class Checkpointer:
         # Another open Checkpointer of this process holds the lock below: waiting
         # for it (as for a draining sidecar) would wait out the whole deadline.
         for other in list(_live):
-            if (other._proc is not None and other._client is not None and other._own.pid == os.getpid()
-                    and os.path.realpath(other.dir) == os.path.realpath(self.dir)):
-                raise SidecarError(f"{self.dir} is in use by another Checkpointer of this process, which spawned "
-                                   "its sidecar; use that one, or close() it first")
+            if (
+                other._proc is not None
+                and other._client is not None
+                and other._own.pid == os.getpid()
+                and os.path.realpath(other.dir) == os.path.realpath(self.dir)
+            ):
+                raise SidecarError(
+                    f"{self.dir} is in use by another Checkpointer of this process, which spawned "
+                    "its sidecar; use that one, or close() it first"
+                )
         os.makedirs(self.dir, exist_ok=True)
         # One sidecar per directory: the lock is inherited by the sidecar and held
         # until it exits, so a restarted trainer waits for a draining one. A
@@ -732,13 +811,16 @@ class Checkpointer:
         own.tmpdir = tempfile.mkdtemp(prefix="ckpt-sidecar-py-")
         r, w = os.pipe()  # both close-on-exec: only the janitor and the sidecar get an end
         try:
-            own.janitor = subprocess.Popen(["/bin/sh", "-c", JANITOR_SH, "ckpt-sidecar-janitor", str(os.getpid()),
-                                            own.tmpdir], stdin=r, stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL, start_new_session=True)
+            own.janitor = subprocess.Popen(
+                ["/bin/sh", "-c", JANITOR_SH, "ckpt-sidecar-janitor", str(os.getpid()), own.tmpdir],
+                stdin=r,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError as e:
             os.close(w)
-            warnings.warn(f"no janitor for {own.tmpdir} ({e}): if this process is killed, "
-                          "the folder stays behind")
+            warnings.warn(f"no janitor for {own.tmpdir} ({e}): if this process is killed, the folder stays behind")
         else:
             own.life_w = w
         finally:
@@ -770,8 +852,9 @@ class Checkpointer:
         with open(self.log_path, "ab") as logf:
             self._log_from = logf.tell()  # a log= file may hold earlier runs
             # Own session: a Ctrl-C at the terminal reaches the trainer, which then stops it in order.
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
-                                          pass_fds=keep, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=logf, stderr=logf, pass_fds=keep, start_new_session=True
+            )
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while True:
             if self._proc.poll() is not None:
@@ -804,7 +887,7 @@ class Checkpointer:
                 lines = [ln.strip() for ln in f.read()[-8000:].decode("utf-8", "replace").splitlines() if ln.strip()]
         except OSError:
             return "(no log)"
-        errors = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
+        errors = [ln[len("error: ") :] for ln in lines if ln.startswith("error: ")]
         return errors[-1] if errors else (lines[-1] if lines else "(its log is empty)")
 
     def _live_client(self):
@@ -815,8 +898,11 @@ class Checkpointer:
         if os.getpid() != self._own.pid:
             # A forked child shares the parent's connection and regions: it
             # must not speak on them, nor start a sidecar of its own.
-            raise Closed(f"this Checkpointer belongs to process {self._own.pid}; a forked child "
-                         "cannot use it (make a new Checkpointer in the child)", -16)
+            raise Closed(
+                f"this Checkpointer belongs to process {self._own.pid}; a forked child "
+                "cannot use it (make a new Checkpointer in the child)",
+                -16,
+            )
         return self._client
 
     def _ensure(self):
@@ -923,8 +1009,9 @@ class Checkpointer:
         else:
             fl = Flattener()
             fl.walk(state_or_bytes)
-            n = sum(_align(obj.nbytes if ref.kind == "np" else obj.numel() * obj.element_size())
-                    for ref, obj in fl.leaves)
+            n = sum(
+                _align(obj.nbytes if ref.kind == "np" else obj.numel() * obj.element_size()) for ref, obj in fl.leaves
+            )
         with self._mu:
             self._ensure()
             got = []
@@ -1033,19 +1120,38 @@ class Checkpointer:
                 # Device tensors in place: fenced by an event on their stream (as of now: a kept plan asks again).
                 streams = _cuda.streams_now(c.dev, objs, torch_module(), stream) if c.dev else []
                 if len(streams) > 1:
-                    raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
-                                          f"({streams}); synchronize them onto one stream first")
+                    raise InvalidArgument(
+                        f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                        f"({streams}); synchronize them onto one stream first"
+                    )
                 if flags is not None:
                     since, arr = flags
-                    N.check(N.lib().ckpt_save_flagged(self._client, int(step), c.descs, c.n, arr, since, blobs,
-                                                      len(blobs_py), streams[0] if streams else None,
-                                                      ctypes.byref(sid)))
+                    N.check(
+                        N.lib().ckpt_save_flagged(
+                            self._client,
+                            int(step),
+                            c.descs,
+                            c.n,
+                            arr,
+                            since,
+                            blobs,
+                            len(blobs_py),
+                            streams[0] if streams else None,
+                            ctypes.byref(sid),
+                        )
+                    )
                 elif streams:
-                    N.check(N.lib().ckpt_save_on_stream(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
-                                                        streams[0], ctypes.byref(sid)))
+                    N.check(
+                        N.lib().ckpt_save_on_stream(
+                            self._client, int(step), c.descs, c.n, blobs, len(blobs_py), streams[0], ctypes.byref(sid)
+                        )
+                    )
                 else:
-                    N.check(N.lib().ckpt_save(self._client, int(step), c.descs, c.n, blobs, len(blobs_py),
-                                              ctypes.byref(sid)))
+                    N.check(
+                        N.lib().ckpt_save(
+                            self._client, int(step), c.descs, c.n, blobs, len(blobs_py), ctypes.byref(sid)
+                        )
+                    )
                 self._own.untaken.add(sid.value)
                 if stamps is not None:
                     self._trust.sent(sid.value, c, int(step), stamps)
@@ -1100,9 +1206,12 @@ class Checkpointer:
             except (SidecarError, KeyError, TypeError, ValueError):
                 return  # the sidecar decides
         if tensor_bytes > self._budget:
-            raise TooLarge(f"save of step {step}: its tensors need {tensor_bytes} bytes, more than the sidecar's "
-                           f"whole staging budget of {self._budget} bytes (raise staging=, or the sidecar's "
-                           "--staging); nothing was copied", TooLarge.code)
+            raise TooLarge(
+                f"save of step {step}: its tensors need {tensor_bytes} bytes, more than the sidecar's "
+                f"whole staging budget of {self._budget} bytes (raise staging=, or the sidecar's "
+                "--staging); nothing was copied",
+                TooLarge.code,
+            )
 
     def save_file(self, path, data):
         """Have the sidecar write `data` (bytes-like) as the whole file `path`,
@@ -1171,8 +1280,11 @@ class Checkpointer:
             arr = (N.FilePiece * len(pieces))(*[N.FilePiece(addr, n) for addr, n, _ in pieces])
             finish = N.FILE_TORCH_ZIP if torch_zip else N.FILE_AS_IS
             sid = ctypes.c_uint64()
-            N.check(N.lib().ckpt_save_file_pieces(self._client, path.encode(), arr, len(pieces), stream or None, finish,
-                                                  ctypes.byref(sid)))
+            N.check(
+                N.lib().ckpt_save_file_pieces(
+                    self._client, path.encode(), arr, len(pieces), stream or None, finish, ctypes.byref(sid)
+                )
+            )
             self._own.untaken.add(sid.value)
             h = SaveHandle(self, None, sid.value, None, time.perf_counter() - t0, inplace=False)
             self._pending.append(weakref.ref(h))
@@ -1194,12 +1306,20 @@ class Checkpointer:
                     streams.append(stream)
             elif ref.kind == "np":
                 nbytes = obj.nbytes
-                inplace = obj.flags.c_contiguous and ref.stored != "U8" or (ref.stored == "U8" and obj.dtype == np.uint8 and obj.flags.c_contiguous)
+                inplace = (
+                    obj.flags.c_contiguous
+                    and ref.stored != "U8"
+                    or (ref.stored == "U8" and obj.dtype == np.uint8 and obj.flags.c_contiguous)
+                )
                 addr = obj.__array_interface__["data"][0] if nbytes else 0
             else:
                 nbytes = obj.numel() * obj.element_size()
-                inplace = obj.device.type == "cpu" and obj.is_contiguous() and (ref.stored != "U8" or obj.dtype == torch.uint8) \
+                inplace = (
+                    obj.device.type == "cpu"
+                    and obj.is_contiguous()
+                    and (ref.stored != "U8" or obj.dtype == torch.uint8)
                     and not _lazy_view(obj)
+                )
                 addr = obj.data_ptr() if nbytes else 0
             is_u8 = obj.dtype == np.uint8 if ref.kind == "np" else ref.dtype == "uint8"
             # A dtype safetensors lacks travels as its raw bytes (U8, [nbytes]).
@@ -1223,8 +1343,10 @@ class Checkpointer:
                 row[4] = ("copy", copy_bytes)
                 copy_bytes += _align(row[2])
         if len(streams) > 1:
-            raise InvalidArgument(f"the device tensors of one save were written on {len(streams)} CUDA streams "
-                                  f"({streams}); synchronize them onto one stream first")
+            raise InvalidArgument(
+                f"the device tensors of one save were written on {len(streams)} CUDA streams "
+                f"({streams}); synchronize them onto one stream first"
+            )
         return [tuple(r) for r in rows], direct, copy_bytes, streams
 
     def _register_cuda(self, ref, addr, nbytes):
@@ -1251,8 +1373,9 @@ class Checkpointer:
         if ref.kind == "cuda":
             addr, nbytes, contiguous, stream = _cuda.device_leaf(ref, obj, None)
             if not contiguous:
-                raise InvalidArgument(f"tensor {ref.name!r}: a strided __cuda_array_interface__ object "
-                                      "(make it contiguous first)")
+                raise InvalidArgument(
+                    f"tensor {ref.name!r}: a strided __cuda_array_interface__ object (make it contiguous first)"
+                )
             _cuda.copy_to_host(obj, region.ptr + off, nbytes, stream)
         elif ref.kind == "np":
             if ref.stored != "U8" or obj.dtype == np.uint8:
@@ -1337,8 +1460,12 @@ class Checkpointer:
             try:
                 # MAP_POPULATE: the pages are faulted in here, once per region,
                 # not by every load (a reused region's pages stay mapped).
-                mm = mmap.mmap(fd, region.len_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(
+                    fd,
+                    region.len_bytes,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                )
             finally:
                 os.close(fd)
         except BaseException:
@@ -1361,8 +1488,17 @@ class Checkpointer:
         need.value = max((r.region.len_bytes for r in self._load_pool if r.free()), default=1)
         for _ in range(LOAD_TRIES_MAX):
             target = self._load_target(need.value)
-            N.check(L.ckpt_load_packed(self._client, want, ctypes.c_void_p(target.region.ptr), target.region.len_bytes,
-                                       ctypes.byref(got), ctypes.byref(src), ctypes.byref(need)))
+            N.check(
+                L.ckpt_load_packed(
+                    self._client,
+                    want,
+                    ctypes.c_void_p(target.region.ptr),
+                    target.region.len_bytes,
+                    ctypes.byref(got),
+                    ctypes.byref(src),
+                    ctypes.byref(need),
+                )
+            )
             if need.value <= target.region.len_bytes:
                 break
         else:
@@ -1454,7 +1590,11 @@ class Checkpointer:
         for name, dt, shape, nbytes in infos:
             if nbytes == 0:
                 continue
-            at = offs[name] if name not in piece_at else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
+            at = (
+                offs[name]
+                if name not in piece_at
+                else offs[piece_at[name][0]] + piece_at[name][1] * piece_isz[piece_at[name][0]]
+            )
             bn, bd = name.encode(), dt.encode()
             shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
             keep += [bn, bd, shp]
@@ -1536,12 +1676,16 @@ class Checkpointer:
                 dev = _cuda.device_leaf(ref, obj, torch)
                 if dev is not None:
                     if not dev[2]:
-                        raise InvalidArgument(f"load_into: tensor {ref.name!r} is a non-contiguous CUDA tensor "
-                                              "(the sidecar writes device memory as one range); nothing was loaded")
+                        raise InvalidArgument(
+                            f"load_into: tensor {ref.name!r} is a non-contiguous CUDA tensor "
+                            "(the sidecar writes device memory as one range); nothing was loaded"
+                        )
                     direct.append((dev[0], dev[1], ref, True))
                 elif ref.kind == "torch" and obj.device.type != "cpu":
-                    raise InvalidArgument(f"load_into: tensor {ref.name!r} is on device {obj.device}, which this "
-                                          "package cannot write; nothing was loaded")
+                    raise InvalidArgument(
+                        f"load_into: tensor {ref.name!r} is on device {obj.device}, which this "
+                        "package cannot write; nothing was loaded"
+                    )
                 elif ref.kind == "np" and not obj.flags.writeable:
                     raise InvalidArgument(f"load_into: array {ref.name!r} is read-only; nothing was loaded")
                 elif _leaf_nbytes(ref, obj) and (obj.flags.c_contiguous if ref.kind == "np" else obj.is_contiguous()):
@@ -1586,8 +1730,11 @@ class Checkpointer:
                     bounce = self._alloc(total) if total else None
                     try:
                         # The step found above, explicitly: `latest` may have moved meanwhile.
-                        self._load_described(got, infos, direct + [(bounce.ptr + at[n], infos[have[n]][3], mine[n][0], False)
-                                                                   for n in spare])
+                        self._load_described(
+                            got,
+                            infos,
+                            direct + [(bounce.ptr + at[n], infos[have[n]][3], mine[n][0], False) for n in spare],
+                        )
                         srcs = {n: np.frombuffer(bounce.buf, np.uint8, infos[have[n]][3], at[n]) for n in spare}
                     except Damaged:
                         if want != -1:
@@ -1687,9 +1834,17 @@ class Checkpointer:
                     if target is not None and target not in self._load_pool:
                         self._drop_load_region(target)
                     target = min(free, key=lambda r: r.region.len_bytes) if free else self._new_load_region(need.value)
-                N.check(L.ckpt_load_packed(self._client, want, ctypes.c_void_p(target.region.ptr),
-                                           target.region.len_bytes, ctypes.byref(got), ctypes.byref(src),
-                                           ctypes.byref(need)))
+                N.check(
+                    L.ckpt_load_packed(
+                        self._client,
+                        want,
+                        ctypes.c_void_p(target.region.ptr),
+                        target.region.len_bytes,
+                        ctypes.byref(got),
+                        ctypes.byref(src),
+                        ctypes.byref(need),
+                    )
+                )
                 self._note_load(got.value, src.value)
                 infos = self._loaded_tensors()
                 if need.value <= target.region.len_bytes:
@@ -1698,7 +1853,9 @@ class Checkpointer:
                 if not host:
                     return got.value, infos, None, target, None
             else:
-                raise SidecarError(f"checkpoint {got.value} kept needing a larger region ({need.value} bytes); try again")
+                raise SidecarError(
+                    f"checkpoint {got.value} kept needing a larger region ({need.value} bytes); try again"
+                )
             offs, off = [], ctypes.c_uint64()
             for i in range(len(infos)):
                 N.check(L.ckpt_loaded_tensor_offset(self._client, i, ctypes.byref(off)))
@@ -1729,8 +1886,10 @@ class Checkpointer:
         that saved; a single-rank checkpoint's otherwise."""
         if saved_world_size > 1:
             if saved_world_size != self.world_size:
-                warnings.warn(f"checkpoint written by {saved_world_size} ranks, loaded by {self.world_size}: "
-                              f"rank {self.rank} gets rank {self.rank % saved_world_size}'s RNG state")
+                warnings.warn(
+                    f"checkpoint written by {saved_world_size} ranks, loaded by {self.world_size}: "
+                    f"rank {self.rank} gets rank {self.rank % saved_world_size}'s RNG state"
+                )
             return self._loaded_blob(dist.rng_blob_name(self.rank % saved_world_size))
         return self._loaded_blob(RNG_BLOB)
 
@@ -1748,8 +1907,9 @@ class Checkpointer:
             buf = ctypes.create_string_buffer(n.value)
             N.check(L.ckpt_loaded_fell_back(self._client, buf, n.value, ctypes.byref(n)))
             why = buf.raw[: n.value].decode(errors="replace")
-            warnings.warn(f"loaded step {step}, not a newer checkpoint that does not load ({why})", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"loaded step {step}, not a newer checkpoint that does not load ({why})", RuntimeWarning, stacklevel=4
+            )
         self.last_load_fell_back = why
 
     def _loaded_tensors(self):
@@ -1760,8 +1920,17 @@ class Checkpointer:
         for i in range(n.value):
             name, dt, shp = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.POINTER(ctypes.c_uint64)()
             nd, nb = ctypes.c_uint32(), ctypes.c_uint64()
-            N.check(L.ckpt_loaded_tensor(self._client, i, ctypes.byref(name), ctypes.byref(dt), ctypes.byref(shp),
-                                         ctypes.byref(nd), ctypes.byref(nb)))
+            N.check(
+                L.ckpt_loaded_tensor(
+                    self._client,
+                    i,
+                    ctypes.byref(name),
+                    ctypes.byref(dt),
+                    ctypes.byref(shp),
+                    ctypes.byref(nd),
+                    ctypes.byref(nb),
+                )
+            )
             out.append((name.value.decode(), dt.value.decode(), [shp[k] for k in range(nd.value)], nb.value))
         return out
 
@@ -1974,8 +2143,10 @@ class LoadedInto(int):
         return self
 
     def __repr__(self):
-        return (f"LoadedInto(step={self.step}, source={self.source!r}, missing_keys={self.missing_keys}, "
-                f"unexpected_keys={self.unexpected_keys})")
+        return (
+            f"LoadedInto(step={self.step}, source={self.source!r}, missing_keys={self.missing_keys}, "
+            f"unexpected_keys={self.unexpected_keys})"
+        )
 
 
 def _dtype_name(dt):
@@ -2032,19 +2203,27 @@ def _match_state(mine, infos, refs, step, strict):
         else:
             ck = f"{ST_NAMES.get(dt, dt)} {list(shape)}"
         st = f"{_dtype_name(ref.dtype)} {list(ref.shape)}"
-        if ref.stored != dt or _stored_shape(ref, obj) != list(shape) \
-                or r is not None and (_dtype_name(r.dtype) != _dtype_name(ref.dtype) or tuple(r.shape) != tuple(ref.shape)):
+        if (
+            ref.stored != dt
+            or _stored_shape(ref, obj) != list(shape)
+            or r is not None
+            and (_dtype_name(r.dtype) != _dtype_name(ref.dtype) or tuple(r.shape) != tuple(ref.shape))
+        ):
             if ck == st:  # the same to the eye: say how each is stored
                 ck, st = f"{ck} stored as {dt} {list(shape)}", f"{st} stored as {ref.stored} {_stored_shape(ref, obj)}"
-            raise InvalidArgument(f"load_into: tensor {name!r} is {ck} in checkpoint {step} but {st} in the state; "
-                                  "nothing was loaded")
+            raise InvalidArgument(
+                f"load_into: tensor {name!r} is {ck} in checkpoint {step} but {st} in the state; nothing was loaded"
+            )
     missing = sorted(n for n in mine if n not in have)
     unexpected = sorted(n for n in have if n not in mine)
     if strict and (missing or unexpected):
-        said = ([f"lacks {len(missing)} tensor(s) of the state {_names(missing)}"] if missing else []) + \
-               ([f"holds {len(unexpected)} tensor(s) the state lacks {_names(unexpected)}"] if unexpected else [])
-        raise InvalidArgument(f"load_into: checkpoint {step} {' and '.join(said)}; nothing was loaded "
-                              "(strict=False loads the tensors both hold)")
+        said = ([f"lacks {len(missing)} tensor(s) of the state {_names(missing)}"] if missing else []) + (
+            [f"holds {len(unexpected)} tensor(s) the state lacks {_names(unexpected)}"] if unexpected else []
+        )
+        raise InvalidArgument(
+            f"load_into: checkpoint {step} {' and '.join(said)}; nothing was loaded "
+            "(strict=False loads the tensors both hold)"
+        )
     return missing, unexpected
 
 
@@ -2095,15 +2274,43 @@ def _collect_refs(skel, out):
             _collect_refs(v, out)
 
 
-ST_TO_NP = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
-            "I32": np.int32, "U32": np.uint32, "F32": np.float32, "F64": np.float64, "I64": np.int64,
-            "U64": np.uint64, "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+ST_TO_NP = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "F16": np.float16,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "BF16": np.uint16,
+    "F8_E4M3": np.uint8,
+    "F8_E5M2": np.uint8,
+}
 
 
 # Index dtypes by the names numpy and torch give them (load_into's messages).
-ST_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-            "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64", "I64": "int64", "U64": "uint64",
-            "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+ST_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def _plain_array(buf, off, dt, shape, nbytes, view=False):

@@ -41,6 +41,7 @@ a step folder as plain safetensors: tensors whose one chunk is at the origin
 come back under their fqn, but chunks elsewhere (`fqn@[...]`) and objects
 (U8 tensors) come back as stored; SidecarReader puts everything back.
 """
+
 import copy
 import dataclasses
 import io
@@ -212,9 +213,12 @@ class SidecarWriter(StorageWriter):
         # change before it). Refused, here and in synchronize_staging.
         st = self._staging
         if st is not None:
-            err = InvalidArgument("SidecarWriter stages CUDA tensors in place (the sidecar's device copy is the "
-                                  "staging): use dcp.async_save's thread executor (AsyncCheckpointerType.THREAD, "
-                                  "the default), not PROCESS", InvalidArgument.code)
+            err = InvalidArgument(
+                "SidecarWriter stages CUDA tensors in place (the sidecar's device copy is the "
+                "staging): use dcp.async_save's thread executor (AsyncCheckpointerType.THREAD, "
+                "the default), not PROCESS",
+                InvalidArgument.code,
+            )
             st.refuse(err)
             raise err
         if self._ck is not None:
@@ -341,8 +345,10 @@ class SidecarReader(StorageReader):
                 blob = ck._loaded_blob(METADATA_BLOB)
                 self.loaded_step = ck.last_load_step
             if blob is None:
-                raise ValueError(f"checkpoint {self.loaded_step} in {self.dir} was not written by SidecarWriter "
-                                 f"(no {METADATA_BLOB}); load it with Checkpointer.load")
+                raise ValueError(
+                    f"checkpoint {self.loaded_step} in {self.dir} was not written by SidecarWriter "
+                    f"(no {METADATA_BLOB}); load it with Checkpointer.load"
+                )
             self._values, self._metadata = values, pickle.loads(blob)
         return self._values
 
@@ -375,7 +381,9 @@ class SidecarReader(StorageReader):
             for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                 src = src.narrow(dim, o, n)
             if target.size() != src.size():
-                raise AssertionError(f"{req.storage_index}: stored chunk {tuple(src.size())} vs target {tuple(target.size())}")
+                raise AssertionError(
+                    f"{req.storage_index}: stored chunk {tuple(src.size())} vs target {tuple(target.size())}"
+                )
             target.copy_(src)
             planner.commit_tensor(req, target)
         return _done(None)

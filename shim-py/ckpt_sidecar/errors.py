@@ -95,6 +95,7 @@ class Closed(SidecarError):
 
 class CudaError(SidecarError):
     """A CUDA driver call of the trainer's side failed, or there is no CUDA driver."""
+
     code = -17
 
 
@@ -104,9 +105,26 @@ class Panic(SidecarError):
 
 BY_CODE = {
     cls.code: cls
-    for cls in (InvalidArgument, ConnectFailed, Refused, Disconnected, Timeout, ShmError, RegionError,
-                NotFound, BadRequest, Damaged, IOFailed, TooLarge, ShuttingDown, ProtocolError, CudaError,
-                Truncated, Closed, Panic)
+    for cls in (
+        InvalidArgument,
+        ConnectFailed,
+        Refused,
+        Disconnected,
+        Timeout,
+        ShmError,
+        RegionError,
+        NotFound,
+        BadRequest,
+        Damaged,
+        IOFailed,
+        TooLarge,
+        ShuttingDown,
+        ProtocolError,
+        CudaError,
+        Truncated,
+        Closed,
+        Panic,
+    )
 }
 
 

@@ -27,6 +27,7 @@ for this process at the first save, as the hook does.
   and raises the first write that failed after its save returned (an
   OSError with its errno).
 """
+
 import os
 
 try:
@@ -72,12 +73,13 @@ class SidecarCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                f" is not supported for `{self.__class__.__name__}`.")
+                f" is not supported for `{self.__class__.__name__}`."
+            )
         if not _local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = os.fspath(path)
         if path.startswith("file://"):
-            path = path[len("file://"):]
+            path = path[len("file://") :]
         d = os.path.dirname(path)
         if d:
             os.makedirs(d, exist_ok=True)

@@ -34,17 +34,9 @@ import time
 
 import numpy as np
 
-from . import dist
+from . import _units, dist
 
 GIB = 1 << 30
-
-
-def parse_size(s):
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    for u, m in units.items():
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * m)
-    return int(s)
 
 
 def synthetic(total_bytes, d=1024):
@@ -82,7 +74,7 @@ def share(items, rank, world_size):
         [(n, int(np.prod(s)) * np.dtype(t).itemsize, np.dtype(t).itemsize, True) for n, s, t in items], world_size
     )
     out = {}
-    for name, shape, dt in items:
+    for name, _shape, dt in items:
         pieces = parts[name]
         for p in pieces:
             if p.rank != rank:
@@ -330,7 +322,7 @@ def main(argv=None):
         help="--nodes: comma-separated ckpt-sidecar binaries to alternate (default: $CKPT_SIDECAR_BIN)",
     )
     a = ap.parse_args(argv)
-    total = parse_size(a.size)
+    total = _units.parse_size(a.size, "--size")
     items = synthetic(total)
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
     if a.nodes:
@@ -340,7 +332,8 @@ def main(argv=None):
         f"{os.cpu_count()} CPUs; memory warm (second save of each rank measured)"
     )
     print(
-        f"{'ranks':>5} {'bytes/rank (MiB)':<34} {'balance':>8} {'slowest s':>10} {'agg GiB/s':>10} {'fio GiB/s':>10} {'ratio':>6}"
+        f"{'ranks':>5} {'bytes/rank (MiB)':<34} {'balance':>8} {'slowest s':>10} {'agg GiB/s':>10} "
+        f"{'fio GiB/s':>10} {'ratio':>6}"
     )
     worst = 0.0
     for w in [int(x) for x in a.ranks.split(",")]:
@@ -352,7 +345,8 @@ def main(argv=None):
         agg = sum(per) / slowest / GIB
         fio = fio_parallel(dirs, per)
         print(
-            f"{w:>5} {' '.join(f'{n / (1 << 20):.1f}' for n in per):<34} {balance * 100:>7.2f}% {slowest:>10.3f} {agg:>10.3f} "
+            f"{w:>5} {' '.join(f'{n / (1 << 20):.1f}' for n in per):<34} {balance * 100:>7.2f}% {slowest:>10.3f} "
+            f"{agg:>10.3f} "
             f"{(f'{fio:.3f}' if fio else 'n/a'):>10} {(f'{agg / fio:.2f}' if fio else 'n/a'):>6}",
             flush=True,
         )

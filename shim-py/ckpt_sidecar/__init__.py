@@ -10,6 +10,8 @@ See docs/python.md. The native client is libckpt (shim-c), bundled.
 Importing this package is cheap (numpy and the native library load on first use).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BadRequest,
     Closed,
@@ -33,7 +35,39 @@ from .errors import (
     Truncated,
 )
 
+if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and editors
+    from .checkpointer import Checkpointer, LoadedInto, SaveHandle, capture_rng, restore_rng_state
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "BadRequest",
+    "Checkpointer",
+    "Closed",
+    "ConnectFailed",
+    "CudaError",
+    "Damaged",
+    "Disconnected",
+    "IOFailed",
+    "InvalidArgument",
+    "LoadedInto",
+    "NotFound",
+    "Panic",
+    "ProtocolError",
+    "Refused",
+    "RegionError",
+    "SaveHandle",
+    "ShmError",
+    "ShuttingDown",
+    "SidecarError",
+    "SidecarGone",
+    "Timeout",
+    "TooLarge",
+    "Truncated",
+    "capture_rng",
+    "native_version",
+    "restore_rng_state",
+]
 
 _LAZY = {
     "Checkpointer": "checkpointer",
@@ -44,7 +78,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ckpt_sidecar' has no attribute {name!r}")
@@ -55,7 +89,7 @@ def __getattr__(name):
     return value
 
 
-def native_version():
+def native_version() -> str:
     """libckpt's version string."""
     from . import _native
 

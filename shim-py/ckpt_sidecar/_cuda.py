@@ -16,7 +16,6 @@ import ctypes
 
 import numpy as np
 
-
 _PLAIN = (dict, list, tuple, str, bytes, int, float, bool, type(None))
 
 

@@ -92,9 +92,19 @@ def lib():
             "(it builds the native shim), or set CKPT_SIDECAR_LIB"
         )
     L = path if isinstance(path, ctypes.CDLL) else ctypes.CDLL(str(path))
+    for name, (args, res) in _signatures().items():
+        fn = getattr(L, name)
+        fn.argtypes = args
+        fn.restype = res
+    _lib = L
+    return L
+
+
+def _signatures():
+    """libckpt's functions: {name: (argument types, result type)} (include/ckpt.h)."""
     c = ctypes
     P = c.c_void_p
-    sigs = {
+    return {
         "ckpt_version": ([], c.c_char_p),
         "ckpt_protocol_version": ([], c.c_uint32),
         "ckpt_last_error": ([], c.c_char_p),
@@ -179,12 +189,6 @@ def lib():
         ),
         "ckpt_stream_wait_copy": ([P, c.c_uint64, P, c.c_int64, c.POINTER(c.c_int)], c.c_int),
     }
-    for name, (args, res) in sigs.items():
-        fn = getattr(L, name)
-        fn.argtypes = args
-        fn.restype = res
-    _lib = L
-    return L
 
 
 def _preloaded():

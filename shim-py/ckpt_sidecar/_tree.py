@@ -1,17 +1,17 @@
 """Flattening a nested state into named arrays + a picklable skeleton, and back.
 
 A leaf that is a numpy array (not object dtype), a strided torch tensor or
-an object exposing `__cuda_array_interface__` (kind "cuda") becomes a `TensorRef` in the skeleton and a named entry in the tensor list;
+an object exposing `__cuda_array_interface__` (kind "cuda") becomes a
+`TensorRef` in the skeleton and a named entry in the tensor list;
 dicts (and OrderedDict), lists, tuples and namedtuples are walked; anything
 else stays in the skeleton as is (pickled). Names are the path in the
 structure joined with ".", made valid and unique for docs/format.md.
 """
 
 import operator
+import pickle
 import sys
 from collections import OrderedDict
-
-import pickle
 
 import numpy as np
 

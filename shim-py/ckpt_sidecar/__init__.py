@@ -10,7 +10,8 @@ See docs/python.md. The native client is libckpt (shim-c), bundled.
 Importing this package is cheap (numpy and the native library load on first use).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from .errors import (
     BadRequest,
@@ -35,7 +36,7 @@ from .errors import (
     Truncated,
 )
 
-if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and editors
+if _TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and editors
     from .checkpointer import Checkpointer, LoadedInto, SaveHandle, capture_rng, restore_rng_state
 
 __version__ = "0.1.0"
@@ -78,7 +79,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ckpt_sidecar' has no attribute {name!r}")

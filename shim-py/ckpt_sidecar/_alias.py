@@ -10,6 +10,7 @@ writes the same bytes, as the checkpoint of a tied model holds them.
 Device tensors (contiguous: load_into refuses strided ones) are compared by
 their address ranges; host ones exactly (numpy's shares_memory), so views
 that interleave without sharing a byte (columns of a fused weight) pass."""
+
 import ctypes
 
 import numpy as np
@@ -70,7 +71,9 @@ def aliasing_error(leaves, device_leaf, torch):
         dev = device_leaf(ref, obj, torch)
         if dev is not None:
             if dev[1]:
-                spans.append((dev[0], dev[0] + dev[1], ref.name, ("dev", dev[0], dev[1], ref.shape, str(ref.dtype)), None))
+                spans.append(
+                    (dev[0], dev[0] + dev[1], ref.name, ("dev", dev[0], dev[1], ref.shape, str(ref.dtype)), None)
+                )
             continue
         lay = _layout(ref, obj, torch)
         if lay is None:
@@ -90,7 +93,9 @@ def aliasing_error(leaves, device_leaf, torch):
             if o[3] == s[3]:
                 continue  # the same view twice: tied weights
             if o[4] is None or s[4] is None or _shares(o, s):
-                return (f"tensors {o[2]!r} and {s[2]!r} overlap in memory (views of one storage, not the same view): "
-                        "a load would write one over the other")
+                return (
+                    f"tensors {o[2]!r} and {s[2]!r} overlap in memory (views of one storage, not the same view): "
+                    "a load would write one over the other"
+                )
         open_.append(s)
     return None

@@ -4,6 +4,7 @@ $CKPT_SIDECAR_BIN) with this venv's Python for its Python-backed
 subcommands (`bench compare`, `bench ranks`: $CKPT_SIDECAR_PYTHON, unless
 set already). The binary replaces this process (exec): signals, exit
 status and stdin/stdout are the binary's own."""
+
 import os
 import sys
 

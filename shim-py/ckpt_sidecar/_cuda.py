@@ -11,10 +11,10 @@ device's current stream) or any object exposing `__cuda_array_interface__`
 for none, 1 the legacy default stream, 2 the per-thread default stream,
 else a stream handle).
 """
+
 import ctypes
 
 import numpy as np
-
 
 _PLAIN = (dict, list, tuple, str, bytes, int, float, bool, type(None))
 
@@ -53,7 +53,12 @@ def device_leaf(ref, obj, torch):
     if ref.kind == "torch" and torch is not None and obj.is_cuda:
         # A lazy conjugate or negative view is not its bytes as they lie: copied, not sent in place.
         flat = obj.is_contiguous() and not (obj.is_conj() or obj.is_neg())
-        return (obj.data_ptr(), obj.numel() * obj.element_size(), flat, torch.cuda.current_stream(obj.device).cuda_stream)
+        return (
+            obj.data_ptr(),
+            obj.numel() * obj.element_size(),
+            flat,
+            torch.cuda.current_stream(obj.device).cuda_stream,
+        )
     return None
 
 
@@ -133,4 +138,5 @@ def copy_to_host(obj, dst_ptr, nbytes, stream):
     r = _in_context_of(cu, src, run)
     if r != 0:
         from .errors import CudaError
+
         raise CudaError(f"copying a device tensor to the host failed: CUDA error {r}")

@@ -3,6 +3,7 @@
 daemon's `socket=`), so that a Checkpointer can reach a sidecar serving the
 directory, or name it. The file outlives a killed holder (unlocked): what it
 names is a claim to check (connect to the socket), never proof."""
+
 import os
 
 STORE_LOCK_NAME = ".ckpt-sidecar.lock"

@@ -11,7 +11,7 @@ import save_file` done after the import, the usual case).
   in-memory serialiser (safetensors.torch.save: the same header, order,
   padding and metadata as save_file, so the file's bytes are the ones the
   original writes) and hands the bytes to the torch.save hook's file path
-  (_hook._files.submit): same guarantees (returns once the sidecar holds
+  (_file_queue.files.submit): same guarantees (returns once the sidecar holds
   them, atomic and durable, written by this process when the sidecar cannot,
   files of one path in save order) and the same counters (_hook.counts()).
 - Errors as the original's: what safetensors refuses (non-contiguous or
@@ -30,10 +30,13 @@ import save_file` done after the import, the usual case).
   the original writes straight from the tensors (and never fsyncs).
 - load_file(path) of a path whose write is still pending waits for it.
 """
+
 import os
 import threading
 
-from . import _hook
+from ._file_queue import files
+from ._import_finder import mark_hooked, patch_when_imported
+from ._paths import atomic_write_possible, is_path, target
 
 MODULE = "safetensors.torch"
 _installed = False
@@ -50,7 +53,7 @@ def install():
     if _installed:
         return
     _installed = True
-    _hook.patch_when_imported(MODULE, patch)
+    patch_when_imported(MODULE, patch)
 
 
 def counts():
@@ -72,25 +75,25 @@ def patch(st):
     orig_save_file, orig_load_file, serialize = st.save_file, st.load_file, st.save
 
     def save_file(tensors, filename, metadata=None):
-        if not _hook._is_path(filename) or os.fsdecode(os.fspath(filename)).endswith(os.sep):
+        if not is_path(filename) or os.fsdecode(os.fspath(filename)).endswith(os.sep):
             _count("original")
             return orig_save_file(tensors, filename, metadata=metadata)
-        path = _hook._target(filename)
-        _hook._files.raise_error(path)
-        if not _hook._atomic_write_possible(path):
+        path = target(filename)
+        files.raise_error(path)
+        if not atomic_write_possible(path):
             # Fails now, as the original's own error (after this path's
             # pending writes, so that files still land in save order).
-            _hook._files.wait(path)
+            files.wait(path)
             _count("original")
             return orig_save_file(tensors, filename, metadata=metadata)
         data = serialize(tensors, metadata=metadata)  # safetensors' own checks and bytes
-        _hook._files.submit(path, data)
+        files.submit(path, data)
         _count("hooked")
 
     def load_file(filename, *args, **kwargs):
-        if _hook._is_path(filename):
-            _hook._files.settle(_hook._target(filename))
+        if is_path(filename):
+            files.settle(target(filename))
         return orig_load_file(filename, *args, **kwargs)
 
-    _hook.mark_hooked((save_file, orig_save_file), (load_file, orig_load_file))
+    mark_hooked((save_file, orig_save_file), (load_file, orig_load_file))
     st.save_file, st.load_file = save_file, load_file

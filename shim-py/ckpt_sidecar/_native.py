@@ -6,6 +6,7 @@ call goes through `check`, which turns a negative status into the matching
 SidecarError subclass carrying ckpt_last_error(). ctypes releases the GIL
 around each foreign call, so a wait does not block other Python threads.
 """
+
 import ctypes
 import os
 from pathlib import Path
@@ -70,8 +71,9 @@ def sidecar_binary():
     found = shutil.which("ckpt-sidecar")
     if found:
         return found
-    raise FileNotFoundError("no ckpt-sidecar binary: no $CKPT_SIDECAR_BIN, not bundled "
-                            "(pip install ./shim-py), none on PATH")
+    raise FileNotFoundError(
+        "no ckpt-sidecar binary: no $CKPT_SIDECAR_BIN, not bundled (pip install ./shim-py), none on PATH"
+    )
 
 
 def lib():
@@ -85,12 +87,24 @@ def lib():
         # use that copy rather than load a second one with its own state.
         path = preloaded
     elif not path.exists():
-        raise ImportError(f"{path} missing: install the package with `pip install ./shim-py` "
-                          "(it builds the native shim), or set CKPT_SIDECAR_LIB")
+        raise ImportError(
+            f"{path} missing: install the package with `pip install ./shim-py` "
+            "(it builds the native shim), or set CKPT_SIDECAR_LIB"
+        )
     L = path if isinstance(path, ctypes.CDLL) else ctypes.CDLL(str(path))
+    for name, (args, res) in _signatures().items():
+        fn = getattr(L, name)
+        fn.argtypes = args
+        fn.restype = res
+    _lib = L
+    return L
+
+
+def _signatures():
+    """libckpt's functions: {name: (argument types, result type)} (include/ckpt.h)."""
     c = ctypes
     P = c.c_void_p
-    sigs = {
+    return {
         "ckpt_version": ([], c.c_char_p),
         "ckpt_protocol_version": ([], c.c_uint32),
         "ckpt_last_error": ([], c.c_char_p),
@@ -104,30 +118,48 @@ def lib():
         "ckpt_alloc": ([P, c.c_uint64, c.POINTER(P)], c.c_int),
         "ckpt_alloc_hand_over": ([P, c.c_uint64, c.POINTER(P)], c.c_int),
         "ckpt_free": ([P, P], c.c_int),
-        "ckpt_save": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t,
-                       c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_save": (
+            [P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t, c.POINTER(c.c_uint64)],
+            c.c_int,
+        ),
         "ckpt_save_file": ([P, c.c_char_p, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
-        "ckpt_save_file_pieces": ([P, c.c_char_p, c.POINTER(FilePiece), c.c_size_t, P, c.c_int,
-                                   c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_save_file_pieces": (
+            [P, c.c_char_p, c.POINTER(FilePiece), c.c_size_t, P, c.c_int, c.POINTER(c.c_uint64)],
+            c.c_int,
+        ),
         "ckpt_wait": ([P, c.c_uint64, c.c_int, c.c_int64], c.c_int),
         "ckpt_wait_replicated": ([P, c.c_uint64, c.c_int64], c.c_int),
         "ckpt_poll": ([P, c.c_uint64, c.POINTER(c.c_int)], c.c_int),
-        "ckpt_save_figures": ([P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double),
-                               c.POINTER(c.c_double)], c.c_int),
-        "ckpt_load": ([P, c.c_int64, c.POINTER(Tensor), c.c_size_t, c.POINTER(c.c_uint64),
-                       c.POINTER(c.c_int)], c.c_int),
-        "ckpt_load_packed": ([P, c.c_int64, P, c.c_uint64, c.POINTER(c.c_uint64), c.POINTER(c.c_int),
-                              c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_save_figures": (
+            [P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double), c.POINTER(c.c_double)],
+            c.c_int,
+        ),
+        "ckpt_load": (
+            [P, c.c_int64, c.POINTER(Tensor), c.c_size_t, c.POINTER(c.c_uint64), c.POINTER(c.c_int)],
+            c.c_int,
+        ),
+        "ckpt_load_packed": (
+            [P, c.c_int64, P, c.c_uint64, c.POINTER(c.c_uint64), c.POINTER(c.c_int), c.POINTER(c.c_uint64)],
+            c.c_int,
+        ),
         "ckpt_loaded_tensor_offset": ([P, c.c_size_t, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_region_name": ([P, P, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_loaded_blob": ([P, c.c_char_p, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_loaded_fell_back": ([P, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_loaded_tensor_count": ([P, c.POINTER(c.c_size_t)], c.c_int),
-        "ckpt_loaded_tensor": ([P, c.c_size_t, c.POINTER(c.c_char_p), c.POINTER(c.c_char_p),
-                                c.POINTER(c.POINTER(c.c_uint64)), c.POINTER(c.c_uint32),
-                                c.POINTER(c.c_uint64)], c.c_int),
-        "ckpt_list": ([P, c.POINTER(c.c_uint64), c.c_size_t, c.POINTER(c.c_size_t),
-                       c.POINTER(c.c_int64)], c.c_int),
+        "ckpt_loaded_tensor": (
+            [
+                P,
+                c.c_size_t,
+                c.POINTER(c.c_char_p),
+                c.POINTER(c.c_char_p),
+                c.POINTER(c.POINTER(c.c_uint64)),
+                c.POINTER(c.c_uint32),
+                c.POINTER(c.c_uint64),
+            ],
+            c.c_int,
+        ),
+        "ckpt_list": ([P, c.POINTER(c.c_uint64), c.c_size_t, c.POINTER(c.c_size_t), c.POINTER(c.c_int64)], c.c_int),
         "ckpt_status_json": ([P, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_rollback": ([P, c.c_uint64, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_preempted": ([], c.c_int),
@@ -136,18 +168,27 @@ def lib():
         "ckpt_register_cuda": ([P, P, c.POINTER(c.c_uint32)], c.c_int),
         "ckpt_register_cuda_range": ([P, P, c.c_uint64, c.POINTER(c.c_uint32)], c.c_int),
         "ckpt_unregister_cuda": ([P, P], c.c_int),
-        "ckpt_save_flagged": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(c.c_uint32), c.c_int64,
-                               c.POINTER(Blob), c.c_size_t, P, c.POINTER(c.c_uint64)], c.c_int),
-        "ckpt_save_on_stream": ([P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t, P,
-                                 c.POINTER(c.c_uint64)], c.c_int),
+        "ckpt_save_flagged": (
+            [
+                P,
+                c.c_uint64,
+                c.POINTER(Tensor),
+                c.c_size_t,
+                c.POINTER(c.c_uint32),
+                c.c_int64,
+                c.POINTER(Blob),
+                c.c_size_t,
+                P,
+                c.POINTER(c.c_uint64),
+            ],
+            c.c_int,
+        ),
+        "ckpt_save_on_stream": (
+            [P, c.c_uint64, c.POINTER(Tensor), c.c_size_t, c.POINTER(Blob), c.c_size_t, P, c.POINTER(c.c_uint64)],
+            c.c_int,
+        ),
         "ckpt_stream_wait_copy": ([P, c.c_uint64, P, c.c_int64, c.POINTER(c.c_int)], c.c_int),
     }
-    for name, (args, res) in sigs.items():
-        fn = getattr(L, name)
-        fn.argtypes = args
-        fn.restype = res
-    _lib = L
-    return L
 
 
 def _preloaded():

@@ -1,16 +1,17 @@
 """Flattening a nested state into named arrays + a picklable skeleton, and back.
 
 A leaf that is a numpy array (not object dtype), a strided torch tensor or
-an object exposing `__cuda_array_interface__` (kind "cuda") becomes a `TensorRef` in the skeleton and a named entry in the tensor list;
+an object exposing `__cuda_array_interface__` (kind "cuda") becomes a
+`TensorRef` in the skeleton and a named entry in the tensor list;
 dicts (and OrderedDict), lists, tuples and namedtuples are walked; anything
 else stays in the skeleton as is (pickled). Names are the path in the
 structure joined with ".", made valid and unique for docs/format.md.
 """
+
 import operator
+import pickle
 import sys
 from collections import OrderedDict
-
-import pickle
 
 import numpy as np
 
@@ -22,15 +23,34 @@ NAME_BYTES_MAX = 1024
 # safetensors dtypes the sidecar stores (docs/format.md).
 NP_TO_ST = {
     ("b", 1): "BOOL",
-    ("i", 1): "I8", ("i", 2): "I16", ("i", 4): "I32", ("i", 8): "I64",
-    ("u", 1): "U8", ("u", 2): "U16", ("u", 4): "U32", ("u", 8): "U64",
-    ("f", 2): "F16", ("f", 4): "F32", ("f", 8): "F64",
+    ("i", 1): "I8",
+    ("i", 2): "I16",
+    ("i", 4): "I32",
+    ("i", 8): "I64",
+    ("u", 1): "U8",
+    ("u", 2): "U16",
+    ("u", 4): "U32",
+    ("u", 8): "U64",
+    ("f", 2): "F16",
+    ("f", 4): "F32",
+    ("f", 8): "F64",
 }
 TORCH_TO_ST = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -43,8 +63,14 @@ class TensorRef:
     __slots__ = ("name", "kind", "dtype", "shape", "stored", "extra")
 
     def __init__(self, name, kind, dtype, shape, stored, extra=None):
-        self.name, self.kind, self.dtype, self.shape, self.stored, self.extra = \
-            name, kind, dtype, tuple(shape), stored, extra
+        self.name, self.kind, self.dtype, self.shape, self.stored, self.extra = (
+            name,
+            kind,
+            dtype,
+            tuple(shape),
+            stored,
+            extra,
+        )
 
     def __getstate__(self):
         return (self.name, self.kind, self.dtype, self.shape, self.stored, self.extra)
@@ -92,8 +118,10 @@ class Flattener:
             inside = set()
         if type(obj) in (dict, OrderedDict, list, tuple) or _is_namedtuple(obj):
             if id(obj) in inside:
-                raise ValueError(f"state{_where(path)} is a container it is itself inside of: "
-                                 "a self-referencing state cannot be saved")
+                raise ValueError(
+                    f"state{_where(path)} is a container it is itself inside of: "
+                    "a self-referencing state cannot be saved"
+                )
             inside = inside | {id(obj)}
         # An ndarray subclass may hold more than its bytes (a masked array's
         # mask, a matrix's type): pickled whole, as it pickles itself. A
@@ -106,11 +134,20 @@ class Flattener:
             self.leaves.append((ref, obj))
             return ref
         t = self.torch
-        if t is not None and isinstance(obj, t.Tensor) and obj.layout == t.strided \
-                and not obj.is_quantized and not obj.is_nested and obj.device.type != "meta":
+        if (
+            t is not None
+            and isinstance(obj, t.Tensor)
+            and obj.layout == t.strided
+            and not obj.is_quantized
+            and not obj.is_nested
+            and obj.device.type != "meta"
+        ):
             dname = str(obj.dtype).replace("torch.", "")
-            extra = {"param": isinstance(obj, t.nn.Parameter), "requires_grad": obj.requires_grad,
-                     "device": str(obj.device)}
+            extra = {
+                "param": isinstance(obj, t.nn.Parameter),
+                "requires_grad": obj.requires_grad,
+                "device": str(obj.device),
+            }
             ref = TensorRef(self._name(path), "torch", dname, obj.shape, TORCH_TO_ST.get(dname, "U8"), extra)
             self.leaves.append((ref, obj))
             return ref
@@ -168,15 +205,17 @@ def pickle_skeleton(version, skel):
     try:
         return pickle.dumps((version, skel), protocol=4)
     except RecursionError:
-        raise ValueError("the state is nested too deeply (or refers to itself through an object) "
-                         "to be pickled") from None
+        raise ValueError(
+            "the state is nested too deeply (or refers to itself through an object) to be pickled"
+        ) from None
     except Exception as e:  # noqa: BLE001
         found = _unpicklable(skel)
         if found is None:
             raise
         path, err = found
-        raise TypeError(f"state{_where(path)}: {type(err).__name__}: {err} "
-                        "(only tensors, arrays and picklable values can be saved)") from e
+        raise TypeError(
+            f"state{_where(path)}: {type(err).__name__}: {err} (only tensors, arrays and picklable values can be saved)"
+        ) from e
 
 
 class _NoKey(Exception):
@@ -243,8 +282,11 @@ def quick_key(state):
             if o.dtype.hasobject:
                 raise _NoKey
             leaf(o)
-            add((id(o), o.shape, o.strides, o.dtype) if _NP_FIXED_BUFFER else
-                (id(o), o.shape, o.strides, o.dtype, o.__array_interface__["data"][0]))
+            add(
+                (id(o), o.shape, o.strides, o.dtype)
+                if _NP_FIXED_BUFFER
+                else (id(o), o.shape, o.strides, o.dtype, o.__array_interface__["data"][0])
+            )
         elif tensor is not None and isinstance(o, tensor):
             # A lazy conjugate or negative view shares its base's key but not its values.
             if o.layout is not strided or o.is_quantized or o.device.type == "meta" or o.is_conj() or o.is_neg():
@@ -290,11 +332,25 @@ def _bulk(vals, sig, leaves, torch):
     elif torch is not None and tp is torch.Tensor:
         devices = tuple(map(_DEVICE, vals))
         t = torch.Tensor
-        if set(map(_LAYOUT, vals)) != {torch.strided} or any(map(_QUANTIZED, vals)) \
-                or any(d.type == "meta" for d in set(devices)) or any(map(t.is_conj, vals)) or any(map(t.is_neg, vals)):
+        if (
+            set(map(_LAYOUT, vals)) != {torch.strided}
+            or any(map(_QUANTIZED, vals))
+            or any(d.type == "meta" for d in set(devices))
+            or any(map(t.is_conj, vals))
+            or any(map(t.is_neg, vals))
+        ):
             raise _NoKey
-        sig.append((_BULK_TORCH, tuple(map(t.data_ptr, vals)), tuple(map(_SHAPE, vals)), tuple(map(t.stride, vals)),
-                    tuple(map(_DTYPE, vals)), devices, tuple(map(_GRAD, vals))))
+        sig.append(
+            (
+                _BULK_TORCH,
+                tuple(map(t.data_ptr, vals)),
+                tuple(map(_SHAPE, vals)),
+                tuple(map(t.stride, vals)),
+                tuple(map(_DTYPE, vals)),
+                devices,
+                tuple(map(_GRAD, vals)),
+            )
+        )
     else:
         return False
     leaves.extend(vals)

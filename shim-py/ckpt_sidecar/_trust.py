@@ -24,6 +24,7 @@ again):
 Anything that may write tensors without a version bump (load_into, whose
 sidecar writes land in shared tensors directly; rollback) forgets both.
 """
+
 import ctypes
 import weakref
 
@@ -45,8 +46,16 @@ def stamp(ref, obj, old=None):
     try:
         version = obj._version
         storage = obj.untyped_storage()
-        facts = (storage._cdata, obj.data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype,
-                 obj.device, version)
+        facts = (
+            storage._cdata,
+            obj.data_ptr(),
+            obj.storage_offset(),
+            tuple(obj.shape),
+            obj.stride(),
+            obj.dtype,
+            obj.device,
+            version,
+        )
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         # An inference tensor (no version counter), or a tensor subclass
         # without a plain storage: never trusted.

@@ -3,6 +3,7 @@ anything is spawned or sent, with the same meaning and the same words as the
 Rust parser (store/src/units.rs): decimal units are powers of 1000 (KB, MB,
 GB, TB, PB), binary ones powers of 1024 (KiB ... PiB), a bare K/M/G/T/P is
 binary, no unit or B is bytes, case is ignored, fractions are exact."""
+
 import json
 import numbers
 import os
@@ -12,10 +13,23 @@ U64_MAX = (1 << 64) - 1
 I64_MAX = (1 << 63) - 1
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "p": 1 << 50,
+    "pib": 1 << 50,
 }
 
 
@@ -38,8 +52,10 @@ def parse_size(text, what="size"):
     u = unit.strip().lower()
     mult = _UNITS.get(u)
     if mult is None:
-        raise ValueError(f"{what} {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
-                         "KiB MiB GiB TiB PiB = powers of 1024)")
+        raise ValueError(
+            f"{what} {_q(text)}: unknown unit {_q(u)} (bytes, or KB MB GB TB PB = powers of 1000, "
+            "KiB MiB GiB TiB PiB = powers of 1024)"
+        )
     scale = 10 ** len(frac)
     frac_bytes = (int(frac) if frac else 0) * mult
     if frac_bytes % scale:
@@ -119,10 +135,10 @@ def cpus_arg(value):
     try:
         cpus = list(value)
     except TypeError:
-        raise TypeError(f"cpus={value!r}: give a CPU list like \"2-7,12\" or a list of ints") from None
+        raise TypeError(f'cpus={value!r}: give a CPU list like "2-7,12" or a list of ints') from None
     bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, numbers.Integral) or not 0 <= c <= CPU_INDEX_MAX]
     if bad or not cpus:
-        raise ValueError(f"cpus={value!r}: give CPU numbers from 0 to {CPU_INDEX_MAX} (a list of ints, or \"2-7,12\")")
+        raise ValueError(f'cpus={value!r}: give CPU numbers from 0 to {CPU_INDEX_MAX} (a list of ints, or "2-7,12")')
     return ",".join(str(int(c)) for c in cpus)
 
 
@@ -145,7 +161,7 @@ def step_arg(step, latest_ok=False):
     if latest_ok and (step is None or step == "latest"):
         return None
     if isinstance(step, str):
-        raise ValueError(f'step {step!r}: a step is a non-negative int' + (' or "latest"' if latest_ok else ""))
+        raise ValueError(f"step {step!r}: a step is a non-negative int" + (' or "latest"' if latest_ok else ""))
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         also = ' or "latest"' if latest_ok else ""
         raise TypeError(f"step {step!r}: a step is a non-negative int{also}")
@@ -172,5 +188,7 @@ def hook_cuda_mode(environ):
     value = raw.strip().lower() or HOOK_CUDA_MODES[0]
     if value in HOOK_CUDA_MODES:
         return value, None
-    return "host", (f"{HOOK_CUDA_ENV}={_q(raw)}: expected one of {', '.join(HOOK_CUDA_MODES)}; "
-                    "CUDA tensors are copied to the host by the trainer")
+    return "host", (
+        f"{HOOK_CUDA_ENV}={_q(raw)}: expected one of {', '.join(HOOK_CUDA_MODES)}; "
+        "CUDA tensors are copied to the host by the trainer"
+    )

@@ -21,6 +21,7 @@ fio's aggregate throughput over the same directories. Memory is warm: every
 rank saves once unmeasured first (its sidecar's staging is pre-faulted at
 start anyway, and the save region is reused).
 """
+
 import argparse
 import json
 import multiprocessing as mp
@@ -33,17 +34,9 @@ import time
 
 import numpy as np
 
-from . import dist
+from . import _units, dist
 
 GIB = 1 << 30
-
-
-def parse_size(s):
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    for u, m in units.items():
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * m)
-    return int(s)
 
 
 def synthetic(total_bytes, d=1024):
@@ -55,9 +48,14 @@ def synthetic(total_bytes, d=1024):
     items.append(("embed.weight", (vocab, d), np.uint16))
     left, i = total_bytes - vocab * d * 2, 0
     while left > 0:
-        layer = [(f"layers.{i}.attn.qkv.weight", (3 * d, d), np.uint16), (f"layers.{i}.attn.qkv.bias", (3 * d,), np.float32),
-                 (f"layers.{i}.attn.proj.weight", (d, d), np.uint16), (f"layers.{i}.mlp.fc.weight", (4 * d, d), np.uint16),
-                 (f"layers.{i}.mlp.out.weight", (d, 4 * d), np.uint16), (f"layers.{i}.norm.weight", (d,), np.float32)]
+        layer = [
+            (f"layers.{i}.attn.qkv.weight", (3 * d, d), np.uint16),
+            (f"layers.{i}.attn.qkv.bias", (3 * d,), np.float32),
+            (f"layers.{i}.attn.proj.weight", (d, d), np.uint16),
+            (f"layers.{i}.mlp.fc.weight", (4 * d, d), np.uint16),
+            (f"layers.{i}.mlp.out.weight", (d, 4 * d), np.uint16),
+            (f"layers.{i}.norm.weight", (d,), np.float32),
+        ]
         for name, shape, dt in layer:
             n = int(np.prod(shape)) * np.dtype(dt).itemsize
             if n > left:
@@ -72,17 +70,18 @@ def synthetic(total_bytes, d=1024):
 
 def share(items, rank, world_size):
     """This rank's arrays: {stored name: array}, filled with a cheap pattern."""
-    parts = dist.partition([(n, int(np.prod(s)) * np.dtype(t).itemsize, np.dtype(t).itemsize, True) for n, s, t in items],
-                           world_size)
+    parts = dist.partition(
+        [(n, int(np.prod(s)) * np.dtype(t).itemsize, np.dtype(t).itemsize, True) for n, s, t in items], world_size
+    )
     out = {}
-    for name, shape, dt in items:
+    for name, _shape, dt in items:
         pieces = parts[name]
         for p in pieces:
             if p.rank != rank:
                 continue
             key = name if len(pieces) == 1 else dist.piece_name(name, p.start, p.stop)
             a = np.empty(p.stop - p.start, dtype=dt)
-            a.view(np.uint8)[:] = (np.arange(a.nbytes, dtype=np.uint32) + (hash(key) & 0xff)).astype(np.uint8)
+            a.view(np.uint8)[:] = (np.arange(a.nbytes, dtype=np.uint32) + (hash(key) & 0xFF)).astype(np.uint8)
             out[key] = a
     return out
 
@@ -111,7 +110,10 @@ def run_ranks(base, items, world_size):
     staging = max(64 << 20, 2 * total // world_size + (256 << 20))
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(world_size), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, items, dirs[r], staging, barrier, q)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, items, dirs[r], staging, barrier, q))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     res = sorted(q.get(timeout=1800) for _ in procs)
@@ -130,8 +132,17 @@ def fio_parallel(dirs, per_bytes):
     cmd = ["fio", "--output-format=json", "--group_reporting"]
     for i, (d, n) in enumerate(zip(dirs, per_bytes)):
         size = max(4 << 20, (n + (4 << 20) - 1) // (4 << 20) * (4 << 20))
-        cmd += [f"--name=rank{i}", f"--filename={os.path.join(d, '.fio-ranks')}", "--rw=write", "--bs=4M", f"--size={size}",
-                "--ioengine=io_uring", "--direct=1", "--iodepth=16", "--end_fsync=1"]
+        cmd += [
+            f"--name=rank{i}",
+            f"--filename={os.path.join(d, '.fio-ranks')}",
+            "--rw=write",
+            "--bs=4M",
+            f"--size={size}",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--iodepth=16",
+            "--end_fsync=1",
+        ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     for d in dirs:
         try:
@@ -140,7 +151,7 @@ def fio_parallel(dirs, per_bytes):
             pass
     if out.returncode != 0:
         return None
-    j = json.loads(out.stdout[out.stdout.index("{"):])
+    j = json.loads(out.stdout[out.stdout.index("{") :])
     return j["jobs"][0]["write"]["bw_bytes"] / GIB
 
 
@@ -154,7 +165,7 @@ def _node_worker(rank, world_size, items, socks, rounds, barrier, q):
     state = {}
     for name, shape, dt in items:
         a = np.empty(shape, dtype=dt)
-        a.view(np.uint8).reshape(-1)[:] = (np.arange(a.nbytes, dtype=np.uint32) + (hash(name) & 0xff)).astype(np.uint8)
+        a.view(np.uint8).reshape(-1)[:] = (np.arange(a.nbytes, dtype=np.uint32) + (hash(name) & 0xFF)).astype(np.uint8)
         state[name] = a
     cks = [Checkpointer(socket=s, spawn=False) for s in socks]
     try:
@@ -162,7 +173,7 @@ def _node_worker(rank, world_size, items, socks, rounds, barrier, q):
             ck.reserve(state)
         for r in range(rounds + 1):  # round 0 warms every path, unmeasured
             order = list(range(len(cks)))
-            order = order[r % len(order):] + order[:r % len(order)]
+            order = order[r % len(order) :] + order[: r % len(order)]
             for b in order:
                 barrier.wait()
                 t0 = time.perf_counter()
@@ -196,8 +207,30 @@ def run_nodes(base, items, world_size, bins, rounds):
                 sock = os.path.join(root, f"bin{b}", f"node{r}.sock")
                 os.makedirs(node)
                 log = open(os.path.join(root, f"bin{b}", f"node{r}.log"), "wb")
-                procs.append((subprocess.Popen([binary, "serve", "--dir", node, "--shared", shared, "--socket", sock,
-                                                "--staging", str(staging), "--keep", "2"], stdout=log, stderr=log, env=env), log))
+                procs.append(
+                    (
+                        subprocess.Popen(
+                            [
+                                binary,
+                                "serve",
+                                "--dir",
+                                node,
+                                "--shared",
+                                shared,
+                                "--socket",
+                                sock,
+                                "--staging",
+                                str(staging),
+                                "--keep",
+                                "2",
+                            ],
+                            stdout=log,
+                            stderr=log,
+                            env=env,
+                        ),
+                        log,
+                    )
+                )
                 socks[r].append(sock)
         deadline = time.monotonic() + 300
         while not all(os.path.exists(s) for ss in socks for s in ss):
@@ -206,8 +239,10 @@ def run_nodes(base, items, world_size, bins, rounds):
             time.sleep(0.1)
         ctx = mp.get_context("spawn")
         barrier, q = ctx.Barrier(world_size), ctx.Queue()
-        workers = [ctx.Process(target=_node_worker, args=(r, world_size, items, socks[r], rounds, barrier, q))
-                   for r in range(world_size)]
+        workers = [
+            ctx.Process(target=_node_worker, args=(r, world_size, items, socks[r], rounds, barrier, q))
+            for r in range(world_size)
+        ]
         for w in workers:
             w.start()
         got, ended = [], 0
@@ -239,16 +274,20 @@ def run_nodes(base, items, world_size, bins, rounds):
             if x[0] == b:
                 rounds_of.setdefault(x[4], []).append(x)
         per_round = [rounds_of[r] for r in sorted(rounds_of)]
-        out[b] = {"released_s": [max(x[2] for x in rr) for rr in per_round],
-                  "durable_s": [max(x[3] for x in rr) for rr in per_round]}
+        out[b] = {
+            "released_s": [max(x[2] for x in rr) for rr in per_round],
+            "durable_s": [max(x[3] for x in rr) for rr in per_round],
+        }
     return out
 
 
 def main_nodes(a, items, total):
     bins = [b for b in (a.bins or "").split(",") if b] or [os.environ.get("CKPT_SIDECAR_BIN") or "ckpt-sidecar"]
-    print(f"state: {len(items)} tensors, {total / GIB:.3f} GiB replicated on every rank; each rank one node (its own "
-          f"sidecar with --shared); {os.cpu_count()} CPUs; medians of {a.rounds} rounds, binaries alternated; "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"state: {len(items)} tensors, {total / GIB:.3f} GiB replicated on every rank; each rank one node (its own "
+        f"sidecar with --shared); {os.cpu_count()} CPUs; medians of {a.rounds} rounds, binaries alternated; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     for i, b in enumerate(bins):
         print(f"  bin{i}: {b}")
     print(f"{'ranks':>5} {'bin':>4} {'released s':>11} {'durable s':>10} {'GiB/s':>7}  samples (durable)")
@@ -257,8 +296,11 @@ def main_nodes(a, items, total):
         for b, r in res.items():
             rel, dur = sorted(r["released_s"]), sorted(r["durable_s"])
             mr, md = rel[len(rel) // 2], dur[len(dur) // 2]
-            print(f"{w:>5} {b:>4} {mr:>11.3f} {md:>10.3f} {total / md / GIB:>7.3f}  "
-                  f"{' '.join(f'{x:.3f}' for x in r['durable_s'])}", flush=True)
+            print(
+                f"{w:>5} {b:>4} {mr:>11.3f} {md:>10.3f} {total / md / GIB:>7.3f}  "
+                f"{' '.join(f'{x:.3f}' for x in r['durable_s'])}",
+                flush=True,
+            )
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
@@ -268,20 +310,31 @@ def main(argv=None):
     ap.add_argument("--dir", required=True, help="base directory; each rank writes under DIR/wN/rank-R")
     ap.add_argument("--size", default="1GiB", help="total state size (default 1GiB)")
     ap.add_argument("--ranks", default="1,2,4", help="world sizes to run (default 1,2,4)")
-    ap.add_argument("--nodes", action="store_true",
-                    help="each rank one node: its own sidecar with --shared, parts (SavePart) into one shared directory")
+    ap.add_argument(
+        "--nodes",
+        action="store_true",
+        help="each rank one node: its own sidecar with --shared, parts (SavePart) into one shared directory",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="--nodes: measured rounds per world size (default 3)")
-    ap.add_argument("--bins", default=None,
-                    help="--nodes: comma-separated ckpt-sidecar binaries to alternate (default: $CKPT_SIDECAR_BIN)")
+    ap.add_argument(
+        "--bins",
+        default=None,
+        help="--nodes: comma-separated ckpt-sidecar binaries to alternate (default: $CKPT_SIDECAR_BIN)",
+    )
     a = ap.parse_args(argv)
-    total = parse_size(a.size)
+    total = _units.parse_size(a.size, "--size")
     items = synthetic(total)
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
     if a.nodes:
         return main_nodes(a, items, total)
-    print(f"state: {len(items)} tensors, {total / GIB:.3f} GiB (transformer-like: BF16 weights, F32 biases/norms); "
-          f"{os.cpu_count()} CPUs; memory warm (second save of each rank measured)")
-    print(f"{'ranks':>5} {'bytes/rank (MiB)':<34} {'balance':>8} {'slowest s':>10} {'agg GiB/s':>10} {'fio GiB/s':>10} {'ratio':>6}")
+    print(
+        f"state: {len(items)} tensors, {total / GIB:.3f} GiB (transformer-like: BF16 weights, F32 biases/norms); "
+        f"{os.cpu_count()} CPUs; memory warm (second save of each rank measured)"
+    )
+    print(
+        f"{'ranks':>5} {'bytes/rank (MiB)':<34} {'balance':>8} {'slowest s':>10} {'agg GiB/s':>10} "
+        f"{'fio GiB/s':>10} {'ratio':>6}"
+    )
     worst = 0.0
     for w in [int(x) for x in a.ranks.split(",")]:
         dirs, res = run_ranks(a.dir, items, w)
@@ -291,8 +344,12 @@ def main(argv=None):
         worst = max(worst, balance)
         agg = sum(per) / slowest / GIB
         fio = fio_parallel(dirs, per)
-        print(f"{w:>5} {' '.join(f'{n / (1 << 20):.1f}' for n in per):<34} {balance * 100:>7.2f}% {slowest:>10.3f} {agg:>10.3f} "
-              f"{(f'{fio:.3f}' if fio else 'n/a'):>10} {(f'{agg / fio:.2f}' if fio else 'n/a'):>6}", flush=True)
+        print(
+            f"{w:>5} {' '.join(f'{n / (1 << 20):.1f}' for n in per):<34} {balance * 100:>7.2f}% {slowest:>10.3f} "
+            f"{agg:>10.3f} "
+            f"{(f'{fio:.3f}' if fio else 'n/a'):>10} {(f'{agg / fio:.2f}' if fio else 'n/a'):>6}",
+            flush=True,
+        )
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
     print(f"balance: worst {worst * 100:.2f}% (bar: < 10 %): {'ok' if worst < 0.10 else 'FAILED'}")

@@ -34,18 +34,23 @@ message), then makes the trainer's stream (current at `stage`) wait until
 the sidecar has copied the device tensors (`SaveHandle.wait_copy_on_stream`):
 work queued on that stream after async_save returns (the optimizer step)
 runs after the copy, and the CPU never waits for the copy itself. A state
-with no CUDA tensor is staged by the copy alone, as before.
+with no CUDA tensor is staged by the host copy alone.
 
 Shards are our safetensors shards. torch's HuggingFaceStorageReader reads
 a step folder as plain safetensors: tensors whose one chunk is at the origin
 come back under their fqn, but chunks elsewhere (`fqn@[...]`) and objects
 (U8 tensors) come back as stored; SidecarReader puts everything back.
 """
+
+from __future__ import annotations
+
 import copy
 import dataclasses
 import io
+import os
 import pickle
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -154,17 +159,17 @@ class SidecarWriter(StorageWriter):
     _synchronize_after_execute = False
 
     @property
-    def should_synchronize_after_execute(self):
+    def should_synchronize_after_execute(self) -> bool:
         return self._synchronize_after_execute
 
-    def __init__(self, dir, step=None, **checkpointer_kwargs):
+    def __init__(self, dir: str | os.PathLike[str], step: int | None = None, **checkpointer_kwargs: Any) -> None:
         super().__init__()
         self.dir = str(dir)
         self.step = step
         self._kw = checkpointer_kwargs
-        self._ck = None
-        self._own_part = None
-        self._staging = None  # _DeviceStaging of the async_save in flight
+        self._ck: Checkpointer | None = None
+        self._own_part: Any = None  # (step, {name: tensor}) the coordinator sends from finish
+        self._staging: _DeviceStaging | None = None  # of the async_save in flight
         self.is_coordinator = False
 
     def _checkpointer(self):
@@ -172,12 +177,12 @@ class SidecarWriter(StorageWriter):
             self._ck = Checkpointer(dir=self.dir, **self._kw)
         return self._ck
 
-    def stage(self, state_dict):
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The state as async_save saves it (AsyncStager): host tensors
         copied, so the trainer may change them once this returns; CUDA
         tensors kept in place, staged by the sidecar's device copy (see
         synchronize_staging)."""
-        devices = set()
+        devices: set[Any] = set()
         staged = _stage_copy(state_dict, devices)
         self._staging = None
         if devices:
@@ -189,7 +194,7 @@ class SidecarWriter(StorageWriter):
         self._synchronize_after_execute = self._staging is not None
         return staged
 
-    def synchronize_staging(self):
+    def synchronize_staging(self) -> None:
         """After a stage of CUDA tensors (async_save calls this before it
         returns): waits until DCP's background thread has sent this rank's
         part, then makes the stream the tensors were written on wait until
@@ -212,36 +217,39 @@ class SidecarWriter(StorageWriter):
         # change before it). Refused, here and in synchronize_staging.
         st = self._staging
         if st is not None:
-            err = InvalidArgument("SidecarWriter stages CUDA tensors in place (the sidecar's device copy is the "
-                                  "staging): use dcp.async_save's thread executor (AsyncCheckpointerType.THREAD, "
-                                  "the default), not PROCESS", InvalidArgument.code)
+            err = InvalidArgument(
+                "SidecarWriter stages CUDA tensors in place (the sidecar's device copy is the "
+                "staging): use dcp.async_save's thread executor (AsyncCheckpointerType.THREAD, "
+                "the default), not PROCESS",
+                InvalidArgument.code,
+            )
             st.refuse(err)
             raise err
         if self._ck is not None:
             raise TypeError("a SidecarWriter in use (its Checkpointer connected) cannot be pickled")
         return dict(self.__dict__)
 
-    def close(self):
+    def close(self) -> None:
         if self._ck is not None:
             self._ck.close()
             self._ck = None
 
-    def reset(self, checkpoint_id=None):
+    def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
             self.dir = str(checkpoint_id)
         self._own_part = None
         if self._staging is not None:
             self._staging.seen_from(threading.current_thread())
 
-    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         if self._staging is not None:
             self._staging.seen_from(threading.current_thread())
 
-    def prepare_local_plan(self, plan):
+    def prepare_local_plan(self, plan: Any) -> Any:
         return plan
 
-    def prepare_global_plan(self, plans):
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         # The coordinator picks the step once; every rank reads it from its plan.
         step = self.step
         if step is None:
@@ -249,7 +257,7 @@ class SidecarWriter(StorageWriter):
             step = 0 if latest is None else latest + 1
         return [dataclasses.replace(p, storage_data=int(step)) for p in plans]
 
-    def write_data(self, plan, planner):
+    def write_data(self, plan: Any, planner: Any) -> Any:
         step = plan.storage_data if plan.storage_data is not None else self.step
         named, results = {}, []
         for item in plan.items:
@@ -297,7 +305,7 @@ class SidecarWriter(StorageWriter):
             st.sent(h)
         return h
 
-    def finish(self, metadata: Metadata, results):
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {}
         for rank_results in results:
             for r in rank_results:
@@ -309,10 +317,10 @@ class SidecarWriter(StorageWriter):
         h.wait_durable()
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
 
-    def storage_meta(self):
+    def storage_meta(self) -> None:
         return None
 
 
@@ -321,15 +329,15 @@ class SidecarReader(StorageReader):
     of `dir`, loaded and verified by the sidecar (every byte checked against
     the index's checksums), whatever world size wrote it."""
 
-    def __init__(self, dir, step="latest", **checkpointer_kwargs):
+    def __init__(self, dir: str | os.PathLike[str], step: int | str = "latest", **checkpointer_kwargs: Any) -> None:
         super().__init__()
         self.dir = str(dir)
         self.step = step
         self._kw = checkpointer_kwargs
-        self._values = None
-        self._metadata = None
+        self._values: dict[str, Any] | None = None
+        self._metadata: Any = None
 
-    def reset(self, checkpoint_id=None):
+    def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
             self.dir = str(checkpoint_id)
         self._values = None
@@ -341,25 +349,27 @@ class SidecarReader(StorageReader):
                 blob = ck._loaded_blob(METADATA_BLOB)
                 self.loaded_step = ck.last_load_step
             if blob is None:
-                raise ValueError(f"checkpoint {self.loaded_step} in {self.dir} was not written by SidecarWriter "
-                                 f"(no {METADATA_BLOB}); load it with Checkpointer.load")
+                raise ValueError(
+                    f"checkpoint {self.loaded_step} in {self.dir} was not written by SidecarWriter "
+                    f"(no {METADATA_BLOB}); load it with Checkpointer.load"
+                )
             self._values, self._metadata = values, pickle.loads(blob)
         return self._values
 
-    def read_metadata(self, *args, **kwargs):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._load()
         return self._metadata
 
-    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._metadata = self._metadata or metadata
 
-    def prepare_local_plan(self, plan):
+    def prepare_local_plan(self, plan: Any) -> Any:
         return plan
 
-    def prepare_global_plan(self, plans):
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         return plans
 
-    def read_data(self, plan, planner):
+    def read_data(self, plan: Any, planner: Any) -> Any:
         values = self._load()
         names = self._metadata.storage_data
         for req in plan.items:
@@ -375,11 +385,13 @@ class SidecarReader(StorageReader):
             for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                 src = src.narrow(dim, o, n)
             if target.size() != src.size():
-                raise AssertionError(f"{req.storage_index}: stored chunk {tuple(src.size())} vs target {tuple(target.size())}")
+                raise AssertionError(
+                    f"{req.storage_index}: stored chunk {tuple(src.size())} vs target {tuple(target.size())}"
+                )
             target.copy_(src)
             planner.commit_tensor(req, target)
         return _done(None)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True

@@ -15,6 +15,7 @@ then differ from the fair share by at most 2 × SNAP_FRACTION, and at most
 world_size - 1 tensors are split. Every rank computes the same partition
 from the same (name, bytes) list, with no communication.
 """
+
 import bisect
 import json
 import os

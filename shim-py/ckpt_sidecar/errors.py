@@ -1,5 +1,7 @@
 """SidecarError and one subclass per CKPT_E_* status of the C shim (include/ckpt.h)."""
 
+from __future__ import annotations
+
 
 class SidecarError(Exception):
     """A failure of the sidecar or of the native shim.
@@ -8,15 +10,15 @@ class SidecarError(Exception):
     ckpt_last_error() (the sidecar's or the shim's own words).
     """
 
-    code = None
+    code: int | None = None
 
-    def __init__(self, message, code=None):
+    def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.message
 
 
@@ -95,6 +97,7 @@ class Closed(SidecarError):
 
 class CudaError(SidecarError):
     """A CUDA driver call of the trainer's side failed, or there is no CUDA driver."""
+
     code = -17
 
 
@@ -104,13 +107,30 @@ class Panic(SidecarError):
 
 BY_CODE = {
     cls.code: cls
-    for cls in (InvalidArgument, ConnectFailed, Refused, Disconnected, Timeout, ShmError, RegionError,
-                NotFound, BadRequest, Damaged, IOFailed, TooLarge, ShuttingDown, ProtocolError, CudaError,
-                Truncated, Closed, Panic)
+    for cls in (
+        InvalidArgument,
+        ConnectFailed,
+        Refused,
+        Disconnected,
+        Timeout,
+        ShmError,
+        RegionError,
+        NotFound,
+        BadRequest,
+        Damaged,
+        IOFailed,
+        TooLarge,
+        ShuttingDown,
+        ProtocolError,
+        CudaError,
+        Truncated,
+        Closed,
+        Panic,
+    )
 }
 
 
-def error_for(code, message):
+def error_for(code: int, message: str | None) -> SidecarError:
     """The exception for status `code` (SidecarError itself for an unknown code)."""
     cls = BY_CODE.get(code, SidecarError)
     return cls(message or f"ckpt status {code}", code)

@@ -5,7 +5,6 @@ directories lack (or an older one than the target's) from the target.
 file:// always; s3:// through tests/s3/serve.sh (moto), started here on a
 free port: if it cannot start, the test fails (never skips). No sleeps as
 synchronisation: every wait is on a condition, deadlines only bound a hang."""
-import json
 import os
 import shutil
 import signal

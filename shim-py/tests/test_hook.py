@@ -226,7 +226,7 @@ def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, mo
     # file must not go to the sidecar, which could rename it into place
     # before the old write's rename, leaving the old bytes: it is written
     # here, after, and its torch.save returns once it is in place.
-    from ckpt_sidecar import _hook
+    from ckpt_sidecar import _file_queue as _hook
     from ckpt_sidecar.errors import SidecarError
 
     files = _hook._Files()
@@ -282,7 +282,7 @@ def test_hook_files_written_here_are_in_place_when_torch_save_returns(tmp_path, 
     # yet) was queued for a thread and torch.save returned at once, so a
     # kill lost it. It is now in place under its name when submit returns;
     # only the fsync is left to the thread (held here until the end).
-    from ckpt_sidecar import _hook
+    from ckpt_sidecar import _file_queue as _hook
 
     files = _hook._Files()
     files._spawner = threading.Thread(target=lambda: None)  # "a sidecar is starting"

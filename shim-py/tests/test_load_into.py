@@ -129,7 +129,7 @@ def test_a_mismatch_is_refused_in_one_line_before_the_state_changes(ck, change, 
     ck.save(1, s).wait_durable(30)
     for first in (True, False):
         target = _zeros_like(s)
-        for name, v in _leaves(target):
+        for _name, v in _leaves(target):
             if isinstance(v, np.ndarray):
                 v.fill(3)
             else:
@@ -191,7 +191,7 @@ def test_a_damaged_checkpoint_never_reaches_the_state_and_latest_falls_back(tmp_
 
 @pytest.mark.parametrize("raw", [False, True], ids=["index-checked", "raw-dtypes"])
 def test_shared_tensors_are_written_by_the_sidecar_and_the_rest_copied(ck, monkeypatch, raw):
-    from ckpt_sidecar import checkpointer
+    from ckpt_sidecar import _load_into as checkpointer
 
     s = _state(1, raw=raw)
     s["model"]["alias"] = s["model"]["bf16"]

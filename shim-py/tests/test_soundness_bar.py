@@ -10,7 +10,6 @@ sidecar must be alive after all 15, and a new client then saves and loads
 4 MiB through it, equal. (Before the fix the RAM path of the packed load
 stored into the shrunk segment and the sidecar died of SIGSEGV, usually on
 the first try.)"""
-import os
 import subprocess
 import sys
 import time

@@ -2,7 +2,6 @@
 skipped, saying why, without torch."""
 import pytest
 
-import ckpt_sidecar as cs
 
 
 def test_torch_module_and_optimizer_round_trip(ck):

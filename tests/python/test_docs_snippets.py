@@ -242,9 +242,11 @@ def _public_names():
     for n in list(names):
         obj = getattr(cs, n)
         if n in ("Checkpointer", "SaveHandle", "LoadedInto"):
-            names |= {f"{n}.{m}" for m in vars(obj) if not m.startswith("_")}
+            # Its methods, whichever of the package's classes it inherits them from.
+            names |= {f"{n}.{m}" for k in obj.__mro__ if k.__module__.startswith("ckpt_sidecar")
+                      for m in vars(k) if not m.startswith("_")}
     try:
-        import ckpt_sidecar.dcp as dcp
+        import ckpt_sidecar.dcp  # noqa: F401 - only whether it imports
     except ImportError as e:  # torch missing: the rest is still checked
         print(f"ckpt_sidecar.dcp not checked: {e}")
     else:

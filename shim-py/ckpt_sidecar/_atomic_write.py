@@ -1,0 +1,156 @@
+"""Files this process writes itself, atomically: the bytes in an unnamed file
+of the directory (O_TMPFILE; a named temp file .NAME.ckpt-tmp-PID-HEX where
+the file system has none), flock'ed while it exists, linked under a temp name
+and renamed over the path (`place`), then synced (`sync_placed`). Temp files
+a killed process left are removed by `sweep_strays` (no live pid, no lock)."""
+
+import errno
+import fcntl
+import os
+import re
+import stat
+
+
+class Placed:
+    """A file this process wrote and renamed into place: its open descriptor,
+    for the writer thread's fsync (sync_placed)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd):
+        self.fd = fd
+
+
+TMP_MARKER = ".ckpt-tmp-"  # the hook's temp names: .NAME.ckpt-tmp-PID-HEX
+_TMP_NAME = re.compile(r"\.(.+)\.ckpt-tmp-([0-9]+)-([0-9a-f]{16})")
+
+
+def _temp_name(path):
+    d, name = os.path.split(path)
+    return os.path.join(d, f".{name}{TMP_MARKER}{os.getpid()}-{os.urandom(8).hex()}")
+
+
+def _write_all(fd, data):
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def place(path, data):
+    """Writes `data` as the file `path`, now: as plain torch.save leaves it
+    when it returns (in the page cache, under its name), atomically (the
+    path names the old file or the new one, whole). The bytes go into an
+    unnamed file of the directory (O_TMPFILE; a named temp file
+    .NAME.ckpt-tmp-PID-HEX where the file system has none), linked under a
+    temp name and renamed over `path`. The temp file is flock'ed while it
+    exists, so that sweep_strays (of any process, in any pid namespace)
+    knows it is not a dead process's. Returns the file's descriptor, not yet
+    synced: sync_placed. A failure removes the temp file and raises."""
+    d = os.path.dirname(path) or "."
+    fd = named = None
+    try:
+        flag = getattr(os, "O_TMPFILE", 0)
+        if flag:
+            try:
+                fd = os.open(d, flag | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+        if fd is None:
+            named = _temp_name(path)
+            fd = os.open(named, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _write_all(fd, data)
+        if named is None:
+            tmp = _temp_name(path)
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: no privilege
+                # needed (os.link calls linkat, not link, given a dir fd).
+                os.link(f"/proc/self/fd/{fd}", os.path.basename(tmp), dst_dir_fd=dfd, follow_symlinks=True)
+            finally:
+                os.close(dfd)
+            named = tmp
+        os.replace(named, path)
+    except BaseException:
+        if named is not None and fd is not None:
+            try:
+                os.unlink(named)
+            except OSError:
+                pass
+        if fd is not None:
+            os.close(fd)
+        raise
+    return fd
+
+
+def sync_placed(fd, path):
+    """Makes a file `place` put at `path` durable: its fsync (then closed),
+    then its directory's."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_atomic(path, data):
+    """`path` written with `data` and durable (place, then sync_placed)."""
+    sync_placed(place(path, data), path)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError) as e:
+        return isinstance(e, PermissionError)  # someone else's; a number no pid can be: dead
+    return True
+
+
+def sweep_strays(d):
+    """Removes from directory `d` the temp files (.NAME.ckpt-tmp-PID-HEX) of
+    a torch.save through the hook that a dead process left behind (killed
+    between creating and renaming it): ours (our uid), of a pid that is not
+    alive here, and not flock'ed by anyone (a process of another pid
+    namespace holds its lock while the file exists). Returns their names."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        m = _TMP_NAME.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m.group(2))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        p = os.path.join(d, name)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its writer is alive
+            try:
+                if os.stat(p, follow_symlinks=False).st_ino != st.st_ino:
+                    continue  # renamed away and replaced meanwhile
+                os.unlink(p)
+                gone.append(name)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    return gone

@@ -1,0 +1,184 @@
+"""A save's prepared request (`SavePlan`): the descriptor array handed to
+ckpt_save, the pickled skeleton, and where each tensor not sent in place is
+copied in a save region. The Checkpointer keeps the plans of its last saves
+and reuses one while the state it is given is the same (_tree.quick_key)."""
+
+import ctypes
+import weakref
+
+import numpy as np
+
+from . import _native as N
+from . import _trust
+
+
+class SavePlan:
+    """A save's prepared request: the descriptor array (ckpt_tensor_t[n], with
+    the strings and shape arrays it points to), the pickled skeleton, and the
+    tensors copied into a save region at each save (their offsets there).
+    Kept by the Checkpointer for the next save of the same state."""
+
+    __slots__ = (
+        "n",
+        "descs",
+        "keep",
+        "skeleton",
+        "copy_bytes",
+        "tensor_bytes",
+        "inplace",
+        "copies",
+        "data_view",
+        "sig",
+        "refs",
+        "gen",
+        "streams",
+        "host_inplace",
+        "dev",
+        "dead",
+        "blobs",
+        "leaf_refs",
+        "trust_names",
+        "__weakref__",
+    )
+
+    def __init__(self, plan, copy_bytes, skeleton, streams=()):
+        self.n = len(plan)
+        self.descs = (N.Tensor * max(self.n, 1))()
+        self.keep = []
+        self.copies = []  # (descriptor = leaf index, nbytes, offset in the save region, ref, src address or None)
+        self.copy_bytes, self.skeleton = copy_bytes, skeleton
+        self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
+        self.tensor_bytes = sum(r[2] for r in plan)
+        self.leaf_refs = [r[0] for r in plan]
+        self.trust_names = None  # _trust.names_of
+        self.inplace = False
+        self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
+        self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save
+        for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
+            name, dt = ref.name.encode(), ref.stored.encode()
+            shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
+            self.keep += [name, dt, shp]
+            if isinstance(where, int):
+                ptr = where
+                self.inplace = self.inplace or bool(nbytes)
+                if not nbytes:
+                    pass
+                elif ref.kind == "cuda" or (ref.kind == "torch" and obj.is_cuda):
+                    self.dev.append((i, ref))
+                else:
+                    self.host_inplace = True
+            else:
+                ptr = 0  # set at each save: the save region may differ
+                self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
+            self.descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
+        # The descriptors' data fields, as one uint64 array (updated in bulk).
+        self.data_view = (
+            np.ndarray(
+                (self.n,),
+                dtype=np.uint64,
+                buffer=self.descs,
+                offset=N.Tensor.data.offset,
+                strides=(ctypes.sizeof(N.Tensor),),
+            )
+            if self.n
+            else None
+        )
+        self.sig = self.refs = self.gen = None
+        self.dead = False
+        self.blobs = None  # (the blobs' names and data, their ckpt_blob_t array) of the last save
+
+    def blob_array(self, blobs_py):
+        """The ckpt_blob_t array of [(name, bytes)]: the last one again when
+        the same names and byte objects come (the structure blob alone, at
+        every save of an unchanged state), which the array keeps alive."""
+        last = self.blobs
+        if (
+            last is not None
+            and len(last[0]) == len(blobs_py)
+            and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], blobs_py))
+        ):
+            return last[1]
+        keep = []
+        arr = (N.Blob * max(len(blobs_py), 1))()
+        for i, (bn, data) in enumerate(blobs_py):
+            keep += [bn.encode(), data]
+            arr[i] = N.Blob(keep[-2], ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
+        arr._keep = keep
+        self.blobs = (list(blobs_py), arr)
+        return arr
+
+    def remember(self, key, gen):
+        self.sig, self.gen = key[0], gen
+        # The numpy arrays' ids are in sig: they name the same arrays while
+        # these live. The first to die marks the plan dead (its callback), so
+        # a save checks one flag, not a reference per array.
+        me = weakref.ref(self)
+
+        def died(_ref):
+            p = me()
+            if p is not None:
+                p.dead = True
+
+        self.refs = [weakref.ref(o, died) for o in key[1] if type(o) is np.ndarray]
+
+    def alive(self):
+        return not self.dead
+
+    def matches(self, key, gen):
+        """Whether `key` (quick_key of the state now) is the state this plan was
+        made for: same region set, same structure and plain values, tensors at
+        the same addresses with the same shapes, and the same numpy arrays
+        (alive: their ids are then theirs)."""
+        return gen == self.gen and key[0] == self.sig and self.alive()
+
+    def copy_in(self, ck, objs, region, stamps=None):
+        """Copies the tensors not sent in place (objs: the state's leaves, in
+        plan order) into `region` and points their descriptors there. With
+        `stamps` (incremental="trust-version": each leaf's _trust.stamp now),
+        a tensor whose slot in `region` was filled by this plan from the same
+        stamp is not copied again (its bytes are there), and the region
+        remembers what it holds. Returns the bytes copied."""
+        memmove, base = ctypes.memmove, region.ptr
+        view = self.data_view
+        had = region.filled[1] if region.filled is not None and region.filled[0] is self else None
+        region.filled = None  # unknown while copying (an exception leaves it so)
+        now = {}
+        copied = 0
+        for i, nbytes, off, ref, src in self.copies:
+            dst = base + off
+            view[i] = dst
+            if not nbytes:
+                continue
+            if stamps is not None and stamps[i] is not None:
+                if had is not None and _trust.same(had.get(i), stamps[i], objs[i]):
+                    now[i] = stamps[i]
+                    continue
+                now[i] = stamps[i]
+            copied += nbytes
+            if src is not None:
+                memmove(dst, src, nbytes)
+            else:
+                ck._copy_in(ref, objs[i], nbytes, region, off)
+        if stamps is not None:
+            region.filled = (self, now)
+        return copied
+
+
+def _flat_address(ref, obj, nbytes):
+    """The address of `obj`'s bytes when they are exactly what is stored (C
+    contiguous, on the CPU, saved as their own dtype or as raw bytes): a
+    memmove copies them. None otherwise (a strided copy through numpy/torch)."""
+    if not nbytes:
+        return 0
+    if ref.kind == "np":
+        return obj.__array_interface__["data"][0] if obj.flags.c_contiguous else None
+    if ref.kind == "cuda":
+        return None  # device memory: copied by _copy_in through the driver
+    return obj.data_ptr() if obj.device.type == "cpu" and obj.is_contiguous() and not lazy_view(obj) else None
+
+
+def lazy_view(t):
+    """A torch tensor whose memory holds other values than it has: a lazy
+    conjugate (`z.conj()`) or negative view; its bytes must be resolved by a
+    copy, never taken as they lie."""
+    return t.is_conj() or t.is_neg()

@@ -22,8 +22,9 @@ use crate::daemon::fd_socket::FdSocket;
 use crate::load;
 use crate::memory::regions::{CudaSession, CudaSource, Region};
 use crate::save::file_save::{self, FileRequest};
+use crate::save::plan::SaveTensors;
 use crate::save::plan_cache::SavePlans;
-use crate::save::snapshot::{self, SaveTensors};
+use crate::save::snapshot::{self, SaveRequest};
 use crate::state::jobs::{Part, RollbackJob, Work};
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
@@ -118,13 +119,7 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                     &replies,
                     &regions,
                     &mut plans,
-                    id,
-                    step,
-                    tensors,
-                    blobs,
-                    lazy_release,
-                    part,
-                    unchanged,
+                    SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged },
                 );
                 continue;
             }
@@ -188,13 +183,15 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                     &replies,
                     &regions,
                     &mut plans,
-                    id,
-                    step,
-                    SaveTensors::Decoded { tensors: &views, encoded: None },
-                    blobs,
-                    lazy_release,
-                    None,
-                    unchanged,
+                    SaveRequest {
+                        id,
+                        step,
+                        tensors: SaveTensors::Decoded { tensors: &views, encoded: None },
+                        blobs,
+                        lazy_release,
+                        part: None,
+                        unchanged,
+                    },
                 )
             }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release, unchanged } => {
@@ -204,13 +201,15 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                     &replies,
                     &regions,
                     &mut plans,
-                    id,
-                    step,
-                    SaveTensors::Decoded { tensors: &views, encoded: None },
-                    blobs,
-                    lazy_release,
-                    Some(Part { rank, world_size }),
-                    unchanged,
+                    SaveRequest {
+                        id,
+                        step,
+                        tensors: SaveTensors::Decoded { tensors: &views, encoded: None },
+                        blobs,
+                        lazy_release,
+                        part: Some(Part { rank, world_size }),
+                        unchanged,
+                    },
                 )
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
@@ -380,13 +379,15 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                             &replies,
                             &regions,
                             &mut plans,
-                            id,
-                            step,
-                            SaveTensors::Decoded { tensors: &views, encoded: None },
-                            blobs,
-                            lazy_release,
-                            part.then_some(Part { rank, world_size }),
-                            unchanged,
+                            SaveRequest {
+                                id,
+                                step,
+                                tensors: SaveTensors::Decoded { tensors: &views, encoded: None },
+                                blobs,
+                                lazy_release,
+                                part: part.then_some(Part { rank, world_size }),
+                                unchanged,
+                            },
                         );
                     }
                     Err(e) => {

@@ -24,7 +24,7 @@ use tracing::{info, warn};
 use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
 use crate::memory::regions::Region;
 use crate::memory::staging::StagingError;
-use crate::save::snapshot::{check_desc_shape, check_no_overlap};
+use crate::save::checks::{check_desc_shape, check_no_overlap};
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
 use ckpt_store::catalog;

@@ -37,7 +37,7 @@ use tracing::{info, info_span, warn};
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use crate::memory::regions::Region;
 use crate::memory::staging::StagingError;
-use crate::save::snapshot;
+use crate::save::copy;
 use crate::save::torch_zip;
 use crate::state::jobs::{FileJob, Work};
 use crate::state::reply::Replies;
@@ -203,7 +203,7 @@ pub fn run_save_file(
     state.set_phase(key, Phase::Copying);
     let t_copy = Instant::now();
     let ranges: Vec<(&Region, u64, u64)> = sources.iter().map(|(r, off, len)| (&**r, *off, *len)).collect();
-    let copied = snapshot::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
+    let copied = copy::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     // Released only if every region still held its bytes (one its client
     // truncated during the copy was read as zeros; a failed device copy),

@@ -26,6 +26,7 @@ use crate::save::plan::SaveTensors;
 use crate::save::plan_cache::SavePlans;
 use crate::save::snapshot::{self, SaveRequest};
 use crate::state::jobs::{Part, RollbackJob, Work};
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
 use ckpt_store::catalog;
@@ -106,11 +107,9 @@ impl Conn {
             }
             Err(e) => {
                 warn!(pid = self.s.client_pid, "bad frame, closing the session: {e}");
-                self.replies.send(&Reply::Error {
-                    id: NO_REQUEST_ID,
-                    code: ErrorCode::BadRequest,
-                    message: format!("bad frame, closing: {e}"),
-                });
+                self.replies.send(
+                    &Refusal::new(ErrorCode::BadRequest, format!("bad frame, closing: {e}")).error(NO_REQUEST_ID),
+                );
                 None
             }
         }
@@ -119,11 +118,7 @@ impl Conn {
     /// Answers an undecodable message; the session then closes.
     fn undecodable(&self, e: impl std::fmt::Display) -> Flow {
         warn!(pid = self.s.client_pid, "undecodable message, closing the session: {e}");
-        self.replies.send(&Reply::Error {
-            id: NO_REQUEST_ID,
-            code: ErrorCode::BadRequest,
-            message: format!("{e}; closing"),
-        });
+        self.replies.send(&Refusal::new(ErrorCode::BadRequest, format!("{e}; closing")).error(NO_REQUEST_ID));
         Flow::Close
     }
 
@@ -180,15 +175,12 @@ impl Conn {
     fn serve(&mut self, req: Request, reader: &mut BufReader<FdSocket>) -> Flow {
         match req {
             Request::Hello { .. } => {
-                self.replies.send(&Reply::Error {
-                    id: NO_REQUEST_ID,
-                    code: ErrorCode::BadRequest,
-                    message: "Hello after the handshake".into(),
-                });
+                self.replies
+                    .send(&Refusal::new(ErrorCode::BadRequest, "Hello after the handshake").error(NO_REQUEST_ID));
             }
             Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over } => {
                 let reply = register(&self.s, &mut self.regions, id, region_id, &shm_name, len_bytes, hand_over);
-                self.answer_registration(&reply);
+                self.answer_registration(id, reply);
             }
             Request::UnregisterRegion { id, region_id } => self.unregister(id, region_id),
             // Read by serve_save_frame; kept whole for any other path here.
@@ -227,28 +219,28 @@ impl Conn {
             Request::Status { id } => {
                 self.replies.send(&Reply::Status { id, report: self.state.report() });
             }
-            Request::Rollback { id, step } => self.rollback(id, step),
+            Request::Rollback { id, step } => self.answer_refused(id, self.rollback(id, step)),
             Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes } => {
                 let reply =
                     self.register_cuda(id, region_id, (device, &device_uuid), CudaSource::Ipc(&ipc_handle), len_bytes);
-                self.answer_registration(&reply);
+                self.answer_registration(id, reply);
             }
             Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes }
                 if !fabric_handle.is_empty() =>
             {
                 let source = CudaSource::Fabric(&fabric_handle);
                 let reply = self.register_cuda(id, region_id, (device, &device_uuid), source, len_bytes);
-                self.answer_registration(&reply);
+                self.answer_registration(id, reply);
             }
             Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes, .. } => {
                 // The allocation's fd came with the frame (SCM_RIGHTS).
                 let fd = reader.get_mut().take_fd();
                 let reply = self.register_cuda_fd(id, region_id, (device, &device_uuid), fd, len_bytes);
-                self.answer_registration(&reply);
+                self.answer_registration(id, reply);
             }
             Request::RegisterCudaSpan { id, region_id, pieces } => {
                 let reply = register_cuda_span(&mut self.regions, id, region_id, &pieces);
-                self.answer_registration(&reply);
+                self.answer_registration(id, reply);
             }
             Request::SaveAfterEvent {
                 id,
@@ -272,7 +264,7 @@ impl Conn {
                     SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged },
                 )
             }
-            Request::WaitReplicated { id, step } => self.wait_replicated(id, step),
+            Request::WaitReplicated { id, step } => self.answer_refused(id, self.wait_replicated(id, step)),
             Request::Bye => {
                 debug!("client said bye");
                 return Flow::Close;
@@ -299,12 +291,8 @@ impl Conn {
             Err(e) => {
                 let path = &req.path;
                 info!(path = %path, "save of a file refused: the trainer's CUDA event: {e}");
-                self.replies.send(&Reply::Failed {
-                    id: req.id,
-                    step: 0,
-                    code: ErrorCode::BadRequest,
-                    reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}"),
-                });
+                let reason = format!("{path}: cannot wait on the trainer's CUDA event: {e}");
+                self.replies.send(&Refusal::new(ErrorCode::BadRequest, reason).failed(req.id, 0));
             }
         }
     }
@@ -317,12 +305,8 @@ impl Conn {
             Err(e) => {
                 let step = req.step;
                 info!(step, "save refused: the trainer's CUDA event: {e}");
-                self.replies.send(&Reply::Failed {
-                    id: req.id,
-                    step,
-                    code: ErrorCode::BadRequest,
-                    reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}"),
-                });
+                let reason = format!("step {step}: cannot wait on the trainer's CUDA events: {e}");
+                self.replies.send(&Refusal::new(ErrorCode::BadRequest, reason).failed(req.id, step));
             }
         }
     }
@@ -339,21 +323,17 @@ impl Conn {
         // no kept plan may hold its mapping either.
         self.plans.clear();
         let reply = match self.regions.remove(&region_id) {
-            Some(_) => Reply::RegionUnregistered { id, region_id },
-            None => Reply::Error {
-                id,
-                code: ErrorCode::BadRegion,
-                message: format!("region {region_id} is not registered"),
-            },
+            Some(_) => Ok(Reply::RegionUnregistered { id, region_id }),
+            None => Err(Refusal::new(ErrorCode::BadRegion, format!("region {region_id} is not registered"))),
         };
-        self.answer_registration(&reply);
+        self.answer_registration(id, reply);
     }
 
     /// Sends a (un)registration's reply, after the session's counts in the
     /// registry were brought up to date.
-    fn answer_registration(&self, reply: &Reply) {
+    fn answer_registration(&self, id: u64, reply: Result<Reply, Refusal>) {
         update_counts(&self.state, &self.s, &self.regions);
-        self.replies.send(reply);
+        self.replies.send(&reply.unwrap_or_else(|r| r.error(id)));
     }
 
     fn register_cuda(
@@ -363,7 +343,7 @@ impl Conn {
         device: (i32, &[u8]),
         source: CudaSource,
         len_bytes: u64,
-    ) -> Reply {
+    ) -> Result<Reply, Refusal> {
         register_cuda(&self.state, &mut self.regions, &mut self.cuda, id, region_id, device, source, len_bytes)
     }
 
@@ -375,47 +355,46 @@ impl Conn {
         device: (i32, &[u8]),
         fd: Option<std::os::fd::OwnedFd>,
         len_bytes: u64,
-    ) -> Reply {
+    ) -> Result<Reply, Refusal> {
         match fd {
             Some(fd) => self.register_cuda(id, region_id, device, CudaSource::Fd(fd), len_bytes),
-            None => Reply::Error {
-                id,
-                code: ErrorCode::BadRegion,
-                message: format!("CUDA VMM region {region_id}: the request carried no file descriptor (send it with SCM_RIGHTS on the frame)"),
-            },
+            None => Err(Refusal::new(
+                ErrorCode::BadRegion,
+                format!("CUDA VMM region {region_id}: the request carried no file descriptor (send it with SCM_RIGHTS on the frame)"),
+            )),
         }
     }
 
-    fn rollback(&self, id: u64, step: u64) {
+    fn rollback(&self, id: u64, step: u64) -> Result<(), Refusal> {
         let state = &self.state;
         if let Some(dir) = &state.read_only {
-            self.replies.send(&Reply::Error {
-                id,
-                code: ErrorCode::Io,
-                message: format!("rollback to step {step}: {dir}"),
-            });
-        } else if state.is_draining() || state.is_aborting() {
-            self.replies.send(&Reply::Error {
-                id,
-                code: ErrorCode::ShuttingDown,
-                message: format!("rollback to step {step}: the sidecar is shutting down"),
-            });
-        } else if state.commit_tx.send(Work::Rollback(RollbackJob { id, step, replies: self.replies.clone() })).is_err()
-        {
-            self.replies.send(&Reply::Error {
-                id,
-                code: ErrorCode::ShuttingDown,
-                message: "the committer has stopped".into(),
-            });
+            return Err(Refusal::new(ErrorCode::Io, format!("rollback to step {step}: {dir}")));
         }
+        if state.is_draining() || state.is_aborting() {
+            let reason = format!("rollback to step {step}: the sidecar is shutting down");
+            return Err(Refusal::new(ErrorCode::ShuttingDown, reason));
+        }
+        state
+            .commit_tx
+            .send(Work::Rollback(RollbackJob { id, step, replies: self.replies.clone() }))
+            .map_err(|_| Refusal::new(ErrorCode::ShuttingDown, "the committer has stopped"))
     }
 
-    fn wait_replicated(&self, id: u64, step: u64) {
-        match &self.state.drain {
-            Some(d) => d.wait(self.replies.clone(), id, step, catalog::is_committed(self.state.read_dir(), step)),
-            None => {
-                self.replies.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated") });
-            }
+    fn wait_replicated(&self, id: u64, step: u64) -> Result<(), Refusal> {
+        let Some(d) = &self.state.drain else {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated"),
+            ));
+        };
+        d.wait(self.replies.clone(), id, step, catalog::is_committed(self.state.read_dir(), step));
+        Ok(())
+    }
+
+    /// Answers a request refused with an `Error`.
+    fn answer_refused(&self, id: u64, done: Result<(), Refusal>) {
+        if let Err(r) = done {
+            self.replies.send(&r.error(id));
         }
     }
 
@@ -460,7 +439,7 @@ fn list(state: &DaemonState, id: u64) -> Reply {
             }
             Reply::Listing { id, steps, latest }
         }
-        Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
+        Err(e) => Refusal::new(ErrorCode::Io, format!("{}: {e}", primary.display())).error(id),
     }
 }
 
@@ -498,8 +477,8 @@ fn register(
     shm_name: &str,
     len_bytes: u64,
     hand_over: bool,
-) -> Reply {
-    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+) -> Result<Reply, Refusal> {
+    let err = |reason: String| Err(Refusal::new(ErrorCode::BadRegion, reason));
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
     }
@@ -510,7 +489,7 @@ fn register(
         Ok(r) => {
             debug!(region_id, shm_name, len_bytes, hand_over, "region registered");
             regions.insert(region_id, Arc::new(r));
-            Reply::RegionRegistered { id, region_id }
+            Ok(Reply::RegionRegistered { id, region_id })
         }
         Err(e) => {
             info!(region_id, "region refused: {e}");
@@ -529,8 +508,8 @@ fn register_cuda(
     (client_device, uuid): (i32, &[u8]),
     source: CudaSource,
     len_bytes: u64,
-) -> Reply {
-    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+) -> Result<Reply, Refusal> {
+    let err = |reason: String| Err(Refusal::new(ErrorCode::BadRegion, reason));
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
     }
@@ -546,7 +525,7 @@ fn register_cuda(
         Ok(r) => {
             debug!(region_id, client_device, len_bytes, vmm = r.is_vmm_cuda(), "CUDA region registered");
             regions.insert(region_id, Arc::new(r));
-            Reply::RegionRegistered { id, region_id }
+            Ok(Reply::RegionRegistered { id, region_id })
         }
         Err(e) => {
             info!(region_id, "CUDA region refused: {e}");
@@ -555,8 +534,13 @@ fn register_cuda(
     }
 }
 
-fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, pieces: &[u32]) -> Reply {
-    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+fn register_cuda_span(
+    regions: &mut HashMap<u32, Arc<Region>>,
+    id: u64,
+    region_id: u32,
+    pieces: &[u32],
+) -> Result<Reply, Refusal> {
+    let err = |reason: String| Err(Refusal::new(ErrorCode::BadRegion, reason));
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
     }
@@ -585,7 +569,7 @@ fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_i
         Ok(r) => {
             debug!(region_id, pieces = pieces.len(), len_bytes = r.len_bytes, "CUDA span registered");
             regions.insert(region_id, Arc::new(r));
-            Reply::RegionRegistered { id, region_id }
+            Ok(Reply::RegionRegistered { id, region_id })
         }
         Err(e) => {
             info!(region_id, "CUDA span refused: {e}");

@@ -4,6 +4,8 @@
 
 use ckpt_wire::ErrorCode;
 
+use crate::state::refusal::Refusal;
+
 /// Why a Save is refused or aborted.
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
@@ -30,5 +32,11 @@ impl SaveError {
             SaveError::ShuttingDown | SaveError::Aborted(_) => ErrorCode::ShuttingDown,
             SaveError::ReadOnly { .. } => ErrorCode::Io,
         }
+    }
+}
+
+impl From<SaveError> for Refusal {
+    fn from(e: SaveError) -> Refusal {
+        Refusal::new(e.code(), e.to_string())
     }
 }

@@ -37,6 +37,7 @@ use crate::save::fed::FedCopy;
 use crate::save::plan::{Planner, SaveTensors, Source};
 use crate::save::trusted_unchanged::{self, Taken};
 use crate::state::jobs::{Fill, Flight, Job, Part, Work};
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::{DaemonState, Phase};
 use ckpt_store::catalog;
@@ -150,8 +151,9 @@ pub fn run_save(
 /// the committer.
 fn refuse(replies: &Replies, head: Head, e: SaveError) {
     let step = head.step;
-    info!(step, code = ?e.code(), "save refused: {e}");
-    replies.send(&Reply::Failed { id: head.id, step, code: e.code(), reason: e.to_string() });
+    let r = Refusal::from(e);
+    info!(step, code = ?r.code, "save refused: {}", r.reason);
+    replies.send(&r.failed(head.id, step));
 }
 
 /// The checks before a save is planned; returns the options its layout is
@@ -392,7 +394,7 @@ fn run_staged_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
 
 /// The Failed of a save whose job could not reach the committer.
 fn committer_stopped(id: u64, step: u64) -> Reply {
-    Reply::Failed { id, step, code: ErrorCode::ShuttingDown, reason: "the committer has stopped".into() }
+    Refusal::new(ErrorCode::ShuttingDown, "the committer has stopped").failed(id, step)
 }
 
 /// The copy's rate, for the log.
@@ -474,9 +476,10 @@ fn run_fed_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
         (intact, _, why) => {
             let e = intact.err().unwrap_or(SaveError::Aborted(why.unwrap_or("stopped during the copy")));
             warn!(copy_s = copy_seconds, "aborted before release, nothing committed: {e}");
-            info!(step, code = ?e.code(), "save refused: {e}");
+            let r = Refusal::from(e);
+            info!(step, code = ?r.code, "save refused: {}", r.reason);
             // The committer removes what it wrote, ends the flight, answers Failed.
-            fill.fail(e.code(), e.to_string());
+            fill.fail(r.code, r.reason);
             if let Some(job) = unsent {
                 hand_over(job);
             }

@@ -1,8 +1,8 @@
 //! What the daemon's threads share: configuration, staging, the committer's
 //! queue and what goes on it ([`jobs`]), the registry of sessions and
 //! in-flight checkpoints (for `status`, for the "not in flight" rule and for
-//! draining), the last figures, each session's reply side ([`reply`]), the
-//! metrics they feed ([`metrics`]) and the panics tests inject
+//! draining), the last figures, each session's reply side ([`reply`]) and the one
+//! shape of a refusal it answers with ([`refusal`]), the metrics they feed ([`metrics`]) and the panics tests inject
 //! ([`test_panic`]). Every stage above `memory/` and `drain/` may use it;
 //! it uses neither a stage nor the daemon.
 //!
@@ -12,6 +12,7 @@
 
 pub mod jobs;
 pub mod metrics;
+pub mod refusal;
 pub mod reply;
 pub mod test_panic;
 

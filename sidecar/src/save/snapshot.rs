@@ -479,7 +479,7 @@ fn run_fed_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
             let r = Refusal::from(e);
             info!(step, code = ?r.code, "save refused: {}", r.reason);
             // The committer removes what it wrote, ends the flight, answers Failed.
-            fill.fail(r.code, r.reason);
+            fill.fail(r);
             if let Some(job) = unsent {
                 hand_over(job);
             }

@@ -406,9 +406,9 @@ mod tests {
 
     #[test]
     fn a_session_thread_that_ends_by_a_panic_leaves_no_registration_and_the_drain_ends() {
-        // Before: the entry (with its duplicate of a socket whose client was
-        // gone) stayed, so `drained` was false for good: a sidecar that
-        // never exited (issue 19 defect 6).
+        // Were the entry (with its duplicate of a socket whose client is
+        // gone) to stay, `drained` would be false for good: a sidecar that
+        // never exits.
         let (tx, _rx) = crossbeam_channel::bounded(1);
         let staging = Staging::new(4 << 20).unwrap();
         let state = Arc::new(DaemonState::new(

@@ -22,7 +22,9 @@ use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, TensorDesc, TensorInfo};
 use tracing::{info, warn};
 
 use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
-use crate::memory::regions::Region;
+use crate::memory::regions::shm::Writable;
+use crate::memory::regions::{Region, ShmMemory};
+use crate::memory::staging::Resident;
 use crate::memory::staging::StagingError;
 use crate::save::checks::{check_desc_shape, check_no_overlap};
 use crate::state::refusal::Refusal;
@@ -575,6 +577,102 @@ fn load_packed(
 
 /// A LoadPacked from `origin` (`ram`: the resident image may serve it; a
 /// checkpoint directory's only).
+/// A LoadPacked's answer when the load range is too small for `step`:
+/// what it needs, from its index, with nothing read.
+fn too_small(step: u64, index: &Index, need_bytes: u64) -> PlacedReply {
+    PlacedReply {
+        step,
+        source: LoadSource::Disk,
+        tensors: index
+            .logical()
+            .iter()
+            .map(|t| TensorInfo {
+                name: t.name.to_string(),
+                dtype: t.dtype.as_str().into(),
+                shape: t.shape.to_vec(),
+                len_bytes: t.len_bytes(),
+            })
+            .collect(),
+        offsets: Vec::new(),
+        need_bytes,
+        blobs: Vec::new(),
+        fell_back: Vec::new(),
+    }
+}
+
+/// A LoadPacked served from the resident image (the step asked for, as
+/// committed): each tensor checked against its checksum, then copied into
+/// the client's region's load range (`offset_bytes`, `len_bytes`, checked
+/// to lie inside the region, which `map` covers).
+fn packed_from_resident(
+    r: &Resident,
+    shm: &ShmMemory,
+    map: &Writable<'_>,
+    offset_bytes: u64,
+    len_bytes: u64,
+) -> Result<PlacedReply, Refusal> {
+    // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
+    // inside the region (the caller checked), and the mapping covers it.
+    let dest = map.ptr().wrapping_add(offset_bytes as usize);
+    let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
+    order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
+    let need_bytes =
+        r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
+    let tensors = order
+        .iter()
+        .map(|&i| {
+            let s = &r.layout.specs[i];
+            TensorInfo {
+                name: s.name.clone(),
+                dtype: s.dtype.as_str().into(),
+                shape: s.shape.clone(),
+                len_bytes: r.layout.tensor_range(i).len() as u64,
+            }
+        })
+        .collect();
+    if need_bytes > len_bytes {
+        return Ok(PlacedReply {
+            step: r.step,
+            source: LoadSource::Ram,
+            tensors,
+            offsets: Vec::new(),
+            need_bytes,
+            blobs: Vec::new(),
+            fell_back: Vec::new(),
+        });
+    }
+    let image = r.lease.as_slice();
+    for &i in &order {
+        let range = r.layout.tensor_range(i);
+        let bytes = &image[range.clone()];
+        let got = ckpt_store::image::crc32c_parallel(bytes);
+        if got != r.crcs[i] {
+            let name = &r.layout.specs[i].name;
+            return Err(Refusal::new(
+                ErrorCode::Damaged,
+                format!(
+                    "tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)",
+                    r.crcs[i]
+                ),
+            ));
+        }
+        // SAFETY: range.end ≤ need_bytes ≤ len_bytes, so the copy stays in
+        // the load range of the mapping; the source is our own lease.
+        map.run(|| unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dest.add(range.start), bytes.len()) });
+    }
+    shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
+    let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
+    Ok(PlacedReply {
+        step: r.step,
+        source: LoadSource::Ram,
+        tensors,
+        offsets,
+        need_bytes,
+        blobs: r.blobs.clone(),
+        fell_back: Vec::new(),
+    })
+}
+
 fn load_packed_from(
     state: &DaemonState,
     regions: &HashMap<u32, Arc<Region>>,
@@ -613,85 +711,11 @@ fn load_packed_from(
     if let Some(r) = resident.filter(|r| {
         wanted == Some(r.step) && origin.dir().is_some_and(|primary| catalog::is_committed(primary, r.step))
     }) {
-        let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
-        order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
-        let need_bytes =
-            r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
-        let tensors = order
-            .iter()
-            .map(|&i| {
-                let s = &r.layout.specs[i];
-                TensorInfo {
-                    name: s.name.clone(),
-                    dtype: s.dtype.as_str().into(),
-                    shape: s.shape.clone(),
-                    len_bytes: r.layout.tensor_range(i).len() as u64,
-                }
-            })
-            .collect();
-        if need_bytes > len_bytes {
-            return Ok(PlacedReply {
-                step: r.step,
-                source: LoadSource::Ram,
-                tensors,
-                offsets: Vec::new(),
-                need_bytes,
-                blobs: Vec::new(),
-                fell_back: Vec::new(),
-            });
-        }
-        let image = r.lease.as_slice();
-        for &i in &order {
-            let range = r.layout.tensor_range(i);
-            let bytes = &image[range.clone()];
-            let got = ckpt_store::image::crc32c_parallel(bytes);
-            if got != r.crcs[i] {
-                let name = &r.layout.specs[i].name;
-                return Err(Refusal::new(
-                    ErrorCode::Damaged,
-                    format!(
-                        "tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)",
-                        r.crcs[i]
-                    ),
-                ));
-            }
-            // SAFETY: range.end ≤ need_bytes ≤ len_bytes, so the copy stays in
-            // the load range of the mapping; the source is our own lease.
-            map.run(|| unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dest.add(range.start), bytes.len()) });
-        }
-        shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
-        let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
-        return Ok(PlacedReply {
-            step: r.step,
-            source: LoadSource::Ram,
-            tensors,
-            offsets,
-            need_bytes,
-            blobs: r.blobs.clone(),
-            fell_back: Vec::new(),
-        });
+        return packed_from_resident(&r, shm, &map, offset_bytes, len_bytes);
     }
     // Disk (or the drain target): straight into the region. Too small for
     // the first candidate: say what it needs, from its index, before
     // reading anything.
-    let too_small = |step: u64, index: &Index, need_bytes: u64| PlacedReply {
-        step,
-        source: LoadSource::Disk,
-        tensors: index
-            .logical()
-            .iter()
-            .map(|t| TensorInfo {
-                name: t.name.to_string(),
-                dtype: t.dtype.as_str().into(),
-                shape: t.shape.to_vec(),
-                len_bytes: t.len_bytes(),
-            })
-            .collect(),
-        offsets: Vec::new(),
-        need_bytes,
-        blobs: Vec::new(),
-        fell_back: Vec::new(),
-    };
     if let Some(s) = wanted {
         if let Ok(index) = origin.index(s) {
             let need_bytes = restore::load_len_bytes(&index);

@@ -21,7 +21,8 @@ use crate::commit::rank_groups::{Expired, Offer, RankGroups};
 use crate::commit::slices;
 use crate::config;
 use crate::memory::staging::Resident;
-use crate::state::jobs::{error_code, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
+use crate::state::jobs::{copy_failure_or, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
+use crate::state::refusal::Refusal;
 use crate::state::{DaemonState, Phase};
 use ckpt_store::commit::{CommitError, Store};
 use ckpt_store::image::{self};
@@ -56,7 +57,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                             n.fail_all(&store, &state, "the sidecar stopped before the step was committed");
                         }
                         for job in groups.take_all() {
-                            fail_part(&state, job, ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived".into());
+                            fail_part(&state, job, Refusal::new(ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived"));
                         }
                         break;
                     }
@@ -66,7 +67,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                     for job in groups.take_all() {
                         let why = format!("step {}: the sidecar is shutting down before every rank's part arrived; the step is not committed", job.step);
                         warn!("rank {:?}: {why}", job.part.map(|p| p.rank));
-                        fail_part(&state, job, ErrorCode::ShuttingDown, why);
+                        fail_part(&state, job, Refusal::new(ErrorCode::ShuttingDown, why));
                     }
                 }
                 if let Some(n) = nodes.as_mut().filter(|n| n.has_waiting()) {
@@ -93,7 +94,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                     );
                     warn!("{why}");
                     for job in parts {
-                        fail_part(&state, job, ErrorCode::Io, why.clone());
+                        fail_part(&state, job, Refusal::new(ErrorCode::Io, why.clone()));
                     }
                 }
             }
@@ -129,16 +130,13 @@ pub fn check_part_timeout() -> Result<std::time::Duration, String> {
 
 /// Frees one part's lease, ends its flight, then answers it Failed (so a
 /// client that saves the step again at once does not find it in flight).
-fn fail_part(state: &DaemonState, job: Job, code: ErrorCode, reason: String) {
+fn fail_part(state: &DaemonState, job: Job, r: Refusal) {
     let key = job.key();
     drop(job.lease);
     // A fed part whose copy failed: its own reason (its copy has ended, the lease is back).
-    let (code, reason) = match job.fill.as_ref().map(|f| f.end()) {
-        Some(FillEnd::Failed { code, reason }) => (code, reason),
-        _ => (code, reason),
-    };
+    let r = copy_failure_or(job.fill.as_ref(), r);
     state.end(key);
-    job.replies.send(&Reply::Failed { id: job.id, step: job.step, code, reason });
+    job.replies.send(&r.failed(job.id, job.step));
 }
 
 /// One rank's part: kept until its step's group is complete, then the
@@ -149,7 +147,7 @@ fn gather(store: &mut Store, state: &DaemonState, groups: &mut RankGroups, job: 
         Offer::Pending => {}
         Offer::Refused(job, why) => {
             warn!("{why}");
-            fail_part(state, *job, ErrorCode::BadRequest, why);
+            fail_part(state, *job, Refusal::new(ErrorCode::BadRequest, why));
         }
         Offer::Complete(parts) => commit_group(store, state, parts),
     }
@@ -161,12 +159,8 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
     let step = parts[0].step;
     if state.is_aborting() {
         for job in parts {
-            fail_part(
-                state,
-                job,
-                ErrorCode::ShuttingDown,
-                format!("step {step}: aborted before writing; the sidecar is shutting down"),
-            );
+            let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
+            fail_part(state, job, Refusal::new(ErrorCode::ShuttingDown, reason));
         }
         return;
     }
@@ -179,7 +173,7 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         Err(why) => {
             warn!(step, "{why}");
             for job in parts {
-                fail_part(state, job, ErrorCode::BadRequest, format!("step {step}: {why}"));
+                fail_part(state, job, Refusal::new(ErrorCode::BadRequest, format!("step {step}: {why}")));
             }
             return;
         }
@@ -188,7 +182,7 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         let e = CommitError::PartsDisagree { step, why };
         warn!(step, world_size, "{e}");
         for job in parts {
-            fail_part(state, job, error_code(&e), e.to_string());
+            fail_part(state, job, Refusal::from(&e));
         }
         return;
     }
@@ -253,9 +247,8 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         }
         Err(e) => {
             warn!(step, world_size, "commit of every rank's part failed: {e}");
-            let code = error_code(&e);
             for job in parts {
-                fail_part(state, job, code, e.to_string());
+                fail_part(state, job, Refusal::from(&e));
             }
         }
     }
@@ -307,22 +300,16 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
     let _enter = span.enter();
     // A fed job whose copy failed is answered with the copy's reason, once
     // its lease is back (the lease's drop waits for the copy's end).
-    let failed = |lease, code, reason: String| {
+    let failed = |lease, r: Refusal| {
         drop(lease);
-        let (code, reason) = match fill.as_ref().map(|f| f.end()) {
-            Some(FillEnd::Failed { code, reason }) => (code, reason),
-            _ => (code, reason),
-        };
-        replies.send(&Reply::Failed { id, step, code, reason });
+        let r = copy_failure_or(fill.as_ref(), r);
+        replies.send(&r.failed(id, step));
         state.end(Flight::Step(step));
     };
     if state.is_aborting() {
         warn!("aborted before writing (the sidecar is aborting)");
-        return failed(
-            lease,
-            ErrorCode::ShuttingDown,
-            format!("step {step}: aborted before writing; the sidecar is shutting down"),
-        );
+        let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
+        return failed(lease, Refusal::new(ErrorCode::ShuttingDown, reason));
     }
     state.set_phase(Flight::Step(step), Phase::Writing);
     let mut placed = layout.clone();
@@ -396,8 +383,21 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "commit failed: {e}");
-            failed(lease, error_code(&e), e.to_string());
+            failed(lease, Refusal::from(&e));
         }
+    }
+}
+
+impl From<&RollbackError> for Refusal {
+    fn from(e: &RollbackError) -> Refusal {
+        let code = match e {
+            RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
+            RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => {
+                ErrorCode::Damaged
+            }
+            RollbackError::Io { .. } | RollbackError::Refused { .. } => ErrorCode::Io,
+        };
+        Refusal::new(code, e.to_string())
     }
 }
 
@@ -406,11 +406,8 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
 fn rollback_one(store: &mut Store, state: &DaemonState, job: RollbackJob) {
     let RollbackJob { id, step, replies } = job;
     if state.is_aborting() {
-        replies.send(&Reply::Error {
-            id,
-            code: ErrorCode::ShuttingDown,
-            message: format!("rollback to step {step}: not done, the sidecar is shutting down"),
-        });
+        let reason = format!("rollback to step {step}: not done, the sidecar is shutting down");
+        replies.send(&Refusal::new(ErrorCode::ShuttingDown, reason).error(id));
         return;
     }
     state.staging.drop_resident_after(step);
@@ -421,14 +418,7 @@ fn rollback_one(store: &mut Store, state: &DaemonState, job: RollbackJob) {
         }
         Err(e) => {
             warn!(step, "rollback failed: {e}");
-            let code = match e {
-                RollbackError::NotCommitted { .. } => ErrorCode::NotFound,
-                RollbackError::Unreadable(_) | RollbackError::Incomplete { .. } | RollbackError::Damaged { .. } => {
-                    ErrorCode::Damaged
-                }
-                RollbackError::Io { .. } | RollbackError::Refused { .. } => ErrorCode::Io,
-            };
-            replies.send(&Reply::Error { id, code, message: e.to_string() });
+            replies.send(&Refusal::from(&e).error(id));
         }
     }
 }
@@ -456,7 +446,7 @@ fn write_one(store: &mut Store, state: &DaemonState, job: FileJob) {
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "file write failed: {e}");
-            replies.send(&Reply::Failed { id, step: 0, code: error_code(&e), reason: e.to_string() });
+            replies.send(&Refusal::from(&e).failed(id, 0));
         }
     }
     state.end(key);

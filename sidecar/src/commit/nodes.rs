@@ -45,7 +45,8 @@ use ckpt_wire::{ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
 use crate::commit::slices;
-use crate::state::jobs::{error_code, FillEnd, Flight, Job};
+use crate::state::jobs::{copy_failure_or, error_code, FillEnd, Flight, Job};
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::{DaemonState, Phase};
 
@@ -81,9 +82,9 @@ pub struct Nodes {
     since_full: BTreeMap<u32, u32>,
 }
 
-fn answer_failed(state: &DaemonState, w: Waiter, step: u64, code: ErrorCode, reason: String) {
+fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
     state.end(Flight::Part(step, w.rank));
-    w.replies.send(&Reply::Failed { id: w.id, step, code, reason });
+    w.replies.send(&r.failed(w.id, step));
 }
 
 impl Nodes {
@@ -114,13 +115,10 @@ impl Nodes {
         // Called with the lease dropped: a fed part's copy has ended then
         // (the lease's drop waits for it), and a copy that failed is
         // answered with its own reason (the session does not answer it).
-        let fail = |code, reason: String| {
-            let (code, reason) = match fill.as_ref().map(|f| f.end()) {
-                Some(FillEnd::Failed { code, reason }) => (code, reason),
-                _ => (code, reason),
-            };
+        let fail = |r: Refusal| {
+            let r = copy_failure_or(fill.as_ref(), r);
             state.end(key);
-            replies.send(&Reply::Failed { id, step, code, reason });
+            replies.send(&r.failed(id, step));
         };
         if let Some(w) = self.steps.get(&step) {
             if w.world_size != part.world_size {
@@ -130,21 +128,19 @@ impl Nodes {
                 );
                 warn!("{why}");
                 drop(lease);
-                return fail(ErrorCode::BadRequest, why);
+                return fail(Refusal::new(ErrorCode::BadRequest, why));
             }
             if w.waiters.iter().any(|x| x.rank == part.rank) {
                 let why = format!("step {step}: rank {} sent its part twice", part.rank);
                 warn!("{why}");
                 drop(lease);
-                return fail(ErrorCode::BadRequest, why);
+                return fail(Refusal::new(ErrorCode::BadRequest, why));
             }
         }
         if state.is_aborting() {
             drop(lease);
-            return fail(
-                ErrorCode::ShuttingDown,
-                format!("step {step}: aborted before writing; the sidecar is shutting down"),
-            );
+            let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
+            return fail(Refusal::new(ErrorCode::ShuttingDown, reason));
         }
         // This rank's slice declarations, checked here as one sidecar checks
         // each part's (they name its own tensors); the coordinator checks
@@ -155,7 +151,7 @@ impl Nodes {
                 let why = format!("step {step}: {why}");
                 warn!("{why}");
                 drop(lease);
-                return fail(ErrorCode::BadRequest, why);
+                return fail(Refusal::new(ErrorCode::BadRequest, why));
             }
         };
         state.set_phase(key, Phase::Writing);
@@ -189,7 +185,7 @@ impl Nodes {
             Ok(rep) => rep,
             Err(e) => {
                 warn!(rank = part.rank, "writing this rank's part into the shared directory failed: {e}");
-                return fail(error_code(&e), e.to_string());
+                return fail(Refusal::from(&e));
             }
         };
         let copy_seconds = match fill.as_ref().map(|f| f.end()) {
@@ -326,7 +322,7 @@ impl Nodes {
                     }
                     self.sweep(store);
                     for x in w.waiters {
-                        answer_failed(state, x, step, error_code(&e), why.clone());
+                        answer_failed(state, x, step, Refusal::new(error_code(&e), why.clone()));
                     }
                 }
             }
@@ -347,7 +343,7 @@ impl Nodes {
             self.sweep(store);
             let code = if state.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
-                answer_failed(state, x, step, code, why.clone());
+                answer_failed(state, x, step, Refusal::new(code, why.clone()));
             }
         }
     }
@@ -402,7 +398,7 @@ impl Nodes {
                 warn!("{why}");
                 self.sweep(store);
                 for x in w.waiters {
-                    answer_failed(state, x, step, ErrorCode::Io, why.clone());
+                    answer_failed(state, x, step, Refusal::new(ErrorCode::Io, why.clone()));
                 }
             }
             RanksState::InFlight(seen) => {
@@ -427,7 +423,7 @@ impl Nodes {
                     }
                     let code = if state.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
                     for x in w.waiters {
-                        answer_failed(state, x, step, code, why.clone());
+                        answer_failed(state, x, step, Refusal::new(code, why.clone()));
                     }
                 }
             }
@@ -442,7 +438,7 @@ impl Nodes {
                 self.abort_folder(store, step, &format!("{why} (the coordinator, rank 0's sidecar, stopped)"));
             }
             for x in w.waiters {
-                answer_failed(state, x, step, ErrorCode::ShuttingDown, why.clone());
+                answer_failed(state, x, step, Refusal::new(ErrorCode::ShuttingDown, why.clone()));
             }
         }
     }

@@ -20,11 +20,13 @@ use tracing::{debug, info, warn};
 use crate::config;
 use crate::daemon::fd_socket::FdSocket;
 use crate::load;
-use crate::memory::regions::{CudaSession, CudaSource, Region};
+use crate::memory::regions::{CudaSession, CudaSource, Region, RegionError};
 use crate::save::file_save::{self, FileRequest};
+use crate::save::plan::SaveTensors;
 use crate::save::plan_cache::SavePlans;
-use crate::save::snapshot::{self, SaveTensors};
+use crate::save::snapshot::{self, SaveRequest};
 use crate::state::jobs::{Part, RollbackJob, Work};
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
 use ckpt_store::catalog;
@@ -48,6 +50,24 @@ enum Read<'a> {
     Decoded(Vec<TensorDescIn<'a>>, &'a [u8]),
 }
 
+/// Whether the session reads another frame.
+enum Flow {
+    Next,
+    Close,
+}
+
+/// One session's connection: the daemon's shared state, the peer, the
+/// reply side, and what the client registered (its regions, its CUDA
+/// devices and streams, its kept save plans). A handler per request.
+struct Conn {
+    state: Arc<DaemonState>,
+    s: Session,
+    replies: Arc<Replies>,
+    regions: HashMap<u32, Arc<Region>>,
+    cuda: CudaSession,
+    plans: SavePlans,
+}
+
 pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
     let replies = match stream.try_clone() {
         Ok(w) => Arc::new(Replies::new(w)),
@@ -58,40 +78,72 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
         }
     };
     let mut reader = BufReader::with_capacity(64 << 10, FdSocket::new(stream));
-    let mut regions: HashMap<u32, Arc<Region>> = HashMap::new();
-    let mut cuda = CudaSession::default();
-    let mut plans = SavePlans::default();
+    let mut conn =
+        Conn { state, s, replies, regions: HashMap::new(), cuda: CudaSession::default(), plans: SavePlans::default() };
     loop {
         // Every request runs its copies and loads to their end on this
         // thread: between requests no legacy CUDA import is needed, and none
         // stays open (regions/cuda.rs: the trainer may free the memory).
-        for r in regions.values() {
+        for r in conn.regions.values() {
             r.close_imports();
         }
-        let body = match ckpt_wire::read_frame_body(&mut reader, config::FRAME_BYTES_MAX) {
-            Ok(b) => b,
+        let Some(body) = conn.read_frame(&mut reader) else { break };
+        if let Flow::Close = conn.serve_frame(body, &mut reader) {
+            break;
+        }
+    }
+    conn.end();
+}
+
+impl Conn {
+    /// The next frame's body; None when the client closed the connection
+    /// or sent a bad frame (answered, the session then closes).
+    fn read_frame(&self, reader: &mut BufReader<FdSocket>) -> Option<Vec<u8>> {
+        match ckpt_wire::read_frame_body(reader, config::FRAME_BYTES_MAX) {
+            Ok(b) => Some(b),
             Err(FrameError::Closed) => {
                 debug!("client closed the connection");
-                break;
+                None
             }
             Err(e) => {
-                warn!(pid = s.client_pid, "bad frame, closing the session: {e}");
-                replies.send(&Reply::Error {
-                    id: NO_REQUEST_ID,
-                    code: ErrorCode::BadRequest,
-                    message: format!("bad frame, closing: {e}"),
-                });
-                break;
+                warn!(pid = self.s.client_pid, "bad frame, closing the session: {e}");
+                self.replies.send(
+                    &Refusal::new(ErrorCode::BadRequest, format!("bad frame, closing: {e}")).error(NO_REQUEST_ID),
+                );
+                None
             }
+        }
+    }
+
+    /// Answers an undecodable message; the session then closes.
+    fn undecodable(&self, e: impl std::fmt::Display) -> Flow {
+        warn!(pid = self.s.client_pid, "undecodable message, closing the session: {e}");
+        self.replies.send(&Refusal::new(ErrorCode::BadRequest, format!("{e}; closing")).error(NO_REQUEST_ID));
+        Flow::Close
+    }
+
+    /// Decodes one frame and serves its request.
+    fn serve_frame(&mut self, body: Vec<u8>, reader: &mut BufReader<FdSocket>) -> Flow {
+        if let Some(read) = self.serve_save_frame(&body) {
+            return read;
+        }
+        let req: Request = match ckpt_wire::decode(&body) {
+            Ok(r) => r,
+            Err(e) => return self.undecodable(e),
         };
-        // A Save (or SavePart), the hot message, is read into descriptors
-        // that borrow the frame: no allocation per tensor; and not even
-        // that when its tensor list is, byte for byte, one a kept plan was
-        // made from (a trainer saving the same state again).
-        let read = ckpt_wire::decode_save_head(&body).map(|head| -> Result<_, FrameError> {
-            let head = head?;
+        drop(body);
+        self.serve(req, reader)
+    }
+
+    /// A Save (or SavePart), the hot message, read into descriptors that
+    /// borrow the frame: no allocation per tensor; and not even that when
+    /// its tensor list is, byte for byte, one a kept plan was made from (a
+    /// trainer saving the same state again). None: the frame is another
+    /// request.
+    fn serve_save_frame(&mut self, body: &[u8]) -> Option<Flow> {
+        let read = ckpt_wire::decode_save_head(body)?.and_then(|head| {
             let part = head.part.map(|p| Part { rank: p.rank, world_size: p.world_size });
-            if let Some((list, rest)) = plans.kept_list(&head) {
+            if let Some((list, rest)) = self.plans.kept_list(&head) {
                 let (blobs, lazy_release, unchanged) = rest?;
                 return Ok((head.id, head.step, part, Read::Kept(list), blobs, lazy_release, unchanged));
             }
@@ -106,255 +158,89 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                 rest.unchanged,
             ))
         });
-        match read {
-            Some(Ok((id, step, part, read, blobs, lazy_release, unchanged))) => {
-                crate::state::test_panic::maybe_panic(crate::state::test_panic::At::Session);
-                let tensors = match &read {
-                    Read::Kept(list) => SaveTensors::Kept(list),
-                    Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
-                };
-                snapshot::run_save(
-                    &state,
-                    &replies,
-                    &regions,
-                    &mut plans,
-                    id,
-                    step,
-                    tensors,
-                    blobs,
-                    lazy_release,
-                    part,
-                    unchanged,
-                );
-                continue;
-            }
-            Some(Err(e)) => {
-                warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
-                replies.send(&Reply::Error {
-                    id: NO_REQUEST_ID,
-                    code: ErrorCode::BadRequest,
-                    message: format!("{e}; closing"),
-                });
-                break;
-            }
-            None => {}
-        }
-        let req: Request = match ckpt_wire::decode(&body) {
-            Ok(r) => r,
-            Err(e) => {
-                warn!(pid = s.client_pid, "undecodable message, closing the session: {e}");
-                replies.send(&Reply::Error {
-                    id: NO_REQUEST_ID,
-                    code: ErrorCode::BadRequest,
-                    message: format!("{e}; closing"),
-                });
-                break;
-            }
+        let (id, step, part, read, blobs, lazy_release, unchanged) = match read {
+            Ok(x) => x,
+            Err(e) => return Some(self.undecodable(e)),
         };
-        drop(body);
+        crate::state::test_panic::maybe_panic(crate::state::test_panic::At::Session);
+        let tensors = match &read {
+            Read::Kept(list) => SaveTensors::Kept(list),
+            Read::Decoded(tensors, encoded) => SaveTensors::Decoded { tensors, encoded: Some(encoded) },
+        };
+        self.save(SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged });
+        Some(Flow::Next)
+    }
+
+    /// Serves one request, a handler each.
+    fn serve(&mut self, req: Request, reader: &mut BufReader<FdSocket>) -> Flow {
         match req {
             Request::Hello { .. } => {
-                replies.send(&Reply::Error {
-                    id: NO_REQUEST_ID,
-                    code: ErrorCode::BadRequest,
-                    message: "Hello after the handshake".into(),
-                });
+                self.replies
+                    .send(&Refusal::new(ErrorCode::BadRequest, "Hello after the handshake").error(NO_REQUEST_ID));
             }
             Request::RegisterRegion { id, region_id, shm_name, len_bytes, hand_over } => {
-                let reply = register(&s, &mut regions, id, region_id, &shm_name, len_bytes, hand_over);
-                update_counts(&state, &s, &regions);
-                replies.send(&reply);
+                let reply = register(&self.s, &mut self.regions, id, region_id, &shm_name, len_bytes, hand_over);
+                self.answer_registration(id, reply);
             }
-            Request::UnregisterRegion { id, region_id } => {
-                // Copies run on this thread, so none uses the region now;
-                // no kept plan may hold its mapping either.
-                plans.clear();
-                let reply = match regions.remove(&region_id) {
-                    Some(_) => Reply::RegionUnregistered { id, region_id },
-                    None => Reply::Error {
-                        id,
-                        code: ErrorCode::BadRegion,
-                        message: format!("region {region_id} is not registered"),
-                    },
-                };
-                update_counts(&state, &s, &regions);
-                replies.send(&reply);
-            }
-            // Read by decode_save above; kept whole for any other path here.
+            Request::UnregisterRegion { id, region_id } => self.unregister(id, region_id),
+            // Read by serve_save_frame; kept whole for any other path here.
             Request::Save { id, step, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(
-                    &state,
-                    &replies,
-                    &regions,
-                    &mut plans,
-                    id,
-                    step,
-                    SaveTensors::Decoded { tensors: &views, encoded: None },
-                    blobs,
-                    lazy_release,
-                    None,
-                    unchanged,
-                )
+                let tensors = SaveTensors::Decoded { tensors: &views, encoded: None };
+                self.save(SaveRequest { id, step, tensors, blobs, lazy_release, part: None, unchanged })
             }
             Request::SavePart { id, step, rank, world_size, tensors, blobs, lazy_release, unchanged } => {
                 let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                snapshot::run_save(
-                    &state,
-                    &replies,
-                    &regions,
-                    &mut plans,
-                    id,
-                    step,
-                    SaveTensors::Decoded { tensors: &views, encoded: None },
-                    blobs,
-                    lazy_release,
-                    Some(Part { rank, world_size }),
-                    unchanged,
-                )
+                let tensors = SaveTensors::Decoded { tensors: &views, encoded: None };
+                let part = Some(Part { rank, world_size });
+                self.save(SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged })
             }
             Request::SaveFile { id, path, region_id, offset_bytes, len_bytes } => {
                 let pieces = vec![FilePiece { region_id, offset_bytes, len_bytes }];
-                file_save::run_save_file(
-                    &state,
-                    &replies,
-                    &regions,
-                    s.peer_uid,
-                    FileRequest { id, path, pieces, finish: FileFinish::AsIs },
-                )
+                self.save_file(FileRequest { id, path, pieces, finish: FileFinish::AsIs })
             }
             Request::SaveFilePieces { id, path, pieces, device, event, finish } => {
-                // Device pieces: the session's stream waits on the trainer's
-                // event (as recorded now, after the message arrived) before
-                // any copy is queued on it.
-                let fenced = if event.is_empty() {
-                    Ok(())
-                } else {
-                    cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting())
-                };
-                match fenced {
-                    Ok(()) => file_save::run_save_file(
-                        &state,
-                        &replies,
-                        &regions,
-                        s.peer_uid,
-                        FileRequest { id, path, pieces, finish },
-                    ),
-                    Err(e) => {
-                        info!(path = %path, "save of a file refused: the trainer's CUDA event: {e}");
-                        replies.send(&Reply::Failed {
-                            id,
-                            step: 0,
-                            code: ErrorCode::BadRequest,
-                            reason: format!("{path}: cannot wait on the trainer's CUDA event: {e}"),
-                        });
-                    }
-                }
+                self.save_file_pieces(device, &event, FileRequest { id, path, pieces, finish })
             }
-            Request::Load { id, step, tensors } => load::run_load(&state, &replies, &regions, id, step, tensors),
+            Request::Load { id, step, tensors } => {
+                load::run_load(&self.state, &self.replies, &self.regions, id, step, tensors)
+            }
             Request::LoadPacked { id, step, region_id, offset_bytes, len_bytes } => load::run_load_packed(
-                &state,
-                &regions,
-                &replies,
+                &self.state,
+                &self.regions,
+                &self.replies,
                 id,
                 step,
                 load::PackedRange { region_id, offset_bytes, len_bytes },
             ),
             Request::List { id } => {
-                let primary = state.read_dir();
-                let reply = match catalog::readable_steps(primary) {
-                    // With a drain target: its steps too (a load reads them
-                    // from there), and `latest` the newer of both tiers'.
-                    Ok(mut steps) => {
-                        let mut latest = catalog::latest_step(primary).ok().flatten();
-                        if let Some(remote) =
-                            state.drain.as_ref().filter(|_| state.shared_dir.is_none()).and_then(|d| d.remote_steps())
-                        {
-                            latest = latest.max(remote.last().copied());
-                            steps.extend(remote);
-                            steps.sort_unstable();
-                            steps.dedup();
-                        }
-                        Reply::Listing { id, steps, latest }
-                    }
-                    Err(e) => Reply::Error { id, code: ErrorCode::Io, message: format!("{}: {e}", primary.display()) },
-                };
-                replies.send(&reply);
+                self.replies.send(&list(&self.state, id));
             }
             Request::Status { id } => {
-                replies.send(&Reply::Status { id, report: state.report() });
+                self.replies.send(&Reply::Status { id, report: self.state.report() });
             }
-            Request::Rollback { id, step } => {
-                if let Some(dir) = &state.read_only {
-                    replies.send(&Reply::Error {
-                        id,
-                        code: ErrorCode::Io,
-                        message: format!("rollback to step {step}: {dir}"),
-                    });
-                } else if state.is_draining() || state.is_aborting() {
-                    replies.send(&Reply::Error {
-                        id,
-                        code: ErrorCode::ShuttingDown,
-                        message: format!("rollback to step {step}: the sidecar is shutting down"),
-                    });
-                } else if state
-                    .commit_tx
-                    .send(Work::Rollback(RollbackJob { id, step, replies: replies.clone() }))
-                    .is_err()
-                {
-                    replies.send(&Reply::Error {
-                        id,
-                        code: ErrorCode::ShuttingDown,
-                        message: "the committer has stopped".into(),
-                    });
-                }
-            }
+            Request::Rollback { id, step } => self.answer_refused(id, self.rollback(id, step)),
             Request::RegisterCudaRegion { id, region_id, device, device_uuid, ipc_handle, len_bytes } => {
-                let reply = register_cuda(
-                    &state,
-                    &mut regions,
-                    &mut cuda,
-                    id,
-                    region_id,
-                    (device, &device_uuid),
-                    CudaSource::Ipc(&ipc_handle),
-                    len_bytes,
-                );
-                update_counts(&state, &s, &regions);
-                replies.send(&reply);
+                let reply =
+                    self.register_cuda(id, region_id, (device, &device_uuid), CudaSource::Ipc(&ipc_handle), len_bytes);
+                self.answer_registration(id, reply);
             }
             Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, fabric_handle, len_bytes }
                 if !fabric_handle.is_empty() =>
             {
-                let reply = register_cuda(
-                    &state,
-                    &mut regions,
-                    &mut cuda,
-                    id,
-                    region_id,
-                    (device, &device_uuid),
-                    CudaSource::Fabric(&fabric_handle),
-                    len_bytes,
-                );
-                update_counts(&state, &s, &regions);
-                replies.send(&reply);
+                let source = CudaSource::Fabric(&fabric_handle);
+                let reply = self.register_cuda(id, region_id, (device, &device_uuid), source, len_bytes);
+                self.answer_registration(id, reply);
             }
             Request::RegisterCudaVmmRegion { id, region_id, device, device_uuid, len_bytes, .. } => {
-                let reply = match reader.get_mut().take_fd() {
-                    Some(fd) => register_cuda(&state, &mut regions, &mut cuda, id, region_id, (device, &device_uuid), CudaSource::Fd(fd), len_bytes),
-                    None => Reply::Error {
-                        id,
-                        code: ErrorCode::BadRegion,
-                        message: format!("CUDA VMM region {region_id}: the request carried no file descriptor (send it with SCM_RIGHTS on the frame)"),
-                    },
-                };
-                update_counts(&state, &s, &regions);
-                replies.send(&reply);
+                // The allocation's fd came with the frame (SCM_RIGHTS).
+                let fd = reader.get_mut().take_fd();
+                let reply = self.register_cuda_fd(id, region_id, (device, &device_uuid), fd, len_bytes);
+                self.answer_registration(id, reply);
             }
             Request::RegisterCudaSpan { id, region_id, pieces } => {
-                let reply = register_cuda_span(&mut regions, id, region_id, &pieces);
-                update_counts(&state, &s, &regions);
-                replies.send(&reply);
+                let reply = register_cuda_span(&mut self.regions, id, region_id, &pieces);
+                self.answer_registration(id, reply);
             }
             Request::SaveAfterEvent {
                 id,
@@ -368,66 +254,193 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
                 world_size,
                 unchanged,
             } => {
+                let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
+                let tensors = SaveTensors::Decoded { tensors: &views, encoded: None };
                 // 0 of 1: a whole save; anything else a part (run_save checks rank < world_size).
-                let part = (rank, world_size) != (0, 1);
-                // The trainer's event is polled here, watching the client:
-                // nothing is queued on the device before its work is done.
-                match cuda.fence(device, &event, &|| replies.is_gone() || state.is_aborting()) {
-                    Ok(()) => {
-                        let views: Vec<TensorDescIn> = tensors.iter().map(TensorDescIn::of).collect();
-                        snapshot::run_save(
-                            &state,
-                            &replies,
-                            &regions,
-                            &mut plans,
-                            id,
-                            step,
-                            SaveTensors::Decoded { tensors: &views, encoded: None },
-                            blobs,
-                            lazy_release,
-                            part.then_some(Part { rank, world_size }),
-                            unchanged,
-                        );
-                    }
-                    Err(e) => {
-                        info!(step, "save refused: the trainer's CUDA event: {e}");
-                        replies.send(&Reply::Failed {
-                            id,
-                            step,
-                            code: ErrorCode::BadRequest,
-                            reason: format!("step {step}: cannot wait on the trainer's CUDA events: {e}"),
-                        });
-                    }
-                }
+                let part = ((rank, world_size) != (0, 1)).then_some(Part { rank, world_size });
+                self.save_after_event(
+                    device,
+                    &event,
+                    SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged },
+                )
             }
-            Request::WaitReplicated { id, step } => match &state.drain {
-                Some(d) => d.wait(replies.clone(), id, step, catalog::is_committed(state.read_dir(), step)),
-                None => {
-                    replies.send(&Reply::Error { id, code: ErrorCode::NotFound, message: format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated") });
-                }
-            },
+            Request::WaitReplicated { id, step } => self.answer_refused(id, self.wait_replicated(id, step)),
             Request::Bye => {
                 debug!("client said bye");
-                break;
+                return Flow::Close;
+            }
+        }
+        Flow::Next
+    }
+
+    fn save(&mut self, req: SaveRequest<'_>) {
+        snapshot::run_save(&self.state, &self.replies, &self.regions, &mut self.plans, req);
+    }
+
+    fn save_file(&self, req: FileRequest) {
+        file_save::run_save_file(&self.state, &self.replies, &self.regions, self.s.peer_uid, req)
+    }
+
+    /// A SaveFilePieces: with device pieces, the session's stream waits on
+    /// the trainer's event (as recorded now, after the message arrived)
+    /// before any copy is queued on it.
+    fn save_file_pieces(&mut self, device: i32, event: &[u8], req: FileRequest) {
+        let fenced = if event.is_empty() { Ok(()) } else { self.fence(device, event) };
+        match fenced {
+            Ok(()) => self.save_file(req),
+            Err(e) => {
+                let path = &req.path;
+                info!(path = %path, "save of a file refused: the trainer's CUDA event: {e}");
+                let reason = format!("{path}: cannot wait on the trainer's CUDA event: {e}");
+                self.replies.send(&Refusal::new(ErrorCode::BadRequest, reason).failed(req.id, 0));
             }
         }
     }
-    // A client that died (SIGKILL, a crash) could not remove its memory: the
-    // regions it registered are the sidecar's to remove, so a daemon that
-    // outlives many trainers does not fill /dev/shm. A live client (it said
-    // Bye, or only closed this connection) keeps them.
-    if !regions.is_empty() && process_is_gone(s.peer_pid) {
-        for r in regions.values() {
-            r.remove_dead_owners_memory();
+
+    /// A SaveAfterEvent: the trainer's event is polled here, watching the
+    /// client: nothing is queued on the device before its work is done.
+    fn save_after_event(&mut self, device: i32, event: &[u8], req: SaveRequest<'_>) {
+        match self.fence(device, event) {
+            Ok(()) => self.save(req),
+            Err(e) => {
+                let step = req.step;
+                info!(step, "save refused: the trainer's CUDA event: {e}");
+                let reason = format!("step {step}: cannot wait on the trainer's CUDA events: {e}");
+                self.replies.send(&Refusal::new(ErrorCode::BadRequest, reason).failed(req.id, step));
+            }
         }
-        info!(pid = s.peer_pid, n_regions = regions.len(), "client died: its regions removed");
     }
-    // Closes every imported CUDA allocation (the last Arc of each region,
-    // the kept plans' included) before the session's streams and events go.
-    drop(plans);
-    drop(regions);
-    drop(cuda);
-    info!(pid = s.client_pid, name = %s.name, "session ended");
+
+    /// Waits for the trainer's CUDA event `event` on `device`, watching the
+    /// client and the daemon's abort.
+    fn fence(&mut self, device: i32, event: &[u8]) -> Result<(), RegionError> {
+        let (replies, state) = (&self.replies, &self.state);
+        self.cuda.fence(device, event, &|| replies.is_gone() || state.is_aborting())
+    }
+
+    fn unregister(&mut self, id: u64, region_id: u32) {
+        // Copies run on this thread, so none uses the region now;
+        // no kept plan may hold its mapping either.
+        self.plans.clear();
+        let reply = match self.regions.remove(&region_id) {
+            Some(_) => Ok(Reply::RegionUnregistered { id, region_id }),
+            None => Err(Refusal::new(ErrorCode::BadRegion, format!("region {region_id} is not registered"))),
+        };
+        self.answer_registration(id, reply);
+    }
+
+    /// Sends a (un)registration's reply, after the session's counts in the
+    /// registry were brought up to date.
+    fn answer_registration(&self, id: u64, reply: Result<Reply, Refusal>) {
+        update_counts(&self.state, &self.s, &self.regions);
+        self.replies.send(&reply.unwrap_or_else(|r| r.error(id)));
+    }
+
+    fn register_cuda(
+        &mut self,
+        id: u64,
+        region_id: u32,
+        device: (i32, &[u8]),
+        source: CudaSource,
+        len_bytes: u64,
+    ) -> Result<Reply, Refusal> {
+        register_cuda(&self.state, &mut self.regions, &mut self.cuda, id, region_id, device, source, len_bytes)
+    }
+
+    /// A VMM allocation registered by its fd (`fd` None: the frame carried none).
+    fn register_cuda_fd(
+        &mut self,
+        id: u64,
+        region_id: u32,
+        device: (i32, &[u8]),
+        fd: Option<std::os::fd::OwnedFd>,
+        len_bytes: u64,
+    ) -> Result<Reply, Refusal> {
+        match fd {
+            Some(fd) => self.register_cuda(id, region_id, device, CudaSource::Fd(fd), len_bytes),
+            None => Err(Refusal::new(
+                ErrorCode::BadRegion,
+                format!("CUDA VMM region {region_id}: the request carried no file descriptor (send it with SCM_RIGHTS on the frame)"),
+            )),
+        }
+    }
+
+    fn rollback(&self, id: u64, step: u64) -> Result<(), Refusal> {
+        let state = &self.state;
+        if let Some(dir) = &state.read_only {
+            return Err(Refusal::new(ErrorCode::Io, format!("rollback to step {step}: {dir}")));
+        }
+        if state.is_draining() || state.is_aborting() {
+            let reason = format!("rollback to step {step}: the sidecar is shutting down");
+            return Err(Refusal::new(ErrorCode::ShuttingDown, reason));
+        }
+        state
+            .commit_tx
+            .send(Work::Rollback(RollbackJob { id, step, replies: self.replies.clone() }))
+            .map_err(|_| Refusal::new(ErrorCode::ShuttingDown, "the committer has stopped"))
+    }
+
+    fn wait_replicated(&self, id: u64, step: u64) -> Result<(), Refusal> {
+        let Some(d) = &self.state.drain else {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("step {step}: this sidecar has no drain target (start it with --drain URL), so nothing is ever replicated"),
+            ));
+        };
+        d.wait(self.replies.clone(), id, step, catalog::is_committed(self.state.read_dir(), step));
+        Ok(())
+    }
+
+    /// Answers a request refused with an `Error`.
+    fn answer_refused(&self, id: u64, done: Result<(), Refusal>) {
+        if let Err(r) = done {
+            self.replies.send(&r.error(id));
+        }
+    }
+
+    /// The session's end: a dead client's regions removed, then every
+    /// mapping and import closed before the session's streams and events go.
+    fn end(self) {
+        let Conn { s, regions, cuda, plans, .. } = self;
+        // A client that died (SIGKILL, a crash) could not remove its memory: the
+        // regions it registered are the sidecar's to remove, so a daemon that
+        // outlives many trainers does not fill /dev/shm. A live client (it said
+        // Bye, or only closed this connection) keeps them.
+        if !regions.is_empty() && process_is_gone(s.peer_pid) {
+            for r in regions.values() {
+                r.remove_dead_owners_memory();
+            }
+            info!(pid = s.peer_pid, n_regions = regions.len(), "client died: its regions removed");
+        }
+        // Closes every imported CUDA allocation (the last Arc of each region,
+        // the kept plans' included) before the session's streams and events go.
+        drop(plans);
+        drop(regions);
+        drop(cuda);
+        info!(pid = s.client_pid, name = %s.name, "session ended");
+    }
+}
+
+/// A List's answer: the steps readable here (with a drain target, its
+/// steps too: a load reads them from there; `latest` the newer of both
+/// tiers').
+fn list(state: &DaemonState, id: u64) -> Reply {
+    let primary = state.read_dir();
+    match catalog::readable_steps(primary) {
+        Ok(mut steps) => {
+            let mut latest = catalog::latest_step(primary).ok().flatten();
+            if let Some(remote) =
+                state.drain.as_ref().filter(|_| state.shared_dir.is_none()).and_then(|d| d.remote_steps())
+            {
+                latest = latest.max(remote.last().copied());
+                steps.extend(remote);
+                steps.sort_unstable();
+                steps.dedup();
+            }
+            Reply::Listing { id, steps, latest }
+        }
+        Err(e) => Refusal::new(ErrorCode::Io, format!("{}: {e}", primary.display())).error(id),
+    }
 }
 
 /// Whether `pid` no longer runs: no such process, a zombie, or one already
@@ -464,8 +477,8 @@ fn register(
     shm_name: &str,
     len_bytes: u64,
     hand_over: bool,
-) -> Reply {
-    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+) -> Result<Reply, Refusal> {
+    let err = |reason: String| Err(Refusal::new(ErrorCode::BadRegion, reason));
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
     }
@@ -476,7 +489,7 @@ fn register(
         Ok(r) => {
             debug!(region_id, shm_name, len_bytes, hand_over, "region registered");
             regions.insert(region_id, Arc::new(r));
-            Reply::RegionRegistered { id, region_id }
+            Ok(Reply::RegionRegistered { id, region_id })
         }
         Err(e) => {
             info!(region_id, "region refused: {e}");
@@ -495,8 +508,8 @@ fn register_cuda(
     (client_device, uuid): (i32, &[u8]),
     source: CudaSource,
     len_bytes: u64,
-) -> Reply {
-    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+) -> Result<Reply, Refusal> {
+    let err = |reason: String| Err(Refusal::new(ErrorCode::BadRegion, reason));
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
     }
@@ -512,7 +525,7 @@ fn register_cuda(
         Ok(r) => {
             debug!(region_id, client_device, len_bytes, vmm = r.is_vmm_cuda(), "CUDA region registered");
             regions.insert(region_id, Arc::new(r));
-            Reply::RegionRegistered { id, region_id }
+            Ok(Reply::RegionRegistered { id, region_id })
         }
         Err(e) => {
             info!(region_id, "CUDA region refused: {e}");
@@ -521,8 +534,13 @@ fn register_cuda(
     }
 }
 
-fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_id: u32, pieces: &[u32]) -> Reply {
-    let err = |message: String| Reply::Error { id, code: ErrorCode::BadRegion, message };
+fn register_cuda_span(
+    regions: &mut HashMap<u32, Arc<Region>>,
+    id: u64,
+    region_id: u32,
+    pieces: &[u32],
+) -> Result<Reply, Refusal> {
+    let err = |reason: String| Err(Refusal::new(ErrorCode::BadRegion, reason));
     if regions.contains_key(&region_id) {
         return err(format!("region {region_id} is already registered"));
     }
@@ -551,7 +569,7 @@ fn register_cuda_span(regions: &mut HashMap<u32, Arc<Region>>, id: u64, region_i
         Ok(r) => {
             debug!(region_id, pieces = pieces.len(), len_bytes = r.len_bytes, "CUDA span registered");
             regions.insert(region_id, Arc::new(r));
-            Reply::RegionRegistered { id, region_id }
+            Ok(Reply::RegionRegistered { id, region_id })
         }
         Err(e) => {
             info!(region_id, "CUDA span refused: {e}");

@@ -22,9 +22,12 @@ use ckpt_wire::{Blob, ErrorCode, LoadSource, Reply, TensorDesc, TensorInfo};
 use tracing::{info, warn};
 
 use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
-use crate::memory::regions::Region;
+use crate::memory::regions::shm::Writable;
+use crate::memory::regions::{Region, ShmMemory};
+use crate::memory::staging::Resident;
 use crate::memory::staging::StagingError;
-use crate::save::snapshot::{check_desc_shape, check_no_overlap};
+use crate::save::checks::{check_desc_shape, check_no_overlap};
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
 use ckpt_store::catalog;
@@ -32,10 +35,8 @@ use ckpt_store::fetch::FetchFiles;
 use ckpt_store::format::Index;
 use ckpt_store::restore::{self, LoadError, Placed, Which};
 
-struct Fail(ErrorCode, String);
-
-impl From<LoadError> for Fail {
-    fn from(e: LoadError) -> Fail {
+impl From<LoadError> for Refusal {
+    fn from(e: LoadError) -> Refusal {
         let code = match &e {
             LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => {
                 ErrorCode::NotFound
@@ -45,7 +46,7 @@ impl From<LoadError> for Fail {
             // The client's region failed under the load: its error, not the checkpoint's.
             LoadError::Destination { .. } => ErrorCode::BadRegion,
         };
-        Fail(code, e.to_string())
+        Refusal::new(code, e.to_string())
     }
 }
 
@@ -91,9 +92,9 @@ pub fn run_load(
             info!(step, ?source, n_tensors = descs.len(), seconds = t0.elapsed().as_secs_f64(), "loaded");
             Reply::Loaded { id, step, source, tensors, blobs, fell_back }
         }
-        Err(Fail(code, message)) => {
-            info!(?step, ?code, "load failed: {message}");
-            Reply::Error { id, code, message }
+        Err(r) => {
+            info!(?step, code = ?r.code, "load failed: {}", r.reason);
+            r.error(id)
         }
     };
     replies.send(&reply);
@@ -101,9 +102,9 @@ pub fn run_load(
 
 type Served = (u64, LoadSource, Vec<TensorInfo>, Vec<Blob>, Vec<String>);
 
-fn check_descs(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc]) -> Result<(), Fail> {
+fn check_descs(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc]) -> Result<(), Refusal> {
     if descs.len() > crate::config::TENSORS_PER_REQUEST_MAX {
-        return Err(Fail(
+        return Err(Refusal::new(
             ErrorCode::BadRequest,
             format!("{} tensors; at most {} per load", descs.len(), crate::config::TENSORS_PER_REQUEST_MAX),
         ));
@@ -111,18 +112,21 @@ fn check_descs(regions: &HashMap<u32, Arc<Region>>, descs: &[TensorDesc]) -> Res
     let mut seen = HashSet::new();
     for d in descs {
         if !seen.insert(d.name.as_str()) {
-            return Err(Fail(ErrorCode::BadRequest, format!("tensor {:?} asked for twice", d.name)));
+            return Err(Refusal::new(ErrorCode::BadRequest, format!("tensor {:?} asked for twice", d.name)));
         }
-        check_desc_shape(d).map_err(|e| Fail(ErrorCode::BadRequest, e))?;
+        check_desc_shape(d).map_err(|e| Refusal::new(ErrorCode::BadRequest, e))?;
         if d.len_bytes > 0 {
             let r = regions.get(&d.region_id).ok_or_else(|| {
-                Fail(ErrorCode::BadRegion, format!("tensor {:?}: region {} is not registered", d.name, d.region_id))
+                Refusal::new(
+                    ErrorCode::BadRegion,
+                    format!("tensor {:?}: region {} is not registered", d.name, d.region_id),
+                )
             })?;
             r.contains(d.offset_bytes, d.len_bytes)
-                .map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+                .map_err(|e| Refusal::new(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
         }
     }
-    check_no_overlap(descs).map_err(|e| Fail(ErrorCode::BadRequest, e))
+    check_no_overlap(descs).map_err(|e| Refusal::new(ErrorCode::BadRequest, e))
 }
 
 /// Checks every descriptor against the checkpoint, then writes the bytes.
@@ -130,13 +134,14 @@ fn deliver<'a>(
     regions: &HashMap<u32, Arc<Region>>,
     descs: &[TensorDesc],
     lookup: impl Fn(&str) -> Option<Have<'a>>,
-) -> Result<(), Fail> {
+) -> Result<(), Refusal> {
     let mut haves = Vec::with_capacity(descs.len());
     for d in descs {
-        let h = lookup(&d.name)
-            .ok_or_else(|| Fail(ErrorCode::NotFound, format!("tensor {:?} is not in the checkpoint", d.name)))?;
+        let h = lookup(&d.name).ok_or_else(|| {
+            Refusal::new(ErrorCode::NotFound, format!("tensor {:?} is not in the checkpoint", d.name))
+        })?;
         if h.dtype != d.dtype || h.shape != d.shape.as_slice() || h.len_bytes() != d.len_bytes {
-            return Err(Fail(
+            return Err(Refusal::new(
                 ErrorCode::BadRequest,
                 format!(
                     "tensor {:?}: the checkpoint has {} {:?} ({} bytes), the request says {} {:?} ({} bytes)",
@@ -158,7 +163,7 @@ fn deliver<'a>(
         if let (Some(want), [(_, bytes)]) = (h.crc32c, h.pieces.as_slice()) {
             let got = ckpt_store::image::crc32c_parallel(bytes);
             if got != want {
-                return Err(Fail(
+                return Err(Refusal::new(
                     ErrorCode::Damaged,
                     format!(
                         "tensor {:?}: checksum mismatch in memory ({want:#010x} expected, {got:#010x} found)",
@@ -176,7 +181,7 @@ fn deliver<'a>(
         for (at, bytes) in &h.pieces {
             // Inside the descriptor's range: the pieces' lengths sum to len_bytes (checked above).
             r.write_at(d.offset_bytes + at, bytes)
-                .map_err(|e| Fail(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
+                .map_err(|e| Refusal::new(ErrorCode::BadRegion, format!("tensor {:?}: {e}", d.name)))?;
         }
     }
     Ok(())
@@ -193,8 +198,8 @@ fn other_nodes_files<T>(
     state: &DaemonState,
     step: Option<u64>,
     descs: Option<&[TensorDesc]>,
-    load: impl FnOnce(Origin<'_>, u64) -> Result<T, Fail>,
-) -> Result<Option<T>, Fail> {
+    load: impl FnOnce(Origin<'_>, u64) -> Result<T, Refusal>,
+) -> Result<Option<T>, Refusal> {
     let (Some(d), Some(me)) = (&state.drain, &state.read_opts.node) else { return Ok(None) };
     let Some(s) = step.or_else(|| catalog::latest_step(state.read_dir()).ok().flatten()) else { return Ok(None) };
     let Ok(index) = restore::read_index(state.read_dir(), s) else { return Ok(None) };
@@ -205,7 +210,7 @@ fn other_nodes_files<T>(
     let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
     let n_fetched =
         index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
-    let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Fail(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
+    let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Refusal::new(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
     info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files (this node's own are read from its disks)");
     load(Origin::Dir(state.read_dir(), Some(&r)), s).map(Some)
 }
@@ -213,10 +218,10 @@ fn other_nodes_files<T>(
 /// With a drain target (`crate::drain`): the remote step a load of `step`
 /// (None: latest) reads, when it is not committed locally or (latest) the
 /// target holds a newer one; None: the local directories.
-fn remote_source(state: &DaemonState, step: Option<u64>) -> Result<Option<crate::drain::RemoteCkpt>, Fail> {
+fn remote_source(state: &DaemonState, step: Option<u64>) -> Result<Option<crate::drain::RemoteCkpt>, Refusal> {
     let Some(d) = state.drain.as_ref().filter(|_| state.shared_dir.is_none()) else { return Ok(None) };
     let local_latest = catalog::latest_step(state.read_dir()).ok().flatten();
-    let r = d.remote_source(step, local_latest).map_err(|(code, m)| Fail(code, m))?;
+    let r = d.remote_source(step, local_latest).map_err(|(code, m)| Refusal::new(code, m))?;
     if let Some(r) = &r {
         info!(
             step = r.step,
@@ -233,7 +238,7 @@ fn load(
     regions: &HashMap<u32, Arc<Region>>,
     step: Option<u64>,
     descs: &[TensorDesc],
-) -> Result<Served, Fail> {
+) -> Result<Served, Refusal> {
     check_descs(regions, descs)?;
     if let Some(served) = other_nodes_files(state, step, Some(descs), |origin, s| {
         load_from(state, replies, regions, origin, Some(s), descs, false)
@@ -248,8 +253,10 @@ fn load(
             step,
             &state.drain,
         ) {
-            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if state.shared_dir.is_none() => {
-                let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
+            (Err(Refusal { code: ErrorCode::Damaged, reason: why }), Some(s), Some(d))
+                if state.shared_dir.is_none() =>
+            {
+                let r = d.remote_copy(s).map_err(|_| Refusal::new(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
                 let mut served = load_from(state, replies, regions, Origin::of(&r), Some(s), descs, false)?;
                 served.4.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
@@ -352,7 +359,7 @@ fn load_from(
     step: Option<u64>,
     descs: &[TensorDesc],
     ram: bool,
-) -> Result<Served, Fail> {
+) -> Result<Served, Refusal> {
     // Several nodes: checkpoints are read from the shared directory, where
     // the multi-rank steps are committed; the resident image (a step of
     // this node's own directory) is never theirs.
@@ -417,7 +424,7 @@ fn load_from(
                 "checkpoint larger than the staging budget: loading into freshly allocated memory"
             );
             let mut buf = ckpt_store::mem::AlignedBuf::new(need_bytes as usize)
-                .map_err(|e| Fail(ErrorCode::Io, format!("allocating {need_bytes} bytes to load into: {e}")))?;
+                .map_err(|e| Refusal::new(ErrorCode::Io, format!("allocating {need_bytes} bytes to load into: {e}")))?;
             origin.read_into(which, &read_opts, buf.as_mut_slice()).map(|p| {
                 let image = buf.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
@@ -426,8 +433,8 @@ fn load_from(
         } else {
             let give_up = || state.stop_reason(replies, Some("the client disconnected"));
             let (mut lease, _) = state.staging.acquire(need_bytes, "load", give_up).map_err(|e| match e {
-                StagingError::GaveUp { .. } => Fail(ErrorCode::ShuttingDown, e.to_string()),
-                e => Fail(ErrorCode::Io, e.to_string()),
+                StagingError::GaveUp { .. } => Refusal::new(ErrorCode::ShuttingDown, e.to_string()),
+                e => Refusal::new(ErrorCode::Io, e.to_string()),
             })?;
             origin.read_into(which, &read_opts, lease.as_mut_slice()).map(|p| {
                 let image = lease.as_slice();
@@ -441,7 +448,7 @@ fn load_from(
             Err(e) => return Err(e.into()),
         }
     }
-    Err(Fail(ErrorCode::Io, "checkpoints changed size while loading; try again".into()))
+    Err(Refusal::new(ErrorCode::Io, "checkpoints changed size while loading; try again"))
 }
 
 fn served_from_index(
@@ -522,9 +529,9 @@ pub fn run_load_packed(
                 fell_back: p.fell_back,
             }
         }
-        Err(Fail(code, message)) => {
-            info!(?step, ?code, "load (packed) failed: {message}");
-            Reply::Error { id, code, message }
+        Err(r) => {
+            info!(?step, code = ?r.code, "load (packed) failed: {}", r.reason);
+            r.error(id)
         }
     };
     replies.send(&reply);
@@ -535,7 +542,7 @@ fn load_packed(
     regions: &HashMap<u32, Arc<Region>>,
     step: Option<u64>,
     into: PackedRange,
-) -> Result<PlacedReply, Fail> {
+) -> Result<PlacedReply, Refusal> {
     if let Some(placed) = other_nodes_files(state, step, None, |origin, s| {
         load_packed_from(state, regions, origin, Some(s), into, false)
     })? {
@@ -549,8 +556,10 @@ fn load_packed(
             step,
             &state.drain,
         ) {
-            (Err(Fail(ErrorCode::Damaged, why)), Some(s), Some(d)) if state.shared_dir.is_none() => {
-                let r = d.remote_copy(s).map_err(|_| Fail(ErrorCode::Damaged, why.clone()))?;
+            (Err(Refusal { code: ErrorCode::Damaged, reason: why }), Some(s), Some(d))
+                if state.shared_dir.is_none() =>
+            {
+                let r = d.remote_copy(s).map_err(|_| Refusal::new(ErrorCode::Damaged, why.clone()))?;
                 warn!(step = s, url = d.url(), "local copy damaged ({why}); loading the drain target's");
                 let mut placed = load_packed_from(state, regions, Origin::of(&r), Some(s), into, false)?;
                 placed.fell_back.insert(0, format!("step {s}: local copy damaged, read from {}: {why}", d.url()));
@@ -568,101 +577,10 @@ fn load_packed(
 
 /// A LoadPacked from `origin` (`ram`: the resident image may serve it; a
 /// checkpoint directory's only).
-fn load_packed_from(
-    state: &DaemonState,
-    regions: &HashMap<u32, Arc<Region>>,
-    origin: Origin<'_>,
-    step: Option<u64>,
-    into: PackedRange,
-    ram: bool,
-) -> Result<PlacedReply, Fail> {
-    let PackedRange { region_id, offset_bytes, len_bytes } = into;
-    let region = regions
-        .get(&region_id)
-        .ok_or_else(|| Fail(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
-    region.contains(offset_bytes, len_bytes).map_err(|e| Fail(ErrorCode::BadRegion, format!("load range: {e}")))?;
-    let shm = region.as_shm().ok_or_else(|| {
-        Fail(ErrorCode::BadRegion, format!("region {region_id} is device memory; a packed load needs a host region"))
-    })?;
-    if offset_bytes % ckpt_store::config::DIRECT_ALIGN_BYTES as u64 != 0 {
-        return Err(Fail(
-            ErrorCode::BadRequest,
-            format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES),
-        ));
-    }
-    shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
-    let resident = if state.shared_dir.is_some() || !ram { None } else { state.staging.resident() };
-    let which = step.map_or(Which::Latest, Which::Step);
-    let wanted = origin.first_step(which);
-    let map = shm.map_writable().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
-    // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
-    // inside the region (checked above), and the mapping covers the region.
-    let dest = map.ptr().wrapping_add(offset_bytes as usize);
-    if let Some(r) = resident.filter(|r| {
-        wanted == Some(r.step) && origin.dir().is_some_and(|primary| catalog::is_committed(primary, r.step))
-    }) {
-        let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
-        order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
-        let need_bytes =
-            r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
-        let tensors = order
-            .iter()
-            .map(|&i| {
-                let s = &r.layout.specs[i];
-                TensorInfo {
-                    name: s.name.clone(),
-                    dtype: s.dtype.as_str().into(),
-                    shape: s.shape.clone(),
-                    len_bytes: r.layout.tensor_range(i).len() as u64,
-                }
-            })
-            .collect();
-        if need_bytes > len_bytes {
-            return Ok(PlacedReply {
-                step: r.step,
-                source: LoadSource::Ram,
-                tensors,
-                offsets: Vec::new(),
-                need_bytes,
-                blobs: Vec::new(),
-                fell_back: Vec::new(),
-            });
-        }
-        let image = r.lease.as_slice();
-        for &i in &order {
-            let range = r.layout.tensor_range(i);
-            let bytes = &image[range.clone()];
-            let got = ckpt_store::image::crc32c_parallel(bytes);
-            if got != r.crcs[i] {
-                let name = &r.layout.specs[i].name;
-                return Err(Fail(
-                    ErrorCode::Damaged,
-                    format!(
-                        "tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)",
-                        r.crcs[i]
-                    ),
-                ));
-            }
-            // SAFETY: range.end ≤ need_bytes ≤ len_bytes, so the copy stays in
-            // the load range of the mapping; the source is our own lease.
-            map.run(|| unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dest.add(range.start), bytes.len()) });
-        }
-        shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
-        let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
-        return Ok(PlacedReply {
-            step: r.step,
-            source: LoadSource::Ram,
-            tensors,
-            offsets,
-            need_bytes,
-            blobs: r.blobs.clone(),
-            fell_back: Vec::new(),
-        });
-    }
-    // Disk (or the drain target): straight into the region. Too small for
-    // the first candidate: say what it needs, from its index, before
-    // reading anything.
-    let too_small = |step: u64, index: &Index, need_bytes: u64| PlacedReply {
+/// A LoadPacked's answer when the load range is too small for `step`:
+/// what it needs, from its index, with nothing read.
+fn too_small(step: u64, index: &Index, need_bytes: u64) -> PlacedReply {
+    PlacedReply {
         step,
         source: LoadSource::Disk,
         tensors: index
@@ -679,7 +597,125 @@ fn load_packed_from(
         need_bytes,
         blobs: Vec::new(),
         fell_back: Vec::new(),
-    };
+    }
+}
+
+/// A LoadPacked served from the resident image (the step asked for, as
+/// committed): each tensor checked against its checksum, then copied into
+/// the client's region's load range (`offset_bytes`, `len_bytes`, checked
+/// to lie inside the region, which `map` covers).
+fn packed_from_resident(
+    r: &Resident,
+    shm: &ShmMemory,
+    map: &Writable<'_>,
+    offset_bytes: u64,
+    len_bytes: u64,
+) -> Result<PlacedReply, Refusal> {
+    // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
+    // inside the region (the caller checked), and the mapping covers it.
+    let dest = map.ptr().wrapping_add(offset_bytes as usize);
+    let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
+    order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
+    let need_bytes =
+        r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
+    let tensors = order
+        .iter()
+        .map(|&i| {
+            let s = &r.layout.specs[i];
+            TensorInfo {
+                name: s.name.clone(),
+                dtype: s.dtype.as_str().into(),
+                shape: s.shape.clone(),
+                len_bytes: r.layout.tensor_range(i).len() as u64,
+            }
+        })
+        .collect();
+    if need_bytes > len_bytes {
+        return Ok(PlacedReply {
+            step: r.step,
+            source: LoadSource::Ram,
+            tensors,
+            offsets: Vec::new(),
+            need_bytes,
+            blobs: Vec::new(),
+            fell_back: Vec::new(),
+        });
+    }
+    let image = r.lease.as_slice();
+    for &i in &order {
+        let range = r.layout.tensor_range(i);
+        let bytes = &image[range.clone()];
+        let got = ckpt_store::image::crc32c_parallel(bytes);
+        if got != r.crcs[i] {
+            let name = &r.layout.specs[i].name;
+            return Err(Refusal::new(
+                ErrorCode::Damaged,
+                format!(
+                    "tensor {name:?}: checksum mismatch in memory ({:#010x} expected, {got:#010x} found)",
+                    r.crcs[i]
+                ),
+            ));
+        }
+        // SAFETY: range.end ≤ need_bytes ≤ len_bytes, so the copy stays in
+        // the load range of the mapping; the source is our own lease.
+        map.run(|| unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dest.add(range.start), bytes.len()) });
+    }
+    shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
+    let offsets = order.iter().map(|&i| r.layout.tensor_range(i).start as u64).collect();
+    Ok(PlacedReply {
+        step: r.step,
+        source: LoadSource::Ram,
+        tensors,
+        offsets,
+        need_bytes,
+        blobs: r.blobs.clone(),
+        fell_back: Vec::new(),
+    })
+}
+
+fn load_packed_from(
+    state: &DaemonState,
+    regions: &HashMap<u32, Arc<Region>>,
+    origin: Origin<'_>,
+    step: Option<u64>,
+    into: PackedRange,
+    ram: bool,
+) -> Result<PlacedReply, Refusal> {
+    let PackedRange { region_id, offset_bytes, len_bytes } = into;
+    let region = regions
+        .get(&region_id)
+        .ok_or_else(|| Refusal::new(ErrorCode::BadRegion, format!("region {region_id} is not registered")))?;
+    region
+        .contains(offset_bytes, len_bytes)
+        .map_err(|e| Refusal::new(ErrorCode::BadRegion, format!("load range: {e}")))?;
+    let shm = region.as_shm().ok_or_else(|| {
+        Refusal::new(
+            ErrorCode::BadRegion,
+            format!("region {region_id} is device memory; a packed load needs a host region"),
+        )
+    })?;
+    if offset_bytes % ckpt_store::config::DIRECT_ALIGN_BYTES as u64 != 0 {
+        return Err(Refusal::new(
+            ErrorCode::BadRequest,
+            format!("load offset {offset_bytes} is not a multiple of {} bytes", ckpt_store::config::DIRECT_ALIGN_BYTES),
+        ));
+    }
+    shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
+    let resident = if state.shared_dir.is_some() || !ram { None } else { state.staging.resident() };
+    let which = step.map_or(Which::Latest, Which::Step);
+    let wanted = origin.first_step(which);
+    let map = shm.map_writable().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
+    // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
+    // inside the region (checked above), and the mapping covers the region.
+    let dest = map.ptr().wrapping_add(offset_bytes as usize);
+    if let Some(r) = resident.filter(|r| {
+        wanted == Some(r.step) && origin.dir().is_some_and(|primary| catalog::is_committed(primary, r.step))
+    }) {
+        return packed_from_resident(&r, shm, &map, offset_bytes, len_bytes);
+    }
+    // Disk (or the drain target): straight into the region. Too small for
+    // the first candidate: say what it needs, from its index, before
+    // reading anything.
     if let Some(s) = wanted {
         if let Ok(index) = origin.index(s) {
             let need_bytes = restore::load_len_bytes(&index);
@@ -706,11 +742,11 @@ fn load_packed_from(
         Err(e @ LoadError::Destination { .. }) => {
             let m = e.to_string();
             let m = if m.contains(&shm.shm_name) { m } else { format!("shm segment {:?}: {m}", shm.shm_name) };
-            return Err(Fail(ErrorCode::BadRegion, m));
+            return Err(Refusal::new(ErrorCode::BadRegion, m));
         }
         Err(e) => return Err(e.into()),
     };
-    shm.check_intact().map_err(|e| Fail(ErrorCode::BadRegion, e.to_string()))?;
+    shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
     let (_, _, tensors, blobs, fell_back) = served_from_index(p.step, &p.index, &p.blobs, &p.fell_back);
     let offsets =
         tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();

@@ -37,21 +37,21 @@ use tracing::{info, info_span, warn};
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use crate::memory::regions::Region;
 use crate::memory::staging::StagingError;
-use crate::save::snapshot;
+use crate::save::copy;
 use crate::save::torch_zip;
 use crate::state::jobs::{FileJob, Work};
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::{DaemonState, Phase};
 
 /// Longest path accepted (Linux PATH_MAX, terminating NUL included).
 const PATH_BYTES_MAX: usize = 4095;
 
-/// Checks a SaveFile's path; returns it as a PathBuf, or the code and the
-/// reason to refuse it.
-pub fn check_path(path: &str, peer_uid: u32, our_uid: u32) -> Result<PathBuf, (ErrorCode, String)> {
-    let bad = |why: &str| Err((ErrorCode::BadRequest, format!("SaveFile path {path:?}: {why}")));
+/// Checks a SaveFile's path; returns it as a PathBuf, or why it is refused.
+pub fn check_path(path: &str, peer_uid: u32, our_uid: u32) -> Result<PathBuf, Refusal> {
+    let bad = |why: &str| Err(Refusal::new(ErrorCode::BadRequest, format!("SaveFile path {path:?}: {why}")));
     if peer_uid != our_uid {
-        return Err((
+        return Err(Refusal::new(
             ErrorCode::BadRequest,
             format!("SaveFile is served only to clients of the sidecar's own uid ({our_uid}), not to uid {peer_uid}: the file would belong to the sidecar's user"),
         ));
@@ -73,7 +73,12 @@ pub fn check_path(path: &str, peer_uid: u32, our_uid: u32) -> Result<PathBuf, (E
     match fs::metadata(dir) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => return bad(&format!("{} is not a directory", dir.display())),
-        Err(e) => return Err((ErrorCode::Io, format!("SaveFile path {path:?}: directory {}: {e}", dir.display()))),
+        Err(e) => {
+            return Err(Refusal::new(
+                ErrorCode::Io,
+                format!("SaveFile path {path:?}: directory {}: {e}", dir.display()),
+            ))
+        }
     }
     // Only a regular file (or nothing) is replaced: a rename over a symbolic
     // link, a FIFO or a device (say /dev/null, for a sidecar run as root)
@@ -94,7 +99,10 @@ pub fn check_path(path: &str, peer_uid: u32, our_uid: u32) -> Result<PathBuf, (E
     // SAFETY: a valid NUL-terminated path; access only reads it.
     if unsafe { libc::access(cdir.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
         let e = io::Error::last_os_error();
-        return Err((ErrorCode::Io, format!("SaveFile path {path:?}: cannot write in {}: {e}", dir.display())));
+        return Err(Refusal::new(
+            ErrorCode::Io,
+            format!("SaveFile path {path:?}: cannot write in {}: {e}", dir.display()),
+        ));
     }
     Ok(p.to_path_buf())
 }
@@ -137,54 +145,38 @@ pub fn run_save_file(
 ) {
     let FileRequest { id, path, pieces, finish } = req;
     let t_received = Instant::now();
-    let fail = |code: ErrorCode, reason: String| {
-        info!(path = %path, ?code, "save of a file refused: {reason}");
-        replies.send(&Reply::Failed { id, step: 0, code, reason });
+    let fail = |r: Refusal| {
+        info!(path = %path, code = ?r.code, "save of a file refused: {}", r.reason);
+        replies.send(&r.failed(id, 0));
     };
     // Draining: no new saves, but one a client sent before it went is
     // served when its region was handed over (checked below).
     if state.is_aborting() || (state.is_draining() && !replies.is_gone()) {
-        return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
+        return fail(Refusal::new(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves"));
     }
     let dest = match check_path(&path, peer_uid, state.uid) {
         Ok(p) => p,
-        Err((code, reason)) => return fail(code, reason),
+        Err(r) => return fail(r),
     };
-    // (region, offset, length) in file order; an empty piece needs no
-    // region (as an empty tensor needs none).
-    let mut sources: Vec<(Arc<Region>, u64, u64)> = Vec::with_capacity(pieces.len());
-    let mut len_bytes = 0u64;
-    for (i, p) in pieces.iter().enumerate() {
-        if p.len_bytes == 0 {
-            continue;
-        }
-        let Some(r) = regions.get(&p.region_id) else {
-            return fail(ErrorCode::BadRegion, format!("{path}: piece {i}: region {} is not registered", p.region_id));
-        };
-        if let Err(e) = r.contains(p.offset_bytes, p.len_bytes).and_then(|()| r.check_intact()) {
-            return fail(ErrorCode::BadRegion, format!("{path}: piece {i}: {e}"));
-        }
-        len_bytes = match len_bytes.checked_add(p.len_bytes) {
-            Some(n) => n,
-            None => return fail(ErrorCode::BadRequest, format!("{path}: its pieces add up to more than 2^64 bytes")),
-        };
-        sources.push((r.clone(), p.offset_bytes, p.len_bytes));
-    }
+    let (sources, len_bytes) = match sources_of(&path, &pieces, regions) {
+        Ok(x) => x,
+        Err(r) => return fail(r),
+    };
     let lease_bytes = config::align_up(len_bytes, STAGING_ALIGN_BYTES).max(STAGING_ALIGN_BYTES as u64);
     if lease_bytes > state.staging.budget_bytes() {
         let budget = state.staging.budget_bytes();
-        return fail(
+        return fail(Refusal::new(
             ErrorCode::TooLarge,
             format!(
                 "{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"
             ),
-        );
+        ));
     }
     // Bytes all in hand-over regions (or none) are the sidecar's once sent:
     // the client's departure does not stop their copy (protocol.md).
     let handed_over = sources.iter().all(|(r, _, _)| r.hands_over());
     if state.is_draining() && !handed_over {
-        return fail(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves".into());
+        return fail(Refusal::new(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves"));
     }
     let key = state.begin_file(&path, len_bytes);
     replies.started(id, t_received, len_bytes);
@@ -197,13 +189,13 @@ pub fn run_save_file(
             state.end(key);
             let code =
                 if matches!(e, StagingError::GaveUp { .. }) { ErrorCode::ShuttingDown } else { ErrorCode::TooLarge };
-            return fail(code, format!("{path}: {e}"));
+            return fail(Refusal::new(code, format!("{path}: {e}")));
         }
     };
     state.set_phase(key, Phase::Copying);
     let t_copy = Instant::now();
     let ranges: Vec<(&Region, u64, u64)> = sources.iter().map(|(r, off, len)| (&**r, *off, *len)).collect();
-    let copied = snapshot::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
+    let copied = copy::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     // Released only if every region still held its bytes (one its client
     // truncated during the copy was read as zeros; a failed device copy),
@@ -212,10 +204,10 @@ pub fn run_save_file(
     drop(ranges);
     drop(sources);
     let mut refused = match intact {
-        Err(e) => Some((ErrorCode::BadRegion, format!("{path}: {e}"))),
+        Err(e) => Some(Refusal::new(ErrorCode::BadRegion, format!("{path}: {e}"))),
         Ok(()) => {
             let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
-            stopped.map(|why| (ErrorCode::ShuttingDown, format!("{path}: aborted: {why}")))
+            stopped.map(|why| Refusal::new(ErrorCode::ShuttingDown, format!("{path}: aborted: {why}")))
         }
     };
     let zip = match finish {
@@ -223,18 +215,18 @@ pub fn run_save_file(
             match torch_zip::parse(&lease.as_mut_slice()[..len_bytes as usize]) {
                 Ok(z) => Some(z),
                 Err(e) => {
-                    refused = Some((ErrorCode::BadRequest, format!("{path}: {e}")));
+                    refused = Some(Refusal::new(ErrorCode::BadRequest, format!("{path}: {e}")));
                     None
                 }
             }
         }
         _ => None,
     };
-    if let Some((code, reason)) = refused {
+    if let Some(r) = refused {
         drop(lease);
         state.end(key);
-        warn!(copy_s = copy_seconds, "aborted before release, nothing written: {reason}");
-        return fail(code, reason);
+        warn!(copy_s = copy_seconds, "aborted before release, nothing written: {}", r.reason);
+        return fail(r);
     }
     let waited_seconds = waited.as_secs_f64();
     if handed_over && replies.is_gone() {
@@ -265,13 +257,40 @@ pub fn run_save_file(
     if let Err(e) = state.commit_tx.send(Work::File(job)) {
         let Work::File(job) = e.into_inner() else { unreachable!("sent a file job") };
         state.end(key);
-        job.replies.send(&Reply::Failed {
-            id,
-            step: 0,
-            code: ErrorCode::ShuttingDown,
-            reason: "the committer has stopped".into(),
-        });
+        job.replies.send(&Refusal::new(ErrorCode::ShuttingDown, "the committer has stopped").failed(id, 0));
     }
+}
+
+/// Where a piece of a SaveFile's bytes comes from: (region, offset, length).
+type FileSource = (Arc<Region>, u64, u64);
+
+/// A SaveFile's pieces checked against the session's regions: each
+/// non-empty piece's (region, offset, length) in file order (an empty piece
+/// needs no region, as an empty tensor needs none), and their total length.
+fn sources_of(
+    path: &str,
+    pieces: &[FilePiece],
+    regions: &HashMap<u32, Arc<Region>>,
+) -> Result<(Vec<FileSource>, u64), Refusal> {
+    let mut sources = Vec::with_capacity(pieces.len());
+    let mut len_bytes = 0u64;
+    for (i, p) in pieces.iter().enumerate() {
+        if p.len_bytes == 0 {
+            continue;
+        }
+        let Some(r) = regions.get(&p.region_id) else {
+            let reason = format!("{path}: piece {i}: region {} is not registered", p.region_id);
+            return Err(Refusal::new(ErrorCode::BadRegion, reason));
+        };
+        if let Err(e) = r.contains(p.offset_bytes, p.len_bytes).and_then(|()| r.check_intact()) {
+            return Err(Refusal::new(ErrorCode::BadRegion, format!("{path}: piece {i}: {e}")));
+        }
+        len_bytes = len_bytes.checked_add(p.len_bytes).ok_or_else(|| {
+            Refusal::new(ErrorCode::BadRequest, format!("{path}: its pieces add up to more than 2^64 bytes"))
+        })?;
+        sources.push((r.clone(), p.offset_bytes, p.len_bytes));
+    }
+    Ok((sources, len_bytes))
 }
 
 #[cfg(test)]
@@ -289,14 +308,14 @@ mod tests {
         let ok = d.path().join("a.pt");
         assert_eq!(check_path(ok.to_str().unwrap(), uid(), uid()).unwrap(), ok);
         for bad in ["rel/a.pt", "/", "/tmp/", "/tmp/..", "/tmp/a\0b"] {
-            assert_eq!(check_path(bad, uid(), uid()).unwrap_err().0, ErrorCode::BadRequest, "{bad:?}");
+            assert_eq!(check_path(bad, uid(), uid()).unwrap_err().code, ErrorCode::BadRequest, "{bad:?}");
         }
         let missing = d.path().join("no/such/a.pt");
-        let (code, msg) = check_path(missing.to_str().unwrap(), uid(), uid()).unwrap_err();
+        let Refusal { code, reason: msg } = check_path(missing.to_str().unwrap(), uid(), uid()).unwrap_err();
         assert_eq!(code, ErrorCode::Io);
         assert!(msg.contains("No such file"), "{msg}");
-        assert_eq!(check_path(d.path().to_str().unwrap(), uid(), uid()).unwrap_err().0, ErrorCode::BadRequest);
-        let (_, msg) = check_path(ok.to_str().unwrap(), uid() + 1, uid()).unwrap_err();
+        assert_eq!(check_path(d.path().to_str().unwrap(), uid(), uid()).unwrap_err().code, ErrorCode::BadRequest);
+        let msg = check_path(ok.to_str().unwrap(), uid() + 1, uid()).unwrap_err().reason;
         assert!(msg.contains("own uid"), "{msg}");
     }
 
@@ -320,7 +339,7 @@ mod tests {
             (&fifo, "FIFO"),
             (&PathBuf::from("/dev/null"), "character device"),
         ] {
-            let (code, msg) = check_path(p.to_str().unwrap(), uid(), uid()).unwrap_err();
+            let Refusal { code, reason: msg } = check_path(p.to_str().unwrap(), uid(), uid()).unwrap_err();
             assert_eq!(code, ErrorCode::BadRequest, "{msg}");
             assert!(msg.contains(what) && msg.contains(p.to_str().unwrap()), "{msg}");
         }

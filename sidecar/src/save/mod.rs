@@ -1,10 +1,20 @@
-//! The save stage: a Save checked, planned and copied into staging
-//! ([`snapshot`]), its plan kept for the next Save of the same tensors
-//! ([`plan_cache`]), tensors the trainer proves unchanged taken from the
-//! resident image ([`trusted_unchanged`]), and whole files at a client's
-//! path for the torch.save hook ([`file_save`], [`torch_zip`]).
+//! The save stage: a Save admitted, planned and copied into staging, then
+//! queued for the committer ([`snapshot`], the flow), in steps of their
+//! own: its checks ([`checks`]), its plan ([`plan`]), the copy threads
+//! ([`copy`]), the checksums of the staged image ([`checksums`]), the copy
+//! that feeds the writer as it runs ([`fed`]), and the refusals they end
+//! in ([`error`]). Beside them: a plan kept for the next Save of the same
+//! tensors ([`plan_cache`]), tensors the trainer proves unchanged taken
+//! from the resident image ([`trusted_unchanged`]), and whole files at a
+//! client's path for the torch.save hook ([`file_save`], [`torch_zip`]).
 
+pub mod checks;
+pub mod checksums;
+pub mod copy;
+pub mod error;
+pub mod fed;
 pub mod file_save;
+pub mod plan;
 pub mod plan_cache;
 pub mod snapshot;
 pub mod torch_zip;

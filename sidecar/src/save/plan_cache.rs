@@ -27,7 +27,9 @@ use ckpt_wire::{Blob, FrameError, SaveHead, TensorDescIn};
 
 use crate::config;
 use crate::memory::regions::Region;
-use crate::save::snapshot::{check_blobs, plan_save, Planner, SaveError, SaveTensors, Source};
+use crate::save::checks::check_blobs;
+use crate::save::error::SaveError;
+use crate::save::plan::{plan_save, Planner, SaveTensors, Source};
 
 /// One descriptor as a plan remembers it.
 struct Kept {

@@ -12,6 +12,7 @@ use ckpt_store::progress::Progress;
 use ckpt_wire::ErrorCode;
 
 use crate::memory::staging::Lease;
+use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 
 /// What is in flight: a step checkpoint (at most one per step), or one
@@ -94,7 +95,7 @@ pub enum FillEnd {
     Copied { copy_seconds: f64 },
     /// Not released: the committer answers Failed with this (the session
     /// does not), once it removed what it wrote and ended the flight.
-    Failed { code: ErrorCode, reason: String },
+    Failed(Refusal),
 }
 
 impl Fill {
@@ -113,8 +114,9 @@ impl Fill {
     }
 
     /// The copy failed; nothing was released.
-    pub fn fail(&self, code: ErrorCode, reason: String) {
-        *self.end.lock().expect("fill lock") = Some(FillEnd::Failed { code, reason: reason.clone() });
+    pub fn fail(&self, r: Refusal) {
+        let reason = r.reason.clone();
+        *self.end.lock().expect("fill lock") = Some(FillEnd::Failed(r));
         self.progress.fail(reason);
     }
 
@@ -125,7 +127,17 @@ impl Fill {
             .lock()
             .expect("fill lock")
             .clone()
-            .unwrap_or(FillEnd::Failed { code: ErrorCode::Io, reason: "the copy ended without finishing".into() })
+            .unwrap_or(FillEnd::Failed(Refusal::new(ErrorCode::Io, "the copy ended without finishing")))
+    }
+}
+
+/// What a job that failed is answered with: a fed copy's own failure when
+/// its copy failed (the session does not answer it), else `r`. Waits for
+/// the copy's end (called with the lease dropped, it has ended).
+pub fn copy_failure_or(fill: Option<&Arc<Fill>>, r: Refusal) -> Refusal {
+    match fill.map(|f| f.end()) {
+        Some(FillEnd::Failed(own)) => own,
+        _ => r,
     }
 }
 
@@ -162,6 +174,12 @@ impl Job {
             Some(p) => Flight::Part(self.step, p.rank),
             None => Flight::Step(self.step),
         }
+    }
+}
+
+impl From<&CommitError> for Refusal {
+    fn from(e: &CommitError) -> Refusal {
+        Refusal::new(error_code(e), e.to_string())
     }
 }
 

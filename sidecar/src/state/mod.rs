@@ -1,34 +1,38 @@
 //! What the daemon's threads share: configuration, staging, the committer's
-//! queue and what goes on it ([`jobs`]), the registry of sessions and
-//! in-flight checkpoints (for `status`, for the "not in flight" rule and for
-//! draining), the last figures, each session's reply side ([`reply`]), the
-//! metrics they feed ([`metrics`]) and the panics tests inject
-//! ([`test_panic`]). Every stage above `memory/` and `drain/` may use it;
-//! it uses neither a stage nor the daemon.
+//! queue and what goes on it ([`jobs`]), the registry of in-flight
+//! checkpoints (`flights`: for `status`, for the "not in flight" rule and
+//! for draining) and that of sessions (`sessions`), the last figures, each
+//! session's reply side ([`reply`]) and the one shape of a refusal it
+//! answers with ([`refusal`]), the metrics they feed ([`metrics`]) and the
+//! panics tests inject ([`test_panic`]). Every stage above `memory/` and
+//! `drain/` may use it; it uses neither a stage nor the daemon.
 //!
 //! Invariants: a step is in the in-flight registry from the moment its Save
 //! passed validation until it is durable, failed or aborted, and at most
 //! once; the daemon drains by waiting for the registry to be empty.
 
+mod flights;
 pub mod jobs;
 pub mod metrics;
+pub mod refusal;
 pub mod reply;
+mod sessions;
 pub mod test_panic;
 
-use std::collections::BTreeMap;
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ckpt_wire::{InFlight, LastFigures, SessionInfo, StatusReport};
+use ckpt_wire::{LastFigures, StatusReport};
 use crossbeam_channel::Sender;
 
 use crate::memory::staging::Staging;
+use crate::state::flights::Flights;
 use crate::state::jobs::{Flight, Work};
 use crate::state::reply::Replies;
+use crate::state::sessions::Sessions;
+pub use crate::state::sessions::{SessionEntry, SessionGuard};
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::restore::ReadOptions;
 
@@ -56,33 +60,6 @@ impl Phase {
     }
 }
 
-struct InFlightEntry {
-    phase: Phase,
-    bytes: u64,
-    file: Option<String>,
-}
-
-pub struct SessionEntry {
-    pub pid: u32,
-    pub name: String,
-    pub regions: u32,
-    pub region_bytes: u64,
-    /// A handle on the socket, to shut it down when the daemon exits.
-    pub stream: Option<UnixStream>,
-}
-
-/// See [`Shared::session_guard`].
-pub struct SessionGuard {
-    state: Arc<DaemonState>,
-    id: u64,
-}
-
-impl Drop for SessionGuard {
-    fn drop(&mut self) {
-        self.state.remove_session(self.id);
-    }
-}
-
 pub struct DaemonState {
     pub dirs: Vec<PathBuf>,
     pub layout_opts: LayoutOptions,
@@ -96,11 +73,10 @@ pub struct DaemonState {
     pub draining: AtomicBool,
     /// Second signal: in-flight saves stop (the Store sees this flag too).
     pub aborting: Arc<AtomicBool>,
-    in_flight: Mutex<BTreeMap<Flight, InFlightEntry>>,
-    next_file_no: AtomicU64,
-    in_flight_cv: Condvar,
-    sessions: Mutex<BTreeMap<u64, SessionEntry>>,
-    next_session_id: AtomicU64,
+    /// The in-flight registry.
+    flights: Flights,
+    /// The session registry.
+    sessions: Sessions,
     last: Mutex<Option<LastFigures>>,
     /// Several nodes: the directory every node's sidecar shares (set once at
     /// start); parts are planned for it and committed there (`nodes`).
@@ -161,11 +137,8 @@ impl DaemonState {
             allow_uids,
             draining: AtomicBool::new(false),
             aborting,
-            in_flight: Mutex::new(BTreeMap::new()),
-            next_file_no: AtomicU64::new(1),
-            in_flight_cv: Condvar::new(),
-            sessions: Mutex::new(BTreeMap::new()),
-            next_session_id: AtomicU64::new(1),
+            flights: Flights::new(),
+            sessions: Sessions::new(),
             unchanged_taken_bytes: AtomicU64::new(0),
             unchanged_in_place_bytes: AtomicU64::new(0),
             last: Mutex::new(None),
@@ -251,56 +224,30 @@ impl DaemonState {
     /// false if it already is, or if a whole save and a part of one step
     /// would both be.
     pub fn begin_step(&self, key: Flight, bytes: u64) -> bool {
-        let mut m = self.in_flight.lock().expect("in-flight lock");
-        let step = key.step().expect("a step key");
-        let clash = m.contains_key(&key)
-            || match key {
-                Flight::Step(_) => m.range(Flight::Part(step, 0)..=Flight::Part(step, u32::MAX)).next().is_some(),
-                _ => m.contains_key(&Flight::Step(step)),
-            };
-        if clash {
-            return false;
-        }
-        // Counted before it shows in flight: a scrape, which reads the
-        // flights and then the counters, never sees more in flight than
-        // started (metrics.rs).
-        crate::state::metrics::record_started();
-        m.insert(key, InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: None });
-        true
+        self.flights.begin_step(key, bytes)
     }
 
     /// Registers a SaveFile of `path` as in flight; returns its key.
     pub fn begin_file(&self, path: &str, bytes: u64) -> Flight {
-        let key = Flight::File(self.next_file_no.fetch_add(1, Ordering::Relaxed));
-        let entry = InFlightEntry { phase: Phase::WaitingForStaging, bytes, file: Some(path.to_string()) };
-        // Counted before it shows in flight, as in begin_step.
-        crate::state::metrics::record_started();
-        self.in_flight.lock().expect("in-flight lock").insert(key, entry);
-        key
+        self.flights.begin_file(path, bytes)
     }
 
     pub fn set_phase(&self, key: Flight, phase: Phase) {
-        if let Some(e) = self.in_flight.lock().expect("in-flight lock").get_mut(&key) {
-            e.phase = phase;
-        }
+        self.flights.set_phase(key, phase)
     }
 
     pub fn end(&self, key: Flight) {
-        let removed = self.in_flight.lock().expect("in-flight lock").remove(&key);
-        assert!(removed.is_some(), "{key:?} ended but was not in flight");
-        self.in_flight_cv.notify_all();
+        self.flights.end(key)
     }
 
     pub fn n_in_flight(&self) -> usize {
-        self.in_flight.lock().expect("in-flight lock").len()
+        self.flights.len()
     }
 
     /// Waits until nothing is in flight, or `timeout` passes; returns
     /// whether nothing is.
     pub fn wait_drained(&self, timeout: Duration) -> bool {
-        let m = self.in_flight.lock().expect("in-flight lock");
-        let (m, _) = self.in_flight_cv.wait_timeout_while(m, timeout, |m| !m.is_empty()).expect("in-flight lock");
-        m.is_empty()
+        self.flights.wait_empty(timeout)
     }
 
     /// Whether a draining daemon may exit: nothing in flight, and no
@@ -308,35 +255,19 @@ impl DaemonState {
     /// it went (a handed-over save among it still commits: protocol.md).
     /// Sessions of live clients do not hold the exit.
     pub fn drained(&self) -> bool {
-        self.wait_drained(Duration::ZERO)
-            && !self
-                .sessions
-                .lock()
-                .expect("sessions lock")
-                .values()
-                .any(|e| e.stream.as_ref().is_some_and(|s| crate::state::reply::closed(s.as_raw_fd())))
+        self.wait_drained(Duration::ZERO) && !self.sessions.any_client_gone()
     }
 
     pub fn add_session(&self, e: SessionEntry) -> Option<u64> {
-        let mut m = self.sessions.lock().expect("sessions lock");
-        if m.len() >= crate::config::SESSIONS_MAX {
-            return None;
-        }
-        let id = self.next_session_id.fetch_add(1, Ordering::Relaxed);
-        m.insert(id, e);
-        Some(id)
+        self.sessions.add(e)
     }
 
     pub fn update_session(&self, id: u64, f: impl FnOnce(&mut SessionEntry)) {
-        if let Some(e) = self.sessions.lock().expect("sessions lock").get_mut(&id) {
-            f(e);
-        }
+        self.sessions.update(id, f)
     }
 
     pub fn remove_session(&self, id: u64) {
-        // Also from a guard's drop while a panic unwinds: a poisoned lock
-        // still removes the entry.
-        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        self.sessions.remove(id)
     }
 
     /// The registration of session `id`, removed when the guard drops:
@@ -349,11 +280,7 @@ impl DaemonState {
 
     /// Shuts every session's socket down (daemon exit): clients see EOF.
     pub fn close_sessions(&self) {
-        for e in self.sessions.lock().expect("sessions lock").values() {
-            if let Some(s) = &e.stream {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-        }
+        self.sessions.close_all()
     }
 
     pub fn set_last(&self, f: LastFigures) {
@@ -361,25 +288,8 @@ impl DaemonState {
     }
 
     pub fn report(&self) -> StatusReport {
-        let sessions = self
-            .sessions
-            .lock()
-            .expect("sessions lock")
-            .values()
-            .map(|e| SessionInfo { pid: e.pid, name: e.name.clone(), regions: e.regions, region_bytes: e.region_bytes })
-            .collect();
-        let in_flight = self
-            .in_flight
-            .lock()
-            .expect("in-flight lock")
-            .iter()
-            .map(|(key, e)| InFlight {
-                step: key.step().unwrap_or(0),
-                file: e.file.clone(),
-                phase: e.phase.as_str().to_string(),
-                bytes: e.bytes,
-            })
-            .collect();
+        let sessions = self.sessions.report();
+        let in_flight = self.flights.report();
         StatusReport {
             server_pid: self.server_pid,
             dirs: self.dirs.iter().map(|d| d.display().to_string()).collect(),
@@ -401,13 +311,15 @@ impl DaemonState {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::net::UnixStream;
+
     use super::*;
 
     #[test]
     fn a_session_thread_that_ends_by_a_panic_leaves_no_registration_and_the_drain_ends() {
-        // Before: the entry (with its duplicate of a socket whose client was
-        // gone) stayed, so `drained` was false for good: a sidecar that
-        // never exited (issue 19 defect 6).
+        // Were the entry (with its duplicate of a socket whose client is
+        // gone) to stay, `drained` would be false for good: a sidecar that
+        // never exits.
         let (tx, _rx) = crossbeam_channel::bounded(1);
         let staging = Staging::new(4 << 20).unwrap();
         let state = Arc::new(DaemonState::new(
@@ -433,6 +345,6 @@ mod tests {
         .join();
         assert!(ended.is_err());
         assert!(state.drained());
-        assert!(state.sessions.lock().unwrap().is_empty());
+        assert!(state.sessions.is_empty());
     }
 }

@@ -1,0 +1,109 @@
+//! The checksums of a staged image: each tensor's crc32c (and, with an
+//! incremental layout, its digest, `ckpt_store::digest`), computed per
+//! piece on the copy threads and folded into one per tensor.
+//!
+//! Invariant: a piece is summed only from staged bytes that no one writes
+//! while it is summed (the copy of it has ended; the lease is held by the
+//! caller, or by the committer with the copy's filler still running).
+
+use ckpt_store::image::Layout;
+
+use crate::config::COPY_BLOCK_BYTES;
+use crate::memory::staging::Lease;
+use crate::save::copy::{pieces_of, run_runs, runs_of, Piece, Pieces};
+use crate::state::jobs::Sums;
+
+/// The tensor checksums of the image copied into the lease, computed from
+/// the staged bytes themselves (no one writes them after the copy), on
+/// [`config::COPY_THREADS`] threads.
+/// With an incremental layout, each tensor's digest too, in the same
+/// pass (each block hashed right after its checksum, while in cache).
+pub fn checksum(layout: &Layout, lease: &mut Lease) -> Sums {
+    let pieces = pieces_of(layout, None, lease);
+    staged_sums(layout, &pieces, None)
+}
+
+/// The checksums (and digests, incremental) of staged pieces, by run
+/// (`runs`) or by the default runs.
+pub(super) fn staged_sums(layout: &Layout, pieces: &Pieces, runs: Option<&[usize]>) -> Sums {
+    let default_runs;
+    let runs = match runs {
+        Some(r) => r,
+        None => {
+            default_runs = runs_of(pieces);
+            &default_runs
+        }
+    };
+    if layout.opts.incremental {
+        let sums = run_runs(pieces, runs, &|| false, &|p| sum_of_staged(p, true), &|_| {})
+            .expect("a checksum pass is never stopped");
+        return fold_sums(layout, pieces, &sums);
+    }
+    let piece_crcs =
+        run_runs(pieces, runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
+    Sums { crcs: fold_crcs(layout, pieces, &piece_crcs), digests: None }
+}
+
+/// The crc32c (with `crc`) and digest of a piece's staged bytes, in one
+/// pass (block by block: checksummed, then hashed while in cache).
+pub(super) fn sum_of_staged(p: &Piece, crc: bool) -> (u32, u128) {
+    // SAFETY: dst..dst+len is this piece's own part of the lease, copied
+    // before and not written while summed (as crc_of_staged).
+    crate::memory::regions::sum_of(unsafe { std::slice::from_raw_parts(p.dst, p.len) }, crc)
+}
+
+/// The crc32c of a piece's staged bytes, block by block.
+fn crc_of_staged(p: &Piece) -> u32 {
+    let mut crc = 0u32;
+    let mut at = 0;
+    while at < p.len {
+        let n = (p.len - at).min(COPY_BLOCK_BYTES);
+        // SAFETY: dst..dst+len is this piece's own part of the lease,
+        // copied before and not written while checksummed (Pieces'
+        // invariant; the lease is held by the caller, or by the committer
+        // with the copy's filler still running: FedCopy).
+        let block = unsafe { std::slice::from_raw_parts(p.dst.add(at), n) };
+        crc = crc32c::crc32c_append(crc, block);
+        at += n;
+    }
+    crc
+}
+
+/// Folds the pieces' crcs into each tensor's crc (a tensor's pieces are
+/// consecutive and in order: tensor order, or staging order).
+pub(super) fn fold_crcs(layout: &Layout, pieces: &Pieces, piece_crcs: &[u32]) -> Vec<u32> {
+    let mut crcs = vec![0u32; layout.specs.len()];
+    let mut prev = usize::MAX;
+    for (p, &c) in pieces.0.iter().zip(piece_crcs) {
+        // Pieces come in tensor order: a tensor's first piece is its crc so far.
+        crcs[p.tensor_idx] =
+            if p.tensor_idx == prev { ckpt_store::crc::combine(crcs[p.tensor_idx], c, p.len as u64) } else { c };
+        prev = p.tensor_idx;
+    }
+    crcs
+}
+
+/// Whether each tensor of `layout` lies in a stable shard.
+pub(super) fn stable_tensors(layout: &Layout) -> Vec<bool> {
+    let mut v = vec![false; layout.specs.len()];
+    for sh in layout.shards.iter().filter(|s| s.stable) {
+        for &i in &sh.tensors {
+            v[i] = true;
+        }
+    }
+    v
+}
+
+/// [`fold_crcs`] for checksums and digests: each tensor's digest combines
+/// its pieces' (one digest block each, in order); a tensor with no piece
+/// (empty) has the digest of no blocks.
+pub(super) fn fold_sums(layout: &Layout, pieces: &Pieces, sums: &[(u32, u128)]) -> Sums {
+    let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
+    let crcs = fold_crcs(layout, pieces, &crcs);
+    let mut blocks: Vec<Vec<u128>> = vec![Vec::new(); layout.specs.len()];
+    for (p, s) in pieces.0.iter().zip(sums) {
+        blocks[p.tensor_idx].push(s.1);
+    }
+    let digests = blocks.into_iter().map(ckpt_store::digest::combine).collect();
+    Sums { crcs, digests: Some(digests) }
+}

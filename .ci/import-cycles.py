@@ -8,12 +8,22 @@ crate (a folder with src/lib.rs) it builds two graphs from "file A names
 - modules: one node per file (`save::snapshot`), so no two files of a crate
   import each other, directly or around a circle;
 - layers: one node per top-level module or folder (`save`), so the folders
-  stack as layers: none reaches a folder that reaches back to it.
-Every cycle of either is printed. Usage: python3 .ci/import-cycles.py [ROOT]
+  stack as layers: none reaches a folder that reaches back to it, and where
+  LAYERS below declares a crate's order (ARCHITECTURE.md's code map lists
+  it), none reaches a folder declared after it.
+Every cycle and every upward edge is printed.
+Usage: python3 .ci/import-cycles.py [ROOT]
 """
 import pathlib
 import re
 import sys
+
+
+# A crate's folders (and top-level files), lowest layer first: each may use
+# only those before it. The binary's cli/ uses the library by its name.
+LAYERS = {
+    "sidecar": ["config", "memory", "drain", "state", "save", "commit", "load", "daemon", "cli"],
+}
 
 
 def module_of(src, f):
@@ -83,5 +93,15 @@ for lib in sorted(root.glob("*/src/lib.rs")):
     for c in cycles_of(layers):
         bad += 1
         print(f"{crate}: layer cycle (folders): {' -> '.join(c)}")
+    order = LAYERS.get(crate)
+    if order:
+        for m in sorted(set(layers) - set(order)):
+            bad += 1
+            print(f"{crate}: {m} is in no layer: add it to LAYERS in {sys.argv[0]}")
+        for m, deps in sorted(layers.items()):
+            for d in sorted(deps):
+                if m in order and d in order and order.index(d) > order.index(m):
+                    bad += 1
+                    print(f"{crate}: layer {m} reaches up to {d} (order: {' < '.join(order)})")
 print(f"import cycles: {bad}")
 sys.exit(1 if bad else 0)

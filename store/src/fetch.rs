@@ -19,9 +19,9 @@ use std::time::Instant;
 use crate::mem::AlignedBuf;
 use crate::restore::fetched::{label_path, verifies_when_fetched_again};
 pub use crate::restore::FetchFiles;
+pub use crate::restore::SourceError;
 use crate::restore::{self, LoadError, Loaded, OwnMemory, Placed, ReadDest, ReadOptions};
 use crate::source;
-pub use crate::source::SourceError;
 
 /// Loads step `step` that only `src` holds (its index bytes `index_bytes`,
 /// as the source gave them: parsed and checked as a local load does) into

@@ -12,34 +12,8 @@ use std::time::Instant;
 use crate::config;
 use crate::format::{Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::restore::{check_skeleton, name_slices, problem, FileCheck, Problem, VerifyReport};
-
-/// Why a file of a step could not be read from a source other than this
-/// node's directories (a [`StepSource`] or a [`crate::fetch::FetchFiles`]).
-/// Every message names where the file was looked for (`at`: the source as
-/// it names itself in errors, `drain target s3://bucket/prefix`) and the
-/// object; it becomes the file's problem.
-#[derive(Debug, thiserror::Error)]
-pub enum SourceError {
-    /// The source does not hold the file.
-    #[error("{at}: {object} not found")]
-    NotFound { at: String, object: String },
-
-    /// A ranged read asked for bytes past the end of the file.
-    #[error("{at}: {object}: read of {len_bytes} bytes at {offset} is past its end ({size_bytes} bytes)")]
-    PastEnd { at: String, object: String, offset: u64, len_bytes: u64, size_bytes: u64 },
-
-    /// The file is not of the length the index says; `size_bytes` is what
-    /// the source holds, at least (a streamed read stops past the end it
-    /// expected).
-    #[error("{at}: {object} is {size_bytes} bytes (at least) where the index says {expected_bytes}")]
-    WrongLength { at: String, object: String, expected_bytes: u64, size_bytes: u64 },
-
-    /// Any other failure of the source (a request that failed after its
-    /// retries, its own I/O, a name it refuses): its own error, which says
-    /// where and what.
-    #[error(transparent)]
-    Failed(Box<dyn std::error::Error + Send + Sync>),
-}
+// Defined beside the restore's readers, which both kinds of source feed.
+pub use crate::restore::SourceError;
 
 /// Where a step's files are read from.
 pub trait StepSource {

@@ -13,7 +13,6 @@ use ckpt_wire::{Blob, TensorDesc, TensorDescIn};
 use crate::config;
 use crate::memory::regions::Region;
 use crate::save::error::SaveError;
-use crate::save::plan::Source;
 
 /// A tensor descriptor as the checks read it: owned (a Load) or borrowing
 /// its frame (a Save, [`ckpt_wire::decode_save`]).
@@ -122,12 +121,13 @@ pub fn check_blobs(blobs: &[Blob]) -> Result<(), SaveError> {
     image::validate_blobs(&blob_refs).map_err(|e| SaveError::BadRequest(e.to_string()))
 }
 
-/// Checks that every source region still holds its registered bytes and
+/// Checks that every source region (one per tensor copied from a client:
+/// [`crate::save::plan::regions_of`]) still holds its registered bytes and
 /// was not found changed under the copy ([`Region::check_intact`]).
-pub fn check_sizes(sources: &[Source]) -> Result<(), SaveError> {
+pub fn check_sizes<'a>(sources: impl IntoIterator<Item = &'a Arc<Region>>) -> Result<(), SaveError> {
     // Once per region (one fstat each), not once per tensor: a thousand
     // tensors usually lie in one or two regions.
-    let mut regions: Vec<&Arc<Region>> = sources.iter().filter_map(|s| s.region.as_ref()).collect();
+    let mut regions: Vec<&Arc<Region>> = sources.into_iter().collect();
     regions.sort_unstable_by_key(|r| Arc::as_ptr(r));
     regions.dedup_by(|a, b| Arc::ptr_eq(a, b));
     regions.into_iter().try_for_each(|r| r.check_intact()).map_err(|e| SaveError::BadRegion(e.to_string()))

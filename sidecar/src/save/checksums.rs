@@ -10,7 +10,7 @@ use ckpt_store::image::Layout;
 
 use crate::config::COPY_BLOCK_BYTES;
 use crate::memory::staging::Lease;
-use crate::save::copy::{pieces_of, run_runs, runs_of, Piece, Pieces};
+use crate::save::pieces::{pieces_of, run_runs, runs_of, sum_of_staged, Piece, Pieces};
 use crate::state::jobs::Sums;
 
 /// The tensor checksums of the image copied into the lease, computed from
@@ -42,14 +42,6 @@ pub(super) fn staged_sums(layout: &Layout, pieces: &Pieces, runs: Option<&[usize
     let piece_crcs =
         run_runs(pieces, runs, &|| false, &crc_of_staged, &|_| {}).expect("a checksum pass is never stopped");
     Sums { crcs: fold_crcs(layout, pieces, &piece_crcs), digests: None }
-}
-
-/// The crc32c (with `crc`) and digest of a piece's staged bytes, in one
-/// pass (block by block: checksummed, then hashed while in cache).
-pub(super) fn sum_of_staged(p: &Piece, crc: bool) -> (u32, u128) {
-    // SAFETY: dst..dst+len is this piece's own part of the lease, copied
-    // before and not written while summed (as crc_of_staged).
-    crate::memory::regions::sum_of(unsafe { std::slice::from_raw_parts(p.dst, p.len) }, crc)
 }
 
 /// The crc32c of a piece's staged bytes, block by block.

@@ -16,8 +16,10 @@ use ckpt_store::progress::Progress;
 use crate::config;
 use crate::memory::regions::{BatchMark, Region};
 use crate::memory::staging::Lease;
-use crate::save::checksums::{fold_crcs, fold_sums, stable_tensors, staged_sums, sum_of_staged};
-use crate::save::copy::{pieces_of, queue_batches_in, run_runs, runs_of, Piece, Pieces};
+use crate::save::checksums::{fold_crcs, fold_sums, stable_tensors, staged_sums};
+use crate::save::copy::queue_batches_in;
+use crate::save::pieces::sum_of_staged;
+use crate::save::pieces::{pieces_of, run_runs, runs_of, Piece, Pieces};
 use crate::save::plan::Source;
 use crate::state::jobs::Sums;
 

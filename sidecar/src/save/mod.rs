@@ -14,6 +14,7 @@ pub mod copy;
 pub mod error;
 pub mod fed;
 pub mod file_save;
+pub mod pieces;
 pub mod plan;
 pub mod plan_cache;
 pub mod snapshot;

@@ -26,6 +26,12 @@ pub struct Source {
     pub len_bytes: u64,
 }
 
+/// The client regions of a save's sources, one per tensor copied from a
+/// client (those taken from the resident image have none).
+pub fn regions_of(sources: &[Source]) -> impl Iterator<Item = &Arc<Region>> {
+    sources.iter().filter_map(|s| s.region.as_ref())
+}
+
 /// Every check of protocol.md's Save section that needs no shared state;
 /// returns the planned image (at base 0) and each spec's source.
 ///

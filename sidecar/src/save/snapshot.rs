@@ -34,7 +34,7 @@ use crate::save::checks::check_sizes;
 use crate::save::copy::{copy_and_checksum_into, copy_into};
 use crate::save::error::SaveError;
 use crate::save::fed::FedCopy;
-use crate::save::plan::{Planner, SaveTensors, Source};
+use crate::save::plan::{regions_of, Planner, SaveTensors, Source};
 use crate::save::trusted_unchanged::{self, Taken};
 use crate::state::jobs::{Fill, Flight, Job, Part, Work};
 use crate::state::refusal::Refusal;
@@ -245,7 +245,7 @@ fn begin_flight(
         return Err(SaveError::BadRequest(format!("step {step}{what} is already in flight")));
     }
     replies.started(head.id, head.t_received, layout.file_bytes());
-    check_sizes(sources).inspect_err(|_| state.end(key))
+    check_sizes(regions_of(sources)).inspect_err(|_| state.end(key))
 }
 
 /// Staging for the image, and the tensors taken from the resident image
@@ -334,7 +334,7 @@ fn run_staged_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
     // Released only if every region still held its bytes (one its client
     // truncated during the copy was read as zeros) and the client is still
     // there to be told.
-    let intact = check_sizes(&sources);
+    let intact = check_sizes(regions_of(&sources));
     drop(sources);
     debug_assert!(taken.is_none(), "parts take nothing from the resident image");
     let crcs = match (intact, copied, give_up()) {
@@ -469,7 +469,7 @@ fn run_fed_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
     let stop = || give_up().is_some();
     let copied = fed.copy(&layout, lazy_release, &stop);
     let copy_seconds = t_copy.elapsed().as_secs_f64();
-    let intact = check_sizes(&sources);
+    let intact = check_sizes(regions_of(&sources));
     drop(sources);
     let crcs = match (intact, copied, give_up()) {
         (Ok(()), Some(crcs), None) => crcs,

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::format::{Index, BLOBS_DIR_NAME};
+use crate::restore::SourceError;
 use crate::restore::{problem, FileCheck, Problem, ReadDest};
-use crate::source::SourceError;
 
 /// Where a step's files come from when this node's directories do not hold
 /// them (a drain target). Shared by several reader threads at once.

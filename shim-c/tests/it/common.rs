@@ -147,14 +147,14 @@ struct MappedRegion {
     len: u64,
 }
 
-// SAFETY: the mapping is read-only and lives as long as the value (unmapped
-// in Drop); the session thread that owns the value is the only one using it.
+// SAFETY: the mapping and fd belong to this value alone, and the fake only
+// reads the mapping from the one session thread that owns the value.
 unsafe impl Send for MappedRegion {}
 
 impl Drop for MappedRegion {
     fn drop(&mut self) {
-        // SAFETY: ptr/len are the mapping open_region made and fd its
-        // descriptor; both are ours and released once, here.
+        // SAFETY: `ptr`/`len` are this value's own mapping and `fd` its own
+        // descriptor, each released once, here.
         unsafe {
             libc::munmap(self.ptr as *mut _, self.len as usize);
             libc::close(self.fd);
@@ -164,8 +164,9 @@ impl Drop for MappedRegion {
 
 fn open_region(name: &str, len: u64) -> Result<MappedRegion, String> {
     let c = CString::new(name).map_err(|e| e.to_string())?;
-    // SAFETY: plain libc calls on a NUL-terminated name, a zeroed stat we
-    // own, and a descriptor closed on every error path; results are checked.
+    // SAFETY: `c` is a valid C string; `st` is plain data fstat fills in;
+    // the mapping is of `len` bytes of a segment at least that long
+    // (checked), and it and the fd belong to the MappedRegion returned.
     unsafe {
         let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
         if fd < 0 {
@@ -458,8 +459,8 @@ fn copy_out(regions: &HashMap<u32, MappedRegion>, t: &TensorDesc) -> Result<Vec<
     if end > r.len {
         return Err(format!("{}: outside region {}", t.name, t.region_id));
     }
-    // SAFETY: offset + len <= r.len (checked above, without overflow), and the
-    // mapping of r.len bytes lives as long as `regions` borrows it.
+    // SAFETY: `offset_bytes + len_bytes` lies inside the mapping of `r.len`
+    // bytes (checked above), which lives while `regions` is borrowed.
     Ok(unsafe { std::slice::from_raw_parts(r.ptr.add(t.offset_bytes as usize), t.len_bytes as usize) }.to_vec())
 }
 
@@ -477,8 +478,7 @@ fn write_in(regions: &HashMap<u32, MappedRegion>, ck: &Ckpt, descs: &[TensorDesc
         if d.offset_bytes + d.len_bytes > r.len {
             return Err((ErrorCode::BadRegion, "outside region".into()));
         }
-        // SAFETY: pwrite reads bytes.len() bytes of a live slice; r.fd is open
-        // while `regions` holds r.
+        // SAFETY: the pointer and length describe the live `bytes`; `r.fd` is open.
         let n = unsafe { libc::pwrite(r.fd, bytes.as_ptr().cast(), bytes.len(), d.offset_bytes as i64) };
         assert_eq!(n as usize, bytes.len());
     }
@@ -512,7 +512,7 @@ fn place_in(
         return Ok((Vec::new(), need_bytes));
     }
     for ((_, bytes), at) in ck.tensors.iter().zip(&offsets) {
-        // SAFETY: as in write_in: a live slice, a descriptor open while r is.
+        // SAFETY: the pointer and length describe the live `bytes`; `r.fd` is open.
         let n = unsafe { libc::pwrite(r.fd, bytes.as_ptr().cast(), bytes.len(), (offset_bytes + at) as i64) };
         assert_eq!(n as usize, bytes.len());
     }

@@ -1135,6 +1135,10 @@ fn launch_cpus_pins_the_sidecar_but_not_its_command() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a CPU list"));
 }
 
+/// [`other_uid_child`]'s name in this test binary (the module path
+/// without the crate), for `--exact`.
+const OTHER_UID_CHILD: &str = "daemon::other_uid_child";
+
 /// Runs as another uid when re-executed by the test below.
 #[test]
 fn other_uid_child() {
@@ -1168,7 +1172,7 @@ fn another_uid_is_refused() {
     let sc = Sidecar::start_in(tmp, dir, &["--allow-uid", "12345"]);
     std::fs::set_permissions(sc.socket.parent().unwrap(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "other_uid_child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", OTHER_UID_CHILD, "--nocapture", "--test-threads=1"])
         .env("CKPT_TEST_OTHER_UID_SOCKET", &sc.socket)
         .uid(65534)
         .gid(65534)
@@ -1188,7 +1192,7 @@ fn another_uid_is_refused() {
     std::fs::set_permissions(sc2.socket.parent().unwrap(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let target = sc2.socket.parent().unwrap().parent().unwrap().join("x.pt");
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "other_uid_child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", OTHER_UID_CHILD, "--nocapture", "--test-threads=1"])
         .env("CKPT_TEST_OTHER_UID_SOCKET", &sc2.socket)
         .env("CKPT_TEST_OTHER_UID_FILE", &target)
         .uid(65534)

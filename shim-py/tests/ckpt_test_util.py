@@ -1,4 +1,5 @@
 """Helpers of the lifecycle tests: locks, descriptors, processes, waiting."""
+
 import os
 import time
 
@@ -7,7 +8,11 @@ def lock_is_free(ckdir):
     """Whether nobody holds the spawn lock of `ckdir` (this process neither)."""
     import fcntl
 
-    fd = os.open(os.path.join(ckdir, ".ckpt-sidecar-py.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+        os.path.join(ckdir, ".ckpt-sidecar-py.lock"),
+        os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+        0o600,
+    )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -45,7 +50,9 @@ def wait_until(cond, timeout, what):
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.1f} s: {what() if callable(what) else what}")
+            raise AssertionError(
+                f"not within {timeout:.1f} s: {what() if callable(what) else what}"
+            )
         time.sleep(0.02)
 
 
@@ -59,9 +66,18 @@ def run_sigkilled_trainer(code, tmp_path, env_extra):
 
     tmpdir = tempfile.mkdtemp(prefix="ck")  # short: socket paths live there
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
-    env.update(TMPDIR=tmpdir, CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"), **env_extra)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=120)
+    env.update(
+        TMPDIR=tmpdir, CKPT_SIDECAR_SOCKET=str(tmp_path / "nobody.sock"), **env_extra
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     dead = time.monotonic()
     assert r.returncode == -9, r.stdout + r.stderr
     return tmpdir, [int(x) for x in r.stdout.split()[:3]], dead
@@ -81,8 +97,16 @@ def assert_nothing_left(tmpdir, pids, dead, bar_s=10.0):
 
     try:
         wait_until(lambda: gone(sidecar), left(), "the sidecar exits")
-        wait_until(lambda: os.listdir(tmpdir) == [], left(), lambda: f"{tmpdir} is empty: {os.listdir(tmpdir)}")
-        wait_until(lambda: segs() == [], left(), lambda: f"the trainer's shm segments are removed: {segs()}")
+        wait_until(
+            lambda: os.listdir(tmpdir) == [],
+            left(),
+            lambda: f"{tmpdir} is empty: {os.listdir(tmpdir)}",
+        )
+        wait_until(
+            lambda: segs() == [],
+            left(),
+            lambda: f"the trainer's shm segments are removed: {segs()}",
+        )
         wait_until(lambda: gone(janitor), left(), "the janitor exits")
     finally:
         import shutil

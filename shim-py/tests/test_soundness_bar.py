@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-import conftest
+import sidecar_fixtures
 
 HOSTILE = r"""
 import glob, os, random, sys, threading, time
@@ -67,8 +67,8 @@ os._exit(0)  # the regions are truncated: no orderly unmap of loaded views
 
 @pytest.fixture
 def big_sidecar(tmp_path, monkeypatch):
-    monkeypatch.setattr(conftest, "STAGING", "1GiB")
-    s = conftest.Sidecar(tmp_path).start()
+    monkeypatch.setattr(sidecar_fixtures, "STAGING", "1GiB")
+    s = sidecar_fixtures.Sidecar(tmp_path).start()
     yield s
     s.stop()
 

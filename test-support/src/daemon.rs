@@ -1,9 +1,10 @@
 //! The harness of the sidecar's integration tests that drive the real
-//! binary (`sidecar/tests/daemon.rs`, `incremental.rs`): `ckpt-sidecar
-//! serve` on a temporary socket ([`Daemon`]), a raw client speaking the
-//! wire crate's frames ([`Client`]), and POSIX shared-memory segments made
-//! here with shm_open/ftruncate/mmap ([`Shm`]). Waits are on conditions (the
-//! socket answering, a reply); the durations only bound a hang.
+//! binary (`sidecar/tests/it/daemon.rs`, `incremental.rs`): `ckpt-sidecar
+//! serve` on a temporary socket ([`Daemon`]), the same with the folders it
+//! lives in ([`Sidecar`]), a raw client speaking the wire crate's frames
+//! ([`Client`]), and POSIX shared-memory segments made here with
+//! shm_open/ftruncate/mmap ([`Shm`]). Waits are on conditions (the socket
+//! answering, a reply); the durations only bound a hang.
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -85,6 +86,115 @@ impl Drop for Daemon {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// A [`Daemon`] (which it derefs to) with the folders it lives in: the
+/// checkpoint directory it serves, and a folder for its socket
+/// (`run-N/sidecar.sock`) and log (`sidecar-N.log`), N counting the
+/// sidecars of this process. That folder is a temporary directory of its
+/// own (removed on drop) or one the test owns, where several may live.
+pub struct Sidecar {
+    daemon: Daemon,
+    /// The checkpoint directory it serves.
+    pub dir: PathBuf,
+    staging_mib: u64,
+    run_dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Sidecar {
+    /// The staging of the sidecars [`Sidecar::start`] and its kin start.
+    pub const STAGING_MIB: u64 = 64;
+
+    /// 64 MiB of staging, in a temporary directory of its own (the
+    /// checkpoints in its `ckpt/`).
+    pub fn start(extra: &[&str]) -> Sidecar {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        Self::start_in(tmp, dir, extra)
+    }
+
+    /// 64 MiB of staging, serving `dir`, living in `tmp` (kept until drop).
+    pub fn start_in(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str]) -> Sidecar {
+        Self::start_in_env(tmp, dir, extra, &[])
+    }
+
+    /// As [`Sidecar::start_in`], with `env` set for the daemon.
+    pub fn start_in_env(tmp: tempfile::TempDir, dir: PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Sidecar {
+        let mut sc = Self::start_at(tmp.path(), &dir, Self::STAGING_MIB, extra, env);
+        sc._tmp = Some(tmp);
+        sc
+    }
+
+    /// `staging_mib` MiB of staging, serving `dir`, its socket and log in
+    /// `run_dir`, a folder the test owns (several sidecars may share it).
+    pub fn start_at(run_dir: &Path, dir: &Path, staging_mib: u64, extra: &[&str], env: &[(&str, &str)]) -> Sidecar {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let socket = run_dir.join(format!("run-{n}")).join("sidecar.sock");
+        Self::serve(run_dir, dir, socket, staging_mib, extra, env)
+    }
+
+    fn serve(
+        run_dir: &Path,
+        dir: &Path,
+        socket: PathBuf,
+        staging_mib: u64,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Sidecar {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let log = run_dir.join(format!("sidecar-{}.log", N.fetch_add(1, Ordering::Relaxed)));
+        let staging = format!("{staging_mib}MiB");
+        let daemon = Daemon::serve(crate::bin::sidecar_bin(), dir, socket, log, &staging, extra, env);
+        Sidecar { daemon, dir: dir.to_path_buf(), staging_mib, run_dir: run_dir.to_path_buf(), _tmp: None }
+    }
+
+    /// A session that has said Hello; the Welcome must report this
+    /// sidecar's staging.
+    pub fn client(&self) -> Client {
+        let c = Client::connect(&self.socket, "sidecar-test");
+        assert_eq!(c.staging_bytes, self.staging_mib << 20);
+        c
+    }
+
+    /// A session with `shm` registered as region 1.
+    pub fn client_with(&self, shm: &Shm) -> Client {
+        let mut c = self.client();
+        match c.register(1, shm) {
+            Reply::RegionRegistered { .. } => c,
+            other => panic!("register: {other:?}"),
+        }
+    }
+
+    /// SIGTERM; the sidecar must exit 0.
+    pub fn stop_ok(&mut self) {
+        let code = self.daemon.stop();
+        assert_eq!(code, 0, "{}", self.log_text());
+    }
+
+    /// Stops this one (it must exit 0) and starts another on the same
+    /// directory and socket, without its extra arguments.
+    pub fn restart(mut self) -> Sidecar {
+        self.stop_ok();
+        let socket = self.socket.clone();
+        let mut next = Self::serve(&self.run_dir, &self.dir, socket, self.staging_mib, &[], &[]);
+        next._tmp = self._tmp.take();
+        next
+    }
+}
+
+impl std::ops::Deref for Sidecar {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.daemon
+    }
+}
+
+impl std::ops::DerefMut for Sidecar {
+    fn deref_mut(&mut self) -> &mut Daemon {
+        &mut self.daemon
     }
 }
 

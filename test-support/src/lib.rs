@@ -1,11 +1,18 @@
-//! What the crash and kill tests of both crates share: a seeded PRNG whose
-//! seed comes from an environment variable (so a failing run replays), and
-//! stopping a child process the way the daemon is stopped (SIGTERM, drain);
-//! the daemon's own harness (`daemon`: the real binary, a raw wire client,
-//! shared-memory segments). A dev-dependency only; nothing here ships.
+//! What the integration tests of the workspace's crates share: a seeded
+//! PRNG whose seed comes from an environment variable (so a failing run
+//! replays), and stopping a child process the way the daemon is stopped
+//! (SIGTERM, drain); where the sidecar binary is (`bin`), its command line
+//! run to the end (`cli`), the daemon's own harness (`daemon`: the real
+//! binary, a raw wire client, shared-memory segments), and an S3 server
+//! (`s3`). A dev-dependency only; nothing here ships.
 
+pub mod bin;
+pub mod cli;
 pub mod daemon;
 pub mod s3;
+
+pub use bin::{sidecar_bin, sidecar_bin_if_built};
+pub use cli::{cli, CliRun};
 
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};

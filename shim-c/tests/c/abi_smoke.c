@@ -63,7 +63,7 @@ int main(void) {
     CHECK(ckpt_poll(c, id, &state) == CKPT_OK && state == CKPT_FAILED && strstr(ckpt_last_error(), "already"));
 
     /* save_file: sent (the fake writes no files and says so); memory and
-       arguments checked here. The real sidecar's writes: tests/real_sidecar.rs. */
+       arguments checked here. The real sidecar's writes: tests/it/real_sidecar.rs. */
     CHECK(ckpt_save_file(c, "/tmp/x.pt", w, 64, &id) == CKPT_OK);
     CHECK(ckpt_wait(c, id, CKPT_DURABLE, 10000) == CKPT_E_BAD_REQUEST);
     CHECK(strstr(ckpt_last_error(), "file /tmp/x.pt") != NULL);

@@ -1,6 +1,6 @@
 /*
  * A trainer whose tensors live in CUDA device memory, for the CUDA path's
- * tests (tests/cuda_fake.rs): built against libckpt and linked with
+ * tests (tests/it/cuda_fake.rs): built against libckpt and linked with
  * libcuda.so.1 like any CUDA program; the tests put the fake driver's folder
  * on LD_LIBRARY_PATH. Usage: cuda_trainer MODE DIR_UNUSED
  *

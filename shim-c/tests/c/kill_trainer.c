@@ -1,7 +1,7 @@
-/* kill_trainer.c: the trainer of tests/kill.rs, killed (or losing its
+/* kill_trainer.c: the trainer of tests/it/kill.rs, killed (or losing its
  * sidecar) at random points. Its model is a few tensors in two regions from
  * ckpt_alloc whose every byte is a function of the step (content_word below;
- * tests/kill.rs computes the same), so a checkpoint holding anything but
+ * tests/it/kill.rs computes the same), so a checkpoint holding anything but
  * exactly its own step's bytes is caught.
  *
  * Each step s: write the model of step s, log "save s", ckpt_save, wait for

@@ -4,7 +4,8 @@
 # import fails, so a warm run never touches pip. Pinned where a new release
 # could change CI:
 #   - pytest, safetensors (the official reader our shards must satisfy),
-#     crc32c, matplotlib (bench compare's --plot, smoke-tested);
+#     crc32c, matplotlib (bench compare's --plot, smoke-tested), wheel
+#     (packaging/build-wheel.sh retags the wheel: shim-py/tests/test_wheel.py);
 #   - lightning (shim-py/tests/test_lightning.py: a real Trainer on CPU), after
 #     torch so that pip keeps the venv's torch: about 45 s and 25 MB;
 #   - moto's S3 part and its standalone server's flask (tests/s3/serve.sh: the
@@ -40,7 +41,7 @@ install() {
     fi
 }
 
-install "pytest, safetensors, crc32c, matplotlib" pytest safetensors crc32c matplotlib
+install "pytest, safetensors, crc32c, matplotlib, wheel" pytest safetensors crc32c matplotlib wheel
 install "lightning, torch" "lightning==$LIGHTNING_VERSION"
 install "moto, flask, flask_cors" "moto[s3]==$MOTO_VERSION" flask flask-cors
 # Version checks, not imports: a venv with another ruff or mypy gets the pinned one.

@@ -3,10 +3,13 @@
 # developer's one; fast and silent when everything is already there.
 #   - apt: fio (benchmark baseline), e2fsprogs (mkfs.ext4 for file-system
 #     tests), and python3 + python3-venv if missing; skipped when present.
-#   - optional: libaio-dev (DeepSpeed's async_io op, for bench compare).
-#   - a Python venv at .venv with pytest, numpy, safetensors, crc32c, torch,
-#     and, optionally, DeepSpeed.
+#   - a Python venv at .venv: torch and the package (.ci/setup-python.sh, all
+#     the demo needs), then the test tools (.ci/setup-test-python.sh).
+#   - opt-in, with CKPT_CI_DEEPSPEED=1: libaio-dev and DeepSpeed
+#     (.ci/setup-deepspeed.sh, for bench compare; a long JIT build).
 # Rust (cargo, rust-version in Cargo.toml or newer) must already be installed.
+#
+# Usage: bash .ci/setup.sh [--no-package]   (--no-package: as setup-python.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,22 +30,11 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get install -y -q --no-install-recommends "${need[@]}"
 fi
 
-# ---- optional: libaio-dev, for DeepSpeed's async_io op (bench compare's
-# deepspeed_fastpersist; CKPT_CI_DEEPSPEED=0 leaves DeepSpeed out). Never fails
-# the setup: without it bench compare skips DeepSpeed saying why.
-if [ "${CKPT_CI_DEEPSPEED:-1}" != 0 ] && ! dpkg -s libaio-dev >/dev/null 2>&1; then
-    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-        echo "== apt-get install libaio-dev (optional)"
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -q --no-install-recommends libaio-dev ||
-            { apt-get update -q && apt-get install -y -q --no-install-recommends libaio-dev; } ||
-            echo "libaio-dev: not installed; bench compare will skip DeepSpeed"
-    else
-        echo "libaio-dev: missing and not root; bench compare will skip DeepSpeed"
-    fi
-fi
-
-# ---- Python environment for tests/python.
+# ---- Python environment for the tests.
 echo "== .venv"
-bash .ci/setup-python.sh
-
+bash .ci/setup-test-python.sh "$@"
+# DeepSpeed's op check imports the package: without it (--no-package),
+# .ci/test runs this after installing it.
+if [ "${CKPT_CI_DEEPSPEED:-0}" = 1 ] && [ "${1:-}" != --no-package ]; then
+    bash .ci/setup-deepspeed.sh
+fi

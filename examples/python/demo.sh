@@ -7,7 +7,8 @@
 # checkpoint beside torch.save's time (with and without fsync) for the same
 # state. Each run spawns its own sidecar (ckpt_sidecar.Checkpointer).
 #
-# Uses the repo venv (.venv) with torch and shim-py, making it first if needed.
+# Uses the repo venv (.venv) with torch and shim-py, making it first if needed
+# (.ci/setup-python.sh: torch and the package, nothing the tests alone need).
 # Usage: examples/python/demo.sh [DIR]   (default: a fresh temp dir, kept; its path is printed)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

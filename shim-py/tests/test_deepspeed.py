@@ -44,7 +44,7 @@ print(json.dumps({"counts": _hook.counts(), "loaded_equal": same, "global_steps"
 
 
 def test_deepspeed_engine_save_checkpoint_goes_through_the_hook_on_cpu(tmp_path, sidecar):
-    pytest.importorskip("deepspeed", reason="deepspeed not installed (.ci/setup-python.sh installs it)")
+    pytest.importorskip("deepspeed", reason="deepspeed not installed (opt-in: .ci/test-deepspeed installs it)")
     import socket
 
     with socket.socket() as s:  # a free port for gloo's rendezvous

@@ -12,7 +12,7 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch not installed: Lightning needs it")
-pytest.importorskip("lightning", reason="lightning not installed (.ci/setup-python.sh installs it)")
+pytest.importorskip("lightning", reason="lightning not installed (.ci/setup-test-python.sh installs it)")
 
 TRAINER = r'''
 import os, sys, json

@@ -5,7 +5,7 @@ installed. No timing is asserted (figures are for benchmarks).
 
 Timeouts are generous: where DeepSpeed is installed, bench compare loads its
 async_io op, a JIT C++ build of minutes on a loaded 2-core machine the first
-time (.ci/setup-python.sh builds it ahead; cached after)."""
+time (.ci/setup-deepspeed.sh builds it ahead; cached after)."""
 
 import json
 import subprocess
@@ -16,7 +16,7 @@ import pytest
 
 def test_bench_compare_prints_the_json_document_and_draws_the_png(sidecar_bin, tmp_path):
     pytest.importorskip("torch", reason="bench compare measures torch-based methods: torch not installed")
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (.ci/setup-python.sh installs it)")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (.ci/setup-test-python.sh installs it)")
     png = tmp_path / "compare.png"
     r = subprocess.run([str(sidecar_bin), "bench", "compare", "--dir", str(tmp_path / "disk"), "--sizes", "2MiB",
                         "--rounds", "1", "--warmup", "0", "--json", "--plot", str(png), "--python", sys.executable],
@@ -54,7 +54,7 @@ def test_bench_compare_runs_deepspeed_fastpersist_and_restores_the_state(sidecar
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         pytest.skip(f"skipped: deepspeed is not importable beside {sys.executable} ({last}); "
-                    f".ci/setup-python.sh installs it where it can")
+                    f"opt-in: .ci/test-deepspeed installs it where it can")
     r = subprocess.run([str(sidecar_bin), "bench", "compare", "--dir", str(tmp_path / "disk"), "--sizes", "3MiB",
                         "--rounds", "2", "--warmup", "1", "--methods", "deepspeed_fastpersist", "--json",
                         "--python", sys.executable],

@@ -58,9 +58,9 @@ def save_torch(obj: Any, path: str | os.PathLike[str]) -> None:
     files.raise_error(path)
     if not atomic_write_possible(path):
         files.wait(path)
-        return orig(obj, path)
+        orig(obj, path)
+        return
     save_host(orig, obj, path)
-    return None
 
 
 class SidecarCheckpointIO(TorchCheckpointIO):

@@ -13,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "shim-py" / "tests"))
 
-from sidecar_fixtures import run_sidecar, sidecar_bin_fixture
+# After the path is set: the shared fixtures live beside shim-py's tests.
+from sidecar_fixtures import run_sidecar, sidecar_bin_fixture  # noqa: E402
 
 __all__ = ["REPO", "run_sidecar", "sidecar_bin_fixture"]

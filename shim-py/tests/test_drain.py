@@ -1,4 +1,4 @@
-"""The drain tier (issue 20): `serve --drain URL` uploads every committed step
+"""The drain tier: `serve --drain URL` uploads every committed step
 after it is durable (phase Replicated), and a load reads a step the local
 directories lack (or an older one than the target's) from the target.
 

@@ -278,7 +278,7 @@ def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, mo
 
 
 def test_hook_files_written_here_are_in_place_when_torch_save_returns(tmp_path, monkeypatch):
-    # Issue 19, defect 1: a file this process writes (no sidecar answering
+    # A file this process writes (no sidecar answering
     # yet) was queued for a thread and torch.save returned at once, so a
     # kill lost it. It is now in place under its name when submit returns;
     # only the fsync is left to the thread (held here until the end).
@@ -314,11 +314,11 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_hook_first_files_survive_a_sigkill_right_after_torch_save(tmp_path):
-    # Issue 19, defect 1, its reproduction (5 runs): the files of the first
+    # The reproduction (5 runs): the files of the first
     # torch.save calls, written here while the spawned sidecar starts (or
     # by the sidecar, once it answers), are there after a SIGKILL, whole,
     # and no temp file is left.
-    torch = pytest.importorskip("torch", reason="torch not installed: the reproduction of issue 19 needs it")
+    torch = pytest.importorskip("torch", reason="torch not installed: the reproduction needs it")
     from ckpt_test_util import wait_until
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}
@@ -446,7 +446,7 @@ def test_hook_raises_at_call_time_what_plain_torch_save_raises(tmp_path):
 
 
 def test_hook_a_script_whose_only_save_fails_exits_non_zero(tmp_path):
-    # The bar of issue 12: the error is raised from torch.save itself.
+    # The error is raised from torch.save itself.
     pytest.importorskip("torch", reason="torch not installed: the real-torch hook test needs it")
     (tmp_path / "only.py").write_text('import torch\ntorch.save(torch.ones(3), "/proc/sys/x.pt")\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR")}

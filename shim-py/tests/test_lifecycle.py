@@ -384,7 +384,7 @@ import time; time.sleep(600)
 
 
 def test_checkpointer_on_a_directory_a_serve_sidecar_holds_connects_to_it(sidecar, no_default_sidecar, tmp_path):
-    # Issue 19: Checkpointer(dir=D) while `ckpt-sidecar serve --dir D` runs at
+    # Checkpointer(dir=D) while `ckpt-sidecar serve --dir D` runs at
     # another socket spawned a sidecar that could not take D. The serving
     # sidecar's lock file names its socket: the Checkpointer connects there.
     w = np.arange(1000, dtype=np.float32)

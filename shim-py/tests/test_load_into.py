@@ -254,7 +254,7 @@ def test_a_resumed_model_and_optimizer_continue_bit_identically(ck):
 
 
 def test_load_into_refuses_an_expanded_target_or_overlapping_targets_before_writing(ck):
-    # Issue 19, defect 5: an expanded target (stride 0) had the keys before
+    # An expanded target (stride 0) had the keys before
     # it written, then failed with torch's raw RuntimeError; two targets
     # overlapping in memory loaded "successfully", the last write winning.
     # Both are refused before a byte of the state changes, naming the tensors.

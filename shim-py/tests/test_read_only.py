@@ -1,4 +1,4 @@
-"""A checkpoint directory on a read-only file system (issue 19, rough edges):
+"""A checkpoint directory on a read-only file system:
 a sidecar serves loads from it (no directory lock, no recovery) and refuses
 saves and rollback with one error naming the directory.
 

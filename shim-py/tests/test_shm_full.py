@@ -1,4 +1,4 @@
-"""A nearly full /dev/shm (issue 19, defect 2): every shared-memory segment
+"""A nearly full /dev/shm every shared-memory segment
 the client creates is backed by reserved pages before first use, so a save
 that does not fit is a Python exception naming /dev/shm and the size, raised
 before anything is copied, never a SIGBUS in the trainer. Run in a private

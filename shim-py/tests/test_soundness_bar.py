@@ -1,4 +1,4 @@
-"""Issue 23's bar: a client that truncates its own shared memory while the
+"""The soundness bar: a client that truncates its own shared memory while the
 sidecar loads into it never kills the sidecar.
 
 A `serve` with 1 GiB of staging; 15 times, a Python client

@@ -79,7 +79,7 @@ def _compare(args, **kw):
 
 
 def test_bench_compare_plot_to_an_unwritable_path_fails_before_the_run_in_one_line(tmp_path, capsys):
-    # Issue 19, defect 7: the whole run went first, then a PIL traceback,
+    # The whole run went first, then a PIL traceback,
     # and the --json document was lost. The path is checked first.
     pytest.importorskip("torch", reason="bench compare imports torch")
     from ckpt_sidecar.bench_compare import parse_args
@@ -115,7 +115,7 @@ def test_bench_compare_a_plot_that_fails_after_the_run_keeps_the_json(tmp_path, 
 
 
 def test_bench_compare_sizes_mean_what_the_command_line_says(tmp_path):
-    # Issue 19: `--sizes 100` measured 128 KiB and printed "0Mi"; the module
+    # `--sizes 100` measured 128 KiB and printed "0Mi"; the module
     # refused 1.5MiB and 1G, which the command line takes.
     pytest.importorskip("torch", reason="bench compare imports torch")
     from ckpt_sidecar.bench_compare import parse_args

@@ -8,7 +8,7 @@ reference cannot drift from the code.
   first line names a file (`# train.py: ...`, `// trainer.c`) is also written
   under that name into the folder every `sh` block of the same document runs
   in, beside links to the repository's `shim-c` and `target`.
-- README.md: the size and first-screen bars of issue 24, and its test
+- README.md: the size and first-screen bars, and its test
   command is the one `.ci/run` runs.
 - docs/cli.md names every option `ckpt-sidecar <command> --help` prints, and
   every CKPT_SIDECAR_* variable the code reads.
@@ -122,7 +122,7 @@ def test_doc_block_runs(doc, lang, line, text, tmp_path, tool_bin, sidecar_bin):
 
 
 def test_readme_bars():
-    """Issue 24: at most 250 lines; within the first 80, a Python block using
+    """At most 250 lines; within the first 80, a Python block using
     Checkpointer and guard, and a line with CKPT_SIDECAR=1."""
     text = (REPO / "README.md").read_text()
     lines = text.splitlines()

@@ -525,7 +525,7 @@ mod tests {
         assert_eq!(c.len_bytes(), 4 << 20);
     }
 
-    /// Issue 23: a lease handed on while its copy still wrote into it gave
+    /// A lease handed on while its copy still wrote into it gave
     /// out a slice of those bytes (aliasing the copy's raw writes).
     #[test]
     fn a_lease_gives_no_slice_while_its_copy_fills_it() {
@@ -622,7 +622,7 @@ mod tests {
         }
     }
 
-    /// Issue 20 (drain from staging): a save that needs the space of the
+    /// Draining from staging: a save that needs the space of the
     /// image lent to the drain gets it while the drain's upload is still
     /// going on (its loan not ended): it waits only for the part in
     /// progress, then the drain reads no more from that image.

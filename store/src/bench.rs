@@ -15,7 +15,7 @@ use crate::catalog;
 use crate::commit::{Store, StoreOptions};
 use crate::image::{Layout, LayoutOptions};
 use crate::io::IoPolicy;
-use crate::mem::{AlignedBuf, SharedBuf};
+use crate::mem::{AlignedBuf, RawBuf};
 use crate::restore::{self, ReadOptions, Which};
 use crate::synthetic;
 
@@ -96,7 +96,7 @@ pub fn write(args: &WriteArgs) -> anyhow::Result<Figures> {
     };
     let crcs = synthetic::stage(&layout, staging.as_mut_slice(), step);
     // Registered: shared with the engines from now on, only its address used.
-    let staging = Arc::new(SharedBuf::from(staging));
+    let staging = Arc::new(RawBuf::from(staging));
     store.register_staging(&staging);
     let prepare_seconds = t_prep.elapsed().as_secs_f64();
 

@@ -5,7 +5,7 @@
 //! or region, and depends on neither `ckpt-wire` nor `ckpt-shim`. The path of
 //! a checkpoint through it: a [`image::Layout`] places tensors into
 //! safetensors shards laid out in staging memory ([`mem::AlignedBuf`], or a
-//! [`mem::SharedBuf`] shared with copy threads: the store takes its address); the
+//! [`mem::RawBuf`] shared with copy threads: the store takes its address); the
 //! [`commit::Store`] writes them with an [`io`] engine per target directory
 //! and commits atomically; [`restore`] reads and verifies them back;
 //! [`recovery`] and [`retention`] keep the directories clean; [`rollback`]

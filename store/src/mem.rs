@@ -8,7 +8,7 @@
 //! Two owners, two kinds of access:
 //! - [`AlignedBuf`]: owned by one holder (a test, a bench, restore's own
 //!   read buffers), like a `Box<[u8]>`: slices through `&self`/`&mut self`.
-//! - [`SharedBuf`]: memory several threads and the kernel write at once
+//! - [`RawBuf`]: memory several threads and the kernel write at once
 //!   through raw pointers (the daemon's staging, carved into leases): only
 //!   its address and length, never a slice, so safe code cannot form a
 //!   reference to bytes someone else is writing. Whoever hands out parts
@@ -34,7 +34,7 @@ pub struct AlignedBuf {
 
 // SAFETY: AlignedBuf owns its mapping exclusively, like a Box<[u8]>; shared
 // access only hands out `&[u8]`, mutable access needs `&mut self`. Memory
-// that others write through pointers while it is shared is a SharedBuf.
+// that others write through pointers while it is shared is a RawBuf.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as above; no interior mutability.
 unsafe impl Sync for AlignedBuf {}
@@ -155,14 +155,14 @@ impl AlignedBuf {
 /// staging allocator, the io_uring it is registered with, the CUDA
 /// registration), so the address stays valid while any of them holds it.
 ///
-/// Made from a filled [`AlignedBuf`] (`SharedBuf::from`) or fresh
-/// ([`SharedBuf::new`]); there is no way back to the `AlignedBuf` and its
-/// slices. Reading or writing through [`SharedBuf::as_ptr`] is `unsafe`
+/// Made from a filled [`AlignedBuf`] (`RawBuf::from`) or fresh
+/// ([`RawBuf::new`]); there is no way back to the `AlignedBuf` and its
+/// slices. Reading or writing through [`RawBuf::as_ptr`] is `unsafe`
 /// and the caller's to justify (no one else writes the same bytes at the
 /// same time).
 ///
 /// ```
-/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let b = ckpt_store::mem::RawBuf::new(4096).unwrap();
 /// let (p, n) = (b.as_ptr(), b.len());
 /// assert!(!p.is_null() && n == 4096);
 /// ```
@@ -171,38 +171,38 @@ impl AlignedBuf {
 /// (each block fails to compile with the error named):
 ///
 /// ```compile_fail,E0599
-/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let b = ckpt_store::mem::RawBuf::new(4096).unwrap();
 /// let _: &[u8] = b.as_slice();
 /// ```
 ///
 /// ```compile_fail,E0608
-/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let b = ckpt_store::mem::RawBuf::new(4096).unwrap();
 /// let _: &[u8] = &b[..];
 /// ```
 ///
 /// ```compile_fail,E0599
-/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let b = ckpt_store::mem::RawBuf::new(4096).unwrap();
 /// let _: &[u8] = b.as_ref();
 /// ```
 ///
 /// ```compile_fail,E0616
-/// let b = ckpt_store::mem::SharedBuf::new(4096).unwrap();
+/// let b = ckpt_store::mem::RawBuf::new(4096).unwrap();
 /// let _: &ckpt_store::mem::AlignedBuf = &b.mem;
 /// ```
-pub struct SharedBuf {
+pub struct RawBuf {
     /// Never lent out: its slice methods are not reachable from here.
     mem: AlignedBuf,
 }
 
-// SharedBuf is Send and Sync through AlignedBuf; unlike AlignedBuf, its
+// RawBuf is Send and Sync through AlignedBuf; unlike AlignedBuf, its
 // bytes are written through shared access, which is sound because every
 // such access is a raw-pointer access in `unsafe` code: safe code gets no
 // reference to them.
 
-impl SharedBuf {
+impl RawBuf {
     /// A fresh mapping, as [`AlignedBuf::new`].
-    pub fn new(len: usize) -> io::Result<SharedBuf> {
-        AlignedBuf::new(len).map(SharedBuf::from)
+    pub fn new(len: usize) -> io::Result<RawBuf> {
+        AlignedBuf::new(len).map(RawBuf::from)
     }
 
     /// Tries to lock the pages in RAM, as [`AlignedBuf::try_lock`].
@@ -225,21 +225,21 @@ impl SharedBuf {
     }
 }
 
-impl From<AlignedBuf> for SharedBuf {
-    fn from(mem: AlignedBuf) -> SharedBuf {
-        SharedBuf { mem }
+impl From<AlignedBuf> for RawBuf {
+    fn from(mem: AlignedBuf) -> RawBuf {
+        RawBuf { mem }
     }
 }
 
-impl std::fmt::Debug for SharedBuf {
+impl std::fmt::Debug for RawBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SharedBuf({:p}, {} bytes)", self.mem.ptr, self.mem.len)
+        write!(f, "RawBuf({:p}, {} bytes)", self.mem.ptr, self.mem.len)
     }
 }
 
 /// Memory that the store's writers read through its address alone (the
 /// kernel reads it for them): an owned [`AlignedBuf`] or shared staging
-/// ([`SharedBuf`]). `Store::commit`, `commit_fed`, `write_file` and
+/// ([`RawBuf`]). `Store::commit`, `commit_fed`, `write_file` and
 /// `write_rank_part*` take `&dyn BufAddr`, so handing them shared staging
 /// forms no reference to its bytes.
 ///
@@ -264,7 +264,7 @@ unsafe impl BufAddr for AlignedBuf {
 }
 
 // SAFETY: as for AlignedBuf: it owns one.
-unsafe impl BufAddr for SharedBuf {
+unsafe impl BufAddr for RawBuf {
     fn as_ptr(&self) -> *const u8 {
         self.mem.ptr.as_ptr()
     }

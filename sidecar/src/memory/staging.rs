@@ -15,7 +15,7 @@
 //!   that its filler ended), so concurrent copies into one lease and writes
 //!   to disk from another are sound;
 //! - nothing creates a reference to the whole buffer, by type: it is a
-//!   [`SharedBuf`] (an address and a length, no slice), and what
+//!   [`RawBuf`] (an address and a length, no slice), and what
 //!   [`Staging::buf`] and [`Lease::staging_buf`] hand out (for registration,
 //!   `Store::commit` and the like) is that, so only `unsafe` code reads or
 //!   writes it outside a lease's slices;
@@ -31,7 +31,7 @@ use tracing::{info, warn};
 
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use ckpt_store::image::Layout;
-use ckpt_store::mem::SharedBuf;
+use ckpt_store::mem::RawBuf;
 use ckpt_store::progress::Progress;
 
 #[derive(Debug, thiserror::Error)]
@@ -126,7 +126,7 @@ impl Lent {
 }
 
 pub struct Staging {
-    buf: Arc<SharedBuf>,
+    buf: Arc<RawBuf>,
     budget_bytes: u64,
     state: Mutex<State>,
     freed: Condvar,
@@ -139,8 +139,7 @@ impl Staging {
         let budget_bytes = budget_bytes / STAGING_ALIGN_BYTES as u64 * STAGING_ALIGN_BYTES as u64;
         assert!(budget_bytes >= config::STAGING_BYTES_MIN, "staging budget below the minimum (checked by the caller)");
         let t0 = Instant::now();
-        let buf =
-            SharedBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
+        let buf = RawBuf::new(budget_bytes as usize).map_err(|source| StagingError::Alloc { budget_bytes, source })?;
         let locked = buf.try_lock();
         info!(budget_bytes, locked, seconds = t0.elapsed().as_secs_f64(), "staging memory allocated and pre-faulted");
         let mut free = BTreeMap::new();
@@ -155,7 +154,7 @@ impl Staging {
 
     /// The buffer, for registration with the I/O engines and CUDA: its
     /// address and length only.
-    pub fn buf(&self) -> &Arc<SharedBuf> {
+    pub fn buf(&self) -> &Arc<RawBuf> {
         &self.buf
     }
 
@@ -462,8 +461,8 @@ impl Lease {
 
     /// The whole staging buffer, for `Store::commit` with a layout rebased
     /// to this lease's offset: its address and length only (a
-    /// [`SharedBuf`]); the store never forms a slice of it.
-    pub fn staging_buf(&self) -> &SharedBuf {
+    /// [`RawBuf`]); the store never forms a slice of it.
+    pub fn staging_buf(&self) -> &RawBuf {
         &self.staging.buf
     }
 

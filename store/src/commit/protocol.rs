@@ -75,7 +75,7 @@ impl Store {
     /// for deletions too. The caller keeps `staging` untouched below the
     /// ready prefix, and must not free the image before the filler ended
     /// (even when this returns an error first). Memory written by a filler
-    /// while shared belongs in a [`SharedBuf`] (no slices), not an
+    /// while shared belongs in a [`RawBuf`] (no slices), not an
     /// [`crate::mem::AlignedBuf`] (whose `&self` gives them out).
     pub fn commit_fed(
         &mut self,

@@ -23,7 +23,7 @@ use crate::catalog;
 use crate::config;
 use crate::io::{self as eio, EngineChoice, FaultPlan, FaultyEngine, IoEngine, IoPolicy};
 use crate::lock::{DirLock, LockError};
-use crate::mem::SharedBuf;
+use crate::mem::RawBuf;
 use crate::read_only::{self, ReadOnly, ReadOnlyDir};
 use crate::recovery::{self, RecoveryReport};
 use crate::retention::Retention;
@@ -253,7 +253,7 @@ impl Store {
 
     /// Registers staging memory with every engine so writes from it skip page
     /// pinning. Refusal (e.g. RLIMIT_MEMLOCK) only costs speed and is logged.
-    pub fn register_staging(&mut self, buf: &Arc<SharedBuf>) {
+    pub fn register_staging(&mut self, buf: &Arc<RawBuf>) {
         for d in self.dirs.iter_mut().chain(self.shared.as_mut()) {
             if let Err(e) = d.engine.register(buf.clone()) {
                 warn!(dir = %d.path.display(), "staging memory not registered with io_uring ({e}); writes go unregistered");

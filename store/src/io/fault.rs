@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::{Completion, IoEngine, Op, OpKind};
 use crate::config::DIRECT_ALIGN_BYTES;
-use crate::mem::SharedBuf;
+use crate::mem::RawBuf;
 
 /// Faults to inject into an engine's completions, for tests: the n-th write
 /// (0-based, counted per engine) fails with `errno`, and/or every write is cut
@@ -74,7 +74,7 @@ impl IoEngine for FaultyEngine {
         Ok(())
     }
 
-    fn register(&mut self, buf: Arc<SharedBuf>) -> io::Result<()> {
+    fn register(&mut self, buf: Arc<RawBuf>) -> io::Result<()> {
         self.inner.register(buf)
     }
 }

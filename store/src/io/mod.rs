@@ -49,7 +49,7 @@ pub use open::{nonce, open_for_read, open_for_read_with, open_for_write};
 pub use pool::PoolEngine;
 pub use uring::UringEngine;
 
-use crate::mem::SharedBuf;
+use crate::mem::RawBuf;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
@@ -100,5 +100,5 @@ pub trait IoEngine: Send {
     /// Registers `buf` as fixed buffers (io_uring) so requests inside it skip
     /// the per-request page pinning; engines without the notion keep nothing.
     /// The engine keeps `buf` alive as long as it is registered.
-    fn register(&mut self, buf: Arc<SharedBuf>) -> io::Result<()>;
+    fn register(&mut self, buf: Arc<RawBuf>) -> io::Result<()>;
 }

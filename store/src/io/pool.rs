@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::{Completion, IoEngine, Op, OpKind};
-use crate::mem::SharedBuf;
+use crate::mem::RawBuf;
 
 /// `Op` carries raw pointers; this wrapper moves it to a worker.
 struct SendOp(Op);
@@ -89,7 +89,7 @@ impl IoEngine for PoolEngine {
         Ok(())
     }
 
-    fn register(&mut self, _buf: Arc<SharedBuf>) -> io::Result<()> {
+    fn register(&mut self, _buf: Arc<RawBuf>) -> io::Result<()> {
         Ok(())
     }
 }

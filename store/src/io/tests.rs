@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::completions::{next_generation, tag};
 use super::*;
 use crate::config::{self, DIRECT_ALIGN_BYTES};
-use crate::mem::{AlignedBuf, SharedBuf};
+use crate::mem::{AlignedBuf, RawBuf};
 
 pub(crate) fn engines() -> Vec<(String, Box<dyn IoEngine>)> {
     let mut v: Vec<(String, Box<dyn IoEngine>)> = vec![("pool".into(), Box::new(PoolEngine::new(3, 8)))];
@@ -201,7 +201,7 @@ impl IoEngine for FailingEngine {
         Ok(())
     }
 
-    fn register(&mut self, _buf: Arc<SharedBuf>) -> io::Result<()> {
+    fn register(&mut self, _buf: Arc<RawBuf>) -> io::Result<()> {
         Ok(())
     }
 }

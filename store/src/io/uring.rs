@@ -9,7 +9,7 @@ use io_uring::{opcode, register::Probe, types, IoUring};
 
 use super::{Completion, IoEngine, Op, OpKind};
 use crate::config::{ENGINE_RETRY_PAUSE_MS, SLAB_BYTES, URING_ENTER_RETRIES_MAX};
-use crate::mem::SharedBuf;
+use crate::mem::RawBuf;
 
 pub struct UringEngine {
     ring: IoUring,
@@ -17,7 +17,7 @@ pub struct UringEngine {
     /// Registered slabs: (start address, end address) by buffer index.
     slabs: Vec<(usize, usize)>,
     /// Keeps registered memory alive while the ring may use it.
-    registered: Option<Arc<SharedBuf>>,
+    registered: Option<Arc<RawBuf>>,
     /// Pushed but not yet accepted by the kernel.
     unsubmitted: usize,
 }
@@ -126,7 +126,7 @@ impl IoEngine for UringEngine {
         }
     }
 
-    fn register(&mut self, buf: Arc<SharedBuf>) -> io::Result<()> {
+    fn register(&mut self, buf: Arc<RawBuf>) -> io::Result<()> {
         if self.registered.is_some() {
             self.ring.submitter().unregister_buffers()?;
             self.slabs.clear();

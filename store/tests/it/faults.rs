@@ -18,7 +18,7 @@ use ckpt_store::commit::{CommitError, Store, StoreOptions};
 use ckpt_store::format::{self, TMP_PREFIX};
 use ckpt_store::image::{Blob, Layout, LayoutOptions};
 use ckpt_store::io::{FaultPlan, IoPolicy, ProbeError, Want};
-use ckpt_store::mem::{AlignedBuf, SharedBuf};
+use ckpt_store::mem::{AlignedBuf, RawBuf};
 use ckpt_store::progress::Progress;
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::synthetic;
@@ -546,7 +546,7 @@ fn a_fed_commit_writes_only_filled_bytes_and_a_failed_filler_leaves_nothing() {
             dst.as_mut_slice().fill(0xAA);
             dst.as_mut_slice()[..first].copy_from_slice(&src.staging.as_slice()[..first]);
             // Shared from here on: the filler writes it while the store reads it.
-            let dst = SharedBuf::from(dst);
+            let dst = RawBuf::from(dst);
             let progress = Progress::new(runs.iter().map(|r| r.0 as u64).collect(), end as u64);
             let dst_addr = dst.as_ptr() as usize;
             let r = std::thread::scope(|s| {
@@ -628,7 +628,7 @@ fn a_fed_rank_part_writes_only_filled_bytes_and_a_failed_filler_leaves_no_marker
             dst.as_mut_slice().fill(0xAA);
             dst.as_mut_slice()[..first].copy_from_slice(&r0.staging.as_slice()[..first]);
             // Shared from here on: the filler writes it while the store reads it.
-            let dst = SharedBuf::from(dst);
+            let dst = RawBuf::from(dst);
             let progress = Progress::new(runs.iter().map(|r| r.0 as u64).collect(), end as u64);
             let dst_addr = dst.as_ptr() as usize;
             let r = std::thread::scope(|s| {

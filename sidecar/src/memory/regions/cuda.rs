@@ -42,7 +42,7 @@ use tracing::{debug, info, warn};
 use super::RegionError;
 use crate::config;
 use crate::memory::staging::Staging;
-use ckpt_store::mem::SharedBuf;
+use ckpt_store::mem::RawBuf;
 
 /// What names a client's device allocation.
 pub enum CudaSource<'a> {
@@ -410,7 +410,7 @@ struct Pinned {
     _registration: Option<HostRegistration>,
     /// Keeps the registered pages mapped while registered (dropped after
     /// `registration`: fields drop in order).
-    buf: Arc<SharedBuf>,
+    buf: Arc<RawBuf>,
 }
 
 /// Page-locks the staging buffer for the device's copies (they then run at

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use ckpt_wire::{ErrorCode, LastFigures, Reply};
+use ckpt_wire::{Blob, ErrorCode, LastFigures, Reply};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use tracing::{info, warn};
 
@@ -20,12 +20,13 @@ use crate::commit::nodes::Nodes;
 use crate::commit::rank_groups::{Expired, Offer, RankGroups};
 use crate::commit::slices;
 use crate::config;
-use crate::memory::staging::Resident;
-use crate::state::jobs::{copy_failure_or, FileJob, FillEnd, Flight, Job, RollbackJob, Work};
+use crate::memory::staging::{Lease, Resident};
+use crate::state::jobs::{copy_failure_or, FileJob, Fill, FillEnd, Flight, Job, RollbackJob, Work};
 use crate::state::refusal::Refusal;
+use crate::state::reply::Replies;
 use crate::state::{DaemonState, Phase};
-use ckpt_store::commit::{CommitError, Store};
-use ckpt_store::image::{self};
+use ckpt_store::commit::{CommitError, CommitReport, Store};
+use ckpt_store::image::{self, Layout};
 use ckpt_store::rollback::RollbackError;
 
 pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> JoinHandle<()> {
@@ -312,80 +313,140 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
         return failed(lease, Refusal::new(ErrorCode::ShuttingDown, reason));
     }
     state.set_phase(Flight::Step(step), Phase::Writing);
-    let mut placed = layout.clone();
-    placed.rebase(lease.offset_bytes());
-    let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
-    let t0 = Instant::now();
-    let queued_s = (t0 - t_received).as_secs_f64() - waited_seconds - if fill.is_some() { 0.0 } else { copy_seconds };
-    if placed.opts.incremental {
-        crate::commit::full_every::before_commit(store, state);
-    }
-    let r = match (&fill, &digests) {
-        (None, Some(d)) => store.commit_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs),
-        (None, None) => store.commit(step, &placed, lease.staging_buf(), &crcs, &blob_refs),
-        (Some(f), _) => store.commit_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs),
+    let bytes = StepBytes {
+        layout: &layout,
+        lease: &lease,
+        crcs: &crcs,
+        digests: digests.as_deref(),
+        blobs: &blobs,
+        fill: fill.as_deref(),
     };
-    if r.is_ok() {
-        crate::commit::full_every::after_commit(store, state);
-    }
-    let persist_seconds = t0.elapsed().as_secs_f64();
-    // A fed job's copy figures and checksums: its copy ended before the commit point.
-    let (copy_seconds, crcs, digests) = match (&fill, &r) {
-        (Some(f), Ok(_)) => match (f.end(), f.progress.outcome()) {
-            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs, f.progress.digests()),
-            _ => unreachable!("a fed commit succeeds only after its copy finished"),
-        },
-        _ => (copy_seconds, crcs, digests),
-    };
+    let (t0, persist_seconds, r) = persist(store, state, step, &bytes);
+    let queued = (t0 - t_received).as_secs_f64() - waited_seconds - if fill.is_some() { 0.0 } else { copy_seconds };
+    let (copy_seconds, crcs, digests) = fed_figures(fill.as_deref(), &r, copy_seconds, crcs, digests);
     match r {
         Ok(rep) => {
-            let gib_per_s = rep.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
-            info!(
-                waited_s = waited_seconds,
-                copy_s = copy_seconds,
-                queued_s = queued_s.max(0.0),
-                write_s = rep.write.as_secs_f64(),
-                sync_s = rep.sync.as_secs_f64(),
-                commit_s = rep.commit.as_secs_f64(),
-                persist_s = persist_seconds,
-                gib_per_s,
-                "durable"
-            );
-            state.set_last(LastFigures {
-                step,
-                bytes: rep.bytes,
-                copy_seconds,
-                persist_seconds,
-                persist_gib_per_s: gib_per_s,
-            });
-            // Resident first: a Load sent the moment Durable arrives is served from RAM.
-            state.staging.offer_resident(Resident {
-                step,
-                layout,
-                crcs,
-                digests,
-                blobs,
-                lease,
-                origin: replies.origin(),
-            });
-            replies.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
-            if let Some(d) = &state.drain {
-                d.committed(step);
-            }
-            // Deletions after Durable: nobody waits for them, but the flight
-            // ends after them (a draining daemon exits once they are done).
-            let t_retain = Instant::now();
-            let deleted = store.retain();
-            if !deleted.is_empty() {
-                info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
-            }
-            state.end(Flight::Step(step));
+            let seconds = StepSeconds { waited: waited_seconds, copy: copy_seconds, queued, persist: persist_seconds };
+            let resident = Resident { step, layout, crcs, digests, blobs, lease, origin: replies.origin() };
+            answer_durable(store, state, id, &rep, &seconds, resident, &replies);
         }
         Err(e) => {
             warn!(persist_s = persist_seconds, "commit failed: {e}");
             failed(lease, Refusal::from(&e));
         }
     }
+}
+
+/// A step's image in staging, as the committer writes it.
+struct StepBytes<'a> {
+    layout: &'a Layout,
+    lease: &'a Lease,
+    crcs: &'a [u32],
+    digests: Option<&'a [u128]>,
+    blobs: &'a [Blob],
+    fill: Option<&'a Fill>,
+}
+
+/// Writes and commits a step (the `--full-every` bookkeeping around an
+/// incremental one); returns when the write began, the seconds it took to
+/// make the step durable, and the store's report.
+fn persist(
+    store: &mut Store,
+    state: &DaemonState,
+    step: u64,
+    b: &StepBytes<'_>,
+) -> (Instant, f64, Result<CommitReport, CommitError>) {
+    let mut placed = b.layout.clone();
+    placed.rebase(b.lease.offset_bytes());
+    let blob_refs: Vec<image::Blob> = b.blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
+    let t0 = Instant::now();
+    if placed.opts.incremental {
+        crate::commit::full_every::before_commit(store, state);
+    }
+    let r = match (b.fill, b.digests) {
+        (None, Some(d)) => store.commit_with_digests(step, &placed, b.lease.staging_buf(), b.crcs, d, &blob_refs),
+        (None, None) => store.commit(step, &placed, b.lease.staging_buf(), b.crcs, &blob_refs),
+        (Some(f), _) => store.commit_fed(step, &placed, b.lease.staging_buf(), &f.progress, &blob_refs),
+    };
+    if r.is_ok() {
+        crate::commit::full_every::after_commit(store, state);
+    }
+    (t0, t0.elapsed().as_secs_f64(), r)
+}
+
+/// A fed job's copy figures and checksums, from its fill once the commit
+/// succeeded: its copy ended before the commit point. Otherwise the job's own.
+fn fed_figures(
+    fill: Option<&Fill>,
+    r: &Result<CommitReport, CommitError>,
+    copy_seconds: f64,
+    crcs: Vec<u32>,
+    digests: Option<Vec<u128>>,
+) -> (f64, Vec<u32>, Option<Vec<u128>>) {
+    match (fill, r) {
+        (Some(f), Ok(_)) => match (f.end(), f.progress.outcome()) {
+            (FillEnd::Copied { copy_seconds }, Ok(crcs)) => (copy_seconds, crcs, f.progress.digests()),
+            _ => unreachable!("a fed commit succeeds only after its copy finished"),
+        },
+        _ => (copy_seconds, crcs, digests),
+    }
+}
+
+/// The phases of a durable step, in seconds, for its log line.
+struct StepSeconds {
+    waited: f64,
+    copy: f64,
+    queued: f64,
+    persist: f64,
+}
+
+/// Logs a durable step, keeps it resident, replies Durable, then applies
+/// retention; the flight ends last (a draining daemon exits once it has).
+fn answer_durable(
+    store: &mut Store,
+    state: &DaemonState,
+    id: u64,
+    rep: &CommitReport,
+    s: &StepSeconds,
+    resident: Resident,
+    replies: &Replies,
+) {
+    let step = resident.step;
+    let gib_per_s = rep.bytes as f64 / s.persist.max(1e-9) / (1u64 << 30) as f64;
+    info!(
+        waited_s = s.waited,
+        copy_s = s.copy,
+        queued_s = s.queued.max(0.0),
+        write_s = rep.write.as_secs_f64(),
+        sync_s = rep.sync.as_secs_f64(),
+        commit_s = rep.commit.as_secs_f64(),
+        persist_s = s.persist,
+        gib_per_s,
+        "durable"
+    );
+    let last = LastFigures {
+        step,
+        bytes: rep.bytes,
+        copy_seconds: s.copy,
+        persist_seconds: s.persist,
+        persist_gib_per_s: gib_per_s,
+    };
+    state.set_last(last);
+    // Resident first: a Load sent the moment Durable arrives is served from RAM.
+    state.staging.offer_resident(resident);
+    let persist_seconds = s.persist;
+    replies.send(&Reply::Durable { id, step, path: rep.path.display().to_string(), persist_seconds });
+    if let Some(d) = &state.drain {
+        d.committed(step);
+    }
+    // Deletions after Durable: nobody waits for them, but the flight
+    // ends after them (a draining daemon exits once they are done).
+    let t_retain = Instant::now();
+    let deleted = store.retain();
+    if !deleted.is_empty() {
+        info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
+    }
+    state.end(Flight::Step(step));
 }
 
 impl From<&RollbackError> for Refusal {

@@ -39,13 +39,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ckpt_store::commit::{CommitError, Store};
-use ckpt_store::image;
+use ckpt_store::image::{self, Layout, SliceDecl};
+use ckpt_store::nodes::PartReport;
 use ckpt_store::nodes::{self, RanksState};
-use ckpt_wire::{ErrorCode, LastFigures, Reply};
+use ckpt_wire::{Blob, ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
 use crate::commit::slices;
-use crate::state::jobs::{copy_failure_or, error_code, FillEnd, Flight, Job};
+use crate::memory::staging::Lease;
+use crate::state::jobs::{copy_failure_or, error_code, Fill, FillEnd, Flight, Job, Part};
 use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::{DaemonState, Phase};
@@ -58,6 +60,18 @@ struct Waiter {
     copy_seconds: f64,
     /// An incremental part: how many of its shards were linked (`--full-every`'s count).
     linked_files: Option<usize>,
+}
+
+/// A part's bytes and what was checked of them, as they are written.
+struct PartBytes<'a> {
+    rank: u32,
+    layout: &'a Layout,
+    lease: &'a Lease,
+    crcs: &'a [u32],
+    digests: Option<&'a [u128]>,
+    blobs: &'a [Blob],
+    decls: &'a [SliceDecl],
+    fill: Option<&'a Fill>,
 }
 
 struct StepWait {
@@ -120,66 +134,25 @@ impl Nodes {
             state.end(key);
             replies.send(&r.failed(id, step));
         };
-        if let Some(w) = self.steps.get(&step) {
-            if w.world_size != part.world_size {
-                let why = format!(
-                    "step {step}: rank {} says world size {}, but this node's earlier ranks said {}",
-                    part.rank, part.world_size, w.world_size
-                );
-                warn!("{why}");
-                drop(lease);
-                return fail(Refusal::new(ErrorCode::BadRequest, why));
-            }
-            if w.waiters.iter().any(|x| x.rank == part.rank) {
-                let why = format!("step {step}: rank {} sent its part twice", part.rank);
-                warn!("{why}");
-                drop(lease);
-                return fail(Refusal::new(ErrorCode::BadRequest, why));
-            }
-        }
-        if state.is_aborting() {
-            drop(lease);
-            let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
-            return fail(Refusal::new(ErrorCode::ShuttingDown, reason));
-        }
-        // This rank's slice declarations, checked here as one sidecar checks
-        // each part's (they name its own tensors); the coordinator checks
-        // them across ranks when it merges the markers.
-        let decls = match slices::declared(part.rank, &layout, &blobs) {
+        let decls = match self.check_part(state, step, part, &layout, &blobs) {
             Ok(d) => d,
-            Err(why) => {
-                let why = format!("step {step}: {why}");
-                warn!("{why}");
+            Err(r) => {
                 drop(lease);
-                return fail(Refusal::new(ErrorCode::BadRequest, why));
+                return fail(r);
             }
         };
         state.set_phase(key, Phase::Writing);
-        let mut placed = layout.clone();
-        placed.rebase(lease.offset_bytes());
-        // Slice declarations are not stored as blobs (protocol.md, "Slices"):
-        // they travel beside the rank's marker into the step's index.
-        let blob_refs: Vec<image::Blob> = blobs
-            .iter()
-            .filter(|b| !slices::is_declaration(b))
-            .map(|b| image::Blob { name: &b.name, bytes: &b.bytes })
-            .collect();
-        let t0 = Instant::now();
-        // A fed part (still being copied) is written as it is copied; its
-        // marker waits for the copy's checksums.
-        // Incremental: whether its unchanged stable shards may be linked
-        // (`--full-every`, counted per rank).
-        store.set_link_unchanged(self.may_link(state, part.rank));
-        let r = match (&fill, &digests) {
-            (None, Some(d)) if placed.opts.incremental => {
-                store.write_rank_part_with_digests(step, &placed, lease.staging_buf(), &crcs, d, &blob_refs, &decls)
-            }
-            (None, _) => store.write_rank_part(step, &placed, lease.staging_buf(), &crcs, &blob_refs, &decls),
-            (Some(f), _) => {
-                store.write_rank_part_fed(step, &placed, lease.staging_buf(), &f.progress, &blob_refs, &decls)
-            }
+        let bytes = PartBytes {
+            rank: part.rank,
+            layout: &layout,
+            lease: &lease,
+            crcs: &crcs,
+            digests: digests.as_deref(),
+            blobs: &blobs,
+            decls: &decls,
+            fill: fill.as_deref(),
         };
-        drop(blob_refs);
+        let (t0, r) = self.write_part(store, state, step, &bytes);
         drop(lease);
         let rep = match r {
             Ok(rep) => rep,
@@ -199,29 +172,112 @@ impl Nodes {
         });
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
         state.set_phase(key, Phase::WaitingForRanks);
+        let waiter = Waiter { id, rank: part.rank, replies, copy_seconds, linked_files };
+        self.wait_for_commit(step, part.world_size, rep.bytes, waiter);
+        self.poll_step(store, state, step);
+    }
+
+    /// The checks of a part before it is written, in this order: its world
+    /// size against the step's earlier ranks, a rank sent twice, shutting
+    /// down, and its slice declarations; returns those declarations.
+    fn check_part(
+        &self,
+        state: &DaemonState,
+        step: u64,
+        part: Part,
+        layout: &Layout,
+        blobs: &[Blob],
+    ) -> Result<Vec<SliceDecl>, Refusal> {
+        if let Some(w) = self.steps.get(&step) {
+            if w.world_size != part.world_size {
+                let why = format!(
+                    "step {step}: rank {} says world size {}, but this node's earlier ranks said {}",
+                    part.rank, part.world_size, w.world_size
+                );
+                warn!("{why}");
+                return Err(Refusal::new(ErrorCode::BadRequest, why));
+            }
+            if w.waiters.iter().any(|x| x.rank == part.rank) {
+                let why = format!("step {step}: rank {} sent its part twice", part.rank);
+                warn!("{why}");
+                return Err(Refusal::new(ErrorCode::BadRequest, why));
+            }
+        }
+        if state.is_aborting() {
+            let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
+            return Err(Refusal::new(ErrorCode::ShuttingDown, reason));
+        }
+        // This rank's slice declarations, checked here as one sidecar checks
+        // each part's (they name its own tensors); the coordinator checks
+        // them across ranks when it merges the markers.
+        slices::declared(part.rank, layout, blobs).map_err(|why| {
+            let why = format!("step {step}: {why}");
+            warn!("{why}");
+            Refusal::new(ErrorCode::BadRequest, why)
+        })
+    }
+
+    /// Writes a part into the step's temp folder in the shared directory;
+    /// returns when the write began (for its log line) and its report.
+    fn write_part(
+        &self,
+        store: &mut Store,
+        state: &DaemonState,
+        step: u64,
+        p: &PartBytes<'_>,
+    ) -> (Instant, Result<PartReport, CommitError>) {
+        let mut placed = p.layout.clone();
+        placed.rebase(p.lease.offset_bytes());
+        // Slice declarations are not stored as blobs (protocol.md, "Slices"):
+        // they travel beside the rank's marker into the step's index.
+        let blob_refs: Vec<image::Blob> = p
+            .blobs
+            .iter()
+            .filter(|b| !slices::is_declaration(b))
+            .map(|b| image::Blob { name: &b.name, bytes: &b.bytes })
+            .collect();
+        let t0 = Instant::now();
+        // A fed part (still being copied) is written as it is copied; its
+        // marker waits for the copy's checksums.
+        // Incremental: whether its unchanged stable shards may be linked
+        // (`--full-every`, counted per rank).
+        store.set_link_unchanged(self.may_link(state, p.rank));
+        let buf = p.lease.staging_buf();
+        let r = match (p.fill, p.digests) {
+            (None, Some(d)) if placed.opts.incremental => {
+                store.write_rank_part_with_digests(step, &placed, buf, p.crcs, d, &blob_refs, p.decls)
+            }
+            (None, _) => store.write_rank_part(step, &placed, buf, p.crcs, &blob_refs, p.decls),
+            (Some(f), _) => store.write_rank_part_fed(step, &placed, buf, &f.progress, &blob_refs, p.decls),
+        };
+        (t0, r)
+    }
+
+    /// Puts a written part's rank among the step's waiters; the sidecar
+    /// serving rank 0 becomes the step's coordinator, its clock starting now.
+    fn wait_for_commit(&mut self, step: u64, world_size: u32, bytes: u64, waiter: Waiter) {
         let timeout = self.timeout;
         let w = self.steps.entry(step).or_insert_with(|| StepWait {
-            world_size: part.world_size,
+            world_size,
             waiters: Vec::new(),
             coordinator: false,
             since: Instant::now(),
             seen: BTreeSet::new(),
             bytes: 0,
         });
-        w.bytes += rep.bytes;
-        w.seen.insert(part.rank);
-        if part.rank == 0 {
+        w.bytes += bytes;
+        w.seen.insert(waiter.rank);
+        if waiter.rank == 0 {
             w.coordinator = true;
             w.since = Instant::now();
             info!(
                 step,
-                world_size = part.world_size,
+                world_size,
                 timeout_s = timeout.as_secs_f64(),
                 "coordinator of this step (this sidecar serves rank 0): commits when every rank's marker is in the shared directory"
             );
         }
-        w.waiters.push(Waiter { id, rank: part.rank, replies, copy_seconds, linked_files });
-        self.poll_step(store, state, step);
+        w.waiters.push(waiter);
     }
 
     /// Whether rank `rank`'s next part may link unchanged shards: not when

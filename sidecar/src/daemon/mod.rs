@@ -27,12 +27,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ckpt_wire::{FrameError, Reply, Request, StatusReport, PROTOCOL_VERSION};
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError};
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{info, warn};
 
 use crate::config;
 use crate::memory::staging::{Staging, StagingError};
+use crate::state::jobs::Work;
 use crate::state::DaemonState;
 use ckpt_store::commit::{Store, StoreError, StoreOptions};
 use ckpt_store::image::LayoutOptions;
@@ -156,50 +157,15 @@ struct Running {
 
 /// Starts the daemon; `role` (`serve` or `launch`) goes into the directory
 /// locks with the socket, so a second process on a directory names us.
+/// The steps run in the start-up order the module doc states.
 fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, DaemonError> {
-    crate::commit::committer::check_part_timeout().map_err(DaemonError::Env)?;
-    let budget = opts.staging_bytes.unwrap_or_else(default_staging_bytes);
-    if budget < config::STAGING_BYTES_MIN {
-        return Err(DaemonError::StagingTooSmall(budget));
-    }
+    let budget = check_start_options(opts)?;
     let metrics = opts.metrics.map(crate::state::metrics::bind).transpose()?;
     // The drain target first: a wrong credential or an unreachable URL
     // stops the start before anything is bound, locked or allocated.
-    let drain = match &opts.drain {
-        Some(d) => {
-            let dirs = opts.dirs.iter().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())).collect();
-            let dirs: Vec<PathBuf> = dirs;
-            // Several nodes with node-local files: this node drains its own
-            // files of the steps committed in the shared directory.
-            let nodes = match (&opts.shared_dir, &opts.node_local) {
-                (Some(sh), Some(id)) => Some(crate::drain::NodesDrain {
-                    shared_dir: std::fs::canonicalize(sh)
-                        .unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
-                    me: ThisNode { id: id.clone(), dirs: dirs.clone() },
-                }),
-                _ => None,
-            };
-            let drain = crate::drain::Drain::open_nodes(d.clone(), dirs, nodes)?;
-            info!(url = drain.url(), every = d.every, keep = ?d.keep, bandwidth_bytes_per_s = ?d.bandwidth_bytes_per_s, "drain target reachable");
-            Some(drain)
-        }
-        None => None,
-    };
+    let drain = opts.drain.as_ref().map(|d| open_drain(opts, d)).transpose()?;
     let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
-    // The directories are locked (a second sidecar on one fails here, naming
-    // the holder) and recovered before the staging budget is allocated.
-    let mut store = Store::open(StoreOptions {
-        io: opts.io,
-        retention: opts.retention,
-        lock_role: role.into(),
-        lock_socket: Some(std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf())),
-        shared: opts.shared_dir.clone(),
-        // Twice the part timeout: a live coordinator aborts long before.
-        shared_stale_after: crate::commit::committer::part_timeout() * 2,
-        node_local: opts.node_local.clone(),
-        read_only: if opts.read_only { ReadOnly::Always } else { ReadOnly::Auto },
-        ..StoreOptions::new(opts.dirs.clone())
-    })?;
+    let mut store = open_store(opts, socket, role)?;
     let locks = store.take_locks();
     if let Some(d) = &drain {
         store.set_retention_hold(d.hold());
@@ -211,6 +177,78 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
+    let state = new_state(opts, &store, staging, tx, &drain);
+    log_ready(&state, &store);
+    crate::commit::committer::spawn(store, rx, state.clone());
+    if let Some(d) = &drain {
+        d.spawn()?;
+    }
+    if let Some(m) = metrics {
+        let s = state.clone();
+        crate::state::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
+    }
+    server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
+    // Only now may clients find the socket: they get answers at once.
+    listener.publish()?;
+    Ok(Running { state, listener, _locks: locks })
+}
+
+/// The checks of the options before anything is started: the part timeout
+/// from the environment, and the staging budget (returned).
+fn check_start_options(opts: &DaemonOptions) -> Result<u64, DaemonError> {
+    crate::commit::committer::check_part_timeout().map_err(DaemonError::Env)?;
+    let budget = opts.staging_bytes.unwrap_or_else(default_staging_bytes);
+    if budget < config::STAGING_BYTES_MIN {
+        return Err(DaemonError::StagingTooSmall(budget));
+    }
+    Ok(budget)
+}
+
+/// Opens the drain target (reaching it, so a bad one fails the start).
+fn open_drain(opts: &DaemonOptions, d: &crate::drain::DrainOptions) -> Result<Arc<crate::drain::Drain>, DaemonError> {
+    let dirs = opts.dirs.iter().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())).collect();
+    let dirs: Vec<PathBuf> = dirs;
+    // Several nodes with node-local files: this node drains its own
+    // files of the steps committed in the shared directory.
+    let nodes = match (&opts.shared_dir, &opts.node_local) {
+        (Some(sh), Some(id)) => Some(crate::drain::NodesDrain {
+            shared_dir: std::fs::canonicalize(sh)
+                .unwrap_or_else(|_| std::path::absolute(sh).unwrap_or_else(|_| sh.clone())),
+            me: ThisNode { id: id.clone(), dirs: dirs.clone() },
+        }),
+        _ => None,
+    };
+    let drain = crate::drain::Drain::open_nodes(d.clone(), dirs, nodes)?;
+    info!(url = drain.url(), every = d.every, keep = ?d.keep, bandwidth_bytes_per_s = ?d.bandwidth_bytes_per_s, "drain target reachable");
+    Ok(drain)
+}
+
+/// Opens the store: the directories are locked (a second sidecar on one
+/// fails here, naming the holder) and recovered before the staging budget
+/// is allocated.
+fn open_store(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Store, StoreError> {
+    Store::open(StoreOptions {
+        io: opts.io,
+        retention: opts.retention,
+        lock_role: role.into(),
+        lock_socket: Some(std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf())),
+        shared: opts.shared_dir.clone(),
+        // Twice the part timeout: a live coordinator aborts long before.
+        shared_stale_after: crate::commit::committer::part_timeout() * 2,
+        node_local: opts.node_local.clone(),
+        read_only: if opts.read_only { ReadOnly::Always } else { ReadOnly::Auto },
+        ..StoreOptions::new(opts.dirs.clone())
+    })
+}
+
+/// The daemon's shared state, from the options and the opened store.
+fn new_state(
+    opts: &DaemonOptions,
+    store: &Store,
+    staging: Arc<Staging>,
+    tx: Sender<Work>,
+    drain: &Option<Arc<crate::drain::Drain>>,
+) -> Arc<DaemonState> {
     let layout_opts = LayoutOptions {
         n_dirs: store.dirs().len(),
         shard_bytes_max: opts.shard_bytes_max,
@@ -234,7 +272,11 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     state.read_only = store.read_only().cloned();
     state.drain = drain.clone();
     state.full_every.store(opts.full_every, std::sync::atomic::Ordering::Relaxed);
-    let state = Arc::new(state);
+    Arc::new(state)
+}
+
+/// Logs how this sidecar serves several nodes (if it does) and that it is ready.
+fn log_ready(state: &DaemonState, store: &Store) {
     if let Some(d) = &state.shared_dir {
         match &state.read_opts.node {
             None => {
@@ -246,18 +288,6 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         }
     }
     info!(dirs = ?state.dirs, engines = %store.engine_names(), staging_bytes = state.staging.budget_bytes(), cuda = %crate::memory::cuda_probe::summary(), "sidecar ready");
-    crate::commit::committer::spawn(store, rx, state.clone());
-    if let Some(d) = &drain {
-        d.spawn()?;
-    }
-    if let Some(m) = metrics {
-        let s = state.clone();
-        crate::state::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
-    }
-    server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
-    // Only now may clients find the socket: they get answers at once.
-    listener.publish()?;
-    Ok(Running { state, listener, _locks: locks })
 }
 
 fn signals(tx: crossbeam_channel::Sender<Event>) -> Result<(), DaemonError> {

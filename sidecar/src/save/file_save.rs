@@ -36,9 +36,9 @@ use tracing::{info, info_span, warn};
 
 use crate::config::{self, STAGING_ALIGN_BYTES};
 use crate::memory::regions::Region;
-use crate::memory::staging::StagingError;
+use crate::memory::staging::{Lease, StagingError};
 use crate::save::copy;
-use crate::save::torch_zip;
+use crate::save::torch_zip::{self, TorchZip};
 use crate::state::jobs::{FileJob, Work};
 use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
@@ -145,39 +145,12 @@ pub fn run_save_file(
 ) {
     let FileRequest { id, path, pieces, finish } = req;
     let t_received = Instant::now();
-    let fail = |r: Refusal| {
-        info!(path = %path, code = ?r.code, "save of a file refused: {}", r.reason);
-        replies.send(&r.failed(id, 0));
-    };
-    // Draining: no new saves, but one a client sent before it went is
-    // served when its region was handed over (checked below).
-    if state.is_aborting() || (state.is_draining() && !replies.is_gone()) {
-        return fail(Refusal::new(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves"));
-    }
-    let dest = match check_path(&path, peer_uid, state.uid) {
-        Ok(p) => p,
-        Err(r) => return fail(r),
-    };
-    let (sources, len_bytes) = match sources_of(&path, &pieces, regions) {
-        Ok(x) => x,
-        Err(r) => return fail(r),
-    };
-    let lease_bytes = config::align_up(len_bytes, STAGING_ALIGN_BYTES).max(STAGING_ALIGN_BYTES as u64);
-    if lease_bytes > state.staging.budget_bytes() {
-        let budget = state.staging.budget_bytes();
-        return fail(Refusal::new(
-            ErrorCode::TooLarge,
-            format!(
-                "{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"
-            ),
-        ));
-    }
-    // Bytes all in hand-over regions (or none) are the sidecar's once sent:
-    // the client's departure does not stop their copy (protocol.md).
-    let handed_over = sources.iter().all(|(r, _, _)| r.hands_over());
-    if state.is_draining() && !handed_over {
-        return fail(Refusal::new(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves"));
-    }
+    let fail = |r: Refusal| refuse(replies, id, &path, r);
+    let Admitted { dest, sources, len_bytes, lease_bytes, handed_over } =
+        match admit(state, replies, regions, peer_uid, &path, &pieces) {
+            Ok(a) => a,
+            Err(r) => return fail(r),
+        };
     let key = state.begin_file(&path, len_bytes);
     replies.started(id, t_received, len_bytes);
     let span = info_span!("save_file", path = %path, bytes = len_bytes, pieces = sources.len());
@@ -187,58 +160,24 @@ pub fn run_save_file(
         Ok(x) => x,
         Err(e) => {
             state.end(key);
-            let code =
-                if matches!(e, StagingError::GaveUp { .. }) { ErrorCode::ShuttingDown } else { ErrorCode::TooLarge };
-            return fail(Refusal::new(code, format!("{path}: {e}")));
+            return fail(staging_refusal(&path, &e));
         }
     };
     state.set_phase(key, Phase::Copying);
-    let t_copy = Instant::now();
-    let ranges: Vec<(&Region, u64, u64)> = sources.iter().map(|(r, off, len)| (&**r, *off, *len)).collect();
-    let copied = copy::copy_ranges_into(&ranges, &mut lease, &|| give_up().is_some());
-    let copy_seconds = t_copy.elapsed().as_secs_f64();
-    // Released only if every region still held its bytes (one its client
-    // truncated during the copy was read as zeros; a failed device copy),
-    // the client is still there to be told, and a torch.save archive is one.
-    let intact = sources.iter().try_for_each(|(r, _, _)| r.check_intact());
-    drop(ranges);
-    drop(sources);
-    let mut refused = match intact {
-        Err(e) => Some(Refusal::new(ErrorCode::BadRegion, format!("{path}: {e}"))),
-        Ok(()) => {
-            let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
-            stopped.map(|why| Refusal::new(ErrorCode::ShuttingDown, format!("{path}: aborted: {why}")))
+    let (copy_seconds, checked) = copy_and_check(&path, sources, &mut lease, len_bytes, finish, &give_up);
+    let zip = match checked {
+        Ok(zip) => zip,
+        Err(r) => {
+            drop(lease);
+            state.end(key);
+            warn!(copy_s = copy_seconds, "aborted before release, nothing written: {}", r.reason);
+            return fail(r);
         }
     };
-    let zip = match finish {
-        FileFinish::TorchZip if refused.is_none() => {
-            match torch_zip::parse(&lease.as_mut_slice()[..len_bytes as usize]) {
-                Ok(z) => Some(z),
-                Err(e) => {
-                    refused = Some(Refusal::new(ErrorCode::BadRequest, format!("{path}: {e}")));
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
-    if let Some(r) = refused {
-        drop(lease);
-        state.end(key);
-        warn!(copy_s = copy_seconds, "aborted before release, nothing written: {}", r.reason);
-        return fail(r);
-    }
     let waited_seconds = waited.as_secs_f64();
-    if handed_over && replies.is_gone() {
-        info!("the client is gone, but it handed these bytes over at save: committing them");
-    }
-    info!(copy_s = copy_seconds, waited_s = waited_seconds, "released");
-    replies.send(&Reply::Released { id, step: 0, copy_seconds, waited_seconds });
+    release(replies, id, handed_over, copy_seconds, waited_seconds);
     if let Some(z) = zip {
-        // Off the trainer's stall: it only waited for Released.
-        let t_crc = Instant::now();
-        torch_zip::fill(&mut lease.as_mut_slice()[..len_bytes as usize], &z);
-        info!(crc_s = t_crc.elapsed().as_secs_f64(), "torch.save archive CRC-32s computed");
+        fill_torch_crcs(&mut lease, len_bytes, &z);
     }
     state.set_phase(key, Phase::Queued);
     drop(guard);
@@ -254,6 +193,129 @@ pub fn run_save_file(
         waited_seconds,
         t_received,
     };
+    queue_file_job(state, job);
+}
+
+/// Logs why a SaveFile is refused and tells the client.
+fn refuse(replies: &Replies, id: u64, path: &str, r: Refusal) {
+    info!(path = %path, code = ?r.code, "save of a file refused: {}", r.reason);
+    replies.send(&r.failed(id, 0));
+}
+
+/// A SaveFile that passed the checks made before staging is asked for.
+struct Admitted {
+    dest: PathBuf,
+    sources: Vec<FileSource>,
+    len_bytes: u64,
+    lease_bytes: u64,
+    /// Every source region hands its bytes over at save (or there are none).
+    handed_over: bool,
+}
+
+/// The checks before any staging is leased, in this order: shutting down,
+/// the path, the pieces against the regions, the staging budget, and (while
+/// draining) whether the bytes were handed over.
+fn admit(
+    state: &DaemonState,
+    replies: &Replies,
+    regions: &HashMap<u32, Arc<Region>>,
+    peer_uid: u32,
+    path: &str,
+    pieces: &[FilePiece],
+) -> Result<Admitted, Refusal> {
+    // Draining: no new saves, but one a client sent before it went is
+    // served when its region was handed over (checked below).
+    if state.is_aborting() || (state.is_draining() && !replies.is_gone()) {
+        return Err(Refusal::new(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves"));
+    }
+    let dest = check_path(path, peer_uid, state.uid)?;
+    let (sources, len_bytes) = sources_of(path, pieces, regions)?;
+    let lease_bytes = config::align_up(len_bytes, STAGING_ALIGN_BYTES).max(STAGING_ALIGN_BYTES as u64);
+    if lease_bytes > state.staging.budget_bytes() {
+        let budget = state.staging.budget_bytes();
+        return Err(Refusal::new(
+            ErrorCode::TooLarge,
+            format!(
+                "{path}: {len_bytes} bytes, more than the whole staging budget of {budget} bytes (raise --staging)"
+            ),
+        ));
+    }
+    // Bytes all in hand-over regions (or none) are the sidecar's once sent:
+    // the client's departure does not stop their copy (protocol.md).
+    let handed_over = sources.iter().all(|(r, _, _)| r.hands_over());
+    if state.is_draining() && !handed_over {
+        return Err(Refusal::new(ErrorCode::ShuttingDown, "the sidecar is shutting down; no new saves"));
+    }
+    Ok(Admitted { dest, sources, len_bytes, lease_bytes, handed_over })
+}
+
+/// The refusal for a lease staging did not grant: a stop while waiting is
+/// a shutdown, anything else a file too large.
+fn staging_refusal(path: &str, e: &StagingError) -> Refusal {
+    let code = if matches!(e, StagingError::GaveUp { .. }) { ErrorCode::ShuttingDown } else { ErrorCode::TooLarge };
+    Refusal::new(code, format!("{path}: {e}"))
+}
+
+/// Copies the pieces into the lease and checks that the bytes may be
+/// released; returns the copy's seconds and the parsed torch.save archive
+/// (for [`FileFinish::TorchZip`]), or why the save is refused. The sources
+/// are dropped before the archive is parsed.
+fn copy_and_check(
+    path: &str,
+    sources: Vec<FileSource>,
+    lease: &mut Lease,
+    len_bytes: u64,
+    finish: FileFinish,
+    give_up: &(dyn Fn() -> Option<&'static str> + Sync),
+) -> (f64, Result<Option<TorchZip>, Refusal>) {
+    let t_copy = Instant::now();
+    let ranges: Vec<(&Region, u64, u64)> = sources.iter().map(|(r, off, len)| (&**r, *off, *len)).collect();
+    let copied = copy::copy_ranges_into(&ranges, lease, &|| give_up().is_some());
+    let copy_seconds = t_copy.elapsed().as_secs_f64();
+    // Released only if every region still held its bytes (one its client
+    // truncated during the copy was read as zeros; a failed device copy),
+    // the client is still there to be told, and a torch.save archive is one.
+    let intact = sources.iter().try_for_each(|(r, _, _)| r.check_intact());
+    drop(ranges);
+    drop(sources);
+    let refused = match intact {
+        Err(e) => Some(Refusal::new(ErrorCode::BadRegion, format!("{path}: {e}"))),
+        Ok(()) => {
+            let stopped = if copied { give_up() } else { Some(give_up().unwrap_or("stopped during the copy")) };
+            stopped.map(|why| Refusal::new(ErrorCode::ShuttingDown, format!("{path}: aborted: {why}")))
+        }
+    };
+    let checked = match (refused, finish) {
+        (Some(r), _) => Err(r),
+        (None, FileFinish::TorchZip) => match torch_zip::parse(&lease.as_mut_slice()[..len_bytes as usize]) {
+            Ok(z) => Ok(Some(z)),
+            Err(e) => Err(Refusal::new(ErrorCode::BadRequest, format!("{path}: {e}"))),
+        },
+        (None, _) => Ok(None),
+    };
+    (copy_seconds, checked)
+}
+
+/// Logs the release and tells the client its bytes are in staging.
+fn release(replies: &Replies, id: u64, handed_over: bool, copy_seconds: f64, waited_seconds: f64) {
+    if handed_over && replies.is_gone() {
+        info!("the client is gone, but it handed these bytes over at save: committing them");
+    }
+    info!(copy_s = copy_seconds, waited_s = waited_seconds, "released");
+    replies.send(&Reply::Released { id, step: 0, copy_seconds, waited_seconds });
+}
+
+/// Completes a torch.save archive's CRC-32 fields in staging. Off the
+/// trainer's stall: it only waited for Released.
+fn fill_torch_crcs(lease: &mut Lease, len_bytes: u64, zip: &TorchZip) {
+    let t_crc = Instant::now();
+    torch_zip::fill(&mut lease.as_mut_slice()[..len_bytes as usize], zip);
+    info!(crc_s = t_crc.elapsed().as_secs_f64(), "torch.save archive CRC-32s computed");
+}
+
+/// Hands the file to the committer; a committer already stopped fails it.
+fn queue_file_job(state: &DaemonState, job: FileJob) {
+    let (id, key) = (job.id, job.key);
     if let Err(e) = state.commit_tx.send(Work::File(job)) {
         let Work::File(job) = e.into_inner() else { unreachable!("sent a file job") };
         state.end(key);

@@ -57,6 +57,7 @@ use tracing::{info, warn};
 
 use crate::config;
 use crate::memory::staging::Staging;
+use uploads::Round;
 
 pub use node_drains::NodesDrain;
 pub use remote_source::{RemoteCkpt, RemoteFrom, RemoteStep};
@@ -267,12 +268,12 @@ impl Drain {
                 Some(n) => self.drain_once_nodes(n),
             };
             match round {
-                Ok(true) => backoff_ms = config::DRAIN_BACKOFF_MIN_MS,
-                Ok(false) => {
+                Round::Moved => backoff_ms = config::DRAIN_BACKOFF_MIN_MS,
+                Round::Idle => {
                     backoff_ms = config::DRAIN_BACKOFF_MIN_MS;
                     self.pause(Duration::from_millis(config::DRAIN_POLL_MS));
                 }
-                Err(()) => {
+                Round::TargetFailed => {
                     self.pause(Duration::from_millis(backoff_ms));
                     backoff_ms = (backoff_ms * 2).min(config::DRAIN_BACKOFF_MAX_MS);
                 }

@@ -12,7 +12,7 @@ use ckpt_store::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use ckpt_tier::LocalFile;
 use tracing::{info, warn};
 
-use super::uploads::Upload;
+use super::uploads::{Round, Upload};
 use super::Drain;
 
 /// Several nodes with node-local files (`--shared` and a drain): the
@@ -28,12 +28,12 @@ pub struct NodesDrain {
 
 impl Drain {
     /// [`Drain::drain_once`] for a node of several: the newest step
-    /// committed in the shared directory not yet drained; Ok(false) also
+    /// committed in the shared directory not yet drained; Round::Idle also
     /// while it waits for the other nodes' uploads or the remote commit.
-    pub(super) fn drain_once_nodes(&self, n: &NodesDrain) -> Result<bool, ()> {
+    pub(super) fn drain_once_nodes(&self, n: &NodesDrain) -> Round {
         let committed = catalog::committed_steps(&n.shared_dir).unwrap_or_default();
         let Some(newest) = self.next_step(&committed, |st, newest| st.mine_uploaded.retain(|&s| s >= newest)) else {
-            return Ok(false);
+            return Round::Idle;
         };
         // Held from the coordinator's retention in the shared directory
         // until replicated (or a newer one is the newest not replicated).
@@ -68,7 +68,7 @@ impl Drain {
                 self.answer(&mut st);
                 drop(st);
                 self.retain_remote();
-                Ok(true)
+                Round::Moved
             }
             Ok(None) => {
                 if st.waiting_said != Some(newest) {
@@ -80,7 +80,7 @@ impl Drain {
                     );
                 }
                 self.answer(&mut st);
-                Ok(false)
+                Round::Idle
             }
             Err(Upload::Gone) => {
                 st.uploading = None;
@@ -88,13 +88,13 @@ impl Drain {
                 st.skipped.insert(newest);
                 st.done_upto = Some(newest);
                 self.answer(&mut st);
-                Ok(true)
+                Round::Moved
             }
             Err(Upload::Failed(e)) => {
                 st.uploading = None;
                 drop(st);
                 self.set_up(false, format!("step {newest}: {e}"));
-                Err(())
+                Round::TargetFailed
             }
         }
     }

@@ -98,7 +98,7 @@ fn incremental_drain_uploads_unchanged_shard_once(url: &str) {
                 "step {step}: the frozen shard is linked locally"
             );
         }
-        assert_eq!(drain.drain_once(), Ok(true), "step {step}");
+        assert_eq!(drain.drain_once(), Round::Moved, "step {step}");
     }
     let frozen_len = frozen_shard.file_len;
     let st = drain.lock();
@@ -225,7 +225,7 @@ fn drain_of_resident_step(
 fn a_resident_step_drains_from_staging_memory() {
     let (tmp, staging, layout, drain) = drain_of_resident_step(4, false);
     let (dir, remote) = (tmp.path().join("local").canonicalize().unwrap(), tmp.path().join("remote"));
-    assert_eq!(drain.drain_once(), Ok(true));
+    assert_eq!(drain.drain_once(), Round::Moved);
     let shards: u64 = layout.shards.iter().map(|s| s.file_len).sum();
     let st = drain.lock();
     assert_eq!(st.replicated.iter().copied().collect::<Vec<_>>(), vec![4]);
@@ -243,7 +243,7 @@ fn a_resident_step_drains_from_staging_memory() {
 fn a_resident_image_that_differs_from_its_files_drains_from_disk() {
     let (tmp, _staging, layout, drain) = drain_of_resident_step(6, true);
     let (dir, remote) = (tmp.path().join("local").canonicalize().unwrap(), tmp.path().join("remote"));
-    assert_eq!(drain.drain_once(), Ok(true));
+    assert_eq!(drain.drain_once(), Round::Moved);
     let shards: u64 = layout.shards.iter().map(|s| s.file_len).sum();
     assert_eq!(drain.lock().from_memory_bytes, shards - layout.shards[0].file_len, "the differing shard from disk");
     assert_remote_equals_local(&remote, &dir, 6);

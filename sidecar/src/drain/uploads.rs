@@ -55,6 +55,17 @@ struct Moved {
     from_memory_bytes: u64,
 }
 
+/// What one round of the drain did, and so when the next one runs.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Round {
+    /// A step was uploaded, or passed over (gone locally): look again at once.
+    Moved,
+    /// Nothing to drain: wait for a new durable step, or the poll interval.
+    Idle,
+    /// The target failed (said in status): back off before the next round.
+    TargetFailed,
+}
+
 /// Why a step was not uploaded.
 pub(super) enum Upload {
     /// The step is no longer committed locally.
@@ -64,11 +75,11 @@ pub(super) enum Upload {
 }
 
 impl Drain {
-    /// One round: the steps to drain now. Ok(true): a step was uploaded (look
-    /// again at once); Ok(false): nothing to do; Err: the target failed.
-    pub(super) fn drain_once(&self) -> Result<bool, ()> {
+    /// One round: the steps to drain now. Round::Moved: a step was uploaded (look
+    /// again at once); Round::Idle: nothing to do; Err: the target failed.
+    pub(super) fn drain_once(&self) -> Round {
         let committed = catalog::committed_steps(self.primary()).unwrap_or_default();
-        let Some(newest) = self.next_step(&committed, |_, _| {}) else { return Ok(false) };
+        let Some(newest) = self.next_step(&committed, |_, _| {}) else { return Round::Idle };
         // Held from local retention from now until it is replicated (or a
         // newer one replaces it as the newest not replicated).
         {
@@ -95,7 +106,7 @@ impl Drain {
                 self.answer(&mut st);
                 drop(st);
                 self.retain_remote();
-                Ok(true)
+                Round::Moved
             }
             Err(Upload::Gone) => {
                 info!(
@@ -106,7 +117,7 @@ impl Drain {
                 st.done_upto = Some(newest);
                 self.hold.lock().expect("hold lock").remove(&newest);
                 self.answer(&mut st);
-                Ok(true)
+                Round::Moved
             }
             Err(Upload::Failed(e)) => {
                 drop(st);
@@ -116,10 +127,10 @@ impl Drain {
                     st.skipped.insert(newest);
                     st.done_upto = Some(newest);
                     self.answer(&mut st);
-                    return Ok(true);
+                    return Round::Moved;
                 }
                 self.set_up(false, format!("step {newest}: {e}"));
-                Err(())
+                Round::TargetFailed
             }
         }
     }

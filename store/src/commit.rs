@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use store::{Store, StoreError, StoreOptions, TargetDir};
-pub(crate) use write::{reserve, write_dir, write_small_file, Fill};
+pub(crate) use write::{reserve, write_dir, write_dirs, write_small_file, DirWrite, Fill};
 
 use crate::format::{FormatError, TMP_PREFIX};
 use crate::read_only::ReadOnlyDir;

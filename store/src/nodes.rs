@@ -41,7 +41,9 @@ use std::time::Instant;
 use tracing::info;
 
 use crate::catalog;
-use crate::commit::{write_dir, write_small_file, CommitError, CommitReport, Fill, IncrementalReport, Store};
+use crate::commit::{
+    write_dir, write_dirs, write_small_file, CommitError, CommitReport, DirWrite, Fill, IncrementalReport, Store,
+};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
 use crate::incremental::Prev;
@@ -271,14 +273,14 @@ impl Store {
         let candidates: Vec<Option<PathBuf>> = (0..layout.shards.len())
             .map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s)))
             .collect();
+        let w = DirWrite { step, layout, staging, fill, chunk_bytes, prev: prev.as_ref(), candidates: &candidates };
         let linked = if self.opts.node_local.is_some() {
             // Node-local: the shards go into this node's own directories
             // (striped as the layout says), synced before the marker.
-            self.write_node_local_shards(step, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?
+            self.write_node_local_shards(w)?
         } else {
             let d = self.shared.as_mut().expect("checked by the caller");
-            let (_, _, linked) =
-                write_dir(d, step, 0, tmp, layout, staging, fill, chunk_bytes, prev.as_ref(), &candidates)?;
+            let (_, _, linked) = write_dir(d, 0, tmp, w)?;
             if !linked.is_empty() {
                 // The links' names durable before the marker says the part is.
                 catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
@@ -353,17 +355,8 @@ impl Store {
     /// A shard with a link candidate (incremental) is linked from this
     /// node's folder of `prev` when all its tensors are unchanged; returns
     /// the shards linked.
-    #[allow(clippy::too_many_arguments)]
-    fn write_node_local_shards(
-        &mut self,
-        step: u64,
-        layout: &Layout,
-        staging: &dyn BufAddr,
-        fill: Fill<'_>,
-        chunk_bytes: usize,
-        prev: Option<&Prev>,
-        candidates: &[Option<PathBuf>],
-    ) -> Result<Vec<usize>, CommitError> {
+    fn write_node_local_shards(&mut self, w: DirWrite<'_>) -> Result<Vec<usize>, CommitError> {
+        let DirWrite { step, layout, .. } = w;
         let rank = layout.opts.rank;
         let mut locals = Vec::new();
         for d in self.dirs() {
@@ -379,34 +372,7 @@ impl Store {
             }
             locals.push(local);
         }
-        let results: Vec<Result<_, CommitError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .dirs
-                .iter_mut()
-                .enumerate()
-                .map(|(dir_idx, d)| {
-                    let local = &locals[dir_idx];
-                    std::thread::Builder::new()
-                        .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || {
-                            write_dir(
-                                d,
-                                step,
-                                dir_idx as u32,
-                                local,
-                                layout,
-                                staging,
-                                fill,
-                                chunk_bytes,
-                                prev,
-                                candidates,
-                            )
-                        })
-                        .expect("spawning a writer thread")
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect()
-        });
+        let (results, ()) = write_dirs(&mut self.dirs, &locals, w, || ());
         let mut linked = Vec::new();
         for r in results {
             linked.extend(r?.2);

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, info_span, warn};
 
-use super::write::{write_blobs_and_index, write_dir, Fill};
+use super::write::{write_blobs_and_index, write_dirs, DirWrite, Fill};
 use super::{CommitError, CommitReport, IncrementalReport, Store};
 use crate::catalog;
 use crate::format::{self, TMP_PREFIX};
@@ -249,36 +249,9 @@ impl Store {
         let Save { step, layout, staging, fill, blobs } = save;
         let chunk_bytes = self.opts.chunk_bytes;
         let paths = &self.paths;
-        let (results, small) = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .dirs
-                .iter_mut()
-                .enumerate()
-                .map(|(dir_idx, d)| {
-                    let tmp = &tmps[dir_idx];
-                    std::thread::Builder::new()
-                        .name(format!("ckpt-write-{dir_idx}"))
-                        .spawn_scoped(s, move || {
-                            write_dir(
-                                d,
-                                step,
-                                dir_idx as u32,
-                                tmp,
-                                layout,
-                                staging,
-                                fill,
-                                chunk_bytes,
-                                prev,
-                                candidates,
-                            )
-                        })
-                        .expect("spawning a writer thread")
-                })
-                .collect();
-            let small = write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths);
-            let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect();
-            (results, small)
-        });
+        let w = DirWrite { step, layout, staging, fill, chunk_bytes, prev, candidates };
+        let (results, small) =
+            write_dirs(&mut self.dirs, tmps, w, || write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths));
         let mut written = Written { write: Duration::ZERO, sync: Duration::ZERO, linked: Vec::new(), small_bytes: 0 };
         for r in results {
             let (w, s, l) = r?;

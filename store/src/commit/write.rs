@@ -23,24 +23,61 @@ use crate::io::{self as eio, DriveError, FileIo, OpKind};
 use crate::mem::BufAddr;
 use crate::progress::Progress;
 
+/// One step's shards as every directory's writer reads them.
+#[derive(Clone, Copy)]
+pub(crate) struct DirWrite<'a> {
+    pub(crate) step: u64,
+    pub(crate) layout: &'a Layout,
+    pub(crate) staging: &'a dyn BufAddr,
+    pub(crate) fill: Fill<'a>,
+    pub(crate) chunk_bytes: usize,
+    pub(crate) prev: Option<&'a crate::incremental::Prev>,
+    /// Per shard, the previous step's file it may be linked from (incremental).
+    pub(crate) candidates: &'a [Option<PathBuf>],
+}
+
+/// What one directory's writer did: (write time, sync time, the shards linked).
+pub(crate) type DirWritten = (Duration, Duration, Vec<usize>);
+
+/// Writes every directory's shards into `folders[dir_idx]`, one named
+/// thread per directory (`ckpt-write-N`), while `meanwhile` runs on this
+/// thread; returns each directory's result, in order, and `meanwhile`'s.
+pub(crate) fn write_dirs<R>(
+    dirs: &mut [TargetDir],
+    folders: &[PathBuf],
+    w: DirWrite<'_>,
+    meanwhile: impl FnOnce() -> R,
+) -> (Vec<Result<DirWritten, CommitError>>, R) {
+    assert_eq!(dirs.len(), folders.len(), "one folder per target directory");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = dirs
+            .iter_mut()
+            .zip(folders)
+            .enumerate()
+            .map(|(dir_idx, (d, folder))| {
+                std::thread::Builder::new()
+                    .name(format!("ckpt-write-{dir_idx}"))
+                    .spawn_scoped(s, move || write_dir(d, dir_idx as u32, folder, w))
+                    .expect("spawning a writer thread")
+            })
+            .collect();
+        let r = meanwhile();
+        (handles.into_iter().map(|h| h.join().expect("writer thread panicked")).collect(), r)
+    })
+}
+
 /// Writes the shards of directory `dir_idx` into `tmp` and syncs them, as
 /// [`write_shards`] (all of them), except those with a link `candidates` (incremental):
 /// these wait for the save's checksums and digests, then are linked from
 /// the previous step when every tensor of theirs is unchanged, else
 /// written. Returns (write time, sync time, the shards linked).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn write_dir(
     d: &mut TargetDir,
-    step: u64,
     dir_idx: u32,
     tmp: &Path,
-    layout: &Layout,
-    staging: &dyn BufAddr,
-    fill: Fill<'_>,
-    chunk_bytes: usize,
-    prev: Option<&crate::incremental::Prev>,
-    candidates: &[Option<PathBuf>],
-) -> Result<(Duration, Duration, Vec<usize>), CommitError> {
+    w: DirWrite<'_>,
+) -> Result<DirWritten, CommitError> {
+    let DirWrite { step, layout, staging, fill, chunk_bytes, prev, candidates } = w;
     let deferred: Vec<usize> =
         (0..layout.shards.len()).filter(|&s| layout.shards[s].dir_idx == dir_idx && candidates[s].is_some()).collect();
     let (mut w, mut sy) = write_shards(d, step, dir_idx, tmp, layout, staging, fill.progress(), chunk_bytes, &|s| {

@@ -56,6 +56,7 @@ def save_torch(obj: Any, path: str | os.PathLike[str]) -> None:
         files.wait(path)
         orig(obj, path)
         return
+    files.sweep_once(os.path.dirname(path))
     save_host(orig, obj, path)
 
 

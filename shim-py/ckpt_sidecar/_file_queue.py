@@ -24,7 +24,7 @@ import sys
 import threading
 
 from . import _units
-from ._atomic_write import place, sweep_strays, sync_placed
+from ._atomic_write import Writeback, place, sweep_strays, sync_placed
 from ._shm_file import ShmPool
 from .errors import SidecarError
 
@@ -289,12 +289,12 @@ files = _Files()
 def save_host(orig_save, obj, path, *args, **kwargs):
     """The host way of a file: `orig_save` (the original torch.save)
     serialises `obj` straight into the unnamed file that is renamed over
-    `path` (a _paths.target, checked writable) before this returns; its
+    `path` (a _paths.target, checked writable) before this returns, the
+    disk's writeback started as it goes (_atomic_write.Writeback); its
     fsync follows on the writer thread. Returns the file's size."""
 
     def fill(fd, _name):
-        # Buffered: torch's writer ignores short writes, a buffered file has none.
-        with os.fdopen(fd, "wb", closefd=False) as f:
+        with Writeback(fd) as f:
             orig_save(obj, f, *args, **kwargs)
 
     return files.write_here(path, fill)

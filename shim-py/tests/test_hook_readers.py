@@ -254,3 +254,23 @@ def test_files_are_in_place_before_their_sync(tmp_path, monkeypatch):
     assert files.wait(None, 30)
     assert files.counts == {"sidecar": 0, "in_process": 3, "superseded": 1}
     assert (tmp_path / "a.pt").read_bytes() == b"A"
+
+
+def test_the_writeback_file_writes_every_byte_and_starts_the_disk_as_it_goes(tmp_path, monkeypatch):
+    from ckpt_sidecar import _atomic_write
+
+    monkeypatch.setattr(_atomic_write, "WRITEBACK_STEP_BYTES", 1000)
+    started = []
+    monkeypatch.setattr(_atomic_write, "_sync_file_range", lambda fd, at, n, how: started.append((at, n)))
+    data = os.urandom(5500)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with _atomic_write.Writeback(fd) as f:
+            assert f.write(data[:10]) == 10
+            assert f.write(memoryview(data)[10:3010]) == 3000      # across three steps
+            f.write(data[3010:])
+        assert os.pread(fd, 10000, 0) == data
+    finally:
+        os.close(fd)
+    assert started and all(n >= 1000 for _, n in started), started
+    assert [at for at, _ in started] == sorted(at for at, _ in started) and started[-1][0] + started[-1][1] <= 5500

@@ -82,17 +82,18 @@ class SidecarConnection:
         except ConnectFailed as e:
             if not spawn:
                 raise
-            ranks = dist.rank_info()
-            if ranks.world_size > 1 and not self._private_dir:
-                # A sidecar per rank cannot commit one checkpoint of all ranks.
-                raise ConnectFailed(
-                    f"rank {ranks.rank} of {ranks.world_size}: no sidecar reachable ({e}); run the job as "
-                    f"`ckpt-sidecar launch --dir DIR -- torchrun ...` (one sidecar per node), or start "
-                    f"`ckpt-sidecar serve` per node and set CKPT_SIDECAR_SOCKET",
-                    ConnectFailed.code,
-                ) from e
             joined = not self._socket_arg and not self._private_dir and self._join_serving()
             if not joined:
+                ranks = dist.rank_info()
+                if ranks.world_size > 1 and not self._private_dir:
+                    # A sidecar per rank cannot commit one checkpoint of all ranks.
+                    raise ConnectFailed(
+                        f"rank {ranks.rank} of {ranks.world_size}: no sidecar reachable ({e}), and none "
+                        f"that `ckpt-sidecar serve` runs for {self.dir}; run the job as "
+                        f"`ckpt-sidecar launch --dir DIR -- torchrun ...` (one sidecar per node), or start "
+                        f"`ckpt-sidecar serve --dir {self.dir}` per node (ranks find it through the folder)",
+                        ConnectFailed.code,
+                    ) from e
                 self._spawn()
         if joined:
             self._check_dir(dir)

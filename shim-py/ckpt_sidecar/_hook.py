@@ -7,9 +7,11 @@ replaced once torch is imported (_import_finder), safetensors' save_file
 too (_hook_safetensors). This module holds the replacement (`patch`), the
 CUDA way of a file (a skip_data pass whose CUDA storages the sidecar copies
 from the device, no host copy) and the functions callers ask (flush,
-counts, cuda_counts, wait_sidecar, durable); the files go through the queue
-of _file_queue, written atomically by _atomic_write where the sidecar does
-not write them. What the hook promises (which sidecar, ordering,
+counts, cuda_counts, wait_sidecar, durable). A host file is serialised
+straight into an unnamed file of its directory and renamed over the path
+before torch.save returns (_atomic_write), then synced by _file_queue's
+thread; a CUDA-way file is written and placed by the sidecar before
+torch.save returns. What the hook promises (which sidecar, ordering,
 durability, errors, when the CUDA way is taken) is written down in
 docs/python.md, "The torch.save import hook".
 """
@@ -22,7 +24,6 @@ import pickle
 import sys
 from typing import Any
 
-from ._file_queue import DEVICE as _DEVICE  # noqa: F401 - tests enqueue device files by this name
 from ._file_queue import files as _files
 from ._file_queue import save_host
 from ._import_finder import mark_hooked, patch_when_imported
@@ -211,10 +212,11 @@ def _pieces(f, storages, torch):
 
 
 def _submit_cuda(torch, path, obj, orig_save, kwargs):
-    """The CUDA way (see the module's doc): True once the sidecar holds
-    the file (Released: it copied the CUDA storages from the device);
-    False when the caller is to take the host way (nothing sent, or the
-    sidecar refused before Released: nothing lost)."""
+    """The CUDA way (see the module's doc): True once the sidecar reports
+    the file durable (it copied the CUDA storages from the device, wrote
+    the file and renamed it into place); False when the caller is to take
+    the host way (nothing sent, or the sidecar failed: the host way's file
+    replaces whatever it placed)."""
     if _files.cuda_mode() != "device" or not _cuda_possible(torch):
         return False
     if getattr(getattr(torch, "serialization", None), "skip_data", None) is None or not kwargs.get(
@@ -226,8 +228,6 @@ def _submit_cuda(torch, path, obj, orig_save, kwargs):
     ck = _files.connect_running()
     if ck is None or _files.pool is None:
         return False  # no sidecar yet: the host way starts one and writes this file here
-    if _files.writing_here(path):
-        return False  # files of a path land in order: behind a write here, here too
     try:
         f = PiecedFile(_files.pool, 1 << 20)
     except SidecarError:
@@ -250,36 +250,34 @@ def _submit_cuda(torch, path, obj, orig_save, kwargs):
             return False
         config = getattr(getattr(torch.utils, "serialization", None), "config", None)
         torch_zip = bool(getattr(getattr(config, "save", None), "compute_crc32", True))
-        sent = _files.send_pieces(ck, path, pieces, stream, torch_zip)
-        if sent is None:
-            return False
+        return _files.send_pieces(ck, path, pieces, stream, torch_zip)
     finally:
-        f.release()  # the sidecar holds its copy (or the host way runs)
-    _files.queue_device(path, *sent, f.pos)
-    return True
+        f.release()  # the file is written (or the host way runs)
 
 
 def flush(timeout: float | None = None) -> bool:
-    """Wait until every torch.save through the hook is durable; True if so."""
+    """Wait until every file saved through the hook is durable (its fsync and
+    its directory's done, or the script replaced or removed it); True if so."""
     return _files.wait(None, timeout)
 
 
 def counts() -> dict[str, int]:
-    """How many hooked torch.save files the sidecar wrote, this process wrote
-    (the sidecar could not), and were superseded before either did."""
+    """How many hooked files the sidecar wrote (the CUDA way), this process
+    wrote, and were replaced or removed by the script before their sync."""
     return _files.counted()
 
 
 def cuda_counts() -> dict[str, int]:
     """How many hooked torch.save files went the CUDA way (the sidecar copied
-    their CUDA storages from the device), fell back to the host way because
-    the sidecar refused before Released, and were lost after Released."""
+    their CUDA storages from the device and wrote them), and fell back to
+    the host way because the sidecar refused or failed them."""
     return _files.cuda_counted()
 
 
 def wait_sidecar(timeout: float | None = None) -> bool:
-    """Until the sidecar spawned at the first torch.save answers (or failed to
-    start); whether files now go through a sidecar."""
+    """Until the sidecar spawned at the first torch.save of a process that may
+    hold CUDA tensors answers (or failed to start); whether the CUDA way now
+    has a sidecar."""
     return _files.wait_sidecar(timeout)
 
 
@@ -311,11 +309,13 @@ def patch(torch: Any) -> None:
         _files.sweep_once(os.path.dirname(path))
         if not args and _submit_cuda(torch, path, obj, orig_save, kwargs):
             return
-        save_host(orig_save, obj, path, *args, **kwargs)
+        n = save_host(orig_save, obj, path, *args, **kwargs)
+        if _files.cuda_mode() == "device" and _cuda_possible(torch):
+            _files.start_sidecar(n)  # for the CUDA way of the files after this one
 
     def load(f, *args, **kwargs):
         if is_path(f):
-            _files.settle(target(f))
+            _files.settle(target(f))  # an earlier sync's failure, if any
         return orig_load(f, *args, **kwargs)
 
     mark_hooked((save, orig_save), (load, orig_load))

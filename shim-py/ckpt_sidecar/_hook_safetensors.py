@@ -7,28 +7,25 @@ replaces the module's save_file and load_file (save_model calls the
 module's save_file, so it is covered too; so is a `from safetensors.torch
 import save_file` done after the import, the usual case).
 
-- save_file(tensors, path, metadata) serialises with safetensors' own
-  in-memory serialiser (safetensors.torch.save: the same header, order,
-  padding and metadata as save_file, so the file's bytes are the ones the
-  original writes) and hands the bytes to the torch.save hook's file path
-  (_file_queue.files.submit): same guarantees (returns once the sidecar holds
-  them, atomic and durable, written by this process when the sidecar cannot,
-  files of one path in save order) and the same counters (_hook.counts()).
+- save_file(tensors, path, metadata) runs the original save_file (its own
+  checks, bytes and speed) into the hook's named temp file beside the path
+  (.NAME.ckpt-tmp-PID-HEX, flock'ed), which is renamed over the path
+  before save_file returns; the file and directory fsyncs follow on the
+  hook's thread (_file_queue): the same guarantees and counters as
+  torch.save's (_hook.counts()). A named temp, not an unnamed one: recent
+  safetensors write a temp file of their own beside the name they are
+  given and rename it over that name, which /proc/self/fd cannot take. A
+  kill during the write leaves our temp (swept by the next hooked save
+  into the directory) or safetensors' own (as the original leaves it).
 - Errors as the original's: what safetensors refuses (non-contiguous or
-  shared tensors, bad metadata) it raises from its serialiser at call time;
-  a path the hook cannot write atomically (missing directory, no
-  permission, read-only file system, a directory or a device at the path)
-  goes to the original save_file, which raises its own error (or writes as
-  it always does); a write that failed after save_file returned is raised
-  by the path's next save_file/load_file (or torch.save/torch.load), or
-  makes the process exit 1 (see _hook).
-- CUDA tensors take the host way: safetensors' serialiser copies them to
-  the host in the trainer, then the sidecar writes the bytes (the sidecar's
-  device copy serves torch.save only).
-- Cost: safetensors' serialiser builds the whole file in memory (one copy of
-  the tensors), copied once more into the shared memory the sidecar reads;
-  the original writes straight from the tensors (and never fsyncs).
-- load_file(path) of a path whose write is still pending waits for it.
+  shared tensors, bad metadata) it raises at call time, and the path keeps
+  its old file; a path the hook cannot write atomically (missing
+  directory, no permission, read-only file system, a directory or a device
+  at the path) goes to the original save_file, which raises its own error
+  (or writes as it always does); a sync that failed after save_file
+  returned is raised by the path's next save_file/load_file (or
+  torch.save/torch.load), or makes the process exit 1 (see _hook).
+- CUDA tensors are copied to the host by safetensors, as the original does.
 """
 
 import os
@@ -72,7 +69,7 @@ def patch(st):
     """Replace st.save_file / st.load_file by the hook's (idempotent)."""
     if getattr(st.save_file, "_ckpt_sidecar_hook", False):
         return
-    orig_save_file, orig_load_file, serialize = st.save_file, st.load_file, st.save
+    orig_save_file, orig_load_file = st.save_file, st.load_file
 
     def save_file(tensors, filename, metadata=None):
         if not is_path(filename) or os.fsdecode(os.fspath(filename)).endswith(os.sep):
@@ -86,8 +83,12 @@ def patch(st):
             files.wait(path)
             _count("original")
             return orig_save_file(tensors, filename, metadata=metadata)
-        data = serialize(tensors, metadata=metadata)  # safetensors' own checks and bytes
-        files.submit(path, data)
+        files.sweep_once(os.path.dirname(path))
+
+        def fill(_fd, name):
+            orig_save_file(tensors, name, metadata=metadata)  # its own checks, bytes and speed
+
+        files.write_here(path, fill, by_name=True)
         _count("hooked")
 
     def load_file(filename, *args, **kwargs):

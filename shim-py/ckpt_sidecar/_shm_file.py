@@ -1,6 +1,7 @@
-"""The file objects hooked saves serialise into: regions of a pool of
-shared memory (`ShmPool`: reused, their pages warm; at most MAX busy), so the
-bytes reach the sidecar with no copy in between. `ShmFile` grows into a
+"""The file objects the hook's CUDA way serialises a skip_data skeleton
+into: regions of a pool of shared memory (`ShmPool`: reused, their pages
+warm; at most MAX busy), so the bytes reach the sidecar with no copy in
+between. `ShmFile` grows into a
 larger region when the bytes outgrow it; `PiecedFile` records what torch.save
 writes under skip_data and the holes it leaves for storages' bytes."""
 

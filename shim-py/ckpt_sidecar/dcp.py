@@ -48,6 +48,7 @@ import copy
 import dataclasses
 import io
 import os
+import pathlib
 import pickle
 import threading
 from typing import Any
@@ -139,6 +140,46 @@ class _DeviceStaging:
             return self.handle
 
 
+def _valid_id(checkpoint_id: Any) -> bool:
+    """What DCP's FileSystemWriter/Reader accept as a checkpoint_id (their
+    validate_checkpoint_id, which dcp.save/load ask to pick a storage when
+    none is given): a pathlib.Path; else a string without a "://" scheme
+    with an existing, writable ancestor folder."""
+    if isinstance(checkpoint_id, pathlib.Path):
+        return True
+    if "://" in str(checkpoint_id):
+        return False
+    return any(p.exists() and os.access(str(p), os.W_OK) for p in pathlib.Path(checkpoint_id).parents)
+
+
+def _new_dir(io: Any, checkpoint_id: Any) -> str:
+    """The folder `checkpoint_id` names, for a reset of `io` (a SidecarWriter
+    or SidecarReader): refused before anything is written when it is no
+    local folder; a writer connected to another folder is closed first."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)) or "://" in str(checkpoint_id):
+        raise InvalidArgument(
+            f"checkpoint_id {checkpoint_id!r}: {type(io).__name__} takes a local folder (a str or a path)",
+            InvalidArgument.code,
+        )
+    new = os.fspath(checkpoint_id)
+    if os.path.realpath(new) != os.path.realpath(io.dir) and getattr(io, "_ck", None) is not None:
+        io.close()
+    return str(new)
+
+
+def _check_holds(ck: Any, asked: str) -> None:
+    """Refuses (closing `ck`) a Checkpointer whose sidecar holds another
+    folder than the checkpoint_id `asked`: a sidecar found running at a
+    given socket keeps its own folder, and nothing may go there instead."""
+    if os.path.realpath(ck.dir) != os.path.realpath(asked):
+        ck.close()
+        raise InvalidArgument(
+            f"checkpoint_id {asked!r}: the sidecar at {ck.socket or '(default socket)'} holds {ck.dir}, "
+            "not this folder; give a checkpoint_id it holds, or no socket (a sidecar is then spawned for it)",
+            InvalidArgument.code,
+        )
+
+
 def _done(value):
     f = torch.futures.Future()
     f.set_result(value)
@@ -171,10 +212,14 @@ class SidecarWriter(StorageWriter):
         self._own_part: Any = None  # (step, {name: tensor}) the coordinator sends from finish
         self._staging: _DeviceStaging | None = None  # of the async_save in flight
         self.is_coordinator = False
+        self._id_given = False  # the folder came from a checkpoint_id: it must be the sidecar's
 
     def _checkpointer(self):
         if self._ck is None:
-            self._ck = Checkpointer(dir=self.dir, **self._kw)
+            ck = Checkpointer(dir=self.dir, **self._kw)
+            if self._id_given:
+                _check_holds(ck, self.dir)
+            self._ck = ck
         return self._ck
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -235,8 +280,13 @@ class SidecarWriter(StorageWriter):
             self._ck = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """DCP's start of a save: a `checkpoint_id` is the folder this save
+        goes to. Another folder than the connected Checkpointer's: that one
+        is closed (its saves finished first) and the next write connects to
+        the sidecar holding the new folder, or spawns one for it."""
         if checkpoint_id is not None:
-            self.dir = str(checkpoint_id)
+            self.dir = _new_dir(self, checkpoint_id)
+            self._id_given = True
         self._own_part = None
         if self._staging is not None:
             self._staging.seen_from(threading.current_thread())
@@ -318,7 +368,7 @@ class SidecarWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
+        return _valid_id(checkpoint_id)
 
     def storage_meta(self) -> None:
         return None
@@ -336,15 +386,22 @@ class SidecarReader(StorageReader):
         self._kw = checkpointer_kwargs
         self._values: dict[str, Any] | None = None
         self._metadata: Any = None
+        self._id_given = False  # as SidecarWriter's
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """DCP's start of a load: a `checkpoint_id` is the folder read (each
+        load connects afresh, so a new id is always honoured)."""
         if checkpoint_id is not None:
-            self.dir = str(checkpoint_id)
+            self.dir = _new_dir(self, checkpoint_id)
+            self._id_given = True
         self._values = None
+        self._metadata = None
 
     def _load(self):
         if self._values is None:
             with Checkpointer(dir=self.dir, **self._kw) as ck:
+                if self._id_given:
+                    _check_holds(ck, self.dir)
                 values = ck.load(self.step)
                 blob = ck._loaded_blob(METADATA_BLOB)
                 self.loaded_step = ck.last_load_step
@@ -394,4 +451,4 @@ class SidecarReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
+        return _valid_id(checkpoint_id)

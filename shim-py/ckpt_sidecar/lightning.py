@@ -5,26 +5,22 @@
     trainer = Trainer(plugins=[SidecarCheckpointIO()], ...)
 
 SidecarCheckpointIO is a CheckpointIO plugin over the torch.save hook's file
-path (_file_queue.files; CKPT_SIDECAR=1 is not needed): the sidecar at
-$CKPT_SIDECAR_SOCKET (or the default socket) if one runs, else one spawned
-for this process at the first save, as the hook does.
+path (_file_queue.files; CKPT_SIDECAR=1 is not needed), with its guarantees:
 
 - save_checkpoint serialises the checkpoint with the original torch.save
-  into shared memory and returns once the sidecar holds the bytes
-  (Released): no thread of this process copies them again, unlike
-  Lightning's AsyncCheckpointIO. The sidecar writes the file atomically and
-  durably (temp, fsync, rename, directory fsync); where it cannot (none
-  reachable, the file larger than its staging, it died), a thread of this
-  process writes it the same way from the bytes it kept. Files are plain
+  straight into an unnamed file of the target directory and renames it
+  over the path before it returns: the path then names the complete new
+  checkpoint for every reader. The file's and the directory's fsyncs run
+  on a thread of this process afterwards, so the trainer does not wait for
+  the disk (Lightning's TorchCheckpointIO never fsyncs). Files are plain
   torch.save files at the path Lightning gave, so `ckpt_path=` and
-  `torch.load` read them. CUDA tensors are copied to the host by
-  torch.save in the trainer (the host way). Paths with an fsspec protocol
-  other than the local file system go to Lightning's TorchCheckpointIO.
-- load_checkpoint and remove_checkpoint wait for the path's pending write
-  first: a checkpoint ModelCheckpoint's save_top_k removes is never
-  renamed into place after its removal.
+  `torch.load` read them. Paths with an fsspec protocol other than the
+  local file system go to Lightning's TorchCheckpointIO.
+- remove_checkpoint removes at once: nothing renames a file into place
+  after its save returned, and a checkpoint removed before its fsync is no
+  loss (its fsync is skipped, never reported).
 - teardown waits until every checkpoint saved through the hook is durable,
-  and raises the first write that failed after its save returned (an
+  and raises the first sync that failed after its save returned (an
   OSError with its errno).
 """
 
@@ -48,7 +44,7 @@ def _local(path):
 
 def save_torch(obj: Any, path: str | os.PathLike[str]) -> None:
     """torch.save(obj, path) through the hook's file path: returns once the
-    sidecar holds the bytes (or this process is to write them). What cannot
+    file is in place under `path` (its fsync follows). What cannot
     be written atomically (see _paths.atomic_write_possible) is handed to
     the original torch.save, which raises its own error."""
     import torch
@@ -60,12 +56,13 @@ def save_torch(obj: Any, path: str | os.PathLike[str]) -> None:
         files.wait(path)
         orig(obj, path)
         return
+    files.sweep_once(os.path.dirname(path))
     save_host(orig, obj, path)
 
 
 class SidecarCheckpointIO(TorchCheckpointIO):
-    """A Lightning CheckpointIO whose save returns once the sidecar holds the
-    checkpoint (see the module's doc)."""
+    """A Lightning CheckpointIO whose save returns once the checkpoint is in
+    place, and makes it durable off the trainer's thread (see the module's doc)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,7 +87,7 @@ class SidecarCheckpointIO(TorchCheckpointIO):
         return None
 
     def _settle(self, path: Any) -> None:
-        """Waits for `path`'s pending write; its failure, if any, raised."""
+        """An earlier sync's failure of `path`, if any, raised."""
         if _local(path):
             files.settle(target(str(path).removeprefix("file://")))
 
@@ -103,8 +100,7 @@ class SidecarCheckpointIO(TorchCheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         if _local(path):
             done = target(str(path).removeprefix("file://"))
-            files.wait(done)  # never renamed into place after its removal
-            files.take_error(done)  # a lost file that is being removed anyway
+            files.take_error(done)  # a file that is being removed anyway
             self._paths.discard(done)
         return super().remove_checkpoint(path)
 

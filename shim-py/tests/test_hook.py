@@ -1,13 +1,13 @@
-"""The .pth import hook: inert without CKPT_SIDECAR=1; with it, torch.save goes
-through the sidecar (SaveFile), and through this process when the sidecar
-cannot take a file. A fake `torch` (pickle-based save/load) tests the
+"""The .pth import hook: inert without CKPT_SIDECAR=1; with it, torch.save
+writes each file into an unnamed file of its directory, renamed over the
+path before it returns, and synced afterwards (a process that may hold CUDA
+tensors also starts a sidecar, for the CUDA way: test_hook_cuda_fake). A fake `torch` (pickle-based save/load) tests the
 mechanics without torch; a real-torch test runs when torch is installed."""
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 
 import pytest
 
@@ -66,9 +66,9 @@ def test_hook_active_with_env(tmp_path, private_tmp):
         from ckpt_sidecar import _hook
         assert torch.save._ckpt_sidecar_hook and torch.load._ckpt_sidecar_hook
         obj = {"a": list(range(1000)), "b": "x"}
-        torch.save(obj, "out.pt")   # written here: the sidecar is being spawned
+        torch.save(obj, "out.pt")   # in place now
         obj["a"].append(1)          # the snapshot was taken inside torch.save
-        assert _hook.wait_sidecar(60)
+        assert not _hook.wait_sidecar(60)   # no CUDA here: no sidecar is started
         assert torch.load("out.pt") == {"a": list(range(1000)), "b": "x"}
         for i in range(5):          # the same path again and again: the last wins
             torch.save({"i": i}, "again.pt")
@@ -78,13 +78,11 @@ def test_hook_active_with_env(tmp_path, private_tmp):
             raise SystemExit("no error for a missing directory")
         except FileNotFoundError:
             pass
-        # Serialised straight into shared memory, in many writes, outgrowing
-        # the region sized from the earlier small files.
+        # Serialised straight into the file, in many writes.
         big = {"blob": bytes(range(256)) * 20000, "n": list(range(100000))}
         torch.save(big, "big.pt")
         assert torch.load("big.pt") == big
-        # A torch.save that fails while serialising gives its region back:
-        # more failures than the pool has regions, then a good save.
+        # A torch.save that fails while serialising leaves no file.
         for _ in range(3):
             try:
                 torch.save({"f": lambda: 0}, "bad.pt")
@@ -93,7 +91,7 @@ def test_hook_active_with_env(tmp_path, private_tmp):
                 assert "pickle" in str(e).lower() or "lambda" in str(e), e
         torch.save({"after": "failures"}, "after.pt")
         assert torch.load("after.pt") == {"after": "failures"}
-        torch.save({"n": 2}, "late.pt")   # still pending at exit: finished before exit
+        torch.save({"n": 2}, "late.pt")   # its sync still pending at exit: done before exit
         print(_hook.counts())
     """
     r = _run(code, {"CKPT_SIDECAR": "1", "TMPDIR": private_tmp}, tmp_path)
@@ -102,19 +100,16 @@ def test_hook_active_with_env(tmp_path, private_tmp):
     import pickle
 
     counts = ast.literal_eval(r.stdout.strip())
-    # The first file was written here, while the sidecar started (torch.save
-    # did not wait for it); every later one but the last (pending at the
-    # print) by the sidecar.
-    assert counts["in_process"] == 1 and counts["sidecar"] >= 7, (counts, r.stderr)
-    assert "this process" not in r.stderr, r.stderr
+    # Every file by this process, in place when its torch.save returned.
+    assert counts["in_process"] == 9 and counts["sidecar"] == 0, (counts, r.stderr)
+    assert "ckpt_sidecar:" not in r.stderr, r.stderr
     assert pickle.loads((tmp_path / "out.pt").read_bytes())["b"] == "x"
     assert pickle.loads((tmp_path / "again.pt").read_bytes()) == {"i": 4}
     assert pickle.loads((tmp_path / "late.pt").read_bytes()) == {"n": 2}
     assert pickle.loads((tmp_path / "big.pt").read_bytes())["n"][-1] == 99999
     assert not (tmp_path / "bad.pt").exists()
     assert not [p for p in os.listdir(tmp_path) if "ckpt-tmp" in p]
-    # The spawned sidecar is gone with the process, and so is its private
-    # folder (socket, log, the hook's checkpoint folder).
+    # No sidecar was spawned: nothing in the private folder.
     assert os.listdir(private_tmp) == [], os.listdir(private_tmp)
 
 
@@ -139,7 +134,9 @@ def test_a_script_that_exits_right_after_its_only_save_leaves_the_file_and_nothi
         shutil.rmtree(private_tmp, ignore_errors=True)
 
 
-def test_hook_uses_a_running_sidecar(tmp_path, sidecar):
+def test_hook_host_files_are_placed_here_even_with_a_running_sidecar(tmp_path, sidecar):
+    # A sidecar writing a host file after torch.save returned could undo the
+    # script's later operations on the path: host files never go to it.
     code = """
         import torch
         from ckpt_sidecar import _hook
@@ -149,58 +146,8 @@ def test_hook_uses_a_running_sidecar(tmp_path, sidecar):
     """
     r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_SOCKET": sidecar.socket}, tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "'sidecar': 1" in r.stdout and "'in_process': 0" in r.stdout, r.stdout + r.stderr
-    assert "file durable" in sidecar.log.read_text(), sidecar.log.read_text()
-
-
-def test_hook_writes_in_process_what_the_sidecar_cannot_take(tmp_path):
-    # The spawned sidecar's staging (8 MiB) cannot hold a 20 MB file: it is
-    # refused (TooLarge) and this process writes it; small files still go
-    # through the sidecar. Nothing is lost either way. (The first file is
-    # written here while the sidecar starts.)
-    code = """
-        import torch
-        from ckpt_sidecar import _hook
-        torch.save({"small": 1}, "small.pt")
-        assert _hook.wait_sidecar(60)
-        big = {"blob": bytes(range(256)) * 80000}
-        torch.save(big, "big.pt")
-        torch.save({"small": 2}, "small2.pt")
-        assert torch.load("big.pt") == big
-        _hook.flush()
-        print(_hook.counts())
-    """
-    r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_STAGING": "8MiB"}, tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "{'sidecar': 1, 'in_process': 2, 'superseded': 0}" in r.stdout, r.stdout + r.stderr
-    assert "writing it in this process" in r.stderr and "staging" in r.stderr, r.stderr
-    import pickle
-
-    assert pickle.loads((tmp_path / "big.pt").read_bytes())["blob"][:3] == bytes([0, 1, 2])
-
-
-def test_hook_sidecar_killed_after_taking_a_file_nothing_is_lost(tmp_path, sidecar):
-    # The sidecar dies right after it took the file (torch.save returned):
-    # the file is then on disk anyway, written by the sidecar if it got that
-    # far, else by this process from the bytes the hook kept.
-    code = f"""
-        import os, signal, torch
-        from ckpt_sidecar import _hook
-        big = {{"blob": os.urandom(40 << 20)}}
-        torch.save(big, "big.pt")
-        os.kill({sidecar.proc.pid}, signal.SIGKILL)
-        assert torch.load("big.pt") == big
-        torch.save({{"after": 1}}, "after.pt")    # no sidecar now: written here
-        assert torch.load("after.pt") == {{"after": 1}}
-        print(_hook.counts())
-    """
-    r = _run(code, {"CKPT_SIDECAR": "1", "CKPT_SIDECAR_SOCKET": sidecar.socket}, tmp_path)
-    assert r.returncode == 0, r.stderr
-    import ast
-
-    counts = ast.literal_eval(r.stdout.strip().splitlines()[-1])
-    assert counts["sidecar"] + counts["in_process"] == 2 and counts["in_process"] >= 1, (counts, r.stderr)
-    print("big.pt written by:", "sidecar" if counts["sidecar"] else "this process", counts)
+    assert "'sidecar': 0" in r.stdout and "'in_process': 1" in r.stdout, r.stdout + r.stderr
+    assert "file durable" not in sidecar.log.read_text(), sidecar.log.read_text()
 
 
 def test_hook_with_real_torch(tmp_path):
@@ -218,91 +165,6 @@ def test_hook_with_real_torch(tmp_path):
     back = torch.load(tmp_path / "model.pt")  # this process: no hook
     assert torch.equal(back["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert back["h"].dtype == torch.bfloat16
-
-
-def test_a_file_saved_behind_a_write_in_this_process_lands_after_it(tmp_path, monkeypatch):
-    # The sidecar took the path's first file and then failed it: this
-    # process writes it (slowly). The path is saved again meanwhile: the new
-    # file must not go to the sidecar, which could rename it into place
-    # before the old write's rename, leaving the old bytes: it is written
-    # here, after, and its torch.save returns once it is in place.
-    from ckpt_sidecar import _file_queue as _hook
-    from ckpt_sidecar.errors import SidecarError
-
-    files = _hook._Files()
-    started, go = threading.Event(), threading.Event()
-    real_write = _hook.write_atomic
-
-    def slow_write(path, data):
-        started.set()
-        go.wait(30)
-        real_write(path, data)
-
-    monkeypatch.setattr(_hook, "write_atomic", slow_write)
-    taken = []
-
-    class Durable:
-        def wait_taken(self, timeout=None):
-            pass
-
-        def wait_durable(self, timeout=None):
-            pass
-
-    class Failed(Durable):
-        def wait_durable(self, timeout=None):
-            raise SidecarError("the sidecar died")
-
-    class SidecarFailingItsFirstFile:
-        def save_file(self, path, data):
-            taken.append(path)
-            if len(taken) == 1:
-                return Failed()
-            real_write(path, bytes(data))
-            return Durable()
-
-    path = str(tmp_path / "model.pt")
-    files._ck = SidecarFailingItsFirstFile()
-    files.submit(path, b"old")
-    assert started.wait(30)   # the writer thread writes the old file here
-    again = threading.Thread(target=files.submit, args=(path, b"new"))
-    again.start()
-    files.submit(str(tmp_path / "other.pt"), b"other")   # another path: to the sidecar
-    go.set()
-    again.join(30)
-    assert not again.is_alive()
-    assert open(path, "rb").read() == b"new"   # in place when its torch.save returned
-    assert files.wait(None, 30)
-    assert open(path, "rb").read() == b"new"
-    assert taken == [path, str(tmp_path / "other.pt")]
-    assert files.counts == {"sidecar": 1, "in_process": 2, "superseded": 0}
-
-
-def test_hook_files_written_here_are_in_place_when_torch_save_returns(tmp_path, monkeypatch):
-    # A file this process writes (no sidecar answering
-    # yet) was queued for a thread and torch.save returned at once, so a
-    # kill lost it. It is now in place under its name when submit returns;
-    # only the fsync is left to the thread (held here until the end).
-    from ckpt_sidecar import _file_queue as _hook
-
-    files = _hook._Files()
-    files._spawner = threading.Thread(target=lambda: None)  # "a sidecar is starting"
-    go = threading.Event()
-    real_fsync = os.fsync
-
-    def held_fsync(fd):
-        go.wait(30)
-        real_fsync(fd)
-
-    monkeypatch.setattr(_hook.os, "fsync", held_fsync)
-    for name, data in (("a.pt", b"a" * 1000), ("b.pt", b"b" * 100000), ("a.pt", b"A")):
-        files.submit(str(tmp_path / name), data)
-        assert (tmp_path / name).read_bytes() == data, name
-    assert sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt"]   # no temp file
-    assert files.pending(str(tmp_path / "a.pt"))              # its fsync is still to come
-    go.set()
-    assert files.wait(None, 30)
-    assert files.counts == {"sidecar": 0, "in_process": 3, "superseded": 0}
-    assert (tmp_path / "a.pt").read_bytes() == b"A"
 
 
 REPRO_19 = """
@@ -375,32 +237,25 @@ def test_hook_removes_temp_files_a_killed_process_left_and_no_others(tmp_path):
     assert "removed 2 temp file(s) that a killed process left" in r.stderr, r.stderr
 
 
-def test_sigkilled_trainer_with_hook_leaves_nothing_behind(tmp_path):
-    # The hook's spawned sidecar took a file (torch.save returned), then the
-    # trainer is SIGKILLed: the file is written, and within 10 s the sidecar
-    # has exited, the private $TMPDIR is empty (socket, log and the hook's
-    # checkpoint folder) and no shm segment of the trainer is left.
-    from ckpt_test_util import assert_nothing_left, run_sigkilled_trainer
-
-    (tmp_path / "fake" / "torch").mkdir(parents=True)
-    (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+def test_sigkilled_trainer_with_hook_leaves_nothing_behind(tmp_path, private_tmp):
+    # SIGKILLed right after torch.save returned: the file is whole under its
+    # name, and nothing else is left (no temp file, no shm segment, nothing
+    # in the private $TMPDIR: a CPU-only process starts no sidecar).
     code = """
 import os, torch
-from ckpt_sidecar import _hook
-torch.save({"first": 1}, "first.pt")      # written here while the sidecar starts
-assert _hook.wait_sidecar(60)
-torch.save({"big": bytes(range(256)) * 4096}, "big.pt")   # the sidecar took it
-assert [n for n in os.listdir("/dev/shm") if n.startswith(f"ckpt-{os.getpid()}-")]
-ck = _hook._files._ck
-print(os.getpid(), ck._proc.pid, ck._own.janitor.pid, flush=True)
+torch.save({"big": bytes(range(256)) * 4096}, "big.pt")
+print(os.getpid(), flush=True)
 os.kill(os.getpid(), 9)
 """
-    tmpdir, pids, dead = run_sigkilled_trainer(code, tmp_path, {"CKPT_SIDECAR": "1",
-                                                                "PYTHONPATH": str(tmp_path / "fake")})
-    assert_nothing_left(tmpdir, pids, dead)
+    r = _run(code, {"CKPT_SIDECAR": "1", "TMPDIR": private_tmp}, tmp_path)
+    assert r.returncode == -9, r.stderr
     import pickle
 
     assert pickle.loads((tmp_path / "big.pt").read_bytes()) == {"big": bytes(range(256)) * 4096}
+    assert not [n for n in os.listdir(tmp_path) if "ckpt-tmp" in n], os.listdir(tmp_path)
+    pid = r.stdout.strip()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ckpt-{pid}-")]
+    assert os.listdir(private_tmp) == [], os.listdir(private_tmp)
 
 
 # ---- errors: raised at call time as the original's, or later, or at exit ----
@@ -535,62 +390,55 @@ def test_hook_read_only_file_system_raises_at_call_time_as_the_original(tmp_path
     assert "same: RuntimeError" in r.stdout, r.stdout
 
 
-def test_hook_disk_full_raises_at_next_save_or_load_of_the_path(tmp_path):
-    # 4 MiB into a 1 MiB file system. Written here (no sidecar answering
-    # yet): torch.save raises ENOSPC itself and leaves nothing. Taken by the
-    # sidecar: torch.save returns (the write fails later, in the sidecar and
-    # then this process's thread); the next torch.load and the next
-    # torch.save of the path raise it, once each failure.
+def test_hook_disk_full_raises_at_call_time_and_leaves_the_old_file(tmp_path):
+    # 4 MiB into a 1 MiB file system: torch.save raises ENOSPC itself, as
+    # the original does, and the path keeps its old file (no temp file).
     code = """
         import errno, os, torch
-        from ckpt_sidecar import _hook
         big = {"blob": bytes(4 << 20)}
-        try:
-            torch.save(big, "mnt/a.pt")        # no sidecar yet: written here, at once
-            raise SystemExit("a save written here into a full disk did not raise")
-        except OSError as e:
-            assert e.errno == errno.ENOSPC and e.filename.endswith("mnt/a.pt"), e
-            print("save here raised:", e)
-        assert os.listdir("mnt") == [], os.listdir("mnt")   # no file, no temp file
-        assert _hook.wait_sidecar(60)
-        torch.save(big, "mnt/a.pt")            # returns: the disk fills later
-        try:
-            torch.load("mnt/a.pt")
-            raise SystemExit("load of a lost file did not raise")
-        except OSError as e:
-            assert e.errno == errno.ENOSPC and e.filename.endswith("mnt/a.pt"), e
-            print("load raised:", e)
-        torch.save(big, "mnt/b.pt")
-        _hook.flush()
-        try:
-            torch.save({"small": 1}, "mnt/b.pt")
-            raise SystemExit("save after a lost file did not raise")
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-            print("save raised:", e)
-        torch.save({"small": 2}, "mnt/b.pt")   # told once: this one is written
-        assert torch.load("mnt/b.pt") == {"small": 2}
+        torch.save({"small": 1}, "mnt/a.pt")
+        for _ in range(2):
+            try:
+                torch.save(big, "mnt/a.pt")
+                raise SystemExit("a save into a full disk did not raise")
+            except OSError as e:
+                assert e.errno == errno.ENOSPC and e.filename.endswith("mnt/a.pt"), e
+                print("save raised:", e)
+        assert os.listdir("mnt") == ["a.pt"], os.listdir("mnt")
+        assert torch.load("mnt/a.pt") == {"small": 1}
+        torch.save({"small": 2}, "mnt/a.pt")
+        assert torch.load("mnt/a.pt") == {"small": 2}
         print("ok")
     """
     r = _in_mount_ns(tmp_path, "size=1m", code)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "save here raised: [Errno 28]" in r.stdout, r.stdout
-    assert "load raised: [Errno 28]" in r.stdout and "save raised: [Errno 28]" in r.stdout, r.stdout
+    assert r.stdout.count("save raised: [Errno 28]") == 2, r.stdout
     assert r.stdout.rstrip().endswith("ok"), r.stdout
 
 
-def test_hook_disk_full_never_asked_about_exits_non_zero(tmp_path):
+def test_hook_a_sync_failure_after_return_is_raised_next_or_exits_non_zero(tmp_path):
+    # The file's fsync fails (EIO) after torch.save returned, the file still
+    # in place: the next torch.load of the path raises it; one nobody asked
+    # about makes the process exit 1, said on stderr.
     code = """
-        import torch
-        from ckpt_sidecar import _hook
-        torch.save({"small": 0}, "mnt/first.pt")   # written here while the sidecar starts
-        assert _hook.wait_sidecar(60)
-        torch.save({"blob": bytes(4 << 20)}, "mnt/a.pt")
-        torch.save({"small": 1}, "mnt/ok.pt")
+        import errno, os, torch
+        from ckpt_sidecar import _atomic_write, _hook
+        def eio(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        _atomic_write.os.fsync = eio   # every fsync of this process: only the hook makes any
+        torch.save({"n": 1}, "a.pt")
+        _hook.flush()
+        try:
+            torch.load("a.pt")
+            raise SystemExit("the load did not raise")
+        except OSError as e:
+            assert e.errno == errno.EIO and "not durable" in str(e), e
+            print("load raised", flush=True)
+        torch.save({"n": 2}, "b.pt")
         print("returned", flush=True)
     """
-    r = _in_mount_ns(tmp_path, "size=1m", code)
+    r = _run(code, {"CKPT_SIDECAR": "1"}, tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "returned" in r.stdout
-    assert "no later torch.save or torch.load of it reported it" in r.stderr and "mnt/a.pt" in r.stderr, r.stderr
-    assert "No space left on device" in r.stderr and "exiting with status 1" in r.stderr, r.stderr
+    assert "load raised" in r.stdout and "returned" in r.stdout, r.stdout + r.stderr
+    assert "no later torch.save or torch.load of it reported it" in r.stderr and "b.pt" in r.stderr, r.stderr
+    assert "exiting with status 1" in r.stderr, r.stderr

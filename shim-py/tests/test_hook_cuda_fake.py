@@ -11,8 +11,9 @@ The file must be byte-identical to the original torch.save of the same
 object (into a file object: the hook's archive is named "archive", as
 torch.save names it for a file object), and load equal. Also: a refusal
 before Released falls back to the host way and writes the file;
-CKPT_SIDECAR_HOOK_CUDA=host keeps the host way; a file lost after Released
-is said at once and raised by the next torch.save/torch.load of its path.
+CKPT_SIDECAR_HOOK_CUDA=host keeps the host way; a file the sidecar fails
+after Released falls back to the host way inside torch.save; the file is
+in place when torch.save returns.
 Trainers run in child processes (the fake is found through LD_LIBRARY_PATH,
 read when a process starts); these tests fail, never skip, without the fake
 or torch's skip_data.
@@ -21,7 +22,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from ckpt_test_util import fake_cuda_script
@@ -129,7 +129,7 @@ TRAINER = fake_cuda_script(r"""
         return a == b
 
     torch.save({"warm": 1}, os.path.join(out, "warm.pt"))  # starts the sidecar (written here)
-    assert _hook.wait_sidecar(120), "no sidecar"
+    assert _hook.wait_sidecar(120) or os.environ.get("CKPT_SIDECAR_HOOK_CUDA"), "no sidecar"
     report = {}
 
     a = torch.arange(100000, dtype=torch.float32) * 0.25 - 3
@@ -146,7 +146,8 @@ TRAINER = fake_cuda_script(r"""
 
     if mode == "device":
         path = os.path.join(out, "model.pt")
-        torch.save(state, path)  # returns at Released: the device copy is done
+        torch.save(state, path)  # returns once the sidecar placed the file and made it durable
+        report["identical_at_return"] = open(path, "rb").read() == expected
         # Device bytes changed after torch.save returned never reach the file.
         junk = (ctypes.c_ubyte * 4096)(*([0xee] * 4096))
         for p in mirror.values():
@@ -308,8 +309,8 @@ def run(tmp_path, mode, private_tmp, **env_extra):
 
 def test_cuda_storages_go_from_the_device_and_the_file_is_torch_saves_own(tmp_path, private_tmp):
     r, err = run(tmp_path, "device", private_tmp)
-    assert r["cuda"] == {"device": 4, "fell_back": 0, "lost": 0}, (r, err)
-    assert r["identical"], (r, err)
+    assert r["cuda"] == {"device": 4, "fell_back": 0}, (r, err)
+    assert r["identical"] and r["identical_at_return"], (r, err)
     assert r["loads_equal"] and r["again_equal"], r
     assert r["counts"]["in_process"] == 1, r  # only the first file, before the sidecar answered
 
@@ -319,7 +320,7 @@ def test_storages_across_vmm_chunks_go_from_the_device(tmp_path, private_tmp):
     expandable segments) is registered as one span and copied from the
     device, not sent the host way; the file is torch.save's own."""
     r, err = run(tmp_path, "span", private_tmp)
-    assert r["cuda"] == {"device": 1, "fell_back": 0, "lost": 0}, (r, err)
+    assert r["cuda"] == {"device": 1, "fell_back": 0}, (r, err)
     assert "host way" not in err and "did not take" not in err, err
     assert r["identical"] and r["loads_equal"], (r, err)
 
@@ -339,7 +340,7 @@ def test_a_cpu_only_save_after_cuda_init_runs_no_skip_data_pass(tmp_path, privat
         "unknown.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
         "tensor-attr.pt": {"skip_data_passes": 1, "device": 1, "identical": True},
     }, (ways, err)
-    assert r["cuda"] == {"device": 4, "fell_back": 0, "lost": 0}, (r, err)
+    assert r["cuda"] == {"device": 4, "fell_back": 0}, (r, err)
 
 
 def test_the_import_of_a_freed_allocation_is_closed_at_the_next_registration(tmp_path, private_tmp):
@@ -351,21 +352,21 @@ def test_the_import_of_a_freed_allocation_is_closed_at_the_next_registration(tmp
     stats.mkdir()
     r, err = run(tmp_path, "freed", private_tmp, FAKE_CUDA_STATS_DIR=str(stats))
     assert r["imports_open"] == [0, 0], (r, err)
-    assert r["identical"] and r["cuda"] == {"device": 2, "fell_back": 0, "lost": 0}, (r, err)
+    assert r["identical"] and r["cuda"] == {"device": 2, "fell_back": 0}, (r, err)
 
 
 def test_a_refusal_before_released_falls_back_to_the_original_torch_save(tmp_path, private_tmp):
     r, err = run(tmp_path, "refused", private_tmp)
-    assert r["cuda"] == {"device": 0, "fell_back": 1, "lost": 0}, (r, err)
-    assert "did not take torch.save" in err and "from the device" in err, err
+    assert r["cuda"] == {"device": 0, "fell_back": 1}, (r, err)
+    assert "did not write torch.save" in err and "from the device" in err, err
     assert r["identical"] and r["loads_equal"], r
 
 
 def test_the_host_opt_out_keeps_the_host_way(tmp_path, private_tmp):
     r, err = run(tmp_path, "host", private_tmp, CKPT_SIDECAR_HOOK_CUDA="host")
-    assert r["cuda"] == {"device": 0, "fell_back": 0, "lost": 0}, (r, err)
+    assert r["cuda"] == {"device": 0, "fell_back": 0}, (r, err)
     assert r["identical"] and r["loads_equal"], r
-    assert r["counts"]["sidecar"] == 1, r
+    assert r["counts"] == {"sidecar": 0, "in_process": 2, "superseded": 0}, r  # no sidecar started
     # An unknown value: one line, and the way that loses nothing.
     r, err = run(tmp_path, "host", private_tmp, CKPT_SIDECAR_HOOK_CUDA="gpu")
     assert r["cuda"]["device"] == 0 and r["identical"], r
@@ -405,42 +406,27 @@ def test_a_file_of_host_pieces_and_a_refused_archive(ck, tmp_path):
     assert not path.exists()
 
 
-def test_a_device_file_lost_after_released_is_said_at_once_and_raised_later(tmp_path):
-    """After Released the hook holds no bytes of a CUDA-way file: when the
-    sidecar then fails it (here a handle that reports the sidecar gone), the
-    loss is said on stderr at once, the next torch.load of the path raises
-    it, and a process that never asked about another lost file exits 1."""
-    code = textwrap.dedent('''
-        import os
-        import torch
-        from ckpt_sidecar import _hook
-        from ckpt_sidecar.errors import Disconnected
+def test_a_device_file_the_sidecar_fails_after_released_falls_back_to_the_host_way(tmp_path):
+    """The CUDA way waits inside torch.save until the sidecar reports the
+    file durable: when it fails after Released (here a handle that reports
+    the sidecar gone), send_pieces says so and returns False, so that
+    torch.save, still running, takes the host way; nothing is left to fail
+    after the return."""
+    from ckpt_sidecar import _file_queue
+    from ckpt_sidecar.errors import Disconnected
 
-        class Gone:
-            def wait_durable(self):
-                raise Disconnected("the sidecar closed the connection", Disconnected.code)
+    class Gone:
+        def wait_taken(self):
+            pass
 
-        _hook.install()
-        f = _hook._files
-        p = os.path.abspath("lost.pt")
-        f._enqueue(p, f._begin(p), _hook._DEVICE, Gone())
-        assert f.wait(p, 60)
-        try:
-            torch.load(p)
-            raise SystemExit("the lost file was not raised")
-        except OSError as e:
-            assert "kept no host copy" in str(e) and "CKPT_SIDECAR_HOOK_CUDA=host" in str(e), e
-            print("raised", flush=True)
-        assert _hook.cuda_counts()["lost"] == 1
-        q = os.path.abspath("lost2.pt")
-        f._enqueue(q, f._begin(q), _hook._DEVICE, Gone())
-        assert f.wait(q, 60)
-    ''')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_SIDECAR") or k in ("CKPT_SIDECAR_LIB", "CKPT_SIDECAR_BIN")}
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    assert r.stdout.strip() == "raised", r.stderr
-    lost = str(tmp_path / "lost.pt")
-    assert f"torch.save to {lost} failed after it returned" in r.stderr, r.stderr
-    assert "lost2.pt failed after it returned, and no later torch.save or torch.load of it reported it" in r.stderr, r.stderr
-    assert not (tmp_path / "lost.pt").exists()
+        def wait_durable(self):
+            raise Disconnected("the sidecar closed the connection", Disconnected.code)
+
+    class Sidecar:
+        def save_file_pieces(self, path, pieces, stream, torch_zip):
+            return Gone()
+
+    files = _file_queue._Files()
+    assert files.send_pieces(Sidecar(), str(tmp_path / "a.pt"), [], None, True) is False
+    assert files.cuda == {"device": 0, "fell_back": 1}
+    assert files.counts["sidecar"] == 0 and not files.untold()

@@ -1,5 +1,6 @@
 """ckpt_sidecar.lightning.SidecarCheckpointIO with a real Lightning Trainer on
-CPU: checkpoints every 5 steps through the sidecar, `last.ckpt` read by
+CPU: checkpoints every 5 steps, in place when save_checkpoint returns and
+synced off the trainer's thread, `last.ckpt` read by
 plain torch.load, ModelCheckpoint's top-k removals, and a run SIGKILLed
 right after a save and resumed with ckpt_path="last" ending with the weights
 of an uninterrupted run."""
@@ -7,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -77,17 +77,16 @@ def _state_dict(ckpt_file):
     return torch.load(ckpt_file, weights_only=False)["state_dict"]
 
 
-def test_lightning_trainer_checkpoints_through_the_sidecar_and_last_ckpt_loads_with_plain_torch_load(tmp_path, sidecar):
+def test_lightning_trainer_checkpoints_and_last_ckpt_loads_with_plain_torch_load(tmp_path, sidecar):
     out = tmp_path / "full"
     r = _trainer(tmp_path, "full", out, sidecar)
     assert r.returncode == 0, r.stderr
     told = json.loads(r.stdout.strip().splitlines()[-1])
     assert (told["global_step"], told["steps_run"]) == (20, 20), told
-    # save_top_k=1: the older step checkpoints were removed (after their writes).
+    # save_top_k=1: the older step checkpoints were removed, and stay so.
     assert told["files"] == ["epoch=3-step=20.ckpt", "last.ckpt"], told
     assert sorted(os.listdir(out / "ckpt")) == told["files"]
-    # Every checkpoint went through the sidecar: 4 top-k files and 4 last.ckpt.
-    assert sidecar.log.read_text().count("file durable") == 8, sidecar.log.read_text()
+    assert "ckpt_sidecar:" not in r.stderr, r.stderr  # no removed checkpoint reported as a loss
     last = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)  # plain torch.load: no hook here
     assert last["global_step"] == 20
     final = torch.load(out / "final.pt")
@@ -103,18 +102,8 @@ def test_lightning_sigkill_after_save_then_resume_from_last_equals_an_uninterrup
     assert r.returncode == 0, r.stderr
     r = _trainer(tmp_path, "kill", broken, sidecar)
     assert r.returncode == -9, r.stdout + r.stderr
-    # The sidecar held last.ckpt of step 10 when save_checkpoint returned: it
-    # lands although the trainer is gone (a deadline bounds a hang only).
-    last = broken / "ckpt" / "last.ckpt"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if torch.load(last, weights_only=False)["global_step"] == 10:
-                break
-        except (FileNotFoundError, EOFError, RuntimeError):
-            pass
-        assert time.monotonic() < deadline, sidecar.log.read_text()
-        time.sleep(0.05)
+    # last.ckpt of step 10 was in place when save_checkpoint returned.
+    assert torch.load(broken / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 10
     r = _trainer(tmp_path, "resume", broken, sidecar)
     assert r.returncode == 0, r.stderr
     told = json.loads(r.stdout.strip().splitlines()[-1])

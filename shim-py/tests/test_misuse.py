@@ -464,8 +464,9 @@ def test_ckpt_sidecar_bin_overrides_the_bundled_binary_and_a_wrong_one_is_named(
 
 @pytest.mark.parametrize("value,why", [("0", "a size must be at least 1 byte"), ("lots", "expected a number")])
 def test_the_hook_names_a_bad_staging_variable_as_the_user_wrote_it(value, why, tmp_path, private_tmp):
-    # The variable, not the Checkpointer keyword the hook passes it on as;
-    # the file is written by this process all the same.
+    # The variable, not the Checkpointer keyword the hook passes it on as
+    # when it spawns the CUDA way's sidecar (a process that may hold CUDA
+    # tensors: substituted here); the file is written all the same.
     import sys
     import textwrap
 
@@ -479,6 +480,7 @@ def test_the_hook_names_a_bad_staging_variable_as_the_user_wrote_it(value, why, 
     code = textwrap.dedent("""
         import torch
         from ckpt_sidecar import _hook
+        _hook._cuda_possible = lambda torch: True
         _hook.install()
         torch.save({"t": torch.ones(4)}, "a.pt")
         assert _hook.flush(60)

@@ -143,14 +143,16 @@ def counted(st, ck, ckdir, n, c_abi):
     row["many"] = repeated(st, state)
     index_path = os.path.join(ckdir, f"step-{st.step:012d}", INDEX_FILE)
     row["index_bytes"] = os.path.getsize(index_path) if os.path.exists(index_path) else None
-    # Loaded while it is among the steps retention keeps (--keep 2).
-    row["load_many_s"] = load_s(ck, st.step)
-    row["one"] = repeated(st, one)
-    row["load_one_s"] = load_s(ck, st.step)
     if c_abi:
+        # The descriptors the Python package prepared, sent as a C caller would.
         plan = next(p for p in reversed(ck._save_plans) if p.n == n)
         blobs = plan.blob_array(plan.blobs[0])
         row["c_abi"] = figures([st.save_c(plan.descs, plan.n, blobs, len(plan.blobs[0])) for _ in range(7)][-5:])
+    # Loaded while it is among the steps retention keeps (--keep 2); a
+    # load's region makes the next save of each state prepare it again.
+    row["load_many_s"] = load_s(ck, st.step)
+    row["one"] = repeated(st, one)
+    row["load_one_s"] = load_s(ck, st.step)
     # A changed structure: one tensor more costs one replan, then cached again.
     state["layers.extra"] = ck.share({"x": np.zeros(256, dtype=np.float32)})["x"]
     row["replan"] = st.save(state)

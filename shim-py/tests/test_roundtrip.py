@@ -300,6 +300,45 @@ def test_a_state_of_only_arrays_saved_again_is_saved_as_it_is_now(ck):
         roundtrip()
 
 
+def test_alternating_states_each_saved_as_it_is_now_whatever_was_saved_between(ck):
+    """Two states saved alternately (each one's prepared request, encoded
+    list and sidecar plan kept while the other is saved): a change of one
+    between its saves (bytes, an array moved to another address in shared
+    memory, reshaped, a key added or removed) reaches its checkpoint, and
+    the other's checkpoints stay its own."""
+    a = ck.share({f"a{i}": np.full(256, i, dtype=np.float32) for i in range(50)})
+    b = ck.share({"w": np.full(1 << 16, 2, dtype=np.float32)})
+    spare = ck.share({"s": np.full(256, -1, dtype=np.float32), "t": np.arange(6, dtype=np.int16)})
+    steps = iter(range(1, 100))
+
+    def roundtrip(state):
+        step = next(steps)
+        ck.save(step, state).wait_durable(30)
+        got = ck.load(step)
+        assert set(got) == set(state), step
+        for k, v in state.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and np.array_equal(got[k], v), (step, k)
+
+    def both():
+        roundtrip(a)
+        roundtrip(b)
+
+    both()
+    both()  # each one's kept request, list and plan
+    a["a3"][:] = 33
+    both()
+    a["a4"] = spare["s"]  # another address, same shape and dtype
+    both()
+    a["a5"].shape = (16, 16)
+    both()
+    a["new"] = spare["t"]
+    both()
+    del a["a0"]
+    both()
+    b["w"][:] = 9
+    both()
+
+
 def test_quick_keys_tell_bulk_containers_apart():
     """The prepared-request key of a container of arrays (built in bulk)
     differs whenever a per-value key would."""

@@ -62,8 +62,9 @@ pub const BLOBS_PER_SAVE_MAX: usize = 4096;
 /// eight prepared requests, two save regions) finds its plan.
 pub const SAVE_PLANS_KEPT: usize = 8;
 /// Descriptors in all the plans one session keeps (about 300 bytes each
-/// with their layout); a save of more tensors is planned every time.
-pub const SAVE_PLAN_TENSORS_MAX: usize = 1 << 16;
+/// with their layout: at most ~80 MB a session, for a state of 100k tensors
+/// and a few small ones); a save of more tensors is planned every time.
+pub const SAVE_PLAN_TENSORS_MAX: usize = 1 << 18;
 /// Checkpoints copied and waiting for the committer; a full queue makes the
 /// next save wait (its staging is already held, so this bounds nothing
 /// else). Saves waiting for staging are bounded by the staging budget.

@@ -39,6 +39,9 @@ pub struct Prev {
     linkable: HashMap<String, PathBuf>,
     /// Tensor name → (dtype, shape, crc32c, digest).
     by_name: HashMap<String, usize>,
+    /// File name → how many tensors it holds (counted once: a step of many
+    /// small tensors has many stable shards, each asked about).
+    held: HashMap<String, usize>,
 }
 
 impl Prev {
@@ -114,7 +117,16 @@ impl Prev {
 
     fn with(step: u64, index: Index, linkable: HashMap<String, PathBuf>) -> Prev {
         let by_name = index.ckpt.tensors.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect();
-        Prev { step, index, linkable, by_name }
+        let mut held: HashMap<String, usize> = HashMap::new();
+        for t in index.ckpt.tensors.values() {
+            match held.get_mut(&t.file) {
+                Some(n) => *n += 1,
+                None => {
+                    held.insert(t.file.clone(), 1);
+                }
+            }
+        }
+        Prev { step, index, linkable, by_name, held }
     }
 
     /// Whether layout tensor `i` (crc `crc`, digest `digest`) is unchanged
@@ -153,8 +165,7 @@ impl Prev {
         if f.dir_idx != sh.dir_idx || f.len_bytes != sh.file_len {
             return None;
         }
-        let held: Vec<_> = self.index.tensors_of(file).collect();
-        if held.len() != sh.tensors.len() {
+        if self.held.get(file) != Some(&sh.tensors.len()) {
             return None;
         }
         for &i in &sh.tensors {

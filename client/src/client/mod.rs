@@ -64,7 +64,7 @@ use ckpt_wire::Request;
 use crate::error::{Error, Result};
 use connection::Conn;
 use reply_thread::{Shared, State};
-use tensor_list::KeptList;
+use tensor_list::KeptLists;
 use transport::send_frame;
 
 pub use connection::HANDSHAKE_TIMEOUT;
@@ -103,8 +103,8 @@ struct Inner {
     lazy_release: bool,
     /// (rank, world size) of this trainer; saves are parts when world > 1.
     rank: (u32, u32),
-    /// The last save's tensor list, encoded, and what it was made from.
-    kept_list: Option<KeptList>,
+    /// The last saves' tensor lists, encoded, and what each was made from.
+    kept_lists: KeptLists,
 }
 
 impl Inner {
@@ -142,7 +142,7 @@ impl Client {
                 request_timeout: None,
                 lazy_release: false,
                 rank: (0, 1),
-                kept_list: None,
+                kept_lists: KeptLists::default(),
             }),
         };
         {

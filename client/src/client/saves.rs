@@ -44,9 +44,12 @@ impl Client {
         }
         let mut inner = self.lock_inner();
         self.refresh_cuda_locked(&mut inner, tensors)?;
-        // The same tensors as the last save, with the same regions: its
-        // list again. Else encoded afresh, and kept for the next save.
-        let kept = match inner.kept_list.take().filter(|k| k.is_of(&inner, tensors)) {
+        // The same tensors as a recent save, with the same regions: its
+        // list again. Else encoded afresh, and kept for the next saves.
+        let mut lists = std::mem::take(&mut inner.kept_lists);
+        let found = lists.take(&inner, tensors);
+        inner.kept_lists = lists;
+        let kept = match found {
             Some(k) => k,
             None => KeptList::encode(&inner, tensors)?,
         };
@@ -63,7 +66,7 @@ impl Client {
         let sent = self.submit_encoded(&mut inner, step, None, |id| {
             ckpt_wire::encode_save_with(id, step, part, &kept.encoded, &blobs, lazy_release, unchanged)
         });
-        inner.kept_list = Some(kept);
+        inner.kept_lists.keep(kept);
         sent
     }
 

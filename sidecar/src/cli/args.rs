@@ -390,6 +390,19 @@ pub enum BenchCmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// The per-tensor cost of a save: states of many small tensors in shared
+    /// memory (1,000 x 4 KiB alternated with one 4 MiB tensor; N x 1 KiB saved
+    /// repeatedly, through the Python package and the C ABI), each beside one
+    /// tensor of the same bytes, a changed structure's replan, load and the
+    /// index's size. Runs the Python module ckpt_sidecar.bench_tensors
+    /// (numpy; the Python of $CKPT_SIDECAR_PYTHON, else python3); its options
+    /// (--dir DIR [--counts 1000,10000,100000] [--incremental-off] [--json];
+    /// --help lists them) are passed on as they are.
+    #[command(disable_help_flag = true)]
+    Tensors {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// A drain target's throughput: a committed step of SIZE written locally,
     /// uploaded by the drain tier (ckpt-tier) beside the plain object_store
     /// client's multipart put of the same files, then downloaded by both;

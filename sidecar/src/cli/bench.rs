@@ -136,6 +136,7 @@ pub fn bench_cmd(what: BenchCmd) -> anyhow::Result<ExitCode> {
             })?;
         }
         BenchCmd::Ranks { args } => return python_bench(&bench_python(None), "ckpt_sidecar.bench_ranks", &args),
+        BenchCmd::Tensors { args } => return python_bench(&bench_python(None), "ckpt_sidecar.bench_tensors", &args),
         BenchCmd::Compare(a) => {
             // The comparison drives Python libraries (torch, safetensors, DCP):
             // it lives in the Python package, measuring this very binary.

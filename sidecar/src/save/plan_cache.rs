@@ -10,8 +10,11 @@
 //!   of a kept list is not decoded at all, [`SavePlans::kept_list`]), with
 //!   the same layout options, while every region its
 //!   sources read is still the session's registered region of that id (the
-//!   same mapping), and, for incremental saves, the same history
-//!   (`LayoutOptions::history_gen`: the stable shards depend on it); every check of [`plan_save`] depends only on these, so
+//!   same mapping), and, for incremental saves, a history that sorts its
+//!   tensors into changed and stable ones as when it was planned (the
+//!   stable shards depend on that alone: another state saved in between
+//!   moves `LayoutOptions::history_gen` on without changing this state's
+//!   sorting, and its plan still fits); every check of [`plan_save`] depends only on these, so
 //!   a reused plan is one that would pass them again; blobs, which the plan
 //!   does not cover, are checked at every save;
 //! - the session drops its plans when it unregisters a region, so a plan
@@ -73,17 +76,47 @@ struct Plan {
     regions: Vec<(u32, Arc<Region>)>,
     layout: Layout,
     sources: Vec<Source>,
+    /// Incremental layouts: per tensor, whether it was laid out as changed
+    /// at the previous save (volatile) rather than stable; empty otherwise.
+    volatile: Vec<bool>,
+}
+
+/// Per spec, whether `changed` counts it as changed ([`Layout::plan_with`]'s sorting).
+fn sorting(names: impl Iterator<Item = impl AsRef<str>>, changed: Option<&HashSet<String>>) -> Vec<bool> {
+    names.map(|n| changed.is_some_and(|c| c.contains(n.as_ref()))).collect()
 }
 
 impl Plan {
-    fn fits(&self, tensors: &[TensorDescIn<'_>], regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
+    fn fits(
+        &self,
+        tensors: &[TensorDescIn<'_>],
+        regions: &HashMap<u32, Arc<Region>>,
+        opts: LayoutOptions,
+        changed: Option<&HashSet<String>>,
+    ) -> bool {
         self.descs.len() == tensors.len()
-            && self.fits_regions(regions, opts)
             && self.descs.iter().zip(tensors).all(|(k, d)| k.is(d))
+            && self.fits_regions(regions, opts, changed)
     }
 
-    fn fits_regions(&self, regions: &HashMap<u32, Arc<Region>>, opts: LayoutOptions) -> bool {
-        self.opts == opts && self.regions.iter().all(|(id, r)| regions.get(id).is_some_and(|now| Arc::ptr_eq(now, r)))
+    /// Same options and regions, and a history that sorts this plan's
+    /// tensors as it did (checked tensor by tensor only when the history
+    /// moved on since this plan was last used).
+    fn fits_regions(
+        &self,
+        regions: &HashMap<u32, Arc<Region>>,
+        opts: LayoutOptions,
+        changed: Option<&HashSet<String>>,
+    ) -> bool {
+        LayoutOptions { history_gen: opts.history_gen, ..self.opts } == opts
+            && (self.opts.history_gen == opts.history_gen
+                || !opts.incremental
+                || self
+                    .descs
+                    .iter()
+                    .zip(&self.volatile)
+                    .all(|(k, &v)| changed.is_some_and(|c| c.contains(&*k.name)) == v))
+            && self.regions.iter().all(|(id, r)| regions.get(id).is_some_and(|now| Arc::ptr_eq(now, r)))
     }
 }
 
@@ -109,10 +142,12 @@ impl Planner for SavePlans {
     ) -> Result<(Layout, Vec<Source>), SaveError> {
         let (tensors, encoded) = match tensors {
             SaveTensors::Kept(list) => {
-                if let Some(i) =
-                    self.plans.iter().rposition(|p| p.encoded.as_deref() == Some(list) && p.fits_regions(regions, opts))
+                if let Some(i) = self
+                    .plans
+                    .iter()
+                    .rposition(|p| p.encoded.as_deref() == Some(list) && p.fits_regions(regions, opts, changed))
                 {
-                    return self.reuse(i, blobs);
+                    return self.reuse(i, blobs, opts);
                 }
                 // Its plan no longer fits (a region registered anew): the
                 // list decoded after all, and planned as any other.
@@ -142,10 +177,11 @@ impl SavePlans {
         self.plans.iter().rev().filter_map(|p| p.encoded.as_deref()).find_map(|list| head.rest_after(list))
     }
 
-    /// Plan `i` reused (most recently used last).
-    fn reuse(&mut self, i: usize, blobs: &[Blob]) -> Result<(Layout, Vec<Source>), SaveError> {
+    /// Plan `i` reused (most recently used last), now under `opts`' history.
+    fn reuse(&mut self, i: usize, blobs: &[Blob], opts: LayoutOptions) -> Result<(Layout, Vec<Source>), SaveError> {
         check_blobs(blobs)?;
-        let p = self.plans.remove(i);
+        let mut p = self.plans.remove(i);
+        p.opts.history_gen = opts.history_gen;
         let out = (p.layout.clone(), p.sources.clone());
         self.plans.push(p);
         Ok(out)
@@ -160,11 +196,11 @@ impl SavePlans {
         opts: LayoutOptions,
         changed: Option<&HashSet<String>>,
     ) -> Result<(Layout, Vec<Source>), SaveError> {
-        if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts)) {
+        if let Some(i) = self.plans.iter().position(|p| p.fits(tensors, regions, opts, changed)) {
             if self.plans[i].encoded.is_none() {
                 self.plans[i].encoded = encoded.map(Box::from);
             }
-            return self.reuse(i, blobs);
+            return self.reuse(i, blobs, opts);
         }
         let (layout, sources) = plan_save(tensors, blobs, regions, opts, changed)?;
         self.fresh += 1;
@@ -185,6 +221,7 @@ impl SavePlans {
                 regions: used,
                 layout: layout.clone(),
                 sources: sources.clone(),
+                volatile: if opts.incremental { sorting(tensors.iter().map(|d| d.name), changed) } else { Vec::new() },
             });
             let mut kept: usize = self.plans.iter().map(|p| p.descs.len()).sum();
             while self.plans.len() > config::SAVE_PLANS_KEPT || kept > config::SAVE_PLAN_TENSORS_MAX {
@@ -345,6 +382,36 @@ mod tests {
         ));
         plans.clear();
         assert!(plans.kept_list(&head).is_none());
+    }
+
+    #[test]
+    fn alternating_states_reuse_their_plans_while_the_history_sorts_their_tensors_alike() {
+        let regions = HashMap::from([(1, region(1))]);
+        let mut plans = SavePlans::default();
+        let (a, b) = ([d("a0", 1, 0, 64), d("a1", 1, 64, 64)], [d("b", 1, 256, 128)]);
+        let opts = |history_gen| LayoutOptions { incremental: true, history_gen, ..LayoutOptions::default() };
+        // Each commit of one state moves the history on (the other state's
+        // tensors are new to it, so changed): neither's sorting changes.
+        let after_a: HashSet<String> = ["a0", "a1"].map(String::from).into();
+        let after_b: HashSet<String> = ["b".to_string()].into();
+        plans.plan(decoded(&a), &[], &regions, opts(1), Some(&after_b)).unwrap();
+        plans.plan(decoded(&b), &[], &regions, opts(2), Some(&after_a)).unwrap();
+        for gen in 3..9 {
+            let (ts, changed): (&[TensorDescIn<'_>], _) = if gen % 2 == 1 { (&a, &after_b) } else { (&b, &after_a) };
+            plans.plan(decoded(ts), &[], &regions, opts(gen), Some(changed)).unwrap();
+        }
+        assert_eq!(plans.fresh, 2, "each state planned once");
+        // A history that sorts a tensor of `a` the other way: planned anew,
+        // with that tensor in a shard of the changed ones.
+        let one: HashSet<String> = ["a1".to_string()].into();
+        let (l, _) = plans.plan(decoded(&a), &[], &regions, opts(9), Some(&one)).unwrap();
+        assert_eq!(plans.fresh, 3);
+        let shard_of = |name: &str| &l.shards[l.places[l.specs.iter().position(|s| s.name == name).unwrap()].shard_idx];
+        assert!(!shard_of("a1").stable && shard_of("a0").stable);
+        // Not incremental: the history plays no part.
+        plans.plan(decoded(&a), &[], &regions, LayoutOptions::default(), Some(&one)).unwrap();
+        plans.plan(decoded(&a), &[], &regions, LayoutOptions { history_gen: 10, ..Default::default() }, None).unwrap();
+        assert_eq!(plans.fresh, 4);
     }
 
     #[test]

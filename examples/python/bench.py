@@ -24,10 +24,10 @@ repetition each, so every buffer is warm; all samples are in the JSON):
   persist_s                 the sidecar's write + commit time (Durable's figure)
   hook_torch_save_s         torch.save of the same dict through the import hook
                             (what an unmodified script gets with CKPT_SIDECAR=1):
-                            until it returns, i.e. serialised, copied into shared
-                            memory and taken by the sidecar
-  hook_torch_save_durable_s the same until the file is durable (written by the
-                            sidecar: temp file, sync, rename, directory sync)
+                            until it returns, i.e. serialised into a temp file
+                            beside the path and renamed over it
+  hook_torch_save_durable_s the same until the file is durable (the file and its
+                            directory synced by the hook's thread)
 
 Bars: sidecar_stall_s <= 1.25 x memcpy_s; sidecar_resident_stall_s <= 0.1 x
 memcpy_s and >= 50 x below torch_save_fsync_s.

@@ -3,12 +3,11 @@
 
   python hook_first.py [--size-mib 1024] [--saves 3] [--gap-s 8] [--dir /work/bench/h] [--json]
 
-Each variant runs in a fresh interpreter (CKPT_SIDECAR=1, and no sidecar listening, so the hook
-spawns one at the first torch.save; or the hook off): it builds a state of --size-mib MiB of float32
+Each variant runs in a fresh interpreter (CKPT_SIDECAR=1 and no sidecar listening; or the hook off): it builds a state of --size-mib MiB of float32
 tensors, then torch.saves it --saves times, --gap-s seconds apart (training between saves), and
 reports each torch.save's duration, the wait at exit (hook: pending files) and who wrote the files.
-The first save of a process is what this shows: the hook spawns its sidecar in the background
-(its staging is pre-faulted before it answers) and writes that file from the trainer's thread."""
+The first save of a process is what this shows: a host state's file is written in place by the
+trainer before torch.save returns, and synced afterwards by the hook's thread (no sidecar needed)."""
 import argparse, json, os, subprocess, sys, tempfile, time
 
 CHILD = r'''

@@ -9,8 +9,6 @@ import ctypes
 import io
 import threading
 
-from .errors import SidecarError
-
 
 class ShmPool:
     """Shared-memory regions torch.save serialises into, so the bytes reach the
@@ -78,17 +76,13 @@ class ShmFile:
         self._pool = pool
         self.region = pool.take(size_hint)
         self.len_bytes = 0
-        self.no_room = None  # the SidecarError of a region this file outgrew and could not get
 
     def write(self, b):
         src = self._frombuffer(memoryview(b).cast("B"), dtype=self._u8)
         n = src.nbytes
         if self.len_bytes + n > self.region.len_bytes:
-            try:
-                self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
-            except SidecarError as e:  # /dev/shm full: the caller serialises in private memory
-                self.no_room = e
-                raise
+            # /dev/shm full raises SidecarError: the caller serialises in private memory.
+            self.region = self._pool.grow(self.region, self.len_bytes, self.len_bytes + n)
         if n:
             ctypes.memmove(self.region.ptr + self.len_bytes, src.ctypes.data, n)
         self.len_bytes += n

@@ -67,18 +67,34 @@ pub struct DeviceInfo {
     /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: 0 default, 2 prohibited, 3
     /// exclusive-process (a second process's context is refused).
     pub compute_mode: i32,
+    /// A MIG instance: `uuid` (`cuDeviceGetUuid_v2`) is the instance's,
+    /// which differs from its GPU's (the legacy `cuDeviceGetUuid`), and is
+    /// named `MIG-…` ([`uuid_text`]). Legacy IPC is not supported there.
+    pub mig: bool,
 }
 
 /// Bytes of a device UUID.
 pub const UUID_BYTES: usize = 16;
 
-/// A device UUID as nvidia-smi writes it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+/// A device UUID as the driver names it (nvidia-smi, `CUDA_VISIBLE_DEVICES`):
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, or `MIG-…` for a MIG
+/// instance this process's probe found ([`DeviceInfo::mig`]; a UUID the
+/// probe did not see, or a process that never probed, says `GPU-`).
 pub fn uuid_text(uuid: &[u8]) -> String {
+    let mig = PROBE
+        .get()
+        .and_then(|p| p.as_ref().ok())
+        .is_some_and(|i| i.devices.iter().any(|d| d.mig && d.uuid[..] == *uuid));
+    uuid_text_as(uuid, if mig { "MIG" } else { "GPU" })
+}
+
+/// `uuid` written with `prefix` (`GPU` or `MIG`), dashed as nvidia-smi does.
+fn uuid_text_as(uuid: &[u8], prefix: &str) -> String {
     let h: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
     if h.len() != 2 * UUID_BYTES {
-        return format!("GPU-{h}");
+        return format!("{prefix}-{h}");
     }
-    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!("{prefix}-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
 }
 
 /// The ordinal, in this process, of the device whose UUID is `uuid`; None
@@ -126,9 +142,11 @@ fn check(call: &'static str, r: CUresult) -> Result<()> {
 /// Finds the driver and its devices, once per process; later calls return
 /// the same answer.
 pub fn probe() -> Result<&'static DriverInfo> {
-    static PROBE: OnceLock<Result<DriverInfo>> = OnceLock::new();
     PROBE.get_or_init(probe_once).as_ref().map_err(Clone::clone)
 }
+
+/// What [`probe`] found, once it ran.
+static PROBE: OnceLock<Result<DriverInfo>> = OnceLock::new();
 
 fn probe_once() -> Result<DriverInfo> {
     // SAFETY: only tries to dlopen the library names cudarc knows.
@@ -157,6 +175,9 @@ fn probe_once() -> Result<DriverInfo> {
             check("cuDeviceTotalMem", sys::cuDeviceTotalMem_v2(&mut total, dev))?;
             let mut uuid = sys::CUuuid_st { bytes: [0; UUID_BYTES] };
             check("cuDeviceGetUuid_v2", sys::cuDeviceGetUuid_v2(&mut uuid, dev))?;
+            // The legacy call names a MIG instance's GPU: another UUID.
+            let mut gpu = sys::CUuuid_st { bytes: [0; UUID_BYTES] };
+            let mig = sys::cuDeviceGetUuid(&mut gpu, dev) == CUresult::CUDA_SUCCESS && gpu.bytes != uuid.bytes;
             let mut compute_mode = 0;
             // A driver that cannot say leaves the default mode (0).
             let _ = sys::cuDeviceGetAttribute(
@@ -170,6 +191,7 @@ fn probe_once() -> Result<DriverInfo> {
                 total_bytes: total as u64,
                 uuid: uuid.bytes.map(|c| c as u8),
                 compute_mode,
+                mig,
             });
         }
         Ok(DriverInfo { driver_version, devices })
@@ -354,6 +376,22 @@ pub fn allocations_covering(ptr: u64, len_bytes: u64) -> Result<Vec<Allocation>>
             last.base
         )));
     }
+}
+
+/// Whether the trainer's `stream` (a CUstream of device `device`; 0: the
+/// legacy default stream) is capturing a CUDA graph (`cuStreamIsCapturing`:
+/// active, or invalidated but not yet ended). Work queued on it then only
+/// joins the graph: an event recorded there is never recorded (a real
+/// record needs `cudaEventRecordExternal`), and a stream wait replays with
+/// the value of its capture. A driver that cannot say (an error, e.g. the
+/// legacy stream while another stream captures in global mode) is an error.
+pub fn is_capturing(stream: u64, device: i32) -> Result<bool> {
+    in_primary(device, || {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a valid out-pointer; an invalid stream is an error code.
+        unsafe { check("cuStreamIsCapturing", sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status))? };
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    })
 }
 
 /// The legacy IPC handle of the allocation starting at `base` (trainer side).

@@ -79,6 +79,26 @@
  *   another physical device than the memory's ("peer_imports N") and the
  *   device memory this process holds ("device_used_bytes N").
  *
+ * - Refusals a real driver may give (CKPT_FAKE_CUDA_REFUSE, a comma-separated
+ *   list read at the first cuInit): "stream_wait" makes cuStreamWaitValue32
+ *   return CUDA_ERROR_NOT_SUPPORTED (801: stream memory operations are not
+ *   available on every driver and platform); "devptr_without_devicemap"
+ *   refuses cuMemHostGetDevicePointer (1) for host memory registered without
+ *   CU_MEMHOSTREGISTER_DEVICEMAP, as a device without unified addressing does.
+ * - CUDA-graph capture (cuStreamBeginCapture_v2 .. cuStreamEndCapture,
+ *   cuStreamIsCapturing): work queued on a capturing stream is only
+ *   captured, never run (graphs are never launched here): cuEventRecord
+ *   records nothing (an event polled elsewhere says done at once, as a real
+ *   one never recorded does), stream waits and copies run nothing, and
+ *   cuStreamSynchronize of a capturing stream is refused (900).
+ * - An imported interprocess event whose creator died is undefined for the
+ *   reference; here cuEventQuery on it fails (999), never says NOT_READY.
+ *   FAKE_CUDA_EVENT_OPEN_DELAY_US makes cuIpcOpenEventHandle block that long
+ *   first (an import seen blocking on a busy GPU).
+ * - MIG: with CKPT_FAKE_CUDA_MIG=1 every device is a MIG instance:
+ *   cuDeviceGetUuid_v2 gives the instance's UUID (named MIG-<uuid> in
+ *   CUDA_VISIBLE_DEVICES), cuDeviceGetUuid the parent GPU's.
+ *
  * What it does not prove: real DMA bandwidth, pinned-memory behaviour,
  * peer access, or the real driver's error cases beyond the ones above.
  */
@@ -121,6 +141,8 @@ enum {
     E_NOT_READY = 600,
     E_HOST_ALREADY_REGISTERED = 712,
     E_HOST_NOT_REGISTERED = 713,
+    E_NOT_SUPPORTED = 801,
+    E_STREAM_CAPTURE_UNSUPPORTED = 900,
     E_UNKNOWN = 999,
 };
 
@@ -139,6 +161,8 @@ static atomic_int g_init;
 static long g_delay_us = 2000;
 static size_t g_device_cap = (size_t)16 << 30, g_host_cap = (size_t)-1;
 static size_t g_device_used[DEVICES_MAX];
+static int g_refuse_stream_wait, g_refuse_devptr_without_devicemap, g_mig;
+static long g_event_open_delay_us;
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 /* The header page of a cuMemAlloc_v2 allocation's memfd, shared with every
@@ -170,7 +194,7 @@ struct pinned { struct memhdr *hdr; size_t size; int phys; };
 static struct pinned g_pinned[PINNED_MAX];
 /* Registered host ranges. */
 #define HOSTREGS_MAX 256
-struct hostreg { uintptr_t base; size_t len; };
+struct hostreg { uintptr_t base; size_t len; unsigned flags; };
 static struct hostreg g_hostregs[HOSTREGS_MAX];
 static size_t g_host_registered_bytes;
 static long g_imports_open, g_imports_total, g_host_registered, g_vmm_maps, g_frees_pinned, g_peer_imports, g_events_opened;
@@ -260,6 +284,8 @@ struct fstream {
     pthread_cond_t cv;
     struct op *head, *tail;
     int busy, stop;
+    /* Capturing a graph: work queued is captured, never run. */
+    _Atomic int capturing;
     pthread_t th;
     struct fctx *ctx;
 };
@@ -350,6 +376,11 @@ static struct fstream *resolve(CUstream s) {
 static CUresult enqueue(CUstream hs, struct op o) {
     struct fstream *s = resolve(hs);
     if (!s) return E_INVALID_CONTEXT;
+    if (atomic_load(&s->capturing)) {
+        /* Captured into the graph, which is never launched here. */
+        if (o.evm) evmap_unref(o.evm);
+        return OK;
+    }
     struct op *p = malloc(sizeof *p);
     if (!p) return E_OUT_OF_MEMORY;
     *p = o;
@@ -378,7 +409,7 @@ static size_t env_bytes(const char *name, size_t dflt) {
 /* One entry of CUDA_VISIBLE_DEVICES: a physical index or GPU-<uuid>; -1 if invalid. */
 static int parse_visible(const char *e, size_t n) {
     while (n && *e == ' ') { e++; n--; }
-    if (n > 4 && strncmp(e, "GPU-", 4) == 0) {
+    if (n > 4 && (strncmp(e, "GPU-", 4) == 0 || (g_mig && strncmp(e, "MIG-", 4) == 0))) {
         for (int p = 0; p < g_nphys; p++) {
             char u[16], text[40];
             uuid_of(p, u);
@@ -432,6 +463,20 @@ CUresult cuInit(unsigned flags) {
     if (!atomic_load(&g_init)) {
         const char *d = getenv("FAKE_CUDA_COPY_DELAY_US");
         if (d && *d) g_delay_us = atol(d);
+        const char *refuse = getenv("CKPT_FAKE_CUDA_REFUSE");
+        if (refuse) {
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", refuse);
+            for (char *save = NULL, *t = strtok_r(buf, ", ", &save); t; t = strtok_r(NULL, ", ", &save)) {
+                if (!strcmp(t, "stream_wait")) g_refuse_stream_wait = 1;
+                else if (!strcmp(t, "devptr_without_devicemap")) g_refuse_devptr_without_devicemap = 1;
+                else fprintf(stderr, "fake libcuda: CKPT_FAKE_CUDA_REFUSE: unknown refusal %s (ignored)\n", t);
+            }
+        }
+        const char *mig = getenv("CKPT_FAKE_CUDA_MIG");
+        g_mig = mig && *mig && strcmp(mig, "0");
+        const char *od = getenv("FAKE_CUDA_EVENT_OPEN_DELAY_US");
+        if (od && *od) g_event_open_delay_us = atol(od);
         init_devices();
         atomic_store(&g_init, 1);
     }
@@ -450,7 +495,12 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
     return OK;
 }
 CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { NEED_INIT(); if (!u) return E_INVALID_VALUE; NEED_DEV(d); uuid_of(g_vis[d], u->bytes); return OK; }
-CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) { return cuDeviceGetUuid_v2(u, d); }
+/* The parent GPU's UUID under MIG (cuDeviceGetUuid_v2 gives the instance's). */
+CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) {
+    CUresult r = cuDeviceGetUuid_v2(u, d);
+    if (r == OK && g_mig) u->bytes[13] = 'P';
+    return r;
+}
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { NEED_INIT(); if (!bytes) return E_INVALID_VALUE; NEED_DEV(d); *bytes = g_device_cap; return OK; }
 CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d) {
     NEED_INIT();
@@ -495,6 +545,8 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
     case E_NOT_READY: *s = "device not ready"; break;
     case E_HOST_ALREADY_REGISTERED: *s = "part or all of the requested memory range is already mapped"; break;
     case E_HOST_NOT_REGISTERED: *s = "pointer does not correspond to a registered memory region"; break;
+    case E_NOT_SUPPORTED: *s = "operation not supported"; break;
+    case E_STREAM_CAPTURE_UNSUPPORTED: *s = "operation not permitted when stream is capturing"; break;
     default: *s = "unknown error"; break;
     }
     return OK;
@@ -757,7 +809,6 @@ static struct hostreg *hostreg_of_locked(uintptr_t p, size_t len) {
 }
 
 CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
-    (void)flags;
     NEED_CTX();
     if (!p || !len) return E_INVALID_VALUE;
     uintptr_t b = (uintptr_t)p;
@@ -769,7 +820,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t len, unsigned flags) {
         if (b < r->base + r->len && r->base < b + len) { pthread_mutex_unlock(&g_mu); return E_HOST_ALREADY_REGISTERED; }
     }
     if (!slot || g_host_registered_bytes + len > g_host_cap || g_host_registered_bytes + len < len) { pthread_mutex_unlock(&g_mu); return E_OUT_OF_MEMORY; }
-    *slot = (struct hostreg){ b, len };
+    *slot = (struct hostreg){ b, len, flags };
     g_host_registered_bytes += len;
     g_host_registered++;
     write_stats_locked();
@@ -797,7 +848,9 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned flags) {
     NEED_CTX();
     if (!d || !p || flags) return E_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
-    int ok = hostreg_of_locked((uintptr_t)p, 1) != NULL;
+    struct hostreg *r = hostreg_of_locked((uintptr_t)p, 1);
+    /* CU_MEMHOSTREGISTER_DEVICEMAP (2) */
+    int ok = r && (!g_refuse_devptr_without_devicemap || (r->flags & 2));
     pthread_mutex_unlock(&g_mu);
     if (!ok) return E_INVALID_VALUE;
     *d = (CUdeviceptr)(uintptr_t)p;
@@ -1075,7 +1128,39 @@ CUresult cuStreamSynchronize(CUstream s) {
     NEED_INIT();
     struct fstream *f = resolve(s);
     if (!f) return E_INVALID_CONTEXT;
+    if (atomic_load(&f->capturing)) return E_STREAM_CAPTURE_UNSUPPORTED;
     drain(f);
+    return OK;
+}
+
+/* ---- graph capture: captured work is never run (see the top) ---- */
+
+CUresult cuStreamBeginCapture_v2(CUstream hs, int mode) {
+    (void)mode;
+    NEED_INIT();
+    struct fstream *s = resolve(hs);
+    if (!s) return E_INVALID_CONTEXT;
+    int no = 0;
+    return atomic_compare_exchange_strong(&s->capturing, &no, 1) ? OK : E_INVALID_VALUE;
+}
+CUresult cuStreamBeginCapture(CUstream hs, int mode) { return cuStreamBeginCapture_v2(hs, mode); }
+CUresult cuStreamEndCapture(CUstream hs, void **graph) {
+    NEED_INIT();
+    struct fstream *s = resolve(hs);
+    if (!s) return E_INVALID_CONTEXT;
+    if (!graph) return E_INVALID_VALUE;
+    int yes = 1;
+    if (!atomic_compare_exchange_strong(&s->capturing, &yes, 0)) return E_INVALID_VALUE;
+    *graph = (void *)s; /* a token: graphs are never launched here */
+    return OK;
+}
+/* CU_STREAM_CAPTURE_STATUS_NONE (0) or _ACTIVE (1). */
+CUresult cuStreamIsCapturing(CUstream hs, int *status) {
+    NEED_INIT();
+    if (!status) return E_INVALID_VALUE;
+    struct fstream *s = resolve(hs);
+    if (!s) return E_INVALID_CONTEXT;
+    *status = atomic_load(&s->capturing) ? 1 : 0;
     return OK;
 }
 CUresult cuStreamQuery(CUstream hs) {
@@ -1110,6 +1195,7 @@ static _Atomic uint32_t *memop_word(CUdeviceptr addr) {
 }
 CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags) {
     NEED_INIT();
+    if (g_refuse_stream_wait) return E_NOT_SUPPORTED;
     _Atomic uint32_t *w = memop_word(addr);
     if (!w) return E_INVALID_VALUE;
     struct op o = { .kind = OP_WAIT_VALUE, .dst = (void *)w, .value = value, .flags = flags };
@@ -1165,6 +1251,8 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     if (!f) return E_INVALID_CONTEXT;
     /* An event and a stream of different contexts: refused. */
     if (f->ctx != e->ctx) return E_INVALID_HANDLE;
+    /* Under capture only a dependency in the graph: nothing is recorded. */
+    if (atomic_load(&f->capturing)) return OK;
     atomic_store(&e->sh->recorder_pid, (int)getpid());
     uint64_t seq = atomic_fetch_add(&e->sh->recorded, 1) + 1;
     struct op o = { .kind = OP_SIGNAL, .ev = e->sh, .evm = e->map, .seq = seq };
@@ -1183,9 +1271,25 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
     if (r != OK) evmap_unref(e->map);
     return r;
 }
+/* Whether process `pid` is alive (not gone, not a zombie). */
+static int pid_alive(int pid) {
+    if (kill(pid, 0) != 0 && errno != EPERM) return 0;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *rp = strrchr(buf, ')');
+    return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
+}
 CUresult cuEventQuery(CUevent e) {
     NEED_INIT();
     if (!e) return E_INVALID_HANDLE;
+    /* Undefined for the reference once the exporter died: an error here. */
+    if (!e->owner && !pid_alive(e->sh->owner_pid)) return E_UNKNOWN;
     return atomic_load(&e->sh->completed) >= atomic_load(&e->sh->recorded) ? OK : E_NOT_READY;
 }
 /* Never returns for a record whose recorder died before it ran. */
@@ -1215,6 +1319,7 @@ CUresult cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e) {
 }
 CUresult cuIpcOpenEventHandle(CUevent *ph, CUipcEventHandle h) {
     NEED_CTX();
+    if (g_event_open_delay_us > 0) sleep_us(g_event_open_delay_us);
     struct evhandle m;
     memcpy(&m, h.reserved, sizeof m);
     if (!ph || memcmp(m.magic, EVT_MAGIC, 8) != 0) return E_INVALID_VALUE;

@@ -222,6 +222,9 @@ class Checkpointer(Saving, LoadingInto):
         the current CUDA stream (torch's, else the stream the save was fenced
         on) waits on an event the sidecar records after its copy, and the CPU
         goes on (the lazy wait); a save with host tensors waits on the CPU.
+        Where the stream cannot wait (the driver refuses the stream wait, or
+        the stream captures a CUDA graph) the CPU waits for Released instead:
+        a guarded step never runs while the sidecar may still copy.
         A failed save only warns here (training goes on; wait_durable raises it).
         Returns the hook's RemovableHandle."""
 
@@ -241,6 +244,13 @@ class Checkpointer(Saving, LoadingInto):
                     else:
                         h.wait_released()
                 except SidecarError as e:
+                    if h.cuda_stream is not None:
+                        # Never no wait: unless the save is over (this then
+                        # raises at once), the step waits on the CPU.
+                        try:
+                            h._wait(N.RELEASED, None)
+                        except SidecarError:
+                            pass
                     warnings.warn(f"checkpoint of step {h.step} failed: {e}")
             return None
 

@@ -93,16 +93,22 @@ TRAINER = fake_cuda_script(r"""
 """)
 
 
+def stream_waits_refused():
+    """Whether this run's fake refuses stream waits (CKPT_FAKE_CUDA_REFUSE)."""
+    return "stream_wait" in [r.strip() for r in os.environ.get("CKPT_FAKE_CUDA_REFUSE", "").split(",")]
+
+
 def run_trainer(tmp_path, delay_us):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     return run_script(tmp_path, script, delay_us)
 
 
-def run_script(tmp_path, script, delay_us):
+def run_script(tmp_path, script, delay_us, extra_env=None):
     """Runs a trainer script with the fake driver on its search path, its own
     device copies late by `delay_us`, and checkpoints in tmp_path/ck."""
     env = dict(os.environ)
+    env.update(extra_env or {})
     env["LD_LIBRARY_PATH"] = str(fake_dir())
     env["FAKE_CUDA_COPY_DELAY_US"] = str(delay_us)
     # The child imports the very package this test imported.
@@ -123,12 +129,12 @@ def run_script(tmp_path, script, delay_us):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_script_json(tmp_path, name, code, delay_us):
+def run_script_json(tmp_path, name, code, delay_us, extra_env=None):
     """run_script of `code` written to tmp_path/name, which must exit 0; the
     JSON object its last line of stdout prints."""
     script = tmp_path / name
     script.write_text(code)
-    r = run_script(tmp_path, script, delay_us)
+    r = run_script(tmp_path, script, delay_us, extra_env)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -234,7 +240,23 @@ def test_guard_makes_the_next_step_wait_on_the_copy_on_its_stream_not_the_cpu(tm
     snapshot, though the hook returned while the sidecar was still copying
     (its copies are 1.5 s late): the wait was the stream's, not the CPU's."""
     got = run_script_json(tmp_path, "guard.py", GUARD_TRAINER, 2_000)
-    assert got == {"state_after_hook": "pending", "snapshot_is_saved": True, "device_has_step": True}, got
+    if stream_waits_refused():
+        # This run's fake refuses stream waits: the hook waited on the CPU.
+        assert got["state_after_hook"] in ("released", "durable"), got
+        assert got["snapshot_is_saved"] and got["device_has_step"], got
+    else:
+        assert got == {"state_after_hook": "pending", "snapshot_is_saved": True, "device_has_step": True}, got
+
+
+def test_guard_waits_on_the_cpu_when_the_driver_refuses_the_stream_wait(tmp_path):
+    """A driver without stream memory operations (cuStreamWaitValue32:
+    NOT_SUPPORTED): guard(optimizer) makes the step wait for Released on the
+    CPU, so the step's write stays out of the snapshot. Before, the refusal
+    only warned and the step ran while the sidecar still copied."""
+    refuse = {"CKPT_FAKE_CUDA_REFUSE": "stream_wait,devptr_without_devicemap"}
+    got = run_script_json(tmp_path, "guard.py", GUARD_TRAINER, 2_000, refuse)
+    assert got["state_after_hook"] in ("released", "durable"), got
+    assert got["snapshot_is_saved"] and got["device_has_step"], got
 
 
 REALLOC = fake_cuda_script(r"""
@@ -507,6 +529,9 @@ def test_dcp_async_save_stages_device_tensors_by_the_sidecars_copy_not_a_trainer
     finally:
         del os.environ["FAKE_CUDA_STATS_DIR"]
     assert got.pop("sidecar_imports_total", 0) >= 1, got
+    # Where this run's fake refuses stream waits, the CPU waited instead.
+    state = got.pop("state_after_synchronize")
+    assert state in (("released", "durable") if stream_waits_refused() else ("pending",)), state
     assert got == {"is_async_stager": True, "device_leaf_kept": True, "host_copied": True, "synchronize": True,
-                   "err": [], "state_after_synchronize": "pending", "device_snapshot_is_staged": True,
+                   "err": [], "device_snapshot_is_staged": True,
                    "host_snapshot_is_staged": True, "device_has_next_step": True}, got

@@ -44,6 +44,14 @@ pub const REGIONS_PER_SESSION_MAX: usize = 4096;
 /// Interprocess CUDA events a session keeps open (a trainer records one
 /// event per save again and again; more distinct ones clear the cache).
 pub const CUDA_EVENTS_PER_SESSION_MAX: usize = 64;
+/// How long opening a trainer's interprocess CUDA event may take (on a
+/// thread of its own, watched: an import was seen blocking on a busy GPU)
+/// before the save that needs it is refused; the open is left to finish on
+/// its thread, never holding the session.
+pub const CUDA_EVENT_OPEN_TIMEOUT_MS: u64 = 30_000;
+/// How often the wait for that open checks the client and the deadline.
+pub const CUDA_EVENT_OPEN_POLL_MS: u64 = 20;
+const _: () = assert!(CUDA_EVENT_OPEN_POLL_MS < CUDA_EVENT_OPEN_TIMEOUT_MS);
 /// File descriptors one read of a session's socket may carry (SCM_RIGHTS:
 /// one per RegisterCudaVmmRegion; a read may span a few such frames).
 pub const FDS_PER_READ_MAX: usize = 8;

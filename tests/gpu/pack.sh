@@ -5,7 +5,7 @@
 #   ckpt-sidecar, libckpt.so          the daemon and the C shim (stripped)
 #   ckpt_sidecar-*.whl                the Python package (bundles both too),
 #                                     installable with pip --no-index --target
-#   tests/gpu/{run.sh,gpu_suite.py,README.md}
+#   tests/gpu/{run.sh,preflight.py,gpu_suite.py,README.md}
 #   shim-c/include/ckpt.h, shim-c/tests/c/cuda_trainer.c   (the C checks)
 # Prints the bundle's path as its last line. Usage: bash tests/gpu/pack.sh
 set -euo pipefail
@@ -29,7 +29,7 @@ for f in ckpt-sidecar libckpt.so; do
     cp "$TARGET/release/$f" "$BUNDLE/$f"
     strip --strip-debug "$BUNDLE/$f"
 done
-cp tests/gpu/run.sh tests/gpu/gpu_suite.py tests/gpu/README.md "$BUNDLE/tests/gpu/"
+cp tests/gpu/run.sh tests/gpu/preflight.py tests/gpu/gpu_suite.py tests/gpu/README.md "$BUNDLE/tests/gpu/"
 cp shim-c/include/ckpt.h "$BUNDLE/shim-c/include/"
 cp shim-c/tests/c/cuda_trainer.c "$BUNDLE/shim-c/tests/c/"
 

@@ -11,9 +11,17 @@
 # Results: stdout, and $OUT/gpu-results.json when OUT is set (written after
 # every check). Bounded to 8 minutes on one H200.
 #
+# First, before anything else, the preflight (tests/gpu/preflight.py, at most
+# 60 s, two processes, no torch): what this machine's driver really does of
+# IPC handles, IPC events, VMM fd export, host registration with a stream
+# wait on it, and a 1 GiB registration, in $OUT/gpu-preflight.json; the
+# suite skips, saying why, what it found missing (a sandbox's GPU proxy may
+# not pass those calls through) instead of failing on it.
+#
 # Inside the bundle of tests/gpu/pack.sh (a GPU machine with Python and torch
-# only) it uses the bundle; from a checkout, cargo's build, or without cargo
-# the checkout's target/gpu-bundle.
+# only) it uses the bundle; from a checkout holding target/gpu-bundle (a
+# device session's carried copy) that bundle, never cargo (no network
+# there); else cargo's build.
 #
 # Without a CUDA driver (or with only the test-only fake one) it prints
 # `skipped: no CUDA driver` and exits 0, counting nothing as passed.
@@ -27,6 +35,20 @@ if [ -z "$PY" ]; then
     for p in .venv/bin/python /work/main/.venv/bin/python python3; do
         if command -v "$p" >/dev/null 2>&1; then PY="$p"; break; fi
     done
+fi
+
+# The preflight, first: its findings are on disk before anything else runs.
+PREFLIGHT_DIR="${OUT:-$(mktemp -d)}"
+mkdir -p "$PREFLIGHT_DIR"
+export CKPT_GPU_PREFLIGHT="$PREFLIGHT_DIR/gpu-preflight.json"
+if [ -z "$PY" ]; then
+    printf '{"skip_all": "no Python interpreter for the preflight", "probes": {}}\n' >"$CKPT_GPU_PREFLIGHT"
+else
+    echo "== preflight (60 s at most)"
+    OUT="$PREFLIGHT_DIR" timeout --signal=KILL 60 "$PY" tests/gpu/preflight.py >/dev/null 2>&1 ||
+        echo "the preflight ended early (status $?): see $CKPT_GPU_PREFLIGHT" >&2
+    [ -f "$CKPT_GPU_PREFLIGHT" ] ||
+        printf '{"skip_all": "the preflight wrote nothing", "probes": {}}\n' >"$CKPT_GPU_PREFLIGHT"
 fi
 
 # A real driver: libcuda.so.1 loads, cuInit succeeds, a device is there, and
@@ -57,15 +79,14 @@ fi
 # bundle in target/gpu-bundle of this checkout.
 is_bundle() { [ -x "$1/ckpt-sidecar" ] && [ -f "$1/libckpt.so" ] && ls "$1"/*.whl >/dev/null 2>&1; }
 BUNDLE=""
+carried="${CARGO_TARGET_DIR:-$PWD/target}/gpu-bundle"
 if is_bundle "$PWD"; then
     BUNDLE=$PWD
+elif is_bundle "$carried"; then
+    BUNDLE=$carried
 elif ! command -v cargo >/dev/null; then
-    b="${CARGO_TARGET_DIR:-$PWD/target}/gpu-bundle"
-    if ! is_bundle "$b"; then
-        echo "no cargo and no bundle: run bash tests/gpu/pack.sh where Rust is, and copy its folder here" >&2
-        exit 2
-    fi
-    BUNDLE=$b
+    echo "no cargo and no bundle: run bash tests/gpu/pack.sh where Rust is, and copy its folder here" >&2
+    exit 2
 fi
 if [ -z "$BUNDLE" ]; then
     echo "== cargo build --release --workspace"

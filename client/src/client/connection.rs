@@ -13,6 +13,7 @@
 use std::io;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -33,7 +34,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A live connection: the socket callers write to, its generation, the
 /// reply thread reading its other descriptor, and the sidecar's Welcome.
 pub(super) struct Conn {
-    pub(super) stream: UnixStream,
+    /// Shared with the watchdog ([`super::stream_watch`]), which may shut it down.
+    pub(super) stream: Arc<UnixStream>,
     pub(super) gen: u64,
     reader: Option<JoinHandle<()>>,
     pub(super) info: ServerInfo,
@@ -60,10 +62,12 @@ impl Client {
         let reader_stream = stream.try_clone().map_err(|e| hs(e.to_string()))?;
         fork_fd_register(stream.as_raw_fd());
         fork_fd_register(reader_stream.as_raw_fd());
+        let stream = Arc::new(stream);
         let gen = {
             let mut st = self.lock_state();
             st.gen += 1;
             st.dead = None;
+            st.socket = Some(stream.clone());
             st.gen
         };
         let shared = self.shared.clone();

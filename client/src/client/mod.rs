@@ -50,6 +50,7 @@ mod requests;
 mod saves;
 mod shm_regions;
 mod stream_saves;
+mod stream_watch;
 mod tensor_list;
 mod transport;
 mod types;
@@ -69,6 +70,7 @@ use transport::send_frame;
 
 pub use connection::HANDSHAKE_TIMEOUT;
 pub use reply_thread::SAVES_FINISHED_MAX;
+pub use stream_watch::{STREAM_WAIT_DEADLINE_DEFAULT, STREAM_WAIT_DEADLINE_ENV};
 pub use types::{
     default_socket_path, BlobRef, CudaRegion, LoadInfo, Region, SaveHandle, SaveState, SaveStatus, ServerInfo,
     TensorRef, Wanted,
@@ -128,7 +130,11 @@ impl Client {
             socket_path,
             name: program_name(),
             shared: Arc::new(Shared {
-                state: Mutex::new(State { next_id: 1, ..State::default() }),
+                state: Mutex::new(State {
+                    next_id: 1,
+                    stream_wait_deadline: stream_watch::deadline_from_env(),
+                    ..State::default()
+                }),
                 changed: Condvar::new(),
             }),
             inner: Mutex::new(Inner {
@@ -229,6 +235,8 @@ impl Client {
             self.shared.changed.notify_all();
             conn.shut();
         }
+        self.lock_state().closed = true;
+        self.shared.changed.notify_all();
         inner.regions.clear();
         inner.cuda_regions.clear();
         self.retire_cuda_events(&mut inner);

@@ -55,6 +55,18 @@ pub(super) struct State {
     /// CPU's), and the highest value given to a save sent.
     pub(super) done_word: Option<Arc<crate::done_word::DoneWord>>,
     pub(super) done_sent: u32,
+    /// How long a stream may wait on a save's copy (None: for ever), the
+    /// deadlines of the saves streams wait on, and whether the watchdog
+    /// runs ([`super::stream_watch`]).
+    pub(super) stream_wait_deadline: Option<std::time::Duration>,
+    pub(super) stream_deadlines: Vec<(u64, std::time::Instant)>,
+    pub(super) watchdog_running: bool,
+    /// The current connection's socket, for the watchdog to shut down.
+    pub(super) socket: Option<Arc<UnixStream>>,
+    /// The client is closed: the watchdog ends.
+    pub(super) closed: bool,
+    /// Stream waits became the CPU's once already (said once on stderr).
+    pub(super) cpu_wait_said: bool,
 }
 
 /// One save as far as the replies tell.

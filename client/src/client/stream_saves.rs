@@ -6,8 +6,13 @@
 //!
 //! Invariants: one save's device tensors lie on one device; a stream that
 //! waits for a copy waits on the client's own word, raised by the reply
-//! thread (Released, the save over, or the connection lost), never on
-//! anything only the sidecar could complete.
+//! thread (Released, the save over, or the connection lost) or by the
+//! watchdog once its deadline passed ([`super::stream_watch`]), never on
+//! anything only the sidecar could complete; a guarded step never runs
+//! unguarded: where the driver cannot queue the stream wait (a refusal,
+//! stream memory operations unsupported, the stream capturing a CUDA graph)
+//! the CPU waits for Released instead; and no save is fenced by an event
+//! recorded on a capturing stream (it would never be recorded: refused).
 
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
@@ -153,7 +158,10 @@ impl Client {
     /// wait was queued, false when none was needed (the save is released,
     /// failed, or has no device tensors: a host save's release is waited
     /// for on the CPU, as [`Client::wait`] does, and so is a device save's
-    /// where the driver refused the word).
+    /// where the driver refused the word, refused the stream wait, or
+    /// `stream` is capturing a CUDA graph: never no wait at all). A stream
+    /// wait still waiting past the client's deadline
+    /// ([`Client::set_stream_wait_deadline`]) fails the save and goes on.
     pub fn stream_wait_copy(&self, save_id: u64, stream: u64, timeout: Option<Duration>) -> Result<bool> {
         self.check_owner()?;
         let (device, value, word) = {
@@ -172,15 +180,59 @@ impl Client {
             }
         };
         // Raised already if the copy ended meanwhile: the wait then passes at once.
-        word.wait_on(stream, device, value)?;
-        Ok(true)
+        let why_cpu = match ckpt_cuda::is_capturing(stream, device) {
+            Ok(false) => match word.wait_on(stream, device, value) {
+                Ok(()) => {
+                    let mut st = self.lock_state();
+                    super::stream_watch::arm(&self.shared, &mut st, save_id);
+                    return Ok(true);
+                }
+                Err(e) => format!("the driver refused the stream wait ({e})"),
+            },
+            Ok(true) => "the stream is capturing a CUDA graph (a captured wait would replay with a stale value)".into(),
+            Err(e) => format!("the driver cannot say whether the stream captures a CUDA graph ({e})"),
+        };
+        self.say_cpu_wait(&why_cpu);
+        self.wait(save_id, Wanted::Released, timeout)?;
+        Ok(false)
+    }
+
+    /// How long a trainer's stream may wait on a save's copy
+    /// ([`Client::stream_wait_copy`]) before the sidecar counts as stuck:
+    /// the save then fails saying so, the connection is dropped and the
+    /// stream goes on. None: for ever (a stopped sidecar then holds the
+    /// stream). Default: [`super::STREAM_WAIT_DEADLINE_ENV`] in milliseconds
+    /// (0: none), else [`super::STREAM_WAIT_DEADLINE_DEFAULT`]. Applies to
+    /// stream waits queued later.
+    pub fn set_stream_wait_deadline(&self, deadline: Option<Duration>) {
+        self.lock_state().stream_wait_deadline = deadline;
+    }
+
+    /// Says on stderr, once per client, that guarded steps wait on the CPU.
+    fn say_cpu_wait(&self, why: &str) {
+        let mut st = self.lock_state();
+        if !std::mem::replace(&mut st.cpu_wait_said, true) {
+            eprintln!(
+                "libckpt: the trainer's CUDA stream cannot wait on the sidecar's copy: {why}; \
+                 guarded steps wait for Released on the CPU instead"
+            );
+        }
     }
 }
 
 impl Inner {
     /// Records this client's interprocess event of `device` (made at its
     /// first use) on `stream`, and returns its handle for the sidecar.
+    /// Refused when `stream` is capturing a CUDA graph: the record would
+    /// only join the graph, never happen, and the sidecar's poll of the
+    /// event would say done before the trainer's work ran.
     pub(super) fn record_event(&mut self, device: i32, stream: u64) -> Result<Vec<u8>> {
+        if ckpt_cuda::is_capturing(stream, device)? {
+            return Err(Error::InvalidArgument(format!(
+                "the save's CUDA stream {stream:#x} is capturing a CUDA graph: an event recorded there only joins the \
+                 graph, so the sidecar could copy before the trainer's work ran; save outside the capture"
+            )));
+        }
         let event = match self.cuda_events.entry(device) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => e.insert(ckpt_cuda::IpcEvent::new(device)?),

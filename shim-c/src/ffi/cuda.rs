@@ -105,7 +105,9 @@ pub unsafe extern "C" fn ckpt_unregister_cuda(client: *mut ckpt_client, ptr: *co
 /// sidecar's own stream waits on it, then copies device to host. The CPU
 /// never waits: the tensors may change once the save is released
 /// (ckpt_wait with CKPT_RELEASED), or, on the GPU, by work queued after the
-/// release is known. With no CUDA tensor this is ckpt_save.
+/// release is known. With no CUDA tensor this is ckpt_save. Refused
+/// (CKPT_E_INVALID) when `stream` is capturing a CUDA graph: an event
+/// recorded there would only join the graph, never be recorded.
 ///
 /// # Safety
 /// As ckpt_save; `stream` is NULL or a live stream of this process.
@@ -137,9 +139,14 @@ pub unsafe extern "C" fn ckpt_save_on_stream(
 /// queued the copy (a message away) or the save is released or over, at
 /// most `timeout_ms` (< 0: no limit); then, if the copy may still run, the
 /// stream waits on an event the sidecar recorded behind it. For a save with
-/// no CUDA tensor this waits for CKPT_RELEASED on the CPU, as ckpt_wait.
+/// no CUDA tensor this waits for CKPT_RELEASED on the CPU, as ckpt_wait;
+/// so it does where the stream cannot wait (the driver refuses
+/// cuStreamWaitValue32, or `stream` is capturing a CUDA graph): never no
+/// wait. A stream wait still waiting after CKPT_SIDECAR_STREAM_WAIT_DEADLINE_MS
+/// (default 300000; 0: never) counts the sidecar as stuck: the connection is
+/// dropped, the save fails saying why, and the stream goes on.
 /// *on_stream (may be NULL) is set to 1 when a stream wait was queued, 0
-/// when none was needed. Errors as ckpt_wait's.
+/// when none was needed or the CPU waited. Errors as ckpt_wait's.
 ///
 /// # Safety
 /// `client` is a live client; `stream` is NULL or a live stream of this

@@ -69,6 +69,10 @@
  *                        behind a late write, overwritten, loaded back in place
  *                        bit-exact; then a range running into an unmapped chunk
  *                        is refused, at registration and at save ("refused: ...").
+ *   capture              a save on a stream capturing a CUDA graph is refused
+ *                        ("capture-save=refused: ..."); a save made before the
+ *                        capture, guarded on the capturing stream, is waited for on
+ *                        the CPU ("capture-guard on_stream=0 state=not-pending").
  */
 #define _POSIX_C_SOURCE 200809L
 #include <signal.h>
@@ -94,6 +98,8 @@ int cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
 int cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
 int cuStreamCreate(CUstream *, unsigned);
 int cuStreamSynchronize(CUstream);
+int cuStreamBeginCapture_v2(CUstream, int);
+int cuStreamEndCapture(CUstream, void **);
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct { int type; int id; } CUmemLocation;
 typedef struct {
@@ -492,6 +498,32 @@ static int guarded(ckpt_client *c, CUstream stream, int guard) {
     return 0;
 }
 
+static int capture(ckpt_client *c, CUstream stream) {
+    CUdeviceptr a = dev_alloc(A_BYTES, 1);
+    uint32_t ra;
+    CK(ckpt_register_cuda(c, (void *)(uintptr_t)a, &ra));
+    uint64_t s1[1] = {A_BYTES}, id;
+    ckpt_tensor t[1] = {{"a", "U8", s1, 1, (void *)(uintptr_t)a, A_BYTES}};
+    void *graph;
+    /* CU_STREAM_CAPTURE_MODE_RELAXED (2): the shim's own calls stay legal. */
+    CU(cuStreamBeginCapture_v2(stream, 2));
+    int r = ckpt_save_on_stream(c, 4, t, 1, NULL, 0, stream, &id);
+    CU(cuStreamEndCapture(stream, &graph));
+    if (r == CKPT_OK) { fprintf(stderr, "a save on a capturing stream was accepted\n"); return 4; }
+    printf("capture-save=refused: %s\n", ckpt_last_error());
+    CK(ckpt_save_on_stream(c, 4, t, 1, NULL, 0, stream, &id));
+    int on_stream = -1, state = -1;
+    CU(cuStreamBeginCapture_v2(stream, 2));
+    r = ckpt_stream_wait_copy(c, id, stream, 120000, &on_stream);
+    CU(cuStreamEndCapture(stream, &graph));
+    CK(r);
+    CK(ckpt_poll(c, id, &state));
+    printf("capture-guard on_stream=%d state=%s\n", on_stream, state == CKPT_PENDING ? "pending" : "not-pending");
+    CK(ckpt_wait(c, id, CKPT_DURABLE, 120000));
+    CK(ckpt_close(c));
+    return 0;
+}
+
 static int parts(ckpt_client *c, CUstream stream) {
     ckpt_client *r[2];
     CUdeviceptr d[2];
@@ -587,6 +619,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "many")) return many(c, stream);
     if (!strcmp(mode, "vmm-unexportable")) return vmm_unexportable(c);
     if (!strcmp(mode, "parts")) return parts(c, stream);
+    if (!strcmp(mode, "capture")) return capture(c, stream);
     if (!strcmp(mode, "realloc")) return realloc_mode(c, stream);
     if (!strcmp(mode, "span")) return span(c, stream);
     if (!strcmp(mode, "free-and-reuse")) return free_and_reuse(c, stream);

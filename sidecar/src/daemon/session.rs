@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use crate::config;
 use crate::daemon::fd_socket::FdSocket;
 use crate::load;
+use crate::memory::regions::cuda::ImportTimes;
 use crate::memory::regions::{CudaSession, CudaSource, Region, RegionError};
 use crate::save::file_save::{self, FileRequest};
 use crate::save::plan::SaveTensors;
@@ -84,9 +85,7 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
         // Every request runs its copies and loads to their end on this
         // thread: between requests no legacy CUDA import is needed, and none
         // stays open (regions/cuda.rs: the trainer may free the memory).
-        for r in conn.regions.values() {
-            r.close_imports();
-        }
+        conn.regions.values().fold(ImportTimes::default(), |t, r| t.and(r.close_imports())).log();
         let Some(body) = conn.read_frame(&mut reader) else { break };
         if let Flow::Close = conn.serve_frame(body, &mut reader) {
             break;
@@ -312,10 +311,11 @@ impl Conn {
     }
 
     /// Waits for the trainer's CUDA event `event` on `device`, watching the
-    /// client and the daemon's abort.
+    /// client (its connection and its process: a killed process's
+    /// connection may close only after it is gone) and the daemon's abort.
     fn fence(&mut self, device: i32, event: &[u8]) -> Result<(), RegionError> {
-        let (replies, state) = (&self.replies, &self.state);
-        self.cuda.fence(device, event, &|| replies.is_gone() || state.is_aborting())
+        let (replies, state, pid) = (&self.replies, &self.state, self.s.peer_pid);
+        self.cuda.fence(device, event, &|| replies.is_gone() || state.is_aborting() || process_is_gone(pid))
     }
 
     fn unregister(&mut self, id: u64, region_id: u32) {

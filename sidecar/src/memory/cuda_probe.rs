@@ -25,7 +25,10 @@ pub fn json_with(with_free_memory: bool) -> Value {
                 });
                 if let Some(w) = compute_mode_warning(d.compute_mode) {
                     row["warning"] = json!(w);
+                } else if d.mig {
+                    row["warning"] = json!(MIG_WARNING);
                 }
+                row["mig"] = json!(d.mig);
                 if with_free_memory {
                     match ckpt_cuda::memory_info(d.ordinal) {
                         Ok((free, _)) => row["free_bytes"] = json!(free),
@@ -80,6 +83,9 @@ fn compute_mode_text(m: i32) -> String {
         other => format!("mode {other}"),
     }
 }
+
+/// What a MIG instance cannot do (docs/guide.md, "CUDA under MIG").
+const MIG_WARNING: &str = "a MIG instance: legacy CUDA IPC (cudaMalloc memory, PyTorch's default allocator) is not supported under MIG, so such memory cannot be shared with the sidecar (VMM allocations exported as file descriptors are unverified there)";
 
 fn compute_mode_warning(m: i32) -> Option<&'static str> {
     match m {

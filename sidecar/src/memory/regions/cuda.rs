@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ckpt_cuda::{HostRegistration, Imported, LocalEvent, OpenedEvent, Stream};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::RegionError;
 use crate::config;
@@ -104,7 +104,54 @@ enum Held {
     /// at an address still open here is refused (`ALREADY_MAPPED`). So the
     /// import is opened by the first copy or load of a request that needs
     /// it and closed once that request is over ([`CudaMemory::close_import`]).
-    Legacy { handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES], device: i32, len_bytes: u64, open: Mutex<Option<Imported>> },
+    /// `open`: the import and how long opening it took.
+    Legacy {
+        handle: [u8; ckpt_cuda::IPC_HANDLE_BYTES],
+        device: i32,
+        len_bytes: u64,
+        open: Mutex<Option<(Imported, Duration)>>,
+    },
+}
+
+/// What closing a request's legacy imports cost ([`CudaMemory::close_import`]):
+/// a real open can take hundreds of ms and a close can synchronize the
+/// device, so the session logs it per request (and the GPU run reports it).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ImportTimes {
+    /// Imports opened (and now closed) for the request.
+    pub imports: u32,
+    pub open_total: Duration,
+    pub open_max: Duration,
+    pub close_total: Duration,
+    pub close_max: Duration,
+}
+
+impl ImportTimes {
+    /// Both together (a request's regions, a span's pieces).
+    pub fn and(self, o: ImportTimes) -> ImportTimes {
+        ImportTimes {
+            imports: self.imports + o.imports,
+            open_total: self.open_total + o.open_total,
+            open_max: self.open_max.max(o.open_max),
+            close_total: self.close_total + o.close_total,
+            close_max: self.close_max.max(o.close_max),
+        }
+    }
+    /// One log line for a request that opened legacy imports (none: nothing).
+    pub fn log(self) {
+        if self.imports == 0 {
+            return;
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        info!(
+            imports = self.imports,
+            open_ms = ms(self.open_total),
+            open_max_ms = ms(self.open_max),
+            close_ms = ms(self.close_total),
+            close_max_ms = ms(self.close_max),
+            "legacy CUDA imports of the last request opened and closed"
+        );
+    }
 }
 
 /// One device allocation of the client and the stream its copies run on.
@@ -150,14 +197,13 @@ impl CudaMemory {
             Held::Vmm(i) => Ok(i.ptr()),
             Held::Legacy { handle, device, len_bytes, open } => {
                 let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(i) = &*open {
+                if let Some((i, _)) = &*open {
                     return Ok(i.ptr());
                 }
-                let t0 = std::time::Instant::now();
+                let t0 = Instant::now();
                 let i = Imported::open(handle, *device, *len_bytes)?;
                 let ptr = i.ptr();
-                *open = Some(i);
-                debug!(open_us = t0.elapsed().as_secs_f64() * 1e6, "legacy CUDA import opened for a request");
+                *open = Some((i, t0.elapsed()));
                 Ok(ptr)
             }
         }
@@ -166,12 +212,21 @@ impl CudaMemory {
     /// Closes a legacy import opened for the request that just ended (no
     /// copy or load on it runs any more: the caller's contract, kept by the
     /// session, which calls it between requests). A VMM import stays.
-    pub fn close_import(&self) {
-        if let Held::Legacy { open, .. } = &self.held {
-            let t0 = std::time::Instant::now();
-            if open.lock().unwrap_or_else(|p| p.into_inner()).take().is_some() {
-                debug!(close_us = t0.elapsed().as_secs_f64() * 1e6, "legacy CUDA import closed after its request");
-            }
+    /// Returns what opening and closing it cost (nothing when none was open).
+    pub fn close_import(&self) -> ImportTimes {
+        let Held::Legacy { open, .. } = &self.held else { return ImportTimes::default() };
+        let Some((import, open_time)) = open.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return ImportTimes::default();
+        };
+        let t0 = Instant::now();
+        drop(import);
+        let close_time = t0.elapsed();
+        ImportTimes {
+            imports: 1,
+            open_total: open_time,
+            open_max: open_time,
+            close_total: close_time,
+            close_max: close_time,
         }
     }
 
@@ -367,29 +422,37 @@ impl CudaSession {
     /// call after the Save arrived, before any copy of it is queued. Polls
     /// the event (`cuEventQuery`), never blocking in the driver, and gives
     /// up with an error once `gone` says the client is gone (its event may
-    /// then never complete).
+    /// then never complete). The client is checked before every query:
+    /// querying an imported event after its exporter died is undefined.
     pub fn fence(&mut self, client_device: i32, event: &[u8], gone: &dyn Fn() -> bool) -> Result<(), RegionError> {
         let device = self.ours(client_device)?;
-        let event = self.event(device, event)?;
+        let event = self.event(device, event, gone)?;
         let mut pause = FENCE_POLL_MIN;
         let t0 = Instant::now();
+        let went_away = |t0: Instant| {
+            RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!(
+                "the client went away {:.3} s into the wait for its CUDA event (the work before it may never complete): nothing of this save was copied",
+                t0.elapsed().as_secs_f64()
+            )))
+        };
         loop {
-            if event.is_done()? {
-                return Ok(());
-            }
             if gone() {
-                return Err(RegionError::Cuda(ckpt_cuda::CudaError::Invalid(format!(
-                    "the client went away {:.3} s into the wait for its CUDA event (the work before it may never complete): nothing of this save was copied",
-                    t0.elapsed().as_secs_f64()
-                ))));
+                return Err(went_away(t0));
+            }
+            match event.is_done() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                // The client died between the check and the query.
+                Err(_) if gone() => return Err(went_away(t0)),
+                Err(e) => return Err(e.into()),
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(FENCE_POLL_MAX);
         }
     }
 
-    /// The trainer's event `handle`, opened once per session.
-    fn event(&mut self, device: i32, handle: &[u8]) -> Result<Arc<OpenedEvent>, RegionError> {
+    /// The trainer's event `handle`, opened once per session ([`open_event`]).
+    fn event(&mut self, device: i32, handle: &[u8], gone: &dyn Fn() -> bool) -> Result<Arc<OpenedEvent>, RegionError> {
         let key = (device, handle.to_vec());
         if let Some(e) = self.events.get(&key) {
             return Ok(e.clone());
@@ -397,9 +460,52 @@ impl CudaSession {
         if self.events.len() >= config::CUDA_EVENTS_PER_SESSION_MAX {
             self.events.clear();
         }
-        let e = Arc::new(OpenedEvent::open(handle, device)?);
+        let e = Arc::new(open_event(handle, device, gone)?);
         self.events.insert(key, e.clone());
         Ok(e)
+    }
+}
+
+/// Opens the trainer's event `handle` on `device` on a thread of its own,
+/// watched from the calling (session) thread: an open that hangs in the
+/// driver (seen on a busy GPU) then fails only the save that needed it,
+/// once the client is gone or [`config::CUDA_EVENT_OPEN_TIMEOUT_MS`] passed,
+/// and is left to finish on its thread (the event it may still open is
+/// destroyed there), never holding the session or any other.
+fn open_event(handle: &[u8], device: i32, gone: &dyn Fn() -> bool) -> Result<OpenedEvent, RegionError> {
+    use std::sync::mpsc::{sync_channel, RecvTimeoutError};
+    let invalid = |m: String| RegionError::Cuda(ckpt_cuda::CudaError::Invalid(m));
+    let (tx, rx) = sync_channel(1);
+    let handle = handle.to_vec();
+    std::thread::Builder::new()
+        .name("ckpt-cuda-event-open".into())
+        .spawn(move || {
+            let _ = tx.send(OpenedEvent::open(&handle, device));
+        })
+        .map_err(|e| invalid(format!("cannot start the thread that opens the trainer's CUDA event: {e}")))?;
+    let t0 = Instant::now();
+    let timeout = Duration::from_millis(config::CUDA_EVENT_OPEN_TIMEOUT_MS);
+    loop {
+        match rx.recv_timeout(Duration::from_millis(config::CUDA_EVENT_OPEN_POLL_MS)) {
+            Ok(opened) => return opened.map_err(RegionError::from),
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(invalid("the thread opening the trainer's CUDA event ended without an answer".into()))
+            }
+            Err(RecvTimeoutError::Timeout) if gone() => {
+                return Err(invalid(format!(
+                    "the client went away {:.3} s into opening its CUDA event (cuIpcOpenEventHandle still runs on its own thread): nothing of this save was copied",
+                    t0.elapsed().as_secs_f64()
+                )))
+            }
+            Err(RecvTimeoutError::Timeout) if t0.elapsed() >= timeout => {
+                warn!(timeout_ms = config::CUDA_EVENT_OPEN_TIMEOUT_MS, "opening a trainer's CUDA event hangs in the driver");
+                return Err(invalid(format!(
+                    "opening the trainer's CUDA event (cuIpcOpenEventHandle) took more than {} ms: the driver may be stuck; this save is refused (the open goes on on its own thread)",
+                    config::CUDA_EVENT_OPEN_TIMEOUT_MS
+                )));
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+        }
     }
 }
 

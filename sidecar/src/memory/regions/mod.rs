@@ -393,11 +393,12 @@ impl Region {
     /// Closes what this region opened for the request that just ended (a
     /// legacy CUDA import: regions/cuda.rs); nothing may still copy from or
     /// into it.
-    pub fn close_imports(&self) {
+    /// Returns what opening and closing them cost.
+    pub fn close_imports(&self) -> cuda::ImportTimes {
         match &self.memory {
             Memory::Cuda(m) => m.close_import(),
-            Memory::CudaSpan(ps) => ps.iter().for_each(|(_, p)| p.close_imports()),
-            Memory::HostShm(_) => {}
+            Memory::CudaSpan(ps) => ps.iter().fold(cuda::ImportTimes::default(), |t, (_, p)| t.and(p.close_imports())),
+            Memory::HostShm(_) => cuda::ImportTimes::default(),
         }
     }
 

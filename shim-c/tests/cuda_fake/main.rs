@@ -5,8 +5,16 @@
 //! it through LD_LIBRARY_PATH set here for the processes started, exactly
 //! as they would find a real driver.
 //!
-//! These tests need `target/<profile>/ckpt-sidecar` (cargo build --release);
-//! they fail, never skip, without it.
+//! Their own test binary (`cargo test --release -p ckpt-shim --test
+//! cuda_fake`), apart from `it`: the suite is also run whole under each
+//! `CKPT_FAKE_CUDA_REFUSE` answer of the fake. They need a built
+//! `ckpt-sidecar` (this profile's, else the release one: cargo build
+//! --release); they fail, never skip, without it.
+
+// Shared with tests/it; not every helper of it is used here.
+#[allow(dead_code)]
+#[path = "../it/support.rs"]
+mod support;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -23,20 +31,32 @@ fn crate_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-pub(super) fn sidecar() -> PathBuf {
-    let p = ckpt_test_support::sidecar_bin().to_path_buf();
-    assert!(p.exists(), "{} missing: run `cargo build --release --workspace` first", p.display());
-    p
+/// This profile's ckpt-sidecar, else the release one: `cargo test -p
+/// ckpt-shim` builds no binary of another crate, and the suite is most often
+/// run without `--release` after the workspace's release build.
+pub(crate) fn sidecar() -> PathBuf {
+    let own = ckpt_test_support::sidecar_bin().to_path_buf();
+    if own.exists() {
+        return own;
+    }
+    let release = own.parent().and_then(Path::parent).map(|t| t.join("release").join("ckpt-sidecar"));
+    match release.filter(|r| r.exists()) {
+        Some(r) => {
+            eprintln!("{} missing: using {}", own.display(), r.display());
+            r
+        }
+        None => panic!("{} missing: run `cargo build --release --workspace` first", own.display()),
+    }
 }
 
-pub(super) fn fake_dir() -> PathBuf {
+pub(crate) fn fake_dir() -> PathBuf {
     let d = ckpt_fake_cuda::dir();
     assert!(d.join("libcuda.so.1").exists(), "the fake driver is missing from {}", d.display());
     d
 }
 
 /// Builds tests/c/cuda_trainer.c against libckpt and the fake libcuda.so.1.
-pub(super) fn trainer(tmp: &Path) -> PathBuf {
+pub(crate) fn trainer(tmp: &Path) -> PathBuf {
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let exe = tmp.join("cuda_trainer");
     let (lib, fake) = (lib_dir(), fake_dir());
@@ -57,8 +77,8 @@ pub(super) fn trainer(tmp: &Path) -> PathBuf {
     exe
 }
 
-pub(super) struct Serve {
-    pub(super) child: Option<Child>,
+pub(crate) struct Serve {
+    pub(crate) child: Option<Child>,
     log: PathBuf,
     stats: PathBuf,
 }
@@ -66,17 +86,17 @@ pub(super) struct Serve {
 impl Serve {
     /// The real sidecar; with `fake`, the fake driver's folder on its
     /// LD_LIBRARY_PATH and its counters in `stats`.
-    pub(super) fn start(tmp: &Path, fake: bool) -> Serve {
+    pub(crate) fn start(tmp: &Path, fake: bool) -> Serve {
         Serve::start_with_delay(tmp, fake, None)
     }
 
     /// As [`Serve::start`]; the sidecar's own device copies late by `delay_us`.
-    pub(super) fn start_with_delay(tmp: &Path, fake: bool, delay_us: Option<u64>) -> Serve {
+    pub(crate) fn start_with_delay(tmp: &Path, fake: bool, delay_us: Option<u64>) -> Serve {
         Serve::start_with_env(tmp, fake, delay_us, &[])
     }
 
     /// As [`Serve::start_with_delay`], with more environment for the sidecar.
-    pub(super) fn start_with_env(tmp: &Path, fake: bool, delay_us: Option<u64>, env: &[(&str, &str)]) -> Serve {
+    pub(crate) fn start_with_env(tmp: &Path, fake: bool, delay_us: Option<u64>, env: &[(&str, &str)]) -> Serve {
         let (dir, sock, log, stats) = (tmp.join("ck"), tmp.join("s.sock"), tmp.join("sidecar.log"), tmp.join("stats"));
         std::fs::create_dir_all(&stats).unwrap();
         let mut cmd = Command::new(sidecar());
@@ -102,22 +122,22 @@ impl Serve {
         Serve { child: Some(child), log, stats }
     }
 
-    pub(super) fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }
 
-    pub(super) fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// The fake driver's counter `key` in the sidecar's process.
-    pub(super) fn stat(&self, key: &str) -> Option<i64> {
+    pub(crate) fn stat(&self, key: &str) -> Option<i64> {
         let s = std::fs::read_to_string(self.stats.join(self.pid().to_string())).ok()?;
         s.lines().find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
     }
 
     /// Waits until `cond` holds (generous: CI is loaded).
-    pub(super) fn wait_for(&self, what: &str, cond: impl Fn(&Serve) -> bool) {
+    pub(crate) fn wait_for(&self, what: &str, cond: impl Fn(&Serve) -> bool) {
         let t0 = Instant::now();
         while !cond(self) {
             assert!(
@@ -140,7 +160,7 @@ impl Drop for Serve {
 
 /// The trainer's command: the fake driver on its search path, its own
 /// device copies late by `delay_us`.
-pub(super) fn trainer_cmd(exe: &Path, tmp: &Path, mode: &str, delay_us: u64) -> Command {
+pub(crate) fn trainer_cmd(exe: &Path, tmp: &Path, mode: &str, delay_us: u64) -> Command {
     let mut cmd = Command::new(exe);
     cmd.arg(mode)
         .env("LD_LIBRARY_PATH", fake_dir())
@@ -152,7 +172,7 @@ pub(super) fn trainer_cmd(exe: &Path, tmp: &Path, mode: &str, delay_us: u64) -> 
 
 /// Runs a trainer to its end (or death), then removes the fake device
 /// memory it left in /dev/shm.
-pub(super) fn run(mut cmd: Command) -> Output {
+pub(crate) fn run(mut cmd: Command) -> Output {
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
@@ -161,7 +181,7 @@ pub(super) fn run(mut cmd: Command) -> Output {
 }
 
 /// Removes the fake device memory a killed trainer left in /dev/shm.
-pub(super) fn sweep_fake_memory(pid: u32) {
+pub(crate) fn sweep_fake_memory(pid: u32) {
     for e in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with(&format!("fakecuda-{pid}-")) || name.starts_with(&format!("fakecuda-ev-{pid}-")) {
@@ -171,7 +191,7 @@ pub(super) fn sweep_fake_memory(pid: u32) {
 }
 
 /// The committed steps in `dir` (`ckpt-sidecar ls --json`).
-pub(super) fn committed(dir: &Path) -> Vec<u64> {
+pub(crate) fn committed(dir: &Path) -> Vec<u64> {
     let o = Command::new(sidecar()).arg("ls").arg(dir).arg("--json").output().unwrap();
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
     j["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect()
@@ -179,7 +199,7 @@ pub(super) fn committed(dir: &Path) -> Vec<u64> {
 
 /// Starts a trainer, waits for its first line to be `line`, then until the
 /// sidecar's state says `what` (`cond`), and SIGKILLs it.
-pub(super) fn kill_when(mut cmd: Command, line: &str, serve: &Serve, what: &str, cond: impl Fn(&Serve) -> bool) {
+pub(crate) fn kill_when(mut cmd: Command, line: &str, serve: &Serve, what: &str, cond: impl Fn(&Serve) -> bool) {
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let mut first = String::new();
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();

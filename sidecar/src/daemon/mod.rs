@@ -96,7 +96,7 @@ pub enum DaemonError {
     #[error("starting a thread: {0}")]
     Thread(io::Error),
     #[error(transparent)]
-    Metrics(#[from] crate::state::metrics::BindError),
+    Metrics(#[from] crate::state::metrics_http::BindError),
     #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
     Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
     /// An environment variable the daemon reads has a value it refuses.
@@ -160,7 +160,7 @@ struct Running {
 /// The steps run in the start-up order the module doc states.
 fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, DaemonError> {
     let budget = check_start_options(opts)?;
-    let metrics = opts.metrics.map(crate::state::metrics::bind).transpose()?;
+    let metrics = opts.metrics.map(crate::state::metrics_http::bind).transpose()?;
     // The drain target first: a wrong credential or an unreachable URL
     // stops the start before anything is bound, locked or allocated.
     let drain = opts.drain.as_ref().map(|d| open_drain(opts, d)).transpose()?;
@@ -185,7 +185,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     if let Some(m) = metrics {
         let s = state.clone();
-        crate::state::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
+        crate::state::metrics_http::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
     }
     server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.

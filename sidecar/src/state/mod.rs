@@ -14,6 +14,7 @@
 mod flights;
 pub mod jobs;
 pub mod metrics;
+pub mod metrics_http;
 pub mod refusal;
 pub mod reply;
 mod sessions;

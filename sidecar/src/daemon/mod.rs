@@ -188,9 +188,22 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
         crate::state::metrics_http::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
     }
     server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
+    spawn_housekeeping(state.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.
     listener.publish()?;
     Ok(Running { state, listener, _locks: locks })
+}
+
+/// The `ckpt-housekeeping` thread: every [`config::SESSION_REAP_INTERVAL_MS`]
+/// it closes the sessions whose client process is gone and writes the
+/// refusal log's summary of an interval that ended.
+fn spawn_housekeeping(state: Arc<DaemonState>) -> io::Result<()> {
+    std::thread::Builder::new().name("ckpt-housekeeping".into()).spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(config::SESSION_REAP_INTERVAL_MS));
+        state.reap_sessions();
+        crate::state::refusal_log::flush();
+    })?;
+    Ok(())
 }
 
 /// The checks of the options before anything is started: the part timeout
@@ -598,7 +611,7 @@ impl io::Read for NoSigPipe {
 pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
     match request(
         socket,
-        "ckpt-sidecar status",
+        server::STATUS_TOOL_NAME,
         &Request::Status { id: 1 },
         Some(Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS)),
     )? {

@@ -43,35 +43,55 @@ fn hello(socket: &Path) -> Result<UnixStream, String> {
 
 /// The helper process of the tests below: opens `CKPT_TEST_HOG_N` sessions
 /// on `CKPT_TEST_HOG_SOCKET`, prints "hog ready", and holds them until its
-/// stdin closes.
+/// stdin closes. With `CKPT_TEST_HOG_FORK` set it forks a child that keeps
+/// the sockets open, prints "hog ready CHILD_PID" and exits at once.
 #[test]
 #[ignore = "a helper process of the tenants tests, run by them"]
 fn session_hog() {
     let Some(socket) = std::env::var_os("CKPT_TEST_HOG_SOCKET") else { return };
     let n: usize = std::env::var("CKPT_TEST_HOG_N").unwrap().parse().unwrap();
     let held: Vec<UnixStream> = (0..n).map(|_| hello(Path::new(&socket)).expect("the hog's share")).collect();
+    if std::env::var_os("CKPT_TEST_HOG_FORK").is_some() {
+        // SAFETY: the child only calls pause (async-signal-safe) until it
+        // is killed; the parent goes on as before.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            loop {
+                // SAFETY: pause has no preconditions.
+                unsafe { libc::pause() };
+            }
+        }
+        println!("hog ready {child}");
+        std::process::exit(0);
+    }
     println!("hog ready");
     let _ = std::io::stdin().read_to_end(&mut Vec::new());
     drop(held);
 }
 
-/// A child process holding `n` sessions (killed on drop).
-struct Hog(Child);
+/// A child process holding `n` sessions (killed on drop), and what it
+/// printed after "hog ready".
+struct Hog(Child, String);
 
 impl Hog {
     fn start(socket: &Path, n: usize) -> Hog {
+        Self::start_with(socket, n, &[])
+    }
+
+    fn start_with(socket: &Path, n: usize, env: &[(&str, &str)]) -> Hog {
         let mut c = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "tenants::session_hog", "--ignored", "--nocapture", "--test-threads=1"])
             .env("CKPT_TEST_HOG_SOCKET", socket)
             .env("CKPT_TEST_HOG_N", n.to_string())
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
         let out = BufReader::new(c.stdout.take().unwrap());
         for line in out.lines() {
-            if line.unwrap().contains("hog ready") {
-                return Hog(c);
+            if let Some(rest) = line.unwrap().split_once("hog ready").map(|(_, r)| r.trim().to_string()) {
+                return Hog(c, rest);
             }
         }
         panic!("the hog process ended before it held its sessions: {:?}", c.wait());
@@ -121,6 +141,24 @@ fn status_gets_in_when_every_session_is_taken_and_a_gone_holder_frees_its_share(
     assert_eq!(report["sessions"].as_array().unwrap().len(), config::SESSIONS_MAX);
     drop(hogs.pop());
     wait_for("a session place after a holder died", || hello(&sc.socket).is_ok());
+}
+
+#[test]
+fn the_sessions_of_a_process_gone_are_closed_though_a_child_keeps_their_sockets() {
+    let sc = Sidecar::start(&[]);
+    let share = config::SESSIONS_PER_PROCESS_MAX;
+    let mut hog = Hog::start_with(&sc.socket, share, &[("CKPT_TEST_HOG_FORK", "1")]);
+    let child: i32 = hog.1.parse().unwrap();
+    hog.0.wait().unwrap();
+    let sessions = || {
+        let st = cli(&["status", "--json", "--socket", sc.socket.to_str().unwrap()]);
+        assert_eq!(st.code, 0, "{}", st.stderr);
+        serde_json::from_str::<serde_json::Value>(&st.stdout).unwrap()["sessions"].as_array().unwrap().len()
+    };
+    wait_for("the sessions of the gone process closed", || sessions() == 0);
+    assert!(sc.log_text().contains("client process gone: session closed"), "{}", sc.log_text());
+    // SAFETY: kill has no memory preconditions; `child` is the hog's child.
+    unsafe { libc::kill(child, libc::SIGKILL) };
 }
 
 /// VmRSS of process `pid`, in bytes.

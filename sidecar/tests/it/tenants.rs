@@ -148,7 +148,7 @@ fn the_sessions_of_a_process_gone_are_closed_though_a_child_keeps_their_sockets(
     let sc = Sidecar::start(&[]);
     let share = config::SESSIONS_PER_PROCESS_MAX;
     let mut hog = Hog::start_with(&sc.socket, share, &[("CKPT_TEST_HOG_FORK", "1")]);
-    let child: i32 = hog.1.parse().unwrap();
+    let _child = KillOnDrop(hog.1.parse().unwrap());
     hog.0.wait().unwrap();
     let sessions = || {
         let st = cli(&["status", "--json", "--socket", sc.socket.to_str().unwrap()]);
@@ -157,8 +157,17 @@ fn the_sessions_of_a_process_gone_are_closed_though_a_child_keeps_their_sockets(
     };
     wait_for("the sessions of the gone process closed", || sessions() == 0);
     assert!(sc.log_text().contains("client process gone: session closed"), "{}", sc.log_text());
-    // SAFETY: kill has no memory preconditions; `child` is the hog's child.
-    unsafe { libc::kill(child, libc::SIGKILL) };
+}
+
+/// A process killed on drop (the hog's child, which no one waits for).
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill has no memory preconditions; the pid is the hog's
+        // child, which lives until this kill.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
 }
 
 /// VmRSS of process `pid`, in bytes.

@@ -39,6 +39,68 @@ pub const TOOL_ANSWER_TIMEOUT_MS: u64 = 10_000;
 pub const SEND_TIMEOUT_MS: u64 = 10_000;
 /// Concurrent sessions (clients).
 pub const SESSIONS_MAX: usize = 256;
+/// Sessions one client process (its SO_PEERCRED pid) may hold: a fair
+/// share of [`SESSIONS_MAX`], so a process that leaks clients (forked
+/// data-loader workers, a loop) cannot lock the others out.
+pub const SESSIONS_PER_PROCESS_MAX: usize = 64;
+const _: () = assert!(SESSIONS_PER_PROCESS_MAX * 4 <= SESSIONS_MAX, "at least four processes get their share");
+/// How often the sessions are looked at for a client process that is gone
+/// (or whose pid another process took since): those are closed, even while
+/// a child the client forked keeps the socket open. Also the interval of
+/// the housekeeping thread (the refusal log's summaries).
+pub const SESSION_REAP_INTERVAL_MS: u64 = 1_000;
+/// Read-only tool connections (`status`, which says Hello as
+/// `ckpt-sidecar status`) served at once. They are no sessions: never
+/// counted against [`SESSIONS_MAX`], limited to Status and List, closed
+/// after [`TOOL_ANSWER_TIMEOUT_MS`] without a request.
+pub const TOOL_CONNECTIONS_MAX: usize = 16;
+/// Of those, one process may hold.
+pub const TOOL_CONNECTIONS_PER_PROCESS_MAX: usize = 4;
+const _: () = assert!(TOOL_CONNECTIONS_PER_PROCESS_MAX < TOOL_CONNECTIONS_MAX);
+
+/// Bytes that all sessions together may hold in frames they received only
+/// in part: the one limit on what clients can make the daemon buffer.
+/// Frames carry requests (a tensor's bytes go through shared memory into
+/// staging), so this is a small fraction of the staging. The rule that
+/// splits it: every session may hold one frame of up to
+/// [`SMALL_FRAME_BYTES_MAX`] at any time (that share, [`SESSIONS_MAX`]
+/// times over, set aside: a trainer's Save never waits for it); larger
+/// frames are read in [`FRAME_CHUNK_BYTES`] pieces, each taken from the
+/// rest ([`LARGE_FRAMES_BYTES_MAX`]) before it is read, of which one process
+/// may hold [`LARGE_FRAMES_PER_PROCESS_BYTES_MAX`]. A frame that finds no
+/// room waits (its bytes stay in the kernel's socket buffer).
+pub const PARTIAL_FRAMES_BYTES_MAX: u64 = 256 << 20;
+/// See [`PARTIAL_FRAMES_BYTES_MAX`].
+pub const SMALL_FRAME_BYTES_MAX: u32 = 256 << 10;
+/// See [`PARTIAL_FRAMES_BYTES_MAX`].
+pub const FRAME_CHUNK_BYTES: u32 = 1 << 20;
+/// See [`PARTIAL_FRAMES_BYTES_MAX`].
+pub const LARGE_FRAMES_BYTES_MAX: u64 = PARTIAL_FRAMES_BYTES_MAX - SESSIONS_MAX as u64 * SMALL_FRAME_BYTES_MAX as u64;
+/// See [`PARTIAL_FRAMES_BYTES_MAX`]: half of the large frames' room, so
+/// one process's stalled frames leave the other half to the others.
+pub const LARGE_FRAMES_PER_PROCESS_BYTES_MAX: u64 = LARGE_FRAMES_BYTES_MAX / 2;
+const _: () = assert!(PARTIAL_FRAMES_BYTES_MAX <= STAGING_BYTES_DEFAULT_MAX / 32, "a small fraction of the staging");
+const _: () = assert!(SESSIONS_MAX as u64 * SMALL_FRAME_BYTES_MAX as u64 <= PARTIAL_FRAMES_BYTES_MAX / 2);
+const _: () = assert!(LARGE_FRAMES_PER_PROCESS_BYTES_MAX >= FRAME_BYTES_MAX as u64, "any one frame can be received");
+const _: () = assert!(FRAME_CHUNK_BYTES >= SMALL_FRAME_BYTES_MAX);
+/// A frame whose body stops arriving for this long (no byte read), or that
+/// waits this long for room under [`PARTIAL_FRAMES_BYTES_MAX`], ends its
+/// session: its bytes are dropped, said once in the log.
+pub const FRAME_STALL_TIMEOUT_MS: u64 = 10_000;
+
+/// Refusals and warnings about one client process (a bad frame, a refused
+/// handshake) are logged at most this many per interval of
+/// [`LOG_SUMMARY_INTERVAL_MS`], and all of them together at most
+/// [`LOG_REFUSALS_PER_INTERVAL_MAX`]; the rest are counted and said at the
+/// interval's end in one line per process ("N more refusals from pid P in
+/// the last 10 s: <the last reason>"), for at most
+/// [`LOG_SUMMARY_PIDS_MAX`] processes (the others in one line more).
+pub const LOG_REFUSALS_PER_PROCESS_MAX: u32 = 3;
+pub const LOG_REFUSALS_PER_INTERVAL_MAX: u32 = 20;
+pub const LOG_SUMMARY_INTERVAL_MS: u64 = 10_000;
+pub const LOG_SUMMARY_PIDS_MAX: usize = 8;
+const _: () = assert!(LOG_REFUSALS_PER_PROCESS_MAX <= LOG_REFUSALS_PER_INTERVAL_MAX);
+const _: () = assert!(SESSION_REAP_INTERVAL_MS <= LOG_SUMMARY_INTERVAL_MS);
 /// Regions one session may register.
 pub const REGIONS_PER_SESSION_MAX: usize = 4096;
 /// Interprocess CUDA events a session keeps open (a trainer records one
@@ -172,10 +234,15 @@ pub const RESOLVE_TRIES_MAX: u32 = 8;
 pub const REMOTE_VERIFY_WINDOW_BYTES: usize = 64 << 20;
 
 /// `--metrics`: the request head read from a scraper (bytes), and how long
-/// its read or the response's write may take, so one stuck client cannot
-/// hold the (single) metrics thread.
+/// its read (all of the head) or the response's write may take, so a stuck
+/// client holds its connection's thread no longer.
 pub const METRICS_REQUEST_BYTES_MAX: usize = 8 << 10;
 pub const METRICS_IO_TIMEOUT_MS: u64 = 2_000;
+/// Metrics connections served at once (a thread each); one more waits for
+/// a slot, which each connection frees within [`METRICS_IO_TIMEOUT_MS`]
+/// for its request's read (the whole head, not each read) and as much for
+/// the answer's write.
+pub const METRICS_CONNECTIONS_MAX: usize = 64;
 /// Buckets of the metrics' seconds histograms: 1 ms doubling, so the last
 /// bound is 2^(N-1) ms (about 4.4 minutes for 19).
 pub const METRICS_BUCKETS_N: u16 = 19;

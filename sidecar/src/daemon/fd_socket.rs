@@ -26,6 +26,11 @@ impl FdSocket {
         FdSocket { stream, fds: VecDeque::new() }
     }
 
+    /// Bounds each read (None: no bound), as [`UnixStream::set_read_timeout`].
+    pub fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        self.stream.set_read_timeout(t)
+    }
+
     /// The oldest descriptor received and not yet taken.
     pub fn take_fd(&mut self) -> Option<OwnedFd> {
         self.fds.pop_front()

@@ -96,7 +96,7 @@ pub enum DaemonError {
     #[error("starting a thread: {0}")]
     Thread(io::Error),
     #[error(transparent)]
-    Metrics(#[from] crate::state::metrics::BindError),
+    Metrics(#[from] crate::state::metrics_http::BindError),
     #[error("cannot run on CPUs {cpus:?} (--cpus): {err}; this process may use CPUs {allowed:?}")]
     Cpus { cpus: Vec<usize>, allowed: Vec<usize>, err: io::Error },
     /// An environment variable the daemon reads has a value it refuses.
@@ -160,7 +160,7 @@ struct Running {
 /// The steps run in the start-up order the module doc states.
 fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, DaemonError> {
     let budget = check_start_options(opts)?;
-    let metrics = opts.metrics.map(crate::state::metrics::bind).transpose()?;
+    let metrics = opts.metrics.map(crate::state::metrics_http::bind).transpose()?;
     // The drain target first: a wrong credential or an unreachable URL
     // stops the start before anything is bound, locked or allocated.
     let drain = opts.drain.as_ref().map(|d| open_drain(opts, d)).transpose()?;
@@ -185,12 +185,25 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     if let Some(m) = metrics {
         let s = state.clone();
-        crate::state::metrics::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
+        crate::state::metrics_http::spawn(m, move || s.report()).map_err(DaemonError::Thread)?;
     }
     server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
+    spawn_housekeeping(state.clone()).map_err(DaemonError::Thread)?;
     // Only now may clients find the socket: they get answers at once.
     listener.publish()?;
     Ok(Running { state, listener, _locks: locks })
+}
+
+/// The `ckpt-housekeeping` thread: every [`config::SESSION_REAP_INTERVAL_MS`]
+/// it closes the sessions whose client process is gone and writes the
+/// refusal log's summary of an interval that ended.
+fn spawn_housekeeping(state: Arc<DaemonState>) -> io::Result<()> {
+    std::thread::Builder::new().name("ckpt-housekeeping".into()).spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(config::SESSION_REAP_INTERVAL_MS));
+        state.reap_sessions();
+        crate::state::refusal_log::flush();
+    })?;
+    Ok(())
 }
 
 /// The checks of the options before anything is started: the part timeout
@@ -598,7 +611,7 @@ impl io::Read for NoSigPipe {
 pub fn status(socket: &Path) -> Result<StatusReport, ClientError> {
     match request(
         socket,
-        "ckpt-sidecar status",
+        server::STATUS_TOOL_NAME,
         &Request::Status { id: 1 },
         Some(Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS)),
     )? {

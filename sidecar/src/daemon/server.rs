@@ -4,7 +4,15 @@
 //!
 //! Trust boundary: until its Hello is accepted, a peer gets a small frame
 //! limit and a read timeout; a peer of another uid, a wrong magic or version,
-//! or a first frame that is not a Hello gets `Refused` and is closed.
+//! or a first frame that is not a Hello gets `Refused` and is closed. A peer
+//! process gets at most its share of the sessions (`SessionsFull` names the
+//! process that holds them). Refusals are logged through
+//! [`refusal_log`](crate::state::refusal_log), rate-limited per process.
+//!
+//! A Hello named [`STATUS_TOOL_NAME`] is a read-only tool's: it is no
+//! session (it takes none of the sessions' places, so `status` gets in when
+//! every place is taken), may ask only Status and List, and is closed after
+//! [`config::TOOL_ANSWER_TIMEOUT_MS`] without a request.
 
 use std::fs;
 use std::io;
@@ -15,12 +23,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ckpt_wire::{Reply, Request, MAGIC, PROTOCOL_VERSION};
-use tracing::{info, warn};
+use ckpt_wire::{ErrorCode, FrameError, Reply, Request, MAGIC, PROTOCOL_VERSION};
+use tracing::{debug, info, warn};
 
 use crate::config;
-use crate::daemon::session::{self, Session};
-use crate::state::{DaemonState, SessionEntry};
+use crate::daemon::session::{self, Session, NO_REQUEST_ID};
+use crate::state::refusal::Refusal;
+use crate::state::{refusal_log, DaemonState, Peer, SessionEntry};
+
+/// The Hello name of `ckpt-sidecar status`: a read-only tool connection.
+pub const STATUS_TOOL_NAME: &str = "ckpt-sidecar status";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -235,71 +247,122 @@ pub fn spawn_accept(listener: &Listener, state: Arc<DaemonState>) -> io::Result<
     })
 }
 
-fn refuse(mut s: UnixStream, reason: String) {
-    warn!("refused a client: {reason}");
+fn refuse(mut s: UnixStream, pid: u32, reason: String) {
+    refusal_log::refused(pid, "refused a client", &reason);
     let _ = ckpt_wire::write_frame(&mut s, &Reply::Refused { reason });
     let _ = s.shutdown(std::net::Shutdown::Both);
 }
 
-/// Checks the peer and its Hello, then serves the session on this thread.
+/// Checks the peer and its Hello, then serves the session (or the
+/// read-only tool connection) on this thread.
 fn handshake(state: &Arc<DaemonState>, mut s: UnixStream) {
     let (uid, pid) = match peer_cred(&s) {
         Ok(c) => c,
-        Err(e) => return refuse(s, format!("cannot read peer credentials: {e}")),
+        Err(e) => return refuse(s, 0, format!("cannot read peer credentials: {e}")),
     };
+    // Read before the process may exit: its start time tells it from a
+    // later process given the same pid.
+    let peer = Peer::of(pid);
     let _ = s.set_read_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
     let _ = s.set_write_timeout(Some(Duration::from_millis(config::HELLO_TIMEOUT_MS)));
     let hello =
         ckpt_wire::read_frame_body(&mut s, config::HELLO_BYTES_MAX).and_then(|b| ckpt_wire::decode::<Request>(&b));
     if uid != state.uid && !state.allow_uids.contains(&uid) {
-        return refuse(
-            s,
-            format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", state.uid),
-        );
+        let reason =
+            format!("uid {uid} may not use this sidecar (it runs as uid {}; see serve --allow-uid)", state.uid);
+        return refuse(s, pid, reason);
     }
     let (client_pid, name) = match hello {
         Ok(Request::Hello { magic, version, pid: client_pid, name }) => {
             if magic != MAGIC {
-                return refuse(s, format!("bad magic {magic:?}; this is a ckpt-sidecar socket"));
+                return refuse(s, pid, format!("bad magic {magic:?}; this is a ckpt-sidecar socket"));
             }
             if version != PROTOCOL_VERSION {
-                return refuse(
-                    s,
-                    format!(
-                        "protocol version {version} is not supported; this sidecar speaks version {PROTOCOL_VERSION}"
-                    ),
+                let reason = format!(
+                    "protocol version {version} is not supported; this sidecar speaks version {PROTOCOL_VERSION}"
                 );
+                return refuse(s, pid, reason);
             }
             (client_pid, name)
         }
-        Ok(_) => return refuse(s, "the first message must be a Hello".into()),
-        Err(e) => return refuse(s, format!("bad handshake: {e}")),
+        Ok(_) => return refuse(s, pid, "the first message must be a Hello".into()),
+        // A probe (is anyone listening?) that said nothing is no refusal.
+        Err(FrameError::Closed) => return debug!(peer_pid = pid, "a client closed before its Hello"),
+        Err(e) => return refuse(s, pid, format!("bad handshake: {e}")),
     };
     if state.is_aborting() {
-        return refuse(s, "the sidecar is shutting down".into());
+        return refuse(s, pid, "the sidecar is shutting down".into());
+    }
+    if name == STATUS_TOOL_NAME {
+        return serve_tool(state, s, pid);
     }
     let _ = s.set_read_timeout(None);
-    let welcome = Reply::Welcome {
-        version: PROTOCOL_VERSION,
-        server_pid: state.server_pid,
-        dirs: state.dirs.iter().map(|d| d.display().to_string()).collect(),
-        staging_bytes: state.staging.budget_bytes(),
-    };
     let name: String = name.chars().take(256).collect();
-    let Some(session_id) = state.add_session(SessionEntry {
+    let entry = SessionEntry {
         pid: client_pid,
         name: name.clone(),
         regions: 0,
         region_bytes: 0,
+        peer,
         stream: s.try_clone().ok(),
-    }) else {
-        return refuse(s, format!("too many sessions (at most {})", config::SESSIONS_MAX));
+    };
+    let session_id = match state.add_session(entry) {
+        Ok(id) => id,
+        Err(full) => return refuse(s, pid, full.to_string()),
     };
     // Removed however this thread ends, after the session's own state.
     let _registered = state.session_guard(session_id);
-    if ckpt_wire::write_frame(&mut s, &welcome).is_err() {
+    if ckpt_wire::write_frame(&mut s, &welcome(state)).is_err() {
         return;
     }
     info!(session_id, uid, peer_pid = pid, client_pid, name = %name, "session started");
     session::run(state.clone(), Session { session_id, peer_uid: uid, peer_pid: pid, client_pid, name }, s);
+}
+
+fn welcome(state: &DaemonState) -> Reply {
+    Reply::Welcome {
+        version: PROTOCOL_VERSION,
+        server_pid: state.server_pid,
+        dirs: state.dirs.iter().map(|d| d.display().to_string()).collect(),
+        staging_bytes: state.staging.budget_bytes(),
+    }
+}
+
+/// A read-only tool connection: Status and List answered until the tool
+/// says Bye, closes, asks anything else, or is silent for
+/// [`config::TOOL_ANSWER_TIMEOUT_MS`].
+fn serve_tool(state: &Arc<DaemonState>, mut s: UnixStream, pid: u32) {
+    let _place = match state.enter_tool(pid) {
+        Ok(g) => g,
+        Err(full) => return refuse(s, pid, full.to_string()),
+    };
+    let timeout = Some(Duration::from_millis(config::TOOL_ANSWER_TIMEOUT_MS));
+    let _ = s.set_read_timeout(timeout);
+    let _ = s.set_write_timeout(timeout);
+    if ckpt_wire::write_frame(&mut s, &welcome(state)).is_err() {
+        return;
+    }
+    loop {
+        let req = ckpt_wire::read_frame_body(&mut s, config::HELLO_BYTES_MAX).and_then(|b| ckpt_wire::decode(&b));
+        let reply = match req {
+            Ok(Request::Status { id }) => Reply::Status { id, report: state.report() },
+            Ok(Request::List { id }) => session::list(state, id),
+            Ok(Request::Bye) | Err(FrameError::Closed) => return,
+            Ok(_) => {
+                let reason =
+                    format!("a read-only connection (Hello as \"{STATUS_TOOL_NAME}\") asks only Status or List");
+                refusal_log::refused(pid, "refused a tool's request", &reason);
+                let _ =
+                    ckpt_wire::write_frame(&mut s, &Refusal::new(ErrorCode::BadRequest, reason).error(NO_REQUEST_ID));
+                return;
+            }
+            Err(e) => {
+                debug!(peer_pid = pid, "tool connection closed: {e}");
+                return;
+            }
+        };
+        if ckpt_wire::write_frame(&mut s, &reply).is_err() {
+            return;
+        }
+    }
 }

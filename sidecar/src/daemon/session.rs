@@ -6,13 +6,17 @@
 //!
 //! Invariants: a frame is length-checked before its body is read and decoded
 //! without panicking; a malformed frame ends this session only (an `Error`
-//! with id `u64::MAX` says why, then the socket closes); the session's
-//! regions are unmapped when the last copy using them is done (Arc).
+//! with id `u64::MAX` says why, then the socket closes); a frame's body is
+//! held only as far as it arrived, a large one's bytes taken piece by piece
+//! from the daemon's [`crate::state::frame_budget`] before they are read, and one that
+//! stalls for [`config::FRAME_STALL_TIMEOUT_MS`] ends the session; the
+//! session's regions are unmapped when the last copy using them is done (Arc).
 
 use std::collections::HashMap;
-use std::io::BufReader;
+use std::io::{self, BufReader, Read as _};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ckpt_wire::{ErrorCode, FileFinish, FilePiece, FrameError, Reply, Request, TensorDescIn};
 use tracing::{debug, info, warn};
@@ -26,10 +30,11 @@ use crate::save::file_save::{self, FileRequest};
 use crate::save::plan::SaveTensors;
 use crate::save::plan_cache::SavePlans;
 use crate::save::snapshot::{self, SaveRequest};
+use crate::state::frame_budget::{Lease, NoRoom};
 use crate::state::jobs::{Part, RollbackJob, Work};
 use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
-use crate::state::DaemonState;
+use crate::state::{process_is_gone, refusal_log, DaemonState};
 use ckpt_store::catalog;
 
 /// The id of an `Error` that answers no request (a malformed frame).
@@ -49,6 +54,25 @@ pub struct Session {
 enum Read<'a> {
     Kept(&'a [u8]),
     Decoded(Vec<TensorDescIn<'a>>, &'a [u8]),
+}
+
+/// Why no frame was read.
+#[derive(Debug, thiserror::Error)]
+enum FrameRead {
+    #[error("{0}")]
+    Frame(FrameError),
+    #[error(
+        "a frame of {len} bytes stopped arriving after {got} bytes for {} s; its bytes are dropped",
+        config::FRAME_STALL_TIMEOUT_MS / 1000
+    )]
+    Stalled { len: u32, got: usize },
+    #[error(
+        "a frame of {len} bytes found no room after {got} bytes (the daemon holds at most {} bytes of partly received frames, {} of one process){}",
+        config::LARGE_FRAMES_BYTES_MAX,
+        config::LARGE_FRAMES_PER_PROCESS_BYTES_MAX,
+        if *.why == NoRoom::TimedOut { format!(" within {} s", config::FRAME_STALL_TIMEOUT_MS / 1000) } else { String::new() }
+    )]
+    NoRoom { len: u32, got: usize, why: NoRoom },
 }
 
 /// Whether the session reads another frame.
@@ -86,7 +110,9 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
         // thread: between requests no legacy CUDA import is needed, and none
         // stays open (regions/cuda.rs: the trainer may free the memory).
         conn.regions.values().fold(ImportTimes::default(), |t, r| t.and(r.close_imports())).log();
-        let Some(body) = conn.read_frame(&mut reader) else { break };
+        // The lease (a large frame's room in the budget) is held until
+        // the frame has been served and its body dropped.
+        let Some((body, _lease)) = conn.read_frame(&mut reader) else { break };
         if let Flow::Close = conn.serve_frame(body, &mut reader) {
             break;
         }
@@ -95,17 +121,18 @@ pub fn run(state: Arc<DaemonState>, s: Session, stream: UnixStream) {
 }
 
 impl Conn {
-    /// The next frame's body; None when the client closed the connection
-    /// or sent a bad frame (answered, the session then closes).
-    fn read_frame(&self, reader: &mut BufReader<FdSocket>) -> Option<Vec<u8>> {
-        match ckpt_wire::read_frame_body(reader, config::FRAME_BYTES_MAX) {
+    /// The next frame's body (and, for a large one, its room in the frame
+    /// budget); None when the client closed the connection or sent a bad or
+    /// stalled frame (answered, the session then closes).
+    fn read_frame(&self, reader: &mut BufReader<FdSocket>) -> Option<(Vec<u8>, Option<Lease>)> {
+        match self.read_frame_bounded(reader) {
             Ok(b) => Some(b),
-            Err(FrameError::Closed) => {
+            Err(FrameRead::Frame(FrameError::Closed)) => {
                 debug!("client closed the connection");
                 None
             }
             Err(e) => {
-                warn!(pid = self.s.client_pid, "bad frame, closing the session: {e}");
+                refusal_log::refused(self.s.peer_pid, "bad frame, closing the session", &e.to_string());
                 self.replies.send(
                     &Refusal::new(ErrorCode::BadRequest, format!("bad frame, closing: {e}")).error(NO_REQUEST_ID),
                 );
@@ -114,9 +141,59 @@ impl Conn {
         }
     }
 
+    /// Reads one frame: its length prefix without a time limit (a session
+    /// may be idle between requests for as long as it likes), then its body
+    /// as it arrives, each read within [`config::FRAME_STALL_TIMEOUT_MS`]; a
+    /// body over [`config::SMALL_FRAME_BYTES_MAX`] in pieces whose bytes are
+    /// taken from the frame budget before each is read.
+    fn read_frame_bounded(&self, reader: &mut BufReader<FdSocket>) -> Result<(Vec<u8>, Option<Lease>), FrameRead> {
+        let mut prefix = [0u8; 4];
+        let mut got = 0;
+        while got < 4 {
+            match reader.read(&mut prefix[got..]) {
+                Ok(0) if got == 0 => return Err(FrameRead::Frame(FrameError::Closed)),
+                Ok(0) => return Err(FrameRead::Frame(FrameError::Truncated)),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FrameRead::Frame(e.into())),
+            }
+        }
+        let len = u32::from_le_bytes(prefix);
+        if len > config::FRAME_BYTES_MAX {
+            let max_bytes = config::FRAME_BYTES_MAX;
+            return Err(FrameRead::Frame(FrameError::TooLarge { len_bytes: len as u64, max_bytes }));
+        }
+        let stall = Duration::from_millis(config::FRAME_STALL_TIMEOUT_MS);
+        let socket = reader.get_ref();
+        socket.set_read_timeout(Some(stall)).map_err(|e| FrameRead::Frame(e.into()))?;
+        let mut lease = (len > config::SMALL_FRAME_BYTES_MAX).then(|| Lease::new(self.s.peer_pid));
+        // Only reserved: the pages are touched as the bytes arrive.
+        let mut body = Vec::with_capacity(len as usize);
+        while body.len() < len as usize {
+            let piece = (len as usize - body.len()).min(config::FRAME_CHUNK_BYTES as usize);
+            if let Some(l) = &mut lease {
+                let gone = || self.replies.is_gone() || self.state.is_aborting();
+                l.grow(piece as u64, Instant::now() + stall, &gone).map_err(|why| FrameRead::NoRoom {
+                    len,
+                    got: body.len(),
+                    why,
+                })?;
+            }
+            let at = body.len();
+            body.resize(at + piece, 0);
+            reader.read_exact(&mut body[at..]).map_err(|e| match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => FrameRead::Stalled { len, got: at },
+                io::ErrorKind::UnexpectedEof => FrameRead::Frame(FrameError::Truncated),
+                _ => FrameRead::Frame(e.into()),
+            })?;
+        }
+        reader.get_ref().set_read_timeout(None).map_err(|e| FrameRead::Frame(e.into()))?;
+        Ok((body, lease))
+    }
+
     /// Answers an undecodable message; the session then closes.
     fn undecodable(&self, e: impl std::fmt::Display) -> Flow {
-        warn!(pid = self.s.client_pid, "undecodable message, closing the session: {e}");
+        refusal_log::refused(self.s.peer_pid, "undecodable message, closing the session", &e.to_string());
         self.replies.send(&Refusal::new(ErrorCode::BadRequest, format!("{e}; closing")).error(NO_REQUEST_ID));
         Flow::Close
     }
@@ -424,7 +501,7 @@ impl Conn {
 /// A List's answer: the steps readable here (with a drain target, its
 /// steps too: a load reads them from there; `latest` the newer of both
 /// tiers').
-fn list(state: &DaemonState, id: u64) -> Reply {
+pub(crate) fn list(state: &DaemonState, id: u64) -> Reply {
     let primary = state.read_dir();
     match catalog::readable_steps(primary) {
         Ok(mut steps) => {
@@ -440,31 +517,6 @@ fn list(state: &DaemonState, id: u64) -> Reply {
             Reply::Listing { id, steps, latest }
         }
         Err(e) => Refusal::new(ErrorCode::Io, format!("{}: {e}", primary.display())).error(id),
-    }
-}
-
-/// Whether `pid` no longer runs: no such process, a zombie, or one already
-/// exiting. The last matters: a killed process closes its files (so its
-/// connection reads EOF here) before it becomes a zombie, and the kernel
-/// marks it exiting (PF_EXITING in /proc's flags) before either. (A pid
-/// that was reused meanwhile counts as alive: its regions are then left to
-/// the shim's own sweep.)
-fn process_is_gone(pid: u32) -> bool {
-    /// `PF_EXITING` of include/linux/sched.h: set at the start of the exit.
-    const PF_EXITING: u64 = 0x4;
-    if pid == 0 {
-        return false;
-    }
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The fields after the command name's closing parenthesis: state,
-        // ppid, pgrp, session, tty_nr, tpgid, flags, ...
-        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| {
-            let mut fields = rest.split_ascii_whitespace();
-            let state = fields.next().unwrap_or("");
-            let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
-            state.starts_with('Z') || state.starts_with('X') || flags & PF_EXITING != 0
-        }),
-        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
     }
 }
 

@@ -12,9 +12,12 @@
 //! once; the daemon drains by waiting for the registry to be empty.
 
 mod flights;
+pub mod frame_budget;
 pub mod jobs;
 pub mod metrics;
+pub mod metrics_http;
 pub mod refusal;
+pub mod refusal_log;
 pub mod reply;
 mod sessions;
 pub mod test_panic;
@@ -32,7 +35,9 @@ use crate::state::flights::Flights;
 use crate::state::jobs::{Flight, Work};
 use crate::state::reply::Replies;
 use crate::state::sessions::Sessions;
-pub use crate::state::sessions::{SessionEntry, SessionGuard};
+pub use crate::state::sessions::{
+    process_is_gone, Peer, SessionEntry, SessionGuard, SessionsFull, ToolGuard, ToolsFull,
+};
 use ckpt_store::image::LayoutOptions;
 use ckpt_store::restore::ReadOptions;
 
@@ -258,8 +263,20 @@ impl DaemonState {
         self.wait_drained(Duration::ZERO) && !self.sessions.any_client_gone()
     }
 
-    pub fn add_session(&self, e: SessionEntry) -> Option<u64> {
+    pub fn add_session(&self, e: SessionEntry) -> Result<u64, SessionsFull> {
         self.sessions.add(e)
+    }
+
+    /// Closes the sessions whose client process is gone; returns how many.
+    pub fn reap_sessions(&self) -> usize {
+        self.sessions.reap()
+    }
+
+    /// A read-only tool connection's place for process `pid`, given back
+    /// when the guard drops.
+    pub fn enter_tool(self: &Arc<Self>, pid: u32) -> Result<ToolGuard, ToolsFull> {
+        self.sessions.enter_tool(pid)?;
+        Ok(ToolGuard { state: self.clone(), pid })
     }
 
     pub fn update_session(&self, id: u64, f: impl FnOnce(&mut SessionEntry)) {
@@ -334,7 +351,14 @@ mod tests {
         let (ours, client) = UnixStream::pair().unwrap();
         drop(client);
         let id = state
-            .add_session(SessionEntry { pid: 1, name: "t".into(), regions: 0, region_bytes: 0, stream: Some(ours) })
+            .add_session(SessionEntry {
+                pid: 1,
+                name: "t".into(),
+                regions: 0,
+                region_bytes: 0,
+                peer: Peer { pid: 1, start_ticks: None },
+                stream: Some(ours),
+            })
             .unwrap();
         assert!(!state.drained(), "a registered session of a gone client holds the drain");
         let sh = state.clone();

@@ -17,6 +17,7 @@ mod nodes;
 mod ranks;
 mod read_only;
 mod remote_cli;
+mod timeline;
 
 /// The harness finds the binary cargo built for these tests.
 #[test]

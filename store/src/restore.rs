@@ -11,13 +11,15 @@
 //! Files: `locate` (the steps to try, an index, the folder of each file),
 //! `load` (the public loads and what they return), `read_step` (one step
 //! read by a thread per folder), `read_dir` (one folder's files through one
-//! engine), `check` (every byte checked as it streams by), `verify`,
+//! engine), `check` (every byte checked as it streams by), `quick` (the
+//! cheap checks of `ls`: files present, sizes), `verify`,
 //! `fetched` (files fetched from a drain target).
 
 mod check;
 pub(crate) mod fetched;
 mod load;
 mod locate;
+mod quick;
 mod read_dir;
 mod read_step;
 mod verify;
@@ -31,6 +33,7 @@ pub use load::{
     load, load_into, load_into_raw, load_into_raw_with, load_into_with, Loaded, OwnMemory, Placed, ReadDest,
 };
 pub use locate::{held_elsewhere, load_len_bytes, read_index};
+pub use quick::{quick_check, QUICK_CHECKED, QUICK_NOT_CHECKED};
 pub(crate) use read_step::{read_step_at, Origin};
 pub use verify::{verify, Verifier, VerifyReport};
 

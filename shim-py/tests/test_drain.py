@@ -445,3 +445,34 @@ def test_a_flipped_byte_in_a_remote_shard_on_s3_is_caught_while_streamed_and_nam
     said = str(e.value)
     assert "s3://ckpt-test/flip" in said and shard["Key"].rsplit("/", 1)[1] in said and "checksum mismatch" in said, said
     assert _dir_seen(local) == before
+
+
+def test_every_committed_step_is_accounted_once_and_a_held_step_goes_once_replicated(tmp_path, servers):
+    # Before: steps retention deleted before the drain reached them were in
+    # none of replicated/backlog/skipped, and a step held for the drain
+    # past --keep stayed after the drain went idle and after exit.
+    remote, local = tmp_path / "R", tmp_path / "L"
+    remote.mkdir()
+    a = Drained(tmp_path, "a", local, f"file://{remote}", "--keep", "1", "--drain-bandwidth", "2MB/s").start()
+    servers.append(a)
+    big = {"w": np.random.default_rng(3).standard_normal(1 << 20).astype(np.float32)}  # 4 MiB: 2 s an upload
+    steps = list(range(1, 9))
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, big).wait_durable(60)
+        wait_until(lambda: a.drain()["uploading"] == 1, 60, "the upload of step 1 under way")
+        for step in steps[1:]:
+            ck.save(step, state(step)).wait_durable(60)
+        d = a.drain()
+        waiting = d["backlog"] + ([d["uploading"]] if d["uploading"] is not None else [])
+        assert not set(d["backlog"]) & (set(d["skipped"]) | set(d["deleted_undrained"])), d
+        assert d["replicated_count"] + d["skipped_count"] + d["deleted_undrained_count"] + len(waiting) == len(steps), d
+        ck.save(9, state(9)).wait_replicated(timeout=120)
+    wait_until(lambda: a.drain()["backlog"] == [] and a.drain()["uploading"] is None, 60, "the drain idle")
+    d = a.drain()
+    assert d["replicated_count"] + d["skipped_count"] + d["deleted_undrained_count"] == 9, d
+    assert d["deleted_undrained_count"] >= 1 and 9 in (d["last_replicated"],), d
+    # Step 1, held past --keep 1 while it was uploaded, is gone once replicated.
+    wait_until(lambda: sorted(p.name for p in local.glob("step-*")) == ["step-000000000009"], 30,
+               lambda: f"--keep 1 once the drain is idle: {sorted(p.name for p in local.glob('step-*'))}")
+    a.stop()
+    assert sorted(p.name for p in local.glob("step-*")) == ["step-000000000009"]

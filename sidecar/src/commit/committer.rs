@@ -64,6 +64,13 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                         break;
                     }
                 }
+                // A step the drain held past --keep is replicated (or gone).
+                if state.drain.as_ref().is_some_and(|d| d.take_retention_due()) {
+                    let deleted = store.retain();
+                    if !deleted.is_empty() {
+                        info!(?deleted, "retention (steps the drain held are replicated)");
+                    }
+                }
                 // Draining, no new part is accepted: an incomplete group never completes.
                 if state.is_aborting() || state.is_draining() {
                     for job in groups.take_all() {

@@ -180,6 +180,9 @@ pub struct Drain {
     hold: Arc<Mutex<BTreeSet<u64>>>,
     /// Several nodes ([`NodesDrain`]).
     nodes: Option<NodesDrain>,
+    /// A held step was let go: local retention is due (the committer runs
+    /// it, [`Drain::take_retention_due`]; the daemon exits after it).
+    retention_due: std::sync::atomic::AtomicBool,
     /// The daemon's staging: a step still resident there right after its
     /// commit is uploaded from memory (`uploads::ResidentFiles`).
     staging: std::sync::OnceLock<Arc<Staging>>,
@@ -233,6 +236,7 @@ impl Drain {
             cv: Condvar::new(),
             hold: Arc::new(Mutex::new(BTreeSet::new())),
             nodes,
+            retention_due: Default::default(),
             staging: Default::default(),
         }))
     }
@@ -250,6 +254,27 @@ impl Drain {
     /// The steps local retention must keep (shared with the Store).
     pub fn hold(&self) -> Arc<Mutex<BTreeSet<u64>>> {
         self.hold.clone()
+    }
+
+    /// `step` no longer needs holding from local retention (replicated,
+    /// or gone): retention, which kept it, is due.
+    fn unhold(&self, step: u64) {
+        if self.hold.lock().expect("hold lock").remove(&step) {
+            self.retention_due.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Whether local retention is due since a held step was let go; the
+    /// committer runs it then (a step held past `--keep` is deleted once
+    /// the drain no longer needs it, not only at the next commit).
+    pub fn take_retention_due(&self) -> bool {
+        self.retention_due.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// [`Drain::take_retention_due`] without taking it: a stopping daemon
+    /// exits only after that retention ran.
+    pub fn retention_due(&self) -> bool {
+        self.retention_due.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn primary(&self) -> &Path {

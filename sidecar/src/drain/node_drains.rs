@@ -44,7 +44,7 @@ impl Drain {
         }
         let outcome = self.upload_nodes(n, newest);
         if !matches!(outcome, Ok(None) | Err(Upload::Failed(_))) {
-            self.hold.lock().expect("hold lock").remove(&newest);
+            self.unhold(newest);
         }
         let mut st = self.lock();
         match outcome {

@@ -100,7 +100,7 @@ impl Drain {
                 st.handled(newest, Handled::Replicated);
                 st.done_upto = Some(newest);
                 st.bytes_per_s = bps;
-                self.hold.lock().expect("hold lock").remove(&newest);
+                self.unhold(newest);
                 self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
                 drop(st);
@@ -114,7 +114,7 @@ impl Drain {
                 );
                 st.handled(newest, Handled::Deleted);
                 st.done_upto = Some(newest);
-                self.hold.lock().expect("hold lock").remove(&newest);
+                self.unhold(newest);
                 self.answer(&mut st);
                 Round::Moved
             }

@@ -148,4 +148,9 @@ pub enum LoadError {
     /// files, docs/format.md): not damage, so `latest` does not fall back.
     #[error("step {step}: {file} is held by node {node:?} on its own disks ({dir}); this is node {this:?}, which cannot read it: restore on that node, give a drain target (--drain) that holds the step, or save in the shared layout (without --node-local)")]
     OnAnotherNode { step: u64, file: String, node: String, dir: String, this: String },
+    /// `latest` with every committed step damaged (or unreadable): each
+    /// step tried and why it failed, newest first; `shared` names the one
+    /// damaged file they all share (incremental hard links), if so.
+    #[error("{}: no committed step loads{}; tried {}", dir.display(), shared.as_ref().map_or(String::new(), |f| format!(" (they share one damaged file: {f})")), tried.iter().map(|(s, why)| format!("step {s}: {why}")).collect::<Vec<_>>().join("; "))]
+    NoneLoads { dir: PathBuf, tried: Vec<(u64, String)>, shared: Option<String> },
 }

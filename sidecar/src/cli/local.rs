@@ -233,10 +233,25 @@ fn shared_damage(dir: &Path, damaged_files: &[(u64, String)], json: bool) -> Vec
         let steps = ckpt_store::incremental::steps_sharing(dir, id);
         if steps.len() > 1 {
             let list = steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+            // A link may take another name in a later step: named per step.
+            let names: serde_json::Map<String, serde_json::Value> = steps
+                .iter()
+                .filter_map(|&t| {
+                    let index = restore::read_index(dir, t).ok()?;
+                    let f = index
+                        .ckpt
+                        .files
+                        .iter()
+                        .find(|f| ckpt_store::incremental::file_inode(dir, t, &f.name) == Some(id))?;
+                    Some((t.to_string(), json!(f.name)))
+                })
+                .collect();
             if !json {
-                println!("damaged file {file} (step {s}) is shared by steps {list} (one file, hard-linked: every one of them is damaged)");
+                let each: Vec<String> =
+                    names.iter().map(|(t, n)| format!("step {t}: {}", n.as_str().unwrap_or(""))).collect();
+                println!("damaged file {file} (step {s}) is shared by steps {list} (one file, hard-linked: every one of them is damaged; named {})", each.join(", "));
             }
-            shared_damage.push(json!({"step": s, "file": file, "shared_by": steps}));
+            shared_damage.push(json!({"step": s, "file": file, "shared_by": steps, "names": names}));
         }
     }
     shared_damage

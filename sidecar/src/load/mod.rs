@@ -42,7 +42,7 @@ impl From<LoadError> for Refusal {
             LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => {
                 ErrorCode::NotFound
             }
-            LoadError::Damaged { .. } => ErrorCode::Damaged,
+            LoadError::Damaged { .. } | LoadError::NoneLoads { .. } => ErrorCode::Damaged,
             LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
             // The client's region failed under the load: its error, not the checkpoint's.
             LoadError::Destination { .. } => ErrorCode::BadRegion,

@@ -548,11 +548,16 @@ fn every_checkpoint_damaged_means_an_error_not_garbage() {
     }
     match f.load(Which::Latest) {
         Ok(l) => panic!("loaded step {} although every checkpoint is damaged", l.step),
-        Err(LoadError::Damaged { step, problems, .. }) => {
-            assert_eq!(step, OLD, "the error is about the last candidate tried");
-            assert!(problems.iter().any(|p| p.tensor.as_deref() == Some(TENSOR)), "{problems:?}");
+        Err(e @ LoadError::NoneLoads { .. }) => {
+            // Each step tried, newest first, and why it failed.
+            let LoadError::NoneLoads { tried, shared, .. } = &e else { unreachable!() };
+            assert_eq!(tried.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![NEW, OLD], "{e}");
+            assert!(tried.iter().all(|(_, why)| why.contains(TENSOR)), "{e}");
+            assert!(shared.is_none(), "no file is shared: {e}");
+            let said = e.to_string();
+            assert!(said.contains("no committed step loads") && said.contains(&format!("step {NEW}: ")), "{said}");
         }
-        Err(e) => panic!("expected Damaged, got {e:?}"),
+        Err(e) => panic!("expected NoneLoads, got {e:?}"),
     }
     let CliRun { code, stdout: out, .. } = cli(&["verify".as_ref(), f.primary().as_os_str()]);
     assert_eq!(code, EXIT_DAMAGED);

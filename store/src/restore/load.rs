@@ -88,7 +88,45 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
             }
         }
     }
-    Err(last_err.expect("at least one candidate"))
+    Err(none_loads(primary, fell_back, last_err.expect("at least one candidate")))
+}
+
+/// The error of a load of `latest` that tried every step in `tried`: the
+/// last error when it tried one, else [`LoadError::NoneLoads`], naming the
+/// one damaged file every step tried shares when there is one.
+fn none_loads(primary: &Path, tried: Vec<(u64, String)>, last: LoadError) -> LoadError {
+    if tried.len() < 2 {
+        return last;
+    }
+    let shared = match &last {
+        LoadError::Damaged { step, problems, .. } => problems.iter().filter_map(|p| p.file.as_deref()).find_map(|f| {
+            let id = crate::incremental::file_inode(primary, *step, f)?;
+            let sharing = crate::incremental::steps_sharing(primary, id);
+            tried.iter().all(|(s, _)| sharing.contains(s)).then(|| {
+                let names: Vec<String> = tried
+                    .iter()
+                    .map(|&(s, _)| {
+                        let name = shared_name(primary, s, id).unwrap_or_else(|| f.to_string());
+                        format!("{name} of step {s}")
+                    })
+                    .collect();
+                format!("one inode, hard-linked as {}", names.join(", "))
+            })
+        }),
+        _ => None,
+    };
+    LoadError::NoneLoads { dir: primary.to_path_buf(), tried, shared }
+}
+
+/// The name under which `step` holds the inode `id`.
+fn shared_name(primary: &Path, step: u64, id: (u64, u64)) -> Option<String> {
+    let index = read_index(primary, step).ok()?;
+    index
+        .ckpt
+        .files
+        .iter()
+        .find(|f| crate::incremental::file_inode(primary, step, &f.name) == Some(id))
+        .map(|f| f.name.clone())
 }
 
 /// A checkpoint read into memory (the caller's with [`load_into`], its own
@@ -261,7 +299,7 @@ pub unsafe fn load_into_raw_with(
             Err(e) => return Err(e),
         }
     }
-    Err(last_err.expect("at least one candidate"))
+    Err(none_loads(primary, fell_back, last_err.expect("at least one candidate")))
 }
 
 /// Whether a step whose checksums failed in a client's memory verifies on

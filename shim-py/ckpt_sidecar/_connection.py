@@ -51,7 +51,7 @@ class SidecarConnection:
     log_path: str
     last_load_step: int
     last_load_source: str
-    last_load_fell_back: str
+    last_load_fell_back: str | None
     _own: Owned
     _mu: Any  # threading.RLock: every call on the client holds it
     _finalizer: weakref.finalize

@@ -289,7 +289,7 @@ class Loading(RegionTable):
         L = N.lib()
         n = ctypes.c_uint64()
         N.check(L.ckpt_loaded_fell_back(self._client, None, 0, ctypes.byref(n)))
-        why = ""
+        why = None
         if n.value:
             buf = ctypes.create_string_buffer(n.value)
             N.check(L.ckpt_loaded_fell_back(self._client, buf, n.value, ctypes.byref(n)))

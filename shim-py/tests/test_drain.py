@@ -127,6 +127,7 @@ def bar(tmp_path, servers, url, env=None):
 
 def test_bar_file_drain_replicates_each_step_and_a_new_sidecar_restores_latest_from_the_drain(tmp_path, servers):
     remote = tmp_path / "R"
+    remote.mkdir()
     bar(tmp_path, servers, f"file://{remote}")
     for step in (1, 2, 3):
         assert (remote / f"step-{step:012d}" / "model.safetensors.index.json").is_file()
@@ -157,6 +158,7 @@ def test_wait_replicated_without_a_drain_is_a_clear_error_not_a_hang(tmp_path, s
 
 def test_drain_every_k_replicates_multiples_only_and_refuses_to_wait_for_others(tmp_path, servers):
     remote = tmp_path / "R"
+    remote.mkdir()
     a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}", "--drain-every", "2").start()
     servers.append(a)
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
@@ -190,6 +192,7 @@ def test_start_with_wrong_credentials_is_one_clear_error_naming_the_url_and_no_s
 
 def test_drain_target_gone_at_runtime_local_saves_go_on_and_replicated_is_never_claimed(tmp_path, servers):
     remote = tmp_path / "R"
+    remote.mkdir()
     a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}").start()
     servers.append(a)
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
@@ -244,6 +247,7 @@ def s3_uploads_in_progress(env, prefix):
 @pytest.mark.parametrize("kind", ["file", "s3"])
 def test_sigkill_mid_upload_leaves_no_half_step_remotely_and_the_next_sidecar_replicates_it(tmp_path, servers, kind, request):
     remote = tmp_path / "R"
+    remote.mkdir()
     env = None
     if kind == "s3":
         env = request.getfixturevalue("s3").env
@@ -274,6 +278,7 @@ def test_sigkill_mid_upload_leaves_no_half_step_remotely_and_the_next_sidecar_re
 
 def test_retention_on_both_tiers_and_the_step_being_uploaded_is_never_deleted_locally(tmp_path, servers):
     remote, local = tmp_path / "R", tmp_path / "L"
+    remote.mkdir()
     a = Drained(tmp_path, "a", local, f"file://{remote}", "--keep", "1", "--drain-keep", "2").start()
     servers.append(a)
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
@@ -299,6 +304,7 @@ def test_retention_on_both_tiers_and_the_step_being_uploaded_is_never_deleted_lo
 
 def test_damaged_remote_index_load_falls_back_to_the_previous_replicated_step_and_says_so(tmp_path, servers):
     remote, local = tmp_path / "R", tmp_path / "L"
+    remote.mkdir()
     a = Drained(tmp_path, "a", local, f"file://{remote}").start()
     servers.append(a)
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
@@ -326,6 +332,7 @@ def test_launch_exits_only_once_the_last_step_is_replicated(tmp_path):
     import sys
 
     remote, local = tmp_path / "R", tmp_path / "L"
+    remote.mkdir()
     trainer = tmp_path / "t.py"
     trainer.write_text(
         "import numpy as np, ckpt_sidecar as cs\n"
@@ -343,6 +350,7 @@ def test_launch_exits_only_once_the_last_step_is_replicated(tmp_path):
 
 def test_a_damaged_local_step_is_loaded_from_the_drain_target_and_says_so(tmp_path, servers):
     remote, local = tmp_path / "R", tmp_path / "L"
+    remote.mkdir()
     a = Drained(tmp_path, "a", local, f"file://{remote}").start()
     servers.append(a)
     with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
@@ -437,3 +445,34 @@ def test_a_flipped_byte_in_a_remote_shard_on_s3_is_caught_while_streamed_and_nam
     said = str(e.value)
     assert "s3://ckpt-test/flip" in said and shard["Key"].rsplit("/", 1)[1] in said and "checksum mismatch" in said, said
     assert _dir_seen(local) == before
+
+
+def test_every_committed_step_is_accounted_once_and_a_held_step_goes_once_replicated(tmp_path, servers):
+    # Before: steps retention deleted before the drain reached them were in
+    # none of replicated/backlog/skipped, and a step held for the drain
+    # past --keep stayed after the drain went idle and after exit.
+    remote, local = tmp_path / "R", tmp_path / "L"
+    remote.mkdir()
+    a = Drained(tmp_path, "a", local, f"file://{remote}", "--keep", "1", "--drain-bandwidth", "2MB/s").start()
+    servers.append(a)
+    big = {"w": np.random.default_rng(3).standard_normal(1 << 20).astype(np.float32)}  # 4 MiB: 2 s an upload
+    steps = list(range(1, 9))
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, big).wait_durable(60)
+        wait_until(lambda: a.drain()["uploading"] == 1, 60, "the upload of step 1 under way")
+        for step in steps[1:]:
+            ck.save(step, state(step)).wait_durable(60)
+        d = a.drain()
+        waiting = d["backlog"] + ([d["uploading"]] if d["uploading"] is not None else [])
+        assert not set(d["backlog"]) & (set(d["skipped"]) | set(d["deleted_undrained"])), d
+        assert d["replicated_count"] + d["skipped_count"] + d["deleted_undrained_count"] + len(waiting) == len(steps), d
+        ck.save(9, state(9)).wait_replicated(timeout=120)
+    wait_until(lambda: a.drain()["backlog"] == [] and a.drain()["uploading"] is None, 60, "the drain idle")
+    d = a.drain()
+    assert d["replicated_count"] + d["skipped_count"] + d["deleted_undrained_count"] == 9, d
+    assert d["deleted_undrained_count"] >= 1 and 9 in (d["last_replicated"],), d
+    # Step 1, held past --keep 1 while it was uploaded, is gone once replicated.
+    wait_until(lambda: sorted(p.name for p in local.glob("step-*")) == ["step-000000000009"], 30,
+               lambda: f"--keep 1 once the drain is idle: {sorted(p.name for p in local.glob('step-*'))}")
+    a.stop()
+    assert sorted(p.name for p in local.glob("step-*")) == ["step-000000000009"]

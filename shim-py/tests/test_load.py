@@ -79,7 +79,7 @@ def test_a_flipped_byte_is_caught_and_latest_falls_back(tmp_path, sidecar):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ck.load(1)  # the step asked for: nothing passed over, nothing said
-        assert ck.last_load_fell_back == ""
+        assert ck.last_load_fell_back is None
     finally:
         ck.close()
 

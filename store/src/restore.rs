@@ -11,13 +11,15 @@
 //! Files: `locate` (the steps to try, an index, the folder of each file),
 //! `load` (the public loads and what they return), `read_step` (one step
 //! read by a thread per folder), `read_dir` (one folder's files through one
-//! engine), `check` (every byte checked as it streams by), `verify`,
+//! engine), `check` (every byte checked as it streams by), `quick` (the
+//! cheap checks of `ls`: files present, sizes), `verify`,
 //! `fetched` (files fetched from a drain target).
 
 mod check;
 pub(crate) mod fetched;
 mod load;
 mod locate;
+mod quick;
 mod read_dir;
 mod read_step;
 mod verify;
@@ -31,6 +33,7 @@ pub use load::{
     load, load_into, load_into_raw, load_into_raw_with, load_into_with, Loaded, OwnMemory, Placed, ReadDest,
 };
 pub use locate::{held_elsewhere, load_len_bytes, read_index};
+pub use quick::{quick_check, QUICK_CHECKED, QUICK_NOT_CHECKED};
 pub(crate) use read_step::{read_step_at, Origin};
 pub use verify::{verify, Verifier, VerifyReport};
 
@@ -145,4 +148,9 @@ pub enum LoadError {
     /// files, docs/format.md): not damage, so `latest` does not fall back.
     #[error("step {step}: {file} is held by node {node:?} on its own disks ({dir}); this is node {this:?}, which cannot read it: restore on that node, give a drain target (--drain) that holds the step, or save in the shared layout (without --node-local)")]
     OnAnotherNode { step: u64, file: String, node: String, dir: String, this: String },
+    /// `latest` with every committed step damaged (or unreadable): each
+    /// step tried and why it failed, newest first; `shared` names the one
+    /// damaged file they all share (incremental hard links), if so.
+    #[error("{}: no committed step loads{}; tried {}", dir.display(), shared.as_ref().map_or(String::new(), |f| format!(" (they share one damaged file: {f})")), tried.iter().map(|(s, why)| format!("step {s}: {why}")).collect::<Vec<_>>().join("; "))]
+    NoneLoads { dir: PathBuf, tried: Vec<(u64, String)>, shared: Option<String> },
 }

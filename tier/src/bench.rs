@@ -243,7 +243,7 @@ async fn plain_download(args: &DrainBenchArgs, plain: &dyn ObjectStore, plain_di
 pub fn drain(args: &DrainBenchArgs) -> Result<DrainFigures, TierError> {
     let sub = format!("bench-drain-{:016x}", nonce());
     let ours_url = format!("{}/{sub}/ours", args.url.trim_end_matches('/'));
-    let t = Target::open(&ours_url, args.opts.clone())?;
+    let t = Target::open_creating(&ours_url, args.opts.clone())?;
     let (plain, plain_dir) = plain_store(&args.url, &format!("{sub}/plain"))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(crate::config::RUNTIME_WORKER_THREADS)

@@ -87,6 +87,11 @@ pub enum TierError {
     /// The runtime's worker task failed (a bug or a panic in a task).
     #[error("drain target {url}: internal task failed: {reason}")]
     Task { url: String, reason: String },
+
+    /// A file:// target's folder is missing (or not a folder): never
+    /// created, as an unmounted shared file system looks just like it.
+    #[error("drain target {url}: no such directory: {} (it is never created: an unmounted file system looks the same; mount it, or create the folder)", path.display())]
+    NoSuchDir { url: String, path: PathBuf },
 }
 
 /// A tier's failure as the engine's checks of a remote step see it

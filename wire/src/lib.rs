@@ -25,7 +25,7 @@ pub use save::{
 };
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -613,6 +613,22 @@ pub struct DrainReport {
     pub every: u64,
     /// Remote retention (`--drain-keep`), if any.
     pub keep: Option<u64>,
+    /// Every committed step the drain saw since the start is counted in
+    /// exactly one of: replicated, backlog (or uploading), skipped
+    /// (superseded by a newer step), deleted locally before it was
+    /// drained (retention or a rollback got there first). (Version 14.)
+    pub replicated_count: u64,
+    pub skipped_count: u64,
+    pub deleted_undrained_count: u64,
+    /// The newest few of those deleted before they were drained. (Version 14.)
+    pub deleted_undrained: Vec<u64>,
+    /// File bytes of the backlog and the step uploading. (Version 14.)
+    pub backlog_bytes: u64,
+    /// Uploads of a step that failed since the start. (Version 14.)
+    pub upload_failures: u64,
+    /// Seconds since the oldest step not yet drained (backlog or
+    /// uploading) was committed; 0 when none waits. (Version 14.)
+    pub lag_seconds: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -23,8 +23,10 @@ use ckpt_store::retention::{self, Retention};
 
 use super::print::{print_inspect, print_ls, print_verify, verify_row};
 
-/// `ls`: the committed steps, each with its ranks, tensors and bytes (a
-/// step whose index does not read is listed as damaged).
+/// `ls`: the committed steps, each with its ranks, tensors and bytes, and
+/// what the cheap checks found ([`restore::quick_check`]: the index reads,
+/// every file is present with its size; a step failing them is marked
+/// damaged). The output says what was and was not checked.
 pub fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     catalog::check_dir(dir)?;
     let steps = catalog::readable_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
@@ -45,9 +47,17 @@ pub fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
             Err(_) if !catalog::is_committed(dir, s) => continue,
             Err(_) => (None, None, None, None),
         };
-        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
+        let (damage, not_checked_files) = match restore::quick_check(dir, s) {
+            Ok((problems, elsewhere)) => (problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(), elsewhere),
+            Err(e) => (vec![e.to_string()], 0),
+        };
+        if !damage.is_empty() && !catalog::is_committed(dir, s) {
+            continue;
+        }
+        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank, "damaged": !damage.is_empty(), "damage": damage, "files_not_checked": not_checked_files}));
     }
-    print_ls(&dir.display().to_string(), json!({"dir": dir, "latest": latest, "checkpoints": rows}), json);
+    let doc = json!({"dir": dir, "latest": latest, "checked": restore::QUICK_CHECKED, "not_checked": restore::QUICK_NOT_CHECKED, "checkpoints": rows});
+    print_ls(&dir.display().to_string(), doc, json);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -223,10 +233,25 @@ fn shared_damage(dir: &Path, damaged_files: &[(u64, String)], json: bool) -> Vec
         let steps = ckpt_store::incremental::steps_sharing(dir, id);
         if steps.len() > 1 {
             let list = steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+            // A link may take another name in a later step: named per step.
+            let names: serde_json::Map<String, serde_json::Value> = steps
+                .iter()
+                .filter_map(|&t| {
+                    let index = restore::read_index(dir, t).ok()?;
+                    let f = index
+                        .ckpt
+                        .files
+                        .iter()
+                        .find(|f| ckpt_store::incremental::file_inode(dir, t, &f.name) == Some(id))?;
+                    Some((t.to_string(), json!(f.name)))
+                })
+                .collect();
             if !json {
-                println!("damaged file {file} (step {s}) is shared by steps {list} (one file, hard-linked: every one of them is damaged)");
+                let each: Vec<String> =
+                    names.iter().map(|(t, n)| format!("step {t}: {}", n.as_str().unwrap_or(""))).collect();
+                println!("damaged file {file} (step {s}) is shared by steps {list} (one file, hard-linked: every one of them is damaged; named {})", each.join(", "));
             }
-            shared_damage.push(json!({"step": s, "file": file, "shared_by": steps}));
+            shared_damage.push(json!({"step": s, "file": file, "shared_by": steps, "names": names}));
         }
     }
     shared_damage

@@ -8,29 +8,46 @@ use ckpt_store::units::human_bytes;
 use serde_json::json;
 
 /// `ls`'s output (a directory's or a drain target's): `doc` is the JSON
-/// document, `{"dir" or "url", "latest", "checkpoints": rows}`.
+/// document, `{"dir" or "url", "latest", "checked", "not_checked",
+/// "checkpoints": rows}`, each row with `damaged` and `damage` (what the
+/// checks named in `checked` found).
 pub fn print_ls(shown: &str, doc: serde_json::Value, json: bool) {
     let rows = doc["checkpoints"].as_array().cloned().unwrap_or_default();
     if json {
         println!("{doc}");
-    } else if rows.is_empty() {
+        return;
+    }
+    if rows.is_empty() {
         println!("{shown}: no committed checkpoint");
-    } else {
-        println!("{:>12}  {:>5}  {:>8}  {:>12}  LATEST", "STEP", "RANKS", "TENSORS", "BYTES");
-        for r in &rows {
-            let latest = if r["latest"].as_bool() == Some(true) { "*" } else { "" };
-            let readable = r["bytes"].as_u64().is_some();
-            let line = format!(
-                "{:>12}  {:>5}  {:>8}  {:>12}  {:<6}{}",
-                r["step"].as_u64().unwrap_or_default(),
-                r["world_size"].as_u64().map_or("?".into(), |t| t.to_string()),
-                r["tensors"].as_u64().map_or("?".into(), |t| t.to_string()),
-                r["bytes"].as_u64().map_or("?".into(), human_bytes),
-                latest,
-                if readable { "" } else { "  index unreadable (damaged: see inspect, verify)" }
-            );
-            println!("{}", line.trim_end());
-        }
+        return;
+    }
+    println!("{:>12}  {:>5}  {:>8}  {:>12}  LATEST", "STEP", "RANKS", "TENSORS", "BYTES");
+    for r in &rows {
+        let latest = if r["latest"].as_bool() == Some(true) { "*" } else { "" };
+        let damage: Vec<&str> =
+            r["damage"].as_array().map(|d| d.iter().filter_map(|p| p.as_str()).collect()).unwrap_or_default();
+        let mark = if r["bytes"].as_u64().is_none() {
+            "  index unreadable (damaged: see inspect, verify)".to_string()
+        } else if let Some(first) = damage.first() {
+            let more =
+                if damage.len() > 1 { format!(" (and {} more: see verify)", damage.len() - 1) } else { String::new() };
+            format!("  DAMAGED: {first}{more}")
+        } else {
+            String::new()
+        };
+        let line = format!(
+            "{:>12}  {:>5}  {:>8}  {:>12}  {:<6}{}",
+            r["step"].as_u64().unwrap_or_default(),
+            r["world_size"].as_u64().map_or("?".into(), |t| t.to_string()),
+            r["tensors"].as_u64().map_or("?".into(), |t| t.to_string()),
+            r["bytes"].as_u64().map_or("?".into(), human_bytes),
+            latest,
+            mark
+        );
+        println!("{}", line.trim_end());
+    }
+    if let (Some(checked), Some(not)) = (doc["checked"].as_str(), doc["not_checked"].as_str()) {
+        println!("checked: {checked}; not checked: {not}");
     }
 }
 

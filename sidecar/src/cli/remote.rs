@@ -20,13 +20,6 @@ pub fn url_of(dir: &Path) -> Option<&str> {
 }
 
 fn open(url: &str) -> anyhow::Result<Target> {
-    // Target::open creates a missing file:// directory (a drain target's
-    // first start); a command that only reads does not.
-    if let Some(path) = url.strip_prefix("file://") {
-        if !Path::new(path).is_dir() {
-            bail!("{url}: no such directory");
-        }
-    }
     Ok(Target::open(url, TargetOptions::default())?)
 }
 
@@ -57,9 +50,12 @@ pub fn ls(url: &str, json: bool) -> anyhow::Result<ExitCode> {
                 Err(_) => (None, None, None, None),
             },
         };
-        rows.push(json!({"step": s, "path": step_location(&t, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank}));
+        let damaged = bytes.is_none();
+        let damage: Vec<&str> = if damaged { vec!["index unreadable"] } else { Vec::new() };
+        rows.push(json!({"step": s, "path": step_location(&t, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank, "damaged": damaged, "damage": damage}));
     }
-    super::print::print_ls(t.url(), json!({"url": t.url(), "latest": latest, "checkpoints": rows}), json);
+    let doc = json!({"url": t.url(), "latest": latest, "checked": "index readable", "not_checked": "the files (presence, sizes, checksums) on a drain target: run verify", "checkpoints": rows});
+    super::print::print_ls(t.url(), doc, json);
     Ok(ExitCode::SUCCESS)
 }
 

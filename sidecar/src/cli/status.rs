@@ -55,6 +55,9 @@ fn print_json(socket: &Path, r: &StatusReport) {
             "url": d.url, "state": if d.up { "up" } else { "down" }, "error": (!d.error.is_empty()).then_some(&d.error),
             "last_replicated": d.last_replicated, "uploading": d.uploading, "backlog": d.backlog, "skipped": d.skipped,
             "bytes_per_s": d.bytes_per_s, "every": d.every, "keep": d.keep,
+            "replicated_count": d.replicated_count, "skipped_count": d.skipped_count,
+            "deleted_undrained_count": d.deleted_undrained_count, "deleted_undrained": d.deleted_undrained,
+            "backlog_bytes": d.backlog_bytes, "upload_failures": d.upload_failures, "lag_seconds": d.lag_seconds,
         })),
     });
     println!("{j}");
@@ -116,6 +119,17 @@ fn print_text(socket: &Path, r: &StatusReport) {
             d.backlog,
             d.skipped,
             human_bytes(d.bytes_per_s as u64)
+        );
+        println!(
+            "          of the committed steps seen: {} replicated, {} in the backlog or uploading ({}, {:.1} s behind), {} skipped (superseded), {} deleted locally before drained{}; {} failed upload(s)",
+            d.replicated_count,
+            d.backlog.len() + usize::from(d.uploading.is_some()),
+            human_bytes(d.backlog_bytes),
+            d.lag_seconds,
+            d.skipped_count,
+            d.deleted_undrained_count,
+            if d.deleted_undrained.is_empty() { String::new() } else { format!(" (newest: {:?})", d.deleted_undrained) },
+            d.upload_failures
         );
     }
 }

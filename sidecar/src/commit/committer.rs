@@ -21,6 +21,7 @@ use crate::commit::rank_groups::{Expired, Offer, RankGroups};
 use crate::commit::slices;
 use crate::config;
 use crate::memory::staging::{Lease, Resident};
+use crate::save::checks::check_not_below_newest;
 use crate::state::jobs::{copy_failure_or, FileJob, Fill, FillEnd, Flight, Job, RollbackJob, Work};
 use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
@@ -61,6 +62,13 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                             fail_part(&state, job, Refusal::new(ErrorCode::ShuttingDown, "the sidecar stopped before every rank's part arrived"));
                         }
                         break;
+                    }
+                }
+                // A step the drain held past --keep is replicated (or gone).
+                if state.drain.as_ref().is_some_and(|d| d.take_retention_due()) {
+                    let deleted = store.retain();
+                    if !deleted.is_empty() {
+                        info!(?deleted, "retention (steps the drain held are replicated)");
                     }
                 }
                 // Draining, no new part is accepted: an incomplete group never completes.
@@ -162,6 +170,14 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         for job in parts {
             let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
             fail_part(state, job, Refusal::new(ErrorCode::ShuttingDown, reason));
+        }
+        return;
+    }
+    if let Err(e) = check_not_below_newest(state.primary(), step) {
+        warn!(step, "not committed: {e}");
+        let r = Refusal::from(e);
+        for job in parts {
+            fail_part(state, job, r.clone());
         }
         return;
     }
@@ -311,6 +327,11 @@ fn commit_one(store: &mut Store, state: &DaemonState, job: Job) {
         warn!("aborted before writing (the sidecar is aborting)");
         let reason = format!("step {step}: aborted before writing; the sidecar is shutting down");
         return failed(lease, Refusal::new(ErrorCode::ShuttingDown, reason));
+    }
+    // A newer step committed while this one was copied or queued.
+    if let Err(e) = check_not_below_newest(state.primary(), step) {
+        warn!("not committed: {e}");
+        return failed(lease, Refusal::from(e));
     }
     state.set_phase(Flight::Step(step), Phase::Writing);
     let bytes = StepBytes {

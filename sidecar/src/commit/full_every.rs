@@ -31,6 +31,7 @@ pub fn before_commit(store: &mut Store, state: &DaemonState) {
 /// history, and a save that linked nothing restarts the `--full-every` count.
 pub fn after_commit(store: &mut Store, state: &DaemonState) {
     let Some(rep) = store.take_incremental() else { return };
+    crate::state::metrics::record_incremental(rep.linked_files == 0, rep.linked_bytes);
     state.set_changed(rep.changed);
     if rep.linked_files == 0 {
         state.saves_since_full.store(0, Ordering::Relaxed);

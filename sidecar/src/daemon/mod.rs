@@ -359,7 +359,8 @@ pub fn serve(opts: &DaemonOptions) -> Result<u8, DaemonError> {
 fn drain_settled(state: &DaemonState) -> bool {
     match &state.drain {
         Some(d) if !state.is_aborting() => {
-            let settled = d.settled();
+            // After the retention a replicated held step made due (the committer's).
+            let settled = d.settled() && !d.retention_due();
             if !settled {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| info!(url = d.url(), "waiting for the drain to replicate the newest committed step before exiting (signal again to exit without)"));

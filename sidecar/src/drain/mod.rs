@@ -45,7 +45,7 @@ mod tests;
 mod uploads;
 mod waiters;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -91,7 +91,18 @@ struct State {
     /// Skipped steps (the newest few).
     skipped: BTreeSet<u64>,
     uploading: Option<u64>,
-    backlog: Vec<u64>,
+    /// Committed steps not yet handled (the backlog, and the one
+    /// uploading), with when the drain heard of each: every one leaves it
+    /// once, counted as replicated, skipped or deleted ([`State::handled`]).
+    pending: BTreeMap<u64, Instant>,
+    /// Steps deleted locally before they were drained (the newest few).
+    deleted_undrained: BTreeSet<u64>,
+    /// Since start: how each committed step the drain saw ended.
+    replicated_count: u64,
+    skipped_count: u64,
+    deleted_undrained_count: u64,
+    /// Since start: uploads of a step that failed.
+    upload_failures: u64,
     bytes_per_s: f64,
     waiters: Vec<Waiter>,
     /// Set by [`Drain::committed`]: look again now.
@@ -112,6 +123,50 @@ struct State {
     from_memory_bytes: u64,
 }
 
+/// How a committed step left the drain's pending set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handled {
+    Replicated,
+    /// A newer step was drained instead.
+    Skipped,
+    /// Retention (or a rollback) deleted it locally first.
+    Deleted,
+}
+
+impl State {
+    /// Counts `step` as handled `how`, once: it leaves the pending set.
+    fn handled(&mut self, step: u64, how: Handled) {
+        self.pending.remove(&step);
+        match how {
+            Handled::Replicated => {
+                self.replicated.insert(step);
+                self.replicated_count += 1;
+            }
+            Handled::Skipped => {
+                self.skipped.insert(step);
+                while self.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
+                    self.skipped.pop_first();
+                }
+                self.skipped_count += 1;
+            }
+            Handled::Deleted => {
+                self.deleted_undrained.insert(step);
+                while self.deleted_undrained.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
+                    self.deleted_undrained.pop_first();
+                }
+                self.deleted_undrained_count += 1;
+            }
+        }
+    }
+
+    /// Notes committed `step` as pending, unless it is handled already.
+    fn note(&mut self, step: u64, every: u64) {
+        if step % every == 0 && self.done_upto.is_none_or(|d| step > d) {
+            self.pending.entry(step).or_insert_with(Instant::now);
+        }
+    }
+}
+
 /// The drain: shared by the drain thread, the committer (which wakes it)
 /// and the sessions (WaitReplicated, loads).
 pub struct Drain {
@@ -125,6 +180,9 @@ pub struct Drain {
     hold: Arc<Mutex<BTreeSet<u64>>>,
     /// Several nodes ([`NodesDrain`]).
     nodes: Option<NodesDrain>,
+    /// A held step was let go: local retention is due (the committer runs
+    /// it, [`Drain::take_retention_due`]; the daemon exits after it).
+    retention_due: std::sync::atomic::AtomicBool,
     /// The daemon's staging: a step still resident there right after its
     /// commit is uploaded from memory (`uploads::ResidentFiles`).
     staging: std::sync::OnceLock<Arc<Staging>>,
@@ -178,6 +236,7 @@ impl Drain {
             cv: Condvar::new(),
             hold: Arc::new(Mutex::new(BTreeSet::new())),
             nodes,
+            retention_due: Default::default(),
             staging: Default::default(),
         }))
     }
@@ -197,6 +256,27 @@ impl Drain {
         self.hold.clone()
     }
 
+    /// `step` no longer needs holding from local retention (replicated,
+    /// or gone): retention, which kept it, is due.
+    fn unhold(&self, step: u64) {
+        if self.hold.lock().expect("hold lock").remove(&step) {
+            self.retention_due.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Whether local retention is due since a held step was let go; the
+    /// committer runs it then (a step held past `--keep` is deleted once
+    /// the drain no longer needs it, not only at the next commit).
+    pub fn take_retention_due(&self) -> bool {
+        self.retention_due.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// [`Drain::take_retention_due`] without taking it: a stopping daemon
+    /// exits only after that retention ran.
+    pub fn retention_due(&self) -> bool {
+        self.retention_due.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     fn primary(&self) -> &Path {
         &self.dirs[0]
     }
@@ -206,9 +286,39 @@ impl Drain {
     }
 
     /// The committer made `step` durable: drain it (or a newer one) soon.
-    pub fn committed(&self, _step: u64) {
-        self.lock().wake = true;
+    pub fn committed(&self, step: u64) {
+        let mut st = self.lock();
+        st.note(step, self.opts.every);
+        st.wake = true;
+        drop(st);
         self.cv.notify_all();
+    }
+
+    /// The folder steps are committed in (several nodes: the shared one).
+    fn committed_in(&self) -> &Path {
+        self.nodes.as_ref().map_or(self.primary(), |n| n.shared_dir.as_path())
+    }
+
+    /// Pending steps no longer committed locally, other than the one
+    /// uploading (whose round says what became of it), are counted deleted
+    /// before they were drained; those at or below `done_upto` that some
+    /// round passed over (heard of before the target was learnt), handled.
+    fn sweep(&self, st: &mut State) {
+        let dir = self.committed_in();
+        let steps: Vec<u64> = st.pending.keys().copied().filter(|&s| st.uploading != Some(s)).collect();
+        for s in steps {
+            if st.done_upto.is_some_and(|d| s <= d) {
+                let how = if st.replicated.contains(&s) { Handled::Replicated } else { Handled::Skipped };
+                st.handled(s, how);
+            } else if !catalog::is_committed(dir, s) {
+                info!(
+                    step = s,
+                    url = self.url(),
+                    "drain: step deleted locally before it was drained (retention or rollback)"
+                );
+                st.handled(s, Handled::Deleted);
+            }
+        }
     }
 
     /// Starts the drain thread: clean the target's leftovers, learn what it
@@ -337,7 +447,10 @@ impl Drain {
             .copied()
             .filter(|&s| st.done_upto.is_none_or(|d| s > d) && s % self.opts.every == 0)
             .collect();
-        st.backlog = pending.clone();
+        for &p in &pending {
+            st.note(p, self.opts.every);
+        }
+        self.sweep(&mut st);
         let Some(&newest) = pending.last() else {
             self.answer(&mut st);
             return None;
@@ -345,9 +458,8 @@ impl Drain {
         let older = &pending[..pending.len() - 1];
         if !older.is_empty() {
             info!(url = self.url(), skipped = ?older, draining = newest, "drain behind: draining the newest committed step, skipping older ones");
-            st.skipped.extend(older.iter().copied());
-            while st.skipped.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
-                st.skipped.pop_first();
+            for &o in older {
+                st.handled(o, Handled::Skipped);
             }
             st.done_upto = Some(older[older.len() - 1]);
             on_skip(&mut st, newest);
@@ -363,8 +475,7 @@ impl Drain {
     /// the next sidecar on these directories uploads it).
     pub fn settled(&self) -> bool {
         // Several nodes: the steps are committed in the shared directory.
-        let committed_in = self.nodes.as_ref().map_or(self.primary(), |n| n.shared_dir.as_path());
-        let newest = catalog::committed_steps(committed_in)
+        let newest = catalog::committed_steps(self.committed_in())
             .unwrap_or_default()
             .into_iter()
             .filter(|s| s % self.opts.every == 0)
@@ -376,21 +487,40 @@ impl Drain {
         st.uploading.is_none() && newest.is_none_or(|n| st.done_upto.is_some_and(|d| d >= n))
     }
 
-    /// For `status`.
+    /// For `status` (and the metrics): the backlog's bytes read from the
+    /// local indexes after the state lock is let go.
     pub fn report(&self) -> DrainReport {
-        let st = self.lock();
-        DrainReport {
+        let mut st = self.lock();
+        self.sweep(&mut st);
+        let now = Instant::now();
+        let lag_seconds = st.pending.values().min().map_or(0.0, |&t| now.duration_since(t).as_secs_f64());
+        let waiting: Vec<u64> = st.pending.keys().copied().collect();
+        let mut r = DrainReport {
             url: self.url().to_string(),
             up: st.up,
             error: st.error.clone(),
             last_replicated: st.replicated.last().copied(),
             uploading: st.uploading,
-            backlog: st.backlog.clone(),
+            backlog: waiting.iter().copied().filter(|&s| st.uploading != Some(s)).collect(),
             skipped: st.skipped.iter().copied().collect(),
             bytes_per_s: st.bytes_per_s,
             every: self.opts.every,
             keep: self.opts.keep.map(|k| k as u64),
-        }
+            replicated_count: st.replicated_count,
+            skipped_count: st.skipped_count,
+            deleted_undrained_count: st.deleted_undrained_count,
+            deleted_undrained: st.deleted_undrained.iter().copied().collect(),
+            backlog_bytes: 0,
+            upload_failures: st.upload_failures,
+            lag_seconds,
+        };
+        drop(st);
+        r.backlog_bytes = waiting
+            .iter()
+            .filter_map(|&s| ckpt_store::restore::read_index(self.committed_in(), s).ok())
+            .map(|i| i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>())
+            .sum();
+        r
     }
 }
 

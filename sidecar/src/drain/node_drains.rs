@@ -13,7 +13,7 @@ use ckpt_tier::LocalFile;
 use tracing::{info, warn};
 
 use super::uploads::{Round, Upload};
-use super::Drain;
+use super::{Drain, Handled};
 
 /// Several nodes with node-local files (`--shared` and a drain): the
 /// committed steps are in the shared directory; each node uploads the
@@ -44,7 +44,7 @@ impl Drain {
         }
         let outcome = self.upload_nodes(n, newest);
         if !matches!(outcome, Ok(None) | Err(Upload::Failed(_))) {
-            self.hold.lock().expect("hold lock").remove(&newest);
+            self.unhold(newest);
         }
         let mut st = self.lock();
         match outcome {
@@ -59,10 +59,9 @@ impl Drain {
                     seconds = stats.seconds,
                     "replicated (every node's files; the remote index is written)"
                 );
-                st.replicated.insert(newest);
+                st.handled(newest, Handled::Replicated);
                 st.done_upto = Some(newest);
                 st.bytes_per_s = bps;
-                st.backlog.retain(|&s| s > newest);
                 st.mine_uploaded.remove(&newest);
                 self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
@@ -85,15 +84,15 @@ impl Drain {
             Err(Upload::Gone) => {
                 st.uploading = None;
                 info!(step = newest, "drain: step deleted before it was drained (retention or rollback); skipped");
-                st.skipped.insert(newest);
+                st.handled(newest, Handled::Deleted);
                 st.done_upto = Some(newest);
                 self.answer(&mut st);
                 Round::Moved
             }
             Err(Upload::Failed(e)) => {
                 st.uploading = None;
-                drop(st);
-                self.set_up(false, format!("step {newest}: {e}"));
+                st.upload_failures += 1;
+                self.mark_up(&mut st, false, format!("step {newest}: {e}"));
                 Round::TargetFailed
             }
         }

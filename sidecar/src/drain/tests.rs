@@ -209,6 +209,7 @@ fn drain_of_resident_step(
     let layout = resident_step(&dir, &staging, step, flip);
     let dir = dir.canonicalize().unwrap();
     let remote = tmp.path().join("remote");
+    std::fs::create_dir(&remote).unwrap();
     let drain = Drain::open(
         DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None },
         vec![dir],

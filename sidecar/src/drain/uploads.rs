@@ -16,7 +16,7 @@ use ckpt_store::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use ckpt_tier::LocalFile;
 use tracing::{info, warn};
 
-use super::Drain;
+use super::{Drain, Handled};
 use crate::memory::staging::Lent;
 
 /// A local file's identity: the same inode (an incremental save links an
@@ -97,11 +97,10 @@ impl Drain {
                 info!(step = newest, url = self.url(), bytes = stats.bytes, files = stats.files, from_memory_bytes, copied_bytes, copied_files, seconds = stats.seconds, bytes_per_s = bps, "replicated (from memory: bytes taken from staging, not read back from disk; copied: unchanged files the target holds already)");
                 st.uploaded_bytes += stats.bytes;
                 st.copied_bytes += copied_bytes;
-                st.replicated.insert(newest);
+                st.handled(newest, Handled::Replicated);
                 st.done_upto = Some(newest);
                 st.bytes_per_s = bps;
-                st.backlog.retain(|&s| s > newest);
-                self.hold.lock().expect("hold lock").remove(&newest);
+                self.unhold(newest);
                 self.mark_up(&mut st, true, String::new());
                 self.answer(&mut st);
                 drop(st);
@@ -113,9 +112,9 @@ impl Drain {
                     step = newest,
                     "drain: step deleted locally before it was drained (retention or rollback); skipped"
                 );
-                st.skipped.insert(newest);
+                st.handled(newest, Handled::Deleted);
                 st.done_upto = Some(newest);
-                self.hold.lock().expect("hold lock").remove(&newest);
+                self.unhold(newest);
                 self.answer(&mut st);
                 Round::Moved
             }
@@ -124,12 +123,14 @@ impl Drain {
                 // Deleted under the upload: not the target's fault.
                 if !catalog::is_committed(self.primary(), newest) {
                     let mut st = self.lock();
-                    st.skipped.insert(newest);
+                    st.handled(newest, Handled::Deleted);
                     st.done_upto = Some(newest);
                     self.answer(&mut st);
                     return Round::Moved;
                 }
-                self.set_up(false, format!("step {newest}: {e}"));
+                let mut st = self.lock();
+                st.upload_failures += 1;
+                self.mark_up(&mut st, false, format!("step {newest}: {e}"));
                 Round::TargetFailed
             }
         }

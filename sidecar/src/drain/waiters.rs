@@ -38,13 +38,14 @@ impl Drain {
         let done_upto = st.done_upto;
         let replicated = &st.replicated;
         let skipped = &st.skipped;
+        let deleted = &st.deleted_undrained;
         st.waiters.retain(|w| {
             if w.replies.is_gone() {
                 return false;
             }
             let reply = if replicated.contains(&w.step) {
                 Some(Reply::Replicated { id: w.id, step: w.step, url: url.clone() })
-            } else if skipped.contains(&w.step) || (done_upto.is_some_and(|d| w.step <= d) && uploading != Some(w.step)) {
+            } else if skipped.contains(&w.step) || deleted.contains(&w.step) || (done_upto.is_some_and(|d| w.step <= d) && uploading != Some(w.step)) {
                 Some(Reply::Error { id: w.id, code: ErrorCode::NotFound, message: format!("step {}: skipped by the drain to {url} (a newer step was drained instead, or it was deleted first); it is not replicated", w.step) })
             } else {
                 None

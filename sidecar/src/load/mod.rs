@@ -42,7 +42,7 @@ impl From<LoadError> for Refusal {
             LoadError::NoCheckpoint { .. } | LoadError::NotCommitted { .. } | LoadError::OnAnotherNode { .. } => {
                 ErrorCode::NotFound
             }
-            LoadError::Damaged { .. } => ErrorCode::Damaged,
+            LoadError::Damaged { .. } | LoadError::NoneLoads { .. } => ErrorCode::Damaged,
             LoadError::Io { .. } | LoadError::Probe(_) | LoadError::BufferTooSmall { .. } => ErrorCode::Io,
             // The client's region failed under the load: its error, not the checkpoint's.
             LoadError::Destination { .. } => ErrorCode::BadRegion,
@@ -91,10 +91,12 @@ pub fn run_load(
     let reply = match load(state, replies, regions, step, &descs) {
         Ok((step, source, tensors, blobs, fell_back)) => {
             info!(step, ?source, n_tensors = descs.len(), seconds = t0.elapsed().as_secs_f64(), "loaded");
+            crate::state::metrics::record_load(Ok((source, !fell_back.is_empty())));
             Reply::Loaded { id, step, source, tensors, blobs, fell_back }
         }
         Err(r) => {
             info!(?step, code = ?r.code, "load failed: {}", r.reason);
+            crate::state::metrics::record_load(Err(r.code));
             r.error(id)
         }
     };

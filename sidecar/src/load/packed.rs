@@ -64,6 +64,9 @@ pub fn run_load_packed(
         Ok(p) => {
             let placed = p.need_bytes <= len_bytes;
             info!(step = p.step, source = ?p.source, n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
+            if placed {
+                crate::state::metrics::record_load(Ok((p.source, !p.fell_back.is_empty())));
+            }
             Reply::Placed {
                 id,
                 step: p.step,
@@ -77,6 +80,7 @@ pub fn run_load_packed(
         }
         Err(r) => {
             info!(?step, code = ?r.code, "load (packed) failed: {}", r.reason);
+            crate::state::metrics::record_load(Err(r.code));
             r.error(id)
         }
     };

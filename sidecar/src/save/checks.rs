@@ -4,10 +4,11 @@
 //! source region still holds its registered bytes. The same descriptor
 //! checks serve a Load ([`Desc`] reads either kind of descriptor).
 
+use std::path::Path;
 use std::sync::Arc;
 
 use ckpt_store::format::{self, Dtype};
-use ckpt_store::image;
+use ckpt_store::{catalog, image};
 use ckpt_wire::{Blob, TensorDesc, TensorDescIn};
 
 use crate::config;
@@ -119,6 +120,25 @@ pub fn check_blobs(blobs: &[Blob]) -> Result<(), SaveError> {
     }
     let blob_refs: Vec<image::Blob> = blobs.iter().map(|b| image::Blob { name: &b.name, bytes: &b.bytes }).collect();
     image::validate_blobs(&blob_refs).map_err(|e| SaveError::BadRequest(e.to_string()))
+}
+
+/// Checks that `step` is not below the newest step readers see committed
+/// in `dir` (the primary, or the shared directory for a part of several
+/// nodes): such a step would be durable, then deleted by retention at once
+/// and never `latest`. Checked before anything is copied, and again at the
+/// commit (a newer step may have committed meanwhile).
+pub fn check_not_below_newest(dir: &Path, step: u64) -> Result<(), SaveError> {
+    // Newest first: usually the first folder looked at is committed.
+    let newest = catalog::step_dirs(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .rev()
+        .filter(|&s| s > step)
+        .find(|&s| catalog::is_readable(dir, s));
+    match newest {
+        Some(newest) => Err(SaveError::BelowNewest { step, newest, dir: dir.to_path_buf() }),
+        None => Ok(()),
+    }
 }
 
 /// Checks that every source region (one per tensor copied from a client:

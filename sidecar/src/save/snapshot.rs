@@ -30,7 +30,7 @@ use tracing::{info, info_span, warn};
 use crate::config;
 use crate::memory::regions::Region;
 use crate::memory::staging::{Lease, StagingError};
-use crate::save::checks::check_sizes;
+use crate::save::checks::{check_not_below_newest, check_sizes};
 use crate::save::copy::{copy_and_checksum_into, copy_into};
 use crate::save::error::SaveError;
 use crate::save::fed::FedCopy;
@@ -240,6 +240,7 @@ fn begin_flight(
             commit_dir.display()
         )));
     }
+    check_not_below_newest(commit_dir, step)?;
     if !state.begin_step(key, layout.file_bytes()) {
         let what = part.map_or(String::new(), |p| format!(" (rank {} of {})", p.rank, p.world_size));
         return Err(SaveError::BadRequest(format!("step {step}{what} is already in flight")));

@@ -18,7 +18,7 @@
 
 use std::sync::{OnceLock, RwLock};
 
-use ckpt_wire::{ErrorCode, Reply, StatusReport};
+use ckpt_wire::{DrainReport, ErrorCode, LoadSource, Reply, StatusReport};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -29,6 +29,7 @@ use prometheus_client::registry::Registry;
 use crate::config;
 
 type Reason = [(&'static str, &'static str); 1];
+type Source = [(&'static str, &'static str); 1];
 
 /// What the daemon counts from its start.
 pub struct Metrics {
@@ -39,6 +40,15 @@ pub struct Metrics {
     bytes_written: Counter,
     release_seconds: Histogram,
     durable_seconds: Histogram,
+    /// Incremental commits written in full (nothing linked), and the bytes
+    /// of shards hard-linked from the previous step instead of written.
+    incremental_full: Counter,
+    incremental_linked_bytes: Counter,
+    /// Loads answered, by where the step was read; failed, by reason; and
+    /// those that skipped a damaged newer step (`fell_back`).
+    loads: Family<Source, Counter>,
+    loads_failed: Family<Reason, Counter>,
+    loads_fell_back: Counter,
     /// Held shared by every update of several metrics that belong together
     /// (a Durable's counter, bytes and histogram), and exclusively while a
     /// scrape reads them all, so a scrape never sees half an update (the
@@ -55,9 +65,14 @@ fn seconds_buckets() -> impl Iterator<Item = f64> {
 pub fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        let failed = Family::default();
+        let (failed, loads_failed) = (Family::default(), Family::default());
         for code in REASONS {
             let _ = failed.get_or_create(&[("reason", reason(&code))]); // every reason shown, from 0
+            let _ = loads_failed.get_or_create(&[("reason", reason(&code))]);
+        }
+        let loads = Family::default();
+        for source in ["ram", "disk"] {
+            let _ = loads.get_or_create(&[("source", source)]);
         }
         Metrics {
             started: Counter::default(),
@@ -67,6 +82,11 @@ pub fn metrics() -> &'static Metrics {
             bytes_written: Counter::default(),
             release_seconds: Histogram::new(seconds_buckets()),
             durable_seconds: Histogram::new(seconds_buckets()),
+            incremental_full: Counter::default(),
+            incremental_linked_bytes: Counter::default(),
+            loads,
+            loads_failed,
+            loads_fell_back: Counter::default(),
             snapshot: RwLock::new(()),
         }
     })
@@ -125,6 +145,39 @@ pub fn record_reply(reply: &Reply, since_s: Option<f64>, bytes: u64) {
     }
 }
 
+/// An incremental commit: written in full (nothing linked), or with
+/// `linked_bytes` of shards hard-linked from the previous step.
+pub fn record_incremental(full: bool, linked_bytes: u64) {
+    let m = metrics();
+    let _whole = m.snapshot.read().unwrap_or_else(|e| e.into_inner());
+    if full {
+        m.incremental_full.inc();
+    }
+    m.incremental_linked_bytes.inc_by(linked_bytes);
+}
+
+/// A load answered: read from RAM or disk, skipping damaged newer steps
+/// (`fell_back`), or failed with `Err(code)`.
+pub fn record_load(outcome: Result<(LoadSource, bool), ErrorCode>) {
+    let m = metrics();
+    let _whole = m.snapshot.read().unwrap_or_else(|e| e.into_inner());
+    match outcome {
+        Ok((source, fell_back)) => {
+            let source = match source {
+                LoadSource::Ram => "ram",
+                LoadSource::Disk => "disk",
+            };
+            m.loads.get_or_create(&[("source", source)]).inc();
+            if fell_back {
+                m.loads_fell_back.inc();
+            }
+        }
+        Err(code) => {
+            m.loads_failed.get_or_create(&[("reason", reason(&code))]).inc();
+        }
+    }
+}
+
 fn gauge(v: u64) -> Gauge {
     let g = Gauge::default();
     g.set(i64::try_from(v).unwrap_or(i64::MAX));
@@ -172,8 +225,61 @@ pub fn render(report: &StatusReport) -> String {
         "Of those, bytes taken in place: already where the new layout puts them, copied from nowhere (status: unchanged_in_place_bytes)",
         ConstCounter::new(report.unchanged_in_place_bytes),
     );
+    r.register(
+        "incremental_full",
+        "Incremental commits written in full: nothing linked from the previous step (--full-every, or everything changed)",
+        m.incremental_full.clone(),
+    );
+    r.register(
+        "incremental_linked_bytes",
+        "Bytes of unchanged shards hard-linked from the previous step instead of written",
+        m.incremental_linked_bytes.clone(),
+    );
+    r.register("loads", "Loads answered, by where the step was read (ram, disk)", m.loads.clone());
+    r.register("loads_failed", "Loads that failed, by reason (the wire's error code)", m.loads_failed.clone());
+    r.register(
+        "loads_fell_back",
+        "Loads of latest that skipped a damaged newer step: damage on disk the sidecar found",
+        m.loads_fell_back.clone(),
+    );
+    if let Some(d) = &report.drain {
+        register_drain(&mut r, d);
+    }
     let mut out = String::new();
     let _whole = m.snapshot.write().unwrap_or_else(|e| e.into_inner());
     encode(&mut out, &r).expect("encoding into a String cannot fail");
     out
+}
+
+/// The drain's series (`--drain`), from the status report's.
+fn register_drain(r: &mut Registry, d: &DrainReport) {
+    let lag = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+    lag.set(d.lag_seconds);
+    r.register("drain_up", "1 while the drain target answers, 0 once an upload to it failed", gauge(u64::from(d.up)));
+    r.register(
+        "drain_backlog_steps",
+        "Committed steps not yet drained: the backlog and the step uploading",
+        gauge(d.backlog.len() as u64 + u64::from(d.uploading.is_some())),
+    );
+    r.register("drain_backlog_bytes", "File bytes of those steps", gauge(d.backlog_bytes));
+    let newest: Gauge = Gauge::default();
+    newest.set(d.last_replicated.map_or(-1, |s| i64::try_from(s).unwrap_or(i64::MAX)));
+    r.register("drain_last_replicated_step", "The newest step replicated on the target (-1: none yet)", newest);
+    r.register("drain_lag_seconds", "Seconds since the oldest step not yet drained was committed (0: none waits)", lag);
+    r.register(
+        "drain_upload_failures",
+        "Uploads of a step that failed (each retried with backoff)",
+        ConstCounter::new(d.upload_failures),
+    );
+    r.register("drain_replicated", "Committed steps replicated on the target", ConstCounter::new(d.replicated_count));
+    r.register(
+        "drain_skipped",
+        "Committed steps not drained because a newer one was drained instead",
+        ConstCounter::new(d.skipped_count),
+    );
+    r.register(
+        "drain_deleted_undrained",
+        "Committed steps deleted locally (retention, rollback) before the drain reached them",
+        ConstCounter::new(d.deleted_undrained_count),
+    );
 }

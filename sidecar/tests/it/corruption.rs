@@ -548,11 +548,16 @@ fn every_checkpoint_damaged_means_an_error_not_garbage() {
     }
     match f.load(Which::Latest) {
         Ok(l) => panic!("loaded step {} although every checkpoint is damaged", l.step),
-        Err(LoadError::Damaged { step, problems, .. }) => {
-            assert_eq!(step, OLD, "the error is about the last candidate tried");
-            assert!(problems.iter().any(|p| p.tensor.as_deref() == Some(TENSOR)), "{problems:?}");
+        Err(e @ LoadError::NoneLoads { .. }) => {
+            // Each step tried, newest first, and why it failed.
+            let LoadError::NoneLoads { tried, shared, .. } = &e else { unreachable!() };
+            assert_eq!(tried.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![NEW, OLD], "{e}");
+            assert!(tried.iter().all(|(_, why)| why.contains(TENSOR)), "{e}");
+            assert!(shared.is_none(), "no file is shared: {e}");
+            let said = e.to_string();
+            assert!(said.contains("no committed step loads") && said.contains(&format!("step {NEW}: ")), "{said}");
         }
-        Err(e) => panic!("expected Damaged, got {e:?}"),
+        Err(e) => panic!("expected NoneLoads, got {e:?}"),
     }
     let CliRun { code, stdout: out, .. } = cli(&["verify".as_ref(), f.primary().as_os_str()]);
     assert_eq!(code, EXIT_DAMAGED);
@@ -573,4 +578,41 @@ fn flipped_byte_in_index_world_size_is_caught() {
     xor_byte(&p, at as u64, 0x02);
     assert!(!f.verify(NEW).is_empty(), "verify finds nothing wrong with a flipped index byte");
     assert!(f.load(Which::Step(NEW)).is_err(), "load accepts a flipped index byte");
+}
+
+/// `ls` runs the cheap checks (files present, sizes) and marks a step that
+/// fails them, in its text and in `--json`; a flipped byte it does not
+/// read, and it says so.
+#[test]
+fn ls_marks_a_step_with_a_missing_or_resized_file_and_says_what_it_checked() {
+    let f = Fixture::new(2);
+    let new_shard = f.index(NEW).ckpt.files.iter().find(|x| x.dir_idx == 1).expect("a shard on disk1").name.clone();
+    fs::remove_file(f.shard_path(NEW, &new_shard)).unwrap();
+    let old_shard = f.index(OLD).ckpt.files[0].name.clone();
+    OpenOptions::new().append(true).open(f.shard_path(OLD, &old_shard)).unwrap().write_all(b"x").unwrap();
+    let CliRun { code, stdout, stderr } = cli(&["ls".as_ref(), f.primary().as_os_str(), "--json".as_ref()]);
+    assert_eq!(code, 0, "{stderr}");
+    let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let row = |step: u64| j["checkpoints"].as_array().unwrap().iter().find(|r| r["step"] == step).unwrap().clone();
+    assert_eq!(row(NEW)["damaged"], true, "{j}");
+    let damage = row(NEW)["damage"].to_string();
+    assert!(damage.contains(&new_shard) && damage.contains("missing"), "{damage}");
+    assert_eq!(row(OLD)["damaged"], true, "{j}");
+    assert!(row(OLD)["damage"].to_string().contains("where the index says"), "{j}");
+    assert!(j["checked"].as_str().unwrap().contains("present"), "{j}");
+    assert!(j["not_checked"].as_str().unwrap().contains("checksums"), "{j}");
+    let CliRun { code, stdout, .. } = cli(&["ls".as_ref(), f.primary().as_os_str()]);
+    assert_eq!(code, 0);
+    let line =
+        |step: u64| stdout.lines().find(|l| l.trim_start().starts_with(&format!("{step} "))).unwrap().to_string();
+    assert!(line(NEW).contains("DAMAGED") && line(NEW).contains(&new_shard), "{stdout}");
+    assert!(line(OLD).contains("DAMAGED"), "{stdout}");
+    assert!(stdout.contains("not checked: contents"), "{stdout}");
+    // A flipped byte: not found by ls (it reads no byte), found by verify.
+    let f = Fixture::new(1);
+    let (path, _, at, _) = f.locate(NEW, TENSOR);
+    flip_byte(&path, at);
+    let CliRun { stdout, .. } = cli(&["ls".as_ref(), f.primary().as_os_str(), "--json".as_ref()]);
+    let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(j["checkpoints"].as_array().unwrap().iter().all(|r| r["damaged"] == false), "{j}");
 }

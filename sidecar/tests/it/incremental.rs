@@ -13,7 +13,7 @@ use ckpt_store::catalog;
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_test_support::daemon::{Client, Shm, Sidecar};
 use ckpt_test_support::{cli, Rng};
-use ckpt_wire::{Reply, Request, TensorDesc};
+use ckpt_wire::{ErrorCode, Reply, Request, TensorDesc};
 
 const MIB: u64 = 1 << 20;
 
@@ -258,6 +258,28 @@ fn a_flipped_byte_in_a_shared_shard_is_reported_for_every_step_that_links_it() {
         assert!(out.contains(&format!("step {s}: DAMAGED")), "step {s} not reported damaged:\n{out}");
     }
     assert!(out.contains("is shared by steps 1, 2, 3, 4"), "no sharing line:\n{out}");
+    // verify --json names the shared file per step (a link may take another name).
+    let (_, out) = cli(&["verify", dir.to_str().unwrap(), "--json"]).joined();
+    let j: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let names = &j["shared_damage"][0]["names"];
+    for s in 1..=4u64 {
+        let want = &restore::read_index(&dir, s).unwrap().ckpt.tensors["frozen"].file;
+        assert_eq!(names[s.to_string()].as_str(), Some(want.as_str()), "{j}");
+    }
+    // After a restart (nothing resident), a load of latest says that no
+    // step loads, each step tried, and the one shared file.
+    let sc = Sidecar::start_at(tmp.path(), &dir, STAGING_MIB, &[], &[]);
+    let mut c = sc.client_with(&shm);
+    match c.load(None, descs.clone()) {
+        Reply::Error { code: ErrorCode::Damaged, message, .. } => {
+            assert!(message.contains("no committed step loads"), "{message}");
+            for s in 1..=4 {
+                assert!(message.contains(&format!("step {s}: ")), "step {s} not named: {message}");
+            }
+            assert!(message.contains("share one damaged file") && message.contains(&file), "{message}");
+        }
+        other => panic!("expected Damaged, got {other:?}"),
+    }
 }
 
 /// `--incremental off` writes every step in full and records no digests.

@@ -10,6 +10,7 @@
 mod corruption;
 mod crash;
 mod daemon;
+mod drain;
 mod fallbacks;
 mod incremental;
 mod misuse;
@@ -18,6 +19,7 @@ mod ranks;
 mod read_only;
 mod remote_cli;
 mod tenants;
+mod timeline;
 
 /// The harness finds the binary cargo built for these tests.
 #[test]

@@ -428,7 +428,8 @@ fn recovery_points_latest_only_at_a_checkpoint_whose_index_reads() {
     let out = Command::new(sidecar_bin()).arg("ls").arg(&d).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 3, "{text}");
+    assert_eq!(lines.len(), 4, "{text}");
+    assert!(lines[3].starts_with("checked: "), "{text}");
     assert!(lines[2].contains("index unreadable") && lines[1].trim_end().ends_with('*'), "{text}");
     assert_eq!(lines[1].find("KiB"), lines[0].find("BYTES").map(|b| b + 2), "{text}");
     let out = Command::new(sidecar_bin()).arg("inspect").arg(&d).arg("2").output().unwrap();

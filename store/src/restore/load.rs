@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::fetched::{self, FetchFiles};
-use super::locate::{candidates, falls_back};
+use super::locate::{candidates, dir_paths, falls_back, file_folder};
 use super::read_step::{read_step_at, Origin};
 use super::{load_len_bytes, read_index, verify, LoadError, Problem, ReadOptions, Which};
 use crate::config::DIRECT_ALIGN_BYTES;
@@ -88,7 +88,43 @@ pub fn load(primary: &Path, which: Which, opts: &ReadOptions, buf: Option<Aligne
             }
         }
     }
-    Err(last_err.expect("at least one candidate"))
+    Err(none_loads(primary, fell_back, last_err.expect("at least one candidate")))
+}
+
+/// The error of a load of `latest` that tried every step in `tried`: the
+/// last error when it tried one, else [`LoadError::NoneLoads`], naming the
+/// one damaged file every step tried shares when there is one.
+fn none_loads(primary: &Path, tried: Vec<(u64, String)>, last: LoadError) -> LoadError {
+    if tried.len() < 2 {
+        return last;
+    }
+    let shared = match &last {
+        LoadError::Damaged { step, problems, .. } => problems.iter().filter_map(|p| p.file.as_deref()).find_map(|f| {
+            let id = inode_of(primary, *step, f)?;
+            let names: Option<Vec<String>> =
+                tried.iter().map(|&(s, _)| Some(format!("{} of step {s}", name_of_inode(primary, s, id)?))).collect();
+            Some(format!("one inode, hard-linked as {}", names?.join(", ")))
+        }),
+        _ => None,
+    };
+    LoadError::NoneLoads { dir: primary.to_path_buf(), tried, shared }
+}
+
+/// The (device, inode) of file `name` of `step` where a read finds it.
+fn inode_of(primary: &Path, step: u64, name: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let index = read_index(primary, step).ok()?;
+    let fi = index.ckpt.files.iter().position(|f| f.name == name)?;
+    let opts = ReadOptions::default();
+    let folder = file_folder(&index, &dir_paths(primary, &index, &opts), step, fi, &opts).ok()?;
+    let m = std::fs::metadata(folder.join(name)).ok()?;
+    Some((m.dev(), m.ino()))
+}
+
+/// The name under which `step` holds the inode `id`, if it does.
+fn name_of_inode(primary: &Path, step: u64, id: (u64, u64)) -> Option<String> {
+    let index = read_index(primary, step).ok()?;
+    index.ckpt.files.iter().find(|f| inode_of(primary, step, &f.name) == Some(id)).map(|f| f.name.clone())
 }
 
 /// A checkpoint read into memory (the caller's with [`load_into`], its own
@@ -261,7 +297,7 @@ pub unsafe fn load_into_raw_with(
             Err(e) => return Err(e),
         }
     }
-    Err(last_err.expect("at least one candidate"))
+    Err(none_loads(primary, fell_back, last_err.expect("at least one candidate")))
 }
 
 /// Whether a step whose checksums failed in a client's memory verifies on

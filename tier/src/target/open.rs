@@ -1,4 +1,6 @@
-//! Opening a target from its URL: `file:///dir` (created if missing) or
+//! Opening a target from its URL: `file:///dir` (a folder that must exist:
+//! a missing one is refused, as an unmounted shared file system looks
+//! exactly like it; only [`Target::open_creating`] makes it) or
 //! `s3://bucket/prefix` (credentials from the environment), the one
 //! process-wide crypto provider, the retry policy, and one probe request
 //! so that a wrong credential or a missing bucket is one clear error here.
@@ -57,13 +59,23 @@ fn install_crypto_provider() {
 }
 
 impl Target {
-    /// file:///abs/path (created if missing) or s3://bucket/prefix.
+    /// file:///abs/path (an existing folder) or s3://bucket/prefix.
     /// Credentials from the standard environment (AWS_*, incl.
     /// AWS_ENDPOINT_URL and AWS_ALLOW_HTTP); never logged or put in an
     /// error. Makes one cheap authenticated request (a listing of the
     /// prefix) so that a wrong credential, a missing bucket or an
     /// unreachable endpoint is one clear error naming the URL, here.
     pub fn open(url: &str, opts: TargetOptions) -> Result<Target, TierError> {
+        Self::open_with(url, opts, false)
+    }
+
+    /// As [`Target::open`], a missing file:// folder created first (a
+    /// benchmark's own scratch folder under a target that exists).
+    pub fn open_creating(url: &str, opts: TargetOptions) -> Result<Target, TierError> {
+        Self::open_with(url, opts, true)
+    }
+
+    fn open_with(url: &str, opts: TargetOptions, create: bool) -> Result<Target, TierError> {
         install_crypto_provider();
         let shown = shown_url(url);
         let bad = |reason: String| TierError::BadUrl { url: shown.clone(), reason };
@@ -91,12 +103,17 @@ impl Target {
                 }
                 let root =
                     parsed.to_file_path().map_err(|_| bad("file:// takes an absolute path (file:///dir)".into()))?;
-                std::fs::create_dir_all(&root).map_err(|e| TierError::TargetIo {
-                    url: shown.clone(),
-                    op: "create directory",
-                    path: root.clone(),
-                    source: e,
-                })?;
+                if create {
+                    std::fs::create_dir_all(&root).map_err(|e| TierError::TargetIo {
+                        url: shown.clone(),
+                        op: "create directory",
+                        path: root.clone(),
+                        source: e,
+                    })?;
+                }
+                if !root.is_dir() {
+                    return Err(TierError::NoSuchDir { url: shown.clone(), path: root });
+                }
                 let fs = LocalFileSystem::new_with_prefix(&root)
                     .map_err(|e| TierError::Open {
                         url: shown.clone(),

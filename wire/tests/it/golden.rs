@@ -50,6 +50,13 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             bytes_per_s: 1e9,
             every: 1,
             keep: Some(2),
+            replicated_count: 3,
+            skipped_count: 1,
+            deleted_undrained_count: 1,
+            deleted_undrained: vec![1],
+            backlog_bytes: 2000,
+            upload_failures: 2,
+            lag_seconds: 1.5,
         }),
     };
     vec![

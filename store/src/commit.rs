@@ -117,4 +117,8 @@ pub struct IncrementalReport {
     /// Tensors that changed since `prev_step` (or are new); None when there
     /// was nothing to compare with.
     pub changed: Option<std::collections::HashSet<String>>,
+    /// Whether `prev_step` was compared with as kept in memory from the
+    /// commit that wrote it, rather than its index read back from disk
+    /// ([`crate::incremental::Kept`]).
+    pub prev_kept: bool,
 }

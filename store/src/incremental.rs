@@ -15,7 +15,11 @@
 //!   index, with the shard's length: the linked file is byte for byte the
 //!   file the shard would have written, and the index lists it unchanged;
 //! - a link that fails (the file gone, EMLINK, EXDEV) writes the shard
-//!   instead: linking only ever saves work.
+//!   instead: linking only ever saves work;
+//! - what a Store compares with is what the newest step's index records:
+//!   read from disk, or kept in memory from the commit that wrote it
+//!   ([`Kept`]) only while that step is still the newest readable one, its
+//!   index file (one node) the very file that commit wrote.
 
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -24,24 +28,43 @@ use std::path::{Path, PathBuf};
 use tracing::{debug, warn};
 
 use crate::catalog;
-use crate::format::{Index, INDEX_FILE_NAME};
+use crate::format::{Dtype, Index, INDEX_FILE_NAME};
 use crate::image::Layout;
 
-/// The newest committed step an incremental commit compares with.
+/// The newest committed step an incremental commit compares with: what
+/// its index records of each tensor and file, read from disk
+/// ([`Prev::newest`], [`Prev::newest_shared`]) or kept from the commit
+/// that wrote it ([`Prev::of_layout`]).
 pub struct Prev {
     pub step: u64,
-    pub index: Index,
-    /// Where each of its files that this store may link from lies (file
-    /// name → path): in one node's store, every file, in the step's folder
-    /// of the directory its `dir_idx` names; in a rank's part of several
-    /// nodes, only those on the same file system as the part's shards
-    /// ([`Prev::newest_shared`]).
-    linkable: HashMap<String, PathBuf>,
-    /// Tensor name → (dtype, shape, crc32c, digest).
-    by_name: HashMap<String, usize>,
-    /// File name → how many tensors it holds (counted once: a step of many
-    /// small tensors has many stable shards, each asked about).
-    held: HashMap<String, usize>,
+    /// Tensor name → what the step recorded of it.
+    tensors: HashMap<String, PrevTensor>,
+    /// The step's files; a tensor's `file` indexes them.
+    files: Vec<PrevFile>,
+}
+
+struct PrevTensor {
+    /// Into [`Prev::files`]; None: a file the index does not list.
+    file: Option<usize>,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+    crc32c: u32,
+    /// None: no digest recorded (then the tensor counts as changed).
+    digest: Option<u128>,
+}
+
+struct PrevFile {
+    dir_idx: u32,
+    len_bytes: u64,
+    /// How many tensors it holds (counted once: a step of many small
+    /// tensors has many stable shards, each asked about).
+    held: usize,
+    /// Where this store may link it from: in one node's store, every file,
+    /// in the step's folder of the directory its `dir_idx` names; in a
+    /// rank's part of several nodes, only those on the same file system
+    /// as the part's shards ([`Prev::newest_shared`]).
+    linkable: Option<PathBuf>,
 }
 
 impl Prev {
@@ -51,6 +74,12 @@ impl Prev {
     /// directories than these (then nothing can be linked).
     pub fn newest(paths: &[PathBuf]) -> Option<Prev> {
         let step = *catalog::readable_steps(&paths[0]).ok()?.last()?;
+        Prev::read(paths, step)
+    }
+
+    /// Step `step` of the store whose directories are `paths`, its index
+    /// read from disk ([`Prev::newest`]).
+    fn read(paths: &[PathBuf], step: u64) -> Option<Prev> {
         let dir = catalog::step_path(&paths[0], step);
         let bytes = std::fs::read(dir.join(INDEX_FILE_NAME)).ok()?;
         let index = match Index::from_json_bytes(&bytes) {
@@ -66,13 +95,7 @@ impl Prev {
             return None;
         }
         let step_dirs: Vec<PathBuf> = paths.iter().map(|p| catalog::step_path(p, step)).collect();
-        let linkable = index
-            .ckpt
-            .files
-            .iter()
-            .filter_map(|f| Some((f.name.clone(), step_dirs.get(f.dir_idx as usize)?.join(&f.name))))
-            .collect();
-        Some(Prev::with(step, index, linkable))
+        Some(Prev::of_index(step, index, |f| Some(step_dirs.get(f.dir_idx as usize)?.join(&f.name))))
     }
 
     /// For one rank's part of several nodes (docs/format.md, "Several
@@ -87,6 +110,10 @@ impl Prev {
     /// such step or its index does not read.
     pub fn newest_shared(shared: &Path, node: Option<(&str, &[PathBuf])>) -> Option<Prev> {
         let step = *catalog::readable_steps(shared).ok()?.last()?;
+        Prev::read_shared(shared, step, node)
+    }
+
+    fn read_shared(shared: &Path, step: u64, node: Option<(&str, &[PathBuf])>) -> Option<Prev> {
         let index = match crate::restore::read_index(shared, step) {
             Ok(i) => i,
             Err(e) => {
@@ -94,50 +121,101 @@ impl Prev {
                 return None;
             }
         };
-        let mut linkable = HashMap::new();
-        for f in &index.ckpt.files {
-            let path = match (index.holder(&f.name), node) {
-                (None, None) => catalog::step_path(shared, step).join(&f.name),
-                (Some((holder, entry)), Some((id, dirs)))
-                    if holder == id
-                        && entry.dirs.len() == dirs.len()
-                        && entry.dirs.iter().zip(dirs).all(|(a, b)| Path::new(a) == b) =>
-                {
-                    let Ok(folder) = crate::format::node_step_dir_name(step) else { continue };
-                    let Some(d) = dirs.get(f.dir_idx as usize) else { continue };
-                    d.join(folder).join(&f.name)
-                }
-                // Another node's disk, or another layout: never linked.
-                _ => continue,
-            };
-            linkable.insert(f.name.clone(), path);
-        }
-        Some(Prev::with(step, index, linkable))
-    }
-
-    fn with(step: u64, index: Index, linkable: HashMap<String, PathBuf>) -> Prev {
-        let by_name = index.ckpt.tensors.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect();
-        let mut held: HashMap<String, usize> = HashMap::new();
-        for t in index.ckpt.tensors.values() {
-            match held.get_mut(&t.file) {
-                Some(n) => *n += 1,
-                None => {
-                    held.insert(t.file.clone(), 1);
-                }
+        // File name → its holder (Index::holder, the first node listing it).
+        let mut holders: HashMap<&str, (&str, &crate::format::IndexNode)> = HashMap::new();
+        for (id, n) in &index.ckpt.nodes {
+            for f in &n.files {
+                holders.entry(f.as_str()).or_insert((id.as_str(), n));
             }
         }
-        Prev { step, index, linkable, by_name, held }
+        let linkable = |f: &crate::format::IndexFile| match (holders.get(f.name.as_str()), node) {
+            (None, None) => Some(catalog::step_path(shared, step).join(&f.name)),
+            (Some(&(holder, entry)), Some((id, dirs)))
+                if holder == id
+                    && entry.dirs.len() == dirs.len()
+                    && entry.dirs.iter().zip(dirs).all(|(a, b)| Path::new(a) == b) =>
+            {
+                let folder = crate::format::node_step_dir_name(step).ok()?;
+                Some(dirs.get(f.dir_idx as usize)?.join(folder).join(&f.name))
+            }
+            // Another node's disk, or another layout: never linked.
+            _ => None,
+        };
+        let files: Vec<Option<PathBuf>> = index.ckpt.files.iter().map(linkable).collect();
+        let mut files = files.into_iter();
+        Some(Prev::of_index(step, index, |_| files.next().flatten()))
+    }
+
+    /// What `index` (of step `step`) records; `linkable` says where each
+    /// of its files may be linked from, asked once per file in order.
+    fn of_index(
+        step: u64,
+        index: Index,
+        mut linkable: impl FnMut(&crate::format::IndexFile) -> Option<PathBuf>,
+    ) -> Prev {
+        let ckpt = index.ckpt;
+        let mut ids: HashMap<&str, usize> = HashMap::with_capacity(ckpt.files.len());
+        let mut files = Vec::with_capacity(ckpt.files.len());
+        for f in &ckpt.files {
+            ids.entry(f.name.as_str()).or_insert(files.len());
+            files.push(PrevFile { dir_idx: f.dir_idx, len_bytes: f.len_bytes, held: 0, linkable: linkable(f) });
+        }
+        let mut tensors = HashMap::with_capacity(ckpt.tensors.len());
+        for (name, t) in ckpt.tensors {
+            let file = ids.get(t.file.as_str()).copied();
+            if let Some(i) = file {
+                files[i].held += 1;
+            }
+            let digest = t.xxh128.as_deref().and_then(crate::digest::parse_hex);
+            let (dtype, shape, data_offsets, crc32c) = (t.dtype, t.shape, t.data_offsets, t.crc32c);
+            tensors.insert(name, PrevTensor { file, dtype, shape, data_offsets, crc32c, digest });
+        }
+        Prev { step, tensors, files }
+    }
+
+    /// What the index of step `step` records when `layout` committed it
+    /// with these checksums and digests (the commit that wrote it keeps
+    /// this instead of reading it back); `linkable` says where shard `s`'s
+    /// file may be linked from.
+    pub(crate) fn of_layout(
+        step: u64,
+        layout: &Layout,
+        crcs: &[u32],
+        digests: &[u128],
+        linkable: impl Fn(&crate::image::ShardPlan) -> Option<PathBuf>,
+    ) -> Prev {
+        let files = layout
+            .shards
+            .iter()
+            .map(|sh| PrevFile {
+                dir_idx: sh.dir_idx,
+                len_bytes: sh.file_len,
+                held: sh.tensors.len(),
+                linkable: linkable(sh),
+            })
+            .collect();
+        let tensors = (layout.specs.iter().zip(&layout.places).enumerate())
+            .map(|(i, (s, p))| {
+                let t = PrevTensor {
+                    file: Some(p.shard_idx),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    data_offsets: [p.data_offsets.0, p.data_offsets.1],
+                    crc32c: crcs[i],
+                    digest: Some(digests[i]),
+                };
+                (s.name.clone(), t)
+            })
+            .collect();
+        Prev { step, tensors, files }
     }
 
     /// Whether layout tensor `i` (crc `crc`, digest `digest`) is unchanged
     /// since this step.
     pub fn unchanged(&self, layout: &Layout, i: usize, crc: u32, digest: u128) -> bool {
         let s = &layout.specs[i];
-        let Some(t) = self.index.ckpt.tensors.get(&s.name) else { return false };
-        t.dtype == s.dtype
-            && t.shape == s.shape
-            && t.crc32c == crc
-            && t.xxh128.as_deref().and_then(crate::digest::parse_hex) == Some(digest)
+        let Some(t) = self.tensors.get(&s.name) else { return false };
+        t.dtype == s.dtype && t.shape == s.shape && t.crc32c == crc && t.digest == Some(digest)
     }
 
     /// The names of `layout`'s tensors that changed since this step (or
@@ -158,30 +236,114 @@ impl Prev {
         if !sh.stable || sh.tensors.is_empty() {
             return None;
         }
-        let first = &layout.specs[sh.tensors[0]].name;
-        self.by_name.get(first)?;
-        let file = &self.index.ckpt.tensors[first].file;
-        let f = self.index.ckpt.files.iter().find(|f| &f.name == file)?;
-        if f.dir_idx != sh.dir_idx || f.len_bytes != sh.file_len {
-            return None;
-        }
-        if self.held.get(file) != Some(&sh.tensors.len()) {
+        let file = self.tensors.get(&layout.specs[sh.tensors[0]].name)?.file?;
+        let f = &self.files[file];
+        if f.dir_idx != sh.dir_idx || f.len_bytes != sh.file_len || f.held != sh.tensors.len() {
             return None;
         }
         for &i in &sh.tensors {
             let s = &layout.specs[i];
-            let t = self.index.ckpt.tensors.get(&s.name)?;
+            let t = self.tensors.get(&s.name)?;
             let p = &layout.places[i];
-            if &t.file != file
+            if t.file != Some(file)
                 || t.dtype != s.dtype
                 || t.shape != s.shape
                 || t.data_offsets != [p.data_offsets.0, p.data_offsets.1]
-                || t.xxh128.is_none()
+                || t.digest.is_none()
             {
                 return None;
             }
         }
-        self.linkable.get(file).cloned()
+        f.linkable.clone()
+    }
+}
+
+/// The step a Store committed last, as its index records it ([`Prev::of_layout`]),
+/// kept for the next incremental commit: a step of many tensors has an
+/// index of tens of megabytes, read back and parsed at every commit
+/// otherwise. Used only while that step is still the newest readable one
+/// and its index file the one the commit wrote ([`Prev::newest_or_kept`]).
+pub(crate) struct Kept {
+    prev: Prev,
+    index: IndexStamp,
+}
+
+/// What tells an index file from another one written in its place (a
+/// rollback and a new commit of the same step, by another process): its
+/// identity, modification time and length, and its last bytes, which hold
+/// its checksum. Read without parsing it.
+#[derive(PartialEq, Eq)]
+struct IndexStamp {
+    dev: u64,
+    ino: u64,
+    mtime_ns: i128,
+    len: u64,
+    tail: Vec<u8>,
+}
+
+/// Bytes at the end of an index file compared by [`IndexStamp`]: its
+/// closing `index_crc32c` field and more.
+const INDEX_STAMP_TAIL_BYTES: u64 = 64;
+
+impl IndexStamp {
+    fn of(path: &Path) -> Option<IndexStamp> {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let f = std::fs::File::open(path).ok()?;
+        let m = f.metadata().ok()?;
+        let len = m.len();
+        let tail_len = len.min(INDEX_STAMP_TAIL_BYTES);
+        let mut tail = vec![0; tail_len as usize];
+        f.read_exact_at(&mut tail, len - tail_len).ok()?;
+        let mtime_ns = i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec());
+        Some(IndexStamp { dev: m.dev(), ino: m.ino(), mtime_ns, len, tail })
+    }
+}
+
+impl Kept {
+    /// `prev`, of the step whose index the commit just wrote at `index`;
+    /// None if that file cannot be looked at (then the next commit reads it).
+    pub(crate) fn committed(prev: Prev, index: &Path) -> Option<Kept> {
+        Some(Kept { index: IndexStamp::of(index)?, prev })
+    }
+}
+
+impl Prev {
+    /// [`Prev::newest`], taken from `kept` when its step is still the
+    /// newest readable one and its index file the one that commit wrote
+    /// (not rolled back, deleted by retention, or replaced by another
+    /// process's commit); with whether it was.
+    pub(crate) fn newest_or_kept(paths: &[PathBuf], kept: Option<Kept>) -> (Option<Prev>, bool) {
+        let Some(step) = catalog::readable_steps(&paths[0]).ok().and_then(|s| s.last().copied()) else {
+            return (None, false);
+        };
+        if let Some(k) = kept.filter(|k| k.prev.step == step) {
+            let index = catalog::step_path(&paths[0], step).join(INDEX_FILE_NAME);
+            if IndexStamp::of(&index).as_ref() == Some(&k.index) {
+                return (Some(k.prev), true);
+            }
+            debug!(step, "incremental: the newest step's index is not the one this store wrote; read again");
+        }
+        (Prev::read(paths, step), false)
+    }
+
+    /// [`Prev::newest_shared`], taken from `kept` (this rank's part of a
+    /// step, [`Prev::of_layout`]) when that step is the newest readable one
+    /// in the shared directory: committed, its index merged from every
+    /// rank's part, this one's as written. Only this rank's tensors are
+    /// compared then (another rank's never are its to link). With whether
+    /// it was kept.
+    pub(crate) fn newest_shared_or_kept(
+        shared: &Path,
+        node: Option<(&str, &[PathBuf])>,
+        kept: Option<Prev>,
+    ) -> (Option<Prev>, bool) {
+        let Some(step) = catalog::readable_steps(shared).ok().and_then(|s| s.last().copied()) else {
+            return (None, false);
+        };
+        match kept.filter(|k| k.step == step) {
+            Some(k) => (Some(k), true),
+            None => (Prev::read_shared(shared, step, node), false),
+        }
     }
 }
 

@@ -265,10 +265,12 @@ impl Store {
         // stable shards that may be linked from its files on the same file
         // system (decided once the copy's digests are in).
         let own_dirs = self.dirs().to_vec();
-        let prev = if layout.opts.incremental {
-            Prev::newest_shared(&shared, self.opts.node_local.as_deref().map(|id| (id, &own_dirs[..])))
+        let kept = self.kept_parts.remove(&rank);
+        let (prev, prev_kept) = if layout.opts.incremental {
+            let node = self.opts.node_local.as_deref().map(|id| (id, &own_dirs[..]));
+            Prev::newest_shared_or_kept(&shared, node, kept)
         } else {
-            None
+            (None, false)
         };
         let candidates: Vec<Option<PathBuf>> = (0..layout.shards.len())
             .map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s)))
@@ -324,6 +326,7 @@ impl Store {
             linked_files: linked.len(),
             linked_bytes,
             changed: prev.as_ref().map(|p| p.changed(layout, &crcs, d)),
+            prev_kept,
         });
         if let Some(r) = &incremental {
             info!(rank, prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental (this rank's part)");
@@ -345,6 +348,18 @@ impl Store {
         write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
         fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
         catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
+        if let Some(d) = &digests {
+            // This part as the step's index will record it once committed,
+            // for this rank's next part to compare with.
+            let folders: Vec<PathBuf> = match &self.opts.node_local {
+                Some(_) => own_dirs.iter().map(|d| node_step_path(d, step)).collect::<Result<_, _>>()?,
+                None => vec![catalog::step_path(&shared, step)],
+            };
+            let part = Prev::of_layout(step, layout, &crcs, d, |sh| {
+                Some(folders.get(sh.dir_idx as usize)?.join(&sh.file_name))
+            });
+            self.kept_parts.insert(rank, part);
+        }
         Ok(PartReport { bytes, marker, incremental })
     }
 

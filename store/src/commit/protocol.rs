@@ -19,7 +19,7 @@ use super::{CommitError, CommitReport, IncrementalReport, Store};
 use crate::catalog;
 use crate::format::{self, TMP_PREFIX};
 use crate::image::{self, Blob, Layout};
-use crate::incremental::Prev;
+use crate::incremental::{Kept, Prev};
 use crate::io as eio;
 use crate::mem::BufAddr;
 use crate::progress::Progress;
@@ -188,7 +188,9 @@ impl Store {
         // Incremental: the step compared with, and the shards that may be
         // linked from it (decided once the save's digests are in).
         self.incremental = None;
-        let prev = if layout.opts.incremental { Prev::newest(&self.paths) } else { None };
+        let kept = self.kept_prev.take();
+        let (prev, prev_kept) =
+            if layout.opts.incremental { Prev::newest_or_kept(&self.paths, kept) } else { (None, false) };
         let candidates: Vec<Option<PathBuf>> = (0..layout.shards.len())
             .map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s)))
             .collect();
@@ -196,23 +198,30 @@ impl Store {
         let t_commit = Instant::now();
         let linked_bytes: u64 = written.linked.iter().map(|&s| layout.shards[s].file_len).sum();
         let bytes = layout.file_bytes() - linked_bytes + written.small_bytes;
-        let incremental = match fill.digests() {
-            Some(d) if layout.opts.incremental => {
-                let crcs = fill.crcs(step)?;
-                Some(IncrementalReport {
-                    prev_step: prev.as_ref().map(|p| p.step),
-                    linked_files: written.linked.len(),
-                    linked_bytes,
-                    changed: prev.as_ref().map(|p| p.changed(layout, &crcs, &d)),
-                })
-            }
+        let sums = match fill.digests() {
+            Some(d) if layout.opts.incremental => Some((fill.crcs(step)?, d)),
             _ => None,
         };
+        let incremental = sums.as_ref().map(|(crcs, d)| IncrementalReport {
+            prev_step: prev.as_ref().map(|p| p.step),
+            linked_files: written.linked.len(),
+            linked_bytes,
+            changed: prev.as_ref().map(|p| p.changed(layout, crcs, d)),
+            prev_kept,
+        });
         if let Some(r) = &incremental {
             info!(prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental");
         }
         self.publish(step, tmps, renamed)?;
         self.incremental = incremental;
+        if let Some((crcs, d)) = &sums {
+            // What this step's index records, for the next commit to compare with.
+            let step_dirs: Vec<PathBuf> = self.paths.iter().map(|p| catalog::step_path(p, step)).collect();
+            let kept = Prev::of_layout(step, layout, crcs, d, |sh| {
+                Some(step_dirs.get(sh.dir_idx as usize)?.join(&sh.file_name))
+            });
+            self.kept_prev = Kept::committed(kept, &step_dirs[0].join(format::INDEX_FILE_NAME));
+        }
         let primary = &self.paths[0];
         let update_latest = match catalog::latest_step(primary) {
             Ok(Some(l)) => l <= step,

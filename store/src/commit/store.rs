@@ -8,6 +8,7 @@
 //! long as it writes there, and writes only while each path still names
 //! the directory it locked.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::os::unix::fs::MetadataExt;
@@ -21,6 +22,7 @@ use tracing::{info, warn};
 use super::{CommitError, IncrementalReport};
 use crate::catalog;
 use crate::config;
+use crate::incremental::{Kept, Prev};
 use crate::io::{self as eio, EngineChoice, FaultPlan, FaultyEngine, IoEngine, IoPolicy};
 use crate::lock::{DirLock, LockError};
 use crate::mem::RawBuf;
@@ -153,6 +155,13 @@ pub struct Store {
     pub(crate) link_unchanged: bool,
     /// What the last incremental commit found ([`Store::take_incremental`]).
     pub(super) incremental: Option<IncrementalReport>,
+    /// The step this Store committed last, for its next incremental commit
+    /// to compare with ([`Kept`]); taken by every commit, put back by one
+    /// that succeeded with digests.
+    pub(super) kept_prev: Option<Kept>,
+    /// Per rank, its part of the step this Store last wrote into the
+    /// shared directory, for its next part ([`Prev::newest_shared_or_kept`]).
+    pub(crate) kept_parts: HashMap<u32, Prev>,
 }
 
 impl Store {
@@ -191,6 +200,8 @@ impl Store {
             retention_hold: None,
             link_unchanged: true,
             incremental: None,
+            kept_prev: None,
+            kept_parts: HashMap::new(),
         })
     }
 
@@ -224,6 +235,9 @@ impl Store {
     /// one of them.
     pub fn rollback(&mut self, step: u64) -> Result<Vec<u64>, RollbackError> {
         self.check_dirs_unchanged().map_err(|e| RollbackError::Refused { step, why: e.to_string() })?;
+        // Whatever it un-commits, the kept steps are no longer the newest.
+        self.kept_prev = None;
+        self.kept_parts.clear();
         rollback::rollback(&self.paths, step)
     }
 

@@ -244,7 +244,15 @@ def test_files_are_in_place_before_their_sync(tmp_path, monkeypatch):
     from ckpt_sidecar._atomic_write import writing_bytes
 
     files = _file_queue._Files()
-    go = _held_fsync(monkeypatch)
+    # The sync thread held before it looks at the path, so that every file
+    # is placed first: the first a.pt is then replaced before its turn.
+    go, real = threading.Event(), _file_queue.sync_placed
+
+    def held(placed, path):
+        go.wait(60)
+        return real(placed, path)
+
+    monkeypatch.setattr(_file_queue, "sync_placed", held)
     for name, data in (("a.pt", b"a" * 1000), ("b.pt", b"b" * 100000), ("a.pt", b"A")):
         files.write_here(str(tmp_path / name), writing_bytes(data))
         assert (tmp_path / name).read_bytes() == data, name

@@ -246,7 +246,7 @@ TRAINER = fake_cuda_script(r"""
         torch.save(x, path)
         assert _hook.flush(120)
         deadline = time.monotonic() + 60  # the sidecar closes it as it answers; polled, generously
-        while sidecar_imports() != 1 and time.monotonic() < deadline:
+        while sidecar_imports() != 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         report["imports_open"] = [first, sidecar_imports()]
         report["identical"] = open(path, "rb").read() == original(x)

@@ -174,6 +174,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let staging = Staging::new(budget)?;
     if let Some(d) = &drain {
         d.use_staging(staging.clone());
+        d.on_damage(Box::new(|step, file, why| {
+            crate::state::damage::record(step, file, why, crate::state::damage::Finder::Drain)
+        }));
     }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);

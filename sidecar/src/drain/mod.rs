@@ -545,7 +545,7 @@ impl Drain {
 /// (a loop that saves every step, with a drain). mq-deadline still serves
 /// an idle request within its aging time (`prio_aging_expire`, 10 s), so
 /// the drain is never starved for good.
-fn idle_priority() {
+pub fn idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: changes only the calling thread's scheduling policy (pid 0);
     // `param` is a valid sched_param for SCHED_IDLE.

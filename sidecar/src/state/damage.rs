@@ -98,9 +98,14 @@ pub fn record_problems(step: u64, problems: &[ckpt_store::restore::Problem], by:
     let mut files: Vec<(&str, Vec<String>)> = Vec::new();
     for p in problems {
         let f = p.file.as_deref().unwrap_or("");
+        // The file is the record's own field: the reason says the rest.
+        let why = match &p.tensor {
+            Some(t) => format!("tensor {t:?}: {}", p.what),
+            None => p.what.clone(),
+        };
         match files.iter_mut().find(|(n, _)| *n == f) {
-            Some((_, whys)) => whys.push(p.to_string()),
-            None => files.push((f, vec![p.to_string()])),
+            Some((_, whys)) => whys.push(why),
+            None => files.push((f, vec![why])),
         }
     }
     for (f, whys) in files {

@@ -75,8 +75,12 @@ fn assert_cli_shows(sc: &Sidecar, step: u64, file: &str, by: &str) {
     let sock = sc.socket.to_str().unwrap();
     let text = cli(&["status", "--socket", sock]);
     assert_eq!(text.code, 0, "{text:?}");
-    let line = text.stdout.lines().find(|l| l.contains("DAMAGED")).unwrap_or_else(|| panic!("{}", text.stdout));
-    assert!(line.contains(&step.to_string()) && line.contains(file) && line.contains(by), "{line}");
+    let line = text
+        .stdout
+        .lines()
+        .find(|l| l.contains("DAMAGED") && l.split_whitespace().nth(1) == Some(&step.to_string()))
+        .unwrap_or_else(|| panic!("{}", text.stdout));
+    assert!(line.contains(file) && line.contains(by), "{line}");
     let j = cli(&["status", "--socket", sock, "--json"]);
     let v: serde_json::Value = serde_json::from_str(&j.stdout).unwrap();
     let d = v["damaged"].as_array().unwrap().iter().find(|d| d["step"] == step).unwrap_or_else(|| panic!("{v}"));
@@ -129,4 +133,58 @@ fn the_drains_read_back_of_a_damaged_local_file_leaves_a_record_status_shows() {
     let d = r.damaged.iter().find(|d| d.step == 5).unwrap();
     assert_eq!((d.file.as_str(), d.found_by.as_str()), (file_name(&bad).as_str(), "drain"), "{d:?}");
     assert_cli_shows(&sc, 5, &file_name(&bad), "drain");
+}
+
+#[test]
+fn the_scrub_finds_damage_nobody_loaded_marks_the_step_and_loads_pass_over_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let mut sc = Sidecar::start_at(tmp.path(), &dir, Sidecar::STAGING_MIB, &["--scrub-interval", "100ms"], &[]);
+    let mut shm = Shm::new(4 * 4096);
+    let mut c = sc.client_with(&shm);
+    for step in [1, 2, 3] {
+        // Other bytes each step: no shard hard-linked from the step before.
+        shm.bytes_mut().fill(step as u8);
+        c.save_durable(step, tensors(1), blobs(step));
+    }
+    // A pass over the intact steps marks nothing.
+    let r =
+        status_until(&sc, "a scrub pass", |r| r.scrub.as_ref().is_some_and(|s| s.passes >= 1 && s.steps_verified >= 3));
+    assert!(r.damaged.is_empty(), "{r:?}");
+    let bad = shard(&dir, 3);
+    flip_data_byte(&bad);
+    let r = status_until(&sc, "the scrub finding the damage", |r| r.damaged.iter().any(|d| d.step == 3));
+    let d = r.damaged.iter().find(|d| d.step == 3).unwrap();
+    assert_eq!((d.file.as_str(), d.found_by.as_str()), (file_name(&bad).as_str(), "scrub"), "{d:?}");
+    assert!(d.reason.contains("checksum"), "{d:?}");
+    assert_cli_shows(&sc, 3, &file_name(&bad), "scrub");
+    let mark = ckpt_store::catalog::step_path(&dir, 3).join(ckpt_store::catalog::DAMAGED_MARK_NAME);
+    assert!(std::fs::read_to_string(&mark).unwrap().contains(&file_name(&bad)));
+    for s in [1, 2] {
+        assert!(!ckpt_store::catalog::step_path(&dir, s).join(ckpt_store::catalog::DAMAGED_MARK_NAME).exists());
+    }
+    drop(c);
+    sc.stop_ok();
+    // Without the resident copy: `latest` no longer names the marked step
+    // (the start's recovery says why), and a load of it passes over it.
+    let sc = Sidecar::start_at(tmp.path(), &dir, Sidecar::STAGING_MIB, &[], &[]);
+    assert_eq!(ckpt_store::catalog::latest_step(&dir).unwrap(), Some(2));
+    assert!(sc.log_text().contains("marked damaged"), "{}", sc.log_text());
+    assert!(matches!(sc.client().load(None, vec![]), Reply::Loaded { step: 2, .. }));
+    match sc.client().load(Some(3), vec![]) {
+        Reply::Error { code: ErrorCode::Damaged, message, .. } => {
+            assert!(message.contains("marked damaged"), "{message}")
+        }
+        other => panic!("expected Damaged, got {other:?}"),
+    }
+    drop(sc);
+    // ls and verify show the mark.
+    let ls = cli(&["ls", dir.to_str().unwrap(), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&ls.stdout).unwrap_or_else(|e| panic!("{e}: {ls:?}"));
+    let rows = v["checkpoints"].as_array().unwrap_or_else(|| panic!("{v}"));
+    let row = |s: u64| rows.iter().find(|r| r["step"] == s).unwrap_or_else(|| panic!("{v}"));
+    assert_eq!((row(3)["damaged"].as_bool(), row(2)["damaged"].as_bool()), (Some(true), Some(false)), "{v}");
+    let verify = cli(&["verify", dir.to_str().unwrap()]);
+    assert_eq!(verify.code, 3, "{verify:?}");
+    assert!(verify.stdout.contains(ckpt_store::catalog::DAMAGED_MARK_NAME), "{verify:?}");
 }

@@ -522,6 +522,11 @@ pub struct CompareArgs {
     /// `serve --drain URL` and print its overhead beside the plain loop's.
     #[arg(long, value_name = "URL")]
     pub drain: Option<String>,
+    /// With --loop/--loop-only: run the sidecar's loop again with
+    /// `serve --scrub-interval DURATION` and print its overhead beside the
+    /// plain loop's.
+    #[arg(long, value_name = "DURATION")]
+    pub scrub_interval: Option<String>,
     /// LoRA-like states: each size is a frozen base plus adapters of
     /// this size with AdamW-like moments written before every save; adds
     /// the methods sidecar_trust and sidecar_changed_only.

@@ -135,10 +135,11 @@ impl Scrub {
                     });
                     let why = v.problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
                     warn!(step, "scrub: committed step damaged: {why}; marked, loads pass over it");
-                    damage::record_problems(step, &v.problems, Finder::Scrub);
+                    // The mark first: once status shows the damage, loads pass over the step.
                     if let Err(e) = catalog::mark_damaged(primary, step, &format!("found by the scrub: {why}")) {
                         warn!(step, "scrub: marking the damaged step failed ({e}); it is only reported");
                     }
+                    damage::record_problems(step, &v.problems, Finder::Scrub);
                 }
                 Err(e @ LoadError::Damaged { .. }) => {
                     warn!(step, "scrub: committed step damaged: {e}");

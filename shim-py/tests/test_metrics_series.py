@@ -47,7 +47,7 @@ def test_every_series_scraped_is_documented_and_every_documented_one_scraped(tmp
         assert m[("ckpt_loads_total", (("source", "ram"),))] == 1
         st = s.status()
         assert st["damaged"] == [] and m[("ckpt_damaged_steps", ())] == 0
-        for by in ("load", "drain", "scrub"):
+        for by in ("load", "drain", "scrub", "scrub_drain"):
             assert m[("ckpt_damage_found_total", (("by", by),))] == 0
         assert m[("ckpt_scrub_passes_total", ())] <= st["scrub"]["passes"]
     finally:

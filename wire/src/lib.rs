@@ -610,7 +610,8 @@ pub struct DamageReport {
     pub reason: String,
     /// When it was found, in seconds since the Unix epoch.
     pub found_unix_s: u64,
-    /// What found it: "load", "drain", "scrub".
+    /// What found it: "load", "drain" (its read-back for an upload),
+    /// "scrub", "scrub_drain" (the scrub, of the drain target's copy).
     pub found_by: String,
 }
 
@@ -627,6 +628,9 @@ pub struct ScrubReport {
     /// Steps and bytes verified since the start.
     pub steps_verified: u64,
     pub bytes_verified: u64,
+    /// The same of the drain target's steps (`--drain`).
+    pub remote_steps_verified: u64,
+    pub remote_bytes_verified: u64,
 }
 
 /// What the drain (`--drain URL`) is doing, for `status`. (Version 13.)

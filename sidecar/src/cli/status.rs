@@ -64,6 +64,7 @@ fn print_json(socket: &Path, r: &StatusReport) {
         "scrub": r.scrub.as_ref().map(|s| json!({
             "interval_s": s.interval_s, "verifying": s.verifying, "passes": s.passes, "last_pass_unix_s": s.last_pass_unix_s,
             "steps_verified": s.steps_verified, "bytes_verified": s.bytes_verified,
+            "remote_steps_verified": s.remote_steps_verified, "remote_bytes_verified": s.remote_bytes_verified,
         })),
     });
     println!("{j}");
@@ -147,13 +148,15 @@ fn print_damage(r: &StatusReport) {
     let ago = |t: u64| format!("{} s ago", now_s.saturating_sub(t));
     if let Some(s) = &r.scrub {
         println!(
-            "scrub:    every {:.0} s; {} pass(es), last {}; verifying: {}; {} step(s), {} verified",
+            "scrub:    every {:.0} s; {} pass(es), last {}; verifying: {}; {} step(s), {} verified (drain target: {} step(s), {})",
             s.interval_s,
             s.passes,
             s.last_pass_unix_s.map_or("none yet".into(), ago),
             s.verifying.map_or("none".into(), |v| v.to_string()),
             s.steps_verified,
-            human_bytes(s.bytes_verified)
+            human_bytes(s.bytes_verified),
+            s.remote_steps_verified,
+            human_bytes(s.remote_bytes_verified)
         );
     }
     if r.damaged.is_empty() {

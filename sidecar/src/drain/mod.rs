@@ -60,7 +60,7 @@ use crate::memory::staging::Staging;
 use uploads::Round;
 
 pub use node_drains::NodesDrain;
-pub use remote_source::{RemoteCkpt, RemoteFrom, RemoteStep};
+pub use remote_source::{RemoteCkpt, RemoteFrom, RemoteStep, RemoteVerify};
 pub use uploads::remote_plan;
 use uploads::FileId;
 pub use waiters::Answer;

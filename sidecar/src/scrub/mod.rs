@@ -149,6 +149,56 @@ impl Scrub {
             }
             info!(step, seconds = t0.elapsed().as_secs_f64(), "scrub: step verified");
         }
+        match &state.drain {
+            Some(d) => self.pass_remote(state, d),
+            None => true,
+        }
+    }
+
+    /// The drain target's steps, verified as the local ones (reported, not
+    /// marked: the target is written by the drain alone); false when the
+    /// daemon stops meanwhile.
+    fn pass_remote(&self, state: &DaemonState, d: &crate::drain::Drain) -> bool {
+        use crate::drain::RemoteVerify;
+        let Some(steps) = d.remote_steps() else {
+            warn!(url = d.url(), "scrub: listing the drain target failed; tried again next pass");
+            return true;
+        };
+        for step in steps {
+            if stopping(state) {
+                return false;
+            }
+            let t0 = Instant::now();
+            let mut stopped = false;
+            let r = d.verify_remote(step, config::REMOTE_VERIFY_WINDOW_BYTES, |done, _| {
+                let due = Duration::from_secs_f64(done as f64 / config::SCRUB_BYTES_PER_S_MAX as f64);
+                stopped = stopped || !sleep_until(state, t0 + due);
+            });
+            if stopped {
+                return false;
+            }
+            match r {
+                RemoteVerify::Verified(v) => {
+                    self.update(|r| {
+                        r.remote_steps_verified += 1;
+                        r.remote_bytes_verified += v.bytes;
+                    });
+                    if !v.problems.is_empty() {
+                        let why = v.problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+                        warn!(step, url = d.url(), "scrub: the drain target's copy of the step is damaged: {why}");
+                        damage::record_problems(step, &v.problems, Finder::ScrubDrain);
+                    }
+                }
+                RemoteVerify::Gone => {}
+                RemoteVerify::Failed(e) => {
+                    warn!(
+                        step,
+                        url = d.url(),
+                        "scrub: verifying the drain target's step failed ({e}); tried again next pass"
+                    )
+                }
+            }
+        }
         true
     }
 }

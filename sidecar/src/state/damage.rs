@@ -1,6 +1,7 @@
 //! Damage the sidecar found in committed steps: a load that fell back past
 //! a step or failed on one, the drain's read-back of a local file whose
-//! checksum does not match its index, the background scrub. Kept for
+//! checksum does not match its index, the background scrub (of the local
+//! steps, and of the drain target's copies: `scrub_drain`). Kept for
 //! `status` (the newest [`config::DAMAGE_RECORDS_MAX`]) and counted for the
 //! metrics ([`crate::state::metrics`]).
 //!
@@ -23,16 +24,19 @@ pub enum Finder {
     Load,
     Drain,
     Scrub,
+    /// The scrub, verifying the drain target's copy of a step.
+    ScrubDrain,
 }
 
 impl Finder {
-    pub const ALL: [Finder; 3] = [Finder::Load, Finder::Drain, Finder::Scrub];
+    pub const ALL: [Finder; 4] = [Finder::Load, Finder::Drain, Finder::Scrub, Finder::ScrubDrain];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Finder::Load => "load",
             Finder::Drain => "drain",
             Finder::Scrub => "scrub",
+            Finder::ScrubDrain => "scrub_drain",
         }
     }
 }
@@ -41,7 +45,7 @@ impl Finder {
 struct Records {
     newest: VecDeque<DamageReport>,
     /// Times damage was found, by finder (the same damage found again counts again).
-    found: [u64; 3],
+    found: [u64; Finder::ALL.len()],
     /// Distinct (step, file, finder) records made.
     records_total: u64,
 }
@@ -120,7 +124,7 @@ pub fn report() -> (Vec<DamageReport>, u64) {
 }
 
 /// Times damage was found since the start, by finder.
-pub fn found_by() -> [(Finder, u64); 3] {
+pub fn found_by() -> [(Finder, u64); Finder::ALL.len()] {
     let r = records().lock().unwrap_or_else(|e| e.into_inner());
     Finder::ALL.map(|f| (f, r.found[f as usize]))
 }

@@ -262,7 +262,7 @@ fn register_damage(r: &mut Registry, report: &StatusReport) {
     }
     r.register(
         "damage_found",
-        "Times damage of a committed step was found, by what found it (load, drain: a read-back checksum mismatch, scrub); the same damage found again counts again",
+        "Times damage of a committed step was found, by what found it (load, drain: a read-back checksum mismatch, scrub, scrub_drain: the drain target's copy); the same damage found again counts again",
         found,
     );
     let steps: std::collections::BTreeSet<u64> = report.damaged.iter().map(|d| d.step).collect();
@@ -279,6 +279,16 @@ fn register_damage(r: &mut Registry, report: &StatusReport) {
     );
     r.register("scrub_steps_verified", "Committed steps the scrub verified", ConstCounter::new(s.steps_verified));
     r.register("scrub_bytes_verified", "File bytes the scrub read and checked", ConstCounter::new(s.bytes_verified));
+    r.register(
+        "scrub_drain_steps_verified",
+        "Steps of the drain target the scrub verified (--drain)",
+        ConstCounter::new(s.remote_steps_verified),
+    );
+    r.register(
+        "scrub_drain_bytes_verified",
+        "File bytes of the drain target's steps the scrub read and checked",
+        ConstCounter::new(s.remote_bytes_verified),
+    );
     let last: Gauge = Gauge::default();
     last.set(s.last_pass_unix_s.map_or(-1, |t| i64::try_from(t).unwrap_or(i64::MAX)));
     r.register(

@@ -188,3 +188,28 @@ fn the_scrub_finds_damage_nobody_loaded_marks_the_step_and_loads_pass_over_it() 
     assert_eq!(verify.code, 3, "{verify:?}");
     assert!(verify.stdout.contains(ckpt_store::catalog::DAMAGED_MARK_NAME), "{verify:?}");
 }
+
+#[test]
+fn the_scrub_verifies_the_drain_targets_copies_too_and_reports_a_damaged_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, remote) = (tmp.path().join("ckpt"), tmp.path().join("remote"));
+    std::fs::create_dir(&remote).unwrap();
+    let url = format!("file://{}", remote.display());
+    let sc =
+        Sidecar::start_at(tmp.path(), &dir, Sidecar::STAGING_MIB, &["--drain", &url, "--scrub-interval", "100ms"], &[]);
+    let shm = Shm::new(4 * 4096);
+    let mut c = sc.client_with(&shm);
+    c.save_durable(1, tensors(1), blobs(1));
+    status_until(&sc, "step 1 replicated and the target scrubbed", |r| {
+        r.drain.as_ref().is_some_and(|d| d.last_replicated == Some(1))
+            && r.scrub.as_ref().is_some_and(|s| s.remote_steps_verified >= 1)
+    });
+    let bad = shard(&remote, 1);
+    flip_data_byte(&bad);
+    let r = status_until(&sc, "the scrub finding the target's damage", |r| r.damaged.iter().any(|d| d.step == 1));
+    let d = r.damaged.iter().find(|d| d.step == 1).unwrap();
+    assert_eq!((d.file.as_str(), d.found_by.as_str()), (file_name(&bad).as_str(), "scrub_drain"), "{d:?}");
+    // Reported, not marked: the local copy is intact and stays readable.
+    assert!(!ckpt_store::catalog::step_path(&dir, 1).join(ckpt_store::catalog::DAMAGED_MARK_NAME).exists());
+    assert!(!ckpt_store::catalog::step_path(&remote, 1).join(ckpt_store::catalog::DAMAGED_MARK_NAME).exists());
+}

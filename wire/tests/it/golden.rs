@@ -73,6 +73,8 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             last_pass_unix_s: Some(1_700_000_000),
             steps_verified: 3,
             bytes_verified: 3000,
+            remote_steps_verified: 2,
+            remote_bytes_verified: 2000,
         }),
     };
     vec![

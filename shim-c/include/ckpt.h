@@ -110,6 +110,10 @@
 // Load source (ckpt_load): the checkpoint was read (and verified) from disk.
 #define CKPT_SOURCE_DISK 2
 
+// Load source (ckpt_load): the checkpoint was read (and verified) from the
+// sidecar's drain target (`--drain URL`; protocol 15).
+#define CKPT_SOURCE_DRAIN 3
+
 // ckpt_save_file_pieces: write the pieces as they are.
 #define CKPT_FILE_AS_IS 0
 
@@ -399,7 +403,7 @@ int ckpt_save_figures(struct ckpt_client *client,
 // `n_tensors` descriptors name (`data` = destination inside memory from
 // ckpt_alloc; name, dtype, shape and len_bytes must match the checkpoint).
 // With n_tensors 0 it only reports what the checkpoint holds. Stores the
-// step loaded in *out_step and CKPT_SOURCE_RAM / CKPT_SOURCE_DISK in
+// step loaded in *out_step and CKPT_SOURCE_RAM / _DISK / _DRAIN in
 // *out_source (either may be NULL). Blobs and the full tensor list are then
 // available through ckpt_loaded_blob / ckpt_loaded_tensor.
 //

@@ -28,7 +28,7 @@ LOOP_METHODS = [
 ]
 
 
-def run_loop(args, base, skipped, drain=None):
+def run_loop(args, base, skipped, drain=None, extra=()):
     """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
     three times that in state) trained --loop-steps steps, checkpointing every
     step, every 10 steps, and never, through each method. The step: a
@@ -37,11 +37,16 @@ def run_loop(args, base, skipped, drain=None):
     real optimizer step on the CPU. The step time is 1.25 x the sidecar's
     persist time (measured first), so a step is longer than a persist.
     Checkpointing loops alternate with plain ones; each is compared with the
-    mean of its two neighbours; slowdown in %."""
+    mean of its two neighbours; slowdown in %. `drain`, `extra`: the
+    sidecar's loop only, its sidecar served with `--drain URL` or the extra
+    serve options (the scrub)."""
     torch.set_num_threads(1)
     model, opt, fwd_bwd = _loop_model(args)
     side = Sidecar(
-        os.path.join(base, "loop-ckpt" + ("-drain" if drain else "")), 6 * args.loop_size + (256 << 20), drain=drain
+        os.path.join(base, "loop-ckpt" + ("-drain" if drain else "") + ("-extra" if extra else "")),
+        6 * args.loop_size + (256 << 20),
+        drain=drain,
+        extra=extra,
     )
     ck = side.connect()
     try:
@@ -101,13 +106,14 @@ def run_loop(args, base, skipped, drain=None):
             for m in (loop_methods if args.methods is None else args.methods.split(","))
             if m in loop_methods and m not in skipped
         ]
-        if drain:
+        if drain or extra:
             want = ["sidecar_shared"]  # the same loop, its sidecar draining every step to `drain`
         plain = [loop(None, 1)]
         savers = {m: _saver(m, os.path.join(base, f"loop-{m}"), ck, steps, trust_tracker, dcp_async) for m in want}
         samples = _loop_rounds(args, want, loop, savers, step_s, plain)
         out = {
             "drain": drain,
+            "serve_extra": list(extra),
             "state_bytes": size_b,
             "steps": args.loop_steps,
             "kind": args.loop_kind,

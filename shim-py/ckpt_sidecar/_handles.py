@@ -165,7 +165,7 @@ class SaveHandle:
 
 class LoadedInto(int):
     """What load_into() did: the step loaded (this int itself, also `step`),
-    `source` ("ram" or "disk") and, named as torch's load_state_dict names
+    `source` ("ram", "disk" or "drain") and, named as torch's load_state_dict names
     them, `missing_keys` (tensors of the state the checkpoint lacks) and
     `unexpected_keys` (tensors of the checkpoint the state lacks); both are
     empty unless strict=False."""

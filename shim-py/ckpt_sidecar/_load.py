@@ -285,7 +285,8 @@ class Loading(RegionTable):
         `last_load_fell_back`) and, where "latest" passed over newer steps
         that do not load, says so in a RuntimeWarning: the run resumes from
         an older step than its newest checkpoint."""
-        self.last_load_step, self.last_load_source = step, ("ram" if source == N.SOURCE_RAM else "disk")
+        names = {N.SOURCE_RAM: "ram", N.SOURCE_DRAIN: "drain"}
+        self.last_load_step, self.last_load_source = step, names.get(source, "disk")
         L = N.lib()
         n = ctypes.c_uint64()
         N.check(L.ckpt_loaded_fell_back(self._client, None, 0, ctypes.byref(n)))

@@ -110,6 +110,13 @@ def parse_args(argv=None):
         help="with --loop/--loop-only: run the sidecar's loop again with `serve --drain URL` (every step "
         "uploaded to URL) and print its overhead beside the loop without a drain",
     )
+    p.add_argument(
+        "--scrub-interval",
+        default=None,
+        metavar="DURATION",
+        help="with --loop/--loop-only: run the sidecar's loop again with `serve --scrub-interval DURATION` "
+        "(the background scrub re-verifying committed steps) and print its overhead beside the loop without it",
+    )
     p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
     p.add_argument("--loop-steps", type=int, default=20)
     p.add_argument(
@@ -220,6 +227,9 @@ def main(argv=None):
             side = None
         loop = run_loop(args, base, skipped) if args.loop or args.loop_only else None
         loop_drain = run_loop(args, base, skipped, drain=args.drain) if loop is not None and args.drain else None
+        loop_scrub = None
+        if loop is not None and args.scrub_interval:
+            loop_scrub = run_loop(args, base, skipped, extra=("--scrub-interval", args.scrub_interval))
     finally:
         if side is not None:
             try:
@@ -244,7 +254,9 @@ def main(argv=None):
         doc["loop"] = loop
     if loop_drain is not None:
         doc["loop_drain"] = loop_drain
-    _report(args, doc, loop, loop_drain)
+    if loop_scrub is not None:
+        doc["loop_scrub"] = loop_scrub
+    _report(args, doc, loop, loop_drain, loop_scrub)
 
 
 def _methods_wanted(args):
@@ -391,7 +403,7 @@ def _row(args, m, outs, methods, entry, size_b):
     return row
 
 
-def _report(args, doc, loop, loop_drain):
+def _report(args, doc, loop, loop_drain, loop_scrub=None):
     """The table, the loop's, the plot and --json's document; a plot that
     failed is said last (SystemExit), after the figures."""
     if doc["results"]:
@@ -401,6 +413,9 @@ def _report(args, doc, loop, loop_drain):
     if loop_drain is not None:
         print(f"with --drain {loop_drain['drain']}:")
         print_loop(loop_drain)
+    if loop_scrub is not None:
+        print(f"with --scrub-interval {args.scrub_interval}:")
+        print_loop(loop_scrub)
     plot_failed = None
     if args.plot and doc["results"]:
         try:

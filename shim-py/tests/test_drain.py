@@ -6,6 +6,7 @@ file:// always; s3:// through tests/s3/serve.sh (moto), started here on a
 free port: if it cannot start, the test fails (never skips). No sleeps as
 synchronisation: every wait is on a condition, deadlines only bound a hang."""
 import os
+import re
 import shutil
 import signal
 import socket
@@ -119,9 +120,12 @@ def bar(tmp_path, servers, url, env=None):
     servers.append(b)
     with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
         got = ck.load("latest")
-        assert ck.last_load_step == 3
+        assert (ck.last_load_step, ck.last_load_source) == (3, "drain")
         assert_equal_state(got, state(3))
         assert_equal_state(ck.load(2), state(2))
+    # The log names where the step was read: the target's URL, not the local folder.
+    loaded = [line for line in b.log.read_text().splitlines() if "loaded" in line and "step=3" in line]
+    assert loaded and all("source=Drain" in line and url.split("?")[0] in line for line in loaded), loaded
     return b
 
 
@@ -364,9 +368,56 @@ def test_a_damaged_local_step_is_loaded_from_the_drain_target_and_says_so(tmp_pa
     servers.append(b)
     with cs.Checkpointer(socket=b.socket, spawn=False) as ck:
         assert_equal_state(ck.load(1), state(1))
+        assert ck.last_load_source == "drain"
         said = ck.last_load_fell_back
         said = said if isinstance(said, str) else " ".join(said)
         assert "local copy damaged" in said, said
+    # The damage the load found stays visible.
+    damaged = b.status()["damaged"]
+    assert [(d["step"], d["file"], d["found_by"]) for d in damaged] == [(1, shard.name, "load")], damaged
+
+
+def wait_down_first(s, what):
+    """The drain's report the first time `status` says down."""
+    seen = []
+
+    def down():
+        seen.append(s.drain())
+        return seen[-1]["state"] == "down"
+
+    wait_until(down, 60, what)
+    return seen[-1]
+
+
+def test_a_file_target_that_fails_shows_down_at_the_first_failed_upload(tmp_path, servers):
+    remote = tmp_path / "R"
+    remote.mkdir()
+    a = Drained(tmp_path, "a", tmp_path / "L", f"file://{remote}").start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, state(1)).wait_replicated(timeout=60)
+        # Unwritable (the tests run as root, so not by its mode): a plain file now.
+        shutil.rmtree(remote)
+        remote.write_text("not a directory")
+        ck.save(2, state(2)).wait_durable(60)
+        d = wait_down_first(a, "status saying the drain is down")
+    assert d["upload_failures"] == 1 and "step 2" in d["error"], d
+
+
+def test_an_s3_target_stopped_shows_down_at_the_first_failed_upload_not_after_the_clients_retries(tmp_path, servers, s3):
+    a = Drained(tmp_path, "a", tmp_path / "L", "s3://ckpt-test/down", env=s3.env).start()
+    servers.append(a)
+    with cs.Checkpointer(socket=a.socket, spawn=False) as ck:
+        ck.save(1, state(1)).wait_replicated(timeout=120)
+        s3.stop()
+        ck.save(2, state(2)).wait_durable(60)
+        d = wait_down_first(a, "status saying the drain is down")
+    # Down at the first upload that failed, and that upload gave up after
+    # object_store's bounded retries (2), not its default 10: the outage
+    # shows within about a second.
+    assert d["upload_failures"] == 1 and "step 2" in d["error"], d
+    retries = re.findall(r"after (\d+) retries, max_retries: (\d+)", d["error"])
+    assert retries and all(int(n) <= 2 and int(m) == 2 for n, m in retries), d["error"]
 
 
 def test_s3_server_killed_and_restarted_mid_drain_local_saves_go_on_and_the_drain_resumes(tmp_path, servers, s3):

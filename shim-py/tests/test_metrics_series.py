@@ -1,6 +1,7 @@
 """docs/metrics.md lists every series a scrape has, with its type, and a
-scrape has every series it lists (with a drain target, so that the drain's
-are there too); the drain's series agree with `status`."""
+scrape has every series it lists (with a drain target and the scrub, so
+that their series are there too); the drain's series agree with `status`,
+and so do the damage and scrub series."""
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def scraped(text):
 def test_every_series_scraped_is_documented_and_every_documented_one_scraped(tmp_path):
     remote = tmp_path / "R"
     remote.mkdir()
-    s = Drained(tmp_path, "m", tmp_path / "L", f"file://{remote}", "--metrics", "127.0.0.1:0", "--keep", "2").start()
+    s = Drained(tmp_path, "m", tmp_path / "L", f"file://{remote}", "--metrics", "127.0.0.1:0", "--keep", "2", "--scrub-interval", "100ms").start()
     try:
         url = re.search(r"metrics=(http://\S+/metrics)", s.log.read_text()).group(1)
         with cs.Checkpointer(socket=s.socket, spawn=False) as ck:
@@ -44,5 +45,10 @@ def test_every_series_scraped_is_documented_and_every_documented_one_scraped(tmp
         assert m[("ckpt_drain_replicated_total", ())] == 3 == d["replicated_count"]
         assert m[("ckpt_drain_backlog_steps", ())] == 0 and d["backlog"] == [] and d["lag_seconds"] == 0
         assert m[("ckpt_loads_total", (("source", "ram"),))] == 1
+        st = s.status()
+        assert st["damaged"] == [] and m[("ckpt_damaged_steps", ())] == 0
+        for by in ("load", "drain", "scrub", "scrub_drain"):
+            assert m[("ckpt_damage_found_total", (("by", by),))] == 0
+        assert m[("ckpt_scrub_passes_total", ())] <= st["scrub"]["passes"]
     finally:
         s.stop()

@@ -263,3 +263,19 @@ pub const DRAIN_SKIPPED_SHOWN_MAX: usize = 64;
 /// older sidecars copied a remote step before loading it (removed at start;
 /// a remote step is now streamed into the load's memory, `remote_step`).
 pub const HYDRATE_PREFIX: &str = ".ckpt-fetch-";
+
+/// Damage records `status` keeps (the newest; `crate::state::damage`): a
+/// step found damaged again by the same finder, for the same file, updates
+/// its record instead of adding one.
+pub const DAMAGE_RECORDS_MAX: usize = 64;
+
+/// The background scrub (`serve --scrub-interval`, `crate::scrub`): the
+/// most bytes per second it reads (the sidecar's own saves and loads come
+/// first), and the shortest interval accepted (a pass starts at most this
+/// often; tests and the benchmark use it).
+pub const SCRUB_BYTES_PER_S_MAX: u64 = 256 << 20;
+pub const SCRUB_INTERVAL_MIN_MS: u64 = 100;
+/// While a pass waits between files to keep to the bandwidth, it looks at
+/// the daemon's exit this often.
+pub const SCRUB_WAKE_MS: u64 = 200;
+const _: () = assert!(SCRUB_WAKE_MS >= 1 && SCRUB_BYTES_PER_S_MAX >= 1 << 20);

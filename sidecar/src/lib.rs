@@ -14,6 +14,7 @@
 //! - [`drain`]: uploads of durable steps to the drain tier, and loads of
 //!   steps it holds.
 //! - [`load`]: restores into client memory.
+//! - [`scrub`]: the background re-verification of committed steps.
 //! - [`daemon`]: serve, launch, the socket, sessions, signals, metrics.
 
 pub mod commit;
@@ -23,4 +24,5 @@ pub mod drain;
 pub mod load;
 pub mod memory;
 pub mod save;
+pub mod scrub;
 pub mod state;

@@ -128,6 +128,51 @@ pub fn write_step_file(primary: &Path, name: &str, step: u64) -> io::Result<()> 
     r
 }
 
+/// The mark of a committed step found damaged (by the sidecar's scrub): a
+/// file in the step's folder holding why. Loads pass over a marked step
+/// with that reason (`restore::read_index`), `verify` and `ls` report it;
+/// removing the file (after a repair) makes the step readable again.
+pub const DAMAGED_MARK_NAME: &str = ".ckpt-damaged";
+/// Most bytes of the mark read back (the reason is one line).
+pub const DAMAGED_MARK_BYTES_MAX: u64 = 4096;
+
+/// Why `step` is marked damaged, if it is ([`DAMAGED_MARK_NAME`]).
+pub fn damage_mark(primary: &Path, step: u64) -> Option<String> {
+    use std::io::Read;
+    let f = File::open(step_path(primary, step).join(DAMAGED_MARK_NAME)).ok()?;
+    let mut why = String::new();
+    f.take(DAMAGED_MARK_BYTES_MAX).read_to_string(&mut why).ok()?;
+    Some(why.trim().to_string())
+}
+
+/// Marks committed `step` damaged for `reason`, crash-safe: a temp file in
+/// the step's folder, synced, renamed to [`DAMAGED_MARK_NAME`], the folder
+/// synced (a crash leaves the step marked or not, never half; a temp left
+/// over is removed with the step).
+pub fn mark_damaged(primary: &Path, step: u64, reason: &str) -> io::Result<()> {
+    let folder = step_path(primary, step);
+    let tmp = folder.join(format!("{DAMAGED_MARK_NAME}.tmp-{:016x}", crate::io::nonce()));
+    // One line, within what is read back (whole characters).
+    let mut line = String::new();
+    for c in reason.chars().filter(|c| *c != '\n') {
+        if line.len() + c.len_utf8() >= DAMAGED_MARK_BYTES_MAX as usize {
+            break;
+        }
+        line.push(c);
+    }
+    let r = (|| {
+        let mut f = File::options().write(true).create_new(true).open(&tmp)?;
+        writeln!(f, "{line}")?;
+        f.sync_data()?;
+        fs::rename(&tmp, folder.join(DAMAGED_MARK_NAME))?;
+        fsync_dir(&folder)
+    })();
+    if r.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    r
+}
+
 /// Removes `latest` (no committed checkpoint is left) and syncs the directory.
 pub fn remove_latest(primary: &Path) -> io::Result<()> {
     match fs::remove_file(primary.join(LATEST_FILE_NAME)) {

@@ -31,12 +31,24 @@ pub const MAX_PARALLEL: usize = 256;
 
 /// Transient errors (5xx, timeouts, dropped connections) are retried by
 /// object_store with exponential backoff, at most this many times ...
-pub const RETRY_MAX: usize = 10;
+/// Few: a request that keeps failing fails within about a second
+/// (100 + 200 ms of backoff, plus the attempts), so the caller (the
+/// sidecar's drain, with a backoff of its own) shows the target down at
+/// once rather than after object_store's default ten retries (seconds to
+/// minutes of `up` during an outage). Two still ride out a lone dropped
+/// connection or 503 without redoing the step's upload.
+pub const RETRY_MAX: usize = 2;
 /// ... and for at most this long per request.
-pub const RETRY_TIMEOUT: Duration = Duration::from_secs(180);
+pub const RETRY_TIMEOUT: Duration = Duration::from_secs(10);
 pub const RETRY_BACKOFF_INIT: Duration = Duration::from_millis(100);
-pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(15);
+pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub const RETRY_BACKOFF_BASE: f64 = 2.0;
+/// A connection that is not made within this long fails the attempt (an
+/// endpoint that drops packets, not one that refuses): object_store's
+/// default is 5 s, per attempt. The request's own timeout stays
+/// object_store's (30 s): a part of [`DEFAULT_PART_SIZE_BYTES`] on a slow
+/// link needs it.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The start-up request retries little: a wrong endpoint is one clear error
 /// at open, not minutes of backoff.
@@ -51,6 +63,8 @@ pub const DIRECT_BLOCK_BYTES: usize = 4096;
 /// checksums run on its blocking pool).
 pub const RUNTIME_WORKER_THREADS: usize = 2;
 
+const _: () = assert!(RETRY_MAX <= 3 && OPEN_RETRY_MAX <= RETRY_MAX);
+const _: () = assert!(CONNECT_TIMEOUT.as_secs() <= RETRY_TIMEOUT.as_secs());
 const _: () = assert!(DEFAULT_PART_SIZE_BYTES >= MIN_PART_SIZE_BYTES);
 const _: () = assert!(DEFAULT_PARALLEL <= MAX_PARALLEL);
 const _: () = assert!(RANGED_GET_FILES_MAX >= 1 && RANGED_GET_MIN_PARTS >= 2);

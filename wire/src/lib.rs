@@ -25,7 +25,7 @@ pub use save::{
 };
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 14;
+pub const PROTOCOL_VERSION: u32 = 15;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -421,6 +421,10 @@ pub enum LoadSource {
     /// The checkpoint was still resident in the sidecar's memory.
     Ram,
     Disk,
+    /// The checkpoint was read (and verified) from the drain target
+    /// (`--drain URL`): not in the local directories, newer there, or the
+    /// local copy damaged. (Version 15.)
+    Drain,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -586,6 +590,47 @@ pub struct StatusReport {
     pub unchanged_in_place_bytes: u64,
     /// The drain tier (`--drain URL`), when the sidecar has one. (Version 13.)
     pub drain: Option<DrainReport>,
+    /// Damage the sidecar found in committed steps (a load, the drain's
+    /// read-back, the scrub), newest last, at most the last few. (Version 15.)
+    pub damaged: Vec<DamageReport>,
+    /// Damage records made since the start (the list above keeps the
+    /// last few only). (Version 15.)
+    pub damaged_total: u64,
+    /// The background scrub (`serve --scrub-interval`), when on. (Version 15.)
+    pub scrub: Option<ScrubReport>,
+}
+
+/// One damaged committed step the sidecar found. (Version 15.)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct DamageReport {
+    pub step: u64,
+    /// The damaged file, as the step's index names it (empty: the step as
+    /// a whole, e.g. an unreadable index).
+    pub file: String,
+    pub reason: String,
+    /// When it was found, in seconds since the Unix epoch.
+    pub found_unix_s: u64,
+    /// What found it: "load", "drain" (its read-back for an upload),
+    /// "scrub", "scrub_drain" (the scrub, of the drain target's copy).
+    pub found_by: String,
+}
+
+/// The background scrub's progress. (Version 15.)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ScrubReport {
+    /// A pass over every committed step starts this often.
+    pub interval_s: f64,
+    /// The step being verified now.
+    pub verifying: Option<u64>,
+    /// Passes finished since the start, and the end of the last one.
+    pub passes: u64,
+    pub last_pass_unix_s: Option<u64>,
+    /// Steps and bytes verified since the start.
+    pub steps_verified: u64,
+    pub bytes_verified: u64,
+    /// The same of the drain target's steps (`--drain`).
+    pub remote_steps_verified: u64,
+    pub remote_bytes_verified: u64,
 }
 
 /// What the drain (`--drain URL`) is doing, for `status`. (Version 13.)

@@ -68,6 +68,9 @@ pub const CKPT_REPLICATED: c_int = 4;
 pub const CKPT_SOURCE_RAM: c_int = 1;
 /// Load source (ckpt_load): the checkpoint was read (and verified) from disk.
 pub const CKPT_SOURCE_DISK: c_int = 2;
+/// Load source (ckpt_load): the checkpoint was read (and verified) from the
+/// sidecar's drain target (`--drain URL`; protocol 15).
+pub const CKPT_SOURCE_DRAIN: c_int = 3;
 
 fn code_status(code: ErrorCode) -> c_int {
     match code {

@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use ckpt_wire::LoadSource;
 
 use super::args::{c_str, client, out, slice, tensor_refs};
-use super::codes::{CKPT_SOURCE_DISK, CKPT_SOURCE_RAM};
+use super::codes::{CKPT_SOURCE_DISK, CKPT_SOURCE_DRAIN, CKPT_SOURCE_RAM};
 use super::errors::{guard, invalid};
 use super::types::{ckpt_client, ckpt_tensor};
 use crate::client::LoadInfo;
@@ -28,7 +28,7 @@ pub(super) struct LoadedC {
 /// `n_tensors` descriptors name (`data` = destination inside memory from
 /// ckpt_alloc; name, dtype, shape and len_bytes must match the checkpoint).
 /// With n_tensors 0 it only reports what the checkpoint holds. Stores the
-/// step loaded in *out_step and CKPT_SOURCE_RAM / CKPT_SOURCE_DISK in
+/// step loaded in *out_step and CKPT_SOURCE_RAM / _DISK / _DRAIN in
 /// *out_source (either may be NULL). Blobs and the full tensor list are then
 /// available through ckpt_loaded_blob / ckpt_loaded_tensor.
 ///
@@ -81,6 +81,7 @@ impl ckpt_client {
             let source = match info.source {
                 LoadSource::Ram => CKPT_SOURCE_RAM,
                 LoadSource::Disk => CKPT_SOURCE_DISK,
+                LoadSource::Drain => CKPT_SOURCE_DRAIN,
             };
             // SAFETY: writable by the contract.
             unsafe { *out_source = source };

@@ -193,6 +193,12 @@ pub struct DaemonArgs {
     /// damaged file damages at most those; 0: never (default: 10).
     #[arg(long, default_value_t = ckpt_store::config::FULL_EVERY_DEFAULT, value_name = "K")]
     pub full_every: u32,
+    /// Re-verify every committed step on disk, every byte, once per
+    /// DURATION (e.g. 6h, 30m, 90s), in the background at idle CPU and
+    /// I/O priority and bounded bandwidth; a damaged step is reported
+    /// (status, log, metrics) and marked so loads pass over it (default: off).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub scrub_interval: Option<std::time::Duration>,
     #[command(flatten)]
     pub io: IoArgs,
 }
@@ -203,6 +209,30 @@ pub fn parse_bandwidth(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let size = t.strip_suffix("/s").unwrap_or(t);
     parse_nonzero_size(size).map_err(|e| format!("{e} (a bandwidth is a size per second, e.g. 500MB/s)"))
+}
+
+/// A human duration: a number and a unit, `ms`, `s`, `m`, `h` or `d`
+/// (`6h`, `90s`, `1.5h`), at least [`ckpt_sidecar::config::SCRUB_INTERVAL_MIN_MS`].
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let t = s.trim();
+    let at = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (n, unit) = t.split_at(at);
+    let per_unit_s = match unit.trim() {
+        "ms" => 0.001,
+        "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        "" => return Err(format!("{s:?}: give a unit (ms, s, m, h, d), e.g. 6h")),
+        u => return Err(format!("{s:?}: unknown unit {u:?} (ms, s, m, h, d)")),
+    };
+    let n: f64 = n.parse().map_err(|_| format!("{s:?}: expected a number and a unit, e.g. 6h"))?;
+    let d = std::time::Duration::try_from_secs_f64(n * per_unit_s).map_err(|e| format!("{s:?}: {e}"))?;
+    let min = std::time::Duration::from_millis(ckpt_sidecar::config::SCRUB_INTERVAL_MIN_MS);
+    if d < min {
+        return Err(format!("{s:?}: at least {} ms", min.as_millis()));
+    }
+    Ok(d)
 }
 
 pub fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -492,6 +522,11 @@ pub struct CompareArgs {
     /// `serve --drain URL` and print its overhead beside the plain loop's.
     #[arg(long, value_name = "URL")]
     pub drain: Option<String>,
+    /// With --loop/--loop-only: run the sidecar's loop again with
+    /// `serve --scrub-interval DURATION` and print its overhead beside the
+    /// plain loop's.
+    #[arg(long, value_name = "DURATION")]
+    pub scrub_interval: Option<String>,
     /// LoRA-like states: each size is a frozen base plus adapters of
     /// this size with AdamW-like moments written before every save; adds
     /// the methods sidecar_trust and sidecar_changed_only.

@@ -188,6 +188,7 @@ fn compare_args(a: CompareArgs) -> Vec<OsString> {
         ("--loop-rounds", a.loop_rounds.map(|v| v.to_string())),
         ("--loop-kind", a.loop_kind),
         ("--drain", a.drain),
+        ("--scrub-interval", a.scrub_interval),
     ];
     for (flag, value) in loop_values {
         if let Some(v) = value {

@@ -63,6 +63,7 @@ impl DaemonArgs {
             }),
             incremental: self.incremental,
             full_every: self.full_every,
+            scrub_interval: self.scrub_interval,
         })
     }
 }

@@ -59,6 +59,13 @@ fn print_json(socket: &Path, r: &StatusReport) {
             "deleted_undrained_count": d.deleted_undrained_count, "deleted_undrained": d.deleted_undrained,
             "backlog_bytes": d.backlog_bytes, "upload_failures": d.upload_failures, "lag_seconds": d.lag_seconds,
         })),
+        "damaged": r.damaged.iter().map(|d| json!({"step": d.step, "file": (!d.file.is_empty()).then_some(&d.file), "reason": d.reason, "found_unix_s": d.found_unix_s, "found_by": d.found_by})).collect::<Vec<_>>(),
+        "damaged_total": r.damaged_total,
+        "scrub": r.scrub.as_ref().map(|s| json!({
+            "interval_s": s.interval_s, "verifying": s.verifying, "passes": s.passes, "last_pass_unix_s": s.last_pass_unix_s,
+            "steps_verified": s.steps_verified, "bytes_verified": s.bytes_verified,
+            "remote_steps_verified": s.remote_steps_verified, "remote_bytes_verified": s.remote_bytes_verified,
+        })),
     });
     println!("{j}");
 }
@@ -130,6 +137,41 @@ fn print_text(socket: &Path, r: &StatusReport) {
             d.deleted_undrained_count,
             if d.deleted_undrained.is_empty() { String::new() } else { format!(" (newest: {:?})", d.deleted_undrained) },
             d.upload_failures
+        );
+    }
+    print_damage(r);
+}
+
+/// `status`'s damage lines: each damaged step the sidecar found, and the scrub.
+fn print_damage(r: &StatusReport) {
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let ago = |t: u64| format!("{} s ago", now_s.saturating_sub(t));
+    if let Some(s) = &r.scrub {
+        println!(
+            "scrub:    every {:.0} s; {} pass(es), last {}; verifying: {}; {} step(s), {} verified (drain target: {} step(s), {})",
+            s.interval_s,
+            s.passes,
+            s.last_pass_unix_s.map_or("none yet".into(), ago),
+            s.verifying.map_or("none".into(), |v| v.to_string()),
+            s.steps_verified,
+            human_bytes(s.bytes_verified),
+            s.remote_steps_verified,
+            human_bytes(s.remote_bytes_verified)
+        );
+    }
+    if r.damaged.is_empty() {
+        println!("damaged:  none found");
+        return;
+    }
+    println!("damaged:  {} record(s) ({} since the start; the newest shown)", r.damaged.len(), r.damaged_total);
+    for d in &r.damaged {
+        let file = if d.file.is_empty() { String::new() } else { format!("{}: ", d.file) };
+        println!(
+            "  step {:>12}  DAMAGED {file}{} (found by {}, {})",
+            d.step,
+            d.reason,
+            d.found_by,
+            ago(d.found_unix_s)
         );
     }
 }

@@ -75,6 +75,8 @@ pub struct DaemonOptions {
     pub incremental: bool,
     /// Every K-th save written in full (`--full-every`; 0: never).
     pub full_every: u32,
+    /// The background scrub's interval (`--scrub-interval`; None: off).
+    pub scrub_interval: Option<std::time::Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -174,6 +176,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     let staging = Staging::new(budget)?;
     if let Some(d) = &drain {
         d.use_staging(staging.clone());
+        d.on_damage(Box::new(|step, file, why| {
+            crate::state::damage::record(step, file, why, crate::state::damage::Finder::Drain)
+        }));
     }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
@@ -189,6 +194,9 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     server::spawn_accept(&listener, state.clone()).map_err(DaemonError::Thread)?;
     spawn_housekeeping(state.clone()).map_err(DaemonError::Thread)?;
+    if let Some(every) = opts.scrub_interval {
+        crate::scrub::spawn(state.clone(), every).map_err(DaemonError::Thread)?;
+    }
     // Only now may clients find the socket: they get answers at once.
     listener.publish()?;
     Ok(Running { state, listener, _locks: locks })

@@ -60,7 +60,7 @@ use crate::memory::staging::Staging;
 use uploads::Round;
 
 pub use node_drains::NodesDrain;
-pub use remote_source::{RemoteCkpt, RemoteFrom, RemoteStep};
+pub use remote_source::{RemoteCkpt, RemoteFrom, RemoteStep, RemoteVerify};
 pub use uploads::remote_plan;
 use uploads::FileId;
 pub use waiters::Answer;
@@ -186,7 +186,14 @@ pub struct Drain {
     /// The daemon's staging: a step still resident there right after its
     /// commit is uploaded from memory (`uploads::ResidentFiles`).
     staging: std::sync::OnceLock<Arc<Staging>>,
+    /// Told of a local file whose bytes, read back for an upload, do not
+    /// match its index: (step, file, what was found). Set once by the
+    /// daemon (the damage record is a layer above).
+    on_damage: std::sync::OnceLock<DamageSink>,
 }
+
+/// See [`Drain::on_damage`].
+pub type DamageSink = Box<dyn Fn(u64, &str, &str) + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
@@ -238,6 +245,7 @@ impl Drain {
             nodes,
             retention_due: Default::default(),
             staging: Default::default(),
+            on_damage: Default::default(),
         }))
     }
 
@@ -249,6 +257,11 @@ impl Drain {
     /// resident there (and lent), from disk otherwise.
     pub fn use_staging(&self, staging: Arc<Staging>) {
         let _ = self.staging.set(staging);
+    }
+
+    /// Where damage of a local step found by an upload's read-back is told.
+    pub fn on_damage(&self, sink: DamageSink) {
+        let _ = self.on_damage.set(sink);
     }
 
     /// The steps local retention must keep (shared with the Store).
@@ -532,7 +545,7 @@ impl Drain {
 /// (a loop that saves every step, with a drain). mq-deadline still serves
 /// an idle request within its aging time (`prio_aging_expire`, 10 s), so
 /// the drain is never starved for good.
-fn idle_priority() {
+pub fn idle_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: changes only the calling thread's scheduling policy (pid 0);
     // `param` is a valid sched_param for SCHED_IDLE.

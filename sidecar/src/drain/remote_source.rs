@@ -69,3 +69,43 @@ impl FetchFiles for RemoteStep {
         Ok(self.target.fetch_file(self.step, name, dst, ranges, feed)?)
     }
 }
+
+/// A step's files on the drain target, for the engine's streaming verify
+/// (`ckpt_store::source::verify_source`).
+struct TargetFiles<'a> {
+    t: &'a Target,
+    step: u64,
+}
+
+impl ckpt_store::source::StepSource for TargetFiles<'_> {
+    fn file_len(&mut self, name: &str) -> Result<u64, ckpt_store::source::SourceError> {
+        Ok(self.t.file_len(self.step, name)?)
+    }
+
+    fn read(&mut self, name: &str, offset: u64, dst: &mut [u8]) -> Result<(), ckpt_store::source::SourceError> {
+        Ok(self.t.read_range(self.step, name, offset, dst)?)
+    }
+}
+
+/// What a verify of the drain target's step found.
+pub enum RemoteVerify {
+    Verified(ckpt_store::restore::VerifyReport),
+    /// Deleted meanwhile (`--drain-keep`): not checked.
+    Gone,
+    /// The target did not answer: why.
+    Failed(String),
+}
+
+impl super::Drain {
+    /// Verifies the target's `step`, every byte, through a window of
+    /// `window_bytes`; `progress(bytes_done, bytes_total)` after each file.
+    pub fn verify_remote(&self, step: u64, window_bytes: usize, progress: impl FnMut(u64, u64)) -> RemoteVerify {
+        let index_bytes = match self.target.get_index(step) {
+            Ok(b) => b,
+            Err(ckpt_tier::TierError::NotFound { .. }) => return RemoteVerify::Gone,
+            Err(e) => return RemoteVerify::Failed(e.to_string()),
+        };
+        let mut src = TargetFiles { t: &self.target, step };
+        RemoteVerify::Verified(ckpt_store::source::verify_source(&index_bytes, step, &mut src, window_bytes, progress))
+    }
+}

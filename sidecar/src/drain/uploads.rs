@@ -190,7 +190,7 @@ impl Drain {
         if let Some((s, l)) = &lent {
             s.end_lend(l);
         }
-        let (mut stats, from_memory_bytes) = up.map_err(|e| Upload::Failed(e.to_string()))?;
+        let (mut stats, from_memory_bytes) = up.map_err(|e| self.upload_failed(step, &to_upload, e))?;
         self.target.commit_step(step, &remote_index).map_err(|e| Upload::Failed(e.to_string()))?;
         stats.seconds = t0.elapsed().as_secs_f64();
         let mut st = self.lock();
@@ -198,6 +198,27 @@ impl Drain {
         st.from_memory_bytes += from_memory_bytes;
         drop(st);
         Ok(Moved { stats, copied_bytes, copied_files, from_memory_bytes })
+    }
+
+    /// An upload of `step`'s `files` that failed with `e`; a local file
+    /// whose bytes do not match its index is damage of the step, told to
+    /// the damage sink (the upload is retried, the step stays committed).
+    fn upload_failed(&self, step: u64, files: &[LocalFile], e: ckpt_tier::TierError) -> Upload {
+        if let ckpt_tier::TierError::LocalChanged { path, detail, .. } = &e {
+            let name = files
+                .iter()
+                .find(|f| &f.local_path == path)
+                .map_or_else(|| path.display().to_string(), |f| f.name.clone());
+            warn!(
+                step,
+                file = name,
+                "drain: a local file of the step does not match its index ({detail}): the step is damaged on disk"
+            );
+            if let Some(sink) = self.on_damage.get() {
+                sink(step, &name, &format!("read back for the drain: {detail}"));
+            }
+        }
+        Upload::Failed(e.to_string())
     }
 
     /// `--drain-keep N`: the oldest remote steps beyond N deleted (index

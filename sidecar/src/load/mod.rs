@@ -25,6 +25,7 @@ use crate::drain::{RemoteCkpt, RemoteFrom, RemoteStep};
 use crate::memory::regions::Region;
 use crate::memory::staging::StagingError;
 use crate::save::checks::{check_desc_shape, check_no_overlap};
+use crate::state::damage::{self, Finder};
 use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
 use crate::state::DaemonState;
@@ -90,7 +91,14 @@ pub fn run_load(
     let t0 = Instant::now();
     let reply = match load(state, replies, regions, step, &descs) {
         Ok((step, source, tensors, blobs, fell_back)) => {
-            info!(step, ?source, n_tensors = descs.len(), seconds = t0.elapsed().as_secs_f64(), "loaded");
+            info!(
+                step,
+                ?source,
+                from = read_from(state, source),
+                n_tensors = descs.len(),
+                seconds = t0.elapsed().as_secs_f64(),
+                "loaded"
+            );
             crate::state::metrics::record_load(Ok((source, !fell_back.is_empty())));
             Reply::Loaded { id, step, source, tensors, blobs, fell_back }
         }
@@ -101,6 +109,16 @@ pub fn run_load(
         }
     };
     replies.send(&reply);
+}
+
+/// Where a load of `source` read the step, for the log: the resident
+/// image, the directory, or the drain target's URL.
+fn read_from(state: &DaemonState, source: LoadSource) -> String {
+    match (source, &state.drain) {
+        (LoadSource::Ram, _) => "the resident image in staging".into(),
+        (LoadSource::Drain, Some(d)) => d.url().to_string(),
+        _ => state.read_dir().display().to_string(),
+    }
 }
 
 type Served = (u64, LoadSource, Vec<TensorInfo>, Vec<Blob>, Vec<String>);
@@ -294,6 +312,11 @@ impl<'a> Origin<'a> {
         }
     }
 
+    /// Whether this is the sidecar's own directory (else the drain target).
+    fn is_local(self, state: &DaemonState) -> bool {
+        self.dir() == Some(state.read_dir())
+    }
+
     /// The checkpoint directory, if it is one.
     fn dir(self) -> Option<&'a std::path::Path> {
         match self {
@@ -431,7 +454,7 @@ fn load_from(
             origin.read_into(which, &read_opts, buf.as_mut_slice()).map(|p| {
                 let image = buf.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
-                Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back))
+                Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back, origin.is_local(state)))
             })
         } else {
             let give_up = || state.stop_reason(replies, Some("the client disconnected"));
@@ -442,24 +465,42 @@ fn load_from(
             origin.read_into(which, &read_opts, lease.as_mut_slice()).map(|p| {
                 let image = lease.as_slice();
                 deliver(regions, descs, |name| from_index(&p.index, name, |t| Some(&image[p.tensor_range(t)?])))?;
-                Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back))
+                Ok(served_from_index(p.step, &p.index, &p.blobs, &p.fell_back, origin.is_local(state)))
             })
         };
         match r {
             Ok(served) => return served,
             Err(LoadError::BufferTooSmall { need_bytes: n, .. }) => need_bytes = n,
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(refuse(state, origin, e)),
         }
     }
     Err(Refusal::new(ErrorCode::Io, "checkpoints changed size while loading; try again"))
 }
 
+/// The refusal of a load from `origin` that failed with `e`; damage of a
+/// local step is recorded for `status` first.
+fn refuse(state: &DaemonState, origin: Origin<'_>, e: LoadError) -> Refusal {
+    if origin.is_local(state) {
+        damage::record_load_error(&e, Finder::Load);
+    }
+    e.into()
+}
+
+/// What a served load read (`local`: from this sidecar's own directories,
+/// whose steps `fell_back` passed over are recorded as damaged; else from
+/// the drain target).
 fn served_from_index(
     step: u64,
     index: &ckpt_store::format::Index,
     blobs: &std::collections::BTreeMap<String, Vec<u8>>,
     fell_back: &[(u64, String)],
+    local: bool,
 ) -> Served {
+    if local {
+        for (s, why) in fell_back {
+            damage::record(*s, "", why, Finder::Load);
+        }
+    }
     // Tensors as readers see them: a tensor stored in slices once, whole.
     let tensors = index
         .logical()
@@ -477,7 +518,8 @@ fn served_from_index(
         .iter()
         .map(|(s, why)| if why.contains(&format!("step {s} ")) { why.clone() } else { format!("step {s}: {why}") })
         .collect();
-    (step, LoadSource::Disk, tensors, blobs, fell_back)
+    let source = if local { LoadSource::Disk } else { LoadSource::Drain };
+    (step, source, tensors, blobs, fell_back)
 }
 
 /// A load of step `step` that only the drain target holds, read as `Load`

@@ -63,7 +63,7 @@ pub fn run_load_packed(
     let reply = match load_packed(state, regions, step, into) {
         Ok(p) => {
             let placed = p.need_bytes <= len_bytes;
-            info!(step = p.step, source = ?p.source, n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
+            info!(step = p.step, source = ?p.source, from = super::read_from(state, p.source), n_tensors = p.tensors.len(), need_bytes = p.need_bytes, placed, seconds = t0.elapsed().as_secs_f64(), "loaded (packed)");
             if placed {
                 crate::state::metrics::record_load(Ok((p.source, !p.fell_back.is_empty())));
             }
@@ -294,16 +294,17 @@ fn load_packed_from(
             let m = if m.contains(&shm.shm_name) { m } else { format!("shm segment {:?}: {m}", shm.shm_name) };
             return Err(Refusal::new(ErrorCode::BadRegion, m));
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(super::refuse(state, origin, e)),
     };
     shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
-    let (_, _, tensors, blobs, fell_back) = served_from_index(p.step, &p.index, &p.blobs, &p.fell_back);
+    let (_, source, tensors, blobs, fell_back) =
+        served_from_index(p.step, &p.index, &p.blobs, &p.fell_back, origin.is_local(state));
     let offsets =
         tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();
     info!(step = p.step, bytes = p.bytes, read_seconds = p.seconds, engine = %p.engine, "read into the client's region");
     Ok(PlacedReply {
         step: p.step,
-        source: LoadSource::Disk,
+        source,
         tensors,
         offsets,
         need_bytes: restore::load_len_bytes(&p.index),

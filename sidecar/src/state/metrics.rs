@@ -71,7 +71,7 @@ pub fn metrics() -> &'static Metrics {
             let _ = loads_failed.get_or_create(&[("reason", reason(&code))]);
         }
         let loads = Family::default();
-        for source in ["ram", "disk"] {
+        for source in ["ram", "disk", "drain"] {
             let _ = loads.get_or_create(&[("source", source)]);
         }
         Metrics {
@@ -166,6 +166,7 @@ pub fn record_load(outcome: Result<(LoadSource, bool), ErrorCode>) {
             let source = match source {
                 LoadSource::Ram => "ram",
                 LoadSource::Disk => "disk",
+                LoadSource::Drain => "drain",
             };
             m.loads.get_or_create(&[("source", source)]).inc();
             if fell_back {
@@ -235,13 +236,14 @@ pub fn render(report: &StatusReport) -> String {
         "Bytes of unchanged shards hard-linked from the previous step instead of written",
         m.incremental_linked_bytes.clone(),
     );
-    r.register("loads", "Loads answered, by where the step was read (ram, disk)", m.loads.clone());
+    r.register("loads", "Loads answered, by where the step was read (ram, disk, drain)", m.loads.clone());
     r.register("loads_failed", "Loads that failed, by reason (the wire's error code)", m.loads_failed.clone());
     r.register(
         "loads_fell_back",
         "Loads of latest that skipped a damaged newer step: damage on disk the sidecar found",
         m.loads_fell_back.clone(),
     );
+    register_damage(&mut r, report);
     if let Some(d) = &report.drain {
         register_drain(&mut r, d);
     }
@@ -249,6 +251,51 @@ pub fn render(report: &StatusReport) -> String {
     let _whole = m.snapshot.write().unwrap_or_else(|e| e.into_inner());
     encode(&mut out, &r).expect("encoding into a String cannot fail");
     out
+}
+
+/// The damage series (`crate::state::damage`), and the scrub's when it is on.
+fn register_damage(r: &mut Registry, report: &StatusReport) {
+    // A family of this scrape's own, from the damage record's counts.
+    let found = Family::<Source, Counter>::default();
+    for (by, n) in crate::state::damage::found_by() {
+        found.get_or_create(&[("by", by.as_str())]).inc_by(n);
+    }
+    r.register(
+        "damage_found",
+        "Times damage of a committed step was found, by what found it (load, drain: a read-back checksum mismatch, scrub, scrub_drain: the drain target's copy); the same damage found again counts again",
+        found,
+    );
+    let steps: std::collections::BTreeSet<u64> = report.damaged.iter().map(|d| d.step).collect();
+    r.register(
+        "damaged_steps",
+        "Committed steps the sidecar found damaged, of the last few damage records (status: damaged)",
+        gauge(steps.len() as u64),
+    );
+    let Some(s) = &report.scrub else { return };
+    r.register(
+        "scrub_passes",
+        "Background scrub passes over every committed step finished",
+        ConstCounter::new(s.passes),
+    );
+    r.register("scrub_steps_verified", "Committed steps the scrub verified", ConstCounter::new(s.steps_verified));
+    r.register("scrub_bytes_verified", "File bytes the scrub read and checked", ConstCounter::new(s.bytes_verified));
+    r.register(
+        "scrub_drain_steps_verified",
+        "Steps of the drain target the scrub verified (--drain)",
+        ConstCounter::new(s.remote_steps_verified),
+    );
+    r.register(
+        "scrub_drain_bytes_verified",
+        "File bytes of the drain target's steps the scrub read and checked",
+        ConstCounter::new(s.remote_bytes_verified),
+    );
+    let last: Gauge = Gauge::default();
+    last.set(s.last_pass_unix_s.map_or(-1, |t| i64::try_from(t).unwrap_or(i64::MAX)));
+    r.register(
+        "scrub_last_pass_timestamp_seconds",
+        "When the last scrub pass ended, in seconds since the Unix epoch (-1: none yet)",
+        last,
+    );
 }
 
 /// The drain's series (`--drain`), from the status report's.

@@ -3,7 +3,8 @@
 //! checkpoints (`flights`: for `status`, for the "not in flight" rule and
 //! for draining) and that of sessions (`sessions`), the last figures, each
 //! session's reply side ([`reply`]) and the one shape of a refusal it
-//! answers with ([`refusal`]), the metrics they feed ([`metrics`]) and the
+//! answers with ([`refusal`]), the metrics they feed ([`metrics`]), the
+//! damage found in committed steps ([`damage`]) and the
 //! panics tests inject ([`test_panic`]). Every stage above `memory/` and
 //! `drain/` may use it; it uses neither a stage nor the daemon.
 //!
@@ -11,6 +12,7 @@
 //! passed validation until it is durable, failed or aborted, and at most
 //! once; the daemon drains by waiting for the registry to be empty.
 
+pub mod damage;
 mod flights;
 pub mod frame_budget;
 pub mod jobs;
@@ -108,6 +110,9 @@ pub struct DaemonState {
     /// Saves committed since the last one that linked nothing (the
     /// committer's, `crate::commit::full_every`).
     pub saves_since_full: std::sync::atomic::AtomicU32,
+    /// The background scrub's report (`serve --scrub-interval`), set once
+    /// at start by the daemon (the scrub is a layer above this one).
+    pub scrub: std::sync::OnceLock<Box<dyn Fn() -> ckpt_wire::ScrubReport + Send + Sync>>,
 }
 
 /// What the last incremental commit found changed, and a generation that
@@ -154,6 +159,7 @@ impl DaemonState {
             history: Mutex::new(History::default()),
             full_every: std::sync::atomic::AtomicU32::new(ckpt_store::config::FULL_EVERY_DEFAULT),
             saves_since_full: std::sync::atomic::AtomicU32::new(0),
+            scrub: std::sync::OnceLock::new(),
         }
     }
 
@@ -307,6 +313,7 @@ impl DaemonState {
     pub fn report(&self) -> StatusReport {
         let sessions = self.sessions.report();
         let in_flight = self.flights.report();
+        let (damaged, damaged_total) = damage::report();
         StatusReport {
             server_pid: self.server_pid,
             dirs: self.dirs.iter().map(|d| d.display().to_string()).collect(),
@@ -322,6 +329,9 @@ impl DaemonState {
             unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),
             unchanged_in_place_bytes: self.unchanged_in_place_bytes.load(Ordering::Relaxed),
             drain: self.drain.as_ref().map(|d| d.report()),
+            damaged,
+            damaged_total,
+            scrub: self.scrub.get().map(|s| s()),
         }
     }
 }

@@ -10,6 +10,7 @@
 mod corruption;
 mod crash;
 mod daemon;
+mod damage;
 mod drain;
 mod fallbacks;
 mod incremental;

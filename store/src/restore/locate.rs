@@ -71,7 +71,28 @@ pub fn load_len_bytes(index: &Index) -> u64 {
     index.ckpt.files.iter().map(|f| config::align_up(f.len_bytes, DIRECT_ALIGN_BYTES)).sum()
 }
 
+/// The index of committed `step`; a step marked damaged
+/// ([`catalog::DAMAGED_MARK_NAME`]) is Damaged with the mark's reason, so
+/// loads of `latest` pass over it without reading it.
 pub fn read_index(primary: &Path, step: u64) -> Result<Index, LoadError> {
+    if let Some(why) = catalog::damage_mark(primary, step) {
+        return Err(LoadError::Damaged { dir: primary.to_path_buf(), step, problems: vec![mark_problem(&why)] });
+    }
+    read_index_unmarked(primary, step)
+}
+
+/// What a step's damage mark says, as a problem of the step.
+pub(super) fn mark_problem(why: &str) -> super::Problem {
+    problem(
+        Some(catalog::DAMAGED_MARK_NAME),
+        None,
+        format!("marked damaged: {why} (remove the mark once repaired to read the step again)"),
+    )
+}
+
+/// [`read_index`] whether the step is marked damaged or not (verify reads
+/// every byte of a marked step too).
+pub(super) fn read_index_unmarked(primary: &Path, step: u64) -> Result<Index, LoadError> {
     // A step a pending rollback un-commits is not read (one timeline).
     if !catalog::is_readable(primary, step) {
         return Err(LoadError::NotCommitted { dir: primary.to_path_buf(), step });

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::check::{check_skeleton, name_slices, read_blobs};
-use super::locate::{dir_paths, file_folder};
+use super::locate::{dir_paths, file_folder, mark_problem, read_index_unmarked};
 use super::read_dir::{read_and_check, Dest, DirReader};
-use super::{problem, read_index, LoadError, Problem, ReadOptions};
+use super::{problem, LoadError, Problem, ReadOptions};
 use crate::catalog;
 use crate::config;
 use crate::mem::AlignedBuf;
@@ -70,7 +70,7 @@ impl Verifier {
         mut progress: impl FnMut(u64, u64),
     ) -> Result<VerifyReport, LoadError> {
         let t0 = Instant::now();
-        let index = match read_index(primary, step) {
+        let index = match read_index_unmarked(primary, step) {
             Ok(i) => i,
             Err(LoadError::Damaged { problems, .. }) => {
                 return Ok(VerifyReport {
@@ -118,6 +118,7 @@ impl Verifier {
         problems.extend(read_blobs(&catalog::step_path(primary, step), &index, &mut blobs));
         check_skeleton(&index, &blobs, &mut problems);
         name_slices(&index, &mut problems);
+        problems.extend(catalog::damage_mark(primary, step).map(|why| mark_problem(&why)));
         Ok(VerifyReport {
             step,
             files: index.ckpt.files.len(),

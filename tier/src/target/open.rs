@@ -11,10 +11,10 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Once};
 
-use object_store::aws::AmazonS3Builder;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+use object_store::{BackoffConfig, ClientConfigKey, ObjectStore, RetryConfig};
 
 use super::{Backend, Inner, Target, TargetOptions};
 use crate::config::*;
@@ -132,13 +132,19 @@ impl Target {
                 let prefix = parsed.path().trim_matches('/');
                 let prefix = Path::parse(prefix).map_err(|e| bad(format!("bad prefix {prefix:?}: {e}")))?;
                 let build = |r: RetryConfig| {
-                    AmazonS3Builder::from_env().with_url(format!("s3://{bucket}")).with_retry(r).build().map_err(|e| {
-                        TierError::Open {
+                    AmazonS3Builder::from_env()
+                        .with_url(format!("s3://{bucket}"))
+                        .with_retry(r)
+                        .with_config(
+                            AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout),
+                            format!("{}ms", CONNECT_TIMEOUT.as_millis()),
+                        )
+                        .build()
+                        .map_err(|e| TierError::Open {
                             url: shown.clone(),
                             what: "S3 configuration from the environment".into(),
                             source: Box::new(e),
-                        }
-                    })
+                        })
                 };
                 let s3 = Arc::new(build(retry(RETRY_MAX, RETRY_TIMEOUT))?);
                 let probe: Arc<dyn ObjectStore> = Arc::new(build(retry(OPEN_RETRY_MAX, OPEN_RETRY_TIMEOUT))?);

@@ -58,6 +58,24 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             upload_failures: 2,
             lag_seconds: 1.5,
         }),
+        damaged: vec![DamageReport {
+            step: 3,
+            file: "rank-00000-of-00001-shard-0000.safetensors".into(),
+            reason: "checksum mismatch".into(),
+            found_unix_s: 1_700_000_000,
+            found_by: "scrub".into(),
+        }],
+        damaged_total: 1,
+        scrub: Some(ScrubReport {
+            interval_s: 21600.0,
+            verifying: Some(4),
+            passes: 1,
+            last_pass_unix_s: Some(1_700_000_000),
+            steps_verified: 3,
+            bytes_verified: 3000,
+            remote_steps_verified: 2,
+            remote_bytes_verified: 2000,
+        }),
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
@@ -227,7 +245,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             encode(&Reply::Placed {
                 id: 13,
                 step: 100,
-                source: LoadSource::Disk,
+                source: LoadSource::Drain,
                 tensors: vec![TensorInfo {
                     name: "model.w".into(),
                     dtype: "BF16".into(),

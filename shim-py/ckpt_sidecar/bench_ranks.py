@@ -267,8 +267,8 @@ def _strace_stop(p, out):
 
 def run_nodes(base, items, nodes, per_node, bins, rounds, trace):
     """--nodes for one node count: {binary index: per-round figures}, and
-    with `trace` {"coordinator"|"other": {syscall: calls}} over the measured
-    rounds (bin0's sidecars of node 0 and node 1)."""
+    with `trace` {(binary index, "coordinator"|"other"): {syscall: calls}}
+    over the measured rounds (each binary's sidecars of node 0 and node 1)."""
     world_size = nodes * per_node
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
     staging = max(8 << 20, 2 * total * per_node // world_size + (4 << 20))
@@ -317,9 +317,10 @@ def run_nodes(base, items, nodes, per_node, bins, rounds, trace):
                 warm += 1
                 if warm == nodes:
                     if trace:
-                        for who, n in (("coordinator", 0), ("other", 1)):
-                            out = os.path.join(base, f"strace-{who}.txt")
-                            tracers[who] = (_strace_start(procs[n][0].pid, out), out)
+                        for b in range(len(bins)):
+                            for who, n in (("coordinator", 0), ("other", 1)):
+                                out = os.path.join(base, f"strace-bin{b}-{who}.txt")
+                                tracers[(b, who)] = (_strace_start(procs[b * nodes + n][0].pid, out), out)
                     go.set()
             else:
                 got.append(x)
@@ -386,16 +387,15 @@ def main_nodes(a, items, total):
             for b, r in res.items():
                 line = f"{n:>5} {per_node:>2} {n * per_node:>5} {b:>4} {_median(r['released_s']):>10.3f} "
                 line += f"{_median(r['durable_s']):>9.3f} {_median(r['last_s']):>7.3f} {_median(r['first_s']):>7.3f}"
-                if traced and b == 0:
-                    steps = a.rounds
+                if traced:
                     for who in ("coordinator", "other"):
-                        fs = sum(c for s, c in traced[who].items() if s in FS_SYSCALLS)
-                        line += f" {fs / steps:>13.1f}"
+                        fs = sum(c for s, c in traced[(b, who)].items() if s in FS_SYSCALLS)
+                        line += f" {fs / a.rounds:>13.1f}"
                 print(line + "  " + " ".join(f"{x:.3f}" for x in r["last_s"]), flush=True)
-            if traced and a.strace_detail:
-                for who in ("coordinator", "other"):
-                    calls = sorted(((c, s) for s, c in traced[who].items() if s in FS_SYSCALLS), reverse=True)
-                    print(f"      {who}: " + ", ".join(f"{s} {c / a.rounds:.1f}" for c, s in calls))
+                if traced and a.strace_detail:
+                    for who in ("coordinator", "other"):
+                        calls = sorted(((c, s) for s, c in traced[(b, who)].items() if s in FS_SYSCALLS), reverse=True)
+                        print(f"      {who}: " + ", ".join(f"{s} {c / a.rounds:.1f}" for c, s in calls))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
@@ -418,7 +418,8 @@ def main(argv=None):
     ap.add_argument(
         "--strace",
         action="store_true",
-        help="--nodes: count the file-system system calls per step of node 0's sidecar (the coordinator) and node 1's",
+        help="--nodes: count the file-system system calls per step of node 0's sidecar (the coordinator) and node 1's"
+        " (each binary's)",
     )
     ap.add_argument("--strace-detail", action="store_true", help="--strace: print the calls by name")
     ap.add_argument("--rounds", type=int, default=3, help="--nodes: measured rounds per world size (default 3)")

@@ -232,6 +232,12 @@ const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);
 /// (docs/performance.md, "Several nodes: the commit's cost").
 pub const PART_TICK_MIN_MS: u64 = 2;
 const _: () = assert!(PART_TICK_MIN_MS > 0 && PART_TICK_MIN_MS < PART_TICK_MS);
+/// A sidecar waiting for another node's coordinator looks again this soon
+/// after a look that found the step's temp folder changed (markers coming
+/// in): markers arriving over D cost it at most D / PART_TICK_BUSY_MS looks
+/// more, and it sees the commit about this soon after the last marker.
+pub const PART_TICK_BUSY_MS: u64 = 10;
+const _: () = assert!(PART_TICK_MIN_MS <= PART_TICK_BUSY_MS && PART_TICK_BUSY_MS < PART_TICK_MS);
 
 /// `inspect` without a step reads the newest checkpoint; in a directory a
 /// live sidecar serves with --keep, that one may be deleted between picking

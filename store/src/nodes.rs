@@ -107,18 +107,23 @@ pub fn ranks_state(shared: &Path, step: u64) -> io::Result<RanksState> {
 /// waiting sidecar's every tick, whatever the rank count): the temp
 /// folder's presence, then the index under its final name (checked last,
 /// as in [`ranks_state`]). In flight, the set of markers is not read: it is
-/// left empty.
-pub fn ranks_outcome(shared: &Path, step: u64) -> io::Result<RanksState> {
+/// left empty; the folder's modification time comes with it (it changes as
+/// markers are renamed in: a hint of progress for how soon to look again,
+/// never a sign of the outcome).
+pub fn ranks_outcome(shared: &Path, step: u64) -> io::Result<(RanksState, Option<std::time::SystemTime>)> {
     let tmp = ranks_tmp_path(shared, step).map_err(io::Error::other)?;
-    let in_flight = match fs::symlink_metadata(&tmp) {
-        Ok(_) => true,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+    let modified = match fs::symlink_metadata(&tmp) {
+        Ok(m) => Some(m.modified().ok()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => return Err(e),
     };
     if catalog::is_committed(shared, step) {
-        return Ok(RanksState::Committed);
+        return Ok((RanksState::Committed, None));
     }
-    Ok(if in_flight { RanksState::InFlight(BTreeSet::new()) } else { RanksState::Gone })
+    Ok(match modified {
+        Some(t) => (RanksState::InFlight(BTreeSet::new()), t),
+        None => (RanksState::Gone, None),
+    })
 }
 
 /// The ranks whose markers are in a multi-rank temp folder.

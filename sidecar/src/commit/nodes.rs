@@ -18,7 +18,9 @@
 //! folder gone uncommitted means Failed, with the coordinator's abort record.
 //! A step is looked at `PART_TICK_MIN_MS` after progress (a part written
 //! here, a new marker seen), the wait doubling per look that finds nothing
-//! new up to `PART_TICK_MS`: a short latency floor at a bounded cost, the
+//! new up to `PART_TICK_MS` (another sidecar: within `PART_TICK_BUSY_MS`
+//! again while the temp folder changes, as markers come in, so that it sees
+//! the commit soon after the last one): a short latency floor at a bounded cost, the
 //! same on a network file system (no file-system notification is relied on).
 //! The sidecars never speak to each other; ranks tell theirs the rank and
 //! world size in SavePart.
@@ -100,12 +102,23 @@ struct StepWait {
     /// doubling up to `PART_TICK_MS` while nothing changes.
     next_look: Instant,
     tick: Duration,
+    /// Not the coordinator: the temp folder's modification time at the last
+    /// look (it changes as markers come in).
+    folder_modified: Option<std::time::SystemTime>,
 }
 
 impl StepWait {
     /// Something changed: look again soon.
     fn progressed(&mut self) {
         self.tick = Duration::from_millis(config::PART_TICK_MIN_MS);
+        self.next_look = Instant::now() + self.tick;
+    }
+
+    /// Another node's marker came in (the temp folder changed): look again
+    /// within `PART_TICK_BUSY_MS`, which bounds the looks while markers
+    /// keep arriving.
+    fn busy(&mut self) {
+        self.tick = Duration::from_millis(config::PART_TICK_BUSY_MS);
         self.next_look = Instant::now() + self.tick;
     }
 
@@ -296,6 +309,7 @@ impl Nodes {
             bytes: 0,
             next_look: Instant::now(),
             tick: Duration::ZERO,
+            folder_modified: None,
         });
         w.progressed();
         w.bytes += bytes;
@@ -484,7 +498,7 @@ impl Nodes {
     fn watch(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
         let dir = store.shared_dir().expect("nodes run with a shared directory").to_path_buf();
         // Two looks, no listing: the waiting costs the same whatever the rank count.
-        let ranks = match nodes::ranks_outcome(&dir, step) {
+        let (ranks, modified) = match nodes::ranks_outcome(&dir, step) {
             Ok(s) => s,
             Err(e) => {
                 warn!(step, "cannot read the shared directory ({e}); trying again");
@@ -546,6 +560,9 @@ impl Nodes {
                     for x in w.waiters {
                         answer_failed(state, x, step, Refusal::new(code, why.clone()));
                     }
+                } else if modified.is_some() && modified != w.folder_modified {
+                    w.folder_modified = modified;
+                    w.busy();
                 } else {
                     w.idle();
                 }

@@ -129,15 +129,16 @@ fn retention_is_left_to_after_the_commit() {
 fn the_outcome_is_seen_without_a_listing() {
     let tmp = tempfile::tempdir().unwrap();
     let (mut store, shared) = open(tmp.path(), None);
-    assert_eq!(nodes::ranks_outcome(&shared, 1).unwrap(), RanksState::Gone);
+    assert_eq!(nodes::ranks_outcome(&shared, 1).unwrap().0, RanksState::Gone);
     write_part(&mut store, &part_layout(0), 1);
-    assert!(matches!(nodes::ranks_outcome(&shared, 1).unwrap(), RanksState::InFlight(_)));
+    let (state, modified) = nodes::ranks_outcome(&shared, 1).unwrap();
+    assert!(matches!(state, RanksState::InFlight(_)) && modified.is_some(), "{state:?} {modified:?}");
     write_part(&mut store, &part_layout(1), 1);
     store.commit_ranks(1, 2).unwrap();
-    assert_eq!(nodes::ranks_outcome(&shared, 1).unwrap(), RanksState::Committed);
+    assert_eq!(nodes::ranks_outcome(&shared, 1).unwrap().0, RanksState::Committed);
     write_part(&mut store, &part_layout(0), 2);
     assert!(store.abort_ranks(2, "test").unwrap());
-    assert_eq!(nodes::ranks_outcome(&shared, 2).unwrap(), RanksState::Gone);
+    assert_eq!(nodes::ranks_outcome(&shared, 2).unwrap().0, RanksState::Gone);
     assert_eq!(nodes::abort_reason(&shared, 2).as_deref(), Some("test"));
 }
 

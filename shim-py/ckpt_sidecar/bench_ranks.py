@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -155,107 +156,181 @@ def fio_parallel(dirs, per_bytes):
     return j["jobs"][0]["write"]["bw_bytes"] / GIB
 
 
-def _node_worker(rank, world_size, items, socks, rounds, barrier, q):
-    """One rank of --nodes: the replicated state, one client per binary's
-    sidecar, the binaries' saves alternated (rotated order) each round."""
-    os.environ.pop("CKPT_SIDECAR_SOCKET", None)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    from .checkpointer import Checkpointer
-
+def _node_state(items):
     state = {}
     for name, shape, dt in items:
         a = np.empty(shape, dtype=dt)
         a.view(np.uint8).reshape(-1)[:] = (np.arange(a.nbytes, dtype=np.uint32) + (hash(name) & 0xFF)).astype(np.uint8)
         state[name] = a
-    cks = [Checkpointer(socket=s, spawn=False) for s in socks]
+    return state
+
+
+def _node_worker(node, per_node, world_size, items, socks, rounds, barrier, go, q):
+    """One node of --nodes: its `per_node` ranks (one thread and one client
+    each, ranks node*per_node ...), one client per binary's sidecar, the
+    binaries' saves alternated (rotated order) each round. Each measured save
+    is reported as (binary, rank, released s, durable s, round, wall-clock
+    start, wall-clock durable)."""
+    import threading
+
+    os.environ.pop("CKPT_SIDECAR_SOCKET", None)
+    from .checkpointer import Checkpointer
+
+    state = _node_state(items)
+    ranks = [node * per_node + i for i in range(per_node)]
+    cks = {}
     try:
-        for ck in cks:
-            ck.reserve(state)
-        for r in range(rounds + 1):  # round 0 warms every path, unmeasured
-            order = list(range(len(cks)))
-            order = order[r % len(order) :] + order[: r % len(order)]
-            for b in order:
-                barrier.wait()
-                t0 = time.perf_counter()
-                h = cks[b].save(r + 1, state)
-                h.wait_released()
-                t1 = time.perf_counter()
-                h.wait_durable()
-                t2 = time.perf_counter()
-                if r:
-                    q.put((b, rank, t1 - t0, t2 - t0, r))
+        for rank in ranks:
+            # The rank is read from the environment when a Checkpointer is made.
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+            cks[rank] = [Checkpointer(socket=s, spawn=False) for s in socks]
+            for ck in cks[rank]:
+                ck.reserve(state)
+        local = threading.Barrier(per_node)
+        errors = []
+
+        def run(rank):
+            try:
+                for r in range(rounds + 1):  # round 0 warms every path, unmeasured
+                    if r == 1:
+                        local.wait()  # this node's ranks all done warming
+                        if rank == ranks[0]:
+                            q.put(("warm", node))
+                            go.wait()
+                        local.wait()
+                    order = list(range(len(socks)))
+                    order = order[r % len(order) :] + order[: r % len(order)]
+                    for b in order:
+                        if rank == ranks[0]:
+                            barrier.wait()
+                        local.wait()
+                        w0, t0 = time.time(), time.perf_counter()
+                        h = cks[rank][b].save(r + 1, state)
+                        h.wait_released()
+                        t1 = time.perf_counter()
+                        h.wait_durable()
+                        t2, w2 = time.perf_counter(), time.time()
+                        if r:
+                            q.put((b, rank, t1 - t0, t2 - t0, r, w0, w2))
+            except BaseException as e:  # noqa: BLE001 - reported by the main process
+                errors.append(e)
+                local.abort()
+                barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
     finally:
-        for ck in cks:
-            ck.close()
+        for cc in cks.values():
+            for ck in cc:
+                ck.close()
     q.put(None)
 
 
-def run_nodes(base, items, world_size, bins, rounds):
-    """--nodes for one world size: {binary index: [slowest rank's durable s per round]}."""
+# The file-system system calls counted per step (strace -c names).
+FS_SYSCALLS = {
+    "open", "openat", "openat2", "creat", "close", "read", "pread64", "readv", "write", "pwrite64", "writev",
+    "stat", "lstat", "fstat", "newfstatat", "statx", "access", "faccessat", "faccessat2", "getdents64",
+    "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
+    "fsync", "fdatasync", "readlink", "readlinkat", "ftruncate", "fallocate", "inotify_add_watch",
+}  # fmt: skip
+
+
+def _strace_start(pid, out):
+    p = subprocess.Popen(
+        ["strace", "-f", "-c", "-o", out, "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    # Attached once it says so for the process (its threads follow).
+    line = p.stderr.readline()
+    if not line:
+        raise SystemExit(f"strace could not attach to {pid}")
+    return p
+
+
+def _strace_stop(p, out):
+    """{syscall: calls} of a stopped strace -c."""
+    p.send_signal(signal.SIGINT)
+    p.wait(60)
+    calls = {}
+    with open(out) as f:
+        for line in f:
+            cols = line.split()
+            if len(cols) >= 5 and cols[0][0].isdigit() and cols[-1] != "total":
+                # % time, seconds, usecs/call, calls, [errors,] syscall
+                calls[cols[-1]] = calls.get(cols[-1], 0) + int(cols[3])
+    return calls
+
+
+def run_nodes(base, items, nodes, per_node, bins, rounds, trace):
+    """--nodes for one node count: {binary index: per-round figures}, and
+    with `trace` {(binary index, "coordinator"|"other"): {syscall: calls}}
+    over the measured rounds (each binary's sidecars of node 0 and node 1)."""
+    world_size = nodes * per_node
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
-    staging = max(64 << 20, 2 * total // world_size + (256 << 20))
-    root = os.path.join(base, f"nodes-w{world_size}")
+    staging = max(8 << 20, 2 * total * per_node // world_size + (4 << 20))
+    root = os.path.join(base, f"nodes-n{nodes}x{per_node}")
     shutil.rmtree(root, ignore_errors=True)
-    procs, socks = [], [[] for _ in range(world_size)]
+    procs, socks = [], [[] for _ in range(nodes)]
     env = dict(os.environ, CKPT_SIDECAR_LOG=os.environ.get("CKPT_SIDECAR_LOG", "warn"))
+    traced, got = {}, []
     try:
         for b, binary in enumerate(bins):
             shared = os.path.join(root, f"bin{b}", "shared")
             os.makedirs(shared)
-            for r in range(world_size):
-                node = os.path.join(root, f"bin{b}", f"node{r}")
-                sock = os.path.join(root, f"bin{b}", f"node{r}.sock")
+            for n in range(nodes):
+                node = os.path.join(root, f"bin{b}", f"node{n}")
+                sock = os.path.join(root, f"bin{b}", f"node{n}.sock")
                 os.makedirs(node)
-                log = open(os.path.join(root, f"bin{b}", f"node{r}.log"), "wb")
-                procs.append(
-                    (
-                        subprocess.Popen(
-                            [
-                                binary,
-                                "serve",
-                                "--dir",
-                                node,
-                                "--shared",
-                                shared,
-                                "--socket",
-                                sock,
-                                "--staging",
-                                str(staging),
-                                "--keep",
-                                "2",
-                            ],
-                            stdout=log,
-                            stderr=log,
-                            env=env,
-                        ),
-                        log,
-                    )
-                )
-                socks[r].append(sock)
+                log = open(os.path.join(root, f"bin{b}", f"node{n}.log"), "wb")
+                cmd = [binary, "serve", "--dir", node, "--shared", shared, "--socket", sock]
+                cmd += ["--staging", str(staging), "--keep", "2"]
+                procs.append((subprocess.Popen(cmd, stdout=log, stderr=log, env=env), log))
+                socks[n].append(sock)
         deadline = time.monotonic() + 300
         while not all(os.path.exists(s) for ss in socks for s in ss):
             if any(p.poll() is not None for p, _ in procs) or time.monotonic() > deadline:
                 raise SystemExit(f"a sidecar did not start (logs in {root})")
             time.sleep(0.1)
         ctx = mp.get_context("spawn")
-        barrier, q = ctx.Barrier(world_size), ctx.Queue()
+        barrier, go, q = ctx.Barrier(nodes), ctx.Event(), ctx.Queue()
         workers = [
-            ctx.Process(target=_node_worker, args=(r, world_size, items, socks[r], rounds, barrier, q))
-            for r in range(world_size)
+            ctx.Process(target=_node_worker, args=(n, per_node, world_size, items, socks[n], rounds, barrier, go, q))
+            for n in range(nodes)
         ]
         for w in workers:
             w.start()
-        got, ended = [], 0
-        while ended < world_size:
-            x = q.get(timeout=1800)
+        ended, warm, tracers = 0, 0, {}
+        while ended < nodes:
+            try:
+                x = q.get(timeout=1)
+            except queue.Empty:
+                if any(w.exitcode not in (None, 0) for w in workers):
+                    raise SystemExit("a node worker failed (its error is above)") from None
+                continue
             if x is None:
                 ended += 1
+            elif x[0] == "warm":
+                warm += 1
+                if warm == nodes:
+                    if trace:
+                        for b in range(len(bins)):
+                            for who, n in (("coordinator", 0), ("other", 1)):
+                                out = os.path.join(base, f"strace-bin{b}-{who}.txt")
+                                tracers[(b, who)] = (_strace_start(procs[b * nodes + n][0].pid, out), out)
+                    go.set()
             else:
                 got.append(x)
+        for who, (p, out) in tracers.items():
+            traced[who] = _strace_stop(p, out)
+            os.unlink(out)
         for w in workers:
             w.join()
             if w.exitcode != 0:
-                raise SystemExit(f"rank worker exited with {w.exitcode}")
+                raise SystemExit(f"node worker exited with {w.exitcode}")
     finally:
         for p, log in procs:
             if p.poll() is None:
@@ -276,31 +351,51 @@ def run_nodes(base, items, world_size, bins, rounds):
         per_round = [rounds_of[r] for r in sorted(rounds_of)]
         out[b] = {
             "released_s": [max(x[2] for x in rr) for rr in per_round],
+            # The slowest rank: from its own save() to its Durable.
             "durable_s": [max(x[3] for x in rr) for rr in per_round],
+            # From the last rank's save() (the first) to every rank Durable.
+            "last_s": [max(x[6] for x in rr) - max(x[5] for x in rr) for rr in per_round],
+            "first_s": [max(x[6] for x in rr) - min(x[5] for x in rr) for rr in per_round],
         }
-    return out
+    return out, traced
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def main_nodes(a, items, total):
     bins = [b for b in (a.bins or "").split(",") if b] or [os.environ.get("CKPT_SIDECAR_BIN") or "ckpt-sidecar"]
+    if a.strace and shutil.which("strace") is None:
+        raise SystemExit("--strace: strace is not installed")
     print(
-        f"state: {len(items)} tensors, {total / GIB:.3f} GiB replicated on every rank; each rank one node (its own "
-        f"sidecar with --shared); {os.cpu_count()} CPUs; medians of {a.rounds} rounds, binaries alternated; "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"state: {len(items)} tensors, {total / GIB * 1024:.3f} MiB replicated on every rank; each node its own "
+        f"sidecar with --shared, --per-node ranks on it; {os.cpu_count()} CPUs; medians of {a.rounds} rounds, "
+        f"binaries alternated; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     for i, b in enumerate(bins):
         print(f"  bin{i}: {b}")
-    print(f"{'ranks':>5} {'bin':>4} {'released s':>11} {'durable s':>10} {'GiB/s':>7}  samples (durable)")
-    for w in [int(x) for x in a.ranks.split(",")]:
-        res = run_nodes(a.dir, items, w, bins, a.rounds)
-        for b, r in res.items():
-            rel, dur = sorted(r["released_s"]), sorted(r["durable_s"])
-            mr, md = rel[len(rel) // 2], dur[len(dur) // 2]
-            print(
-                f"{w:>5} {b:>4} {mr:>11.3f} {md:>10.3f} {total / md / GIB:>7.3f}  "
-                f"{' '.join(f'{x:.3f}' for x in r['durable_s'])}",
-                flush=True,
-            )
+    head = f"{'nodes':>5} {'x':>2} {'ranks':>5} {'bin':>4} {'released s':>10} {'durable s':>9} "
+    head += f"{'last s':>7} {'first s':>7}"
+    if a.strace:
+        head += f" {'coord fs/step':>13} {'other fs/step':>13}"
+    print(head + "  samples (last save -> all durable)")
+    for per_node in [int(x) for x in a.per_node.split(",")]:
+        for n in [int(x) for x in a.ranks.split(",")]:
+            res, traced = run_nodes(a.dir, items, n, per_node, bins, a.rounds, a.strace)
+            for b, r in res.items():
+                line = f"{n:>5} {per_node:>2} {n * per_node:>5} {b:>4} {_median(r['released_s']):>10.3f} "
+                line += f"{_median(r['durable_s']):>9.3f} {_median(r['last_s']):>7.3f} {_median(r['first_s']):>7.3f}"
+                if traced:
+                    for who in ("coordinator", "other"):
+                        fs = sum(c for s, c in traced[(b, who)].items() if s in FS_SYSCALLS)
+                        line += f" {fs / a.rounds:>13.1f}"
+                print(line + "  " + " ".join(f"{x:.3f}" for x in r["last_s"]), flush=True)
+                if traced and a.strace_detail:
+                    for who in ("coordinator", "other"):
+                        calls = sorted(((c, s) for s, c in traced[(b, who)].items() if s in FS_SYSCALLS), reverse=True)
+                        print(f"      {who}: " + ", ".join(f"{s} {c / a.rounds:.1f}" for c, s in calls))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
@@ -315,6 +410,18 @@ def main(argv=None):
         action="store_true",
         help="each rank one node: its own sidecar with --shared, parts (SavePart) into one shared directory",
     )
+    ap.add_argument(
+        "--per-node",
+        default="1",
+        help="--nodes: ranks per node, a list (default 1); --ranks then lists node counts",
+    )
+    ap.add_argument(
+        "--strace",
+        action="store_true",
+        help="--nodes: count the file-system system calls per step of node 0's sidecar (the coordinator) and node 1's"
+        " (each binary's)",
+    )
+    ap.add_argument("--strace-detail", action="store_true", help="--strace: print the calls by name")
     ap.add_argument("--rounds", type=int, default=3, help="--nodes: measured rounds per world size (default 3)")
     ap.add_argument(
         "--bins",

@@ -220,9 +220,24 @@ pub const PART_TIMEOUT_ENV: &str = "CKPT_SIDECAR_PART_TIMEOUT_S";
 /// The largest part timeout the environment may ask for (a week).
 pub const PART_TIMEOUT_MAX_S: u64 = 7 * 24 * 3600;
 const _: () = assert!(PART_TIMEOUT_DEFAULT_S <= PART_TIMEOUT_MAX_S);
-/// The committer looks at incomplete groups at least this often.
+/// The committer looks at incomplete groups at least this often; a step
+/// waiting for other nodes in the shared directory, at least this often
+/// while nothing changes there.
 pub const PART_TICK_MS: u64 = 200;
 const _: () = assert!(PART_TICK_MS < PART_TIMEOUT_DEFAULT_S * 1000);
+/// A step waiting for other nodes is looked at this soon after something
+/// changed (a part written here, a new marker seen), the wait doubling per
+/// look that finds nothing new up to `PART_TICK_MS`: a wait of T costs at
+/// most log2(PART_TICK_MS / PART_TICK_MIN_MS) + 1 + T / PART_TICK_MS looks
+/// (docs/performance.md, "Several nodes: the commit's cost").
+pub const PART_TICK_MIN_MS: u64 = 2;
+const _: () = assert!(PART_TICK_MIN_MS > 0 && PART_TICK_MIN_MS < PART_TICK_MS);
+/// A sidecar waiting for another node's coordinator looks again this soon
+/// after a look that found the step's temp folder changed (markers coming
+/// in): markers arriving over D cost it at most D / PART_TICK_BUSY_MS looks
+/// more, and it sees the commit about this soon after the last marker.
+pub const PART_TICK_BUSY_MS: u64 = 10;
+const _: () = assert!(PART_TICK_MIN_MS <= PART_TICK_BUSY_MS && PART_TICK_BUSY_MS < PART_TICK_MS);
 
 /// `inspect` without a step reads the newest checkpoint; in a directory a
 /// live sidecar serves with --keep, that one may be deleted between picking

@@ -64,6 +64,10 @@ pub const BLOB_BYTES_MAX: usize = 256 << 20;
 pub const INDEX_BYTES_MAX: u64 = 256 << 20;
 /// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.
 pub const POOL_THREADS_DEFAULT: usize = 4;
+/// A multi-node step's coordinator reads the rank markers that appeared
+/// since its last look with at most this many threads (on a shared file
+/// system each read is a round trip to its server).
+pub const MARKER_READ_THREADS_MAX: usize = 8;
 /// A driver whose engine fails to return completions while requests are in
 /// flight tries again this many times, `ENGINE_RETRY_PAUSE_MS` apart (the
 /// kernel's EAGAIN/ENOMEM under memory pressure passes); past that it can

@@ -121,6 +121,33 @@ impl Prev {
                 return None;
             }
         };
+        Prev::of_shared_index(shared, step, node, index)
+    }
+
+    /// Rank `rank`'s part of the committed step `step` of the shared
+    /// directory, from its marker in the step's folder (the coordinator
+    /// merged the index from the markers, file and tensor entries as they
+    /// are): this rank's bytes, not every rank's. None when the marker does
+    /// not read, or is of another step or world size (then the caller reads
+    /// the index).
+    fn read_shared_part(
+        shared: &Path,
+        step: u64,
+        node: Option<(&str, &[PathBuf])>,
+        rank: u32,
+        world_size: u32,
+    ) -> Option<Prev> {
+        let p = catalog::step_path(shared, step).join(crate::format::rank_marker_name(rank));
+        let raw = std::fs::read(&p).ok()?;
+        let marker = Index::from_json_bytes(&raw).ok()?;
+        if marker.ckpt.step != step || marker.ckpt.world_size != world_size {
+            return None;
+        }
+        debug!(step, rank, "incremental: compared with this rank's marker of the newest step");
+        Prev::of_shared_index(shared, step, node, marker)
+    }
+
+    fn of_shared_index(shared: &Path, step: u64, node: Option<(&str, &[PathBuf])>, index: Index) -> Option<Prev> {
         // File name → its holder (Index::holder, the first node listing it).
         let mut holders: HashMap<&str, (&str, &crate::format::IndexNode)> = HashMap::new();
         for (id, n) in &index.ckpt.nodes {
@@ -332,17 +359,25 @@ impl Prev {
     /// rank's part, this one's as written. Only this rank's tensors are
     /// compared then (another rank's never are its to link). With whether
     /// it was kept.
+    /// Not kept (the part of a step that is not yet committed was, or the
+    /// sidecar started since), it is this rank's marker in that step's
+    /// folder, when the step has the same world size, else its index.
     pub(crate) fn newest_shared_or_kept(
         shared: &Path,
         node: Option<(&str, &[PathBuf])>,
         kept: Option<Prev>,
+        (rank, world_size): (u32, u32),
     ) -> (Option<Prev>, bool) {
         let Some(step) = catalog::readable_steps(shared).ok().and_then(|s| s.last().copied()) else {
             return (None, false);
         };
         match kept.filter(|k| k.step == step) {
             Some(k) => (Some(k), true),
-            None => (Prev::read_shared(shared, step, node), false),
+            None => {
+                let prev = Prev::read_shared_part(shared, step, node, rank, world_size)
+                    .or_else(|| Prev::read_shared(shared, step, node));
+                (prev, false)
+            }
         }
     }
 }

@@ -51,6 +51,10 @@ use crate::mem::BufAddr;
 use crate::progress::Progress;
 use crate::ranks;
 
+mod markers;
+pub use markers::MarkersRead;
+use markers::{disagreement, read_marker, RankMarker, RankSlices};
+
 /// Where a multi-rank step stands in the shared directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RanksState {
@@ -99,6 +103,29 @@ pub fn ranks_state(shared: &Path, step: u64) -> io::Result<RanksState> {
     Ok(markers.map_or(RanksState::Gone, RanksState::InFlight))
 }
 
+/// Where a multi-rank step stands, from two looks and no listing (a
+/// waiting sidecar's every tick, whatever the rank count): the temp
+/// folder's presence, then the index under its final name (checked last,
+/// as in [`ranks_state`]). In flight, the set of markers is not read: it is
+/// left empty; the folder's modification time comes with it (it changes as
+/// markers are renamed in: a hint of progress for how soon to look again,
+/// never a sign of the outcome).
+pub fn ranks_outcome(shared: &Path, step: u64) -> io::Result<(RanksState, Option<std::time::SystemTime>)> {
+    let tmp = ranks_tmp_path(shared, step).map_err(io::Error::other)?;
+    let modified = match fs::symlink_metadata(&tmp) {
+        Ok(m) => Some(m.modified().ok()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e),
+    };
+    if catalog::is_committed(shared, step) {
+        return Ok((RanksState::Committed, None));
+    }
+    Ok(match modified {
+        Some(t) => (RanksState::InFlight(BTreeSet::new()), t),
+        None => (RanksState::Gone, None),
+    })
+}
+
 /// The ranks whose markers are in a multi-rank temp folder.
 fn markers_in(tmp: &Path) -> io::Result<BTreeSet<u32>> {
     let mut out = BTreeSet::new();
@@ -108,13 +135,6 @@ fn markers_in(tmp: &Path) -> io::Result<BTreeSet<u32>> {
         }
     }
     Ok(out)
-}
-
-/// A rank's slice declarations as written beside its marker.
-#[derive(serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RankSlices {
-    slices: Vec<SliceDecl>,
 }
 
 /// Figures of one rank's part written into the shared directory.
@@ -268,7 +288,7 @@ impl Store {
         let kept = self.kept_parts.remove(&rank);
         let (prev, prev_kept) = if layout.opts.incremental {
             let node = self.opts.node_local.as_deref().map(|id| (id, &own_dirs[..]));
-            Prev::newest_shared_or_kept(&shared, node, kept)
+            Prev::newest_shared_or_kept(&shared, node, kept, (rank, layout.opts.world_size))
         } else {
             (None, false)
         };
@@ -439,13 +459,77 @@ impl Store {
         Ok((0..world_size).filter(|r| !have.contains(r)).collect())
     }
 
+    /// The coordinator's look at a step's temp folder: one listing, then
+    /// each marker that appeared since the last look read and checked once
+    /// (with its rank's slice declarations, the sizes of its files in the
+    /// shared directory and its skeleton blob) into `read`, so that the
+    /// commit itself reads nothing per rank. Returns the ranks of
+    /// `0..world_size` still missing. The outer error is the listing's (try
+    /// again); the inner one a marker that does not make a step (abort).
+    pub fn read_new_markers(
+        &self,
+        step: u64,
+        world_size: u32,
+        read: &mut MarkersRead,
+    ) -> io::Result<Result<Vec<u32>, CommitError>> {
+        let tmp = ranks_tmp_path(self.shared_or_panic(), step).map_err(io::Error::other)?;
+        let have = match markers_in(&tmp) {
+            Ok(h) => h,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeSet::new(),
+            Err(e) => return Err(e),
+        };
+        let new: Vec<u32> = have.iter().copied().filter(|r| *r < world_size && !read.have.contains_key(r)).collect();
+        // Bounded threads: on a shared file system each read is a round trip.
+        let chunk = new.len().div_ceil(crate::config::MARKER_READ_THREADS_MAX).max(1);
+        let results: Vec<Result<(u32, RankMarker), CommitError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = new
+                .chunks(chunk)
+                .map(|ranks| {
+                    let tmp = &tmp;
+                    sc.spawn(move || ranks.iter().map(|&r| read_marker(tmp, r).map(|m| (r, m))).collect::<Vec<_>>())
+                })
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().expect("a marker reader panicked")).collect()
+        });
+        for r in results {
+            if let Err(e) = r.and_then(|(rank, m)| read.insert(&tmp, rank, m)) {
+                return Ok(Err(e));
+            }
+        }
+        Ok(Ok((0..world_size).filter(|r| !read.have.contains_key(r)).collect()))
+    }
+
     /// The coordinator's commit of a step whose every marker is there:
-    /// markers read and merged into the index with every rank's slice
-    /// declarations (checked across ranks), each listed file checked for
-    /// its size, the index written and synced, the folder renamed to
-    /// `step-…` (the commit point), the shared directory synced, `latest`
-    /// moved, retention applied there. On failure the caller aborts.
+    /// markers read and checked ([`Store::read_new_markers`]) and merged
+    /// into the index with every rank's slice declarations (checked across
+    /// ranks), the index written and synced, the folder renamed to `step-…`
+    /// (the commit point), the shared directory synced, `latest` moved,
+    /// retention applied there. On failure the caller aborts.
     pub fn commit_ranks(&mut self, step: u64, world_size: u32) -> Result<CommitReport, CommitError> {
+        let mut read = MarkersRead::default();
+        let shared = self.shared_or_panic().to_path_buf();
+        let missing = self
+            .read_new_markers(step, world_size, &mut read)
+            .map_err(|e| CommitError::io(&shared, "list the multi-rank temp folder", e))??;
+        if let Some(&rank) = missing.first() {
+            let p = ranks_tmp_path(&shared, step)?.join(format::rank_marker_name(rank));
+            return Err(CommitError::io(&p, "read rank marker", io::Error::from(io::ErrorKind::NotFound)));
+        }
+        let mut rep = self.commit_read_ranks(step, world_size, read)?;
+        rep.deleted_by_retention = self.retain_shared(step);
+        Ok(rep)
+    }
+
+    /// [`Store::commit_ranks`] of markers already read, without retention
+    /// (the caller applies it once its ranks are answered:
+    /// [`Store::retain_shared`]; a crash between the two leaves it to the
+    /// next commit, as retention is planned from the directory).
+    pub fn commit_read_ranks(
+        &mut self,
+        step: u64,
+        world_size: u32,
+        read: MarkersRead,
+    ) -> Result<CommitReport, CommitError> {
         self.check_writable()?;
         let t0 = Instant::now();
         let shared = self.shared_or_panic().to_path_buf();
@@ -453,50 +537,23 @@ impl Store {
             return Err(CommitError::AlreadyCommitted { step, dir: shared });
         }
         let tmp = ranks_tmp_path(&shared, step)?;
+        if let Some(rank) = (0..world_size).find(|r| !read.have.contains_key(r)) {
+            let p = tmp.join(format::rank_marker_name(rank));
+            return Err(CommitError::io(&p, "read rank marker", io::Error::from(io::ErrorKind::NotFound)));
+        }
         let mut parts = Vec::with_capacity(world_size as usize);
         let mut decls = Vec::new();
+        let mut structures = Vec::new();
         let mut bytes = 0u64;
-        for rank in 0..world_size {
-            let p = tmp.join(format::rank_marker_name(rank));
-            let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
-            let ix = Index::from_json_bytes(&raw)
-                .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
-            for f in &ix.ckpt.files {
-                if let Some((node, _)) = ix.holder(&f.name) {
-                    // On that node's own disks: its marker (written after
-                    // they were synced there) is the word for them.
-                    tracing::debug!(file = %f.name, node, "node-local file");
-                    bytes += f.len_bytes;
-                    continue;
-                }
-                let fp = tmp.join(&f.name);
-                let len = fs::metadata(&fp)
-                    .map_err(|e| CommitError::io(&fp, format!("rank {rank}'s marker lists it"), e))?
-                    .len();
-                if len != f.len_bytes {
-                    return Err(CommitError::Format(format::FormatError::Index(format!(
-                        "{}: {len} bytes, rank {rank}'s marker says {}",
-                        fp.display(),
-                        f.len_bytes
-                    ))));
-                }
-                bytes += len;
+        for (rank, m) in read.have.into_iter().filter(|(r, _)| *r < world_size) {
+            bytes += m.bytes;
+            decls.extend(m.slices);
+            if let Some(s) = m.structure {
+                structures.push((rank, s));
             }
-            bytes += ix.ckpt.blobs.iter().map(|b| b.len_bytes).sum::<u64>();
-            parts.push((rank, ix));
-            let sp = tmp.join(format::rank_slices_name(rank));
-            match fs::read(&sp) {
-                Ok(raw) => {
-                    let d: RankSlices = serde_json::from_slice(&raw).map_err(|e| {
-                        CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display())))
-                    })?;
-                    decls.extend(d.slices);
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
-            }
+            parts.push((rank, m.index));
         }
-        if let Some(why) = disagreement(&tmp, &parts, &decls)? {
+        if let Some(why) = disagreement(&parts, &structures, &decls) {
             return Err(CommitError::PartsDisagree { step, why });
         }
         let index = ranks::merge_indexes(parts, &decls)?;
@@ -527,27 +584,6 @@ impl Store {
                 tracing::warn!("step {step} committed but `latest` not updated ({e}); the next commit moves it");
             }
         }
-        let mut deleted_by_retention = Vec::new();
-        if let Some(policy) = self.opts.retention {
-            // The drain's hold (the step being uploaded) is kept, as in Store::retain.
-            let dirs = std::slice::from_ref(&shared);
-            let held = self
-                .retention_hold
-                .as_ref()
-                .map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).clone())
-                .unwrap_or_default();
-            let applied = crate::retention::plan(dirs, policy).and_then(|doomed| {
-                let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.contains(s)).collect();
-                for &s in &doomed {
-                    crate::retention::delete(dirs, s)?;
-                }
-                Ok(doomed)
-            });
-            match applied {
-                Ok(d) => deleted_by_retention = d,
-                Err(e) => tracing::warn!("retention in the shared directory failed ({e}); step {step} is committed"),
-            }
-        }
         info!(step, world_size, bytes, "committed (every node's ranks)");
         Ok(CommitReport {
             step,
@@ -557,7 +593,32 @@ impl Store {
             sync: std::time::Duration::ZERO,
             commit: t_commit.elapsed(),
             total: t0.elapsed(),
-            deleted_by_retention,
+            deleted_by_retention: Vec::new(),
+        })
+    }
+
+    /// Retention in the shared directory after `step`'s commit (the
+    /// coordinator's `--keep`; the drain's hold, the step being uploaded,
+    /// kept as in [`Store::retain`]): the steps deleted. A failure is logged.
+    pub fn retain_shared(&self, step: u64) -> Vec<u64> {
+        let Some(policy) = self.opts.retention else { return Vec::new() };
+        let shared = self.shared_or_panic().to_path_buf();
+        let dirs = std::slice::from_ref(&shared);
+        let held = self
+            .retention_hold
+            .as_ref()
+            .map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .unwrap_or_default();
+        let applied = crate::retention::plan(dirs, policy).and_then(|doomed| {
+            let doomed: Vec<u64> = doomed.into_iter().filter(|s| !held.contains(s)).collect();
+            for &s in &doomed {
+                crate::retention::delete(dirs, s)?;
+            }
+            Ok(doomed)
+        });
+        applied.unwrap_or_else(|e| {
+            tracing::warn!("retention in the shared directory failed ({e}); step {step} is committed");
+            Vec::new()
         })
     }
 
@@ -608,34 +669,6 @@ pub fn node_step_path(dir: &Path, step: u64) -> Result<PathBuf, format::FormatEr
 }
 
 pub use crate::recovery::sweep_node_local;
-
-/// Whether the ranks' markers make a step that does not load
-/// (crate::skeleton::parts_disagree), reading the skeleton blob of the rank
-/// that wrote one from the temp folder (its checksum checked against the
-/// marker: a torn blob is not read as a skeleton).
-fn disagreement(tmp: &Path, parts: &[(u32, Index)], decls: &[SliceDecl]) -> Result<Option<String>, CommitError> {
-    use crate::skeleton::{self, RankPart};
-    let mut structures = Vec::new();
-    for (rank, ix) in parts {
-        let Some(b) = ix.ckpt.blobs.iter().find(|b| b.name == skeleton::STRUCTURE_BLOB) else { continue };
-        let p = tmp.join(BLOBS_DIR_NAME).join(&b.name);
-        let bytes = fs::read(&p).map_err(|e| CommitError::io(&p, format!("rank {rank}'s marker lists it"), e))?;
-        if crc32c::crc32c(&bytes) == b.crc32c {
-            structures.push((*rank, bytes));
-        }
-    }
-    let ranks: Vec<RankPart<'_>> = parts
-        .iter()
-        .map(|(rank, ix)| RankPart {
-            rank: *rank,
-            tensors: ix.ckpt.tensors.keys().map(String::as_str).collect(),
-            structure: structures.iter().find(|(r, _)| r == rank).map(|(_, b)| &b[..]),
-            parts_map: ix.ckpt.blobs.iter().any(|b| b.name == skeleton::PARTS_BLOB),
-        })
-        .collect();
-    let slices: Vec<(&str, &str)> = decls.iter().map(|d| (d.piece.as_str(), d.of.as_str())).collect();
-    Ok(skeleton::parts_disagree(&ranks, &slices))
-}
 
 /// Removes rank `rank`'s shards, marker, slice declarations and the named
 /// blobs from a multi-rank temp folder (what an earlier attempt of that

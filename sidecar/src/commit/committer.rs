@@ -41,6 +41,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
             loop {
                 let tick = Instant::now() + std::time::Duration::from_millis(config::PART_TICK_MS);
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
+                let deadline = nodes.as_ref().and_then(Nodes::next_look).map_or(deadline, |d| d.min(deadline));
                 let work = rx.recv_deadline(deadline);
                 if matches!(work, Ok(Work::Checkpoint(_))) {
                     crate::state::test_panic::maybe_panic(crate::state::test_panic::At::Commit);

@@ -7,12 +7,21 @@
 //! shards, blobs, its slice declarations, then, after the copy's
 //! checksums, the marker. Its staging lease is then freed.
 //! The rank waits here for the global commit. The sidecar serving rank 0 of a step
-//! is that step's **coordinator**. Each tick it looks for every marker;
-//! when all are in, it commits (`Store::commit_ranks`). When the part
+//! is that step's **coordinator**. At each look it lists the temp folder
+//! and reads the markers new since the last look, each once
+//! (`Store::read_new_markers`); when all are in, it commits
+//! (`Store::commit_read_ranks`: no marker read again), answers its ranks,
+//! and only then applies retention (`Store::retain_shared`). When the part
 //! timeout passes first, it aborts the step and removes the temp folder.
-//! Every other sidecar only watches the shared directory
-//! (`nodes::ranks_state`): committed means Durable, and a folder gone
-//! uncommitted means Failed, naming the ranks whose markers it never saw.
+//! Every other sidecar only watches the shared directory with two looks
+//! and no listing (`nodes::ranks_outcome`): committed means Durable, and a
+//! folder gone uncommitted means Failed, with the coordinator's abort record.
+//! A step is looked at `PART_TICK_MIN_MS` after progress (a part written
+//! here, a new marker seen), the wait doubling per look that finds nothing
+//! new up to `PART_TICK_MS` (another sidecar: within `PART_TICK_BUSY_MS`
+//! again while the temp folder changes, as markers come in, so that it sees
+//! the commit soon after the last one): a short latency floor at a bounded cost, the
+//! same on a network file system (no file-system notification is relied on).
 //! The sidecars never speak to each other; ranks tell theirs the rank and
 //! world size in SavePart.
 //!
@@ -40,12 +49,12 @@ use std::time::{Duration, Instant};
 
 use ckpt_store::commit::{CommitError, Store};
 use ckpt_store::image::{self, Layout, SliceDecl};
-use ckpt_store::nodes::PartReport;
-use ckpt_store::nodes::{self, RanksState};
+use ckpt_store::nodes::{self, MarkersRead, PartReport, RanksState};
 use ckpt_wire::{Blob, ErrorCode, LastFigures, Reply};
 use tracing::{info, warn};
 
 use crate::commit::slices;
+use crate::config;
 use crate::memory::staging::Lease;
 use crate::state::jobs::{copy_failure_or, error_code, Fill, FillEnd, Flight, Job, Part};
 use crate::state::refusal::Refusal;
@@ -82,9 +91,42 @@ struct StepWait {
     /// When this sidecar's first part of the step (the coordinator: rank 0's)
     /// was written.
     since: Instant,
-    /// The ranks whose markers were last seen in the temp folder.
+    /// The ranks whose markers were last seen in the temp folder (the
+    /// coordinator's every look; another sidecar's only when it gives up).
     seen: BTreeSet<u32>,
+    /// The coordinator: the markers read so far, each once.
+    read: MarkersRead,
     bytes: u64,
+    /// When the step is looked at next, and the wait before the look after:
+    /// short after progress (a part written here, a new marker seen),
+    /// doubling up to `PART_TICK_MS` while nothing changes.
+    next_look: Instant,
+    tick: Duration,
+    /// Not the coordinator: the temp folder's modification time at the last
+    /// look (it changes as markers come in).
+    folder_modified: Option<std::time::SystemTime>,
+}
+
+impl StepWait {
+    /// Something changed: look again soon.
+    fn progressed(&mut self) {
+        self.tick = Duration::from_millis(config::PART_TICK_MIN_MS);
+        self.next_look = Instant::now() + self.tick;
+    }
+
+    /// Another node's marker came in (the temp folder changed): look again
+    /// within `PART_TICK_BUSY_MS`, which bounds the looks while markers
+    /// keep arriving.
+    fn busy(&mut self) {
+        self.tick = Duration::from_millis(config::PART_TICK_BUSY_MS);
+        self.next_look = Instant::now() + self.tick;
+    }
+
+    /// A look that found nothing new: wait longer before the next.
+    fn idle(&mut self) {
+        self.tick = (self.tick * 2).min(Duration::from_millis(config::PART_TICK_MS));
+        self.next_look = Instant::now() + self.tick;
+    }
 }
 
 pub struct Nodes {
@@ -263,8 +305,13 @@ impl Nodes {
             coordinator: false,
             since: Instant::now(),
             seen: BTreeSet::new(),
+            read: MarkersRead::default(),
             bytes: 0,
+            next_look: Instant::now(),
+            tick: Duration::ZERO,
+            folder_modified: None,
         });
+        w.progressed();
         w.bytes += bytes;
         w.seen.insert(waiter.rank);
         if waiter.rank == 0 {
@@ -303,9 +350,18 @@ impl Nodes {
         }
     }
 
-    /// Looks at every waiting step in the shared directory.
+    /// When the next waiting step is due for a look (the committer's wait
+    /// ends then at the latest).
+    pub fn next_look(&self) -> Option<Instant> {
+        self.steps.values().map(|w| w.next_look).min()
+    }
+
+    /// Looks at every waiting step that is due in the shared directory (all
+    /// of them while shutting down).
     pub fn tick(&mut self, store: &mut Store, state: &DaemonState) {
-        let steps: Vec<u64> = self.steps.keys().copied().collect();
+        let now = Instant::now();
+        let all = state.is_aborting();
+        let steps: Vec<u64> = self.steps.iter().filter(|(_, w)| all || w.next_look <= now).map(|(s, _)| *s).collect();
         for step in steps {
             self.poll_step(store, state, step);
         }
@@ -332,19 +388,32 @@ impl Nodes {
     /// The coordinator: commit when every marker is in, abort when the
     /// timeout passed first.
     fn coordinate(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
-        let w = self.steps.get(&step).expect("polled");
+        let w = self.steps.get_mut(&step).expect("polled");
         let world_size = w.world_size;
-        let missing = match store.ranks_missing(step, world_size) {
-            Ok(m) => m,
+        let before = w.read.ranks().len();
+        let looked = match store.read_new_markers(step, world_size, &mut w.read) {
+            Ok(r) => r,
             Err(e) => {
                 warn!(step, "cannot read the shared directory ({e}); trying again");
+                w.idle();
                 return;
             }
         };
+        let missing = match &looked {
+            Ok(m) => m.clone(),
+            Err(_) => Vec::new(),
+        };
+        w.seen = w.read.ranks();
+        if w.seen.len() > before {
+            w.progressed();
+        } else {
+            w.idle();
+        }
         if missing.is_empty() {
-            let w = self.steps.remove(&step).expect("polled");
+            let mut w = self.steps.remove(&step).expect("polled");
             let t0 = Instant::now();
-            match store.commit_ranks(step, world_size) {
+            let read = std::mem::take(&mut w.read);
+            match looked.and_then(|_| store.commit_read_ranks(step, world_size, read)) {
                 Ok(rep) => {
                     let persist_seconds = w.since.elapsed().as_secs_f64();
                     info!(
@@ -362,9 +431,16 @@ impl Nodes {
                         persist_seconds,
                         persist_gib_per_s: gib_per_s,
                     });
-                    self.sweep(store);
                     self.count_committed(&w);
                     durable(state, w, step, &rep.path.display().to_string(), persist_seconds);
+                    // Off the commit path: its ranks are answered (a crash
+                    // before this leaves it to the next commit).
+                    let t_retain = Instant::now();
+                    let deleted = store.retain_shared(step);
+                    if !deleted.is_empty() {
+                        info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention (shared directory)");
+                    }
+                    self.sweep(store);
                 }
                 Err(e) => {
                     let why = match &e {
@@ -421,10 +497,12 @@ impl Nodes {
     /// its folder is gone uncommitted, or when nobody decided in time.
     fn watch(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
         let dir = store.shared_dir().expect("nodes run with a shared directory").to_path_buf();
-        let ranks = match nodes::ranks_state(&dir, step) {
+        // Two looks, no listing: the waiting costs the same whatever the rank count.
+        let (ranks, modified) = match nodes::ranks_outcome(&dir, step) {
             Ok(s) => s,
             Err(e) => {
                 warn!(step, "cannot read the shared directory ({e}); trying again");
+                self.steps.get_mut(&step).expect("polled").idle();
                 return;
             }
         };
@@ -441,15 +519,13 @@ impl Nodes {
             }
             RanksState::Gone => {
                 let w = self.steps.remove(&step).expect("polled");
-                let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
                 // The coordinator's own reason, with the ranks missing when it
-                // aborted (this sidecar's last look may predate later markers).
+                // aborted (its abort record, written before it removed the folder).
                 let why = if let Some(why) = nodes::abort_reason(&dir, step) {
                     why
-                } else if missing.is_empty() {
-                    format!("step {step}: the coordinator (rank 0's sidecar) aborted the step after every marker was in (its commit failed; its log says why); the step is not committed")
                 } else {
-                    format!("step {step}: the coordinator (rank 0's sidecar) aborted the step; rank(s) {missing:?} of {} had written no marker; the step is not committed", w.world_size)
+                    let mine: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
+                    format!("step {step}: the step's folder is gone uncommitted, with no abort record (the coordinator, rank 0's sidecar, or a start's recovery removed it; their logs say why); this node's rank(s) {mine:?} of {} had written their markers; the step is not committed", w.world_size)
                 };
                 warn!("{why}");
                 self.sweep(store);
@@ -457,11 +533,14 @@ impl Nodes {
                     answer_failed(state, x, step, Refusal::new(ErrorCode::Io, why.clone()));
                 }
             }
-            RanksState::InFlight(seen) => {
-                w.seen = seen;
+            RanksState::InFlight(_) => {
                 let limit = self.timeout * 2;
                 if state.is_aborting() || w.since.elapsed() >= limit {
-                    let w = self.steps.remove(&step).expect("polled");
+                    let mut w = self.steps.remove(&step).expect("polled");
+                    // The one listing of the wait: which ranks to name.
+                    if let Ok(RanksState::InFlight(seen)) = nodes::ranks_state(&dir, step) {
+                        w.seen.extend(seen);
+                    }
                     let missing: Vec<u32> = (0..w.world_size).filter(|r| !w.seen.contains(r)).collect();
                     let why = if state.is_aborting() {
                         format!("step {step}: this sidecar is shutting down before the coordinator committed; rank(s) {missing:?} of {} had written no marker", w.world_size)
@@ -481,6 +560,11 @@ impl Nodes {
                     for x in w.waiters {
                         answer_failed(state, x, step, Refusal::new(code, why.clone()));
                     }
+                } else if modified.is_some() && modified != w.folder_modified {
+                    w.folder_modified = modified;
+                    w.busy();
+                } else {
+                    w.idle();
                 }
             }
         }

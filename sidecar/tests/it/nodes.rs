@@ -909,13 +909,26 @@ fn node_local_folders_follow_the_coordinators_retention() {
     let folder = |s| ckpt_store::format::node_step_dir_name(s).unwrap();
     save_all(&mut ranks, 1, &shared);
     save_all(&mut ranks, 2, &shared);
-    // The coordinator un-committed step 1 before its answer: node a's folder of it is gone.
-    assert_eq!(catalog::committed_steps(&shared).unwrap(), [2]);
-    assert!(!c.local(0).join(folder(1)).exists() && c.local(0).join(folder(2)).is_dir());
+    // The coordinator un-commits step 1 after its answer (retention is off
+    // the commit path), then removes node a's folder of it.
+    wait_until("retention and node a's sweep after step 2", || {
+        catalog::committed_steps(&shared).unwrap() == [2] && !c.local(0).join(folder(1)).exists()
+    });
+    assert!(c.local(0).join(folder(2)).is_dir());
     save_all(&mut ranks, 3, &shared);
     // Node b follows at its next decision at the latest.
     assert!(!c.local(1).join(folder(1)).exists() && c.local(1).join(folder(3)).is_dir(), "{:?}", names_in(&c.local(1)));
-    assert!(!c.local(0).join(folder(2)).exists());
+    wait_until("node a's sweep after step 3", || !c.local(0).join(folder(2)).exists());
+}
+
+/// Waits for `cond`, which the sidecars make true after an answer; the
+/// deadline only bounds a hang.
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "{what}: not within 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// Sends a Load of every tensor of `owners` (as `load_tensors` lays out one

@@ -1,0 +1,138 @@
+//! The rank markers of a multi-rank step as its coordinator reads them:
+//! each once, when it first sees it, with what the commit needs of its rank
+//! (docs/format.md, "Several nodes").
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::commit::CommitError;
+use crate::format::{self, Index, BLOBS_DIR_NAME};
+use crate::image::SliceDecl;
+
+/// A rank's slice declarations as written beside its marker.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RankSlices {
+    pub(super) slices: Vec<SliceDecl>,
+}
+
+/// Whether the ranks' markers make a step that does not load
+/// (crate::skeleton::parts_disagree), with the skeleton blobs read with
+/// their markers ([`read_marker`]).
+pub(super) fn disagreement(
+    parts: &[(u32, Index)],
+    structures: &[(u32, Arc<Vec<u8>>)],
+    decls: &[SliceDecl],
+) -> Option<String> {
+    use crate::skeleton::{self, RankPart};
+    let ranks: Vec<RankPart<'_>> = parts
+        .iter()
+        .map(|(rank, ix)| RankPart {
+            rank: *rank,
+            tensors: ix.ckpt.tensors.keys().map(String::as_str).collect(),
+            structure: structures.iter().find(|(r, _)| r == rank).map(|(_, b)| &b[..]),
+            parts_map: ix.ckpt.blobs.iter().any(|b| b.name == skeleton::PARTS_BLOB),
+        })
+        .collect();
+    let slices: Vec<(&str, &str)> = decls.iter().map(|d| (d.piece.as_str(), d.of.as_str())).collect();
+    skeleton::parts_disagree(&ranks, &slices)
+}
+
+/// What the coordinator has read of a step's markers so far, each once
+/// ([`Store::read_new_markers`]).
+#[derive(Debug, Default)]
+pub struct MarkersRead {
+    pub(super) have: BTreeMap<u32, RankMarker>,
+    /// The skeleton blobs read, by crc32c: every rank of a replicated state
+    /// names the same one (one file in the temp folder), read once.
+    structures: HashMap<u32, Arc<Vec<u8>>>,
+}
+
+impl MarkersRead {
+    /// The ranks whose markers were read.
+    pub fn ranks(&self) -> BTreeSet<u32> {
+        self.have.keys().copied().collect()
+    }
+
+    /// Rank `rank`'s marker, read, with its skeleton blob if it names one:
+    /// the bytes of that crc32c read before, else read now from `tmp` (a
+    /// blob whose checksum does not match the marker, torn or another
+    /// rank's, is not read as its skeleton).
+    pub(super) fn insert(&mut self, tmp: &Path, rank: u32, mut m: RankMarker) -> Result<(), CommitError> {
+        if let Some(want) = m.structure_crc {
+            if let Some(b) = self.structures.get(&want) {
+                m.structure = Some(b.clone());
+            } else {
+                let bp = tmp.join(BLOBS_DIR_NAME).join(crate::skeleton::STRUCTURE_BLOB);
+                let got =
+                    fs::read(&bp).map_err(|e| CommitError::io(&bp, format!("rank {rank}'s marker lists it"), e))?;
+                if crc32c::crc32c(&got) == want {
+                    let got = Arc::new(got);
+                    self.structures.insert(want, got.clone());
+                    m.structure = Some(got);
+                }
+            }
+        }
+        self.have.insert(rank, m);
+        Ok(())
+    }
+}
+
+/// One rank's marker as the coordinator read and checked it.
+#[derive(Debug)]
+pub(super) struct RankMarker {
+    pub(super) index: Index,
+    pub(super) slices: Vec<SliceDecl>,
+    /// The crc32c its marker gives its skeleton blob, if it names one.
+    structure_crc: Option<u32>,
+    /// That blob, read ([`MarkersRead::insert`]).
+    pub(super) structure: Option<Arc<Vec<u8>>>,
+    /// Its files' and blobs' bytes.
+    pub(super) bytes: u64,
+}
+
+/// Reads rank `rank`'s marker in the temp folder `tmp` with what the commit
+/// needs of its rank: the marker parsed, each file it lists in the shared
+/// directory checked for its size (a node-held file: its node's marker,
+/// written after they were synced there, is the word for it), its slice
+/// declarations; its skeleton blob is read by [`MarkersRead::insert`].
+pub(super) fn read_marker(tmp: &Path, rank: u32) -> Result<RankMarker, CommitError> {
+    let p = tmp.join(format::rank_marker_name(rank));
+    let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
+    let index = Index::from_json_bytes(&raw)
+        .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
+    let mut bytes = 0u64;
+    for f in &index.ckpt.files {
+        if index.holder(&f.name).is_some() {
+            bytes += f.len_bytes;
+            continue;
+        }
+        let fp = tmp.join(&f.name);
+        let len =
+            fs::metadata(&fp).map_err(|e| CommitError::io(&fp, format!("rank {rank}'s marker lists it"), e))?.len();
+        if len != f.len_bytes {
+            return Err(CommitError::Format(format::FormatError::Index(format!(
+                "{}: {len} bytes, rank {rank}'s marker says {}",
+                fp.display(),
+                f.len_bytes
+            ))));
+        }
+        bytes += len;
+    }
+    bytes += index.ckpt.blobs.iter().map(|b| b.len_bytes).sum::<u64>();
+    let sp = tmp.join(format::rank_slices_name(rank));
+    let slices = match fs::read(&sp) {
+        Ok(raw) => {
+            let d: RankSlices = serde_json::from_slice(&raw)
+                .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display()))))?;
+            d.slices
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
+    };
+    let structure_crc = index.ckpt.blobs.iter().find(|b| b.name == crate::skeleton::STRUCTURE_BLOB).map(|b| b.crc32c);
+    Ok(RankMarker { index, slices, structure_crc, structure: None, bytes })
+}

@@ -1,0 +1,170 @@
+//! Several nodes in one shared directory, as the coordinator and the parts
+//! see it: each marker read once, the commit's retention left to its
+//! caller, the outcome seen without a listing, and an incremental part
+//! that compares with its own rank's marker instead of the whole index.
+
+use std::collections::HashSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ckpt_store::catalog;
+use ckpt_store::commit::{IncrementalReport, Store, StoreOptions};
+use ckpt_store::format::{self, Dtype, INDEX_FILE_NAME};
+use ckpt_store::image::{Layout, LayoutOptions, TensorSpec};
+use ckpt_store::mem::AlignedBuf;
+use ckpt_store::nodes::{self, MarkersRead, RanksState};
+use ckpt_store::restore::{self, ReadOptions, Which};
+use ckpt_store::retention::Retention;
+use ckpt_store::synthetic;
+
+/// Rank `rank` of two: a frozen tensor alone in a stable shard and a
+/// changing one, named after the rank.
+fn part_layout(rank: u32) -> Layout {
+    let (frozen, moving) = (format!("r{rank}.frozen"), format!("r{rank}.moving"));
+    let specs = vec![TensorSpec::new(&frozen, Dtype::F32, &[1 << 14]), TensorSpec::new(&moving, Dtype::F32, &[256])];
+    let changed: HashSet<String> = [moving].into();
+    let opts = LayoutOptions { incremental: true, rank, world_size: 2, ..Default::default() };
+    let l = Layout::plan_with(specs, opts, Some(&changed)).unwrap();
+    assert!(l.shards[l.places[0].shard_idx].stable, "the test needs the frozen tensor in a stable shard");
+    l
+}
+
+/// Writes rank `l.opts.rank`'s part of `step` (frozen tensor of seed 7, the
+/// changing one of seed `step`); returns what it found.
+fn write_part(store: &mut Store, l: &Layout, step: u64) -> Option<IncrementalReport> {
+    let mut staging = AlignedBuf::new(l.staging_len as usize).unwrap();
+    let st = staging.as_mut_slice();
+    l.write_headers(st);
+    synthetic::fill(&mut st[l.tensor_range(0)], 7);
+    synthetic::fill(&mut st[l.tensor_range(1)], step);
+    let crcs = l.tensor_crcs(st);
+    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[l.tensor_range(i)])).collect();
+    store.write_rank_part_with_digests(step, l, &staging, &crcs, &digests, &[], &[]).unwrap().incremental
+}
+
+fn open(root: &Path, retention: Option<Retention>) -> (Store, PathBuf) {
+    let shared = root.join("shared");
+    fs::create_dir_all(&shared).unwrap();
+    let opts = StoreOptions { retention, shared: Some(shared.clone()), ..StoreOptions::new(vec![root.join("own")]) };
+    (Store::open(opts).unwrap(), shared.canonicalize().unwrap())
+}
+
+/// Damages a file in place (same length), so that it no longer parses.
+fn damage(p: &Path) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::File::options().write(true).open(p).unwrap();
+    f.write_all_at(b"garbage!", 1).unwrap();
+}
+
+fn assert_loads(shared: &Path, step: u64) {
+    let loaded = restore::load(shared, Which::Step(step), &ReadOptions::default(), None).unwrap();
+    for rank in 0..2 {
+        let l = part_layout(rank);
+        for (i, seed) in [(0, 7), (1, step)] {
+            let mut want = vec![0u8; l.tensor_range(i).len()];
+            synthetic::fill(&mut want, seed);
+            let name = &l.specs[i].name;
+            assert!(loaded.tensor(name).unwrap() == &want[..], "step {step}: {name} is not the tensor saved");
+        }
+    }
+}
+
+/// The coordinator reads a marker once, when it first sees it: a marker
+/// damaged after that look does not undo the commit, which reads no marker
+/// again; the step loads.
+#[test]
+fn the_coordinator_reads_each_marker_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    let (l0, l1) = (part_layout(0), part_layout(1));
+    let mut read = MarkersRead::default();
+    assert_eq!(store.read_new_markers(1, 2, &mut read).unwrap().unwrap(), vec![0, 1], "no marker yet");
+    write_part(&mut store, &l0, 1);
+    assert_eq!(store.read_new_markers(1, 2, &mut read).unwrap().unwrap(), vec![1]);
+    let tmp_dir = nodes::ranks_tmp_path(&shared, 1).unwrap();
+    damage(&tmp_dir.join(format::rank_marker_name(0)));
+    write_part(&mut store, &l1, 1);
+    assert_eq!(store.read_new_markers(1, 2, &mut read).unwrap().unwrap(), Vec::<u32>::new());
+    assert_eq!(read.ranks().into_iter().collect::<Vec<_>>(), [0, 1]);
+    store.commit_read_ranks(1, 2, read).unwrap();
+    assert_loads(&shared, 1);
+}
+
+/// A marker that does not read is the inner error (the coordinator aborts),
+/// not a listing failure (it would try again).
+#[test]
+fn a_damaged_marker_is_refused_when_first_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    write_part(&mut store, &part_layout(0), 1);
+    damage(&nodes::ranks_tmp_path(&shared, 1).unwrap().join(format::rank_marker_name(0)));
+    let mut read = MarkersRead::default();
+    let r = store.read_new_markers(1, 2, &mut read).expect("the listing reads");
+    assert!(r.is_err(), "a damaged marker is refused: {r:?}");
+}
+
+/// The commit itself applies no retention: the caller does once its ranks
+/// are answered (`retain_shared`), and then the old steps go.
+#[test]
+fn retention_is_left_to_after_the_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), Some(Retention { keep_last: 1, keep_every: None }));
+    for step in 1..=2 {
+        for rank in 0..2 {
+            write_part(&mut store, &part_layout(rank), step);
+        }
+        let mut read = MarkersRead::default();
+        assert!(store.read_new_markers(step, 2, &mut read).unwrap().unwrap().is_empty());
+        let rep = store.commit_read_ranks(step, 2, read).unwrap();
+        assert!(rep.deleted_by_retention.is_empty());
+    }
+    assert_eq!(catalog::readable_steps(&shared).unwrap(), [1, 2], "the commit deleted nothing");
+    assert_eq!(store.retain_shared(2), [1]);
+    assert_eq!(catalog::readable_steps(&shared).unwrap(), [2]);
+    assert_loads(&shared, 2);
+}
+
+/// The other sidecars' look: two stats, whatever the rank count.
+#[test]
+fn the_outcome_is_seen_without_a_listing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    assert_eq!(nodes::ranks_outcome(&shared, 1).unwrap().0, RanksState::Gone);
+    write_part(&mut store, &part_layout(0), 1);
+    let (state, modified) = nodes::ranks_outcome(&shared, 1).unwrap();
+    assert!(matches!(state, RanksState::InFlight(_)) && modified.is_some(), "{state:?} {modified:?}");
+    write_part(&mut store, &part_layout(1), 1);
+    store.commit_ranks(1, 2).unwrap();
+    assert_eq!(nodes::ranks_outcome(&shared, 1).unwrap().0, RanksState::Committed);
+    write_part(&mut store, &part_layout(0), 2);
+    assert!(store.abort_ranks(2, "test").unwrap());
+    assert_eq!(nodes::ranks_outcome(&shared, 2).unwrap().0, RanksState::Gone);
+    assert_eq!(nodes::abort_reason(&shared, 2).as_deref(), Some("test"));
+}
+
+/// A rank's part written before the previous one is committed (its kept
+/// part is then not of the newest committed step) compares with its own
+/// rank's marker in the newest step's folder, not with the whole index
+/// (damaged here: read, it would make the part write everything), and
+/// links its unchanged shard from it.
+#[test]
+fn a_part_ahead_of_the_commit_compares_with_its_own_marker_not_the_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    let (l0, l1) = (part_layout(0), part_layout(1));
+    write_part(&mut store, &l0, 1);
+    write_part(&mut store, &l1, 1);
+    store.commit_ranks(1, 2).unwrap();
+    damage(&catalog::step_path(&shared, 1).join(INDEX_FILE_NAME));
+    assert!(restore::read_index(&shared, 1).is_err(), "the test needs an index that does not read");
+    // Step 2's parts, not committed; step 3's rank 0 comes first.
+    let r = write_part(&mut store, &l0, 2).unwrap();
+    assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(1), true, 1));
+    write_part(&mut store, &l1, 2);
+    let r = write_part(&mut store, &l0, 3).unwrap();
+    assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(1), false, 1), "rank 0's marker of step 1");
+    let changed: Vec<String> = r.changed.unwrap().into_iter().collect();
+    assert_eq!(changed, ["r0.moving"]);
+    store.commit_ranks(2, 2).unwrap();
+    assert_loads(&shared, 2);
+}

@@ -22,5 +22,6 @@ pub mod daemon;
 pub mod drain;
 pub mod load;
 pub mod memory;
+pub mod peer;
 pub mod save;
 pub mod state;

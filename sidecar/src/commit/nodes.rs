@@ -505,6 +505,10 @@ fn durable(state: &DaemonState, w: StepWait, step: u64, path: &str, persist_seco
     if let Some(d) = &state.drain {
         d.committed(step);
     }
+    // The peers: this node's files of the step go to them (never waited for).
+    if let Some(p) = &state.peers {
+        p.committed(step);
+    }
     for x in w.waiters {
         state.end(Flight::Part(step, x.rank));
         x.replies.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });

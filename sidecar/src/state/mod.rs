@@ -100,6 +100,8 @@ pub struct DaemonState {
     pub unchanged_in_place_bytes: AtomicU64,
     /// The drain tier (`--drain URL`), set once at start (`crate::drain`).
     pub drain: Option<Arc<crate::drain::Drain>>,
+    /// The peers (`--peers`), set once at start (`crate::peer`).
+    pub peers: Option<Arc<crate::peer::Peers>>,
     /// Incremental saves: which tensors changed at the last commit (the
     /// committer sets it; sessions plan stable shards from it).
     history: Mutex<History>,
@@ -151,6 +153,7 @@ impl DaemonState {
             coordinating: Mutex::new(Vec::new()),
             read_only: None,
             drain: None,
+            peers: None,
             history: Mutex::new(History::default()),
             full_every: std::sync::atomic::AtomicU32::new(ckpt_store::config::FULL_EVERY_DEFAULT),
             saves_since_full: std::sync::atomic::AtomicU32::new(0),
@@ -322,6 +325,7 @@ impl DaemonState {
             unchanged_taken_bytes: self.unchanged_taken_bytes.load(Ordering::Relaxed),
             unchanged_in_place_bytes: self.unchanged_in_place_bytes.load(Ordering::Relaxed),
             drain: self.drain.as_ref().map(|d| d.report()),
+            peers: self.peers.as_ref().map(|p| p.report()),
         }
     }
 }

@@ -1,0 +1,53 @@
+"""One rank of the peers tests: RANK / WORLD_SIZE in the environment, its
+node's sidecar at CKPT_SIDECAR_SOCKET, no torch. argv: SHARED STEPS MODE.
+MODE save: saves each step of STEPS (comma-separated) of state(step), each
+waited durable and held by peers; writes {"rank", "held_by": [...]} per
+step. MODE load: loads "latest" and writes {"rank", "step", "equal",
+"fell_back"}, or {"error": one line} when the load fails."""
+import json
+import os
+import sys
+
+import numpy as np
+
+from ckpt_sidecar import Checkpointer
+
+
+def state(step, kib=256):
+    g = np.random.default_rng(step)
+    return {
+        "w": g.standard_normal(kib * 256, dtype=np.float32),
+        "v": g.integers(0, 1 << 30, size=(64, 33), dtype=np.int64),
+        "step": np.array(step, dtype=np.int64),
+    }
+
+
+def equal(got, want):
+    return set(got) == set(want) and all(
+        got[k].dtype == v.dtype and got[k].shape == v.shape and np.array_equal(got[k], v) for k, v in want.items())
+
+
+def main():
+    d, steps, mode = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
+    rank = int(os.environ["RANK"])
+    with Checkpointer(dir=d, spawn=False) as ck:
+        assert ck.rank == rank, (ck.rank, rank)
+        if mode == "save":
+            out = {"rank": rank, "held": []}
+            for s in steps:
+                h = ck.save(s, state(s)).wait_durable(timeout=120)
+                h.wait_peers(timeout=120)
+                out["held"].append(s)
+        else:
+            try:
+                got = ck.load("latest")
+                s = int(got["step"])
+                out = {"rank": rank, "step": s, "equal": equal(got, state(s))}
+            except Exception as e:  # noqa: BLE001 - the test reads the line
+                out = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+    with open(f"result-{rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

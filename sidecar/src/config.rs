@@ -287,6 +287,10 @@ pub const PEER_PIECE_BYTES: usize = 4 << 20;
 pub const PEER_WAITERS_MAX: usize = 4096;
 /// Outcomes of this node's replications remembered (the newest).
 pub const PEER_OUTCOMES_KEPT: usize = 256;
+/// Bytes of this node's files kept in memory, copied from a part's staging
+/// image as it is written, until they are sent to the peers (more: the
+/// rest is read back from disk).
+pub const PEER_SEND_STAGED_BYTES_MAX: u64 = 8 << 30;
 /// Threads of the peer server's tokio runtime.
 pub const PEER_RUNTIME_THREADS: usize = 2;
 /// Environment variable naming the cluster secret's file (`--peer-secret-file`).

@@ -153,6 +153,13 @@ impl Nodes {
             fill: fill.as_deref(),
         };
         let (t0, r) = self.write_part(store, state, step, &bytes);
+        // The peers: this part's files copied while its lease is here, so
+        // they are sent from memory (once the copy that fed it has ended).
+        if let (Ok(_), Some(p)) = (&r, &state.peers) {
+            if fill.as_ref().is_none_or(|f| matches!(f.end(), FillEnd::Copied { .. })) {
+                p.stage_part(step, &layout, lease.as_slice());
+            }
+        }
         drop(lease);
         let rep = match r {
             Ok(rep) => rep,

@@ -14,11 +14,13 @@ use ckpt_wire::peer::{self, Nodes, PeerMsg, Role, PEER_FRAME_BYTES_MAX, PEER_HEL
 use super::frames::{fresh_nonce, kind, recv, send, ConnError};
 use crate::config;
 
-/// A file of this node's, sent from disk.
+/// A file of this node's, sent from memory (a copy of the part's staging
+/// image) when given, else from disk.
 pub struct LocalFile {
     pub name: String,
     pub path: PathBuf,
     pub len_bytes: u64,
+    pub bytes: Option<std::sync::Arc<Vec<u8>>>,
 }
 
 pub struct Conn {
@@ -97,6 +99,10 @@ impl Conn {
         self.expect(|m| matches!(m, PeerMsg::Ready))?;
         for f in files {
             send(&mut self.stream, &PeerMsg::File { name: f.name.clone(), len_bytes: f.len_bytes })?;
+            if let Some(b) = f.bytes.as_ref().filter(|b| b.len() as u64 == f.len_bytes) {
+                self.stream.write_all(b)?;
+                continue;
+            }
             let file = std::fs::File::open(&f.path)?;
             // File to socket: std copies with sendfile/splice where it can.
             let sent = std::io::copy(&mut file.take(f.len_bytes), &mut self.stream)?;

@@ -75,6 +75,7 @@ pub struct Peers {
     me: ThisNode,
     shared_dir: PathBuf,
     held: Arc<held::Held>,
+    staged: Arc<replicate::Staged>,
     repl: replicate::Replication,
     /// The bound address (a port 0 made real).
     local_addr: SocketAddr,
@@ -109,7 +110,9 @@ impl Peers {
             refused: refused.clone(),
         };
         runtime.spawn(server::serve(listener, Arc::new(srv)));
+        let staged = Arc::new(replicate::Staged::default());
         let repl = replicate::Replication::spawn(replicate::Sender {
+            staged: staged.clone(),
             secret: secret.clone(),
             me: me.clone(),
             shared_dir: shared_dir.clone(),
@@ -118,7 +121,7 @@ impl Peers {
         })
         .map_err(PeerError::Runtime)?;
         tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, "peers: listening");
-        Ok(Arc::new(Peers { opts, secret, me, shared_dir, held, repl, local_addr, refused, _runtime: runtime }))
+        Ok(Arc::new(Peers { opts, secret, me, shared_dir, held, staged, repl, local_addr, refused, _runtime: runtime }))
     }
 
     /// The address peers reach this sidecar at (the port bound).
@@ -130,6 +133,13 @@ impl Peers {
     /// node's files of it go to its peers, on the replication thread.
     pub fn committed(&self, step: u64) {
         self.repl.committed(step);
+    }
+
+    /// A part of `step` was written from `image` (its staging lease, at
+    /// `layout`'s offsets): its files are copied, so the replication sends
+    /// them from memory instead of reading them back from disk.
+    pub fn stage_part(&self, step: u64, layout: &ckpt_store::image::Layout, image: &[u8]) {
+        self.staged.stage(step, layout, image);
     }
 
     /// A WaitPeers: answered now, or once the step's replication ended.

@@ -28,6 +28,42 @@ pub struct Sender {
     pub shared_dir: PathBuf,
     pub peers: Vec<String>,
     pub replicas: u32,
+    pub staged: Arc<Staged>,
+}
+
+/// This node's files of recent steps in memory, copied from each part's
+/// staging image as it was written, until sent (bounded in bytes).
+#[derive(Default)]
+pub struct Staged {
+    files: Mutex<BTreeMap<u64, StepFiles>>,
+}
+
+/// One step's files by name.
+type StepFiles = std::collections::HashMap<String, Arc<Vec<u8>>>;
+
+impl Staged {
+    /// Keeps a copy of each of `layout`'s shard files from `image` (a
+    /// part's lease, at the layout's offsets) that fits the bound.
+    pub fn stage(&self, step: u64, layout: &ckpt_store::image::Layout, image: &[u8]) {
+        let mut g = self.files.lock().expect("staged files lock");
+        let mut held: u64 = g.values().flat_map(|m| m.values()).map(|b| b.len() as u64).sum();
+        for s in &layout.shards {
+            let (off, len) = (s.staging_offset as usize, s.file_len as usize);
+            if off + len > image.len() || held + len as u64 > config::PEER_SEND_STAGED_BYTES_MAX {
+                continue;
+            }
+            held += len as u64;
+            g.entry(step).or_default().insert(s.file_name.clone(), Arc::new(image[off..off + len].to_vec()));
+        }
+    }
+
+    /// Takes `step`'s copies, and lets every older step's go.
+    fn take(&self, step: u64) -> StepFiles {
+        let mut g = self.files.lock().expect("staged files lock");
+        let mine = g.remove(&step).unwrap_or_default();
+        g.retain(|&s, _| s > step);
+        mine
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -170,7 +206,11 @@ impl Sender {
         let index_path = catalog::step_path(&self.shared_dir, step).join(INDEX_FILE_NAME);
         let index_bytes = std::fs::read(&index_path).map_err(|e| format!("{}: {e}", index_path.display()))?;
         let index = Index::from_json_bytes(&index_bytes).map_err(|e| format!("{}: {e}", index_path.display()))?;
-        let files = self.files(&index, step)?;
+        let mut staged = self.staged.take(step);
+        let mut files = self.files(&index, step)?;
+        for f in &mut files {
+            f.bytes = staged.remove(&f.name);
+        }
         if files.is_empty() {
             return Ok((Vec::new(), 0));
         }
@@ -227,7 +267,12 @@ impl Sender {
                     self.me.dirs.len()
                 )
             })?;
-            out.push(LocalFile { name: f.name.clone(), path: dir.join(&folder).join(&f.name), len_bytes: f.len_bytes });
+            out.push(LocalFile {
+                name: f.name.clone(),
+                path: dir.join(&folder).join(&f.name),
+                len_bytes: f.len_bytes,
+                bytes: None,
+            });
         }
         Ok(out)
     }

@@ -109,6 +109,7 @@ impl Server {
             Ok(Ok(node)) => node,
             Ok(Err(e)) => {
                 self.refused.fetch_add(1, Ordering::Relaxed);
+                linger_close(r, w).await;
                 return Err(ConnError::Refused(format!("handshake failed: {e}")));
             }
             Err(_) => {
@@ -294,4 +295,24 @@ impl Server {
         info!(node, step, bytes = total, "peers: holding a replica (every byte checked)");
         send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
     }
+}
+
+/// Closes a refused connection so that its peer reads the Refused sent
+/// before (a close with unread bytes in the socket resets it, and the
+/// reset may discard what the peer had not read yet): our side shut, the
+/// rest of what it sent read and dropped, at most 64 KiB within 1 s.
+async fn linger_close(mut r: OwnedReadHalf, mut w: OwnedWriteHalf) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = w.shutdown().await;
+    let mut buf = vec![0u8; 64 << 10];
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let mut left = buf.len();
+        while left > 0 {
+            match r.read(&mut buf[..left]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left -= n,
+            }
+        }
+    })
+    .await;
 }

@@ -49,11 +49,12 @@ class Cluster:
         self.secret = secret
         self.nodes = {}
 
-    def start(self, node):
+    def start(self, node, extra=(), peers=None):
         other = "b" if node == "a" else "a"
+        peers = f"127.0.0.1:{self.ports[other]}" if peers is None else peers
         args = ["--shared", str(self.shared), "--node-local", "--node-id", node,
-                "--peer-listen", f"127.0.0.1:{self.ports[node]}", "--peers", f"127.0.0.1:{self.ports[other]}",
-                "--peer-secret-file", str(self.secret)]
+                "--peer-listen", f"127.0.0.1:{self.ports[node]}", "--peers", peers,
+                "--peer-secret-file", str(self.secret), *extra]
         s = Sidecar(self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}").start()
         self.nodes[node] = s
         return s
@@ -108,6 +109,44 @@ def test_a_replaced_node_on_an_emptied_disk_loads_bit_equal_from_its_peer_withou
     assert "loading from the peers" in cluster.nodes["b"].log.read_text()
     # Nothing was written back to b's disk: its files were streamed into the load's memory.
     assert not list((tmp_path / "L_b").rglob("*.safetensors"))
+
+
+def test_a_missing_replica_falls_back_to_the_drain_target_naming_the_peer_it_skipped(cluster, tmp_path):
+    """Order: this node's disks, the peers, then the drain target. Both
+    nodes drain to file://R too; then both sidecars are replaced (b on an
+    emptied disk, a restarted: the replica of b's files it held in RAM is
+    gone), and b's ranks' load reads b's files from the drain target,
+    saying which peer it asked first."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    drain = ["--drain", f"file://{remote}"]
+    for n in ("a", "b"):
+        cluster.start(n, drain)
+    saved, logs = cluster.ranks("replicate", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    for n in ("a", "b"):
+        cluster.nodes[n].kill()
+    shutil.rmtree(tmp_path / "L_b")
+    (tmp_path / "L_b").mkdir()
+    for n in ("a", "b"):
+        cluster.start(n, drain)
+    loaded, logs = cluster.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(1, True, None)] * 2, logs
+    skipped = loaded[1]["fell_back"] or ""
+    assert f"from peer 127.0.0.1:{cluster.ports['a']}" in skipped and "not held" in skipped, (loaded[1], logs)
+
+
+def test_a_peer_that_cannot_be_reached_fails_the_replication_saying_why_and_the_save_stays_durable(cluster):
+    """b's only peer is a closed port: b's steps are durable, and wait_peers
+    raises IOFailed naming the peer (a's steps are held by b as usual)."""
+    dead = free_port()
+    cluster.start("a")
+    cluster.start("b", peers=f"127.0.0.1:{dead}")
+    saved, logs = cluster.ranks("try-save", "1")
+    assert saved[0]["held"] == [1], logs
+    [failed] = saved[1]["held"]
+    assert failed["step"] == 1 and failed["error"].startswith("IOFailed") and f"127.0.0.1:{dead}" in failed["error"]
+    assert cluster.nodes["b"].status()["peers"]["last_failed"] == 1
 
 
 class Recorder:

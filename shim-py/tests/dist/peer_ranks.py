@@ -1,12 +1,15 @@
 """One rank of the peers tests: RANK / WORLD_SIZE in the environment, its
 node's sidecar at CKPT_SIDECAR_SOCKET, no torch. argv: SHARED STEPS MODE.
 MODE save: saves each step of STEPS (comma-separated) of state(step), each
-waited durable and held by peers; writes {"rank", "held_by": [...]} per
-step. MODE load: loads "latest" and writes {"rank", "step", "equal",
-"fell_back"}, or {"error": one line} when the load fails."""
+waited durable and held by peers; writes {"rank", "held": [steps]}; MODE
+try-save: the same, a failed wait_peers recorded as {"step", "error"} in
+"held" instead. MODE replicate: save, then also wait_replicated (a drain).
+MODE load: loads "latest" and writes {"rank", "step", "equal",
+"fell_back" (the load's RuntimeWarnings: what it passed over)}, or {"error": one line} when the load fails."""
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -32,17 +35,27 @@ def main():
     rank = int(os.environ["RANK"])
     with Checkpointer(dir=d, spawn=False) as ck:
         assert ck.rank == rank, (ck.rank, rank)
-        if mode == "save":
+        if mode in ("save", "try-save", "replicate"):
             out = {"rank": rank, "held": []}
             for s in steps:
                 h = ck.save(s, state(s)).wait_durable(timeout=120)
-                h.wait_peers(timeout=120)
-                out["held"].append(s)
+                try:
+                    h.wait_peers(timeout=120)
+                    out["held"].append(s)
+                except Exception as e:  # noqa: BLE001 - the test reads the line
+                    if mode != "try-save":
+                        raise
+                    out["held"].append({"step": s, "error": f"{type(e).__name__}: {e}"})
+                if mode == "replicate":
+                    h.wait_replicated(timeout=120)
         else:
             try:
-                got = ck.load("latest")
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    got = ck.load("latest")
                 s = int(got["step"])
-                out = {"rank": rank, "step": s, "equal": equal(got, state(s))}
+                fell_back = " | ".join(str(w.message) for w in said if issubclass(w.category, RuntimeWarning))
+                out = {"rank": rank, "step": s, "equal": equal(got, state(s)), "fell_back": fell_back}
             except Exception as e:  # noqa: BLE001 - the test reads the line
                 out = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
     with open(f"result-{rank}.json", "w") as f:

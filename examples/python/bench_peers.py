@@ -210,7 +210,10 @@ def main():
         for n in nodes:
             n.stop()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.environ.get("BENCH_PEERS_KEEP"):
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ impl FetchFiles for PeerFiles {
         let mut tried = Vec::new();
         if let Some(node) = &node {
             // A replica this sidecar holds: checked when it came, checked again here.
-            if let Some(bytes) = self.held.file(node, self.step, name).filter(|b| b.len() == dst.len()) {
-                dst.copy_from_slice(&bytes);
+            if let Some(bytes) = self.held.file(node, self.step, name).filter(|b| b.as_slice().len() == dst.len()) {
+                dst.copy_from_slice(bytes.as_slice());
                 if ckpt_store::restore::check_file_bytes(&self.index, name, dst).is_empty() {
                     feed(dst);
                     return Ok(());

@@ -7,9 +7,38 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// One file's bytes: received into pre-faulted memory (huge pages where
+/// the kernel has them: a replica's receive is not slowed by a fault per
+/// 4 KiB page), or read from this node's disk.
+pub enum FileBytes {
+    Mapped(ckpt_store::mem::AlignedBuf, usize),
+    Read(Vec<u8>),
+}
+
+impl FileBytes {
+    /// `len` zeroed bytes, pre-faulted.
+    pub fn zeroed(len: usize) -> std::io::Result<FileBytes> {
+        Ok(FileBytes::Mapped(ckpt_store::mem::AlignedBuf::new(len)?, len))
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(b, len) => &b.as_slice()[..*len],
+            FileBytes::Read(v) => v,
+        }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            FileBytes::Mapped(b, len) => &mut b.as_mut_slice()[..*len],
+            FileBytes::Read(v) => v,
+        }
+    }
+}
+
 /// One node's files of one step, checked against the step's index.
 pub struct Replica {
-    pub files: HashMap<String, Arc<Vec<u8>>>,
+    pub files: HashMap<String, Arc<FileBytes>>,
     pub bytes: u64,
 }
 
@@ -82,7 +111,7 @@ impl Held {
     }
 
     /// File `name` of `node`'s replica of `step`, if held.
-    pub fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<Vec<u8>>> {
+    pub fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<FileBytes>> {
         self.lock().by_node.get(node)?.get(&step)?.files.get(name).cloned()
     }
 

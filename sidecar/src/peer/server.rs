@@ -19,7 +19,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
 use super::frames::{fresh_nonce, kind, recv_async, recv_raw_async, send_async, send_raw_async, ConnError};
-use super::held::{Held, Replica};
+use super::held::{FileBytes, Held, Replica};
 use crate::config;
 
 pub struct Server {
@@ -138,9 +138,9 @@ impl Server {
                 }
                 PeerMsg::Get { node, step, name } => match self.file(&node, step, &name).await {
                     Some(bytes) => {
-                        let len_bytes = bytes.len() as u64;
+                        let len_bytes = bytes.as_slice().len() as u64;
                         send_async(&mut w, &PeerMsg::File { name, len_bytes }, io).await?;
-                        send_raw_async(&mut w, &bytes, io).await?;
+                        send_raw_async(&mut w, bytes.as_slice(), io).await?;
                     }
                     None => {
                         let message = format!(
@@ -162,7 +162,7 @@ impl Server {
 
     /// File `name` of `node`'s step `step`: a replica held in memory, or
     /// (this node's own) read from its disks.
-    async fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<Vec<u8>>> {
+    async fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<FileBytes>> {
         if let Some(f) = self.held.file(node, step, name) {
             return Some(f);
         }
@@ -172,10 +172,12 @@ impl Server {
         }
         let folder = ckpt_store::format::node_step_dir_name(step).ok()?;
         let paths: Vec<_> = self.dirs.iter().map(|d| d.join(&folder).join(name)).collect();
-        tokio::task::spawn_blocking(move || paths.iter().find_map(|p| std::fs::read(p).ok()).map(Arc::new))
-            .await
-            .ok()
-            .flatten()
+        tokio::task::spawn_blocking(move || {
+            paths.iter().find_map(|p| std::fs::read(p).ok()).map(|v| Arc::new(FileBytes::Read(v)))
+        })
+        .await
+        .ok()
+        .flatten()
     }
 
     /// Both sides prove the secret; the peer's node id once they did.
@@ -261,6 +263,7 @@ impl Server {
         };
         send_async(w, &PeerMsg::Ready, io).await?;
         let mut files = HashMap::new();
+        let (mut recv_s, mut check_s) = (0f64, 0f64);
         for _ in 0..n_files {
             let PeerMsg::File { name, len_bytes } = recv_async(r, PEER_FRAME_BYTES_MAX, io).await? else {
                 return Err(ConnError::Protocol(format!("step {step}: a File expected")));
@@ -271,15 +274,19 @@ impl Server {
                 send_async(w, &refuse(m.clone()), io).await?;
                 return Err(ConnError::Protocol(m));
             }
-            let mut buf = vec![0u8; len_bytes as usize];
-            recv_raw_async(r, &mut buf, io).await?;
+            let t0 = std::time::Instant::now();
+            let mut buf = FileBytes::zeroed(len_bytes as usize)?;
+            recv_raw_async(r, buf.as_mut_slice(), io).await?;
+            let t1 = std::time::Instant::now();
+            recv_s += (t1 - t0).as_secs_f64();
             let (idx, n) = (index.clone(), name.clone());
             let (buf, problems) = tokio::task::spawn_blocking(move || {
-                let p = ckpt_store::restore::check_file_bytes(&idx, &n, &buf);
+                let p = ckpt_store::restore::check_file_bytes(&idx, &n, buf.as_slice());
                 (buf, p)
             })
             .await
             .map_err(|e| ConnError::Protocol(format!("checking {name}: {e}")))?;
+            check_s += t1.elapsed().as_secs_f64();
             if !problems.is_empty() {
                 let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
                 let m = format!("step {step}: file {name} does not match the index: {}", list.join("; "));
@@ -292,7 +299,7 @@ impl Server {
             return Err(ConnError::Protocol(format!("step {step}: Done expected after the files")));
         }
         self.held.insert(room, node, step, Replica { files, bytes: total });
-        info!(node, step, bytes = total, "peers: holding a replica (every byte checked)");
+        info!(node, step, bytes = total, recv_s, check_s, "peers: holding a replica (every byte checked)");
         send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
     }
 }

@@ -378,6 +378,18 @@ int ckpt_wait(struct ckpt_client *client, uint64_t save_id, int what, int64_t ti
 // `client` is a live client.
 int ckpt_wait_replicated(struct ckpt_client *client, uint64_t save_id, int64_t timeout_ms);
 
+// Blocks until this node's files of checkpoint save `save_id` are held by
+// peers: durable, then checked and held in the memory of --peer-replicas
+// other nodes' sidecars (--peers), or `timeout_ms` passes (< 0: no limit;
+// CKPT_E_TIMEOUT, the replication goes on). CKPT_E_NOT_FOUND at once when
+// the sidecar has no peers; CKPT_E_IO when the replication failed, with
+// the reason (which peer, why) in ckpt_last_error(); CKPT_E_INVALID for a
+// ckpt_save_file. Training never waits for it unless it calls this.
+//
+// # Safety
+// `client` is a live client.
+int ckpt_wait_peers(struct ckpt_client *client, uint64_t save_id, int64_t timeout_ms);
+
 // Stores the save's state in *state (CKPT_PENDING, CKPT_RELEASED,
 // CKPT_DURABLE, CKPT_REPLICATED once a wait for it returned, or
 // CKPT_FAILED) without blocking. For CKPT_FAILED the

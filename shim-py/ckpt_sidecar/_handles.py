@@ -125,6 +125,15 @@ class SaveHandle:
         newer one was drained instead, or --drain-every leaves it out)."""
         return self._answered(lambda client: N.lib().ckpt_wait_replicated(client, self.id, timeout_ms(timeout)))
 
+    def wait_peers(self, timeout: float | None = None) -> SaveHandle:
+        """Block until this node's files of the checkpoint are *held by peers*:
+        durable, then checked and held in the memory of `--peer-replicas`
+        other nodes' sidecars (`--peers`). Raises Timeout when `timeout`
+        (seconds) passes (the replication goes on), NotFound at once when the
+        sidecar has no peers, or IoError saying which peer failed and why.
+        Training never waits for peers unless it calls this."""
+        return self._answered(lambda client: N.lib().ckpt_wait_peers(client, self.id, timeout_ms(timeout)))
+
     def _wait(self, what: int, timeout: float | None) -> SaveHandle:
         return self._answered(lambda client: N.lib().ckpt_wait(client, self.id, what, timeout_ms(timeout)))
 

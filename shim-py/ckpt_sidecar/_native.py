@@ -129,6 +129,7 @@ def _signatures():
         ),
         "ckpt_wait": ([P, c.c_uint64, c.c_int, c.c_int64], c.c_int),
         "ckpt_wait_replicated": ([P, c.c_uint64, c.c_int64], c.c_int),
+        "ckpt_wait_peers": ([P, c.c_uint64, c.c_int64], c.c_int),
         "ckpt_poll": ([P, c.c_uint64, c.POINTER(c.c_int)], c.c_int),
         "ckpt_save_figures": (
             [P, c.c_uint64, c.POINTER(c.c_double), c.POINTER(c.c_double), c.POINTER(c.c_double)],

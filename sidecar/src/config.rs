@@ -294,3 +294,35 @@ pub const SCRUB_INTERVAL_MIN_MS: u64 = 100;
 /// the daemon's exit this often.
 pub const SCRUB_WAKE_MS: u64 = 200;
 const _: () = assert!(SCRUB_WAKE_MS >= 1 && SCRUB_BYTES_PER_S_MAX >= 1 << 20);
+
+/// Peers (`--peers`, `crate::peer`): the RAM a sidecar lends to other
+/// nodes' replicas unless `--peer-budget` says otherwise, the newest steps
+/// of each peer kept (`--peer-keep`) and the replicas wanted of each of
+/// this node's steps (`--peer-replicas`).
+pub const PEER_BUDGET_BYTES_DEFAULT: u64 = 16 << 30;
+pub const PEER_KEEP_DEFAULT: usize = 2;
+pub const PEER_REPLICAS_DEFAULT: u32 = 1;
+/// Connections one remote host may hold open at once (handshakes
+/// included), and all hosts together: one more is closed at once.
+pub const PEER_CONNECTIONS_PER_HOST_MAX: usize = 8;
+pub const PEER_CONNECTIONS_MAX: usize = 256;
+const _: () = assert!(PEER_CONNECTIONS_PER_HOST_MAX <= PEER_CONNECTIONS_MAX);
+/// How long a handshake may take (all of it), and any one read or write
+/// after it: a peer that stalls longer is dropped (its connection only).
+pub const PEER_HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
+pub const PEER_IO_TIMEOUT_MS: u64 = 30_000;
+pub const PEER_CONNECT_TIMEOUT_MS: u64 = 3_000;
+/// A file's bytes move in pieces of this size (one read or write each).
+pub const PEER_PIECE_BYTES: usize = 4 << 20;
+/// Clients waiting for a step to be held by peers, at once (all sessions).
+pub const PEER_WAITERS_MAX: usize = 4096;
+/// Outcomes of this node's replications remembered (the newest).
+pub const PEER_OUTCOMES_KEPT: usize = 256;
+/// Bytes of this node's files kept in memory, copied from a part's staging
+/// image as it is written, until they are sent to the peers (more: the
+/// rest is read back from disk).
+pub const PEER_SEND_STAGED_BYTES_MAX: u64 = 8 << 30;
+/// Threads of the peer server's tokio runtime.
+pub const PEER_RUNTIME_THREADS: usize = 2;
+/// Environment variable naming the cluster secret's file (`--peer-secret-file`).
+pub const PEER_SECRET_FILE_ENV: &str = "CKPT_SIDECAR_PEER_SECRET_FILE";

@@ -23,6 +23,7 @@ pub mod daemon;
 pub mod drain;
 pub mod load;
 pub mod memory;
+pub mod peer;
 pub mod save;
 pub mod scrub;
 pub mod state;

@@ -28,11 +28,11 @@ use std::io;
 use std::path::PathBuf;
 
 pub(crate) use check::{check_blobs, check_skeleton, name_slices, FileCheck};
-pub use fetched::FetchFiles;
+pub use fetched::{check_file_bytes, FetchFiles};
 pub use load::{
     load, load_into, load_into_raw, load_into_raw_with, load_into_with, Loaded, OwnMemory, Placed, ReadDest,
 };
-pub use locate::{held_elsewhere, load_len_bytes, read_index};
+pub use locate::{held_elsewhere, load_len_bytes, own_files_missing, read_index};
 pub use quick::{quick_check, QUICK_CHECKED, QUICK_NOT_CHECKED};
 pub(crate) use read_step::{read_step_at, Origin};
 pub use verify::{verify, Verifier, VerifyReport};

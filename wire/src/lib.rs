@@ -18,6 +18,7 @@ use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
+pub mod peer;
 mod save;
 pub use save::{
     decode_save, decode_save_head, decode_tensors, encode_save, encode_save_with, encode_tensors, BlobRef, Dims,
@@ -390,6 +391,18 @@ pub enum Request {
         id: u64,
         step: u64,
     },
+    /// Tell me when this node's files of the committed checkpoint `step`
+    /// are **held by peers**: `--peer-replicas` other nodes' sidecars
+    /// (`--peers`) hold them in memory, every byte checked against the
+    /// step's checksums. Reply: [`Reply::HeldByPeers`] once they do (at
+    /// once if they already do), or Error: NotFound when the sidecar has no
+    /// peers, or the step is not committed; Io when its replication failed
+    /// (the reason says which peer and why); ShuttingDown when the sidecar
+    /// stops first. Added in version 15.
+    WaitPeers {
+        id: u64,
+        step: u64,
+    },
 }
 
 /// One piece of a [`Request::SaveFilePieces`]: `len_bytes` at `offset_bytes`
@@ -555,6 +568,13 @@ pub enum Reply {
         step: u64,
         url: String,
     },
+    /// The answer to a WaitPeers: this node's files of `step` are held by
+    /// the peers `peers` (their node ids). (Version 15.)
+    HeldByPeers {
+        id: u64,
+        step: u64,
+        peers: Vec<String>,
+    },
 }
 
 /// [`Reply::Placed`]'s offset of a tensor that is not contiguous in the region.
@@ -598,6 +618,8 @@ pub struct StatusReport {
     pub damaged_total: u64,
     /// The background scrub (`serve --scrub-interval`), when on. (Version 15.)
     pub scrub: Option<ScrubReport>,
+    /// The peers (`--peers`), when the sidecar has any. (Version 15.)
+    pub peers: Option<PeerReport>,
 }
 
 /// One damaged committed step the sidecar found. (Version 15.)
@@ -631,6 +653,32 @@ pub struct ScrubReport {
     /// The same of the drain target's steps (`--drain`).
     pub remote_steps_verified: u64,
     pub remote_bytes_verified: u64,
+}
+
+/// What this node's peer replication is doing, for `status`. (Version 15.)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct PeerReport {
+    /// This sidecar's own peer address (`--peer-listen`).
+    pub listen: String,
+    /// The peers' addresses (`--peers`).
+    pub peers: Vec<String>,
+    /// Replicas of each of this node's steps wanted (`--peer-replicas`).
+    pub replicas: u32,
+    /// The newest step of this node held by its peers, and by which.
+    pub last_held: Option<u64>,
+    pub last_held_by: Vec<String>,
+    /// The newest step whose replication failed, and why (empty: none).
+    pub last_failed: Option<u64>,
+    pub last_error: String,
+    /// Bytes per second of the last replication.
+    pub bytes_per_s: f64,
+    /// Other nodes' steps held here: (node, step) pairs, and their bytes
+    /// against the budget.
+    pub holding: Vec<(String, u64)>,
+    pub holding_bytes: u64,
+    pub budget_bytes: u64,
+    /// Connections refused since the start (a failed handshake, garbage, a stall).
+    pub refused_connections: u64,
 }
 
 /// What the drain (`--drain URL`) is doing, for `status`. (Version 13.)

@@ -219,6 +219,7 @@ fn reply_id(r: &Reply) -> Option<u64> {
         | Reply::CopyQueued { id, .. }
         | Reply::Placed { id, .. }
         | Reply::Replicated { id, .. }
+        | Reply::HeldByPeers { id, .. }
         | Reply::Error { id, .. } => Some(*id),
     }
 }

@@ -270,6 +270,36 @@ impl Client {
             other => Err(unexpected("WaitReplicated", other)),
         }
     }
+
+    /// Blocks until this node's files of checkpoint save `save_id` are
+    /// **held by peers**: durable, then checked and held in the memory of
+    /// `--peer-replicas` other nodes' sidecars (`--peers`); returns their
+    /// node ids (empty when this node holds no file of the step). Or
+    /// `timeout` passes (None: no limit; [`Error::Timeout`], the
+    /// replication goes on). A sidecar without peers answers at once with
+    /// [`Error::Remote`] (NotFound); a failed replication with
+    /// [`Error::Remote`] (Io) saying which peer and why: never a hang.
+    pub fn wait_peers(&self, save_id: u64, timeout: Option<Duration>) -> Result<Vec<String>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let s = self.wait(save_id, Wanted::Durable, timeout)?;
+        if let Some(f) = &s.file {
+            return Err(Error::InvalidArgument(format!(
+                "save {save_id} wrote the file {f}; only checkpoints are held by peers"
+            )));
+        }
+        let step = s.step;
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        self.check_owner()?;
+        let mut inner = self.lock_inner();
+        let conn = self.ensure_connected(&mut inner)?;
+        let gen = conn.gen;
+        let id = self.send_request(conn, |id| Request::WaitPeers { id, step })?;
+        drop(inner);
+        match self.await_reply(id, gen, &format!("step {step} to be held by peers"), left)? {
+            Reply::HeldByPeers { peers, .. } => Ok(peers),
+            other => Err(unexpected("WaitPeers", other)),
+        }
+    }
 }
 
 /// Each piece of a file in the region it lies in, and the devices of those

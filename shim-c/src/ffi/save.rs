@@ -249,6 +249,25 @@ pub unsafe extern "C" fn ckpt_wait_replicated(client: *mut ckpt_client, save_id:
     })
 }
 
+/// Blocks until this node's files of checkpoint save `save_id` are held by
+/// peers: durable, then checked and held in the memory of --peer-replicas
+/// other nodes' sidecars (--peers), or `timeout_ms` passes (< 0: no limit;
+/// CKPT_E_TIMEOUT, the replication goes on). CKPT_E_NOT_FOUND at once when
+/// the sidecar has no peers; CKPT_E_IO when the replication failed, with
+/// the reason (which peer, why) in ckpt_last_error(); CKPT_E_INVALID for a
+/// ckpt_save_file. Training never waits for it unless it calls this.
+///
+/// # Safety
+/// `client` is a live client.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_wait_peers(client: *mut ckpt_client, save_id: u64, timeout_ms: i64) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let c = unsafe { self::client(client) }?;
+        c.client.wait_peers(save_id, u64::try_from(timeout_ms).ok().map(Duration::from_millis)).map(|_| ())
+    })
+}
+
 /// Stores the save's state in *state (CKPT_PENDING, CKPT_RELEASED,
 /// CKPT_DURABLE, CKPT_REPLICATED once a wait for it returned, or
 /// CKPT_FAILED) without blocking. For CKPT_FAILED the

@@ -421,6 +421,14 @@ fn session(stream: UnixStream, opts: Opts, store: Arc<Mutex<Store>>) {
                     message: format!("step {step}: the fake sidecar has no drain target"),
                 },
             ),
+            Request::WaitPeers { id, step } => send(
+                &w,
+                &Reply::Error {
+                    id,
+                    code: ErrorCode::NotFound,
+                    message: format!("step {step}: the fake sidecar has no peers"),
+                },
+            ),
             Request::Bye => return,
             Request::Hello { .. } => return,
         }
@@ -435,6 +443,7 @@ fn kind(r: &Request) -> String {
         Request::Load { .. } => "Load".into(),
         Request::LoadPacked { .. } => "LoadPacked".into(),
         Request::WaitReplicated { step, .. } => format!("WaitReplicated {step}"),
+        Request::WaitPeers { step, .. } => format!("WaitPeers {step}"),
         Request::List { .. } => "List".into(),
         Request::Status { .. } => "Status".into(),
         Request::SaveFile { path, .. } => format!("SaveFile {path}"),

@@ -199,6 +199,30 @@ pub struct DaemonArgs {
     /// (status, log, metrics) and marked so loads pass over it (default: off).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub scrub_interval: Option<std::time::Duration>,
+    /// Listen for peers (other nodes' sidecars) on ADDR:PORT: their
+    /// replicas are held here, and this node's files sent to them after each
+    /// durable step (docs/guide.md, "Peers"). Needs --shared, --node-local,
+    /// --peers and --peer-secret-file.
+    #[arg(long, value_name = "ADDR:PORT", requires_all = ["peers", "node_local"])]
+    pub peer_listen: Option<std::net::SocketAddr>,
+    /// The other nodes' sidecars' --peer-listen addresses (HOST:PORT, comma-separated).
+    #[arg(long, value_name = "A,B,...", value_delimiter = ',', requires = "peer_listen")]
+    pub peers: Vec<String>,
+    /// The cluster secret (a file of 32 bytes or more, readable by its owner
+    /// only, the same on every node): every peer connection proves it both
+    /// ways before anything else. Also from CKPT_SIDECAR_PEER_SECRET_FILE.
+    #[arg(long, value_name = "FILE")]
+    pub peer_secret_file: Option<PathBuf>,
+    /// Peers each of this node's steps is sent to (ring order by node id).
+    #[arg(long, value_name = "K", requires = "peer_listen", value_parser = clap::value_parser!(u32).range(1..), default_value_t = ckpt_sidecar::config::PEER_REPLICAS_DEFAULT)]
+    pub peer_replicas: u32,
+    /// Newest steps of each peer held here.
+    #[arg(long, value_name = "N", requires = "peer_listen", value_parser = parse_keep, default_value_t = ckpt_sidecar::config::PEER_KEEP_DEFAULT)]
+    pub peer_keep: usize,
+    /// Memory lent to other nodes' replicas at most (e.g. 16GiB); an offer
+    /// that does not fit is refused (its node reports why).
+    #[arg(long, value_name = "SIZE", requires = "peer_listen", value_parser = parse_nonzero_size, default_value_t = ckpt_sidecar::config::PEER_BUDGET_BYTES_DEFAULT)]
+    pub peer_budget: u64,
     #[command(flatten)]
     pub io: IoArgs,
 }

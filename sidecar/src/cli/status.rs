@@ -66,6 +66,13 @@ fn print_json(socket: &Path, r: &StatusReport) {
             "steps_verified": s.steps_verified, "bytes_verified": s.bytes_verified,
             "remote_steps_verified": s.remote_steps_verified, "remote_bytes_verified": s.remote_bytes_verified,
         })),
+        "peers": r.peers.as_ref().map(|p| json!({
+            "listen": p.listen, "peers": p.peers, "replicas": p.replicas,
+            "last_held": p.last_held, "last_held_by": p.last_held_by,
+            "last_failed": p.last_failed, "last_error": (!p.last_error.is_empty()).then_some(&p.last_error),
+            "bytes_per_s": p.bytes_per_s, "holding": p.holding, "holding_bytes": p.holding_bytes,
+            "budget_bytes": p.budget_bytes, "refused_connections": p.refused_connections,
+        })),
     });
     println!("{j}");
 }
@@ -140,6 +147,9 @@ fn print_text(socket: &Path, r: &StatusReport) {
         );
     }
     print_damage(r);
+    if let Some(p) = &r.peers {
+        print_peers(p);
+    }
 }
 
 /// `status`'s damage lines: each damaged step the sidecar found, and the scrub.
@@ -174,4 +184,28 @@ fn print_damage(r: &StatusReport) {
             ago(d.found_unix_s)
         );
     }
+}
+
+/// `status`'s peer lines: this node's replication, and what it holds for others.
+fn print_peers(p: &ckpt_wire::PeerReport) {
+    println!(
+        "peers:    listening on {}; peers {}; {} replica(s) wanted; last held: {}{}; {}/s",
+        p.listen,
+        p.peers.join(", "),
+        p.replicas,
+        p.last_held.map_or("none".into(), |s| format!("step {s}")),
+        if p.last_held_by.is_empty() { String::new() } else { format!(" by {}", p.last_held_by.join(", ")) },
+        human_bytes(p.bytes_per_s as u64)
+    );
+    if let Some(s) = p.last_failed {
+        println!("          last failed: step {s}: {}", p.last_error);
+    }
+    let holding: Vec<String> = p.holding.iter().map(|(n, s)| format!("{n}:{s}")).collect();
+    println!(
+        "          holding for others: {} ({} of {}); {} connection(s) refused",
+        if holding.is_empty() { "nothing".to_string() } else { holding.join(", ") },
+        human_bytes(p.holding_bytes),
+        human_bytes(p.budget_bytes),
+        p.refused_connections
+    );
 }

@@ -195,6 +195,13 @@ impl Nodes {
             fill: fill.as_deref(),
         };
         let (t0, r) = self.write_part(store, state, step, &bytes);
+        // The peers: this part's files copied while its lease is here, so
+        // they are sent from memory (once the copy that fed it has ended).
+        if let (Ok(_), Some(p)) = (&r, &state.peers) {
+            if fill.as_ref().is_none_or(|f| matches!(f.end(), FillEnd::Copied { .. })) {
+                p.stage_part(step, &layout, lease.as_slice());
+            }
+        }
         drop(lease);
         let rep = match r {
             Ok(rep) => rep,
@@ -588,6 +595,10 @@ fn durable(state: &DaemonState, w: StepWait, step: u64, path: &str, persist_seco
     // The drain (node-local files): this node uploads its files of the step.
     if let Some(d) = &state.drain {
         d.committed(step);
+    }
+    // The peers: this node's files of the step go to them (never waited for).
+    if let Some(p) = &state.peers {
+        p.committed(step);
     }
     for x in w.waiters {
         state.end(Flight::Part(step, x.rank));

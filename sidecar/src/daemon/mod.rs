@@ -77,6 +77,9 @@ pub struct DaemonOptions {
     pub full_every: u32,
     /// The background scrub's interval (`--scrub-interval`; None: off).
     pub scrub_interval: Option<std::time::Duration>,
+    /// Peers (`--peer-listen`, `--peers`): this node's steps replicated to
+    /// them, theirs held here (`crate::peer`).
+    pub peers: Option<crate::peer::PeerOptions>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +109,8 @@ pub enum DaemonError {
     Env(String),
     #[error(transparent)]
     Drain(#[from] crate::drain::DrainError),
+    #[error(transparent)]
+    Peer(#[from] crate::peer::PeerError),
 }
 
 /// Pins this thread, and so every thread it starts later, to `cpus`;
@@ -166,6 +171,10 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     // The drain target first: a wrong credential or an unreachable URL
     // stops the start before anything is bound, locked or allocated.
     let drain = opts.drain.as_ref().map(|d| open_drain(opts, d)).transpose()?;
+    // The peer secret too: a missing, short or readable one stops it.
+    if let Some(p) = &opts.peers {
+        crate::peer::read_secret(&p.secret_file).map_err(crate::peer::PeerError::from)?;
+    }
     let mut listener = server::bind(socket, !opts.allow_uids.is_empty())?;
     let mut store = open_store(opts, socket, role)?;
     let locks = store.take_locks();
@@ -182,7 +191,8 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
-    let state = new_state(opts, &store, staging, tx, &drain);
+    let peers = start_peers(opts, &store)?;
+    let state = new_state(opts, &store, staging, tx, &drain, peers);
     log_ready(&state, &store);
     crate::commit::committer::spawn(store, rx, state.clone());
     if let Some(d) = &drain {
@@ -244,6 +254,17 @@ fn open_drain(opts: &DaemonOptions, d: &crate::drain::DrainOptions) -> Result<Ar
     Ok(drain)
 }
 
+/// Starts the peer tier (server, replication) once the store named this
+/// node; only a node-local layout has files of its own to replicate.
+fn start_peers(opts: &DaemonOptions, store: &Store) -> Result<Option<Arc<crate::peer::Peers>>, DaemonError> {
+    let Some(p) = &opts.peers else { return Ok(None) };
+    let (Some(id), Some(shared)) = (store.node_id(), store.shared_dir()) else {
+        return Err(crate::peer::PeerError::NotNodeLocal.into());
+    };
+    let me = ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() };
+    Ok(Some(crate::peer::Peers::start(p.clone(), me, shared.to_path_buf())?))
+}
+
 /// Opens the store: the directories are locked (a second sidecar on one
 /// fails here, naming the holder) and recovered before the staging budget
 /// is allocated.
@@ -269,6 +290,7 @@ fn new_state(
     staging: Arc<Staging>,
     tx: Sender<Work>,
     drain: &Option<Arc<crate::drain::Drain>>,
+    peers: Option<Arc<crate::peer::Peers>>,
 ) -> Arc<DaemonState> {
     let layout_opts = LayoutOptions {
         n_dirs: store.dirs().len(),
@@ -292,6 +314,7 @@ fn new_state(
     state.shared_dir = store.shared_dir().map(Path::to_path_buf);
     state.read_only = store.read_only().cloned();
     state.drain = drain.clone();
+    state.peers = peers;
     state.full_every.store(opts.full_every, std::sync::atomic::Ordering::Relaxed);
     Arc::new(state)
 }

@@ -341,6 +341,7 @@ impl Conn {
                 )
             }
             Request::WaitReplicated { id, step } => self.answer_refused(id, self.wait_replicated(id, step)),
+            Request::WaitPeers { id, step } => self.answer_refused(id, self.wait_peers(id, step)),
             Request::Bye => {
                 debug!("client said bye");
                 return Flow::Close;
@@ -465,6 +466,17 @@ impl Conn {
             ));
         };
         d.wait(self.replies.clone(), id, step, catalog::is_committed(self.state.read_dir(), step));
+        Ok(())
+    }
+
+    fn wait_peers(&self, id: u64, step: u64) -> Result<(), Refusal> {
+        let Some(p) = &self.state.peers else {
+            return Err(Refusal::new(
+                ErrorCode::NotFound,
+                format!("step {step}: this sidecar has no peers (start it with --peers and --peer-listen), so nothing is held by peers"),
+            ));
+        };
+        p.wait(self.replies.clone(), id, step, catalog::is_committed(self.state.read_dir(), step));
         Ok(())
     }
 

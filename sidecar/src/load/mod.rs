@@ -208,32 +208,87 @@ fn deliver<'a>(
     Ok(())
 }
 
-/// Several nodes with node-local files and a drain target: a load of
-/// `step` (None: latest) that needs a file another node holds (`descs`:
-/// the tensors asked for; None: all) reads this node's files from its own
-/// disks and fetches the others' from the drain target, straight into the
-/// load's memory (`load`, from the shared directory with the fetcher, for
-/// step `s`); None: no such file, or no drain (the local read then says
-/// which node holds it).
-fn other_nodes_files<T>(
+/// A served load's notes of what it passed over (`fell_back`), for the
+/// sources [`other_nodes_files`] skipped.
+trait FellBack {
+    fn fell_back_mut(&mut self) -> &mut Vec<String>;
+}
+
+impl FellBack for Served {
+    fn fell_back_mut(&mut self) -> &mut Vec<String> {
+        &mut self.4
+    }
+}
+
+/// Several nodes with node-local files, and peers or a drain target: a
+/// load of `step` (None: latest) that needs a file another node holds, or
+/// one of this node's own that its disks lost (a replaced node; `descs`:
+/// the tensors asked for; None: all), reads this node's files from its own
+/// disks and fetches the others straight into the load's memory: from the
+/// peers first, then the drain target (`load`, from the shared directory
+/// with the fetcher, for step `s`). A peer passed over is named in the
+/// load's `fell_back`. None: no such file, or neither source (the local
+/// read then says which node holds it).
+fn other_nodes_files<T: FellBack>(
     state: &DaemonState,
     step: Option<u64>,
     descs: Option<&[TensorDesc]>,
     load: impl FnOnce(Origin<'_>, u64) -> Result<T, Refusal>,
 ) -> Result<Option<T>, Refusal> {
-    let (Some(d), Some(me)) = (&state.drain, &state.read_opts.node) else { return Ok(None) };
+    let Some(me) = &state.read_opts.node else { return Ok(None) };
+    if state.drain.is_none() && state.peers.is_none() {
+        return Ok(None);
+    }
     let Some(s) = step.or_else(|| catalog::latest_step(state.read_dir()).ok().flatten()) else { return Ok(None) };
     let Ok(index) = restore::read_index(state.read_dir(), s) else { return Ok(None) };
     let opts = restore::ReadOptions {
         only_tensors: descs.map(|ds| ds.iter().map(|x| x.name.clone()).collect()),
         ..state.read_opts.clone()
     };
-    let Some(node) = restore::held_elsewhere(&index, &opts) else { return Ok(None) };
-    let n_fetched =
-        index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
-    let r = d.remote_files(s, n_fetched).map_err(|(code, m)| Refusal::new(code, format!("step {s}: node {node:?} holds some of its files on its own disks, and the drain target cannot give them: {m}")))?;
-    info!(step = s, node, url = d.url(), "loading from the drain target: another node holds some of the step's files (this node's own are read from its disks)");
-    load(Origin::Dir(state.read_dir(), Some(&r)), s).map(Some)
+    let missing = restore::own_files_missing(&index, s, &opts);
+    let node = match (restore::held_elsewhere(&index, &opts), missing.first()) {
+        (Some(node), _) => node,
+        (None, Some(_)) => me.id.clone(),
+        (None, None) => return Ok(None),
+    };
+    let n_fetched = missing.len()
+        + index.ckpt.files.iter().filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id != me.id)).count();
+    let cannot = |m: String| {
+        let whose = if node == me.id {
+            "this node's disks lost some of its files".to_string()
+        } else {
+            format!("node {node:?} holds some of its files on its own disks")
+        };
+        Refusal::new(ErrorCode::NotFound, format!("step {s}: {whose}, and the drain target cannot give them: {m}"))
+    };
+    let remote = match &state.drain {
+        Some(d) => match d.remote_files(s, n_fetched) {
+            Ok(r) => Some(r),
+            // The peers may hold them still.
+            Err((_, m)) if state.peers.is_some() => {
+                info!(
+                    step = s,
+                    url = d.url(),
+                    "the drain target cannot give the step's files ({m}); asking the peers only"
+                );
+                None
+            }
+            Err((_, m)) => return Err(cannot(m)),
+        },
+        None => None,
+    };
+    let Some(p) = &state.peers else {
+        let r = remote.expect("a drain target when there are no peers");
+        let url = state.drain.as_ref().map_or("", |d| d.url());
+        info!(step = s, node, url, "loading from the drain target: another node holds some of the step's files, or this node's disks lost them (this node's own are read from its disks)");
+        return load(Origin::Dir(state.read_dir(), Some(&r)), s).map(Some);
+    };
+    let then = remote.map(|r| Box::new(r) as Box<dyn FetchFiles + Send>);
+    let from = p.fetcher(s, index).then(then);
+    info!(step = s, node, source = from.label(), files = n_fetched, "loading from the peers: another node holds some of the step's files, or this node's disks lost them (this node's own are read from its disks)");
+    let mut served = load(Origin::Dir(state.read_dir(), Some(&from)), s)?;
+    served.fell_back_mut().splice(0..0, from.skipped());
+    Ok(Some(served))
 }
 
 /// With a drain target (`crate::drain`): the remote step a load of `step`

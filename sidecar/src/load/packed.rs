@@ -23,6 +23,12 @@ use tracing::{info, warn};
 
 use super::{other_nodes_files, remote_source, served_from_index, Origin};
 
+impl super::FellBack for PlacedReply {
+    fn fell_back_mut(&mut self) -> &mut Vec<String> {
+        &mut self.fell_back
+    }
+}
+
 /// What a LoadPacked serves: step, source, tensors, their offsets, the
 /// bytes needed, blobs, fell_back.
 struct PlacedReply {

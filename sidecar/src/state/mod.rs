@@ -102,6 +102,8 @@ pub struct DaemonState {
     pub unchanged_in_place_bytes: AtomicU64,
     /// The drain tier (`--drain URL`), set once at start (`crate::drain`).
     pub drain: Option<Arc<crate::drain::Drain>>,
+    /// The peers (`--peers`), set once at start (`crate::peer`).
+    pub peers: Option<Arc<crate::peer::Peers>>,
     /// Incremental saves: which tensors changed at the last commit (the
     /// committer sets it; sessions plan stable shards from it).
     history: Mutex<History>,
@@ -156,6 +158,7 @@ impl DaemonState {
             coordinating: Mutex::new(Vec::new()),
             read_only: None,
             drain: None,
+            peers: None,
             history: Mutex::new(History::default()),
             full_every: std::sync::atomic::AtomicU32::new(ckpt_store::config::FULL_EVERY_DEFAULT),
             saves_since_full: std::sync::atomic::AtomicU32::new(0),
@@ -332,6 +335,7 @@ impl DaemonState {
             damaged,
             damaged_total,
             scrub: self.scrub.get().map(|s| s()),
+            peers: self.peers.as_ref().map(|p| p.report()),
         }
     }
 }

@@ -115,6 +115,21 @@ pub(crate) fn verifies_when_fetched_again(index: &Index, names: &[String], src: 
     })
 }
 
+/// Every byte of file `name` of the step `index` describes checked as a
+/// load checks it (header, each tensor's crc32c, the file's): the problems
+/// found, none when it is sound. For bytes held apart from a load (a peer's
+/// replica, checked before it counts and before it is handed to a load).
+pub fn check_file_bytes(index: &Index, name: &str, bytes: &[u8]) -> Vec<Problem> {
+    let Some(f) = index.ckpt.files.iter().find(|f| f.name == name) else {
+        return vec![problem(Some(name), None, "not a file of the step's index".to_string())];
+    };
+    let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
+    let mut problems = Vec::new();
+    check.feed(bytes, &mut problems);
+    check.finish(&mut problems);
+    problems
+}
+
 /// The label of a source as the `dir` of a [`LoadError::Damaged`].
 pub(crate) fn label_path(src: &dyn FetchFiles) -> PathBuf {
     PathBuf::from(src.label())

@@ -34,6 +34,30 @@ pub fn held_elsewhere(index: &Index, opts: &ReadOptions) -> Option<String> {
         .find_map(|f| index.holder(&f.name).filter(|(id, _)| *id != me.id).map(|(id, _)| id.to_string()))
 }
 
+/// The files of `step` this reader's node holds (`opts.only_tensors`'
+/// files, or all) that are not in its own directories (a replaced node on
+/// emptied disks): a load fetches them (from a peer, or the drain target).
+pub fn own_files_missing(index: &Index, step: u64, opts: &ReadOptions) -> Vec<String> {
+    let Some(me) = opts.node.as_ref() else { return Vec::new() };
+    let Ok(folder) = format::node_step_dir_name(step) else { return Vec::new() };
+    let only: Option<std::collections::BTreeSet<&str>> = opts.only_tensors.as_ref().map(|names| {
+        names
+            .iter()
+            .filter_map(|n| index.logical_tensor(n))
+            .flat_map(|t| t.slices.into_iter().map(|s| s.file))
+            .collect()
+    });
+    index
+        .ckpt
+        .files
+        .iter()
+        .filter(|f| only.as_ref().is_none_or(|o| o.contains(f.name.as_str())))
+        .filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id == me.id))
+        .filter(|f| me.dirs.get(f.dir_idx as usize).is_none_or(|d| !d.join(&folder).join(&f.name).exists()))
+        .map(|f| f.name.clone())
+        .collect()
+}
+
 /// The folder file `fi` of `step` is read from: its node's `node-step-…`
 /// folder for a node-held file (this node's own directories when the
 /// reader names its node; refused when another node holds it), else the

@@ -121,7 +121,7 @@ impl ReadPlan {
 /// Lays the step's files out in memory in index order (each at its
 /// block-aligned offset, read or not: `opts.only_tensors` reads only the
 /// files holding those) and groups them by the folder they are read from;
-/// with no `primary`, or a file another node holds and a remote source
+/// with no `primary`, or a file another node holds (or this node's own, gone from its disks) and a remote source
 /// given (`fetching`), a file is fetched instead.
 fn plan_reads(
     primary: Option<&Path>,
@@ -150,6 +150,12 @@ fn plan_reads(
         plan.files.insert(f.name.clone(), (here, 0u64));
         let folder = match primary {
             Some(_) => match file_folder(index, &dirs, step, fi, opts) {
+                // This node's own file, gone from its disks (a replaced
+                // node): fetched too, when there is a source.
+                Ok(folder) if fetching && index.holder(&f.name).is_some() && !folder.join(&f.name).exists() => {
+                    plan.to_fetch.push((fi, here));
+                    continue;
+                }
                 Ok(folder) => folder,
                 Err(LoadError::OnAnotherNode { .. }) if fetching => {
                     plan.to_fetch.push((fi, here));

@@ -76,6 +76,20 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             remote_steps_verified: 2,
             remote_bytes_verified: 2000,
         }),
+        peers: Some(PeerReport {
+            listen: "10.0.0.1:7000".into(),
+            peers: vec!["10.0.0.2:7000".into()],
+            replicas: 1,
+            last_held: Some(4),
+            last_held_by: vec!["b".into()],
+            last_failed: Some(3),
+            last_error: "peer b: refused".into(),
+            bytes_per_s: 2e9,
+            holding: vec![("b".into(), 4)],
+            holding_bytes: 1 << 20,
+            budget_bytes: 1 << 30,
+            refused_connections: 2,
+        }),
     };
     vec![
         ("hello", encode(&Request::Hello { magic: MAGIC, version: PROTOCOL_VERSION, pid: 7, name: "trainer".into() })),
@@ -261,6 +275,8 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("rolled_back", encode(&Reply::RolledBack { id: 8, step: 4, removed: vec![10, 9] })),
         ("wait_replicated", encode(&Request::WaitReplicated { id: 16, step: 100 })),
         ("replicated", encode(&Reply::Replicated { id: 16, step: 100, url: "s3://ckpt-test/run1".into() })),
+        ("wait_peers", encode(&Request::WaitPeers { id: 17, step: 100 })),
+        ("held_by_peers", encode(&Reply::HeldByPeers { id: 17, step: 100, peers: vec!["b".into()] })),
     ]
 }
 

@@ -1,0 +1,220 @@
+"""Benchmark: replication to a peer and restore from it, beside a plain TCP
+stream over the same loopback in the same run.
+
+    CKPT_SIDECAR_BIN=target/release/ckpt-sidecar python examples/python/bench_peers.py [--gib 1] [--rounds 3]
+
+Two sidecars as two nodes a and b on 127.0.0.1 (`serve --shared S
+--node-local --peer-listen ... --peers ... --peer-secret-file K`), rank 0 on
+a, rank 1 on b (WORLD_SIZE=2), a replicated state of --gib GiB (each rank
+saves its half, as Checkpointer.save does at world size 2). Rows:
+
+- tcp x2: two plain TCP streams of half the bytes each at once (a socket
+  sender and receiver per stream in this process, 4 MiB pieces): the
+  baseline of both nodes replicating their halves at once;
+- replicate: each step's durable -> held by peers (wait_durable returned ->
+  wait_peers returned) on both ranks, the slower of the two; throughput =
+  the step's bytes / that time (median of --rounds steps); and each
+  sidecar's own figure (status: bytes of its files / seconds from connect
+  to the peer's Held, every byte checked there);
+- tcp x1: one plain TCP stream of all the bytes: the baseline of a restore;
+- restore: b killed, its disk emptied, a new b started; rank 1's
+  load("latest") of the whole state (its node's half from a's RAM, a's
+  half from a's disk through a, every tensor checked), wall time;
+- load on a: rank 0's load("latest") on a, no network (its half from its
+  page cache, b's half from the replica a holds): the load path's own cost.
+
+Replication reads this node's files from its disk (a part's image is not
+kept resident in staging after several nodes' commit), so on one machine
+with both nodes on one disk it runs at the disk's speed, not the link's.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+GIB = 1 << 30
+PIECE = 4 << 20
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tcp_streams(n_bytes, n_streams):
+    """Seconds for n_streams plain TCP streams of n_bytes each, at once, over loopback."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    src = bytearray(os.urandom(PIECE))
+
+    def receive(c):
+        buf = bytearray(PIECE)
+        view, got = memoryview(buf), 0
+        while got < n_bytes:
+            n = c.recv_into(view, min(PIECE, n_bytes - got))
+            if n == 0:
+                break
+            got += n
+        c.close()
+
+    def send():
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            left = n_bytes
+            while left:
+                k = min(PIECE, left)
+                c.sendall(memoryview(src)[:k])
+                left -= k
+            c.shutdown(socket.SHUT_WR)
+            c.recv(1)
+
+    t0 = time.perf_counter()
+    senders = [threading.Thread(target=send) for _ in range(n_streams)]
+    for t in senders:
+        t.start()
+    receivers = []
+    for _ in range(n_streams):
+        c, _ = srv.accept()
+        receivers.append(threading.Thread(target=receive, args=(c,)))
+        receivers[-1].start()
+    for t in receivers + senders:
+        t.join()
+    srv.close()
+    return time.perf_counter() - t0
+
+
+WORKER = r"""
+import json, os, sys, time
+import numpy as np
+from ckpt_sidecar import Checkpointer
+
+shared, steps, mode, gib = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3], float(sys.argv[4])
+n = int(gib * (1 << 30)) // 4 // 8
+
+def state(step):
+    return {f"w{i}": np.full(n, step * 10 + i, dtype=np.float32) for i in range(8)}
+
+out = []
+with Checkpointer(dir=shared, spawn=False) as ck:
+    for s in steps:
+        if mode == "save":
+            h = ck.save(s, state(s)).wait_durable(timeout=600)
+            t0 = time.perf_counter()
+            h.wait_peers(timeout=600)
+            out.append(time.perf_counter() - t0)
+        else:
+            t0 = time.perf_counter()
+            got = ck.load("latest")
+            out.append(time.perf_counter() - t0)
+            want = state(steps[0])
+            assert all(np.array_equal(got[k], want[k]) for k in want), "not bit-equal"
+print(json.dumps(out))
+"""
+
+
+class Node:
+    def __init__(self, tmp, name, ports, shared, secret, staging):
+        other = "b" if name == "a" else "a"
+        self.dir, self.sock = os.path.join(tmp, f"L_{name}"), os.path.join(tmp, f"{name}.sock")
+        self.log = os.path.join(tmp, f"{name}.log")
+        self.cmd = [os.environ.get("CKPT_SIDECAR_BIN", "ckpt-sidecar"), "serve", "--dir", self.dir, "--socket",
+                    self.sock, "--staging", staging, "--keep", "2", "--shared", shared, "--node-local", "--node-id",
+                    name, "--peer-listen", f"127.0.0.1:{ports[name]}", "--peers", f"127.0.0.1:{ports[other]}",
+                    "--peer-secret-file", secret]
+        self.proc = None
+
+    def start(self):
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=f)
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None:
+                raise SystemExit(open(self.log).read()[-3000:])
+            time.sleep(0.05)
+        return self
+
+    def status(self):
+        out = subprocess.run([self.cmd[0], "status", "--socket", self.sock, "--json"], capture_output=True, text=True)
+        return json.loads(out.stdout)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+        os.unlink(self.sock)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+
+
+def ranks(nodes, shared, steps, mode, gib, only=None):
+    procs = []
+    for r, n in enumerate(nodes):
+        if only is not None and r != only:
+            continue
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", CKPT_SIDECAR_SOCKET=n.sock)
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, shared, steps, mode, str(gib)], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return [json.loads(o) for o in outs]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    n_bytes = int(a.gib * GIB)
+    tmp = tempfile.mkdtemp(prefix="bench-peers-")
+    try:
+        shared = os.path.join(tmp, "shared")
+        os.mkdir(shared)
+        secret = os.path.join(tmp, "K")
+        with open(secret, "wb") as f:
+            f.write(os.urandom(32))
+        os.chmod(secret, 0o600)
+        ports = {"a": free_port(), "b": free_port()}
+        staging = str(int(n_bytes * 1.5))
+        nodes = [Node(tmp, n, ports, shared, secret, staging).start() for n in ("a", "b")]
+        tcp2 = statistics.median(tcp_streams(n_bytes // 2, 2) for _ in range(a.rounds))
+        steps = ",".join(str(s) for s in range(1, a.rounds + 1))
+        per_rank = ranks(nodes, shared, steps, "save", a.gib)
+        repl = statistics.median(max(x) for x in zip(*per_rank))
+        own = [n.status()["peers"]["bytes_per_s"] for n in nodes]
+        tcp1 = statistics.median(tcp_streams(n_bytes, 1) for _ in range(a.rounds))
+        nodes[1].kill()
+        shutil.rmtree(nodes[1].dir)
+        os.mkdir(nodes[1].dir)
+        nodes[1].start()
+        restore = ranks(nodes, shared, str(a.rounds), "load", a.gib, only=1)[0][0]
+        local = ranks(nodes, shared, str(a.rounds), "load", a.gib, only=0)[0][0]
+        gbs = lambda b, s: b / s / 1e9  # noqa: E731
+        print(f"state: {n_bytes / GIB:.2f} GiB per step, half per node; {a.rounds} rounds (medians)")
+        print(f"tcp x2 (baseline)   {gbs(n_bytes, tcp2):6.2f} GB/s   ({tcp2:.3f} s for two streams of half at once)")
+        print(f"replicate           {gbs(n_bytes, repl):6.2f} GB/s   ({repl:.3f} s durable -> held, both nodes) "
+              f"= {tcp2 / repl:.2f} x baseline; sidecars' own: {', '.join(f'{x / 1e9:.2f}' for x in own)} GB/s")
+        print(f"tcp x1 (baseline)   {gbs(n_bytes, tcp1):6.2f} GB/s   ({tcp1:.3f} s)")
+        print(f"restore from peer   {gbs(n_bytes, restore):6.2f} GB/s   ({restore:.3f} s, load('latest') on the new "
+              f"node, every tensor checked) = {tcp1 / restore:.2f} x baseline")
+        print(f"load on a (no net)  {gbs(n_bytes, local):6.2f} GB/s   ({local:.3f} s: its half from its page cache, "
+              f"b's from the replica in its RAM: the load path's own cost)")
+        for n in nodes:
+            n.stop()
+    finally:
+        if os.environ.get("BENCH_PEERS_KEEP"):
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Peers (docs/guide.md, "Peers"): two sidecars on one machine as two
+nodes (`serve --shared S --node-local --dir L_x --node-id x --peer-listen
+127.0.0.1:P_x --peers 127.0.0.1:P_y --peer-secret-file K`), rank 0 on a,
+rank 1 on b (RANK, WORLD_SIZE=2). Each step is waited durable and held by
+peers; b's sidecar is then killed and its disk emptied, and a new one on
+the empty disk serves both ranks' load("latest") bit-equal with no drain
+target: b's files come from the replica a holds. A connection sending
+garbage, one replaying a real peer's first bytes, and one with another
+secret are refused, and saves still reach wait_peers."""
+import hashlib
+import hmac
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from sidecar_fixtures import Sidecar
+
+HERE = pathlib.Path(__file__).parent
+WORKER = HERE / "dist" / "peer_ranks.py"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def secret_file(path, data=None):
+    path.write_bytes(os.urandom(32) if data is None else data)
+    path.chmod(0o600)
+    return path
+
+
+class Cluster:
+    """Two nodes a and b, each a `serve` with peers, on a shared directory."""
+
+    def __init__(self, tmp_path, secret):
+        self.tmp = tmp_path
+        self.shared = tmp_path / "shared"
+        self.shared.mkdir(exist_ok=True)
+        self.ports = {"a": free_port(), "b": free_port()}
+        self.secret = secret
+        self.nodes = {}
+
+    def start(self, node, extra=(), peers=None):
+        other = "b" if node == "a" else "a"
+        peers = f"127.0.0.1:{self.ports[other]}" if peers is None else peers
+        args = ["--shared", str(self.shared), "--node-local", "--node-id", node,
+                "--peer-listen", f"127.0.0.1:{self.ports[node]}", "--peers", peers,
+                "--peer-secret-file", str(self.secret), *extra]
+        s = Sidecar(self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}").start()
+        self.nodes[node] = s
+        return s
+
+    def ranks(self, mode, steps="1"):
+        """Rank 0 on a, rank 1 on b; their result files, by rank."""
+        work = self.tmp / f"work-{mode}-{steps}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared), steps, mode], cwd=work,
+                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes[n].socket},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r, n in ((0, "a"), (1, "b"))]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        logs = "\n".join(o[-3000:] for o in outs) + self.logs()
+        assert all(p.returncode == 0 for p in procs), logs
+        return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)], logs
+
+    def logs(self):
+        return "".join(f"\n--- {n}\n{s.log.read_text()[-4000:]}" for n, s in self.nodes.items())
+
+    def stop(self):
+        for s in self.nodes.values():
+            s.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path, secret_file(tmp_path / "K"))
+    yield c
+    c.stop()
+
+
+def test_a_replaced_node_on_an_emptied_disk_loads_bit_equal_from_its_peer_without_a_drain(cluster, tmp_path):
+    for n in ("a", "b"):
+        cluster.start(n)
+    saved, logs = cluster.ranks("save", "1,2")
+    assert [s["held"] for s in saved] == [[1, 2], [1, 2]], logs
+    # Each node's files are on its own disk only; each node holds the other's in RAM.
+    for n, other in (("a", "b"), ("b", "a")):
+        p = cluster.nodes[n].status()["peers"]
+        assert p["last_held"] == 2 and p["last_held_by"] == [other], p
+        assert sorted(map(tuple, p["holding"])) == [(other, 1), (other, 2)], p
+    assert list((tmp_path / "L_b" / "node-step-000000000002").glob("*.safetensors"))
+    cluster.nodes["b"].kill()
+    shutil.rmtree(tmp_path / "L_b")
+    (tmp_path / "L_b").mkdir()
+    cluster.start("b")
+    loaded, logs = cluster.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(2, True, None)] * 2, logs
+    assert "loading from the peers" in cluster.nodes["b"].log.read_text()
+    # Nothing was written back to b's disk: its files were streamed into the load's memory.
+    assert not list((tmp_path / "L_b").rglob("*.safetensors"))
+
+
+def test_a_missing_replica_falls_back_to_the_drain_target_naming_the_peer_it_skipped(cluster, tmp_path):
+    """Order: this node's disks, the peers, then the drain target. Both
+    nodes drain to file://R too; then both sidecars are replaced (b on an
+    emptied disk, a restarted: the replica of b's files it held in RAM is
+    gone), and b's ranks' load reads b's files from the drain target,
+    saying which peer it asked first."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    drain = ["--drain", f"file://{remote}"]
+    for n in ("a", "b"):
+        cluster.start(n, drain)
+    saved, logs = cluster.ranks("replicate", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    for n in ("a", "b"):
+        cluster.nodes[n].kill()
+    shutil.rmtree(tmp_path / "L_b")
+    (tmp_path / "L_b").mkdir()
+    for n in ("a", "b"):
+        cluster.start(n, drain)
+    loaded, logs = cluster.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(1, True, None)] * 2, logs
+    skipped = loaded[1]["fell_back"] or ""
+    assert f"from peer 127.0.0.1:{cluster.ports['a']}" in skipped and "not held" in skipped, (loaded[1], logs)
+
+
+def test_a_peer_that_cannot_be_reached_fails_the_replication_saying_why_and_the_save_stays_durable(cluster):
+    """b's only peer is a closed port: b's steps are durable, and wait_peers
+    raises IOFailed naming the peer (a's steps are held by b as usual)."""
+    dead = free_port()
+    cluster.start("a")
+    cluster.start("b", peers=f"127.0.0.1:{dead}")
+    saved, logs = cluster.ranks("try-save", "1")
+    assert saved[0]["held"] == [1], logs
+    [failed] = saved[1]["held"]
+    assert failed["step"] == 1 and failed["error"].startswith("IOFailed") and f"127.0.0.1:{dead}" in failed["error"]
+    assert cluster.nodes["b"].status()["peers"]["last_failed"] == 1
+
+
+class Recorder:
+    """A TCP relay from a port of its own to `to_port`, keeping the first
+    4 KiB the connecting side sent on its first connection."""
+
+    def __init__(self, to_port):
+        self.port, self.to_port, self.first = free_port(), to_port, b""
+        self.srv = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.to_port))
+            record = not self.first
+            threading.Thread(target=self.pipe, args=(c, up, record), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(up, c, False), daemon=True).start()
+
+    def pipe(self, src, dst, record):
+        try:
+            while chunk := src.recv(1 << 20):
+                if record and len(self.first) < 4096:
+                    self.first = (self.first + chunk)[:4096]
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def frames(data):
+    """The peer frames in `data` (bodies), as far as they are whole."""
+    out = []
+    while len(data) >= 4 and len(data) >= 4 + int.from_bytes(data[:4], "little"):
+        n = int.from_bytes(data[:4], "little")
+        out.append(data[4:4 + n])
+        data = data[4 + n:]
+    return out
+
+
+def answers(port, payload):
+    """What a's peer port sends back to `payload` (then our end shut), as frame bodies."""
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        try:
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)
+            while chunk := c.recv(65536):
+                data += chunk
+        except OSError:
+            pass  # a reset: a dropped the connection (what it sent first is kept)
+    return frames(data)
+
+
+WELCOME, REFUSED = 3, 4  # PeerMsg variants (wire/src/peer.rs; pinned by its golden file)
+
+
+def varint(n):
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def handshake_with(port, secret, node="x"):
+    """A connector's handshake written out here (postcard by hand, HMAC from
+    Python's hashlib), with `secret`: the kind of a's last answer."""
+    nonce = os.urandom(32)
+    hello = b"\0" + b"CKPP" + varint(1) + varint(len(node)) + node.encode() + nonce
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        c.sendall(len(hello).to_bytes(4, "little") + hello)
+        data = b""
+        while not frames(data):
+            chunk = c.recv(4096)
+            assert chunk, "a closed before its Challenge"
+            data += chunk
+        body = frames(data)[0]
+        assert body[0] == 1, body  # Challenge: variant, version, node, nonce, proof
+        n = body[2]
+        theirs_node, theirs = body[3:3 + n].decode(), body[3 + n:3 + n + 32]
+        parts = [b"ckpt-peer-v1 connector", nonce, theirs, node.encode(), theirs_node.encode()]
+        mac = hmac.new(secret, b"".join(len(p).to_bytes(8, "little") + p for p in parts), hashlib.sha256).digest()
+        proof = b"\x02" + mac
+        c.sendall(len(proof).to_bytes(4, "little") + proof)
+        c.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := c.recv(4096):
+            data += chunk
+    return frames(data)[-1][0]
+
+
+def test_garbage_a_replayed_handshake_and_another_secret_are_refused_and_saves_still_reach_their_peers(
+        cluster, tmp_path):
+    # b reaches a through a relay that keeps the first 4 KiB b sent a (its Hello, Proof, Offer).
+    relay = Recorder(cluster.ports["a"])
+    cluster.start("a")
+    b_args = ["--shared", str(cluster.shared), "--node-local", "--node-id", "b",
+              "--peer-listen", f"127.0.0.1:{cluster.ports['b']}", "--peers", f"127.0.0.1:{relay.port}",
+              "--peer-secret-file", str(cluster.secret)]
+    cluster.nodes["b"] = Sidecar(tmp_path, args=b_args, name="b", ckdir=tmp_path / "L_b").start()
+    saved, logs = cluster.ranks("save", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    assert len(relay.first) == 4096, len(relay.first)
+    a_port = cluster.ports["a"]
+    # Random bytes: dropped (nothing comes back but, at most, a Refused).
+    assert all(f[0] == REFUSED for f in answers(a_port, os.urandom(4096)))
+    # The real peer's first 4 KiB again: a's fresh nonce makes its proof wrong.
+    got = answers(a_port, relay.first)
+    assert [f[0] for f in got] == [1, REFUSED], got
+    # The handshake written out here: welcomed with the cluster's secret, refused with another.
+    assert handshake_with(a_port, cluster.secret.read_bytes()) == WELCOME
+    assert handshake_with(a_port, os.urandom(32)) == REFUSED
+    assert cluster.nodes["a"].status()["peers"]["refused_connections"] >= 3
+    assert "handshake failed" in cluster.nodes["a"].log.read_text()
+    # A following save on both nodes still reaches wait_peers.
+    saved, logs = cluster.ranks("save", "2")
+    assert [s["held"] for s in saved] == [[2], [2]], logs
+
+
+def test_a_sidecar_refuses_to_start_with_a_short_or_readable_secret(tmp_path):
+    from sidecar_fixtures import sidecar_bin
+
+    for data, mode, why in ((b"x" * 31, 0o600, "at least 32"), (os.urandom(32), 0o644, "chmod 600")):
+        k = tmp_path / "K"
+        k.write_bytes(data)
+        k.chmod(mode)
+        (tmp_path / "shared").mkdir(exist_ok=True)
+        r = subprocess.run([sidecar_bin(), "serve", "--dir", str(tmp_path / "L"), "--socket", str(tmp_path / "s.sock"),
+                            "--shared", str(tmp_path / "shared"), "--node-local", "--node-id", "a",
+                            "--peer-listen", f"127.0.0.1:{free_port()}", "--peers", "127.0.0.1:1",
+                            "--peer-secret-file", str(k)], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and why in r.stderr, r.stderr

@@ -1,0 +1,155 @@
+//! The connecting side: one blocking TCP connection to a peer, owned by
+//! the thread using it (the replication thread, a load's fetching thread).
+//! It proves nothing before the peer proved the secret, and every read and
+//! write is bounded in time, so a stalled peer fails a replication or a
+//! fetch (which then tries the next source) instead of hanging it.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ckpt_wire::peer::{self, Nodes, PeerMsg, Role, PEER_FRAME_BYTES_MAX, PEER_HELLO_BYTES_MAX};
+
+use super::frames::{fresh_nonce, kind, recv, send, ConnError};
+use crate::config;
+
+/// A file of this node's, sent from memory (a copy of the part's staging
+/// image) when given, else from disk.
+pub struct LocalFile {
+    pub name: String,
+    pub path: PathBuf,
+    pub len_bytes: u64,
+    pub bytes: Option<std::sync::Arc<Vec<u8>>>,
+}
+
+pub struct Conn {
+    stream: TcpStream,
+    /// The peer's node id, as it proved it.
+    pub node: String,
+}
+
+impl Conn {
+    /// Connects to `addr` and runs the handshake as node `me`.
+    pub fn open(addr: &str, secret: &[u8], me: &str) -> Result<Conn, ConnError> {
+        let connect = Duration::from_millis(config::PEER_CONNECT_TIMEOUT_MS);
+        let mut last = None;
+        let mut stream = None;
+        for a in addr.to_socket_addrs()? {
+            match TcpStream::connect_timeout(&a, connect) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let mut stream = stream
+            .ok_or_else(|| last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
+        stream.set_nodelay(true)?;
+        let hs = Some(Duration::from_millis(config::PEER_HANDSHAKE_TIMEOUT_MS));
+        stream.set_read_timeout(hs)?;
+        stream.set_write_timeout(hs)?;
+        let nonce = fresh_nonce()?;
+        let hello = PeerMsg::Hello {
+            magic: peer::PEER_MAGIC,
+            version: peer::PEER_PROTOCOL_VERSION,
+            node: me.to_string(),
+            nonce,
+        };
+        send(&mut stream, &hello)?;
+        let (node, nonces) = match recv(&mut stream, PEER_HELLO_BYTES_MAX)? {
+            PeerMsg::Challenge { version, node, nonce: theirs, proof } => {
+                if version != peer::PEER_PROTOCOL_VERSION {
+                    return Err(ConnError::Protocol(format!(
+                        "peer protocol {version}; this sidecar speaks {}",
+                        peer::PEER_PROTOCOL_VERSION
+                    )));
+                }
+                let nonces = peer::Nonces { connector: nonce, listener: theirs };
+                let nodes = Nodes { connector: me, listener: &node };
+                if !peer::proof_matches(&proof, secret, Role::Listener, &nonces, &nodes) {
+                    return Err(ConnError::Protocol(format!(
+                        "{addr} (node {node:?}) did not prove this cluster's secret"
+                    )));
+                }
+                (node, nonces)
+            }
+            PeerMsg::Refused { reason } => return Err(ConnError::Refused(reason)),
+            other => return Err(ConnError::Protocol(format!("{} instead of a Challenge", kind(&other)))),
+        };
+        let proof = peer::proof(secret, Role::Connector, &nonces, &Nodes { connector: me, listener: &node });
+        send(&mut stream, &PeerMsg::Proof { proof })?;
+        match recv(&mut stream, PEER_HELLO_BYTES_MAX)? {
+            PeerMsg::Welcome => {}
+            PeerMsg::Refused { reason } => return Err(ConnError::Refused(reason)),
+            other => return Err(ConnError::Protocol(format!("{} instead of a Welcome", kind(&other)))),
+        }
+        let io = Some(Duration::from_millis(config::PEER_IO_TIMEOUT_MS));
+        stream.set_read_timeout(io)?;
+        stream.set_write_timeout(io)?;
+        Ok(Conn { stream, node })
+    }
+
+    /// Offers this node's (`node`) files of `step` (its committed index
+    /// `index`): Ok once the peer checked and holds every byte.
+    pub fn offer(&mut self, node: &str, step: u64, index: &[u8], files: &[LocalFile]) -> Result<(), ConnError> {
+        let offer = PeerMsg::Offer { node: node.into(), step, index: index.to_vec(), files: files.len() as u32 };
+        send(&mut self.stream, &offer)?;
+        self.expect(|m| matches!(m, PeerMsg::Ready))?;
+        for f in files {
+            send(&mut self.stream, &PeerMsg::File { name: f.name.clone(), len_bytes: f.len_bytes })?;
+            if let Some(b) = f.bytes.as_ref().filter(|b| b.len() as u64 == f.len_bytes) {
+                self.stream.write_all(b)?;
+                continue;
+            }
+            let file = std::fs::File::open(&f.path)?;
+            // File to socket: std copies with sendfile/splice where it can.
+            let sent = std::io::copy(&mut file.take(f.len_bytes), &mut self.stream)?;
+            if sent != f.len_bytes {
+                return Err(ConnError::Protocol(format!(
+                    "{}: {sent} of {} bytes on disk",
+                    f.path.display(),
+                    f.len_bytes
+                )));
+            }
+        }
+        send(&mut self.stream, &PeerMsg::Done)?;
+        self.expect(|m| matches!(m, PeerMsg::Held { .. }))
+    }
+
+    /// File `name` of `node`'s replica of `step`, exactly `dst.len()` bytes, into `dst`.
+    pub fn get(&mut self, node: &str, step: u64, name: &str, dst: &mut [u8]) -> Result<(), ConnError> {
+        send(&mut self.stream, &PeerMsg::Get { node: node.into(), step, name: name.into() })?;
+        match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
+            PeerMsg::File { len_bytes, .. } if len_bytes == dst.len() as u64 => {
+                for piece in dst.chunks_mut(config::PEER_PIECE_BYTES) {
+                    self.stream.read_exact(piece)?;
+                }
+                Ok(())
+            }
+            PeerMsg::File { len_bytes, .. } => Err(ConnError::Protocol(format!(
+                "{name}: the replica is {len_bytes} bytes; the index says {}",
+                dst.len()
+            ))),
+            PeerMsg::Error { message } => Err(ConnError::Refused(message)),
+            other => Err(ConnError::Protocol(format!("{} instead of a File", kind(&other)))),
+        }
+    }
+
+    /// The next message is one `ok` accepts, else its Error as ours.
+    fn expect(&mut self, ok: impl Fn(&PeerMsg) -> bool) -> Result<(), ConnError> {
+        match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
+            m if ok(&m) => Ok(()),
+            PeerMsg::Error { message } => Err(ConnError::Refused(message)),
+            other => Err(ConnError::Protocol(format!("unexpected {}", kind(&other)))),
+        }
+    }
+
+    /// Flushes nothing (writes are whole); for a caller that wants the
+    /// stream closed now rather than when dropped.
+    pub fn close(mut self) {
+        let _ = self.stream.flush();
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}

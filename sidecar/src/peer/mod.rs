@@ -1,0 +1,174 @@
+//! Peers (`--peer-listen`, `--peers`): this node's files of each durable
+//! step replicated into other nodes' sidecars' memory, theirs held here,
+//! and a replaced node's files read back from them by a load
+//! (docs/guide.md, "Peers"; the protocol and its threat model:
+//! docs/protocol.md, "Peer protocol").
+//!
+//! A tier beside the drain: `state` holds it, `commit` tells it of each
+//! durable step, `load` fetches from it. Files: `secret` (the cluster
+//! secret, checked at start), `frames` (the framing on both kinds of
+//! socket), `conn` (the connecting side: blocking, a thread's own),
+//! `server` (the listening side: a tokio runtime of its own, a task per
+//! connection), `held` (the replicas held for other nodes, within the
+//! budget), `replicate` (this node's steps sent, outcomes, waiters),
+//! `fetch` (a load's [`ckpt_store::fetch::FetchFiles`] over the peers).
+//!
+//! Invariants:
+//! - nothing is served, and no byte of a checkpoint sent, on a connection
+//!   before both sides proved the cluster secret;
+//! - a replica counts (held here, or reported held to its node) only once
+//!   every byte of it matched the step's index;
+//! - training never waits for a peer: replication runs on its own thread
+//!   after the step is durable; a failure is reported, never raised.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ckpt_store::restore::ThisNode;
+
+mod conn;
+mod fetch;
+mod frames;
+mod held;
+mod replicate;
+mod secret;
+mod server;
+
+pub use fetch::PeerFiles;
+pub use secret::{read_secret, SecretError};
+
+/// The peer settings of `serve`/`launch`.
+#[derive(Debug, Clone)]
+pub struct PeerOptions {
+    /// Where this sidecar listens for its peers.
+    pub listen: SocketAddr,
+    /// The other nodes' sidecars' peer addresses.
+    pub peers: Vec<String>,
+    /// The cluster secret's file (`--peer-secret-file`).
+    pub secret_file: PathBuf,
+    /// Peers each of this node's steps goes to.
+    pub replicas: u32,
+    /// Newest steps of each peer held here.
+    pub keep: usize,
+    /// Bytes of other nodes' replicas held here at most.
+    pub budget_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    #[error("--peer-listen {addr}: cannot listen ({source})")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("--peers needs a node-local layout (--shared DIR --node-local): only a node's own files are replicated")]
+    NotNodeLocal,
+    #[error("starting the peer runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// This node's peer tier: the server, the replicas it holds, and this
+/// node's replication.
+pub struct Peers {
+    opts: PeerOptions,
+    secret: Arc<Vec<u8>>,
+    me: ThisNode,
+    shared_dir: PathBuf,
+    held: Arc<held::Held>,
+    staged: Arc<replicate::Staged>,
+    repl: replicate::Replication,
+    /// The bound address (a port 0 made real).
+    local_addr: SocketAddr,
+    refused: Arc<std::sync::atomic::AtomicU64>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Peers {
+    /// Reads the secret, binds the listening address and starts the server
+    /// and the replication thread: a bad secret or a taken port stops the
+    /// start.
+    pub fn start(opts: PeerOptions, me: ThisNode, shared_dir: PathBuf) -> Result<Arc<Peers>, PeerError> {
+        let secret = Arc::new(read_secret(&opts.secret_file)?);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(crate::config::PEER_RUNTIME_THREADS)
+            .thread_name("ckpt-peer")
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(PeerError::Runtime)?;
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(opts.listen))
+            .map_err(|source| PeerError::Bind { addr: opts.listen, source })?;
+        let local_addr = listener.local_addr().map_err(|source| PeerError::Bind { addr: opts.listen, source })?;
+        let held = Arc::new(held::Held::new(opts.budget_bytes, opts.keep));
+        let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let srv = server::Server {
+            secret: secret.clone(),
+            node: me.id.clone(),
+            dirs: me.dirs.clone(),
+            held: held.clone(),
+            refused: refused.clone(),
+        };
+        runtime.spawn(server::serve(listener, Arc::new(srv)));
+        let staged = Arc::new(replicate::Staged::default());
+        let repl = replicate::Replication::spawn(replicate::Sender {
+            staged: staged.clone(),
+            secret: secret.clone(),
+            me: me.clone(),
+            shared_dir: shared_dir.clone(),
+            peers: opts.peers.clone(),
+            replicas: opts.replicas,
+        })
+        .map_err(PeerError::Runtime)?;
+        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, "peers: listening");
+        Ok(Arc::new(Peers { opts, secret, me, shared_dir, held, staged, repl, local_addr, refused, _runtime: runtime }))
+    }
+
+    /// The address peers reach this sidecar at (the port bound).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Step `step` is durable (committed in the shared directory): this
+    /// node's files of it go to its peers, on the replication thread.
+    pub fn committed(&self, step: u64) {
+        self.repl.committed(step);
+    }
+
+    /// A part of `step` was written from `image` (its staging lease, at
+    /// `layout`'s offsets): its files are copied, so the replication sends
+    /// them from memory instead of reading them back from disk.
+    pub fn stage_part(&self, step: u64, layout: &ckpt_store::image::Layout, image: &[u8]) {
+        self.staged.stage(step, layout, image);
+    }
+
+    /// A WaitPeers: answered now, or once the step's replication ended.
+    pub fn wait(&self, replies: Arc<dyn crate::drain::Answer>, id: u64, step: u64, committed: bool) {
+        self.repl.wait(replies, id, step, committed);
+    }
+
+    /// A load's source of `step`'s files this node's disks do not hold:
+    /// the replicas held here, then the peers.
+    pub fn fetcher(&self, step: u64, index: ckpt_store::format::Index) -> PeerFiles {
+        PeerFiles::new(self.secret.clone(), self.me.id.clone(), self.opts.peers.clone(), step, index, self.held.clone())
+    }
+
+    /// The shared directory the replicated steps are committed in.
+    pub fn shared_dir(&self) -> &std::path::Path {
+        &self.shared_dir
+    }
+
+    /// What `status` shows.
+    pub fn report(&self) -> ckpt_wire::PeerReport {
+        let mut r = self.repl.report();
+        r.listen = self.local_addr.to_string();
+        r.peers = self.opts.peers.clone();
+        r.replicas = self.opts.replicas;
+        let (holding, holding_bytes) = self.held.summary();
+        r.holding = holding;
+        r.holding_bytes = holding_bytes;
+        r.budget_bytes = self.opts.budget_bytes;
+        r.refused_connections = self.refused.load(std::sync::atomic::Ordering::Relaxed);
+        r
+    }
+}

@@ -1,0 +1,279 @@
+//! This node's replication: each durable step's node-local files sent to
+//! `--peer-replicas` peers, in ring order of node id after this node's
+//! (so with every node doing the same, each node's files land on the next
+//! K), on the `ckpt-peer-send` thread; its outcome (held by which peers,
+//! or failed and why) remembered, and the clients waiting for it answered
+//! once (WaitPeers).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use ckpt_store::catalog;
+use ckpt_store::format::{self, Index, INDEX_FILE_NAME};
+use ckpt_store::restore::ThisNode;
+use ckpt_wire::{ErrorCode, PeerReport, Reply};
+use crossbeam_channel::Sender as Tx;
+use tracing::{info, warn};
+
+use super::conn::{Conn, LocalFile};
+use crate::config;
+use crate::drain::Answer;
+
+/// What the replication thread needs.
+pub struct Sender {
+    pub secret: Arc<Vec<u8>>,
+    pub me: ThisNode,
+    pub shared_dir: PathBuf,
+    pub peers: Vec<String>,
+    pub replicas: u32,
+    pub staged: Arc<Staged>,
+}
+
+/// This node's files of recent steps in memory, copied from each part's
+/// staging image as it was written, until sent (bounded in bytes).
+#[derive(Default)]
+pub struct Staged {
+    files: Mutex<BTreeMap<u64, StepFiles>>,
+}
+
+/// One step's files by name.
+type StepFiles = std::collections::HashMap<String, Arc<Vec<u8>>>;
+
+impl Staged {
+    /// Keeps a copy of each of `layout`'s shard files from `image` (a
+    /// part's lease, at the layout's offsets) that fits the bound.
+    pub fn stage(&self, step: u64, layout: &ckpt_store::image::Layout, image: &[u8]) {
+        let mut g = self.files.lock().expect("staged files lock");
+        let mut held: u64 = g.values().flat_map(|m| m.values()).map(|b| b.len() as u64).sum();
+        for s in &layout.shards {
+            let (off, len) = (s.staging_offset as usize, s.file_len as usize);
+            if off + len > image.len() || held + len as u64 > config::PEER_SEND_STAGED_BYTES_MAX {
+                continue;
+            }
+            held += len as u64;
+            g.entry(step).or_default().insert(s.file_name.clone(), Arc::new(image[off..off + len].to_vec()));
+        }
+    }
+
+    /// Takes `step`'s copies, and lets every older step's go.
+    fn take(&self, step: u64) -> StepFiles {
+        let mut g = self.files.lock().expect("staged files lock");
+        let mine = g.remove(&step).unwrap_or_default();
+        g.retain(|&s, _| s > step);
+        mine
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    Pending,
+    Held(Vec<String>),
+    Failed(String),
+}
+
+struct Waiter {
+    replies: Arc<dyn Answer>,
+    id: u64,
+    step: u64,
+}
+
+#[derive(Default)]
+struct State {
+    outcomes: BTreeMap<u64, Outcome>,
+    waiters: Vec<Waiter>,
+    report: PeerReport,
+}
+
+pub struct Replication {
+    tx: Tx<u64>,
+    st: Arc<Mutex<State>>,
+}
+
+impl Replication {
+    pub fn spawn(sender: Sender) -> std::io::Result<Replication> {
+        let (tx, rx) = crossbeam_channel::unbounded::<u64>();
+        let st = Arc::new(Mutex::new(State::default()));
+        let shared = st.clone();
+        std::thread::Builder::new().name("ckpt-peer-send".into()).spawn(move || {
+            for step in rx {
+                let t0 = Instant::now();
+                let (outcome, bytes) = match sender.replicate(step) {
+                    Ok((held, bytes)) => (Outcome::Held(held), bytes),
+                    Err(why) => (Outcome::Failed(why), 0),
+                };
+                let seconds = t0.elapsed().as_secs_f64();
+                let mut g = shared.lock().expect("peer replication lock");
+                match &outcome {
+                    Outcome::Held(by) => {
+                        info!(step, peers = ?by, bytes, seconds, "peers: this node's files are held by its peers");
+                        g.report.last_held = Some(step);
+                        g.report.last_held_by = by.clone();
+                        if bytes > 0 {
+                            g.report.bytes_per_s = bytes as f64 / seconds.max(1e-9);
+                        }
+                    }
+                    Outcome::Failed(why) => {
+                        warn!(step, "peers: replication failed: {why}");
+                        g.report.last_failed = Some(step);
+                        g.report.last_error = why.clone();
+                    }
+                    Outcome::Pending => {}
+                }
+                g.outcomes.insert(step, outcome);
+                while g.outcomes.len() > config::PEER_OUTCOMES_KEPT {
+                    g.outcomes.pop_first();
+                }
+                answer(&mut g);
+            }
+        })?;
+        Ok(Replication { tx, st })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().expect("peer replication lock")
+    }
+
+    pub fn committed(&self, step: u64) {
+        self.lock().outcomes.insert(step, Outcome::Pending);
+        // The thread lives as long as the daemon: a send cannot fail before.
+        let _ = self.tx.send(step);
+    }
+
+    pub fn wait(&self, replies: Arc<dyn Answer>, id: u64, step: u64, committed: bool) {
+        let mut g = self.lock();
+        if !g.outcomes.contains_key(&step) {
+            let why = if committed {
+                "it was not durable through this sidecar since it started, so this node did not replicate it"
+            } else {
+                "not committed"
+            };
+            replies.send(&Reply::Error {
+                id,
+                code: ErrorCode::NotFound,
+                message: format!("step {step}: {why}; it is not held by peers"),
+            });
+            return;
+        }
+        if g.waiters.len() >= config::PEER_WAITERS_MAX {
+            replies.send(&Reply::Error {
+                id,
+                code: ErrorCode::BadRequest,
+                message: format!("more than {} waits for peers at once", config::PEER_WAITERS_MAX),
+            });
+            return;
+        }
+        g.waiters.push(Waiter { replies, id, step });
+        answer(&mut g);
+    }
+
+    pub fn report(&self) -> PeerReport {
+        self.lock().report.clone()
+    }
+}
+
+/// Answers every waiter whose step's replication ended; drops those whose client is gone.
+fn answer(g: &mut State) {
+    let outcomes = &g.outcomes;
+    g.waiters.retain(|w| {
+        if w.replies.is_gone() {
+            return false;
+        }
+        let reply = match outcomes.get(&w.step) {
+            Some(Outcome::Pending) => return true,
+            Some(Outcome::Held(peers)) => Reply::HeldByPeers { id: w.id, step: w.step, peers: peers.clone() },
+            Some(Outcome::Failed(why)) => Reply::Error {
+                id: w.id,
+                code: ErrorCode::Io,
+                message: format!("step {}: not held by peers: {why}", w.step),
+            },
+            None => Reply::Error {
+                id: w.id,
+                code: ErrorCode::NotFound,
+                message: format!("step {}: its replication outcome is no longer remembered", w.step),
+            },
+        };
+        w.replies.send(&reply);
+        false
+    });
+}
+
+impl Sender {
+    /// Sends this node's files of `step` to the first `replicas` peers in
+    /// ring order that take them: their node ids and the bytes sent, or why not.
+    fn replicate(&self, step: u64) -> Result<(Vec<String>, u64), String> {
+        let index_path = catalog::step_path(&self.shared_dir, step).join(INDEX_FILE_NAME);
+        let index_bytes = std::fs::read(&index_path).map_err(|e| format!("{}: {e}", index_path.display()))?;
+        let index = Index::from_json_bytes(&index_bytes).map_err(|e| format!("{}: {e}", index_path.display()))?;
+        let mut staged = self.staged.take(step);
+        let mut files = self.files(&index, step)?;
+        for f in &mut files {
+            f.bytes = staged.remove(&f.name);
+        }
+        if files.is_empty() {
+            return Ok((Vec::new(), 0));
+        }
+        let bytes: u64 = files.iter().map(|f| f.len_bytes).sum();
+        let mut reasons = Vec::new();
+        let mut conns = Vec::new();
+        for addr in &self.peers {
+            match Conn::open(addr, &self.secret, &self.me.id) {
+                Ok(c) if c.node == self.me.id => reasons.push(format!("{addr} is this node ({:?})", c.node)),
+                Ok(c) => conns.push((addr, c)),
+                Err(e) => reasons.push(format!("peer {addr}: {e}")),
+            }
+        }
+        // Ring order: the node ids after ours first, then from the lowest.
+        conns.sort_by(|(_, a), (_, b)| {
+            ((a.node.as_str() <= self.me.id.as_str()), &a.node)
+                .cmp(&((b.node.as_str() <= self.me.id.as_str()), &b.node))
+        });
+        let mut held = Vec::new();
+        for (addr, mut c) in conns {
+            if held.len() >= self.replicas as usize {
+                break;
+            }
+            match c.offer(&self.me.id, step, &index_bytes, &files) {
+                Ok(()) => held.push(c.node.clone()),
+                Err(e) => reasons.push(format!("peer {addr} ({:?}): {e}", c.node)),
+            }
+            c.close();
+        }
+        if held.len() < self.replicas as usize {
+            return Err(format!(
+                "held by {} of the {} peers wanted ({held:?}): {}",
+                held.len(),
+                self.replicas,
+                if reasons.is_empty() { "too few peers".to_string() } else { reasons.join("; ") }
+            ));
+        }
+        Ok((held, bytes))
+    }
+
+    /// This node's files of `step`, on its disks.
+    fn files(&self, index: &Index, step: u64) -> Result<Vec<LocalFile>, String> {
+        let folder = format::node_step_dir_name(step).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        for f in &index.ckpt.files {
+            if index.holder(&f.name).map(|(id, _)| id) != Some(self.me.id.as_str()) {
+                continue;
+            }
+            let dir = self.me.dirs.get(f.dir_idx as usize).ok_or_else(|| {
+                format!(
+                    "step {step}: file {} is in directory #{} of this node's {}",
+                    f.name,
+                    f.dir_idx,
+                    self.me.dirs.len()
+                )
+            })?;
+            out.push(LocalFile {
+                name: f.name.clone(),
+                path: dir.join(&folder).join(&f.name),
+                len_bytes: f.len_bytes,
+                bytes: None,
+            });
+        }
+        Ok(out)
+    }
+}

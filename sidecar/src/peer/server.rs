@@ -1,0 +1,325 @@
+//! The listening side: a task per connection on the peer runtime. A
+//! connection is counted against its host's limit from its accept (so
+//! unauthenticated handshakes are bounded too), must finish the handshake
+//! within its deadline with frames no larger than a Hello's, and then
+//! serves offers (a replica received, every byte checked, then held) and
+//! gets (a held file sent back) until the peer closes or stalls. Whatever
+//! goes wrong ends that connection only.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ckpt_store::format::Index;
+use ckpt_wire::peer::{self, Nodes, PeerMsg, Role, PEER_FRAME_BYTES_MAX, PEER_HELLO_BYTES_MAX};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, info, warn};
+
+use super::frames::{fresh_nonce, kind, recv_async, recv_raw_async, send_async, send_raw_async, ConnError};
+use super::held::{FileBytes, Held, Replica};
+use crate::config;
+
+pub struct Server {
+    pub secret: Arc<Vec<u8>>,
+    /// This node's id (the listener's in every proof).
+    pub node: String,
+    /// This node's directories: its own files are served from them.
+    pub dirs: Vec<std::path::PathBuf>,
+    pub held: Arc<Held>,
+    /// Connections refused (over a limit, a failed handshake, garbage, a stall).
+    pub refused: Arc<AtomicU64>,
+}
+
+/// Open connections per remote host.
+#[derive(Default)]
+struct Slots {
+    per_host: HashMap<IpAddr, usize>,
+    total: usize,
+}
+
+/// One connection's place among the open ones; freed when dropped.
+struct Slot {
+    slots: Arc<Mutex<Slots>>,
+    host: IpAddr,
+}
+
+impl Slot {
+    fn take(slots: &Arc<Mutex<Slots>>, host: IpAddr) -> Option<Slot> {
+        let mut s = slots.lock().expect("peer slots lock");
+        let n = s.per_host.get(&host).copied().unwrap_or(0);
+        if n >= config::PEER_CONNECTIONS_PER_HOST_MAX || s.total >= config::PEER_CONNECTIONS_MAX {
+            return None;
+        }
+        s.per_host.insert(host, n + 1);
+        s.total += 1;
+        Some(Slot { slots: slots.clone(), host })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = self.slots.lock().expect("peer slots lock");
+        s.total -= 1;
+        if let Some(n) = s.per_host.get_mut(&self.host) {
+            *n -= 1;
+            if *n == 0 {
+                s.per_host.remove(&self.host);
+            }
+        }
+    }
+}
+
+/// Accepts connections for good (the runtime's life).
+pub async fn serve(listener: TcpListener, srv: Arc<Server>) {
+    let slots = Arc::new(Mutex::new(Slots::default()));
+    loop {
+        let (sock, addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                // Out of descriptors, say: the next accept may work.
+                warn!("peer accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Some(slot) = Slot::take(&slots, addr.ip()) else {
+            srv.refused.fetch_add(1, Ordering::Relaxed);
+            warn!(%addr, "peer connection refused: too many open from this host");
+            continue;
+        };
+        let srv = srv.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            if let Err(e) = srv.connection(sock, addr).await {
+                warn!(%addr, "peer connection dropped: {e}");
+            }
+        });
+    }
+}
+
+impl Server {
+    async fn connection(&self, sock: TcpStream, addr: SocketAddr) -> Result<(), ConnError> {
+        let _ = sock.set_nodelay(true);
+        let (mut r, mut w) = sock.into_split();
+        let limit = Duration::from_millis(config::PEER_HANDSHAKE_TIMEOUT_MS);
+        let peer_node = match tokio::time::timeout(limit, self.handshake(&mut r, &mut w)).await {
+            Ok(Ok(node)) => node,
+            Ok(Err(e)) => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                linger_close(r, w).await;
+                return Err(ConnError::Refused(format!("handshake failed: {e}")));
+            }
+            Err(_) => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(ConnError::Stalled(limit));
+            }
+        };
+        debug!(%addr, node = %peer_node, "peer authenticated");
+        let io = Duration::from_millis(config::PEER_IO_TIMEOUT_MS);
+        loop {
+            let msg = match recv_async(&mut r, PEER_FRAME_BYTES_MAX, io).await {
+                Ok(m) => m,
+                Err(ConnError::Frame(ckpt_wire::FrameError::Closed)) => return Ok(()),
+                // An authenticated peer that goes quiet: it is done with this connection.
+                Err(ConnError::Stalled(_)) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            match msg {
+                PeerMsg::Offer { node, step, index, files } => {
+                    if node != peer_node {
+                        let m = format!("node {peer_node:?} offered node {node:?}'s files; a node offers only its own");
+                        send_async(&mut w, &PeerMsg::Error { message: m.clone() }, io).await?;
+                        return Err(ConnError::Protocol(m));
+                    }
+                    self.offer(&mut r, &mut w, &node, step, &index, files).await?;
+                }
+                PeerMsg::Get { node, step, name } => match self.file(&node, step, &name).await {
+                    Some(bytes) => {
+                        let len_bytes = bytes.as_slice().len() as u64;
+                        send_async(&mut w, &PeerMsg::File { name, len_bytes }, io).await?;
+                        send_raw_async(&mut w, bytes.as_slice(), io).await?;
+                    }
+                    None => {
+                        let message = format!(
+                            "node {node:?} step {step} file {name}: not held by {:?} (in memory it holds steps {:?} of that node)",
+                            self.node,
+                            self.held.steps(&node)
+                        );
+                        send_async(&mut w, &PeerMsg::Error { message }, io).await?;
+                    }
+                },
+                PeerMsg::List { node } => {
+                    let steps = self.held.steps(&node);
+                    send_async(&mut w, &PeerMsg::Steps { node, steps }, io).await?;
+                }
+                other => return Err(ConnError::Protocol(format!("unexpected {}", kind(&other)))),
+            }
+        }
+    }
+
+    /// File `name` of `node`'s step `step`: a replica held in memory, or
+    /// (this node's own) read from its disks.
+    async fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<FileBytes>> {
+        if let Some(f) = self.held.file(node, step, name) {
+            return Some(f);
+        }
+        // A plain file name of the step's folder, never a path out of it.
+        if node != self.node || name.is_empty() || name.starts_with('.') || name.contains('/') {
+            return None;
+        }
+        let folder = ckpt_store::format::node_step_dir_name(step).ok()?;
+        let paths: Vec<_> = self.dirs.iter().map(|d| d.join(&folder).join(name)).collect();
+        tokio::task::spawn_blocking(move || {
+            paths.iter().find_map(|p| std::fs::read(p).ok()).map(|v| Arc::new(FileBytes::Read(v)))
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Both sides prove the secret; the peer's node id once they did.
+    async fn handshake(&self, r: &mut OwnedReadHalf, w: &mut OwnedWriteHalf) -> Result<String, ConnError> {
+        let limit = Duration::from_millis(config::PEER_HANDSHAKE_TIMEOUT_MS);
+        let PeerMsg::Hello { magic, version, node, nonce } = recv_async(r, PEER_HELLO_BYTES_MAX, limit).await? else {
+            return Err(ConnError::Protocol("the first message is no Hello".into()));
+        };
+        if magic != peer::PEER_MAGIC {
+            return Err(ConnError::Protocol("no peer protocol magic".into()));
+        }
+        if version != peer::PEER_PROTOCOL_VERSION {
+            let reason = format!("peer protocol {version}; this sidecar speaks {}", peer::PEER_PROTOCOL_VERSION);
+            send_async(w, &PeerMsg::Refused { reason: reason.clone() }, limit).await?;
+            return Err(ConnError::Protocol(reason));
+        }
+        ckpt_store::format::validate_node_id(&node).map_err(|e| ConnError::Protocol(e.to_string()))?;
+        let nonces = peer::Nonces { connector: nonce, listener: fresh_nonce()? };
+        let nodes = Nodes { connector: &node, listener: &self.node };
+        let proof = peer::proof(&self.secret, Role::Listener, &nonces, &nodes);
+        let challenge = PeerMsg::Challenge {
+            version: peer::PEER_PROTOCOL_VERSION,
+            node: self.node.clone(),
+            nonce: nonces.listener,
+            proof,
+        };
+        send_async(w, &challenge, limit).await?;
+        let PeerMsg::Proof { proof } = recv_async(r, PEER_HELLO_BYTES_MAX, limit).await? else {
+            return Err(ConnError::Protocol("no Proof after the Challenge".into()));
+        };
+        if !peer::proof_matches(&proof, &self.secret, Role::Connector, &nonces, &nodes) {
+            let reason = "the proof does not match this cluster's secret".to_string();
+            send_async(w, &PeerMsg::Refused { reason: reason.clone() }, limit).await?;
+            return Err(ConnError::Protocol(format!("node {node:?}: {reason}")));
+        }
+        send_async(w, &PeerMsg::Welcome, limit).await?;
+        Ok(node)
+    }
+
+    /// One offered replica: room reserved, every file read and checked
+    /// against the offered index, then held; the answer says which.
+    async fn offer(
+        &self,
+        r: &mut OwnedReadHalf,
+        w: &mut OwnedWriteHalf,
+        node: &str,
+        step: u64,
+        index_bytes: &[u8],
+        n_files: u32,
+    ) -> Result<(), ConnError> {
+        let io = Duration::from_millis(config::PEER_IO_TIMEOUT_MS);
+        let refuse = |message: String| PeerMsg::Error { message };
+        let index = match Index::from_json_bytes(index_bytes) {
+            Ok(i) if i.ckpt.step == step => Arc::new(i),
+            Ok(i) => {
+                return send_async(
+                    w,
+                    &refuse(format!("the index offered for step {step} is step {}'s", i.ckpt.step)),
+                    io,
+                )
+                .await
+            }
+            Err(e) => {
+                return send_async(w, &refuse(format!("step {step}: the offered index is damaged: {e}")), io).await
+            }
+        };
+        let expected: HashMap<&str, u64> = index
+            .ckpt
+            .files
+            .iter()
+            .filter(|f| index.holder(&f.name).is_some_and(|(id, _)| id == node))
+            .map(|f| (f.name.as_str(), f.len_bytes))
+            .collect();
+        if expected.len() != n_files as usize {
+            let m =
+                format!("step {step}: {n_files} files offered; the index names {} of node {node:?}", expected.len());
+            return send_async(w, &refuse(m), io).await;
+        }
+        let total: u64 = expected.values().sum();
+        let room = match self.held.reserve(node, step, total) {
+            Ok(room) => room,
+            Err(m) => return send_async(w, &refuse(m), io).await,
+        };
+        send_async(w, &PeerMsg::Ready, io).await?;
+        let mut files = HashMap::new();
+        let (mut recv_s, mut check_s) = (0f64, 0f64);
+        for _ in 0..n_files {
+            let PeerMsg::File { name, len_bytes } = recv_async(r, PEER_FRAME_BYTES_MAX, io).await? else {
+                return Err(ConnError::Protocol(format!("step {step}: a File expected")));
+            };
+            if expected.get(name.as_str()) != Some(&len_bytes) || files.contains_key(&name) {
+                let m =
+                    format!("step {step}: file {name} of {len_bytes} bytes is not one the index names (or sent twice)");
+                send_async(w, &refuse(m.clone()), io).await?;
+                return Err(ConnError::Protocol(m));
+            }
+            let t0 = std::time::Instant::now();
+            let mut buf = FileBytes::zeroed(len_bytes as usize)?;
+            recv_raw_async(r, buf.as_mut_slice(), io).await?;
+            let t1 = std::time::Instant::now();
+            recv_s += (t1 - t0).as_secs_f64();
+            let (idx, n) = (index.clone(), name.clone());
+            let (buf, problems) = tokio::task::spawn_blocking(move || {
+                let p = ckpt_store::restore::check_file_bytes(&idx, &n, buf.as_slice());
+                (buf, p)
+            })
+            .await
+            .map_err(|e| ConnError::Protocol(format!("checking {name}: {e}")))?;
+            check_s += t1.elapsed().as_secs_f64();
+            if !problems.is_empty() {
+                let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+                let m = format!("step {step}: file {name} does not match the index: {}", list.join("; "));
+                send_async(w, &refuse(m.clone()), io).await?;
+                return Err(ConnError::Protocol(m));
+            }
+            files.insert(name, Arc::new(buf));
+        }
+        if !matches!(recv_async(r, PEER_FRAME_BYTES_MAX, io).await?, PeerMsg::Done) {
+            return Err(ConnError::Protocol(format!("step {step}: Done expected after the files")));
+        }
+        self.held.insert(room, node, step, Replica { files, bytes: total });
+        info!(node, step, bytes = total, recv_s, check_s, "peers: holding a replica (every byte checked)");
+        send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
+    }
+}
+
+/// Closes a refused connection so that its peer reads the Refused sent
+/// before (a close with unread bytes in the socket resets it, and the
+/// reset may discard what the peer had not read yet): our side shut, the
+/// rest of what it sent read and dropped, at most 64 KiB within 1 s.
+async fn linger_close(mut r: OwnedReadHalf, mut w: OwnedWriteHalf) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = w.shutdown().await;
+    let mut buf = vec![0u8; 64 << 10];
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let mut left = buf.len();
+        while left > 0 {
+            match r.read(&mut buf[..left]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left -= n,
+            }
+        }
+    })
+    .await;
+}

@@ -53,7 +53,12 @@ class Loading(RegionTable):
         with self._mu:
             packed = self._load_packed(step, map_location)
             if packed is None:
-                got, values, skel, saved_world = self._load_tensors(step, None, map_location)
+                # The per-tensor path asks again: for the step the first ask
+                # found (not a newer one committed since), keeping what that
+                # ask passed over to find it.
+                found, fell_back = self.last_load_step, self.last_load_fell_back
+                got, values, skel, saved_world = self._load_tensors(found, None, map_location)
+                self.last_load_fell_back = self.last_load_fell_back or fell_back
             else:
                 got, values, skel, saved_world = packed
             rng_blob = self._loaded_rng(saved_world) if restore_rng else None

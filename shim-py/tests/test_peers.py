@@ -134,6 +134,11 @@ def test_a_missing_replica_falls_back_to_the_drain_target_naming_the_peer_it_ski
     assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(1, True, None)] * 2, logs
     skipped = loaded[1]["fell_back"] or ""
     assert f"from peer 127.0.0.1:{cluster.ports['a']}" in skipped and "not held" in skipped, (loaded[1], logs)
+    # ... and the Checkpointer keeps saying so after the load (a load of
+    # several ranks' parts asks the sidecar twice; the second ask must not
+    # forget what the first passed over).
+    kept = loaded[1]["last_load_fell_back"] or ""
+    assert f"from peer 127.0.0.1:{cluster.ports['a']}" in kept, (loaded[1], logs)
 
 
 def test_a_peer_that_cannot_be_reached_fails_the_replication_saying_why_and_the_save_stays_durable(cluster):

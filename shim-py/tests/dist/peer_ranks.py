@@ -5,7 +5,7 @@ waited durable and held by peers; writes {"rank", "held": [steps]}; MODE
 try-save: the same, a failed wait_peers recorded as {"step", "error"} in
 "held" instead. MODE replicate: save, then also wait_replicated (a drain).
 MODE load: loads "latest" and writes {"rank", "step", "equal",
-"fell_back" (the load's RuntimeWarnings: what it passed over)}, or {"error": one line} when the load fails."""
+"fell_back" (the load's RuntimeWarnings: what it passed over), "last_load_fell_back"}, or {"error": one line} when the load fails."""
 import json
 import os
 import sys
@@ -55,7 +55,8 @@ def main():
                     got = ck.load("latest")
                 s = int(got["step"])
                 fell_back = " | ".join(str(w.message) for w in said if issubclass(w.category, RuntimeWarning))
-                out = {"rank": rank, "step": s, "equal": equal(got, state(s)), "fell_back": fell_back}
+                out = {"rank": rank, "step": s, "equal": equal(got, state(s)), "fell_back": fell_back,
+                       "last_load_fell_back": ck.last_load_fell_back}
             except Exception as e:  # noqa: BLE001 - the test reads the line
                 out = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
     with open(f"result-{rank}.json", "w") as f:

@@ -97,6 +97,10 @@ struct State {
     pending: BTreeMap<u64, Instant>,
     /// Steps deleted locally before they were drained (the newest few).
     deleted_undrained: BTreeSet<u64>,
+    /// Steps passed over as damaged on this node (a local file that does
+    /// not match its index, found by the upload's read-back), with why;
+    /// the newest few.
+    damaged: BTreeMap<u64, String>,
     /// Since start: how each committed step the drain saw ended.
     replicated_count: u64,
     skipped_count: u64,

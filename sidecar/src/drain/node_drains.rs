@@ -89,6 +89,13 @@ impl Drain {
                 self.answer(&mut st);
                 Round::Moved
             }
+            Err(Upload::Damaged(why)) => {
+                // Not marked uploaded: the coordinator commits no remote
+                // step of it, and the nodes go on with the next step.
+                self.pass_over_damaged(&mut st, newest, &why);
+                self.answer(&mut st);
+                Round::Moved
+            }
             Err(Upload::Failed(e)) => {
                 st.uploading = None;
                 st.upload_failures += 1;
@@ -117,7 +124,7 @@ impl Drain {
         if !self.lock().mine_uploaded.contains(&step) {
             let mine = node_files(&index, &n.me, step).map_err(Upload::Failed)?;
             if !mine.is_empty() {
-                stats = self.target.upload_files(step, &mine).map_err(failed)?;
+                stats = self.target.upload_files(step, &mine).map_err(|e| self.upload_failed(step, &mine, e))?;
             }
             if index.ckpt.nodes.contains_key(&n.me.id) {
                 cn::mark_uploaded(&n.shared_dir, step, &n.me.id).map_err(|e| {

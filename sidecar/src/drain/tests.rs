@@ -249,3 +249,57 @@ fn a_resident_image_that_differs_from_its_files_drains_from_disk() {
     assert_eq!(drain.lock().from_memory_bytes, shards - layout.shards[0].file_len, "the differing shard from disk");
     assert_remote_equals_local(&remote, &dir, 6);
 }
+
+/// A committed step whose file on disk no longer matches its index (a
+/// flipped byte, found by the upload's read-back) is damage of the step,
+/// not a failure of the target: it is told to the damage sink once and
+/// passed over (retrying cannot mend it), the target stays up, and the
+/// next step committed drains.
+#[test]
+fn a_step_damaged_on_disk_is_passed_over_once_and_the_next_step_drains() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("local");
+    let mut store = Store::open(StoreOptions::new(vec![dir.clone()])).unwrap();
+    let dir = dir.canonicalize().unwrap();
+    let layout = Layout::plan(synthetic::transformer_specs(2 << 20), LayoutOptions::default()).unwrap();
+    let mut staging = AlignedBuf::new(layout.staging_len as usize).unwrap();
+    let mut commit = |store: &mut Store, step: u64| {
+        let crcs = synthetic::stage(&layout, staging.as_mut_slice(), step);
+        store.commit(step, &layout, &staging, &crcs, &[]).unwrap();
+    };
+    commit(&mut store, 1);
+    let index =
+        Index::from_json_bytes(&std::fs::read(catalog::step_path(&dir, 1).join(INDEX_FILE_NAME)).unwrap()).unwrap();
+    let shard = catalog::step_path(&dir, 1).join(&index.ckpt.files[0].name);
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(&shard, &bytes).unwrap();
+    let remote = tmp.path().join("remote");
+    std::fs::create_dir(&remote).unwrap();
+    let drain = Drain::open(
+        DrainOptions { url: format!("file://{}", remote.display()), every: 1, keep: None, bandwidth_bytes_per_s: None },
+        vec![dir.clone()],
+    )
+    .unwrap();
+    let told = Arc::new(AtomicUsize::new(0));
+    let t = told.clone();
+    drain.on_damage(Box::new(move |step, file, _| {
+        assert_eq!(step, 1, "{file}");
+        t.fetch_add(1, Ordering::SeqCst);
+    }));
+    assert_eq!(drain.drain_once(), Round::Moved, "a damaged step is passed over, not the target's failure");
+    assert_eq!(drain.drain_once(), Round::Idle, "and not tried again");
+    assert_eq!(told.load(Ordering::SeqCst), 1);
+    {
+        let st = drain.lock();
+        assert!(st.up && st.upload_failures == 0, "the target is not at fault: {}", st.error);
+        assert!(st.replicated.is_empty() && st.damaged.contains_key(&1), "{:?}", st.damaged);
+    }
+    assert!(!catalog::is_committed(&remote, 1), "no remote step of the damaged one");
+    commit(&mut store, 2);
+    assert_eq!(drain.drain_once(), Round::Moved);
+    assert_eq!(drain.lock().replicated.iter().copied().collect::<Vec<_>>(), vec![2]);
+    assert_remote_equals_local(&remote, &dir, 2);
+}

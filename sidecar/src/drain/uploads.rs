@@ -14,9 +14,10 @@ use std::time::Instant;
 use ckpt_store::catalog;
 use ckpt_store::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use ckpt_tier::LocalFile;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
-use super::{Drain, Handled};
+use super::{Drain, Handled, State};
+use crate::config;
 use crate::memory::staging::Lent;
 
 /// A local file's identity: the same inode (an incremental save links an
@@ -70,8 +71,12 @@ pub(super) enum Round {
 pub(super) enum Upload {
     /// The step is no longer committed locally.
     Gone,
-    /// The target (or the local step's files) failed: why.
+    /// The target failed (or the step's local index or plan could not be read): why.
     Failed(String),
+    /// A local file of the step does not match its index (told to the
+    /// damage sink): uploading it again cannot help, and the target is
+    /// not at fault. The step is passed over; newer steps drain.
+    Damaged(String),
 }
 
 impl Drain {
@@ -114,6 +119,12 @@ impl Drain {
                 );
                 st.handled(newest, Handled::Deleted);
                 st.done_upto = Some(newest);
+                self.unhold(newest);
+                self.answer(&mut st);
+                Round::Moved
+            }
+            Err(Upload::Damaged(why)) => {
+                self.pass_over_damaged(&mut st, newest, &why);
                 self.unhold(newest);
                 self.answer(&mut st);
                 Round::Moved
@@ -200,10 +211,29 @@ impl Drain {
         Ok(Moved { stats, copied_bytes, copied_files, from_memory_bytes })
     }
 
+    /// A damaged `step` (see [`Upload::Damaged`]) leaves the pending set
+    /// as passed over: its waiters are told why, the target stays up, and
+    /// the drain goes on with the next step committed.
+    pub(super) fn pass_over_damaged(&self, st: &mut State, step: u64, why: &str) {
+        error!(
+            step,
+            url = self.url(),
+            "drain: step {step} is damaged on this node ({why}); it is not uploaded (the target keeps what it holds), newer steps drain"
+        );
+        st.uploading = None;
+        st.damaged.insert(step, why.to_string());
+        while st.damaged.len() > config::DRAIN_SKIPPED_SHOWN_MAX {
+            st.damaged.pop_first();
+        }
+        st.handled(step, Handled::Skipped);
+        st.done_upto = Some(step);
+    }
+
     /// An upload of `step`'s `files` that failed with `e`; a local file
     /// whose bytes do not match its index is damage of the step, told to
-    /// the damage sink (the upload is retried, the step stays committed).
-    fn upload_failed(&self, step: u64, files: &[LocalFile], e: ckpt_tier::TierError) -> Upload {
+    /// the damage sink ([`Upload::Damaged`]: the step is passed over, it
+    /// stays committed locally); any other failure is the target's.
+    pub(super) fn upload_failed(&self, step: u64, files: &[LocalFile], e: ckpt_tier::TierError) -> Upload {
         if let ckpt_tier::TierError::LocalChanged { path, detail, .. } = &e {
             let name = files
                 .iter()
@@ -217,6 +247,7 @@ impl Drain {
             if let Some(sink) = self.on_damage.get() {
                 sink(step, &name, &format!("read back for the drain: {detail}"));
             }
+            return Upload::Damaged(format!("{name}: {detail}"));
         }
         Upload::Failed(e.to_string())
     }

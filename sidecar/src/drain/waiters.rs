@@ -39,12 +39,15 @@ impl Drain {
         let replicated = &st.replicated;
         let skipped = &st.skipped;
         let deleted = &st.deleted_undrained;
+        let damaged = &st.damaged;
         st.waiters.retain(|w| {
             if w.replies.is_gone() {
                 return false;
             }
             let reply = if replicated.contains(&w.step) {
                 Some(Reply::Replicated { id: w.id, step: w.step, url: url.clone() })
+            } else if let Some(why) = damaged.get(&w.step) {
+                Some(Reply::Error { id: w.id, code: ErrorCode::Damaged, message: format!("step {}: damaged on this node ({why}); it is not replicated to {url}", w.step) })
             } else if skipped.contains(&w.step) || deleted.contains(&w.step) || (done_upto.is_some_and(|d| w.step <= d) && uploading != Some(w.step)) {
                 Some(Reply::Error { id: w.id, code: ErrorCode::NotFound, message: format!("step {}: skipped by the drain to {url} (a newer step was drained instead, or it was deleted first); it is not replicated", w.step) })
             } else {

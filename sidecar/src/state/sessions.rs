@@ -281,7 +281,8 @@ pub fn process_is_gone(pid: u32) -> bool {
             let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
             state.starts_with('Z') || state.starts_with('X') || flags & PF_EXITING != 0
         }),
-        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        // ESRCH: the process was reaped while its stat was read.
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH),
     }
 }
 

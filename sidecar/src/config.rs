@@ -150,7 +150,8 @@ pub const COPY_PIECE_BYTES: usize = 1 << 20;
 /// Copy then checksum this much at a time, while it is still in cache.
 pub const COPY_BLOCK_BYTES: usize = 256 << 10;
 /// A lazily released save's copy checksums the very values it loads and
-/// stores (`regions::shm`), in three lanes of this many bytes side by side.
+/// stores (`regions::shm`), in three lanes of this many bytes side by side
+/// (halved for the rest of a tensor shorter than three).
 pub const COPY_CRC_LANE_BYTES: usize = 8 << 10;
 /// Without SSE4.2 it copies through a bounce buffer of this size on the
 /// copying thread's stack, checksummed there.

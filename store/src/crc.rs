@@ -40,8 +40,19 @@ const X2N: [u32; 64] = {
 /// x^(8·len) modulo the polynomial: the operator that shifts a crc over
 /// `len` bytes. Build it once for a length that repeats ([`combine_op`]).
 pub fn shift_op(len: u64) -> u32 {
+    x_pow(len, 3) // 8·len = len · 2^3
+}
+
+/// x^n modulo the polynomial (reflected, as [`shift_op`]'s): with it, a
+/// carry-less multiply shifts a crc (a `const` table of them, built at
+/// compile time, serves a copy's lanes: `streaming_copy` in the sidecar).
+pub const fn x_pow_bits(n: u64) -> u32 {
+    x_pow(n, 0)
+}
+
+/// x^(n · 2^k) modulo the polynomial.
+const fn x_pow(mut n: u64, mut k: usize) -> u32 {
     let mut p = 1u32 << 31; // x^0
-    let (mut n, mut k) = (len, 3usize); // 8·len = len · 2^3
     while n != 0 {
         if n & 1 != 0 {
             p = mult_mod_p(X2N[k & 63], p);

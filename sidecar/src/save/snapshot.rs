@@ -487,19 +487,21 @@ fn run_fed_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
             return;
         }
     };
+    // Released before the copy's end is told to the committer: Durable
+    // (which waits for it) always comes after. Logged after it is sent:
+    // the trainer waits for the reply, not for the log line.
+    let received_s = t_received.elapsed().as_secs_f64();
     log_if_handed_over_by_gone(replies, gone);
+    replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     info!(
         copy_s = copy_seconds,
         waited_s = waited_seconds,
-        received_s = t_received.elapsed().as_secs_f64(),
+        received_s,
         lazy_release,
         gib_per_s = gib_per_s(&layout, copy_seconds),
         device_windows = fed.device_windows,
         "released"
     );
-    // Released before the copy's end is told to the committer: Durable
-    // (which waits for it) always comes after.
-    replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
     if let Some(job) = unsent {
         if !hand_over(job) {
             return;

@@ -24,6 +24,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use tracing::{debug, warn};
 
@@ -37,8 +38,16 @@ use crate::image::Layout;
 /// that wrote it ([`Prev::of_layout`]).
 pub struct Prev {
     pub step: u64,
-    /// Tensor name → what the step recorded of it.
-    tensors: HashMap<String, PrevTensor>,
+    /// The step's tensor names, in the order of `tensors`: the committing
+    /// layout's when kept from its commit ([`Prev::of_layout`]), so a
+    /// state saved again finds tensor `i` at `i` ([`Prev::tensor`]).
+    names: Vec<String>,
+    /// What the step recorded of each tensor.
+    tensors: Vec<PrevTensor>,
+    /// Name → position, built at the first lookup that the position does
+    /// not answer (a hash of every name costs more than the rest of a
+    /// commit's comparison at 10k tensors).
+    by_name: OnceLock<HashMap<String, usize>>,
     /// The step's files; a tensor's `file` indexes them.
     files: Vec<PrevFile>,
 }
@@ -187,7 +196,7 @@ impl Prev {
             ids.entry(f.name.as_str()).or_insert(files.len());
             files.push(PrevFile { dir_idx: f.dir_idx, len_bytes: f.len_bytes, held: 0, linkable: linkable(f) });
         }
-        let mut tensors = HashMap::with_capacity(ckpt.tensors.len());
+        let (mut names, mut tensors) = (Vec::with_capacity(ckpt.tensors.len()), Vec::with_capacity(ckpt.tensors.len()));
         for (name, t) in ckpt.tensors {
             let file = ids.get(t.file.as_str()).copied();
             if let Some(i) = file {
@@ -195,9 +204,10 @@ impl Prev {
             }
             let digest = t.xxh128.as_deref().and_then(crate::digest::parse_hex);
             let (dtype, shape, data_offsets, crc32c) = (t.dtype, t.shape, t.data_offsets, t.crc32c);
-            tensors.insert(name, PrevTensor { file, dtype, shape, data_offsets, crc32c, digest });
+            names.push(name);
+            tensors.push(PrevTensor { file, dtype, shape, data_offsets, crc32c, digest });
         }
-        Prev { step, tensors, files }
+        Prev { step, names, tensors, by_name: OnceLock::new(), files }
     }
 
     /// What the index of step `step` records when `layout` committed it
@@ -222,26 +232,36 @@ impl Prev {
             })
             .collect();
         let tensors = (layout.specs.iter().zip(&layout.places).enumerate())
-            .map(|(i, (s, p))| {
-                let t = PrevTensor {
-                    file: Some(p.shard_idx),
-                    dtype: s.dtype,
-                    shape: s.shape.clone(),
-                    data_offsets: [p.data_offsets.0, p.data_offsets.1],
-                    crc32c: crcs[i],
-                    digest: Some(digests[i]),
-                };
-                (s.name.clone(), t)
+            .map(|(i, (s, p))| PrevTensor {
+                file: Some(p.shard_idx),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                data_offsets: [p.data_offsets.0, p.data_offsets.1],
+                crc32c: crcs[i],
+                digest: Some(digests[i]),
             })
             .collect();
-        Prev { step, tensors, files }
+        let names = layout.specs.iter().map(|s| s.name.clone()).collect();
+        Prev { step, names, tensors, by_name: OnceLock::new(), files }
+    }
+
+    /// What this step recorded of `layout`'s tensor `i`, if it has one of
+    /// that name: at position `i` when the name there is the same (the
+    /// same state saved again), else found by name.
+    fn tensor(&self, layout: &Layout, i: usize) -> Option<&PrevTensor> {
+        let name = &layout.specs[i].name;
+        if self.names.get(i) == Some(name) {
+            return Some(&self.tensors[i]);
+        }
+        let by_name = self.by_name.get_or_init(|| self.names.iter().enumerate().map(|(k, n)| (n.clone(), k)).collect());
+        by_name.get(name).map(|&k| &self.tensors[k])
     }
 
     /// Whether layout tensor `i` (crc `crc`, digest `digest`) is unchanged
     /// since this step.
     pub fn unchanged(&self, layout: &Layout, i: usize, crc: u32, digest: u128) -> bool {
         let s = &layout.specs[i];
-        let Some(t) = self.tensors.get(&s.name) else { return false };
+        let Some(t) = self.tensor(layout, i) else { return false };
         t.dtype == s.dtype && t.shape == s.shape && t.crc32c == crc && t.digest == Some(digest)
     }
 
@@ -263,14 +283,14 @@ impl Prev {
         if !sh.stable || sh.tensors.is_empty() {
             return None;
         }
-        let file = self.tensors.get(&layout.specs[sh.tensors[0]].name)?.file?;
+        let file = self.tensor(layout, sh.tensors[0])?.file?;
         let f = &self.files[file];
         if f.dir_idx != sh.dir_idx || f.len_bytes != sh.file_len || f.held != sh.tensors.len() {
             return None;
         }
         for &i in &sh.tensors {
             let s = &layout.specs[i];
-            let t = self.tensors.get(&s.name)?;
+            let t = self.tensor(layout, i)?;
             let p = &layout.places[i];
             if t.file != Some(file)
                 || t.dtype != s.dtype

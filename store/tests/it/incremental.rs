@@ -139,3 +139,53 @@ fn a_step_of_the_remembered_number_committed_by_another_process_is_read_again() 
     assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(2), false, 0));
     assert_loads(&dir, &l, 3, 8, 4);
 }
+
+/// The kept step is looked up by position while the tensors come in the
+/// same order, and by name otherwise: the same tensors planned in another
+/// order (a state whose keys were reordered) still link the frozen shard
+/// and compare every tensor, and a tensor renamed counts as new.
+#[test]
+fn a_kept_step_finds_its_tensors_by_name_when_the_next_layout_orders_them_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, dir) = open(&tmp.path().join("d"), None);
+    let l = layout();
+    save(&mut store, &l, 1, 7, 1);
+    let plan = |names: [&str; 2], sizes: [u64; 2]| {
+        let specs = names.into_iter().zip(sizes).map(|(n, s)| TensorSpec::new(n, Dtype::F32, &[s])).collect();
+        let changed: HashSet<String> = ["moving".to_string()].into();
+        Layout::plan_with(specs, LayoutOptions { incremental: true, ..Default::default() }, Some(&changed)).unwrap()
+    };
+    // "moving" first, "frozen" second: positions differ from the kept step's.
+    let swapped = plan(["moving", "frozen"], [1 << 10, 1 << 16]);
+    let mut staging = AlignedBuf::new(swapped.staging_len as usize).unwrap();
+    let st = staging.as_mut_slice();
+    swapped.write_headers(st);
+    synthetic::fill(&mut st[swapped.tensor_range(0)], 2);
+    synthetic::fill(&mut st[swapped.tensor_range(1)], 7);
+    let crcs = swapped.tensor_crcs(st);
+    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[swapped.tensor_range(i)])).collect();
+    store.commit_with_digests(2, &swapped, &staging, &crcs, &digests, &[]).unwrap();
+    let r = store.take_incremental().unwrap();
+    assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(1), true, 1));
+    assert_eq!(r.changed, Some(["moving".to_string()].into()), "only the moving tensor changed");
+    let loaded = restore::load(&dir, Which::Step(2), &ReadOptions::default(), None).unwrap();
+    for (name, i, seed) in [("moving", 0, 2), ("frozen", 1, 7)] {
+        let mut want = vec![0u8; swapped.tensor_range(i).len()];
+        synthetic::fill(&mut want, seed);
+        assert!(loaded.tensor(name).unwrap() == &want[..], "{name} is not the tensor saved");
+    }
+    // The frozen bytes under a new name: new, so changed and written; the
+    // moving tensor holds step 2's bytes again: unchanged.
+    let renamed = plan(["frozen2", "moving"], [1 << 16, 1 << 10]);
+    let mut staging = AlignedBuf::new(renamed.staging_len as usize).unwrap();
+    let st = staging.as_mut_slice();
+    renamed.write_headers(st);
+    synthetic::fill(&mut st[renamed.tensor_range(0)], 7);
+    synthetic::fill(&mut st[renamed.tensor_range(1)], 2);
+    let crcs = renamed.tensor_crcs(st);
+    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[renamed.tensor_range(i)])).collect();
+    store.commit_with_digests(3, &renamed, &staging, &crcs, &digests, &[]).unwrap();
+    let r = store.take_incremental().unwrap();
+    assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(2), true, 0));
+    assert_eq!(r.changed, Some(["frozen2".to_string()].into()));
+}

@@ -157,7 +157,16 @@ pub fn tensor_digest(bytes: &[u8]) -> u128 {
 
 /// As the index writes it: 32 lowercase hex digits.
 pub fn to_hex(d: u128) -> String {
-    format!("{d:032x}")
+    let mut out = Vec::with_capacity(32);
+    push_hex(&mut out, d);
+    String::from_utf8(out).expect("hex digits are ASCII")
+}
+
+/// Appends [`to_hex`]'s 32 digits to `out` (the index's rendering: one
+/// per tensor, with no formatter or allocation each).
+pub fn push_hex(out: &mut Vec<u8>, d: u128) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.extend((0..32).rev().map(|k| DIGITS[((d >> (4 * k)) & 0xf) as usize]));
 }
 
 /// The value of an index's `xxh128` (32 lowercase hex digits), or None.
@@ -170,6 +179,14 @@ pub fn parse_hex(s: &str) -> Option<u128> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_is_the_formatters_32_lowercase_digits() {
+        for d in [0u128, 1, 0xabc, u64::MAX as u128, u128::MAX, 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210] {
+            assert_eq!(to_hex(d), format!("{d:032x}"));
+            assert_eq!(parse_hex(&to_hex(d)), Some(d));
+        }
+    }
 
     const KERNELS: [Kernel; 2] = [Kernel::Dispatched, Kernel::Portable];
 

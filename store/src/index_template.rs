@@ -128,12 +128,12 @@ impl IndexTemplate {
             out.extend_from_slice(&self.json[from..at]);
             from = at + 1;
             match hole {
-                Hole::Step => out.extend_from_slice(step.to_string().as_bytes()),
-                Hole::File(i) => out.extend_from_slice(file_crcs[i].to_string().as_bytes()),
-                Hole::Tensor(i) => out.extend_from_slice(tensor_crcs[i].to_string().as_bytes()),
+                Hole::Step => push_decimal(&mut out, step),
+                Hole::File(i) => push_decimal(&mut out, file_crcs[i].into()),
+                Hole::Tensor(i) => push_decimal(&mut out, tensor_crcs[i].into()),
                 Hole::Digest(i) => {
                     from = at + DIGEST_ZEROS.len();
-                    out.extend_from_slice(crate::digest::to_hex(digests[i]).as_bytes());
+                    crate::digest::push_hex(&mut out, digests[i]);
                 }
                 Hole::Blobs => {
                     from = at + 2;
@@ -145,6 +145,22 @@ impl IndexTemplate {
         format::seal_json(&mut out);
         out
     }
+}
+
+/// Appends `v` in decimal, as JSON writes it (one per tensor: no
+/// formatter or allocation each).
+fn push_decimal(out: &mut Vec<u8>, mut v: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// `blobs` as the pretty JSON of the index holds them, two levels deep.
@@ -162,4 +178,16 @@ fn nested_blobs(blobs: &[IndexBlob]) -> Vec<u8> {
 
 fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
     hay.get(from..)?.windows(needle.len()).position(|w| w == needle).map(|i| i + from)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decimals_are_written_as_json_writes_them() {
+        for v in [0u64, 7, 10, 99, 100, u32::MAX as u64, 1_000_000_000_000, u64::MAX] {
+            let mut out = b"x".to_vec();
+            super::push_decimal(&mut out, v);
+            assert_eq!(out, format!("x{v}").into_bytes());
+        }
+    }
 }

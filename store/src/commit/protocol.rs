@@ -258,9 +258,14 @@ impl Store {
         let Save { step, layout, staging, fill, blobs } = save;
         let chunk_bytes = self.opts.chunk_bytes;
         let paths = &self.paths;
+        // Blobs, like shards, are linked from the step compared with when unchanged.
+        let prev_blobs = prev
+            .filter(|_| self.link_unchanged)
+            .map(|p| catalog::step_path(&paths[0], p.step).join(format::BLOBS_DIR_NAME));
         let w = DirWrite { step, layout, staging, fill, chunk_bytes, prev, candidates };
-        let (results, small) =
-            write_dirs(&mut self.dirs, tmps, w, || write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths));
+        let (results, small) = write_dirs(&mut self.dirs, tmps, w, || {
+            write_blobs_and_index(step, layout, fill, blobs, &tmps[0], paths, prev_blobs.as_deref())
+        });
         let mut written = Written { write: Duration::ZERO, sync: Duration::ZERO, linked: Vec::new(), small_bytes: 0 };
         for r in results {
             let (w, s, l) = r?;

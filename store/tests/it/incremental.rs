@@ -189,3 +189,44 @@ fn a_kept_step_finds_its_tensors_by_name_when_the_next_layout_orders_them_otherw
     assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(2), true, 0));
     assert_eq!(r.changed, Some(["frozen2".to_string()].into()));
 }
+
+/// A blob holding the very bytes of its namesake in the step compared
+/// with is linked (the same file), a changed one written anew; every step
+/// reads back its own blobs.
+#[test]
+fn an_unchanged_blob_is_linked_from_the_step_before_and_a_changed_one_written() {
+    use ckpt_store::image::Blob;
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, dir) = open(&tmp.path().join("d"), None);
+    let l = layout();
+    let skeleton = vec![7u8; 100_000];
+    let commit = |store: &mut Store, step: u64, rng: &[u8]| {
+        let mut staging = AlignedBuf::new(l.staging_len as usize).unwrap();
+        let st = staging.as_mut_slice();
+        l.write_headers(st);
+        synthetic::fill(&mut st[l.tensor_range(0)], 7);
+        synthetic::fill(&mut st[l.tensor_range(1)], step);
+        let crcs = l.tensor_crcs(st);
+        let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[l.tensor_range(i)])).collect();
+        let blobs = [Blob { name: "structure.pkl", bytes: &skeleton }, Blob { name: "rng", bytes: rng }];
+        store.commit_with_digests(step, &l, &staging, &crcs, &digests, &blobs).unwrap();
+    };
+    let inode = |step: u64, name: &str| {
+        let p = catalog::step_path(&dir, step).join(ckpt_store::format::BLOBS_DIR_NAME).join(name);
+        std::fs::metadata(p).unwrap().ino()
+    };
+    commit(&mut store, 1, b"rng-1");
+    commit(&mut store, 2, b"rng-2");
+    assert_eq!(inode(1, "structure.pkl"), inode(2, "structure.pkl"), "the unchanged blob is the same file");
+    assert_ne!(inode(1, "rng"), inode(2, "rng"), "a changed blob of the same length is written anew");
+    for (step, rng) in [(1, &b"rng-1"[..]), (2, b"rng-2")] {
+        let loaded = restore::load(&dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
+        assert_eq!(loaded.blobs["structure.pkl"], skeleton, "step {step}");
+        assert_eq!(loaded.blobs["rng"], rng, "step {step}");
+    }
+    // Without incremental comparison (link_unchanged off) nothing is linked.
+    store.set_link_unchanged(false);
+    commit(&mut store, 3, b"rng-3");
+    assert_ne!(inode(2, "structure.pkl"), inode(3, "structure.pkl"));
+}

@@ -10,8 +10,7 @@ use std::path::{Path, PathBuf};
 use ckpt_store::catalog;
 use ckpt_store::commit::{IncrementalReport, Store, StoreOptions};
 use ckpt_store::format::{Dtype, INDEX_FILE_NAME};
-use ckpt_store::image::{Layout, LayoutOptions, TensorSpec};
-use ckpt_store::mem::AlignedBuf;
+use ckpt_store::image::{Blob, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::retention::Retention;
 use ckpt_store::synthetic;
@@ -31,21 +30,27 @@ fn layout() -> Layout {
 /// Commits `step` with the frozen tensor filled from seed `frozen` and the
 /// changing one from `moving`; returns what the commit found.
 fn save(store: &mut Store, l: &Layout, step: u64, frozen: u64, moving: u64) -> IncrementalReport {
-    let mut staging = AlignedBuf::new(l.staging_len as usize).unwrap();
-    let st = staging.as_mut_slice();
-    l.write_headers(st);
-    synthetic::fill(&mut st[l.tensor_range(0)], frozen);
-    synthetic::fill(&mut st[l.tensor_range(1)], moving);
-    let crcs = l.tensor_crcs(st);
-    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[l.tensor_range(i)])).collect();
-    store.commit_with_digests(step, l, &staging, &crcs, &digests, &[]).unwrap();
+    commit(store, l, step, &[frozen, moving], &[])
+}
+
+/// Commits `step` of layout `l`, tensor `i` filled from seed `seeds[i]`,
+/// with `blobs`; returns what the commit found.
+fn commit(store: &mut Store, l: &Layout, step: u64, seeds: &[u64], blobs: &[Blob<'_>]) -> IncrementalReport {
+    let (staging, crcs, digests) = crate::staged(l, seeds);
+    store.commit_with_digests(step, l, &staging, &crcs, &digests, blobs).unwrap();
     store.take_incremental().expect("an incremental commit reports")
 }
 
 /// Step `step` of `dir` loads with the tensors of seeds `frozen` and `moving`.
 fn assert_loads(dir: &Path, l: &Layout, step: u64, frozen: u64, moving: u64) {
+    assert_tensors(dir, l, step, &[frozen, moving]);
+}
+
+/// Step `step` of `dir` loads with `l`'s tensor `i` of seed `seeds[i]`.
+fn assert_tensors(dir: &Path, l: &Layout, step: u64, seeds: &[u64]) {
     let loaded = restore::load(dir, Which::Step(step), &ReadOptions::default(), None).unwrap();
-    for (name, i, seed) in [("frozen", 0, frozen), ("moving", 1, moving)] {
+    for (i, &seed) in seeds.iter().enumerate() {
+        let name = &l.specs[i].name;
         let mut want = vec![0u8; l.tensor_range(i).len()];
         synthetic::fill(&mut want, seed);
         assert!(loaded.tensor(name).unwrap() == &want[..], "step {step}: {name} is not the tensor saved");
@@ -157,35 +162,14 @@ fn a_kept_step_finds_its_tensors_by_name_when_the_next_layout_orders_them_otherw
     };
     // "moving" first, "frozen" second: positions differ from the kept step's.
     let swapped = plan(["moving", "frozen"], [1 << 10, 1 << 16]);
-    let mut staging = AlignedBuf::new(swapped.staging_len as usize).unwrap();
-    let st = staging.as_mut_slice();
-    swapped.write_headers(st);
-    synthetic::fill(&mut st[swapped.tensor_range(0)], 2);
-    synthetic::fill(&mut st[swapped.tensor_range(1)], 7);
-    let crcs = swapped.tensor_crcs(st);
-    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[swapped.tensor_range(i)])).collect();
-    store.commit_with_digests(2, &swapped, &staging, &crcs, &digests, &[]).unwrap();
-    let r = store.take_incremental().unwrap();
+    let r = commit(&mut store, &swapped, 2, &[2, 7], &[]);
     assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(1), true, 1));
     assert_eq!(r.changed, Some(["moving".to_string()].into()), "only the moving tensor changed");
-    let loaded = restore::load(&dir, Which::Step(2), &ReadOptions::default(), None).unwrap();
-    for (name, i, seed) in [("moving", 0, 2), ("frozen", 1, 7)] {
-        let mut want = vec![0u8; swapped.tensor_range(i).len()];
-        synthetic::fill(&mut want, seed);
-        assert!(loaded.tensor(name).unwrap() == &want[..], "{name} is not the tensor saved");
-    }
+    assert_tensors(&dir, &swapped, 2, &[2, 7]);
     // The frozen bytes under a new name: new, so changed and written; the
     // moving tensor holds step 2's bytes again: unchanged.
     let renamed = plan(["frozen2", "moving"], [1 << 16, 1 << 10]);
-    let mut staging = AlignedBuf::new(renamed.staging_len as usize).unwrap();
-    let st = staging.as_mut_slice();
-    renamed.write_headers(st);
-    synthetic::fill(&mut st[renamed.tensor_range(0)], 7);
-    synthetic::fill(&mut st[renamed.tensor_range(1)], 2);
-    let crcs = renamed.tensor_crcs(st);
-    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[renamed.tensor_range(i)])).collect();
-    store.commit_with_digests(3, &renamed, &staging, &crcs, &digests, &[]).unwrap();
-    let r = store.take_incremental().unwrap();
+    let r = commit(&mut store, &renamed, 3, &[7, 2], &[]);
     assert_eq!((r.prev_step, r.prev_kept, r.linked_files), (Some(2), true, 0));
     assert_eq!(r.changed, Some(["frozen2".to_string()].into()));
 }
@@ -195,22 +179,14 @@ fn a_kept_step_finds_its_tensors_by_name_when_the_next_layout_orders_them_otherw
 /// reads back its own blobs.
 #[test]
 fn an_unchanged_blob_is_linked_from_the_step_before_and_a_changed_one_written() {
-    use ckpt_store::image::Blob;
     use std::os::unix::fs::MetadataExt;
     let tmp = tempfile::tempdir().unwrap();
     let (mut store, dir) = open(&tmp.path().join("d"), None);
     let l = layout();
     let skeleton = vec![7u8; 100_000];
     let commit = |store: &mut Store, step: u64, rng: &[u8]| {
-        let mut staging = AlignedBuf::new(l.staging_len as usize).unwrap();
-        let st = staging.as_mut_slice();
-        l.write_headers(st);
-        synthetic::fill(&mut st[l.tensor_range(0)], 7);
-        synthetic::fill(&mut st[l.tensor_range(1)], step);
-        let crcs = l.tensor_crcs(st);
-        let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[l.tensor_range(i)])).collect();
         let blobs = [Blob { name: "structure.pkl", bytes: &skeleton }, Blob { name: "rng", bytes: rng }];
-        store.commit_with_digests(step, &l, &staging, &crcs, &digests, &blobs).unwrap();
+        commit(store, &l, step, &[7, step], &blobs);
     };
     let inode = |step: u64, name: &str| {
         let p = catalog::step_path(&dir, step).join(ckpt_store::format::BLOBS_DIR_NAME).join(name);

@@ -11,7 +11,6 @@ use ckpt_store::catalog;
 use ckpt_store::commit::{IncrementalReport, Store, StoreOptions};
 use ckpt_store::format::{self, Dtype, INDEX_FILE_NAME};
 use ckpt_store::image::{Layout, LayoutOptions, TensorSpec};
-use ckpt_store::mem::AlignedBuf;
 use ckpt_store::nodes::{self, MarkersRead, RanksState};
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::retention::Retention;
@@ -32,13 +31,7 @@ fn part_layout(rank: u32) -> Layout {
 /// Writes rank `l.opts.rank`'s part of `step` (frozen tensor of seed 7, the
 /// changing one of seed `step`); returns what it found.
 fn write_part(store: &mut Store, l: &Layout, step: u64) -> Option<IncrementalReport> {
-    let mut staging = AlignedBuf::new(l.staging_len as usize).unwrap();
-    let st = staging.as_mut_slice();
-    l.write_headers(st);
-    synthetic::fill(&mut st[l.tensor_range(0)], 7);
-    synthetic::fill(&mut st[l.tensor_range(1)], step);
-    let crcs = l.tensor_crcs(st);
-    let digests: Vec<u128> = (0..2).map(|i| ckpt_store::digest::tensor_digest(&st[l.tensor_range(i)])).collect();
+    let (staging, crcs, digests) = crate::staged(l, &[7, step]);
     store.write_rank_part_with_digests(step, l, &staging, &crcs, &digests, &[], &[]).unwrap().incremental
 }
 

@@ -44,7 +44,6 @@ class SavePlan:
     def __init__(self, plan, copy_bytes, skeleton, streams=()):
         self.n = len(plan)
         self.descs = (N.Tensor * max(self.n, 1))()
-        self.keep = []
         self.copies = []  # (descriptor = leaf index, nbytes, offset in the save region, ref, src address or None)
         self.copy_bytes, self.skeleton = copy_bytes, skeleton
         self.streams = list(streams)  # the CUDA stream device tensors in place were written on (at most one)
@@ -54,12 +53,10 @@ class SavePlan:
         self.inplace = False
         self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
         self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save
-        for i, (ref, obj, nbytes, shape, where) in enumerate(plan):
-            name, dt = ref.name.encode(), ref.stored.encode()
-            shp = (ctypes.c_uint64 * max(len(shape), 1))(*shape)
-            self.keep += [name, dt, shp]
+        ptrs = [0] * self.n
+        for i, (ref, obj, nbytes, _shape, where) in enumerate(plan):
             if isinstance(where, int):
-                ptr = where
+                ptrs[i] = where
                 self.inplace = self.inplace or bool(nbytes)
                 if not nbytes:
                     pass
@@ -68,21 +65,11 @@ class SavePlan:
                 else:
                     self.host_inplace = True
             else:
-                ptr = 0  # set at each save: the save region may differ
+                # ptrs[i] stays 0: set at each save (the save region may differ)
                 self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
-            self.descs[i] = N.Tensor(name, dt, shp, len(shape), ptr, nbytes)
+        self.keep = _pack_descs(self.descs, plan, ptrs)
         # The descriptors' data fields, as one uint64 array (updated in bulk).
-        self.data_view = (
-            np.ndarray(
-                (self.n,),
-                dtype=np.uint64,
-                buffer=self.descs,
-                offset=N.Tensor.data.offset,
-                strides=(ctypes.sizeof(N.Tensor),),
-            )
-            if self.n
-            else None
-        )
+        self.data_view = _field(self.descs, "data", np.uint64) if self.n else None
         self.sig = self.refs = self.gen = None
         self.dead = False
         self.blobs = None  # (the blobs' names and data, their ckpt_blob_t array) of the last save
@@ -162,6 +149,59 @@ class SavePlan:
         if stamps is not None:
             region.filled = (self, now)
         return copied
+
+
+def _field(descs, name, dtype):
+    """Field `name` of every entry of the ckpt_tensor_t array `descs`, as a
+    numpy array over it (writes land in the descriptors)."""
+    n = len(descs)
+    return np.ndarray(
+        (n,), dtype=dtype, buffer=descs, offset=getattr(N.Tensor, name).offset, strides=(ctypes.sizeof(N.Tensor),)
+    )
+
+
+def _pack_descs(descs, plan, ptrs):
+    """Fills the ckpt_tensor_t array `descs` from `plan` ([(ref, obj, nbytes,
+    shape, where)]) and `ptrs` (each tensor's address), with every name and
+    dtype in one NUL-separated buffer and every shape in one uint64 array,
+    in descriptor order: the native side's pass over them then reads memory
+    in sequence, not a scattered object per string (at 10k tensors the
+    cache misses were most of ckpt_save). Returns what the descriptors point
+    into, to be kept alive with them."""
+    n = len(plan)
+    if not n:
+        return []
+    names = [ref.name.encode() for ref, *_ in plan]
+    dtype_at = {}  # a dtype's offset in the text: each stored once
+    for ref, *_ in plan:
+        dtype_at.setdefault(ref.stored, None)
+    text = bytearray(b"\0".join(names))
+    text.append(0)
+    for dt in dtype_at:
+        dtype_at[dt] = len(text)
+        text += dt.encode() + b"\0"
+    ndims = np.fromiter((len(r[3]) for r in plan), dtype=np.uint64, count=n)
+    # One spare slot at the end: a 0-d tensor's shape points at it (never NULL).
+    dims = (ctypes.c_uint64 * (int(ndims.sum()) + 1))()
+    flat = np.ndarray((len(dims),), dtype=np.uint64, buffer=dims)
+    flat[:-1] = np.fromiter((d for r in plan for d in r[3]), dtype=np.uint64, count=len(dims) - 1)
+    buf = (ctypes.c_char * len(text)).from_buffer(text)
+    base = ctypes.addressof(buf)
+    lens = np.fromiter(map(len, names), dtype=np.uint64, count=n)
+    name_at = np.zeros(n, dtype=np.uint64)
+    np.cumsum(lens[:-1] + 1, out=name_at[1:])
+    dim_at = np.zeros(n, dtype=np.uint64)
+    np.cumsum(ndims[:-1], out=dim_at[1:])
+    dim_at[ndims == 0] = len(dims) - 1
+    _field(descs, "name", np.uint64)[:] = base + name_at
+    _field(descs, "dtype", np.uint64)[:] = np.fromiter(
+        (base + dtype_at[r[0].stored] for r in plan), dtype=np.uint64, count=n
+    )
+    _field(descs, "shape", np.uint64)[:] = ctypes.addressof(dims) + 8 * dim_at
+    _field(descs, "ndim", np.uint32)[:] = ndims
+    _field(descs, "data", np.uint64)[:] = ptrs
+    _field(descs, "len_bytes", np.uint64)[:] = [r[2] for r in plan]
+    return [text, buf, dims]
 
 
 def _flat_address(ref, obj, nbytes):

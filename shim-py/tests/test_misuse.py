@@ -5,6 +5,7 @@ anything is created, spawned, copied or sent."""
 import gc
 import os
 import subprocess
+import warnings
 
 import numpy as np
 import pytest
@@ -339,6 +340,31 @@ def test_a_conjugate_flag_flipped_between_saves_of_the_same_memory_is_seen(ck):
         back = ck.load(step)
         for k, v in state.items():
             assert back[k].resolve_conj().resolve_neg().tolist() == v.resolve_conj().resolve_neg().tolist(), (step, k)
+
+
+def test_quick_keys_of_torch_containers_tell_what_the_plan_depends_on():
+    # The bulk key of a container of torch tensors asks some flags only when
+    # a dtype calls for them (quantized, complex): each case still refuses
+    # a key or tells the states apart.
+    torch = pytest.importorskip("torch")
+    from ckpt_sidecar._tree import quick_key
+
+    def key(s):
+        return quick_key(s)[0]
+
+    base = torch.zeros(8)
+    a, b = base[:4], base[4:]
+    assert key({"a": a, "b": b}) == key({"a": base[:4], "b": base[4:]})  # fresh views of the same memory
+    assert key({"a": a, "b": b}) != key({"a": b, "b": a})
+    assert key({"a": a, "b": b}) != key({"a": a.view(2, 2), "b": b})
+    assert key({"a": a, "b": b}) != key({"a": a.view(torch.int32), "b": b})
+    assert key({"a": a, "b": b}) != key({"a": a, "b": b.clone().requires_grad_()})
+    z = torch.zeros(2, dtype=torch.complex64)
+    assert quick_key({"z": z.conj(), "y": z}) is None and quick_key({"z": z, "y": z}) is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+        q = torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)
+    assert quick_key({"q": q, "p": q}) is None
 
 
 def test_a_nested_tensor_is_saved_as_torch_pickles_it(ck):

@@ -92,10 +92,16 @@ pub(super) fn stable_tensors(layout: &Layout) -> Vec<bool> {
 pub(super) fn fold_sums(layout: &Layout, pieces: &Pieces, sums: &[(u32, u128)]) -> Sums {
     let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
     let crcs = fold_crcs(layout, pieces, &crcs);
-    let mut blocks: Vec<Vec<u128>> = vec![Vec::new(); layout.specs.len()];
-    for (p, s) in pieces.0.iter().zip(sums) {
-        blocks[p.tensor_idx].push(s.1);
+    // A tensor's pieces are consecutive (as fold_crcs relies on): each run
+    // of them is combined from the slice, with no list per tensor.
+    let mut digests = vec![ckpt_store::digest::combine([]); layout.specs.len()];
+    let ps = &pieces.0[..sums.len().min(pieces.0.len())];
+    let mut at = 0;
+    while at < ps.len() {
+        let t = ps[at].tensor_idx;
+        let end = at + ps[at..].iter().take_while(|p| p.tensor_idx == t).count();
+        digests[t] = ckpt_store::digest::combine(sums[at..end].iter().map(|s| s.1));
+        at = end;
     }
-    let digests = blocks.into_iter().map(ckpt_store::digest::combine).collect();
     Sums { crcs, digests: Some(digests) }
 }

@@ -238,6 +238,23 @@ impl ShmMemory {
     /// As [`ShmMemory::copy_out`].
     pub unsafe fn copy_out_summed(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> (u32, u128) {
         let src = self.src_ptr(offset_bytes, len as u64);
+        if len > 0 && len <= config::COPY_BLOCK_BYTES {
+            // One block (most tensors of a many-tensor state): hashed in one
+            // call, without a streaming hasher to set up per tensor.
+            return self.read(|| {
+                // SAFETY: the caller's contract; the mapping lives as long as self.
+                let c = unsafe {
+                    if crc {
+                        copy_streaming_crc(dst, src, len)
+                    } else {
+                        copy_streaming(dst, src, len);
+                        0
+                    }
+                };
+                // SAFETY: as in the loop below.
+                (c, ckpt_store::digest::block_digest(unsafe { std::slice::from_raw_parts(src, len) }))
+            });
+        }
         self.read(|| {
             let mut c = 0u32;
             let mut h = ckpt_store::digest::BlockHasher::default();
@@ -419,6 +436,33 @@ mod tests {
         // SAFETY: src..src+len is inside the live mapping (src_ptr checked).
         r.read(|| unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len as usize) });
         out
+    }
+
+    #[test]
+    fn a_summed_copy_gives_the_bytes_their_crc_and_their_block_digest_at_every_length() {
+        // One block is hashed in one call, more are streamed: the same
+        // crc32c and digest block either way, and the same bytes copied.
+        let len = 1 << 20;
+        let (name, _fd) = test_segment(len, pattern);
+        // SAFETY: getuid has no preconditions.
+        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
+        unlink_segment(&name);
+        let b = config::COPY_BLOCK_BYTES;
+        for (offset, n) in [(0, 0), (3, 1), (0, 4096), (17, 4096 + 5), (0, b), (64, b + 1), (1, 3 * b + 7), (0, len)] {
+            let want = read_all(&r, offset as u64, n as u64);
+            for crc in [true, false] {
+                let mut dst = vec![0u8; n];
+                // SAFETY: offset + n lies in the segment; dst holds n bytes.
+                let got = unsafe { r.copy_out_summed(offset as u64, dst.as_mut_ptr(), n, crc) };
+                assert_eq!(dst, want, "{n} bytes at {offset}");
+                let crc_want = if crc { crc32c::crc32c(&want) } else { 0 };
+                assert_eq!(
+                    got,
+                    (crc_want, ckpt_store::digest::block_digest(&want)),
+                    "{n} bytes at {offset}, crc {crc}"
+                );
+            }
+        }
     }
 
     #[test]

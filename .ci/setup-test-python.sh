@@ -3,7 +3,8 @@
 # what the tests and the lint steps need; each is installed only when its
 # import fails, so a warm run never touches pip. Pinned where a new release
 # could change CI:
-#   - pytest, safetensors (the official reader our shards must satisfy),
+#   - pytest, pytest-xdist (.ci/test runs two test files at a time),
+#     safetensors (the official reader our shards must satisfy),
 #     crc32c, matplotlib (bench compare's --plot, smoke-tested), wheel
 #     (packaging/build-wheel.sh retags the wheel: shim-py/tests/test_wheel.py);
 #   - lightning (shim-py/tests/test_lightning.py: a real Trainer on CPU), after
@@ -23,6 +24,7 @@ LIGHTNING_VERSION=2.6.6
 MOTO_VERSION=5.2.5
 RUFF_VERSION=0.17.5
 MYPY_VERSION=2.4.1
+XDIST_VERSION=3.8.0
 
 bash .ci/setup-python.sh "$@"
 
@@ -42,6 +44,7 @@ install() {
 }
 
 install "pytest, safetensors, crc32c, matplotlib, wheel" pytest safetensors crc32c matplotlib wheel
+install "xdist" "pytest-xdist==$XDIST_VERSION"
 install "lightning, torch" "lightning==$LIGHTNING_VERSION"
 install "moto, flask, flask_cors" "moto[s3]==$MOTO_VERSION" flask flask-cors
 # Version checks, not imports: a venv with another ruff or mypy gets the pinned one.

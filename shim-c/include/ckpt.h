@@ -160,6 +160,24 @@ typedef struct ckpt_file_piece {
   uint64_t len_bytes;
 } ckpt_file_piece;
 
+// One tensor of the last successful load, as ckpt_loaded_tensors describes
+// it: what ckpt_loaded_tensor and ckpt_loaded_tensor_offset say, in one
+// entry. The strings and shape stay valid until the next load or
+// ckpt_close on this client.
+typedef struct ckpt_loaded_tensor_info {
+  // NUL-terminated UTF-8 name.
+  const char *name;
+  // safetensors dtype.
+  const char *dtype;
+  // `ndim` dimensions.
+  const uint64_t *shape;
+  uint32_t ndim;
+  uint64_t len_bytes;
+  // As ckpt_loaded_tensor_offset: where the tensor starts in a
+  // ckpt_load_packed's `data`, UINT64_MAX where it was not placed there.
+  uint64_t offset;
+} ckpt_loaded_tensor_info;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -494,6 +512,21 @@ int ckpt_loaded_fell_back(struct ckpt_client *client,
 // # Safety
 // `client` is a live client; `n` writable.
 int ckpt_loaded_tensor_count(struct ckpt_client *client, size_t *n);
+
+// Describes tensors `first` .. `first + n` of the last successful ckpt_load
+// or ckpt_load_packed in `out[0]` .. `out[n - 1]`, as n calls of
+// ckpt_loaded_tensor and ckpt_loaded_tensor_offset would, in one call (a
+// checkpoint of many tensors costs a call, not two per tensor).
+// CKPT_E_INVALID when `first + n` is past ckpt_loaded_tensor_count;
+// CKPT_E_NOT_FOUND before any load.
+//
+// # Safety
+// `client` is a live client; `out` is writable for `n` entries (may be
+// NULL when n is 0).
+int ckpt_loaded_tensors(struct ckpt_client *client,
+                        size_t first,
+                        size_t n,
+                        struct ckpt_loaded_tensor_info *out);
 
 // Describes tensor `idx` (< ckpt_loaded_tensor_count) of the last successful
 // ckpt_load. The strings and shape stay valid until the next ckpt_load or

@@ -291,7 +291,7 @@ class LoadingInto(Loading):
                     )
                 )
                 self._note_load(got.value, src.value)
-                infos = self._loaded_tensors()
+                infos, offs = self._loaded_table()
                 if need.value <= target.region.len_bytes:
                     break
                 _match_state(mine, infos, {}, got.value, strict)
@@ -301,10 +301,6 @@ class LoadingInto(Loading):
                 raise SidecarError(
                     f"checkpoint {got.value} kept needing a larger region ({need.value} bytes); try again"
                 )
-            offs, off = [], ctypes.c_uint64()
-            for i in range(len(infos)):
-                N.check(L.ckpt_loaded_tensor_offset(self._client, i, ctypes.byref(off)))
-                offs.append(off.value)
             lease = (ctypes.c_ubyte * max(need.value, 1)).from_buffer(target.mm)
             return got.value, infos, offs, target, lease
         except BaseException:

@@ -154,10 +154,7 @@ class SavePlan:
 def _field(descs, name, dtype):
     """Field `name` of every entry of the ckpt_tensor_t array `descs`, as a
     numpy array over it (writes land in the descriptors)."""
-    n = len(descs)
-    return np.ndarray(
-        (n,), dtype=dtype, buffer=descs, offset=getattr(N.Tensor, name).offset, strides=(ctypes.sizeof(N.Tensor),)
-    )
+    return N.field(descs, name, dtype)
 
 
 def _pack_descs(descs, plan, ptrs):

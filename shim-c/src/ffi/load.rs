@@ -12,7 +12,7 @@ use ckpt_wire::LoadSource;
 use super::args::{c_str, client, out, slice, tensor_refs};
 use super::codes::{CKPT_SOURCE_DISK, CKPT_SOURCE_DRAIN, CKPT_SOURCE_RAM};
 use super::errors::{guard, invalid};
-use super::types::{ckpt_client, ckpt_tensor};
+use super::types::{ckpt_client, ckpt_loaded_tensor_info, ckpt_tensor};
 use crate::client::LoadInfo;
 use crate::error::Error;
 
@@ -258,6 +258,55 @@ pub unsafe extern "C" fn ckpt_loaded_tensor_count(client: *mut ckpt_client, n: *
             .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
         // SAFETY: writable by the contract.
         unsafe { *n = count };
+        Ok(())
+    })
+}
+
+/// Describes tensors `first` .. `first + n` of the last successful ckpt_load
+/// or ckpt_load_packed in `out[0]` .. `out[n - 1]`, as n calls of
+/// ckpt_loaded_tensor and ckpt_loaded_tensor_offset would, in one call (a
+/// checkpoint of many tensors costs a call, not two per tensor).
+/// CKPT_E_INVALID when `first + n` is past ckpt_loaded_tensor_count;
+/// CKPT_E_NOT_FOUND before any load.
+///
+/// # Safety
+/// `client` is a live client; `out` is writable for `n` entries (may be
+/// NULL when n is 0).
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_tensors(
+    client: *mut ckpt_client,
+    first: usize,
+    n: usize,
+    out: *mut ckpt_loaded_tensor_info,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        let count = l.info.tensors.len();
+        let end = first
+            .checked_add(n)
+            .filter(|&e| e <= count)
+            .ok_or_else(|| invalid(format!("tensors {first} .. {first} + {n} are past the {count} tensors")))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let out = self::out(out, "out")?;
+        for (k, i) in (first..end).enumerate() {
+            let t = &l.info.tensors[i];
+            let info = ckpt_loaded_tensor_info {
+                name: l.names[i].as_ptr(),
+                dtype: l.dtypes[i].as_ptr(),
+                shape: t.shape.as_ptr(),
+                ndim: t.shape.len() as u32,
+                len_bytes: t.len_bytes,
+                offset: l.info.offsets.get(i).copied().unwrap_or(ckpt_wire::NOT_PLACED),
+            };
+            // SAFETY: `out` holds n writable entries (the caller's contract), k < n;
+            // what the entry points at lives in `last_load` until the next load or the close.
+            unsafe { out.add(k).write(info) };
+        }
         Ok(())
     })
 }

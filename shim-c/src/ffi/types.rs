@@ -65,3 +65,22 @@ pub struct ckpt_blob {
     pub data: *const c_void,
     pub len_bytes: u64,
 }
+
+/// One tensor of the last successful load, as ckpt_loaded_tensors describes
+/// it: what ckpt_loaded_tensor and ckpt_loaded_tensor_offset say, in one
+/// entry. The strings and shape stay valid until the next load or
+/// ckpt_close on this client.
+#[repr(C)]
+pub struct ckpt_loaded_tensor_info {
+    /// NUL-terminated UTF-8 name.
+    pub name: *const c_char,
+    /// safetensors dtype.
+    pub dtype: *const c_char,
+    /// `ndim` dimensions.
+    pub shape: *const u64,
+    pub ndim: u32,
+    pub len_bytes: u64,
+    /// As ckpt_loaded_tensor_offset: where the tensor starts in a
+    /// ckpt_load_packed's `data`, UINT64_MAX where it was not placed there.
+    pub offset: u64,
+}

@@ -104,6 +104,15 @@ int main(void) {
     CHECK(ckpt_loaded_tensor(c, 1, &name, NULL, NULL, NULL, NULL) == CKPT_E_INVALID);
     uint64_t at = 0;
     CHECK(ckpt_loaded_tensor_offset(c, 0, &at) == CKPT_OK && at == UINT64_MAX); /* a plain load places nothing */
+    /* All at once: what the per-tensor calls say, and a range past the count refused. */
+    ckpt_loaded_tensor_info info[2];
+    memset(info, 0, sizeof info);
+    CHECK(ckpt_loaded_tensors(c, 0, 1, info) == CKPT_OK);
+    CHECK(info[0].name == name && info[0].dtype == dtype && info[0].shape == sh && info[0].ndim == 1);
+    CHECK(info[0].len_bytes == 64 && info[0].offset == UINT64_MAX);
+    CHECK(ckpt_loaded_tensors(c, 0, 2, info) == CKPT_E_INVALID);
+    CHECK(ckpt_loaded_tensors(c, 1, 0, NULL) == CKPT_OK);
+    CHECK(ckpt_loaded_tensors(c, SIZE_MAX, 2, info) == CKPT_E_INVALID);
 
     /* Packed load: the sidecar lays the checkpoint out in memory from
        ckpt_alloc; too small a range first (it says what it needs, writes
@@ -119,6 +128,7 @@ int main(void) {
     CHECK(ckpt_load_packed(c, 1, p, 8192, &got, &source, &need) == CKPT_OK && got == 1 && source == CKPT_SOURCE_RAM && need <= 8192);
     CHECK(ckpt_loaded_tensor_count(c, &nt) == CKPT_OK && nt == 1);
     CHECK(ckpt_loaded_tensor_offset(c, 0, &at) == CKPT_OK && at + 64 <= need);
+    CHECK(ckpt_loaded_tensors(c, 0, 1, info) == CKPT_OK && info[0].offset == at && info[0].len_bytes == 64);
     float back[16];
     memcpy(back, p + at, sizeof back);
     for (int i = 0; i < 16; i++) CHECK(back[i] == (float)i);

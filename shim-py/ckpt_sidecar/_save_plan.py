@@ -69,7 +69,7 @@ class SavePlan:
                 self.copies.append((i, nbytes, where[1], ref, _flat_address(ref, obj, nbytes)))
         self.keep = _pack_descs(self.descs, plan, ptrs)
         # The descriptors' data fields, as one uint64 array (updated in bulk).
-        self.data_view = _field(self.descs, "data", np.uint64) if self.n else None
+        self.data_view = N.field(self.descs, "data", np.uint64) if self.n else None
         self.sig = self.refs = self.gen = None
         self.dead = False
         self.blobs = None  # (the blobs' names and data, their ckpt_blob_t array) of the last save
@@ -151,12 +151,6 @@ class SavePlan:
         return copied
 
 
-def _field(descs, name, dtype):
-    """Field `name` of every entry of the ckpt_tensor_t array `descs`, as a
-    numpy array over it (writes land in the descriptors)."""
-    return N.field(descs, name, dtype)
-
-
 def _pack_descs(descs, plan, ptrs):
     """Fills the ckpt_tensor_t array `descs` from `plan` ([(ref, obj, nbytes,
     shape, where)]) and `ptrs` (each tensor's address), with every name and
@@ -190,14 +184,14 @@ def _pack_descs(descs, plan, ptrs):
     dim_at = np.zeros(n, dtype=np.uint64)
     np.cumsum(ndims[:-1], out=dim_at[1:])
     dim_at[ndims == 0] = len(dims) - 1
-    _field(descs, "name", np.uint64)[:] = base + name_at
-    _field(descs, "dtype", np.uint64)[:] = np.fromiter(
+    N.field(descs, "name", np.uint64)[:] = base + name_at
+    N.field(descs, "dtype", np.uint64)[:] = np.fromiter(
         (base + dtype_at[r[0].stored] for r in plan), dtype=np.uint64, count=n
     )
-    _field(descs, "shape", np.uint64)[:] = ctypes.addressof(dims) + 8 * dim_at
-    _field(descs, "ndim", np.uint32)[:] = ndims
-    _field(descs, "data", np.uint64)[:] = ptrs
-    _field(descs, "len_bytes", np.uint64)[:] = [r[2] for r in plan]
+    N.field(descs, "shape", np.uint64)[:] = ctypes.addressof(dims) + 8 * dim_at
+    N.field(descs, "ndim", np.uint32)[:] = ndims
+    N.field(descs, "data", np.uint64)[:] = ptrs
+    N.field(descs, "len_bytes", np.uint64)[:] = [r[2] for r in plan]
     return [text, buf, dims]
 
 

@@ -37,6 +37,13 @@ Buffer = Any  # a bytes-like object (anything memoryview takes)
 SAVE_PLANS_MAX = 8  # prepared save requests kept for states saved again (a trainer alternating a few states)
 
 
+def _is_contiguous(obj):
+    """Whether reshape(-1) of a leaf is a view of it (numpy or torch)."""
+    if isinstance(obj, np.ndarray):
+        return bool(obj.flags.c_contiguous)
+    return bool(obj.is_contiguous())
+
+
 class Saving(RegionTable):
     """The save side of a Checkpointer (see the module doc)."""
 
@@ -60,24 +67,7 @@ class Saving(RegionTable):
             self._ensure()
             if self.world_size > 1:
                 return self._save_part(step, state, rng, t0)
-            # The key's thousands of small tuples are garbage right after the
-            # match: with the collector paused they come and go without
-            # counting towards a collection (one, with torch's objects
-            # around, costs more than the whole save).
-            paused = gc.isenabled()
-            gc.disable()
-            try:
-                key = quick_key(state)
-                c = None
-                if key is not None:
-                    for p in reversed(self._save_plans):
-                        if p.matches(key, self._regions_gen):
-                            c, objs = p, key[1]
-                            key = None  # freed here, while the collector is paused
-                            break
-            finally:
-                if paused:
-                    gc.enable()
+            c, objs, key = self._kept_plan(state, None)
             if c is None:
                 c, objs = self._prepare(state, key)
             blobs_py = [(STRUCTURE_BLOB, c.skeleton)]
@@ -85,22 +75,66 @@ class Saving(RegionTable):
                 blobs_py.append((RNG_BLOB, pickle.dumps(capture_rng(), protocol=4)))
             return self._send(step, c, objs, blobs_py, t0)
 
+    def _kept_plan(self, state, part):
+        """(the kept plan for `state`, its objects now, None), or (None,
+        None, the state's quick_key) when no kept plan matches. `part`:
+        (rank, world size) of a part plan (_save_part), None for a whole
+        save's."""
+        # The key's thousands of small tuples are garbage right after the
+        # match: with the collector paused they come and go without
+        # counting towards a collection (one, with torch's objects
+        # around, costs more than the whole save).
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            key = quick_key(state)
+            if key is not None:
+                for p in reversed(self._save_plans):
+                    if (p.part[0] if p.part is not None else None) == part and p.matches(key, self._regions_gen):
+                        leaves = key[1]
+                        objs = leaves if part is None else [dist.select(leaves[j], cut) for j, cut in p.part[1]]
+                        return p, objs, None  # the key freed here, while the collector is paused
+            return None, None, key
+        finally:
+            if paused:
+                gc.enable()
+
     def _save_part(self, step, state, rng, t0):
         """This rank's part of a replicated state (dist.rank_leaves): the
         structure once (rank 0), the RNG state per rank, and the slices of
         tensors split between ranks declared by the rank holding each (the
-        sidecar writes them into the index)."""
+        sidecar writes them into the index). The plan is kept and reused
+        while the state is the same, as a whole save's."""
+        part = (self.rank, self.world_size)
+        c, objs, key = self._kept_plan(state, part)
+        if c is None:
+            c, objs = self._prepare_part(state, key, part)
+        blobs_py = list(c.part[2])
+        if rng:
+            blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
+        return self._send(step, c, objs, blobs_py, t0)
+
+    def _prepare_part(self, state, key, part):
+        """_save_part's request for `state`, built from scratch: kept for the
+        next save when `key`, its quick_key, is not None and every piece of a
+        split tensor is a view of it (a piece copied out of a non-contiguous
+        tensor lies elsewhere at each save)."""
         fl = Flattener()
         skeleton = fl.walk(state)
-        leaves, slices = dist.rank_leaves(fl.leaves, self.rank, self.world_size)
+        chosen, slices = dist.rank_selection(fl.leaves, *part)
+        leaves = [(ref, dist.select(fl.leaves[j][1], cut)) for j, ref, cut in chosen]
         blobs_py = []
-        if self.rank == 0:
+        if part[0] == 0:
             blobs_py.append((STRUCTURE_BLOB, pickle_skeleton(SKELETON_VERSION, skeleton)))
         if slices:
             blobs_py.append((dist.SLICES_BLOB, dist.slices_blob(slices)))
-        if rng:
-            blobs_py.append((dist.rng_blob_name(self.rank), pickle.dumps(capture_rng(), protocol=4)))
-        return self._save_leaves(step, leaves, blobs_py, t0)
+        plan, _direct, copy_bytes, streams = self._plan(leaves)
+        c = SavePlan(plan, copy_bytes, None, streams)
+        c.part = (part, [(j, cut) for j, _ref, cut in chosen], blobs_py)
+        objs = [o for _, o in leaves]
+        views = key is not None and all(cut is None or _is_contiguous(fl.leaves[j][1]) for j, _ref, cut in chosen)
+        self._keep_plan(c, key, [o for _, o in fl.leaves], views)
+        return c, objs
 
     def _save_leaves(self, step, leaves, blobs_py, t0, stream=None):
         """Sends [(TensorRef, tensor)] and [(blob name, bytes)] as `step` (this
@@ -203,11 +237,17 @@ class Saving(RegionTable):
         # and replaced (torch.cuda.empty_cache, then a new block there). Their
         # streams are asked again at each save (_send). Interface objects
         # have no quick key.
-        if key is not None and len(key[1]) == len(objs) and all(map(operator.is_, key[1], objs)):
+        self._keep_plan(c, key, objs)
+        return c, objs
+
+    def _keep_plan(self, c, key, leaves, keep=True):
+        """Keeps plan `c` for the next saves of the state whose quick_key is
+        `key` (None: not kept), when `leaves` (the state's leaves as the full
+        walk found them) are the key's."""
+        if keep and key is not None and len(key[1]) == len(leaves) and all(map(operator.is_, key[1], leaves)):
             c.remember(key, self._regions_gen)
             plans = [p for p in self._save_plans if p.gen == self._regions_gen and p.alive()]
             self._save_plans = (plans + [c])[-SAVE_PLANS_MAX:]
-        return c, objs
 
     def _check_fits(self, step, tensor_bytes):
         """A save whose tensors alone exceed the sidecar's whole staging budget

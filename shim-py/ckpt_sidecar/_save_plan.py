@@ -38,6 +38,7 @@ class SavePlan:
         "blobs",
         "leaf_refs",
         "trust_names",
+        "part",
         "__weakref__",
     )
 
@@ -50,6 +51,9 @@ class SavePlan:
         self.tensor_bytes = sum(r[2] for r in plan)
         self.leaf_refs = [r[0] for r in plan]
         self.trust_names = None  # _trust.names_of
+        # A rank's part (_save_part): ((rank, world size), [(leaf index, cut)]
+        # choosing its leaves from the state's, its blobs but the RNG's).
+        self.part = None
         self.inplace = False
         self.host_inplace = False  # a host tensor sent in place (the sidecar copies it after the device ones)
         self.dev = []  # (index, ref) of the device tensors sent in place: their streams are asked at each save

@@ -123,6 +123,21 @@ def rank_leaves(leaves, rank, world_size):
     the slice declarations of its pieces, as the sidecar reads them from the
     blob SLICES_BLOB (docs/protocol.md, SavePart): [{"tensor": piece name,
     "of": the tensor's name, "shape": its whole shape, "elems": [start, stop]}]."""
+    chosen, slices = rank_selection(leaves, rank, world_size)
+    return [(ref, select(leaves[j][1], cut)) for j, ref, cut in chosen], slices
+
+
+def select(obj, cut):
+    """A leaf as rank_selection chose it: whole (cut None) or elements
+    [start, stop) of it flattened."""
+    return obj if cut is None else _flat(obj, *cut)
+
+
+def rank_selection(leaves, rank, world_size):
+    """rank_leaves as a selection: [(index in `leaves`, the TensorRef to save
+    it under, None for the whole leaf or its (start, stop) element range)],
+    and the slice declarations. A function of the leaves' names, dtypes
+    and sizes alone: the same for a state with the same quick key."""
     from ._tree import TensorRef
 
     items = []
@@ -135,20 +150,20 @@ def rank_leaves(leaves, rank, world_size):
         splittable = ref.stored != "U8" or u8
         items.append((ref.name, n, isz, splittable))
     parts = partition(items, world_size)
-    mine, slices = [], []
-    for ref, obj in leaves:
+    chosen, slices = [], []
+    for j, (ref, _obj) in enumerate(leaves):
         pieces = parts[ref.name]
         if len(pieces) == 1:
             if pieces[0].rank == rank:
-                mine.append((ref, obj))
+                chosen.append((j, ref, None))
             continue
         for p in pieces:
             if p.rank == rank:
                 pn = piece_name(ref.name, p.start, p.stop)
                 pref = TensorRef(pn, ref.kind, ref.dtype, (p.stop - p.start,), ref.stored, ref.extra)
-                mine.append((pref, _flat(obj, p.start, p.stop)))
+                chosen.append((j, pref, (p.start, p.stop)))
                 slices.append({"tensor": pn, "of": ref.name, "shape": list(ref.shape), "elems": [p.start, p.stop]})
-    return mine, slices
+    return chosen, slices
 
 
 def slices_blob(slices):

@@ -110,6 +110,26 @@ def test_four_ranks_split_a_tensor_that_loads_whole_on_two_and_on_one(tmp_path, 
     assert row["world_size"] == 4 and len(row["bytes_per_rank"]) == 4 and row["tensors"] == 5, row
 
 
+def test_a_ranks_part_plan_is_reused_while_its_state_is_the_same_and_each_step_loads_as_saved(tmp_path, sidecar):
+    # Each rank keeps its part's plan (its leaves, the split tensor's pieces,
+    # its blobs) while the state's quick key matches: an edit in place is
+    # saved through the kept plan, a new tensor makes a new one, and every
+    # step loads whole as it was saved.
+    from env_ranks import repeat_states
+
+    out = run_ranks(tmp_path, sidecar, 2, "repeat", 10)
+    assert [(o["reused"], o["replanned"], o["parts"]) for o in out] == [(True, True, 2)] * 2, out
+    from ckpt_sidecar import Checkpointer
+
+    with Checkpointer(socket=sidecar.socket, spawn=False) as ck:
+        for step, want in zip((10, 11, 12, 13), repeat_states()):
+            got = ck.load(step)
+            assert set(got["model"]) == set(want["model"]), step
+            for k, v in want["model"].items():
+                assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), (step, k)
+    assert index_of(sidecar.dir / "step-000000000012")["ckpt"]["slices"], "embed.weight is split between the ranks"
+
+
 def test_a_flipped_byte_of_a_slice_is_named_by_verify_and_by_load(tmp_path, sidecar):
     run_ranks(tmp_path, sidecar, 4, "save", 5)
     stepdir = sidecar.dir / "step-000000000005"

@@ -3,7 +3,10 @@ and one sidecar for all (CKPT_SIDECAR_SOCKET). argv: DIR STEP MODE.
 MODE save: saves small_state() (replicated; its large tensors are split
 between ranks), rng=True, and waits until durable. MODE load: loads STEP
 and writes {"rank", "equal"} to result-RANK.json in the working directory,
-or {"error": one line} when the load fails."""
+or {"error": one line} when the load fails. MODE repeat: saves STEP to
+STEP+3 of one state, edited in place before the third and given a new
+tensor before the fourth (repeat_states), and writes whether the third
+save reused the second one's plan and how many part plans are kept."""
 import json
 import os
 import sys
@@ -27,6 +30,18 @@ def small_state(seed=3):
     }
 
 
+def repeat_states(seed=3):
+    """The states MODE repeat saves as STEP to STEP+3 (the first twice, then
+    an in-place edit of it, then a new bias tensor)."""
+    a = small_state(seed)
+    b = {"model": dict(a["model"]), "note": a["note"]}
+    b["model"]["embed.weight"] = a["model"]["embed.weight"].clone()
+    b["model"]["embed.weight"][0, 0] += 1
+    c = {"model": dict(b["model"]), "note": b["note"]}
+    c["model"]["bias"] = b["model"]["bias"] * 2
+    return [a, a, b, c]
+
+
 def equal(got, want):
     return got["note"] == want["note"] and set(got["model"]) == set(want["model"]) and all(
         got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v) for k, v in want["model"].items())
@@ -40,6 +55,20 @@ def main():
         if mode == "save":
             ck.save(step, small_state(), rng=True).wait_durable(timeout=120)
             out = {"rank": rank, "world_size": ck.world_size}
+        elif mode == "repeat":
+            st = small_state()
+            # Twice first: the first save maps the save region its copies go
+            # to, which a plan depends on, so the second plans again.
+            ck.save(step, st).wait_durable(timeout=120)
+            ck.save(step + 1, st).wait_durable(timeout=120)
+            first = ck._save_plans[-1]
+            st["model"]["embed.weight"][0, 0] += 1  # in place: the same addresses, the plan kept
+            ck.save(step + 2, st).wait_durable(timeout=120)
+            reused = ck._save_plans[-1] is first
+            st["model"]["bias"] = st["model"]["bias"] * 2  # another tensor: planned again
+            ck.save(step + 3, st).wait_durable(timeout=120)
+            parts = sum(p.part is not None for p in ck._save_plans)
+            out = {"rank": rank, "reused": reused, "replanned": ck._save_plans[-1] is not first, "parts": parts}
         else:
             try:
                 out = {"rank": rank, "equal": equal(ck.load(step), small_state())}

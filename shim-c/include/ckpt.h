@@ -685,6 +685,29 @@ int ckpt_stream_wait_copy(struct ckpt_client *client,
                           int64_t timeout_ms,
                           int *on_stream);
 
+// Writes the key of the numpy arrays in the Python list `list` into
+// `out` (room for `cap` words) and their count in *out_len: for each
+// array its data pointer, its number of dimensions, each dimension, each
+// stride, and its dtype object's address. Two lists whose keys are equal
+// hold arrays over the same memory with the same shapes, strides and
+// dtype objects, in the same order. CKPT_E_INVALID when an item is not
+// exactly of `ndarray_type` (a subclass or another object: the caller
+// keys the list another way); CKPT_E_TRUNCATED when `cap` words are too
+// few (the count needed is stored).
+//
+// # Safety
+// Only for ckpt_sidecar: the caller holds the GIL for the whole call (it
+// calls through ctypes.PyDLL), `list` is a live Python list,
+// `header_bytes` is this interpreter's `object.__basicsize__`,
+// `ndarray_type` is `numpy.ndarray`, and the caller has checked that
+// arrays are laid out as read here; `out` is writable for `cap` words.
+int ckpt_py_arrays_key(const void *list,
+                       size_t header_bytes,
+                       const void *ndarray_type,
+                       uint64_t *out_words,
+                       size_t cap,
+                       size_t *out_len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import _native_key
 from ._cuda import interface as cuda_interface
 
 SKELETON_VERSION = 1
@@ -232,7 +233,7 @@ _PLAIN = (int, float, complex, str, bytes, bool, type(None))
 # A container whose values are all arrays (or all plain torch tensors) is
 # described in bulk: a few C-level passes (map) over its values instead of a
 # Python step per value. Tagged, so a bulk entry never equals per-value ones.
-_BULK_NP, _BULK_TORCH = object(), object()
+_BULK_NP, _BULK_TORCH, _BULK_NP_NATIVE = object(), object(), object()
 # One attribute per pass: a getter of several builds a tuple per value, slower.
 _SHAPE, _STRIDES, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("strides"), operator.attrgetter("dtype")
 _DEVICE, _GRAD = operator.attrgetter("device"), operator.attrgetter("requires_grad")
@@ -328,7 +329,20 @@ def _bulk(vals, sig, leaves, torch):
     """Describes `vals` (a container's values) in bulk when all are numpy
     arrays (NumPy 2: the id names the buffer) or all plain torch tensors;
     False (nothing added) otherwise. Raises _NoKey for what the per-value
-    walk would refuse too."""
+    walk would refuse too. Arrays are keyed natively where libckpt can
+    (_native_key: one pass for the addresses, shapes, strides and dtype
+    objects), their dtypes asked here (an object dtype has no key, and the
+    sig holds the dtype objects, so a dtype address in the native key
+    names the same dtype while the sig lives)."""
+    if type(vals[0]) is np.ndarray:
+        k = _native_key.arrays_key(vals if type(vals) is list else list(vals))
+        if k is not None:
+            dtypes = frozenset(map(_DTYPE, vals))
+            if any(d.hasobject for d in dtypes):
+                raise _NoKey
+            sig.append((_BULK_NP_NATIVE, k, dtypes))
+            leaves.extend(vals)
+            return True
     types = set(map(type, vals))
     if len(types) != 1:
         return False

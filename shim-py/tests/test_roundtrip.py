@@ -363,6 +363,24 @@ def test_quick_keys_tell_bulk_containers_apart():
     assert len(leaves) == 2 and leaves[0] is a and leaves[1] is b
 
 
+def test_the_native_key_of_arrays_reads_what_their_attributes_say():
+    """libckpt keys a list of numpy arrays from their structs (the bulk
+    key's fast path): exactly the addresses, shapes, strides and dtypes
+    their attributes give, for views, reversed, transposed, 0-d and empty
+    arrays; anything not exactly an ndarray is refused (keyed in Python)."""
+    from ckpt_sidecar import _native_key
+
+    base = np.arange(120, dtype=np.float32).reshape(6, 20)
+    vals = [base, base[::2, 1::3], base.T, np.zeros((), np.int8), np.arange(5)[::-1], np.zeros((3, 0))]
+    k = _native_key.arrays_key(vals)
+    assert k is not None, "ckpt_py_arrays_key failed its self-check here: quick_key keys arrays in Python"
+    assert k == _native_key.expected_key(vals)
+    assert _native_key.arrays_key(vals[:2] + [vals[2].copy()]) != _native_key.arrays_key(vals[:3])
+    assert _native_key.arrays_key([base, "x"]) is None
+    big = [np.zeros(i % 7 + 1) for i in range(5000)]  # past the first output buffer
+    assert _native_key.arrays_key(big) == _native_key.expected_key(big)
+
+
 def test_a_quick_key_leaves_no_garbage_for_the_cycle_collector():
     """The key a save builds to find its prepared request is freed as soon
     as it is dropped: nothing is left for the cycle collector, whose

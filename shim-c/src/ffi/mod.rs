@@ -14,8 +14,9 @@
 //! enumeration values), `types` (the handle and the descriptors), `version`,
 //! `errors` (the last error, `guard`), `connection`, `regions` (shared
 //! memory), `save`, `load`, `catalog` (list, status, rollback), `process`
-//! (preemption flag, default client), `cuda`; `args` turns the caller's
-//! pointers into Rust values for all of them.
+//! (preemption flag, default client), `cuda`, and `pykey` (a helper of the
+//! Python package's save key); `args` turns the caller's pointers into Rust
+//! values for all of them.
 
 #![allow(non_camel_case_types)]
 
@@ -27,6 +28,7 @@ mod cuda;
 mod errors;
 mod load;
 mod process;
+mod pykey;
 mod regions;
 mod save;
 mod types;
@@ -39,6 +41,7 @@ pub use cuda::*;
 pub use errors::*;
 pub use load::*;
 pub use process::*;
+pub use pykey::*;
 pub use regions::*;
 pub use save::*;
 pub use types::*;

@@ -5,7 +5,7 @@ use std::path::Path;
 
 /// The C ABI's files, in the order their items appear in the header
 /// (cbindgen keeps the order it reads them in).
-const FFI_FILES: [&str; 12] = [
+const FFI_FILES: [&str; 13] = [
     "src/ffi/codes.rs",
     "src/ffi/types.rs",
     "src/ffi/version.rs",
@@ -18,6 +18,7 @@ const FFI_FILES: [&str; 12] = [
     "src/ffi/catalog.rs",
     "src/ffi/process.rs",
     "src/ffi/cuda.rs",
+    "src/ffi/pykey.rs",
 ];
 
 #[test]

@@ -100,7 +100,7 @@ class Saving(RegionTable):
                 gc.enable()
 
     def _save_part(self, step, state, rng, t0):
-        """This rank's part of a replicated state (dist.rank_leaves): the
+        """This rank's part of a replicated state (dist.rank_selection): the
         structure once (rank 0), the RNG state per rank, and the slices of
         tensors split between ranks declared by the rank holding each (the
         sidecar writes them into the index). The plan is kept and reused

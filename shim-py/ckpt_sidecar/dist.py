@@ -117,16 +117,6 @@ def _flat(obj, start, stop):
     return obj.reshape(-1)[start:stop]
 
 
-def rank_leaves(leaves, rank, world_size):
-    """This rank's part of a replicated state's leaves [(TensorRef, obj)]:
-    the leaves it saves (whole, or an element range under a piece name), and
-    the slice declarations of its pieces, as the sidecar reads them from the
-    blob SLICES_BLOB (docs/protocol.md, SavePart): [{"tensor": piece name,
-    "of": the tensor's name, "shape": its whole shape, "elems": [start, stop]}]."""
-    chosen, slices = rank_selection(leaves, rank, world_size)
-    return [(ref, select(leaves[j][1], cut)) for j, ref, cut in chosen], slices
-
-
 def select(obj, cut):
     """A leaf as rank_selection chose it: whole (cut None) or elements
     [start, stop) of it flattened."""
@@ -134,10 +124,15 @@ def select(obj, cut):
 
 
 def rank_selection(leaves, rank, world_size):
-    """rank_leaves as a selection: [(index in `leaves`, the TensorRef to save
-    it under, None for the whole leaf or its (start, stop) element range)],
-    and the slice declarations. A function of the leaves' names, dtypes
-    and sizes alone: the same for a state with the same quick key."""
+    """This rank's part of a replicated state's leaves [(TensorRef, obj)]:
+    the leaves it saves, whole or an element range under a piece name, as
+    [(index in `leaves`, the TensorRef to save it under, None for the whole
+    leaf or its (start, stop) element range)] (`select` makes each one's
+    object), and the slice declarations of its pieces, as the sidecar reads
+    them from the blob SLICES_BLOB (docs/protocol.md, SavePart):
+    [{"tensor": piece name, "of": the tensor's name, "shape": its whole
+    shape, "elems": [start, stop]}]. A function of the leaves' names,
+    dtypes and sizes alone: the same for a state with the same quick key."""
     from ._tree import TensorRef
 
     items = []

@@ -24,6 +24,42 @@ pub(super) struct LoadedC {
     pub(super) dtypes: Vec<CString>,
 }
 
+impl LoadedC {
+    /// Where tensor `idx` starts in a ckpt_load_packed's `data`, NOT_PLACED
+    /// where it was not placed there (ckpt_loaded_tensor_offset).
+    fn offset(&self, idx: usize) -> u64 {
+        self.info.offsets.get(idx).copied().unwrap_or(ckpt_wire::NOT_PLACED)
+    }
+
+    /// Tensor `idx` described (ckpt_loaded_tensor, ckpt_loaded_tensors);
+    /// CKPT_E_INVALID past the count. What it points at lives as long as
+    /// this load.
+    fn describe(&self, idx: usize) -> Result<ckpt_loaded_tensor_info, Error> {
+        let t = self
+            .info
+            .tensors
+            .get(idx)
+            .ok_or_else(|| invalid(format!("idx {idx} is past the {} tensors", self.info.tensors.len())))?;
+        Ok(ckpt_loaded_tensor_info {
+            name: self.names[idx].as_ptr(),
+            dtype: self.dtypes[idx].as_ptr(),
+            shape: t.shape.as_ptr(),
+            ndim: t.shape.len() as u32,
+            len_bytes: t.len_bytes,
+            offset: self.offset(idx),
+        })
+    }
+}
+
+impl ckpt_client {
+    /// `f` of the last successful load; CKPT_E_NOT_FOUND ("no load yet")
+    /// before any.
+    fn with_last_load<R>(&self, f: impl FnOnce(&LoadedC) -> Result<R, Error>) -> Result<R, Error> {
+        let last = self.last_load.lock().unwrap_or_else(|p| p.into_inner());
+        f(last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?)
+    }
+}
+
 /// Loads checkpoint `step` (-1: the latest good one) into the places the
 /// `n_tensors` descriptors name (`data` = destination inside memory from
 /// ckpt_alloc; name, dtype, shape and len_bytes must match the checkpoint).
@@ -144,14 +180,14 @@ pub unsafe extern "C" fn ckpt_loaded_tensor_offset(client: *mut ckpt_client, idx
         let offset = out(offset, "offset")?;
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
-        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
-        if idx >= l.info.tensors.len() {
-            return Err(invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())));
-        }
-        // SAFETY: writable by the contract.
-        unsafe { *offset = l.info.offsets.get(idx).copied().unwrap_or(ckpt_wire::NOT_PLACED) };
-        Ok(())
+        c.with_last_load(|l| {
+            if idx >= l.info.tensors.len() {
+                return Err(invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())));
+            }
+            // SAFETY: writable by the contract.
+            unsafe { *offset = l.offset(idx) };
+            Ok(())
+        })
     })
 }
 
@@ -229,11 +265,7 @@ pub unsafe extern "C" fn ckpt_loaded_fell_back(
         // SAFETY: `client` is NULL or a live client (the caller's contract).
         let c = unsafe { self::client(client) }?;
         let len_out = out(len_bytes, "len_bytes")?;
-        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let text = last
-            .as_ref()
-            .map(|l| l.info.fell_back.join("; "))
-            .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        let text = c.with_last_load(|l| Ok(l.info.fell_back.join("; ")))?;
         // SAFETY: `buf` is writable for `cap_bytes` bytes or NULL, and `len_out` was
         // checked non-NULL and is writable (the caller's contract).
         unsafe { copy_out(text.as_bytes(), buf, cap_bytes, len_out) }
@@ -251,11 +283,7 @@ pub unsafe extern "C" fn ckpt_loaded_tensor_count(client: *mut ckpt_client, n: *
         let n = out(n, "n")?;
         // SAFETY: the caller's contract.
         let c = unsafe { self::client(client) }?;
-        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let count = last
-            .as_ref()
-            .map(|l| l.info.tensors.len())
-            .ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
+        let count = c.with_last_load(|l| Ok(l.info.tensors.len()))?;
         // SAFETY: writable by the contract.
         unsafe { *n = count };
         Ok(())
@@ -282,32 +310,23 @@ pub unsafe extern "C" fn ckpt_loaded_tensors(
     guard(|| {
         // SAFETY: `client` is NULL or a live client (the caller's contract).
         let c = unsafe { self::client(client) }?;
-        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
-        let count = l.info.tensors.len();
-        let end = first
-            .checked_add(n)
-            .filter(|&e| e <= count)
-            .ok_or_else(|| invalid(format!("tensors {first} .. {first} + {n} are past the {count} tensors")))?;
-        if n == 0 {
-            return Ok(());
-        }
-        let out = self::out(out, "out")?;
-        for (k, i) in (first..end).enumerate() {
-            let t = &l.info.tensors[i];
-            let info = ckpt_loaded_tensor_info {
-                name: l.names[i].as_ptr(),
-                dtype: l.dtypes[i].as_ptr(),
-                shape: t.shape.as_ptr(),
-                ndim: t.shape.len() as u32,
-                len_bytes: t.len_bytes,
-                offset: l.info.offsets.get(i).copied().unwrap_or(ckpt_wire::NOT_PLACED),
-            };
-            // SAFETY: `out` holds n writable entries (the caller's contract), k < n;
-            // what the entry points at lives in `last_load` until the next load or the close.
-            unsafe { out.add(k).write(info) };
-        }
-        Ok(())
+        c.with_last_load(|l| {
+            let count = l.info.tensors.len();
+            let end = first
+                .checked_add(n)
+                .filter(|&e| e <= count)
+                .ok_or_else(|| invalid(format!("tensors {first} .. {first} + {n} are past the {count} tensors")))?;
+            if n == 0 {
+                return Ok(());
+            }
+            let out = self::out(out, "out")?;
+            for (k, i) in (first..end).enumerate() {
+                // SAFETY: `out` holds n writable entries (the caller's contract), k < n;
+                // what the entry points at lives in `last_load` until the next load or the close.
+                unsafe { out.add(k).write(l.describe(i)?) };
+            }
+            Ok(())
+        })
     })
 }
 
@@ -330,27 +349,21 @@ pub unsafe extern "C" fn ckpt_loaded_tensor(
     guard(|| {
         // SAFETY: `client` is NULL or a live client (the caller's contract).
         let c = unsafe { self::client(client) }?;
-        let last = c.last_load.lock().unwrap_or_else(|p| p.into_inner());
-        let l = last.as_ref().ok_or_else(|| Error::NoSuchBlob { name: "(no load yet)".into() })?;
-        let t = l
-            .info
-            .tensors
-            .get(idx)
-            .ok_or_else(|| invalid(format!("idx {idx} is past the {} tensors", l.info.tensors.len())))?;
+        let t = c.with_last_load(|l| l.describe(idx))?;
         // SAFETY: only non-NULL out-pointers are written, each writable (the caller's contract);
         // what they point at lives in `last_load` until the next load or the close.
         unsafe {
             if !name.is_null() {
-                *name = l.names[idx].as_ptr();
+                *name = t.name;
             }
             if !dtype.is_null() {
-                *dtype = l.dtypes[idx].as_ptr();
+                *dtype = t.dtype;
             }
             if !shape.is_null() {
-                *shape = t.shape.as_ptr();
+                *shape = t.shape;
             }
             if !ndim.is_null() {
-                *ndim = t.shape.len() as u32;
+                *ndim = t.ndim;
             }
             if !len_bytes.is_null() {
                 *len_bytes = t.len_bytes;

@@ -238,26 +238,12 @@ impl ShmMemory {
     /// As [`ShmMemory::copy_out`].
     pub unsafe fn copy_out_summed(&self, offset_bytes: u64, dst: *mut u8, len: usize, crc: bool) -> (u32, u128) {
         let src = self.src_ptr(offset_bytes, len as u64);
-        if len > 0 && len <= config::COPY_BLOCK_BYTES {
-            // One block (most tensors of a many-tensor state): hashed in one
-            // call, without a streaming hasher to set up per tensor.
-            return self.read(|| {
-                // SAFETY: the caller's contract; the mapping lives as long as self.
-                let c = unsafe {
-                    if crc {
-                        copy_streaming_crc(dst, src, len)
-                    } else {
-                        copy_streaming(dst, src, len);
-                        0
-                    }
-                };
-                // SAFETY: as in the loop below.
-                (c, ckpt_store::digest::block_digest(unsafe { std::slice::from_raw_parts(src, len) }))
-            });
-        }
         self.read(|| {
             let mut c = 0u32;
-            let mut h = ckpt_store::digest::BlockHasher::default();
+            // One block (most tensors of a many-tensor state) is hashed in
+            // one call after its copy: a streaming hasher costs more to set
+            // up than such a tensor to hash.
+            let mut h = (len > config::COPY_BLOCK_BYTES).then(ckpt_store::digest::BlockHasher::default);
             let mut at = 0usize;
             while at < len {
                 let n = (len - at).min(config::COPY_BLOCK_BYTES);
@@ -271,14 +257,20 @@ impl ShmMemory {
                         copy_streaming(dst.add(at), src.add(at), n);
                     }
                 }
-                // SAFETY: src..src+len lies in the mapping (the caller's
-                // contract), read-only for us and armed against a truncation
-                // (ShmMemory::read); another process may write it meanwhile,
-                // which only changes the value hashed (see above).
-                h.update(unsafe { std::slice::from_raw_parts(src.add(at), n) });
+                if let Some(h) = h.as_mut() {
+                    // SAFETY: src..src+len lies in the mapping (the caller's
+                    // contract), read-only for us and armed against a truncation
+                    // (ShmMemory::read); another process may write it meanwhile,
+                    // which only changes the value hashed (see above).
+                    h.update(unsafe { std::slice::from_raw_parts(src.add(at), n) });
+                }
                 at += n;
             }
-            (c, h.finish())
+            match h {
+                Some(h) => (c, h.finish()),
+                // SAFETY: as above, for the whole (single-block) range.
+                None => (c, ckpt_store::digest::block_digest(unsafe { std::slice::from_raw_parts(src, len) })),
+            }
         })
     }
 
@@ -408,6 +400,25 @@ pub(crate) fn test_segment(len: usize, fill: impl Fn(usize) -> u8) -> (String, O
     (name, fd)
 }
 
+/// For tests: byte i of a [`test_region`]'s segment.
+#[cfg(test)]
+pub(crate) fn test_pattern(i: usize) -> u8 {
+    (i % 251) as u8 + 1
+}
+
+/// For tests: a region over a new segment of `len` bytes filled with
+/// [`test_pattern`], opened for this process's uid and already unlinked;
+/// with the segment's name and a read-write descriptor (for
+/// [`truncate_segment`]).
+#[cfg(test)]
+pub(crate) fn test_region(len: usize) -> (ShmMemory, String, OwnedFd) {
+    let (name, fd) = test_segment(len, test_pattern);
+    // SAFETY: getuid has no preconditions.
+    let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
+    unlink_segment(&name);
+    (r, name, fd)
+}
+
 #[cfg(test)]
 pub(crate) fn unlink_segment(name: &str) {
     let c = CString::new(name).unwrap();
@@ -423,11 +434,8 @@ pub(crate) fn truncate_segment(fd: &OwnedFd, len: u64) {
 
 #[cfg(test)]
 mod tests {
+    use super::test_pattern as pattern;
     use super::*;
-
-    fn pattern(i: usize) -> u8 {
-        (i % 251) as u8 + 1
-    }
 
     /// Reads `len` bytes of the region's mapping at `offset` (armed).
     fn read_all(r: &ShmMemory, offset: u64, len: u64) -> Vec<u8> {
@@ -443,10 +451,7 @@ mod tests {
         // One block is hashed in one call, more are streamed: the same
         // crc32c and digest block either way, and the same bytes copied.
         let len = 1 << 20;
-        let (name, _fd) = test_segment(len, pattern);
-        // SAFETY: getuid has no preconditions.
-        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
-        unlink_segment(&name);
+        let (r, _name, _fd) = test_region(len);
         let b = config::COPY_BLOCK_BYTES;
         for (offset, n) in [(0, 0), (3, 1), (0, 4096), (17, 4096 + 5), (0, b), (64, b + 1), (1, 3 * b + 7), (0, len)] {
             let want = read_all(&r, offset as u64, n as u64);
@@ -468,10 +473,7 @@ mod tests {
     #[test]
     fn a_segment_truncated_under_a_read_reads_as_zeros_and_is_refused_from_then_on() {
         let len = 1 << 20;
-        let (name, fd) = test_segment(len, pattern);
-        // SAFETY: getuid has no preconditions.
-        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
-        unlink_segment(&name);
+        let (r, name, fd) = test_region(len);
         assert_eq!(read_all(&r, 0, len as u64), (0..len).map(pattern).collect::<Vec<_>>());
         r.check_intact().unwrap();
         // The owner shrinks it to 3 pages and a bit; the mapping still spans 1 MiB.

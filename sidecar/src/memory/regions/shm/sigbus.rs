@@ -127,19 +127,12 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
 
 #[cfg(test)]
 mod tests {
-    use super::super::{test_segment, unlink_segment, ShmMemory};
+    use super::super::test_region;
     use super::*;
-
-    fn pattern(i: usize) -> u8 {
-        (i % 251) as u8 + 1
-    }
 
     #[test]
     fn the_armed_region_is_put_back_when_the_armed_closure_panics() {
-        let (name, _fd) = test_segment(4096, pattern);
-        // SAFETY: getuid has no preconditions.
-        let r = ShmMemory::open(&name, 4096, unsafe { libc::getuid() }).unwrap();
-        unlink_segment(&name);
+        let (r, _name, _fd) = test_region(4096);
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.read(|| panic!("inside"))));
         assert!(caught.is_err());
         assert!(ARMED.with(|a| a.get()).is_none(), "the handler still names the region after the panic");

@@ -83,12 +83,8 @@ impl Writable<'_> {
 mod tests {
     use std::os::unix::fs::FileExt;
 
-    use super::super::{test_segment, truncate_segment, unlink_segment};
+    use super::super::{test_region, truncate_segment};
     use super::*;
-
-    fn pattern(i: usize) -> u8 {
-        (i % 251) as u8 + 1
-    }
 
     #[test]
     fn a_store_into_a_writable_mapping_of_a_truncated_segment_does_not_kill_the_process() {
@@ -97,10 +93,7 @@ mod tests {
         // into a SIGSEGV, so they are mapped writable. Checked in a child,
         // which would die.
         let len = 256 << 10;
-        let (name, fd) = test_segment(len, pattern);
-        // SAFETY: getuid has no preconditions.
-        let r = ShmMemory::open(&name, len as u64, unsafe { libc::getuid() }).unwrap();
-        unlink_segment(&name);
+        let (r, _name, fd) = test_region(len);
         let w = r.map_writable().unwrap();
         let dst = w.ptr();
         let src = vec![7u8; len];

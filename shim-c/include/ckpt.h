@@ -528,6 +528,25 @@ int ckpt_loaded_tensors(struct ckpt_client *client,
                         size_t n,
                         struct ckpt_loaded_tensor_info *out);
 
+// Every name and every shape of the last successful ckpt_load or
+// ckpt_load_packed, each in one piece, so a caller with many tensors reads
+// them with a few copies rather than a call per tensor: *names points at
+// the names in ckpt_loaded_tensor order, each followed by a NUL
+// (*names_len bytes in all, the NULs counted); *dims at all their
+// dimensions, tensor after tensor (*n_dims in all; ckpt_loaded_tensors
+// gives each tensor's ndim). The pointers ckpt_loaded_tensor(s) give for a
+// name or shape point into these. They stay valid until the next load or
+// ckpt_close on this client. Any out-pointer may be NULL; CKPT_E_NOT_FOUND
+// before any load.
+//
+// # Safety
+// `client` is a live client; non-NULL out-pointers are writable.
+int ckpt_loaded_table(struct ckpt_client *client,
+                      const char **names,
+                      size_t *names_len,
+                      const uint64_t **dims,
+                      size_t *n_dims);
+
 // Describes tensor `idx` (< ckpt_loaded_tensor_count) of the last successful
 // ckpt_load. The strings and shape stay valid until the next ckpt_load or
 // ckpt_close on this client. Any out-pointer may be NULL.

@@ -16,15 +16,57 @@ use super::types::{ckpt_client, ckpt_loaded_tensor_info, ckpt_tensor};
 use crate::client::LoadInfo;
 use crate::error::Error;
 
-/// What the last successful load returned, with C strings for its tensors'
-/// names and dtypes (handed out by ckpt_loaded_tensor).
+/// What the last successful load returned, with its tensors' names, dtypes
+/// and shapes laid out for C: every name NUL-terminated, back to back in one
+/// buffer, every tensor's dimensions back to back in another (handed out
+/// whole by ckpt_loaded_table, and one by one by ckpt_loaded_tensor), each
+/// distinct dtype once.
 pub(super) struct LoadedC {
     pub(super) info: LoadInfo,
-    pub(super) names: Vec<CString>,
-    pub(super) dtypes: Vec<CString>,
+    /// The names, each followed by a NUL (any NUL inside a name removed).
+    names: Vec<u8>,
+    /// Where tensor i's name starts in `names`.
+    name_at: Vec<usize>,
+    /// The distinct dtypes, and which one tensor i has.
+    dtypes: Vec<CString>,
+    dtype_of: Vec<u32>,
+    /// Every tensor's dimensions; tensor i's start at `dims_at[i]`.
+    dims: Vec<u64>,
+    dims_at: Vec<usize>,
 }
 
 impl LoadedC {
+    fn new(info: LoadInfo) -> LoadedC {
+        let n = info.tensors.len();
+        let mut l = LoadedC {
+            names: Vec::with_capacity(info.tensors.iter().map(|t| t.name.len() + 1).sum()),
+            name_at: Vec::with_capacity(n),
+            dtypes: Vec::new(),
+            dtype_of: Vec::with_capacity(n),
+            dims: Vec::with_capacity(info.tensors.iter().map(|t| t.shape.len()).sum()),
+            dims_at: Vec::with_capacity(n),
+            info,
+        };
+        let tensors = std::mem::take(&mut l.info.tensors);
+        for t in &tensors {
+            l.name_at.push(l.names.len());
+            l.names.extend(t.name.bytes().filter(|&b| b != 0));
+            l.names.push(0);
+            let d = match l.dtypes.iter().position(|d| d.as_bytes() == t.dtype.as_bytes()) {
+                Some(d) => d,
+                None => {
+                    l.dtypes.push(CString::new(t.dtype.replace('\0', "")).expect("NULs removed"));
+                    l.dtypes.len() - 1
+                }
+            };
+            l.dtype_of.push(d as u32);
+            l.dims_at.push(l.dims.len());
+            l.dims.extend_from_slice(&t.shape);
+        }
+        l.info.tensors = tensors;
+        l
+    }
+
     /// Where tensor `idx` starts in a ckpt_load_packed's `data`, NOT_PLACED
     /// where it was not placed there (ckpt_loaded_tensor_offset).
     fn offset(&self, idx: usize) -> u64 {
@@ -41,9 +83,11 @@ impl LoadedC {
             .get(idx)
             .ok_or_else(|| invalid(format!("idx {idx} is past the {} tensors", self.info.tensors.len())))?;
         Ok(ckpt_loaded_tensor_info {
-            name: self.names[idx].as_ptr(),
-            dtype: self.dtypes[idx].as_ptr(),
-            shape: t.shape.as_ptr(),
+            // In bounds: name_at and dims_at hold an entry per tensor, each
+            // at most the length of its buffer.
+            name: self.names[self.name_at[idx]..].as_ptr().cast(),
+            dtype: self.dtypes[self.dtype_of[idx] as usize].as_ptr(),
+            shape: self.dims[self.dims_at[idx]..].as_ptr(),
             ndim: t.shape.len() as u32,
             len_bytes: t.len_bytes,
             offset: self.offset(idx),
@@ -122,10 +166,7 @@ impl ckpt_client {
             // SAFETY: writable by the contract.
             unsafe { *out_source = source };
         }
-        let cstring = |s: &str| CString::new(s.replace('\0', "")).expect("NULs removed");
-        let names = info.tensors.iter().map(|t| cstring(&t.name)).collect();
-        let dtypes = info.tensors.iter().map(|t| cstring(&t.dtype)).collect();
-        *self.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC { info, names, dtypes });
+        *self.last_load.lock().unwrap_or_else(|p| p.into_inner()) = Some(LoadedC::new(info));
     }
 }
 
@@ -324,6 +365,52 @@ pub unsafe extern "C" fn ckpt_loaded_tensors(
                 // SAFETY: `out` holds n writable entries (the caller's contract), k < n;
                 // what the entry points at lives in `last_load` until the next load or the close.
                 unsafe { out.add(k).write(l.describe(i)?) };
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Every name and every shape of the last successful ckpt_load or
+/// ckpt_load_packed, each in one piece, so a caller with many tensors reads
+/// them with a few copies rather than a call per tensor: *names points at
+/// the names in ckpt_loaded_tensor order, each followed by a NUL
+/// (*names_len bytes in all, the NULs counted); *dims at all their
+/// dimensions, tensor after tensor (*n_dims in all; ckpt_loaded_tensors
+/// gives each tensor's ndim). The pointers ckpt_loaded_tensor(s) give for a
+/// name or shape point into these. They stay valid until the next load or
+/// ckpt_close on this client. Any out-pointer may be NULL; CKPT_E_NOT_FOUND
+/// before any load.
+///
+/// # Safety
+/// `client` is a live client; non-NULL out-pointers are writable.
+#[no_mangle]
+pub unsafe extern "C" fn ckpt_loaded_table(
+    client: *mut ckpt_client,
+    names: *mut *const c_char,
+    names_len: *mut usize,
+    dims: *mut *const u64,
+    n_dims: *mut usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: `client` is NULL or a live client (the caller's contract).
+        let c = unsafe { self::client(client) }?;
+        c.with_last_load(|l| {
+            // SAFETY: only non-NULL out-pointers are written, each writable (the caller's
+            // contract); what they point at lives in `last_load` until the next load or the close.
+            unsafe {
+                if !names.is_null() {
+                    *names = l.names.as_ptr().cast();
+                }
+                if !names_len.is_null() {
+                    *names_len = l.names.len();
+                }
+                if !dims.is_null() {
+                    *dims = l.dims.as_ptr();
+                }
+                if !n_dims.is_null() {
+                    *n_dims = l.dims.len();
+                }
             }
             Ok(())
         })

@@ -113,6 +113,13 @@ int main(void) {
     CHECK(ckpt_loaded_tensors(c, 0, 2, info) == CKPT_E_INVALID);
     CHECK(ckpt_loaded_tensors(c, 1, 0, NULL) == CKPT_OK);
     CHECK(ckpt_loaded_tensors(c, SIZE_MAX, 2, info) == CKPT_E_INVALID);
+    /* The names and shapes in one piece each: where the per-tensor calls point. */
+    const char *names = NULL;
+    const uint64_t *dims = NULL;
+    size_t names_len = 0, n_dims = 0;
+    CHECK(ckpt_loaded_table(c, &names, &names_len, &dims, &n_dims) == CKPT_OK);
+    CHECK(names == name && names_len == 2 && names[1] == '\0' && dims == sh && n_dims == 1 && dims[0] == 16);
+    CHECK(ckpt_loaded_table(c, NULL, NULL, NULL, NULL) == CKPT_OK);
 
     /* Packed load: the sidecar lays the checkpoint out in memory from
        ckpt_alloc; too small a range first (it says what it needs, writes

@@ -170,8 +170,12 @@ fn packed_from_resident(
     // SAFETY (of the pointer arithmetic below): offset_bytes + len_bytes lie
     // inside the region (the caller checked), and the mapping covers it.
     let dest = map.ptr().wrapping_add(offset_bytes as usize);
+    // In the image's order: the copy below reads and writes straight
+    // through, and a client that walks its state in the order it saved it
+    // (the layout keeps that order within a dtype) finds the tensors in
+    // the order it asks for them.
     let mut order: Vec<usize> = (0..r.layout.specs.len()).collect();
-    order.sort_by(|&a, &b| r.layout.specs[a].name.cmp(&r.layout.specs[b].name));
+    order.sort_by_key(|&i| r.layout.tensor_range(i).start);
     let need_bytes =
         r.layout.specs.iter().enumerate().map(|(i, _)| r.layout.tensor_range(i).end as u64).max().unwrap_or(0);
     let tensors = order
@@ -305,8 +309,14 @@ fn load_packed_from(
     shm.check_intact().map_err(|e| Refusal::new(ErrorCode::BadRegion, e.to_string()))?;
     let (_, source, tensors, blobs, fell_back) =
         served_from_index(p.step, &p.index, &p.blobs, &p.fell_back, origin.is_local(state));
-    let offsets =
-        tensors.iter().map(|t| p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64)).collect();
+    // Listed in the order they lie in the region, as from the resident
+    // image (those not placed last).
+    let mut placed: Vec<(u64, TensorInfo)> = tensors
+        .into_iter()
+        .map(|t| (p.logical_range(&t.name).map_or(ckpt_wire::NOT_PLACED, |r| r.start as u64), t))
+        .collect();
+    placed.sort_by_key(|(at, _)| *at);
+    let (offsets, tensors) = placed.into_iter().unzip();
     info!(step = p.step, bytes = p.bytes, read_seconds = p.seconds, engine = %p.engine, "read into the client's region");
     Ok(PlacedReply {
         step: p.step,

@@ -81,13 +81,10 @@ class Loading(RegionTable):
         if skel is None:
             result = values
         else:
-            version, skeleton, refs = parsed if parsed is not None else _parse_skeleton(skel)
+            version, skeleton = parsed if parsed is not None else pickle.loads(skel)
             if version != SKELETON_VERSION:
                 raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
-            for name in refs:
-                if name not in values:
-                    raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got}", -8)
-            result = unflatten(skeleton, values)
+            result = unflatten(skeleton, values if callable(values) else _leaves_of(values, got))
         if rng_blob is not None:
             restore_rng_state(pickle.loads(rng_blob))
         elif restore_rng:
@@ -140,8 +137,10 @@ class Loading(RegionTable):
         straight into a free load region (no copy on either side) and the
         tensors come back as views of it (see LoadRegion for their lifetime).
         None when the checkpoint needs the per-tensor path (tensors stored in
-        slices or in pieces by several ranks); (step, values, structure blob,
-        saved world size, the blob parsed by _parse_skeleton or None) otherwise."""
+        slices or in pieces by several ranks); otherwise (step, values,
+        structure blob, saved world size, the unpickled blob): without a
+        structure blob, values is {name: array} and the last two None; with
+        one, values is unflatten's leaf (TensorRef -> its tensor, made then)."""
         L = N.lib()
         self._ensure()
         want = step_arg(step, latest_ok=True)
@@ -166,22 +165,40 @@ class Loading(RegionTable):
         else:
             raise SidecarError(f"checkpoint {got.value} kept needing a larger region ({need.value} bytes); try again")
         self._note_load(got.value, src.value)
-        infos, offs = self._loaded_table()
+        names, dtypes, nbytes, offs, shape_of = self._loaded_columns()
         if NOT_PLACED in offs or self._loaded_blob(PARTS_BLOB) is not None:
             return None
         skel = self._loaded_blob(STRUCTURE_BLOB)
         saved_world = self._saved_world_size()
-        parsed = _parse_skeleton(skel) if skel is not None else None
-        refs = parsed[2] if parsed is not None else {}
         lease = (ctypes.c_ubyte * max(need.value, 1)).from_buffer(target.mm)
         target.lease = weakref.ref(lease)
-        values = {}
-        for (name, dt, shape, nbytes), at in zip(infos, offs):
-            if name in refs:
-                values[name] = _restore(refs[name], lease, at, nbytes, map_location, view=True)
-            else:
-                values[name] = _plain_array(lease, at, dt, shape, nbytes, view=True)
-        return got.value, values, skel, saved_world, parsed
+        if skel is None:
+            values = {
+                name: _plain_array(lease, at, dt, shape_of(i), nb, view=True)
+                for i, (name, dt, nb, at) in enumerate(zip(names, dtypes, nbytes, offs))
+            }
+            return got.value, values, None, saved_world, None
+        # With a skeleton, a tensor is made when the walk meets its TensorRef
+        # (no table of refs is gathered first, no tensor the structure does
+        # not name is made).
+        index = dict(zip(names, range(len(names))))
+        made = [None] * len(names)  # a name met twice is one tensor
+
+        def leaf(ref):
+            i = index.get(ref.name)
+            if i is None:
+                raise NotFound(f"tensor {ref.name!r} of the structure is missing from checkpoint {got.value}", -8)
+            v = made[i]
+            if v is None:
+                nb = nbytes[i]
+                if ref.kind == "np" and nb:
+                    v = _array_at(lease, offs[i], ref.dtype, ref.shape, nb)
+                else:
+                    v = _restore(ref, lease, offs[i], nb, map_location, view=True)
+                made[i] = v
+            return v
+
+        return got.value, leaf, skel, saved_world, pickle.loads(skel)
 
     def load_tensors(
         self, names: Iterable[str], step: int | str = "latest", map_location: Any = "cpu"
@@ -318,8 +335,16 @@ class Loading(RegionTable):
 
     def _loaded_table(self):
         """(_loaded_tensors(), each tensor's offset in a packed load's region,
-        NOT_PLACED where it was not placed there), from one native call for
-        all of them (two per tensor cost 10 us each at 10k tensors)."""
+        NOT_PLACED where it was not placed there)."""
+        names, dtypes, nbytes, offs, shape_of = self._loaded_columns()
+        return [(nm, dt, shape_of(i), nb) for i, (nm, dt, nb) in enumerate(zip(names, dtypes, nbytes))], offs
+
+    def _loaded_columns(self):
+        """The last load's table as columns: (names, dtypes, len_bytes,
+        offsets as _loaded_table gives them, shape_of(i) -> tensor i's shape
+        list), from three native calls whatever the count (a call per
+        tensor, or a string read each, cost microseconds per tensor at
+        100k tensors)."""
         L = N.lib()
         n = ctypes.c_size_t()
         N.check(L.ckpt_loaded_tensor_count(self._client, ctypes.byref(n)))
@@ -327,16 +352,31 @@ class Loading(RegionTable):
         arr = (N.LoadedTensorInfo * max(n, 1))()
         N.check(L.ckpt_loaded_tensors(self._client, 0, n, arr))
         if not n:
-            return [], []
-        names, dtypes, shapes = (N.field(arr, f, np.uint64).tolist() for f in ("name", "dtype", "shape"))
-        ndims, nbytes = N.field(arr, "ndim", np.uint32).tolist(), N.field(arr, "len_bytes", np.uint64).tolist()
-        offs = N.field(arr, "offset", np.uint64).tolist()
-        at, u64 = ctypes.string_at, ctypes.c_uint64
-        out = [
-            (at(nm).decode(), at(dt).decode(), list((u64 * nd).from_address(sp)) if nd else [], nb)
-            for nm, dt, sp, nd, nb in zip(names, dtypes, shapes, ndims, nbytes)
-        ]
-        return out, offs
+            return [], [], [], [], lambda i: []
+        names_p, names_len = ctypes.c_char_p(), ctypes.c_size_t()
+        dims_p, n_dims = ctypes.POINTER(ctypes.c_uint64)(), ctypes.c_size_t()
+        N.check(
+            L.ckpt_loaded_table(
+                self._client, ctypes.byref(names_p), ctypes.byref(names_len), ctypes.byref(dims_p), ctypes.byref(n_dims)
+            )
+        )
+        raw = ctypes.string_at(ctypes.cast(names_p, ctypes.c_void_p), names_len.value)
+        names = raw[:-1].decode().split("\0")
+        # Each distinct dtype is one string on the native side: read once.
+        dtype_ptrs = N.field(arr, "dtype", np.uint64).tolist()
+        text = {p: ctypes.string_at(p).decode() for p in set(dtype_ptrs)}
+        dtypes = [text[p] for p in dtype_ptrs]
+        nbytes, offs = N.field(arr, "len_bytes", np.uint64).tolist(), N.field(arr, "offset", np.uint64).tolist()
+        ndims = N.field(arr, "ndim", np.uint32)
+        dims = np.ctypeslib.as_array(dims_p, (n_dims.value,)).tolist() if n_dims.value else []
+        starts = np.concatenate(([0], np.cumsum(ndims, dtype=np.int64))).tolist()
+        if len(names) != n or starts[-1] != len(dims):
+            raise SidecarError(f"the load's table is inconsistent: {len(names)} names, {len(dims)} dims, {n} tensors")
+
+        def shape_of(i):
+            return dims[starts[i] : starts[i + 1]]
+
+        return names, dtypes, nbytes, offs, shape_of
 
     def _loaded_blob(self, name):
         L = N.lib()
@@ -350,14 +390,17 @@ class Loading(RegionTable):
         return buf.raw[: n.value]
 
 
-def _parse_skeleton(skel):
-    """(version, skeleton, {name: TensorRef}) of a structure blob; the refs
-    are collected only from a skeleton of this package's version."""
-    version, skeleton = pickle.loads(skel)
-    refs: dict[str, TensorRef] = {}
-    if version == SKELETON_VERSION:
-        collect_refs(skeleton, refs)
-    return version, skeleton, refs
+def _leaves_of(values, got):
+    """unflatten's leaf for tensors already made, {name: value}: NotFound
+    for one the structure names that is not there."""
+
+    def leaf(ref):
+        v = values.get(ref.name)
+        if v is None:
+            raise NotFound(f"tensor {ref.name!r} of the structure is missing from checkpoint {got}", -8)
+        return v
+
+    return leaf
 
 
 def collect_refs(skel, out):
@@ -401,8 +444,19 @@ def _plain_array(buf, off, dt, shape, nbytes, view=False):
     dtype = np.dtype(ST_TO_NP[dt])
     if nbytes == 0:
         return np.zeros(shape, dtype)
-    a = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape)
+    a = _array_at(buf, off, dtype, shape, nbytes)
     return a if view else a.copy()
+
+
+def _array_at(buf, off, dtype, shape, nbytes):
+    """The array of `dtype` and `shape` over the `nbytes` at `off` of `buf`
+    (it keeps `buf` alive): one constructor call, a third of what
+    frombuffer + reshape cost; ValueError when the shape's bytes are not
+    `nbytes`."""
+    a = np.ndarray(shape, dtype, buf, off)
+    if a.nbytes != nbytes:
+        raise ValueError(f"a tensor of shape {tuple(shape)} and dtype {dtype} is {a.nbytes} bytes, not {nbytes}")
+    return a
 
 
 def _restore(ref, buf, off, nbytes, map_location, view=False):
@@ -410,13 +464,10 @@ def _restore(ref, buf, off, nbytes, map_location, view=False):
     or with `view` an array/tensor over `buf` itself (it keeps `buf` alive)."""
     # A "cuda" leaf (a __cuda_array_interface__ object) comes back as a numpy array.
     if ref.kind in ("np", "cuda"):
-        dtype = ref.dtype
         if nbytes == 0:
-            return np.zeros(ref.shape, dtype)
-        if ref.stored == "U8" and dtype != np.uint8:
-            raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=off)
-            return (raw if view else raw.copy()).view(dtype).reshape(ref.shape)
-        a = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(ref.shape)
+            return np.zeros(ref.shape, ref.dtype)
+        # Stored as raw bytes ("U8") or as itself, the array is its bytes.
+        a = _array_at(buf, off, ref.dtype, ref.shape, nbytes)
         return a if view else a.copy()
     torch = torch_module()
     if torch is None:

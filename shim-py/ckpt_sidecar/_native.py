@@ -174,6 +174,10 @@ def _signatures():
         "ckpt_loaded_fell_back": ([P, P, c.c_uint64, c.POINTER(c.c_uint64)], c.c_int),
         "ckpt_loaded_tensor_count": ([P, c.POINTER(c.c_size_t)], c.c_int),
         "ckpt_loaded_tensors": ([P, c.c_size_t, c.c_size_t, c.POINTER(LoadedTensorInfo)], c.c_int),
+        "ckpt_loaded_table": (
+            [P, c.POINTER(c.c_char_p), c.POINTER(c.c_size_t), c.POINTER(c.POINTER(c.c_uint64)), c.POINTER(c.c_size_t)],
+            c.c_int,
+        ),
         "ckpt_loaded_tensor": (
             [
                 P,

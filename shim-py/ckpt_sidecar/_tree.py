@@ -387,16 +387,22 @@ def _bulk(vals, sig, leaves, torch):
     return True
 
 
-def unflatten(skel, values):
-    """Replace every TensorRef in `skel` by values[ref.name]."""
-    if isinstance(skel, TensorRef):
-        return values[skel.name]
-    if type(skel) in (dict, OrderedDict):
-        return type(skel)((k, unflatten(v, values)) for k, v in skel.items())
-    if type(skel) is list:
-        return [unflatten(v, values) for v in skel]
-    if type(skel) is tuple:
-        return tuple(unflatten(v, values) for v in skel)
+def unflatten(skel, leaf):
+    """`skel` with every TensorRef replaced by leaf(ref). Containers of the
+    walk's kinds are rebuilt as new ones; a leaf is asked inside its
+    container's comprehension (no call of this function per tensor: a
+    skeleton of 100k tensors is walked at a fraction of a microsecond each)."""
+    t = type(skel)
+    if t is TensorRef:
+        return leaf(skel)
+    if t is dict:
+        return {k: leaf(v) if type(v) is TensorRef else unflatten(v, leaf) for k, v in skel.items()}
+    if t is list:
+        return [leaf(v) if type(v) is TensorRef else unflatten(v, leaf) for v in skel]
+    if t is tuple:
+        return tuple([leaf(v) if type(v) is TensorRef else unflatten(v, leaf) for v in skel])
+    if t is OrderedDict:
+        return OrderedDict((k, unflatten(v, leaf)) for k, v in skel.items())
     if _is_namedtuple(skel):
-        return type(skel)(*(unflatten(v, values) for v in skel))
+        return t(*(unflatten(v, leaf) for v in skel))
     return skel

@@ -135,3 +135,62 @@ def test_loaded_torch_tensors_stay_intact_after_later_loads(ck):
     assert b["w"].dtype == torch.bfloat16 and torch.equal(b["w"], w2)
     assert torch.equal(a["w"], w1)  # a's region was not reused while a lives
     assert a["w"].data_ptr() != b["w"].data_ptr()
+
+
+def _per_tensor_table(ck):
+    """The last load's table as ckpt_loaded_tensor and _offset say it, one
+    call per tensor."""
+    import ctypes
+
+    from ckpt_sidecar import _native as N
+
+    L = N.lib()
+    n = ctypes.c_size_t()
+    N.check(L.ckpt_loaded_tensor_count(ck._client, ctypes.byref(n)))
+    rows = []
+    for i in range(n.value):
+        name, dtype = ctypes.c_char_p(), ctypes.c_char_p()
+        shape, ndim, nbytes = ctypes.POINTER(ctypes.c_uint64)(), ctypes.c_uint32(), ctypes.c_uint64()
+        N.check(
+            L.ckpt_loaded_tensor(
+                ck._client,
+                i,
+                ctypes.byref(name),
+                ctypes.byref(dtype),
+                ctypes.byref(shape),
+                ctypes.byref(ndim),
+                ctypes.byref(nbytes),
+            )
+        )
+        at = ctypes.c_uint64()
+        N.check(L.ckpt_loaded_tensor_offset(ck._client, i, ctypes.byref(at)))
+        dims = [shape[k] for k in range(ndim.value)]
+        rows.append((name.value.decode(), dtype.value.decode(), dims, nbytes.value, at.value))
+    return rows
+
+
+def test_the_load_table_read_in_one_piece_is_what_the_per_tensor_calls_say(ck):
+    # Names of every length, each dtype, 0-d, empty and many-dimensional
+    # shapes, from RAM and from disk: the columns load() reads in a few
+    # calls must be the table a call per tensor reads.
+    rng = np.random.default_rng(5)
+    dtypes = [np.float32, np.float16, np.int64, np.uint8, np.bool_, np.float64, np.int8]
+    state = {}
+    for i in range(300):
+        dt = dtypes[i % len(dtypes)]
+        shape = [(), (0, 3), (2, 1, 1, 1, 1, 1, 1, 2), (i % 17 + 1,), (3, i % 5 + 1)][i % 5]
+        state["k" * (i % 40) + f".t{i}"] = rng.integers(0, 100, shape).astype(dt)
+    ck.save(1, state).wait_durable(30)
+    ck.save(2, {"other": np.zeros(4, np.float32)}).wait_durable(30)
+    for step, source in ((1, "disk"), (2, "ram"), (1, "disk")):
+        if step == 2:
+            ck.save(3, state).wait_durable(30)
+            step = 3
+        back = ck.load(step)
+        assert ck.last_load_source == source
+        names, dts, nbytes, offs, shape_of = ck._loaded_columns()
+        cols = [(nm, dt, shape_of(i), nb, off) for i, (nm, dt, nb, off) in enumerate(zip(names, dts, nbytes, offs))]
+        assert cols == _per_tensor_table(ck)
+        assert sorted(names) == sorted(state)
+        for k, v in state.items():
+            assert back[k].dtype == v.dtype and back[k].shape == v.shape and back[k].tobytes() == v.tobytes(), k

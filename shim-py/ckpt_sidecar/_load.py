@@ -180,14 +180,26 @@ class Loading(RegionTable):
             return got.value, values, None, saved_world, None
         # With a skeleton, a tensor is made when the walk meets its TensorRef
         # (no table of refs is gathered first, no tensor the structure does
-        # not name is made).
-        index = dict(zip(names, range(len(names))))
-        made = [None] * len(names)  # a name met twice is one tensor
+        # not name is made). The table lists the tensors in the order they
+        # were saved within a dtype, so the walk mostly meets the one after
+        # the last it found: that is tried first, the index (built at the
+        # first miss) only where the order breaks.
+        n = len(names)
+        made = [None] * n  # a name met twice is one tensor
+        index = None
+        cursor = 0
 
         def leaf(ref):
-            i = index.get(ref.name)
-            if i is None:
-                raise NotFound(f"tensor {ref.name!r} of the structure is missing from checkpoint {got.value}", -8)
+            nonlocal index, cursor
+            name = ref.name
+            i = cursor
+            if i >= n or names[i] != name:
+                if index is None:
+                    index = dict(zip(names, range(n)))
+                i = index.get(name)
+                if i is None:
+                    raise NotFound(f"tensor {name!r} of the structure is missing from checkpoint {got.value}", -8)
+            cursor = i + 1
             v = made[i]
             if v is None:
                 nb = nbytes[i]

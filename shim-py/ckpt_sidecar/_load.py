@@ -67,21 +67,19 @@ class Loading(RegionTable):
     def _load_whole(self, step, map_location, restore_rng):
         """load()'s body (the collector paused)."""
         packed = self._load_packed(step, map_location)
-        parsed = None
         if packed is None:
             # The per-tensor path asks again: for the step the first ask
             # found (not a newer one committed since), keeping what that
             # ask passed over to find it.
             found, fell_back = self.last_load_step, self.last_load_fell_back
-            got, values, skel, saved_world = self._load_tensors(found, None, map_location)
+            packed = self._load_tensors(found, None, map_location)
             self.last_load_fell_back = self.last_load_fell_back or fell_back
-        else:
-            got, values, skel, saved_world, parsed = packed
+        got, values, skel, saved_world, parsed = packed
         rng_blob = self._loaded_rng(saved_world) if restore_rng else None
         if skel is None:
             result = values
         else:
-            version, skeleton = parsed if parsed is not None else pickle.loads(skel)
+            version, skeleton = parsed
             if version != SKELETON_VERSION:
                 raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
             result = unflatten(skeleton, values if callable(values) else _leaves_of(values, got))
@@ -231,7 +229,8 @@ class Loading(RegionTable):
 
     def _load_tensors(self, step, names, map_location):
         """(step loaded, {name: value}, the structure blob or None, the world
-        size that saved it); names None: every tensor."""
+        size that saved it, the blob unpickled or None); names None: every
+        tensor."""
         L = N.lib()
         self._ensure()
         want = step_arg(step, latest_ok=True)
@@ -293,17 +292,16 @@ class Loading(RegionTable):
         if n:
             N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
         refs = {}
-        if skel is not None:
-            version, skeleton = pickle.loads(skel)
-            if version == SKELETON_VERSION:
-                collect_refs(skeleton, refs)
+        parsed = pickle.loads(skel) if skel is not None else None
+        if parsed is not None and parsed[0] == SKELETON_VERSION:
+            collect_refs(parsed[1], refs)
         values = {}
         for name, dt, shape, nbytes in slots:
             if name in refs:
                 values[name] = _restore(refs[name], region.buf, offs[name], nbytes, map_location)
             else:
                 values[name] = _plain_array(region.buf, offs[name], dt, shape, nbytes)
-        return got.value, values, skel, saved_world
+        return got.value, values, skel, saved_world, parsed
 
     def _saved_world_size(self):
         """The world size that saved the loaded checkpoint, as its per-rank
@@ -475,27 +473,9 @@ def _array_at(buf, off, dtype, shape, nbytes):
     return a
 
 
-# Torch dtypes (by name) as the numpy dtype of the same bytes: the same
-# dtype where numpy has it, else unsigned integers of its size.
-_TORCH_AS_NP = {
-    name: np.dtype(code)
-    for name, code in {
-        "float64": "f8",
-        "float32": "f4",
-        "float16": "f2",
-        "bfloat16": "u2",
-        "float8_e4m3fn": "u1",
-        "float8_e5m2": "u1",
-        "complex128": "c16",
-        "complex64": "c8",
-        "int64": "i8",
-        "int32": "i4",
-        "int16": "i2",
-        "int8": "i1",
-        "uint8": "u1",
-        "bool": "?",
-    }.items()
-}
+# Torch dtypes (by name) as the numpy dtype of the bytes they are stored
+# as: the same dtype where numpy has it, else unsigned integers of its size.
+_TORCH_AS_NP = {name: np.dtype(ST_TO_NP[st]) for name, st in TORCH_TO_ST.items()}
 
 
 def _restore(ref, buf, off, nbytes, map_location, view=False):

@@ -23,6 +23,16 @@ pub fn checksum(layout: &Layout, lease: &mut Lease) -> Sums {
     staged_sums(layout, &pieces, None)
 }
 
+/// The digests (an incremental layout's) of the image copied into the
+/// lease, from the staged bytes: for a copy that took only the checksums
+/// ([`crate::save::copy::copy_and_checksum_into`]).
+pub fn digests(layout: &Layout, lease: &mut Lease) -> Vec<u128> {
+    let pieces = pieces_of(layout, None, lease);
+    let sums = run_runs(&pieces, &runs_of(&pieces), &|| false, &|p| (0, sum_of_staged(p, false).1), &|_| {})
+        .expect("a digest pass is never stopped");
+    fold_sums(layout, &pieces, &sums).digests.expect("folded with digests")
+}
+
 /// The checksums (and digests, incremental) of staged pieces, by run
 /// (`runs`) or by the default runs.
 pub(super) fn staged_sums(layout: &Layout, pieces: &Pieces, runs: Option<&[usize]>) -> Sums {

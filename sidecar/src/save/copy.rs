@@ -11,9 +11,9 @@ use ckpt_store::image::Layout;
 use crate::config;
 use crate::memory::regions::Region;
 use crate::memory::staging::Lease;
-use crate::save::checksums::{fold_crcs, fold_sums};
+use crate::save::checksums::fold_crcs;
+use crate::save::pieces::{copy_crc_run, run_pieces, run_runs_with, runs_of, split_range};
 use crate::save::pieces::{pieces_of, Pieces};
-use crate::save::pieces::{run_pieces, split_range};
 use crate::save::plan::Source;
 use crate::state::jobs::Sums;
 
@@ -101,9 +101,10 @@ pub fn copy_into(layout: &Layout, sources: &[Source], lease: &mut Lease, stop: &
 /// each source block right after it is copied, while it is still in this
 /// core's cache: one pass over memory instead of a copy pass and a checksum
 /// pass, for a save whose trainer does not wait for Released (lazy
-/// release); the copy takes longer. None when stopped early.
-/// With an incremental layout, each tensor's digest too, hashed in the
-/// same pass ([`Region::copy_out_summed`]).
+/// release); the copy takes longer. None when stopped early. An
+/// incremental layout's digests are not taken (`digests` None): they cost
+/// about what the checksummed copy does, and the trainer need not wait for
+/// them ([`crate::save::checksums::digests`] after the release).
 pub fn copy_and_checksum_into(
     layout: &Layout,
     sources: &[Source],
@@ -113,11 +114,7 @@ pub fn copy_and_checksum_into(
     layout.write_headers(lease.as_mut_slice());
     let mut pieces = pieces_of(layout, Some(sources), lease);
     copy_batches(&mut pieces);
-    if layout.opts.incremental {
-        let sums = run_pieces(&pieces, stop, &|p| p.copy_summed(true))?;
-        return Some(fold_sums(layout, &pieces, &sums));
-    }
-    let piece_crcs = run_pieces(&pieces, stop, &|p| p.copy(true))?;
+    let piece_crcs = run_runs_with(&pieces, &runs_of(&pieces), stop, &copy_crc_run, &|_| {})?;
     Some(Sums { crcs: fold_crcs(layout, &pieces, &piece_crcs), digests: None })
 }
 

@@ -19,7 +19,7 @@ use crate::memory::staging::Lease;
 use crate::save::checksums::{fold_crcs, fold_sums, stable_tensors, staged_sums};
 use crate::save::copy::queue_batches_in;
 use crate::save::pieces::sum_of_staged;
-use crate::save::pieces::{pieces_of, run_runs, runs_of, Piece, Pieces};
+use crate::save::pieces::{copy_crc_run, pieces_of, run_runs, run_runs_with, runs_of, PerRun, Pieces};
 use crate::save::plan::Source;
 use crate::state::jobs::Sums;
 
@@ -35,10 +35,15 @@ pub struct FedCopy {
     pub progress: Arc<Progress>,
     /// The windows the device copy ran in (0: no device memory), for the log.
     pub device_windows: usize,
-    /// A lazily released incremental copy's sums per piece, whose pieces
-    /// of volatile tensors still lack their digests ([`FedCopy::complete`]).
-    pending: Option<Vec<(u32, u128)>>,
+    /// A lazily released incremental copy's sums per piece, whose digests
+    /// are still missing for the tensors the copy took none of.
+    pending: Option<Pending>,
 }
+
+/// A lazily released incremental copy's sums per piece, and per tensor
+/// whether the copy took its digest: the others' pieces still lack theirs
+/// ([`FedCopy::complete`]).
+type Pending = (Vec<(u32, u128)>, Vec<bool>);
 
 impl FedCopy {
     /// Writes the headers and plans the copy of every tensor into the lease
@@ -61,36 +66,60 @@ impl FedCopy {
     /// Copies every piece, marking each run done as it ends; with `crc`,
     /// also returns each tensor's crc32c (computed during the copy). None
     /// when stopped early. Does not end the progress: the caller does,
-    /// after its checks ([`FedCopy::checksum`], `Fill`).
-    pub fn copy(&mut self, layout: &Layout, crc: bool, stop: &(dyn Fn() -> bool + Sync)) -> Option<Option<Sums>> {
-        if crc && layout.opts.incremental {
-            // Digests in the copy's pass only for tensors of stable shards
-            // (their links wait for them); a volatile tensor's digest only
-            // serves the next save, so it is taken after the release
-            // ([`FedCopy::complete`]), off the trainer's stall.
+    /// after its checks ([`FedCopy::checksum`], `Fill`). `fed`: the
+    /// committer writes while this copies (an image handed over before its
+    /// copy, [`config::FED_EARLY_BYTES_MIN`]).
+    pub fn copy(
+        &mut self,
+        layout: &Layout,
+        crc: bool,
+        fed: bool,
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> Option<Option<Sums>> {
+        if crc && layout.opts.incremental && fed {
+            // The digests of the stable shards' tensors in the copy's pass:
+            // the committer writes while this copies, and their links wait
+            // for them. A volatile tensor's digest only serves the next
+            // save, so it is taken after the release ([`FedCopy::complete`]),
+            // off the trainer's stall.
             let stable = stable_tensors(layout);
-            let sums = self.copy_with(layout, stop, &|p| {
-                if stable[p.tensor_idx] {
-                    p.copy_summed(true)
+            let sums = self.copy_with(stop, &|ps, a, b, out| {
+                if ps.0[a..b].iter().any(|p| stable[p.tensor_idx]) {
+                    out.extend((a..b).map(|k| {
+                        let p = &ps.0[k];
+                        (k, if stable[p.tensor_idx] { p.copy_summed(true) } else { (p.copy(true), 0) })
+                    }))
                 } else {
-                    (p.copy(true), 0)
+                    let mut crcs = Vec::with_capacity(b - a);
+                    copy_crc_run(ps, a, b, &mut crcs);
+                    out.extend(crcs.into_iter().map(|(k, c)| (k, (c, 0))));
                 }
             })?;
             let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
             let out = Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None };
-            self.pending = Some(sums);
+            self.pending = Some((sums, stable));
             return Some(Some(out));
         }
-        let crcs = self.copy_with(layout, stop, &|p| p.copy(crc))?;
-        Some(crc.then(|| Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None }))
+        if !crc {
+            self.copy_with(stop, &|ps, a, b, out| out.extend((a..b).map(|k| (k, ps.0[k].copy(false)))))?;
+            return Some(None);
+        }
+        let crcs = self.copy_with(stop, &copy_crc_run)?;
+        if layout.opts.incremental {
+            // An image written after its copy: every digest after the
+            // release, a digest costing about what the checksummed copy of
+            // its bytes does ([`FedCopy::complete`]).
+            self.pending = Some((crcs.iter().map(|&c| (c, 0)).collect(), vec![false; layout.specs.len()]));
+        }
+        Some(Some(Sums { crcs: fold_crcs(layout, &self.pieces, &crcs), digests: None }))
     }
 
-    /// The copy of [`FedCopy::copy`], `f` per piece (copy, and what it sums).
+    /// The copy of [`FedCopy::copy`], `per_run` per run (copy, and what it
+    /// sums: [`run_runs_with`]).
     fn copy_with<T: Copy + Default + Send>(
         &mut self,
-        _layout: &Layout,
         stop: &(dyn Fn() -> bool + Sync),
-        f: &(dyn Fn(&Piece) -> T + Sync),
+        per_run: &PerRun<'_, T>,
     ) -> Option<Vec<T>> {
         let progress = &self.progress;
         let batched = self.pieces.0.iter().any(|p| {
@@ -98,7 +127,7 @@ impl FedCopy {
             unsafe { p.region.as_ref() }.is_some_and(Region::copies_in_batches)
         });
         if !batched {
-            return run_runs(&self.pieces, &self.runs, stop, f, &|r| progress.done(r));
+            return run_runs_with(&self.pieces, &self.runs, stop, per_run, &|r| progress.done(r));
         }
         // Device regions, in windows of runs (config::device_window_bytes):
         // every window's copies are queued at once, each followed by a mark
@@ -149,7 +178,7 @@ impl FedCopy {
             let (k0, k1) = (self.runs[r0], self.runs[r1]);
             // The window's runs, renumbered from 0 for run_runs.
             let runs: Vec<usize> = self.runs[r0..=r1].to_vec();
-            let Some(got) = run_runs(&self.pieces, &runs, stop, f, &|r| progress.done(r0 + r)) else {
+            let Some(got) = run_runs_with(&self.pieces, &runs, stop, per_run, &|r| progress.done(r0 + r)) else {
                 wait_from(&marks, w + 1);
                 return None;
             };
@@ -159,22 +188,21 @@ impl FedCopy {
     }
 
     /// The sums of a copy made with its checksums, completed after the
-    /// release: a lazily released incremental copy's volatile tensors get
-    /// their digests from the staged bytes (on the copy threads); any other
-    /// copy's sums are returned as they are.
+    /// release: a lazily released incremental copy's tensors whose digests
+    /// the copy did not take get them from the staged bytes (on the copy
+    /// threads); any other copy's sums are returned as they are.
     pub fn complete(&mut self, layout: &Layout, sums: Sums) -> Sums {
-        let Some(mut pending) = self.pending.take() else { return sums };
-        let stable = stable_tensors(layout);
+        let Some((mut pending, taken)) = self.pending.take() else { return sums };
         let rest = run_runs(
             &self.pieces,
             &self.runs,
             &|| false,
-            &|p| if stable[p.tensor_idx] { 0 } else { sum_of_staged(p, false).1 },
+            &|p| if taken[p.tensor_idx] { 0 } else { sum_of_staged(p, false).1 },
             &|_| {},
         )
         .expect("a digest pass is never stopped");
         for ((p, s), d) in self.pieces.0.iter().zip(&mut pending).zip(rest) {
-            if !stable[p.tensor_idx] {
+            if !taken[p.tensor_idx] {
                 s.1 = d;
             }
         }

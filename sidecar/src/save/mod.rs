@@ -1,7 +1,7 @@
 //! The save stage: a Save admitted, planned and copied into staging, then
 //! queued for the committer ([`snapshot`], the flow), in steps of their
-//! own: its checks ([`checks`]), its plan ([`plan`]), the copy threads
-//! ([`copy`]), the checksums of the staged image ([`checksums`]), the copy
+//! own: its checks ([`checks`]), its plan ([`plan`]), the copies
+//! ([`copy`]) on threads kept for them ([`helpers`]), the checksums of the staged image ([`checksums`]), the copy
 //! that feeds the writer as it runs ([`fed`]), and the refusals they end
 //! in ([`error`]). Beside them: a plan kept for the next Save of the same
 //! tensors ([`plan_cache`]), tensors the trainer proves unchanged taken
@@ -14,6 +14,7 @@ pub mod copy;
 pub mod error;
 pub mod fed;
 pub mod file_save;
+pub mod helpers;
 pub mod pieces;
 pub mod plan;
 pub mod plan_cache;

@@ -1,7 +1,7 @@
 //! The work division of a copy or checksum pass: a save's image cut into
 //! pieces of at most [`COPY_PIECE_BYTES`] (one digest block each), grouped
 //! in runs that [`config::COPY_THREADS`] threads claim one at a time (the
-//! caller's included; the helpers at idle priority).
+//! caller's and the kept helpers at idle priority: [`crate::save::helpers`]).
 //!
 //! Invariants: every piece's destination is its own disjoint range of a
 //! lease its caller holds; its source range was bounds-checked when the
@@ -9,13 +9,15 @@
 //! `Arc<Region>` for the whole pass ([`Pieces`]).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ckpt_store::image::Layout;
 
 use crate::config::{self, COPY_PIECE_BYTES};
+use crate::memory::regions::shm::TRIO_BYTES_MAX;
 use crate::memory::regions::{store_fence, Region};
 use crate::memory::staging::Lease;
+use crate::save::helpers::lend;
 use crate::save::plan::Source;
 
 /// A piece of one tensor, copied or checksummed by one thread.
@@ -70,6 +72,39 @@ impl Piece {
             None => unreachable!("a checksum piece is never copied"),
         }
     }
+}
+
+/// Copies pieces `a..b` of `pieces` with their crc32c ([`Piece::copy`]
+/// with crc) into `out` as (piece, crc): three small pieces of one length
+/// and region at a time side by side, where they suit it
+/// ([`Region::copy_out3`]: a thousand tensors of a few KiB copy at about
+/// the speed of one large one).
+pub(super) fn copy_crc_run(pieces: &Pieces, a: usize, b: usize, out: &mut Vec<(usize, u32)>) {
+    let mut k = a;
+    while k < b {
+        if let Some(crcs) = pieces.0.get(k..(k + 3).min(b)).and_then(copy_trio) {
+            out.extend((k..k + 3).zip(crcs));
+            k += 3;
+        } else {
+            out.push((k, pieces.0[k].copy(true)));
+            k += 1;
+        }
+    }
+}
+
+/// Three pieces copied side by side with their crc32c, or None (nothing
+/// copied) when they are not three unstaged pieces of one length (at most
+/// [`TRIO_BYTES_MAX`]) in one region, or the region does not suit it.
+fn copy_trio(ps: &[Piece]) -> Option<[u32; 3]> {
+    let [x, y, z] = ps else { return None };
+    let alike = |p: &Piece| !p.staged && p.region == x.region && p.len == x.len;
+    if x.region.is_null() || x.len > TRIO_BYTES_MAX || !alike(x) || !alike(y) || !alike(z) {
+        return None;
+    }
+    // SAFETY: each piece's destination is its own part of the lease and
+    // its source range was bounds-checked; the region is alive for the
+    // whole copy (Pieces' invariant).
+    unsafe { (*x.region).copy_out3([x, y, z].map(|p| p.src_offset_bytes), [x, y, z].map(|p| p.dst), x.len) }
 }
 
 /// Raw pointers of the pieces, shared by the copy threads.
@@ -178,6 +213,21 @@ pub(super) fn run_runs<T: Copy + Default + Send>(
     f: &(dyn Fn(&Piece) -> T + Sync),
     run_done: &(dyn Fn(usize) + Sync),
 ) -> Option<Vec<T>> {
+    run_runs_with(pieces, runs, stop, &|ps, a, b, out| out.extend((a..b).map(|k| (k, f(&ps.0[k])))), run_done)
+}
+
+/// The work of one run, given whole: `per_run(pieces, a, b, out)` does
+/// pieces `a..b` and pushes (piece, result) for each ([`run_runs_with`]).
+pub(super) type PerRun<'a, T> = dyn Fn(&Pieces, usize, usize, &mut Vec<(usize, T)>) + Sync + 'a;
+
+/// [`run_runs`] with the work of a run given whole ([`PerRun`]).
+pub(super) fn run_runs_with<T: Copy + Default + Send>(
+    pieces: &Pieces,
+    runs: &[usize],
+    stop: &(dyn Fn() -> bool + Sync),
+    per_run: &PerRun<'_, T>,
+    run_done: &(dyn Fn(usize) + Sync),
+) -> Option<Vec<T>> {
     let next = AtomicUsize::new(0);
     let stopped = AtomicBool::new(false);
     let work = |checker: bool| -> Vec<(usize, T)> {
@@ -192,7 +242,7 @@ pub(super) fn run_runs<T: Copy + Default + Send>(
             }
             let r = next.fetch_add(1, Ordering::Relaxed);
             let (Some(&a), Some(&b)) = (runs.get(r), runs.get(r + 1)) else { return out };
-            out.extend((a..b).map(|k| (k, f(&pieces.0[k]))));
+            per_run(pieces, a, b, &mut out);
             // The run's copies visible to other threads (the writer, once
             // told; the caller, after the join): one fence per run, not per
             // piece (Region::copy_out).
@@ -200,40 +250,17 @@ pub(super) fn run_runs<T: Copy + Default + Send>(
             run_done(r);
         }
     };
+    // No helper for a single run: it would only wait for the caller's.
+    let helpers = config::COPY_THREADS.min(runs.len().saturating_sub(1)).saturating_sub(1);
+    let theirs: Mutex<Vec<(usize, T)>> = Mutex::new(Vec::new());
+    let help = || {
+        let got = work(false);
+        theirs.lock().unwrap_or_else(|e| e.into_inner()).extend(got);
+    };
+    let mine = lend(helpers, &help, || work(true));
     let mut results = vec![T::default(); pieces.0.len()];
-    std::thread::scope(|s| {
-        // No helper for a single run: spawning one costs more than it copies.
-        let helpers: Vec<_> = (1..config::COPY_THREADS.min(runs.len().saturating_sub(1)))
-            .map(|i| {
-                std::thread::Builder::new()
-                    .name(format!("ckpt-copy-{i}"))
-                    .spawn_scoped(s, || {
-                        idle_priority();
-                        work(false)
-                    })
-                    .expect("spawning a copy thread")
-            })
-            .collect();
-        for (k, c) in work(true) {
-            results[k] = c;
-        }
-        for h in helpers {
-            for (k, c) in h.join().expect("copy thread panicked") {
-                results[k] = c;
-            }
-        }
-    });
+    for (k, c) in mine.into_iter().chain(theirs.into_inner().unwrap_or_else(|e| e.into_inner())) {
+        results[k] = c;
+    }
     (!stopped.load(Ordering::Relaxed)).then_some(results)
-}
-
-/// Puts the calling thread in the SCHED_IDLE class: it runs only on a core
-/// nothing else wants. The helper copy threads use it so that a trainer
-/// blocked waiting for Released lends them its core, while a trainer that
-/// computes (tensors resident in shared memory, or the checksum pass after
-/// the release) is never slowed by them. Refusal only costs that courtesy.
-fn idle_priority() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: changes only the calling thread's scheduling policy (pid 0);
-    // `param` is a valid sched_param for SCHED_IDLE.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
 }

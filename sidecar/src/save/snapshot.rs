@@ -101,6 +101,7 @@ pub fn run_save(
     req: SaveRequest<'_>,
 ) {
     let t_received = Instant::now();
+    crate::save::helpers::warm();
     let SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged } = req;
     let key = match part {
         Some(p) => Flight::Part(step, p.rank),
@@ -360,13 +361,21 @@ fn run_staged_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
         "released"
     );
     replies.send(&Reply::Released { id, step, copy_seconds, waited_seconds });
-    let crcs = crcs.unwrap_or_else(|| {
-        // From the staged bytes, which only this lease's holder touches now.
-        let t_crc = Instant::now();
-        let crcs = crate::save::checksums::checksum(&layout, &mut lease);
-        info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
-        crcs
-    });
+    // From the staged bytes, which only this lease's holder touches now.
+    let crcs = match crcs {
+        Some(mut sums) => {
+            if layout.opts.incremental && sums.digests.is_none() {
+                sums.digests = Some(crate::save::checksums::digests(&layout, &mut lease));
+            }
+            sums
+        }
+        None => {
+            let t_crc = Instant::now();
+            let crcs = crate::save::checksums::checksum(&layout, &mut lease);
+            info!(crc_s = t_crc.elapsed().as_secs_f64(), "checksummed");
+            crcs
+        }
+    };
     state.set_phase(key, Phase::Queued);
     drop(guard);
     let job = Job {
@@ -462,13 +471,14 @@ fn run_fed_save(state: &DaemonState, replies: &Arc<Replies>, save: Leased) {
     };
     // Small images are handed over after the copy (config::FED_EARLY_BYTES_MIN).
     let mut unsent = Some(job);
-    if layout.staging_len >= config::FED_EARLY_BYTES_MIN && !hand_over(unsent.take().expect("not sent yet")) {
+    let fed_early = layout.staging_len >= config::FED_EARLY_BYTES_MIN;
+    if fed_early && !hand_over(unsent.take().expect("not sent yet")) {
         return;
     }
     let give_up = || state.stop_reason(replies, gone);
     let t_copy = Instant::now();
     let stop = || give_up().is_some();
-    let copied = fed.copy(&layout, lazy_release, &stop);
+    let copied = fed.copy(&layout, lazy_release, fed_early, &stop);
     let copy_seconds = t_copy.elapsed().as_secs_f64();
     let intact = check_sizes(regions_of(&sources));
     drop(sources);

@@ -259,6 +259,24 @@ impl Region {
         }
     }
 
+    /// [`Region::copy_out`] with crc of three ranges of one length at once
+    /// (host memory: [`ShmMemory::copy_out3`]); None, nothing copied, where
+    /// they do not suit it or the memory is a device's.
+    ///
+    /// # Safety
+    /// As [`Region::copy_out`], for each range.
+    pub unsafe fn copy_out3(&self, offsets: [u64; 3], dst: [*mut u8; 3], len: usize) -> Option<[u32; 3]> {
+        assert!(
+            offsets.iter().all(|&o| self.contains(o, len as u64).is_ok()),
+            "copy_out outside the region (callers check bounds first)"
+        );
+        match &self.memory {
+            // SAFETY: the caller's contract; bounds asserted above.
+            Memory::HostShm(m) => unsafe { m.copy_out3(offsets, dst, len) },
+            Memory::Cuda(_) | Memory::CudaSpan(_) => None,
+        }
+    }
+
     /// [`Region::copy_out`] that also returns the bytes' XXH3-128 (one
     /// block of `ckpt_store::digest`): host memory hashes each block of the
     /// source right after copying it, while in cache

@@ -44,7 +44,8 @@ use crate::config;
 use super::RegionError;
 use sigbus::{arm, install_fault_handler, Armed};
 pub use streaming_copy::store_fence;
-use streaming_copy::{copy_streaming, copy_streaming_crc};
+pub use streaming_copy::TRIO_BYTES_MAX;
+use streaming_copy::{copy_streaming, copy_streaming_crc, copy_streaming_crc3};
 pub use writable::Writable;
 
 /// Checks a shm_open name: one leading '/', no other '/', no NUL, not
@@ -222,6 +223,18 @@ impl ShmMemory {
             // SAFETY: the caller's contract; the mapping lives as long as self.
             unsafe { copy_streaming_crc(dst, src, len) }
         })
+    }
+
+    /// [`ShmMemory::copy_out`] with crc of three ranges of one length at
+    /// once, side by side ([`copy_streaming_crc3`]): their crc32c, or None
+    /// (nothing copied) when they do not suit it.
+    ///
+    /// # Safety
+    /// As [`ShmMemory::copy_out`], for each range.
+    pub unsafe fn copy_out3(&self, offsets: [u64; 3], dst: [*mut u8; 3], len: usize) -> Option<[u32; 3]> {
+        let src = offsets.map(|o| self.src_ptr(o, len as u64));
+        // SAFETY: the caller's contract; the mapping lives as long as self.
+        self.read(|| unsafe { copy_streaming_crc3(dst, src, len) })
     }
 
     /// [`ShmMemory::copy_out`] that also returns the XXH3-128 of the bytes

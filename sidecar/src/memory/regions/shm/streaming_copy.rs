@@ -236,6 +236,74 @@ unsafe fn copy_crc_sse42<const STREAM: bool>(dst: *mut u8, src: *const u8, len: 
     !state
 }
 
+/// The longest piece [`copy_streaming_crc3`] copies: from three lanes of
+/// `CRC_LANE_BYTES` on, a piece alone runs three lanes as long as three
+/// pieces side by side would.
+pub const TRIO_BYTES_MAX: usize = 3 * CRC_LANE_BYTES - 16;
+
+/// Copies three ranges of one length `len` at once, each the lane of its
+/// own crc32c chain, and returns their crc32c; None (nothing copied) when
+/// they do not suit it: `len` not a multiple of 16 or above
+/// [`TRIO_BYTES_MAX`], a destination not 16-byte aligned or one whose
+/// streaming stores would stall its loads ([`stores_alias_loads`]), or a
+/// CPU without SSE4.2. For many small tensors: a tensor under three lanes
+/// of `CRC_LANE_BYTES` runs its lanes short, one after another inside its
+/// pages, which the prefetchers follow badly; three tensors side by side
+/// are three whole streams. Measured here (4 MiB as 4 KiB tensors, the
+/// source out of cache): 0.40-0.45 ms against 0.60-0.89 ms one tensor
+/// at a time, and 0.34-0.44 ms for 1 MiB pieces.
+///
+/// SAFETY: as [`copy_streaming`], for each of the three ranges; the six
+/// ranges are pairwise disjoint but for sources, which may overlap.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn copy_streaming_crc3(dst: [*mut u8; 3], src: [*const u8; 3], len: usize) -> Option<[u32; 3]> {
+    let suits = len % 16 == 0
+        && len <= TRIO_BYTES_MAX
+        && (0..3).all(|k| dst[k] as usize % 16 == 0 && !stores_alias_loads(dst[k], src[k]));
+    if !(suits && std::arch::is_x86_feature_detected!("sse4.2") && std::arch::is_x86_feature_detected!("sse4.1")) {
+        return None;
+    }
+    // SAFETY: the CPU has SSE4.1 and SSE4.2 (checked); the caller's contract.
+    Some(unsafe { copy_crc3_sse42(dst, src, len) })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn copy_streaming_crc3(_dst: [*mut u8; 3], _src: [*const u8; 3], _len: usize) -> Option<[u32; 3]> {
+    None
+}
+
+/// The copy of [`copy_streaming_crc3`]: as the lanes of
+/// [`copy_crc_sse42`], each loaded once, stored streaming and checksummed
+/// from the register.
+///
+/// SAFETY: as [`copy_streaming_crc3`], whose checks passed.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2,sse4.1")]
+unsafe fn copy_crc3_sse42(dst: [*mut u8; 3], src: [*const u8; 3], len: usize) -> [u32; 3] {
+    use std::arch::x86_64::{
+        __m128i, _mm_crc32_u64, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128,
+    };
+    let (mut a, mut b, mut c) = (!0u32 as u64, !0u32 as u64, !0u32 as u64);
+    let mut i = 0;
+    while i < len {
+        // As in copy_crc_sse42: loaded once, staged and checksummed from the register.
+        let x = loaded_once(_mm_loadu_si128(src[0].add(i).cast::<__m128i>()));
+        let y = loaded_once(_mm_loadu_si128(src[1].add(i).cast::<__m128i>()));
+        let z = loaded_once(_mm_loadu_si128(src[2].add(i).cast::<__m128i>()));
+        _mm_stream_si128(dst[0].add(i).cast::<__m128i>(), x);
+        _mm_stream_si128(dst[1].add(i).cast::<__m128i>(), y);
+        _mm_stream_si128(dst[2].add(i).cast::<__m128i>(), z);
+        a = _mm_crc32_u64(a, _mm_cvtsi128_si64(x) as u64);
+        b = _mm_crc32_u64(b, _mm_cvtsi128_si64(y) as u64);
+        c = _mm_crc32_u64(c, _mm_cvtsi128_si64(z) as u64);
+        a = _mm_crc32_u64(a, _mm_extract_epi64::<1>(x) as u64);
+        b = _mm_crc32_u64(b, _mm_extract_epi64::<1>(y) as u64);
+        c = _mm_crc32_u64(c, _mm_extract_epi64::<1>(z) as u64);
+        i += 16;
+    }
+    [!(a as u32), !(b as u32), !(c as u32)]
+}
+
 /// `x`, which the compiler must from now on take as an opaque register
 /// value: every later use reads that register, never the memory `x` was
 /// loaded from. The source of a copy is a client's memory, which another
@@ -437,5 +505,57 @@ mod tests {
             stop.store(true, Ordering::Relaxed);
             assert_eq!(bad, 0, "copies of 20000 whose crc is not that of the bytes they staged");
         });
+    }
+
+    #[test]
+    fn three_ranges_side_by_side_are_copied_and_checksummed_as_each_alone() {
+        // Both sides page-aligned, as a shared region and staging are.
+        let mut src_buf: Vec<u8> =
+            (0..3 * 24_576u32 + 4096).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let at = src_buf.as_ptr().align_offset(4096);
+        let src = &mut src_buf[at..];
+        let mut dst = vec![0u8; 3 * 24_576 + 4096 + 64];
+        let base = dst.as_mut_ptr().wrapping_add(dst.as_ptr().align_offset(4096));
+        for len in [16usize, 64, 1024, 4096, 4112, TRIO_BYTES_MAX] {
+            // SAFETY: the three destinations are disjoint ranges inside `dst`, the sources inside `src`.
+            let (d, s) = unsafe {
+                (
+                    [base, base.add(len), base.add(2 * len)],
+                    [src.as_ptr(), src.as_ptr().add(len), src.as_ptr().add(2 * len)],
+                )
+            };
+            // SAFETY: as above.
+            let got = unsafe { copy_streaming_crc3(d, s, len) };
+            store_fence();
+            let Some(got) = got else {
+                // Only a CPU without SSE4.2 (or a misaligned case) refuses a suitable trio.
+                assert!(!std::arch::is_x86_feature_detected!("sse4.2"), "len {len} refused");
+                continue;
+            };
+            for k in 0..3 {
+                let want = &src[k * len..(k + 1) * len];
+                // SAFETY: written above, inside `dst`.
+                let staged = unsafe { std::slice::from_raw_parts(d[k], len) };
+                assert_eq!(staged, want, "len {len} lane {k}");
+                assert_eq!(got[k], crc32c::crc32c(want), "len {len} lane {k}");
+            }
+        }
+        // What does not suit is refused, nothing copied.
+        let odd = [base.wrapping_add(1), base.wrapping_add(8192), base.wrapping_add(16384)];
+        let s3 = [src.as_ptr(), src.as_ptr(), src.as_ptr()];
+        // SAFETY: refused before any access.
+        unsafe {
+            assert_eq!(copy_streaming_crc3(odd, s3, 64), None, "misaligned destination");
+            assert_eq!(copy_streaming_crc3([base, base.add(64), base.add(128)], s3, 24), None, "not whole 16 bytes");
+            assert_eq!(
+                copy_streaming_crc3(
+                    [base, base.add(TRIO_BYTES_MAX + 16), base.add(2 * TRIO_BYTES_MAX + 32)],
+                    s3,
+                    TRIO_BYTES_MAX + 16
+                ),
+                None,
+                "too long"
+            );
+        }
     }
 }

@@ -118,9 +118,10 @@ fn queue() -> Option<&'static Sender<Msg>> {
 /// Tells the helpers a pass is coming (a save received, to be planned and
 /// copied): each free one waits for it awake, for at most [`WARM_FOR`],
 /// instead of being woken by it. A sleeping core of a virtual machine takes
-/// longer to wake than the copy of a few MiB takes (measured on the 2-core
-/// VM: a helper woken by the pass itself took none of a 4 MiB save's four
-/// runs in 25 of 48 passes); the save's planning and checks hide the wake.
+/// about as long to wake as the copy of a few MiB takes (measured on the
+/// 2-core VM, saves of 4 MiB: a helper woken by the pass itself took no run
+/// in 25 of 48 copy and digest passes); the save's planning and checks hide
+/// the wake.
 pub fn warm() {
     if let Some(queue) = queue() {
         for _ in 1..config::COPY_THREADS {

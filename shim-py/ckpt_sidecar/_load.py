@@ -27,7 +27,14 @@ from . import dist
 from ._blob_names import PARTS_BLOB, RNG_BLOB, STRUCTURE_BLOB
 from ._regions import LoadRegion, RegionTable, align
 from ._rng import restore_rng_state
-from ._tree import SKELETON_VERSION, TORCH_TO_ST, TensorRef, torch_module, unflatten
+from ._tree import (
+    SKELETON_VERSIONS_READ,
+    TORCH_TO_ST,
+    TensorRef,
+    torch_module,
+    unflatten,
+    unpickle_skeleton,
+)
 from ._units import step_arg
 from .errors import NotFound, SidecarError
 
@@ -80,9 +87,12 @@ class Loading(RegionTable):
             result = values
         else:
             version, skeleton = parsed
-            if version != SKELETON_VERSION:
-                raise SidecarError(f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSION}")
-            result = unflatten(skeleton, values if callable(values) else _leaves_of(values, got))
+            if version not in SKELETON_VERSIONS_READ:
+                raise SidecarError(
+                    f"checkpoint skeleton version {version}, this package reads {SKELETON_VERSIONS_READ}"
+                )
+            # The packed path's skeleton has its tensors in place already.
+            result = skeleton if values is None else unflatten(skeleton, _leaves_of(values, got))
         if rng_blob is not None:
             restore_rng_state(pickle.loads(rng_blob))
         elif restore_rng:
@@ -138,7 +148,8 @@ class Loading(RegionTable):
         slices or in pieces by several ranks); otherwise (step, values,
         structure blob, saved world size, the unpickled blob): without a
         structure blob, values is {name: array} and the last two None; with
-        one, values is unflatten's leaf (TensorRef -> its tensor, made then)."""
+        one, values is None and the blob is unpickled with its tensors made
+        as the unpickler meets them (unpickle_skeleton)."""
         L = N.lib()
         self._ensure()
         want = step_arg(step, latest_ok=True)
@@ -176,10 +187,10 @@ class Loading(RegionTable):
                 for i, (name, dt, nb, at) in enumerate(zip(names, dtypes, nbytes, offs))
             }
             return got.value, values, None, saved_world, None
-        # With a skeleton, a tensor is made when the walk meets its TensorRef
-        # (no table of refs is gathered first, no tensor the structure does
-        # not name is made). The table lists the tensors in the order they
-        # were saved within a dtype, so the walk mostly meets the one after
+        # With a skeleton, a tensor is made when the unpickler meets it (no
+        # table of refs is gathered first, no tensor the structure does not
+        # name is made). The table lists the tensors in the order they were
+        # saved within a dtype, so the unpickler mostly meets the one after
         # the last it found: that is tried first, the index (built at the
         # first miss) only where the order breaks.
         n = len(names)
@@ -188,9 +199,10 @@ class Loading(RegionTable):
         cursor = 0
         ndarray = np.ndarray
 
-        def leaf(ref):
+        def leaf(state):
+            # state: a TensorRef's (name, kind, dtype, shape, stored, extra).
             nonlocal index, cursor
-            name = ref.name
+            name = state[0]
             i = cursor
             if i >= n or names[i] != name:
                 if index is None:
@@ -202,17 +214,17 @@ class Loading(RegionTable):
             v = made[i]
             if v is None:
                 nb = nbytes[i]
-                if ref.kind == "np" and nb:
+                if state[1] == "np" and nb:
                     # _array_at inlined: the hot line of a load of many tensors.
-                    v = ndarray(ref.shape, ref.dtype, lease, offs[i])
+                    v = ndarray(state[3], state[2], lease, offs[i])
                     if v.nbytes != nb:
-                        _array_at(lease, offs[i], ref.dtype, ref.shape, nb)  # raises, naming the sizes
+                        _array_at(lease, offs[i], state[2], state[3], nb)  # raises, naming the sizes
                 else:
-                    v = _restore(ref, lease, offs[i], nb, map_location, view=True)
+                    v = _restore(TensorRef(*state), lease, offs[i], nb, map_location, view=True)
                 made[i] = v
             return v
 
-        return got.value, leaf, skel, saved_world, pickle.loads(skel)
+        return got.value, None, skel, saved_world, unpickle_skeleton(skel, leaf)
 
     def load_tensors(
         self, names: Iterable[str], step: int | str = "latest", map_location: Any = "cpu"
@@ -292,8 +304,8 @@ class Loading(RegionTable):
         if n:
             N.check(L.ckpt_load(self._client, got.value, descs, n, None, None))
         refs = {}
-        parsed = pickle.loads(skel) if skel is not None else None
-        if parsed is not None and parsed[0] == SKELETON_VERSION:
+        parsed = unpickle_skeleton(skel) if skel is not None else None
+        if parsed is not None and parsed[0] in SKELETON_VERSIONS_READ:
             collect_refs(parsed[1], refs)
         values = {}
         for name, dt, shape, nbytes in slots:

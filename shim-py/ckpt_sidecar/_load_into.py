@@ -9,7 +9,6 @@ tensors are copied from a load region through their strides.
 from __future__ import annotations
 
 import ctypes
-import pickle
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from ._blob_names import PARTS_BLOB, STRUCTURE_BLOB
 from ._handles import LoadedInto
 from ._load import LOAD_TRIES_MAX, NOT_PLACED, ST_NAMES, Loading, collect_refs
 from ._regions import align
-from ._tree import SKELETON_VERSION, Flattener, torch_module
+from ._tree import SKELETON_VERSIONS_READ, Flattener, torch_module, unpickle_skeleton
 from ._units import step_arg
 from .errors import Damaged, InvalidArgument, SidecarError
 
@@ -210,8 +209,8 @@ class LoadingInto(Loading):
         skel = self._loaded_blob(STRUCTURE_BLOB) if offs is not None else None
         refs = {}
         if skel is not None:
-            version, skeleton = pickle.loads(skel)
-            if version == SKELETON_VERSION:
+            version, skeleton = unpickle_skeleton(skel)
+            if version in SKELETON_VERSIONS_READ:
                 collect_refs(skeleton, refs)
         missing, unexpected = _match_state(mine, infos, refs, got, strict)
         have = {i[0]: k for k, i in enumerate(infos)}

@@ -9,6 +9,7 @@ structure joined with ".", made valid and unique for docs/format.md.
 """
 
 import functools
+import io
 import operator
 import pickle
 import sys
@@ -19,7 +20,13 @@ import numpy as np
 from . import _native_key
 from ._cuda import interface as cuda_interface
 
-SKELETON_VERSION = 1
+# The skeleton blob (structure.pkl) is the pickled (version, skeleton).
+# Version 2: each tensor is a pickle persistent id, the state tuple of its
+# TensorRef, so one pass of the unpickler rebuilds the state with the
+# tensors in place (unpickle_skeleton). Version 1: TensorRef objects,
+# replaced by a walk after the unpickle (still read).
+SKELETON_VERSION = 2
+SKELETON_VERSIONS_READ = (1, 2)
 NAME_BYTES_MAX = 1024
 
 # safetensors dtypes the sidecar stores (docs/format.md).
@@ -201,11 +208,20 @@ def _unpicklable(skel, path=()):
     return None
 
 
+class _SkeletonPickler(pickle.Pickler):
+    """A skeleton's pickler: each TensorRef is a persistent id, its state."""
+
+    def persistent_id(self, obj):
+        return obj.__getstate__() if type(obj) is TensorRef else None
+
+
 def pickle_skeleton(version, skel):
-    """The pickled (version, skeleton); an error names where in the state the
-    value pickle refuses lies."""
+    """The pickled (version, skeleton), its TensorRefs persistent ids (version
+    2); an error names where in the state the value pickle refuses lies."""
     try:
-        return pickle.dumps((version, skel), protocol=4)
+        out = io.BytesIO()
+        _SkeletonPickler(out, protocol=4).dump((version, skel))
+        return out.getvalue()
     except RecursionError:
         raise ValueError(
             "the state is nested too deeply (or refers to itself through an object) to be pickled"
@@ -385,6 +401,23 @@ def _bulk(vals, sig, leaves, torch):
         return False
     leaves.extend(vals)
     return True
+
+
+def unpickle_skeleton(blob, leaf=None):
+    """(version, skeleton) of a skeleton blob, each tensor in it
+    leaf(state), `state` its TensorRef's (name, kind, dtype, shape, stored,
+    extra): made by the unpickler as it meets each (version 2), or by a walk
+    after it (version 1). leaf None: the TensorRef itself."""
+    u = pickle.Unpickler(io.BytesIO(blob))
+    u.persistent_load = _ref_of if leaf is None else leaf
+    version, skel = u.load()
+    if leaf is not None and version == 1:
+        skel = unflatten(skel, lambda ref: leaf(ref.__getstate__()))
+    return version, skel
+
+
+def _ref_of(state):
+    return TensorRef(*state)
 
 
 def unflatten(skel, leaf):

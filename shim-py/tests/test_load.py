@@ -2,6 +2,7 @@
 the tensors come back as views of it. Bit-exact from disk and from RAM, a
 flipped byte still caught, and the lifetime rule: a loaded tensor is never
 overwritten by a later load or save, and stays valid after close()."""
+
 import warnings
 
 import numpy as np
@@ -68,7 +69,10 @@ def test_a_flipped_byte_is_caught_and_latest_falls_back(tmp_path, sidecar):
         with pytest.raises(Damaged, match="checksum mismatch"):
             ck.load(2)
         # Said: the run resumes from an older step than its newest checkpoint.
-        with pytest.warns(RuntimeWarning, match=r"loaded step 1, not a newer checkpoint that does not load \(.*step 2 .*checksum mismatch") as said:
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"loaded step 1, not a newer checkpoint that does not load \(.*step 2 .*checksum mismatch",
+        ) as said:
             back = ck.load()
         assert str(said[0].message).count("step 2") == 1, said[0].message  # said once
         assert ck.last_load_step == 1 and ck.last_load_source == "disk"
@@ -194,3 +198,39 @@ def test_the_load_table_read_in_one_piece_is_what_the_per_tensor_calls_say(ck):
         assert sorted(names) == sorted(state)
         for k, v in state.items():
             assert back[k].dtype == v.dtype and back[k].shape == v.shape and back[k].tobytes() == v.tobytes(), k
+
+
+def test_a_skeleton_of_version_1_still_loads_and_version_2_is_what_a_save_writes(ck, monkeypatch):
+    """Version 2 skeletons give each tensor as a pickle persistent id; a
+    checkpoint whose skeleton is version 1 (TensorRef objects, as written
+    before) loads the same, by every load path."""
+    import pickle
+
+    from ckpt_sidecar import _save, _tree
+
+    state = _state(5)
+    state["same"] = [state["f16"], state["f16"]]  # one array at two places
+    ck.save(1, state).wait_durable()
+    # A version-1 writer: the TensorRefs pickled as objects.
+    monkeypatch.setattr(_save, "pickle_skeleton", lambda v, skel: pickle.dumps((1, skel), protocol=4))
+    ck.save(2, {**state, "step": 6}).wait_durable()
+    monkeypatch.undo()
+    for step, want in ((1, state), (2, {**state, "step": 6})):
+        got = ck.load(step)
+        _same_bytes({k: v for k, v in got.items() if k != "same"}, {k: v for k, v in want.items() if k != "same"})
+        assert got["same"][0].tobytes() == got["same"][1].tobytes() == state["f16"].tobytes(), step
+        only = ck.load_tensors(["f32", "nested.big"], step)
+        assert only["f32"].tobytes() == state["f32"].tobytes(), step
+        into = {"f32": np.zeros_like(state["f32"]), "u8": np.zeros_like(state["u8"])}
+        ck.load_into(into, step, strict=False)
+        assert into["f32"].tobytes() == state["f32"].tobytes() and into["u8"].tobytes() == state["u8"].tobytes()
+        version, skel = _tree.unpickle_skeleton(ck._loaded_blob("structure.pkl"))
+        assert version == (2 if step == 1 else 1), step
+        assert isinstance(skel["f32"], _tree.TensorRef) and skel["f32"].name == "f32"
+    # A version-2 blob is not a plain pickle of TensorRefs: read only with its persistent ids.
+    with pytest.raises(pickle.UnpicklingError):
+        pickle.loads(
+            _tree.pickle_skeleton(
+                _tree.SKELETON_VERSION, {"x": _tree.TensorRef("x", "np", np.dtype("f4"), (1,), "F32")}
+            )
+        )

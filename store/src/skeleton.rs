@@ -1,7 +1,7 @@
 //! The tensors a Python skeleton refers to (docs/format.md: the blob
 //! `structure.pkl`, the pickled `(version, skeleton)` of `ckpt_sidecar`,
-//! whose leaves are `ckpt_sidecar._tree.TensorRef`s naming tensors of the
-//! checkpoint).
+//! whose leaves name tensors of the checkpoint: `ckpt_sidecar._tree.TensorRef`s
+//! in version 1, persistent ids holding a TensorRef's state in version 2).
 //!
 //! A checkpoint whose skeleton names a tensor it does not hold cannot be
 //! loaded by the Python package (several ranks that saved different states
@@ -276,8 +276,17 @@ pub fn referenced_tensors(pkl: &[u8]) -> Option<BTreeSet<String>> {
                 stack.push(V::Other)
             }
             b'Q' => {
-                pop(&mut stack)?;
-                stack.push(V::Other)
+                // A persistent id: the package's version-2 skeleton gives
+                // each tensor as its TensorRef's state, (name, kind, dtype,
+                // shape, stored, extra), the kind "np", "torch" or "cuda".
+                match pop(&mut stack)? {
+                    V::Tuple(items) if items.len() == 6 && matches!(items[1], V::Str(_)) => {
+                        let V::Str(name) = &items[0] else { return None };
+                        names.insert(name.to_string());
+                        stack.push(V::TensorRef)
+                    }
+                    _ => stack.push(V::Other),
+                }
             }
             0x82 => {
                 r.take(1)?;
@@ -506,6 +515,19 @@ ff4affffffff4b0074710a624b0385710b5803000000463332710c4e74710d62580100000062\
 2e63711c680468144b0185711d68174e74711e627365580100000064711f6802298171202868\
 1f680468084b02857121680c4e74712262758671232e";
 
+    /// `_tree.pickle_skeleton(2, Flattener().walk(state))` (each tensor a
+    /// persistent id: its TensorRef's state, then BINPERSID) for `{"a":
+    /// np.zeros(3, "f4"), "b": [np.ones(2), {"c": torch.zeros(2,
+    /// dtype=bfloat16)}], "n": 7}`.
+    const SKELETON_V2: &str = "80049500010000000000004b027d94288c0161942868018c026e70948c056e756d7079948c05\
+64747970659493948c02663494898887945294284b038c013c944e4e4e4affffffff4affffff\
+ff4b007494624b0385948c03463332944e7494518c0162945d9428288c03622e309468026805\
+8c02663894898887945294284b0368094e4e4e4affffffff4affffffff4b007494624b028594\
+8c03463634944e7494517d948c016394288c05622e312e63948c05746f726368948c0862666c\
+6f61743136944b0285948c0442463136947d94288c05706172616d94898c0d72657175697265\
+735f6772616494898c06646576696365948c03637075947574945173658c016e944b07758694\
+2e";
+
     fn hex(s: &str) -> Vec<u8> {
         (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
     }
@@ -515,6 +537,15 @@ ff4affffffff4b0074710a624b0385710b5803000000463332710c4e74710d62580100000062\
         let p = hex(SKELETON_PROTO4);
         let names = referenced_tensors(&p).unwrap();
         assert_eq!(names.into_iter().collect::<Vec<_>>(), ["a", "b.0", "t"]);
+    }
+
+    #[test]
+    fn a_version_2_skeleton_gives_the_names_of_its_persistent_ids() {
+        let names = referenced_tensors(&hex(SKELETON_V2)).unwrap();
+        assert_eq!(names.into_iter().collect::<Vec<_>>(), ["a", "b.0", "b.1.c"]);
+        // A persistent id that is not a TensorRef's state names nothing.
+        let foreign = [&[0x80u8, 4][..], &[0x8c, 1, b'x', 0x85, b'Q', b'.']].concat();
+        assert_eq!(referenced_tensors(&foreign).unwrap().len(), 0);
     }
 
     #[test]

@@ -161,17 +161,7 @@ unsafe fn join_lanes(a: u64, b: u64, c: u64, (one, two): (u64, u64)) -> u64 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2,sse4.1,pclmulqdq")]
 unsafe fn copy_crc_sse42<const STREAM: bool>(dst: *mut u8, src: *const u8, len: usize) -> u32 {
-    use std::arch::x86_64::{
-        __m128i, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_storeu_si128,
-        _mm_stream_si128, _mm_stream_si64,
-    };
-    let store = |p: *mut u8, x: __m128i| {
-        if STREAM {
-            _mm_stream_si128(p.cast::<__m128i>(), x)
-        } else {
-            _mm_storeu_si128(p.cast::<__m128i>(), x)
-        }
-    };
+    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8, _mm_stream_si64};
     // Raw (uninverted) crc state, as the instruction keeps it.
     let mut state: u32 = !0;
     // Byte stores up to a 16-byte aligned destination.
@@ -186,30 +176,12 @@ unsafe fn copy_crc_sse42<const STREAM: bool>(dst: *mut u8, src: *const u8, len: 
     for (lane_i, &shifts) in LANE_SHIFTS.iter().enumerate() {
         let lane = CRC_LANE_BYTES >> lane_i;
         while n >= 3 * lane {
-            let (mut a, mut b, mut c) = (state as u64, 0u64, 0u64);
-            let (sa, sb, sc) = (s.add(at), s.add(at + lane), s.add(at + 2 * lane));
-            let (da, db, dc) = (d.add(at), d.add(at + lane), d.add(at + 2 * lane));
-            let mut i = 0;
-            while i < lane {
-                // Each 16 bytes loaded once into a register, stored from it
-                // (streaming) and checksummed from it: what is checksummed
-                // is what is staged. `loaded_once`: else LLVM folds the
-                // crc's loads into `crc32 reg, [src]`, a second read of
-                // memory the client may be writing.
-                let x = loaded_once(_mm_loadu_si128(sa.add(i).cast::<__m128i>()));
-                let y = loaded_once(_mm_loadu_si128(sb.add(i).cast::<__m128i>()));
-                let z = loaded_once(_mm_loadu_si128(sc.add(i).cast::<__m128i>()));
-                store(da.add(i), x);
-                store(db.add(i), y);
-                store(dc.add(i), z);
-                a = _mm_crc32_u64(a, _mm_cvtsi128_si64(x) as u64);
-                b = _mm_crc32_u64(b, _mm_cvtsi128_si64(y) as u64);
-                c = _mm_crc32_u64(c, _mm_cvtsi128_si64(z) as u64);
-                a = _mm_crc32_u64(a, _mm_extract_epi64::<1>(x) as u64);
-                b = _mm_crc32_u64(b, _mm_extract_epi64::<1>(y) as u64);
-                c = _mm_crc32_u64(c, _mm_extract_epi64::<1>(z) as u64);
-                i += 16;
-            }
+            let [a, b, c] = three_lanes::<STREAM>(
+                [d.add(at), d.add(at + lane), d.add(at + 2 * lane)],
+                [s.add(at), s.add(at + lane), s.add(at + 2 * lane)],
+                lane,
+                [state as u64, 0, 0],
+            );
             state = join_lanes(a, b, c, shifts) as u32;
             at += 3 * lane;
             n -= 3 * lane;
@@ -263,8 +235,10 @@ pub(super) unsafe fn copy_streaming_crc3(dst: [*mut u8; 3], src: [*const u8; 3],
     if !(suits && std::arch::is_x86_feature_detected!("sse4.2") && std::arch::is_x86_feature_detected!("sse4.1")) {
         return None;
     }
-    // SAFETY: the CPU has SSE4.1 and SSE4.2 (checked); the caller's contract.
-    Some(unsafe { copy_crc3_sse42(dst, src, len) })
+    // SAFETY: the CPU has SSE4.1 and SSE4.2 (checked); the destinations are
+    // aligned and `len` whole 16 bytes (checked); the caller's contract.
+    let raw = unsafe { three_lanes::<true>(dst, src, len, [u64::from(!0u32); 3]) };
+    Some(raw.map(|c| !(c as u32)))
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -272,27 +246,46 @@ pub(super) unsafe fn copy_streaming_crc3(_dst: [*mut u8; 3], _src: [*const u8; 3
     None
 }
 
-/// The copy of [`copy_streaming_crc3`]: as the lanes of
-/// [`copy_crc_sse42`], each loaded once, stored streaming and checksummed
-/// from the register.
+/// Three lanes of `len` bytes side by side (a multiple of 16; with
+/// `STREAM`, 16-byte aligned destinations), each its own crc32 chain run on
+/// from `crc` (raw, uninverted states): each 16 bytes loaded once into a
+/// register, stored from it (streaming with `STREAM`, else plain) and
+/// checksummed from it, so what is checksummed is what is staged.
+/// `loaded_once`: else LLVM folds the crc's loads into `crc32 reg, [src]`,
+/// a second read of memory the client may be writing. The three lanes of a
+/// block of [`copy_crc_sse42`], or three whole pieces
+/// ([`copy_streaming_crc3`]).
 ///
-/// SAFETY: as [`copy_streaming_crc3`], whose checks passed.
+/// SAFETY: as [`copy_streaming`] for each lane; the CPU has SSE4.1 and SSE4.2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2,sse4.1")]
-unsafe fn copy_crc3_sse42(dst: [*mut u8; 3], src: [*const u8; 3], len: usize) -> [u32; 3] {
+#[inline]
+unsafe fn three_lanes<const STREAM: bool>(
+    dst: [*mut u8; 3],
+    src: [*const u8; 3],
+    len: usize,
+    crc: [u64; 3],
+) -> [u64; 3] {
     use std::arch::x86_64::{
-        __m128i, _mm_crc32_u64, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_stream_si128,
+        __m128i, _mm_crc32_u64, _mm_cvtsi128_si64, _mm_extract_epi64, _mm_loadu_si128, _mm_storeu_si128,
+        _mm_stream_si128,
     };
-    let (mut a, mut b, mut c) = (!0u32 as u64, !0u32 as u64, !0u32 as u64);
+    let store = |p: *mut u8, x: __m128i| {
+        if STREAM {
+            _mm_stream_si128(p.cast::<__m128i>(), x)
+        } else {
+            _mm_storeu_si128(p.cast::<__m128i>(), x)
+        }
+    };
+    let [mut a, mut b, mut c] = crc;
     let mut i = 0;
     while i < len {
-        // As in copy_crc_sse42: loaded once, staged and checksummed from the register.
         let x = loaded_once(_mm_loadu_si128(src[0].add(i).cast::<__m128i>()));
         let y = loaded_once(_mm_loadu_si128(src[1].add(i).cast::<__m128i>()));
         let z = loaded_once(_mm_loadu_si128(src[2].add(i).cast::<__m128i>()));
-        _mm_stream_si128(dst[0].add(i).cast::<__m128i>(), x);
-        _mm_stream_si128(dst[1].add(i).cast::<__m128i>(), y);
-        _mm_stream_si128(dst[2].add(i).cast::<__m128i>(), z);
+        store(dst[0].add(i), x);
+        store(dst[1].add(i), y);
+        store(dst[2].add(i), z);
         a = _mm_crc32_u64(a, _mm_cvtsi128_si64(x) as u64);
         b = _mm_crc32_u64(b, _mm_cvtsi128_si64(y) as u64);
         c = _mm_crc32_u64(c, _mm_cvtsi128_si64(z) as u64);
@@ -301,7 +294,7 @@ unsafe fn copy_crc3_sse42(dst: [*mut u8; 3], src: [*const u8; 3], len: usize) ->
         c = _mm_crc32_u64(c, _mm_extract_epi64::<1>(z) as u64);
         i += 16;
     }
-    [!(a as u32), !(b as u32), !(c as u32)]
+    [a, b, c]
 }
 
 /// `x`, which the compiler must from now on take as an opaque register

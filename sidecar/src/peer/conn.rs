@@ -20,7 +20,7 @@ pub struct LocalFile {
     pub name: String,
     pub path: PathBuf,
     pub len_bytes: u64,
-    pub bytes: Option<std::sync::Arc<Vec<u8>>>,
+    pub bytes: Option<super::pool::Pooled>,
 }
 
 pub struct Conn {
@@ -99,8 +99,8 @@ impl Conn {
         self.expect(|m| matches!(m, PeerMsg::Ready))?;
         for f in files {
             send(&mut self.stream, &PeerMsg::File { name: f.name.clone(), len_bytes: f.len_bytes })?;
-            if let Some(b) = f.bytes.as_ref().filter(|b| b.len() as u64 == f.len_bytes) {
-                self.stream.write_all(b)?;
+            if let Some(b) = f.bytes.as_ref().filter(|b| b.as_slice().len() as u64 == f.len_bytes) {
+                self.stream.write_all(b.as_slice())?;
                 continue;
             }
             let file = std::fs::File::open(&f.path)?;
@@ -118,13 +118,22 @@ impl Conn {
         self.expect(|m| matches!(m, PeerMsg::Held { .. }))
     }
 
-    /// File `name` of `node`'s replica of `step`, exactly `dst.len()` bytes, into `dst`.
-    pub fn get(&mut self, node: &str, step: u64, name: &str, dst: &mut [u8]) -> Result<(), ConnError> {
+    /// File `name` of `node`'s replica of `step`, exactly `dst.len()`
+    /// bytes, into `dst`, each piece handed to `each` as it arrives.
+    pub fn get(
+        &mut self,
+        node: &str,
+        step: u64,
+        name: &str,
+        dst: &mut [u8],
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<(), ConnError> {
         send(&mut self.stream, &PeerMsg::Get { node: node.into(), step, name: name.into() })?;
         match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
             PeerMsg::File { len_bytes, .. } if len_bytes == dst.len() as u64 => {
                 for piece in dst.chunks_mut(config::PEER_PIECE_BYTES) {
                     self.stream.read_exact(piece)?;
+                    each(piece);
                 }
                 Ok(())
             }

@@ -62,12 +62,14 @@ impl PeerFiles {
         self.skipped.lock().expect("skipped lock").push(why);
     }
 
-    /// File `name` of `node`'s step from peer `addr`, checked whole.
+    /// File `name` of `node`'s step from peer `addr`, every byte checked.
     fn fetch_from_peer(&self, addr: &str, node: &str, name: &str, dst: &mut [u8]) -> Result<(), String> {
         let mut c = Conn::open(addr, &self.secret, &self.me).map_err(|e| e.to_string())?;
-        c.get(node, self.step, name, dst).map_err(|e| e.to_string())?;
+        // Each piece checked as it arrives (its bytes still in cache).
+        let mut check = ckpt_store::restore::FileBytesCheck::new(&self.index, name);
+        c.get(node, self.step, name, dst, |piece| check.feed(piece)).map_err(|e| e.to_string())?;
         c.close();
-        let problems = ckpt_store::restore::check_file_bytes(&self.index, name, dst);
+        let problems = check.finish();
         if problems.is_empty() {
             return Ok(());
         }

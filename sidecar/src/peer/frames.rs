@@ -76,14 +76,17 @@ pub async fn recv_async(
     Ok(ckpt_wire::decode(&body)?)
 }
 
-/// Reads exactly `dst.len()` raw bytes (async) in pieces, each within `limit`.
+/// Reads exactly `dst.len()` raw bytes (async) in pieces, each within
+/// `limit`, handing each piece to `each` as it arrives.
 pub async fn recv_raw_async(
     r: &mut (impl AsyncReadExt + Unpin),
     dst: &mut [u8],
     limit: Duration,
+    mut each: impl FnMut(&[u8]),
 ) -> Result<(), ConnError> {
     for piece in dst.chunks_mut(crate::config::PEER_PIECE_BYTES) {
         tokio::time::timeout(limit, r.read_exact(piece)).await.map_err(|_| ConnError::Stalled(limit))??;
+        each(piece);
     }
     Ok(())
 }

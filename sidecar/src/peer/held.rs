@@ -2,43 +2,18 @@
 //! steps of each node, in memory, within a budget of bytes. Room is
 //! reserved before a replica's bytes are read (so concurrent offers never
 //! overrun the budget together) and a replica is inserted only once every
-//! byte of it was checked; then the node's older steps past `keep` go.
+//! byte of it was checked; then the node's older steps past `keep` go,
+//! their memory kept (within the same budget) for the next replica's
+//! receive ([`super::pool`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// One file's bytes: received into pre-faulted memory (huge pages where
-/// the kernel has them: a replica's receive is not slowed by a fault per
-/// 4 KiB page), or read from this node's disk.
-pub enum FileBytes {
-    Mapped(ckpt_store::mem::AlignedBuf, usize),
-    Read(Vec<u8>),
-}
-
-impl FileBytes {
-    /// `len` zeroed bytes, pre-faulted.
-    pub fn zeroed(len: usize) -> std::io::Result<FileBytes> {
-        Ok(FileBytes::Mapped(ckpt_store::mem::AlignedBuf::new(len)?, len))
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        match self {
-            FileBytes::Mapped(b, len) => &b.as_slice()[..*len],
-            FileBytes::Read(v) => v,
-        }
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        match self {
-            FileBytes::Mapped(b, len) => &mut b.as_mut_slice()[..*len],
-            FileBytes::Read(v) => v,
-        }
-    }
-}
+use super::pool::{Pool, Pooled};
 
 /// One node's files of one step, checked against the step's index.
 pub struct Replica {
-    pub files: HashMap<String, Arc<FileBytes>>,
+    pub files: HashMap<String, Arc<Pooled>>,
     pub bytes: u64,
 }
 
@@ -46,6 +21,8 @@ pub struct Held {
     budget_bytes: u64,
     keep: usize,
     inner: Mutex<Inner>,
+    /// The replicas' buffers: an evicted replica's are the next one's.
+    pool: Arc<Pool>,
 }
 
 #[derive(Default)]
@@ -69,7 +46,13 @@ impl Drop for Reservation<'_> {
 
 impl Held {
     pub fn new(budget_bytes: u64, keep: usize) -> Held {
-        Held { budget_bytes, keep: keep.max(1), inner: Mutex::new(Inner::default()) }
+        Held { budget_bytes, keep: keep.max(1), inner: Mutex::new(Inner::default()), pool: Pool::new(budget_bytes) }
+    }
+
+    /// Memory for `len` bytes of a replica being received (room for it
+    /// reserved first): pre-faulted, an evicted replica's where one fits.
+    pub fn buffer(&self, len: usize) -> std::io::Result<Pooled> {
+        self.pool.take(len)
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -102,16 +85,19 @@ impl Held {
         let mut g = self.lock();
         let added = replica.bytes;
         let steps = g.by_node.entry(node.to_string()).or_default();
-        let mut freed = steps.insert(step, Arc::new(replica)).map_or(0, |r| r.bytes);
+        let mut evicted: Vec<Arc<Replica>> = steps.insert(step, Arc::new(replica)).into_iter().collect();
         while steps.len() > self.keep {
-            let (_, r) = steps.pop_first().expect("more than keep");
-            freed += r.bytes;
+            evicted.push(steps.pop_first().expect("more than keep").1);
         }
+        let freed: u64 = evicted.iter().map(|r| r.bytes).sum();
         g.bytes = g.bytes + added - freed;
+        // The evicted replicas' buffers go back to the pool after the lock.
+        drop(g);
+        drop(evicted);
     }
 
     /// File `name` of `node`'s replica of `step`, if held.
-    pub fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<FileBytes>> {
+    pub fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<Pooled>> {
         self.lock().by_node.get(node)?.get(&step)?.files.get(name).cloned()
     }
 
@@ -154,5 +140,25 @@ mod tests {
         h.insert(room, "a", 4, replica(40));
         assert_eq!(h.steps("a"), vec![3, 4]);
         assert!(h.reserve("b", 1, 20).is_ok());
+    }
+
+    #[test]
+    fn an_evicted_replicas_memory_receives_the_next_step() {
+        let len = 3 << 20;
+        let h = Held::new(64 << 20, 2);
+        let mut addrs = Vec::new();
+        for step in 1..=5 {
+            let room = h.reserve("a", step, len as u64).unwrap();
+            let buf = h.buffer(len).unwrap();
+            addrs.push((buf.as_slice().as_ptr() as usize, buf.fresh));
+            let files = HashMap::from([("f".to_string(), Arc::new(buf))]);
+            h.insert(room, "a", step, Replica { files, bytes: len as u64 });
+        }
+        // Steps 1..3 find nothing spare (two held, the third arriving);
+        // step 4 gets step 1's memory, step 5 step 2's.
+        let fresh: Vec<bool> = addrs.iter().map(|a| a.1).collect();
+        assert_eq!(fresh, [true, true, true, false, false]);
+        assert_eq!(addrs[3].0, addrs[0].0);
+        assert_eq!(addrs[4].0, addrs[1].0);
     }
 }

@@ -10,7 +10,8 @@
 //! socket), `conn` (the connecting side: blocking, a thread's own),
 //! `server` (the listening side: a tokio runtime of its own, a task per
 //! connection), `held` (the replicas held for other nodes, within the
-//! budget), `replicate` (this node's steps sent, outcomes, waiters),
+//! budget), `pool` (pre-faulted buffers for whole files, reused step after
+//! step), `replicate` (this node's steps sent, outcomes, waiters),
 //! `fetch` (a load's [`ckpt_store::fetch::FetchFiles`] over the peers).
 //!
 //! Invariants:
@@ -31,6 +32,7 @@ mod conn;
 mod fetch;
 mod frames;
 mod held;
+mod pool;
 mod replicate;
 mod secret;
 mod server;

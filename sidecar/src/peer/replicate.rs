@@ -18,6 +18,7 @@ use crossbeam_channel::Sender as Tx;
 use tracing::{info, warn};
 
 use super::conn::{Conn, LocalFile};
+use super::pool::{Pool, Pooled};
 use crate::config;
 use crate::drain::Answer;
 
@@ -32,28 +33,38 @@ pub struct Sender {
 }
 
 /// This node's files of recent steps in memory, copied from each part's
-/// staging image as it was written, until sent (bounded in bytes).
-#[derive(Default)]
+/// staging image as it was written, until sent (bounded in bytes); the
+/// copies of a step sent are the next step's memory.
 pub struct Staged {
     files: Mutex<BTreeMap<u64, StepFiles>>,
+    pool: Arc<Pool>,
 }
 
 /// One step's files by name.
-type StepFiles = std::collections::HashMap<String, Arc<Vec<u8>>>;
+type StepFiles = std::collections::HashMap<String, Pooled>;
+
+impl Default for Staged {
+    fn default() -> Staged {
+        Staged { files: Mutex::default(), pool: Pool::new(config::PEER_SEND_STAGED_BYTES_MAX) }
+    }
+}
 
 impl Staged {
     /// Keeps a copy of each of `layout`'s shard files from `image` (a
     /// part's lease, at the layout's offsets) that fits the bound.
     pub fn stage(&self, step: u64, layout: &ckpt_store::image::Layout, image: &[u8]) {
         let mut g = self.files.lock().expect("staged files lock");
-        let mut held: u64 = g.values().flat_map(|m| m.values()).map(|b| b.len() as u64).sum();
+        let mut held: u64 = g.values().flat_map(|m| m.values()).map(|b| b.as_slice().len() as u64).sum();
         for s in &layout.shards {
             let (off, len) = (s.staging_offset as usize, s.file_len as usize);
             if off + len > image.len() || held + len as u64 > config::PEER_SEND_STAGED_BYTES_MAX {
                 continue;
             }
+            // No memory for a copy: this file is sent from disk.
+            let Ok(mut copy) = self.pool.take(len) else { continue };
+            copy.as_mut_slice().copy_from_slice(&image[off..off + len]);
             held += len as u64;
-            g.entry(step).or_default().insert(s.file_name.clone(), Arc::new(image[off..off + len].to_vec()));
+            g.entry(step).or_default().insert(s.file_name.clone(), copy);
         }
     }
 

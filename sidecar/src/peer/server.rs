@@ -19,7 +19,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
 use super::frames::{fresh_nonce, kind, recv_async, recv_raw_async, send_async, send_raw_async, ConnError};
-use super::held::{FileBytes, Held, Replica};
+use super::held::{Held, Replica};
 use crate::config;
 
 pub struct Server {
@@ -136,13 +136,14 @@ impl Server {
                     }
                     self.offer(&mut r, &mut w, &node, step, &index, files).await?;
                 }
-                PeerMsg::Get { node, step, name } => match self.file(&node, step, &name).await {
-                    Some(bytes) => {
+                PeerMsg::Get { node, step, name } => {
+                    if let Some(bytes) = self.held.file(&node, step, &name) {
                         let len_bytes = bytes.as_slice().len() as u64;
                         send_async(&mut w, &PeerMsg::File { name, len_bytes }, io).await?;
                         send_raw_async(&mut w, bytes.as_slice(), io).await?;
-                    }
-                    None => {
+                    } else if let Some(path) = self.own_file(&node, step, &name).await {
+                        send_file(&mut w, name, path, io).await?;
+                    } else {
                         let message = format!(
                             "node {node:?} step {step} file {name}: not held by {:?} (in memory it holds steps {:?} of that node)",
                             self.node,
@@ -150,7 +151,7 @@ impl Server {
                         );
                         send_async(&mut w, &PeerMsg::Error { message }, io).await?;
                     }
-                },
+                }
                 PeerMsg::List { node } => {
                     let steps = self.held.steps(&node);
                     send_async(&mut w, &PeerMsg::Steps { node, steps }, io).await?;
@@ -160,24 +161,15 @@ impl Server {
         }
     }
 
-    /// File `name` of `node`'s step `step`: a replica held in memory, or
-    /// (this node's own) read from its disks.
-    async fn file(&self, node: &str, step: u64, name: &str) -> Option<Arc<FileBytes>> {
-        if let Some(f) = self.held.file(node, step, name) {
-            return Some(f);
-        }
+    /// Where this node's own file `name` of step `step` is on its disks.
+    async fn own_file(&self, node: &str, step: u64, name: &str) -> Option<std::path::PathBuf> {
         // A plain file name of the step's folder, never a path out of it.
         if node != self.node || name.is_empty() || name.starts_with('.') || name.contains('/') {
             return None;
         }
         let folder = ckpt_store::format::node_step_dir_name(step).ok()?;
         let paths: Vec<_> = self.dirs.iter().map(|d| d.join(&folder).join(name)).collect();
-        tokio::task::spawn_blocking(move || {
-            paths.iter().find_map(|p| std::fs::read(p).ok()).map(|v| Arc::new(FileBytes::Read(v)))
-        })
-        .await
-        .ok()
-        .flatten()
+        tokio::task::spawn_blocking(move || paths.into_iter().find(|p| p.is_file())).await.ok().flatten()
     }
 
     /// Both sides prove the secret; the peer's node id once they did.
@@ -263,7 +255,7 @@ impl Server {
         };
         send_async(w, &PeerMsg::Ready, io).await?;
         let mut files = HashMap::new();
-        let (mut recv_s, mut check_s) = (0f64, 0f64);
+        let (mut recv_s, mut check_s, mut fresh_bytes) = (0f64, 0f64, 0u64);
         for _ in 0..n_files {
             let PeerMsg::File { name, len_bytes } = recv_async(r, PEER_FRAME_BYTES_MAX, io).await? else {
                 return Err(ConnError::Protocol(format!("step {step}: a File expected")));
@@ -275,18 +267,20 @@ impl Server {
                 return Err(ConnError::Protocol(m));
             }
             let t0 = std::time::Instant::now();
-            let mut buf = FileBytes::zeroed(len_bytes as usize)?;
-            recv_raw_async(r, buf.as_mut_slice(), io).await?;
-            let t1 = std::time::Instant::now();
-            recv_s += (t1 - t0).as_secs_f64();
-            let (idx, n) = (index.clone(), name.clone());
-            let (buf, problems) = tokio::task::spawn_blocking(move || {
-                let p = ckpt_store::restore::check_file_bytes(&idx, &n, buf.as_slice());
-                (buf, p)
+            let mut buf = self.held.buffer(len_bytes as usize)?;
+            fresh_bytes += if buf.fresh { len_bytes } else { 0 };
+            // Each piece checked as it arrives (its bytes still in cache).
+            let mut check = ckpt_store::restore::FileBytesCheck::new(&index, &name);
+            let mut check_t = Duration::ZERO;
+            recv_raw_async(r, buf.as_mut_slice(), io, |piece| {
+                let t = std::time::Instant::now();
+                check.feed(piece);
+                check_t += t.elapsed();
             })
-            .await
-            .map_err(|e| ConnError::Protocol(format!("checking {name}: {e}")))?;
-            check_s += t1.elapsed().as_secs_f64();
+            .await?;
+            let problems = check.finish();
+            check_s += check_t.as_secs_f64();
+            recv_s += (t0.elapsed() - check_t).as_secs_f64();
             if !problems.is_empty() {
                 let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
                 let m = format!("step {step}: file {name} does not match the index: {}", list.join("; "));
@@ -299,9 +293,122 @@ impl Server {
             return Err(ConnError::Protocol(format!("step {step}: Done expected after the files")));
         }
         self.held.insert(room, node, step, Replica { files, bytes: total });
-        info!(node, step, bytes = total, recv_s, check_s, "peers: holding a replica (every byte checked)");
+        info!(node, step, bytes = total, recv_s, check_s, fresh_bytes, "peers: holding a replica (every byte checked)");
         send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
     }
+}
+
+/// Sends file `path` as `name`: its File frame, then its bytes, read from
+/// disk in pieces by [`SEND_FILE_READERS`] blocking readers at once
+/// (O_DIRECT where the file system takes it: one buffered reader does not
+/// reach a disk's limit) while the pieces before go out in order; a few
+/// pieces of memory whatever the file's size. A file that ends early, or
+/// fails to read after its frame went out, ends the connection: the
+/// fetching side's read fails and it tries its next source.
+async fn send_file(
+    w: &mut OwnedWriteHalf,
+    name: String,
+    path: std::path::PathBuf,
+    io: Duration,
+) -> Result<(), ConnError> {
+    use tokio::io::AsyncWriteExt;
+    let piece = config::PEER_PIECE_BYTES;
+    let opened = {
+        let p = path.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<_> {
+            let (f, direct) = ckpt_store::io::open_for_read_with(&p, ckpt_store::io::Want::Auto)?;
+            let len = f.metadata()?.len();
+            Ok((Arc::new(f), direct, len))
+        })
+        .await
+        .map_err(|e| ConnError::Protocol(format!("{}: {e}", path.display())))?
+    };
+    let (file, direct, len_bytes) = opened?;
+    send_async(w, &PeerMsg::File { name, len_bytes }, io).await?;
+    let pieces = len_bytes.div_ceil(piece as u64);
+    // Pieces in flight: each reader's, and a few read ahead of the socket.
+    let bufs = SEND_FILE_READERS + 2;
+    let (empty, empty_rx) = crossbeam_channel::bounded::<ckpt_store::mem::AlignedBuf>(bufs);
+    for _ in 0..bufs {
+        let b = ckpt_store::mem::AlignedBuf::new(piece)?;
+        let _ = empty.send(b);
+    }
+    let (full_tx, mut full) = tokio::sync::mpsc::channel::<(u64, std::io::Result<ckpt_store::mem::AlignedBuf>)>(bufs);
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for _ in 0..SEND_FILE_READERS.min(pieces as usize) {
+        let (file, next, empty_rx, full_tx) = (file.clone(), next.clone(), empty_rx.clone(), full_tx.clone());
+        tokio::task::spawn_blocking(move || loop {
+            let Ok(mut buf) = empty_rx.recv() else { return };
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= pieces {
+                return;
+            }
+            let r = read_piece(&file, direct, i * piece as u64, len_bytes, &mut buf).map(|()| buf);
+            let failed = r.is_err();
+            if full_tx.blocking_send((i, r)).is_err() || failed {
+                return;
+            }
+        });
+    }
+    drop(full_tx);
+    // Pieces that came ahead of their turn, by index.
+    let mut early = std::collections::BTreeMap::new();
+    for want in 0..pieces {
+        let buf = loop {
+            if let Some(b) = early.remove(&want) {
+                break b;
+            }
+            let Some((i, r)) = full.recv().await else {
+                return Err(ConnError::Protocol(format!("{}: the reading of it stopped", path.display())));
+            };
+            let b = r.map_err(|e| ConnError::Protocol(format!("{}: {e}", path.display())))?;
+            early.insert(i, b);
+        };
+        let n = (len_bytes - want * piece as u64).min(piece as u64) as usize;
+        tokio::time::timeout(io, w.write_all(&buf.as_slice()[..n])).await.map_err(|_| ConnError::Stalled(io))??;
+        let _ = empty.send(buf);
+    }
+    Ok(())
+}
+
+/// Readers of one file [`send_file`] sends, at once.
+const SEND_FILE_READERS: usize = 4;
+
+/// Piece `at..` of a `len_bytes` file into `buf` (the whole piece, or the
+/// file's rest): with O_DIRECT the read asks for whole blocks, and the
+/// kernel stops at the end of the file.
+fn read_piece(
+    file: &std::fs::File,
+    direct: bool,
+    at: u64,
+    len_bytes: u64,
+    buf: &mut ckpt_store::mem::AlignedBuf,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let want = (len_bytes - at).min(buf.len() as u64) as usize;
+    let ask = if direct {
+        ckpt_store::config::align_up(want as u64, ckpt_store::config::DIRECT_ALIGN_BYTES) as usize
+    } else {
+        want
+    };
+    let cap = buf.len();
+    let dst = &mut buf.as_mut_slice()[..ask.min(cap)];
+    let mut got = 0;
+    while got < want {
+        match file.read_at(&mut dst[got..], at + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if got < want {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("{got} of {want} bytes at {at}: the file ended early"),
+        ));
+    }
+    Ok(())
 }
 
 /// Closes a refused connection so that its peer reads the Refused sent
@@ -322,4 +429,34 @@ async fn linger_close(mut r: OwnedReadHalf, mut w: OwnedWriteHalf) {
         }
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_is_read_in_pieces_direct_or_buffered_to_its_last_unaligned_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let piece = 64 << 10;
+        let bytes: Vec<u8> = (0..(3 * piece + 1234)).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        for want in [ckpt_store::io::Want::Auto, ckpt_store::io::Want::Off] {
+            let (f, direct) = ckpt_store::io::open_for_read_with(&path, want).unwrap();
+            let len = bytes.len() as u64;
+            let mut buf = ckpt_store::mem::AlignedBuf::new(piece).unwrap();
+            let mut got = Vec::new();
+            for i in 0..len.div_ceil(piece as u64) {
+                let at = i * piece as u64;
+                read_piece(&f, direct, at, len, &mut buf).unwrap();
+                let n = (len - at).min(piece as u64) as usize;
+                got.extend_from_slice(&buf.as_slice()[..n]);
+            }
+            assert!(got == bytes, "direct={direct}");
+            // A file shorter than its frame said: an error naming the shortfall.
+            let e = read_piece(&f, direct, 3 * piece as u64, len + 10, &mut buf).unwrap_err();
+            assert!(e.to_string().contains("ended early"), "{e}");
+        }
+    }
 }

@@ -120,14 +120,47 @@ pub(crate) fn verifies_when_fetched_again(index: &Index, names: &[String], src: 
 /// found, none when it is sound. For bytes held apart from a load (a peer's
 /// replica, checked before it counts and before it is handed to a load).
 pub fn check_file_bytes(index: &Index, name: &str, bytes: &[u8]) -> Vec<Problem> {
-    let Some(f) = index.ckpt.files.iter().find(|f| f.name == name) else {
-        return vec![problem(Some(name), None, "not a file of the step's index".to_string())];
-    };
-    let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
-    let mut problems = Vec::new();
-    check.feed(bytes, &mut problems);
-    check.finish(&mut problems);
-    problems
+    let mut check = FileBytesCheck::new(index, name);
+    check.feed(bytes);
+    check.finish()
+}
+
+/// [`check_file_bytes`] fed the file's bytes in order, in pieces of any
+/// size: bytes checked as they arrive, while they are still in cache.
+pub struct FileBytesCheck<'a> {
+    /// None: `name` is not a file of the index (the problem is in `problems`).
+    check: Option<FileCheck<'a>>,
+    problems: Vec<Problem>,
+}
+
+impl<'a> FileBytesCheck<'a> {
+    pub fn new(index: &'a Index, name: &str) -> FileBytesCheck<'a> {
+        match index.ckpt.files.iter().find(|f| f.name == name) {
+            Some(f) => FileBytesCheck {
+                check: Some(FileCheck::new(f, index.tensors_of(&f.name).collect())),
+                problems: Vec::new(),
+            },
+            None => FileBytesCheck {
+                check: None,
+                problems: vec![problem(Some(name), None, "not a file of the step's index".to_string())],
+            },
+        }
+    }
+
+    /// The next bytes of the file.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        if let Some(c) = &mut self.check {
+            c.feed(bytes, &mut self.problems);
+        }
+    }
+
+    /// The problems found once every byte was fed (a file that ended early is one).
+    pub fn finish(mut self) -> Vec<Problem> {
+        if let Some(c) = &mut self.check {
+            c.finish(&mut self.problems);
+        }
+        self.problems
+    }
 }
 
 /// The label of a source as the `dir` of a [`LoadError::Damaged`].

@@ -8,29 +8,43 @@ Two sidecars as two nodes a and b on 127.0.0.1 (`serve --shared S
 a, rank 1 on b (WORLD_SIZE=2), a replicated state of --gib GiB (each rank
 saves its half, as Checkpointer.save does at world size 2). Rows:
 
+- save -> durable: save() to wait_durable() returned, the slower rank
+  (medians as replicate's): what replication's copy of each part costs
+  the commit;
 - tcp x2: two plain TCP streams of half the bytes each at once (a socket
   sender and receiver per stream in this process, 4 MiB pieces): the
   baseline of both nodes replicating their halves at once;
 - replicate: each step's durable -> held by peers (wait_durable returned ->
   wait_peers returned) on both ranks, the slower of the two; throughput =
-  the step's bytes / that time (median of --rounds steps); and each
+  the step's bytes / that time (median of --rounds steps after --warm-up
+  steps: a peer's replicas land in the memory of the ones it evicted, so
+  with `--peer-keep 2` the first 3 steps get fresh memory, which a job
+  that saves every step pays only at its start); and each
   sidecar's own figure (status: bytes of its files / seconds from connect
   to the peer's Held, every byte checked there);
 - tcp x1: one plain TCP stream of all the bytes: the baseline of a restore;
+- fresh shm: a new /dev/shm segment of the state's size reserved and
+  mapped populated (what a new load region costs before its first byte:
+  the client reserves the pages, the sidecar maps them), the floor of any
+  load into new memory on this machine;
 - restore: b killed, its disk emptied, a new b started; rank 1's
   load("latest") of the whole state (its node's half from a's RAM, a's
   half from a's disk through a, every tensor checked), wall time;
+- restore's read: the new b's sidecar's own read of the files into the
+  load's region (its log's read_seconds): the restore without the new
+  memory;
 - load on a: rank 0's load("latest") on a, no network (its half from its
   page cache, b's half from the replica a holds): the load path's own cost.
 
-Replication reads this node's files from its disk (a part's image is not
-kept resident in staging after several nodes' commit), so on one machine
-with both nodes on one disk it runs at the disk's speed, not the link's.
+Replication sends each part's files from a copy taken while the part's
+staging image is still there (into memory reused step after step), not
+from disk.
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -91,6 +105,32 @@ def tcp_streams(n_bytes, n_streams):
     return time.perf_counter() - t0
 
 
+def read_seconds(log):
+    """The read_seconds of the last load a sidecar's log tells of."""
+    with open(log) as f:
+        lines = [ln for ln in f if "read into the client's region" in ln]
+    return float(re.search(r"read_seconds=([0-9.e-]+)", lines[-1]).group(1))
+
+
+def fresh_shm(n_bytes):
+    """Seconds for a new /dev/shm segment of n_bytes, reserved (posix_fallocate)
+    and mapped populated: what a new load region costs before the load."""
+    import mmap
+
+    name = f"/dev/shm/bench-peers-{os.getpid()}"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        t0 = time.perf_counter()
+        os.posix_fallocate(fd, 0, n_bytes)
+        m = mmap.mmap(fd, n_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        took = time.perf_counter() - t0
+        m.close()
+        return took
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
 WORKER = r"""
 import json, os, sys, time
 import numpy as np
@@ -106,10 +146,12 @@ out = []
 with Checkpointer(dir=shared, spawn=False) as ck:
     for s in steps:
         if mode == "save":
-            h = ck.save(s, state(s)).wait_durable(timeout=600)
+            st = state(s)
             t0 = time.perf_counter()
+            h = ck.save(s, st).wait_durable(timeout=600)
+            t1 = time.perf_counter()
             h.wait_peers(timeout=600)
-            out.append(time.perf_counter() - t0)
+            out.append((t1 - t0, time.perf_counter() - t1))
         else:
             t0 = time.perf_counter()
             got = ck.load("latest")
@@ -172,6 +214,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warm-up", type=int, default=3, help="steps saved before the measured ones")
     a = ap.parse_args()
     n_bytes = int(a.gib * GIB)
     tmp = tempfile.mkdtemp(prefix="bench-peers-")
@@ -186,25 +229,36 @@ def main():
         staging = str(int(n_bytes * 1.5))
         nodes = [Node(tmp, n, ports, shared, secret, staging).start() for n in ("a", "b")]
         tcp2 = statistics.median(tcp_streams(n_bytes // 2, 2) for _ in range(a.rounds))
-        steps = ",".join(str(s) for s in range(1, a.rounds + 1))
+        last = a.warm_up + a.rounds
+        steps = ",".join(str(s) for s in range(1, last + 1))
         per_rank = ranks(nodes, shared, steps, "save", a.gib)
-        repl = statistics.median(max(x) for x in zip(*per_rank))
+        measured = list(zip(*per_rank))[a.warm_up :]
+        durable = statistics.median(max(r[0] for r in x) for x in measured)
+        repl = statistics.median(max(r[1] for r in x) for x in measured)
         own = [n.status()["peers"]["bytes_per_s"] for n in nodes]
         tcp1 = statistics.median(tcp_streams(n_bytes, 1) for _ in range(a.rounds))
+        fresh = statistics.median(fresh_shm(n_bytes) for _ in range(a.rounds))
         nodes[1].kill()
         shutil.rmtree(nodes[1].dir)
         os.mkdir(nodes[1].dir)
         nodes[1].start()
-        restore = ranks(nodes, shared, str(a.rounds), "load", a.gib, only=1)[0][0]
-        local = ranks(nodes, shared, str(a.rounds), "load", a.gib, only=0)[0][0]
+        restore = ranks(nodes, shared, str(last), "load", a.gib, only=1)[0][0]
+        restore_read = read_seconds(nodes[1].log)
+        local = ranks(nodes, shared, str(last), "load", a.gib, only=0)[0][0]
         gbs = lambda b, s: b / s / 1e9  # noqa: E731
-        print(f"state: {n_bytes / GIB:.2f} GiB per step, half per node; {a.rounds} rounds (medians)")
+        print(f"state: {n_bytes / GIB:.2f} GiB per step, half per node; {a.rounds} rounds after {a.warm_up} warm-up "
+              "steps (medians)")
         print(f"tcp x2 (baseline)   {gbs(n_bytes, tcp2):6.2f} GB/s   ({tcp2:.3f} s for two streams of half at once)")
+        print(f"save -> durable     {gbs(n_bytes, durable):6.2f} GB/s   ({durable:.3f} s, the slower rank)")
         print(f"replicate           {gbs(n_bytes, repl):6.2f} GB/s   ({repl:.3f} s durable -> held, both nodes) "
               f"= {tcp2 / repl:.2f} x baseline; sidecars' own: {', '.join(f'{x / 1e9:.2f}' for x in own)} GB/s")
         print(f"tcp x1 (baseline)   {gbs(n_bytes, tcp1):6.2f} GB/s   ({tcp1:.3f} s)")
+        print(f"fresh shm (floor)   {gbs(n_bytes, fresh):6.2f} GB/s   ({fresh:.3f} s: a new region of the state's "
+              "size, its pages reserved and mapped, as a load into new memory pays before a byte arrives)")
         print(f"restore from peer   {gbs(n_bytes, restore):6.2f} GB/s   ({restore:.3f} s, load('latest') on the new "
               f"node, every tensor checked) = {tcp1 / restore:.2f} x baseline")
+        print(f"restore's read      {gbs(n_bytes, restore_read):6.2f} GB/s   ({restore_read:.3f} s: the new node's "
+              f"sidecar's read of the files into the region, from its log) = {tcp1 / restore_read:.2f} x baseline")
         print(f"load on a (no net)  {gbs(n_bytes, local):6.2f} GB/s   ({local:.3f} s: its half from its page cache, "
               f"b's from the replica in its RAM: the load path's own cost)")
         for n in nodes:

@@ -2,7 +2,8 @@
 # Installs what the tests need on a fresh Debian/Ubuntu machine (as root) or a
 # developer's one; fast and silent when everything is already there.
 #   - apt: fio (benchmark baseline), e2fsprogs (mkfs.ext4 for file-system
-#     tests), and python3 + python3-venv if missing; skipped when present.
+#     tests), iproute2 (ip netns, tc, ss: the peers' two-host test), and
+#     python3 + python3-venv if missing; skipped when present.
 #   - a Python venv at .venv: torch and the package (.ci/setup-python.sh, all
 #     the demo needs), then the test tools (.ci/setup-test-python.sh).
 #   - opt-in, with CKPT_CI_DEEPSPEED=1: libaio-dev and DeepSpeed
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v fio >/dev/null || need+=(fio)
 command -v mkfs.ext4 >/dev/null || [ -x /sbin/mkfs.ext4 ] || need+=(e2fsprogs)
+{ command -v ip && command -v tc && command -v ss; } >/dev/null || need+=(iproute2)
 command -v python3 >/dev/null || need+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then

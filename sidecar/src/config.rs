@@ -309,7 +309,8 @@ pub const PEER_CONNECTIONS_PER_HOST_MAX: usize = 8;
 pub const PEER_CONNECTIONS_MAX: usize = 256;
 const _: () = assert!(PEER_CONNECTIONS_PER_HOST_MAX <= PEER_CONNECTIONS_MAX);
 /// How long a handshake may take (all of it), and any one read or write
-/// after it: a peer that stalls longer is dropped (its connection only).
+/// after it (the default of `--peer-timeout`): a peer that stalls longer
+/// is dropped (its connection only).
 pub const PEER_HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
 pub const PEER_IO_TIMEOUT_MS: u64 = 30_000;
 pub const PEER_CONNECT_TIMEOUT_MS: u64 = 3_000;

@@ -5,7 +5,10 @@ waited durable and held by peers; writes {"rank", "held": [steps]}; MODE
 try-save: the same, a failed wait_peers recorded as {"step", "error"} in
 "held" instead. MODE replicate: save, then also wait_replicated (a drain).
 MODE load: loads "latest" and writes {"rank", "step", "equal",
-"fell_back" (the load's RuntimeWarnings: what it passed over), "last_load_fell_back"}, or {"error": one line} when the load fails."""
+"fell_back" (the load's RuntimeWarnings: what it passed over), "last_load_fell_back"}, or {"error": one line} when the load fails.
+Each save writes the file durable-STEP-rRANK (in the working directory) once
+durable, before it waits for the peers; PEER_RANKS_KIB sizes the state's
+largest tensor (default 256 KiB)."""
 import json
 import os
 import sys
@@ -16,7 +19,7 @@ import numpy as np
 from ckpt_sidecar import Checkpointer
 
 
-def state(step, kib=256):
+def state(step, kib=int(os.environ.get("PEER_RANKS_KIB", "256"))):
     g = np.random.default_rng(step)
     return {
         "w": g.standard_normal(kib * 256, dtype=np.float32),
@@ -39,6 +42,7 @@ def main():
             out = {"rank": rank, "held": []}
             for s in steps:
                 h = ck.save(s, state(s)).wait_durable(timeout=120)
+                open(f"durable-{s}-r{rank}", "w").close()
                 try:
                     h.wait_peers(timeout=120)
                     out["held"].append(s)

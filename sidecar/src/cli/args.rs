@@ -223,6 +223,12 @@ pub struct DaemonArgs {
     /// that does not fit is refused (its node reports why).
     #[arg(long, value_name = "SIZE", requires = "peer_listen", value_parser = parse_nonzero_size, default_value_t = ckpt_sidecar::config::PEER_BUDGET_BYTES_DEFAULT)]
     pub peer_budget: u64,
+    /// A peer connection silent this long is dropped (e.g. 30s, 5s): a cut
+    /// link or a stalled peer fails that replication (reported, training
+    /// goes on) or that fetch (the load tries its next source) after it,
+    /// and never hangs it (default: 30s).
+    #[arg(long, value_name = "DURATION", requires = "peer_listen", value_parser = parse_duration)]
+    pub peer_timeout: Option<std::time::Duration>,
     #[command(flatten)]
     pub io: IoArgs,
 }

@@ -87,6 +87,9 @@ impl DaemonArgs {
             replicas: self.peer_replicas,
             keep: self.peer_keep,
             budget_bytes: self.peer_budget,
+            io_timeout: self
+                .peer_timeout
+                .unwrap_or(std::time::Duration::from_millis(ckpt_sidecar::config::PEER_IO_TIMEOUT_MS)),
         }))
     }
 }

@@ -31,7 +31,8 @@ pub struct Conn {
 
 impl Conn {
     /// Connects to `addr` and runs the handshake as node `me`.
-    pub fn open(addr: &str, secret: &[u8], me: &str) -> Result<Conn, ConnError> {
+    /// Every read and write after it is bounded by `io_timeout`.
+    pub fn open(addr: &str, secret: &[u8], me: &str, io_timeout: Duration) -> Result<Conn, ConnError> {
         let connect = Duration::from_millis(config::PEER_CONNECT_TIMEOUT_MS);
         let mut last = None;
         let mut stream = None;
@@ -85,7 +86,7 @@ impl Conn {
             PeerMsg::Refused { reason } => return Err(ConnError::Refused(reason)),
             other => return Err(ConnError::Protocol(format!("{} instead of a Welcome", kind(&other)))),
         }
-        let io = Some(Duration::from_millis(config::PEER_IO_TIMEOUT_MS));
+        let io = Some(io_timeout);
         stream.set_read_timeout(io)?;
         stream.set_write_timeout(io)?;
         Ok(Conn { stream, node })

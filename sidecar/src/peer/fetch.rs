@@ -28,6 +28,8 @@ pub struct PeerFiles {
     skipped: Mutex<Vec<String>>,
     /// The replicas this sidecar holds (tried first: its own memory).
     held: Arc<Held>,
+    /// A peer silent this long is passed over.
+    io_timeout: std::time::Duration,
 }
 
 impl PeerFiles {
@@ -38,9 +40,11 @@ impl PeerFiles {
         step: u64,
         index: Index,
         held: Arc<Held>,
+        io_timeout: std::time::Duration,
     ) -> PeerFiles {
         let label = format!("peers {}", peers.join(","));
-        PeerFiles { secret, me, peers, step, index, label, then: None, skipped: Mutex::new(Vec::new()), held }
+        let skipped = Mutex::new(Vec::new());
+        PeerFiles { secret, me, peers, step, index, label, then: None, skipped, held, io_timeout }
     }
 
     /// The source tried when no peer gives a file (the drain target).
@@ -64,7 +68,7 @@ impl PeerFiles {
 
     /// File `name` of `node`'s step from peer `addr`, every byte checked.
     fn fetch_from_peer(&self, addr: &str, node: &str, name: &str, dst: &mut [u8]) -> Result<(), String> {
-        let mut c = Conn::open(addr, &self.secret, &self.me).map_err(|e| e.to_string())?;
+        let mut c = Conn::open(addr, &self.secret, &self.me, self.io_timeout).map_err(|e| e.to_string())?;
         // Each piece checked as it arrives (its bytes still in cache).
         let mut check = ckpt_store::restore::FileBytesCheck::new(&self.index, name);
         c.get(node, self.step, name, dst, |piece| check.feed(piece)).map_err(|e| e.to_string())?;

@@ -14,15 +14,38 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
     #[error(transparent)]
-    Frame(#[from] FrameError),
+    Frame(FrameError),
     #[error("{0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
+    /// A blocking socket's timeout (`--peer-timeout`) ran out.
+    #[error("no progress within the peer timeout (a cut link or a stalled peer): {0}")]
+    TimedOut(std::io::Error),
     #[error("no answer within {0:?}")]
     Stalled(Duration),
     #[error("refused: {0}")]
     Refused(String),
     #[error("{0}")]
     Protocol(String),
+}
+
+impl From<std::io::Error> for ConnError {
+    fn from(e: std::io::Error) -> ConnError {
+        // What a socket read or write whose SO_RCVTIMEO / SO_SNDTIMEO ran
+        // out returns (EAGAIN), and a connect's or TCP's own timeout.
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ConnError::TimedOut(e),
+            _ => ConnError::Io(e),
+        }
+    }
+}
+
+impl From<FrameError> for ConnError {
+    fn from(e: FrameError) -> ConnError {
+        match e {
+            FrameError::Io(e) => ConnError::from(e),
+            e => ConnError::Frame(e),
+        }
+    }
 }
 
 /// Writes one message (blocking).

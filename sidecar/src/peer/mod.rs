@@ -55,6 +55,8 @@ pub struct PeerOptions {
     pub keep: usize,
     /// Bytes of other nodes' replicas held here at most.
     pub budget_bytes: u64,
+    /// A peer connection silent this long is dropped (`--peer-timeout`).
+    pub io_timeout: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +112,7 @@ impl Peers {
             dirs: me.dirs.clone(),
             held: held.clone(),
             refused: refused.clone(),
+            io_timeout: opts.io_timeout,
         };
         runtime.spawn(server::serve(listener, Arc::new(srv)));
         let staged = Arc::new(replicate::Staged::default());
@@ -120,6 +123,7 @@ impl Peers {
             shared_dir: shared_dir.clone(),
             peers: opts.peers.clone(),
             replicas: opts.replicas,
+            io_timeout: opts.io_timeout,
         })
         .map_err(PeerError::Runtime)?;
         tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, "peers: listening");
@@ -152,7 +156,8 @@ impl Peers {
     /// A load's source of `step`'s files this node's disks do not hold:
     /// the replicas held here, then the peers.
     pub fn fetcher(&self, step: u64, index: ckpt_store::format::Index) -> PeerFiles {
-        PeerFiles::new(self.secret.clone(), self.me.id.clone(), self.opts.peers.clone(), step, index, self.held.clone())
+        let (secret, me, peers) = (self.secret.clone(), self.me.id.clone(), self.opts.peers.clone());
+        PeerFiles::new(secret, me, peers, step, index, self.held.clone(), self.opts.io_timeout)
     }
 
     /// The shared directory the replicated steps are committed in.

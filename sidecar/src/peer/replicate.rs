@@ -30,6 +30,8 @@ pub struct Sender {
     pub peers: Vec<String>,
     pub replicas: u32,
     pub staged: Arc<Staged>,
+    /// A peer silent this long fails the replication to it.
+    pub io_timeout: std::time::Duration,
 }
 
 /// This node's files of recent steps in memory, copied from each part's
@@ -229,7 +231,7 @@ impl Sender {
         let mut reasons = Vec::new();
         let mut conns = Vec::new();
         for addr in &self.peers {
-            match Conn::open(addr, &self.secret, &self.me.id) {
+            match Conn::open(addr, &self.secret, &self.me.id, self.io_timeout) {
                 Ok(c) if c.node == self.me.id => reasons.push(format!("{addr} is this node ({:?})", c.node)),
                 Ok(c) => conns.push((addr, c)),
                 Err(e) => reasons.push(format!("peer {addr}: {e}")),

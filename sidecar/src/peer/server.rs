@@ -31,6 +31,8 @@ pub struct Server {
     pub held: Arc<Held>,
     /// Connections refused (over a limit, a failed handshake, garbage, a stall).
     pub refused: Arc<AtomicU64>,
+    /// An authenticated peer silent this long is dropped.
+    pub io_timeout: Duration,
 }
 
 /// Open connections per remote host.
@@ -118,7 +120,7 @@ impl Server {
             }
         };
         debug!(%addr, node = %peer_node, "peer authenticated");
-        let io = Duration::from_millis(config::PEER_IO_TIMEOUT_MS);
+        let io = self.io_timeout;
         loop {
             let msg = match recv_async(&mut r, PEER_FRAME_BYTES_MAX, io).await {
                 Ok(m) => m,
@@ -220,7 +222,7 @@ impl Server {
         index_bytes: &[u8],
         n_files: u32,
     ) -> Result<(), ConnError> {
-        let io = Duration::from_millis(config::PEER_IO_TIMEOUT_MS);
+        let io = self.io_timeout;
         let refuse = |message: String| PeerMsg::Error { message };
         let index = match Index::from_json_bytes(index_bytes) {
             Ok(i) if i.ckpt.step == step => Arc::new(i),

@@ -1,0 +1,188 @@
+"""Peers on two hosts of their own: each node's sidecar in a network
+namespace, the two joined by a veth pair (real TCP between their own
+addresses, as between two machines; docs/guide.md, "Peers"). The link is
+rate-limited (tc tbf) so that a step's replication takes seconds, and cut
+(`ip link set ... down`) once the step is durable, while its files are on
+the wire: the replication fails within --peer-timeout on both nodes, saying
+so, the step stays durable and loads bit-equal, and no replica of it is
+held. With the link up again, the next step is held by the peer.
+
+Needs root and iproute2 (`ip netns`, `tc`, `ss`); without them the test is
+skipped, saying why."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ckpt_test_util import wait_until
+from sidecar_fixtures import Sidecar
+from test_peers import HERE, WORKER, free_port, secret_file
+
+
+def run(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def netns_missing():
+    """Why two namespaces with a veth pair cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "not root (ip netns needs it)"
+    for tool in ("ip", "tc", "ss"):
+        if shutil.which(tool) is None:
+            return f"no {tool} (iproute2)"
+    return None
+
+
+class Hosts:
+    """Namespaces a and b, a veth pair between them, addresses 10.233.N.1 and .2."""
+
+    def __init__(self):
+        tag = os.getpid() % 100000
+        self.ns = {"a": f"ckpt-{tag}-a", "b": f"ckpt-{tag}-b"}
+        self.dev = {"a": f"ck{tag}a", "b": f"ck{tag}b"}
+        net = 10 + os.getpid() % 240
+        self.addr = {"a": f"10.233.{net}.1", "b": f"10.233.{net}.2"}
+
+    def make(self):
+        steps = [
+            ("ip", "netns", "add", self.ns["a"]),
+            ("ip", "netns", "add", self.ns["b"]),
+            ("ip", "link", "add", self.dev["a"], "type", "veth", "peer", "name", self.dev["b"]),
+        ]
+        for n in ("a", "b"):
+            steps += [
+                ("ip", "link", "set", self.dev[n], "netns", self.ns[n]),
+                ("ip", "-n", self.ns[n], "addr", "add", f"{self.addr[n]}/24", "dev", self.dev[n]),
+                ("ip", "-n", self.ns[n], "link", "set", self.dev[n], "up"),
+                ("ip", "-n", self.ns[n], "link", "set", "lo", "up"),
+            ]
+        for cmd in steps:
+            r = run(*cmd)
+            if r.returncode != 0:
+                return f"{' '.join(cmd)}: {r.stderr.strip()}"
+        return None
+
+    def link(self, node, up):
+        r = run("ip", "-n", self.ns[node], "link", "set", self.dev[node], "up" if up else "down")
+        assert r.returncode == 0, r.stderr
+
+    def connected(self, node, dst):
+        """Whether `node` has an established TCP connection to `dst` (ADDR:PORT)."""
+        r = run("ip", "netns", "exec", self.ns[node], "ss", "-Htn", "state", "established", "dst", dst)
+        return r.returncode == 0 and r.stdout.strip() != ""
+
+    def rate(self, rate):
+        """Each side's egress limited to `rate` (tc tbf), or unlimited (None)."""
+        for n in ("a", "b"):
+            run("tc", "-n", self.ns[n], "qdisc", "del", "dev", self.dev[n], "root")
+            if rate is not None:
+                r = run("tc", "-n", self.ns[n], "qdisc", "add", "dev", self.dev[n], "root", "tbf", "rate", rate,
+                        "burst", "32kbit", "latency", "400ms")
+                assert r.returncode == 0, r.stderr
+
+    def remove(self):
+        for ns in self.ns.values():
+            run("ip", "netns", "del", ns)
+
+
+class NsSidecar(Sidecar):
+    """A `serve` run inside a namespace (`ip netns exec NS`): its peer port
+    is on that namespace's address; its Unix socket and directories are on
+    the one file system, so the ranks reach it from here."""
+
+    def __init__(self, ns, *a, **kw):
+        super().__init__(*a, **kw)
+        self.ns = ns
+
+    def command(self):
+        return ["ip", "netns", "exec", self.ns, *super().command()]
+
+
+@pytest.fixture
+def hosts():
+    why = netns_missing()
+    if why is None:
+        h = Hosts()
+        why = h.make()
+        if why is not None:
+            h.remove()
+    if why is not None:
+        print(f"skipped: {why}")
+        pytest.skip(why)
+    yield h
+    h.remove()
+
+
+def ranks(tmp, shared, sockets, mode, steps, env_extra=None):
+    """Starts rank 0 (node a) and rank 1 (node b); their processes and working directory."""
+    work = tmp / f"work-{mode}-{steps}"
+    work.mkdir()
+    env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               **(env_extra or {}))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(shared), steps, mode], cwd=work,
+                              env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": sockets[n]},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r, n in ((0, "a"), (1, "b"))]
+    return procs, work
+
+
+def results(procs, work, logs):
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs) + logs()
+    return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_link_cut_while_a_step_is_on_the_wire_fails_its_replication_in_time_and_the_next_step_is_held(
+        hosts, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    secret = secret_file(tmp_path / "K")
+    port = free_port()
+    nodes = {}
+    for n, other in (("a", "b"), ("b", "a")):
+        args = ["--shared", str(shared), "--node-local", "--node-id", n,
+                "--peer-listen", f"{hosts.addr[n]}:{port}", "--peers", f"{hosts.addr[other]}:{port}",
+                "--peer-secret-file", str(secret), "--peer-timeout", "5s"]
+        nodes[n] = NsSidecar(hosts.ns[n], tmp_path, args=args, name=n, ckdir=tmp_path / f"L_{n}").start()
+    sockets = {n: s.socket for n, s in nodes.items()}
+
+    def logs():
+        return "".join(f"\n--- {n}\n{s.log.read_text()[-4000:]}" for n, s in nodes.items())
+
+    try:
+        # 2 MiB per rank at 1 Mbit/s: ~16 s on the wire, so the cut below
+        # (once both ranks are durable) finds it there.
+        hosts.rate("1mbit")
+        big = {"PEER_RANKS_KIB": "2048"}
+        procs, work = ranks(tmp_path, shared, sockets, "try-save", "1", big)
+        wait_until(lambda: all((work / f"durable-1-r{r}").exists() for r in (0, 1)), 120,
+                   lambda: "step 1 durable on both ranks" + logs())
+        # Each node's replication connected to the other: its files are on the wire.
+        wait_until(lambda: all(hosts.connected(n, f"{hosts.addr[o]}:{port}") for n, o in (("a", "b"), ("b", "a"))),
+                   120, lambda: "both replications connected" + logs())
+        hosts.link("a", up=False)
+        got = results(procs, work, logs)
+        for r in got:
+            (held,) = r["held"]
+            assert isinstance(held, dict) and held["step"] == 1, (r, logs())
+            assert "not held by peers" in held["error"], (r, logs())
+            assert "no progress within the peer timeout" in held["error"], (r, logs())
+        hosts.link("a", up=True)
+        hosts.rate(None)
+        # The step is durable and loads, whole, on both nodes.
+        procs, work = ranks(tmp_path, shared, sockets, "load", "1", big)
+        for r in results(procs, work, logs):
+            assert r.get("step") == 1 and r["equal"], (r, logs())
+        # No replica of step 1 counts on either side; the next step is held.
+        for n, other in (("a", "b"), ("b", "a")):
+            assert [other, 1] not in nodes[n].status()["peers"]["holding"], logs()
+        procs, work = ranks(tmp_path, shared, sockets, "save", "2")
+        assert [r["held"] for r in results(procs, work, logs)] == [[2], [2]]
+        for n, other in (("a", "b"), ("b", "a")):
+            assert [other, 2] in nodes[n].status()["peers"]["holding"], logs()
+    finally:
+        for s in nodes.values():
+            s.stop()

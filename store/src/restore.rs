@@ -11,12 +11,14 @@
 //! Files: `locate` (the steps to try, an index, the folder of each file),
 //! `load` (the public loads and what they return), `read_step` (one step
 //! read by a thread per folder), `read_dir` (one folder's files through one
-//! engine), `check` (every byte checked as it streams by), `quick` (the
+//! engine), `check` (every byte checked as it streams by), `kept` (the
+//! index of a too-small load, for its retry), `quick` (the
 //! cheap checks of `ls`: files present, sizes), `verify`,
 //! `fetched` (files fetched from a drain target).
 
 mod check;
 pub(crate) mod fetched;
+mod kept;
 mod load;
 mod locate;
 mod quick;
@@ -29,6 +31,7 @@ use std::path::PathBuf;
 
 pub(crate) use check::{check_blobs, check_skeleton, name_slices, FileCheck};
 pub use fetched::{check_file_bytes, FetchFiles, FileBytesCheck};
+pub use kept::KeptIndex;
 pub use load::{
     load, load_into, load_into_raw, load_into_raw_with, load_into_with, Loaded, OwnMemory, Placed, ReadDest,
 };
@@ -89,6 +92,9 @@ pub struct ReadOptions {
     /// checked whole, every blob is read; a name the step lacks is
     /// ignored here (the caller finds it missing). None: every file.
     pub only_tensors: Option<std::collections::BTreeSet<String>>,
+    /// Where a load that finds its memory too small keeps the index it
+    /// parsed, for the retry with more memory ([`KeptIndex`]). None: not kept.
+    pub kept_index: Option<std::sync::Arc<KeptIndex>>,
 }
 
 /// The node a reader runs on ([`ReadOptions::node`]).

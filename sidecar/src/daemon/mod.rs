@@ -304,6 +304,7 @@ fn new_state(
         ReadOptions {
             io: opts.io,
             node: store.node_id().map(|id| ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() }),
+            kept_index: Some(Default::default()),
             ..Default::default()
         },
         staging,

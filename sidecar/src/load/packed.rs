@@ -298,7 +298,13 @@ fn load_packed_from(
     let p = match r {
         Ok(p) => p,
         Err(LoadError::BufferTooSmall { step, need_bytes, .. }) => {
-            // A fallback to an older, larger checkpoint.
+            // (A fallback to an older, larger checkpoint, maybe.) The index
+            // the read parsed is kept for the retry: listed from there.
+            if let (Origin::Dir(dir, _), Some(k)) = (origin, state.read_opts.kept_index.as_ref()) {
+                if let Some(reply) = k.with(dir, step, |index| too_small(step, index, need_bytes)) {
+                    return Ok(reply);
+                }
+            }
             let index = origin.index(step)?;
             return Ok(too_small(step, &index, need_bytes));
         }

@@ -17,6 +17,7 @@ use super::fetched::{self, FetchFiles};
 use super::locate::{candidates, dir_paths, falls_back, file_folder};
 use super::read_step::{read_step_at, Origin};
 use super::{load_len_bytes, read_index, verify, LoadError, Problem, ReadOptions, Which};
+use crate::catalog;
 use crate::config::DIRECT_ALIGN_BYTES;
 use crate::format::Index;
 use crate::mem::AlignedBuf;
@@ -265,9 +266,19 @@ pub unsafe fn load_into_raw_with(
     let mut last_err = None;
     for step in candidates(primary, which)? {
         let t0 = Instant::now();
-        let r = read_index(primary, step).and_then(|index| {
+        let kept = opts.kept_index.as_deref();
+        // The index a too-small load of this step parsed, if the step is
+        // still one to read (its marks looked at as a parse would).
+        let index = match kept.and_then(|k| k.take(primary, step)) {
+            Some(i) if catalog::damage_mark(primary, step).is_none() && catalog::is_readable(primary, step) => Ok(i),
+            _ => read_index(primary, step),
+        };
+        let r = index.and_then(|index| {
             let need_bytes = load_len_bytes(&index);
             if need_bytes > dest_len as u64 {
+                if let Some(k) = kept {
+                    k.keep(primary, step, index);
+                }
                 return Err(LoadError::BufferTooSmall { step, need_bytes, have_bytes: dest_len as u64 });
             }
             // SAFETY: dest is block-aligned and valid for need_bytes (this

@@ -101,3 +101,38 @@ fn a_step_whose_skeleton_names_a_missing_tensor_is_passed_over_by_latest_saying_
     assert!(restore::load(tmp.path(), Which::Step(5), &opts, None).is_err());
     assert!(restore::verify(tmp.path(), 4, &opts, |_, _| {}).unwrap().problems.is_empty());
 }
+
+/// A load into too little memory keeps the index it parsed (the
+/// daemon's first load of a process answers "too small" and is retried
+/// with more); the retry takes it and loads the step, and an index file
+/// replaced since is not handed out.
+#[test]
+fn a_too_small_loads_index_is_kept_for_its_retry_only_while_its_file_is_unchanged() {
+    use ckpt_store::restore::{KeptIndex, LoadError};
+    let tmp = tempfile::tempdir().unwrap();
+    commit(tmp.path(), 1, vec![TensorSpec::new("w", Dtype::F32, &[8192])]);
+    let kept = std::sync::Arc::new(KeptIndex::default());
+    let opts = ReadOptions { kept_index: Some(kept.clone()), ..Default::default() };
+    let mut small = AlignedBuf::new(4096).unwrap();
+    let need = match restore::load_into(tmp.path(), Which::Step(1), &opts, small.as_mut_slice()) {
+        Err(LoadError::BufferTooSmall { need_bytes, .. }) => need_bytes,
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("loaded into 4 KiB"),
+    };
+    assert_eq!(kept.with(tmp.path(), 1, |i| i.ckpt.step), Some(1));
+    assert_eq!(kept.with(tmp.path(), 2, |i| i.ckpt.step), None, "another step");
+    let mut big = AlignedBuf::new(need as usize).unwrap();
+    let p = restore::load_into(tmp.path(), Which::Step(1), &opts, big.as_mut_slice()).unwrap();
+    assert_eq!(p.step, 1);
+    assert_eq!(kept.with(tmp.path(), 1, |_| ()), None, "taken by the retry");
+    // Kept again, then the index replaced (same bytes, a new file).
+    assert!(restore::load_into(tmp.path(), Which::Step(1), &opts, small.as_mut_slice()).is_err());
+    let index = ckpt_store::catalog::step_path(tmp.path(), 1).join(ckpt_store::format::INDEX_FILE_NAME);
+    let bytes = std::fs::read(&index).unwrap();
+    let other = index.with_extension("new");
+    std::fs::write(&other, bytes).unwrap();
+    std::fs::rename(&other, &index).unwrap();
+    assert_eq!(kept.with(tmp.path(), 1, |_| ()), None, "the file changed");
+    let p = restore::load_into(tmp.path(), Which::Step(1), &opts, big.as_mut_slice()).unwrap();
+    assert_eq!(p.step, 1);
+}

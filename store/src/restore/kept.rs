@@ -1,0 +1,72 @@
+//! The index a load parsed before it found its memory too small, kept for
+//! the retry that follows with more memory ([`KeptIndex`]): at 100k
+//! tensors an index is ~40 MB of JSON and a parse of it ~0.25 s, which the
+//! first load of every resumed process paid three times (the read, the
+//! too-small answer's listing, the retry's read).
+//!
+//! Invariant: a kept index is handed out only for the same directory and
+//! step while the index file is the one parsed (its length, modification
+//! time and inode unchanged); the reader still looks at the step's damage
+//! mark and readability as a parse would.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::catalog;
+use crate::format::{Index, INDEX_FILE_NAME};
+
+/// One slot, shared by whoever holds the [`super::ReadOptions`] (the
+/// daemon: every session's loads); a retry from another session, for
+/// another step, simply parses.
+#[derive(Debug, Default)]
+pub struct KeptIndex {
+    slot: Mutex<Option<Kept>>,
+}
+
+#[derive(Debug)]
+struct Kept {
+    primary: PathBuf,
+    step: u64,
+    stamp: Stamp,
+    index: Index,
+}
+
+/// (length, modification time in ns, inode) of an index file.
+type Stamp = (u64, i128, u64);
+
+fn stamp(primary: &Path, step: u64) -> Option<Stamp> {
+    let m = std::fs::metadata(catalog::step_path(primary, step).join(INDEX_FILE_NAME)).ok()?;
+    Some((m.len(), m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128, m.ino()))
+}
+
+impl KeptIndex {
+    /// Keeps `index`, parsed from `primary`'s step `step`, in place of what was kept.
+    pub(crate) fn keep(&self, primary: &Path, step: u64, index: Index) {
+        let Some(stamp) = stamp(primary, step) else { return };
+        let kept = Kept { primary: primary.to_path_buf(), step, stamp, index };
+        let old = self.slot.lock().expect("kept index lock").replace(kept);
+        drop(old);
+    }
+
+    /// The kept index of `primary`'s step `step`, taken out, when its file
+    /// is unchanged since.
+    pub(crate) fn take(&self, primary: &Path, step: u64) -> Option<Index> {
+        let mut g = self.slot.lock().expect("kept index lock");
+        let k = g.as_ref()?;
+        if k.primary != primary || k.step != step {
+            return None;
+        }
+        let fresh = stamp(primary, step) == Some(k.stamp);
+        let k = g.take().expect("checked above");
+        fresh.then_some(k.index)
+    }
+
+    /// `f` of the kept index of `primary`'s step `step` (left kept), when
+    /// its file is unchanged since.
+    pub fn with<R>(&self, primary: &Path, step: u64, f: impl FnOnce(&Index) -> R) -> Option<R> {
+        let g = self.slot.lock().expect("kept index lock");
+        let k = g.as_ref().filter(|k| k.primary == primary && k.step == step)?;
+        (stamp(primary, step) == Some(k.stamp)).then(|| f(&k.index))
+    }
+}

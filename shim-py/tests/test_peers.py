@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from sidecar_fixtures import Sidecar
+from sidecar_fixtures import Sidecar, sidecar_bin
 
 HERE = pathlib.Path(__file__).parent
 WORKER = HERE / "dist" / "peer_ranks.py"
@@ -100,6 +100,20 @@ def test_a_replaced_node_on_an_emptied_disk_loads_bit_equal_from_its_peer_withou
         assert p["last_held"] == 2 and p["last_held_by"] == [other], p
         assert sorted(map(tuple, p["holding"])) == [(other, 1), (other, 2)], p
     assert list((tmp_path / "L_b" / "node-step-000000000002").glob("*.safetensors"))
+    # ls says where each node's files are: its directory, and which peer holds them in memory.
+    peers = ",".join(f"127.0.0.1:{cluster.ports[n]}" for n in ("a", "b"))
+    ls = subprocess.run([sidecar_bin(), "ls", str(cluster.shared), "--json", "--peers", peers,
+                         "--peer-secret-file", str(cluster.secret)], capture_output=True, text=True, timeout=60)
+    assert ls.returncode == 0, ls.stderr
+    doc = json.loads(ls.stdout)
+    assert sorted(p["node"] for p in doc["peers"]) == ["a", "b"], doc["peers"]
+    for row in doc["checkpoints"]:
+        for n, other in (("a", "b"), ("b", "a")):
+            node = row["nodes"][n]
+            assert node["dirs"] == [str(tmp_path / f"L_{n}")] and node["files"] >= 1 and node["held_by"] == [other], row
+    text = subprocess.run([sidecar_bin(), "ls", str(cluster.shared), "--peers", peers, "--peer-secret-file",
+                           str(cluster.secret)], capture_output=True, text=True, timeout=60).stdout
+    assert "node b: 1 file" in text and "in memory of peers: a" in text, text
     cluster.nodes["b"].kill()
     shutil.rmtree(tmp_path / "L_b")
     (tmp_path / "L_b").mkdir()

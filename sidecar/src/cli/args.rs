@@ -310,6 +310,14 @@ pub enum Cmd {
         dir: PathBuf,
         #[arg(long)]
         json: bool,
+        /// Also ask these sidecars' peer ports (HOST:PORT, comma-separated)
+        /// which nodes' steps they hold in memory (needs the cluster secret:
+        /// --peer-secret-file or CKPT_SIDECAR_PEER_SECRET_FILE).
+        #[arg(long, value_name = "A,B,...", value_delimiter = ',')]
+        peers: Vec<String>,
+        /// The cluster secret, for --peers.
+        #[arg(long, value_name = "FILE", requires = "peers")]
+        peer_secret_file: Option<PathBuf>,
     },
     /// Show a checkpoint's tensors (dtype, shape, bytes) and blobs.
     Inspect {

@@ -26,14 +26,16 @@ use super::print::{print_inspect, print_ls, print_verify, verify_row};
 /// `ls`: the committed steps, each with its ranks, tensors and bytes, and
 /// what the cheap checks found ([`restore::quick_check`]: the index reads,
 /// every file is present with its size; a step failing them is marked
-/// damaged). The output says what was and was not checked.
-pub fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+/// damaged), and, for node-local files, where each node's are: its
+/// directories, and (asked with `--peers`) the peers holding them in
+/// memory. The output says what was and was not checked.
+pub fn ls(dir: &Path, json: bool, peers: &[String], secret_file: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     catalog::check_dir(dir)?;
     let steps = catalog::readable_steps(dir).with_context(|| format!("listing {}", dir.display()))?;
     let latest = catalog::latest_step(dir)?;
     let mut rows = Vec::new();
     for s in steps {
-        let (tensors, bytes, world_size, per_rank) = match restore::read_index(dir, s) {
+        let (tensors, bytes, world_size, per_rank, nodes) = match restore::read_index(dir, s) {
             Ok(i) => {
                 let per_rank: Vec<u64> = ckpt_store::ranks::bytes_per_rank(&i).into_values().collect();
                 (
@@ -41,11 +43,12 @@ pub fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                     Some(i.ckpt.files.iter().map(|f| f.len_bytes).sum::<u64>()),
                     Some(i.ckpt.world_size),
                     Some(per_rank),
+                    node_files(&i),
                 )
             }
             // Deleted since it was listed (a live sidecar's --keep): not shown as damaged.
             Err(_) if !catalog::is_committed(dir, s) => continue,
-            Err(_) => (None, None, None, None),
+            Err(_) => (None, None, None, None, serde_json::Map::new()),
         };
         let (damage, not_checked_files) = match restore::quick_check(dir, s) {
             Ok((problems, elsewhere)) => (problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(), elsewhere),
@@ -54,11 +57,65 @@ pub fn ls(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         if !damage.is_empty() && !catalog::is_committed(dir, s) {
             continue;
         }
-        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank, "damaged": !damage.is_empty(), "damage": damage, "files_not_checked": not_checked_files}));
+        rows.push(json!({"step": s, "path": catalog::step_path(dir, s), "latest": Some(s) == latest, "tensors": tensors, "bytes": bytes, "world_size": world_size, "bytes_per_rank": per_rank, "damaged": !damage.is_empty(), "damage": damage, "files_not_checked": not_checked_files, "nodes": nodes}));
     }
-    let doc = json!({"dir": dir, "latest": latest, "checked": restore::QUICK_CHECKED, "not_checked": restore::QUICK_NOT_CHECKED, "checkpoints": rows});
+    let mut doc = json!({"dir": dir, "latest": latest, "checked": restore::QUICK_CHECKED, "not_checked": restore::QUICK_NOT_CHECKED, "checkpoints": rows});
+    if !peers.is_empty() {
+        ask_peers(&mut doc, peers, secret_file)?;
+    }
     print_ls(&dir.display().to_string(), doc, json);
     Ok(ExitCode::SUCCESS)
+}
+
+/// A step's node-local files by node: {id: {"dirs", "files", "bytes"}}
+/// (empty for a step of one machine's directories).
+fn node_files(index: &format::Index) -> serde_json::Map<String, serde_json::Value> {
+    let len = |name: &String| index.ckpt.files.iter().find(|f| &f.name == name).map_or(0, |f| f.len_bytes);
+    index
+        .ckpt
+        .nodes
+        .iter()
+        .map(|(id, n)| {
+            let bytes: u64 = n.files.iter().map(len).sum();
+            (id.clone(), json!({"dirs": n.dirs, "files": n.files.len(), "bytes": bytes}))
+        })
+        .collect()
+}
+
+/// `ls --peers`: each step's nodes get `held_by`, the peers (by node id)
+/// holding their files in memory, and the document a `peers` list of what
+/// each peer answered (its node id, or why not).
+fn ask_peers(doc: &mut serde_json::Value, peers: &[String], secret_file: Option<PathBuf>) -> anyhow::Result<()> {
+    let from_env = || std::env::var_os(config::PEER_SECRET_FILE_ENV).map(PathBuf::from);
+    let Some(secret_file) = secret_file.or_else(from_env) else {
+        bail!("--peers needs the cluster secret: --peer-secret-file FILE (or {})", config::PEER_SECRET_FILE_ENV)
+    };
+    let rows = doc["checkpoints"].as_array_mut().expect("checkpoints is a list");
+    let mut nodes: Vec<String> =
+        rows.iter().flat_map(|r| r["nodes"].as_object().into_iter().flat_map(|m| m.keys().cloned())).collect();
+    nodes.sort();
+    nodes.dedup();
+    let answers = ckpt_sidecar::peer::holdings(peers, &secret_file, &nodes)?;
+    for r in rows.iter_mut() {
+        let step = r["step"].as_u64().unwrap_or_default();
+        let Some(ns) = r["nodes"].as_object_mut() else { continue };
+        for (id, n) in ns.iter_mut() {
+            let by: Vec<&str> = (answers.iter())
+                .filter_map(|a| a.answer.as_ref().ok())
+                .filter(|(_, held)| held.iter().any(|(node, steps)| node == id && steps.contains(&step)))
+                .map(|(peer, _)| peer.as_str())
+                .collect();
+            n["held_by"] = json!(by);
+        }
+    }
+    doc["peers"] = answers
+        .iter()
+        .map(|a| match &a.answer {
+            Ok((node, _)) => json!({"addr": a.addr, "node": node}),
+            Err(why) => json!({"addr": a.addr, "error": why}),
+        })
+        .collect();
+    Ok(())
 }
 
 /// The step asked for, else `latest`, else the newest committed one (so a

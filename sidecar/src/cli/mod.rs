@@ -31,9 +31,12 @@ pub fn run(cmd: Cmd) -> anyhow::Result<ExitCode> {
         Cmd::Launch { d, preload, preload_lib, cmd } => serve::launch(&d, preload, preload_lib, &cmd),
         Cmd::Status { socket, json } => status::status(socket, json),
         // A drain target's URL (file://, s3://) is read through ckpt-tier (remote.rs).
-        Cmd::Ls { dir, json } => match remote::url_of(&dir) {
+        Cmd::Ls { dir, json, peers, peer_secret_file } => match remote::url_of(&dir) {
+            Some(_) if !peers.is_empty() => {
+                anyhow::bail!("--peers lists what peers hold of a checkpoint directory's nodes, not of a drain target")
+            }
             Some(url) => remote::ls(url, json),
-            None => local::ls(&dir, json),
+            None => local::ls(&dir, json, &peers, peer_secret_file),
         },
         Cmd::Inspect { dir, step, step_flag, json } => match remote::url_of(&dir) {
             Some(url) => remote::inspect(url, step.or(step_flag), json),

@@ -45,6 +45,34 @@ pub fn print_ls(shown: &str, doc: serde_json::Value, json: bool) {
             mark
         );
         println!("{}", line.trim_end());
+        for (id, n) in r["nodes"].as_object().into_iter().flatten() {
+            let files = n["files"].as_u64().unwrap_or_default();
+            let dirs: Vec<&str> = n["dirs"].as_array().into_iter().flatten().filter_map(|d| d.as_str()).collect();
+            let held = match n["held_by"].as_array() {
+                Some(by) if by.is_empty() => "; in no asked peer's memory".to_string(),
+                Some(by) => {
+                    format!(
+                        "; in memory of peers: {}",
+                        by.iter().filter_map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
+                    )
+                }
+                None => String::new(),
+            };
+            println!(
+                "{:>14}node {id}: {} ({}) in {}{held}",
+                "",
+                plural(files as usize, "file"),
+                human_bytes(n["bytes"].as_u64().unwrap_or_default()),
+                dirs.join(", ")
+            );
+        }
+    }
+    for p in doc["peers"].as_array().into_iter().flatten() {
+        match (p["node"].as_str(), p["error"].as_str()) {
+            (Some(node), _) => println!("peer {} is node {node}", p["addr"].as_str().unwrap_or_default()),
+            (_, Some(why)) => println!("peer {}: not asked: {why}", p["addr"].as_str().unwrap_or_default()),
+            _ => {}
+        }
     }
     if let (Some(checked), Some(not)) = (doc["checked"].as_str(), doc["not_checked"].as_str()) {
         println!("checked: {checked}; not checked: {not}");

@@ -147,6 +147,16 @@ impl Conn {
         }
     }
 
+    /// The steps of `node` this peer holds in memory.
+    pub fn list(&mut self, node: &str) -> Result<Vec<u64>, ConnError> {
+        send(&mut self.stream, &PeerMsg::List { node: node.into() })?;
+        match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
+            PeerMsg::Steps { steps, .. } => Ok(steps),
+            PeerMsg::Error { message } => Err(ConnError::Refused(message)),
+            other => Err(ConnError::Protocol(format!("{} instead of Steps", kind(&other)))),
+        }
+    }
+
     /// The next message is one `ok` accepts, else its Error as ours.
     fn expect(&mut self, ok: impl Fn(&PeerMsg) -> bool) -> Result<(), ConnError> {
         match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {

@@ -38,6 +38,39 @@ mod secret;
 mod server;
 
 pub use fetch::PeerFiles;
+
+/// What one peer answered [`holdings`]: its node id and, for each node
+/// asked about, the steps of it held in its memory; or why not.
+#[derive(Debug, Clone)]
+pub struct PeerHoldings {
+    pub addr: String,
+    pub answer: Result<(String, Vec<(String, Vec<u64>)>), String>,
+}
+
+/// The node id a tool (`ls --peers`) proves itself as: not a node's.
+pub const TOOL_NODE_ID: &str = "ckpt-sidecar-tool";
+
+/// Asks each peer at `peers` (the cluster secret in `secret_file`) which
+/// steps of each of `nodes` it holds in memory (`ls --peers`).
+pub fn holdings(
+    peers: &[String],
+    secret_file: &std::path::Path,
+    nodes: &[String],
+) -> Result<Vec<PeerHoldings>, SecretError> {
+    let secret = read_secret(secret_file)?;
+    let timeout = std::time::Duration::from_millis(crate::config::PEER_IO_TIMEOUT_MS);
+    let ask = |addr: &String| -> Result<(String, Vec<(String, Vec<u64>)>), String> {
+        let mut c = conn::Conn::open(addr, &secret, TOOL_NODE_ID, timeout).map_err(|e| e.to_string())?;
+        let mut held = Vec::new();
+        for n in nodes {
+            held.push((n.clone(), c.list(n).map_err(|e| e.to_string())?));
+        }
+        let node = c.node.clone();
+        c.close();
+        Ok((node, held))
+    };
+    Ok(peers.iter().map(|addr| PeerHoldings { addr: addr.clone(), answer: ask(addr) }).collect())
+}
 pub use secret::{read_secret, SecretError};
 
 /// The peer settings of `serve`/`launch`.

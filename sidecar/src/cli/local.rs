@@ -102,8 +102,8 @@ fn ask_peers(doc: &mut serde_json::Value, peers: &[String], secret_file: Option<
         for (id, n) in ns.iter_mut() {
             let by: Vec<&str> = (answers.iter())
                 .filter_map(|a| a.answer.as_ref().ok())
-                .filter(|(_, held)| held.iter().any(|(node, steps)| node == id && steps.contains(&step)))
-                .map(|(peer, _)| peer.as_str())
+                .filter(|h| h.held.iter().any(|(node, steps)| node == id && steps.contains(&step)))
+                .map(|h| h.node.as_str())
                 .collect();
             n["held_by"] = json!(by);
         }
@@ -111,7 +111,7 @@ fn ask_peers(doc: &mut serde_json::Value, peers: &[String], secret_file: Option<
     doc["peers"] = answers
         .iter()
         .map(|a| match &a.answer {
-            Ok((node, _)) => json!({"addr": a.addr, "node": node}),
+            Ok(h) => json!({"addr": a.addr, "node": h.node}),
             Err(why) => json!({"addr": a.addr, "error": why}),
         })
         .collect();

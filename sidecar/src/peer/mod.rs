@@ -39,12 +39,19 @@ mod server;
 
 pub use fetch::PeerFiles;
 
-/// What one peer answered [`holdings`]: its node id and, for each node
-/// asked about, the steps of it held in its memory; or why not.
+/// What the peer at `addr` answered [`holdings`], or why it did not.
 #[derive(Debug, Clone)]
 pub struct PeerHoldings {
     pub addr: String,
-    pub answer: Result<(String, Vec<(String, Vec<u64>)>), String>,
+    pub answer: Result<Holding, String>,
+}
+
+/// A peer's node id and, for each node asked about, the steps of it held
+/// in its memory.
+#[derive(Debug, Clone)]
+pub struct Holding {
+    pub node: String,
+    pub held: Vec<(String, Vec<u64>)>,
 }
 
 /// The node id a tool (`ls --peers`) proves itself as: not a node's.
@@ -59,7 +66,7 @@ pub fn holdings(
 ) -> Result<Vec<PeerHoldings>, SecretError> {
     let secret = read_secret(secret_file)?;
     let timeout = std::time::Duration::from_millis(crate::config::PEER_IO_TIMEOUT_MS);
-    let ask = |addr: &String| -> Result<(String, Vec<(String, Vec<u64>)>), String> {
+    let ask = |addr: &String| -> Result<Holding, String> {
         let mut c = conn::Conn::open(addr, &secret, TOOL_NODE_ID, timeout).map_err(|e| e.to_string())?;
         let mut held = Vec::new();
         for n in nodes {
@@ -67,7 +74,7 @@ pub fn holdings(
         }
         let node = c.node.clone();
         c.close();
-        Ok((node, held))
+        Ok(Holding { node, held })
     };
     Ok(peers.iter().map(|addr| PeerHoldings { addr: addr.clone(), answer: ask(addr) }).collect())
 }

@@ -59,16 +59,25 @@ class Cluster:
         self.nodes[node] = s
         return s
 
-    def ranks(self, mode, steps="1"):
+    def ranks(self, mode, steps="1", env_extra=None):
         """Rank 0 on a, rank 1 on b; their result files, by rank."""
+        return self.finish(*self.start_ranks(mode, steps, env_extra))
+
+    def start_ranks(self, mode, steps="1", env_extra=None):
+        """Starts rank 0 (on a) and rank 1 (on b); their processes and working directory."""
         work = self.tmp / f"work-{mode}-{steps}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+                   **(env_extra or {}))
         procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared), steps, mode], cwd=work,
                                   env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes[n].socket},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r, n in ((0, "a"), (1, "b"))]
+        return procs, work
+
+    def finish(self, procs, work):
+        """The started ranks' result files, by rank, once both exited 0; and the logs."""
         outs = [p.communicate(timeout=300)[0] for p in procs]
         logs = "\n".join(o[-3000:] for o in outs) + self.logs()
         assert all(p.returncode == 0 for p in procs), logs

@@ -9,17 +9,15 @@ held. With the link up again, the next step is held by the peer.
 
 Needs root and iproute2 (`ip netns`, `tc`, `ss`); without them the test is
 skipped, saying why."""
-import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from ckpt_test_util import wait_until
 from sidecar_fixtures import Sidecar
-from test_peers import HERE, WORKER, free_port, secret_file
+from test_peers import Cluster, free_port, secret_file
 
 
 def run(*cmd):
@@ -116,73 +114,63 @@ def hosts():
     h.remove()
 
 
-def ranks(tmp, shared, sockets, mode, steps, env_extra=None):
-    """Starts rank 0 (node a) and rank 1 (node b); their processes and working directory."""
-    work = tmp / f"work-{mode}-{steps}"
-    work.mkdir()
-    env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-               **(env_extra or {}))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(shared), steps, mode], cwd=work,
-                              env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": sockets[n]},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r, n in ((0, "a"), (1, "b"))]
-    return procs, work
+class NsCluster(Cluster):
+    """test_peers' two nodes, each sidecar in its namespace of `hosts`,
+    listening for its peer on that namespace's address."""
 
+    def __init__(self, tmp_path, secret, hosts):
+        super().__init__(tmp_path, secret)
+        self.hosts = hosts
+        port = free_port()
+        self.ports = {"a": port, "b": port}
 
-def results(procs, work, logs):
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs) + logs()
-    return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)]
+    def start(self, node, extra=(), peers=None):
+        other = "b" if node == "a" else "a"
+        h = self.hosts
+        args = ["--shared", str(self.shared), "--node-local", "--node-id", node,
+                "--peer-listen", f"{h.addr[node]}:{self.ports[node]}", "--peers", f"{h.addr[other]}:{self.ports[other]}",
+                "--peer-secret-file", str(self.secret), *extra]
+        s = NsSidecar(h.ns[node], self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}").start()
+        self.nodes[node] = s
+        return s
 
 
 def test_a_link_cut_while_a_step_is_on_the_wire_fails_its_replication_in_time_and_the_next_step_is_held(
         hosts, tmp_path):
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    secret = secret_file(tmp_path / "K")
-    port = free_port()
-    nodes = {}
-    for n, other in (("a", "b"), ("b", "a")):
-        args = ["--shared", str(shared), "--node-local", "--node-id", n,
-                "--peer-listen", f"{hosts.addr[n]}:{port}", "--peers", f"{hosts.addr[other]}:{port}",
-                "--peer-secret-file", str(secret), "--peer-timeout", "5s"]
-        nodes[n] = NsSidecar(hosts.ns[n], tmp_path, args=args, name=n, ckdir=tmp_path / f"L_{n}").start()
-    sockets = {n: s.socket for n, s in nodes.items()}
-
-    def logs():
-        return "".join(f"\n--- {n}\n{s.log.read_text()[-4000:]}" for n, s in nodes.items())
-
+    cluster = NsCluster(tmp_path, secret_file(tmp_path / "K"), hosts)
     try:
+        for n in ("a", "b"):
+            cluster.start(n, ["--peer-timeout", "5s"])
         # 2 MiB per rank at 1 Mbit/s: ~16 s on the wire, so the cut below
         # (once both ranks are durable) finds it there.
         hosts.rate("1mbit")
         big = {"PEER_RANKS_KIB": "2048"}
-        procs, work = ranks(tmp_path, shared, sockets, "try-save", "1", big)
+        procs, work = cluster.start_ranks("try-save", "1", big)
         wait_until(lambda: all((work / f"durable-1-r{r}").exists() for r in (0, 1)), 120,
-                   lambda: "step 1 durable on both ranks" + logs())
+                   lambda: "step 1 durable on both ranks" + cluster.logs())
         # Each node's replication connected to the other: its files are on the wire.
-        wait_until(lambda: all(hosts.connected(n, f"{hosts.addr[o]}:{port}") for n, o in (("a", "b"), ("b", "a"))),
-                   120, lambda: "both replications connected" + logs())
+        peer_of = {n: f"{hosts.addr[o]}:{cluster.ports[o]}" for n, o in (("a", "b"), ("b", "a"))}
+        wait_until(lambda: all(hosts.connected(n, peer_of[n]) for n in ("a", "b")), 120,
+                   lambda: "both replications connected" + cluster.logs())
         hosts.link("a", up=False)
-        got = results(procs, work, logs)
+        got, logs = cluster.finish(procs, work)
         for r in got:
             (held,) = r["held"]
-            assert isinstance(held, dict) and held["step"] == 1, (r, logs())
-            assert "not held by peers" in held["error"], (r, logs())
-            assert "no progress within the peer timeout" in held["error"], (r, logs())
+            assert isinstance(held, dict) and held["step"] == 1, (r, logs)
+            assert "not held by peers" in held["error"], (r, logs)
+            assert "no progress within the peer timeout" in held["error"], (r, logs)
         hosts.link("a", up=True)
         hosts.rate(None)
         # The step is durable and loads, whole, on both nodes.
-        procs, work = ranks(tmp_path, shared, sockets, "load", "1", big)
-        for r in results(procs, work, logs):
-            assert r.get("step") == 1 and r["equal"], (r, logs())
+        got, logs = cluster.ranks("load", "1", big)
+        for r in got:
+            assert r.get("step") == 1 and r["equal"], (r, logs)
         # No replica of step 1 counts on either side; the next step is held.
         for n, other in (("a", "b"), ("b", "a")):
-            assert [other, 1] not in nodes[n].status()["peers"]["holding"], logs()
-        procs, work = ranks(tmp_path, shared, sockets, "save", "2")
-        assert [r["held"] for r in results(procs, work, logs)] == [[2], [2]]
+            assert [other, 1] not in cluster.nodes[n].status()["peers"]["holding"], cluster.logs()
+        got, logs = cluster.ranks("save", "2")
+        assert [r["held"] for r in got] == [[2], [2]], logs
         for n, other in (("a", "b"), ("b", "a")):
-            assert [other, 2] in nodes[n].status()["peers"]["holding"], logs()
+            assert [other, 2] in cluster.nodes[n].status()["peers"]["holding"], cluster.logs()
     finally:
-        for s in nodes.values():
-            s.stop()
+        cluster.stop()

@@ -233,6 +233,16 @@ pub struct DaemonArgs {
     pub io: IoArgs,
 }
 
+/// The cluster secret's file: `given` (--peer-secret-file), else
+/// CKPT_SIDECAR_PEER_SECRET_FILE; an error naming `needed_by` (the option
+/// that needs it) when neither is set.
+pub fn peer_secret_file(given: Option<PathBuf>, needed_by: &str) -> anyhow::Result<PathBuf> {
+    let env = config::PEER_SECRET_FILE_ENV;
+    given
+        .or_else(|| std::env::var_os(env).map(PathBuf::from))
+        .ok_or_else(|| anyhow::anyhow!("{needed_by} needs the cluster secret: --peer-secret-file FILE (or {env})"))
+}
+
 /// A bandwidth: a size (as everywhere, KB = 1000, KiB = 1024) per second,
 /// with or without the `/s`.
 pub fn parse_bandwidth(s: &str) -> Result<u64, String> {

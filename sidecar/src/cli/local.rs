@@ -86,10 +86,7 @@ fn node_files(index: &format::Index) -> serde_json::Map<String, serde_json::Valu
 /// holding their files in memory, and the document a `peers` list of what
 /// each peer answered (its node id, or why not).
 fn ask_peers(doc: &mut serde_json::Value, peers: &[String], secret_file: Option<PathBuf>) -> anyhow::Result<()> {
-    let from_env = || std::env::var_os(config::PEER_SECRET_FILE_ENV).map(PathBuf::from);
-    let Some(secret_file) = secret_file.or_else(from_env) else {
-        bail!("--peers needs the cluster secret: --peer-secret-file FILE (or {})", config::PEER_SECRET_FILE_ENV)
-    };
+    let secret_file = super::args::peer_secret_file(secret_file, "--peers")?;
     let rows = doc["checkpoints"].as_array_mut().expect("checkpoints is a list");
     let mut nodes: Vec<String> =
         rows.iter().flat_map(|r| r["nodes"].as_object().into_iter().flat_map(|m| m.keys().cloned())).collect();

@@ -73,13 +73,7 @@ impl DaemonArgs {
     /// The peer options, when --peer-listen asks for peers.
     fn peer_options(&self) -> anyhow::Result<Option<ckpt_sidecar::peer::PeerOptions>> {
         let Some(listen) = self.peer_listen else { return Ok(None) };
-        let from_env = || std::env::var_os(ckpt_sidecar::config::PEER_SECRET_FILE_ENV).map(PathBuf::from);
-        let Some(secret_file) = self.peer_secret_file.clone().or_else(from_env) else {
-            bail!(
-                "--peer-listen needs the cluster secret: --peer-secret-file FILE (or {})",
-                ckpt_sidecar::config::PEER_SECRET_FILE_ENV
-            )
-        };
+        let secret_file = super::args::peer_secret_file(self.peer_secret_file.clone(), "--peer-listen")?;
         Ok(Some(ckpt_sidecar::peer::PeerOptions {
             listen,
             peers: self.peers.clone(),

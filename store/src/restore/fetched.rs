@@ -105,13 +105,11 @@ pub(crate) fn verifies_when_fetched_again(index: &Index, names: &[String], src: 
         // A blob's problem is never the destination's (blobs go to memory of their own).
         let Some(f) = index.ckpt.files.iter().find(|f| &f.name == name) else { return false };
         let mut buf = vec![0u8; f.len_bytes as usize];
-        let mut check = FileCheck::new(f, index.tensors_of(&f.name).collect());
-        let mut problems = Vec::new();
-        if src.fetch(&f.name, &mut buf, &mut |bytes| check.feed(bytes, &mut problems)).is_err() {
+        let mut check = FileBytesCheck::new(index, &f.name);
+        if src.fetch(&f.name, &mut buf, &mut |bytes| check.feed(bytes)).is_err() {
             return false;
         }
-        check.finish(&mut problems);
-        problems.is_empty()
+        check.finish().is_empty()
     })
 }
 

@@ -18,7 +18,11 @@ Every state lives in shared memory (`ck.share`), memory warm. Rows:
 - replan: the first save of a changed structure (one tensor more) against
   the cached saves of the one before;
 - load: `load()` of the N-tensor step against the one tensor's step, and the
-  index's size.
+  index's size;
+- ranks: --ranks processes against the same sidecar (RANK, WORLD_SIZE), a
+  replicated state of --ranks x --rank-tensors x 1 KiB that each rank saves
+  (its part: --rank-tensors tensors), all ranks at once, 7 steps, medians of
+  the last 5 per rank; then one tensor per rank of the same bytes.
 
 With --incremental-off the rows are measured again against a sidecar
 started with `--incremental off` (the default is on).
@@ -27,6 +31,7 @@ started with `--incremental off` (the default is on).
 import argparse
 import ctypes
 import json
+import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -169,12 +174,66 @@ def counted(st, ck, ckdir, n, c_abi):
     return row
 
 
+def _rank_worker(rank, world_size, n, sock, first_step, barrier, q):
+    """One rank: the replicated N x world_size state (its part: ~N tensors),
+    then one tensor per rank of the same bytes, each saved 7 times in step
+    with the other ranks, from step first_step + 1 on. A rank that fails
+    breaks the barrier, so the others fail too instead of waiting."""
+    from .checkpointer import Checkpointer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), CKPT_SIDECAR_SOCKET=sock)
+    try:
+        with Checkpointer(socket=sock, spawn=False) as ck:
+            st = Stepper(ck)
+            st.step = first_step
+            out = {}
+            states = (
+                ("many", many(n * world_size, 1)),
+                ("one", {f"w{r}": np.full(n * 256, 1, dtype=np.float32) for r in range(world_size)}),
+            )
+            for label, state in states:
+                state = ck.share(state)
+                samples = []
+                for _ in range(7):
+                    barrier.wait(600)
+                    samples.append(st.save(state))
+                out[label] = figures(samples[-5:])
+        q.put((rank, out))
+    except BaseException as e:
+        barrier.abort()
+        q.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def ranks(side, n, world_size, first_step):
+    """The --ranks rows: each rank's figures, by rank."""
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(world_size), ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_worker, args=(r, world_size, n, side.sock, first_step, barrier, q))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=1800) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    failed = {r: v for r, v in got.items() if isinstance(v, str)}
+    if failed:
+        raise SystemExit(f"rank workers failed: {failed}")
+    return {"world_size": world_size, "tensors_per_rank": n, "by_rank": [got[r] for r in range(world_size)]}
+
+
 def run(args, incremental):
     base = os.path.join(args.dir, "incremental-" + ("on" if incremental else "off"))
     shutil.rmtree(base, ignore_errors=True)
     ckdir = os.path.join(base, "ckpt")
     os.makedirs(ckdir)
-    biggest = max(args.counts)
+    biggest = max(max(args.counts), args.ranks * args.rank_tensors)
     staging = max(256 << 20, 4 * biggest * 1024 + (64 << 20))
     side = Sidecar(ckdir, staging, extra=() if incremental else ("--incremental", "off"))
     out = {"incremental": incremental, "rows": []}
@@ -187,6 +246,9 @@ def run(args, incremental):
             out["rows"].append(counted(st, ck, ckdir, n, not args.no_c_abi))
             log(f"incremental {'on' if incremental else 'off'}: {n} tensors done")
         ck.close()
+        if args.ranks > 1:
+            out["ranks"] = ranks(side, args.rank_tensors, args.ranks, st.step)
+            log(f"incremental {'on' if incremental else 'off'}: {args.ranks} ranks done")
     finally:
         side.stop()
         shutil.rmtree(base, ignore_errors=True)
@@ -234,6 +296,16 @@ def print_run(r):
         )
         if "bars" in row:
             print(f"  {'':>16s} bars {json.dumps(row['bars'])}")
+    rk = r.get("ranks")
+    if rk:
+        n = rk["tensors_per_rank"]
+        print(f"  {rk['world_size']} ranks, one sidecar, each rank's part {n} x 1 KiB, beside 1 x {n} KiB per rank:")
+        for rank, f in enumerate(rk["by_rank"]):
+            for k, label in (("many", f"rank {rank} {n} x 1 KiB"), ("one", f"rank {rank} 1 x {n} KiB")):
+                g = f[k]
+                per = f"{1e6 * g['save_s'] / n:9.3f} {1e6 * g['released_s'] / n:9.3f}" if k == "many" else ""
+                d = g["durable_after_released_s"]
+                print(f"  {label:>22s} {ms(g['save_s'])} {ms(g['released_s'])} {ms(d)} {per}")
 
 
 def main(argv=None):
@@ -243,6 +315,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of the alternating states")
     p.add_argument("--incremental-off", action="store_true", help="also against a sidecar with --incremental off")
     p.add_argument("--no-c-abi", action="store_true", help="skip the C ABI rows")
+    p.add_argument("--ranks", type=int, default=2, help="rank processes of the ranks rows (0 or 1: no such rows)")
+    p.add_argument("--rank-tensors", type=int, default=10000, help="tensors of 1 KiB in each rank's part")
     p.add_argument("--json", action="store_true", help="one JSON document on the last line")
     args = p.parse_args(argv)
     args.counts = [int(c) for c in args.counts.split(",") if c]

@@ -471,10 +471,11 @@ pub enum BenchCmd {
     /// The per-tensor cost of a save: states of many small tensors in shared
     /// memory (1,000 x 4 KiB alternated with one 4 MiB tensor; N x 1 KiB saved
     /// repeatedly, through the Python package and the C ABI), each beside one
-    /// tensor of the same bytes, a changed structure's replan, load and the
-    /// index's size. Runs the Python module ckpt_sidecar.bench_tensors
-    /// (numpy; the Python of $CKPT_SIDECAR_PYTHON, else python3); its options
-    /// (--dir DIR [--counts 1000,10000,100000] [--incremental-off] [--json];
+    /// tensor of the same bytes, a changed structure's replan, load, the
+    /// index's size, and several ranks on one sidecar. Runs the Python module
+    /// ckpt_sidecar.bench_tensors (numpy; the Python of $CKPT_SIDECAR_PYTHON,
+    /// else python3); its options (--dir DIR [--counts 1000,10000,100000]
+    /// [--incremental-off] [--ranks 2] [--rank-tensors 10000] [--json];
     /// --help lists them) are passed on as they are.
     #[command(disable_help_flag = true)]
     Tensors {

@@ -223,6 +223,14 @@ impl Layout {
         self.staging_len = base_bytes + image_len;
     }
 
+    /// Whether `other` is this layout or a clone of it, however placed
+    /// ([`Layout::rebase`]): the same tensors, shards and index. Clones
+    /// share their rendered index until [`Layout::set_slices`] changes what
+    /// it says, and share their specs.
+    pub fn same_plan(&self, other: &Layout) -> bool {
+        Arc::ptr_eq(&self.index_template, &other.index_template) && Arc::ptr_eq(&self.specs, &other.specs)
+    }
+
     /// Bytes of staging the image itself covers (from its first shard on).
     pub fn image_len(&self) -> u64 {
         self.shards.iter().map(|s| s.io_len).sum()

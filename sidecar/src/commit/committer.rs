@@ -28,6 +28,7 @@ use crate::state::reply::Replies;
 use crate::state::{DaemonState, Phase};
 use ckpt_store::commit::{CommitError, CommitReport, Store};
 use ckpt_store::image::{self, Layout};
+use ckpt_store::ranks::Merged;
 use ckpt_store::rollback::RollbackError;
 
 pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> JoinHandle<()> {
@@ -36,6 +37,8 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
         .name("ckpt-commit".into())
         .spawn(move || {
             let mut groups = RankGroups::new(part_timeout());
+            // The last group committed, for the next step of the same plans.
+            let mut kept: Option<KeptGroup> = None;
             // Several nodes: parts go to the shared directory, not to `groups`.
             let mut nodes = store.shared_dir().is_some().then(|| Nodes::new(part_timeout()));
             loop {
@@ -49,7 +52,7 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                 match work {
                     Ok(Work::Checkpoint(job)) if job.part.is_some() => match nodes.as_mut() {
                         Some(n) => n.offer(&mut store, &state, job),
-                        None => gather(&mut store, &state, &mut groups, job),
+                        None => gather(&mut store, &state, &mut groups, &mut kept, job),
                     },
                     Ok(Work::Checkpoint(job)) => commit_one(&mut store, &state, job),
                     Ok(Work::File(job)) => write_one(&mut store, &state, job),
@@ -151,7 +154,7 @@ fn fail_part(state: &DaemonState, job: Job, r: Refusal) {
 
 /// One rank's part: kept until its step's group is complete, then the
 /// whole group is committed as one checkpoint.
-fn gather(store: &mut Store, state: &DaemonState, groups: &mut RankGroups, job: Job) {
+fn gather(store: &mut Store, state: &DaemonState, groups: &mut RankGroups, kept: &mut Option<KeptGroup>, job: Job) {
     state.set_phase(job.key(), Phase::WaitingForRanks);
     match groups.offer(job) {
         Offer::Pending => {}
@@ -159,13 +162,15 @@ fn gather(store: &mut Store, state: &DaemonState, groups: &mut RankGroups, job: 
             warn!("{why}");
             fail_part(state, *job, Refusal::new(ErrorCode::BadRequest, why));
         }
-        Offer::Complete(parts) => commit_group(store, state, parts),
+        Offer::Complete(parts) => commit_group(store, state, kept, parts),
     }
 }
 
 /// Commits every rank's part of one step as one checkpoint; Durable (or
-/// Failed) goes to every rank's session.
-fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
+/// Failed) goes to every rank's session. `kept` is the previous group:
+/// its merge and its check are used again when the parts are the same
+/// (replaced by this group otherwise).
+fn commit_group(store: &mut Store, state: &DaemonState, kept: &mut Option<KeptGroup>, parts: Vec<Job>) {
     let step = parts[0].step;
     if state.is_aborting() {
         for job in parts {
@@ -196,7 +201,10 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
             return;
         }
     };
-    if let Some(why) = disagreement(&parts, &decls) {
+    let plans: Vec<&Layout> = parts.iter().map(|j| &j.layout).collect();
+    let skeletons = Skeletons::of(&parts);
+    let again = kept.take().filter(|k| k.merged.is_of(&plans, &decls) && k.skeletons == skeletons);
+    if let Some(why) = again.is_none().then(|| disagreement(&parts, &decls)).flatten() {
         let e = CommitError::PartsDisagree { step, why };
         warn!(step, world_size, "{e}");
         for job in parts {
@@ -204,15 +212,11 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         }
         return;
     }
-    let mut layouts = Vec::with_capacity(parts.len());
     let mut crcs = Vec::new();
     // Incremental parts: every part's digests, in the merged order.
     let mut digests: Option<Vec<u128>> = parts.iter().all(|j| j.digests.is_some()).then(Vec::new);
     let mut blobs = Vec::new();
     for j in &parts {
-        let mut placed = j.layout.clone();
-        placed.rebase(j.lease.offset_bytes());
-        layouts.push(placed);
         crcs.extend_from_slice(&j.crcs);
         if let (Some(d), Some(jd)) = (digests.as_mut(), j.digests.as_ref()) {
             d.extend_from_slice(jd);
@@ -225,10 +229,18 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
         );
     }
     let t0 = Instant::now();
-    let r = ckpt_store::ranks::merge(layouts)
-        .and_then(|mut merged| merged.set_slices(decls).map(|()| merged))
-        .map_err(CommitError::from)
-        .and_then(|merged| match digests.as_deref().filter(|_| merged.opts.incremental) {
+    let bases: Vec<u64> = parts.iter().map(|j| j.lease.offset_bytes()).collect();
+    let merged_again = again.is_some();
+    let group = match again {
+        Some(k) => Ok(k),
+        None => Merged::new(plans.into_iter().cloned().collect(), decls)
+            .map(|merged| KeptGroup { merged, skeletons: skeletons.owned() }),
+    };
+    let r =
+        group.map(|k| kept.insert(k).merged.placed(&bases)).map_err(CommitError::from).and_then(|merged| match digests
+            .as_deref()
+            .filter(|_| merged.opts.incremental)
+        {
             Some(d) => {
                 crate::commit::full_every::before_commit(store, state);
                 store.commit_with_digests(step, &merged, parts[0].lease.staging_buf(), &crcs, d, &blobs)
@@ -243,7 +255,14 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
     match r {
         Ok(rep) => {
             let gib_per_s = rep.bytes as f64 / persist_seconds.max(1e-9) / (1u64 << 30) as f64;
-            info!(step, world_size, persist_s = persist_seconds, gib_per_s, "durable (every rank's part)");
+            info!(
+                step,
+                world_size,
+                persist_s = persist_seconds,
+                gib_per_s,
+                merged_again,
+                "durable (every rank's part)"
+            );
             let copy_seconds = parts.iter().map(|j| j.copy_seconds).fold(0.0, f64::max);
             state.set_last(LastFigures {
                 step,
@@ -269,6 +288,36 @@ fn commit_group(store: &mut Store, state: &DaemonState, parts: Vec<Job>) {
                 fail_part(state, job, Refusal::from(&e));
             }
         }
+    }
+}
+
+/// A group of parts committed, kept for the next step's: ranks that save
+/// the same structures every step (kept save plans) send the same parts
+/// in other leases, whose merge ([`Merged::placed`]) and check
+/// ([`disagreement`]) need not be made again: at 10k tensors per rank
+/// they cost tens of milliseconds per step (docs/performance.md).
+pub struct KeptGroup {
+    merged: Merged,
+    /// The skeletons the parts were checked with, by rank.
+    skeletons: Skeletons<'static>,
+}
+
+/// What [`disagreement`] reads of each part besides its tensors (its
+/// plan's): the skeleton, and whether it has a parts map. By rank.
+#[derive(PartialEq, Eq)]
+struct Skeletons<'a>(Vec<(Option<std::borrow::Cow<'a, [u8]>>, bool)>);
+
+impl<'a> Skeletons<'a> {
+    fn of(parts: &'a [Job]) -> Skeletons<'a> {
+        use ckpt_store::skeleton::{PARTS_BLOB, STRUCTURE_BLOB};
+        let blob = |j: &'a Job, name: &str| j.blobs.iter().find(|b| b.name == name).map(|b| &b.bytes[..]);
+        Skeletons(
+            parts.iter().map(|j| (blob(j, STRUCTURE_BLOB).map(Into::into), blob(j, PARTS_BLOB).is_some())).collect(),
+        )
+    }
+
+    fn owned(&self) -> Skeletons<'static> {
+        Skeletons(self.0.iter().map(|(s, m)| (s.as_ref().map(|s| s.to_vec().into()), *m)).collect())
     }
 }
 

@@ -355,6 +355,27 @@ fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks
         assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
         assert!(matches!(reply(s), Reply::Durable { step: 5, .. }));
     }
+    // The same parts (their plans kept, their merge kept by the committer)
+    // under a skeleton that names another tensor: checked again, refused.
+    part(&mut a, 6, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "c"])]);
+    part(&mut b, 6, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 6, .. }));
+        match reply(s) {
+            Reply::Failed { step: 6, code: ErrorCode::BadRequest, reason, .. } => {
+                assert!(reason.contains("\"c\"") && reason.contains("rank 1 stores \"b\""), "{reason}");
+            }
+            other => panic!("expected Failed, got {other:?}"),
+        }
+    }
+    assert!(!catalog::is_committed(&sc.dir, 6));
+    // And the skeleton of step 5 again: it commits.
+    part(&mut a, 6, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "b"])]);
+    part(&mut b, 6, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
+    for s in [&mut a, &mut b] {
+        assert!(matches!(reply(s), Reply::Released { step: 6, .. }));
+        assert!(matches!(reply(s), Reply::Durable { step: 6, .. }));
+    }
 }
 
 #[test]

@@ -92,8 +92,9 @@ pub struct ReadOptions {
     /// checked whole, every blob is read; a name the step lacks is
     /// ignored here (the caller finds it missing). None: every file.
     pub only_tensors: Option<std::collections::BTreeSet<String>>,
-    /// Where a load that finds its memory too small keeps the index it
-    /// parsed, for the retry with more memory ([`KeptIndex`]). None: not kept.
+    /// Where the index a load parsed is kept for the next load of the
+    /// same step ([`KeptIndex`]): a load that finds its memory too small
+    /// keeps it here; the daemon keeps a placed load's too. None: not kept.
     pub kept_index: Option<std::sync::Arc<KeptIndex>>,
 }
 

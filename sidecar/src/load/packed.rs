@@ -327,15 +327,13 @@ fn load_packed_from(
     placed.sort_by_key(|(at, _)| *at);
     let (offsets, tensors) = placed.into_iter().unzip();
     info!(step = p.step, bytes = p.bytes, read_seconds = p.seconds, engine = %p.engine, "read into the client's region");
-    Ok(PlacedReply {
-        step: p.step,
-        source,
-        tensors,
-        offsets,
-        need_bytes: restore::load_len_bytes(&p.index),
-        blobs,
-        fell_back,
-    })
+    let need_bytes = restore::load_len_bytes(&p.index);
+    // Kept for the next load of the step from this directory (the other
+    // ranks of a resumed node read the same index: 40 MB at 100k tensors).
+    if let (Origin::Dir(dir, _), Some(k)) = (origin, state.read_opts.kept_index.as_ref()) {
+        k.keep(dir, p.step, p.index);
+    }
+    Ok(PlacedReply { step: p.step, source, tensors, offsets, need_bytes, blobs, fell_back })
 }
 
 /// A LoadPacked's destination as the reader sees it: every access inside the

@@ -370,6 +370,43 @@ fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_wh
 }
 
 #[test]
+fn a_packed_loads_index_is_kept_for_the_next_load_only_while_its_file_is_unchanged() {
+    let sc = Sidecar::start(&["--full-every", "1"]);
+    let (descs, len) = model(1);
+    let mut shm = Shm::new(len);
+    shm.fill(5);
+    let mut c = sc.client();
+    c.register(1, &shm);
+    c.save_durable(9, descs.clone(), blobs(9));
+    c.save_durable(10, descs.clone(), blobs(10));
+    let mut target = Shm::new(len + (8 << 20));
+    c.register(2, &target);
+    // From disk (9 is not resident) twice: the second takes the index the first kept.
+    for _ in 0..2 {
+        target.bytes_mut().fill(0xee);
+        let (step, source, _) =
+            assert_placed(load_packed(&mut c, Some(9), 2, 0, target.len as u64), &target, 0, &shm, &descs);
+        assert_eq!((step, source), (9, LoadSource::Disk));
+    }
+    // The index rewritten in place (same inode; a byte longer, so that its
+    // stamp differs however coarse the clock), its own checksum off by one
+    // digit: parsed again and refused, not served as kept.
+    let index = catalog::step_path(&sc.dir, 9).join(ckpt_store::format::INDEX_FILE_NAME);
+    let mut text = std::fs::read_to_string(&index).unwrap();
+    let key = "\"index_crc32c\": ";
+    let at = text.find(key).unwrap() + key.len();
+    let d = text.as_bytes()[at];
+    let other = if d == b'1' { "2" } else { "1" };
+    text.replace_range(at..at + 1, other);
+    text.push('\n');
+    std::fs::write(&index, text).unwrap();
+    match load_packed(&mut c, Some(9), 2, 0, target.len as u64) {
+        Reply::Error { message, .. } => assert!(message.contains("index"), "{message}"),
+        other => panic!("expected an error for the damaged index, got {other:?}"),
+    }
+}
+
+#[test]
 fn bad_requests_get_errors_and_the_session_goes_on() {
     let sc = Sidecar::start(&[]);
     let mut shm = Shm::new(1 << 20);

@@ -1,8 +1,9 @@
-//! The index a load parsed before it found its memory too small, kept for
-//! the retry that follows with more memory ([`KeptIndex`]): at 100k
-//! tensors an index is ~40 MB of JSON and a parse of it ~0.25 s, which the
-//! first load of every resumed process paid three times (the read, the
-//! too-small answer's listing, the retry's read).
+//! The index a load parsed, kept for the next load of the same step
+//! ([`KeptIndex`]): the retry of a load that found its memory too small,
+//! or another rank's load of the same step. At 100k tensors an index is
+//! ~40 MB of JSON and a parse of it ~0.25 s, which the first load of every
+//! resumed process paid three times (the read, the too-small answer's
+//! listing, the retry's read), and every rank of a resumed node once.
 //!
 //! Invariant: a kept index is handed out only for the same directory and
 //! step while the index file is the one parsed (its length, modification
@@ -41,8 +42,9 @@ fn stamp(primary: &Path, step: u64) -> Option<Stamp> {
 }
 
 impl KeptIndex {
-    /// Keeps `index`, parsed from `primary`'s step `step`, in place of what was kept.
-    pub(crate) fn keep(&self, primary: &Path, step: u64, index: Index) {
+    /// Keeps `index`, parsed from `primary`'s step `step` (its file as it is
+    /// now: the stamp is taken here), in place of what was kept.
+    pub fn keep(&self, primary: &Path, step: u64, index: Index) {
         let Some(stamp) = stamp(primary, step) else { return };
         let kept = Kept { primary: primary.to_path_buf(), step, stamp, index };
         let old = self.slot.lock().expect("kept index lock").replace(kept);

@@ -236,17 +236,16 @@ fn commit_group(store: &mut Store, state: &DaemonState, kept: &mut Option<KeptGr
         None => Merged::new(plans.into_iter().cloned().collect(), decls)
             .map(|merged| KeptGroup { merged, skeletons: skeletons.owned() }),
     };
-    let r =
-        group.map(|k| kept.insert(k).merged.placed(&bases)).map_err(CommitError::from).and_then(|merged| match digests
-            .as_deref()
-            .filter(|_| merged.opts.incremental)
-        {
+    let r = group.map_err(CommitError::from).and_then(|k| {
+        let merged = kept.insert(k).merged.placed(&bases);
+        match digests.as_deref().filter(|_| merged.opts.incremental) {
             Some(d) => {
                 crate::commit::full_every::before_commit(store, state);
                 store.commit_with_digests(step, &merged, parts[0].lease.staging_buf(), &crcs, d, &blobs)
             }
             None => store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs),
-        });
+        }
+    });
     if r.is_ok() {
         crate::commit::full_every::after_commit(store, state);
     }
@@ -296,7 +295,7 @@ fn commit_group(store: &mut Store, state: &DaemonState, kept: &mut Option<KeptGr
 /// in other leases, whose merge ([`Merged::placed`]) and check
 /// ([`disagreement`]) need not be made again: at 10k tensors per rank
 /// they cost tens of milliseconds per step (docs/performance.md).
-pub struct KeptGroup {
+struct KeptGroup {
     merged: Merged,
     /// The skeletons the parts were checked with, by rank.
     skeletons: Skeletons<'static>,

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 
 pub(crate) use check::{check_blobs, check_skeleton, name_slices, FileCheck};
 pub use fetched::{check_file_bytes, FetchFiles, FileBytesCheck};
-pub use kept::KeptIndex;
+pub use kept::{IndexStamp, KeptIndex};
 pub use load::{
     load, load_into, load_into_raw, load_into_raw_with, load_into_with, Loaded, OwnMemory, Placed, ReadDest,
 };

@@ -330,8 +330,8 @@ fn load_packed_from(
     let need_bytes = restore::load_len_bytes(&p.index);
     // Kept for the next load of the step from this directory (the other
     // ranks of a resumed node read the same index: 40 MB at 100k tensors).
-    if let (Origin::Dir(dir, _), Some(k)) = (origin, state.read_opts.kept_index.as_ref()) {
-        k.keep(dir, p.step, p.index);
+    if let (Origin::Dir(dir, _), Some(k), Some(s)) = (origin, state.read_opts.kept_index.as_ref(), p.index_stamp) {
+        k.keep(dir, p.step, s, p.index);
     }
     Ok(PlacedReply { step: p.step, source, tensors, offsets, need_bytes, blobs, fell_back })
 }

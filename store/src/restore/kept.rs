@@ -29,39 +29,43 @@ pub struct KeptIndex {
 struct Kept {
     primary: PathBuf,
     step: u64,
-    stamp: Stamp,
+    stamp: IndexStamp,
     index: Index,
 }
 
-/// (length, modification time in ns, inode) of an index file.
-type Stamp = (u64, i128, u64);
+/// An index file's (length, modification time in ns, inode), taken just
+/// before it is parsed: a file changed after the stamp (even while it was
+/// parsed) no longer matches it, so the index kept under it is not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexStamp(u64, i128, u64);
 
-fn stamp(primary: &Path, step: u64) -> Option<Stamp> {
-    let m = std::fs::metadata(catalog::step_path(primary, step).join(INDEX_FILE_NAME)).ok()?;
-    Some((m.len(), m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128, m.ino()))
+impl IndexStamp {
+    pub(crate) fn of(primary: &Path, step: u64) -> Option<IndexStamp> {
+        let m = std::fs::metadata(catalog::step_path(primary, step).join(INDEX_FILE_NAME)).ok()?;
+        Some(IndexStamp(m.len(), m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128, m.ino()))
+    }
 }
 
 impl KeptIndex {
-    /// Keeps `index`, parsed from `primary`'s step `step` (its file as it is
-    /// now: the stamp is taken here), in place of what was kept.
-    pub fn keep(&self, primary: &Path, step: u64, index: Index) {
-        let Some(stamp) = stamp(primary, step) else { return };
+    /// Keeps `index`, parsed from `primary`'s step `step` after `stamp` was
+    /// taken of its file ([`super::Placed::index_stamp`]), in place of what was kept.
+    pub fn keep(&self, primary: &Path, step: u64, stamp: IndexStamp, index: Index) {
         let kept = Kept { primary: primary.to_path_buf(), step, stamp, index };
         let old = self.slot.lock().expect("kept index lock").replace(kept);
         drop(old);
     }
 
-    /// The kept index of `primary`'s step `step`, taken out, when its file
-    /// is unchanged since.
-    pub(crate) fn take(&self, primary: &Path, step: u64) -> Option<Index> {
+    /// The kept index of `primary`'s step `step` and its stamp, taken out,
+    /// when its file is unchanged since.
+    pub(crate) fn take(&self, primary: &Path, step: u64) -> Option<(Index, IndexStamp)> {
         let mut g = self.slot.lock().expect("kept index lock");
         let k = g.as_ref()?;
         if k.primary != primary || k.step != step {
             return None;
         }
-        let fresh = stamp(primary, step) == Some(k.stamp);
+        let fresh = IndexStamp::of(primary, step) == Some(k.stamp);
         let k = g.take().expect("checked above");
-        fresh.then_some(k.index)
+        fresh.then_some((k.index, k.stamp))
     }
 
     /// `f` of the kept index of `primary`'s step `step` (left kept), when
@@ -69,6 +73,6 @@ impl KeptIndex {
     pub fn with<R>(&self, primary: &Path, step: u64, f: impl FnOnce(&Index) -> R) -> Option<R> {
         let g = self.slot.lock().expect("kept index lock");
         let k = g.as_ref().filter(|k| k.primary == primary && k.step == step)?;
-        (stamp(primary, step) == Some(k.stamp)).then(|| f(&k.index))
+        (IndexStamp::of(primary, step) == Some(k.stamp)).then(|| f(&k.index))
     }
 }

@@ -142,6 +142,10 @@ pub struct Placed {
     pub engine: String,
     /// Per file: (offset of the file image in the memory, data section start).
     pub(super) files: BTreeMap<String, (usize, u64)>,
+    /// The index file's stamp taken before it was parsed, when the load was
+    /// given a [`super::KeptIndex`]: what keeping `index` for the next load
+    /// needs ([`super::KeptIndex::keep`]).
+    pub index_stamp: Option<super::IndexStamp>,
 }
 
 impl Placed {
@@ -269,15 +273,20 @@ pub unsafe fn load_into_raw_with(
         let kept = opts.kept_index.as_deref();
         // The index a too-small load of this step parsed, if the step is
         // still one to read (its marks looked at as a parse would).
-        let index = match kept.and_then(|k| k.take(primary, step)) {
-            Some(i) if catalog::damage_mark(primary, step).is_none() && catalog::is_readable(primary, step) => Ok(i),
-            _ => read_index(primary, step),
+        let (index, stamp) = match kept.and_then(|k| k.take(primary, step)) {
+            Some((i, s)) if catalog::damage_mark(primary, step).is_none() && catalog::is_readable(primary, step) => {
+                (Ok(i), Some(s))
+            }
+            _ => {
+                let stamp = kept.and_then(|_| super::IndexStamp::of(primary, step));
+                (read_index(primary, step), stamp)
+            }
         };
         let r = index.and_then(|index| {
             let need_bytes = load_len_bytes(&index);
             if need_bytes > dest_len as u64 {
-                if let Some(k) = kept {
-                    k.keep(primary, step, index);
+                if let (Some(k), Some(s)) = (kept, stamp) {
+                    k.keep(primary, step, s, index);
                 }
                 return Err(LoadError::BufferTooSmall { step, need_bytes, have_bytes: dest_len as u64 });
             }
@@ -288,6 +297,7 @@ pub unsafe fn load_into_raw_with(
         match r {
             Ok(mut p) => {
                 p.fell_back = fell_back;
+                p.index_stamp = stamp;
                 return Ok(p);
             }
             // A checksum failed in memory someone else writes: the step is

@@ -92,6 +92,7 @@ pub(crate) unsafe fn read_step_at(
         seconds: t0.elapsed().as_secs_f64(),
         engine: engines.join(","),
         files,
+        index_stamp: None,
     })
 }
 

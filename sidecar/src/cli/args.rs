@@ -135,8 +135,10 @@ pub struct DaemonArgs {
     /// Several nodes: the directory every node's sidecar sees (a shared file
     /// system), where the ranks' parts of a step (SavePart) are written and
     /// committed together; --dir stays this node's own. The sidecar serving
-    /// rank 0 coordinates each step's commit. It must exist (never made: a
-    /// missing one is likely a shared file system not mounted here).
+    /// rank 0 coordinates each step's commit; a save sent without a rank
+    /// (one process, no WORLD_SIZE) is rank 0 of a world of 1, committed
+    /// there too. It must exist (never made: a missing one is likely a
+    /// shared file system not mounted here).
     #[arg(long)]
     pub shared: Option<PathBuf>,
     /// With --shared: each node's ranks' shards go to this node's own

@@ -103,6 +103,12 @@ pub fn run_save(
     let t_received = Instant::now();
     crate::save::helpers::warm();
     let SaveRequest { id, step, tensors, blobs, lazy_release, part, unchanged } = req;
+    // Several nodes (--shared): a save without a rank (one process, no
+    // WORLD_SIZE) is rank 0 of a world of 1, committed in the shared
+    // directory as every step there is. As a whole save it went into --dir
+    // alone, where load("latest"), which reads the shared directory, did not
+    // find it, and its peers never held it.
+    let part = part.or_else(|| state.shared_dir.is_some().then_some(Part { rank: 0, world_size: 1 }));
     let key = match part {
         Some(p) => Flight::Part(step, p.rank),
         None => Flight::Step(step),

@@ -351,6 +351,46 @@ fn four_ranks_on_two_nodes_commit_one_checkpoint_with_every_tensor() {
 }
 
 #[test]
+fn a_save_without_a_rank_is_rank_0_of_one_committed_in_the_shared_directory() {
+    // One process and no WORLD_SIZE (a plain Save): before, it was
+    // committed into --dir alone, Durable, and load("latest"), which reads
+    // the shared directory, found no checkpoint.
+    let c = Cluster::new();
+    let a = c.node(0, "300");
+    let mut r = Rank::connect(&a, 0, 1 << 20);
+    let n = r.bytes.len() as u64 / 4;
+    let tensors = vec![TensorDesc {
+        name: "w".into(),
+        dtype: "F32".into(),
+        shape: vec![n],
+        region_id: 1,
+        offset_bytes: 0,
+        len_bytes: 4 * n,
+    }];
+    for step in [3, 4] {
+        let blobs = vec![Blob { name: "rng.state".into(), bytes: vec![step as u8; 8] }];
+        let req =
+            Request::Save { id: step, step, tensors: tensors.clone(), blobs, lazy_release: false, unchanged: None };
+        ckpt_wire::write_frame(&mut r.s, &req).unwrap();
+        r.released(step);
+        match r.reply() {
+            Reply::Durable { step: s, path, .. } if s == step => {
+                assert_eq!(Path::new(&path), catalog::step_path(&c.shared(), step), "{}", a.log())
+            }
+            other => panic!("expected Durable of step {step}, got {other:?}\n{}", a.log()),
+        }
+    }
+    assert_eq!(catalog::latest_step(&c.shared()).unwrap(), Some(4));
+    assert!(!catalog::is_committed(&c.local(0), 4), "committed into --dir as well");
+    let l = restore::load(&c.shared(), Which::Latest, &ReadOptions::default(), None).unwrap();
+    assert_eq!((l.step, l.tensor("w").unwrap()), (4, &r.bytes[..]));
+    assert_eq!(l.blobs["rng.state"], vec![4u8; 8]);
+    // And through the sidecar, as the trainer resumes.
+    ckpt_wire::write_frame(&mut r.s, &Request::Load { id: 9, step: None, tensors: vec![] }).unwrap();
+    assert!(matches!(r.reply(), Reply::Loaded { step: 4, .. }));
+}
+
+#[test]
 fn a_node_whose_sidecar_is_killed_mid_write_never_commits_and_its_folder_is_removed() {
     let c = Cluster::new();
     let (a, mut b) = (c.node(0, "5"), c.node(1, "5"));

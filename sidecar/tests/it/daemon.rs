@@ -296,15 +296,24 @@ fn largest_shard(dir: &Path, step: u64) -> PathBuf {
     files.pop().unwrap()
 }
 
-#[test]
-fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_when_too_small() {
-    // Steps 9 and 10 save the same bytes: with the default incremental
-    // saves they would share their files (one flipped byte would damage
-    // both); every save written in full keeps them apart for the fallback.
+/// Steps 9 and 10 of `model(1)` (its bytes from `seed`) saved through a sidecar
+/// that writes every save in full (with the default incremental saves the
+/// two steps would share their files: one flipped byte would damage both),
+/// step 10 resident; the client has `target`, 8 MiB larger than the state,
+/// registered as region 2, every byte 0xee.
+struct TwoSteps {
+    sc: Sidecar,
+    descs: Vec<TensorDesc>,
+    shm: Shm,
+    c: Client,
+    target: Shm,
+}
+
+fn two_steps_saved(seed: u64) -> TwoSteps {
     let sc = Sidecar::start(&["--full-every", "1"]);
     let (descs, len) = model(1);
     let mut shm = Shm::new(len);
-    shm.fill(7);
+    shm.fill(seed);
     let mut c = sc.client();
     c.register(1, &shm);
     c.save_durable(9, descs.clone(), blobs(9));
@@ -312,6 +321,12 @@ fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_wh
     let mut target = Shm::new(len + (8 << 20));
     target.bytes_mut().fill(0xee);
     c.register(2, &target);
+    TwoSteps { sc, descs, shm, c, target }
+}
+
+#[test]
+fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_when_too_small() {
+    let TwoSteps { sc, descs, shm, mut c, mut target } = two_steps_saved(7);
     // Too small: nothing written, and what it needs.
     match load_packed(&mut c, Some(9), 2, 0, 1 << 20) {
         Reply::Placed { step: 9, need_bytes, offsets, blobs: b, tensors, .. } => {
@@ -371,16 +386,7 @@ fn a_packed_load_reads_into_the_region_verified_says_where_and_writes_nothing_wh
 
 #[test]
 fn a_packed_loads_index_is_kept_for_the_next_load_only_while_its_file_is_unchanged() {
-    let sc = Sidecar::start(&["--full-every", "1"]);
-    let (descs, len) = model(1);
-    let mut shm = Shm::new(len);
-    shm.fill(5);
-    let mut c = sc.client();
-    c.register(1, &shm);
-    c.save_durable(9, descs.clone(), blobs(9));
-    c.save_durable(10, descs.clone(), blobs(10));
-    let mut target = Shm::new(len + (8 << 20));
-    c.register(2, &target);
+    let TwoSteps { sc, descs, shm, mut c, mut target } = two_steps_saved(5);
     // From disk (9 is not resident) twice: the second takes the index the first kept.
     for _ in 0..2 {
         target.bytes_mut().fill(0xee);

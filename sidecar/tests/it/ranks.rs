@@ -321,6 +321,34 @@ fn structure_blob(names: &[&str]) -> Blob {
     Blob { name: ckpt_store::skeleton::STRUCTURE_BLOB.into(), bytes: ckpt_store::skeleton::minimal_skeleton(names) }
 }
 
+/// Rank 0 (`a`) and rank 1 (`b`) of 2 send their parts of `step`: tensor
+/// `tensors[r]` (1000 floats) each, rank 0 with the skeleton naming
+/// `skeleton`. Each is Released, then answered: Ok when both are Durable,
+/// the reasons when both are refused (BadRequest); anything else panics.
+fn two_parts(
+    (a, b): (&mut UnixStream, &mut UnixStream),
+    step: u64,
+    tensors: [&str; 2],
+    skeleton: &[&str],
+) -> Result<(), Vec<String>> {
+    part(a, step, 0, 2, vec![f32s(tensors[0], 1000, 0)], vec![structure_blob(skeleton)]);
+    part(b, step, 1, 2, vec![f32s(tensors[1], 1000, 0)], vec![]);
+    let (mut durable, mut refused) = (0, Vec::new());
+    for s in [a, b] {
+        assert!(matches!(reply(s), Reply::Released { step: s_, .. } if s_ == step));
+        match reply(s) {
+            Reply::Durable { step: s_, .. } if s_ == step => durable += 1,
+            Reply::Failed { step: s_, code: ErrorCode::BadRequest, reason, .. } if s_ == step => refused.push(reason),
+            other => panic!("expected Durable or Failed of step {step}, got {other:?}"),
+        }
+    }
+    match (durable, refused.len()) {
+        (2, 0) => Ok(()),
+        (0, 2) => Err(refused),
+        _ => panic!("step {step}: one rank durable, the other refused: {refused:?}"),
+    }
+}
+
 #[test]
 fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks_and_the_tensor() {
     // Before: rank 0's {"a", "only0"} and rank 1's {"a", "only1"}, each
@@ -329,53 +357,25 @@ fn ranks_that_saved_different_states_under_one_step_are_refused_naming_the_ranks
     let sc = Sidecar::start("300");
     let (mut a, mut b) = (sc.client(), sc.client());
     let (_sa, _sb) = (register(&mut a, 0, 1 << 20), register(&mut b, 1, 1 << 20));
-    part(&mut a, 5, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "only0"])]);
-    part(&mut b, 5, 1, 2, vec![f32s("only1", 1000, 0)], vec![]);
-    for s in [&mut a, &mut b] {
-        assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
-        match reply(s) {
-            Reply::Failed { step: 5, code: ErrorCode::BadRequest, reason, .. } => {
-                assert!(
-                    reason.contains("rank 0")
-                        && reason.contains("\"only0\"")
-                        && reason.contains("rank 1 stores \"only1\""),
-                    "{reason}"
-                );
-                assert!(!reason.contains('\n'), "{reason}");
-            }
-            other => panic!("expected Failed, got {other:?}"),
-        }
+    for reason in two_parts((&mut a, &mut b), 5, ["a", "only1"], &["a", "only0"]).unwrap_err() {
+        assert!(
+            reason.contains("rank 0") && reason.contains("\"only0\"") && reason.contains("rank 1 stores \"only1\""),
+            "{reason}"
+        );
+        assert!(!reason.contains('\n'), "{reason}");
     }
     assert!(!catalog::is_committed(&sc.dir, 5));
     assert!(hidden(&sc.dir).is_empty(), "{:?}", hidden(&sc.dir));
     // The same state on both ranks (a to rank 0, b to rank 1): it commits.
-    part(&mut a, 5, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "b"])]);
-    part(&mut b, 5, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
-    for s in [&mut a, &mut b] {
-        assert!(matches!(reply(s), Reply::Released { step: 5, .. }));
-        assert!(matches!(reply(s), Reply::Durable { step: 5, .. }));
-    }
+    two_parts((&mut a, &mut b), 5, ["a", "b"], &["a", "b"]).unwrap();
     // The same parts (their plans kept, their merge kept by the committer)
     // under a skeleton that names another tensor: checked again, refused.
-    part(&mut a, 6, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "c"])]);
-    part(&mut b, 6, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
-    for s in [&mut a, &mut b] {
-        assert!(matches!(reply(s), Reply::Released { step: 6, .. }));
-        match reply(s) {
-            Reply::Failed { step: 6, code: ErrorCode::BadRequest, reason, .. } => {
-                assert!(reason.contains("\"c\"") && reason.contains("rank 1 stores \"b\""), "{reason}");
-            }
-            other => panic!("expected Failed, got {other:?}"),
-        }
+    for reason in two_parts((&mut a, &mut b), 6, ["a", "b"], &["a", "c"]).unwrap_err() {
+        assert!(reason.contains("\"c\"") && reason.contains("rank 1 stores \"b\""), "{reason}");
     }
     assert!(!catalog::is_committed(&sc.dir, 6));
     // And the skeleton of step 5 again: it commits.
-    part(&mut a, 6, 0, 2, vec![f32s("a", 1000, 0)], vec![structure_blob(&["a", "b"])]);
-    part(&mut b, 6, 1, 2, vec![f32s("b", 1000, 0)], vec![]);
-    for s in [&mut a, &mut b] {
-        assert!(matches!(reply(s), Reply::Released { step: 6, .. }));
-        assert!(matches!(reply(s), Reply::Durable { step: 6, .. }));
-    }
+    two_parts((&mut a, &mut b), 6, ["a", "b"], &["a", "b"]).unwrap();
 }
 
 #[test]

@@ -271,8 +271,9 @@ pub unsafe fn load_into_raw_with(
     for step in candidates(primary, which)? {
         let t0 = Instant::now();
         let kept = opts.kept_index.as_deref();
-        // The index a too-small load of this step parsed, if the step is
-        // still one to read (its marks looked at as a parse would).
+        // The index an earlier load of this step kept (a too-small one, or
+        // the daemon's after placing it), if the step is still one to read
+        // (its marks looked at as a parse would).
         let (index, stamp) = match kept.and_then(|k| k.take(primary, step)) {
             Some((i, s)) if catalog::damage_mark(primary, step).is_none() && catalog::is_readable(primary, step) => {
                 (Ok(i), Some(s))

@@ -14,6 +14,12 @@ sidecars each, the order rotated every round) for an A/B in one run.
 
     python -m ckpt_sidecar.bench_ranks --nodes --dir DIR --size 256MiB --ranks 2,4 --rounds 5 --bins OLD,NEW
 
+--layout node-local writes each node's shards into its own directory (the
+shared one then holds markers and the index); --layout peers also makes the
+sidecars peers of each other (each listing all the others, a fresh cluster
+secret), so that the commit's doorbells replace the waits for looks at the
+shared directory (docs/guide.md, "Peers").
+
 Prints per world size: bytes per rank and their balance (max/min − 1, the
 bar is < 10 %), each rank's time from save() to durable, the aggregate
 throughput (all bytes / the slowest rank's time, after a common start), and
@@ -265,10 +271,25 @@ def _strace_stop(p, out):
     return calls
 
 
-def run_nodes(base, items, nodes, per_node, bins, rounds, trace):
+def _free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_nodes(base, items, nodes, per_node, bins, rounds, trace, layout="shared"):
     """--nodes for one node count: {binary index: per-round figures}, and
     with `trace` {(binary index, "coordinator"|"other"): {syscall: calls}}
-    over the measured rounds (each binary's sidecars of node 0 and node 1)."""
+    over the measured rounds (each binary's sidecars of node 0 and node 1).
+    `layout`: "shared" (every shard in the shared directory), "node-local"
+    or "peers" (node-local, each sidecar a peer of all the others)."""
     world_size = nodes * per_node
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
     staging = max(8 << 20, 2 * total * per_node // world_size + (4 << 20))
@@ -281,6 +302,11 @@ def run_nodes(base, items, nodes, per_node, bins, rounds, trace):
         for b, binary in enumerate(bins):
             shared = os.path.join(root, f"bin{b}", "shared")
             os.makedirs(shared)
+            ports = _free_ports(nodes) if layout == "peers" else []
+            if ports:
+                secret = os.path.join(root, f"bin{b}", "secret")
+                with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(os.urandom(32))
             for n in range(nodes):
                 node = os.path.join(root, f"bin{b}", f"node{n}")
                 sock = os.path.join(root, f"bin{b}", f"node{n}.sock")
@@ -288,6 +314,11 @@ def run_nodes(base, items, nodes, per_node, bins, rounds, trace):
                 log = open(os.path.join(root, f"bin{b}", f"node{n}.log"), "wb")
                 cmd = [binary, "serve", "--dir", node, "--shared", shared, "--socket", sock]
                 cmd += ["--staging", str(staging), "--keep", "2"]
+                if layout in ("node-local", "peers"):
+                    cmd += ["--node-local", "--node-id", f"n{n}"]
+                if ports:
+                    others = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(ports) if i != n)
+                    cmd += ["--peer-listen", f"127.0.0.1:{ports[n]}", "--peers", others, "--peer-secret-file", secret]
                 procs.append((subprocess.Popen(cmd, stdout=log, stderr=log, env=env), log))
                 socks[n].append(sock)
         deadline = time.monotonic() + 300
@@ -372,7 +403,7 @@ def main_nodes(a, items, total):
     print(
         f"state: {len(items)} tensors, {total / GIB * 1024:.3f} MiB replicated on every rank; each node its own "
         f"sidecar with --shared, --per-node ranks on it; {os.cpu_count()} CPUs; medians of {a.rounds} rounds, "
-        f"binaries alternated; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"binaries alternated; layout {a.layout}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     for i, b in enumerate(bins):
         print(f"  bin{i}: {b}")
@@ -383,7 +414,7 @@ def main_nodes(a, items, total):
     print(head + "  samples (last save -> all durable)")
     for per_node in [int(x) for x in a.per_node.split(",")]:
         for n in [int(x) for x in a.ranks.split(",")]:
-            res, traced = run_nodes(a.dir, items, n, per_node, bins, a.rounds, a.strace)
+            res, traced = run_nodes(a.dir, items, n, per_node, bins, a.rounds, a.strace, a.layout)
             for b, r in res.items():
                 line = f"{n:>5} {per_node:>2} {n * per_node:>5} {b:>4} {_median(r['released_s']):>10.3f} "
                 line += f"{_median(r['durable_s']):>9.3f} {_median(r['last_s']):>7.3f} {_median(r['first_s']):>7.3f}"
@@ -422,6 +453,13 @@ def main(argv=None):
         " (each binary's)",
     )
     ap.add_argument("--strace-detail", action="store_true", help="--strace: print the calls by name")
+    ap.add_argument(
+        "--layout",
+        choices=("shared", "node-local", "peers"),
+        default="shared",
+        help="--nodes: every shard in the shared directory (default), each node's in its own directory"
+        " (node-local), or node-local with every sidecar a peer of the others (peers: the commit's doorbells)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="--nodes: measured rounds per world size (default 3)")
     ap.add_argument(
         "--bins",

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -49,13 +50,13 @@ class Cluster:
         self.secret = secret
         self.nodes = {}
 
-    def start(self, node, extra=(), peers=None):
+    def start(self, node, extra=(), peers=None, env=None):
         other = "b" if node == "a" else "a"
         peers = f"127.0.0.1:{self.ports[other]}" if peers is None else peers
         args = ["--shared", str(self.shared), "--node-local", "--node-id", node,
                 "--peer-listen", f"127.0.0.1:{self.ports[node]}", "--peers", peers,
                 "--peer-secret-file", str(self.secret), *extra]
-        s = Sidecar(self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}").start()
+        s = Sidecar(self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}", env=env).start()
         self.nodes[node] = s
         return s
 
@@ -63,25 +64,35 @@ class Cluster:
         """Rank 0 on a, rank 1 on b; their result files, by rank."""
         return self.finish(*self.start_ranks(mode, steps, env_extra))
 
-    def start_ranks(self, mode, steps="1", env_extra=None):
-        """Starts rank 0 (on a) and rank 1 (on b); their processes and working directory."""
+    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True):
+        """Starts rank 0 (on a) and rank 1 (on b), or those of `ranks`, in a working directory made
+        anew (`fresh`) or kept; their processes and that directory."""
         work = self.tmp / f"work-{mode}-{steps}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
+        if fresh:
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(exist_ok=True)
         env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                    **(env_extra or {}))
         procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared), steps, mode], cwd=work,
-                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes[n].socket},
+                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes["ab"[r]].socket},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r, n in ((0, "a"), (1, "b"))]
+                 for r in ranks]
         return procs, work
 
     def finish(self, procs, work):
-        """The started ranks' result files, by rank, once both exited 0; and the logs."""
+        """The started ranks' result files, by rank, once all exited 0; and the logs."""
         outs = [p.communicate(timeout=300)[0] for p in procs]
         logs = "\n".join(o[-3000:] for o in outs) + self.logs()
         assert all(p.returncode == 0 for p in procs), logs
         return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)], logs
+
+    def wait_log(self, node, text, procs=()):
+        """Waits until node's log says `text` (bounded: a hang fails, naming what was awaited)."""
+        deadline = time.monotonic() + 120
+        while text not in self.nodes[node].log.read_text():
+            assert all(p.poll() is None for p in procs), f"a rank ended before {node} said {text!r}" + self.logs()
+            assert time.monotonic() < deadline, f"{node} never said {text!r}" + self.logs()
+            time.sleep(0.02)
 
     def logs(self):
         return "".join(f"\n--- {n}\n{s.log.read_text()[-4000:]}" for n, s in self.nodes.items())
@@ -132,6 +143,39 @@ def test_a_replaced_node_on_an_emptied_disk_loads_bit_equal_from_its_peer_withou
     assert "loading from the peers" in cluster.nodes["b"].log.read_text()
     # Nothing was written back to b's disk: its files were streamed into the load's memory.
     assert not list((tmp_path / "L_b").rglob("*.safetensors"))
+
+
+def test_the_commit_takes_markers_by_message_from_the_coordinator_a_node_learned(cluster):
+    """Step 1 teaches b where the coordinator is (a's Decided). Step 2: rank
+    1 saves first, and its marker reaches a by message before rank 0's part
+    is there; a keeps it, and commits with both markers taken from messages
+    and its own report, none read from the shared directory. Then a's
+    sidecar is replaced, and step 3's marker still reaches the new one."""
+    debug = {"CKPT_SIDECAR_LOG": "info,ckpt_sidecar::commit::nodes=debug"}
+    cluster.start("a", env=debug)
+    cluster.start("b")
+    saved, logs = cluster.ranks("save", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    cluster.wait_log("b", "markers go to this coordinator")
+    assert f"coordinator=127.0.0.1:{cluster.ports['a']}" in cluster.nodes["b"].log.read_text()
+    first, work = cluster.start_ranks("save", "2", ranks=(1,))
+    cluster.wait_log("a", "came before this step's rank 0 part", first)
+    second, _ = cluster.start_ranks("save", "2", ranks=(0,), fresh=False)
+    saved, logs = cluster.finish(second + first, work)
+    assert [s["held"] for s in saved] == [[2], [2]], logs
+    durable = [ln for ln in cluster.nodes["a"].log.read_text().splitlines() if "this sidecar coordinated" in ln]
+    assert len(durable) == 2 and "step=2" in durable[1] and "markers_sent=2" in durable[1], durable
+    # a's sidecar replaced on the same port: b's kept connection to it is
+    # stale, and its next marker still gets there (on a new one).
+    cluster.nodes["a"].kill()
+    cluster.start("a", env=debug)
+    first, work = cluster.start_ranks("save", "3", ranks=(1,))
+    cluster.wait_log("a", "kept for it step=3 rank=1", first)
+    second, _ = cluster.start_ranks("save", "3", ranks=(0,), fresh=False)
+    saved, logs = cluster.finish(second + first, work)
+    assert [s["held"] for s in saved] == [[3], [3]], logs
+    loaded, logs = cluster.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(3, True, None)] * 2, logs
 
 
 def test_a_missing_replica_falls_back_to_the_drain_target_naming_the_peer_it_skipped(cluster, tmp_path):
@@ -249,11 +293,15 @@ def varint(n):
             return out
 
 
+# The peer protocol's version (wire/src/peer.rs PEER_PROTOCOL_VERSION).
+PEER_PROTOCOL_VERSION = 2
+
+
 def handshake_with(port, secret, node="x"):
     """A connector's handshake written out here (postcard by hand, HMAC from
     Python's hashlib), with `secret`: the kind of a's last answer."""
     nonce = os.urandom(32)
-    hello = b"\0" + b"CKPP" + varint(1) + varint(len(node)) + node.encode() + nonce
+    hello = b"\0" + b"CKPP" + varint(PEER_PROTOCOL_VERSION) + varint(len(node)) + node.encode() + nonce
     with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
         c.sendall(len(hello).to_bytes(4, "little") + hello)
         data = b""

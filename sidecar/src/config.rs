@@ -303,11 +303,27 @@ const _: () = assert!(SCRUB_WAKE_MS >= 1 && SCRUB_BYTES_PER_S_MAX >= 1 << 20);
 pub const PEER_BUDGET_BYTES_DEFAULT: u64 = 16 << 30;
 pub const PEER_KEEP_DEFAULT: usize = 2;
 pub const PEER_REPLICAS_DEFAULT: u32 = 1;
-/// Connections one remote host may hold open at once (handshakes
-/// included), and all hosts together: one more is closed at once.
+/// Connections one remote host may hold open before their handshake, one
+/// authenticated node after it (its replication, fetches and doorbells:
+/// several nodes on one host each count apart), and all of them together:
+/// one more is closed at once. The total allows a coordinator of 512
+/// nodes a doorbell connection from each.
 pub const PEER_CONNECTIONS_PER_HOST_MAX: usize = 8;
-pub const PEER_CONNECTIONS_MAX: usize = 256;
+pub const PEER_CONNECTIONS_PER_NODE_MAX: usize = 8;
+pub const PEER_CONNECTIONS_MAX: usize = 1024;
 const _: () = assert!(PEER_CONNECTIONS_PER_HOST_MAX <= PEER_CONNECTIONS_MAX);
+const _: () = assert!(PEER_CONNECTIONS_PER_NODE_MAX <= PEER_CONNECTIONS_MAX);
+/// The commit's doorbells (`peer::bells`): messages queued for one peer at
+/// most (one more is dropped: the shared directory's looks still find
+/// what it said), and how long a peer that could not be reached is not
+/// tried again (its doorbells dropped meanwhile).
+pub const PEER_BELLS_QUEUED_MAX: usize = 64;
+pub const PEER_BELL_RETRY_MS: u64 = 1_000;
+/// Markers sent by message for steps this sidecar does not coordinate yet
+/// (rank 0's part not here yet), kept at most: bytes, and steps.
+pub const PEER_EARLY_MARKERS_BYTES_MAX: usize = 64 << 20;
+pub const PEER_EARLY_MARKER_STEPS_MAX: usize = 4;
+const _: () = assert!(PEER_EARLY_MARKERS_BYTES_MAX as u64 <= PEER_SEND_STAGED_BYTES_MAX);
 /// How long a handshake may take (all of it), and any one read or write
 /// after it (the default of `--peer-timeout`): a peer that stalls longer
 /// is dropped (its connection only).

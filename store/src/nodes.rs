@@ -52,8 +52,8 @@ use crate::progress::Progress;
 use crate::ranks;
 
 mod markers;
-pub use markers::MarkersRead;
 use markers::{disagreement, read_marker, RankMarker, RankSlices};
+pub use markers::{FolderId, MarkersRead, SentMarker};
 
 /// Where a multi-rank step stands in the shared directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,6 +143,11 @@ pub struct PartReport {
     /// Shard and blob bytes written (a linked shard's not counted).
     pub bytes: u64,
     pub marker: PathBuf,
+    /// The marker's bytes as written, its slice declarations' file's
+    /// (empty when it has none), and the temp folder's inode: what the
+    /// step's coordinator needs of this rank, so that it need not read
+    /// the files (`MarkersRead::insert_sent`).
+    pub sent: SentMarker,
     /// An incremental part (digests taken): the committed step it was
     /// compared with, the shards linked from it, the tensors that changed.
     pub incremental: Option<IncrementalReport>,
@@ -327,12 +332,13 @@ impl Store {
             }
             catalog::fsync_dir(&bdir).map_err(|e| CommitError::io(&bdir, "sync blobs folder", e))?;
         }
+        let mut slices_json = Vec::new();
         if !slices.is_empty() {
             // Synced, its entry too, before the marker: a marker present means they are in.
             let p = tmp.join(format::rank_slices_name(rank));
-            let json =
+            slices_json =
                 serde_json::to_vec(&RankSlices { slices: slices.to_vec() }).expect("slice declarations serialize");
-            write_small_file(&p, &json).map_err(|e| CommitError::io(&p, "write rank slice declarations", e))?;
+            write_small_file(&p, &slices_json).map_err(|e| CommitError::io(&p, "write rank slice declarations", e))?;
             catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
         }
         // A fed part's checksums: the filler's end (its last bytes are
@@ -368,6 +374,8 @@ impl Store {
         write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
         fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
         catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
+        let folder = FolderId::of(tmp).map_err(|e| CommitError::io(tmp, "stat the multi-rank temp folder", e))?;
+        let sent = SentMarker { rank, folder, marker: index, slices: slices_json };
         if let Some(d) = &digests {
             // This part as the step's index will record it once committed,
             // for this rank's next part to compare with.
@@ -380,7 +388,7 @@ impl Store {
             });
             self.kept_parts.insert(rank, part);
         }
-        Ok(PartReport { bytes, marker, incremental })
+        Ok(PartReport { bytes, marker, sent, incremental })
     }
 
     /// Writes and syncs a rank's shards into this node's `node-step-…`
@@ -497,6 +505,25 @@ impl Store {
             }
         }
         Ok(Ok((0..world_size).filter(|r| !read.have.contains_key(r)).collect()))
+    }
+
+    /// A marker its rank's sidecar sent (by message) into `read`, as
+    /// [`Store::read_new_markers`] would read it from its file: Ok(true)
+    /// when taken, Ok(false) when its rank is in already, it is beyond
+    /// `world_size`, or it is of another attempt's temp folder. The inner
+    /// error is a marker that does not make a step (abort).
+    pub fn take_sent_marker(
+        &self,
+        step: u64,
+        world_size: u32,
+        sent: SentMarker,
+        read: &mut MarkersRead,
+    ) -> Result<bool, CommitError> {
+        if sent.rank >= world_size {
+            return Ok(false);
+        }
+        let tmp = ranks_tmp_path(self.shared_or_panic(), step)?;
+        read.insert_sent(&tmp, sent)
     }
 
     /// The coordinator's commit of a step whose every marker is there:

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PEER_PROTOCOL_VERSION: u32 = 1;
+pub const PEER_PROTOCOL_VERSION: u32 = 2;
 /// First bytes of every peer Hello: a client of the other protocol (or a
 /// stray one) is told apart at once.
 pub const PEER_MAGIC: [u8; 4] = *b"CKPP";
@@ -81,6 +81,31 @@ pub enum PeerMsg {
     Steps { node: String, steps: Vec<u64> },
     /// An offer is accepted: room is reserved for its files.
     Ready,
+    /// The commit's doorbell, to the step's coordinator: rank `rank`'s
+    /// marker of `step` is written and synced in the step's temp folder
+    /// (whose inode and birth time are `folder_ino` and `folder_born_ns`,
+    /// 0: unknown, so that a message of an earlier attempt of the step is
+    /// told apart), and these are its bytes
+    /// (`marker`: as in the file; `slices`: its slice declarations' file,
+    /// empty when it has none). Answered [`PeerMsg::Rung`].
+    Marked {
+        step: u64,
+        world_size: u32,
+        rank: u32,
+        folder_ino: u64,
+        folder_born_ns: u64,
+        marker: Vec<u8>,
+        slices: Vec<u8>,
+    },
+    /// The commit's doorbell, from the step's coordinator to every peer:
+    /// `step` is decided (committed, or aborted with its abort record
+    /// left); the shared directory says which. `port` is the coordinator's
+    /// peer port, so that the next steps' [`PeerMsg::Marked`] find it.
+    /// Answered [`PeerMsg::Rung`].
+    Decided { step: u64, port: u16 },
+    /// A doorbell was taken (what it says is checked against the shared
+    /// directory, never trusted as the outcome).
+    Rung,
 }
 
 /// Which side a proof is from: the labels keep one side's proof from being

@@ -57,6 +57,11 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                     Ok(Work::Checkpoint(job)) => commit_one(&mut store, &state, job),
                     Ok(Work::File(job)) => write_one(&mut store, &state, job),
                     Ok(Work::Rollback(job)) => rollback_one(&mut store, &state, job),
+                    Ok(Work::Bell(rang)) => {
+                        if let Some(n) = nodes.as_mut() {
+                            n.rang(&mut store, &state, rang);
+                        }
+                    }
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
                         if let Some(n) = nodes.as_mut() {

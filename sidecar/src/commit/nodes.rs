@@ -22,8 +22,20 @@
 //! again while the temp folder changes, as markers come in, so that it sees
 //! the commit soon after the last one): a short latency floor at a bounded cost, the
 //! same on a network file system (no file-system notification is relied on).
-//! The sidecars never speak to each other; ranks tell theirs the rank and
-//! world size in SavePart.
+//! Ranks tell their sidecar the rank and world size in SavePart.
+//!
+//! With peers (`--peers`), doorbells save the waits (`peer::bells`): a
+//! part's marker, once written, is also sent to the coordinator of the
+//! last step decided here, which takes it as if read from the file
+//! (`Store::take_sent_marker`: checked the same way, of the same temp
+//! folder), so that once every marker came in by message or from this
+//! node's own parts it commits without listing or reading a marker; and
+//! the coordinator, having decided, tells every peer, which looks at the
+//! shared directory at once. A doorbell is never the outcome: Durable
+//! still needs the index under its final name. One lost costs the look
+//! it would have saved. Markers sent for a step before its rank 0's part
+//! is here are kept (bounded: `PEER_EARLY_MARKER*`) until it is, or until
+//! the step is decided.
 //!
 //! An incremental part (`--incremental on`) is compared with the newest
 //! step committed in the shared directory: its stable shards whose tensors
@@ -49,13 +61,14 @@ use std::time::{Duration, Instant};
 
 use ckpt_store::commit::{CommitError, Store};
 use ckpt_store::image::{self, Layout, SliceDecl};
-use ckpt_store::nodes::{self, MarkersRead, PartReport, RanksState};
+use ckpt_store::nodes::{self, MarkersRead, PartReport, RanksState, SentMarker};
 use ckpt_wire::{Blob, ErrorCode, LastFigures, Reply};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::commit::slices;
 use crate::config;
 use crate::memory::staging::Lease;
+use crate::peer::Rang;
 use crate::state::jobs::{copy_failure_or, error_code, Fill, FillEnd, Flight, Job, Part};
 use crate::state::refusal::Refusal;
 use crate::state::reply::Replies;
@@ -105,6 +118,11 @@ struct StepWait {
     /// Not the coordinator: the temp folder's modification time at the last
     /// look (it changes as markers come in).
     folder_modified: Option<std::time::SystemTime>,
+    /// Not (yet) the coordinator: this node's parts' markers, taken into
+    /// `read` if rank 0's part comes here.
+    own: Vec<SentMarker>,
+    /// The coordinator's Decided came (the look it caused says so).
+    rung: bool,
 }
 
 impl StepWait {
@@ -136,6 +154,10 @@ pub struct Nodes {
     /// linked nothing (`--full-every`, counted per rank as one node's
     /// sidecar counts its saves: `crate::commit::full_every`).
     since_full: BTreeMap<u32, u32>,
+    /// Markers sent by peers for steps not coordinated here (yet), and
+    /// their bytes (bounded: `PEER_EARLY_MARKER*`).
+    early: BTreeMap<u64, Vec<SentMarker>>,
+    early_bytes: usize,
 }
 
 fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
@@ -145,7 +167,7 @@ fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
 
 impl Nodes {
     pub fn new(timeout: Duration) -> Nodes {
-        Nodes { steps: BTreeMap::new(), timeout, since_full: BTreeMap::new() }
+        Nodes { steps: BTreeMap::new(), timeout, since_full: BTreeMap::new(), early: BTreeMap::new(), early_bytes: 0 }
     }
 
     /// Whether some rank waits for a step's outcome (the committer then
@@ -222,7 +244,7 @@ impl Nodes {
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
         state.set_phase(key, Phase::WaitingForRanks);
         let waiter = Waiter { id, rank: part.rank, replies, copy_seconds, linked_files };
-        self.wait_for_commit(step, part.world_size, rep.bytes, waiter);
+        self.wait_for_commit(store, state, step, (part.world_size, rep.bytes), rep.sent, waiter);
         self.poll_step(store, state, step);
     }
 
@@ -304,7 +326,18 @@ impl Nodes {
 
     /// Puts a written part's rank among the step's waiters; the sidecar
     /// serving rank 0 becomes the step's coordinator, its clock starting now.
-    fn wait_for_commit(&mut self, step: u64, world_size: u32, bytes: u64, waiter: Waiter) {
+    /// The part's marker is taken from its report, not read again: by the
+    /// coordinator at once; else kept for the case rank 0 comes here, and
+    /// sent to the last coordinator known.
+    fn wait_for_commit(
+        &mut self,
+        store: &Store,
+        state: &DaemonState,
+        step: u64,
+        (world_size, bytes): (u32, u64),
+        sent: SentMarker,
+        waiter: Waiter,
+    ) {
         let timeout = self.timeout;
         let w = self.steps.entry(step).or_insert_with(|| StepWait {
             world_size,
@@ -317,6 +350,8 @@ impl Nodes {
             next_look: Instant::now(),
             tick: Duration::ZERO,
             folder_modified: None,
+            own: Vec::new(),
+            rung: false,
         });
         w.progressed();
         w.bytes += bytes;
@@ -332,6 +367,75 @@ impl Nodes {
             );
         }
         w.waiters.push(waiter);
+        if w.coordinator {
+            let mut sents = std::mem::take(&mut w.own);
+            sents.push(sent);
+            sents.extend(self.early.remove(&step).unwrap_or_default());
+            take_markers(store, step, w, sents);
+        } else {
+            if let Some(p) = &state.peers {
+                p.marked(step, world_size, &sent);
+            }
+            w.own.push(sent);
+        }
+        self.count_early();
+    }
+
+    /// A peer's doorbell: a marker for the coordinator (taken, and the step
+    /// committed if it was the last; kept if rank 0's part is not here
+    /// yet), or a step decided (looked at now).
+    pub fn rang(&mut self, store: &mut Store, state: &DaemonState, rang: Rang) {
+        match rang {
+            Rang::Marked { from, step, world_size, sent } => match self.steps.get_mut(&step) {
+                Some(w) if w.coordinator => {
+                    if w.world_size != world_size {
+                        warn!(step, node = %from, world_size, "peers: a marker sent for another world size than this step's {}; the file is read instead", w.world_size);
+                        return;
+                    }
+                    if !take_markers(store, step, w, vec![sent]) {
+                        // Not taken (another attempt's folder, no birth
+                        // times here, refused): the file is read soon.
+                        w.progressed();
+                    } else if (0..world_size).all(|r| w.read.has(r)) {
+                        self.coordinate(store, state, step);
+                    }
+                }
+                _ => self.keep_early(step, sent),
+            },
+            Rang::Decided { step } => {
+                self.forget_early(step);
+                if let Some(w) = self.steps.get_mut(&step).filter(|w| !w.coordinator) {
+                    w.rung = true;
+                    self.watch(store, state, step);
+                }
+            }
+        }
+    }
+
+    /// A marker sent for a step this sidecar does not coordinate (yet):
+    /// kept within `PEER_EARLY_MARKERS_BYTES_MAX`, for the newest
+    /// `PEER_EARLY_MARKER_STEPS_MAX` steps; else dropped (its file stays).
+    fn keep_early(&mut self, step: u64, sent: SentMarker) {
+        let len = sent.marker.len() + sent.slices.len();
+        if self.early_bytes + len > config::PEER_EARLY_MARKERS_BYTES_MAX {
+            return;
+        }
+        debug!(step, rank = sent.rank, "peers: a marker came before this step's rank 0 part; kept for it");
+        self.early.entry(step).or_default().push(sent);
+        while self.early.len() > config::PEER_EARLY_MARKER_STEPS_MAX {
+            self.early.pop_first();
+        }
+        self.count_early();
+    }
+
+    /// `step` is decided: markers kept for it, or older ones, are dropped.
+    fn forget_early(&mut self, step: u64) {
+        self.early.retain(|s, _| *s > step);
+        self.count_early();
+    }
+
+    fn count_early(&mut self) {
+        self.early_bytes = self.early.values().flatten().map(|m| m.marker.len() + m.slices.len()).sum();
     }
 
     /// Whether rank `rank`'s next part may link unchanged shards: not when
@@ -398,7 +502,10 @@ impl Nodes {
         let w = self.steps.get_mut(&step).expect("polled");
         let world_size = w.world_size;
         let before = w.read.ranks().len();
-        let looked = match store.read_new_markers(step, world_size, &mut w.read) {
+        // Every marker in (sent, or this node's own): no listing.
+        let complete = (0..world_size).all(|r| w.read.has(r));
+        let looked = if complete { Ok(Ok(Vec::new())) } else { store.read_new_markers(step, world_size, &mut w.read) };
+        let looked = match looked {
             Ok(r) => r,
             Err(e) => {
                 warn!(step, "cannot read the shared directory ({e}); trying again");
@@ -420,12 +527,16 @@ impl Nodes {
             let mut w = self.steps.remove(&step).expect("polled");
             let t0 = Instant::now();
             let read = std::mem::take(&mut w.read);
+            let markers_sent = read.n_sent();
             match looked.and_then(|_| store.commit_read_ranks(step, world_size, read)) {
                 Ok(rep) => {
+                    // The peers look now (a doorbell, never waited for).
+                    self.decided(state, step);
                     let persist_seconds = w.since.elapsed().as_secs_f64();
                     info!(
                         step,
                         world_size,
+                        markers_sent,
                         commit_s = t0.elapsed().as_secs_f64(),
                         "durable (every node's ranks; this sidecar coordinated)"
                     );
@@ -459,6 +570,7 @@ impl Nodes {
                     if !matches!(e, CommitError::AlreadyCommitted { .. }) {
                         self.abort_folder(store, step, &why);
                     }
+                    self.decided(state, step);
                     self.sweep(store);
                     for x in w.waiters {
                         answer_failed(state, x, step, Refusal::new(error_code(&e), why.clone()));
@@ -479,11 +591,22 @@ impl Nodes {
             };
             warn!("{why}");
             self.abort_folder(store, step, &why);
+            self.decided(state, step);
             self.sweep(store);
             let code = if state.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
                 answer_failed(state, x, step, Refusal::new(code, why.clone()));
             }
+        }
+    }
+
+    /// This sidecar, the coordinator, decided `step` (the index is under its
+    /// final name, or the folder gone with its abort record): its peers
+    /// are told, and markers kept for it dropped.
+    fn decided(&mut self, state: &DaemonState, step: u64) {
+        self.forget_early(step);
+        if let Some(p) = &state.peers {
+            p.decided(step);
         }
     }
 
@@ -519,7 +642,8 @@ impl Nodes {
                 let w = self.steps.remove(&step).expect("polled");
                 let path = ckpt_store::catalog::step_path(&dir, step).display().to_string();
                 let persist_seconds = w.since.elapsed().as_secs_f64();
-                info!(step, "durable (committed by the coordinator, rank 0's sidecar)");
+                info!(step, doorbell = w.rung, "durable (committed by the coordinator, rank 0's sidecar)");
+                self.forget_early(step);
                 self.sweep(store);
                 self.count_committed(&w);
                 durable(state, w, step, &path, persist_seconds);
@@ -535,6 +659,7 @@ impl Nodes {
                     format!("step {step}: the step's folder is gone uncommitted, with no abort record (the coordinator, rank 0's sidecar, or a start's recovery removed it; their logs say why); this node's rank(s) {mine:?} of {} had written their markers; the step is not committed", w.world_size)
                 };
                 warn!("{why}");
+                self.forget_early(step);
                 self.sweep(store);
                 for x in w.waiters {
                     answer_failed(state, x, step, Refusal::new(ErrorCode::Io, why.clone()));
@@ -604,4 +729,24 @@ fn durable(state: &DaemonState, w: StepWait, step: u64, path: &str, persist_seco
         state.end(Flight::Part(step, x.rank));
         x.replies.send(&Reply::Durable { id: x.id, step, path: path.to_string(), persist_seconds });
     }
+}
+
+/// Markers of `step` taken into the coordinator's `read` without reading
+/// their files (a refused one, which does not make a step, is left for
+/// the file's read, which fails the step saying why); whether each was
+/// taken or in already.
+fn take_markers(store: &Store, step: u64, w: &mut StepWait, sents: Vec<SentMarker>) -> bool {
+    let mut all = true;
+    for m in sents {
+        let rank = m.rank;
+        let had = w.read.has(rank);
+        match store.take_sent_marker(step, w.world_size, m, &mut w.read) {
+            Ok(taken) => all &= taken || had,
+            Err(e) => {
+                warn!(step, rank, "a marker sent by message is refused ({e}); its file is read instead");
+                all = false;
+            }
+        }
+    }
+    all
 }

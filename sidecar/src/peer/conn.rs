@@ -157,6 +157,13 @@ impl Conn {
         }
     }
 
+    /// A doorbell ([`PeerMsg::Marked`], [`PeerMsg::Decided`]): Ok once the
+    /// peer took it.
+    pub fn ring(&mut self, msg: &PeerMsg) -> Result<(), ConnError> {
+        send(&mut self.stream, msg)?;
+        self.expect(|m| matches!(m, PeerMsg::Rung))
+    }
+
     /// The next message is one `ok` accepts, else its Error as ours.
     fn expect(&mut self, ok: impl Fn(&PeerMsg) -> bool) -> Result<(), ConnError> {
         match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {

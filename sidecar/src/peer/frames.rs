@@ -150,5 +150,8 @@ pub fn kind(m: &PeerMsg) -> &'static str {
         PeerMsg::List { .. } => "List",
         PeerMsg::Steps { .. } => "Steps",
         PeerMsg::Ready => "Ready",
+        PeerMsg::Marked { .. } => "Marked",
+        PeerMsg::Decided { .. } => "Decided",
+        PeerMsg::Rung => "Rung",
     }
 }

@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 use ckpt_store::restore::ThisNode;
 
+mod bells;
 mod conn;
 mod fetch;
 mod frames;
@@ -37,6 +38,7 @@ mod replicate;
 mod secret;
 mod server;
 
+pub use bells::{Doorbell, Rang};
 pub use fetch::PeerFiles;
 
 /// What the peer at `addr` answered [`holdings`], or why it did not.
@@ -124,14 +126,20 @@ pub struct Peers {
     /// The bound address (a port 0 made real).
     local_addr: SocketAddr,
     refused: Arc<std::sync::atomic::AtomicU64>,
+    bells: Arc<bells::Bells>,
     _runtime: tokio::runtime::Runtime,
 }
 
 impl Peers {
     /// Reads the secret, binds the listening address and starts the server
     /// and the replication thread: a bad secret or a taken port stops the
-    /// start.
-    pub fn start(opts: PeerOptions, me: ThisNode, shared_dir: PathBuf) -> Result<Arc<Peers>, PeerError> {
+    /// start. Doorbells received go to `doorbell`.
+    pub fn start(
+        opts: PeerOptions,
+        me: ThisNode,
+        shared_dir: PathBuf,
+        doorbell: Doorbell,
+    ) -> Result<Arc<Peers>, PeerError> {
         let secret = Arc::new(read_secret(&opts.secret_file)?);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(crate::config::PEER_RUNTIME_THREADS)
@@ -146,7 +154,10 @@ impl Peers {
         let local_addr = listener.local_addr().map_err(|source| PeerError::Bind { addr: opts.listen, source })?;
         let held = Arc::new(held::Held::new(opts.budget_bytes, opts.keep));
         let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let bells = bells::Bells::new(secret.clone(), me.id.clone(), &opts.peers, local_addr.port(), opts.io_timeout);
         let srv = server::Server {
+            doorbell: Arc::new(doorbell),
+            bells: bells.clone(),
             secret: secret.clone(),
             node: me.id.clone(),
             dirs: me.dirs.clone(),
@@ -167,7 +178,19 @@ impl Peers {
         })
         .map_err(PeerError::Runtime)?;
         tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, "peers: listening");
-        Ok(Arc::new(Peers { opts, secret, me, shared_dir, held, staged, repl, local_addr, refused, _runtime: runtime }))
+        Ok(Arc::new(Peers {
+            opts,
+            secret,
+            me,
+            shared_dir,
+            held,
+            staged,
+            repl,
+            local_addr,
+            refused,
+            bells,
+            _runtime: runtime,
+        }))
     }
 
     /// The address peers reach this sidecar at (the port bound).
@@ -179,6 +202,18 @@ impl Peers {
     /// node's files of it go to its peers, on the replication thread.
     pub fn committed(&self, step: u64) {
         self.repl.committed(step);
+    }
+
+    /// A rank's marker of `step` is written: sent to the step's coordinator
+    /// when this sidecar knows it (never waited for).
+    pub fn marked(&self, step: u64, world_size: u32, sent: &ckpt_store::nodes::SentMarker) {
+        self.bells.marked(step, world_size, sent);
+    }
+
+    /// This sidecar, the coordinator, decided `step`: every peer is told
+    /// (never waited for).
+    pub fn decided(&self, step: u64) {
+        self.bells.decided(step);
     }
 
     /// A part of `step` was written from `image` (its staging lease, at

@@ -13,11 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ckpt_store::format::Index;
+use ckpt_store::nodes::{FolderId, SentMarker};
 use ckpt_wire::peer::{self, Nodes, PeerMsg, Role, PEER_FRAME_BYTES_MAX, PEER_HELLO_BYTES_MAX};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
+use super::bells::{Bells, Doorbell, Rang};
 use super::frames::{fresh_nonce, kind, recv_async, recv_raw_async, send_async, send_raw_async, ConnError};
 use super::held::{Held, Replica};
 use crate::config;
@@ -33,31 +35,69 @@ pub struct Server {
     pub refused: Arc<AtomicU64>,
     /// An authenticated peer silent this long is dropped.
     pub io_timeout: Duration,
+    /// Where doorbells received go (the committer).
+    pub doorbell: Arc<Doorbell>,
+    /// This node's sending side (learns the coordinator from a Decided).
+    pub bells: Arc<Bells>,
 }
 
-/// Open connections per remote host.
+/// What a connection is counted against: its remote host until its
+/// handshake succeeded, then the node it proved to be.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Owner {
+    Host(IpAddr),
+    Node(String),
+}
+
+/// Open connections per host (before their handshake) and per node (after it).
 #[derive(Default)]
 struct Slots {
-    per_host: HashMap<IpAddr, usize>,
+    per_owner: HashMap<Owner, usize>,
     total: usize,
 }
 
 /// One connection's place among the open ones; freed when dropped.
 struct Slot {
     slots: Arc<Mutex<Slots>>,
-    host: IpAddr,
+    owner: Owner,
 }
 
 impl Slot {
     fn take(slots: &Arc<Mutex<Slots>>, host: IpAddr) -> Option<Slot> {
         let mut s = slots.lock().expect("peer slots lock");
-        let n = s.per_host.get(&host).copied().unwrap_or(0);
+        let owner = Owner::Host(host);
+        let n = s.per_owner.get(&owner).copied().unwrap_or(0);
         if n >= config::PEER_CONNECTIONS_PER_HOST_MAX || s.total >= config::PEER_CONNECTIONS_MAX {
             return None;
         }
-        s.per_host.insert(host, n + 1);
+        s.per_owner.insert(owner.clone(), n + 1);
         s.total += 1;
-        Some(Slot { slots: slots.clone(), host })
+        Some(Slot { slots: slots.clone(), owner })
+    }
+
+    /// The handshake proved node `node`: the connection counts against it
+    /// from now on, not against its host (several nodes may share one);
+    /// false when that node holds its most already.
+    fn authenticated(&mut self, node: &str) -> bool {
+        let mut s = self.slots.lock().expect("peer slots lock");
+        let owner = Owner::Node(node.to_string());
+        let n = s.per_owner.get(&owner).copied().unwrap_or(0);
+        if n >= config::PEER_CONNECTIONS_PER_NODE_MAX {
+            return false;
+        }
+        s.per_owner.insert(owner.clone(), n + 1);
+        let old = std::mem::replace(&mut self.owner, owner);
+        release(&mut s, &old);
+        true
+    }
+}
+
+fn release(s: &mut Slots, owner: &Owner) {
+    if let Some(n) = s.per_owner.get_mut(owner) {
+        *n -= 1;
+        if *n == 0 {
+            s.per_owner.remove(owner);
+        }
     }
 }
 
@@ -65,12 +105,7 @@ impl Drop for Slot {
     fn drop(&mut self) {
         let mut s = self.slots.lock().expect("peer slots lock");
         s.total -= 1;
-        if let Some(n) = s.per_host.get_mut(&self.host) {
-            *n -= 1;
-            if *n == 0 {
-                s.per_host.remove(&self.host);
-            }
-        }
+        release(&mut s, &self.owner);
     }
 }
 
@@ -94,8 +129,7 @@ pub async fn serve(listener: TcpListener, srv: Arc<Server>) {
         };
         let srv = srv.clone();
         tokio::spawn(async move {
-            let _slot = slot;
-            if let Err(e) = srv.connection(sock, addr).await {
+            if let Err(e) = srv.connection(sock, addr, slot).await {
                 warn!(%addr, "peer connection dropped: {e}");
             }
         });
@@ -103,7 +137,7 @@ pub async fn serve(listener: TcpListener, srv: Arc<Server>) {
 }
 
 impl Server {
-    async fn connection(&self, sock: TcpStream, addr: SocketAddr) -> Result<(), ConnError> {
+    async fn connection(&self, sock: TcpStream, addr: SocketAddr, mut slot: Slot) -> Result<(), ConnError> {
         let _ = sock.set_nodelay(true);
         let (mut r, mut w) = sock.into_split();
         let limit = Duration::from_millis(config::PEER_HANDSHAKE_TIMEOUT_MS);
@@ -121,6 +155,13 @@ impl Server {
         };
         debug!(%addr, node = %peer_node, "peer authenticated");
         let io = self.io_timeout;
+        if !slot.authenticated(&peer_node) {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            let reason =
+                format!("node {peer_node:?} holds {} connections already", config::PEER_CONNECTIONS_PER_NODE_MAX);
+            let _ = send_async(&mut w, &PeerMsg::Refused { reason: reason.clone() }, io).await;
+            return Err(ConnError::Refused(reason));
+        }
         loop {
             let msg = match recv_async(&mut r, PEER_FRAME_BYTES_MAX, io).await {
                 Ok(m) => m,
@@ -157,6 +198,21 @@ impl Server {
                 PeerMsg::List { node } => {
                     let steps = self.held.steps(&node);
                     send_async(&mut w, &PeerMsg::Steps { node, steps }, io).await?;
+                }
+                PeerMsg::Marked { step, world_size, rank, folder_ino, folder_born_ns, marker, slices } => {
+                    let folder = FolderId { ino: folder_ino, born_ns: folder_born_ns };
+                    let sent = SentMarker { rank, folder, marker, slices };
+                    if !(self.doorbell)(Rang::Marked { from: peer_node.clone(), step, world_size, sent }) {
+                        debug!(step, rank, node = %peer_node, "peers: a Marked dropped (the committer's queue is full)");
+                    }
+                    send_async(&mut w, &PeerMsg::Rung, io).await?;
+                }
+                PeerMsg::Decided { step, port } => {
+                    self.bells.learn_coordinator(addr.ip(), port);
+                    if !(self.doorbell)(Rang::Decided { step }) {
+                        debug!(step, node = %peer_node, "peers: a Decided dropped (the committer's queue is full)");
+                    }
+                    send_async(&mut w, &PeerMsg::Rung, io).await?;
                 }
                 other => return Err(ConnError::Protocol(format!("unexpected {}", kind(&other)))),
             }

@@ -49,12 +49,93 @@ pub struct MarkersRead {
     /// The skeleton blobs read, by crc32c: every rank of a replicated state
     /// names the same one (one file in the temp folder), read once.
     structures: HashMap<u32, Arc<Vec<u8>>>,
+    /// The temp folder's identity, looked up once, for markers sent by
+    /// message ([`MarkersRead::insert_sent`]).
+    folder: Option<FolderId>,
+    /// Markers taken from messages rather than read from their files.
+    n_sent: usize,
+}
+
+/// Which folder a step's temp folder is: its inode and its birth time (a
+/// removed folder's inode is soon another's; both together tell two
+/// attempts of a step apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FolderId {
+    pub ino: u64,
+    /// Nanoseconds since the epoch; 0 where the file system does not say
+    /// (then no marker is taken from a message: the files are read).
+    pub born_ns: u64,
+}
+
+impl FolderId {
+    pub fn of(path: &Path) -> io::Result<FolderId> {
+        let m = fs::metadata(path)?;
+        let born_ns = m
+            .created()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos() as u64);
+        Ok(FolderId { ino: std::os::unix::fs::MetadataExt::ino(&m), born_ns })
+    }
+}
+
+/// A rank's marker as its own sidecar wrote it, for the coordinator to
+/// take without reading the file (docs/protocol.md, "Peer protocol").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentMarker {
+    pub rank: u32,
+    /// The temp folder the marker is in: a marker of an earlier attempt of
+    /// the step (another folder of the same name) is not taken.
+    pub folder: FolderId,
+    /// The marker file's bytes.
+    pub marker: Vec<u8>,
+    /// The rank's slice declarations' file's bytes; empty when it has none.
+    pub slices: Vec<u8>,
 }
 
 impl MarkersRead {
     /// The ranks whose markers were read.
     pub fn ranks(&self) -> BTreeSet<u32> {
         self.have.keys().copied().collect()
+    }
+
+    /// Whether rank `rank`'s marker is in.
+    pub fn has(&self, rank: u32) -> bool {
+        self.have.contains_key(&rank)
+    }
+
+    /// How many markers were taken from messages, not read from files.
+    pub fn n_sent(&self) -> usize {
+        self.n_sent
+    }
+
+    /// A marker its rank's sidecar sent, taken as if read from its file in
+    /// the temp folder `tmp`: checked the same way ([`parse_marker`]), the
+    /// temp folder's identity looked up once per step. Ok(false) when it is
+    /// not taken: its rank is in already, or it is of another temp folder
+    /// (an earlier attempt's, or the folder is gone), or the file system
+    /// gives no birth times to tell them apart.
+    pub(super) fn insert_sent(&mut self, tmp: &Path, sent: SentMarker) -> Result<bool, CommitError> {
+        if self.have.contains_key(&sent.rank) {
+            return Ok(false);
+        }
+        let folder = match self.folder {
+            Some(f) => f,
+            None => match FolderId::of(tmp) {
+                Ok(f) => *self.folder.insert(f),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+                Err(e) => return Err(CommitError::io(tmp, "stat the multi-rank temp folder", e)),
+            },
+        };
+        if folder != sent.folder || folder.born_ns == 0 {
+            return Ok(false);
+        }
+        let rank = sent.rank;
+        let slices = (!sent.slices.is_empty()).then_some(&sent.slices[..]);
+        let m = parse_marker(tmp, rank, &sent.marker, Some(slices))?;
+        self.insert(tmp, rank, m)?;
+        self.n_sent += 1;
+        Ok(true)
     }
 
     /// Rank `rank`'s marker, read, with its skeleton blob if it names one:
@@ -102,7 +183,19 @@ pub(super) struct RankMarker {
 pub(super) fn read_marker(tmp: &Path, rank: u32) -> Result<RankMarker, CommitError> {
     let p = tmp.join(format::rank_marker_name(rank));
     let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
-    let index = Index::from_json_bytes(&raw)
+    parse_marker(tmp, rank, &raw, None)
+}
+
+/// [`read_marker`] of a marker's bytes `raw`; its slice declarations'
+/// bytes given (`Some(None)`: it has none), else read from `tmp`.
+fn parse_marker(
+    tmp: &Path,
+    rank: u32,
+    raw: &[u8],
+    slices_raw: Option<Option<&[u8]>>,
+) -> Result<RankMarker, CommitError> {
+    let p = tmp.join(format::rank_marker_name(rank));
+    let index = Index::from_json_bytes(raw)
         .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
     let mut bytes = 0u64;
     for f in &index.ckpt.files {
@@ -124,14 +217,19 @@ pub(super) fn read_marker(tmp: &Path, rank: u32) -> Result<RankMarker, CommitErr
     }
     bytes += index.ckpt.blobs.iter().map(|b| b.len_bytes).sum::<u64>();
     let sp = tmp.join(format::rank_slices_name(rank));
-    let slices = match fs::read(&sp) {
-        Ok(raw) => {
-            let d: RankSlices = serde_json::from_slice(&raw)
-                .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display()))))?;
-            d.slices
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
-        Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
+    let parse = |raw: &[u8]| -> Result<Vec<SliceDecl>, CommitError> {
+        let d: RankSlices = serde_json::from_slice(raw)
+            .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", sp.display()))))?;
+        Ok(d.slices)
+    };
+    let slices = match slices_raw {
+        Some(Some(raw)) => parse(raw)?,
+        Some(None) => Vec::new(),
+        None => match fs::read(&sp) {
+            Ok(raw) => parse(&raw)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
+        },
     };
     let structure_crc = index.ckpt.blobs.iter().find(|b| b.name == crate::skeleton::STRUCTURE_BLOB).map(|b| b.crc32c);
     Ok(RankMarker { index, slices, structure_crc, structure: None, bytes })

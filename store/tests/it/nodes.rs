@@ -31,8 +31,12 @@ fn part_layout(rank: u32) -> Layout {
 /// Writes rank `l.opts.rank`'s part of `step` (frozen tensor of seed 7, the
 /// changing one of seed `step`); returns what it found.
 fn write_part(store: &mut Store, l: &Layout, step: u64) -> Option<IncrementalReport> {
+    write_part_report(store, l, step).incremental
+}
+
+fn write_part_report(store: &mut Store, l: &Layout, step: u64) -> nodes::PartReport {
     let (staging, crcs, digests) = crate::staged(l, &[7, step]);
-    store.write_rank_part_with_digests(step, l, &staging, &crcs, &digests, &[], &[]).unwrap().incremental
+    store.write_rank_part_with_digests(step, l, &staging, &crcs, &digests, &[], &[]).unwrap()
 }
 
 fn open(root: &Path, retention: Option<Retention>) -> (Store, PathBuf) {
@@ -81,6 +85,65 @@ fn the_coordinator_reads_each_marker_once() {
     assert_eq!(read.ranks().into_iter().collect::<Vec<_>>(), [0, 1]);
     store.commit_read_ranks(1, 2, read).unwrap();
     assert_loads(&shared, 1);
+}
+
+/// Markers sent by message (the report's bytes) are taken as their files
+/// would be read: with both in, the commit needs no look at the folder,
+/// and it commits even with both files damaged after they were sent.
+#[test]
+fn sent_markers_commit_without_reading_the_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    let sent: Vec<_> = (0..2).map(|r| write_part_report(&mut store, &part_layout(r), 1).sent).collect();
+    let tmp_dir = nodes::ranks_tmp_path(&shared, 1).unwrap();
+    for r in 0..2 {
+        damage(&tmp_dir.join(format::rank_marker_name(r)));
+    }
+    let mut read = MarkersRead::default();
+    for m in &sent {
+        assert!(store.take_sent_marker(1, 2, m.clone(), &mut read).unwrap(), "rank {} taken", m.rank);
+    }
+    assert!(!store.take_sent_marker(1, 2, sent[0].clone(), &mut read).unwrap(), "a rank is taken once");
+    assert_eq!(read.n_sent(), 2);
+    store.commit_read_ranks(1, 2, read).unwrap();
+    assert_loads(&shared, 1);
+}
+
+/// A marker sent for an earlier attempt of the step (its temp folder since
+/// removed and made again) is not taken, nor one beyond the world size,
+/// nor one of a step whose folder is gone; a damaged one is refused.
+#[test]
+fn a_sent_marker_of_another_folder_or_rank_is_not_taken() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    let old = write_part_report(&mut store, &part_layout(1), 1).sent;
+    assert!(store.abort_ranks(1, "test: the first attempt is given up").unwrap());
+    let mut read = MarkersRead::default();
+    assert!(!store.take_sent_marker(1, 2, old.clone(), &mut read).unwrap(), "no folder: not taken");
+    // A second attempt: a new folder, likely of the same inode, born later
+    // (file systems stamp times coarsely: let the clock move on).
+    let born = |p: &Path| fs::metadata(p).unwrap().created().unwrap();
+    let probe = tmp.path().join("probe");
+    fs::create_dir(&probe).unwrap();
+    while born(&probe) <= std::time::UNIX_EPOCH + std::time::Duration::from_nanos(old.folder.born_ns) {
+        fs::remove_dir(&probe).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        fs::create_dir(&probe).unwrap();
+    }
+    let new = write_part_report(&mut store, &part_layout(0), 1).sent;
+    let mut read = MarkersRead::default();
+    assert_ne!(old.folder, new.folder);
+    assert!(new.folder.born_ns > 0, "this test's file system gives birth times");
+    assert!(!store.take_sent_marker(1, 2, old.clone(), &mut read).unwrap(), "an earlier attempt's marker is not taken");
+    assert!(!read.has(1));
+    let mut beyond = new.clone();
+    beyond.rank = 5;
+    assert!(!store.take_sent_marker(1, 2, beyond, &mut read).unwrap(), "a rank beyond the world size");
+    let mut bad = new.clone();
+    bad.marker[1] = b'!';
+    assert!(store.take_sent_marker(1, 2, bad, &mut read).is_err(), "a damaged marker is refused");
+    assert!(store.take_sent_marker(1, 2, new, &mut read).unwrap());
+    assert_eq!(read.ranks().into_iter().collect::<Vec<_>>(), [0]);
 }
 
 /// A marker that does not read is the inner error (the coordinator aborts),

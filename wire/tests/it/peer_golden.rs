@@ -47,6 +47,20 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("list", encode(&PeerMsg::List { node: "a".into() })),
         ("steps", encode(&PeerMsg::Steps { node: "a".into(), steps: vec![6, 7] })),
         ("ready", encode(&PeerMsg::Ready)),
+        (
+            "marked",
+            encode(&PeerMsg::Marked {
+                step: 7,
+                world_size: 2,
+                rank: 1,
+                folder_ino: 4242,
+                folder_born_ns: 1_765_000_000_123_456_789,
+                marker: b"{}".to_vec(),
+                slices: Vec::new(),
+            }),
+        ),
+        ("decided", encode(&PeerMsg::Decided { step: 7, port: 7000 })),
+        ("rung", encode(&PeerMsg::Rung)),
     ]
 }
 

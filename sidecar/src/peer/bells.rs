@@ -1,0 +1,205 @@
+//! The commit's doorbells (docs/protocol.md, "Peer protocol"): a rank's
+//! marker sent to the step's coordinator as soon as it is written
+//! ([`PeerMsg::Marked`]), and the coordinator's word that a step is decided
+//! sent to every peer ([`PeerMsg::Decided`]). They replace waiting for the
+//! next look at the shared directory, never the directory itself: a
+//! doorbell only wakes its receiver, which still reads the outcome there,
+//! and a lost one costs the look it would have saved.
+//!
+//! Sending: a line per peer address, each a thread of its own (a stalled
+//! or unreachable peer delays only its own doorbells) with a bounded queue
+//! and one kept connection, opened again once when it went stale. Nothing
+//! that calls [`Bells`] waits for a peer.
+//!
+//! Where to send a marker: the coordinator of the last step decided here
+//! (the peer whose Decided came last: its address is the connection's
+//! remote host and the port it names, taken only when `--peers` lists it);
+//! before any, nowhere (the coordinator finds the file).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ckpt_store::nodes::SentMarker;
+use ckpt_wire::peer::PeerMsg;
+use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
+use tracing::{debug, info, warn};
+
+use super::conn::Conn;
+use crate::config;
+
+/// A doorbell received, for the committer.
+#[derive(Debug)]
+pub enum Rang {
+    /// Node `from` wrote a rank's marker of `step`; its bytes.
+    Marked { from: String, step: u64, world_size: u32, sent: SentMarker },
+    /// The coordinator decided `step`.
+    Decided { step: u64 },
+}
+
+/// Where received doorbells go (the committer's queue): false when it did
+/// not take one (full), which is then dropped.
+pub type Doorbell = Box<dyn Fn(Rang) -> bool + Send + Sync>;
+
+/// This node's sending side.
+pub struct Bells {
+    secret: Arc<Vec<u8>>,
+    me: String,
+    /// `--peers` as given, each with the socket addresses it resolved to
+    /// at the start.
+    peers: Vec<(String, Vec<SocketAddr>)>,
+    /// This sidecar's peer port (named in its Decided).
+    port: u16,
+    io_timeout: Duration,
+    lines: Mutex<HashMap<String, Sender<PeerMsg>>>,
+    /// The `--peers` entry of the last step's coordinator.
+    coordinator: Mutex<Option<String>>,
+    /// Doorbells dropped (a full queue, an unreachable peer).
+    pub dropped: AtomicU64,
+}
+
+impl Bells {
+    pub fn new(secret: Arc<Vec<u8>>, me: String, peers: &[String], port: u16, io_timeout: Duration) -> Arc<Bells> {
+        let peers =
+            peers.iter().map(|p| (p.clone(), p.to_socket_addrs().map(|a| a.collect()).unwrap_or_default())).collect();
+        Arc::new(Bells {
+            secret,
+            me,
+            peers,
+            port,
+            io_timeout,
+            lines: Mutex::new(HashMap::new()),
+            coordinator: Mutex::new(None),
+            dropped: AtomicU64::new(0),
+        })
+    }
+
+    /// A rank's marker of `step` is written: to the coordinator, if known.
+    pub fn marked(&self, step: u64, world_size: u32, sent: &SentMarker) {
+        let Some(to) = self.coordinator.lock().expect("bells lock").clone() else { return };
+        let msg = PeerMsg::Marked {
+            step,
+            world_size,
+            rank: sent.rank,
+            folder_ino: sent.folder.ino,
+            folder_born_ns: sent.folder.born_ns,
+            marker: sent.marker.clone(),
+            slices: sent.slices.clone(),
+        };
+        self.ring(&to, msg);
+    }
+
+    /// This sidecar decided `step`: every peer is told.
+    pub fn decided(&self, step: u64) {
+        for (p, _) in &self.peers {
+            self.ring(p, PeerMsg::Decided { step, port: self.port });
+        }
+    }
+
+    /// A Decided came from `host`, naming peer port `port`: that peer is
+    /// where the next markers go, when `--peers` lists it.
+    pub fn learn_coordinator(&self, host: IpAddr, port: u16) {
+        let at = SocketAddr::new(host, port);
+        let Some((name, _)) = self.peers.iter().find(|(_, addrs)| addrs.contains(&at)) else {
+            debug!(%at, "peers: a Decided from an address --peers does not list; its markers are found by looking");
+            return;
+        };
+        let mut c = self.coordinator.lock().expect("bells lock");
+        if c.as_deref() != Some(name) {
+            info!(coordinator = %name, "peers: markers go to this coordinator (the last step's)");
+            *c = Some(name.clone());
+        }
+    }
+
+    fn ring(&self, to: &str, msg: PeerMsg) {
+        let mut lines = self.lines.lock().expect("bells lock");
+        let line = match lines.get(to) {
+            Some(l) => l.clone(),
+            None => {
+                let (tx, rx) = bounded(config::PEER_BELLS_QUEUED_MAX);
+                let line = Line {
+                    to: to.to_string(),
+                    secret: self.secret.clone(),
+                    me: self.me.clone(),
+                    io_timeout: self.io_timeout,
+                };
+                let spawned =
+                    std::thread::Builder::new().name(format!("ckpt-bell-{}", lines.len())).spawn(move || line.run(rx));
+                if let Err(e) = spawned {
+                    warn!(peer = to, "peers: no doorbell thread ({e}); its doorbells are dropped");
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                lines.insert(to.to_string(), tx.clone());
+                tx
+            }
+        };
+        drop(lines);
+        match line.try_send(msg) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// One peer's doorbells, sent in order on one kept connection.
+struct Line {
+    to: String,
+    secret: Arc<Vec<u8>>,
+    me: String,
+    io_timeout: Duration,
+}
+
+impl Line {
+    fn run(self, rx: Receiver<PeerMsg>) {
+        let mut conn: Option<(Conn, Instant)> = None;
+        let mut failed_at: Option<Instant> = None;
+        let retry = Duration::from_millis(config::PEER_BELL_RETRY_MS);
+        for msg in rx {
+            if failed_at.is_some_and(|t| t.elapsed() < retry) {
+                continue;
+            }
+            // The peer closes a connection quiet for its timeout: one quiet
+            // for half of ours is opened again rather than found closed.
+            if conn.as_ref().is_some_and(|(_, used)| used.elapsed() >= self.io_timeout / 2) {
+                conn = None;
+            }
+            let fresh = conn.is_none();
+            match self.send(&mut conn, &msg) {
+                Ok(()) => failed_at = None,
+                // A kept connection that went stale: once more on a new one.
+                Err(_) if !fresh => {
+                    conn = None;
+                    if let Err(e) = self.send(&mut conn, &msg) {
+                        self.failed(&e, &mut failed_at);
+                    }
+                }
+                Err(e) => self.failed(&e, &mut failed_at),
+            }
+        }
+    }
+
+    fn send(&self, conn: &mut Option<(Conn, Instant)>, msg: &PeerMsg) -> Result<(), super::frames::ConnError> {
+        if conn.is_none() {
+            *conn = Some((Conn::open(&self.to, &self.secret, &self.me, self.io_timeout)?, Instant::now()));
+        }
+        let (c, used) = conn.as_mut().expect("opened above");
+        let r = c.ring(msg);
+        *used = Instant::now();
+        if r.is_err() {
+            *conn = None;
+        }
+        r
+    }
+
+    fn failed(&self, e: &super::frames::ConnError, failed_at: &mut Option<Instant>) {
+        if failed_at.is_none() {
+            warn!(peer = %self.to, "peers: a doorbell could not be sent ({e}); the shared directory's looks stand in");
+        }
+        *failed_at = Some(Instant::now());
+    }
+}

@@ -18,7 +18,8 @@ sidecars each, the order rotated every round) for an A/B in one run.
 shared one then holds markers and the index); --layout peers also makes the
 sidecars peers of each other (each listing all the others, a fresh cluster
 secret), so that the commit's doorbells replace the waits for looks at the
-shared directory (docs/guide.md, "Peers").
+shared directory (docs/guide.md, "Peers"). --layout node-local,peers
+alternates both in one run, as --bins alternates binaries.
 
 Prints per world size: bytes per rank and their balance (max/min − 1, the
 bar is < 10 %), each rank's time from save() to durable, the aggregate
@@ -284,12 +285,14 @@ def _free_ports(n):
             s.close()
 
 
-def run_nodes(base, items, nodes, per_node, bins, rounds, trace, layout="shared"):
-    """--nodes for one node count: {binary index: per-round figures}, and
-    with `trace` {(binary index, "coordinator"|"other"): {syscall: calls}}
-    over the measured rounds (each binary's sidecars of node 0 and node 1).
-    `layout`: "shared" (every shard in the shared directory), "node-local"
-    or "peers" (node-local, each sidecar a peer of all the others)."""
+def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
+    """--nodes for one node count: {variant index: per-round figures}, and
+    with `trace` {(variant index, "coordinator"|"other"): {syscall: calls}}
+    over the measured rounds (each variant's sidecars of node 0 and node 1).
+    A variant is (binary, layout), alternated: layout "shared" (every shard
+    in the shared directory), "node-local" or "peers" (node-local, each
+    sidecar a peer of all the others)."""
+    bins = [b for b, _ in variants]
     world_size = nodes * per_node
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
     staging = max(8 << 20, 2 * total * per_node // world_size + (4 << 20))
@@ -299,7 +302,7 @@ def run_nodes(base, items, nodes, per_node, bins, rounds, trace, layout="shared"
     env = dict(os.environ, CKPT_SIDECAR_LOG=os.environ.get("CKPT_SIDECAR_LOG", "warn"))
     traced, got = {}, []
     try:
-        for b, binary in enumerate(bins):
+        for b, (binary, layout) in enumerate(variants):
             shared = os.path.join(root, f"bin{b}", "shared")
             os.makedirs(shared)
             ports = _free_ports(nodes) if layout == "peers" else []
@@ -398,23 +401,27 @@ def _median(xs):
 
 def main_nodes(a, items, total):
     bins = [b for b in (a.bins or "").split(",") if b] or [os.environ.get("CKPT_SIDECAR_BIN") or "ckpt-sidecar"]
+    layouts = a.layout.split(",")
+    if not set(layouts) <= {"shared", "node-local", "peers"}:
+        raise SystemExit(f"--layout {a.layout}: each of shared, node-local, peers")
+    variants = [(b, layout) for b in bins for layout in layouts]
     if a.strace and shutil.which("strace") is None:
         raise SystemExit("--strace: strace is not installed")
     print(
         f"state: {len(items)} tensors, {total / GIB * 1024:.3f} MiB replicated on every rank; each node its own "
         f"sidecar with --shared, --per-node ranks on it; {os.cpu_count()} CPUs; medians of {a.rounds} rounds, "
-        f"binaries alternated; layout {a.layout}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"variants alternated; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
-    for i, b in enumerate(bins):
-        print(f"  bin{i}: {b}")
-    head = f"{'nodes':>5} {'x':>2} {'ranks':>5} {'bin':>4} {'released s':>10} {'durable s':>9} "
+    for i, (b, layout) in enumerate(variants):
+        print(f"  variant {i}: {b}, layout {layout}")
+    head = f"{'nodes':>5} {'x':>2} {'ranks':>5} {'var':>4} {'released s':>10} {'durable s':>9} "
     head += f"{'last s':>7} {'first s':>7}"
     if a.strace:
         head += f" {'coord fs/step':>13} {'other fs/step':>13}"
     print(head + "  samples (last save -> all durable)")
     for per_node in [int(x) for x in a.per_node.split(",")]:
         for n in [int(x) for x in a.ranks.split(",")]:
-            res, traced = run_nodes(a.dir, items, n, per_node, bins, a.rounds, a.strace, a.layout)
+            res, traced = run_nodes(a.dir, items, n, per_node, variants, a.rounds, a.strace)
             for b, r in res.items():
                 line = f"{n:>5} {per_node:>2} {n * per_node:>5} {b:>4} {_median(r['released_s']):>10.3f} "
                 line += f"{_median(r['durable_s']):>9.3f} {_median(r['last_s']):>7.3f} {_median(r['first_s']):>7.3f}"
@@ -455,10 +462,10 @@ def main(argv=None):
     ap.add_argument("--strace-detail", action="store_true", help="--strace: print the calls by name")
     ap.add_argument(
         "--layout",
-        choices=("shared", "node-local", "peers"),
         default="shared",
-        help="--nodes: every shard in the shared directory (default), each node's in its own directory"
-        " (node-local), or node-local with every sidecar a peer of the others (peers: the commit's doorbells)",
+        help="--nodes: every shard in the shared directory (shared, the default), each node's in its own directory"
+        " (node-local), or node-local with every sidecar a peer of the others (peers: the commit's doorbells);"
+        " a comma-separated list alternates them (each binary of --bins with each layout)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="--nodes: measured rounds per world size (default 3)")
     ap.add_argument(

@@ -480,13 +480,48 @@ impl Store {
         world_size: u32,
         read: &mut MarkersRead,
     ) -> io::Result<Result<Vec<u32>, CommitError>> {
+        self.read_markers(step, world_size, read, None)
+    }
+
+    /// [`Store::read_new_markers`] for a coordinator whose markers also
+    /// come by message ([`Store::take_sent_marker`]): a marker is read
+    /// only once a look found it at least `defer` earlier (and its message
+    /// has not come since), so that the files are read only for markers
+    /// whose messages are late or lost.
+    pub fn read_new_markers_deferred(
+        &self,
+        step: u64,
+        world_size: u32,
+        read: &mut MarkersRead,
+        defer: std::time::Duration,
+    ) -> io::Result<Result<Vec<u32>, CommitError>> {
+        self.read_markers(step, world_size, read, Some(defer))
+    }
+
+    fn read_markers(
+        &self,
+        step: u64,
+        world_size: u32,
+        read: &mut MarkersRead,
+        defer: Option<std::time::Duration>,
+    ) -> io::Result<Result<Vec<u32>, CommitError>> {
         let tmp = ranks_tmp_path(self.shared_or_panic(), step).map_err(io::Error::other)?;
         let have = match markers_in(&tmp) {
             Ok(h) => h,
             Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeSet::new(),
             Err(e) => return Err(e),
         };
-        let new: Vec<u32> = have.iter().copied().filter(|r| *r < world_size && !read.have.contains_key(r)).collect();
+        let mut new: Vec<u32> =
+            have.iter().copied().filter(|r| *r < world_size && !read.have.contains_key(r)).collect();
+        if let Some(d) = defer {
+            let now = Instant::now();
+            let due = |r: &u32| read.deferred.get(r).is_some_and(|t| now.duration_since(*t) >= d);
+            let (ready, later): (Vec<u32>, Vec<u32>) = new.into_iter().partition(due);
+            for r in later {
+                read.deferred.entry(r).or_insert(now);
+            }
+            new = ready;
+        }
         // Bounded threads: on a shared file system each read is a round trip.
         let chunk = new.len().div_ceil(crate::config::MARKER_READ_THREADS_MAX).max(1);
         let results: Vec<Result<(u32, RankMarker), CommitError>> = std::thread::scope(|sc| {

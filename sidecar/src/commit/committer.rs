@@ -45,7 +45,26 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                 let tick = Instant::now() + std::time::Duration::from_millis(config::PART_TICK_MS);
                 let deadline = groups.next_deadline().map_or(tick, |d| d.min(tick));
                 let deadline = nodes.as_ref().and_then(Nodes::next_look).map_or(deadline, |d| d.min(deadline));
-                let work = rx.recv_deadline(deadline);
+                // The peers' doorbells first: each is small work that may
+                // end a wait (several nodes, `commit::nodes`).
+                let never = crossbeam_channel::never();
+                let inbox = state.peers.as_ref().map(|p| p.inbox());
+                let bells = inbox.map_or(&never, |i| i.receiver());
+                let work = crossbeam_channel::select_biased! {
+                    recv(bells) -> rang => {
+                        let rang = rang.expect("the inbox holds its own sender");
+                        if let Some(i) = inbox {
+                            i.took(&rang);
+                        }
+                        if let Some(n) = nodes.as_mut() {
+                            n.rang(&mut store, &state, rang);
+                        }
+                        // Nothing more to take: the loop's looks and expiries follow.
+                        Err(RecvTimeoutError::Timeout)
+                    },
+                    recv(rx) -> w => w.map_err(|_| RecvTimeoutError::Disconnected),
+                    default(deadline.saturating_duration_since(Instant::now())) => Err(RecvTimeoutError::Timeout),
+                };
                 if matches!(work, Ok(Work::Checkpoint(_))) {
                     crate::state::test_panic::maybe_panic(crate::state::test_panic::At::Commit);
                 }
@@ -57,11 +76,6 @@ pub fn spawn(mut store: Store, rx: Receiver<Work>, state: Arc<DaemonState>) -> J
                     Ok(Work::Checkpoint(job)) => commit_one(&mut store, &state, job),
                     Ok(Work::File(job)) => write_one(&mut store, &state, job),
                     Ok(Work::Rollback(job)) => rollback_one(&mut store, &state, job),
-                    Ok(Work::Bell(rang)) => {
-                        if let Some(n) = nodes.as_mut() {
-                            n.rang(&mut store, &state, rang);
-                        }
-                    }
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
                         if let Some(n) = nodes.as_mut() {

@@ -504,7 +504,20 @@ impl Nodes {
         let before = w.read.ranks().len();
         // Every marker in (sent, or this node's own): no listing.
         let complete = (0..world_size).all(|r| w.read.has(r));
-        let looked = if complete { Ok(Ok(Vec::new())) } else { store.read_new_markers(step, world_size, &mut w.read) };
+        // With peers, a marker's message usually comes soon after its file:
+        // a listing leaves the files it finds first for the next look.
+        let looked = if complete {
+            Ok(Ok(Vec::new()))
+        } else if state.peers.is_some() {
+            store.read_new_markers_deferred(
+                step,
+                world_size,
+                &mut w.read,
+                Duration::from_millis(config::PEER_MARKER_DEFER_MS),
+            )
+        } else {
+            store.read_new_markers(step, world_size, &mut w.read)
+        };
         let looked = match looked {
             Ok(r) => r,
             Err(e) => {
@@ -518,7 +531,11 @@ impl Nodes {
             Err(_) => Vec::new(),
         };
         w.seen = w.read.ranks();
-        if w.seen.len() > before {
+        if w.read.has_deferred() {
+            // The files left are read when due, if their messages are late.
+            w.tick = Duration::from_millis(config::PEER_MARKER_DEFER_MS);
+            w.next_look = Instant::now() + w.tick;
+        } else if w.seen.len() > before {
             w.progressed();
         } else {
             w.idle();

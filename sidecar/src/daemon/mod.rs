@@ -191,7 +191,7 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     }
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
-    let peers = start_peers(opts, &store, tx.clone())?;
+    let peers = start_peers(opts, &store)?;
     let state = new_state(opts, &store, staging, tx, &drain, peers);
     log_ready(&state, &store);
     crate::commit::committer::spawn(store, rx, state.clone());
@@ -256,21 +256,13 @@ fn open_drain(opts: &DaemonOptions, d: &crate::drain::DrainOptions) -> Result<Ar
 
 /// Starts the peer tier (server, replication) once the store named this
 /// node; only a node-local layout has files of its own to replicate.
-fn start_peers(
-    opts: &DaemonOptions,
-    store: &Store,
-    commit_tx: Sender<crate::state::jobs::Work>,
-) -> Result<Option<Arc<crate::peer::Peers>>, DaemonError> {
+fn start_peers(opts: &DaemonOptions, store: &Store) -> Result<Option<Arc<crate::peer::Peers>>, DaemonError> {
     let Some(p) = &opts.peers else { return Ok(None) };
     let (Some(id), Some(shared)) = (store.node_id(), store.shared_dir()) else {
         return Err(crate::peer::PeerError::NotNodeLocal.into());
     };
     let me = ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() };
-    // Doorbells go to the committer, never blocking the peer runtime: one
-    // its queue has no room for is dropped (the looks stand in).
-    let doorbell: crate::peer::Doorbell =
-        Box::new(move |rang| commit_tx.try_send(crate::state::jobs::Work::Bell(rang)).is_ok());
-    Ok(Some(crate::peer::Peers::start(p.clone(), me, shared.to_path_buf(), doorbell)?))
+    Ok(Some(crate::peer::Peers::start(p.clone(), me, shared.to_path_buf())?))
 }
 
 /// Opens the store: the directories are locked (a second sidecar on one

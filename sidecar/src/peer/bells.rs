@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,9 +39,56 @@ pub enum Rang {
     Decided { step: u64 },
 }
 
-/// Where received doorbells go (the committer's queue): false when it did
-/// not take one (full), which is then dropped.
-pub type Doorbell = Box<dyn Fn(Rang) -> bool + Send + Sync>;
+impl Rang {
+    /// The bytes it holds (a marker's).
+    fn len_bytes(&self) -> usize {
+        match self {
+            Rang::Marked { sent, .. } => sent.marker.len() + sent.slices.len(),
+            Rang::Decided { .. } => 0,
+        }
+    }
+}
+
+/// Doorbells received, on their way to the committer (its own queue, so
+/// that a burst of markers never waits behind, nor crowds out, the saves):
+/// bounded in count and in marker bytes; one more is dropped (the looks
+/// stand in).
+pub struct Inbox {
+    tx: Sender<Rang>,
+    rx: Receiver<Rang>,
+    queued_bytes: AtomicUsize,
+}
+
+impl Inbox {
+    pub fn new() -> Arc<Inbox> {
+        let (tx, rx) = bounded(config::PEER_BELLS_RECEIVED_MAX);
+        Arc::new(Inbox { tx, rx, queued_bytes: AtomicUsize::new(0) })
+    }
+
+    /// Queues a doorbell received; false when it is dropped (full).
+    pub fn put(&self, r: Rang) -> bool {
+        let len = r.len_bytes();
+        if self.queued_bytes.fetch_add(len, Ordering::Relaxed) + len > config::PEER_BELLS_RECEIVED_BYTES_MAX {
+            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            return false;
+        }
+        if self.tx.try_send(r).is_err() {
+            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// The queue the committer waits on (with its own).
+    pub fn receiver(&self) -> &Receiver<Rang> {
+        &self.rx
+    }
+
+    /// A doorbell taken off the queue (its bytes no longer count).
+    pub fn took(&self, r: &Rang) {
+        self.queued_bytes.fetch_sub(r.len_bytes(), Ordering::Relaxed);
+    }
+}
 
 /// This node's sending side.
 pub struct Bells {

@@ -38,7 +38,7 @@ mod replicate;
 mod secret;
 mod server;
 
-pub use bells::{Doorbell, Rang};
+pub use bells::{Inbox, Rang};
 pub use fetch::PeerFiles;
 
 /// What the peer at `addr` answered [`holdings`], or why it did not.
@@ -127,19 +127,15 @@ pub struct Peers {
     local_addr: SocketAddr,
     refused: Arc<std::sync::atomic::AtomicU64>,
     bells: Arc<bells::Bells>,
+    inbox: Arc<Inbox>,
     _runtime: tokio::runtime::Runtime,
 }
 
 impl Peers {
     /// Reads the secret, binds the listening address and starts the server
     /// and the replication thread: a bad secret or a taken port stops the
-    /// start. Doorbells received go to `doorbell`.
-    pub fn start(
-        opts: PeerOptions,
-        me: ThisNode,
-        shared_dir: PathBuf,
-        doorbell: Doorbell,
-    ) -> Result<Arc<Peers>, PeerError> {
+    /// start.
+    pub fn start(opts: PeerOptions, me: ThisNode, shared_dir: PathBuf) -> Result<Arc<Peers>, PeerError> {
         let secret = Arc::new(read_secret(&opts.secret_file)?);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(crate::config::PEER_RUNTIME_THREADS)
@@ -155,8 +151,9 @@ impl Peers {
         let held = Arc::new(held::Held::new(opts.budget_bytes, opts.keep));
         let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let bells = bells::Bells::new(secret.clone(), me.id.clone(), &opts.peers, local_addr.port(), opts.io_timeout);
+        let inbox = Inbox::new();
         let srv = server::Server {
-            doorbell: Arc::new(doorbell),
+            inbox: inbox.clone(),
             bells: bells.clone(),
             secret: secret.clone(),
             node: me.id.clone(),
@@ -189,6 +186,7 @@ impl Peers {
             local_addr,
             refused,
             bells,
+            inbox,
             _runtime: runtime,
         }))
     }
@@ -208,6 +206,11 @@ impl Peers {
     /// when this sidecar knows it (never waited for).
     pub fn marked(&self, step: u64, world_size: u32, sent: &ckpt_store::nodes::SentMarker) {
         self.bells.marked(step, world_size, sent);
+    }
+
+    /// The doorbells received, for the committer.
+    pub fn inbox(&self) -> &Inbox {
+        &self.inbox
     }
 
     /// This sidecar, the coordinator, decided `step`: every peer is told

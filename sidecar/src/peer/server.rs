@@ -19,7 +19,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 
-use super::bells::{Bells, Doorbell, Rang};
+use super::bells::{Bells, Inbox, Rang};
 use super::frames::{fresh_nonce, kind, recv_async, recv_raw_async, send_async, send_raw_async, ConnError};
 use super::held::{Held, Replica};
 use crate::config;
@@ -36,7 +36,7 @@ pub struct Server {
     /// An authenticated peer silent this long is dropped.
     pub io_timeout: Duration,
     /// Where doorbells received go (the committer).
-    pub doorbell: Arc<Doorbell>,
+    pub inbox: Arc<Inbox>,
     /// This node's sending side (learns the coordinator from a Decided).
     pub bells: Arc<Bells>,
 }
@@ -202,15 +202,15 @@ impl Server {
                 PeerMsg::Marked { step, world_size, rank, folder_ino, folder_born_ns, marker, slices } => {
                     let folder = FolderId { ino: folder_ino, born_ns: folder_born_ns };
                     let sent = SentMarker { rank, folder, marker, slices };
-                    if !(self.doorbell)(Rang::Marked { from: peer_node.clone(), step, world_size, sent }) {
-                        debug!(step, rank, node = %peer_node, "peers: a Marked dropped (the committer's queue is full)");
+                    if !self.inbox.put(Rang::Marked { from: peer_node.clone(), step, world_size, sent }) {
+                        debug!(step, rank, node = %peer_node, "peers: a Marked dropped (the doorbells' queue is full)");
                     }
                     send_async(&mut w, &PeerMsg::Rung, io).await?;
                 }
                 PeerMsg::Decided { step, port } => {
                     self.bells.learn_coordinator(addr.ip(), port);
-                    if !(self.doorbell)(Rang::Decided { step }) {
-                        debug!(step, node = %peer_node, "peers: a Decided dropped (the committer's queue is full)");
+                    if !self.inbox.put(Rang::Decided { step }) {
+                        debug!(step, node = %peer_node, "peers: a Decided dropped (the doorbells' queue is full)");
                     }
                     send_async(&mut w, &PeerMsg::Rung, io).await?;
                 }

@@ -47,8 +47,6 @@ pub enum Work {
     Checkpoint(Job),
     File(FileJob),
     Rollback(RollbackJob),
-    /// A peer's doorbell (several nodes: `commit::nodes`).
-    Bell(crate::peer::Rang),
 }
 
 /// A client's Rollback: run by the committer after the work queued before

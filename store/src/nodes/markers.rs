@@ -54,6 +54,10 @@ pub struct MarkersRead {
     folder: Option<FolderId>,
     /// Markers taken from messages rather than read from their files.
     n_sent: usize,
+    /// Markers a listing found but left for a later look, and when it
+    /// found them (their message may come first:
+    /// [`Store::read_new_markers_deferred`]).
+    pub(super) deferred: BTreeMap<u32, std::time::Instant>,
 }
 
 /// Which folder a step's temp folder is: its inode and its birth time (a
@@ -107,6 +111,11 @@ impl MarkersRead {
     /// How many markers were taken from messages, not read from files.
     pub fn n_sent(&self) -> usize {
         self.n_sent
+    }
+
+    /// Whether a listing found markers it left for the next look.
+    pub fn has_deferred(&self) -> bool {
+        self.deferred.keys().any(|r| !self.have.contains_key(r))
     }
 
     /// A marker its rank's sidecar sent, taken as if read from its file in

@@ -17,10 +17,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
+from ckpt_test_util import wait_until
 from sidecar_fixtures import Sidecar, sidecar_bin
 
 HERE = pathlib.Path(__file__).parent
@@ -87,12 +87,13 @@ class Cluster:
         return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)], logs
 
     def wait_log(self, node, text, procs=()):
-        """Waits until node's log says `text` (bounded: a hang fails, naming what was awaited)."""
-        deadline = time.monotonic() + 120
-        while text not in self.nodes[node].log.read_text():
+        """Waits until node's log says `text`, the ranks `procs` still running (bounded: a hang fails)."""
+
+        def said():
             assert all(p.poll() is None for p in procs), f"a rank ended before {node} said {text!r}" + self.logs()
-            assert time.monotonic() < deadline, f"{node} never said {text!r}" + self.logs()
-            time.sleep(0.02)
+            return text in self.nodes[node].log.read_text()
+
+        wait_until(said, 120, lambda: f"{node} never said {text!r}" + self.logs())
 
     def logs(self):
         return "".join(f"\n--- {n}\n{s.log.read_text()[-4000:]}" for n, s in self.nodes.items())

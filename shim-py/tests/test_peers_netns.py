@@ -174,3 +174,33 @@ def test_a_link_cut_while_a_step_is_on_the_wire_fails_its_replication_in_time_an
             assert [other, 2] in cluster.nodes[n].status()["peers"]["holding"], cluster.logs()
     finally:
         cluster.stop()
+
+
+def test_a_link_cut_mid_commit_loses_the_doorbells_and_the_shared_directory_stands_in(hosts, tmp_path):
+    """Step 1 teaches b where the coordinator is; then the link is cut.
+    Step 2's doorbells cannot pass (b's marker to a, a's Decided to b): a
+    reads b's marker from the shared directory instead, commits, and b sees
+    the commit there; the step is durable on both (its replication fails,
+    saying so). With the link up, step 3 commits and is held as before."""
+    cluster = NsCluster(tmp_path, secret_file(tmp_path / "K"), hosts)
+    try:
+        for n in ("a", "b"):
+            cluster.start(n, ["--peer-timeout", "5s"])
+        got, logs = cluster.ranks("save", "1")
+        assert [r["held"] for r in got] == [[1], [1]], logs
+        cluster.wait_log("b", "markers go to this coordinator")
+        hosts.link("a", up=False)
+        got, logs = cluster.ranks("try-save", "2")
+        for r in got:
+            (held,) = r["held"]
+            assert isinstance(held, dict) and held["step"] == 2 and "not held by peers" in held["error"], (r, logs)
+        durable = [ln for ln in cluster.nodes["a"].log.read_text().splitlines() if "this sidecar coordinated" in ln]
+        # Only a's own marker came without a file read: b's was read from the shared directory.
+        assert "step=2" in durable[-1] and "markers_sent=1" in durable[-1], durable
+        hosts.link("a", up=True)
+        got, logs = cluster.ranks("save", "3")
+        assert [r["held"] for r in got] == [[3], [3]], logs
+        got, logs = cluster.ranks("load", "1")
+        assert [(r.get("step"), r.get("equal")) for r in got] == [(3, True)] * 2, logs
+    finally:
+        cluster.stop()

@@ -303,12 +303,13 @@ const _: () = assert!(SCRUB_WAKE_MS >= 1 && SCRUB_BYTES_PER_S_MAX >= 1 << 20);
 pub const PEER_BUDGET_BYTES_DEFAULT: u64 = 16 << 30;
 pub const PEER_KEEP_DEFAULT: usize = 2;
 pub const PEER_REPLICAS_DEFAULT: u32 = 1;
-/// Connections one remote host may hold open before their handshake, one
+/// Connections one remote host may hold open before their handshake (a
+/// doorbell burst from several nodes of one host fits), one
 /// authenticated node after it (its replication, fetches and doorbells:
 /// several nodes on one host each count apart), and all of them together:
 /// one more is closed at once. The total allows a coordinator of 512
 /// nodes a doorbell connection from each.
-pub const PEER_CONNECTIONS_PER_HOST_MAX: usize = 8;
+pub const PEER_CONNECTIONS_PER_HOST_MAX: usize = 32;
 pub const PEER_CONNECTIONS_PER_NODE_MAX: usize = 8;
 pub const PEER_CONNECTIONS_MAX: usize = 1024;
 const _: () = assert!(PEER_CONNECTIONS_PER_HOST_MAX <= PEER_CONNECTIONS_MAX);
@@ -323,6 +324,10 @@ pub const PEER_BELLS_QUEUED_MAX: usize = 64;
 pub const PEER_BELLS_RECEIVED_MAX: usize = 4096;
 pub const PEER_BELLS_RECEIVED_BYTES_MAX: usize = 256 << 20;
 pub const PEER_BELL_RETRY_MS: u64 = 1_000;
+/// A doorbell refused at once is tried again after this, the wait
+/// doubling, within `PEER_BELL_RETRY_MS` in all.
+pub const PEER_BELL_RETRY_FIRST_MS: u64 = 20;
+const _: () = assert!(PEER_BELL_RETRY_FIRST_MS < PEER_BELL_RETRY_MS);
 /// Markers sent by message for steps this sidecar does not coordinate yet
 /// (rank 0's part not here yet), kept at most: bytes, and steps.
 pub const PEER_EARLY_MARKERS_BYTES_MAX: usize = 64 << 20;

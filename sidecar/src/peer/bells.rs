@@ -215,18 +215,38 @@ impl Line {
             if conn.as_ref().is_some_and(|(_, used)| used.elapsed() >= self.io_timeout / 2) {
                 conn = None;
             }
-            let fresh = conn.is_none();
-            match self.send(&mut conn, &msg) {
+            match self.send_retrying(&mut conn, &msg) {
                 Ok(()) => failed_at = None,
-                // A kept connection that went stale: once more on a new one.
-                Err(_) if !fresh => {
-                    conn = None;
-                    if let Err(e) = self.send(&mut conn, &msg) {
-                        self.failed(&e, &mut failed_at);
-                    }
-                }
                 Err(e) => self.failed(&e, &mut failed_at),
             }
+        }
+    }
+
+    /// Sends `msg`, on a new connection if the kept one went stale, and
+    /// again after a short wait while the peer refuses at once (a burst
+    /// of handshakes over its per-host bound, a restart): never longer
+    /// than `PEER_BELL_RETRY_MS` in all, and not after a timeout (a cut
+    /// link stays cut for longer than the doorbell is worth).
+    fn send_retrying(&self, conn: &mut Option<(Conn, Instant)>, msg: &PeerMsg) -> Result<(), super::frames::ConnError> {
+        let t0 = Instant::now();
+        let mut wait = Duration::from_millis(config::PEER_BELL_RETRY_FIRST_MS);
+        loop {
+            let kept = conn.is_some();
+            let t = Instant::now();
+            let e = match self.send(conn, msg) {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            // A refusal or a reset answers within this; a timeout takes seconds.
+            let refused_at_once = t.elapsed() < Duration::from_millis(config::PEER_BELL_RETRY_MS / 4);
+            if kept {
+                continue; // the kept connection is dropped: once more on a new one
+            }
+            if !refused_at_once || t0.elapsed() + wait > Duration::from_millis(config::PEER_BELL_RETRY_MS) {
+                return Err(e);
+            }
+            std::thread::sleep(wait);
+            wait *= 2;
         }
     }
 

@@ -32,6 +32,9 @@ pub struct Sender {
     pub staged: Arc<Staged>,
     /// A peer silent this long fails the replication to it.
     pub io_timeout: std::time::Duration,
+    /// The node id each peer address proved last: the ring order without
+    /// a connection to every peer each step.
+    pub ids: Mutex<std::collections::HashMap<String, String>>,
 }
 
 /// This node's files of recent steps in memory, copied from each part's
@@ -229,28 +232,55 @@ impl Sender {
         }
         let bytes: u64 = files.iter().map(|f| f.len_bytes).sum();
         let mut reasons = Vec::new();
-        let mut conns = Vec::new();
-        for addr in &self.peers {
+        let mut ids = self.ids.lock().expect("peer ids lock");
+        // The peers whose node id is not known yet are asked (a handshake
+        // says it); the others are connected to only when their turn in
+        // the ring comes.
+        let mut open: std::collections::HashMap<&str, Conn> = std::collections::HashMap::new();
+        let unknown: Vec<&String> = self.peers.iter().filter(|a| !ids.contains_key(*a)).collect();
+        for addr in unknown {
             match Conn::open(addr, &self.secret, &self.me.id, self.io_timeout) {
-                Ok(c) if c.node == self.me.id => reasons.push(format!("{addr} is this node ({:?})", c.node)),
-                Ok(c) => conns.push((addr, c)),
+                Ok(c) => {
+                    ids.insert(addr.clone(), c.node.clone());
+                    open.insert(addr, c);
+                }
                 Err(e) => reasons.push(format!("peer {addr}: {e}")),
             }
         }
         // Ring order: the node ids after ours first, then from the lowest.
-        conns.sort_by(|(_, a), (_, b)| {
-            ((a.node.as_str() <= self.me.id.as_str()), &a.node)
-                .cmp(&((b.node.as_str() <= self.me.id.as_str()), &b.node))
+        let mut ring: Vec<(&str, String)> =
+            self.peers.iter().filter_map(|a| Some((a.as_str(), ids.get(a)?.clone()))).collect();
+        ring.sort_by(|(_, a), (_, b)| {
+            ((a.as_str() <= self.me.id.as_str()), a).cmp(&((b.as_str() <= self.me.id.as_str()), b))
         });
         let mut held = Vec::new();
-        for (addr, mut c) in conns {
+        for (addr, node) in ring {
             if held.len() >= self.replicas as usize {
                 break;
             }
+            if node == self.me.id {
+                reasons.push(format!("{addr} is this node ({node:?})"));
+                continue;
+            }
+            let mut c = match open.remove(addr) {
+                Some(c) => c,
+                None => match Conn::open(addr, &self.secret, &self.me.id, self.io_timeout) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        reasons.push(format!("peer {addr}: {e}"));
+                        continue;
+                    }
+                },
+            };
+            // Another node at this address now: the ring is ordered by it next time.
+            ids.insert(addr.to_string(), c.node.clone());
             match c.offer(&self.me.id, step, &index_bytes, &files) {
                 Ok(()) => held.push(c.node.clone()),
                 Err(e) => reasons.push(format!("peer {addr} ({:?}): {e}", c.node)),
             }
+            c.close();
+        }
+        for (_, c) in open {
             c.close();
         }
         if held.len() < self.replicas as usize {

@@ -115,7 +115,7 @@ fn sent_markers_commit_without_reading_the_files() {
 #[test]
 fn a_sent_marker_of_another_folder_or_rank_is_not_taken() {
     let tmp = tempfile::tempdir().unwrap();
-    let (mut store, shared) = open(tmp.path(), None);
+    let (mut store, _) = open(tmp.path(), None);
     let old = write_part_report(&mut store, &part_layout(1), 1).sent;
     assert!(store.abort_ranks(1, "test: the first attempt is given up").unwrap());
     let mut read = MarkersRead::default();

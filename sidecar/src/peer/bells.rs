@@ -57,18 +57,23 @@ pub struct Inbox {
     tx: Sender<Rang>,
     rx: Receiver<Rang>,
     queued_bytes: AtomicUsize,
+    queued_bytes_max: usize,
 }
 
 impl Inbox {
     pub fn new() -> Arc<Inbox> {
-        let (tx, rx) = bounded(config::PEER_BELLS_RECEIVED_MAX);
-        Arc::new(Inbox { tx, rx, queued_bytes: AtomicUsize::new(0) })
+        Inbox::with_limits(config::PEER_BELLS_RECEIVED_MAX, config::PEER_BELLS_RECEIVED_BYTES_MAX)
+    }
+
+    fn with_limits(count_max: usize, queued_bytes_max: usize) -> Arc<Inbox> {
+        let (tx, rx) = bounded(count_max);
+        Arc::new(Inbox { tx, rx, queued_bytes: AtomicUsize::new(0), queued_bytes_max })
     }
 
     /// Queues a doorbell received; false when it is dropped (full).
     pub fn put(&self, r: Rang) -> bool {
         let len = r.len_bytes();
-        if self.queued_bytes.fetch_add(len, Ordering::Relaxed) + len > config::PEER_BELLS_RECEIVED_BYTES_MAX {
+        if self.queued_bytes.fetch_add(len, Ordering::Relaxed) + len > self.queued_bytes_max {
             self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
             return false;
         }
@@ -268,5 +273,31 @@ impl Line {
             warn!(peer = %self.to, "peers: a doorbell could not be sent ({e}); the shared directory's looks stand in");
         }
         *failed_at = Some(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ckpt_store::nodes::FolderId;
+
+    fn marked(len_bytes: usize) -> Rang {
+        let folder = FolderId { ino: 1, born_ns: 1 };
+        let sent = SentMarker { rank: 0, folder, marker: vec![b'{'; len_bytes], slices: Vec::new() };
+        Rang::Marked { from: "b".into(), step: 1, world_size: 2, sent }
+    }
+
+    #[test]
+    fn the_inbox_drops_past_its_count_or_bytes_and_frees_them_when_taken() {
+        let inbox = Inbox::with_limits(3, 100);
+        assert!(inbox.put(marked(60)));
+        assert!(!inbox.put(marked(41)), "past the bytes");
+        assert!(inbox.put(marked(40)));
+        assert!(inbox.put(Rang::Decided { step: 1 }), "no bytes");
+        assert!(!inbox.put(Rang::Decided { step: 2 }), "past the count");
+        let first = inbox.receiver().try_recv().expect("queued");
+        inbox.took(&first);
+        assert!(inbox.put(marked(60)), "the taken one's bytes are free again");
+        assert!(!inbox.put(Rang::Decided { step: 3 }), "the count is full again");
     }
 }

@@ -505,10 +505,11 @@ impl Nodes {
         // Every marker in (sent, or this node's own): no listing.
         let complete = (0..world_size).all(|r| w.read.has(r));
         // With peers, a marker's message usually comes soon after its file:
-        // a listing leaves the files it finds first for the next look.
+        // a listing leaves the files it finds first for a later look (not
+        // where no message can be taken: a file system without birth times).
         let looked = if complete {
             Ok(Ok(Vec::new()))
-        } else if state.peers.is_some() {
+        } else if state.peers.is_some() && w.read.takes_sent() {
             store.read_new_markers_deferred(
                 step,
                 world_size,

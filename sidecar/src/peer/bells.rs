@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -108,8 +108,6 @@ pub struct Bells {
     lines: Mutex<HashMap<String, Sender<PeerMsg>>>,
     /// The `--peers` entry of the last step's coordinator.
     coordinator: Mutex<Option<String>>,
-    /// Doorbells dropped (a full queue, an unreachable peer).
-    pub dropped: AtomicU64,
 }
 
 impl Bells {
@@ -124,7 +122,6 @@ impl Bells {
             io_timeout,
             lines: Mutex::new(HashMap::new()),
             coordinator: Mutex::new(None),
-            dropped: AtomicU64::new(0),
         })
     }
 
@@ -181,7 +178,6 @@ impl Bells {
                     std::thread::Builder::new().name(format!("ckpt-bell-{}", lines.len())).spawn(move || line.run(rx));
                 if let Err(e) = spawned {
                     warn!(peer = to, "peers: no doorbell thread ({e}); its doorbells are dropped");
-                    self.dropped.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
                 lines.insert(to.to_string(), tx.clone());
@@ -189,11 +185,8 @@ impl Bells {
             }
         };
         drop(lines);
-        match line.try_send(msg) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Err(TrySendError::Full(m) | TrySendError::Disconnected(m)) = line.try_send(msg) {
+            debug!(peer = to, kind = super::frames::kind(&m), "peers: a doorbell dropped (its peer's queue is full)");
         }
     }
 }

@@ -113,6 +113,12 @@ impl MarkersRead {
         self.n_sent
     }
 
+    /// Whether markers sent by message can be taken for this step's temp
+    /// folder (looked up, and its file system gives birth times).
+    pub fn takes_sent(&self) -> bool {
+        self.folder.is_some_and(|f| f.born_ns != 0)
+    }
+
     /// Whether a listing found markers it left for the next look.
     pub fn has_deferred(&self) -> bool {
         self.deferred.keys().any(|r| !self.have.contains_key(r))

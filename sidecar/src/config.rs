@@ -307,10 +307,11 @@ pub const PEER_REPLICAS_DEFAULT: u32 = 1;
 /// doorbell burst from several nodes of one host fits), one
 /// authenticated node after it (its replication, fetches and doorbells:
 /// several nodes on one host each count apart), and all of them together:
-/// one more is closed at once. The total allows a coordinator of 512
-/// nodes a doorbell connection from each.
+/// one more is closed at once. Per node: a doorbell line, a replication
+/// and a load per rank of an 8-rank node fit; the total allows a
+/// coordinator a doorbell line from each of about a thousand nodes.
 pub const PEER_CONNECTIONS_PER_HOST_MAX: usize = 32;
-pub const PEER_CONNECTIONS_PER_NODE_MAX: usize = 8;
+pub const PEER_CONNECTIONS_PER_NODE_MAX: usize = 16;
 pub const PEER_CONNECTIONS_MAX: usize = 1024;
 const _: () = assert!(PEER_CONNECTIONS_PER_HOST_MAX <= PEER_CONNECTIONS_MAX);
 const _: () = assert!(PEER_CONNECTIONS_PER_NODE_MAX <= PEER_CONNECTIONS_MAX);

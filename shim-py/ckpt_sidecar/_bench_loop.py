@@ -28,7 +28,7 @@ LOOP_METHODS = [
 ]
 
 
-def run_loop(args, base, skipped, drain=None, extra=()):
+def run_loop(args, base, skipped, drain=None, extra=(), tag=""):
     """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
     three times that in state) trained --loop-steps steps, checkpointing every
     step, every 10 steps, and never, through each method. The step: a
@@ -39,11 +39,11 @@ def run_loop(args, base, skipped, drain=None, extra=()):
     Checkpointing loops alternate with plain ones; each is compared with the
     mean of its two neighbours; slowdown in %. `drain`, `extra`: the
     sidecar's loop only, its sidecar served with `--drain URL` or the extra
-    serve options (the scrub)."""
+    serve options (the scrub); `tag` names its checkpoint directory apart."""
     torch.set_num_threads(1)
     model, opt, fwd_bwd = _loop_model(args)
     side = Sidecar(
-        os.path.join(base, "loop-ckpt" + ("-drain" if drain else "") + ("-extra" if extra else "")),
+        os.path.join(base, "loop-ckpt" + ("-drain" if drain else "") + ("-extra" if extra else "") + tag),
         6 * args.loop_size + (256 << 20),
         drain=drain,
         extra=extra,

@@ -117,6 +117,13 @@ def parse_args(argv=None):
         help="with --loop/--loop-only: run the sidecar's loop again with `serve --scrub-interval DURATION` "
         "(the background scrub re-verifying committed steps) and print its overhead beside the loop without it",
     )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="with --loop/--loop-only: run the sidecar's loop twice more as node a of two nodes (`serve --shared S "
+        "--node-local`): alone, then with node b's sidecar as its peer (`--peer-replicas 1`, every step replicated "
+        "into b's memory), and print both",
+    )
     p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
     p.add_argument("--loop-steps", type=int, default=20)
     p.add_argument(
@@ -230,6 +237,7 @@ def main(argv=None):
         loop_scrub = None
         if loop is not None and args.scrub_interval:
             loop_scrub = run_loop(args, base, skipped, extra=("--scrub-interval", args.scrub_interval))
+        loop_peers = _peer_loops(args, base, skipped) if loop is not None and args.peers else None
     finally:
         if side is not None:
             try:
@@ -256,7 +264,9 @@ def main(argv=None):
         doc["loop_drain"] = loop_drain
     if loop_scrub is not None:
         doc["loop_scrub"] = loop_scrub
-    _report(args, doc, loop, loop_drain, loop_scrub)
+    if loop_peers is not None:
+        doc["loop_node_local"], doc["loop_peers"] = loop_peers
+    _report(args, doc, loop, loop_drain, loop_scrub, loop_peers)
 
 
 def _methods_wanted(args):
@@ -403,7 +413,39 @@ def _row(args, m, outs, methods, entry, size_b):
     return row
 
 
-def _report(args, doc, loop, loop_drain, loop_scrub=None):
+def _peer_loops(args, base, skipped):
+    """--peers: the sidecar's loop on node a of two nodes, without then with
+    node b's sidecar as its peer (each with a shared directory of its own)."""
+    import socket
+
+    secret = os.path.join(base, "peer-secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(os.urandom(32))
+    with socket.socket() as sa, socket.socket() as sb:
+        sa.bind(("127.0.0.1", 0))
+        sb.bind(("127.0.0.1", 0))
+        pa, pb = sa.getsockname()[1], sb.getsockname()[1]
+
+    def node(name, shared):
+        os.makedirs(shared, exist_ok=True)
+        return ("--shared", shared, "--node-local", "--node-id", name)
+
+    log("the loop as node a of two nodes, alone")
+    alone = run_loop(args, base, skipped, extra=node("a", os.path.join(base, "shared-alone")), tag="-alone")
+    shared = os.path.join(base, "shared-peers")
+    b_args = node("b", shared) + ("--peer-listen", f"127.0.0.1:{pb}", "--peers", f"127.0.0.1:{pa}")
+    b = Sidecar(os.path.join(base, "node-b"), 64 << 20, extra=b_args + ("--peer-secret-file", secret))
+    try:
+        b.connect().close()
+        log("the loop as node a of two nodes, node b its peer")
+        a_args = node("a", shared) + ("--peer-listen", f"127.0.0.1:{pa}", "--peers", f"127.0.0.1:{pb}")
+        peers = run_loop(args, base, skipped, extra=a_args + ("--peer-secret-file", secret), tag="-peers")
+    finally:
+        b.stop()
+    return alone, peers
+
+
+def _report(args, doc, loop, loop_drain, loop_scrub=None, loop_peers=None):
     """The table, the loop's, the plot and --json's document; a plot that
     failed is said last (SystemExit), after the figures."""
     if doc["results"]:
@@ -416,6 +458,11 @@ def _report(args, doc, loop, loop_drain, loop_scrub=None):
     if loop_scrub is not None:
         print(f"with --scrub-interval {args.scrub_interval}:")
         print_loop(loop_scrub)
+    if loop_peers is not None:
+        print("node a of two nodes (--shared --node-local), alone:")
+        print_loop(loop_peers[0])
+        print("node a of two nodes, node b its peer (--peer-replicas 1):")
+        print_loop(loop_peers[1])
     plot_failed = None
     if args.plot and doc["results"]:
         try:

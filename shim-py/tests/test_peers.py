@@ -179,6 +179,35 @@ def test_the_commit_takes_markers_by_message_from_the_coordinator_a_node_learned
     assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(3, True, None)] * 2, logs
 
 
+def test_a_coordinator_killed_mid_commit_fails_the_other_nodes_rank_in_time_and_a_new_one_commits_the_retry(
+        cluster):
+    """b knows a as the coordinator; a's sidecar is killed, and b's rank 1
+    saves step 2: its doorbell finds no one, nothing hangs, and b fails the
+    rank once twice the part timeout passed with no decision. A new sidecar
+    for a (same port), and both ranks save step 2 again: it commits, with
+    b's marker taken by message, and loads bit-equal."""
+    quick = {"CKPT_SIDECAR_PART_TIMEOUT_S": "2", "CKPT_SIDECAR_LOG": "info,ckpt_sidecar::commit::nodes=debug"}
+    cluster.start("a", env=quick)
+    cluster.start("b", env=quick)
+    saved, logs = cluster.ranks("save", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    cluster.wait_log("b", "markers go to this coordinator")
+    cluster.nodes["a"].kill()
+    procs, work = cluster.start_ranks("try-durable", "2", ranks=(1,))
+    (out,) = [p.communicate(timeout=120)[0] for p in procs]
+    assert procs[0].returncode == 0, out + cluster.logs()
+    got = json.loads((work / "result-1.json").read_text())
+    (failed,) = got["failed"]
+    assert failed["step"] == 2 and "no commit nor abort by the coordinator" in failed["error"], got
+    cluster.start("a", env=quick)
+    saved, logs = cluster.ranks("save", "2")
+    assert [s["held"] for s in saved] == [[2], [2]], logs
+    durable = [ln for ln in cluster.nodes["a"].log.read_text().splitlines() if "this sidecar coordinated" in ln]
+    assert "step=2" in durable[-1], durable
+    loaded, logs = cluster.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(2, True, None)] * 2, logs
+
+
 def test_a_missing_replica_falls_back_to_the_drain_target_naming_the_peer_it_skipped(cluster, tmp_path):
     """Order: this node's disks, the peers, then the drain target. Both
     nodes drain to file://R too; then both sidecars are replaced (b on an

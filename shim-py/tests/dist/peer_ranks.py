@@ -4,7 +4,8 @@ MODE save: saves each step of STEPS (comma-separated) of state(step), each
 waited durable and held by peers; writes {"rank", "held": [steps]}; MODE
 try-save: the same, a failed wait_peers recorded as {"step", "error"} in
 "held" instead. MODE replicate: save, then also wait_replicated (a drain).
-MODE load: loads "latest" and writes {"rank", "step", "equal",
+MODE try-durable: saves each step, a failed wait_durable recorded as
+{"step", "error"} in "failed" (the steps after it still saved). MODE load: loads "latest" and writes {"rank", "step", "equal",
 "fell_back" (the load's RuntimeWarnings: what it passed over), "last_load_fell_back"}, or {"error": one line} when the load fails.
 Each save writes the file durable-STEP-rRANK (in the working directory) once
 durable, before it waits for the peers; PEER_RANKS_KIB sizes the state's
@@ -38,7 +39,15 @@ def main():
     rank = int(os.environ["RANK"])
     with Checkpointer(dir=d, spawn=False) as ck:
         assert ck.rank == rank, (ck.rank, rank)
-        if mode in ("save", "try-save", "replicate"):
+        if mode == "try-durable":
+            out = {"rank": rank, "durable": [], "failed": []}
+            for s in steps:
+                try:
+                    ck.save(s, state(s)).wait_durable(timeout=120)
+                    out["durable"].append(s)
+                except Exception as e:  # noqa: BLE001 - the test reads the line
+                    out["failed"].append({"step": s, "error": f"{type(e).__name__}: {e}"})
+        elif mode in ("save", "try-save", "replicate"):
             out = {"rank": rank, "held": []}
             for s in steps:
                 h = ck.save(s, state(s)).wait_durable(timeout=120)

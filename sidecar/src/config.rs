@@ -317,28 +317,30 @@ const _: () = assert!(PEER_CONNECTIONS_PER_HOST_MAX <= PEER_CONNECTIONS_MAX);
 const _: () = assert!(PEER_CONNECTIONS_PER_NODE_MAX <= PEER_CONNECTIONS_MAX);
 /// The commit's doorbells (`peer::bells`): messages queued for one peer at
 /// most (one more is dropped: the shared directory's looks still find
-/// what it said), and how long a peer that could not be reached is not
-/// tried again (its doorbells dropped meanwhile).
+/// what it said).
 pub const PEER_BELLS_QUEUED_MAX: usize = 64;
+/// How long a peer that could not be reached is not tried again (its
+/// doorbells dropped meanwhile); a doorbell refused at once is tried again
+/// after `PEER_BELL_RETRY_FIRST_MS`, the wait doubling, within
+/// `PEER_BELL_RETRY_MS` in all.
+pub const PEER_BELL_RETRY_MS: u64 = 1_000;
+pub const PEER_BELL_RETRY_FIRST_MS: u64 = 20;
+const _: () = assert!(PEER_BELL_RETRY_FIRST_MS < PEER_BELL_RETRY_MS);
 /// Doorbells received and not yet taken by the committer, at most: their
 /// count, and their markers' bytes (one more is dropped).
 pub const PEER_BELLS_RECEIVED_MAX: usize = 4096;
 pub const PEER_BELLS_RECEIVED_BYTES_MAX: usize = 256 << 20;
-pub const PEER_BELL_RETRY_MS: u64 = 1_000;
-/// A doorbell refused at once is tried again after this, the wait
-/// doubling, within `PEER_BELL_RETRY_MS` in all.
-pub const PEER_BELL_RETRY_FIRST_MS: u64 = 20;
-const _: () = assert!(PEER_BELL_RETRY_FIRST_MS < PEER_BELL_RETRY_MS);
 /// Markers sent by message for steps this sidecar does not coordinate yet
-/// (rank 0's part not here yet), kept at most: bytes, and steps.
+/// (rank 0's part not here yet), kept at most: bytes, and steps. They
+/// came through the received doorbells, and keep no more than those hold.
 pub const PEER_EARLY_MARKERS_BYTES_MAX: usize = 64 << 20;
+pub const PEER_EARLY_MARKER_STEPS_MAX: usize = 4;
+const _: () = assert!(PEER_EARLY_MARKERS_BYTES_MAX <= PEER_BELLS_RECEIVED_BYTES_MAX);
 /// A coordinator with peers reads a marker file its look found only this
 /// long after (its message, when it comes, spares the read): what a lost
 /// doorbell adds to the commit.
 pub const PEER_MARKER_DEFER_MS: u64 = 20;
 const _: () = assert!(PEER_MARKER_DEFER_MS < PART_TICK_MS);
-pub const PEER_EARLY_MARKER_STEPS_MAX: usize = 4;
-const _: () = assert!(PEER_EARLY_MARKERS_BYTES_MAX as u64 <= PEER_SEND_STAGED_BYTES_MAX);
 /// How long a handshake may take (all of it), and any one read or write
 /// after it (the default of `--peer-timeout`): a peer that stalls longer
 /// is dropped (its connection only).

@@ -144,9 +144,9 @@ pub struct PartReport {
     pub bytes: u64,
     pub marker: PathBuf,
     /// The marker's bytes as written, its slice declarations' file's
-    /// (empty when it has none), and the temp folder's inode: what the
-    /// step's coordinator needs of this rank, so that it need not read
-    /// the files (`MarkersRead::insert_sent`).
+    /// (empty when it has none), and which temp folder they are in (inode
+    /// and birth time): what the step's coordinator needs of this rank, so
+    /// that it need not read the files (`Store::take_sent_marker`).
     pub sent: SentMarker,
     /// An incremental part (digests taken): the committed step it was
     /// compared with, the shards linked from it, the tensors that changed.

@@ -154,10 +154,9 @@ pub struct Nodes {
     /// linked nothing (`--full-every`, counted per rank as one node's
     /// sidecar counts its saves: `crate::commit::full_every`).
     since_full: BTreeMap<u32, u32>,
-    /// Markers sent by peers for steps not coordinated here (yet), and
-    /// their bytes (bounded: `PEER_EARLY_MARKER*`).
+    /// Markers sent by peers for steps not coordinated here (yet)
+    /// (bounded: `PEER_EARLY_MARKER*`).
     early: BTreeMap<u64, Vec<SentMarker>>,
-    early_bytes: usize,
 }
 
 fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
@@ -167,7 +166,7 @@ fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
 
 impl Nodes {
     pub fn new(timeout: Duration) -> Nodes {
-        Nodes { steps: BTreeMap::new(), timeout, since_full: BTreeMap::new(), early: BTreeMap::new(), early_bytes: 0 }
+        Nodes { steps: BTreeMap::new(), timeout, since_full: BTreeMap::new(), early: BTreeMap::new() }
     }
 
     /// Whether some rank waits for a step's outcome (the committer then
@@ -378,7 +377,6 @@ impl Nodes {
             }
             w.own.push(sent);
         }
-        self.count_early();
     }
 
     /// A peer's doorbell: a marker for the coordinator (taken, and the step
@@ -396,7 +394,7 @@ impl Nodes {
                         // Not taken (another attempt's folder, no birth
                         // times here, refused): the file is read soon.
                         w.progressed();
-                    } else if (0..world_size).all(|r| w.read.has(r)) {
+                    } else if w.read.has_all(world_size) {
                         self.coordinate(store, state, step);
                     }
                 }
@@ -416,8 +414,8 @@ impl Nodes {
     /// kept within `PEER_EARLY_MARKERS_BYTES_MAX`, for the newest
     /// `PEER_EARLY_MARKER_STEPS_MAX` steps; else dropped (its file stays).
     fn keep_early(&mut self, step: u64, sent: SentMarker) {
-        let len = sent.marker.len() + sent.slices.len();
-        if self.early_bytes + len > config::PEER_EARLY_MARKERS_BYTES_MAX {
+        let kept_bytes: usize = self.early.values().flatten().map(SentMarker::len_bytes).sum();
+        if kept_bytes + sent.len_bytes() > config::PEER_EARLY_MARKERS_BYTES_MAX {
             return;
         }
         debug!(step, rank = sent.rank, "peers: a marker came before this step's rank 0 part; kept for it");
@@ -425,17 +423,11 @@ impl Nodes {
         while self.early.len() > config::PEER_EARLY_MARKER_STEPS_MAX {
             self.early.pop_first();
         }
-        self.count_early();
     }
 
     /// `step` is decided: markers kept for it, or older ones, are dropped.
     fn forget_early(&mut self, step: u64) {
         self.early.retain(|s, _| *s > step);
-        self.count_early();
-    }
-
-    fn count_early(&mut self) {
-        self.early_bytes = self.early.values().flatten().map(|m| m.marker.len() + m.slices.len()).sum();
     }
 
     /// Whether rank `rank`'s next part may link unchanged shards: not when
@@ -503,7 +495,7 @@ impl Nodes {
         let world_size = w.world_size;
         let before = w.read.ranks().len();
         // Every marker in (sent, or this node's own): no listing.
-        let complete = (0..world_size).all(|r| w.read.has(r));
+        let complete = w.read.has_all(world_size);
         // With peers, a marker's message usually comes soon after its file:
         // a listing leaves the files it finds first for a later look (not
         // where no message can be taken: a file system without birth times).

@@ -43,7 +43,7 @@ impl Rang {
     /// The bytes it holds (a marker's).
     fn len_bytes(&self) -> usize {
         match self {
-            Rang::Marked { sent, .. } => sent.marker.len() + sent.slices.len(),
+            Rang::Marked { sent, .. } => sent.len_bytes(),
             Rang::Decided { .. } => 0,
         }
     }

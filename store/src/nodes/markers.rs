@@ -97,6 +97,13 @@ pub struct SentMarker {
     pub slices: Vec<u8>,
 }
 
+impl SentMarker {
+    /// The bytes it holds (what a bound on queued or kept markers counts).
+    pub fn len_bytes(&self) -> usize {
+        self.marker.len() + self.slices.len()
+    }
+}
+
 impl MarkersRead {
     /// The ranks whose markers were read.
     pub fn ranks(&self) -> BTreeSet<u32> {
@@ -106,6 +113,11 @@ impl MarkersRead {
     /// Whether rank `rank`'s marker is in.
     pub fn has(&self, rank: u32) -> bool {
         self.have.contains_key(&rank)
+    }
+
+    /// Whether the marker of every rank of `0..world_size` is in.
+    pub fn has_all(&self, world_size: u32) -> bool {
+        (0..world_size).all(|r| self.has(r))
     }
 
     /// How many markers were taken from messages, not read from files.

@@ -257,13 +257,12 @@ fn commit_group(store: &mut Store, state: &DaemonState, kept: &mut Option<KeptGr
     };
     let r = group.map_err(CommitError::from).and_then(|k| {
         let merged = kept.insert(k).merged.placed(&bases);
-        match digests.as_deref().filter(|_| merged.opts.incremental) {
-            Some(d) => {
-                crate::commit::full_every::before_commit(store, state);
-                store.commit_with_digests(step, &merged, parts[0].lease.staging_buf(), &crcs, d, &blobs)
-            }
-            None => store.commit(step, &merged, parts[0].lease.staging_buf(), &crcs, &blobs),
+        let digests = digests.as_deref().filter(|_| merged.opts.incremental);
+        if digests.is_some() {
+            crate::commit::full_every::before_commit(store, state);
         }
+        // Retention follows the answers (below).
+        store.commit_unretained(step, &merged, parts[0].lease.staging_buf(), &crcs, digests, &blobs)
     });
     if r.is_ok() {
         crate::commit::full_every::after_commit(store, state);
@@ -290,14 +289,23 @@ fn commit_group(store: &mut Store, state: &DaemonState, kept: &mut Option<KeptGr
                 persist_gib_per_s: gib_per_s,
             });
             let path = rep.path.display().to_string();
+            let mut keys = Vec::with_capacity(parts.len());
             for job in parts {
-                let key = job.key();
+                keys.push(job.key());
                 drop(job.lease);
-                state.end(key);
                 job.replies.send(&Reply::Durable { id: job.id, step, path: path.clone(), persist_seconds });
             }
             if let Some(d) = &state.drain {
                 d.committed(step);
+            }
+            // Deletions after Durable, as for one rank's step (answer_durable).
+            let t_retain = Instant::now();
+            let deleted = store.retain();
+            if !deleted.is_empty() {
+                info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
+            }
+            for key in keys {
+                state.end(key);
             }
         }
         Err(e) => {
@@ -452,10 +460,10 @@ fn persist(
     if placed.opts.incremental {
         crate::commit::full_every::before_commit(store, state);
     }
-    let r = match (b.fill, b.digests) {
-        (None, Some(d)) => store.commit_with_digests(step, &placed, b.lease.staging_buf(), b.crcs, d, &blob_refs),
-        (None, None) => store.commit(step, &placed, b.lease.staging_buf(), b.crcs, &blob_refs),
-        (Some(f), _) => store.commit_fed(step, &placed, b.lease.staging_buf(), &f.progress, &blob_refs),
+    // Retention follows the answer (answer_durable).
+    let r = match b.fill {
+        None => store.commit_unretained(step, &placed, b.lease.staging_buf(), b.crcs, b.digests, &blob_refs),
+        Some(f) => store.commit_fed(step, &placed, b.lease.staging_buf(), &f.progress, &blob_refs),
     };
     if r.is_ok() {
         crate::commit::full_every::after_commit(store, state);

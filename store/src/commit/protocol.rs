@@ -59,8 +59,42 @@ impl Store {
         tensor_crcs: &[u32],
         blobs: &[Blob<'_>],
     ) -> Result<CommitReport, CommitError> {
+        self.commit_then_retain(step, layout, staging, tensor_crcs, None, blobs)
+    }
+
+    /// [`Store::commit`] or, with `digests`, [`Store::commit_with_digests`],
+    /// without retention: the caller applies it ([`Store::retain`]) once it
+    /// has answered whoever waits for the commit, as after
+    /// [`Store::commit_fed`]. Deleting an old step is work in proportion to
+    /// its files (unlinking a large index takes milliseconds) that no
+    /// waiter needs done.
+    pub fn commit_unretained(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        tensor_crcs: &[u32],
+        digests: Option<&[u128]>,
+        blobs: &[Blob<'_>],
+    ) -> Result<CommitReport, CommitError> {
+        let fill = match digests {
+            Some(d) => Fill::Summed(tensor_crcs, d),
+            None => Fill::Done(tensor_crcs),
+        };
+        self.commit_filled(step, layout, staging, fill, blobs)
+    }
+
+    fn commit_then_retain(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        staging: &dyn BufAddr,
+        tensor_crcs: &[u32],
+        digests: Option<&[u128]>,
+        blobs: &[Blob<'_>],
+    ) -> Result<CommitReport, CommitError> {
         let t0 = Instant::now();
-        let mut report = self.commit_filled(step, layout, staging, Fill::Done(tensor_crcs), blobs)?;
+        let mut report = self.commit_unretained(step, layout, staging, tensor_crcs, digests, blobs)?;
         report.deleted_by_retention = self.retain();
         report.total = t0.elapsed();
         Ok(report)
@@ -100,11 +134,7 @@ impl Store {
         digests: &[u128],
         blobs: &[Blob<'_>],
     ) -> Result<CommitReport, CommitError> {
-        let t0 = Instant::now();
-        let mut report = self.commit_filled(step, layout, staging, Fill::Summed(tensor_crcs, digests), blobs)?;
-        report.deleted_by_retention = self.retain();
-        report.total = t0.elapsed();
-        Ok(report)
+        self.commit_then_retain(step, layout, staging, tensor_crcs, Some(digests), blobs)
     }
 
     /// Applies the retention policy, if any; returns the steps deleted. A

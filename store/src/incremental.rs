@@ -24,13 +24,13 @@
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use tracing::{debug, warn};
 
 use crate::catalog;
-use crate::format::{Dtype, Index, INDEX_FILE_NAME};
-use crate::image::Layout;
+use crate::format::{Index, INDEX_FILE_NAME};
+use crate::image::{Layout, TensorSpec};
 
 /// The newest committed step an incremental commit compares with: what
 /// its index records of each tensor and file, read from disk
@@ -38,11 +38,12 @@ use crate::image::Layout;
 /// that wrote it ([`Prev::of_layout`]).
 pub struct Prev {
     pub step: u64,
-    /// The step's tensor names, in the order of `tensors`: the committing
-    /// layout's when kept from its commit ([`Prev::of_layout`]), so a
-    /// state saved again finds tensor `i` at `i` ([`Prev::tensor`]).
-    names: Vec<String>,
-    /// What the step recorded of each tensor.
+    /// The step's tensors' names, dtypes and shapes, in the order of
+    /// `tensors`: the committing layout's own (shared, not copied) when
+    /// kept from its commit ([`Prev::of_layout`]), so a state saved again
+    /// finds tensor `i` at `i` ([`Prev::tensor`]).
+    specs: Arc<Vec<TensorSpec>>,
+    /// What the step recorded of each tensor besides its spec.
     tensors: Vec<PrevTensor>,
     /// Name → position, built at the first lookup that the position does
     /// not answer (a hash of every name costs more than the rest of a
@@ -55,8 +56,6 @@ pub struct Prev {
 struct PrevTensor {
     /// Into [`Prev::files`]; None: a file the index does not list.
     file: Option<usize>,
-    dtype: Dtype,
-    shape: Vec<u64>,
     data_offsets: [u64; 2],
     crc32c: u32,
     /// None: no digest recorded (then the tensor counts as changed).
@@ -196,18 +195,17 @@ impl Prev {
             ids.entry(f.name.as_str()).or_insert(files.len());
             files.push(PrevFile { dir_idx: f.dir_idx, len_bytes: f.len_bytes, held: 0, linkable: linkable(f) });
         }
-        let (mut names, mut tensors) = (Vec::with_capacity(ckpt.tensors.len()), Vec::with_capacity(ckpt.tensors.len()));
+        let (mut specs, mut tensors) = (Vec::with_capacity(ckpt.tensors.len()), Vec::with_capacity(ckpt.tensors.len()));
         for (name, t) in ckpt.tensors {
             let file = ids.get(t.file.as_str()).copied();
             if let Some(i) = file {
                 files[i].held += 1;
             }
             let digest = t.xxh128.as_deref().and_then(crate::digest::parse_hex);
-            let (dtype, shape, data_offsets, crc32c) = (t.dtype, t.shape, t.data_offsets, t.crc32c);
-            names.push(name);
-            tensors.push(PrevTensor { file, dtype, shape, data_offsets, crc32c, digest });
+            specs.push(TensorSpec { name, dtype: t.dtype, shape: t.shape });
+            tensors.push(PrevTensor { file, data_offsets: t.data_offsets, crc32c: t.crc32c, digest });
         }
-        Prev { step, names, tensors, by_name: OnceLock::new(), files }
+        Prev { step, specs: Arc::new(specs), tensors, by_name: OnceLock::new(), files }
     }
 
     /// What the index of step `step` records when `layout` committed it
@@ -231,38 +229,49 @@ impl Prev {
                 linkable: linkable(sh),
             })
             .collect();
-        let tensors = (layout.specs.iter().zip(&layout.places).enumerate())
-            .map(|(i, (s, p))| PrevTensor {
+        let tensors = (layout.places.iter().enumerate())
+            .map(|(i, p)| PrevTensor {
                 file: Some(p.shard_idx),
-                dtype: s.dtype,
-                shape: s.shape.clone(),
                 data_offsets: [p.data_offsets.0, p.data_offsets.1],
                 crc32c: crcs[i],
                 digest: Some(digests[i]),
             })
             .collect();
-        let names = layout.specs.iter().map(|s| s.name.clone()).collect();
-        Prev { step, names, tensors, by_name: OnceLock::new(), files }
+        // The layout's specs themselves: at 20k tensors, a copy of every
+        // name and shape (and freeing the last one's) cost milliseconds of
+        // each commit, before `latest` was written.
+        let specs = Arc::clone(&layout.specs);
+        Prev { step, specs, tensors, by_name: OnceLock::new(), files }
     }
 
     /// What this step recorded of `layout`'s tensor `i`, if it has one of
-    /// that name: at position `i` when the name there is the same (the
-    /// same state saved again), else found by name.
-    fn tensor(&self, layout: &Layout, i: usize) -> Option<&PrevTensor> {
-        let name = &layout.specs[i].name;
-        if self.names.get(i) == Some(name) {
-            return Some(&self.tensors[i]);
+    /// that name, and whether its dtype and shape are the same: at
+    /// position `i` when the name there is the same (the same state saved
+    /// again; with the very specs of the layout, nothing to compare), else
+    /// found by name.
+    fn tensor(&self, layout: &Layout, i: usize) -> Option<(&PrevTensor, bool)> {
+        if Arc::ptr_eq(&self.specs, &layout.specs) {
+            return self.tensors.get(i).map(|t| (t, true));
         }
-        let by_name = self.by_name.get_or_init(|| self.names.iter().enumerate().map(|(k, n)| (n.clone(), k)).collect());
-        by_name.get(name).map(|&k| &self.tensors[k])
+        let s = &layout.specs[i];
+        let k = match self.specs.get(i) {
+            Some(p) if p.name == s.name => i,
+            _ => {
+                let by_name = self
+                    .by_name
+                    .get_or_init(|| self.specs.iter().enumerate().map(|(k, p)| (p.name.clone(), k)).collect());
+                *by_name.get(&s.name)?
+            }
+        };
+        let p = &self.specs[k];
+        Some((&self.tensors[k], p.dtype == s.dtype && p.shape == s.shape))
     }
 
     /// Whether layout tensor `i` (crc `crc`, digest `digest`) is unchanged
     /// since this step.
     pub fn unchanged(&self, layout: &Layout, i: usize, crc: u32, digest: u128) -> bool {
-        let s = &layout.specs[i];
-        let Some(t) = self.tensor(layout, i) else { return false };
-        t.dtype == s.dtype && t.shape == s.shape && t.crc32c == crc && t.digest == Some(digest)
+        let Some((t, same_spec)) = self.tensor(layout, i) else { return false };
+        same_spec && t.crc32c == crc && t.digest == Some(digest)
     }
 
     /// The names of `layout`'s tensors that changed since this step (or
@@ -283,18 +292,16 @@ impl Prev {
         if !sh.stable || sh.tensors.is_empty() {
             return None;
         }
-        let file = self.tensor(layout, sh.tensors[0])?.file?;
+        let file = self.tensor(layout, sh.tensors[0])?.0.file?;
         let f = &self.files[file];
         if f.dir_idx != sh.dir_idx || f.len_bytes != sh.file_len || f.held != sh.tensors.len() {
             return None;
         }
         for &i in &sh.tensors {
-            let s = &layout.specs[i];
-            let t = self.tensor(layout, i)?;
+            let (t, same_spec) = self.tensor(layout, i)?;
             let p = &layout.places[i];
             if t.file != Some(file)
-                || t.dtype != s.dtype
-                || t.shape != s.shape
+                || !same_spec
                 || t.data_offsets != [p.data_offsets.0, p.data_offsets.1]
                 || t.digest.is_none()
             {

@@ -98,6 +98,10 @@ impl IndexTemplate {
             return None;
         }
         holes.sort_by_key(|&(at, _)| at);
+        // The checksum field comes after the last hole, in the tail that
+        // the last piece of a render holds ([`IndexTemplate::render_pieces`]).
+        let last = holes.last().map_or(0, |&(at, _)| at);
+        find(&json, format::ZEROED_CRC_FIELD, last)?;
         Some(IndexTemplate { secondary_dirs: c.secondary_dirs.clone(), json, holes })
     }
 
@@ -110,41 +114,64 @@ impl IndexTemplate {
         self.holes.iter().any(|(_, h)| matches!(h, Hole::Digest(_)))
     }
 
-    /// The sealed index's bytes, given the checksums of the files and
-    /// tensors (in the layout's order), the tensors' digests (when the
-    /// template has holes for them: [`IndexTemplate::has_digests`]) and the
-    /// blobs' entries.
-    pub(crate) fn render(
+    /// The sealed index's bytes, given what fills the holes (checksums of
+    /// the files and tensors in the layout's order, the tensors' digests
+    /// when the template has holes for them, [`IndexTemplate::has_digests`],
+    /// and the blobs' entries), handed to `out` in pieces of about
+    /// `piece_bytes` as they are filled, the checksum being summed on the
+    /// way: its field comes last, so every piece but the last is final
+    /// before the last is filled. A writer can write (and start syncing)
+    /// the first megabytes of a large index while the rest is filled.
+    /// Returns the index's length.
+    pub(crate) fn render_pieces(
         &self,
-        step: u64,
-        file_crcs: &[u32],
-        tensor_crcs: &[u32],
-        digests: &[u128],
-        blobs: &[IndexBlob],
-    ) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.json.len() + 12 * self.holes.len() + blobs.len() * 128);
+        f: &Filled<'_>,
+        piece_bytes: usize,
+        out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<u64> {
+        let cap = piece_bytes.min(self.json.len() + 12 * self.holes.len() + f.blobs.len() * 128 + 64);
+        let mut buf = Vec::with_capacity(cap + 4096);
+        let (mut crc, mut len) = (0u32, 0u64);
         let mut from = 0;
         for &(at, hole) in &self.holes {
-            out.extend_from_slice(&self.json[from..at]);
+            buf.extend_from_slice(&self.json[from..at]);
             from = at + 1;
             match hole {
-                Hole::Step => push_decimal(&mut out, step),
-                Hole::File(i) => push_decimal(&mut out, file_crcs[i].into()),
-                Hole::Tensor(i) => push_decimal(&mut out, tensor_crcs[i].into()),
+                Hole::Step => push_decimal(&mut buf, f.step),
+                Hole::File(i) => push_decimal(&mut buf, f.file_crcs[i].into()),
+                Hole::Tensor(i) => push_decimal(&mut buf, f.tensor_crcs[i].into()),
                 Hole::Digest(i) => {
                     from = at + DIGEST_ZEROS.len();
-                    crate::digest::push_hex(&mut out, digests[i]);
+                    crate::digest::push_hex(&mut buf, f.digests[i]);
                 }
                 Hole::Blobs => {
                     from = at + 2;
-                    out.extend_from_slice(&nested_blobs(blobs));
+                    buf.extend_from_slice(&nested_blobs(f.blobs));
                 }
             }
+            if buf.len() >= piece_bytes {
+                crc = crc32c::crc32c_append(crc, &buf);
+                len += buf.len() as u64;
+                out(&buf)?;
+                buf.clear();
+            }
         }
-        out.extend_from_slice(&self.json[from..]);
-        format::seal_json(&mut out);
-        out
+        // The tail holds the checksum field (checked by `new`).
+        buf.extend_from_slice(&self.json[from..]);
+        format::seal_json_after(crc, &mut buf);
+        len += buf.len() as u64;
+        out(&buf)?;
+        Ok(len)
     }
+}
+
+/// What fills a template's holes ([`IndexTemplate::render_pieces`]).
+pub(crate) struct Filled<'a> {
+    pub step: u64,
+    pub file_crcs: &'a [u32],
+    pub tensor_crcs: &'a [u32],
+    pub digests: &'a [u128],
+    pub blobs: &'a [IndexBlob],
 }
 
 /// Appends `v` in decimal, as JSON writes it (one per tensor: no

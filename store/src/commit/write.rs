@@ -241,10 +241,44 @@ pub(super) fn write_blobs_and_index(
     layout.prepare_index(&secondary_dirs);
     let crcs = fill.crcs(step)?;
     let digests = fill.digests().filter(|_| layout.opts.incremental);
-    let index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, secondary_dirs);
     let ipath = primary_tmp.join(INDEX_FILE_NAME);
-    write_small_file(&ipath, &index).map_err(|e| CommitError::io(&ipath, "write index", e))?;
-    Ok(bytes + index.len() as u64)
+    let len = write_index(&ipath, |out| {
+        layout.index_pieces(step, &crcs, digests.as_deref(), blobs, secondary_dirs, INDEX_PIECE_BYTES, out)
+    })
+    .map_err(|e| CommitError::io(&ipath, "write index", e))?;
+    Ok(bytes + len)
+}
+
+/// How much of a rendered index is written at a time ([`write_index`]).
+const INDEX_PIECE_BYTES: usize = 1 << 20;
+
+/// Writes the index at `path` (a new file) from the pieces `render` hands
+/// out, and syncs it. Each piece's writeback is started as soon as it is
+/// written (`sync_file_range`, a hint: the final `fdatasync` is what makes
+/// it durable), so the disk takes the first megabytes of a large index
+/// while the rest is still filled: at 20k tensors (8 MB) filling took
+/// 2.5 ms and the sync after it 5-6 ms, one after the other. Returns the
+/// index's length.
+fn write_index(
+    path: &Path,
+    render: impl FnOnce(&mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<u64>,
+) -> io::Result<u64> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let mut f = File::options().write(true).create_new(true).open(path)?;
+    let mut at = 0u64;
+    let len = render(&mut |piece| {
+        f.write_all(piece)?;
+        // SAFETY: a plain system call on an open descriptor; its failure
+        // (a file system without it) changes nothing: the sync follows.
+        unsafe {
+            libc::sync_file_range(f.as_raw_fd(), at as i64, piece.len() as i64, libc::SYNC_FILE_RANGE_WRITE);
+        }
+        at += piece.len() as u64;
+        Ok(())
+    })?;
+    f.sync_data()?;
+    Ok(len)
 }
 
 /// Links `from` (a committed step's blob) as `to` when it holds exactly

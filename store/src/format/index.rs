@@ -113,17 +113,29 @@ pub struct IndexBlob {
 /// many directories it has.
 type HeldFiles<'a> = BTreeMap<&'a str, (&'a str, u32)>;
 
+/// The checksum field of an index not yet sealed ([`seal_json`]).
+pub(crate) const ZEROED_CRC_FIELD: &[u8] = b"\"index_crc32c\": 0";
+
 /// Seals an index's canonical JSON whose `index_crc32c` is 0: sets it to
 /// the checksum of those bytes, and returns it. The field is the last one,
 /// so the sealed JSON differs from the zeroed one only in that number.
 pub(crate) fn seal_json(v: &mut Vec<u8>) -> u32 {
-    const ZEROED: &[u8] = b"\"index_crc32c\": 0";
-    let crc = crc32c::crc32c(v);
+    seal_json_after(0, v)
+}
+
+/// [`seal_json`] of the index whose bytes are those summed in `crc_before`
+/// (crc32c, as `crc32c_append` continues it) followed by `tail`, which
+/// holds the zeroed checksum field: seals `tail` in place.
+pub(crate) fn seal_json_after(crc_before: u32, tail: &mut Vec<u8>) -> u32 {
+    let crc = crc32c::crc32c_append(crc_before, tail);
     // The last occurrence: a tensor name holding the same text comes earlier.
-    let at = v.windows(ZEROED.len()).rposition(|w| w == ZEROED).expect("the index JSON ends with its checksum field")
-        + ZEROED.len()
+    let at = tail
+        .windows(ZEROED_CRC_FIELD.len())
+        .rposition(|w| w == ZEROED_CRC_FIELD)
+        .expect("the index JSON ends with its checksum field")
+        + ZEROED_CRC_FIELD.len()
         - 1;
-    v.splice(at..at + 1, crc.to_string().into_bytes());
+    tail.splice(at..at + 1, crc.to_string().into_bytes());
     crc
 }
 

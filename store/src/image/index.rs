@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use super::{index_blobs, slices::slices_section, Blob, Layout};
 use crate::config;
 use crate::format::{CkptSection, Index, IndexFile, IndexMetadata, IndexTensor};
-use crate::index_template::IndexTemplate;
+use crate::index_template::{Filled, IndexTemplate};
 
 impl Layout {
     pub(super) fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {
@@ -97,11 +97,46 @@ impl Layout {
         blobs: &[Blob<'_>],
         secondary_dirs: Vec<String>,
     ) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.index_pieces(step, tensor_crcs, digests, blobs, secondary_dirs, usize::MAX, &mut |piece| {
+            out.extend_from_slice(piece);
+            Ok(())
+        })
+        .expect("appending to a Vec does not fail");
+        out
+    }
+
+    /// [`Layout::index_json_with`] handed to `out` in pieces of about
+    /// `piece_bytes` as the rendered index is filled (the checksum field
+    /// in the last: [`IndexTemplate::render_pieces`]); one piece when the
+    /// index is built at once. Returns the index's length.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn index_pieces(
+        &self,
+        step: u64,
+        tensor_crcs: &[u32],
+        digests: Option<&[u128]>,
+        blobs: &[Blob<'_>],
+        secondary_dirs: Vec<String>,
+        piece_bytes: usize,
+        out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<u64> {
         match self.template(&secondary_dirs).filter(|t| t.has_digests() == digests.is_some()) {
             Some(t) => {
-                t.render(step, &self.file_crcs(tensor_crcs), tensor_crcs, digests.unwrap_or(&[]), &index_blobs(blobs))
+                let filled = Filled {
+                    step,
+                    file_crcs: &self.file_crcs(tensor_crcs),
+                    tensor_crcs,
+                    digests: digests.unwrap_or(&[]),
+                    blobs: &index_blobs(blobs),
+                };
+                t.render_pieces(&filled, piece_bytes, out)
             }
-            None => self.index_with(step, tensor_crcs, digests, blobs, secondary_dirs).to_json_bytes(),
+            None => {
+                let bytes = self.index_with(step, tensor_crcs, digests, blobs, secondary_dirs).to_json_bytes();
+                out(&bytes)?;
+                Ok(bytes.len() as u64)
+            }
         }
     }
 
@@ -229,6 +264,24 @@ mod tests {
         let whole = l.index_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
         let bytes = l.index_json_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
         assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.to_json_bytes()).unwrap());
+        // Handed out in small pieces (as the commit writes a large index):
+        // the same bytes, every piece but the last at least that long, the
+        // checksum field in the last.
+        for piece_bytes in [1, 100, 1000, bytes.len() / 2] {
+            let mut pieces: Vec<Vec<u8>> = Vec::new();
+            let blobs = [Blob { name: "rng", bytes: b"x" }];
+            let len = l
+                .index_pieces(9, &crcs, Some(&digests), &blobs, dirs.clone(), piece_bytes, &mut |p| {
+                    pieces.push(p.to_vec());
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(pieces.concat(), bytes, "pieces of {piece_bytes}");
+            assert_eq!(len, bytes.len() as u64);
+            assert!(pieces.len() > 1, "pieces of {piece_bytes}: {}", pieces.len());
+            assert!(pieces[..pieces.len() - 1].iter().all(|p| p.len() >= piece_bytes));
+            assert!(String::from_utf8_lossy(pieces.last().unwrap()).contains("\"index_crc32c\": "));
+        }
         let read = Index::from_json_bytes(&bytes).unwrap();
         assert_eq!(read.ckpt.format_version, config::FORMAT_VERSION_DIGESTS);
         assert_eq!(read.ckpt.tensors["t3"].xxh128.as_deref().and_then(crate::digest::parse_hex), Some(digests[3]));

@@ -69,6 +69,37 @@ pub fn combine_op(crc_a: u32, crc_b: u32, op: u32) -> u32 {
     mult_mod_p(op, crc_a) ^ crc_b
 }
 
+/// Multiplication by one shift operator ([`shift_op`]), tabulated by
+/// byte (the product is linear in the checksum): folding many checksums
+/// over one length, as a shard of ten thousand tensors of one size does,
+/// costs four lookups each instead of [`combine_op`]'s loop over the bits
+/// (about 45 ns: 0.9 ms of a 20k-tensor commit). Building it costs about
+/// a thousand of those.
+pub struct ShiftTable(Box<[[u32; 256]; 4]>);
+
+impl ShiftTable {
+    pub fn new(op: u32) -> ShiftTable {
+        let mut t = Box::new([[0u32; 256]; 4]);
+        for (j, row) in t.iter_mut().enumerate() {
+            for (v, e) in row.iter_mut().enumerate() {
+                *e = mult_mod_p(op, (v as u32) << (8 * j));
+            }
+        }
+        ShiftTable(t)
+    }
+
+    /// [`combine_op`] with this table's operator.
+    #[inline]
+    pub fn combine(&self, crc_a: u32, crc_b: u32) -> u32 {
+        let t = &self.0;
+        t[0][(crc_a & 0xff) as usize]
+            ^ t[1][((crc_a >> 8) & 0xff) as usize]
+            ^ t[2][((crc_a >> 16) & 0xff) as usize]
+            ^ t[3][(crc_a >> 24) as usize]
+            ^ crc_b
+    }
+}
+
 /// crc(A ‖ B) from `crc_a`, `crc_b` and `len_b` = |B| in bytes.
 #[inline]
 pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
@@ -81,6 +112,20 @@ pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shift_table_combines_as_its_operator_does() {
+        for len in [1u64, 1024, 4096 + 7, 1 << 30] {
+            let op = shift_op(len);
+            let t = ShiftTable::new(op);
+            let mut x = 0x1234_5678u32;
+            for _ in 0..1000 {
+                x = x.wrapping_mul(2_654_435_761).rotate_left(7) ^ 0x9e37_79b9;
+                let y = x.rotate_left(13).wrapping_add(len as u32);
+                assert_eq!(t.combine(x, y), combine_op(x, y, op), "len {len}");
+            }
+        }
+    }
 
     #[test]
     fn combining_equals_the_crc_of_the_concatenation() {

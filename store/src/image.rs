@@ -276,23 +276,35 @@ impl Layout {
     /// File checksums from the header bytes and the tensor checksums, without
     /// reading tensor bytes again.
     pub fn file_crcs(&self, tensor_crcs: &[u32]) -> Vec<u32> {
+        use crate::crc::{combine_op, shift_op, ShiftTable};
+        /// Tensors of one length in a row after which their operator is tabulated.
+        const TABULATE_AFTER: usize = 64;
         assert_eq!(tensor_crcs.len(), self.specs.len());
+        // The shift operator of the last length again: tensors of one size
+        // (experts, layers) need one, not one each; tabulated once it has
+        // served TABULATE_AFTER of them in a row.
+        let mut op = (0u64, shift_op(0), 0usize);
+        let mut table: Option<(u64, ShiftTable)> = None;
         self.shards
             .iter()
             .map(|sh| {
-                // The shift operator of the last length again: tensors of
-                // one size (experts, layers) need one, not one each.
-                let mut op = (0u64, crate::crc::shift_op(0));
                 sh.tensors.iter().fold(crc32c::crc32c(&sh.header), |acc, &i| {
                     let p = &self.places[i];
                     let len = p.data_offsets.1 - p.data_offsets.0;
                     if len == 0 {
                         return acc;
                     }
-                    if op.0 != len {
-                        op = (len, crate::crc::shift_op(len));
+                    if let Some((_, t)) = table.as_ref().filter(|(l, _)| *l == len) {
+                        return t.combine(acc, tensor_crcs[i]);
                     }
-                    crate::crc::combine_op(acc, tensor_crcs[i], op.1)
+                    if op.0 != len {
+                        op = (len, shift_op(len), 0);
+                    }
+                    op.2 += 1;
+                    if op.2 == TABULATE_AFTER {
+                        table = Some((len, ShiftTable::new(op.1)));
+                    }
+                    combine_op(acc, tensor_crcs[i], op.1)
                 })
             })
             .collect()
@@ -457,6 +469,25 @@ mod tests {
         let sh = &l.shards[0];
         let file = &buf[sh.staging_offset as usize..(sh.staging_offset + sh.file_len) as usize];
         assert_eq!(files[0], crc32c::crc32c(file));
+        // Hundreds of tensors of one length in a row (their operator
+        // tabulated), then of another, over several shards: each file's crc
+        // is still its bytes'.
+        let many: Vec<TensorSpec> = (0..700)
+            .map(|i| TensorSpec::new(format!("e{i:04}"), Dtype::U8, &[if i < 300 || i >= 650 { 1024 } else { 33 }]))
+            .collect();
+        let l = Layout::plan(many, LayoutOptions { shard_bytes_max: 128 << 10, ..Default::default() }).unwrap();
+        assert!(l.shards.len() > 2);
+        let mut buf = vec![0u8; l.staging_len as usize];
+        l.write_headers(&mut buf);
+        for i in 0..l.specs.len() {
+            for (j, b) in buf[l.tensor_range(i)].iter_mut().enumerate() {
+                *b = (i * 13 + j * 3) as u8;
+            }
+        }
+        let files = l.file_crcs(&l.tensor_crcs(&buf));
+        for (sh, crc) in l.shards.iter().zip(files) {
+            assert_eq!(crc, crc32c::crc32c(&buf[sh.staging_offset as usize..(sh.staging_offset + sh.file_len) as usize]));
+        }
         let big = vec![5u8; 20 << 20];
         assert_eq!(crc32c_parallel(&big), crc32c::crc32c(&big));
     }

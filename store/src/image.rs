@@ -473,7 +473,7 @@ mod tests {
         // tabulated), then of another, over several shards: each file's crc
         // is still its bytes'.
         let many: Vec<TensorSpec> = (0..700)
-            .map(|i| TensorSpec::new(format!("e{i:04}"), Dtype::U8, &[if i < 300 || i >= 650 { 1024 } else { 33 }]))
+            .map(|i| TensorSpec::new(format!("e{i:04}"), Dtype::U8, &[if (300..650).contains(&i) { 33 } else { 1024 }]))
             .collect();
         let l = Layout::plan(many, LayoutOptions { shard_bytes_max: 128 << 10, ..Default::default() }).unwrap();
         assert!(l.shards.len() > 2);
@@ -486,7 +486,10 @@ mod tests {
         }
         let files = l.file_crcs(&l.tensor_crcs(&buf));
         for (sh, crc) in l.shards.iter().zip(files) {
-            assert_eq!(crc, crc32c::crc32c(&buf[sh.staging_offset as usize..(sh.staging_offset + sh.file_len) as usize]));
+            assert_eq!(
+                crc,
+                crc32c::crc32c(&buf[sh.staging_offset as usize..(sh.staging_offset + sh.file_len) as usize])
+            );
         }
         let big = vec![5u8; 20 << 20];
         assert_eq!(crc32c_parallel(&big), crc32c::crc32c(&big));

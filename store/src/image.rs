@@ -28,6 +28,7 @@ mod slices;
 
 pub(crate) use blobs::index_blobs;
 pub use blobs::{validate_blobs, Blob};
+pub(crate) use index::Held;
 pub use slices::{checked_slices, SliceDecl};
 
 #[derive(Debug, Clone, PartialEq, Eq)]

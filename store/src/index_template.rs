@@ -13,9 +13,9 @@
 //! `"crc32c"` can appear nowhere else: inside a JSON string its quotes are
 //! escaped).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use crate::format::{self, Index, IndexBlob};
+use crate::format::{self, Index, IndexBlob, IndexNode};
 
 /// What one hole of the template takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,8 +36,10 @@ const DIGEST_ZEROS: &[u8] = b"00000000000000000000000000000000";
 
 #[derive(Debug)]
 pub(crate) struct IndexTemplate {
-    /// The directories the template names; another set gets its own.
+    /// The directories and holders the template names; another set gets
+    /// its own.
     secondary_dirs: Vec<String>,
+    nodes: BTreeMap<String, IndexNode>,
     /// The draft's JSON: step 0, no blobs, every checksum 0.
     json: Vec<u8>,
     /// In document order: the offset of the placeholder and what goes there.
@@ -102,11 +104,11 @@ impl IndexTemplate {
         // the last piece of a render holds ([`IndexTemplate::render_pieces`]).
         let last = holes.last().map_or(0, |&(at, _)| at);
         find(&json, format::ZEROED_CRC_FIELD, last)?;
-        Some(IndexTemplate { secondary_dirs: c.secondary_dirs.clone(), json, holes })
+        Some(IndexTemplate { secondary_dirs: c.secondary_dirs.clone(), nodes: c.nodes.clone(), json, holes })
     }
 
-    pub(crate) fn names(&self, secondary_dirs: &[String]) -> bool {
-        self.secondary_dirs == secondary_dirs
+    pub(crate) fn names(&self, secondary_dirs: &[String], nodes: &BTreeMap<String, IndexNode>) -> bool {
+        self.secondary_dirs == secondary_dirs && self.nodes == *nodes
     }
 
     /// Whether the template has holes for digests.

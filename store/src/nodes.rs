@@ -32,7 +32,7 @@
 //!   one node.
 //! - No sidecar speaks to another: the shared directory is the only channel.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -343,10 +343,20 @@ impl Store {
         }
         // A fed part's checksums: the filler's end (its last bytes are
         // already written and synced above).
-        layout.prepare_index(&[]);
+        // The marker names this node as the holder of the rank's files,
+        // and its directories (the files' dir_idx name one of them).
+        let held: BTreeMap<String, format::IndexNode> = match &self.opts.node_local {
+            Some(id) => {
+                let files = layout.shards.iter().map(|sh| sh.file_name.clone()).collect();
+                let dirs = self.dirs().iter().map(|d| d.display().to_string()).collect();
+                [(id.clone(), format::IndexNode { dirs, files })].into()
+            }
+            None => BTreeMap::new(),
+        };
+        layout.prepare_index_held(&[], &held);
         let crcs = fill.crcs(step)?;
         let digests = fill.digests().filter(|_| layout.opts.incremental);
-        let mut index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, Vec::new());
+        let index = layout.index_json_held(step, &crcs, digests.as_deref(), blobs, Vec::new(), &held);
         let incremental = digests.as_deref().map(|d| IncrementalReport {
             prev_step: prev.as_ref().map(|p| p.step),
             linked_files: linked.len(),
@@ -356,15 +366,6 @@ impl Store {
         });
         if let Some(r) = &incremental {
             info!(rank, prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental (this rank's part)");
-        }
-        if let Some(id) = &self.opts.node_local {
-            // The marker names this node as the holder of the rank's files,
-            // and its directories (the files' dir_idx name one of them).
-            let mut ix: Index = serde_json::from_slice(&index).expect("a layout's index parses");
-            let files = ix.ckpt.files.iter().map(|f| f.name.clone()).collect();
-            let dirs = self.dirs().iter().map(|d| d.display().to_string()).collect();
-            ix.ckpt.nodes.insert(id.clone(), format::IndexNode { dirs, files });
-            index = ix.sealed_json_bytes();
         }
         self.check_abort(step)?;
         // The marker: this rank's index, under a temp name, synced, renamed.

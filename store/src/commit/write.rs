@@ -243,7 +243,8 @@ pub(super) fn write_blobs_and_index(
     let digests = fill.digests().filter(|_| layout.opts.incremental);
     let ipath = primary_tmp.join(INDEX_FILE_NAME);
     let len = write_index(&ipath, |out| {
-        layout.index_pieces(step, &crcs, digests.as_deref(), blobs, secondary_dirs, INDEX_PIECE_BYTES, out)
+        let at = crate::image::Held { secondary_dirs, nodes: &Default::default() };
+        layout.index_pieces(step, &crcs, digests.as_deref(), blobs, at, INDEX_PIECE_BYTES, out)
     })
     .map_err(|e| CommitError::io(&ipath, "write index", e))?;
     Ok(bytes + len)

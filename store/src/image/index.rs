@@ -10,8 +10,15 @@ use std::collections::BTreeMap;
 
 use super::{index_blobs, slices::slices_section, Blob, Layout};
 use crate::config;
-use crate::format::{CkptSection, Index, IndexFile, IndexMetadata, IndexTensor};
+use crate::format::{CkptSection, Index, IndexFile, IndexMetadata, IndexNode, IndexTensor};
 use crate::index_template::{Filled, IndexTemplate};
+
+/// Where an index's files are held: the directories beyond the primary,
+/// and the nodes holding them (empty but for a node-local rank's marker).
+pub(crate) struct Held<'a> {
+    pub secondary_dirs: Vec<String>,
+    pub nodes: &'a BTreeMap<String, IndexNode>,
+}
 
 impl Layout {
     pub(super) fn index_tensors(&self, tensor_crcs: &[u32]) -> BTreeMap<String, IndexTensor> {
@@ -97,8 +104,26 @@ impl Layout {
         blobs: &[Blob<'_>],
         secondary_dirs: Vec<String>,
     ) -> Vec<u8> {
+        self.index_json_held(step, tensor_crcs, digests, blobs, secondary_dirs, &BTreeMap::new())
+    }
+
+    /// [`Layout::index_json_with`] with a `nodes` section (a rank's marker
+    /// on a node's own disks: docs/format.md, "Node-local files"), rendered
+    /// from the template like the rest: at 10k tensors, parsing the index
+    /// and serialising it again to add the section cost tens of
+    /// milliseconds of every step.
+    pub fn index_json_held(
+        &self,
+        step: u64,
+        tensor_crcs: &[u32],
+        digests: Option<&[u128]>,
+        blobs: &[Blob<'_>],
+        secondary_dirs: Vec<String>,
+        nodes: &BTreeMap<String, IndexNode>,
+    ) -> Vec<u8> {
         let mut out = Vec::new();
-        self.index_pieces(step, tensor_crcs, digests, blobs, secondary_dirs, usize::MAX, &mut |piece| {
+        let at = Held { secondary_dirs, nodes };
+        self.index_pieces(step, tensor_crcs, digests, blobs, at, usize::MAX, &mut |piece| {
             out.extend_from_slice(piece);
             Ok(())
         })
@@ -117,11 +142,11 @@ impl Layout {
         tensor_crcs: &[u32],
         digests: Option<&[u128]>,
         blobs: &[Blob<'_>],
-        secondary_dirs: Vec<String>,
+        at: Held<'_>,
         piece_bytes: usize,
         out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
     ) -> std::io::Result<u64> {
-        match self.template(&secondary_dirs).filter(|t| t.has_digests() == digests.is_some()) {
+        match self.template(&at).filter(|t| t.has_digests() == digests.is_some()) {
             Some(t) => {
                 let filled = Filled {
                     step,
@@ -133,7 +158,13 @@ impl Layout {
                 t.render_pieces(&filled, piece_bytes, out)
             }
             None => {
-                let bytes = self.index_with(step, tensor_crcs, digests, blobs, secondary_dirs).to_json_bytes();
+                let mut index = self.index_with(step, tensor_crcs, digests, blobs, at.secondary_dirs);
+                let bytes = if at.nodes.is_empty() {
+                    index.to_json_bytes()
+                } else {
+                    index.ckpt.nodes = at.nodes.clone();
+                    index.sealed_json_bytes()
+                };
                 out(&bytes)?;
                 Ok(bytes.len() as u64)
             }
@@ -144,16 +175,28 @@ impl Layout {
     /// a commit calls it while the image is still copied, so that only
     /// the numbers wait for the copy's checksums.
     pub fn prepare_index(&self, secondary_dirs: &[String]) {
-        self.template(secondary_dirs);
+        self.template(&Held { secondary_dirs: secondary_dirs.to_vec(), nodes: &BTreeMap::new() });
     }
 
-    fn template(&self, secondary_dirs: &[String]) -> Option<&IndexTemplate> {
+    /// [`Layout::prepare_index`] of an index with a `nodes` section
+    /// ([`Layout::index_json_held`]).
+    pub fn prepare_index_held(&self, secondary_dirs: &[String], nodes: &BTreeMap<String, IndexNode>) {
+        self.template(&Held { secondary_dirs: secondary_dirs.to_vec(), nodes });
+    }
+
+    fn template(&self, at: &Held<'_>) -> Option<&IndexTemplate> {
         let t = self.index_template.get_or_init(|| {
-            let draft = self.index_draft(0, &[], secondary_dirs.to_vec());
+            let mut draft = self.index_draft(0, &[], at.secondary_dirs.clone());
+            draft.ckpt.nodes = at.nodes.clone();
             IndexTemplate::new(&draft, self.specs.iter().map(|s| s.name.as_str()))
         });
-        // Another directory set (never, for one store) is not worth keeping.
-        t.as_ref().filter(|t| t.names(secondary_dirs))
+        // Other directories or holders (never, for one store) are not worth keeping.
+        t.as_ref().filter(|t| t.names(&at.secondary_dirs, at.nodes))
+    }
+
+    #[cfg(test)]
+    fn template_for(&self, secondary_dirs: &[String]) -> Option<&IndexTemplate> {
+        self.template(&Held { secondary_dirs: secondary_dirs.to_vec(), nodes: &BTreeMap::new() })
     }
 
     /// The index with step `step`, these blobs and every checksum 0.
@@ -195,8 +238,11 @@ impl Layout {
 mod tests {
     use std::collections::HashSet;
 
+    use std::collections::BTreeMap;
+
+    use super::Held;
     use crate::config;
-    use crate::format::{self, Dtype, Index};
+    use crate::format::{self, Dtype, Index, IndexNode};
     use crate::image::*;
 
     fn many_kinds_of_names() -> Layout {
@@ -223,7 +269,7 @@ mod tests {
         let l = many_kinds_of_names();
         let dirs = vec!["/second".to_string()];
         l.prepare_index(&dirs);
-        assert!(l.template(&dirs).is_some(), "the template reads");
+        assert!(l.template_for(&dirs).is_some(), "the template reads");
         for (step, blobs) in [
             (0, vec![]),
             (7, vec![Blob { name: "rng", bytes: b"state" }]),
@@ -239,7 +285,7 @@ mod tests {
             assert_eq!(Index::from_json_bytes(&bytes).unwrap(), whole);
         }
         // Other directories than rendered: built at once, still right.
-        assert!(l.template(&[]).is_none());
+        assert!(l.template_for(&[]).is_none());
         assert_eq!(
             l.index_json(3, &vec![5; l.specs.len()], &[], vec![]),
             l.index(3, &vec![5; l.specs.len()], &[], vec![]).to_json_bytes()
@@ -271,10 +317,18 @@ mod tests {
             let mut pieces: Vec<Vec<u8>> = Vec::new();
             let blobs = [Blob { name: "rng", bytes: b"x" }];
             let len = l
-                .index_pieces(9, &crcs, Some(&digests), &blobs, dirs.clone(), piece_bytes, &mut |p| {
-                    pieces.push(p.to_vec());
-                    Ok(())
-                })
+                .index_pieces(
+                    9,
+                    &crcs,
+                    Some(&digests),
+                    &blobs,
+                    Held { secondary_dirs: dirs.clone(), nodes: &BTreeMap::new() },
+                    piece_bytes,
+                    &mut |p| {
+                        pieces.push(p.to_vec());
+                        Ok(())
+                    },
+                )
                 .unwrap();
             assert_eq!(pieces.concat(), bytes, "pieces of {piece_bytes}");
             assert_eq!(len, bytes.len() as u64);
@@ -302,6 +356,30 @@ mod tests {
     }
 
     #[test]
+    fn a_node_local_markers_rendered_index_is_the_index_built_at_once_with_its_nodes_section() {
+        let l = many_kinds_of_names();
+        let files = l.shards.iter().map(|sh| sh.file_name.clone()).collect();
+        let held: BTreeMap<String, IndexNode> =
+            [("node-a".to_string(), IndexNode { dirs: vec!["/a/0".into(), "/a/\"1\"".into()], files })].into();
+        l.prepare_index_held(&[], &held);
+        let crcs: Vec<u32> = (0..l.specs.len() as u32).map(|i| i.wrapping_mul(0x0101_0101) ^ 77).collect();
+        let blobs = [Blob { name: "rng", bytes: b"x" }];
+        let mut whole = l.index(4, &crcs, &blobs, vec![]);
+        whole.ckpt.nodes = held.clone();
+        let bytes = l.index_json_held(4, &crcs, None, &blobs, vec![], &held);
+        assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.sealed_json_bytes()).unwrap());
+        assert_eq!(Index::from_json_bytes(&bytes).unwrap().ckpt.nodes, held);
+        // Rendered, not built at once; another holder is built at once, still right.
+        assert!(l.template(&Held { secondary_dirs: vec![], nodes: &held }).is_some());
+        let other: BTreeMap<String, IndexNode> =
+            [("node-b".to_string(), IndexNode { dirs: vec!["/b".into(), "/b2".into()], files: vec![] })].into();
+        assert!(l.template(&Held { secondary_dirs: vec![], nodes: &other }).is_none());
+        let mut whole_b = l.index(4, &crcs, &blobs, vec![]);
+        whole_b.ckpt.nodes = other.clone();
+        assert_eq!(l.index_json_held(4, &crcs, None, &blobs, vec![], &other), whole_b.sealed_json_bytes());
+    }
+
+    #[test]
     fn an_index_without_slices_or_secondaries_renders_too() {
         let l = Layout::plan(
             vec![TensorSpec::new("a", Dtype::F16, &[3]), TensorSpec::new("b", Dtype::I64, &[0])],
@@ -309,7 +387,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(l.index_json(3, &[11, 22], &[], vec![]), l.index(3, &[11, 22], &[], vec![]).to_json_bytes());
-        assert!(l.template(&[]).is_some());
+        assert!(l.template_for(&[]).is_some());
     }
 
     #[test]

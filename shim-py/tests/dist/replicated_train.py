@@ -28,7 +28,7 @@ def state(seed=0, d=256, layers=4, vocab=5000):
 
 def main():
     """argv: DIR STEP MODE [VOCAB]. MODE: save (rng=True), load (restore_rng=True,
-    checks the state), die (rank 1 is SIGKILLed before it saves), killall
+    checks the state), die (rank 1 is SIGKILLed before it saves, once rank 0's part is released), killall
     (every rank SIGKILLed once every part is released)."""
     d, step, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     vocab = int(sys.argv[4]) if len(sys.argv) > 4 else 5000
@@ -49,9 +49,15 @@ def main():
         out["rng_next"] = torch.rand(1).item()
         out["equal"] = True
     elif mode == "die":
+        # Rank 1 dies only once rank 0's part is in the sidecar: torchrun
+        # stops the other ranks when one dies, and on a busy machine it
+        # used to stop rank 0 before its save() was even sent.
         if ck.rank == 1:
+            dist.barrier()
             os.kill(os.getpid(), 9)
         h = ck.save(step, want)
+        h.wait_released(timeout=120)
+        dist.barrier()
         try:
             h.wait_durable(timeout=120)
             out["durable"] = True

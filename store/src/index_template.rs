@@ -124,16 +124,17 @@ impl IndexTemplate {
     /// way: its field comes last, so every piece but the last is final
     /// before the last is filled. A writer can write (and start syncing)
     /// the first megabytes of a large index while the rest is filled.
-    /// Returns the index's length.
+    /// Returns the last piece, sealed (the whole index when no piece
+    /// reached `piece_bytes`: nothing is copied twice).
     pub(crate) fn render_pieces(
         &self,
         f: &Filled<'_>,
         piece_bytes: usize,
         out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<u64> {
+    ) -> std::io::Result<Vec<u8>> {
         let cap = piece_bytes.min(self.json.len() + 12 * self.holes.len() + f.blobs.len() * 128 + 64);
         let mut buf = Vec::with_capacity(cap + 4096);
-        let (mut crc, mut len) = (0u32, 0u64);
+        let mut crc = 0u32;
         let mut from = 0;
         for &(at, hole) in &self.holes {
             buf.extend_from_slice(&self.json[from..at]);
@@ -153,7 +154,6 @@ impl IndexTemplate {
             }
             if buf.len() >= piece_bytes {
                 crc = crc32c::crc32c_append(crc, &buf);
-                len += buf.len() as u64;
                 out(&buf)?;
                 buf.clear();
             }
@@ -161,9 +161,7 @@ impl IndexTemplate {
         // The tail holds the checksum field (checked by `new`).
         buf.extend_from_slice(&self.json[from..]);
         format::seal_json_after(crc, &mut buf);
-        len += buf.len() as u64;
-        out(&buf)?;
-        Ok(len)
+        Ok(buf)
     }
 }
 

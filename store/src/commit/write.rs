@@ -254,21 +254,21 @@ pub(super) fn write_blobs_and_index(
 const INDEX_PIECE_BYTES: usize = 1 << 20;
 
 /// Writes the index at `path` (a new file) from the pieces `render` hands
-/// out, and syncs it. Each piece's writeback is started as soon as it is
-/// written (`sync_file_range`, a hint: the final `fdatasync` is what makes
-/// it durable), so the disk takes the first megabytes of a large index
-/// while the rest is still filled: at 20k tensors (8 MB) filling took
-/// 2.5 ms and the sync after it 5-6 ms, one after the other. Returns the
-/// index's length.
+/// out and the last one it returns, and syncs it. Each piece's writeback
+/// is started as soon as it is written (`sync_file_range`, a hint: the
+/// final `fdatasync` is what makes it durable), so the disk takes the
+/// first megabytes of a large index while the rest is still filled: at
+/// 20k tensors (8 MB) filling took 2.5 ms and the sync after it 5-6 ms,
+/// one after the other. Returns the index's length.
 fn write_index(
     path: &Path,
-    render: impl FnOnce(&mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<u64>,
+    render: impl FnOnce(&mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<Vec<u8>>,
 ) -> io::Result<u64> {
     use std::io::Write;
     use std::os::fd::AsRawFd;
     let mut f = File::options().write(true).create_new(true).open(path)?;
     let mut at = 0u64;
-    let len = render(&mut |piece| {
+    let last = render(&mut |piece| {
         f.write_all(piece)?;
         // SAFETY: a plain system call on an open descriptor; its failure
         // (a file system without it) changes nothing: the sync follows.
@@ -278,8 +278,9 @@ fn write_index(
         at += piece.len() as u64;
         Ok(())
     })?;
+    f.write_all(&last)?;
     f.sync_data()?;
-    Ok(len)
+    Ok(at + last.len() as u64)
 }
 
 /// Links `from` (a committed step's blob) as `to` when it holds exactly

@@ -121,20 +121,26 @@ impl Layout {
         secondary_dirs: Vec<String>,
         nodes: &BTreeMap<String, IndexNode>,
     ) -> Vec<u8> {
-        let mut out = Vec::new();
         let at = Held { secondary_dirs, nodes };
-        self.index_pieces(step, tensor_crcs, digests, blobs, at, usize::MAX, &mut |piece| {
-            out.extend_from_slice(piece);
-            Ok(())
-        })
-        .expect("appending to a Vec does not fail");
+        // No piece reaches usize::MAX bytes: the whole index is the last.
+        let mut out = Vec::new();
+        let last = self
+            .index_pieces(step, tensor_crcs, digests, blobs, at, usize::MAX, &mut |piece| {
+                out.extend_from_slice(piece);
+                Ok(())
+            })
+            .expect("appending to a Vec does not fail");
+        if out.is_empty() {
+            return last;
+        }
+        out.extend_from_slice(&last);
         out
     }
 
     /// [`Layout::index_json_with`] handed to `out` in pieces of about
     /// `piece_bytes` as the rendered index is filled (the checksum field
-    /// in the last: [`IndexTemplate::render_pieces`]); one piece when the
-    /// index is built at once. Returns the index's length.
+    /// in the last: [`IndexTemplate::render_pieces`]), the last returned
+    /// (the whole index when it is built at once).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn index_pieces(
         &self,
@@ -145,7 +151,7 @@ impl Layout {
         at: Held<'_>,
         piece_bytes: usize,
         out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-    ) -> std::io::Result<u64> {
+    ) -> std::io::Result<Vec<u8>> {
         match self.template(&at).filter(|t| t.has_digests() == digests.is_some()) {
             Some(t) => {
                 let filled = Filled {
@@ -159,14 +165,11 @@ impl Layout {
             }
             None => {
                 let mut index = self.index_with(step, tensor_crcs, digests, blobs, at.secondary_dirs);
-                let bytes = if at.nodes.is_empty() {
-                    index.to_json_bytes()
-                } else {
-                    index.ckpt.nodes = at.nodes.clone();
-                    index.sealed_json_bytes()
-                };
-                out(&bytes)?;
-                Ok(bytes.len() as u64)
+                if at.nodes.is_empty() {
+                    return Ok(index.to_json_bytes());
+                }
+                index.ckpt.nodes = at.nodes.clone();
+                Ok(index.sealed_json_bytes())
             }
         }
     }
@@ -316,7 +319,7 @@ mod tests {
         for piece_bytes in [1, 100, 1000, bytes.len() / 2] {
             let mut pieces: Vec<Vec<u8>> = Vec::new();
             let blobs = [Blob { name: "rng", bytes: b"x" }];
-            let len = l
+            let last = l
                 .index_pieces(
                     9,
                     &crcs,
@@ -330,11 +333,11 @@ mod tests {
                     },
                 )
                 .unwrap();
+            assert!(!pieces.is_empty(), "pieces of {piece_bytes}: none before the last");
+            assert!(pieces.iter().all(|p| p.len() >= piece_bytes));
+            assert!(String::from_utf8_lossy(&last).contains("\"index_crc32c\": "));
+            pieces.push(last);
             assert_eq!(pieces.concat(), bytes, "pieces of {piece_bytes}");
-            assert_eq!(len, bytes.len() as u64);
-            assert!(pieces.len() > 1, "pieces of {piece_bytes}: {}", pieces.len());
-            assert!(pieces[..pieces.len() - 1].iter().all(|p| p.len() >= piece_bytes));
-            assert!(String::from_utf8_lossy(pieces.last().unwrap()).contains("\"index_crc32c\": "));
         }
         let read = Index::from_json_bytes(&bytes).unwrap();
         assert_eq!(read.ckpt.format_version, config::FORMAT_VERSION_DIGESTS);

@@ -356,7 +356,7 @@ impl Store {
         layout.prepare_index_held(&[], &held);
         let crcs = fill.crcs(step)?;
         let digests = fill.digests().filter(|_| layout.opts.incremental);
-        let index = layout.index_json_held(step, &crcs, digests.as_deref(), blobs, Vec::new(), &held);
+        let index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, Vec::new(), &held);
         let incremental = digests.as_deref().map(|d| IncrementalReport {
             prev_step: prev.as_ref().map(|p| p.step),
             linked_files: linked.len(),

@@ -91,28 +91,16 @@ impl Layout {
         blobs: &[Blob<'_>],
         secondary_dirs: Vec<String>,
     ) -> Vec<u8> {
-        self.index_json_with(step, tensor_crcs, None, blobs, secondary_dirs)
+        self.index_json_with(step, tensor_crcs, None, blobs, secondary_dirs, &BTreeMap::new())
     }
 
-    /// [`Layout::index_json`] with digests ([`Layout::index_with`]); the
-    /// rendered index of an incremental layout has holes for them.
+    /// [`Layout::index_json`] with digests ([`Layout::index_with`]), whose
+    /// rendered index has holes for them, and a `nodes` section when
+    /// `nodes` is not empty (a rank's marker on a node's own disks:
+    /// docs/format.md, "Node-local files"), rendered from the template
+    /// like the rest: at 10k tensors, parsing the index and serialising it
+    /// again to add the section cost tens of milliseconds of every step.
     pub fn index_json_with(
-        &self,
-        step: u64,
-        tensor_crcs: &[u32],
-        digests: Option<&[u128]>,
-        blobs: &[Blob<'_>],
-        secondary_dirs: Vec<String>,
-    ) -> Vec<u8> {
-        self.index_json_held(step, tensor_crcs, digests, blobs, secondary_dirs, &BTreeMap::new())
-    }
-
-    /// [`Layout::index_json_with`] with a `nodes` section (a rank's marker
-    /// on a node's own disks: docs/format.md, "Node-local files"), rendered
-    /// from the template like the rest: at 10k tensors, parsing the index
-    /// and serialising it again to add the section cost tens of
-    /// milliseconds of every step.
-    pub fn index_json_held(
         &self,
         step: u64,
         tensor_crcs: &[u32],
@@ -182,7 +170,7 @@ impl Layout {
     }
 
     /// [`Layout::prepare_index`] of an index with a `nodes` section
-    /// ([`Layout::index_json_held`]).
+    /// ([`Layout::index_json_with`]).
     pub fn prepare_index_held(&self, secondary_dirs: &[String], nodes: &BTreeMap<String, IndexNode>) {
         self.template(&Held { secondary_dirs: secondary_dirs.to_vec(), nodes });
     }
@@ -311,7 +299,14 @@ mod tests {
         let digests: Vec<u128> =
             (0..12u128).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834) ^ 5).collect();
         let whole = l.index_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
-        let bytes = l.index_json_with(9, &crcs, Some(&digests), &[Blob { name: "rng", bytes: b"x" }], dirs.clone());
+        let bytes = l.index_json_with(
+            9,
+            &crcs,
+            Some(&digests),
+            &[Blob { name: "rng", bytes: b"x" }],
+            dirs.clone(),
+            &BTreeMap::new(),
+        );
         assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.to_json_bytes()).unwrap());
         // Handed out in small pieces (as the commit writes a large index):
         // the same bytes, every piece but the last at least that long, the
@@ -369,7 +364,7 @@ mod tests {
         let blobs = [Blob { name: "rng", bytes: b"x" }];
         let mut whole = l.index(4, &crcs, &blobs, vec![]);
         whole.ckpt.nodes = held.clone();
-        let bytes = l.index_json_held(4, &crcs, None, &blobs, vec![], &held);
+        let bytes = l.index_json_with(4, &crcs, None, &blobs, vec![], &held);
         assert_eq!(String::from_utf8(bytes.clone()).unwrap(), String::from_utf8(whole.sealed_json_bytes()).unwrap());
         assert_eq!(Index::from_json_bytes(&bytes).unwrap().ckpt.nodes, held);
         // Rendered, not built at once; another holder is built at once, still right.
@@ -379,7 +374,7 @@ mod tests {
         assert!(l.template(&Held { secondary_dirs: vec![], nodes: &other }).is_none());
         let mut whole_b = l.index(4, &crcs, &blobs, vec![]);
         whole_b.ckpt.nodes = other.clone();
-        assert_eq!(l.index_json_held(4, &crcs, None, &blobs, vec![], &other), whole_b.sealed_json_bytes());
+        assert_eq!(l.index_json_with(4, &crcs, None, &blobs, vec![], &other), whole_b.sealed_json_bytes());
     }
 
     #[test]

@@ -299,11 +299,7 @@ fn commit_group(store: &mut Store, state: &DaemonState, kept: &mut Option<KeptGr
                 d.committed(step);
             }
             // Deletions after Durable, as for one rank's step (answer_durable).
-            let t_retain = Instant::now();
-            let deleted = store.retain();
-            if !deleted.is_empty() {
-                info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
-            }
+            retain_answered(store);
             for key in keys {
                 state.end(key);
             }
@@ -538,12 +534,18 @@ fn answer_durable(
     }
     // Deletions after Durable: nobody waits for them, but the flight
     // ends after them (a draining daemon exits once they are done).
+    retain_answered(store);
+    state.end(Flight::Step(step));
+}
+
+/// Retention once a step's waiters are answered (`Store::
+/// commit_unretained` left it out of the commit), logged when it deleted.
+fn retain_answered(store: &mut Store) {
     let t_retain = Instant::now();
     let deleted = store.retain();
     if !deleted.is_empty() {
         info!(?deleted, retain_s = t_retain.elapsed().as_secs_f64(), "retention");
     }
-    state.end(Flight::Step(step));
 }
 
 impl From<&RollbackError> for Refusal {

@@ -30,7 +30,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use store::{Store, StoreError, StoreOptions, TargetDir};
-pub(crate) use write::{reserve, write_dir, write_dirs, write_small_file, DirWrite, Fill};
+pub(crate) use write::{
+    reserve, write_dir, write_dirs, write_index, write_small_file, DirWrite, Fill, INDEX_PIECE_BYTES,
+};
 
 use crate::format::{FormatError, TMP_PREFIX};
 use crate::read_only::ReadOnlyDir;

@@ -62,6 +62,10 @@ pub const BLOB_NAME_BYTES_MAX: usize = 200;
 pub const BLOB_BYTES_MAX: usize = 256 << 20;
 /// Largest index file the reader parses.
 pub const INDEX_BYTES_MAX: u64 = 256 << 20;
+/// What a coordinator keeps of its ranks' markers to read the next ones
+/// by template (`nodes/kept.rs`): about three times their bytes each;
+/// beyond it a marker is parsed as it comes.
+pub const KEPT_MARKERS_BYTES_MAX: usize = 512 << 20;
 /// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.
 pub const POOL_THREADS_DEFAULT: usize = 4;
 /// A multi-node step's coordinator reads the rank markers that appeared

@@ -19,7 +19,7 @@ mod names;
 mod slices;
 
 pub use header::{decode_header, encode_header, HeaderTensor, ParsedHeader};
-pub(crate) use index::{seal_json_after, ZEROED_CRC_FIELD};
+pub(crate) use index::{seal_json_after, validate_blobs, ZEROED_CRC_FIELD};
 pub use index::{CkptSection, Index, IndexBlob, IndexFile, IndexMetadata, IndexNode, IndexTensor};
 pub use names::*;
 pub use slices::{validate_slices, IndexSlice, IndexSliced, LogicalTensor, SliceView};

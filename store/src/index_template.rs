@@ -44,6 +44,11 @@ pub(crate) struct IndexTemplate {
     json: Vec<u8>,
     /// In document order: the offset of the placeholder and what goes there.
     holes: Vec<(usize, Hole)>,
+    /// How many files and named tensors the holes name.
+    n_files: usize,
+    n_tensors: usize,
+    /// Where the checksum field (`"index_crc32c": 0`) begins.
+    crc_field: usize,
 }
 
 impl IndexTemplate {
@@ -59,6 +64,7 @@ impl IndexTemplate {
         let blobs = find(&json, b"\n    \"blobs\": [],\n", ckpt)? + b"\n    \"blobs\": ".len();
         // Checksums in document order: files, tensors (by name), slices.
         let by_name: HashMap<&str, usize> = names.enumerate().map(|(i, n)| (n, i)).collect();
+        let n_tensors = by_name.len();
         let c = &draft.ckpt;
         let owners = (0..c.files.len())
             .map(Hole::File)
@@ -103,8 +109,102 @@ impl IndexTemplate {
         // The checksum field comes after the last hole, in the tail that
         // the last piece of a render holds ([`IndexTemplate::render_pieces`]).
         let last = holes.last().map_or(0, |&(at, _)| at);
-        find(&json, format::ZEROED_CRC_FIELD, last)?;
-        Some(IndexTemplate { secondary_dirs: c.secondary_dirs.clone(), nodes: c.nodes.clone(), json, holes })
+        let crc_field = find(&json, format::ZEROED_CRC_FIELD, last)?;
+        Some(IndexTemplate {
+            secondary_dirs: c.secondary_dirs.clone(),
+            nodes: c.nodes.clone(),
+            json,
+            holes,
+            n_files: c.files.len(),
+            n_tensors,
+            crc_field,
+        })
+    }
+
+    /// The template of an index read back (a rank's marker, whose own
+    /// holes are its step, blobs, checksums and digests): its tensors named
+    /// in their order in the index.
+    pub(crate) fn of_index(index: &Index) -> Option<IndexTemplate> {
+        IndexTemplate::new(&draft_of(index), index.ckpt.tensors.keys().map(String::as_str))
+    }
+
+    /// The bytes of this template's JSON, the placeholders' included.
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.json.len()
+    }
+
+    /// What fills the holes of `bytes`, a sealed index laid out exactly as
+    /// this template (every byte outside the holes the same) whose checksum
+    /// matches; None when it is not one (another layout, a value written
+    /// otherwise than JSON writes it, a damaged byte): the caller parses
+    /// it. A pass over the bytes, where parsing them builds every entry.
+    pub(crate) fn read(&self, bytes: &[u8]) -> Option<Values> {
+        let mut v = Values {
+            step: 0,
+            file_crcs: vec![0; self.n_files],
+            tensor_crcs: vec![0; self.n_tensors],
+            digests: vec![0; self.n_tensors],
+            blobs: Vec::new(),
+            index_crc32c: 0,
+        };
+        // A tensor's checksum comes again in each slice of it.
+        let mut read_once = vec![false; self.n_tensors];
+        let (mut from, mut pos) = (0, 0);
+        for (k, &(at, hole)) in self.holes.iter().enumerate() {
+            let lit = &self.json[from..at];
+            if bytes.get(pos..pos + lit.len())? != lit {
+                return None;
+            }
+            pos += lit.len();
+            from = at + 1;
+            match hole {
+                Hole::Step => v.step = read_decimal(bytes, &mut pos)?,
+                Hole::File(i) => v.file_crcs[i] = u32::try_from(read_decimal(bytes, &mut pos)?).ok()?,
+                Hole::Tensor(i) => {
+                    let crc = u32::try_from(read_decimal(bytes, &mut pos)?).ok()?;
+                    if std::mem::replace(&mut read_once[i], true) && v.tensor_crcs[i] != crc {
+                        return None;
+                    }
+                    v.tensor_crcs[i] = crc;
+                }
+                Hole::Digest(i) => {
+                    let hex = bytes.get(pos..pos + DIGEST_ZEROS.len())?;
+                    v.digests[i] = crate::digest::parse_hex(std::str::from_utf8(hex).ok()?)?;
+                    pos += DIGEST_ZEROS.len();
+                    from = at + DIGEST_ZEROS.len();
+                }
+                Hole::Blobs => {
+                    // The list ends where the text after it begins: that
+                    // text starts a key of the section (`,` then a newline
+                    // and four spaces), which a name inside it cannot hold.
+                    from = at + 2;
+                    let next = &self.json[from..self.holes.get(k + 1).map_or(self.crc_field, |h| h.0)];
+                    if next.is_empty() {
+                        return None;
+                    }
+                    let end = find(bytes, next, pos)?;
+                    let list = &bytes[pos..end];
+                    v.blobs = serde_json::from_slice(list).ok()?;
+                    if nested_blobs(&v.blobs) != list {
+                        return None;
+                    }
+                    pos = end;
+                }
+            }
+        }
+        // The tail: the checksum field's number, then the same bytes.
+        let tail = &self.json[from..];
+        let zero = self.crc_field + format::ZEROED_CRC_FIELD.len() - 1 - from;
+        if bytes.get(pos..pos + zero)? != &tail[..zero] {
+            return None;
+        }
+        let mut end = pos + zero;
+        v.index_crc32c = u32::try_from(read_decimal(bytes, &mut end)?).ok()?;
+        if bytes[end..] != tail[zero + 1..] {
+            return None;
+        }
+        let head = crc32c::crc32c_append(crc32c::crc32c(&bytes[..pos + zero]), b"0");
+        (crc32c::crc32c_append(head, &bytes[end..]) == v.index_crc32c).then_some(v)
     }
 
     pub(crate) fn names(&self, secondary_dirs: &[String], nodes: &BTreeMap<String, IndexNode>) -> bool {
@@ -163,6 +263,52 @@ impl IndexTemplate {
         format::seal_json_after(crc, &mut buf);
         Ok(buf)
     }
+}
+
+/// What an index laid out as a template holds in its holes
+/// ([`IndexTemplate::read`]), by the template's files and tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Values {
+    pub step: u64,
+    pub file_crcs: Vec<u32>,
+    pub tensor_crcs: Vec<u32>,
+    /// 0 for a tensor without one.
+    pub digests: Vec<u128>,
+    pub blobs: Vec<IndexBlob>,
+    pub index_crc32c: u32,
+}
+
+/// The draft of an index ([`IndexTemplate::new`]'s input): step 0, no
+/// blobs, every checksum 0, every digest zeros, not sealed.
+pub(crate) fn draft_of(index: &Index) -> Index {
+    let mut d = index.clone();
+    let c = &mut d.ckpt;
+    (c.step, c.index_crc32c) = (0, 0);
+    c.blobs.clear();
+    c.files.iter_mut().for_each(|f| f.crc32c = 0);
+    for t in c.tensors.values_mut() {
+        t.crc32c = 0;
+        if t.xxh128.is_some() {
+            t.xxh128 = Some(String::from_utf8(DIGEST_ZEROS.to_vec()).expect("ASCII"));
+        }
+    }
+    c.slices.values_mut().flat_map(|l| &mut l.slices).for_each(|s| s.crc32c = 0);
+    d
+}
+
+/// Reads a number as JSON writes it (no sign, no leading zero) at `*pos`,
+/// moving past it.
+fn read_decimal(bytes: &[u8], pos: &mut usize) -> Option<u64> {
+    let digits = bytes.get(*pos..)?.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 20 || (digits > 1 && bytes[*pos] == b'0') {
+        return None;
+    }
+    let mut v = 0u64;
+    for &b in &bytes[*pos..*pos + digits] {
+        v = v.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
+    }
+    *pos += digits;
+    Some(v)
 }
 
 /// What fills a template's holes ([`IndexTemplate::render_pieces`]).

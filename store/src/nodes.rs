@@ -42,7 +42,8 @@ use tracing::info;
 
 use crate::catalog;
 use crate::commit::{
-    write_dir, write_dirs, write_small_file, CommitError, CommitReport, DirWrite, Fill, IncrementalReport, Store,
+    write_dir, write_dirs, write_index, write_small_file, CommitError, CommitReport, DirWrite, Fill, IncrementalReport,
+    Store, INDEX_PIECE_BYTES,
 };
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
@@ -51,7 +52,9 @@ use crate::mem::BufAddr;
 use crate::progress::Progress;
 use crate::ranks;
 
+mod kept;
 mod markers;
+pub(crate) use kept::KeptMarkers;
 use markers::{disagreement, read_marker, RankMarker, RankSlices};
 pub use markers::{FolderId, MarkersRead, SentMarker};
 
@@ -529,8 +532,10 @@ impl Store {
             let handles: Vec<_> = new
                 .chunks(chunk)
                 .map(|ranks| {
-                    let tmp = &tmp;
-                    sc.spawn(move || ranks.iter().map(|&r| read_marker(tmp, r).map(|m| (r, m))).collect::<Vec<_>>())
+                    let (tmp, kept) = (&tmp, &self.kept_markers);
+                    sc.spawn(move || {
+                        ranks.iter().map(|&r| read_marker(tmp, r, kept).map(|m| (r, m))).collect::<Vec<_>>()
+                    })
                 })
                 .collect();
             handles.into_iter().flat_map(|h| h.join().expect("a marker reader panicked")).collect()
@@ -559,7 +564,7 @@ impl Store {
             return Ok(false);
         }
         let tmp = ranks_tmp_path(self.shared_or_panic(), step)?;
-        read.insert_sent(&tmp, sent)
+        read.insert_sent(&tmp, sent, &self.kept_markers)
     }
 
     /// The coordinator's commit of a step whose every marker is there:
@@ -619,20 +624,31 @@ impl Store {
         if let Some(why) = disagreement(&parts, &structures, &decls) {
             return Err(CommitError::PartsDisagree { step, why });
         }
-        let index = ranks::merge_indexes(parts, &decls)?;
-        if index.ckpt.world_size != world_size {
-            return Err(CommitError::Format(format::FormatError::Index(format!(
-                "the markers say world size {}, the ranks {world_size}",
-                index.ckpt.world_size
-            ))));
-        }
+        self.kept_markers.keep_world(world_size);
         let t_commit = Instant::now();
         let ipath = tmp.join(INDEX_FILE_NAME);
         // An index a coordinator that died before renaming left behind.
         let _ = fs::remove_file(&ipath);
-        let json = index.to_json_bytes();
-        write_small_file(&ipath, &json).map_err(|e| CommitError::io(&ipath, "write index", e))?;
-        bytes += json.len() as u64;
+        // Markers laid out as the last ones: the kept merge's template
+        // filled and written in pieces as it is filled; else merged.
+        let len = match self.kept_markers.merged(&parts, &decls)? {
+            Some(m) => write_index(&ipath, |out| m.render(INDEX_PIECE_BYTES, out))
+                .map_err(|e| CommitError::io(&ipath, "write index", e))?,
+            None => {
+                let parts = parts.into_iter().map(|(r, m)| (r, m.into_index())).collect();
+                let index = ranks::merge_indexes(parts, &decls)?;
+                if index.ckpt.world_size != world_size {
+                    return Err(CommitError::Format(format::FormatError::Index(format!(
+                        "the markers say world size {}, the ranks {world_size}",
+                        index.ckpt.world_size
+                    ))));
+                }
+                let json = index.to_json_bytes();
+                write_small_file(&ipath, &json).map_err(|e| CommitError::io(&ipath, "write index", e))?;
+                json.len() as u64
+            }
+        };
+        bytes += len;
         catalog::fsync_dir(&tmp).map_err(|e| CommitError::io(&tmp, "sync temp folder", e))?;
         self.check_abort(step)?;
         let dest = catalog::step_path(&shared, step);

@@ -162,6 +162,9 @@ pub struct Store {
     /// Per rank, its part of the step this Store last wrote into the
     /// shared directory, for its next part ([`Prev::newest_shared_or_kept`]).
     pub(crate) kept_parts: HashMap<u32, Prev>,
+    /// As the coordinator of several nodes' steps: its ranks' markers and
+    /// their merge, kept to read and render the next ones by template.
+    pub(crate) kept_markers: crate::nodes::KeptMarkers,
 }
 
 impl Store {
@@ -202,6 +205,7 @@ impl Store {
             incremental: None,
             kept_prev: None,
             kept_parts: HashMap::new(),
+            kept_markers: Default::default(),
         })
     }
 

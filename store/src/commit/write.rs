@@ -251,7 +251,7 @@ pub(super) fn write_blobs_and_index(
 }
 
 /// How much of a rendered index is written at a time ([`write_index`]).
-const INDEX_PIECE_BYTES: usize = 1 << 20;
+pub(crate) const INDEX_PIECE_BYTES: usize = 1 << 20;
 
 /// Writes the index at `path` (a new file) from the pieces `render` hands
 /// out and the last one it returns, and syncs it. Each piece's writeback
@@ -260,7 +260,7 @@ const INDEX_PIECE_BYTES: usize = 1 << 20;
 /// first megabytes of a large index while the rest is still filled: at
 /// 20k tensors (8 MB) filling took 2.5 ms and the sync after it 5-6 ms,
 /// one after the other. Returns the index's length.
-fn write_index(
+pub(crate) fn write_index(
     path: &Path,
     render: impl FnOnce(&mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<Vec<u8>>,
 ) -> io::Result<u64> {

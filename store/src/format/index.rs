@@ -150,6 +150,18 @@ fn sealed_crc32c(bytes: &[u8]) -> Option<u32> {
     Some(crc32c::crc32c_append(head, &bytes[end..]))
 }
 
+/// An index's blobs: each a valid name, listed once.
+pub(crate) fn validate_blobs(blobs: &[IndexBlob]) -> Result<(), FormatError> {
+    let mut names = std::collections::BTreeSet::new();
+    for b in blobs {
+        validate_blob_name(&b.name)?;
+        if !names.insert(&b.name) {
+            return Err(FormatError::Index(format!("blob {:?} listed twice", b.name)));
+        }
+    }
+    Ok(())
+}
+
 impl Index {
     pub fn to_json_bytes(&self) -> Vec<u8> {
         let mut v = serde_json::to_vec_pretty(self).expect("the index always serialises");
@@ -220,14 +232,7 @@ impl Index {
             return bad(format!("total_size {} but tensors hold {}", self.metadata.total_size, total));
         }
         validate_slices(&c.tensors, &c.slices)?;
-        let mut blob_names = std::collections::BTreeSet::new();
-        for b in &c.blobs {
-            validate_blob_name(&b.name)?;
-            if !blob_names.insert(&b.name) {
-                return bad(format!("blob {:?} listed twice", b.name));
-            }
-        }
-        Ok(())
+        validate_blobs(&c.blobs)
     }
 
     /// The format version is one this build reads, and allows the

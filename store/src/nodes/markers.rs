@@ -8,8 +8,9 @@ use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
+use super::kept::{KeptMarkers, MarkerIndex};
 use crate::commit::CommitError;
-use crate::format::{self, Index, BLOBS_DIR_NAME};
+use crate::format::{self, BLOBS_DIR_NAME};
 use crate::image::SliceDecl;
 
 /// A rank's slice declarations as written beside its marker.
@@ -23,7 +24,7 @@ pub(super) struct RankSlices {
 /// (crate::skeleton::parts_disagree), with the skeleton blobs read with
 /// their markers ([`read_marker`]).
 pub(super) fn disagreement(
-    parts: &[(u32, Index)],
+    parts: &[(u32, MarkerIndex)],
     structures: &[(u32, Arc<Vec<u8>>)],
     decls: &[SliceDecl],
 ) -> Option<String> {
@@ -32,9 +33,9 @@ pub(super) fn disagreement(
         .iter()
         .map(|(rank, ix)| RankPart {
             rank: *rank,
-            tensors: ix.ckpt.tensors.keys().map(String::as_str).collect(),
+            tensors: ix.shape().ckpt.tensors.keys().map(String::as_str).collect(),
             structure: structures.iter().find(|(r, _)| r == rank).map(|(_, b)| &b[..]),
-            parts_map: ix.ckpt.blobs.iter().any(|b| b.name == skeleton::PARTS_BLOB),
+            parts_map: ix.blobs().iter().any(|b| b.name == skeleton::PARTS_BLOB),
         })
         .collect();
     let slices: Vec<(&str, &str)> = decls.iter().map(|d| (d.piece.as_str(), d.of.as_str())).collect();
@@ -142,7 +143,12 @@ impl MarkersRead {
     /// not taken: its rank is in already, or it is of another temp folder
     /// (an earlier attempt's, or the folder is gone), or the file system
     /// gives no birth times to tell them apart.
-    pub(super) fn insert_sent(&mut self, tmp: &Path, sent: SentMarker) -> Result<bool, CommitError> {
+    pub(super) fn insert_sent(
+        &mut self,
+        tmp: &Path,
+        sent: SentMarker,
+        kept: &KeptMarkers,
+    ) -> Result<bool, CommitError> {
         if self.have.contains_key(&sent.rank) {
             return Ok(false);
         }
@@ -159,7 +165,7 @@ impl MarkersRead {
         }
         let rank = sent.rank;
         let slices = (!sent.slices.is_empty()).then_some(&sent.slices[..]);
-        let m = parse_marker(tmp, rank, &sent.marker, Some(slices))?;
+        let m = parse_marker(tmp, rank, &sent.marker, Some(slices), kept)?;
         self.insert(tmp, rank, m)?;
         self.n_sent += 1;
         Ok(true)
@@ -192,7 +198,7 @@ impl MarkersRead {
 /// One rank's marker as the coordinator read and checked it.
 #[derive(Debug)]
 pub(super) struct RankMarker {
-    pub(super) index: Index,
+    pub(super) index: MarkerIndex,
     pub(super) slices: Vec<SliceDecl>,
     /// The crc32c its marker gives its skeleton blob, if it names one.
     structure_crc: Option<u32>,
@@ -207,10 +213,10 @@ pub(super) struct RankMarker {
 /// directory checked for its size (a node-held file: its node's marker,
 /// written after they were synced there, is the word for it), its slice
 /// declarations; its skeleton blob is read by [`MarkersRead::insert`].
-pub(super) fn read_marker(tmp: &Path, rank: u32) -> Result<RankMarker, CommitError> {
+pub(super) fn read_marker(tmp: &Path, rank: u32, kept: &KeptMarkers) -> Result<RankMarker, CommitError> {
     let p = tmp.join(format::rank_marker_name(rank));
     let raw = fs::read(&p).map_err(|e| CommitError::io(&p, "read rank marker", e))?;
-    parse_marker(tmp, rank, &raw, None)
+    parse_marker(tmp, rank, &raw, None, kept)
 }
 
 /// [`read_marker`] of a marker's bytes `raw`; its slice declarations'
@@ -220,10 +226,13 @@ fn parse_marker(
     rank: u32,
     raw: &[u8],
     slices_raw: Option<Option<&[u8]>>,
+    kept: &KeptMarkers,
 ) -> Result<RankMarker, CommitError> {
     let p = tmp.join(format::rank_marker_name(rank));
-    let index = Index::from_json_bytes(raw)
+    let marker = kept
+        .read(rank, raw)
         .map_err(|e| CommitError::Format(format::FormatError::Index(format!("{}: {e}", p.display()))))?;
+    let index = marker.shape();
     let mut bytes = 0u64;
     for f in &index.ckpt.files {
         if index.holder(&f.name).is_some() {
@@ -242,7 +251,7 @@ fn parse_marker(
         }
         bytes += len;
     }
-    bytes += index.ckpt.blobs.iter().map(|b| b.len_bytes).sum::<u64>();
+    bytes += marker.blobs().iter().map(|b| b.len_bytes).sum::<u64>();
     let sp = tmp.join(format::rank_slices_name(rank));
     let parse = |raw: &[u8]| -> Result<Vec<SliceDecl>, CommitError> {
         let d: RankSlices = serde_json::from_slice(raw)
@@ -258,6 +267,6 @@ fn parse_marker(
             Err(e) => return Err(CommitError::io(&sp, "read rank slice declarations", e)),
         },
     };
-    let structure_crc = index.ckpt.blobs.iter().find(|b| b.name == crate::skeleton::STRUCTURE_BLOB).map(|b| b.crc32c);
-    Ok(RankMarker { index, slices, structure_crc, structure: None, bytes })
+    let structure_crc = marker.blobs().iter().find(|b| b.name == crate::skeleton::STRUCTURE_BLOB).map(|b| b.crc32c);
+    Ok(RankMarker { index: marker, slices, structure_crc, structure: None, bytes })
 }

@@ -621,7 +621,8 @@ impl Store {
             }
             parts.push((rank, m.index));
         }
-        if let Some(why) = disagreement(&parts, &structures, &decls) {
+        let check = || disagreement(&parts, &structures, &decls);
+        if let Some(why) = self.kept_markers.unless_agreed(&parts, &structures, &decls, check) {
             return Err(CommitError::PartsDisagree { step, why });
         }
         self.kept_markers.keep_world(world_size);

@@ -103,12 +103,32 @@ impl MarkerIndex {
 pub(crate) struct KeptMarkers {
     shapes: Mutex<Shapes>,
     merge: Mutex<Option<Arc<KeptMerge>>>,
+    agreed: Mutex<Option<Agreed>>,
 }
 
 #[derive(Debug, Default)]
 struct Shapes {
     by_rank: BTreeMap<u32, Arc<MarkerShape>>,
     cost: usize,
+}
+
+/// Markers last found to make one loadable state (the check walks every
+/// name and parses the skeletons: 20-60 ms at two ranks of 10k tensors):
+/// by rank, its shape, its skeleton blob and whether it names a parts
+/// map; and the slice declarations. The check depends on nothing else.
+/// The shapes are held, so that none is met again at a reused address.
+#[derive(Debug)]
+struct Agreed {
+    ranks: Vec<(Arc<MarkerShape>, Option<Arc<Vec<u8>>>, bool)>,
+    decls: Vec<SliceDecl>,
+}
+
+impl PartialEq for Agreed {
+    fn eq(&self, o: &Agreed) -> bool {
+        self.decls == o.decls
+            && self.ranks.len() == o.ranks.len()
+            && self.ranks.iter().zip(&o.ranks).all(|(a, b)| Arc::ptr_eq(&a.0, &b.0) && a.1 == b.1 && a.2 == b.2)
+    }
 }
 
 impl KeptMarkers {
@@ -136,6 +156,27 @@ impl KeptMarkers {
         shapes.cost = shapes.cost - old + shape.cost();
         shapes.by_rank.insert(rank, shape.clone());
         Ok(MarkerIndex::Shaped(shape, values))
+    }
+
+    /// Whether these markers (by rank, with their skeleton blobs) and
+    /// declarations make one loadable state: `check`'s answer (None: they
+    /// do), asked only when they are not those last found to.
+    pub(crate) fn unless_agreed(
+        &self,
+        parts: &[(u32, MarkerIndex)],
+        structures: &[(u32, Arc<Vec<u8>>)],
+        decls: &[SliceDecl],
+        check: impl FnOnce() -> Option<String>,
+    ) -> Option<String> {
+        let key = Agreed::of(parts, structures, decls);
+        if key.is_some() && *lock(&self.agreed) == key {
+            return None;
+        }
+        let why = check();
+        if why.is_none() {
+            *lock(&self.agreed) = key;
+        }
+        why
     }
 
     /// The ranks of a world of `world_size` only (another world's are
@@ -180,6 +221,25 @@ impl KeptMarkers {
             },
         };
         Merged::of(merge, &values).map(Some)
+    }
+}
+
+impl Agreed {
+    /// The key of markers all read by their shapes (else None: they are
+    /// checked every time).
+    fn of(parts: &[(u32, MarkerIndex)], structures: &[(u32, Arc<Vec<u8>>)], decls: &[SliceDecl]) -> Option<Agreed> {
+        let ranks = parts
+            .iter()
+            .map(|(rank, m)| match m {
+                MarkerIndex::Shaped(s, v) => Some((
+                    s.clone(),
+                    structures.iter().find(|(r, _)| r == rank).map(|(_, b)| b.clone()),
+                    v.blobs.iter().any(|b| b.name == crate::skeleton::PARTS_BLOB),
+                )),
+                MarkerIndex::Parsed(_) => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Agreed { ranks, decls: decls.to_vec() })
     }
 }
 
@@ -420,6 +480,37 @@ mod tests {
             assert_eq!(want.logical_tensor("w").unwrap().slices.len(), 2);
             assert_eq!(rendered(&m, usize::MAX), want.to_json_bytes(), "step {step}");
         }
+    }
+
+    #[test]
+    fn the_same_markers_are_checked_for_agreement_once() {
+        let kept = KeptMarkers::default();
+        let (a, b) = (plan(0, 5), plan(1, 5));
+        let read = |step: u64| {
+            vec![
+                (0, kept.read(0, &marker(&a, step, 1, &[])).unwrap()),
+                (1, kept.read(1, &marker(&b, step, 2, &[])).unwrap()),
+            ]
+        };
+        let skel = |b: &[u8]| vec![(0, Arc::new(b.to_vec()))];
+        let asked = std::cell::Cell::new(0);
+        let check = |why: Option<&str>| {
+            asked.set(asked.get() + 1);
+            why.map(str::to_string)
+        };
+        // Refused: asked again next time.
+        assert!(kept.unless_agreed(&read(1), &skel(b"s"), &[], || check(Some("no"))).is_some());
+        assert!(kept.unless_agreed(&read(2), &skel(b"s"), &[], || check(None)).is_none());
+        assert!(kept.unless_agreed(&read(3), &skel(b"s"), &[], || check(Some("asked"))).is_none());
+        assert_eq!(asked.get(), 2, "the same shapes and skeleton: not asked again");
+        // Another skeleton, another layout, a parsed marker: asked.
+        assert!(kept.unless_agreed(&read(4), &skel(b"t"), &[], || check(Some("skeleton"))).is_some());
+        let other = vec![(0, kept.read(0, &marker(&plan(0, 6), 5, 1, &[])).unwrap()), read(5).pop().unwrap()];
+        assert!(kept.unless_agreed(&other, &skel(b"s"), &[], || check(Some("layout"))).is_some());
+        let parsed = vec![(0, MarkerIndex::Parsed(Index::from_json_bytes(&marker(&a, 6, 1, &[])).unwrap()))];
+        assert!(kept.unless_agreed(&parsed, &[], &[], || check(None)).is_none());
+        assert!(kept.unless_agreed(&parsed, &[], &[], || check(Some("parsed"))).is_some());
+        assert_eq!(asked.get(), 6);
     }
 
     #[test]

@@ -19,7 +19,9 @@ shared one then holds markers and the index); --layout peers also makes the
 sidecars peers of each other (each listing all the others, a fresh cluster
 secret), so that the commit's doorbells replace the waits for looks at the
 shared directory (docs/guide.md, "Peers"). --layout node-local,peers
-alternates both in one run, as --bins alternates binaries.
+alternates both in one run, as --bins alternates binaries. --tensors N
+saves N tensors of 1 KiB instead of the model-like state of --size (many
+tensors across nodes: each rank's part N / ranks of them).
 
 Prints per world size: bytes per rank and their balance (max/min − 1, the
 bar is < 10 %), each rank's time from save() to durable, the aggregate
@@ -473,9 +475,15 @@ def main(argv=None):
         default=None,
         help="--nodes: comma-separated ckpt-sidecar binaries to alternate (default: $CKPT_SIDECAR_BIN)",
     )
+    ap.add_argument(
+        "--tensors",
+        type=int,
+        default=0,
+        help="a state of this many tensors of 1 KiB instead of the model-like state of --size",
+    )
     a = ap.parse_args(argv)
     total = _units.parse_size(a.size, "--size")
-    items = synthetic(total)
+    items = [(f"t.{i:06d}", (256,), np.float32) for i in range(a.tensors)] if a.tensors else synthetic(total)
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
     if a.nodes:
         return main_nodes(a, items, total)

@@ -119,9 +119,12 @@ struct Shapes {
 /// The shapes are held, so that none is met again at a reused address.
 #[derive(Debug)]
 struct Agreed {
-    ranks: Vec<(Arc<MarkerShape>, Option<Arc<Vec<u8>>>, bool)>,
+    ranks: Vec<AgreedRank>,
     decls: Vec<SliceDecl>,
 }
+
+/// A rank's shape, skeleton blob and whether it names a parts map.
+type AgreedRank = (Arc<MarkerShape>, Option<Arc<Vec<u8>>>, bool);
 
 impl PartialEq for Agreed {
     fn eq(&self, o: &Agreed) -> bool {

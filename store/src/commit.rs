@@ -31,7 +31,7 @@ use std::time::Duration;
 
 pub use store::{Store, StoreError, StoreOptions, TargetDir};
 pub(crate) use write::{
-    reserve, write_dir, write_dirs, write_index, write_small_file, DirWrite, Fill, INDEX_PIECE_BYTES,
+    link_if_same, reserve, write_dir, write_dirs, write_index, write_small_file, DirWrite, Fill, INDEX_PIECE_BYTES,
 };
 
 use crate::format::{FormatError, TMP_PREFIX};

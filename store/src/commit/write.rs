@@ -291,7 +291,7 @@ pub(crate) fn write_index(
 /// (synced by the commit that wrote them); the new name becomes durable
 /// with the blobs folder's sync. False, with nothing left at `to`, when
 /// it differs or cannot be linked: the caller writes it.
-fn link_if_same(from: &Path, to: &Path, bytes: &[u8]) -> bool {
+pub(crate) fn link_if_same(from: &Path, to: &Path, bytes: &[u8]) -> bool {
     if fs::metadata(from).map_or(true, |m| m.len() != bytes.len() as u64) || fs::hard_link(from, to).is_err() {
         return false;
     }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use ckpt_store::catalog;
 use ckpt_store::commit::{IncrementalReport, Store, StoreOptions};
 use ckpt_store::format::{self, Dtype, INDEX_FILE_NAME};
-use ckpt_store::image::{Layout, LayoutOptions, TensorSpec};
+use ckpt_store::image::{Blob, Layout, LayoutOptions, TensorSpec};
 use ckpt_store::nodes::{self, MarkersRead, RanksState};
 use ckpt_store::restore::{self, ReadOptions, Which};
 use ckpt_store::retention::Retention;
@@ -223,4 +223,37 @@ fn a_part_ahead_of_the_commit_compares_with_its_own_marker_not_the_index() {
     assert_eq!(changed, ["r0.moving"]);
     store.commit_ranks(2, 2).unwrap();
     assert_loads(&shared, 2);
+}
+
+/// Steps of the same parts, one after another (the coordinator reads the
+/// markers by the shapes it kept and renders the index from its kept
+/// merge): each loads, its index reads as any index does, and a blob with
+/// the bytes of its namesake in the step the part compares with (a
+/// skeleton) is linked from there, one that changed is written.
+#[test]
+fn steps_of_the_same_parts_commit_and_load_and_link_an_unchanged_blob() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut store, shared) = open(tmp.path(), None);
+    let (l0, l1) = (part_layout(0), part_layout(1));
+    let skeleton = vec![5u8; 10_000];
+    for step in 1..=3u64 {
+        let rng = format!("rng-{step}");
+        let blobs = [Blob { name: "skeleton", bytes: &skeleton }, Blob { name: "rng", bytes: rng.as_bytes() }];
+        let (staging, crcs, digests) = crate::staged(&l0, &[7, step]);
+        store.write_rank_part_with_digests(step, &l0, &staging, &crcs, &digests, &blobs, &[]).unwrap();
+        write_part(&mut store, &l1, step);
+        store.commit_ranks(step, 2).unwrap();
+        assert_loads(&shared, step);
+        let index = restore::read_index(&shared, step).unwrap();
+        assert_eq!((index.ckpt.step, index.ckpt.blobs.len()), (step, 2));
+    }
+    let ino = |step: u64, name: &str| {
+        fs::metadata(catalog::step_path(&shared, step).join(format::BLOBS_DIR_NAME).join(name)).unwrap().ino()
+    };
+    assert_eq!(ino(2, "skeleton"), ino(1, "skeleton"), "linked");
+    assert_eq!(ino(3, "skeleton"), ino(1, "skeleton"), "linked");
+    assert_ne!(ino(2, "rng"), ino(1, "rng"), "written");
+    let rng = fs::read(catalog::step_path(&shared, 3).join(format::BLOBS_DIR_NAME).join("rng")).unwrap();
+    assert_eq!(rng, b"rng-3");
 }

@@ -63,7 +63,7 @@ pub const BLOB_BYTES_MAX: usize = 256 << 20;
 /// Largest index file the reader parses.
 pub const INDEX_BYTES_MAX: u64 = 256 << 20;
 /// What a coordinator keeps of its ranks' markers to read the next ones
-/// by template (`nodes/kept.rs`): about three times their bytes each;
+/// by template (`kept_markers.rs`): about three times their bytes each;
 /// beyond it a marker is parsed as it comes.
 pub const KEPT_MARKERS_BYTES_MAX: usize = 512 << 20;
 /// Worker threads of the thread-pool (pwrite/pread) fallback engine, per directory.

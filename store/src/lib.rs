@@ -28,6 +28,7 @@ pub mod image;
 pub mod incremental;
 mod index_template;
 pub mod io;
+mod kept_markers;
 pub mod lock;
 pub mod mem;
 pub mod nodes;

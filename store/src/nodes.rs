@@ -52,9 +52,7 @@ use crate::mem::BufAddr;
 use crate::progress::Progress;
 use crate::ranks;
 
-mod kept;
 mod markers;
-pub(crate) use kept::KeptMarkers;
 use markers::{disagreement, read_marker, RankMarker, RankSlices};
 pub use markers::{FolderId, MarkersRead, SentMarker};
 

@@ -164,7 +164,7 @@ pub struct Store {
     pub(crate) kept_parts: HashMap<u32, Prev>,
     /// As the coordinator of several nodes' steps: its ranks' markers and
     /// their merge, kept to read and render the next ones by template.
-    pub(crate) kept_markers: crate::nodes::KeptMarkers,
+    pub(crate) kept_markers: crate::kept_markers::KeptMarkers,
 }
 
 impl Store {

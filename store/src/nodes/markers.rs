@@ -8,10 +8,10 @@ use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::kept::{KeptMarkers, MarkerIndex};
 use crate::commit::CommitError;
 use crate::format::{self, BLOBS_DIR_NAME};
 use crate::image::SliceDecl;
+use crate::kept_markers::{KeptMarkers, MarkerIndex};
 
 /// A rank's slice declarations as written beside its marker.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -1,13 +1,14 @@
-//! The coordinator's kept markers and merge. Ranks that save the same
-//! structures every step (kept save plans) send markers that differ from
-//! one step to the next only in the step, the blobs, the checksums and the
-//! digests. Each rank's marker is parsed once and kept with a template of
-//! its bytes ([`MarkerShape`]); a later marker laid out the same is read
-//! by that template (every byte outside the holes compared, the checksum
-//! checked) instead of parsed, and the step's index is rendered from a
-//! template of the merged index ([`KeptMerge`]) instead of merged and
-//! serialised again. At two ranks of 10k tensors that was ~110 ms of the
-//! commit (two 4 MB markers parsed, 20k entries merged, 8 MB serialised).
+//! Several nodes: the coordinator's kept markers and merge. Ranks that save
+//! the same structures every step (kept save plans) send markers that
+//! differ from one step to the next only in the step, the blobs, the
+//! checksums and the digests. Each rank's marker is parsed once and kept
+//! with a template of its bytes ([`MarkerShape`]); a later marker laid out
+//! the same is read by that template (every byte outside the holes
+//! compared, the checksum checked) instead of parsed, and the step's index
+//! is rendered from a template of the merged index ([`KeptMerge`]) instead
+//! of merged and serialised again. At two ranks of 10k tensors that was
+//! ~110 ms of the commit (two 4 MB markers parsed, 20k entries merged, 8 MB
+//! serialised).
 //!
 //! Invariants: a kept shape is only ever used through a full comparison
 //! of the bytes it was made from ([`IndexTemplate::read`]), so a marker

@@ -174,12 +174,16 @@ impl IndexTemplate {
                     from = at + DIGEST_ZEROS.len();
                 }
                 Hole::Blobs => {
-                    // The list ends where the text after it begins: that
-                    // text starts a key of the section (`,` then a newline
-                    // and four spaces), which a name inside it cannot hold.
+                    // The list ends where the text after it begins: the
+                    // next key of the section (`,`, a newline, four spaces
+                    // and a quote), up to the next hole or the checksum's
+                    // number. Nothing inside the list holds that: its lines
+                    // are indented by six or eight, and a name's newline is
+                    // escaped.
                     from = at + 2;
-                    let next = &self.json[from..self.holes.get(k + 1).map_or(self.crc_field, |h| h.0)];
-                    if next.is_empty() {
+                    let crc_number = self.crc_field + format::ZEROED_CRC_FIELD.len() - 1;
+                    let next = &self.json[from..self.holes.get(k + 1).map_or(crc_number, |h| h.0)];
+                    if !next.starts_with(b",\n    \"") {
                         return None;
                     }
                     let end = find(bytes, next, pos)?;

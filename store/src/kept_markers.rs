@@ -361,12 +361,20 @@ mod tests {
     /// Rank `rank`'s marker of `step` as its node's sidecar renders it
     /// (node-local files, digests, a blob per rank and step).
     fn marker(l: &Layout, step: u64, seed: u32, blobs: &[Blob<'_>]) -> Vec<u8> {
+        marker_held(l, step, seed, blobs, true)
+    }
+
+    /// [`marker`], its files node-local or in the shared directory.
+    fn marker_held(l: &Layout, step: u64, seed: u32, blobs: &[Blob<'_>], node_local: bool) -> Vec<u8> {
         let n = l.specs.len();
         let crcs: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ seed).collect();
         let digests: Vec<u128> = crcs.iter().map(|&c| (u128::from(c) << 64) | u128::from(seed)).collect();
         let files = l.shards.iter().map(|s| s.file_name.clone()).collect();
         let id = format!("node-{}", l.opts.rank);
-        let nodes = BTreeMap::from([(id.clone(), IndexNode { dirs: vec![format!("/local/{id}")], files })]);
+        let mut nodes = BTreeMap::from([(id.clone(), IndexNode { dirs: vec![format!("/local/{id}")], files })]);
+        if !node_local {
+            nodes.clear();
+        }
         l.index_json_with(step, &crcs, Some(&digests), blobs, vec![], &nodes)
     }
 
@@ -396,6 +404,18 @@ mod tests {
             let got = kept.read(1, &raw).unwrap();
             assert!(matches!(&got, MarkerIndex::Shaped(s, _) if Arc::ptr_eq(s, &shape)), "read by its shape");
             assert_eq!(got.blobs().len(), blobs.len());
+            assert_eq!(got.into_index(), Index::from_json_bytes(&raw).unwrap(), "step {step}");
+        }
+        // Files in the shared directory (no nodes section: the blobs are
+        // the section's last key before the checksum).
+        let shared = KeptMarkers::default();
+        let skel = [Blob { name: "structure.pkl", bytes: b"s" }, Blob { name: "rng.1", bytes: b"r" }];
+        let first = marker_held(&l, 7, 1, &skel, false);
+        let MarkerIndex::Shaped(s1, _) = shared.read(1, &first).unwrap() else { panic!("kept") };
+        for (step, blobs) in [(8u64, &skel[..]), (9, &[]), (10, &skel[..1])] {
+            let raw = marker_held(&l, step, step as u32, blobs, false);
+            let got = shared.read(1, &raw).unwrap();
+            assert!(matches!(&got, MarkerIndex::Shaped(s, _) if Arc::ptr_eq(s, &s1)), "step {step}: read by its shape");
             assert_eq!(got.into_index(), Index::from_json_bytes(&raw).unwrap(), "step {step}");
         }
         // A damaged number: the checksum no longer matches, and the parse says so.

@@ -38,11 +38,16 @@ pub(crate) struct MarkerShape {
 }
 
 impl MarkerShape {
-    /// What the budget counts of it: the template's bytes, the parsed
-    /// entries about as much again, and the merge it takes part in.
     fn cost(&self) -> usize {
-        3 * self.template.len_bytes()
+        cost_of(self.template.len_bytes())
     }
+}
+
+/// What the budget counts of a shape whose template is `len` bytes: the
+/// template, the parsed entries about as much again, and the merge it
+/// takes part in.
+fn cost_of(len: usize) -> usize {
+    3 * len
 }
 
 /// A rank's marker as the coordinator read it.
@@ -100,8 +105,10 @@ impl MarkerIndex {
 }
 
 /// The coordinator's kept shapes (by rank) and merge: one per [`crate::commit::Store`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct KeptMarkers {
+    /// What the kept shapes may cost ([`cost_of`]).
+    budget: usize,
     shapes: Mutex<Shapes>,
     merge: Mutex<Option<Arc<KeptMerge>>>,
     agreed: Mutex<Option<Agreed>>,
@@ -135,7 +142,17 @@ impl PartialEq for Agreed {
     }
 }
 
+impl Default for KeptMarkers {
+    fn default() -> KeptMarkers {
+        KeptMarkers::with_budget(config::KEPT_MARKERS_BYTES_MAX)
+    }
+}
+
 impl KeptMarkers {
+    fn with_budget(budget: usize) -> KeptMarkers {
+        KeptMarkers { budget, shapes: Mutex::default(), merge: Mutex::default(), agreed: Mutex::default() }
+    }
+
     /// Rank `rank`'s marker `raw`: read by the rank's kept shape when laid
     /// out as it, else parsed (and kept, within the budget, with a
     /// template that reads these very bytes back).
@@ -147,16 +164,25 @@ impl KeptMarkers {
             }
         }
         let index = Index::from_json_bytes(raw)?;
+        // Over the budget (a template is no longer than the bytes it was
+        // made from): not worth a template it could not keep.
+        let fits = |shapes: &Shapes, cost: usize| {
+            let old = shapes.by_rank.get(&rank).map_or(0, |s| s.cost());
+            shapes.cost - old + cost <= self.budget
+        };
+        if !fits(&lock(&self.shapes), cost_of(raw.len())) {
+            return Ok(MarkerIndex::Parsed(index));
+        }
         let Some(template) = IndexTemplate::of_index(&index) else { return Ok(MarkerIndex::Parsed(index)) };
         let Some(values) = template.read(raw).filter(acceptable) else { return Ok(MarkerIndex::Parsed(index)) };
         let shape = Arc::new(MarkerShape { index, template });
         let mut shapes = lock(&self.shapes);
-        let old = shapes.by_rank.get(&rank).map_or(0, |s| s.cost());
-        if shapes.cost - old + shape.cost() > config::KEPT_MARKERS_BYTES_MAX {
+        if !fits(&shapes, shape.cost()) {
             drop(shapes);
             let index = Arc::try_unwrap(shape).expect("not shared yet").index;
             return Ok(MarkerIndex::Parsed(index));
         }
+        let old = shapes.by_rank.get(&rank).map_or(0, |s| s.cost());
         shapes.cost = shapes.cost - old + shape.cost();
         shapes.by_rank.insert(rank, shape.clone());
         Ok(MarkerIndex::Shaped(shape, values))
@@ -535,6 +561,29 @@ mod tests {
         assert!(kept.unless_agreed(&parsed, &[], &[], || check(None)).is_none());
         assert!(kept.unless_agreed(&parsed, &[], &[], || check(Some("parsed"))).is_some());
         assert_eq!(asked.get(), 6);
+    }
+
+    #[test]
+    fn markers_beyond_the_budget_are_parsed_and_merged_as_before() {
+        let (a, b) = (plan(0, 30), plan(1, 30));
+        let (ra, rb) = (marker(&a, 1, 1, &[]), marker(&b, 1, 2, &[]));
+        // Room for one rank's shape only.
+        let kept = KeptMarkers::with_budget(cost_of(ra.len().max(rb.len())) + 100);
+        let parts = vec![(0, kept.read(0, &ra).unwrap()), (1, kept.read(1, &rb).unwrap())];
+        assert!(matches!(parts[0].1, MarkerIndex::Shaped(..)));
+        assert!(matches!(parts[1].1, MarkerIndex::Parsed(_)), "over the budget");
+        assert!(lock(&kept.shapes).cost <= kept.budget);
+        assert!(kept.merged(&parts, &[]).unwrap().is_none(), "the caller merges");
+        let want = ranks::merge_indexes(
+            vec![(0, Index::from_json_bytes(&ra).unwrap()), (1, Index::from_json_bytes(&rb).unwrap())],
+            &[],
+        )
+        .unwrap();
+        let got = ranks::merge_indexes(parts.into_iter().map(|(r, m)| (r, m.into_index())).collect(), &[]).unwrap();
+        assert_eq!(got.to_json_bytes(), want.to_json_bytes());
+        // Rank 1's next marker is parsed again; rank 0's still read by its shape.
+        assert!(matches!(kept.read(1, &marker(&b, 2, 3, &[])).unwrap(), MarkerIndex::Parsed(_)));
+        assert!(matches!(kept.read(0, &marker(&a, 2, 3, &[])).unwrap(), MarkerIndex::Shaped(..)));
     }
 
     #[test]

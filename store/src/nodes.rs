@@ -301,7 +301,96 @@ impl Store {
         let candidates: Vec<Option<PathBuf>> = (0..layout.shards.len())
             .map(|s| prev.as_ref().filter(|_| self.link_unchanged).and_then(|p| p.candidate(layout, s)))
             .collect();
+        // The marker names this node as the holder of the rank's files,
+        // and its directories (the files' dir_idx name one of them).
+        let held: BTreeMap<String, format::IndexNode> = match &self.opts.node_local {
+            Some(id) => {
+                let files = layout.shards.iter().map(|sh| sh.file_name.clone()).collect();
+                let dirs = self.dirs().iter().map(|d| d.display().to_string()).collect();
+                [(id.clone(), format::IndexNode { dirs, files })].into()
+            }
+            None => BTreeMap::new(),
+        };
+        let marker = tmp.join(format::rank_marker_name(rank));
+        let scratch = tmp.join(format!(".{}.tmp", format::rank_marker_name(rank)));
+        let _ = fs::remove_file(&scratch);
         let w = DirWrite { step, layout, staging, fill, chunk_bytes, prev: prev.as_ref(), candidates: &candidates };
+        let prev_blobs = prev.as_ref().map(|p| catalog::step_path(&shared, p.step).join(BLOBS_DIR_NAME));
+        // The marker (this rank's index) is rendered, written under a temp
+        // name and synced while the files are written and synced (their
+        // syncs and its own are each a journal commit: 5-30 ms at 10k
+        // tensors here); it names them only once renamed, after they are.
+        // A fed part's checksums are its filler's end.
+        let (files, marked) = std::thread::scope(|sc| {
+            let marked = sc.spawn(|| -> Result<_, CommitError> {
+                layout.prepare_index_held(&[], &held);
+                let crcs = fill.crcs(step)?.into_owned();
+                let digests = fill.digests().filter(|_| layout.opts.incremental).map(|d| d.into_owned());
+                let index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, Vec::new(), &held);
+                write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
+                Ok((crcs, digests, index))
+            });
+            let files = self.write_part_files(tmp, w, blobs, slices, prev_blobs.as_deref());
+            (files, marked.join().expect("the marker's writer panicked"))
+        });
+        let ((linked, bytes, slices_json), (crcs, digests, index)) = match (files, marked) {
+            (Ok(f), Ok(m)) => (f, m),
+            (Err(e), _) | (Ok(_), Err(e)) => {
+                let _ = fs::remove_file(&scratch);
+                return Err(e);
+            }
+        };
+        let linked_bytes: u64 = linked.iter().map(|&s| layout.shards[s].file_len).sum();
+        let incremental = digests.as_deref().map(|d| IncrementalReport {
+            prev_step: prev.as_ref().map(|p| p.step),
+            linked_files: linked.len(),
+            linked_bytes,
+            changed: prev.as_ref().map(|p| p.changed(layout, &crcs, d)),
+            prev_kept,
+        });
+        if let Some(r) = &incremental {
+            info!(rank, prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental (this rank's part)");
+        }
+        if let Err(e) = self.check_abort(step) {
+            let _ = fs::remove_file(&scratch);
+            return Err(e);
+        }
+        fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
+        catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
+        let folder = FolderId::of(tmp).map_err(|e| CommitError::io(tmp, "stat the multi-rank temp folder", e))?;
+        let sent = SentMarker { rank, folder, marker: index, slices: slices_json };
+        if let Some(d) = &digests {
+            // This part as the step's index will record it once committed,
+            // for this rank's next part to compare with.
+            let folders: Vec<PathBuf> = match &self.opts.node_local {
+                Some(_) => own_dirs.iter().map(|d| node_step_path(d, step)).collect::<Result<_, _>>()?,
+                None => vec![catalog::step_path(&shared, step)],
+            };
+            let part = Prev::of_layout(step, layout, &crcs, d, |sh| {
+                Some(folders.get(sh.dir_idx as usize)?.join(&sh.file_name))
+            });
+            self.kept_parts.insert(rank, part);
+        }
+        Ok(PartReport { bytes, marker, sent, incremental })
+    }
+
+    /// A rank's part's files, each synced with its name before the marker
+    /// names them: its shards (into this node's own directories, or the
+    /// shared temp folder `tmp`), its blobs (one with the very bytes of its
+    /// namesake in `prev_blobs`, the blobs of the step the part compares
+    /// with, linked from there: a skeleton is 0.5 MB at 10k tensors) and
+    /// its slice declarations. Returns the shards linked, the bytes
+    /// written and the declarations' JSON.
+    fn write_part_files(
+        &mut self,
+        tmp: &Path,
+        w: DirWrite<'_>,
+        blobs: &[Blob<'_>],
+        slices: &[SliceDecl],
+        prev_blobs: Option<&Path>,
+    ) -> Result<(Vec<usize>, u64, Vec<u8>), CommitError> {
+        let layout = w.layout;
+        let rank = layout.opts.rank;
         let linked = if self.opts.node_local.is_some() {
             // Node-local: the shards go into this node's own directories
             // (striped as the layout says), synced before the marker.
@@ -324,13 +413,9 @@ impl Store {
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
                 Err(e) => return Err(CommitError::io(&bdir, "create blobs folder", e)),
             }
-            // A blob with the very bytes of its namesake in the step the
-            // part compares with (a skeleton: 0.5 MB at 10k tensors) is
-            // linked from there, not written and synced again.
-            let prev_blobs = prev.as_ref().map(|p| catalog::step_path(&shared, p.step).join(BLOBS_DIR_NAME));
             for b in blobs {
                 let p = bdir.join(b.name);
-                if prev_blobs.as_ref().is_some_and(|d| link_if_same(&d.join(b.name), &p, b.bytes)) {
+                if prev_blobs.is_some_and(|d| link_if_same(&d.join(b.name), &p, b.bytes)) {
                     continue;
                 }
                 write_small_file(&p, b.bytes).map_err(|e| {
@@ -349,55 +434,7 @@ impl Store {
             write_small_file(&p, &slices_json).map_err(|e| CommitError::io(&p, "write rank slice declarations", e))?;
             catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
         }
-        // A fed part's checksums: the filler's end (its last bytes are
-        // already written and synced above).
-        // The marker names this node as the holder of the rank's files,
-        // and its directories (the files' dir_idx name one of them).
-        let held: BTreeMap<String, format::IndexNode> = match &self.opts.node_local {
-            Some(id) => {
-                let files = layout.shards.iter().map(|sh| sh.file_name.clone()).collect();
-                let dirs = self.dirs().iter().map(|d| d.display().to_string()).collect();
-                [(id.clone(), format::IndexNode { dirs, files })].into()
-            }
-            None => BTreeMap::new(),
-        };
-        layout.prepare_index_held(&[], &held);
-        let crcs = fill.crcs(step)?;
-        let digests = fill.digests().filter(|_| layout.opts.incremental);
-        let index = layout.index_json_with(step, &crcs, digests.as_deref(), blobs, Vec::new(), &held);
-        let incremental = digests.as_deref().map(|d| IncrementalReport {
-            prev_step: prev.as_ref().map(|p| p.step),
-            linked_files: linked.len(),
-            linked_bytes,
-            changed: prev.as_ref().map(|p| p.changed(layout, &crcs, d)),
-            prev_kept,
-        });
-        if let Some(r) = &incremental {
-            info!(rank, prev_step = ?r.prev_step, linked_files = r.linked_files, linked_bytes = r.linked_bytes, changed = ?r.changed.as_ref().map(|c| c.len()), "incremental (this rank's part)");
-        }
-        self.check_abort(step)?;
-        // The marker: this rank's index, under a temp name, synced, renamed.
-        let marker = tmp.join(format::rank_marker_name(rank));
-        let scratch = tmp.join(format!(".{}.tmp", format::rank_marker_name(rank)));
-        let _ = fs::remove_file(&scratch);
-        write_small_file(&scratch, &index).map_err(|e| CommitError::io(&scratch, "write rank marker", e))?;
-        fs::rename(&scratch, &marker).map_err(|e| CommitError::io(&marker, "rename rank marker into place", e))?;
-        catalog::fsync_dir(tmp).map_err(|e| CommitError::io(tmp, "sync the multi-rank temp folder", e))?;
-        let folder = FolderId::of(tmp).map_err(|e| CommitError::io(tmp, "stat the multi-rank temp folder", e))?;
-        let sent = SentMarker { rank, folder, marker: index, slices: slices_json };
-        if let Some(d) = &digests {
-            // This part as the step's index will record it once committed,
-            // for this rank's next part to compare with.
-            let folders: Vec<PathBuf> = match &self.opts.node_local {
-                Some(_) => own_dirs.iter().map(|d| node_step_path(d, step)).collect::<Result<_, _>>()?,
-                None => vec![catalog::step_path(&shared, step)],
-            };
-            let part = Prev::of_layout(step, layout, &crcs, d, |sh| {
-                Some(folders.get(sh.dir_idx as usize)?.join(&sh.file_name))
-            });
-            self.kept_parts.insert(rank, part);
-        }
-        Ok(PartReport { bytes, marker, sent, incremental })
+        Ok((linked, bytes, slices_json))
     }
 
     /// Writes and syncs a rank's shards into this node's `node-step-…`

@@ -22,7 +22,11 @@ Every state lives in shared memory (`ck.share`), memory warm. Rows:
 - ranks: --ranks processes against the same sidecar (RANK, WORLD_SIZE), a
   replicated state of --ranks x --rank-tensors x 1 KiB that each rank saves
   (its part: --rank-tensors tensors), all ranks at once, 7 steps, medians of
-  the last 5 per rank; then one tensor per rank of the same bytes.
+  the last 5 per rank; then one tensor per rank of the same bytes;
+- nodes (--nodes): the ranks rows again, each rank on a sidecar of its own
+  as a node of its own (`serve --shared S --node-local`, every sidecar a
+  peer of the others: the commit's doorbells), the step committed by rank
+  0's sidecar from every rank's marker.
 
 With --incremental-off the rows are measured again against a sidecar
 started with `--incremental off` (the default is on).
@@ -205,12 +209,13 @@ def _rank_worker(rank, world_size, n, sock, first_step, barrier, q):
         raise
 
 
-def ranks(side, n, world_size, first_step):
-    """The --ranks rows: each rank's figures, by rank."""
+def ranks(socks, n, world_size, first_step):
+    """The --ranks rows, rank r on the sidecar of socks[r % len(socks)]: each
+    rank's figures, by rank."""
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(world_size), ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_worker, args=(r, world_size, n, side.sock, first_step, barrier, q))
+        ctx.Process(target=_rank_worker, args=(r, world_size, n, socks[r % len(socks)], first_step, barrier, q))
         for r in range(world_size)
     ]
     for p in procs:
@@ -247,12 +252,46 @@ def run(args, incremental):
             log(f"incremental {'on' if incremental else 'off'}: {n} tensors done")
         ck.close()
         if args.ranks > 1:
-            out["ranks"] = ranks(side, args.rank_tensors, args.ranks, st.step)
+            out["ranks"] = ranks([side.sock], args.rank_tensors, args.ranks, st.step)
             log(f"incremental {'on' if incremental else 'off'}: {args.ranks} ranks done")
     finally:
         side.stop()
+    try:
+        if args.ranks > 1 and args.nodes:
+            out["nodes"] = nodes(base, staging, args.rank_tensors, args.ranks, () if incremental else OFF)
+            log(f"incremental {'on' if incremental else 'off'}: {args.ranks} nodes done")
+    finally:
         shutil.rmtree(base, ignore_errors=True)
     return out
+
+
+OFF = ("--incremental", "off")
+
+
+def nodes(base, staging, n, world_size, extra):
+    """The --nodes rows: --ranks ranks, each on a sidecar of its own as a
+    node of its own (node-local, every sidecar a peer of the others)."""
+    from .bench_ranks import _free_ports
+
+    shared = os.path.join(base, "shared")
+    os.makedirs(shared)
+    secret = os.path.join(base, "secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        f.write(os.urandom(32))
+    ports = _free_ports(world_size)
+    sides = []
+    try:
+        for r in range(world_size):
+            others = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(ports) if i != r)
+            flags = ["--shared", shared, "--node-local", "--node-id", f"n{r}", "--peer-listen", f"127.0.0.1:{ports[r]}"]
+            flags += ["--peers", others, "--peer-secret-file", secret]
+            sides.append(Sidecar(os.path.join(base, f"node{r}"), staging, extra=tuple(flags) + tuple(extra)))
+        for side in sides:
+            side.connect().close()
+        return ranks([side.sock for side in sides], n, world_size, 0)
+    finally:
+        for side in sides:
+            side.stop()
 
 
 def ms(x):
@@ -296,10 +335,12 @@ def print_run(r):
         )
         if "bars" in row:
             print(f"  {'':>16s} bars {json.dumps(row['bars'])}")
-    rk = r.get("ranks")
-    if rk:
+    for key, where in (("ranks", "one sidecar"), ("nodes", "each its own sidecar as a node, peers")):
+        rk = r.get(key)
+        if not rk:
+            continue
         n = rk["tensors_per_rank"]
-        print(f"  {rk['world_size']} ranks, one sidecar, each rank's part {n} x 1 KiB, beside 1 x {n} KiB per rank:")
+        print(f"  {rk['world_size']} ranks, {where}, each rank's part {n} x 1 KiB, beside 1 x {n} KiB per rank:")
         for rank, f in enumerate(rk["by_rank"]):
             for k, label in (("many", f"rank {rank} {n} x 1 KiB"), ("one", f"rank {rank} 1 x {n} KiB")):
                 g = f[k]
@@ -317,6 +358,11 @@ def main(argv=None):
     p.add_argument("--no-c-abi", action="store_true", help="skip the C ABI rows")
     p.add_argument("--ranks", type=int, default=2, help="rank processes of the ranks rows (0 or 1: no such rows)")
     p.add_argument("--rank-tensors", type=int, default=10000, help="tensors of 1 KiB in each rank's part")
+    p.add_argument(
+        "--nodes",
+        action="store_true",
+        help="the ranks rows again, each rank on a sidecar of its own as a node (--shared --node-local, peers)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON document on the last line")
     args = p.parse_args(argv)
     args.counts = [int(c) for c in args.counts.split(",") if c]

@@ -890,6 +890,44 @@ pub fn drain_coordinator(index: &Index) -> Option<&str> {
         .or_else(|| index.ckpt.nodes.keys().next().map(String::as_str))
 }
 
+/// The part of a step's index that node `node` holds: its files, their
+/// tensors and its `nodes` entry (no blobs, no slices: they name other
+/// nodes' tensors), sealed. What a peer checks a replica of the node's
+/// files against: it grows with the node's tensors, not the job's (the
+/// whole index of two ranks of 10k tensors is 8 MB, parsed in ~20 ms by
+/// each peer at every step). None when the index names no such node.
+pub fn node_part(index: &Index, node: &str) -> Option<Index> {
+    let held = index.ckpt.nodes.get(node)?;
+    let names: BTreeSet<&str> = held.files.iter().map(String::as_str).collect();
+    let c = &index.ckpt;
+    let tensors: BTreeMap<String, format::IndexTensor> = c
+        .tensors
+        .iter()
+        .filter(|(_, t)| names.contains(t.file.as_str()))
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect();
+    let mut part = Index {
+        metadata: format::IndexMetadata {
+            total_size: tensors.values().map(|t| t.data_offsets[1] - t.data_offsets[0]).sum(),
+        },
+        weight_map: tensors.iter().map(|(n, t)| (n.clone(), t.file.clone())).collect(),
+        ckpt: format::CkptSection {
+            format_version: c.format_version,
+            step: c.step,
+            world_size: c.world_size,
+            secondary_dirs: c.secondary_dirs.clone(),
+            files: c.files.iter().filter(|f| names.contains(f.name.as_str())).cloned().collect(),
+            tensors,
+            blobs: Vec::new(),
+            slices: BTreeMap::new(),
+            nodes: [(node.to_string(), held.clone())].into(),
+            index_crc32c: 0,
+        },
+    };
+    part.seal();
+    Some(part)
+}
+
 /// A step's index as a one-directory checkpoint holds it (the drain
 /// target's): every file in the step's own folder (`dir_idx` 0), no
 /// secondary directories, no node-held files; sealed again.
@@ -904,6 +942,35 @@ pub fn flattened_index(mut index: Index) -> Index {
 #[cfg(test)]
 mod drain_tests {
     use super::*;
+
+    #[test]
+    fn a_nodes_part_of_the_index_holds_its_files_and_tensors_only() {
+        use crate::format::{Dtype, IndexNode};
+        use crate::image::{LayoutOptions, TensorSpec};
+        let marker = |rank: u32| {
+            let specs = (0..5).map(|i| TensorSpec::new(format!("r{rank}.t{i}"), Dtype::F32, &[4096])).collect();
+            let opts = LayoutOptions { rank, world_size: 2, shard_bytes_max: 64 << 10, ..Default::default() };
+            let l = Layout::plan(specs, opts).unwrap();
+            let files = l.shards.iter().map(|s| s.file_name.clone()).collect();
+            let nodes = [(format!("n{rank}"), IndexNode { dirs: vec![format!("/local/n{rank}")], files })].into();
+            let crcs: Vec<u32> = (0..5).map(|i| 100 * rank + i).collect();
+            (rank, Index::from_json_bytes(&l.index_json_with(3, &crcs, None, &[], vec![], &nodes)).unwrap())
+        };
+        let whole = ranks::merge_indexes(vec![marker(0), marker(1)], &[]).unwrap();
+        let part = node_part(&whole, "n1").unwrap();
+        // Valid and sealed: it reads back as any index does.
+        assert_eq!(Index::from_json_bytes(&part.to_json_bytes()).unwrap(), part);
+        assert_eq!(part.ckpt.nodes.keys().collect::<Vec<_>>(), ["n1"]);
+        let want: Vec<_> = whole.ckpt.files.iter().filter(|f| f.name.starts_with("rank-00001")).collect();
+        assert_eq!(part.ckpt.files.iter().collect::<Vec<_>>(), want);
+        assert_eq!(part.ckpt.tensors.len(), 5);
+        for (name, t) in &part.ckpt.tensors {
+            assert!(name.starts_with("r1."), "{name}");
+            assert_eq!(&whole.ckpt.tensors[name], t);
+        }
+        assert_eq!(part.metadata.total_size * 2, whole.metadata.total_size);
+        assert!(node_part(&whole, "n9").is_none());
+    }
 
     #[test]
     fn upload_marks_are_per_node_and_go_with_their_folder() {

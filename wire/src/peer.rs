@@ -59,7 +59,8 @@ pub enum PeerMsg {
     /// Either side: the connection ends, for this reason.
     Refused { reason: String },
     /// A replica of `node`'s files of `step` follows: the step's index
-    /// (JSON, as committed), then a [`PeerMsg::File`] per file, then
+    /// (JSON, sealed; the committed one, or its part naming `node`'s files
+    /// and their tensors only: `ckpt_store::nodes::node_part`), then a [`PeerMsg::File`] per file, then
     /// [`PeerMsg::Done`]. Answered at once [`PeerMsg::Ready`] (the files
     /// may follow) or [`PeerMsg::Error`] (they may not), and after Done
     /// [`PeerMsg::Held`] or [`PeerMsg::Error`].

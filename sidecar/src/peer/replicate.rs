@@ -230,6 +230,12 @@ impl Sender {
         if files.is_empty() {
             return Ok((Vec::new(), 0));
         }
+        // The peers check the files against this node's part of the index
+        // (its files, their tensors): what they parse grows with this
+        // node's tensors, not the job's.
+        let part = ckpt_store::nodes::node_part(&index, &self.me.id)
+            .ok_or_else(|| format!("step {step}: the index names no files of node {:?}", self.me.id))?
+            .to_json_bytes();
         let bytes: u64 = files.iter().map(|f| f.len_bytes).sum();
         let mut reasons = Vec::new();
         let mut ids = self.ids.lock().expect("peer ids lock");
@@ -274,7 +280,7 @@ impl Sender {
             };
             // Another node at this address now: the ring is ordered by it next time.
             ids.insert(addr.to_string(), c.node.clone());
-            match c.offer(&self.me.id, step, &index_bytes, &files) {
+            match c.offer(&self.me.id, step, &part, &files) {
                 Ok(()) => held.push(c.node.clone()),
                 Err(e) => reasons.push(format!("peer {addr} ({:?}): {e}", c.node)),
             }

@@ -600,31 +600,3 @@ mod tests {
         assert!(shapes.cost < cost);
     }
 }
-#[cfg(test)]
-mod timing {
-    use super::*;
-    use crate::format::Dtype;
-    use crate::image::{Layout, LayoutOptions, TensorSpec};
-    #[test]
-    #[ignore]
-    fn timing() {
-        let specs = (0..20000).map(|i| TensorSpec::new(format!("layers.{i}.w"), Dtype::F32, &[256])).collect();
-        let l = Layout::plan(specs, LayoutOptions { incremental: true, ..Default::default() }).unwrap();
-        let crcs: Vec<u32> = (0..20000).collect();
-        let d: Vec<u128> = (0..20000).map(|x| x as u128 * 7).collect();
-        let raw = l.index_json_with(3, &crcs, Some(&d), &[], vec![], &BTreeMap::new());
-        let raw2 = l.index_json_with(4, &crcs, Some(&d), &[], vec![], &BTreeMap::new());
-        let kept = KeptMarkers::default();
-        kept.read(0, &raw).unwrap();
-        let t = std::time::Instant::now();
-        let ix = Index::from_json_bytes(&raw2).unwrap();
-        eprintln!("parse {:?} ({} bytes)", t.elapsed(), raw2.len());
-        let t = std::time::Instant::now();
-        let m = kept.read(0, &raw2).unwrap();
-        eprintln!("template read {:?}", t.elapsed());
-        let t = std::time::Instant::now();
-        let ix2 = m.into_index();
-        eprintln!("into_index {:?}", t.elapsed());
-        assert_eq!(ix, ix2);
-    }
-}

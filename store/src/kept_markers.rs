@@ -69,6 +69,14 @@ impl MarkerIndex {
         }
     }
 
+    /// The values read by its shape (None: parsed, the index holds them).
+    pub(crate) fn values(&self) -> Option<&Values> {
+        match self {
+            MarkerIndex::Parsed(_) => None,
+            MarkerIndex::Shaped(_, v) => Some(v),
+        }
+    }
+
     pub(crate) fn blobs(&self) -> &[IndexBlob] {
         match self {
             MarkerIndex::Parsed(ix) => &ix.ckpt.blobs,

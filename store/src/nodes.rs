@@ -48,6 +48,8 @@ use crate::commit::{
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 use crate::image::{Blob, Layout, SliceDecl};
 use crate::incremental::Prev;
+use crate::index_template::Values;
+use crate::kept_markers::KeptMarkers;
 use crate::mem::BufAddr;
 use crate::progress::Progress;
 use crate::ranks;
@@ -897,26 +899,49 @@ pub fn drain_coordinator(index: &Index) -> Option<&str> {
 /// whole index of two ranks of 10k tensors is 8 MB, parsed in ~20 ms by
 /// each peer at every step). None when the index names no such node.
 pub fn node_part(index: &Index, node: &str) -> Option<Index> {
-    let held = index.ckpt.nodes.get(node)?;
+    node_part_of(index, None, node)
+}
+
+/// [`node_part`] of an index read by template: `shape` with `values` in
+/// its holes (its tensors by their order in it), or as it is.
+fn node_part_of(shape: &Index, values: Option<&Values>, node: &str) -> Option<Index> {
+    let held = shape.ckpt.nodes.get(node)?;
     let names: BTreeSet<&str> = held.files.iter().map(String::as_str).collect();
-    let c = &index.ckpt;
-    let tensors: BTreeMap<String, format::IndexTensor> = c
-        .tensors
-        .iter()
-        .filter(|(_, t)| names.contains(t.file.as_str()))
-        .map(|(n, t)| (n.clone(), t.clone()))
-        .collect();
+    let c = &shape.ckpt;
+    let mut tensors = BTreeMap::new();
+    for (i, (n, t)) in c.tensors.iter().enumerate() {
+        if !names.contains(t.file.as_str()) {
+            continue;
+        }
+        let mut t = t.clone();
+        if let Some(v) = values {
+            t.crc32c = v.tensor_crcs[i];
+            if t.xxh128.is_some() {
+                let mut hex = Vec::with_capacity(32);
+                crate::digest::push_hex(&mut hex, v.digests[i]);
+                t.xxh128 = Some(String::from_utf8(hex).expect("hex digits"));
+            }
+        }
+        tensors.insert(n.clone(), t);
+    }
+    let mut files = Vec::new();
+    for (i, f) in c.files.iter().enumerate() {
+        if names.contains(f.name.as_str()) {
+            let crc32c = values.map_or(f.crc32c, |v| v.file_crcs[i]);
+            files.push(format::IndexFile { crc32c, ..f.clone() });
+        }
+    }
     let mut part = Index {
         metadata: format::IndexMetadata {
-            total_size: tensors.values().map(|t| t.data_offsets[1] - t.data_offsets[0]).sum(),
+            total_size: tensors.values().map(|t: &format::IndexTensor| t.data_offsets[1] - t.data_offsets[0]).sum(),
         },
         weight_map: tensors.iter().map(|(n, t)| (n.clone(), t.file.clone())).collect(),
         ckpt: format::CkptSection {
             format_version: c.format_version,
-            step: c.step,
+            step: values.map_or(c.step, |v| v.step),
             world_size: c.world_size,
             secondary_dirs: c.secondary_dirs.clone(),
-            files: c.files.iter().filter(|f| names.contains(f.name.as_str())).cloned().collect(),
+            files,
             tensors,
             blobs: Vec::new(),
             slices: BTreeMap::new(),
@@ -926,6 +951,22 @@ pub fn node_part(index: &Index, node: &str) -> Option<Index> {
     };
     part.seal();
     Some(part)
+}
+
+/// A node's reads of each step's committed index (its replication finds
+/// its own files there, [`node_part`]): read by the template of the last
+/// one when laid out the same (the layouts of kept plans are: an 8 MB
+/// index is read in ~2 ms, parsed in ~20), else parsed.
+#[derive(Debug, Default)]
+pub struct KeptIndex(KeptMarkers);
+
+impl KeptIndex {
+    /// [`node_part`] of the index whose bytes are `raw` (checked as
+    /// [`Index::from_json_bytes`] checks them).
+    pub fn node_part(&self, raw: &[u8], node: &str) -> Result<Option<Index>, format::FormatError> {
+        let m = self.0.read(0, raw)?;
+        Ok(node_part_of(m.shape(), m.values(), node))
+    }
 }
 
 /// A step's index as a one-directory checkpoint holds it (the drain
@@ -947,16 +988,19 @@ mod drain_tests {
     fn a_nodes_part_of_the_index_holds_its_files_and_tensors_only() {
         use crate::format::{Dtype, IndexNode};
         use crate::image::{LayoutOptions, TensorSpec};
-        let marker = |rank: u32| {
+        let marker = |rank: u32, step: u64| {
             let specs = (0..5).map(|i| TensorSpec::new(format!("r{rank}.t{i}"), Dtype::F32, &[4096])).collect();
             let opts = LayoutOptions { rank, world_size: 2, shard_bytes_max: 64 << 10, ..Default::default() };
             let l = Layout::plan(specs, opts).unwrap();
             let files = l.shards.iter().map(|s| s.file_name.clone()).collect();
             let nodes = [(format!("n{rank}"), IndexNode { dirs: vec![format!("/local/n{rank}")], files })].into();
-            let crcs: Vec<u32> = (0..5).map(|i| 100 * rank + i).collect();
-            (rank, Index::from_json_bytes(&l.index_json_with(3, &crcs, None, &[], vec![], &nodes)).unwrap())
+            let crcs: Vec<u32> = (0..5).map(|i| 100 * rank + i + 1000 * step as u32).collect();
+            let digests: Vec<u128> = crcs.iter().map(|&c| u128::from(c) << 70).collect();
+            let raw = l.index_json_with(step, &crcs, Some(&digests), &[], vec![], &nodes);
+            (rank, Index::from_json_bytes(&raw).unwrap())
         };
-        let whole = ranks::merge_indexes(vec![marker(0), marker(1)], &[]).unwrap();
+        let whole_of = |step: u64| ranks::merge_indexes(vec![marker(0, step), marker(1, step)], &[]).unwrap();
+        let whole = whole_of(3);
         let part = node_part(&whole, "n1").unwrap();
         // Valid and sealed: it reads back as any index does.
         assert_eq!(Index::from_json_bytes(&part.to_json_bytes()).unwrap(), part);
@@ -970,6 +1014,20 @@ mod drain_tests {
         }
         assert_eq!(part.metadata.total_size * 2, whole.metadata.total_size);
         assert!(node_part(&whole, "n9").is_none());
+        // Read again and again by a node's replication: the same parts,
+        // the later indexes read by the template of the first.
+        let kept = KeptIndex::default();
+        for step in 3..=5 {
+            let raw = whole_of(step).to_json_bytes();
+            let want = node_part(&Index::from_json_bytes(&raw).unwrap(), "n1").unwrap();
+            assert_eq!(kept.node_part(&raw, "n1").unwrap().unwrap(), want, "step {step}");
+            assert_eq!(want.ckpt.step, step);
+            assert!(matches!(kept.0.read(0, &raw).unwrap(), crate::kept_markers::MarkerIndex::Shaped(..)));
+        }
+        let mut bad = whole_of(6).to_json_bytes();
+        let at = bad.len() / 2;
+        bad[at] ^= 1;
+        assert!(kept.node_part(&bad, "n1").is_err(), "a damaged index is refused as a parse refuses it");
     }
 
     #[test]

@@ -173,6 +173,7 @@ impl Peers {
             replicas: opts.replicas,
             io_timeout: opts.io_timeout,
             ids: Default::default(),
+            kept: Default::default(),
         })
         .map_err(PeerError::Runtime)?;
         tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, "peers: listening");

@@ -35,6 +35,9 @@ pub struct Sender {
     /// The node id each peer address proved last: the ring order without
     /// a connection to every peer each step.
     pub ids: Mutex<std::collections::HashMap<String, String>>,
+    /// The committed indexes read so far (by template when laid out as
+    /// the step before's).
+    pub kept: ckpt_store::nodes::KeptIndex,
 }
 
 /// This node's files of recent steps in memory, copied from each part's
@@ -221,21 +224,24 @@ impl Sender {
     fn replicate(&self, step: u64) -> Result<(Vec<String>, u64), String> {
         let index_path = catalog::step_path(&self.shared_dir, step).join(INDEX_FILE_NAME);
         let index_bytes = std::fs::read(&index_path).map_err(|e| format!("{}: {e}", index_path.display()))?;
-        let index = Index::from_json_bytes(&index_bytes).map_err(|e| format!("{}: {e}", index_path.display()))?;
         let mut staged = self.staged.take(step);
-        let mut files = self.files(&index, step)?;
+        // This node's part of the index (its files, their tensors): the
+        // peers check the files against it, so that what they parse grows
+        // with this node's tensors, not the job's; the index itself is
+        // read by the template of the step before when laid out the same.
+        let part = self
+            .kept
+            .node_part(&index_bytes, &self.me.id)
+            .map_err(|e| format!("{}: {e}", index_path.display()))?;
+        let Some(part) = part else { return Ok((Vec::new(), 0)) };
+        let mut files = self.files(&part, step)?;
         for f in &mut files {
             f.bytes = staged.remove(&f.name);
         }
         if files.is_empty() {
             return Ok((Vec::new(), 0));
         }
-        // The peers check the files against this node's part of the index
-        // (its files, their tensors): what they parse grows with this
-        // node's tensors, not the job's.
-        let part = ckpt_store::nodes::node_part(&index, &self.me.id)
-            .ok_or_else(|| format!("step {step}: the index names no files of node {:?}", self.me.id))?
-            .to_json_bytes();
+        let part = part.to_json_bytes();
         let bytes: u64 = files.iter().map(|f| f.len_bytes).sum();
         let mut reasons = Vec::new();
         let mut ids = self.ids.lock().expect("peer ids lock");

@@ -229,10 +229,8 @@ impl Sender {
         // peers check the files against it, so that what they parse grows
         // with this node's tensors, not the job's; the index itself is
         // read by the template of the step before when laid out the same.
-        let part = self
-            .kept
-            .node_part(&index_bytes, &self.me.id)
-            .map_err(|e| format!("{}: {e}", index_path.display()))?;
+        let part =
+            self.kept.node_part(&index_bytes, &self.me.id).map_err(|e| format!("{}: {e}", index_path.display()))?;
         let Some(part) = part else { return Ok((Vec::new(), 0)) };
         let mut files = self.files(&part, step)?;
         for f in &mut files {

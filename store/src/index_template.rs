@@ -282,6 +282,17 @@ pub(crate) struct Values {
     pub index_crc32c: u32,
 }
 
+impl Values {
+    /// Tensor `i`'s entry (the template's `i`-th name) with the values
+    /// read: its checksum, and its digest where it has one.
+    pub(crate) fn set_tensor(&self, i: usize, t: &mut format::IndexTensor) {
+        t.crc32c = self.tensor_crcs[i];
+        if t.xxh128.is_some() {
+            t.xxh128 = Some(crate::digest::to_hex(self.digests[i]));
+        }
+    }
+}
+
 /// The draft of an index ([`IndexTemplate::new`]'s input): step 0, no
 /// blobs, every checksum 0, every digest zeros, not sealed.
 pub(crate) fn draft_of(index: &Index) -> Index {
@@ -293,7 +304,7 @@ pub(crate) fn draft_of(index: &Index) -> Index {
     for t in c.tensors.values_mut() {
         t.crc32c = 0;
         if t.xxh128.is_some() {
-            t.xxh128 = Some(String::from_utf8(DIGEST_ZEROS.to_vec()).expect("ASCII"));
+            t.xxh128 = Some(crate::digest::to_hex(0));
         }
     }
     c.slices.values_mut().flat_map(|l| &mut l.slices).for_each(|s| s.crc32c = 0);

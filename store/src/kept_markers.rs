@@ -92,17 +92,12 @@ impl MarkerIndex {
         };
         let mut ix = shape.index.clone();
         let c = &mut ix.ckpt;
-        (c.step, c.index_crc32c, c.blobs) = (v.step, v.index_crc32c, v.blobs);
+        (c.step, c.index_crc32c) = (v.step, v.index_crc32c);
+        c.blobs.clone_from(&v.blobs);
         c.files.iter_mut().zip(&v.file_crcs).for_each(|(f, &crc)| f.crc32c = crc);
         let mut crcs = BTreeMap::new();
         for (i, (name, t)) in c.tensors.iter_mut().enumerate() {
-            t.crc32c = v.tensor_crcs[i];
-            if let Some(d) = &mut t.xxh128 {
-                d.clear();
-                let mut hex = Vec::with_capacity(32);
-                crate::digest::push_hex(&mut hex, v.digests[i]);
-                d.push_str(std::str::from_utf8(&hex).expect("hex digits"));
-            }
+            v.set_tensor(i, t);
             crcs.insert(name.as_str(), t.crc32c);
         }
         for s in c.slices.values_mut().flat_map(|l| &mut l.slices) {

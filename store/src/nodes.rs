@@ -915,12 +915,7 @@ fn node_part_of(shape: &Index, values: Option<&Values>, node: &str) -> Option<In
         }
         let mut t = t.clone();
         if let Some(v) = values {
-            t.crc32c = v.tensor_crcs[i];
-            if t.xxh128.is_some() {
-                let mut hex = Vec::with_capacity(32);
-                crate::digest::push_hex(&mut hex, v.digests[i]);
-                t.xxh128 = Some(String::from_utf8(hex).expect("hex digits"));
-            }
+            v.set_tensor(i, &mut t);
         }
         tensors.insert(n.clone(), t);
     }

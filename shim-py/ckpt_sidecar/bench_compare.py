@@ -418,9 +418,9 @@ def _peer_loops(args, base, skipped):
     node b's sidecar as its peer (each with a shared directory of its own)."""
     import socket
 
-    secret = os.path.join(base, "peer-secret")
-    with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(os.urandom(32))
+    from .bench_ranks import write_secret
+
+    secret = write_secret(os.path.join(base, "peer-secret"))
     with socket.socket() as sa, socket.socket() as sb:
         sa.bind(("127.0.0.1", 0))
         sb.bind(("127.0.0.1", 0))

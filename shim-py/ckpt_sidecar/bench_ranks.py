@@ -287,6 +287,21 @@ def _free_ports(n):
             s.close()
 
 
+def write_secret(path):
+    """A fresh cluster secret at `path`: 32 random bytes, owner-only (the
+    sidecar refuses a shorter one, or one others may read)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(os.urandom(32))
+    return path
+
+
+def peer_flags(ports, n, secret):
+    """`serve` flags of node n of len(ports) local nodes, each a peer of
+    all the others (`--peer-listen` on ports[n])."""
+    others = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(ports) if i != n)
+    return ["--peer-listen", f"127.0.0.1:{ports[n]}", "--peers", others, "--peer-secret-file", secret]
+
+
 def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
     """--nodes for one node count: {variant index: per-round figures}, and
     with `trace` {(variant index, "coordinator"|"other"): {syscall: calls}}
@@ -309,9 +324,7 @@ def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
             os.makedirs(shared)
             ports = _free_ports(nodes) if layout == "peers" else []
             if ports:
-                secret = os.path.join(root, f"bin{b}", "secret")
-                with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-                    f.write(os.urandom(32))
+                secret = write_secret(os.path.join(root, f"bin{b}", "secret"))
             for n in range(nodes):
                 node = os.path.join(root, f"bin{b}", f"node{n}")
                 sock = os.path.join(root, f"bin{b}", f"node{n}.sock")
@@ -322,8 +335,7 @@ def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
                 if layout in ("node-local", "peers"):
                     cmd += ["--node-local", "--node-id", f"n{n}"]
                 if ports:
-                    others = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(ports) if i != n)
-                    cmd += ["--peer-listen", f"127.0.0.1:{ports[n]}", "--peers", others, "--peer-secret-file", secret]
+                    cmd += peer_flags(ports, n, secret)
                 procs.append((subprocess.Popen(cmd, stdout=log, stderr=log, env=env), log))
                 socks[n].append(sock)
         deadline = time.monotonic() + 300

@@ -271,20 +271,16 @@ OFF = ("--incremental", "off")
 def nodes(base, staging, n, world_size, extra):
     """The --nodes rows: --ranks ranks, each on a sidecar of its own as a
     node of its own (node-local, every sidecar a peer of the others)."""
-    from .bench_ranks import _free_ports
+    from .bench_ranks import _free_ports, peer_flags, write_secret
 
     shared = os.path.join(base, "shared")
     os.makedirs(shared)
-    secret = os.path.join(base, "secret")
-    with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-        f.write(os.urandom(32))
+    secret = write_secret(os.path.join(base, "secret"))
     ports = _free_ports(world_size)
     sides = []
     try:
         for r in range(world_size):
-            others = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(ports) if i != r)
-            flags = ["--shared", shared, "--node-local", "--node-id", f"n{r}", "--peer-listen", f"127.0.0.1:{ports[r]}"]
-            flags += ["--peers", others, "--peer-secret-file", secret]
+            flags = ["--shared", shared, "--node-local", "--node-id", f"n{r}"] + peer_flags(ports, r, secret)
             sides.append(Sidecar(os.path.join(base, f"node{r}"), staging, extra=tuple(flags) + tuple(extra)))
         for side in sides:
             side.connect().close()

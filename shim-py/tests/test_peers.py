@@ -324,7 +324,7 @@ def varint(n):
 
 
 # The peer protocol's version (wire/src/peer.rs PEER_PROTOCOL_VERSION).
-PEER_PROTOCOL_VERSION = 2
+PEER_PROTOCOL_VERSION = 3
 
 
 def handshake_with(port, secret, node="x"):

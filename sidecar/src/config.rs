@@ -347,6 +347,10 @@ const _: () = assert!(PEER_MARKER_DEFER_MS < PART_TICK_MS);
 pub const PEER_HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
 pub const PEER_IO_TIMEOUT_MS: u64 = 30_000;
 pub const PEER_CONNECT_TIMEOUT_MS: u64 = 3_000;
+/// A sidecar starting with no shared file system asks each peer for its
+/// newest step: an answer is waited for this long at most (the start
+/// waits for it; a peer not up yet refuses at once).
+pub const PEER_IO_TIMEOUT_START_MS: u64 = 5_000;
 /// A file's bytes move in pieces of this size (one read or write each).
 pub const PEER_PIECE_BYTES: usize = 4 << 20;
 /// Clients waiting for a step to be held by peers, at once (all sessions).

@@ -30,7 +30,10 @@
 //!   that rank's part is durable.
 //! - A step is committed iff its index exists under its final name, as for
 //!   one node.
-//! - No sidecar speaks to another: the shared directory is the only channel.
+//! - With a shared directory, it is the channel the outcome travels by:
+//!   the peers' doorbells only wake a sidecar to look. Without one
+//!   (`--shared-over-peers`, [`over_peers`]), each node's folder of its
+//!   own stands in for it and the peers carry what it would share.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -55,8 +58,10 @@ use crate::progress::Progress;
 use crate::ranks;
 
 mod markers;
+mod over_peers;
 use markers::{disagreement, read_marker, RankMarker, RankSlices};
 pub use markers::{FolderId, MarkersRead, SentMarker};
+pub use over_peers::{committed_files, SentPart, StepFiles};
 
 /// Where a multi-rank step stands in the shared directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -696,18 +701,7 @@ impl Store {
         bytes += len;
         catalog::fsync_dir(&tmp).map_err(|e| CommitError::io(&tmp, "sync temp folder", e))?;
         self.check_abort(step)?;
-        let dest = catalog::step_path(&shared, step);
-        fs::rename(&tmp, &dest).map_err(|e| CommitError::io(&dest, "rename temp folder into place", e))?;
-        catalog::fsync_dir(&shared).map_err(|e| CommitError::io(&shared, "sync directory after rename", e))?;
-        // An earlier attempt's abort record: this attempt committed.
-        if let Ok(p) = abort_record_path(&shared, step) {
-            let _ = fs::remove_file(p);
-        }
-        if catalog::latest_step(&shared).ok().flatten().is_none_or(|l| l <= step) {
-            if let Err(e) = catalog::write_latest(&shared, step) {
-                tracing::warn!("step {step} committed but `latest` not updated ({e}); the next commit moves it");
-            }
-        }
+        let dest = self.publish_step(&shared, step, &tmp)?;
         info!(step, world_size, bytes, "committed (every node's ranks)");
         Ok(CommitReport {
             step,

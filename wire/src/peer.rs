@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PEER_PROTOCOL_VERSION: u32 = 2;
+pub const PEER_PROTOCOL_VERSION: u32 = 3;
 /// First bytes of every peer Hello: a client of the other protocol (or a
 /// stray one) is told apart at once.
 pub const PEER_MAGIC: [u8; 4] = *b"CKPP";
@@ -107,6 +107,26 @@ pub enum PeerMsg {
     /// A doorbell was taken (what it says is checked against the shared
     /// directory, never trusted as the outcome).
     Rung,
+    /// No shared file system (`--shared-over-peers`): rank `rank`'s part of
+    /// `step` is written and synced on its node, and these are what the
+    /// step's shared folder would hold of it: its marker, its slice
+    /// declarations (empty when none) and its blobs (name, bytes). To the
+    /// step's coordinator (to every peer while none is known), which writes
+    /// them into its temp folder of the step. Answered [`PeerMsg::Rung`].
+    Part { step: u64, world_size: u32, rank: u32, marker: Vec<u8>, slices: Vec<u8>, blobs: Vec<(String, Vec<u8>)> },
+    /// No shared file system: the coordinator committed `step`, and these
+    /// are the step folder's files (the index under its file name,
+    /// `model.safetensors.index.json`, and each blob as `blobs/NAME`) for
+    /// every peer's own shared folder; `port` as in [`PeerMsg::Decided`].
+    /// Answered [`PeerMsg::Rung`]; also the answer to [`PeerMsg::Newest`].
+    Committed { step: u64, port: u16, files: Vec<(String, Vec<u8>)> },
+    /// No shared file system: the coordinator aborted `step`, for this
+    /// reason (the abort record). Answered [`PeerMsg::Rung`].
+    Aborted { step: u64, port: u16, reason: String },
+    /// No shared file system: the newest step committed in the peer's own
+    /// shared folder, asked by a sidecar starting (a replaced node).
+    /// Answered [`PeerMsg::Committed`], or [`PeerMsg::Error`] when it has none.
+    Newest,
 }
 
 /// Which side a proof is from: the labels keep one side's proof from being

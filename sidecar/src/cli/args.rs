@@ -231,6 +231,16 @@ pub struct DaemonArgs {
     /// and never hangs it (default: 30s).
     #[arg(long, value_name = "DURATION", requires = "peer_listen", value_parser = parse_duration)]
     pub peer_timeout: Option<std::time::Duration>,
+    /// No shared file system: --shared DIR is this node's own folder (on
+    /// its own disk), and the peers carry what the nodes share. Each rank's
+    /// marker and blobs go to the coordinator (rank 0's sidecar), which
+    /// sends each committed step's index and blobs to every peer; a node
+    /// answers its ranks Durable once its own folder holds the step's index
+    /// and `latest`, and a sidecar starting on an empty one takes the newest
+    /// step from its peers. --peers must list every node (docs/guide.md,
+    /// "Several nodes without a shared file system").
+    #[arg(long, requires = "peer_listen", conflicts_with = "drain")]
+    pub shared_over_peers: bool,
     #[command(flatten)]
     pub io: IoArgs,
 }

@@ -84,6 +84,7 @@ impl DaemonArgs {
             io_timeout: self
                 .peer_timeout
                 .unwrap_or(std::time::Duration::from_millis(ckpt_sidecar::config::PEER_IO_TIMEOUT_MS)),
+            shared_over_peers: self.shared_over_peers,
         }))
     }
 }

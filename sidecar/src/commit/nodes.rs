@@ -61,7 +61,7 @@ use std::time::{Duration, Instant};
 
 use ckpt_store::commit::{CommitError, Store};
 use ckpt_store::image::{self, Layout, SliceDecl};
-use ckpt_store::nodes::{self, MarkersRead, PartReport, RanksState, SentMarker};
+use ckpt_store::nodes::{self, MarkersRead, PartReport, RanksState, SentMarker, SentPart};
 use ckpt_wire::{Blob, ErrorCode, LastFigures, Reply};
 use tracing::{debug, info, warn};
 
@@ -156,7 +156,31 @@ pub struct Nodes {
     since_full: BTreeMap<u32, u32>,
     /// Markers sent by peers for steps not coordinated here (yet)
     /// (bounded: `PEER_EARLY_MARKER*`).
-    early: BTreeMap<u64, Vec<SentMarker>>,
+    early: BTreeMap<u64, Vec<Sent>>,
+}
+
+/// A rank's marker that came by message: from a node sharing the temp
+/// folder, or, with no shared file system, with the files of its part the
+/// coordinator's folder needs.
+enum Sent {
+    Marker(SentMarker),
+    Part(SentPart),
+}
+
+impl Sent {
+    fn len_bytes(&self) -> usize {
+        match self {
+            Sent::Marker(m) => m.len_bytes(),
+            Sent::Part(p) => p.len_bytes(),
+        }
+    }
+
+    fn rank(&self) -> u32 {
+        match self {
+            Sent::Marker(m) => m.rank,
+            Sent::Part(p) => p.rank,
+        }
+    }
 }
 
 fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
@@ -237,7 +261,8 @@ impl Nodes {
         info!(rank = part.rank, world_size = part.world_size, bytes = rep.bytes, write_s = t0.elapsed().as_secs_f64(), marker = %rep.marker.display(), "rank's part written and marked; waiting for the commit");
         state.set_phase(key, Phase::WaitingForRanks);
         let waiter = Waiter { id, rank: part.rank, replies, copy_seconds, linked_files };
-        self.wait_for_commit(store, state, step, (part.world_size, rep.bytes), rep.sent, waiter);
+        let part_blobs: Vec<&Blob> = blobs.iter().filter(|b| !slices::is_declaration(b)).collect();
+        self.wait_for_commit(store, state, step, (part.world_size, rep.bytes), (rep.sent, &part_blobs), waiter);
         // The peers: this part's files copied while its lease is here, so
         // they are sent from memory (once the copy that fed it has ended);
         // after the marker went to the coordinator, as the copy may need
@@ -332,14 +357,15 @@ impl Nodes {
     /// serving rank 0 becomes the step's coordinator, its clock starting now.
     /// The part's marker is taken from its report, not read again: by the
     /// coordinator at once; else kept for the case rank 0 comes here, and
-    /// sent to the last coordinator known.
+    /// sent to the last coordinator known (no shared file system: with its
+    /// `blobs`, and to every peer while none is known).
     fn wait_for_commit(
         &mut self,
         store: &Store,
         state: &DaemonState,
         step: u64,
         (world_size, bytes): (u32, u64),
-        sent: SentMarker,
+        (sent, blobs): (SentMarker, &[&Blob]),
         waiter: Waiter,
     ) {
         let timeout = self.timeout;
@@ -372,13 +398,13 @@ impl Nodes {
         }
         w.waiters.push(waiter);
         if w.coordinator {
-            let mut sents = std::mem::take(&mut w.own);
-            sents.push(sent);
+            let mut sents: Vec<Sent> = std::mem::take(&mut w.own).into_iter().map(Sent::Marker).collect();
+            sents.push(Sent::Marker(sent));
             sents.extend(self.early.remove(&step).unwrap_or_default());
             take_markers(store, step, w, sents);
         } else {
             if let Some(p) = &state.peers {
-                p.marked(step, world_size, &sent);
+                p.marked(step, world_size, &sent, blobs);
             }
             w.own.push(sent);
         }
@@ -389,41 +415,95 @@ impl Nodes {
     /// yet), or a step decided (looked at now).
     pub fn rang(&mut self, store: &mut Store, state: &DaemonState, rang: Rang) {
         match rang {
-            Rang::Marked { from, step, world_size, sent } => match self.steps.get_mut(&step) {
-                Some(w) if w.coordinator => {
-                    if w.world_size != world_size {
-                        warn!(step, node = %from, world_size, "peers: a marker sent for another world size than this step's {}; the file is read instead", w.world_size);
-                        return;
+            Rang::Marked { from, step, world_size, sent } => {
+                self.sent(store, state, (&from, step, world_size), Sent::Marker(sent))
+            }
+            Rang::Part { from, step, world_size, part } => {
+                self.sent(store, state, (&from, step, world_size), Sent::Part(part))
+            }
+            Rang::Decided { step } => self.rung_decided(store, state, step),
+            Rang::Committed { step, files } => {
+                // No shared file system: this node's folder gets the step
+                // (its ranks are Durable once it is there), and its own
+                // retention and sweep run as the coordinator's do.
+                match store.install_committed(step, &files) {
+                    Ok(_) => {
+                        if !self.steps.get(&step).is_some_and(|w| w.coordinator) {
+                            let deleted = store.retain_shared(step);
+                            if !deleted.is_empty() {
+                                info!(?deleted, "retention (this node's shared directory)");
+                            }
+                        }
+                        self.rung_decided(store, state, step);
+                        self.sweep(store);
                     }
-                    if !take_markers(store, step, w, vec![sent]) {
-                        // Not taken (another attempt's folder, no birth
-                        // times here, refused): the file is read soon.
-                        w.progressed();
-                    } else if w.read.has_all(world_size) {
-                        self.coordinate(store, state, step);
-                    }
-                }
-                _ => self.keep_early(step, sent),
-            },
-            Rang::Decided { step } => {
-                self.forget_early(step);
-                if let Some(w) = self.steps.get_mut(&step).filter(|w| !w.coordinator) {
-                    w.rung = true;
-                    self.watch(store, state, step);
+                    Err(e) => self.fail_step(state, step, &format!("step {step}: committed by the coordinator, but this node could not install its index ({e}); the step does not count as durable here")),
                 }
             }
+            Rang::Aborted { step, reason } => {
+                // No shared file system: the coordinator's reason, as the
+                // abort record it would have left in a shared directory.
+                if let Err(e) = store.abort_ranks(step, &reason) {
+                    warn!(step, "could not remove this node's temp folder of an aborted step ({e})");
+                }
+                self.rung_decided(store, state, step);
+            }
+        }
+    }
+
+    /// A marker (or, with no shared file system, a part) sent by node
+    /// `from` for `step`: taken when this sidecar coordinates the step (the
+    /// step committed if it was the last), else kept until it does.
+    fn sent(&mut self, store: &mut Store, state: &DaemonState, (from, step, world_size): (&str, u64, u32), sent: Sent) {
+        let Some(w) = self.steps.get_mut(&step).filter(|w| w.coordinator) else {
+            return self.keep_early(step, sent);
+        };
+        if w.world_size != world_size {
+            warn!(step, node = %from, world_size, "peers: a marker sent for another world size than this step's {}; the file is read instead", w.world_size);
+            return;
+        }
+        if !take_markers(store, step, w, vec![sent]) {
+            // Not taken (another attempt's folder, no birth
+            // times here, refused): the file is read soon.
+            w.progressed();
+        } else if w.read.has_all(world_size) {
+            self.coordinate(store, state, step);
+        }
+    }
+
+    /// The coordinator decided `step`: this node looks at once.
+    fn rung_decided(&mut self, store: &mut Store, state: &DaemonState, step: u64) {
+        self.forget_early(step);
+        if let Some(w) = self.steps.get_mut(&step).filter(|w| !w.coordinator) {
+            w.rung = true;
+            self.watch(store, state, step);
+        }
+    }
+
+    /// This node's ranks of `step` (not coordinated here) fail now, for `why`.
+    fn fail_step(&mut self, state: &DaemonState, step: u64, why: &str) {
+        warn!("{why}");
+        self.forget_early(step);
+        let Some(w) = self.steps.remove(&step).filter(|w| !w.coordinator) else { return };
+        for x in w.waiters {
+            answer_failed(state, x, step, Refusal::new(ErrorCode::Io, why.to_string()));
         }
     }
 
     /// A marker sent for a step this sidecar does not coordinate (yet):
     /// kept within `PEER_EARLY_MARKERS_BYTES_MAX`, for the newest
     /// `PEER_EARLY_MARKER_STEPS_MAX` steps; else dropped (its file stays).
-    fn keep_early(&mut self, step: u64, sent: SentMarker) {
-        let kept_bytes: usize = self.early.values().flatten().map(SentMarker::len_bytes).sum();
+    fn keep_early(&mut self, step: u64, sent: Sent) {
+        let kept_bytes: usize = self.early.values().flatten().map(Sent::len_bytes).sum();
         if kept_bytes + sent.len_bytes() > config::PEER_EARLY_MARKERS_BYTES_MAX {
+            warn!(
+                step,
+                rank = sent.rank(),
+                "peers: a marker came before this step's rank 0 part and the ones kept are at their bound; dropped"
+            );
             return;
         }
-        debug!(step, rank = sent.rank, "peers: a marker came before this step's rank 0 part; kept for it");
+        debug!(step, rank = sent.rank(), "peers: a marker came before this step's rank 0 part; kept for it");
         self.early.entry(step).or_default().push(sent);
         while self.early.len() > config::PEER_EARLY_MARKER_STEPS_MAX {
             self.early.pop_first();
@@ -546,7 +626,7 @@ impl Nodes {
             match looked.and_then(|_| store.commit_read_ranks(step, world_size, read)) {
                 Ok(rep) => {
                     // The peers look now (a doorbell, never waited for).
-                    self.decided(state, step);
+                    self.decided(state, step, None);
                     let persist_seconds = w.since.elapsed().as_secs_f64();
                     info!(
                         step,
@@ -582,10 +662,11 @@ impl Nodes {
                         _ => format!("step {step}: the coordinator's commit failed: {e}; the step is not committed"),
                     };
                     warn!("{why}");
-                    if !matches!(e, CommitError::AlreadyCommitted { .. }) {
+                    let committed = matches!(e, CommitError::AlreadyCommitted { .. });
+                    if !committed {
                         self.abort_folder(store, step, &why);
                     }
-                    self.decided(state, step);
+                    self.decided(state, step, (!committed).then_some(why.as_str()));
                     self.sweep(store);
                     for x in w.waiters {
                         answer_failed(state, x, step, Refusal::new(error_code(&e), why.clone()));
@@ -606,7 +687,7 @@ impl Nodes {
             };
             warn!("{why}");
             self.abort_folder(store, step, &why);
-            self.decided(state, step);
+            self.decided(state, step, Some(&why));
             self.sweep(store);
             let code = if state.is_aborting() { ErrorCode::ShuttingDown } else { ErrorCode::Io };
             for x in w.waiters {
@@ -616,12 +697,12 @@ impl Nodes {
     }
 
     /// This sidecar, the coordinator, decided `step` (the index is under its
-    /// final name, or the folder gone with its abort record): its peers
-    /// are told, and markers kept for it dropped.
-    fn decided(&mut self, state: &DaemonState, step: u64) {
+    /// final name, or the folder gone with its abort record, `aborted`):
+    /// its peers are told, and markers kept for it dropped.
+    fn decided(&mut self, state: &DaemonState, step: u64, aborted: Option<&str>) {
         self.forget_early(step);
         if let Some(p) = &state.peers {
-            p.decided(step);
+            p.decided(step, aborted);
         }
     }
 
@@ -722,7 +803,9 @@ impl Nodes {
         for (step, w) in std::mem::take(&mut self.steps) {
             let why = format!("step {step}: {why}");
             if w.coordinator {
-                self.abort_folder(store, step, &format!("{why} (the coordinator, rank 0's sidecar, stopped)"));
+                let why = format!("{why} (the coordinator, rank 0's sidecar, stopped)");
+                self.abort_folder(store, step, &why);
+                self.decided(state, step, Some(&why));
             }
             for x in w.waiters {
                 answer_failed(state, x, step, Refusal::new(ErrorCode::ShuttingDown, why.clone()));
@@ -750,12 +833,16 @@ fn durable(state: &DaemonState, w: StepWait, step: u64, path: &str, persist_seco
 /// their files (a refused one, which does not make a step, is left for
 /// the file's read, which fails the step saying why); whether each was
 /// taken or in already.
-fn take_markers(store: &Store, step: u64, w: &mut StepWait, sents: Vec<SentMarker>) -> bool {
+fn take_markers(store: &Store, step: u64, w: &mut StepWait, sents: Vec<Sent>) -> bool {
     let mut all = true;
     for m in sents {
-        let rank = m.rank;
+        let rank = m.rank();
         let had = w.read.has(rank);
-        match store.take_sent_marker(step, w.world_size, m, &mut w.read) {
+        let taken = match m {
+            Sent::Marker(m) => store.take_sent_marker(step, w.world_size, m, &mut w.read),
+            Sent::Part(p) => store.take_sent_part(step, w.world_size, p, &mut w.read),
+        };
+        match taken {
             Ok(taken) => all &= taken || had,
             Err(e) => {
                 warn!(step, rank, "a marker sent by message is refused ({e}); its file is read instead");

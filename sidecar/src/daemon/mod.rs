@@ -262,7 +262,15 @@ fn start_peers(opts: &DaemonOptions, store: &Store) -> Result<Option<Arc<crate::
         return Err(crate::peer::PeerError::NotNodeLocal.into());
     };
     let me = ThisNode { id: id.to_string(), dirs: store.dirs().to_vec() };
-    Ok(Some(crate::peer::Peers::start(p.clone(), me, shared.to_path_buf())?))
+    let peers = crate::peer::Peers::start(p.clone(), me, shared.to_path_buf())?;
+    // No shared file system: this node's folder catches up with the newest
+    // step its peers hold before a load can ask for `latest`, and only then
+    // are this node's folders of steps it does not know swept.
+    if peers.over_peers() {
+        peers.take_newest(store);
+        store.sweep_node_local(&Default::default());
+    }
+    Ok(Some(peers))
 }
 
 /// Opens the store: the directories are locked (a second sidecar on one
@@ -278,6 +286,7 @@ fn open_store(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Store, 
         // Twice the part timeout: a live coordinator aborts long before.
         shared_stale_after: crate::commit::committer::part_timeout() * 2,
         node_local: opts.node_local.clone(),
+        sweep_later: opts.peers.as_ref().is_some_and(|p| p.shared_over_peers),
         read_only: if opts.read_only { ReadOnly::Always } else { ReadOnly::Auto },
         ..StoreOptions::new(opts.dirs.clone())
     })

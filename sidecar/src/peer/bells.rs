@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ckpt_store::nodes::SentMarker;
+use ckpt_store::nodes::{SentMarker, SentPart, StepFiles};
 use ckpt_wire::peer::PeerMsg;
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use tracing::{debug, info, warn};
@@ -37,6 +37,14 @@ pub enum Rang {
     Marked { from: String, step: u64, world_size: u32, sent: SentMarker },
     /// The coordinator decided `step`.
     Decided { step: u64 },
+    /// No shared file system: node `from` wrote a rank's part of `step`;
+    /// what the coordinator's temp folder needs of it.
+    Part { from: String, step: u64, world_size: u32, part: SentPart },
+    /// No shared file system: the coordinator committed `step`; its step
+    /// folder's files.
+    Committed { step: u64, files: StepFiles },
+    /// No shared file system: the coordinator aborted `step`, for this reason.
+    Aborted { step: u64, reason: String },
 }
 
 impl Rang {
@@ -44,6 +52,9 @@ impl Rang {
     fn len_bytes(&self) -> usize {
         match self {
             Rang::Marked { sent, .. } => sent.len_bytes(),
+            Rang::Part { part, .. } => part.len_bytes(),
+            Rang::Committed { files, .. } => files.iter().map(|(n, b)| n.len() + b.len()).sum(),
+            Rang::Aborted { reason, .. } => reason.len(),
             Rang::Decided { .. } => 0,
         }
     }
@@ -105,7 +116,7 @@ pub struct Bells {
     /// This sidecar's peer port (named in its Decided).
     port: u16,
     io_timeout: Duration,
-    lines: Mutex<HashMap<String, Sender<PeerMsg>>>,
+    lines: Mutex<HashMap<String, Sender<Arc<PeerMsg>>>>,
     /// The `--peers` entry of the last step's coordinator.
     coordinator: Mutex<Option<String>>,
 }
@@ -137,13 +148,40 @@ impl Bells {
             marker: sent.marker.clone(),
             slices: sent.slices.clone(),
         };
-        self.ring(&to, msg);
+        self.ring(&to, Arc::new(msg));
+    }
+
+    /// No shared file system: a rank's part of `step` is written: to the
+    /// coordinator if known, else to every peer (the one serving rank 0
+    /// takes it, the others keep it until the step is decided).
+    pub fn part(&self, step: u64, world_size: u32, part: SentPart) {
+        let SentPart { rank, marker, slices, blobs } = part;
+        let msg = Arc::new(PeerMsg::Part { step, world_size, rank, marker, slices, blobs });
+        match self.coordinator.lock().expect("bells lock").clone() {
+            Some(to) => self.ring(&to, msg),
+            None => self.ring_all(msg),
+        }
     }
 
     /// This sidecar decided `step`: every peer is told.
     pub fn decided(&self, step: u64) {
+        self.ring_all(Arc::new(PeerMsg::Decided { step, port: self.port }));
+    }
+
+    /// No shared file system: this sidecar committed `step`; every peer gets
+    /// its step folder's files.
+    pub fn committed(&self, step: u64, files: StepFiles) {
+        self.ring_all(Arc::new(PeerMsg::Committed { step, port: self.port, files }));
+    }
+
+    /// No shared file system: this sidecar aborted `step`; every peer gets why.
+    pub fn aborted(&self, step: u64, reason: &str) {
+        self.ring_all(Arc::new(PeerMsg::Aborted { step, port: self.port, reason: reason.to_string() }));
+    }
+
+    fn ring_all(&self, msg: Arc<PeerMsg>) {
         for (p, _) in &self.peers {
-            self.ring(p, PeerMsg::Decided { step, port: self.port });
+            self.ring(p, msg.clone());
         }
     }
 
@@ -162,7 +200,7 @@ impl Bells {
         }
     }
 
-    fn ring(&self, to: &str, msg: PeerMsg) {
+    fn ring(&self, to: &str, msg: Arc<PeerMsg>) {
         let mut lines = self.lines.lock().expect("bells lock");
         let line = match lines.get(to) {
             Some(l) => l.clone(),
@@ -200,7 +238,7 @@ struct Line {
 }
 
 impl Line {
-    fn run(self, rx: Receiver<PeerMsg>) {
+    fn run(self, rx: Receiver<Arc<PeerMsg>>) {
         let mut conn: Option<(Conn, Instant)> = None;
         let mut failed_at: Option<Instant> = None;
         let retry = Duration::from_millis(config::PEER_BELL_RETRY_MS);

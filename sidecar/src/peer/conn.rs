@@ -157,6 +157,17 @@ impl Conn {
         }
     }
 
+    /// No shared file system: the newest step committed in the peer's own
+    /// shared directory and its folder's files; None when it has none.
+    pub fn newest(&mut self) -> Result<Option<(u64, ckpt_store::nodes::StepFiles)>, ConnError> {
+        send(&mut self.stream, &PeerMsg::Newest)?;
+        match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
+            PeerMsg::Committed { step, files, .. } => Ok(Some((step, files))),
+            PeerMsg::Error { .. } => Ok(None),
+            other => Err(ConnError::Protocol(format!("{} instead of Committed", kind(&other)))),
+        }
+    }
+
     /// A doorbell ([`PeerMsg::Marked`], [`PeerMsg::Decided`]): Ok once the
     /// peer took it.
     pub fn ring(&mut self, msg: &PeerMsg) -> Result<(), ConnError> {

@@ -153,5 +153,9 @@ pub fn kind(m: &PeerMsg) -> &'static str {
         PeerMsg::Marked { .. } => "Marked",
         PeerMsg::Decided { .. } => "Decided",
         PeerMsg::Rung => "Rung",
+        PeerMsg::Part { .. } => "Part",
+        PeerMsg::Committed { .. } => "Committed",
+        PeerMsg::Aborted { .. } => "Aborted",
+        PeerMsg::Newest => "Newest",
     }
 }

@@ -99,6 +99,10 @@ pub struct PeerOptions {
     pub budget_bytes: u64,
     /// A peer connection silent this long is dropped (`--peer-timeout`).
     pub io_timeout: std::time::Duration,
+    /// No shared file system (`--shared-over-peers`): the shared directory
+    /// is this node's own, and the peers carry what the nodes share
+    /// (`ckpt_store::nodes::over_peers`).
+    pub shared_over_peers: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +162,7 @@ impl Peers {
             secret: secret.clone(),
             node: me.id.clone(),
             dirs: me.dirs.clone(),
+            shared_over: opts.shared_over_peers.then(|| shared_dir.clone()),
             held: held.clone(),
             refused: refused.clone(),
             io_timeout: opts.io_timeout,
@@ -193,6 +198,46 @@ impl Peers {
         }))
     }
 
+    /// No shared file system, at start: the newest step any peer's own
+    /// shared directory holds, installed into this node's when it is newer
+    /// than its `latest` (a replaced node on an empty disk, or one that
+    /// missed steps while down), so that a load here finds it. A peer that
+    /// cannot be asked is named and passed over; returns the step installed.
+    pub fn take_newest(&self, store: &ckpt_store::commit::Store) -> Option<u64> {
+        let timeout =
+            self.opts.io_timeout.min(std::time::Duration::from_millis(crate::config::PEER_IO_TIMEOUT_START_MS));
+        let mut best: Option<(u64, ckpt_store::nodes::StepFiles, &str)> = None;
+        for addr in &self.opts.peers {
+            let asked = conn::Conn::open(addr, &self.secret, &self.me.id, timeout).and_then(|mut c| {
+                let r = c.newest();
+                c.close();
+                r
+            });
+            match asked {
+                Ok(Some((step, files))) if best.as_ref().is_none_or(|(b, _, _)| step > *b) => {
+                    best = Some((step, files, addr))
+                }
+                Ok(_) => {}
+                Err(e) => tracing::info!(peer = %addr, "peers: not asked for its newest step ({e})"),
+            }
+        }
+        let (step, files, from) = best?;
+        let here = ckpt_store::catalog::latest_step(&self.shared_dir).ok().flatten();
+        if here.is_some_and(|h| h >= step) {
+            return None;
+        }
+        match store.install_committed(step, &files) {
+            Ok(_) => {
+                tracing::info!(step, peer = %from, "peers: the newest committed step taken from a peer into this node's shared directory");
+                Some(step)
+            }
+            Err(e) => {
+                tracing::warn!(step, peer = %from, "peers: the newest step a peer holds could not be installed here ({e})");
+                None
+            }
+        }
+    }
+
     /// The address peers reach this sidecar at (the port bound).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
@@ -205,9 +250,25 @@ impl Peers {
     }
 
     /// A rank's marker of `step` is written: sent to the step's coordinator
-    /// when this sidecar knows it (never waited for).
-    pub fn marked(&self, step: u64, world_size: u32, sent: &ckpt_store::nodes::SentMarker) {
-        self.bells.marked(step, world_size, sent);
+    /// when this sidecar knows it (never waited for). No shared file
+    /// system: with its slice declarations and `blobs` (its part's blobs
+    /// but the declarations), to every peer while no coordinator is known.
+    pub fn marked(&self, step: u64, world_size: u32, sent: &ckpt_store::nodes::SentMarker, blobs: &[&ckpt_wire::Blob]) {
+        if !self.opts.shared_over_peers {
+            return self.bells.marked(step, world_size, sent);
+        }
+        let part = ckpt_store::nodes::SentPart {
+            rank: sent.rank,
+            marker: sent.marker.clone(),
+            slices: sent.slices.clone(),
+            blobs: blobs.iter().map(|b| (b.name.clone(), b.bytes.clone())).collect(),
+        };
+        self.bells.part(step, world_size, part);
+    }
+
+    /// Whether the shared directory is this node's own (`--shared-over-peers`).
+    pub fn over_peers(&self) -> bool {
+        self.opts.shared_over_peers
     }
 
     /// The doorbells received, for the committer.
@@ -216,9 +277,23 @@ impl Peers {
     }
 
     /// This sidecar, the coordinator, decided `step`: every peer is told
-    /// (never waited for).
-    pub fn decided(&self, step: u64) {
-        self.bells.decided(step);
+    /// (never waited for). No shared file system: they get the committed
+    /// step's folder (read back from the shared directory), or the abort's
+    /// reason.
+    pub fn decided(&self, step: u64, aborted: Option<&str>) {
+        if !self.opts.shared_over_peers {
+            return self.bells.decided(step);
+        }
+        match aborted {
+            Some(why) => self.bells.aborted(step, why),
+            None => match ckpt_store::nodes::committed_files(&self.shared_dir, step) {
+                Ok(files) => self.bells.committed(step, files),
+                Err(e) => tracing::warn!(
+                    step,
+                    "peers: cannot read the committed step's folder to send it ({e}); the other nodes' ranks fail once their wait runs out"
+                ),
+            },
+        }
     }
 
     /// A part of `step` was written from `image` (its staging lease, at

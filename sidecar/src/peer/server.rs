@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ckpt_store::format::Index;
-use ckpt_store::nodes::{FolderId, SentMarker};
+use ckpt_store::nodes::{FolderId, SentMarker, SentPart};
 use ckpt_wire::peer::{self, Nodes, PeerMsg, Role, PEER_FRAME_BYTES_MAX, PEER_HELLO_BYTES_MAX};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -30,6 +30,10 @@ pub struct Server {
     pub node: String,
     /// This node's directories: its own files are served from them.
     pub dirs: Vec<std::path::PathBuf>,
+    /// No shared file system (`--shared-over-peers`): this node's own
+    /// shared directory, whose newest step a Newest asks for. None: the
+    /// messages of that mode are answered with an Error.
+    pub shared_over: Option<std::path::PathBuf>,
     pub held: Arc<Held>,
     /// Connections refused (over a limit, a failed handshake, garbage, a stall).
     pub refused: Arc<AtomicU64>,
@@ -214,6 +218,48 @@ impl Server {
                     }
                     send_async(&mut w, &PeerMsg::Rung, io).await?;
                 }
+                m @ (PeerMsg::Part { .. } | PeerMsg::Committed { .. } | PeerMsg::Aborted { .. } | PeerMsg::Newest)
+                    if self.shared_over.is_none() =>
+                {
+                    let message = format!(
+                        "{} is for nodes with no shared file system (--shared-over-peers); node {:?} has a shared directory",
+                        kind(&m),
+                        self.node
+                    );
+                    send_async(&mut w, &PeerMsg::Error { message }, io).await?;
+                }
+                PeerMsg::Part { step, world_size, rank, marker, slices, blobs } => {
+                    let part = SentPart { rank, marker, slices, blobs };
+                    if !self.inbox.put(Rang::Part { from: peer_node.clone(), step, world_size, part }) {
+                        warn!(step, rank, node = %peer_node, "peers: a Part dropped (the doorbells' queue is full); the coordinator aborts the step if it was its");
+                    }
+                    send_async(&mut w, &PeerMsg::Rung, io).await?;
+                }
+                PeerMsg::Committed { step, port, files } => {
+                    self.bells.learn_coordinator(addr.ip(), port);
+                    if !self.inbox.put(Rang::Committed { step, files }) {
+                        warn!(step, node = %peer_node, "peers: a Committed dropped (the doorbells' queue is full); this node's ranks of the step fail when their wait runs out");
+                    }
+                    send_async(&mut w, &PeerMsg::Rung, io).await?;
+                }
+                PeerMsg::Aborted { step, port, reason } => {
+                    self.bells.learn_coordinator(addr.ip(), port);
+                    if !self.inbox.put(Rang::Aborted { step, reason }) {
+                        debug!(step, node = %peer_node, "peers: an Aborted dropped (the doorbells' queue is full)");
+                    }
+                    send_async(&mut w, &PeerMsg::Rung, io).await?;
+                }
+                PeerMsg::Newest => {
+                    let shared = self.shared_over.clone().expect("matched above");
+                    let newest = tokio::task::spawn_blocking(move || newest_committed(&shared))
+                        .await
+                        .map_err(|e| ConnError::Protocol(format!("reading the newest step: {e}")))?;
+                    let answer = match newest {
+                        Ok((step, files)) => PeerMsg::Committed { step, port: 0, files },
+                        Err(message) => PeerMsg::Error { message },
+                    };
+                    send_async(&mut w, &answer, io).await?;
+                }
                 other => return Err(ConnError::Protocol(format!("unexpected {}", kind(&other)))),
             }
         }
@@ -363,6 +409,18 @@ impl Server {
 /// pieces of memory whatever the file's size. A file that ends early, or
 /// fails to read after its frame went out, ends the connection: the
 /// fetching side's read fails and it tries its next source.
+/// The newest committed step of `shared` (its `latest`) and its folder's
+/// files, or why there is none to give.
+fn newest_committed(shared: &std::path::Path) -> Result<(u64, ckpt_store::nodes::StepFiles), String> {
+    let step = match ckpt_store::catalog::latest_step(shared) {
+        Ok(Some(s)) => s,
+        Ok(None) => return Err(format!("no step committed in {}", shared.display())),
+        Err(e) => return Err(format!("reading `latest` in {}: {e}", shared.display())),
+    };
+    let files = ckpt_store::nodes::committed_files(shared, step).map_err(|e| format!("step {step}: {e}"))?;
+    Ok((step, files))
+}
+
 async fn send_file(
     w: &mut OwnedWriteHalf,
     name: String,

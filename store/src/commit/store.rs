@@ -59,6 +59,11 @@ pub struct StoreOptions {
     /// directories (`node-step-…` folders), only blobs and markers into
     /// the shared directory ([`crate::nodes`]).
     pub node_local: Option<String>,
+    /// The node-local sweep at open is left to the caller
+    /// ([`Store::sweep_node_local`]): with no shared file system the shared
+    /// directory is this node's own, and it first takes the newest step its
+    /// peers committed, lest this node's files of it be swept as uncommitted.
+    pub sweep_later: bool,
     /// Whether a directory that cannot be written is opened read-only
     /// (no lock, no recovery, writes refused: [`crate::read_only`]).
     pub read_only: ReadOnly,
@@ -78,6 +83,7 @@ impl StoreOptions {
             shared: None,
             shared_stale_after: Duration::from_secs(config::SHARED_STALE_AFTER_DEFAULT_S),
             node_local: None,
+            sweep_later: false,
             read_only: ReadOnly::Never,
         }
     }
@@ -412,7 +418,7 @@ fn recover(paths: &[PathBuf], shared: Option<&TargetDir>, opts: &StoreOptions) -
             source: e,
         })?;
         recovery.removed.extend(removed);
-        if opts.node_local.is_some() {
+        if opts.node_local.is_some() && !opts.sweep_later {
             let removed = recovery::sweep_node_local(paths, &sh.path, &Default::default()).map_err(|e| {
                 StoreError::Io { path: paths[0].clone(), what: "recovery of node-local step folders", source: e }
             })?;

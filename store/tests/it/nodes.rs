@@ -257,3 +257,76 @@ fn steps_of_the_same_parts_commit_and_load_and_link_an_unchanged_blob() {
     let rng = fs::read(catalog::step_path(&shared, 3).join(format::BLOBS_DIR_NAME).join("rng")).unwrap();
     assert_eq!(rng, b"rng-3");
 }
+
+/// No shared file system (`nodes::over_peers`): nodes a and b each with a
+/// shared directory of its own. Rank 1's part, written on b, reaches a's
+/// coordinator as a `SentPart` (its marker and blob written into a's temp
+/// folder); a commits both, and b installs the step from a's step folder's
+/// files: the same index and blobs under `step-…`, and `latest`. A step
+/// sent with a wrong index, a missing or damaged blob, or a name outside
+/// its folder is refused and leaves nothing committed.
+#[test]
+fn a_step_committed_over_peers_is_installed_in_each_nodes_own_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = |id: &str| {
+        let (root, shared) = (tmp.path().join(id), tmp.path().join(id).join("shared"));
+        fs::create_dir_all(&shared).unwrap();
+        let node_local = Some(id.to_string());
+        let opts =
+            StoreOptions { shared: Some(shared.clone()), node_local, ..StoreOptions::new(vec![root.join("own")]) };
+        (Store::open(opts).unwrap(), shared.canonicalize().unwrap())
+    };
+    let ((mut a, a_shared), (mut b, b_shared)) = (node("a"), node("b"));
+    let (l0, l1) = (part_layout(0), part_layout(1));
+    let step = 4;
+    let (s0, c0, d0) = crate::staged(&l0, &[7, step]);
+    let own = a.write_rank_part_with_digests(step, &l0, &s0, &c0, &d0, &[Blob { name: "rng-0", bytes: b"zero" }], &[]);
+    let (s1, c1, d1) = crate::staged(&l1, &[7, step]);
+    let blob1 = Blob { name: "rng-1", bytes: b"one" };
+    let sent = b.write_rank_part_with_digests(step, &l1, &s1, &c1, &d1, &[blob1], &[]).unwrap().sent;
+    let part = nodes::SentPart {
+        rank: 1,
+        marker: sent.marker,
+        slices: sent.slices,
+        blobs: vec![("rng-1".into(), b"one".to_vec())],
+    };
+    let mut read = MarkersRead::default();
+    assert!(a.take_sent_marker(step, 2, own.unwrap().sent, &mut read).unwrap());
+    let mut bad = part.clone();
+    bad.blobs[0].0 = "../escape".into();
+    assert!(a.take_sent_part(step, 2, bad, &mut read).is_err(), "a name that is not a blob's");
+    assert!(!tmp.path().join("a/escape").exists());
+    assert!(a.take_sent_part(step, 2, part, &mut read).unwrap());
+    a.commit_read_ranks(step, 2, read).unwrap();
+    let files = nodes::committed_files(&a_shared, step).unwrap();
+    let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&INDEX_FILE_NAME) && names.contains(&"blobs/rng-0") && names.contains(&"blobs/rng-1"));
+
+    let with = |name: &str, f: &dyn Fn(&mut Vec<u8>)| -> Vec<(String, Vec<u8>)> {
+        let mut v = files.clone();
+        v.iter_mut().filter(|(n, _)| n == name).for_each(|(_, b)| f(b));
+        v
+    };
+    let refused: [(&str, Vec<(String, Vec<u8>)>); 4] = [
+        ("a damaged blob", with("blobs/rng-1", &|b| b[0] ^= 1)),
+        ("a missing blob", files.iter().filter(|(n, _)| n != "blobs/rng-0").cloned().collect()),
+        ("a name outside its folder", [files.clone(), vec![("blobs/../../x".into(), vec![1])]].concat()),
+        ("a damaged index", with(INDEX_FILE_NAME, &|b| b[10] ^= 1)),
+    ];
+    for (why, sent) in refused {
+        assert!(b.install_committed(step, &sent).is_err(), "{why}");
+        assert!(!catalog::is_committed(&b_shared, step), "{why}");
+    }
+    assert!(b.install_committed(step + 1, &files).is_err(), "an index of another step");
+    assert!(b.install_committed(step, &files).unwrap());
+    assert!(!b.install_committed(step, &files).unwrap(), "committed here already");
+    assert_eq!(catalog::latest_step(&b_shared).unwrap(), Some(step));
+    let mut installed = nodes::committed_files(&b_shared, step).unwrap();
+    let mut want = files.clone();
+    installed.sort();
+    want.sort();
+    assert_eq!(installed, want);
+    // b's own marker of rank 1 stays beside them, as in a's folder.
+    assert!(catalog::step_path(&b_shared, step).join(format::rank_marker_name(1)).exists());
+    assert_eq!(nodes::ranks_outcome(&b_shared, step).unwrap().0, RanksState::Committed);
+}

@@ -61,6 +61,30 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ),
         ("decided", encode(&PeerMsg::Decided { step: 7, port: 7000 })),
         ("rung", encode(&PeerMsg::Rung)),
+        (
+            "part",
+            encode(&PeerMsg::Part {
+                step: 7,
+                world_size: 2,
+                rank: 1,
+                marker: b"{}".to_vec(),
+                slices: Vec::new(),
+                blobs: vec![("extra-1.json".into(), b"[]".to_vec())],
+            }),
+        ),
+        (
+            "committed",
+            encode(&PeerMsg::Committed {
+                step: 7,
+                port: 7000,
+                files: vec![
+                    ("model.safetensors.index.json".into(), b"{}".to_vec()),
+                    ("blobs/extra-1.json".into(), b"[]".to_vec()),
+                ],
+            }),
+        ),
+        ("aborted", encode(&PeerMsg::Aborted { step: 7, port: 7000, reason: "rank 1 wrote no marker".into() })),
+        ("newest", encode(&PeerMsg::Newest)),
     ]
 }
 

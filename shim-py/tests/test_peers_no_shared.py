@@ -1,0 +1,119 @@
+"""Several nodes with no shared file system (docs/guide.md, "Several nodes
+without a shared file system"): two sidecars on one machine as two nodes,
+each with a folder of its own as --shared (`serve --shared S_x
+--shared-over-peers --node-local --dir L_x --node-id x --peer-listen ...
+--peers ...`), rank 0 on a, rank 1 on b. Nothing but the peer channel
+connects them: each rank's marker and blobs reach the coordinator by
+message, each committed step's index comes back to every node's own
+folder, and a node replaced on an empty disk (both of its folders) takes
+the newest step from its peer and loads bit-equal, with no drain target."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from sidecar_fixtures import sidecar_bin
+from test_peers import HERE, WORKER, Cluster, secret_file
+
+INDEX = "model.safetensors.index.json"
+
+
+class NoShared(Cluster):
+    """Nodes a and b, each with its own S_x and L_x."""
+
+    def shared_of(self, node):
+        return self.tmp / f"S_{node}"
+
+    def start(self, node, extra=(), peers=None, env=None):
+        self.shared_of(node).mkdir(exist_ok=True)
+        self.shared = self.shared_of(node)  # what Cluster.start passes as --shared
+        return super().start(node, extra=("--shared-over-peers", *extra), peers=peers, env=env)
+
+    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True, world=2):
+        """As Cluster's, each rank naming its own node's folder as its
+        checkpoint directory, in a world of `world` ranks."""
+        work = self.tmp / f"work-{mode}-{steps}"
+        if fresh:
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+                   **(env_extra or {}), WORLD_SIZE=str(world))
+        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared_of("ab"[r])), steps, mode], cwd=work,
+                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes["ab"[r]].socket},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in ranks]
+        return procs, work
+
+    def step_files(self, node, step):
+        d = self.shared_of(node) / f"step-{step:012d}"
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    c = NoShared(tmp_path, secret_file(tmp_path / "K"))
+    yield c
+    c.stop()
+
+
+def test_each_node_holds_every_step_and_a_replaced_node_takes_the_newest_from_its_peer(nodes, tmp_path):
+    for n in ("a", "b"):
+        nodes.start(n)
+    saved, logs = nodes.ranks("save", "1,2")
+    assert [s["held"] for s in saved] == [[1, 2], [1, 2]], logs
+    for step in (1, 2):
+        a, b = nodes.step_files("a", step), nodes.step_files("b", step)
+        assert INDEX in a and a[INDEX] == b[INDEX], logs
+        # Every blob the index lists is in both folders, the same bytes.
+        blobs = [x["name"] for x in json.loads(a[INDEX])["ckpt"]["blobs"]]
+        assert blobs and all(a[f"blobs/{n}"] == b[f"blobs/{n}"] for n in blobs), (blobs, sorted(a), sorted(b))
+    for n in ("a", "b"):
+        assert (nodes.shared_of(n) / "latest").read_text().strip().endswith("2"), n
+        # Each node's shards are on its own disk only.
+        assert list((tmp_path / f"L_{n}" / "node-step-000000000002").glob("*.safetensors"))
+    assert "installed (committed by the coordinator; no shared file system)" in nodes.nodes["b"].log.read_text()
+    # b replaced on an empty machine: both its folders gone.
+    nodes.nodes["b"].kill()
+    for d in (tmp_path / "L_b", nodes.shared_of("b")):
+        shutil.rmtree(d)
+        d.mkdir()
+    nodes.start("b")
+    assert "the newest committed step taken from a peer" in nodes.nodes["b"].log.read_text(), nodes.logs()
+    assert nodes.step_files("b", 2)[INDEX] == nodes.step_files("a", 2)[INDEX]
+    loaded, logs = nodes.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(2, True, None)] * 2, logs
+    assert "loading from the peers" in nodes.nodes["b"].log.read_text()
+    # Training goes on from there: step 3 commits on both nodes.
+    saved, logs = nodes.ranks("save", "3")
+    assert [s["held"] for s in saved] == [[3], [3]], logs
+    assert nodes.step_files("b", 3)[INDEX] == nodes.step_files("a", 3)[INDEX]
+
+
+def test_an_aborted_step_fails_the_other_nodes_rank_with_the_coordinators_reason(nodes):
+    """World size 3, rank 2 never saves: the coordinator (a) aborts after the
+    part timeout, and b's rank 1 hears a's reason, naming the missing rank,
+    by message (there is no shared directory to leave it in)."""
+    quick = {"CKPT_SIDECAR_PART_TIMEOUT_S": "2"}
+    nodes.start("a", env=quick)
+    nodes.start("b", env=quick)
+    procs, work = nodes.start_ranks("try-durable", "1", world=3)
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs) + nodes.logs()
+    for r in (0, 1):
+        got = json.loads((work / f"result-{r}.json").read_text())
+        (failed,) = got["failed"]
+        assert failed["step"] == 1 and "rank(s) [2] of 3 wrote no marker" in failed["error"], (r, got, nodes.logs())
+    assert not (nodes.shared_of("b") / "step-000000000001").exists()
+
+
+def test_a_sidecar_refuses_shared_over_peers_without_peers_or_with_a_drain(tmp_path):
+    base = [sidecar_bin(), "serve", "--dir", str(tmp_path / "L"), "--socket", str(tmp_path / "s.sock"),
+            "--shared", str(tmp_path), "--node-local", "--node-id", "a", "--shared-over-peers"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--peer-listen" in r.stderr, r.stderr
+    k = secret_file(tmp_path / "K")
+    r = subprocess.run([*base, "--peer-listen", "127.0.0.1:0", "--peers", "127.0.0.1:1", "--peer-secret-file", str(k),
+                        "--drain", f"file://{tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--drain" in r.stderr, r.stderr

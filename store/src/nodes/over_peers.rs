@@ -1,0 +1,228 @@
+//! Several nodes with no shared file system (`--shared-over-peers`): each
+//! node's "shared directory" is a folder of its own, and what the nodes
+//! share travels over the peer channel instead (docs/format.md, "Several
+//! nodes without a shared file system").
+//!
+//! - A rank's part is written on its node as with a shared directory (its
+//!   shards into the node's own folders, its marker, blobs and slice
+//!   declarations into the node's own temp folder of the step); what the
+//!   coordinator needs of it, [`SentPart`], goes to the coordinator, which
+//!   writes those files into its own temp folder of the step before it
+//!   takes the marker ([`Store::take_sent_part`]). The coordinator's temp
+//!   folder then holds what a shared one would, and its commit is the same.
+//! - The coordinator's committed step folder (its index and blobs:
+//!   [`committed_files`]) goes to every peer, which installs it in its
+//!   own folder ([`Store::install_committed`]): the same rename of the temp
+//!   folder into `step-…`, then `latest`. So every node's folder holds the
+//!   step's index before that node answers its ranks Durable, and a load on
+//!   any node finds it where a shared directory would have it.
+//!
+//! Invariants:
+//! - A step folder is installed only from an index that parses (its
+//!   checksum too) and names its step, with every blob its index lists
+//!   present and matching its length and checksum.
+//! - Names sent by a peer are checked as blob names before a file is
+//!   made: nothing is written outside the step's temp folder.
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use super::{abort_record_path, ranks_tmp_path, SentMarker};
+use crate::catalog;
+use crate::commit::{write_small_file, CommitError, Store};
+use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
+
+/// A step folder's files as they travel between nodes: (name, bytes), the
+/// index under its own file name and each blob as `blobs/NAME`.
+pub type StepFiles = Vec<(String, Vec<u8>)>;
+
+/// What the coordinator needs of a rank's part written on another node:
+/// the files a shared temp folder would hold of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentPart {
+    pub rank: u32,
+    /// The marker file's bytes.
+    pub marker: Vec<u8>,
+    /// Its slice declarations' file's bytes; empty when it has none.
+    pub slices: Vec<u8>,
+    /// Its blobs (slice declarations are not blobs), name and bytes.
+    pub blobs: Vec<(String, Vec<u8>)>,
+}
+
+impl SentPart {
+    /// The bytes it holds (what a bound on queued or kept parts counts).
+    pub fn len_bytes(&self) -> usize {
+        self.marker.len() + self.slices.len() + self.blobs.iter().map(|(n, b)| n.len() + b.len()).sum::<usize>()
+    }
+}
+
+/// The name a committed step folder's blob travels under: `blobs/NAME` (the
+/// index: its own file name).
+fn blob_path_name(name: &str) -> String {
+    format!("{BLOBS_DIR_NAME}/{name}")
+}
+
+/// Writes `bytes` to `path` and syncs it, replacing what was there.
+fn replace_small_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    write_small_file(path, bytes)
+}
+
+/// Makes `dir` if missing (its parent synced when made).
+fn make_dir(dir: &Path) -> io::Result<()> {
+    match fs::create_dir(dir) {
+        Ok(()) => catalog::fsync_dir(dir.parent().expect("a folder in a folder")),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The files of committed `step` every node's own folder needs: its index
+/// (under its file name) and its blobs (`blobs/NAME`), read from the step's folder
+/// in `shared`.
+pub fn committed_files(shared: &Path, step: u64) -> io::Result<StepFiles> {
+    let dir = catalog::step_path(shared, step);
+    let mut files = vec![(INDEX_FILE_NAME.to_string(), fs::read(dir.join(INDEX_FILE_NAME))?)];
+    match fs::read_dir(dir.join(BLOBS_DIR_NAME)) {
+        Ok(entries) => {
+            for e in entries {
+                let e = e?;
+                let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+                if format::validate_blob_name(&name).is_ok() && e.file_type()?.is_file() {
+                    files.push((blob_path_name(&name), fs::read(e.path())?));
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    Ok(files)
+}
+
+impl Store {
+    /// The coordinator takes a part written on another node: its blobs,
+    /// slice declarations and marker (last, under a temp name renamed into
+    /// place, as its own node wrote it) written and synced into this
+    /// sidecar's temp folder of `step`, then the marker taken as one sent
+    /// by a node sharing the folder ([`Store::take_sent_marker`]). Ok(false)
+    /// as that; a name that is not a blob's is refused.
+    pub fn take_sent_part(
+        &self,
+        step: u64,
+        world_size: u32,
+        part: SentPart,
+        read: &mut super::MarkersRead,
+    ) -> Result<bool, CommitError> {
+        if part.rank >= world_size || read.has(part.rank) {
+            return Ok(false);
+        }
+        self.check_writable()?;
+        let tmp = ranks_tmp_path(self.shared_or_panic(), step)?;
+        let io = |p: &Path, what: &str, e| CommitError::io(p, what.to_string(), e);
+        make_dir(&tmp).map_err(|e| io(&tmp, "create the multi-rank temp folder", e))?;
+        if !part.blobs.is_empty() {
+            let bdir = tmp.join(BLOBS_DIR_NAME);
+            make_dir(&bdir).map_err(|e| io(&bdir, "create blobs folder", e))?;
+            for (name, bytes) in &part.blobs {
+                format::validate_blob_name(name)?;
+                let p = bdir.join(name);
+                replace_small_file(&p, bytes).map_err(|e| io(&p, "write a sent part's blob", e))?;
+            }
+            catalog::fsync_dir(&bdir).map_err(|e| io(&bdir, "sync blobs folder", e))?;
+        }
+        if !part.slices.is_empty() {
+            let p = tmp.join(format::rank_slices_name(part.rank));
+            replace_small_file(&p, &part.slices).map_err(|e| io(&p, "write a sent part's slice declarations", e))?;
+        }
+        let marker = tmp.join(format::rank_marker_name(part.rank));
+        let scratch = tmp.join(format!(".{}.sent", format::rank_marker_name(part.rank)));
+        replace_small_file(&scratch, &part.marker).map_err(|e| io(&scratch, "write a sent part's marker", e))?;
+        fs::rename(&scratch, &marker).map_err(|e| io(&marker, "rename a sent part's marker into place", e))?;
+        catalog::fsync_dir(&tmp).map_err(|e| io(&tmp, "sync the multi-rank temp folder", e))?;
+        let folder = super::FolderId::of(&tmp).map_err(|e| io(&tmp, "stat the multi-rank temp folder", e))?;
+        let sent = SentMarker { rank: part.rank, folder, marker: part.marker, slices: part.slices };
+        self.take_sent_marker(step, world_size, sent, read)
+    }
+
+    /// Installs committed `step` sent by its coordinator into this node's
+    /// own folder: its index and blobs written and synced into the step's
+    /// temp folder (this node's parts' markers stay beside them, as in the
+    /// coordinator's), the folder renamed to `step-…`, `latest` moved when
+    /// it is the newest. Ok(false) when the step is committed here already.
+    /// Refused: an index that does not parse or names another step, a blob
+    /// the index lists missing, a name that is neither.
+    pub fn install_committed(&self, step: u64, files: &[(String, Vec<u8>)]) -> Result<bool, CommitError> {
+        self.check_writable()?;
+        let shared = self.shared_or_panic().to_path_buf();
+        if catalog::is_committed(&shared, step) {
+            return Ok(false);
+        }
+        let bad = |why: String| CommitError::Format(format::FormatError::Index(format!("step {step} sent: {why}")));
+        let Some((_, raw)) = files.iter().find(|(n, _)| n == INDEX_FILE_NAME) else {
+            return Err(bad("no index".into()));
+        };
+        let index = Index::from_json_bytes(raw)?;
+        if index.ckpt.step != step {
+            return Err(bad(format!("its index is of step {}", index.ckpt.step)));
+        }
+        let mut blobs = Vec::new();
+        for (name, bytes) in files.iter().filter(|(n, _)| n != INDEX_FILE_NAME) {
+            let Some(b) = name.strip_prefix(&format!("{BLOBS_DIR_NAME}/")) else {
+                return Err(bad(format!("{name:?} is neither its index nor a blob")));
+            };
+            format::validate_blob_name(b)?;
+            blobs.push((b, bytes));
+        }
+        for want in &index.ckpt.blobs {
+            match blobs.iter().find(|(n, _)| *n == want.name) {
+                None => return Err(bad(format!("its blob {:?} is missing", want.name))),
+                Some((_, b)) if b.len() as u64 != want.len_bytes || crc32c::crc32c(b) != want.crc32c => {
+                    return Err(bad(format!("its blob {:?} does not match its index", want.name)))
+                }
+                Some(_) => {}
+            }
+        }
+        let tmp = ranks_tmp_path(&shared, step)?;
+        let io = |p: &Path, what: &str, e| CommitError::io(p, what.to_string(), e);
+        make_dir(&tmp).map_err(|e| io(&tmp, "create the multi-rank temp folder", e))?;
+        if !blobs.is_empty() {
+            let bdir = tmp.join(BLOBS_DIR_NAME);
+            make_dir(&bdir).map_err(|e| io(&bdir, "create blobs folder", e))?;
+            for (name, bytes) in &blobs {
+                let p = bdir.join(name);
+                replace_small_file(&p, bytes).map_err(|e| io(&p, "write a committed step's blob", e))?;
+            }
+            catalog::fsync_dir(&bdir).map_err(|e| io(&bdir, "sync blobs folder", e))?;
+        }
+        let ipath = tmp.join(INDEX_FILE_NAME);
+        replace_small_file(&ipath, raw).map_err(|e| io(&ipath, "write index", e))?;
+        catalog::fsync_dir(&tmp).map_err(|e| io(&tmp, "sync temp folder", e))?;
+        self.check_abort(step)?;
+        self.publish_step(&shared, step, &tmp)?;
+        tracing::info!(step, files = files.len(), "installed (committed by the coordinator; no shared file system)");
+        Ok(true)
+    }
+
+    /// The commit point of a multi-rank step whose temp folder `tmp` holds
+    /// its index: renamed to `step-…`, the directory synced, an earlier
+    /// attempt's abort record removed, `latest` moved when it is the newest.
+    pub(super) fn publish_step(&self, shared: &Path, step: u64, tmp: &Path) -> Result<std::path::PathBuf, CommitError> {
+        let dest = catalog::step_path(shared, step);
+        fs::rename(tmp, &dest).map_err(|e| CommitError::io(&dest, "rename temp folder into place", e))?;
+        catalog::fsync_dir(shared).map_err(|e| CommitError::io(shared, "sync directory after rename", e))?;
+        // An earlier attempt's abort record: this attempt committed.
+        if let Ok(p) = abort_record_path(shared, step) {
+            let _ = fs::remove_file(p);
+        }
+        if catalog::latest_step(shared).ok().flatten().is_none_or(|l| l <= step) {
+            if let Err(e) = catalog::write_latest(shared, step) {
+                tracing::warn!("step {step} committed but `latest` not updated ({e}); the next commit moves it");
+            }
+        }
+        Ok(dest)
+    }
+}

@@ -302,12 +302,12 @@ fn a_step_committed_over_peers_is_installed_in_each_nodes_own_folder() {
     let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
     assert!(names.contains(&INDEX_FILE_NAME) && names.contains(&"blobs/rng-0") && names.contains(&"blobs/rng-1"));
 
-    let with = |name: &str, f: &dyn Fn(&mut Vec<u8>)| -> Vec<(String, Vec<u8>)> {
+    let with = |name: &str, f: &dyn Fn(&mut Vec<u8>)| -> nodes::StepFiles {
         let mut v = files.clone();
         v.iter_mut().filter(|(n, _)| n == name).for_each(|(_, b)| f(b));
         v
     };
-    let refused: [(&str, Vec<(String, Vec<u8>)>); 4] = [
+    let refused: [(&str, nodes::StepFiles); 4] = [
         ("a damaged blob", with("blobs/rng-1", &|b| b[0] ^= 1)),
         ("a missing blob", files.iter().filter(|(n, _)| n != "blobs/rng-0").cloned().collect()),
         ("a name outside its folder", [files.clone(), vec![("blobs/../../x".into(), vec![1])]].concat()),

@@ -31,17 +31,17 @@ class NoShared(Cluster):
         self.shared = self.shared_of(node)  # what Cluster.start passes as --shared
         return super().start(node, extra=("--shared-over-peers", *extra), peers=peers, env=env)
 
-    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True, world=2):
-        """As Cluster's, each rank naming its own node's folder as its
-        checkpoint directory, in a world of `world` ranks."""
+    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True, world=2, on="ab"):
+        """As Cluster's, rank r on node on[r], each rank naming its own
+        node's folder as its checkpoint directory, in a world of `world`."""
         work = self.tmp / f"work-{mode}-{steps}"
         if fresh:
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(exist_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                    **(env_extra or {}), WORLD_SIZE=str(world))
-        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared_of("ab"[r])), steps, mode], cwd=work,
-                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes["ab"[r]].socket},
+        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared_of(on[r])), steps, mode], cwd=work,
+                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes[on[r]].socket},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in ranks]
         return procs, work
@@ -106,6 +106,36 @@ def test_an_aborted_step_fails_the_other_nodes_rank_with_the_coordinators_reason
         (failed,) = got["failed"]
         assert failed["step"] == 1 and "rank(s) [2] of 3 wrote no marker" in failed["error"], (r, got, nodes.logs())
     assert not (nodes.shared_of("b") / "step-000000000001").exists()
+
+
+def test_parts_reach_a_coordinator_that_restarts_or_moves_to_another_node(nodes):
+    """a coordinated step 1. a's sidecar is killed and rank 1 saves step 2:
+    its part cannot be sent, and is sent again until a new sidecar for a
+    (same port) takes it; rank 0 then saves step 2 there and it commits.
+    Step 3 with rank 0 on b and rank 1 on a: a knows no coordinator but
+    itself, so it holds its part until b says it coordinates step 3, and
+    sends it there; both load step 3."""
+    nodes.start("a")
+    nodes.start("b")
+    saved, logs = nodes.ranks("save", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    nodes.wait_log("b", "markers go to this coordinator")
+    nodes.nodes["a"].kill()
+    first, work = nodes.start_ranks("save", "2", ranks=(1,))
+    nodes.wait_log("b", "rank's part written and marked", first)
+    nodes.start("a")
+    second, _ = nodes.start_ranks("save", "2", ranks=(0,), fresh=False)
+    saved, logs = nodes.finish(second + first, work)
+    assert [s["held"] for s in saved] == [[2], [2]], logs
+    procs, work = nodes.start_ranks("save", "3", on="ba")
+    saved, logs = nodes.finish(procs, work)
+    assert [s["held"] for s in saved] == [[3], [3]], logs
+    durable = [ln for ln in nodes.nodes["b"].log.read_text().splitlines() if "this sidecar coordinated" in ln]
+    assert len(durable) == 1 and "step=3" in durable[0], durable
+    assert nodes.step_files("a", 3)[INDEX] == nodes.step_files("b", 3)[INDEX]
+    procs, work = nodes.start_ranks("load", on="ba")
+    loaded, logs = nodes.finish(procs, work)
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(3, True, None)] * 2, logs
 
 
 def test_a_sidecar_refuses_shared_over_peers_without_peers_or_with_a_drain(tmp_path):

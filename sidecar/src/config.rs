@@ -325,6 +325,12 @@ pub const PEER_BELLS_QUEUED_MAX: usize = 64;
 /// `PEER_BELL_RETRY_MS` in all.
 pub const PEER_BELL_RETRY_MS: u64 = 1_000;
 pub const PEER_BELL_RETRY_FIRST_MS: u64 = 20;
+/// With no shared file system (`--shared-over-peers`), a part or a step's
+/// outcome that cannot be sent is tried again for this long in all (a
+/// peer restarting, a link down for seconds): nothing else stands in for
+/// it, and a loss fails the step (the coordinator's part timeout) or this
+/// node's ranks of it (twice that).
+pub const PEER_DELIVER_MS: u64 = 20_000;
 const _: () = assert!(PEER_BELL_RETRY_FIRST_MS < PEER_BELL_RETRY_MS);
 /// Doorbells received and not yet taken by the committer, at most: their
 /// count, and their markers' bytes (one more is dropped).

@@ -111,8 +111,9 @@ pub enum PeerMsg {
     /// `step` is written and synced on its node, and these are what the
     /// step's shared folder would hold of it: its marker, its slice
     /// declarations (empty when none) and its blobs (name, bytes). To the
-    /// step's coordinator (to every peer while none is known), which writes
-    /// them into its temp folder of the step. Answered [`PeerMsg::Rung`].
+    /// coordinator known (the last one heard of: [`PeerMsg::Coordinating`],
+    /// a step's outcome), which writes them into its temp folder of the
+    /// step. Answered [`PeerMsg::Rung`].
     Part { step: u64, world_size: u32, rank: u32, marker: Vec<u8>, slices: Vec<u8>, blobs: Vec<(String, Vec<u8>)> },
     /// No shared file system: the coordinator committed `step`, and these
     /// are the step folder's files (the index under its file name,
@@ -127,6 +128,11 @@ pub enum PeerMsg {
     /// shared folder, asked by a sidecar starting (a replaced node).
     /// Answered [`PeerMsg::Committed`], or [`PeerMsg::Error`] when it has none.
     Newest,
+    /// No shared file system: the sender serves rank 0 of `step` and
+    /// coordinates it (`port` as in [`PeerMsg::Decided`]); a node whose
+    /// parts of the step went elsewhere, or waited for a coordinator to be
+    /// known, sends them to it. Answered [`PeerMsg::Rung`].
+    Coordinating { step: u64, port: u16 },
 }
 
 /// Which side a proof is from: the labels keep one side's proof from being

@@ -123,6 +123,9 @@ struct StepWait {
     own: Vec<SentMarker>,
     /// The coordinator's Decided came (the look it caused says so).
     rung: bool,
+    /// No shared file system: this node's parts, as sent (or not yet: no
+    /// coordinator known), for the step's coordinator once it says it is.
+    parts_sent: Vec<crate::peer::PartSent>,
 }
 
 impl StepWait {
@@ -382,6 +385,7 @@ impl Nodes {
             folder_modified: None,
             own: Vec::new(),
             rung: false,
+            parts_sent: Vec::new(),
         });
         w.progressed();
         w.bytes += bytes;
@@ -395,6 +399,9 @@ impl Nodes {
                 timeout_s = timeout.as_secs_f64(),
                 "coordinator of this step (this sidecar serves rank 0): commits when every rank's marker is in the shared directory"
             );
+            if let Some(p) = &state.peers {
+                p.coordinating(step);
+            }
         }
         w.waiters.push(waiter);
         if w.coordinator {
@@ -403,8 +410,8 @@ impl Nodes {
             sents.extend(self.early.remove(&step).unwrap_or_default());
             take_markers(store, step, w, sents);
         } else {
-            if let Some(p) = &state.peers {
-                p.marked(step, world_size, &sent, blobs);
+            if let Some(sent) = state.peers.as_ref().and_then(|p| p.marked(step, world_size, &sent, blobs)) {
+                w.parts_sent.push(sent);
             }
             w.own.push(sent);
         }
@@ -438,6 +445,16 @@ impl Nodes {
                         self.sweep(store);
                     }
                     Err(e) => self.fail_step(state, step, &format!("step {step}: committed by the coordinator, but this node could not install its index ({e}); the step does not count as durable here")),
+                }
+            }
+            Rang::Coordinating { step, to } => {
+                // No shared file system: this node's parts of the step go
+                // there (if they went elsewhere, or nowhere yet).
+                let (Some(p), Some(w)) = (&state.peers, self.steps.get_mut(&step)) else { return };
+                if !w.coordinator {
+                    for sent in &mut w.parts_sent {
+                        p.part_to(sent, &to);
+                    }
                 }
             }
             Rang::Aborted { step, reason } => {

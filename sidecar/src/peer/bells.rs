@@ -45,6 +45,9 @@ pub enum Rang {
     Committed { step: u64, files: StepFiles },
     /// No shared file system: the coordinator aborted `step`, for this reason.
     Aborted { step: u64, reason: String },
+    /// No shared file system: the peer `to` (its `--peers` entry)
+    /// coordinates `step`.
+    Coordinating { step: u64, to: String },
 }
 
 impl Rang {
@@ -55,7 +58,7 @@ impl Rang {
             Rang::Part { part, .. } => part.len_bytes(),
             Rang::Committed { files, .. } => files.iter().map(|(n, b)| n.len() + b.len()).sum(),
             Rang::Aborted { reason, .. } => reason.len(),
-            Rang::Decided { .. } => 0,
+            Rang::Decided { .. } | Rang::Coordinating { .. } => 0,
         }
     }
 }
@@ -151,16 +154,29 @@ impl Bells {
         self.ring(&to, Arc::new(msg));
     }
 
-    /// No shared file system: a rank's part of `step` is written: to the
-    /// coordinator if known, else to every peer (the one serving rank 0
-    /// takes it, the others keep it until the step is decided).
-    pub fn part(&self, step: u64, world_size: u32, part: SentPart) {
+    /// No shared file system: a rank's part of `step` is written: sent to
+    /// the coordinator if one is known; the part, and where it went.
+    pub fn part(&self, step: u64, world_size: u32, part: SentPart) -> PartSent {
         let SentPart { rank, marker, slices, blobs } = part;
         let msg = Arc::new(PeerMsg::Part { step, world_size, rank, marker, slices, blobs });
-        match self.coordinator.lock().expect("bells lock").clone() {
-            Some(to) => self.ring(&to, msg),
-            None => self.ring_all(msg),
+        let mut sent = PartSent { msg, to: None };
+        if let Some(to) = self.coordinator.lock().expect("bells lock").clone() {
+            self.part_to(&mut sent, &to);
         }
+        sent
+    }
+
+    /// A part sent to peer `to` (its `--peers` entry), unless it went there.
+    pub fn part_to(&self, sent: &mut PartSent, to: &str) {
+        if sent.to.as_deref() != Some(to) {
+            self.ring(to, sent.msg.clone());
+            sent.to = Some(to.to_string());
+        }
+    }
+
+    /// No shared file system: this sidecar coordinates `step`; every peer is told.
+    pub fn coordinating(&self, step: u64) {
+        self.ring_all(Arc::new(PeerMsg::Coordinating { step, port: self.port }));
     }
 
     /// This sidecar decided `step`: every peer is told.
@@ -185,19 +201,21 @@ impl Bells {
         }
     }
 
-    /// A Decided came from `host`, naming peer port `port`: that peer is
-    /// where the next markers go, when `--peers` lists it.
-    pub fn learn_coordinator(&self, host: IpAddr, port: u16) {
+    /// A Decided (or Coordinating, Committed, Aborted) came from `host`,
+    /// naming peer port `port`: that peer is where the next markers go, when
+    /// `--peers` lists it; its `--peers` entry.
+    pub fn learn_coordinator(&self, host: IpAddr, port: u16) -> Option<String> {
         let at = SocketAddr::new(host, port);
         let Some((name, _)) = self.peers.iter().find(|(_, addrs)| addrs.contains(&at)) else {
-            debug!(%at, "peers: a Decided from an address --peers does not list; its markers are found by looking");
-            return;
+            debug!(%at, "peers: a coordinator at an address --peers does not list; no marker is sent to it (--peers should list every node)");
+            return None;
         };
         let mut c = self.coordinator.lock().expect("bells lock");
         if c.as_deref() != Some(name) {
             info!(coordinator = %name, "peers: markers go to this coordinator (the last step's)");
             *c = Some(name.clone());
         }
+        Some(name.clone())
     }
 
     fn ring(&self, to: &str, msg: Arc<PeerMsg>) {
@@ -229,6 +247,22 @@ impl Bells {
     }
 }
 
+/// Whether `msg` is one that no shared directory stands in for when lost
+/// (`--shared-over-peers`): sent again for longer ([`Line::deliver`]).
+fn must_deliver(msg: &PeerMsg) -> bool {
+    matches!(
+        msg,
+        PeerMsg::Part { .. } | PeerMsg::Committed { .. } | PeerMsg::Aborted { .. } | PeerMsg::Coordinating { .. }
+    )
+}
+
+/// No shared file system: a part's message, kept until its step is decided
+/// so that it can go to another coordinator, and the peer it went to.
+pub struct PartSent {
+    msg: Arc<PeerMsg>,
+    to: Option<String>,
+}
+
 /// One peer's doorbells, sent in order on one kept connection.
 struct Line {
     to: String,
@@ -243,7 +277,8 @@ impl Line {
         let mut failed_at: Option<Instant> = None;
         let retry = Duration::from_millis(config::PEER_BELL_RETRY_MS);
         for msg in rx {
-            if failed_at.is_some_and(|t| t.elapsed() < retry) {
+            let must = must_deliver(&msg);
+            if !must && failed_at.is_some_and(|t| t.elapsed() < retry) {
                 continue;
             }
             // The peer closes a connection quiet for its timeout: one quiet
@@ -251,7 +286,8 @@ impl Line {
             if conn.as_ref().is_some_and(|(_, used)| used.elapsed() >= self.io_timeout / 2) {
                 conn = None;
             }
-            match self.send_retrying(&mut conn, &msg) {
+            let sent = if must { self.deliver(&mut conn, &msg) } else { self.send_retrying(&mut conn, &msg) };
+            match sent {
                 Ok(()) => failed_at = None,
                 Err(e) => self.failed(&e, &mut failed_at),
             }
@@ -283,6 +319,28 @@ impl Line {
             }
             std::thread::sleep(wait);
             wait *= 2;
+        }
+    }
+
+    /// A message with no shared directory behind it (a part, a step's
+    /// outcome): sent as [`Line::send_retrying`] does, and again after a
+    /// wait (doubling to 1 s) whatever the error, within
+    /// `PEER_DELIVER_MS` in all (a peer restarting, a link down for
+    /// seconds); after that the step's own timeouts decide.
+    fn deliver(&self, conn: &mut Option<(Conn, Instant)>, msg: &PeerMsg) -> Result<(), super::frames::ConnError> {
+        let t0 = Instant::now();
+        let mut wait = Duration::from_millis(config::PEER_BELL_RETRY_FIRST_MS);
+        loop {
+            let e = match self.send_retrying(conn, msg) {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if t0.elapsed() + wait > Duration::from_millis(config::PEER_DELIVER_MS) {
+                return Err(e);
+            }
+            debug!(peer = %self.to, kind = super::frames::kind(msg), "peers: sending again ({e})");
+            std::thread::sleep(wait);
+            wait = (wait * 2).min(Duration::from_secs(1));
         }
     }
 

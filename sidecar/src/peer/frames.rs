@@ -157,5 +157,6 @@ pub fn kind(m: &PeerMsg) -> &'static str {
         PeerMsg::Committed { .. } => "Committed",
         PeerMsg::Aborted { .. } => "Aborted",
         PeerMsg::Newest => "Newest",
+        PeerMsg::Coordinating { .. } => "Coordinating",
     }
 }

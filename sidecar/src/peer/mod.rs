@@ -38,7 +38,7 @@ mod replicate;
 mod secret;
 mod server;
 
-pub use bells::{Inbox, Rang};
+pub use bells::{Inbox, PartSent, Rang};
 pub use fetch::PeerFiles;
 
 /// What the peer at `addr` answered [`holdings`], or why it did not.
@@ -252,10 +252,18 @@ impl Peers {
     /// A rank's marker of `step` is written: sent to the step's coordinator
     /// when this sidecar knows it (never waited for). No shared file
     /// system: with its slice declarations and `blobs` (its part's blobs
-    /// but the declarations), to every peer while no coordinator is known.
-    pub fn marked(&self, step: u64, world_size: u32, sent: &ckpt_store::nodes::SentMarker, blobs: &[&ckpt_wire::Blob]) {
+    /// but the declarations), and returned, to be sent again to the step's
+    /// coordinator should another say it is ([`Peers::part_to`]).
+    pub fn marked(
+        &self,
+        step: u64,
+        world_size: u32,
+        sent: &ckpt_store::nodes::SentMarker,
+        blobs: &[&ckpt_wire::Blob],
+    ) -> Option<PartSent> {
         if !self.opts.shared_over_peers {
-            return self.bells.marked(step, world_size, sent);
+            self.bells.marked(step, world_size, sent);
+            return None;
         }
         let part = ckpt_store::nodes::SentPart {
             rank: sent.rank,
@@ -263,7 +271,22 @@ impl Peers {
             slices: sent.slices.clone(),
             blobs: blobs.iter().map(|b| (b.name.clone(), b.bytes.clone())).collect(),
         };
-        self.bells.part(step, world_size, part);
+        Some(self.bells.part(step, world_size, part))
+    }
+
+    /// No shared file system: a part of this node's sent to peer `to` (the
+    /// step's coordinator), unless it went there already.
+    pub fn part_to(&self, sent: &mut PartSent, to: &str) {
+        self.bells.part_to(sent, to);
+    }
+
+    /// This sidecar coordinates `step` (it serves its rank 0): with no
+    /// shared file system, every peer is told, so that their parts of it
+    /// come here.
+    pub fn coordinating(&self, step: u64) {
+        if self.opts.shared_over_peers {
+            self.bells.coordinating(step);
+        }
     }
 
     /// Whether the shared directory is this node's own (`--shared-over-peers`).

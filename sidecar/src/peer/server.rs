@@ -218,7 +218,11 @@ impl Server {
                     }
                     send_async(&mut w, &PeerMsg::Rung, io).await?;
                 }
-                m @ (PeerMsg::Part { .. } | PeerMsg::Committed { .. } | PeerMsg::Aborted { .. } | PeerMsg::Newest)
+                m @ (PeerMsg::Part { .. }
+                | PeerMsg::Committed { .. }
+                | PeerMsg::Aborted { .. }
+                | PeerMsg::Newest
+                | PeerMsg::Coordinating { .. })
                     if self.shared_over.is_none() =>
                 {
                     let message = format!(
@@ -246,6 +250,14 @@ impl Server {
                     self.bells.learn_coordinator(addr.ip(), port);
                     if !self.inbox.put(Rang::Aborted { step, reason }) {
                         debug!(step, node = %peer_node, "peers: an Aborted dropped (the doorbells' queue is full)");
+                    }
+                    send_async(&mut w, &PeerMsg::Rung, io).await?;
+                }
+                PeerMsg::Coordinating { step, port } => {
+                    if let Some(to) = self.bells.learn_coordinator(addr.ip(), port) {
+                        if !self.inbox.put(Rang::Coordinating { step, to }) {
+                            warn!(step, node = %peer_node, "peers: a Coordinating dropped (the doorbells' queue is full)");
+                        }
                     }
                     send_async(&mut w, &PeerMsg::Rung, io).await?;
                 }

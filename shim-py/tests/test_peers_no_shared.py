@@ -138,12 +138,35 @@ def test_parts_reach_a_coordinator_that_restarts_or_moves_to_another_node(nodes)
     assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(3, True, None)] * 2, logs
 
 
-def test_a_sidecar_refuses_shared_over_peers_without_peers_or_with_a_drain(tmp_path):
-    base = [sidecar_bin(), "serve", "--dir", str(tmp_path / "L"), "--socket", str(tmp_path / "s.sock"),
-            "--shared", str(tmp_path), "--node-local", "--node-id", "a", "--shared-over-peers"]
-    r = subprocess.run(base, capture_output=True, text=True, timeout=60)
+def test_a_drain_commits_every_nodes_files_remotely_and_a_replaced_node_loads_from_it(nodes, tmp_path):
+    """Both nodes drain to file://R: b's upload of each step reaches the
+    coordinator (a) by message, and a commits the remote step once both
+    nodes' files are up. Then a is restarted (the replica of b's files it
+    held in memory is gone) and b replaced on empty disks: b takes the
+    newest step from a, and its rank loads b's files from the drain target."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    drain = ["--drain", f"file://{remote}"]
+    for n in ("a", "b"):
+        nodes.start(n, drain)
+    saved, logs = nodes.ranks("replicate", "1,2")
+    assert [s["held"] for s in saved] == [[1, 2], [1, 2]], logs
+    assert (remote / "step-000000000002" / INDEX).exists(), sorted(p.name for p in remote.iterdir())
+    for n in ("a", "b"):
+        nodes.nodes[n].kill()
+    for d in (tmp_path / "L_b", nodes.shared_of("b")):
+        shutil.rmtree(d)
+        d.mkdir()
+    for n in ("a", "b"):
+        nodes.start(n, drain)
+    loaded, logs = nodes.ranks("load")
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(2, True, None)] * 2, logs
+    skipped = loaded[1]["fell_back"] or ""
+    assert f"from peer 127.0.0.1:{nodes.ports['a']}" in skipped and "not held" in skipped, (loaded[1], logs)
+
+
+def test_a_sidecar_refuses_shared_over_peers_without_peers(tmp_path):
+    r = subprocess.run([sidecar_bin(), "serve", "--dir", str(tmp_path / "L"), "--socket", str(tmp_path / "s.sock"),
+                        "--shared", str(tmp_path), "--node-local", "--node-id", "a", "--shared-over-peers"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--peer-listen" in r.stderr, r.stderr
-    k = secret_file(tmp_path / "K")
-    r = subprocess.run([*base, "--peer-listen", "127.0.0.1:0", "--peers", "127.0.0.1:1", "--peer-secret-file", str(k),
-                        "--drain", f"file://{tmp_path}"], capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "--drain" in r.stderr, r.stderr

@@ -133,6 +133,11 @@ pub enum PeerMsg {
     /// parts of the step went elsewhere, or waited for a coordinator to be
     /// known, sends them to it. Answered [`PeerMsg::Rung`].
     Coordinating { step: u64, port: u16 },
+    /// No shared file system, with a drain: the sender uploaded its files
+    /// of `step` to the drain target (the upload mark it would leave in a
+    /// shared directory), to the coordinator, which commits the remote step
+    /// once every node's mark is in. Answered [`PeerMsg::Rung`].
+    Uploaded { step: u64 },
 }
 
 /// Which side a proof is from: the labels keep one side's proof from being

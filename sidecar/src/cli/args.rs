@@ -238,8 +238,9 @@ pub struct DaemonArgs {
     /// answers its ranks Durable once its own folder holds the step's index
     /// and `latest`, and a sidecar starting on an empty one takes the newest
     /// step from its peers. --peers must list every node (docs/guide.md,
-    /// "Several nodes without a shared file system").
-    #[arg(long, requires = "peer_listen", conflicts_with = "drain")]
+    /// "Several nodes without a shared file system"). With --drain, each
+    /// node's upload of a step is told to the coordinator by the peers.
+    #[arg(long, requires = "peer_listen")]
     pub shared_over_peers: bool,
     #[command(flatten)]
     pub io: IoArgs,

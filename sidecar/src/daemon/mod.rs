@@ -192,6 +192,10 @@ fn start(opts: &DaemonOptions, socket: &Path, role: &str) -> Result<Running, Dae
     store.register_staging(staging.buf());
     let (tx, rx) = bounded(config::COMMIT_QUEUE_MAX);
     let peers = start_peers(opts, &store)?;
+    if let (Some(d), Some(p)) = (&drain, &peers) {
+        let p = p.clone();
+        d.on_uploaded(Box::new(move |step| p.uploaded(step)));
+    }
     let state = new_state(opts, &store, staging, tx, &drain, peers);
     log_ready(&state, &store);
     crate::commit::committer::spawn(store, rx, state.clone());

@@ -194,10 +194,13 @@ pub struct Drain {
     /// match its index: (step, file, what was found). Set once by the
     /// daemon (the damage record is a layer above).
     on_damage: std::sync::OnceLock<DamageSink>,
+    on_uploaded: std::sync::OnceLock<UploadedSink>,
 }
 
 /// See [`Drain::on_damage`].
 pub type DamageSink = Box<dyn Fn(u64, &str, &str) + Send + Sync>;
+/// See [`Drain::on_uploaded`].
+pub type UploadedSink = Box<dyn Fn(u64) + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
@@ -250,6 +253,7 @@ impl Drain {
             retention_due: Default::default(),
             staging: Default::default(),
             on_damage: Default::default(),
+            on_uploaded: Default::default(),
         }))
     }
 
@@ -266,6 +270,13 @@ impl Drain {
     /// Where damage of a local step found by an upload's read-back is told.
     pub fn on_damage(&self, sink: DamageSink) {
         let _ = self.on_damage.set(sink);
+    }
+
+    /// Several nodes with no shared file system: where this node's upload
+    /// mark of a step, written in its own shared directory, is also told
+    /// (the peers carry it to the drain's coordinator).
+    pub fn on_uploaded(&self, sink: UploadedSink) {
+        let _ = self.on_uploaded.set(sink);
     }
 
     /// The steps local retention must keep (shared with the Store).

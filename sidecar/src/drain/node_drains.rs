@@ -4,6 +4,9 @@
 //! coordinator (the node holding rank 0's files) uploads the blobs and
 //! commits the remote step once every node's mark is in, then removes the
 //! marks. A node waiting for the others' marks reports nothing replicated.
+//! With no shared file system (`--shared-over-peers`) each node's mark is
+//! also sent to the coordinator by the peers (`Drain::on_uploaded`), which
+//! writes it into its own shared directory as the node would have.
 
 use std::path::PathBuf;
 
@@ -130,6 +133,9 @@ impl Drain {
                 cn::mark_uploaded(&n.shared_dir, step, &n.me.id).map_err(|e| {
                     Upload::Failed(format!("upload mark of step {step} in {}: {e}", n.shared_dir.display()))
                 })?;
+                if let Some(tell) = self.on_uploaded.get() {
+                    tell(step);
+                }
             }
             self.lock().mine_uploaded.insert(step);
         }

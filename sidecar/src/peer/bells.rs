@@ -174,6 +174,15 @@ impl Bells {
         }
     }
 
+    /// No shared file system, with a drain: this node uploaded its files of
+    /// `step`; the coordinator known is told (none known: this sidecar is
+    /// the last coordinator, and its own mark is where it looks).
+    pub fn uploaded(&self, step: u64) {
+        if let Some(to) = self.coordinator.lock().expect("bells lock").clone() {
+            self.ring(&to, Arc::new(PeerMsg::Uploaded { step }));
+        }
+    }
+
     /// No shared file system: this sidecar coordinates `step`; every peer is told.
     pub fn coordinating(&self, step: u64) {
         self.ring_all(Arc::new(PeerMsg::Coordinating { step, port: self.port }));
@@ -252,7 +261,11 @@ impl Bells {
 fn must_deliver(msg: &PeerMsg) -> bool {
     matches!(
         msg,
-        PeerMsg::Part { .. } | PeerMsg::Committed { .. } | PeerMsg::Aborted { .. } | PeerMsg::Coordinating { .. }
+        PeerMsg::Part { .. }
+            | PeerMsg::Committed { .. }
+            | PeerMsg::Aborted { .. }
+            | PeerMsg::Coordinating { .. }
+            | PeerMsg::Uploaded { .. }
     )
 }
 

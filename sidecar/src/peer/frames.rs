@@ -158,5 +158,6 @@ pub fn kind(m: &PeerMsg) -> &'static str {
         PeerMsg::Aborted { .. } => "Aborted",
         PeerMsg::Newest => "Newest",
         PeerMsg::Coordinating { .. } => "Coordinating",
+        PeerMsg::Uploaded { .. } => "Uploaded",
     }
 }

@@ -280,6 +280,14 @@ impl Peers {
         self.bells.part_to(sent, to);
     }
 
+    /// No shared file system, with a drain: this node uploaded its files
+    /// of `step` (its upload mark is written here); the coordinator is told.
+    pub fn uploaded(&self, step: u64) {
+        if self.opts.shared_over_peers {
+            self.bells.uploaded(step);
+        }
+    }
+
     /// This sidecar coordinates `step` (it serves its rank 0): with no
     /// shared file system, every peer is told, so that their parts of it
     /// come here.

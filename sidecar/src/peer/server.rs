@@ -222,7 +222,8 @@ impl Server {
                 | PeerMsg::Committed { .. }
                 | PeerMsg::Aborted { .. }
                 | PeerMsg::Newest
-                | PeerMsg::Coordinating { .. })
+                | PeerMsg::Coordinating { .. }
+                | PeerMsg::Uploaded { .. })
                     if self.shared_over.is_none() =>
                 {
                     let message = format!(
@@ -260,6 +261,23 @@ impl Server {
                         }
                     }
                     send_async(&mut w, &PeerMsg::Rung, io).await?;
+                }
+                PeerMsg::Uploaded { step } => {
+                    // The mark the node would have left in a shared
+                    // directory, under its proven node id.
+                    let shared = self.shared_over.clone().expect("matched above");
+                    let node = peer_node.clone();
+                    let marked =
+                        tokio::task::spawn_blocking(move || ckpt_store::nodes::mark_uploaded(&shared, step, &node))
+                            .await
+                            .map_err(|e| ConnError::Protocol(format!("writing an upload mark: {e}")))?;
+                    match marked {
+                        Ok(()) => send_async(&mut w, &PeerMsg::Rung, io).await?,
+                        Err(e) => {
+                            let message = format!("step {step}: upload mark of node {peer_node:?} not written: {e}");
+                            send_async(&mut w, &PeerMsg::Error { message }, io).await?
+                        }
+                    }
                 }
                 PeerMsg::Newest => {
                     let shared = self.shared_over.clone().expect("matched above");

@@ -86,6 +86,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("aborted", encode(&PeerMsg::Aborted { step: 7, port: 7000, reason: "rank 1 wrote no marker".into() })),
         ("newest", encode(&PeerMsg::Newest)),
         ("coordinating", encode(&PeerMsg::Coordinating { step: 7, port: 7000 })),
+        ("uploaded", encode(&PeerMsg::Uploaded { step: 7 })),
     ]
 }
 

@@ -340,6 +340,9 @@ fn log_ready(state: &DaemonState, store: &Store) {
             None => {
                 info!(shared = %d.display(), "several nodes: multi-rank steps are written into the shared directory; this sidecar coordinates every step whose rank 0 it serves")
             }
+            Some(n) if state.peers.as_ref().is_some_and(|p| p.over_peers()) => {
+                info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, no shared file system: this node's ranks' shards go to its own directories, markers and blobs to the coordinator by the peers, and each committed step's index comes back into this node's own shared directory; this sidecar coordinates every step whose rank 0 it serves")
+            }
             Some(n) => {
                 info!(shared = %d.display(), node = %n.id, dirs = ?n.dirs, "several nodes, node-local: this node's ranks' shards go to its own directories, markers and the index to the shared directory; this sidecar coordinates every step whose rank 0 it serves")
             }

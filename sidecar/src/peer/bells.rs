@@ -15,6 +15,14 @@
 //! (the peer whose Decided came last: its address is the connection's
 //! remote host and the port it names, taken only when `--peers` lists it);
 //! before any, nowhere (the coordinator finds the file).
+//!
+//! With no shared file system (`--shared-over-peers`) the messages are the
+//! channel itself, not wake-ups: a part ([`PeerMsg::Part`]) goes to the
+//! coordinator known, or is held ([`PartSent`]) until a
+//! [`PeerMsg::Coordinating`] says who it is; the coordinator sends each
+//! step's outcome ([`PeerMsg::Committed`], [`PeerMsg::Aborted`]) to every
+//! peer. These are sent again for longer ([`Line::deliver`]), as nothing
+//! stands in for one that is lost.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};

@@ -18,8 +18,11 @@ sidecars each, the order rotated every round) for an A/B in one run.
 shared one then holds markers and the index); --layout peers also makes the
 sidecars peers of each other (each listing all the others, a fresh cluster
 secret), so that the commit's doorbells replace the waits for looks at the
-shared directory (docs/guide.md, "Peers"). --layout node-local,peers
-alternates both in one run, as --bins alternates binaries. --tensors N
+shared directory (docs/guide.md, "Peers"); --layout no-shared gives each
+node a folder of its own as --shared with --shared-over-peers (no shared
+file system: docs/guide.md, "Several nodes without a shared file system").
+--layout node-local,peers alternates both in one run, as --bins alternates
+binaries. --tensors N
 saves N tensors of 1 KiB instead of the model-like state of --size (many
 tensors across nodes: each rank's part N / ranks of them).
 
@@ -307,8 +310,9 @@ def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
     with `trace` {(variant index, "coordinator"|"other"): {syscall: calls}}
     over the measured rounds (each variant's sidecars of node 0 and node 1).
     A variant is (binary, layout), alternated: layout "shared" (every shard
-    in the shared directory), "node-local" or "peers" (node-local, each
-    sidecar a peer of all the others)."""
+    in the shared directory), "node-local", "peers" (node-local, each
+    sidecar a peer of all the others) or "no-shared" (peers, each node's
+    --shared its own folder: --shared-over-peers)."""
     bins = [b for b, _ in variants]
     world_size = nodes * per_node
     total = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in items)
@@ -322,7 +326,7 @@ def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
         for b, (binary, layout) in enumerate(variants):
             shared = os.path.join(root, f"bin{b}", "shared")
             os.makedirs(shared)
-            ports = _free_ports(nodes) if layout == "peers" else []
+            ports = _free_ports(nodes) if layout in ("peers", "no-shared") else []
             if ports:
                 secret = write_secret(os.path.join(root, f"bin{b}", "secret"))
             for n in range(nodes):
@@ -330,12 +334,17 @@ def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
                 sock = os.path.join(root, f"bin{b}", f"node{n}.sock")
                 os.makedirs(node)
                 log = open(os.path.join(root, f"bin{b}", f"node{n}.log"), "wb")
+                if layout == "no-shared":
+                    shared = os.path.join(root, f"bin{b}", f"node{n}-shared")
+                    os.makedirs(shared)
                 cmd = [binary, "serve", "--dir", node, "--shared", shared, "--socket", sock]
                 cmd += ["--staging", str(staging), "--keep", "2"]
-                if layout in ("node-local", "peers"):
+                if layout in ("node-local", "peers", "no-shared"):
                     cmd += ["--node-local", "--node-id", f"n{n}"]
                 if ports:
                     cmd += peer_flags(ports, n, secret)
+                if layout == "no-shared":
+                    cmd += ["--shared-over-peers"]
                 procs.append((subprocess.Popen(cmd, stdout=log, stderr=log, env=env), log))
                 socks[n].append(sock)
         deadline = time.monotonic() + 300
@@ -416,8 +425,8 @@ def _median(xs):
 def main_nodes(a, items, total):
     bins = [b for b in (a.bins or "").split(",") if b] or [os.environ.get("CKPT_SIDECAR_BIN") or "ckpt-sidecar"]
     layouts = a.layout.split(",")
-    if not set(layouts) <= {"shared", "node-local", "peers"}:
-        raise SystemExit(f"--layout {a.layout}: each of shared, node-local, peers")
+    if not set(layouts) <= {"shared", "node-local", "peers", "no-shared"}:
+        raise SystemExit(f"--layout {a.layout}: each of shared, node-local, peers, no-shared")
     variants = [(b, layout) for b in bins for layout in layouts]
     if a.strace and shutil.which("strace") is None:
         raise SystemExit("--strace: strace is not installed")
@@ -478,7 +487,8 @@ def main(argv=None):
         "--layout",
         default="shared",
         help="--nodes: every shard in the shared directory (shared, the default), each node's in its own directory"
-        " (node-local), or node-local with every sidecar a peer of the others (peers: the commit's doorbells);"
+        " (node-local), or node-local with every sidecar a peer of the others (peers: the commit's doorbells),"
+        " or peers with no shared file system (no-shared: each node's --shared its own, --shared-over-peers);"
         " a comma-separated list alternates them (each binary of --bins with each layout)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="--nodes: measured rounds per world size (default 3)")

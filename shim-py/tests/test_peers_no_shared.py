@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from sidecar_fixtures import sidecar_bin
-from test_peers import HERE, WORKER, Cluster, secret_file
+from test_peers import HERE, WORKER, Cluster, free_port, secret_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -136,6 +136,29 @@ def test_parts_reach_a_coordinator_that_restarts_or_moves_to_another_node(nodes)
     procs, work = nodes.start_ranks("load", on="ba")
     loaded, logs = nodes.finish(procs, work)
     assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(3, True, None)] * 2, logs
+
+
+def test_a_node_whose_committed_never_comes_asks_the_coordinator_before_giving_up(nodes):
+    """Step 1 teaches b that a coordinates. a is then restarted with b's
+    peer port wrong in its --peers: b's part of step 2 still reaches a
+    (b knows where a is), a commits, but its Committed cannot reach b. Once
+    b's ranks' wait runs out (twice the part timeout) b asks a for the
+    step, installs it, and its rank is Durable, not failed."""
+    quick = {"CKPT_SIDECAR_PART_TIMEOUT_S": "2"}
+    nodes.start("a", env=quick)
+    nodes.start("b", env=quick)
+    saved, logs = nodes.ranks("save", "1")
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    nodes.wait_log("b", "markers go to this coordinator")
+    nodes.nodes["a"].kill()
+    nodes.start("a", env=quick, peers=f"127.0.0.1:{free_port()}")
+    procs, work = nodes.start_ranks("try-durable", "2")
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs) + nodes.logs()
+    got = [json.loads((work / f"result-{r}.json").read_text()) for r in (0, 1)]
+    assert [g["durable"] for g in got] == [[2], [2]], (got, nodes.logs())
+    assert "the step was asked of it and installed" in nodes.nodes["b"].log.read_text(), nodes.logs()
+    assert nodes.step_files("b", 2)[INDEX] == nodes.step_files("a", 2)[INDEX]
 
 
 def test_a_drain_commits_every_nodes_files_remotely_and_a_replaced_node_loads_from_it(nodes, tmp_path):

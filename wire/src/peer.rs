@@ -119,14 +119,16 @@ pub enum PeerMsg {
     /// are the step folder's files (the index under its file name,
     /// `model.safetensors.index.json`, and each blob as `blobs/NAME`) for
     /// every peer's own shared folder; `port` as in [`PeerMsg::Decided`].
-    /// Answered [`PeerMsg::Rung`]; also the answer to [`PeerMsg::Newest`].
+    /// Answered [`PeerMsg::Rung`]; also the answer to
+    /// [`PeerMsg::GetCommitted`] (`port` 0).
     Committed { step: u64, port: u16, files: Vec<(String, Vec<u8>)> },
     /// No shared file system: the coordinator aborted `step`, for this
     /// reason (the abort record). Answered [`PeerMsg::Rung`].
     Aborted { step: u64, port: u16, reason: String },
-    /// No shared file system: the newest step committed in the peer's own
-    /// shared folder, asked by a sidecar starting (a replaced node).
-    /// Answered [`PeerMsg::Committed`], or [`PeerMsg::Error`] when it has none.
+    /// No shared file system: which step is the newest committed in the
+    /// peer's own shared folder (its `latest`), asked by a sidecar starting
+    /// (a replaced node). Answered [`PeerMsg::Steps`] with the listener's
+    /// node id and that step, or no step when it has none.
     Newest,
     /// No shared file system: the sender serves rank 0 of `step` and
     /// coordinates it (`port` as in [`PeerMsg::Decided`]); a node whose
@@ -138,6 +140,12 @@ pub enum PeerMsg {
     /// shared directory), to the coordinator, which commits the remote step
     /// once every node's mark is in. Answered [`PeerMsg::Rung`].
     Uploaded { step: u64 },
+    /// No shared file system: committed `step`'s folder files, asked by a
+    /// sidecar starting (of the peer with the newest step) or by one whose
+    /// ranks' wait for the step's outcome ran out. Answered
+    /// [`PeerMsg::Committed`], or [`PeerMsg::Error`] when the step is not
+    /// committed there.
+    GetCommitted { step: u64 },
 }
 
 /// Which side a proof is from: the labels keep one side's proof from being

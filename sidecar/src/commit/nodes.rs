@@ -780,6 +780,16 @@ impl Nodes {
             }
             RanksState::InFlight(_) => {
                 let limit = self.timeout * 2;
+                let over = state.peers.as_ref().filter(|p| p.over_peers());
+                if let Some(p) = over.filter(|_| !state.is_aborting() && w.since.elapsed() >= limit) {
+                    // No shared file system: the coordinator's Committed may
+                    // have been lost; asked for the step before giving up.
+                    if p.take_committed(store, step) {
+                        info!(step, "the coordinator's Committed never came; the step was asked of it and installed");
+                        return self.watch(store, state, step);
+                    }
+                }
+                let w = self.steps.get_mut(&step).expect("polled");
                 if state.is_aborting() || w.since.elapsed() >= limit {
                     let mut w = self.steps.remove(&step).expect("polled");
                     // The one listing of the wait: which ranks to name.

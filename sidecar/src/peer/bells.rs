@@ -218,6 +218,11 @@ impl Bells {
         }
     }
 
+    /// The `--peers` entry of the coordinator known (the last one heard of).
+    pub fn coordinator(&self) -> Option<String> {
+        self.coordinator.lock().expect("bells lock").clone()
+    }
+
     /// A Decided (or Coordinating, Committed, Aborted) came from `host`,
     /// naming peer port `port`: that peer is where the next markers go, when
     /// `--peers` lists it; its `--peers` entry.

@@ -158,11 +158,22 @@ impl Conn {
     }
 
     /// No shared file system: the newest step committed in the peer's own
-    /// shared directory and its folder's files; None when it has none.
-    pub fn newest(&mut self) -> Result<Option<(u64, ckpt_store::nodes::StepFiles)>, ConnError> {
+    /// shared directory; None when it has none.
+    pub fn newest(&mut self) -> Result<Option<u64>, ConnError> {
         send(&mut self.stream, &PeerMsg::Newest)?;
         match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
-            PeerMsg::Committed { step, files, .. } => Ok(Some((step, files))),
+            PeerMsg::Steps { steps, .. } => Ok(steps.into_iter().max()),
+            PeerMsg::Error { message } => Err(ConnError::Refused(message)),
+            other => Err(ConnError::Protocol(format!("{} instead of Steps", kind(&other)))),
+        }
+    }
+
+    /// No shared file system: committed `step`'s folder files as the peer's
+    /// own shared directory holds them; None when it is not committed there.
+    pub fn committed(&mut self, step: u64) -> Result<Option<ckpt_store::nodes::StepFiles>, ConnError> {
+        send(&mut self.stream, &PeerMsg::GetCommitted { step })?;
+        match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
+            PeerMsg::Committed { step: s, files, .. } if s == step => Ok(Some(files)),
             PeerMsg::Error { .. } => Ok(None),
             other => Err(ConnError::Protocol(format!("{} instead of Committed", kind(&other)))),
         }

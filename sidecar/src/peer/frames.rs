@@ -159,5 +159,6 @@ pub fn kind(m: &PeerMsg) -> &'static str {
         PeerMsg::Newest => "Newest",
         PeerMsg::Coordinating { .. } => "Coordinating",
         PeerMsg::Uploaded { .. } => "Uploaded",
+        PeerMsg::GetCommitted { .. } => "GetCommitted",
     }
 }

@@ -199,43 +199,80 @@ impl Peers {
     }
 
     /// No shared file system, at start: the newest step any peer's own
-    /// shared directory holds, installed into this node's when it is newer
-    /// than its `latest` (a replaced node on an empty disk, or one that
-    /// missed steps while down), so that a load here finds it. A peer that
-    /// cannot be asked is named and passed over; returns the step installed.
+    /// shared directory holds (every peer is asked which: a light answer),
+    /// installed into this node's when it is newer than its `latest` (a
+    /// replaced node on an empty disk, or one that missed steps while
+    /// down), so that a load here finds the step every other node's
+    /// `latest` names. A peer that cannot be asked is named and passed
+    /// over; returns the step installed.
     pub fn take_newest(&self, store: &ckpt_store::commit::Store) -> Option<u64> {
-        let timeout =
-            self.opts.io_timeout.min(std::time::Duration::from_millis(crate::config::PEER_IO_TIMEOUT_START_MS));
-        let mut best: Option<(u64, ckpt_store::nodes::StepFiles, &str)> = None;
+        let mut newest: Vec<(u64, &str)> = Vec::new();
         for addr in &self.opts.peers {
-            let asked = conn::Conn::open(addr, &self.secret, &self.me.id, timeout).and_then(|mut c| {
-                let r = c.newest();
-                c.close();
-                r
-            });
-            match asked {
-                Ok(Some((step, files))) if best.as_ref().is_none_or(|(b, _, _)| step > *b) => {
-                    best = Some((step, files, addr))
-                }
-                Ok(_) => {}
+            match self.ask(addr, |c| c.newest()) {
+                Ok(Some(step)) => newest.push((step, addr)),
+                Ok(None) => {}
                 Err(e) => tracing::info!(peer = %addr, "peers: not asked for its newest step ({e})"),
             }
         }
-        let (step, files, from) = best?;
+        let step = newest.iter().map(|(s, _)| *s).max()?;
         let here = ckpt_store::catalog::latest_step(&self.shared_dir).ok().flatten();
         if here.is_some_and(|h| h >= step) {
             return None;
         }
-        match store.install_committed(step, &files) {
-            Ok(_) => {
+        // From the first peer that holds it and gives it whole.
+        for (_, from) in newest.iter().filter(|(s, _)| *s == step) {
+            if self.install_from(store, step, from) {
                 tracing::info!(step, peer = %from, "peers: the newest committed step taken from a peer into this node's shared directory");
-                Some(step)
-            }
-            Err(e) => {
-                tracing::warn!(step, peer = %from, "peers: the newest step a peer holds could not be installed here ({e})");
-                None
+                return Some(step);
             }
         }
+        None
+    }
+
+    /// No shared file system: committed `step` asked of the coordinator
+    /// known (this node's ranks' wait for its outcome ran out: its
+    /// Committed may have been lost) and installed here; whether it was.
+    pub fn take_committed(&self, store: &ckpt_store::commit::Store, step: u64) -> bool {
+        let Some(from) = self.bells.coordinator() else { return false };
+        self.install_from(store, step, &from)
+    }
+
+    /// Committed `step`'s folder files asked of peer `from` and installed
+    /// in this node's shared directory; whether they were (why not: logged).
+    fn install_from(&self, store: &ckpt_store::commit::Store, step: u64, from: &str) -> bool {
+        let files = match self.ask(from, |c| c.committed(step)) {
+            Ok(Some(files)) => files,
+            Ok(None) => {
+                tracing::info!(step, peer = %from, "peers: the step is not committed there");
+                return false;
+            }
+            Err(e) => {
+                tracing::warn!(step, peer = %from, "peers: committed step not fetched ({e})");
+                return false;
+            }
+        };
+        match store.install_committed(step, &files) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(step, peer = %from, "peers: a committed step a peer holds could not be installed here ({e})");
+                false
+            }
+        }
+    }
+
+    /// One request to peer `addr` on a connection of its own, answered
+    /// within `PEER_IO_TIMEOUT_START_MS` (or the peer timeout, if shorter).
+    fn ask<T>(
+        &self,
+        addr: &str,
+        f: impl FnOnce(&mut conn::Conn) -> Result<T, frames::ConnError>,
+    ) -> Result<T, frames::ConnError> {
+        let timeout =
+            self.opts.io_timeout.min(std::time::Duration::from_millis(crate::config::PEER_IO_TIMEOUT_START_MS));
+        let mut c = conn::Conn::open(addr, &self.secret, &self.me.id, timeout)?;
+        let r = f(&mut c);
+        c.close();
+        r
     }
 
     /// The address peers reach this sidecar at (the port bound).

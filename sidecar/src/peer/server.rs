@@ -223,7 +223,8 @@ impl Server {
                 | PeerMsg::Aborted { .. }
                 | PeerMsg::Newest
                 | PeerMsg::Coordinating { .. }
-                | PeerMsg::Uploaded { .. })
+                | PeerMsg::Uploaded { .. }
+                | PeerMsg::GetCommitted { .. })
                     if self.shared_over.is_none() =>
                 {
                     let message = format!(
@@ -281,11 +282,22 @@ impl Server {
                 }
                 PeerMsg::Newest => {
                     let shared = self.shared_over.clone().expect("matched above");
-                    let newest = tokio::task::spawn_blocking(move || newest_committed(&shared))
+                    let latest = tokio::task::spawn_blocking(move || ckpt_store::catalog::latest_step(&shared))
                         .await
                         .map_err(|e| ConnError::Protocol(format!("reading the newest step: {e}")))?;
-                    let answer = match newest {
-                        Ok((step, files)) => PeerMsg::Committed { step, port: 0, files },
+                    let answer = match latest {
+                        Ok(step) => PeerMsg::Steps { node: self.node.clone(), steps: step.into_iter().collect() },
+                        Err(e) => PeerMsg::Error { message: format!("reading `latest`: {e}") },
+                    };
+                    send_async(&mut w, &answer, io).await?;
+                }
+                PeerMsg::GetCommitted { step } => {
+                    let shared = self.shared_over.clone().expect("matched above");
+                    let files = tokio::task::spawn_blocking(move || committed_step(&shared, step))
+                        .await
+                        .map_err(|e| ConnError::Protocol(format!("reading step {step}: {e}")))?;
+                    let answer = match files {
+                        Ok(files) => PeerMsg::Committed { step, port: 0, files },
                         Err(message) => PeerMsg::Error { message },
                     };
                     send_async(&mut w, &answer, io).await?;
@@ -439,16 +451,12 @@ impl Server {
 /// pieces of memory whatever the file's size. A file that ends early, or
 /// fails to read after its frame went out, ends the connection: the
 /// fetching side's read fails and it tries its next source.
-/// The newest committed step of `shared` (its `latest`) and its folder's
-/// files, or why there is none to give.
-fn newest_committed(shared: &std::path::Path) -> Result<(u64, ckpt_store::nodes::StepFiles), String> {
-    let step = match ckpt_store::catalog::latest_step(shared) {
-        Ok(Some(s)) => s,
-        Ok(None) => return Err(format!("no step committed in {}", shared.display())),
-        Err(e) => return Err(format!("reading `latest` in {}: {e}", shared.display())),
-    };
-    let files = ckpt_store::nodes::committed_files(shared, step).map_err(|e| format!("step {step}: {e}"))?;
-    Ok((step, files))
+/// Committed `step`'s folder files in `shared`, or why there are none to give.
+fn committed_step(shared: &std::path::Path, step: u64) -> Result<ckpt_store::nodes::StepFiles, String> {
+    if !ckpt_store::catalog::is_committed(shared, step) {
+        return Err(format!("step {step} is not committed in {}", shared.display()));
+    }
+    ckpt_store::nodes::committed_files(shared, step).map_err(|e| format!("step {step}: {e}"))
 }
 
 async fn send_file(

@@ -87,6 +87,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         ("newest", encode(&PeerMsg::Newest)),
         ("coordinating", encode(&PeerMsg::Coordinating { step: 7, port: 7000 })),
         ("uploaded", encode(&PeerMsg::Uploaded { step: 7 })),
+        ("get_committed", encode(&PeerMsg::GetCommitted { step: 7 })),
     ]
 }
 

@@ -237,7 +237,7 @@ pub struct DaemonArgs {
     /// sends each committed step's index and blobs to every peer; a node
     /// answers its ranks Durable once its own folder holds the step's index
     /// and `latest`, and a sidecar starting on an empty one takes the newest
-    /// step from its peers. --peers must list every node (docs/guide.md,
+    /// step from its peers. --peers must list every other node (docs/guide.md,
     /// "Several nodes without a shared file system"). With --drain, each
     /// node's upload of a step is told to the coordinator by the peers.
     #[arg(long, requires = "peer_listen")]

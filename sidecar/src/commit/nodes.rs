@@ -361,7 +361,8 @@ impl Nodes {
     /// The part's marker is taken from its report, not read again: by the
     /// coordinator at once; else kept for the case rank 0 comes here, and
     /// sent to the last coordinator known (no shared file system: with its
-    /// `blobs`, and to every peer while none is known).
+    /// `blobs`, and kept to go to the coordinator that says it is one, when
+    /// none is known or another one is).
     fn wait_for_commit(
         &mut self,
         store: &Store,
@@ -501,7 +502,10 @@ impl Nodes {
     fn fail_step(&mut self, state: &DaemonState, step: u64, why: &str) {
         warn!("{why}");
         self.forget_early(step);
-        let Some(w) = self.steps.remove(&step).filter(|w| !w.coordinator) else { return };
+        if self.steps.get(&step).is_none_or(|w| w.coordinator) {
+            return;
+        }
+        let w = self.steps.remove(&step).expect("looked up");
         for x in w.waiters {
             answer_failed(state, x, step, Refusal::new(ErrorCode::Io, why.to_string()));
         }

@@ -61,7 +61,7 @@ mod markers;
 mod over_peers;
 use markers::{disagreement, read_marker, RankMarker, RankSlices};
 pub use markers::{FolderId, MarkersRead, SentMarker};
-pub use over_peers::{committed_files, SentPart, StepFiles};
+pub use over_peers::{committed_files, sync_written, SentPart, StepFiles};
 
 /// Where a multi-rank step stands in the shared directory.
 #[derive(Debug, Clone, PartialEq, Eq)]

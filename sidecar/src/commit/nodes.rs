@@ -126,6 +126,10 @@ struct StepWait {
     /// No shared file system: this node's parts, as sent (or not yet: no
     /// coordinator known), for the step's coordinator once it says it is.
     parts_sent: Vec<crate::peer::PartSent>,
+    /// The coordinator, no shared file system: the files of other nodes'
+    /// parts written into its temp folder and not yet synced (synced all
+    /// at once before the commit: `nodes::sync_written`).
+    unsynced: Vec<std::path::PathBuf>,
 }
 
 impl StepWait {
@@ -387,6 +391,7 @@ impl Nodes {
             own: Vec::new(),
             rung: false,
             parts_sent: Vec::new(),
+            unsynced: Vec::new(),
         });
         w.progressed();
         w.bytes += bytes;
@@ -644,7 +649,10 @@ impl Nodes {
             let t0 = Instant::now();
             let read = std::mem::take(&mut w.read);
             let markers_sent = read.n_sent();
-            match looked.and_then(|_| store.commit_read_ranks(step, world_size, read)) {
+            // Other nodes' parts' files written here (no shared file
+            // system): synced together before the index names them.
+            let synced = nodes::sync_written(&std::mem::take(&mut w.unsynced));
+            match looked.and_then(|_| synced).and_then(|_| store.commit_read_ranks(step, world_size, read)) {
                 Ok(rep) => {
                     // The peers look now (a doorbell, never waited for).
                     self.decided(state, step, None);
@@ -871,7 +879,10 @@ fn take_markers(store: &Store, step: u64, w: &mut StepWait, sents: Vec<Sent>) ->
         let had = w.read.has(rank);
         let taken = match m {
             Sent::Marker(m) => store.take_sent_marker(step, w.world_size, m, &mut w.read),
-            Sent::Part(p) => store.take_sent_part(step, w.world_size, p, &mut w.read),
+            Sent::Part(p) => store.take_sent_part(step, w.world_size, p, &mut w.read).map(|(taken, written)| {
+                w.unsynced.extend(written);
+                taken
+            }),
         };
         match taken {
             Ok(taken) => all &= taken || had,

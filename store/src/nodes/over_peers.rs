@@ -26,11 +26,11 @@
 
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::{abort_record_path, ranks_tmp_path, SentMarker};
 use crate::catalog;
-use crate::commit::{write_small_file, CommitError, Store};
+use crate::commit::{CommitError, Store};
 use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 
 /// A step folder's files as they travel between nodes: (name, bytes), the
@@ -63,13 +63,63 @@ fn blob_path_name(name: &str) -> String {
     format!("{BLOBS_DIR_NAME}/{name}")
 }
 
-/// Writes `bytes` to `path` and syncs it, replacing what was there.
-fn replace_small_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
+/// Files synced at once, one thread each ([`sync_all`]).
+const SYNC_THREADS_MAX: usize = 16;
+
+/// Writes each `(path, bytes)`, replacing what was there (one already
+/// holding those very bytes is left: it is synced all the same, as an
+/// earlier try may have written it and failed before its sync); returns
+/// the files, not synced ([`sync_all`]). The error names its file.
+fn write_files(files: &[(PathBuf, &[u8])]) -> Result<Vec<(PathBuf, fs::File)>, (PathBuf, io::Error)> {
+    let mut written = Vec::with_capacity(files.len());
+    for (path, bytes) in files {
+        let open = || -> io::Result<fs::File> {
+            if fs::read(path).is_ok_and(|had| had == *bytes) {
+                return fs::File::open(path);
+            }
+            match fs::remove_file(path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+            let mut f = fs::File::options().write(true).create_new(true).open(path)?;
+            io::Write::write_all(&mut f, bytes)?;
+            Ok(f)
+        };
+        written.push((path.clone(), open().map_err(|e| (path.clone(), e))?));
     }
-    write_small_file(path, bytes)
+    Ok(written)
+}
+
+/// Syncs `files` (and folders: an fsync of a folder makes its entries
+/// durable) together, each on a thread of its own: on a journalling file
+/// system their syncs then share journal commits instead of queuing one
+/// after another (a step of 8 ranks' blobs: 9 small files and 2 folders
+/// in one round instead of 11).
+fn sync_all(files: &[(PathBuf, fs::File)]) -> Result<(), (PathBuf, io::Error)> {
+    for chunk in files.chunks(SYNC_THREADS_MAX) {
+        let synced: Vec<_> = std::thread::scope(|sc| {
+            let hs: Vec<_> =
+                chunk.iter().map(|(p, f)| sc.spawn(move || f.sync_all().map_err(|e| (p.clone(), e)))).collect();
+            hs.into_iter().map(|h| h.join().expect("a sync thread panicked")).collect()
+        });
+        synced.into_iter().collect::<Result<(), _>>()?;
+    }
+    Ok(())
+}
+
+/// Files of `paths` and the folders they are in, synced together
+/// ([`sync_all`]): what a coordinator wrote of the parts sent to it
+/// ([`Store::take_sent_part`]), before the commit that names them.
+pub fn sync_written(paths: &[PathBuf]) -> Result<(), CommitError> {
+    let mut open = Vec::with_capacity(paths.len() + 2);
+    let mut dirs: Vec<&Path> = paths.iter().filter_map(|p| p.parent()).collect();
+    dirs.sort();
+    dirs.dedup();
+    for p in paths.iter().map(PathBuf::as_path).chain(dirs) {
+        let f = fs::File::open(p).map_err(|e| CommitError::io(p, "open to sync", e))?;
+        open.push((p.to_path_buf(), f));
+    }
+    sync_all(&open).map_err(|(p, e)| CommitError::io(&p, "sync a sent part's file", e))
 }
 
 /// Makes `dir` if missing (its parent synced when made).
@@ -104,48 +154,46 @@ pub fn committed_files(shared: &Path, step: u64) -> io::Result<StepFiles> {
 }
 
 impl Store {
-    /// The coordinator takes a part written on another node: its blobs,
-    /// slice declarations and marker (last, under a temp name renamed into
-    /// place, as its own node wrote it) written and synced into this
-    /// sidecar's temp folder of `step`, then the marker taken as one sent
-    /// by a node sharing the folder ([`Store::take_sent_marker`]). Ok(false)
-    /// as that; a name that is not a blob's is refused.
+    /// The coordinator takes a part written on another node: its blobs and
+    /// slice declarations written into this sidecar's temp folder of
+    /// `step`, **not synced** (returned: [`sync_written`] syncs them all at
+    /// once before the commit), and its marker taken in memory as one sent
+    /// by a node sharing the folder ([`Store::take_sent_marker`]). No
+    /// marker file is written here: a marker file means a durable part,
+    /// and a coordinator that restarts has lost the parts it held (their
+    /// step is sent again, or aborted). Ok((false, _)) as that; a name that
+    /// is not a blob's is refused.
     pub fn take_sent_part(
         &self,
         step: u64,
         world_size: u32,
         part: SentPart,
         read: &mut super::MarkersRead,
-    ) -> Result<bool, CommitError> {
+    ) -> Result<(bool, Vec<PathBuf>), CommitError> {
         if part.rank >= world_size || read.has(part.rank) {
-            return Ok(false);
+            return Ok((false, Vec::new()));
         }
         self.check_writable()?;
         let tmp = ranks_tmp_path(self.shared_or_panic(), step)?;
         let io = |p: &Path, what: &str, e| CommitError::io(p, what.to_string(), e);
         make_dir(&tmp).map_err(|e| io(&tmp, "create the multi-rank temp folder", e))?;
+        let bdir = tmp.join(BLOBS_DIR_NAME);
         if !part.blobs.is_empty() {
-            let bdir = tmp.join(BLOBS_DIR_NAME);
             make_dir(&bdir).map_err(|e| io(&bdir, "create blobs folder", e))?;
-            for (name, bytes) in &part.blobs {
-                format::validate_blob_name(name)?;
-                let p = bdir.join(name);
-                replace_small_file(&p, bytes).map_err(|e| io(&p, "write a sent part's blob", e))?;
-            }
-            catalog::fsync_dir(&bdir).map_err(|e| io(&bdir, "sync blobs folder", e))?;
+        }
+        let mut files = Vec::with_capacity(part.blobs.len() + 1);
+        for (name, bytes) in &part.blobs {
+            format::validate_blob_name(name)?;
+            files.push((bdir.join(name), &bytes[..]));
         }
         if !part.slices.is_empty() {
-            let p = tmp.join(format::rank_slices_name(part.rank));
-            replace_small_file(&p, &part.slices).map_err(|e| io(&p, "write a sent part's slice declarations", e))?;
+            files.push((tmp.join(format::rank_slices_name(part.rank)), &part.slices[..]));
         }
-        let marker = tmp.join(format::rank_marker_name(part.rank));
-        let scratch = tmp.join(format!(".{}.sent", format::rank_marker_name(part.rank)));
-        replace_small_file(&scratch, &part.marker).map_err(|e| io(&scratch, "write a sent part's marker", e))?;
-        fs::rename(&scratch, &marker).map_err(|e| io(&marker, "rename a sent part's marker into place", e))?;
-        catalog::fsync_dir(&tmp).map_err(|e| io(&tmp, "sync the multi-rank temp folder", e))?;
+        let written = write_files(&files).map_err(|(p, e)| io(&p, "write a sent part's file", e))?;
         let folder = super::FolderId::of(&tmp).map_err(|e| io(&tmp, "stat the multi-rank temp folder", e))?;
         let sent = SentMarker { rank: part.rank, folder, marker: part.marker, slices: part.slices };
-        self.take_sent_marker(step, world_size, sent, read)
+        let taken = self.take_sent_marker(step, world_size, sent, read)?;
+        Ok((taken, written.into_iter().map(|(p, _)| p).collect()))
     }
 
     /// Installs committed `step` sent by its coordinator into this node's
@@ -189,18 +237,18 @@ impl Store {
         let tmp = ranks_tmp_path(&shared, step)?;
         let io = |p: &Path, what: &str, e| CommitError::io(p, what.to_string(), e);
         make_dir(&tmp).map_err(|e| io(&tmp, "create the multi-rank temp folder", e))?;
+        let bdir = tmp.join(BLOBS_DIR_NAME);
         if !blobs.is_empty() {
-            let bdir = tmp.join(BLOBS_DIR_NAME);
             make_dir(&bdir).map_err(|e| io(&bdir, "create blobs folder", e))?;
-            for (name, bytes) in &blobs {
-                let p = bdir.join(name);
-                replace_small_file(&p, bytes).map_err(|e| io(&p, "write a committed step's blob", e))?;
-            }
-            catalog::fsync_dir(&bdir).map_err(|e| io(&bdir, "sync blobs folder", e))?;
         }
-        let ipath = tmp.join(INDEX_FILE_NAME);
-        replace_small_file(&ipath, raw).map_err(|e| io(&ipath, "write index", e))?;
-        catalog::fsync_dir(&tmp).map_err(|e| io(&tmp, "sync temp folder", e))?;
+        // Written, then synced in one round with their folders.
+        let mut paths: Vec<(PathBuf, &[u8])> = blobs.iter().map(|(n, b)| (bdir.join(n), &b[..])).collect();
+        paths.push((tmp.join(INDEX_FILE_NAME), &raw[..]));
+        let mut written = write_files(&paths).map_err(|(p, e)| io(&p, "write a committed step's file", e))?;
+        for d in std::iter::once(&tmp).chain((!blobs.is_empty()).then_some(&bdir)) {
+            written.push((d.clone(), fs::File::open(d).map_err(|e| io(d, "open to sync", e))?));
+        }
+        sync_all(&written).map_err(|(p, e)| io(&p, "sync a committed step's file", e))?;
         self.check_abort(step)?;
         self.publish_step(&shared, step, &tmp)?;
         tracing::info!(step, files = files.len(), "installed (committed by the coordinator; no shared file system)");

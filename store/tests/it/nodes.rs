@@ -260,8 +260,8 @@ fn steps_of_the_same_parts_commit_and_load_and_link_an_unchanged_blob() {
 
 /// No shared file system (`nodes::over_peers`): nodes a and b each with a
 /// shared directory of its own. Rank 1's part, written on b, reaches a's
-/// coordinator as a `SentPart` (its marker and blob written into a's temp
-/// folder); a commits both, and b installs the step from a's step folder's
+/// coordinator as a `SentPart` (its blob written into a's temp folder and
+/// synced with the others before the commit, its marker taken); a commits both, and b installs the step from a's step folder's
 /// files: the same index and blobs under `step-…`, and `latest`. A step
 /// sent with a wrong index, a missing or damaged blob, or a name outside
 /// its folder is refused and leaves nothing committed.
@@ -296,7 +296,9 @@ fn a_step_committed_over_peers_is_installed_in_each_nodes_own_folder() {
     bad.blobs[0].0 = "../escape".into();
     assert!(a.take_sent_part(step, 2, bad, &mut read).is_err(), "a name that is not a blob's");
     assert!(!tmp.path().join("a/escape").exists());
-    assert!(a.take_sent_part(step, 2, part, &mut read).unwrap());
+    let (taken, written) = a.take_sent_part(step, 2, part, &mut read).unwrap();
+    assert!(taken && written.iter().any(|p| p.ends_with("blobs/rng-1")), "{written:?}");
+    nodes::sync_written(&written).unwrap();
     a.commit_read_ranks(step, 2, read).unwrap();
     let files = nodes::committed_files(&a_shared, step).unwrap();
     let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();

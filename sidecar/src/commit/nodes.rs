@@ -652,7 +652,7 @@ impl Nodes {
             // Other nodes' parts' files written here (no shared file
             // system): synced together before the index names them.
             let synced = nodes::sync_written(&std::mem::take(&mut w.unsynced));
-            match looked.and_then(|_| synced).and_then(|_| store.commit_read_ranks(step, world_size, read)) {
+            match looked.and(synced).and_then(|_| store.commit_read_ranks(step, world_size, read)) {
                 Ok(rep) => {
                     // The peers look now (a doorbell, never waited for).
                     self.decided(state, step, None);

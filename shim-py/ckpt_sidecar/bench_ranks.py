@@ -322,11 +322,14 @@ def run_nodes(base, items, nodes, per_node, variants, rounds, trace):
     procs, socks = [], [[] for _ in range(nodes)]
     env = dict(os.environ, CKPT_SIDECAR_LOG=os.environ.get("CKPT_SIDECAR_LOG", "warn"))
     traced, got = {}, []
+    # Every variant's ports at once: ports picked per variant could be
+    # picked twice, the sidecars of the one before not having bound them yet.
+    all_ports = _free_ports(nodes * len(variants))
     try:
         for b, (binary, layout) in enumerate(variants):
             shared = os.path.join(root, f"bin{b}", "shared")
             os.makedirs(shared)
-            ports = _free_ports(nodes) if layout in ("peers", "no-shared") else []
+            ports = all_ports[b * nodes : (b + 1) * nodes] if layout in ("peers", "no-shared") else []
             if ports:
                 secret = write_secret(os.path.join(root, f"bin{b}", "secret"))
             for n in range(nodes):

@@ -73,15 +73,19 @@ const SYNC_THREADS_MAX: usize = 16;
 fn write_files(files: &[(PathBuf, &[u8])]) -> Result<Vec<(PathBuf, fs::File)>, (PathBuf, io::Error)> {
     let mut written = Vec::with_capacity(files.len());
     for (path, bytes) in files {
+        let create = || fs::File::options().write(true).create_new(true).open(path);
         let open = || -> io::Result<fs::File> {
-            if fs::read(path).is_ok_and(|had| had == *bytes) {
-                return fs::File::open(path);
-            }
-            match fs::remove_file(path) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-                _ => {}
-            }
-            let mut f = fs::File::options().write(true).create_new(true).open(path)?;
+            // Mostly a new name: one call. Else the bytes compared first.
+            let mut f = match create() {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    if fs::read(path).is_ok_and(|had| had == *bytes) {
+                        return fs::File::open(path);
+                    }
+                    fs::remove_file(path)?;
+                    create()?
+                }
+                r => r?,
+            };
             io::Write::write_all(&mut f, bytes)?;
             Ok(f)
         };

@@ -171,6 +171,9 @@ pub struct Store {
     /// As the coordinator of several nodes' steps: its ranks' markers and
     /// their merge, kept to read and render the next ones by template.
     pub(crate) kept_markers: crate::kept_markers::KeptMarkers,
+    /// No shared file system: the committed indexes installed here, each
+    /// read by the template of the one before ([`crate::nodes::KeptIndex`]).
+    pub(crate) installed: crate::nodes::KeptIndex,
 }
 
 impl Store {
@@ -212,6 +215,7 @@ impl Store {
             kept_prev: None,
             kept_parts: HashMap::new(),
             kept_markers: Default::default(),
+            installed: Default::default(),
         })
     }
 

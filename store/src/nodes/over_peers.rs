@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use super::{abort_record_path, ranks_tmp_path, SentMarker};
 use crate::catalog;
 use crate::commit::{CommitError, Store};
-use crate::format::{self, Index, BLOBS_DIR_NAME, INDEX_FILE_NAME};
+use crate::format::{self, BLOBS_DIR_NAME, INDEX_FILE_NAME};
 
 /// A step folder's files as they travel between nodes: (name, bytes), the
 /// index under its own file name and each blob as `blobs/NAME`.
@@ -217,9 +217,11 @@ impl Store {
         let Some((_, raw)) = files.iter().find(|(n, _)| n == INDEX_FILE_NAME) else {
             return Err(bad("no index".into()));
         };
-        let index = Index::from_json_bytes(raw)?;
-        if index.ckpt.step != step {
-            return Err(bad(format!("its index is of step {}", index.ckpt.step)));
+        // Read by the template of the index installed before (an 8 MB
+        // index: ~2 ms, against ~20 parsed), checked as a parse checks it.
+        let (indexed, index_blobs) = self.installed.step_and_blobs(raw)?;
+        if indexed != step {
+            return Err(bad(format!("its index is of step {indexed}")));
         }
         let mut blobs = Vec::new();
         for (name, bytes) in files.iter().filter(|(n, _)| n != INDEX_FILE_NAME) {
@@ -229,7 +231,7 @@ impl Store {
             format::validate_blob_name(b)?;
             blobs.push((b, bytes));
         }
-        for want in &index.ckpt.blobs {
+        for want in &index_blobs {
             match blobs.iter().find(|(n, _)| *n == want.name) {
                 None => return Err(bad(format!("its blob {:?} is missing", want.name))),
                 Some((_, b)) if b.len() as u64 != want.len_bytes || crc32c::crc32c(b) != want.crc32c => {

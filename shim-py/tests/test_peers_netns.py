@@ -18,6 +18,7 @@ import pytest
 from ckpt_test_util import wait_until
 from sidecar_fixtures import Sidecar
 from test_peers import Cluster, free_port, secret_file
+from test_peers_no_shared import INDEX, NoShared
 
 
 def run(*cmd):
@@ -124,13 +125,13 @@ class NsCluster(Cluster):
         port = free_port()
         self.ports = {"a": port, "b": port}
 
-    def start(self, node, extra=(), peers=None):
+    def start(self, node, extra=(), peers=None, env=None):
         other = "b" if node == "a" else "a"
         h = self.hosts
         args = ["--shared", str(self.shared), "--node-local", "--node-id", node,
                 "--peer-listen", f"{h.addr[node]}:{self.ports[node]}", "--peers", f"{h.addr[other]}:{self.ports[other]}",
                 "--peer-secret-file", str(self.secret), *extra]
-        s = NsSidecar(h.ns[node], self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}").start()
+        s = NsSidecar(h.ns[node], self.tmp, args=args, name=node, ckdir=self.tmp / f"L_{node}", env=env).start()
         self.nodes[node] = s
         return s
 
@@ -202,5 +203,45 @@ def test_a_link_cut_mid_commit_loses_the_doorbells_and_the_shared_directory_stan
         assert [r["held"] for r in got] == [[3], [3]], logs
         got, logs = cluster.ranks("load", "1")
         assert [(r.get("step"), r.get("equal")) for r in got] == [(3, True)] * 2, logs
+    finally:
+        cluster.stop()
+
+
+class NsNoShared(NoShared, NsCluster):
+    """The two namespaces' nodes with no shared file system: each its own
+    --shared folder and --shared-over-peers."""
+
+
+def test_no_shared_file_system_a_link_cut_mid_commit_delays_the_step_and_it_commits_once_the_link_is_back(
+        hosts, tmp_path):
+    """No shared directory stands in for a lost message here: with the
+    link cut, b's part of step 2 cannot reach the coordinator (a), which
+    waits for it; b keeps sending it (its timeout is 5 s, the retries go
+    on for 20 s). Once the link is back the part gets there, a commits,
+    and its Committed reaches b: step 2 is durable on both ranks and in
+    both nodes' folders."""
+    cluster = NsNoShared(tmp_path, secret_file(tmp_path / "K"), hosts)
+    try:
+        for n in ("a", "b"):
+            cluster.start(n, ["--peer-timeout", "5s"])
+        got, logs = cluster.ranks("save", "1")
+        assert [r["held"] for r in got] == [[1], [1]], logs
+        cluster.wait_log("b", "markers go to this coordinator")
+        hosts.link("a", up=False)
+        procs, work = cluster.start_ranks("try-durable", "2")
+
+        def logged(node, *words):
+            return any(all(w in ln for w in words) for ln in cluster.nodes[node].log.read_text().splitlines())
+
+        wait_until(lambda: logged("a", "coordinator of this step", "step=2")
+                   and logged("b", "rank's part written and marked", "step=2"), 120,
+                   lambda: "both parts of step 2 written" + cluster.logs())
+        assert not logged("a", "durable", "step=2"), cluster.logs()
+        hosts.link("a", up=True)
+        got, logs = cluster.finish(procs, work)
+        assert [r["durable"] for r in got] == [[2], [2]], (got, logs)
+        assert cluster.step_files("a", 2)[INDEX] == cluster.step_files("b", 2)[INDEX]
+        got, logs = cluster.ranks("load", "1")
+        assert [(r.get("step"), r.get("equal")) for r in got] == [(2, True)] * 2, logs
     finally:
         cluster.stop()

@@ -64,17 +64,21 @@ class Cluster:
         """Rank 0 on a, rank 1 on b; their result files, by rank."""
         return self.finish(*self.start_ranks(mode, steps, env_extra))
 
-    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True):
-        """Starts rank 0 (on a) and rank 1 (on b), or those of `ranks`, in a working directory made
-        anew (`fresh`) or kept; their processes and that directory."""
+    def dir_of(self, node):
+        """The checkpoint directory a rank on `node` names: the shared one."""
+        return self.shared
+
+    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True, world=2, on="ab"):
+        """Starts rank r on node on[r] (rank 0 on a, rank 1 on b), for each r of `ranks`, in a world of
+        `world`, in a working directory made anew (`fresh`) or kept; their processes and that directory."""
         work = self.tmp / f"work-{mode}-{steps}"
         if fresh:
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(exist_ok=True)
-        env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-                   **(env_extra or {}))
-        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared), steps, mode], cwd=work,
-                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes["ab"[r]].socket},
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+                   **(env_extra or {}), WORLD_SIZE=str(world))
+        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.dir_of(on[r])), steps, mode], cwd=work,
+                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes[on[r]].socket},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in ranks]
         return procs, work

@@ -177,6 +177,16 @@ def test_a_link_cut_while_a_step_is_on_the_wire_fails_its_replication_in_time_an
         cluster.stop()
 
 
+def saved_step_1_with_a_coordinator_known(cluster):
+    """Both nodes started (a 5 s peer timeout), step 1 saved and held by
+    peers, and b knowing a as the coordinator."""
+    for n in ("a", "b"):
+        cluster.start(n, ["--peer-timeout", "5s"])
+    got, logs = cluster.ranks("save", "1")
+    assert [r["held"] for r in got] == [[1], [1]], logs
+    cluster.wait_log("b", "markers go to this coordinator")
+
+
 def test_a_link_cut_mid_commit_loses_the_doorbells_and_the_shared_directory_stands_in(hosts, tmp_path):
     """Step 1 teaches b where the coordinator is; then the link is cut.
     Step 2's doorbells cannot pass (b's marker to a, a's Decided to b): a
@@ -185,11 +195,7 @@ def test_a_link_cut_mid_commit_loses_the_doorbells_and_the_shared_directory_stan
     saying so). With the link up, step 3 commits and is held as before."""
     cluster = NsCluster(tmp_path, secret_file(tmp_path / "K"), hosts)
     try:
-        for n in ("a", "b"):
-            cluster.start(n, ["--peer-timeout", "5s"])
-        got, logs = cluster.ranks("save", "1")
-        assert [r["held"] for r in got] == [[1], [1]], logs
-        cluster.wait_log("b", "markers go to this coordinator")
+        saved_step_1_with_a_coordinator_known(cluster)
         hosts.link("a", up=False)
         got, logs = cluster.ranks("try-save", "2")
         for r in got:
@@ -222,11 +228,7 @@ def test_no_shared_file_system_a_link_cut_mid_commit_delays_the_step_and_it_comm
     both nodes' folders."""
     cluster = NsNoShared(tmp_path, secret_file(tmp_path / "K"), hosts)
     try:
-        for n in ("a", "b"):
-            cluster.start(n, ["--peer-timeout", "5s"])
-        got, logs = cluster.ranks("save", "1")
-        assert [r["held"] for r in got] == [[1], [1]], logs
-        cluster.wait_log("b", "markers go to this coordinator")
+        saved_step_1_with_a_coordinator_known(cluster)
         hosts.link("a", up=False)
         procs, work = cluster.start_ranks("try-durable", "2")
 

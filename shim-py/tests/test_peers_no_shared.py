@@ -8,14 +8,12 @@ message, each committed step's index comes back to every node's own
 folder, and a node replaced on an empty disk (both of its folders) takes
 the newest step from its peer and loads bit-equal, with no drain target."""
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 from sidecar_fixtures import sidecar_bin
-from test_peers import HERE, WORKER, Cluster, free_port, secret_file
+from test_peers import Cluster, free_port, secret_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -31,20 +29,9 @@ class NoShared(Cluster):
         self.shared = self.shared_of(node)  # what Cluster.start passes as --shared
         return super().start(node, extra=("--shared-over-peers", *extra), peers=peers, env=env)
 
-    def start_ranks(self, mode, steps="1", env_extra=None, ranks=(0, 1), fresh=True, world=2, on="ab"):
-        """As Cluster's, rank r on node on[r], each rank naming its own
-        node's folder as its checkpoint directory, in a world of `world`."""
-        work = self.tmp / f"work-{mode}-{steps}"
-        if fresh:
-            shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(exist_ok=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-                   **(env_extra or {}), WORLD_SIZE=str(world))
-        procs = [subprocess.Popen([sys.executable, str(WORKER), str(self.shared_of(on[r])), steps, mode], cwd=work,
-                                  env={**env, "RANK": str(r), "CKPT_SIDECAR_SOCKET": self.nodes[on[r]].socket},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in ranks]
-        return procs, work
+    def dir_of(self, node):
+        # Each rank names its own node's folder (the client sends it as its checkpoint directory).
+        return self.shared_of(node)
 
     def step_files(self, node, step):
         d = self.shared_of(node) / f"step-{step:012d}"

@@ -956,13 +956,6 @@ impl KeptIndex {
         let m = self.0.read(0, raw)?;
         Ok(node_part_of(m.shape(), m.values(), node))
     }
-
-    /// The step and the blobs of the index whose bytes are `raw` (checked
-    /// as [`Index::from_json_bytes`] checks them).
-    pub fn step_and_blobs(&self, raw: &[u8]) -> Result<(u64, Vec<format::IndexBlob>), format::FormatError> {
-        let m = self.0.read(0, raw)?;
-        Ok((m.values().map_or(m.shape().ckpt.step, |v| v.step), m.blobs().to_vec()))
-    }
 }
 
 /// A step's index as a one-directory checkpoint holds it (the drain

@@ -172,8 +172,8 @@ pub struct Store {
     /// their merge, kept to read and render the next ones by template.
     pub(crate) kept_markers: crate::kept_markers::KeptMarkers,
     /// No shared file system: the committed indexes installed here, each
-    /// read by the template of the one before ([`crate::nodes::KeptIndex`]).
-    pub(crate) installed: crate::nodes::KeptIndex,
+    /// read by the template of the one before (as `nodes::KeptIndex` reads).
+    pub(crate) installed: crate::kept_markers::KeptMarkers,
 }
 
 impl Store {

@@ -7,9 +7,10 @@
 //!   shards into the node's own folders, its marker, blobs and slice
 //!   declarations into the node's own temp folder of the step); what the
 //!   coordinator needs of it, [`SentPart`], goes to the coordinator, which
-//!   writes those files into its own temp folder of the step before it
-//!   takes the marker ([`Store::take_sent_part`]). The coordinator's temp
-//!   folder then holds what a shared one would, and its commit is the same.
+//!   writes its blobs and declarations into its own temp folder of the step
+//!   and takes its marker in memory ([`Store::take_sent_part`]); all the
+//!   parts' files are synced together before the commit ([`sync_written`]),
+//!   which is then the one a shared directory gets.
 //! - The coordinator's committed step folder (its index and blobs:
 //!   [`committed_files`]) goes to every peer, which installs it in its
 //!   own folder ([`Store::install_committed`]): the same rename of the temp
@@ -23,6 +24,9 @@
 //!   present and matching its length and checksum.
 //! - Names sent by a peer are checked as blob names before a file is
 //!   made: nothing is written outside the step's temp folder.
+//! - A part sent to the coordinator leaves no marker file there (a marker
+//!   file means a durable part; the sent one is durable on its node, and
+//!   a coordinator that restarts has lost it with the step's other state).
 
 use std::fs;
 use std::io;

@@ -333,9 +333,11 @@ pub const PEER_BELL_RETRY_FIRST_MS: u64 = 20;
 pub const PEER_DELIVER_MS: u64 = 20_000;
 const _: () = assert!(PEER_BELL_RETRY_FIRST_MS < PEER_BELL_RETRY_MS);
 /// Doorbells received and not yet taken by the committer, at most: their
-/// count, and their markers' bytes (one more is dropped).
+/// count, and their markers' bytes (one more is dropped). Room for a
+/// committed step's files of the largest frame, and more.
 pub const PEER_BELLS_RECEIVED_MAX: usize = 4096;
-pub const PEER_BELLS_RECEIVED_BYTES_MAX: usize = 256 << 20;
+pub const PEER_BELLS_RECEIVED_BYTES_MAX: usize = 512 << 20;
+const _: () = assert!(PEER_BELLS_RECEIVED_BYTES_MAX >= 2 * ckpt_wire::peer::PEER_FRAME_BYTES_MAX as usize);
 /// Markers sent by message for steps this sidecar does not coordinate yet
 /// (rank 0's part not here yet), kept at most: bytes, and steps. They
 /// came through the received doorbells, and keep no more than those hold.

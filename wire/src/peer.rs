@@ -35,8 +35,10 @@ pub const PEER_PROTOCOL_VERSION: u32 = 3;
 pub const PEER_MAGIC: [u8; 4] = *b"CKPP";
 /// Largest frame before the handshake is done (Hello, Challenge, Proof).
 pub const PEER_HELLO_BYTES_MAX: u32 = 1024;
-/// Largest frame after it (an offered step's index is the largest).
-pub const PEER_FRAME_BYTES_MAX: u32 = 64 << 20;
+/// Largest frame after it (an offered step's index, a committed step's
+/// index and blobs with no shared file system: ~400 bytes per tensor, so
+/// about 600,000 tensors in a job's step).
+pub const PEER_FRAME_BYTES_MAX: u32 = 256 << 20;
 /// Bytes of each side's nonce.
 pub const NONCE_BYTES: usize = 32;
 /// Bytes of a proof (HMAC-SHA256).

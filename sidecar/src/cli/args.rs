@@ -589,6 +589,12 @@ pub struct CompareArgs {
     /// plain loop's.
     #[arg(long, value_name = "DURATION")]
     pub scrub_interval: Option<String>,
+    /// With --loop/--loop-only: run the sidecar's loop twice more as node a
+    /// of two nodes (`serve --shared S --node-local`): alone, then with node
+    /// b's sidecar as its peer (`--peer-replicas 1`, every step replicated
+    /// into b's memory), and print both.
+    #[arg(long)]
+    pub peers: bool,
     /// LoRA-like states: each size is a frozen base plus adapters of
     /// this size with AdamW-like moments written before every save; adds
     /// the methods sidecar_trust and sidecar_changed_only.

@@ -182,6 +182,9 @@ fn compare_args(a: CompareArgs) -> Vec<OsString> {
     if a.loop_lora {
         args.push("--loop-lora".into());
     }
+    if a.peers {
+        args.push("--peers".into());
+    }
     let loop_values = [
         ("--loop-size", a.loop_size.map(|v| v.to_string())),
         ("--loop-steps", a.loop_steps.map(|v| v.to_string())),

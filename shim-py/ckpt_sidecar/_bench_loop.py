@@ -28,7 +28,7 @@ LOOP_METHODS = [
 ]
 
 
-def run_loop(args, base, skipped, drain=None, extra=(), tag=""):
+def run_loop(args, base, skipped, drain=None, extra=(), tag="", step_s=None):
     """A small model (an MLP of about --loop-size bytes of parameters, AdamW:
     three times that in state) trained --loop-steps steps, checkpointing every
     step, every 10 steps, and never, through each method. The step: a
@@ -39,7 +39,9 @@ def run_loop(args, base, skipped, drain=None, extra=(), tag=""):
     Checkpointing loops alternate with plain ones; each is compared with the
     mean of its two neighbours; slowdown in %. `drain`, `extra`: the
     sidecar's loop only, its sidecar served with `--drain URL` or the extra
-    serve options (the scrub); `tag` names its checkpoint directory apart."""
+    serve options (the scrub); `tag` names its checkpoint directory apart;
+    `step_s`: this step time instead of 1.25 x the persist (two loops
+    compared at the same step)."""
     torch.set_num_threads(1)
     model, opt, fwd_bwd = _loop_model(args)
     side = Sidecar(
@@ -79,7 +81,8 @@ def run_loop(args, base, skipped, drain=None, extra=(), tag=""):
             h = ck.save(next(steps), state(0))
             h.wait_durable()
             persist.append(h.figures()["persist_s"] + (h.figures()["copy_s"] or 0))
-        step_s = max(0.02, 1.25 * med(persist))
+        if step_s is None:
+            step_s = max(0.02, 1.25 * med(persist))
         compute = _loop_compute(args.loop_kind, step_s, fwd_bwd)
         dcp_async = {"fut": None}
 

@@ -439,7 +439,10 @@ def _peer_loops(args, base, skipped):
         b.connect().close()
         log("the loop as node a of two nodes, node b its peer")
         a_args = node("a", shared) + ("--peer-listen", f"127.0.0.1:{pa}", "--peers", f"127.0.0.1:{pb}")
-        peers = run_loop(args, base, skipped, extra=a_args + ("--peer-secret-file", secret), tag="-peers")
+        # The same step as alone: a loop timed by its own first persists
+        # (the peer's pool not yet faulted) would run another step.
+        extra = a_args + ("--peer-secret-file", secret)
+        peers = run_loop(args, base, skipped, extra=extra, tag="-peers", step_s=alone["step_compute_s"])
     finally:
         b.stop()
     return alone, peers

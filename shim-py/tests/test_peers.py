@@ -90,14 +90,20 @@ class Cluster:
         assert all(p.returncode == 0 for p in procs), logs
         return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)], logs
 
-    def wait_log(self, node, text, procs=()):
-        """Waits until node's log says `text`, the ranks `procs` still running (bounded: a hang fails)."""
+    def said(self, node, *words):
+        """Whether a line of node's log holds every one of `words`."""
+        return any(all(w in ln for w in words) for ln in self.nodes[node].log.read_text().splitlines())
+
+    def wait_log(self, node, text, procs=(), step=None):
+        """Waits until a line of node's log says `text` (of `step`, if given), the ranks `procs` still
+        running (bounded: a hang fails)."""
+        words = (text,) if step is None else (text, f"step={step}")
 
         def said():
-            assert all(p.poll() is None for p in procs), f"a rank ended before {node} said {text!r}" + self.logs()
-            return text in self.nodes[node].log.read_text()
+            assert all(p.poll() is None for p in procs), f"a rank ended before {node} said {words!r}" + self.logs()
+            return self.said(node, *words)
 
-        wait_until(said, 120, lambda: f"{node} never said {text!r}" + self.logs())
+        wait_until(said, 120, lambda: f"{node} never said {words!r}" + self.logs())
 
     def logs(self):
         return "".join(f"\n--- {n}\n{s.log.read_text()[-4000:]}" for n, s in self.nodes.items())

@@ -232,13 +232,9 @@ def test_no_shared_file_system_a_link_cut_mid_commit_delays_the_step_and_it_comm
         hosts.link("a", up=False)
         procs, work = cluster.start_ranks("try-durable", "2")
 
-        def logged(node, *words):
-            return any(all(w in ln for w in words) for ln in cluster.nodes[node].log.read_text().splitlines())
-
-        wait_until(lambda: logged("a", "coordinator of this step", "step=2")
-                   and logged("b", "rank's part written and marked", "step=2"), 120,
-                   lambda: "both parts of step 2 written" + cluster.logs())
-        assert not logged("a", "durable", "step=2"), cluster.logs()
+        cluster.wait_log("a", "coordinator of this step", procs, step=2)
+        cluster.wait_log("b", "rank's part written and marked", procs, step=2)
+        assert not cluster.said("a", "durable", "step=2"), cluster.logs()
         hosts.link("a", up=True)
         got, logs = cluster.finish(procs, work)
         assert [r["durable"] for r in got] == [[2], [2]], (got, logs)

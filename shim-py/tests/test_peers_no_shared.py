@@ -81,12 +81,16 @@ def test_each_node_holds_every_step_and_a_replaced_node_takes_the_newest_from_it
 def test_an_aborted_step_fails_the_other_nodes_rank_with_the_coordinators_reason(nodes):
     """World size 3, rank 2 never saves: the coordinator (a) aborts after the
     part timeout, and b's rank 1 hears a's reason, naming the missing rank,
-    by message (there is no shared directory to leave it in)."""
-    quick = {"CKPT_SIDECAR_PART_TIMEOUT_S": "2"}
-    nodes.start("a", env=quick)
-    nodes.start("b", env=quick)
-    procs, work = nodes.start_ranks("try-durable", "1", world=3)
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    by message (there is no shared directory to leave it in). Ordered by
+    events, not times: rank 0 starts once b's rank 1 part is written, and
+    b's own wait (twice its part timeout) is far longer than a's."""
+    nodes.start("a", env={"CKPT_SIDECAR_PART_TIMEOUT_S": "2"})
+    nodes.start("b", env={"CKPT_SIDECAR_PART_TIMEOUT_S": "120"})
+    first, work = nodes.start_ranks("try-durable", "1", world=3, ranks=(1,))
+    nodes.wait_log("b", "rank's part written and marked", first, step=1)
+    second, _ = nodes.start_ranks("try-durable", "1", world=3, ranks=(0,), fresh=False)
+    procs = second + first
+    outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs) + nodes.logs()
     for r in (0, 1):
         got = json.loads((work / f"result-{r}.json").read_text())
@@ -130,17 +134,23 @@ def test_a_node_whose_committed_never_comes_asks_the_coordinator_before_giving_u
     peer port wrong in its --peers: b's part of step 2 still reaches a
     (b knows where a is), a commits, but its Committed cannot reach b. Once
     b's ranks' wait runs out (twice the part timeout) b asks a for the
-    step, installs it, and its rank is Durable, not failed."""
-    quick = {"CKPT_SIDECAR_PART_TIMEOUT_S": "2"}
-    nodes.start("a", env=quick)
+    step, installs it, and its rank is Durable, not failed. Ordered by
+    events: rank 1 starts once a coordinates step 2, so a commits as b's
+    part arrives, seconds before b's short wait (2 x 3 s) runs out; a's own
+    part timeout is long."""
+    patient, quick = {"CKPT_SIDECAR_PART_TIMEOUT_S": "120"}, {"CKPT_SIDECAR_PART_TIMEOUT_S": "3"}
+    nodes.start("a", env=patient)
     nodes.start("b", env=quick)
     saved, logs = nodes.ranks("save", "1")
     assert [s["held"] for s in saved] == [[1], [1]], logs
     nodes.wait_log("b", "markers go to this coordinator")
     nodes.nodes["a"].kill()
-    nodes.start("a", env=quick, peers=f"127.0.0.1:{free_port()}")
-    procs, work = nodes.start_ranks("try-durable", "2")
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    nodes.start("a", env=patient, peers=f"127.0.0.1:{free_port()}")
+    first, work = nodes.start_ranks("try-durable", "2", ranks=(0,))
+    nodes.wait_log("a", "coordinator of this step", first, step=2)
+    second, _ = nodes.start_ranks("try-durable", "2", ranks=(1,), fresh=False)
+    procs = first + second
+    outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs) + nodes.logs()
     got = [json.loads((work / f"result-{r}.json").read_text()) for r in (0, 1)]
     assert [g["durable"] for g in got] == [[2], [2]], (got, nodes.logs())

@@ -437,18 +437,27 @@ impl Nodes {
             Rang::Decided { step } => self.rung_decided(store, state, step),
             Rang::Committed { step, files } => {
                 // No shared file system: this node's folder gets the step
-                // (its ranks are Durable once it is there), and its own
-                // retention and sweep run as the coordinator's do.
+                // (its ranks are Durable once it is there); then, off their
+                // path as the coordinator's, its own retention, and the
+                // sweep of what retention un-committed (the look that
+                // answered them swept already).
+                let (coordinated, waited) = match self.steps.get(&step) {
+                    Some(w) => (w.coordinator, true),
+                    None => (false, false),
+                };
                 match store.install_committed(step, &files) {
                     Ok(_) => {
-                        if !self.steps.get(&step).is_some_and(|w| w.coordinator) {
-                            let deleted = store.retain_shared(step);
-                            if !deleted.is_empty() {
-                                info!(?deleted, "retention (this node's shared directory)");
-                            }
-                        }
                         self.rung_decided(store, state, step);
-                        self.sweep(store);
+                        if coordinated {
+                            return;
+                        }
+                        let deleted = store.retain_shared(step);
+                        if !deleted.is_empty() {
+                            info!(?deleted, "retention (this node's shared directory)");
+                        }
+                        if !deleted.is_empty() || !waited {
+                            self.sweep(store);
+                        }
                     }
                     Err(e) => self.fail_step(state, step, &format!("step {step}: committed by the coordinator, but this node could not install its index ({e}); the step does not count as durable here")),
                 }

@@ -20,7 +20,7 @@ from . import _native
 from ._bench_limits import drop_cache, fsync_path
 from ._bench_state import log
 from .checkpointer import Checkpointer
-from .errors import SidecarError
+from .errors import ConnectFailed, SidecarError
 
 
 class Sidecar:
@@ -52,9 +52,14 @@ class Sidecar:
             if os.path.exists(self.sock):
                 try:
                     return Checkpointer(socket=self.sock, spawn=False)
-                except SidecarError:
-                    pass
+                except ConnectFailed:
+                    pass  # not listening yet
+                except SidecarError as e:
+                    # Refused (another protocol version) or worse: waiting cannot mend it.
+                    self.stop()
+                    raise SystemExit(f"sidecar {self.sock}: {type(e).__name__}: {e}") from e
             if time.monotonic() > deadline:
+                self.stop()
                 raise SystemExit(f"sidecar not ready after {timeout} s")
             time.sleep(0.1)
 

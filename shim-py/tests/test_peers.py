@@ -261,6 +261,73 @@ def test_a_peer_that_cannot_be_reached_fails_the_replication_saying_why_and_the_
     assert cluster.nodes["b"].status()["peers"]["last_failed"] == 1
 
 
+class Holder:
+    """A port that accepts TCP connections and says nothing until `release()`,
+    then closes them all, and every later one at once: a peer that stalls."""
+
+    def __init__(self):
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.held, self.released, self.lock = [], False, threading.Lock()
+        self.accepted = threading.Event()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            with self.lock:
+                if self.released:
+                    c.close()
+                    continue
+                self.held.append(c)
+            self.accepted.set()
+
+    def release(self):
+        with self.lock:
+            self.released = True
+            for c in self.held:
+                c.close()
+
+    def close(self):
+        self.release()
+        self.srv.close()
+
+
+def test_steps_committed_while_the_replication_is_behind_are_skipped_for_the_newest_and_said(cluster):
+    """b's only peer stalls: step 1's replication hangs on it while steps 2
+    and 3 become durable. Once the peer lets go, b sends the newest (3) and
+    skips 2: wait_peers(2) raises NotFound saying it was skipped for step 3,
+    and status counts it; 1 and 3 fail against the stalled peer, naming it."""
+    holder = Holder()
+    try:
+        cluster.start("a")
+        cluster.start("b", peers=f"127.0.0.1:{holder.port}")
+        procs, work = cluster.start_ranks("durable-then-peers", "1,2,3")
+        wait_until(lambda: (work / "durable-3-r1").exists() or any(p.poll() is not None for p in procs), 120,
+                   lambda: "step 3 never durable on b" + cluster.logs())
+        assert holder.accepted.is_set(), "b's replication of step 1 never reached its peer" + cluster.logs()
+        holder.release()
+        saved, logs = cluster.finish(procs, work)
+    finally:
+        holder.close()
+    # a's steps go to b, which may fall behind too (a loaded machine): each
+    # is held or skipped for a newer one, and the newest is held.
+    a_held = saved[0]["held"]
+    assert a_held[-1] == 3 and all(h in (1, 2) or "skipped" in h["error"] for h in a_held[:-1]), (a_held, logs)
+    got = {h["step"]: h["error"] for h in saved[1]["held"]}
+    assert sorted(got) == [1, 2, 3], (saved[1], logs)
+    assert got[2].startswith("NotFound") and "skipped" in got[2] and "step 3" in got[2], (got, logs)
+    for s in (1, 3):
+        assert got[s].startswith("IOFailed") and f"127.0.0.1:{holder.port}" in got[s], (got, logs)
+    peers = cluster.nodes["b"].status()["peers"]
+    assert peers["skipped_count"] == 1 and peers["last_skipped"] == 2, peers
+    assert peers["last_failed"] == 3 and peers["shared_over_peers"] is False, peers
+    assert cluster.said("b", "replication behind", "skipped=[2]"), logs
+
+
 class Recorder:
     """A TCP relay from a port of its own to `to_port`, keeping the first
     4 KiB the connecting side sent on its first connection."""

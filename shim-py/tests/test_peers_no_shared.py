@@ -61,6 +61,11 @@ def test_each_node_holds_every_step_and_a_replaced_node_takes_the_newest_from_it
         # Each node's shards are on its own disk only.
         assert list((tmp_path / f"L_{n}" / "node-step-000000000002").glob("*.safetensors"))
     assert "installed (committed by the coordinator; no shared file system)" in nodes.nodes["b"].log.read_text()
+    # status says so.
+    assert nodes.nodes["a"].status()["peers"]["shared_over_peers"] is True
+    human = subprocess.run([sidecar_bin(), "status", "--socket", nodes.nodes["b"].socket], capture_output=True,
+                           text=True, check=True).stdout
+    assert f"shared:   {nodes.shared_of('b')} (several nodes, no shared file system" in human, human
     # b replaced on an empty machine: both its folders gone.
     nodes.nodes["b"].kill()
     for d in (tmp_path / "L_b", nodes.shared_of("b")):

@@ -26,7 +26,7 @@ pub use save::{
 };
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PROTOCOL_VERSION: u32 = 15;
+pub const PROTOCOL_VERSION: u32 = 16;
 /// First bytes of every Hello, so a stray client is told apart from an old one.
 pub const MAGIC: [u8; 4] = *b"CKPT";
 /// Largest frame either side accepts: tensor descriptors plus small blobs.
@@ -672,6 +672,15 @@ pub struct PeerReport {
     pub last_error: String,
     /// Bytes per second of the last replication.
     pub bytes_per_s: f64,
+    /// Steps not sent because a newer one was committed before their turn
+    /// (replication behind the steps): the newest such step, and how many
+    /// since the start. (Version 16.)
+    pub last_skipped: Option<u64>,
+    pub skipped_count: u64,
+    /// `--shared-over-peers`: no shared file system; the "shared"
+    /// directory is this node's own, kept the same as the other nodes' by
+    /// the peer channel. (Version 16.)
+    pub shared_over_peers: bool,
     /// Other nodes' steps held here: (node, step) pairs, and their bytes
     /// against the budget.
     pub holding: Vec<(String, u64)>,

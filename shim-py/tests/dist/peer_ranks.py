@@ -3,7 +3,9 @@ node's sidecar at CKPT_SIDECAR_SOCKET, no torch. argv: SHARED STEPS MODE.
 MODE save: saves each step of STEPS (comma-separated) of state(step), each
 waited durable and held by peers; writes {"rank", "held": [steps]}; MODE
 try-save: the same, a failed wait_peers recorded as {"step", "error"} in
-"held" instead. MODE replicate: save, then also wait_replicated (a drain).
+"held" instead. MODE replicate: save, then also wait_replicated (a drain). MODE
+durable-then-peers: every step saved and waited durable first, then each
+step's wait_peers, recorded as in try-save.
 MODE try-durable: saves each step, a failed wait_durable recorded as
 {"step", "error"} in "failed" (the steps after it still saved). MODE load: loads "latest" and writes {"rank", "step", "equal",
 "fell_back" (the load's RuntimeWarnings: what it passed over), "last_load_fell_back"}, or {"error": one line} when the load fails.
@@ -47,6 +49,18 @@ def main():
                     out["durable"].append(s)
                 except Exception as e:  # noqa: BLE001 - the test reads the line
                     out["failed"].append({"step": s, "error": f"{type(e).__name__}: {e}"})
+        elif mode == "durable-then-peers":
+            out = {"rank": rank, "held": []}
+            handles = []
+            for s in steps:
+                handles.append(ck.save(s, state(s)).wait_durable(timeout=120))
+                open(f"durable-{s}-r{rank}", "w").close()
+            for s, h in zip(steps, handles):
+                try:
+                    h.wait_peers(timeout=120)
+                    out["held"].append(s)
+                except Exception as e:  # noqa: BLE001 - the test reads the line
+                    out["held"].append({"step": s, "error": f"{type(e).__name__}: {e}"})
         elif mode in ("save", "try-save", "replicate"):
             out = {"rank": rank, "held": []}
             for s in steps:

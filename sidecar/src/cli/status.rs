@@ -70,8 +70,10 @@ fn print_json(socket: &Path, r: &StatusReport) {
             "listen": p.listen, "peers": p.peers, "replicas": p.replicas,
             "last_held": p.last_held, "last_held_by": p.last_held_by,
             "last_failed": p.last_failed, "last_error": (!p.last_error.is_empty()).then_some(&p.last_error),
-            "bytes_per_s": p.bytes_per_s, "holding": p.holding, "holding_bytes": p.holding_bytes,
+            "bytes_per_s": p.bytes_per_s, "last_skipped": p.last_skipped, "skipped_count": p.skipped_count,
+            "holding": p.holding, "holding_bytes": p.holding_bytes,
             "budget_bytes": p.budget_bytes, "refused_connections": p.refused_connections,
+            "shared_over_peers": p.shared_over_peers,
         })),
     });
     println!("{j}");
@@ -121,7 +123,12 @@ fn print_text(socket: &Path, r: &StatusReport) {
         } else {
             format!("coordinator of step(s) {:?} (serves their rank 0)", r.coordinating)
         };
-        println!("shared:   {} (several nodes); {role}", r.shared_dir);
+        let kind = if r.peers.as_ref().is_some_and(|p| p.shared_over_peers) {
+            "several nodes, no shared file system: this node's own folder, kept by the peer channel"
+        } else {
+            "several nodes"
+        };
+        println!("shared:   {} ({kind}); {role}", r.shared_dir);
     }
     if let Some(d) = &r.drain {
         let state = if d.up { "up".to_string() } else { format!("DOWN ({}); retrying", d.error) };
@@ -199,6 +206,12 @@ fn print_peers(p: &ckpt_wire::PeerReport) {
     );
     if let Some(s) = p.last_failed {
         println!("          last failed: step {s}: {}", p.last_error);
+    }
+    if let Some(s) = p.last_skipped {
+        println!(
+            "          skipped (a newer step committed before their turn): {} step(s), the newest step {s}",
+            p.skipped_count
+        );
     }
     let holding: Vec<String> = p.holding.iter().map(|(n, s)| format!("{n}:{s}")).collect();
     println!(

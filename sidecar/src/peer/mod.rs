@@ -399,6 +399,26 @@ impl Peers {
         r.holding_bytes = holding_bytes;
         r.budget_bytes = self.opts.budget_bytes;
         r.refused_connections = self.refused.load(std::sync::atomic::Ordering::Relaxed);
+        r.shared_over_peers = self.opts.shared_over_peers;
         r
+    }
+}
+
+/// Puts the calling thread at nice 19: replication (the sender, and the
+/// receiver's copy and check of a replica) is background work, so the
+/// trainer and the saves of this node come first (on a loop that saves
+/// every step its memory traffic otherwise slows the trainer's step:
+/// docs/performance.md). Not SCHED_IDLE, as the drain and the scrub are:
+/// a peer waits on the other end of each transfer and gives up after
+/// `--peer-timeout`, so a node whose cores are all busy (data loaders)
+/// must still give replication a share, never starve it. Refusal only
+/// costs that courtesy.
+pub(crate) fn background_priority() {
+    // SAFETY: gettid has no preconditions; setpriority changes only this
+    // thread's nice value (PRIO_PROCESS with a thread id names one thread
+    // on Linux) and takes no memory.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
     }
 }

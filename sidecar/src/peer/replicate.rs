@@ -90,6 +90,8 @@ enum Outcome {
     Pending,
     Held(Vec<String>),
     Failed(String),
+    /// Not sent: this newer step was committed before its turn came.
+    Skipped(u64),
 }
 
 struct Waiter {
@@ -116,7 +118,37 @@ impl Replication {
         let st = Arc::new(Mutex::new(State::default()));
         let shared = st.clone();
         std::thread::Builder::new().name("ckpt-peer-send".into()).spawn(move || {
-            for step in rx {
+            super::background_priority();
+            while let Ok(first) = rx.recv() {
+                // Steps committed while the one before was being sent: the
+                // newest goes, the older are skipped (the peers keep the
+                // newest steps; sending each in turn only falls further behind).
+                let step = rx.try_iter().fold(first, u64::max);
+                let skipped: Vec<u64> = {
+                    let mut g = shared.lock().expect("peer replication lock");
+                    let older: Vec<u64> = g
+                        .outcomes
+                        .iter()
+                        .filter(|(&s, o)| s < step && matches!(o, Outcome::Pending))
+                        .map(|(&s, _)| s)
+                        .collect();
+                    for &s in &older {
+                        g.outcomes.insert(s, Outcome::Skipped(step));
+                    }
+                    if !older.is_empty() {
+                        g.report.skipped_count += older.len() as u64;
+                        g.report.last_skipped = older.last().copied();
+                        answer(&mut g);
+                    }
+                    older
+                };
+                if !skipped.is_empty() {
+                    info!(
+                        ?skipped,
+                        replicating = step,
+                        "peers: replication behind: sending the newest committed step, skipping older ones"
+                    );
+                }
                 let t0 = Instant::now();
                 let (outcome, bytes) = match sender.replicate(step) {
                     Ok((held, bytes)) => (Outcome::Held(held), bytes),
@@ -138,7 +170,7 @@ impl Replication {
                         g.report.last_failed = Some(step);
                         g.report.last_error = why.clone();
                     }
-                    Outcome::Pending => {}
+                    Outcome::Pending | Outcome::Skipped(_) => {}
                 }
                 g.outcomes.insert(step, outcome);
                 while g.outcomes.len() > config::PEER_OUTCOMES_KEPT {
@@ -206,6 +238,15 @@ fn answer(g: &mut State) {
                 id: w.id,
                 code: ErrorCode::Io,
                 message: format!("step {}: not held by peers: {why}", w.step),
+            },
+            Some(Outcome::Skipped(newer)) => Reply::Error {
+                id: w.id,
+                code: ErrorCode::NotFound,
+                message: format!(
+                    "step {}: not held by peers: skipped, step {newer} was committed before its replication began \
+                     (when steps come faster than replication, only the newest is sent)",
+                    w.step
+                ),
             },
             None => Reply::Error {
                 id: w.id,

@@ -141,7 +141,7 @@ pub async fn serve(listener: TcpListener, srv: Arc<Server>) {
 }
 
 impl Server {
-    async fn connection(&self, sock: TcpStream, addr: SocketAddr, mut slot: Slot) -> Result<(), ConnError> {
+    async fn connection(self: &Arc<Self>, sock: TcpStream, addr: SocketAddr, mut slot: Slot) -> Result<(), ConnError> {
         let _ = sock.set_nodelay(true);
         let (mut r, mut w) = sock.into_split();
         let limit = Duration::from_millis(config::PEER_HANDSHAKE_TIMEOUT_MS);
@@ -181,7 +181,19 @@ impl Server {
                         send_async(&mut w, &PeerMsg::Error { message: m.clone() }, io).await?;
                         return Err(ConnError::Protocol(m));
                     }
-                    self.offer(&mut r, &mut w, &node, step, &index, files).await?;
+                    // A replica's receive and check (a copy and a checksum of
+                    // every byte) is background work on this node: on a thread
+                    // of its own at background priority, so this node's
+                    // trainer and saves come first. Every other message
+                    // (doorbells, a commit's parts, fetches) stays here.
+                    let srv = self.clone();
+                    let (r2, w2, out) = on_idle_thread(async move {
+                        let out = srv.offer(&mut r, &mut w, &node, step, &index, files).await;
+                        (r, w, out)
+                    })
+                    .await?;
+                    (r, w) = (r2, w2);
+                    out?;
                 }
                 PeerMsg::Get { node, step, name } => {
                     if let Some(bytes) = self.held.file(&node, step, &name) {
@@ -442,6 +454,21 @@ impl Server {
         info!(node, step, bytes = total, recv_s, check_s, fresh_bytes, "peers: holding a replica (every byte checked)");
         send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
     }
+}
+
+/// Runs `fut` to its end on a new thread at background priority
+/// ([`super::background_priority`]), driven by this runtime's I/O and
+/// timers; the thread ends with it.
+async fn on_idle_thread<T: Send + 'static>(
+    fut: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, ConnError> {
+    let handle = tokio::runtime::Handle::current();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name("ckpt-peer-recv".into()).spawn(move || {
+        super::background_priority();
+        let _ = tx.send(handle.block_on(fut));
+    })?;
+    rx.await.map_err(|_| ConnError::Protocol("the thread receiving a replica panicked".into()))
 }
 
 /// Sends file `path` as `name`: its File frame, then its bytes, read from

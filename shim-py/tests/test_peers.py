@@ -261,15 +261,12 @@ def test_a_peer_that_cannot_be_reached_fails_the_replication_saying_why_and_the_
     assert cluster.nodes["b"].status()["peers"]["last_failed"] == 1
 
 
-class Holder:
-    """A port that accepts TCP connections and says nothing until `release()`,
-    then closes them all, and every later one at once: a peer that stalls."""
+class Listener:
+    """A port of its own whose accepted connections go to `take(conn)`, on a thread."""
 
     def __init__(self):
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.port = self.srv.getsockname()[1]
-        self.held, self.released, self.lock = [], False, threading.Lock()
-        self.accepted = threading.Event()
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
@@ -278,12 +275,25 @@ class Holder:
                 c, _ = self.srv.accept()
             except OSError:
                 return
-            with self.lock:
-                if self.released:
-                    c.close()
-                    continue
-                self.held.append(c)
-            self.accepted.set()
+            self.take(c)
+
+
+class Holder(Listener):
+    """A port that accepts TCP connections and says nothing until `release()`,
+    then closes them all, and every later one at once: a peer that stalls."""
+
+    def __init__(self):
+        self.held, self.released, self.lock = [], False, threading.Lock()
+        self.accepted = threading.Event()
+        super().__init__()
+
+    def take(self, c):
+        with self.lock:
+            if self.released:
+                c.close()
+                return
+            self.held.append(c)
+        self.accepted.set()
 
     def release(self):
         with self.lock:
@@ -297,8 +307,9 @@ class Holder:
 
 
 def test_steps_committed_while_the_replication_is_behind_are_skipped_for_the_newest_and_said(cluster):
-    """b's only peer stalls: step 1's replication hangs on it while steps 2
-    and 3 become durable. Once the peer lets go, b sends the newest (3) and
+    """b's only peer stalls: step 1's replication hangs on it (the ranks save
+    steps 2 and 3 only once it reached the peer) while steps 2 and 3 become
+    durable. Once the peer lets go, b sends the newest (3) and
     skips 2: wait_peers(2) raises NotFound saying it was skipped for step 3,
     and status counts it; 1 and 3 fail against the stalled peer, naming it."""
     holder = Holder()
@@ -306,9 +317,10 @@ def test_steps_committed_while_the_replication_is_behind_are_skipped_for_the_new
         cluster.start("a")
         cluster.start("b", peers=f"127.0.0.1:{holder.port}")
         procs, work = cluster.start_ranks("durable-then-peers", "1,2,3")
+        assert holder.accepted.wait(120), "b's replication of step 1 never reached its peer" + cluster.logs()
+        (work / "go").touch()
         wait_until(lambda: (work / "durable-3-r1").exists() or any(p.poll() is not None for p in procs), 120,
                    lambda: "step 3 never durable on b" + cluster.logs())
-        assert holder.accepted.is_set(), "b's replication of step 1 never reached its peer" + cluster.logs()
         holder.release()
         saved, logs = cluster.finish(procs, work)
     finally:
@@ -328,25 +340,19 @@ def test_steps_committed_while_the_replication_is_behind_are_skipped_for_the_new
     assert cluster.said("b", "replication behind", "skipped=[2]"), logs
 
 
-class Recorder:
+class Recorder(Listener):
     """A TCP relay from a port of its own to `to_port`, keeping the first
     4 KiB the connecting side sent on its first connection."""
 
     def __init__(self, to_port):
-        self.port, self.to_port, self.first = free_port(), to_port, b""
-        self.srv = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self.serve, daemon=True).start()
+        self.to_port, self.first = to_port, b""
+        super().__init__()
 
-    def serve(self):
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.to_port))
-            record = not self.first
-            threading.Thread(target=self.pipe, args=(c, up, record), daemon=True).start()
-            threading.Thread(target=self.pipe, args=(up, c, False), daemon=True).start()
+    def take(self, c):
+        up = socket.create_connection(("127.0.0.1", self.to_port))
+        record = not self.first
+        threading.Thread(target=self.pipe, args=(c, up, record), daemon=True).start()
+        threading.Thread(target=self.pipe, args=(up, c, False), daemon=True).start()
 
     def pipe(self, src, dst, record):
         try:

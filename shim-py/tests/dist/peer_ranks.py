@@ -4,8 +4,9 @@ MODE save: saves each step of STEPS (comma-separated) of state(step), each
 waited durable and held by peers; writes {"rank", "held": [steps]}; MODE
 try-save: the same, a failed wait_peers recorded as {"step", "error"} in
 "held" instead. MODE replicate: save, then also wait_replicated (a drain). MODE
-durable-then-peers: every step saved and waited durable first, then each
-step's wait_peers, recorded as in try-save.
+durable-then-peers: every step saved and waited durable first (after the
+first, the file `go` awaited in the working directory), then each step's
+wait_peers, recorded as in try-save.
 MODE try-durable: saves each step, a failed wait_durable recorded as
 {"step", "error"} in "failed" (the steps after it still saved). MODE load: loads "latest" and writes {"rank", "step", "equal",
 "fell_back" (the load's RuntimeWarnings: what it passed over), "last_load_fell_back"}, or {"error": one line} when the load fails.
@@ -15,6 +16,7 @@ largest tensor (default 256 KiB)."""
 import json
 import os
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -55,6 +57,10 @@ def main():
             for s in steps:
                 handles.append(ck.save(s, state(s)).wait_durable(timeout=120))
                 open(f"durable-{s}-r{rank}", "w").close()
+                deadline = time.monotonic() + 120
+                while not os.path.exists("go"):
+                    assert time.monotonic() < deadline, "the test never said go"
+                    time.sleep(0.01)
             for s, h in zip(steps, handles):
                 try:
                     h.wait_peers(timeout=120)

@@ -127,10 +127,11 @@ pub enum PeerMsg {
     /// No shared file system: the coordinator aborted `step`, for this
     /// reason (the abort record). Answered [`PeerMsg::Rung`].
     Aborted { step: u64, port: u16, reason: String },
-    /// No shared file system: which step is the newest committed in the
-    /// peer's own shared folder (its `latest`), asked by a sidecar starting
-    /// (a replaced node). Answered [`PeerMsg::Steps`] with the listener's
-    /// node id and that step, or no step when it has none.
+    /// No shared file system: which steps are committed in the peer's own
+    /// shared folder, asked by a sidecar starting (a replaced node).
+    /// Answered [`PeerMsg::Steps`] with the listener's node id and those
+    /// steps, ascending (a peer of an earlier build answers its `latest`
+    /// alone), or none.
     Newest,
     /// No shared file system: the sender serves rank 0 of `step` and
     /// coordinates it (`port` as in [`PeerMsg::Decided`]); a node whose

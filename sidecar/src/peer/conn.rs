@@ -159,10 +159,10 @@ impl Conn {
 
     /// No shared file system: the newest step committed in the peer's own
     /// shared directory; None when it has none.
-    pub fn newest(&mut self) -> Result<Option<u64>, ConnError> {
+    pub fn committed_steps(&mut self) -> Result<Vec<u64>, ConnError> {
         send(&mut self.stream, &PeerMsg::Newest)?;
         match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {
-            PeerMsg::Steps { steps, .. } => Ok(steps.into_iter().max()),
+            PeerMsg::Steps { steps, .. } => Ok(steps),
             PeerMsg::Error { message } => Err(ConnError::Refused(message)),
             other => Err(ConnError::Protocol(format!("{} instead of Steps", kind(&other)))),
         }

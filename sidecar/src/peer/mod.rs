@@ -198,35 +198,33 @@ impl Peers {
         }))
     }
 
-    /// No shared file system, at start: the newest step any peer's own
-    /// shared directory holds (every peer is asked which: a light answer),
-    /// installed into this node's when it is newer than its `latest` (a
-    /// replaced node on an empty disk, or one that missed steps while
-    /// down), so that a load here finds the step every other node's
-    /// `latest` names. A peer that cannot be asked is named and passed
-    /// over; returns the step installed.
-    pub fn take_newest(&self, store: &ckpt_store::commit::Store) -> Option<u64> {
-        let mut newest: Vec<(u64, &str)> = Vec::new();
+    /// No shared file system, at start: the steps the peers' own shared
+    /// folders hold (every peer is asked which: a light answer) that are
+    /// newer than this node's `latest` (a replaced node on an empty disk,
+    /// or one that missed steps while down), each installed into this
+    /// node's from a peer that holds it, the newest first: a load here
+    /// then finds the step every other node's `latest` names, and the
+    /// older ones their retention keeps. A peer that cannot be asked, or
+    /// gives a step that does not install, is named and passed over;
+    /// returns the steps installed.
+    pub fn take_newer(&self, store: &ckpt_store::commit::Store) -> Vec<u64> {
+        let mut held: std::collections::BTreeMap<u64, Vec<&str>> = Default::default();
         for addr in &self.opts.peers {
-            match self.ask(addr, |c| c.newest()) {
-                Ok(Some(step)) => newest.push((step, addr)),
-                Ok(None) => {}
-                Err(e) => tracing::info!(peer = %addr, "peers: not asked for its newest step ({e})"),
+            match self.ask(addr, |c| c.committed_steps()) {
+                Ok(steps) => steps.into_iter().for_each(|s| held.entry(s).or_default().push(addr)),
+                Err(e) => tracing::info!(peer = %addr, "peers: not asked for its committed steps ({e})"),
             }
         }
-        let step = newest.iter().map(|(s, _)| *s).max()?;
         let here = ckpt_store::catalog::latest_step(&self.shared_dir).ok().flatten();
-        if here.is_some_and(|h| h >= step) {
-            return None;
-        }
-        // From the first peer that holds it and gives it whole.
-        for (_, from) in newest.iter().filter(|(s, _)| *s == step) {
-            if self.install_from(store, step, from) {
-                tracing::info!(step, peer = %from, "peers: the newest committed step taken from a peer into this node's shared directory");
-                return Some(step);
+        let mut installed = Vec::new();
+        for (&step, from) in held.iter().rev().filter(|(&s, _)| here.is_none_or(|h| s > h)) {
+            // From the first peer that holds it and gives it whole.
+            if let Some(peer) = from.iter().find(|p| self.install_from(store, step, p)) {
+                tracing::info!(step, peer = %peer, "peers: a committed step newer than this node's latest taken from a peer into this node's shared directory");
+                installed.push(step);
             }
         }
-        None
+        installed
     }
 
     /// No shared file system: committed `step` asked of the coordinator

@@ -294,12 +294,12 @@ impl Server {
                 }
                 PeerMsg::Newest => {
                     let shared = self.shared_over.clone().expect("matched above");
-                    let latest = tokio::task::spawn_blocking(move || ckpt_store::catalog::latest_step(&shared))
+                    let steps = tokio::task::spawn_blocking(move || ckpt_store::catalog::readable_steps(&shared))
                         .await
-                        .map_err(|e| ConnError::Protocol(format!("reading the newest step: {e}")))?;
-                    let answer = match latest {
-                        Ok(step) => PeerMsg::Steps { node: self.node.clone(), steps: step.into_iter().collect() },
-                        Err(e) => PeerMsg::Error { message: format!("reading `latest`: {e}") },
+                        .map_err(|e| ConnError::Protocol(format!("listing the committed steps: {e}")))?;
+                    let answer = match steps {
+                        Ok(steps) => PeerMsg::Steps { node: self.node.clone(), steps },
+                        Err(e) => PeerMsg::Error { message: format!("listing the committed steps: {e}") },
                     };
                     send_async(&mut w, &answer, io).await?;
                 }

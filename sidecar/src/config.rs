@@ -371,5 +371,8 @@ pub const PEER_OUTCOMES_KEPT: usize = 256;
 pub const PEER_SEND_STAGED_BYTES_MAX: u64 = 8 << 30;
 /// Threads of the peer server's tokio runtime.
 pub const PEER_RUNTIME_THREADS: usize = 2;
+/// Threads of the runtime that receives and checks offered replicas, at
+/// nice 19 (several peers' replicas at once share them).
+pub const PEER_RECV_THREADS: usize = 2;
 /// Environment variable naming the cluster secret's file (`--peer-secret-file`).
 pub const PEER_SECRET_FILE_ENV: &str = "CKPT_SIDECAR_PEER_SECRET_FILE";

@@ -133,6 +133,8 @@ pub struct Peers {
     bells: Arc<bells::Bells>,
     inbox: Arc<Inbox>,
     _runtime: tokio::runtime::Runtime,
+    /// Receives and checks the replicas offered (`server::Server::offers`).
+    _offers: tokio::runtime::Runtime,
 }
 
 impl Peers {
@@ -144,6 +146,14 @@ impl Peers {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(crate::config::PEER_RUNTIME_THREADS)
             .thread_name("ckpt-peer")
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(PeerError::Runtime)?;
+        let offers = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(crate::config::PEER_RECV_THREADS)
+            .thread_name("ckpt-peer-recv")
+            .on_thread_start(background_priority)
             .enable_io()
             .enable_time()
             .build()
@@ -166,6 +176,7 @@ impl Peers {
             held: held.clone(),
             refused: refused.clone(),
             io_timeout: opts.io_timeout,
+            offers: offers.handle().clone(),
         };
         runtime.spawn(server::serve(listener, Arc::new(srv)));
         let staged = Arc::new(replicate::Staged::default());
@@ -195,6 +206,7 @@ impl Peers {
             bells,
             inbox,
             _runtime: runtime,
+            _offers: offers,
         }))
     }
 

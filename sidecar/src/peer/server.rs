@@ -43,6 +43,9 @@ pub struct Server {
     pub inbox: Arc<Inbox>,
     /// This node's sending side (learns the coordinator from a Decided).
     pub bells: Arc<Bells>,
+    /// The runtime a replica is received and checked on: its threads run at
+    /// background priority ([`super::background_priority`]).
+    pub offers: tokio::runtime::Handle,
 }
 
 /// What a connection is counted against: its remote host until its
@@ -182,17 +185,25 @@ impl Server {
                         return Err(ConnError::Protocol(m));
                     }
                     // A replica's receive and check (a copy and a checksum of
-                    // every byte) is background work on this node: on a thread
-                    // of its own at background priority, so this node's
-                    // trainer and saves come first. Every other message
+                    // every byte) is background work on this node: the
+                    // connection moves to the offers' runtime for it, so this
+                    // node's trainer and saves come first. Every other message
                     // (doorbells, a commit's parts, fetches) stays here.
                     let srv = self.clone();
-                    let (r2, w2, out) = on_idle_thread(async move {
-                        let out = srv.offer(&mut r, &mut w, &node, step, &index, files).await;
-                        (r, w, out)
-                    })
-                    .await?;
-                    (r, w) = (r2, w2);
+                    let sock = r.reunite(w).map_err(|_| ConnError::Protocol("split halves of two sockets".into()))?;
+                    let sock = sock.into_std()?;
+                    let (sock, out) = self
+                        .offers
+                        .spawn(async move {
+                            let (mut r, mut w) = TcpStream::from_std(sock)?.into_split();
+                            let out = srv.offer(&mut r, &mut w, &node, step, &index, files).await;
+                            let sock =
+                                r.reunite(w).map_err(|_| ConnError::Protocol("split halves of two sockets".into()))?;
+                            Ok::<_, ConnError>((sock.into_std()?, out))
+                        })
+                        .await
+                        .map_err(|e| ConnError::Protocol(format!("receiving a replica: {e}")))??;
+                    (r, w) = TcpStream::from_std(sock)?.into_split();
                     out?;
                 }
                 PeerMsg::Get { node, step, name } => {
@@ -454,21 +465,6 @@ impl Server {
         info!(node, step, bytes = total, recv_s, check_s, fresh_bytes, "peers: holding a replica (every byte checked)");
         send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
     }
-}
-
-/// Runs `fut` to its end on a new thread at background priority
-/// ([`super::background_priority`]), driven by this runtime's I/O and
-/// timers; the thread ends with it.
-async fn on_idle_thread<T: Send + 'static>(
-    fut: impl std::future::Future<Output = T> + Send + 'static,
-) -> Result<T, ConnError> {
-    let handle = tokio::runtime::Handle::current();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new().name("ckpt-peer-recv".into()).spawn(move || {
-        super::background_priority();
-        let _ = tx.send(handle.block_on(fut));
-    })?;
-    rx.await.map_err(|_| ConnError::Protocol("the thread receiving a replica panicked".into()))
 }
 
 /// Sends file `path` as `name`: its File frame, then its bytes, read from

@@ -20,7 +20,7 @@ int main(void) {
     ckpt_client *c = NULL;
     CHECK(ckpt_connect(NULL, &c) == CKPT_OK && c != NULL);
     CHECK(ckpt_connected(c) == 1);
-    CHECK(ckpt_protocol_version() == 15);
+    CHECK(ckpt_protocol_version() == 16);
     float *w = NULL;
     CHECK(ckpt_alloc(c, 4096, (void **)&w) == CKPT_OK && w != NULL);
     CHECK(ckpt_alloc(c, 0, (void **)&w) == CKPT_E_INVALID);

@@ -359,6 +359,10 @@ pub const PEER_CONNECT_TIMEOUT_MS: u64 = 3_000;
 /// newest step: an answer is waited for this long at most (the start
 /// waits for it; a peer not up yet refuses at once).
 pub const PEER_IO_TIMEOUT_START_MS: u64 = 5_000;
+/// Peers asked at once by a sidecar starting with no shared file system
+/// (which steps each holds): one that does not answer costs its timeout
+/// once, not once per peer listed before it.
+pub const PEER_START_ASKS_AT_ONCE: usize = 16;
 /// A file's bytes move in pieces of this size (one read or write each).
 pub const PEER_PIECE_BYTES: usize = 4 << 20;
 /// Clients waiting for a step to be held by peers, at once (all sessions).

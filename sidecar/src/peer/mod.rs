@@ -24,7 +24,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ckpt_store::restore::ThisNode;
 
@@ -220,9 +220,23 @@ impl Peers {
     /// gives a step that does not install, is named and passed over;
     /// returns the steps installed.
     pub fn take_newer(&self, store: &ckpt_store::commit::Store) -> Vec<u64> {
+        // Asked several at once: a peer that does not answer costs its
+        // timeout once, not once per peer before it.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let answers = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..self.opts.peers.len().min(crate::config::PEER_START_ASKS_AT_ONCE) {
+                s.spawn(|| {
+                    while let Some(addr) = self.opts.peers.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                        let r = self.ask(addr, |c| c.committed_steps());
+                        answers.lock().expect("start answers lock").push((addr.as_str(), r));
+                    }
+                });
+            }
+        });
         let mut held: std::collections::BTreeMap<u64, Vec<&str>> = Default::default();
-        for addr in &self.opts.peers {
-            match self.ask(addr, |c| c.committed_steps()) {
+        for (addr, r) in answers.into_inner().expect("start answers lock") {
+            match r {
                 Ok(steps) => steps.into_iter().for_each(|s| held.entry(s).or_default().push(addr)),
                 Err(e) => tracing::info!(peer = %addr, "peers: not asked for its committed steps ({e})"),
             }

@@ -70,7 +70,7 @@ impl Staged {
             }
             // No memory for a copy: this file is sent from disk.
             let Ok(mut copy) = self.pool.take(len) else { continue };
-            copy.as_mut_slice().copy_from_slice(&image[off..off + len]);
+            crate::memory::regions::shm::copy_streaming_fenced(copy.as_mut_slice(), &image[off..off + len]);
             held += len as u64;
             g.entry(step).or_default().insert(s.file_name.clone(), copy);
         }

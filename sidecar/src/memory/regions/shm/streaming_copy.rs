@@ -356,6 +356,18 @@ pub fn store_fence() {
     unsafe { std::arch::x86_64::_mm_sfence() }
 }
 
+/// Copies `src` into `dst` (the same length) with streaming stores, then
+/// fences them: a copy of large files nobody reads soon (the peers'
+/// copy of a part for sending) that leaves the caches to the trainer and
+/// costs a third less memory traffic than a plain copy ([`copy_streaming`]).
+pub fn copy_streaming_fenced(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "a streaming copy between ranges of different lengths");
+    // SAFETY: both slices are valid for their length, equal here; `&mut`
+    // makes `dst` disjoint from `src`.
+    unsafe { copy_streaming(dst.as_mut_ptr(), src.as_ptr(), src.len()) };
+    store_fence();
+}
+
 /// Elsewhere copies are plain stores, ordered by the atomics and joins
 /// that hand them over.
 #[cfg(not(target_arch = "x86_64"))]

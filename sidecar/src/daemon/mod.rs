@@ -269,8 +269,8 @@ fn start_peers(opts: &DaemonOptions, store: &Store) -> Result<Option<Arc<crate::
     let peers = crate::peer::Peers::start(p.clone(), me, shared.to_path_buf())?;
     // No shared file system: this node's folder catches up with the steps
     // its peers hold newer than its own `latest` before a load can ask for
-    // `latest`, and only then
-    // are this node's folders of steps it does not know swept.
+    // `latest`, and only then are this node's folders of steps it does not
+    // know swept.
     if peers.over_peers() {
         peers.take_newer(store);
         store.sweep_node_local(&Default::default());

@@ -157,8 +157,8 @@ impl Conn {
         }
     }
 
-    /// No shared file system: the newest step committed in the peer's own
-    /// shared directory; None when it has none.
+    /// No shared file system: the steps committed in the peer's own shared
+    /// directory, ascending (a peer of an earlier build: its newest alone).
     pub fn committed_steps(&mut self) -> Result<Vec<u64>, ConnError> {
         send(&mut self.stream, &PeerMsg::Newest)?;
         match recv(&mut self.stream, PEER_FRAME_BYTES_MAX)? {

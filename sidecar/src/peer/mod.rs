@@ -227,7 +227,8 @@ impl Peers {
         std::thread::scope(|s| {
             for _ in 0..self.opts.peers.len().min(crate::config::PEER_START_ASKS_AT_ONCE) {
                 s.spawn(|| {
-                    while let Some(addr) = self.opts.peers.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                    while let Some(addr) = self.opts.peers.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                    {
                         let r = self.ask(addr, |c| c.committed_steps());
                         answers.lock().expect("start answers lock").push((addr.as_str(), r));
                     }

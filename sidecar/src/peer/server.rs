@@ -31,7 +31,7 @@ pub struct Server {
     /// This node's directories: its own files are served from them.
     pub dirs: Vec<std::path::PathBuf>,
     /// No shared file system (`--shared-over-peers`): this node's own
-    /// shared directory, whose newest step a Newest asks for. None: the
+    /// shared directory, whose committed steps a Newest asks for. None: the
     /// messages of that mode are answered with an Error.
     pub shared_over: Option<std::path::PathBuf>,
     pub held: Arc<Held>,

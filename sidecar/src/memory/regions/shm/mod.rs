@@ -43,9 +43,9 @@ use crate::config;
 
 use super::RegionError;
 use sigbus::{arm, install_fault_handler, Armed};
-pub use streaming_copy::{copy_streaming_fenced, store_fence};
 pub use streaming_copy::TRIO_BYTES_MAX;
 use streaming_copy::{copy_streaming, copy_streaming_crc, copy_streaming_crc3};
+pub use streaming_copy::{copy_streaming_fenced, store_fence};
 pub use writable::Writable;
 
 /// Checks a shm_open name: one leading '/', no other '/', no NUL, not

@@ -130,9 +130,9 @@ class SaveHandle:
         durable, then checked and held in the memory of `--peer-replicas`
         other nodes' sidecars (`--peers`). Raises Timeout when `timeout`
         (seconds) passes (the replication goes on), NotFound at once when the
-        sidecar has no peers or when the step was skipped (a newer one was
-        committed before its replication began; only the newest waiting is
-        sent), or IoError saying which peer failed and why.
+        sidecar has no peers or when the step was skipped (more than
+        `--peer-keep` newer steps were waiting to be sent: the peers would not
+        keep it), or IoError saying which peer failed and why.
         Training never waits for peers unless it calls this."""
         return self._answered(lambda client: N.lib().ckpt_wait_peers(client, self.id, timeout_ms(timeout)))
 

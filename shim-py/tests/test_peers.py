@@ -306,16 +306,18 @@ class Holder(Listener):
         self.srv.close()
 
 
-def test_steps_committed_while_the_replication_is_behind_are_skipped_for_the_newest_and_said(cluster):
+@pytest.mark.parametrize("keep", [1, 2])
+def test_steps_the_peers_would_not_keep_are_skipped_when_the_replication_is_behind_and_said(cluster, keep):
     """b's only peer stalls: step 1's replication hangs on it (the ranks save
     steps 2 and 3 only once it reached the peer) while steps 2 and 3 become
-    durable. Once the peer lets go, b sends the newest (3) and
-    skips 2: wait_peers(2) raises NotFound saying it was skipped for step 3,
-    and status counts it; 1 and 3 fail against the stalled peer, naming it."""
+    durable, then the peer lets go. With --peer-keep 1, b's peers would keep
+    step 3 alone: b skips 2 (wait_peers(2) raises NotFound naming step 3,
+    status counts it) and sends 3. With --peer-keep 2 (the default) both are
+    sent in turn. Every step sent fails against the stalled peer, naming it."""
     holder = Holder()
     try:
         cluster.start("a")
-        cluster.start("b", peers=f"127.0.0.1:{holder.port}")
+        cluster.start("b", peers=f"127.0.0.1:{holder.port}", extra=("--peer-keep", str(keep)))
         procs, work = cluster.start_ranks("durable-then-peers", "1,2,3")
         assert holder.accepted.wait(120), "b's replication of step 1 never reached its peer" + cluster.logs()
         (work / "go").touch()
@@ -326,18 +328,23 @@ def test_steps_committed_while_the_replication_is_behind_are_skipped_for_the_new
     finally:
         holder.close()
     # a's steps go to b, which may fall behind too (a loaded machine): each
-    # is held or skipped for a newer one, and the newest is held.
+    # is held or skipped for newer ones, and the newest is held.
     a_held = saved[0]["held"]
     assert a_held[-1] == 3 and all(h in (1, 2) or "skipped" in h["error"] for h in a_held[:-1]), (a_held, logs)
     got = {h["step"]: h["error"] for h in saved[1]["held"]}
     assert sorted(got) == [1, 2, 3], (saved[1], logs)
-    assert got[2].startswith("NotFound") and "skipped" in got[2] and "step 3" in got[2], (got, logs)
-    for s in (1, 3):
+    sent = (1, 3) if keep == 1 else (1, 2, 3)
+    for s in sent:
         assert got[s].startswith("IOFailed") and f"127.0.0.1:{holder.port}" in got[s], (got, logs)
     peers = cluster.nodes["b"].status()["peers"]
-    assert peers["skipped_count"] == 1 and peers["last_skipped"] == 2, peers
     assert peers["last_failed"] == 3 and peers["shared_over_peers"] is False, peers
-    assert cluster.said("b", "replication behind", "skipped=[2]"), logs
+    if keep == 1:
+        assert got[2].startswith("NotFound") and "skipped" in got[2] and "up to step 3" in got[2], (got, logs)
+        assert peers["skipped_count"] == 1 and peers["last_skipped"] == 2, peers
+        assert cluster.said("b", "replication behind", "skipped=[2]"), logs
+    else:
+        assert peers["skipped_count"] == 0 and peers["last_skipped"] is None, peers
+        assert not cluster.said("b", "replication behind"), logs
 
 
 class Recorder(Listener):

@@ -253,8 +253,8 @@ pub unsafe extern "C" fn ckpt_wait_replicated(client: *mut ckpt_client, save_id:
 /// peers: durable, then checked and held in the memory of --peer-replicas
 /// other nodes' sidecars (--peers), or `timeout_ms` passes (< 0: no limit;
 /// CKPT_E_TIMEOUT, the replication goes on). CKPT_E_NOT_FOUND at once when
-/// the sidecar has no peers, or when the step was skipped (a newer step was
-/// committed before its replication began: the message names it);
+/// the sidecar has no peers, or when the step was skipped (more than
+/// --peer-keep newer steps waited to be sent: the message names them);
 /// CKPT_E_IO when the replication failed, with
 /// the reason (which peer, why) in ckpt_last_error(); CKPT_E_INVALID for a
 /// ckpt_save_file. Training never waits for it unless it calls this.

@@ -187,6 +187,7 @@ impl Peers {
             shared_dir: shared_dir.clone(),
             peers: opts.peers.clone(),
             replicas: opts.replicas,
+            keep: opts.keep,
             io_timeout: opts.io_timeout,
             ids: Default::default(),
             kept: Default::default(),

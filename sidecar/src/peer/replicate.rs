@@ -29,6 +29,9 @@ pub struct Sender {
     pub shared_dir: PathBuf,
     pub peers: Vec<String>,
     pub replicas: u32,
+    /// The steps of this node its peers keep (`--peer-keep`): when more
+    /// wait to be sent, the older ones are skipped.
+    pub keep: usize,
     pub staged: Arc<Staged>,
     /// A peer silent this long fails the replication to it.
     pub io_timeout: std::time::Duration,
@@ -90,8 +93,11 @@ enum Outcome {
     Pending,
     Held(Vec<String>),
     Failed(String),
-    /// Not sent: this newer step was committed before its turn came.
-    Skipped(u64),
+    /// Not sent: `keep` newer steps, up to `newest`, waited behind it.
+    Skipped {
+        newest: u64,
+        keep: usize,
+    },
 }
 
 struct Waiter {
@@ -119,36 +125,39 @@ impl Replication {
         let shared = st.clone();
         std::thread::Builder::new().name("ckpt-peer-send".into()).spawn(move || {
             super::background_priority();
-            while let Ok(first) = rx.recv() {
-                // Steps committed while the one before was being sent: the
-                // newest goes, the older are skipped (the peers keep the
-                // newest steps; sending each in turn only falls further behind).
-                let step = rx.try_iter().fold(first, u64::max);
-                let skipped: Vec<u64> = {
-                    let mut g = shared.lock().expect("peer replication lock");
-                    let older: Vec<u64> = g
-                        .outcomes
-                        .iter()
-                        .filter(|(&s, o)| s < step && matches!(o, Outcome::Pending))
-                        .map(|(&s, _)| s)
-                        .collect();
-                    for &s in &older {
-                        g.outcomes.insert(s, Outcome::Skipped(step));
-                    }
-                    if !older.is_empty() {
-                        g.report.skipped_count += older.len() as u64;
-                        g.report.last_skipped = older.last().copied();
-                        answer(&mut g);
-                    }
-                    older
-                };
+            // Steps committed and not sent yet, sent oldest first.
+            let mut waiting = std::collections::BTreeSet::new();
+            loop {
+                if waiting.is_empty() {
+                    let Ok(s) = rx.recv() else { return };
+                    waiting.insert(s);
+                }
+                waiting.extend(rx.try_iter());
+                // Replication behind the steps: beyond the newest `--peer-keep`
+                // waiting, a step would only be evicted from the peers by the
+                // newer ones behind it, so it is skipped, not sent (sending
+                // each in turn only falls further behind).
+                let newest = *waiting.last().expect("a step waits");
+                let mut skipped = Vec::new();
+                while waiting.len() > sender.keep.max(1) {
+                    skipped.extend(waiting.pop_first());
+                }
                 if !skipped.is_empty() {
+                    let mut g = shared.lock().expect("peer replication lock");
+                    for &s in &skipped {
+                        g.outcomes.insert(s, Outcome::Skipped { newest, keep: sender.keep });
+                    }
+                    g.report.skipped_count += skipped.len() as u64;
+                    g.report.last_skipped = skipped.last().copied();
+                    answer(&mut g);
+                    drop(g);
                     info!(
                         ?skipped,
-                        replicating = step,
-                        "peers: replication behind: sending the newest committed step, skipping older ones"
+                        newest,
+                        "peers: replication behind: skipping steps the peers would not keep (more than --peer-keep newer ones wait)"
                     );
                 }
+                let step = waiting.pop_first().expect("a step waits");
                 let t0 = Instant::now();
                 let (outcome, bytes) = match sender.replicate(step) {
                     Ok((held, bytes)) => (Outcome::Held(held), bytes),
@@ -170,7 +179,7 @@ impl Replication {
                         g.report.last_failed = Some(step);
                         g.report.last_error = why.clone();
                     }
-                    Outcome::Pending | Outcome::Skipped(_) => {}
+                    Outcome::Pending | Outcome::Skipped { .. } => {}
                 }
                 g.outcomes.insert(step, outcome);
                 while g.outcomes.len() > config::PEER_OUTCOMES_KEPT {
@@ -239,12 +248,13 @@ fn answer(g: &mut State) {
                 code: ErrorCode::Io,
                 message: format!("step {}: not held by peers: {why}", w.step),
             },
-            Some(Outcome::Skipped(newer)) => Reply::Error {
+            Some(Outcome::Skipped { newest, keep }) => Reply::Error {
                 id: w.id,
                 code: ErrorCode::NotFound,
                 message: format!(
-                    "step {}: not held by peers: skipped, step {newer} was committed before its replication began \
-                     (when steps come faster than replication, only the newest is sent)",
+                    "step {}: not held by peers: skipped, as {keep} newer steps (up to step {newest}) were waiting \
+                     to be sent, and the peers keep the newest {keep} of this node (--peer-keep): replication \
+                     was behind the steps",
                     w.step
                 ),
             },

@@ -22,7 +22,7 @@ import sys
 # A crate's folders (and top-level files), lowest layer first: each may use
 # only those before it. The binary's cli/ uses the library by its name.
 LAYERS = {
-    "sidecar": ["config", "memory", "drain", "peer", "state", "save", "commit", "load", "scrub", "daemon", "cli"],
+    "sidecar": ["config", "priority", "memory", "drain", "peer", "state", "save", "commit", "load", "scrub", "daemon", "cli"],
 }
 
 

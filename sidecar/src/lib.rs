@@ -24,6 +24,7 @@ pub mod drain;
 pub mod load;
 pub mod memory;
 pub mod peer;
+pub mod priority;
 pub mod save;
 pub mod scrub;
 pub mod state;

@@ -209,7 +209,7 @@ fn print_peers(p: &ckpt_wire::PeerReport) {
     }
     if let Some(s) = p.last_skipped {
         println!(
-            "          skipped (a newer step committed before their turn): {} step(s), the newest step {s}",
+            "          skipped (more than --peer-keep newer steps waited to be sent): {} step(s), the newest step {s}",
             p.skipped_count
         );
     }

@@ -234,7 +234,7 @@ impl Drain {
             std::thread::Builder::new()
                 .name("ckpt-drain-open".into())
                 .spawn_scoped(s, || {
-                    idle_priority();
+                    crate::priority::idle_cpu_and_io();
                     Target::open(&opts.url, topts).map_err(Box::new)
                 })
                 .map_err(DrainError::Thread)?
@@ -356,7 +356,7 @@ impl Drain {
         std::thread::Builder::new()
             .name("ckpt-drain".into())
             .spawn(move || {
-                idle_priority();
+                crate::priority::idle_cpu_and_io();
                 d.run()
             })
             .map(|_| ())
@@ -550,35 +550,6 @@ impl Drain {
             .sum();
         r
     }
-}
-
-/// Puts the calling thread (and the threads it starts later) in the
-/// SCHED_IDLE class: it runs only on a core nothing else wants; and in the
-/// idle I/O class: where the disk's scheduler honours classes (mq-deadline,
-/// bfq), the drain's reads and writes go after the committer's, so a drain
-/// target on the same disk as `--dir` does not slow the next save's writes
-/// (a loop that saves every step, with a drain). mq-deadline still serves
-/// an idle request within its aging time (`prio_aging_expire`, 10 s), so
-/// the drain is never starved for good.
-pub fn idle_priority() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: changes only the calling thread's scheduling policy (pid 0);
-    // `param` is a valid sched_param for SCHED_IDLE.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-    const IOPRIO_WHO_PROCESS: libc::c_long = 1;
-    const IOPRIO_CLASS_IDLE: libc::c_long = 3;
-    const IOPRIO_CLASS_SHIFT: libc::c_long = 13;
-    // SAFETY: sets the I/O priority of the calling thread only (who =
-    // process, id 0 = the caller); no memory is passed. A kernel without
-    // it returns an error, which leaves the default class: nothing to do.
-    unsafe {
-        libc::syscall(
-            libc::SYS_ioprio_set,
-            IOPRIO_WHO_PROCESS,
-            0 as libc::c_long,
-            IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT,
-        )
-    };
 }
 
 /// Removes fetched-step folders an older sidecar (one that copied a remote

@@ -24,7 +24,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ckpt_store::restore::ThisNode;
 
@@ -153,7 +153,7 @@ impl Peers {
         let offers = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(crate::config::PEER_RECV_THREADS)
             .thread_name("ckpt-peer-recv")
-            .on_thread_start(background_priority)
+            .on_thread_start(crate::priority::nice_19)
             .enable_io()
             .enable_time()
             .build()
@@ -224,20 +224,24 @@ impl Peers {
         // Asked several at once: a peer that does not answer costs its
         // timeout once, not once per peer before it.
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let answers = Mutex::new(Vec::new());
-        std::thread::scope(|s| {
-            for _ in 0..self.opts.peers.len().min(crate::config::PEER_START_ASKS_AT_ONCE) {
-                s.spawn(|| {
-                    while let Some(addr) = self.opts.peers.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
-                    {
-                        let r = self.ask(addr, |c| c.committed_steps());
-                        answers.lock().expect("start answers lock").push((addr.as_str(), r));
-                    }
-                });
-            }
+        let answers: Vec<(&str, _)> = std::thread::scope(|s| {
+            let askers: Vec<_> = (0..self.opts.peers.len().min(crate::config::PEER_START_ASKS_AT_ONCE))
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut out = Vec::new();
+                        while let Some(addr) =
+                            self.opts.peers.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                        {
+                            out.push((addr.as_str(), self.ask(addr, |c| c.committed_steps())));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            askers.into_iter().flat_map(|h| h.join().expect("a start ask panicked")).collect()
         });
         let mut held: std::collections::BTreeMap<u64, Vec<&str>> = Default::default();
-        for (addr, r) in answers.into_inner().expect("start answers lock") {
+        for (addr, r) in answers {
             match r {
                 Ok(steps) => steps.into_iter().for_each(|s| held.entry(s).or_default().push(addr)),
                 Err(e) => tracing::info!(peer = %addr, "peers: not asked for its committed steps ({e})"),
@@ -427,24 +431,5 @@ impl Peers {
         r.refused_connections = self.refused.load(std::sync::atomic::Ordering::Relaxed);
         r.shared_over_peers = self.opts.shared_over_peers;
         r
-    }
-}
-
-/// Puts the calling thread at nice 19: replication (the sender, and the
-/// receiver's copy and check of a replica) is background work, so the
-/// trainer and the saves of this node come first (on a loop that saves
-/// every step its memory traffic otherwise slows the trainer's step:
-/// docs/performance.md). Not SCHED_IDLE, as the drain and the scrub are:
-/// a peer waits on the other end of each transfer and gives up after
-/// `--peer-timeout`, so a node whose cores are all busy (data loaders)
-/// must still give replication a share, never starve it. Refusal only
-/// costs that courtesy.
-pub(crate) fn background_priority() {
-    // SAFETY: gettid has no preconditions; setpriority changes only this
-    // thread's nice value (PRIO_PROCESS with a thread id names one thread
-    // on Linux) and takes no memory.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
     }
 }

@@ -93,11 +93,8 @@ enum Outcome {
     Pending,
     Held(Vec<String>),
     Failed(String),
-    /// Not sent: `keep` newer steps, up to `newest`, waited behind it.
-    Skipped {
-        newest: u64,
-        keep: usize,
-    },
+    /// Not sent: `--peer-keep` newer steps, up to this one, waited behind it.
+    Skipped(u64),
 }
 
 struct Waiter {
@@ -111,6 +108,8 @@ struct State {
     outcomes: BTreeMap<u64, Outcome>,
     waiters: Vec<Waiter>,
     report: PeerReport,
+    /// `--peer-keep`: named when a skipped step is waited for.
+    keep: usize,
 }
 
 pub struct Replication {
@@ -121,10 +120,10 @@ pub struct Replication {
 impl Replication {
     pub fn spawn(sender: Sender) -> std::io::Result<Replication> {
         let (tx, rx) = crossbeam_channel::unbounded::<u64>();
-        let st = Arc::new(Mutex::new(State::default()));
+        let st = Arc::new(Mutex::new(State { keep: sender.keep, ..State::default() }));
         let shared = st.clone();
         std::thread::Builder::new().name("ckpt-peer-send".into()).spawn(move || {
-            super::background_priority();
+            crate::priority::nice_19();
             // Steps committed and not sent yet, sent oldest first.
             let mut waiting = std::collections::BTreeSet::new();
             loop {
@@ -145,7 +144,7 @@ impl Replication {
                 if !skipped.is_empty() {
                     let mut g = shared.lock().expect("peer replication lock");
                     for &s in &skipped {
-                        g.outcomes.insert(s, Outcome::Skipped { newest, keep: sender.keep });
+                        g.outcomes.insert(s, Outcome::Skipped(newest));
                     }
                     g.report.skipped_count += skipped.len() as u64;
                     g.report.last_skipped = skipped.last().copied();
@@ -179,7 +178,7 @@ impl Replication {
                         g.report.last_failed = Some(step);
                         g.report.last_error = why.clone();
                     }
-                    Outcome::Pending | Outcome::Skipped { .. } => {}
+                    Outcome::Pending | Outcome::Skipped(_) => {}
                 }
                 g.outcomes.insert(step, outcome);
                 while g.outcomes.len() > config::PEER_OUTCOMES_KEPT {
@@ -235,7 +234,7 @@ impl Replication {
 
 /// Answers every waiter whose step's replication ended; drops those whose client is gone.
 fn answer(g: &mut State) {
-    let outcomes = &g.outcomes;
+    let (outcomes, keep) = (&g.outcomes, g.keep);
     g.waiters.retain(|w| {
         if w.replies.is_gone() {
             return false;
@@ -248,7 +247,7 @@ fn answer(g: &mut State) {
                 code: ErrorCode::Io,
                 message: format!("step {}: not held by peers: {why}", w.step),
             },
-            Some(Outcome::Skipped { newest, keep }) => Reply::Error {
+            Some(Outcome::Skipped(newest)) => Reply::Error {
                 id: w.id,
                 code: ErrorCode::NotFound,
                 message: format!(

@@ -44,7 +44,7 @@ pub struct Server {
     /// This node's sending side (learns the coordinator from a Decided).
     pub bells: Arc<Bells>,
     /// The runtime a replica is received and checked on: its threads run at
-    /// background priority ([`super::background_priority`]).
+    /// nice 19 ([`crate::priority::nice_19`]).
     pub offers: tokio::runtime::Handle,
 }
 
@@ -190,16 +190,13 @@ impl Server {
                     // node's trainer and saves come first. Every other message
                     // (doorbells, a commit's parts, fetches) stays here.
                     let srv = self.clone();
-                    let sock = r.reunite(w).map_err(|_| ConnError::Protocol("split halves of two sockets".into()))?;
-                    let sock = sock.into_std()?;
+                    let sock = unsplit(r, w)?;
                     let (sock, out) = self
                         .offers
                         .spawn(async move {
                             let (mut r, mut w) = TcpStream::from_std(sock)?.into_split();
                             let out = srv.offer(&mut r, &mut w, &node, step, &index, files).await;
-                            let sock =
-                                r.reunite(w).map_err(|_| ConnError::Protocol("split halves of two sockets".into()))?;
-                            Ok::<_, ConnError>((sock.into_std()?, out))
+                            Ok::<_, ConnError>((unsplit(r, w)?, out))
                         })
                         .await
                         .map_err(|e| ConnError::Protocol(format!("receiving a replica: {e}")))??;
@@ -474,6 +471,13 @@ impl Server {
 /// pieces of memory whatever the file's size. A file that ends early, or
 /// fails to read after its frame went out, ends the connection: the
 /// fetching side's read fails and it tries its next source.
+/// The socket of a connection's two halves, out of its runtime (to move to
+/// another).
+fn unsplit(r: OwnedReadHalf, w: OwnedWriteHalf) -> Result<std::net::TcpStream, ConnError> {
+    let sock = r.reunite(w).map_err(|_| ConnError::Protocol("split halves of two sockets".into()))?;
+    Ok(sock.into_std()?)
+}
+
 /// Committed `step`'s folder files in `shared`, or why there are none to give.
 fn committed_step(shared: &std::path::Path, step: u64) -> Result<ckpt_store::nodes::StepFiles, String> {
     if !ckpt_store::catalog::is_committed(shared, step) {

@@ -98,7 +98,7 @@ fn queue() -> Option<&'static Sender<Msg>> {
             for i in 1..config::COPY_THREADS {
                 let rx = rx.clone();
                 let spawned = std::thread::Builder::new().name(format!("ckpt-copy-{i}")).spawn(move || {
-                    idle_priority();
+                    crate::priority::idle_cpu();
                     while let Ok(msg) = rx.recv() {
                         match msg {
                             Msg::Task(task) => task.run(),
@@ -200,18 +200,6 @@ pub(super) fn lend<R>(helpers: usize, work: &(dyn Fn() + Sync), main: impl FnOnc
     let out = main();
     assert!(!lent.end(), "copy thread panicked");
     out
-}
-
-/// Puts the calling thread in the SCHED_IDLE class: it runs only on a core
-/// nothing else wants. The helpers use it so that a trainer blocked waiting
-/// for Released lends them its core, while a trainer that computes (tensors
-/// resident in shared memory, or the checksum pass after the release) is
-/// never slowed by them. Refusal only costs that courtesy.
-fn idle_priority() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: changes only the calling thread's scheduling policy (pid 0);
-    // `param` is a valid sched_param for SCHED_IDLE.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
 }
 
 #[cfg(test)]

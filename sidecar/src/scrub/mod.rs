@@ -43,23 +43,12 @@ pub fn spawn(state: Arc<DaemonState>, interval: Duration) -> std::io::Result<Arc
     let reported = scrub.clone();
     let _ = state.scrub.set(Box::new(move || reported.report()));
     std::thread::Builder::new().name("ckpt-scrub".into()).spawn(move || {
-        lowest_priority();
+        // CPU and disk time nothing else wants.
+        crate::priority::idle_cpu_and_io();
+        crate::priority::nice_19();
         s.run(&state);
     })?;
     Ok(scrub)
-}
-
-/// SCHED_IDLE and the idle I/O class (as the drain), and nice 19: the
-/// calling thread and those it starts get only CPU and disk time nothing
-/// else wants.
-fn lowest_priority() {
-    crate::drain::idle_priority();
-    // SAFETY: gettid has no preconditions; setpriority changes only the
-    // nice value of the calling thread (PRIO_PROCESS with a thread id).
-    unsafe {
-        let tid = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
-    }
 }
 
 fn now_unix_s() -> u64 {

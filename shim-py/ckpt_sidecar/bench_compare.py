@@ -124,6 +124,13 @@ def parse_args(argv=None):
         "--node-local`): alone, then with node b's sidecar as its peer (`--peer-replicas 1`, every step replicated "
         "into b's memory), and print both",
     )
+    p.add_argument(
+        "--peer-bandwidth",
+        default=None,
+        metavar="SIZE/s",
+        help="with --peers: run the loop with the peer once more, node a's replication paced by "
+        "`serve --peer-bandwidth SIZE/s`, and print it beside the unpaced one",
+    )
     p.add_argument("--loop-size", type=parse_size, default=32 << 20, help="parameter bytes of the loop's model")
     p.add_argument("--loop-steps", type=int, default=20)
     p.add_argument(
@@ -169,6 +176,8 @@ def parse_args(argv=None):
         p.error("--rounds must be at least 1")
     if a.loop_rounds < 1:
         p.error("--loop-rounds must be at least 1")
+    if a.peer_bandwidth is not None and not a.peers:
+        p.error("--peer-bandwidth paces the loop with a peer: it needs --peers")
     return a
 
 
@@ -265,7 +274,9 @@ def main(argv=None):
     if loop_scrub is not None:
         doc["loop_scrub"] = loop_scrub
     if loop_peers is not None:
-        doc["loop_node_local"], doc["loop_peers"] = loop_peers
+        doc["loop_node_local"], doc["loop_peers"], paced = loop_peers
+        if paced is not None:
+            doc["loop_peers_paced"] = paced
     _report(args, doc, loop, loop_drain, loop_scrub, loop_peers)
 
 
@@ -432,20 +443,27 @@ def _peer_loops(args, base, skipped):
 
     log("the loop as node a of two nodes, alone")
     alone = run_loop(args, base, skipped, extra=node("a", os.path.join(base, "shared-alone")), tag="-alone")
-    shared = os.path.join(base, "shared-peers")
-    b_args = node("b", shared) + ("--peer-listen", f"127.0.0.1:{pb}", "--peers", f"127.0.0.1:{pa}")
-    b = Sidecar(os.path.join(base, "node-b"), 64 << 20, extra=b_args + ("--peer-secret-file", secret))
-    try:
-        b.connect().close()
-        log("the loop as node a of two nodes, node b its peer")
-        a_args = node("a", shared) + ("--peer-listen", f"127.0.0.1:{pa}", "--peers", f"127.0.0.1:{pb}")
-        # The same step as alone: a loop timed by its own first persists
-        # (the peer's pool not yet faulted) would run another step.
-        extra = a_args + ("--peer-secret-file", secret)
-        peers = run_loop(args, base, skipped, extra=extra, tag="-peers", step_s=alone["step_compute_s"])
-    finally:
-        b.stop()
-    return alone, peers
+
+    def with_peer(tag, paced):
+        """The loop on node a with node b its peer (a's replication paced
+        by `paced` when given), each time on a shared directory of its own."""
+        shared = os.path.join(base, "shared" + tag)
+        b_args = node("b", shared) + ("--peer-listen", f"127.0.0.1:{pb}", "--peers", f"127.0.0.1:{pa}")
+        b = Sidecar(os.path.join(base, "node-b" + tag), 64 << 20, extra=b_args + ("--peer-secret-file", secret))
+        try:
+            b.connect().close()
+            log(f"the loop as node a of two nodes, node b its peer{f', --peer-bandwidth {paced}' if paced else ''}")
+            a_args = node("a", shared) + ("--peer-listen", f"127.0.0.1:{pa}", "--peers", f"127.0.0.1:{pb}")
+            a_args += ("--peer-secret-file", secret) + (("--peer-bandwidth", paced) if paced else ())
+            # The same step as alone: a loop timed by its own first persists
+            # (the peer's pool not yet faulted) would run another step.
+            return run_loop(args, base, skipped, extra=a_args, tag=tag, step_s=alone["step_compute_s"])
+        finally:
+            b.stop()
+
+    peers = with_peer("-peers", None)
+    paced = with_peer("-peers-paced", args.peer_bandwidth) if args.peer_bandwidth else None
+    return alone, peers, paced
 
 
 def _report(args, doc, loop, loop_drain, loop_scrub=None, loop_peers=None):
@@ -466,6 +484,9 @@ def _report(args, doc, loop, loop_drain, loop_scrub=None, loop_peers=None):
         print_loop(loop_peers[0])
         print("node a of two nodes, node b its peer (--peer-replicas 1):")
         print_loop(loop_peers[1])
+        if loop_peers[2] is not None:
+            print(f"node a of two nodes, node b its peer, --peer-bandwidth {args.peer_bandwidth}:")
+            print_loop(loop_peers[2])
     plot_failed = None
     if args.plot and doc["results"]:
         try:

@@ -12,6 +12,7 @@ import hmac
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -259,6 +260,24 @@ def test_a_peer_that_cannot_be_reached_fails_the_replication_saying_why_and_the_
     [failed] = saved[1]["held"]
     assert failed["step"] == 1 and failed["error"].startswith("IOFailed") and f"127.0.0.1:{dead}" in failed["error"]
     assert cluster.nodes["b"].status()["peers"]["last_failed"] == 1
+
+
+def test_peer_bandwidth_paces_the_replication_and_the_step_is_still_held(cluster):
+    """a sends at most 2 MB/s (--peer-bandwidth): its ~4 MB of step 1 reach b
+    no faster than that allows (the bucket starts with at most a quarter
+    second's bytes), and the step is held as usual."""
+    rate = 2_000_000
+    cluster.start("a", extra=("--peer-bandwidth", "2MB/s"))
+    cluster.start("b")
+    saved, logs = cluster.ranks("save", "1", env_extra={"PEER_RANKS_KIB": "8192"})
+    assert [s["held"] for s in saved] == [[1], [1]], logs
+    a = cluster.nodes["a"].status()["peers"]
+    assert a["last_held"] == 1 and a["last_held_by"] == ["b"], a
+    [line] = [ln for ln in cluster.nodes["a"].log.read_text().splitlines() if "files are held by its peers" in ln]
+    sent = int(re.search(r"bytes=(\d+)", line).group(1))
+    assert sent > 4_000_000, line
+    assert 0 < a["bytes_per_s"] <= rate * sent / (sent - rate / 4), (a, line)
+    assert cluster.said("a", "peers: listening", "bandwidth_bytes_per_s=Some(2000000)"), cluster.logs()
 
 
 class Listener:

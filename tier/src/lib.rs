@@ -22,6 +22,7 @@ mod target;
 
 pub use config::*;
 pub use error::TierError;
+pub use limiter::TokenBucket;
 pub use target::{
     fetch_ranges, local_files, remote_index_json, HeldBytes, LocalFile, Target, TargetOptions, UploadStats,
 };

@@ -1,6 +1,7 @@
 //! A token bucket shared by every part of every upload of one target, so
 //! that `bandwidth_bytes_per_s` bounds the whole drain, however many parts
-//! are in flight.
+//! are in flight; the sidecar's replication to its peers is paced by one
+//! too (`--peer-bandwidth`).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 const BURST_SECONDS: f64 = 0.25;
 
 #[derive(Debug)]
-pub(crate) struct TokenBucket {
+pub struct TokenBucket {
     rate_bytes_per_s: f64,
     burst_bytes: f64,
     state: Mutex<State>,
@@ -25,7 +26,7 @@ struct State {
 }
 
 impl TokenBucket {
-    pub(crate) fn new(rate_bytes_per_s: u64) -> TokenBucket {
+    pub fn new(rate_bytes_per_s: u64) -> TokenBucket {
         let rate = rate_bytes_per_s.max(1) as f64;
         TokenBucket {
             rate_bytes_per_s: rate,
@@ -36,7 +37,7 @@ impl TokenBucket {
 
     /// Takes `bytes` tokens; returns how long the caller must wait before
     /// sending them (zero when the bucket had them).
-    pub(crate) fn take(&self, bytes: u64) -> Duration {
+    pub fn take(&self, bytes: u64) -> Duration {
         let mut s = self.state.lock().expect("token bucket lock");
         let now = Instant::now();
         let refill = now.duration_since(s.at).as_secs_f64() * self.rate_bytes_per_s;
@@ -55,6 +56,20 @@ impl TokenBucket {
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
+    }
+
+    /// [`TokenBucket::acquire`] for a thread that may block: sleeps off
+    /// what `bytes` cost.
+    pub fn acquire_blocking(&self, bytes: u64) {
+        let wait = self.take(bytes);
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+    }
+
+    /// The rate, in bytes per second.
+    pub fn rate_bytes_per_s(&self) -> u64 {
+        self.rate_bytes_per_s as u64
     }
 }
 

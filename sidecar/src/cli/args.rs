@@ -231,6 +231,11 @@ pub struct DaemonArgs {
     /// and never hangs it (default: 30s).
     #[arg(long, value_name = "DURATION", requires = "peer_listen", value_parser = parse_duration)]
     pub peer_timeout: Option<std::time::Duration>,
+    /// Send this node's steps to its peers at most SIZE per second (e.g.
+    /// 500MB/s, 1GiB/s), so replication leaves the link to the training's
+    /// own traffic; restores from peers are not paced (default: unlimited).
+    #[arg(long, value_name = "SIZE/s", requires = "peer_listen", value_parser = parse_bandwidth)]
+    pub peer_bandwidth: Option<u64>,
     /// No shared file system: --shared DIR is this node's own folder (on
     /// its own disk), and the peers carry what the nodes share. Each rank's
     /// marker and blobs go to the coordinator (rank 0's sidecar), which
@@ -595,6 +600,11 @@ pub struct CompareArgs {
     /// into b's memory), and print both.
     #[arg(long)]
     pub peers: bool,
+    /// With --peers: run the loop with the peer once more, node a's
+    /// replication paced by `serve --peer-bandwidth SIZE/s`, and print it
+    /// beside the unpaced one.
+    #[arg(long, value_name = "SIZE/s", requires = "peers")]
+    pub peer_bandwidth: Option<String>,
     /// LoRA-like states: each size is a frozen base plus adapters of
     /// this size with AdamW-like moments written before every save; adds
     /// the methods sidecar_trust and sidecar_changed_only.

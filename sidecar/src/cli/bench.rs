@@ -192,6 +192,7 @@ fn compare_args(a: CompareArgs) -> Vec<OsString> {
         ("--loop-kind", a.loop_kind),
         ("--drain", a.drain),
         ("--scrub-interval", a.scrub_interval),
+        ("--peer-bandwidth", a.peer_bandwidth),
     ];
     for (flag, value) in loop_values {
         if let Some(v) = value {

@@ -85,6 +85,7 @@ impl DaemonArgs {
                 .peer_timeout
                 .unwrap_or(std::time::Duration::from_millis(ckpt_sidecar::config::PEER_IO_TIMEOUT_MS)),
             shared_over_peers: self.shared_over_peers,
+            bandwidth_bytes_per_s: self.peer_bandwidth,
         }))
     }
 }

@@ -9,10 +9,58 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ckpt_tier::TokenBucket;
 use ckpt_wire::peer::{self, Nodes, PeerMsg, Role, PEER_FRAME_BYTES_MAX, PEER_HELLO_BYTES_MAX};
 
 use super::frames::{fresh_nonce, kind, recv, send, ConnError};
 use crate::config;
+
+/// The bytes of `f` into `w`: from its copy in memory when it has one of
+/// its length, else from its file.
+fn send_body<W: Write>(w: &mut W, f: &LocalFile) -> Result<(), ConnError> {
+    if let Some(b) = f.bytes.as_ref().filter(|b| b.as_slice().len() as u64 == f.len_bytes) {
+        w.write_all(b.as_slice())?;
+        return Ok(());
+    }
+    let file = std::fs::File::open(&f.path)?;
+    // File to socket: std copies with sendfile/splice where it can (when
+    // not paced).
+    let sent = std::io::copy(&mut file.take(f.len_bytes), w)?;
+    if sent != f.len_bytes {
+        return Err(ConnError::Protocol(format!("{}: {sent} of {} bytes on disk", f.path.display(), f.len_bytes)));
+    }
+    Ok(())
+}
+
+/// A writer that takes a bucket's tokens for each piece before writing
+/// it. A piece is an eighth of a second at the bucket's rate (within 4 KiB
+/// and [`config::PEER_PIECE_BYTES`]), so the pauses between pieces stay
+/// far below the peer's silence timeout.
+struct Paced<'a, W> {
+    inner: W,
+    bucket: &'a TokenBucket,
+    piece: usize,
+}
+
+impl<'a, W: Write> Paced<'a, W> {
+    fn new(inner: W, bucket: &'a TokenBucket) -> Self {
+        let piece = (bucket.rate_bytes_per_s() / 8).clamp(4 << 10, config::PEER_PIECE_BYTES as u64) as usize;
+        Paced { inner, bucket, piece }
+    }
+}
+
+impl<W: Write> Write for Paced<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(self.piece);
+        self.bucket.acquire_blocking(n as u64);
+        self.inner.write_all(&buf[..n])?;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
 
 /// A file of this node's, sent from memory (a copy of the part's staging
 /// image) when given, else from disk.
@@ -93,26 +141,24 @@ impl Conn {
     }
 
     /// Offers this node's (`node`) files of `step` (its committed index
-    /// `index`): Ok once the peer checked and holds every byte.
-    pub fn offer(&mut self, node: &str, step: u64, index: &[u8], files: &[LocalFile]) -> Result<(), ConnError> {
+    /// `index`): Ok once the peer checked and holds every byte. `pace`:
+    /// the files' bytes take its tokens as they are sent (`--peer-bandwidth`).
+    pub fn offer(
+        &mut self,
+        node: &str,
+        step: u64,
+        index: &[u8],
+        files: &[LocalFile],
+        pace: Option<&TokenBucket>,
+    ) -> Result<(), ConnError> {
         let offer = PeerMsg::Offer { node: node.into(), step, index: index.to_vec(), files: files.len() as u32 };
         send(&mut self.stream, &offer)?;
         self.expect(|m| matches!(m, PeerMsg::Ready))?;
         for f in files {
             send(&mut self.stream, &PeerMsg::File { name: f.name.clone(), len_bytes: f.len_bytes })?;
-            if let Some(b) = f.bytes.as_ref().filter(|b| b.as_slice().len() as u64 == f.len_bytes) {
-                self.stream.write_all(b.as_slice())?;
-                continue;
-            }
-            let file = std::fs::File::open(&f.path)?;
-            // File to socket: std copies with sendfile/splice where it can.
-            let sent = std::io::copy(&mut file.take(f.len_bytes), &mut self.stream)?;
-            if sent != f.len_bytes {
-                return Err(ConnError::Protocol(format!(
-                    "{}: {sent} of {} bytes on disk",
-                    f.path.display(),
-                    f.len_bytes
-                )));
+            match pace {
+                None => send_body(&mut self.stream, f)?,
+                Some(bucket) => send_body(&mut Paced::new(&mut self.stream, bucket), f)?,
             }
         }
         send(&mut self.stream, &PeerMsg::Done)?;

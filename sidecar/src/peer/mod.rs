@@ -103,6 +103,9 @@ pub struct PeerOptions {
     /// is this node's own, and the peers carry what the nodes share
     /// (`ckpt_store::nodes::over_peers`).
     pub shared_over_peers: bool,
+    /// This node's replication sends at most this many bytes per second
+    /// (`--peer-bandwidth`); None: as fast as the link takes them.
+    pub bandwidth_bytes_per_s: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -191,9 +194,10 @@ impl Peers {
             io_timeout: opts.io_timeout,
             ids: Default::default(),
             kept: Default::default(),
+            pace: opts.bandwidth_bytes_per_s.map(ckpt_tier::TokenBucket::new),
         })
         .map_err(PeerError::Runtime)?;
-        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, "peers: listening");
+        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, bandwidth_bytes_per_s = ?opts.bandwidth_bytes_per_s, "peers: listening");
         Ok(Arc::new(Peers {
             opts,
             secret,

@@ -41,6 +41,8 @@ pub struct Sender {
     /// The committed indexes read so far (by template when laid out as
     /// the step before's).
     pub kept: ckpt_store::nodes::KeptIndex,
+    /// `--peer-bandwidth`: every byte sent to any peer takes its tokens.
+    pub pace: Option<ckpt_tier::TokenBucket>,
 }
 
 /// This node's files of recent steps in memory, copied from each part's
@@ -334,7 +336,7 @@ impl Sender {
             };
             // Another node at this address now: the ring is ordered by it next time.
             ids.insert(addr.to_string(), c.node.clone());
-            match c.offer(&self.me.id, step, &part, &files) {
+            match c.offer(&self.me.id, step, &part, &files, self.pace.as_ref()) {
                 Ok(()) => held.push(c.node.clone()),
                 Err(e) => reasons.push(format!("peer {addr} ({:?}): {e}", c.node)),
             }

@@ -791,6 +791,25 @@ pub fn node_step_path(dir: &Path, step: u64) -> Result<PathBuf, format::FormatEr
 
 pub use crate::recovery::sweep_node_local;
 
+/// Removes rank `rank`'s marker and slice declarations from the committed
+/// step `step` of the shared directory `shared`, once a newer step of that
+/// rank is committed: only a rank's part comparing with the newest readable
+/// step reads them (else it reads the index), and readers never do. Done
+/// by the node that wrote them, so retention on the coordinator is left
+/// with the files of the step as a whole, whatever the rank count. Not
+/// synced: a crash that brings one back costs its unlink at retention. A
+/// file already gone (retention came first) is no error.
+pub fn prune_rank_marker(shared: &Path, step: u64, rank: u32) -> io::Result<()> {
+    let folder = catalog::step_path(shared, step);
+    for name in [format::rank_marker_name(rank), format::rank_slices_name(rank)] {
+        match fs::remove_file(folder.join(name)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Removes rank `rank`'s shards, marker, slice declarations and the named
 /// blobs from a multi-rank temp folder (what an earlier attempt of that
 /// rank left).

@@ -164,6 +164,9 @@ pub struct Nodes {
     /// Markers sent by peers for steps not coordinated here (yet)
     /// (bounded: `PEER_EARLY_MARKER*`).
     early: BTreeMap<u64, Vec<Sent>>,
+    /// Per rank served here: the newest committed step whose folder holds
+    /// its marker (pruned once a newer step of the rank commits).
+    markers_left: BTreeMap<u32, u64>,
 }
 
 /// A rank's marker that came by message: from a node sharing the temp
@@ -197,7 +200,13 @@ fn answer_failed(state: &DaemonState, w: Waiter, step: u64, r: Refusal) {
 
 impl Nodes {
     pub fn new(timeout: Duration) -> Nodes {
-        Nodes { steps: BTreeMap::new(), timeout, since_full: BTreeMap::new(), early: BTreeMap::new() }
+        Nodes {
+            steps: BTreeMap::new(),
+            timeout,
+            since_full: BTreeMap::new(),
+            early: BTreeMap::new(),
+            markers_left: BTreeMap::new(),
+        }
     }
 
     /// Whether some rank waits for a step's outcome (the committer then
@@ -573,6 +582,25 @@ impl Nodes {
         }
     }
 
+    /// A step committed and answered: each of its ranks' marker in the
+    /// folder of the step committed before it goes
+    /// (`nodes::prune_rank_marker`), here, off the commit path.
+    fn prune_markers(&mut self, store: &Store, ranks: &[u32], step: u64) {
+        let Some(dir) = store.shared_dir() else { return };
+        for &rank in ranks {
+            let prev = match self.markers_left.get(&rank) {
+                Some(&p) if p >= step => continue,
+                p => p.copied(),
+            };
+            self.markers_left.insert(rank, step);
+            if let Some(prev) = prev {
+                if let Err(e) = nodes::prune_rank_marker(dir, prev, rank) {
+                    debug!(step = prev, rank, "the rank's marker stays until retention ({e})");
+                }
+            }
+        }
+    }
+
     /// When the next waiting step is due for a look (the committer's wait
     /// ends then at the latest).
     pub fn next_look(&self) -> Option<Instant> {
@@ -683,7 +711,9 @@ impl Nodes {
                         persist_gib_per_s: gib_per_s,
                     });
                     self.count_committed(&w);
+                    let ranks: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
                     durable(state, w, step, &rep.path.display().to_string(), persist_seconds);
+                    self.prune_markers(store, &ranks, step);
                     // Off the commit path: its ranks are answered (a crash
                     // before this leaves it to the next commit).
                     let t_retain = Instant::now();
@@ -780,7 +810,9 @@ impl Nodes {
                 self.forget_early(step);
                 self.sweep(store);
                 self.count_committed(&w);
+                let ranks: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
                 durable(state, w, step, &path, persist_seconds);
+                self.prune_markers(store, &ranks, step);
             }
             RanksState::Gone => {
                 let w = self.steps.remove(&step).expect("polled");

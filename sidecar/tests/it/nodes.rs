@@ -326,8 +326,8 @@ fn four_ranks_on_two_nodes_commit_one_checkpoint_with_every_tensor() {
         assert_eq!(l.tensor(&format!("b.{}", r.rank)).unwrap(), &r.bytes[half..], "rank {}", r.rank);
         assert_eq!(l.blobs[&format!("rng.rank-{:05}.pkl", r.rank)], vec![r.rank as u8; 16]);
     }
-    // Every marker stays in the committed folder; nothing in flight is left;
-    // the nodes' own directories hold no checkpoint.
+    // Every marker is in the committed folder (the newest); nothing in flight
+    // is left; the nodes' own directories hold no checkpoint.
     for r in 0..4 {
         assert!(catalog::step_path(&shared, 5).join(format!("rank-{r:05}.done")).is_file());
     }
@@ -348,6 +348,20 @@ fn four_ranks_on_two_nodes_commit_one_checkpoint_with_every_tensor() {
     // A second step commits the same way, and `latest` moves.
     save_all(&mut ranks, 6, &c.shared());
     assert_eq!(catalog::latest_step(&shared).unwrap(), Some(6));
+    // Each node then removes its own ranks' markers (and slice declarations)
+    // of step 5, which no part compares with any more, so that retention on
+    // the coordinator does not unlink them rank by rank. Step 5 still loads.
+    let markers = |step: u64| -> Vec<u32> {
+        (0..4).filter(|r| catalog::step_path(&shared, step).join(format!("rank-{r:05}.done")).exists()).collect()
+    };
+    let t0 = Instant::now();
+    while !markers(5).is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "step 5 still holds the markers of ranks {:?}", markers(5));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(markers(6), vec![0, 1, 2, 3]);
+    let l5 = restore::load(&shared, Which::Step(5), &ReadOptions::default(), None).unwrap();
+    assert_eq!(l5.tensor("w.3").unwrap(), &ranks[3].bytes[..ranks[3].bytes.len() / 8 * 4]);
 }
 
 #[test]

@@ -12,14 +12,21 @@ saves its half, as Checkpointer.save does at world size 2). Rows:
   (medians as replicate's): what replication's copy of each part costs
   the commit;
 - tcp x2: two plain TCP streams of half the bytes each at once (a socket
-  sender and receiver per stream in this process, 4 MiB pieces): the
-  baseline of both nodes replicating their halves at once;
+  sender and receiver per stream in this process, 4 MiB pieces, each
+  from and into one 4 MiB buffer, so in cache, as iperf3): the baseline
+  of both nodes replicating their halves at once;
+- tcp x2, step memory: the same streams from a source of half the step
+  into a destination of half (pre-faulted, reused round after round):
+  what moving the step's bytes through TCP costs in memory traffic, which
+  replication pays and the cached baseline does not;
 - replicate: each step's durable -> held by peers (wait_durable returned ->
   wait_peers returned) on both ranks, the slower of the two; throughput =
   the step's bytes / that time (median of --rounds steps after --warm-up
   steps: a peer's replicas land in the memory of the ones it evicted, so
-  with `--peer-keep 2` the first 3 steps get fresh memory, which a job
-  that saves every step pays only at its start); and each
+  with `--peer-keep 2` the first 3 steps of a layout get fresh memory,
+  which a job that saves every step pays only at its start; this state's
+  first two steps are written as 4 shards and the later ones as one, so
+  the buffers fit from step 6 on, hence 5 warm-up steps); and each
   sidecar's own figure (status: bytes of its files / seconds from connect
   to the peer's Held, every byte checked there);
 - tcp x1: one plain TCP stream of all the bytes: the baseline of a restore;
@@ -64,45 +71,59 @@ def free_port():
         return s.getsockname()[1]
 
 
-def tcp_streams(n_bytes, n_streams):
-    """Seconds for n_streams plain TCP streams of n_bytes each, at once, over loopback."""
+def tcp_streams(n_bytes, n_streams, memory=None):
+    """Seconds for n_streams plain TCP streams of n_bytes each, at once, over
+    loopback: from and into one PIECE-sized buffer per stream (in cache, as
+    iperf3 does), or, given `memory` (n_streams pairs of pre-faulted
+    buffers of n_bytes, from stream_memory), from each stream's source
+    into its destination, as a replication moves a step's bytes."""
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
     src = bytearray(os.urandom(PIECE))
+    pairs = iter(memory) if memory is not None else None
 
-    def receive(c):
-        buf = bytearray(PIECE)
-        view, got = memoryview(buf), 0
+    def receive(c, dst):
+        view, got = memoryview(dst if dst is not None else bytearray(PIECE)), 0
         while got < n_bytes:
-            n = c.recv_into(view, min(PIECE, n_bytes - got))
+            at = got if dst is not None else 0
+            n = c.recv_into(view[at:], min(PIECE, n_bytes - got))
             if n == 0:
                 break
             got += n
         c.close()
 
-    def send():
+    def send(source):
+        view = memoryview(source if source is not None else src)
         with socket.create_connection(("127.0.0.1", port)) as c:
             left = n_bytes
             while left:
                 k = min(PIECE, left)
-                c.sendall(memoryview(src)[:k])
+                at = n_bytes - left if source is not None else 0
+                c.sendall(view[at : at + k])
                 left -= k
             c.shutdown(socket.SHUT_WR)
             c.recv(1)
 
+    given = [next(pairs) if pairs is not None else (None, None) for _ in range(n_streams)]
     t0 = time.perf_counter()
-    senders = [threading.Thread(target=send) for _ in range(n_streams)]
+    senders = [threading.Thread(target=send, args=(s,)) for s, _ in given]
     for t in senders:
         t.start()
     receivers = []
-    for _ in range(n_streams):
+    for _, dst in given:
         c, _ = srv.accept()
-        receivers.append(threading.Thread(target=receive, args=(c,)))
+        receivers.append(threading.Thread(target=receive, args=(c, dst)))
         receivers[-1].start()
     for t in receivers + senders:
         t.join()
     srv.close()
     return time.perf_counter() - t0
+
+
+def stream_memory(n_bytes, n_streams):
+    """n_streams (source, destination) pairs of n_bytes each, every page
+    written once (reused round after round, as the peers' pools are)."""
+    return [(bytearray(b"\x5a") * n_bytes, bytearray(b"\x00") * n_bytes) for _ in range(n_streams)]
 
 
 def read_seconds(log):
@@ -167,10 +188,29 @@ class Node:
         other = "b" if name == "a" else "a"
         self.dir, self.sock = os.path.join(tmp, f"L_{name}"), os.path.join(tmp, f"{name}.sock")
         self.log = os.path.join(tmp, f"{name}.log")
-        self.cmd = [os.environ.get("CKPT_SIDECAR_BIN", "ckpt-sidecar"), "serve", "--dir", self.dir, "--socket",
-                    self.sock, "--staging", staging, "--keep", "2", "--shared", shared, "--node-local", "--node-id",
-                    name, "--peer-listen", f"127.0.0.1:{ports[name]}", "--peers", f"127.0.0.1:{ports[other]}",
-                    "--peer-secret-file", secret]
+        self.cmd = [
+            os.environ.get("CKPT_SIDECAR_BIN", "ckpt-sidecar"),
+            "serve",
+            "--dir",
+            self.dir,
+            "--socket",
+            self.sock,
+            "--staging",
+            staging,
+            "--keep",
+            "2",
+            "--shared",
+            shared,
+            "--node-local",
+            "--node-id",
+            name,
+            "--peer-listen",
+            f"127.0.0.1:{ports[name]}",
+            "--peers",
+            f"127.0.0.1:{ports[other]}",
+            "--peer-secret-file",
+            secret,
+        ]
         self.proc = None
 
     def start(self):
@@ -203,8 +243,14 @@ def ranks(nodes, shared, steps, mode, gib, only=None):
         if only is not None and r != only:
             continue
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", CKPT_SIDECAR_SOCKET=n.sock)
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, shared, steps, mode, str(gib)], env=env,
-                                      stdout=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, shared, steps, mode, str(gib)],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     return [json.loads(o) for o in outs]
@@ -214,7 +260,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warm-up", type=int, default=3, help="steps saved before the measured ones")
+    ap.add_argument("--warm-up", type=int, default=5, help="steps saved before the measured ones")
     a = ap.parse_args()
     n_bytes = int(a.gib * GIB)
     tmp = tempfile.mkdtemp(prefix="bench-peers-")
@@ -229,6 +275,9 @@ def main():
         staging = str(int(n_bytes * 1.5))
         nodes = [Node(tmp, n, ports, shared, secret, staging).start() for n in ("a", "b")]
         tcp2 = statistics.median(tcp_streams(n_bytes // 2, 2) for _ in range(a.rounds))
+        memory = stream_memory(n_bytes // 2, 2)
+        tcp2_mem = statistics.median(tcp_streams(n_bytes // 2, 2, memory) for _ in range(a.rounds))
+        del memory
         last = a.warm_up + a.rounds
         steps = ",".join(str(s) for s in range(1, last + 1))
         per_rank = ranks(nodes, shared, steps, "save", a.gib)
@@ -246,21 +295,38 @@ def main():
         restore_read = read_seconds(nodes[1].log)
         local = ranks(nodes, shared, str(last), "load", a.gib, only=0)[0][0]
         gbs = lambda b, s: b / s / 1e9  # noqa: E731
-        print(f"state: {n_bytes / GIB:.2f} GiB per step, half per node; {a.rounds} rounds after {a.warm_up} warm-up "
-              "steps (medians)")
+        print(
+            f"state: {n_bytes / GIB:.2f} GiB per step, half per node; {a.rounds} rounds after {a.warm_up} warm-up "
+            "steps (medians)"
+        )
         print(f"tcp x2 (baseline)   {gbs(n_bytes, tcp2):6.2f} GB/s   ({tcp2:.3f} s for two streams of half at once)")
         print(f"save -> durable     {gbs(n_bytes, durable):6.2f} GB/s   ({durable:.3f} s, the slower rank)")
-        print(f"replicate           {gbs(n_bytes, repl):6.2f} GB/s   ({repl:.3f} s durable -> held, both nodes) "
-              f"= {tcp2 / repl:.2f} x baseline; sidecars' own: {', '.join(f'{x / 1e9:.2f}' for x in own)} GB/s")
+        print(
+            f"replicate           {gbs(n_bytes, repl):6.2f} GB/s   ({repl:.3f} s durable -> held, both nodes) "
+            f"= {tcp2 / repl:.2f} x baseline; sidecars' own: {', '.join(f'{x / 1e9:.2f}' for x in own)} GB/s"
+        )
+        print(
+            f"tcp x2, step memory {gbs(n_bytes, tcp2_mem):6.2f} GB/s   ({tcp2_mem:.3f} s: each stream from a source "
+            f"of half the step into a destination of half, as replication moves them); replicate "
+            f"= {tcp2_mem / repl:.2f} x this"
+        )
         print(f"tcp x1 (baseline)   {gbs(n_bytes, tcp1):6.2f} GB/s   ({tcp1:.3f} s)")
-        print(f"fresh shm (floor)   {gbs(n_bytes, fresh):6.2f} GB/s   ({fresh:.3f} s: a new region of the state's "
-              "size, its pages reserved and mapped, as a load into new memory pays before a byte arrives)")
-        print(f"restore from peer   {gbs(n_bytes, restore):6.2f} GB/s   ({restore:.3f} s, load('latest') on the new "
-              f"node, every tensor checked) = {tcp1 / restore:.2f} x baseline")
-        print(f"restore's read      {gbs(n_bytes, restore_read):6.2f} GB/s   ({restore_read:.3f} s: the new node's "
-              f"sidecar's read of the files into the region, from its log) = {tcp1 / restore_read:.2f} x baseline")
-        print(f"load on a (no net)  {gbs(n_bytes, local):6.2f} GB/s   ({local:.3f} s: its half from its page cache, "
-              f"b's from the replica in its RAM: the load path's own cost)")
+        print(
+            f"fresh shm (floor)   {gbs(n_bytes, fresh):6.2f} GB/s   ({fresh:.3f} s: a new region of the state's "
+            "size, its pages reserved and mapped, as a load into new memory pays before a byte arrives)"
+        )
+        print(
+            f"restore from peer   {gbs(n_bytes, restore):6.2f} GB/s   ({restore:.3f} s, load('latest') on the new "
+            f"node, every tensor checked) = {tcp1 / restore:.2f} x baseline"
+        )
+        print(
+            f"restore's read      {gbs(n_bytes, restore_read):6.2f} GB/s   ({restore_read:.3f} s: the new node's "
+            f"sidecar's read of the files into the region, from its log) = {tcp1 / restore_read:.2f} x baseline"
+        )
+        print(
+            f"load on a (no net)  {gbs(n_bytes, local):6.2f} GB/s   ({local:.3f} s: its half from its page cache, "
+            f"b's from the replica in its RAM: the load path's own cost)"
+        )
         for n in nodes:
             n.stop()
     finally:

@@ -10,10 +10,11 @@ the newest step from its peer and loads bit-equal, with no drain target."""
 import json
 import shutil
 import subprocess
+import threading
 
 import pytest
 from sidecar_fixtures import sidecar_bin
-from test_peers import Cluster, free_port, secret_file
+from test_peers import Cluster, Listener, free_port, secret_file
 
 INDEX = "model.safetensors.index.json"
 
@@ -199,3 +200,55 @@ def test_a_sidecar_refuses_shared_over_peers_without_peers(tmp_path):
                         "--shared", str(tmp_path), "--node-local", "--node-id", "a", "--shared-over-peers"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--peer-listen" in r.stderr, r.stderr
+
+
+class Watcher(Listener):
+    """A peer that never answers and notes, in a list it shares with others,
+    when it accepted a connection and when the other end closed it."""
+
+    def __init__(self, name, events, lock):
+        self.name, self.events, self.lock, self.conns = name, events, lock, []
+        super().__init__()
+
+    def note(self, what):
+        with self.lock:
+            self.events.append((what, self.name))
+
+    def take(self, c):
+        self.note("accepted")
+        self.conns.append(c)
+        threading.Thread(target=self.watch, args=(c,), daemon=True).start()
+
+    def watch(self, c):
+        try:
+            while c.recv(4096):
+                pass
+        except OSError:
+            pass
+        self.note("closed")
+
+    def close(self):
+        self.srv.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_starting_node_asks_its_peers_at_once_so_silent_ones_cost_one_timeout(nodes):
+    """b starts on an empty machine with two peers that accept and never
+    answer: it asks both at once (each ask gives up after its timeout), so
+    both connections are open before either is given up; asked one after
+    the other, the second would come only once the first was closed."""
+    events, lock = [], threading.Lock()
+    silent = [Watcher(n, events, lock) for n in ("p", "q")]
+    try:
+        nodes.start("b", peers=",".join(f"127.0.0.1:{w.port}" for w in silent))
+        with lock:
+            seen = list(events)
+        assert any(e[0] == "closed" for e in seen), (seen, nodes.logs())
+        first_closed = next(i for i, e in enumerate(seen) if e[0] == "closed")
+        assert sorted(n for what, n in seen[:first_closed] if what == "accepted") == ["p", "q"], seen
+        for w in silent:
+            assert nodes.said("b", "not asked for its committed steps", f"127.0.0.1:{w.port}"), nodes.logs()
+    finally:
+        for w in silent:
+            w.close()

@@ -84,12 +84,12 @@ class Cluster:
                  for r in ranks]
         return procs, work
 
-    def finish(self, procs, work):
+    def finish(self, procs, work, world=2):
         """The started ranks' result files, by rank, once all exited 0; and the logs."""
         outs = [p.communicate(timeout=300)[0] for p in procs]
         logs = "\n".join(o[-3000:] for o in outs) + self.logs()
         assert all(p.returncode == 0 for p in procs), logs
-        return [json.loads((work / f"result-{r}.json").read_text()) for r in range(2)], logs
+        return [json.loads((work / f"result-{r}.json").read_text()) for r in range(world)], logs
 
     def said(self, node, *words):
         """Whether a line of node's log holds every one of `words`."""
@@ -280,6 +280,35 @@ def test_peer_bandwidth_paces_the_replication_and_the_step_is_still_held(cluster
     assert cluster.said("a", "peers: listening", "bandwidth_bytes_per_s=Some(2000000)"), cluster.logs()
 
 
+def test_a_failure_domain_sends_a_nodes_steps_to_a_peer_outside_it_first(cluster):
+    """Nodes a and b in rack r1, c in r2 (--failure-domain), each a peer of
+    the other two, rank r on the r-th node. In ring order a's steps would go
+    to b: they go to c, outside a's rack; b's to c; c's to a. Then a and b
+    alone in r1: each one's steps still go to the other, said in the log."""
+    cluster.ports["c"] = free_port()
+
+    def others(me):
+        return ",".join(f"127.0.0.1:{cluster.ports[n]}" for n in "abc" if n != me)
+
+    for n, rack in (("a", "r1"), ("b", "r1"), ("c", "r2")):
+        cluster.start(n, peers=others(n), extra=("--failure-domain", rack))
+    saved, logs = cluster.finish(*cluster.start_ranks("save", "1", ranks=(0, 1, 2), world=3, on="abc"), world=3)
+    assert [s["held"] for s in saved] == [[1], [1], [1]], logs
+    held_by = {n: cluster.nodes[n].status()["peers"]["last_held_by"] for n in "abc"}
+    assert held_by == {"a": ["c"], "b": ["c"], "c": ["a"]}, (held_by, cluster.logs())
+    assert cluster.said("a", "peers: listening", "failure_domain=r1"), cluster.logs()
+    assert not cluster.said("a", "held only within its own failure domain"), cluster.logs()
+    cluster.stop()
+    # c gone: a's and b's steps are held in their own rack, and each says so.
+    for n in "ab":
+        cluster.start(n, peers=f"127.0.0.1:{cluster.ports['b' if n == 'a' else 'a']}", extra=("--failure-domain", "r1"))
+    saved, logs = cluster.ranks("save", "2")
+    assert [s["held"] for s in saved] == [[2], [2]], logs
+    for n, other in (("a", "b"), ("b", "a")):
+        assert cluster.nodes[n].status()["peers"]["last_held_by"] == [other]
+        assert cluster.said(n, "held only within its own failure domain", "step=2"), cluster.logs()
+
+
 class Listener:
     """A port of its own whose accepted connections go to `take(conn)`, on a thread."""
 
@@ -433,7 +462,7 @@ def varint(n):
 
 
 # The peer protocol's version (wire/src/peer.rs PEER_PROTOCOL_VERSION).
-PEER_PROTOCOL_VERSION = 3
+PEER_PROTOCOL_VERSION = 4
 
 
 def handshake_with(port, secret, node="x"):

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
 /// Bumped on any change of the messages below (the golden tests fail first).
-pub const PEER_PROTOCOL_VERSION: u32 = 3;
+pub const PEER_PROTOCOL_VERSION: u32 = 4;
 /// First bytes of every peer Hello: a client of the other protocol (or a
 /// stray one) is told apart at once.
 pub const PEER_MAGIC: [u8; 4] = *b"CKPP";
@@ -52,8 +52,10 @@ pub enum PeerMsg {
     /// Connecting side, first: who it is and its challenge.
     Hello { magic: [u8; 4], version: u32, node: String, nonce: [u8; NONCE_BYTES] },
     /// Listening side: who it is, its challenge, and its proof
-    /// ([`Role::Listener`]) over both.
-    Challenge { version: u32, node: String, nonce: [u8; NONCE_BYTES], proof: [u8; PROOF_BYTES] },
+    /// ([`Role::Listener`]) over both; then its failure domain
+    /// (`--failure-domain`; empty: none), which the connector's replication
+    /// orders its peers by (version 4).
+    Challenge { version: u32, node: String, nonce: [u8; NONCE_BYTES], proof: [u8; PROOF_BYTES], domain: String },
     /// Connecting side: its proof ([`Role::Connector`]).
     Proof { proof: [u8; PROOF_BYTES] },
     /// Listening side: the handshake succeeded; requests may follow.

@@ -236,6 +236,12 @@ pub struct DaemonArgs {
     /// own traffic; restores from peers are not paced (default: unlimited).
     #[arg(long, value_name = "SIZE/s", requires = "peer_listen", value_parser = parse_bandwidth)]
     pub peer_bandwidth: Option<u64>,
+    /// This node's failure domain (e.g. its rack, rack-07): its steps go to
+    /// peers in other domains first, one domain per replica where there
+    /// are enough, and to peers of its own only when no other takes them
+    /// (said in the log). Default: none (every node its own).
+    #[arg(long, value_name = "NAME", requires = "peer_listen", value_parser = parse_failure_domain)]
+    pub failure_domain: Option<String>,
     /// No shared file system: --shared DIR is this node's own folder (on
     /// its own disk), and the peers carry what the nodes share. Each rank's
     /// marker and blobs go to the coordinator (rank 0's sidecar), which
@@ -259,6 +265,14 @@ pub fn peer_secret_file(given: Option<PathBuf>, needed_by: &str) -> anyhow::Resu
     given
         .or_else(|| std::env::var_os(env).map(PathBuf::from))
         .ok_or_else(|| anyhow::anyhow!("{needed_by} needs the cluster secret: --peer-secret-file FILE (or {env})"))
+}
+
+/// A failure domain's name: as a node id (letters, digits, `.`, `_`, `-`).
+pub fn parse_failure_domain(s: &str) -> Result<String, String> {
+    match ckpt_store::format::validate_node_id(s) {
+        Ok(()) => Ok(s.to_string()),
+        Err(_) => Err(format!("{s:?}: 1 to 64 of ASCII letters, digits, '.', '_', '-', not starting with '.'")),
+    }
 }
 
 /// A bandwidth: a size (as everywhere, KB = 1000, KiB = 1024) per second,

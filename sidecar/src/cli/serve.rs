@@ -86,6 +86,7 @@ impl DaemonArgs {
                 .unwrap_or(std::time::Duration::from_millis(ckpt_sidecar::config::PEER_IO_TIMEOUT_MS)),
             shared_over_peers: self.shared_over_peers,
             bandwidth_bytes_per_s: self.peer_bandwidth,
+            failure_domain: self.failure_domain.clone().unwrap_or_default(),
         }))
     }
 }

@@ -75,6 +75,8 @@ pub struct Conn {
     stream: TcpStream,
     /// The peer's node id, as it proved it.
     pub node: String,
+    /// The peer's failure domain, as it said it (empty: none).
+    pub domain: String,
 }
 
 impl Conn {
@@ -107,8 +109,8 @@ impl Conn {
             nonce,
         };
         send(&mut stream, &hello)?;
-        let (node, nonces) = match recv(&mut stream, PEER_HELLO_BYTES_MAX)? {
-            PeerMsg::Challenge { version, node, nonce: theirs, proof } => {
+        let (node, domain, nonces) = match recv(&mut stream, PEER_HELLO_BYTES_MAX)? {
+            PeerMsg::Challenge { version, node, nonce: theirs, proof, domain } => {
                 if version != peer::PEER_PROTOCOL_VERSION {
                     return Err(ConnError::Protocol(format!(
                         "peer protocol {version}; this sidecar speaks {}",
@@ -122,7 +124,7 @@ impl Conn {
                         "{addr} (node {node:?}) did not prove this cluster's secret"
                     )));
                 }
-                (node, nonces)
+                (node, domain, nonces)
             }
             PeerMsg::Refused { reason } => return Err(ConnError::Refused(reason)),
             other => return Err(ConnError::Protocol(format!("{} instead of a Challenge", kind(&other)))),
@@ -137,7 +139,7 @@ impl Conn {
         let io = Some(io_timeout);
         stream.set_read_timeout(io)?;
         stream.set_write_timeout(io)?;
-        Ok(Conn { stream, node })
+        Ok(Conn { stream, node, domain })
     }
 
     /// Offers this node's (`node`) files of `step` (its committed index

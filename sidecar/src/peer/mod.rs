@@ -106,6 +106,9 @@ pub struct PeerOptions {
     /// This node's replication sends at most this many bytes per second
     /// (`--peer-bandwidth`); None: as fast as the link takes them.
     pub bandwidth_bytes_per_s: Option<u64>,
+    /// This node's failure domain (`--failure-domain`, e.g. its rack):
+    /// its steps go to peers outside it first. Empty: none.
+    pub failure_domain: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -174,6 +177,7 @@ impl Peers {
             bells: bells.clone(),
             secret: secret.clone(),
             node: me.id.clone(),
+            domain: opts.failure_domain.clone(),
             dirs: me.dirs.clone(),
             shared_over: opts.shared_over_peers.then(|| shared_dir.clone()),
             held: held.clone(),
@@ -195,9 +199,10 @@ impl Peers {
             ids: Default::default(),
             kept: Default::default(),
             pace: opts.bandwidth_bytes_per_s.map(ckpt_tier::TokenBucket::new),
+            domain: opts.failure_domain.clone(),
         })
         .map_err(PeerError::Runtime)?;
-        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, bandwidth_bytes_per_s = ?opts.bandwidth_bytes_per_s, "peers: listening");
+        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, bandwidth_bytes_per_s = ?opts.bandwidth_bytes_per_s, failure_domain = %opts.failure_domain, "peers: listening");
         Ok(Arc::new(Peers {
             opts,
             secret,

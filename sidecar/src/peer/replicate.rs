@@ -35,14 +35,16 @@ pub struct Sender {
     pub staged: Arc<Staged>,
     /// A peer silent this long fails the replication to it.
     pub io_timeout: std::time::Duration,
-    /// The node id each peer address proved last: the ring order without
-    /// a connection to every peer each step.
-    pub ids: Mutex<std::collections::HashMap<String, String>>,
+    /// The node id each peer address proved last, and the failure domain
+    /// it said: the ring order without a connection to every peer each step.
+    pub ids: Mutex<std::collections::HashMap<String, (String, String)>>,
     /// The committed indexes read so far (by template when laid out as
     /// the step before's).
     pub kept: ckpt_store::nodes::KeptIndex,
     /// `--peer-bandwidth`: every byte sent to any peer takes its tokens.
     pub pace: Option<ckpt_tier::TokenBucket>,
+    /// This node's failure domain (`--failure-domain`; empty: none).
+    pub domain: String,
 }
 
 /// This node's files of recent steps in memory, copied from each part's
@@ -303,24 +305,25 @@ impl Sender {
         for addr in unknown {
             match Conn::open(addr, &self.secret, &self.me.id, self.io_timeout) {
                 Ok(c) => {
-                    ids.insert(addr.clone(), c.node.clone());
+                    ids.insert(addr.clone(), (c.node.clone(), c.domain.clone()));
                     open.insert(addr, c);
                 }
                 Err(e) => reasons.push(format!("peer {addr}: {e}")),
             }
         }
-        // Ring order: the node ids after ours first, then from the lowest.
-        let mut ring: Vec<(&str, String)> =
-            self.peers.iter().filter_map(|a| Some((a.as_str(), ids.get(a)?.clone()))).collect();
-        ring.sort_by(|(_, a), (_, b)| {
-            ((a.as_str() <= self.me.id.as_str()), a).cmp(&((b.as_str() <= self.me.id.as_str()), b))
-        });
-        let mut held = Vec::new();
-        for (addr, node) in ring {
+        let known: Vec<Peer<'_>> =
+            self.peers.iter().filter_map(|a| ids.get(a).map(|(node, domain)| Peer { addr: a, node, domain })).collect();
+        let order: Vec<(String, String)> = offer_order(&self.me.id, &self.domain, &known)
+            .into_iter()
+            .map(|p| (p.addr.to_string(), p.node.to_string()))
+            .collect();
+        let mut held: Vec<(String, String)> = Vec::new();
+        for (addr, node) in &order {
+            let addr = addr.as_str();
             if held.len() >= self.replicas as usize {
                 break;
             }
-            if node == self.me.id {
+            if *node == self.me.id {
                 reasons.push(format!("{addr} is this node ({node:?})"));
                 continue;
             }
@@ -335,9 +338,9 @@ impl Sender {
                 },
             };
             // Another node at this address now: the ring is ordered by it next time.
-            ids.insert(addr.to_string(), c.node.clone());
+            ids.insert(addr.to_string(), (c.node.clone(), c.domain.clone()));
             match c.offer(&self.me.id, step, &part, &files, self.pace.as_ref()) {
-                Ok(()) => held.push(c.node.clone()),
+                Ok(()) => held.push((c.node.clone(), c.domain.clone())),
                 Err(e) => reasons.push(format!("peer {addr} ({:?}): {e}", c.node)),
             }
             c.close();
@@ -345,15 +348,24 @@ impl Sender {
         for (_, c) in open {
             c.close();
         }
-        if held.len() < self.replicas as usize {
+        let by: Vec<String> = held.iter().map(|(node, _)| node.clone()).collect();
+        if by.len() < self.replicas as usize {
             return Err(format!(
-                "held by {} of the {} peers wanted ({held:?}): {}",
-                held.len(),
+                "held by {} of the {} peers wanted ({by:?}): {}",
+                by.len(),
                 self.replicas,
                 if reasons.is_empty() { "too few peers".to_string() } else { reasons.join("; ") }
             ));
         }
-        Ok((held, bytes))
+        if !self.domain.is_empty() && held.iter().all(|(_, d)| *d == self.domain) {
+            warn!(
+                step,
+                failure_domain = %self.domain,
+                peers = ?by,
+                "peers: this node's files are held only within its own failure domain (no peer of another domain took them)"
+            );
+        }
+        Ok((by, bytes))
     }
 
     /// This node's files of `step`, on its disks.
@@ -380,5 +392,74 @@ impl Sender {
             });
         }
         Ok(out)
+    }
+}
+
+/// A peer as the replication knows it: its address, and the node id and
+/// failure domain it proved and said.
+struct Peer<'a> {
+    addr: &'a str,
+    node: &'a str,
+    domain: &'a str,
+}
+
+/// The order this node (`me`, of failure domain `domain`) offers its steps
+/// to `peers` in, until `--peer-replicas` hold one: ring order by node id
+/// (the ids after ours, then from the lowest, so every node's files land
+/// on the next one), taken in three passes: one peer of each failure
+/// domain other than ours, in ring order (so K replicas land in K domains
+/// where there are that many); then the other peers outside our domain;
+/// then those inside it. A peer without a domain is a domain of its own,
+/// so with no domains anywhere this is the ring order itself.
+fn offer_order<'p, 'a>(me: &str, domain: &str, peers: &'p [Peer<'a>]) -> Vec<&'p Peer<'a>> {
+    let mut ring: Vec<&'p Peer<'a>> = peers.iter().collect();
+    ring.sort_by(|a, b| ((a.node <= me), a.node).cmp(&((b.node <= me), b.node)));
+    let key = |node: &'a str, d: &'a str| if d.is_empty() { (true, node) } else { (false, d) };
+    let ours = if domain.is_empty() { (true, me) } else { (false, domain) };
+    let mut out: Vec<&'p Peer<'a>> = Vec::with_capacity(ring.len());
+    let mut domains_taken = std::collections::HashSet::new();
+    for p in &ring {
+        let k = key(p.node, p.domain);
+        if k != ours && domains_taken.insert(k) {
+            out.push(p);
+        }
+    }
+    for p in &ring {
+        if key(p.node, p.domain) != ours && !out.iter().any(|q| std::ptr::eq(*q, *p)) {
+            out.push(p);
+        }
+    }
+    out.extend(ring.iter().filter(|p| key(p.node, p.domain) == ours));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(me: &str, domain: &str, peers: &[(&str, &str)]) -> Vec<String> {
+        let ps: Vec<Peer<'_>> = peers.iter().map(|(node, d)| Peer { addr: node, node, domain: d }).collect();
+        offer_order(me, domain, &ps).into_iter().map(|p| p.node.to_string()).collect()
+    }
+
+    #[test]
+    fn without_failure_domains_the_order_is_the_ring_after_this_node() {
+        let peers = [("a", ""), ("b", ""), ("d", ""), ("e", "")];
+        assert_eq!(order("c", "", &peers), ["d", "e", "a", "b"]);
+        assert_eq!(order("e", "", &peers[..3]), ["a", "b", "d"]);
+    }
+
+    #[test]
+    fn peers_of_other_failure_domains_come_first_one_per_domain_then_this_nodes_own() {
+        // Racks r1 (a, b, c), r2 (d, e), r3 (f); c's ring: d e f a b.
+        let peers = [("a", "r1"), ("b", "r1"), ("d", "r2"), ("e", "r2"), ("f", "r3")];
+        assert_eq!(order("c", "r1", &peers), ["d", "f", "e", "a", "b"]);
+        // f's ring: a b c d e; r1 first (a), then r2 (d), then the rest outside r3.
+        let peers = [("a", "r1"), ("b", "r1"), ("c", "r1"), ("d", "r2"), ("e", "r2")];
+        assert_eq!(order("f", "r3", &peers), ["a", "d", "b", "c", "e"]);
+        // Every peer in this node's domain: the ring order, nothing lost.
+        assert_eq!(order("b", "r1", &[("a", "r1"), ("c", "r1")]), ["c", "a"]);
+        // A peer without a domain is a domain of its own.
+        assert_eq!(order("a", "r1", &[("b", "r1"), ("c", ""), ("d", "r2")]), ["c", "d", "b"]);
     }
 }

@@ -28,6 +28,9 @@ pub struct Server {
     pub secret: Arc<Vec<u8>>,
     /// This node's id (the listener's in every proof).
     pub node: String,
+    /// This node's failure domain (`--failure-domain`; empty: none), said
+    /// in the Challenge.
+    pub domain: String,
     /// This node's directories: its own files are served from them.
     pub dirs: Vec<std::path::PathBuf>,
     /// No shared file system (`--shared-over-peers`): this node's own
@@ -361,6 +364,7 @@ impl Server {
             node: self.node.clone(),
             nonce: nonces.listener,
             proof,
+            domain: self.domain.clone(),
         };
         send_async(w, &challenge, limit).await?;
         let PeerMsg::Proof { proof } = recv_async(r, PEER_HELLO_BYTES_MAX, limit).await? else {

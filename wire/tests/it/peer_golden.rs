@@ -33,6 +33,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 node: "b".into(),
                 nonce: nonces.listener,
                 proof: p,
+                domain: "rack-1".into(),
             }),
         ),
         ("proof", encode(&PeerMsg::Proof { proof: proof(&secret, Role::Connector, &nonces, &nodes) })),

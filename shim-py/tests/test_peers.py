@@ -280,6 +280,33 @@ def test_peer_bandwidth_paces_the_replication_and_the_step_is_still_held(cluster
     assert cluster.said("a", "peers: listening", "bandwidth_bytes_per_s=Some(2000000)"), cluster.logs()
 
 
+def test_replicas_over_the_budget_spill_to_disk_and_a_replaced_node_loads_from_there(cluster, tmp_path):
+    """a lends 1 MiB of memory (--peer-budget) and a spill folder
+    (--peer-spill): b's ~2 MB steps do not fit, so a receives them into
+    files there, checked as they come, and keeps the newest two as it would
+    in memory. b's sidecar is then killed and its disk emptied: both ranks
+    load step 3 bit-equal, b's files read from a's spill."""
+    spill = tmp_path / "spill_a"
+    cluster.start("a", extra=("--peer-budget", "1MiB", "--peer-spill", str(spill)))
+    cluster.start("b")
+    env = {"PEER_RANKS_KIB": "4096"}
+    saved, logs = cluster.ranks("save", "1,2,3", env_extra=env)
+    assert [s["held"] for s in saved] == [[1, 2, 3], [1, 2, 3]], logs
+    p = cluster.nodes["a"].status()["peers"]
+    assert sorted(map(tuple, p["holding"])) == [("b", 2), ("b", 3)] and p["holding_bytes"] == 0, p
+    # One folder per replica held; step 1's went with it.
+    folders = sorted((spill / "ckpt-peer-spill").iterdir())
+    assert len(folders) == 2 and all(list(f.glob("*.safetensors")) for f in folders), folders
+    assert cluster.said("a", "holding a replica", "step=3", "spilled=Some"), cluster.logs()
+    cluster.nodes["b"].kill()
+    shutil.rmtree(tmp_path / "L_b")
+    (tmp_path / "L_b").mkdir()
+    cluster.start("b")
+    loaded, logs = cluster.ranks("load", env_extra=env)
+    assert [(x.get("step"), x.get("equal"), x.get("error")) for x in loaded] == [(3, True, None)] * 2, logs
+    assert "loading from the peers" in cluster.nodes["b"].log.read_text()
+
+
 def test_a_failure_domain_sends_a_nodes_steps_to_a_peer_outside_it_first(cluster):
     """Nodes a and b in rack r1, c in r2 (--failure-domain), each a peer of
     the other two, rank r on the r-th node. In ring order a's steps would go

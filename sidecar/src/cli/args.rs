@@ -242,6 +242,13 @@ pub struct DaemonArgs {
     /// (said in the log). Default: none (every node its own).
     #[arg(long, value_name = "NAME", requires = "peer_listen", value_parser = parse_failure_domain)]
     pub failure_domain: Option<String>,
+    /// A folder on this node's own disks for replicas of other nodes that
+    /// do not fit --peer-budget: received into files in DIR/ckpt-peer-spill
+    /// (every byte checked as in memory, again when read) instead of
+    /// refused; that folder is emptied at start. Default: none (such an
+    /// offer is refused).
+    #[arg(long, value_name = "DIR", requires = "peer_listen")]
+    pub peer_spill: Option<PathBuf>,
     /// No shared file system: --shared DIR is this node's own folder (on
     /// its own disk), and the peers carry what the nodes share. Each rank's
     /// marker and blobs go to the coordinator (rank 0's sidecar), which

@@ -87,6 +87,7 @@ impl DaemonArgs {
             shared_over_peers: self.shared_over_peers,
             bandwidth_bytes_per_s: self.peer_bandwidth,
             failure_domain: self.failure_domain.clone().unwrap_or_default(),
+            spill: self.peer_spill.clone(),
         }))
     }
 }

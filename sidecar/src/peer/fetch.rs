@@ -12,7 +12,7 @@ use ckpt_store::format::Index;
 use ckpt_store::restore::SourceError;
 
 use super::conn::Conn;
-use super::held::Held;
+use super::held::{Held, ReplicaFile};
 
 /// Files fetched at once by a load (a connection each).
 const PEER_FETCH_PARALLEL: usize = 4;
@@ -96,9 +96,17 @@ impl FetchFiles for PeerFiles {
         let mut tried = Vec::new();
         if let Some(node) = &node {
             // A replica this sidecar holds: checked when it came, checked again here.
-            if let Some(bytes) = self.held.file(node, self.step, name).filter(|b| b.as_slice().len() == dst.len()) {
-                dst.copy_from_slice(bytes.as_slice());
-                if ckpt_store::restore::check_file_bytes(&self.index, name, dst).is_empty() {
+            if let Some(held) = self.held.file(node, self.step, name).filter(|b| b.len_bytes() == dst.len() as u64) {
+                let read = match held {
+                    ReplicaFile::Mem(bytes) => {
+                        dst.copy_from_slice(bytes.as_slice());
+                        Ok(())
+                    }
+                    ReplicaFile::Disk { path, .. } => {
+                        std::fs::File::open(&path).and_then(|mut f| std::io::Read::read_exact(&mut f, dst))
+                    }
+                };
+                if read.is_ok() && ckpt_store::restore::check_file_bytes(&self.index, name, dst).is_empty() {
                     feed(dst);
                     return Ok(());
                 }

@@ -109,6 +109,9 @@ pub struct PeerOptions {
     /// This node's failure domain (`--failure-domain`, e.g. its rack):
     /// its steps go to peers outside it first. Empty: none.
     pub failure_domain: String,
+    /// `--peer-spill DIR`: replicas that do not fit `budget_bytes` are
+    /// received into files here instead of being refused.
+    pub spill: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +124,8 @@ pub enum PeerError {
     NotNodeLocal,
     #[error("starting the peer runtime: {0}")]
     Runtime(std::io::Error),
+    #[error("--peer-spill {}: cannot use it ({source})", dir.display())]
+    Spill { dir: PathBuf, source: std::io::Error },
 }
 
 /// This node's peer tier: the server, the replicas it holds, and this
@@ -168,7 +173,10 @@ impl Peers {
             .block_on(tokio::net::TcpListener::bind(opts.listen))
             .map_err(|source| PeerError::Bind { addr: opts.listen, source })?;
         let local_addr = listener.local_addr().map_err(|source| PeerError::Bind { addr: opts.listen, source })?;
-        let held = Arc::new(held::Held::new(opts.budget_bytes, opts.keep));
+        let held = Arc::new(
+            held::Held::new(opts.budget_bytes, opts.keep, opts.spill.clone())
+                .map_err(|source| PeerError::Spill { dir: opts.spill.clone().unwrap_or_default(), source })?,
+        );
         let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let bells = bells::Bells::new(secret.clone(), me.id.clone(), &opts.peers, local_addr.port(), opts.io_timeout);
         let inbox = Inbox::new();
@@ -202,7 +210,7 @@ impl Peers {
             domain: opts.failure_domain.clone(),
         })
         .map_err(PeerError::Runtime)?;
-        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, bandwidth_bytes_per_s = ?opts.bandwidth_bytes_per_s, failure_domain = %opts.failure_domain, "peers: listening");
+        tracing::info!(listen = %local_addr, peers = ?opts.peers, replicas = opts.replicas, keep = opts.keep, budget_bytes = opts.budget_bytes, bandwidth_bytes_per_s = ?opts.bandwidth_bytes_per_s, failure_domain = %opts.failure_domain, spill = ?opts.spill, "peers: listening");
         Ok(Arc::new(Peers {
             opts,
             secret,

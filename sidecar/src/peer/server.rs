@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 
 use super::bells::{Bells, Inbox, Rang};
 use super::frames::{fresh_nonce, kind, recv_async, recv_raw_async, send_async, send_raw_async, ConnError};
-use super::held::{Held, Replica};
+use super::held::{Held, Replica, ReplicaFile};
 use crate::config;
 
 pub struct Server {
@@ -207,10 +207,15 @@ impl Server {
                     out?;
                 }
                 PeerMsg::Get { node, step, name } => {
-                    if let Some(bytes) = self.held.file(&node, step, &name) {
-                        let len_bytes = bytes.as_slice().len() as u64;
-                        send_async(&mut w, &PeerMsg::File { name, len_bytes }, io).await?;
-                        send_raw_async(&mut w, bytes.as_slice(), io).await?;
+                    if let Some(held) = self.held.file(&node, step, &name) {
+                        match held {
+                            ReplicaFile::Mem(bytes) => {
+                                let len_bytes = bytes.as_slice().len() as u64;
+                                send_async(&mut w, &PeerMsg::File { name, len_bytes }, io).await?;
+                                send_raw_async(&mut w, bytes.as_slice(), io).await?;
+                            }
+                            ReplicaFile::Disk { path, .. } => send_file(&mut w, name, path, io).await?,
+                        }
                     } else if let Some(path) = self.own_file(&node, step, &name).await {
                         send_file(&mut w, name, path, io).await?;
                     } else {
@@ -424,6 +429,11 @@ impl Server {
             Err(m) => return send_async(w, &refuse(m), io).await,
         };
         send_async(w, &PeerMsg::Ready, io).await?;
+        if let Some(folder) = &room.spill_to {
+            tokio::task::block_in_place(|| std::fs::create_dir_all(folder))?;
+        }
+        // The spill's receive buffer: one piece, reused for every file.
+        let mut piece_buf = Vec::new();
         let mut files = HashMap::new();
         let (mut recv_s, mut check_s, mut fresh_bytes) = (0f64, 0f64, 0u64);
         for _ in 0..n_files {
@@ -437,17 +447,30 @@ impl Server {
                 return Err(ConnError::Protocol(m));
             }
             let t0 = std::time::Instant::now();
-            let mut buf = self.held.buffer(len_bytes as usize)?;
-            fresh_bytes += if buf.fresh { len_bytes } else { 0 };
             // Each piece checked as it arrives (its bytes still in cache).
             let mut check = ckpt_store::restore::FileBytesCheck::new(&index, &name);
             let mut check_t = Duration::ZERO;
-            recv_raw_async(r, buf.as_mut_slice(), io, |piece| {
+            let mut feed = |piece: &[u8]| {
                 let t = std::time::Instant::now();
                 check.feed(piece);
                 check_t += t.elapsed();
-            })
-            .await?;
+            };
+            let stored = match &room.spill_to {
+                None => {
+                    let mut buf = self.held.buffer(len_bytes as usize)?;
+                    fresh_bytes += if buf.fresh { len_bytes } else { 0 };
+                    recv_raw_async(r, buf.as_mut_slice(), io, &mut feed).await?;
+                    ReplicaFile::Mem(Arc::new(buf))
+                }
+                Some(folder) => {
+                    if name.contains('/') || name.starts_with('.') {
+                        return Err(ConnError::Protocol(format!("step {step}: file name {name:?} is not a shard's")));
+                    }
+                    let path = folder.join(&name);
+                    recv_to_file(r, &path, len_bytes, &mut piece_buf, io, &mut feed).await?;
+                    ReplicaFile::Disk { path, len_bytes }
+                }
+            };
             let problems = check.finish();
             check_s += check_t.as_secs_f64();
             recv_s += (t0.elapsed() - check_t).as_secs_f64();
@@ -457,15 +480,44 @@ impl Server {
                 send_async(w, &refuse(m.clone()), io).await?;
                 return Err(ConnError::Protocol(m));
             }
-            files.insert(name, Arc::new(buf));
+            files.insert(name, stored);
         }
         if !matches!(recv_async(r, PEER_FRAME_BYTES_MAX, io).await?, PeerMsg::Done) {
             return Err(ConnError::Protocol(format!("step {step}: Done expected after the files")));
         }
-        self.held.insert(room, node, step, Replica { files, bytes: total });
-        info!(node, step, bytes = total, recv_s, check_s, fresh_bytes, "peers: holding a replica (every byte checked)");
+        let spilled = room.spill_to.clone();
+        let on_disk = spilled.as_ref().map(|f| f.display().to_string());
+        self.held.insert(room, node, step, Replica { files, bytes: total, spilled });
+        info!(node, step, bytes = total, recv_s, check_s, fresh_bytes, spilled = ?on_disk, "peers: holding a replica (every byte checked)");
         send_async(w, &PeerMsg::Held { node: node.to_string(), step }, io).await
     }
+}
+
+/// Receives `len_bytes` raw bytes into a new file `path` (a spilled
+/// replica's), a piece at a time through `buf`, each handed to `each`
+/// before it is written. Not synced: a spilled replica is checked again
+/// when it is read.
+async fn recv_to_file(
+    r: &mut OwnedReadHalf,
+    path: &std::path::Path,
+    len_bytes: u64,
+    buf: &mut Vec<u8>,
+    io: Duration,
+    mut each: impl FnMut(&[u8]),
+) -> Result<(), ConnError> {
+    use std::io::Write;
+    use tokio::io::AsyncReadExt;
+    buf.resize(config::PEER_PIECE_BYTES.min(len_bytes as usize).max(buf.len()), 0);
+    let mut file = tokio::task::block_in_place(|| std::fs::File::create(path))?;
+    let mut left = len_bytes;
+    while left > 0 {
+        let n = (left as usize).min(buf.len());
+        tokio::time::timeout(io, r.read_exact(&mut buf[..n])).await.map_err(|_| ConnError::Stalled(io))??;
+        each(&buf[..n]);
+        tokio::task::block_in_place(|| file.write_all(&buf[..n]))?;
+        left -= n as u64;
+    }
+    Ok(())
 }
 
 /// Sends file `path` as `name`: its File frame, then its bytes, read from

@@ -40,6 +40,9 @@ saves its half, as Checkpointer.save does at world size 2). Rows:
 - restore's read: the new b's sidecar's own read of the files into the
   load's region (its log's read_seconds): the restore without the new
   memory;
+- with --spill, every replica goes to disk (`--peer-budget 1MiB
+  --peer-spill DIR` on both nodes): replicate and restore then measure
+  the spill;
 - load on a: rank 0's load("latest") on a, no network (its half from its
   page cache, b's half from the replica a holds): the load path's own cost.
 
@@ -184,7 +187,7 @@ print(json.dumps(out))
 
 
 class Node:
-    def __init__(self, tmp, name, ports, shared, secret, staging):
+    def __init__(self, tmp, name, ports, shared, secret, staging, extra=()):
         other = "b" if name == "a" else "a"
         self.dir, self.sock = os.path.join(tmp, f"L_{name}"), os.path.join(tmp, f"{name}.sock")
         self.log = os.path.join(tmp, f"{name}.log")
@@ -210,6 +213,7 @@ class Node:
             f"127.0.0.1:{ports[other]}",
             "--peer-secret-file",
             secret,
+            *extra,
         ]
         self.proc = None
 
@@ -261,6 +265,12 @@ def main():
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm-up", type=int, default=5, help="steps saved before the measured ones")
+    ap.add_argument(
+        "--spill",
+        action="store_true",
+        help="each node lends 1 MiB of memory and a spill folder (--peer-budget 1MiB --peer-spill): every "
+        "replica is received into files and restored from them",
+    )
     a = ap.parse_args()
     n_bytes = int(a.gib * GIB)
     tmp = tempfile.mkdtemp(prefix="bench-peers-")
@@ -273,7 +283,8 @@ def main():
         os.chmod(secret, 0o600)
         ports = {"a": free_port(), "b": free_port()}
         staging = str(int(n_bytes * 1.5))
-        nodes = [Node(tmp, n, ports, shared, secret, staging).start() for n in ("a", "b")]
+        extra = ("--peer-budget", "1MiB", "--peer-spill", os.path.join(tmp, "spill_{}")) if a.spill else ()
+        nodes = [Node(tmp, n, ports, shared, secret, staging, [x.format(n) for x in extra]).start() for n in ("a", "b")]
         tcp2 = statistics.median(tcp_streams(n_bytes // 2, 2) for _ in range(a.rounds))
         memory = stream_memory(n_bytes // 2, 2)
         tcp2_mem = statistics.median(tcp_streams(n_bytes // 2, 2, memory) for _ in range(a.rounds))

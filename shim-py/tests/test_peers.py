@@ -145,7 +145,7 @@ def test_a_replaced_node_on_an_emptied_disk_loads_bit_equal_from_its_peer_withou
             assert node["dirs"] == [str(tmp_path / f"L_{n}")] and node["files"] >= 1 and node["held_by"] == [other], row
     text = subprocess.run([sidecar_bin(), "ls", str(cluster.shared), "--peers", peers, "--peer-secret-file",
                            str(cluster.secret)], capture_output=True, text=True, timeout=60).stdout
-    assert "node b: 1 file" in text and "in memory of peers: a" in text, text
+    assert "node b: 1 file" in text and "held by peers: a" in text, text
     cluster.nodes["b"].kill()
     shutil.rmtree(tmp_path / "L_b")
     (tmp_path / "L_b").mkdir()

@@ -49,12 +49,9 @@ pub fn print_ls(shown: &str, doc: serde_json::Value, json: bool) {
             let files = n["files"].as_u64().unwrap_or_default();
             let dirs: Vec<&str> = n["dirs"].as_array().into_iter().flatten().filter_map(|d| d.as_str()).collect();
             let held = match n["held_by"].as_array() {
-                Some(by) if by.is_empty() => "; in no asked peer's memory".to_string(),
+                Some(by) if by.is_empty() => "; held by no peer asked".to_string(),
                 Some(by) => {
-                    format!(
-                        "; in memory of peers: {}",
-                        by.iter().filter_map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
-                    )
+                    format!("; held by peers: {}", by.iter().filter_map(|p| p.as_str()).collect::<Vec<_>>().join(", "))
                 }
                 None => String::new(),
             };

@@ -582,16 +582,20 @@ impl Nodes {
         }
     }
 
-    /// A step committed and answered: each of its ranks' marker in the
-    /// folder of the step committed before it goes
-    /// (`nodes::prune_rank_marker`), here, off the commit path.
-    fn prune_markers(&mut self, store: &Store, ranks: &[u32], step: u64) {
+    /// A step committed (by this sidecar or another): its ranks count
+    /// towards `--full-every` and are answered Durable, then each one's
+    /// marker in the folder of the step committed before it goes
+    /// (`nodes::prune_rank_marker`), off the commit path.
+    fn committed(&mut self, store: &Store, state: &DaemonState, w: StepWait, step: u64, path: &str, persist_s: f64) {
+        self.count_committed(&w);
+        let ranks: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
+        durable(state, w, step, path, persist_s);
         let Some(dir) = store.shared_dir() else { return };
-        for &rank in ranks {
-            let prev = match self.markers_left.get(&rank) {
-                Some(&p) if p >= step => continue,
-                p => p.copied(),
-            };
+        for rank in ranks {
+            let prev = self.markers_left.get(&rank).copied();
+            if prev.is_some_and(|p| p >= step) {
+                continue;
+            }
             self.markers_left.insert(rank, step);
             if let Some(prev) = prev {
                 if let Err(e) = nodes::prune_rank_marker(dir, prev, rank) {
@@ -710,10 +714,7 @@ impl Nodes {
                         persist_seconds,
                         persist_gib_per_s: gib_per_s,
                     });
-                    self.count_committed(&w);
-                    let ranks: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
-                    durable(state, w, step, &rep.path.display().to_string(), persist_seconds);
-                    self.prune_markers(store, &ranks, step);
+                    self.committed(store, state, w, step, &rep.path.display().to_string(), persist_seconds);
                     // Off the commit path: its ranks are answered (a crash
                     // before this leaves it to the next commit).
                     let t_retain = Instant::now();
@@ -809,10 +810,7 @@ impl Nodes {
                 info!(step, doorbell = w.rung, "durable (committed by the coordinator, rank 0's sidecar)");
                 self.forget_early(step);
                 self.sweep(store);
-                self.count_committed(&w);
-                let ranks: Vec<u32> = w.waiters.iter().map(|x| x.rank).collect();
-                durable(state, w, step, &path, persist_seconds);
-                self.prune_markers(store, &ranks, step);
+                self.committed(store, state, w, step, &path, persist_seconds);
             }
             RanksState::Gone => {
                 let w = self.steps.remove(&step).expect("polled");

@@ -416,21 +416,22 @@ fn offer_order<'p, 'a>(me: &str, domain: &str, peers: &'p [Peer<'a>]) -> Vec<&'p
     ring.sort_by(|a, b| ((a.node <= me), a.node).cmp(&((b.node <= me), b.node)));
     let key = |node: &'a str, d: &'a str| if d.is_empty() { (true, node) } else { (false, d) };
     let ours = if domain.is_empty() { (true, me) } else { (false, domain) };
-    let mut out: Vec<&'p Peer<'a>> = Vec::with_capacity(ring.len());
+    // One walk of the ring, each peer into its pass.
+    let (mut first, mut other, mut own) = (Vec::new(), Vec::new(), Vec::new());
     let mut domains_taken = std::collections::HashSet::new();
-    for p in &ring {
+    for p in ring {
         let k = key(p.node, p.domain);
-        if k != ours && domains_taken.insert(k) {
-            out.push(p);
+        if k == ours {
+            own.push(p);
+        } else if domains_taken.insert(k) {
+            first.push(p);
+        } else {
+            other.push(p);
         }
     }
-    for p in &ring {
-        if key(p.node, p.domain) != ours && !out.iter().any(|q| std::ptr::eq(*q, *p)) {
-            out.push(p);
-        }
-    }
-    out.extend(ring.iter().filter(|p| key(p.node, p.domain) == ours));
-    out
+    first.extend(other);
+    first.extend(own);
+    first
 }
 
 #[cfg(test)]
